@@ -1,0 +1,65 @@
+"""Client side of the guard.v1 admin API, for ``guard admin`` and the demo."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import grpc
+from google.protobuf.json_format import MessageToDict
+
+from guard.errors import GuardError
+from guard.v1 import admin_pb2 as pb
+from guard.v1 import admin_pb2_grpc as pb_grpc
+
+_ROUTES = {"auto": pb.AUTO, "primary": pb.PRIMARY, "fallback": pb.FALLBACK}
+
+
+def _call(address: str, method: str, request, timeout: float = 10.0):
+    with grpc.insecure_channel(address) as channel:
+        stub = pb_grpc.AdminStub(channel)
+        try:
+            return getattr(stub, method)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise GuardError(f"admin API at {address}: {exc.code().name}: {exc.details()}") from None
+
+
+def get_status(address: str, model: str = "") -> pb.GetStatusResponse:
+    return _call(address, "GetStatus", pb.GetStatusRequest(model=model))
+
+
+def format_model_status(status: pb.ModelStatus) -> str:
+    lines = [f"{status.name}: route={status.route} override={status.override} "
+             f"action={status.action}{' (probing primary)' if status.probing else ''}"]
+    for b in status.backends:
+        lines.append(f"  {b.role:<9} {b.backend} {b.precision} {b.device} {b.artifact}")
+    for w in status.windows:
+        lines.append(f"  window {w.tier}: {w.failures}/{w.samples} failing "
+                     f"(drift ratio {w.drift_ratio:.2f}; window {w.window}, "
+                     f"decides from {w.min_samples})")
+    lines.append("  requests: " + ", ".join(f"{k}={v}" for k, v in sorted(status.requests.items())))
+    lines.append("  mirror:   " + ", ".join(f"{k}={v}" for k, v in sorted(status.mirror.items())))
+    if status.has_last_transition:
+        t = status.last_transition
+        when = time.strftime("%H:%M:%S", time.localtime(t.unix_time))
+        lines.append(f"  last transition {when}: {t.from_route} -> {t.to_route} ({t.trigger}): "
+                     f"{t.reason}")
+    return "\n".join(lines)
+
+
+def print_status(address: str, model: str, as_json: bool) -> int:
+    response = get_status(address, model)
+    if as_json:
+        print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
+    else:
+        print(f"guard {response.guard_version} at {address}")
+        for status in response.models:
+            print(format_model_status(status))
+    return 0
+
+
+def set_route(address: str, model: str, route: str, reason: str) -> int:
+    response = _call(address, "SetRoute",
+                     pb.SetRouteRequest(model=model, route=_ROUTES[route], reason=reason))
+    print(format_model_status(response.status))
+    return 0

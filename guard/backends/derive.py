@@ -1,0 +1,118 @@
+"""Derive reduced-precision ONNX variants from an fp32 artifact, cached on disk.
+
+The guard derives the variant itself (rather than being handed an int8 file) so that it knows
+how the variant was made and can later rebuild it with chosen nodes kept at fp32.
+
+- int8: ``onnxruntime.quantization.quantize_dynamic`` (weights int8, activations quantised at run
+  time). Note: it rewrites ``Gemm`` into ``MatMul`` + ``Add`` first, so ``nodes_to_exclude`` must
+  name the rewritten node (``/fc/Gemm_MatMul``), not the exported ``/fc/Gemm``.
+- fp16: ``onnxconverter_common.float16.convert_float_to_float16`` with ``keep_io_types=True``,
+  so clients keep sending and receiving fp32.
+
+Cache: ``$GUARD_CACHE_DIR`` (default ``~/.cache/guard``) / ``derived/``, keyed by the sha256 of the
+artifact, the precision, the exclusions and the onnxruntime version. Written atomically.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+
+from guard.errors import BackendError
+
+
+def cache_dir() -> Path:
+    root = os.environ.get("GUARD_CACHE_DIR") or Path.home() / ".cache" / "guard"
+    path = Path(root) / "derived"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for block in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def derive_onnx(
+    artifact: str | Path,
+    precision: str,
+    nodes_to_exclude: list[str] | None = None,
+    per_channel: bool = False,
+) -> Path:
+    """Return the path of the ``precision`` variant of ``artifact`` (fp32 returns it unchanged)."""
+    artifact = Path(artifact)
+    if precision == "fp32":
+        return artifact
+    import onnxruntime
+
+    excluded = sorted(nodes_to_exclude or [])
+    key_parts = {
+        "sha256": _file_digest(artifact),
+        "precision": precision,
+        "exclude": excluded,
+        "per_channel": per_channel,
+        "onnxruntime": onnxruntime.__version__,
+    }
+    key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
+    target = cache_dir() / f"{artifact.stem}.{precision}.{key}.onnx"
+    if target.exists():
+        return target
+    with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
+        tmp_path = Path(tmp) / target.name
+        try:
+            if precision == "int8":
+                _quantize_int8(artifact, tmp_path, excluded, per_channel)
+            elif precision == "fp16":
+                _convert_fp16(artifact, tmp_path, excluded)
+            else:
+                raise BackendError(f"onnxruntime cannot derive precision '{precision}'")
+        except BackendError:
+            raise
+        except Exception as exc:  # the converters raise anything from ValueError to onnx errors
+            raise BackendError(
+                f"deriving {precision} from {artifact} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+        os.replace(tmp_path, target)
+    return target
+
+
+def _quantize_int8(source: Path, target: Path, excluded: list[str], per_channel: bool) -> None:
+    import logging
+
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    # quantize_dynamic logs a pre-processing hint on the root logger for every model: not news.
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)
+    try:
+        _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_channel)
+    finally:
+        root.setLevel(level)
+
+
+def _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_channel) -> None:
+    quantize_dynamic(
+        model_input=str(source),
+        model_output=str(target),
+        weight_type=QuantType.QInt8,
+        per_channel=per_channel,
+        nodes_to_exclude=excluded,
+    )
+
+
+def _convert_fp16(source: Path, target: Path, excluded: list[str]) -> None:
+    import onnx
+    from onnxconverter_common import float16
+
+    model = onnx.load(str(source))
+    converted = float16.convert_float_to_float16(
+        model, keep_io_types=True, node_block_list=excluded or None
+    )
+    onnx.save(converted, str(target))

@@ -1,0 +1,113 @@
+"""ONNX Runtime backend (CPU by default; any installed execution provider by name)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
+from guard.backends.derive import derive_onnx
+from guard.backends.options import OnnxRuntimeOptions
+from guard.config import BackendConfig
+from guard.errors import BackendError
+
+# ORT type strings -> OIP datatypes.
+_ORT_TYPES = {
+    "tensor(bool)": "BOOL",
+    "tensor(uint8)": "UINT8",
+    "tensor(uint16)": "UINT16",
+    "tensor(uint32)": "UINT32",
+    "tensor(uint64)": "UINT64",
+    "tensor(int8)": "INT8",
+    "tensor(int16)": "INT16",
+    "tensor(int32)": "INT32",
+    "tensor(int64)": "INT64",
+    "tensor(float16)": "FP16",
+    "tensor(float)": "FP32",
+    "tensor(double)": "FP64",
+    "tensor(bfloat16)": "BF16",
+    "tensor(string)": "BYTES",
+}
+
+_OPT_LEVELS = {
+    "disable": "ORT_DISABLE_ALL",
+    "basic": "ORT_ENABLE_BASIC",
+    "extended": "ORT_ENABLE_EXTENDED",
+    "all": "ORT_ENABLE_ALL",
+}
+
+
+def _spec(node) -> TensorSpec:
+    shape = tuple(d if isinstance(d, int) else -1 for d in (node.shape or ()))
+    return TensorSpec(node.name, _ORT_TYPES.get(node.type, ""), shape)
+
+
+class OnnxRuntimeBackend(Backend):
+    def __init__(self, spec: BackendConfig, role: Role, threads: int = 1):
+        self.spec = spec
+        self.role = role
+        self.options = OnnxRuntimeOptions.model_validate(spec.options)
+        self.reference_threads = threads
+        self.session = None
+        self.model_path: Path | None = None
+
+    def load(self) -> None:
+        import onnxruntime as ort
+
+        self.model_path = derive_onnx(
+            self.spec.path, self.spec.precision, self.options.nodes_to_exclude,
+            self.options.per_channel,
+        )
+        so = ort.SessionOptions()
+        so.graph_optimization_level = getattr(
+            ort.GraphOptimizationLevel, _OPT_LEVELS[self.options.graph_optimization_level]
+        )
+        so.log_severity_level = 3  # warnings from the optimiser are not the user's business
+        if self.role == "reference":
+            # Determinism: a fixed, small thread pool and sequential execution.
+            so.intra_op_num_threads = self.reference_threads
+            so.inter_op_num_threads = 1
+            so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+        else:
+            so.intra_op_num_threads = self.options.intra_op_threads
+            so.inter_op_num_threads = self.options.inter_op_threads
+            so.execution_mode = (
+                ort.ExecutionMode.ORT_PARALLEL
+                if self.options.execution_mode == "parallel"
+                else ort.ExecutionMode.ORT_SEQUENTIAL
+            )
+        providers = list(self.options.providers)
+        if self.spec.device.startswith("cuda") and "CUDAExecutionProvider" not in providers:
+            providers.insert(0, "CUDAExecutionProvider")
+        missing = [p for p in providers if p not in ort.get_available_providers()]
+        if missing:
+            raise BackendError(
+                f"onnxruntime has no provider {', '.join(missing)} here "
+                f"(available: {', '.join(ort.get_available_providers())})"
+            )
+        try:
+            self.session = ort.InferenceSession(str(self.model_path), so, providers=providers)
+        except Exception as exc:
+            raise BackendError(f"onnxruntime cannot load {self.model_path}: {exc}") from exc
+        self._inputs = tuple(_spec(i) for i in self.session.get_inputs())
+        self._outputs = tuple(_spec(o) for o in self.session.get_outputs())
+        self._output_names = [o.name for o in self._outputs]
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        results = self.session.run(self._output_names, dict(inputs))
+        return dict(zip(self._output_names, results))
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(
+            backend="onnxruntime",
+            artifact=str(self.model_path or self.spec.path),
+            precision=self.spec.precision,
+            device=self.spec.device,
+            inputs=self._inputs,
+            outputs=self._outputs,
+            details={"providers": ",".join(self.session.get_providers())} if self.session else {},
+        )
+
+    def close(self) -> None:
+        self.session = None

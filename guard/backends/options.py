@@ -1,0 +1,84 @@
+"""Per-backend ``options`` maps, validated when the config loads (no heavy imports here).
+
+Each backend's options are a strict pydantic model, so a misspelt option is reported as
+``models[0].primary.options.intra_op_thread: unknown key`` instead of being ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class OnnxRuntimeOptions(_Options):
+    providers: list[str] = Field(
+        default_factory=lambda: ["CPUExecutionProvider"],
+        description="Execution providers in priority order.",
+    )
+    intra_op_threads: int = Field(
+        0, ge=0, description="0 lets ORT decide; the reference uses mirror.threads instead."
+    )
+    inter_op_threads: int = Field(0, ge=0, description="0 lets ORT decide.")
+    graph_optimization_level: Literal["disable", "basic", "extended", "all"] = Field(
+        "all", description="ORT graph optimisations; the reference always runs 'all' unless set."
+    )
+    execution_mode: Literal["sequential", "parallel"] = Field("sequential")
+    nodes_to_exclude: list[str] = Field(
+        default_factory=list,
+        description="precision int8/fp16: node names kept at fp32 when deriving the variant.",
+    )
+    per_channel: bool = Field(False, description="precision int8: per-channel weight scales.")
+
+
+class TorchOptions(_Options):
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0 leaves torch's default.")
+    input_names: list[str] | None = Field(
+        None, description="Names of forward()'s positional inputs, in order."
+    )
+    output_names: list[str] | None = Field(
+        None, description="Names of the outputs when forward() returns a tensor or a tuple."
+    )
+    kwargs: dict[str, Any] = Field(
+        default_factory=dict, description="Keyword arguments for a 'module:factory' path."
+    )
+
+
+class TorchCompileOptions(TorchOptions):
+    mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
+        "default"
+    )
+    compile_backend: str = Field("inductor", description="torch.compile(backend=...).")
+    dynamic: bool | None = Field(None, description="torch.compile(dynamic=...).")
+    fullgraph: bool = False
+
+
+OPTION_MODELS: dict[str, type[_Options]] = {
+    "onnxruntime": OnnxRuntimeOptions,
+    "torch": TorchOptions,
+    "torch_compile": TorchCompileOptions,
+}
+
+
+def parse_backend_options(backend: str, options: dict[str, Any]) -> _Options:
+    return OPTION_MODELS[backend].model_validate(options)
+
+
+def validate_backend_options(backend: str, options: dict[str, Any]) -> list[str]:
+    """Problems as ``.key: message`` suffixes (the caller prefixes the dotted path)."""
+    if backend not in OPTION_MODELS:
+        return []
+    try:
+        parse_backend_options(backend, options)
+    except ValidationError as exc:
+        lines = []
+        for error in exc.errors():
+            loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+            msg = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+            lines.append(f"{loc}: {msg}")
+        return lines
+    return []

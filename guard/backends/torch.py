@@ -1,0 +1,237 @@
+"""PyTorch backends: eager (``torch``) and ``torch_compile``.
+
+Artifacts:
+- ``.pt``: TorchScript (``torch.jit.save``). An extra file ``guard.json`` saved inside it
+  (``_extra_files={"guard.json": ...}``) may carry the input/output names, datatypes and shapes.
+- ``.pt2``: a ``torch.export`` program (``torch.export.save``), same optional extra file.
+- ``package.module:factory``: a Python callable returning an ``nn.Module``; the config file's
+  folder is importable, and ``options.kwargs`` are passed to the factory. The module may carry
+  ``guard_signature`` (the ``guard.json`` dict) as an attribute.
+
+Names: ``options.input_names``/``output_names`` win, then ``guard.json``, then forward()'s
+parameter names and ``output0``, ``output1``... Outputs may be a tensor, a tuple/list or a dict,
+nested: each leaf becomes one named output (``boxes``, ``aux.0``), so every output is compared.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import sys
+import threading
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
+from guard.backends.determinism import pin_torch_reference
+from guard.backends.options import TorchCompileOptions, TorchOptions
+from guard.config import BackendConfig
+from guard.errors import BackendError
+
+SIGNATURE_FILE = "guard.json"
+
+
+def signature_json(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> str:
+    """The ``guard.json`` payload that zoo models save inside their TorchScript/.pt2 files."""
+
+    def spec(s: TensorSpec) -> dict[str, Any]:
+        return {"name": s.name, "datatype": s.datatype, "shape": list(s.shape)}
+
+    return json.dumps({"inputs": [spec(s) for s in inputs], "outputs": [spec(s) for s in outputs]})
+
+
+def _parse_signature(data: dict[str, Any] | None) -> tuple[tuple[TensorSpec, ...], ...]:
+    if not data:
+        return (), ()
+    make = lambda items: tuple(  # noqa: E731
+        TensorSpec(i["name"], i.get("datatype", ""), tuple(i.get("shape", ()))) for i in items
+    )
+    return make(data.get("inputs", [])), make(data.get("outputs", []))
+
+
+def _flatten(value: Any, prefix: str, names: list[str] | None, out: dict[str, Any]) -> None:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        out[prefix or (names[0] if names else "output0")] = value
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _flatten(item, f"{prefix}.{key}" if prefix else str(key), None, out)
+    elif isinstance(value, (tuple, list)):
+        for i, item in enumerate(value):
+            if not prefix and names and len(names) == len(value):
+                name = names[i]
+            else:
+                name = f"{prefix}.{i}" if prefix else f"output{i}"
+            _flatten(item, name, None, out)
+    elif value is None:
+        return
+    else:
+        raise BackendError(f"model returned a {type(value).__name__}, not tensors")
+
+
+class TorchBackend(Backend):
+    name = "torch"
+    options_model = TorchOptions
+
+    def __init__(self, spec: BackendConfig, role: Role, threads: int = 1):
+        self.spec = spec
+        self.role = role
+        self.options = self.options_model.model_validate(spec.options)
+        self.reference_threads = threads
+        self.module = None
+        self._callable = None
+        self._dtype = None
+
+    # -- loading -----------------------------------------------------------------------------
+    def _load_module(self):
+        import torch
+
+        path = self.spec.path
+        extra: dict[str, Any] = {}
+        if self.spec.is_factory:
+            module_name, func_name = path.split(":")
+            base = getattr(self.spec, "_base_dir", None)
+            if base and str(base) not in sys.path:
+                sys.path.insert(0, str(base))
+            try:
+                factory = getattr(importlib.import_module(module_name), func_name)
+            except (ImportError, AttributeError) as exc:
+                raise BackendError(f"cannot import factory '{path}': {exc}") from exc
+            module = factory(**self.options.kwargs)
+            signature = getattr(module, "guard_signature", None)
+            return module, signature
+        suffix = Path(path).suffix
+        try:
+            if suffix == ".pt2":
+                files = {SIGNATURE_FILE: ""}
+                program = torch.export.load(path, extra_files=files)
+                extra = files
+                module = program.module()
+            else:
+                files = {SIGNATURE_FILE: ""}
+                module = torch.jit.load(path, map_location="cpu", _extra_files=files)
+                extra = files
+        except Exception as exc:
+            raise BackendError(f"torch cannot load {path}: {exc}") from exc
+        raw = extra.get(SIGNATURE_FILE) or ""
+        if isinstance(raw, bytes):
+            raw = raw.decode()
+        return module, (json.loads(raw) if raw else None)
+
+    def load(self) -> None:
+        import torch
+
+        if self.role == "reference":
+            pin_torch_reference(self.options.threads or self.reference_threads)
+        elif self.options.threads:
+            torch.set_num_threads(self.options.threads)
+        module, signature = self._load_module()
+        if hasattr(module, "eval"):
+            module.eval()
+        self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.spec.precision)
+        device = torch.device(self.spec.device)
+        if self._dtype is not None:
+            module = module.to(self._dtype)
+        if hasattr(module, "to"):
+            module = module.to(device)
+        self.device = device
+        self.module = module
+        inputs, outputs = _parse_signature(signature)
+        input_names = self.options.input_names or [s.name for s in inputs] or self._forward_names()
+        if inputs and [s.name for s in inputs] != input_names:
+            inputs = ()
+        self._inputs = inputs or tuple(TensorSpec(n) for n in input_names)
+        self._output_names = self.options.output_names or [s.name for s in outputs] or None
+        self._outputs = outputs or tuple(TensorSpec(n) for n in (self._output_names or []))
+        self._callable = self._wrap(module)
+
+    def _forward_names(self) -> list[str]:
+        forward = getattr(self.module, "forward", self.module)
+        schema = getattr(forward, "schema", None)  # TorchScript
+        if schema is not None:
+            return [a.name for a in schema.arguments[1:]]
+        params = inspect.signature(forward).parameters.values()
+        return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def _wrap(self, module):
+        return module
+
+    # -- inference ---------------------------------------------------------------------------
+    def _to_torch(self, array: np.ndarray):
+        import torch
+
+        if not array.flags.writeable:
+            array = array.copy()  # torch.from_numpy wants writable memory
+        tensor = torch.from_numpy(array)
+        if self._dtype is not None and tensor.is_floating_point():
+            tensor = tensor.to(self._dtype)
+        return tensor.to(self.device)
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        import torch
+
+        missing = [n for n in (s.name for s in self._inputs) if n not in inputs]
+        if missing:
+            raise BackendError(f"missing inputs: {', '.join(missing)}")
+        args = [self._to_torch(inputs[s.name]) for s in self._inputs]
+        with torch.inference_mode():
+            result = self._callable(*args)
+        flat: dict[str, Any] = {}
+        _flatten(result, "", self._output_names, flat)
+        out = {}
+        for name, tensor in flat.items():
+            tensor = tensor.detach()
+            if self._dtype is not None and tensor.dtype == self._dtype:
+                tensor = tensor.float()  # reduced precision inside, fp32 at the boundary
+            out[name] = tensor.cpu().numpy()
+        return out
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(
+            backend=self.name,
+            artifact=str(self.spec.path),
+            precision=self.spec.precision,
+            device=self.spec.device,
+            inputs=self._inputs,
+            outputs=self._outputs,
+        )
+
+    def close(self) -> None:
+        self.module = None
+        self._callable = None
+
+
+class TorchCompileBackend(TorchBackend):
+    """``torch.compile`` of the same module. Compiles lazily on the first call; the first call
+    is serialised so that concurrent requests do not compile twice."""
+
+    name = "torch_compile"
+    options_model = TorchCompileOptions
+
+    def _wrap(self, module):
+        import torch
+
+        opts: TorchCompileOptions = self.options  # type: ignore[assignment]
+        compiled = torch.compile(
+            module,
+            mode=None if opts.mode == "default" else opts.mode,
+            backend=opts.compile_backend,
+            dynamic=opts.dynamic,
+            fullgraph=opts.fullgraph,
+        )
+        first_call = threading.Lock()
+        warmed = threading.Event()
+
+        def call(*args):
+            if warmed.is_set():
+                return compiled(*args)
+            with first_call:
+                result = compiled(*args)
+                warmed.set()
+                return result
+
+        return call

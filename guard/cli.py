@@ -1,0 +1,178 @@
+"""The ``guard`` command line.
+
+Every user error is one line on stderr and exit code 2 (``--debug`` adds the traceback).
+Heavy modules (torch, onnxruntime, grpc servers) are imported inside the commands that need them,
+so ``guard --help`` and ``guard config validate`` answer at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import traceback
+
+from guard import __version__
+from guard.errors import ConfigError, GuardError
+
+EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+
+
+def _configure_logging(debug: bool) -> None:
+    logging.basicConfig(
+        level=logging.DEBUG if debug else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+        stream=sys.stderr,
+    )
+    # Library chatter that says nothing to an operator.
+    for noisy in ("torch", "onnxscript", "onnx_ir", "asyncio"):
+        logging.getLogger(noisy).setLevel(logging.WARNING if debug else logging.ERROR)
+
+
+# -- commands -------------------------------------------------------------------------------------
+def cmd_serve(args: argparse.Namespace) -> int:
+    import asyncio
+
+    from guard.config import load_config
+    from guard.serve.app import serve_until_signalled
+
+    config = load_config(args.config)
+    asyncio.run(serve_until_signalled(config))
+    return EXIT_OK
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from guard.demo import run_demo
+
+    return run_demo(args)
+
+
+def cmd_config_validate(args: argparse.Namespace) -> int:
+    from guard.config import load_config
+
+    try:
+        config = load_config(args.file)
+    except ConfigError as exc:
+        for line in exc.problems:
+            print(line, file=sys.stderr)
+        return EXIT_USAGE
+    names = ", ".join(m.name for m in config.models)
+    print(f"{args.file}: valid ({len(config.models)} model(s): {names})")
+    return EXIT_OK
+
+
+def cmd_config_schema(args: argparse.Namespace) -> int:
+    from guard.config import config_json_schema
+
+    print(json.dumps(config_json_schema(), indent=2))
+    return EXIT_OK
+
+
+def cmd_admin_status(args: argparse.Namespace) -> int:
+    from guard.admin_client import print_status
+
+    return print_status(args.admin, args.model, args.json)
+
+
+def cmd_admin_route(args: argparse.Namespace) -> int:
+    from guard.admin_client import set_route
+
+    return set_route(args.admin, args.model, args.route, args.reason)
+
+
+# -- parser ---------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="guard",
+        description="Runtime guard for deep-learning inference: serves the Open Inference "
+        "Protocol, mirrors a sample of requests onto a trusted reference backend, checks the "
+        "answers, exports drift to Prometheus and falls back when drift crosses the thresholds.",
+        epilog="Exit codes: 0 ok, 1 drift/failure found (replay, matrix), 2 bad config or usage.",
+    )
+    parser.add_argument("--version", action="version", version=f"guard {__version__}")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    serve = sub.add_parser(
+        "serve", help="run the sidecar until SIGTERM/SIGINT",
+        description="Serve the models of a config: OIP gRPC + grpc.health.v1 on server.grpc_port, "
+        "Prometheus /metrics on server.metrics_port, the guard.v1 admin API on "
+        "server.admin_port (loopback). SIGTERM stops gracefully: health turns NOT_SERVING, "
+        "in-flight requests finish (server.shutdown_grace_s), exit 0.",
+    )
+    serve.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
+    serve.set_defaults(func=cmd_serve)
+
+    demo = sub.add_parser(
+        "demo", help="serve embedded seeded models and drive traffic through them",
+        description="Builds a seeded CNN (no downloads): reference torch eager fp32, primary an "
+        "int8 variant that guard derives with ONNX Runtime (it drifts), fallback ONNX Runtime "
+        "fp32. Starts `guard serve` on it, drives requests with tritonclient.grpc, and prints "
+        "what the guard saw and did.",
+    )
+    demo.add_argument("--requests", type=int, default=300, metavar="N",
+                      help="requests to send (default 300)")
+    demo.add_argument("--exit", action="store_true",
+                      help="stop the server after the traffic instead of serving on")
+    demo.add_argument("--workdir", metavar="DIR",
+                      help="where models, config and log go (default $GUARD_CACHE_DIR/demo, "
+                      "i.e. ~/.cache/guard/demo)")
+    demo.add_argument("--sample-rate", type=float, default=0.5,
+                      help="share of requests mirrored onto the reference (default 0.5)")
+    demo.add_argument("--grpc-port", type=int, default=0, help="default: a free port")
+    demo.add_argument("--metrics-port", type=int, default=0, help="default: a free port")
+    demo.add_argument("--admin-port", type=int, default=0, help="default: a free port")
+    demo.set_defaults(func=cmd_demo)
+
+    config = sub.add_parser("config", help="validate a config or print its JSON Schema")
+    config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
+    validate = config_sub.add_parser(
+        "validate", help="validate a config file",
+        description="Exit 0 when valid; exit 2 with one 'dotted.path: message' line per problem.",
+    )
+    validate.add_argument("file", metavar="FILE")
+    validate.set_defaults(func=cmd_config_validate)
+    schema = config_sub.add_parser("schema", help="print the config's JSON Schema")
+    schema.set_defaults(func=cmd_config_schema)
+
+    admin = sub.add_parser("admin", help="talk to a running guard's admin API")
+    admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",
+                       help="admin API address (default 127.0.0.1:8003)")
+    admin_sub = admin.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
+    status = admin_sub.add_parser("status", help="route, drift window and last transition")
+    status.add_argument("--model", default="", help="one model (default: all)")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    status.set_defaults(func=cmd_admin_status)
+    route = admin_sub.add_parser("route", help="pin a model's route, or hand it back (auto)")
+    route.add_argument("model")
+    route.add_argument("route", choices=["primary", "fallback", "auto"])
+    route.add_argument("--reason", default="", help="recorded in the transition event")
+    route.set_defaults(func=cmd_admin_route)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _configure_logging(args.debug)
+    try:
+        return args.func(args)
+    except ConfigError as exc:
+        if args.debug:
+            traceback.print_exc()
+        source = f"{exc.source}: " if exc.source else ""
+        for line in exc.problems:
+            print(f"guard: {source}{line}", file=sys.stderr)
+        return EXIT_USAGE
+    except GuardError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"guard: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

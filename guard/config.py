@@ -1,0 +1,379 @@
+"""The guard YAML config as typed models (pydantic v2).
+
+Why pydantic: it gives typed settings, unknown-key rejection (``extra="forbid"``), error locations
+we can turn into the ``dotted.path: message`` lines that CONTRACT.md promises, and the JSON Schema
+for ``guard config schema``, all from one declaration. Every default is documented on its field.
+
+Loading does only what needs no heavy imports: parse, validate, resolve relative paths against the
+config file's folder, and check that artifacts exist. Building backends happens later.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    model_validator,
+)
+
+from guard.backends.options import validate_backend_options
+from guard.errors import ConfigError
+
+BackendName = Literal["torch", "torch_compile", "onnxruntime", "openvino", "tensorrt", "upstream"]
+Precision = Literal["fp32", "fp16", "bf16", "int8"]
+Task = Literal["classification", "detection", "segmentation", "embedding", "generic"]
+Action = Literal["alert", "fallback_model", "fallback_ops"]
+
+# Backends whose code ships in this version. The others are valid names in the contract but are
+# rejected with a clear message until their code lands (never accepted and silently ignored).
+IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime"})
+
+# Which precisions each backend can derive from an fp32 artifact by itself.
+DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
+    "onnxruntime": frozenset({"fp32", "fp16", "int8"}),
+    "torch": frozenset({"fp32", "fp16", "bf16"}),
+    "torch_compile": frozenset({"fp32", "fp16", "bf16"}),
+}
+
+# A Python model given as "package.module:factory" instead of a file.
+FACTORY_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
+
+
+def _unit_interval(value: float) -> float:
+    if not 0.0 <= value <= 1.0:
+        raise ValueError("must be in [0, 1]")
+    return value
+
+
+def _positive(value: float) -> float:
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _non_negative(value: float) -> float:
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+Fraction = Annotated[float, AfterValidator(_unit_interval)]
+PositiveFloat = Annotated[float, AfterValidator(_positive)]
+NonNegativeFloat = Annotated[float, AfterValidator(_non_negative)]
+
+
+def _port(value: int) -> int:
+    if not 0 <= value <= 65535:
+        raise ValueError("must be a TCP port in [0, 65535] (0 picks a free port)")
+    return value
+
+
+Port = Annotated[int, AfterValidator(_port)]
+
+
+def _positive_int(value: int) -> int:
+    if value < 1:
+        raise ValueError("must be >= 1")
+    return value
+
+
+PositiveInt = Annotated[int, AfterValidator(_positive_int)]
+
+
+class Strict(BaseModel):
+    """Base for every config block: unknown keys are errors, values are not coerced silently."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class ServerConfig(Strict):
+    host: str = Field("0.0.0.0", description="Address the data plane and metrics listen on.")
+    grpc_port: Port = Field(8001, description="Open Inference Protocol (KServe v2) gRPC port.")
+    metrics_port: Port = Field(9090, description="Prometheus text exposition at /metrics.")
+    admin_port: Port = Field(8003, description="guard.v1 admin API port.")
+    admin_host: str = Field(
+        "127.0.0.1", description="The admin API changes routes: loopback only unless set."
+    )
+    workers: PositiveInt = Field(
+        4, description="Threads that run primary/fallback inference for the request path."
+    )
+    max_message_bytes: PositiveInt = Field(
+        64 * 1024 * 1024,
+        description="Largest gRPC message accepted or sent; larger gets RESOURCE_EXHAUSTED.",
+    )
+    shutdown_grace_s: NonNegativeFloat = Field(
+        30.0, description="On SIGTERM: how long in-flight requests may take to finish."
+    )
+
+
+class BackendConfig(Strict):
+    backend: BackendName
+    path: str | None = Field(
+        None,
+        description="The artifact (.onnx, .pt TorchScript, .pt2 torch.export) or, for torch, "
+        "a Python factory 'package.module:function'. Relative to the config file.",
+    )
+    precision: Precision = Field(
+        "fp32", description="Variant the guard derives itself from the fp32 artifact."
+    )
+    device: str = Field("cpu", description="cpu, cuda or cuda:N.")
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Backend-specific settings, checked per backend."
+    )
+    target: str | None = Field(None, description="upstream only: host:port of an OIP server.")
+    model: str | None = Field(None, description="upstream only: model name on that server.")
+
+    # The config file's folder: a 'module:factory' path is imported from there.
+    _base_dir: Path | None = PrivateAttr(None)
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> "BackendConfig":
+        if self.backend not in IMPLEMENTED_BACKENDS:
+            raise ValueError(
+                f"backend '{self.backend}' is not available in this version of guard "
+                f"(available: {', '.join(sorted(IMPLEMENTED_BACKENDS))})"
+            )
+        if self.path is None:
+            raise ValueError(f"backend '{self.backend}' needs 'path'")
+        if self.target is not None or self.model is not None:
+            raise ValueError("'target' and 'model' are for backend 'upstream' only")
+        allowed = DERIVABLE_PRECISIONS[self.backend]
+        if self.precision not in allowed:
+            raise ValueError(
+                f"precision '{self.precision}' cannot be derived by backend '{self.backend}' "
+                f"(it can derive: {', '.join(sorted(allowed))})"
+            )
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
+            raise ValueError(f"device '{self.device}' must be cpu, cuda or cuda:N")
+        return self
+
+    @property
+    def is_factory(self) -> bool:
+        return bool(self.path and FACTORY_REF.match(self.path)) and not Path(self.path).exists()
+
+    def describe(self) -> str:
+        suffix = "" if self.precision == "fp32" else f" {self.precision}"
+        return f"{self.backend}{suffix} {self.path}"
+
+
+class MirrorConfig(Strict):
+    sample_rate: Fraction = Field(
+        0.05,
+        description="Share of requests mirrored onto the reference. With a request id, the "
+        "decision is a hash of the id, so replicas agree on which requests are mirrored.",
+    )
+    queue_size: PositiveInt = Field(
+        64, description="Samples waiting for the reference; a full queue drops and counts."
+    )
+    timeout_s: PositiveFloat = Field(
+        5.0, description="Longest wait for one reference (or probe) inference."
+    )
+    threads: PositiveInt = Field(
+        1, description="CPU threads the reference may use (its intra-op thread pool)."
+    )
+
+
+class TensorCheckConfig(Strict):
+    atol: NonNegativeFloat = Field(1.0e-4, description="Absolute tolerance.")
+    rtol: NonNegativeFloat = Field(
+        1.0e-3, description="Relative tolerance, scaled by max|reference| of the output."
+    )
+    outputs: dict[str, "OutputTolerance"] = Field(
+        default_factory=dict, description="Per-output overrides of atol/rtol, by output name."
+    )
+
+
+class OutputTolerance(Strict):
+    atol: NonNegativeFloat | None = None
+    rtol: NonNegativeFloat | None = None
+
+
+class ActivationCheckConfig(Strict):
+    """Tier 2 (activation alignment). Its keys arrive with the tier; today it takes none."""
+
+
+class TaskCheckConfig(Strict):
+    """Tier 3 (task-level agreement). Its keys arrive with the tier; today it takes none."""
+
+
+class ChecksConfig(Strict):
+    tensor: TensorCheckConfig = Field(default_factory=TensorCheckConfig)
+    activation: ActivationCheckConfig = Field(default_factory=ActivationCheckConfig)
+    task: TaskCheckConfig = Field(default_factory=TaskCheckConfig)
+
+
+class PolicyConfig(Strict):
+    action: Action = Field(
+        "alert",
+        description="alert: report only. fallback_model: route the model to its fallback "
+        "while drift is over the trip ratio.",
+    )
+    window: PositiveInt = Field(100, description="Compared samples kept per tier.")
+    min_samples: PositiveInt = Field(20, description="No decision on fewer samples than this.")
+    trip_ratio: Fraction = Field(
+        0.2, description="Switch to the fallback when the failing share exceeds this."
+    )
+    recover_ratio: Fraction = Field(
+        0.05,
+        description="Switch back when the failing share of fresh probe samples is at most "
+        "this (lower than trip_ratio: hysteresis).",
+    )
+    dwell_s: NonNegativeFloat = Field(
+        30.0,
+        description="Minimum time on the fallback before the primary is probed again.",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "PolicyConfig":
+        if self.action == "fallback_ops":
+            raise ValueError(
+                "action 'fallback_ops' (selective op fallback) is not available in this "
+                "version of guard; use 'fallback_model' or 'alert'"
+            )
+        if self.recover_ratio > self.trip_ratio:
+            raise ValueError("recover_ratio must not exceed trip_ratio (hysteresis)")
+        if self.min_samples > self.window:
+            raise ValueError("min_samples must not exceed window")
+        return self
+
+
+class ModelConfig(Strict):
+    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    task: Task = "generic"
+    primary: BackendConfig
+    reference: BackendConfig | None = Field(
+        None, description="The trusted backend that sampled requests are mirrored onto."
+    )
+    fallback: BackendConfig | None = Field(
+        None, description="Where traffic goes when the policy switches the model."
+    )
+    mirror: MirrorConfig = Field(default_factory=MirrorConfig)
+    checks: ChecksConfig = Field(default_factory=ChecksConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+
+    @model_validator(mode="after")
+    def _check(self) -> "ModelConfig":
+        if self.policy.action == "fallback_model" and self.fallback is None:
+            raise ValueError("policy.action 'fallback_model' needs a 'fallback' backend")
+        return self
+
+
+class GuardConfig(Strict):
+    version: Literal[1]
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: list[ModelConfig] = Field(min_length=1)
+
+    # Set by load_config: the folder relative paths resolved against, and a hash of the file
+    # (exported in events so that a verdict can be tied to the config that produced it).
+    _base_dir: Path | None = PrivateAttr(None)
+    _source_hash: str = PrivateAttr("")
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "GuardConfig":
+        seen: set[str] = set()
+        for model in self.models:
+            if model.name in seen:
+                raise ValueError(f"model name '{model.name}' appears twice")
+            seen.add(model.name)
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        return next(m for m in self.models if m.name == name)
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _message(error: dict[str, Any]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    message = str(error["msg"])
+    # pydantic prefixes messages raised from our validators.
+    return message.removeprefix("Value error, ")
+
+
+def format_validation_error(exc: ValidationError) -> list[str]:
+    """One ``dotted.path: message`` line per problem, in document order."""
+    lines = []
+    for error in exc.errors():
+        # Literal/union errors carry the discriminating value in the loc; keep the field path.
+        loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        lines.append(f"{_dotted(loc)}: {_message(error)}")
+    return lines
+
+
+def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardConfig:
+    """Validate a parsed YAML document; resolve and check artifact paths against ``base_dir``."""
+    if not isinstance(data, dict):
+        raise ConfigError(["(top level): must be a mapping with 'version' and 'models'"], source)
+    try:
+        config = GuardConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc), source) from None
+    problems = []
+    for i, model in enumerate(config.models):
+        for role in ("primary", "reference", "fallback"):
+            spec: BackendConfig | None = getattr(model, role)
+            if spec is None or spec.path is None:
+                continue
+            spec._base_dir = base_dir
+            if FACTORY_REF.match(spec.path) and not (base_dir / spec.path).exists():
+                continue  # a Python factory, imported when the backend loads
+            resolved = (base_dir / spec.path).resolve()
+            if not resolved.exists():
+                problems.append(f"models[{i}].{role}.path: file not found: {resolved}")
+            spec.path = str(resolved)
+        for role in ("primary", "reference", "fallback"):
+            spec = getattr(model, role)
+            if spec is not None:
+                problems += [
+                    f"models[{i}].{role}.options{line}"
+                    for line in validate_backend_options(spec.backend, spec.options)
+                ]
+    if problems:
+        raise ConfigError(problems, source)
+    config._base_dir = base_dir
+    return config
+
+
+def load_config(path: str | Path) -> GuardConfig:
+    """Read, validate and resolve a config file; raises ``ConfigError`` naming every problem."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read: {exc.strerror or exc}"], str(path)) from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([f"(yaml): {where}{problem}"], str(path)) from None
+    config = parse_config(data, path.resolve().parent, str(path))
+    config._source_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+    return config
+
+
+def config_json_schema() -> dict[str, Any]:
+    return GuardConfig.model_json_schema()

@@ -1,0 +1,94 @@
+"""The Prometheus metrics of CONTRACT.md, on their own registry.
+
+Why prometheus_client: the reference implementation of the exposition format, classic
+histograms, and a tiny surface. Each server gets its own ``CollectorRegistry`` so that several
+servers can live in one process (tests) without sharing counters.
+
+Buckets are deliberate: request latency from 100 us (a proxy hop) to 10 s; tensor errors on a log
+scale, half a decade apart from 1e-8 to 100, because drift spans orders of magnitude (fp32 noise
+~1e-6, fp16 ~1e-2, broken int8 ~1). No label carries a request id or any unbounded value: the
+model label only ever holds configured model names (unknown names count as ``_unknown``).
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+LATENCY_BUCKETS = (
+    0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+    1.0, 2.5, 5.0, 10.0,
+)
+ERROR_BUCKETS = tuple(10 ** (e / 2) for e in range(-16, 5))  # 1e-8 ... 1e2
+UNKNOWN_MODEL = "_unknown"
+
+
+class GuardMetrics:
+    def __init__(self, version: str, registry: CollectorRegistry | None = None):
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "guard_requests", "Inference requests answered, by the route that answered them.",
+            ["model", "route"], registry=r,
+        )
+        self.request_errors = Counter(
+            "guard_request_errors", "Inference requests that failed, by gRPC status code.",
+            ["model", "code"], registry=r,
+        )
+        self.request_duration = Histogram(
+            "guard_request_duration_seconds",
+            "Time from request received to response ready, inside the guard.",
+            ["model", "route"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.mirror = Counter(
+            "guard_mirror", "Mirrored samples by outcome (dropped: queue full or shutting down).",
+            ["model", "outcome"], registry=r,
+        )
+        self.mirror_queue_depth = Gauge(
+            "guard_mirror_queue_depth", "Samples waiting for the reference.", ["model"],
+            registry=r,
+        )
+        self.reference_duration = Histogram(
+            "guard_reference_duration_seconds", "Reference inference time per mirrored sample.",
+            ["model"], buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.checks = Counter(
+            "guard_checks", "Verification checks by tier and result.",
+            ["model", "tier", "result"], registry=r,
+        )
+        self.tensor_max_abs_error = Histogram(
+            "guard_tensor_max_abs_error",
+            "Largest absolute error over a sample's outputs, primary vs reference.",
+            ["model"], buckets=ERROR_BUCKETS, registry=r,
+        )
+        self.drift_ratio = Gauge(
+            "guard_drift_ratio", "Failing share of the current window.", ["model", "tier"],
+            registry=r,
+        )
+        self.fallback_active = Gauge(
+            "guard_fallback_active", "1 while the fallback serves (model) or ops are kept back.",
+            ["model", "scope"], registry=r,
+        )
+        self.fallback_transitions = Counter(
+            "guard_fallback_transitions", "Route changes, by the route taken.",
+            ["model", "to"], registry=r,
+        )
+        self.build_info = Gauge(
+            "guard_build_info", "Always 1; the version label says which guard runs.",
+            ["version"], registry=r,
+        )
+        self.build_info.labels(version=version).set(1)
+
+    def declare_model(self, model: str, tiers: tuple[str, ...] = ("tensor",)) -> None:
+        """Create a model's series at zero, so that rate() and alerts see them from the start."""
+        for route in ("primary", "fallback"):
+            self.requests.labels(model, route)
+        for outcome in ("compared", "dropped", "error", "timeout"):
+            self.mirror.labels(model, outcome)
+        for tier in tiers:
+            for result in ("pass", "fail"):
+                self.checks.labels(model, tier, result)
+            self.drift_ratio.labels(model, tier).set(0)
+        for scope in ("model", "ops"):
+            self.fallback_active.labels(model, scope).set(0)
+        for to in ("primary", "fallback_model"):
+            self.fallback_transitions.labels(model, to)

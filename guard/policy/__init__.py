@@ -1,0 +1,1 @@
+"""Policy: decides, from check results, which backend answers a model's requests."""

@@ -1,0 +1,178 @@
+"""The sidecar process: loads the models, serves OIP + health + admin + metrics, stops gracefully.
+
+Ports: the data plane and ``grpc.health.v1`` share ``server.grpc_port`` (Kubernetes gRPC probes
+point there: service ``""`` = live, ``readiness`` = ready); the admin API listens on its own port
+on loopback; Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A port of 0 picks a free
+one (tests, demo); the bound ports are on the server object after ``start()``.
+
+Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the gRPC server stops accepting and gives
+in-flight requests ``shutdown_grace_s`` to finish, then the mirrors stop (queued samples are
+counted as dropped), backends close, and the metrics endpoint goes last.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import threading
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from prometheus_client import start_http_server
+from tritonclient.grpc import service_pb2_grpc
+
+from guard import __version__
+from guard.config import GuardConfig
+from guard.errors import GuardError
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+from guard.serve.admin import AdminServicer
+from guard.serve.dataplane import DataPlane
+from guard.serve.model import GuardedModel
+from guard.serve.servicer import InferenceServicer
+from guard.v1 import admin_pb2_grpc
+
+log = logging.getLogger("guard.server")
+READINESS_SERVICE = "readiness"
+
+
+class GuardServer:
+    def __init__(self, config: GuardConfig):
+        self.config = config
+        self.metrics = GuardMetrics(__version__)
+        self.models: dict[str, GuardedModel] = {}
+        self.dataplane: DataPlane | None = None
+        self.grpc_port = self.admin_port = self.metrics_port = 0
+        self._grpc: grpc.aio.Server | None = None
+        self._admin: grpc.aio.Server | None = None
+        self._health: health_aio.HealthServicer | None = None
+        self._metrics_httpd = None
+
+    # -- start ---------------------------------------------------------------------------------
+    def load_models(self) -> None:
+        """Build and load every model's backends; on any failure close what was loaded."""
+        try:
+            for model_config in self.config.models:
+                model = GuardedModel(model_config, self.metrics)
+                self.models[model.name] = model
+                model.load()
+        except Exception:
+            self.close_models()
+            raise
+
+    async def start(self) -> None:
+        if not self.models:
+            await asyncio.get_running_loop().run_in_executor(None, self.load_models)
+        server_config = self.config.server
+        self.dataplane = DataPlane(self.models, self.metrics, server_config.workers)
+        size = server_config.max_message_bytes
+        options = [("grpc.max_receive_message_length", size),
+                   ("grpc.max_send_message_length", size),
+                   ("grpc.so_reuseport", 0)]
+        self._grpc = grpc.aio.server(options=options)
+        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
+            InferenceServicer(self.dataplane), self._grpc)
+        self._health = health_aio.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
+                                    "server.grpc_port")
+
+        self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.models), self._admin)
+        self.admin_port = self._bind(self._admin, server_config.admin_host,
+                                     server_config.admin_port, "server.admin_port")
+        try:
+            self._metrics_httpd, _ = start_http_server(
+                server_config.metrics_port, addr=server_config.host, registry=self.metrics.registry
+            )
+        except OSError as exc:
+            raise GuardError(f"server.metrics_port: cannot listen on {server_config.host}:"
+                             f"{server_config.metrics_port}: {exc.strerror or exc}") from None
+        self.metrics_port = self._metrics_httpd.server_port
+
+        await self._grpc.start()
+        await self._admin.start()
+        serving = health_pb2.HealthCheckResponse.SERVING
+        for service in ("", READINESS_SERVICE, "inference.GRPCInferenceService"):
+            await self._health.set(service, serving)
+        emit("server_started", version=__version__, grpc_port=self.grpc_port,
+             admin=f"{server_config.admin_host}:{self.admin_port}",
+             metrics=f"http://{server_config.host}:{self.metrics_port}/metrics",
+             models=sorted(self.models))
+
+    @staticmethod
+    def _bind(server: grpc.aio.Server, host: str, port: int, key: str) -> int:
+        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        try:
+            bound = server.add_insecure_port(address)
+        except RuntimeError as exc:
+            raise GuardError(f"{key}: cannot listen on {address}: {exc}") from None
+        if not bound:
+            raise GuardError(f"{key}: cannot listen on {address}")
+        return bound
+
+    # -- stop ----------------------------------------------------------------------------------
+    async def stop(self, grace: float | None = None) -> None:
+        grace = self.config.server.shutdown_grace_s if grace is None else grace
+        emit("server_stopping", grace_s=grace)
+        if self._health is not None:
+            await self._health.enter_graceful_shutdown()
+        if self.dataplane is not None:
+            self.dataplane.live = False
+        if self._grpc is not None:
+            await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs
+        if self._admin is not None:
+            await self._admin.stop(0)
+        if self.dataplane is not None:
+            self.dataplane.close()
+        self.close_models()
+        if self._metrics_httpd is not None:
+            self._metrics_httpd.shutdown()
+            self._metrics_httpd.server_close()
+        emit("server_stopped")
+
+    def close_models(self) -> None:
+        for model in self.models.values():
+            model.close()
+
+
+async def serve_until_signalled(config: GuardConfig) -> None:
+    """``guard serve``: run until SIGTERM or SIGINT, then stop gracefully."""
+    server = GuardServer(config)
+    await server.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await server.stop()
+
+
+class BackgroundServer:
+    """A GuardServer on its own event loop thread: for embedding, tests, the demo, benchmarks."""
+
+    def __init__(self, config: GuardConfig):
+        self.server = GuardServer(config)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="guard-server",
+                                        daemon=True)
+
+    def __enter__(self) -> GuardServer:
+        self._thread.start()
+        try:
+            asyncio.run_coroutine_threadsafe(self.server.start(), self._loop).result()
+        except BaseException:
+            self._shutdown_loop()
+            raise
+        return self.server
+
+    def __exit__(self, *exc) -> None:
+        asyncio.run_coroutine_threadsafe(self.server.stop(grace=5), self._loop).result()
+        self._shutdown_loop()
+
+    def _shutdown_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()

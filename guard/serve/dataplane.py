@@ -1,0 +1,104 @@
+"""The protocol-independent data plane (MLServer's split): route and answer, nothing else.
+
+``infer()`` reads top to bottom as the request path: find the model, check the inputs against
+its signature, ask the policy for the route, run that backend on the inference thread pool, hand
+the sample to the mirror (non-blocking), filter the requested outputs, count. The gRPC servicer
+is a thin translation layer over this class.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from guard.backends.base import TensorSpec, oip_datatype
+from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
+from guard.serve.codec import InferenceError, InferenceRequest, invalid
+from guard.serve.model import GuardedModel
+
+
+def check_inputs(inputs: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]) -> None:
+    """Names, datatypes and shapes against the model's signature, each error naming the tensor."""
+    known = {s.name: s for s in specs}
+    if known:
+        unknown = [n for n in inputs if n not in known]
+        if unknown:
+            raise invalid(f"unknown input '{unknown[0]}' (the model takes: {', '.join(known)})")
+        missing = [n for n in known if n not in inputs]
+        if missing:
+            raise invalid(f"missing input '{missing[0]}' (the model takes: {', '.join(known)})")
+    for name, array in inputs.items():
+        spec = known.get(name)
+        if spec is None:
+            continue
+        if spec.datatype and oip_datatype(array.dtype) != spec.datatype:
+            raise invalid(f"input '{name}': datatype {oip_datatype(array.dtype)}, the model "
+                          f"expects {spec.datatype}")
+        if spec.shape and (
+            len(spec.shape) != array.ndim
+            or any(want not in (-1, got) for want, got in zip(spec.shape, array.shape))
+        ):
+            raise invalid(f"input '{name}': shape {list(array.shape)} does not match the "
+                          f"model's {list(spec.shape)} (-1 = any)")
+
+
+class DataPlane:
+    def __init__(self, models: dict[str, GuardedModel], metrics: GuardMetrics, workers: int):
+        self.models = models
+        self.metrics = metrics
+        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="guard-infer")
+        self.live = True
+
+    @property
+    def ready(self) -> bool:
+        return self.live and all(m.ready for m in self.models.values())
+
+    def model(self, name: str) -> GuardedModel:
+        model = self.models.get(name)
+        if model is None:
+            raise InferenceError("NOT_FOUND", f"unknown model '{name}' (this guard serves: "
+                                 f"{', '.join(sorted(self.models))})")
+        return model
+
+    async def infer(self, request: InferenceRequest) -> tuple[dict[str, np.ndarray], str]:
+        """Returns (outputs to send, route that answered)."""
+        started = time.perf_counter()
+        model = self.model(request.model_name)
+        if not model.ready:
+            raise InferenceError("UNAVAILABLE", f"model '{model.name}' is not ready")
+        signature = model.describe()
+        check_inputs(request.inputs, signature.inputs)
+        unknown = [n for n in request.requested_outputs
+                   if signature.outputs and n not in {s.name for s in signature.outputs}]
+        if unknown:
+            raise invalid(f"unknown output '{unknown[0]}' requested")
+
+        route, epoch, backend = model.backend_for_request()
+        loop = asyncio.get_running_loop()
+        try:
+            outputs = await loop.run_in_executor(self.executor, backend.infer, request.inputs)
+        except Exception as exc:
+            raise InferenceError(
+                "INTERNAL", f"model '{model.name}': {route} backend "
+                f"({backend.describe().summary()}) failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+        model.after_response(request.id, request.inputs, outputs, route, epoch)
+        if request.requested_outputs:
+            outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
+        self.metrics.requests.labels(model.name, route).inc()
+        self.metrics.request_duration.labels(model.name, route).observe(
+            time.perf_counter() - started
+        )
+        return outputs, route
+
+    def count_error(self, model_name: str, status: str) -> None:
+        label = model_name if model_name in self.models else UNKNOWN_MODEL
+        self.metrics.request_errors.labels(label, status).inc()
+
+    def close(self) -> None:
+        self.live = False
+        self.executor.shutdown(wait=True)

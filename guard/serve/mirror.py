@@ -1,0 +1,192 @@
+"""Mirroring: sample requests, queue them (bounded), and check them off the request path.
+
+The request path calls ``offer()`` only: a sampling decision and a ``put_nowait`` on a bounded
+queue. It never waits: when the queue is full the sample is dropped and counted. One worker
+thread per model takes samples from the queue, runs the reference (and, while the model is on
+its fallback, the primary as a background probe) and hands the result to a callback.
+
+Sampling: with a request id the decision is a hash of the id (blake2b), so every replica
+mirrors the same requests; without one it is a random draw.
+
+Timeouts: reference and probe calls run on a single helper thread and the worker waits at most
+``timeout_s``. A hung call cannot be killed in Python; later calls then wait behind it, time
+out in turn and are counted as ``timeout``, the queue fills, and further samples are counted as
+``dropped``. The request path is never affected. The CPU budget of the reference is its own
+thread pool (``mirror.threads``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import queue
+import random
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from guard.backends.base import Backend
+from guard.config import MirrorConfig
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+from guard.verify.pipeline import Verifier
+from guard.verify.tensor import TensorCheck
+
+log = logging.getLogger("guard.mirror")
+_ERROR_LOG_INTERVAL_S = 10.0
+
+
+def sampled(request_id: str, rate: float) -> bool:
+    """Should this request be mirrored? Deterministic in ``request_id`` when one is given."""
+    if rate >= 1.0:
+        return True
+    if rate <= 0.0:
+        return False
+    if request_id:
+        digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
+        return int.from_bytes(digest, "big") / 2**64 < rate
+    return random.random() < rate
+
+
+@dataclass
+class Sample:
+    inputs: dict[str, np.ndarray]
+    outputs: dict[str, np.ndarray]  # what the route answered; the probe replaces it if needed
+    route: str  # "primary" or "fallback": who answered the client
+    epoch: int  # the policy epoch when the request was routed
+    enqueued_at: float
+
+
+@dataclass
+class SampleResult:
+    sample: Sample
+    check: TensorCheck
+    reference_seconds: float
+    probed: bool  # True when the primary ran in the background for this sample
+
+
+class _BoundedCaller:
+    """Runs calls on one helper thread and waits at most ``timeout`` for each."""
+
+    def __init__(self, name: str):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+
+    def call(self, fn, arg, timeout: float):
+        future = self._executor.submit(fn, arg)
+        try:
+            return future.result(timeout=timeout)
+        except FutureTimeout:
+            future.cancel()  # if it never started; a running call cannot be stopped
+            raise TimeoutError from None
+
+    def shutdown(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+
+class Mirror:
+    def __init__(
+        self,
+        model: str,
+        config: MirrorConfig,
+        reference: Backend,
+        primary: Backend,
+        verifier: Verifier,
+        metrics: GuardMetrics,
+        on_result: Callable[[SampleResult], None],
+    ):
+        self.model = model
+        self.config = config
+        self.reference = reference
+        self.primary = primary
+        self.verifier = verifier
+        self.metrics = metrics
+        self.on_result = on_result
+        self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=config.queue_size)
+        self._caller = _BoundedCaller(f"guard-ref-{model}")
+        self._thread = threading.Thread(target=self._run, name=f"guard-mirror-{model}",
+                                        daemon=True)
+        self._stopping = threading.Event()
+        self._last_error_log = 0.0
+        metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
+
+    # -- request path --------------------------------------------------------------------------
+    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
+        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping."""
+        if not sampled(request_id, self.config.sample_rate):
+            return
+        if self._stopping.is_set():
+            self.metrics.mirror.labels(self.model, "dropped").inc()
+            return
+        try:
+            self._queue.put_nowait(Sample(inputs, outputs, route, epoch, time.monotonic()))
+        except queue.Full:
+            self.metrics.mirror.labels(self.model, "dropped").inc()
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop taking samples; finish the one in hand; count the rest as dropped."""
+        self._stopping.set()
+        dropped = 0
+        while True:
+            try:
+                if self._queue.get_nowait() is not None:
+                    dropped += 1
+            except queue.Empty:
+                break
+        if dropped:
+            self.metrics.mirror.labels(self.model, "dropped").inc(dropped)
+        self._queue.put(None)
+        self._thread.join(timeout)
+        self._caller.shutdown()
+
+    # -- worker ------------------------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            sample = self._queue.get()
+            if sample is None or self._stopping.is_set():
+                return
+            try:
+                self._process(sample)
+            except Exception:  # a bug here must not kill the worker
+                log.exception("mirror worker for %s failed on a sample", self.model)
+                self.metrics.mirror.labels(self.model, "error").inc()
+
+    def _process(self, sample: Sample) -> None:
+        timeout = self.config.timeout_s
+        stage = "reference"
+        try:
+            probed = sample.route != "primary"
+            if probed:
+                stage = "primary probe"
+                sample.outputs = self._caller.call(self.primary.infer, sample.inputs, timeout)
+                stage = "reference"
+            started = time.perf_counter()
+            reference = self._caller.call(self.reference.infer, sample.inputs, timeout)
+            seconds = time.perf_counter() - started
+        except TimeoutError:
+            self.metrics.mirror.labels(self.model, "timeout").inc()
+            self._log_error(f"{stage} timed out after {timeout}s")
+            return
+        except Exception as exc:
+            self.metrics.mirror.labels(self.model, "error").inc()
+            self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
+            return
+        self.metrics.reference_duration.labels(self.model).observe(seconds)
+        check = self.verifier.check(reference, sample.outputs)
+        self.metrics.mirror.labels(self.model, "compared").inc()
+        self.on_result(SampleResult(sample, check, seconds, probed))
+
+    def _log_error(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log >= _ERROR_LOG_INTERVAL_S:
+            self._last_error_log = now
+            emit("mirror_error", model=self.model, error=message,
+                 note=f"further errors within {_ERROR_LOG_INTERVAL_S:.0f}s are only counted")

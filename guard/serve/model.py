@@ -1,0 +1,145 @@
+"""One guarded model: its backends, route policy, mirror and the bookkeeping between them.
+
+The request path touches two methods only: ``backend_for_request()`` and ``after_response()``.
+Everything else runs in the mirror worker (``_on_result``) or the admin API.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+from guard.backends import Backend, BackendInfo, create_backend
+from guard.config import ModelConfig
+from guard.errors import BackendError
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+from guard.policy.route import Override, RoutePolicy, Transition
+from guard.serve.mirror import Mirror, SampleResult
+from guard.verify.pipeline import Verifier
+
+log = logging.getLogger("guard.model")
+
+
+class GuardedModel:
+    def __init__(self, config: ModelConfig, metrics: GuardMetrics):
+        self.name = config.name
+        self.config = config
+        self.metrics = metrics
+        self.verifier = Verifier(config.checks)
+        threads = config.mirror.threads
+        self.backends: dict[str, Backend] = {"primary": create_backend(config.primary, "primary")}
+        if config.reference is not None:
+            self.backends["reference"] = create_backend(config.reference, "reference", threads)
+        if config.fallback is not None:
+            self.backends["fallback"] = create_backend(config.fallback, "fallback")
+        self.policy = RoutePolicy(
+            self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends
+        )
+        self.mirror: Mirror | None = None
+        self.ready = False
+        metrics.declare_model(self.name, self.verifier.tiers)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def load(self) -> None:
+        """Load every backend (in parallel: derivation and compilation take seconds)."""
+        with ThreadPoolExecutor(max_workers=len(self.backends)) as pool:
+            futures = {role: pool.submit(b.load) for role, b in self.backends.items()}
+        for role, future in futures.items():
+            exc = future.exception()
+            if exc is not None:
+                spec = getattr(self.config, role)
+                if isinstance(exc, BackendError):
+                    raise BackendError(f"models[{self.name}].{role}: {exc}") from exc
+                raise BackendError(
+                    f"models[{self.name}].{role}: cannot load {spec.describe()}: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+        self._check_signatures()
+        if "reference" in self.backends and self.config.mirror.sample_rate > 0:
+            self.mirror = Mirror(
+                self.name, self.config.mirror, self.backends["reference"],
+                self.backends["primary"], self.verifier, self.metrics, self._on_result,
+            )
+            self.mirror.start()
+        self.ready = True
+        emit("model_loaded", model=self.name,
+             backends={role: b.describe().summary() for role, b in self.backends.items()},
+             mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
+             action=self.config.policy.action)
+
+    def _check_signatures(self) -> None:
+        """A fallback must accept what the primary accepts; warn where names cannot be checked."""
+        primary = self.describe()
+        names = {s.name for s in primary.inputs}
+        fallback = self.backends.get("fallback")
+        if fallback is not None:
+            other = {s.name for s in fallback.describe().inputs}
+            if other and names and other != names:
+                raise BackendError(
+                    f"models[{self.name}].fallback: inputs {sorted(other)} differ from the "
+                    f"primary's {sorted(names)}"
+                )
+
+    def close(self) -> None:
+        self.ready = False
+        if self.mirror is not None:
+            self.mirror.stop()
+        for backend in self.backends.values():
+            backend.close()
+
+    def describe(self) -> BackendInfo:
+        return self.backends["primary"].describe()
+
+    # -- request path ------------------------------------------------------------------------------
+    def backend_for_request(self) -> tuple[str, int, Backend]:
+        """(route, epoch, backend) for the next request. Epoch is read first: if a transition
+        lands in between, the sample is attributed to the old epoch and ignored, never misfiled."""
+        epoch = self.policy.epoch
+        route = self.policy.route
+        if route == "fallback" and "fallback" in self.backends:
+            return "fallback", epoch, self.backends["fallback"]
+        return "primary", epoch, self.backends["primary"]
+
+    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
+        if self.mirror is None:
+            return
+        if route == "fallback" and not self.policy.probing:
+            return  # within the dwell time: the primary is left alone
+        self.mirror.offer(request_id, inputs, outputs, route, epoch)
+
+    # -- mirror worker -------------------------------------------------------------------------------
+    def _on_result(self, result: SampleResult) -> None:
+        check = result.check
+        m = self.metrics
+        m.checks.labels(self.name, "tensor", "pass" if check.passed else "fail").inc()
+        m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
+        transition = self.policy.observe("tensor", not check.passed, result.sample.epoch)
+        for figures in self.policy.windows():
+            m.drift_ratio.labels(self.name, figures.tier).set(figures.ratio)
+        if transition is not None:
+            evidence = dict(transition.evidence)
+            if not check.passed:
+                evidence["last_failure"] = check.summary()
+            self._record(transition, evidence)
+
+    # -- admin -------------------------------------------------------------------------------
+    def set_override(self, override: Override, reason: str) -> Transition | None:
+        transition = self.policy.set_override(override, reason)
+        if transition is not None:
+            self._record(transition, transition.evidence)
+        return transition
+
+    def _record(self, transition: Transition, evidence: dict) -> None:
+        m = self.metrics
+        if transition.trigger == "alert":
+            emit("drift_alert", model=self.name, reason=transition.reason,
+                 action=self.config.policy.action, evidence=evidence)
+            return
+        if transition.from_route != transition.to_route:
+            to = "fallback_model" if transition.to_route == "fallback" else "primary"
+            m.fallback_transitions.labels(self.name, to).inc()
+            m.fallback_active.labels(self.name, "model").set(transition.to_route == "fallback")
+        emit("route_transition", model=self.name, from_route=transition.from_route,
+             to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
+             evidence=evidence)

@@ -1,0 +1,148 @@
+"""Tier 1: tensor closeness, per output.
+
+The rule (from the seed paper): an output passes when ``max|a - b| <= atol + rtol * max|ref|``,
+computed in float64 over the positions where both sides are finite, and when the two sides agree
+on shape, dtype, and where they are NaN or +/-Inf. Every output either side produced is checked:
+an output one side lacks is a failure with a reason, never a silent pass.
+
+Alongside the verdict we keep the error statistics an engineer asks for next (mean and p99 of the
+absolute error, the largest relative error, cosine distance) and, as Polygraphy does, the
+smallest tolerance that would have passed, so thresholds can be set from evidence.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+# Relative error divides by |ref|; below this the reference value counts as zero.
+_REL_FLOOR = 1e-12
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+@dataclass
+class OutputCheck:
+    name: str
+    passed: bool
+    reason: str = ""  # why it failed, "" when it passed
+    max_abs: float = 0.0
+    mean_abs: float = 0.0
+    p99_abs: float = 0.0
+    max_rel: float = 0.0
+    cosine_distance: float = 0.0
+    ref_max_abs: float = 0.0  # max|ref|, the scale rtol multiplies
+    nonfinite_mismatch: int = 0  # positions where NaN/Inf disagree
+    allowed: float = 0.0  # atol + rtol * max|ref|
+    min_rtol: float = 0.0  # the smallest rtol that would have passed with atol=0
+
+    def as_dict(self) -> dict[str, object]:
+        return {k: v for k, v in self.__dict__.items()}
+
+
+@dataclass
+class TensorCheck:
+    passed: bool
+    outputs: list[OutputCheck] = field(default_factory=list)
+
+    @property
+    def max_abs_error(self) -> float:
+        """Largest max-abs error over outputs that could be compared numerically."""
+        values = [o.max_abs for o in self.outputs if math.isfinite(o.max_abs)]
+        return max(values, default=0.0)
+
+    @property
+    def failures(self) -> list[OutputCheck]:
+        return [o for o in self.outputs if not o.passed]
+
+    def summary(self) -> str:
+        if self.passed:
+            return f"pass (max abs error {self.max_abs_error:.3g})"
+        parts = [f"{o.name}: {o.reason}" for o in self.failures]
+        return "fail: " + "; ".join(parts)
+
+
+def compare_output(name: str, ref: np.ndarray, out: np.ndarray, tol: Tolerance) -> OutputCheck:
+    ref = np.asarray(ref)
+    out = np.asarray(out)
+    if ref.shape != out.shape:
+        return OutputCheck(name, False, f"shape {out.shape} != reference {ref.shape}",
+                           max_abs=math.inf)
+    problems = []
+    if ref.dtype != out.dtype:
+        problems.append(f"dtype {out.dtype} != reference {ref.dtype}")
+    if not (np.issubdtype(ref.dtype, np.number) or ref.dtype == np.bool_) or not (
+        np.issubdtype(out.dtype, np.number) or out.dtype == np.bool_
+    ):
+        return OutputCheck(name, False, f"cannot compare dtypes {out.dtype}/{ref.dtype}",
+                           max_abs=math.inf)
+
+    a = out.astype(np.float64, copy=False).ravel()
+    b = ref.astype(np.float64, copy=False).ravel()
+    finite_a, finite_b = np.isfinite(a), np.isfinite(b)
+    both = finite_a & finite_b
+    # NaN where the other is not, or Inf of another sign: a disagreement tolerance cannot excuse.
+    nonfinite = ~(finite_a & finite_b)
+    same_nonfinite = nonfinite & ((np.isnan(a) & np.isnan(b)) | (np.isinf(a) & (a == b)))
+    mismatch = int(np.count_nonzero(nonfinite & ~same_nonfinite))
+    if mismatch:
+        problems.append(f"{mismatch} NaN/Inf position(s) differ")
+
+    a, b = a[both], b[both]
+    if a.size:
+        diff = np.abs(a - b)
+        ref_abs = np.abs(b)
+        ref_max = float(ref_abs.max())
+        max_abs = float(diff.max())
+        mean_abs = float(diff.mean())
+        p99 = float(np.percentile(diff, 99))
+        rel = diff / np.maximum(ref_abs, _REL_FLOOR)
+        max_rel = float(rel[ref_abs > _REL_FLOOR].max()) if np.any(ref_abs > _REL_FLOOR) else 0.0
+        norm = float(np.linalg.norm(a) * np.linalg.norm(b))
+        cosine = 0.0 if norm == 0.0 else max(0.0, 1.0 - float(np.dot(a, b)) / norm)
+    else:
+        ref_max = max_abs = mean_abs = p99 = max_rel = cosine = 0.0
+
+    allowed = tol.atol + tol.rtol * ref_max
+    if max_abs > allowed:
+        problems.append(f"max abs error {max_abs:.3g} > allowed {allowed:.3g}")
+    return OutputCheck(
+        name=name,
+        passed=not problems,
+        reason="; ".join(problems),
+        max_abs=max_abs,
+        mean_abs=mean_abs,
+        p99_abs=p99,
+        max_rel=max_rel,
+        cosine_distance=cosine,
+        ref_max_abs=ref_max,
+        nonfinite_mismatch=mismatch,
+        allowed=allowed,
+        min_rtol=max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else math.inf),
+    )
+
+
+def compare_outputs(
+    reference: dict[str, np.ndarray],
+    candidate: dict[str, np.ndarray],
+    default: Tolerance,
+    per_output: dict[str, Tolerance] | None = None,
+) -> TensorCheck:
+    """Compare every output either side produced; missing ones fail with a reason."""
+    per_output = per_output or {}
+    checks = []
+    for name in sorted(set(reference) | set(candidate)):
+        if name not in reference:
+            checks.append(OutputCheck(name, False, "reference lacks this output", max_abs=math.inf))
+        elif name not in candidate:
+            checks.append(OutputCheck(name, False, "primary lacks this output", max_abs=math.inf))
+        else:
+            tol = per_output.get(name, default)
+            checks.append(compare_output(name, reference[name], candidate[name], tol))
+    return TensorCheck(passed=bool(checks) and all(c.passed for c in checks), outputs=checks)

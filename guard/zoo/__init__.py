@@ -1,0 +1,1 @@
+"""Seeded models built offline (no downloads) for the demo, tests and benchmarks."""
