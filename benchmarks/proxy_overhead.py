@@ -1,0 +1,907 @@
+"""What does the guard cost on the request path? Closed-loop load over loopback, three servers.
+
+Same model, same backend in every cell: the zoo classifier (``guard.zoo.classifier``) on ONNX
+Runtime fp32, batch 1, with the session options guard gives a primary by default.
+
+  (a) baseline  a bare Open Inference Protocol gRPC server: grpc.aio + tritonclient's
+                ``service_pb2_grpc`` servicer, ``raw_input_contents`` -> numpy -> ``session.run``
+                -> ``raw_output_contents``. Nothing else.
+  (b) guard     ``python -m guard serve`` with the same ONNX model as primary, no reference
+                (mirroring off).
+  (c) guard+mirror  as (b), plus a torch reference (``module:factory`` written into the work
+                folder) that runs the same TorchScript model, repeating its forward pass so
+                that it costs ~5x the primary (calibrated at start-up); ``mirror.sample_rate``
+                0.1, ``mirror.threads`` 1. Its outputs equal the model's, so the checks pass.
+
+Each server is its own subprocess (the load generator shares no GIL with it); they run one at a
+time: start, wait for readiness, check the answers, then for each concurrency warm up and
+measure. Load: C threads, one gRPC channel (own TCP connection) each, tritonclient's
+``GRPCInferenceServiceStub``; closed loop (each thread sends its next request as soon as the
+answer arrives) for ``--duration`` seconds. For (c) the guard's ``/metrics`` are scraped before
+and after each cell (mirror queue drained) for the mirror outcomes.
+
+Usage: ``.venv/bin/python benchmarks/proxy_overhead.py [--duration S] [--concurrency 1,8]
+[--rounds N] [--out DIR] [--quick]``; ``make bench`` runs it. Results: ``proxy_overhead.json``
+and ``proxy_overhead.md`` under ``--out`` (default ``benchmarks/results``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import gc
+import json
+import os
+import platform
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+MODEL = "classifier"
+HOST = "127.0.0.1"
+REQUEST_POOL = 64  # distinct pre-built requests, cycled by the load generator
+MAX_MESSAGE = 64 * 1024 * 1024
+
+# Targets printed beside the figures.
+TARGET_ADD_P50_MS = 0.2
+TARGET_ADD_P99_MS = 1.0
+TARGET_MIRROR_P99_RATIO = 1.10
+
+CELLS = {
+    "a": "baseline (bare OIP server + ORT)",
+    "b": "guard, mirroring off",
+    "c": "guard, mirror 10% -> ~5x reference",
+}
+
+# The reference written into the work folder: the same TorchScript model, its forward pass
+# repeated `repeats` times (real CPU work), the last result returned (equal to the model's).
+REFERENCE_MODULE = '''"""Benchmark reference: the zoo classifier's TorchScript, forward repeated to be ~Nx slower."""
+import torch
+from torch import nn
+
+SIGNATURE = {
+    "inputs": [{"name": "image", "datatype": "FP32", "shape": [-1, 3, 32, 32]}],
+    "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}],
+}
+
+
+class Repeated(nn.Module):
+    def __init__(self, path, repeats):
+        super().__init__()
+        self.inner = torch.jit.load(path, map_location="cpu")
+        self.repeats = max(1, int(repeats))
+
+    def forward(self, image):
+        out = self.inner(image)
+        for _ in range(self.repeats - 1):
+            out = self.inner(image)
+        return out
+
+
+def make(path, repeats=1):
+    module = Repeated(path, repeats).eval()
+    module.guard_signature = SIGNATURE
+    return module
+'''
+
+
+# -- small helpers ---------------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return s.getsockname()[1]
+
+
+def log(message: str) -> None:
+    print(f"[bench {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+def ort_session(path: str):
+    """The session guard builds for an onnxruntime primary with default options."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    so.log_severity_level = 3
+    so.intra_op_num_threads = 0
+    so.inter_op_num_threads = 0
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def percentile_ms(latencies_ns: np.ndarray, q: float) -> float:
+    return float(np.percentile(latencies_ns, q)) / 1e6 if latencies_ns.size else float("nan")
+
+
+def machine_info() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    versions = {"python": platform.python_version()}
+    for name in ("onnxruntime", "torch", "grpcio", "numpy", "tritonclient", "protobuf"):
+        try:
+            from importlib.metadata import version
+
+            versions[name] = version(name)
+        except Exception:
+            versions[name] = "n/a"
+    try:
+        from guard import __version__ as guard_version
+    except Exception:
+        guard_version = "n/a"
+    versions["guard"] = guard_version
+    return {
+        "cpu_model": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None,
+        "platform": platform.platform(),
+        "versions": versions,
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+# -- (internal) preparation: export, calibrate, expected outputs --------------------------------
+def cmd_prepare(workdir: Path, slowdown: float, iters: int) -> None:
+    """Runs in a child process, so the load generator never imports torch or onnxruntime."""
+    import torch
+
+    from guard.zoo import classifier
+
+    paths = classifier.export(workdir / "models")
+    inputs = classifier.sample_inputs(REQUEST_POOL, seed=2026)
+    session = ort_session(str(paths["onnx"]))
+    expected = np.concatenate([session.run(["logits"], {"image": inputs[i:i + 1]})[0]
+                               for i in range(REQUEST_POOL)])
+
+    def p50_ms(fn) -> float:
+        for i in range(max(50, iters // 10)):
+            fn(inputs[i % REQUEST_POOL:i % REQUEST_POOL + 1])
+        times = []
+        for i in range(iters):
+            x = inputs[i % REQUEST_POOL:i % REQUEST_POOL + 1]
+            t0 = time.perf_counter_ns()
+            fn(x)
+            times.append(time.perf_counter_ns() - t0)
+        return float(np.median(times)) / 1e6
+
+    primary_ms = p50_ms(lambda x: session.run(["logits"], {"image": x}))
+    del session
+    # The reference runs with mirror.threads = 1 (guard pins torch to it).
+    torch.set_num_threads(1)
+    sys.path.insert(0, str(workdir))
+    import bench_reference
+
+    with torch.inference_mode():
+        single = bench_reference.make(str(paths["torchscript"]), 1)
+        forward_ms = p50_ms(lambda x: single(torch.from_numpy(x)))
+        repeats = max(1, round(slowdown * primary_ms / forward_ms))
+        reference = bench_reference.make(str(paths["torchscript"]), repeats)
+        reference_ms = p50_ms(lambda x: reference(torch.from_numpy(x)))
+        ref_out = np.concatenate([reference(torch.from_numpy(inputs[i:i + 1])).numpy()
+                                  for i in range(REQUEST_POOL)])
+    np.save(workdir / "inputs.npy", inputs)
+    np.save(workdir / "expected.npy", expected)
+    result = {
+        "onnx": str(paths["onnx"]),
+        "torchscript": str(paths["torchscript"]),
+        "primary_ort_p50_ms": primary_ms,
+        "torch_forward_1thread_p50_ms": forward_ms,
+        "target_slowdown": slowdown,
+        "repeats": repeats,
+        "reference_p50_ms": reference_ms,
+        "reference_slowdown": reference_ms / primary_ms,
+        "reference_vs_primary_max_abs_diff": float(np.abs(ref_out - expected).max()),
+    }
+    (workdir / "prepare.json").write_text(json.dumps(result, indent=2))
+
+
+# -- (internal) the baseline server ---------------------------------------------------------------
+def cmd_baseline(onnx_path: str, port: int, executor_workers: int) -> None:
+    import asyncio
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    session = ort_session(onnx_path)
+    output_names = [o.name for o in session.get_outputs()]
+    numpy_of = {"FP32": np.float32, "FP16": np.float16, "FP64": np.float64, "INT64": np.int64,
+                "INT32": np.int32, "UINT8": np.uint8, "INT8": np.int8, "BOOL": np.bool_}
+    oip_of = {np.dtype(v): k for k, v in numpy_of.items()}
+    pool = ThreadPoolExecutor(executor_workers) if executor_workers else None
+
+    class Servicer(pb_grpc.GRPCInferenceServiceServicer):
+        async def ServerLive(self, request, context):
+            return pb.ServerLiveResponse(live=True)
+
+        async def ServerReady(self, request, context):
+            return pb.ServerReadyResponse(ready=True)
+
+        async def ModelReady(self, request, context):
+            return pb.ModelReadyResponse(ready=request.name == MODEL)
+
+        async def ModelInfer(self, request, context):
+            inputs = {
+                t.name: np.frombuffer(raw, dtype=numpy_of[t.datatype]).reshape(tuple(t.shape))
+                for t, raw in zip(request.inputs, request.raw_input_contents)
+            }
+            if pool is None:
+                outputs = session.run(output_names, inputs)
+            else:
+                outputs = await asyncio.get_running_loop().run_in_executor(
+                    pool, session.run, output_names, inputs)
+            response = pb.ModelInferResponse(model_name=request.model_name,
+                                             model_version=request.model_version, id=request.id)
+            for name, array in zip(output_names, outputs):
+                tensor = response.outputs.add(name=name, datatype=oip_of[array.dtype])
+                tensor.shape.extend(array.shape)
+                response.raw_output_contents.append(array.tobytes())
+            return response
+
+    async def main() -> None:
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+                                          ("grpc.max_send_message_length", MAX_MESSAGE),
+                                          ("grpc.so_reuseport", 0)])
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(Servicer(), server)
+        if not server.add_insecure_port(f"{HOST}:{port}"):
+            raise SystemExit(f"baseline: cannot listen on {HOST}:{port}")
+        await server.start()
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
+        await server.stop(2)
+
+    asyncio.run(main())
+
+
+# -- servers as child processes ------------------------------------------------------------------
+class Child:
+    def __init__(self, cell: str, argv: list[str], logfile: Path, env: dict):
+        self.cell = cell
+        self.logfile = logfile
+        self._log = logfile.open("w")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=env, cwd=str(REPO), start_new_session=True)
+
+    def log_tail(self, lines: int = 30) -> str:
+        try:
+            return "\n".join(self.logfile.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self) -> int | None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=10)
+        self._log.close()
+        return self.process.returncode
+
+
+def wait_ready(target: str, child: Child, timeout: float = 180.0) -> None:
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        while time.monotonic() < deadline:
+            if child.process.poll() is not None:
+                raise RuntimeError(f"server {child.cell} exited with code "
+                                   f"{child.process.returncode} before it was ready:\n"
+                                   f"{child.log_tail()}")
+            try:
+                if (stub.ServerReady(pb.ServerReadyRequest(), timeout=2).ready
+                        and stub.ModelReady(pb.ModelReadyRequest(name=MODEL), timeout=2).ready):
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"server {child.cell} not ready after {timeout:.0f}s:\n{child.log_tail()}")
+
+
+def build_requests(inputs: np.ndarray) -> list:
+    from tritonclient.grpc import service_pb2 as pb
+
+    requests = []
+    for i in range(inputs.shape[0]):
+        request = pb.ModelInferRequest(model_name=MODEL)
+        tensor = request.inputs.add(name="image", datatype="FP32")
+        tensor.shape.extend([1, 3, 32, 32])
+        request.outputs.add(name="logits")
+        request.raw_input_contents.append(np.ascontiguousarray(inputs[i:i + 1]).tobytes())
+        requests.append(request)
+    return requests
+
+
+def check_answers(target: str, requests: list, expected: np.ndarray) -> float:
+    """Every pooled request once; the answers must match ORT in-process. Returns max |diff|."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    worst = 0.0
+    with grpc.insecure_channel(target) as channel:
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        for i, request in enumerate(requests):
+            response = stub.ModelInfer(request, timeout=30)
+            names = [o.name for o in response.outputs]
+            got = np.frombuffer(response.raw_output_contents[names.index("logits")],
+                                dtype=np.float32).reshape(1, 10)
+            worst = max(worst, float(np.abs(got - expected[i:i + 1]).max()))
+    if worst > 1e-4:
+        raise RuntimeError(f"answers from {target} differ from ORT in-process by {worst:g}")
+    return worst
+
+
+# -- load generator ------------------------------------------------------------------------------
+def closed_loop(target: str, requests: list, concurrency: int, duration: float) -> dict:
+    """C threads, each its own channel/connection, each sending the next request as soon as the
+    previous answer arrives, until ``duration`` has passed. Returns latencies and counts."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    barrier = threading.Barrier(concurrency + 1, timeout=60)
+    start_ns = [0]
+    latencies: list[list[int]] = [[] for _ in range(concurrency)]
+    errors = [0] * concurrency
+    first_error: list[str] = []
+    ends = [0] * concurrency
+
+    def worker(index: int) -> None:
+        options = [("grpc.use_local_subchannel_pool", 1),
+                   ("grpc.max_receive_message_length", MAX_MESSAGE),
+                   ("grpc.max_send_message_length", MAX_MESSAGE)]
+        channel = grpc.insecure_channel(target, options=options)
+        stub = pb_grpc.GRPCInferenceServiceStub(channel)
+        infer = stub.ModelInfer
+        try:
+            stub.ServerLive(pb.ServerLiveRequest(), timeout=10)  # connect before the clock
+            barrier.wait()
+            deadline = start_ns[0] + int(duration * 1e9)
+            mine = latencies[index]
+            k = index * 7
+            n = len(requests)
+            while True:
+                request = requests[k % n]
+                k += 1
+                t0 = time.perf_counter_ns()
+                try:
+                    infer(request, timeout=30)
+                except grpc.RpcError as exc:
+                    errors[index] += 1
+                    if not first_error:
+                        first_error.append(f"{exc.code()}: {exc.details()}")
+                    t1 = time.perf_counter_ns()
+                else:
+                    t1 = time.perf_counter_ns()
+                    mine.append(t1 - t0)
+                if t1 >= deadline:
+                    ends[index] = t1
+                    break
+        finally:
+            channel.close()
+
+    threads = [threading.Thread(target=worker, args=(i,), daemon=True)
+               for i in range(concurrency)]
+    for t in threads:
+        t.start()
+    gc.collect()
+    gc.disable()  # no collector pauses in the load generator while it measures
+    try:
+        start_ns[0] = time.perf_counter_ns()
+        barrier.wait()
+        for t in threads:
+            t.join(duration + 120)
+    finally:
+        gc.enable()
+    if any(t.is_alive() for t in threads):
+        raise RuntimeError(f"load generator against {target} did not finish")
+    elapsed = (max(ends) - start_ns[0]) / 1e9
+    all_ns = np.concatenate([np.asarray(x, dtype=np.int64) for x in latencies])
+    return {"latencies_ns": all_ns, "elapsed_s": elapsed, "errors": sum(errors),
+            "first_error": first_error[0] if first_error else None}
+
+
+def summarize(latencies_ns: np.ndarray, elapsed_s: float, errors: int) -> dict:
+    return {
+        "requests": int(latencies_ns.size),
+        "errors": int(errors),
+        "elapsed_s": round(elapsed_s, 3),
+        "throughput_rps": latencies_ns.size / elapsed_s if elapsed_s > 0 else float("nan"),
+        "mean_ms": float(latencies_ns.mean()) / 1e6 if latencies_ns.size else float("nan"),
+        "p50_ms": percentile_ms(latencies_ns, 50),
+        "p90_ms": percentile_ms(latencies_ns, 90),
+        "p99_ms": percentile_ms(latencies_ns, 99),
+        "p999_ms": percentile_ms(latencies_ns, 99.9),
+        "max_ms": float(latencies_ns.max()) / 1e6 if latencies_ns.size else float("nan"),
+    }
+
+
+# -- guard metrics ---------------------------------------------------------------------------------
+def scrape(port: int) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5).read().decode()
+    values = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.labels.get("model") not in (None, MODEL):
+                continue
+            key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items())
+                                        if k not in ("model", "le"))
+            if "le" in sample.labels:
+                continue
+            values[key] = sample.value
+    return values
+
+
+MIRROR_OUTCOMES = ("compared", "dropped", "timeout", "error")
+
+
+def mirror_total(values: dict) -> float:
+    return sum(values.get(f"guard_mirror_total,outcome={o}", 0.0) for o in MIRROR_OUTCOMES)
+
+
+def drained(port: int, timeout: float = 60.0) -> dict:
+    """Scrape once the mirror queue is empty and the outcome counts have stopped moving."""
+    deadline = time.monotonic() + timeout
+    previous = None
+    while True:
+        values = scrape(port)
+        total = mirror_total(values)
+        if values.get("guard_mirror_queue_depth", 0.0) == 0 and previous == total:
+            return values
+        if time.monotonic() > deadline:
+            log(f"warning: mirror queue not drained after {timeout:.0f}s")
+            return values
+        previous = total
+        time.sleep(0.25)
+
+
+def guard_delta(before: dict, after: dict) -> dict:
+    d = {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
+    out = {
+        "requests_primary": int(d.get("guard_requests_total,route=primary", 0)),
+        "request_errors": int(sum(v for k, v in d.items()
+                                  if k.startswith("guard_request_errors_total"))),
+    }
+    count = d.get("guard_request_duration_seconds_count,route=primary", 0)
+    if count:
+        out["in_guard_mean_ms"] = d["guard_request_duration_seconds_sum,route=primary"] / count * 1e3
+    mirror = {o: int(d.get(f"guard_mirror_total,outcome={o}", 0)) for o in MIRROR_OUTCOMES}
+    if any(mirror.values()) or "guard_reference_duration_seconds_count" in d:
+        out["mirror"] = mirror
+        out["mirror"]["sampled"] = sum(mirror.values())
+        out["checks"] = {r: int(d.get(f"guard_checks_total,result={r},tier=tensor", 0))
+                         for r in ("pass", "fail")}
+        ref_count = d.get("guard_reference_duration_seconds_count", 0)
+        if ref_count:
+            out["reference_mean_ms"] = (d["guard_reference_duration_seconds_sum"]
+                                        / ref_count * 1e3)
+    return out
+
+
+# -- configs -----------------------------------------------------------------------------------------
+def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float) -> dict:
+    model = {
+        "name": MODEL,
+        "task": "classification",
+        "primary": {"backend": "onnxruntime", "path": prep["onnx"]},
+    }
+    if mirror:
+        model["reference"] = {
+            "backend": "torch",
+            "path": "bench_reference:make",
+            "options": {"kwargs": {"path": prep["torchscript"], "repeats": prep["repeats"]}},
+        }
+        model["mirror"] = {"sample_rate": sample_rate, "threads": 1, "queue_size": 64,
+                           "timeout_s": 5.0}
+    return {
+        "version": 1,
+        "server": {"host": HOST, "shutdown_grace_s": 5.0, **ports},
+        "models": [model],
+    }
+
+
+# -- the run -------------------------------------------------------------------------------------
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
+    if not concurrencies or min(concurrencies) < 1:
+        raise SystemExit("--concurrency: a comma-separated list of integers >= 1")
+    duration = args.duration if args.duration is not None else (2.0 if args.quick else 10.0)
+    warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 2.0)
+    out_dir = Path(args.out).resolve()
+    workdir = Path(tempfile.mkdtemp(prefix="guard-bench-"))
+    env = dict(os.environ, GUARD_CACHE_DIR=str(workdir), PYTHONUNBUFFERED="1")
+    os.environ["GUARD_CACHE_DIR"] = str(workdir)
+    children: list[Child] = []
+    log(f"work folder {workdir}; {duration:g}s per cell after {warmup:g}s warm-up; "
+        f"concurrency {concurrencies}; {args.rounds} round(s)")
+    try:
+        (workdir / "bench_reference.py").write_text(REFERENCE_MODULE)
+        log("exporting the zoo classifier and calibrating the reference ...")
+        subprocess.run(
+            [sys.executable, str(Path(__file__).resolve()), "_prepare", "--workdir", str(workdir),
+             "--slowdown", str(args.reference_slowdown), "--iters", "300" if args.quick else "2000"],
+            check=True, env=env, cwd=str(REPO),
+        )
+        prep = json.loads((workdir / "prepare.json").read_text())
+        log(f"primary ORT p50 {prep['primary_ort_p50_ms'] * 1e3:.0f} us; torch forward (1 thread) "
+            f"{prep['torch_forward_1thread_p50_ms'] * 1e3:.0f} us -> reference = {prep['repeats']} "
+            f"forward pass(es), {prep['reference_p50_ms'] * 1e3:.0f} us = "
+            f"{prep['reference_slowdown']:.1f}x the primary")
+        inputs = np.load(workdir / "inputs.npy")
+        expected = np.load(workdir / "expected.npy")
+        requests = build_requests(inputs)
+
+        runs: dict[str, dict[int, list[dict]]] = {c: {n: [] for n in concurrencies} for c in CELLS}
+        pooled: dict[str, dict[int, list[np.ndarray]]] = {
+            c: {n: [] for n in concurrencies} for c in CELLS}
+        for round_index in range(args.rounds):
+            for cell in CELLS:
+                port = free_port()
+                target = f"{HOST}:{port}"
+                metrics_port = None
+                if cell == "a":
+                    argv = [sys.executable, str(Path(__file__).resolve()), "_baseline",
+                            "--onnx", prep["onnx"], "--port", str(port),
+                            "--executor", str(args.baseline_executor)]
+                else:
+                    metrics_port = free_port()
+                    ports = {"grpc_port": port, "metrics_port": metrics_port,
+                             "admin_port": free_port()}
+                    config = guard_config(prep, ports, mirror=cell == "c",
+                                          sample_rate=args.sample_rate)
+                    path = workdir / f"guard_{cell}.yaml"
+                    path.write_text(yaml.safe_dump(config, sort_keys=False))
+                    argv = [sys.executable, "-m", "guard", "serve", "--config", str(path)]
+                child = Child(cell, argv, workdir / f"server_{cell}_r{round_index}.log", env)
+                children.append(child)
+                wait_ready(target, child)
+                worst = check_answers(target, requests, expected)
+                log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} ready on {target}; "
+                    f"answers match ORT (max |diff| {worst:.1e})")
+                for concurrency in concurrencies:
+                    closed_loop(target, requests, concurrency, warmup)
+                    before = drained(metrics_port) if metrics_port else None
+                    result = closed_loop(target, requests, concurrency, duration)
+                    after = drained(metrics_port) if metrics_port else None
+                    if result["errors"]:
+                        log(f"  ({cell}) c={concurrency}: {result['errors']} errors, first: "
+                            f"{result['first_error']}")
+                    figures = summarize(result["latencies_ns"], result["elapsed_s"],
+                                        result["errors"])
+                    if metrics_port:
+                        figures["guard"] = guard_delta(before, after)
+                    runs[cell][concurrency].append(figures)
+                    pooled[cell][concurrency].append(result["latencies_ns"])
+                    extra = ""
+                    mirror = figures.get("guard", {}).get("mirror")
+                    if mirror:
+                        extra = (f"; mirror compared {mirror['compared']}, dropped "
+                                 f"{mirror['dropped']}, timeout {mirror['timeout']}")
+                    log(f"  ({cell}) c={concurrency}: p50 {figures['p50_ms']:.3f} ms, p99 "
+                        f"{figures['p99_ms']:.3f} ms, {figures['throughput_rps']:.0f} req/s"
+                        f"{extra}")
+                code = child.stop()
+                if code not in (0, None):
+                    log(f"warning: server ({cell}) exited with code {code}:\n{child.log_tail()}")
+
+        report = build_report(args, prep, concurrencies, duration, warmup, runs, pooled)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "proxy_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
+        (out_dir / "proxy_overhead.md").write_text(markdown(report))
+        print()
+        print(text_table(report))
+        log(f"wrote {out_dir / 'proxy_overhead.json'} and {out_dir / 'proxy_overhead.md'}")
+        return 0
+    finally:
+        for child in children:
+            if child.process.poll() is None:
+                child.process.kill()
+                child.process.wait(timeout=10)
+        if args.keep_workdir:
+            log(f"work folder kept: {workdir}")
+        else:
+            shutil.rmtree(workdir, ignore_errors=True)
+
+
+# -- report ----------------------------------------------------------------------------------------
+def _merge_guard(parts: list[dict]) -> dict:
+    """Sum counters over rounds; average the means weighted by requests."""
+    if not parts or not any("guard" in p for p in parts):
+        return {}
+    merged: dict = {"requests_primary": 0, "request_errors": 0}
+    weight = 0
+    mean = 0.0
+    ref_w = 0
+    ref_mean = 0.0
+    for p in parts:
+        g = p["guard"]
+        merged["requests_primary"] += g["requests_primary"]
+        merged["request_errors"] += g["request_errors"]
+        if "in_guard_mean_ms" in g:
+            mean += g["in_guard_mean_ms"] * g["requests_primary"]
+            weight += g["requests_primary"]
+        if "mirror" in g:
+            m = merged.setdefault("mirror", {k: 0 for k in g["mirror"]})
+            for k, v in g["mirror"].items():
+                m[k] += v
+            c = merged.setdefault("checks", {"pass": 0, "fail": 0})
+            for k, v in g["checks"].items():
+                c[k] += v
+            if "reference_mean_ms" in g:
+                n = g["mirror"]["compared"]
+                ref_mean += g["reference_mean_ms"] * n
+                ref_w += n
+    if weight:
+        merged["in_guard_mean_ms"] = mean / weight
+    if ref_w:
+        merged["reference_mean_ms"] = ref_mean / ref_w
+    return merged
+
+
+def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> dict:
+    cells = {}
+    for cell in CELLS:
+        cells[cell] = {}
+        for c in concurrencies:
+            parts = runs[cell][c]
+            lat = np.concatenate(pooled[cell][c])
+            elapsed = sum(p["elapsed_s"] for p in parts)
+            figures = summarize(lat, elapsed, sum(p["errors"] for p in parts))
+            guard = _merge_guard(parts)
+            if guard:
+                figures["guard"] = guard
+            if len(parts) > 1:
+                figures["per_round"] = [{k: p[k] for k in ("p50_ms", "p99_ms", "throughput_rps")}
+                                        for p in parts]
+            cells[cell][str(c)] = figures
+
+    comparisons = {}
+    for c in concurrencies:
+        a, b, cc = (cells[x][str(c)] for x in "abc")
+        comp = {
+            "b_over_a": {"p50": b["p50_ms"] / a["p50_ms"], "p99": b["p99_ms"] / a["p99_ms"],
+                         "throughput": b["throughput_rps"] / a["throughput_rps"]},
+            "c_over_b": {"p50": cc["p50_ms"] / b["p50_ms"], "p99": cc["p99_ms"] / b["p99_ms"],
+                         "throughput": cc["throughput_rps"] / b["throughput_rps"]},
+            "b_minus_a_ms": {"p50": b["p50_ms"] - a["p50_ms"], "p99": b["p99_ms"] - a["p99_ms"]},
+        }
+        mirror = cc.get("guard", {}).get("mirror", {})
+        requests = cc.get("guard", {}).get("requests_primary", 0)
+        sampled = mirror.get("sampled", 0)
+        # Every sampled request must end as an outcome (compared/dropped/timeout/error) and the
+        # share must be the configured rate: a sample the request path waited for, or lost
+        # uncounted, would not add up. 5 sigma of a binomial draw.
+        sigma = (requests * args.sample_rate * (1 - args.sample_rate)) ** 0.5
+        accounted = requests > 0 and abs(sampled - requests * args.sample_rate) <= 5 * sigma + 1
+        comp["targets"] = {
+            "guard_add_p50_ms": {"value": comp["b_minus_a_ms"]["p50"], "target": TARGET_ADD_P50_MS,
+                                 "ok": comp["b_minus_a_ms"]["p50"] <= TARGET_ADD_P50_MS},
+            "guard_add_p99_ms": {"value": comp["b_minus_a_ms"]["p99"], "target": TARGET_ADD_P99_MS,
+                                 "ok": comp["b_minus_a_ms"]["p99"] <= TARGET_ADD_P99_MS},
+            "mirror_p99_ratio": {"value": comp["c_over_b"]["p99"],
+                                 "target": TARGET_MIRROR_P99_RATIO,
+                                 "ok": comp["c_over_b"]["p99"] <= TARGET_MIRROR_P99_RATIO},
+            "mirror_non_blocking": {
+                "client_errors": cc["errors"], "requests": requests, "sampled": sampled,
+                "sampled_share": sampled / requests if requests else None,
+                "dropped": mirror.get("dropped", 0), "timeout": mirror.get("timeout", 0),
+                "ok": cc["errors"] == 0 and accounted,
+            },
+        }
+        comparisons[str(c)] = comp
+
+    return {
+        "benchmark": "proxy_overhead",
+        "machine": machine_info(),
+        "settings": {
+            "duration_s": duration, "warmup_s": warmup, "rounds": args.rounds,
+            "concurrency": concurrencies, "quick": bool(args.quick),
+            "model": "guard.zoo.classifier (seed 0), ONNX Runtime fp32 CPU, batch 1, "
+                     "input image FP32 [1,3,32,32], output logits FP32 [1,10]",
+            "ort_session": "graph optimisation all, intra_op 0 (ORT default), inter_op 0, "
+                           "sequential (guard's primary defaults), same in (a)",
+            "baseline_executor_threads": args.baseline_executor,
+            "guard_workers": 4,
+            "mirror": {"sample_rate": args.sample_rate, "threads": 1, "queue_size": 64,
+                       "timeout_s": 5.0},
+            "load_generator": "closed loop, one thread + one gRPC channel (own connection) per "
+                              "concurrent client, tritonclient GRPCInferenceServiceStub, "
+                              "pre-built raw requests (64 distinct inputs), loopback",
+        },
+        "calibration": prep,
+        "cells": {k: {"name": CELLS[k], "by_concurrency": v} for k, v in cells.items()},
+        "comparisons": comparisons,
+    }
+
+
+def _ok(flag: bool) -> str:
+    return "PASS" if flag else "MISS"
+
+
+def _rows(report: dict) -> tuple[list[list[str]], list[list[str]], list[list[str]]]:
+    figures, ratios, targets = [], [], []
+    for c, comp in report["comparisons"].items():
+        for cell in CELLS:
+            f = report["cells"][cell]["by_concurrency"][c]
+            g = f.get("guard", {})
+            m = g.get("mirror")
+            note = ""
+            if m:
+                note = (f"mirror: compared {m['compared']}, dropped {m['dropped']}, timeout "
+                        f"{m['timeout']}, error {m['error']}; checks pass {g['checks']['pass']} "
+                        f"fail {g['checks']['fail']}")
+            figures.append([c, f"({cell}) {CELLS[cell]}", f"{f['p50_ms']:.3f}", f"{f['p99_ms']:.3f}",
+                            f"{f['throughput_rps']:.0f}", str(f["requests"]), str(f["errors"]),
+                            note])
+        r = comp
+        ratios.append([c, f"{r['b_over_a']['p50']:.2f}", f"{r['b_over_a']['p99']:.2f}",
+                       f"{r['b_over_a']['throughput']:.2f}", f"{r['b_minus_a_ms']['p50']:+.3f}",
+                       f"{r['b_minus_a_ms']['p99']:+.3f}", f"{r['c_over_b']['p50']:.2f}",
+                       f"{r['c_over_b']['p99']:.2f}", f"{r['c_over_b']['throughput']:.2f}"])
+        t = comp["targets"]
+        nb = t["mirror_non_blocking"]
+        share = f"{nb['sampled_share']:.1%}" if nb["sampled_share"] is not None else "n/a"
+        targets += [
+            [c, "guard adds at p50 (b-a)", f"<= {TARGET_ADD_P50_MS} ms",
+             f"{t['guard_add_p50_ms']['value']:+.3f} ms", _ok(t["guard_add_p50_ms"]["ok"])],
+            [c, "guard adds at p99 (b-a)", f"<= {TARGET_ADD_P99_MS} ms",
+             f"{t['guard_add_p99_ms']['value']:+.3f} ms", _ok(t["guard_add_p99_ms"]["ok"])],
+            [c, "mirroring 10% raises p99 (c/b)", f"<= {TARGET_MIRROR_P99_RATIO:.2f}x",
+             f"{t['mirror_p99_ratio']['value']:.2f}x", _ok(t["mirror_p99_ratio"]["ok"])],
+            [c, "mirror never blocks (all samples end counted)", "0 errors, ~10% sampled",
+             f"{nb['client_errors']} errors, {nb['sampled']} sampled ({share}) of "
+             f"{nb['requests']}, dropped {nb['dropped']}, timeout {nb['timeout']}",
+             _ok(nb["ok"])],
+        ]
+    return figures, ratios, targets
+
+
+FIG_HEAD = ["C", "server", "p50 ms", "p99 ms", "req/s", "requests", "errors", "notes"]
+RATIO_HEAD = ["C", "b/a p50", "b/a p99", "b/a req/s", "b-a p50 ms", "b-a p99 ms", "c/b p50",
+              "c/b p99", "c/b req/s"]
+TARGET_HEAD = ["C", "target", "bound", "measured", "result"]
+
+
+def _plain(head: list[str], rows: list[list[str]]) -> str:
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *rows)]
+    line = lambda r: "  ".join(str(x).ljust(w) for x, w in zip(r, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line(["-" * w for w in widths])] + [line(r) for r in rows])
+
+
+def _md(head: list[str], rows: list[list[str]]) -> str:
+    out = ["| " + " | ".join(head) + " |", "|" + "|".join("---" for _ in head) + "|"]
+    out += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    return "\n".join(out)
+
+
+def _context_lines(report: dict) -> list[str]:
+    m = report["machine"]
+    v = m["versions"]
+    s = report["settings"]
+    cal = report["calibration"]
+    lines = [
+        f"Machine: {m['cpu_model']}, {m['cpu_count']} cores ({m['cpus_usable']} usable); "
+        f"Python {v['python']}, onnxruntime {v['onnxruntime']}, torch {v['torch']}, "
+        f"grpcio {v['grpcio']}, guard {v['guard']}; {m['platform']}; {m['date']}",
+        f"Run: {s['duration_s']:g} s per cell after {s['warmup_s']:g} s warm-up, "
+        f"{s['rounds']} round(s), concurrency {s['concurrency']}" +
+        (" (--quick: smoke check, not figures to quote)" if s["quick"] else ""),
+        f"Model: {s['model']}",
+        f"Reference (c): torch TorchScript, forward x{cal['repeats']}, 1 thread: "
+        f"{cal['reference_p50_ms'] * 1e3:.0f} us p50 vs primary ORT {cal['primary_ort_p50_ms'] * 1e3:.0f}"
+        f" us p50 in-process = {cal['reference_slowdown']:.1f}x (target {cal['target_slowdown']:g}x)",
+    ]
+    for c in report["comparisons"]:
+        g = report["cells"]["c"]["by_concurrency"][c].get("guard", {})
+        gb = report["cells"]["b"]["by_concurrency"][c].get("guard", {})
+        if "reference_mean_ms" in g:
+            lines.append(f"  C={c}: inside guard, mean request {gb.get('in_guard_mean_ms', 0):.3f} ms"
+                         f" (b) / {g.get('in_guard_mean_ms', 0):.3f} ms (c); mean reference "
+                         f"call {g['reference_mean_ms']:.3f} ms under load")
+    return lines
+
+
+def text_table(report: dict) -> str:
+    figures, ratios, targets = _rows(report)
+    parts = ["\n".join(_context_lines(report)), "",
+             _plain(FIG_HEAD, figures), "", "Ratios (a: baseline, b: guard, c: guard + mirror)",
+             _plain(RATIO_HEAD, ratios), "", "Targets", _plain(TARGET_HEAD, targets)]
+    return "\n".join(parts)
+
+
+def markdown(report: dict) -> str:
+    figures, ratios, targets = _rows(report)
+    cells = "\n".join(f"- ({k}) {v}" for k, v in CELLS.items())
+    context = "\n".join(f"- {line.strip()}" for line in _context_lines(report))
+    return (
+        "# Proxy overhead: guard vs a bare OIP server\n\n"
+        "Generated by `benchmarks/proxy_overhead.py`; closed-loop load over loopback, latency "
+        "measured at the client.\n\n"
+        f"{context}\n\nCells:\n\n{cells}\n\n"
+        f"## Figures\n\n{_md(FIG_HEAD, figures)}\n\n"
+        f"## Ratios\n\n{_md(RATIO_HEAD, ratios)}\n\n"
+        f"## Targets\n\n{_md(TARGET_HEAD, targets)}\n"
+    )
+
+
+# -- entry ---------------------------------------------------------------------------------------
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_prepare":
+        p = argparse.ArgumentParser()
+        p.add_argument("--workdir", type=Path, required=True)
+        p.add_argument("--slowdown", type=float, required=True)
+        p.add_argument("--iters", type=int, default=2000)
+        a = p.parse_args(argv[1:])
+        cmd_prepare(a.workdir, a.slowdown, a.iters)
+        return 0
+    if argv and argv[0] == "_baseline":
+        p = argparse.ArgumentParser()
+        p.add_argument("--onnx", required=True)
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--executor", type=int, default=0)
+        a = p.parse_args(argv[1:])
+        cmd_baseline(a.onnx, a.port, a.executor)
+        return 0
+
+    parser = argparse.ArgumentParser(
+        description="Guard's request-path overhead: (a) a bare OIP gRPC server, (b) guard with "
+        "mirroring off, (c) guard mirroring 10%% onto a ~5x slower reference; same ONNX Runtime "
+        "model, closed-loop load over loopback.")
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds measured per cell (default 10; 2 with --quick)")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="seconds of warm-up load before each cell (default 2; 0.5 --quick)")
+    parser.add_argument("--concurrency", default="1,8",
+                        help="comma-separated concurrent clients (default 1,8)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="repeat the a,b,c sequence; latencies are pooled (default 1)")
+    parser.add_argument("--out", default=str(HERE / "results"),
+                        help="folder for proxy_overhead.json/.md (default benchmarks/results)")
+    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument("--sample-rate", type=float, default=0.1,
+                        help="mirror.sample_rate of cell (c) (default 0.1)")
+    parser.add_argument("--reference-slowdown", type=float, default=5.0,
+                        help="how many times the primary's latency the reference costs (5)")
+    parser.add_argument("--baseline-executor", type=int, default=0, metavar="N",
+                        help="run the baseline's ORT calls on N threads instead of inline on the "
+                        "event loop (guard uses 4); default 0 = inline")
+    parser.add_argument("--keep-workdir", action="store_true",
+                        help="keep the temp folder (models, configs, server logs)")
+    args = parser.parse_args(argv)
+    if args.rounds < 1:
+        parser.error("--rounds must be >= 1")
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,90 @@
+"""End-to-end helpers: a real guard server on free ports, real tritonclient, real /metrics."""
+
+from __future__ import annotations
+
+import time
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+import yaml
+
+from guard.config import load_config
+from guard.serve.app import BackgroundServer
+
+AFFINE = "fixture_models:affine"
+
+
+def affine_backend(**kwargs) -> dict:
+    return {"backend": "torch", "path": AFFINE, "options": {"kwargs": kwargs}}
+
+
+def model_block(name="m", **overrides) -> dict:
+    block = {
+        "name": name,
+        "primary": affine_backend(),
+        "reference": affine_backend(),
+        "mirror": {"sample_rate": 1.0, "queue_size": 256, "timeout_s": 5.0},
+        "checks": {"tensor": {"atol": 1e-5, "rtol": 1e-4}},
+        "policy": {"action": "alert", "window": 10, "min_samples": 5},
+    }
+    block.update(overrides)
+    return block
+
+
+def write_config(folder: Path, models: list[dict], **server) -> Path:
+    data = {
+        "version": 1,
+        "server": {"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0, "admin_port": 0,
+                   **server},
+        "models": models,
+    }
+    path = folder / "guard.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@contextmanager
+def running(folder: Path, models: list[dict], **server):
+    config = load_config(write_config(folder, models, **server))
+    with BackgroundServer(config) as srv:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        try:
+            yield srv, client
+        finally:
+            client.close()
+
+
+def x_input(rows: np.ndarray, name: str = "x") -> grpcclient.InferInput:
+    rows = np.asarray(rows, dtype=np.float32)
+    tensor = grpcclient.InferInput(name, list(rows.shape), "FP32")
+    tensor.set_data_from_numpy(rows)
+    return tensor
+
+
+def scrape(port: int) -> dict[tuple[str, tuple], float]:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def metric(values: dict, name: str, **labels) -> float:
+    return values.get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
+    """Poll until predicate() is truthy (work that happens off the request path)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"condition not met within {timeout}s")

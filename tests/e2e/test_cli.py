@@ -1,0 +1,165 @@
+"""The ``guard`` command as a user runs it: real subprocesses, signals and exit codes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+
+from fixture_models import SLEEP_TRIGGER
+from support import affine_backend, model_block, write_config, x_input
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+
+def guard_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(TESTS_DIR), env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_guard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True,
+                          timeout=timeout, env=guard_env())
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = [line for line in result.stderr.splitlines() if line.startswith("guard:")]
+    assert len(lines) == 1, result.stderr
+    for fragment in fragments:
+        assert fragment in lines[0]
+
+
+def test_help_lists_the_commands():
+    result = run_guard("--help")
+    assert result.returncode == 0
+    for command in ("serve", "demo", "config", "admin"):
+        assert command in result.stdout
+    assert "--config" in run_guard("serve", "--help").stdout
+
+
+def test_serve_rejects_bad_configs_with_one_clear_line(tmp_path):
+    bad_yaml = tmp_path / "bad.yaml"
+    bad_yaml.write_text("version: 1\nmodels: [\n")
+    assert_one_line_error(run_guard("serve", "--config", str(bad_yaml)), "(yaml)", "line")
+
+    missing = write_config(tmp_path, [{"name": "m", "primary": {"backend": "onnxruntime",
+                                                                "path": "nowhere.onnx"}}])
+    assert_one_line_error(run_guard("serve", "--config", str(missing)),
+                          "models[0].primary.path", "file not found")
+
+    data = yaml.safe_load(missing.read_text())
+    data["models"][0]["primary"]["backend"] = "tensorflow"
+    missing.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run_guard("serve", "--config", str(missing)),
+                          "models[0].primary.backend")
+
+    corrupt = tmp_path / "corrupt.onnx"
+    corrupt.write_bytes(b"this is not an onnx model")
+    data["models"][0]["primary"] = {"backend": "onnxruntime", "path": str(corrupt)}
+    missing.write_text(yaml.safe_dump(data))
+    assert_one_line_error(run_guard("serve", "--config", str(missing)),
+                          "models[m].primary", "cannot load")
+
+    assert_one_line_error(run_guard("serve", "--config", str(tmp_path / "absent.yaml")),
+                          "absent.yaml", "cannot read")
+
+
+def test_serve_refuses_a_port_in_use(tmp_path):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        config = write_config(tmp_path, [model_block(mirror={"sample_rate": 0.0})])
+        data = yaml.safe_load(config.read_text())
+        data["server"]["metrics_port"] = port
+        config.write_text(yaml.safe_dump(data))
+        assert_one_line_error(run_guard("serve", "--config", str(config)),
+                              "server.metrics_port")
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
+    port = free_port()
+    model = model_block(primary=affine_backend(sleep_on_trigger=1.5),
+                        mirror={"sample_rate": 0.0})
+    config = write_config(tmp_path, [model])
+    data = yaml.safe_load(config.read_text())
+    data["server"].update(grpc_port=port, shutdown_grace_s=10)
+    config.write_text(yaml.safe_dump(data))
+    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=guard_env())
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert process.poll() is None, process.stderr.read()
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "server never became ready"
+            time.sleep(0.1)
+
+        outcome: dict[str, object] = {}
+
+        def slow_request():
+            try:
+                slow = np.full((1, 4), SLEEP_TRIGGER, np.float32)
+                outcome["y"] = client.infer("m", [x_input(slow)]).as_numpy("y")
+            except Exception as exc:  # recorded, asserted below
+                outcome["error"] = exc
+
+        thread = threading.Thread(target=slow_request)
+        thread.start()
+        time.sleep(0.5)  # the request is now inside the backend
+        process.send_signal(signal.SIGTERM)
+        thread.join(30)
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome["y"].shape == (1, 3)
+        assert process.wait(30) == 0
+        stderr = process.stderr.read()
+        assert '"event": "server_stopped"' in stderr
+    finally:
+        client.close()
+        if process.poll() is None:
+            process.kill()
+
+
+def test_demo_runs_end_to_end_and_shows_the_fallback(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "guard", "demo", "--requests", "80", "--exit",
+         "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=300, env=guard_env(),
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "ROUTE primary -> fallback (policy)" in out
+    assert "tier-1 checks" in out and "/metrics" in out
+    assert "stopped gracefully with exit code 0" in out
+
+
+@pytest.mark.parametrize("argv", [["config", "schema"], ["config", "--help"]])
+def test_config_subcommands_answer(argv):
+    result = run_guard(*argv)
+    assert result.returncode == 0
+    assert result.stdout.strip()
