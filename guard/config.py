@@ -153,6 +153,9 @@ class BackendConfig(Strict):
                 f"precision '{self.precision}' cannot be derived by backend '{self.backend}' "
                 f"(it can derive: {', '.join(sorted(allowed))})"
             )
+        if self.path.endswith(".pt2") and self.precision != "fp32":
+            raise ValueError("a torch.export program (.pt2) runs as it was exported: "
+                             "precision must be fp32 (export it in the precision you want)")
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device '{self.device}' must be cpu, cuda or cuda:N")
         return self

@@ -130,13 +130,14 @@ class TorchBackend(Backend):
         elif self.options.threads:
             torch.set_num_threads(self.options.threads)
         module, signature = self._load_module()
-        if hasattr(module, "eval"):
-            module.eval()
         self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.spec.precision)
         device = torch.device(self.spec.device)
-        if self._dtype is not None:
-            module = module.to(self._dtype)
-        if hasattr(module, "to"):
+        # An exported program's module is frozen (no eval(), no .to()): it was exported in eval
+        # mode, on its device and dtype, and runs as it was exported.
+        if not str(self.spec.path).endswith(".pt2"):
+            module.eval()
+            if self._dtype is not None:
+                module = module.to(self._dtype)
             module = module.to(device)
         self.device = device
         self.module = module

@@ -1,0 +1,156 @@
+"""Backends on real runtimes: ONNX Runtime (with derived int8/fp16), torch eager, torch.compile."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+import torch
+
+from guard.backends import create_backend
+from guard.backends.torch import SIGNATURE_FILE, signature_json
+from guard.config import BackendConfig
+from guard.errors import BackendError
+from guard.zoo.classifier import INPUTS, OUTPUTS, build, sample_inputs
+
+
+def load(spec: dict, role: str = "primary"):
+    backend = create_backend(BackendConfig(**spec), role)
+    backend.load()
+    return backend
+
+
+def op_types(path: str | Path) -> set[str]:
+    return {node.op_type for node in onnx.load(str(path)).graph.node}
+
+
+@pytest.fixture(scope="module")
+def images():
+    return sample_inputs(16, seed=11)
+
+
+def test_onnxruntime_fp32_matches_a_plain_session(zoo_classifier, images):
+    backend = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"])})
+    expected = ort.InferenceSession(str(zoo_classifier["onnx"])).run(None, {"image": images})[0]
+    np.testing.assert_array_equal(backend.infer({"image": images})["logits"], expected)
+    info = backend.describe()
+    assert [(s.name, s.datatype, s.shape) for s in info.inputs] == [
+        ("image", "FP32", (-1, 3, 32, 32))]
+    assert info.outputs[0].name == "logits"
+
+
+def test_int8_is_derived_by_the_guard_and_really_quantised(zoo_classifier, images):
+    fp32 = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"])})
+    int8 = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"]),
+                 "precision": "int8"})
+    derived = Path(int8.describe().artifact)
+    assert derived != Path(zoo_classifier["onnx"]) and derived.exists()
+    assert {"MatMulInteger", "DynamicQuantizeLinear"} & op_types(derived)
+    drift = np.abs(int8.infer({"image": images})["logits"] - fp32.infer({"image": images})["logits"])
+    assert drift.max() > 1e-2  # the outlier weight makes per-tensor int8 visibly wrong
+    # A second build reuses the cached variant instead of quantising again.
+    mtime = derived.stat().st_mtime_ns
+    again = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"]),
+                  "precision": "int8"})
+    assert Path(again.describe().artifact) == derived and derived.stat().st_mtime_ns == mtime
+
+
+def test_int8_nodes_to_exclude_keeps_those_nodes_fp32(zoo_classifier):
+    model = onnx.load(str(zoo_classifier["onnx"]))
+    matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]
+    assert matmuls, "the zoo classifier has a MatMul/Gemm head"
+    all_int8 = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"]),
+                     "precision": "int8"})
+    # quantize_dynamic renames a Gemm's MatMul to <name>_MatMul before quantising (STACK.md).
+    excluded = [n if n.endswith("MatMul") or "MatMul" in n else f"{n}_MatMul" for n in matmuls]
+    kept = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"]),
+                 "precision": "int8", "options": {"nodes_to_exclude": excluded + matmuls}})
+    count = lambda path, op: sum(  # noqa: E731
+        n.op_type == op for n in onnx.load(str(path)).graph.node)
+    assert count(kept.describe().artifact, "MatMulInteger") < count(
+        all_int8.describe().artifact, "MatMulInteger")
+
+
+def test_fp16_keeps_fp32_io_and_stays_close(zoo_classifier, images):
+    fp32 = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"])})
+    fp16 = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"]),
+                 "precision": "fp16"})
+    assert fp16.describe().inputs[0].datatype == "FP32"
+    assert "Cast" in op_types(fp16.describe().artifact)
+    out16 = fp16.infer({"image": images})["logits"]
+    out32 = fp32.infer({"image": images})["logits"]
+    assert out16.dtype == np.float32
+    assert 0 < np.abs(out16 - out32).max() < 0.1
+
+
+def test_missing_provider_is_a_clear_error(zoo_classifier):
+    with pytest.raises(BackendError, match="no provider TensorrtExecutionProvider"):
+        load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"]),
+              "options": {"providers": ["TensorrtExecutionProvider"]}})
+
+
+def test_torchscript_with_signature_matches_eager(zoo_classifier, images):
+    backend = load({"backend": "torch", "path": str(zoo_classifier["torchscript"])}, "reference")
+    info = backend.describe()
+    assert [s.name for s in info.inputs] == ["image"]
+    assert info.inputs[0].shape == (-1, 3, 32, 32) and info.outputs[0].name == "logits"
+    with torch.inference_mode():
+        expected = build().eval()(torch.from_numpy(images)).numpy()
+    np.testing.assert_allclose(backend.infer({"image": images})["logits"], expected,
+                               rtol=1e-5, atol=1e-5)
+    assert torch.are_deterministic_algorithms_enabled()  # the reference pinned determinism
+
+
+def test_torch_export_pt2_loads_with_its_signature(tmp_path, images):
+    model = build().eval()
+    program = torch.export.export(model, (torch.from_numpy(images[:2]),),
+                                  dynamic_shapes=({0: torch.export.Dim("batch", max=1024)},))
+    path = tmp_path / "classifier.pt2"
+    torch.export.save(program, str(path), extra_files={SIGNATURE_FILE: signature_json(INPUTS,
+                                                                                      OUTPUTS)})
+    backend = load({"backend": "torch", "path": str(path)})
+    assert [s.name for s in backend.describe().outputs] == ["logits"]
+    with torch.inference_mode():
+        expected = model(torch.from_numpy(images)).numpy()
+    np.testing.assert_allclose(backend.infer({"image": images})["logits"], expected,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_factory_with_nested_outputs_flattens_every_leaf():
+    backend = load({"backend": "torch", "path": "fixture_models:nested"})
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    out = backend.infer({"x": x})
+    assert set(out) == {"sum", "parts.0", "parts.1"}
+    np.testing.assert_array_equal(out["parts.0"], x * 2)
+    assert [s.name for s in backend.describe().inputs] == ["x"]  # from forward()'s signature
+
+
+def test_factory_kwargs_and_missing_factory():
+    backend = load({"backend": "torch", "path": "fixture_models:affine",
+                    "options": {"kwargs": {"repeat": 3}}})
+    assert backend.infer({"x": np.ones((1, 4), np.float32)})["y"].shape == (1, 3)
+    with pytest.raises(BackendError, match="cannot import factory"):
+        load({"backend": "torch", "path": "fixture_models:does_not_exist"})
+
+
+@pytest.mark.parametrize("precision,tolerance", [("fp16", 5e-2), ("bf16", 2e-1)])
+def test_torch_reduced_precision_returns_fp32(zoo_classifier, images, precision, tolerance):
+    fp32 = load({"backend": "torch", "path": str(zoo_classifier["torchscript"])})
+    low = load({"backend": "torch", "path": str(zoo_classifier["torchscript"]),
+                "precision": precision})
+    a, b = low.infer({"image": images})["logits"], fp32.infer({"image": images})["logits"]
+    assert a.dtype == np.float32
+    assert 0 < np.abs(a - b).max() < tolerance * np.abs(b).max()
+
+
+def test_torch_compile_matches_eager(zoo_classifier, images):
+    eager = load({"backend": "torch", "path": str(zoo_classifier["torchscript"])})
+    compiled = load({"backend": "torch_compile", "path": "guard.zoo.classifier:build",
+                     "options": {"input_names": ["image"], "output_names": ["logits"]}})
+    out = compiled.infer({"image": images})["logits"]
+    np.testing.assert_allclose(out, eager.infer({"image": images})["logits"], rtol=1e-4,
+                               atol=1e-4)
+    assert compiled.describe().backend == "torch_compile"

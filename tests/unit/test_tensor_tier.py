@@ -1,0 +1,382 @@
+"""Tier 1 (guard/verify/tensor.py) and the Verifier's per-output tolerances."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from guard.config import ChecksConfig
+from guard.verify.pipeline import Verifier
+from guard.verify.tensor import (
+    OutputCheck,
+    TensorCheck,
+    Tolerance,
+    compare_output,
+    compare_outputs,
+)
+
+ZERO = Tolerance(atol=0.0, rtol=0.0)
+
+
+def f64(*values) -> np.ndarray:
+    return np.array(values, dtype=np.float64)
+
+
+# -- verdicts ---------------------------------------------------------------------------------------
+def test_identical_passes_with_zero_tolerance():
+    ref = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
+    check = compare_output("y", ref, ref.copy(), ZERO)
+    assert check.passed and check.reason == ""
+    assert check.name == "y"
+    assert check.max_abs == 0.0 and check.mean_abs == 0.0 and check.p99_abs == 0.0
+    assert check.max_rel == 0.0 and check.min_rtol == 0.0
+    assert check.cosine_distance == pytest.approx(0.0, abs=1e-12)
+    assert check.nonfinite_mismatch == 0
+
+
+def test_error_exactly_at_atol_boundary_passes():
+    check = compare_output("y", f64(0.0, 2.0), f64(0.5, 2.0), Tolerance(atol=0.5, rtol=0.0))
+    assert check.max_abs == 0.5
+    assert check.allowed == 0.5
+    assert check.passed
+
+
+def test_error_just_over_atol_fails():
+    over = np.nextafter(0.5, 1.0)
+    check = compare_output("y", f64(0.0, 2.0), f64(over, 2.0), Tolerance(atol=0.5, rtol=0.0))
+    assert not check.passed
+    assert "max abs error" in check.reason and "allowed" in check.reason
+
+
+def test_boundary_with_atol_plus_rtol_times_max_ref():
+    # allowed = 0.25 + 0.0625 * max|ref| (= 4) = 0.5, all exact in binary.
+    tol = Tolerance(atol=0.25, rtol=0.0625)
+    ref = f64(1.0, -4.0, 2.0)
+    at = compare_output("y", ref, f64(1.0, -4.5, 2.0), tol)
+    assert at.ref_max_abs == 4.0  # max of |ref|, sign ignored
+    assert at.allowed == 0.5
+    assert at.max_abs == 0.5
+    assert at.passed
+    over = compare_output("y", ref, f64(1.0, np.nextafter(-4.5, -5.0), 2.0), tol)
+    assert not over.passed
+
+
+def test_rtol_scales_with_max_abs_of_reference():
+    tol = Tolerance(atol=0.0, rtol=0.01)
+    # An error of 0.5 anywhere is fine when max|ref| is 100 (allowed 1.0) ...
+    big = compare_output("y", f64(100.0, 0.0), f64(100.0, 0.5), tol)
+    assert big.passed and big.allowed == pytest.approx(1.0)
+    # ... and not when max|ref| is 10 (allowed 0.1).
+    small = compare_output("y", f64(10.0, 0.0), f64(10.0, 0.5), tol)
+    assert not small.passed and small.allowed == pytest.approx(0.1)
+
+
+def test_rtol_uses_reference_not_candidate():
+    tol = Tolerance(atol=0.0, rtol=0.5)
+    # ref max is 1 -> allowed 0.5; the candidate's large value must not widen the tolerance.
+    check = compare_output("y", f64(1.0), f64(3.0), tol)
+    assert check.ref_max_abs == 1.0
+    assert not check.passed
+
+
+def test_shape_mismatch_fails_without_crash():
+    check = compare_output("y", np.zeros((2, 3), np.float32), np.zeros((3, 2), np.float32), ZERO)
+    assert not check.passed
+    assert "shape" in check.reason and "(3, 2)" in check.reason and "(2, 3)" in check.reason
+    assert check.max_abs == math.inf
+
+
+def test_shape_mismatch_same_size_broadcastable():
+    check = compare_output("y", np.zeros((1, 3)), np.zeros((3,)), Tolerance(1.0, 1.0))
+    assert not check.passed and "shape" in check.reason
+
+
+def test_dtype_mismatch_fails_even_when_values_equal():
+    ref = np.array([1.0, 2.0], np.float32)
+    check = compare_output("y", ref, ref.astype(np.float16), Tolerance(1.0, 1.0))
+    assert not check.passed
+    assert "dtype" in check.reason and "float16" in check.reason and "float32" in check.reason
+    assert check.max_abs == 0.0  # still measured
+
+
+# -- NaN / Inf --------------------------------------------------------------------------------------
+def test_nan_on_candidate_only_fails():
+    check = compare_output("y", f64(1.0, 2.0), f64(1.0, np.nan), Tolerance(1.0, 1.0))
+    assert not check.passed
+    assert check.nonfinite_mismatch == 1
+    assert "NaN/Inf" in check.reason
+
+
+def test_nan_on_reference_only_fails():
+    check = compare_output("y", f64(np.nan, 2.0), f64(1.0, 2.0), Tolerance(1.0, 1.0))
+    assert not check.passed and check.nonfinite_mismatch == 1
+
+
+def test_nan_at_same_position_passes_and_is_excluded_from_stats():
+    ref = f64(np.nan, 1.0, 3.0)
+    out = f64(np.nan, 1.5, 3.0)
+    check = compare_output("y", ref, out, Tolerance(atol=0.5, rtol=0.0))
+    assert check.passed
+    assert check.nonfinite_mismatch == 0
+    assert check.max_abs == 0.5  # finite, not NaN
+    assert check.mean_abs == pytest.approx(0.25)  # over the two finite positions only
+    assert check.ref_max_abs == 3.0
+    for value in (check.max_abs, check.mean_abs, check.p99_abs, check.max_rel,
+                  check.cosine_distance, check.min_rtol):
+        assert math.isfinite(value)
+
+
+def test_nan_positions_differ():
+    check = compare_output("y", f64(np.nan, 1.0), f64(1.0, np.nan), Tolerance(10.0, 10.0))
+    assert not check.passed and check.nonfinite_mismatch == 2
+
+
+def test_plus_inf_vs_minus_inf_fails():
+    check = compare_output("y", f64(np.inf, 1.0), f64(-np.inf, 1.0), Tolerance(1.0, 1.0))
+    assert not check.passed and check.nonfinite_mismatch == 1
+
+
+def test_inf_vs_finite_fails():
+    check = compare_output("y", f64(np.inf), f64(1e308), Tolerance(math.inf, 0.0))
+    assert not check.passed and check.nonfinite_mismatch == 1
+
+
+def test_inf_vs_nan_fails():
+    check = compare_output("y", f64(np.inf), f64(np.nan), Tolerance(1.0, 1.0))
+    assert not check.passed and check.nonfinite_mismatch == 1
+
+
+@pytest.mark.parametrize("inf", [np.inf, -np.inf])
+def test_inf_same_sign_passes(inf):
+    check = compare_output("y", f64(inf, 2.0), f64(inf, 2.0), ZERO)
+    assert check.passed
+    assert check.max_abs == 0.0 and check.ref_max_abs == 2.0  # inf excluded from stats
+
+
+def test_all_nonfinite_matching():
+    check = compare_output("y", f64(np.nan, np.inf), f64(np.nan, np.inf), ZERO)
+    assert check.passed and check.max_abs == 0.0 and check.ref_max_abs == 0.0
+
+
+# -- empty, integer, bool --------------------------------------------------------------------------
+def test_empty_tensors_pass():
+    check = compare_output("y", np.zeros((0, 3), np.float32), np.zeros((0, 3), np.float32), ZERO)
+    assert check.passed
+    assert check.max_abs == 0.0 and check.mean_abs == 0.0 and check.min_rtol == 0.0
+
+
+def test_empty_vs_nonempty_fails():
+    check = compare_output("y", np.zeros((0, 3)), np.zeros((1, 3)), ZERO)
+    assert not check.passed and "shape" in check.reason
+
+
+def test_integer_outputs_equal_pass():
+    ref = np.array([[1, 2, 3]], np.int64)
+    assert compare_output("idx", ref, ref.copy(), ZERO).passed
+
+
+def test_integer_outputs_differ_fail():
+    check = compare_output("idx", np.array([1, 2, 3], np.int32), np.array([1, 2, 4], np.int32),
+                           Tolerance(atol=0.5, rtol=0.0))
+    assert not check.passed
+    assert check.max_abs == 1.0
+
+
+def test_int8_difference_does_not_wrap_around():
+    check = compare_output("q", np.array([-128], np.int8), np.array([127], np.int8), ZERO)
+    assert check.max_abs == 255.0
+    assert not check.passed
+
+
+def test_uint8_difference_does_not_wrap_around():
+    check = compare_output("q", np.array([0], np.uint8), np.array([255], np.uint8),
+                           Tolerance(atol=254.0, rtol=0.0))
+    assert check.max_abs == 255.0
+    assert not check.passed
+
+
+def test_integer_within_tolerance_passes():
+    check = compare_output("q", np.array([10, 20], np.int32), np.array([11, 20], np.int32),
+                           Tolerance(atol=1.0, rtol=0.0))
+    assert check.passed and check.max_abs == 1.0
+
+
+def test_bool_outputs():
+    ref = np.array([True, False, True])
+    assert compare_output("mask", ref, ref.copy(), ZERO).passed
+    flipped = compare_output("mask", ref, np.array([True, True, True]), Tolerance(1e-4, 1e-3))
+    assert not flipped.passed
+    assert flipped.max_abs == 1.0
+
+
+def test_bool_vs_int_is_dtype_mismatch():
+    check = compare_output("mask", np.array([True, False]), np.array([1, 0], np.uint8),
+                           Tolerance(1.0, 1.0))
+    assert not check.passed and "dtype" in check.reason
+
+
+def test_non_numeric_dtype_fails_with_reason():
+    check = compare_output("s", np.array(["a", "b"]), np.array(["a", "b"]), ZERO)
+    assert not check.passed
+    assert "cannot compare" in check.reason
+    assert check.max_abs == math.inf
+
+
+# -- statistics on a hand-computed example --------------------------------------------------------
+def test_statistics_hand_computed():
+    ref = f64(1.0, -2.0, 3.0, 4.0)
+    out = f64(1.5, -2.0, 2.0, 4.0)
+    # |out - ref| = [0.5, 0, 1, 0]
+    check = compare_output("y", ref, out, Tolerance(atol=0.1, rtol=0.2))
+    assert check.max_abs == pytest.approx(1.0)
+    assert check.mean_abs == pytest.approx(0.375)
+    # numpy linear percentile over sorted [0, 0, 0.5, 1]: index 0.99 * 3 = 2.97
+    assert check.p99_abs == pytest.approx(0.5 + 0.97 * 0.5)
+    # relative errors [0.5/1, 0/2, 1/3, 0/4]
+    assert check.max_rel == pytest.approx(0.5)
+    dot = 1.5 * 1 + (-2) * (-2) + 2 * 3 + 4 * 4  # 27.5
+    norms = math.sqrt(1.5**2 + 4 + 4 + 16) * math.sqrt(1 + 4 + 9 + 16)
+    assert check.cosine_distance == pytest.approx(1.0 - dot / norms)
+    assert check.ref_max_abs == pytest.approx(4.0)
+    assert check.allowed == pytest.approx(0.1 + 0.2 * 4.0)
+    assert check.min_rtol == pytest.approx(1.0 / 4.0)
+    assert not check.passed  # 1.0 > 0.9
+    # min_rtol really is the smallest rtol that passes with atol=0
+    assert compare_output("y", ref, out, Tolerance(0.0, check.min_rtol)).passed
+    assert not compare_output("y", ref, out, Tolerance(0.0, check.min_rtol * 0.999)).passed
+
+
+def test_statistics_as_dict():
+    check = compare_output("y", f64(1.0, 2.0), f64(1.0, 2.5), ZERO)
+    d = check.as_dict()
+    assert d["name"] == "y" and d["passed"] is False
+    assert d["max_abs"] == pytest.approx(0.5)
+    assert set(d) >= {"mean_abs", "p99_abs", "max_rel", "cosine_distance", "min_rtol", "reason"}
+
+
+def test_cosine_distance_opposite_and_zero_vectors():
+    opposite = compare_output("y", f64(1.0, 2.0), f64(-1.0, -2.0), Tolerance(10.0, 0.0))
+    assert opposite.cosine_distance == pytest.approx(2.0)
+    zeros = compare_output("y", f64(0.0, 0.0), f64(0.0, 0.0), ZERO)
+    assert zeros.cosine_distance == 0.0 and zeros.passed
+
+
+def test_max_rel_ignores_reference_zeros_and_min_rtol_infinite():
+    check = compare_output("y", f64(0.0, 0.0), f64(0.0, 1e-3), Tolerance(atol=1e-2, rtol=0.0))
+    assert check.passed  # atol covers it
+    assert check.max_rel == 0.0  # no reference value to be relative to
+    assert check.min_rtol == math.inf  # no rtol passes with atol = 0 when max|ref| = 0
+
+
+def test_p99_with_many_values():
+    ref = np.zeros(1000)
+    out = np.zeros(1000)
+    out[-1] = 100.0  # one outlier
+    check = compare_output("y", ref, out, Tolerance(1000.0, 0.0))
+    assert check.max_abs == 100.0
+    assert check.p99_abs < 1.0  # the single outlier sits above the 99th percentile
+    assert check.mean_abs == pytest.approx(0.1)
+
+
+# -- compare_outputs ----------------------------------------------------------------------------------
+def test_compare_outputs_all_pass():
+    ref = {"a": f64(1.0), "b": f64(2.0)}
+    result = compare_outputs(ref, {"a": f64(1.0), "b": f64(2.0)}, ZERO)
+    assert isinstance(result, TensorCheck)
+    assert result.passed
+    assert [o.name for o in result.outputs] == ["a", "b"]
+    assert result.failures == []
+    assert result.summary().startswith("pass")
+
+
+def test_compare_outputs_one_failing_fails_all():
+    result = compare_outputs({"a": f64(1.0), "b": f64(2.0)}, {"a": f64(1.0), "b": f64(3.0)}, ZERO)
+    assert not result.passed
+    assert [o.name for o in result.failures] == ["b"]
+    assert result.max_abs_error == 1.0
+    assert result.summary().startswith("fail: b: ")
+
+
+def test_output_missing_in_candidate():
+    result = compare_outputs({"a": f64(1.0), "b": f64(2.0)}, {"a": f64(1.0)}, ZERO)
+    assert not result.passed
+    (failure,) = result.failures
+    assert failure.name == "b"
+    assert "primary lacks" in failure.reason
+    assert result.max_abs_error == 0.0  # inf of the missing output is not a number to report
+
+
+def test_output_missing_in_reference():
+    result = compare_outputs({"a": f64(1.0)}, {"a": f64(1.0), "extra": f64(2.0)}, ZERO)
+    assert not result.passed
+    (failure,) = result.failures
+    assert failure.name == "extra"
+    assert "reference lacks" in failure.reason
+    assert "extra: reference lacks" in result.summary()
+
+
+def test_no_outputs_is_not_a_pass():
+    assert not compare_outputs({}, {}, ZERO).passed
+
+
+def test_per_output_tolerance_in_compare_outputs():
+    ref = {"a": f64(1.0), "b": f64(1.0)}
+    out = {"a": f64(1.5), "b": f64(1.5)}
+    result = compare_outputs(ref, out, ZERO, {"b": Tolerance(atol=1.0, rtol=0.0)})
+    by_name = {o.name: o for o in result.outputs}
+    assert not by_name["a"].passed
+    assert by_name["b"].passed
+    assert by_name["b"].allowed == 1.0
+
+
+def test_max_abs_error_over_outputs():
+    check = TensorCheck(True, [OutputCheck("a", True, max_abs=0.1),
+                               OutputCheck("b", True, max_abs=0.3),
+                               OutputCheck("c", False, max_abs=math.inf)])
+    assert check.max_abs_error == pytest.approx(0.3)
+
+
+# -- Verifier with a ChecksConfig ---------------------------------------------------------------------
+def test_verifier_uses_default_tolerances():
+    verifier = Verifier(ChecksConfig.model_validate({"tensor": {"atol": 0.1, "rtol": 0.0}}))
+    assert verifier.check({"y": f64(1.0)}, {"y": f64(1.1 - 1e-9)}).passed
+    assert not verifier.check({"y": f64(1.0)}, {"y": f64(1.2)}).passed
+
+
+def test_verifier_per_output_override_falls_back_to_defaults_for_the_rest():
+    checks = ChecksConfig.model_validate(
+        {"tensor": {"atol": 0.01, "rtol": 0.0,
+                    "outputs": {"logits": {"atol": 1.0}, "probs": {"rtol": 0.5}}}}
+    )
+    verifier = Verifier(checks)
+    assert verifier.default == Tolerance(0.01, 0.0)
+    assert verifier.per_output["logits"] == Tolerance(1.0, 0.0)  # rtol inherited
+    assert verifier.per_output["probs"] == Tolerance(0.01, 0.5)  # atol inherited
+
+    ref = {"logits": f64(10.0), "probs": f64(1.0), "other": f64(1.0)}
+    out = {"logits": f64(10.9), "probs": f64(1.4), "other": f64(1.4)}
+    result = verifier.check(ref, out)
+    by_name = {o.name: o for o in result.outputs}
+    assert by_name["logits"].passed  # 0.9 <= 1.0
+    assert by_name["probs"].passed  # 0.4 <= 0.01 + 0.5 * 1
+    assert not by_name["other"].passed  # 0.4 > 0.01
+    assert not result.passed
+    assert by_name["other"].allowed == pytest.approx(0.01)
+
+
+def test_verifier_override_can_be_stricter():
+    checks = ChecksConfig.model_validate(
+        {"tensor": {"atol": 1.0, "rtol": 0.0, "outputs": {"y": {"atol": 0.0}}}}
+    )
+    result = Verifier(checks).check({"y": f64(1.0), "z": f64(1.0)},
+                                    {"y": f64(1.5), "z": f64(1.5)})
+    assert [o.name for o in result.failures] == ["y"]
+
+
+def test_verifier_default_checks_config():
+    verifier = Verifier(ChecksConfig())
+    ref = {"y": np.ones((2, 3), np.float32)}
+    assert verifier.check(ref, {"y": ref["y"] + np.float32(1e-5)}).passed
+    assert not verifier.check(ref, {"y": ref["y"] + np.float32(1e-2)}).passed
