@@ -65,6 +65,13 @@ class GuardServer:
     async def start(self) -> None:
         if not self.models:
             await asyncio.get_running_loop().run_in_executor(None, self.load_models)
+        try:
+            await self._start_servers()
+        except BaseException:
+            await self.stop(grace=0)
+            raise
+
+    async def _start_servers(self) -> None:
         server_config = self.config.server
         self.dataplane = DataPlane(self.models, self.metrics, server_config.workers)
         size = server_config.max_message_bytes

@@ -20,9 +20,9 @@ from guard.serve.codec import InferenceError, InferenceRequest, invalid
 from guard.serve.model import GuardedModel
 
 
-def check_inputs(inputs: dict[str, np.ndarray], specs: tuple[TensorSpec, ...]) -> None:
-    """Names, datatypes and shapes against the model's signature, each error naming the tensor."""
-    known = {s.name: s for s in specs}
+def check_inputs(inputs: dict[str, np.ndarray], known: dict[str, TensorSpec]) -> None:
+    """Names, datatypes and shapes against the model's signature, each error naming the tensor.
+    A backend that cannot name its inputs (empty ``known``) is left to complain itself."""
     if known:
         unknown = [n for n in inputs if n not in known]
         if unknown:
@@ -69,10 +69,9 @@ class DataPlane:
         model = self.model(request.model_name)
         if not model.ready:
             raise InferenceError("UNAVAILABLE", f"model '{model.name}' is not ready")
-        signature = model.describe()
-        check_inputs(request.inputs, signature.inputs)
+        check_inputs(request.inputs, model.input_specs)
         unknown = [n for n in request.requested_outputs
-                   if signature.outputs and n not in {s.name for s in signature.outputs}]
+                   if model.output_names and n not in model.output_names]
         if unknown:
             raise invalid(f"unknown output '{unknown[0]}' requested")
 

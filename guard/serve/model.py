@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 
-from guard.backends import Backend, BackendInfo, create_backend
+from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.observe.events import emit
@@ -37,6 +37,9 @@ class GuardedModel:
             self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends
         )
         self.mirror: Mirror | None = None
+        self.signature: BackendInfo | None = None
+        self.input_specs: dict[str, TensorSpec] = {}
+        self.output_names: frozenset[str] = frozenset()
         self.ready = False
         metrics.declare_model(self.name, self.verifier.tiers)
 
@@ -56,6 +59,10 @@ class GuardedModel:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
         self._check_signatures()
+        # The request path checks inputs against this; computed once, never per request.
+        self.signature = self.backends["primary"].describe()
+        self.input_specs = {spec.name: spec for spec in self.signature.inputs}
+        self.output_names = frozenset(spec.name for spec in self.signature.outputs)
         if "reference" in self.backends and self.config.mirror.sample_rate > 0:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
@@ -89,7 +96,7 @@ class GuardedModel:
             backend.close()
 
     def describe(self) -> BackendInfo:
-        return self.backends["primary"].describe()
+        return self.signature or self.backends["primary"].describe()
 
     # -- request path ------------------------------------------------------------------------------
     def backend_for_request(self) -> tuple[str, int, Backend]:
