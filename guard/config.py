@@ -45,6 +45,11 @@ DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
     "torch_compile": frozenset({"fp32", "fp16", "bf16"}),
 }
 
+# Backends whose intermediate tensors tier 2 can capture on a private copy. torch_compile is
+# not among them: hooks on the eager module would observe eager arithmetic, not the compiled
+# kernels it is meant to judge.
+ACTIVATION_BACKENDS = frozenset({"torch", "onnxruntime"})
+
 # A Python model given as "package.module:factory" instead of a file.
 FACTORY_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -202,7 +207,40 @@ class OutputTolerance(Strict):
 
 
 class ActivationCheckConfig(Strict):
-    """Tier 2 (activation alignment). Its keys arrive with the tier; today it takes none."""
+    """Tier 2 (activation alignment): off unless ``sample_rate`` > 0 or ``on_failure``.
+
+    It runs in the mirror worker after tier 1, never on the request path, on capture sessions
+    of its own built from the artifacts (never the production sessions).
+    """
+
+    sample_rate: Fraction = Field(
+        0.0, description="Share of compared (mirrored) samples that also get tier 2.")
+    on_failure: bool = Field(
+        False, description="Also run tier 2 on every tier-1 failure while the mirror queue "
+        "is at most max_queue_fill full (the mirror's budget comes first).")
+    max_queue_fill: Fraction = Field(
+        0.5, description="on_failure runs only while queue depth / queue_size is at most this.")
+    rel_error: PositiveFloat = Field(
+        0.05, description="A layer diverges when ||primary - reference|| / ||reference|| of "
+        "what reaches it exceeds this (fp32 pairs sit near 1e-6, fp16 near 1e-3).")
+    top_k: PositiveInt = Field(5, description="Suspects reported, ranked by isolated error.")
+    max_isolated: PositiveInt = Field(
+        64, description="Most layers re-run in isolation per sample (largest propagated error "
+        "first): each is a small session of its own, built once.")
+    torch_factory: str | None = Field(
+        None, description="For a TorchScript or .pt2 side (Python hooks cannot see inside "
+        "them): an eager 'module:factory' of the same architecture; the artifact's weights "
+        "are loaded into it.")
+
+    @property
+    def enabled(self) -> bool:
+        return self.sample_rate > 0 or self.on_failure
+
+    @model_validator(mode="after")
+    def _check(self) -> "ActivationCheckConfig":
+        if self.torch_factory is not None and not FACTORY_REF.match(self.torch_factory):
+            raise ValueError("torch_factory must be 'package.module:function'")
+        return self
 
 
 class TaskCheckConfig(Strict):
@@ -268,6 +306,17 @@ class ModelConfig(Strict):
     def _check(self) -> "ModelConfig":
         if self.policy.action == "fallback_model" and self.fallback is None:
             raise ValueError("policy.action 'fallback_model' needs a 'fallback' backend")
+        if self.checks.activation.enabled:
+            if self.reference is None:
+                raise ValueError("checks.activation needs a 'reference' backend to compare with")
+            for role in ("primary", "reference"):
+                backend = getattr(self, role).backend
+                if backend not in ACTIVATION_BACKENDS:
+                    raise ValueError(
+                        f"checks.activation: tier 2 cannot capture the intermediate tensors of "
+                        f"{role} backend '{backend}' (it can: "
+                        f"{', '.join(sorted(ACTIVATION_BACKENDS))}); set sample_rate: 0 and "
+                        "on_failure: false for this model")
         return self
 
 

@@ -127,6 +127,10 @@ class Mirror:
         except queue.Full:
             self.metrics.mirror.labels(self.model, "dropped").inc()
 
+    def queue_fill(self) -> float:
+        """Queue depth over its size: how much room the mirror has for extra work."""
+        return self._queue.qsize() / self.config.queue_size
+
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()

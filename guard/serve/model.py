@@ -7,6 +7,7 @@ Everything else runs in the mirror worker (``_on_result``) or the admin API.
 from __future__ import annotations
 
 import logging
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
@@ -19,6 +20,7 @@ from guard.serve.mirror import Mirror, SampleResult
 from guard.verify.pipeline import Verifier
 
 log = logging.getLogger("guard.model")
+_ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
 
 
 class GuardedModel:
@@ -42,6 +44,11 @@ class GuardedModel:
         self.output_names: frozenset[str] = frozenset()
         self.ready = False
         metrics.declare_model(self.name, self.verifier.tiers)
+        # Tier 2 (activation alignment): built at load, run by the mirror worker only.
+        self.activation = None
+        self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
+        self._last_activation_event = 0.0
+        self._suppressed_activation_events = 0
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -59,6 +66,8 @@ class GuardedModel:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
         self._check_signatures()
+        if self.config.checks.activation.enabled and "reference" in self.backends:
+            self._load_activation()
         # The request path checks inputs against this; computed once, never per request.
         self.signature = self.backends["primary"].describe()
         self.input_specs = {spec.name: spec for spec in self.signature.inputs}
@@ -74,6 +83,16 @@ class GuardedModel:
              backends={role: b.describe().summary() for role, b in self.backends.items()},
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action)
+
+    def _load_activation(self) -> None:
+        from guard.verify.activation import ActivationChecker
+
+        try:
+            self.activation = ActivationChecker.for_model(self.config, self.config.mirror.threads)
+        except Exception as exc:
+            raise BackendError(f"models[{self.name}].checks.activation: {exc}") from exc
+        for result in ("pass", "fail"):
+            self.metrics.checks.labels(self.name, "activation", result)
 
     def _check_signatures(self) -> None:
         """A fallback must accept what the primary accepts; warn where names cannot be checked."""
@@ -92,6 +111,8 @@ class GuardedModel:
         self.ready = False
         if self.mirror is not None:
             self.mirror.stop()
+        if self.activation is not None:
+            self.activation.close()
         for backend in self.backends.values():
             backend.close()
 
@@ -121,6 +142,7 @@ class GuardedModel:
         m = self.metrics
         m.checks.labels(self.name, "tensor", "pass" if check.passed else "fail").inc()
         m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
+        self._run_activation(result)
         transition = self.policy.observe("tensor", not check.passed, result.sample.epoch)
         for figures in self.policy.windows():
             m.drift_ratio.labels(self.name, figures.tier).set(figures.ratio)
@@ -128,7 +150,40 @@ class GuardedModel:
             evidence = dict(transition.evidence)
             if not check.passed:
                 evidence["last_failure"] = check.summary()
+            evidence.update(self._activation_evidence(result.sample.epoch))
             self._record(transition, evidence)
+
+    def _run_activation(self, result: SampleResult) -> None:
+        """Tier 2 on a sub-sample, and on tier-1 failures while the mirror queue has room."""
+        if self.activation is None:
+            return
+        fill = self.mirror.queue_fill() if self.mirror is not None else 0.0
+        if not self.activation.due(not result.check.passed, fill):
+            return
+        report = self.activation.check(result.sample.inputs)
+        self._last_activation = (result.sample.epoch, report)
+        if report.error:
+            emit("activation_error", model=self.name, error=report.error)
+            return
+        self.metrics.checks.labels(self.name, "activation",
+                                   "pass" if report.passed else "fail").inc()
+        if not report.passed:
+            now = time.monotonic()
+            if now - self._last_activation_event >= _ACTIVATION_EVENT_INTERVAL_S:
+                emit("activation_divergence", model=self.name, **report.summary(),
+                     suppressed_since_last=self._suppressed_activation_events)
+                self._last_activation_event = now
+                self._suppressed_activation_events = 0
+            else:
+                self._suppressed_activation_events += 1
+
+    def _activation_evidence(self, epoch: int) -> dict:
+        """The latest tier-2 finding of this epoch, for a route transition's evidence."""
+        if self._last_activation is None or self._last_activation[0] != epoch:
+            return {}
+        report = self._last_activation[1]
+        return {"first_divergence": report.first_divergence_dict(),
+                "activation": report.summary()}
 
     # -- admin -------------------------------------------------------------------------------
     def set_override(self, override: Override, reason: str) -> Transition | None:

@@ -1,0 +1,174 @@
+"""Tier 2 for one model: build the capture sides once, then check samples.
+
+``ActivationChecker`` is deliberately separate from the tier-1 ``Verifier``: it owns sessions
+of its own (built from the artifacts, never the production ones), costs far more than tier 1,
+and so runs only on a sub-sample in the mirror worker (``checks.activation.sample_rate``) and,
+with ``on_failure``, on tier-1 failures while the mirror queue has room.
+
+Per sample: capture both sides, align them, and for every aligned layer compute the relative
+error and cosine of what reaches it (propagated) and of the primary's layer fed the reference's
+own inputs (isolated). The first layer whose propagated error exceeds ``rel_error`` is the first
+divergence; the suspects are the layers ranked by isolated error, which tells the layer that
+causes drift from those that only inherit it.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from guard.config import ActivationCheckConfig, BackendConfig, ModelConfig
+from guard.verify.activation.align import (
+    Alignment,
+    Pairing,
+    align_onnx_onnx,
+    align_torch_onnx,
+    align_torch_torch,
+)
+from guard.verify.activation.errors import ShapeMismatch, layer_error
+from guard.verify.activation.onnx_side import OnnxSide
+from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
+from guard.verify.activation.torch_side import CaptureUnsupported, TorchSide, eager_module
+
+log = logging.getLogger("guard.activation")
+
+Side = OnnxSide | TorchSide
+
+
+def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
+               threads: int = 1, run_path: str | Path | None = None) -> Side:
+    """A capture side for one backend block: private sessions/modules built from its artifact.
+
+    ``run_path`` overrides the ONNX file that runs (e.g. a variant rebuilt with ops kept back).
+    """
+    label = f"{role} ({spec.describe()})"
+    if spec.backend == "onnxruntime":
+        from guard.backends.derive import derive_onnx
+        from guard.backends.options import OnnxRuntimeOptions
+
+        options = OnnxRuntimeOptions.model_validate(spec.options)
+        path = run_path or derive_onnx(spec.path, spec.precision, options.nodes_to_exclude,
+                                       options.per_channel)
+        return OnnxSide(path, source_path=spec.path, threads=threads, label=label)
+    if spec.backend == "torch":
+        import torch
+
+        from guard.backends.torch import TorchBackend
+
+        backend = TorchBackend(spec.model_copy(), role, threads)
+        backend.spec._base_dir = getattr(spec, "_base_dir", None)
+        backend.load()
+        module = eager_module(backend.module, config.torch_factory,
+                              getattr(spec, "_base_dir", None), label)
+        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.precision)
+        names = [s.name for s in backend.describe().inputs]
+        return TorchSide(module, names, dtype=dtype, device=spec.device, label=label)
+    raise CaptureUnsupported(
+        f"{label}: tier 2 cannot capture intermediate tensors of backend '{spec.backend}'")
+
+
+class ActivationChecker:
+    """Tier 2 for one (reference, primary) pair."""
+
+    def __init__(self, config: ActivationCheckConfig, reference: Side, primary: Side,
+                 rng: random.Random | None = None):
+        self.config = config
+        self.reference = reference
+        self.primary = primary
+        self.pair = f"{reference.kind}/{primary.kind}"
+        self._rng = rng or random.Random()
+
+    @classmethod
+    def for_model(cls, model: ModelConfig, threads: int = 1) -> "ActivationChecker":
+        config = model.checks.activation
+        if model.reference is None:
+            raise CaptureUnsupported(f"models[{model.name}]: tier 2 needs a reference backend")
+        reference = build_side(model.reference, "reference", config, threads)
+        primary = build_side(model.primary, "primary", config, threads)
+        return cls(config, reference, primary)
+
+    # -- when to run (mirror worker) ------------------------------------------------------------
+    def due(self, tier1_failed: bool, queue_fill: float) -> bool:
+        """Should this compared sample also get tier 2? ``queue_fill`` is the mirror queue's
+        depth over its size: a failure is always checked while the queue has room."""
+        if (tier1_failed and self.config.on_failure
+                and queue_fill <= self.config.max_queue_fill):
+            return True
+        rate = self.config.sample_rate
+        return rate > 0 and (rate >= 1.0 or self._rng.random() < rate)
+
+    # -- the check ----------------------------------------------------------------------------------
+    def check(self, inputs: dict[str, np.ndarray]) -> ActivationReport:
+        started = time.perf_counter()
+        report = ActivationReport(self.pair, self.config.rel_error)
+        try:
+            alignment = self._align(inputs)
+        except Exception as exc:  # a capture that fails is reported, never raised into the mirror
+            report.error = f"capture failed: {type(exc).__name__}: {exc}"
+            report.seconds = time.perf_counter() - started
+            return report
+        report.unaligned = list(alignment.unaligned)
+        report.primary_only = alignment.primary_only
+        compared: list[tuple[LayerResult, Pairing]] = []
+        for pairing in alignment.pairings:
+            try:
+                propagated = layer_error(pairing.reference, pairing.primary)
+            except ShapeMismatch as exc:
+                report.unaligned.append(Unaligned("reference", pairing.name, str(exc)))
+                continue
+            layer = LayerResult(
+                pairing.name, pairing.op, pairing.module, pairing.value, propagated,
+                isolation_note=pairing.isolation_note,
+                divergent=propagated.rel_error > self.config.rel_error)
+            report.layers.append(layer)
+            compared.append((layer, pairing))
+        self._isolate(compared)
+        ranked = [layer for layer in report.layers if layer.isolated is not None]
+        ranked.sort(key=lambda layer: layer.isolated.rel_error, reverse=True)
+        report.suspects = ranked[: self.config.top_k]
+        report.seconds = time.perf_counter() - started
+        return report
+
+    def _align(self, inputs: dict[str, np.ndarray]) -> Alignment:
+        ref, prim = self.reference, self.primary
+
+        def onnx_values(side: OnnxSide) -> dict[str, np.ndarray]:
+            # Graph inputs are values too: a segment or a module may start from them.
+            return {**{n: inputs[n] for n in side.graph.inputs if n in inputs},
+                    **side.capture(inputs)}
+
+        if isinstance(ref, OnnxSide) and isinstance(prim, OnnxSide):
+            return align_onnx_onnx(ref, prim, onnx_values(ref), onnx_values(prim), inputs)
+        if isinstance(ref, TorchSide) and isinstance(prim, OnnxSide):
+            return align_torch_onnx(ref, prim, ref.capture(inputs), onnx_values(prim), inputs,
+                                    torch_is_reference=True)
+        if isinstance(ref, OnnxSide) and isinstance(prim, TorchSide):
+            return align_torch_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
+                                    torch_is_reference=False)
+        return align_torch_torch(ref, prim, ref.capture(inputs), prim.capture(inputs))
+
+    def _isolate(self, compared: list[tuple[LayerResult, Pairing]]) -> None:
+        """Isolated error for the layers with the largest propagated error, up to the budget."""
+        ranked = sorted(compared, key=lambda item: item[0].propagated.rel_error, reverse=True)
+        for rank, (layer, pairing) in enumerate(ranked):
+            if pairing.isolate is None:
+                layer.isolation_note = layer.isolation_note or "not isolatable on this backend"
+                continue
+            if rank >= self.config.max_isolated:
+                layer.isolation_note = (f"outside the isolation budget (max_isolated="
+                                        f"{self.config.max_isolated})")
+                continue
+            try:
+                output, nodes = pairing.isolate()
+                layer.isolated = layer_error(pairing.reference, output)
+                layer.primary_nodes = nodes
+            except Exception as exc:  # one layer that cannot be re-run is a note, not a failure
+                layer.isolation_note = f"{type(exc).__name__}: {exc}"
+
+    def close(self) -> None:
+        self.reference.close()
+        self.primary.close()

@@ -1,0 +1,361 @@
+"""ONNX side of tier 2: every intermediate value of a graph, captured on a private copy of it.
+
+Capture: a copy of the model with every node output added as a graph output, run in its own
+ONNX Runtime session with graph optimisations disabled, so that the values keep the names they
+have in the file (an optimiser fuses nodes and renames what it fuses). The production session
+is never touched: marking extra outputs on it would change what it computes.
+
+Isolation: to tell a layer that *causes* error from one that inherits it, a layer is re-run on
+the other side's values for its inputs. Here that is a *segment*: the nodes that compute one
+value, walked back from it until values the other side also has (or weights). On an int8 graph
+derived by ``quantize_dynamic`` the segment of ``linear`` is the whole quantised chain
+(DynamicQuantizeLinear, MatMulInteger, Cast, Mul, Add) that replaced the fp32 ``Gemm``, which is
+how a quantised layer maps back to its fp32 origin. Each segment becomes a small model of its
+own, built once and cached.
+
+Module scopes (for torch vs ONNX): the dynamo exporter writes ``pkg.torch.onnx.name_scopes``
+(``['', 'layers.0', 'layers.0.lin', 'linear']``: the module path is the element before the
+op's own name) on every node; the TorchScript exporter names nodes ``/layers.0/lin/Gemm``.
+"""
+
+from __future__ import annotations
+
+import ast
+import threading
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+# Ops whose outputs are bookkeeping (shapes, constants), never worth comparing.
+_BOOKKEEPING_OPS = frozenset({"Constant", "Shape", "Size", "ConstantOfShape"})
+
+
+def _node_module(node) -> str | None:
+    """The torch module path a node was exported from ('' = the root module), or None."""
+    for prop in node.metadata_props:
+        if prop.key == "pkg.torch.onnx.name_scopes":
+            try:
+                scopes = ast.literal_eval(prop.value)
+            except (ValueError, SyntaxError):
+                return None
+            if isinstance(scopes, list) and len(scopes) >= 2:
+                return str(scopes[-2]) if len(scopes) >= 3 else ""
+            return None
+    if node.name.startswith("/"):  # TorchScript exporter: /layers.0/lin/Gemm
+        return ".".join(part for part in node.name.split("/")[1:-1] if part)
+    return None
+
+
+def _subgraph_inputs(node) -> list[str]:
+    """Outer-scope values that a node's subgraphs (If/Loop/Scan bodies) read."""
+    names: list[str] = []
+    for attr in node.attribute:
+        graphs = list(attr.graphs) + ([attr.g] if attr.HasField("g") else [])
+        for graph in graphs:
+            defined = {i.name for i in graph.input} | {i.name for i in graph.initializer}
+            for inner in graph.node:
+                for name in list(inner.input) + _subgraph_inputs(inner):
+                    if name and name not in defined:
+                        names.append(name)
+                defined.update(inner.output)
+    return names
+
+
+@dataclass
+class ScopeInstance:
+    """One call of a torch module as it appears in the graph: its nodes, inputs and outputs."""
+
+    module: str
+    nodes: list[int]
+    inputs: list[str]  # values from outside the instance (not weights or constants)
+    outputs: list[str]  # values the rest of the graph (or the caller) reads
+
+
+@dataclass
+class OnnxGraph:
+    """Static facts about one graph: node order, producers, consumers, weights, scopes."""
+
+    model: object  # onnx.ModelProto
+    nodes: list = field(default_factory=list)
+    producer: dict[str, int] = field(default_factory=dict)
+    consumers: dict[str, list[int]] = field(default_factory=dict)
+    initializers: dict[str, object] = field(default_factory=dict)
+    inputs: list[str] = field(default_factory=list)
+    outputs: list[str] = field(default_factory=list)
+    static: set[str] = field(default_factory=set)  # computed from weights/constants only
+    elem_types: dict[str, int] = field(default_factory=dict)  # from shape inference
+
+    @classmethod
+    def from_model(cls, model) -> "OnnxGraph":
+        import onnx
+
+        graph = model.graph
+        self = cls(model=model, nodes=list(graph.node))
+        self.initializers = {i.name: i for i in graph.initializer}
+        self.inputs = [i.name for i in graph.input if i.name not in self.initializers]
+        self.outputs = [o.name for o in graph.output]
+        for index, node in enumerate(self.nodes):
+            for name in node.output:
+                if name:
+                    self.producer[name] = index
+            for name in list(node.input) + _subgraph_inputs(node):
+                if name:
+                    self.consumers.setdefault(name, []).append(index)
+        known_static = set(self.initializers)
+        for node in self.nodes:
+            inputs = [n for n in list(node.input) + _subgraph_inputs(node) if n]
+            if all(n in known_static for n in inputs):
+                known_static.update(n for n in node.output if n)
+        self.static = known_static - set(self.initializers)
+        try:
+            inferred = onnx.shape_inference.infer_shapes(model, strict_mode=False)
+            infos = list(inferred.graph.value_info) + list(inferred.graph.output) + list(
+                inferred.graph.input)
+        except Exception:  # shape inference is a help, never a requirement
+            infos = list(graph.value_info) + list(graph.output) + list(graph.input)
+        for info in infos:
+            kind = info.type.WhichOneof("value")
+            if kind == "tensor_type":
+                self.elem_types[info.name] = info.type.tensor_type.elem_type
+            elif kind is not None:
+                self.elem_types[info.name] = -1  # sequence/map/optional: not a tensor
+        return self
+
+    @classmethod
+    def load(cls, path: str | Path) -> "OnnxGraph":
+        import onnx
+
+        return cls.from_model(onnx.load(str(path)))
+
+    # -- values -------------------------------------------------------------------------------
+    def comparable_values(self) -> list[str]:
+        """Node outputs worth comparing, in graph order: tensors, not shapes or constants."""
+        import onnx
+
+        floats = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.DOUBLE,
+                  onnx.TensorProto.BFLOAT16}
+        names = []
+        for node in self.nodes:
+            if node.op_type in _BOOKKEEPING_OPS:
+                continue
+            for name in node.output:
+                if not name or name in self.static:
+                    continue
+                elem = self.elem_types.get(name)
+                if elem is not None and elem not in floats:
+                    continue
+                names.append(name)
+        return names
+
+    def node_of(self, value: str):
+        index = self.producer.get(value)
+        return None if index is None else self.nodes[index]
+
+    # -- module scopes (torch exporter metadata) ----------------------------------------------
+    def has_scopes(self) -> bool:
+        return any(_node_module(n) is not None for n in self.nodes)
+
+    def scope_instances(self) -> dict[str, list[ScopeInstance]]:
+        """For every module path: its calls, as connected groups of nodes, in graph order."""
+        members: dict[str, list[int]] = {}
+        for index, node in enumerate(self.nodes):
+            module = _node_module(node)
+            if module is None or node.op_type == "Constant":
+                continue
+            parts = module.split(".") if module else []
+            # A node belongs to its module and every ancestor ("layers.0.lin" is in "layers.0").
+            for depth in range(1, len(parts) + 1):
+                members.setdefault(".".join(parts[:depth]), []).append(index)
+        return {module: self._instances(module, nodes) for module, nodes in members.items()}
+
+    def _instances(self, module: str, nodes: list[int]) -> list[ScopeInstance]:
+        node_set = set(nodes)
+        parent = {n: n for n in nodes}
+
+        def find(n: int) -> int:
+            while parent[n] != n:
+                parent[n] = parent[parent[n]]
+                n = parent[n]
+            return n
+
+        for n in nodes:
+            for name in self.nodes[n].output:
+                for consumer in self.consumers.get(name, []):
+                    if consumer in node_set:
+                        parent[find(consumer)] = find(n)
+        groups: dict[int, list[int]] = {}
+        for n in nodes:
+            groups.setdefault(find(n), []).append(n)
+        instances = []
+        graph_outputs = set(self.outputs)
+        for group in sorted(groups.values(), key=min):
+            inside = set(group)
+            produced = {name for n in group for name in self.nodes[n].output if name}
+            if produced <= self.static:
+                continue  # a group that only folds constants is no call of the module
+            inputs: list[str] = []
+            for n in group:
+                node = self.nodes[n]
+                for name in list(node.input) + _subgraph_inputs(node):
+                    if (name and name not in produced and name not in self.initializers
+                            and name not in self.static and name not in inputs):
+                        inputs.append(name)
+            outputs = [
+                name for n in group for name in self.nodes[n].output
+                if name and (name in graph_outputs
+                             or any(c not in inside for c in self.consumers.get(name, [])))
+            ]
+            instances.append(ScopeInstance(module, group, inputs, outputs))
+        return instances
+
+    # -- segments -------------------------------------------------------------------------------
+    def segment(self, target: str, boundary: set[str]) -> tuple[list[int], list[str]]:
+        """Nodes that compute ``target`` from ``boundary`` values (and weights), and the boundary
+        values they read. Raises KeyError when the walk reaches a graph input not in boundary."""
+        if target not in self.producer:
+            raise KeyError(f"'{target}' is not computed by any node")
+        nodes: set[int] = set()
+        needed: list[str] = []
+        stack = [self.producer[target]]
+        while stack:
+            index = stack.pop()
+            if index in nodes:
+                continue
+            nodes.add(index)
+            node = self.nodes[index]
+            for name in list(node.input) + _subgraph_inputs(node):
+                if not name or name in self.initializers:
+                    continue
+                if name in boundary and name != target:
+                    if name not in needed:
+                        needed.append(name)
+                elif name in self.producer:
+                    stack.append(self.producer[name])
+                else:
+                    raise KeyError(f"segment of '{target}' reaches '{name}', which the other "
+                                   "side does not provide")
+        return sorted(nodes), needed
+
+    def segment_model(self, nodes: list[int], inputs: dict[str, np.dtype], target: str,
+                      target_elem: int):
+        """A standalone model: ``inputs`` -> the segment's nodes -> ``target``."""
+        import onnx
+        from onnx import helper
+
+        used = set()
+        for index in nodes:
+            node = self.nodes[index]
+            used.update(n for n in list(node.input) + _subgraph_inputs(node) if n)
+        graph = helper.make_graph(
+            [self.nodes[i] for i in nodes],
+            f"segment_{target}",
+            [helper.make_tensor_value_info(name, helper.np_dtype_to_tensor_dtype(dtype), None)
+             for name, dtype in inputs.items()],
+            [helper.make_tensor_value_info(target, target_elem, None)],
+            initializer=[init for name, init in self.initializers.items() if name in used],
+        )
+        model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
+        model.ir_version = self.model.ir_version
+        model.functions.extend(self.model.functions)
+        del onnx
+        return model
+
+
+def _session(model_bytes: bytes, threads: int):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    # Disabled: the optimiser would fuse nodes and rename values, and names are the alignment.
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.execution_mode = ort.ExecutionMode.ORT_SEQUENTIAL
+    so.log_severity_level = 3
+    return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
+
+
+class OnnxSide:
+    """One ONNX artifact, run for capture on a private session.
+
+    ``run_path`` is what the backend actually runs (for a derived int8/fp16 variant, the derived
+    file); ``source_path`` is the fp32 file it was derived from, whose exporter metadata maps
+    nodes to torch modules (the quantiser drops that metadata on the nodes it rewrites).
+    """
+
+    kind = "onnx"
+
+    def __init__(self, run_path: str | Path, source_path: str | Path | None = None,
+                 threads: int = 1, label: str = "onnx"):
+        self.label = label
+        self.run_path = Path(run_path)
+        self.graph = OnnxGraph.load(self.run_path)
+        same = source_path is None or Path(source_path) == self.run_path
+        self.source = self.graph if same else OnnxGraph.load(source_path)
+        self.threads = threads
+        self.values = self.graph.comparable_values()
+        self._session = None
+        self._segments: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._lock = threading.Lock()
+        self._scopes: dict[str, list[ScopeInstance]] | None = None
+
+    def _capture_session(self):
+        if self._session is None:
+            import copy
+
+            from onnx import ValueInfoProto, helper
+
+            model = copy.deepcopy(self.graph.model)
+            existing = {o.name for o in model.graph.output}
+            for name in self.values:
+                if name in existing:
+                    continue
+                elem = self.graph.elem_types.get(name)
+                if elem and elem > 0:
+                    model.graph.output.append(helper.make_tensor_value_info(name, elem, None))
+                else:
+                    model.graph.output.append(ValueInfoProto(name=name))
+            self._session = _session(model.SerializeToString(), self.threads)
+            self._output_names = [o.name for o in self._session.get_outputs()]
+        return self._session
+
+    def capture(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        """Every comparable value (and the graph outputs) for these inputs, by value name."""
+        session = self._capture_session()
+        feeds = {name: inputs[name] for name in self.graph.inputs if name in inputs}
+        results = session.run(self._output_names, feeds)
+        return dict(zip(self._output_names, results))
+
+    def scope_instances(self) -> dict[str, list[ScopeInstance]]:
+        if self._scopes is None:
+            self._scopes = self.source.scope_instances()
+        return self._scopes
+
+    def isolate(self, target: str, boundary: set[str],
+                fetch: Callable[[str], np.ndarray]) -> tuple[np.ndarray, list[str]]:
+        """Run the segment that computes ``target`` from ``boundary`` values, each value taken
+        from ``fetch`` (the other side's tensor, in this graph's dtype). Returns the result and
+        the names of the segment's nodes."""
+        nodes, needed = self.graph.segment(target, boundary)
+        feeds = {name: fetch(name) for name in needed}
+        key = (target, tuple(needed))
+        with self._lock:
+            session = self._segments.get(key)
+            if session is None:
+                elem = self.graph.elem_types.get(target) or 1  # FLOAT when inference was silent
+                model = self.graph.segment_model(
+                    nodes, {n: feeds[n].dtype for n in needed}, target, elem)
+                session = _session(model.SerializeToString(), self.threads)
+                self._segments[key] = session
+        result = session.run([target], feeds)[0]
+        return result, [self.graph.nodes[i].name for i in nodes]
+
+    def segment_nodes(self, target: str, boundary: set[str]) -> list[str]:
+        """Names of the nodes that compute ``target`` from ``boundary`` (for reports, repair)."""
+        nodes, _ = self.graph.segment(target, boundary)
+        return [self.graph.nodes[i].name for i in nodes]
+
+    def close(self) -> None:
+        self._session = None
+        self._segments.clear()
