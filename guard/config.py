@@ -254,25 +254,85 @@ class ChecksConfig(Strict):
 
 
 class PolicyConfig(Strict):
+    """When to switch a model to its fallback, and when to switch it back.
+
+    The trigger is a detector per tier on the stream of per-sample failures. ``cusum`` (the
+    default) is a one-sided Bernoulli CUSUM from the in-control failure rate p0 to the alarm
+    rate p1 with threshold h = ln(ARL0): on average at least ARL0 compared samples pass
+    between false alarms. ``e_detector`` is its variant for when p0 is only known as an upper
+    bound and the alarm rate is unknown (a mixture over several). ``window`` is the v0 rule
+    (failing share of the last ``window`` samples over ``trip_ratio``). Recovery is decided by
+    a second detector with a lower rate, on probes of the primary.
+    """
+
     action: Action = Field(
         "alert",
         description="alert: report only. fallback_model: route the model to its fallback "
-        "while drift is over the trip ratio.",
+        "while the detector says it drifts.",
     )
+    detector: Literal["cusum", "e_detector", "window"] = Field(
+        "cusum", description="The trip/recovery rule: cusum, e_detector or window.")
+    # -- sequential detectors (cusum, e_detector) --
+    arl0: PositiveFloat | None = Field(
+        None, description="Expected compared samples between false alarms, per tier "
+        "(threshold h = ln(arl0)). Default 1e5 unless false_alarms_per_day is given.")
+    threshold: Literal["exact", "bound"] = Field(
+        "exact", description="cusum threshold: exact = the smallest h whose in-control ARL "
+        "(Markov chain of the CUSUM at p0) is at least arl0; bound = ln(arl0), which keeps the "
+        "promise for any CUSUM but raises ~100x fewer false alarms than asked, and detects "
+        "later. The e_detector always uses ln(arl0) (its p0 is only a bound).")
+    false_alarms_per_day: PositiveFloat | None = Field(
+        None, description="Instead of arl0: false alarms per day, converted to arl0 through "
+        "expected_rps x mirror.sample_rate x 86400 compared samples per day.")
+    expected_rps: PositiveFloat | None = Field(
+        None, description="Requests per second the model is expected to serve (only with "
+        "false_alarms_per_day).")
+    p0: Fraction | None = Field(
+        None, description="In-control failure rate. Unset: measured during burn_in (primary "
+        "vs reference, one-sided Wilson upper bound at 90%), clipped to [p0_min, p0_max].")
+    p0_min: Fraction = Field(0.001, description="Floor of a measured p0.")
+    p0_max: Fraction = Field(
+        0.05, description="Ceiling of a measured p0, and the p0 used during burn-in (a model "
+        "broken from the start still trips during its burn-in).")
+    burn_in: PositiveInt = Field(
+        500, description="Compared samples on the primary that measure p0 when it is unset.")
+    shift: PositiveFloat = Field(
+        0.02, description="Alarm rate p1 = p0 + shift (cusum), or the base of the mixture of "
+        "alarm rates (e_detector).")
+    p1: Fraction | None = Field(None, description="Pin the cusum alarm rate instead of shift.")
+    recover_rate: Fraction | None = Field(
+        None, description="Failure rate of probes at which the primary counts as recovered "
+        "(the recovery detector tests it against p1). Default: p0.")
+    recover_arl0: PositiveFloat = Field(
+        1000.0, description="Expected probes of a still-drifting primary between false "
+        "recoveries (recovery threshold = ln(recover_arl0)).")
+    # -- window detector --
     window: PositiveInt = Field(100, description="Compared samples kept per tier.")
     min_samples: PositiveInt = Field(20, description="No decision on fewer samples than this.")
     trip_ratio: Fraction = Field(
-        0.2, description="Switch to the fallback when the failing share exceeds this."
+        0.2, description="window: switch to the fallback when the failing share exceeds this."
     )
     recover_ratio: Fraction = Field(
         0.05,
-        description="Switch back when the failing share of fresh probe samples is at most "
-        "this (lower than trip_ratio: hysteresis).",
+        description="window: switch back when the failing share of fresh probe samples is at "
+        "most this (lower than trip_ratio: hysteresis).",
     )
+    # -- dwell and rollout --
     dwell_s: NonNegativeFloat = Field(
         30.0,
-        description="Minimum time on the fallback before the primary is probed again.",
+        description="Minimum time on the fallback before the primary is probed again. It "
+        "grows with repeated trips (dwell_s x trips, Envoy's ejection rule), up to max_dwell_s; "
+        "each dwell_s spent healthy on the primary takes one trip off the count.",
     )
+    max_dwell_s: NonNegativeFloat | None = Field(
+        None, description="Cap of the growing dwell; default 10 x dwell_s (Envoy's 30 s base "
+        "and 300 s cap). Set it equal to dwell_s for a fixed dwell.")
+    primary_dwell_s: NonNegativeFloat = Field(
+        0.0, description="Minimum time on the primary after routing back before it may trip "
+        "again (the detector keeps counting meanwhile).")
+    dry_run_percent: Annotated[float, AfterValidator(lambda v: _percent(v))] = Field(
+        0.0, description="Share (0-100) of trips that are evaluated and reported (event "
+        "drift_dry_run) but not enforced: a way to roll the policy out.")
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":
@@ -285,7 +345,45 @@ class PolicyConfig(Strict):
             raise ValueError("recover_ratio must not exceed trip_ratio (hysteresis)")
         if self.min_samples > self.window:
             raise ValueError("min_samples must not exceed window")
+        if self.arl0 is not None and self.false_alarms_per_day is not None:
+            raise ValueError("give arl0 or false_alarms_per_day, not both")
+        if (self.false_alarms_per_day is None) != (self.expected_rps is None):
+            raise ValueError("false_alarms_per_day and expected_rps go together")
+        if self.arl0 is not None and self.arl0 <= 1:
+            raise ValueError("arl0 must be > 1 (samples between false alarms)")
+        if self.p0_min > self.p0_max:
+            raise ValueError("p0_min must not exceed p0_max")
+        if self.p0 is not None and not 0 < self.p0 < 1:
+            raise ValueError("p0 must be in (0, 1)")
+        if self.p0_min <= 0 or self.p0_max >= 1:
+            raise ValueError("p0_min and p0_max must be in (0, 1)")
+        if self.p1 is not None:
+            low = self.p0 if self.p0 is not None else self.p0_max
+            if not low < self.p1 < 1:
+                raise ValueError(
+                    f"p1 must be in ({low}, 1): above p0 (or p0_max while p0 is measured)")
+        if self.recover_rate is not None and self.p1 is not None and self.recover_rate >= self.p1:
+            raise ValueError("recover_rate must be below p1 (hysteresis)")
+        if self.max_dwell_s is not None and self.dwell_s > self.max_dwell_s:
+            raise ValueError("dwell_s must not exceed max_dwell_s")
         return self
+
+    @property
+    def dwell_cap_s(self) -> float:
+        return self.max_dwell_s if self.max_dwell_s is not None else 10.0 * self.dwell_s
+
+    def arl0_for(self, sample_rate: float) -> float:
+        """ARL0 in compared samples: given, or converted from false alarms per day."""
+        if self.false_alarms_per_day is not None and self.expected_rps is not None:
+            per_day = self.expected_rps * sample_rate * 86400.0
+            return max(per_day / self.false_alarms_per_day, 2.0)
+        return self.arl0 if self.arl0 is not None else 1.0e5
+
+
+def _percent(value: float) -> float:
+    if not 0.0 <= value <= 100.0:
+        raise ValueError("must be in [0, 100]")
+    return value
 
 
 class ModelConfig(Strict):
@@ -306,6 +404,12 @@ class ModelConfig(Strict):
     def _check(self) -> "ModelConfig":
         if self.policy.action == "fallback_model" and self.fallback is None:
             raise ValueError("policy.action 'fallback_model' needs a 'fallback' backend")
+        policy = self.policy
+        if (policy.false_alarms_per_day is not None and policy.detector != "window"
+                and self.mirror.sample_rate > 0 and policy.arl0_for(self.mirror.sample_rate) <= 2.0):
+            raise ValueError(
+                "policy.false_alarms_per_day: fewer compared samples per day "
+                "(expected_rps x mirror.sample_rate x 86400) than allowed false alarms")
         if self.checks.activation.enabled:
             if self.reference is None:
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")

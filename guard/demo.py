@@ -52,8 +52,9 @@ def demo_config(models: dict[str, Path], ports: dict[str, int], sample_rate: flo
             "fallback": {"backend": "onnxruntime", "path": onnx},
             "mirror": {"sample_rate": sample_rate, "queue_size": 64, "timeout_s": 5.0},
             "checks": {"tensor": {"atol": 1.0e-4, "rtol": 1.0e-3}},
-            "policy": {"action": "fallback_model", "window": 40, "min_samples": 10,
-                       "trip_ratio": 0.2, "recover_ratio": 0.05, "dwell_s": 2.0},
+            # CUSUM with p0 pinned: a demo has no time for the burn-in that measures it.
+            "policy": {"action": "fallback_model", "detector": "cusum", "p0": 0.01,
+                       "arl0": 1.0e5, "dwell_s": 2.0},
         }],
     }
 
@@ -193,7 +194,7 @@ def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status
         print(f"  last transition     {t.from_route} -> {t.to_route}: {t.reason}")
     if status is not None and status.probing:
         print("  the guard keeps probing the int8 primary in the background and routes back "
-              "when a window of probes is clean")
+              "when its recovery detector finds the probes clean")
     print(f"\n  metrics:  http://127.0.0.1:{ports['metrics_port']}/metrics")
     print(f"  admin:    guard admin --admin 127.0.0.1:{ports['admin_port']} status")
     print(f"  OIP gRPC: 127.0.0.1:{ports['grpc_port']} (tritonclient.grpc, model 'classifier')")

@@ -64,6 +64,17 @@ class GuardMetrics:
             "guard_drift_ratio", "Failing share of the current window.", ["model", "tier"],
             registry=r,
         )
+        self.detector_statistic = Gauge(
+            "guard_detector_statistic",
+            "Statistic of the detector deciding a tier's next transition (trip on the primary, "
+            "recovery on the fallback): log-likelihood for cusum/e_detector, a share for window.",
+            ["model", "tier"], registry=r,
+        )
+        self.detector_threshold = Gauge(
+            "guard_detector_threshold",
+            "The value guard_detector_statistic must reach for that transition.",
+            ["model", "tier"], registry=r,
+        )
         self.fallback_active = Gauge(
             "guard_fallback_active", "1 while the fallback serves (model) or ops are kept back.",
             ["model", "scope"], registry=r,

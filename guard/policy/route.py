@@ -1,31 +1,57 @@
-"""Policy v0: a count window per tier and a two-state route with hysteresis and dwell.
+"""The route state machine: a detector per tier trips the model to its fallback; a second
+detector with a lower rate, fed by probes of the primary, routes it back.
 
 States: ``primary`` (the primary answers; mirrored samples compare its answers) and ``fallback``
-(the fallback answers). The model trips to the fallback when, after ``min_samples``, the failing
-share of a tier's window exceeds ``trip_ratio``. On the fallback nothing is probed for
-``dwell_s``; after that the mirror keeps running the primary in the background on sampled
-requests, and the model routes back when a fresh window of those probes fails at most
-``recover_ratio`` (lower than the trip ratio, so it does not flap).
+(the fallback answers). The trip detector of each tier (``policy.detector``: cusum, e_detector or
+window; see detector.py) watches the primary's per-sample failures; when one alarms, the model
+switches. On the fallback nothing is probed for the dwell time; after that the mirror runs the
+primary in the background on sampled requests and the *recovery* detector (the failure rate has
+come down from the alarm rate to the recovery rate; for ``window``: the failing share of a fresh
+window is at most ``recover_ratio``) routes it back.
+
+Dwell (Envoy's outlier ejection): the k-th trip in a row keeps the fallback for dwell_s x k, up
+to the cap; each dwell_s spent healthy on the primary takes one trip off the count. After
+routing back, ``primary_dwell_s`` must pass before the model may trip again.
+
+Calibration: with ``p0`` unset, the first ``burn_in`` compared samples on the primary measure it
+(one-sided 90% Wilson upper bound of the failing share, clipped to [p0_min, p0_max]); during the
+burn-in the detector runs with p0 = p0_max, so a model broken from the start still trips.
 
 Each transition starts a new *epoch*: results of samples taken in an earlier epoch are ignored,
 so a verdict on the old route never counts toward a decision about the new one.
 
 With ``action: alert`` the state machine runs the same way on paper (events, gauges), but the
-route never leaves the primary. A manual override (admin API) pins the route until ``auto``.
+route never leaves the primary: an alert fires once per crossing and re-arms when the recovery
+detector says the rate came down. ``dry_run_percent`` of the trips are reported (trigger
+``dry_run``) but not enforced. A manual override (admin API) pins the route until ``auto``.
 """
 
 from __future__ import annotations
 
+import math
+import random
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable, Literal
 
 from guard.config import PolicyConfig
+from guard.observe.events import emit
+from guard.policy.detector import (
+    BernoulliCusum,
+    Detector,
+    EDetector,
+    WindowDetector,
+    default_alternatives,
+    exact_threshold,
+    wilson_upper,
+)
 from guard.policy.window import CountWindow
 
 Route = Literal["primary", "fallback"]
 Override = Literal["auto", "primary", "fallback"]
+
+_BURN_IN_Z = 1.2816  # one-sided 90%: a lucky burn-in does not set p0 (and false alarms) too low
 
 
 @dataclass(frozen=True)
@@ -33,7 +59,7 @@ class Transition:
     model: str
     from_route: str
     to_route: str
-    trigger: str  # "policy" | "manual"
+    trigger: str  # "policy" | "manual" | "alert" | "dry_run"
     reason: str
     unix_time: float
     evidence: dict = field(default_factory=dict)
@@ -50,6 +76,118 @@ class WindowFigures:
     ratio: float
 
 
+@dataclass(frozen=True)
+class DetectorFigures:
+    """The detector that decides the next transition of a tier (trip on the primary, recovery
+    on the fallback or while an alert is up), for the statistic/threshold gauges."""
+
+    tier: str
+    kind: str
+    role: str  # "trip" | "recover"
+    statistic: float
+    threshold: float
+    p0: float | None  # None for the window detector
+
+
+class _TierState:
+    """One tier's count window (for the drift-ratio gauge), detectors and burn-in."""
+
+    def __init__(self, config: PolicyConfig, arl0: float):
+        self.config = config
+        self.arl0 = arl0
+        self.window = CountWindow(config.window)
+        self.p0 = config.p0
+        self.burn_samples = 0
+        self.burn_failures = 0
+        self.trip: Detector
+        self.recover: Detector
+        self.build()
+
+    @property
+    def sequential(self) -> bool:
+        return self.config.detector != "window"
+
+    @property
+    def p0_in_use(self) -> float:
+        return self.p0 if self.p0 is not None else self.config.p0_max
+
+    def alarm_rate(self) -> float:
+        c, p0 = self.config, self.p0_in_use
+        if c.detector == "cusum" and c.p1 is not None and c.p1 > p0:
+            return c.p1
+        return min(0.999, p0 + c.shift)
+
+    def build(self) -> None:
+        c = self.config
+        if not self.sequential:
+            self.trip = WindowDetector(c.window, c.min_samples, c.trip_ratio, "up")
+            # Recovery reads the same window: one count, two thresholds (hysteresis).
+            self.recover = _SharedWindowView(self.trip, c.recover_ratio)
+            return
+        h = math.log(self.arl0)
+        p0, p1 = self.p0_in_use, self.alarm_rate()
+        if c.detector == "cusum":
+            if c.threshold == "exact":
+                h = exact_threshold(p0, p1, self.arl0)
+            self.trip = BernoulliCusum(p0, p1, h)
+        else:
+            self.trip = EDetector(p0, default_alternatives(p0, c.shift), h)
+        rate = c.recover_rate if c.recover_rate is not None else p0
+        if not rate < p1:
+            rate = p1 / 2
+        self.recover = BernoulliCusum(p1, max(rate, 1e-6), math.log(c.recover_arl0))
+
+    def reset(self) -> None:
+        self.window.clear()
+        self.trip.reset()
+        self.recover.reset()
+
+    def calibrate(self, failed: bool) -> dict | None:
+        """Count one burn-in sample; returns the calibration record when p0 gets measured."""
+        if self.p0 is not None or not self.sequential:
+            return None
+        self.burn_samples += 1
+        self.burn_failures += failed
+        if self.burn_samples < self.config.burn_in:
+            return None
+        upper = wilson_upper(self.burn_failures, self.burn_samples, _BURN_IN_Z)
+        self.p0 = min(max(upper, self.config.p0_min), self.config.p0_max)
+        self.build()
+        return {"p0": round(self.p0, 6), "samples": self.burn_samples,
+                "failures": self.burn_failures, "upper_bound_90": round(upper, 6),
+                "clipped": upper != self.p0, "p1": round(self.alarm_rate(), 6)}
+
+
+class _SharedWindowView(Detector):
+    """The window detector's recovery side: the same window, alarm when ratio <= recover."""
+
+    kind = "window"
+
+    def __init__(self, trip: WindowDetector, ratio: float):
+        super().__init__()
+        self._trip = trip
+        self.ratio = ratio
+
+    def update(self, failed: bool) -> bool:
+        return self.alarmed  # the trip detector owns the window and is fed first
+
+    @property
+    def alarmed(self) -> bool:
+        w = self._trip.window
+        return w.samples >= self._trip.min_samples and w.ratio <= self.ratio
+
+    def reset(self) -> None:
+        pass  # the window belongs to the trip detector
+
+    @property
+    def statistic(self) -> float:
+        return self._trip.window.ratio
+
+    @property
+    def threshold(self) -> float:
+        return self.ratio
+
+
 class RoutePolicy:
     def __init__(
         self,
@@ -58,17 +196,24 @@ class RoutePolicy:
         tiers: tuple[str, ...] = ("tensor",),
         has_fallback: bool = True,
         clock: Callable[[], float] = time.monotonic,
+        sample_rate: float = 1.0,
+        rng: random.Random | None = None,
     ):
         self.model = model
         self.config = config
         self.can_switch = config.action == "fallback_model" and has_fallback
         self._clock = clock
+        self._rng = rng or random.Random()
         self._lock = threading.Lock()
-        self._windows = {tier: CountWindow(config.window) for tier in tiers}
+        self.arl0 = config.arl0_for(sample_rate)
+        self._tiers = {tier: _TierState(config, self.arl0) for tier in tiers}
         self._state: Route = "primary"
         self._override: Override = "auto"
         self._since = clock()
         self._alerting = False
+        self._trips = 0  # trips in a row, for the growing dwell
+        self._healthy_since = clock()
+        self._dwell = config.dwell_s
         self.epoch = 0
         self.last_transition: Transition | None = None
 
@@ -84,7 +229,12 @@ class RoutePolicy:
     @property
     def probing(self) -> bool:
         """On the fallback and past the dwell: the mirror should run the primary in background."""
-        return self._state == "fallback" and self._clock() - self._since >= self.config.dwell_s
+        return self._state == "fallback" and self._clock() - self._since >= self._dwell
+
+    @property
+    def dwell_s(self) -> float:
+        """The dwell of the current (or next) stay on the fallback."""
+        return self._dwell
 
     # -- fed by the mirror worker --------------------------------------------------------------
     def observe(self, tier: str, failed: bool, epoch: int) -> Transition | None:
@@ -92,29 +242,85 @@ class RoutePolicy:
         with self._lock:
             if epoch != self.epoch:
                 return None  # taken on a route that is no longer current
-            window = self._windows[tier]
-            window.add(failed)
-            if window.samples < self.config.min_samples:
+            state = self._tiers[tier]
+            state.window.add(failed)
+            if self._state == "primary":
+                return self._observe_primary(tier, state, failed)
+            return self._observe_fallback(tier, state, failed)
+
+    def _observe_primary(self, tier: str, state: _TierState, failed: bool) -> Transition | None:
+        if not self._alerting:
+            calibrated = state.calibrate(failed)
+            if calibrated is not None:
+                emit("detector_calibrated", model=self.model, tier=tier,
+                     detector=self.config.detector, **calibrated)
+                return None  # fresh detectors start with the next sample
+        tripped = state.trip.update(failed)
+        if self._alerting:
+            if state.sequential:
+                state.recover.update(failed)
+            if state.recover.alarmed:
+                self._alerting = False  # re-armed: the next crossing alerts again
+                if state.sequential:
+                    state.trip.reset()
+                    state.recover.reset()
                 return None
-            evidence = {"tier": tier, "samples": window.samples, "failures": window.failures,
-                        "drift_ratio": round(window.ratio, 4)}
-            if self._state == "primary" and window.ratio > self.config.trip_ratio:
-                reason = (f"{tier} drift ratio {window.ratio:.2f} > trip_ratio "
-                          f"{self.config.trip_ratio} over {window.samples} samples")
-                if self._override == "auto" and self.can_switch:
-                    return self._switch("fallback", "policy", reason, evidence)
-                if not self._alerting:
-                    self._alerting = True
-                    return Transition(self.model, "primary", "primary", "alert", reason,
-                                      time.time(), evidence)
-            elif self._state == "primary" and window.ratio <= self.config.recover_ratio:
-                self._alerting = False
-            elif (self._state == "fallback" and self._override == "auto"
-                  and window.ratio <= self.config.recover_ratio):
-                reason = (f"primary probes recovered: {tier} drift ratio {window.ratio:.2f} <= "
-                          f"recover_ratio {self.config.recover_ratio} over {window.samples} samples")
-                return self._switch("primary", "policy", reason, evidence)
+        if not tripped:
             return None
+        if self._clock() - self._since < self.config.primary_dwell_s:
+            return None  # too soon after routing back; the detector keeps its alarm
+        evidence = self._evidence(tier, state, state.trip)
+        reason = self._trip_reason(tier, state)
+        if self._override == "auto" and self.can_switch:
+            if self._rng.random() * 100.0 < self.config.dry_run_percent:
+                state.trip.reset()
+                return Transition(self.model, "primary", "fallback", "dry_run",
+                                  f"dry run (not enforced): {reason}", time.time(), evidence)
+            return self._switch("fallback", "policy", reason, evidence)
+        if not self._alerting:
+            self._alerting = True
+            state.recover.reset()
+            return Transition(self.model, "primary", "primary", "alert", reason, time.time(),
+                              evidence)
+        return None
+
+    def _observe_fallback(self, tier: str, state: _TierState, failed: bool) -> Transition | None:
+        state.trip.update(failed)  # window: feeds the shared window
+        recovered = state.recover.update(failed) if state.sequential else state.recover.alarmed
+        if not recovered or self._override != "auto":
+            return None
+        if state.sequential:
+            r = state.recover
+            reason = (f"primary probes recovered: {tier} {r.kind} statistic {r.statistic:.2f} "
+                      f">= {r.threshold:.2f} after {r.samples} probes (failure rate down from "
+                      f"{r.p_null:.4g} to {r.p_alt:.4g})")
+        else:
+            w = state.window
+            reason = (f"primary probes recovered: {tier} drift ratio {w.ratio:.2f} <= "
+                      f"recover_ratio {self.config.recover_ratio} over {w.samples} samples")
+        return self._switch("primary", "policy", reason,
+                            self._evidence(tier, state, state.recover))
+
+    def _trip_reason(self, tier: str, state: _TierState) -> str:
+        if not state.sequential:
+            w = state.window
+            return (f"{tier} drift ratio {w.ratio:.2f} > trip_ratio {self.config.trip_ratio} "
+                    f"over {w.samples} samples")
+        d = state.trip
+        return (f"{tier} {d.kind} statistic {d.statistic:.2f} >= threshold {d.threshold:.2f} "
+                f"(ARL0 {self.arl0:.3g}, p0 {state.p0_in_use:.4g}"
+                f"{'' if state.p0 is not None else ' during burn-in'}) after {d.samples} "
+                "samples")
+
+    def _evidence(self, tier: str, state: _TierState, detector: Detector) -> dict:
+        w = state.window
+        evidence = {"tier": tier, "samples": w.samples, "failures": w.failures,
+                    "drift_ratio": round(w.ratio, 4)}
+        if state.sequential:
+            evidence["detector"] = {**detector.describe(), "p0": state.p0_in_use,
+                                    "p0_measured": state.p0 is not None and
+                                    self.config.p0 is None, "arl0": self.arl0}
+        return evidence
 
     # -- admin -----------------------------------------------------------------------------
     def set_override(self, override: Override, reason: str) -> Transition | None:
@@ -136,17 +342,39 @@ class RoutePolicy:
 
     def windows(self) -> list[WindowFigures]:
         with self._lock:
-            return [WindowFigures(t, w.samples, w.failures, w.ratio)
-                    for t, w in self._windows.items()]
+            return [WindowFigures(t, s.window.samples, s.window.failures, s.window.ratio)
+                    for t, s in self._tiers.items()]
+
+    def detectors(self) -> list[DetectorFigures]:
+        with self._lock:
+            out = []
+            for tier, s in self._tiers.items():
+                recovering = self._state == "fallback" or self._alerting
+                d = s.recover if recovering else s.trip
+                out.append(DetectorFigures(tier, d.kind, "recover" if recovering else "trip",
+                                           d.statistic, d.threshold,
+                                           s.p0_in_use if s.sequential else None))
+            return out
 
     # -- internals (lock held) ---------------------------------------------------------------
     def _start_epoch(self) -> None:
         self.epoch += 1
         self._since = self._clock()
-        for window in self._windows.values():
-            window.clear()
+        for state in self._tiers.values():
+            state.reset()
 
     def _switch(self, to: Route, trigger: str, reason: str, evidence: dict) -> Transition:
+        now = self._clock()
+        if to == "fallback":
+            if trigger == "policy":
+                self._trips = self._decayed_trips(now) + 1
+                self._dwell = min(self.config.dwell_s * self._trips, self.config.dwell_cap_s)
+                evidence = {**evidence, "trips_in_a_row": self._trips,
+                            "dwell_s": self._dwell}
+            else:
+                self._dwell = self.config.dwell_s
+        else:
+            self._healthy_since = now
         transition = Transition(self.model, self._state, to, trigger, reason, time.time(),
                                 evidence)
         self._state = to
@@ -154,3 +382,10 @@ class RoutePolicy:
         self._start_epoch()
         self.last_transition = transition
         return transition
+
+    def _decayed_trips(self, now: float) -> int:
+        """Envoy: each base dwell spent healthy on the primary takes one trip off the count."""
+        if self.config.dwell_s <= 0:
+            return 0
+        healthy = max(0.0, now - self._healthy_since)
+        return max(0, self._trips - int(healthy // self.config.dwell_s))

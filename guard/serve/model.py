@@ -36,7 +36,8 @@ class GuardedModel:
         if config.fallback is not None:
             self.backends["fallback"] = create_backend(config.fallback, "fallback")
         self.policy = RoutePolicy(
-            self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends
+            self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends,
+            sample_rate=config.mirror.sample_rate,
         )
         self.mirror: Mirror | None = None
         self.signature: BackendInfo | None = None
@@ -44,6 +45,7 @@ class GuardedModel:
         self.output_names: frozenset[str] = frozenset()
         self.ready = False
         metrics.declare_model(self.name, self.verifier.tiers)
+        self._export_detectors()
         # Tier 2 (activation alignment): built at load, run by the mirror worker only.
         self.activation = None
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
@@ -146,12 +148,18 @@ class GuardedModel:
         transition = self.policy.observe("tensor", not check.passed, result.sample.epoch)
         for figures in self.policy.windows():
             m.drift_ratio.labels(self.name, figures.tier).set(figures.ratio)
+        self._export_detectors()
         if transition is not None:
             evidence = dict(transition.evidence)
             if not check.passed:
                 evidence["last_failure"] = check.summary()
             evidence.update(self._activation_evidence(result.sample.epoch))
             self._record(transition, evidence)
+
+    def _export_detectors(self) -> None:
+        for figures in self.policy.detectors():
+            self.metrics.detector_statistic.labels(self.name, figures.tier).set(figures.statistic)
+            self.metrics.detector_threshold.labels(self.name, figures.tier).set(figures.threshold)
 
     def _run_activation(self, result: SampleResult) -> None:
         """Tier 2 on a sub-sample, and on tier-1 failures while the mirror queue has room."""
@@ -190,6 +198,7 @@ class GuardedModel:
         transition = self.policy.set_override(override, reason)
         if transition is not None:
             self._record(transition, transition.evidence)
+        self._export_detectors()
         return transition
 
     def _record(self, transition: Transition, evidence: dict) -> None:
@@ -197,6 +206,10 @@ class GuardedModel:
         if transition.trigger == "alert":
             emit("drift_alert", model=self.name, reason=transition.reason,
                  action=self.config.policy.action, evidence=evidence)
+            return
+        if transition.trigger == "dry_run":
+            emit("drift_dry_run", model=self.name, reason=transition.reason,
+                 would_route=transition.to_route, evidence=evidence)
             return
         if transition.from_route != transition.to_route:
             to = "fallback_model" if transition.to_route == "fallback" else "primary"

@@ -44,7 +44,7 @@ def test_int8_drift_is_localised_to_fc1_in_the_route_transition(tmp_path, zoo_cl
         "checks": {"tensor": {"atol": 1e-4, "rtol": 1e-3},
                    "activation": {"on_failure": True, "max_queue_fill": 1.0,
                                   "torch_factory": "guard.zoo.classifier:build"}},
-        "policy": {"action": "fallback_model", "window": 10,
+        "policy": {"action": "fallback_model", "detector": "window", "window": 10,
                    "min_samples": 5, "trip_ratio": 0.2, "recover_ratio": 0.0, "dwell_s": 60},
     }
     images = sample_inputs(8, seed=11)

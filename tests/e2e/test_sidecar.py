@@ -82,8 +82,8 @@ def test_drift_trips_fallback_then_routes_back_after_recovery(tmp_path, rng):
     model = model_block(
         primary=affine_backend(drift_on_trigger=True),
         fallback=affine_backend(),
-        policy={"action": "fallback_model", "window": 10, "min_samples": 5,
-                "trip_ratio": 0.2, "recover_ratio": 0.0, "dwell_s": 0.3},
+        policy={"action": "fallback_model", "detector": "window", "window": 10,
+                "min_samples": 5, "trip_ratio": 0.2, "recover_ratio": 0.0, "dwell_s": 0.3},
     )
     drifting = np.full((1, 4), DRIFT_TRIGGER, np.float32)
     clean = rng.normal(size=(1, 4)).astype(np.float32)

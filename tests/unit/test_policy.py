@@ -23,10 +23,13 @@ class FakeClock:
 
 
 def make(action="fallback_model", window=10, min_samples=5, trip=0.2, recover=0.05, dwell=30.0,
-         has_fallback=True, tiers=("tensor",)):
+         has_fallback=True, tiers=("tensor",), max_dwell=None):
+    """A window-detector policy (the v0 rule these tests pin down; the sequential detectors
+    are tested in test_detectors.py)."""
     clock = FakeClock()
-    config = PolicyConfig(action=action, window=window, min_samples=min_samples,
-                          trip_ratio=trip, recover_ratio=recover, dwell_s=dwell)
+    config = PolicyConfig(action=action, detector="window", window=window,
+                          min_samples=min_samples, trip_ratio=trip, recover_ratio=recover,
+                          dwell_s=dwell, max_dwell_s=max_dwell)
     policy = RoutePolicy("m", config, tiers=tiers, has_fallback=has_fallback, clock=clock)
     return policy, clock
 
@@ -115,7 +118,8 @@ def test_trips_to_fallback_at_min_samples():
     t = transitions[0]
     assert (t.model, t.from_route, t.to_route, t.trigger) == ("m", "primary", "fallback", "policy")
     assert "trip_ratio" in t.reason
-    assert t.evidence == {"tier": "tensor", "samples": 5, "failures": 5, "drift_ratio": 1.0}
+    assert t.evidence == {"tier": "tensor", "samples": 5, "failures": 5, "drift_ratio": 1.0,
+                          "trips_in_a_row": 1, "dwell_s": 30.0}
     assert t.unix_time > 0
     assert policy.route == "fallback"
     assert policy.epoch == 1
@@ -277,7 +281,7 @@ def test_failing_probes_keep_fallback():
 
 
 def test_full_cycle_trip_recover_trip():
-    policy, clock = make(window=10, min_samples=5, dwell=5)
+    policy, clock = make(window=10, min_samples=5, dwell=5, max_dwell=5)  # a fixed dwell
     first = trip(policy)
     clock.advance(5)
     back = feed(policy, [False] * 5)
