@@ -69,6 +69,26 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_deploy_rules(args: argparse.Namespace) -> int:
+    from guard.deploy.rules import RuleSettings, read_thresholds, render
+
+    try:
+        settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
+    except ValueError as exc:
+        raise GuardError(str(exc)) from None
+    text = render(read_thresholds(args.config), settings, args.format, source=args.config)
+    if args.output:
+        try:
+            with open(args.output, "w") as out:
+                out.write(text)
+        except OSError as exc:
+            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
+                from None
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
 def cmd_admin_status(args: argparse.Namespace) -> int:
     from guard.admin_client import print_status
 
@@ -135,6 +155,29 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=cmd_config_validate)
     schema = config_sub.add_parser("schema", help="print the config's JSON Schema")
     schema.set_defaults(func=cmd_config_schema)
+
+    from guard.deploy import DEFAULT_RUNBOOK_BASE, RULE_FORMATS
+
+    deploy = sub.add_parser("deploy", help="generate deployment artefacts from a config")
+    deploy_sub = deploy.add_subparsers(dest="deploy_command", metavar="ACTION", required=True)
+    rules = deploy_sub.add_parser(
+        "rules", help="Prometheus alerting rules from a config's thresholds",
+        description="Prints Prometheus alerting rules made from the config: per model, drift "
+        "over its policy.trip_ratio, fallback active, mirror drops, reference errors and "
+        "timeouts; and guard down. Only the parts the rules use are validated (names, policy, "
+        "mirror, server); `guard config validate` checks the whole file.",
+    )
+    rules.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
+    rules.add_argument("--format", choices=RULE_FORMATS, default="prometheus",
+                       help="prometheus: a rule file (rule_files:); prometheusrule: a "
+                       "PrometheusRule for the Prometheus Operator (default prometheus)")
+    rules.add_argument("--runbook-base", default=DEFAULT_RUNBOOK_BASE, metavar="URL",
+                       help="where docs/runbook.md is served; runbook_url is URL#alertname "
+                       f"(default {DEFAULT_RUNBOOK_BASE})")
+    rules.add_argument("--job", default="guard",
+                       help="the scrape job label of the guard targets (default guard)")
+    rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    rules.set_defaults(func=cmd_deploy_rules)
 
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
     admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",
