@@ -36,13 +36,14 @@ Action = Literal["alert", "fallback_model", "fallback_ops"]
 
 # Backends whose code ships in this version. The others are valid names in the contract but are
 # rejected with a clear message until their code lands (never accepted and silently ignored).
-IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime"})
+IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime", "upstream"})
 
 # Which precisions each backend can derive from an fp32 artifact by itself.
 DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
     "onnxruntime": frozenset({"fp32", "fp16", "int8"}),
     "torch": frozenset({"fp32", "fp16", "bf16"}),
     "torch_compile": frozenset({"fp32", "fp16", "bf16"}),
+    "upstream": frozenset({"fp32"}),  # the remote server runs what it runs
 }
 
 # A Python model given as "package.module:factory" instead of a file.
@@ -143,6 +144,17 @@ class BackendConfig(Strict):
                 f"backend '{self.backend}' is not available in this version of guard "
                 f"(available: {', '.join(sorted(IMPLEMENTED_BACKENDS))})"
             )
+        if self.backend == "upstream":
+            if not self.target or not self.model:
+                raise ValueError("backend 'upstream' needs 'target' (host:port) and 'model'")
+            if self.path is not None:
+                raise ValueError("backend 'upstream' takes 'target' and 'model', not 'path'")
+            if self.precision != "fp32":
+                raise ValueError("backend 'upstream' cannot derive a precision: the remote "
+                                 "server runs what it serves")
+            if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.\-]+):\d{1,5}", self.target):
+                raise ValueError(f"target '{self.target}' must be host:port")
+            return self
         if self.path is None:
             raise ValueError(f"backend '{self.backend}' needs 'path'")
         if self.target is not None or self.model is not None:
@@ -165,6 +177,8 @@ class BackendConfig(Strict):
         return bool(self.path and FACTORY_REF.match(self.path)) and not Path(self.path).exists()
 
     def describe(self) -> str:
+        if self.backend == "upstream":
+            return f"upstream {self.model}@{self.target}"
         suffix = "" if self.precision == "fp32" else f" {self.precision}"
         return f"{self.backend}{suffix} {self.path}"
 

@@ -57,10 +57,26 @@ class TorchCompileOptions(TorchOptions):
     fullgraph: bool = False
 
 
+class UpstreamOptions(_Options):
+    timeout_s: float = Field(
+        10.0, gt=0, description="Deadline for a forwarded request when the client sent none; "
+        "a client deadline is propagated as it is."
+    )
+    ready_timeout_s: float = Field(
+        60.0, ge=0, description="At start-up, how long to wait for the upstream model to be "
+        "ready (a sidecar may start before its model server)."
+    )
+    model_version: str = Field("", description="Model version to ask the upstream for.")
+    tls: bool = Field(False, description="Connect with TLS (system roots unless root_ca_file).")
+    root_ca_file: str | None = Field(None, description="PEM roots for the upstream's cert.")
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+
+
 OPTION_MODELS: dict[str, type[_Options]] = {
     "onnxruntime": OnnxRuntimeOptions,
     "torch": TorchOptions,
     "torch_compile": TorchCompileOptions,
+    "upstream": UpstreamOptions,
 }
 
 

@@ -60,6 +60,7 @@ class Sample:
     route: str  # "primary" or "fallback": who answered the client
     epoch: int  # the policy epoch when the request was routed
     enqueued_at: float
+    only_outputs: tuple[str, ...] = ()  # compare just these ("" = all): the client's request
 
 
 @dataclass
@@ -115,15 +116,24 @@ class Mirror:
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
 
     # -- request path --------------------------------------------------------------------------
-    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
-        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping."""
+    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int,
+              requested_outputs: list[str] | None = None) -> None:
+        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping.
+
+        ``outputs`` may be a callable returning them (decoded only if the request is sampled).
+        ``requested_outputs``: when the client asked for some outputs only, the answer holds
+        only those, and only those are compared."""
         if not sampled(request_id, self.config.sample_rate):
             return
         if self._stopping.is_set():
             self.metrics.mirror.labels(self.model, "dropped").inc()
             return
+        if callable(outputs):
+            outputs = outputs()
+        sample = Sample(inputs, outputs, route, epoch, time.monotonic(),
+                        tuple(requested_outputs or ()))
         try:
-            self._queue.put_nowait(Sample(inputs, outputs, route, epoch, time.monotonic()))
+            self._queue.put_nowait(sample)
         except queue.Full:
             self.metrics.mirror.labels(self.model, "dropped").inc()
 
@@ -180,6 +190,8 @@ class Mirror:
             self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
             return
         self.metrics.reference_duration.labels(self.model).observe(seconds)
+        if sample.only_outputs and not probed:
+            reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
         check = self.verifier.check(reference, sample.outputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
         self.on_result(SampleResult(sample, check, seconds, probed))

@@ -6,7 +6,9 @@ Everything else runs in the mirror worker (``_on_result``) or the admin API.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
@@ -41,6 +43,8 @@ class GuardedModel:
         self.input_specs: dict[str, TensorSpec] = {}
         self.output_names: frozenset[str] = frozenset()
         self.ready = False
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
         metrics.declare_model(self.name, self.verifier.tiers)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -108,12 +112,30 @@ class GuardedModel:
             return "fallback", epoch, self.backends["fallback"]
         return "primary", epoch, self.backends["primary"]
 
-    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Counts requests inside a backend, so that a reload closes this model only after them."""
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self._in_flight
+
+    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int,
+                       requested_outputs: list[str] | None = None) -> None:
+        """Offer the answered request to the mirror. ``outputs`` may be a callable that decodes
+        them, so that unsampled requests pay nothing for it."""
         if self.mirror is None:
             return
         if route == "fallback" and not self.policy.probing:
             return  # within the dwell time: the primary is left alone
-        self.mirror.offer(request_id, inputs, outputs, route, epoch)
+        self.mirror.offer(request_id, inputs, outputs, route, epoch, requested_outputs)
 
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:

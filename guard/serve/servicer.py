@@ -49,8 +49,11 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInfer(self, request, context):
         try:
             decoded = decode_request(request)
-            outputs, route = await self.dataplane.infer(decoded)
-            return encode_response(decoded, outputs, route)
+            result = await self.dataplane.infer(decoded, context.time_remaining())
+            if result.message is not None:  # an upstream's answer, passed through
+                result.message.parameters["guard_route"].string_param = result.route
+                return result.message
+            return encode_response(decoded, result.outputs, result.route)
         except InferenceError as exc:
             self.dataplane.count_error(request.model_name, exc.status)
             await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
