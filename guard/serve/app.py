@@ -32,7 +32,8 @@ from guard.serve.admin import AdminServicer
 from guard.serve.dataplane import DataPlane
 from guard.serve.model import GuardedModel
 from guard.serve.servicer import InferenceServicer
-from guard.v1 import admin_pb2_grpc
+from guard.serve.tap import TapServicer
+from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
 
 log = logging.getLogger("guard.server")
 READINESS_SERVICE = "readiness"
@@ -81,6 +82,7 @@ class GuardServer:
         self._grpc = grpc.aio.server(options=options)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self.dataplane), self._grpc)
+        tap_pb2_grpc.add_TapServicer_to_server(TapServicer(self.models), self._grpc)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
@@ -128,6 +130,8 @@ class GuardServer:
             await self._health.enter_graceful_shutdown()
         if self.dataplane is not None:
             self.dataplane.live = False
+        for model in self.models.values():
+            model.end_watches()
         if self._grpc is not None:
             await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs
         if self._admin is not None:

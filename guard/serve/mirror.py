@@ -117,17 +117,17 @@ class Mirror:
 
     # -- request path --------------------------------------------------------------------------
     def offer(self, request_id: str, inputs, outputs, route: str, epoch: int,
-              requested_outputs: list[str] | None = None) -> None:
-        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping.
+              requested_outputs: list[str] | None = None) -> bool:
+        """Non-blocking; True when the sample was queued. Drops (and counts) when the queue is full or the mirror is stopping.
 
         ``outputs`` may be a callable returning them (decoded only if the request is sampled).
         ``requested_outputs``: when the client asked for some outputs only, the answer holds
         only those, and only those are compared."""
         if not sampled(request_id, self.config.sample_rate):
-            return
+            return False
         if self._stopping.is_set():
             self.metrics.mirror.labels(self.model, "dropped").inc()
-            return
+            return False
         if callable(outputs):
             outputs = outputs()
         sample = Sample(inputs, outputs, route, epoch, time.monotonic(),
@@ -136,6 +136,8 @@ class Mirror:
             self._queue.put_nowait(sample)
         except queue.Full:
             self.metrics.mirror.labels(self.model, "dropped").inc()
+            return False
+        return True
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:

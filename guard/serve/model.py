@@ -6,6 +6,7 @@ Everything else runs in the mirror worker (``_on_result``) or the admin API.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import threading
@@ -45,6 +46,8 @@ class GuardedModel:
         self.ready = False
         self._in_flight = 0
         self._in_flight_lock = threading.Lock()
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._watchers_lock = threading.Lock()
         metrics.declare_model(self.name, self.verifier.tiers)
 
     # -- lifecycle -------------------------------------------------------------------------------
@@ -128,14 +131,37 @@ class GuardedModel:
         return self._in_flight
 
     def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int,
-                       requested_outputs: list[str] | None = None) -> None:
-        """Offer the answered request to the mirror. ``outputs`` may be a callable that decodes
-        them, so that unsampled requests pay nothing for it."""
+                       requested_outputs: list[str] | None = None) -> bool:
+        """Offer the answered request to the mirror; True when it was queued. ``outputs`` may
+        be a callable that decodes them, so that unsampled requests pay nothing for it."""
         if self.mirror is None:
-            return
+            return False
         if route == "fallback" and not self.policy.probing:
-            return  # within the dwell time: the primary is left alone
-        self.mirror.offer(request_id, inputs, outputs, route, epoch, requested_outputs)
+            return False  # within the dwell time: the primary is left alone
+        return self.mirror.offer(request_id, inputs, outputs, route, epoch, requested_outputs)
+
+    # -- route watchers (tap mode) --------------------------------------------------------------
+    def watch_routes(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """A queue that receives every route transition from now on (from any thread)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._watchers_lock:
+            self._watchers.append((loop, queue))
+        return queue
+
+    def unwatch_routes(self, queue: asyncio.Queue) -> None:
+        with self._watchers_lock:
+            self._watchers = [(l, q) for l, q in self._watchers if q is not queue]
+
+    def end_watches(self) -> None:
+        """Ends every WatchRoute stream (at shutdown, so that it does not wait out the grace)."""
+        self._notify_watchers(None)
+
+    def _notify_watchers(self, transition: Transition | None) -> None:
+        with self._watchers_lock:
+            watchers = list(self._watchers)
+        for loop, queue in watchers:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, transition)
 
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:
@@ -169,6 +195,7 @@ class GuardedModel:
             to = "fallback_model" if transition.to_route == "fallback" else "primary"
             m.fallback_transitions.labels(self.name, to).inc()
             m.fallback_active.labels(self.name, "model").set(transition.to_route == "fallback")
+            self._notify_watchers(transition)
         emit("route_transition", model=self.name, from_route=transition.from_route,
              to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
              evidence=evidence)
