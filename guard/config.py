@@ -112,6 +112,12 @@ class ServerConfig(Strict):
         64 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; larger gets RESOURCE_EXHAUSTED.",
     )
+    reload_interval_s: NonNegativeFloat = Field(
+        2.0,
+        description="How often the config file is checked for changes (0: only on SIGHUP). "
+        "Follows symlinks, so a Kubernetes ConfigMap volume's '..data' swap is seen; a subPath "
+        "mount never updates.",
+    )
     shutdown_grace_s: NonNegativeFloat = Field(
         30.0, description="On SIGTERM: how long in-flight requests may take to finish."
     )
@@ -294,6 +300,7 @@ class GuardConfig(Strict):
     # (exported in events so that a verdict can be tied to the config that produced it).
     _base_dir: Path | None = PrivateAttr(None)
     _source_hash: str = PrivateAttr("")
+    _source_path: Path | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "GuardConfig":
@@ -330,7 +337,7 @@ def _message(error: dict[str, Any]) -> str:
 
 
 def format_validation_error(exc: ValidationError) -> list[str]:
-    """One ``dotted.path: message`` line per problem, in document order."""
+    """One ``dotted.path: message`` line per problem, in the order the fields are declared."""
     lines = []
     for error in exc.errors():
         # Literal/union errors carry the discriminating value in the loc; keep the field path.
@@ -354,7 +361,8 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
             if spec is None or spec.path is None:
                 continue
             spec._base_dir = base_dir
-            if FACTORY_REF.match(spec.path) and not (base_dir / spec.path).exists():
+            if (spec.backend in ("torch", "torch_compile") and FACTORY_REF.match(spec.path)
+                    and not (base_dir / spec.path).exists()):
                 continue  # a Python factory, imported when the backend loads
             resolved = (base_dir / spec.path).resolve()
             if not resolved.exists():
@@ -389,6 +397,7 @@ def load_config(path: str | Path) -> GuardConfig:
         raise ConfigError([f"(yaml): {where}{problem}"], str(path)) from None
     config = parse_config(data, path.resolve().parent, str(path))
     config._source_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+    config._source_path = path
     return config
 
 

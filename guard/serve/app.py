@@ -31,6 +31,7 @@ from guard.observe.metrics import GuardMetrics
 from guard.serve.admin import AdminServicer
 from guard.serve.dataplane import DataPlane
 from guard.serve.model import GuardedModel
+from guard.serve.reload import ConfigReloader
 from guard.serve.servicer import InferenceServicer
 from guard.serve.tap import TapServicer
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
@@ -50,6 +51,8 @@ class GuardServer:
         self._admin: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._metrics_httpd = None
+        self.reloader: ConfigReloader | None = None
+        self._watch_task: asyncio.Task | None = None
 
     # -- start ---------------------------------------------------------------------------------
     def load_models(self) -> None:
@@ -106,6 +109,11 @@ class GuardServer:
         serving = health_pb2.HealthCheckResponse.SERVING
         for service in ("", READINESS_SERVICE, "inference.GRPCInferenceService"):
             await self._health.set(service, serving)
+        if self.config._source_path is not None:
+            self.reloader = ConfigReloader(self, self.config._source_path)
+            if server_config.reload_interval_s > 0:
+                self._watch_task = asyncio.create_task(
+                    self.reloader.watch(server_config.reload_interval_s))
         emit("server_started", version=__version__, grpc_port=self.grpc_port,
              admin=f"{server_config.admin_host}:{self.admin_port}",
              metrics=f"http://{server_config.host}:{self.metrics_port}/metrics",
@@ -126,6 +134,8 @@ class GuardServer:
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.server.shutdown_grace_s if grace is None else grace
         emit("server_stopping", grace_s=grace)
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self.dataplane is not None:
@@ -157,6 +167,9 @@ async def serve_until_signalled(config: GuardConfig) -> None:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.reloader is not None:
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: asyncio.ensure_future(server.reloader.reload("SIGHUP")))
     await stop.wait()
     await server.stop()
 

@@ -163,7 +163,10 @@ class Mirror:
     def _run(self) -> None:
         while True:
             sample = self._queue.get()
-            if sample is None or self._stopping.is_set():
+            if sample is None:
+                return
+            if self._stopping.is_set():  # taken while stop() was draining: still accounted for
+                self.metrics.mirror.labels(self.model, "dropped").inc()
                 return
             try:
                 self._process(sample)
@@ -196,7 +199,10 @@ class Mirror:
             reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
         check = self.verifier.check(reference, sample.outputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
-        self.on_result(SampleResult(sample, check, seconds, probed))
+        try:
+            self.on_result(SampleResult(sample, check, seconds, probed))
+        except Exception:  # a bug downstream; the sample was compared, count it once
+            log.exception("handling a check result for %s failed", self.model)
 
     def _log_error(self, message: str) -> None:
         now = time.monotonic()
