@@ -469,7 +469,7 @@ def test_upstream_takes_target_and_model_not_path(base):
     lines = problems(doc(fallback={"backend": "upstream", "model": "resnet"}), base)
     assert len(lines) == 1 and lines[0].startswith("models[0].fallback: ")
     assert "target" in lines[0]
-    lines = problems(doc(fallback={**UNIMPLEMENTED_CANDIDATES["upstream"], "path": "m.onnx"}),
+    lines = problems(doc(fallback={**UPSTREAM, "path": "m.onnx"}),
                      base)
     assert len(lines) == 1 and "path" in lines[0]
 
