@@ -97,6 +97,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+class TlsConfig(Strict):
+    """TLS on the data plane (OIP + health). With ``client_ca_file``, mutual TLS: clients must
+    present a certificate signed by that CA. Kubernetes gRPC probes cannot speak TLS: with TLS
+    on, probe with an exec or TCP probe instead."""
+
+    cert_file: str = Field(description="PEM certificate chain of the server.")
+    key_file: str = Field(description="PEM private key of the server.")
+    client_ca_file: str | None = Field(None, description="PEM CA for client certs (mTLS).")
+
+
 class ServerConfig(Strict):
     host: str = Field("0.0.0.0", description="Address the data plane and metrics listen on.")
     grpc_port: Port = Field(8001, description="Open Inference Protocol (KServe v2) gRPC port.")
@@ -112,6 +122,7 @@ class ServerConfig(Strict):
         64 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; larger gets RESOURCE_EXHAUSTED.",
     )
+    tls: TlsConfig | None = Field(None, description="TLS / mutual TLS on the data plane.")
     reload_interval_s: NonNegativeFloat = Field(
         2.0,
         description="How often the config file is checked for changes (0: only on SIGHUP). "
@@ -136,6 +147,9 @@ class BackendConfig(Strict):
     device: str = Field("cpu", description="cpu, cuda or cuda:N.")
     options: dict[str, Any] = Field(
         default_factory=dict, description="Backend-specific settings, checked per backend."
+    )
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        None, description="Expected sha256 of the artifact file, checked before loading."
     )
     target: str | None = Field(None, description="upstream only: host:port of an OIP server.")
     model: str | None = Field(None, description="upstream only: model name on that server.")
@@ -355,6 +369,16 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc), source) from None
     problems = []
+    tls = config.server.tls
+    if tls is not None:
+        for key in ("cert_file", "key_file", "client_ca_file"):
+            value = getattr(tls, key)
+            if value is None:
+                continue
+            resolved = (base_dir / value).resolve()
+            if not resolved.is_file():
+                problems.append(f"server.tls.{key}: file not found: {resolved}")
+            setattr(tls, key, str(resolved))
     for i, model in enumerate(config.models):
         for role in ("primary", "reference", "fallback"):
             spec: BackendConfig | None = getattr(model, role)

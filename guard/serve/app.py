@@ -26,6 +26,7 @@ from tritonclient.grpc import service_pb2_grpc
 from guard import __version__
 from guard.config import GuardConfig
 from guard.errors import GuardError
+from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.serve.admin import AdminServicer
@@ -89,7 +90,7 @@ class GuardServer:
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
-                                    "server.grpc_port")
+                                    "server.grpc_port", _server_credentials(server_config.tls))
 
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.models), self._admin)
@@ -120,10 +121,14 @@ class GuardServer:
              models=sorted(self.models))
 
     @staticmethod
-    def _bind(server: grpc.aio.Server, host: str, port: int, key: str) -> int:
+    def _bind(server: grpc.aio.Server, host: str, port: int, key: str,
+              credentials: grpc.ServerCredentials | None = None) -> int:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = server.add_insecure_port(address)
+            if credentials is None:
+                bound = server.add_insecure_port(address)
+            else:
+                bound = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise GuardError(f"{key}: cannot listen on {address}: {exc}") from None
         if not bound:
@@ -159,8 +164,18 @@ class GuardServer:
             model.close()
 
 
+def _server_credentials(tls) -> grpc.ServerCredentials | None:
+    if tls is None:
+        return None
+    read = lambda path: open(path, "rb").read()  # noqa: E731
+    ca = read(tls.client_ca_file) if tls.client_ca_file else None
+    return grpc.ssl_server_credentials([(read(tls.key_file), read(tls.cert_file))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
 async def serve_until_signalled(config: GuardConfig) -> None:
     """``guard serve``: run until SIGTERM or SIGINT, then stop gracefully."""
+    tracing.configure_from_env()
     server = GuardServer(config)
     await server.start()
     stop = asyncio.Event()

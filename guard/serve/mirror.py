@@ -32,6 +32,7 @@ import numpy as np
 
 from guard.backends.base import Backend
 from guard.config import MirrorConfig
+from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.verify.pipeline import Verifier
@@ -61,6 +62,7 @@ class Sample:
     epoch: int  # the policy epoch when the request was routed
     enqueued_at: float
     only_outputs: tuple[str, ...] = ()  # compare just these ("" = all): the client's request
+    trace_context: object = None  # the request's trace, when tracing is on
 
 
 @dataclass
@@ -113,6 +115,7 @@ class Mirror:
                                         daemon=True)
         self._stopping = threading.Event()
         self._last_error_log = 0.0
+        self._span = None  # the comparison's span while a sample is processed (worker thread)
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
 
     # -- request path --------------------------------------------------------------------------
@@ -131,7 +134,7 @@ class Mirror:
         if callable(outputs):
             outputs = outputs()
         sample = Sample(inputs, outputs, route, epoch, time.monotonic(),
-                        tuple(requested_outputs or ()))
+                        tuple(requested_outputs or ()), tracing.current_context())
         try:
             self._queue.put_nowait(sample)
         except queue.Full:
@@ -169,7 +172,11 @@ class Mirror:
                 self.metrics.mirror.labels(self.model, "dropped").inc()
                 return
             try:
-                self._process(sample)
+                with tracing.child_span("guard.mirror.compare", sample.trace_context,
+                                        {"guard.model": self.model,
+                                         "guard.route": sample.route}) as span:
+                    self._span = span
+                    self._process(sample)
             except Exception:  # a bug here must not kill the worker
                 log.exception("mirror worker for %s failed on a sample", self.model)
                 self.metrics.mirror.labels(self.model, "error").inc()
@@ -188,6 +195,7 @@ class Mirror:
             seconds = time.perf_counter() - started
         except TimeoutError:
             self.metrics.mirror.labels(self.model, "timeout").inc()
+            tracing.set_attributes(self._span, {"guard.outcome": "timeout"})
             self._log_error(f"{stage} timed out after {timeout}s")
             return
         except Exception as exc:
@@ -199,6 +207,10 @@ class Mirror:
             reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
         check = self.verifier.check(reference, sample.outputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
+        tracing.set_attributes(self._span, {
+            "guard.verdict": "pass" if check.passed else "fail",
+            "guard.tier.tensor.max_abs_error": check.max_abs_error,
+            "guard.probed": probed, "guard.reference_seconds": seconds})
         try:
             self.on_result(SampleResult(sample, check, seconds, probed))
         except Exception:  # a bug downstream; the sample was compared, count it once

@@ -11,8 +11,10 @@ import contextlib
 import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
+from guard.backends.derive import file_sha256
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.observe.events import emit
@@ -53,6 +55,7 @@ class GuardedModel:
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         """Load every backend (in parallel: derivation and compilation take seconds)."""
+        self._verify_artifacts()
         with ThreadPoolExecutor(max_workers=len(self.backends)) as pool:
             futures = {role: pool.submit(b.load) for role, b in self.backends.items()}
         for role, future in futures.items():
@@ -81,6 +84,17 @@ class GuardedModel:
              backends={role: b.describe().summary() for role, b in self.backends.items()},
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action)
+
+    def _verify_artifacts(self) -> None:
+        """The sha256 pinned in the config must match the file, before anything loads it."""
+        for role in self.backends:
+            spec = getattr(self.config, role)
+            if spec.sha256 is None or spec.path is None or spec.is_factory:
+                continue
+            actual = file_sha256(Path(spec.path))
+            if actual != spec.sha256:
+                raise BackendError(f"models[{self.name}].{role}.sha256: {spec.path} has sha256 "
+                                   f"{actual}, the config expects {spec.sha256}")
 
     def _check_signatures(self) -> None:
         """A fallback must accept what the primary accepts; warn where names cannot be checked."""
