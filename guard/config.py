@@ -36,7 +36,8 @@ Action = Literal["alert", "fallback_model", "fallback_ops"]
 
 # Backends whose code ships in this version. The others are valid names in the contract but are
 # rejected with a clear message until their code lands (never accepted and silently ignored).
-IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime", "upstream"})
+IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime", "upstream",
+                                  "tensorrt"})
 
 # Which precisions each backend can derive from an fp32 artifact by itself.
 DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
@@ -44,6 +45,7 @@ DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
     "torch": frozenset({"fp32", "fp16", "bf16"}),
     "torch_compile": frozenset({"fp32", "fp16", "bf16"}),
     "upstream": frozenset({"fp32"}),  # the remote server runs what it runs
+    "tensorrt": frozenset({"fp32", "fp16", "int8"}),
 }
 
 # A Python model given as "package.module:factory" instead of a file.
@@ -185,6 +187,8 @@ class BackendConfig(Strict):
                 f"precision '{self.precision}' cannot be derived by backend '{self.backend}' "
                 f"(it can derive: {', '.join(sorted(allowed))})"
             )
+        if self.backend == "tensorrt" and self.device == "cpu":
+            self.device = "cuda"  # TensorRT runs on a GPU only
         if self.path.endswith(".pt2") and self.precision != "fp32":
             raise ValueError("a torch.export program (.pt2) runs as it was exported: "
                              "precision must be fp32 (export it in the precision you want)")
@@ -302,6 +306,15 @@ class ModelConfig(Strict):
     def _check(self) -> "ModelConfig":
         if self.policy.action == "fallback_model" and self.fallback is None:
             raise ValueError("policy.action 'fallback_model' needs a 'fallback' backend")
+        ref = self.reference
+        if ref is not None and ref.backend.startswith("torch") and ref.device != "cpu":
+            for role in ("primary", "fallback"):
+                spec = getattr(self, role)
+                if spec is not None and spec.options.get("allow_tf32"):
+                    raise ValueError(
+                        f"{role}.options.allow_tf32 cannot hold beside a torch reference on "
+                        f"{ref.device}: torch's TF32 switch is process-wide and the reference "
+                        "pins it off (run the reference on cpu)")
         return self
 
 

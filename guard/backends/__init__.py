@@ -17,6 +17,7 @@ _REGISTRY = {
     "torch": "guard.backends.torch:TorchBackend",
     "torch_compile": "guard.backends.torch:TorchCompileBackend",
     "upstream": "guard.backends.upstream:UpstreamBackend",
+    "tensorrt": "guard.backends.tensorrt:TensorRTBackend",
 }
 
 
