@@ -20,7 +20,10 @@ Per model, where it applies:
   the samples that reached the reference (same models).
 
 Once: ``GuardDown`` (critical): ``up{job=...} == 0`` for ``down_for``. The data plane goes through
-the guard, so a guard that cannot be scraped is usually a model that cannot be reached.
+the guard, so a guard that cannot be scraped is usually a model that cannot be reached. And
+``GuardConfigReloadFailed`` (warning): a hot reload was rejected (invalid file: the old config
+stays) or failed (a changed model did not load: its old version stays) within
+``reload_window``; what the guard runs then differs from its config file (a ConfigMap).
 
 Expressions keep every label but the ones they aggregate away (``sum without (outcome)``), so an
 alert names the replica (instance, pod) it fires on: drift can be specific to one node's CPU.
@@ -62,6 +65,7 @@ ALERTS = (
     "GuardMirrorDropping",
     "GuardReferenceFailing",
     "GuardDown",
+    "GuardConfigReloadFailed",
 )
 
 
@@ -79,10 +83,11 @@ class RuleSettings:
     reference_error_ratio: float = 0.05  # >5% of reference calls fail or time out
     reference_for: str = "10m"
     down_for: str = "2m"
+    reload_window: str = "15m"  # a rejected reload alerts this long (the guard does not retry)
 
     def __post_init__(self) -> None:
         for field in ("drift_for", "fallback_for", "rate_window", "mirror_for", "reference_for",
-                      "down_for"):
+                      "down_for", "reload_window"):
             if not _DURATION.match(getattr(self, field)):
                 raise ValueError(f"{field}: '{getattr(self, field)}' is not a Prometheus "
                                  "duration (e.g. 30s, 5m, 1h)")
@@ -181,12 +186,12 @@ def _pct(ratio: float) -> str:
     return f"{ratio * 100:g}%"
 
 
-def _alert(name: str, expr: str, duration: str, severity: str, summary: str, description: str,
-           settings: RuleSettings) -> dict:
+def _alert(name: str, expr: str, duration: str | None, severity: str, summary: str,
+           description: str, settings: RuleSettings) -> dict:
     return {
         "alert": name,
         "expr": expr,
-        "for": duration,
+        **({"for": duration} if duration else {}),
         "labels": {"severity": severity},
         "annotations": {
             "summary": summary,
@@ -268,6 +273,7 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
 
 
 def availability_rules(settings: RuleSettings) -> list[dict]:
+    window = settings.reload_window
     return [_alert(
         "GuardDown",
         f'up{{job="{settings.job}"}} == 0',
@@ -276,6 +282,18 @@ def availability_rules(settings: RuleSettings) -> list[dict]:
         f"Prometheus has not scraped guard target {{{{ $labels.instance }}}} (job "
         f"{settings.job}) for {settings.down_for}. Clients reach the model through the guard: "
         "the model on this replica is probably unreachable too.",
+        settings,
+    ), _alert(
+        "GuardConfigReloadFailed",
+        # A reload that went wrong counts once (the file is not retried until it changes
+        # again): the alert holds for the window, then resolves.
+        f'increase(guard_config_reloads_total{{result=~"rejected|failed"}}[{window}]) > 0',
+        None, "warning",
+        "guard {{ $labels.instance }}: a config reload was {{ $labels.result }}",
+        f"On {{{{ $labels.instance }}}} a config reload was {{{{ $labels.result }}}} in the "
+        f"last {window}. rejected: the new file did not validate and the previous config stays "
+        "in force; failed: a changed model did not load and its previous version keeps "
+        "serving. Until fixed, the guard runs something other than its config file says.",
         settings,
     )]
 

@@ -13,7 +13,6 @@ import json
 import shutil
 import socket
 import subprocess
-import time
 import urllib.parse
 import urllib.request
 from pathlib import Path
@@ -21,11 +20,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import yaml
-
 from fixture_models import DRIFT_TRIGGER
-from guard.deploy.rules import RuleSettings, render, thresholds_from_data
-
 from support import affine_backend, metric, model_block, running, scrape, wait_for, x_input
+
+from guard.deploy.rules import RuleSettings, render, thresholds_from_data
 
 PROMETHEUS = shutil.which("prometheus")
 ROOT = Path(__file__).resolve().parents[2]
@@ -110,11 +108,18 @@ class PrometheusServer:
 
 
 def dashboard_queries() -> list[str]:
+    """The dashboard's panel queries with Grafana's macros and variables filled in."""
     dashboard = json.loads((ROOT / "deploy/grafana/guard-dashboard.json").read_text())
-    queries = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
-    return [q.replace("$__rate_interval", "5s").replace("$__interval", "5s")
-            .replace('"$job"', '"guard"').replace('"$instance"', '".*"')
-            .replace('"$model"', '".*"') for q in queries]
+    values = {"$__rate_interval": "5s", "$__interval": "5s", "$__range": "1m",
+              '"$job"': '"guard"', '"$instance"': '".*"', '"$model"': '".*"'}
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            query = target["expr"]
+            for variable, value in values.items():
+                query = query.replace(variable, value)
+            queries.append(query)
+    return queries
 
 
 def test_drift_alert_goes_from_inactive_to_firing(tmp_path):
@@ -186,7 +191,8 @@ def test_drift_alert_goes_from_inactive_to_firing(tmp_path):
                 "guard m: tensor drift 100% over trip_ratio 20%")
             assert prometheus.rule("GuardDriftOverThreshold")["state"] == "firing"
             # Nothing else is wrong: no drops, no reference failures, the guard is up.
-            for other in ("GuardMirrorDropping", "GuardReferenceFailing", "GuardDown"):
+            for other in ("GuardMirrorDropping", "GuardReferenceFailing", "GuardDown",
+                          "GuardConfigReloadFailed"):
                 assert prometheus.alerts(other) == [], other
         finally:
             prometheus.stop()
