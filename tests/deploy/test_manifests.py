@@ -134,18 +134,17 @@ def test_probes_are_grpc_health_on_the_configured_port(built):
 
 def test_sidecar_start_cannot_deadlock_on_the_model_server(built):
     """The kubelet starts the main containers only after a sidecar's startup probe passes, and
-    guard answers health only once its models are loaded; an upstream model loads only when the
-    model server is ready. So: no startup probe on the guard, and liveness waits longer than the
-    guard waits for its upstreams, or it would kill a guard that is only waiting."""
+    an upstream model is ready only once the model server is. guard answers liveness (service
+    "") as soon as it listens, before loading models: the startup probe must ask for that, never
+    for readiness, or the Pod would deadlock."""
     _, _, docs = built
     guard = guard_container(docs)
-    assert "startupProbe" not in guard
-    waits = [model[role].get("options", {}).get("ready_timeout_s", 60.0)  # UpstreamOptions default
-             for model in guard_config_data(docs)["models"]
-             for role in ("primary", "reference", "fallback")
-             if model.get(role) and model[role]["backend"] == "upstream"]
-    assert waits, "the example puts the guard in front of the model server"
-    assert guard["livenessProbe"]["initialDelaySeconds"] > max(waits)
+    assert guard["startupProbe"]["grpc"]["service"] == ""
+    assert guard["livenessProbe"]["grpc"]["service"] == ""
+    upstreams = [model for model in guard_config_data(docs)["models"]
+                 for role in ("primary", "reference", "fallback")
+                 if model.get(role) and model[role]["backend"] == "upstream"]
+    assert upstreams, "the example puts the guard in front of the model server"
 
 
 def test_every_container_has_requests_and_limits(built):
