@@ -34,8 +34,7 @@ from guard.backends.base import Backend
 from guard.config import MirrorConfig
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.verify.pipeline import Verifier
-from guard.verify.tensor import TensorCheck
+from guard.verify.pipeline import CheckResult, Verifier
 
 log = logging.getLogger("guard.mirror")
 _ERROR_LOG_INTERVAL_S = 10.0
@@ -65,7 +64,7 @@ class Sample:
 @dataclass
 class SampleResult:
     sample: Sample
-    check: TensorCheck
+    check: CheckResult  # one result per tier
     reference_seconds: float
     probed: bool  # True when the primary ran in the background for this sample
 
@@ -180,7 +179,7 @@ class Mirror:
             self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
             return
         self.metrics.reference_duration.labels(self.model).observe(seconds)
-        check = self.verifier.check(reference, sample.outputs)
+        check = self.verifier.check(reference, sample.outputs, inputs=sample.inputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
         self.on_result(SampleResult(sample, check, seconds, probed))
 
