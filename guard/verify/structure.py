@@ -24,6 +24,8 @@ def _leaf(value: Any) -> np.ndarray:
         return tensor.numpy()
     if isinstance(value, (bool, int, float, complex, np.generic)):
         return np.asarray(value)
+    if isinstance(value, (list, tuple)):  # a flat list of numbers
+        return np.asarray(value)
     if isinstance(value, (str, bytes)) or value is None:
         return np.asarray(value, dtype=object)
     return np.asarray(repr(value), dtype=object)

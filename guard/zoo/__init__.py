@@ -45,6 +45,21 @@ class ZooEntry:
     adapters: list[Any] = field(default_factory=list)
     checks: dict[str, Any] = field(default_factory=dict)  # task-tier settings that fit it
     kind: str = "seeded"  # "seeded" | "real"
+    factory: str | None = None  # "module:function" building the eager module (torch backends)
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def eager(name: str, seed: int = 0):
+    """A seeded zoo model as an eager ``nn.Module`` carrying its signature: the
+    ``module:factory`` path ``guard.zoo:eager`` (torch.compile cannot compile TorchScript)."""
+    import json
+
+    from guard.backends.torch import signature_json
+
+    module = importlib.import_module(SEEDED[name])
+    model = module.build(seed)
+    model.guard_signature = json.loads(signature_json(module.INPUTS, module.OUTPUTS))
+    return model
 
 
 def names() -> list[str]:
@@ -63,6 +78,8 @@ def zoo_entry(name: str) -> ZooEntry:
             sample_inputs=lambda n, seed=0: {first: module.sample_inputs(n, seed)},
             export=module.export,
             adapters=list(getattr(module, "ADAPTERS", [])),
+            factory="guard.zoo:eager",
+            factory_kwargs={"name": name, "seed": 0},
         )
     if name in REAL:
         from guard.zoo import real
