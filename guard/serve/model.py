@@ -6,10 +6,15 @@ Everything else runs in the mirror worker (``_on_result``) or the admin API.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
+from guard.backends.derive import file_sha256
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.observe.events import emit
@@ -48,11 +53,16 @@ class GuardedModel:
         self.input_specs: dict[str, TensorSpec] = {}
         self.output_names: frozenset[str] = frozenset()
         self.ready = False
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._watchers_lock = threading.Lock()
         metrics.declare_model(self.name, self.verifier.tiers)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         """Load every backend (in parallel: derivation and compilation take seconds)."""
+        self._verify_artifacts()
         with ThreadPoolExecutor(max_workers=len(self.backends)) as pool:
             futures = {role: pool.submit(b.load) for role, b in self.backends.items()}
         for role, future in futures.items():
@@ -97,6 +107,17 @@ class GuardedModel:
         emit("noise_floor", model=self.name, **floor.as_dict(),
              multiplier=self.config.checks.tensor.noise_floor.multiplier)
 
+    def _verify_artifacts(self) -> None:
+        """The sha256 pinned in the config must match the file, before anything loads it."""
+        for role in self.backends:
+            spec = getattr(self.config, role)
+            if spec.sha256 is None or spec.path is None or spec.is_factory:
+                continue
+            actual = file_sha256(Path(spec.path))
+            if actual != spec.sha256:
+                raise BackendError(f"models[{self.name}].{role}.sha256: {spec.path} has sha256 "
+                                   f"{actual}, the config expects {spec.sha256}")
+
     def _check_signatures(self) -> None:
         """A fallback must accept what the primary accepts; warn where names cannot be checked."""
         primary = self.describe()
@@ -130,12 +151,53 @@ class GuardedModel:
             return "fallback", epoch, self.backends["fallback"]
         return "primary", epoch, self.backends["primary"]
 
-    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Counts requests inside a backend, so that a reload closes this model only after them."""
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self._in_flight
+
+    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int,
+                       requested_outputs: list[str] | None = None) -> bool:
+        """Offer the answered request to the mirror; True when it was queued. ``outputs`` may
+        be a callable that decodes them, so that unsampled requests pay nothing for it."""
         if self.mirror is None:
-            return
+            return False
         if route == "fallback" and not self.policy.probing:
-            return  # within the dwell time: the primary is left alone
-        self.mirror.offer(request_id, inputs, outputs, route, epoch)
+            return False  # within the dwell time: the primary is left alone
+        return self.mirror.offer(request_id, inputs, outputs, route, epoch, requested_outputs)
+
+    # -- route watchers (tap mode) --------------------------------------------------------------
+    def watch_routes(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """A queue that receives every route transition from now on (from any thread)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._watchers_lock:
+            self._watchers.append((loop, queue))
+        return queue
+
+    def unwatch_routes(self, queue: asyncio.Queue) -> None:
+        with self._watchers_lock:
+            self._watchers = [(l, q) for l, q in self._watchers if q is not queue]
+
+    def end_watches(self) -> None:
+        """Ends every WatchRoute stream (at shutdown, so that it does not wait out the grace)."""
+        self._notify_watchers(None)
+
+    def _notify_watchers(self, transition: Transition | None) -> None:
+        with self._watchers_lock:
+            watchers = list(self._watchers)
+        for loop, queue in watchers:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, transition)
 
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:
@@ -176,6 +238,7 @@ class GuardedModel:
             to = "fallback_model" if transition.to_route == "fallback" else "primary"
             m.fallback_transitions.labels(self.name, to).inc()
             m.fallback_active.labels(self.name, "model").set(transition.to_route == "fallback")
+            self._notify_watchers(transition)
         emit("route_transition", model=self.name, from_route=transition.from_route,
              to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
              evidence=evidence)

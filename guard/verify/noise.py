@@ -48,6 +48,9 @@ class NoiseFloor:
                 "notes": list(self.notes)}
 
 
+THREADED_BACKENDS = ("torch", "torch_compile", "onnxruntime")
+
+
 class CannotGenerate(ValueError):
     pass
 
@@ -148,6 +151,9 @@ def measure_noise_floor(reference: Backend, spec: BackendConfig,
         floor.notes.append("inputs do not share a batch axis of 2 or more: batch comparison "
                            "skipped")
     counts = list(dict.fromkeys(config.thread_counts))
+    if spec.backend not in THREADED_BACKENDS:
+        floor.notes.append(f"thread counts do not apply to a {spec.backend} reference")
+        counts = []
     runs = []
     for threads in counts:
         with _with_threads(reference, spec, threads) as backend:

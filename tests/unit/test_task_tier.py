@@ -217,3 +217,11 @@ def test_task_block_of_another_task_is_a_config_error(tmp_path):
         parse_config(doc, tmp_path)
     assert info.value.problems == [
         "models[0]: checks.task.detection is set but the model's task is 'classification'"]
+
+
+def test_task_tier_is_left_out_when_neither_side_has_its_output():
+    # A client that asked for other outputs only: nothing to judge, nothing to count.
+    verifier = Verifier(ChecksConfig(), task="detection")
+    result = verifier.check({"feat": np.zeros(2)}, {"feat": np.zeros(2)})
+    assert list(result.tiers) == ["tensor"] and result.passed
+    assert "tier 3 not run on this sample: neither side has output 'boxes'" in result.notes[0]

@@ -41,6 +41,10 @@ def _fmt(value) -> str:
 class OutputMissing(Exception):
     """The output a checker reads is absent or cannot be chosen."""
 
+    def __init__(self, message: str, on_neither_side: bool = False):
+        super().__init__(message)
+        self.on_neither_side = on_neither_side  # e.g. the client asked for other outputs
+
 
 def select_output(
     reference: dict[str, np.ndarray],
@@ -61,6 +65,8 @@ def select_output(
             f"cannot tell which output to read: set checks.task.{key} "
             f"(outputs: {', '.join(sorted(reference)) or 'none'})"
         )
+    if name not in reference and name not in primary:
+        raise OutputMissing(f"neither side has output '{name}'", on_neither_side=True)
     for side, outputs in (("reference", reference), ("primary", primary)):
         if name not in outputs:
             raise OutputMissing(f"{side} lacks output '{name}'")
@@ -80,6 +86,8 @@ class TaskChecker(abc.ABC):
         try:
             return self._check(reference, primary, allowed or {})
         except OutputMissing as exc:
+            if exc.on_neither_side:
+                raise  # not a disagreement: the Verifier leaves tier 3 out for this sample
             return TaskCheck(self.task, False, reasons=[str(exc)], failure="shape")
 
     @abc.abstractmethod

@@ -114,6 +114,8 @@ class DetectionChecker(TaskChecker):
     def _arrays(self, outputs, side):
         c = self.config
         for name in (c.boxes_output, c.scores_output):
+            if name not in outputs and side == "reference" and name not in self._other:
+                raise OutputMissing(f"neither side has output '{name}'", on_neither_side=True)
             if name not in outputs:
                 raise OutputMissing(f"{side} lacks output '{name}' (set checks.task.detection."
                                     f"{'boxes' if name == c.boxes_output else 'scores'}_output)")
@@ -123,6 +125,7 @@ class DetectionChecker(TaskChecker):
 
     def _check(self, reference, primary, allowed) -> TaskCheck:
         c = self.config
+        self._other = primary
         rb, rs, rl = self._arrays(reference, "reference")
         ob, os_, ol = self._arrays(primary, "primary")
         for side, (b, s, lab) in (("reference", (rb, rs, rl)), ("primary", (ob, os_, ol))):
