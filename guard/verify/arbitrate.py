@@ -50,7 +50,8 @@ class Verdict:
 
 def fp64_unavailable_reason(spec: BackendConfig) -> str:
     if spec.backend not in ("torch", "torch_compile"):
-        return f"no fp64 run of a {spec.backend} reference (only torch models convert to fp64)"
+        return (f"no fp64 run for a reference on backend '{spec.backend}' "
+                "(only torch models convert to fp64)")
     if str(spec.path).endswith(".pt2"):
         return "a torch.export program (.pt2) runs as exported: no fp64 run"
     return ""
