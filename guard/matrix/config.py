@@ -77,6 +77,10 @@ class MatrixModel(_Strict):
     adapters: list[Annotated[AdapterConfig, BeforeValidator(_adapter_entry)]] | None = Field(
         None, description="Default: the zoo model's adapters.")
     checks: MatrixChecks = Field(default_factory=MatrixChecks)
+    reference: "ReferenceBackend | None" = Field(
+        None, description="This model's reference, when not the matrix-wide one (e.g. an "
+        "ONNX-only model)."
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> "MatrixModel":
@@ -110,6 +114,9 @@ class Tolerances(_Strict):
 class ReferenceBackend(_Strict):
     backend: Literal["torch", "onnxruntime"] = "torch"
     options: dict[str, Any] = Field(default_factory=dict)
+
+
+MatrixModel.model_rebuild()
 
 
 class MatrixConfig(_Strict):

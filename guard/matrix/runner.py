@@ -248,8 +248,8 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
         for model in config.models:
             say(f"model {model.name}: preparing")
             prepared = prepare(model, zoo_dir())
-            ref_spec = backend_spec(prepared, config.reference.backend, "fp32",
-                                    config.reference.options, base)
+            ref_config = model.reference or config.reference
+            ref_spec = backend_spec(prepared, ref_config.backend, "fp32", ref_config.options, base)
             if isinstance(ref_spec, str):
                 say(f"model {model.name}: no reference ({ref_spec}); skipped")
                 continue
@@ -264,7 +264,7 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
             if reference.error:
                 say(f"model {model.name}: reference failed ({reference.error}); skipped")
                 continue
-            say(f"model {model.name}: reference {config.reference.backend} fp32, "
+            say(f"model {model.name}: reference {ref_config.backend} fp32, "
                 f"{len(prepared.samples)} samples, {reference.latency_ms:.2f} ms/sample")
             for backend in config.backends:
                 _check_backend(config, base, prepared, backend, reference, grid, emit, say)
@@ -278,7 +278,8 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
     model = prepared.config
     spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base)
     common = {"matrix": config.name, "model": model.name, "task": prepared.task,
-              "reference": f"{config.reference.backend} fp32", "backend": backend.name,
+              "reference": f"{(model.reference or config.reference).backend} fp32",
+              "backend": backend.name,
               "backend_kind": backend.backend, "precision": backend.precision,
               "options": backend.options, "adapters": [a.name for a in prepared.adapters],
               "samples": len(prepared.samples)}
