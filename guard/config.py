@@ -190,6 +190,9 @@ class BackendConfig(Strict):
             )
         if self.backend == "tensorrt" and self.device == "cpu":
             self.device = "cuda"  # TensorRT runs on a GPU only
+        if self.backend == "torch_compile" and self.path.endswith(".pt"):
+            raise ValueError("torch_compile cannot compile a TorchScript (.pt) module: give it "
+                             "a torch.export program (.pt2) or a 'module:factory'")
         if self.path.endswith(".pt2") and self.precision != "fp32":
             raise ValueError("a torch.export program (.pt2) runs as it was exported: "
                              "precision must be fp32 (export it in the precision you want)")

@@ -85,3 +85,16 @@ def test_unknown_zoo_name_lists_the_zoo():
     with pytest.raises(GuardError, match="unknown zoo model 'nope'.*resnet"):
         zoo_entry("nope")
     assert {"classifier", "resnet", "vit", "detector", "segmenter"} == set(SEEDED)
+
+
+def test_a_derived_variant_onnx_runtime_cannot_load_is_refused_by_name(zoo_exports):
+    """onnxconverter-common leaves a Cast type mismatch in the detector's fp16 graph: guard says
+    so at derive time, names the way out, and caches nothing."""
+    from guard.backends.derive import cache_dir, derive_onnx
+    from guard.errors import BackendError
+
+    onnx_path = zoo_exports["detector"]["onnx"]
+    before = set(cache_dir().iterdir())
+    with pytest.raises(BackendError, match="does not load in ONNX Runtime.*nodes_to_exclude"):
+        derive_onnx(onnx_path, "fp16")
+    assert set(cache_dir().iterdir()) == before
