@@ -66,13 +66,13 @@ class GuardMetrics:
         )
         self.detector_statistic = Gauge(
             "guard_detector_statistic",
-            "Statistic of the detector deciding a tier's next transition (trip on the primary, "
-            "recovery on the fallback): log-likelihood for cusum/e_detector, a share for window.",
+            "Statistic of a tier's trip detector (on the fallback: fed by probes of the "
+            "primary): log-likelihood ratio for cusum/e_detector, failing share for window.",
             ["model", "tier"], registry=r,
         )
         self.detector_threshold = Gauge(
             "guard_detector_threshold",
-            "The value guard_detector_statistic must reach for that transition.",
+            "The value guard_detector_statistic must reach for the tier to trip.",
             ["model", "tier"], registry=r,
         )
         self.fallback_active = Gauge(
@@ -83,6 +83,13 @@ class GuardMetrics:
             "guard_fallback_transitions", "Route changes, by the route taken.",
             ["model", "to"], registry=r,
         )
+        self.config_reloads = Counter(
+            "guard_config_reloads", "Config reloads: applied, rejected (invalid: the old config "
+            "stays), failed (a model did not load: its old version stays).", ["result"],
+            registry=r,
+        )
+        for result in ("applied", "rejected", "failed"):
+            self.config_reloads.labels(result)
         self.build_info = Gauge(
             "guard_build_info", "Always 1; the version label says which guard runs.",
             ["version"], registry=r,

@@ -78,12 +78,12 @@ class WindowFigures:
 
 @dataclass(frozen=True)
 class DetectorFigures:
-    """The detector that decides the next transition of a tier (trip on the primary, recovery
-    on the fallback or while an alert is up), for the statistic/threshold gauges."""
+    """A tier's trip detector, for the statistic/threshold gauges: how close the primary is to
+    tripping. On the fallback it keeps reading the probes of the primary, so a statistic over
+    its threshold there says the primary still drifts (recovery is a separate detector)."""
 
     tier: str
     kind: str
-    role: str  # "trip" | "recover"
     statistic: float
     threshold: float
     p0: float | None  # None for the window detector
@@ -285,7 +285,7 @@ class RoutePolicy:
         return None
 
     def _observe_fallback(self, tier: str, state: _TierState, failed: bool) -> Transition | None:
-        state.trip.update(failed)  # window: feeds the shared window
+        state.trip.update(failed)  # probes keep the trip statistic (window: the shared window)
         recovered = state.recover.update(failed) if state.sequential else state.recover.alarmed
         if not recovered or self._override != "auto":
             return None
@@ -347,14 +347,9 @@ class RoutePolicy:
 
     def detectors(self) -> list[DetectorFigures]:
         with self._lock:
-            out = []
-            for tier, s in self._tiers.items():
-                recovering = self._state == "fallback" or self._alerting
-                d = s.recover if recovering else s.trip
-                out.append(DetectorFigures(tier, d.kind, "recover" if recovering else "trip",
-                                           d.statistic, d.threshold,
-                                           s.p0_in_use if s.sequential else None))
-            return out
+            return [DetectorFigures(tier, s.trip.kind, s.trip.statistic, s.trip.threshold,
+                                    s.p0_in_use if s.sequential else None)
+                    for tier, s in self._tiers.items()]
 
     # -- internals (lock held) ---------------------------------------------------------------
     def _start_epoch(self) -> None:

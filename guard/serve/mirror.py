@@ -32,10 +32,10 @@ import numpy as np
 
 from guard.backends.base import Backend
 from guard.config import MirrorConfig
+from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.verify.pipeline import Verifier
-from guard.verify.tensor import TensorCheck
+from guard.verify.pipeline import CheckResult, Verifier
 
 log = logging.getLogger("guard.mirror")
 _ERROR_LOG_INTERVAL_S = 10.0
@@ -60,12 +60,14 @@ class Sample:
     route: str  # "primary" or "fallback": who answered the client
     epoch: int  # the policy epoch when the request was routed
     enqueued_at: float
+    only_outputs: tuple[str, ...] = ()  # compare just these ("" = all): the client's request
+    trace_context: object = None  # the request's trace, when tracing is on
 
 
 @dataclass
 class SampleResult:
     sample: Sample
-    check: TensorCheck
+    check: CheckResult  # one result per tier
     reference_seconds: float
     probed: bool  # True when the primary ran in the background for this sample
 
@@ -112,20 +114,32 @@ class Mirror:
                                         daemon=True)
         self._stopping = threading.Event()
         self._last_error_log = 0.0
+        self._span = None  # the comparison's span while a sample is processed (worker thread)
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
 
     # -- request path --------------------------------------------------------------------------
-    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
-        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping."""
+    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int,
+              requested_outputs: list[str] | None = None) -> bool:
+        """Non-blocking; True when the sample was queued. Drops (and counts) when the queue is full or the mirror is stopping.
+
+        ``outputs`` may be a callable returning them (decoded only if the request is sampled).
+        ``requested_outputs``: when the client asked for some outputs only, the answer holds
+        only those, and only those are compared."""
         if not sampled(request_id, self.config.sample_rate):
-            return
+            return False
         if self._stopping.is_set():
             self.metrics.mirror.labels(self.model, "dropped").inc()
-            return
+            return False
+        if callable(outputs):
+            outputs = outputs()
+        sample = Sample(inputs, outputs, route, epoch, time.monotonic(),
+                        tuple(requested_outputs or ()), tracing.current_context())
         try:
-            self._queue.put_nowait(Sample(inputs, outputs, route, epoch, time.monotonic()))
+            self._queue.put_nowait(sample)
         except queue.Full:
             self.metrics.mirror.labels(self.model, "dropped").inc()
+            return False
+        return True
 
     def queue_fill(self) -> float:
         """Queue depth over its size: how much room the mirror has for extra work."""
@@ -155,10 +169,17 @@ class Mirror:
     def _run(self) -> None:
         while True:
             sample = self._queue.get()
-            if sample is None or self._stopping.is_set():
+            if sample is None:
+                return
+            if self._stopping.is_set():  # taken while stop() was draining: still accounted for
+                self.metrics.mirror.labels(self.model, "dropped").inc()
                 return
             try:
-                self._process(sample)
+                with tracing.child_span("guard.mirror.compare", sample.trace_context,
+                                        {"guard.model": self.model,
+                                         "guard.route": sample.route}) as span:
+                    self._span = span
+                    self._process(sample)
             except Exception:  # a bug here must not kill the worker
                 log.exception("mirror worker for %s failed on a sample", self.model)
                 self.metrics.mirror.labels(self.model, "error").inc()
@@ -177,6 +198,7 @@ class Mirror:
             seconds = time.perf_counter() - started
         except TimeoutError:
             self.metrics.mirror.labels(self.model, "timeout").inc()
+            tracing.set_attributes(self._span, {"guard.outcome": "timeout"})
             self._log_error(f"{stage} timed out after {timeout}s")
             return
         except Exception as exc:
@@ -184,9 +206,18 @@ class Mirror:
             self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
             return
         self.metrics.reference_duration.labels(self.model).observe(seconds)
-        check = self.verifier.check(reference, sample.outputs)
+        if sample.only_outputs and not probed:
+            reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
+        check = self.verifier.check(reference, sample.outputs, inputs=sample.inputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
-        self.on_result(SampleResult(sample, check, seconds, probed))
+        tracing.set_attributes(self._span, {
+            "guard.verdict": "pass" if check.passed else "fail",
+            "guard.tier.tensor.max_abs_error": check.max_abs_error,
+            "guard.probed": probed, "guard.reference_seconds": seconds})
+        try:
+            self.on_result(SampleResult(sample, check, seconds, probed))
+        except Exception:  # a bug downstream; the sample was compared, count it once
+            log.exception("handling a check result for %s failed", self.model)
 
     def _log_error(self, message: str) -> None:
         now = time.monotonic()

@@ -6,18 +6,25 @@ Everything else runs in the mirror worker (``_on_result``) or the admin API.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
+from guard.backends.derive import file_sha256
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
 from guard.serve.mirror import Mirror, SampleResult
-from guard.verify.pipeline import Verifier
+from guard.verify.arbitrate import build_arbiter
+from guard.verify.noise import NoiseFloor, measure_noise_floor
+from guard.verify.pipeline import CheckResult, Verifier, load_activation_tier
 
 log = logging.getLogger("guard.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
@@ -28,13 +35,18 @@ class GuardedModel:
         self.name = config.name
         self.config = config
         self.metrics = metrics
-        self.verifier = Verifier(config.checks)
+        self.verifier = Verifier.for_model(config, arbiter=build_arbiter(config))
         threads = config.mirror.threads
         self.backends: dict[str, Backend] = {"primary": create_backend(config.primary, "primary")}
         if config.reference is not None:
             self.backends["reference"] = create_backend(config.reference, "reference", threads)
         if config.fallback is not None:
             self.backends["fallback"] = create_backend(config.fallback, "fallback")
+        if config.reference is not None:
+            activation = load_activation_tier(config, self.backends)  # tier 2, when it exists
+            if activation is not None:
+                self.verifier.add_tier(activation)
+        self.noise_floor: NoiseFloor | None = None
         self.policy = RoutePolicy(
             self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends,
             sample_rate=config.mirror.sample_rate,
@@ -44,6 +56,10 @@ class GuardedModel:
         self.input_specs: dict[str, TensorSpec] = {}
         self.output_names: frozenset[str] = frozenset()
         self.ready = False
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._watchers_lock = threading.Lock()
         metrics.declare_model(self.name, self.verifier.tiers)
         self._export_detectors()
         # Tier 2 (activation alignment): built at load, run by the mirror worker only.
@@ -55,6 +71,7 @@ class GuardedModel:
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         """Load every backend (in parallel: derivation and compilation take seconds)."""
+        self._verify_artifacts()
         with ThreadPoolExecutor(max_workers=len(self.backends)) as pool:
             futures = {role: pool.submit(b.load) for role, b in self.backends.items()}
         for role, future in futures.items():
@@ -74,6 +91,8 @@ class GuardedModel:
         self.signature = self.backends["primary"].describe()
         self.input_specs = {spec.name: spec for spec in self.signature.inputs}
         self.output_names = frozenset(spec.name for spec in self.signature.outputs)
+        if "reference" in self.backends and self.config.checks.tensor.noise_floor.enabled:
+            self._measure_noise_floor()
         if "reference" in self.backends and self.config.mirror.sample_rate > 0:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
@@ -95,6 +114,30 @@ class GuardedModel:
             raise BackendError(f"models[{self.name}].checks.activation: {exc}") from exc
         for result in ("pass", "fail"):
             self.metrics.checks.labels(self.name, "activation", result)
+
+    def _measure_noise_floor(self) -> None:
+        """The reference against itself, before the mirror starts; tier 1 allows the floor."""
+        try:
+            floor = measure_noise_floor(self.backends["reference"], self.config.reference,
+                                        self.config.checks.tensor.noise_floor)
+        except Exception as exc:  # a floor that cannot be measured must not stop the model
+            floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
+        self.noise_floor = floor
+        if not floor.skipped:
+            self.verifier.set_noise_floor(floor.per_output)
+        emit("noise_floor", model=self.name, **floor.as_dict(),
+             multiplier=self.config.checks.tensor.noise_floor.multiplier)
+
+    def _verify_artifacts(self) -> None:
+        """The sha256 pinned in the config must match the file, before anything loads it."""
+        for role in self.backends:
+            spec = getattr(self.config, role)
+            if spec.sha256 is None or spec.path is None or spec.is_factory:
+                continue
+            actual = file_sha256(Path(spec.path))
+            if actual != spec.sha256:
+                raise BackendError(f"models[{self.name}].{role}.sha256: {spec.path} has sha256 "
+                                   f"{actual}, the config expects {spec.sha256}")
 
     def _check_signatures(self) -> None:
         """A fallback must accept what the primary accepts; warn where names cannot be checked."""
@@ -131,24 +174,72 @@ class GuardedModel:
             return "fallback", epoch, self.backends["fallback"]
         return "primary", epoch, self.backends["primary"]
 
-    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Counts requests inside a backend, so that a reload closes this model only after them."""
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self._in_flight
+
+    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int,
+                       requested_outputs: list[str] | None = None) -> bool:
+        """Offer the answered request to the mirror; True when it was queued. ``outputs`` may
+        be a callable that decodes them, so that unsampled requests pay nothing for it."""
         if self.mirror is None:
-            return
+            return False
         if route == "fallback" and not self.policy.probing:
-            return  # within the dwell time: the primary is left alone
-        self.mirror.offer(request_id, inputs, outputs, route, epoch)
+            return False  # within the dwell time: the primary is left alone
+        return self.mirror.offer(request_id, inputs, outputs, route, epoch, requested_outputs)
+
+    # -- route watchers (tap mode) --------------------------------------------------------------
+    def watch_routes(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """A queue that receives every route transition from now on (from any thread)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._watchers_lock:
+            self._watchers.append((loop, queue))
+        return queue
+
+    def unwatch_routes(self, queue: asyncio.Queue) -> None:
+        with self._watchers_lock:
+            self._watchers = [(l, q) for l, q in self._watchers if q is not queue]
+
+    def end_watches(self) -> None:
+        """Ends every WatchRoute stream (at shutdown, so that it does not wait out the grace)."""
+        self._notify_watchers(None)
+
+    def _notify_watchers(self, transition: Transition | None) -> None:
+        with self._watchers_lock:
+            watchers = list(self._watchers)
+        for loop, queue in watchers:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, transition)
 
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:
-        check = result.check
+        check: CheckResult = result.check
         m = self.metrics
-        m.checks.labels(self.name, "tensor", "pass" if check.passed else "fail").inc()
         m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
         self._run_activation(result)
-        transition = self.policy.observe("tensor", not check.passed, result.sample.epoch)
+        transition = None
+        for tier, tier_result in check.tiers.items():
+            if tier not in self.verifier.tiers:
+                continue
+            m.checks.labels(self.name, tier, "pass" if tier_result.passed else "fail").inc()
+            transition = self.policy.observe(tier, not tier_result.passed,
+                                             result.sample.epoch) or transition
         for figures in self.policy.windows():
             m.drift_ratio.labels(self.name, figures.tier).set(figures.ratio)
         self._export_detectors()
+        if check.arbitration is not None:
+            emit("arbitration", model=self.name, verdict=check.arbitration.as_dict())
         if transition is not None:
             evidence = dict(transition.evidence)
             if not check.passed:
@@ -215,6 +306,7 @@ class GuardedModel:
             to = "fallback_model" if transition.to_route == "fallback" else "primary"
             m.fallback_transitions.labels(self.name, to).inc()
             m.fallback_active.labels(self.name, "model").set(transition.to_route == "fallback")
+            self._notify_watchers(transition)
         emit("route_transition", model=self.name, from_route=transition.from_route,
              to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
              evidence=evidence)

@@ -28,7 +28,7 @@ def model_block(name="m", **overrides) -> dict:
         "reference": affine_backend(),
         "mirror": {"sample_rate": 1.0, "queue_size": 256, "timeout_s": 5.0},
         "checks": {"tensor": {"atol": 1e-5, "rtol": 1e-4}},
-        "policy": {"action": "alert", "window": 10, "min_samples": 5},
+        "policy": {"action": "alert", "detector": "window", "window": 10, "min_samples": 5},
     }
     block.update(overrides)
     return block
