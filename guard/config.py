@@ -455,6 +455,27 @@ class ChecksConfig(Strict):
     task: TaskCheckConfig = Field(default_factory=TaskCheckConfig)
 
 
+class RepairConfig(Strict):
+    """``action: fallback_ops``: how the guard searches for the ops to keep at fp32."""
+
+    buffer: PositiveInt = Field(
+        32, description="Recent mirrored inputs kept in memory: suspects are found on the "
+        "failing ones, every candidate is validated on all of them.")
+    suspect_samples: PositiveInt = Field(
+        4, description="Failing buffered samples tier 2 runs on to rank the suspects.")
+    min_isolated_error: NonNegativeFloat = Field(
+        0.001, description="Suspects whose isolated relative error is below this are ignored.")
+    max_ops: PositiveInt = Field(16, description="Most candidate ops the search starts from.")
+    max_candidates: PositiveInt = Field(
+        24, description="Most variants rebuilt and validated in one repair.")
+    budget_s: PositiveFloat = Field(
+        300.0, description="Wall-clock budget of one repair; past it the best passing variant "
+        "found so far is used, or the whole-model fallback stays.")
+    max_failure_share: Fraction = Field(
+        0.0, description="Share of buffered samples a candidate may fail (tier 1 and 3) and "
+        "still be accepted.")
+
+
 class PolicyConfig(Strict):
     """When to switch a model to its fallback, and when to switch it back.
 
@@ -470,8 +491,11 @@ class PolicyConfig(Strict):
     action: Action = Field(
         "alert",
         description="alert: report only. fallback_model: route the model to its fallback "
-        "while the detector says it drifts.",
+        "while the detector says it drifts. fallback_ops: route to the fallback, find the ops "
+        "that drift (tier 2) and rebuild the guard-derived int8 primary with them kept at "
+        "fp32, then route back to it.",
     )
+    repair: RepairConfig = Field(default_factory=RepairConfig)
     detector: Literal["cusum", "e_detector", "window"] = Field(
         "cusum", description="The trip/recovery rule: cusum, e_detector or window.")
     # -- sequential detectors (cusum, e_detector) --
@@ -538,11 +562,6 @@ class PolicyConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":
-        if self.action == "fallback_ops":
-            raise ValueError(
-                "action 'fallback_ops' (selective op fallback) is not available in this "
-                "version of guard; use 'fallback_model' or 'alert'"
-            )
         if self.recover_ratio > self.trip_ratio:
             raise ValueError("recover_ratio must not exceed trip_ratio (hysteresis)")
         if self.min_samples > self.window:
@@ -611,6 +630,19 @@ class ModelConfig(Strict):
     def _check(self) -> "ModelConfig":
         if self.policy.action == "fallback_model" and self.fallback is None:
             raise ValueError("policy.action 'fallback_model' needs a 'fallback' backend")
+        if self.policy.action == "fallback_ops":
+            if self.fallback is None or self.reference is None:
+                raise ValueError("policy.action 'fallback_ops' needs a 'reference' (to find "
+                                 "and validate the ops) and a 'fallback' (served meanwhile)")
+            if self.primary.backend != "onnxruntime" or self.primary.precision != "int8":
+                raise ValueError(
+                    "policy.action 'fallback_ops' works on a primary the guard derives itself "
+                    "as onnxruntime precision int8 (it is rebuilt with nodes_to_exclude); "
+                    f"this primary is {self.primary.backend} {self.primary.precision}")
+            if self.reference.backend not in ACTIVATION_BACKENDS:
+                raise ValueError(
+                    "policy.action 'fallback_ops' finds the ops with tier 2, which cannot "
+                    f"capture reference backend '{self.reference.backend}'")
         other = sorted(
             block for block in self.checks.task.model_fields_set
             if block in ("classification", "detection", "segmentation", "embedding")

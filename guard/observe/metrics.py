@@ -108,5 +108,5 @@ class GuardMetrics:
             self.drift_ratio.labels(model, tier).set(0)
         for scope in ("model", "ops"):
             self.fallback_active.labels(model, scope).set(0)
-        for to in ("primary", "fallback_model"):
+        for to in ("primary", "fallback_model", "fallback_ops"):
             self.fallback_transitions.labels(model, to)

@@ -59,7 +59,7 @@ class Transition:
     model: str
     from_route: str
     to_route: str
-    trigger: str  # "policy" | "manual" | "alert" | "dry_run"
+    trigger: str  # "policy" | "manual" | "alert" | "dry_run" | "repair"
     reason: str
     unix_time: float
     evidence: dict = field(default_factory=dict)
@@ -201,7 +201,7 @@ class RoutePolicy:
     ):
         self.model = model
         self.config = config
-        self.can_switch = config.action == "fallback_model" and has_fallback
+        self.can_switch = config.action in ("fallback_model", "fallback_ops") and has_fallback
         self._clock = clock
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
@@ -339,6 +339,15 @@ class RoutePolicy:
                 return Transition(self.model, self._state, self._state, "manual",
                                   reason or f"route pinned to {override}", time.time())
             return self._switch(override, "manual", reason or f"route pinned to {override}", {})
+
+    def repaired(self, epoch: int, reason: str, evidence: dict) -> Transition | None:
+        """Route back to the primary after a repair (ops kept back) that started in ``epoch``;
+        None when the route moved meanwhile (override, recovery) and the repair is stale."""
+        with self._lock:
+            if (epoch != self.epoch or self._state != "fallback"
+                    or self._override != "auto"):
+                return None
+            return self._switch("primary", "repair", reason, evidence)
 
     def windows(self) -> list[WindowFigures]:
         with self._lock:

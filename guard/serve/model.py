@@ -67,6 +67,12 @@ class GuardedModel:
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
         self._last_activation_event = 0.0
         self._suppressed_activation_events = 0
+        # policy.action fallback_ops: the buffer, the repair thread and the swap.
+        self.ops = None
+        if config.policy.action == "fallback_ops":
+            from guard.serve.ops_fallback import OpsFallback
+
+            self.ops = OpsFallback(self)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
@@ -85,7 +91,9 @@ class GuardedModel:
                     f"{type(exc).__name__}: {exc}"
                 ) from exc
         self._check_signatures()
-        if self.config.checks.activation.enabled and "reference" in self.backends:
+        wants_tier2 = (self.config.checks.activation.enabled
+                       or self.config.policy.action == "fallback_ops")
+        if wants_tier2 and "reference" in self.backends:
             self._load_activation()
         # The request path checks inputs against this; computed once, never per request.
         self.signature = self.backends["primary"].describe()
@@ -154,6 +162,8 @@ class GuardedModel:
 
     def close(self) -> None:
         self.ready = False
+        if self.ops is not None:
+            self.ops.stop()
         if self.mirror is not None:
             self.mirror.stop()
         if self.activation is not None:
@@ -228,6 +238,8 @@ class GuardedModel:
         m = self.metrics
         m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
         self._run_activation(result)
+        if self.ops is not None:
+            self.ops.observe(result.sample.inputs, not check.passed)
         transition = None
         for tier, tier_result in check.tiers.items():
             if tier not in self.verifier.tiers:
@@ -286,6 +298,8 @@ class GuardedModel:
 
     # -- admin -------------------------------------------------------------------------------
     def set_override(self, override: Override, reason: str) -> Transition | None:
+        if override == "primary" and self.ops is not None:
+            self.ops.restore(reason)  # "primary" means the primary as configured
         transition = self.policy.set_override(override, reason)
         if transition is not None:
             self._record(transition, transition.evidence)
@@ -303,10 +317,16 @@ class GuardedModel:
                  would_route=transition.to_route, evidence=evidence)
             return
         if transition.from_route != transition.to_route:
-            to = "fallback_model" if transition.to_route == "fallback" else "primary"
+            if transition.to_route == "fallback":
+                to = "fallback_model"
+            else:
+                to = "fallback_ops" if transition.trigger == "repair" else "primary"
             m.fallback_transitions.labels(self.name, to).inc()
             m.fallback_active.labels(self.name, "model").set(transition.to_route == "fallback")
             self._notify_watchers(transition)
         emit("route_transition", model=self.name, from_route=transition.from_route,
              to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
              evidence=evidence)
+        if (self.ops is not None and transition.trigger == "policy"
+                and transition.to_route == "fallback"):
+            self.ops.on_trip(self.policy.epoch)

@@ -541,11 +541,17 @@ def test_trip_ratio_out_of_range(base):
     assert lines == ["models[0].policy.trip_ratio: must be in [0, 1]"]
 
 
-def test_fallback_ops_rejected(base):
-    lines = problems(doc(fallback=dict(ORT), policy={"action": "fallback_ops"}), base)
-    assert len(lines) == 1
-    assert lines[0].startswith("models[0].policy: ")
-    assert "fallback_ops" in lines[0] and "not available" in lines[0]
+def test_fallback_ops_needs_a_derived_int8_primary_a_reference_and_a_fallback(base):
+    ops = {"action": "fallback_ops"}
+    lines = problems(doc(fallback=dict(ORT), policy=ops), base)
+    assert len(lines) == 1 and lines[0].startswith("models[0]: policy.action 'fallback_ops' "
+                                                   "needs a 'reference'")
+    lines = problems(doc(fallback=dict(ORT), reference=dict(ORT), policy=ops), base)
+    assert len(lines) == 1 and "onnxruntime precision int8" in lines[0]
+    config = parse_config(doc(primary={**ORT, "precision": "int8"}, reference=dict(ORT),
+                              fallback=dict(ORT), policy=ops), base)
+    assert config.models[0].policy.action == "fallback_ops"
+    assert config.models[0].policy.repair.buffer == 32
 
 
 def test_duplicate_model_names(base):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import random
+import threading
 import time
 from pathlib import Path
 
@@ -81,6 +82,9 @@ class ActivationChecker:
         self.primary = primary
         self.pair = f"{reference.kind}/{primary.kind}"
         self._rng = rng or random.Random()
+        # One check at a time: torch captures hook shared modules, and the mirror worker and a
+        # repair may both ask.
+        self._lock = threading.Lock()
 
     @classmethod
     def for_model(cls, model: ModelConfig, threads: int = 1) -> "ActivationChecker":
@@ -103,6 +107,10 @@ class ActivationChecker:
 
     # -- the check ----------------------------------------------------------------------------------
     def check(self, inputs: dict[str, np.ndarray]) -> ActivationReport:
+        with self._lock:
+            return self._check(inputs)
+
+    def _check(self, inputs: dict[str, np.ndarray]) -> ActivationReport:
         started = time.perf_counter()
         report = ActivationReport(self.pair, self.config.rel_error)
         try:

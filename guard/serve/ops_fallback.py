@@ -1,0 +1,124 @@
+"""``policy.action: fallback_ops`` for one guarded model: buffer, repair thread, atomic swap.
+
+The policy trips the model to its whole-model fallback as for ``fallback_model``; this then runs
+a repair (guard/policy/repair.py) on a thread of its own. When a variant with a few ops kept at
+fp32 passes, it becomes the primary in one dict assignment (requests in flight keep the backend
+object they were given and finish on it; the old session is kept, never closed under them) and
+the route goes back to the primary with trigger ``repair``. Every step is an event; a fault ends
+in the whole-model fallback.
+
+A manual override to ``primary`` restores the primary as configured (no ops kept back): the
+operator's way to say the drift is gone. A repaired primary that trips again goes to the
+whole-model fallback; it is not repaired twice.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+from guard.observe.events import emit
+from guard.policy.repair import OpRepair, SampleBuffer
+
+log = logging.getLogger("guard.ops_fallback")
+
+
+class OpsFallback:
+    def __init__(self, model):
+        self.model = model
+        self.config = model.config.policy.repair
+        self.buffer = SampleBuffer(self.config.buffer)
+        self.kept: list[str] = []
+        self.original = None  # the primary as configured, while a repaired one serves
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+        self._stopping = threading.Event()
+
+    @property
+    def repairing(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    # -- fed by the mirror worker -----------------------------------------------------------------
+    def observe(self, inputs, failed: bool) -> None:
+        self.buffer.add(inputs, failed)
+
+    def on_trip(self, epoch: int) -> None:
+        """The policy just moved the model to its fallback (starting ``epoch``)."""
+        with self._lock:
+            if self.kept:
+                emit("repair_skipped", model=self.model.name, ops_kept_fp32=self.kept,
+                     reason="the primary already keeps ops back: the whole-model fallback "
+                            "serves until the primary recovers or is reset")
+                return
+            if self.repairing or self._stopping.is_set():
+                return
+            self._thread = threading.Thread(target=self._repair, args=(epoch,),
+                                            name=f"guard-repair-{self.model.name}", daemon=True)
+            self._thread.start()
+
+    # -- the repair thread ------------------------------------------------------------------------
+    def _repair(self, epoch: int) -> None:
+        model = self.model
+        samples = self.buffer.snapshot()
+        emit("repair_started", model=model.name, buffered=len(samples),
+             failing=sum(s.failed for s in samples))
+        repair = OpRepair(
+            model.config.primary, model.backends["reference"], self._validate, self.config,
+            activation=model.activation,
+            on_step=lambda step: emit("repair_step", model=model.name, **step),
+        )
+        outcome = repair.run(samples)
+        if self._stopping.is_set():
+            return
+        if not outcome.ok:
+            emit("repair_failed", model=model.name, **outcome.evidence(),
+                 note="the whole-model fallback keeps serving")
+            return
+        with self._lock:
+            policy = model.policy
+            if policy.epoch != epoch or policy.route != "fallback":
+                emit("repair_discarded", model=model.name, ops_kept_fp32=outcome.kept,
+                     reason="the route moved while the repair ran")
+                return
+            original = model.backends["primary"]
+            model.backends["primary"] = outcome.backend  # atomic: in-flight keep the old one
+            if model.mirror is not None:
+                model.mirror.primary = outcome.backend
+            reason = (f"ops kept at fp32 after repair: {', '.join(outcome.kept)} "
+                      f"({outcome.candidates_tried} candidates, {outcome.seconds:.1f}s)")
+            transition = policy.repaired(epoch, reason, outcome.evidence())
+            if transition is None:  # the route moved in between: put the primary back
+                model.backends["primary"] = original
+                if model.mirror is not None:
+                    model.mirror.primary = original
+                emit("repair_discarded", model=model.name, ops_kept_fp32=outcome.kept,
+                     reason="the route moved while the repair was swapped in")
+                return
+            self.original, self.kept = original, list(outcome.kept)
+        model.metrics.fallback_active.labels(model.name, "ops").set(1)
+        model._record(transition, transition.evidence)
+
+    def _validate(self, reference: dict, outputs: dict, inputs: dict) -> bool:
+        return self.model.verifier.check(reference, outputs, inputs).passed
+
+    # -- admin ------------------------------------------------------------------------------------
+    def restore(self, reason: str) -> None:
+        """Back to the primary as configured (no ops kept back)."""
+        with self._lock:
+            if not self.kept:
+                return
+            model = self.model
+            repaired = model.backends["primary"]
+            model.backends["primary"] = self.original
+            if model.mirror is not None:
+                model.mirror.primary = self.original
+            kept, self.kept, self.original = self.kept, [], None
+        model.metrics.fallback_active.labels(model.name, "ops").set(0)
+        emit("ops_fallback_cleared", model=model.name, ops_kept_fp32=kept,
+             reason=reason or "manual override to the primary",
+             repaired_artifact=repaired.describe().artifact)
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5.0)

@@ -1,0 +1,127 @@
+"""Selective op fallback end to end: an int8 primary that drifts (the zoo CNN's fc1 outlier),
+the detector trips, the repair keeps back a small op set, traffic flows through the swap
+without one failed request, agreement is restored, and a manual reset restores the primary as
+configured."""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+
+import grpc
+import numpy as np
+import onnxruntime as ort
+import tritonclient.grpc as grpcclient
+
+from guard.v1 import admin_pb2, admin_pb2_grpc
+from guard.zoo.classifier import sample_inputs
+
+from support import metric, running, scrape, wait_for
+
+
+def image_input(images: np.ndarray) -> grpcclient.InferInput:
+    tensor = grpcclient.InferInput("image", list(images.shape), "FP32")
+    tensor.set_data_from_numpy(images)
+    return tensor
+
+
+def events(caplog, name: str) -> list[dict]:
+    out = []
+    for record in caplog.records:
+        if record.name == "guard.events":
+            event = json.loads(record.getMessage())
+            if event["event"] == name:
+                out.append(event)
+    return out
+
+
+class Traffic(threading.Thread):
+    """A client sending one image after another until stopped, keeping every answer."""
+
+    def __init__(self, port: int, images: np.ndarray):
+        super().__init__(daemon=True)
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        self.images = images
+        self.answers: list[tuple[str, int, np.ndarray]] = []  # (route, image index, logits)
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            k = i % len(self.images)
+            try:
+                result = self.client.infer("cnn", [image_input(self.images[k:k + 1])])
+                route = result.get_response().parameters["guard_route"].string_param
+                self.answers.append((route, k, result.as_numpy("logits")[0]))
+            except Exception as exc:  # counted: the test asserts there are none
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            i += 1
+        self.client.close()
+
+
+def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, caplog):
+    caplog.set_level(logging.INFO, logger="guard.events")
+    onnx_path = str(zoo_classifier["onnx"])
+    model = {
+        "name": "cnn",
+        "task": "classification",
+        "primary": {"backend": "onnxruntime", "path": onnx_path, "precision": "int8"},
+        "reference": {"backend": "onnxruntime", "path": onnx_path},
+        "fallback": {"backend": "onnxruntime", "path": onnx_path},
+        "mirror": {"sample_rate": 1.0, "queue_size": 64},
+        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
+        "policy": {"action": "fallback_ops", "p0": 0.01, "arl0": 1000, "dwell_s": 600,
+                   "repair": {"buffer": 16}},
+    }
+    images = sample_inputs(32, seed=17)
+    expected = ort.InferenceSession(onnx_path).run(None, {"image": images})[0]
+    with running(tmp_path, [model]) as (srv, _):
+        traffic = Traffic(srv.grpc_port, images)
+        traffic.start()
+        try:
+            values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
+                v, "guard_fallback_active", model="cnn", scope="ops") == 1 and v, timeout=120)
+            served_before = len(traffic.answers)
+            wait_for(lambda: sum(r == "primary" for r, _, _ in traffic.answers[served_before:])
+                     >= 20, timeout=60)
+        finally:
+            traffic.stop.set()
+            traffic.join(30)
+        assert traffic.errors == []
+        assert metric(values, "guard_fallback_transitions_total", model="cnn",
+                      to="fallback_model") == 1
+        assert metric(values, "guard_fallback_transitions_total", model="cnn",
+                      to="fallback_ops") == 1
+        assert metric(values, "guard_fallback_active", model="cnn", scope="model") == 0
+
+        (done,) = [e for e in events(caplog, "route_transition") if e["trigger"] == "repair"]
+        kept = done["evidence"]["ops_kept_fp32"]
+        assert kept == ["node_linear_MatMul"]
+        assert events(caplog, "repair_started") and not events(caplog, "repair_failed")
+
+        # Agreement restored: what the repaired primary answered is within the tolerance.
+        after = [(k, y) for r, k, y in traffic.answers[served_before:] if r == "primary"]
+        for k, logits in after:
+            scale = np.abs(expected[k]).max()
+            assert np.abs(logits - expected[k]).max() <= 0.05 * scale
+
+        # A manual reset: the primary as configured (no ops kept back) answers again.
+        with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            status = admin.GetStatus(admin_pb2.GetStatusRequest(model="cnn")).models[0]
+            assert status.route == "primary" and "node_linear_MatMul" in \
+                status.last_transition.reason
+            admin.SetRoute(admin_pb2.SetRouteRequest(model="cnn", route=admin_pb2.PRIMARY,
+                                                     reason="drift fixed upstream"))
+        values = scrape(srv.metrics_port)
+        assert metric(values, "guard_fallback_active", model="cnn", scope="ops") == 0
+        (cleared,) = events(caplog, "ops_fallback_cleared")
+        assert cleared["ops_kept_fp32"] == ["node_linear_MatMul"]
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        answers = client.infer("cnn", [image_input(images)]).as_numpy("logits")
+        client.close()
+        beyond = (np.abs(answers - expected).max(axis=1)
+                  > 0.05 * np.abs(expected).max(axis=1)).sum()
+        assert beyond >= 8  # the configured int8 primary answers again, drift and all

@@ -1,0 +1,135 @@
+"""Selective op fallback: the op search on the zoo CNN's int8 variant, with real ONNX Runtime
+sessions, the real tier-2 checker and the model's own tier-1 checks; and its faults."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+from guard.backends import create_backend
+from guard.config import RepairConfig, parse_config
+from guard.policy.repair import (
+    BufferedSample,
+    OpRepair,
+    SampleBuffer,
+    Suspect,
+    excluded_ops_missing,
+    rebuildable_ops,
+)
+from guard.verify.activation import ActivationChecker
+from guard.verify.pipeline import Verifier
+from guard.zoo.classifier import sample_inputs
+
+
+@pytest.fixture(scope="module")
+def cnn(zoo_classifier):
+    onnx_path = str(zoo_classifier["onnx"])
+    doc = {"version": 1, "models": [{
+        "name": "cnn",
+        "primary": {"backend": "onnxruntime", "path": onnx_path, "precision": "int8"},
+        "reference": {"backend": "onnxruntime", "path": onnx_path},
+        "fallback": {"backend": "onnxruntime", "path": onnx_path},
+        # 5% of the largest logit: the int8 variant fails it, int8 with fc1 at fp32 passes.
+        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
+        "policy": {"action": "fallback_ops"},
+    }]}
+    config = parse_config(doc, zoo_classifier["onnx"].parent).models[0]
+    reference = create_backend(config.reference, "reference")
+    reference.load()
+    verifier = Verifier(config.checks)
+    images = sample_inputs(16, seed=21)
+    samples = [BufferedSample({"image": images[i:i + 1]}, True) for i in range(16)]
+    return {"config": config, "reference": reference, "verifier": verifier, "samples": samples,
+            "activation": ActivationChecker.for_model(config)}
+
+
+def repair(cnn, **overrides) -> OpRepair:
+    config = RepairConfig(**overrides.pop("config", {}))
+    return OpRepair(cnn["config"].primary, cnn["reference"],
+                    lambda ref, out, inputs: cnn["verifier"].check(ref, out, inputs).passed,
+                    config, activation=cnn["activation"], **overrides)
+
+
+def test_rebuildable_ops_strip_the_quantiser_suffix():
+    nodes = ["view_QuantizeLinear", "node_linear_MatMul_quant_scales_mul",
+             "node_linear_MatMul_quant", "node_linear_Add", "node_relu_2"]
+    assert rebuildable_ops(nodes) == ["node_linear_MatMul"]
+    assert rebuildable_ops(["node_relu_2", "node_max_pool2d"]) == []
+
+
+def test_sample_buffer_is_bounded_and_keeps_the_latest():
+    buffer = SampleBuffer(3)
+    for i in range(5):
+        buffer.add({"x": np.full(1, i)}, failed=i % 2 == 0)
+    assert len(buffer) == 3
+    assert [int(s.inputs["x"][0]) for s in buffer.snapshot()] == [2, 3, 4]
+
+
+def test_repair_keeps_only_fc1_at_fp32(cnn):
+    steps = []
+    outcome = repair(cnn, on_step=steps.append).run(cnn["samples"])
+    assert outcome.ok, outcome.reason
+    assert outcome.kept == ["node_linear_MatMul"]
+    assert outcome.suspects[0].layer == "node_linear"
+    assert outcome.suspects[0].ops == ["node_linear_MatMul"]
+    assert 2 <= outcome.candidates_tried <= 8
+    # The variant really keeps fc1's MatMul fp32 and still quantises the rest.
+    graph = onnx.load(str(outcome.backend.model_path)).graph
+    ops = {n.name: n.op_type for n in graph.node}
+    assert ops["node_linear_MatMul"] == "MatMul" and "node_linear_MatMul_quant" not in ops
+    assert ops["node_conv2d_quant"] == "ConvInteger"
+    assert excluded_ops_missing(outcome.backend.model_path, outcome.kept) == []
+    # And it passes where the int8 primary fails.
+    for sample in cnn["samples"]:
+        ref = cnn["reference"].infer(sample.inputs)
+        assert cnn["verifier"].check(ref, outcome.backend.infer(sample.inputs)).passed
+    int8 = create_backend(cnn["config"].primary, "primary")
+    int8.load()
+    failing = sum(not cnn["verifier"].check(cnn["reference"].infer(s.inputs),
+                                            int8.infer(s.inputs)).passed
+                  for s in cnn["samples"])
+    assert failing >= 8
+    assert [s["step"] for s in steps][:2] == ["suspects", "candidate_ops"]
+    assert outcome.evidence()["ops_kept_fp32"] == ["node_linear_MatMul"]
+
+
+def test_candidate_budget_of_one_keeps_every_candidate_op(cnn):
+    outcome = repair(cnn, config={"max_candidates": 1}).run(cnn["samples"])
+    assert outcome.ok and outcome.candidates_tried == 1
+    assert "node_linear_MatMul" in outcome.kept and len(outcome.kept) >= 2
+
+
+def test_suspects_without_a_rebuildable_op_end_the_repair(cnn):
+    suspects = [Suspect("node_relu_2", 0.2, []), Suspect("node_max_pool2d", 0.1, [])]
+    outcome = repair(cnn).run(cnn["samples"], suspects=suspects)
+    assert not outcome.ok and outcome.backend is None
+    assert "map to no rebuildable op" in outcome.reason and "node_relu_2" in outcome.reason
+
+
+def test_a_rebuild_that_throws_ends_the_repair(cnn):
+    def broken(spec):
+        raise RuntimeError("quantizer exploded")
+
+    outcome = repair(cnn, build=broken).run(cnn["samples"])
+    assert not outcome.ok
+    assert outcome.reason == "repair failed: RuntimeError: quantizer exploded"
+
+
+def test_a_candidate_that_crashes_on_validation_ends_the_repair(cnn):
+    bad = [BufferedSample({"image": np.zeros((1, 3, 8, 8), np.float32)}, True)]
+    outcome = repair(cnn).run(bad, suspects=[Suspect("node_linear", 0.2,
+                                                     ["node_linear_MatMul"])])
+    assert not outcome.ok and outcome.reason.startswith("repair failed: ")
+
+
+def test_when_no_candidate_passes_the_whole_model_fallback_stays(cnn):
+    outcome = OpRepair(cnn["config"].primary, cnn["reference"], lambda ref, out, inp: False,
+                       RepairConfig(), activation=cnn["activation"]).run(cnn["samples"])
+    assert not outcome.ok and "still fails the checks" in outcome.reason
+    assert outcome.candidates_tried == 1
+
+
+def test_no_buffered_samples(cnn):
+    outcome = repair(cnn).run([])
+    assert not outcome.ok and "no buffered samples" in outcome.reason
