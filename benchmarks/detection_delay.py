@@ -51,7 +51,6 @@ from guard.policy.detector import (  # noqa: E402
     BernoulliCusum,
     EDetector,
     WindowDetector,
-    default_alternatives,
 )
 
 SHIFT = 0.02  # the policy default: p1 = p0 + shift

@@ -65,17 +65,46 @@ class SampleBuffer:
         return len(self._items)
 
 
-def rebuildable_ops(primary_nodes: list[str]) -> list[str]:
-    """The fp32 nodes whose int8 forms sit in a segment: what ``nodes_to_exclude`` must name."""
-    return [n[: -len(QUANT_SUFFIX)] for n in primary_nodes if n.endswith(QUANT_SUFFIX)]
+class QuantisedGraph:
+    """Node names, inputs and weights of a ``quantize_dynamic`` output, read once."""
+
+    def __init__(self, model_path):
+        import onnx
+
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+        self.nodes = {node.name: node for node in graph.node}
+        self.initializers = {init.name for init in graph.initializer}
+
+    def reads_quantised_weight(self, name: str) -> bool:
+        node = self.nodes.get(name)
+        return node is not None and any(
+            i.endswith(QUANT_WEIGHT_SUFFIX) and i in self.initializers for i in node.input)
+
+
+QUANT_WEIGHT_SUFFIX = "_quantized"
+
+
+def rebuildable_ops(primary_nodes: list[str], graph: QuantisedGraph | None = None) -> list[str]:
+    """The fp32 nodes whose int8 forms sit in a segment: what ``nodes_to_exclude`` must name.
+
+    ``quantize_dynamic`` replaces a MatMul/Conv by ``<name>_quant`` (a Gemm is first rewritten
+    to ``<name>_MatMul``); a Gather of an embedding table keeps its name and reads the table
+    as ``<weight>_quantized`` (dequantised after it)."""
+    ops = []
+    for name in primary_nodes:
+        if name.endswith(QUANT_SUFFIX):
+            ops.append(name[: -len(QUANT_SUFFIX)])
+        elif graph is not None and graph.reads_quantised_weight(name):
+            ops.append(name)
+    return ops
 
 
 def excluded_ops_missing(model_path, kept: list[str]) -> list[str]:
     """Ops asked to stay fp32 that the rebuilt model still quantises (or lacks entirely)."""
-    import onnx
-
-    names = {node.name for node in onnx.load(str(model_path), load_external_data=False).graph.node}
-    return [op for op in kept if op + QUANT_SUFFIX in names or op not in names]
+    graph = QuantisedGraph(model_path)
+    return [op for op in kept
+            if op + QUANT_SUFFIX in graph.nodes or op not in graph.nodes
+            or graph.reads_quantised_weight(op)]
 
 
 @dataclass
@@ -171,8 +200,8 @@ class OpRepair:
                 error = layer.isolated.rel_error
                 known = worst.get(layer.name)
                 if known is None or error > known.isolated_error:
-                    worst[layer.name] = Suspect(layer.name, error,
-                                                rebuildable_ops(layer.primary_nodes))
+                    worst[layer.name] = Suspect(
+                        layer.name, error, rebuildable_ops(layer.primary_nodes, self._graph()))
         ranked = sorted(worst.values(), key=lambda s: s.isolated_error, reverse=True)
         self.on_step({"step": "suspects", "ranked": [
             {"layer": s.layer, "isolated_error": round(s.isolated_error, 6), "ops": s.ops}
@@ -195,6 +224,19 @@ class OpRepair:
                 + ", ".join(f"{s.layer} ({s.isolated_error:.3g})" for s in suspects[:5]))
         self.on_step({"step": "candidate_ops", "ops": ops})
         return ops
+
+    def _graph(self) -> QuantisedGraph | None:
+        """The int8 variant as configured (cached by derive), to map segment nodes to ops."""
+        if not hasattr(self, "_quantised"):
+            from guard.backends.derive import derive_onnx
+
+            try:
+                path = derive_onnx(self.spec.path, self.spec.precision, self._base_excluded,
+                                   bool(self.spec.options.get("per_channel", False)))
+                self._quantised = QuantisedGraph(path)
+            except Exception:  # suffix rules still apply without it
+                self._quantised = None
+        return self._quantised
 
     # -- search -----------------------------------------------------------------------------------
     def _search(self, ops: list[str], samples, references, outcome: RepairOutcome,

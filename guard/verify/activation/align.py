@@ -39,6 +39,8 @@ class Pairing:
     primary: np.ndarray
     isolate: Isolator | None = None
     isolation_note: str = ""
+    inputs: list[str] = field(default_factory=list)  # values (this side's names) it reads
+    isolate_is_free: bool = False  # the primary computes it exactly as the reference does
 
 
 @dataclass
@@ -90,11 +92,17 @@ def align_onnx_onnx(ref: OnnxSide, prim: OnnxSide, ref_cap: dict[str, np.ndarray
                 "reference", name, f"value '{value}' is not in the primary's graph"))
             continue
 
-        def isolate(value=value) -> tuple[np.ndarray, list[str]]:
-            return prim.isolate(value, boundary, fetch)
+        free = prim.computes_like(ref, value, boundary)
+        if free:
+            def isolate(value=value, node=node) -> tuple[np.ndarray, list[str]]:
+                return ref_cap[value], [node.name]  # same computation: no error of its own
+        else:
+            def isolate(value=value) -> tuple[np.ndarray, list[str]]:
+                return prim.isolate(value, boundary, fetch)
 
         out.pairings.append(Pairing(name, node.op_type, _module_of(ref, value), value,
-                                    ref_cap[value], prim_cap[value], isolate))
+                                    ref_cap[value], prim_cap[value], isolate,
+                                    inputs=[i for i in node.input if i], isolate_is_free=free))
     ref_values = set(ref.values)
     out.primary_only = [v for v in prim.values if v not in ref_values and v in prim_cap]
     return out

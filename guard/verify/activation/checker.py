@@ -160,13 +160,25 @@ class ActivationChecker:
         return align_torch_torch(ref, prim, ref.capture(inputs), prim.capture(inputs))
 
     def _isolate(self, compared: list[tuple[LayerResult, Pairing]]) -> None:
-        """Isolated error for the layers with the largest propagated error, up to the budget."""
-        ranked = sorted(compared, key=lambda item: item[0].propagated.rel_error, reverse=True)
+        """Isolated error for the layers most likely to *add* error, up to the budget: ranked by
+        how much the propagated error grows over the layer's inputs (where the alignment knows
+        them), else by the propagated error itself. A Reshape after a drifting MatMul carries
+        the MatMul's error but adds none; the budget goes to the MatMul."""
+        errors = {layer.value: layer.propagated.rel_error for layer, _ in compared}
+
+        def growth(item: tuple[LayerResult, Pairing]) -> float:
+            layer, pairing = item
+            inherited = [errors[i] for i in pairing.inputs if i in errors]
+            return layer.propagated.rel_error - max(inherited, default=0.0)
+
+        ranked = sorted(compared, key=growth, reverse=True)
+        cheap = [item for item in ranked if item[1].isolate_is_free]
+        ranked = [item for item in ranked if not item[1].isolate_is_free] + cheap
         for rank, (layer, pairing) in enumerate(ranked):
             if pairing.isolate is None:
                 layer.isolation_note = layer.isolation_note or "not isolatable on this backend"
                 continue
-            if rank >= self.config.max_isolated:
+            if rank >= self.config.max_isolated and not pairing.isolate_is_free:
                 layer.isolation_note = (f"outside the isolation budget (max_isolated="
                                         f"{self.config.max_isolated})")
                 continue

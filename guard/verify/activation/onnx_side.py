@@ -32,6 +32,31 @@ import numpy as np
 _BOOKKEEPING_OPS = frozenset({"Constant", "Shape", "Size", "ConstantOfShape"})
 
 
+def _same_node(a, b, graph_a: "OnnxGraph", graph_b: "OnnxGraph") -> bool:
+    if (a.op_type != b.op_type or a.domain != b.domain or list(a.input) != list(b.input)
+            or list(a.output) != list(b.output)
+            or [x.SerializeToString() for x in a.attribute]
+            != [x.SerializeToString() for x in b.attribute]):
+        return False
+    for name in a.input:  # the same weights, bit for bit
+        wa, wb = graph_a.initializers.get(name), graph_b.initializers.get(name)
+        if (wa is None) != (wb is None):
+            return False
+        if wa is not None and not _same_weight(wa, wb):
+            return False
+    return True
+
+
+def _same_weight(a, b) -> bool:
+    """Equal tensors, whichever field (raw_data, float_data...) each file stores them in."""
+    if a.SerializeToString() == b.SerializeToString():
+        return True
+    from onnx import numpy_helper
+
+    x, y = numpy_helper.to_array(a), numpy_helper.to_array(b)
+    return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y, equal_nan=True)
+
+
 def _node_module(node) -> str | None:
     """The torch module path a node was exported from ('' = the root module), or None."""
     for prop in node.metadata_props:
@@ -241,7 +266,6 @@ class OnnxGraph:
     def segment_model(self, nodes: list[int], inputs: dict[str, np.dtype], target: str,
                       target_elem: int):
         """A standalone model: ``inputs`` -> the segment's nodes -> ``target``."""
-        import onnx
         from onnx import helper
 
         used = set()
@@ -259,7 +283,6 @@ class OnnxGraph:
         model = helper.make_model(graph, opset_imports=list(self.model.opset_import))
         model.ir_version = self.model.ir_version
         model.functions.extend(self.model.functions)
-        del onnx
         return model
 
 
@@ -355,6 +378,25 @@ class OnnxSide:
         """Names of the nodes that compute ``target`` from ``boundary`` (for reports, repair)."""
         nodes, _ = self.graph.segment(target, boundary)
         return [self.graph.nodes[i].name for i in nodes]
+
+    def computes_like(self, other: "OnnxSide", target: str, boundary: set[str]) -> bool:
+        """True when this graph computes ``target`` from ``boundary`` exactly as ``other`` does:
+        every node of the segment is in ``other`` under its name, with the same op, attributes,
+        inputs and weights, and the output type matches. Its isolated error is then zero by
+        construction, and no segment needs to run (most nodes of an int8 variant)."""
+        try:
+            nodes, _ = self.graph.segment(target, boundary)
+        except KeyError:
+            return False
+        if self.graph.elem_types.get(target) != other.graph.elem_types.get(target):
+            return False
+        theirs_by_name = {n.name: n for n in other.graph.nodes if n.name}
+        for index in nodes:
+            mine = self.graph.nodes[index]
+            theirs = theirs_by_name.get(mine.name) if mine.name else None
+            if theirs is None or not _same_node(mine, theirs, self.graph, other.graph):
+                return False
+        return True
 
     def close(self) -> None:
         self._session = None
