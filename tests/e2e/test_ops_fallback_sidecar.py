@@ -90,15 +90,18 @@ def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, ca
             traffic.stop.set()
             traffic.join(30)
         assert traffic.errors == []
+        story = [(e["event"], e.get("trigger"), e.get("reason", "")[:120])
+                 for e in (json.loads(r.getMessage()) for r in caplog.records
+                           if r.name == "guard.events")]
         assert metric(values, "guard_fallback_transitions_total", model="cnn",
-                      to="fallback_model") == 1
+                      to="fallback_model") == 1, story
         assert metric(values, "guard_fallback_transitions_total", model="cnn",
                       to="fallback_ops") == 1
         assert metric(values, "guard_fallback_active", model="cnn", scope="model") == 0
 
         (done,) = [e for e in events(caplog, "route_transition") if e["trigger"] == "repair"]
         kept = done["evidence"]["ops_kept_fp32"]
-        assert kept == ["node_linear_MatMul"]
+        assert kept == ["node_linear_MatMul"], done["evidence"]
         assert events(caplog, "repair_started") and not events(caplog, "repair_failed")
 
         # Agreement restored: what the repaired primary answered is within the tolerance.
@@ -111,8 +114,8 @@ def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, ca
         with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
             admin = admin_pb2_grpc.AdminStub(channel)
             status = admin.GetStatus(admin_pb2.GetStatusRequest(model="cnn")).models[0]
-            assert status.route == "primary" and "node_linear_MatMul" in \
-                status.last_transition.reason
+            assert status.route == "primary", story
+            assert "node_linear_MatMul" in status.last_transition.reason
             admin.SetRoute(admin_pb2.SetRouteRequest(model="cnn", route=admin_pb2.PRIMARY,
                                                      reason="drift fixed upstream"))
         values = scrape(srv.metrics_port)
