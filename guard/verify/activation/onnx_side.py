@@ -174,6 +174,11 @@ class OnnxGraph:
                 names.append(name)
         return names
 
+    def by_name(self) -> dict:
+        if not hasattr(self, "_by_name"):
+            self._by_name = {n.name: n for n in self.nodes if n.name}
+        return self._by_name
+
     def node_of(self, value: str):
         index = self.producer.get(value)
         return None if index is None else self.nodes[index]
@@ -322,6 +327,7 @@ class OnnxSide:
         self._segments: dict[tuple[str, tuple[str, ...]], object] = {}
         self._lock = threading.Lock()
         self._scopes: dict[str, list[ScopeInstance]] | None = None
+        self._same: dict[tuple, bool] = {}
 
     def _capture_session(self):
         if self._session is None:
@@ -384,13 +390,22 @@ class OnnxSide:
         every node of the segment is in ``other`` under its name, with the same op, attributes,
         inputs and weights, and the output type matches. Its isolated error is then zero by
         construction, and no segment needs to run (most nodes of an int8 variant)."""
+        # Static for a pair of graphs and a boundary: computed once per value.
+        key = (id(other), target, len(boundary))
+        cached = self._same.get(key)
+        if cached is not None:
+            return cached
+        self._same[key] = result = self._computes_like(other, target, boundary)
+        return result
+
+    def _computes_like(self, other: "OnnxSide", target: str, boundary: set[str]) -> bool:
         try:
             nodes, _ = self.graph.segment(target, boundary)
         except KeyError:
             return False
         if self.graph.elem_types.get(target) != other.graph.elem_types.get(target):
             return False
-        theirs_by_name = {n.name: n for n in other.graph.nodes if n.name}
+        theirs_by_name = other.graph.by_name()
         for index in nodes:
             mine = self.graph.nodes[index]
             theirs = theirs_by_name.get(mine.name) if mine.name else None
