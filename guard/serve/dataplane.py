@@ -85,7 +85,8 @@ class DataPlane:
                 f"({backend.describe().summary()}) failed: {type(exc).__name__}: {exc}"
             ) from exc
 
-        model.after_response(request.id, request.inputs, outputs, route, epoch)
+        model.after_response(request.id, request.inputs, outputs, route, epoch,
+                             time.perf_counter() - started)
         if request.requested_outputs:
             outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
         self.metrics.requests.labels(model.name, route).inc()

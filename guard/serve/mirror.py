@@ -60,6 +60,7 @@ class Sample:
     route: str  # "primary" or "fallback": who answered the client
     epoch: int  # the policy epoch when the request was routed
     enqueued_at: float
+    tag: object = None  # opaque to the mirror, handed back with the result (capture uses it)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class SampleResult:
     check: TensorCheck
     reference_seconds: float
     probed: bool  # True when the primary ran in the background for this sample
+    reference: dict[str, np.ndarray] | None = None  # the reference's answer
 
 
 class _BoundedCaller:
@@ -98,6 +100,7 @@ class Mirror:
         verifier: Verifier,
         metrics: GuardMetrics,
         on_result: Callable[[SampleResult], None],
+        on_unchecked: Callable[[Sample, str], None] | None = None,
     ):
         self.model = model
         self.config = config
@@ -106,6 +109,9 @@ class Mirror:
         self.verifier = verifier
         self.metrics = metrics
         self.on_result = on_result
+        # Told about samples that were taken but never compared ("error", "timeout", or
+        # "dropped" at shutdown), so that capture can still record the request.
+        self.on_unchecked = on_unchecked
         self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=config.queue_size)
         self._caller = _BoundedCaller(f"guard-ref-{model}")
         self._thread = threading.Thread(target=self._run, name=f"guard-mirror-{model}",
@@ -115,17 +121,21 @@ class Mirror:
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
 
     # -- request path --------------------------------------------------------------------------
-    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
-        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping."""
+    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int,
+              tag: object = None) -> bool:
+        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping.
+        True when the sample was queued (a result or an ``on_unchecked`` call will follow)."""
         if not sampled(request_id, self.config.sample_rate):
-            return
+            return False
         if self._stopping.is_set():
             self.metrics.mirror.labels(self.model, "dropped").inc()
-            return
+            return False
         try:
-            self._queue.put_nowait(Sample(inputs, outputs, route, epoch, time.monotonic()))
+            self._queue.put_nowait(Sample(inputs, outputs, route, epoch, time.monotonic(), tag))
         except queue.Full:
             self.metrics.mirror.labels(self.model, "dropped").inc()
+            return False
+        return True
 
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -137,10 +147,12 @@ class Mirror:
         dropped = 0
         while True:
             try:
-                if self._queue.get_nowait() is not None:
-                    dropped += 1
+                sample = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if sample is not None:
+                dropped += 1
+                self._unchecked(sample, "dropped")
         if dropped:
             self.metrics.mirror.labels(self.model, "dropped").inc(dropped)
         self._queue.put(None)
@@ -174,15 +186,24 @@ class Mirror:
         except TimeoutError:
             self.metrics.mirror.labels(self.model, "timeout").inc()
             self._log_error(f"{stage} timed out after {timeout}s")
+            self._unchecked(sample, "timeout")
             return
         except Exception as exc:
             self.metrics.mirror.labels(self.model, "error").inc()
             self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
+            self._unchecked(sample, "error")
             return
         self.metrics.reference_duration.labels(self.model).observe(seconds)
         check = self.verifier.check(reference, sample.outputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
-        self.on_result(SampleResult(sample, check, seconds, probed))
+        self.on_result(SampleResult(sample, check, seconds, probed, reference))
+
+    def _unchecked(self, sample: Sample, outcome: str) -> None:
+        if self.on_unchecked is not None:
+            try:
+                self.on_unchecked(sample, outcome)
+            except Exception:  # a bug in the listener must not kill the worker
+                log.exception("on_unchecked listener for %s failed", self.model)
 
     def _log_error(self, message: str) -> None:
         now = time.monotonic()

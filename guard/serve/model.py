@@ -10,19 +10,20 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
+from guard.capture.writer import CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
-from guard.serve.mirror import Mirror, SampleResult
+from guard.serve.mirror import Mirror, Sample, SampleResult
 from guard.verify.pipeline import Verifier
 
 log = logging.getLogger("guard.model")
 
 
 class GuardedModel:
-    def __init__(self, config: ModelConfig, metrics: GuardMetrics):
+    def __init__(self, config: ModelConfig, metrics: GuardMetrics, config_hash: str = ""):
         self.name = config.name
         self.config = config
         self.metrics = metrics
@@ -37,6 +38,8 @@ class GuardedModel:
             self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends
         )
         self.mirror: Mirror | None = None
+        self.capture: CaptureWriter | None = None
+        self._config_hash = config_hash
         self.signature: BackendInfo | None = None
         self.input_specs: dict[str, TensorSpec] = {}
         self.output_names: frozenset[str] = frozenset()
@@ -67,7 +70,15 @@ class GuardedModel:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
                 self.backends["primary"], self.verifier, self.metrics, self._on_result,
+                self._on_unchecked,
             )
+        if self.config.capture is not None:
+            self.capture = CaptureWriter(
+                self.name, self.config.capture, self.metrics,
+                {role: b.describe() for role, b in self.backends.items()}, self._config_hash,
+            )
+            self.capture.start()
+        if self.mirror is not None:
             self.mirror.start()
         self.ready = True
         emit("model_loaded", model=self.name,
@@ -92,6 +103,8 @@ class GuardedModel:
         self.ready = False
         if self.mirror is not None:
             self.mirror.stop()
+        if self.capture is not None:  # after the mirror: it hands its last samples to capture
+            self.capture.close()
         for backend in self.backends.values():
             backend.close()
 
@@ -108,12 +121,18 @@ class GuardedModel:
             return "fallback", epoch, self.backends["fallback"]
         return "primary", epoch, self.backends["primary"]
 
-    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int) -> None:
-        if self.mirror is None:
-            return
-        if route == "fallback" and not self.policy.probing:
-            return  # within the dwell time: the primary is left alone
-        self.mirror.offer(request_id, inputs, outputs, route, epoch)
+    def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int,
+                       seconds: float = 0.0) -> None:
+        """Non-blocking: offer the sample to the mirror and to capture. A request taken by both
+        is recorded once the mirror has its verdict (``_on_result``/``_on_unchecked``)."""
+        capture = self.capture
+        tag = capture.tag(request_id, seconds) if capture is not None else None
+        mirrored = False
+        # Within the dwell time on the fallback the primary is left alone: nothing mirrored.
+        if self.mirror is not None and (route != "fallback" or self.policy.probing):
+            mirrored = self.mirror.offer(request_id, inputs, outputs, route, epoch, tag)
+        if tag is not None and tag.record and not mirrored:
+            capture.submit(PendingRecord(tag, route, epoch, inputs, outputs))
 
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:
@@ -129,6 +148,27 @@ class GuardedModel:
             if not check.passed:
                 evidence["last_failure"] = check.summary()
             self._record(transition, evidence)
+        self._capture_checked(result)
+
+    def _capture_checked(self, result: SampleResult) -> None:
+        tag, capture = result.sample.tag, self.capture
+        if capture is None or tag is None:
+            return
+        if not (tag.record or (not result.check.passed and capture.wants_failure(tag))):
+            return
+        sample = result.sample
+        capture.submit(PendingRecord(
+            tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
+            reference=result.reference, tier_results=self.verifier.tier_results(result.check),
+            reference_seconds=result.reference_seconds, probed=result.probed,
+        ))
+
+    def _on_unchecked(self, sample: Sample, outcome: str) -> None:
+        """A mirrored sample that got no verdict (error, timeout, shutdown): record the request."""
+        tag = sample.tag
+        if self.capture is not None and tag is not None and tag.record:
+            self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, sample.inputs,
+                                              sample.outputs))
 
     # -- admin -------------------------------------------------------------------------------
     def set_override(self, override: Override, reason: str) -> Transition | None:

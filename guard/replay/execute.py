@@ -1,0 +1,182 @@
+"""Running batches of replay items through a model's reference and primary, and the checks.
+
+``ModelRunner`` holds one model's backends as configured now (reference and primary, built the
+way the sidecar builds them: the reference pins determinism with ``mirror.threads``) and the
+same ``Verifier`` the sidecar's mirror uses. For each batch it:
+
+1. checks every item's inputs against the primary's signature (the data plane's own check): an
+   item that does not fit is an ``input_error`` outcome;
+2. stacks the items along the first axis when every input of both backends declares a dynamic
+   first dimension (-1), runs the reference and the primary at the same time (the primary on a
+   helper thread: both release the GIL), and splits the outputs back per item; when a stacked
+   call fails, or its outputs do not split by rows, the items run one by one, so that an error
+   is pinned on the item that caused it;
+3. calls ``Verifier.check`` per item (a record is one sample, as in the sidecar) and keeps
+   ``Verifier.tier_results``.
+
+Whether items are stacked depends only on the batch and the backends' signatures, so the local
+and the Ray engine, which run the same batches, compute the same numbers.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from guard.backends import Backend, create_backend
+from guard.config import ModelConfig
+from guard.errors import BackendError
+from guard.replay.items import (
+    CHECKED,
+    INPUT_ERROR,
+    PRIMARY_ERROR,
+    REFERENCE_ERROR,
+    Batch,
+    ReplayItem,
+    SampleOutcome,
+)
+from guard.serve.codec import InferenceError
+from guard.serve.dataplane import check_inputs
+from guard.verify.pipeline import Verifier
+
+
+def _dynamic_batch(backend: Backend) -> bool:
+    specs = backend.describe().inputs
+    return bool(specs) and all(s.shape and s.shape[0] == -1 for s in specs)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig):
+        if config.reference is None:
+            raise BackendError(f"models[{config.name}]: replay needs a 'reference' backend to "
+                               "check against; this model has none")
+        self.name = config.name
+        self.config = config
+        self.verifier = Verifier(config.checks)
+        self.reference = create_backend(config.reference, "reference", config.mirror.threads)
+        self.primary = create_backend(config.primary, "primary")
+        self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replay-{self.name}")
+
+    def load(self) -> "ModelRunner":
+        for role, backend in (("reference", self.reference), ("primary", self.primary)):
+            try:
+                backend.load()
+            except BackendError as exc:
+                raise BackendError(f"models[{self.name}].{role}: {exc}") from exc
+            except Exception as exc:
+                spec = getattr(self.config, role)
+                raise BackendError(f"models[{self.name}].{role}: cannot load "
+                                   f"{spec.describe()}: {type(exc).__name__}: {exc}") from exc
+        self.input_specs = {s.name: s for s in self.primary.describe().inputs}
+        self.stackable = _dynamic_batch(self.primary) and _dynamic_batch(self.reference)
+        return self
+
+    def describe(self) -> dict[str, str]:
+        return {"reference": self.reference.describe().summary(),
+                "primary": self.primary.describe().summary()}
+
+    def close(self) -> None:
+        self._helper.shutdown(wait=True)
+        self.reference.close()
+        self.primary.close()
+
+    # -- one batch ---------------------------------------------------------------------------
+    def run(self, batch: Batch) -> list[SampleOutcome]:
+        outcomes: dict[int, SampleOutcome] = {}
+        valid: list[ReplayItem] = []
+        for item in batch.items:
+            try:
+                check_inputs(item.inputs, self.input_specs)
+            except InferenceError as exc:
+                outcomes[item.index] = self._outcome(item, INPUT_ERROR, error=str(exc))
+                continue
+            valid.append(item)
+        if len(valid) > 1 and self.stackable:
+            stacked = self._run_stacked(valid)
+            if stacked is not None:
+                outcomes.update(stacked)
+                valid = []
+        for item in valid:
+            outcomes[item.index] = self._run_one(item)
+        return [outcomes[item.index] for item in batch.items]
+
+    def _infer_both(self, inputs: dict[str, np.ndarray]):
+        """(reference outputs or exception, primary outputs or exception), run concurrently."""
+        primary_future = self._helper.submit(self.primary.infer, inputs)
+        try:
+            reference = self.reference.infer(inputs)
+        except Exception as exc:  # noqa: BLE001 - reported per item
+            reference = exc
+        try:
+            primary = primary_future.result()
+        except Exception as exc:  # noqa: BLE001
+            primary = exc
+        return reference, primary
+
+    def _run_stacked(self, items: list[ReplayItem]) -> dict[int, SampleOutcome] | None:
+        names = list(items[0].inputs)
+        stacked = {n: np.concatenate([it.inputs[n] for it in items], axis=0) for n in names}
+        reference, primary = self._infer_both(stacked)
+        if isinstance(reference, Exception) or isinstance(primary, Exception):
+            return None
+        rows = [it.rows for it in items]
+        total = sum(rows)
+        outputs = list(reference.values()) + list(primary.values())
+        if any(np.ndim(a) == 0 or np.shape(a)[0] != total for a in outputs):
+            return None  # outputs not per row: cannot split, run one by one
+        bounds = np.cumsum([0, *rows])
+        result = {}
+        for k, item in enumerate(items):
+            lo, hi = bounds[k], bounds[k + 1]
+            ref = {n: a[lo:hi] for n, a in reference.items()}
+            out = {n: a[lo:hi] for n, a in primary.items()}
+            result[item.index] = self._checked(item, ref, out)
+        return result
+
+    def _run_one(self, item: ReplayItem) -> SampleOutcome:
+        reference, primary = self._infer_both(item.inputs)
+        if isinstance(reference, Exception):
+            return self._outcome(item, REFERENCE_ERROR, error=_describe(reference))
+        if isinstance(primary, Exception):
+            return self._outcome(item, PRIMARY_ERROR, error=_describe(primary))
+        return self._checked(item, reference, primary)
+
+    def _checked(self, item: ReplayItem, reference, primary) -> SampleOutcome:
+        check = self.verifier.check(reference, primary)
+        return self._outcome(item, CHECKED, tiers=self.verifier.tier_results(check))
+
+    @staticmethod
+    def _outcome(item: ReplayItem, status: str, error: str = "", tiers=None) -> SampleOutcome:
+        return SampleOutcome(
+            index=item.index, model=item.model, status=status, unix_nanos=item.unix_nanos,
+            request_id=item.request_id, source=item.source, error=error,
+            tiers=tiers or {}, live_passed=item.live_passed, progress=item.progress,
+        )
+
+
+def _describe(exc: Exception) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+class Runners:
+    """One ``ModelRunner`` per model, built and loaded on first use."""
+
+    def __init__(self, models: dict[str, ModelConfig]):
+        self.models = models
+        self._runners: dict[str, ModelRunner] = {}
+
+    def get(self, name: str) -> ModelRunner:
+        runner = self._runners.get(name)
+        if runner is None:
+            runner = ModelRunner(self.models[name]).load()
+            self._runners[name] = runner
+        return runner
+
+    def run(self, batch: Batch) -> list[SampleOutcome]:
+        return self.get(batch.model).run(batch)
+
+    def close(self) -> None:
+        for runner in self._runners.values():
+            runner.close()
+        self._runners.clear()
