@@ -149,12 +149,10 @@ def markdown(r: dict) -> str:
 
 # -- html ------------------------------------------------------------------------------------
 def _bin_label(k: int) -> str:
-    """Bin 0 holds exact zeros; bin k >= 1 starts at HIST_EDGES[k - 1] (labelled at whole
-    decades only, to keep the axis readable); the last bin is everything beyond."""
+    """The label at bar k's left edge: bin k >= 1 starts at HIST_EDGES[k - 1] = 10**((k-25)/2),
+    labelled at whole decades only to keep the axis readable. Bin 0 holds exact zeros."""
     if k == 0:
-        return "0"
-    if k == len(HIST_EDGES):
-        return f">{HIST_EDGES[-1]:.0e}"
+        return ""
     exponent = (k - 1 - 24) / 2
     return f"1e{int(exponent)}" if exponent == int(exponent) else ""
 
@@ -173,7 +171,7 @@ def _histogram_svg(name: str, o: dict) -> str:
         x_title="max |primary - reference| per sample (log bins, half a decade)",
         marker=None if marker is None else marker - lo,
         marker_label=f"allowed {allowed:.2g}" if marker is not None else "",
-        tips=[_bin_range(k) for k in range(lo, hi + 1)], label_every=1,
+        tips=[_bin_range(k) for k in range(lo, hi + 1)], label_every=1, edge_labels=True,
     )
 
 
@@ -216,7 +214,8 @@ def _profile_svg(m: dict) -> str:
     first = act["first_divergence"]["layer"] if act["first_divergence"] else None
     highlight = layers.index(first) if first in layers else None
     return svg.bars(f"per-layer error of the first divergence (first: {first})", layers, errors,
-                    x_title="layer (network order)", highlight=highlight)
+                    x_title="layer (network order), error on a log scale", highlight=highlight,
+                    log=True)
 
 
 def html(r: dict) -> str:

@@ -36,26 +36,46 @@ def _ylabel(value: float, y: float, text: str) -> str:
 def bars(title: str, labels: list[str], values: list[float], *, x_title: str = "",
          highlight: int | None = None, marker: float | None = None,
          marker_label: str = "", tips: list[str] | None = None,
-         label_every: int | None = None) -> str:
+         label_every: int | None = None, edge_labels: bool = False,
+         log: bool = False) -> str:
     """Vertical bars; ``marker`` draws a dashed vertical line at that bar position
     (fractional index), e.g. the tolerance on an error histogram. ``tips`` are the hover texts
-    (default: the labels); ``label_every`` thins the axis labels (default: about 8 shown)."""
+    (default: the labels); ``label_every`` thins the axis labels (default: about 8 shown);
+    ``edge_labels`` puts each label at its bar's left edge (histogram bin boundaries); ``log``
+    draws heights on a log scale from a tenth of the smallest positive value (errors that span
+    decades)."""
     tips = tips or labels
-    top = max(values, default=0) or 1
     n = max(1, len(values))
     step = PLOT_W / n
-    body = [_ylabel(0, TOP + PLOT_H, "0"), _ylabel(top, TOP, f"{top:g}")]
+    positive = [v for v in values if v > 0]
+    if log and positive:
+        floor, top = min(positive) / 10, max(positive)
+        span = math.log10(top / floor) or 1.0
+
+        def height(v: float) -> float:
+            return PLOT_H * math.log10(v / floor) / span if v > floor else 0.0
+
+        body = [_ylabel(0, TOP + PLOT_H, f"{floor:.1e}"), _ylabel(top, TOP, f"{top:.1e}")]
+    else:
+        top = max(values, default=0) or 1
+
+        def height(v: float) -> float:
+            return PLOT_H * v / top
+
+        body = [_ylabel(0, TOP + PLOT_H, "0"), _ylabel(top, TOP, f"{top:g}")]
     for k, value in enumerate(values):
-        h = PLOT_H * value / top
+        h = height(value)
         x = LEFT + k * step
         colour = "#d9534f" if k == highlight else "#4a7ebb"
         body.append(f'<rect x="{x + 1:.1f}" y="{TOP + PLOT_H - h:.1f}" '
                     f'width="{max(1.0, step - 2):.1f}" height="{h:.1f}" fill="{colour}">'
                     f'<title>{escape(tips[k])}: {value:g}</title></rect>')
     every = label_every or max(1, math.ceil(n / 8))
+    offset = 0.0 if edge_labels else 0.5
     for k in range(0, n, every):
-        body.append(f'<text x="{LEFT + (k + 0.5) * step:.1f}" y="{TOP + PLOT_H + 14}" {FONT} '
-                    f'text-anchor="middle">{escape(labels[k])}</text>')
+        if labels[k]:
+            body.append(f'<text x="{LEFT + (k + offset) * step:.1f}" y="{TOP + PLOT_H + 14}" '
+                        f'{FONT} text-anchor="middle">{escape(labels[k])}</text>')
     if marker is not None:
         x = LEFT + marker * step
         body.append(f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{TOP + PLOT_H}" '
