@@ -36,13 +36,16 @@ Action = Literal["alert", "fallback_model", "fallback_ops"]
 
 # Backends whose code ships in this version. The others are valid names in the contract but are
 # rejected with a clear message until their code lands (never accepted and silently ignored).
-IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime"})
+IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime", "upstream",
+                                  "tensorrt"})
 
 # Which precisions each backend can derive from an fp32 artifact by itself.
 DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
     "onnxruntime": frozenset({"fp32", "fp16", "int8"}),
     "torch": frozenset({"fp32", "fp16", "bf16"}),
     "torch_compile": frozenset({"fp32", "fp16", "bf16"}),
+    "upstream": frozenset({"fp32"}),  # the remote server runs what it runs
+    "tensorrt": frozenset({"fp32", "fp16", "int8"}),
 }
 
 # A Python model given as "package.module:factory" instead of a file.
@@ -96,6 +99,16 @@ class Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
+class TlsConfig(Strict):
+    """TLS on the data plane (OIP + health). With ``client_ca_file``, mutual TLS: clients must
+    present a certificate signed by that CA. Kubernetes gRPC probes cannot speak TLS: with TLS
+    on, probe with an exec or TCP probe instead."""
+
+    cert_file: str = Field(description="PEM certificate chain of the server.")
+    key_file: str = Field(description="PEM private key of the server.")
+    client_ca_file: str | None = Field(None, description="PEM CA for client certs (mTLS).")
+
+
 class ServerConfig(Strict):
     host: str = Field("0.0.0.0", description="Address the data plane and metrics listen on.")
     grpc_port: Port = Field(8001, description="Open Inference Protocol (KServe v2) gRPC port.")
@@ -110,6 +123,13 @@ class ServerConfig(Strict):
     max_message_bytes: PositiveInt = Field(
         64 * 1024 * 1024,
         description="Largest gRPC message accepted or sent; larger gets RESOURCE_EXHAUSTED.",
+    )
+    tls: TlsConfig | None = Field(None, description="TLS / mutual TLS on the data plane.")
+    reload_interval_s: NonNegativeFloat = Field(
+        2.0,
+        description="How often the config file is checked for changes (0: only on SIGHUP). "
+        "Follows symlinks, so a Kubernetes ConfigMap volume's '..data' swap is seen; a subPath "
+        "mount never updates.",
     )
     shutdown_grace_s: NonNegativeFloat = Field(
         30.0, description="On SIGTERM: how long in-flight requests may take to finish."
@@ -130,6 +150,9 @@ class BackendConfig(Strict):
     options: dict[str, Any] = Field(
         default_factory=dict, description="Backend-specific settings, checked per backend."
     )
+    sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(
+        None, description="Expected sha256 of the artifact file, checked before loading."
+    )
     target: str | None = Field(None, description="upstream only: host:port of an OIP server.")
     model: str | None = Field(None, description="upstream only: model name on that server.")
 
@@ -143,6 +166,17 @@ class BackendConfig(Strict):
                 f"backend '{self.backend}' is not available in this version of guard "
                 f"(available: {', '.join(sorted(IMPLEMENTED_BACKENDS))})"
             )
+        if self.backend == "upstream":
+            if not self.target or not self.model:
+                raise ValueError("backend 'upstream' needs 'target' (host:port) and 'model'")
+            if self.path is not None:
+                raise ValueError("backend 'upstream' takes 'target' and 'model', not 'path'")
+            if self.precision != "fp32":
+                raise ValueError("backend 'upstream' cannot derive a precision: the remote "
+                                 "server runs what it serves")
+            if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.\-]+):\d{1,5}", self.target):
+                raise ValueError(f"target '{self.target}' must be host:port")
+            return self
         if self.path is None:
             raise ValueError(f"backend '{self.backend}' needs 'path'")
         if self.target is not None or self.model is not None:
@@ -153,6 +187,8 @@ class BackendConfig(Strict):
                 f"precision '{self.precision}' cannot be derived by backend '{self.backend}' "
                 f"(it can derive: {', '.join(sorted(allowed))})"
             )
+        if self.backend == "tensorrt" and self.device == "cpu":
+            self.device = "cuda"  # TensorRT runs on a GPU only
         if self.path.endswith(".pt2") and self.precision != "fp32":
             raise ValueError("a torch.export program (.pt2) runs as it was exported: "
                              "precision must be fp32 (export it in the precision you want)")
@@ -165,6 +201,8 @@ class BackendConfig(Strict):
         return bool(self.path and FACTORY_REF.match(self.path)) and not Path(self.path).exists()
 
     def describe(self) -> str:
+        if self.backend == "upstream":
+            return f"upstream {self.model}@{self.target}"
         suffix = "" if self.precision == "fp32" else f" {self.precision}"
         return f"{self.backend}{suffix} {self.path}"
 
@@ -317,6 +355,15 @@ class ModelConfig(Strict):
         ):
             raise ValueError("capture.mode 'failures' needs a 'reference' and "
                              "mirror.sample_rate > 0 (failures are found by the mirror)")
+        ref = self.reference
+        if ref is not None and ref.backend.startswith("torch") and ref.device != "cpu":
+            for role in ("primary", "fallback"):
+                spec = getattr(self, role)
+                if spec is not None and spec.options.get("allow_tf32"):
+                    raise ValueError(
+                        f"{role}.options.allow_tf32 cannot hold beside a torch reference on "
+                        f"{ref.device}: torch's TF32 switch is process-wide and the reference "
+                        "pins it off (run the reference on cpu)")
         return self
 
 
@@ -329,6 +376,7 @@ class GuardConfig(Strict):
     # (exported in events so that a verdict can be tied to the config that produced it).
     _base_dir: Path | None = PrivateAttr(None)
     _source_hash: str = PrivateAttr("")
+    _source_path: Path | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "GuardConfig":
@@ -365,7 +413,7 @@ def _message(error: dict[str, Any]) -> str:
 
 
 def format_validation_error(exc: ValidationError) -> list[str]:
-    """One ``dotted.path: message`` line per problem, in document order."""
+    """One ``dotted.path: message`` line per problem, in the order the fields are declared."""
     lines = []
     for error in exc.errors():
         # Literal/union errors carry the discriminating value in the loc; keep the field path.
@@ -383,13 +431,24 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc), source) from None
     problems = []
+    tls = config.server.tls
+    if tls is not None:
+        for key in ("cert_file", "key_file", "client_ca_file"):
+            value = getattr(tls, key)
+            if value is None:
+                continue
+            resolved = (base_dir / value).resolve()
+            if not resolved.is_file():
+                problems.append(f"server.tls.{key}: file not found: {resolved}")
+            setattr(tls, key, str(resolved))
     for i, model in enumerate(config.models):
         for role in ("primary", "reference", "fallback"):
             spec: BackendConfig | None = getattr(model, role)
             if spec is None or spec.path is None:
                 continue
             spec._base_dir = base_dir
-            if FACTORY_REF.match(spec.path) and not (base_dir / spec.path).exists():
+            if (spec.backend in ("torch", "torch_compile") and FACTORY_REF.match(spec.path)
+                    and not (base_dir / spec.path).exists()):
                 continue  # a Python factory, imported when the backend loads
             resolved = (base_dir / spec.path).resolve()
             if not resolved.exists():
@@ -426,6 +485,7 @@ def load_config(path: str | Path) -> GuardConfig:
         raise ConfigError([f"(yaml): {where}{problem}"], str(path)) from None
     config = parse_config(data, path.resolve().parent, str(path))
     config._source_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
+    config._source_path = path
     return config
 
 

@@ -16,6 +16,8 @@ _REGISTRY = {
     "onnxruntime": "guard.backends.onnxruntime:OnnxRuntimeBackend",
     "torch": "guard.backends.torch:TorchBackend",
     "torch_compile": "guard.backends.torch:TorchCompileBackend",
+    "upstream": "guard.backends.upstream:UpstreamBackend",
+    "tensorrt": "guard.backends.tensorrt:TensorRTBackend",
 }
 
 

@@ -84,7 +84,11 @@ NUMPY_TO_OIP: dict[np.dtype, str] = {v: k for k, v in OIP_TO_NUMPY.items()}
 
 
 def oip_datatype(dtype: np.dtype) -> str:
+    """OIP name of a numpy dtype, whatever its byte order (the wire is little-endian)."""
+    key = np.dtype(dtype)
+    if key.byteorder not in ("=", "|"):
+        key = key.newbyteorder("=")
     try:
-        return NUMPY_TO_OIP[np.dtype(dtype)]
+        return NUMPY_TO_OIP[key]
     except KeyError:
         raise TypeError(f"numpy dtype {dtype} has no Open Inference Protocol datatype") from None

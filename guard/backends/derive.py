@@ -31,7 +31,7 @@ def cache_dir() -> Path:
     return path
 
 
-def _file_digest(path: Path) -> str:
+def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as handle:
         for block in iter(lambda: handle.read(1 << 20), b""):
@@ -53,7 +53,7 @@ def derive_onnx(
 
     excluded = sorted(nodes_to_exclude or [])
     key_parts = {
-        "sha256": _file_digest(artifact),
+        "sha256": file_sha256(artifact),
         "precision": precision,
         "exclude": excluded,
         "per_channel": per_channel,

@@ -86,8 +86,10 @@ class OnnxRuntimeBackend(Backend):
                 f"onnxruntime has no provider {', '.join(missing)} here "
                 f"(available: {', '.join(ort.get_available_providers())})"
             )
+        provider_options = [self.options.provider_options.get(p, {}) for p in providers]
         try:
-            self.session = ort.InferenceSession(str(self.model_path), so, providers=providers)
+            self.session = ort.InferenceSession(str(self.model_path), so, providers=providers,
+                                                provider_options=provider_options)
         except Exception as exc:
             raise BackendError(f"onnxruntime cannot load {self.model_path}: {exc}") from exc
         self._inputs = tuple(_spec(i) for i in self.session.get_inputs())

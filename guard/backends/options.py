@@ -33,6 +33,12 @@ class OnnxRuntimeOptions(_Options):
         description="precision int8/fp16: node names kept at fp32 when deriving the variant.",
     )
     per_channel: bool = Field(False, description="precision int8: per-channel weight scales.")
+    provider_options: dict[str, dict[str, Any]] = Field(
+        default_factory=dict,
+        description="Per-provider settings passed through to ONNX Runtime, e.g. "
+        "{TensorrtExecutionProvider: {trt_fp16_enable: true, trt_op_types_to_exclude: "
+        "'LayerNormalization'}} (needs onnxruntime-gpu instead of onnxruntime).",
+    )
 
 
 class TorchOptions(_Options):
@@ -46,6 +52,12 @@ class TorchOptions(_Options):
     kwargs: dict[str, Any] = Field(
         default_factory=dict, description="Keyword arguments for a 'module:factory' path."
     )
+    allow_tf32: bool = Field(
+        False,
+        description="cuda only, primary/fallback only: let matmul and cuDNN use TF32 (a "
+        "legitimate production choice, and the usual cause of GPU-vs-CPU drift). torch's switch "
+        "is process-wide: it cannot be combined with a torch reference on cuda in one guard.",
+    )
 
 
 class TorchCompileOptions(TorchOptions):
@@ -57,10 +69,47 @@ class TorchCompileOptions(TorchOptions):
     fullgraph: bool = False
 
 
+class UpstreamOptions(_Options):
+    timeout_s: float = Field(
+        10.0, gt=0, description="Deadline for a forwarded request when the client sent none; "
+        "a client deadline is propagated as it is."
+    )
+    ready_timeout_s: float = Field(
+        60.0, ge=0, description="At start-up, how long to wait for the upstream model to be "
+        "ready (a sidecar may start before its model server)."
+    )
+    model_version: str = Field("", description="Model version to ask the upstream for.")
+    tls: bool = Field(False, description="Connect with TLS (system roots unless root_ca_file).")
+    root_ca_file: str | None = Field(None, description="PEM roots for the upstream's cert.")
+    max_message_bytes: int = Field(64 * 1024 * 1024, gt=0)
+
+
+class TensorRTOptions(_Options):
+    workspace_mib: int = Field(1024, gt=0, description="Builder workspace memory limit.")
+    profile: dict[str, list[list[int]]] = Field(
+        default_factory=dict,
+        description="Optimisation profile per dynamic input: {name: [min, opt, max] shapes}.",
+    )
+    fp32_layers: list[str] = Field(
+        default_factory=list,
+        description="precision fp16/int8: layers kept at fp32 (precision constraints).",
+    )
+    exclude_op_types: list[str] = Field(
+        default_factory=list,
+        description="precision fp16/int8: layer types kept at fp32 (e.g. 'NORMALIZATION').",
+    )
+    int8_calibration_cache: str | None = Field(
+        None, description="precision int8: a TensorRT calibration cache file (required unless "
+        "the ONNX carries Q/DQ nodes)."
+    )
+
+
 OPTION_MODELS: dict[str, type[_Options]] = {
     "onnxruntime": OnnxRuntimeOptions,
     "torch": TorchOptions,
     "torch_compile": TorchCompileOptions,
+    "upstream": UpstreamOptions,
+    "tensorrt": TensorRTOptions,
 }
 
 

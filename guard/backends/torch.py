@@ -129,6 +129,13 @@ class TorchBackend(Backend):
             pin_torch_reference(self.options.threads or self.reference_threads)
         elif self.options.threads:
             torch.set_num_threads(self.options.threads)
+        if self.spec.device.startswith("cuda"):
+            if not torch.cuda.is_available():
+                raise BackendError(f"device {self.spec.device}: this torch build or machine "
+                                   "has no CUDA")
+            if self.role != "reference" and self.options.allow_tf32:
+                torch.backends.cuda.matmul.allow_tf32 = True
+                torch.backends.cudnn.allow_tf32 = True
         module, signature = self._load_module()
         self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.spec.precision)
         device = torch.device(self.spec.device)
@@ -168,6 +175,9 @@ class TorchBackend(Backend):
         if not array.flags.writeable:
             array = array.copy()  # torch.from_numpy wants writable memory
         tensor = torch.from_numpy(array)
+        if self.device.type == "cuda":
+            # Pinned host memory lets the copy run asynchronously; one copy per input.
+            tensor = tensor.pin_memory().to(self.device, non_blocking=True)
         if self._dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self._dtype)
         return tensor.to(self.device)
@@ -188,7 +198,7 @@ class TorchBackend(Backend):
             tensor = tensor.detach()
             if self._dtype is not None and tensor.dtype == self._dtype:
                 tensor = tensor.float()  # reduced precision inside, fp32 at the boundary
-            out[name] = tensor.cpu().numpy()
+            out[name] = tensor.cpu().numpy()  # synchronises with the device
         return out
 
     def describe(self) -> BackendInfo:

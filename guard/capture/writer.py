@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 
@@ -69,7 +69,9 @@ class PendingRecord:
     route: str
     epoch: int
     inputs: Mapping[str, np.ndarray]
-    outputs: Mapping[str, np.ndarray]
+    # Or a callable returning them (upstream mode decodes the answer only when it is needed:
+    # here, on the writer thread).
+    outputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]]
     reference: Mapping[str, np.ndarray] | None = None
     tier_results: Mapping[str, object] = field(default_factory=dict)
     reference_seconds: float = 0.0
@@ -234,7 +236,7 @@ class CaptureWriter:
             sequence=self._sequence, epoch=max(0, p.epoch),
         )
         records.add_tensors(record.inputs, p.inputs)
-        records.add_tensors(record.outputs, p.outputs)
+        records.add_tensors(record.outputs, p.outputs() if callable(p.outputs) else p.outputs)
         if p.reference is not None:
             records.add_tensors(record.reference_outputs, p.reference)
         records.add_tier_verdicts(record.verdicts, p.tier_results)

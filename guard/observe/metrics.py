@@ -98,6 +98,13 @@ class GuardMetrics:
             "guard_capture_queue_depth", "Records waiting for the capture writer.", ["model"],
             registry=r,
         )
+        self.config_reloads = Counter(
+            "guard_config_reloads", "Config reloads: applied, rejected (invalid: the old config "
+            "stays), failed (a model did not load: its old version stays).", ["result"],
+            registry=r,
+        )
+        for result in ("applied", "rejected", "failed"):
+            self.config_reloads.labels(result)
         self.build_info = Gauge(
             "guard_build_info", "Always 1; the version label says which guard runs.",
             ["version"], registry=r,

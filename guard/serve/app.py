@@ -26,13 +26,16 @@ from tritonclient.grpc import service_pb2_grpc
 from guard import __version__
 from guard.config import GuardConfig
 from guard.errors import GuardError
+from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.serve.admin import AdminServicer
 from guard.serve.dataplane import DataPlane
 from guard.serve.model import GuardedModel
+from guard.serve.reload import ConfigReloader
 from guard.serve.servicer import InferenceServicer
-from guard.v1 import admin_pb2_grpc
+from guard.serve.tap import TapServicer
+from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
 
 log = logging.getLogger("guard.server")
 READINESS_SERVICE = "readiness"
@@ -49,6 +52,8 @@ class GuardServer:
         self._admin: grpc.aio.Server | None = None
         self._health: health_aio.HealthServicer | None = None
         self._metrics_httpd = None
+        self.reloader: ConfigReloader | None = None
+        self._watch_task: asyncio.Task | None = None
 
     # -- start ---------------------------------------------------------------------------------
     def load_models(self) -> None:
@@ -81,10 +86,11 @@ class GuardServer:
         self._grpc = grpc.aio.server(options=options)
         service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
             InferenceServicer(self.dataplane), self._grpc)
+        tap_pb2_grpc.add_TapServicer_to_server(TapServicer(self.models), self._grpc)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
         self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
-                                    "server.grpc_port")
+                                    "server.grpc_port", _server_credentials(server_config.tls))
 
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.models), self._admin)
@@ -104,16 +110,25 @@ class GuardServer:
         serving = health_pb2.HealthCheckResponse.SERVING
         for service in ("", READINESS_SERVICE, "inference.GRPCInferenceService"):
             await self._health.set(service, serving)
+        if self.config._source_path is not None:
+            self.reloader = ConfigReloader(self, self.config._source_path)
+            if server_config.reload_interval_s > 0:
+                self._watch_task = asyncio.create_task(
+                    self.reloader.watch(server_config.reload_interval_s))
         emit("server_started", version=__version__, grpc_port=self.grpc_port,
              admin=f"{server_config.admin_host}:{self.admin_port}",
              metrics=f"http://{server_config.host}:{self.metrics_port}/metrics",
              models=sorted(self.models))
 
     @staticmethod
-    def _bind(server: grpc.aio.Server, host: str, port: int, key: str) -> int:
+    def _bind(server: grpc.aio.Server, host: str, port: int, key: str,
+              credentials: grpc.ServerCredentials | None = None) -> int:
         address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         try:
-            bound = server.add_insecure_port(address)
+            if credentials is None:
+                bound = server.add_insecure_port(address)
+            else:
+                bound = server.add_secure_port(address, credentials)
         except RuntimeError as exc:
             raise GuardError(f"{key}: cannot listen on {address}: {exc}") from None
         if not bound:
@@ -124,10 +139,14 @@ class GuardServer:
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.server.shutdown_grace_s if grace is None else grace
         emit("server_stopping", grace_s=grace)
+        if self._watch_task is not None:
+            self._watch_task.cancel()
         if self._health is not None:
             await self._health.enter_graceful_shutdown()
         if self.dataplane is not None:
             self.dataplane.live = False
+        for model in self.models.values():
+            model.end_watches()
         if self._grpc is not None:
             await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs
         if self._admin is not None:
@@ -145,14 +164,27 @@ class GuardServer:
             model.close()
 
 
+def _server_credentials(tls) -> grpc.ServerCredentials | None:
+    if tls is None:
+        return None
+    read = lambda path: open(path, "rb").read()  # noqa: E731
+    ca = read(tls.client_ca_file) if tls.client_ca_file else None
+    return grpc.ssl_server_credentials([(read(tls.key_file), read(tls.cert_file))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
 async def serve_until_signalled(config: GuardConfig) -> None:
     """``guard serve``: run until SIGTERM or SIGINT, then stop gracefully."""
+    tracing.configure_from_env()
     server = GuardServer(config)
     await server.start()
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    if server.reloader is not None:
+        loop.add_signal_handler(
+            signal.SIGHUP, lambda: asyncio.ensure_future(server.reloader.reload("SIGHUP")))
     await stop.wait()
     await server.stop()
 

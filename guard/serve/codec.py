@@ -52,6 +52,9 @@ class InferenceRequest:
     id: str
     inputs: dict[str, np.ndarray]
     requested_outputs: list[str] = field(default_factory=list)
+    # The request as received: an upstream backend forwards it unchanged (parameters, id,
+    # requested outputs, raw or typed contents).
+    message: pb.ModelInferRequest | None = None
 
 
 def _numpy_dtype(name: str, datatype: str) -> np.dtype:
@@ -83,6 +86,24 @@ def _typed(name: str, datatype: str, dtype: np.dtype, contents, count: int) -> n
     return np.asarray(values, dtype=dtype)
 
 
+def _decode_tensor(name: str, datatype: str, shape, raw: bytes | None, contents,
+                   has_contents: bool, what: str = "input") -> np.ndarray:
+    shape = tuple(shape)
+    if any(d < 0 for d in shape):
+        raise invalid(f"{what} '{name}': shape {list(shape)} has a negative dimension")
+    dtype = _numpy_dtype(name, datatype)
+    count = math.prod(shape)
+    if raw is not None:
+        expected = count * dtype.itemsize
+        if len(raw) != expected:
+            raise invalid(f"{what} '{name}': raw contents are {len(raw)} bytes, shape "
+                          f"{list(shape)} x {datatype} needs {expected}")
+        return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+    if not has_contents and count:
+        raise invalid(f"{what} '{name}': no contents (neither raw nor typed)")
+    return _typed(name, datatype, dtype, contents, count).reshape(shape)
+
+
 def decode_request(request: pb.ModelInferRequest) -> InferenceRequest:
     raw = request.raw_input_contents
     if raw and len(raw) != len(request.inputs):
@@ -90,33 +111,51 @@ def decode_request(request: pb.ModelInferRequest) -> InferenceRequest:
                       "send all inputs raw or none")
     inputs: dict[str, np.ndarray] = {}
     for index, tensor in enumerate(request.inputs):
-        name = tensor.name
-        if name in inputs:
-            raise invalid(f"input '{name}' appears twice")
-        shape = tuple(tensor.shape)
-        if any(d < 0 for d in shape):
-            raise invalid(f"input '{name}': shape {list(shape)} has a negative dimension")
-        dtype = _numpy_dtype(name, tensor.datatype)
-        count = math.prod(shape)
-        if raw:
-            data = raw[index]
-            expected = count * dtype.itemsize
-            if len(data) != expected:
-                raise invalid(f"input '{name}': raw contents are {len(data)} bytes, shape "
-                              f"{list(shape)} x {tensor.datatype} needs {expected}")
-            array = np.frombuffer(data, dtype=dtype.newbyteorder("<")).reshape(shape)
-        else:
-            if not tensor.HasField("contents") and count:
-                raise invalid(f"input '{name}': no contents (neither raw nor typed)")
-            array = _typed(name, tensor.datatype, dtype, tensor.contents, count).reshape(shape)
-        inputs[name] = array
+        if tensor.name in inputs:
+            raise invalid(f"input '{tensor.name}' appears twice")
+        inputs[tensor.name] = _decode_tensor(
+            tensor.name, tensor.datatype, tensor.shape, raw[index] if raw else None,
+            tensor.contents, tensor.HasField("contents"))
     return InferenceRequest(
         model_name=request.model_name,
         model_version=request.model_version,
         id=request.id,
         inputs=inputs,
         requested_outputs=[o.name for o in request.outputs],
+        message=request,
     )
+
+
+def decode_response(response: pb.ModelInferResponse) -> dict[str, np.ndarray]:
+    """Outputs of a response from another OIP server (raw or typed contents)."""
+    raw = response.raw_output_contents
+    if raw and len(raw) != len(response.outputs):
+        raise invalid(f"{len(raw)} raw_output_contents for {len(response.outputs)} outputs")
+    return {
+        tensor.name: _decode_tensor(tensor.name, tensor.datatype, tensor.shape,
+                                    raw[index] if raw else None, tensor.contents,
+                                    tensor.HasField("contents"), what="output")
+        for index, tensor in enumerate(response.outputs)
+    }
+
+
+def encode_request(model_name: str, inputs: dict[str, np.ndarray], request_id: str = "",
+                   model_version: str = "") -> pb.ModelInferRequest:
+    """A raw-contents request, as tritonclient would send it."""
+    request = pb.ModelInferRequest(model_name=model_name, model_version=model_version,
+                                   id=request_id)
+    for name, array in inputs.items():
+        array = np.asarray(array)
+        tensor = request.inputs.add(name=name, datatype=oip_datatype(array.dtype))
+        tensor.shape.extend(array.shape)
+        request.raw_input_contents.append(_le_bytes(array))
+    return request
+
+
+def _le_bytes(array: np.ndarray) -> bytes:
+    if array.dtype.byteorder == ">":
+        array = array.astype(array.dtype.newbyteorder("<"))
+    return np.ascontiguousarray(array).tobytes()
 
 
 def encode_response(
@@ -129,9 +168,7 @@ def encode_response(
     response.parameters["guard_route"].string_param = route
     for name, array in outputs.items():
         array = np.asarray(array)
-        if array.dtype.byteorder == ">":
-            array = array.astype(array.dtype.newbyteorder("<"))
         tensor = response.outputs.add(name=name, datatype=oip_datatype(array.dtype))
         tensor.shape.extend(array.shape)
-        response.raw_output_contents.append(np.ascontiguousarray(array).tobytes())
+        response.raw_output_contents.append(_le_bytes(array))
     return response

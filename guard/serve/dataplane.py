@@ -11,13 +11,25 @@ from __future__ import annotations
 import asyncio
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
 import numpy as np
+from tritonclient.grpc import service_pb2 as pb
 
 from guard.backends.base import TensorSpec, oip_datatype
+from guard.backends.upstream import UpstreamError
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
-from guard.serve.codec import InferenceError, InferenceRequest, invalid
+from guard.serve.codec import InferenceError, InferenceRequest, decode_response, invalid
 from guard.serve.model import GuardedModel
+
+
+@dataclass
+class InferenceResult:
+    """What answered and how: local outputs to encode, or an upstream's response as it came."""
+
+    route: str
+    outputs: dict[str, np.ndarray] | None = None
+    message: pb.ModelInferResponse | None = None
 
 
 def check_inputs(inputs: dict[str, np.ndarray], known: dict[str, TensorSpec]) -> None:
@@ -63,8 +75,9 @@ class DataPlane:
                                  f"{', '.join(sorted(self.models))})")
         return model
 
-    async def infer(self, request: InferenceRequest) -> tuple[dict[str, np.ndarray], str]:
-        """Returns (outputs to send, route that answered)."""
+    async def infer(self, request: InferenceRequest,
+                    timeout: float | None = None) -> InferenceResult:
+        """The request path. ``timeout``: the client's remaining deadline, if it sent one."""
         started = time.perf_counter()
         model = self.model(request.model_name)
         if not model.ready:
@@ -76,24 +89,40 @@ class DataPlane:
             raise invalid(f"unknown output '{unknown[0]}' requested")
 
         route, epoch, backend = model.backend_for_request()
-        loop = asyncio.get_running_loop()
-        try:
-            outputs = await loop.run_in_executor(self.executor, backend.infer, request.inputs)
-        except Exception as exc:
-            raise InferenceError(
-                "INTERNAL", f"model '{model.name}': {route} backend "
-                f"({backend.describe().summary()}) failed: {type(exc).__name__}: {exc}"
-            ) from exc
+        with model.in_flight():
+            try:
+                result = await self._run(backend, route, request, timeout)
+            except UpstreamError as exc:
+                raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
+            except Exception as exc:
+                raise InferenceError(
+                    "INTERNAL", f"model '{model.name}': {route} backend "
+                    f"({backend.describe().summary()}) failed: {type(exc).__name__}: {exc}"
+                ) from exc
 
-        model.after_response(request.id, request.inputs, outputs, route, epoch,
-                             time.perf_counter() - started)
-        if request.requested_outputs:
-            outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
+        # Mirror first (it compares every output), then trim to what the client asked for.
+        outputs = result.outputs
+        model.after_response(
+            request.id, request.inputs,
+            outputs if outputs is not None else (lambda: decode_response(result.message)),
+            route, epoch, request.requested_outputs, time.perf_counter() - started,
+        )
+        if outputs is not None and request.requested_outputs:
+            result.outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
         self.metrics.requests.labels(model.name, route).inc()
         self.metrics.request_duration.labels(model.name, route).observe(
             time.perf_counter() - started
         )
-        return outputs, route
+        return result
+
+    async def _run(self, backend, route: str, request: InferenceRequest,
+                   timeout: float | None) -> InferenceResult:
+        forward = getattr(backend, "forward", None)
+        if forward is not None and request.message is not None:
+            return InferenceResult(route, message=await forward(request.message, timeout))
+        loop = asyncio.get_running_loop()
+        outputs = await loop.run_in_executor(self.executor, backend.infer, request.inputs)
+        return InferenceResult(route, outputs=outputs)
 
     def count_error(self, model_name: str, status: str) -> None:
         label = model_name if model_name in self.models else UNKNOWN_MODEL

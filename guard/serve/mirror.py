@@ -32,6 +32,7 @@ import numpy as np
 
 from guard.backends.base import Backend
 from guard.config import MirrorConfig
+from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.verify.pipeline import Verifier
@@ -60,6 +61,8 @@ class Sample:
     route: str  # "primary" or "fallback": who answered the client
     epoch: int  # the policy epoch when the request was routed
     enqueued_at: float
+    only_outputs: tuple[str, ...] = ()  # compare just these ("" = all): the client's request
+    trace_context: object = None  # the request's trace, when tracing is on
     tag: object = None  # opaque to the mirror, handed back with the result (capture uses it)
 
 
@@ -118,20 +121,28 @@ class Mirror:
                                         daemon=True)
         self._stopping = threading.Event()
         self._last_error_log = 0.0
+        self._span = None  # the comparison's span while a sample is processed (worker thread)
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
 
     # -- request path --------------------------------------------------------------------------
     def offer(self, request_id: str, inputs, outputs, route: str, epoch: int,
-              tag: object = None) -> bool:
-        """Non-blocking. Drops (and counts) when the queue is full or the mirror is stopping.
-        True when the sample was queued (a result or an ``on_unchecked`` call will follow)."""
+              requested_outputs: list[str] | None = None, tag: object = None) -> bool:
+        """Non-blocking; True when the sample was queued. Drops (and counts) when the queue is full or the mirror is stopping.
+
+        ``outputs`` may be a callable returning them (decoded only if the request is sampled).
+        ``requested_outputs``: when the client asked for some outputs only, the answer holds
+        only those, and only those are compared. ``tag`` comes back in the result."""
         if not sampled(request_id, self.config.sample_rate):
             return False
         if self._stopping.is_set():
             self.metrics.mirror.labels(self.model, "dropped").inc()
             return False
+        if callable(outputs):
+            outputs = outputs()
+        sample = Sample(inputs, outputs, route, epoch, time.monotonic(),
+                        tuple(requested_outputs or ()), tracing.current_context(), tag)
         try:
-            self._queue.put_nowait(Sample(inputs, outputs, route, epoch, time.monotonic(), tag))
+            self._queue.put_nowait(sample)
         except queue.Full:
             self.metrics.mirror.labels(self.model, "dropped").inc()
             return False
@@ -163,10 +174,18 @@ class Mirror:
     def _run(self) -> None:
         while True:
             sample = self._queue.get()
-            if sample is None or self._stopping.is_set():
+            if sample is None:
+                return
+            if self._stopping.is_set():  # taken while stop() was draining: still accounted for
+                self.metrics.mirror.labels(self.model, "dropped").inc()
+                self._unchecked(sample, "dropped")
                 return
             try:
-                self._process(sample)
+                with tracing.child_span("guard.mirror.compare", sample.trace_context,
+                                        {"guard.model": self.model,
+                                         "guard.route": sample.route}) as span:
+                    self._span = span
+                    self._process(sample)
             except Exception:  # a bug here must not kill the worker
                 log.exception("mirror worker for %s failed on a sample", self.model)
                 self.metrics.mirror.labels(self.model, "error").inc()
@@ -185,6 +204,7 @@ class Mirror:
             seconds = time.perf_counter() - started
         except TimeoutError:
             self.metrics.mirror.labels(self.model, "timeout").inc()
+            tracing.set_attributes(self._span, {"guard.outcome": "timeout"})
             self._log_error(f"{stage} timed out after {timeout}s")
             self._unchecked(sample, "timeout")
             return
@@ -194,9 +214,18 @@ class Mirror:
             self._unchecked(sample, "error")
             return
         self.metrics.reference_duration.labels(self.model).observe(seconds)
+        if sample.only_outputs and not probed:
+            reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
         check = self.verifier.check(reference, sample.outputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
-        self.on_result(SampleResult(sample, check, seconds, probed, reference))
+        tracing.set_attributes(self._span, {
+            "guard.verdict": "pass" if check.passed else "fail",
+            "guard.tier.tensor.max_abs_error": check.max_abs_error,
+            "guard.probed": probed, "guard.reference_seconds": seconds})
+        try:
+            self.on_result(SampleResult(sample, check, seconds, probed, reference))
+        except Exception:  # a bug downstream; the sample was compared, count it once
+            log.exception("handling a check result for %s failed", self.model)
 
     def _unchecked(self, sample: Sample, outcome: str) -> None:
         if self.on_unchecked is not None:

@@ -6,10 +6,15 @@ Everything else runs in the mirror worker (``_on_result``) or the admin API.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import threading
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
+from guard.backends.derive import file_sha256
 from guard.capture.writer import CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
@@ -39,16 +44,21 @@ class GuardedModel:
         )
         self.mirror: Mirror | None = None
         self.capture: CaptureWriter | None = None
-        self._config_hash = config_hash
+        self._config_hash = config_hash  # recorded in capture records
         self.signature: BackendInfo | None = None
         self.input_specs: dict[str, TensorSpec] = {}
         self.output_names: frozenset[str] = frozenset()
         self.ready = False
+        self._in_flight = 0
+        self._in_flight_lock = threading.Lock()
+        self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
+        self._watchers_lock = threading.Lock()
         metrics.declare_model(self.name, self.verifier.tiers)
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         """Load every backend (in parallel: derivation and compilation take seconds)."""
+        self._verify_artifacts()
         with ThreadPoolExecutor(max_workers=len(self.backends)) as pool:
             futures = {role: pool.submit(b.load) for role, b in self.backends.items()}
         for role, future in futures.items():
@@ -86,6 +96,17 @@ class GuardedModel:
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action)
 
+    def _verify_artifacts(self) -> None:
+        """The sha256 pinned in the config must match the file, before anything loads it."""
+        for role in self.backends:
+            spec = getattr(self.config, role)
+            if spec.sha256 is None or spec.path is None or spec.is_factory:
+                continue
+            actual = file_sha256(Path(spec.path))
+            if actual != spec.sha256:
+                raise BackendError(f"models[{self.name}].{role}.sha256: {spec.path} has sha256 "
+                                   f"{actual}, the config expects {spec.sha256}")
+
     def _check_signatures(self) -> None:
         """A fallback must accept what the primary accepts; warn where names cannot be checked."""
         primary = self.describe()
@@ -121,18 +142,62 @@ class GuardedModel:
             return "fallback", epoch, self.backends["fallback"]
         return "primary", epoch, self.backends["primary"]
 
+    @contextlib.contextmanager
+    def in_flight(self):
+        """Counts requests inside a backend, so that a reload closes this model only after them."""
+        with self._in_flight_lock:
+            self._in_flight += 1
+        try:
+            yield
+        finally:
+            with self._in_flight_lock:
+                self._in_flight -= 1
+
+    @property
+    def requests_in_flight(self) -> int:
+        return self._in_flight
+
     def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int,
-                       seconds: float = 0.0) -> None:
-        """Non-blocking: offer the sample to the mirror and to capture. A request taken by both
-        is recorded once the mirror has its verdict (``_on_result``/``_on_unchecked``)."""
+                       requested_outputs: list[str] | None = None,
+                       seconds: float = 0.0) -> bool:
+        """Offer the answered request to the mirror and to capture (non-blocking); True when
+        the mirror queued it. ``outputs`` may be a callable that decodes them, so that requests
+        neither samples pay nothing for it (capture decodes on its writer thread). A request
+        taken by both is recorded once the mirror has its verdict (``_on_result``), or without
+        one if the mirror gives up on it (``_on_unchecked``)."""
         capture = self.capture
         tag = capture.tag(request_id, seconds) if capture is not None else None
         mirrored = False
         # Within the dwell time on the fallback the primary is left alone: nothing mirrored.
         if self.mirror is not None and (route != "fallback" or self.policy.probing):
-            mirrored = self.mirror.offer(request_id, inputs, outputs, route, epoch, tag)
+            mirrored = self.mirror.offer(request_id, inputs, outputs, route, epoch,
+                                         requested_outputs, tag)
         if tag is not None and tag.record and not mirrored:
             capture.submit(PendingRecord(tag, route, epoch, inputs, outputs))
+        return mirrored
+
+    # -- route watchers (tap mode) --------------------------------------------------------------
+    def watch_routes(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
+        """A queue that receives every route transition from now on (from any thread)."""
+        queue: asyncio.Queue = asyncio.Queue()
+        with self._watchers_lock:
+            self._watchers.append((loop, queue))
+        return queue
+
+    def unwatch_routes(self, queue: asyncio.Queue) -> None:
+        with self._watchers_lock:
+            self._watchers = [(l, q) for l, q in self._watchers if q is not queue]
+
+    def end_watches(self) -> None:
+        """Ends every WatchRoute stream (at shutdown, so that it does not wait out the grace)."""
+        self._notify_watchers(None)
+
+    def _notify_watchers(self, transition: Transition | None) -> None:
+        with self._watchers_lock:
+            watchers = list(self._watchers)
+        for loop, queue in watchers:
+            if not loop.is_closed():
+                loop.call_soon_threadsafe(queue.put_nowait, transition)
 
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:
@@ -187,6 +252,7 @@ class GuardedModel:
             to = "fallback_model" if transition.to_route == "fallback" else "primary"
             m.fallback_transitions.labels(self.name, to).inc()
             m.fallback_active.labels(self.name, "model").set(transition.to_route == "fallback")
+            self._notify_watchers(transition)
         emit("route_transition", model=self.name, from_route=transition.from_route,
              to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
              evidence=evidence)

@@ -9,6 +9,7 @@ from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
 from guard import __version__
+from guard.observe import tracing
 from guard.serve.codec import InferenceError, decode_request, encode_response
 from guard.serve.dataplane import DataPlane
 
@@ -47,10 +48,19 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelInfer(self, request, context):
+        with tracing.server_span("ModelInfer", context.invocation_metadata(),
+                                 {"guard.model": request.model_name}) as span:
+            return await self._infer(request, context, span)
+
+    async def _infer(self, request, context, span):
         try:
             decoded = decode_request(request)
-            outputs, route = await self.dataplane.infer(decoded)
-            return encode_response(decoded, outputs, route)
+            result = await self.dataplane.infer(decoded, context.time_remaining())
+            tracing.set_attributes(span, {"guard.route": result.route})
+            if result.message is not None:  # an upstream's answer, passed through
+                result.message.parameters["guard_route"].string_param = result.route
+                return result.message
+            return encode_response(decoded, result.outputs, result.route)
         except InferenceError as exc:
             self.dataplane.count_error(request.model_name, exc.status)
             await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))

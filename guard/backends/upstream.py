@@ -1,0 +1,156 @@
+"""A remote Open Inference Protocol server as a backend (Triton, KServe, MLServer, another guard).
+
+Two ways in:
+- ``forward()`` (async, the request path): the client's ``ModelInferRequest`` is sent on as it
+  came (id, parameters, requested outputs, raw or typed contents), only re-addressed to the
+  upstream's model name; the client's deadline goes with it, and the upstream's gRPC status
+  comes back unchanged. No tensor is decoded or re-encoded on this path.
+- ``infer()`` (sync, for the mirror worker: reference runs and background probes): numpy in,
+  numpy out, over a blocking channel with ``options.timeout_s``.
+
+Channels are opened once and reused for every call. At start-up ``load()`` waits up to
+``options.ready_timeout_s`` for the upstream model to be ready, because in a Pod the sidecar
+may start before the model server.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import numpy as np
+from tritonclient.grpc import service_pb2 as pb
+from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
+from guard.backends.options import UpstreamOptions
+from guard.errors import BackendError
+
+
+class UpstreamError(Exception):
+    """The upstream answered with a gRPC error: ``status`` is its StatusCode name."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def _credentials(options: UpstreamOptions):
+    if not options.tls:
+        return None
+    roots = None
+    if options.root_ca_file:
+        with open(options.root_ca_file, "rb") as handle:
+            roots = handle.read()
+    return grpc.ssl_channel_credentials(root_certificates=roots)
+
+
+class UpstreamBackend(Backend):
+    def __init__(self, spec, role: Role, threads: int = 1):
+        self.spec = spec
+        self.role = role
+        self.options = UpstreamOptions.model_validate(spec.options)
+        self.target = spec.target
+        self.model = spec.model
+        self._channel_options = [
+            ("grpc.max_receive_message_length", self.options.max_message_bytes),
+            ("grpc.max_send_message_length", self.options.max_message_bytes),
+        ]
+        self._channel: grpc.Channel | None = None
+        self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
+        self._aio_channel: grpc.aio.Channel | None = None
+        self._aio_stub: pb_grpc.GRPCInferenceServiceStub | None = None
+        self._inputs: tuple[TensorSpec, ...] = ()
+        self._outputs: tuple[TensorSpec, ...] = ()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def load(self) -> None:
+        credentials = _credentials(self.options)
+        if credentials is None:
+            self._channel = grpc.insecure_channel(self.target, self._channel_options)
+        else:
+            self._channel = grpc.secure_channel(self.target, credentials, self._channel_options)
+        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._wait_ready()
+        try:
+            meta = self._stub.ModelMetadata(
+                pb.ModelMetadataRequest(name=self.model, version=self.options.model_version),
+                timeout=self.options.timeout_s)
+        except grpc.RpcError as exc:
+            raise BackendError(f"upstream {self.model}@{self.target}: metadata: "
+                               f"{exc.code().name}: {exc.details()}") from None
+        self._inputs = tuple(TensorSpec(t.name, t.datatype, tuple(t.shape)) for t in meta.inputs)
+        self._outputs = tuple(TensorSpec(t.name, t.datatype, tuple(t.shape))
+                              for t in meta.outputs)
+
+    def _wait_ready(self) -> None:
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        last = "no answer"
+        while True:
+            try:
+                ready = self._stub.ModelReady(
+                    pb.ModelReadyRequest(name=self.model, version=self.options.model_version),
+                    timeout=2.0)
+                if ready.ready:
+                    return
+                last = "model not ready"
+            except grpc.RpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            if time.monotonic() >= deadline:
+                raise BackendError(f"upstream {self.model}@{self.target} not ready after "
+                                   f"{self.options.ready_timeout_s:.0f}s ({last})")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        # The aio channel belongs to the server's event loop; it is closed with it.
+        self._aio_channel = None
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(backend="upstream", artifact=f"{self.model}@{self.target}",
+                           precision="as served", device="remote", inputs=self._inputs,
+                           outputs=self._outputs)
+
+    # -- request path --------------------------------------------------------------------------
+    def _async_stub(self) -> pb_grpc.GRPCInferenceServiceStub:
+        # Created on first use, inside the server's running event loop (grpc.aio needs that).
+        if self._aio_stub is None:
+            credentials = _credentials(self.options)
+            if credentials is None:
+                self._aio_channel = grpc.aio.insecure_channel(self.target, self._channel_options)
+            else:
+                self._aio_channel = grpc.aio.secure_channel(self.target, credentials,
+                                                            self._channel_options)
+            self._aio_stub = pb_grpc.GRPCInferenceServiceStub(self._aio_channel)
+        return self._aio_stub
+
+    async def forward(self, request: pb.ModelInferRequest,
+                      timeout: float | None) -> pb.ModelInferResponse:
+        """Send the client's request on, unchanged but for the model it is addressed to."""
+        asked_for = request.model_name
+        request.model_name = self.model
+        request.model_version = self.options.model_version
+        try:
+            response = await self._async_stub().ModelInfer(
+                request, timeout=timeout if timeout is not None else self.options.timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise UpstreamError(exc.code().name, f"upstream {self.model}@{self.target}: "
+                                f"{exc.details()}") from None
+        finally:
+            request.model_name = asked_for
+        response.model_name = asked_for
+        return response
+
+    # -- mirror worker ---------------------------------------------------------------------------
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from guard.serve.codec import decode_response, encode_request
+
+        request = encode_request(self.model, inputs, model_version=self.options.model_version)
+        try:
+            response = self._stub.ModelInfer(request, timeout=self.options.timeout_s)
+        except grpc.RpcError as exc:
+            raise UpstreamError(exc.code().name, f"upstream {self.model}@{self.target}: "
+                                f"{exc.details()}") from None
+        return decode_response(response)

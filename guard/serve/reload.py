@@ -1,0 +1,133 @@
+"""Configuration hot reload: watch the config file, validate first, swap changed models only.
+
+Triggers: the file changing (polled every ``server.reload_interval_s``; the path is resolved
+through symlinks each time, so the ``..data`` symlink swap of a Kubernetes ConfigMap volume is
+seen; a ``subPath`` mount never updates, which is Kubernetes' behaviour, not ours) and SIGHUP.
+
+A new config is validated before anything changes. An invalid one is rejected with an event and
+``guard_config_reloads_total{result="rejected"}``, and the old config stays in force. A valid one
+is applied per model: models whose config (or artifact file) changed are built and loaded beside
+the old ones, then swapped in with one dict assignment; requests already inside the old model
+finish on it, and it is closed once they are done. Models that did not change are not touched,
+so their traffic never notices. ``server`` settings (ports, workers) take effect on restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from guard.config import GuardConfig, ModelConfig, load_config
+from guard.errors import ConfigError
+from guard.observe.events import emit
+from guard.serve.model import GuardedModel
+
+if TYPE_CHECKING:
+    from guard.serve.app import GuardServer
+
+log = logging.getLogger("guard.reload")
+
+
+def file_state(path: Path) -> tuple:
+    """What identifies the file's content without reading it (symlinks followed)."""
+    try:
+        real = os.path.realpath(path)
+        st = os.stat(real)
+        return (real, st.st_mtime_ns, st.st_size, st.st_ino)
+    except OSError:
+        return ("missing",)
+
+
+def model_fingerprint(model: ModelConfig) -> str:
+    """A model's config plus the state of its artifact files: equal means nothing to reload."""
+    state = model.model_dump(mode="json")
+    for role in ("primary", "reference", "fallback"):
+        spec = getattr(model, role)
+        if spec is not None and spec.path and os.path.exists(spec.path):
+            state[f"{role}_artifact"] = file_state(Path(spec.path))
+    return json.dumps(state, sort_keys=True, default=str)
+
+
+class ConfigReloader:
+    def __init__(self, server: "GuardServer", path: Path):
+        self.server = server
+        self.path = path
+        self._state = file_state(path)
+        self._lock = asyncio.Lock()
+
+    async def watch(self, interval: float) -> None:
+        while True:
+            await asyncio.sleep(interval)
+            state = file_state(self.path)
+            if state != self._state:
+                self._state = state
+                await self.reload("file changed")
+
+    async def reload(self, trigger: str) -> bool:
+        """Validate and apply the config file; False when it was rejected or a model failed."""
+        async with self._lock:
+            loop = asyncio.get_running_loop()
+            metrics = self.server.metrics
+            try:
+                new = await loop.run_in_executor(None, load_config, self.path)
+            except ConfigError as exc:
+                metrics.config_reloads.labels("rejected").inc()
+                emit("config_rejected", trigger=trigger, path=str(self.path),
+                     problems=exc.problems, note="the previous config stays in force")
+                return False
+            return await self._apply(new, trigger)
+
+    async def _apply(self, new: GuardConfig, trigger: str) -> bool:
+        server = self.server
+        old = server.config
+        if new.server != old.server:
+            emit("config_server_changed", note="server settings take effect on restart")
+        old_prints = {m.name: model_fingerprint(m) for m in old.models}
+        loop = asyncio.get_running_loop()
+        changed, added, failed = [], [], []
+        for model_config in new.models:
+            name = model_config.name
+            if old_prints.get(name) == model_fingerprint(model_config):
+                continue
+            model = GuardedModel(model_config, server.metrics, new._source_hash)
+            try:
+                await loop.run_in_executor(None, model.load)
+            except Exception as exc:  # a broken model must not take the others down
+                await loop.run_in_executor(None, model.close)
+                failed.append(name)
+                emit("model_reload_failed", model=name, error=str(exc),
+                     note="the previous version of this model stays in force")
+                continue
+            previous = server.models.get(name)
+            server.models[name] = model  # the swap: the next request sees the new model
+            (changed if previous else added).append(name)
+            if previous is not None:
+                asyncio.create_task(self._retire(previous))
+        removed = [name for name in list(server.models)
+                   if name not in {m.name for m in new.models}]
+        for name in removed:
+            asyncio.create_task(self._retire(server.models.pop(name)))
+        kept_models = [m for m in old.models if m.name in failed]
+        applied = new.model_copy(update={"models": [
+            *(m for m in new.models if m.name not in failed), *kept_models]})
+        applied._source_path, applied._source_hash = new._source_path, new._source_hash
+        applied._base_dir = new._base_dir
+        server.config = applied
+        result = "failed" if failed else "applied"
+        server.metrics.config_reloads.labels(result).inc()
+        emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,
+             failed=failed, config_hash=new._source_hash)
+        return not failed
+
+    async def _retire(self, model: GuardedModel, grace: float = 30.0) -> None:
+        """Close a replaced model once the requests inside it have finished."""
+        waited = 0.0
+        while model.requests_in_flight and waited < grace:
+            await asyncio.sleep(0.05)
+            waited += 0.05
+        model.end_watches()
+        await asyncio.get_running_loop().run_in_executor(None, model.close)

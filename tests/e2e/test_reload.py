@@ -1,0 +1,159 @@
+"""Hot reload: file changes (including a ConfigMap-style symlink swap) and SIGHUP-equivalent
+reloads, with traffic flowing to the models that did not change."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from tritonclient.utils import InferenceServerException
+
+from guard.config import load_config
+from guard.serve.app import BackgroundServer
+from support import metric, model_block, scrape, wait_for, write_config, x_input
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+
+
+def configmap_layout(folder: Path, data: dict, version: int) -> None:
+    """What the kubelet does: files in a timestamped dir, '..data' -> it, file -> ..data/file."""
+    target = folder / f"..2026_11_29_{version}"
+    target.mkdir()
+    (target / "guard.yaml").write_text(yaml.safe_dump(data, sort_keys=False))
+    tmp_link = folder / "..data_tmp"
+    tmp_link.symlink_to(target.name)
+    os.replace(tmp_link, folder / "..data")  # atomic swap
+    if not (folder / "guard.yaml").is_symlink():
+        (folder / "guard.yaml").symlink_to("..data/guard.yaml")
+
+
+def server_section() -> dict:
+    return {"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0, "admin_port": 0,
+            "reload_interval_s": 0.1}
+
+
+def test_configmap_swap_reloads_changed_models_only_while_traffic_flows(tmp_path, rng):
+    folder = tmp_path / "config"
+    folder.mkdir()
+    data = {"version": 1, "server": server_section(),
+            "models": [model_block("a", mirror={"sample_rate": 0.0}),
+                       model_block("b", mirror={"sample_rate": 0.0})]}
+    configmap_layout(folder, data, 1)
+    config = load_config(folder / "guard.yaml")
+    with BackgroundServer(config) as srv:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        model_a = srv.models["a"]
+        errors, sent = [], [0]
+        stop = threading.Event()
+
+        def traffic():  # model 'a' must never notice that 'b' is reloaded
+            own = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+            while not stop.is_set():
+                try:
+                    own.infer("a", [x_input(np.ones((1, 4)))])
+                    sent[0] += 1
+                except Exception as exc:  # recorded and asserted below
+                    errors.append(exc)
+            own.close()
+
+        thread = threading.Thread(target=traffic)
+        thread.start()
+        try:
+            old_b = srv.models["b"]
+            data["models"][1]["mirror"] = {"sample_rate": 1.0}
+            data["models"].append(model_block("c", mirror={"sample_rate": 0.0}))
+            configmap_layout(folder, data, 2)
+            wait_for(lambda: "c" in srv.models and srv.models["b"] is not old_b, timeout=60)
+            assert srv.models["a"] is model_a  # untouched
+            assert client.infer("c", [x_input(rng.normal(size=(1, 4)))]).as_numpy("y").shape == (
+                1, 3)
+            wait_for(lambda: not old_b.ready)  # the replaced model was closed
+
+            # Invalid config: rejected, counted, and the old one stays in force.
+            (folder / "..2026_11_29_3").mkdir()
+            (folder / "..2026_11_29_3" / "guard.yaml").write_text(
+                "version: 1\nmodels: [{name: a, primary: {backend: nope}}]\n")
+            os.symlink("..2026_11_29_3", folder / "..data_tmp")
+            os.replace(folder / "..data_tmp", folder / "..data")
+            wait_for(lambda: metric(scrape(srv.metrics_port), "guard_config_reloads_total",
+                                    result="rejected") == 1)
+            assert client.infer("c", [x_input(np.ones((1, 4)))]).as_numpy("y").shape == (1, 3)
+
+            # Removing a model: it answers NOT_FOUND afterwards.
+            data["models"] = data["models"][:2]
+            configmap_layout(folder, data, 4)
+            wait_for(lambda: "c" not in srv.models)
+            with pytest.raises(InferenceServerException) as err:
+                client.infer("c", [x_input(np.ones((1, 4)))])
+            assert err.value.status() == "StatusCode.NOT_FOUND"
+        finally:
+            stop.set()
+            thread.join(30)
+            client.close()
+        assert errors == [] and sent[0] > 0
+        values = scrape(srv.metrics_port)
+        assert metric(values, "guard_config_reloads_total", result="applied") == 2
+
+
+def test_a_model_that_fails_to_load_keeps_its_old_version(tmp_path):
+    path = write_config(tmp_path, [model_block("a", mirror={"sample_rate": 0.0})])
+    data = yaml.safe_load(path.read_text())
+    data["server"]["reload_interval_s"] = 0.1
+    path.write_text(yaml.safe_dump(data))
+    with BackgroundServer(load_config(path)) as srv:
+        old = srv.models["a"]
+        data["models"][0]["primary"]["path"] = "fixture_models:does_not_exist"
+        path.write_text(yaml.safe_dump(data))
+        wait_for(lambda: metric(scrape(srv.metrics_port), "guard_config_reloads_total",
+                                result="failed") == 1)
+        assert srv.models["a"] is old and old.ready
+
+
+def test_sighup_reloads_a_running_guard_serve(tmp_path):
+    path = write_config(tmp_path, [model_block("a", mirror={"sample_rate": 0.0})])
+    data = yaml.safe_load(path.read_text())
+    data["server"].update(reload_interval_s=0, grpc_port=_free_port())
+    path.write_text(yaml.safe_dump(data))
+    env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
+    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(path)],
+                               stderr=subprocess.PIPE, text=True, env=env)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{data['server']['grpc_port']}")
+    try:
+        wait_for(lambda: _ready(client), timeout=60, interval=0.2)
+        data["models"].append(model_block("b", mirror={"sample_rate": 0.0}))
+        path.write_text(yaml.safe_dump(data))
+        time.sleep(0.2)
+        assert not client.is_model_ready("b")  # watching is off: only SIGHUP reloads
+        process.send_signal(signal.SIGHUP)
+        wait_for(lambda: client.is_model_ready("b"), timeout=60, interval=0.2)
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+        assert '"event": "config_reloaded"' in process.stderr.read()
+    finally:
+        client.close()
+        if process.poll() is None:
+            process.kill()
+
+
+def _ready(client) -> bool:
+    try:
+        return client.is_server_ready()
+    except Exception:
+        return False
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,117 @@
+"""GPU paths. The CPU part runs everywhere; the CUDA part needs a GPU machine (run
+benchmarks/gpu_check.sh there) and skips here with that reason; TensorRT tests additionally need
+`import tensorrt` to work, which it cannot on the project's CPU machines."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from guard.backends import create_backend
+from guard.config import BackendConfig, parse_config
+from guard.errors import BackendError, ConfigError
+from guard.zoo.classifier import sample_inputs
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(not CUDA, reason="no CUDA device here: run "
+                                "benchmarks/gpu_check.sh on a GPU machine")
+try:
+    import tensorrt  # noqa: F401
+
+    HAS_TRT = True
+except ImportError:
+    HAS_TRT = False
+
+
+def load(spec: dict, role: str = "primary"):
+    backend = create_backend(BackendConfig(**spec), role)
+    backend.load()
+    return backend
+
+
+# -- everywhere ---------------------------------------------------------------------------------
+def test_tensorrt_backend_defaults_to_cuda_and_reports_a_missing_install(zoo_classifier):
+    spec = BackendConfig(backend="tensorrt", path=str(zoo_classifier["onnx"]), precision="fp16",
+                         options={"fp32_layers": ["/fc1/Gemm"]})
+    assert spec.device == "cuda"
+    if HAS_TRT and CUDA:
+        pytest.skip("TensorRT and CUDA are present: the CUDA tests below exercise it")
+    with pytest.raises(BackendError, match="TensorRT is not installed|needs a CUDA device"):
+        create_backend(spec, "primary").load()
+
+
+def test_torch_on_cuda_without_cuda_is_a_clear_error(zoo_classifier):
+    if CUDA:
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(BackendError, match="has no CUDA"):
+        load({"backend": "torch", "path": str(zoo_classifier["torchscript"]), "device": "cuda"})
+
+
+def test_tf32_primary_beside_a_cuda_torch_reference_is_rejected(tmp_path):
+    (tmp_path / "m.pt").touch()
+    doc = {"version": 1, "models": [{
+        "name": "m",
+        "primary": {"backend": "torch", "path": "m.pt", "device": "cuda",
+                    "options": {"allow_tf32": True}},
+        "reference": {"backend": "torch", "path": "m.pt", "device": "cuda"}}]}
+    with pytest.raises(ConfigError) as err:
+        parse_config(doc, tmp_path)
+    assert "allow_tf32" in err.value.problems[0] and "process-wide" in err.value.problems[0]
+    doc["models"][0]["reference"]["device"] = "cpu"
+    assert parse_config(doc, tmp_path).models[0].primary.options["allow_tf32"] is True
+
+
+# -- on a GPU -------------------------------------------------------------------------------------
+@needs_cuda
+def test_cuda_eager_agrees_with_cpu_eager_at_fp32(zoo_classifier):
+    images = sample_inputs(32, seed=4)
+    cpu = load({"backend": "torch", "path": str(zoo_classifier["torchscript"])}, "reference")
+    gpu = load({"backend": "torch", "path": str(zoo_classifier["torchscript"]),
+                "device": "cuda"})
+    a, b = gpu.infer({"image": images})["logits"], cpu.infer({"image": images})["logits"]
+    assert np.abs(a - b).max() < 1e-3
+
+
+@needs_cuda
+def test_tf32_is_the_gpu_drift(tmp_path):
+    """A matmul-heavy pair: TF32 on drifts far more than TF32 off (the paper's GPU finding)."""
+    torch.manual_seed(0)
+    a = torch.randn(512, 2048, device="cuda")
+    b = torch.randn(2048, 512, device="cuda")
+    exact = (a.double() @ b.double()).float()
+    torch.backends.cuda.matmul.allow_tf32 = False
+    off = a @ b
+    torch.backends.cuda.matmul.allow_tf32 = True
+    on = a @ b
+    torch.backends.cuda.matmul.allow_tf32 = False
+    assert (on - exact).abs().max() > 10 * (off - exact).abs().max()
+
+
+@needs_cuda
+def test_onnxruntime_cuda_provider_when_installed(zoo_classifier):
+    import onnxruntime as ort
+
+    if "CUDAExecutionProvider" not in ort.get_available_providers():
+        pytest.skip("onnxruntime-gpu is not installed (it replaces onnxruntime)")
+    images = sample_inputs(8, seed=5)
+    cpu = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"])})
+    gpu = load({"backend": "onnxruntime", "path": str(zoo_classifier["onnx"]), "device": "cuda",
+                "options": {"provider_options": {"CUDAExecutionProvider": {"device_id": 0}}}})
+    assert "CUDAExecutionProvider" in gpu.describe().details["providers"]
+    np.testing.assert_allclose(gpu.infer({"image": images})["logits"],
+                               cpu.infer({"image": images})["logits"], atol=1e-3)
+
+
+@needs_cuda
+@pytest.mark.skipif(not HAS_TRT, reason="TensorRT does not import here")
+def test_tensorrt_fp16_engine_with_an_fp32_layer(zoo_classifier):
+    images = sample_inputs(4, seed=6)
+    profile = {"image": [[1, 3, 32, 32], [4, 3, 32, 32], [64, 3, 32, 32]]}
+    fp32 = load({"backend": "tensorrt", "path": str(zoo_classifier["onnx"]),
+                 "options": {"profile": profile}})
+    fp16 = load({"backend": "tensorrt", "path": str(zoo_classifier["onnx"]), "precision": "fp16",
+                 "options": {"profile": profile, "exclude_op_types": ["CONVOLUTION"]}})
+    a = fp16.infer({"image": images})["logits"]
+    b = fp32.infer({"image": images})["logits"]
+    assert a.shape == (4, 10) and np.abs(a - b).max() < 0.1
