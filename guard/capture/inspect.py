@@ -72,7 +72,8 @@ def summarise(paths: list[str]) -> dict:
             "totals": totals}
 
 
-def print_summary(summary: dict, out=sys.stdout) -> None:
+def print_summary(summary: dict, out=None) -> None:
+    out = out or sys.stdout
     t = summary["totals"]
     print(f"{t['files']} file(s), {t['size']} bytes: {t['records']} record(s); skipped "
           f"{t['skipped_bytes']} bytes in {t['skipped_regions']} region(s)"

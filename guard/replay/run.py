@@ -168,7 +168,8 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
     return code, report
 
 
-def replay_command(options: ReplayOptions, out=sys.stdout) -> int:
+def replay_command(options: ReplayOptions, out=None) -> int:
+    out = out or sys.stdout
     code, report = replay(options)
     paths = write_report(report, options.report_dir)
     for name, m in report["models"].items():
