@@ -308,7 +308,9 @@ class CaptureConfig(Strict):
         "was also mirrored, and replicas agree.",
     )
     queue_size: PositiveInt = Field(
-        256, description="Records waiting for the writer thread; a full queue drops and counts."
+        1024,
+        description="Records waiting for the writer thread, which writes in bursts about every "
+        "10 ms; a full queue drops and counts.",
     )
     max_segment_bytes: PositiveInt = Field(
         64 * 1024 * 1024, description="A segment file is closed and a new one opened past this."

@@ -4,6 +4,13 @@ What the request path pays: a sampling decision and a ``put_nowait`` of a small 
 references to arrays it already has. Encoding (protobuf, CRC) and file I/O happen on the
 writer's own thread. A full queue drops the record and counts it; nothing ever waits.
 
+The writer works in bursts, so that it costs the request path as little as it can in a process
+that shares one GIL: after each burst it sleeps ``_LINGER_S`` (not waiting on the queue, so a
+``put`` wakes nobody), then takes whatever has queued (up to ``_BURST`` records), encodes it,
+yielding the GIL every few records, and appends the frames with one ``write`` per segment. The
+fields every record of a writer shares (model, backends, config hash, version) are serialized
+once and prefixed to each record (protobuf concatenation is a merge).
+
 Files: ``<capture.dir>/<model>/<UTC time>-<pid>-<n>.gcap``; names sort in creation order. A
 segment is closed (flushed and fsynced) and the next one opened when it would pass
 ``max_segment_bytes`` or is older than ``max_segment_age_s`` (checked at least every second,
@@ -11,8 +18,9 @@ also when idle). After every write the folder is kept under ``max_total_bytes`` 
 oldest closed segments (segments found there at start-up count too), each deletion counted in
 ``guard_capture_segments_deleted_total``.
 
-Each frame goes to the OS in one unbuffered ``write``: a crash of the process loses at most the
-record being written (the reader skips a torn frame). Records are not fsynced one by one (that
+Frames go to the OS in unbuffered ``write`` calls as soon as they are encoded: a crash of the
+process loses at most what was still queued in memory and the frame being written (the reader
+skips a torn frame). Records are not fsynced one by one (that
 would cost a disk flush per request); a machine crash can lose what the OS had not written.
 
 Failure: any I/O error (full disk, unwritable folder, a folder that vanished) disables capture
@@ -44,10 +52,14 @@ from guard.capture.segment import SUFFIX, encode_frame
 from guard.config import CaptureConfig
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
+from guard.serve.mirror import sampled
 from guard.v1 import capture_pb2 as pb
 
 log = logging.getLogger("guard.capture")
 _TICK_S = 1.0  # longest idle wait before checking segment age
+_BURST = 256  # most records encoded and written per wake-up
+_LINGER_S = 0.01  # pause after a burst: records gather instead of waking the writer one by one
+_YIELD_EVERY = 8  # records encoded between GIL yields (bounds how long the request path waits)
 _STOP = object()
 
 
@@ -110,21 +122,21 @@ class CaptureWriter:
         self._opened_at = 0.0
         self._sequence = 0
         self._segment_count = 0
+        static = pb.CaptureRecord(model=model, config_hash=config_hash,
+                                  guard_version=__version__, source="sidecar")
+        records.describe_backends(static.backends, self._backends)
+        self._static = static.SerializeToString()
         metrics.declare_capture(model)
         metrics.capture_enabled.labels(model).set(1)
         metrics.capture_queue_depth.labels(model).set_function(self._queue.qsize)
 
     # -- sampling (request path and mirror worker) ---------------------------------------------
     def tag(self, request_id: str, request_seconds: float) -> CaptureTag:
-        from guard.serve.mirror import sampled
-
         record = self.config.mode == "all" and sampled(request_id, self.config.sample_rate)
         return CaptureTag(request_id, time.time_ns(), request_seconds, record)
 
     def wants_failure(self, tag: CaptureTag) -> bool:
         """Mode "failures": is this failing sample recorded? (Same hash, so replicas agree.)"""
-        from guard.serve.mirror import sampled
-
         return self.config.mode == "failures" and sampled(tag.request_id, self.config.sample_rate)
 
     def submit(self, pending: PendingRecord) -> None:
@@ -202,37 +214,54 @@ class CaptureWriter:
                 except queue.Empty:
                     self._rotate_if_old()
                     continue
-                if item is _STOP:
+                burst = [item]
+                while len(burst) < _BURST and burst[-1] is not _STOP:
+                    try:
+                        burst.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = burst[-1] is _STOP
+                self._handle([p for p in burst if p is not _STOP])
+                if stop:
                     return
-                self._handle(item)
+                self._rotate_if_old()
+                time.sleep(_LINGER_S)
         finally:
             self._close_segment()
 
-    def _handle(self, pending: PendingRecord) -> None:
+    def _handle(self, burst: list[PendingRecord]) -> None:
+        if not burst:
+            return
         if not self.enabled:
-            self.metrics.capture_records.labels(self.model, "disabled").inc()
+            self.metrics.capture_records.labels(self.model, "disabled").inc(len(burst))
             return
+        frames = []
+        for n, pending in enumerate(burst, 1):
+            if n % _YIELD_EVERY == 0:
+                time.sleep(0)  # let request threads waiting for the GIL have it
+            try:
+                frames.append(encode_frame(self._static +
+                                           self._encode(pending).SerializeToString()))
+            except Exception as exc:  # a value that cannot be recorded: this record only
+                self.metrics.capture_records.labels(self.model, "error").inc()
+                log.warning("capture for %s cannot encode a record: %s: %s", self.model,
+                            type(exc).__name__, exc)
+        written = 0
         try:
-            frame = encode_frame(self._encode(pending).SerializeToString())
-        except Exception as exc:  # a value that cannot be recorded: this record only
-            self.metrics.capture_records.labels(self.model, "error").inc()
-            log.warning("capture for %s cannot encode a record: %s: %s", self.model,
-                        type(exc).__name__, exc)
-            return
-        try:
-            self._write(frame)
+            written = self._write(frames)
         except OSError as exc:
-            self._disable(exc, "writing a record")
-            self.metrics.capture_records.labels(self.model, "disabled").inc()
-            return
-        self.metrics.capture_records.labels(self.model, "written").inc()
+            self._disable(exc, "writing records")
+        self.metrics.capture_records.labels(self.model, "written").inc(written)
+        if written < len(frames):
+            self.metrics.capture_records.labels(self.model, "disabled").inc(
+                len(frames) - written)
 
     def _encode(self, p: PendingRecord) -> pb.CaptureRecord:
         self._sequence += 1
+        # Only what differs per record; ``self._static`` holds the rest.
         record = pb.CaptureRecord(
-            model=self.model, request_id=p.tag.request_id, unix_nanos=p.tag.unix_nanos,
+            request_id=p.tag.request_id, unix_nanos=p.tag.unix_nanos,
             route=p.route, mirrored=p.reference is not None, probed=p.probed,
-            config_hash=self._config_hash, guard_version=__version__, source="sidecar",
             sequence=self._sequence, epoch=max(0, p.epoch),
         )
         records.add_tensors(record.inputs, p.inputs)
@@ -242,23 +271,34 @@ class CaptureWriter:
         records.add_tier_verdicts(record.verdicts, p.tier_results)
         record.timings.request_seconds = p.tag.request_seconds
         record.timings.reference_seconds = p.reference_seconds
-        records.describe_backends(record.backends, self._backends)
         return record
 
-    def _write(self, frame: bytes) -> None:
-        if self._current is not None and (
-            self._current.size + len(frame) > self.config.max_segment_bytes
-            and self._current.size > 0
-        ):
-            self._close_segment()
-        if self._current is None:
-            self._open_segment()
-        view = memoryview(frame)
-        while view:  # a raw file may write less than asked
-            written = self._file.write(view)
-            view = view[written:]
-        self._current.size += len(frame)
-        self._enforce_cap()
+    def _write(self, frames: list[bytes]) -> int:
+        """Append frames, rotating where a segment would pass its size; returns how many are
+        on disk (all, unless an OSError is raised part way: then the ones before it)."""
+        done = 0
+        while done < len(frames):
+            if self._current is None:
+                self._open_segment()
+            # As many frames as fit in this segment (at least one: a record larger than
+            # max_segment_bytes gets a segment of its own).
+            room = self.config.max_segment_bytes - self._current.size
+            end, size = done, 0
+            while end < len(frames) and (size + len(frames[end]) <= room or
+                                         (end == done and self._current.size == 0)):
+                size += len(frames[end])
+                end += 1
+            if end == done:  # the next frame does not fit: rotate
+                self._close_segment()
+                continue
+            view = memoryview(b"".join(frames[done:end]))
+            while view:  # a raw file may write less than asked
+                written = self._file.write(view)
+                view = view[written:]
+            self._current.size += size
+            done = end
+            self._enforce_cap()
+        return done
 
     def _open_segment(self) -> None:
         self._segment_count += 1

@@ -1,6 +1,7 @@
 """Engines run planned batches and yield their outcomes; the aggregator does not care which ran.
 
-- ``LocalEngine``: one process, one ``ModelRunner`` per model, batches in order.
+- ``LocalEngine``: one process, one ``ModelRunner`` per model, batches in order, inference of
+  the next batch overlapped with the checks of the last.
 - ``RayEngine``: one worker actor per CPU slot, each with its own backend set (built from the
   config text the driver ships, so the workers need the artifacts at the same paths: a shared
   volume or the same image), batches handed to idle actors with a bounded number in flight so a
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -42,8 +44,18 @@ class LocalEngine:
         return self.runners.get(model).describe()
 
     def run(self, batches: Iterable[Batch]) -> Iterator[list[SampleOutcome]]:
-        for batch in batches:
-            yield self.runners.run(batch)
+        """Two stages: batch k+1 is inferred on a helper thread while this thread checks batch
+        k (and reads the records of the next one)."""
+        pending = None  # (runner, future of its Inferred)
+        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-infer") as pool:
+            for batch in batches:
+                runner = self.runners.get(batch.model)
+                future = pool.submit(runner.infer, batch)
+                if pending is not None:
+                    yield pending[0].check(pending[1].result())
+                pending = (runner, future)
+            if pending is not None:
+                yield pending[0].check(pending[1].result())
 
     def close(self) -> None:
         self.runners.close()

@@ -14,13 +14,17 @@ same ``Verifier`` the sidecar's mirror uses. For each batch it:
 3. calls ``Verifier.check`` per item (a record is one sample, as in the sidecar) and keeps
    ``Verifier.tier_results``.
 
-Whether items are stacked depends only on the batch and the backends' signatures, so the local
-and the Ray engine, which run the same batches, compute the same numbers.
+The two halves are separate methods (``infer``, then ``check``) so that an engine can overlap
+them: the local engine checks batch k while batch k+1 is inferred (inference releases the GIL,
+the checks mostly hold it). Whether items are stacked depends only on the batch and the
+backends' signatures, so the local and the Ray engine, which run the same batches, compute the
+same numbers.
 """
 
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -39,6 +43,15 @@ from guard.replay.items import (
 from guard.serve.codec import InferenceError
 from guard.serve.dataplane import check_inputs
 from guard.verify.pipeline import Verifier
+
+
+@dataclass
+class Inferred:
+    """A batch after inference: final outcomes (errors) and the answers still to be checked."""
+
+    batch: Batch
+    done: dict[int, SampleOutcome] = field(default_factory=dict)
+    answers: list[tuple[ReplayItem, dict, dict]] = field(default_factory=list)
 
 
 def _dynamic_batch(backend: Backend) -> bool:
@@ -83,23 +96,42 @@ class ModelRunner:
 
     # -- one batch ---------------------------------------------------------------------------
     def run(self, batch: Batch) -> list[SampleOutcome]:
-        outcomes: dict[int, SampleOutcome] = {}
+        return self.check(self.infer(batch))
+
+    def infer(self, batch: Batch) -> Inferred:
+        result = Inferred(batch)
         valid: list[ReplayItem] = []
         for item in batch.items:
             try:
                 check_inputs(item.inputs, self.input_specs)
             except InferenceError as exc:
-                outcomes[item.index] = self._outcome(item, INPUT_ERROR, error=str(exc))
+                result.done[item.index] = self._outcome(item, INPUT_ERROR, error=str(exc))
                 continue
             valid.append(item)
         if len(valid) > 1 and self.stackable:
-            stacked = self._run_stacked(valid)
+            stacked = self._infer_stacked(valid)
             if stacked is not None:
-                outcomes.update(stacked)
+                result.answers += stacked
                 valid = []
         for item in valid:
-            outcomes[item.index] = self._run_one(item)
-        return [outcomes[item.index] for item in batch.items]
+            reference, primary = self._infer_both(item.inputs)
+            if isinstance(reference, Exception):
+                result.done[item.index] = self._outcome(item, REFERENCE_ERROR,
+                                                        error=_describe(reference))
+            elif isinstance(primary, Exception):
+                result.done[item.index] = self._outcome(item, PRIMARY_ERROR,
+                                                        error=_describe(primary))
+            else:
+                result.answers.append((item, reference, primary))
+        return result
+
+    def check(self, inferred: Inferred) -> list[SampleOutcome]:
+        outcomes = dict(inferred.done)
+        for item, reference, primary in inferred.answers:
+            check = self.verifier.check(reference, primary)
+            outcomes[item.index] = self._outcome(item, CHECKED,
+                                                 tiers=self.verifier.tier_results(check))
+        return [outcomes[item.index] for item in inferred.batch.items]
 
     def _infer_both(self, inputs: dict[str, np.ndarray]):
         """(reference outputs or exception, primary outputs or exception), run concurrently."""
@@ -114,7 +146,7 @@ class ModelRunner:
             primary = exc
         return reference, primary
 
-    def _run_stacked(self, items: list[ReplayItem]) -> dict[int, SampleOutcome] | None:
+    def _infer_stacked(self, items: list[ReplayItem]) -> list[tuple] | None:
         names = list(items[0].inputs)
         stacked = {n: np.concatenate([it.inputs[n] for it in items], axis=0) for n in names}
         reference, primary = self._infer_both(stacked)
@@ -126,25 +158,11 @@ class ModelRunner:
         if any(np.ndim(a) == 0 or np.shape(a)[0] != total for a in outputs):
             return None  # outputs not per row: cannot split, run one by one
         bounds = np.cumsum([0, *rows])
-        result = {}
-        for k, item in enumerate(items):
-            lo, hi = bounds[k], bounds[k + 1]
-            ref = {n: a[lo:hi] for n, a in reference.items()}
-            out = {n: a[lo:hi] for n, a in primary.items()}
-            result[item.index] = self._checked(item, ref, out)
-        return result
-
-    def _run_one(self, item: ReplayItem) -> SampleOutcome:
-        reference, primary = self._infer_both(item.inputs)
-        if isinstance(reference, Exception):
-            return self._outcome(item, REFERENCE_ERROR, error=_describe(reference))
-        if isinstance(primary, Exception):
-            return self._outcome(item, PRIMARY_ERROR, error=_describe(primary))
-        return self._checked(item, reference, primary)
-
-    def _checked(self, item: ReplayItem, reference, primary) -> SampleOutcome:
-        check = self.verifier.check(reference, primary)
-        return self._outcome(item, CHECKED, tiers=self.verifier.tier_results(check))
+        return [
+            (item, {n: a[bounds[k]:bounds[k + 1]] for n, a in reference.items()},
+             {n: a[bounds[k]:bounds[k + 1]] for n, a in primary.items()})
+            for k, item in enumerate(items)
+        ]
 
     @staticmethod
     def _outcome(item: ReplayItem, status: str, error: str = "", tiers=None) -> SampleOutcome:
