@@ -128,6 +128,46 @@ def replay_steady(config, capture: Path, batch: int) -> dict:
             "passed": tensor["passed"], "max_abs_error": tensor["max_abs_error"]}
 
 
+def stage_costs(config, capture: Path, batch: int) -> dict:
+    """Microseconds per record of each stage, measured alone (one after the other, no overlap):
+    where replay's time goes, so the ratio to the limit can be read."""
+    from guard.replay.engines import LocalEngine
+    from guard.replay.plan import plan_batches
+    from guard.replay.source import Filters, Source
+
+    engine = LocalEngine(config)
+    try:
+        runner = engine.runners.get(MODEL)
+        started = time.perf_counter()
+        items = list(Source([str(capture)], {MODEL}, Filters(), engine.input_specs,
+                            MODEL).items())
+        read = time.perf_counter() - started
+        batches = list(plan_batches(items, batch))
+        stacked = [{"image": np.concatenate([it.inputs["image"] for it in b.items])}
+                   for b in batches]
+        costs = {}
+        for role in ("reference", "primary"):
+            backend = getattr(runner, role)
+            started = time.perf_counter()
+            for inputs in stacked:
+                backend.infer(inputs)
+            costs[role] = time.perf_counter() - started
+        started = time.perf_counter()
+        inferred = [runner.infer(b) for b in batches]
+        costs["infer_both"] = time.perf_counter() - started
+        started = time.perf_counter()
+        for one in inferred:
+            runner.check(one)
+        costs["check"] = time.perf_counter() - started
+    finally:
+        engine.close()
+    n = len(items)
+    return {"read_parse_us": read / n * 1e6, "reference_us": costs["reference"] / n * 1e6,
+            "primary_us": costs["primary"] / n * 1e6,
+            "reference_and_primary_together_us": costs["infer_both"] / n * 1e6,
+            "checks_us": costs["check"] / n * 1e6}
+
+
 def replay_end_to_end(config_path: Path, capture: Path, batch: int, report_dir: Path) -> dict:
     from guard.replay.run import ReplayOptions, replay
     from guard.replay.report import write_report
@@ -172,12 +212,16 @@ def measure_replay(work: Path, paths: dict, records: int, batch: int, repeats: i
                  key=lambda r: r["records_per_s"])
     log(f"  {steady['records_per_s']:.0f} records/s ({steady['passed']}/{steady['checks']} "
         "pass)")
+    log("stage costs, each alone")
+    stages = stage_costs(config, capture, batch)
+    log("  " + ", ".join(f"{k} {v:.0f}" for k, v in stages.items()))
     log("replay, end to end (guard replay)")
     e2e = replay_end_to_end(config_path, capture, batch, work / "report")
     log(f"  {e2e['records_per_s']:.0f} records/s over {e2e['seconds']:.1f} s")
     return {
         "records": records, "capture_bytes": size, "capture_write_s": write_seconds,
         "batch_rows": batch, "limit": limit, "steady": steady, "end_to_end": e2e,
+        "stages_us_per_record": stages,
         "ratio_steady": steady["records_per_s"] / limit["rows_per_s"],
         "ratio_end_to_end": e2e["records_per_s"] / limit["rows_per_s"],
         "primary": "onnxruntime fp32 (1 intra-op thread)",
@@ -258,7 +302,11 @@ def markdown(result: dict) -> str:
         f"(shared with other work), {m['platform']}; {m['date']}.",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
         f"Command: `{result['command']}`" + (" (--quick: a smoke check, not figures to quote)"
-                                              if result["quick"] else ""), "",
+                                              if result["quick"] else ""),
+        "Load average (1, 5, 15 min) at start: "
+        + ", ".join(f"{x:.1f}" for x in result["load_average_at_start"]) + "; at end: "
+        + ", ".join(f"{x:.1f}" for x in result["load_average_at_end"])
+        + " (other work on the machine; above 2 the CPUs were oversubscribed).", "",
     ]
     if "replay" in result:
         lines += replay_markdown(result["replay"])
@@ -283,6 +331,13 @@ def replay_markdown(rp: dict) -> list[str]:
         f"{rp['end_to_end']['records_per_s']:.0f} | {rp['ratio_end_to_end']:.0%} |", "",
         f"Target: steady state >= {TARGET_RATIO:.0%} of the limit: "
         f"{'met' if rp['ratio_steady'] >= TARGET_RATIO else 'NOT met'}.", "",
+        "Where the time goes (microseconds per record, each stage measured alone): " + ", ".join(
+            f"{k.removesuffix('_us').replace('_', ' ')} {v:.0f}"
+            for k, v in rp["stages_us_per_record"].items()) + ". Replay must run the reference "
+        "*and* the primary and check every record; the local engine overlaps the next batch's "
+        "inference (reference and primary side by side) with the last batch's checks, so its "
+        "steady state is bounded by the slower of (reference, primary) and (read + checks), "
+        "and by the CPUs there are to run them.", "",
     ]
 
 
@@ -328,6 +383,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         paths = classifier.export(cache / "zoo")
         result = {"machine": po.machine_info(), "quick": args.quick,
+                  "load_average_at_start": os.getloadavg(),
                   "command": "benchmarks/replay_throughput.py " + " ".join(argv or sys.argv[1:])}
         if args.part in ("all", "replay"):
             result["replay"] = measure_replay(cache, paths, args.records, args.batch,
@@ -337,6 +393,7 @@ def main(argv: list[str] | None = None) -> int:
                                                 args.concurrency, args.duration)
     finally:
         shutil.rmtree(cache, ignore_errors=True)
+    result["load_average_at_end"] = os.getloadavg()
     args.out.mkdir(parents=True, exist_ok=True)
     stem = "replay_throughput" + ("" if args.part == "all" else f"_{args.part}") + (
         "_quick" if args.quick else "")

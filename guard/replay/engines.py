@@ -99,15 +99,15 @@ class RayEngine:
         self._started_here = False
         ray = self.ray
         if not ray.is_initialized():
-            kwargs = {"include_dashboard": False, "log_to_driver": False,
-                      "configure_logging": False}
+            kwargs = {"log_to_driver": False}
             if address:
-                kwargs["address"] = address
+                kwargs["address"] = address  # an existing cluster: its settings are its own
             else:
                 # A local cluster: the workers import guard and any `module:factory` model the
                 # way this process does.
                 path = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
-                kwargs.update(num_cpus=LOCAL_RAY_CPUS,
+                kwargs.update(num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,
+                              configure_logging=False,
                               runtime_env={"env_vars": {"PYTHONPATH": path}})
             try:
                 ray.init(**kwargs)

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from guard.backends.base import TensorSpec
+from guard.backends.base import TensorSpec, oip_datatype
 from guard.capture.reader import FileStats, expand_paths, read_records
 from guard.capture.records import RecordError, live_passed, tensors
 from guard.errors import GuardError
@@ -125,8 +125,6 @@ class NpzInput:
                         f"{where}: array '{name}': samples of shape {list(sample_shape)} do "
                         f"not fit input '{name}' of shape {list(spec.shape)} (-1 = any)")
             if spec is not None and spec.datatype:
-                from guard.backends.base import oip_datatype
-
                 try:
                     datatype = oip_datatype(array.dtype)
                 except TypeError:
