@@ -88,6 +88,52 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(options)
 
 
+def cmd_deploy_rules(args: argparse.Namespace) -> int:
+    from guard.deploy.rules import RuleSettings, read_thresholds, render
+
+    try:
+        settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
+    except ValueError as exc:
+        raise GuardError(str(exc)) from None
+    text = render(read_thresholds(args.config), settings, args.format, source=args.config)
+    if args.output:
+        try:
+            with open(args.output, "w") as out:
+                out.write(text)
+        except OSError as exc:
+            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
+                from None
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
+def cmd_matrix(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from guard.matrix.config import load_matrix_config
+    from guard.matrix.report import write_report
+    from guard.matrix.runner import run_matrix
+
+    config, base = load_matrix_config(args.file)
+    if args.models:
+        wanted = set(args.models.split(","))
+        config.models = [m for m in config.models if m.name in wanted]
+    if args.backends:
+        wanted = set(args.backends.split(","))
+        config.backends = [b for b in config.backends if b.name in wanted]
+    if not config.models or not config.backends:
+        raise GuardError("--models/--backends left nothing to run")
+    output = Path(args.output_dir) if args.output_dir else base / config.output_dir
+    say = (lambda line: None) if args.quiet else (lambda line: print(line, flush=True))
+    records = run_matrix(config, base, output, say)
+    summary = write_report(records, output, config.name)
+    print(f"{summary['passed']}/{summary['checks']} checks pass "
+          f"({100 * summary['pass_rate']:.1f}%); records: {output / 'records.jsonl'}; "
+          f"summary: {output / 'summary.md'}")
+    return EXIT_OK if summary["checks"] and summary["passed"] == summary["checks"] else EXIT_FAIL
+
+
 def cmd_admin_status(args: argparse.Namespace) -> int:
     from guard.admin_client import print_status
 
@@ -143,6 +189,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--metrics-port", type=int, default=0, help="default: a free port")
     demo.add_argument("--admin-port", type=int, default=0, help="default: a free port")
     demo.set_defaults(func=cmd_demo)
+
+    matrix = sub.add_parser(
+        "matrix", help="offline sweep: models x backends x tolerances x tiers",
+        description="Runs every model of a matrix YAML on its reference and on every backend, "
+        "checks each pair at every tolerance on tiers 1 (tensor) and 3 (task), writes one JSONL "
+        "record per check (records.jsonl) and summary tables (summary.md, summary.json, "
+        "heatmap.png). Exit 0 when every check passes, 1 when some fail, 2 on a bad config.",
+    )
+    matrix.add_argument("file", metavar="FILE", help="matrix YAML (see configs/matrix/cpu.yaml)")
+    matrix.add_argument("--output-dir", metavar="DIR", help="default: output_dir of the file")
+    matrix.add_argument("--models", metavar="A,B", help="run only these models")
+    matrix.add_argument("--backends", metavar="X,Y", help="run only these backends")
+    matrix.add_argument("--quiet", action="store_true", help="print only the final line")
+    matrix.set_defaults(func=cmd_matrix)
 
     config = sub.add_parser("config", help="validate a config or print its JSON Schema")
     config_sub = config.add_subparsers(dest="config_command", metavar="ACTION", required=True)
@@ -206,6 +266,29 @@ def build_parser() -> argparse.ArgumentParser:
     inspect_cmd.add_argument("files", nargs="+", metavar="FILE", help="segment files or folders")
     inspect_cmd.add_argument("--json", action="store_true", help="print JSON")
     inspect_cmd.set_defaults(func=cmd_capture_inspect)
+
+    from guard.deploy import DEFAULT_RUNBOOK_BASE, RULE_FORMATS
+
+    deploy = sub.add_parser("deploy", help="generate deployment artefacts from a config")
+    deploy_sub = deploy.add_subparsers(dest="deploy_command", metavar="ACTION", required=True)
+    rules = deploy_sub.add_parser(
+        "rules", help="Prometheus alerting rules from a config's thresholds",
+        description="Prints Prometheus alerting rules made from the config: per model, drift "
+        "over its policy.trip_ratio, fallback active, mirror drops, reference errors and "
+        "timeouts; and guard down. Only the parts the rules use are validated (names, policy, "
+        "mirror, server); `guard config validate` checks the whole file.",
+    )
+    rules.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
+    rules.add_argument("--format", choices=RULE_FORMATS, default="prometheus",
+                       help="prometheus: a rule file (rule_files:); prometheusrule: a "
+                       "PrometheusRule for the Prometheus Operator (default prometheus)")
+    rules.add_argument("--runbook-base", default=DEFAULT_RUNBOOK_BASE, metavar="URL",
+                       help="where docs/runbook.md is served; runbook_url is URL#alertname "
+                       f"(default {DEFAULT_RUNBOOK_BASE})")
+    rules.add_argument("--job", default="guard",
+                       help="the scrape job label of the guard targets (default guard)")
+    rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    rules.set_defaults(func=cmd_deploy_rules)
 
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
     admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",

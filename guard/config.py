@@ -18,6 +18,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import (
     AfterValidator,
+    BeforeValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -189,6 +190,9 @@ class BackendConfig(Strict):
             )
         if self.backend == "tensorrt" and self.device == "cpu":
             self.device = "cuda"  # TensorRT runs on a GPU only
+        if self.backend == "torch_compile" and self.path.endswith(".pt"):
+            raise ValueError("torch_compile cannot compile a TorchScript (.pt) module: give it "
+                             "a torch.export program (.pt2) or a 'module:factory'")
         if self.path.endswith(".pt2") and self.precision != "fp32":
             raise ValueError("a torch.export program (.pt2) runs as it was exported: "
                              "precision must be fp32 (export it in the precision you want)")
@@ -224,6 +228,48 @@ class MirrorConfig(Strict):
     )
 
 
+class NoiseFloorConfig(Strict):
+    """The reference against itself at load (batch 1 vs batched, two thread counts).
+
+    Tier 1 then allows ``atol + rtol * max|ref| + multiplier * floor`` per output: drift is
+    judged beyond the noise the reference makes on its own (Diffy's idea, for tensors).
+    """
+
+    enabled: bool = Field(True, description="Measure the floor when the model loads.")
+    inputs: str | None = Field(
+        None,
+        description="An .npz of input arrays (batched along axis 0) to measure on; default: "
+        "inputs generated from the model's signature (seeded).",
+    )
+    samples: PositiveInt = Field(4, description="Rows used (batch 1 each, then batched).")
+    thread_counts: list[PositiveInt] = Field(
+        default_factory=lambda: [1, 2],
+        description="Thread counts the reference is run with; every pair is compared.",
+    )
+    multiplier: NonNegativeFloat = Field(
+        1.0, description="How many floors tier 1 allows on top of atol + rtol * max|ref|."
+    )
+
+
+class ArbitrationConfig(Strict):
+    """fp64 arbitration (torch._dynamo's accuracy rule) when tier 1 fails.
+
+    A float64 run of the reference's own model is the truth; the primary is judged acceptable
+    when ``err(primary) <= multiplier * err(reference) + atol / 10`` (errors: max abs vs fp64).
+    Only torch references can run in fp64; for others the verdict says it was not available.
+    """
+
+    enabled: bool = Field(
+        False, description="Run the fp64 arbiter on every tier-1 failure (one extra inference)."
+    )
+    multiplier: PositiveFloat = Field(2.0, description="m in the rule above (dynamo uses 2-3).")
+    forgive: bool = Field(
+        False,
+        description="Count a tier-1 failure as a pass when the arbiter finds the reference, not "
+        "the primary, to be the side further from fp64.",
+    )
+
+
 class TensorCheckConfig(Strict):
     atol: NonNegativeFloat = Field(1.0e-4, description="Absolute tolerance.")
     rtol: NonNegativeFloat = Field(
@@ -232,6 +278,8 @@ class TensorCheckConfig(Strict):
     outputs: dict[str, "OutputTolerance"] = Field(
         default_factory=dict, description="Per-output overrides of atol/rtol, by output name."
     )
+    noise_floor: NoiseFloorConfig = Field(default_factory=NoiseFloorConfig)
+    arbitration: ArbitrationConfig = Field(default_factory=ArbitrationConfig)
 
 
 class OutputTolerance(Strict):
@@ -243,8 +291,124 @@ class ActivationCheckConfig(Strict):
     """Tier 2 (activation alignment). Its keys arrive with the tier; today it takes none."""
 
 
+class ClassificationTaskConfig(Strict):
+    """Top-1 agreement, top-k overlap and logit-margin flips, per row of the logits output."""
+
+    logits_output: str | None = Field(
+        None, description="Output holding logits or probabilities [..., classes]; default: "
+        "'logits' when the model has it, else its only output."
+    )
+    top_k: PositiveInt = Field(5, description="k of the top-k overlap (capped at the classes).")
+    tie_margin: NonNegativeFloat | None = Field(
+        None,
+        description="A flip whose reference margin (ref[top1_ref] - ref[top1_primary]) is at "
+        "most this is a near-tie flip, reported apart and not counted against agreement. "
+        "Default: 2 x tier 1's allowed error for the output (each logit may move by that much).",
+    )
+    min_top1_agreement: Fraction = Field(
+        1.0, description="Pass when the share of rows without a real (beyond-margin) flip is "
+        "at least this."
+    )
+    min_topk_overlap: Fraction = Field(
+        0.0, description="Pass when the mean tie-aware top-k overlap is at least this "
+        "(0: reported only)."
+    )
+
+
+class DetectionTaskConfig(Strict):
+    """Boxes matched by IoU with class agreement; mAP of the primary against the reference."""
+
+    boxes_output: str = Field("boxes", description="Boxes [N, 4] or [B, N, 4] as x1, y1, x2, y2.")
+    scores_output: str = Field("scores", description="Scores [N] or [B, N].")
+    classes_output: str | None = Field(
+        "labels", description="Class ids [N] or [B, N]; when the model lacks this output the "
+        "match is class-agnostic (stated in the result)."
+    )
+    score_threshold: float = Field(
+        0.0, description="Detections scoring at most this are padding and ignored."
+    )
+    match_iou: Fraction = Field(0.5, description="IoU at which a primary box matches.")
+    min_map: Fraction = Field(
+        0.9, description="Pass when the primary's mAP (reference as ground truth) is at least this."
+    )
+    max_count_mismatch: int | None = Field(
+        0, ge=0, description="Pass when the box counts differ by at most this per image "
+        "(null: not judged)."
+    )
+
+
+class SegmentationTaskConfig(Strict):
+    """mIoU and pixel agreement of the argmax masks."""
+
+    mask_output: str | None = Field(
+        None, description="Class scores [B, C, H, W] (argmax over class_axis) or an integer "
+        "label mask; default: 'mask' when present, else the only output."
+    )
+    class_axis: int = Field(1, description="Axis of the class scores.")
+    min_pixel_agreement: Fraction = Field(0.99, description="Share of equal pixels needed.")
+    min_miou: Fraction = Field(
+        0.9, description="Mean IoU over classes present on either side needed."
+    )
+
+
+class EmbeddingTaskConfig(Strict):
+    """Cosine per vector and nearest-neighbour agreement over the batch."""
+
+    embedding_output: str | None = Field(
+        None, description="Embeddings [B, D]; default: 'embedding' when present, else the only "
+        "output."
+    )
+    min_cosine: Fraction = Field(0.999, description="Every vector's cosine must reach this.")
+    min_neighbour_agreement: Fraction = Field(
+        1.0, description="Share of rows whose nearest neighbour in the batch agrees (needs a "
+        "batch of 3 or more; smaller batches report it as not applicable)."
+    )
+    neighbour_tie: NonNegativeFloat = Field(
+        1.0e-4, description="Reference neighbours within this cosine of the best count as tied."
+    )
+
+
 class TaskCheckConfig(Strict):
-    """Tier 3 (task-level agreement). Its keys arrive with the tier; today it takes none."""
+    """Tier 3 (task-level agreement). Only the block of the model's ``task`` is read; setting
+    another task's block is an error. ``task: generic`` runs tier 1 only."""
+
+    enabled: bool = Field(True, description="Run tier 3 for models whose task is not generic.")
+    classification: ClassificationTaskConfig = Field(default_factory=ClassificationTaskConfig)
+    detection: DetectionTaskConfig = Field(default_factory=DetectionTaskConfig)
+    segmentation: SegmentationTaskConfig = Field(default_factory=SegmentationTaskConfig)
+    embedding: EmbeddingTaskConfig = Field(default_factory=EmbeddingTaskConfig)
+
+
+def _adapter_entry(value: Any) -> Any:
+    """``name`` or ``{name: {options}}`` or ``{name: X, ...options}`` -> ``{name, options}``."""
+    if isinstance(value, str):
+        return {"name": value, "options": {}}
+    if isinstance(value, dict) and "name" not in value and len(value) == 1:
+        (name, options), = value.items()
+        return {"name": name, "options": options if options is not None else {}}
+    if isinstance(value, dict) and "name" in value and "options" not in value:
+        return {"name": value["name"], "options": {k: v for k, v in value.items() if k != "name"}}
+    return value
+
+
+class AdapterConfig(Strict):
+    """A deterministic post-processing adapter applied to both sides before tiers 1 and 3."""
+
+    name: str
+    options: dict[str, Any] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _check(self) -> "AdapterConfig":
+        from guard.verify.adapters import ADAPTERS, validate_adapter_options
+
+        if self.name not in ADAPTERS:
+            raise ValueError(
+                f"unknown adapter '{self.name}' (available: {', '.join(sorted(ADAPTERS))})"
+            )
+        problems = validate_adapter_options(self.name, self.options)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
 
 class ChecksConfig(Strict):
@@ -343,6 +507,11 @@ class ModelConfig(Strict):
     )
     mirror: MirrorConfig = Field(default_factory=MirrorConfig)
     checks: ChecksConfig = Field(default_factory=ChecksConfig)
+    adapters: list[Annotated[AdapterConfig, BeforeValidator(_adapter_entry)]] = Field(
+        default_factory=list,
+        description="Deterministic adapters applied, in order, to both sides' outputs before "
+        "tiers 1 and 3: stable_nms, tie_aware_topk, canonical_order, float64_softmax.",
+    )
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
     capture: CaptureConfig | None = Field(
         None, description="Record sampled traffic for offline replay; off when absent."
@@ -357,6 +526,15 @@ class ModelConfig(Strict):
         ):
             raise ValueError("capture.mode 'failures' needs a 'reference' and "
                              "mirror.sample_rate > 0 (failures are found by the mirror)")
+        other = sorted(
+            block for block in self.checks.task.model_fields_set
+            if block in ("classification", "detection", "segmentation", "embedding")
+            and block != self.task
+        )
+        if other:
+            raise ValueError(
+                f"checks.task.{other[0]} is set but the model's task is '{self.task}'"
+            )
         ref = self.reference
         if ref is not None and ref.backend.startswith("torch") and ref.device != "cpu":
             for role in ("primary", "fallback"):
@@ -458,6 +636,13 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
             spec.path = str(resolved)
         if model.capture is not None:
             model.capture.dir = str((base_dir / model.capture.dir).resolve())
+        floor = model.checks.tensor.noise_floor
+        if floor.inputs is not None:
+            resolved = (base_dir / floor.inputs).resolve()
+            if not resolved.exists():
+                problems.append(
+                    f"models[{i}].checks.tensor.noise_floor.inputs: file not found: {resolved}")
+            floor.inputs = str(resolved)
         for role in ("primary", "reference", "fallback"):
             spec = getattr(model, role)
             if spec is not None:

@@ -78,8 +78,26 @@ def derive_onnx(
             raise BackendError(
                 f"deriving {precision} from {artifact} failed: {type(exc).__name__}: {exc}"
             ) from exc
+        _check_loadable(tmp_path, precision, artifact)
         os.replace(tmp_path, target)
     return target
+
+
+def _check_loadable(path: Path, precision: str, artifact: Path) -> None:
+    """A converter can write a graph ONNX Runtime refuses (e.g. fp16 Cast type mismatches):
+    catch it here, name it, and never cache the broken file."""
+    import onnxruntime
+
+    options = onnxruntime.SessionOptions()
+    options.log_severity_level = 3
+    try:
+        onnxruntime.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
+    except Exception as exc:
+        first = str(exc).splitlines()[0][:300]
+        raise BackendError(
+            f"the {precision} variant derived from {artifact} does not load in ONNX Runtime "
+            f"({first}); keep the offending nodes at fp32 with options.nodes_to_exclude"
+        ) from None
 
 
 def _quantize_int8(source: Path, target: Path, excluded: list[str], per_channel: bool) -> None:

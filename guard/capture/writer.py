@@ -85,7 +85,7 @@ class PendingRecord:
     # here, on the writer thread).
     outputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]]
     reference: Mapping[str, np.ndarray] | None = None
-    tier_results: Mapping[str, object] = field(default_factory=dict)
+    tier_reports: Mapping[str, object] = field(default_factory=dict)
     reference_seconds: float = 0.0
     probed: bool = False
 
@@ -268,7 +268,7 @@ class CaptureWriter:
         records.add_tensors(record.outputs, p.outputs() if callable(p.outputs) else p.outputs)
         if p.reference is not None:
             records.add_tensors(record.reference_outputs, p.reference)
-        records.add_tier_verdicts(record.verdicts, p.tier_results)
+        records.add_tier_verdicts(record.verdicts, p.tier_reports)
         record.timings.request_seconds = p.tag.request_seconds
         record.timings.reference_seconds = p.reference_seconds
         return record

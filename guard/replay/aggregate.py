@@ -72,9 +72,14 @@ class _OutputFigures:
 
 
 class ModelAggregate:
-    def __init__(self, config: ModelConfig, backends: dict[str, str] | None = None):
+    def __init__(self, config: ModelConfig, described: dict | None = None):
+        """``described``: what the runner reports (``ModelRunner.describe``): backends, the
+        tiers the verifier runs, the noise floor it measured."""
+        described = described or {}
         self.config = config
-        self.backends = backends or {}
+        self.backends = {k: described[k] for k in ("reference", "primary") if k in described}
+        self.tiers_configured = list(described.get("tiers", []))
+        self.noise_floor = described.get("noise_floor")
         self.samples = 0
         self.status = Counter()
         self.tier_checks = Counter()
@@ -234,6 +239,8 @@ class ModelAggregate:
             "status": {s: self.status[s] for s in
                        (CHECKED, PRIMARY_ERROR, REFERENCE_ERROR, INPUT_ERROR)},
             "backends": self.backends,
+            "tiers_run": self.tiers_configured,
+            "noise_floor": self.noise_floor,
             "live_agreement": {
                 "compared": sum(self.live.values()),
                 "both_pass": self.live[("pass", "pass")],

@@ -1,8 +1,10 @@
 """Running batches of replay items through a model's reference and primary, and the checks.
 
 ``ModelRunner`` holds one model's backends as configured now (reference and primary, built the
-way the sidecar builds them: the reference pins determinism with ``mirror.threads``) and the
-same ``Verifier`` the sidecar's mirror uses. For each batch it:
+way the sidecar builds them: the reference pins determinism with ``mirror.threads``) and a
+``Verifier`` set up as the sidecar's ``GuardedModel`` sets up its own: ``Verifier.for_model``
+with the fp64 arbiter, tier 2 when ``load_activation_tier`` finds it, and the reference's
+noise floor measured at load when ``checks.tensor.noise_floor`` is on. For each batch it:
 
 1. checks every item's inputs against the primary's signature (the data plane's own check): an
    item that does not fit is an ``input_error`` outcome;
@@ -11,8 +13,8 @@ same ``Verifier`` the sidecar's mirror uses. For each batch it:
    helper thread: both release the GIL), and splits the outputs back per item; when a stacked
    call fails, or its outputs do not split by rows, the items run one by one, so that an error
    is pinned on the item that caused it;
-3. calls ``Verifier.check`` per item (a record is one sample, as in the sidecar) and keeps
-   ``Verifier.tier_results``.
+3. calls ``Verifier.check`` per item with its inputs (a record is one sample, as in the
+   sidecar) and keeps ``Verifier.tier_reports``.
 
 The two halves are separate methods (``infer``, then ``check``) so that an engine can overlap
 them: the local engine checks batch k while batch k+1 is inferred (inference releases the GIL,
@@ -42,7 +44,9 @@ from guard.replay.items import (
 )
 from guard.serve.codec import InferenceError
 from guard.serve.dataplane import check_inputs
-from guard.verify.pipeline import Verifier
+from guard.verify.arbitrate import build_arbiter
+from guard.verify.noise import NoiseFloor, measure_noise_floor
+from guard.verify.pipeline import Verifier, load_activation_tier
 
 
 @dataclass
@@ -66,9 +70,14 @@ class ModelRunner:
                                "check against; this model has none")
         self.name = config.name
         self.config = config
-        self.verifier = Verifier(config.checks)
+        self.verifier = Verifier.for_model(config, arbiter=build_arbiter(config))
         self.reference = create_backend(config.reference, "reference", config.mirror.threads)
         self.primary = create_backend(config.primary, "primary")
+        activation = load_activation_tier(config, {"primary": self.primary,
+                                                   "reference": self.reference})
+        if activation is not None:
+            self.verifier.add_tier(activation)
+        self.noise_floor: NoiseFloor | None = None
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replay-{self.name}")
 
     def load(self) -> "ModelRunner":
@@ -83,11 +92,23 @@ class ModelRunner:
                                    f"{spec.describe()}: {type(exc).__name__}: {exc}") from exc
         self.input_specs = {s.name: s for s in self.primary.describe().inputs}
         self.stackable = _dynamic_batch(self.primary) and _dynamic_batch(self.reference)
+        if self.config.checks.tensor.noise_floor.enabled:
+            try:
+                floor = measure_noise_floor(self.reference, self.config.reference,
+                                            self.config.checks.tensor.noise_floor)
+            except Exception as exc:  # as in the sidecar: a floor that cannot be measured
+                floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
+            self.noise_floor = floor
+            if not floor.skipped:
+                self.verifier.set_noise_floor(floor.per_output)
         return self
 
-    def describe(self) -> dict[str, str]:
+    def describe(self) -> dict:
+        """Backends, tiers and noise floor, for the report."""
         return {"reference": self.reference.describe().summary(),
-                "primary": self.primary.describe().summary()}
+                "primary": self.primary.describe().summary(),
+                "tiers": list(self.verifier.tiers),
+                "noise_floor": self.noise_floor.as_dict() if self.noise_floor else None}
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
@@ -128,9 +149,9 @@ class ModelRunner:
     def check(self, inferred: Inferred) -> list[SampleOutcome]:
         outcomes = dict(inferred.done)
         for item, reference, primary in inferred.answers:
-            check = self.verifier.check(reference, primary)
+            check = self.verifier.check(reference, primary, inputs=item.inputs)
             outcomes[item.index] = self._outcome(item, CHECKED,
-                                                 tiers=self.verifier.tier_results(check))
+                                                 tiers=self.verifier.tier_reports(check))
         return [outcomes[item.index] for item in inferred.batch.items]
 
     def _infer_both(self, inputs: dict[str, np.ndarray]):

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from guard.verify.pipeline import TierResult
+from guard.verify.pipeline import TierReport
 
 # SampleOutcome.status values.
 CHECKED = "checked"  # both sides answered; the tiers ran
@@ -62,6 +62,6 @@ class SampleOutcome:
     request_id: str = ""
     source: str = ""
     error: str = ""
-    tiers: dict[str, TierResult] = field(default_factory=dict)
+    tiers: dict[str, TierReport] = field(default_factory=dict)
     live_passed: bool | None = None
     progress: float = 0.0

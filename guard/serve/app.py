@@ -68,13 +68,24 @@ class GuardServer:
             raise
 
     async def start(self) -> None:
-        if not self.models:
-            await asyncio.get_running_loop().run_in_executor(None, self.load_models)
+        """Listen first (liveness answers, readiness NOT_SERVING), then load the models, then
+        turn ready. Listening first fails fast on a taken port, and keeps a Kubernetes liveness
+        probe happy while an upstream model server is still starting."""
         try:
             await self._start_servers()
+            if not self.models:
+                await asyncio.get_running_loop().run_in_executor(None, self.load_models)
+            self.dataplane.loading = False
+            serving = health_pb2.HealthCheckResponse.SERVING
+            for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
+                await self._health.set(service, serving)
         except BaseException:
             await self.stop(grace=0)
             raise
+        emit("server_started", version=__version__, grpc_port=self.grpc_port,
+             admin=f"{self.config.server.admin_host}:{self.admin_port}",
+             metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
+             models=sorted(self.models))
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
@@ -107,18 +118,14 @@ class GuardServer:
 
         await self._grpc.start()
         await self._admin.start()
-        serving = health_pb2.HealthCheckResponse.SERVING
-        for service in ("", READINESS_SERVICE, "inference.GRPCInferenceService"):
-            await self._health.set(service, serving)
+        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
+        for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
+            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.config._source_path is not None:
             self.reloader = ConfigReloader(self, self.config._source_path)
             if server_config.reload_interval_s > 0:
                 self._watch_task = asyncio.create_task(
                     self.reloader.watch(server_config.reload_interval_s))
-        emit("server_started", version=__version__, grpc_port=self.grpc_port,
-             admin=f"{server_config.admin_host}:{self.admin_port}",
-             metrics=f"http://{server_config.host}:{self.metrics_port}/metrics",
-             models=sorted(self.models))
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int, key: str,

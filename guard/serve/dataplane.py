@@ -63,13 +63,16 @@ class DataPlane:
         self.metrics = metrics
         self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="guard-infer")
         self.live = True
+        self.loading = True  # until the server has loaded every model of its config
 
     @property
     def ready(self) -> bool:
-        return self.live and all(m.ready for m in self.models.values())
+        return self.live and not self.loading and all(m.ready for m in self.models.values())
 
     def model(self, name: str) -> GuardedModel:
         model = self.models.get(name)
+        if model is None and self.loading:
+            raise InferenceError("UNAVAILABLE", "models are still loading")
         if model is None:
             raise InferenceError("NOT_FOUND", f"unknown model '{name}' (this guard serves: "
                                  f"{', '.join(sorted(self.models))})")

@@ -35,8 +35,7 @@ from guard.config import MirrorConfig
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.verify.pipeline import Verifier
-from guard.verify.tensor import TensorCheck
+from guard.verify.pipeline import CheckResult, Verifier
 
 log = logging.getLogger("guard.mirror")
 _ERROR_LOG_INTERVAL_S = 10.0
@@ -69,7 +68,7 @@ class Sample:
 @dataclass
 class SampleResult:
     sample: Sample
-    check: TensorCheck
+    check: CheckResult  # one result per tier
     reference_seconds: float
     probed: bool  # True when the primary ran in the background for this sample
     reference: dict[str, np.ndarray] | None = None  # the reference's answer
@@ -216,7 +215,7 @@ class Mirror:
         self.metrics.reference_duration.labels(self.model).observe(seconds)
         if sample.only_outputs and not probed:
             reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
-        check = self.verifier.check(reference, sample.outputs)
+        check = self.verifier.check(reference, sample.outputs, inputs=sample.inputs)
         self.metrics.mirror.labels(self.model, "compared").inc()
         tracing.set_attributes(self._span, {
             "guard.verdict": "pass" if check.passed else "fail",

@@ -22,7 +22,9 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
 from guard.serve.mirror import Mirror, Sample, SampleResult
-from guard.verify.pipeline import Verifier
+from guard.verify.arbitrate import build_arbiter
+from guard.verify.noise import NoiseFloor, measure_noise_floor
+from guard.verify.pipeline import CheckResult, Verifier, load_activation_tier
 
 log = logging.getLogger("guard.model")
 
@@ -32,13 +34,18 @@ class GuardedModel:
         self.name = config.name
         self.config = config
         self.metrics = metrics
-        self.verifier = Verifier(config.checks)
+        self.verifier = Verifier.for_model(config, arbiter=build_arbiter(config))
         threads = config.mirror.threads
         self.backends: dict[str, Backend] = {"primary": create_backend(config.primary, "primary")}
         if config.reference is not None:
             self.backends["reference"] = create_backend(config.reference, "reference", threads)
         if config.fallback is not None:
             self.backends["fallback"] = create_backend(config.fallback, "fallback")
+        if config.reference is not None:
+            activation = load_activation_tier(config, self.backends)  # tier 2, when it exists
+            if activation is not None:
+                self.verifier.add_tier(activation)
+        self.noise_floor: NoiseFloor | None = None
         self.policy = RoutePolicy(
             self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends
         )
@@ -76,6 +83,8 @@ class GuardedModel:
         self.signature = self.backends["primary"].describe()
         self.input_specs = {spec.name: spec for spec in self.signature.inputs}
         self.output_names = frozenset(spec.name for spec in self.signature.outputs)
+        if "reference" in self.backends and self.config.checks.tensor.noise_floor.enabled:
+            self._measure_noise_floor()
         if "reference" in self.backends and self.config.mirror.sample_rate > 0:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
@@ -95,6 +104,19 @@ class GuardedModel:
              backends={role: b.describe().summary() for role, b in self.backends.items()},
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action)
+
+    def _measure_noise_floor(self) -> None:
+        """The reference against itself, before the mirror starts; tier 1 allows the floor."""
+        try:
+            floor = measure_noise_floor(self.backends["reference"], self.config.reference,
+                                        self.config.checks.tensor.noise_floor)
+        except Exception as exc:  # a floor that cannot be measured must not stop the model
+            floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
+        self.noise_floor = floor
+        if not floor.skipped:
+            self.verifier.set_noise_floor(floor.per_output)
+        emit("noise_floor", model=self.name, **floor.as_dict(),
+             multiplier=self.config.checks.tensor.noise_floor.multiplier)
 
     def _verify_artifacts(self) -> None:
         """The sha256 pinned in the config must match the file, before anything loads it."""
@@ -201,13 +223,20 @@ class GuardedModel:
 
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:
-        check = result.check
+        check: CheckResult = result.check
         m = self.metrics
-        m.checks.labels(self.name, "tensor", "pass" if check.passed else "fail").inc()
         m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
-        transition = self.policy.observe("tensor", not check.passed, result.sample.epoch)
+        transition = None
+        for tier, tier_result in check.tiers.items():
+            if tier not in self.verifier.tiers:
+                continue
+            m.checks.labels(self.name, tier, "pass" if tier_result.passed else "fail").inc()
+            transition = self.policy.observe(tier, not tier_result.passed,
+                                             result.sample.epoch) or transition
         for figures in self.policy.windows():
             m.drift_ratio.labels(self.name, figures.tier).set(figures.ratio)
+        if check.arbitration is not None:
+            emit("arbitration", model=self.name, verdict=check.arbitration.as_dict())
         if transition is not None:
             evidence = dict(transition.evidence)
             if not check.passed:
@@ -224,7 +253,7 @@ class GuardedModel:
         sample = result.sample
         capture.submit(PendingRecord(
             tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
-            reference=result.reference, tier_results=self.verifier.tier_results(result.check),
+            reference=result.reference, tier_reports=self.verifier.tier_reports(result.check),
             reference_seconds=result.reference_seconds, probed=result.probed,
         ))
 

@@ -1,6 +1,7 @@
 """Tier 1: tensor closeness, per output.
 
-The rule (from the seed paper): an output passes when ``max|a - b| <= atol + rtol * max|ref|``,
+The rule (from the seed paper): an output passes when ``max|a - b| <= atol + rtol * max|ref|``
+(plus, when measured, the reference's own noise floor on that output: ``+ floor``),
 computed in float64 over the positions where both sides are finite, and when the two sides agree
 on shape, dtype, and where they are NaN or +/-Inf. Every output either side produced is checked:
 an output one side lacks is a failure with a reason, never a silent pass.
@@ -25,6 +26,7 @@ _REL_FLOOR = 1e-12
 class Tolerance:
     atol: float
     rtol: float
+    floor: float = 0.0  # the reference's own noise on this output (see verify/noise.py)
 
 
 @dataclass
@@ -39,7 +41,7 @@ class OutputCheck:
     cosine_distance: float = 0.0
     ref_max_abs: float = 0.0  # max|ref|, the scale rtol multiplies
     nonfinite_mismatch: int = 0  # positions where NaN/Inf disagree
-    allowed: float = 0.0  # atol + rtol * max|ref|
+    allowed: float = 0.0  # atol + rtol * max|ref| + floor
     min_rtol: float = 0.0  # the smallest rtol that would have passed with atol=0
 
     def as_dict(self) -> dict[str, object]:
@@ -80,8 +82,11 @@ def compare_output(name: str, ref: np.ndarray, out: np.ndarray, tol: Tolerance) 
     if not (np.issubdtype(ref.dtype, np.number) or ref.dtype == np.bool_) or not (
         np.issubdtype(out.dtype, np.number) or out.dtype == np.bool_
     ):
-        return OutputCheck(name, False, f"cannot compare dtypes {out.dtype}/{ref.dtype}",
-                           max_abs=math.inf)
+        # Strings, None, objects: no tolerance applies, equality does.
+        equal = not problems and _exactly_equal(ref, out)
+        return OutputCheck(name, equal, "" if equal else (
+            "; ".join(problems) or f"non-numeric values differ ({out.dtype}/{ref.dtype})"),
+            max_abs=0.0 if equal else math.inf)
 
     a = out.astype(np.float64, copy=False).ravel()
     b = ref.astype(np.float64, copy=False).ravel()
@@ -109,7 +114,7 @@ def compare_output(name: str, ref: np.ndarray, out: np.ndarray, tol: Tolerance) 
     else:
         ref_max = max_abs = mean_abs = p99 = max_rel = cosine = 0.0
 
-    allowed = tol.atol + tol.rtol * ref_max
+    allowed = tol.atol + tol.rtol * ref_max + tol.floor
     if max_abs > allowed:
         problems.append(f"max abs error {max_abs:.3g} > allowed {allowed:.3g}")
     return OutputCheck(
@@ -126,6 +131,13 @@ def compare_output(name: str, ref: np.ndarray, out: np.ndarray, tol: Tolerance) 
         allowed=allowed,
         min_rtol=max_abs / ref_max if ref_max > 0 else (0.0 if max_abs == 0 else math.inf),
     )
+
+
+def _exactly_equal(a: np.ndarray, b: np.ndarray) -> bool:
+    try:
+        return bool(np.array_equal(a, b))
+    except (TypeError, ValueError):
+        return False
 
 
 def compare_outputs(

@@ -1,1 +1,87 @@
-"""Seeded models built offline (no downloads) for the demo, tests and benchmarks."""
+"""The model zoo: seeded models built offline (no downloads) and real pretrained models that
+ship inside PyPI wheels (optional extra ``guard[zoo]``).
+
+``zoo_entry(name)`` gives one model's task, signature, input generator, adapters and exporter,
+whatever kind it is. Seeded models: ``classifier`` (the demo's CNN), ``resnet``, ``vit``,
+``detector``, ``segmenter``. Real models (``guard.zoo.real``): ``magika``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
+command.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from guard.backends.base import TensorSpec
+from guard.errors import GuardError
+
+SEEDED = {
+    "classifier": "guard.zoo.classifier",
+    "resnet": "guard.zoo.resnet",
+    "vit": "guard.zoo.vit",
+    "detector": "guard.zoo.detector",
+    "segmenter": "guard.zoo.segmenter",
+}
+REAL = ("magika",)
+
+
+class ZooExtraMissing(GuardError):
+    """A real zoo model whose package is not installed."""
+
+
+@dataclass
+class ZooEntry:
+    name: str
+    task: str
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+    sample_inputs: Callable[[int, int], dict[str, np.ndarray]]
+    export: Callable[[Path, int], dict[str, Path]]  # -> {"torchscript": .pt, "onnx": .onnx}
+    adapters: list[Any] = field(default_factory=list)
+    checks: dict[str, Any] = field(default_factory=dict)  # task-tier settings that fit it
+    kind: str = "seeded"  # "seeded" | "real"
+    factory: str | None = None  # "module:function" building the eager module (torch backends)
+    factory_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def eager(name: str, seed: int = 0):
+    """A seeded zoo model as an eager ``nn.Module`` carrying its signature: the
+    ``module:factory`` path ``guard.zoo:eager`` (torch.compile cannot compile TorchScript)."""
+    import json
+
+    from guard.backends.torch import signature_json
+
+    module = importlib.import_module(SEEDED[name])
+    model = module.build(seed)
+    model.guard_signature = json.loads(signature_json(module.INPUTS, module.OUTPUTS))
+    return model
+
+
+def names() -> list[str]:
+    return list(SEEDED) + list(REAL)
+
+
+def zoo_entry(name: str) -> ZooEntry:
+    if name in SEEDED:
+        module = importlib.import_module(SEEDED[name])
+        first = module.INPUTS[0].name
+        return ZooEntry(
+            name=name,
+            task=getattr(module, "TASK", "classification"),
+            inputs=list(module.INPUTS),
+            outputs=list(module.OUTPUTS),
+            sample_inputs=lambda n, seed=0: {first: module.sample_inputs(n, seed)},
+            export=module.export,
+            adapters=list(getattr(module, "ADAPTERS", [])),
+            factory="guard.zoo:eager",
+            factory_kwargs={"name": name, "seed": 0},
+        )
+    if name in REAL:
+        from guard.zoo import real
+
+        return real.entry(name)
+    raise GuardError(f"unknown zoo model '{name}' (available: {', '.join(names())})")

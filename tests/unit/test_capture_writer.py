@@ -54,7 +54,7 @@ def test_records_round_trip_with_tensors_and_metadata(tmp_path):
     ref = {"y": np.zeros((2, 3), np.float32)}
     check = verifier.check(ref, {"y": np.ones((2, 3), np.float32)})
     w.submit(pending(w, 0))
-    w.submit(pending(w, 1, reference=ref, tier_results=verifier.tier_results(check),
+    w.submit(pending(w, 1, reference=ref, tier_reports=verifier.tier_reports(check),
                      reference_seconds=0.01))
     w.close()
     records = read_all(tmp_path / "cap")

@@ -301,7 +301,7 @@ def test_unknown_torch_option_on_factory_reference(base):
 
 def test_unknown_torch_compile_option_and_bad_value(base):
     lines = problems(
-        doc(fallback={"backend": "torch_compile", "path": "ref.pt",
+        doc(fallback={"backend": "torch_compile", "path": "pkg.models:build",
                       "options": {"mode": "fast", "nope": 1}}),
         base,
     )
@@ -691,3 +691,8 @@ def test_config_json_schema():
     assert {"backend", "path", "precision", "device", "options"} <= set(backend)
     assert "onnxruntime" in json.dumps(backend["backend"])
     assert "sample_rate" in defs["MirrorConfig"]["properties"]
+
+
+def test_torch_compile_refuses_torchscript(base):
+    lines = problems(doc(fallback={"backend": "torch_compile", "path": "ref.pt"}), base)
+    assert len(lines) == 1 and "cannot compile a TorchScript" in lines[0]

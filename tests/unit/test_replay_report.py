@@ -1,6 +1,6 @@
 """guard/replay/aggregate.py, report.py and progress.py: figures, verdicts and the written files.
 
-Tier 2 and 3 results are built here in the shape ``Verifier.tier_results`` documents for them
+Tier 2 and 3 results are built here in the shape ``Verifier.tier_reports`` documents for them
 (guard/verify/pipeline.py), so the report's handling of those tiers is checked before the tiers
 themselves land."""
 
@@ -16,7 +16,7 @@ from guard.replay.aggregate import HIST_EDGES, ModelAggregate, _bin
 from guard.replay.items import CHECKED, REFERENCE_ERROR, SampleOutcome
 from guard.replay.progress import Progress
 from guard.replay.report import markdown, write_report
-from guard.verify.pipeline import TierResult
+from guard.verify.pipeline import TierReport
 from guard.verify.tensor import OutputCheck
 
 MODEL = ModelConfig.model_validate({
@@ -27,7 +27,7 @@ MODEL = ModelConfig.model_validate({
 def outcome(i: int, error: float, allowed: float = 1e-3, activation=None, task=None,
             status: str = CHECKED) -> SampleOutcome:
     passed = error <= allowed
-    tiers = {"tensor": TierResult(passed, "ok" if passed else "fail",
+    tiers = {"tensor": TierReport(passed, "ok" if passed else "fail",
                                   [OutputCheck("y", passed, "", max_abs=error, allowed=allowed)],
                                   {"max_abs_error": error})}
     if activation is not None:
@@ -79,12 +79,12 @@ def test_activation_and_task_tiers_are_reported_when_present(tmp_path):
     profile = [{"layer": "conv1", "error": 1e-6}, {"layer": "fc1", "error": 0.4},
                {"layer": "fc2", "error": 0.5}]
     agg = ModelAggregate(MODEL)
-    agg.add(outcome(0, 1e-6, activation=TierResult(True, "ok", [], {
-        "first_divergence": None, "layers": []}), task=TierResult(True, "ok", [], {
+    agg.add(outcome(0, 1e-6, activation=TierReport(True, "ok", [], {
+        "first_divergence": None, "layers": []}), task=TierReport(True, "ok", [], {
             "metrics": {"top1_agreement": 1.0}})))
-    agg.add(outcome(1, 1.0, activation=TierResult(False, "fc1", [], {
+    agg.add(outcome(1, 1.0, activation=TierReport(False, "fc1", [], {
         "first_divergence": {"layer": "fc1", "error": 0.4}, "layers": profile}),
-        task=TierResult(False, "flip", [], {"metrics": {"top1_agreement": 0.0}})))
+        task=TierReport(False, "flip", [], {"metrics": {"top1_agreement": 0.0}})))
     r = agg.result()
     act, task = r["tiers"]["activation"], r["tiers"]["task"]
     assert (act["checks"], act["passed"]) == (2, 1)

@@ -217,10 +217,13 @@ def test_bool_vs_int_is_dtype_mismatch():
     assert not check.passed and "dtype" in check.reason
 
 
-def test_non_numeric_dtype_fails_with_reason():
-    check = compare_output("s", np.array(["a", "b"]), np.array(["a", "b"]), ZERO)
+def test_non_numeric_outputs_are_compared_for_equality():
+    # Strings get no tolerance: equal passes, any difference fails with a reason.
+    same = compare_output("s", np.array(["a", "b"]), np.array(["a", "b"]), ZERO)
+    assert same.passed and same.max_abs == 0.0
+    check = compare_output("s", np.array(["a", "b"]), np.array(["a", "c"]), Tolerance(1.0, 1.0))
     assert not check.passed
-    assert "cannot compare" in check.reason
+    assert "non-numeric values differ" in check.reason
     assert check.max_abs == math.inf
 
 

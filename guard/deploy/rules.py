@@ -1,0 +1,332 @@
+"""Prometheus alerting rules generated from a guard config (``guard deploy rules``).
+
+Why generate them: the drift alert must fire at the same failing share at which the guard itself
+acts (each model's ``policy.trip_ratio``), and alerts that only exist for what a model has
+(a reference to mirror onto, a fallback to route to) stay quiet where they cannot mean anything.
+A rule file written by hand drifts away from the config; this one is rebuilt from it, and the
+repository's tests compare the shipped files with a fresh generation.
+
+Per model, where it applies:
+
+- ``GuardDriftOverThreshold`` (critical): ``guard_drift_ratio > policy.trip_ratio`` for
+  ``drift_for``. With ``action: alert`` clients keep getting the drifting answers; with
+  ``fallback_model`` the guard resets the window when it switches, so a ratio that stays high
+  means the route could not move (pinned by an override, or no fallback).
+- ``GuardFallbackActive`` (warning): ``guard_fallback_active == 1`` for ``fallback_for``
+  (models with a fallback).
+- ``GuardMirrorDropping`` (warning): dropped share of mirrored samples over
+  ``mirror_drop_ratio`` (models with a reference and ``sample_rate > 0``).
+- ``GuardReferenceFailing`` (warning): errors and timeouts over ``reference_error_ratio`` of
+  the samples that reached the reference (same models).
+
+Once: ``GuardDown`` (critical): ``up{job=...} == 0`` for ``down_for``. The data plane goes through
+the guard, so a guard that cannot be scraped is usually a model that cannot be reached. And
+``GuardConfigReloadFailed`` (warning): a hot reload was rejected (invalid file: the old config
+stays) or failed (a changed model did not load: its old version stays) within
+``reload_window``; what the guard runs then differs from its config file (a ConfigMap).
+
+Expressions keep every label but the ones they aggregate away (``sum without (outcome)``), so an
+alert names the replica (instance, pod) it fires on: drift can be specific to one node's CPU.
+
+Reading the config: only what the rules are made of is validated here (version, model names,
+``policy``, ``mirror``, ``server``; unknown keys at model level). Backends and artifact paths are
+not: rules are generated where manifests are built, often by another guard version than the one
+that serves, and the artifacts live in the Pod. ``guard config validate`` checks the whole file.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from guard.config import (
+    MirrorConfig,
+    ModelConfig,
+    PolicyConfig,
+    ServerConfig,
+    format_validation_error,
+)
+from guard.deploy import DEFAULT_RUNBOOK_BASE, RULE_FORMATS
+from guard.errors import ConfigError
+
+FORMATS = RULE_FORMATS
+PROMETHEUS_RULE_NAME = "guard-alerts"
+_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")  # as in guard.config.ModelConfig.name
+_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+
+ALERTS = (
+    "GuardDriftOverThreshold",
+    "GuardFallbackActive",
+    "GuardMirrorDropping",
+    "GuardReferenceFailing",
+    "GuardDown",
+    "GuardConfigReloadFailed",
+)
+
+
+@dataclass(frozen=True)
+class RuleSettings:
+    """What the rules need beyond the config. Durations are Prometheus durations."""
+
+    job: str = "guard"  # the scrape job's `job` label (the PodMonitor in deploy/ sets it)
+    runbook_base: str = DEFAULT_RUNBOOK_BASE
+    drift_for: str = "2m"  # drift over the trip ratio this long: someone must look now
+    fallback_for: str = "5m"  # longer than a typical dwell + probe cycle: it did not recover
+    rate_window: str = "10m"  # rate() range for the mirror ratios (>= 4 scrape intervals)
+    mirror_drop_ratio: float = 0.1  # >10% of mirrored samples dropped: checks half-blind
+    mirror_for: str = "15m"
+    reference_error_ratio: float = 0.05  # >5% of reference calls fail or time out
+    reference_for: str = "10m"
+    down_for: str = "2m"
+    reload_window: str = "15m"  # a rejected reload alerts this long (the guard does not retry)
+
+    def __post_init__(self) -> None:
+        for field in ("drift_for", "fallback_for", "rate_window", "mirror_for", "reference_for",
+                      "down_for", "reload_window"):
+            if not _DURATION.match(getattr(self, field)):
+                raise ValueError(f"{field}: '{getattr(self, field)}' is not a Prometheus "
+                                 "duration (e.g. 30s, 5m, 1h)")
+        if not re.fullmatch(r"[^\"\\\n]+", self.job):
+            raise ValueError(f"job: '{self.job}' must be non-empty, without quotes or backslashes")
+
+    def runbook(self, alert: str) -> str:
+        # Markdown renderers (GitHub, GitLab, mkdocs) anchor "## GuardDown" as "#guarddown".
+        return f"{self.runbook_base}#{alert.lower()}"
+
+
+@dataclass(frozen=True)
+class ModelThresholds:
+    """The parts of one model's config that its alerts are made of."""
+
+    name: str
+    policy: PolicyConfig
+    mirror: MirrorConfig
+    has_reference: bool
+    has_fallback: bool
+
+    @property
+    def mirrors(self) -> bool:
+        return self.has_reference and self.mirror.sample_rate > 0
+
+
+# -- reading the config --------------------------------------------------------------------------
+def read_thresholds(path: str | Path) -> list[ModelThresholds]:
+    """Read a guard YAML and validate what the rules depend on (see the module docstring)."""
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read: {exc.strerror or exc}"], str(path)) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        raise ConfigError([f"(yaml): {where}{getattr(exc, 'problem', None) or exc}"],
+                          str(path)) from None
+    return thresholds_from_data(data, str(path))
+
+
+def _validate_block(model_class, data: Any, prefix: str, problems: list[str]):
+    try:
+        return model_class.model_validate({} if data is None else data)
+    except ValidationError as exc:
+        for line in format_validation_error(exc):
+            problems.append(f"{prefix}.{line}" if not line.startswith("(") else
+                            f"{prefix}: {line.split(': ', 1)[1]}")
+        return None
+
+
+def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThresholds]:
+    if not isinstance(data, dict):
+        raise ConfigError(["(top level): must be a mapping with 'version' and 'models'"], source)
+    problems: list[str] = []
+    if data.get("version") != 1:
+        problems.append("version: must be 1")
+    _validate_block(ServerConfig, data.get("server"), "server", problems)
+    models = data.get("models")
+    if not isinstance(models, list) or not models:
+        raise ConfigError(problems + ["models: must be a non-empty list"], source)
+    known_keys = set(ModelConfig.model_fields)
+    found: list[ModelThresholds] = []
+    seen: set[str] = set()
+    for i, block in enumerate(models):
+        where = f"models[{i}]"
+        if not isinstance(block, dict):
+            problems.append(f"{where}: must be a mapping")
+            continue
+        problems += [f"{where}.{key}: unknown key" for key in block if key not in known_keys]
+        name = block.get("name")
+        if not isinstance(name, str) or not _MODEL_NAME.match(name):
+            problems.append(f"{where}.name: must match {_MODEL_NAME.pattern}")
+            continue
+        if name in seen:
+            problems.append(f"{where}.name: model name '{name}' appears twice")
+        seen.add(name)
+        if "primary" not in block:
+            problems.append(f"{where}.primary: required key is missing")
+        policy = _validate_block(PolicyConfig, block.get("policy"), f"{where}.policy", problems)
+        mirror = _validate_block(MirrorConfig, block.get("mirror"), f"{where}.mirror", problems)
+        has_fallback = block.get("fallback") is not None
+        if policy is not None and policy.action == "fallback_model" and not has_fallback:
+            problems.append(f"{where}: policy.action 'fallback_model' needs a 'fallback' backend")
+        if policy is not None and mirror is not None:
+            found.append(ModelThresholds(name, policy, mirror,
+                                         block.get("reference") is not None, has_fallback))
+    if problems:
+        raise ConfigError(problems, source)
+    return found
+
+
+# -- building the rules --------------------------------------------------------------------------
+def _pct(ratio: float) -> str:
+    return f"{ratio * 100:g}%"
+
+
+def _alert(name: str, expr: str, duration: str | None, severity: str, summary: str,
+           description: str, settings: RuleSettings) -> dict:
+    return {
+        "alert": name,
+        "expr": expr,
+        **({"for": duration} if duration else {}),
+        "labels": {"severity": severity},
+        "annotations": {
+            "summary": summary,
+            "description": description,
+            "runbook_url": settings.runbook(name),
+        },
+    }
+
+
+def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
+    sel = f'model="{model.name}"'
+    policy, mirror = model.policy, model.mirror
+    rules = []
+    if model.mirrors:
+        if policy.action == "alert":
+            consequence = ("policy.action is alert: the primary keeps answering clients with "
+                           "these results.")
+        else:
+            consequence = ("policy.action is fallback_model, which resets the window when it "
+                           "switches: a ratio that stays over the trip ratio means the route "
+                           "could not move (pinned by an override?).")
+        rules.append(_alert(
+            "GuardDriftOverThreshold",
+            f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}",
+            settings.drift_for, "critical",
+            f"guard {model.name}: {{{{ $labels.tier }}}} drift {{{{ $value | humanizePercentage "
+            f"}}}} over trip_ratio {_pct(policy.trip_ratio)}",
+            f"On {{{{ $labels.instance }}}}, {{{{ $value | humanizePercentage }}}} of model "
+            f"{model.name}'s last mirrored samples (window {policy.window}) fail the "
+            f"{{{{ $labels.tier }}}} checks; policy.trip_ratio is {policy.trip_ratio!r}. "
+            + consequence,
+            settings,
+        ))
+    if model.has_fallback:
+        rules.append(_alert(
+            "GuardFallbackActive",
+            f"guard_fallback_active{{{sel}}} == 1",
+            settings.fallback_for, "warning",
+            f"guard {model.name}: fallback serving for over {settings.fallback_for}",
+            f"On {{{{ $labels.instance }}}} the fallback answers model {model.name} "
+            f"(scope {{{{ $labels.scope }}}}). The guard probes the primary after "
+            f"policy.dwell_s={policy.dwell_s:g}s and routes back once a window of probes fails at "
+            f"most policy.recover_ratio={policy.recover_ratio!r}; it has not done so yet.",
+            settings,
+        ))
+    if model.mirrors:
+        w = settings.rate_window
+        rules.append(_alert(
+            "GuardMirrorDropping",
+            f'sum without (outcome) (rate(guard_mirror_total{{{sel},outcome="dropped"}}[{w}]))'
+            f" / sum without (outcome) (rate(guard_mirror_total{{{sel}}}[{w}]))"
+            f" > {settings.mirror_drop_ratio!r}",
+            settings.mirror_for, "warning",
+            f"guard {model.name}: {{{{ $value | humanizePercentage }}}} of mirrored samples "
+            "dropped",
+            f"On {{{{ $labels.instance }}}} the mirror queue of model {model.name} "
+            f"(mirror.queue_size {mirror.queue_size}) is full for "
+            f"{{{{ $value | humanizePercentage }}}} of sampled requests over {w} (alert above "
+            f"{_pct(settings.mirror_drop_ratio)}): the reference cannot keep up with "
+            f"mirror.sample_rate {mirror.sample_rate!r}, and drift on the dropped samples goes "
+            "unseen. Clients are not affected.",
+            settings,
+        ))
+        rules.append(_alert(
+            "GuardReferenceFailing",
+            f'sum without (outcome) (rate(guard_mirror_total{{{sel},outcome=~"error|timeout"}}'
+            f"[{w}])) / sum without (outcome) (rate(guard_mirror_total"
+            f'{{{sel},outcome!="dropped"}}[{w}])) > {settings.reference_error_ratio!r}',
+            settings.reference_for, "warning",
+            f"guard {model.name}: {{{{ $value | humanizePercentage }}}} of reference calls fail "
+            "or time out",
+            f"On {{{{ $labels.instance }}}}, {{{{ $value | humanizePercentage }}}} of the samples "
+            f"of model {model.name} that reached the reference over {w} ended in an error or "
+            f"took longer than mirror.timeout_s={mirror.timeout_s:g}s (alert above "
+            f"{_pct(settings.reference_error_ratio)}). Those samples are not checked.",
+            settings,
+        ))
+    return rules
+
+
+def availability_rules(settings: RuleSettings) -> list[dict]:
+    window = settings.reload_window
+    return [_alert(
+        "GuardDown",
+        f'up{{job="{settings.job}"}} == 0',
+        settings.down_for, "critical",
+        "guard {{ $labels.instance }} cannot be scraped",
+        f"Prometheus has not scraped guard target {{{{ $labels.instance }}}} (job "
+        f"{settings.job}) for {settings.down_for}. Clients reach the model through the guard: "
+        "the model on this replica is probably unreachable too.",
+        settings,
+    ), _alert(
+        "GuardConfigReloadFailed",
+        # A reload that went wrong counts once (the file is not retried until it changes
+        # again): the alert holds for the window, then resolves.
+        f'increase(guard_config_reloads_total{{result=~"rejected|failed"}}[{window}]) > 0',
+        None, "warning",
+        "guard {{ $labels.instance }}: a config reload was {{ $labels.result }}",
+        f"On {{{{ $labels.instance }}}} a config reload was {{{{ $labels.result }}}} in the "
+        f"last {window}. rejected: the new file did not validate and the previous config stays "
+        "in force; failed: a changed model did not load and its previous version keeps "
+        "serving. Until fixed, the guard runs something other than its config file says.",
+        settings,
+    )]
+
+
+def rule_groups(models: list[ModelThresholds], settings: RuleSettings) -> list[dict]:
+    groups = [{"name": "guard.availability", "rules": availability_rules(settings)}]
+    for model in models:
+        rules = model_rules(model, settings)
+        if rules:
+            groups.append({"name": f"guard.model.{model.name}", "rules": rules})
+    return groups
+
+
+def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "prometheus",
+           source: str = "") -> str:
+    """The rule file (``prometheus``) or a PrometheusRule custom resource, as YAML text."""
+    if fmt not in FORMATS:
+        raise ValueError(f"format must be one of {', '.join(FORMATS)}")
+    groups = rule_groups(models, settings)
+    if fmt == "prometheus":
+        document: dict = {"groups": groups}
+    else:
+        document = {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "PrometheusRule",
+            "metadata": {
+                "name": PROMETHEUS_RULE_NAME,
+                "labels": {"app.kubernetes.io/name": "guard",
+                           "app.kubernetes.io/component": "alerting"},
+            },
+            "spec": {"groups": groups},
+        }
+    header = ("# Generated by `guard deploy rules" + (f" --config {source}" if source else "")
+              + f" --format {fmt}`. Do not edit: change the guard config and regenerate.\n")
+    # width: one line per expression and annotation, never folded mid-expression.
+    return header + yaml.safe_dump(document, sort_keys=False, width=1000, allow_unicode=True)

@@ -1,0 +1,192 @@
+"""The matrix YAML as typed models (strict like the guard config: unknown keys are errors).
+
+```yaml
+version: 1
+name: cpu
+output_dir: results/cpu          # relative to this file; --output-dir overrides
+threads: 2                       # intra-op threads of every backend (the reference: 1)
+reference: {backend: torch}      # the truth every backend is checked against
+models:
+  - {name: resnet, zoo: resnet, inputs: {samples: 8, seed: 0, batch: 1}}
+  - name: mine                   # or artifacts / a factory
+    task: classification
+    torchscript: models/mine.pt  # used by torch and torch_compile backends
+    onnx: models/mine.onnx       # used by onnxruntime backends
+    inputs: {file: inputs.npz}   # arrays batched on axis 0; default: generated (seeded)
+    adapters: [float64_softmax]
+    checks: {task: {classification: {top_k: 3}}}
+backends:
+  - {name: ort_int8, backend: onnxruntime, precision: int8}
+tolerances: {atol: [1.0e-6, 1.0e-5, 1.0e-4, 1.0e-3], rtol: [1.0e-5]}
+tiers: [tensor, task]
+```
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    model_validator,
+)
+
+from guard.config import (
+    FACTORY_REF,
+    AdapterConfig,
+    BackendName,
+    Precision,
+    Task,
+    TaskCheckConfig,
+    _adapter_entry,
+    format_validation_error,
+)
+from guard.errors import ConfigError
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class InputSet(_Strict):
+    samples: int = Field(8, ge=1, description="Inferences per backend (one check sample each).")
+    batch: int = Field(1, ge=1, description="Rows per inference.")
+    seed: int = Field(0, description="Seed of generated inputs.")
+    file: str | None = Field(None, description=".npz of inputs batched on axis 0.")
+
+
+class MatrixChecks(_Strict):
+    task: TaskCheckConfig = Field(default_factory=TaskCheckConfig)
+
+
+class MatrixModel(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    zoo: str | None = Field(None, description="A guard zoo model (guard.zoo.names()).")
+    torchscript: str | None = Field(None, description="TorchScript/.pt2 for torch backends.")
+    onnx: str | None = Field(None, description=".onnx for onnxruntime backends.")
+    factory: str | None = Field(None, description="'module:factory' for torch backends.")
+    factory_kwargs: dict[str, Any] = Field(default_factory=dict)
+    task: Task | None = Field(None, description="Default: the zoo model's task, else generic.")
+    inputs: InputSet = Field(default_factory=InputSet)
+    adapters: list[Annotated[AdapterConfig, BeforeValidator(_adapter_entry)]] | None = Field(
+        None, description="Default: the zoo model's adapters.")
+    checks: MatrixChecks = Field(default_factory=MatrixChecks)
+    reference: "ReferenceBackend | None" = Field(
+        None, description="This model's reference, when not the matrix-wide one (e.g. an "
+        "ONNX-only model)."
+    )
+
+    @model_validator(mode="after")
+    def _one_source(self) -> "MatrixModel":
+        if self.zoo is None and not (self.torchscript or self.onnx or self.factory):
+            raise ValueError("give 'zoo', or artifacts ('torchscript', 'onnx') or a 'factory'")
+        if self.zoo is not None and (self.torchscript or self.onnx or self.factory):
+            raise ValueError("'zoo' and artifacts/factory are exclusive")
+        if self.factory is not None and not FACTORY_REF.match(self.factory):
+            raise ValueError("factory must look like 'package.module:function'")
+        return self
+
+
+class MatrixBackend(_Strict):
+    name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
+    backend: BackendName
+    precision: Precision = "fp32"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+class Tolerances(_Strict):
+    atol: list[float] = Field(min_length=1)
+    rtol: list[float] = Field(min_length=1)
+
+    @model_validator(mode="after")
+    def _non_negative(self) -> "Tolerances":
+        if any(v < 0 for v in self.atol + self.rtol):
+            raise ValueError("tolerances must be >= 0")
+        return self
+
+
+class ReferenceBackend(_Strict):
+    backend: Literal["torch", "onnxruntime"] = "torch"
+    options: dict[str, Any] = Field(default_factory=dict)
+
+
+MatrixModel.model_rebuild()
+
+
+class MatrixConfig(_Strict):
+    version: Literal[1]
+    name: str = "matrix"
+    output_dir: str = "matrix-results"
+    threads: int = Field(2, ge=1, description="Intra-op threads of the checked backends.")
+    reference: ReferenceBackend = Field(default_factory=ReferenceBackend)
+    models: list[MatrixModel] = Field(min_length=1)
+    backends: list[MatrixBackend] = Field(min_length=1)
+    tolerances: Tolerances
+    tiers: list[Literal["tensor", "task"]] = Field(default_factory=lambda: ["tensor", "task"])
+
+    @model_validator(mode="after")
+    def _unique(self) -> "MatrixConfig":
+        for kind, items in (("model", self.models), ("backend", self.backends)):
+            seen = set()
+            for item in items:
+                if item.name in seen:
+                    raise ValueError(f"{kind} name '{item.name}' appears twice")
+                seen.add(item.name)
+        return self
+
+
+def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
+    """Parse and validate; returns the config and the folder relative paths resolve against."""
+    from guard.backends.options import validate_backend_options
+    from guard.config import DERIVABLE_PRECISIONS, IMPLEMENTED_BACKENDS
+    from guard.zoo import names as zoo_names
+
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read: {exc.strerror or exc}"], str(path)) from None
+    except yaml.YAMLError as exc:
+        raise ConfigError([f"(yaml): {exc}"], str(path)) from None
+    if not isinstance(data, dict):
+        raise ConfigError(["(top level): must be a mapping"], str(path))
+    try:
+        config = MatrixConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc), str(path)) from None
+    base = path.resolve().parent
+    problems = []
+    for i, b in enumerate(config.backends):
+        if b.backend not in IMPLEMENTED_BACKENDS:
+            problems.append(f"backends[{i}].backend: '{b.backend}' is not available in this "
+                            f"version of guard")
+        elif b.precision not in DERIVABLE_PRECISIONS[b.backend]:
+            problems.append(f"backends[{i}].precision: {b.backend} cannot derive {b.precision}")
+        else:
+            problems += [f"backends[{i}].options{line}"
+                         for line in validate_backend_options(b.backend, b.options)]
+    for i, m in enumerate(config.models):
+        if m.zoo is not None and m.zoo not in zoo_names():
+            problems.append(f"models[{i}].zoo: unknown zoo model '{m.zoo}' (available: "
+                            f"{', '.join(zoo_names())})")
+        for key in ("torchscript", "onnx"):
+            value = getattr(m, key)
+            if value is not None:
+                resolved = (base / value).resolve()
+                if not resolved.exists():
+                    problems.append(f"models[{i}].{key}: file not found: {resolved}")
+                setattr(m, key, str(resolved))
+        if m.inputs.file is not None:
+            resolved = (base / m.inputs.file).resolve()
+            if not resolved.exists():
+                problems.append(f"models[{i}].inputs.file: file not found: {resolved}")
+            m.inputs.file = str(resolved)
+    if problems:
+        raise ConfigError(problems, str(path))
+    return config, base

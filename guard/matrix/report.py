@@ -1,0 +1,157 @@
+"""Summary tables of a matrix run: pass rate by tolerance, model x backend (table and heat map
+PNG), failure taxonomy, smallest passing atol, latencies. Written as summary.json and summary.md
+(and heatmap.png when matplotlib is installed: ``pip install 'guard[matrix]'``)."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, defaultdict
+from pathlib import Path
+
+
+def _rate(passed: int, total: int) -> str:
+    return f"{100 * passed / total:.1f}% ({passed}/{total})" if total else "n/a"
+
+
+def summarise(records: list[dict]) -> dict:
+    run = [r for r in records if r["status"] != "skip"]
+    passed = sum(r["status"] == "pass" for r in run)
+    by_tol: dict = defaultdict(lambda: defaultdict(lambda: [0, 0]))
+    cells: dict = defaultdict(lambda: [0, 0])
+    taxonomy = Counter(r["failure_type"] for r in run if r["status"] == "fail")
+    taxonomy_by_backend: dict = defaultdict(Counter)
+    min_atol: dict = {}
+    latency: dict = {}
+    for r in run:
+        ok = r["status"] == "pass"
+        for tier in (r["tier"], "all"):
+            cell = by_tol[f"atol={r['atol']:g} rtol={r['rtol']:g}"][tier]
+            cell[0] += ok
+            cell[1] += 1
+        key = (r["model"], r["backend"])
+        cells[key][0] += ok
+        cells[key][1] += 1
+        if not ok:
+            taxonomy_by_backend[r["backend"]][r["failure_type"]] += 1
+        if r["tier"] == "tensor" and ok:
+            current = min_atol.get(key)
+            min_atol[key] = r["atol"] if current is None else min(current, r["atol"])
+        if "latency" in r:
+            latency[key] = r["latency"]
+    models = list(dict.fromkeys(r["model"] for r in records))
+    backends = list(dict.fromkeys(r["backend"] for r in records))
+    return {
+        "checks": len(run),
+        "passed": passed,
+        "skipped": len(records) - len(run),
+        "pass_rate": passed / len(run) if run else 0.0,
+        "models": models,
+        "backends": backends,
+        "by_tolerance": {t: {tier: {"passed": c[0], "checks": c[1]} for tier, c in v.items()}
+                         for t, v in by_tol.items()},
+        "cells": {f"{m}|{b}": {"passed": c[0], "checks": c[1]} for (m, b), c in cells.items()},
+        "failure_taxonomy": dict(taxonomy),
+        "failure_taxonomy_by_backend": {b: dict(c) for b, c in taxonomy_by_backend.items()},
+        "min_passing_atol": {f"{m}|{b}": v for (m, b), v in min_atol.items()},
+        "latency": {f"{m}|{b}": v for (m, b), v in latency.items()},
+        "environment": records[0]["environment"] if records else {},
+    }
+
+
+def markdown(summary: dict, title: str) -> str:
+    s = summary
+    lines = [f"# guard matrix: {title}", "",
+             f"{s['checks']} checks (model x backend x tolerance x tier), {s['passed']} pass: "
+             f"**{100 * s['pass_rate']:.1f}%**" + (f"; {s['skipped']} skipped (backend does not "
+                                                  f"apply)" if s["skipped"] else "") + ".", ""]
+    env = s.get("environment", {})
+    if env:
+        lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    tiers = sorted({tier for v in s["by_tolerance"].values() for tier in v} - {"all"}) + ["all"]
+    lines += ["## Pass rate by tolerance", "", "| tolerance | " + " | ".join(tiers) + " |",
+              "| --- |" + " --- |" * len(tiers)]
+    for tol, v in s["by_tolerance"].items():
+        lines.append(f"| {tol} | " + " | ".join(
+            _rate(v[t]["passed"], v[t]["checks"]) if t in v else "" for t in tiers) + " |")
+    lines += ["", "## Model x backend (checks passed over all tolerances and tiers)", "",
+              "| model | " + " | ".join(s["backends"]) + " |",
+              "| --- |" + " --- |" * len(s["backends"])]
+    for m in s["models"]:
+        row = []
+        for b in s["backends"]:
+            c = s["cells"].get(f"{m}|{b}")
+            row.append(f"{c['passed']}/{c['checks']}" if c else "skip")
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    lines += ["", "## Smallest atol in the grid at which tier 1 passes", "",
+              "| model | " + " | ".join(s["backends"]) + " |",
+              "| --- |" + " --- |" * len(s["backends"])]
+    for m in s["models"]:
+        row = []
+        for b in s["backends"]:
+            v = s["min_passing_atol"].get(f"{m}|{b}")
+            row.append(f"{v:g}" if v is not None else ("none" if f"{m}|{b}" in s["cells"]
+                                                      else "skip"))
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    lines += ["", "## Failure taxonomy", "", "| failure type | checks |", "| --- | --- |"]
+    for kind, count in sorted(s["failure_taxonomy"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {count} |")
+    if s["failure_taxonomy_by_backend"]:
+        kinds = sorted(s["failure_taxonomy"])
+        lines += ["", "| backend | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * len(kinds)]
+        for b, c in s["failure_taxonomy_by_backend"].items():
+            lines.append(f"| {b} | " + " | ".join(str(c.get(k, 0)) for k in kinds) + " |")
+    lines += ["", "## Median latency per sample (ms): reference / backend", "",
+              "| model | " + " | ".join(s["backends"]) + " |",
+              "| --- |" + " --- |" * len(s["backends"])]
+    for m in s["models"]:
+        row = []
+        for b in s["backends"]:
+            lat = s["latency"].get(f"{m}|{b}")
+            row.append(f"{lat['reference_ms']:.2f} / {lat['backend_ms']:.2f}" if lat else "")
+        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def heatmap(summary: dict, path: Path, title: str) -> str:
+    """Write the model x backend pass-rate heat map; returns "" or why it was not written."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: pip install 'guard[matrix]'"
+    import numpy as np
+
+    models, backends = summary["models"], summary["backends"]
+    grid = np.full((len(models), len(backends)), np.nan)
+    for i, m in enumerate(models):
+        for j, b in enumerate(backends):
+            c = summary["cells"].get(f"{m}|{b}")
+            if c and c["checks"]:
+                grid[i, j] = c["passed"] / c["checks"]
+    fig, ax = plt.subplots(figsize=(1.3 * len(backends) + 2.5, 0.6 * len(models) + 2))
+    image = ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+    ax.set_xticks(range(len(backends)), backends, rotation=35, ha="right")
+    ax.set_yticks(range(len(models)), models)
+    for i, m in enumerate(models):
+        for j, b in enumerate(backends):
+            c = summary["cells"].get(f"{m}|{b}")
+            ax.text(j, i, f"{c['passed']}/{c['checks']}" if c else "skip", ha="center",
+                    va="center", fontsize=8)
+    fig.colorbar(image, ax=ax, label="share of checks passing")
+    ax.set_title(f"{title}: {100 * summary['pass_rate']:.1f}% of {summary['checks']} checks pass")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return ""
+
+
+def write_report(records: list[dict], output_dir: Path, title: str) -> dict:
+    summary = summarise(records)
+    why = heatmap(summary, output_dir / "heatmap.png", title)
+    text = markdown(summary, title)
+    text += ("\n![model x backend](heatmap.png)\n" if not why else f"\nNo heat map: {why}\n")
+    (output_dir / "summary.md").write_text(text)
+    (output_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+    return summary

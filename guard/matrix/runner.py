@@ -1,0 +1,328 @@
+"""Run a matrix: every model on the reference and on every backend, then every check.
+
+One *check* is (model, backend, tolerance, tier) over the model's input set: it passes when
+every sample passes that tier. Each check becomes one JSONL record with the configuration, the
+statistics (worst over samples for errors, mean for task metrics), latencies, the failure type
+(``exception``: the backend could not load or run; ``shape``: outputs differ in count, names,
+shapes, dtypes or nesting; ``numeric``: tolerance exceeded or NaN/Inf disagreement; ``task``:
+tier 3 failed) and the environment fingerprint. A backend that does not apply to a model (no
+ONNX artifact for an onnxruntime backend) is recorded as ``skip`` and left out of pass rates.
+
+Each backend is loaded once per model and run on every sample; checks at every tolerance reuse
+those outputs (the tolerance changes the verdict, not the answers).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import platform
+import statistics
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from guard.config import BackendConfig, ChecksConfig
+from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel
+from guard.verify.pipeline import CheckResult, Verifier
+
+log = logging.getLogger("guard.matrix")
+
+SHAPE_WORDS = ("shape", "lacks this output", "dtype", "adapter failed", "non-numeric")
+
+
+@dataclass
+class PreparedModel:
+    config: MatrixModel
+    task: str
+    adapters: list
+    torchscript: str | None = None
+    onnx: str | None = None
+    factory: str | None = None
+    factory_kwargs: dict = field(default_factory=dict)
+    eager_factory: str | None = None  # zoo models: the eager module, for torch_compile
+    samples: list[dict[str, np.ndarray]] = field(default_factory=list)
+
+
+def zoo_dir() -> Path:
+    """Exported zoo models live in the guard cache, not beside the results."""
+    from guard.backends.derive import cache_dir
+
+    return cache_dir().parent / "zoo"
+
+
+def environment() -> dict:
+    import importlib.metadata as md
+
+    def version(pkg):
+        try:
+            return md.version(pkg)
+        except md.PackageNotFoundError:
+            return None
+
+    cpu = platform.processor() or ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    env = {"guard": version("guard"), "python": platform.python_version(),
+           "numpy": np.__version__, "torch": version("torch"),
+           "onnxruntime": version("onnxruntime"), "platform": platform.platform(),
+           "cpu": cpu, "cores": os.cpu_count()}
+    try:
+        import torch
+
+        env["torch_threads"] = torch.get_num_threads()
+        env["torch_deterministic"] = torch.are_deterministic_algorithms_enabled()
+    except ImportError:
+        pass
+    return env
+
+
+def prepare(model: MatrixModel, workdir: Path) -> PreparedModel:
+    adapters = model.adapters
+    if model.zoo is not None:
+        from guard.zoo import zoo_entry
+
+        entry = zoo_entry(model.zoo)
+        paths = entry.export(workdir, 0)
+        prepared = PreparedModel(model, model.task or entry.task,
+                                 adapters if adapters is not None else _adapter_configs(
+                                     entry.adapters),
+                                 torchscript=str(paths.get("torchscript") or "") or None,
+                                 onnx=str(paths.get("onnx") or "") or None,
+                                 factory_kwargs=dict(entry.factory_kwargs),
+                                 eager_factory=entry.factory)
+        n = model.inputs.samples * model.inputs.batch
+        arrays = entry.sample_inputs(n, model.inputs.seed)
+    else:
+        prepared = PreparedModel(model, model.task or "generic", adapters or [],
+                                 torchscript=model.torchscript, onnx=model.onnx,
+                                 factory=model.factory,
+                                 factory_kwargs=dict(model.factory_kwargs))
+        arrays = None
+    if model.inputs.file is not None:
+        with np.load(model.inputs.file) as data:
+            arrays = {k: data[k] for k in data.files}
+    prepared.samples = _split(arrays, model.inputs.batch, model.inputs.samples) if arrays else []
+    return prepared
+
+
+def _adapter_configs(entries) -> list:
+    from guard.config import AdapterConfig, _adapter_entry
+
+    return [AdapterConfig.model_validate(_adapter_entry(e)) for e in entries]
+
+
+def _split(arrays: dict[str, np.ndarray], batch: int, samples: int) -> list[dict]:
+    rows = min(a.shape[0] for a in arrays.values())
+    count = min(samples, max(1, rows // batch))
+    return [{k: v[i * batch:(i + 1) * batch] for k, v in arrays.items()} for i in range(count)]
+
+
+def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
+                 base: Path) -> BackendConfig | str:
+    """The backend block for this model, or why the backend does not apply to it."""
+    options = dict(options)
+    if kind == "onnxruntime":
+        if not model.onnx:
+            return "no ONNX artifact for this model"
+        path = model.onnx
+    elif model.factory or (kind == "torch_compile" and model.eager_factory):
+        # torch.compile cannot compile TorchScript: it gets the eager module when there is one.
+        path = model.factory or model.eager_factory
+        options.setdefault("kwargs", model.factory_kwargs)
+    elif model.torchscript:
+        path = model.torchscript
+    else:
+        return "no TorchScript artifact or factory for this model"
+    spec = BackendConfig.model_validate({"backend": kind, "path": path, "precision": precision,
+                                         "options": options})
+    spec._base_dir = base
+    return spec
+
+
+@dataclass
+class BackendRun:
+    outputs: list[dict] = field(default_factory=list)
+    error: str = ""
+    load_s: float = 0.0
+    latency_ms: float = 0.0
+
+
+def run_backend(spec: BackendConfig, role: str, threads: int, samples, generate=None) -> BackendRun:
+    from guard.backends import create_backend
+
+    run = BackendRun()
+    started = time.perf_counter()
+    try:
+        backend = create_backend(spec, role, threads)
+        backend.load()
+    except Exception as exc:
+        run.error = f"load failed: {type(exc).__name__}: {exc}"
+        return run
+    run.load_s = time.perf_counter() - started
+    try:
+        if not samples and generate is not None:
+            samples[:] = generate(backend)
+        if samples:
+            backend.infer(samples[0])  # warm-up (torch.compile compiles here)
+        times = []
+        for sample in samples:
+            t0 = time.perf_counter()
+            run.outputs.append(backend.infer(sample))
+            times.append(time.perf_counter() - t0)
+        run.latency_ms = 1000 * statistics.median(times) if times else 0.0
+    except Exception as exc:
+        run.error = f"inference failed: {type(exc).__name__}: {exc}"
+        log.debug("%s", traceback.format_exc())
+    finally:
+        backend.close()
+    return run
+
+
+def _tensor_failure(result: CheckResult) -> str:
+    reasons = " ".join(o.reason for o in result.tensor.failures)
+    return "shape" if any(w in reasons for w in SHAPE_WORDS) else "numeric"
+
+
+def _tier_stats(tier: str, results: list[CheckResult]) -> dict:
+    if tier == "tensor":
+        outs = [o for r in results for o in r.tensor.outputs]
+        finite = [o for o in outs if np.isfinite(o.max_abs)]
+        worst = lambda key: max((getattr(o, key) for o in finite), default=0.0)  # noqa: E731
+        return {
+            "outputs": len({o.name for o in outs}),
+            "max_abs": worst("max_abs"),
+            "mean_abs": float(np.mean([o.mean_abs for o in finite])) if finite else 0.0,
+            "p99_abs": worst("p99_abs"),
+            "max_rel": worst("max_rel"),
+            "cosine_distance": worst("cosine_distance"),
+            "min_rtol_to_pass": worst("min_rtol"),
+            "nonfinite_mismatch": sum(o.nonfinite_mismatch for o in outs),
+        }
+    metrics: dict[str, list[float]] = {}
+    for r in results:
+        for key, value in r.task.metrics.items():
+            if isinstance(value, (int, float)):
+                metrics.setdefault(key, []).append(float(value))
+    return {k: float(np.mean(v)) for k, v in metrics.items()}
+
+
+def _first_reason(tier: str, results: list[CheckResult]) -> str:
+    for r in results:
+        t = r.tiers.get(tier)
+        if t is not None and not t.passed:
+            return t.summary()[:400]
+    return ""
+
+
+def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
+               say: Callable[[str], None] = print) -> list[dict]:
+    from guard.verify.noise import generate_inputs
+
+    output_dir.mkdir(parents=True, exist_ok=True)
+    env: dict = {}
+    records: list[dict] = []
+    records_path = output_dir / "records.jsonl"
+    handle = records_path.open("w")
+    grid = [(a, r) for a in config.tolerances.atol for r in config.tolerances.rtol]
+
+    def emit(record: dict) -> None:
+        if not env:  # taken after the reference loaded: its determinism flags are then set
+            env.update(environment())
+        record["environment"] = env
+        records.append(record)
+        handle.write(json.dumps(record, default=float) + "\n")
+        handle.flush()
+
+    try:
+        for model in config.models:
+            say(f"model {model.name}: preparing")
+            prepared = prepare(model, zoo_dir())
+            ref_config = model.reference or config.reference
+            ref_spec = backend_spec(prepared, ref_config.backend, "fp32", ref_config.options, base)
+            if isinstance(ref_spec, str):
+                say(f"model {model.name}: no reference ({ref_spec}); skipped")
+                continue
+
+            def generate(backend):
+                return _split(generate_inputs(backend.describe().inputs,
+                                              model.inputs.samples * model.inputs.batch,
+                                              model.inputs.seed),
+                              model.inputs.batch, model.inputs.samples)
+
+            reference = run_backend(ref_spec, "reference", 1, prepared.samples, generate)
+            if reference.error:
+                say(f"model {model.name}: reference failed ({reference.error}); skipped")
+                continue
+            say(f"model {model.name}: reference {ref_config.backend} fp32, "
+                f"{len(prepared.samples)} samples, {reference.latency_ms:.2f} ms/sample")
+            for backend in config.backends:
+                _check_backend(config, base, prepared, backend, reference, grid, emit, say)
+    finally:
+        handle.close()
+    return records
+
+
+def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend,
+                   reference: BackendRun, grid, emit, say) -> None:
+    model = prepared.config
+    spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base)
+    common = {"matrix": config.name, "model": model.name, "task": prepared.task,
+              "reference": f"{(model.reference or config.reference).backend} fp32",
+              "backend": backend.name,
+              "backend_kind": backend.backend, "precision": backend.precision,
+              "options": backend.options, "adapters": [a.name for a in prepared.adapters],
+              "samples": len(prepared.samples)}
+    tiers = [t for t in config.tiers if t != "task" or prepared.task != "generic"]
+    if isinstance(spec, str):
+        for atol, rtol in grid:
+            for tier in tiers:
+                emit({**common, "atol": atol, "rtol": rtol, "tier": tier, "status": "skip",
+                      "failure_type": None, "reason": spec})
+        say(f"  {backend.name}: skipped ({spec})")
+        return
+    run = run_backend(spec, "primary", config.threads, prepared.samples)
+    latency = {"reference_ms": reference.latency_ms, "backend_ms": run.latency_ms,
+               "backend_load_s": round(run.load_s, 3)}
+    if run.error:
+        for atol, rtol in grid:
+            for tier in tiers:
+                emit({**common, "atol": atol, "rtol": rtol, "tier": tier, "status": "fail",
+                      "failure_type": "exception", "reason": run.error})
+        say(f"  {backend.name}: exception: {run.error}")
+        return
+    passed_cells = []
+    for atol, rtol in grid:
+        checks = ChecksConfig.model_validate({
+            "tensor": {"atol": atol, "rtol": rtol, "noise_floor": {"enabled": False}},
+            "task": model.checks.task.model_dump(exclude_unset=True)})
+        verifier = Verifier(checks, prepared.task, prepared.adapters)
+        results = [verifier.check(ref, out) for ref, out in zip(reference.outputs, run.outputs)]
+        for tier in tiers:
+            tier_results = [r.tiers[tier] for r in results]
+            ok = all(t.passed for t in tier_results)
+            failure = None
+            if not ok:
+                if tier == "tensor":
+                    failure = next(_tensor_failure(r) for r in results if not r.tensor.passed)
+                else:
+                    failure = next(("shape" if t.failure == "shape" else "task")
+                                   for t in tier_results if not t.passed)
+            emit({**common, "atol": atol, "rtol": rtol, "tier": tier,
+                  "status": "pass" if ok else "fail", "failure_type": failure,
+                  "reason": "" if ok else _first_reason(tier, results),
+                  "samples_passed": sum(t.passed for t in tier_results),
+                  "stats": _tier_stats(tier, results), "latency": latency})
+            passed_cells.append(ok)
+    say(f"  {backend.name}: {sum(passed_cells)}/{len(passed_cells)} checks pass, "
+        f"{run.latency_ms:.2f} ms/sample")

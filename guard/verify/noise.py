@@ -1,0 +1,165 @@
+"""The reference's noise floor: how far it disagrees with itself (Diffy's idea, for tensors).
+
+Measured once per model at load, before the mirror starts:
+
+- batch 1 vs batched: each input row run alone, and all rows in one batch (kernels pick other
+  blockings, reductions run in another order);
+- thread counts: the batched run repeated at each of ``thread_counts`` (another reduction split).
+
+Per output, the floor is the largest absolute difference seen in any of these comparisons.
+Tier 1 then allows ``atol + rtol * max|ref| + multiplier * floor`` (``checks.tensor.noise_floor``):
+drift is judged beyond what the reference does on its own.
+
+Inputs: an ``.npz`` named in the config, else generated from the model's signature (seeded):
+float inputs standard normal, integer inputs in [0, 10), booleans at random. A signature
+without datatypes or with unknown non-batch dimensions cannot generate inputs: the floor is then
+not measured and the report says why (name an .npz instead).
+
+Thread counts: torch's thread count is process-wide, so the torch reference is rerun with
+``torch.set_num_threads`` changed for the measurement and restored after (this happens at load,
+before the model serves). ONNX Runtime gets a second session with the other thread count.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from guard.backends import Backend, TensorSpec, create_backend
+from guard.backends.base import OIP_TO_NUMPY
+from guard.config import BackendConfig, NoiseFloorConfig
+
+
+@dataclass
+class NoiseFloor:
+    per_output: dict[str, float] = field(default_factory=dict)
+    comparisons: list[str] = field(default_factory=list)
+    samples: int = 0
+    source: str = ""
+    skipped: str = ""  # why the floor was not measured ("" when it was)
+    notes: list[str] = field(default_factory=list)
+
+    def as_dict(self) -> dict:
+        return {"per_output": dict(self.per_output), "comparisons": list(self.comparisons),
+                "samples": self.samples, "source": self.source, "skipped": self.skipped,
+                "notes": list(self.notes)}
+
+
+THREADED_BACKENDS = ("torch", "torch_compile", "onnxruntime")
+
+
+class CannotGenerate(ValueError):
+    pass
+
+
+def generate_inputs(specs: tuple[TensorSpec, ...], rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded inputs shaped by the signature, ``rows`` along axis 0."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for spec in specs:
+        if not spec.datatype or spec.datatype not in OIP_TO_NUMPY or not spec.shape:
+            raise CannotGenerate(f"input '{spec.name}' has no known datatype/shape")
+        if any(d < 0 for d in spec.shape[1:]):
+            raise CannotGenerate(f"input '{spec.name}' has unknown dimensions {list(spec.shape)}")
+        shape = (rows,) + tuple(spec.shape[1:])
+        dtype = OIP_TO_NUMPY[spec.datatype]
+        if np.issubdtype(dtype, np.floating):
+            out[spec.name] = rng.standard_normal(shape).astype(dtype)
+        elif dtype == np.bool_:
+            out[spec.name] = rng.random(shape) < 0.5
+        else:
+            out[spec.name] = rng.integers(0, 10, size=shape).astype(dtype)
+    return out
+
+
+def _max_abs(a: np.ndarray, b: np.ndarray) -> float | None:
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or not np.issubdtype(a.dtype, np.number):
+        return None
+    a64, b64 = a.astype(np.float64), b.astype(np.float64)
+    both = np.isfinite(a64) & np.isfinite(b64)
+    return float(np.max(np.abs(a64[both] - b64[both]))) if both.any() else 0.0
+
+
+def _fold(floor: NoiseFloor, label: str, a: dict, b: dict) -> None:
+    floor.comparisons.append(label)
+    for name in sorted(set(a) & set(b)):
+        err = _max_abs(a[name], b[name])
+        if err is None:
+            floor.notes.append(f"{label}: output '{name}' not comparable (shape/dtype)")
+            continue
+        floor.per_output[name] = max(floor.per_output.get(name, 0.0), err)
+
+
+@contextlib.contextmanager
+def _with_threads(reference: Backend, spec: BackendConfig, threads: int):
+    """Yields a backend computing like ``reference`` but with ``threads`` intra-op threads."""
+    if spec.backend in ("torch", "torch_compile"):
+        import torch
+
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            yield reference
+        finally:
+            torch.set_num_threads(before)
+    else:
+        other = create_backend(spec, "reference", threads)
+        other.load()
+        try:
+            yield other
+        finally:
+            other.close()
+
+
+def _load_inputs(config: NoiseFloorConfig, specs) -> tuple[dict[str, np.ndarray], str]:
+    if config.inputs:
+        with np.load(config.inputs) as data:
+            arrays = {k: data[k] for k in data.files}
+        return arrays, f"file {Path(config.inputs).name}"
+    return generate_inputs(specs, config.samples), "generated from the signature (seed 0)"
+
+
+def measure_noise_floor(reference: Backend, spec: BackendConfig,
+                        config: NoiseFloorConfig) -> NoiseFloor:
+    floor = NoiseFloor()
+    try:
+        inputs, floor.source = _load_inputs(config, reference.describe().inputs)
+    except CannotGenerate as exc:
+        floor.skipped = f"{exc}: set checks.tensor.noise_floor.inputs to an .npz"
+        return floor
+    lengths = {a.shape[0] if a.ndim else None for a in inputs.values()}
+    rows = min(config.samples, min((n for n in lengths if n), default=0))
+    floor.samples = rows
+    batched_inputs = {k: v[:rows] if v.ndim else v for k, v in inputs.items()}
+    batched = reference.infer(batched_inputs)
+    if len(lengths) == 1 and None not in lengths and rows > 1:
+        singles = [reference.infer({k: v[i:i + 1] for k, v in inputs.items()})
+                   for i in range(rows)]
+        stacked = {}
+        for name in batched:
+            try:
+                stacked[name] = np.concatenate([s[name] for s in singles], axis=0)
+            except (ValueError, KeyError):
+                floor.notes.append(f"output '{name}' does not stack along axis 0: left out of "
+                                   f"the batch comparison")
+        _fold(floor, f"batch 1 vs batch {rows}", stacked, batched)
+    else:
+        floor.notes.append("inputs do not share a batch axis of 2 or more: batch comparison "
+                           "skipped")
+    counts = list(dict.fromkeys(config.thread_counts))
+    if spec.backend not in THREADED_BACKENDS:
+        floor.notes.append(f"thread counts do not apply to a {spec.backend} reference")
+        counts = []
+    runs = []
+    for threads in counts:
+        with _with_threads(reference, spec, threads) as backend:
+            runs.append((threads, backend.infer(batched_inputs)))
+    for (t0, first), (t1, other) in zip(runs, runs[1:]):
+        _fold(floor, f"threads {t0} vs {t1}", first, other)
+    for name in batched:
+        floor.per_output.setdefault(name, 0.0)
+    return floor

@@ -1,0 +1,83 @@
+"""Classification: top-1 agreement, tie-aware top-k overlap, flips beyond the logit margin.
+
+Per row of the logits output (class axis last). A *flip* is a row whose top-1 differs. Its
+reference margin is ``ref[top1_ref] - ref[top1_primary]``: how far apart the reference put the
+two classes. A flip whose margin is within ``tie_margin`` is a near-tie flip (two logits that
+tier 1's tolerance itself treats as equal may swap); it is reported apart and does not count
+against ``min_top1_agreement``. A flip beyond the margin is a real one.
+
+Top-k overlap is tie-aware: the reference's top-k set is extended by every class within
+``tie_margin`` of its k-th value, so a tie at the boundary cannot cost overlap.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from guard.config import ClassificationTaskConfig
+from guard.verify.task.base import TaskCheck, TaskChecker, select_output
+
+
+class ClassificationChecker(TaskChecker):
+    task = "classification"
+
+    def __init__(self, config: ClassificationTaskConfig):
+        self.config = config
+
+    def _check(self, reference, primary, allowed) -> TaskCheck:
+        c = self.config
+        name = select_output(reference, primary, c.logits_output, "logits", "classification."
+                             "logits_output")
+        ref = np.asarray(reference[name])
+        out = np.asarray(primary[name])
+        mismatch = self._shape_mismatch(name, ref, out)
+        if mismatch:
+            return mismatch
+        if ref.ndim == 0 or ref.shape[-1] < 2 or ref.size == 0:
+            return TaskCheck(self.task, False, failure="shape", reasons=[
+                f"'{name}' {list(ref.shape)} has no class axis of 2 or more (last axis)"])
+        ref = ref.reshape(-1, ref.shape[-1]).astype(np.float64)
+        out = out.reshape(-1, out.shape[-1]).astype(np.float64)
+        tie = c.tie_margin if c.tie_margin is not None else 2.0 * allowed.get(name, 0.0)
+        rows = np.arange(len(ref))
+        top1_ref = np.argmax(ref, axis=1)
+        top1_out = np.argmax(out, axis=1)
+        flipped = top1_ref != top1_out
+        margin = ref[rows, top1_ref] - ref[rows, top1_out]
+        near_tie = flipped & (margin <= tie)
+        real = flipped & ~near_tie
+        n = len(ref)
+
+        k = min(c.top_k, ref.shape[1])
+        kth = -np.sort(-ref, axis=1)[:, k - 1]
+        ref_set = ref >= (kth - tie)[:, None]  # tie-extended reference top-k
+        top_out = np.argsort(-out, axis=1, kind="stable")[:, :k]
+        overlap = np.take_along_axis(ref_set, top_out, axis=1).sum(axis=1) / k
+
+        agreement = 1.0 - real.sum() / n
+        metrics = {
+            "rows": n,
+            "top1_agreement": float(1.0 - flipped.sum() / n),
+            "top1_agreement_beyond_ties": float(agreement),
+            "real_flips": int(real.sum()),
+            "near_tie_flips": int(near_tie.sum()),
+            f"top{k}_overlap": float(overlap.mean()),
+            "min_reference_margin_of_flips": float(margin[flipped].min()) if flipped.any()
+            else 0.0,
+            "tie_margin": float(tie),
+        }
+        check = TaskCheck(self.task, True, metrics)
+        if near_tie.any():
+            check.notes.append(f"{int(near_tie.sum())} near-tie flip(s) (reference margin <= "
+                               f"{tie:.3g}) not counted against agreement")
+        if agreement < c.min_top1_agreement:
+            worst = int(np.argmax(np.where(real, margin, -np.inf)))
+            check.reasons.append(
+                f"top-1 agreement {agreement:.4f} < {c.min_top1_agreement} ({int(real.sum())} "
+                f"real flip(s) of {n}; e.g. row {worst}: class {int(top1_ref[worst])} -> "
+                f"{int(top1_out[worst])}, reference margin {margin[worst]:.3g})")
+        if overlap.mean() < c.min_topk_overlap:
+            check.reasons.append(f"top-{k} overlap {overlap.mean():.4f} < {c.min_topk_overlap}")
+        if check.reasons:
+            check.passed, check.failure = False, "task"
+        return check

@@ -1,0 +1,240 @@
+"""``guard deploy rules``: alerting rules made from a config's thresholds.
+
+The shipped rule files must equal a fresh generation from the configs they were made from (so
+they cannot go stale), pass ``promtool check rules``, and pass the rule unit tests in
+deploy/prometheus/tests.yaml, which show each alert firing on the series it should and not on
+healthy ones.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import promql_parser
+import pytest
+import yaml
+
+from guard.cli import main
+from guard.deploy.rules import (
+    ALERTS,
+    RuleSettings,
+    read_thresholds,
+    render,
+    rule_groups,
+    thresholds_from_data,
+)
+from guard.errors import ConfigError
+
+ROOT = Path(__file__).resolve().parents[2]
+BASE = "deploy/kubernetes/base"
+OVERLAY = "deploy/kubernetes/overlays/example"
+# (config the rules were generated from, format, committed file)
+SHIPPED = [
+    (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules.yaml"),
+    (f"{BASE}/guard.yaml", "prometheusrule", f"{BASE}/prometheusrule.yaml"),
+    (f"{OVERLAY}/guard.yaml", "prometheusrule", f"{OVERLAY}/prometheusrule.yaml"),
+]
+PROMTOOL = shutil.which("promtool")
+needs_promtool = pytest.mark.skipif(
+    PROMTOOL is None,
+    reason="promtool not found: install Debian's `prometheus` package (.ci/run does)",
+)
+
+
+def model(name="m", **overrides) -> dict:
+    block = {"name": name, "primary": {"backend": "upstream", "target": "h:1", "model": "x"},
+             "reference": {"backend": "torch", "path": "ref.pt"},
+             "fallback": {"backend": "onnxruntime", "path": "m.onnx"},
+             "policy": {"action": "fallback_model", "trip_ratio": 0.3, "recover_ratio": 0.1}}
+    block.update(overrides)
+    return block
+
+
+def alerts_by_name(groups: list[dict]) -> dict[str, list[dict]]:
+    out: dict[str, list[dict]] = {}
+    for group in groups:
+        for rule in group["rules"]:
+            out.setdefault(rule["alert"], []).append(rule)
+    return out
+
+
+# -- shipped files ------------------------------------------------------------------------------
+@pytest.mark.parametrize("config,fmt,shipped", SHIPPED)
+def test_shipped_rules_equal_a_fresh_generation(config, fmt, shipped):
+    """Regenerate with the real command, from the repository root as the docs say."""
+    result = subprocess.run(
+        [sys.executable, "-m", "guard", "deploy", "rules", "--config", config, "--format", fmt],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == (ROOT / shipped).read_text(), (
+        f"{shipped} is stale: regenerate it with "
+        f"`guard deploy rules --config {config} --format {fmt} -o {shipped}`"
+    )
+
+
+@needs_promtool
+def test_promtool_checks_the_rule_file():
+    result = subprocess.run([PROMTOOL, "check", "rules", "deploy/prometheus/guard-rules.yaml"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"SUCCESS: {len(ALERTS)} rules found" in result.stdout
+
+
+@needs_promtool
+def test_promtool_checks_the_prometheusrule_groups(tmp_path):
+    """The PrometheusRule's spec.groups is a rule file too: check both shipped resources."""
+    for shipped in (f"{BASE}/prometheusrule.yaml", f"{OVERLAY}/prometheusrule.yaml"):
+        resource = yaml.safe_load((ROOT / shipped).read_text())
+        assert resource["kind"] == "PrometheusRule"
+        path = tmp_path / "groups.yaml"
+        path.write_text(yaml.safe_dump({"groups": resource["spec"]["groups"]}))
+        result = subprocess.run([PROMTOOL, "check", "rules", str(path)], capture_output=True,
+                                text=True, timeout=60)
+        assert result.returncode == 0, f"{shipped}: {result.stdout}{result.stderr}"
+
+
+@needs_promtool
+def test_promtool_rule_unit_tests_pass():
+    result = subprocess.run([PROMTOOL, "test", "rules", "deploy/prometheus/tests.yaml"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "SUCCESS" in result.stdout
+
+
+def test_rule_unit_tests_cover_every_alert_firing():
+    tests = yaml.safe_load((ROOT / "deploy/prometheus/tests.yaml").read_text())
+    fired = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"]
+             if case["exp_alerts"]}
+    quiet = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"]
+             if not case["exp_alerts"]}
+    assert fired == set(ALERTS)
+    assert quiet == set(ALERTS)
+
+
+# -- what the rules are made of -------------------------------------------------------------------
+def test_drift_threshold_is_each_models_trip_ratio():
+    data = {"version": 1, "models": [model("a", policy={"trip_ratio": 0.3, "recover_ratio": 0.1}),
+                                     model("b", policy={"trip_ratio": 0.05, "recover_ratio": 0})]}
+    drift = alerts_by_name(rule_groups(thresholds_from_data(data), RuleSettings()))[
+        "GuardDriftOverThreshold"]
+    exprs = sorted(rule["expr"] for rule in drift)
+    assert exprs == ['guard_drift_ratio{model="a"} > 0.3', 'guard_drift_ratio{model="b"} > 0.05']
+    assert all(rule["labels"]["severity"] == "critical" for rule in drift)
+
+
+def test_every_expression_parses_and_selects_its_model():
+    data = {"version": 1, "models": [model("resnet-50.v2")]}
+    groups = rule_groups(thresholds_from_data(data), RuleSettings(job="inference/guard"))
+    for group in groups:
+        for rule in group["rules"]:
+            promql_parser.parse(rule["expr"])  # raises on a syntax error
+            assert rule["annotations"]["runbook_url"] == (
+                f"docs/runbook.md#{rule['alert'].lower()}")
+            assert set(rule["annotations"]) == {"summary", "description", "runbook_url"}
+            if group["name"].startswith("guard.model."):
+                assert 'model="resnet-50.v2"' in rule["expr"]
+    assert alerts_by_name(groups)["GuardDown"][0]["expr"] == 'up{job="inference/guard"} == 0'
+
+
+def test_alerts_exist_only_for_what_a_model_has():
+    data = {"version": 1, "models": [
+        model("full"),
+        model("no-reference", reference=None),
+        model("not-sampled", mirror={"sample_rate": 0.0}),
+        model("no-fallback", fallback=None, policy={"action": "alert"}),
+    ]}
+    groups = rule_groups(thresholds_from_data(data), RuleSettings())
+    per_model = {g["name"].removeprefix("guard.model."): {r["alert"] for r in g["rules"]}
+                 for g in groups if g["name"].startswith("guard.model.")}
+    mirror_alerts = {"GuardDriftOverThreshold", "GuardMirrorDropping", "GuardReferenceFailing"}
+    assert per_model["full"] == mirror_alerts | {"GuardFallbackActive"}
+    assert per_model["no-reference"] == {"GuardFallbackActive"}
+    assert per_model["not-sampled"] == {"GuardFallbackActive"}
+    assert per_model["no-fallback"] == mirror_alerts
+    assert groups[0]["name"] == "guard.availability"
+    assert {r["alert"] for r in groups[0]["rules"]} == {"GuardDown", "GuardConfigReloadFailed"}
+
+
+def test_action_alert_says_clients_get_drifting_answers():
+    data = {"version": 1, "models": [model(policy={"action": "alert"})]}
+    drift = alerts_by_name(rule_groups(thresholds_from_data(data), RuleSettings()))[
+        "GuardDriftOverThreshold"][0]
+    assert "primary keeps answering" in drift["annotations"]["description"]
+
+
+def test_prometheusrule_format_wraps_the_same_groups():
+    models = thresholds_from_data({"version": 1, "models": [model()]})
+    plain = yaml.safe_load(render(models, RuleSettings(), "prometheus"))
+    resource = yaml.safe_load(render(models, RuleSettings(), "prometheusrule"))
+    assert resource["apiVersion"] == "monitoring.coreos.com/v1"
+    assert resource["kind"] == "PrometheusRule"
+    assert resource["spec"]["groups"] == plain["groups"]
+
+
+def test_settings_reject_bad_durations_and_jobs():
+    with pytest.raises(ValueError, match="drift_for"):
+        RuleSettings(drift_for="2 minutes")
+    with pytest.raises(ValueError, match="job"):
+        RuleSettings(job='gu"ard')
+
+
+# -- config problems ------------------------------------------------------------------------------
+def test_threshold_problems_are_dotted_lines():
+    data = {"version": 2, "models": [
+        model("a", policy={"trip_ratio": 1.5}, bogus=1),
+        model("a", mirror={"sample_rate": -1}),
+        model("b", fallback=None),
+    ]}
+    with pytest.raises(ConfigError) as info:
+        thresholds_from_data(data)
+    assert info.value.problems == [
+        "version: must be 1",
+        "models[0].bogus: unknown key",
+        "models[0].policy.trip_ratio: must be in [0, 1]",
+        "models[1].name: model name 'a' appears twice",
+        "models[1].mirror.sample_rate: must be in [0, 1]",
+        "models[2]: policy.action 'fallback_model' needs a 'fallback' backend",
+    ]
+
+
+def test_backends_and_artifacts_are_not_this_commands_business(tmp_path):
+    """Rules are generated where manifests are built; the artifacts live in the Pod."""
+    path = tmp_path / "guard.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "models": [
+        model(reference={"backend": "torch", "path": "/models/does-not-exist-here.pt"})]}))
+    assert [m.name for m in read_thresholds(path)] == ["m"]
+
+
+def test_cli_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
+    path = tmp_path / "guard.yaml"
+    path.write_text("version: 1\nmodels:\n  - name: m\n    primary: {}\n    policy: {window: 0}\n")
+    assert main(["deploy", "rules", "--config", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert err.strip().splitlines() == [f"guard: {path}: models[0].policy.window: must be >= 1"]
+    assert main(["deploy", "rules", "--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "cannot read" in capsys.readouterr().err
+
+
+def test_cli_writes_output_file_with_runbook_base(tmp_path, capsys):
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    out = tmp_path / "rules.yaml"
+    base = "https://git.example.com/ml/guard/-/blob/main/docs/runbook.md"
+    assert main(["deploy", "rules", "--config", str(config), "--runbook-base", base,
+                 "--job", "ml/guard", "-o", str(out)]) == 0
+    assert capsys.readouterr().out == ""
+    groups = yaml.safe_load(out.read_text())["groups"]
+    urls = {r["annotations"]["runbook_url"] for g in groups for r in g["rules"]}
+    assert f"{base}#guarddown" in urls and f"{base}#guarddriftoverthreshold" in urls
+    assert alerts_by_name(groups)["GuardDown"][0]["expr"] == 'up{job="ml/guard"} == 0'
+
+
+def test_runbook_has_a_section_for_every_alert():
+    runbook = (ROOT / "docs/runbook.md").read_text()
+    headings = {line[3:].strip() for line in runbook.splitlines() if line.startswith("## ")}
+    assert set(ALERTS) <= headings

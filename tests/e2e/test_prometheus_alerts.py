@@ -1,0 +1,198 @@
+"""A real Prometheus server scrapes a running guard, evaluates the rules `guard deploy rules`
+generates for its config, and fires the drift alert once drift is injected through the guard.
+
+Everything is real: the guard (gRPC + /metrics on free ports), tritonclient, the torch fixture
+model that drifts on trigger inputs, Debian's Prometheus binary (installed by .ci/run) with its
+own TSDB in a temp folder, and its HTTP API. The only thing the test shortens is time: scrape
+and rule evaluation every second, and the drift alert's `for` set to 2 s.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import socket
+import subprocess
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+from fixture_models import DRIFT_TRIGGER
+from support import affine_backend, metric, model_block, running, scrape, wait_for, x_input
+
+from guard.deploy.rules import RuleSettings, render, thresholds_from_data
+
+PROMETHEUS = shutil.which("prometheus")
+ROOT = Path(__file__).resolve().parents[2]
+
+pytestmark = [
+    pytest.mark.skipif(PROMETHEUS is None, reason="Prometheus server binary not found: install "
+                       "Debian's `prometheus` package (.ci/run does)"),
+    pytest.mark.timeout(120),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class PrometheusServer:
+    """`prometheus` as a child process on a free loopback port, config and TSDB in a folder."""
+
+    def __init__(self, folder: Path, metrics_port: int, rules_text: str):
+        self.folder = folder
+        self.port = free_port()
+        (folder / "rules.yaml").write_text(rules_text)
+        (folder / "prometheus.yml").write_text(yaml.safe_dump({
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
+                       "evaluation_interval": "1s"},
+            "rule_files": [str(folder / "rules.yaml")],
+            "scrape_configs": [{"job_name": "guard",
+                                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}],
+        }))
+        self.log_path = folder / "prometheus.log"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(
+            [PROMETHEUS, f"--config.file={self.folder / 'prometheus.yml'}",
+             f"--storage.tsdb.path={self.folder / 'data'}",
+             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
+            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+        )
+        wait_for(self._ready, timeout=30, interval=0.1)
+
+    def _ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"prometheus exited with {self.process.returncode}:\n"
+                                 + self.log_path.read_text())
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(10)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        if self.process is not None:
+            self._log.close()
+
+    def api(self, path: str, **params) -> dict:
+        query = f"?{urllib.parse.urlencode(params)}" if params else ""
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/{path}{query}",
+                                    timeout=5) as response:
+            body = json.load(response)
+        assert body["status"] == "success", body
+        return body["data"]
+
+    def alerts(self, name: str) -> list[dict]:
+        return [a for a in self.api("alerts")["alerts"] if a["labels"]["alertname"] == name]
+
+    def rule(self, name: str) -> dict:
+        rules = [r for g in self.api("rules")["groups"] for r in g["rules"]
+                 if r.get("name") == name]
+        assert len(rules) == 1, rules
+        return rules[0]
+
+
+def dashboard_queries() -> list[str]:
+    """The dashboard's panel queries with Grafana's macros and variables filled in."""
+    dashboard = json.loads((ROOT / "deploy/grafana/guard-dashboard.json").read_text())
+    values = {"$__rate_interval": "5s", "$__interval": "5s", "$__range": "1m",
+              '"$job"': '"guard"', '"$instance"': '".*"', '"$model"': '".*"'}
+    queries = []
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            query = target["expr"]
+            for variable, value in values.items():
+                query = query.replace(variable, value)
+            queries.append(query)
+    return queries
+
+
+def test_drift_alert_goes_from_inactive_to_firing(tmp_path):
+    model = model_block(
+        primary=affine_backend(drift_on_trigger=True),
+        policy={"action": "alert", "window": 10, "min_samples": 5, "trip_ratio": 0.2,
+                "recover_ratio": 0.05},
+    )
+    guard_dir, prom_dir = tmp_path / "guard", tmp_path / "prometheus"
+    guard_dir.mkdir()
+    prom_dir.mkdir()
+    with running(guard_dir, [model]) as (srv, client):
+        # The rules for exactly this config, as `guard deploy rules` makes them; only the
+        # durations are shortened so that the test runs in seconds.
+        config = yaml.safe_load((guard_dir / "guard.yaml").read_text())
+        settings = RuleSettings(job="guard", drift_for="2s", fallback_for="2s",
+                                rate_window="10s", mirror_for="2s", reference_for="2s",
+                                down_for="2s")
+        prometheus = PrometheusServer(prom_dir, srv.metrics_port,
+                                      render(thresholds_from_data(config), settings))
+        try:
+            prometheus.start()
+            rng = np.random.default_rng(0)
+            for _ in range(6):
+                client.infer("m", [x_input(rng.normal(size=(1, 4)))])
+
+            # Healthy: the target is up, the rules evaluate, the drift alert is inactive.
+            def healthy_and_evaluated():
+                up = prometheus.api("query", query='up{job="guard"}')["result"]
+                ratio = prometheus.api("query", query='guard_drift_ratio{model="m"}')["result"]
+                rule = prometheus.rule("GuardDriftOverThreshold")
+                return (up and up[0]["value"][1] == "1" and ratio
+                        and rule["health"] == "ok" and rule["lastEvaluation"] > "2" and rule)
+
+            rule = wait_for(healthy_and_evaluated, timeout=20, interval=0.2)
+            assert rule["state"] == "inactive"
+            assert rule["query"] == 'guard_drift_ratio{model="m"} > 0.2'
+            assert prometheus.alerts("GuardDriftOverThreshold") == []
+            assert prometheus.alerts("GuardDown") == []
+            # Every dashboard query is PromQL this Prometheus accepts, over real guard series.
+            for query in dashboard_queries():
+                prometheus.api("query", query=query)
+
+            # Drift: the primary adds 1.0 to its answer for inputs >= 1000; the reference
+            # does not. Every mirrored sample fails the tensor tier; ten fill the window.
+            drifting = np.full((1, 4), DRIFT_TRIGGER, np.float32)
+            for _ in range(10):
+                client.infer("m", [x_input(drifting)])
+            wait_for(lambda: metric(scrape(srv.metrics_port), "guard_drift_ratio", model="m",
+                                    tier="tensor") == 1.0, timeout=20)
+
+            states = []
+
+            def firing():
+                alerts = prometheus.alerts("GuardDriftOverThreshold")
+                states.extend(a["state"] for a in alerts)
+                return [a for a in alerts if a["state"] == "firing"]
+
+            (alert,) = wait_for(firing, timeout=30, interval=0.2)
+            assert "pending" in states or states[0] == "firing"
+            assert alert["labels"] == {
+                "alertname": "GuardDriftOverThreshold", "severity": "critical",
+                "job": "guard", "instance": f"127.0.0.1:{srv.metrics_port}",
+                "model": "m", "tier": "tensor",
+            }
+            assert float(alert["value"]) == 1.0
+            assert alert["annotations"]["runbook_url"] == "docs/runbook.md#guarddriftoverthreshold"
+            assert alert["annotations"]["summary"] == (
+                "guard m: tensor drift 100% over trip_ratio 20%")
+            assert prometheus.rule("GuardDriftOverThreshold")["state"] == "firing"
+            # Nothing else is wrong: no drops, no reference failures, the guard is up.
+            for other in ("GuardMirrorDropping", "GuardReferenceFailing", "GuardDown",
+                          "GuardConfigReloadFailed"):
+                assert prometheus.alerts(other) == [], other
+        finally:
+            prometheus.stop()

@@ -1,0 +1,63 @@
+"""Real pretrained models from wheels (extra ``guard[zoo]``, installed by ``.[dev]``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+
+import pytest
+import yaml
+
+from guard.cli import main
+
+HAS_MAGIKA = importlib.util.find_spec("magika") is not None
+needs_magika = pytest.mark.skipif(
+    not HAS_MAGIKA, reason="magika is not installed: pip install 'guard[zoo]'")
+
+
+def test_missing_extra_names_the_install_command(monkeypatch):
+    from guard.zoo import ZooExtraMissing, zoo_entry
+
+    monkeypatch.setitem(sys.modules, "magika", None)  # as if the package were absent
+    with pytest.raises(ZooExtraMissing, match=r"pip install 'guard\[zoo\]'.*magika==1.0.3"):
+        zoo_entry("magika")
+
+
+def test_missing_extra_in_a_matrix_is_one_line_and_exit_2(monkeypatch, tmp_path, capsys):
+    monkeypatch.setitem(sys.modules, "magika", None)
+    doc = {"version": 1, "output_dir": "out", "models": [
+        {"name": "magika", "zoo": "magika", "reference": {"backend": "onnxruntime"}}],
+        "backends": [{"name": "ort", "backend": "onnxruntime"}],
+        "tolerances": {"atol": [1e-4], "rtol": [0.0]}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["matrix", str(tmp_path / "m.yaml"), "--quiet"]) == 2
+    assert "pip install 'guard[zoo]'" in capsys.readouterr().err
+
+
+@needs_magika
+def test_magika_real_inputs_through_the_matrix(tmp_path):
+    from guard.zoo import zoo_entry
+
+    entry = zoo_entry("magika")
+    inputs = entry.sample_inputs(6, 0)["bytes"]
+    assert inputs.shape == (6, 2048) and inputs.max() <= 256
+    doc = {"version": 1, "output_dir": "out", "models": [
+        {"name": "magika", "zoo": "magika", "reference": {"backend": "onnxruntime"},
+         "inputs": {"samples": 3, "batch": 4}}],
+        "backends": [{"name": "ort_fp32_disable", "backend": "onnxruntime",
+                      "options": {"graph_optimization_level": "disable"}},
+                     {"name": "ort_int8", "backend": "onnxruntime", "precision": "int8"},
+                     {"name": "torch", "backend": "torch"}],
+        "tolerances": {"atol": [1e-4], "rtol": [1e-5]}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
+    code = main(["matrix", str(tmp_path / "m.yaml"), "--quiet"])
+    recs = {(r["backend"], r["tier"]): r for r in map(
+        json.loads, (tmp_path / "out" / "records.jsonl").read_text().splitlines())}
+    assert recs[("ort_fp32_disable", "tensor")]["status"] == "pass"
+    assert recs[("ort_fp32_disable", "task")]["status"] == "pass"
+    assert recs[("ort_fp32_disable", "task")]["stats"]["top1_agreement"] == 1.0
+    assert recs[("ort_int8", "tensor")]["stats"]["max_abs"] > 0  # int8 moves the probabilities
+    assert recs[("torch", "tensor")]["status"] == "skip"
+    assert "no TorchScript" in recs[("torch", "tensor")]["reason"]
+    assert code == (0 if all(r["status"] != "fail" for r in recs.values()) else 1)
