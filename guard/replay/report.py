@@ -84,6 +84,14 @@ def markdown(r: dict) -> str:
         out += [f"## {name}: {m['verdict']}", "", m["verdict_reason"], ""]
         for role, summary in m["backends"].items():
             out.append(f"- {role}: {summary}")
+        if m.get("tiers_run"):
+            out.append(f"- tiers run: {', '.join(m['tiers_run'])}")
+        floor = m.get("noise_floor")
+        if floor:
+            figures = ", ".join(f"{k} {_fmt(v)}" for k, v in floor["per_output"].items())
+            out.append("- reference noise floor (allowed on top of atol + rtol): " + (
+                figures or "0") if not floor["skipped"] else
+                f"- reference noise floor not measured: {floor['skipped']}")
         s = m["status"]
         out.append(f"- records: {s['checked']} checked, {s['primary_error']} primary errors, "
                    f"{s['reference_error']} reference errors, {s['input_error']} input errors")

@@ -138,3 +138,20 @@ def test_progress_redraws_on_a_terminal_and_prints_lines_otherwise():
     lines = plain.getvalue().splitlines()
     assert lines[0].startswith("replay:  25.0%  10 records") and "\r" not in plain.getvalue()
     assert lines[-1].startswith("replay: 10 records in 0:00:00")
+
+
+def test_tier_reports_carry_task_metrics_from_the_real_verifier():
+    import numpy as np
+
+    from guard.verify.pipeline import Verifier
+
+    config = ModelConfig.model_validate({
+        "name": "c", "task": "classification", "primary": {"backend": "torch", "path": "x:y"}})
+    verifier = Verifier.for_model(config)
+    reference = {"logits": np.array([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]], np.float32)}
+    primary = {"logits": np.array([[3.0, 1.0, 0.0], [0.0, 1.0, 2.0]], np.float32)}
+    reports = verifier.tier_reports(verifier.check(reference, primary))
+    assert set(reports) == {"tensor", "task"}
+    assert not reports["tensor"].passed and reports["tensor"].outputs[0].name == "logits"
+    assert reports["task"].details["metrics"]["top1_agreement"] == 0.5
+    assert reports["task"].summary.startswith("fail (classification)")
