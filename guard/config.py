@@ -118,8 +118,12 @@ class ServerConfig(Strict):
     admin_host: str = Field(
         "127.0.0.1", description="The admin API changes routes: loopback only unless set."
     )
-    workers: PositiveInt = Field(
-        4, description="Threads that run primary/fallback inference for the request path."
+    workers: Annotated[int, Field(ge=0)] = Field(
+        4,
+        description="Threads that run primary/fallback inference for the request path. 0 runs "
+        "inference on the event loop itself: no thread hop (~0.1-0.3 ms saved per request on a "
+        "busy CPU), but one inference at a time and a slow call stalls every other RPC: only "
+        "for models that answer in well under a millisecond.",
     )
     max_message_bytes: PositiveInt = Field(
         64 * 1024 * 1024,

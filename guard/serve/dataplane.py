@@ -61,7 +61,9 @@ class DataPlane:
     def __init__(self, models: dict[str, GuardedModel], metrics: GuardMetrics, workers: int):
         self.models = models
         self.metrics = metrics
-        self.executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="guard-infer")
+        # workers == 0: inference inline on the event loop (see ServerConfig.workers).
+        self.executor = (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="guard-infer")
+                         if workers else None)
         self.live = True
         self.loading = True  # until the server has loaded every model of its config
 
@@ -123,6 +125,8 @@ class DataPlane:
         forward = getattr(backend, "forward", None)
         if forward is not None and request.message is not None:
             return InferenceResult(route, message=await forward(request.message, timeout))
+        if self.executor is None:
+            return InferenceResult(route, outputs=backend.infer(request.inputs))
         loop = asyncio.get_running_loop()
         outputs = await loop.run_in_executor(self.executor, backend.infer, request.inputs)
         return InferenceResult(route, outputs=outputs)
@@ -133,4 +137,5 @@ class DataPlane:
 
     def close(self) -> None:
         self.live = False
-        self.executor.shutdown(wait=True)
+        if self.executor is not None:
+            self.executor.shutdown(wait=True)

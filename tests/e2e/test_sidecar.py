@@ -222,10 +222,12 @@ def test_manual_route_without_fallback_is_refused(tmp_path):
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
 
 
-def test_concurrent_clients_each_get_their_own_answer(tmp_path, rng):
+@pytest.mark.parametrize("workers", [4, 0], ids=["thread-pool", "inline"])
+def test_concurrent_clients_each_get_their_own_answer(tmp_path, rng, workers):
     rows = rng.normal(size=(64, 1, 4)).astype(np.float32)
     expected = [direct_affine(r) for r in rows]
-    with running(tmp_path, [model_block(mirror={"sample_rate": 0.5})]) as (srv, _):
+    with running(tmp_path, [model_block(mirror={"sample_rate": 0.5})],
+                 workers=workers) as (srv, _):
         failures = []
 
         def worker(indices):
