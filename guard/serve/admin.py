@@ -7,6 +7,7 @@ import time
 import grpc
 
 from guard import __version__
+from guard.serve.lookup import model_or_abort
 from guard.serve.model import GuardedModel
 from guard.v1 import admin_pb2 as pb
 from guard.v1 import admin_pb2_grpc as pb_grpc
@@ -53,22 +54,16 @@ class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, models: dict[str, GuardedModel]):
         self.models = models
 
-    async def _model(self, name: str, context) -> GuardedModel:
-        model = self.models.get(name)
-        if model is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model '{name}'")
-        return model
-
     async def GetStatus(self, request, context):
         if request.model:
-            models = [await self._model(request.model, context)]
+            models = [await model_or_abort(self.models, request.model, context)]
         else:
             models = list(self.models.values())
         return pb.GetStatusResponse(guard_version=__version__,
                                     models=[model_status(m) for m in models])
 
     async def SetRoute(self, request, context):
-        model = await self._model(request.model, context)
+        model = await model_or_abort(self.models, request.model, context)
         override = _OVERRIDES.get(request.route)
         if override is None:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,

@@ -105,13 +105,18 @@ class DataPlane:
                     f"({backend.describe().summary()}) failed: {type(exc).__name__}: {exc}"
                 ) from exc
 
-        # Mirror first (it compares every output), then trim to what the client asked for.
+        # Mirror first, then trim to what the client asked for. A local backend computed every
+        # output, so all are compared; an upstream answered only the requested ones, so only
+        # those can be.
         outputs = result.outputs
-        model.after_response(
-            request.id, request.inputs,
-            outputs if outputs is not None else (lambda: decode_response(result.message)),
-            route, epoch, request.requested_outputs, time.perf_counter() - started,
-        )
+        seconds = time.perf_counter() - started
+        if outputs is not None:
+            model.after_response(request.id, request.inputs, outputs, route, epoch,
+                                 seconds=seconds)
+        else:
+            model.after_response(request.id, request.inputs,
+                                 lambda: decode_response(result.message), route, epoch,
+                                 request.requested_outputs, seconds=seconds)
         if outputs is not None and request.requested_outputs:
             result.outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
         self.metrics.requests.labels(model.name, route).inc()

@@ -16,6 +16,7 @@ from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as oip
 
 from guard.serve.codec import InferenceError, decode_request, decode_response
+from guard.serve.lookup import model_or_abort
 from guard.serve.model import GuardedModel
 from guard.v1 import tap_pb2 as pb
 from guard.v1 import tap_pb2_grpc as pb_grpc
@@ -24,12 +25,6 @@ from guard.v1 import tap_pb2_grpc as pb_grpc
 class TapServicer(pb_grpc.TapServicer):
     def __init__(self, models: dict[str, GuardedModel]):
         self.models = models
-
-    async def _model(self, name: str, context) -> GuardedModel:
-        model = self.models.get(name)
-        if model is None:
-            await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model '{name}'")
-        return model
 
     async def Observe(self, request: pb.ObserveRequest, context) -> pb.ObserveResponse:
         served_by = request.served_by or "primary"
@@ -42,7 +37,7 @@ class TapServicer(pb_grpc.TapServicer):
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request/response are not KServe v2 messages: {exc}")
-        model = await self._model(infer_request.model_name, context)
+        model = await model_or_abort(self.models, infer_request.model_name, context)
         try:
             decoded = decode_request(infer_request)
             outputs = decode_response(infer_response)
@@ -55,7 +50,7 @@ class TapServicer(pb_grpc.TapServicer):
         return pb.ObserveResponse(sampled=queued, route=model.policy.route)
 
     async def WatchRoute(self, request: pb.WatchRouteRequest, context):
-        model = await self._model(request.model, context)
+        model = await model_or_abort(self.models, request.model, context)
         updates = model.watch_routes(asyncio.get_running_loop())
         try:
             last = model.policy.last_transition

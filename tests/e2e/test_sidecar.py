@@ -246,3 +246,18 @@ def test_concurrent_clients_each_get_their_own_answer(tmp_path, rng, workers):
         assert failures == []
         assert metric(scrape(srv.metrics_port), "guard_requests_total", model="m",
                       route="primary") == 64
+
+
+def test_asking_for_some_outputs_still_compares_them_all(tmp_path):
+    """A local primary computes every output; a client asking for one of them must not make the
+    mirror see the others as missing (and must not hide drift in the ones it did not ask for)."""
+    block = model_block(primary={"backend": "torch", "path": "fixture_models:nested"},
+                        reference={"backend": "torch", "path": "fixture_models:nested"})
+    with running(tmp_path, [block]) as (srv, client):
+        x = grpcclient.InferInput("x", [1, 4], "FP32")
+        x.set_data_from_numpy(np.ones((1, 4), np.float32))
+        result = client.infer("m", [x], outputs=[grpcclient.InferRequestedOutput("sum")])
+        assert [o.name for o in result.get_response().outputs] == ["sum"]
+        values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
+            v, "guard_mirror_total", model="m", outcome="compared") == 1 and v)
+        assert metric(values, "guard_checks_total", model="m", tier="tensor", result="pass") == 1
