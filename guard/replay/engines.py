@@ -106,7 +106,9 @@ class RayEngine:
                 # A local cluster: the workers import guard and any `module:factory` model the
                 # way this process does.
                 path = os.pathsep.join(p for p in sys.path if p and Path(p).exists())
-                kwargs.update(num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,
+                # address "local": always a fresh cluster of our own, never one that `ray
+                # start` left registered on this machine.
+                kwargs.update(address="local", num_cpus=LOCAL_RAY_CPUS, include_dashboard=False,
                               configure_logging=False,
                               runtime_env={"env_vars": {"PYTHONPATH": path}})
             try:
