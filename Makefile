@@ -5,7 +5,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
 
-.PHONY: demo test venv proto bench clean
+.PHONY: demo test venv proto bench bench-replay clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -27,6 +27,9 @@ proto: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/proxy_overhead.py $(ARGS)
+
+bench-replay: $(STAMP)
+	$(BIN)/python benchmarks/replay_throughput.py $(ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -69,6 +69,25 @@ def cmd_config_schema(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_capture_inspect(args: argparse.Namespace) -> int:
+    from guard.capture.inspect import inspect_command
+
+    return inspect_command(args.files, args.json)
+
+
+def cmd_replay(args: argparse.Namespace) -> int:
+    from guard.replay.run import ReplayOptions, replay_command
+
+    models = [m.strip() for m in ",".join(args.models or []).split(",") if m.strip()]
+    options = ReplayOptions(
+        config=args.config, captures=args.captures, report_dir=args.report_dir,
+        engine=args.engine, ray_address=args.ray_address, workers=args.workers,
+        max_records=args.max_records, models=models, since=args.since, until=args.until,
+        strict=args.strict, batch_rows=args.batch_size, progress=not args.quiet,
+    )
+    return replay_command(options)
+
+
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
@@ -195,6 +214,58 @@ def build_parser() -> argparse.ArgumentParser:
     validate.set_defaults(func=cmd_config_validate)
     schema = config_sub.add_parser("schema", help="print the config's JSON Schema")
     schema.set_defaults(func=cmd_config_schema)
+
+    replay = sub.add_parser(
+        "replay", help="replay captured traffic (or .npz input sets) through the checks",
+        description="Runs the reference and the primary of each model as configured now (this is "
+        "how a new backend is tried on old traffic) over captured records or .npz input sets "
+        "(one array per input name, first axis = samples), through the same checks as the "
+        "sidecar, and writes REPORT_DIR/report.json, report.md and report.html. A model drifts "
+        "when the failing share of a tier exceeds its policy.trip_ratio.",
+        epilog="Exit codes: 0 every model passes, 1 a model drifts, 2 usage or input error "
+        "(with --strict also: damaged bytes skipped, records of models the config lacks, "
+        "records that do not fit their model).",
+    )
+    replay.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
+    replay.add_argument("captures", nargs="+", metavar="CAPTURE",
+                        help="segment files (.gcap), folders of them, or .npz input sets")
+    replay.add_argument("--report-dir", default="replay-report", metavar="DIR",
+                        help="where report.json/.md/.html go (default ./replay-report)")
+    replay.add_argument("--engine", choices=["local", "ray"], default="local",
+                        help="local: this process; ray: shard over a Ray cluster "
+                        "(pip install 'guard[ray]')")
+    replay.add_argument("--ray-address", metavar="ADDR",
+                        help="Ray cluster to use (e.g. ray://head:10001); default: start a "
+                        "local one")
+    replay.add_argument("--workers", type=int, metavar="N",
+                        help="Ray worker actors, one backend set each (default: the cluster's "
+                        "CPUs)")
+    replay.add_argument("--max-records", type=int, metavar="N", help="replay at most N records")
+    replay.add_argument("--models", action="append", metavar="NAME[,NAME]",
+                        help="only these models (repeatable or comma-separated); with one "
+                        "model, .npz inputs go to it")
+    replay.add_argument("--since", metavar="TIME",
+                        help="records at or after TIME: ISO 8601 (UTC unless a zone is given) "
+                        "or a duration back from now (30m, 2h, 7d)")
+    replay.add_argument("--until", metavar="TIME", help="records at or before TIME (as --since)")
+    replay.add_argument("--strict", action="store_true",
+                        help="exit 2 on damaged bytes, unknown models or unfit records")
+    replay.add_argument("--batch-size", type=int, default=64, metavar="ROWS",
+                        help="rows per backend call when records stack (default 64; 1 runs "
+                        "each record alone, exactly as the sidecar did)")
+    replay.add_argument("--quiet", action="store_true", help="no progress output")
+    replay.set_defaults(func=cmd_replay)
+
+    capture = sub.add_parser("capture", help="look into capture files")
+    capture_sub = capture.add_subparsers(dest="capture_command", metavar="ACTION", required=True)
+    inspect_cmd = capture_sub.add_parser(
+        "inspect", help="summarise capture files: records, models, time range, skipped bytes",
+        description="Reads segment files (or folders of them) and prints what they hold; "
+        "damaged or torn records are skipped and counted.",
+    )
+    inspect_cmd.add_argument("files", nargs="+", metavar="FILE", help="segment files or folders")
+    inspect_cmd.add_argument("--json", action="store_true", help="print JSON")
+    inspect_cmd.set_defaults(func=cmd_capture_inspect)
 
     from guard.deploy import DEFAULT_RUNBOOK_BASE, RULE_FORMATS
 

@@ -611,6 +611,49 @@ def _percent(value: float) -> float:
     return value
 
 
+class CaptureConfig(Strict):
+    """Recording of sampled traffic to segment files for ``guard replay`` (guard/capture/)."""
+
+    dir: str = Field(
+        description="Folder for segment files (relative to the config file); each model writes "
+        "into its own subfolder '<dir>/<model name>/', so models may share a dir."
+    )
+    mode: Literal["all", "failures"] = Field(
+        "all",
+        description="all: record a sample of every request (mirrored ones carry the reference's "
+        "answer and the verdicts). failures: record only mirrored samples that failed a check.",
+    )
+    sample_rate: Fraction = Field(
+        1.0,
+        description="Share of requests (mode all) or of failing samples (mode failures) "
+        "recorded, independent of mirror.sample_rate. With a request id the decision is the "
+        "mirror's hash of the id: at a capture rate <= the mirror rate every recorded request "
+        "was also mirrored, and replicas agree.",
+    )
+    queue_size: PositiveInt = Field(
+        1024,
+        description="Records waiting for the writer thread, which writes in bursts about every "
+        "10 ms; a full queue drops and counts.",
+    )
+    max_segment_bytes: PositiveInt = Field(
+        64 * 1024 * 1024, description="A segment file is closed and a new one opened past this."
+    )
+    max_segment_age_s: PositiveFloat = Field(
+        600.0, description="A segment file older than this is closed (even when idle)."
+    )
+    max_total_bytes: PositiveInt = Field(
+        1024 * 1024 * 1024,
+        description="Disk cap for the model's capture folder: past it the oldest segments are "
+        "deleted first (guard_capture_segments_deleted_total).",
+    )
+
+    @model_validator(mode="after")
+    def _check(self) -> "CaptureConfig":
+        if self.max_segment_bytes > self.max_total_bytes:
+            raise ValueError("max_segment_bytes must not exceed max_total_bytes")
+        return self
+
+
 class ModelConfig(Strict):
     name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
     task: Task = "generic"
@@ -629,6 +672,9 @@ class ModelConfig(Strict):
         "tiers 1 and 3: stable_nms, tie_aware_topk, canonical_order, float64_softmax.",
     )
     policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    capture: CaptureConfig | None = Field(
+        None, description="Record sampled traffic for offline replay; off when absent."
+    )
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
@@ -647,6 +693,11 @@ class ModelConfig(Strict):
                 raise ValueError(
                     "policy.action 'fallback_ops' finds the ops with tier 2, which cannot "
                     f"capture reference backend '{self.reference.backend}'")
+        if self.capture is not None and self.capture.mode == "failures" and (
+            self.reference is None or self.mirror.sample_rate == 0
+        ):
+            raise ValueError("capture.mode 'failures' needs a 'reference' and "
+                             "mirror.sample_rate > 0 (failures are found by the mirror)")
         other = sorted(
             block for block in self.checks.task.model_fields_set
             if block in ("classification", "detection", "segmentation", "embedding")
@@ -772,6 +823,8 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
             if not resolved.exists():
                 problems.append(f"models[{i}].{role}.path: file not found: {resolved}")
             spec.path = str(resolved)
+        if model.capture is not None:
+            model.capture.dir = str((base_dir / model.capture.dir).resolve())
         floor = model.checks.tensor.noise_floor
         if floor.inputs is not None:
             resolved = (base_dir / floor.inputs).resolve()

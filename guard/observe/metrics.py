@@ -83,6 +83,32 @@ class GuardMetrics:
             "guard_fallback_transitions", "Route changes, by the route taken.",
             ["model", "to"], registry=r,
         )
+        # Capture (guard/capture/): what was recorded for replay, what was lost, disk use.
+        self.capture_records = Counter(
+            "guard_capture_records",
+            "Capture records by outcome: written; dropped (writer queue full or shutting "
+            "down); disabled (not written because capture was disabled by an I/O error); "
+            "error (a record that could not be encoded).",
+            ["model", "outcome"], registry=r,
+        )
+        self.capture_bytes = Gauge(
+            "guard_capture_bytes", "Bytes of segment files in the model's capture folder.",
+            ["model"], registry=r,
+        )
+        self.capture_segments_deleted = Counter(
+            "guard_capture_segments_deleted",
+            "Segment files deleted (oldest first) to stay under capture.max_total_bytes.",
+            ["model"], registry=r,
+        )
+        self.capture_enabled = Gauge(
+            "guard_capture_enabled",
+            "1 while capture writes; 0 once an I/O error or a full disk disabled it.",
+            ["model"], registry=r,
+        )
+        self.capture_queue_depth = Gauge(
+            "guard_capture_queue_depth", "Records waiting for the capture writer.", ["model"],
+            registry=r,
+        )
         self.config_reloads = Counter(
             "guard_config_reloads", "Config reloads: applied, rejected (invalid: the old config "
             "stays), failed (a model did not load: its old version stays).", ["result"],
@@ -110,3 +136,10 @@ class GuardMetrics:
             self.fallback_active.labels(model, scope).set(0)
         for to in ("primary", "fallback_model", "fallback_ops"):
             self.fallback_transitions.labels(model, to)
+
+    def declare_capture(self, model: str) -> None:
+        """A capturing model's series at zero (only models with a capture block have them)."""
+        for outcome in ("written", "dropped", "disabled", "error"):
+            self.capture_records.labels(model, outcome)
+        self.capture_segments_deleted.labels(model)
+        self.capture_bytes.labels(model).set(0)

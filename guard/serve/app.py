@@ -60,7 +60,7 @@ class GuardServer:
         """Build and load every model's backends; on any failure close what was loaded."""
         try:
             for model_config in self.config.models:
-                model = GuardedModel(model_config, self.metrics)
+                model = GuardedModel(model_config, self.metrics, self.config._source_hash)
                 self.models[model.name] = model
                 model.load()
         except Exception:

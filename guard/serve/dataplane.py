@@ -109,12 +109,14 @@ class DataPlane:
         # output, so all are compared; an upstream answered only the requested ones, so only
         # those can be.
         outputs = result.outputs
+        seconds = time.perf_counter() - started
         if outputs is not None:
-            model.after_response(request.id, request.inputs, outputs, route, epoch)
+            model.after_response(request.id, request.inputs, outputs, route, epoch,
+                                 seconds=seconds)
         else:
             model.after_response(request.id, request.inputs,
                                  lambda: decode_response(result.message), route, epoch,
-                                 request.requested_outputs)
+                                 request.requested_outputs, seconds=seconds)
         if outputs is not None and request.requested_outputs:
             result.outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
         self.metrics.requests.labels(model.name, route).inc()

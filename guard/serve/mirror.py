@@ -62,6 +62,7 @@ class Sample:
     enqueued_at: float
     only_outputs: tuple[str, ...] = ()  # compare just these ("" = all): the client's request
     trace_context: object = None  # the request's trace, when tracing is on
+    tag: object = None  # opaque to the mirror, handed back with the result (capture uses it)
 
 
 @dataclass
@@ -70,6 +71,7 @@ class SampleResult:
     check: CheckResult  # one result per tier
     reference_seconds: float
     probed: bool  # True when the primary ran in the background for this sample
+    reference: dict[str, np.ndarray] | None = None  # the reference's answer
 
 
 class _BoundedCaller:
@@ -100,6 +102,7 @@ class Mirror:
         verifier: Verifier,
         metrics: GuardMetrics,
         on_result: Callable[[SampleResult], None],
+        on_unchecked: Callable[[Sample, str], None] | None = None,
     ):
         self.model = model
         self.config = config
@@ -108,6 +111,9 @@ class Mirror:
         self.verifier = verifier
         self.metrics = metrics
         self.on_result = on_result
+        # Told about samples that were taken but never compared ("error", "timeout", or
+        # "dropped" at shutdown), so that capture can still record the request.
+        self.on_unchecked = on_unchecked
         self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=config.queue_size)
         self._caller = _BoundedCaller(f"guard-ref-{model}")
         self._thread = threading.Thread(target=self._run, name=f"guard-mirror-{model}",
@@ -119,12 +125,12 @@ class Mirror:
 
     # -- request path --------------------------------------------------------------------------
     def offer(self, request_id: str, inputs, outputs, route: str, epoch: int,
-              requested_outputs: list[str] | None = None) -> bool:
+              requested_outputs: list[str] | None = None, tag: object = None) -> bool:
         """Non-blocking; True when the sample was queued. Drops (and counts) when the queue is full or the mirror is stopping.
 
         ``outputs`` may be a callable returning them (decoded only if the request is sampled).
         ``requested_outputs``: when the client asked for some outputs only, the answer holds
-        only those, and only those are compared."""
+        only those, and only those are compared. ``tag`` comes back in the result."""
         if not sampled(request_id, self.config.sample_rate):
             return False
         if self._stopping.is_set():
@@ -133,7 +139,7 @@ class Mirror:
         if callable(outputs):
             outputs = outputs()
         sample = Sample(inputs, outputs, route, epoch, time.monotonic(),
-                        tuple(requested_outputs or ()), tracing.current_context())
+                        tuple(requested_outputs or ()), tracing.current_context(), tag)
         try:
             self._queue.put_nowait(sample)
         except queue.Full:
@@ -155,10 +161,12 @@ class Mirror:
         dropped = 0
         while True:
             try:
-                if self._queue.get_nowait() is not None:
-                    dropped += 1
+                sample = self._queue.get_nowait()
             except queue.Empty:
                 break
+            if sample is not None:
+                dropped += 1
+                self._unchecked(sample, "dropped")
         if dropped:
             self.metrics.mirror.labels(self.model, "dropped").inc(dropped)
         self._queue.put(None)
@@ -173,6 +181,7 @@ class Mirror:
                 return
             if self._stopping.is_set():  # taken while stop() was draining: still accounted for
                 self.metrics.mirror.labels(self.model, "dropped").inc()
+                self._unchecked(sample, "dropped")
                 return
             try:
                 with tracing.child_span("guard.mirror.compare", sample.trace_context,
@@ -200,10 +209,12 @@ class Mirror:
             self.metrics.mirror.labels(self.model, "timeout").inc()
             tracing.set_attributes(self._span, {"guard.outcome": "timeout"})
             self._log_error(f"{stage} timed out after {timeout}s")
+            self._unchecked(sample, "timeout")
             return
         except Exception as exc:
             self.metrics.mirror.labels(self.model, "error").inc()
             self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
+            self._unchecked(sample, "error")
             return
         self.metrics.reference_duration.labels(self.model).observe(seconds)
         if sample.only_outputs and not probed:
@@ -217,9 +228,16 @@ class Mirror:
             "guard.tier.tensor.max_abs_error": check.max_abs_error,
             "guard.probed": probed, "guard.reference_seconds": seconds})
         try:
-            self.on_result(SampleResult(sample, check, seconds, probed))
+            self.on_result(SampleResult(sample, check, seconds, probed, reference))
         except Exception:  # a bug downstream; the sample was compared, count it once
             log.exception("handling a check result for %s failed", self.model)
+
+    def _unchecked(self, sample: Sample, outcome: str) -> None:
+        if self.on_unchecked is not None:
+            try:
+                self.on_unchecked(sample, outcome)
+            except Exception:  # a bug in the listener must not kill the worker
+                log.exception("on_unchecked listener for %s failed", self.model)
 
     def _log_error(self, message: str) -> None:
         now = time.monotonic()

@@ -16,12 +16,13 @@ from pathlib import Path
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
 from guard.backends.derive import file_sha256
+from guard.capture.writer import CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
-from guard.serve.mirror import Mirror, SampleResult
+from guard.serve.mirror import Mirror, Sample, SampleResult
 from guard.verify.arbitrate import build_arbiter
 from guard.verify.noise import NoiseFloor, measure_noise_floor
 from guard.verify.pipeline import CheckResult, Verifier, load_activation_tier
@@ -31,7 +32,7 @@ _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event p
 
 
 class GuardedModel:
-    def __init__(self, config: ModelConfig, metrics: GuardMetrics):
+    def __init__(self, config: ModelConfig, metrics: GuardMetrics, config_hash: str = ""):
         self.name = config.name
         self.config = config
         self.metrics = metrics
@@ -42,16 +43,23 @@ class GuardedModel:
             self.backends["reference"] = create_backend(config.reference, "reference", threads)
         if config.fallback is not None:
             self.backends["fallback"] = create_backend(config.fallback, "fallback")
+        self.activation_tier = None
         if config.reference is not None:
             activation = load_activation_tier(config, self.backends)  # tier 2, when it exists
             if activation is not None:
                 self.verifier.add_tier(activation)
+                self.activation_tier = activation
         self.noise_floor: NoiseFloor | None = None
+        # Tier 2 localises drift; it runs on a biased sub-sample (failures), so it informs the
+        # evidence but does not feed the route detectors.
+        self.policy_tiers = tuple(t for t in self.verifier.tiers if t != "activation")
         self.policy = RoutePolicy(
-            self.name, config.policy, self.verifier.tiers, has_fallback="fallback" in self.backends,
-            sample_rate=config.mirror.sample_rate,
+            self.name, config.policy, self.policy_tiers,
+            has_fallback="fallback" in self.backends, sample_rate=config.mirror.sample_rate,
         )
         self.mirror: Mirror | None = None
+        self.capture: CaptureWriter | None = None
+        self._config_hash = config_hash  # recorded in capture records
         self.signature: BackendInfo | None = None
         self.input_specs: dict[str, TensorSpec] = {}
         self.output_names: frozenset[str] = frozenset()
@@ -60,9 +68,13 @@ class GuardedModel:
         self._in_flight_lock = threading.Lock()
         self._watchers: list[tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = []
         self._watchers_lock = threading.Lock()
-        metrics.declare_model(self.name, self.verifier.tiers)
+        metrics.declare_model(self.name, self.policy_tiers)
+        if self.activation_tier is not None:
+            for outcome in ("pass", "fail"):
+                metrics.checks.labels(self.name, "activation", outcome)
         self._export_detectors()
-        # Tier 2 (activation alignment): built at load, run by the mirror worker only.
+        # Tier 2's checker (activation alignment): built at load; the mirror worker runs it
+        # through the Verifier, a repair (fallback_ops) asks it directly.
         self.activation = None
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
         self._last_activation_event = 0.0
@@ -105,7 +117,17 @@ class GuardedModel:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
                 self.backends["primary"], self.verifier, self.metrics, self._on_result,
+                self._on_unchecked,
             )
+            if self.activation_tier is not None:  # on_failure waits for room in the queue
+                self.activation_tier.queue_fill = self.mirror.queue_fill
+        if self.config.capture is not None:
+            self.capture = CaptureWriter(
+                self.name, self.config.capture, self.metrics,
+                {role: b.describe() for role, b in self.backends.items()}, self._config_hash,
+            )
+            self.capture.start()
+        if self.mirror is not None:
             self.mirror.start()
         self.ready = True
         emit("model_loaded", model=self.name,
@@ -114,14 +136,17 @@ class GuardedModel:
              action=self.config.policy.action)
 
     def _load_activation(self) -> None:
+        """Build tier 2's capture sides now, so that a pair it cannot capture fails at start."""
         from guard.verify.activation import ActivationChecker
 
         try:
-            self.activation = ActivationChecker.for_model(self.config, self.config.mirror.threads)
+            if self.activation_tier is not None:
+                self.activation = self.activation_tier.prepare()
+            else:  # fallback_ops without sampled tier 2: the repair still needs the checker
+                self.activation = ActivationChecker.for_model(self.config,
+                                                              self.config.mirror.threads)
         except Exception as exc:
             raise BackendError(f"models[{self.name}].checks.activation: {exc}") from exc
-        for result in ("pass", "fail"):
-            self.metrics.checks.labels(self.name, "activation", result)
 
     def _measure_noise_floor(self) -> None:
         """The reference against itself, before the mirror starts; tier 1 allows the floor."""
@@ -168,6 +193,8 @@ class GuardedModel:
             self.mirror.stop()
         if self.activation is not None:
             self.activation.close()
+        if self.capture is not None:  # after the mirror: it hands its last samples to capture
+            self.capture.close()
         for backend in self.backends.values():
             backend.close()
 
@@ -200,14 +227,23 @@ class GuardedModel:
         return self._in_flight
 
     def after_response(self, request_id: str, inputs, outputs, route: str, epoch: int,
-                       requested_outputs: list[str] | None = None) -> bool:
-        """Offer the answered request to the mirror; True when it was queued. ``outputs`` may
-        be a callable that decodes them, so that unsampled requests pay nothing for it."""
-        if self.mirror is None:
-            return False
-        if route == "fallback" and not self.policy.probing:
-            return False  # within the dwell time: the primary is left alone
-        return self.mirror.offer(request_id, inputs, outputs, route, epoch, requested_outputs)
+                       requested_outputs: list[str] | None = None,
+                       seconds: float = 0.0) -> bool:
+        """Offer the answered request to the mirror and to capture (non-blocking); True when
+        the mirror queued it. ``outputs`` may be a callable that decodes them, so that requests
+        neither samples pay nothing for it (capture decodes on its writer thread). A request
+        taken by both is recorded once the mirror has its verdict (``_on_result``), or without
+        one if the mirror gives up on it (``_on_unchecked``)."""
+        capture = self.capture
+        tag = capture.tag(request_id, seconds) if capture is not None else None
+        mirrored = False
+        # Within the dwell time on the fallback the primary is left alone: nothing mirrored.
+        if self.mirror is not None and (route != "fallback" or self.policy.probing):
+            mirrored = self.mirror.offer(request_id, inputs, outputs, route, epoch,
+                                         requested_outputs, tag)
+        if tag is not None and tag.record and not mirrored:
+            capture.submit(PendingRecord(tag, route, epoch, inputs, outputs))
+        return mirrored
 
     # -- route watchers (tap mode) --------------------------------------------------------------
     def watch_routes(self, loop: asyncio.AbstractEventLoop) -> asyncio.Queue:
@@ -237,12 +273,14 @@ class GuardedModel:
         check: CheckResult = result.check
         m = self.metrics
         m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
-        self._run_activation(result)
         if self.ops is not None:
             self.ops.observe(result.sample.inputs, not check.passed)
         transition = None
         for tier, tier_result in check.tiers.items():
-            if tier not in self.verifier.tiers:
+            if tier == "activation":
+                self._on_activation(tier_result, result.sample.epoch)
+                continue
+            if tier not in self.policy_tiers:
                 continue
             m.checks.labels(self.name, tier, "pass" if tier_result.passed else "fail").inc()
             transition = self.policy.observe(tier, not tier_result.passed,
@@ -258,21 +296,36 @@ class GuardedModel:
                 evidence["last_failure"] = check.summary()
             evidence.update(self._activation_evidence(result.sample.epoch))
             self._record(transition, evidence)
+        self._capture_checked(result)
+
+    def _capture_checked(self, result: SampleResult) -> None:
+        tag, capture = result.sample.tag, self.capture
+        if capture is None or tag is None:
+            return
+        if not (tag.record or (not result.check.passed and capture.wants_failure(tag))):
+            return
+        sample = result.sample
+        capture.submit(PendingRecord(
+            tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
+            reference=result.reference, tier_reports=self.verifier.tier_reports(result.check),
+            reference_seconds=result.reference_seconds, probed=result.probed,
+        ))
+
+    def _on_unchecked(self, sample: Sample, outcome: str) -> None:
+        """A mirrored sample that got no verdict (error, timeout, shutdown): record the request."""
+        tag = sample.tag
+        if self.capture is not None and tag is not None and tag.record:
+            self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, sample.inputs,
+                                              sample.outputs))
 
     def _export_detectors(self) -> None:
         for figures in self.policy.detectors():
             self.metrics.detector_statistic.labels(self.name, figures.tier).set(figures.statistic)
             self.metrics.detector_threshold.labels(self.name, figures.tier).set(figures.threshold)
 
-    def _run_activation(self, result: SampleResult) -> None:
-        """Tier 2 on a sub-sample, and on tier-1 failures while the mirror queue has room."""
-        if self.activation is None:
-            return
-        fill = self.mirror.queue_fill() if self.mirror is not None else 0.0
-        if not self.activation.due(not result.check.passed, fill):
-            return
-        report = self.activation.check(result.sample.inputs)
-        self._last_activation = (result.sample.epoch, report)
+    def _on_activation(self, report, epoch: int) -> None:
+        """A tier-2 report from the Verifier: counted, kept for the evidence, announced."""
+        self._last_activation = (epoch, report)
         if report.error:
             emit("activation_error", model=self.name, error=report.error)
             return

@@ -93,7 +93,7 @@ class ConfigReloader:
             name = model_config.name
             if old_prints.get(name) == model_fingerprint(model_config):
                 continue
-            model = GuardedModel(model_config, server.metrics)
+            model = GuardedModel(model_config, server.metrics, new._source_hash)
             try:
                 await loop.run_in_executor(None, model.load)
             except Exception as exc:  # a broken model must not take the others down

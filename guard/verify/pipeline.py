@@ -14,6 +14,17 @@ The sidecar's mirror worker, offline replay and ``guard matrix`` all call ``Veri
 
 The result is a ``CheckResult`` with one entry per tier; ``.passed``, ``.max_abs_error``,
 ``.summary()`` and ``.outputs`` keep the shape of the tier-1 result callers used before.
+
+``Verifier.tier_reports`` turns a ``CheckResult`` into one plain ``TierReport`` per tier: the
+shape that capture records (guard/capture/) and replay reports (guard/replay/) share, so that a
+tier shows up in both by being in ``CheckResult.tiers``. ``details`` per tier:
+
+- ``tensor``: ``{"max_abs_error": float}`` (per-output figures are in ``outputs``);
+- ``task``: ``{"metrics": {name: float}, ...}`` (``TaskCheck.as_dict()``);
+- ``activation``: ``{"first_divergence": {"layer": str, "error": float, ...} | None,
+  "layers": [{"layer": str, "error": float}, ...]}`` in network order (error: propagated
+  relative error);
+- any other tier: its ``as_dict()`` when it has one.
 """
 
 from __future__ import annotations
@@ -46,11 +57,12 @@ class TierResult(Protocol):
 
 class ExtraTier(Protocol):
     """What tier 2 provides: ``name`` and ``check(...)`` returning a result with ``passed`` and
-    ``summary()``. ``results`` holds the tiers already run for this sample."""
+    ``summary()``, or None when it skips the sample (tier 2 runs on a sub-sample). ``results``
+    holds the tiers already run for this sample."""
 
     name: str
 
-    def check(self, *, inputs, reference, primary, results) -> TierResult: ...
+    def check(self, *, inputs, reference, primary, results) -> TierResult | None: ...
 
 
 @dataclass
@@ -192,8 +204,10 @@ class Verifier:
             result.notes.append(GENERIC_NOTE)
         for tier in self.extra_tiers:
             try:
-                result.tiers[tier.name] = tier.check(inputs=inputs, reference=ref, primary=out,
-                                                     results=dict(result.tiers))
+                extra = tier.check(inputs=inputs, reference=ref, primary=out,
+                                   results=dict(result.tiers))
+                if extra is not None:  # None: the tier skipped this sample (tier 2 samples)
+                    result.tiers[tier.name] = extra
             except Exception as exc:  # a tier-2 problem is reported, it never fails the primary
                 log.exception("tier %s failed to run", tier.name)
                 result.notes.append(f"tier {tier.name} could not run: {type(exc).__name__}: {exc}")
@@ -205,6 +219,11 @@ class Verifier:
                                     "reference further from fp64 than the primary")
                 result.tiers["tensor"] = TensorCheck(True, tensor.outputs)
         return result
+
+    @staticmethod
+    def tier_reports(result: CheckResult) -> dict[str, "TierReport"]:
+        """Per tier, the plain ``TierReport`` capture and replay share (``tier_reports``)."""
+        return tier_reports(result)
 
 
 def load_activation_tier(config: ModelConfig, backends: dict) -> ExtraTier | None:
@@ -218,3 +237,49 @@ def load_activation_tier(config: ModelConfig, backends: dict) -> ExtraTier | Non
     module = importlib.import_module(ACTIVATION_MODULE)
     build = getattr(module, "build_tier", None)
     return build(config, backends) if build is not None else None
+
+
+@dataclass
+class TierReport:
+    """One tier's result on one sample, in the plain shape capture and replay share."""
+
+    passed: bool
+    summary: str
+    outputs: list[OutputCheck] = field(default_factory=list)  # tensor tier: per output
+    details: dict[str, Any] = field(default_factory=dict)
+
+
+def _activation_details(tier: Any, details: dict[str, Any]) -> dict[str, Any]:
+    """Tier 2's report reduced to what replay aggregates: the first divergence and the
+    per-layer error profile (propagated relative error), in network order."""
+    first = tier.first_divergence_dict() if hasattr(tier, "first_divergence_dict") else \
+        details.get("first_divergence")
+    layers = []
+    for layer in details.get("layers", []):
+        error = layer.get("error")
+        if error is None:
+            error = (layer.get("propagated") or {}).get("rel_error")
+        if error is not None:
+            layers.append({"layer": layer.get("layer", ""), "error": float(error)})
+    return {"first_divergence": first, "layers": layers}
+
+
+def tier_reports(result: CheckResult) -> dict[str, TierReport]:
+    """One ``TierReport`` per tier that ran on this sample (see the module docstring)."""
+    out: dict[str, TierReport] = {}
+    for name, tier in result.tiers.items():
+        if isinstance(tier, TensorCheck):
+            out[name] = TierReport(tier.passed, tier.summary(), list(tier.outputs),
+                                   {"max_abs_error": tier.max_abs_error})
+            continue
+        summary = tier.summary()
+        details = tier.as_dict() if hasattr(tier, "as_dict") else {}
+        if name == "activation":
+            details = _activation_details(tier, details)
+            if not isinstance(summary, str):  # tier 2 summarises as a dict of evidence
+                first = details["first_divergence"]
+                summary = (f"first divergence at {first['layer']}" if first
+                           else "no layer diverges")
+        out[name] = TierReport(bool(tier.passed), str(summary), [], details)
+    return out
+

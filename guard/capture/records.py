@@ -1,0 +1,78 @@
+"""CaptureRecord messages <-> numpy arrays and guard's own result types."""
+
+from __future__ import annotations
+
+import json
+from typing import Mapping
+
+import numpy as np
+
+from guard.backends.base import OIP_TO_NUMPY, BackendInfo, oip_datatype
+from guard.v1 import capture_pb2 as pb
+
+
+def tensor_to_proto(name: str, array: np.ndarray, out: pb.Tensor) -> None:
+    array = np.asarray(array)
+    out.name = name
+    out.datatype = oip_datatype(array.dtype)
+    out.shape.extend(array.shape)
+    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
+    out.raw = np.ascontiguousarray(little).tobytes()
+
+
+def add_tensors(field, arrays: Mapping[str, np.ndarray]) -> None:
+    for name, array in arrays.items():
+        tensor_to_proto(name, array, field.add())
+
+
+class RecordError(ValueError):
+    """A record that parsed but cannot be turned back into arrays (bad datatype or size)."""
+
+
+def tensor_from_proto(tensor: pb.Tensor) -> np.ndarray:
+    dtype = OIP_TO_NUMPY.get(tensor.datatype)
+    if dtype is None:
+        raise RecordError(f"tensor '{tensor.name}': unknown datatype '{tensor.datatype}'")
+    shape = tuple(tensor.shape)
+    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+    if len(tensor.raw) != count * dtype.itemsize:
+        raise RecordError(f"tensor '{tensor.name}': {len(tensor.raw)} bytes for shape "
+                          f"{list(shape)} x {tensor.datatype}")
+    return np.frombuffer(tensor.raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+
+
+def tensors(field) -> dict[str, np.ndarray]:
+    return {t.name: tensor_from_proto(t) for t in field}
+
+
+def describe_backends(out, backends: Mapping[str, BackendInfo]) -> None:
+    for role, info in backends.items():
+        out.add(role=role, backend=info.backend, artifact=info.artifact,
+                precision=info.precision, device=info.device)
+
+
+def add_tier_verdicts(out, results: Mapping[str, object]) -> None:
+    """Per-tier results from ``Verifier.tier_reports`` into ``TierVerdict`` messages."""
+    for tier, result in results.items():
+        verdict = out.add(tier=tier, passed=result.passed, summary=result.summary)
+        for o in result.outputs:
+            verdict.outputs.add(
+                name=o.name, passed=o.passed, reason=o.reason, max_abs=o.max_abs,
+                mean_abs=o.mean_abs, p99_abs=o.p99_abs, max_rel=o.max_rel,
+                cosine_distance=o.cosine_distance, allowed=o.allowed,
+            )
+        if result.details:
+            verdict.details_json = json.dumps(result.details, default=float, sort_keys=True)
+
+
+def parse_record(payload: bytes) -> pb.CaptureRecord:
+    record = pb.CaptureRecord()
+    record.ParseFromString(payload)
+    return record
+
+
+def live_passed(record: pb.CaptureRecord) -> bool | None:
+    """The sidecar's verdict on this record (all tiers), or None when it was not checked."""
+    if not record.verdicts:
+        return None
+    return all(v.passed for v in record.verdicts)

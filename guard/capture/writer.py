@@ -1,0 +1,361 @@
+"""The capture writer: records sampled traffic to segment files, off the request path.
+
+What the request path pays: a sampling decision and a ``put_nowait`` of a small object holding
+references to arrays it already has. Encoding (protobuf, CRC) and file I/O happen on the
+writer's own thread. A full queue drops the record and counts it; nothing ever waits.
+
+The writer works in bursts, so that it costs the request path as little as it can in a process
+that shares one GIL: after each burst it sleeps ``_LINGER_S`` (not waiting on the queue, so a
+``put`` wakes nobody), then takes whatever has queued (up to ``_BURST`` records), encodes it,
+yielding the GIL every few records, and appends the frames with one ``write`` per segment. The
+fields every record of a writer shares (model, backends, config hash, version) are serialized
+once and prefixed to each record (protobuf concatenation is a merge).
+
+Files: ``<capture.dir>/<model>/<UTC time>-<pid>-<n>.gcap``; names sort in creation order. A
+segment is closed (flushed and fsynced) and the next one opened when it would pass
+``max_segment_bytes`` or is older than ``max_segment_age_s`` (checked at least every second,
+also when idle). After every write the folder is kept under ``max_total_bytes`` by deleting the
+oldest closed segments (segments found there at start-up count too), each deletion counted in
+``guard_capture_segments_deleted_total``.
+
+Frames go to the OS in unbuffered ``write`` calls as soon as they are encoded: a crash of the
+process loses at most what was still queued in memory and the frame being written (the reader
+skips a torn frame). Records are not fsynced one by one (that
+would cost a disk flush per request); a machine crash can lose what the OS had not written.
+
+Failure: any I/O error (full disk, unwritable folder, a folder that vanished) disables capture
+for this model: one ``capture_disabled`` event, ``guard_capture_enabled`` drops to 0, later
+records count as ``disabled``, and serving goes on. It stays off until the sidecar restarts.
+
+Shutdown (``close``): no new records are taken; those already queued are written (bounded by a
+timeout), and the open segment is flushed and fsynced.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+
+from guard import __version__
+from guard.backends.base import BackendInfo
+from guard.capture import records
+from guard.capture.segment import SUFFIX, encode_frame
+from guard.config import CaptureConfig
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+from guard.serve.mirror import sampled
+from guard.v1 import capture_pb2 as pb
+
+log = logging.getLogger("guard.capture")
+_TICK_S = 1.0  # longest idle wait before checking segment age
+_BURST = 256  # most records encoded and written per wake-up
+_LINGER_S = 0.01  # pause after a burst: records gather instead of waking the writer one by one
+_YIELD_EVERY = 8  # records encoded between GIL yields (bounds how long the request path waits)
+_STOP = object()
+
+
+@dataclass
+class CaptureTag:
+    """Rides with a request from the request path to the mirror's result (``Sample.tag``)."""
+
+    request_id: str
+    unix_nanos: int
+    request_seconds: float
+    record: bool  # mode "all": this request was sampled for capture
+
+
+@dataclass
+class PendingRecord:
+    """Everything a record needs, as the request path or mirror worker has it; encoded later."""
+
+    tag: CaptureTag
+    route: str
+    epoch: int
+    inputs: Mapping[str, np.ndarray]
+    # Or a callable returning them (upstream mode decodes the answer only when it is needed:
+    # here, on the writer thread).
+    outputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]]
+    reference: Mapping[str, np.ndarray] | None = None
+    tier_reports: Mapping[str, object] = field(default_factory=dict)
+    reference_seconds: float = 0.0
+    probed: bool = False
+
+
+@dataclass
+class _Segment:
+    path: Path
+    size: int
+
+
+class CaptureWriter:
+    def __init__(
+        self,
+        model: str,
+        config: CaptureConfig,
+        metrics: GuardMetrics,
+        backends: Mapping[str, BackendInfo],
+        config_hash: str = "",
+    ):
+        self.model = model
+        self.config = config
+        self.metrics = metrics
+        self.folder = Path(config.dir) / model
+        self.enabled = True
+        self._backends = dict(backends)
+        self._config_hash = config_hash
+        self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._accepting = True
+        self._thread = threading.Thread(target=self._run, name=f"guard-capture-{model}",
+                                        daemon=True)
+        self._closed: list[_Segment] = []  # oldest first
+        self._current: _Segment | None = None
+        self._file = None
+        self._opened_at = 0.0
+        self._sequence = 0
+        self._segment_count = 0
+        static = pb.CaptureRecord(model=model, config_hash=config_hash,
+                                  guard_version=__version__, source="sidecar")
+        records.describe_backends(static.backends, self._backends)
+        self._static = static.SerializeToString()
+        metrics.declare_capture(model)
+        metrics.capture_enabled.labels(model).set(1)
+        metrics.capture_queue_depth.labels(model).set_function(self._queue.qsize)
+
+    # -- sampling (request path and mirror worker) ---------------------------------------------
+    def tag(self, request_id: str, request_seconds: float) -> CaptureTag:
+        record = self.config.mode == "all" and sampled(request_id, self.config.sample_rate)
+        return CaptureTag(request_id, time.time_ns(), request_seconds, record)
+
+    def wants_failure(self, tag: CaptureTag) -> bool:
+        """Mode "failures": is this failing sample recorded? (Same hash, so replicas agree.)"""
+        return self.config.mode == "failures" and sampled(tag.request_id, self.config.sample_rate)
+
+    def submit(self, pending: PendingRecord) -> None:
+        """Non-blocking: queue the record, or count it as dropped (or disabled)."""
+        if not self.enabled:
+            self.metrics.capture_records.labels(self.model, "disabled").inc()
+            return
+        if not self._accepting:
+            self.metrics.capture_records.labels(self.model, "dropped").inc()
+            return
+        try:
+            self._queue.put_nowait(pending)
+        except queue.Full:
+            self.metrics.capture_records.labels(self.model, "dropped").inc()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+    def start(self) -> None:
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._closed = sorted(
+                (_Segment(p, p.stat().st_size) for p in self.folder.glob(f"*{SUFFIX}")),
+                key=lambda s: s.path.name,
+            )
+            probe = self.folder / f".write-test-{os.getpid()}"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            self._disable(exc, "preparing the capture folder")
+        else:
+            self._enforce_cap()
+            emit("capture_started", model=self.model, folder=str(self.folder),
+                 mode=self.config.mode, sample_rate=self.config.sample_rate,
+                 existing_segments=len(self._closed))
+        self._thread.start()
+
+    def close(self, timeout: float = 10.0) -> None:
+        """Stop taking records, write those queued (within ``timeout``), close the segment."""
+        self._accepting = False
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                self._queue.put(_STOP, timeout=max(0.01, deadline - time.monotonic()))
+                break
+            except queue.Full:
+                if time.monotonic() >= deadline:
+                    break
+        self._thread.join(max(0.0, deadline - time.monotonic()) + 1.0)
+        if self._thread.is_alive():
+            log.warning("capture writer for %s did not finish within %.0fs", self.model, timeout)
+            return
+        # Whatever the writer did not take (the join timed out, or it never got the stop).
+        left = 0
+        while True:
+            try:
+                item = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            if item is not _STOP:
+                left += 1
+        if left:
+            self.metrics.capture_records.labels(self.model, "dropped").inc(left)
+
+    @property
+    def segments(self) -> list[Path]:
+        """Segment files of this writer's folder, oldest first (the open one last)."""
+        out = [s.path for s in self._closed]
+        return out + ([self._current.path] if self._current else [])
+
+    # -- writer thread -------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while True:
+                try:
+                    item = self._queue.get(timeout=_TICK_S)
+                except queue.Empty:
+                    self._rotate_if_old()
+                    continue
+                burst = [item]
+                while len(burst) < _BURST and burst[-1] is not _STOP:
+                    try:
+                        burst.append(self._queue.get_nowait())
+                    except queue.Empty:
+                        break
+                stop = burst[-1] is _STOP
+                self._handle([p for p in burst if p is not _STOP])
+                if stop:
+                    return
+                self._rotate_if_old()
+                time.sleep(_LINGER_S)
+        finally:
+            self._close_segment()
+
+    def _handle(self, burst: list[PendingRecord]) -> None:
+        if not burst:
+            return
+        if not self.enabled:
+            self.metrics.capture_records.labels(self.model, "disabled").inc(len(burst))
+            return
+        frames = []
+        for n, pending in enumerate(burst, 1):
+            if n % _YIELD_EVERY == 0:
+                time.sleep(0)  # let request threads waiting for the GIL have it
+            try:
+                frames.append(encode_frame(self._static +
+                                           self._encode(pending).SerializeToString()))
+            except Exception as exc:  # a value that cannot be recorded: this record only
+                self.metrics.capture_records.labels(self.model, "error").inc()
+                log.warning("capture for %s cannot encode a record: %s: %s", self.model,
+                            type(exc).__name__, exc)
+        written = 0
+        try:
+            written = self._write(frames)
+        except OSError as exc:
+            self._disable(exc, "writing records")
+        self.metrics.capture_records.labels(self.model, "written").inc(written)
+        if written < len(frames):
+            self.metrics.capture_records.labels(self.model, "disabled").inc(
+                len(frames) - written)
+
+    def _encode(self, p: PendingRecord) -> pb.CaptureRecord:
+        self._sequence += 1
+        # Only what differs per record; ``self._static`` holds the rest.
+        record = pb.CaptureRecord(
+            request_id=p.tag.request_id, unix_nanos=p.tag.unix_nanos,
+            route=p.route, mirrored=p.reference is not None, probed=p.probed,
+            sequence=self._sequence, epoch=max(0, p.epoch),
+        )
+        records.add_tensors(record.inputs, p.inputs)
+        records.add_tensors(record.outputs, p.outputs() if callable(p.outputs) else p.outputs)
+        if p.reference is not None:
+            records.add_tensors(record.reference_outputs, p.reference)
+        records.add_tier_verdicts(record.verdicts, p.tier_reports)
+        record.timings.request_seconds = p.tag.request_seconds
+        record.timings.reference_seconds = p.reference_seconds
+        return record
+
+    def _write(self, frames: list[bytes]) -> int:
+        """Append frames, rotating where a segment would pass its size; returns how many are
+        on disk (all, unless an OSError is raised part way: then the ones before it)."""
+        done = 0
+        while done < len(frames):
+            if self._current is None:
+                self._open_segment()
+            # As many frames as fit in this segment (at least one: a record larger than
+            # max_segment_bytes gets a segment of its own).
+            room = self.config.max_segment_bytes - self._current.size
+            end, size = done, 0
+            while end < len(frames) and (size + len(frames[end]) <= room or
+                                         (end == done and self._current.size == 0)):
+                size += len(frames[end])
+                end += 1
+            if end == done:  # the next frame does not fit: rotate
+                self._close_segment()
+                continue
+            view = memoryview(b"".join(frames[done:end]))
+            while view:  # a raw file may write less than asked
+                written = self._file.write(view)
+                view = view[written:]
+            self._current.size += size
+            done = end
+            self._enforce_cap()
+        return done
+
+    def _open_segment(self) -> None:
+        self._segment_count += 1
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
+        path = self.folder / f"{stamp}-{os.getpid()}-{self._segment_count:04d}{SUFFIX}"
+        self._file = open(path, "ab", buffering=0)
+        self._current = _Segment(path, 0)
+        self._opened_at = time.monotonic()
+
+    def _rotate_if_old(self) -> None:
+        if self._current is not None and (
+            time.monotonic() - self._opened_at >= self.config.max_segment_age_s
+        ):
+            self._close_segment()
+
+    def _close_segment(self) -> None:
+        if self._file is None:
+            return
+        handle, segment = self._file, self._current
+        self._file = self._current = None
+        try:
+            os.fsync(handle.fileno())
+            handle.close()
+        except OSError as exc:
+            self._disable(exc, "closing a segment")
+        if segment is not None and segment.size > 0:
+            self._closed.append(segment)
+        elif segment is not None:
+            segment.path.unlink(missing_ok=True)
+
+    def _enforce_cap(self) -> None:
+        total = sum(s.size for s in self._closed) + (self._current.size if self._current else 0)
+        while total > self.config.max_total_bytes and self._closed:
+            oldest = self._closed.pop(0)
+            try:
+                oldest.path.unlink(missing_ok=True)
+            except OSError as exc:
+                self._disable(exc, f"deleting the oldest segment {oldest.path.name}")
+                return
+            total -= oldest.size
+            self.metrics.capture_segments_deleted.labels(self.model).inc()
+        self.metrics.capture_bytes.labels(self.model).set(total)
+
+    def _disable(self, exc: OSError, doing: str) -> None:
+        if not self.enabled:
+            return
+        self.enabled = False
+        self.metrics.capture_enabled.labels(self.model).set(0)
+        emit("capture_disabled", model=self.model, folder=str(self.folder),
+             error=f"{doing}: {exc.strerror or exc}", errno=exc.errno,
+             note="capture stays off until the sidecar restarts; serving goes on")
+        if self._file is not None:
+            try:
+                self._file.close()
+            except OSError:
+                pass
+            self._file = None
+            if self._current is not None and self._current.size:
+                self._closed.append(self._current)
+            self._current = None

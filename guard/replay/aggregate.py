@@ -1,0 +1,254 @@
+"""Outcomes -> the per-model figures of the replay report.
+
+Outcomes are added in item order (the caller sorts them), and nothing here depends on timing or
+on the engine: equal outcomes give an equal report, whichever engine produced them.
+
+Verdict per model (a choice, documented in the README): for every tier that ran at least one
+check, the failing share over the whole replay is compared with the model's
+``policy.trip_ratio``, the same threshold that trips the sidecar's fallback on its window; the
+model ``drift``s when any tier's share exceeds it, else it ``pass``es. A primary that raises on
+a record fails that record's tensor check (a new backend that crashes on old traffic must not
+pass a gate); a reference that raises leaves the record unchecked (there is no truth to compare
+with) and is reported as an error.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+
+from guard.config import ModelConfig
+from guard.replay.items import CHECKED, INPUT_ERROR, PRIMARY_ERROR, REFERENCE_ERROR, SampleOutcome
+
+TIERS = ("tensor", "activation", "task")
+# Error histogram: a bin for exact zero, half-decade bins from 1e-12 to 1e3, one for beyond.
+HIST_EDGES = tuple(10 ** (e / 2) for e in range(-24, 7))
+TIMELINE_BUCKETS = 40
+EXAMPLES = 5
+
+
+def _bin(value: float) -> int:
+    """0: exactly zero; 1..len(edges)-1: [edge[k-1], edge[k]); last: >= the top edge or not
+    finite; values below the lowest edge go to bin 1."""
+    if value == 0.0:
+        return 0
+    if not math.isfinite(value):
+        return len(HIST_EDGES)
+    for k in range(1, len(HIST_EDGES)):
+        if value < HIST_EDGES[k]:
+            return k
+    return len(HIST_EDGES)
+
+
+class _OutputFigures:
+    def __init__(self):
+        self.checks = self.passed = self.incomparable = 0
+        self.max_abs = 0.0
+        self.sum_abs = 0.0
+        self.allowed_max = 0.0
+        self.histogram = [0] * (len(HIST_EDGES) + 1)
+
+    def add(self, check) -> None:
+        self.checks += 1
+        self.passed += check.passed
+        if math.isfinite(check.max_abs):
+            self.max_abs = max(self.max_abs, check.max_abs)
+            self.sum_abs += check.max_abs
+            self.allowed_max = max(self.allowed_max, check.allowed)
+        else:
+            self.incomparable += 1
+        self.histogram[_bin(check.max_abs)] += 1
+
+    def as_dict(self) -> dict:
+        comparable = self.checks - self.incomparable
+        return {
+            "checks": self.checks, "passed": self.passed,
+            "max_abs_error": self.max_abs,
+            "mean_max_abs_error": self.sum_abs / comparable if comparable else 0.0,
+            "incomparable": self.incomparable,  # shape/dtype mismatch, missing output
+            "allowed_max": self.allowed_max,
+            "histogram": self.histogram,
+        }
+
+
+class ModelAggregate:
+    def __init__(self, config: ModelConfig, described: dict | None = None):
+        """``described``: what the runner reports (``ModelRunner.describe``): backends, the
+        tiers the verifier runs, the noise floor it measured."""
+        described = described or {}
+        self.config = config
+        self.backends = {k: described[k] for k in ("reference", "primary") if k in described}
+        self.tiers_configured = list(described.get("tiers", []))
+        self.noise_floor = described.get("noise_floor")
+        self.samples = 0
+        self.status = Counter()
+        self.tier_checks = Counter()
+        self.tier_passed = Counter()
+        self.tensor_max_abs = 0.0
+        self.outputs: dict[str, _OutputFigures] = {}
+        self.first_divergence: dict | None = None
+        self.divergence_profile: list = []
+        self.divergent_layers = Counter()
+        self.task_sums: dict[str, float] = {}
+        self.task_counts = Counter()
+        self.live = Counter()
+        self.timeline: list[tuple[int, int, bool]] = []  # (unix_nanos, index, passed)
+        self.examples: list[dict] = []
+        self.errors: list[dict] = []
+
+    # -- adding --------------------------------------------------------------------------------
+    def add(self, o: SampleOutcome) -> None:
+        self.samples += 1
+        self.status[o.status] += 1
+        if o.status == PRIMARY_ERROR:
+            self.tier_checks["tensor"] += 1
+            self._timeline(o, False)
+            self._example(o, f"primary raised: {o.error}")
+            return
+        if o.status in (REFERENCE_ERROR, INPUT_ERROR):
+            if len(self.errors) < EXAMPLES:
+                self.errors.append(self._where(o) | {"status": o.status, "error": o.error})
+            return
+        passed_all = True
+        for tier, result in o.tiers.items():
+            self.tier_checks[tier] += 1
+            self.tier_passed[tier] += result.passed
+            passed_all &= result.passed
+            getattr(self, f"_add_{tier}", self._add_other)(result)
+        self._timeline(o, passed_all)
+        if not passed_all:
+            failing = [f"{t}: {r.summary}" for t, r in o.tiers.items() if not r.passed]
+            self._example(o, "; ".join(failing))
+        if o.live_passed is not None:
+            self.live[("pass" if o.live_passed else "fail", "pass" if passed_all else "fail")] += 1
+
+    def _add_tensor(self, result) -> None:
+        value = result.details.get("max_abs_error", 0.0)
+        if math.isfinite(value):
+            self.tensor_max_abs = max(self.tensor_max_abs, value)
+        for check in result.outputs:
+            self.outputs.setdefault(check.name, _OutputFigures()).add(check)
+
+    def _add_activation(self, result) -> None:
+        first = result.details.get("first_divergence")
+        if first:
+            self.divergent_layers[first["layer"]] += 1
+            if self.first_divergence is None and not result.passed:
+                self.first_divergence = {"layer": first["layer"],
+                                         "error": float(first["error"])}
+                self.divergence_profile = list(result.details.get("layers", []))
+
+    def _add_task(self, result) -> None:
+        for name, value in result.details.get("metrics", {}).items():
+            if isinstance(value, (int, float)) and math.isfinite(value):
+                self.task_sums[name] = self.task_sums.get(name, 0.0) + float(value)
+                self.task_counts[name] += 1
+
+    def _add_other(self, result) -> None:
+        """A tier this version of replay has no figures for: counted, nothing more."""
+
+    def _timeline(self, o: SampleOutcome, passed: bool) -> None:
+        self.timeline.append((o.unix_nanos, o.index, passed))
+
+    @staticmethod
+    def _where(o: SampleOutcome) -> dict:
+        return {"index": o.index, "request_id": o.request_id, "source": o.source,
+                "unix_nanos": o.unix_nanos}
+
+    def _example(self, o: SampleOutcome, why: str) -> None:
+        if len(self.examples) < EXAMPLES:
+            self.examples.append(self._where(o) | {"why": why})
+
+    # -- result --------------------------------------------------------------------------------
+    def _tiers(self) -> dict:
+        t = {
+            "tensor": {
+                "checks": self.tier_checks["tensor"], "passed": self.tier_passed["tensor"],
+                "max_abs_error": self.tensor_max_abs,
+                "primary_errors": self.status[PRIMARY_ERROR],
+                "outputs": {n: f.as_dict() for n, f in sorted(self.outputs.items())},
+            },
+            "activation": {
+                "checks": self.tier_checks["activation"],
+                "passed": self.tier_passed["activation"],
+                "first_divergence": self.first_divergence,
+                "first_divergence_layers": dict(self.divergent_layers.most_common()),
+                "profile": self.divergence_profile,
+            },
+            "task": {
+                "checks": self.tier_checks["task"], "passed": self.tier_passed["task"],
+                "metrics": {n: self.task_sums[n] / self.task_counts[n]
+                            for n in sorted(self.task_sums)},
+            },
+        }
+        for tier in sorted(set(self.tier_checks) - set(TIERS)):
+            t[tier] = {"checks": self.tier_checks[tier], "passed": self.tier_passed[tier]}
+        for figures in t.values():
+            checks = figures["checks"]
+            figures["failing_share"] = (checks - figures["passed"]) / checks if checks else 0.0
+        return t
+
+    def _verdict(self, tiers: dict) -> tuple[str, str]:
+        trip = self.config.policy.trip_ratio
+        reasons = []
+        for tier, figures in tiers.items():
+            if figures["checks"] and figures["failing_share"] > trip:
+                failed = figures["checks"] - figures["passed"]
+                reasons.append(f"{tier}: {failed} of {figures['checks']} failed "
+                               f"({figures['failing_share']:.1%}) > policy.trip_ratio {trip:.1%}")
+        if reasons:
+            return "drift", "; ".join(reasons)
+        if not any(f["checks"] for f in tiers.values()):
+            return "pass", "no sample could be checked"
+        return "pass", f"every tier's failing share is within policy.trip_ratio {trip:.1%}"
+
+    def _timeline_buckets(self) -> dict:
+        if not self.timeline:
+            return {"axis": "none", "buckets": []}
+        timed = all(t for t, _, _ in self.timeline)
+        keys = [t if timed else i for t, i, _ in self.timeline]
+        lo, hi = min(keys), max(keys)
+        width = (hi - lo) / TIMELINE_BUCKETS if hi > lo else 1
+        counts = [[0, 0] for _ in range(TIMELINE_BUCKETS)]
+        for key, (_, _, passed) in zip(keys, self.timeline):
+            k = min(TIMELINE_BUCKETS - 1, int((key - lo) / width)) if hi > lo else 0
+            counts[k][0] += 1
+            counts[k][1] += passed
+        buckets = [
+            {"start": lo + k * width, "checks": c, "passed": p}
+            for k, (c, p) in enumerate(counts) if c
+        ]
+        return {"axis": "unix_nanos" if timed else "index", "start": lo, "end": hi,
+                "buckets": buckets}
+
+    def result(self) -> dict:
+        tiers = self._tiers()
+        verdict, reason = self._verdict(tiers)
+        c = self.config.checks.tensor
+        return {
+            "samples": self.samples,
+            "verdict": verdict,
+            "verdict_reason": reason,
+            "tiers": tiers,
+            "thresholds": {
+                "trip_ratio": self.config.policy.trip_ratio,
+                "tensor": {"atol": c.atol, "rtol": c.rtol,
+                           "outputs": {n: o.model_dump(exclude_none=True)
+                                       for n, o in c.outputs.items()}},
+            },
+            "status": {s: self.status[s] for s in
+                       (CHECKED, PRIMARY_ERROR, REFERENCE_ERROR, INPUT_ERROR)},
+            "backends": self.backends,
+            "tiers_run": self.tiers_configured,
+            "noise_floor": self.noise_floor,
+            "live_agreement": {
+                "compared": sum(self.live.values()),
+                "both_pass": self.live[("pass", "pass")],
+                "both_fail": self.live[("fail", "fail")],
+                "live_pass_replay_fail": self.live[("pass", "fail")],
+                "live_fail_replay_pass": self.live[("fail", "pass")],
+            },
+            "timeline": self._timeline_buckets(),
+            "failing_examples": self.examples,
+            "error_examples": self.errors,
+        }

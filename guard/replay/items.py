@@ -1,0 +1,67 @@
+"""The values that flow through a replay: items in, batches across, outcomes out.
+
+They are plain picklable dataclasses on purpose: the Ray engine ships batches to worker actors
+and outcomes back, and the local engine uses the very same ones, so both feed one aggregator.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from guard.verify.pipeline import TierReport
+
+# SampleOutcome.status values.
+CHECKED = "checked"  # both sides answered; the tiers ran
+PRIMARY_ERROR = "primary_error"  # the primary raised: counts as a failed tensor check
+REFERENCE_ERROR = "reference_error"  # no truth to check against: not a check
+INPUT_ERROR = "input_error"  # the record does not fit the model's inputs as configured now
+
+
+@dataclass
+class ReplayItem:
+    """One recorded request (or one .npz sample) to replay."""
+
+    index: int  # position in the replay, over all inputs: outcomes are merged in this order
+    model: str
+    inputs: dict[str, np.ndarray]
+    unix_nanos: int = 0  # 0: no timestamp (.npz)
+    request_id: str = ""
+    source: str = ""  # file it came from
+    live_passed: bool | None = None  # the sidecar's verdict when it was mirrored live
+    progress: float = 0.0  # share of all input bytes read when this item was read (ETA)
+
+    def signature(self) -> tuple:
+        """Items with equal signatures can be stacked along the first axis."""
+        return tuple(
+            (name, a.dtype.str, a.shape[1:] if a.ndim else None)
+            for name, a in sorted(self.inputs.items())
+        )
+
+    @property
+    def rows(self) -> int:
+        first = next(iter(self.inputs.values()), None)
+        return int(first.shape[0]) if first is not None and first.ndim else 1
+
+
+@dataclass
+class Batch:
+    """Items of one model with one input signature, run together where the backends allow."""
+
+    model: str
+    items: list[ReplayItem]
+
+
+@dataclass
+class SampleOutcome:
+    index: int
+    model: str
+    status: str
+    unix_nanos: int = 0
+    request_id: str = ""
+    source: str = ""
+    error: str = ""
+    tiers: dict[str, TierReport] = field(default_factory=dict)
+    live_passed: bool | None = None
+    progress: float = 0.0

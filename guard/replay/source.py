@@ -1,0 +1,262 @@
+"""Where replay items come from: capture segment files (and folders of them) and ``.npz`` input
+sets, filtered by model, time and count, with everything skipped counted for the report.
+
+``.npz`` input sets: one array per input name, first axis = samples. Sample ``i`` of an array
+becomes the input ``array[i:i+1]`` (a batch of one) when the model's input has as many
+dimensions as the array, ``array[i]`` when it has one fewer. Which model: the one named by
+``--models`` (exactly one), or the config's only model. Arrays are checked against the model's
+inputs before anything runs; a mismatch is a usage error naming the array.
+
+Time filters (``--since``/``--until``) apply to records with a timestamp; ``.npz`` samples have
+none and are kept.
+"""
+
+from __future__ import annotations
+
+import zipfile
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from guard.backends.base import TensorSpec, oip_datatype
+from guard.capture.reader import FileStats, expand_paths, read_records
+from guard.capture.records import RecordError, live_passed, tensors
+from guard.errors import GuardError
+from guard.replay.items import ReplayItem
+
+NPZ = ".npz"
+
+
+@dataclass
+class Filters:
+    models: frozenset[str] | None = None  # None: every model the config has
+    since_nanos: int | None = None
+    until_nanos: int | None = None
+    max_records: int | None = None
+
+
+@dataclass
+class SourceStats:
+    files: list[dict] = field(default_factory=list)
+    records_read: int = 0
+    replayed: int = 0
+    unknown_models: Counter = field(default_factory=Counter)  # model the config lacks -> records
+    filtered: Counter = field(default_factory=Counter)  # why -> records left out
+    unreadable_records: int = 0  # parsed, but tensors could not be rebuilt
+    stopped_at_max_records: bool = False  # --max-records reached: later records not read
+
+    @property
+    def skipped_bytes(self) -> int:
+        return sum(f.get("skipped_bytes", 0) for f in self.files)
+
+    @property
+    def skipped_regions(self) -> int:
+        return sum(f.get("skipped_regions", 0) for f in self.files)
+
+    def as_dict(self) -> dict:
+        return {
+            "files": self.files,
+            "records_read": self.records_read,
+            "replayed": self.replayed,
+            "skipped_bytes": self.skipped_bytes,
+            "skipped_regions": self.skipped_regions,
+            "unreadable_records": self.unreadable_records,
+            "filtered": dict(sorted(self.filtered.items())),
+            "stopped_at_max_records": self.stopped_at_max_records,
+        }
+
+
+class NpzInput:
+    """An ``.npz`` input set, checked against one model's inputs on construction."""
+
+    def __init__(self, path: Path, model: str, specs: tuple[TensorSpec, ...]):
+        self.path = path
+        self.model = model
+        try:
+            with np.load(path, allow_pickle=False) as data:
+                self.arrays = {name: data[name] for name in data.files}
+        except (OSError, ValueError, zipfile.BadZipFile) as exc:
+            raise GuardError(f"{path}: not a readable .npz file: {exc}") from None
+        self._check(specs)
+
+    def _check(self, specs: tuple[TensorSpec, ...]) -> None:
+        where = f"{self.path}"
+        names = [s.name for s in specs]
+        if not self.arrays:
+            raise GuardError(f"{where}: holds no arrays")
+        for name in self.arrays:
+            if names and name not in names:
+                raise GuardError(f"{where}: array '{name}' is not an input of model "
+                                 f"'{self.model}' (its inputs: {', '.join(names)})")
+        for name in names:
+            if name not in self.arrays:
+                raise GuardError(f"{where}: no array for input '{name}' of model '{self.model}'")
+        counts = {name: (a.shape[0] if a.ndim else 0) for name, a in self.arrays.items()}
+        if any(a.ndim == 0 for a in self.arrays.values()):
+            bad = next(n for n, a in self.arrays.items() if a.ndim == 0)
+            raise GuardError(f"{where}: array '{bad}' is a scalar; the first axis must count "
+                             "samples")
+        if len(set(counts.values())) > 1:
+            first, *_ = counts
+            odd = next(n for n in counts if counts[n] != counts[first])
+            raise GuardError(f"{where}: array '{odd}' has {counts[odd]} samples, array "
+                             f"'{first}' has {counts[first]} (first axis = samples)")
+        self.count = next(iter(counts.values()))
+        self._keep_axis: dict[str, bool] = {}
+        by_name = {s.name: s for s in specs}
+        for name, array in self.arrays.items():
+            spec = by_name.get(name)
+            keep = True
+            if spec is not None and spec.shape:
+                if len(spec.shape) == array.ndim:
+                    keep = True
+                elif len(spec.shape) == array.ndim - 1:
+                    keep = False
+                else:
+                    raise GuardError(
+                        f"{where}: array '{name}' of shape {list(array.shape)} does not fit "
+                        f"input '{name}' of shape {list(spec.shape)} (first axis = samples)")
+                sample_shape = array.shape[1:] if not keep else (1, *array.shape[1:])
+                if any(w not in (-1, g) for w, g in zip(spec.shape, sample_shape)):
+                    raise GuardError(
+                        f"{where}: array '{name}': samples of shape {list(sample_shape)} do "
+                        f"not fit input '{name}' of shape {list(spec.shape)} (-1 = any)")
+            if spec is not None and spec.datatype:
+                try:
+                    datatype = oip_datatype(array.dtype)
+                except TypeError:
+                    datatype = str(array.dtype)
+                if datatype != spec.datatype:
+                    raise GuardError(f"{where}: array '{name}' holds {array.dtype} "
+                                     f"({datatype}), input '{name}' takes {spec.datatype}")
+            self._keep_axis[name] = keep
+
+    def sample(self, i: int) -> dict[str, np.ndarray]:
+        return {
+            name: (a[i:i + 1] if self._keep_axis[name] else a[i])
+            for name, a in self.arrays.items()
+        }
+
+
+class Source:
+    """Yields ``ReplayItem``s from the given paths in order, applying the filters."""
+
+    def __init__(
+        self,
+        paths: list[str],
+        config_models: set[str],
+        filters: Filters,
+        npz_specs: Callable[[str], tuple[TensorSpec, ...]],
+        npz_model: str | None,
+    ):
+        self.filters = filters
+        self.config_models = config_models
+        self.stats = SourceStats()
+        self.files = expand_paths(paths, suffixes=(".gcap", NPZ))
+        self.npz: dict[Path, NpzInput] = {}
+        for path in self.files:
+            if path.suffix == NPZ:
+                if npz_model is None:
+                    raise GuardError(f"{path}: which model do these inputs go to? The config "
+                                     "has several: pass --models NAME (one model)")
+                self.npz[path] = NpzInput(path, npz_model, npz_specs(npz_model))
+        sizes = [p.stat().st_size for p in self.files]
+        self._total_bytes = max(1, sum(sizes))
+        self._offsets = np.cumsum([0, *sizes]).tolist()
+
+    def _wanted(self, model: str, unix_nanos: int) -> str:
+        """'' to keep, else why the record is left out."""
+        f = self.filters
+        if f.models is not None and model not in f.models:
+            return "model"
+        if unix_nanos:
+            if f.since_nanos is not None and unix_nanos < f.since_nanos:
+                return "time"
+            if f.until_nanos is not None and unix_nanos > f.until_nanos:
+                return "time"
+        return ""
+
+    def items(self) -> Iterator[ReplayItem]:
+        index = 0
+        limit = self.filters.max_records
+        for number, path in enumerate(self.files):
+            if self._limit_reached(index, limit):
+                break
+            base = self._offsets[number]
+            size = max(1, self._offsets[number + 1] - base)
+            if path in self.npz:
+                produced = yield from self._npz_items(path, index, base, size, limit)
+                index += produced
+            else:
+                produced = yield from self._capture_items(path, index, base, limit)
+                index += produced
+
+    def _limit_reached(self, index: int, limit: int | None) -> bool:
+        if limit is not None and index >= limit:
+            self.stats.stopped_at_max_records = True
+            return True
+        return False
+
+    def _npz_items(self, path: Path, index: int, base: int, size: int, limit):
+        npz = self.npz[path]
+        produced = 0
+        entry = {"path": str(path), "kind": "npz", "model": npz.model, "records": npz.count,
+                 "skipped_bytes": 0, "skipped_regions": 0}
+        self.stats.files.append(entry)
+        for i in range(npz.count):
+            self.stats.records_read += 1
+            why = self._wanted(npz.model, 0)
+            if why:
+                self.stats.filtered[why] += 1
+                continue
+            if self._limit_reached(index + produced, limit):
+                break
+            yield ReplayItem(
+                index=index + produced, model=npz.model, inputs=npz.sample(i),
+                request_id=f"{path.name}[{i}]", source=str(path),
+                progress=(base + size * (i + 1) / npz.count) / self._total_bytes,
+            )
+            produced += 1
+            self.stats.replayed += 1
+        return produced
+
+    def _capture_items(self, path: Path, index: int, base: int, limit):
+        stats = FileStats()
+        produced = 0
+        try:
+            for record in read_records(path, stats):
+                self.stats.records_read += 1
+                model = record.model
+                if model not in self.config_models:
+                    if self.filters.models is None or model in self.filters.models:
+                        self.stats.unknown_models[model] += 1
+                    else:
+                        self.stats.filtered["model"] += 1
+                    continue
+                why = self._wanted(model, record.unix_nanos)
+                if why:
+                    self.stats.filtered[why] += 1
+                    continue
+                if self._limit_reached(index + produced, limit):
+                    break
+                try:
+                    inputs = tensors(record.inputs)
+                except RecordError:
+                    self.stats.unreadable_records += 1
+                    continue
+                yield ReplayItem(
+                    index=index + produced, model=model, inputs=inputs,
+                    unix_nanos=record.unix_nanos, request_id=record.request_id,
+                    source=str(path), live_passed=live_passed(record),
+                    progress=(base + stats.position) / self._total_bytes,
+                )
+                produced += 1
+                self.stats.replayed += 1
+        finally:
+            entry = asdict(stats)
+            entry["kind"] = "capture"
+            self.stats.files.append(entry)
+        return produced

@@ -1,0 +1,36 @@
+"""Tier 2 offline: `guard replay` on an input set runs the same activation tier the sidecar
+does and writes the first divergent layer into report.json (the CONTRACT field)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import yaml
+
+from guard.cli import main
+from guard.zoo.classifier import sample_inputs
+
+
+def test_replay_report_names_the_first_divergent_layer(tmp_path, zoo_classifier):
+    onnx = str(zoo_classifier["onnx"])
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [{
+        "name": "cnn", "task": "classification",
+        "primary": {"backend": "onnxruntime", "path": onnx, "precision": "int8"},
+        "reference": {"backend": "onnxruntime", "path": onnx},
+        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05},
+                   "activation": {"sample_rate": 1.0}},
+    }]}))
+    np.savez(tmp_path / "set.npz", image=sample_inputs(12, seed=3))
+    out = tmp_path / "report"
+    code = main(["replay", "--config", str(config), str(tmp_path / "set.npz"),
+                 "--report-dir", str(out), "--batch-size", "1", "--quiet"])
+    report = json.loads((out / "report.json").read_text())
+    cnn = report["models"]["cnn"]
+    assert code == 1 and cnn["verdict"] == "drift"
+    activation = cnn["tiers"]["activation"]
+    assert activation["checks"] == 12 and activation["passed"] == 0
+    assert activation["first_divergence"]["layer"] == "node_linear"
+    assert activation["first_divergence"]["error"] > 0.05
+    assert "activation" in cnn["tiers_run"]

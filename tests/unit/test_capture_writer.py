@@ -1,0 +1,197 @@
+"""guard/capture/writer.py: records on disk, rotation, the disk cap, drops and I/O failures."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+
+import numpy as np
+import pytest
+
+from guard.backends.base import BackendInfo, TensorSpec
+from guard.capture.reader import FileStats, expand_paths, read_records
+from guard.capture.records import tensors
+from guard.capture.writer import CaptureWriter, PendingRecord
+from guard.config import CaptureConfig
+from guard.observe.metrics import GuardMetrics
+from guard.config import ChecksConfig
+from guard.verify.pipeline import Verifier
+
+MODEL = "m"
+INFO = {"primary": BackendInfo("onnxruntime", "/models/m.onnx", "int8", "cpu",
+                               (TensorSpec("x", "FP32", (-1, 4)),), ())}
+
+
+def value(metrics: GuardMetrics, name: str, **labels) -> float:
+    return metrics.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
+
+
+def writer(tmp_path, **config) -> tuple[CaptureWriter, GuardMetrics]:
+    metrics = GuardMetrics("test")
+    cfg = CaptureConfig(dir=str(tmp_path / "cap"), **config)
+    return CaptureWriter(MODEL, cfg, metrics, INFO, config_hash="cafe"), metrics
+
+
+def pending(w: CaptureWriter, i: int, rows: int = 2, **extra) -> PendingRecord:
+    x = np.arange(rows * 4, dtype=np.float32).reshape(rows, 4) + i
+    return PendingRecord(w.tag(f"id-{i}", 0.002), "primary", 3, {"x": x},
+                         {"y": x[:, :3] * 2}, **extra)
+
+
+def read_all(folder) -> list:
+    out = []
+    for path in expand_paths([folder]):
+        out += list(read_records(path, FileStats()))
+    return out
+
+
+def test_records_round_trip_with_tensors_and_metadata(tmp_path):
+    w, metrics = writer(tmp_path)
+    verifier = Verifier(ChecksConfig())
+    w.start()
+    ref = {"y": np.zeros((2, 3), np.float32)}
+    check = verifier.check(ref, {"y": np.ones((2, 3), np.float32)})
+    w.submit(pending(w, 0))
+    w.submit(pending(w, 1, reference=ref, tier_reports=verifier.tier_reports(check),
+                     reference_seconds=0.01))
+    w.close()
+    records = read_all(tmp_path / "cap")
+    assert [r.request_id for r in records] == ["id-0", "id-1"]
+    first, second = records
+    np.testing.assert_array_equal(tensors(first.inputs)["x"],
+                                  np.arange(8, dtype=np.float32).reshape(2, 4))
+    assert tensors(first.outputs)["y"].shape == (2, 3)
+    assert not first.mirrored and not first.verdicts
+    assert second.mirrored and tensors(second.reference_outputs)["y"].sum() == 0
+    (verdict,) = second.verdicts
+    assert verdict.tier == "tensor" and not verdict.passed
+    assert verdict.outputs[0].name == "y" and verdict.outputs[0].max_abs == 1.0
+    assert json.loads(verdict.details_json) == {"max_abs_error": 1.0}
+    assert second.timings.reference_seconds == pytest.approx(0.01)
+    assert first.config_hash == "cafe" and first.source == "sidecar" and first.epoch == 3
+    assert [(b.role, b.backend, b.precision) for b in first.backends] == [
+        ("primary", "onnxruntime", "int8")]
+    assert (first.sequence, second.sequence) == (1, 2)
+    assert first.unix_nanos <= second.unix_nanos and abs(first.unix_nanos / 1e9 - time.time()) < 60
+    assert value(metrics, "guard_capture_records_total", outcome="written") == 2
+    assert value(metrics, "guard_capture_bytes") == sum(
+        p.stat().st_size for p in expand_paths([tmp_path / "cap"]))
+
+
+def test_segments_rotate_by_size(tmp_path):
+    w, _ = writer(tmp_path, max_segment_bytes=1500, max_total_bytes=10**6)
+    w.start()
+    for i in range(30):
+        w.submit(pending(w, i))
+    w.close()
+    files = expand_paths([tmp_path / "cap"])
+    assert len(files) > 3
+    assert all(p.stat().st_size <= 1500 for p in files)
+    assert [r.sequence for r in read_all(tmp_path / "cap")] == list(range(1, 31))
+
+
+def test_segments_rotate_by_age_even_when_idle(tmp_path):
+    w, _ = writer(tmp_path, max_segment_age_s=0.2)
+    w.start()
+    w.submit(pending(w, 0))
+    deadline = time.monotonic() + 10
+    while len(w._closed) < 1 and time.monotonic() < deadline:  # closed by the idle tick
+        time.sleep(0.05)
+    assert len(w._closed) == 1
+    w.submit(pending(w, 1))
+    w.close()
+    assert len(expand_paths([tmp_path / "cap"])) == 2
+
+
+def test_disk_cap_deletes_oldest_segments_first(tmp_path):
+    folder = tmp_path / "cap" / MODEL
+    folder.mkdir(parents=True)
+    old = folder / "20000101T000000000000Z-1-0001.gcap"  # left by an earlier run: counts too
+    old.write_bytes(b"\0" * 2000)
+    w, metrics = writer(tmp_path, max_segment_bytes=1000, max_total_bytes=3000)
+    w.start()
+    for i in range(40):
+        w.submit(pending(w, i))
+    w.close()
+    assert not old.exists()
+    files = expand_paths([tmp_path / "cap"])
+    total = sum(p.stat().st_size for p in files)
+    assert total <= 3000
+    deleted = value(metrics, "guard_capture_segments_deleted_total")
+    assert deleted >= 2
+    assert value(metrics, "guard_capture_bytes") == total
+    # What is left is the newest records, in order, ending with the last one written.
+    sequences = [r.sequence for r in read_all(tmp_path / "cap")]
+    assert sequences == list(range(sequences[0], 41))
+
+
+def test_full_queue_drops_and_counts_without_blocking(tmp_path):
+    w, metrics = writer(tmp_path, queue_size=4)
+    started = time.perf_counter()
+    for i in range(10):  # the writer thread is not running yet: the queue fills
+        w.submit(pending(w, i))
+    assert time.perf_counter() - started < 1.0
+    assert value(metrics, "guard_capture_records_total", outcome="dropped") == 6
+    w.start()
+    w.close()
+    assert value(metrics, "guard_capture_records_total", outcome="written") == 4
+
+
+def test_unwritable_folder_disables_capture_with_event_and_metric(tmp_path, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("a file where the capture folder should be")
+    metrics = GuardMetrics("test")
+    cfg = CaptureConfig(dir=str(blocker / "cap"))
+    w = CaptureWriter(MODEL, cfg, metrics, INFO)
+    with caplog.at_level(logging.INFO, logger="guard.events"):
+        w.start()
+        w.submit(pending(w, 0))
+        w.close()
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "guard.events"]
+    disabled = [e for e in events if e["event"] == "capture_disabled"]
+    assert len(disabled) == 1 and disabled[0]["model"] == MODEL
+    assert "capture folder" in disabled[0]["error"]
+    assert value(metrics, "guard_capture_enabled") == 0
+    assert value(metrics, "guard_capture_records_total", outcome="disabled") == 1
+    assert value(metrics, "guard_capture_records_total", outcome="written") == 0
+
+
+def test_io_error_while_running_disables_capture(tmp_path, caplog):
+    # One record per segment: every record opens a new file.
+    w, metrics = writer(tmp_path, max_segment_bytes=1, max_total_bytes=10**6)
+    w.start()
+    w.submit(pending(w, 0))
+    deadline = time.monotonic() + 10
+    while value(metrics, "guard_capture_records_total", outcome="written") < 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    # The folder vanishes and a file takes its place: the next segment cannot be opened.
+    for path in w.segments:
+        os.unlink(path)
+    os.rmdir(w.folder)
+    w.folder.write_text("")
+    with caplog.at_level(logging.INFO, logger="guard.events"):
+        for i in range(1, 5):
+            w.submit(pending(w, i))
+        w.close()
+    assert value(metrics, "guard_capture_enabled") == 0
+    assert value(metrics, "guard_capture_records_total", outcome="disabled") == 4
+    assert any('"capture_disabled"' in r.getMessage() for r in caplog.records)
+
+
+def test_config_rejects_segment_larger_than_cap_and_failures_without_reference():
+    from pathlib import Path
+
+    from guard.config import parse_config
+    from guard.errors import ConfigError
+
+    with pytest.raises(ValueError, match="max_segment_bytes must not exceed"):
+        CaptureConfig(dir="x", max_segment_bytes=10, max_total_bytes=5)
+    data = {"version": 1, "models": [{
+        "name": "m", "primary": {"backend": "torch", "path": "fixture_models:affine"},
+        "capture": {"dir": "cap", "mode": "failures"}}]}
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, Path("."))
+    assert any("capture.mode 'failures' needs a 'reference'" in p for p in info.value.problems)
