@@ -23,3 +23,7 @@ $PY -m pip install -q numpy grpcio grpcio-health-checking 'protobuf>=6.33.5,<7' 
   'tritonclient[grpc]' prometheus-client pydantic pyyaml opentelemetry-api onnx onnxruntime \
   pytest pytest-timeout 2>&1 | tail -2
 $PY -m pytest tests/gpu -v -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.txt"
+# The GPU matrix (the seed paper's study with causes named): summary under $OUT/matrix-gpu.
+$PY -m pip install -q matplotlib 2>&1 | tail -1
+$PY -m guard matrix configs/matrix/gpu.yaml --output-dir "$OUT/matrix-gpu" 2>&1 | tail -40 \
+  | tee "$OUT/matrix_gpu.txt"

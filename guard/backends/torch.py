@@ -133,9 +133,11 @@ class TorchBackend(Backend):
             if not torch.cuda.is_available():
                 raise BackendError(f"device {self.spec.device}: this torch build or machine "
                                    "has no CUDA")
-            if self.role != "reference" and self.options.allow_tf32:
-                torch.backends.cuda.matmul.allow_tf32 = True
-                torch.backends.cudnn.allow_tf32 = True
+            if self.role != "reference":
+                # Set both ways: the switch is process-wide and an earlier backend may have
+                # turned it on (the matrix loads TF32-on and TF32-off backends in turn).
+                torch.backends.cuda.matmul.allow_tf32 = self.options.allow_tf32
+                torch.backends.cudnn.allow_tf32 = self.options.allow_tf32
         module, signature = self._load_module()
         self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.spec.precision)
         device = torch.device(self.spec.device)

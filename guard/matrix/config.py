@@ -97,7 +97,12 @@ class MatrixBackend(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
     backend: BackendName
     precision: Precision = "fp32"
+    device: str = Field("cpu", description="cpu, cuda or cuda:N.")
     options: dict[str, Any] = Field(default_factory=dict)
+    cause: str = Field(
+        "", description="What makes this backend differ from the reference, when known (e.g. "
+        "'TF32 on: matmul inputs rounded to 10 mantissa bits'): printed beside its failures."
+    )
 
 
 class Tolerances(_Strict):

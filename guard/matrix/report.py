@@ -54,6 +54,7 @@ def summarise(records: list[dict]) -> dict:
         "failure_taxonomy_by_backend": {b: dict(c) for b, c in taxonomy_by_backend.items()},
         "min_passing_atol": {f"{m}|{b}": v for (m, b), v in min_atol.items()},
         "latency": {f"{m}|{b}": v for (m, b), v in latency.items()},
+        "causes": {r["backend"]: r["cause"] for r in records if r.get("cause")},
         "environment": records[0]["environment"] if records else {},
     }
 
@@ -97,9 +98,13 @@ def markdown(summary: dict, title: str) -> str:
         lines.append(f"| {kind} | {count} |")
     if s["failure_taxonomy_by_backend"]:
         kinds = sorted(s["failure_taxonomy"])
-        lines += ["", "| backend | " + " | ".join(kinds) + " |", "| --- |" + " --- |" * len(kinds)]
+        causes = s.get("causes", {})
+        extra = ["cause"] if causes else []
+        lines += ["", "| backend | " + " | ".join(kinds + extra) + " |",
+                  "| --- |" + " --- |" * len(kinds + extra)]
         for b, c in s["failure_taxonomy_by_backend"].items():
-            lines.append(f"| {b} | " + " | ".join(str(c.get(k, 0)) for k in kinds) + " |")
+            cells = [str(c.get(k, 0)) for k in kinds] + ([causes.get(b, "")] if causes else [])
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
     lines += ["", "## Median latency per sample (ms): reference / backend", "",
               "| model | " + " | ".join(s["backends"]) + " |",
               "| --- |" + " --- |" * len(s["backends"])]

@@ -129,7 +129,7 @@ def _split(arrays: dict[str, np.ndarray], batch: int, samples: int) -> list[dict
 
 
 def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
-                 base: Path) -> BackendConfig | str:
+                 base: Path, device: str = "cpu") -> BackendConfig | str:
     """The backend block for this model, or why the backend does not apply to it."""
     options = dict(options)
     if kind == "onnxruntime":
@@ -145,7 +145,7 @@ def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
     else:
         return "no TorchScript artifact or factory for this model"
     spec = BackendConfig.model_validate({"backend": kind, "path": path, "precision": precision,
-                                         "options": options})
+                                         "device": device, "options": options})
     spec._base_dir = base
     return spec
 
@@ -276,11 +276,13 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
 def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend,
                    reference: BackendRun, grid, emit, say) -> None:
     model = prepared.config
-    spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base)
+    spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base,
+                        backend.device)
     common = {"matrix": config.name, "model": model.name, "task": prepared.task,
               "reference": f"{(model.reference or config.reference).backend} fp32",
               "backend": backend.name,
               "backend_kind": backend.backend, "precision": backend.precision,
+              "device": backend.device, "cause": backend.cause,
               "options": backend.options, "adapters": [a.name for a in prepared.adapters],
               "samples": len(prepared.samples)}
     tiers = [t for t in config.tiers if t != "task" or prepared.task != "generic"]
