@@ -128,7 +128,8 @@ class ServerConfig(Strict):
         description="Threads that run primary/fallback inference for the request path. 0 runs "
         "inference on the event loop itself: no thread hop (~0.1-0.3 ms saved per request on a "
         "busy CPU), but one inference at a time and a slow call stalls every other RPC: only "
-        "for models that answer in well under a millisecond.",
+        "for models that answer in well under a millisecond. Upstream models are forwarded "
+        "asynchronously and never use these threads.",
     )
     max_message_bytes: PositiveInt = Field(
         64 * 1024 * 1024,

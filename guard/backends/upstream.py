@@ -15,6 +15,7 @@ may start before the model server.
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import grpc
@@ -25,6 +26,7 @@ from tritonclient.grpc import service_pb2_grpc as pb_grpc
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.options import UpstreamOptions
 from guard.errors import BackendError
+from guard.observe import tracing
 
 
 class UpstreamError(Exception):
@@ -60,6 +62,7 @@ class UpstreamBackend(Backend):
         self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
         self._aio_channel: grpc.aio.Channel | None = None
         self._aio_stub: pb_grpc.GRPCInferenceServiceStub | None = None
+        self._aio_loop: asyncio.AbstractEventLoop | None = None
         self._inputs: tuple[TensorSpec, ...] = ()
         self._outputs: tuple[TensorSpec, ...] = ()
 
@@ -105,8 +108,12 @@ class UpstreamBackend(Backend):
         if self._channel is not None:
             self._channel.close()
         self._channel = None
-        # The aio channel belongs to the server's event loop; it is closed with it.
-        self._aio_channel = None
+        # The aio channel belongs to the server's event loop: close it there (a reload calls
+        # this from a worker thread while the loop keeps serving).
+        channel, loop = self._aio_channel, self._aio_loop
+        self._aio_channel = self._aio_stub = None
+        if channel is not None and loop is not None and not loop.is_closed():
+            asyncio.run_coroutine_threadsafe(channel.close(), loop)
 
     def describe(self) -> BackendInfo:
         return BackendInfo(backend="upstream", artifact=f"{self.model}@{self.target}",
@@ -117,6 +124,7 @@ class UpstreamBackend(Backend):
     def _async_stub(self) -> pb_grpc.GRPCInferenceServiceStub:
         # Created on first use, inside the server's running event loop (grpc.aio needs that).
         if self._aio_stub is None:
+            self._aio_loop = asyncio.get_running_loop()
             credentials = _credentials(self.options)
             if credentials is None:
                 self._aio_channel = grpc.aio.insecure_channel(self.target, self._channel_options)
@@ -126,20 +134,22 @@ class UpstreamBackend(Backend):
             self._aio_stub = pb_grpc.GRPCInferenceServiceStub(self._aio_channel)
         return self._aio_stub
 
-    async def forward(self, request: pb.ModelInferRequest,
-                      timeout: float | None) -> pb.ModelInferResponse:
-        """Send the client's request on, unchanged but for the model it is addressed to."""
-        asked_for = request.model_name
+    async def forward(self, request: pb.ModelInferRequest, timeout: float | None,
+                      metadata: tuple[tuple[str, str], ...] = ()) -> pb.ModelInferResponse:
+        """Send the client's request on, unchanged but for the model it is addressed to, with
+        the client's metadata (auth headers...) and, when tracing, guard's span as parent."""
+        asked_for, asked_version = request.model_name, request.model_version
         request.model_name = self.model
         request.model_version = self.options.model_version
         try:
             response = await self._async_stub().ModelInfer(
-                request, timeout=timeout if timeout is not None else self.options.timeout_s)
+                request, timeout=timeout if timeout is not None else self.options.timeout_s,
+                metadata=tracing.inject(metadata))
         except grpc.aio.AioRpcError as exc:
             raise UpstreamError(exc.code().name, f"upstream {self.model}@{self.target}: "
                                 f"{exc.details()}") from None
         finally:
-            request.model_name = asked_for
+            request.model_name, request.model_version = asked_for, asked_version
         response.model_name = asked_for
         return response
 

@@ -97,3 +97,15 @@ def child_span(name: str, parent_context, attributes: dict):
 def set_attributes(span, attributes: dict) -> None:
     if span is not None and hasattr(span, "set_attributes"):
         span.set_attributes(attributes)
+
+
+def inject(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    """Outgoing metadata: the caller's, with the current span as ``traceparent`` when tracing
+    (replacing the client's, so the upstream's span is a child of guard's)."""
+    if _tracer is None:
+        return metadata
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return tuple((k, v) for k, v in metadata if k not in carrier) + tuple(carrier.items())

@@ -55,6 +55,8 @@ class InferenceRequest:
     # The request as received: an upstream backend forwards it unchanged (parameters, id,
     # requested outputs, raw or typed contents).
     message: pb.ModelInferRequest | None = None
+    # The client's gRPC metadata (auth, trace context...), forwarded to an upstream.
+    metadata: tuple[tuple[str, str], ...] = ()
 
 
 def _numpy_dtype(name: str, datatype: str) -> np.dtype:

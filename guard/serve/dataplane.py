@@ -129,7 +129,8 @@ class DataPlane:
                    timeout: float | None) -> InferenceResult:
         forward = getattr(backend, "forward", None)
         if forward is not None and request.message is not None:
-            return InferenceResult(route, message=await forward(request.message, timeout))
+            return InferenceResult(route, message=await forward(request.message, timeout,
+                                                                request.metadata))
         if self.executor is None:
             return InferenceResult(route, outputs=backend.infer(request.inputs))
         loop = asyncio.get_running_loop()

@@ -55,6 +55,9 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, request, context, span):
         try:
             decoded = decode_request(request)
+            decoded.metadata = tuple(
+                (k, v) for k, v in (context.invocation_metadata() or ())
+                if isinstance(v, str) and not k.startswith(("grpc-", ":")))
             result = await self.dataplane.infer(decoded, context.time_remaining())
             tracing.set_attributes(span, {"guard.route": result.route})
             if result.message is not None:  # an upstream's answer, passed through

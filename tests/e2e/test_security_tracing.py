@@ -126,3 +126,31 @@ def test_traces_model_infer_and_the_mirrored_comparison(tmp_path):
     assert compare.parent.span_id == infer.context.span_id
     assert compare.attributes["guard.verdict"] == "pass"
     assert compare.attributes["guard.tier.tensor.max_abs_error"] == 0.0
+
+
+def test_trace_context_reaches_the_upstream(tmp_path):
+    """guard -> guard: the upstream's ModelInfer span is a child of the front guard's span, so
+    the client's metadata (here its traceparent) travels with the forwarded request."""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    tracing.use_provider(provider)
+    try:
+        (tmp_path / "back").mkdir()
+        (tmp_path / "front").mkdir()
+        with running(tmp_path / "back", [model_block(mirror={"sample_rate": 0.0})]) as (back, _):
+            front_model = {"name": "m", "mirror": {"sample_rate": 0.0},
+                           "primary": {"backend": "upstream", "model": "m",
+                                       "target": f"127.0.0.1:{back.grpc_port}"}}
+            with running(tmp_path / "front", [front_model]) as (_, client):
+                client.infer("m", [x_input(np.ones((1, 4)))])
+                spans = wait_for(lambda: len(exporter.get_finished_spans()) >= 2 and
+                                 exporter.get_finished_spans())
+    finally:
+        tracing.use_provider(None)
+    infer_spans = [s for s in spans if s.name == "ModelInfer"]
+    assert len(infer_spans) == 2
+    outer = next(s for s in infer_spans if s.parent is None)
+    inner = next(s for s in infer_spans if s.parent is not None)
+    assert inner.context.trace_id == outer.context.trace_id
+    assert inner.parent.span_id == outer.context.span_id
