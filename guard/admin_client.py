@@ -39,6 +39,9 @@ def format_model_status(status: pb.ModelStatus) -> str:
                      f"decides from {w.min_samples})")
     lines.append("  requests: " + ", ".join(f"{k}={v}" for k, v in sorted(status.requests.items())))
     lines.append("  mirror:   " + ", ".join(f"{k}={v}" for k, v in sorted(status.mirror.items())))
+    if status.ops_kept_back or status.repairing:
+        lines.append(f"  ops kept at fp32: {', '.join(status.ops_kept_back) or 'none yet'}"
+                     f"{' (repair running)' if status.repairing else ''}")
     if status.has_last_transition:
         t = status.last_transition
         when = time.strftime("%H:%M:%S", time.localtime(t.unix_time))

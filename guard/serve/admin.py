@@ -45,6 +45,9 @@ def model_status(model: GuardedModel) -> pb.ModelStatus:
         info = backend.describe()
         status.backends.add(role=role, backend=info.backend, precision=info.precision,
                             device=info.device, artifact=info.artifact)
+    if model.ops is not None:
+        status.ops_kept_back.extend(model.ops.kept)
+        status.repairing = model.ops.repairing
     status.mirror.update(_sample_counts(model.metrics.mirror, model.name, "outcome"))
     status.requests.update(_sample_counts(model.metrics.requests, model.name, "route"))
     return status

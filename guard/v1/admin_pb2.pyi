@@ -93,7 +93,7 @@ class BackendStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., artifact: _Optional[str] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing")
+    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing")
     class MirrorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,8 @@ class ModelStatus(_message.Message):
     MIRROR_FIELD_NUMBER: _ClassVar[int]
     REQUESTS_FIELD_NUMBER: _ClassVar[int]
     PROBING_FIELD_NUMBER: _ClassVar[int]
+    OPS_KEPT_BACK_FIELD_NUMBER: _ClassVar[int]
+    REPAIRING_FIELD_NUMBER: _ClassVar[int]
     name: str
     route: str
     override: str
@@ -130,4 +132,6 @@ class ModelStatus(_message.Message):
     mirror: _containers.ScalarMap[str, int]
     requests: _containers.ScalarMap[str, int]
     probing: bool
-    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ...) -> None: ...
+    ops_kept_back: _containers.RepeatedScalarFieldContainer[str]
+    repairing: bool
+    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ..., ops_kept_back: _Optional[_Iterable[str]] = ..., repairing: _Optional[bool] = ...) -> None: ...

@@ -116,8 +116,11 @@ def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, ca
             status = admin.GetStatus(admin_pb2.GetStatusRequest(model="cnn")).models[0]
             assert status.route == "primary", story
             assert "node_linear_MatMul" in status.last_transition.reason
-            admin.SetRoute(admin_pb2.SetRouteRequest(model="cnn", route=admin_pb2.PRIMARY,
-                                                     reason="drift fixed upstream"))
+            assert list(status.ops_kept_back) == ["node_linear_MatMul"]
+            assert not status.repairing
+            reset = admin.SetRoute(admin_pb2.SetRouteRequest(
+                model="cnn", route=admin_pb2.PRIMARY, reason="drift fixed upstream")).status
+            assert list(reset.ops_kept_back) == []
         values = scrape(srv.metrics_port)
         assert metric(values, "guard_fallback_active", model="cnn", scope="ops") == 0
         (cleared,) = events(caplog, "ops_fallback_cleared")
