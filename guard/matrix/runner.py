@@ -99,6 +99,9 @@ def prepare(model: MatrixModel, workdir: Path) -> PreparedModel:
                                      entry.adapters),
                                  torchscript=str(paths.get("torchscript") or "") or None,
                                  onnx=str(paths.get("onnx") or "") or None,
+                                 # A real model without TorchScript runs eager on every torch
+                                 # backend (minilm: transformers' module).
+                                 factory=None if paths.get("torchscript") else entry.factory,
                                  factory_kwargs=dict(entry.factory_kwargs),
                                  eager_factory=entry.factory)
         n = model.inputs.samples * model.inputs.batch

