@@ -314,7 +314,11 @@ class OpRepair:
                 outcome.steps.append(step)
                 self.on_step(step)
                 return None
-            failures = self._failures(backend, samples, references)
+            try:
+                failures = self._failures(backend, samples, references)
+            except Exception:
+                backend.close()  # a candidate that crashes on validation is not left loaded
+                raise
             passed = failures <= self.config.max_failure_share * len(samples)
             step = {"step": "candidate", "kept": kept, "failures": failures,
                     "samples": len(samples), "passed": passed}
