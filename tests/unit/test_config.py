@@ -552,6 +552,18 @@ def test_fallback_ops_needs_a_derived_int8_primary_a_reference_and_a_fallback(ba
                               fallback=dict(ORT), policy=ops), base)
     assert config.models[0].policy.action == "fallback_ops"
     assert config.models[0].policy.repair.buffer == 32
+    config = parse_config(doc(primary={**ORT, "precision": "fp16"}, reference=dict(ORT),
+                              fallback=dict(ORT), policy=ops), base)
+    assert config.models[0].primary.precision == "fp16"
+
+
+def test_fallback_ops_rejects_a_primary_it_cannot_rebuild(base):
+    ops = {"action": "fallback_ops"}
+    # A torch fp16 primary is not an ONNX graph the fp16 converter can rebuild.
+    lines = problems(doc(primary={**TORCH, "precision": "fp16"}, reference=dict(ORT),
+                         fallback=dict(ORT), policy=ops), base)
+    assert len(lines) == 1 and "precision int8 or fp16" in lines[0], lines
+    assert "this primary is torch fp16" in lines[0]
 
 
 def test_duplicate_model_names(base):

@@ -1,0 +1,128 @@
+"""Selective op fallback on an fp16 primary: the seeded model of tests/fp16_models.py whose
+input LayerNorm overflows fp16, with real ONNX Runtime sessions, the real
+fp16 converter, the real tier-2 checker and the model's own tier-1 checks."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+
+import fp16_models
+from guard.backends import create_backend
+from guard.config import RepairConfig, parse_config
+from guard.policy.repair import (
+    BufferedSample,
+    OpRepair,
+    Suspect,
+    fp16_ops_not_fp32,
+    fp16_rebuildable_ops,
+    source_node_names,
+)
+from guard.verify.activation import ActivationChecker
+from guard.verify.pipeline import Verifier
+
+
+@pytest.fixture(scope="module")
+def wide(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("fp16zoo")
+    onnx_path = str(fp16_models.export(folder)["onnx"])
+    doc = {"version": 1, "models": [{
+        "name": "wide",
+        "primary": {"backend": "onnxruntime", "path": onnx_path, "precision": "fp16"},
+        "reference": {"backend": "onnxruntime", "path": onnx_path},
+        "fallback": {"backend": "onnxruntime", "path": onnx_path},
+        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
+        "policy": {"action": "fallback_ops"},
+    }]}
+    config = parse_config(doc, folder).models[0]
+    reference = create_backend(config.reference, "reference")
+    reference.load()
+    xs = fp16_models.sample_inputs(16, seed=21)
+    samples = [BufferedSample({"x": xs[i:i + 1]}, True) for i in range(16)]
+    return {"config": config, "reference": reference, "verifier": Verifier(config.checks),
+            "samples": samples, "activation": ActivationChecker.for_model(config),
+            "onnx": onnx_path}
+
+
+def repair(wide, **overrides) -> OpRepair:
+    config = RepairConfig(**overrides.pop("config", {}))
+    return OpRepair(wide["config"].primary, wide["reference"],
+                    lambda ref, out, inputs: wide["verifier"].check(ref, out, inputs).passed,
+                    config, activation=wide["activation"], **overrides)
+
+
+def failing(wide, backend) -> int:
+    return sum(not wide["verifier"].check(wide["reference"].infer(s.inputs),
+                                          backend.infer(s.inputs)).passed
+               for s in wide["samples"])
+
+
+def test_fp16_segments_map_back_to_the_fp32_node_names(wide):
+    names = source_node_names(wide["onnx"])
+    assert {"node_linear", "node_layer_norm"} <= names
+    # The converter's Casts (keep_io_types, block list) are no node of the fp32 graph.
+    segment = ["x_cast_to_node_layer_norm", "node_layer_norm", "node_linear_input_cast0",
+               "node_linear", "node_linear_output_cast0"]
+    assert fp16_rebuildable_ops(segment, names) == ["node_layer_norm", "node_linear"]
+
+
+def test_the_fp16_primary_fails_and_the_repair_keeps_only_the_layer_norm_at_fp32(wide):
+    fp16 = create_backend(wide["config"].primary, "primary")
+    fp16.load()
+    assert failing(wide, fp16) == 16  # the input overflows fp16 on every sample
+    assert fp16_ops_not_fp32(fp16.model_path, ["node_layer_norm"]) == ["node_layer_norm"]
+
+    steps = []
+    outcome = repair(wide, on_step=steps.append).run(wide["samples"])
+    assert outcome.ok, outcome.reason
+    assert outcome.kept == ["node_layer_norm"], outcome.evidence()
+    assert "node_layer_norm" in outcome.suspects[0].ops
+    assert [s["step"] for s in steps][:2] == ["suspects", "candidate_ops"]
+    # The variant really runs the LayerNorm at fp32 and the rest (fc1, fc2, head) at fp16.
+    assert fp16_ops_not_fp32(outcome.backend.model_path, outcome.kept) == []
+    assert fp16_ops_not_fp32(outcome.backend.model_path, ["node_linear_1"]) == ["node_linear_1"]
+    graph = onnx.load(str(outcome.backend.model_path)).graph
+    assert {i.name: i.data_type for i in graph.initializer}["fc1.weight"] == onnx.TensorProto.FLOAT16
+    (norm,) = [n for n in graph.node if n.name == "node_layer_norm"]
+    assert norm.input[0] == "x"  # the raw fp32 input, no Cast to fp16 in front of it
+    assert failing(wide, outcome.backend) == 0
+
+
+def test_keeping_the_wrong_op_is_not_enough(wide):
+    outcome = repair(wide).run(wide["samples"], suspects=[Suspect("linear", 1.0, ["node_linear"])])
+    assert not outcome.ok and "still fails the checks" in outcome.reason
+
+
+def test_a_candidate_onnx_runtime_cannot_load_is_a_failed_candidate(wide):
+    from guard.errors import BackendError
+
+    calls = []
+
+    def flaky(spec):
+        calls.append(list(spec.options["nodes_to_exclude"]))
+        if len(calls) == 2:  # the first narrowing step: the rebuild is refused
+            raise BackendError("the fp16 variant derived from wide.onnx does not load")
+        return OpRepair._build(spec)
+
+    steps = []
+    suspects = [Suspect("norm", 1.0, ["node_layer_norm", "node_linear"])]
+    outcome = repair(wide, build=flaky, on_step=steps.append).run(wide["samples"], suspects)
+    assert outcome.ok, outcome.reason
+    assert outcome.kept == ["node_layer_norm"]
+    assert calls[1] == ["node_linear"]
+    refused = [s for s in steps if s.get("error")]
+    assert len(refused) == 1 and refused[0]["passed"] is False
+    assert "does not load" in refused[0]["error"]
+    assert failing(wide, outcome.backend) == 0
+
+
+def test_a_first_candidate_that_cannot_load_ends_the_repair(wide):
+    from guard.errors import BackendError
+
+    def refused(spec):
+        raise BackendError("does not load in ONNX Runtime")
+
+    outcome = repair(wide, build=refused).run(wide["samples"])
+    assert not outcome.ok and "gives no usable variant" in outcome.reason
+    assert outcome.backend is None
