@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 import urllib.request
 from contextlib import contextmanager
@@ -88,3 +89,43 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
             return value
         time.sleep(interval)
     raise AssertionError(f"condition not met within {timeout}s")
+
+
+def image_input(images: np.ndarray) -> grpcclient.InferInput:
+    """The zoo classifier's input."""
+    return x_input(images, name="image")
+
+
+def events(caplog, name: str) -> list[dict]:
+    """guard's structured events of one kind, from pytest's log capture."""
+    import json
+
+    return [e for e in (json.loads(r.getMessage()) for r in caplog.records
+                        if r.name == "guard.events") if e["event"] == name]
+
+
+class Traffic(threading.Thread):
+    """A client sending one row after another until stopped, keeping every answer: for tests
+    that change a model's route or session while requests flow."""
+
+    def __init__(self, port: int, model: str, make_input, rows: np.ndarray,
+                 output: str = "logits"):
+        super().__init__(daemon=True)
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+        self.model, self.make_input, self.rows, self.output = model, make_input, rows, output
+        self.answers: list[tuple[str, int, np.ndarray]] = []  # (route, row index, output)
+        self.errors: list[str] = []
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        i = 0
+        while not self.stop.is_set():
+            k = i % len(self.rows)
+            try:
+                result = self.client.infer(self.model, [self.make_input(self.rows[k:k + 1])])
+                route = result.get_response().parameters["guard_route"].string_param
+                self.answers.append((route, k, result.as_numpy(self.output)[0]))
+            except Exception as exc:  # counted: the tests assert there are none
+                self.errors.append(f"{type(exc).__name__}: {exc}")
+            i += 1
+        self.client.close()

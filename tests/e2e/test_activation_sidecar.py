@@ -4,31 +4,12 @@ transition carries the first divergent layer (fc1, the layer with the outlier we
 
 from __future__ import annotations
 
-import json
 import logging
 
-import numpy as np
-import tritonclient.grpc as grpcclient
 
 from guard.zoo.classifier import sample_inputs
 
-from support import metric, running, scrape, wait_for
-
-
-def image_input(images: np.ndarray) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput("image", list(images.shape), "FP32")
-    tensor.set_data_from_numpy(images)
-    return tensor
-
-
-def events(caplog, name: str) -> list[dict]:
-    found = []
-    for record in caplog.records:
-        if record.name == "guard.events":
-            event = json.loads(record.getMessage())
-            if event["event"] == name:
-                found.append(event)
-    return found
+from support import events, image_input, metric, running, scrape, wait_for
 
 
 def test_int8_drift_is_localised_to_fc1_in_the_route_transition(tmp_path, zoo_classifier, caplog):

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import grpc
 import numpy as np
@@ -18,43 +17,7 @@ import tritonclient.grpc as grpcclient
 import fp16_models
 from guard.v1 import admin_pb2, admin_pb2_grpc
 
-from support import metric, running, scrape, wait_for
-
-
-def x_input(rows: np.ndarray) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput("x", list(rows.shape), "FP32")
-    tensor.set_data_from_numpy(rows)
-    return tensor
-
-
-def events(caplog, name: str) -> list[dict]:
-    return [e for e in (json.loads(r.getMessage()) for r in caplog.records
-                        if r.name == "guard.events") if e["event"] == name]
-
-
-class Traffic(threading.Thread):
-    """A client sending one row after another until stopped, keeping every answer."""
-
-    def __init__(self, port: int, rows: np.ndarray):
-        super().__init__(daemon=True)
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        self.rows = rows
-        self.answers: list[tuple[str, int, np.ndarray]] = []  # (route, row index, logits)
-        self.errors: list[str] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            k = i % len(self.rows)
-            try:
-                result = self.client.infer("pressure", [x_input(self.rows[k:k + 1])])
-                route = result.get_response().parameters["guard_route"].string_param
-                self.answers.append((route, k, result.as_numpy("logits")[0]))
-            except Exception as exc:  # counted: the test asserts there are none
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-            i += 1
-        self.client.close()
+from support import Traffic, events, metric, running, scrape, wait_for, x_input
 
 
 def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, caplog):
@@ -74,7 +37,7 @@ def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, capl
     rows = fp16_models.sample_inputs(32, seed=17)
     expected = ort.InferenceSession(onnx_path).run(None, {"x": rows})[0]
     with running(tmp_path, [model]) as (srv, _):
-        traffic = Traffic(srv.grpc_port, rows)
+        traffic = Traffic(srv.grpc_port, "pressure", x_input, rows)
         traffic.start()
         try:
             values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(

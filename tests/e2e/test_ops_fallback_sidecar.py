@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import logging
-import threading
 
 import grpc
 import numpy as np
@@ -17,48 +16,7 @@ import tritonclient.grpc as grpcclient
 from guard.v1 import admin_pb2, admin_pb2_grpc
 from guard.zoo.classifier import sample_inputs
 
-from support import metric, running, scrape, wait_for
-
-
-def image_input(images: np.ndarray) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput("image", list(images.shape), "FP32")
-    tensor.set_data_from_numpy(images)
-    return tensor
-
-
-def events(caplog, name: str) -> list[dict]:
-    out = []
-    for record in caplog.records:
-        if record.name == "guard.events":
-            event = json.loads(record.getMessage())
-            if event["event"] == name:
-                out.append(event)
-    return out
-
-
-class Traffic(threading.Thread):
-    """A client sending one image after another until stopped, keeping every answer."""
-
-    def __init__(self, port: int, images: np.ndarray):
-        super().__init__(daemon=True)
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
-        self.images = images
-        self.answers: list[tuple[str, int, np.ndarray]] = []  # (route, image index, logits)
-        self.errors: list[str] = []
-        self.stop = threading.Event()
-
-    def run(self) -> None:
-        i = 0
-        while not self.stop.is_set():
-            k = i % len(self.images)
-            try:
-                result = self.client.infer("cnn", [image_input(self.images[k:k + 1])])
-                route = result.get_response().parameters["guard_route"].string_param
-                self.answers.append((route, k, result.as_numpy("logits")[0]))
-            except Exception as exc:  # counted: the test asserts there are none
-                self.errors.append(f"{type(exc).__name__}: {exc}")
-            i += 1
-        self.client.close()
+from support import Traffic, events, image_input, metric, running, scrape, wait_for
 
 
 def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, caplog):
@@ -78,7 +36,7 @@ def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, ca
     images = sample_inputs(32, seed=17)
     expected = ort.InferenceSession(onnx_path).run(None, {"image": images})[0]
     with running(tmp_path, [model]) as (srv, _):
-        traffic = Traffic(srv.grpc_port, images)
+        traffic = Traffic(srv.grpc_port, "cnn", image_input, images)
         traffic.start()
         try:
             values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(

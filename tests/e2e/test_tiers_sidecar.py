@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 
-import numpy as np
 import tritonclient.grpc as grpcclient
 
 from guard.zoo.classifier import sample_inputs
