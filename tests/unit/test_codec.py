@@ -100,7 +100,7 @@ def test_raw_scalar_and_empty_tensors():
     scalar = np.array(3.5, np.float64)
     empty = np.zeros((0, 4), np.float32)
     decoded = decode_request(request(("s", "FP64", ()), ("e", "FP32", (0, 4)),
-                                     raw=[scalar.tobytes(), b""]))
+                                     raw=[scalar.tobytes(), empty.tobytes()]))
     assert decoded.inputs["s"].shape == () and decoded.inputs["s"] == 3.5
     assert decoded.inputs["e"].shape == (0, 4) and decoded.inputs["e"].dtype == np.float32
 

@@ -4,7 +4,6 @@ fp16 converter, the real tier-2 checker and the model's own tier-1 checks."""
 
 from __future__ import annotations
 
-import numpy as np
 import onnx
 import pytest
 
