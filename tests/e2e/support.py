@@ -129,3 +129,31 @@ class Traffic(threading.Thread):
                 self.errors.append(f"{type(exc).__name__}: {exc}")
             i += 1
         self.client.close()
+
+
+def event_story(caplog) -> list[tuple]:
+    """Every guard event as (event, trigger, reason): printed when an assertion fails."""
+    import json
+
+    return [(e["event"], e.get("trigger"), e.get("reason", "")[:120])
+            for e in (json.loads(r.getMessage()) for r in caplog.records
+                      if r.name == "guard.events")]
+
+
+def traffic_through_repair(srv, model: str, make_input, rows: np.ndarray,
+                           primary_answers: int = 20) -> tuple[dict, Traffic, int]:
+    """Send traffic until a repaired primary serves (guard_fallback_active{scope="ops"} == 1)
+    and has answered ``primary_answers`` requests; returns the metrics seen at the swap, the
+    traffic (its answers and errors) and how many answers came before the swap was seen."""
+    traffic = Traffic(srv.grpc_port, model, make_input, rows)
+    traffic.start()
+    try:
+        values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
+            v, "guard_fallback_active", model=model, scope="ops") == 1 and v, timeout=120)
+        served_before = len(traffic.answers)
+        wait_for(lambda: sum(r == "primary" for r, _, _ in traffic.answers[served_before:])
+                 >= primary_answers, timeout=60)
+    finally:
+        traffic.stop.set()
+        traffic.join(30)
+    return values, traffic, served_before

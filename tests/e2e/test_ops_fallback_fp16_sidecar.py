@@ -6,7 +6,6 @@ reset restores the fp16 primary as configured."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import grpc
@@ -17,7 +16,8 @@ import tritonclient.grpc as grpcclient
 import fp16_models
 from guard.v1 import admin_pb2, admin_pb2_grpc
 
-from support import Traffic, events, metric, running, scrape, wait_for, x_input
+from support import (event_story, events, metric, running, scrape, traffic_through_repair,
+                     x_input)
 
 
 def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, caplog):
@@ -37,22 +37,9 @@ def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, capl
     rows = fp16_models.sample_inputs(32, seed=17)
     expected = ort.InferenceSession(onnx_path).run(None, {"x": rows})[0]
     with running(tmp_path, [model]) as (srv, _):
-        traffic = Traffic(srv.grpc_port, "pressure", x_input, rows)
-        traffic.start()
-        try:
-            values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
-                v, "guard_fallback_active", model="pressure", scope="ops") == 1 and v,
-                timeout=120)
-            served_before = len(traffic.answers)
-            wait_for(lambda: sum(r == "primary" for r, _, _ in traffic.answers[served_before:])
-                     >= 20, timeout=60)
-        finally:
-            traffic.stop.set()
-            traffic.join(30)
+        values, traffic, served_before = traffic_through_repair(srv, "pressure", x_input, rows)
         assert traffic.errors == []
-        story = [(e["event"], e.get("trigger"), e.get("reason", "")[:120])
-                 for e in (json.loads(r.getMessage()) for r in caplog.records
-                           if r.name == "guard.events")]
+        story = event_story(caplog)
         assert metric(values, "guard_fallback_transitions_total", model="pressure",
                       to="fallback_model") == 1, story
         assert metric(values, "guard_fallback_transitions_total", model="pressure",

@@ -5,7 +5,6 @@ configured."""
 
 from __future__ import annotations
 
-import json
 import logging
 
 import grpc
@@ -16,7 +15,8 @@ import tritonclient.grpc as grpcclient
 from guard.v1 import admin_pb2, admin_pb2_grpc
 from guard.zoo.classifier import sample_inputs
 
-from support import Traffic, events, image_input, metric, running, scrape, wait_for
+from support import (event_story, events, image_input, metric, running, scrape,
+                     traffic_through_repair)
 
 
 def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, caplog):
@@ -36,21 +36,9 @@ def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, ca
     images = sample_inputs(32, seed=17)
     expected = ort.InferenceSession(onnx_path).run(None, {"image": images})[0]
     with running(tmp_path, [model]) as (srv, _):
-        traffic = Traffic(srv.grpc_port, "cnn", image_input, images)
-        traffic.start()
-        try:
-            values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
-                v, "guard_fallback_active", model="cnn", scope="ops") == 1 and v, timeout=120)
-            served_before = len(traffic.answers)
-            wait_for(lambda: sum(r == "primary" for r, _, _ in traffic.answers[served_before:])
-                     >= 20, timeout=60)
-        finally:
-            traffic.stop.set()
-            traffic.join(30)
+        values, traffic, served_before = traffic_through_repair(srv, "cnn", image_input, images)
         assert traffic.errors == []
-        story = [(e["event"], e.get("trigger"), e.get("reason", "")[:120])
-                 for e in (json.loads(r.getMessage()) for r in caplog.records
-                           if r.name == "guard.events")]
+        story = event_story(caplog)
         assert metric(values, "guard_fallback_transitions_total", model="cnn",
                       to="fallback_model") == 1, story
         assert metric(values, "guard_fallback_transitions_total", model="cnn",
