@@ -74,25 +74,18 @@ def markdown(summary: dict, title: str) -> str:
     for tol, v in s["by_tolerance"].items():
         lines.append(f"| {tol} | " + " | ".join(
             _rate(v[t]["passed"], v[t]["checks"]) if t in v else "" for t in tiers) + " |")
-    lines += ["", "## Model x backend (checks passed over all tolerances and tiers)", "",
-              "| model | " + " | ".join(s["backends"]) + " |",
-              "| --- |" + " --- |" * len(s["backends"])]
-    for m in s["models"]:
-        row = []
-        for b in s["backends"]:
-            c = s["cells"].get(f"{m}|{b}")
-            row.append(f"{c['passed']}/{c['checks']}" if c else "skip")
-        lines.append(f"| {m} | " + " | ".join(row) + " |")
-    lines += ["", "## Smallest atol in the grid at which tier 1 passes", "",
-              "| model | " + " | ".join(s["backends"]) + " |",
-              "| --- |" + " --- |" * len(s["backends"])]
-    for m in s["models"]:
-        row = []
-        for b in s["backends"]:
-            v = s["min_passing_atol"].get(f"{m}|{b}")
-            row.append(f"{v:g}" if v is not None else ("none" if f"{m}|{b}" in s["cells"]
-                                                      else "skip"))
-        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    def cell_count(m: str, b: str) -> str:
+        c = s["cells"].get(f"{m}|{b}")
+        return f"{c['passed']}/{c['checks']}" if c else "skip"
+
+    def cell_atol(m: str, b: str) -> str:
+        v = s["min_passing_atol"].get(f"{m}|{b}")
+        return f"{v:g}" if v is not None else ("none" if f"{m}|{b}" in s["cells"] else "skip")
+
+    lines += _model_backend_table(
+        "Model x backend (checks passed over all tolerances and tiers)", s, cell_count)
+    lines += _model_backend_table("Smallest atol in the grid at which tier 1 passes", s,
+                                  cell_atol)
     lines += ["", "## Failure taxonomy", "", "| failure type | checks |", "| --- | --- |"]
     for kind, count in sorted(s["failure_taxonomy"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {kind} | {count} |")
@@ -105,16 +98,22 @@ def markdown(summary: dict, title: str) -> str:
         for b, c in s["failure_taxonomy_by_backend"].items():
             cells = [str(c.get(k, 0)) for k in kinds] + ([causes.get(b, "")] if causes else [])
             lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    lines += ["", "## Median latency per sample (ms): reference / backend", "",
-              "| model | " + " | ".join(s["backends"]) + " |",
-              "| --- |" + " --- |" * len(s["backends"])]
-    for m in s["models"]:
-        row = []
-        for b in s["backends"]:
-            lat = s["latency"].get(f"{m}|{b}")
-            row.append(f"{lat['reference_ms']:.2f} / {lat['backend_ms']:.2f}" if lat else "")
-        lines.append(f"| {m} | " + " | ".join(row) + " |")
+    def cell_latency(m: str, b: str) -> str:
+        lat = s["latency"].get(f"{m}|{b}")
+        return f"{lat['reference_ms']:.2f} / {lat['backend_ms']:.2f}" if lat else ""
+
+    lines += _model_backend_table("Median latency per sample (ms): reference / backend", s,
+                                  cell_latency)
     return "\n".join(lines) + "\n"
+
+
+def _model_backend_table(title: str, s: dict, cell) -> list[str]:
+    """A section with one row per model and one column per backend; ``cell(model, backend)``."""
+    lines = ["", f"## {title}", "", "| model | " + " | ".join(s["backends"]) + " |",
+             "| --- |" + " --- |" * len(s["backends"])]
+    for m in s["models"]:
+        lines.append(f"| {m} | " + " | ".join(cell(m, b) for b in s["backends"]) + " |")
+    return lines
 
 
 def heatmap(summary: dict, path: Path, title: str) -> str:
