@@ -93,6 +93,12 @@ class TaskChecker(abc.ABC):
     @abc.abstractmethod
     def _check(self, reference, primary, allowed) -> TaskCheck: ...
 
+    def _paired(self, reference, primary, configured: str | None, preferred: str, key: str):
+        """(name, reference array, primary array, a failing TaskCheck if their shapes differ)."""
+        name = select_output(reference, primary, configured, preferred, key)
+        ref, out = np.asarray(reference[name]), np.asarray(primary[name])
+        return name, ref, out, self._shape_mismatch(name, ref, out)
+
     def _shape_mismatch(self, name: str, ref: np.ndarray, out: np.ndarray) -> TaskCheck | None:
         if ref.shape != out.shape:
             return TaskCheck(self.task, False, failure="shape", reasons=[

@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from guard.config import ClassificationTaskConfig
-from guard.verify.task.base import TaskCheck, TaskChecker, select_output
+from guard.verify.task.base import TaskCheck, TaskChecker
 
 
 class ClassificationChecker(TaskChecker):
@@ -26,11 +26,8 @@ class ClassificationChecker(TaskChecker):
 
     def _check(self, reference, primary, allowed) -> TaskCheck:
         c = self.config
-        name = select_output(reference, primary, c.logits_output, "logits", "classification."
-                             "logits_output")
-        ref = np.asarray(reference[name])
-        out = np.asarray(primary[name])
-        mismatch = self._shape_mismatch(name, ref, out)
+        name, ref, out, mismatch = self._paired(reference, primary, c.logits_output, "logits",
+                                                "classification.logits_output")
         if mismatch:
             return mismatch
         if ref.ndim == 0 or ref.shape[-1] < 2 or ref.size == 0:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 
 from guard.config import EmbeddingTaskConfig
-from guard.verify.task.base import TaskCheck, TaskChecker, select_output
+from guard.verify.task.base import TaskCheck, TaskChecker
 
 
 def _unit(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -51,10 +51,8 @@ class EmbeddingChecker(TaskChecker):
 
     def _check(self, reference, primary, allowed) -> TaskCheck:
         c = self.config
-        name = select_output(reference, primary, c.embedding_output, "embedding",
-                             "embedding.embedding_output")
-        ref, out = np.asarray(reference[name]), np.asarray(primary[name])
-        mismatch = self._shape_mismatch(name, ref, out)
+        name, ref, out, mismatch = self._paired(reference, primary, c.embedding_output,
+                                                "embedding", "embedding.embedding_output")
         if mismatch:
             return mismatch
         if ref.size == 0 or ref.ndim == 0:

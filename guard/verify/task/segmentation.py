@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from guard.config import SegmentationTaskConfig
-from guard.verify.task.base import TaskCheck, TaskChecker, select_output
+from guard.verify.task.base import TaskCheck, TaskChecker
 
 
 def label_mask(array: np.ndarray, class_axis: int) -> np.ndarray:
@@ -34,10 +34,8 @@ class SegmentationChecker(TaskChecker):
 
     def _check(self, reference, primary, allowed) -> TaskCheck:
         c = self.config
-        name = select_output(reference, primary, c.mask_output, "mask",
-                             "segmentation.mask_output")
-        ref, out = np.asarray(reference[name]), np.asarray(primary[name])
-        mismatch = self._shape_mismatch(name, ref, out)
+        name, ref, out, mismatch = self._paired(reference, primary, c.mask_output, "mask",
+                                                "segmentation.mask_output")
         if mismatch:
             return mismatch
         is_labels = np.issubdtype(ref.dtype, np.integer) or ref.dtype == np.bool_
