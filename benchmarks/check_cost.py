@@ -22,7 +22,7 @@ from pathlib import Path
 
 import numpy as np
 
-from guard.config import ChecksConfig, ModelConfig
+from guard.config import ModelConfig
 from guard.verify.pipeline import Verifier
 from guard.verify.tensor import Tolerance, compare_output
 

@@ -1038,6 +1038,31 @@ def markdown(report: dict) -> str:
 
 
 # -- entry ---------------------------------------------------------------------------------------
+def add_run_arguments(parser: argparse.ArgumentParser, name: str, rounds_what: str) -> None:
+    """The flags every closed-loop benchmark here shares (also used by upstream_hop.py)."""
+    parser.add_argument("--duration", type=float, default=None,
+                        help="seconds measured per cell (default 10; 2 with --quick)")
+    parser.add_argument("--warmup", type=float, default=None,
+                        help="seconds of warm-up load before each cell (default 2; 0.5 --quick)")
+    parser.add_argument("--concurrency", default="1,8",
+                        help="comma-separated concurrent clients (default 1,8)")
+    parser.add_argument("--rounds", type=int, default=None,
+                        help=f"{rounds_what}; latencies are pooled over rounds "
+                        "(default 2; 1 with --quick)")
+    parser.add_argument("--out", default=str(HERE / "results"),
+                        help=f"folder for {name}.json/.md (default benchmarks/results)")
+    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    parser.add_argument("--wait-quiet", type=float, default=20.0, metavar="S",
+                        help="before each cell, wait up to S seconds while other processes use "
+                        f"more than {NOISY_NEIGHBOUR_CORES} cores (shared machines); 0 = off "
+                        "(default 20)")
+    parser.add_argument("--retries", type=int, default=1,
+                        help="measure a cell again when other processes used the CPU during it; "
+                        "the least disturbed attempt is kept (default 1)")
+    parser.add_argument("--keep-workdir", action="store_true",
+                        help="keep the temp folder (models, configs, server logs)")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "_prepare":
@@ -1063,18 +1088,8 @@ def main(argv: list[str] | None = None) -> int:
         description="Guard's request-path overhead: (a) a bare OIP gRPC server, (b) guard with "
         "mirroring off, (c) guard mirroring 10% onto a ~5x slower reference; same ONNX Runtime "
         "model, closed-loop load over loopback.")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="seconds measured per cell (default 10; 2 with --quick)")
-    parser.add_argument("--warmup", type=float, default=None,
-                        help="seconds of warm-up load before each cell (default 2; 0.5 --quick)")
-    parser.add_argument("--concurrency", default="1,8",
-                        help="comma-separated concurrent clients (default 1,8)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="repeat the a,b,c sequence (servers restarted each round); "
-                        "latencies are pooled over rounds (default 2; 1 with --quick)")
-    parser.add_argument("--out", default=str(HERE / "results"),
-                        help="folder for proxy_overhead.json/.md (default benchmarks/results)")
-    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    add_run_arguments(parser, "proxy_overhead",
+                      "repeat the a,b,c sequence (servers restarted each round)")
     parser.add_argument("--sample-rate", type=float, default=0.1,
                         help="mirror.sample_rate of cell (c) (default 0.1)")
     parser.add_argument("--reference-slowdown", type=float, default=5.0,
@@ -1089,15 +1104,6 @@ def main(argv: list[str] | None = None) -> int:
                         help="ORT intra-op threads of the primary, in (a) and in guard "
                         "(options.intra_op_threads); 0 = ORT's default (one spinning thread per "
                         "core). Default 1")
-    parser.add_argument("--wait-quiet", type=float, default=20.0, metavar="S",
-                        help="before each cell, wait up to S seconds while other processes use "
-                        f"more than {NOISY_NEIGHBOUR_CORES} cores (shared machines); 0 = off "
-                        "(default 20)")
-    parser.add_argument("--retries", type=int, default=1,
-                        help="measure a cell again when other processes used the CPU during it; "
-                        "the least disturbed attempt is kept (default 1)")
-    parser.add_argument("--keep-workdir", action="store_true",
-                        help="keep the temp folder (models, configs, server logs)")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be >= 1")

@@ -630,29 +630,11 @@ def main(argv: list[str] | None = None) -> int:
         description="The cost of guard's extra hop in upstream mode: (a) client -> MLServer, "
         "(b) client -> guard -> MLServer, (c) as (b) with server.workers 0; same ONNX model on "
         "the same MLServer, closed-loop load over loopback.")
-    parser.add_argument("--duration", type=float, default=None,
-                        help="seconds measured per cell (default 10; 2 with --quick)")
-    parser.add_argument("--warmup", type=float, default=None,
-                        help="seconds of warm-up load before each cell (default 2; 0.5 --quick)")
-    parser.add_argument("--concurrency", default="1,8",
-                        help="comma-separated concurrent clients (default 1,8)")
-    parser.add_argument("--rounds", type=int, default=None,
-                        help="repeat the a,b,c sequence (guard restarted each time, MLServer "
-                        "kept); latencies pooled over rounds (default 2; 1 with --quick)")
-    parser.add_argument("--out", default=str(HERE / "results"),
-                        help="folder for upstream_hop.json/.md (default benchmarks/results)")
-    parser.add_argument("--quick", action="store_true", help="short smoke run")
+    po.add_run_arguments(parser, "upstream_hop",
+                         "repeat the a,b,c sequence (guard restarted each time, MLServer kept)")
     parser.add_argument("--ort-threads", type=int, default=0, metavar="N",
                         help="MLServer's ORT intra-op threads; 0 (default) = the e2e runtime "
                         "as it is (ORT's default: one thread per core)")
-    parser.add_argument("--wait-quiet", type=float, default=20.0, metavar="S",
-                        help="before each cell, wait up to S seconds while other processes use "
-                        f"more than {po.NOISY_NEIGHBOUR_CORES} cores; 0 = off (default 20)")
-    parser.add_argument("--retries", type=int, default=1,
-                        help="measure a disturbed cell again; the least disturbed attempt is "
-                        "kept (default 1)")
-    parser.add_argument("--keep-workdir", action="store_true",
-                        help="keep the temp folder (model, configs, server logs)")
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be >= 1")
