@@ -120,9 +120,7 @@ class DataPlane:
         if outputs is not None and request.requested_outputs:
             result.outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
         self.metrics.requests.labels(model.name, route).inc()
-        self.metrics.request_duration.labels(model.name, route).observe(
-            time.perf_counter() - started
-        )
+        self.metrics.request_duration.labels(model.name, route).observe(seconds)
         return result
 
     async def _run(self, backend, route: str, request: InferenceRequest,
