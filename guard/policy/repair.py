@@ -219,6 +219,9 @@ class OpRepair:
                 raise RepairAborted("no buffered samples to find suspects on or validate with")
             outcome.suspects = suspects if suspects is not None else self.find_suspects(samples)
             ops = self._candidate_ops(outcome.suspects)
+            # The samples that failed on the primary first: a candidate that has not fixed
+            # the drift fails on them soonest, and its validation stops there.
+            samples = sorted(samples, key=lambda s: not s.failed)
             references = [self.reference.infer(s.inputs) for s in samples]
             kept, backend = self._search(ops, samples, references, outcome, started)
             outcome.ok, outcome.kept, outcome.backend = True, kept, backend
@@ -314,14 +317,17 @@ class OpRepair:
                 outcome.steps.append(step)
                 self.on_step(step)
                 return None
+            allowed = int(self.config.max_failure_share * len(samples))
             try:
-                failures = self._failures(backend, samples, references)
+                failures = self._failures(backend, samples, references, allowed)
             except Exception:
                 backend.close()  # a candidate that crashes on validation is not left loaded
                 raise
-            passed = failures <= self.config.max_failure_share * len(samples)
+            passed = failures <= allowed
             step = {"step": "candidate", "kept": kept, "failures": failures,
                     "samples": len(samples), "passed": passed}
+            if not passed:
+                step["failures_at_least"] = True  # validation stopped once it could not pass
             outcome.steps.append(step)
             self.on_step(step)
             if passed:
@@ -374,11 +380,16 @@ class OpRepair:
                                     f"{', '.join(missing)} at fp32")
         return backend
 
-    def _failures(self, backend: Backend, samples, references) -> int:
+    def _failures(self, backend: Backend, samples, references, allowed: int) -> int:
+        """Failing buffered samples, counted until one more than ``allowed``: a candidate
+        that cannot pass any more is not run on the rest (most candidates of a search fail,
+        and validation is most of a candidate's cost)."""
         failures = 0
         for sample, reference in zip(samples, references):
             outputs = backend.infer(sample.inputs)
             failures += not self.validate(reference, outputs, sample.inputs)
+            if failures > allowed:
+                break
         return failures
 
     @staticmethod
