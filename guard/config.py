@@ -54,6 +54,14 @@ DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
 # kernels it is meant to judge.
 ACTIVATION_BACKENDS = frozenset({"torch", "onnxruntime"})
 
+# Primaries policy.action 'fallback_ops' can rebuild with ops kept back (backend -> precisions;
+# guard/policy/keep_back.py has one strategy per kind, and a test holds the two together).
+REPAIRABLE_PRIMARIES: dict[str, frozenset[str]] = {
+    "onnxruntime": frozenset({"int8", "fp16"}),  # nodes_to_exclude
+    "torch_compile": frozenset({"fp32", "fp16", "bf16"}),  # eager_fp32_modules
+    "tensorrt": frozenset({"int8", "fp16"}),  # fp32_layers
+}
+
 # A Python model given as "package.module:factory" instead of a file.
 FACTORY_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -465,7 +473,7 @@ class ChecksConfig(Strict):
 
 
 class RepairConfig(Strict):
-    """``action: fallback_ops``: how the guard searches for the ops to keep at fp32."""
+    """``action: fallback_ops``: how the guard searches for the ops to keep back."""
 
     buffer: PositiveInt = Field(
         32, description="Recent mirrored inputs kept in memory: suspects are found on the "
@@ -501,8 +509,11 @@ class PolicyConfig(Strict):
         "alert",
         description="alert: report only. fallback_model: route the model to its fallback "
         "while the detector says it drifts. fallback_ops: route to the fallback, find the ops "
-        "that drift (tier 2) and rebuild the guard-derived int8 or fp16 primary with them "
-        "kept at fp32, then route back to it.",
+        "that drift (tier 2), rebuild the primary with them kept back at reference precision "
+        "and route back to it. Primaries it can rebuild: onnxruntime int8/fp16 (ONNX nodes, "
+        "nodes_to_exclude), torch_compile fp32/fp16/bf16 with a torch reference (submodules "
+        "run eagerly in fp32, eager_fp32_modules), tensorrt int8/fp16 (layers pinned to fp32, "
+        "fp32_layers).",
     )
     repair: RepairConfig = Field(default_factory=RepairConfig)
     detector: Literal["cusum", "e_detector", "window"] = Field(
@@ -689,17 +700,29 @@ class ModelConfig(Strict):
             if self.fallback is None or self.reference is None:
                 raise ValueError("policy.action 'fallback_ops' needs a 'reference' (to find "
                                  "and validate the ops) and a 'fallback' (served meanwhile)")
-            if (self.primary.backend != "onnxruntime"
-                    or self.primary.precision not in ("int8", "fp16")):
+            primary = self.primary
+            if primary.precision not in REPAIRABLE_PRIMARIES.get(primary.backend, ()):
                 raise ValueError(
-                    "policy.action 'fallback_ops' works on a primary the guard derives itself "
-                    "as onnxruntime precision int8 or fp16 (it is rebuilt with "
-                    "nodes_to_exclude); this primary is "
-                    f"{self.primary.backend} {self.primary.precision}")
+                    "policy.action 'fallback_ops' rebuilds the primary with ops kept back, "
+                    "which it can for onnxruntime precision int8 or fp16 (nodes_to_exclude), "
+                    "torch_compile precision fp32, fp16 or bf16 (eager_fp32_modules) and "
+                    "tensorrt precision int8 or fp16 (fp32_layers); this primary is "
+                    f"{primary.backend} {primary.precision} (primary.backend, "
+                    "primary.precision)")
             if self.reference.backend not in ACTIVATION_BACKENDS:
                 raise ValueError(
                     "policy.action 'fallback_ops' finds the ops with tier 2, which cannot "
-                    f"capture reference backend '{self.reference.backend}'")
+                    f"capture reference.backend '{self.reference.backend}'")
+            if primary.backend == "torch_compile":
+                if self.reference.backend != "torch":
+                    raise ValueError(
+                        "policy.action 'fallback_ops' on a torch_compile primary names modules "
+                        "by tier 2's torch module calls: reference.backend must be torch, "
+                        f"not {self.reference.backend}")
+                if primary.options.get("fullgraph"):
+                    raise ValueError(
+                        "policy.action 'fallback_ops' keeps modules eager (a graph break "
+                        "each): primary.options.fullgraph must be false")
         if self.capture is not None and self.capture.mode == "failures" and (
             self.reference is None or self.mirror.sample_rate == 0
         ):

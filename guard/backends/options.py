@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
 
 
 class _Options(BaseModel):
@@ -67,6 +67,21 @@ class TorchCompileOptions(TorchOptions):
     compile_backend: str = Field("inductor", description="torch.compile(backend=...).")
     dynamic: bool | None = Field(None, description="torch.compile(dynamic=...).")
     fullgraph: bool = False
+    eager_fp32_modules: list[str] = Field(
+        default_factory=list,
+        description="Submodule paths (as named_modules() names them, e.g. 'layers.0.attn') "
+        "kept out of the compiled graph: each runs eagerly (torch.compiler.disable) on an fp32 "
+        "copy of its weights, its floating inputs cast to fp32 and its outputs cast back to "
+        "their dtype. policy.action fallback_ops sets it on a repaired primary. Incompatible "
+        "with fullgraph (each is a graph break).",
+    )
+
+    @field_validator("eager_fp32_modules")
+    @classmethod
+    def _not_with_fullgraph(cls, paths: list[str], info: ValidationInfo) -> list[str]:
+        if paths and info.data.get("fullgraph"):
+            raise ValueError("needs fullgraph: false (each module kept eager is a graph break)")
+        return paths
 
 
 class UpstreamOptions(_Options):
@@ -128,6 +143,7 @@ def validate_backend_options(backend: str, options: dict[str, Any]) -> list[str]
         for error in exc.errors():
             loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
             msg = "unknown key" if error["type"] == "extra_forbidden" else error["msg"]
+            msg = msg.removeprefix("Value error, ")
             lines.append(f"{loc}: {msg}")
         return lines
     return []

@@ -141,6 +141,7 @@ class TorchBackend(Backend):
         module, signature = self._load_module()
         self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.spec.precision)
         device = torch.device(self.spec.device)
+        module = self._keep_back(module, device)  # before the cast: fp32 copies of the originals
         # An exported program's module is frozen (no eval(), no .to()): it was exported in eval
         # mode, on its device and dtype, and runs as it was exported.
         if not str(self.spec.path).endswith(".pt2"):
@@ -166,6 +167,10 @@ class TorchBackend(Backend):
             return [a.name for a in schema.arguments[1:]]
         params = inspect.signature(forward).parameters.values()
         return [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+
+    def _keep_back(self, module, device):
+        """Submodules the options keep out of the primary's precision (torch_compile)."""
+        return module
 
     def _wrap(self, module):
         return module
@@ -220,10 +225,19 @@ class TorchBackend(Backend):
 
 class TorchCompileBackend(TorchBackend):
     """``torch.compile`` of the same module. Compiles lazily on the first call; the first call
-    is serialised so that concurrent requests do not compile twice."""
+    is serialised so that concurrent requests do not compile twice. Submodules named in
+    ``options.eager_fp32_modules`` run eagerly in fp32 (guard/backends/eager_modules.py)."""
 
     name = "torch_compile"
     options_model = TorchCompileOptions
+
+    def _keep_back(self, module, device):
+        paths = self.options.eager_fp32_modules  # type: ignore[attr-defined]
+        if not paths:
+            return module
+        from guard.backends.eager_modules import keep_eager_fp32
+
+        return keep_eager_fp32(module, paths, device, self._dtype)
 
     def _wrap(self, module):
         import torch

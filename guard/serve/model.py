@@ -143,8 +143,11 @@ class GuardedModel:
             if self.activation_tier is not None:
                 self.activation = self.activation_tier.prepare()
             else:  # fallback_ops without sampled tier 2: the repair still needs the checker
-                self.activation = ActivationChecker.for_model(self.config,
-                                                              self.config.mirror.threads)
+                from guard.policy.keep_back import keep_back_for
+
+                self.activation = ActivationChecker.for_model(
+                    self.config, self.config.mirror.threads,
+                    keep_back_for(self.config.primary).capture_spec())
         except Exception as exc:
             raise BackendError(f"models[{self.name}].checks.activation: {exc}") from exc
 

@@ -1,11 +1,12 @@
 """``policy.action: fallback_ops`` for one guarded model: buffer, repair thread, atomic swap.
 
 The policy trips the model to its whole-model fallback as for ``fallback_model``; this then runs
-a repair (guard/policy/repair.py) on a thread of its own. When a variant with a few ops kept at
-fp32 passes, it becomes the primary in one dict assignment (requests in flight keep the backend
-object they were given and finish on it; the old session is kept, never closed under them) and
-the route goes back to the primary with trigger ``repair``. Every step is an event; a fault ends
-in the whole-model fallback.
+a repair (guard/policy/repair.py) on a thread of its own. When a variant with a few ops kept
+back at reference precision passes (ONNX nodes at fp32, torch_compile submodules run eagerly in
+fp32, TensorRT layers pinned to fp32: guard/policy/keep_back.py), it becomes the primary in one
+dict assignment (requests in flight keep the backend object they were given and finish on it;
+the old session is kept, never closed under them) and the route goes back to the primary with
+trigger ``repair``. Every step is an event; a fault ends in the whole-model fallback.
 
 A manual override to ``primary`` restores the primary as configured (no ops kept back): the
 operator's way to say the drift is gone. A repaired primary that trips again goes to the

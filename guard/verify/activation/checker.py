@@ -87,12 +87,16 @@ class ActivationChecker:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_model(cls, model: ModelConfig, threads: int = 1) -> "ActivationChecker":
+    def for_model(cls, model: ModelConfig, threads: int = 1,
+                  primary_spec: BackendConfig | None = None) -> "ActivationChecker":
+        """``primary_spec``: what to capture as the primary instead of ``model.primary`` (the
+        repair's stand-in for a primary tier 2 cannot hook: an eager copy of a torch_compile
+        module, ONNX Runtime's variant of a TensorRT engine's ONNX)."""
         config = model.checks.activation
         if model.reference is None:
             raise CaptureUnsupported(f"models[{model.name}]: tier 2 needs a reference backend")
         reference = build_side(model.reference, "reference", config, threads)
-        primary = build_side(model.primary, "primary", config, threads)
+        primary = build_side(primary_spec or model.primary, "primary", config, threads)
         return cls(config, reference, primary)
 
     # -- when to run (mirror worker) ------------------------------------------------------------

@@ -1,0 +1,318 @@
+"""What "keep these ops back at reference precision" means for each kind of primary.
+
+The repair search (guard/policy/repair.py) is the same for every primary; what differs is
+answered here by one small strategy per primary kind, chosen from the primary's backend block
+(:func:`keep_back_for`):
+
+- which spec tier 2 captures as the primary to find suspects (``capture_spec``);
+- which candidate ops a suspect layer of tier 2 maps to (``ops_for``), and which ops to try
+  when tier 2 names none (``every_op``);
+- how to rebuild the primary with a set kept back (``rebuild_spec``: the same backend block
+  with one option extended);
+- how to check that the rebuilt backend really keeps them back (``not_kept_back``).
+
+| primary | ops | rebuilt with |
+| --- | --- | --- |
+| onnxruntime int8 | fp32 ONNX nodes (``<node>_quant`` -> ``<node>``) | ``nodes_to_exclude`` |
+| onnxruntime fp16 | fp32 ONNX nodes (same names; Casts dropped) | ``nodes_to_exclude`` (block list) |
+| torch_compile (any) | submodule paths (``layers.0.attn``) | ``eager_fp32_modules`` |
+| tensorrt fp16/int8 | TensorRT layer names = ONNX node names | ``fp32_layers`` |
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from guard.config import BackendConfig
+
+if TYPE_CHECKING:
+    from guard.backends import Backend
+    from guard.verify.activation.report import LayerResult
+
+QUANT_SUFFIX = "_quant"
+QUANT_WEIGHT_SUFFIX = "_quantized"
+
+
+# -- ONNX helpers (int8: quantize_dynamic's names; fp16: onnxconverter_common's) ---------------
+class QuantisedGraph:
+    """Node names, inputs and weights of a ``quantize_dynamic`` output, read once."""
+
+    def __init__(self, model_path):
+        import onnx
+
+        graph = onnx.load(str(model_path), load_external_data=False).graph
+        self.nodes = {node.name: node for node in graph.node}
+        self.initializers = {init.name for init in graph.initializer}
+
+    def reads_quantised_weight(self, name: str) -> bool:
+        node = self.nodes.get(name)
+        return node is not None and any(
+            i.endswith(QUANT_WEIGHT_SUFFIX) and i in self.initializers for i in node.input)
+
+
+def rebuildable_ops(primary_nodes: list[str], graph: QuantisedGraph | None = None) -> list[str]:
+    """The fp32 nodes whose int8 forms sit in a segment: what ``nodes_to_exclude`` must name.
+
+    ``quantize_dynamic`` replaces a MatMul/Conv by ``<name>_quant`` (a Gemm is first rewritten
+    to ``<name>_MatMul``); a Gather of an embedding table keeps its name and reads the table
+    as ``<weight>_quantized`` (dequantised after it)."""
+    ops = []
+    for name in primary_nodes:
+        if name.endswith(QUANT_SUFFIX):
+            ops.append(name[: -len(QUANT_SUFFIX)])
+        elif graph is not None and graph.reads_quantised_weight(name):
+            ops.append(name)
+    return ops
+
+
+def excluded_ops_missing(model_path, kept: list[str]) -> list[str]:
+    """Ops asked to stay fp32 that the rebuilt model still quantises (or lacks entirely)."""
+    graph = QuantisedGraph(model_path)
+    return [op for op in kept
+            if op + QUANT_SUFFIX in graph.nodes or op not in graph.nodes
+            or graph.reads_quantised_weight(op)]
+
+
+def source_node_names(source_path) -> set[str]:
+    """Node names of the fp32 artifact: what an fp16 variant's node names map back to."""
+    return set(computing_nodes(source_path, constants=True))
+
+
+def computing_nodes(source_path, constants: bool = False) -> list[str]:
+    """Named nodes of an ONNX file in graph order (a topological order), Constants left out
+    unless asked: what TensorRT names its layers after (a Constant becomes no layer)."""
+    import onnx
+
+    graph = onnx.load(str(source_path), load_external_data=False).graph
+    return [node.name for node in graph.node
+            if node.name and (constants or node.op_type != "Constant")]
+
+
+def fp16_rebuildable_ops(primary_nodes: list[str], source_names) -> list[str]:
+    """The fp32 nodes in an fp16 segment: the converter keeps node names and only inserts
+    Casts, which the source graph does not have (and which the block list cannot name)."""
+    return [name for name in primary_nodes if name in source_names]
+
+
+def fp16_ops_not_fp32(model_path, kept: list[str]) -> list[str]:
+    """Ops asked to stay fp32 that the rebuilt fp16 model lacks or still runs with a float16
+    input or output (types from shape inference and the initializers)."""
+    import onnx
+
+    from guard.verify.activation.onnx_side import OnnxGraph
+
+    graph = OnnxGraph.load(model_path)
+    nodes = graph.by_name()
+    half = onnx.TensorProto.FLOAT16
+    missing = []
+    for op in kept:
+        node = nodes.get(op)
+        if node is None:
+            missing.append(op)
+            continue
+        for name in [n for n in list(node.input) + list(node.output) if n]:
+            init = graph.initializers.get(name)
+            elem = init.data_type if init is not None else graph.elem_types.get(name)
+            if elem == half:
+                missing.append(op)
+                break
+    return missing
+
+
+# -- the strategies ---------------------------------------------------------------------------
+class KeepBack(ABC):
+    """One primary kind. ``option``: the backend option that lists what is kept back."""
+
+    option = ""
+    what = "op"  # the unit, for messages ("module", "TensorRT layer")
+    kept_as = "kept at fp32"
+    # What a suspect's segment must hold to map to an op (in the "maps to no op" message).
+    no_ops_because = "no rebuildable op"
+
+    def __init__(self, spec: BackendConfig):
+        self.spec = spec
+        self.base = list(spec.options.get(self.option, []))  # kept back by the config itself
+
+    def capture_spec(self) -> BackendConfig:
+        """The backend block tier 2 captures as the primary (a copy it can hook)."""
+        return self.spec
+
+    @abstractmethod
+    def ops_for(self, layer: "LayerResult") -> list[str]:
+        """The candidate ops a tier-2 layer (a suspect) maps to; [] when none."""
+
+    def every_op(self, activation, inputs: dict[str, np.ndarray]) -> list[str]:
+        """Candidates when no suspect maps to an op ([]: the repair ends there)."""
+        return []
+
+    def rebuild_spec(self, kept: list[str]) -> BackendConfig:
+        spec = self.spec.model_copy(deep=True)
+        spec.options = {**spec.options, self.option: self.base + list(kept)}
+        return spec
+
+    def not_kept_back(self, backend: "Backend", kept: list[str]) -> list[str]:
+        """Ops of ``kept`` the rebuilt ``backend`` does not really keep back."""
+        return []
+
+
+class OnnxInt8Ops(KeepBack):
+    """ONNX Runtime int8 (``quantize_dynamic``): a suspect's segment names its quantised nodes
+    ``<fp32 node>_quant``; the op to keep is the fp32 node (a Gather reading a quantised table
+    keeps its name). Segments without a quantised node (a Relu that inherited error) map to
+    none. Checked: the rebuilt model no longer quantises them."""
+
+    option = "nodes_to_exclude"
+    no_ops_because = "quantised node"
+
+    def ops_for(self, layer):
+        return rebuildable_ops(layer.primary_nodes, self._graph())
+
+    def _graph(self) -> QuantisedGraph | None:
+        """The int8 variant as configured (cached by derive), to map segment nodes to ops."""
+        if not hasattr(self, "_quantised"):
+            from guard.backends.derive import derive_onnx
+
+            try:
+                path = derive_onnx(self.spec.path, self.spec.precision, self.base,
+                                   bool(self.spec.options.get("per_channel", False)))
+                self._quantised = QuantisedGraph(path)
+            except Exception:  # suffix rules still apply without it
+                self._quantised = None
+        return self._quantised
+
+    def not_kept_back(self, backend, kept):
+        model_path = getattr(backend, "model_path", None)
+        return [] if model_path is None else excluded_ops_missing(model_path, kept)
+
+
+class OnnxFp16Ops(KeepBack):
+    """ONNX Runtime fp16 (``onnxconverter_common``): node names are kept and only Casts are
+    added, so a suspect's ops are its segment's nodes that the fp32 graph has. Rebuilt with the
+    converter's block list; checked: every float input and output of the node is float32."""
+
+    option = "nodes_to_exclude"
+    no_ops_because = "fp32 source node"
+
+    def ops_for(self, layer):
+        if not hasattr(self, "_source_names"):
+            self._source_names = set(source_node_names(self.spec.path))
+        return fp16_rebuildable_ops(layer.primary_nodes, self._source_names)
+
+    def not_kept_back(self, backend, kept):
+        model_path = getattr(backend, "model_path", None)
+        return [] if model_path is None else fp16_ops_not_fp32(model_path, kept)
+
+
+class TorchCompileModules(KeepBack):
+    """``torch_compile`` at any precision: the ops are submodule paths, rebuilt with
+    ``eager_fp32_modules`` (each runs eagerly on an fp32 copy, outside the compiled graph).
+
+    Tier 2 cannot hook compiled kernels, so it captures the primary on an eager copy of the
+    module at the primary's precision (a ``torch`` block): this locates *precision* drift.
+    Drift that exists only in the compiled kernels (a fusion that reorders a reduction) is not
+    visible to it; when tier 2 names no module above ``min_isolated_error`` the candidates are
+    every leaf submodule in forward order, and the search narrows them down. A suspect layer is
+    a module call (``layers.0.lin``, ``pool#1`` for a second call): its op is the module path.
+    Checked: each kept path is wrapped, and its copy's parameters and buffers are fp32."""
+
+    option = "eager_fp32_modules"
+    what = "module"
+    kept_as = "kept eager at fp32"
+    no_ops_because = "submodule"
+
+    def capture_spec(self) -> BackendConfig:
+        from guard.backends.options import TorchOptions
+
+        spec = self.spec.model_copy(deep=True)
+        spec.backend = "torch"
+        spec.options = {k: v for k, v in spec.options.items() if k in TorchOptions.model_fields}
+        return spec
+
+    def ops_for(self, layer):
+        path = layer.module or layer.name.split("#")[0]
+        return [path] if path else []
+
+    def every_op(self, activation, inputs):
+        side = getattr(activation, "primary", None)
+        if side is None or not hasattr(side, "submodules"):
+            return []
+        leaves = {path for path, module in side.submodules.items()
+                  if path and not any(True for _ in module.children())}
+        calls = side.capture(inputs).calls  # in the order the calls finish: forward order
+        return list(dict.fromkeys(c.path for c in calls if c.path in leaves))
+
+    def not_kept_back(self, backend, kept):
+        from guard.backends.eager_modules import not_eager_fp32
+
+        return not_eager_fp32(backend.module, kept)
+
+
+class TensorRTLayers(KeepBack):
+    """TensorRT fp16/int8: the ops are TensorRT layer names, rebuilt with ``fp32_layers``
+    (precision constraints, ``OBEY_PRECISION_CONSTRAINTS``).
+
+    The engine is built from the ONNX file, and TensorRT's ONNX parser (onnx-tensorrt,
+    ``ImporterContext::registerLayer``) names each layer after the ONNX node it comes from (a
+    second layer of the same node gets a numbered suffix and is not pinned by the node name).
+    So tier 2 captures the primary as ONNX Runtime's variant of the same file at the same
+    precision (fp16: the fp16 converter; int8: ``quantize_dynamic``, a different scheme from
+    TensorRT's calibrated int8, so it locates layers whose precision matters rather than
+    TensorRT's own kernels), its segments map to fp32 ONNX node names as for ONNX Runtime, and
+    when it names none the candidates are the graph's nodes in order. The check is the
+    builder's own: ``fp32_layers`` naming a layer the network lacks is a build error, and
+    constraints it cannot obey fail the build.
+
+    Not exercised here: TensorRT does not install on the project's CPU machines; the unit
+    tests check the mapping and the rebuilt spec, tests/gpu the rebuild where TensorRT imports.
+    """
+
+    option = "fp32_layers"
+    what = "TensorRT layer"
+    no_ops_because = "ONNX node"
+
+    def __init__(self, spec: BackendConfig):
+        super().__init__(spec)
+        self.onnx = keep_back_for(self.capture_spec())
+
+    def capture_spec(self) -> BackendConfig:
+        return BackendConfig(backend="onnxruntime", path=self.spec.path,
+                             precision=self.spec.precision,
+                             options={"nodes_to_exclude": list(self.base)})
+
+    def ops_for(self, layer):
+        return self.onnx.ops_for(layer)
+
+    def every_op(self, activation, inputs):
+        return computing_nodes(self.spec.path)
+
+
+_STRATEGIES: dict[tuple[str, str], type[KeepBack]] = {
+    ("onnxruntime", "int8"): OnnxInt8Ops,
+    ("onnxruntime", "fp16"): OnnxFp16Ops,
+    ("torch_compile", "fp32"): TorchCompileModules,
+    ("torch_compile", "fp16"): TorchCompileModules,
+    ("torch_compile", "bf16"): TorchCompileModules,
+    ("tensorrt", "fp16"): TensorRTLayers,
+    ("tensorrt", "int8"): TensorRTLayers,
+}
+
+
+def keep_back_for(spec: BackendConfig) -> KeepBack:
+    """The strategy for a primary (config validation admits only these kinds:
+    guard.config.REPAIRABLE_PRIMARIES)."""
+    try:
+        return _STRATEGIES[(spec.backend, spec.precision)](spec)
+    except KeyError:
+        raise ValueError(f"policy.action 'fallback_ops' cannot rebuild a {spec.backend} "
+                         f"{spec.precision} primary") from None
+
+
+def repairable() -> dict[str, set[str]]:
+    """backend -> precisions a strategy exists for (a test holds config's table to it)."""
+    table: dict[str, set[str]] = {}
+    for backend, precision in _STRATEGIES:
+        table.setdefault(backend, set()).add(precision)
+    return table

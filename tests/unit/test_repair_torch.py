@@ -1,0 +1,191 @@
+"""Selective op fallback on a torch_compile primary: the seeded sequence classifier of
+tests/torch_drift_models.py whose fp16 attention scores overflow, with real torch.compile
+(inductor) primaries, the real tier-2 checker on an eager fp16 copy and the model's own tier-1
+checks; plus the mechanics of ``eager_fp32_modules`` and the TensorRT strategy's mapping."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import torch_drift_models
+from guard.backends import create_backend
+from guard.backends.eager_modules import EagerFp32, keep_eager_fp32, not_eager_fp32
+from guard.config import REPAIRABLE_PRIMARIES, BackendConfig, RepairConfig, parse_config
+from guard.errors import BackendError
+from guard.policy.keep_back import (
+    OnnxFp16Ops,
+    TensorRTLayers,
+    TorchCompileModules,
+    keep_back_for,
+    repairable,
+)
+from guard.policy.repair import BufferedSample, OpRepair, Suspect
+from guard.verify.activation import ActivationChecker
+from guard.verify.activation.errors import LayerError
+from guard.verify.activation.report import LayerResult
+from guard.verify.pipeline import Verifier
+
+FACTORY = "torch_drift_models:build"
+
+
+@pytest.fixture(scope="module")
+def seq(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("torchdrift")
+    doc = {"version": 1, "models": [{
+        "name": "seq",
+        "primary": {"backend": "torch_compile", "path": FACTORY, "precision": "fp16"},
+        "reference": {"backend": "torch", "path": FACTORY},
+        "fallback": {"backend": "torch", "path": FACTORY},
+        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
+        "policy": {"action": "fallback_ops"},
+    }]}
+    config = parse_config(doc, folder).models[0]
+    reference = create_backend(config.reference, "reference")
+    reference.load()
+    xs = torch_drift_models.sample_inputs(16, seed=21)
+    samples = [BufferedSample({"x": xs[i:i + 1]}, True) for i in range(16)]
+    capture = keep_back_for(config.primary).capture_spec()
+    return {"config": config, "reference": reference, "verifier": Verifier(config.checks),
+            "samples": samples,
+            "activation": ActivationChecker.for_model(config, primary_spec=capture)}
+
+
+def repair(seq, **overrides) -> OpRepair:
+    config = RepairConfig(**overrides.pop("config", {}))
+    return OpRepair(seq["config"].primary, seq["reference"],
+                    lambda ref, out, inputs: seq["verifier"].check(ref, out, inputs).passed,
+                    config, activation=seq["activation"], **overrides)
+
+
+def failing(seq, backend) -> int:
+    return sum(not seq["verifier"].check(seq["reference"].infer(s.inputs),
+                                         backend.infer(s.inputs)).passed
+               for s in seq["samples"])
+
+
+def layer(name: str, module: str = "") -> LayerResult:
+    return LayerResult(name, "Linear", module, name, LayerError(0.5, 0.9, 1.0))
+
+
+# -- the strategies ------------------------------------------------------------------------------
+def test_config_and_strategies_agree_on_what_can_be_repaired():
+    assert {b: set(p) for b, p in REPAIRABLE_PRIMARIES.items()} == repairable()
+
+
+def test_torch_layers_map_to_module_paths_and_capture_on_an_eager_copy():
+    spec = BackendConfig(backend="torch_compile", path=FACTORY, precision="bf16",
+                         options={"mode": "max-autotune", "threads": 2,
+                                  "eager_fp32_modules": ["head"]})
+    strategy = keep_back_for(spec)
+    assert isinstance(strategy, TorchCompileModules)
+    assert strategy.ops_for(layer("layers.0.lin", "layers.0.lin")) == ["layers.0.lin"]
+    assert strategy.ops_for(layer("pool#1")) == ["pool"]  # a second call of a shared module
+    capture = strategy.capture_spec()
+    assert (capture.backend, capture.precision) == ("torch", "bf16")
+    assert capture.options == {"threads": 2}  # torch_compile's own options dropped
+    rebuilt = strategy.rebuild_spec(["attn"])
+    assert rebuilt.backend == "torch_compile"
+    assert rebuilt.options["eager_fp32_modules"] == ["head", "attn"]  # the config's kept too
+    assert rebuilt.options["mode"] == "max-autotune"
+    assert spec.options["eager_fp32_modules"] == ["head"]  # the primary's block is untouched
+
+
+def test_tensorrt_layers_are_onnx_node_names_and_rebuild_with_fp32_layers(tmp_path):
+    import fp16_models
+
+    onnx_path = str(fp16_models.export(tmp_path)["onnx"])
+    spec = BackendConfig(backend="tensorrt", path=onnx_path, precision="fp16",
+                         options={"fp32_layers": ["node_linear"], "workspace_mib": 512})
+    strategy = keep_back_for(spec)
+    assert isinstance(strategy, TensorRTLayers)
+    capture = strategy.capture_spec()  # tier 2 captures ONNX Runtime's fp16 variant
+    assert (capture.backend, capture.precision) == ("onnxruntime", "fp16")
+    assert capture.options == {"nodes_to_exclude": ["node_linear"]}
+    assert isinstance(strategy.onnx, OnnxFp16Ops)
+    # A segment of the fp16 variant maps to the fp32 node names, which TensorRT's parser
+    # gives its layers; the converter's Casts are dropped.
+    segment = layer("node_layer_norm")
+    segment.primary_nodes = ["x_cast_to_node_layer_norm", "node_layer_norm"]
+    assert strategy.ops_for(segment) == ["node_layer_norm"]
+    rebuilt = strategy.rebuild_spec(["node_layer_norm"])
+    assert rebuilt.backend == "tensorrt" and rebuilt.device == "cuda"
+    assert rebuilt.options == {"fp32_layers": ["node_linear", "node_layer_norm"],
+                               "workspace_mib": 512}
+    every = strategy.every_op(None, {})
+    assert every[0] == "node_layer_norm" and "node_linear" in every
+    assert strategy.not_kept_back(None, ["node_layer_norm"]) == []  # the builder checks
+
+
+# -- eager_fp32_modules ------------------------------------------------------------------------
+def test_eager_fp32_wrapper_runs_fp32_and_hands_back_the_input_dtype():
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(4, 3)
+    model = torch.nn.Sequential(torch.nn.Identity(), torch.nn.Sequential(lin))
+    keep_eager_fp32(model, ["1.0", "1"], torch.device("cpu"))  # the inner one is covered
+    model = model.to(torch.bfloat16)
+    wrapper = model[1]
+    assert isinstance(wrapper, EagerFp32) and wrapper.fp32[0].weight.dtype == torch.float32
+    x = torch.randn(2, 4).to(torch.bfloat16)
+    out = model(x)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, lin(x.float()).to(torch.bfloat16))  # fp32 weights, fp32 arithmetic
+    assert not_eager_fp32(model, ["1", "1.0"]) == [] and not_eager_fp32(model, ["0"]) == ["0"]
+
+
+def test_compiled_primary_keeps_the_named_module_eager_fp32(seq):
+    spec = keep_back_for(seq["config"].primary).rebuild_spec(["attn"])
+    backend = create_backend(spec, "primary")
+    backend.load()
+    assert isinstance(backend.module.attn, EagerFp32)
+    assert backend.module.attn.fp32.wq.dtype == torch.float32
+    assert backend.module.head.weight.dtype == torch.float16  # the rest stays fp16
+    assert not_eager_fp32(backend.module, ["attn"]) == []
+    assert not_eager_fp32(backend.module, ["head"]) == ["head"]
+    assert failing(seq, backend) == 0
+
+
+def test_an_unknown_module_path_is_a_backend_error_naming_it():
+    spec = BackendConfig(backend="torch_compile", path=FACTORY, precision="fp16",
+                         options={"eager_fp32_modules": ["attn", "blocks.9"]})
+    with pytest.raises(BackendError, match="no submodule named 'blocks.9'"):
+        create_backend(spec, "primary").load()
+
+
+# -- the repair --------------------------------------------------------------------------------
+def test_the_fp16_compiled_primary_fails_and_the_repair_keeps_only_attn_eager(seq):
+    compiled = create_backend(seq["config"].primary, "primary")
+    compiled.load()
+    assert failing(seq, compiled) == 9  # NaN where the scores overflow fp16
+    steps = []
+    outcome = repair(seq, on_step=steps.append).run(seq["samples"])
+    assert outcome.ok, outcome.reason
+    assert outcome.kept == ["attn"], outcome.evidence()
+    assert outcome.suspects[0].layer == "attn" and outcome.suspects[0].ops == ["attn"]
+    assert "1 module(s) kept eager at fp32" in outcome.reason
+    assert [s["step"] for s in steps][:2] == ["suspects", "candidate_ops"]
+    assert isinstance(outcome.backend.module.attn, EagerFp32)
+    assert failing(seq, outcome.backend) == 0
+
+
+def test_with_no_suspect_every_leaf_module_is_tried_in_forward_order(seq):
+    steps = []
+    outcome = repair(seq, on_step=steps.append).run(seq["samples"], suspects=[])
+    assert outcome.ok, outcome.reason
+    (ops,) = [s for s in steps if s["step"] == "candidate_ops"]
+    assert ops["ops"] == ["embed", "attn", "head"] and "tier 2 named no" in ops["note"]
+    assert outcome.kept == ["attn"]
+
+
+def test_an_unknown_module_ends_the_repair_in_the_whole_model_fallback(seq):
+    outcome = repair(seq).run(seq["samples"], suspects=[Suspect("blocks.9", 1.0, ["blocks.9"])])
+    assert not outcome.ok and outcome.backend is None
+    assert "gives no usable variant" in outcome.reason and "'blocks.9'" in outcome.reason
+
+
+def test_keeping_the_wrong_module_is_not_enough(seq):
+    outcome = repair(seq).run(seq["samples"], suspects=[Suspect("head", 1.0, ["head"])])
+    assert not outcome.ok and "still fails the checks" in outcome.reason
+    assert "modules tier 2 points at" in outcome.reason
+    assert np.isfinite(outcome.seconds)
