@@ -11,6 +11,9 @@ in benchmarks/README.md).
 - Selective fallback hooks: ``options.fp32_layers`` (layer names) and
   ``options.exclude_op_types`` (layer types) are pinned to fp32 with precision constraints
   (``OBEY_PRECISION_CONSTRAINTS``), so a rebuilt engine keeps those layers at full precision.
+  ``policy.action: fallback_ops`` extends ``fp32_layers`` with the ONNX node names tier 2
+  points at (TensorRT's ONNX parser names each layer after its node; guard/policy/keep_back.py);
+  like the rest of this module, that path has run only where TensorRT imports.
 - Engines are cached under ``$GUARD_CACHE_DIR/tensorrt``, keyed by the sha256 of the ONNX file,
   the TensorRT version, the GPU name, the precision and every build option.
 - Device memory is handled with torch CUDA tensors (torch is already a dependency of the GPU

@@ -85,7 +85,7 @@ class OpsFallback:
             model.backends["primary"] = outcome.backend  # atomic: in-flight keep the old one
             if model.mirror is not None:
                 model.mirror.primary = outcome.backend
-            reason = (f"ops kept at fp32 after repair: {', '.join(outcome.kept)} "
+            reason = (f"kept back at fp32 after repair: {', '.join(outcome.kept)} "
                       f"({outcome.candidates_tried} candidates, {outcome.seconds:.1f}s)")
             transition = policy.repaired(epoch, reason, outcome.evidence())
             if transition is None:  # the route moved in between: put the primary back

@@ -566,6 +566,38 @@ def test_fallback_ops_rejects_a_primary_it_cannot_rebuild(base):
     assert "this primary is torch fp16" in lines[0]
 
 
+def test_fallback_ops_on_torch_compile_needs_a_torch_reference_and_no_fullgraph(base):
+    ops = {"action": "fallback_ops"}
+    factory = "fixture_models:affine"
+    compiled = {"backend": "torch_compile", "path": factory}
+    torch_ref = {"backend": "torch", "path": factory}
+    for precision in ("fp32", "fp16", "bf16"):
+        config = parse_config(doc(primary={**compiled, "precision": precision},
+                                  reference=torch_ref, fallback=torch_ref, policy=ops), base)
+        assert config.models[0].primary.precision == precision
+    lines = problems(doc(primary=compiled, reference=dict(ORT), fallback=torch_ref,
+                         policy=ops), base)
+    assert len(lines) == 1 and "reference.backend must be torch" in lines[0], lines
+    lines = problems(doc(primary={**compiled, "options": {"fullgraph": True}},
+                         reference=torch_ref, fallback=torch_ref, policy=ops), base)
+    assert len(lines) == 1 and "primary.options.fullgraph must be false" in lines[0], lines
+    lines = problems(doc(primary={**compiled, "options": {
+        "fullgraph": True, "eager_fp32_modules": ["attn"]}}), base)
+    assert lines == ["models[0].primary.options.eager_fp32_modules: needs fullgraph: false "
+                     "(each module kept eager is a graph break)"]
+
+
+def test_fallback_ops_on_tensorrt_needs_a_reduced_precision(base):
+    ops = {"action": "fallback_ops"}
+    trt = {"backend": "tensorrt", "path": "m.onnx"}
+    config = parse_config(doc(primary={**trt, "precision": "fp16"}, reference=dict(ORT),
+                              fallback=dict(ORT), policy=ops), base)
+    assert config.models[0].primary.backend == "tensorrt"
+    lines = problems(doc(primary=trt, reference=dict(ORT), fallback=dict(ORT), policy=ops), base)
+    assert len(lines) == 1 and "tensorrt precision int8 or fp16" in lines[0]
+    assert "this primary is tensorrt fp32" in lines[0]
+
+
 def test_duplicate_model_names(base):
     data = doc()
     data["models"].append({"name": "m", "primary": dict(ORT)})
