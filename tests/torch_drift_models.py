@@ -5,8 +5,8 @@ reach a few hundred (as un-normalised residual streams do), a single-head self-a
 ``attn`` and a linear ``head`` over the mean token. ``attn`` computes its scores as ``q @ k^T``
 and only then scales them by 1/sqrt(32), the textbook order: ``q . k`` reaches ~1.6e5, past
 fp16's largest finite value (65504), so in fp16 the scores are inf and the softmax answers NaN
-on most sequences (9 of ``sample_inputs(16, seed=21)``). Eager fp16 and inductor's compiled fp16 both
-overflow there: the matmul writes its result in fp16 before any scaling. What goes into ``attn``
+on most sequences (9 of ``sample_inputs(16, seed=21)``). Eager fp16 and inductor's compiled
+fp16 both overflow there: the matmul writes its result in fp16 before any scaling. What goes into ``attn``
 (~300) and what comes out of it (a convex combination of values, ~300) is well inside fp16, so
 running ``attn`` alone eagerly in fp32 (``options.eager_fp32_modules: [attn]``) leaves the
 compiled fp16 graph around it unchanged and restores the answers (relative error ~1e-3 vs
@@ -30,32 +30,51 @@ SIGNATURE = {
     "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}],
 }
 TOKENS, FEATURES, WIDTH = 6, 8, 32
-EMBED_GAIN = 150.0  # embed activations up to ~300: the scores q . k reach ~1.6e5 > 65504
+EMBED_GAIN = 150.0  # embed activations ~100 each, |q| and |k| ~500: q . k past 65504
+LOGIT_SCALE = 10.0  # the attention temperature (as a cosine attention's learned scale)
 
 
 def build(seed: int = 0):
     import torch
     from torch import nn
 
+    # A generator of its own, not torch's global one: the sidecar builds the primary, the
+    # reference and the fallback on parallel threads, and with a shared RNG their draws would
+    # interleave into three different models.
+    generator = torch.Generator().manual_seed(seed)
+
+    def uniform(*shape: int, bound: float):
+        return (torch.rand(*shape, generator=generator) * 2 - 1) * bound
+
+    def linear(fan_in: int, fan_out: int, gain: float = 1.0):
+        layer = nn.Linear(fan_in, fan_out)
+        with torch.no_grad():  # torch's default init, drawn from the model's own generator
+            layer.weight.copy_(uniform(fan_out, fan_in, bound=gain / math.sqrt(fan_in)))
+            layer.bias.copy_(uniform(fan_out, bound=gain / math.sqrt(fan_in)))
+        return layer
+
     class SelfAttention(nn.Module):
         def __init__(self, width: int):
             super().__init__()
-            scale = 1.0 / math.sqrt(width)
-            self.wq = nn.Parameter(torch.randn(width, width) * scale)
-            self.wk = nn.Parameter(torch.randn(width, width) * scale)
-            self.wv = nn.Parameter(torch.randn(width, width) * scale)
+            scale = 1.0 / math.sqrt(width)  # keeps |q| ~ |h|
+            self.wq = nn.Parameter(torch.randn(width, width, generator=generator) * scale)
+            self.wk = nn.Parameter(torch.randn(width, width, generator=generator) * scale)
+            self.wv = nn.Parameter(torch.randn(width, width, generator=generator) * scale)
 
         def forward(self, h):
             q, k, v = h @ self.wq, h @ self.wk, h @ self.wv
-            scores = q @ k.transpose(-1, -2)  # scaled after the product: overflows fp16
-            return torch.softmax(scores / math.sqrt(q.shape[-1]), dim=-1) @ v
+            # Cosine similarity as the product over the norms, not of normalised q and k:
+            # the product (and the norms' outer product) overflow fp16.
+            norms = q.norm(dim=-1, keepdim=True) * k.norm(dim=-1).unsqueeze(-2)
+            cosine = (q @ k.transpose(-1, -2)) / norms
+            return torch.softmax(cosine * LOGIT_SCALE, dim=-1) @ v
 
     class SequenceClassifier(nn.Module):
         def __init__(self):
             super().__init__()
-            self.embed = nn.Linear(FEATURES, WIDTH)
+            self.embed = linear(FEATURES, WIDTH, gain=EMBED_GAIN)
             self.attn = SelfAttention(WIDTH)
-            self.head = nn.Linear(WIDTH, 10)
+            self.head = linear(WIDTH, 10)
             self.guard_signature = SIGNATURE
 
         def forward(self, x):
@@ -63,11 +82,7 @@ def build(seed: int = 0):
 
     from guard.zoo.export import spread_logits
 
-    torch.manual_seed(seed)
     model = SequenceClassifier().eval()
-    with torch.no_grad():
-        model.embed.weight.mul_(EMBED_GAIN)
-        model.embed.bias.mul_(EMBED_GAIN)
     spread_logits(model.head, model, torch.from_numpy(sample_inputs(64, seed + 1)))
     return model
 

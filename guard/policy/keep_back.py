@@ -14,7 +14,7 @@ answered here by one small strategy per primary kind, chosen from the primary's 
 | primary | ops | rebuilt with |
 | --- | --- | --- |
 | onnxruntime int8 | fp32 ONNX nodes (``<node>_quant`` -> ``<node>``) | ``nodes_to_exclude`` |
-| onnxruntime fp16 | fp32 ONNX nodes (same names; Casts dropped) | ``nodes_to_exclude`` (block list) |
+| onnxruntime fp16 | fp32 ONNX nodes (same names; Casts dropped) | ``nodes_to_exclude`` |
 | torch_compile (any) | submodule paths (``layers.0.attn``) | ``eager_fp32_modules`` |
 | tensorrt fp16/int8 | TensorRT layer names = ONNX node names | ``fp32_layers`` |
 """

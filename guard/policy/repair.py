@@ -50,6 +50,7 @@ from guard.config import BackendConfig, RepairConfig
 from guard.errors import BackendError
 from guard.policy.keep_back import (  # noqa: F401  (the ONNX helpers' historical home)
     KeepBack,
+    QuantisedGraph,
     excluded_ops_missing,
     fp16_ops_not_fp32,
     fp16_rebuildable_ops,

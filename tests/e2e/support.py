@@ -157,3 +157,39 @@ def traffic_through_repair(srv, model: str, make_input, rows: np.ndarray,
         traffic.stop.set()
         traffic.join(30)
     return values, traffic, served_before
+
+
+def assert_repaired_once(values: dict, traffic: Traffic, caplog, model: str) -> dict:
+    """After ``traffic_through_repair``: no request failed, the model went to its fallback once
+    and came back on a repair once, without a failed repair; returns the repair's evidence."""
+    assert traffic.errors == []
+    story = event_story(caplog)
+    assert metric(values, "guard_fallback_transitions_total", model=model,
+                  to="fallback_model") == 1, story
+    assert metric(values, "guard_fallback_transitions_total", model=model,
+                  to="fallback_ops") == 1, story
+    assert metric(values, "guard_fallback_active", model=model, scope="model") == 0
+    (done,) = [e for e in events(caplog, "route_transition") if e["trigger"] == "repair"]
+    assert events(caplog, "repair_started") and not events(caplog, "repair_failed"), story
+    return done["evidence"]
+
+
+def reset_repaired_primary(srv, model: str, kept: list[str], reason: str):
+    """Check the admin status of a repaired model (primary route, ``kept`` kept back, no repair
+    running), then reset it to the primary as configured; returns the status before the reset."""
+    import grpc
+
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        status = admin.GetStatus(admin_pb2.GetStatusRequest(model=model)).models[0]
+        assert status.route == "primary"
+        assert list(status.ops_kept_back) == kept
+        assert not status.repairing
+        reset = admin.SetRoute(admin_pb2.SetRouteRequest(
+            model=model, route=admin_pb2.PRIMARY, reason=reason)).status
+        assert list(reset.ops_kept_back) == []
+    assert metric(scrape(srv.metrics_port), "guard_fallback_active", model=model,
+                  scope="ops") == 0
+    return status

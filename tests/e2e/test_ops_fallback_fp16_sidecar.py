@@ -8,16 +8,14 @@ from __future__ import annotations
 
 import logging
 
-import grpc
 import numpy as np
 import onnxruntime as ort
 import tritonclient.grpc as grpcclient
 
 import fp16_models
-from guard.v1 import admin_pb2, admin_pb2_grpc
 
-from support import (event_story, events, metric, running, scrape, traffic_through_repair,
-                     x_input)
+from support import (assert_repaired_once, reset_repaired_primary, running,
+                     traffic_through_repair, x_input)
 
 
 def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, caplog):
@@ -38,17 +36,8 @@ def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, capl
     expected = ort.InferenceSession(onnx_path).run(None, {"x": rows})[0]
     with running(tmp_path, [model]) as (srv, _):
         values, traffic, served_before = traffic_through_repair(srv, "pressure", x_input, rows)
-        assert traffic.errors == []
-        story = event_story(caplog)
-        assert metric(values, "guard_fallback_transitions_total", model="pressure",
-                      to="fallback_model") == 1, story
-        assert metric(values, "guard_fallback_transitions_total", model="pressure",
-                      to="fallback_ops") == 1
-        assert metric(values, "guard_fallback_active", model="pressure", scope="model") == 0
-
-        (done,) = [e for e in events(caplog, "route_transition") if e["trigger"] == "repair"]
-        assert done["evidence"]["ops_kept_fp32"] == ["node_layer_norm"], done["evidence"]
-        assert events(caplog, "repair_started") and not events(caplog, "repair_failed")
+        evidence = assert_repaired_once(values, traffic, caplog, "pressure")
+        assert evidence["ops_kept_fp32"] == ["node_layer_norm"], evidence
 
         # Every primary answer is either the configured fp16 session's (NaN: the overflow) or
         # the repaired one's (agrees with fp32), and the NaN ones all come first: the swap is
@@ -63,17 +52,7 @@ def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, capl
             assert logits.argmax() == expected[k].argmax()
         assert len(primary) - swap >= 20
 
-        with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
-            admin = admin_pb2_grpc.AdminStub(channel)
-            status = admin.GetStatus(admin_pb2.GetStatusRequest(model="pressure")).models[0]
-            assert status.route == "primary", story
-            assert list(status.ops_kept_back) == ["node_layer_norm"]
-            assert not status.repairing
-            reset = admin.SetRoute(admin_pb2.SetRouteRequest(
-                model="pressure", route=admin_pb2.PRIMARY, reason="sensor units fixed")).status
-            assert list(reset.ops_kept_back) == []
-        assert metric(scrape(srv.metrics_port), "guard_fallback_active", model="pressure",
-                      scope="ops") == 0
+        reset_repaired_primary(srv, "pressure", ["node_layer_norm"], "sensor units fixed")
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
         answers = client.infer("pressure", [x_input(rows)]).as_numpy("logits")
         client.close()

@@ -8,7 +8,7 @@ import onnx
 import pytest
 
 from guard.backends import create_backend
-from guard.config import RepairConfig, parse_config
+from guard.config import RepairConfig
 from guard.policy.repair import (
     BufferedSample,
     OpRepair,
@@ -17,15 +17,14 @@ from guard.policy.repair import (
     excluded_ops_missing,
     rebuildable_ops,
 )
-from guard.verify.activation import ActivationChecker
-from guard.verify.pipeline import Verifier
 from guard.zoo.classifier import sample_inputs
+from repair_cases import make_repair, repair_case
 
 
 @pytest.fixture(scope="module")
 def cnn(zoo_classifier):
     onnx_path = str(zoo_classifier["onnx"])
-    doc = {"version": 1, "models": [{
+    model = {
         "name": "cnn",
         "primary": {"backend": "onnxruntime", "path": onnx_path, "precision": "int8"},
         "reference": {"backend": "onnxruntime", "path": onnx_path},
@@ -33,22 +32,9 @@ def cnn(zoo_classifier):
         # 5% of the largest logit: the int8 variant fails it, int8 with fc1 at fp32 passes.
         "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
         "policy": {"action": "fallback_ops"},
-    }]}
-    config = parse_config(doc, zoo_classifier["onnx"].parent).models[0]
-    reference = create_backend(config.reference, "reference")
-    reference.load()
-    verifier = Verifier(config.checks)
-    images = sample_inputs(16, seed=21)
-    samples = [BufferedSample({"image": images[i:i + 1]}, True) for i in range(16)]
-    return {"config": config, "reference": reference, "verifier": verifier, "samples": samples,
-            "activation": ActivationChecker.for_model(config)}
-
-
-def repair(cnn, **overrides) -> OpRepair:
-    config = RepairConfig(**overrides.pop("config", {}))
-    return OpRepair(cnn["config"].primary, cnn["reference"],
-                    lambda ref, out, inputs: cnn["verifier"].check(ref, out, inputs).passed,
-                    config, activation=cnn["activation"], **overrides)
+    }
+    return repair_case(model, zoo_classifier["onnx"].parent, "image",
+                       sample_inputs(16, seed=21))
 
 
 def test_rebuildable_ops_strip_the_quantiser_suffix():
@@ -68,7 +54,7 @@ def test_sample_buffer_is_bounded_and_keeps_the_latest():
 
 def test_repair_keeps_only_fc1_at_fp32(cnn):
     steps = []
-    outcome = repair(cnn, on_step=steps.append).run(cnn["samples"])
+    outcome = make_repair(cnn, on_step=steps.append).run(cnn["samples"])
     assert outcome.ok, outcome.reason
     assert outcome.kept == ["node_linear_MatMul"]
     assert outcome.suspects[0].layer == "node_linear"
@@ -95,14 +81,14 @@ def test_repair_keeps_only_fc1_at_fp32(cnn):
 
 
 def test_candidate_budget_of_one_keeps_every_candidate_op(cnn):
-    outcome = repair(cnn, config={"max_candidates": 1}).run(cnn["samples"])
+    outcome = make_repair(cnn, config={"max_candidates": 1}).run(cnn["samples"])
     assert outcome.ok and outcome.candidates_tried == 1
     assert "node_linear_MatMul" in outcome.kept and len(outcome.kept) >= 2
 
 
 def test_suspects_without_a_rebuildable_op_end_the_repair(cnn):
     suspects = [Suspect("node_relu_2", 0.2, []), Suspect("node_max_pool2d", 0.1, [])]
-    outcome = repair(cnn).run(cnn["samples"], suspects=suspects)
+    outcome = make_repair(cnn).run(cnn["samples"], suspects=suspects)
     assert not outcome.ok and outcome.backend is None
     assert "map to no rebuildable op" in outcome.reason and "node_relu_2" in outcome.reason
 
@@ -111,14 +97,14 @@ def test_a_rebuild_that_throws_ends_the_repair(cnn):
     def broken(spec):
         raise RuntimeError("quantizer exploded")
 
-    outcome = repair(cnn, build=broken).run(cnn["samples"])
+    outcome = make_repair(cnn, build=broken).run(cnn["samples"])
     assert not outcome.ok
     assert outcome.reason == "repair failed: RuntimeError: quantizer exploded"
 
 
 def test_a_candidate_that_crashes_on_validation_ends_the_repair(cnn):
     bad = [BufferedSample({"image": np.zeros((1, 3, 8, 8), np.float32)}, True)]
-    outcome = repair(cnn).run(bad, suspects=[Suspect("node_linear", 0.2,
+    outcome = make_repair(cnn).run(bad, suspects=[Suspect("node_linear", 0.2,
                                                      ["node_linear_MatMul"])])
     assert not outcome.ok and outcome.reason.startswith("repair failed: ")
 
@@ -131,5 +117,5 @@ def test_when_no_candidate_passes_the_whole_model_fallback_stays(cnn):
 
 
 def test_no_buffered_samples(cnn):
-    outcome = repair(cnn).run([])
+    outcome = make_repair(cnn).run([])
     assert not outcome.ok and "no buffered samples" in outcome.reason

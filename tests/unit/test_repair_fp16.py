@@ -9,52 +9,30 @@ import pytest
 
 import fp16_models
 from guard.backends import create_backend
-from guard.config import RepairConfig, parse_config
 from guard.policy.repair import (
-    BufferedSample,
     OpRepair,
     Suspect,
     fp16_ops_not_fp32,
     fp16_rebuildable_ops,
     source_node_names,
 )
-from guard.verify.activation import ActivationChecker
-from guard.verify.pipeline import Verifier
+from repair_cases import failing, make_repair, repair_case
 
 
 @pytest.fixture(scope="module")
 def wide(tmp_path_factory):
     folder = tmp_path_factory.mktemp("fp16zoo")
     onnx_path = str(fp16_models.export(folder)["onnx"])
-    doc = {"version": 1, "models": [{
+    model = {
         "name": "wide",
         "primary": {"backend": "onnxruntime", "path": onnx_path, "precision": "fp16"},
         "reference": {"backend": "onnxruntime", "path": onnx_path},
         "fallback": {"backend": "onnxruntime", "path": onnx_path},
         "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
         "policy": {"action": "fallback_ops"},
-    }]}
-    config = parse_config(doc, folder).models[0]
-    reference = create_backend(config.reference, "reference")
-    reference.load()
-    xs = fp16_models.sample_inputs(16, seed=21)
-    samples = [BufferedSample({"x": xs[i:i + 1]}, True) for i in range(16)]
-    return {"config": config, "reference": reference, "verifier": Verifier(config.checks),
-            "samples": samples, "activation": ActivationChecker.for_model(config),
+    }
+    return {**repair_case(model, folder, "x", fp16_models.sample_inputs(16, seed=21)),
             "onnx": onnx_path}
-
-
-def repair(wide, **overrides) -> OpRepair:
-    config = RepairConfig(**overrides.pop("config", {}))
-    return OpRepair(wide["config"].primary, wide["reference"],
-                    lambda ref, out, inputs: wide["verifier"].check(ref, out, inputs).passed,
-                    config, activation=wide["activation"], **overrides)
-
-
-def failing(wide, backend) -> int:
-    return sum(not wide["verifier"].check(wide["reference"].infer(s.inputs),
-                                          backend.infer(s.inputs)).passed
-               for s in wide["samples"])
 
 
 def test_fp16_segments_map_back_to_the_fp32_node_names(wide):
@@ -73,7 +51,7 @@ def test_the_fp16_primary_fails_and_the_repair_keeps_only_the_layer_norm_at_fp32
     assert fp16_ops_not_fp32(fp16.model_path, ["node_layer_norm"]) == ["node_layer_norm"]
 
     steps = []
-    outcome = repair(wide, on_step=steps.append).run(wide["samples"])
+    outcome = make_repair(wide, on_step=steps.append).run(wide["samples"])
     assert outcome.ok, outcome.reason
     assert outcome.kept == ["node_layer_norm"], outcome.evidence()
     assert "node_layer_norm" in outcome.suspects[0].ops
@@ -89,7 +67,8 @@ def test_the_fp16_primary_fails_and_the_repair_keeps_only_the_layer_norm_at_fp32
 
 
 def test_keeping_the_wrong_op_is_not_enough(wide):
-    outcome = repair(wide).run(wide["samples"], suspects=[Suspect("linear", 1.0, ["node_linear"])])
+    outcome = make_repair(wide).run(wide["samples"],
+                                    suspects=[Suspect("linear", 1.0, ["node_linear"])])
     assert not outcome.ok and "still fails the checks" in outcome.reason
 
 
@@ -106,7 +85,7 @@ def test_a_candidate_onnx_runtime_cannot_load_is_a_failed_candidate(wide):
 
     steps = []
     suspects = [Suspect("norm", 1.0, ["node_layer_norm", "node_linear"])]
-    outcome = repair(wide, build=flaky, on_step=steps.append).run(wide["samples"], suspects)
+    outcome = make_repair(wide, build=flaky, on_step=steps.append).run(wide["samples"], suspects)
     assert outcome.ok, outcome.reason
     assert outcome.kept == ["node_layer_norm"]
     assert calls[1] == ["node_linear"]
@@ -122,6 +101,6 @@ def test_a_first_candidate_that_cannot_load_ends_the_repair(wide):
     def refused(spec):
         raise BackendError("does not load in ONNX Runtime")
 
-    outcome = repair(wide, build=refused).run(wide["samples"])
+    outcome = make_repair(wide, build=refused).run(wide["samples"])
     assert not outcome.ok and "gives no usable variant" in outcome.reason
     assert outcome.backend is None
