@@ -14,6 +14,10 @@ shared with the load generator mostly measures the spinning).
                 folder) that runs the same TorchScript model, repeating its forward pass so
                 that it costs ~5x the primary (calibrated at start-up); ``mirror.sample_rate``
                 0.1, ``mirror.threads`` 1. Its outputs equal the model's, so the checks pass.
+                The mirror's threads run at guard's default ``mirror.nice`` (10 below the
+                request path).
+  (n) as (c) with ``mirror.nice: 0``: what the mirror costs when its threads compete with
+                the request path at equal priority (guard before the niceness existed).
 
 Each server is its own subprocess (the load generator shares no GIL with it); they run one at a
 time: start, wait for readiness, check the answers, then for each concurrency warm up and
@@ -67,6 +71,7 @@ CELLS = {
     "a": "baseline (bare OIP server + ORT)",
     "b": "guard, mirroring off",
     "c": "guard, mirror 10% -> ~5x reference",
+    "n": "as (c), mirror.nice 0 (mirror threads at the request path's priority)",
 }
 
 # The reference written into the work folder: the same TorchScript model, its forward pass
@@ -611,7 +616,7 @@ def guard_delta(before: dict, after: dict) -> dict:
 
 # -- configs -------------------------------------------------------------------------------------
 def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float,
-                 ort_threads: int, workers: int | None = None) -> dict:
+                 ort_threads: int, workers: int | None = None, nice: int | None = None) -> dict:
     primary = {"backend": "onnxruntime", "path": prep["onnx"]}
     if ort_threads:
         primary["options"] = {"intra_op_threads": ort_threads}
@@ -624,6 +629,8 @@ def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float,
         }
         model["mirror"] = {"sample_rate": sample_rate, "threads": 1, "queue_size": 64,
                            "timeout_s": 5.0}
+        if nice is not None:
+            model["mirror"]["nice"] = nice
     server = {"host": HOST, "shutdown_grace_s": 5.0, **ports}
     if workers is not None:
         server["workers"] = workers
@@ -684,10 +691,11 @@ def run(args: argparse.Namespace) -> int:
                     metrics_port = free_port()
                     ports = {"grpc_port": port, "metrics_port": metrics_port,
                              "admin_port": free_port()}
-                    config = guard_config(prep, ports, mirror=cell == "c",
+                    config = guard_config(prep, ports, mirror=cell in ("c", "n"),
                                           sample_rate=args.sample_rate,
                                           ort_threads=args.ort_threads,
-                                          workers=args.guard_workers)
+                                          workers=args.guard_workers,
+                                          nice=0 if cell == "n" else None)
                     path = workdir / f"guard_{cell}.yaml"
                     path.write_text(yaml.safe_dump(config, sort_keys=False))
                     argv = [sys.executable, "-m", "guard", "serve", "--config", str(path)]
@@ -823,12 +831,14 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
 
     comparisons = {}
     for c in concurrencies:
-        a, b, cc = (cells[x][str(c)] for x in "abc")
+        a, b, cc, n = (cells[x][str(c)] for x in "abcn")
         comp = {
             "b_over_a": {"p50": b["p50_ms"] / a["p50_ms"], "p99": b["p99_ms"] / a["p99_ms"],
                          "throughput": b["throughput_rps"] / a["throughput_rps"]},
             "c_over_b": {"p50": cc["p50_ms"] / b["p50_ms"], "p99": cc["p99_ms"] / b["p99_ms"],
                          "throughput": cc["throughput_rps"] / b["throughput_rps"]},
+            "n_over_b": {"p50": n["p50_ms"] / b["p50_ms"], "p99": n["p99_ms"] / b["p99_ms"],
+                         "throughput": n["throughput_rps"] / b["throughput_rps"]},
             "b_minus_a_ms": {"p50": b["p50_ms"] - a["p50_ms"], "p99": b["p99_ms"] - a["p99_ms"]},
         }
         cpu = [x.get("cpu", {}).get("server_cpu_ms_per_request") for x in (a, b, cc)]
@@ -933,7 +943,7 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]], list[list[str
                        f"{r['b_over_a']['throughput']:.2f}", f"{r['b_minus_a_ms']['p50']:+.3f}",
                        f"{r['b_minus_a_ms']['p99']:+.3f}", f"{r['c_over_b']['p50']:.2f}",
                        f"{r['c_over_b']['p99']:.2f}", f"{r['c_over_b']['throughput']:.2f}",
-                       f"{cpu_add:+.3f}"])
+                       f"{r['n_over_b']['p99']:.2f}", f"{cpu_add:+.3f}"])
         t = comp["targets"]
         nb = t["mirror_non_blocking"]
         share = f"{nb['sampled_share']:.1%}" if nb["sampled_share"] is not None else "n/a"
@@ -955,7 +965,7 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]], list[list[str
 FIG_HEAD = ["C", "server", "p50 ms", "p99 ms", "req/s", "requests", "errors",
             "server CPU ms/req", "other load (cores)", "notes"]
 RATIO_HEAD = ["C", "b/a p50", "b/a p99", "b/a req/s", "b-a p50 ms", "b-a p99 ms", "c/b p50",
-              "c/b p99", "c/b req/s", "b-a server CPU ms/req"]
+              "c/b p99", "c/b req/s", "n/b p99 (nice 0)", "b-a server CPU ms/req"]
 TARGET_HEAD = ["C", "target", "bound", "measured", "result"]
 
 

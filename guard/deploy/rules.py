@@ -1,17 +1,19 @@
 """Prometheus alerting rules generated from a guard config (``guard deploy rules``).
 
-Why generate them: the drift alert must fire at the same failing share at which the guard itself
-acts (each model's ``policy.trip_ratio``), and alerts that only exist for what a model has
+Why generate them: the drift alert must fire on the same condition on which the guard itself
+acts (each model's detector), and alerts that only exist for what a model has
 (a reference to mirror onto, a fallback to route to) stay quiet where they cannot mean anything.
 A rule file written by hand drifts away from the config; this one is rebuilt from it, and the
 repository's tests compare the shipped files with a fresh generation.
 
 Per model, where it applies:
 
-- ``GuardDriftOverThreshold`` (critical): ``guard_drift_ratio > policy.trip_ratio`` for
-  ``drift_for``. With ``action: alert`` clients keep getting the drifting answers; with
-  ``fallback_model`` the guard resets the window when it switches, so a ratio that stays high
-  means the route could not move (pinned by an override, or no fallback).
+- ``GuardDriftOverThreshold`` (critical), for ``drift_for``, on the condition the guard acts
+  on: ``guard_detector_statistic >= guard_detector_threshold`` for the sequential detectors
+  (``cusum``, the default, and ``e_detector``), ``guard_drift_ratio > policy.trip_ratio`` for
+  ``detector: window``. With ``action: alert`` clients keep getting the drifting answers; with
+  a fallback the guard restarts the detector when it switches, so the alert lasts only while
+  the probes of the primary keep failing or the route could not move (an override).
 - ``GuardFallbackActive`` (warning): ``guard_fallback_active == 1`` for ``fallback_for``
   (models with a fallback).
 - ``GuardMirrorDropping`` (warning): dropped share of mirrored samples over
@@ -206,25 +208,7 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
     policy, mirror = model.policy, model.mirror
     rules = []
     if model.mirrors:
-        if policy.action == "alert":
-            consequence = ("policy.action is alert: the primary keeps answering clients with "
-                           "these results.")
-        else:
-            consequence = ("policy.action is fallback_model, which resets the window when it "
-                           "switches: a ratio that stays over the trip ratio means the route "
-                           "could not move (pinned by an override?).")
-        rules.append(_alert(
-            "GuardDriftOverThreshold",
-            f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}",
-            settings.drift_for, "critical",
-            f"guard {model.name}: {{{{ $labels.tier }}}} drift {{{{ $value | humanizePercentage "
-            f"}}}} over trip_ratio {_pct(policy.trip_ratio)}",
-            f"On {{{{ $labels.instance }}}}, {{{{ $value | humanizePercentage }}}} of model "
-            f"{model.name}'s last mirrored samples (window {policy.window}) fail the "
-            f"{{{{ $labels.tier }}}} checks; policy.trip_ratio is {policy.trip_ratio!r}. "
-            + consequence,
-            settings,
-        ))
+        rules.append(_drift_alert(model, settings))
     if model.has_fallback:
         rules.append(_alert(
             "GuardFallbackActive",
@@ -233,8 +217,11 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
             f"guard {model.name}: fallback serving for over {settings.fallback_for}",
             f"On {{{{ $labels.instance }}}} the fallback answers model {model.name} "
             f"(scope {{{{ $labels.scope }}}}). The guard probes the primary after "
-            f"policy.dwell_s={policy.dwell_s:g}s and routes back once a window of probes fails at "
-            f"most policy.recover_ratio={policy.recover_ratio!r}; it has not done so yet.",
+            f"policy.dwell_s={policy.dwell_s:g}s and routes back once "
+            + (f"a window of probes fails at most policy.recover_ratio={policy.recover_ratio!r}"
+               if policy.detector == "window" else
+               "its recovery detector says the probes' failure rate came down")
+            + "; it has not done so yet.",
             settings,
         ))
     if model.mirrors:
@@ -270,6 +257,55 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
             settings,
         ))
     return rules
+
+
+def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
+    """GuardDriftOverThreshold on the condition the guard acts on: the model's detector.
+
+    ``window``: the failing share over ``policy.trip_ratio``. ``cusum``/``e_detector``: the
+    detector's own statistic at its own threshold (both exported as gauges with the same
+    labels, so the comparison matches series one to one and the rule needs no copy of the
+    threshold, which the guard derives from p0, p1 and ARL0 at run time)."""
+    sel = f'model="{model.name}"'
+    policy = model.policy
+    if policy.action == "alert":
+        consequence = ("policy.action is alert: the primary keeps answering clients with "
+                       "these results.")
+    else:
+        consequence = (f"policy.action is {policy.action}: the guard switches away from the "
+                       "primary when this condition is met and restarts the detector; while "
+                       "the fallback serves, probes of the primary feed it, so this alert "
+                       "lasts while the primary still fails its probes or the route could "
+                       "not move (pinned by an override?).")
+    if policy.detector == "window":
+        return _alert(
+            "GuardDriftOverThreshold",
+            f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}",
+            settings.drift_for, "critical",
+            f"guard {model.name}: {{{{ $labels.tier }}}} drift {{{{ $value | humanizePercentage "
+            f"}}}} over trip_ratio {_pct(policy.trip_ratio)}",
+            f"On {{{{ $labels.instance }}}}, {{{{ $value | humanizePercentage }}}} of model "
+            f"{model.name}'s last mirrored samples (window {policy.window}) fail the "
+            f"{{{{ $labels.tier }}}} checks; policy.trip_ratio is {policy.trip_ratio!r}. "
+            + consequence,
+            settings,
+        )
+    if policy.false_alarms_per_day is not None:
+        false_alarms = f"policy.false_alarms_per_day={policy.false_alarms_per_day:g}"
+    else:  # the guard's default ARL0 (guard.config.PolicyConfig.arl0)
+        false_alarms = f"policy.arl0={policy.arl0 if policy.arl0 is not None else 1e5:g}"
+    return _alert(
+        "GuardDriftOverThreshold",
+        f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}",
+        settings.drift_for, "critical",
+        f"guard {model.name}: {{{{ $labels.tier }}}} drift detected ({policy.detector} "
+        f"statistic {{{{ printf \"%.2f\" $value }}}} at its threshold)",
+        f"On {{{{ $labels.instance }}}}, the {policy.detector} detector of model {model.name}'s "
+        f"{{{{ $labels.tier }}}} checks has reached its threshold (guard_detector_threshold): "
+        "the mirrored samples fail more often than the in-control rate p0 allows (false "
+        f"alarms: {false_alarms}). The failing share is guard_drift_ratio. " + consequence,
+        settings,
+    )
 
 
 def availability_rules(settings: RuleSettings) -> list[dict]:

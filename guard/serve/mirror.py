@@ -12,7 +12,8 @@ Timeouts: reference and probe calls run on a single helper thread and the worker
 ``timeout_s``. A hung call cannot be killed in Python; later calls then wait behind it, time
 out in turn and are counted as ``timeout``, the queue fills, and further samples are counted as
 ``dropped``. The request path is never affected. The CPU budget of the reference is its own
-thread pool (``mirror.threads``).
+thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
+request path (guard/serve/priority.py): on a busy machine they take the CPU it leaves.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from guard.config import MirrorConfig
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
+from guard.serve.priority import lower_current_thread
 from guard.verify.pipeline import CheckResult, Verifier
 
 log = logging.getLogger("guard.mirror")
@@ -77,8 +79,9 @@ class SampleResult:
 class _BoundedCaller:
     """Runs calls on one helper thread and waits at most ``timeout`` for each."""
 
-    def __init__(self, name: str):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name)
+    def __init__(self, name: str, nice: int = 0):
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
+                                            initializer=lower_current_thread, initargs=(nice,))
 
     def call(self, fn, arg, timeout: float):
         future = self._executor.submit(fn, arg)
@@ -115,7 +118,7 @@ class Mirror:
         # "dropped" at shutdown), so that capture can still record the request.
         self.on_unchecked = on_unchecked
         self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=config.queue_size)
-        self._caller = _BoundedCaller(f"guard-ref-{model}")
+        self._caller = _BoundedCaller(f"guard-ref-{model}", config.nice)
         self._thread = threading.Thread(target=self._run, name=f"guard-mirror-{model}",
                                         daemon=True)
         self._stopping = threading.Event()
@@ -175,6 +178,7 @@ class Mirror:
 
     # -- worker ------------------------------------------------------------------------------------
     def _run(self) -> None:
+        lower_current_thread(self.config.nice)  # the checks yield the CPU to the request path
         while True:
             sample = self._queue.get()
             if sample is None:

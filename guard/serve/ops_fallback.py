@@ -20,6 +20,7 @@ import threading
 
 from guard.observe.events import emit
 from guard.policy.repair import OpRepair, SampleBuffer
+from guard.serve.priority import lower_current_thread
 
 log = logging.getLogger("guard.ops_fallback")
 
@@ -60,6 +61,7 @@ class OpsFallback:
     # -- the repair thread ------------------------------------------------------------------------
     def _repair(self, epoch: int) -> None:
         model = self.model
+        lower_current_thread(model.config.mirror.nice)  # rebuilds and validation yield the CPU
         samples = self.buffer.snapshot()
         emit("repair_started", model=model.name, buffered=len(samples),
              failing=sum(s.failed for s in samples))

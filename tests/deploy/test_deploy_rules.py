@@ -116,14 +116,34 @@ def test_rule_unit_tests_cover_every_alert_firing():
 
 
 # -- what the rules are made of -------------------------------------------------------------------
-def test_drift_threshold_is_each_models_trip_ratio():
-    data = {"version": 1, "models": [model("a", policy={"trip_ratio": 0.3, "recover_ratio": 0.1}),
-                                     model("b", policy={"trip_ratio": 0.05, "recover_ratio": 0})]}
+def test_window_drift_threshold_is_each_models_trip_ratio():
+    window = {"detector": "window"}
+    data = {"version": 1, "models": [
+        model("a", policy={**window, "trip_ratio": 0.3, "recover_ratio": 0.1}),
+        model("b", policy={**window, "trip_ratio": 0.05, "recover_ratio": 0})]}
     drift = alerts_by_name(rule_groups(thresholds_from_data(data), RuleSettings()))[
         "GuardDriftOverThreshold"]
     exprs = sorted(rule["expr"] for rule in drift)
     assert exprs == ['guard_drift_ratio{model="a"} > 0.3', 'guard_drift_ratio{model="b"} > 0.05']
     assert all(rule["labels"]["severity"] == "critical" for rule in drift)
+
+
+def test_sequential_drift_alert_is_the_detectors_own_threshold():
+    """cusum (the default) and e_detector: the statistic against the threshold gauge the guard
+    exports (it derives h from p0, p1 and ARL0 at run time; the rule holds no copy of it). A
+    trip_ratio, which these detectors do not read, does not leak into the rule."""
+    data = {"version": 1, "models": [
+        model("a", policy={"trip_ratio": 0.3}),
+        model("b", policy={"detector": "e_detector", "false_alarms_per_day": 2,
+                           "expected_rps": 50})]}
+    drift = {rule["expr"]: rule for rule in alerts_by_name(
+        rule_groups(thresholds_from_data(data), RuleSettings()))["GuardDriftOverThreshold"]}
+    a = drift['guard_detector_statistic{model="a"} >= guard_detector_threshold{model="a"}']
+    b = drift['guard_detector_statistic{model="b"} >= guard_detector_threshold{model="b"}']
+    assert "cusum" in a["annotations"]["summary"] and "0.3" not in str(a)
+    assert "policy.arl0=100000" in a["annotations"]["description"]
+    assert "e_detector" in b["annotations"]["summary"]
+    assert "policy.false_alarms_per_day=2" in b["annotations"]["description"]
 
 
 def test_every_expression_parses_and_selects_its_model():

@@ -261,8 +261,7 @@ def test_overlay_changes_thresholds_and_its_rules_follow():
     base = yaml.safe_load((ROOT / "deploy/kubernetes/base/guard.yaml").read_text())
     overlay = yaml.safe_load(
         (ROOT / "deploy/kubernetes/overlays/example/guard.yaml").read_text())
-    assert (base["models"][0]["policy"]["trip_ratio"]
-            != overlay["models"][0]["policy"]["trip_ratio"])
+    assert base["models"][0]["policy"]["shift"] != overlay["models"][0]["policy"]["shift"]
 
 
 def test_dockerfile_lints_clean_and_runs_non_root():

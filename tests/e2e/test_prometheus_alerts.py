@@ -122,12 +122,32 @@ def dashboard_queries() -> list[str]:
     return queries
 
 
-def test_drift_alert_goes_from_inactive_to_firing(tmp_path):
+# The two kinds of drift rule `guard deploy rules` writes: the window detector's failing share
+# over trip_ratio, and a sequential detector's statistic at its own threshold gauge. The cusum
+# case pins p0 and a large shift so that two failing samples trip it (threshold exact, ARL0 1e3).
+DETECTORS = {
+    "window": {
+        "policy": {"detector": "window", "window": 10, "min_samples": 5, "trip_ratio": 0.2,
+                   "recover_ratio": 0.05},
+        "query": 'guard_drift_ratio{model="m"} > 0.2',
+        "summary": lambda value: "guard m: tensor drift 100% over trip_ratio 20%",
+    },
+    "cusum": {
+        "policy": {"detector": "cusum", "p0": 0.01, "shift": 0.5, "arl0": 1000, "window": 10,
+                   "min_samples": 5},
+        "query": 'guard_detector_statistic{model="m"} >= guard_detector_threshold{model="m"}',
+        "summary": lambda value: (f"guard m: tensor drift detected (cusum statistic "
+                                  f"{value:.2f} at its threshold)"),
+    },
+}
+
+
+@pytest.mark.parametrize("detector", list(DETECTORS))
+def test_drift_alert_goes_from_inactive_to_firing(tmp_path, detector):
+    case = DETECTORS[detector]
     model = model_block(
         primary=affine_backend(drift_on_trigger=True),
-        policy={"action": "alert", "detector": "window", "window": 10, "min_samples": 5,
-                "trip_ratio": 0.2,
-                "recover_ratio": 0.05},
+        policy={"action": "alert", **case["policy"]},
     )
     guard_dir, prom_dir = tmp_path / "guard", tmp_path / "prometheus"
     guard_dir.mkdir()
@@ -157,7 +177,7 @@ def test_drift_alert_goes_from_inactive_to_firing(tmp_path):
 
             rule = wait_for(healthy_and_evaluated, timeout=20, interval=0.2)
             assert rule["state"] == "inactive"
-            assert rule["query"] == 'guard_drift_ratio{model="m"} > 0.2'
+            assert rule["query"] == case["query"]
             assert prometheus.alerts("GuardDriftOverThreshold") == []
             assert prometheus.alerts("GuardDown") == []
             # Every dashboard query is PromQL this Prometheus accepts, over real guard series.
@@ -165,12 +185,16 @@ def test_drift_alert_goes_from_inactive_to_firing(tmp_path):
                 prometheus.api("query", query=query)
 
             # Drift: the primary adds 1.0 to its answer for inputs >= 1000; the reference
-            # does not. Every mirrored sample fails the tensor tier; ten fill the window.
+            # does not. Every mirrored sample fails the tensor tier; ten fill the window and
+            # take the cusum statistic far past its threshold.
             drifting = np.full((1, 4), DRIFT_TRIGGER, np.float32)
             for _ in range(10):
                 client.infer("m", [x_input(drifting)])
             wait_for(lambda: metric(scrape(srv.metrics_port), "guard_drift_ratio", model="m",
                                     tier="tensor") == 1.0, timeout=20)
+            page = scrape(srv.metrics_port)
+            statistic = metric(page, "guard_detector_statistic", model="m", tier="tensor")
+            assert statistic >= metric(page, "guard_detector_threshold", model="m", tier="tensor")
 
             states = []
 
@@ -186,10 +210,10 @@ def test_drift_alert_goes_from_inactive_to_firing(tmp_path):
                 "job": "guard", "instance": f"127.0.0.1:{srv.metrics_port}",
                 "model": "m", "tier": "tensor",
             }
-            assert float(alert["value"]) == 1.0
+            value = float(alert["value"])
+            assert value == (1.0 if detector == "window" else statistic)
             assert alert["annotations"]["runbook_url"] == "docs/runbook.md#guarddriftoverthreshold"
-            assert alert["annotations"]["summary"] == (
-                "guard m: tensor drift 100% over trip_ratio 20%")
+            assert alert["annotations"]["summary"] == case["summary"](value)
             assert prometheus.rule("GuardDriftOverThreshold")["state"] == "firing"
             # Nothing else is wrong: no drops, no reference failures, the guard is up.
             for other in ("GuardMirrorDropping", "GuardReferenceFailing", "GuardDown",

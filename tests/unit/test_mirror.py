@@ -3,7 +3,9 @@ backends (tests/fixture_models.py's ``affine`` through the ``module:factory`` pa
 
 from __future__ import annotations
 
+import os
 import random
+import sys
 import threading
 import time
 
@@ -16,6 +18,7 @@ from guard.backends import create_backend
 from guard.config import BackendConfig, ChecksConfig, MirrorConfig
 from guard.observe.metrics import GuardMetrics
 from guard.serve.mirror import Mirror, SampleResult, sampled
+from guard.serve.priority import thread_niceness
 from guard.verify.pipeline import Verifier
 
 MODEL = "affine"
@@ -318,3 +321,21 @@ def test_stop_without_samples_drops_nothing(harness):
     h.stop()
     assert count(h.metrics, "dropped") == 0
     assert not h.mirror._thread.is_alive()
+
+
+# -- priority --------------------------------------------------------------------------------------
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
+@pytest.mark.parametrize("nice", [10, 0])
+def test_mirror_threads_run_below_the_request_path(harness, nice):
+    """The worker (checks) and the reference caller run ``mirror.nice`` steps below the thread
+    that serves; the serving thread keeps its niceness."""
+    h = harness(nice=nice)
+    base = thread_niceness()
+    h.start()
+    h.offer(rows(1.0))
+    assert h.result_event.wait(10)
+    worker = h.mirror._thread.native_id
+    (caller,) = [t.native_id for t in h.mirror._caller._executor._threads]
+    for tid in (worker, caller):
+        assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, base + nice)
+    assert thread_niceness() == base
