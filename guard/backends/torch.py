@@ -32,6 +32,7 @@ from guard.config import BackendConfig
 from guard.errors import BackendError
 
 SIGNATURE_FILE = "guard.json"
+_FACTORY_CALLS = threading.Lock()
 
 
 def signature_json(inputs: list[TensorSpec], outputs: list[TensorSpec]) -> str:
@@ -101,7 +102,11 @@ class TorchBackend(Backend):
                 factory = getattr(importlib.import_module(module_name), func_name)
             except (ImportError, AttributeError) as exc:
                 raise BackendError(f"cannot import factory '{path}': {exc}") from exc
-            module = factory(**self.options.kwargs)
+            # One factory call at a time in the process: a model's backends load on parallel
+            # threads, and a factory that seeds torch's global generator and then initialises
+            # weights would otherwise interleave with another's and build different models.
+            with _FACTORY_CALLS:
+                module = factory(**self.options.kwargs)
             signature = getattr(module, "guard_signature", None)
             return module, signature
         suffix = Path(path).suffix

@@ -154,3 +154,29 @@ def test_torch_compile_matches_eager(zoo_classifier, images):
     np.testing.assert_allclose(out, eager.infer({"image": images})["logits"], rtol=1e-4,
                                atol=1e-4)
     assert compiled.describe().backend == "torch_compile"
+
+
+def test_seeded_factories_loaded_on_parallel_threads_build_the_same_model():
+    """A model's backends load on parallel threads; a factory that seeds torch's global
+    generator and then initialises weights (tests/fp16_models.py's ``build``) must still build
+    the same model in each of them."""
+    import threading
+
+    x = {"x": np.full((2, 16), 101_325.0, np.float32)}
+    backends = [create_backend(BackendConfig(backend="torch", path="fp16_models:build"), "primary")
+                for _ in range(8)]
+    start = threading.Barrier(len(backends))
+
+    def load_one(backend):
+        start.wait()
+        backend.load()
+
+    threads = [threading.Thread(target=load_one, args=(b,)) for b in backends]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (first,) = backends[0].infer(x).values()
+    for backend in backends[1:]:
+        (answer,) = backend.infer(x).values()
+        np.testing.assert_array_equal(answer, first)
