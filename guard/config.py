@@ -247,9 +247,10 @@ class MirrorConfig(Strict):
     # 10: under contention a nice-10 thread gets ~1/10 of a nice-0 one's CPU share (Linux CFS
     # weights 110 vs 1024), so the request path keeps its cores; idle CPU still goes to it.
     nice: int = Field(
-        10, ge=0, le=19, description="Niceness added to the mirror's threads (reference call, checks) and "
-        "to an op repair's, on Linux: they yield the CPU to the request path. A mirror that "
-        "cannot keep up then drops samples (counted) instead of slowing clients. 0: off."
+        10, ge=0, le=19, description="Niceness added to the mirror's threads (reference "
+        "call, checks) and to an op repair's, on Linux: they yield the CPU to the request "
+        "path. A mirror that cannot keep up then drops samples (counted) instead of slowing "
+        "clients. 0: off."
     )
 
 

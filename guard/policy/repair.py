@@ -27,8 +27,9 @@ search below is the same for all of them:
    copy is fp32; TensorRT: the builder refuses names and constraints it cannot honour), and
    validated on the buffered inputs against the reference through the model's own tier-1/3
    checks (the inputs that failed on the primary first; validation stops as soon as the
-   candidate has failed more than ``max_failure_share`` allows, since most candidates fail). A candidate the rebuild refuses (e.g. a variant ONNX Runtime cannot load) is a
-   failed candidate, not the end of the repair.
+   candidate has failed more than ``max_failure_share`` allows, since most candidates fail).
+   A candidate the rebuild refuses (e.g. a variant ONNX Runtime cannot load) is a failed
+   candidate, not the end of the repair.
 5. The passing candidate is handed back loaded; the caller swaps it in atomically (a dict item:
    requests in flight finish on the old backend, which is never closed under them).
 
