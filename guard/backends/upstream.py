@@ -134,6 +134,25 @@ class UpstreamBackend(Backend):
             self._aio_stub = pb_grpc.GRPCInferenceServiceStub(self._aio_channel)
         return self._aio_stub
 
+    async def connect(self, timeout: float = 5.0) -> bool:
+        """Open the request path's channel now, on the server's event loop, and wait (at most
+        ``timeout``) until it is connected, so that the first client request does not pay
+        for the TCP (and TLS) handshake. False when it did not connect in time: the channel
+        keeps trying on its own and requests still go through it (gRPC waits for it)."""
+        self._async_stub()
+        try:
+            await asyncio.wait_for(self._aio_channel.channel_ready(), timeout)
+        except asyncio.TimeoutError:
+            return False
+        return True
+
+    @property
+    def connected(self) -> bool:
+        """Is the request path's channel open and connected (READY)?"""
+        channel = self._aio_channel
+        return channel is not None and (
+            channel.get_state() == grpc.ChannelConnectivity.READY)
+
     async def forward(self, request: pb.ModelInferRequest, timeout: float | None,
                       metadata: tuple[tuple[str, str], ...] = ()) -> pb.ModelInferResponse:
         """Send the client's request on, unchanged but for the model it is addressed to, with

@@ -75,6 +75,8 @@ class GuardServer:
             await self._start_servers()
             if not self.models:
                 await asyncio.get_running_loop().run_in_executor(None, self.load_models)
+            for model in self.models.values():
+                await model.connect()
             self.dataplane.loading = False
             serving = health_pb2.HealthCheckResponse.SERVING
             for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):

@@ -135,6 +135,16 @@ class GuardedModel:
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action)
 
+    async def connect(self) -> None:
+        """On the server's event loop, after ``load``: open the request path's channels of
+        upstream backends (the primary, the fallback) so the first request does not pay for
+        the connection. One that does not connect in time is reported, not fatal."""
+        for role in ("primary", "fallback"):
+            connect = getattr(self.backends.get(role), "connect", None)
+            if connect is not None and not await connect():
+                emit("upstream_not_connected", model=self.name, role=role,
+                     note="the channel keeps connecting; requests wait for it")
+
     def _load_activation(self) -> None:
         """Build tier 2's capture sides now, so that a pair it cannot capture fails at start."""
         from guard.verify.activation import ActivationChecker

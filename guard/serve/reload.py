@@ -96,6 +96,7 @@ class ConfigReloader:
             model = GuardedModel(model_config, server.metrics, new._source_hash)
             try:
                 await loop.run_in_executor(None, model.load)
+                await model.connect()
             except Exception as exc:  # a broken model must not take the others down
                 await loop.run_in_executor(None, model.close)
                 failed.append(name)

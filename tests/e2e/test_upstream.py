@@ -111,6 +111,10 @@ def test_requests_pass_through_unchanged(tmp_path, mlserver, zoo_classifier):
     images = sample_inputs(3, seed=7)
     expected = direct.infer("cnn_int8", [image_input(images)]).as_numpy("logits")
     with running(tmp_path, [guard_model(target, zoo_classifier)]) as (srv, client):
+        # Ready means connected: the request path's channels to the upstream are open before
+        # the first request, which does not pay for the handshake.
+        backends = srv.models["cnn"].backends
+        assert backends["primary"].connected and backends["fallback"].connected
         meta = client.get_model_metadata("cnn")
         assert meta.platform == "guard/upstream"
         assert [(i.name, i.datatype) for i in meta.inputs] == [("image", "FP32")]
