@@ -19,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from guard.config import DetectionTaskConfig
-from guard.verify.adapters import iou_matrix, stable_order
+from guard.verify.adapters import iou_matrix
 from guard.verify.task.base import OutputMissing, TaskCheck, TaskChecker
 
 
@@ -38,25 +38,29 @@ def _images(boxes, scores, labels, threshold):
     return images
 
 
-def match(ref, out, iou_thr: float, class_aware: bool = True):
-    """Greedy tie-aware matching; returns [(ref_index, primary_index, iou)]."""
-    (rb, rs, rl), (ob, _, ol) = ref, out
-    if len(rb) == 0 or len(ob) == 0:
+def match(ref, out, iou: np.ndarray, iou_thr: float, class_aware: bool = True):
+    """Greedy tie-aware matching; returns [(ref_index, primary_index, iou)].
+
+    ``iou`` is the image's reference x primary IoU matrix (computed once, shared with mAP).
+    """
+    (_, rs, rl), (_, _, ol) = ref, out
+    if iou.size == 0:
         return []
-    iou = iou_matrix(rb, ob)
     ok = iou >= iou_thr
     if class_aware:
         ok &= rl[:, None] == ol[None, :]
     ri, oi = np.nonzero(ok)
-    order = np.lexsort((oi, ri, -rs[ri], -iou[ri, oi]))
+    pair_iou = iou[ri, oi]
+    order = np.lexsort((oi, ri, -rs[ri], -pair_iou))
+    # The greedy pass is sequential by nature; walk it over plain Python values (numpy scalars
+    # cost several times more per step in this loop).
     used_r, used_o, pairs = set(), set(), []
-    for k in order:
-        r, o = int(ri[k]), int(oi[k])
+    for r, o, v in zip(ri[order].tolist(), oi[order].tolist(), pair_iou[order].tolist()):
         if r in used_r or o in used_o:
             continue
         used_r.add(r)
         used_o.add(o)
-        pairs.append((r, o, float(iou[r, o])))
+        pairs.append((r, o, v))
     return pairs
 
 
@@ -76,32 +80,51 @@ def average_precision(tp: np.ndarray, n_gt: int) -> float:
     return float(np.sum((mrec[idx + 1] - mrec[idx]) * mpre[idx + 1]))
 
 
-def mean_average_precision(refs, outs, iou_thr: float) -> float:
-    classes = sorted({int(c) for _, _, labels in refs for c in labels})
-    if not classes:
+def mean_average_precision(refs, outs, ious, iou_thr: float) -> float:
+    """mAP of the primary with the reference as ground truth; ``ious`` as for ``match``, per image.
+
+    Each ranked detection takes the best-IoU (then lowest-index) still unmatched reference box of
+    its class and image when that IoU reaches ``iou_thr``. That is the same as walking the
+    candidate pairs (IoU >= ``iou_thr``, same class) in order of (detection rank, IoU desc,
+    reference index) and taking the first pair whose reference box is free, which needs one IoU
+    matrix per image instead of one IoU row per detection.
+    """
+    classes, n_gt = np.unique(np.concatenate([r[2] for r in refs]), return_counts=True)
+    if not len(classes):
         return 1.0 if all(len(o[0]) == 0 for o in outs) else 0.0
-    aps = []
-    for c in classes:
-        ranked = []  # (image, index) of the primary's class-c detections, globally ranked
-        for img, (ob, os_, ol) in enumerate(outs):
-            idx = np.nonzero(ol == c)[0]
-            for rank, j in enumerate(idx[stable_order(ob[idx], os_[idx])]):
-                ranked.append((-os_[j], ob[j, 0], ob[j, 1], img, rank, int(j)))
-        ranked.sort()
-        n_gt = sum(int(np.count_nonzero(rl == c)) for _, _, rl in refs)
-        taken = [np.zeros(len(r[0]), bool) for r in refs]
-        tp = np.zeros(len(ranked))
-        for k, (*_, img, _, j) in enumerate(ranked):
-            rb, _, rl = refs[img]
-            cand = np.nonzero((rl == c) & ~taken[img])[0]
-            if cand.size == 0:
-                continue
-            ious = iou_matrix(outs[img][0][j:j + 1], rb[cand])[0]
-            best = int(np.argmax(ious))
-            if ious[best] >= iou_thr:
-                taken[img][cand[best]] = True
-                tp[k] = 1
-        aps.append(average_precision(tp, n_gt))
+    # Every primary detection of every image, ranked per class by (score desc, x1, y1, image,
+    # index): the per-image stable order merged across images in image order.
+    image = np.concatenate([np.full(len(o[0]), i) for i, o in enumerate(outs)])
+    index = np.concatenate([np.arange(len(o[0])) for o in outs])
+    boxes = np.concatenate([o[0] for o in outs]).reshape(-1, 4)
+    scores = np.concatenate([o[1] for o in outs])
+    labels = np.concatenate([o[2] for o in outs])
+    order = np.lexsort((index, image, boxes[:, 1], boxes[:, 0], -scores, labels))
+    rank = np.empty(len(order), np.int64)
+    rank[order] = np.arange(len(order))
+    # Candidate pairs (detection rank, IoU, reference id), reference ids unique across images.
+    det_rank, pair_iou, ref_id = [], [], []
+    first = np.cumsum([0] + [len(o[0]) for o in outs])
+    ref_first = np.cumsum([0] + [len(r[0]) for r in refs])
+    for img, ((_, _, rl), (_, _, ol), iou) in enumerate(zip(refs, outs, ious)):
+        ri, oi = np.nonzero((iou >= iou_thr) & (rl[:, None] == ol[None, :]))
+        det_rank.append(rank[first[img] + oi])
+        pair_iou.append(iou[ri, oi])
+        ref_id.append(ref_first[img] + ri)
+    ref_id, pair_iou, det_rank = (np.concatenate(a) for a in (ref_id, pair_iou, det_rank))
+    walk = np.lexsort((ref_id, -pair_iou, det_rank))
+    tp = np.zeros(len(order))
+    taken, done = set(), set()
+    for d, r in zip(det_rank[walk].tolist(), ref_id[walk].tolist()):
+        if d in done or r in taken:
+            continue
+        done.add(d)
+        taken.add(r)
+        tp[d] = 1
+    # Ranked by class first: each class's detections are one slice of ``tp``.
+    lo = np.searchsorted(labels[order], classes, "left").tolist()
+    hi = np.searchsorted(labels[order], classes, "right").tolist()
+    aps = [average_precision(tp[a:b], n) for a, b, n in zip(lo, hi, n_gt.tolist())]
     return float(np.mean(aps))
 
 
@@ -146,16 +169,18 @@ class DetectionChecker(TaskChecker):
         matched = matched_any = 0
         ious: list[float] = []
         count_mismatch = 0
-        for ref, out in zip(refs, outs):
-            pairs = match(ref, out, c.match_iou, class_aware)
+        # One reference x primary IoU matrix per image, shared by both matchings and mAP.
+        image_ious = [iou_matrix(ref[0], out[0]) for ref, out in zip(refs, outs)]
+        for ref, out, iou in zip(refs, outs, image_ious):
+            pairs = match(ref, out, iou, c.match_iou, class_aware)
             matched += len(pairs)
             ious += [p[2] for p in pairs]
             if class_aware:
-                matched_any += len(match(ref, out, c.match_iou, False))
+                matched_any += len(match(ref, out, iou, c.match_iou, False))
             count_mismatch = max(count_mismatch, abs(len(ref[0]) - len(out[0])))
         n_ref = sum(len(r[0]) for r in refs)
         n_out = sum(len(o[0]) for o in outs)
-        m_ap = mean_average_precision(refs, outs, c.match_iou)
+        m_ap = mean_average_precision(refs, outs, image_ious, c.match_iou)
         metrics = {
             "images": len(refs),
             "reference_boxes": n_ref,
