@@ -499,6 +499,14 @@ class RepairConfig(Strict):
     max_failure_share: Fraction = Field(
         0.0, description="Share of buffered samples a candidate may fail (tier 1 and 3) and "
         "still be accepted.")
+    # 1: the fallback serves while the repair runs, and ONNX Runtime's own default would spin
+    # a thread per core for every candidate session.
+    threads: PositiveInt = Field(
+        1, description="Intra-op threads of each candidate session while it is validated "
+        "(ONNX Runtime primaries; torch's thread pool is process-wide and TensorRT runs on "
+        "the GPU): the repair's CPU budget beside the fallback that serves meanwhile. The "
+        "variant that passes is loaded again with the primary's own options and validated "
+        "once more before it serves.")
 
 
 class PolicyConfig(Strict):

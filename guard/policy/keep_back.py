@@ -76,14 +76,32 @@ class KeepBack(ABC):
         """Ops of ``kept`` the rebuilt ``backend`` does not really keep back."""
         return []
 
+    def within_threads(self, spec: BackendConfig, threads: int) -> BackendConfig:
+        """``spec`` limited to ``threads`` CPU threads for validation (unchanged where the
+        backend cannot limit one session: the default)."""
+        return spec
 
-class OnnxInt8Ops(KeepBack):
+
+class _OnnxRuntimeOps(KeepBack):
+    """ONNX Runtime primaries: each session has its own thread pools."""
+
+    option = "nodes_to_exclude"
+
+    def within_threads(self, spec, threads):
+        configured = spec.options.get("intra_op_threads", 0)  # 0: ORT's default, every core
+        if 0 < configured <= threads:
+            return spec
+        limited = spec.model_copy(deep=True)
+        limited.options = {**spec.options, "intra_op_threads": threads}
+        return limited
+
+
+class OnnxInt8Ops(_OnnxRuntimeOps):
     """ONNX Runtime int8 (``quantize_dynamic``): a suspect's segment names its quantised nodes
     ``<fp32 node>_quant``; the op to keep is the fp32 node (a Gather reading a quantised table
     keeps its name). Segments without a quantised node (a Relu that inherited error) map to
     none. Checked: the rebuilt model no longer quantises them."""
 
-    option = "nodes_to_exclude"
     no_ops_because = "quantised node"
 
     def ops_for(self, layer):
@@ -107,12 +125,11 @@ class OnnxInt8Ops(KeepBack):
         return [] if model_path is None else excluded_ops_missing(model_path, kept)
 
 
-class OnnxFp16Ops(KeepBack):
+class OnnxFp16Ops(_OnnxRuntimeOps):
     """ONNX Runtime fp16 (``onnxconverter_common``): node names are kept and only Casts are
     added, so a suspect's ops are its segment's nodes that the fp32 graph has. Rebuilt with the
     converter's block list; checked: every float input and output of the node is float32."""
 
-    option = "nodes_to_exclude"
     no_ops_because = "fp32 source node"
 
     def ops_for(self, layer):

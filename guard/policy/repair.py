@@ -157,6 +157,7 @@ class OpRepair:
             samples = sorted(samples, key=lambda s: not s.failed)
             references = [self.reference.infer(s.inputs) for s in samples]
             kept, backend = self._search(ops, samples, references, outcome, started)
+            backend = self._serving(kept, backend, samples, references)
             outcome.ok, outcome.kept, outcome.backend = True, kept, backend
             outcome.reason = (f"{len(kept)} {self.keep_back.what}(s) {self.keep_back.kept_as}"
                               f" pass the checks on {len(samples)} buffered samples")
@@ -284,8 +285,34 @@ class OpRepair:
             self.on_step({"step": "budget_spent", "limit": str(exc), "kept": kept})
         return kept, best
 
+    def _serving(self, kept: list[str], validated: Backend, samples, references) -> Backend:
+        """The passing variant as it will serve: candidates ran within ``repair.threads``;
+        where that changed the session, load it again with the primary's own options and
+        validate it once more (more threads may sum in another order)."""
+        spec = self.keep_back.rebuild_spec(kept)
+        if self.keep_back.within_threads(spec, self.config.threads) == spec:
+            return validated
+        validated.close()
+        backend = self.build(spec)
+        try:
+            failures = self._failures(backend, samples, references, allowed=len(samples))
+        except Exception:
+            backend.close()
+            raise
+        allowed = int(self.config.max_failure_share * len(samples))
+        self.on_step({"step": "serving_variant", "kept": kept, "failures": failures,
+                      "samples": len(samples), "passed": failures <= allowed})
+        if failures > allowed:
+            backend.close()
+            raise RepairAborted(f"the variant that passed within repair.threads="
+                                f"{self.config.threads} fails {failures} of {len(samples)} "
+                                "buffered samples with the primary's own options")
+        return backend
+
     def _rebuild(self, kept: list[str]) -> Backend:
-        backend = self.build(self.keep_back.rebuild_spec(kept))
+        spec = self.keep_back.within_threads(self.keep_back.rebuild_spec(kept),
+                                             self.config.threads)
+        backend = self.build(spec)
         missing = self.keep_back.not_kept_back(backend, kept)
         if missing:
             backend.close()

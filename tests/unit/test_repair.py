@@ -119,3 +119,40 @@ def test_when_no_candidate_passes_the_whole_model_fallback_stays(cnn):
 def test_no_buffered_samples(cnn):
     outcome = make_repair(cnn).run([])
     assert not outcome.ok and "no buffered samples" in outcome.reason
+
+
+def test_candidates_run_within_repair_threads_and_the_winner_serves_with_its_own(cnn):
+    """The primary leaves intra_op_threads to ONNX Runtime (a thread per core). Candidates are
+    validated within repair.threads; the variant that passed is loaded again with the primary's
+    own options, validated once more, and that one is handed back to serve."""
+    built = []
+
+    def build(spec):
+        built.append(dict(spec.options))
+        return OpRepair._build(spec)
+
+    steps = []
+    outcome = make_repair(cnn, build=build, on_step=steps.append,
+                          config={"threads": 2}).run(cnn["samples"])
+    assert outcome.ok, outcome.reason
+    *candidates, serving = built
+    assert len(candidates) == outcome.candidates_tried
+    assert all(options["intra_op_threads"] == 2 for options in candidates)
+    assert serving == {"nodes_to_exclude": ["node_linear_MatMul"]}
+    assert outcome.backend.session.get_session_options().intra_op_num_threads == 0
+    (check,) = [s for s in steps if s["step"] == "serving_variant"]
+    assert check["passed"] and check["failures"] == 0 and check["samples"] == 16
+
+
+def test_a_primary_already_within_repair_threads_is_not_loaded_twice(cnn):
+    config = cnn["config"].model_copy(deep=True)
+    config.primary.options = {**config.primary.options, "intra_op_threads": 1}
+    built = []
+
+    def build(spec):
+        built.append(spec.options["intra_op_threads"])
+        return OpRepair._build(spec)
+
+    outcome = make_repair({**cnn, "config": config}, build=build).run(cnn["samples"])
+    assert outcome.ok, outcome.reason
+    assert built == [1] * outcome.candidates_tried
