@@ -299,12 +299,12 @@ def cmd_baseline(onnx_path: str, port: int, executor_workers: int, ort_threads: 
 
 # -- servers as child processes ------------------------------------------------------------------
 class Child:
-    def __init__(self, cell: str, argv: list[str], logfile: Path, env: dict):
+    def __init__(self, cell: str, argv: list[str], logfile: Path, env: dict, cwd: Path = REPO):
         self.cell = cell
         self.logfile = logfile
         self._log = logfile.open("w")
         self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env, cwd=str(REPO), start_new_session=True)
+                                        env=env, cwd=str(cwd), start_new_session=True)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -362,7 +362,8 @@ def build_requests(inputs: np.ndarray) -> list:
 
 
 def check_answers(target: str, requests: list, expected: np.ndarray) -> float:
-    """Every pooled request once; the answers must match ORT in-process. Returns max |diff|."""
+    """Every pooled request once; the answers (raw or typed contents: guard and the baseline
+    answer raw, MLServer typed) must match ORT in-process. Returns the largest |diff|."""
     import grpc
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
@@ -372,9 +373,12 @@ def check_answers(target: str, requests: list, expected: np.ndarray) -> float:
         for i, request in enumerate(requests):
             response = stub.ModelInfer(request, timeout=30)
             names = [o.name for o in response.outputs]
-            got = np.frombuffer(response.raw_output_contents[names.index("logits")],
-                                dtype=np.float32).reshape(1, 10)
-            worst = max(worst, float(np.abs(got - expected[i:i + 1]).max()))
+            k = names.index("logits")
+            if response.raw_output_contents:
+                got = np.frombuffer(response.raw_output_contents[k], dtype=np.float32)
+            else:
+                got = np.asarray(response.outputs[k].contents.fp32_contents, dtype=np.float32)
+            worst = max(worst, float(np.abs(got.reshape(1, 10) - expected[i:i + 1]).max()))
     if worst > 1e-4:
         raise RuntimeError(f"answers from {target} differ from ORT in-process by {worst:g}")
     return worst
@@ -486,37 +490,47 @@ def cpu_snapshot(server_pid: int) -> dict | None:
         return None
 
 
-def cpu_usage(before: dict | None, after: dict | None, requests: int) -> dict:
-    """Cores used on average over the cell: by the server, the load generator, and anything
-    else on the machine (other processes: a noisy neighbour makes the figures unreliable)."""
+def cpu_usage(before: dict | None, after: dict | None, requests: int,
+              servers: tuple[str, ...] = ("server",)) -> dict:
+    """Cores used on average over the cell: by each server, the load generator, and anything
+    else on the machine (other processes: a noisy neighbour makes the figures unreliable).
+    ``servers`` names the snapshot keys holding server ticks: ``cpu_snapshot``'s one "server"
+    here; upstream_hop.py snapshots one key per process group (MLServer, guard)."""
     if not before or not after:
         return {}
     seconds = lambda key: (after[key] - before[key]) / CLK_TCK  # noqa: E731
-    server, client = seconds("server"), seconds("self")
-    return cpu_summary({"wall_s": after["wall"] - before["wall"], "server_s": server,
-                        "client_s": client, "other_s": max(0.0, seconds("busy") - server - client),
+    used = {name: seconds(name) for name in servers}
+    client = seconds("self")
+    return cpu_summary({"wall_s": after["wall"] - before["wall"],
+                        **{f"{name}_s": s for name, s in used.items()}, "client_s": client,
+                        "other_s": max(0.0, seconds("busy") - sum(used.values()) - client),
                         "steal_s": seconds("steal"), "requests": requests})
 
 
+NOT_SERVERS = ("wall", "client", "other", "steal")  # the ``*_s`` keys of cpu_usage that are not
+
+
 def cpu_summary(raw: dict) -> dict:
+    """``raw`` (CPU seconds per ``<name>_s``, "requests") plus cores per name and CPU ms per
+    request for each server (every ``<name>_s`` but wall, client, other, steal)."""
     wall = raw["wall_s"] or float("nan")
-    return {
-        **raw,
-        "server_cores": raw["server_s"] / wall,
-        "client_cores": raw["client_s"] / wall,
-        "other_cores": raw["other_s"] / wall,
-        "steal_cores": raw["steal_s"] / wall,
-        "server_cpu_ms_per_request": raw["server_s"] * 1e3 / raw["requests"]
-        if raw["requests"] else float("nan"),
-    }
+    servers = [k[:-2] for k in raw if k.endswith("_s") and k[:-2] not in NOT_SERVERS]
+    out = dict(raw)
+    for name in (*servers, "client", "other", "steal"):
+        out[f"{name}_cores"] = raw[f"{name}_s"] / wall
+    for name in servers:
+        out[f"{name}_cpu_ms_per_request"] = (raw[f"{name}_s"] * 1e3 / raw["requests"]
+                                             if raw["requests"] else float("nan"))
+    return out
 
 
 def merge_cpu(parts: list[dict]) -> dict:
+    """The CPU figures of several rounds of one cell: seconds and requests summed."""
     parts = [p["cpu"] for p in parts if p.get("cpu")]
     if not parts:
         return {}
-    keys = ("wall_s", "server_s", "client_s", "other_s", "steal_s", "requests")
-    return cpu_summary({k: sum(p[k] for p in parts) for k in keys})
+    keys = [k for k in parts[0] if k.endswith("_s")] + ["requests"]
+    return cpu_summary({k: sum(p.get(k, 0.0) for p in parts) for k in keys})
 
 
 def other_load(pids: list[int], seconds: float = 1.0) -> float:
@@ -638,9 +652,10 @@ def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float,
 
 
 # -- the run -------------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
-    import yaml
-
+def run_plan(args: argparse.Namespace, prefix: str):
+    """The run's settings from ``add_run_arguments``' flags (defaults filled in, ``args.rounds``
+    too) and a fresh work folder that is also guard's cache (``GUARD_CACHE_DIR``, here and in
+    the children's ``env``). Returns (concurrencies, duration, warmup, out_dir, workdir, env)."""
     concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
     if not concurrencies or min(concurrencies) < 1:
         raise SystemExit("--concurrency: a comma-separated list of integers >= 1")
@@ -649,12 +664,29 @@ def run(args: argparse.Namespace) -> int:
         args.rounds = 1 if args.quick else 2
     warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 2.0)
     out_dir = Path(args.out).resolve()
-    workdir = Path(tempfile.mkdtemp(prefix="guard-bench-"))
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
     env = dict(os.environ, GUARD_CACHE_DIR=str(workdir), PYTHONUNBUFFERED="1")
     os.environ["GUARD_CACHE_DIR"] = str(workdir)
-    children: list[Child] = []
     log(f"work folder {workdir}; {duration:g}s per cell after {warmup:g}s warm-up; "
         f"concurrency {concurrencies}; {args.rounds} round(s)")
+    return concurrencies, duration, warmup, out_dir, workdir, env
+
+
+def write_results(out_dir: Path, name: str, report: dict, md: str, text: str) -> None:
+    """``<name>.json`` and ``<name>.md`` under ``out_dir``; the text tables to stdout."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{name}.json").write_text(json.dumps(report, indent=2) + "\n")
+    (out_dir / f"{name}.md").write_text(md)
+    print()
+    print(text)
+    log(f"wrote {out_dir / f'{name}.json'} and {out_dir / f'{name}.md'}")
+
+
+def run(args: argparse.Namespace) -> int:
+    import yaml
+
+    concurrencies, duration, warmup, out_dir, workdir, env = run_plan(args, "guard-bench-")
+    children: list[Child] = []
     try:
         (workdir / "bench_reference.py").write_text(REFERENCE_MODULE)
         log("exporting the zoo classifier and calibrating the reference ...")
@@ -715,12 +747,7 @@ def run(args: argparse.Namespace) -> int:
                     log(f"warning: server ({cell}) exited with code {code}:\n{child.log_tail()}")
 
         report = build_report(args, prep, concurrencies, duration, warmup, runs, pooled)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "proxy_overhead.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "proxy_overhead.md").write_text(markdown(report))
-        print()
-        print(text_table(report))
-        log(f"wrote {out_dir / 'proxy_overhead.json'} and {out_dir / 'proxy_overhead.md'}")
+        write_results(out_dir, "proxy_overhead", report, markdown(report), text_table(report))
         return 0
     finally:
         for child in children:
@@ -733,37 +760,51 @@ def run(args: argparse.Namespace) -> int:
             shutil.rmtree(workdir, ignore_errors=True)
 
 
+def cell_note(figures: dict) -> str:
+    """What measure_cell logs after the latencies: mirror outcomes, the server's CPU."""
+    extra = ""
+    mirror = figures.get("guard", {}).get("mirror")
+    if mirror:
+        extra = (f"; mirror compared {mirror['compared']}, dropped {mirror['dropped']}, "
+                 f"timeout {mirror['timeout']}")
+    cpu = figures["cpu"]
+    if cpu:
+        extra += (f"; CPU server {cpu['server_cores']:.2f} cores "
+                  f"({cpu['server_cpu_ms_per_request']:.3f} ms/req), client "
+                  f"{cpu['client_cores']:.2f}, other {cpu['other_cores']:.2f}")
+    return extra
+
+
 def measure_cell(args, cell: str, child: Child, target: str, metrics_port: int | None,
-                 requests: list, concurrency: int, duration: float, warmup: float):
+                 requests: list, concurrency: int, duration: float, warmup: float, *,
+                 pids: list[int] | None = None, snapshot=None,
+                 servers: tuple[str, ...] = ("server",), scrape_fn=drained, note=cell_note):
     """Warm up, measure one cell; on a shared machine, measure again (up to --retries times) when
-    other processes used the CPU meanwhile, and keep the attempt they disturbed least."""
+    other processes used the CPU meanwhile, and keep the attempt they disturbed least.
+    Defaults: one server, ``child``; upstream_hop.py passes its process groups' ``pids``, a
+    ``snapshot`` of their ticks named ``servers``, a plain ``scrape`` (no mirror to drain) and
+    its own log ``note``."""
+    pids = [child.process.pid] if pids is None else pids
+    snapshot = snapshot or (lambda: cpu_snapshot(child.process.pid))
     best = None
     for attempt in range(args.retries + 1):
-        wait_quiet([child.process.pid], args.wait_quiet)
+        wait_quiet(pids, args.wait_quiet)
         closed_loop(target, requests, concurrency, warmup)
-        before = drained(metrics_port) if metrics_port else None
-        cpu_before = cpu_snapshot(child.process.pid)
+        before = scrape_fn(metrics_port) if metrics_port else None
+        cpu_before = snapshot()
         result = closed_loop(target, requests, concurrency, duration)
-        cpu_after = cpu_snapshot(child.process.pid)
-        after = drained(metrics_port) if metrics_port else None
+        cpu_after = snapshot()
+        after = scrape_fn(metrics_port) if metrics_port else None
         if result["errors"]:
             log(f"  ({cell}) c={concurrency}: {result['errors']} errors, first: "
                 f"{result['first_error']}")
         figures = summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
-        figures["cpu"] = cpu_usage(cpu_before, cpu_after, figures["requests"])
+        figures["cpu"] = cpu_usage(cpu_before, cpu_after, figures["requests"], servers)
         figures["attempt"] = attempt + 1
         if metrics_port:
             figures["guard"] = guard_delta(before, after)
-        extra = ""
-        mirror = figures.get("guard", {}).get("mirror")
-        if mirror:
-            extra = (f"; mirror compared {mirror['compared']}, dropped {mirror['dropped']}, "
-                     f"timeout {mirror['timeout']}")
         cpu = figures["cpu"]
-        if cpu:
-            extra += (f"; CPU server {cpu['server_cores']:.2f} cores "
-                      f"({cpu['server_cpu_ms_per_request']:.3f} ms/req), client "
-                      f"{cpu['client_cores']:.2f}, other {cpu['other_cores']:.2f}")
+        extra = note(figures)
         log(f"  ({cell}) c={concurrency}: p50 {figures['p50_ms']:.3f} ms, p99 "
             f"{figures['p99_ms']:.3f} ms, {figures['throughput_rps']:.0f} req/s{extra}")
         other = cpu.get("other_cores", 0.0)
@@ -811,9 +852,11 @@ def _merge_guard(parts: list[dict]) -> dict:
     return merged
 
 
-def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> dict:
+def merge_rounds(cell_names, concurrencies: list[int], runs: dict, pooled: dict) -> dict:
+    """Per cell and concurrency (as a string), the figures of all rounds: latencies pooled,
+    counters and CPU summed, and each round's p50/p99/throughput when there were several."""
     cells = {}
-    for cell in CELLS:
+    for cell in cell_names:
         cells[cell] = {}
         for c in concurrencies:
             parts = runs[cell][c]
@@ -828,6 +871,11 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
                 figures["per_round"] = [{k: p[k] for k in ("p50_ms", "p99_ms", "throughput_rps")}
                                         for p in parts]
             cells[cell][str(c)] = figures
+    return cells
+
+
+def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> dict:
+    cells = merge_rounds(CELLS, concurrencies, runs, pooled)
 
     comparisons = {}
     for c in concurrencies:
@@ -889,9 +937,7 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
                              else args.guard_workers,
             "mirror": {"sample_rate": args.sample_rate, "threads": 1, "queue_size": 64,
                        "timeout_s": 5.0},
-            "load_generator": "closed loop, one thread + one gRPC channel (own connection) per "
-                              "concurrent client, tritonclient GRPCInferenceServiceStub, "
-                              "pre-built raw requests (64 distinct inputs), loopback",
+            "load_generator": LOAD_GENERATOR,
         },
         "calibration": prep,
         "cells": {k: {"name": CELLS[k], "by_concurrency": v} for k, v in cells.items()},
@@ -901,17 +947,28 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
     return report
 
 
-def flag_disturbed(report: dict) -> None:
-    """Mark each target 'disturbed' when other processes used the CPU during a cell it compares:
-    then its PASS or MISS says more about the neighbours than about guard."""
-    def other(cell: str, c: str) -> float:
-        return report["cells"][cell]["by_concurrency"][c].get("cpu", {}).get("other_cores", 0.0)
+LOAD_GENERATOR = ("closed loop, one thread + one gRPC channel (own connection) per concurrent "
+                  "client, tritonclient GRPCInferenceServiceStub, pre-built raw requests (64 "
+                  "distinct inputs), loopback")
 
+
+def other_cores(report: dict, cell: str, c: str) -> float:
+    """Cores other processes used during ``cell`` at concurrency ``c`` (0 when unknown)."""
+    return report["cells"][cell]["by_concurrency"][c].get("cpu", {}).get("other_cores", 0.0)
+
+
+def mark_disturbed(report: dict, target: dict, c: str, cells) -> None:
+    """Mark ``target`` 'disturbed' when other processes used the CPU during a cell it compares:
+    then its PASS or MISS says more about the neighbours than about guard."""
+    target["disturbed"] = any(other_cores(report, x, c) > NOISY_NEIGHBOUR_CORES for x in cells)
+
+
+def flag_disturbed(report: dict) -> None:
     for c, comp in report["comparisons"].items():
         t = comp["targets"]
         for key, cells in (("guard_add_p50_ms", "ab"), ("guard_add_p99_ms", "ab"),
                            ("mirror_p99_ratio", "bc"), ("mirror_non_blocking", "c")):
-            t[key]["disturbed"] = any(other(x, c) > NOISY_NEIGHBOUR_CORES for x in cells)
+            mark_disturbed(report, t[key], c, cells)
 
 
 def _ok(target: dict) -> str:
@@ -981,21 +1038,42 @@ def _md(head: list[str], rows: list[list[str]]) -> str:
     return "\n".join(out)
 
 
+def machine_line(machine: dict, packages: tuple[str, ...]) -> str:
+    """The report's 'Machine:' line, naming the versions of ``packages`` (then grpcio, guard)."""
+    m, v = machine, machine["versions"]
+    source = m.get("guard_source", {})
+    names = "".join(f", {name} {v.get(name, '?')}" for name in (*packages, "grpcio"))
+    return (
+        f"Machine: {m['cpu_model']}, {m['cpu_count']} cores ({m['cpus_usable']} usable); "
+        f"Python {v['python']}{names}, guard {v['guard']} (commit {source.get('commit', '?')}"
+        f"{', with uncommitted changes in guard/' if source.get('uncommitted_guard_files') else ''}"
+        f"); {m['platform']}; {m['date']}")
+
+
+def run_line(settings: dict) -> str:
+    s = settings
+    return (f"Run: {s['duration_s']:g} s per cell after {s['warmup_s']:g} s warm-up, "
+            f"{s['rounds']} round(s), concurrency {s['concurrency']}"
+            + (" (--quick: smoke check, not figures to quote)" if s["quick"] else ""))
+
+
+def noisy_warning(report: dict, steadier: str) -> list[str]:
+    """The WARNING line (or none) when other processes used the CPU during some cell."""
+    other = max((f.get("cpu", {}).get("other_cores", 0.0) for cell in report["cells"].values()
+                 for f in cell["by_concurrency"].values()), default=0.0)
+    if other <= NOISY_NEIGHBOUR_CORES:
+        return []
+    return [f"WARNING: other processes used up to {other:.2f} cores during a cell (see "
+            "'other load'): the machine was shared; latency figures and targets marked "
+            f"'disturbed' are unreliable ({steadier} is the steadier figure)"]
+
+
 def _context_lines(report: dict) -> list[str]:
-    m = report["machine"]
-    v = m["versions"]
     s = report["settings"]
     cal = report["calibration"]
-    source = m.get("guard_source", {})
     lines = [
-        f"Machine: {m['cpu_model']}, {m['cpu_count']} cores ({m['cpus_usable']} usable); "
-        f"Python {v['python']}, onnxruntime {v['onnxruntime']}, torch {v['torch']}, "
-        f"grpcio {v['grpcio']}, guard {v['guard']} (commit {source.get('commit', '?')}"
-        f"{', with uncommitted changes in guard/' if source.get('uncommitted_guard_files') else ''}"
-        f"); {m['platform']}; {m['date']}",
-        f"Run: {s['duration_s']:g} s per cell after {s['warmup_s']:g} s warm-up, "
-        f"{s['rounds']} round(s), concurrency {s['concurrency']}" +
-        (" (--quick: smoke check, not figures to quote)" if s["quick"] else ""),
+        machine_line(report["machine"], ("onnxruntime", "torch")),
+        run_line(s),
         f"Model: {s['model']}",
         f"Servers: ORT intra-op threads {s.get('ort_intra_op_threads', '?')}; baseline runs ORT "
         + (f"on {s['baseline_executor_threads']} threads" if s.get("baseline_executor_threads")
@@ -1007,12 +1085,7 @@ def _context_lines(report: dict) -> list[str]:
         f"{cal['target_slowdown']:g}x); the reference as built: "
         f"{cal['reference_p50_ms'] * 1e3:.0f} us p50 = {cal['reference_slowdown']:.1f}x",
     ]
-    other = max((f.get("cpu", {}).get("other_cores", 0.0) for cell in report["cells"].values()
-                 for f in cell["by_concurrency"].values()), default=0.0)
-    if other > NOISY_NEIGHBOUR_CORES:
-        lines.append(f"WARNING: other processes used up to {other:.2f} cores during a cell (see "
-                     "'other load'): the machine was shared; latency figures and targets marked "
-                     "'disturbed' are unreliable (server CPU ms/req is the steadier figure)")
+    lines += noisy_warning(report, "server CPU ms/req")
     for c in report["comparisons"]:
         g = report["cells"]["c"]["by_concurrency"][c].get("guard", {})
         gb = report["cells"]["b"]["by_concurrency"][c].get("guard", {})
@@ -1024,27 +1097,44 @@ def _context_lines(report: dict) -> list[str]:
     return lines
 
 
+def render_text(context: list[str], tables: list[tuple[str, list[str], list[list[str]]]]) -> str:
+    """Context lines, then each (title, head, rows) table; the first table goes untitled."""
+    parts = ["\n".join(context), "", _plain(*tables[0][1:])]
+    for title, head, rows in tables[1:]:
+        parts += ["", title, _plain(head, rows)]
+    return "\n".join(parts)
+
+
+def render_markdown(title: str, script: str, context: list[str], cells: dict[str, str],
+                    tables: list[tuple[str, list[str], list[list[str]]]]) -> str:
+    """The .md report: title, context bullets, the cells, then a section per (heading, head,
+    rows) table."""
+    cell_lines = "\n".join(f"- ({k}) {v}" for k, v in cells.items())
+    context_lines = "\n".join(f"- {line.strip()}" for line in context)
+    sections = "\n\n".join(f"## {heading}\n\n{_md(head, rows)}" for heading, head, rows in tables)
+    return (
+        f"# {title}\n\n"
+        f"Generated by `benchmarks/{script}`; closed-loop load over loopback, latency "
+        "measured at the client.\n\n"
+        f"{context_lines}\n\nCells:\n\n{cell_lines}\n\n"
+        f"{sections}\n"
+    )
+
+
 def text_table(report: dict) -> str:
     figures, ratios, targets = _rows(report)
-    parts = ["\n".join(_context_lines(report)), "",
-             _plain(FIG_HEAD, figures), "", "Ratios (a: baseline, b: guard, c: guard + mirror)",
-             _plain(RATIO_HEAD, ratios), "", "Targets", _plain(TARGET_HEAD, targets)]
-    return "\n".join(parts)
+    return render_text(_context_lines(report), [
+        ("", FIG_HEAD, figures),
+        ("Ratios (a: baseline, b: guard, c: guard + mirror)", RATIO_HEAD, ratios),
+        ("Targets", TARGET_HEAD, targets)])
 
 
 def markdown(report: dict) -> str:
     figures, ratios, targets = _rows(report)
-    cells = "\n".join(f"- ({k}) {v}" for k, v in CELLS.items())
-    context = "\n".join(f"- {line.strip()}" for line in _context_lines(report))
-    return (
-        "# Proxy overhead: guard vs a bare OIP server\n\n"
-        "Generated by `benchmarks/proxy_overhead.py`; closed-loop load over loopback, latency "
-        "measured at the client.\n\n"
-        f"{context}\n\nCells:\n\n{cells}\n\n"
-        f"## Figures\n\n{_md(FIG_HEAD, figures)}\n\n"
-        f"## Ratios\n\n{_md(RATIO_HEAD, ratios)}\n\n"
-        f"## Targets\n\n{_md(TARGET_HEAD, targets)}\n"
-    )
+    return render_markdown(
+        "Proxy overhead: guard vs a bare OIP server", "proxy_overhead.py", _context_lines(report),
+        CELLS, [("Figures", FIG_HEAD, figures), ("Ratios", RATIO_HEAD, ratios),
+                ("Targets", TARGET_HEAD, targets)])
 
 
 # -- entry ---------------------------------------------------------------------------------------
@@ -1114,6 +1204,11 @@ def main(argv: list[str] | None = None) -> int:
                         help="ORT intra-op threads of the primary, in (a) and in guard "
                         "(options.intra_op_threads); 0 = ORT's default (one spinning thread per "
                         "core). Default 1")
+    return parse_and_run(parser, argv, run)
+
+
+def parse_and_run(parser: argparse.ArgumentParser, argv: list[str], run_fn) -> int:
+    """Parse (``--rounds`` >= 1), make SIGTERM run ``run_fn``'s cleanup, run (also upstream_hop)."""
     args = parser.parse_args(argv)
     if args.rounds is not None and args.rounds < 1:
         parser.error("--rounds must be >= 1")
@@ -1122,7 +1217,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, terminated)
-    return run(args)
+    return run_fn(args)
 
 
 if __name__ == "__main__":

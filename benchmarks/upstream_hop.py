@@ -41,7 +41,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -90,7 +89,9 @@ class OnnxModel(_Base):
 
 # -- (internal) preparation: export the model, the inputs and the answers to expect --------------
 def cmd_prepare(workdir: Path, iters: int) -> None:
-    """Runs in a child process, so the load generator never imports torch or onnxruntime."""
+    """Runs in a child process, so the load generator never imports torch or onnxruntime.
+    Not ``po.cmd_prepare``: no reference to calibrate, and ORT's default session (as the
+    MLServer runtime builds it) instead of guard's primary session options."""
     import onnxruntime as ort
 
     from guard.zoo import classifier
@@ -117,23 +118,14 @@ def cmd_prepare(workdir: Path, iters: int) -> None:
 
 
 # -- child processes -----------------------------------------------------------------------------
-class Child:
-    """A server subprocess in its own session (process group): stopped, and killed, as a group.
-    Duck-types ``proxy_overhead.Child`` for ``po.wait_ready``."""
+class Child(po.Child):
+    """A server subprocess in its own session (process group): stopped, and killed, as a group
+    (MLServer forks; ``po.Child`` signals only its one process, enough for guard and the
+    baseline there)."""
 
     def __init__(self, cell: str, argv: list[str], logfile: Path, env: dict, cwd: Path):
-        self.cell = cell
-        self.logfile = logfile
-        self._log = logfile.open("w")
-        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
-                                        env=env, cwd=str(cwd), start_new_session=True)
+        super().__init__(cell, argv, logfile, env, cwd=cwd)
         self.pgid = self.process.pid
-
-    def log_tail(self, lines: int = 30) -> str:
-        try:
-            return "\n".join(self.logfile.read_text().splitlines()[-lines:])
-        except OSError:
-            return ""
 
     def _signal_group(self, sig: int) -> None:
         try:
@@ -193,29 +185,6 @@ def guard_config(upstream: str, ports: dict, workers: int | None) -> dict:
     return {"version": 1, "server": server, "models": [model]}
 
 
-def check_answers(target: str, requests: list, expected: np.ndarray) -> float:
-    """Every pooled request once; the answers (raw or typed contents: MLServer answers typed)
-    must match ORT in-process. Returns the largest |diff|."""
-    import grpc
-    from tritonclient.grpc import service_pb2_grpc as pb_grpc
-
-    worst = 0.0
-    with grpc.insecure_channel(target) as channel:
-        stub = pb_grpc.GRPCInferenceServiceStub(channel)
-        for i, request in enumerate(requests):
-            response = stub.ModelInfer(request, timeout=30)
-            names = [o.name for o in response.outputs]
-            k = names.index("logits")
-            if response.raw_output_contents:
-                got = np.frombuffer(response.raw_output_contents[k], dtype=np.float32)
-            else:
-                got = np.asarray(response.outputs[k].contents.fp32_contents, dtype=np.float32)
-            worst = max(worst, float(np.abs(got.reshape(1, 10) - expected[i:i + 1]).max()))
-    if worst > 1e-4:
-        raise RuntimeError(f"answers from {target} differ from ORT in-process by {worst:g}")
-    return worst
-
-
 # -- CPU accounting per process group ------------------------------------------------------------
 def group_ticks(pgid: int) -> int:
     """utime + stime of every live process in process group ``pgid`` (all threads)."""
@@ -233,90 +202,38 @@ def group_ticks(pgid: int) -> int:
 
 
 def cpu_snapshot(groups: dict[str, int]) -> dict | None:
-    base = po.cpu_snapshot(os.getpid())  # machine-wide ticks and this process (load generator)
+    """``po.cpu_snapshot``'s machine-wide and load-generator ticks, plus one key per process
+    group (its name: "mlserver", "guard") instead of its single server pid; read by
+    ``po.cpu_usage(..., servers=tuple(groups))``."""
+    base = po.cpu_snapshot(os.getpid())
     if base is None:
         return None
     base.pop("server", None)
-    base["groups"] = {name: group_ticks(pgid) for name, pgid in groups.items()}
+    base.update({name: group_ticks(pgid) for name, pgid in groups.items()})
     return base
 
 
-def cpu_usage(before: dict | None, after: dict | None, requests: int) -> dict:
-    if not before or not after:
-        return {}
-    tck = po.CLK_TCK
-    wall = after["wall"] - before["wall"]
-    groups = {k: (after["groups"][k] - before["groups"][k]) / tck for k in before["groups"]}
-    client = (after["self"] - before["self"]) / tck
-    busy = (after["busy"] - before["busy"]) / tck
-    return cpu_summary({"wall_s": wall, "client_s": client,
-                        "other_s": max(0.0, busy - client - sum(groups.values())),
-                        "steal_s": (after["steal"] - before["steal"]) / tck,
-                        "requests": requests, **{f"{k}_s": v for k, v in groups.items()}})
-
-
-def cpu_summary(raw: dict) -> dict:
-    wall = raw["wall_s"] or float("nan")
-    out = dict(raw)
-    for key in ("mlserver", "guard", "client", "other", "steal"):
-        if f"{key}_s" in raw:
-            out[f"{key}_cores"] = raw[f"{key}_s"] / wall
-    for key in ("mlserver", "guard"):
-        if f"{key}_s" in raw:
-            out[f"{key}_cpu_ms_per_request"] = (raw[f"{key}_s"] * 1e3 / raw["requests"]
-                                                if raw["requests"] else float("nan"))
-    return out
-
-
-def merge_cpu(parts: list[dict]) -> dict:
-    parts = [p["cpu"] for p in parts if p.get("cpu")]
-    if not parts:
-        return {}
-    keys = [k for k in parts[0] if k.endswith("_s") and not k.endswith("_cores")] + ["requests"]
-    return cpu_summary({k: sum(p.get(k, 0.0) for p in parts) for k in keys})
-
-
 # -- one cell --------------------------------------------------------------------------------------
-def measure_cell(args, cell: str, groups: dict[str, int], target: str, metrics_port: int | None,
-                 requests: list, concurrency: int, duration: float, warmup: float):
-    """Warm up and measure; measure again (up to --retries) when other processes used the CPU
-    meanwhile, keeping the least disturbed attempt."""
-    best = None
-    pids = list(groups.values())
-    for attempt in range(args.retries + 1):
-        po.wait_quiet(pids, args.wait_quiet)
-        po.closed_loop(target, requests, concurrency, warmup)
-        before = po.scrape(metrics_port) if metrics_port else None
-        cpu_before = cpu_snapshot(groups)
-        result = po.closed_loop(target, requests, concurrency, duration)
-        cpu_after = cpu_snapshot(groups)
-        after = po.scrape(metrics_port) if metrics_port else None
-        if result["errors"]:
-            po.log(f"  ({cell}) c={concurrency}: {result['errors']} errors, first: "
-                   f"{result['first_error']}")
-        figures = po.summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
-        figures["cpu"] = cpu_usage(cpu_before, cpu_after, figures["requests"])
-        figures["attempt"] = attempt + 1
-        if metrics_port:
-            figures["guard"] = po.guard_delta(before, after)
-        cpu = figures["cpu"]
-        extra = ""
-        if cpu:
-            extra = (f"; CPU ms/req MLServer {cpu['mlserver_cpu_ms_per_request']:.3f}"
-                     + (f", guard {cpu['guard_cpu_ms_per_request']:.3f}"
-                        if "guard_cpu_ms_per_request" in cpu else "")
-                     + f"; cores client {cpu['client_cores']:.2f}, other "
-                     f"{cpu['other_cores']:.2f}")
-        po.log(f"  ({cell}) c={concurrency}: p50 {figures['p50_ms']:.3f} ms, p99 "
-               f"{figures['p99_ms']:.3f} ms, {figures['throughput_rps']:.0f} req/s{extra}")
-        other = cpu.get("other_cores", 0.0)
-        if best is None or other < best[0]["cpu"].get("other_cores", 0.0):
-            best = (figures, result["latencies_ns"])
-        if other <= po.NOISY_NEIGHBOUR_CORES:
-            break
-        if attempt < args.retries:
-            po.log(f"  other processes used {other:.2f} cores during the cell: measuring again")
-    return best
+def cell_note(figures: dict) -> str:
+    """What the log shows after a cell's latencies: CPU per request of MLServer (and guard)."""
+    cpu = figures["cpu"]
+    if not cpu:
+        return ""
+    return (f"; CPU ms/req MLServer {cpu['mlserver_cpu_ms_per_request']:.3f}"
+            + (f", guard {cpu['guard_cpu_ms_per_request']:.3f}"
+               if "guard_cpu_ms_per_request" in cpu else "")
+            + f"; cores client {cpu['client_cores']:.2f}, other {cpu['other_cores']:.2f}")
+
+
+def measure_cell(args, cell: str, child: Child, groups: dict[str, int], target: str,
+                 metrics_port: int | None, requests: list, concurrency: int, duration: float,
+                 warmup: float):
+    """``po.measure_cell`` with CPU read per process group (``groups``: name -> pgid), and
+    guard's /metrics scraped once (no mirror here, so nothing to drain)."""
+    return po.measure_cell(args, cell, child, target, metrics_port, requests, concurrency,
+                           duration, warmup, pids=list(groups.values()),
+                           snapshot=lambda: cpu_snapshot(groups), servers=tuple(groups),
+                           scrape_fn=po.scrape, note=cell_note)
 
 
 # -- the run -------------------------------------------------------------------------------------
@@ -325,20 +242,8 @@ def run(args: argparse.Namespace) -> int:
 
     if not MLSERVER.exists():
         raise SystemExit(f"{MLSERVER} not found: pip install -e '.[dev]' (mlserver)")
-    concurrencies = [int(c) for c in str(args.concurrency).split(",") if c.strip()]
-    if not concurrencies or min(concurrencies) < 1:
-        raise SystemExit("--concurrency: a comma-separated list of integers >= 1")
-    duration = args.duration if args.duration is not None else (2.0 if args.quick else 10.0)
-    warmup = args.warmup if args.warmup is not None else (0.5 if args.quick else 2.0)
-    if args.rounds is None:
-        args.rounds = 1 if args.quick else 2
-    out_dir = Path(args.out).resolve()
-    workdir = Path(tempfile.mkdtemp(prefix="guard-hop-"))
-    env = dict(os.environ, GUARD_CACHE_DIR=str(workdir), PYTHONUNBUFFERED="1")
-    os.environ["GUARD_CACHE_DIR"] = str(workdir)
+    concurrencies, duration, warmup, out_dir, workdir, env = po.run_plan(args, "guard-hop-")
     children: list[Child] = []
-    po.log(f"work folder {workdir}; {duration:g}s per cell after {warmup:g}s warm-up; "
-           f"concurrency {concurrencies}; {args.rounds} round(s)")
     try:
         po.log("exporting the zoo classifier ...")
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "_prepare",
@@ -361,7 +266,7 @@ def run(args: argparse.Namespace) -> int:
         children.append(mlserver)
         upstream = f"{HOST}:{ml_ports['grpc_port']}"
         po.wait_ready(upstream, mlserver)
-        worst = check_answers(upstream, requests, expected)
+        worst = po.check_answers(upstream, requests, expected)
         po.log(f"MLServer ready on {upstream} (pid {mlserver.process.pid}); answers match ORT "
                f"in-process (max |diff| {worst:.1e})")
 
@@ -387,13 +292,14 @@ def run(args: argparse.Namespace) -> int:
                     children.append(guard)
                     target = f"{HOST}:{port}"
                     po.wait_ready(target, guard)
-                    worst = check_answers(target, requests, expected)
+                    worst = po.check_answers(target, requests, expected)
                     groups["guard"] = guard.pgid
                 po.log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} on {target}"
                        + (f"; answers match (max |diff| {worst:.1e})" if guard else ""))
                 for concurrency in concurrencies:
-                    figures, latencies = measure_cell(args, cell, groups, target, metrics_port,
-                                                      requests, concurrency, duration, warmup)
+                    figures, latencies = measure_cell(args, cell, guard or mlserver, groups,
+                                                      target, metrics_port, requests,
+                                                      concurrency, duration, warmup)
                     runs[cell][concurrency].append(figures)
                     pooled[cell][concurrency].append(latencies)
                 if guard is not None:
@@ -406,12 +312,7 @@ def run(args: argparse.Namespace) -> int:
                                        f":\n{mlserver.log_tail()}")
 
         report = build_report(args, prep, concurrencies, duration, warmup, runs, pooled)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "upstream_hop.json").write_text(json.dumps(report, indent=2) + "\n")
-        (out_dir / "upstream_hop.md").write_text(markdown(report))
-        print()
-        print(text_table(report))
-        po.log(f"wrote {out_dir / 'upstream_hop.json'} and {out_dir / 'upstream_hop.md'}")
+        po.write_results(out_dir, "upstream_hop", report, markdown(report), text_table(report))
         return 0
     finally:
         for child in reversed(children):  # guard first, then MLServer; each whole group
@@ -427,36 +328,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- report ----------------------------------------------------------------------------------------
-def _merge_guard(parts: list[dict]) -> dict:
-    if not any("guard" in p for p in parts):
-        return {}
-    requests = sum(p["guard"]["requests_primary"] for p in parts)
-    merged = {"requests_primary": requests,
-              "request_errors": sum(p["guard"]["request_errors"] for p in parts)}
-    weighted = [(p["guard"]["in_guard_mean_ms"], p["guard"]["requests_primary"]) for p in parts
-                if "in_guard_mean_ms" in p["guard"]]
-    if weighted and requests:
-        merged["in_guard_mean_ms"] = sum(m * n for m, n in weighted) / sum(n for _, n in weighted)
-    return merged
-
-
 def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> dict:
-    cells = {}
-    for cell in CELLS:
-        cells[cell] = {}
-        for c in concurrencies:
-            parts = runs[cell][c]
-            lat = np.concatenate(pooled[cell][c])
-            figures = po.summarize(lat, sum(p["elapsed_s"] for p in parts),
-                                   sum(p["errors"] for p in parts))
-            figures["cpu"] = merge_cpu(parts)
-            guard = _merge_guard(parts)
-            if guard:
-                figures["guard"] = guard
-            if len(parts) > 1:
-                figures["per_round"] = [{k: p[k] for k in ("p50_ms", "p99_ms", "throughput_rps")}
-                                        for p in parts]
-            cells[cell][str(c)] = figures
+    # po's merge also sums mirror outcomes and checks: none here (no reference, so guard reports
+    # no mirror figures), which leaves guard's requests, errors and mean time in guard.
+    cells = po.merge_rounds(CELLS, concurrencies, runs, pooled)
 
     comparisons = {}
     for c in concurrencies:
@@ -503,9 +378,7 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
             "guard": "python -m guard serve; primary backend upstream -> MLServer's model, no "
                      "reference, mirror.sample_rate 0; server.workers default (4) in (b), 0 in "
                      "(c)",
-            "load_generator": "closed loop, one thread + one gRPC channel (own connection) per "
-                              "concurrent client, tritonclient GRPCInferenceServiceStub, "
-                              "pre-built raw requests (64 distinct inputs), loopback",
+            "load_generator": po.LOAD_GENERATOR,
         },
         "calibration": prep,
         "cells": {k: {"name": CELLS[k], "by_concurrency": v} for k, v in cells.items()},
@@ -515,20 +388,10 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
     return report
 
 
-def _other(report: dict, cell: str, c: str) -> float:
-    return report["cells"][cell]["by_concurrency"][c].get("cpu", {}).get("other_cores", 0.0)
-
-
 def flag_disturbed(report: dict) -> None:
     for c, comp in report["comparisons"].items():
         for x in ("b", "c"):
-            comp[x]["target_hop_p50"]["disturbed"] = any(
-                _other(report, cell, c) > po.NOISY_NEIGHBOUR_CORES for cell in ("a", x))
-
-
-def _ok(target: dict) -> str:
-    word = "PASS" if target["ok"] else "MISS"
-    return f"{word} (disturbed)" if target.get("disturbed") else word
+            po.mark_disturbed(report, comp[x]["target_hop_p50"], c, ("a", x))
 
 
 FIG_HEAD = ["C", "path", "p50 ms", "p99 ms", "req/s", "requests", "errors",
@@ -537,6 +400,8 @@ HOP_HEAD = ["C", "path", "+p50 ms", "+p99 ms", "p50 x", "p99 x", "req/s x",
             f"target +p50 <= {TARGET_HOP_P50_MS} ms"]
 
 
+# The rows and context lines stay this script's own: other cells, comparisons and columns than
+# proxy_overhead's; what they share (machine/run lines, the warning, rendering) is po's.
 def _rows(report: dict) -> tuple[list[list[str]], list[list[str]]]:
     figures, hops = [], []
     nan = float("nan")
@@ -558,7 +423,7 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]]]:
             hops.append([c, f"({x}) - (a)", f"{h['minus_a_ms']['p50']:+.3f}",
                          f"{h['minus_a_ms']['p99']:+.3f}", f"{h['over_a']['p50']:.2f}",
                          f"{h['over_a']['p99']:.2f}", f"{h['over_a']['throughput']:.2f}",
-                         _ok(h["target_hop_p50"])])
+                         po._ok(h["target_hop_p50"])])
         cb = comp["c_vs_b"]
         hops.append([c, "(c) - (b): workers 0 vs 4", f"{cb['c_minus_b_ms']['p50']:+.3f}",
                      f"{cb['c_minus_b_ms']['p99']:+.3f}", "", "",
@@ -567,52 +432,30 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]]]:
 
 
 def _context_lines(report: dict) -> list[str]:
-    m = report["machine"]
-    v = m["versions"]
     s = report["settings"]
-    source = m.get("guard_source", {})
-    lines = [
-        f"Machine: {m['cpu_model']}, {m['cpu_count']} cores ({m['cpus_usable']} usable); "
-        f"Python {v['python']}, mlserver {v.get('mlserver', '?')}, onnxruntime "
-        f"{v['onnxruntime']}, grpcio {v['grpcio']}, guard {v['guard']} (commit "
-        f"{source.get('commit', '?')}"
-        f"{', with uncommitted changes in guard/' if source.get('uncommitted_guard_files') else ''}"
-        f"); {m['platform']}; {m['date']}",
-        f"Run: {s['duration_s']:g} s per cell after {s['warmup_s']:g} s warm-up, "
-        f"{s['rounds']} round(s), concurrency {s['concurrency']}"
-        + (" (--quick: smoke check, not figures to quote)" if s["quick"] else ""),
+    return [
+        po.machine_line(report["machine"], ("mlserver", "onnxruntime")),
+        po.run_line(s),
         f"Model: {s['model']}; ORT in-process p50 "
         f"{report['calibration']['ort_in_process_p50_ms'] * 1e3:.0f} us (default session)",
         f"Upstream: {s['upstream']}",
         f"guard: {s['guard']}",
-    ]
-    other = max((f.get("cpu", {}).get("other_cores", 0.0) for cell in report["cells"].values()
-                 for f in cell["by_concurrency"].values()), default=0.0)
-    if other > po.NOISY_NEIGHBOUR_CORES:
-        lines.append(f"WARNING: other processes used up to {other:.2f} cores during a cell (see "
-                     "'other load'): the machine was shared; latency figures and targets marked "
-                     "'disturbed' are unreliable (CPU ms/req is the steadier figure)")
-    return lines
+    ] + po.noisy_warning(report, "CPU ms/req")
 
 
 def text_table(report: dict) -> str:
     figures, hops = _rows(report)
-    return "\n".join(["\n".join(_context_lines(report)), "", po._plain(FIG_HEAD, figures), "",
-                      "The extra hop (guard cells minus direct)", po._plain(HOP_HEAD, hops)])
+    return po.render_text(_context_lines(report), [
+        ("", FIG_HEAD, figures),
+        ("The extra hop (guard cells minus direct)", HOP_HEAD, hops)])
 
 
 def markdown(report: dict) -> str:
     figures, hops = _rows(report)
-    cells = "\n".join(f"- ({k}) {v}" for k, v in CELLS.items())
-    context = "\n".join(f"- {line}" for line in _context_lines(report))
-    return (
-        "# Upstream hop: client -> MLServer vs client -> guard -> MLServer\n\n"
-        "Generated by `benchmarks/upstream_hop.py`; closed-loop load over loopback, latency "
-        "measured at the client.\n\n"
-        f"{context}\n\nCells:\n\n{cells}\n\n"
-        f"## Figures\n\n{po._md(FIG_HEAD, figures)}\n\n"
-        f"## The extra hop\n\n{po._md(HOP_HEAD, hops)}\n"
-    )
+    return po.render_markdown(
+        "Upstream hop: client -> MLServer vs client -> guard -> MLServer", "upstream_hop.py",
+        _context_lines(report), CELLS,
+        [("Figures", FIG_HEAD, figures), ("The extra hop", HOP_HEAD, hops)])
 
 
 # -- entry ---------------------------------------------------------------------------------------
@@ -635,15 +478,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ort-threads", type=int, default=0, metavar="N",
                         help="MLServer's ORT intra-op threads; 0 (default) = the e2e runtime "
                         "as it is (ORT's default: one thread per core)")
-    args = parser.parse_args(argv)
-    if args.rounds is not None and args.rounds < 1:
-        parser.error("--rounds must be >= 1")
-
-    def terminated(signum, frame):  # SIGTERM too runs run()'s finally: no server left behind
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, terminated)
-    return run(args)
+    return po.parse_and_run(parser, argv, run)
 
 
 if __name__ == "__main__":
