@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from guard.config import ModelConfig
+from guard.machine import cpu_model
 from guard.verify.pipeline import Verifier
 from guard.verify.tensor import Tolerance, compare_output
 
@@ -39,12 +40,7 @@ def best_of(fn, repeat: int) -> float:
 
 
 def machine() -> str:
-    cpu = platform.processor()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in
-                   Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_model(platform.processor())
     return f"{cpu}, {os.cpu_count()} cores, {platform.platform()}"
 
 

@@ -47,6 +47,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from guard.machine import cpu_model  # noqa: E402
 from guard.policy.detector import (  # noqa: E402
     BernoulliCusum,
     EDetector,
@@ -250,14 +251,7 @@ def check_against_guard(p0: float, arl0: float, window: tuple[int, float], rng) 
 
 # -- the run ---------------------------------------------------------------------------------------
 def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     return {
         "cpu_model": cpu,
         "cpu_count": os.cpu_count(),

@@ -54,6 +54,8 @@ from pathlib import Path
 
 import numpy as np
 
+from guard.machine import cpu_model
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 MODEL = "classifier"
@@ -135,14 +137,7 @@ def percentile_ms(latencies_ns: np.ndarray, q: float) -> float:
 
 
 def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     versions = {"python": platform.python_version()}
     for name in ("onnxruntime", "torch", "grpcio", "numpy", "tritonclient", "protobuf"):
         try:

@@ -43,6 +43,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from guard.machine import cpu_model  # noqa: E402
+
 BUFFER, HELD_OUT = 32, 64
 
 
@@ -255,14 +257,7 @@ def _targets(result: dict) -> dict:
 
 
 def machine_info() -> dict:
-    cpu = "unknown"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     from importlib.metadata import version
 
     return {"cpu_model": cpu, "cpu_count": os.cpu_count(), "platform": platform.platform(),

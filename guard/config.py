@@ -891,20 +891,28 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
     return config
 
 
-def load_config(path: str | Path) -> GuardConfig:
-    """Read, validate and resolve a config file; raises ``ConfigError`` naming every problem."""
+def read_yaml(path: str | Path) -> tuple[str, Any]:
+    """A YAML file's text and data; ``ConfigError`` with one ``(file)`` or ``(yaml)`` line
+    (the line and column of a syntax error) when it cannot be read or parsed. Every YAML the
+    guard reads (its config, the matrix config, the config behind alert rules) goes through it."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as exc:
         raise ConfigError([f"(file): cannot read: {exc.strerror or exc}"], str(path)) from None
     try:
-        data = yaml.safe_load(text)
+        return text, yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
         problem = getattr(exc, "problem", None) or str(exc)
         raise ConfigError([f"(yaml): {where}{problem}"], str(path)) from None
+
+
+def load_config(path: str | Path) -> GuardConfig:
+    """Read, validate and resolve a config file; raises ``ConfigError`` naming every problem."""
+    path = Path(path)
+    text, data = read_yaml(path)
     config = parse_config(data, path.resolve().parent, str(path))
     config._source_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
     config._source_path = path

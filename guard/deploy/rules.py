@@ -52,6 +52,7 @@ from guard.config import (
     PolicyConfig,
     ServerConfig,
     format_validation_error,
+    read_yaml,
 )
 from guard.deploy import DEFAULT_RUNBOOK_BASE, RULE_FORMATS
 from guard.errors import ConfigError
@@ -119,16 +120,7 @@ class ModelThresholds:
 # -- reading the config --------------------------------------------------------------------------
 def read_thresholds(path: str | Path) -> list[ModelThresholds]:
     """Read a guard YAML and validate what the rules depend on (see the module docstring)."""
-    path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError([f"(file): cannot read: {exc.strerror or exc}"], str(path)) from None
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        raise ConfigError([f"(yaml): {where}{getattr(exc, 'problem', None) or exc}"],
-                          str(path)) from None
+    _, data = read_yaml(path)
     return thresholds_from_data(data, str(path))
 
 

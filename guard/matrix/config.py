@@ -27,7 +27,6 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-import yaml
 from pydantic import (
     BaseModel,
     BeforeValidator,
@@ -149,16 +148,11 @@ class MatrixConfig(_Strict):
 def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     """Parse and validate; returns the config and the folder relative paths resolve against."""
     from guard.backends.options import validate_backend_options
-    from guard.config import DERIVABLE_PRECISIONS, IMPLEMENTED_BACKENDS
+    from guard.config import DERIVABLE_PRECISIONS, IMPLEMENTED_BACKENDS, read_yaml
     from guard.zoo import names as zoo_names
 
     path = Path(path)
-    try:
-        data = yaml.safe_load(path.read_text())
-    except OSError as exc:
-        raise ConfigError([f"(file): cannot read: {exc.strerror or exc}"], str(path)) from None
-    except yaml.YAMLError as exc:
-        raise ConfigError([f"(yaml): {exc}"], str(path)) from None
+    _, data = read_yaml(path)
     if not isinstance(data, dict):
         raise ConfigError(["(top level): must be a mapping"], str(path))
     try:

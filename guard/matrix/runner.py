@@ -27,6 +27,8 @@ from typing import Callable
 
 import numpy as np
 
+from guard.machine import cpu_model
+
 from guard.config import BackendConfig, ChecksConfig
 from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel
 from guard.verify.pipeline import CheckResult, Verifier
@@ -65,14 +67,7 @@ def environment() -> dict:
         except md.PackageNotFoundError:
             return None
 
-    cpu = platform.processor() or ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model(platform.processor() or "")
     env = {"guard": version("guard"), "python": platform.python_version(),
            "numpy": np.__version__, "torch": version("torch"),
            "onnxruntime": version("onnxruntime"), "platform": platform.platform(),
