@@ -76,6 +76,9 @@ def select_output(
 class TaskChecker(abc.ABC):
     task: str = ""
 
+    def __init__(self, config):
+        self.config = config  # the task's block of checks.task (e.g. ClassificationTaskConfig)
+
     def check(
         self,
         reference: dict[str, np.ndarray],

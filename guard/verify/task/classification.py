@@ -21,8 +21,7 @@ from guard.verify.task.base import TaskCheck, TaskChecker
 class ClassificationChecker(TaskChecker):
     task = "classification"
 
-    def __init__(self, config: ClassificationTaskConfig):
-        self.config = config
+    config: ClassificationTaskConfig
 
     def _check(self, reference, primary, allowed) -> TaskCheck:
         c = self.config

@@ -131,8 +131,7 @@ def mean_average_precision(refs, outs, ious, iou_thr: float) -> float:
 class DetectionChecker(TaskChecker):
     task = "detection"
 
-    def __init__(self, config: DetectionTaskConfig):
-        self.config = config
+    config: DetectionTaskConfig
 
     def _arrays(self, outputs, side):
         c = self.config

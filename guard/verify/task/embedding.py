@@ -46,8 +46,7 @@ def neighbour_agreement(ref: np.ndarray, out: np.ndarray, tie: float) -> np.ndar
 class EmbeddingChecker(TaskChecker):
     task = "embedding"
 
-    def __init__(self, config: EmbeddingTaskConfig):
-        self.config = config
+    config: EmbeddingTaskConfig
 
     def _check(self, reference, primary, allowed) -> TaskCheck:
         c = self.config

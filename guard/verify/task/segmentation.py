@@ -29,8 +29,7 @@ def mean_iou(ref: np.ndarray, out: np.ndarray) -> tuple[float, dict[int, float]]
 class SegmentationChecker(TaskChecker):
     task = "segmentation"
 
-    def __init__(self, config: SegmentationTaskConfig):
-        self.config = config
+    config: SegmentationTaskConfig
 
     def _check(self, reference, primary, allowed) -> TaskCheck:
         c = self.config
