@@ -140,6 +140,24 @@ def event_story(caplog) -> list[tuple]:
                       if r.name == "guard.events")]
 
 
+def ops_fallback_model(name: str, primary: dict, reference: dict, fallback: dict,
+                       **repair) -> dict:
+    """A model block for the ops-fallback e2e tests: every request mirrored, tier 1 at 5% of the
+    largest logit, a CUSUM that trips within a few failing samples (p0 pinned), a dwell long
+    enough that only the repair (or a manual reset) brings the primary back."""
+    return {
+        "name": name,
+        "task": "classification",
+        "primary": primary,
+        "reference": reference,
+        "fallback": fallback,
+        "mirror": {"sample_rate": 1.0, "queue_size": 64},
+        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
+        "policy": {"action": "fallback_ops", "p0": 0.01, "arl0": 1000, "dwell_s": 600,
+                   "repair": {"buffer": 16, **repair}},
+    }
+
+
 def traffic_through_repair(srv, model: str, make_input, rows: np.ndarray,
                            primary_answers: int = 20) -> tuple[dict, Traffic, int]:
     """Send traffic until a repaired primary serves (guard_fallback_active{scope="ops"} == 1)

@@ -14,24 +14,18 @@ import tritonclient.grpc as grpcclient
 
 import fp16_models
 
-from support import (assert_repaired_once, reset_repaired_primary, running,
+from support import (assert_repaired_once, ops_fallback_model, reset_repaired_primary, running,
                      traffic_through_repair, x_input)
 
 
 def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="guard.events")
     onnx_path = str(fp16_models.export(tmp_path / "zoo")["onnx"])
-    model = {
-        "name": "pressure",
-        "task": "classification",
-        "primary": {"backend": "onnxruntime", "path": onnx_path, "precision": "fp16"},
-        "reference": {"backend": "onnxruntime", "path": onnx_path},
-        "fallback": {"backend": "onnxruntime", "path": onnx_path},
-        "mirror": {"sample_rate": 1.0, "queue_size": 64},
-        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
-        "policy": {"action": "fallback_ops", "p0": 0.01, "arl0": 1000, "dwell_s": 600,
-                   "repair": {"buffer": 16}},
-    }
+    model = ops_fallback_model(
+        "pressure",
+        primary={"backend": "onnxruntime", "path": onnx_path, "precision": "fp16"},
+        reference={"backend": "onnxruntime", "path": onnx_path},
+        fallback={"backend": "onnxruntime", "path": onnx_path})
     rows = fp16_models.sample_inputs(32, seed=17)
     expected = ort.InferenceSession(onnx_path).run(None, {"x": rows})[0]
     with running(tmp_path, [model]) as (srv, _):

@@ -13,24 +13,18 @@ import tritonclient.grpc as grpcclient
 
 from guard.zoo.classifier import sample_inputs
 
-from support import (assert_repaired_once, events, image_input, reset_repaired_primary,
-                     running, traffic_through_repair)
+from support import (assert_repaired_once, events, image_input, ops_fallback_model,
+                     reset_repaired_primary, running, traffic_through_repair)
 
 
 def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, caplog):
     caplog.set_level(logging.INFO, logger="guard.events")
     onnx_path = str(zoo_classifier["onnx"])
-    model = {
-        "name": "cnn",
-        "task": "classification",
-        "primary": {"backend": "onnxruntime", "path": onnx_path, "precision": "int8"},
-        "reference": {"backend": "onnxruntime", "path": onnx_path},
-        "fallback": {"backend": "onnxruntime", "path": onnx_path},
-        "mirror": {"sample_rate": 1.0, "queue_size": 64},
-        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
-        "policy": {"action": "fallback_ops", "p0": 0.01, "arl0": 1000, "dwell_s": 600,
-                   "repair": {"buffer": 16}},
-    }
+    model = ops_fallback_model(
+        "cnn",
+        primary={"backend": "onnxruntime", "path": onnx_path, "precision": "int8"},
+        reference={"backend": "onnxruntime", "path": onnx_path},
+        fallback={"backend": "onnxruntime", "path": onnx_path})
     images = sample_inputs(32, seed=17)
     expected = ort.InferenceSession(onnx_path).run(None, {"image": images})[0]
     with running(tmp_path, [model]) as (srv, _):

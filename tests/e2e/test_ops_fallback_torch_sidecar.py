@@ -15,7 +15,7 @@ import tritonclient.grpc as grpcclient
 
 import torch_drift_models
 
-from support import (assert_repaired_once, reset_repaired_primary, running,
+from support import (assert_repaired_once, ops_fallback_model, reset_repaired_primary, running,
                      traffic_through_repair, x_input)
 
 FACTORY = "torch_drift_models:build"
@@ -23,17 +23,11 @@ FACTORY = "torch_drift_models:build"
 
 def test_fp16_attention_overflow_repaired_by_keeping_attn_eager_fp32(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="guard.events")
-    model = {
-        "name": "seq",
-        "task": "classification",
-        "primary": {"backend": "torch_compile", "path": FACTORY, "precision": "fp16"},
-        "reference": {"backend": "torch", "path": FACTORY},
-        "fallback": {"backend": "torch", "path": FACTORY},
-        "mirror": {"sample_rate": 1.0, "queue_size": 64},
-        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
-        "policy": {"action": "fallback_ops", "p0": 0.01, "arl0": 1000, "dwell_s": 600,
-                   "repair": {"buffer": 16, "max_candidates": 6}},
-    }
+    model = ops_fallback_model(
+        "seq",
+        primary={"backend": "torch_compile", "path": FACTORY, "precision": "fp16"},
+        reference={"backend": "torch", "path": FACTORY},
+        fallback={"backend": "torch", "path": FACTORY}, max_candidates=6)
     rows = torch_drift_models.sample_inputs(32, seed=17)
     with torch.no_grad():
         expected = torch_drift_models.build()(torch.from_numpy(rows)).numpy()
