@@ -284,8 +284,8 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         )
     if policy.false_alarms_per_day is not None:
         false_alarms = f"policy.false_alarms_per_day={policy.false_alarms_per_day:g}"
-    else:  # the guard's default ARL0 (guard.config.PolicyConfig.arl0)
-        false_alarms = f"policy.arl0={policy.arl0 if policy.arl0 is not None else 1e5:g}"
+    else:  # the ARL0 the guard itself uses (its default when unset)
+        false_alarms = f"policy.arl0={policy.arl0_for(model.mirror.sample_rate):g}"
     return _alert(
         "GuardDriftOverThreshold",
         f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}",

@@ -176,7 +176,7 @@ class TorchCompileModules(KeepBack):
         if side is None or not hasattr(side, "submodules"):
             return []
         leaves = {path for path, module in side.submodules.items()
-                  if path and not any(True for _ in module.children())}
+                  if path and next(module.children(), None) is None}
         calls = side.capture(inputs).calls  # in the order the calls finish: forward order
         return list(dict.fromkeys(c.path for c in calls if c.path in leaves))
 
