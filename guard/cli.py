@@ -274,8 +274,9 @@ def build_parser() -> argparse.ArgumentParser:
     rules = deploy_sub.add_parser(
         "rules", help="Prometheus alerting rules from a config's thresholds",
         description="Prints Prometheus alerting rules made from the config: per model, drift "
-        "over its policy.trip_ratio, fallback active, mirror drops, reference errors and "
-        "timeouts; and guard down. Only the parts the rules use are validated (names, policy, "
+        "on the condition the guard acts on (its detector at its threshold; the failing share "
+        "over policy.trip_ratio for detector: window), fallback active, mirror drops, "
+        "reference errors and timeouts; and guard down. Only the parts the rules use are validated (names, policy, "
         "mirror, server); `guard config validate` checks the whole file.",
     )
     rules.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
