@@ -111,12 +111,11 @@ class DataPlane:
         outputs = result.outputs
         seconds = time.perf_counter() - started
         if outputs is not None:
-            model.after_response(request.id, request.inputs, outputs, route, epoch,
-                                 seconds=seconds)
-        else:
-            model.after_response(request.id, request.inputs,
-                                 lambda: decode_response(result.message), route, epoch,
-                                 request.requested_outputs, seconds=seconds)
+            answer, compared = outputs, None
+        else:  # decoded only if the request is sampled or captured
+            answer, compared = (lambda: decode_response(result.message)), request.requested_outputs
+        model.after_response(request.id, request.inputs, answer, route, epoch, compared,
+                             seconds=seconds)
         if outputs is not None and request.requested_outputs:
             result.outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
         self.metrics.requests.labels(model.name, route).inc()
