@@ -468,25 +468,45 @@ def summarize(latencies_ns: np.ndarray, elapsed_s: float, errors: int) -> dict:
 CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
-def cpu_snapshot(server_pid: int) -> dict | None:
-    """Machine-wide busy/total/steal ticks, and the server's and this process's CPU ticks."""
+def child_pids(pid: int) -> list[int]:
+    """The direct children of ``pid`` (guard serve's verifier process)."""
+    out: list[int] = []
+    try:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            out += [int(c) for c in (task / "children").read_text().split()]
+    except OSError:
+        pass
+    return out
 
-    def proc_ticks(pid) -> int:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return int(fields[11]) + int(fields[12])  # utime + stime, all threads
+
+def proc_ticks(pid) -> int:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return int(fields[11]) + int(fields[12])  # utime + stime, all threads
+
+
+def cpu_snapshot(server_pid: int) -> dict | None:
+    """Machine-wide busy/total/steal ticks, and the CPU ticks of the server (the serving
+    process), of its children (guard's verifier process; none for the baseline) and of this
+    process."""
 
     try:
         values = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
         idle = values[3] + values[4]
+        verifier = 0
+        for pid in child_pids(server_pid):
+            try:
+                verifier += proc_ticks(pid)
+            except OSError:
+                pass
         return {"busy": sum(values) - idle - values[7], "total": sum(values),
-                "steal": values[7], "server": proc_ticks(server_pid), "self": proc_ticks("self"),
-                "wall": time.monotonic()}
+                "steal": values[7], "server": proc_ticks(server_pid), "verifier": verifier,
+                "self": proc_ticks("self"), "wall": time.monotonic()}
     except (OSError, ValueError, IndexError):
         return None
 
 
 def cpu_usage(before: dict | None, after: dict | None, requests: int,
-              servers: tuple[str, ...] = ("server",)) -> dict:
+              servers: tuple[str, ...] = ("server", "verifier")) -> dict:
     """Cores used on average over the cell: by each server, the load generator, and anything
     else on the machine (other processes: a noisy neighbour makes the figures unreliable).
     ``servers`` names the snapshot keys holding server ticks: ``cpu_snapshot``'s one "server"
@@ -765,7 +785,8 @@ def cell_note(figures: dict) -> str:
     cpu = figures["cpu"]
     if cpu:
         extra += (f"; CPU server {cpu['server_cores']:.2f} cores "
-                  f"({cpu['server_cpu_ms_per_request']:.3f} ms/req), client "
+                  f"({cpu['server_cpu_ms_per_request']:.3f} ms/req), verifier "
+                  f"{cpu.get('verifier_cores', 0.0):.2f} cores, client "
                   f"{cpu['client_cores']:.2f}, other {cpu['other_cores']:.2f}")
     return extra
 
@@ -773,7 +794,8 @@ def cell_note(figures: dict) -> str:
 def measure_cell(args, cell: str, child: Child, target: str, metrics_port: int | None,
                  requests: list, concurrency: int, duration: float, warmup: float, *,
                  pids: list[int] | None = None, snapshot=None,
-                 servers: tuple[str, ...] = ("server",), scrape_fn=drained, note=cell_note):
+                 servers: tuple[str, ...] = ("server", "verifier"), scrape_fn=drained,
+                 note=cell_note):
     """Warm up, measure one cell; on a shared machine, measure again (up to --retries times) when
     other processes used the CPU meanwhile, and keep the attempt they disturbed least.
     Defaults: one server, ``child``; upstream_hop.py passes its process groups' ``pids``, a
@@ -988,6 +1010,7 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]], list[list[str
                             f"{f['p99_ms']:.3f}",
                             f"{f['throughput_rps']:.0f}", str(f["requests"]), str(f["errors"]),
                             f"{cpu.get('server_cpu_ms_per_request', float('nan')):.3f}",
+                            f"{cpu.get('verifier_cpu_ms_per_request', float('nan')):.3f}",
                             f"{cpu.get('other_cores', float('nan')):.2f}", note])
         r = comp
         cpu_add = r.get("server_cpu_ms_per_request", {}).get("b_minus_a", float("nan"))
@@ -1015,7 +1038,7 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]], list[list[str
 
 
 FIG_HEAD = ["C", "server", "p50 ms", "p99 ms", "req/s", "requests", "errors",
-            "server CPU ms/req", "other load (cores)", "notes"]
+            "server CPU ms/req", "verifier CPU ms/req", "other load (cores)", "notes"]
 RATIO_HEAD = ["C", "b/a p50", "b/a p99", "b/a req/s", "b-a p50 ms", "b-a p99 ms", "c/b p50",
               "c/b p99", "c/b req/s", "n/b p99 (nice 0)", "b-a server CPU ms/req"]
 TARGET_HEAD = ["C", "target", "bound", "measured", "result"]

@@ -209,6 +209,7 @@ def cpu_snapshot(groups: dict[str, int]) -> dict | None:
     if base is None:
         return None
     base.pop("server", None)
+    base.pop("verifier", None)  # in the guard process group already
     base.update({name: group_ticks(pgid) for name, pgid in groups.items()})
     return base
 

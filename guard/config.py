@@ -123,6 +123,31 @@ class TlsConfig(Strict):
     client_ca_file: str | None = Field(None, description="PEM CA for client certs (mTLS).")
 
 
+class VerifierConfig(Strict):
+    """The verifier process: reference, checks, detectors, capture and repair run there, out of
+    the serving process and its interpreter lock (guard/verifier/)."""
+
+    ring_bytes: PositiveInt = Field(
+        64 * 1024 * 1024,
+        description="Shared-memory ring that carries sampled requests and answers from the "
+        "serving process to the verifier. Full: the sample is dropped and counted "
+        "(guard_mirror_total{outcome=\"dropped\"}); the request path never waits.",
+    )
+    hang_timeout_s: PositiveFloat = Field(
+        10.0,
+        description="A verifier whose heartbeat is older than this is hung: it is killed and "
+        "restarted. Serving goes on on the last route meanwhile.",
+    )
+    restart_backoff_s: PositiveFloat = Field(
+        0.5, description="First wait before restarting a dead verifier; doubles per failure "
+        "in a row, up to 30 s, and resets once a verifier has run for a minute.",
+    )
+    start_timeout_s: PositiveFloat = Field(
+        600.0, description="Longest wait at start-up for the verifier to load the references "
+        "and measure noise floors; past it `guard serve` fails.",
+    )
+
+
 class ServerConfig(Strict):
     host: str = Field("0.0.0.0", description="Address the data plane and metrics listen on.")
     grpc_port: Port = Field(8001, description="Open Inference Protocol (KServe v2) gRPC port.")
@@ -153,6 +178,13 @@ class ServerConfig(Strict):
     shutdown_grace_s: NonNegativeFloat = Field(
         30.0, description="On SIGTERM: how long in-flight requests may take to finish."
     )
+    max_concurrent_requests: PositiveInt = Field(
+        256,
+        description="Inference requests inside the guard at once; more are refused with "
+        "RESOURCE_EXHAUSTED (counted in guard_request_errors_total), so that a burst cannot "
+        "queue without bound in front of the model.",
+    )
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
 
 
 class BackendConfig(Strict):
@@ -237,6 +269,11 @@ class MirrorConfig(Strict):
     )
     queue_size: PositiveInt = Field(
         64, description="Samples waiting for the reference; a full queue drops and counts."
+    )
+    queue_bytes: PositiveInt = Field(
+        64 * 1024 * 1024,
+        description="Bytes of samples (inputs and answers) waiting for the reference, in the "
+        "verifier process: past it a sample is dropped and counted, whatever queue_size says.",
     )
     timeout_s: PositiveFloat = Field(
         5.0, description="Longest wait for one reference (or probe) inference."

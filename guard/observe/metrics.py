@@ -23,7 +23,12 @@ UNKNOWN_MODEL = "_unknown"
 
 
 class GuardMetrics:
-    def __init__(self, version: str, registry: CollectorRegistry | None = None):
+    def __init__(self, version: str, registry: CollectorRegistry | None = None,
+                 serving: bool = True):
+        """``serving``: the serving process's registry (the one /metrics exposes). The verifier
+        process's registry (``serving=False``) leaves out the series only the serving process
+        keeps (build info, reloads, the verifier's own health), since the two are merged
+        into one exposition by summing same-named series (guard/serve/supervisor.py)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -109,6 +114,17 @@ class GuardMetrics:
             "guard_capture_queue_depth", "Records waiting for the capture writer.", ["model"],
             registry=r,
         )
+        if not serving:
+            return
+        self.verifier_up = Gauge(
+            "guard_verifier_up", "1 while the verifier process (reference, checks, detectors, "
+            "capture, repair) runs and answers; serving goes on either way.", registry=r,
+        )
+        self.verifier_restarts = Counter(
+            "guard_verifier_restarts", "Verifier processes that died or hung and were "
+            "restarted (the samples they held count as dropped in guard_mirror_total).",
+            registry=r,
+        )
         self.config_reloads = Counter(
             "guard_config_reloads", "Config reloads: applied, rejected (invalid: the old config "
             "stays), failed (a model did not load: its old version stays).", ["result"],
@@ -136,6 +152,13 @@ class GuardMetrics:
             self.fallback_active.labels(model, scope).set(0)
         for to in ("primary", "fallback_model", "fallback_ops"):
             self.fallback_transitions.labels(model, to)
+
+    def declare_served_model(self, model: str) -> None:
+        """The serving process's series of a model at zero (requests; samples the ring
+        refused); the verifier declares the rest (``declare_model``)."""
+        for route in ("primary", "fallback"):
+            self.requests.labels(model, route)
+        self.mirror.labels(model, "dropped")
 
     def declare_capture(self, model: str) -> None:
         """A capturing model's series at zero (only models with a capture block have them)."""

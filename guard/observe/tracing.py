@@ -109,3 +109,53 @@ def inject(metadata: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]
     carrier: dict[str, str] = {}
     propagate.inject(carrier)
     return tuple((k, v) for k, v in metadata if k not in carrier) + tuple(carrier.items())
+
+
+# -- spans across the process boundary -------------------------------------------------------
+# The mirrored comparison runs in the verifier process, which has no exporter of its own: it
+# records the span's times and attributes (``RecordedSpan``) and sends them to the serving
+# process, which ends a real span with those times under the request's trace
+# (``export_recorded``). One exporter, one service name, and the parent-child link intact.
+def traceparent() -> str:
+    """The current span as a W3C ``traceparent`` value ("" when tracing is off)."""
+    if _tracer is None:
+        return ""
+    from opentelemetry import propagate
+
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier)
+    return carrier.get("traceparent", "")
+
+
+class RecordedSpan:
+    """A span measured in the verifier: ``set_attributes`` like a real one, then ``as_dict``."""
+
+    def __init__(self, name: str, parent: str, attributes: dict):
+        import time
+
+        self.name, self.parent = name, parent
+        self.attributes = dict(attributes)
+        self.start_ns = time.time_ns()
+        self.end_ns = 0
+
+    def set_attributes(self, attributes: dict) -> None:
+        self.attributes.update(attributes)
+
+    def end(self) -> dict:
+        import time
+
+        self.end_ns = time.time_ns()
+        return {"name": self.name, "parent": self.parent, "start_ns": self.start_ns,
+                "end_ns": self.end_ns, "attributes": self.attributes}
+
+
+def export_recorded(record: dict) -> None:
+    """End a real span with a ``RecordedSpan``'s times, as a child of its ``traceparent``."""
+    if _tracer is None or not record.get("parent"):
+        return
+    from opentelemetry import propagate
+
+    parent = propagate.extract({"traceparent": record["parent"]})
+    span = _tracer.start_span(record["name"], context=parent, start_time=record["start_ns"],
+                              attributes=record.get("attributes") or {})
+    span.end(end_time=record["end_ns"])

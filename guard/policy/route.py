@@ -349,6 +349,17 @@ class RoutePolicy:
                 return None
             return self._switch("primary", "repair", reason, evidence)
 
+    def resume(self, route: Route, epoch: int) -> None:
+        """Go on from a route and epoch that a previous verifier process published (it died):
+        samples routed in that epoch still count, and a stay on the fallback starts its dwell
+        again. Detector statistics start afresh: they died with the process."""
+        with self._lock:
+            self._state = route
+            self.epoch = epoch
+            self._since = self._clock()
+            if route == "fallback":
+                self._dwell = self.config.dwell_s
+
     def windows(self) -> list[WindowFigures]:
         with self._lock:
             return [WindowFigures(t, s.window.samples, s.window.failures, s.window.ratio)

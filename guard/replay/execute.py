@@ -1,10 +1,8 @@
 """Running batches of replay items through a model's reference and primary, and the checks.
 
-``ModelRunner`` holds one model's backends as configured now (reference and primary, built the
-way the sidecar builds them: the reference pins determinism with ``mirror.threads``) and a
-``Verifier`` set up as the sidecar's ``GuardedModel`` sets up its own: ``Verifier.for_model``
-with the fp64 arbiter, tier 2 when ``load_activation_tier`` finds it, and the reference's
-noise floor measured at load when ``checks.tensor.noise_floor`` is on. For each batch it:
+``ModelRunner`` holds one model's ``CheckedPair`` (guard/verify/pair.py: reference and primary
+as configured now, the ``Verifier`` with its arbiter, tier 2 and noise floor), assembled exactly
+as the sidecar's verifier process assembles its own. For each batch it:
 
 1. checks every item's inputs against the primary's signature (the data plane's own check): an
    item that does not fit is an ``input_error`` outcome;
@@ -30,9 +28,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from guard.backends import Backend, create_backend
+from guard.backends import Backend
 from guard.config import ModelConfig
-from guard.errors import BackendError
 from guard.replay.items import (
     CHECKED,
     INPUT_ERROR,
@@ -44,9 +41,8 @@ from guard.replay.items import (
 )
 from guard.serve.codec import InferenceError
 from guard.serve.dataplane import check_inputs
-from guard.verify.arbitrate import build_arbiter
-from guard.verify.noise import NoiseFloor, measure_noise_floor
-from guard.verify.pipeline import Verifier, load_activation_tier
+from guard.verify.noise import NoiseFloor
+from guard.verify.pair import CheckedPair
 
 
 @dataclass
@@ -65,42 +61,22 @@ def _dynamic_batch(backend: Backend) -> bool:
 
 class ModelRunner:
     def __init__(self, config: ModelConfig):
-        if config.reference is None:
-            raise BackendError(f"models[{config.name}]: replay needs a 'reference' backend to "
-                               "check against; this model has none")
         self.name = config.name
         self.config = config
-        self.verifier = Verifier.for_model(config, arbiter=build_arbiter(config))
-        self.reference = create_backend(config.reference, "reference", config.mirror.threads)
-        self.primary = create_backend(config.primary, "primary")
-        activation = load_activation_tier(config, {"primary": self.primary,
-                                                   "reference": self.reference})
-        if activation is not None:
-            self.verifier.add_tier(activation)
-        self.noise_floor: NoiseFloor | None = None
+        self.pair = CheckedPair(config)  # the verifier process builds its pairs the same way
+        self.verifier = self.pair.verifier
+        self.reference = self.pair.reference
+        self.primary = self.pair.primary
         self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replay-{self.name}")
 
+    @property
+    def noise_floor(self) -> NoiseFloor | None:
+        return self.pair.noise_floor
+
     def load(self) -> "ModelRunner":
-        for role, backend in (("reference", self.reference), ("primary", self.primary)):
-            try:
-                backend.load()
-            except BackendError as exc:
-                raise BackendError(f"models[{self.name}].{role}: {exc}") from exc
-            except Exception as exc:
-                spec = getattr(self.config, role)
-                raise BackendError(f"models[{self.name}].{role}: cannot load "
-                                   f"{spec.describe()}: {type(exc).__name__}: {exc}") from exc
+        self.pair.load()
         self.input_specs = {s.name: s for s in self.primary.describe().inputs}
         self.stackable = _dynamic_batch(self.primary) and _dynamic_batch(self.reference)
-        if self.config.checks.tensor.noise_floor.enabled:
-            try:
-                floor = measure_noise_floor(self.reference, self.config.reference,
-                                            self.config.checks.tensor.noise_floor)
-            except Exception as exc:  # as in the sidecar: a floor that cannot be measured
-                floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
-            self.noise_floor = floor
-            if not floor.skipped:
-                self.verifier.set_noise_floor(floor.per_output)
         return self
 
     def describe(self) -> dict:
@@ -112,8 +88,7 @@ class ModelRunner:
 
     def close(self) -> None:
         self._helper.shutdown(wait=True)
-        self.reference.close()
-        self.primary.close()
+        self.pair.close()
 
     # -- one batch ---------------------------------------------------------------------------
     def run(self, batch: Batch) -> list[SampleOutcome]:

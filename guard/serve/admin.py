@@ -1,69 +1,80 @@
-"""The guard.v1 admin API: model status and manual route override."""
+"""The guard.v1 admin API: model status and manual route override.
+
+Served by the serving process (its port outlives verifier restarts); the route policy lives in
+the verifier, so each call is forwarded there over the control channel and merged with what
+this process knows (the backends that answer, requests per route). While the verifier is
+restarting, GetStatus still answers (route from the route word, no windows) and SetRoute is
+UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import base64
 import time
 
 import grpc
 
 from guard import __version__
+from guard.observe.events import emit
 from guard.serve.lookup import model_or_abort
-from guard.serve.model import GuardedModel
+from guard.serve.model import ServedModel
+from guard.serve.supervisor import VerifierSupervisor, VerifierUnavailable
+from guard.verifier.status import counts
 from guard.v1 import admin_pb2 as pb
 from guard.v1 import admin_pb2_grpc as pb_grpc
 
 _OVERRIDES = {pb.AUTO: "auto", pb.PRIMARY: "primary", pb.FALLBACK: "fallback"}
 
 
-def _sample_counts(metric, model: str, label: str) -> dict[str, int]:
-    """Current values of a counter's children for one model, read from the registry."""
-    counts: dict[str, int] = {}
-    for family in metric.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_total") and sample.labels.get("model") == model:
-                counts[sample.labels[label]] = int(sample.value)
-    return counts
-
-
-def model_status(model: GuardedModel) -> pb.ModelStatus:
-    policy = model.policy
-    status = pb.ModelStatus(
-        name=model.name, route=policy.route, override=policy.override,
-        action=model.config.policy.action, probing=policy.probing,
-    )
-    for w in policy.windows():
-        status.windows.add(tier=w.tier, samples=w.samples, failures=w.failures,
-                           drift_ratio=w.ratio, window=model.config.policy.window,
-                           min_samples=model.config.policy.min_samples)
-    last = policy.last_transition
-    if last is not None:
-        status.has_last_transition = True
-        status.last_transition.CopyFrom(pb.Transition(
-            from_route=last.from_route, to_route=last.to_route, trigger=last.trigger,
-            reason=last.reason, unix_time=last.unix_time))
+def served_status(model: ServedModel, verified: bytes | None) -> pb.ModelStatus:
+    """The verifier's half (``verified``, serialized) merged with this process's half."""
+    status = pb.ModelStatus()
+    if verified is not None:
+        status.ParseFromString(verified)
+    else:  # the verifier is restarting: what the route word says
+        route, probing, _ = model.table.read(model.slot)
+        status.name, status.route, status.probing = model.name, route, probing
+        status.action, status.override = model.config.policy.action, "unknown"
+    reference = list(status.backends)
+    del status.backends[:]
     for role, backend in model.backends.items():
         info = backend.describe()
         status.backends.add(role=role, backend=info.backend, precision=info.precision,
                             device=info.device, artifact=info.artifact)
-    if model.ops is not None:
-        status.ops_kept_back.extend(model.ops.kept)
-        status.repairing = model.ops.repairing
-    status.mirror.update(_sample_counts(model.metrics.mirror, model.name, "outcome"))
-    status.requests.update(_sample_counts(model.metrics.requests, model.name, "route"))
+    status.backends.extend(reference)
+    status.requests.update(counts(model.metrics.requests, model.name, "route"))
+    status.mirror["dropped"] = status.mirror.get("dropped", 0) + int(
+        model.metrics.mirror.labels(model.name, "dropped")._value.get())
     return status
 
 
+def _peer(context) -> str:
+    """Who asked: the peer address and, under mTLS, the client certificate's subject."""
+    who = context.peer() or "unknown"
+    identities = context.peer_identities() if hasattr(context, "peer_identities") else None
+    if identities:
+        who += " " + ",".join(i.decode(errors="replace") for i in identities)
+    return who
+
+
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, models: dict[str, GuardedModel]):
+    def __init__(self, models: dict[str, ServedModel], verifier: VerifierSupervisor):
         self.models = models
+        self.verifier = verifier
 
     async def GetStatus(self, request, context):
         if request.model:
             models = [await model_or_abort(self.models, request.model, context)]
         else:
             models = list(self.models.values())
-        return pb.GetStatusResponse(guard_version=__version__,
-                                    models=[model_status(m) for m in models])
+        loop = asyncio.get_running_loop()
+        try:
+            verified = await loop.run_in_executor(None, self.verifier.status, request.model)
+        except VerifierUnavailable:
+            verified = {}
+        return pb.GetStatusResponse(guard_version=__version__, models=[
+            served_status(m, verified.get(m.name)) for m in models])
 
     async def SetRoute(self, request, context):
         model = await model_or_abort(self.models, request.model, context)
@@ -75,5 +86,17 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"model '{model.name}' has no fallback backend")
         reason = request.reason or f"set by admin API at {time.strftime('%H:%M:%S')}"
-        model.set_override(override, reason)
-        return pb.SetRouteResponse(status=model_status(model))
+        caller = _peer(context)
+        message = {"op": "set_route", "model": model.name, "override": override,
+                   "reason": reason}
+        loop = asyncio.get_running_loop()
+        try:
+            reply = await loop.run_in_executor(None, self.verifier.call, message)
+        except VerifierUnavailable as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
+        if reply.get("error"):
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reply["error"])
+        emit("admin_route_set", model=model.name, override=override, reason=reason,
+             caller=caller)
+        return pb.SetRouteResponse(
+            status=served_status(model, base64.b64decode(reply["status"])))

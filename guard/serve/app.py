@@ -6,8 +6,9 @@ on loopback; Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A port 
 one (tests, demo); the bound ports are on the server object after ``start()``.
 
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the gRPC server stops accepting and gives
-in-flight requests ``shutdown_grace_s`` to finish, then the mirrors stop (queued samples are
-counted as dropped), backends close, and the metrics endpoint goes last.
+in-flight requests ``shutdown_grace_s`` to finish, then the verifier process stops (its queued
+samples are counted as dropped, capture is flushed), backends close, and the metrics endpoint
+goes last.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import threading
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from prometheus_client import start_http_server
+from prometheus_client import CollectorRegistry, start_http_server
 from tritonclient.grpc import service_pb2_grpc
 
 from guard import __version__
@@ -31,8 +32,11 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.serve.admin import AdminServicer
 from guard.serve.dataplane import DataPlane
-from guard.serve.model import GuardedModel
+from guard.ipc.ring import SampleRing
+from guard.ipc.routes import RouteTable
+from guard.serve.model import ServedModel
 from guard.serve.reload import ConfigReloader
+from guard.serve.supervisor import MergedMetrics, VerifierSupervisor
 from guard.serve.servicer import InferenceServicer
 from guard.serve.tap import TapServicer
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
@@ -45,7 +49,14 @@ class GuardServer:
     def __init__(self, config: GuardConfig):
         self.config = config
         self.metrics = GuardMetrics(__version__)
-        self.models: dict[str, GuardedModel] = {}
+        self.models: dict[str, ServedModel] = {}
+        # What this process shares with the verifier process (guard/ipc/).
+        self.table = RouteTable()
+        self.ring = SampleRing(config.server.verifier.ring_bytes)
+        self.supervisor = VerifierSupervisor(config, self.metrics, self.table, self.ring,
+                                             lambda: self.models)
+        self.exposition = CollectorRegistry(auto_describe=False)
+        self.exposition.register(MergedMetrics(self.metrics, self.supervisor))
         self.dataplane: DataPlane | None = None
         self.grpc_port = self.admin_port = self.metrics_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -57,15 +68,33 @@ class GuardServer:
 
     # -- start ---------------------------------------------------------------------------------
     def load_models(self) -> None:
-        """Build and load every model's backends; on any failure close what was loaded."""
+        """Load every model's serving backends here while the verifier process loads the
+        references (both at once: each takes seconds); on any failure stop both."""
+        slots = self.table.assign(m.name for m in self.config.models)
+        for model_config in self.config.models:
+            self.models[model_config.name] = ServedModel(
+                model_config, self.metrics, self.table, slots[model_config.name], self.ring)
+        verifier_error: list[BaseException] = []
+
+        def start_verifier():
+            try:
+                self.supervisor.start()
+            except BaseException as exc:
+                verifier_error.append(exc)
+
+        starter = threading.Thread(target=start_verifier, name="guard-verifier-start")
+        starter.start()
         try:
-            for model_config in self.config.models:
-                model = GuardedModel(model_config, self.metrics, self.config._source_hash)
-                self.models[model.name] = model
+            for model in self.models.values():
                 model.load()
         except Exception:
+            starter.join()
             self.close_models()
             raise
+        starter.join()
+        if verifier_error:
+            self.close_models()
+            raise verifier_error[0]
 
     async def start(self) -> None:
         """Listen first (liveness answers, readiness NOT_SERVING), then load the models, then
@@ -77,6 +106,7 @@ class GuardServer:
                 await asyncio.get_running_loop().run_in_executor(None, self.load_models)
             for model in self.models.values():
                 await model.connect()
+            self.dataplane.models_changed()
             self.dataplane.loading = False
             serving = health_pb2.HealthCheckResponse.SERVING
             for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
@@ -91,7 +121,8 @@ class GuardServer:
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
-        self.dataplane = DataPlane(self.models, self.metrics, server_config.workers)
+        self.dataplane = DataPlane(self.models, self.metrics, server_config.workers,
+                                   server_config.max_concurrent_requests)
         size = server_config.max_message_bytes
         options = [("grpc.max_receive_message_length", size),
                    ("grpc.max_send_message_length", size),
@@ -106,12 +137,13 @@ class GuardServer:
                                     "server.grpc_port", _server_credentials(server_config.tls))
 
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.models), self._admin)
+        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.models, self.supervisor),
+                                                   self._admin)
         self.admin_port = self._bind(self._admin, server_config.admin_host,
                                      server_config.admin_port, "server.admin_port")
         try:
             self._metrics_httpd, _ = start_http_server(
-                server_config.metrics_port, addr=server_config.host, registry=self.metrics.registry
+                server_config.metrics_port, addr=server_config.host, registry=self.exposition
             )
         except OSError as exc:
             raise GuardError(f"server.metrics_port: cannot listen on {server_config.host}:"
@@ -162,13 +194,19 @@ class GuardServer:
             await self._admin.stop(0)
         if self.dataplane is not None:
             self.dataplane.close()
-        self.close_models()
+        # The verifier stops after the last request: queued samples count as dropped, capture
+        # is flushed, and it exits.
+        await asyncio.get_running_loop().run_in_executor(None, self.close_models)
+        self.ring.close()
+        self.table.close()
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()
             self._metrics_httpd.server_close()
         emit("server_stopped")
 
     def close_models(self) -> None:
+        """Stop the verifier process (it flushes capture), then close the serving backends."""
+        self.supervisor.stop()
         for model in self.models.values():
             model.close()
 

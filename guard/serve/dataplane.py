@@ -1,14 +1,16 @@
 """The protocol-independent data plane (MLServer's split): route and answer, nothing else.
 
-``infer()`` reads top to bottom as the request path: find the model, check the inputs against
-its signature, ask the policy for the route, run that backend on the inference thread pool, hand
-the sample to the mirror (non-blocking), filter the requested outputs, count. The gRPC servicer
-is a thin translation layer over this class.
+``infer()`` reads top to bottom as the request path: refuse what cannot be served (deadline
+passed, too many in flight), find the model, check the inputs against its signature, read the
+route word, run that backend (inline, on the inference thread pool, or forwarded upstream),
+hand a sampled request to the verifier (a copy into shared memory, never a wait), filter the
+requested outputs, count. The gRPC servicer is a thin translation layer over this class.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,8 +21,10 @@ from tritonclient.grpc import service_pb2 as pb
 from guard.backends.base import TensorSpec, oip_datatype
 from guard.backends.upstream import UpstreamError
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
-from guard.serve.codec import InferenceError, InferenceRequest, decode_response, invalid
-from guard.serve.model import GuardedModel
+from guard.serve.codec import InferenceError, InferenceRequest, invalid
+from guard.serve.model import ServedModel
+
+log = logging.getLogger("guard.dataplane")
 
 
 @dataclass
@@ -58,20 +62,30 @@ def check_inputs(inputs: dict[str, np.ndarray], known: dict[str, TensorSpec]) ->
 
 
 class DataPlane:
-    def __init__(self, models: dict[str, GuardedModel], metrics: GuardMetrics, workers: int):
+    def __init__(self, models: dict[str, ServedModel], metrics: GuardMetrics, workers: int,
+                 max_concurrent: int = 256):
         self.models = models
         self.metrics = metrics
         # workers == 0: inference inline on the event loop (see ServerConfig.workers).
         self.executor = (ThreadPoolExecutor(max_workers=workers, thread_name_prefix="guard-infer")
                          if workers else None)
+        self.max_concurrent = max_concurrent
+        self.in_flight = 0  # requests inside a backend; the event loop thread only
+        self.forwards = False
         self.live = True
         self.loading = True  # until the server has loaded every model of its config
+
+    def models_changed(self) -> None:
+        """After a load or reload: does any model forward to an upstream (which needs the
+        client's metadata, read per request only then)?"""
+        self.forwards = any(getattr(b, "forward", None) is not None
+                            for m in self.models.values() for b in m.backends.values())
 
     @property
     def ready(self) -> bool:
         return self.live and not self.loading and all(m.ready for m in self.models.values())
 
-    def model(self, name: str) -> GuardedModel:
+    def model(self, name: str) -> ServedModel:
         model = self.models.get(name)
         if model is None and self.loading:
             raise InferenceError("UNAVAILABLE", "models are still loading")
@@ -84,6 +98,12 @@ class DataPlane:
                     timeout: float | None = None) -> InferenceResult:
         """The request path. ``timeout``: the client's remaining deadline, if it sent one."""
         started = time.perf_counter()
+        if timeout is not None and timeout <= 0:
+            raise InferenceError("DEADLINE_EXCEEDED", "the deadline passed before the request "
+                                 "was run")
+        if self.in_flight >= self.max_concurrent:
+            raise InferenceError("RESOURCE_EXHAUSTED", f"{self.in_flight} requests in flight "
+                                 f"(server.max_concurrent_requests); retry later")
         model = self.model(request.model_name)
         if not model.ready:
             raise InferenceError("UNAVAILABLE", f"model '{model.name}' is not ready")
@@ -93,33 +113,40 @@ class DataPlane:
         if unknown:
             raise invalid(f"unknown output '{unknown[0]}' requested")
 
-        route, epoch, backend = model.backend_for_request()
-        with model.in_flight():
-            try:
-                result = await self._run(backend, route, request, timeout)
-            except UpstreamError as exc:
-                raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
-            except Exception as exc:
-                raise InferenceError(
-                    "INTERNAL", f"model '{model.name}': {route} backend "
-                    f"({backend.describe().summary()}) failed: {type(exc).__name__}: {exc}"
-                ) from exc
+        route, epoch, probing, backend = model.route()
+        self.in_flight += 1
+        model.requests_in_flight += 1
+        try:
+            result = await self._run(backend, route, request, timeout)
+        except UpstreamError as exc:
+            raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
+        except Exception as exc:
+            # The client learns which route failed and why; the log also gets the backend
+            # (artifact paths stay out of what clients see).
+            log.warning("model %s: %s backend (%s) failed: %s: %s", model.name, route,
+                        backend.describe().summary(), type(exc).__name__, exc)
+            raise InferenceError("INTERNAL", f"model '{model.name}': {route} backend failed: "
+                                 f"{type(exc).__name__}: {exc}") from exc
+        finally:
+            self.in_flight -= 1
+            model.requests_in_flight -= 1
 
-        # Mirror first, then trim to what the client asked for. A local backend computed every
-        # output, so all are compared; an upstream answered only the requested ones, so only
-        # those can be.
-        outputs = result.outputs
         seconds = time.perf_counter() - started
+        outputs = result.outputs
         if outputs is not None:
-            answer, compared = outputs, None
-        else:  # decoded only if the request is sampled or captured
-            answer, compared = (lambda: decode_response(result.message)), request.requested_outputs
-        model.after_response(request.id, request.inputs, answer, route, epoch, compared,
-                             seconds=seconds)
-        if outputs is not None and request.requested_outputs:
-            result.outputs = {n: outputs[n] for n in request.requested_outputs if n in outputs}
-        self.metrics.requests.labels(model.name, route).inc()
-        self.metrics.request_duration.labels(model.name, route).observe(seconds)
+            # A local backend computed every output: all are handed over and compared.
+            model.after_response(request.id, route, epoch, probing, seconds,
+                                 inputs=request.inputs, outputs=outputs)
+            if request.requested_outputs:
+                result.outputs = {n: outputs[n] for n in request.requested_outputs
+                                  if n in outputs}
+        else:  # an upstream answered only the requested outputs: only those can be compared
+            model.after_response(request.id, route, epoch, probing, seconds,
+                                 requested_outputs=request.requested_outputs,
+                                 request_message=request.message,
+                                 response_message=result.message)
+        model.requests[route].inc()
+        model.durations[route].observe(seconds)
         return result
 
     async def _run(self, backend, route: str, request: InferenceRequest,

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import grpc
 
-from guard.serve.model import GuardedModel
+from guard.serve.model import ServedModel
 
 
-async def model_or_abort(models: dict[str, GuardedModel], name: str, context) -> GuardedModel:
+async def model_or_abort(models: dict[str, ServedModel], name: str, context) -> ServedModel:
     model = models.get(name)
     if model is None:
         await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model '{name}'")

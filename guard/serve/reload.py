@@ -7,8 +7,9 @@ seen; a ``subPath`` mount never updates, which is Kubernetes' behaviour, not our
 A new config is validated before anything changes. An invalid one is rejected with an event and
 ``guard_config_reloads_total{result="rejected"}``, and the old config stays in force. A valid one
 is applied per model: models whose config (or artifact file) changed are built and loaded beside
-the old ones, then swapped in with one dict assignment; requests already inside the old model
-finish on it, and it is closed once they are done. Models that did not change are not touched,
+the old ones, in this process and in the verifier process, then swapped in with one dict
+assignment; requests already inside the old model finish on it, and it is closed once they are
+done. A model that fails to load on either side keeps its old version on both. Models that did not change are not touched,
 so their traffic never notices. ``server`` settings (ports, workers) take effect on restart.
 """
 
@@ -24,7 +25,7 @@ from typing import TYPE_CHECKING
 from guard.config import GuardConfig, ModelConfig, load_config
 from guard.errors import ConfigError
 from guard.observe.events import emit
-from guard.serve.model import GuardedModel
+from guard.serve.model import ServedModel
 
 if TYPE_CHECKING:
     from guard.serve.app import GuardServer
@@ -82,49 +83,66 @@ class ConfigReloader:
             return await self._apply(new, trigger)
 
     async def _apply(self, new: GuardConfig, trigger: str) -> bool:
+        """Changed and added models load in this process (the backends that answer) and in the
+        verifier (reference, checks, capture); only those that loaded in both are swapped in."""
         server = self.server
         old = server.config
         if new.server != old.server:
             emit("config_server_changed", note="server settings take effect on restart")
         old_prints = {m.name: model_fingerprint(m) for m in old.models}
         loop = asyncio.get_running_loop()
-        changed, added, failed = [], [], []
+        names = {m.name for m in new.models}
+        slots = server.table.assign(m.name for m in new.models)
+        built: dict[str, ServedModel] = {}
+        failed: dict[str, str] = {}
         for model_config in new.models:
             name = model_config.name
             if old_prints.get(name) == model_fingerprint(model_config):
                 continue
-            model = GuardedModel(model_config, server.metrics, new._source_hash)
+            model = ServedModel(model_config, server.metrics, server.table, slots[name],
+                                server.ring)
             try:
                 await loop.run_in_executor(None, model.load)
                 await model.connect()
             except Exception as exc:  # a broken model must not take the others down
                 await loop.run_in_executor(None, model.close)
-                failed.append(name)
-                emit("model_reload_failed", model=name, error=str(exc),
-                     note="the previous version of this model stays in force")
+                failed[name] = str(exc)
                 continue
+            built[name] = model
+        removed = [name for name in list(server.models) if name not in names]
+        refused = await loop.run_in_executor(
+            None, server.supervisor.reload, new, slots, sorted(built), removed)
+        for name, error in refused.items():
+            await loop.run_in_executor(None, built.pop(name).close)
+            failed[name] = error
+        changed, added = [], []
+        for name, model in built.items():
             previous = server.models.get(name)
             server.models[name] = model  # the swap: the next request sees the new model
             (changed if previous else added).append(name)
             if previous is not None:
                 asyncio.create_task(self._retire(previous))
-        removed = [name for name in list(server.models)
-                   if name not in {m.name for m in new.models}]
         for name in removed:
             asyncio.create_task(self._retire(server.models.pop(name)))
+            server.table.release(name)
+        for name, error in failed.items():
+            emit("model_reload_failed", model=name, error=error,
+                 note="the previous version of this model stays in force")
         kept_models = [m for m in old.models if m.name in failed]
         applied = new.model_copy(update={"models": [
             *(m for m in new.models if m.name not in failed), *kept_models]})
         applied._source_path, applied._source_hash = new._source_path, new._source_hash
         applied._base_dir = new._base_dir
         server.config = applied
+        server.supervisor.config = applied  # what a restarted verifier is told
+        server.dataplane.models_changed()
         result = "failed" if failed else "applied"
         server.metrics.config_reloads.labels(result).inc()
         emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,
-             failed=failed, config_hash=new._source_hash)
+             failed=sorted(failed), config_hash=new._source_hash)
         return not failed
 
-    async def _retire(self, model: GuardedModel, grace: float = 30.0) -> None:
+    async def _retire(self, model: ServedModel, grace: float = 30.0) -> None:
         """Close a replaced model once the requests inside it have finished."""
         waited = 0.0
         while model.requests_in_flight and waited < grace:

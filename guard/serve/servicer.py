@@ -48,6 +48,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         return response
 
     async def ModelInfer(self, request, context):
+        if not tracing.enabled():  # no span work at all when tracing is off
+            return await self._infer(request, context, None)
         with tracing.server_span("ModelInfer", context.invocation_metadata(),
                                  {"guard.model": request.model_name}) as span:
             return await self._infer(request, context, span)
@@ -55,11 +57,13 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def _infer(self, request, context, span):
         try:
             decoded = decode_request(request)
-            decoded.metadata = tuple(
-                (k, v) for k, v in (context.invocation_metadata() or ())
-                if isinstance(v, str) and not k.startswith(("grpc-", ":")))
+            if self.dataplane.forwards:  # only an upstream needs the client's metadata
+                decoded.metadata = tuple(
+                    (k, v) for k, v in (context.invocation_metadata() or ())
+                    if isinstance(v, str) and not k.startswith(("grpc-", ":")))
             result = await self.dataplane.infer(decoded, context.time_remaining())
-            tracing.set_attributes(span, {"guard.route": result.route})
+            if span is not None:
+                tracing.set_attributes(span, {"guard.route": result.route})
             if result.message is not None:  # an upstream's answer, passed through
                 result.message.parameters["guard_route"].string_param = result.route
                 return result.message

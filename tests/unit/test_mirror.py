@@ -1,5 +1,6 @@
-"""guard/serve/mirror.py: sampling, the bounded queue, timeouts and errors, with real torch
-backends (tests/fixture_models.py's ``affine`` through the ``module:factory`` path)."""
+"""guard/serve/sampling.py (which requests are taken) and guard/verifier/mirror.py (the bounded
+queue, timeouts and errors), with real torch backends (tests/fixture_models.py's ``affine``
+through the ``module:factory`` path)."""
 
 from __future__ import annotations
 
@@ -17,8 +18,9 @@ import fixture_models
 from guard.backends import create_backend
 from guard.config import BackendConfig, ChecksConfig, MirrorConfig
 from guard.observe.metrics import GuardMetrics
-from guard.serve.mirror import Mirror, SampleResult, sampled
 from guard.serve.priority import thread_niceness
+from guard.serve.sampling import sampled
+from guard.verifier.mirror import Mirror, Sample, SampleResult
 from guard.verify.pipeline import Verifier
 
 MODEL = "affine"
@@ -125,7 +127,8 @@ class Harness:
     def offer(self, inputs, outputs=None, route="primary", epoch=0, request_id=""):
         if outputs is None:
             outputs = self.primary.infer(inputs)
-        self.mirror.offer(request_id, inputs, outputs, route, epoch)
+        if sampled(request_id, self.mirror.config.sample_rate):  # as the serving process does
+            self.mirror.accept(Sample(inputs, outputs, route, epoch, time.monotonic()))
 
     def depth(self) -> float:
         return scraped(self.metrics, "guard_mirror_queue_depth")
@@ -215,12 +218,23 @@ def test_full_queue_drops_without_blocking_when_worker_not_started(harness):
     h = harness(queue_size=1)
     inputs = rows(0.1)
     outputs = h.primary.infer(inputs)
-    started = time.perf_counter()
     for _ in range(5):
-        h.mirror.offer("", inputs, outputs, "primary", 0)
-    assert time.perf_counter() - started < 1.0
+        h.offer(inputs, outputs)
     assert h.depth() == 1
     assert count(h.metrics, "dropped") == 4
+
+
+def test_queue_bytes_bound_drops_past_the_budget(harness):
+    """The queue is bounded in bytes too: samples past ``queue_bytes`` are dropped and counted
+    even while there is room in items."""
+    h = harness(queue_size=100, queue_bytes=1000)
+    inputs = rows(0.1)
+    outputs = h.primary.infer(inputs)
+    accepted = [h.mirror.accept(Sample(inputs, outputs, "primary", 0, 0.0, size=400))
+                for _ in range(5)]
+    assert accepted == [True, True, False, False, False]
+    assert h.depth() == 2
+    assert count(h.metrics, "dropped") == 3
 
 
 def test_queue_of_one_with_slow_reference_drops_and_counts(harness):
@@ -248,7 +262,7 @@ def test_reference_slower_than_timeout_counts_timeout(harness):
     inputs = rows(fixture_models.SLEEP_TRIGGER)
     outputs = h.primary.infer(inputs)
     started = time.perf_counter()
-    h.mirror.offer("", inputs, outputs, "primary", 0)
+    h.offer(inputs, outputs)
     offer_seconds = time.perf_counter() - started
     assert offer_seconds < sleep_s  # offer never waits for the reference
     assert wait_for(lambda: count(h.metrics, "timeout") == 1, timeout=sleep_s + 5)
@@ -267,7 +281,7 @@ def test_offer_does_not_block_while_reference_hangs(harness):
     outputs = h.primary.infer(inputs)
     started = time.perf_counter()
     for _ in range(10):
-        h.mirror.offer("", inputs, outputs, "primary", 0)
+        h.offer(inputs, outputs)
     assert time.perf_counter() - started < sleep_s
     assert count(h.metrics, "dropped") >= 7  # at most 1 in hand + 2 queued
 

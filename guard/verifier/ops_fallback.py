@@ -1,4 +1,8 @@
-"""``policy.action: fallback_ops`` for one guarded model: buffer, repair thread, atomic swap.
+"""``policy.action: fallback_ops`` for one verified model: buffer, repair thread, atomic swap.
+
+Runs in the verifier process. A winning variant is loaded by the serving processes first
+(``serving.use_primary``: they rebuild it from the same kept-op list), then the route word moves
+back to the primary; the verifier keeps its own copy of the variant for probes and tier 2.
 
 The policy trips the model to its whole-model fallback as for ``fallback_model``; this then runs
 a repair (guard/policy/repair.py) on a thread of its own. When a variant with a few ops kept
@@ -83,6 +87,14 @@ class OpsFallback:
                 emit("repair_discarded", model=model.name, ops_kept_fp32=outcome.kept,
                      reason="the route moved while the repair ran")
                 return
+            # The serving processes load the same variant first: the route moves to it only
+            # once they answer with it.
+            refused = model.serving.use_primary(model.name, list(outcome.kept))
+            if refused:
+                emit("repair_failed", model=model.name, ops_kept_fp32=outcome.kept,
+                     error=f"the serving process could not load the repaired primary: {refused}",
+                     note="the whole-model fallback keeps serving")
+                return
             original = model.backends["primary"]
             model.backends["primary"] = outcome.backend  # atomic: in-flight keep the old one
             if model.mirror is not None:
@@ -91,6 +103,7 @@ class OpsFallback:
                       f"({outcome.candidates_tried} candidates, {outcome.seconds:.1f}s)")
             transition = policy.repaired(epoch, reason, outcome.evidence())
             if transition is None:  # the route moved in between: put the primary back
+                model.serving.use_primary(model.name, [])
                 model.backends["primary"] = original
                 if model.mirror is not None:
                     model.mirror.primary = original
@@ -116,10 +129,29 @@ class OpsFallback:
             if model.mirror is not None:
                 model.mirror.primary = self.original
             kept, self.kept, self.original = self.kept, [], None
+            model.serving.use_primary(model.name, [])
         model.metrics.fallback_active.labels(model.name, "ops").set(0)
         emit("ops_fallback_cleared", model=model.name, ops_kept_fp32=kept,
              reason=reason or "manual override to the primary",
              repaired_artifact=repaired.describe().artifact)
+
+    def resume(self, kept: list[str]) -> None:
+        """A restarted verifier whose serving processes still answer with a repaired primary:
+        build the same variant for the probes, so the repair state survives the restart."""
+        from guard.backends import create_backend
+        from guard.policy.keep_back import keep_back_for
+
+        model = self.model
+        backend = create_backend(keep_back_for(model.config.primary).rebuild_spec(kept),
+                                 "primary")
+        backend.load()
+        with self._lock:
+            self.original = model.backends["primary"]
+            model.backends["primary"] = backend
+            if model.mirror is not None:
+                model.mirror.primary = backend
+            self.kept = list(kept)
+        model.metrics.fallback_active.labels(model.name, "ops").set(1)
 
     def stop(self) -> None:
         self._stopping.set()

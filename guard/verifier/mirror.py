@@ -1,12 +1,11 @@
-"""Mirroring: sample requests, queue them (bounded), and check them off the request path.
+"""Mirroring in the verifier process: a bounded queue per model, checked by a worker thread.
 
-The request path calls ``offer()`` only: a sampling decision and a ``put_nowait`` on a bounded
-queue. It never waits: when the queue is full the sample is dropped and counted. One worker
-thread per model takes samples from the queue, runs the reference (and, while the model is on
-its fallback, the primary as a background probe) and hands the result to a callback.
-
-Sampling: with a request id the decision is a hash of the id (blake2b), so every replica
-mirrors the same requests; without one it is a random draw.
+The verifier's ring reader calls ``accept()`` with each sample a serving process handed over (the
+sampling decision was made there, guard/serve/sampling.py): a ``put_nowait`` on a queue bounded
+in items (``mirror.queue_size``) and in bytes (``mirror.queue_bytes``). It never waits: when the
+queue is full the sample is dropped and counted. One worker thread per model takes samples from
+the queue, runs the reference (and, while the model is on its fallback, the primary as a
+background probe) and hands the result to a callback.
 
 Timeouts: reference and probe calls run on a single helper thread and the worker waits at most
 ``timeout_s``. A hung call cannot be killed in Python; later calls then wait behind it, time
@@ -18,10 +17,8 @@ request path (guard/serve/priority.py): on a busy machine they take the CPU it l
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import queue
-import random
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -43,18 +40,6 @@ log = logging.getLogger("guard.mirror")
 _ERROR_LOG_INTERVAL_S = 10.0
 
 
-def sampled(request_id: str, rate: float) -> bool:
-    """Should this request be mirrored? Deterministic in ``request_id`` when one is given."""
-    if rate >= 1.0:
-        return True
-    if rate <= 0.0:
-        return False
-    if request_id:
-        digest = hashlib.blake2b(request_id.encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "big") / 2**64 < rate
-    return random.random() < rate
-
-
 @dataclass
 class Sample:
     inputs: dict[str, np.ndarray]
@@ -63,8 +48,9 @@ class Sample:
     epoch: int  # the policy epoch when the request was routed
     enqueued_at: float
     only_outputs: tuple[str, ...] = ()  # compare just these ("" = all): the client's request
-    trace_context: object = None  # the request's trace, when tracing is on
+    trace_context: str = ""  # the request's W3C traceparent, when tracing is on
     tag: object = None  # opaque to the mirror, handed back with the result (capture uses it)
+    size: int = 0  # bytes of the record it came in (the queue's byte budget)
 
 
 @dataclass
@@ -106,6 +92,8 @@ class Mirror:
         metrics: GuardMetrics,
         on_result: Callable[[SampleResult], None],
         on_unchecked: Callable[[Sample, str], None] | None = None,
+        on_span: Callable[[dict], None] | None = None,
+        on_finished: Callable[[Sample], None] | None = None,
     ):
         self.model = model
         self.config = config
@@ -117,6 +105,10 @@ class Mirror:
         # Told about samples that were taken but never compared ("error", "timeout", or
         # "dropped" at shutdown), so that capture can still record the request.
         self.on_unchecked = on_unchecked
+        # A finished comparison's span (guard/observe/tracing.py RecordedSpan), for the serving
+        # process to export; and every sample leaving the mirror (the verifier's loss count).
+        self.on_span = on_span
+        self.on_finished = on_finished
         self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=config.queue_size)
         self._caller = _BoundedCaller(f"guard-ref-{model}", config.nice)
         self._thread = threading.Thread(target=self._run, name=f"guard-mirror-{model}",
@@ -124,31 +116,33 @@ class Mirror:
         self._stopping = threading.Event()
         self._last_error_log = 0.0
         self._span = None  # the comparison's span while a sample is processed (worker thread)
+        self._queued_bytes = 0
+        self._bytes_lock = threading.Lock()
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
 
-    # -- request path --------------------------------------------------------------------------
-    def offer(self, request_id: str, inputs, outputs, route: str, epoch: int,
-              requested_outputs: list[str] | None = None, tag: object = None) -> bool:
-        """Non-blocking; True when the sample was queued. Drops (and counts) when the queue is full or the mirror is stopping.
+    # -- fed by the ring reader -------------------------------------------------------------------
+    def accept(self, sample: Sample) -> bool:
+        """Non-blocking; True when queued. Drops (and counts) when the queue is full in items or
+        bytes, or the mirror is stopping."""
+        with self._bytes_lock:
+            room = (not self._stopping.is_set()
+                    and self._queued_bytes + sample.size <= self.config.queue_bytes)
+            if room:
+                self._queued_bytes += sample.size
+        if room:
+            try:
+                self._queue.put_nowait(sample)
+                return True
+            except queue.Full:
+                self._release(sample)
+        self.metrics.mirror.labels(self.model, "dropped").inc()
+        self._unchecked(sample, "dropped")
+        self._finished(sample)
+        return False
 
-        ``outputs`` may be a callable returning them (decoded only if the request is sampled).
-        ``requested_outputs``: when the client asked for some outputs only, the answer holds
-        only those, and only those are compared. ``tag`` comes back in the result."""
-        if not sampled(request_id, self.config.sample_rate):
-            return False
-        if self._stopping.is_set():
-            self.metrics.mirror.labels(self.model, "dropped").inc()
-            return False
-        if callable(outputs):
-            outputs = outputs()
-        sample = Sample(inputs, outputs, route, epoch, time.monotonic(),
-                        tuple(requested_outputs or ()), tracing.current_context(), tag)
-        try:
-            self._queue.put_nowait(sample)
-        except queue.Full:
-            self.metrics.mirror.labels(self.model, "dropped").inc()
-            return False
-        return True
+    def _release(self, sample: Sample) -> None:
+        with self._bytes_lock:
+            self._queued_bytes -= sample.size
 
     def queue_fill(self) -> float:
         """Queue depth over its size: how much room the mirror has for extra work."""
@@ -168,8 +162,10 @@ class Mirror:
             except queue.Empty:
                 break
             if sample is not None:
+                self._release(sample)
                 dropped += 1
                 self._unchecked(sample, "dropped")
+                self._finished(sample)
         if dropped:
             self.metrics.mirror.labels(self.model, "dropped").inc(dropped)
         self._queue.put(None)
@@ -183,19 +179,25 @@ class Mirror:
             sample = self._queue.get()
             if sample is None:
                 return
+            self._release(sample)
             if self._stopping.is_set():  # taken while stop() was draining: still accounted for
                 self.metrics.mirror.labels(self.model, "dropped").inc()
                 self._unchecked(sample, "dropped")
+                self._finished(sample)
                 return
+            self._span = (tracing.RecordedSpan("guard.mirror.compare", sample.trace_context,
+                                               {"guard.model": self.model,
+                                                "guard.route": sample.route})
+                          if sample.trace_context and self.on_span is not None else None)
             try:
-                with tracing.child_span("guard.mirror.compare", sample.trace_context,
-                                        {"guard.model": self.model,
-                                         "guard.route": sample.route}) as span:
-                    self._span = span
-                    self._process(sample)
+                self._process(sample)
             except Exception:  # a bug here must not kill the worker
                 log.exception("mirror worker for %s failed on a sample", self.model)
                 self.metrics.mirror.labels(self.model, "error").inc()
+            finally:
+                self._finished(sample)
+            if self._span is not None:
+                self.on_span(self._span.end())
 
     def _process(self, sample: Sample) -> None:
         timeout = self.config.timeout_s
@@ -235,6 +237,10 @@ class Mirror:
             self.on_result(SampleResult(sample, check, seconds, probed, reference))
         except Exception:  # a bug downstream; the sample was compared, count it once
             log.exception("handling a check result for %s failed", self.model)
+
+    def _finished(self, sample: Sample) -> None:
+        if self.on_finished is not None:
+            self.on_finished(sample)
 
     def _unchecked(self, sample: Sample, outcome: str) -> None:
         if self.on_unchecked is not None:

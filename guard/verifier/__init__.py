@@ -1,0 +1,2 @@
+"""The verifier process: reference, checks, detectors, capture and repair, out of the serving
+process (guard/verifier/process.py)."""

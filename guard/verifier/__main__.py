@@ -1,0 +1,5 @@
+import sys
+
+from guard.verifier.process import main
+
+sys.exit(main())

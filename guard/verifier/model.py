@@ -1,0 +1,299 @@
+"""One verified model, in the verifier process: its checked pair, route policy, mirror, capture
+and repair, and the route word it publishes for the serving processes.
+
+Fed by the ring reader (``accept``) with samples the serving processes handed over; everything
+else runs on the mirror worker (``_on_result``), the capture writer, the repair thread, or a
+control request (admin). The request path never touches this object: it reads the route word.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
+from guard.config import ModelConfig
+from guard.errors import BackendError
+from guard.ipc import routes
+from guard.ipc.wire import CAPTURE, MIRROR, HandedSample
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+from guard.policy.route import Override, RoutePolicy, Transition
+from guard.verifier.mirror import Mirror, Sample, SampleResult
+from guard.verify.pair import CheckedPair
+from guard.verify.pipeline import CheckResult, Verifier
+
+log = logging.getLogger("guard.verifier.model")
+_ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
+
+
+class VerifiedModel:
+    def __init__(self, config: ModelConfig, metrics: GuardMetrics, table: routes.RouteTable,
+                 slot: int, serving, config_hash: str = ""):
+        """``serving``: the verifier's link to the serving processes (``use_primary``,
+        ``transition``, ``span``: guard/verifier/process.py ``ServingLink``)."""
+        self.name = config.name
+        self.config = config
+        self.metrics = metrics
+        self.table = table
+        self.slot = slot
+        self.serving = serving
+        self.pair = CheckedPair(config) if config.reference is not None else None
+        self.verifier: Verifier | None = self.pair.verifier if self.pair else None
+        self.backends = self.pair.backends if self.pair else {}
+        self.activation_tier = self.pair.activation_tier if self.pair else None
+        # Tier 2 localises drift; it runs on a biased sub-sample (failures), so it informs the
+        # evidence but does not feed the route detectors.
+        tiers = self.verifier.tiers if self.verifier else ("tensor",)
+        self.policy_tiers = tuple(t for t in tiers if t != "activation")
+        self.policy = RoutePolicy(
+            self.name, config.policy, self.policy_tiers,
+            has_fallback=config.fallback is not None, sample_rate=config.mirror.sample_rate,
+        )
+        self.mirror: Mirror | None = None
+        self.capture: CaptureWriter | None = None
+        self._config_hash = config_hash
+        self._in_hand = 0  # samples taken from the ring and not yet accounted for
+        self._in_hand_lock = threading.Lock()
+        metrics.declare_model(self.name, self.policy_tiers)
+        if self.activation_tier is not None:
+            for outcome in ("pass", "fail"):
+                metrics.checks.labels(self.name, "activation", outcome)
+        self._export_detectors()
+        self.activation = None  # tier 2's checker, built at load
+        self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
+        self._last_activation_event = 0.0
+        self._suppressed_activation_events = 0
+        self.ops = None
+        if config.policy.action == "fallback_ops":
+            from guard.verifier.ops_fallback import OpsFallback
+
+            self.ops = OpsFallback(self)
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def load(self, resume_word: int | None = None, kept: list[str] | None = None) -> None:
+        """Load the checked pair, tier 2, the noise floor; start capture and the mirror.
+
+        ``resume_word``: the route word a previous verifier left (a restart): the policy goes
+        on from that route and epoch instead of starting over on the primary. ``kept``: the
+        ops the serving processes keep back in the primary they serve (a repair survived)."""
+        if self.pair is not None:
+            self.pair.load_backends()
+            wants_tier2 = (self.config.checks.activation.enabled
+                           or self.config.policy.action == "fallback_ops")
+            if wants_tier2:
+                self._load_activation()
+            if self.config.checks.tensor.noise_floor.enabled:
+                floor = self.pair.measure_noise_floor()
+                emit("noise_floor", model=self.name, **floor.as_dict(),
+                     multiplier=self.config.checks.tensor.noise_floor.multiplier)
+        if resume_word is not None:
+            route, _, epoch = routes.unpack(resume_word)
+            self.policy.resume(route, epoch)
+        if kept and self.ops is not None:
+            self.ops.resume(kept)
+        if self.pair is not None and self.config.mirror.sample_rate > 0:
+            self.mirror = Mirror(
+                self.name, self.config.mirror, self.backends["reference"],
+                self.backends["primary"], self.verifier, self.metrics, self._on_result,
+                self._on_unchecked, on_span=self.serving.span, on_finished=self._finished,
+            )
+            if self.activation_tier is not None:  # on_failure waits for room in the queue
+                self.activation_tier.queue_fill = self.mirror.queue_fill
+        if self.config.capture is not None:
+            self.capture = CaptureWriter(
+                self.name, self.config.capture, self.metrics,
+                {role: b.describe() for role, b in self.backends.items()}, self._config_hash,
+            )
+            self.capture.start()
+        if self.mirror is not None:
+            self.mirror.start()
+        self.publish()
+        emit("model_verifier_loaded", model=self.name,
+             backends={role: b.describe().summary() for role, b in self.backends.items()},
+             mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
+             action=self.config.policy.action, resumed=resume_word is not None)
+
+    def _load_activation(self) -> None:
+        """Build tier 2's capture sides now, so that a pair it cannot capture fails at start."""
+        from guard.verify.activation import ActivationChecker
+
+        try:
+            if self.activation_tier is not None:
+                self.activation = self.activation_tier.prepare()
+            else:  # fallback_ops without sampled tier 2: the repair still needs the checker
+                from guard.policy.keep_back import keep_back_for
+
+                self.activation = ActivationChecker.for_model(
+                    self.config, self.config.mirror.threads,
+                    keep_back_for(self.config.primary).capture_spec())
+        except Exception as exc:
+            raise BackendError(f"models[{self.name}].checks.activation: {exc}") from exc
+
+    def close(self) -> None:
+        if self.ops is not None:
+            self.ops.stop()
+        if self.mirror is not None:
+            self.mirror.stop()
+        if self.activation is not None:
+            self.activation.close()
+        if self.capture is not None:  # after the mirror: it hands its last samples to capture
+            self.capture.close()
+        if self.pair is not None:
+            self.pair.close()
+
+    # -- the route word --------------------------------------------------------------------------
+    def publish(self) -> None:
+        """Store the route word the serving processes read (on every change, and on every
+        heartbeat, since ``probing`` turns on by the clock when the dwell is over)."""
+        policy = self.policy
+        self.table.publish(self.slot, policy.route, policy.probing, policy.epoch)
+
+    # -- fed by the ring reader --------------------------------------------------------------------
+    def accept(self, handed: HandedSample, inputs, outputs) -> None:
+        """A sample a serving process handed over, decoded (``outputs`` may be a callable that
+        decodes an upstream's answer): to the mirror and/or to capture."""
+        tag = None
+        if self.capture is not None:
+            tag = CaptureTag(handed.request_id, handed.unix_nanos, handed.request_seconds,
+                             bool(handed.flags & CAPTURE))
+        mirrored = False
+        if handed.flags & MIRROR and self.mirror is not None:
+            if callable(outputs):
+                outputs = outputs()
+            self._took()
+            mirrored = self.mirror.accept(Sample(
+                inputs, outputs, handed.route, handed.epoch, time.monotonic(),
+                handed.requested_outputs, handed.traceparent, tag, handed.size))
+        if tag is not None and tag.record and not mirrored:
+            self.capture.submit(PendingRecord(tag, handed.route, handed.epoch, inputs, outputs))
+
+    def _took(self) -> None:
+        with self._in_hand_lock:
+            self._in_hand += 1
+            self.table.set(self.slot, routes.IN_HAND, self._in_hand)
+
+    def _finished(self, sample: Sample) -> None:
+        with self._in_hand_lock:
+            self._in_hand = max(0, self._in_hand - 1)
+            self.table.set(self.slot, routes.IN_HAND, self._in_hand)
+
+    # -- mirror worker -------------------------------------------------------------------------------
+    def _on_result(self, result: SampleResult) -> None:
+        check: CheckResult = result.check
+        m = self.metrics
+        m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
+        if self.ops is not None:
+            self.ops.observe(result.sample.inputs, not check.passed)
+        transition = None
+        for tier, tier_result in check.tiers.items():
+            if tier == "activation":
+                self._on_activation(tier_result, result.sample.epoch)
+                continue
+            if tier not in self.policy_tiers:
+                continue
+            m.checks.labels(self.name, tier, "pass" if tier_result.passed else "fail").inc()
+            transition = self.policy.observe(tier, not tier_result.passed,
+                                             result.sample.epoch) or transition
+        for figures in self.policy.windows():
+            m.drift_ratio.labels(self.name, figures.tier).set(figures.ratio)
+        self._export_detectors()
+        if check.arbitration is not None:
+            emit("arbitration", model=self.name, verdict=check.arbitration.as_dict())
+        if transition is not None:
+            evidence = dict(transition.evidence)
+            if not check.passed:
+                evidence["last_failure"] = check.summary()
+            evidence.update(self._activation_evidence(result.sample.epoch))
+            self._record(transition, evidence)
+        self._capture_checked(result)
+
+    def _capture_checked(self, result: SampleResult) -> None:
+        tag, capture = result.sample.tag, self.capture
+        if capture is None or tag is None:
+            return
+        if not (tag.record or (not result.check.passed and capture.wants_failure(tag))):
+            return
+        sample = result.sample
+        capture.submit(PendingRecord(
+            tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
+            reference=result.reference, tier_reports=self.verifier.tier_reports(result.check),
+            reference_seconds=result.reference_seconds, probed=result.probed,
+        ))
+
+    def _on_unchecked(self, sample: Sample, outcome: str) -> None:
+        """A mirrored sample that got no verdict (error, timeout, dropped): record the request."""
+        tag = sample.tag
+        if self.capture is not None and tag is not None and tag.record:
+            self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, sample.inputs,
+                                              sample.outputs))
+
+    def _export_detectors(self) -> None:
+        for figures in self.policy.detectors():
+            self.metrics.detector_statistic.labels(self.name, figures.tier).set(figures.statistic)
+            self.metrics.detector_threshold.labels(self.name, figures.tier).set(figures.threshold)
+
+    def _on_activation(self, report, epoch: int) -> None:
+        """A tier-2 report from the Verifier: counted, kept for the evidence, announced."""
+        self._last_activation = (epoch, report)
+        if report.error:
+            emit("activation_error", model=self.name, error=report.error)
+            return
+        self.metrics.checks.labels(self.name, "activation",
+                                   "pass" if report.passed else "fail").inc()
+        if not report.passed:
+            now = time.monotonic()
+            if now - self._last_activation_event >= _ACTIVATION_EVENT_INTERVAL_S:
+                emit("activation_divergence", model=self.name, **report.summary(),
+                     suppressed_since_last=self._suppressed_activation_events)
+                self._last_activation_event = now
+                self._suppressed_activation_events = 0
+            else:
+                self._suppressed_activation_events += 1
+
+    def _activation_evidence(self, epoch: int) -> dict:
+        """The latest tier-2 finding of this epoch, for a route transition's evidence."""
+        if self._last_activation is None or self._last_activation[0] != epoch:
+            return {}
+        report = self._last_activation[1]
+        return {"first_divergence": report.first_divergence_dict(),
+                "activation": report.summary()}
+
+    # -- admin -------------------------------------------------------------------------------
+    def set_override(self, override: Override, reason: str) -> Transition | None:
+        if override == "primary" and self.ops is not None:
+            self.ops.restore(reason)  # "primary" means the primary as configured
+        transition = self.policy.set_override(override, reason)
+        if transition is not None:
+            self._record(transition, transition.evidence)
+        else:
+            self.publish()
+        self._export_detectors()
+        return transition
+
+    def _record(self, transition: Transition, evidence: dict) -> None:
+        self.publish()  # first: the serving processes switch before anyone reads the event
+        m = self.metrics
+        if transition.trigger == "alert":
+            emit("drift_alert", model=self.name, reason=transition.reason,
+                 action=self.config.policy.action, evidence=evidence)
+            return
+        if transition.trigger == "dry_run":
+            emit("drift_dry_run", model=self.name, reason=transition.reason,
+                 would_route=transition.to_route, evidence=evidence)
+            return
+        if transition.from_route != transition.to_route:
+            if transition.to_route == "fallback":
+                to = "fallback_model"
+            else:
+                to = "fallback_ops" if transition.trigger == "repair" else "primary"
+            m.fallback_transitions.labels(self.name, to).inc()
+            m.fallback_active.labels(self.name, "model").set(transition.to_route == "fallback")
+            self.serving.transition(self.name, transition)
+        emit("route_transition", model=self.name, from_route=transition.from_route,
+             to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
+             evidence=evidence)
+        if (self.ops is not None and transition.trigger == "policy"
+                and transition.to_route == "fallback"):
+            self.ops.on_trip(self.policy.epoch)

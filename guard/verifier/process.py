@@ -1,0 +1,324 @@
+"""The verifier process: everything guard does besides answering requests.
+
+Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier`` with
+three inherited descriptors: the control socket, the route table and the sample ring (memfds).
+It is told the config over the control socket (``init``), loads one ``VerifiedModel`` per model
+(reference, checks, detectors, capture, repair), then:
+
+- the ring reader takes each sampled request the serving process handed over, decodes it (an
+  upstream's protocol messages only here, never on the request path) and gives it to its
+  model's mirror and capture;
+- the heartbeat thread stamps the route table every 100 ms and re-publishes every route word
+  (``probing`` turns on by the clock);
+- control requests: ``status``, ``set_route`` (admin), ``reload`` (changed models), ``metrics``
+  (its registry's exposition, merged into the serving process's /metrics), ``stop``;
+- to the serving process: events (one JSON line each, logged there on ``guard.events``), the
+  spans of mirrored comparisons (exported there), route transitions (for tap's WatchRoute), and
+  ``use_primary`` when a repair found a variant to serve.
+
+If the serving process goes away (the control socket closes) the verifier flushes capture and
+exits. Its own death is the serving process's business: it counts the loss and restarts it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import logging
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+from prometheus_client import generate_latest
+
+from guard import __version__
+from guard.config import parse_config
+from guard.ipc import routes, wire
+from guard.ipc.channel import Channel, ChannelClosed
+from guard.ipc.ring import SampleRing
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+from guard.policy.route import Transition
+from guard.verifier.model import VerifiedModel
+from guard.verifier.status import model_status
+from guard.v1 import admin_pb2 as admin_pb
+
+log = logging.getLogger("guard.verifier")
+_IDLE_S = 0.002  # ring empty: look again after 2 ms (a check's latency does not matter)
+_HEARTBEAT_S = 0.1
+_ERROR_LOG_INTERVAL_S = 10.0
+_OVERRIDES = {"auto", "primary", "fallback"}
+
+
+class ServingLink:
+    """What the verifier's models may ask of the serving process."""
+
+    def __init__(self, channel: Channel):
+        self.channel = channel
+
+    def use_primary(self, model: str, kept: list[str]) -> str:
+        """Serve the primary with these ops kept back ([] = as configured); "" when done,
+        otherwise why not."""
+        try:
+            reply = self.channel.call({"op": "use_primary", "model": model, "kept": kept},
+                                      timeout=600)
+        except (ChannelClosed, TimeoutError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return reply.get("error", "")
+
+    def transition(self, model: str, transition: Transition) -> None:
+        self._send({"op": "transition", "model": model, "to_route": transition.to_route,
+                    "reason": transition.reason, "unix_time": transition.unix_time})
+
+    def span(self, record: dict) -> None:
+        self._send({"op": "span", "record": record})
+
+    def _send(self, message: dict) -> None:
+        try:
+            self.channel.send(message)
+        except ChannelClosed:
+            pass
+
+
+class _ForwardEvents(logging.Handler):
+    """guard.events records go to the serving process, which logs them: one event stream."""
+
+    def __init__(self, channel: Channel):
+        super().__init__()
+        self.channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.channel.send({"op": "event", "line": record.getMessage()})
+        except ChannelClosed:
+            sys.stderr.write(record.getMessage() + "\n")
+
+
+class Verifier:
+    def __init__(self, channel: Channel, table: routes.RouteTable, ring: SampleRing):
+        self.channel = channel
+        self.table = table
+        self.ring = ring
+        self.link = ServingLink(channel)
+        self.metrics = GuardMetrics(__version__, serving=False)
+        self.models: dict[str, VerifiedModel] = {}
+        self.by_slot: dict[int, VerifiedModel] = {}
+        self.stopping = threading.Event()
+        self._lock = threading.Lock()  # models/by_slot swaps (reload) vs readers
+        self._last_error_log = 0.0
+        self._reader = threading.Thread(target=self._read_ring, name="guard-ring-reader",
+                                        daemon=True)
+        self._beat = threading.Thread(target=self._heartbeat, name="guard-heartbeat",
+                                      daemon=True)
+
+    # -- control -------------------------------------------------------------------------------
+    def handle(self, message: dict) -> dict | None:
+        op = message.get("op")
+        if op == "init":
+            return self._init(message)
+        if op == "reload":
+            return self._reload(message)
+        if op == "status":
+            return self._status(message.get("model", ""))
+        if op == "set_route":
+            return self._set_route(message)
+        if op == "metrics":
+            return {"text": generate_latest(self.metrics.registry).decode()}
+        if op == "stop":
+            self.stopping.set()
+            return {}
+        return {"error": f"unknown op {op!r}"}
+
+    def _config(self, message: dict):
+        sys.path.extend(p for p in message.get("sys_path", ()) if p not in sys.path)
+        config = parse_config(message["config"], Path(message["base_dir"]))
+        config._source_hash = message.get("source_hash", "")
+        return config
+
+    def _build(self, model_config, slot: int, source_hash: str, resume: int | None,
+               kept: list[str]) -> VerifiedModel:
+        model = VerifiedModel(model_config, self.metrics, self.table, slot, self.link,
+                              source_hash)
+        try:
+            model.load(resume, kept)
+        except BaseException:
+            model.close()
+            raise
+        return model
+
+    def _init(self, message: dict) -> dict:
+        config = self._config(message)
+        slots = message["slots"]
+        self.table.adopt(slots)
+        resume = message.get("resume") or {}
+        kept = message.get("kept") or {}
+        try:
+            for model_config in config.models:
+                name = model_config.name
+                model = self._build(model_config, slots[name], config._source_hash,
+                                    resume.get(name), kept.get(name) or [])
+                with self._lock:
+                    self.models[name] = model
+                    self.by_slot[model.slot] = model
+        except Exception as exc:
+            return {"error": str(exc)}
+        if not self._reader.is_alive():
+            self._reader.start()
+            self._beat.start()
+        return {"models": sorted(self.models)}
+
+    def _reload(self, message: dict) -> dict:
+        """Build the changed models beside the old ones, swap the ones that loaded, close the
+        old ones and the removed ones; a model that fails keeps its old version."""
+        config = self._config(message)
+        slots = message["slots"]
+        self.table.adopt(slots)
+        failed: dict[str, str] = {}
+        for name in message.get("changed", ()):
+            model_config = config.model(name)
+            try:
+                model = self._build(model_config, slots[name], config._source_hash, None, [])
+            except Exception as exc:
+                failed[name] = str(exc)
+                continue
+            with self._lock:
+                old = self.models.get(name)
+                self.models[name] = model
+                self.by_slot[model.slot] = model
+            if old is not None:
+                old.close()
+        for name in message.get("removed", ()):
+            with self._lock:
+                old = self.models.pop(name, None)
+                if old is not None and self.by_slot.get(old.slot) is old:
+                    del self.by_slot[old.slot]
+            if old is not None:
+                old.close()
+        return {"failed": failed}
+
+    def _status(self, name: str) -> dict:
+        models = [self.models[name]] if name in self.models else (
+            [] if name else list(self.models.values()))
+        return {"models": {m.name: base64.b64encode(model_status(m).SerializeToString())
+                           .decode() for m in models}}
+
+    def _set_route(self, message: dict) -> dict:
+        model = self.models.get(message["model"])
+        if model is None:
+            return {"error": f"unknown model '{message['model']}'"}
+        override = message["override"]
+        if override not in _OVERRIDES:
+            return {"error": f"route must be one of {sorted(_OVERRIDES)}"}
+        model.set_override(override, message.get("reason", ""))
+        status = admin_pb.ModelStatus()
+        status.CopyFrom(model_status(model))
+        return {"status": base64.b64encode(status.SerializeToString()).decode()}
+
+    # -- the ring --------------------------------------------------------------------------------
+    def _read_ring(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                record = self.ring.take()
+            except ValueError as exc:
+                self._log_error(str(exc))
+                continue
+            if record is None:
+                time.sleep(_IDLE_S)
+                continue
+            self._hand_over(record)
+
+    def _hand_over(self, record: bytes) -> None:
+        try:
+            handed = wire.decode(record)
+        except Exception as exc:
+            self._log_error(f"undecodable sample record: {type(exc).__name__}: {exc}")
+            return
+        with self._lock:
+            model = self.by_slot.get(handed.slot)
+        if model is None or model.name != handed.model:
+            model = self.models.get(handed.model)
+        if model is None:
+            return  # a model removed by a reload while its samples were in the ring
+        try:
+            inputs, outputs = _tensors(handed)
+        except Exception as exc:  # an answer guard cannot decode: the mirror's error, no more
+            if handed.flags & wire.MIRROR:
+                self.metrics.mirror.labels(model.name, "error").inc()
+            self._log_error(f"model {model.name}: cannot decode a sampled request: "
+                            f"{type(exc).__name__}: {exc}")
+            return
+        model.accept(handed, inputs, outputs)
+
+    def _heartbeat(self) -> None:
+        pid = os.getpid()
+        while not self.stopping.is_set():
+            self.table.beat(time.monotonic_ns(), pid)
+            with self._lock:
+                models = list(self.models.values())
+            for model in models:
+                model.publish()
+            time.sleep(_HEARTBEAT_S)
+
+    def _log_error(self, message: str) -> None:
+        now = time.monotonic()
+        if now - self._last_error_log >= _ERROR_LOG_INTERVAL_S:
+            self._last_error_log = now
+            emit("verifier_error", error=message,
+                 note=f"further errors within {_ERROR_LOG_INTERVAL_S:.0f}s are only counted")
+
+    def close(self) -> None:
+        self.stopping.set()
+        with self._lock:
+            models = list(self.models.values())
+        for model in models:
+            model.close()
+
+
+def _tensors(handed: wire.HandedSample):
+    """(inputs, outputs) of a handed sample; an upstream's answer is decoded only when asked
+    (``outputs`` is then a callable)."""
+    if handed.outputs is not None:
+        return handed.inputs, handed.outputs
+    from tritonclient.grpc import service_pb2 as pb
+
+    from guard.serve.codec import decode_request, decode_response
+
+    inputs = decode_request(pb.ModelInferRequest.FromString(handed.request_message)).inputs
+    response = handed.response_message
+    return inputs, (lambda: decode_response(pb.ModelInferResponse.FromString(response)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m guard.verifier",
+                                     description="guard's verifier process (started by guard "
+                                     "serve; not meant to be run by hand).")
+    parser.add_argument("--control-fd", type=int, required=True)
+    parser.add_argument("--routes-fd", type=int, required=True)
+    parser.add_argument("--routes-capacity", type=int, required=True)
+    parser.add_argument("--ring-fd", type=int, required=True)
+    parser.add_argument("--ring-bytes", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s [verifier]: %(message)s")
+    sock = socket.socket(fileno=args.control_fd)
+    table = routes.RouteTable.attach(args.routes_fd, args.routes_capacity)
+    ring = SampleRing.attach(args.ring_fd, args.ring_bytes)
+    holder: dict = {}
+    closed = threading.Event()
+    channel = Channel(sock, lambda m: holder["verifier"].handle(m), "verifier",
+                      on_close=closed.set)
+    events = logging.getLogger("guard.events")
+    events.handlers[:] = [_ForwardEvents(channel)]
+    events.setLevel(logging.INFO)
+    events.propagate = False
+    verifier = Verifier(channel, table, ring)
+    holder["verifier"] = verifier
+    channel.start()
+    while not (verifier.stopping.is_set() or closed.is_set()):
+        closed.wait(0.2)
+    verifier.close()
+    channel.close()
+    return 0

@@ -1,0 +1,48 @@
+"""The verifier's half of a model's admin status: route policy, windows, repair, mirror counts.
+
+The serving process adds its half (the backends that answer, requests per route) and answers
+``guard.v1.Admin/GetStatus`` with the merged message (guard/serve/admin.py).
+"""
+
+from __future__ import annotations
+
+from guard.v1 import admin_pb2 as pb
+
+
+def counts(metric, model: str, label: str) -> dict[str, int]:
+    """Current values of a counter's children for one model, read from the registry."""
+    out: dict[str, int] = {}
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels.get("model") == model:
+                out[sample.labels[label]] = int(sample.value)
+    return out
+
+
+def model_status(model) -> pb.ModelStatus:
+    """``model``: a guard.verifier.model.VerifiedModel."""
+    policy = model.policy
+    status = pb.ModelStatus(
+        name=model.name, route=policy.route, override=policy.override,
+        action=model.config.policy.action, probing=policy.probing,
+    )
+    for w in policy.windows():
+        status.windows.add(tier=w.tier, samples=w.samples, failures=w.failures,
+                           drift_ratio=w.ratio, window=model.config.policy.window,
+                           min_samples=model.config.policy.min_samples)
+    last = policy.last_transition
+    if last is not None:
+        status.has_last_transition = True
+        status.last_transition.CopyFrom(pb.Transition(
+            from_route=last.from_route, to_route=last.to_route, trigger=last.trigger,
+            reason=last.reason, unix_time=last.unix_time))
+    reference = model.backends.get("reference")
+    if reference is not None:
+        info = reference.describe()
+        status.backends.add(role="reference", backend=info.backend, precision=info.precision,
+                            device=info.device, artifact=info.artifact)
+    if model.ops is not None:
+        status.ops_kept_back.extend(model.ops.kept)
+        status.repairing = model.ops.repairing
+    status.mirror.update(counts(model.metrics.mirror, model.name, "outcome"))
+    return status

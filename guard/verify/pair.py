@@ -1,0 +1,87 @@
+"""One assembly of a checked pair: a model's reference and primary, and the ``Verifier`` that
+compares them (tiers 1 and 3, the fp64 arbiter, tier 2 when configured, the reference's noise
+floor). The sidecar's verifier process and ``guard replay`` build it the same way, so a verdict
+replayed offline is the verdict the sidecar would have reached.
+
+The reference pins determinism with ``mirror.threads`` (its CPU budget); both backends load in
+parallel (derivation and compilation take seconds); a load error names the model and role.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from guard.backends import Backend, create_backend
+from guard.config import ModelConfig
+from guard.errors import BackendError
+from guard.verify.arbitrate import build_arbiter
+from guard.verify.noise import NoiseFloor, measure_noise_floor
+from guard.verify.pipeline import Verifier, load_activation_tier
+
+
+class CheckedPair:
+    def __init__(self, config: ModelConfig):
+        if config.reference is None:
+            raise BackendError(f"models[{config.name}]: checking needs a 'reference' backend; "
+                               "this model has none")
+        self.name = config.name
+        self.config = config
+        self.verifier = Verifier.for_model(config, arbiter=build_arbiter(config))
+        self.backends: dict[str, Backend] = {
+            "reference": create_backend(config.reference, "reference", config.mirror.threads),
+            "primary": create_backend(config.primary, "primary"),
+        }
+        self.activation_tier = load_activation_tier(config, self.backends)
+        if self.activation_tier is not None:
+            self.verifier.add_tier(self.activation_tier)
+        self.noise_floor: NoiseFloor | None = None
+
+    @property
+    def reference(self) -> Backend:
+        return self.backends["reference"]
+
+    @property
+    def primary(self) -> Backend:
+        return self.backends["primary"]
+
+    def load(self) -> "CheckedPair":
+        """Load both backends, then measure the noise floor when configured."""
+        self.load_backends()
+        if self.config.checks.tensor.noise_floor.enabled:
+            self.measure_noise_floor()
+        return self
+
+    def load_backends(self) -> None:
+        load_all(self.name, self.config, self.backends)
+
+    def measure_noise_floor(self) -> NoiseFloor:
+        """The reference against itself; tier 1 then allows the floor. A floor that cannot be
+        measured is reported as skipped, never fatal."""
+        try:
+            floor = measure_noise_floor(self.reference, self.config.reference,
+                                        self.config.checks.tensor.noise_floor)
+        except Exception as exc:
+            floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
+        self.noise_floor = floor
+        if not floor.skipped:
+            self.verifier.set_noise_floor(floor.per_output)
+        return floor
+
+    def close(self) -> None:
+        for backend in self.backends.values():
+            backend.close()
+
+
+def load_all(model: str, config: ModelConfig, backends: dict[str, Backend]) -> None:
+    """Load backends in parallel; the first failure raises ``BackendError`` naming the role."""
+    with ThreadPoolExecutor(max_workers=max(1, len(backends))) as pool:
+        futures = {role: pool.submit(b.load) for role, b in backends.items()}
+    for role, future in futures.items():
+        exc = future.exception()
+        if exc is None:
+            continue
+        if isinstance(exc, BackendError):
+            raise BackendError(f"models[{model}].{role}: {exc}") from exc
+        spec = getattr(config, role)
+        raise BackendError(f"models[{model}].{role}: cannot load {spec.describe()}: "
+                           f"{type(exc).__name__}: {exc}") from exc

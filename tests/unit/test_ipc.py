@@ -1,0 +1,161 @@
+"""guard/ipc/: the route table, the sample ring, the record layout and the control channel,
+each through a second mapping of the same shared memory (as the verifier process maps it)."""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import socket
+import threading
+
+import numpy as np
+import pytest
+
+from guard.ipc import routes, wire
+from guard.ipc.channel import Channel, ChannelClosed
+from guard.ipc.ring import SampleRing
+
+
+# -- route words -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("route", ["primary", "fallback"])
+@pytest.mark.parametrize("probing", [False, True])
+@pytest.mark.parametrize("epoch", [0, 1, 255, 2**40])
+def test_route_word_round_trip(route, probing, epoch):
+    assert routes.unpack(routes.pack(route, probing, epoch)) == (route, probing, epoch)
+
+
+def test_route_words_written_in_one_mapping_are_read_in_another():
+    table = routes.RouteTable(capacity=8)
+    other = routes.RouteTable.attach(os.dup(table.block.fd), 8)
+    slots = table.assign(["a", "b"])
+    assert slots["a"] != slots["b"]
+    other.publish(slots["b"], "fallback", True, 7)
+    assert table.read(slots["b"]) == ("fallback", True, 7)
+    assert table.read(slots["a"]) == ("primary", False, 0)
+    other.beat(123, 456)
+    assert table.heartbeat() == (123, 456)
+    assert table.assign(["a", "c"])["a"] == slots["a"]  # slots are stable
+    with pytest.raises(ValueError):
+        table.assign([f"m{i}" for i in range(9)])
+    other.close()
+    table.close()
+
+
+# -- the ring --------------------------------------------------------------------------------------
+def _ring_pair(capacity: int) -> tuple[SampleRing, SampleRing]:
+    producer = SampleRing(capacity)
+    return producer, SampleRing.attach(os.dup(producer.block.fd), capacity)
+
+
+def test_ring_round_trips_records_across_mappings_in_order_with_wraps():
+    """A seeded random mix of puts and takes against a plain deque: every record comes out
+    once, intact and in order, across many wrap-arounds; a put that does not fit writes
+    nothing."""
+    producer, consumer = _ring_pair(4096)
+    rng = random.Random(7)
+    model: collections.deque[bytes] = collections.deque()
+    refused = 0
+    for step in range(5000):
+        if rng.random() < 0.55:
+            data = rng.randbytes(rng.randrange(0, 900))
+            parts = [data[:len(data) // 3], memoryview(data)[len(data) // 3:]]
+            if producer.put(parts):
+                model.append(data)
+            else:
+                refused += 1
+        else:
+            got = consumer.take()
+            assert got == (model.popleft() if model else None), step
+    while model:
+        assert consumer.take() == model.popleft()
+    assert consumer.take() is None and producer.used == 0
+    assert refused > 0  # the budget was reached and honoured
+    producer.close()
+    consumer.close()
+
+
+def test_full_ring_refuses_without_waiting_and_frees_as_it_is_read():
+    producer, consumer = _ring_pair(1024)
+    record = [bytes(200)]
+    taken = 0
+    while producer.put(record):
+        taken += 1
+    assert taken == 1024 // 208  # 8-byte header + 200 bytes each
+    assert not producer.put([bytes(2000)])  # larger than the ring: never fits
+    assert consumer.take() == bytes(200)
+    assert producer.put(record)
+
+
+# -- records ---------------------------------------------------------------------------------------
+def test_record_round_trip_keeps_every_tensor_bit_for_bit():
+    rng = np.random.default_rng(3)
+    inputs = {"x": rng.standard_normal((2, 3)).astype(np.float32),
+              "ids": rng.integers(-5, 5, (4,)).astype(np.int64),
+              "mask": np.array([[True, False]]),
+              "half": rng.standard_normal((3,)).astype(np.float16),
+              "empty": np.zeros((0, 5), np.float32),
+              "big_endian": np.arange(3, dtype=">i4"),
+              "strided": rng.standard_normal((4, 4)).astype(np.float64)[:, ::2]}
+    outputs = {"labels": np.array([[b"cat", b""], [b"\x00dog", b"e"]], dtype=object),
+               "logits": rng.standard_normal((2, 10)).astype(np.float32)}
+    parts = wire.encode(wire.MIRROR | wire.CAPTURE, "fallback", 5, 2**33, 99, 0.25, "m",
+                        "req-1", "00-abc-def-01", ["logits"], inputs, outputs)
+    sample = wire.decode(b"".join(bytes(p) for p in parts))
+    assert (sample.flags, sample.route, sample.slot, sample.epoch) == (3, "fallback", 5, 2**33)
+    assert (sample.model, sample.request_id, sample.traceparent) == ("m", "req-1",
+                                                                     "00-abc-def-01")
+    assert sample.requested_outputs == ("logits",) and sample.request_seconds == 0.25
+    for sent, got in ((inputs, sample.inputs), (outputs, sample.outputs)):
+        assert list(got) == list(sent)
+        for name in sent:
+            assert got[name].shape == sent[name].shape
+            assert np.array_equal(got[name], np.asarray(sent[name])), name
+            if sent[name].dtype != object:
+                assert got[name].dtype == sent[name].dtype.newbyteorder("<")
+
+
+def test_record_of_protocol_messages_keeps_the_bytes():
+    parts = wire.encode(wire.MIRROR, "primary", 0, 1, 2, 0.0, "m", "", "", (),
+                        request_message=b"\x01request", response_message=b"\x02answer")
+    sample = wire.decode(b"".join(bytes(p) for p in parts))
+    assert sample.outputs is None
+    assert (sample.request_message, sample.response_message) == (b"\x01request", b"\x02answer")
+
+
+def test_truncated_record_is_an_error_not_a_crash():
+    parts = wire.encode(wire.MIRROR, "primary", 0, 1, 2, 0.0, "m", "", "", (),
+                        {"x": np.ones((64,), np.float32)}, {"y": np.ones((2,), np.float32)})
+    data = b"".join(bytes(p) for p in parts)
+    for cut in (10, len(data) // 2, len(data) - 1):
+        with pytest.raises((ValueError, Exception)):
+            wire.decode(data[:cut])
+
+
+# -- the control channel -------------------------------------------------------------------------
+def test_channel_calls_replies_one_way_messages_and_close():
+    a, b = socket.socketpair()
+    seen: list[dict] = []
+    got_event = threading.Event()
+
+    def serve(message):
+        if message["op"] == "add":
+            return {"sum": message["x"] + message["y"]}
+        seen.append(message)
+        got_event.set()
+        return None
+
+    closed = threading.Event()
+    server = Channel(b, serve, "server").start()
+    client = Channel(a, lambda m: None, "client", on_close=closed.set).start()
+    assert client.call({"op": "add", "x": 2, "y": 3})["sum"] == 5
+    client.send({"op": "note", "text": "hi"})
+    assert got_event.wait(5) and seen == [{"op": "note", "text": "hi"}]
+    pending = client.call_async({"op": "note", "text": "no reply expected"})
+    server.close()
+    assert closed.wait(5)
+    with pytest.raises(ChannelClosed):
+        pending.result(5)
+    with pytest.raises(ChannelClosed):
+        client.call({"op": "add", "x": 1, "y": 1})
+    client.close()
