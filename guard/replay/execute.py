@@ -3,8 +3,9 @@
 ``ModelRunner`` holds one model's backends as configured now (reference and primary, built the
 way the sidecar builds them: the reference pins determinism with ``mirror.threads``) and a
 ``Verifier`` set up as the sidecar's ``GuardedModel`` sets up its own: ``Verifier.for_model``
-with the fp64 arbiter, tier 2 when ``load_activation_tier`` finds it, and the reference's
-noise floor measured at load when ``checks.tensor.noise_floor`` is on. For each batch it:
+with the fp64 arbiter, tier 2 when the model enables it (``load_activation_tier``), and the
+reference's noise floor measured at load when ``checks.tensor.noise_floor`` is on. For each
+batch it:
 
 1. checks every item's inputs against the primary's signature (the data plane's own check): an
    item that does not fit is an ``input_error`` outcome;

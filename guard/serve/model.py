@@ -45,7 +45,7 @@ class GuardedModel:
             self.backends["fallback"] = create_backend(config.fallback, "fallback")
         self.activation_tier = None
         if config.reference is not None:
-            activation = load_activation_tier(config, self.backends)  # tier 2, when it exists
+            activation = load_activation_tier(config, self.backends)  # tier 2, when enabled
             if activation is not None:
                 self.verifier.add_tier(activation)
                 self.activation_tier = activation
