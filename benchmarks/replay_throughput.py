@@ -10,7 +10,8 @@
       read, batches run, tiers checked, outcomes aggregated) and end to end (everything
       ``guard replay`` does, including loading backends and writing the report).
     The ratio replay / limit is the figure: target >= 80%. Tiers on: tier 1 (tensor) and tier 3
-    (task: classification); tier 2 (activation) is not in this version of guard.
+    (task: classification); tier 2 (activation) is off, as by default: it is opt-in per
+    model (``checks.activation``) and benchmarks/activation_cost.py measures its cost.
 
 (2) Capture overhead on the request path. ``python -m guard serve`` (a subprocess) with the
     zoo CNN on ONNX Runtime fp32, no mirror, with capture off and with capture at 100%
@@ -353,7 +354,7 @@ def replay_markdown(rp: dict) -> list[str]:
         f"{rp['records']} records (zoo CNN, 1 image each, {rp['capture_bytes'] / 2**20:.1f} MiB "
         f"of capture written in {rp['capture_write_s']:.1f} s); reference "
         f"{rp['reference']}, primary {rp['primary']}, tiers on: {', '.join(rp['tiers'])} "
-        "(tier 2, activation, is not in this version of guard); "
+        "(tier 2, activation, is off: opt-in per model, its cost in activation_cost.md); "
         f"batches of {rp['batch_rows']} rows.", "",
         "| what | records/s | vs the limit |", "| --- | ---: | ---: |",
         f"| limit: reference alone, batched | {rp['limit']['rows_per_s']:.0f} | 100% |",

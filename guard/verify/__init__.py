@@ -1,1 +1,2 @@
-"""Verification tiers: tensor (tier 1) today; activation and task tiers build on it."""
+"""Verification tiers: tensor (tier 1, ``tensor.py``), activation (tier 2, ``activation/``) and
+task (tier 3, ``task/``), run for one sample by ``pipeline.Verifier``."""

@@ -7,8 +7,8 @@ The sidecar's mirror worker, offline replay and ``guard matrix`` all call ``Veri
 3. tier 1 (tensor) compares every output, with the reference's noise floor added to the
    allowed error when it was measured (``verify/noise.py``);
 4. tier 3 (task) judges what the task cares about (``verify/task/``), unless ``task: generic``;
-5. tier 2 (activation), when the module ``guard.verify.activation`` exists and builds a tier
-   for the model (see ``load_activation_tier``);
+5. tier 2 (activation), for a model that enables it (``checks.activation``: a sample_rate
+   above 0 or on_failure) and has a reference (see ``load_activation_tier``);
 6. on a tier-1 failure, with ``checks.tensor.arbitration.enabled``, an fp64 run of the reference
    says which side was wrong (``verify/arbitrate.py``).
 
@@ -227,10 +227,10 @@ class Verifier:
 
 
 def load_activation_tier(config: ModelConfig, backends: dict) -> ExtraTier | None:
-    """Tier 2 hook: ``guard.verify.activation.build_tier(config, backends)`` when it exists.
-
-    Tier 2 is built separately; until its module lands this returns None and models run tiers
-    1 and 3. ``build_tier`` may itself return None (tier 2 disabled for this model).
+    """Tier 2 for a model: ``guard.verify.activation.build_tier(config, backends)``, imported
+    here, when first needed. None when the model does not enable tier 2
+    (``checks.activation``: a sample_rate above 0 or on_failure) or has no reference: it then
+    runs tiers 1 and 3 only.
     """
     if importlib.util.find_spec(ACTIVATION_MODULE) is None:
         return None
