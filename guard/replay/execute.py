@@ -85,7 +85,7 @@ class ModelRunner:
             try:
                 backend.load()
             except BackendError as exc:
-                raise BackendError(f"models[{self.name}].{role}: {exc}") from exc
+                raise exc.at(f"models[{self.name}].{role}") from exc
             except Exception as exc:
                 spec = getattr(self.config, role)
                 raise BackendError(f"models[{self.name}].{role}: cannot load "

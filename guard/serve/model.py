@@ -12,10 +12,8 @@ import logging
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
-from guard.backends.derive import file_sha256
 from guard.capture.writer import CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
@@ -89,7 +87,6 @@ class GuardedModel:
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         """Load every backend (in parallel: derivation and compilation take seconds)."""
-        self._verify_artifacts()
         with ThreadPoolExecutor(max_workers=len(self.backends)) as pool:
             futures = {role: pool.submit(b.load) for role, b in self.backends.items()}
         for role, future in futures.items():
@@ -97,7 +94,7 @@ class GuardedModel:
             if exc is not None:
                 spec = getattr(self.config, role)
                 if isinstance(exc, BackendError):
-                    raise BackendError(f"models[{self.name}].{role}: {exc}") from exc
+                    raise exc.at(f"models[{self.name}].{role}") from exc
                 raise BackendError(
                     f"models[{self.name}].{role}: cannot load {spec.describe()}: "
                     f"{type(exc).__name__}: {exc}"
@@ -173,17 +170,6 @@ class GuardedModel:
             self.verifier.set_noise_floor(floor.per_output)
         emit("noise_floor", model=self.name, **floor.as_dict(),
              multiplier=self.config.checks.tensor.noise_floor.multiplier)
-
-    def _verify_artifacts(self) -> None:
-        """The sha256 pinned in the config must match the file, before anything loads it."""
-        for role in self.backends:
-            spec = getattr(self.config, role)
-            if spec.sha256 is None or spec.path is None or spec.is_factory:
-                continue
-            actual = file_sha256(Path(spec.path))
-            if actual != spec.sha256:
-                raise BackendError(f"models[{self.name}].{role}.sha256: {spec.path} has sha256 "
-                                   f"{actual}, the config expects {spec.sha256}")
 
     def _check_signatures(self) -> None:
         """A fallback must accept what the primary accepts; warn where names cannot be checked."""
