@@ -24,9 +24,12 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
+    field_validator,
     model_validator,
 )
 
+from guard.backends.artifact import pin_required
 from guard.backends.options import validate_backend_options
 from guard.errors import ConfigError
 
@@ -202,13 +205,28 @@ class BackendConfig(Strict):
         default_factory=dict, description="Backend-specific settings, checked per backend."
     )
     sha256: Annotated[str, Field(pattern=r"^[0-9a-f]{64}$")] | None = Field(
-        None, description="Expected sha256 of the artifact file, checked before loading."
+        None, description="Expected sha256 of the artifact file: the backend reads the file "
+        "once, hashes those bytes and loads them. Required for a torch.export program (.pt2), "
+        "whose loader can unpickle; an error on upstream and 'module:factory' backends, which "
+        "have no artifact file to pin."
     )
     target: str | None = Field(None, description="upstream only: host:port of an OIP server.")
     model: str | None = Field(None, description="upstream only: model name on that server.")
 
     # The config file's folder: a 'module:factory' path is imported from there.
     _base_dir: Path | None = PrivateAttr(None)
+
+    @field_validator("sha256")
+    @classmethod
+    def _check_sha256(cls, value: str | None, info: ValidationInfo) -> str | None:
+        if info.data.get("backend") == "upstream" and value is not None:
+            raise ValueError("backend 'upstream' has no artifact to pin (the remote server "
+                             "loads its own model): remove sha256")
+        why = pin_required(info.data.get("path"))
+        if why and value is None:
+            raise ValueError(f"required: {why}; pin the file with sha256: <hex digest> "
+                             "(sha256sum FILE)")
+        return value
 
     @model_validator(mode="after")
     def _check_backend(self) -> "BackendConfig":
@@ -723,8 +741,23 @@ class CaptureConfig(Strict):
         return self
 
 
+# A model name becomes a folder name (capture.dir/<name>/): no '/', no '..', no leading dot.
+MODEL_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}")
+
+
+def _model_name(value: str) -> str:
+    if not MODEL_NAME.fullmatch(value):
+        raise ValueError(
+            f"model name {value!r} must start with a letter or digit and hold only letters, "
+            "digits, '_', '.' and '-' (at most 128 characters): it names the model's capture "
+            "folder")
+    return value
+
+
 class ModelConfig(Strict):
-    name: Annotated[str, Field(min_length=1, pattern=r"^[A-Za-z0-9_.\-]+$")]
+    name: Annotated[str, AfterValidator(_model_name)] = Field(
+        description="The model_name clients send; also the name of the model's capture folder: "
+        "letters, digits, '_', '.', '-', starting with a letter or digit.")
     task: Task = "generic"
     primary: BackendConfig
     reference: BackendConfig | None = Field(
@@ -901,7 +934,13 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
             spec._base_dir = base_dir
             if (spec.backend in ("torch", "torch_compile") and FACTORY_REF.match(spec.path)
                     and not (base_dir / spec.path).exists()):
-                continue  # a Python factory, imported when the backend loads
+                # A Python factory, imported when the backend loads: code, not a file to pin.
+                if spec.sha256 is not None:
+                    problems.append(
+                        f"models[{i}].{role}.sha256: '{spec.path}' is a Python factory, not an "
+                        "artifact file: sha256 cannot pin it; remove sha256 (or export the "
+                        "model to .pt/.pt2/.onnx and pin that)")
+                continue
             resolved = (base_dir / spec.path).resolve()
             if not resolved.exists():
                 problems.append(f"models[{i}].{role}.path: file not found: {resolved}")

@@ -22,4 +22,16 @@ class ConfigError(GuardError):
 
 
 class BackendError(GuardError):
-    """A backend that cannot be built or loaded (missing artifact, unsupported precision...)."""
+    """A backend that cannot be built or loaded (missing artifact, unsupported precision...).
+
+    ``key``: the backend block's key the problem is about (``sha256``), so that whoever knows
+    where the block sits names it in full: ``models[NAME].ROLE.sha256: ...`` (see ``at``)."""
+
+    def __init__(self, message: str, key: str | None = None):
+        super().__init__(message)
+        self.key = key
+
+    def at(self, prefix: str) -> "BackendError":
+        """The same error located under ``prefix`` (``models[cnn].primary``)."""
+        where = f"{prefix}.{self.key}" if self.key else prefix
+        return BackendError(f"{where}: {self}")

@@ -44,8 +44,13 @@ def derive_onnx(
     precision: str,
     nodes_to_exclude: list[str] | None = None,
     per_channel: bool = False,
+    source: bytes | None = None,
 ) -> Path:
-    """Return the path of the ``precision`` variant of ``artifact`` (fp32 returns it unchanged)."""
+    """Return the path of the ``precision`` variant of ``artifact`` (fp32 returns it unchanged).
+
+    ``source``: the artifact's bytes as the caller read (and checked) them; the variant is then
+    derived from, and its cache entry keyed by, those bytes, and the file is not opened again
+    (external data files beside it are still read from its folder)."""
     artifact = Path(artifact)
     if precision == "fp32":
         return artifact
@@ -53,7 +58,8 @@ def derive_onnx(
 
     excluded = sorted(nodes_to_exclude or [])
     key_parts = {
-        "sha256": file_sha256(artifact),
+        "sha256": hashlib.sha256(source).hexdigest() if source is not None
+        else file_sha256(artifact),
         "precision": precision,
         "exclude": excluded,
         "per_channel": per_channel,
@@ -66,10 +72,11 @@ def derive_onnx(
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
         tmp_path = Path(tmp) / target.name
         try:
+            model_input = _model_input(artifact, source)
             if precision == "int8":
-                _quantize_int8(artifact, tmp_path, excluded, per_channel)
+                _quantize_int8(model_input, tmp_path, excluded, per_channel)
             elif precision == "fp16":
-                _convert_fp16(artifact, tmp_path, excluded)
+                _convert_fp16(model_input, tmp_path, excluded)
             else:
                 raise BackendError(f"onnxruntime cannot derive precision '{precision}'")
         except BackendError:
@@ -81,6 +88,19 @@ def derive_onnx(
         _check_loadable(tmp_path, precision, artifact)
         os.replace(tmp_path, target)
     return target
+
+
+def _model_input(artifact: Path, source: bytes | None):
+    """What the converters read: the artifact's path, or a ModelProto parsed from ``source``
+    (with any external data loaded from the artifact's folder)."""
+    if source is None:
+        return artifact
+    import onnx
+    from onnx.external_data_helper import load_external_data_for_model
+
+    model = onnx.load_model_from_string(source)
+    load_external_data_for_model(model, str(artifact.parent))
+    return model
 
 
 def _check_loadable(path: Path, precision: str, artifact: Path) -> None:
@@ -100,7 +120,7 @@ def _check_loadable(path: Path, precision: str, artifact: Path) -> None:
         ) from None
 
 
-def _quantize_int8(source: Path, target: Path, excluded: list[str], per_channel: bool) -> None:
+def _quantize_int8(source, target: Path, excluded: list[str], per_channel: bool) -> None:
     import logging
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -117,7 +137,7 @@ def _quantize_int8(source: Path, target: Path, excluded: list[str], per_channel:
 
 def _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_channel) -> None:
     quantize_dynamic(
-        model_input=str(source),
+        model_input=source if not isinstance(source, Path) else str(source),
         model_output=str(target),
         weight_type=QuantType.QInt8,
         per_channel=per_channel,
@@ -125,11 +145,11 @@ def _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_cha
     )
 
 
-def _convert_fp16(source: Path, target: Path, excluded: list[str]) -> None:
+def _convert_fp16(source, target: Path, excluded: list[str]) -> None:
     import onnx
     from onnxconverter_common import float16
 
-    model = onnx.load(str(source))
+    model = onnx.load(str(source)) if isinstance(source, Path) else source
     converted = float16.convert_float_to_float16(
         model, keep_io_types=True, node_block_list=excluded or None
     )

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from guard.backends.artifact import read_artifact
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.derive import derive_onnx
 from guard.backends.options import OnnxRuntimeOptions
@@ -55,11 +56,22 @@ class OnnxRuntimeBackend(Backend):
     def load(self) -> None:
         import onnxruntime as ort
 
+        # The artifact is read once and checked against its sha256; fp32 loads from those very
+        # bytes, a derived variant is derived from them (and cached under their digest).
+        data, _ = read_artifact(self.spec.path, self.spec.sha256)
         self.model_path = derive_onnx(
             self.spec.path, self.spec.precision, self.options.nodes_to_exclude,
-            self.options.per_channel,
+            self.options.per_channel, source=data,
         )
         so = ort.SessionOptions()
+        if self.spec.precision == "fp32":
+            model: bytes | str = data
+            # A model given as bytes has no folder of its own: external data files (.onnx.data)
+            # are read from the artifact's folder. sha256 pins the .onnx file, not those files.
+            so.add_session_config_entry("session.model_external_initializers_file_folder_path",
+                                        str(Path(self.spec.path).parent))
+        else:
+            model = str(self.model_path)  # guard's own derived file in its cache
         so.graph_optimization_level = getattr(
             ort.GraphOptimizationLevel, _OPT_LEVELS[self.options.graph_optimization_level]
         )
@@ -88,7 +100,7 @@ class OnnxRuntimeBackend(Backend):
             )
         provider_options = [self.options.provider_options.get(p, {}) for p in providers]
         try:
-            self.session = ort.InferenceSession(str(self.model_path), so, providers=providers,
+            self.session = ort.InferenceSession(model, so, providers=providers,
                                                 provider_options=provider_options)
         except Exception as exc:
             raise BackendError(f"onnxruntime cannot load {self.model_path}: {exc}") from exc

@@ -31,7 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
-from guard.backends.derive import cache_dir, file_sha256
+from guard.backends.artifact import read_artifact
+from guard.backends.derive import cache_dir
 from guard.backends.options import TensorRTOptions
 from guard.errors import BackendError
 
@@ -65,16 +66,17 @@ class TensorRTBackend(Backend):
         self.engine_path: Path | None = None
 
     # -- build ---------------------------------------------------------------------------------
-    def _cache_key(self, trt, gpu: str) -> str:
-        parts = {"onnx": file_sha256(Path(self.spec.path)), "trt": trt.__version__, "gpu": gpu,
+    def _cache_key(self, trt, gpu: str, digest: str) -> str:
+        parts = {"onnx": digest, "trt": trt.__version__, "gpu": gpu,
                  "precision": self.spec.precision, "options": self.options.model_dump()}
         return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:20]
 
-    def _build(self, trt, logger) -> bytes:
+    def _build(self, trt, logger, onnx_bytes: bytes) -> bytes:
         builder = trt.Builder(logger)
         network = builder.create_network(0)
         parser = trt.OnnxParser(network, logger)
-        if not parser.parse(Path(self.spec.path).read_bytes()):
+        # path: where external weights (.onnx.data) are looked up; sha256 pins the .onnx only.
+        if not parser.parse(onnx_bytes, path=str(self.spec.path)):
             errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
             raise BackendError(f"TensorRT cannot parse {self.spec.path}: {errors}")
         config = builder.create_builder_config()
@@ -128,11 +130,15 @@ class TensorRTBackend(Backend):
         gpu = torch.cuda.get_device_name(self.device)
         folder = cache_dir().parent / "tensorrt"
         folder.mkdir(parents=True, exist_ok=True)
-        self.engine_path = folder / f"{Path(self.spec.path).stem}.{self._cache_key(trt, gpu)}.plan"
+        # Read once and checked against sha256: the engine is built from, and cached under the
+        # digest of, these bytes.
+        onnx_bytes, digest = read_artifact(self.spec.path, self.spec.sha256)
+        key = self._cache_key(trt, gpu, digest)
+        self.engine_path = folder / f"{Path(self.spec.path).stem}.{key}.plan"
         if self.engine_path.exists():
             plan = self.engine_path.read_bytes()
         else:
-            plan = self._build(trt, logger)
+            plan = self._build(trt, logger, onnx_bytes)
             tmp = self.engine_path.with_suffix(".tmp")
             tmp.write_bytes(plan)
             os.replace(tmp, self.engine_path)

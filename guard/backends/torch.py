@@ -3,10 +3,14 @@
 Artifacts:
 - ``.pt``: TorchScript (``torch.jit.save``). An extra file ``guard.json`` saved inside it
   (``_extra_files={"guard.json": ...}``) may carry the input/output names, datatypes and shapes.
-- ``.pt2``: a ``torch.export`` program (``torch.export.save``), same optional extra file.
+- ``.pt2``: a ``torch.export`` program (``torch.export.save``), same optional extra file. Its
+  loader can unpickle, so it loads only when pinned by ``sha256`` (guard/backends/artifact.py).
+- Either file is read once, checked against its ``sha256`` when pinned, and loaded from those
+  bytes.
 - ``package.module:factory``: a Python callable returning an ``nn.Module``; the config file's
-  folder is importable, and ``options.kwargs`` are passed to the factory. The module may carry
-  ``guard_signature`` (the ``guard.json`` dict) as an attribute.
+  folder is importable (appended to ``sys.path``), and ``options.kwargs`` are passed to the
+  factory. The module may carry ``guard_signature`` (the ``guard.json`` dict) as an attribute.
+  A factory is code, not an artifact: ``sha256`` does not apply to it (a config error).
 
 Names: ``options.input_names``/``output_names`` win, then ``guard.json``, then forward()'s
 parameter names and ``output0``, ``output1``... Outputs may be a tensor, a tuple/list or a dict,
@@ -15,16 +19,16 @@ nested: each leaf becomes one named output (``boxes``, ``aux.0``), so every outp
 
 from __future__ import annotations
 
-import importlib
 import inspect
+import io
 import json
-import sys
 import threading
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from guard.backends.artifact import import_factory, read_artifact, require_pin
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.determinism import pin_torch_reference
 from guard.backends.options import TorchCompileOptions, TorchOptions
@@ -92,14 +96,9 @@ class TorchBackend(Backend):
         import torch
 
         path = self.spec.path
-        extra: dict[str, Any] = {}
         if self.spec.is_factory:
-            module_name, func_name = path.split(":")
-            base = getattr(self.spec, "_base_dir", None)
-            if base and str(base) not in sys.path:
-                sys.path.insert(0, str(base))
             try:
-                factory = getattr(importlib.import_module(module_name), func_name)
+                factory = import_factory(path, getattr(self.spec, "_base_dir", None))
             except (ImportError, AttributeError) as exc:
                 raise BackendError(f"cannot import factory '{path}': {exc}") from exc
             # One factory call at a time in the process: a model's backends load on parallel
@@ -109,20 +108,21 @@ class TorchBackend(Backend):
                 module = factory(**self.options.kwargs)
             signature = getattr(module, "guard_signature", None)
             return module, signature
-        suffix = Path(path).suffix
+        exported = Path(path).suffix == ".pt2"
+        if exported:
+            require_pin(path, self.spec.sha256)
+        # Read once, hash, and load from those bytes: the file is never opened again.
+        data, _ = read_artifact(path, self.spec.sha256)
+        files = {SIGNATURE_FILE: ""}
         try:
-            if suffix == ".pt2":
-                files = {SIGNATURE_FILE: ""}
-                program = torch.export.load(path, extra_files=files)
-                extra = files
-                module = program.module()
+            if exported:
+                module = torch.export.load(io.BytesIO(data), extra_files=files).module()
             else:
-                files = {SIGNATURE_FILE: ""}
-                module = torch.jit.load(path, map_location="cpu", _extra_files=files)
-                extra = files
+                module = torch.jit.load(io.BytesIO(data), map_location="cpu",
+                                        _extra_files=files)
         except Exception as exc:
             raise BackendError(f"torch cannot load {path}: {exc}") from exc
-        raw = extra.get(SIGNATURE_FILE) or ""
+        raw = files.get(SIGNATURE_FILE) or ""
         if isinstance(raw, bytes):
             raw = raw.decode()
         return module, (json.loads(raw) if raw else None)

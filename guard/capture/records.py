@@ -7,17 +7,21 @@ from typing import Mapping
 
 import numpy as np
 
-from guard.backends.base import OIP_TO_NUMPY, BackendInfo, oip_datatype
+from guard.backends.base import (
+    OIP_TO_NUMPY,
+    BackendInfo,
+    decode_bytes_elements,
+    element_count,
+    wire_contents,
+)
 from guard.v1 import capture_pb2 as pb
 
 
 def tensor_to_proto(name: str, array: np.ndarray, out: pb.Tensor) -> None:
     array = np.asarray(array)
     out.name = name
-    out.datatype = oip_datatype(array.dtype)
+    out.datatype, out.raw = wire_contents(array)
     out.shape.extend(array.shape)
-    little = array.astype(array.dtype.newbyteorder("<"), copy=False)
-    out.raw = np.ascontiguousarray(little).tobytes()
 
 
 def add_tensors(field, arrays: Mapping[str, np.ndarray]) -> None:
@@ -26,17 +30,29 @@ def add_tensors(field, arrays: Mapping[str, np.ndarray]) -> None:
 
 
 class RecordError(ValueError):
-    """A record that parsed but cannot be turned back into arrays (bad datatype or size)."""
+    """A record that parsed but cannot be turned back into arrays (bad datatype, shape or
+    size): the record is damaged, never a crash of its reader."""
 
 
 def tensor_from_proto(tensor: pb.Tensor) -> np.ndarray:
+    """The array of a record's tensor; anything malformed (an overflowing or negative shape
+    included) raises RecordError, checked before anything is allocated."""
+    where = f"tensor '{tensor.name}'"
+    try:
+        count = element_count(tensor.shape)
+    except ValueError as exc:
+        raise RecordError(f"{where}: {exc}") from None
+    shape = tuple(tensor.shape)
+    if tensor.datatype == "BYTES":
+        try:
+            return decode_bytes_elements(tensor.raw, count).reshape(shape)
+        except ValueError as exc:
+            raise RecordError(f"{where}: {exc}") from None
     dtype = OIP_TO_NUMPY.get(tensor.datatype)
     if dtype is None:
-        raise RecordError(f"tensor '{tensor.name}': unknown datatype '{tensor.datatype}'")
-    shape = tuple(tensor.shape)
-    count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        raise RecordError(f"{where}: unknown datatype '{tensor.datatype}'")
     if len(tensor.raw) != count * dtype.itemsize:
-        raise RecordError(f"tensor '{tensor.name}': {len(tensor.raw)} bytes for shape "
+        raise RecordError(f"{where}: {len(tensor.raw)} bytes for shape "
                           f"{list(shape)} x {tensor.datatype}")
     return np.frombuffer(tensor.raw, dtype=dtype.newbyteorder("<")).reshape(shape)
 

@@ -23,9 +23,17 @@ process loses at most what was still queued in memory and the frame being writte
 skips a torn frame). Records are not fsynced one by one (that
 would cost a disk flush per request); a machine crash can lose what the OS had not written.
 
-Failure: any I/O error (full disk, unwritable folder, a folder that vanished) disables capture
-for this model: one ``capture_disabled`` event, ``guard_capture_enabled`` drops to 0, later
-records count as ``disabled``, and serving goes on. It stays off until the sidecar restarts.
+Failure: any error in the writer (full disk, unwritable folder, a folder that vanished, or a
+bug: any exception, not only I/O errors) disables capture for this model: one
+``capture_disabled`` event, ``guard_capture_enabled`` drops to 0, the records it could not
+write and later ones count as ``disabled``, and serving goes on. The writer thread lives on
+(draining the queue), so the gauge never says 1 while nothing is written. Capture stays off
+until the sidecar restarts. A record that cannot be encoded counts as ``error`` and costs only
+itself.
+
+Permissions: records hold raw request payloads. Segment files are created 0600 and the capture
+folders guard creates (``capture.dir`` when missing, and ``<dir>/<model>/``) 0700, whatever
+the umask; an existing ``capture.dir`` keeps its mode.
 
 Shutdown (``close``): no new records are taken; those already queued are written (bounded by a
 timeout), and the open segment is flushed and fsynced.
@@ -61,6 +69,15 @@ _BURST = 256  # most records encoded and written per wake-up
 _LINGER_S = 0.01  # pause after a burst: records gather instead of waking the writer one by one
 _YIELD_EVERY = 8  # records encoded between GIL yields (bounds how long the request path waits)
 _STOP = object()
+_FILE_MODE = 0o600  # segment files hold raw request payloads: the owner's alone
+_FOLDER_MODE = 0o700
+
+
+def _private(path: str, flags: int) -> int:
+    """``open`` opener: a new segment file is created 0600 whatever the umask."""
+    fd = os.open(path, flags, _FILE_MODE)
+    os.fchmod(fd, _FILE_MODE)
+    return fd
 
 
 @dataclass
@@ -121,6 +138,7 @@ class CaptureWriter:
         self._file = None
         self._opened_at = 0.0
         self._sequence = 0
+        self._written_before_error = 0  # frames of the current _write already on disk
         self._segment_count = 0
         static = pb.CaptureRecord(model=model, config_hash=config_hash,
                                   guard_version=__version__, source="sidecar")
@@ -155,7 +173,8 @@ class CaptureWriter:
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
         try:
-            self.folder.mkdir(parents=True, exist_ok=True)
+            self.folder.parent.mkdir(mode=_FOLDER_MODE, parents=True, exist_ok=True)
+            self.folder.mkdir(mode=_FOLDER_MODE, exist_ok=True)
             self._closed = sorted(
                 (_Segment(p, p.stat().st_size) for p in self.folder.glob(f"*{SUFFIX}")),
                 key=lambda s: s.path.name,
@@ -163,7 +182,7 @@ class CaptureWriter:
             probe = self.folder / f".write-test-{os.getpid()}"
             probe.write_bytes(b"")
             probe.unlink()
-        except OSError as exc:
+        except Exception as exc:
             self._disable(exc, "preparing the capture folder")
         else:
             self._enforce_cap()
@@ -212,7 +231,7 @@ class CaptureWriter:
                 try:
                     item = self._queue.get(timeout=_TICK_S)
                 except queue.Empty:
-                    self._rotate_if_old()
+                    self._guarded(self._rotate_if_old, "closing an old segment")
                     continue
                 burst = [item]
                 while len(burst) < _BURST and burst[-1] is not _STOP:
@@ -224,10 +243,17 @@ class CaptureWriter:
                 self._handle([p for p in burst if p is not _STOP])
                 if stop:
                     return
-                self._rotate_if_old()
+                self._guarded(self._rotate_if_old, "closing an old segment")
                 time.sleep(_LINGER_S)
         finally:
-            self._close_segment()
+            self._guarded(self._close_segment, "closing the segment")
+
+    def _guarded(self, step: Callable[[], None], doing: str) -> None:
+        """Run a writer step; any exception disables capture instead of ending the thread."""
+        try:
+            step()
+        except Exception as exc:
+            self._disable(exc, doing)
 
     def _handle(self, burst: list[PendingRecord]) -> None:
         if not burst:
@@ -249,7 +275,8 @@ class CaptureWriter:
         written = 0
         try:
             written = self._write(frames)
-        except OSError as exc:
+        except Exception as exc:  # I/O or anything else: capture stops, serving goes on
+            written = self._written_before_error
             self._disable(exc, "writing records")
         self.metrics.capture_records.labels(self.model, "written").inc(written)
         if written < len(frames):
@@ -276,7 +303,7 @@ class CaptureWriter:
     def _write(self, frames: list[bytes]) -> int:
         """Append frames, rotating where a segment would pass its size; returns how many are
         on disk (all, unless an OSError is raised part way: then the ones before it)."""
-        done = 0
+        done = self._written_before_error = 0
         while done < len(frames):
             if self._current is None:
                 self._open_segment()
@@ -296,7 +323,7 @@ class CaptureWriter:
                 written = self._file.write(view)
                 view = view[written:]
             self._current.size += size
-            done = end
+            done = self._written_before_error = end
             self._enforce_cap()
         return done
 
@@ -304,7 +331,7 @@ class CaptureWriter:
         self._segment_count += 1
         stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%fZ")
         path = self.folder / f"{stamp}-{os.getpid()}-{self._segment_count:04d}{SUFFIX}"
-        self._file = open(path, "ab", buffering=0)
+        self._file = open(path, "ab", buffering=0, opener=_private)
         self._current = _Segment(path, 0)
         self._opened_at = time.monotonic()
 
@@ -322,7 +349,7 @@ class CaptureWriter:
         try:
             os.fsync(handle.fileno())
             handle.close()
-        except OSError as exc:
+        except Exception as exc:
             self._disable(exc, "closing a segment")
         if segment is not None and segment.size > 0:
             self._closed.append(segment)
@@ -335,25 +362,29 @@ class CaptureWriter:
             oldest = self._closed.pop(0)
             try:
                 oldest.path.unlink(missing_ok=True)
-            except OSError as exc:
+            except Exception as exc:
                 self._disable(exc, f"deleting the oldest segment {oldest.path.name}")
                 return
             total -= oldest.size
             self.metrics.capture_segments_deleted.labels(self.model).inc()
         self.metrics.capture_bytes.labels(self.model).set(total)
 
-    def _disable(self, exc: OSError, doing: str) -> None:
+    def _disable(self, exc: Exception, doing: str) -> None:
         if not self.enabled:
             return
         self.enabled = False
         self.metrics.capture_enabled.labels(self.model).set(0)
+        if isinstance(exc, OSError):
+            error = exc.strerror or str(exc)
+        else:
+            error = f"{type(exc).__name__}: {exc}"
         emit("capture_disabled", model=self.model, folder=str(self.folder),
-             error=f"{doing}: {exc.strerror or exc}", errno=exc.errno,
+             error=f"{doing}: {error}", errno=getattr(exc, "errno", None),
              note="capture stays off until the sidecar restarts; serving goes on")
         if self._file is not None:
             try:
                 self._file.close()
-            except OSError:
+            except Exception:
                 pass
             self._file = None
             if self._current is not None and self._current.size:

@@ -47,6 +47,7 @@ import yaml
 from pydantic import ValidationError
 
 from guard.config import (
+    MODEL_NAME,
     MirrorConfig,
     ModelConfig,
     PolicyConfig,
@@ -59,7 +60,6 @@ from guard.errors import ConfigError
 
 FORMATS = RULE_FORMATS
 PROMETHEUS_RULE_NAME = "guard-alerts"
-_MODEL_NAME = re.compile(r"^[A-Za-z0-9_.\-]+$")  # as in guard.config.ModelConfig.name
 _DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 
 ALERTS = (
@@ -154,8 +154,8 @@ def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThre
             continue
         problems += [f"{where}.{key}: unknown key" for key in block if key not in known_keys]
         name = block.get("name")
-        if not isinstance(name, str) or not _MODEL_NAME.match(name):
-            problems.append(f"{where}.name: must match {_MODEL_NAME.pattern}")
+        if not isinstance(name, str) or not MODEL_NAME.fullmatch(name):
+            problems.append(f"{where}.name: must match {MODEL_NAME.pattern}")
             continue
         if name in seen:
             problems.append(f"{where}.name: model name '{name}' appears twice")

@@ -8,20 +8,32 @@ KServe v2 subset, and unimplemented Triton RPCs answer UNIMPLEMENTED.
 
 Inputs come as ``raw_input_contents`` (little-endian bytes, one entry per input, all or none) or
 as typed ``contents``. Outputs go back as raw contents, as Triton does. Arrays decoded from raw
-bytes are read-only views on the request (no copy).
+bytes are read-only views on the request (no copy). BYTES tensors decode to object arrays of
+``bytes`` (Triton's raw encoding, a u32 length before each element, or typed
+``bytes_contents``); BF16 (raw only) is widened exactly to float32, the one form numpy computes
+with.
+
+Every malformed tensor is INVALID_ARGUMENT before anything is allocated for it: at most
+``MAX_RANK`` dimensions, none negative, at most ``MAX_ELEMENTS`` elements (a zero-sized tensor's
+other dimensions too), and contents that match the shape exactly (guard/backends/base.py).
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from guard.backends.base import OIP_TO_NUMPY, oip_datatype
+from guard.backends.base import (
+    OIP_TO_NUMPY,
+    decode_bytes_elements,
+    element_count,
+    widen_bf16,
+    wire_contents,
+)
 
-# Typed-contents field per datatype. FP16 has none in the protocol: it must be sent raw.
+# Typed-contents field per datatype. FP16 and BF16 have none in the protocol: they are sent raw.
 _TYPED_FIELD = {
     "BOOL": "bool_contents",
     "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
@@ -30,6 +42,7 @@ _TYPED_FIELD = {
     "UINT64": "uint64_contents",
     "FP32": "fp32_contents",
     "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
 }
 
 
@@ -59,42 +72,68 @@ class InferenceRequest:
     metadata: tuple[tuple[str, str], ...] = ()
 
 
-def _numpy_dtype(name: str, datatype: str) -> np.dtype:
-    if datatype == "BYTES":
-        raise invalid(f"input '{name}': datatype BYTES is not supported: guard serves tensor "
-                      "models (numeric and BOOL tensors)")
-    if datatype == "BF16":
-        raise invalid(f"input '{name}': datatype BF16 has no numpy dtype; send FP32 or FP16")
+def _numpy_dtype(name: str, datatype: str, what: str) -> np.dtype:
     try:
         return OIP_TO_NUMPY[datatype]
     except KeyError:
-        raise invalid(f"input '{name}': unknown datatype '{datatype}'") from None
+        raise invalid(f"{what} '{name}': unknown datatype '{datatype}'") from None
 
 
-def _typed(name: str, datatype: str, dtype: np.dtype, contents, count: int) -> np.ndarray:
+def _typed_values(name: str, datatype: str, contents, count: int, what: str):
     field_name = _TYPED_FIELD.get(datatype)
     if field_name is None:
-        raise invalid(f"input '{name}': datatype {datatype} has no typed contents in the "
-                      "protocol; send it in raw_input_contents")
+        raise invalid(f"{what} '{name}': datatype {datatype} has no typed contents in the "
+                      "protocol; send it in raw contents")
     values = getattr(contents, field_name)
     if len(values) != count:
-        raise invalid(f"input '{name}': {len(values)} values in {field_name}, shape needs {count}")
+        raise invalid(f"{what} '{name}': {len(values)} values in {field_name}, shape needs "
+                      f"{count}")
+    return values
+
+
+def _typed(name: str, datatype: str, dtype: np.dtype, contents, count: int,
+           what: str) -> np.ndarray:
+    values = _typed_values(name, datatype, contents, count, what)
     if dtype.kind in "iu":
         wide = np.asarray(values, dtype=np.uint64 if dtype == np.uint64 else np.int64)
         info = np.iinfo(dtype)
         if wide.size and (wide.min() < info.min or wide.max() > info.max):
-            raise invalid(f"input '{name}': values out of range for {datatype}")
+            raise invalid(f"{what} '{name}': values out of range for {datatype}")
         return wide.astype(dtype)
     return np.asarray(values, dtype=dtype)
 
 
 def _decode_tensor(name: str, datatype: str, shape, raw: bytes | None, contents,
                    has_contents: bool, what: str = "input") -> np.ndarray:
+    """One tensor; every malformed one (shape, size, contents) is INVALID_ARGUMENT, checked
+    before anything is allocated for it."""
+    try:
+        count = element_count(shape)
+    except ValueError as exc:
+        raise invalid(f"{what} '{name}': {exc}") from None
     shape = tuple(shape)
-    if any(d < 0 for d in shape):
-        raise invalid(f"{what} '{name}': shape {list(shape)} has a negative dimension")
-    dtype = _numpy_dtype(name, datatype)
-    count = math.prod(shape)
+    if datatype == "BYTES":
+        if raw is not None:
+            try:
+                flat = decode_bytes_elements(raw, count)
+            except ValueError as exc:
+                raise invalid(f"{what} '{name}': {exc}") from None
+        else:
+            if not has_contents and count:
+                raise invalid(f"{what} '{name}': no contents (neither raw nor typed)")
+            flat = np.empty(count, dtype=object)
+            flat[:] = list(_typed_values(name, datatype, contents, count, what))
+        return flat.reshape(shape)
+    if datatype == "BF16":  # no typed field in the protocol: raw only, widened to float32
+        if raw is None and count:
+            raise invalid(f"{what} '{name}': datatype BF16 has no typed contents in the "
+                          "protocol; send it in raw contents")
+        raw = raw or b""
+        if len(raw) != count * 2:
+            raise invalid(f"{what} '{name}': raw contents are {len(raw)} bytes, shape "
+                          f"{list(shape)} x BF16 needs {count * 2}")
+        return widen_bf16(raw).reshape(shape)
+    dtype = _numpy_dtype(name, datatype, what)
     if raw is not None:
         expected = count * dtype.itemsize
         if len(raw) != expected:
@@ -103,7 +142,7 @@ def _decode_tensor(name: str, datatype: str, shape, raw: bytes | None, contents,
         return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
     if not has_contents and count:
         raise invalid(f"{what} '{name}': no contents (neither raw nor typed)")
-    return _typed(name, datatype, dtype, contents, count).reshape(shape)
+    return _typed(name, datatype, dtype, contents, count, what).reshape(shape)
 
 
 def decode_request(request: pb.ModelInferRequest) -> InferenceRequest:
@@ -148,16 +187,11 @@ def encode_request(model_name: str, inputs: dict[str, np.ndarray], request_id: s
                                    id=request_id)
     for name, array in inputs.items():
         array = np.asarray(array)
-        tensor = request.inputs.add(name=name, datatype=oip_datatype(array.dtype))
+        datatype, raw = wire_contents(array)
+        tensor = request.inputs.add(name=name, datatype=datatype)
         tensor.shape.extend(array.shape)
-        request.raw_input_contents.append(_le_bytes(array))
+        request.raw_input_contents.append(raw)
     return request
-
-
-def _le_bytes(array: np.ndarray) -> bytes:
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    return np.ascontiguousarray(array).tobytes()
 
 
 def encode_response(
@@ -170,7 +204,8 @@ def encode_response(
     response.parameters["guard_route"].string_param = route
     for name, array in outputs.items():
         array = np.asarray(array)
-        tensor = response.outputs.add(name=name, datatype=oip_datatype(array.dtype))
+        datatype, raw = wire_contents(array)
+        tensor = response.outputs.add(name=name, datatype=datatype)
         tensor.shape.extend(array.shape)
-        response.raw_output_contents.append(_le_bytes(array))
+        response.raw_output_contents.append(raw)
     return response

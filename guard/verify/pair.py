@@ -81,7 +81,7 @@ def load_all(model: str, config: ModelConfig, backends: dict[str, Backend]) -> N
         if exc is None:
             continue
         if isinstance(exc, BackendError):
-            raise BackendError(f"models[{model}].{role}: {exc}") from exc
+            raise exc.at(f"models[{model}].{role}") from exc
         spec = getattr(config, role)
         raise BackendError(f"models[{model}].{role}: cannot load {spec.describe()}: "
                            f"{type(exc).__name__}: {exc}") from exc

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -111,7 +113,7 @@ def test_torch_export_pt2_loads_with_its_signature(tmp_path, images):
     path = tmp_path / "classifier.pt2"
     torch.export.save(program, str(path), extra_files={SIGNATURE_FILE: signature_json(INPUTS,
                                                                                       OUTPUTS)})
-    backend = load({"backend": "torch", "path": str(path)})
+    backend = load({"backend": "torch", "path": str(path), "sha256": sha256_of(path)})
     assert [s.name for s in backend.describe().outputs] == ["logits"]
     with torch.inference_mode():
         expected = model(torch.from_numpy(images)).numpy()
@@ -180,3 +182,89 @@ def test_seeded_factories_loaded_on_parallel_threads_build_the_same_model():
     for backend in backends[1:]:
         (answer,) = backend.infer(x).values()
         np.testing.assert_array_equal(answer, first)
+
+
+# -- artifacts: pinned by sha256 on the bytes loaded; pickle-capable formats only when pinned ----
+def sha256_of(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def export_pt2(path: Path, images) -> Path:
+    program = torch.export.export(build().eval(), (torch.from_numpy(images[:2]),))
+    torch.export.save(program, str(path), extra_files={SIGNATURE_FILE: signature_json(INPUTS,
+                                                                                      OUTPUTS)})
+    return path
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_onnx_sha256_pins_the_bytes_it_loads(zoo_classifier, images, precision):
+    onnx_path = str(zoo_classifier["onnx"])
+    good = load({"backend": "onnxruntime", "path": onnx_path, "precision": precision,
+                 "sha256": sha256_of(onnx_path)})
+    assert good.infer({"image": images})["logits"].shape == (16, 10)
+    with pytest.raises(BackendError) as info:
+        load({"backend": "onnxruntime", "path": onnx_path, "precision": precision,
+              "sha256": "0" * 64})
+    assert info.value.key == "sha256"
+    assert f"has sha256 {sha256_of(onnx_path)}, the config expects {'0' * 64}" in str(info.value)
+    assert str(info.value.at("models[cnn].primary")).startswith("models[cnn].primary.sha256: ")
+
+
+def test_onnx_with_external_data_loads_from_its_bytes(tmp_path, zoo_classifier, images):
+    # Loaded from bytes, a model has no folder: its external weights come from the artifact's.
+    model = onnx.load(str(zoo_classifier["onnx"]))
+    target = tmp_path / "external.onnx"
+    onnx.save(model, str(target), save_as_external_data=True, all_tensors_to_one_file=True,
+              location="external.onnx.data", size_threshold=0)
+    assert (tmp_path / "external.onnx.data").stat().st_size > 0
+    backend = load({"backend": "onnxruntime", "path": str(target),
+                    "sha256": sha256_of(target)})
+    expected = ort.InferenceSession(str(zoo_classifier["onnx"])).run(None, {"image": images})[0]
+    np.testing.assert_array_equal(backend.infer({"image": images})["logits"], expected)
+
+
+def test_torchscript_sha256_mismatch_is_refused(zoo_classifier):
+    with pytest.raises(BackendError, match="has sha256 .* the config expects") as info:
+        load({"backend": "torch", "path": str(zoo_classifier["torchscript"]),
+              "sha256": "f" * 64})
+    assert info.value.key == "sha256"
+
+
+def test_pt2_loads_only_when_pinned(tmp_path, images):
+    path = export_pt2(tmp_path / "classifier.pt2", images)
+    # The config refuses an unpinned .pt2 ...
+    with pytest.raises(ValueError, match="unpickle"):
+        BackendConfig(backend="torch", path=str(path))
+    # ... and so does the backend, for a spec built around the config (model_construct).
+    unpinned = create_backend(BackendConfig.model_construct(
+        backend="torch", path=str(path), precision="fp32", device="cpu", options={},
+        sha256=None, target=None, model=None), "primary")
+    with pytest.raises(BackendError, match="unpickle") as info:
+        unpinned.load()
+    assert info.value.key == "sha256"
+    with pytest.raises(BackendError, match="the config expects"):
+        load({"backend": "torch", "path": str(path), "sha256": "0" * 64})
+    pinned = load({"backend": "torch", "path": str(path), "sha256": sha256_of(path)})
+    assert pinned.infer({"image": images[:2]})["logits"].shape == (2, 10)
+
+
+def test_factory_folder_is_appended_to_sys_path_and_shadows_nothing(tmp_path, monkeypatch):
+    """A module in the config's folder must not shadow one already importable."""
+    name = "guard_probe_shadowed_factory"
+    installed, config_dir = tmp_path / "installed", tmp_path / "config"
+    for folder, width in ((installed, 2), (config_dir, 5)):
+        folder.mkdir()
+        (folder / f"{name}.py").write_text(
+            "import torch\n\n\ndef build():\n"
+            f"    return torch.nn.Linear(4, {width})\n")
+    monkeypatch.syspath_prepend(str(installed))
+    monkeypatch.delitem(sys.modules, name, raising=False)
+    spec = BackendConfig(backend="torch", path=f"{name}:build")
+    spec._base_dir = config_dir
+    backend = create_backend(spec, "primary")
+    try:
+        backend.load()
+        assert backend.infer({"input": np.ones((1, 4), np.float32)})["output0"].shape == (1, 2)
+        assert sys.path[-1] == str(config_dir)
+    finally:
+        sys.modules.pop(name, None)

@@ -40,6 +40,14 @@ def pending(w: CaptureWriter, i: int, rows: int = 2, **extra) -> PendingRecord:
                          {"y": x[:, :3] * 2}, **extra)
 
 
+def wait_for(condition, timeout: float = 10.0) -> None:
+    """Until the writer thread has got there (a generous bound, not a timing assertion)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "the writer thread did not get there"
+        time.sleep(0.02)
+
+
 def read_all(folder) -> list:
     out = []
     for path in expand_paths([folder]):
@@ -163,10 +171,7 @@ def test_io_error_while_running_disables_capture(tmp_path, caplog):
     w, metrics = writer(tmp_path, max_segment_bytes=1, max_total_bytes=10**6)
     w.start()
     w.submit(pending(w, 0))
-    deadline = time.monotonic() + 10
-    while value(metrics, "guard_capture_records_total", outcome="written") < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for(lambda: value(metrics, "guard_capture_records_total", outcome="written") >= 1)
     # The folder vanishes and a file takes its place: the next segment cannot be opened.
     for path in w.segments:
         os.unlink(path)
@@ -195,3 +200,60 @@ def test_config_rejects_segment_larger_than_cap_and_failures_without_reference()
     with pytest.raises(ConfigError) as info:
         parse_config(data, Path("."))
     assert any("capture.mode 'failures' needs a 'reference'" in p for p in info.value.problems)
+
+
+def test_segment_files_are_private_whatever_the_umask(tmp_path):
+    """Records hold raw request payloads: 0600 files in 0700 folders, even under umask 0."""
+    old = os.umask(0)
+    try:
+        w, metrics = writer(tmp_path)
+        w.start()
+        w.submit(pending(w, 0))
+        w.close()
+    finally:
+        os.umask(old)
+    (segment,) = expand_paths([tmp_path / "cap"])
+    assert segment.stat().st_mode & 0o777 == 0o600
+    assert (tmp_path / "cap").stat().st_mode & 0o777 == 0o700
+    assert (tmp_path / "cap" / MODEL).stat().st_mode & 0o777 == 0o700
+    assert value(metrics, "guard_capture_records_total", outcome="written") == 1
+
+
+def test_any_exception_in_the_writer_disables_capture_and_keeps_the_thread(tmp_path, caplog):
+    """Not only OSError: here the segment's handle is closed under the writer, so its next
+    write raises ValueError. Capture stops (event, gauge 0, records counted), the thread goes
+    on draining, and submitting never raises."""
+    w, metrics = writer(tmp_path)
+    w.start()
+    w.submit(pending(w, 0))
+    wait_for(lambda: value(metrics, "guard_capture_records_total", outcome="written") >= 1)
+    w._file.close()  # what a stray close elsewhere would do to the open segment
+    with caplog.at_level(logging.INFO, logger="guard.events"):
+        for i in range(1, 4):
+            w.submit(pending(w, i))
+        wait_for(lambda: value(metrics, "guard_capture_enabled") == 0)
+        assert w._thread.is_alive()
+        w.submit(pending(w, 9))  # after the failure: counted, not queued
+        w.close()
+    assert not w._thread.is_alive()
+    events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "guard.events"]
+    (disabled,) = [e for e in events if e["event"] == "capture_disabled"]
+    assert "ValueError" in disabled["error"] and disabled["model"] == MODEL
+    assert value(metrics, "guard_capture_records_total", outcome="written") == 1
+    assert value(metrics, "guard_capture_records_total", outcome="disabled") == 4
+    assert [r.request_id for r in read_all(tmp_path / "cap")] == ["id-0"]
+
+
+def test_bytes_outputs_of_an_upstream_are_recorded_and_read_back(tmp_path):
+    w, metrics = writer(tmp_path)
+    w.start()
+    labels = np.array([[b"0.91:3:cat", b""], [b"\xff", b"0.5:1:dog"]], dtype=object)
+    x = np.ones((2, 4), np.float32)
+    w.submit(PendingRecord(w.tag("bytes", 0.001), "primary", 0, {"x": x}, {"labels": labels}))
+    w.close()
+    (record,) = read_all(tmp_path / "cap")
+    (tensor,) = record.outputs
+    assert tensor.datatype == "BYTES"
+    back = tensors(record.outputs)["labels"]
+    assert back.dtype == object and back.tolist() == labels.tolist()
+    assert value(metrics, "guard_capture_records_total", outcome="written") == 1

@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import ml_dtypes
 import numpy as np
 import pytest
+import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
+from tritonclient.utils import serialize_byte_tensor
 
-from guard.serve.codec import InferenceError, InferenceRequest, decode_request, encode_response
+from guard.serve.codec import (
+    InferenceError,
+    InferenceRequest,
+    decode_request,
+    decode_response,
+    encode_response,
+)
 
 # datatype -> sample values covering the type's extremes
 RAW_CASES = {
@@ -224,18 +233,6 @@ def test_typed_out_of_range(datatype, field, bad):
 
 
 # -- datatype and shape problems ------------------------------------------------------------------
-def test_bytes_rejected_with_input_name():
-    req = request(("text", "BYTES", (1,)))
-    req.inputs[0].contents.bytes_contents.append(b"hello")
-    message = rejected(req)
-    assert "'text'" in message and "BYTES" in message
-
-
-def test_bf16_rejected_with_input_name():
-    message = rejected(request(("act", "BF16", (2,)), raw=[b"\x00" * 4]))
-    assert "'act'" in message and "BF16" in message
-
-
 def test_unknown_datatype():
     message = rejected(request(("x", "FP8", (1,)), raw=[b"\x00"]))
     assert "'x'" in message and "FP8" in message
@@ -334,7 +331,7 @@ def test_encode_response_scalar_and_empty():
 
 def test_encode_response_unsupported_dtype():
     with pytest.raises(TypeError):
-        encode_response(req_for(), {"s": np.array(["a"])}, "primary")
+        encode_response(req_for(), {"c": np.array([1 + 2j], dtype=np.complex64)}, "primary")
 
 
 def test_decode_encode_round_trip():
@@ -344,3 +341,164 @@ def test_decode_encode_round_trip():
     response = encode_response(decoded, {"y": decoded.inputs["x"] * 2}, "primary")
     assert response.id == "req-7" and response.model_name == "affine"
     np.testing.assert_array_equal(decode_output(response, 0), x * 2)
+
+
+# -- absurd shapes: INVALID_ARGUMENT before anything is allocated ---------------------------------
+@pytest.mark.parametrize("shape", [
+    (0, 2**62, 2**62),  # zero elements, but numpy cannot even describe the other dimensions
+    (2**62, 2**62),
+    (2**31 + 1,),
+    (0, 2**32),
+    (1,) * 33,  # more dimensions than MAX_RANK
+])
+@pytest.mark.parametrize("contents", ["none", "raw", "typed"])
+def test_absurd_shapes_are_invalid_argument(shape, contents):
+    req = request(("x", "FP32", shape), raw=[b""] if contents == "raw" else None)
+    if contents == "typed":
+        req.inputs[0].contents.fp32_contents.append(1.0)
+    message = rejected(req)
+    assert "'x'" in message
+    assert ("elements" in message) or ("dimensions" in message)
+
+
+def test_absurd_shape_of_bytes_and_bf16_inputs_too():
+    for datatype in ("BYTES", "BF16"):
+        message = rejected(request(("x", datatype, (0, 2**62, 2**62)), raw=[b""]))
+        assert "'x'" in message and "elements" in message
+
+
+def test_absurd_shape_in_an_upstream_response_is_invalid_argument():
+    response = pb.ModelInferResponse(model_name="m")
+    response.outputs.add(name="y", datatype="FP32", shape=[0, 2**62, 2**62])
+    with pytest.raises(InferenceError) as info:
+        decode_response(response)
+    assert info.value.status == "INVALID_ARGUMENT" and "'y'" in str(info.value)
+
+
+def test_largest_allowed_zero_size_shape_still_decodes():
+    x = decode_request(request(("x", "FP32", (0, 2**31)))).inputs["x"]
+    assert x.shape == (0, 2**31) and x.size == 0
+
+
+# -- BYTES and BF16, as tritonclient builds them ---------------------------------------------------
+def client_request(*inputs) -> pb.ModelInferRequest:
+    """A request as tritonclient.grpc sends it: each InferInput's tensor and raw contents."""
+    req = pb.ModelInferRequest(model_name="m")
+    for item in inputs:
+        req.inputs.extend([item._get_tensor()])
+        req.raw_input_contents.append(item._get_content())
+    return req
+
+
+def test_bytes_input_raw_as_tritonclient_sends_it():
+    text = np.array([[b"hello", b""], [b"\x00\xffbin", "caf\u00e9".encode()]], dtype=object)
+    item = grpcclient.InferInput("text", list(text.shape), "BYTES")
+    item.set_data_from_numpy(text)
+    x = decode_request(client_request(item)).inputs["text"]
+    assert x.dtype == object and x.shape == (2, 2)
+    assert x.tolist() == text.tolist()
+
+
+def test_bytes_input_typed_bytes_contents():
+    req = request(("text", "BYTES", (3,)))
+    req.inputs[0].contents.bytes_contents.extend([b"a", b"", b"xyz"])
+    x = decode_request(req).inputs["text"]
+    assert x.dtype == object and x.tolist() == [b"a", b"", b"xyz"]
+
+
+@pytest.mark.parametrize("count, raw, why", [
+    (1, b"\x05\x00\x00\x00ab", "runs past"),  # element longer than what is left
+    (2, b"\x01\x00\x00\x00a\x01\x00\x00", "end before"),  # second length cut short
+    (2, b"\x01\x00\x00\x00a\x01\x00\x00\x00bEXTRA", "left after"),
+    (2, b"\x00\x00\x00", "cannot hold"),
+    (2**31, b"\x00" * 8, "cannot hold"),  # checked before 2**31 slots are allocated
+])
+def test_malformed_bytes_contents(count, raw, why):
+    message = rejected(request(("text", "BYTES", (count,)), raw=[raw]))
+    assert "'text'" in message and why in message
+
+
+def test_bytes_typed_count_mismatch():
+    req = request(("text", "BYTES", (2,)))
+    req.inputs[0].contents.bytes_contents.append(b"only one")
+    assert "1 values in bytes_contents" in rejected(req)
+
+
+def test_bf16_input_widens_exactly_to_float32():
+    values = np.array([[1.5, -2.0, 3.140625], [np.inf, -0.0, 1e-38]], dtype=ml_dtypes.bfloat16)
+    item = grpcclient.InferInput("act", list(values.shape), "BF16")
+    item.set_data_from_numpy(values)
+    x = decode_request(client_request(item)).inputs["act"]
+    assert x.dtype == np.float32 and x.shape == (2, 3)
+    np.testing.assert_array_equal(x, values.astype(np.float32))  # exact: bf16 -> fp32 widening
+    assert np.signbit(x[1, 1])
+
+
+def test_bf16_raw_size_and_typed_contents_are_checked():
+    assert "needs 4" in rejected(request(("act", "BF16", (2,)), raw=[b"\x00" * 3]))
+    assert "raw contents" in rejected(request(("act", "BF16", (2,))))
+
+
+def upstream_response(outputs: dict[str, tuple[str, np.ndarray]]) -> pb.ModelInferResponse:
+    """An upstream's answer with raw contents built by tritonclient's own serialisers."""
+    response = pb.ModelInferResponse(model_name="m")
+    for name, (datatype, array) in outputs.items():
+        response.outputs.add(name=name, datatype=datatype, shape=list(array.shape))
+        if datatype == "BYTES":
+            raw = serialize_byte_tensor(array).item() if array.size else b""
+        else:
+            raw = array.tobytes()
+        response.raw_output_contents.append(raw)
+    return response
+
+
+def test_decode_response_bytes_output_like_tritons_classification():
+    # Triton's classification extension answers "value:index:label" strings as BYTES.
+    labels = np.array([[b"0.91:3:cat", b"0.05:1:dog"]], dtype=object)
+    scores = np.array([[0.25, 0.75]], dtype=ml_dtypes.bfloat16)
+    outputs = decode_response(upstream_response({"labels": ("BYTES", labels),
+                                                 "scores": ("BF16", scores)}))
+    assert outputs["labels"].dtype == object and outputs["labels"].tolist() == labels.tolist()
+    assert outputs["scores"].dtype == np.float32
+    np.testing.assert_array_equal(outputs["scores"], scores.astype(np.float32))
+
+
+def test_decode_response_typed_bytes_and_empty_bytes_tensor():
+    response = pb.ModelInferResponse(model_name="m")
+    out = response.outputs.add(name="s", datatype="BYTES", shape=[2])
+    out.contents.bytes_contents.extend([b"x", b"yz"])
+    response.outputs.add(name="e", datatype="BYTES", shape=[0, 3])
+    outputs = decode_response(response)
+    assert outputs["s"].tolist() == [b"x", b"yz"] and outputs["e"].shape == (0, 3)
+
+
+def test_encode_response_bytes_reads_back_in_tritonclient():
+    request_ = decode_request(request(("x", "FP32", (1,)), raw=[b"\x00" * 4], id="r"))
+    text = np.array([["a", "bb"], ["", "caf\u00e9"]])  # numpy unicode: sent as UTF-8 BYTES
+    response = encode_response(request_, {"text": text,
+                                          "raw": np.array([b"\x00\x01"], dtype=object)},
+                               "primary")
+    result = grpcclient.InferResult(response)
+    assert result.as_numpy("text").tolist() == [[b"a", b"bb"], [b"", "caf\u00e9".encode()]]
+    assert result.as_numpy("raw").tolist() == [b"\x00\x01"]
+    assert decode_response(response)["text"].tolist() == result.as_numpy("text").tolist()
+
+
+def test_tier1_compares_decoded_bytes_outputs_for_equality_and_bf16_numerically():
+    from guard.config import ChecksConfig
+    from guard.verify.pipeline import Verifier
+
+    verifier = Verifier(ChecksConfig.model_validate({"tensor": {"atol": 0.01, "rtol": 0.0}}))
+
+    def answer(label: bytes, score: float):
+        return decode_response(upstream_response({
+            "labels": ("BYTES", np.array([[label, b"0.05:1:dog"]], dtype=object)),
+            "scores": ("BF16", np.array([[score]], dtype=ml_dtypes.bfloat16))}))
+
+    reference = answer(b"0.91:3:cat", 0.5)
+    same = verifier.check(reference, answer(b"0.91:3:cat", 0.50390625))  # next bf16 up
+    assert same.passed, same.tiers["tensor"].summary()
+    flipped = verifier.check(reference, answer(b"0.91:4:fox", 0.5))
+    by_name = {o.name: o for o in flipped.tiers["tensor"].outputs}
+    assert not by_name["labels"].passed and "non-numeric values differ" in by_name["labels"].reason
+    assert by_name["scores"].passed and not flipped.passed

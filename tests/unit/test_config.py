@@ -423,6 +423,51 @@ def test_bad_model_name(base):
     assert len(lines) == 1 and lines[0].startswith("models[0].name: ")
 
 
+@pytest.mark.parametrize("name", ["..", ".", ".hidden", "-x", "_x", "a/b", "a\\b", "x" * 129])
+def test_model_name_cannot_escape_or_hide_its_capture_folder(base, name):
+    lines = problems(doc(name=name), base)
+    assert len(lines) == 1 and lines[0].startswith("models[0].name: ")
+    assert "capture folder" in lines[0]
+
+
+@pytest.mark.parametrize("name", ["resnet", "resnet-50.v2", "A_1", "0x", "a..b"])
+def test_model_names_that_stay_plain_folder_names(base, name):
+    assert parse_config(doc(name=name), base).models[0].name == name
+
+
+# -- sha256: only on artifact files; required where the loader can unpickle -------------------
+UPSTREAM = {"backend": "upstream", "target": "localhost:8001", "model": "m"}
+
+
+def test_sha256_on_an_upstream_is_an_error_naming_the_key(base):
+    lines = problems(doc(primary={**UPSTREAM, "sha256": "a" * 64}), base)
+    assert lines == ["models[0].primary.sha256: backend 'upstream' has no artifact to pin "
+                     "(the remote server loads its own model): remove sha256"]
+
+
+def test_sha256_on_a_factory_is_an_error_naming_the_key(base):
+    lines = problems(doc(reference={"backend": "torch", "path": "fixture_models:affine",
+                                    "sha256": "a" * 64}), base)
+    assert len(lines) == 1
+    assert lines[0].startswith("models[0].reference.sha256: 'fixture_models:affine' is a "
+                               "Python factory")
+
+
+def test_pt2_without_sha256_is_refused_saying_why(base):
+    (base / "prog.pt2").touch()
+    lines = problems(doc(reference={"backend": "torch", "path": "prog.pt2"}), base)
+    assert len(lines) == 1 and lines[0].startswith("models[0].reference.sha256: required")
+    assert "unpickle" in lines[0] and "sha256sum" in lines[0]
+    pinned = parse_config(doc(reference={"backend": "torch", "path": "prog.pt2",
+                                         "sha256": "b" * 64}), base)
+    assert pinned.models[0].reference.sha256 == "b" * 64
+
+
+def test_sha256_on_files_stays_optional(base):
+    config = parse_config(doc(primary={**ORT, "sha256": "c" * 64}, reference=dict(TORCH)), base)
+    assert config.models[0].primary.sha256 == "c" * 64 and config.models[0].reference.sha256 is None
+
+
 def test_bad_device(base):
     lines = problems(doc(primary={**ORT, "device": "tpu"}), base)
     assert len(lines) == 1 and lines[0].startswith("models[0].primary: ")

@@ -12,11 +12,12 @@ import pytest
 import yaml
 
 from fixture_models import DRIFT_TRIGGER, FAIL_TRIGGER
-from guard.capture.segment import HEADER_SIZE
+from guard.capture.segment import HEADER_SIZE, encode_frame
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.cli import main
 from guard.config import CaptureConfig
 from guard.observe.metrics import GuardMetrics
+from guard.v1 import capture_pb2
 
 ROW = "replay_fixtures:row_affine"
 TIGHT = {"tensor": {"atol": 1e-3, "rtol": 0.0}}
@@ -173,6 +174,31 @@ def test_corrupted_capture_is_replayed_around_the_damage(tmp_path, config, capsy
     main(["capture", "inspect", str(segment)])
     out = capsys.readouterr().out
     assert "7 record(s)" in out and "skipped" in out and "payload CRC mismatch" in out
+
+
+def crafted_record(request_id: str, shape: list[int], datatype: str = "FP32",
+                   raw: bytes = b"") -> bytes:
+    """A frame with good CRCs around a record whose tensor cannot be rebuilt."""
+    record = capture_pb2.CaptureRecord(model="m", request_id=request_id)
+    record.inputs.add(name="x", datatype=datatype, shape=shape, raw=raw)
+    return encode_frame(record.SerializeToString())
+
+
+def test_records_with_overflowing_shapes_are_skipped_and_counted(tmp_path, config):
+    capture = write_capture(tmp_path / "cap", [rows_for(i) for i in range(3)])
+    (segment,) = sorted(capture.glob("*.gcap"))
+    with segment.open("ab") as handle:
+        handle.write(crafted_record("zero-but-huge", [0, 2**62, 2**62]))
+        handle.write(crafted_record("wraps-to-zero", [2**32, 2**32]))  # int64 product wraps
+        handle.write(crafted_record("negative", [-1, 4], raw=b"\x00" * 16))
+        handle.write(crafted_record("bad-bytes", [2], datatype="BYTES", raw=b"\x09\x00"))
+    code, report = run(config, capture, report=tmp_path / "r")
+    assert code == 0
+    inputs = report["inputs"]
+    assert inputs["records_read"] == 7 and inputs["replayed"] == 3
+    assert inputs["unreadable_records"] == 4
+    assert report["models"]["m"]["samples"] == 3
+    assert any("4 unreadable record(s)" in p for p in report["problems"])
 
 
 def test_unknown_model_is_reported_not_fatal_unless_strict(tmp_path, config):

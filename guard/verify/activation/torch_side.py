@@ -15,13 +15,12 @@ the artifact's arithmetic on the artifact's weights.
 
 from __future__ import annotations
 
-import importlib
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from guard.backends.artifact import import_factory
 from guard.errors import GuardError
 
 
@@ -75,11 +74,8 @@ def _to_numpy(tensor) -> np.ndarray:
 
 
 def load_factory(ref: str, base_dir: Path | None = None):
-    module_name, func_name = ref.split(":")
-    if base_dir is not None and str(base_dir) not in sys.path:
-        sys.path.insert(0, str(base_dir))
     try:
-        return getattr(importlib.import_module(module_name), func_name)
+        return import_factory(ref, base_dir)
     except (ImportError, AttributeError) as exc:
         raise CaptureUnsupported(f"cannot import torch_factory '{ref}': {exc}") from exc
 
