@@ -382,9 +382,11 @@ class ActivationCheckConfig(Strict):
         "is at most max_queue_fill full (the mirror's budget comes first).")
     max_queue_fill: Fraction = Field(
         0.5, description="on_failure runs only while queue depth / queue_size is at most this.")
-    rel_error: PositiveFloat = Field(
-        0.05, description="A layer diverges when ||primary - reference|| / ||reference|| of "
-        "what reaches it exceeds this (fp32 pairs sit near 1e-6, fp16 near 1e-3).")
+    rel_error: PositiveFloat | None = Field(
+        None, description="A fixed allowance on each layer's isolated relative error. Default "
+        "(unset): derived per layer, the relative error tier 1 allows at the output plus "
+        "checks.tensor.noise_floor.multiplier times the reference's own noise on that layer "
+        "(measured as the tier-1 floor is: batch 1 vs batched, thread counts).")
     top_k: PositiveInt = Field(5, description="Suspects reported, ranked by isolated error.")
     max_isolated: PositiveInt = Field(
         64, description="Most layers re-run in isolation per sample (largest propagated error "

@@ -307,6 +307,7 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
             "tensor": {"atol": atol, "rtol": rtol, "noise_floor": {"enabled": False}},
             "task": model.checks.task.model_dump(exclude_unset=True)})
         verifier = Verifier(checks, prepared.task, prepared.adapters)
+        verifier.pass_stats = True  # the sweep's tables report every output's statistics
         results = [verifier.check(ref, out) for ref, out in zip(reference.outputs, run.outputs)]
         for tier in tiers:
             tier_results = [r.tiers[tier] for r in results]

@@ -163,3 +163,53 @@ def measure_noise_floor(reference: Backend, spec: BackendConfig,
     for name in batched:
         floor.per_output.setdefault(name, 0.0)
     return floor
+
+
+# -- per-layer noise (tier 2) --------------------------------------------------------------------
+def _rel_l2(a: np.ndarray, b: np.ndarray) -> float | None:
+    """||a - b|| / ||b|| over positions finite on both sides (None: not comparable)."""
+    a, b = np.asarray(a), np.asarray(b)
+    if a.shape != b.shape or not np.issubdtype(a.dtype, np.number):
+        return None
+    a64, b64 = a.astype(np.float64).ravel(), b.astype(np.float64).ravel()
+    both = np.isfinite(a64) & np.isfinite(b64)
+    norm = float(np.linalg.norm(b64[both]))
+    diff = float(np.linalg.norm(a64[both] - b64[both]))
+    return 0.0 if diff == 0.0 else (diff / norm if norm > 0 else None)
+
+
+def layer_noise(run, inputs: dict[str, np.ndarray], samples: int,
+                thread_counts: list[int]) -> tuple[dict[str, float], list[str]]:
+    """The reference's own noise on every intermediate tensor, as tier 1's floor is measured
+    on outputs: rows one at a time vs batched, then the batched run at each thread count.
+
+    ``run(inputs, threads)`` returns the reference's tensors by key (threads None: as built).
+    Returns the largest relative L2 difference per key, and the comparisons made."""
+    per_key: dict[str, float] = {}
+    comparisons: list[str] = []
+
+    def fold(label: str, a: dict, b: dict) -> None:
+        comparisons.append(label)
+        for key in set(a) & set(b):
+            err = _rel_l2(a[key], b[key])
+            if err is not None:
+                per_key[key] = max(per_key.get(key, 0.0), err)
+
+    lengths = {v.shape[0] if v.ndim else None for v in inputs.values()}
+    rows = min(samples, min((n for n in lengths if n), default=0))
+    batched_inputs = {k: v[:rows] if v.ndim else v for k, v in inputs.items()}
+    batched = run(batched_inputs, None)
+    if len(lengths) == 1 and None not in lengths and rows > 1:
+        singles = [run({k: v[i:i + 1] for k, v in inputs.items()}, None) for i in range(rows)]
+        stacked = {}
+        for key, value in batched.items():
+            parts = [s.get(key) for s in singles]
+            if all(p is not None and p.ndim and p.shape[0] == 1 for p in parts):
+                stacked[key] = np.concatenate(parts, axis=0)
+        fold(f"batch 1 vs batch {rows}", stacked, batched)
+    runs = [(t, run(batched_inputs, t)) for t in dict.fromkeys(thread_counts)]
+    for (t0, first), (t1, other) in zip(runs, runs[1:]):
+        fold(f"threads {t0} vs {t1}", first, other)
+    for key in batched:
+        per_key.setdefault(key, 0.0)
+    return per_key, comparisons

@@ -144,6 +144,8 @@ class Verifier:
         self.task_checker = task_checker(task, checks.task)
         self.arbiter = arbiter
         self.extra_tiers: list[ExtraTier] = []
+        # Tier-1 statistics of passing outputs: sampled (None), or always (True: offline sweeps).
+        self.pass_stats: bool | None = None
         self.tiers: tuple[str, ...] = ("tensor",) + (("task",) if self.task_checker else ())
 
     @classmethod
@@ -192,7 +194,7 @@ class Verifier:
                 result.tiers["task"] = TaskCheck(self.task_name, False, reasons=[reason],
                                                  failure="shape")
             return result
-        tensor = compare_outputs(ref, out, self.default, self.per_output)
+        tensor = compare_outputs(ref, out, self.default, self.per_output, self.pass_stats)
         result.tiers["tensor"] = tensor
         if self.task_checker is not None:
             allowed = {o.name: o.allowed for o in tensor.outputs}

@@ -22,7 +22,9 @@ def test_int8_drift_is_localised_to_fc1_in_the_route_transition(tmp_path, zoo_cl
         "reference": {"backend": "torch", "path": str(zoo_classifier["torchscript"])},
         "fallback": {"backend": "onnxruntime", "path": onnx},
         "mirror": {"sample_rate": 1.0, "queue_size": 64},
-        "checks": {"tensor": {"atol": 1e-4, "rtol": 1e-3},
+        # An int8 deployment's tolerance: each convolution's own int8 error (~0.5%) fits in it;
+        # under rtol 1e-3 the first convolution would already exceed the budget on its own.
+        "checks": {"tensor": {"atol": 1e-4, "rtol": 0.02},
                    "activation": {"on_failure": True, "max_queue_fill": 1.0,
                                   "torch_factory": "guard.zoo.classifier:build"}},
         "policy": {"action": "fallback_model", "detector": "window", "window": 10,

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from guard.config import ChecksConfig
+from guard.verify import tensor
 from guard.verify.pipeline import Verifier
 from guard.verify.tensor import (
     OutputCheck,
@@ -18,6 +19,13 @@ from guard.verify.tensor import (
 )
 
 ZERO = Tolerance(atol=0.0, rtol=0.0)
+
+
+@pytest.fixture(autouse=True)
+def every_pass_gets_statistics(monkeypatch):
+    """The tests below check the statistics of passes: sample every one (the sampling itself
+    is tested at the end of this file)."""
+    monkeypatch.setattr(tensor, "PASS_STATS_EVERY", 1)
 
 
 def f64(*values) -> np.ndarray:
@@ -383,3 +391,48 @@ def test_verifier_default_checks_config():
     ref = {"y": np.ones((2, 3), np.float32)}
     assert verifier.check(ref, {"y": ref["y"] + np.float32(1e-5)}).passed
     assert not verifier.check(ref, {"y": ref["y"] + np.float32(1e-2)}).passed
+
+
+# -- one-pass verdict, statistics for failures and a sample of passes ------------------------------
+@pytest.mark.parametrize("size", [7, 4096, tensor._CHUNK + 3, 3 * tensor._CHUNK])
+@pytest.mark.parametrize("scale", [1e-7, 1e-3, 1e-1])
+def test_fast_verdict_agrees_with_full_statistics(size, scale):
+    rng = np.random.default_rng(size)
+    ref = rng.standard_normal(size).astype(np.float32)
+    out = (ref + scale * rng.standard_normal(size)).astype(np.float32)
+    tol = Tolerance(1e-4, 1e-3)
+    fast = compare_output("y", ref, out, tol, stats=False)
+    full = compare_output("y", ref, out, tol, stats=True)
+    assert fast.passed == full.passed
+    assert fast.max_abs == full.max_abs and fast.ref_max_abs == full.ref_max_abs
+    assert fast.allowed == full.allowed and fast.min_rtol == full.min_rtol
+    assert full.stats and not math.isnan(full.p99_abs)
+    if not fast.passed:  # a failure always carries its statistics
+        assert fast.stats and fast.p99_abs == full.p99_abs
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_nonfinite_in_a_late_chunk_takes_the_full_path(bad):
+    ref = np.zeros(3 * tensor._CHUNK, dtype=np.float32)
+    out = ref.copy()
+    out[-5] = bad
+    check = compare_output("y", ref, out, Tolerance(1.0, 1.0), stats=False)
+    assert not check.passed and check.nonfinite_mismatch == 1 and check.stats
+    both = ref.copy()
+    both[-5] = bad
+    same = compare_output("y", both, both.copy(), ZERO, stats=False)
+    assert same.passed  # NaN/Inf at the same place on both sides
+
+
+def test_passes_get_statistics_first_and_then_one_in_n(monkeypatch):
+    monkeypatch.setattr(tensor, "PASS_STATS_EVERY", 4)
+    monkeypatch.setattr(tensor, "_passes_seen", 0)
+    ref = np.linspace(-1, 1, 100, dtype=np.float32)
+    checks = [compare_output("y", ref, ref + np.float32(1e-6), Tolerance(1e-4, 0.0))
+              for _ in range(8)]
+    assert [c.stats for c in checks] == [True, False, False, False] * 2
+    skipped = checks[1]
+    assert skipped.passed and math.isnan(skipped.p99_abs) and math.isnan(skipped.cosine_distance)
+    assert skipped.max_abs == checks[0].max_abs and skipped.allowed == checks[0].allowed
+    failing = compare_output("y", ref, ref + np.float32(1.0), Tolerance(1e-4, 0.0))
+    assert not failing.passed and failing.stats and failing.mean_abs > 0

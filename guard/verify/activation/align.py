@@ -41,6 +41,7 @@ class Pairing:
     isolation_note: str = ""
     inputs: list[str] = field(default_factory=list)  # values (this side's names) it reads
     isolate_is_free: bool = False  # the primary computes it exactly as the reference does
+    ref_key: str = ""  # the reference's own key for this tensor (its per-layer noise), else value
 
 
 @dataclass
@@ -212,7 +213,8 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
                     return onnx.isolate(value, boundary, fetch)
 
                 out.pairings.append(Pairing(name, m.call.kind, m.call.path, value, tensor,
-                                            onnx_cap[value], isolate))
+                                            onnx_cap[value], isolate,
+                                            ref_key=f"{m.call.key}.{j}"))
             else:
                 isolate = None
                 note = ""
@@ -257,7 +259,8 @@ def align_torch_torch(ref: TorchSide, prim: TorchSide, ref_cap: TorchCapture,
                 return prim.run_module(call.path, call.inputs)[j], []
 
             out.pairings.append(Pairing(_call_name(call, ref_cap, j, n), call.kind, call.path,
-                                        call.key, call.outputs[j], other.outputs[j], isolate))
+                                        call.key, call.outputs[j], other.outputs[j], isolate,
+                                        ref_key=f"{call.key}.{j}"))
     ref_keys = {c.key for c in ref_cap.calls}
     out.primary_only = [c.key for c in prim_cap.calls if c.key not in ref_keys]
     return out

@@ -7,9 +7,10 @@ with ``on_failure``, on tier-1 failures while the mirror queue has room.
 
 Per sample: capture both sides, align them, and for every aligned layer compute the relative
 error and cosine of what reaches it (propagated) and of the primary's layer fed the reference's
-own inputs (isolated). The first layer whose propagated error exceeds ``rel_error`` is the first
-divergence; the suspects are the layers ranked by isolated error, which tells the layer that
-causes drift from those that only inherit it.
+own inputs (isolated). Isolated error decides (``decide.py``): a layer diverges when the error it
+adds itself exceeds its allowance, the relative error tier 1 allows at the output plus the
+reference's own noise on that layer (measured once, as tier 1's floor is). No layer is blamed for
+what it was fed. The suspects are the layers ranked by isolated error over allowance.
 """
 
 from __future__ import annotations
@@ -22,13 +23,20 @@ from pathlib import Path
 
 import numpy as np
 
-from guard.config import ActivationCheckConfig, BackendConfig, ModelConfig
+from guard.config import ActivationCheckConfig, BackendConfig, ModelConfig, TensorCheckConfig
 from guard.verify.activation.align import (
     Alignment,
     Pairing,
     align_onnx_onnx,
     align_torch_onnx,
     align_torch_torch,
+)
+from guard.verify.activation.decide import (
+    Budget,
+    budget_from_outputs,
+    budget_from_tier1,
+    decide,
+    rank_suspects,
 )
 from guard.verify.activation.errors import ShapeMismatch, layer_error
 from guard.verify.activation.onnx_side import OnnxSide
@@ -76,8 +84,11 @@ class ActivationChecker:
     """Tier 2 for one (reference, primary) pair."""
 
     def __init__(self, config: ActivationCheckConfig, reference: Side, primary: Side,
-                 rng: random.Random | None = None):
+                 rng: random.Random | None = None, tensor: TensorCheckConfig | None = None):
         self.config = config
+        self.tensor = tensor or TensorCheckConfig()  # tier 1's tolerances: the budget
+        self._noise: dict[str, float] | None = None  # the reference's per-layer noise
+        self._noise_note = ""
         self.reference = reference
         self.primary = primary
         self.pair = f"{reference.kind}/{primary.kind}"
@@ -97,7 +108,7 @@ class ActivationChecker:
             raise CaptureUnsupported(f"models[{model.name}]: tier 2 needs a reference backend")
         reference = build_side(model.reference, "reference", config, threads)
         primary = build_side(primary_spec or model.primary, "primary", config, threads)
-        return cls(config, reference, primary)
+        return cls(config, reference, primary, tensor=model.checks.tensor)
 
     # -- when to run (mirror worker) ------------------------------------------------------------
     def due(self, tier1_failed: bool, queue_fill: float) -> bool:
@@ -110,13 +121,15 @@ class ActivationChecker:
         return rate > 0 and (rate >= 1.0 or self._rng.random() < rate)
 
     # -- the check ----------------------------------------------------------------------------------
-    def check(self, inputs: dict[str, np.ndarray]) -> ActivationReport:
+    def check(self, inputs: dict[str, np.ndarray], tier1=None) -> ActivationReport:
+        """``tier1``: the sample's tier-1 ``TensorCheck`` (its budget and verdict), when known;
+        without it tier 2 applies tier 1's tolerances to the aligned outputs itself."""
         with self._lock:
-            return self._check(inputs)
+            return self._check(inputs, tier1)
 
-    def _check(self, inputs: dict[str, np.ndarray]) -> ActivationReport:
+    def _check(self, inputs: dict[str, np.ndarray], tier1=None) -> ActivationReport:
         started = time.perf_counter()
-        report = ActivationReport(self.pair, self.config.rel_error)
+        report = ActivationReport(self.pair, self.config.rel_error or 0.0)
         try:
             alignment = self._align(inputs)
         except Exception as exc:  # a capture that fails is reported, never raised into the mirror
@@ -134,16 +147,69 @@ class ActivationChecker:
                 continue
             layer = LayerResult(
                 pairing.name, pairing.op, pairing.module, pairing.value, propagated,
-                isolation_note=pairing.isolation_note,
-                divergent=propagated.rel_error > self.config.rel_error)
+                isolation_note=pairing.isolation_note)
             report.layers.append(layer)
             compared.append((layer, pairing))
         self._isolate(compared)
-        ranked = [layer for layer in report.layers if layer.isolated is not None]
-        ranked.sort(key=lambda layer: layer.isolated.rel_error, reverse=True)
-        report.suspects = ranked[: self.config.top_k]
+        noise = self._layer_noise(inputs)
+        report.noise_note = self._noise_note
+        decide(report, self._budget(tier1, [p for _, p in compared]), noise,
+               {p.value: p.ref_key or p.value for _, p in compared},
+               self.tensor.noise_floor.multiplier, self.config.rel_error)
+        report.suspects = rank_suspects(report.layers, self.config.top_k)
         report.seconds = time.perf_counter() - started
         return report
+
+    def _budget(self, tier1, pairings: list[Pairing]) -> Budget:
+        budget = budget_from_tier1(tier1) if tier1 is not None else None
+        if budget is not None:
+            return budget
+        names = {n for side in (self.reference, self.primary) if isinstance(side, OnnxSide)
+                 for n in side.graph.outputs}
+        t = self.tensor
+        per_output = {n: (o.atol if o.atol is not None else t.atol,
+                          o.rtol if o.rtol is not None else t.rtol) for n, o in t.outputs.items()}
+        budget = budget_from_outputs([(p.value, p.reference, p.primary) for p in pairings
+                                      if p.value in names], t.atol, t.rtol, per_output)
+        if budget is not None:
+            return budget
+        last = pairings[-1].reference if pairings else np.zeros(0)
+        finite = np.asarray(last, dtype=np.float64)
+        finite = finite[np.isfinite(finite)]
+        scale = float(np.abs(finite).max()) if finite.size else 0.0
+        return Budget(t.rtol + (t.atol / scale if scale > 0 else 0.0),
+                      "tier 1's tolerances at the last aligned layer (no aligned output)")
+
+    def _layer_noise(self, inputs: dict[str, np.ndarray]) -> dict[str, float]:
+        """The reference's per-layer noise, measured once (on the noise-floor .npz when the
+        config names one, else on the first checked sample's inputs)."""
+        if self._noise is not None:
+            return self._noise
+        from guard.verify.noise import layer_noise
+
+        floor = self.tensor.noise_floor
+        self._noise = {}
+        if not floor.enabled:
+            self._noise_note = "per-layer noise not measured (noise_floor.enabled is false)"
+            return self._noise
+        ref = self.reference
+        if isinstance(ref, OnnxSide):
+            def run(feed, threads):
+                return ref.capture(feed, threads)
+        else:
+            def run(feed, threads):
+                return ref.tensors(feed, threads)
+        source = "the first checked sample"
+        if floor.inputs:
+            with np.load(floor.inputs) as data:
+                inputs, source = {k: data[k] for k in data.files}, Path(floor.inputs).name
+        try:
+            self._noise, comparisons = layer_noise(run, inputs, floor.samples,
+                                                   list(floor.thread_counts))
+            self._noise_note = f"{', '.join(comparisons) or 'no comparison'} on {source}"
+        except Exception as exc:  # no noise figure: the budget alone is the allowance
+            self._noise_note = f"per-layer noise not measured: {type(exc).__name__}: {exc}"
+        return self._noise
 
     def _align(self, inputs: dict[str, np.ndarray]) -> Alignment:
         ref, prim = self.reference, self.primary

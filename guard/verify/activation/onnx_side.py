@@ -328,8 +328,17 @@ class OnnxSide:
         self._lock = threading.Lock()
         self._scopes: dict[str, list[ScopeInstance]] | None = None
         self._same: dict[tuple, bool] = {}
+        self._by_threads: dict[int, object] = {}
 
-    def _capture_session(self):
+    def _capture_session(self, threads: int | None = None):
+        if threads is not None and threads != self.threads:
+            # Another thread count (tier 2's per-layer noise): a session of its own, kept.
+            other = self._by_threads.get(threads)
+            if other is None:
+                self._capture_session()
+                other = _session(self._capture_bytes, threads)
+                self._by_threads[threads] = other
+            return other
         if self._session is None:
             import copy
 
@@ -345,13 +354,16 @@ class OnnxSide:
                     model.graph.output.append(helper.make_tensor_value_info(name, elem, None))
                 else:
                     model.graph.output.append(ValueInfoProto(name=name))
-            self._session = _session(model.SerializeToString(), self.threads)
+            self._capture_bytes = model.SerializeToString()
+            self._session = _session(self._capture_bytes, self.threads)
             self._output_names = [o.name for o in self._session.get_outputs()]
         return self._session
 
-    def capture(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Every comparable value (and the graph outputs) for these inputs, by value name."""
-        session = self._capture_session()
+    def capture(self, inputs: dict[str, np.ndarray],
+                threads: int | None = None) -> dict[str, np.ndarray]:
+        """Every comparable value (and the graph outputs) for these inputs, by value name.
+        ``threads``: run on a capture session with that many intra-op threads instead."""
+        session = self._capture_session(threads)
         feeds = {name: inputs[name] for name in self.graph.inputs if name in inputs}
         results = session.run(self._output_names, feeds)
         return dict(zip(self._output_names, results))
@@ -416,3 +428,4 @@ class OnnxSide:
     def close(self) -> None:
         self._session = None
         self._segments.clear()
+        self._by_threads.clear()

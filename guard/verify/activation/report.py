@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
-from guard.verify.activation.errors import LayerError
+from guard.verify.activation.errors import LayerError, _round
 
 # How many unaligned names / suspects an event carries (the report itself keeps all).
 _SUMMARY_NAMES = 20
@@ -20,7 +21,18 @@ class LayerResult:
     isolated: LayerError | None = None  # the primary's layer fed the reference's own inputs
     isolation_note: str = ""  # why there is no isolated figure
     primary_nodes: list[str] = field(default_factory=list)  # ONNX primary: the nodes computing it
-    divergent: bool = False
+    divergent: bool = False  # its isolated error exceeds its allowance (see decide.py)
+    noise: float = 0.0  # the reference's own relative error on this layer against itself
+    allowance: float | None = None  # budget + multiplier * noise (or the fixed rel_error)
+
+    @property
+    def ratio(self) -> float:
+        """Isolated error over allowance (> 1: divergent); 0 without an isolated figure."""
+        if self.isolated is None:
+            return 0.0
+        if not self.allowance:
+            return math.inf if self.isolated.rel_error > 0 else 0.0
+        return self.isolated.rel_error / self.allowance
 
     def as_dict(self) -> dict:
         return {
@@ -28,7 +40,8 @@ class LayerResult:
             "propagated": self.propagated.as_dict(),
             "isolated": self.isolated.as_dict() if self.isolated else None,
             "isolation_note": self.isolation_note, "primary_nodes": self.primary_nodes,
-            "divergent": self.divergent,
+            "divergent": self.divergent, "noise": _round(self.noise),
+            "allowance": None if self.allowance is None else _round(self.allowance),
         }
 
 
@@ -45,16 +58,23 @@ class Unaligned:
 @dataclass
 class ActivationReport:
     pair: str  # "onnx/onnx", "torch/onnx", "onnx/torch", "torch/torch" (reference/primary)
-    threshold: float  # a layer diverges when its propagated relative error exceeds this
+    threshold: float  # the budget (relative error tier 1 allows at the output), or rel_error
     layers: list[LayerResult] = field(default_factory=list)
     unaligned: list[Unaligned] = field(default_factory=list)
     primary_only: list[str] = field(default_factory=list)  # values the primary's derivation added
     suspects: list[LayerResult] = field(default_factory=list)  # by isolated error, largest first
     seconds: float = 0.0
     error: str = ""  # set when the check itself could not run (capture failed)
+    budget: object = None  # decide.Budget: what the allowances derive from
+    first: LayerResult | None = None  # set by decide.decide
+    basis: str = ""  # the rule that named the first divergence
+    undetermined: str = ""  # tier 1 failed but no layer can be named: exactly why
+    noise_note: str = ""  # how the per-layer noise was measured, or why it was not
 
     @property
     def first_divergence(self) -> LayerResult | None:
+        if self.first is not None:
+            return self.first
         return next((layer for layer in self.layers if layer.divergent), None)
 
     @property
@@ -68,7 +88,8 @@ class ActivationReport:
             return None
         return {"layer": first.name, "error": first.propagated.rel_error, "op": first.op,
                 "module": first.module, "value": first.value,
-                "isolated_error": first.isolated.rel_error if first.isolated else None}
+                "isolated_error": first.isolated.rel_error if first.isolated else None,
+                "allowance": first.allowance, "basis": self.basis}
 
     def summary(self, names: int = _SUMMARY_NAMES) -> dict:
         """Compact evidence for events and route transitions."""
@@ -78,17 +99,19 @@ class ActivationReport:
             "threshold": self.threshold,
             "aligned": len(self.layers),
             "first_divergence": self.first_divergence_dict(),
+            **({"undetermined": self.undetermined} if self.undetermined else {}),
+            "budget": self.budget.as_dict() if self.budget is not None else None,
             "suspects": [
                 {"layer": s.name, "op": s.op, "module": s.module,
                  "isolated_error": s.isolated.rel_error if s.isolated else None,
-                 "propagated_error": s.propagated.rel_error,
+                 "propagated_error": s.propagated.rel_error, "allowance": s.allowance,
                  "primary_nodes": s.primary_nodes}
                 for s in self.suspects
             ],
             "unaligned": [u.as_dict() for u in self.unaligned[:names]],
             "unaligned_count": len(self.unaligned),
             "primary_only_count": len(self.primary_only),
-            "seconds": round(self.seconds, 4),
+            "seconds": round(self.seconds, 4), "noise": self.noise_note,
             **({"error": self.error} if self.error else {}),
         }
 

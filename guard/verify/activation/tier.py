@@ -44,7 +44,7 @@ class ActivationTier:
         checker = self.prepare()
         if not checker.due(failed, self.queue_fill()):
             return None
-        return checker.check(inputs)
+        return checker.check(inputs, tier1=results.get("tensor"))
 
     def close(self) -> None:
         if self.checker is not None:

@@ -163,6 +163,22 @@ class TorchSide:
                 handle.remove()
         return capture
 
+    def tensors(self, inputs: dict[str, np.ndarray],
+                threads: int | None = None) -> dict[str, np.ndarray]:
+        """Every module call's outputs by ``path#index.j`` (tier 2's per-layer noise); with
+        ``threads``, torch's process-wide thread count is changed for the run and restored."""
+        import torch
+
+        before = torch.get_num_threads()
+        if threads is not None:
+            torch.set_num_threads(threads)
+        try:
+            capture = self.capture(inputs)
+        finally:
+            torch.set_num_threads(before)
+        return {f"{call.key}.{j}": out for call in capture.calls
+                for j, out in enumerate(call.outputs)}
+
     def run_module(self, path: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
         """Call one submodule on given inputs (isolated error when torch is the primary)."""
         import torch

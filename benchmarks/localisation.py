@@ -1,0 +1,212 @@
+"""Tier 2 localisation on a seeded fault corpus, beside Polygraphy.
+
+For every case of ``guard.zoo.faults.corpus`` (seeded MLPs, the zoo CNN, MiniLM): tier 2 as
+``checks.activation: {on_failure: true}`` builds it (every other key at its default, tier-1
+tolerances of the case's deployment), on real ONNX Runtime sessions and torch modules. Per case:
+tier 1's verdict (tier 2 applies tier 1's tolerances to the aligned outputs), the layer named,
+the rank of the true layer (first divergence, then the suspects), the time of the check (the
+first check of a fresh checker: capture sessions, per-layer noise and isolation included).
+
+On the ONNX-vs-ONNX cases, in the same run: Polygraphy (``polygraphy`` from PyPI, the
+benchmark's optional extra ``guard[bench]``), as ``polygraphy run --onnxrt --onnx-outputs mark
+all`` does it: every tensor marked as an output on both models, the reference's outputs compared
+with the primary's at Polygraphy's default tolerances (rtol 1e-5, atol 1e-5, elementwise); its
+answer is the first failing tensor in the reference graph's order, mapped to the node that
+produces it. Polygraphy cannot run the torch-vs-ONNX cases.
+
+    python benchmarks/localisation.py [--quick] [--no-real] [--out benchmarks/results]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import logging
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+
+def polygraphy_first_failure(case) -> tuple[str | None, float]:
+    """The producer node of the first tensor Polygraphy reports failing, and its time."""
+    import onnx
+    from polygraphy import constants
+    from polygraphy.backend.onnx import BytesFromOnnx, ModifyOutputs, OnnxFromPath
+    from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
+    from polygraphy.comparator import Comparator, CompareFunc
+
+    primary = case.primary
+    if case.precision != "fp32":
+        from guard.backends.derive import derive_onnx
+
+        primary = derive_onnx(case.primary, case.precision)
+    started = time.perf_counter()
+    runners = [OnnxrtRunner(SessionFromOnnx(BytesFromOnnx(ModifyOutputs(
+        OnnxFromPath(str(path)), outputs=constants.MARK_ALL))), name=name)
+        for name, path in (("reference", case.reference), ("primary", primary))]
+    results = Comparator.run(runners, data_loader=[case.inputs])
+    accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple())
+    seconds = time.perf_counter() - started
+    verdicts = next(iter(accuracy[0].values()))[0]  # one compare func, one pair, iteration 0
+    graph = onnx.load(str(case.reference), load_external_data=False).graph
+    for node in graph.node:  # graph order: the first failing tensor
+        for value in node.output:
+            if value in verdicts and not bool(verdicts[value]):
+                return node.name or value, seconds
+    return None, seconds
+
+
+def run_case(case) -> dict:
+    from guard.zoo.faults import checker_for, ranked_names
+
+    checker = checker_for(case)
+    started = time.perf_counter()
+    report = checker.check(case.inputs)
+    seconds = time.perf_counter() - started
+    checker.close()
+    names = ranked_names(report)
+    first = report.first_divergence
+    row = {
+        "case": case.name, "kind": case.kind, "model": case.model, "precision": case.precision,
+        "onnx_pair": case.onnx_pair, "true_layer": case.true_layer,
+        "tier1_failed": report.budget.tier1_failed if report.budget else None,
+        "budget": report.budget.relative if report.budget else None,
+        "named": first.name if first else None, "basis": report.basis,
+        "undetermined": report.undetermined, "error": report.error,
+        "rank": names.index(case.true_layer) + 1 if case.true_layer in names else None,
+        "seconds": round(seconds, 4),
+    }
+    if case.onnx_pair:
+        try:
+            row["polygraphy"], poly_s = polygraphy_first_failure(case)
+            row["polygraphy_seconds"] = round(poly_s, 4)
+        except Exception as exc:
+            row["polygraphy"], row["polygraphy_error"] = None, f"{type(exc).__name__}: {exc}"
+    return row
+
+
+def score(rows: list[dict]) -> dict:
+    faults = [r for r in rows if r["true_layer"] is not None]
+    visible = [r for r in faults if r["tier1_failed"]]
+    clean = [r for r in rows if r["true_layer"] is None]
+    onnx = [r for r in faults if r["onnx_pair"]]
+
+    def share(items, test):
+        return round(sum(1 for r in items if test(r)) / len(items), 4) if items else None
+
+    return {
+        "cases": len(rows), "fault_cases": len(faults), "clean_cases": len(clean),
+        "tier1_failing_fault_cases": len(visible),
+        "top1": share(faults, lambda r: r["named"] == r["true_layer"]),
+        "top1_when_tier1_fails": share(visible, lambda r: r["named"] == r["true_layer"]),
+        "top3": share(faults, lambda r: r["rank"] is not None and r["rank"] <= 3),
+        "clean_blames": sum(1 for r in clean if r["named"] is not None),
+        "silent_none_when_tier1_fails": sum(1 for r in visible
+                                            if r["named"] is None and not r["undetermined"]),
+        "onnx_cases": len(onnx),
+        "guard_top1_onnx": share(onnx, lambda r: r["named"] == r["true_layer"]),
+        "polygraphy_top1_onnx": share(onnx, lambda r: r.get("polygraphy") == r["true_layer"]),
+        "polygraphy_clean_blames": sum(1 for r in clean if r["onnx_pair"] and r.get("polygraphy")),
+        "cases_polygraphy_right_guard_wrong": [
+            r["case"] for r in onnx
+            if r.get("polygraphy") == r["true_layer"] and r["named"] != r["true_layer"]],
+        "torch_onnx_cases_polygraphy_cannot_run": sum(1 for r in faults if not r["onnx_pair"]),
+        "median_seconds_guard": _median([r["seconds"] for r in rows]),
+        "median_seconds_polygraphy": _median([r["polygraphy_seconds"] for r in rows
+                                              if "polygraphy_seconds" in r]),
+    }
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(values)
+    return values[len(values) // 2] if values else None
+
+
+def markdown(result: dict) -> str:
+    s = result["score"]
+    lines = [
+        "# Tier 2 localisation on a seeded fault corpus, beside Polygraphy",
+        "",
+        f"Machine: {result['machine']}; {result['date']}; polygraphy {result['polygraphy']}.",
+        f"Command: `{result['command']}`",
+        "",
+        "| figure | value |", "| --- | --- |",
+        f"| cases (faults / clean) | {s['cases']} ({s['fault_cases']} / {s['clean_cases']}) |",
+        f"| top-1, all fault cases | {s['top1']:.1%} |",
+        f"| top-1 where tier 1 fails ({s['tier1_failing_fault_cases']} cases) | "
+        f"{s['top1_when_tier1_fails']:.1%} |",
+        f"| top-3, all fault cases | {s['top3']:.1%} |",
+        f"| clean pairs blamed (guard) | {s['clean_blames']} of {s['clean_cases']} |",
+        f"| tier 1 failed, no layer and no reason | {s['silent_none_when_tier1_fails']} |",
+        f"| ONNX-vs-ONNX fault cases: guard top-1 | {s['guard_top1_onnx']:.1%} "
+        f"({s['onnx_cases']} cases) |",
+        f"| ONNX-vs-ONNX fault cases: Polygraphy top-1 | {s['polygraphy_top1_onnx']:.1%} |",
+        f"| ONNX clean pairs blamed (Polygraphy) | {s['polygraphy_clean_blames']} |",
+        f"| Polygraphy right, guard wrong | {', '.join(s['cases_polygraphy_right_guard_wrong']) or 'none'} |",
+        f"| torch-vs-ONNX fault cases (Polygraphy cannot run) | "
+        f"{s['torch_onnx_cases_polygraphy_cannot_run']} |",
+        f"| median time per case: guard / Polygraphy | {s['median_seconds_guard']:.3f} s / "
+        f"{s['median_seconds_polygraphy'] or 0:.3f} s |",
+        "",
+        "A fault tier 1 does not fail (`t1 fail` no) is within the deployment's own output budget:",
+        "guard names a layer only when that layer's isolated error exceeds its allowance, so such a",
+        "case may name none by design; the true layer's rank among the suspects is still given.",
+        "",
+        "| case | kind | t1 fail | true layer | guard names | rank | basis | Polygraphy | s |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in result["rows"]:
+        poly = r.get("polygraphy", "n/a (torch)") if r["onnx_pair"] else "n/a (torch)"
+        basis = "exceeds" if r["basis"].startswith("isolated") else (
+            "largest" if r["basis"] else (r["undetermined"][:40] or "-"))
+        lines.append(f"| {r['case']} | {r['kind']} | {'yes' if r['tier1_failed'] else 'no'} | "
+                     f"`{r['true_layer']}` | `{r['named']}` | {r['rank'] or '-'} | {basis} | "
+                     f"`{poly}` | {r['seconds']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from guard.machine import cpu_model
+    from guard.zoo import faults
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--no-real", action="store_true", help="skip MiniLM")
+    parser.add_argument("--quick", action="store_true", help="the issue's six cases only")
+    args = parser.parse_args(argv)
+    logging.disable(logging.WARNING)
+    import polygraphy
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.CRITICAL  # its per-tensor histograms: thousands of lines
+
+    with tempfile.TemporaryDirectory(prefix="guard-localisation-") as tmp:
+        folder = Path(tmp)
+        cases = (faults.issue_cases(folder) if args.quick
+                 else faults.corpus(folder, real=not args.no_real))
+        rows = []
+        for case in cases:
+            rows.append(run_case(case))
+            r = rows[-1]
+            print(f"{r['case']:34s} named={r['named']} true={r['true_layer']} rank={r['rank']} "
+                  f"poly={r.get('polygraphy', 'n/a')} {r['seconds']:.2f}s", flush=True)
+    result = {"machine": f"{cpu_model()} ({platform.machine()})",
+              "date": _dt.date.today().isoformat(), "polygraphy": polygraphy.__version__,
+              "command": "python benchmarks/localisation.py " + " ".join(argv or sys.argv[1:]),
+              "score": score(rows), "rows": rows}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "localisation_quick" if args.quick else "localisation"
+    (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
+    (out / f"{stem}.md").write_text(markdown(result))
+    print(json.dumps(result["score"], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

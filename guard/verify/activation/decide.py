@@ -1,0 +1,148 @@
+"""Which layer diverges: each layer's *isolated* error against what it would be without a fault.
+
+A fixed share (``||primary - ref|| / ||ref|| > 0.05``) misses faults that break tier 1 with a
+smaller per-layer error, and blames the layer after a fault once the error it was fed has grown.
+Here a layer is judged on the error it adds itself (its primary computation fed the reference's
+own inputs), against its own allowance:
+
+    allowance = budget + multiplier * noise
+
+- ``budget``: the relative error tier 1 allows at the output, ``allowed / max|ref|`` (``atol +
+  rtol * max|ref| + floor`` over the output's scale), the smallest over outputs. A layer that adds
+  more error than the whole output may carry is divergent whatever follows it.
+- ``noise``: the reference's own relative error on that layer against itself (batch 1 vs
+  batched, thread counts; ``guard.verify.noise.layer_noise``), times the tier-1 floor multiplier.
+
+The first divergence is the first layer, in network order, whose isolated error exceeds its
+allowance. When tier 1 failed and no layer alone exceeds its allowance (several small errors that
+add up, or a fault whose effect grows downstream), the first divergence is the layer with the
+largest isolated error relative to its allowance, up to the first layer whose propagated error
+crosses the budget (where the drift becomes visible): ``basis`` says which rule named it. When
+none can be named, ``undetermined`` says exactly why (nothing aligned, nothing isolated, no layer
+adds error: the drift arises where there is no counterpart). Clean pairs name none.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from guard.verify.activation.report import ActivationReport, LayerResult
+
+BASIS_EXCEEDS = "isolated error exceeds its allowance"
+BASIS_LARGEST = ("largest isolated error relative to its allowance up to where the propagated "
+                 "error crosses the budget (no layer alone exceeds its allowance)")
+BASIS_FIXED = "isolated error exceeds the fixed rel_error"
+
+
+@dataclass
+class Budget:
+    """The relative error tier 1 allows at the output, and whether tier 1 failed."""
+
+    relative: float
+    source: str
+    tier1_failed: bool | None = None  # None: not known (tier 2 called on its own)
+
+    def as_dict(self) -> dict:
+        return {"relative": _round(self.relative), "source": self.source,
+                "tier1_failed": self.tier1_failed}
+
+
+def _round(value: float) -> float:
+    return value if not math.isfinite(value) else float(f"{value:.6g}")
+
+
+def budget_from_tier1(tier1) -> Budget | None:
+    """From a tier-1 ``TensorCheck``: the smallest ``allowed / max|ref|`` over its outputs."""
+    shares = [o.allowed / o.ref_max_abs for o in getattr(tier1, "outputs", [])
+              if o.ref_max_abs > 0 and math.isfinite(o.ref_max_abs) and o.allowed > 0]
+    if not shares:
+        return None
+    return Budget(min(shares), "tier 1 (allowed / max|ref| at the output)", not tier1.passed)
+
+
+def budget_from_outputs(pairs: list[tuple[str, np.ndarray, np.ndarray]], atol: float,
+                        rtol: float, per_output: dict[str, tuple[float, float]]) -> Budget | None:
+    """Tier 1's rule applied by tier 2 itself to the aligned graph outputs (name, ref, prim):
+    for a check called without a tier-1 result (a repair, a benchmark)."""
+    shares, failed = [], False
+    for name, ref, prim in pairs:
+        r = np.asarray(ref, dtype=np.float64)
+        p = np.asarray(prim, dtype=np.float64)
+        if r.shape != p.shape or not r.size:
+            failed = True
+            continue
+        a, o = per_output.get(name, (atol, rtol))
+        finite = np.isfinite(r)
+        scale = float(np.abs(r[finite]).max()) if finite.any() else 0.0
+        allowed = a + o * scale
+        with np.errstate(invalid="ignore"):
+            diff = np.abs(p - r)
+        bad = ~np.isfinite(diff) & ~((np.isnan(p) & np.isnan(r)) | (p == r))
+        if bad.any() or float(np.nanmax(np.where(np.isfinite(diff), diff, 0.0))) > allowed:
+            failed = True
+        if scale > 0 and allowed > 0:
+            shares.append(allowed / scale)
+    if not shares:
+        return None
+    return Budget(min(shares), "tier 1's tolerances applied to the aligned outputs", failed)
+
+
+def decide(report: ActivationReport, budget: Budget, noise: dict[str, float],
+           keys: dict[str, str], multiplier: float, fixed: float | None = None) -> None:
+    """Set each layer's allowance and ``divergent`` flag, and the report's first divergence
+    (``basis``) or why there is none (``undetermined``). ``keys``: layer value -> the
+    reference's noise key."""
+    report.budget = budget
+    report.threshold = fixed if fixed is not None else budget.relative
+    for layer in report.layers:
+        layer.noise = noise.get(keys.get(layer.value, layer.value), 0.0)
+        layer.allowance = fixed if fixed is not None else budget.relative + multiplier * layer.noise
+        layer.divergent = (layer.isolated is not None
+                           and layer.isolated.rel_error > layer.allowance)
+    first = next((layer for layer in report.layers if layer.divergent), None)
+    if first is not None:
+        report.basis = BASIS_FIXED if fixed is not None else BASIS_EXCEEDS
+        report.first = first
+        return
+    if not budget.tier1_failed:
+        return  # a clean pair (or a pass): nothing to name
+    report.undetermined = _fallback(report, budget)
+
+
+def _fallback(report: ActivationReport, budget: Budget) -> str:
+    """Tier 1 failed and no layer alone exceeds its allowance: name the largest contributor
+    up to where the drift crosses the budget, or say why no layer can be named."""
+    if not report.layers:
+        return (f"no layer has a counterpart on the other side ({len(report.unaligned)} "
+                "unaligned; see unaligned)" if report.unaligned else
+                "no layer was captured on both sides")
+    crossing = next((i for i, layer in enumerate(report.layers)
+                     if layer.propagated.rel_error > budget.relative), len(report.layers) - 1)
+    window = [layer for layer in report.layers[: crossing + 1] if layer.isolated is not None]
+    if not window:
+        notes = sorted({layer.isolation_note for layer in report.layers[: crossing + 1]
+                        if layer.isolation_note})
+        return ("no layer up to where the error crosses the budget "
+                f"({report.layers[crossing].name}) could be run in isolation: "
+                + ("; ".join(notes) or "no isolated figures"))
+    best = max(window, key=lambda layer: layer.ratio)
+    if best.isolated.rel_error == 0.0:
+        return ("every aligned layer up to where the error crosses the budget "
+                f"({report.layers[crossing].name}) computes exactly as the reference does: the "
+                "drift arises in layers without a counterpart"
+                + (f" ({', '.join(u.name for u in report.unaligned[:5])})"
+                   if report.unaligned else ""))
+    best.divergent = True
+    report.first = best
+    report.basis = BASIS_LARGEST
+    return ""
+
+
+def rank_suspects(layers: list[LayerResult], top_k: int) -> list[LayerResult]:
+    """Layers by isolated error over allowance (plain isolated error without one)."""
+    ranked = [layer for layer in layers if layer.isolated is not None]
+    ranked.sort(key=lambda layer: (layer.ratio, layer.isolated.rel_error), reverse=True)
+    return ranked[:top_k]

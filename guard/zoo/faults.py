@@ -1,0 +1,344 @@
+"""A seeded fault corpus for tier 2: pairs whose one broken layer is known.
+
+Each case is a (reference, primary) pair plus the layer that was broken (``true_layer``, the
+reference-side layer name tier 2 reports), or none for a clean pair. Built offline from seeded
+MLPs, the zoo CNN and the real models (MiniLM, silero-vad) when their packages are installed:
+
+- ``weight``: one layer's weight tensor perturbed, ``W + p * std(W) * N(0, 1)``, p from 0.1% to 10%;
+- ``bias``: one layer's bias shifted by a share of its output's scale;
+- ``activation``: one activation swapped for another (Relu -> Sigmoid);
+- ``int8_outlier``: one Linear with an outlier weight (50x its largest), primary derived as int8;
+- ``fp16_overflow``: one Linear whose output exceeds fp16's range (a LayerNorm after it hides it
+  in fp32), primary derived as fp16;
+- ``torch_onnx``: torch eager reference vs its ONNX export with one module's weights perturbed;
+- ``clean``: fp32 vs fp32 (the same file twice, torch vs its export), and int8/fp16 variants
+  under the tolerances such a deployment sets.
+
+Used by ``benchmarks/localisation.py`` and, a seeded subset, by the unit tests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+FP32 = {}  # tier 1's defaults (atol 1e-4, rtol 1e-3)
+INT8 = {"rtol": 0.02}  # what an int8 deployment allows (per-layer int8 error ~0.2-0.7%)
+FP16 = {"rtol": 0.01}
+
+
+@dataclass
+class FaultCase:
+    name: str
+    kind: str
+    model: str
+    reference: Path | Callable  # an ONNX file, or a factory of the torch eager reference
+    primary: Path  # an fp32 ONNX file (derived to ``precision`` when not fp32)
+    inputs: dict[str, np.ndarray]
+    true_layer: str | None  # None: a clean pair
+    precision: str = "fp32"
+    tensor: dict = field(default_factory=dict)  # tier-1 tolerances of this deployment
+    input_names: list[str] = field(default_factory=list)  # torch reference's positional inputs
+
+    @property
+    def onnx_pair(self) -> bool:
+        return isinstance(self.reference, Path)
+
+
+# -- models ---------------------------------------------------------------------------------------
+def mlp(seed: int, width: int = 32, depth: int = 4, act: str = "relu", norm_after: int | None = None):
+    """x[N,16] -> depth x (Linear -> act) -> Linear -> y[N,8]; ``norm_after``: a LayerNorm after
+    that Linear (fp16 overflow sites)."""
+    import torch
+    from torch import nn
+
+    class MLP(nn.Module):
+        def __init__(self):
+            super().__init__()
+            torch.manual_seed(seed)
+            dims = [16] + [width] * depth
+            for i in range(depth):
+                setattr(self, f"fc{i + 1}", nn.Linear(dims[i], dims[i + 1]))
+                setattr(self, f"act{i + 1}", nn.ReLU() if act == "relu" else nn.GELU())
+            self.head = nn.Linear(width, 8)
+            if norm_after is not None:
+                self.norm = nn.LayerNorm(width)
+            self.depth = depth
+
+        def forward(self, x):
+            for i in range(1, self.depth + 1):
+                x = getattr(self, f"fc{i}")(x)
+                if norm_after == i:
+                    x = self.norm(x)
+                x = getattr(self, f"act{i}")(x)
+            return self.head(x)
+
+    return MLP().eval()
+
+
+def export(module, path: Path, example: dict[str, np.ndarray], outputs: list[str]) -> Path:
+    """The TorchScript exporter (node names ``/fc1/Gemm``, weights under their module names)."""
+    import torch
+
+    args = tuple(torch.from_numpy(a) for a in example.values())
+    names = list(example)
+    axes = {n: {0: "batch"} for n in names + outputs}
+    with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()), \
+            contextlib.redirect_stderr(io.StringIO()), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(module, args, str(path), dynamo=False, opset_version=17,
+                          input_names=names, output_names=outputs, dynamic_axes=axes)
+    return path
+
+
+# -- faults on an ONNX file -----------------------------------------------------------------------
+def _edit(src: Path, dst: Path, node_name: str, change: Callable) -> Path:
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    inits = {i.name: i for i in model.graph.initializer}
+    node = next(n for n in model.graph.node if n.name == node_name)
+
+    def weight(index: int):
+        init = inits[node.input[index]]
+        return init, numpy_helper.to_array(init).copy()
+
+    def put(init, array):
+        init.CopyFrom(numpy_helper.from_array(array.astype(numpy_helper.to_array(init).dtype),
+                                              init.name))
+
+    change(node, weight, put)
+    onnx.save(model, str(dst))
+    return dst
+
+
+def perturb_weight(src: Path, dst: Path, node: str, share: float, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+
+    def change(n, weight, put):
+        init, w = weight(1)
+        put(init, w + share * w.std() * rng.standard_normal(w.shape))
+
+    return _edit(src, dst, node, change)
+
+
+def shift_bias(src: Path, dst: Path, node: str, share: float, seed: int) -> Path:
+    rng = np.random.default_rng(seed)
+
+    def change(n, weight, put):
+        init, b = weight(2)
+        _, w = weight(1)
+        # the layer's output scale ~ |W| rows: shift a quarter of the channels
+        scale = float(np.abs(w).sum(axis=-1).mean()) if w.ndim == 2 else float(np.abs(w).mean())
+        mask = rng.random(b.shape) < 0.25
+        put(init, b + share * scale * mask * np.sign(rng.standard_normal(b.shape)))
+
+    return _edit(src, dst, node, change)
+
+
+def swap_activation(src: Path, dst: Path, node: str, to: str = "Sigmoid") -> Path:
+    def change(n, weight, put):
+        n.op_type = to
+
+    return _edit(src, dst, node, change)
+
+
+def outlier_weight(src: Path, dst: Path, node: str, factor: float) -> Path:
+    """The largest weight of a layer made ``factor`` times larger: per-tensor int8 then spends
+    its range on one value and rounds the rest of that layer coarsely."""
+    def change(n, weight, put):
+        init, w = weight(1)
+        index = np.unravel_index(np.abs(w).argmax(), w.shape)
+        w[index] = np.abs(w).max() * factor
+        put(init, w)
+
+    return _edit(src, dst, node, change)
+
+
+# -- the corpus -----------------------------------------------------------------------------------
+def mlp_inputs(n: int, seed: int) -> dict[str, np.ndarray]:
+    return {"x": np.random.default_rng(1000 + seed).standard_normal((n, 16)).astype(np.float32)}
+
+
+def _mlp_file(folder: Path, seed: int, **kw) -> tuple[Path, object]:
+    module = mlp(seed, **kw)
+    tag = "".join(f"_{k}{v}" for k, v in sorted(kw.items()))
+    return export(module, folder / f"mlp{seed}{tag}.onnx", mlp_inputs(2, seed), ["y"]), module
+
+
+def weight_cases(folder: Path, seeds=range(6),
+                 shares=(0.001, 0.003, 0.01, 0.03, 0.1)) -> list[FaultCase]:
+    """Per seeded MLP, one layer (chosen by the seed) perturbed at each share."""
+    out = []
+    for seed in seeds:
+        clean, _ = _mlp_file(folder, seed)
+        layer = f"/fc{1 + seed % 4}/Gemm"
+        for share in shares:
+            name = f"mlp{seed}-weight-{share:g}"
+            prim = perturb_weight(clean, folder / f"{name}.onnx", layer, share, seed)
+            out.append(FaultCase(name, "weight", f"mlp{seed}", clean, prim,
+                                 mlp_inputs(8, seed), layer, tensor=FP32))
+    return out
+
+
+def issue_cases(folder: Path) -> list[FaultCase]:
+    """The report's six: seeded MLPs, one Linear perturbed by 0.5-5%, tier-1 defaults."""
+    out = []
+    for seed, share in zip(range(6), (0.005, 0.01, 0.02, 0.03, 0.04, 0.05)):
+        clean, _ = _mlp_file(folder, seed)
+        layer = f"/fc{1 + (seed + 1) % 4}/Gemm"
+        name = f"mlp{seed}-issue-{share:g}"
+        prim = perturb_weight(clean, folder / f"{name}.onnx", layer, share, 100 + seed)
+        out.append(FaultCase(name, "weight", f"mlp{seed}", clean, prim, mlp_inputs(8, seed),
+                             layer, tensor=FP32))
+    return out
+
+
+def other_fault_cases(folder: Path, seeds=range(4)) -> list[FaultCase]:
+    out = []
+    for seed in seeds:
+        clean, module = _mlp_file(folder, seed)
+        inputs = mlp_inputs(8, seed)
+        layer = f"/fc{1 + (seed + 2) % 4}/Gemm"
+        name = f"mlp{seed}-bias"
+        out.append(FaultCase(name, "bias", f"mlp{seed}", clean,
+                             shift_bias(clean, folder / f"{name}.onnx", layer, 0.05, seed),
+                             inputs, layer, tensor=FP32))
+        act = f"/act{1 + seed % 4}/Relu"
+        name = f"mlp{seed}-activation"
+        out.append(FaultCase(name, "activation", f"mlp{seed}", clean,
+                             swap_activation(clean, folder / f"{name}.onnx", act), inputs, act,
+                             tensor=FP32))
+        layer = f"/fc{2 + seed % 3}/Gemm"
+        name = f"mlp{seed}-int8-outlier"
+        prim = outlier_weight(clean, folder / f"{name}.onnx", layer, 50.0)
+        # The reference is the same outlier model in fp32: the fault is what int8 does to it.
+        out.append(FaultCase(name, "int8_outlier", f"mlp{seed}", prim, prim, inputs, layer,
+                             precision="int8", tensor=INT8))
+        site = 1 + seed % 3
+        big = mlp(seed, norm_after=site)
+        with _no_grad():
+            lin = getattr(big, f"fc{site}")
+            lin.weight.mul_(1e5)  # outputs beyond fp16's 65504; the LayerNorm hides it in fp32
+            lin.bias.mul_(1e5)
+        path = export(big, folder / f"mlp{seed}-fp16-overflow.onnx", mlp_inputs(2, seed), ["y"])
+        out.append(FaultCase(f"mlp{seed}-fp16-overflow", "fp16_overflow", f"mlp{seed}", path,
+                             path, mlp_inputs(8, seed), f"/fc{site}/Gemm", precision="fp16",
+                             tensor=FP16))
+        name = f"mlp{seed}-torch-onnx"
+        module_path = f"fc{1 + (seed + 3) % 4}"
+        prim = perturb_weight(clean, folder / f"{name}.onnx", f"/{module_path}/Gemm", 0.02,
+                              seed)
+        out.append(FaultCase(name, "torch_onnx", f"mlp{seed}", lambda seed=seed: mlp(seed),
+                             prim, inputs, module_path, tensor=FP32, input_names=["x"]))
+    return out
+
+
+def clean_cases(folder: Path, seeds=range(2)) -> list[FaultCase]:
+    out = []
+    for seed in seeds:
+        clean, _ = _mlp_file(folder, seed)
+        inputs = mlp_inputs(8, seed)
+        out.append(FaultCase(f"mlp{seed}-clean-fp32", "clean", f"mlp{seed}", clean, clean,
+                             inputs, None, tensor=FP32))
+        out.append(FaultCase(f"mlp{seed}-clean-torch-onnx", "clean", f"mlp{seed}",
+                             lambda seed=seed: mlp(seed), clean, inputs, None, tensor=FP32,
+                             input_names=["x"]))
+        out.append(FaultCase(f"mlp{seed}-clean-int8", "clean", f"mlp{seed}", clean, clean,
+                             inputs, None, precision="int8", tensor=INT8))
+        out.append(FaultCase(f"mlp{seed}-clean-fp16", "clean", f"mlp{seed}", clean, clean,
+                             inputs, None, precision="fp16", tensor=FP16))
+    return out
+
+
+def zoo_cnn_cases(folder: Path) -> list[FaultCase]:
+    from guard.zoo import classifier
+
+    paths = classifier.export(folder / "zoo")
+    clean = paths["onnx"]
+    inputs = {"image": classifier.sample_inputs(4, seed=5)}
+    out = [FaultCase("cnn-clean-fp32", "clean", "zoo-cnn", clean, clean, inputs, None)]
+    for node, share in (("node_conv2d", 0.01), ("node_conv2d_1", 0.03), ("node_linear", 0.01),
+                        ("node_Gemm_8", 0.1)):
+        name = f"cnn-weight-{node}-{share:g}"
+        out.append(FaultCase(name, "weight", "zoo-cnn", clean,
+                             perturb_weight(clean, folder / f"{name}.onnx", node, share, 7),
+                             inputs, node, tensor=FP32))
+    return out
+
+
+def real_cases(folder: Path) -> list[FaultCase]:
+    """MiniLM (its ONNX export, MatMul weights perturbed). Empty without the package."""
+    try:
+        from guard.zoo import minilm
+        paths = minilm.export(folder / "minilm")
+    except Exception:
+        return []
+    import onnx
+
+    clean = paths["onnx"]
+    inputs = minilm.sample_inputs(4)
+    graph = onnx.load(str(clean), load_external_data=False).graph
+    inits = {i.name for i in graph.initializer}
+    matmuls = [n.name for n in graph.node
+               if n.op_type in ("MatMul", "Gemm") and len(n.input) > 1 and n.input[1] in inits]
+    out = [FaultCase("minilm-clean-fp32", "clean", "minilm", clean, clean, inputs, None)]
+    picks = [matmuls[i] for i in (0, len(matmuls) // 3, len(matmuls) // 2, -1)]
+    for i, (node, share) in enumerate(zip(picks, (0.01, 0.03, 0.1, 0.03))):
+        name = f"minilm-weight-{i}-{share:g}"
+        out.append(FaultCase(name, "weight", "minilm", clean,
+                             perturb_weight(clean, folder / f"{name}.onnx", node, share, i),
+                             inputs, node, tensor=FP32))
+    return out
+
+
+@contextlib.contextmanager
+def _no_grad():
+    import torch
+
+    with torch.no_grad():
+        yield
+
+
+def corpus(folder: str | Path, real: bool = True) -> list[FaultCase]:
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    cases = (weight_cases(folder) + issue_cases(folder) + other_fault_cases(folder)
+             + clean_cases(folder) + zoo_cnn_cases(folder))
+    return cases + (real_cases(folder) if real else [])
+
+
+# -- running a case through tier 2 ----------------------------------------------------------------
+def checker_for(case: FaultCase, top_k: int = 50):
+    """Tier 2 for one case, as ``on_failure`` builds it, every activation key at its default."""
+    from guard.config import ActivationCheckConfig, TensorCheckConfig
+    from guard.verify.activation import ActivationChecker
+    from guard.verify.activation.onnx_side import OnnxSide
+    from guard.verify.activation.torch_side import TorchSide
+
+    if case.precision != "fp32":
+        from guard.backends.derive import derive_onnx
+
+        primary = OnnxSide(derive_onnx(case.primary, case.precision), source_path=case.primary,
+                           label="primary")
+    else:
+        primary = OnnxSide(case.primary, label="primary")
+    if case.onnx_pair:
+        reference = OnnxSide(case.reference, label="reference")
+    else:
+        reference = TorchSide(case.reference(), case.input_names, label="reference")
+    config = ActivationCheckConfig(on_failure=True, top_k=top_k)
+    return ActivationChecker(config, reference, primary, tensor=TensorCheckConfig(**case.tensor))
+
+
+def ranked_names(report) -> list[str]:
+    """The first divergence, then the suspects by isolated error over allowance."""
+    names = [report.first_divergence.name] if report.first_divergence else []
+    return names + [s.name for s in report.suspects if s.name not in names]
