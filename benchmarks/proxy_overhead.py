@@ -71,10 +71,23 @@ NOISY_NEIGHBOUR_CORES = 0.15  # other processes' CPU during a cell above which w
 
 CELLS = {
     "a": "baseline (bare OIP server + ORT)",
+    "t": "baseline on grpc's threaded server (sync servicer)",
     "b": "guard, mirroring off",
+    "w": "as (b), server.workers 0 (ORT inline on the event loop, no thread hop)",
     "c": "guard, mirror 10% -> ~5x reference",
     "n": "as (c), mirror.nice 0 (mirror threads at the request path's priority)",
+    "x": "guard, mirror 100% -> ~100x reference",
 }
+# Cells of guard with a reference: (sample rate or None for --sample-rate, reference slowdown
+# factor over the calibrated ~5x).
+MIRROR_CELLS = {"c": (None, 1), "n": (None, 1), "x": (1.0, 20)}
+
+# The verifier-process issue's targets (ratios from one run).
+TARGET_LOCAL_CPU_ADD_MS = 0.10  # guard's serving CPU per request over the bare server
+TARGET_LOCAL_THROUGHPUT = 0.85  # of the bare server's req/s, at 4-8 clients
+TARGET_MIRROR_THROUGHPUT = 0.90  # (c) over (b)
+TARGET_SLOW_REFERENCE_P99 = 1.5  # (x) over (b)
+TARGET_COMPARED_EXTRA_CPU_MS = 0.3  # verifier CPU per compared sample over the reference's
 
 # The reference written into the work folder: the same TorchScript model, its forward pass
 # repeated `repeats` times (real CPU work), the last result returned (equal to the model's).
@@ -231,7 +244,10 @@ def cmd_prepare(workdir: Path, slowdown: float, iters: int, ort_threads: int) ->
 
 
 # -- (internal) the baseline server ---------------------------------------------------------------
-def cmd_baseline(onnx_path: str, port: int, executor_workers: int, ort_threads: int) -> None:
+def cmd_baseline(onnx_path: str, port: int, executor_workers: int, ort_threads: int,
+                 threaded: bool = False) -> None:
+    """A bare OIP server on grpc.aio (``threaded``: on grpc's thread-pool server, the
+    servicer's methods plain functions) around one ORT session."""
     import asyncio
     from concurrent.futures import ThreadPoolExecutor
 
@@ -273,6 +289,42 @@ def cmd_baseline(onnx_path: str, port: int, executor_workers: int, ort_threads: 
                 tensor.shape.extend(array.shape)
                 response.raw_output_contents.append(array.tobytes())
             return response
+
+    if threaded:
+        class ThreadedServicer(pb_grpc.GRPCInferenceServiceServicer):
+            def ServerReady(self, request, context):
+                return pb.ServerReadyResponse(ready=True)
+
+            def ModelReady(self, request, context):
+                return pb.ModelReadyResponse(ready=request.name == MODEL)
+
+            def ModelInfer(self, request, context):
+                inputs = {t.name: np.frombuffer(raw, dtype=numpy_of[t.datatype]).reshape(
+                    tuple(t.shape)) for t, raw in zip(request.inputs, request.raw_input_contents)}
+                outputs = session.run(output_names, inputs)
+                response = pb.ModelInferResponse(model_name=request.model_name,
+                                                 model_version=request.model_version,
+                                                 id=request.id)
+                for name, array in zip(output_names, outputs):
+                    tensor = response.outputs.add(name=name, datatype=oip_of[array.dtype])
+                    tensor.shape.extend(array.shape)
+                    response.raw_output_contents.append(array.tobytes())
+                return response
+
+        server = grpc.server(ThreadPoolExecutor(max_workers=max(8, executor_workers)),
+                             options=[("grpc.max_receive_message_length", MAX_MESSAGE),
+                                      ("grpc.max_send_message_length", MAX_MESSAGE),
+                                      ("grpc.so_reuseport", 0)])
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(ThreadedServicer(), server)
+        if not server.add_insecure_port(f"{HOST}:{port}"):
+            raise SystemExit(f"baseline: cannot listen on {HOST}:{port}")
+        server.start()
+        stopped = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stopped.set())
+        stopped.wait()
+        server.stop(2)
+        return
 
     async def main() -> None:
         server = grpc.aio.server(options=[("grpc.max_receive_message_length", MAX_MESSAGE),
@@ -645,7 +697,8 @@ def guard_delta(before: dict, after: dict) -> dict:
 
 # -- configs -------------------------------------------------------------------------------------
 def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float,
-                 ort_threads: int, workers: int | None = None, nice: int | None = None) -> dict:
+                 ort_threads: int, workers: int | None = None, nice: int | None = None,
+                 slowdown: int = 1) -> dict:
     primary = {"backend": "onnxruntime", "path": prep["onnx"]}
     if ort_threads:
         primary["options"] = {"intra_op_threads": ort_threads}
@@ -654,7 +707,8 @@ def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float,
         model["reference"] = {
             "backend": "torch",
             "path": "bench_reference:make",
-            "options": {"kwargs": {"path": prep["torchscript"], "repeats": prep["repeats"]}},
+            "options": {"kwargs": {"path": prep["torchscript"],
+                                   "repeats": prep["repeats"] * slowdown}},
         }
         model["mirror"] = {"sample_rate": sample_rate, "threads": 1, "queue_size": 64,
                            "timeout_s": 5.0}
@@ -729,20 +783,23 @@ def run(args: argparse.Namespace) -> int:
                 port = free_port()
                 target = f"{HOST}:{port}"
                 metrics_port = None
-                if cell == "a":
+                if cell in ("a", "t"):
                     argv = [sys.executable, str(Path(__file__).resolve()), "_baseline",
                             "--onnx", prep["onnx"], "--port", str(port),
                             "--executor", str(args.baseline_executor),
                             "--ort-threads", str(args.ort_threads)]
+                    if cell == "t":
+                        argv.append("--threaded")
                 else:
                     metrics_port = free_port()
                     ports = {"grpc_port": port, "metrics_port": metrics_port,
                              "admin_port": free_port()}
-                    config = guard_config(prep, ports, mirror=cell in ("c", "n"),
-                                          sample_rate=args.sample_rate,
+                    rate, slowdown = MIRROR_CELLS.get(cell, (None, 1))
+                    config = guard_config(prep, ports, mirror=cell in MIRROR_CELLS,
+                                          sample_rate=rate or args.sample_rate,
                                           ort_threads=args.ort_threads,
-                                          workers=args.guard_workers,
-                                          nice=0 if cell == "n" else None)
+                                          workers=0 if cell == "w" else args.guard_workers,
+                                          nice=0 if cell == "n" else None, slowdown=slowdown)
                     path = workdir / f"guard_{cell}.yaml"
                     path.write_text(yaml.safe_dump(config, sort_keys=False))
                     argv = [sys.executable, "-m", "guard", "serve", "--config", str(path)]
@@ -891,6 +948,54 @@ def merge_rounds(cell_names, concurrencies: list[int], runs: dict, pooled: dict)
     return cells
 
 
+def lean_path_targets(cells: dict, c: str, prep: dict) -> dict:
+    """The verifier-process issue's targets at concurrency ``c``, as ratios of this run."""
+    a, t, b, w, cc, x = (cells[k][c] for k in "atbwcx")
+    cpu = lambda f, who="server": f.get("cpu", {}).get(f"{who}_cpu_ms_per_request",  # noqa: E731
+                                                       float("nan"))
+    out = {
+        "threaded_over_aio_baseline": {"throughput": t["throughput_rps"] / a["throughput_rps"],
+                                       "cpu_ms_per_request": cpu(t) - cpu(a)},
+        "local_cpu_add_ms": {"value": cpu(b) - cpu(a), "target": TARGET_LOCAL_CPU_ADD_MS},
+        "local_cpu_add_ms_workers_0": {"value": cpu(w) - cpu(a),
+                                       "target": TARGET_LOCAL_CPU_ADD_MS},
+        "local_throughput": {"value": b["throughput_rps"] / a["throughput_rps"],
+                             "target": TARGET_LOCAL_THROUGHPUT},
+        "local_throughput_workers_0": {"value": w["throughput_rps"] / a["throughput_rps"],
+                                       "target": TARGET_LOCAL_THROUGHPUT},
+        "mirror_p99": {"value": cc["p99_ms"] / b["p99_ms"], "target": TARGET_MIRROR_P99_RATIO},
+        "mirror_throughput": {"value": cc["throughput_rps"] / b["throughput_rps"],
+                              "target": TARGET_MIRROR_THROUGHPUT},
+        "slow_reference_p99": {"value": x["p99_ms"] / b["p99_ms"],
+                               "target": TARGET_SLOW_REFERENCE_P99},
+    }
+    for key in ("local_cpu_add_ms", "local_cpu_add_ms_workers_0"):
+        out[key]["ok"] = out[key]["value"] <= out[key]["target"]
+    for key in ("local_throughput", "local_throughput_workers_0", "mirror_throughput"):
+        out[key]["ok"] = out[key]["value"] >= out[key]["target"]
+    for key in ("mirror_p99", "slow_reference_p99"):
+        out[key]["ok"] = out[key]["value"] <= out[key]["target"]
+    mirror_x = x.get("guard", {}).get("mirror", {})
+    requests_x = x.get("guard", {}).get("requests_primary", 0)
+    out["slow_reference_accounted"] = {
+        "requests": requests_x, "compared": mirror_x.get("compared", 0),
+        "dropped": mirror_x.get("dropped", 0), "timeout": mirror_x.get("timeout", 0),
+        "error": mirror_x.get("error", 0), "client_errors": x["errors"],
+        "ok": x["errors"] == 0 and mirror_x.get("sampled", -1) == requests_x}
+    compared = cc.get("guard", {}).get("mirror", {}).get("compared", 0)
+    verifier_s = cc.get("cpu", {}).get("verifier_s")
+    if compared and verifier_s is not None:
+        per_sample = verifier_s * 1e3 / compared
+        reference = prep["reference_p50_ms"]
+        out["compared_sample_cpu_ms"] = {
+            "value": per_sample, "reference_forward_ms": reference,
+            "target": reference + TARGET_COMPARED_EXTRA_CPU_MS,
+            "ok": per_sample <= reference + TARGET_COMPARED_EXTRA_CPU_MS,
+            "note": "verifier process CPU over the cell / samples compared (includes its idle "
+                    "ring polling)"}
+    return out
+
+
 def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> dict:
     cells = merge_rounds(CELLS, concurrencies, runs, pooled)
 
@@ -934,6 +1039,7 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
                 "ok": cc["errors"] == 0 and accounted,
             },
         }
+        comp["lean_path"] = lean_path_targets(cells, str(c), prep)
         comparisons[str(c)] = comp
 
     report = {
@@ -1139,12 +1245,56 @@ def render_markdown(title: str, script: str, context: list[str], cells: dict[str
     )
 
 
+LEAN_HEAD = ["C", "target", "bound", "measured", "result"]
+
+
+def _lean_rows(report: dict) -> list[list[str]]:
+    rows = []
+    for c, comp in report["comparisons"].items():
+        t = comp["lean_path"]
+        ok = lambda d: "PASS" if d.get("ok") else "MISS"  # noqa: E731
+        threaded = t["threaded_over_aio_baseline"]
+        rows += [
+            [c, "grpc threaded vs grpc.aio, bare server (t vs a)", "keep the cheaper",
+             f"{threaded['throughput']:.2f}x req/s, {threaded['cpu_ms_per_request']:+.3f} ms "
+             "CPU/req", "info"],
+            [c, "guard adds serving CPU/req (b-a)", f"<= {TARGET_LOCAL_CPU_ADD_MS} ms",
+             f"{t['local_cpu_add_ms']['value']:+.3f} ms", ok(t["local_cpu_add_ms"])],
+            [c, "same, workers 0 (w-a)", f"<= {TARGET_LOCAL_CPU_ADD_MS} ms",
+             f"{t['local_cpu_add_ms_workers_0']['value']:+.3f} ms",
+             ok(t["local_cpu_add_ms_workers_0"])],
+            [c, "guard throughput (b/a)", f">= {TARGET_LOCAL_THROUGHPUT}x",
+             f"{t['local_throughput']['value']:.2f}x", ok(t["local_throughput"])],
+            [c, "same, workers 0 (w/a)", f">= {TARGET_LOCAL_THROUGHPUT}x",
+             f"{t['local_throughput_workers_0']['value']:.2f}x",
+             ok(t["local_throughput_workers_0"])],
+            [c, "mirror 10% onto 5x: p99 (c/b)", f"<= {TARGET_MIRROR_P99_RATIO}x",
+             f"{t['mirror_p99']['value']:.2f}x", ok(t["mirror_p99"])],
+            [c, "mirror 10% onto 5x: throughput (c/b)", f">= {TARGET_MIRROR_THROUGHPUT}x",
+             f"{t['mirror_throughput']['value']:.2f}x", ok(t["mirror_throughput"])],
+            [c, "mirror 100% onto 100x: p99 (x/b)", f"<= {TARGET_SLOW_REFERENCE_P99}x",
+             f"{t['slow_reference_p99']['value']:.2f}x", ok(t["slow_reference_p99"])],
+        ]
+        acc = t["slow_reference_accounted"]
+        rows.append([c, "mirror 100% onto 100x: every sample counted", "compared + dropped "
+                     "+ timeout + error = requests, 0 client errors",
+                     f"{acc['compared']} + {acc['dropped']} + {acc['timeout']} + {acc['error']}"
+                     f" of {acc['requests']}, {acc['client_errors']} errors", ok(acc)])
+        sample = t.get("compared_sample_cpu_ms")
+        if sample:
+            rows.append([c, "verifier CPU per compared sample (c)", f"<= reference forward "
+                         f"{sample['reference_forward_ms']:.3f} + {TARGET_COMPARED_EXTRA_CPU_MS}"
+                         " ms", f"{sample['value']:.3f} ms", ok(sample)])
+    return rows
+
+
 def text_table(report: dict) -> str:
     figures, ratios, targets = _rows(report)
     return render_text(_context_lines(report), [
         ("", FIG_HEAD, figures),
         ("Ratios (a: baseline, b: guard, c: guard + mirror)", RATIO_HEAD, ratios),
-        ("Targets", TARGET_HEAD, targets)])
+        ("Targets", TARGET_HEAD, targets),
+        ("Lean path targets (verifier process)", LEAN_HEAD, _lean_rows(report))])
 
 
 def markdown(report: dict) -> str:
@@ -1152,7 +1302,8 @@ def markdown(report: dict) -> str:
     return render_markdown(
         "Proxy overhead: guard vs a bare OIP server", "proxy_overhead.py", _context_lines(report),
         CELLS, [("Figures", FIG_HEAD, figures), ("Ratios", RATIO_HEAD, ratios),
-                ("Targets", TARGET_HEAD, targets)])
+                ("Targets", TARGET_HEAD, targets),
+                ("Lean path targets (verifier process)", LEAN_HEAD, _lean_rows(report))])
 
 
 # -- entry ---------------------------------------------------------------------------------------
@@ -1198,8 +1349,9 @@ def main(argv: list[str] | None = None) -> int:
         p.add_argument("--port", type=int, required=True)
         p.add_argument("--executor", type=int, default=0)
         p.add_argument("--ort-threads", type=int, default=1)
+        p.add_argument("--threaded", action="store_true")
         a = p.parse_args(argv[1:])
-        cmd_baseline(a.onnx, a.port, a.executor, a.ort_threads)
+        cmd_baseline(a.onnx, a.port, a.executor, a.ort_threads, a.threaded)
         return 0
 
     parser = argparse.ArgumentParser(

@@ -1,10 +1,12 @@
 """A remote Open Inference Protocol server as a backend (Triton, KServe, MLServer, another guard).
 
 Two ways in:
-- ``forward()`` (async, the request path): the client's ``ModelInferRequest`` is sent on as it
-  came (id, parameters, requested outputs, raw or typed contents), only re-addressed to the
-  upstream's model name; the client's deadline goes with it, and the upstream's gRPC status
-  comes back unchanged. No tensor is decoded or re-encoded on this path.
+- ``forward_raw()`` (async, the request path when every serving backend of a model is
+  upstream): the client's serialized ``ModelInferRequest`` is sent on as it came (id,
+  parameters, requested outputs, raw or typed contents), re-addressed to the upstream's model
+  name by appending that field (guard/protocol/raw.py); the client's deadline goes with it, the
+  upstream's gRPC status comes back unchanged, and its serialized answer is returned unparsed.
+  ``forward()`` does the same for a parsed message (a model whose other route is local).
 - ``infer()`` (sync, for the mirror worker: reference runs and background probes): numpy in,
   numpy out, over a blocking channel with ``options.timeout_s``.
 
@@ -27,6 +29,7 @@ from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.options import UpstreamOptions
 from guard.errors import BackendError
 from guard.observe import tracing
+from guard.protocol import raw
 
 
 class UpstreamError(Exception):
@@ -63,6 +66,9 @@ class UpstreamBackend(Backend):
         self._aio_channel: grpc.aio.Channel | None = None
         self._aio_stub: pb_grpc.GRPCInferenceServiceStub | None = None
         self._aio_loop: asyncio.AbstractEventLoop | None = None
+        self._aio_raw = None
+        self._readdress = (raw.string_field(raw.MODEL_NAME, self.model)
+                           + raw.string_field(raw.MODEL_VERSION, self.options.model_version))
         self._inputs: tuple[TensorSpec, ...] = ()
         self._outputs: tuple[TensorSpec, ...] = ()
 
@@ -111,7 +117,7 @@ class UpstreamBackend(Backend):
         # The aio channel belongs to the server's event loop: close it there (a reload calls
         # this from a worker thread while the loop keeps serving).
         channel, loop = self._aio_channel, self._aio_loop
-        self._aio_channel = self._aio_stub = None
+        self._aio_channel = self._aio_stub = self._aio_raw = None
         if channel is not None and loop is not None and not loop.is_closed():
             asyncio.run_coroutine_threadsafe(channel.close(), loop)
 
@@ -132,6 +138,8 @@ class UpstreamBackend(Backend):
                 self._aio_channel = grpc.aio.secure_channel(self.target, credentials,
                                                             self._channel_options)
             self._aio_stub = pb_grpc.GRPCInferenceServiceStub(self._aio_channel)
+            self._aio_raw = self._aio_channel.unary_unary(
+                "/inference.GRPCInferenceService/ModelInfer")  # bytes in, bytes out
         return self._aio_stub
 
     async def connect(self, timeout: float = 5.0) -> bool:
@@ -171,6 +179,21 @@ class UpstreamBackend(Backend):
             request.model_name, request.model_version = asked_for, asked_version
         response.model_name = asked_for
         return response
+
+    async def forward_raw(self, data: bytes, timeout: float | None,
+                          metadata: tuple[tuple[str, str], ...] = ()) -> bytes:
+        """``forward`` on the client's serialized request: re-addressed by appending the
+        upstream's model name and version (the last occurrence of a field wins), sent without a
+        parse, and the upstream's serialized answer returned as it came."""
+        self._async_stub()
+        try:
+            return await self._aio_raw(
+                data + self._readdress,
+                timeout=timeout if timeout is not None else self.options.timeout_s,
+                metadata=tracing.inject(metadata))
+        except grpc.aio.AioRpcError as exc:
+            raise UpstreamError(exc.code().name, f"upstream {self.model}@{self.target}: "
+                                f"{exc.details()}") from None
 
     # -- mirror worker ---------------------------------------------------------------------------
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

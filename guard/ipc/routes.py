@@ -6,6 +6,8 @@ One 64-byte slot per model (a cache line, so that two models' writers never shar
     bit 0     1 = the fallback answers (0 = the primary)
     bit 1     1 = probing: on the fallback and past the dwell, so sampled requests are still
               handed to the verifier (it runs the primary in the background on them)
+    bits 2-3  the admin override (0 auto, 1 primary, 2 fallback), so that a restarted verifier
+              keeps an operator's pin
     bits 8..  the policy epoch: a sample is attributed to the epoch it was routed in, and the
               verifier ignores samples of an epoch that is no longer current
 
@@ -30,15 +32,21 @@ MAGIC = 0x67756172645F7631  # "guard_v1"
 _HEARTBEAT, _PID = 1, 2
 ROUTE, DROPPED, IN_HAND = 0, 1, 2
 FALLBACK, PROBING = 1, 2
+_OVERRIDES = ("auto", "primary", "fallback")
 
 
-def pack(route: str, probing: bool, epoch: int) -> int:
-    return (epoch << 8) | (FALLBACK if route == "fallback" else 0) | (PROBING if probing else 0)
+def pack(route: str, probing: bool, epoch: int, override: str = "auto") -> int:
+    return ((epoch << 8) | (_OVERRIDES.index(override) << 2)
+            | (FALLBACK if route == "fallback" else 0) | (PROBING if probing else 0))
 
 
 def unpack(word: int) -> tuple[str, bool, int]:
     """(route, probing, epoch) of a route word."""
     return ("fallback" if word & FALLBACK else "primary"), bool(word & PROBING), word >> 8
+
+
+def override_of(word: int) -> str:
+    return _OVERRIDES[(word >> 2) & 3]
 
 
 class RouteTable:
@@ -90,8 +98,9 @@ class RouteTable:
     def read(self, slot: int) -> tuple[str, bool, int]:
         return unpack(self.words[HEADER_WORDS + slot * SLOT_WORDS])
 
-    def publish(self, slot: int, route: str, probing: bool, epoch: int) -> None:
-        self.words[HEADER_WORDS + slot * SLOT_WORDS] = pack(route, probing, epoch)
+    def publish(self, slot: int, route: str, probing: bool, epoch: int,
+                override: str = "auto") -> None:
+        self.words[HEADER_WORDS + slot * SLOT_WORDS] = pack(route, probing, epoch, override)
 
     def get(self, slot: int, word: int) -> int:
         return self.words[self.index(slot, word)]

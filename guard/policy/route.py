@@ -349,13 +349,15 @@ class RoutePolicy:
                 return None
             return self._switch("primary", "repair", reason, evidence)
 
-    def resume(self, route: Route, epoch: int) -> None:
-        """Go on from a route and epoch that a previous verifier process published (it died):
-        samples routed in that epoch still count, and a stay on the fallback starts its dwell
-        again. Detector statistics start afresh: they died with the process."""
+    def resume(self, route: Route, epoch: int, override: Override = "auto") -> None:
+        """Go on from a route, epoch and override that a previous verifier process published
+        (it died): samples routed in that epoch still count, an operator's pin stays, and a stay
+        on the fallback starts its dwell again. Detector statistics start afresh: they died
+        with the process."""
         with self._lock:
             self._state = route
             self.epoch = epoch
+            self._override = override
             self._since = self._clock()
             if route == "fallback":
                 self._dwell = self.config.dwell_s

@@ -16,6 +16,7 @@ import time
 import grpc
 
 from guard import __version__
+from guard.ipc import routes
 from guard.observe.events import emit
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
@@ -33,9 +34,10 @@ def served_status(model: ServedModel, verified: bytes | None) -> pb.ModelStatus:
     if verified is not None:
         status.ParseFromString(verified)
     else:  # the verifier is restarting: what the route word says
-        route, probing, _ = model.table.read(model.slot)
+        word = model.table.get(model.slot, routes.ROUTE)
+        route, probing, _ = routes.unpack(word)
         status.name, status.route, status.probing = model.name, route, probing
-        status.action, status.override = model.config.policy.action, "unknown"
+        status.action, status.override = model.config.policy.action, routes.override_of(word)
     reference = list(status.backends)
     del status.backends[:]
     for role, backend in model.backends.items():

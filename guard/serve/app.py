@@ -22,7 +22,6 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, start_http_server
-from tritonclient.grpc import service_pb2_grpc
 
 from guard import __version__
 from guard.config import GuardConfig
@@ -38,6 +37,7 @@ from guard.serve.model import ServedModel
 from guard.serve.reload import ConfigReloader
 from guard.serve.supervisor import MergedMetrics, VerifierSupervisor
 from guard.serve.servicer import InferenceServicer
+from guard.serve.servicer import add_to_server as add_inference_service
 from guard.serve.tap import TapServicer
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
 
@@ -128,8 +128,7 @@ class GuardServer:
                    ("grpc.max_send_message_length", size),
                    ("grpc.so_reuseport", 0)]
         self._grpc = grpc.aio.server(options=options)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(self.dataplane), self._grpc)
+        add_inference_service(InferenceServicer(self.dataplane), self._grpc)
         tap_pb2_grpc.add_TapServicer_to_server(TapServicer(self.models), self._grpc)
         self._health = health_aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)

@@ -98,15 +98,7 @@ class DataPlane:
                     timeout: float | None = None) -> InferenceResult:
         """The request path. ``timeout``: the client's remaining deadline, if it sent one."""
         started = time.perf_counter()
-        if timeout is not None and timeout <= 0:
-            raise InferenceError("DEADLINE_EXCEEDED", "the deadline passed before the request "
-                                 "was run")
-        if self.in_flight >= self.max_concurrent:
-            raise InferenceError("RESOURCE_EXHAUSTED", f"{self.in_flight} requests in flight "
-                                 f"(server.max_concurrent_requests); retry later")
-        model = self.model(request.model_name)
-        if not model.ready:
-            raise InferenceError("UNAVAILABLE", f"model '{model.name}' is not ready")
+        model = self._admit(request.model_name, timeout)
         check_inputs(request.inputs, model.input_specs)
         unknown = [n for n in request.requested_outputs
                    if model.output_names and n not in model.output_names]
@@ -140,14 +132,52 @@ class DataPlane:
             if request.requested_outputs:
                 result.outputs = {n: outputs[n] for n in request.requested_outputs
                                   if n in outputs}
-        else:  # an upstream answered only the requested outputs: only those can be compared
+        else:  # an upstream's answer: decoded, if sampled, in the verifier
             model.after_response(request.id, route, epoch, probing, seconds,
-                                 requested_outputs=request.requested_outputs,
                                  request_message=request.message,
                                  response_message=result.message)
         model.requests[route].inc()
         model.durations[route].observe(seconds)
         return result
+
+    async def forward(self, model: ServedModel, data: bytes, request_id: str,
+                      timeout: float | None, metadata) -> bytes:
+        """The request path of a model whose every backend is an upstream: the client's bytes
+        go on as they are and the upstream's answer comes back unparsed, with the route added
+        (guard/protocol/raw.py). The upstream validates the request and its gRPC status comes
+        back unchanged."""
+        started = time.perf_counter()
+        self._admit(model.name, timeout)
+        route, epoch, probing, backend = model.route()
+        self.in_flight += 1
+        model.requests_in_flight += 1
+        try:
+            answer = await backend.forward_raw(data, timeout, metadata)
+        except UpstreamError as exc:
+            raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
+        finally:
+            self.in_flight -= 1
+            model.requests_in_flight -= 1
+        seconds = time.perf_counter() - started
+        model.after_response(request_id, route, epoch, probing, seconds,
+                             request_message=data, response_message=answer)
+        model.requests[route].inc()
+        model.durations[route].observe(seconds)
+        return answer + model.route_suffix[route]
+
+    def _admit(self, name: str, timeout: float | None) -> ServedModel:
+        """Refuse what must not run: a passed deadline, one request too many, an unknown or
+        unready model."""
+        if timeout is not None and timeout <= 0:
+            raise InferenceError("DEADLINE_EXCEEDED", "the deadline passed before the request "
+                                 "was run")
+        if self.in_flight >= self.max_concurrent:
+            raise InferenceError("RESOURCE_EXHAUSTED", f"{self.in_flight} requests in flight "
+                                 f"(server.max_concurrent_requests); retry later")
+        model = self.model(name)
+        if not model.ready:
+            raise InferenceError("UNAVAILABLE", f"model '{model.name}' is not ready")
+        return model
 
     async def _run(self, backend, route: str, request: InferenceRequest,
                    timeout: float | None) -> InferenceResult:

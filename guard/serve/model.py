@@ -46,6 +46,11 @@ class ServedModel:
         capture = config.capture
         self.capture_rate = capture.sample_rate if capture and capture.mode == "all" else 0.0
         self._word_index = table.index(slot, routes.ROUTE)
+        self.forwards_only = False
+        # Appended to an upstream's serialized answer: the client's model name and guard_route
+        # (a parse of the answer would merge them the same way; guard/protocol/raw.py).
+        self.route_suffix = {route: _route_suffix(self.name, route)
+                             for route in ("primary", "fallback")}
         self.signature: BackendInfo | None = None
         self.input_specs: dict[str, TensorSpec] = {}
         self.output_names: frozenset[str] = frozenset()
@@ -71,6 +76,8 @@ class ServedModel:
         self.signature = self.backends["primary"].describe()
         self.input_specs = {spec.name: spec for spec in self.signature.inputs}
         self.output_names = frozenset(spec.name for spec in self.signature.outputs)
+        # Every backend that can answer forwards to an upstream: requests go through as bytes.
+        self.forwards_only = all(hasattr(b, "forward_raw") for b in self.backends.values())
         self.ready = True
         emit("model_loaded", model=self.name,
              backends={role: b.describe().summary() for role, b in self.backends.items()},
@@ -118,14 +125,15 @@ class ServedModel:
         return "primary", word >> 8, False, self.backends["primary"]
 
     def after_response(self, request_id: str, route: str, epoch: int, probing: bool,
-                       seconds: float, inputs=None, outputs=None, requested_outputs=(),
-                       request_message=None, response_message=None) -> bool:
+                       seconds: float, inputs=None, outputs=None, request_message=None,
+                       response_message=None) -> bool:
         """Hand a sampled request to the verifier; True when it went into the ring.
 
         Local answers go as tensors (``inputs``, ``outputs``); an upstream's or a tap's as the
-        protocol messages (``request_message``, ``response_message``: message objects, or
-        callables returning serialized bytes), serialized only when sampled and decoded only in
-        the verifier. Within the dwell time on the fallback nothing is mirrored."""
+        protocol messages (``request_message``, ``response_message``: serialized bytes, or
+        message objects serialized only when sampled), decoded only in the verifier (which
+        compares just the outputs the request asked for). Within the dwell time on the
+        fallback nothing is mirrored."""
         flags = 0
         if self.mirror_rate and (route != "fallback" or probing) and sampled(
                 request_id, self.mirror_rate):
@@ -138,7 +146,7 @@ class ServedModel:
             request_message = _serialized(request_message)
             response_message = _serialized(response_message)
         parts = wire.encode(flags, route, self.slot, epoch, time.time_ns(), seconds, self.name,
-                            request_id, tracing.traceparent(), requested_outputs, inputs,
+                            request_id, tracing.traceparent(), (), inputs,
                             outputs, request_message or b"", response_message or b"")
         if self.ring.put(parts):
             return True
@@ -196,6 +204,14 @@ class ServedModel:
         for loop, queue in watchers:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, transition)
+
+
+def _route_suffix(model: str, route: str) -> bytes:
+    from tritonclient.grpc import service_pb2 as pb
+
+    response = pb.ModelInferResponse(model_name=model)
+    response.parameters["guard_route"].string_param = route
+    return response.SerializeToString()
 
 
 def _serialized(message) -> bytes:

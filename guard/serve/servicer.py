@@ -1,4 +1,9 @@
-"""The Open Inference Protocol gRPC servicer: translation only, over ``DataPlane``."""
+"""The Open Inference Protocol gRPC servicer: translation only, over ``DataPlane``.
+
+ModelInfer is registered on bytes (``add_to_server``): a model whose every backend is an
+upstream gets the client's bytes forwarded without a parse (``DataPlane.forward``); any other
+request is parsed here, as gRPC would have, and answered through ``DataPlane.infer``. The other
+RPCs are registered from the service descriptor as usual."""
 
 from __future__ import annotations
 
@@ -8,8 +13,12 @@ import grpc
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
+from google.protobuf.message import DecodeError
+from google.protobuf.message_factory import GetMessageClass
+
 from guard import __version__
 from guard.observe import tracing
+from guard.protocol import raw
 from guard.serve.codec import InferenceError, decode_request, encode_response
 from guard.serve.dataplane import DataPlane
 
@@ -47,6 +56,42 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 target.add(name=s.name, datatype=s.datatype, shape=list(s.shape))
         return response
 
+    async def ModelInferBytes(self, data: bytes, context) -> bytes:
+        """ModelInfer as registered: peek at the model name and id; forward the bytes, or parse
+        and answer."""
+        try:
+            name, _, request_id = raw.peek(data)
+        except raw.MalformedMessage as exc:
+            self.dataplane.count_error("", "INVALID_ARGUMENT")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"not a ModelInferRequest: {exc}")
+        model = self.dataplane.models.get(name)
+        if model is None or not model.forwards_only:
+            try:
+                request = pb.ModelInferRequest.FromString(data)
+            except DecodeError as exc:
+                self.dataplane.count_error(name, "INVALID_ARGUMENT")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"not a ModelInferRequest: {exc}")
+            return (await self.ModelInfer(request, context)).SerializeToString()
+        if not tracing.enabled():
+            return await self._forward(model, data, request_id, context, None)
+        with tracing.server_span("ModelInfer", context.invocation_metadata(),
+                                 {"guard.model": name}) as span:
+            return await self._forward(model, data, request_id, context, span)
+
+    async def _forward(self, model, data: bytes, request_id: str, context, span) -> bytes:
+        try:
+            answer = await self.dataplane.forward(model, data, request_id,
+                                                  context.time_remaining(),
+                                                  _client_metadata(context))
+        except InferenceError as exc:
+            self.dataplane.count_error(model.name, exc.status)
+            await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+        if span is not None:
+            tracing.set_attributes(span, {"guard.route": "forwarded"})
+        return answer
+
     async def ModelInfer(self, request, context):
         if not tracing.enabled():  # no span work at all when tracing is off
             return await self._infer(request, context, None)
@@ -58,9 +103,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         try:
             decoded = decode_request(request)
             if self.dataplane.forwards:  # only an upstream needs the client's metadata
-                decoded.metadata = tuple(
-                    (k, v) for k, v in (context.invocation_metadata() or ())
-                    if isinstance(v, str) and not k.startswith(("grpc-", ":")))
+                decoded.metadata = _client_metadata(context)
             result = await self.dataplane.infer(decoded, context.time_remaining())
             if span is not None:
                 tracing.set_attributes(span, {"guard.route": result.route})
@@ -76,3 +119,34 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             self.dataplane.count_error(request.model_name, "INTERNAL")
             await context.abort(grpc.StatusCode.INTERNAL,
                                 f"model '{request.model_name}': {type(exc).__name__}: {exc}")
+
+
+def _client_metadata(context) -> tuple[tuple[str, str], ...]:
+    """The client's gRPC metadata to forward upstream (auth headers, trace context...)."""
+    return tuple((k, v) for k, v in (context.invocation_metadata() or ())
+                 if isinstance(v, str) and not k.startswith(("grpc-", ":")))
+
+
+_HANDLER = {(False, False): grpc.unary_unary_rpc_method_handler,
+            (False, True): grpc.unary_stream_rpc_method_handler,
+            (True, False): grpc.stream_unary_rpc_method_handler,
+            (True, True): grpc.stream_stream_rpc_method_handler}
+
+
+def add_to_server(servicer: InferenceServicer, server) -> None:
+    """Register the inference service like the generated ``add_..._to_server``, from the same
+    descriptor, except ModelInfer, which takes and returns bytes (``ModelInferBytes``)."""
+    service = pb.DESCRIPTOR.services_by_name["GRPCInferenceService"]
+    handlers = {}
+    for method in service.methods:
+        if method.name == "ModelInfer":
+            handlers[method.name] = grpc.unary_unary_rpc_method_handler(servicer.ModelInferBytes)
+            continue
+        make = _HANDLER[(method.client_streaming, method.server_streaming)]
+        handlers[method.name] = make(
+            getattr(servicer, method.name),
+            request_deserializer=GetMessageClass(method.input_type).FromString,
+            response_serializer=GetMessageClass(method.output_type).SerializeToString)
+    server.add_generic_rpc_handlers(
+        (grpc.method_handlers_generic_handler(service.full_name, handlers),))
+    server.add_registered_method_handlers(service.full_name, handlers)

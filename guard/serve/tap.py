@@ -39,10 +39,9 @@ class TapServicer(pb_grpc.TapServicer):
         model = await model_or_abort(self.models, infer_request.model_name, context)
         route, epoch, probing, _ = model.route()
         model.requests[served_by].inc()
-        queued = model.after_response(
-            infer_request.id, served_by, epoch, probing, 0.0,
-            requested_outputs=[o.name for o in infer_request.outputs],
-            request_message=request.request, response_message=request.response)
+        queued = model.after_response(infer_request.id, served_by, epoch, probing, 0.0,
+                                      request_message=request.request,
+                                      response_message=request.response)
         return pb.ObserveResponse(sampled=queued, route=route)
 
     async def WatchRoute(self, request: pb.WatchRouteRequest, context):

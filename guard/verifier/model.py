@@ -90,7 +90,7 @@ class VerifiedModel:
                      multiplier=self.config.checks.tensor.noise_floor.multiplier)
         if resume_word is not None:
             route, _, epoch = routes.unpack(resume_word)
-            self.policy.resume(route, epoch)
+            self.policy.resume(route, epoch, routes.override_of(resume_word))
         if kept and self.ops is not None:
             self.ops.resume(kept)
         if self.pair is not None and self.config.mirror.sample_rate > 0:
@@ -148,7 +148,8 @@ class VerifiedModel:
         """Store the route word the serving processes read (on every change, and on every
         heartbeat, since ``probing`` turns on by the clock when the dwell is over)."""
         policy = self.policy
-        self.table.publish(self.slot, policy.route, policy.probing, policy.epoch)
+        self.table.publish(self.slot, policy.route, policy.probing, policy.epoch,
+                           policy.override)
 
     # -- fed by the ring reader --------------------------------------------------------------------
     def accept(self, handed: HandedSample, inputs, outputs) -> None:

@@ -279,16 +279,18 @@ class Verifier:
 
 def _tensors(handed: wire.HandedSample):
     """(inputs, outputs) of a handed sample; an upstream's answer is decoded only when asked
-    (``outputs`` is then a callable)."""
+    (``outputs`` is then a callable), and only the outputs the request asked for are compared
+    (``handed.requested_outputs``: an upstream answered just those)."""
     if handed.outputs is not None:
         return handed.inputs, handed.outputs
     from tritonclient.grpc import service_pb2 as pb
 
     from guard.serve.codec import decode_request, decode_response
 
-    inputs = decode_request(pb.ModelInferRequest.FromString(handed.request_message)).inputs
+    request = decode_request(pb.ModelInferRequest.FromString(handed.request_message))
+    handed.requested_outputs = tuple(request.requested_outputs)
     response = handed.response_message
-    return inputs, (lambda: decode_response(pb.ModelInferResponse.FromString(response)))
+    return request.inputs, (lambda: decode_response(pb.ModelInferResponse.FromString(response)))
 
 
 def main(argv: list[str] | None = None) -> int:

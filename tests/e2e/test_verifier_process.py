@@ -96,7 +96,7 @@ def test_pinned_fallback_survives_a_verifier_restart(tmp_path, rng):
             wait_for(lambda: _verifier_pid(srv) != first and srv.supervisor.ready.is_set(),
                      timeout=20)
             status = admin.GetStatus(admin_pb2.GetStatusRequest(model="m")).models[0]
-            assert status.route == "fallback"
+            assert (status.route, status.override) == ("fallback", "fallback")  # still pinned
 
 
 def test_a_hung_verifier_is_killed_and_restarted_while_serving_goes_on(tmp_path, rng, caplog):

@@ -21,8 +21,11 @@ from guard.ipc.ring import SampleRing
 @pytest.mark.parametrize("route", ["primary", "fallback"])
 @pytest.mark.parametrize("probing", [False, True])
 @pytest.mark.parametrize("epoch", [0, 1, 255, 2**40])
-def test_route_word_round_trip(route, probing, epoch):
-    assert routes.unpack(routes.pack(route, probing, epoch)) == (route, probing, epoch)
+@pytest.mark.parametrize("override", ["auto", "primary", "fallback"])
+def test_route_word_round_trip(route, probing, epoch, override):
+    word = routes.pack(route, probing, epoch, override)
+    assert routes.unpack(word) == (route, probing, epoch)
+    assert routes.override_of(word) == override
 
 
 def test_route_words_written_in_one_mapping_are_read_in_another():
