@@ -16,8 +16,12 @@ in one run, with the same model server behind every cell:
                 ``mirror.sample_rate: 0`` (mirroring off); guard's default ``server.workers``
                 (4 inference threads).
   (c) guard, workers 0   as (b) with ``server.workers: 0`` (inference inline on the event loop).
-                Upstream forwarding is async (``UpstreamBackend.forward``) and never touches the
-                executor, so this cell says whether the setting matters on this path at all.
+                Upstream forwarding is async (``UpstreamBackend.forward_raw``) and never touches
+                the executor, so this cell says whether the setting matters on this path at all.
+  (p) raw proxy  the obvious alternative, for scale: a minimal raw-bytes Python gRPC pass-through
+                proxy (grpc's threaded server, a generic handler that forwards every unary call's
+                bytes on one channel, no protobuf parse), started here with ``_proxy``. guard's
+                target: its CPU per forwarded request <= 1.1x the proxy's.
 
 One MLServer serves every cell for the whole run; guard is started fresh for each guard cell and
 stopped after it. The load generator, readiness wait, CPU snapshots, quiet-waiting and table
@@ -62,7 +66,9 @@ CELLS = {
     "a": "MLServer direct",
     "b": "guard -> MLServer (workers 4)",
     "c": "guard -> MLServer (workers 0)",
+    "p": "raw-bytes Python proxy -> MLServer",
 }
+TARGET_PROXY_CPU_RATIO = 1.1  # guard's CPU per forwarded request over the raw proxy's
 GUARD_WORKERS = {"b": None, "c": 0}  # None: guard's default (4)
 
 SIGNATURE = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [-1, 3, 32, 32]}],
@@ -280,6 +286,16 @@ def run(args: argparse.Namespace) -> int:
                 groups = {"mlserver": mlserver.pgid}
                 if cell == "a":
                     target = upstream
+                elif cell == "p":
+                    port = po.free_port()
+                    guard = Child(cell, [sys.executable, str(Path(__file__).resolve()), "_proxy",
+                                         "--port", str(port), "--upstream", upstream],
+                                  workdir / f"proxy_r{round_index}.log", env, cwd=REPO)
+                    children.append(guard)
+                    target = f"{HOST}:{port}"
+                    po.wait_ready(target, guard)
+                    worst = po.check_answers(target, requests, expected)
+                    groups["guard"] = guard.pgid  # the proxy's CPU, in guard's column
                 else:
                     port, metrics_port = po.free_port(), po.free_port()
                     ports = {"grpc_port": port, "metrics_port": metrics_port,
@@ -338,7 +354,7 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
     for c in concurrencies:
         a = cells["a"][str(c)]
         comp = {}
-        for x in ("b", "c"):
+        for x in ("b", "c", "p"):
             f = cells[x][str(c)]
             add_p50 = f["p50_ms"] - a["p50_ms"]
             comp[x] = {
@@ -350,7 +366,14 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
                 "target_hop_p50": {"value": add_p50, "target": TARGET_HOP_P50_MS,
                                    "ok": add_p50 <= TARGET_HOP_P50_MS},
             }
-        b, cc = cells["b"][str(c)], cells["c"][str(c)]
+        b, cc, proxy = cells["b"][str(c)], cells["c"][str(c)], cells["p"][str(c)]
+        guard_cpu = b.get("cpu", {}).get("guard_cpu_ms_per_request")
+        proxy_cpu = proxy.get("cpu", {}).get("guard_cpu_ms_per_request")
+        if guard_cpu and proxy_cpu:
+            ratio = guard_cpu / proxy_cpu
+            comp["guard_over_proxy_cpu"] = {"value": ratio, "target": TARGET_PROXY_CPU_RATIO,
+                                            "ok": ratio <= TARGET_PROXY_CPU_RATIO,
+                                            "guard_ms": guard_cpu, "proxy_ms": proxy_cpu}
         comp["c_vs_b"] = {"c_minus_b_ms": {"p50": cc["p50_ms"] - b["p50_ms"],
                                            "p99": cc["p99_ms"] - b["p99_ms"]},
                           "c_over_b_throughput": cc["throughput_rps"] / b["throughput_rps"]}
@@ -429,6 +452,16 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]]]:
         hops.append([c, "(c) - (b): workers 0 vs 4", f"{cb['c_minus_b_ms']['p50']:+.3f}",
                      f"{cb['c_minus_b_ms']['p99']:+.3f}", "", "",
                      f"{cb['c_over_b_throughput']:.2f}", ""])
+        h = comp["p"]
+        hops.append([c, "(p) - (a): raw proxy", f"{h['minus_a_ms']['p50']:+.3f}",
+                     f"{h['minus_a_ms']['p99']:+.3f}", f"{h['over_a']['p50']:.2f}",
+                     f"{h['over_a']['p99']:.2f}", f"{h['over_a']['throughput']:.2f}", ""])
+        ratio = comp.get("guard_over_proxy_cpu")
+        if ratio:
+            hops.append([c, f"guard CPU/req over the raw proxy's (target <= "
+                         f"{TARGET_PROXY_CPU_RATIO}x)", "", "", "", "", "",
+                         f"{ratio['value']:.2f}x ({ratio['guard_ms']:.3f} vs "
+                         f"{ratio['proxy_ms']:.3f} ms) {'PASS' if ratio['ok'] else 'MISS'}"])
     return figures, hops
 
 
@@ -460,8 +493,51 @@ def markdown(report: dict) -> str:
 
 
 # -- entry ---------------------------------------------------------------------------------------
+def cmd_proxy(port: int, upstream: str) -> None:
+    """The minimal raw-bytes pass-through proxy of cell (p): every unary call's bytes go on,
+    unparsed, on one channel, with the caller's deadline; the answer's bytes come back."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import grpc
+
+    options = [("grpc.max_receive_message_length", po.MAX_MESSAGE),
+               ("grpc.max_send_message_length", po.MAX_MESSAGE)]
+    channel = grpc.insecure_channel(upstream, options)
+    calls: dict = {}
+
+    class Forward(grpc.GenericRpcHandler):
+        def service(self, details):
+            method = details.method
+            call = calls.get(method) or calls.setdefault(method, channel.unary_unary(method))
+
+            def forward(request: bytes, context):
+                try:
+                    return call(request, timeout=context.time_remaining())
+                except grpc.RpcError as exc:
+                    context.abort(exc.code(), exc.details())
+            return grpc.unary_unary_rpc_method_handler(forward)
+
+    server = grpc.server(ThreadPoolExecutor(max_workers=16), handlers=(Forward(),),
+                         options=options)
+    server.add_insecure_port(f"{HOST}:{port}")
+    server.start()
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    server.stop(2)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_proxy":
+        p = argparse.ArgumentParser()
+        p.add_argument("--port", type=int, required=True)
+        p.add_argument("--upstream", required=True)
+        a = p.parse_args(argv[1:])
+        cmd_proxy(a.port, a.upstream)
+        return 0
     if argv and argv[0] == "_prepare":
         p = argparse.ArgumentParser()
         p.add_argument("--workdir", type=Path, required=True)

@@ -163,13 +163,7 @@ class VerifierSupervisor:
 
     def _terminate(self) -> None:
         self._stopping.set()
-        with self._lock:
-            channel, process = self.channel, self.process
-        if process is not None and process.poll() is None:
-            process.kill()
-            process.wait(5)
-        if channel is not None:
-            channel.close()
+        self._terminate_current()
 
     # -- watching ----------------------------------------------------------------------------------
     def _on_close(self) -> None:
@@ -232,6 +226,7 @@ class VerifierSupervisor:
             self._terminate_current()
 
     def _terminate_current(self) -> None:
+        """Kill the current verifier (if it runs) and close its channel."""
         with self._lock:
             channel, process = self.channel, self.process
         if process is not None and process.poll() is None:
