@@ -88,6 +88,7 @@ class ModelAggregate:
         self.outputs: dict[str, _OutputFigures] = {}
         self.first_divergence: dict | None = None
         self.divergence_profile: list = []
+        self.profile_record: int | None = None  # the record whose per-layer profile is kept
         self.divergent_layers = Counter()
         self.task_sums: dict[str, float] = {}
         self.task_counts = Counter()
@@ -103,7 +104,7 @@ class ModelAggregate:
         if o.status == PRIMARY_ERROR:
             self.tier_checks["tensor"] += 1
             self._timeline(o, False)
-            self._example(o, f"primary raised: {o.error}")
+            self._example(o, f"primary raised: {o.error}", ["tensor"], [])
             return
         if o.status in (REFERENCE_ERROR, INPUT_ERROR):
             if len(self.errors) < EXAMPLES:
@@ -115,10 +116,15 @@ class ModelAggregate:
             self.tier_passed[tier] += result.passed
             passed_all &= result.passed
             getattr(self, f"_add_{tier}", self._add_other)(result)
+        if self.first_divergence is not None and self.profile_record is None:
+            self.profile_record = o.index  # the record the kept per-layer profile belongs to
         self._timeline(o, passed_all)
         if not passed_all:
-            failing = [f"{t}: {r.summary}" for t, r in o.tiers.items() if not r.passed]
-            self._example(o, "; ".join(failing))
+            failing = {t: r for t, r in o.tiers.items() if not r.passed}
+            outputs = [c.name for c in failing["tensor"].outputs
+                       if not c.passed] if "tensor" in failing else []
+            self._example(o, "; ".join(f"{t}: {r.summary}" for t, r in failing.items()),
+                          list(failing), outputs)
         if o.live_passed is not None:
             self.live[("pass" if o.live_passed else "fail", "pass" if passed_all else "fail")] += 1
 
@@ -155,9 +161,13 @@ class ModelAggregate:
         return {"index": o.index, "request_id": o.request_id, "source": o.source,
                 "unix_nanos": o.unix_nanos}
 
-    def _example(self, o: SampleOutcome, why: str) -> None:
+    def _example(self, o: SampleOutcome, why: str, tiers: list[str],
+                 outputs: list[str]) -> None:
+        """``tiers``/``outputs``: which tiers and which tier-1 outputs failed (the report links
+        the record to those plots)."""
         if len(self.examples) < EXAMPLES:
-            self.examples.append(self._where(o) | {"why": why})
+            self.examples.append(self._where(o) | {"why": why, "failing_tiers": tiers,
+                                                   "failing_outputs": outputs})
 
     # -- result --------------------------------------------------------------------------------
     def _tiers(self) -> dict:
@@ -174,6 +184,7 @@ class ModelAggregate:
                 "first_divergence": self.first_divergence,
                 "first_divergence_layers": dict(self.divergent_layers.most_common()),
                 "profile": self.divergence_profile,
+                "profile_record": self.profile_record,
             },
             "task": {
                 "checks": self.tier_checks["task"], "passed": self.tier_passed["task"],

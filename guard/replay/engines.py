@@ -1,7 +1,7 @@
 """Engines run planned batches and yield their outcomes; the aggregator does not care which ran.
 
 - ``LocalEngine``: one process, one ``ModelRunner`` per model, batches in order, inference of
-  the next batch overlapped with the checks of the last.
+  the next batches (on a helper thread) overlapped with reading and checking (on this one).
 - ``RayEngine``: one worker actor per CPU slot, each with its own backend set (built from the
   config text the driver ships, so the workers need the artifacts at the same paths: a shared
   volume or the same image), batches handed to idle actors with a bounded number in flight so a
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -32,6 +33,7 @@ LOCAL_RAY_CPUS = 2  # a local cluster (no --ray-address) gets this many CPUs: on
 
 class LocalEngine:
     name = "local"
+    AHEAD = 2  # batches queued for inference beyond the one being checked
 
     def __init__(self, config: GuardConfig):
         self.runners = Runners({m.name: m for m in config.models})
@@ -44,18 +46,21 @@ class LocalEngine:
         return self.runners.get(model).describe()
 
     def run(self, batches: Iterable[Batch]) -> Iterator[list[SampleOutcome]]:
-        """Two stages: batch k+1 is inferred on a helper thread while this thread checks batch
-        k (and reads the records of the next one)."""
-        pending = None  # (runner, future of its Inferred)
+        """Two stages: a helper thread infers batches back to back while this thread reads
+        the records of the next batches and checks the inferred ones. ``AHEAD`` batches are
+        queued for inference, so that it never waits for this thread to read the next one
+        (with one in flight, the inference thread idled while a batch was read)."""
+        pending: deque = deque()  # (runner, future of its Inferred), in batch order
         with ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-infer") as pool:
             for batch in batches:
                 runner = self.runners.get(batch.model)
-                future = pool.submit(runner.infer, batch)
-                if pending is not None:
-                    yield pending[0].check(pending[1].result())
-                pending = (runner, future)
-            if pending is not None:
-                yield pending[0].check(pending[1].result())
+                pending.append((runner, pool.submit(runner.infer, batch)))
+                if len(pending) > self.AHEAD:
+                    runner, future = pending.popleft()
+                    yield runner.check(future.result())
+            while pending:
+                runner, future = pending.popleft()
+                yield runner.check(future.result())
 
     def close(self) -> None:
         self.runners.close()

@@ -11,8 +11,10 @@ as the sidecar's verifier process assembles its own. For each batch it:
    helper thread: both release the GIL), and splits the outputs back per item; when a stacked
    call fails, or its outputs do not split by rows, the items run one by one, so that an error
    is pinned on the item that caused it;
-3. calls ``Verifier.check`` per item with its inputs (a record is one sample, as in the
-   sidecar) and keeps ``Verifier.tier_reports``.
+3. checks every item as one sample, as the sidecar does: the items of a stacked batch that
+   pass tiers 1 and 3 are found with the batch's figures computed at once
+   (guard/replay/batchcheck.py: the same numbers, bit for bit), every other item goes through
+   ``Verifier.check`` alone with its inputs; ``Verifier.tier_reports`` of each is kept.
 
 The two halves are separate methods (``infer``, then ``check``) so that an engine can overlap
 them: the local engine checks batch k while batch k+1 is inferred (inference releases the GIL,
@@ -30,6 +32,7 @@ import numpy as np
 
 from guard.backends import Backend
 from guard.config import ModelConfig
+from guard.replay.batchcheck import check_stacked
 from guard.replay.items import (
     CHECKED,
     INPUT_ERROR,
@@ -46,12 +49,30 @@ from guard.verify.pair import CheckedPair
 
 
 @dataclass
+class Stacked:
+    """Items inferred in one stacked call: the outputs of both sides, rows in item order."""
+
+    items: list[ReplayItem]
+    reference: dict[str, np.ndarray]
+    primary: dict[str, np.ndarray]
+
+    def split(self) -> list[tuple[ReplayItem, dict, dict]]:
+        bounds = np.cumsum([0, *(it.rows for it in self.items)]).tolist()
+        return [
+            (item, {n: a[bounds[k]:bounds[k + 1]] for n, a in self.reference.items()},
+             {n: a[bounds[k]:bounds[k + 1]] for n, a in self.primary.items()})
+            for k, item in enumerate(self.items)
+        ]
+
+
+@dataclass
 class Inferred:
     """A batch after inference: final outcomes (errors) and the answers still to be checked."""
 
     batch: Batch
     done: dict[int, SampleOutcome] = field(default_factory=dict)
     answers: list[tuple[ReplayItem, dict, dict]] = field(default_factory=list)
+    stacked: Stacked | None = None
 
 
 def _dynamic_batch(backend: Backend) -> bool:
@@ -105,9 +126,8 @@ class ModelRunner:
                 continue
             valid.append(item)
         if len(valid) > 1 and self.stackable:
-            stacked = self._infer_stacked(valid)
-            if stacked is not None:
-                result.answers += stacked
+            result.stacked = self._infer_stacked(valid)
+            if result.stacked is not None:
                 valid = []
         for item in valid:
             reference, primary = self._infer_both(item.inputs)
@@ -123,7 +143,21 @@ class ModelRunner:
 
     def check(self, inferred: Inferred) -> list[SampleOutcome]:
         outcomes = dict(inferred.done)
-        for item, reference, primary in inferred.answers:
+        alone = list(inferred.answers)
+        stacked = inferred.stacked
+        if stacked is not None:
+            batched = check_stacked(self.verifier, stacked.reference, stacked.primary,
+                                    [it.rows for it in stacked.items])
+            if all(tiers is None for tiers in batched):
+                alone += stacked.split()
+            else:
+                answers = stacked.split() if None in batched else None
+                for k, (item, tiers) in enumerate(zip(stacked.items, batched)):
+                    if tiers is None:
+                        alone.append(answers[k])
+                    else:
+                        outcomes[item.index] = self._outcome(item, CHECKED, tiers=tiers)
+        for item, reference, primary in alone:
             check = self.verifier.check(reference, primary, inputs=item.inputs)
             outcomes[item.index] = self._outcome(item, CHECKED,
                                                  tiers=self.verifier.tier_reports(check))
@@ -142,7 +176,7 @@ class ModelRunner:
             primary = exc
         return reference, primary
 
-    def _infer_stacked(self, items: list[ReplayItem]) -> list[tuple] | None:
+    def _infer_stacked(self, items: list[ReplayItem]) -> Stacked | None:
         names = list(items[0].inputs)
         stacked = {n: np.concatenate([it.inputs[n] for it in items], axis=0) for n in names}
         reference, primary = self._infer_both(stacked)
@@ -153,12 +187,7 @@ class ModelRunner:
         outputs = list(reference.values()) + list(primary.values())
         if any(np.ndim(a) == 0 or np.shape(a)[0] != total for a in outputs):
             return None  # outputs not per row: cannot split, run one by one
-        bounds = np.cumsum([0, *rows])
-        return [
-            (item, {n: a[bounds[k]:bounds[k + 1]] for n, a in reference.items()},
-             {n: a[bounds[k]:bounds[k + 1]] for n, a in primary.items()})
-            for k, item in enumerate(items)
-        ]
+        return Stacked(items, reference, primary)
 
     @staticmethod
     def _outcome(item: ReplayItem, status: str, error: str = "", tiers=None) -> SampleOutcome:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
@@ -46,7 +48,58 @@ def write_report(report: dict, folder: str | Path) -> dict[str, Path]:
     return paths
 
 
-# -- markdown --------------------------------------------------------------------------------
+# -- one layout, two renderings ----------------------------------------------------------
+# The report's content is laid out once, as blocks of inline pieces; report.md renders them as
+# Markdown (plain text for logs and CI), report.html as a page (real tables, links to the plots,
+# the plots themselves). Figures exist only on the page.
+class Code(str):
+    """Inline code: `x` in Markdown, <code> on the page."""
+
+
+class Strong(str):
+    """**x** in Markdown, <strong> on the page."""
+
+
+@dataclass(frozen=True)
+class Link:
+    """Text that links to an anchor on the page (plain text in Markdown)."""
+    text: str
+    target: str
+
+
+@dataclass
+class Heading:
+    level: int
+    text: list
+    anchor: str = ""
+
+
+@dataclass
+class Para:
+    text: list
+
+
+@dataclass
+class Bullets:
+    items: list  # each a list of inline pieces
+
+
+@dataclass
+class Table:
+    head: list[str]
+    right: list[bool]  # per column: numbers are right-aligned
+    rows: list  # each row a list of cells, each a list of inline pieces
+    caption: str = ""
+    page_only: tuple[int, ...] = ()  # columns of links to the plots: not in Markdown
+    wrap: tuple[int, ...] = ()  # free-text columns: long words break anywhere on the page
+
+
+@dataclass
+class Figure:
+    anchor: str
+    svg: str  # inline SVG or an HTML paragraph; not in Markdown
+
+
 def _fmt(value) -> str:
     if value is None:
         return "-"
@@ -61,97 +114,202 @@ def _tier_cell(figures: dict) -> str:
     return f"{figures['passed']}/{figures['checks']} pass"
 
 
-def markdown(r: dict) -> str:
-    out = [f"# guard replay report: {r['verdict'].upper()}", ""]
-    out.append(f"guard {r['guard_version']}, config `{r['config']['path']}` "
-               f"(hash {r['config']['hash'] or '-'}), engine {r['engine']['name']}, "
-               f"{r['timing']['records']} record(s) in {r['timing']['seconds']:.1f} s "
-               f"({r['timing']['records_per_second']:.0f}/s). Exit code {r['exit_code']}.")
-    out.append("")
-    for problem in r["problems"]:
-        out.append(f"- **problem**: {problem}")
+def _anchor(*parts) -> str:
+    """An id that is unique by construction (callers pass an index) and readable."""
+    return "-".join(re.sub(r"[^A-Za-z0-9_]+", "_", str(p)).strip("_") or "x" for p in parts)
+
+
+class _Anchors:
+    """The ids of one model's plot sections, shared by the plots and the links to them."""
+
+    def __init__(self, k: int, name: str, outputs):
+        self.model = _anchor("model", k, name)
+        self.outputs = {o: _anchor(self.model, "hist", j, o) for j, o in enumerate(outputs)}
+        self.timeline = _anchor(self.model, "timeline")
+        self.profile = _anchor(self.model, "profile")
+        self.failing = _anchor(self.model, "failing")
+
+
+def layout(r: dict) -> list:
+    t = r["timing"]
+    blocks: list = [
+        Heading(1, ["guard replay report: ", Strong(r["verdict"].upper())]),
+        Para([f"guard {r['guard_version']}, config ", Code(r["config"]["path"]),
+              f" (hash {r['config']['hash'] or '-'}), engine {r['engine']['name']}, "
+              f"{t['records']} record(s) in {t['seconds']:.1f} s "
+              f"({t['records_per_second']:.0f}/s). Exit code {r['exit_code']}."]),
+    ]
     if r["problems"]:
-        out.append("")
-    out += ["| model | samples | verdict | tensor | max abs error | activation | task |",
-            "| --- | ---: | --- | --- | ---: | --- | --- |"]
+        blocks.append(Bullets([[Strong("problem"), f": {p}"] for p in r["problems"]]))
+    anchors = {name: _Anchors(k, name, m["tiers"]["tensor"]["outputs"])
+               for k, (name, m) in enumerate(r["models"].items())}
+    rows = []
     for name, m in r["models"].items():
-        t = m["tiers"]
-        out.append(f"| {name} | {m['samples']} | **{m['verdict']}** | {_tier_cell(t['tensor'])} "
-                   f"| {_fmt(t['tensor']['max_abs_error'])} | {_tier_cell(t['activation'])} | "
-                   f"{_tier_cell(t['task'])} |")
-    out.append("")
+        tiers = m["tiers"]
+        rows.append([[Link(name, anchors[name].model)], [str(m["samples"])],
+                     [Strong(m["verdict"])], [_tier_cell(tiers["tensor"])],
+                     [_fmt(tiers["tensor"]["max_abs_error"])],
+                     [_tier_cell(tiers["activation"])], [_tier_cell(tiers["task"])]])
+    blocks.append(Table(["model", "samples", "verdict", "tensor", "max abs error",
+                         "activation", "task"],
+                        [False, True, False, False, True, False, False], rows))
     for name, m in r["models"].items():
-        out += [f"## {name}: {m['verdict']}", "", m["verdict_reason"], ""]
-        for role, summary in m["backends"].items():
-            out.append(f"- {role}: {summary}")
-        if m.get("tiers_run"):
-            out.append(f"- tiers run: {', '.join(m['tiers_run'])}")
-        floor = m.get("noise_floor")
-        if floor:
-            figures = ", ".join(f"{k} {_fmt(v)}" for k, v in floor["per_output"].items())
-            out.append("- reference noise floor (allowed on top of atol + rtol): " + (
-                figures or "0") if not floor["skipped"] else
-                f"- reference noise floor not measured: {floor['skipped']}")
-        s = m["status"]
-        out.append(f"- records: {s['checked']} checked, {s['primary_error']} primary errors, "
-                   f"{s['reference_error']} reference errors, {s['input_error']} input errors")
-        live = m["live_agreement"]
-        if live["compared"]:
-            out.append(f"- against the sidecar's live verdicts ({live['compared']} mirrored "
-                       f"records): {live['both_pass']} both pass, {live['both_fail']} both "
-                       f"fail, {live['live_pass_replay_fail']} now fail, "
-                       f"{live['live_fail_replay_pass']} now pass")
-        out.append("")
-        outputs = m["tiers"]["tensor"]["outputs"]
-        if outputs:
-            out += ["| output | checks | passed | max abs error | mean of max abs | allowed "
-                    "(max) |", "| --- | ---: | ---: | ---: | ---: | ---: |"]
-            for oname, o in outputs.items():
-                out.append(f"| {oname} | {o['checks']} | {o['passed']} | "
-                           f"{_fmt(o['max_abs_error'])} | {_fmt(o['mean_max_abs_error'])} | "
-                           f"{_fmt(o['allowed_max'])} |")
-            out.append("")
-        act = m["tiers"]["activation"]
-        if act["checks"]:
-            first = act["first_divergence"]
-            out.append("First divergent layer: " + (
-                f"`{first['layer']}` (error {_fmt(first['error'])})" if first else "none"))
-        else:
-            out.append("Tier 2 (activation) produced no data in this replay: no per-layer "
-                       "profile.")
-        task = m["tiers"]["task"]
-        if task["checks"]:
-            metrics = ", ".join(f"{k} {_fmt(v)}" for k, v in task["metrics"].items())
-            out.append(f"Task metrics (mean over samples): {metrics or '-'}")
-        out.append("")
-        for ex in m["failing_examples"]:
-            out.append(f"- failing: record {ex['index']} (id `{ex['request_id'] or '-'}`, "
-                       f"{Path(ex['source']).name}): {ex['why']}")
-        for ex in m["error_examples"]:
-            out.append(f"- {ex['status']}: record {ex['index']} (id "
-                       f"`{ex['request_id'] or '-'}`): {ex['error']}")
-        out.append("")
+        blocks += _model_layout(name, m, anchors[name])
+    blocks += _inputs_layout(r)
+    return blocks
+
+
+def _facts(m: dict) -> list:
+    facts = [[f"{role}: ", Code(summary)] for role, summary in m["backends"].items()]
+    if m.get("tiers_run"):
+        facts.append([f"tiers run: {', '.join(m['tiers_run'])}"])
+    floor = m.get("noise_floor")
+    if floor:
+        figures = ", ".join(f"{k} {_fmt(v)}" for k, v in floor["per_output"].items())
+        facts.append([f"reference noise floor not measured: {floor['skipped']}"]
+                     if floor["skipped"] else
+                     ["reference noise floor (allowed on top of atol + rtol): " + (figures or "0")])
+    s = m["status"]
+    facts.append([f"records: {s['checked']} checked, {s['primary_error']} primary errors, "
+                  f"{s['reference_error']} reference errors, {s['input_error']} input errors"])
+    live = m["live_agreement"]
+    if live["compared"]:
+        facts.append([f"against the sidecar's live verdicts ({live['compared']} mirrored "
+                      f"records): {live['both_pass']} both pass, {live['both_fail']} both "
+                      f"fail, {live['live_pass_replay_fail']} now fail, "
+                      f"{live['live_fail_replay_pass']} now pass"])
+    return facts
+
+
+def _model_layout(name: str, m: dict, a: _Anchors) -> list:
+    tiers = m["tiers"]
+    blocks: list = [Heading(2, [f"{name}: ", Strong(m["verdict"])], a.model),
+                    Para([m["verdict_reason"]]), Bullets(_facts(m))]
+    # tier 1: per-output figures, then the plots they summarise
+    outputs = tiers["tensor"]["outputs"]
+    blocks.append(Heading(3, ["Tier 1 (tensor)"]))
+    if outputs:
+        blocks.append(Table(
+            ["output", "checks", "passed", "max abs error", "mean of max abs", "allowed (max)"],
+            [False, True, True, True, True, True],
+            [[[Link(o, a.outputs[o])], [str(f["checks"])], [str(f["passed"])],
+              [_fmt(f["max_abs_error"])], [_fmt(f["mean_max_abs_error"])],
+              [_fmt(f["allowed_max"])]] for o, f in outputs.items()]))
+        blocks += [Figure(a.outputs[o], _histogram_svg(o, f)) for o, f in outputs.items()]
+    else:
+        blocks.append(Figure("", "<p>No tensor checks: no error distribution.</p>"))
+    blocks.append(Figure(a.timeline, _timeline_svg(m)))
+    # tier 2
+    act = tiers["activation"]
+    blocks.append(Heading(3, ["Tier 2 (activation)"]))
+    if act["checks"]:
+        first = act["first_divergence"]
+        blocks.append(Para(["First divergent layer: "] + (
+            [Link(Code(first["layer"]), a.profile), f" (error {_fmt(first['error'])})"]
+            if first else ["none"])))
+        counts = act.get("first_divergence_layers") or {}
+        if counts:
+            blocks.append(Table(["first divergent layer", "records"], [False, True],
+                                [[[Code(layer)], [str(n)]] for layer, n in counts.items()],
+                                caption="where each record's error first grew", wrap=(0,)))
+    else:
+        blocks.append(Para(["Tier 2 (activation) produced no data in this replay: no per-layer "
+                            "profile."]))
+    blocks.append(Figure(a.profile, _profile_svg(m)))
+    # tier 3
+    task = tiers["task"]
+    if task["checks"]:
+        blocks.append(Heading(3, ["Tier 3 (task)"]))
+        blocks.append(Table(["task metric (mean over samples)", "value"], [False, True],
+                            [[[k], [_fmt(v)]] for k, v in task["metrics"].items()])
+                      if task["metrics"] else Para(["Task metrics: -"]))
+    # failing and erroneous records
+    if m["failing_examples"]:
+        blocks.append(Heading(3, ["Failing records (first few)"], a.failing))
+        blocks.append(Table(["record", "request id", "source", "why", "plots"],
+                            [True, False, False, False, False],
+                            [_failing_row(ex, a, act) for ex in m["failing_examples"]],
+                            page_only=(4,), wrap=(1, 2, 3)))
+    if m["error_examples"]:
+        blocks.append(Heading(3, ["Records that could not be checked (first few)"]))
+        blocks.append(Table(["record", "request id", "status", "error"],
+                            [True, False, False, False],
+                            [[[str(ex["index"])], [Code(ex["request_id"] or "-")],
+                              [ex["status"]], [ex["error"]]] for ex in m["error_examples"]],
+                            wrap=(1, 3)))
+    return blocks
+
+
+def _failing_row(ex: dict, a: _Anchors, act: dict) -> list:
+    plots: list = []
+    for o in ex.get("failing_outputs", []):
+        if o in a.outputs:
+            plots += [Link(f"{o} errors", a.outputs[o]), ", "]
+    if "activation" in ex.get("failing_tiers", []) and act["profile"]:
+        plots += [Link("layer profile", a.profile), ", "]
+    plots.append(Link("timeline", a.timeline))
+    return [[str(ex["index"])], [Code(ex["request_id"] or "-")], [Path(ex["source"]).name],
+            [ex["why"]], plots]
+
+
+def _inputs_layout(r: dict) -> list:
     i = r["inputs"]
-    out += ["## Inputs", "",
-            f"{len(i['files'])} file(s), {i['records_read']} record(s) read, {i['replayed']} "
+    text = (f"{len(i['files'])} file(s), {i['records_read']} record(s) read, {i['replayed']} "
             f"replayed; skipped {i['skipped_bytes']} damaged byte(s) in "
-            f"{i['skipped_regions']} region(s); {i['unreadable_records']} unreadable record(s)."]
+            f"{i['skipped_regions']} region(s); {i['unreadable_records']} unreadable record(s).")
     if i["filtered"]:
-        out.append("Left out by filters: " + ", ".join(f"{k} {v}" for k, v in
-                                                         i["filtered"].items()) + ".")
+        text += " Left out by filters: " + ", ".join(
+            f"{k} {v}" for k, v in i["filtered"].items()) + "."
     if i["stopped_at_max_records"]:
-        out.append("Stopped at --max-records.")
+        text += " Stopped at --max-records."
     if r["unknown_models"]:
-        out.append("Records of models the config lacks (not replayed): " + ", ".join(
-            f"{k} {v}" for k, v in r["unknown_models"].items()) + ".")
-    out.append("")
+        text += " Records of models the config lacks (not replayed): " + ", ".join(
+            f"{k} {v}" for k, v in r["unknown_models"].items()) + "."
+    files = []
     for f in i["files"]:
-        line = f"- `{f['path']}` ({f['kind']}): {f.get('records', 0)} record(s)"
+        line = [Code(f["path"]), f" ({f['kind']}): {f.get('records', 0)} record(s)"]
         if f.get("skipped_bytes"):
-            line += (f", skipped {f['skipped_bytes']} byte(s) in {f['skipped_regions']} "
-                     "region(s)" + (", ends inside a record" if f.get("truncated_tail") else ""))
-        out.append(line)
-    out.append("")
+            line.append(f", skipped {f['skipped_bytes']} byte(s) in {f['skipped_regions']} "
+                        "region(s)" + (", ends inside a record" if f.get("truncated_tail")
+                                       else ""))
+        files.append(line)
+    return [Heading(2, ["Inputs"]), Para([text])] + ([Bullets(files)] if files else [])
+
+
+# -- markdown --------------------------------------------------------------------------------
+def _md_inline(pieces) -> str:
+    out = []
+    for p in pieces:
+        if isinstance(p, Link):
+            out.append(_md_inline([p.text]))
+        elif isinstance(p, Code):
+            out.append(f"`{p}`")
+        elif isinstance(p, Strong):
+            out.append(f"**{p}**")
+        else:
+            out.append(p)
+    return "".join(out)
+
+
+def _md_cell(pieces) -> str:
+    return _md_inline(pieces).replace("|", "\\|").replace("\n", " ")
+
+
+def markdown(r: dict) -> str:
+    out: list[str] = []
+    for b in layout(r):
+        if isinstance(b, Heading):
+            out += ["#" * b.level + " " + _md_inline(b.text), ""]
+        elif isinstance(b, Para):
+            out += [_md_inline(b.text), ""]
+        elif isinstance(b, Bullets):
+            out += [f"- {_md_inline(item)}" for item in b.items] + [""]
+        elif isinstance(b, Table):
+            keep = [k for k in range(len(b.head)) if k not in b.page_only]
+            out.append("| " + " | ".join(b.head[k] for k in keep) + " |")
+            out.append("| " + " | ".join("---:" if b.right[k] else "---" for k in keep) + " |")
+            out += ["| " + " | ".join(_md_cell(row[k]) for k in keep) + " |" for row in b.rows]
+            out.append("")
     return "\n".join(out)
 
 
@@ -221,34 +379,69 @@ def _profile_svg(m: dict) -> str:
     errors = [float(p["error"]) for p in act["profile"]]
     first = act["first_divergence"]["layer"] if act["first_divergence"] else None
     highlight = layers.index(first) if first in layers else None
+    record = act.get("profile_record")
     return svg.bars(f"per-layer error of the first divergence (first: {first})", layers, errors,
-                    x_title="layer (network order), error on a log scale", highlight=highlight,
+                    x_title="layer (network order), error on a log scale"
+                    + ("" if record is None else f"; record {record}"), highlight=highlight,
                     log=True)
 
 
+CSS = (
+    "body{font-family:sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem;"
+    "line-height:1.4;overflow-wrap:break-word}"
+    "table{border-collapse:collapse;margin:.5rem 0;max-width:100%}"
+    "td,th{border:1px solid #ccc;padding:2px 8px;text-align:left;vertical-align:top}"
+    "th{background:#f4f4f4}td.num,th.num{text-align:right;white-space:nowrap}"
+    "td.wrap{overflow-wrap:anywhere;min-width:7em}td a{white-space:nowrap}"
+    "caption{caption-side:bottom;text-align:left;font-size:.85em;color:#555}"
+    "code{font-size:.9em;background:#f4f4f4;padding:0 2px}"
+    ".drift{color:#b52b27}.pass{color:#2b7a2b}"
+    "figure{margin:.5rem 0;scroll-margin-top:1rem}figure:target{outline:2px solid #d9534f}"
+    "svg{display:block;max-width:100%;height:auto}"
+)
+
+
+def _html_inline(pieces) -> str:
+    out = []
+    for p in pieces:
+        if isinstance(p, Link):
+            out.append(f"<a href='#{p.target}'>{_html_inline([p.text])}</a>")
+        elif isinstance(p, Code):
+            out.append(f"<code>{escape(p)}</code>")
+        elif isinstance(p, Strong):
+            verdict = p.lower() in ("pass", "drift")  # coloured by what it says
+            out.append(f"<strong class='{p.lower()}'>{escape(p)}</strong>" if verdict
+                       else f"<strong>{escape(p)}</strong>")
+        else:
+            out.append(escape(p))
+    return "".join(out)
+
+
+def _html_block(b) -> str:
+    if isinstance(b, Heading):
+        anchor = f" id='{b.anchor}'" if b.anchor else ""
+        return f"<h{b.level}{anchor}>{_html_inline(b.text)}</h{b.level}>"
+    if isinstance(b, Para):
+        return f"<p>{_html_inline(b.text)}</p>"
+    if isinstance(b, Bullets):
+        return "<ul>" + "".join(f"<li>{_html_inline(i)}</li>" for i in b.items) + "</ul>"
+    if isinstance(b, Table):
+        def cls(k: int) -> str:
+            return " class='num'" if b.right[k] else " class='wrap'" if k in b.wrap else ""
+        head = "".join(f"<th{cls(k)}>{escape(h)}</th>" for k, h in enumerate(b.head))
+        rows = "".join("<tr>" + "".join(f"<td{cls(k)}>{_html_inline(c)}</td>"
+                                        for k, c in enumerate(row)) + "</tr>" for row in b.rows)
+        caption = f"<caption>{escape(b.caption)}</caption>" if b.caption else ""
+        return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+    anchor = f" id='{b.anchor}'" if b.anchor else ""
+    return f"<figure{anchor}>{b.svg}</figure>"
+
+
 def html(r: dict) -> str:
-    parts = ["<!doctype html><html><head><meta charset='utf-8'>",
+    parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
+             "<meta name='viewport' content='width=device-width, initial-scale=1'>",
              f"<title>guard replay: {escape(r['verdict'])}</title>",
-             "<style>body{font-family:sans-serif;max-width:60rem;margin:2rem auto;padding:0 1rem}"
-             "table{border-collapse:collapse}td,th{border:1px solid #ccc;padding:2px 8px;"
-             "text-align:right}td:first-child,th:first-child{text-align:left}"
-             ".drift{color:#b52b27}.pass{color:#2b7a2b}svg{display:block;margin:.5rem 0}"
-             "</style></head><body>"]
-    colour = "pass" if r["verdict"] == "pass" else "drift"
-    parts.append(f"<h1>guard replay: <span class='{colour}'>{escape(r['verdict'].upper())}"
-                 "</span></h1>")
-    # The markdown already says everything in words; reuse it as preformatted text under the
-    # plots rather than maintaining a second prose layout.
-    for name, m in r["models"].items():
-        verdict_class = "pass" if m["verdict"] == "pass" else "drift"
-        parts.append(f"<h2>{escape(name)}: <span class='{verdict_class}'>"
-                     f"{escape(m['verdict'])}</span></h2><p>{escape(m['verdict_reason'])}</p>")
-        for oname, o in m["tiers"]["tensor"]["outputs"].items():
-            parts.append(_histogram_svg(oname, o))
-        if not m["tiers"]["tensor"]["outputs"]:
-            parts.append("<p>No tensor checks: no error distribution.</p>")
-        parts.append(_timeline_svg(m))
-        parts.append(_profile_svg(m))
-    parts.append("<h2>Details</h2><pre>" + escape(markdown(r)) + "</pre>")
+             f"<style>{CSS}</style></head><body>"]
+    parts += [_html_block(b) for b in layout(r)]
     parts.append("</body></html>")
     return "\n".join(parts)

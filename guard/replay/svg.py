@@ -13,6 +13,7 @@ W, H = 640, 240
 LEFT, RIGHT, TOP, BOTTOM = 56, 16, 28, 44
 PLOT_W, PLOT_H = W - LEFT - RIGHT, H - TOP - BOTTOM
 FONT = 'font-family="sans-serif" font-size="11"'
+HALO = 'stroke="white" stroke-width="3" paint-order="stroke"'  # text readable over a bar
 
 
 def _frame(title: str, body: list[str]) -> str:
@@ -72,15 +73,19 @@ def bars(title: str, labels: list[str], values: list[float], *, x_title: str = "
                     f'<title>{escape(tips[k])}: {value:g}</title></rect>')
     every = label_every or max(1, math.ceil(n / 8))
     offset = 0.0 if edge_labels else 0.5
-    for k in range(0, n, every):
+    shown = set(range(0, n, every))
+    if highlight is not None:  # the highlighted bar is always named; neighbours give way
+        shown = {k for k in shown if abs(k - highlight) >= every} | {highlight}
+    for k in sorted(shown):
         if labels[k]:
+            style = ' fill="#d9534f" font-weight="bold"' if k == highlight else ""
             body.append(f'<text x="{LEFT + (k + offset) * step:.1f}" y="{TOP + PLOT_H + 14}" '
-                        f'{FONT} text-anchor="middle">{escape(labels[k])}</text>')
+                        f'{FONT} text-anchor="middle"{style}>{escape(labels[k])}</text>')
     if marker is not None:
         x = LEFT + marker * step
         body.append(f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{TOP + PLOT_H}" '
                     f'stroke="#d9534f" stroke-dasharray="4 3"/><text x="{x + 3:.1f}" '
-                    f'y="{TOP + 10}" {FONT} fill="#d9534f">{escape(marker_label)}</text>')
+                    f'y="{TOP + 10}" {FONT} fill="#d9534f" {HALO}>{escape(marker_label)}</text>')
     if x_title:
         body.append(f'<text x="{LEFT + PLOT_W / 2}" y="{H - 6}" {FONT} '
                     f'text-anchor="middle">{escape(x_title)}</text>')
@@ -112,7 +117,7 @@ def line(title: str, xs: list[float], ys: list[float], *, x_labels: tuple[str, s
         y = TOP + PLOT_H * (1 - threshold)
         body.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + PLOT_W}" y2="{y:.1f}" '
                     f'stroke="#d9534f" stroke-dasharray="4 3"/><text x="{LEFT + PLOT_W}" '
-                    f'y="{y - 3:.1f}" {FONT} fill="#d9534f" text-anchor="end">'
+                    f'y="{y - 3:.1f}" {FONT} fill="#d9534f" text-anchor="end" {HALO}>'
                     f'{escape(threshold_label)}</text>')
     body.append(f'<text x="{LEFT}" y="{TOP + PLOT_H + 14}" {FONT}>{escape(x_labels[0])}</text>')
     body.append(f'<text x="{LEFT + PLOT_W}" y="{TOP + PLOT_H + 14}" {FONT} '

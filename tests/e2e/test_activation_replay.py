@@ -10,6 +10,7 @@ import yaml
 
 from guard.cli import main
 from guard.zoo.classifier import sample_inputs
+from report_page import parse, target
 
 
 def test_replay_report_names_the_first_divergent_layer(tmp_path, zoo_classifier):
@@ -34,3 +35,17 @@ def test_replay_report_names_the_first_divergent_layer(tmp_path, zoo_classifier)
     assert activation["first_divergence"]["layer"] == "node_linear"
     assert activation["first_divergence"]["error"] > 0.05
     assert "activation" in cnn["tiers_run"]
+    # The page: details as tables, the divergent layer and the failing records linked to
+    # the plots that show them (html.parser, as a browser sees the structure).
+    page = parse((out / "report.html").read_text())
+    assert page.pre == 0
+    layer = [href for href, text in page.links if text == "node_linear"]
+    assert len(layer) == 1 and "per-layer error of the first divergence (first: node_linear)" in (
+        target(page, layer[0])[1])
+    failing = page.table("record", "request id", "source", "why", "plots")
+    assert [int(c.text) for c in failing.column("record")] == [
+        e["index"] for e in cnn["failing_examples"]]
+    for cell in failing.column("plots"):
+        shown = [target(page, href) for href in cell.links]
+        assert "logits: max abs error per sample (12 samples)" in shown[0][1]
+        assert shown[1] == target(page, layer[0])

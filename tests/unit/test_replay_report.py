@@ -18,6 +18,7 @@ from guard.replay.progress import Progress
 from guard.replay.report import markdown, write_report
 from guard.verify.pipeline import TierReport
 from guard.verify.tensor import OutputCheck
+from report_page import parse, target
 
 MODEL = ModelConfig.model_validate({
     "name": "m", "primary": {"backend": "torch", "path": "x:y"},
@@ -116,6 +117,59 @@ def test_report_files_are_self_contained_and_strict_json(tmp_path):
     assert "tier 2 (activation) produced no data" in page
     assert not re.search(r"(src|href)=\"https?:", page)  # nothing fetched from a server
     assert "| m | 31 |" in markdown(data)
+
+
+def test_html_details_are_tables_linked_to_the_plots(tmp_path):
+    profile = [{"layer": "conv1", "error": 1e-6}, {"layer": "fc1", "error": 0.4}]
+    failing_activation = TierReport(False, "first divergence at fc1", [], {
+        "first_divergence": {"layer": "fc1", "error": 0.4}, "layers": profile})
+    agg = ModelAggregate(MODEL, {"primary": "onnxruntime/int8/cpu a.onnx",
+                                 "reference": "onnxruntime/fp32/cpu a.onnx"})
+    agg.add(outcome(0, 1e-6, activation=TierReport(True, "ok", [], {
+        "first_divergence": None, "layers": []})))
+    agg.add(outcome(1, 0.5, activation=failing_activation))  # tensor and activation fail
+    agg.add(outcome(2, 1e-6, activation=failing_activation))  # activation alone fails
+    agg.add(outcome(3, 0.0, status=REFERENCE_ERROR))
+    report = report_for(agg)
+    report["problems"] = ["a problem | with a pipe"]
+    paths = write_report(report, tmp_path)
+    page = parse(paths["html"].read_text())
+    assert page.pre == 0  # no preformatted dump of report.md
+    for href, _ in page.links:
+        target(page, href)  # every in-page link lands on an element
+    summary = page.table("model")
+    assert [c.text for c in summary.rows[0]][:3] == ["m", "4", "drift"]
+    assert target(page, summary.rows[0][0].links[0])[0] == "h2"
+    outputs = page.table("output")
+    assert [c.text for c in outputs.rows[0]] == ["y", "3", "2", "0.5", "0.167", "0.001"]
+    y_hist = outputs.rows[0][0].links[0]
+    tag, text = target(page, y_hist)
+    assert tag == "figure" and "y: max abs error per sample (3 samples)" in text
+    # the first divergent layer links to the per-layer profile, which names its record
+    first = [href for href, text in page.links if text == "fc1"]
+    assert len(first) == 1
+    tag, text = target(page, first[0])
+    assert tag == "figure" and "per-layer error of the first divergence (first: fc1)" in text
+    assert "record 1" in text
+    # failing records: one row each, linked to the plots that show why they failed
+    failing = page.table("record", "request id", "source", "why", "plots")
+    assert [c.text for c in failing.column("record")] == ["1", "2"]
+    plots = failing.column("plots")
+    assert plots[0].links[0] == y_hist  # record 1 failed tier 1 on output y
+    assert target(page, plots[0].links[1]) == target(page, first[0])  # and tier 2
+    assert y_hist not in plots[1].links  # record 2 passed tier 1
+    assert target(page, plots[1].links[0]) == target(page, first[0])
+    assert "pass rate over time" in target(page, plots[1].links[-1])[1]
+    errors = page.table("record", "request id", "status")
+    assert [c.text for c in errors.rows[0]] == ["3", "r3", "reference_error", "boom"]
+    # long words in free text wrap instead of running off the page
+    assert failing.column("why")[0].text.startswith("tensor: fail")
+    text = paths["html"].read_text()
+    assert "overflow-wrap:anywhere" in text and "<td class='wrap'>" in text
+    # report.md keeps the same tables as Markdown, without the page's plot links
+    md = paths["md"].read_text()
+    assert "| record | request id | source | why |\n" in md
+    assert "- **problem**: a problem | with a pipe" in md
 
 
 class _Terminal(io.StringIO):
