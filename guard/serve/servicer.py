@@ -59,18 +59,20 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInferBytes(self, data: bytes, context) -> bytes:
         """ModelInfer as registered: peek at the model name and id; forward the bytes, or parse
         and answer."""
-        try:
-            name, _, request_id = raw.peek(data)
-        except raw.MalformedMessage as exc:
-            self.dataplane.count_error("", "INVALID_ARGUMENT")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                f"not a ModelInferRequest: {exc}")
-        model = self.dataplane.models.get(name)
+        model = name = request_id = None
+        if self.dataplane.forwards:  # only then can a request skip the parse
+            try:
+                name, _, request_id = raw.peek(data)
+            except raw.MalformedMessage as exc:
+                self.dataplane.count_error("", "INVALID_ARGUMENT")
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                    f"not a ModelInferRequest: {exc}")
+            model = self.dataplane.models.get(name)
         if model is None or not model.forwards_only:
             try:
                 request = pb.ModelInferRequest.FromString(data)
             except DecodeError as exc:
-                self.dataplane.count_error(name, "INVALID_ARGUMENT")
+                self.dataplane.count_error(name or "", "INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"not a ModelInferRequest: {exc}")
             return (await self.ModelInfer(request, context)).SerializeToString()

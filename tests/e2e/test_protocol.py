@@ -174,6 +174,14 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tmp_path
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "input 'x'" in err.value.details() and "12 bytes" in err.value.details()
 
+        # Bytes that are no ModelInferRequest at all (ModelInfer is registered on bytes).
+        with grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
+            infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+            with pytest.raises(grpc.RpcError) as err:
+                infer(b"\x0a\xff\xff\xff\xff\x0f garbage", timeout=10)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "not a ModelInferRequest" in err.value.details()
+
         # After all that, the server still answers correctly.
         result = client.infer("m", [x_input(good)])
         assert result.as_numpy("y").shape == (1, 3)
