@@ -356,7 +356,8 @@ class MirrorConfig(Strict):
     sample_rate: Fraction = Field(
         0.05,
         description="Share of requests mirrored onto the reference. With a request id, the "
-        "decision is a hash of the id, so replicas agree on which requests are mirrored.",
+        "decision is a keyed hash of the id (server.sampling_key_file), so replicas that share the "
+        "key agree on which requests are mirrored and clients cannot choose.",
     )
     queue_size: PositiveInt = Field(
         64, description="Samples waiting for the reference; a full queue drops and counts."

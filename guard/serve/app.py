@@ -33,6 +33,7 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.serve.admin import AdminServicer
 from guard.serve.dataplane import DataPlane
+from guard.serve.decoding import guarded
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.serve import sampling
@@ -142,26 +143,26 @@ class GuardServer:
                    ("grpc.max_send_message_length", size),
                    ("grpc.so_reuseport", 0)]
         self._grpc = grpc.aio.server(options=options)
-        service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server(
-            InferenceServicer(self.dataplane), self._grpc)
+        guarded(service_pb2_grpc.add_GRPCInferenceServiceServicer_to_server,  # hardening2
+                InferenceServicer(self.dataplane), self._grpc)
         self._health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        guarded(health_pb2_grpc.add_HealthServicer_to_server, self._health, self._grpc)
         self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
                                     "server.grpc_port", server_credentials(server_config.tls))
 
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         # hardening2: admin TLS/mTLS with an allow-list; the Tap service on its own listener.
-        admin_pb2_grpc.add_AdminServicer_to_server(
-            AdminServicer(self.models, self.supervisor,
-                          CallerCheck("admin API", server_config.admin_tls)), self._admin)
+        guarded(admin_pb2_grpc.add_AdminServicer_to_server,
+                AdminServicer(self.models, self.supervisor,
+                              CallerCheck("admin API", server_config.admin_tls)), self._admin)
         self.admin_port = self._bind(self._admin, server_config.admin_host,
                                      server_config.admin_port, "server.admin_port",
                                      server_credentials(server_config.admin_tls))
         tap = server_config.tap
         if tap is not None:
             self._tap = grpc.aio.server(options=options)
-            tap_pb2_grpc.add_TapServicer_to_server(
-                TapServicer(self.models, CallerCheck("tap", tap.tls)), self._tap)
+            guarded(tap_pb2_grpc.add_TapServicer_to_server,
+                    TapServicer(self.models, CallerCheck("tap", tap.tls)), self._tap)
             self.tap_port = self._bind(self._tap, tap.host, tap.port, "server.tap.port",
                                        server_credentials(tap.tls))
             await self._tap.start()

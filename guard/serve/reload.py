@@ -81,6 +81,8 @@ def model_fingerprint(model: ModelConfig) -> str:
 
 
 class ConfigReloader:
+    retire_report_s = 30.0  # a replaced model still busy after this is reported (and awaited)
+
     def __init__(self, server: "GuardServer", path: Path):
         self.server = server
         self.path = path
@@ -177,17 +179,17 @@ class ConfigReloader:
              failed=sorted(failed), config_hash=new._source_hash)
         return not failed
 
-    async def _retire(self, model: ServedModel, report_after: float = 30.0) -> None:
+    async def _retire(self, model: ServedModel) -> None:
         """Close a replaced model once the requests inside it have finished: never under a
         request (a backend closed mid-inference can crash the process). Requests end by their
         own deadline or the backend's (an upstream's timeout); one still inside after
-        ``report_after`` seconds is reported once (``model_retire_waiting``), and waited for."""
+        ``retire_report_s`` seconds is reported once (``model_retire_waiting``), and waited for."""
         model.end_watches()  # WatchRoute streams of the old version end now
         waited, reported = 0.0, False
         while model.requests_in_flight:
             await asyncio.sleep(0.05)
             waited += 0.05
-            if waited >= report_after and not reported:
+            if waited >= self.retire_report_s and not reported:
                 reported = True
                 emit("model_retire_waiting", model=model.name,
                      requests_in_flight=model.requests_in_flight, waited_s=round(waited, 1),

@@ -23,6 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as oip
 
+from guard.serve.codec import InferenceError, decode_request, decode_response
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
 from guard.serve.tls import CallerCheck
@@ -52,10 +53,15 @@ class TapServicer(pb_grpc.TapServicer):
                                 "served_by must be 'primary' or 'fallback'")
         try:
             infer_request = oip.ModelInferRequest.FromString(request.request)
-            oip.ModelInferResponse.FromString(request.response)  # well-formed; decoded later
+            response = oip.ModelInferResponse.FromString(request.response)
         except DecodeError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"request/response are not KServe v2 messages: {exc}")
+        try:  # consistent tensors (raw contents per output, sizes); decoded again if sampled
+            decode_request(infer_request)
+            decode_response(response)
+        except InferenceError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"observed pair: {exc}")
         model = await tapped_or_abort(self.models, infer_request.model_name, context)
         route, epoch, probing = model.route_word()
         model.requests[served_by].inc()

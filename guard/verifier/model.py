@@ -171,7 +171,14 @@ class VerifiedModel:
         mirrored = False
         if handed.flags & MIRROR and self.mirror is not None:
             if callable(outputs):
-                outputs = outputs()
+                try:
+                    outputs = outputs()
+                except Exception as exc:  # an answer that parses but does not decode: the
+                    # mirror's error, never the ring reader's death (found by the fuzzer)
+                    self.metrics.mirror.labels(self.name, "error").inc()
+                    emit("mirror_undecodable_answer", model=self.name,
+                         error=f"{type(exc).__name__}: {exc}"[:300])
+                    return
             self._took()
             mirrored = self.mirror.accept(Sample(
                 inputs, outputs, handed.route, handed.epoch, time.monotonic(),

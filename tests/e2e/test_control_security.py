@@ -10,6 +10,7 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
+from tritonclient.grpc import service_pb2 as oip
 from tritonclient.utils import InferenceServerException
 
 from fixture_models import DRIFT_TRIGGER
@@ -17,7 +18,7 @@ from guard.cli import main as guard_main
 from guard.serve.codec import decode_request, encode_request, encode_response
 from guard.v1 import admin_pb2, admin_pb2_grpc, tap_pb2, tap_pb2_grpc
 from support import (affine_backend, events, make_pki, metric, model_block, running, scrape,
-                     x_input)
+                     wait_for, x_input)
 
 TAP = {"host": "127.0.0.1", "port": 0}
 FALLBACK_POLICY = {"action": "fallback_model", "detector": "window", "window": 10,
@@ -73,6 +74,19 @@ def test_tap_cannot_poison_a_model_guard_serves(tmp_path):
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
             # The tapped model is observed, and guard never answers it itself.
             assert tap.Observe(invented("tapped", np.ones((1, 4)), "t-1")).route == "primary"
+            # A pair that parses but does not decode (the fuzzer's find: it used to kill the
+            # verifier's ring reader, and with it every check) is refused up front.
+            broken = invented("tapped", np.ones((1, 4)), "t-2")
+            response = oip.ModelInferResponse.FromString(broken.response)
+            response.outputs.add(name="extra", datatype="FP32", shape=[1])
+            broken.response = response.SerializeToString()
+            with pytest.raises(grpc.RpcError) as err:
+                tap.Observe(broken)
+            assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "raw_output_contents" in err.value.details()
+            tap.Observe(invented("tapped", np.ones((1, 4)), "t-3"))
+            wait_for(lambda: metric(scrape(srv.metrics_port), "guard_checks_total",
+                                    model="tapped", tier="tensor", result="fail") >= 2)
         with pytest.raises(InferenceServerException) as refused:
             client.infer("tapped", [x_input(np.ones((1, 4)))])
         assert "FAILED_PRECONDITION" in str(refused.value.status())
