@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import dataclass
 
 import grpc
 from google.protobuf.json_format import MessageToDict
@@ -15,8 +16,44 @@ from guard.v1 import admin_pb2_grpc as pb_grpc
 _ROUTES = {"auto": pb.AUTO, "primary": pb.PRIMARY, "fallback": pb.FALLBACK}
 
 
-def _call(address: str, method: str, request, timeout: float = 10.0):
-    with grpc.insecure_channel(address) as channel:
+@dataclass(frozen=True)
+class ClientTls:
+    """TLS toward the admin API (``server.admin_tls``): the CA that signed the server's
+    certificate, and for mutual TLS this client's certificate and key (PEM files)."""
+
+    ca_file: str | None = None
+    cert_file: str | None = None
+    key_file: str | None = None
+    server_name: str | None = None  # when the address is not a name in the server's cert
+
+    @property
+    def enabled(self) -> bool:
+        return any((self.ca_file, self.cert_file, self.key_file))
+
+    def channel(self, address: str) -> grpc.Channel:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise GuardError("admin TLS: --tls-cert and --tls-key go together")
+
+        def read(path: str | None, flag: str) -> bytes | None:
+            if path is None:
+                return None
+            try:
+                return open(path, "rb").read()
+            except OSError as exc:
+                raise GuardError(f"{flag}: cannot read {path}: {exc.strerror or exc}") from None
+
+        credentials = grpc.ssl_channel_credentials(
+            read(self.ca_file, "--tls-ca"), read(self.key_file, "--tls-key"),
+            read(self.cert_file, "--tls-cert"))
+        options = ([("grpc.ssl_target_name_override", self.server_name)]
+                   if self.server_name else [])
+        return grpc.secure_channel(address, credentials, options=options)
+
+
+def _call(address: str, method: str, request, timeout: float = 10.0,
+          tls: ClientTls | None = None):
+    channel = tls.channel(address) if tls and tls.enabled else grpc.insecure_channel(address)
+    with channel:
         stub = pb_grpc.AdminStub(channel)
         try:
             return getattr(stub, method)(request, timeout=timeout)
@@ -24,8 +61,9 @@ def _call(address: str, method: str, request, timeout: float = 10.0):
             raise GuardError(f"admin API at {address}: {exc.code().name}: {exc.details()}") from None
 
 
-def get_status(address: str, model: str = "") -> pb.GetStatusResponse:
-    return _call(address, "GetStatus", pb.GetStatusRequest(model=model))
+def get_status(address: str, model: str = "", tls: ClientTls | None = None
+               ) -> pb.GetStatusResponse:
+    return _call(address, "GetStatus", pb.GetStatusRequest(model=model), tls=tls)
 
 
 def format_model_status(status: pb.ModelStatus) -> str:
@@ -50,8 +88,8 @@ def format_model_status(status: pb.ModelStatus) -> str:
     return "\n".join(lines)
 
 
-def print_status(address: str, model: str, as_json: bool) -> int:
-    response = get_status(address, model)
+def print_status(address: str, model: str, as_json: bool, tls: ClientTls | None = None) -> int:
+    response = get_status(address, model, tls)
     if as_json:
         print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
     else:
@@ -61,8 +99,10 @@ def print_status(address: str, model: str, as_json: bool) -> int:
     return 0
 
 
-def set_route(address: str, model: str, route: str, reason: str) -> int:
+def set_route(address: str, model: str, route: str, reason: str,
+              tls: ClientTls | None = None) -> int:
     response = _call(address, "SetRoute",
-                     pb.SetRouteRequest(model=model, route=_ROUTES[route], reason=reason))
+                     pb.SetRouteRequest(model=model, route=_ROUTES[route], reason=reason),
+                     tls=tls)
     print(format_model_status(response.status))
     return 0

@@ -134,16 +134,22 @@ def cmd_matrix(args: argparse.Namespace) -> int:
     return EXIT_OK if summary["checks"] and summary["passed"] == summary["checks"] else EXIT_FAIL
 
 
+def _admin_tls(args: argparse.Namespace):
+    from guard.admin_client import ClientTls
+
+    return ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
+
+
 def cmd_admin_status(args: argparse.Namespace) -> int:
     from guard.admin_client import print_status
 
-    return print_status(args.admin, args.model, args.json)
+    return print_status(args.admin, args.model, args.json, _admin_tls(args))
 
 
 def cmd_admin_route(args: argparse.Namespace) -> int:
     from guard.admin_client import set_route
 
-    return set_route(args.admin, args.model, args.route, args.reason)
+    return set_route(args.admin, args.model, args.route, args.reason, _admin_tls(args))
 
 
 # -- parser ---------------------------------------------------------------------------------------
@@ -294,6 +300,13 @@ def build_parser() -> argparse.ArgumentParser:
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
     admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",
                        help="admin API address (default 127.0.0.1:8003)")
+    admin.add_argument("--tls-ca", metavar="PEM", help="CA of the admin API's certificate "
+                       "(server.admin_tls); turns TLS on")
+    admin.add_argument("--tls-cert", metavar="PEM", help="this client's certificate (mutual "
+                       "TLS; its identity must be in server.admin_tls.allowed_identities)")
+    admin.add_argument("--tls-key", metavar="PEM", help="this client's private key")
+    admin.add_argument("--tls-server-name", metavar="NAME", help="name to check the server's "
+                       "certificate against, when the address is not one of its names")
     admin_sub = admin.add_subparsers(dest="admin_command", metavar="ACTION", required=True)
     status = admin_sub.add_parser("status", help="route, drift window and last transition")
     status.add_argument("--model", default="", help="one model (default: all)")

@@ -11,6 +11,8 @@ config file's folder, and check that artifacts exist. Building backends happens 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
+import os
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -126,6 +128,63 @@ class TlsConfig(Strict):
     client_ca_file: str | None = Field(None, description="PEM CA for client certs (mTLS).")
 
 
+# -- hardening2: authenticated control listeners (admin API, tap) --------------------------------
+def is_loopback(host: str) -> bool:
+    """127.0.0.0/8, ::1 or 'localhost': reachable only from this network namespace (in a Pod,
+    from every container of the Pod)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+class ClientAuthTlsConfig(TlsConfig):
+    """TLS on a control listener (admin API, tap). ``client_ca_file`` turns on mutual TLS;
+    ``allowed_identities`` then names the client certificates that may call: a call whose
+    certificate carries none of them (subject alternative names, or the common name of a
+    certificate without SANs) is refused with PERMISSION_DENIED. Certificate files are re-read
+    when they change (checked at each new connection)."""
+
+    allowed_identities: list[str] = Field(
+        default_factory=list,
+        description="Client certificate identities (a SAN: DNS name, URI such as a SPIFFE id, "
+        "or the CN of a certificate without SANs) allowed to call; empty: any certificate "
+        "signed by client_ca_file. Needed (with client_ca_file) off loopback.",
+    )
+
+    @model_validator(mode="after")
+    def _check_identities(self) -> "ClientAuthTlsConfig":
+        if self.allowed_identities and not self.client_ca_file:
+            raise ValueError("allowed_identities needs client_ca_file (mutual TLS): without "
+                             "client certificates there is no identity to check")
+        return self
+
+
+def _off_loopback_needs_mtls(host: str, tls: ClientAuthTlsConfig | None, what: str) -> str:
+    """Why a control listener on ``host`` is refused, or ""."""
+    if is_loopback(host) or (tls is not None and tls.client_ca_file and
+                             tls.allowed_identities):
+        return ""
+    return (f"{host!r} is not loopback: the {what} would accept anyone who can reach it; set "
+            f"{'tls' if what == 'tap' else 'admin_tls'} with client_ca_file and "
+            "allowed_identities (mutual TLS), or listen on 127.0.0.1")
+
+
+class TapListenerConfig(Strict):
+    """The guard.v1.Tap listener (tap mode), apart from the data plane. Absent: no Tap service.
+    Only models with ``tap: true`` can be observed on it."""
+
+    host: str = Field("127.0.0.1", description="Address of the Tap listener (loopback unless "
+                      "tls with client authentication and allowed_identities is set).")
+    port: Port = Field(8004, description="Port of the Tap listener (0 picks a free one).")
+    tls: ClientAuthTlsConfig | None = Field(None, description="TLS / mutual TLS on the Tap "
+                                            "listener, with an allow-list of client identities.")
+
+# -- end hardening2 -------------------------------------------------------------------------------
+
+
 class VerifierConfig(Strict):
     """The verifier process: reference, checks, detectors, capture and repair run there, out of
     the serving process and its interpreter lock (guard/verifier/)."""
@@ -188,6 +247,20 @@ class ServerConfig(Strict):
         "queue without bound in front of the model.",
     )
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    # -- hardening2 ----------------------------------------------------------------------------
+    admin_tls: ClientAuthTlsConfig | None = Field(
+        None, description="TLS / mutual TLS on the admin API. Required, with client_ca_file and "
+        "allowed_identities, when admin_host is not loopback.")
+    tap: TapListenerConfig | None = Field(
+        None, description="The guard.v1.Tap listener for models with 'tap: true'; off when "
+        "absent.")
+    sampling_key_file: str | None = Field(
+        None, description="File holding the secret (at least 16 bytes) that keys the hash of "
+        "request ids deciding which requests are mirrored and captured. Give every replica the "
+        "same one (a Secret) so that they pick the same requests. Unset: the environment "
+        "variable GUARD_SAMPLING_KEY, else a random key per start (replicas then disagree).")
+
+    # -- end hardening2 ------------------------------------------------------------------------
 
 
 class BackendConfig(Strict):
@@ -283,7 +356,8 @@ class MirrorConfig(Strict):
     sample_rate: Fraction = Field(
         0.05,
         description="Share of requests mirrored onto the reference. With a request id, the "
-        "decision is a hash of the id, so replicas agree on which requests are mirrored.",
+        "decision is a keyed hash of the id (server.sampling_key_file), so replicas that share the "
+        "key agree on which requests are mirrored and clients cannot choose.",
     )
     queue_size: PositiveInt = Field(
         64, description="Samples waiting for the reference; a full queue drops and counts."
@@ -761,6 +835,11 @@ class ModelConfig(Strict):
         description="The model_name clients send; also the name of the model's capture folder: "
         "letters, digits, '_', '.', '-', starting with a letter or digit.")
     task: Task = "generic"
+    tap: bool = Field(
+        False, description="hardening2: true: this model's own server answers its clients and "
+        "reports each answer to guard over guard.v1.Tap (server.tap's listener); guard never "
+        "answers it (ModelInfer for it is FAILED_PRECONDITION). false: guard answers it in the "
+        "path and Tap/Observe for it is refused, so that nobody else can feed its detectors.")
     primary: BackendConfig
     reference: BackendConfig | None = Field(
         None, description="The trusted backend that sampled requests are mirrored onto."
@@ -909,6 +988,52 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     return lines
 
 
+# -- hardening2 --------------------------------------------------------------------------------
+def _absolute(base_dir: Path, value: str) -> Path:
+    """``value`` against the config file's folder, symlinks NOT followed: under a Kubernetes
+    ConfigMap volume the file is reached through the '..data' symlink, whose target changes on
+    every update; a path through it would change too, and every model would reload."""
+    return Path(os.path.normpath(os.path.join(base_dir, os.path.expanduser(value))))
+
+
+def _check_server(server: ServerConfig, base_dir: Path) -> list[str]:
+    """Server problems beyond the schema: files that must exist (made absolute here) and control
+    listeners off loopback without client authentication."""
+    problems = []
+    blocks = (("server.tls", server.tls), ("server.admin_tls", server.admin_tls),
+              ("server.tap.tls", server.tap.tls if server.tap else None))
+    for where, tls in blocks:
+        for key in ("cert_file", "key_file", "client_ca_file"):
+            value = getattr(tls, key, None)
+            if value is None:
+                continue
+            resolved = _absolute(base_dir, value)
+            if not resolved.is_file():
+                problems.append(f"{where}.{key}: file not found: {resolved}")
+            setattr(tls, key, str(resolved))
+    if server.sampling_key_file is not None:
+        resolved = _absolute(base_dir, server.sampling_key_file)
+        server.sampling_key_file = str(resolved)
+        try:
+            size = len(resolved.read_bytes().strip())
+        except OSError as exc:
+            problems.append(f"server.sampling_key_file: cannot read {resolved}: "
+                            f"{exc.strerror or exc}")
+        else:
+            if size < 16:
+                problems.append(f"server.sampling_key_file: holds {size} bytes; a sampling "
+                                "key needs at least 16 (e.g. `head -c 32 /dev/urandom > FILE`)")
+    why = _off_loopback_needs_mtls(server.admin_host, server.admin_tls, "admin API")
+    if why:
+        problems.append(f"server.admin_host: {why}")
+    if server.tap is not None:
+        why = _off_loopback_needs_mtls(server.tap.host, server.tap.tls, "tap")
+        if why:
+            problems.append(f"server.tap.host: {why}")
+    return problems
+# -- end hardening2 ----------------------------------------------------------------------------
+
+
 def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardConfig:
     """Validate a parsed YAML document; resolve and check artifact paths against ``base_dir``."""
     if not isinstance(data, dict):
@@ -917,18 +1042,11 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
         config = GuardConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc), source) from None
-    problems = []
-    tls = config.server.tls
-    if tls is not None:
-        for key in ("cert_file", "key_file", "client_ca_file"):
-            value = getattr(tls, key)
-            if value is None:
-                continue
-            resolved = (base_dir / value).resolve()
-            if not resolved.is_file():
-                problems.append(f"server.tls.{key}: file not found: {resolved}")
-            setattr(tls, key, str(resolved))
+    problems = _check_server(config.server, base_dir)
     for i, model in enumerate(config.models):
+        if model.tap and config.server.tap is None:
+            problems.append(f"models[{i}].tap: needs server.tap (the Tap listener that the "
+                            "model's own server reports to)")
         for role in ("primary", "reference", "fallback"):
             spec: BackendConfig | None = getattr(model, role)
             if spec is None or spec.path is None:
@@ -943,15 +1061,15 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
                         "artifact file: sha256 cannot pin it; remove sha256 (or export the "
                         "model to .pt/.pt2/.onnx and pin that)")
                 continue
-            resolved = (base_dir / spec.path).resolve()
+            resolved = _absolute(base_dir, spec.path)
             if not resolved.exists():
                 problems.append(f"models[{i}].{role}.path: file not found: {resolved}")
             spec.path = str(resolved)
         if model.capture is not None:
-            model.capture.dir = str((base_dir / model.capture.dir).resolve())
+            model.capture.dir = str(_absolute(base_dir, model.capture.dir))
         floor = model.checks.tensor.noise_floor
         if floor.inputs is not None:
-            resolved = (base_dir / floor.inputs).resolve()
+            resolved = _absolute(base_dir, floor.inputs)
             if not resolved.exists():
                 problems.append(
                     f"models[{i}].checks.tensor.noise_floor.inputs: file not found: {resolved}")
@@ -991,7 +1109,8 @@ def load_config(path: str | Path) -> GuardConfig:
     """Read, validate and resolve a config file; raises ``ConfigError`` naming every problem."""
     path = Path(path)
     text, data = read_yaml(path)
-    config = parse_config(data, path.resolve().parent, str(path))
+    # Not path.resolve(): see _absolute (ConfigMap '..data' symlinks).
+    config = parse_config(data, Path(os.path.abspath(path)).parent, str(path))
     config._source_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
     config._source_path = path
     return config

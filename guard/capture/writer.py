@@ -191,9 +191,16 @@ class CaptureWriter:
                  existing_segments=len(self._closed))
         self._thread.start()
 
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def close(self, timeout: float = 10.0) -> None:
         """Stop taking records, write those queued (within ``timeout``), close the segment."""
         self._accepting = False
+        if not self.started:  # never started (a reload that failed): nothing was written
+            self._count_left()
+            return
         deadline = time.monotonic() + timeout
         while True:
             try:
@@ -206,7 +213,10 @@ class CaptureWriter:
         if self._thread.is_alive():
             log.warning("capture writer for %s did not finish within %.0fs", self.model, timeout)
             return
-        # Whatever the writer did not take (the join timed out, or it never got the stop).
+        self._count_left()
+
+    def _count_left(self) -> None:
+        """Whatever the writer did not take (the join timed out, or it never got the stop)."""
         left = 0
         while True:
             try:

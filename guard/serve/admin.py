@@ -5,6 +5,11 @@ the verifier, so each call is forwarded there over the control channel and merge
 this process knows (the backends that answer, requests per route). While the verifier is
 restarting, GetStatus still answers (route from the route word, no windows) and SetRoute is
 UNAVAILABLE.
+
+Who may call: loopback only, unless ``server.admin_tls`` sets mutual TLS with an allow-list of
+client identities (``guard config validate`` refuses a non-loopback ``admin_host`` without
+them); a caller outside the allow-list gets PERMISSION_DENIED and an ``access_denied`` event.
+Every change is an event naming the caller (its certificate identity and address).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from guard.observe.events import emit
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
 from guard.serve.supervisor import VerifierSupervisor, VerifierUnavailable
+from guard.serve.tls import CallerCheck
 from guard.verifier.status import counts
 from guard.v1 import admin_pb2 as pb
 from guard.v1 import admin_pb2_grpc as pb_grpc
@@ -51,21 +57,15 @@ def served_status(model: ServedModel, verified: bytes | None) -> pb.ModelStatus:
     return status
 
 
-def _peer(context) -> str:
-    """Who asked: the peer address and, under mTLS, the client certificate's subject."""
-    who = context.peer() or "unknown"
-    identities = context.peer_identities() if hasattr(context, "peer_identities") else None
-    if identities:
-        who += " " + ",".join(i.decode(errors="replace") for i in identities)
-    return who
-
-
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, models: dict[str, ServedModel], verifier: VerifierSupervisor):
+    def __init__(self, models: dict[str, ServedModel], verifier: VerifierSupervisor,
+                 callers: CallerCheck | None = None):
         self.models = models
         self.verifier = verifier
+        self.callers = callers or CallerCheck("admin API")  # server.admin_tls's allow-list
 
     async def GetStatus(self, request, context):
+        await self.callers.check(context, "GetStatus")
         if request.model:
             models = [await model_or_abort(self.models, request.model, context)]
         else:
@@ -79,6 +79,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             served_status(m, verified.get(m.name)) for m in models])
 
     async def SetRoute(self, request, context):
+        caller = await self.callers.check(context, "SetRoute")
         model = await model_or_abort(self.models, request.model, context)
         override = _OVERRIDES.get(request.route)
         if override is None:
@@ -88,7 +89,6 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"model '{model.name}' has no fallback backend")
         reason = request.reason or f"set by admin API at {time.strftime('%H:%M:%S')}"
-        caller = _peer(context)
         message = {"op": "set_route", "model": model.name, "override": override,
                    "reason": reason}
         loop = asyncio.get_running_loop()

@@ -2,7 +2,8 @@
 
 Ports: the data plane and ``grpc.health.v1`` share ``server.grpc_port`` (Kubernetes gRPC probes
 point there: service ``""`` = live, ``readiness`` = ready); the admin API listens on its own port
-on loopback; Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A port of 0 picks a free
+on loopback (or under mutual TLS, ``server.admin_tls``); the guard.v1.Tap service, when
+``server.tap`` is set, on a listener of its own (loopback or mutual TLS); Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A port of 0 picks a free
 one (tests, demo); the bound ports are on the server object after ``start()``.
 
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the gRPC server stops accepting and gives
@@ -31,14 +32,17 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.serve.admin import AdminServicer
 from guard.serve.dataplane import DataPlane
+from guard.serve.decoding import guarded
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
+from guard.serve import sampling
 from guard.serve.model import ServedModel
 from guard.serve.reload import ConfigReloader
 from guard.serve.supervisor import MergedMetrics, VerifierSupervisor
 from guard.serve.servicer import InferenceServicer
 from guard.serve.servicer import add_to_server as add_inference_service
 from guard.serve.tap import TapServicer
+from guard.serve.tls import CallerCheck, server_credentials
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
 
 log = logging.getLogger("guard.server")
@@ -48,6 +52,9 @@ READINESS_SERVICE = "readiness"
 class GuardServer:
     def __init__(self, config: GuardConfig):
         self.config = config
+        # hardening2: the key of the sampling hash (file, environment or random), handed to
+        # the verifier through the environment before it starts.
+        self.sampling_key = sampling.configure(config.server.sampling_key_file)
         self.metrics = GuardMetrics(__version__)
         self.models: dict[str, ServedModel] = {}
         # What this process shares with the verifier process (guard/ipc/).
@@ -61,6 +68,8 @@ class GuardServer:
         self.grpc_port = self.admin_port = self.metrics_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
+        self._tap: grpc.aio.Server | None = None  # hardening2: server.tap's listener
+        self.tap_port = 0
         self._health: health_aio.HealthServicer | None = None
         self._metrics_httpd = None
         self.reloader: ConfigReloader | None = None
@@ -111,13 +120,19 @@ class GuardServer:
             serving = health_pb2.HealthCheckResponse.SERVING
             for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
                 await self._health.set(service, serving)
+            # hardening2: the config watcher starts after the first load, never during it.
+            if self.reloader is not None and self.config.server.reload_interval_s > 0:
+                self._watch_task = asyncio.create_task(
+                    self.reloader.watch(self.config.server.reload_interval_s))
         except BaseException:
             await self.stop(grace=0)
             raise
         emit("server_started", version=__version__, grpc_port=self.grpc_port,
              admin=f"{self.config.server.admin_host}:{self.admin_port}",
              metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
-             models=sorted(self.models))
+             models=sorted(self.models),
+             tap=f"{self.config.server.tap.host}:{self.tap_port}" if self._tap else None,
+             sampling_key=self.sampling_key)  # hardening2
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
@@ -128,18 +143,30 @@ class GuardServer:
                    ("grpc.max_send_message_length", size),
                    ("grpc.so_reuseport", 0)]
         self._grpc = grpc.aio.server(options=options)
-        add_inference_service(InferenceServicer(self.dataplane), self._grpc)
-        tap_pb2_grpc.add_TapServicer_to_server(TapServicer(self.models), self._grpc)
+        guarded(add_inference_service,  # ModelInfer on bytes; the rest with decoders guarded
+                InferenceServicer(self.dataplane), self._grpc)
         self._health = health_aio.HealthServicer()
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
+        guarded(health_pb2_grpc.add_HealthServicer_to_server, self._health, self._grpc)
         self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
-                                    "server.grpc_port", _server_credentials(server_config.tls))
+                                    "server.grpc_port", server_credentials(server_config.tls))
 
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        admin_pb2_grpc.add_AdminServicer_to_server(AdminServicer(self.models, self.supervisor),
-                                                   self._admin)
+        # hardening2: admin TLS/mTLS with an allow-list; the Tap service on its own listener.
+        guarded(admin_pb2_grpc.add_AdminServicer_to_server,
+                AdminServicer(self.models, self.supervisor,
+                              CallerCheck("admin API", server_config.admin_tls)), self._admin)
         self.admin_port = self._bind(self._admin, server_config.admin_host,
-                                     server_config.admin_port, "server.admin_port")
+                                     server_config.admin_port, "server.admin_port",
+                                     server_credentials(server_config.admin_tls))
+        tap = server_config.tap
+        if tap is not None:
+            self._tap = grpc.aio.server(options=options)
+            guarded(tap_pb2_grpc.add_TapServicer_to_server,
+                    TapServicer(self.models, CallerCheck("tap", tap.tls)), self._tap)
+            self.tap_port = self._bind(self._tap, tap.host, tap.port, "server.tap.port",
+                                       server_credentials(tap.tls))
+            await self._tap.start()
+        # -- end hardening2
         try:
             self._metrics_httpd, _ = start_http_server(
                 server_config.metrics_port, addr=server_config.host, registry=self.exposition
@@ -156,9 +183,6 @@ class GuardServer:
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.config._source_path is not None:
             self.reloader = ConfigReloader(self, self.config._source_path)
-            if server_config.reload_interval_s > 0:
-                self._watch_task = asyncio.create_task(
-                    self.reloader.watch(server_config.reload_interval_s))
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int, key: str,
@@ -191,6 +215,8 @@ class GuardServer:
             await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs
         if self._admin is not None:
             await self._admin.stop(0)
+        if self._tap is not None:  # hardening2
+            await self._tap.stop(0)
         if self.dataplane is not None:
             self.dataplane.close()
         # The verifier stops after the last request: queued samples count as dropped, capture
@@ -208,15 +234,6 @@ class GuardServer:
         self.supervisor.stop()
         for model in self.models.values():
             model.close()
-
-
-def _server_credentials(tls) -> grpc.ServerCredentials | None:
-    if tls is None:
-        return None
-    read = lambda path: open(path, "rb").read()  # noqa: E731
-    ca = read(tls.client_ca_file) if tls.client_ca_file else None
-    return grpc.ssl_server_credentials([(read(tls.key_file), read(tls.cert_file))],
-                                       root_certificates=ca, require_client_auth=ca is not None)
 
 
 async def serve_until_signalled(config: GuardConfig) -> None:

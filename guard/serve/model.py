@@ -22,6 +22,7 @@ from guard.ipc.ring import SampleRing
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
+from guard.serve.codec import InferenceError
 from guard.serve.sampling import sampled
 from guard.verify.pair import load_all
 
@@ -31,6 +32,7 @@ class ServedModel:
                  slot: int, ring: SampleRing):
         self.name = config.name
         self.config = config
+        self.tap = config.tap  # answered by its own server; observed over guard.v1.Tap only
         self.metrics = metrics
         self.table = table
         self.slot = slot
@@ -116,13 +118,24 @@ class ServedModel:
 
     # -- request path ------------------------------------------------------------------------------
     def route(self) -> tuple[str, int, bool, Backend]:
-        """(route, epoch, probing, backend) for the next request, from the route word."""
+        """(route, epoch, probing, backend) for the next request, from the route word. A tap
+        model is answered by its own server, never by guard: FAILED_PRECONDITION."""
+        if self.tap:
+            raise InferenceError("FAILED_PRECONDITION", f"model '{self.name}' is tapped "
+                                 "('tap: true'): its own server answers it, guard does not")
         word = self.table.words[self._word_index]
         if word & routes.FALLBACK:
             fallback = self.backends.get("fallback")
             if fallback is not None:
                 return "fallback", word >> 8, bool(word & routes.PROBING), fallback
         return "primary", word >> 8, False, self.backends["primary"]
+
+    def route_word(self) -> tuple[str, int, bool]:
+        """(route, epoch, probing) the route word says (tap mode: what the server should use)."""
+        word = self.table.words[self._word_index]
+        if word & routes.FALLBACK and "fallback" in self.backends:
+            return "fallback", word >> 8, bool(word & routes.PROBING)
+        return "primary", word >> 8, False
 
     def after_response(self, request_id: str, route: str, epoch: int, probing: bool,
                        seconds: float, inputs=None, outputs=None, request_message=None,

@@ -1,21 +1,25 @@
 """Configuration hot reload: watch the config file, validate first, swap changed models only.
 
-Triggers: the file changing (polled every ``server.reload_interval_s``; the path is resolved
-through symlinks each time, so the ``..data`` symlink swap of a Kubernetes ConfigMap volume is
-seen; a ``subPath`` mount never updates, which is Kubernetes' behaviour, not ours) and SIGHUP.
+Triggers: the file changing (polled every ``server.reload_interval_s``, from the end of the
+first load on; the path is resolved through symlinks each time, so the ``..data`` symlink swap
+of a Kubernetes ConfigMap volume is seen; a ``subPath`` mount never updates, which is
+Kubernetes' behaviour, not ours) and SIGHUP. Relative paths in the config resolve against the
+folder the config file is named in, not the ``..data`` target, and artifacts compare by
+content: a ConfigMap update reloads only the models whose config or artifact changed.
 
 A new config is validated before anything changes. An invalid one is rejected with an event and
 ``guard_config_reloads_total{result="rejected"}``, and the old config stays in force. A valid one
 is applied per model: models whose config (or artifact file) changed are built and loaded beside
 the old ones, in this process and in the verifier process, then swapped in with one dict
 assignment; requests already inside the old model finish on it, and it is closed once they are
-done. A model that fails to load on either side keeps its old version on both. Models that did not change are not touched,
+done (however long that takes; ``model_retire_waiting`` after 30 s). A model that fails to load on either side keeps its old version on both. Models that did not change are not touched,
 so their traffic never notices. ``server`` settings (ports, workers) take effect on restart.
 """
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import logging
 import os
@@ -43,24 +47,54 @@ def file_state(path: Path) -> tuple:
         return ("missing",)
 
 
+_digests: dict[tuple, str] = {}  # file_state -> sha256 of the content
+
+
+def content_digest(path: Path) -> str:
+    """sha256 of a file's content, computed again only when its state (path through symlinks,
+    mtime, size, inode) changed. Content, not state, is compared: a ConfigMap update rewrites
+    every file of the volume under a new folder, and an unchanged artifact must not reload."""
+    state = file_state(path)
+    digest = _digests.get(state)
+    if digest is None:
+        sha = hashlib.sha256()
+        try:
+            with open(path, "rb") as file:
+                for block in iter(lambda: file.read(1 << 20), b""):
+                    sha.update(block)
+        except OSError:
+            return "unreadable"
+        digest = _digests[state] = sha.hexdigest()
+    return digest
+
+
 def model_fingerprint(model: ModelConfig) -> str:
-    """A model's config plus the state of its artifact files: equal means nothing to reload."""
+    """A model's config plus the content of its artifact files: equal means nothing to reload.
+    Paths are compared as written in the config, resolved against the config file's folder
+    without following symlinks (guard/config.py ``_absolute``)."""
     state = model.model_dump(mode="json")
     for role in ("primary", "reference", "fallback"):
         spec = getattr(model, role)
-        if spec is not None and spec.path and os.path.exists(spec.path):
-            state[f"{role}_artifact"] = file_state(Path(spec.path))
+        if spec is not None and spec.path and os.path.isfile(spec.path):
+            state[f"{role}_artifact"] = content_digest(Path(spec.path))
     return json.dumps(state, sort_keys=True, default=str)
 
 
 class ConfigReloader:
+    retire_report_s = 30.0  # a replaced model still busy after this is reported (and awaited)
+
     def __init__(self, server: "GuardServer", path: Path):
         self.server = server
         self.path = path
         self._state = file_state(path)
         self._lock = asyncio.Lock()
+        # What each model was loaded from (config and artifact content), taken when it was
+        # loaded: computing the old side at reload time would read the new artifact twice.
+        self._prints = {m.name: model_fingerprint(m) for m in server.config.models}
 
     async def watch(self, interval: float) -> None:
+        """Poll the file; started by the server once the first load has finished (a change
+        made during it is seen here: the state is the one from before the load)."""
         while True:
             await asyncio.sleep(interval)
             state = file_state(self.path)
@@ -89,7 +123,8 @@ class ConfigReloader:
         old = server.config
         if new.server != old.server:
             emit("config_server_changed", note="server settings take effect on restart")
-        old_prints = {m.name: model_fingerprint(m) for m in old.models}
+        old_prints = self._prints
+        new_prints = {m.name: model_fingerprint(m) for m in new.models}
         loop = asyncio.get_running_loop()
         names = {m.name for m in new.models}
         slots = server.table.assign(m.name for m in new.models)
@@ -97,7 +132,7 @@ class ConfigReloader:
         failed: dict[str, str] = {}
         for model_config in new.models:
             name = model_config.name
-            if old_prints.get(name) == model_fingerprint(model_config):
+            if old_prints.get(name) == new_prints[name]:
                 continue
             model = ServedModel(model_config, server.metrics, server.table, slots[name],
                                 server.ring)
@@ -134,6 +169,8 @@ class ConfigReloader:
         applied._source_path, applied._source_hash = new._source_path, new._source_hash
         applied._base_dir = new._base_dir
         server.config = applied
+        self._prints = {name: (old_prints[name] if name in failed else new_prints[name])
+                        for name in new_prints if name in old_prints or name not in failed}
         server.supervisor.config = applied  # what a restarted verifier is told
         server.dataplane.models_changed()
         result = "failed" if failed else "applied"
@@ -142,11 +179,19 @@ class ConfigReloader:
              failed=sorted(failed), config_hash=new._source_hash)
         return not failed
 
-    async def _retire(self, model: ServedModel, grace: float = 30.0) -> None:
-        """Close a replaced model once the requests inside it have finished."""
-        waited = 0.0
-        while model.requests_in_flight and waited < grace:
+    async def _retire(self, model: ServedModel) -> None:
+        """Close a replaced model once the requests inside it have finished: never under a
+        request (a backend closed mid-inference can crash the process). Requests end by their
+        own deadline or the backend's (an upstream's timeout); one still inside after
+        ``retire_report_s`` seconds is reported once (``model_retire_waiting``), and waited for."""
+        model.end_watches()  # WatchRoute streams of the old version end now
+        waited, reported = 0.0, False
+        while model.requests_in_flight:
             await asyncio.sleep(0.05)
             waited += 0.05
-        model.end_watches()
+            if waited >= self.retire_report_s and not reported:
+                reported = True
+                emit("model_retire_waiting", model=model.name,
+                     requests_in_flight=model.requests_in_flight, waited_s=round(waited, 1),
+                     note="the replaced version is closed when its last request finishes")
         await asyncio.get_running_loop().run_in_executor(None, model.close)

@@ -72,12 +72,16 @@ class VerifiedModel:
             self.ops = OpsFallback(self)
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def load(self, resume_word: int | None = None, kept: list[str] | None = None) -> None:
+    def load(self, resume_word: int | None = None, kept: list[str] | None = None,
+             start_capture: bool = True) -> None:
         """Load the checked pair, tier 2, the noise floor; start capture and the mirror.
 
         ``resume_word``: the route word a previous verifier left (a restart): the policy goes
         on from that route and epoch instead of starting over on the primary. ``kept``: the
-        ops the serving processes keep back in the primary they serve (a repair survived)."""
+        ops the serving processes keep back in the primary they serve (a repair survived).
+        ``start_capture=False`` (a reload): the capture writer queues records but touches no
+        file until ``start_capture()``, called once the replaced version's writer has closed,
+        so that two writers never share the folder and its disk cap."""
         if self.pair is not None:
             self.pair.load_backends()
             wants_tier2 = (self.config.checks.activation.enabled
@@ -106,7 +110,8 @@ class VerifiedModel:
                 self.name, self.config.capture, self.metrics,
                 {role: b.describe() for role, b in self.backends.items()}, self._config_hash,
             )
-            self.capture.start()
+            if start_capture:
+                self.capture.start()
         if self.mirror is not None:
             self.mirror.start()
         self.publish()
@@ -114,6 +119,11 @@ class VerifiedModel:
              backends={role: b.describe().summary() for role, b in self.backends.items()},
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action, resumed=resume_word is not None)
+
+    def start_capture(self) -> None:
+        """Start a capture writer that ``load(start_capture=False)`` left waiting."""
+        if self.capture is not None and not self.capture.started:
+            self.capture.start()
 
     def _load_activation(self) -> None:
         """Build tier 2's capture sides now, so that a pair it cannot capture fails at start."""
@@ -162,7 +172,14 @@ class VerifiedModel:
         mirrored = False
         if handed.flags & MIRROR and self.mirror is not None:
             if callable(outputs):
-                outputs = outputs()
+                try:
+                    outputs = outputs()
+                except Exception as exc:  # an answer that parses but does not decode: the
+                    # mirror's error, never the ring reader's death (found by the fuzzer)
+                    self.metrics.mirror.labels(self.name, "error").inc()
+                    emit("mirror_undecodable_answer", model=self.name,
+                         error=f"{type(exc).__name__}: {exc}"[:300])
+                    return
             self._took()
             mirrored = self.mirror.accept(Sample(
                 inputs, outputs, handed.route, handed.epoch, time.monotonic(),

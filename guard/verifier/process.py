@@ -139,11 +139,11 @@ class Verifier:
         return config
 
     def _build(self, model_config, slot: int, source_hash: str, resume: int | None,
-               kept: list[str]) -> VerifiedModel:
+               kept: list[str], start_capture: bool = True) -> VerifiedModel:
         model = VerifiedModel(model_config, self.metrics, self.table, slot, self.link,
                               source_hash)
         try:
-            model.load(resume, kept)
+            model.load(resume, kept, start_capture)
         except BaseException:
             model.close()
             raise
@@ -172,7 +172,8 @@ class Verifier:
 
     def _reload(self, message: dict) -> dict:
         """Build the changed models beside the old ones, swap the ones that loaded, close the
-        old ones and the removed ones; a model that fails keeps its old version."""
+        old ones and the removed ones; a model that fails keeps its old version. A new
+        version's capture writer starts only after the old one's has closed (hardening2)."""
         config = self._config(message)
         slots = message["slots"]
         self.table.adopt(slots)
@@ -180,7 +181,8 @@ class Verifier:
         for name in message.get("changed", ()):
             model_config = config.model(name)
             try:
-                model = self._build(model_config, slots[name], config._source_hash, None, [])
+                model = self._build(model_config, slots[name], config._source_hash, None, [],
+                                    start_capture=False)
             except Exception as exc:
                 failed[name] = str(exc)
                 continue
@@ -190,6 +192,7 @@ class Verifier:
                 self.by_slot[model.slot] = model
             if old is not None:
                 old.close()
+            model.start_capture()
         for name in message.get("removed", ()):
             with self._lock:
                 old = self.models.pop(name, None)

@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import ipaddress
 
 import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from cryptography import x509
-from cryptography.hazmat.primitives import hashes, serialization
-from cryptography.hazmat.primitives.asymmetric import ec
-from cryptography.x509.oid import NameOID
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -25,43 +19,12 @@ from guard.config import load_config
 from guard.errors import BackendError
 from guard.observe import tracing
 from guard.serve.app import GuardServer
-from support import model_block, running, wait_for, write_config, x_input
-
-
-def _cert(name: str, issuer_key, issuer_name, key, is_ca: bool):
-    now = datetime.datetime.now(datetime.timezone.utc)
-    builder = (x509.CertificateBuilder()
-               .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-               .issuer_name(issuer_name or x509.Name([x509.NameAttribute(NameOID.COMMON_NAME,
-                                                                         name)]))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=is_ca, path_length=None), critical=True))
-    if not is_ca:
-        builder = builder.add_extension(x509.SubjectAlternativeName(
-            [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]),
-            critical=False)
-    return builder.sign(issuer_key, hashes.SHA256())
+from support import make_pki, model_block, running, wait_for, write_config, x_input
 
 
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("pki")
-    ca_key = ec.generate_private_key(ec.SECP256R1())
-    ca = _cert("guard-test-ca", ca_key, None, ca_key, True)
-    files = {"ca": folder / "ca.pem"}
-    files["ca"].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    for who in ("server", "client"):
-        key = ec.generate_private_key(ec.SECP256R1())
-        cert = _cert(who, ca_key, ca.subject, key, False)
-        files[f"{who}_cert"] = folder / f"{who}.pem"
-        files[f"{who}_key"] = folder / f"{who}.key"
-        files[f"{who}_cert"].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-        files[f"{who}_key"].write_bytes(key.private_bytes(
-            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-            serialization.NoEncryption()))
-    return files
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 def test_mutual_tls(tmp_path, pki):

@@ -16,6 +16,8 @@ from guard.serve.codec import encode_request, encode_response, decode_request
 from guard.v1 import tap_pb2, tap_pb2_grpc
 from support import affine_backend, metric, model_block, running, scrape
 
+TAP = {"host": "127.0.0.1", "port": 0}  # server.tap: the Tap listener, loopback
+
 
 def served(model: Affine, rows: np.ndarray, request_id: str) -> tap_pb2.ObserveRequest:
     """What the server does per client request: answer it, then tell guard what it answered."""
@@ -33,10 +35,11 @@ def test_observe_and_watch_route(tmp_path, rng):
         policy={"action": "fallback_model", "detector": "window", "window": 10,
                 "min_samples": 5, "trip_ratio": 0.2,
                 "recover_ratio": 0.0, "dwell_s": 60},
+        tap=True,
     )
     server_model = Affine(drift_on_trigger=True)  # the server's own (drifting) primary
-    with running(tmp_path, [block]) as (srv, _):
-        channel = grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}")
+    with running(tmp_path, [block], tap=TAP) as (srv, _):
+        channel = grpc.insecure_channel(f"127.0.0.1:{srv.tap_port}")
         tap = tap_pb2_grpc.TapStub(channel)
         updates = tap.WatchRoute(tap_pb2.WatchRouteRequest(model="m"))
         first = next(updates)
@@ -66,8 +69,8 @@ def test_observe_and_watch_route(tmp_path, rng):
 
 
 def test_observe_rejects_bad_messages(tmp_path):
-    with running(tmp_path, [model_block()]) as (srv, _):
-        with grpc.insecure_channel(f"127.0.0.1:{srv.grpc_port}") as channel:
+    with running(tmp_path, [model_block(tap=True)], tap=TAP) as (srv, _):
+        with grpc.insecure_channel(f"127.0.0.1:{srv.tap_port}") as channel:
             tap = tap_pb2_grpc.TapStub(channel)
             with pytest.raises(grpc.RpcError) as err:
                 tap.Observe(tap_pb2.ObserveRequest(request=b"\xff\xff not protobuf"))
