@@ -25,7 +25,10 @@ Once: ``GuardDown`` (critical): ``up{job=...} == 0`` for ``down_for``. The data 
 the guard, so a guard that cannot be scraped is usually a model that cannot be reached. And
 ``GuardConfigReloadFailed`` (warning): a hot reload was rejected (invalid file: the old config
 stays) or failed (a changed model did not load: its old version stays) within
-``reload_window``; what the guard runs then differs from its config file (a ConfigMap).
+``reload_window``; what the guard runs then differs from its config file (a ConfigMap). And
+``GuardVerifierDown`` (warning): the verifier process (reference, checks, detectors, capture)
+has not been up for ``verifier_for``: clients are still served on the last routes, but nothing
+is checked, so drift would go unseen.
 
 Expressions keep every label but the ones they aggregate away (``sum without (outcome)``), so an
 alert names the replica (instance, pod) it fires on: drift can be specific to one node's CPU.
@@ -69,6 +72,7 @@ ALERTS = (
     "GuardReferenceFailing",
     "GuardDown",
     "GuardConfigReloadFailed",
+    "GuardVerifierDown",
 )
 
 
@@ -87,10 +91,11 @@ class RuleSettings:
     reference_for: str = "10m"
     down_for: str = "2m"
     reload_window: str = "15m"  # a rejected reload alerts this long (the guard does not retry)
+    verifier_for: str = "5m"  # restarts take seconds; minutes down is a crash loop or a hang
 
     def __post_init__(self) -> None:
         for field in ("drift_for", "fallback_for", "rate_window", "mirror_for", "reference_for",
-                      "down_for", "reload_window"):
+                      "down_for", "reload_window", "verifier_for"):
             if not _DURATION.match(getattr(self, field)):
                 raise ValueError(f"{field}: '{getattr(self, field)}' is not a Prometheus "
                                  "duration (e.g. 30s, 5m, 1h)")
@@ -322,6 +327,17 @@ def availability_rules(settings: RuleSettings) -> list[dict]:
         f"last {window}. rejected: the new file did not validate and the previous config stays "
         "in force; failed: a changed model did not load and its previous version keeps "
         "serving. Until fixed, the guard runs something other than its config file says.",
+        settings,
+    ), _alert(
+        "GuardVerifierDown",
+        f'guard_verifier_up{{job="{settings.job}"}} == 0',
+        settings.verifier_for, "warning",
+        "guard {{ $labels.instance }}: nothing is being checked (verifier process down)",
+        f"On {{{{ $labels.instance }}}} guard's verifier process (reference, checks, detectors, "
+        f"capture, repair) has not been up for {settings.verifier_for}. Clients are still "
+        "served on the last routes, but no sample is checked, so drift would go unseen. See "
+        "the verifier_lost and verifier_restart_failed events and "
+        "guard_verifier_restarts_total.",
         settings,
     )]
 

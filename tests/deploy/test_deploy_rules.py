@@ -176,7 +176,8 @@ def test_alerts_exist_only_for_what_a_model_has():
     assert per_model["not-sampled"] == {"GuardFallbackActive"}
     assert per_model["no-fallback"] == mirror_alerts
     assert groups[0]["name"] == "guard.availability"
-    assert {r["alert"] for r in groups[0]["rules"]} == {"GuardDown", "GuardConfigReloadFailed"}
+    assert {r["alert"] for r in groups[0]["rules"]} == {"GuardDown", "GuardConfigReloadFailed",
+                                                        "GuardVerifierDown"}
 
 
 def test_action_alert_says_clients_get_drifting_answers():

@@ -217,7 +217,7 @@ def test_drift_alert_goes_from_inactive_to_firing(tmp_path, detector):
             assert prometheus.rule("GuardDriftOverThreshold")["state"] == "firing"
             # Nothing else is wrong: no drops, no reference failures, the guard is up.
             for other in ("GuardMirrorDropping", "GuardReferenceFailing", "GuardDown",
-                          "GuardConfigReloadFailed"):
+                          "GuardConfigReloadFailed", "GuardVerifierDown"):
                 assert prometheus.alerts(other) == [], other
         finally:
             prometheus.stop()
