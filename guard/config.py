@@ -196,8 +196,8 @@ class ServerConfig(Strict):
         "serves only the data plane and gRPC health, shares the route words and the verifier, "
         "hands its samples over through a ring of its own (server.verifier.ring_bytes each), "
         "and is restarted with backoff if it dies. Default 1: on a 2-core machine a second "
-        "process measured slower (benchmarks/results/serving_processes.md). Takes effect on "
-        "restart.",
+        "process did not pay (no more req/s; higher p99 and CPU per request; "
+        "benchmarks/results/serving_processes.md). Takes effect on restart.",
     )
 
 
