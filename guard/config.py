@@ -261,6 +261,17 @@ class ServerConfig(Strict):
         "variable GUARD_SAMPLING_KEY, else a random key per start (replicas then disagree).")
 
     # -- end hardening2 ------------------------------------------------------------------------
+    processes: PositiveInt = Field(
+        1,
+        description="Serving processes on grpc_port (SO_REUSEPORT: the kernel spreads client "
+        "connections over them), for nodes with more cores than one interpreter can use. The "
+        "first is `guard serve` itself (admin, metrics, reload, the verifier); each other one "
+        "serves only the data plane and gRPC health, shares the route words and the verifier, "
+        "hands its samples over through a ring of its own (server.verifier.ring_bytes each), "
+        "and is restarted with backoff if it dies. Default 1: on a 2-core machine a second "
+        "process did not pay (no more req/s; higher p99 and CPU per request; "
+        "benchmarks/results/serving_processes.md). Takes effect on restart.",
+    )
 
 
 class BackendConfig(Strict):

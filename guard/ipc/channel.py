@@ -17,6 +17,7 @@ import json
 import logging
 import socket
 import struct
+import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
@@ -160,3 +161,25 @@ class Channel:
             self._reader.join(5)
         self._closed()
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class ForwardEvents(logging.Handler):
+    """A child process's ``guard.events`` records go to its parent, which logs them: one event
+    stream for the verifier and every serving process."""
+
+    def __init__(self, channel: Channel):
+        super().__init__()
+        self.channel = channel
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.channel.send({"op": "event", "line": record.getMessage()})
+        except ChannelClosed:
+            sys.stderr.write(record.getMessage() + "\n")
+
+    @classmethod
+    def install(cls, channel: Channel) -> None:
+        events = logging.getLogger("guard.events")
+        events.handlers[:] = [cls(channel)]
+        events.setLevel(logging.INFO)
+        events.propagate = False

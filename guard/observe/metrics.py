@@ -125,6 +125,14 @@ class GuardMetrics:
             "restarted (the samples they held count as dropped in guard_mirror_total).",
             registry=r,
         )
+        self.serving_processes = Gauge(
+            "guard_serving_processes", "Serving processes answering on the data-plane port "
+            "(this one included; server.processes).", registry=r,
+        )
+        self.serving_process_restarts = Counter(
+            "guard_serving_process_restarts", "Extra serving processes (server.processes > 1) "
+            "that died and were restarted.", registry=r,
+        )
         self.config_reloads = Counter(
             "guard_config_reloads", "Config reloads: applied, rejected (invalid: the old config "
             "stays), failed (a model did not load: its old version stays).", ["result"],

@@ -6,8 +6,12 @@ on loopback (or under mutual TLS, ``server.admin_tls``); the guard.v1.Tap servic
 ``server.tap`` is set, on a listener of its own (loopback or mutual TLS); Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A port of 0 picks a free
 one (tests, demo); the bound ports are on the server object after ``start()``.
 
+With ``server.processes`` > 1 this process is the primary of several serving processes on the
+data-plane port (guard/serve/processes.py).
+
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the gRPC server stops accepting and gives
-in-flight requests ``shutdown_grace_s`` to finish, then the verifier process stops (its queued
+in-flight requests ``shutdown_grace_s`` to finish (in every serving process), then the verifier
+process stops (its queued
 samples are counted as dropped, capture is flushed), backends close, and the metrics endpoint
 goes last.
 """
@@ -37,6 +41,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.serve import sampling
 from guard.serve.model import ServedModel
+from guard.serve.processes import ServingProcesses
 from guard.serve.reload import ConfigReloader
 from guard.serve.supervisor import MergedMetrics, VerifierSupervisor
 from guard.serve.servicer import InferenceServicer
@@ -59,11 +64,16 @@ class GuardServer:
         self.models: dict[str, ServedModel] = {}
         # What this process shares with the verifier process (guard/ipc/).
         self.table = RouteTable()
-        self.ring = SampleRing(config.server.verifier.ring_bytes)
-        self.supervisor = VerifierSupervisor(config, self.metrics, self.table, self.ring,
-                                             lambda: self.models)
+        # One sample ring per serving process (server.processes), this one's first.
+        rings = [SampleRing(config.server.verifier.ring_bytes)
+                 for _ in range(config.server.processes)]
+        self.ring = rings[0]
+        self.processes = ServingProcesses(self, rings[1:])
+        self.supervisor = VerifierSupervisor(config, self.metrics, self.table, rings,
+                                             lambda: self.models, self.processes.use_primary)
         self.exposition = CollectorRegistry(auto_describe=False)
-        self.exposition.register(MergedMetrics(self.metrics, self.supervisor))
+        self.exposition.register(MergedMetrics(self.metrics, lambda: [
+            self.supervisor.exposition(), *self.processes.expositions()]))
         self.dataplane: DataPlane | None = None
         self.grpc_port = self.admin_port = self.metrics_port = 0
         self._grpc: grpc.aio.Server | None = None
@@ -115,6 +125,7 @@ class GuardServer:
                 await asyncio.get_running_loop().run_in_executor(None, self.load_models)
             for model in self.models.values():
                 await model.connect()
+            await asyncio.get_running_loop().run_in_executor(None, self.processes.start)
             self.dataplane.models_changed()
             self.dataplane.loading = False
             serving = health_pb2.HealthCheckResponse.SERVING
@@ -141,7 +152,7 @@ class GuardServer:
         size = server_config.max_message_bytes
         options = [("grpc.max_receive_message_length", size),
                    ("grpc.max_send_message_length", size),
-                   ("grpc.so_reuseport", 0)]
+                   ("grpc.so_reuseport", int(server_config.processes > 1))]
         self._grpc = grpc.aio.server(options=options)
         guarded(add_inference_service,  # ModelInfer on bytes; the rest with decoders guarded
                 InferenceServicer(self.dataplane), self._grpc)
@@ -211,8 +222,10 @@ class GuardServer:
             self.dataplane.live = False
         for model in self.models.values():
             model.end_watches()
+        others = asyncio.get_running_loop().run_in_executor(None, self.processes.stop, grace)
         if self._grpc is not None:
             await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs
+        await others
         if self._admin is not None:
             await self._admin.stop(0)
         if self._tap is not None:  # hardening2
@@ -222,7 +235,8 @@ class GuardServer:
         # The verifier stops after the last request: queued samples count as dropped, capture
         # is flushed, and it exits.
         await asyncio.get_running_loop().run_in_executor(None, self.close_models)
-        self.ring.close()
+        for ring in self.supervisor.rings:
+            ring.close()
         self.table.close()
         if self._metrics_httpd is not None:
             self._metrics_httpd.shutdown()

@@ -145,6 +145,11 @@ class ConfigReloader:
                 continue
             built[name] = model
         removed = [name for name in list(server.models) if name not in names]
+        # The other serving processes (server.processes) build theirs beside the old ones.
+        for name, error in (await loop.run_in_executor(
+                None, server.processes.prepare, new, slots, sorted(built))).items():
+            await loop.run_in_executor(None, built.pop(name).close)
+            failed[name] = error
         refused = await loop.run_in_executor(
             None, server.supervisor.reload, new, slots, sorted(built), removed)
         for name, error in refused.items():
@@ -160,6 +165,7 @@ class ConfigReloader:
         for name in removed:
             asyncio.create_task(self._retire(server.models.pop(name)))
             server.table.release(name)
+        await loop.run_in_executor(None, server.processes.commit, sorted(built), removed)
         for name, error in failed.items():
             emit("model_reload_failed", model=name, error=error,
                  note="the previous version of this model stays in force")

@@ -1,7 +1,8 @@
 """The serving process's side of the verifier: start it, talk to it, watch it, restart it.
 
-The verifier is a child process (``python -m guard.verifier``) that inherits three descriptors:
-one end of a control socket pair, the route table and the sample ring (guard/ipc/). At start-up
+The verifier is a child process (``python -m guard.verifier``) that inherits its descriptors:
+one end of a control socket pair, the route table and one sample ring per serving process
+(guard/ipc/; ``server.processes``). At start-up
 the server waits for it to load every model's reference and noise floor, so a broken reference
 still stops ``guard serve`` with a clear error. After that its death or a hang never fails or
 slows a client:
@@ -15,8 +16,9 @@ slows a client:
 - the next verifier starts after a backoff (``restart_backoff_s``, doubling up to 30 s, reset
   after a minute of good health) and goes on from the route words and any repaired primary.
 
-Metrics: the verifier keeps its own registry; ``MergedMetrics`` asks it for its exposition at
-each scrape and merges it into this process's /metrics (same-named series are summed: the
+Metrics: the verifier keeps its own registry; ``MergedMetrics`` asks it (and any other serving
+process, guard/serve/workers.py) for its exposition at each scrape and merges it into this
+process's /metrics (same-named series are summed: the
 request path counts the samples the ring refused under ``guard_mirror_total{outcome="dropped"}``,
 the verifier those its queues refused). Why a forward and not prometheus_client's multiprocess
 mode: that mode is switched on by an environment variable read at import and keeps one set of
@@ -36,13 +38,14 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Callable
+from pathlib import Path
+from typing import Callable, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from guard.config import GuardConfig
+from guard.config import GuardConfig, parse_config
 from guard.errors import GuardError
 from guard.ipc import routes
 from guard.ipc.channel import Channel, ChannelClosed
@@ -68,15 +71,27 @@ def config_message(config: GuardConfig) -> dict:
             "source_hash": config._source_hash, "sys_path": [p for p in sys.path if p]}
 
 
+def config_from_message(message: dict) -> GuardConfig:
+    """The other side of ``config_message``, in a child process."""
+    sys.path.extend(p for p in message.get("sys_path", ()) if p not in sys.path)
+    config = parse_config(message["config"], Path(message["base_dir"]))
+    config._source_hash = message.get("source_hash", "")
+    return config
+
+
 class VerifierSupervisor:
     def __init__(self, config: GuardConfig, metrics: GuardMetrics, table: routes.RouteTable,
-                 ring: SampleRing, served: Callable[[], dict]):
-        """``served()``: the serving process's current models by name (ServedModel)."""
+                 rings: list[SampleRing], served: Callable[[], dict],
+                 relay: Callable[[dict], str] | None = None):
+        """``served()``: the serving process's current models by name (ServedModel); ``rings``:
+        one per serving process; ``relay``: passes a ``use_primary`` on to the other serving
+        processes ("" when all did it, otherwise why not)."""
         self.config = config
         self.settings = config.server.verifier
         self.metrics = metrics
         self.table = table
-        self.ring = ring
+        self.rings = rings
+        self.relay = relay
         self.served = served
         self.process: subprocess.Popen | None = None
         self.channel: Channel | None = None
@@ -104,10 +119,12 @@ class VerifierSupervisor:
     def _spawn(self, resume: bool) -> str:
         """Start a verifier and initialise it; "" on success, otherwise why it failed."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
-        fds = (child.fileno(), self.table.block.fd, self.ring.block.fd)
+        fds = (child.fileno(), self.table.block.fd, *(r.block.fd for r in self.rings))
         command = [sys.executable, "-m", "guard.verifier", "--control-fd", str(fds[0]),
                    "--routes-fd", str(fds[1]), "--routes-capacity", str(self.table.capacity),
-                   "--ring-fd", str(fds[2]), "--ring-bytes", str(self.ring.capacity)]
+                   "--ring-bytes", str(self.rings[0].capacity)]
+        for fd in fds[2:]:
+            command += ["--ring-fd", str(fd)]
         self.table.clear_heartbeat()
         process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL)
         child.close()
@@ -247,6 +264,13 @@ class VerifierSupervisor:
         except (ChannelClosed, TimeoutError) as exc:
             raise VerifierUnavailable(f"the verifier process did not answer: {exc}") from None
 
+    def exposition(self) -> str:
+        """The verifier's metrics in the text format; "" while it is down."""
+        try:
+            return self.call({"op": "metrics"}, timeout=2.0)["text"]
+        except VerifierUnavailable:
+            return ""
+
     def status(self, model: str = "") -> dict[str, bytes]:
         reply = self.call({"op": "status", "model": model}, timeout=10)
         return {name: base64.b64decode(data) for name, data in reply.get("models", {}).items()}
@@ -281,7 +305,8 @@ class VerifierSupervisor:
             if model is None:
                 return {"error": f"unknown model '{message['model']}'"}
             model.use_primary(message["kept"])
-            return {}
+            error = self.relay(message) if self.relay is not None else ""
+            return {"error": error} if error else {}
         return None
 
 
@@ -295,19 +320,16 @@ def _exit_reason(code: int) -> str:
 
 
 class MergedMetrics(Collector):
-    """This process's registry plus the verifier's exposition, same-named series summed."""
+    """This process's registry plus the expositions of the verifier and of the other serving
+    processes (``others()``: their texts), same-named series summed."""
 
-    def __init__(self, metrics: GuardMetrics, supervisor: VerifierSupervisor):
+    def __init__(self, metrics: GuardMetrics, others: Callable[[], Iterable[str]]):
         self.metrics = metrics
-        self.supervisor = supervisor
+        self.others = others
 
     def collect(self):
         families = {f.name: f for f in self.metrics.registry.collect()}
-        try:
-            text = self.supervisor.call({"op": "metrics"}, timeout=2.0)["text"]
-        except VerifierUnavailable:
-            text = ""
-        for other in text_string_to_metric_families(text):
+        for other in (f for text in self.others() for f in text_string_to_metric_families(text)):
             mine = families.get(other.name)
             if mine is None:
                 families[other.name] = other

@@ -1,11 +1,13 @@
 """The verifier process: everything guard does besides answering requests.
 
 Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier`` with
-three inherited descriptors: the control socket, the route table and the sample ring (memfds).
+inherited descriptors: the control socket, the route table and one sample ring per serving
+process (memfds; ``server.processes``).
 It is told the config over the control socket (``init``), loads one ``VerifiedModel`` per model
 (reference, checks, detectors, capture, repair), then:
 
-- the ring reader takes each sampled request the serving process handed over, decodes it (an
+- the ring reader takes each sampled request a serving process handed over (one record from
+  each ring in turn), decodes it (an
   upstream's protocol messages only here, never on the request path) and gives it to its
   model's mirror and capture;
 - the heartbeat thread stamps the route table every 100 ms and re-publishes every route word
@@ -30,18 +32,17 @@ import socket
 import sys
 import threading
 import time
-from pathlib import Path
 
 from prometheus_client import generate_latest
 
 from guard import __version__
-from guard.config import parse_config
 from guard.ipc import routes, wire
-from guard.ipc.channel import Channel, ChannelClosed
+from guard.ipc.channel import Channel, ChannelClosed, ForwardEvents
 from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Transition
+from guard.serve.supervisor import config_from_message
 from guard.verifier.model import VerifiedModel
 from guard.verifier.status import model_status
 from guard.v1 import admin_pb2 as admin_pb
@@ -83,25 +84,11 @@ class ServingLink:
             pass
 
 
-class _ForwardEvents(logging.Handler):
-    """guard.events records go to the serving process, which logs them: one event stream."""
-
-    def __init__(self, channel: Channel):
-        super().__init__()
-        self.channel = channel
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.channel.send({"op": "event", "line": record.getMessage()})
-        except ChannelClosed:
-            sys.stderr.write(record.getMessage() + "\n")
-
-
 class Verifier:
-    def __init__(self, channel: Channel, table: routes.RouteTable, ring: SampleRing):
+    def __init__(self, channel: Channel, table: routes.RouteTable, rings: list[SampleRing]):
         self.channel = channel
         self.table = table
-        self.ring = ring
+        self.rings = rings
         self.link = ServingLink(channel)
         self.metrics = GuardMetrics(__version__, serving=False)
         self.models: dict[str, VerifiedModel] = {}
@@ -132,12 +119,6 @@ class Verifier:
             return {}
         return {"error": f"unknown op {op!r}"}
 
-    def _config(self, message: dict):
-        sys.path.extend(p for p in message.get("sys_path", ()) if p not in sys.path)
-        config = parse_config(message["config"], Path(message["base_dir"]))
-        config._source_hash = message.get("source_hash", "")
-        return config
-
     def _build(self, model_config, slot: int, source_hash: str, resume: int | None,
                kept: list[str], start_capture: bool = True) -> VerifiedModel:
         model = VerifiedModel(model_config, self.metrics, self.table, slot, self.link,
@@ -150,7 +131,7 @@ class Verifier:
         return model
 
     def _init(self, message: dict) -> dict:
-        config = self._config(message)
+        config = config_from_message(message)
         slots = message["slots"]
         self.table.adopt(slots)
         resume = message.get("resume") or {}
@@ -173,8 +154,8 @@ class Verifier:
     def _reload(self, message: dict) -> dict:
         """Build the changed models beside the old ones, swap the ones that loaded, close the
         old ones and the removed ones; a model that fails keeps its old version. A new
-        version's capture writer starts only after the old one's has closed (hardening2)."""
-        config = self._config(message)
+        version's capture writer starts only after the old one's has closed."""
+        config = config_from_message(message)
         slots = message["slots"]
         self.table.adopt(slots)
         failed: dict[str, str] = {}
@@ -222,16 +203,20 @@ class Verifier:
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
+        """One record from each serving process's ring in turn; a pause when all are empty."""
         while not self.stopping.is_set():
-            try:
-                record = self.ring.take()
-            except ValueError as exc:
-                self._log_error(str(exc))
-                continue
-            if record is None:
+            took = False
+            for ring in self.rings:
+                try:
+                    record = ring.take()
+                except ValueError as exc:
+                    self._log_error(str(exc))
+                    continue
+                if record is not None:
+                    took = True
+                    self._hand_over(record)
+            if not took:
                 time.sleep(_IDLE_S)
-                continue
-            self._hand_over(record)
 
     def _hand_over(self, record: bytes) -> None:
         try:
@@ -303,23 +288,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control-fd", type=int, required=True)
     parser.add_argument("--routes-fd", type=int, required=True)
     parser.add_argument("--routes-capacity", type=int, required=True)
-    parser.add_argument("--ring-fd", type=int, required=True)
+    parser.add_argument("--ring-fd", type=int, action="append", required=True,
+                        help="one per serving process")
     parser.add_argument("--ring-bytes", type=int, required=True)
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s [verifier]: %(message)s")
     sock = socket.socket(fileno=args.control_fd)
     table = routes.RouteTable.attach(args.routes_fd, args.routes_capacity)
-    ring = SampleRing.attach(args.ring_fd, args.ring_bytes)
+    rings = [SampleRing.attach(fd, args.ring_bytes) for fd in args.ring_fd]
     holder: dict = {}
     closed = threading.Event()
     channel = Channel(sock, lambda m: holder["verifier"].handle(m), "verifier",
                       on_close=closed.set)
-    events = logging.getLogger("guard.events")
-    events.handlers[:] = [_ForwardEvents(channel)]
-    events.setLevel(logging.INFO)
-    events.propagate = False
-    verifier = Verifier(channel, table, ring)
+    ForwardEvents.install(channel)
+    verifier = Verifier(channel, table, rings)
     holder["verifier"] = verifier
     channel.start()
     while not (verifier.stopping.is_set() or closed.is_set()):
