@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 
 BACKEND_MODULES: dict[str, str] = {
     "onnxruntime": "guard.backends.onnxruntime",
+    "openvino": "guard.backends.openvino",
     "tensorrt": "guard.backends.tensorrt",
     "torch": "guard.backends.torch",
     "torch_compile": "guard.backends.torch",
