@@ -31,41 +31,42 @@ from pydantic import (
     model_validator,
 )
 
+from guard.backends import BACKEND_NAMES, backend_kind, backend_kinds
 from guard.backends.artifact import pin_required
 from guard.backends.options import validate_backend_options
 from guard.errors import ConfigError
 
-BackendName = Literal["torch", "torch_compile", "onnxruntime", "openvino", "tensorrt", "upstream"]
+# Backend names are registered once (guard/backends/__init__.py); what each backend is (the
+# precisions it derives, its options, tier 2, the op repair) its own module declares.
+BackendName = Literal[BACKEND_NAMES]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 Task = Literal["classification", "detection", "segmentation", "embedding", "generic"]
 Action = Literal["alert", "fallback_model", "fallback_ops"]
 
-# Backends whose code ships in this version. The others are valid names in the contract but are
-# rejected with a clear message until their code lands (never accepted and silently ignored).
-IMPLEMENTED_BACKENDS = frozenset({"torch", "torch_compile", "onnxruntime", "upstream",
-                                  "tensorrt"})
 
-# Which precisions each backend can derive from an fp32 artifact by itself.
-DERIVABLE_PRECISIONS: dict[str, frozenset[str]] = {
-    "onnxruntime": frozenset({"fp32", "fp16", "int8"}),
-    "torch": frozenset({"fp32", "fp16", "bf16"}),
-    "torch_compile": frozenset({"fp32", "fp16", "bf16"}),
-    "upstream": frozenset({"fp32"}),  # the remote server runs what it runs
-    "tensorrt": frozenset({"fp32", "fp16", "int8"}),
-}
+def __getattr__(name: str):
+    """The tables this module once held, read from the backends' declarations."""
+    if name == "IMPLEMENTED_BACKENDS":
+        return frozenset(BACKEND_NAMES)
+    if name == "DERIVABLE_PRECISIONS":
+        return {n: k.precisions for n, k in backend_kinds().items()}
+    if name == "ACTIVATION_BACKENDS":
+        return frozenset(n for n, k in backend_kinds().items() if k.capture)
+    if name == "REPAIRABLE_PRIMARIES":
+        return {n: frozenset(k.keep_back) for n, k in backend_kinds().items() if k.keep_back}
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
-# Backends whose intermediate tensors tier 2 can capture on a private copy. torch_compile is
-# not among them: hooks on the eager module would observe eager arithmetic, not the compiled
-# kernels it is meant to judge.
-ACTIVATION_BACKENDS = frozenset({"torch", "onnxruntime"})
 
-# Primaries policy.action 'fallback_ops' can rebuild with ops kept back (backend -> precisions;
-# guard/policy/keep_back.py has one strategy per kind, and a test holds the two together).
-REPAIRABLE_PRIMARIES: dict[str, frozenset[str]] = {
-    "onnxruntime": frozenset({"int8", "fp16"}),  # nodes_to_exclude
-    "torch_compile": frozenset({"fp32", "fp16", "bf16"}),  # eager_fp32_modules
-    "tensorrt": frozenset({"int8", "fp16"}),  # fp32_layers
-}
+def _repairable_kinds() -> str:
+    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the declarations."""
+    parts = []
+    for name, kind in backend_kinds().items():
+        if kind.keep_back:
+            precisions = sorted(kind.keep_back, key=["int8", "fp32", "fp16", "bf16"].index)
+            option = kind.keep_back_strategy(precisions[0]).option
+            parts.append(f"{name} precision {' or '.join(precisions)} ({option})")
+    return ", ".join(parts)
+
 
 # A Python model given as "package.module:factory" instead of a file.
 FACTORY_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
@@ -303,8 +304,9 @@ class BackendConfig(Strict):
     @field_validator("sha256")
     @classmethod
     def _check_sha256(cls, value: str | None, info: ValidationInfo) -> str | None:
-        if info.data.get("backend") == "upstream" and value is not None:
-            raise ValueError("backend 'upstream' has no artifact to pin (the remote server "
+        backend = info.data.get("backend")
+        if backend in BACKEND_NAMES and not backend_kind(backend).artifact and value is not None:
+            raise ValueError(f"backend '{backend}' has no artifact to pin (the remote server "
                              "loads its own model): remove sha256")
         why = pin_required(info.data.get("path"))
         if why and value is None:
@@ -314,40 +316,21 @@ class BackendConfig(Strict):
 
     @model_validator(mode="after")
     def _check_backend(self) -> "BackendConfig":
-        if self.backend not in IMPLEMENTED_BACKENDS:
-            raise ValueError(
-                f"backend '{self.backend}' is not available in this version of guard "
-                f"(available: {', '.join(sorted(IMPLEMENTED_BACKENDS))})"
-            )
-        if self.backend == "upstream":
-            if not self.target or not self.model:
-                raise ValueError("backend 'upstream' needs 'target' (host:port) and 'model'")
-            if self.path is not None:
-                raise ValueError("backend 'upstream' takes 'target' and 'model', not 'path'")
-            if self.precision != "fp32":
-                raise ValueError("backend 'upstream' cannot derive a precision: the remote "
-                                 "server runs what it serves")
-            if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.\-]+):\d{1,5}", self.target):
-                raise ValueError(f"target '{self.target}' must be host:port")
+        kind = backend_kind(self.backend)
+        if not kind.artifact:
+            kind.check(self)
             return self
         if self.path is None:
             raise ValueError(f"backend '{self.backend}' needs 'path'")
         if self.target is not None or self.model is not None:
             raise ValueError("'target' and 'model' are for backend 'upstream' only")
-        allowed = DERIVABLE_PRECISIONS[self.backend]
-        if self.precision not in allowed:
+        if self.precision not in kind.precisions:
             raise ValueError(
                 f"precision '{self.precision}' cannot be derived by backend '{self.backend}' "
-                f"(it can derive: {', '.join(sorted(allowed))})"
+                f"(it can derive: {', '.join(sorted(kind.precisions))})"
             )
-        if self.backend == "tensorrt" and self.device == "cpu":
-            self.device = "cuda"  # TensorRT runs on a GPU only
-        if self.backend == "torch_compile" and self.path.endswith(".pt"):
-            raise ValueError("torch_compile cannot compile a TorchScript (.pt) module: give it "
-                             "a torch.export program (.pt2) or a 'module:factory'")
-        if self.path.endswith(".pt2") and self.precision != "fp32":
-            raise ValueError("a torch.export program (.pt2) runs as it was exported: "
-                             "precision must be fp32 (export it in the precision you want)")
+        if kind.check is not None:
+            kind.check(self)
         if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
             raise ValueError(f"device '{self.device}' must be cpu, cuda or cuda:N")
         return self
@@ -357,8 +340,8 @@ class BackendConfig(Strict):
         return bool(self.path and FACTORY_REF.match(self.path)) and not Path(self.path).exists()
 
     def describe(self) -> str:
-        if self.backend == "upstream":
-            return f"upstream {self.model}@{self.target}"
+        if not backend_kind(self.backend).artifact:
+            return f"{self.backend} {self.model}@{self.target}"
         suffix = "" if self.precision == "fp32" else f" {self.precision}"
         return f"{self.backend}{suffix} {self.path}"
 
@@ -879,28 +862,16 @@ class ModelConfig(Strict):
                 raise ValueError("policy.action 'fallback_ops' needs a 'reference' (to find "
                                  "and validate the ops) and a 'fallback' (served meanwhile)")
             primary = self.primary
-            if primary.precision not in REPAIRABLE_PRIMARIES.get(primary.backend, ()):
+            if primary.precision not in backend_kind(primary.backend).keep_back:
                 raise ValueError(
                     "policy.action 'fallback_ops' rebuilds the primary with ops kept back, "
-                    "which it can for onnxruntime precision int8 or fp16 (nodes_to_exclude), "
-                    "torch_compile precision fp32, fp16 or bf16 (eager_fp32_modules) and "
-                    "tensorrt precision int8 or fp16 (fp32_layers); this primary is "
+                    f"which it can for {_repairable_kinds()}; this primary is "
                     f"{primary.backend} {primary.precision} (primary.backend, "
                     "primary.precision)")
-            if self.reference.backend not in ACTIVATION_BACKENDS:
+            if backend_kind(self.reference.backend).capture is None:
                 raise ValueError(
                     "policy.action 'fallback_ops' finds the ops with tier 2, which cannot "
                     f"capture reference.backend '{self.reference.backend}'")
-            if primary.backend == "torch_compile":
-                if self.reference.backend != "torch":
-                    raise ValueError(
-                        "policy.action 'fallback_ops' on a torch_compile primary names modules "
-                        "by tier 2's torch module calls: reference.backend must be torch, "
-                        f"not {self.reference.backend}")
-                if primary.options.get("fullgraph"):
-                    raise ValueError(
-                        "policy.action 'fallback_ops' keeps modules eager (a graph break "
-                        "each): primary.options.fullgraph must be false")
         if self.capture is not None and self.capture.mode == "failures" and (
             self.reference is None or self.mirror.sample_rate == 0
         ):
@@ -915,15 +886,11 @@ class ModelConfig(Strict):
             raise ValueError(
                 f"checks.task.{other[0]} is set but the model's task is '{self.task}'"
             )
-        ref = self.reference
-        if ref is not None and ref.backend.startswith("torch") and ref.device != "cpu":
-            for role in ("primary", "fallback"):
-                spec = getattr(self, role)
-                if spec is not None and spec.options.get("allow_tf32"):
-                    raise ValueError(
-                        f"{role}.options.allow_tf32 cannot hold beside a torch reference on "
-                        f"{ref.device}: torch's TF32 switch is process-wide and the reference "
-                        "pins it off (run the reference on cpu)")
+        for backend in dict.fromkeys(
+                spec.backend for spec in (self.primary, self.reference, self.fallback) if spec):
+            check_model = backend_kind(backend).check_model
+            if check_model is not None:
+                check_model(self)
         policy = self.policy
         if (policy.false_alarms_per_day is not None and policy.detector != "window"
                 and self.mirror.sample_rate > 0 and policy.arl0_for(self.mirror.sample_rate) <= 2.0):
@@ -935,11 +902,12 @@ class ModelConfig(Strict):
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")
             for role in ("primary", "reference"):
                 backend = getattr(self, role).backend
-                if backend not in ACTIVATION_BACKENDS:
+                if backend_kind(backend).capture is None:
+                    can = sorted(n for n, k in backend_kinds().items() if k.capture)
                     raise ValueError(
                         f"checks.activation: tier 2 cannot capture the intermediate tensors of "
                         f"{role} backend '{backend}' (it can: "
-                        f"{', '.join(sorted(ACTIVATION_BACKENDS))}); set sample_rate: 0 and "
+                        f"{', '.join(can)}); set sample_rate: 0 and "
                         "on_failure: false for this model")
         return self
 
@@ -1063,7 +1031,7 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
             if spec is None or spec.path is None:
                 continue
             spec._base_dir = base_dir
-            if (spec.backend in ("torch", "torch_compile") and FACTORY_REF.match(spec.path)
+            if ("factory" in backend_kind(spec.backend).formats and FACTORY_REF.match(spec.path)
                     and not (base_dir / spec.path).exists()):
                 # A Python factory, imported when the backend loads: code, not a file to pin.
                 if spec.sha256 is not None:

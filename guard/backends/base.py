@@ -12,23 +12,26 @@ others are judged by. Primary and fallback run as configured.
 from __future__ import annotations
 
 import abc
-import math
-import struct
 from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
 
+# Re-exported: these moved to the protocol's ground floor (guard/protocol/tensors.py).
+from guard.protocol.tensors import (  # noqa: F401
+    MAX_ELEMENTS,
+    MAX_RANK,
+    NUMPY_TO_OIP,
+    OIP_TO_NUMPY,
+    TensorSpec,
+    decode_bytes_elements,
+    element_count,
+    oip_datatype,
+    widen_bf16,
+    wire_contents,
+)
+
 Role = Literal["primary", "reference", "fallback"]
-
-
-@dataclass(frozen=True)
-class TensorSpec:
-    """One input or output: OIP datatype name (``FP32``...) and shape with -1 for any size."""
-
-    name: str
-    datatype: str = ""  # "" when the backend cannot tell (e.g. TorchScript without metadata)
-    shape: tuple[int, ...] = ()  # () with datatype "" means unknown
 
 
 @dataclass(frozen=True)
@@ -66,106 +69,20 @@ class Backend(abc.ABC):
         """Release sessions and memory. Default: nothing to release."""
 
 
-# OIP datatype names <-> numpy dtypes of fixed-size elements. BYTES and BF16 have no such dtype:
-# on the wire they are decoded by the helpers below (BYTES to an object array of ``bytes``, BF16
-# widened exactly to float32).
-OIP_TO_NUMPY: dict[str, np.dtype] = {
-    "BOOL": np.dtype(np.bool_),
-    "UINT8": np.dtype(np.uint8),
-    "UINT16": np.dtype(np.uint16),
-    "UINT32": np.dtype(np.uint32),
-    "UINT64": np.dtype(np.uint64),
-    "INT8": np.dtype(np.int8),
-    "INT16": np.dtype(np.int16),
-    "INT32": np.dtype(np.int32),
-    "INT64": np.dtype(np.int64),
-    "FP16": np.dtype(np.float16),
-    "FP32": np.dtype(np.float32),
-    "FP64": np.dtype(np.float64),
-}
-NUMPY_TO_OIP: dict[np.dtype, str] = {v: k for k, v in OIP_TO_NUMPY.items()}
+class Forwarding(abc.ABC):
+    """A declared capability (``BackendKind.forwards``): the backend forwards the client's
+    Open Inference Protocol messages to a server itself instead of inferring on arrays."""
 
+    forwards = True
 
-def oip_datatype(dtype: np.dtype) -> str:
-    """OIP name of a numpy dtype, whatever its byte order (the wire is little-endian); strings,
-    bytes and objects are BYTES."""
-    key = np.dtype(dtype)
-    if key.kind in "OSU":
-        return "BYTES"
-    if key.byteorder not in ("=", "|"):
-        key = key.newbyteorder("=")
-    try:
-        return NUMPY_TO_OIP[key]
-    except KeyError:
-        raise TypeError(f"numpy dtype {dtype} has no Open Inference Protocol datatype") from None
+    @abc.abstractmethod
+    async def connect(self, timeout: float = 5.0) -> bool:
+        """Open the connection inside the serving event loop; True when it is ready."""
 
+    @abc.abstractmethod
+    async def forward(self, request, timeout: float | None, metadata=()):
+        """Forward a parsed ModelInferRequest; returns the server's ModelInferResponse."""
 
-# -- tensors on the wire (OIP requests and responses, capture records) --------------------------
-# Caps on what a shape may describe before anything is allocated. Elements: a tensor's bytes are
-# bounded by the gRPC message (2 GiB at most), so no real tensor of 1-byte elements has more;
-# a zero-sized tensor's other dimensions are held to the same cap (numpy must index them).
-MAX_RANK = 32
-MAX_ELEMENTS = 1 << 31
-_LENGTH = struct.Struct("<I")  # BYTES elements: a little-endian u32 length, then the bytes
-
-
-def element_count(shape) -> int:
-    """Elements of ``shape``; ValueError (a message for the sender) when the shape is
-    malformed: too many dimensions, a negative one, or more than MAX_ELEMENTS elements."""
-    shape = list(shape)
-    if len(shape) > MAX_RANK:
-        raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_RANK}")
-    if any(d < 0 for d in shape):
-        raise ValueError(f"shape {shape} has a negative dimension")
-    if math.prod(d for d in shape if d) > MAX_ELEMENTS:
-        raise ValueError(f"shape {shape} describes more than {MAX_ELEMENTS} elements")
-    return math.prod(shape)
-
-
-def decode_bytes_elements(raw: bytes, count: int) -> np.ndarray:
-    """``count`` BYTES elements from Triton's raw encoding (u32 length + bytes, each) as a 1-D
-    object array of ``bytes``; ValueError when ``raw`` does not hold exactly that."""
-    if count * _LENGTH.size > len(raw):
-        raise ValueError(f"{len(raw)} bytes cannot hold {count} BYTES elements "
-                         f"({_LENGTH.size}-byte length each)")
-    out = np.empty(count, dtype=object)
-    view, pos = memoryview(raw), 0
-    for i in range(count):
-        if pos + _LENGTH.size > len(raw):
-            raise ValueError(f"BYTES contents end before element {i} of {count}")
-        (length,) = _LENGTH.unpack_from(raw, pos)
-        pos += _LENGTH.size
-        if pos + length > len(raw):
-            raise ValueError(f"BYTES element {i} of {length} bytes runs past the contents")
-        out[i] = bytes(view[pos:pos + length])
-        pos += length
-    if pos != len(raw):
-        raise ValueError(f"{len(raw) - pos} bytes left after {count} BYTES elements")
-    return out
-
-
-def widen_bf16(raw: bytes) -> np.ndarray:
-    """Little-endian bfloat16 values as float32: exact (bf16 is float32's top 16 bits)."""
-    if len(raw) % 2:
-        raise ValueError(f"{len(raw)} bytes is not a whole number of BF16 values")
-    halves = np.frombuffer(raw, dtype="<u2").astype(np.uint32)
-    return (halves << 16).view(np.float32)
-
-
-def wire_contents(array: np.ndarray) -> tuple[str, bytes]:
-    """(OIP datatype, raw contents) of an array: little-endian elements, or Triton's BYTES
-    encoding for strings, bytes and objects (str is sent as UTF-8)."""
-    array = np.asarray(array)
-    datatype = oip_datatype(array.dtype)
-    if datatype == "BYTES":
-        parts = []
-        for item in array.ravel():
-            if isinstance(item, str):
-                item = item.encode()
-            if not isinstance(item, (bytes, bytearray, np.bytes_)):
-                raise TypeError(f"a BYTES tensor holds a {type(item).__name__}, not bytes/str")
-            parts += [_LENGTH.pack(len(item)), bytes(item)]
-        return datatype, b"".join(parts)
-    if array.dtype.byteorder == ">":
-        array = array.astype(array.dtype.newbyteorder("<"))
-    return datatype, np.ascontiguousarray(array).tobytes()
+    @abc.abstractmethod
+    async def forward_raw(self, data: bytes, timeout: float | None, metadata=()) -> bytes:
+        """Forward a serialized ModelInferRequest; returns the serialized response."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -10,8 +11,11 @@ from guard.backends.artifact import read_artifact
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.derive import derive_onnx
 from guard.backends.options import OnnxRuntimeOptions
-from guard.config import BackendConfig
+from guard.backends.kind import BackendKind
 from guard.errors import BackendError
+
+if TYPE_CHECKING:
+    from guard.config import BackendConfig
 
 # ORT type strings -> OIP datatypes.
 _ORT_TYPES = {
@@ -125,3 +129,15 @@ class OnnxRuntimeBackend(Backend):
 
     def close(self) -> None:
         self.session = None
+
+
+KINDS = {
+    "onnxruntime": BackendKind(
+        name="onnxruntime", backend=OnnxRuntimeBackend, options=OnnxRuntimeOptions,
+        precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
+        capture="guard.verify.activation.onnx_side:onnxruntime_side",
+        keep_back={"int8": "guard.policy.keep_back:OnnxInt8Ops",  # nodes_to_exclude
+                   "fp16": "guard.policy.keep_back:OnnxFp16Ops"},
+        threaded=True,
+    ),
+}

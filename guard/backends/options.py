@@ -1,6 +1,7 @@
 """Per-backend ``options`` maps, validated when the config loads (no heavy imports here).
 
-Each backend's options are a strict pydantic model, so a misspelt option is reported as
+Each backend's options are a strict pydantic model, declared by its module (``KINDS``), so a
+misspelt option is reported as
 ``models[0].primary.options.intra_op_thread: unknown key`` instead of being ignored.
 """
 
@@ -119,22 +120,18 @@ class TensorRTOptions(_Options):
     )
 
 
-OPTION_MODELS: dict[str, type[_Options]] = {
-    "onnxruntime": OnnxRuntimeOptions,
-    "torch": TorchOptions,
-    "torch_compile": TorchCompileOptions,
-    "upstream": UpstreamOptions,
-    "tensorrt": TensorRTOptions,
-}
-
-
 def parse_backend_options(backend: str, options: dict[str, Any]) -> _Options:
-    return OPTION_MODELS[backend].model_validate(options)
+    """``options`` checked by the model the backend declares (``BackendKind.options``)."""
+    from guard.backends import backend_kind
+
+    return backend_kind(backend).options.model_validate(options)
 
 
 def validate_backend_options(backend: str, options: dict[str, Any]) -> list[str]:
     """Problems as ``.key: message`` suffixes (the caller prefixes the dotted path)."""
-    if backend not in OPTION_MODELS:
+    from guard.backends import BACKEND_NAMES
+
+    if backend not in BACKEND_NAMES:
         return []
     try:
         parse_backend_options(backend, options)

@@ -34,6 +34,7 @@ from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.artifact import read_artifact
 from guard.backends.derive import cache_dir
 from guard.backends.options import TensorRTOptions
+from guard.backends.kind import BackendKind
 from guard.errors import BackendError
 
 NOT_INSTALLED = (
@@ -211,3 +212,19 @@ class _CacheCalibrator:
                 return None
 
         return Calibrator()
+
+
+def _check(spec) -> None:
+    if spec.device == "cpu":
+        spec.device = "cuda"  # TensorRT runs on a GPU only
+
+
+KINDS = {
+    "tensorrt": BackendKind(
+        name="tensorrt", backend=TensorRTBackend, options=TensorRTOptions,
+        precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
+        keep_back={p: "guard.policy.keep_back:TensorRTLayers"  # fp32_layers
+                   for p in ("fp16", "int8")},
+        check=_check,
+    ),
+}

@@ -24,7 +24,7 @@ import io
 import json
 import threading
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -32,8 +32,11 @@ from guard.backends.artifact import import_factory, read_artifact, require_pin
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.determinism import pin_torch_reference
 from guard.backends.options import TorchCompileOptions, TorchOptions
-from guard.config import BackendConfig
+from guard.backends.kind import BackendKind
 from guard.errors import BackendError
+
+if TYPE_CHECKING:
+    from guard.config import BackendConfig
 
 SIGNATURE_FILE = "guard.json"
 _FACTORY_CALLS = threading.Lock()
@@ -267,3 +270,56 @@ class TorchCompileBackend(TorchBackend):
                 return result
 
         return call
+
+
+def _check(spec) -> None:
+    if spec.backend == "torch_compile" and spec.path.endswith(".pt"):
+        raise ValueError("torch_compile cannot compile a TorchScript (.pt) module: give it "
+                         "a torch.export program (.pt2) or a 'module:factory'")
+    if spec.path.endswith(".pt2") and spec.precision != "fp32":
+        raise ValueError("a torch.export program (.pt2) runs as it was exported: "
+                         "precision must be fp32 (export it in the precision you want)")
+
+
+def _check_model(model) -> None:
+    """Checks of a model block with a torch backend in it."""
+    ref, primary = model.reference, model.primary
+    if model.policy.action == "fallback_ops" and primary.backend == "torch_compile":
+        if ref.backend != "torch":
+            raise ValueError(
+                "policy.action 'fallback_ops' on a torch_compile primary names modules "
+                "by tier 2's torch module calls: reference.backend must be torch, "
+                f"not {ref.backend}")
+        if primary.options.get("fullgraph"):
+            raise ValueError(
+                "policy.action 'fallback_ops' keeps modules eager (a graph break "
+                "each): primary.options.fullgraph must be false")
+    if ref is not None and ref.backend in KINDS and ref.device != "cpu":
+        for role in ("primary", "fallback"):
+            spec = getattr(model, role)
+            if spec is not None and spec.options.get("allow_tf32"):
+                raise ValueError(
+                    f"{role}.options.allow_tf32 cannot hold beside a torch reference on "
+                    f"{ref.device}: torch's TF32 switch is process-wide and the reference "
+                    "pins it off (run the reference on cpu)")
+
+
+_TORCH_FORMATS = frozenset({"torchscript", "torch_export", "factory"})
+KINDS = {
+    "torch": BackendKind(
+        name="torch", backend=TorchBackend, options=TorchOptions,
+        precisions=frozenset({"fp32", "fp16", "bf16"}), formats=_TORCH_FORMATS,
+        capture="guard.verify.activation.torch_side:torch_side",
+        check=_check, check_model=_check_model, fp64=True, threaded=True,
+    ),
+    # Not captured by tier 2: hooks on the eager module would observe eager arithmetic, not the
+    # compiled kernels it is meant to judge (the repair captures an eager copy instead).
+    "torch_compile": BackendKind(
+        name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
+        precisions=frozenset({"fp32", "fp16", "bf16"}),
+        formats=frozenset({"torch_export", "factory"}),
+        keep_back={p: "guard.policy.keep_back:TorchCompileModules"  # eager_fp32_modules
+                   for p in ("fp32", "fp16", "bf16")},
+        check=_check, check_model=_check_model, fp64=True, threaded=True,
+    ),
+}

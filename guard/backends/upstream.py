@@ -18,6 +18,7 @@ may start before the model server.
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 
 import grpc
@@ -25,7 +26,8 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
+from guard.backends.base import Backend, BackendInfo, Forwarding, Role, TensorSpec
+from guard.backends.kind import BackendKind
 from guard.backends.options import UpstreamOptions
 from guard.errors import BackendError
 from guard.observe import tracing
@@ -50,7 +52,7 @@ def _credentials(options: UpstreamOptions):
     return grpc.ssl_channel_credentials(root_certificates=roots)
 
 
-class UpstreamBackend(Backend):
+class UpstreamBackend(Forwarding, Backend):
     def __init__(self, spec, role: Role, threads: int = 1):
         self.spec = spec
         self.role = role
@@ -197,7 +199,7 @@ class UpstreamBackend(Backend):
 
     # -- mirror worker ---------------------------------------------------------------------------
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from guard.serve.codec import decode_response, encode_request
+        from guard.protocol.codec import decode_response, encode_request
 
         request = encode_request(self.model, inputs, model_version=self.options.model_version)
         try:
@@ -206,3 +208,24 @@ class UpstreamBackend(Backend):
             raise UpstreamError(exc.code().name, f"upstream {self.model}@{self.target}: "
                                 f"{exc.details()}") from None
         return decode_response(response)
+
+
+def _check(spec) -> None:
+    if not spec.target or not spec.model:
+        raise ValueError("backend 'upstream' needs 'target' (host:port) and 'model'")
+    if spec.path is not None:
+        raise ValueError("backend 'upstream' takes 'target' and 'model', not 'path'")
+    if spec.precision != "fp32":
+        raise ValueError("backend 'upstream' cannot derive a precision: the remote "
+                         "server runs what it serves")
+    if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.\-]+):\d{1,5}", spec.target):
+        raise ValueError(f"target '{spec.target}' must be host:port")
+
+
+KINDS = {
+    "upstream": BackendKind(
+        name="upstream", backend=UpstreamBackend, options=UpstreamOptions,
+        precisions=frozenset({"fp32"}),  # the remote server runs what it runs
+        artifact=False, forwards=True, check=_check,
+    ),
+}

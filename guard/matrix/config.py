@@ -148,7 +148,8 @@ class MatrixConfig(_Strict):
 def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     """Parse and validate; returns the config and the folder relative paths resolve against."""
     from guard.backends.options import validate_backend_options
-    from guard.config import DERIVABLE_PRECISIONS, IMPLEMENTED_BACKENDS, read_yaml
+    from guard.backends import backend_kind
+    from guard.config import read_yaml
     from guard.zoo import names as zoo_names
 
     path = Path(path)
@@ -162,10 +163,7 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     base = path.resolve().parent
     problems = []
     for i, b in enumerate(config.backends):
-        if b.backend not in IMPLEMENTED_BACKENDS:
-            problems.append(f"backends[{i}].backend: '{b.backend}' is not available in this "
-                            f"version of guard")
-        elif b.precision not in DERIVABLE_PRECISIONS[b.backend]:
+        if b.precision not in backend_kind(b.backend).precisions:
             problems.append(f"backends[{i}].precision: {b.backend} cannot derive {b.precision}")
         else:
             problems += [f"backends[{i}].options{line}"

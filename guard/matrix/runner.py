@@ -129,12 +129,16 @@ def _split(arrays: dict[str, np.ndarray], batch: int, samples: int) -> list[dict
 def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
                  base: Path, device: str = "cpu") -> BackendConfig | str:
     """The backend block for this model, or why the backend does not apply to it."""
+    from guard.backends import backend_kind
+
     options = dict(options)
-    if kind == "onnxruntime":
+    formats = backend_kind(kind).formats
+    if "onnx" in formats:
         if not model.onnx:
             return "no ONNX artifact for this model"
         path = model.onnx
-    elif model.factory or (kind == "torch_compile" and model.eager_factory):
+    elif "factory" in formats and (model.factory or (
+            "torchscript" not in formats and model.eager_factory)):
         # torch.compile cannot compile TorchScript: it gets the eager module when there is one.
         path = model.factory or model.eager_factory
         options.setdefault("kwargs", model.factory_kwargs)

@@ -225,30 +225,21 @@ class TensorRTLayers(KeepBack):
         return computing_nodes(self.spec.path)
 
 
-_STRATEGIES: dict[tuple[str, str], type[KeepBack]] = {
-    ("onnxruntime", "int8"): OnnxInt8Ops,
-    ("onnxruntime", "fp16"): OnnxFp16Ops,
-    ("torch_compile", "fp32"): TorchCompileModules,
-    ("torch_compile", "fp16"): TorchCompileModules,
-    ("torch_compile", "bf16"): TorchCompileModules,
-    ("tensorrt", "fp16"): TensorRTLayers,
-    ("tensorrt", "int8"): TensorRTLayers,
-}
-
-
 def keep_back_for(spec: BackendConfig) -> KeepBack:
-    """The strategy for a primary (config validation admits only these kinds:
-    guard.config.REPAIRABLE_PRIMARIES)."""
-    try:
-        return _STRATEGIES[(spec.backend, spec.precision)](spec)
-    except KeyError:
+    """The strategy for a primary, as its backend declares it (``BackendKind.keep_back``;
+    config validation admits only these kinds)."""
+    from guard.backends import backend_kind
+
+    strategy = backend_kind(spec.backend).keep_back_strategy(spec.precision)
+    if strategy is None:
         raise ValueError(f"policy.action 'fallback_ops' cannot rebuild a {spec.backend} "
-                         f"{spec.precision} primary") from None
+                         f"{spec.precision} primary")
+    return strategy(spec)
 
 
 def repairable() -> dict[str, set[str]]:
-    """backend -> precisions a strategy exists for (a test holds config's table to it)."""
-    table: dict[str, set[str]] = {}
-    for backend, precision in _STRATEGIES:
-        table.setdefault(backend, set()).add(precision)
-    return table
+    """backend -> precisions a strategy is declared for."""
+    from guard.backends import backend_kinds
+
+    return {name: set(kind.keep_back) for name, kind in backend_kinds().items()
+            if kind.keep_back}

@@ -49,7 +49,9 @@ class Verdict:
 
 
 def fp64_unavailable_reason(spec: BackendConfig) -> str:
-    if spec.backend not in ("torch", "torch_compile"):
+    from guard.backends import backend_kind
+
+    if not backend_kind(spec.backend).fp64:
         return (f"no fp64 run for a reference on backend '{spec.backend}' "
                 "(only torch models convert to fp64)")
     if str(spec.path).endswith(".pt2"):

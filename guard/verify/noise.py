@@ -48,7 +48,6 @@ class NoiseFloor:
                 "notes": list(self.notes)}
 
 
-THREADED_BACKENDS = ("torch", "torch_compile", "onnxruntime")
 
 
 class CannotGenerate(ValueError):
@@ -151,7 +150,9 @@ def measure_noise_floor(reference: Backend, spec: BackendConfig,
         floor.notes.append("inputs do not share a batch axis of 2 or more: batch comparison "
                            "skipped")
     counts = list(dict.fromkeys(config.thread_counts))
-    if spec.backend not in THREADED_BACKENDS:
+    from guard.backends import backend_kind
+
+    if not backend_kind(spec.backend).threaded:
         floor.notes.append(f"thread counts do not apply to a {spec.backend} reference")
         counts = []
     runs = []

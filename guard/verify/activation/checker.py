@@ -41,7 +41,7 @@ from guard.verify.activation.decide import (
 from guard.verify.activation.errors import ShapeMismatch, layer_error
 from guard.verify.activation.onnx_side import OnnxSide
 from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
-from guard.verify.activation.torch_side import CaptureUnsupported, TorchSide, eager_module
+from guard.verify.activation.torch_side import CaptureUnsupported, TorchSide
 
 log = logging.getLogger("guard.activation")
 
@@ -54,30 +54,14 @@ def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
 
     ``run_path`` overrides the ONNX file that runs (e.g. a variant rebuilt with ops kept back).
     """
+    from guard.backends import backend_kind
+
     label = f"{role} ({spec.describe()})"
-    if spec.backend == "onnxruntime":
-        from guard.backends.derive import derive_onnx
-        from guard.backends.options import OnnxRuntimeOptions
-
-        options = OnnxRuntimeOptions.model_validate(spec.options)
-        path = run_path or derive_onnx(spec.path, spec.precision, options.nodes_to_exclude,
-                                       options.per_channel)
-        return OnnxSide(path, source_path=spec.path, threads=threads, label=label)
-    if spec.backend == "torch":
-        import torch
-
-        from guard.backends.torch import TorchBackend
-
-        backend = TorchBackend(spec.model_copy(), role, threads)
-        backend.spec._base_dir = getattr(spec, "_base_dir", None)
-        backend.load()
-        module = eager_module(backend.module, config.torch_factory,
-                              getattr(spec, "_base_dir", None), label)
-        dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.precision)
-        names = [s.name for s in backend.describe().inputs]
-        return TorchSide(module, names, dtype=dtype, device=spec.device, label=label)
-    raise CaptureUnsupported(
-        f"{label}: tier 2 cannot capture intermediate tensors of backend '{spec.backend}'")
+    build = backend_kind(spec.backend).capture_side()
+    if build is None:
+        raise CaptureUnsupported(
+            f"{label}: tier 2 cannot capture intermediate tensors of backend '{spec.backend}'")
+    return build(spec, role, config, threads, run_path, label)
 
 
 class ActivationChecker:

@@ -330,13 +330,18 @@ class OnnxSide:
         self._same: dict[tuple, bool] = {}
         self._by_threads: dict[int, object] = {}
 
+    def _new_session(self, model_bytes: bytes, threads: int):
+        """A session for a capture copy or a segment: ``run(names, feeds)``, ``get_outputs()``
+        (ONNX Runtime's; another runtime's side overrides this)."""
+        return _session(model_bytes, threads)
+
     def _capture_session(self, threads: int | None = None):
         if threads is not None and threads != self.threads:
             # Another thread count (tier 2's per-layer noise): a session of its own, kept.
             other = self._by_threads.get(threads)
             if other is None:
                 self._capture_session()
-                other = _session(self._capture_bytes, threads)
+                other = self._new_session(self._capture_bytes, threads)
                 self._by_threads[threads] = other
             return other
         if self._session is None:
@@ -355,7 +360,7 @@ class OnnxSide:
                 else:
                     model.graph.output.append(ValueInfoProto(name=name))
             self._capture_bytes = model.SerializeToString()
-            self._session = _session(self._capture_bytes, self.threads)
+            self._session = self._new_session(self._capture_bytes, self.threads)
             self._output_names = [o.name for o in self._session.get_outputs()]
         return self._session
 
@@ -387,7 +392,7 @@ class OnnxSide:
                 elem = self.graph.elem_types.get(target) or 1  # FLOAT when inference was silent
                 model = self.graph.segment_model(
                     nodes, {n: feeds[n].dtype for n in needed}, target, elem)
-                session = _session(model.SerializeToString(), self.threads)
+                session = self._new_session(model.SerializeToString(), self.threads)
                 self._segments[key] = session
         result = session.run([target], feeds)[0]
         return result, [self.graph.nodes[i].name for i in nodes]
@@ -429,3 +434,16 @@ class OnnxSide:
         self._session = None
         self._segments.clear()
         self._by_threads.clear()
+
+
+def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
+                     label: str = "onnx") -> OnnxSide:
+    """Tier 2's side for an onnxruntime block (declared in guard/backends/onnxruntime.py):
+    the variant it runs (derived as the backend derives it), or ``run_path``."""
+    from guard.backends.derive import derive_onnx
+    from guard.backends.options import OnnxRuntimeOptions
+
+    options = OnnxRuntimeOptions.model_validate(spec.options)
+    path = run_path or derive_onnx(spec.path, spec.precision, options.nodes_to_exclude,
+                                   options.per_channel)
+    return OnnxSide(path, source_path=spec.path, threads=threads, label=label)

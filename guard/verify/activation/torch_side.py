@@ -191,3 +191,21 @@ class TorchSide:
         self.module = None
         self.submodules.clear()
         self.paths.clear()
+
+
+def torch_side(spec, role: str, config, threads: int = 1, run_path=None,
+               label: str = "torch") -> TorchSide:
+    """Tier 2's side for a torch block (declared in guard/backends/torch.py): the module
+    loaded as the backend loads it, hooked on a copy."""
+    import torch
+
+    from guard.backends.torch import TorchBackend
+
+    backend = TorchBackend(spec.model_copy(), role, threads)
+    backend.spec._base_dir = getattr(spec, "_base_dir", None)
+    backend.load()
+    module = eager_module(backend.module, config.torch_factory,
+                          getattr(spec, "_base_dir", None), label)
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.precision)
+    names = [s.name for s in backend.describe().inputs]
+    return TorchSide(module, names, dtype=dtype, device=spec.device, label=label)
