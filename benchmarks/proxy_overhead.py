@@ -292,6 +292,9 @@ def cmd_baseline(onnx_path: str, port: int, executor_workers: int, ort_threads: 
 
     if threaded:
         class ThreadedServicer(pb_grpc.GRPCInferenceServiceServicer):
+            def ServerLive(self, request, context):
+                return pb.ServerLiveResponse(live=True)
+
             def ServerReady(self, request, context):
                 return pb.ServerReadyResponse(ready=True)
 
