@@ -120,6 +120,15 @@ class GuardMetrics:
             "guard_verifier_up", "1 while the verifier process (reference, checks, detectors, "
             "capture, repair) runs and answers; serving goes on either way.", registry=r,
         )
+        self.ring_used_bytes = Gauge(
+            "guard_sample_ring_used_bytes", "Bytes of sampled requests waiting in the shared "
+            "rings for the verifier process (all serving processes); at capacity new samples "
+            "are dropped (guard_mirror_total{outcome=\"dropped\"}).", registry=r,
+        )
+        self.ring_capacity_bytes = Gauge(
+            "guard_sample_ring_capacity_bytes", "Size of the shared sample rings "
+            "(server.verifier.ring_bytes per serving process).", registry=r,
+        )
         self.verifier_restarts = Counter(
             "guard_verifier_restarts", "Verifier processes that died or hung and were "
             "restarted (the samples they held count as dropped in guard_mirror_total).",

@@ -71,6 +71,9 @@ class GuardServer:
         self.processes = ServingProcesses(self, rings[1:])
         self.supervisor = VerifierSupervisor(config, self.metrics, self.table, rings,
                                              lambda: self.models, self.processes.use_primary)
+        # How full the rings are: a verifier that falls behind shows here before it drops.
+        self.metrics.ring_used_bytes.set_function(lambda: sum(r.used for r in rings))
+        self.metrics.ring_capacity_bytes.set(sum(r.capacity for r in rings))
         self.exposition = CollectorRegistry(auto_describe=False)
         self.exposition.register(MergedMetrics(self.metrics, lambda: [
             self.supervisor.exposition(), *self.processes.expositions()]))
