@@ -290,3 +290,66 @@ def _quiet():
     warnings.simplefilter("ignore")
     stack.enter_context(contextlib.redirect_stdout(io.StringIO()))
     return stack
+
+
+# -- within the budget: the first measurable divergence (decide.py) -----------------------------
+def _report(isolated: list[float], noise: list[float]):
+    from guard.verify.activation.errors import LayerError
+    from guard.verify.activation.report import ActivationReport, LayerResult
+
+    report = ActivationReport("onnx/onnx", 0.0)
+    for i, error in enumerate(isolated):
+        report.layers.append(LayerResult(f"l{i}", "Gemm", "", f"v{i}", LayerError(error, 1.0, 0.0),
+                                         isolated=LayerError(error, 1.0, 0.0)))
+    return report, {f"v{i}": n for i, n in enumerate(noise)}
+
+
+@pytest.mark.parametrize("tier1_failed", [False, None])
+def test_within_budget_names_the_first_layer_beyond_noise_and_still_passes(tier1_failed):
+    from guard.verify.activation.decide import BASIS_NOISE, MEASURABLE_FLOOR, Budget, decide
+
+    # l0 at the reference's own noise, l1 a small real change, l2 larger but after it.
+    report, noise = _report([2e-7, 5e-4, 8e-4], [2e-7, 0.0, 0.0])
+    decide(report, Budget(1e-3, "test", tier1_failed), noise, {}, 1.0)
+    assert report.first_divergence.name == "l1" and report.within_budget
+    assert report.basis == BASIS_NOISE and report.passed
+    assert not any(layer.divergent for layer in report.layers)
+    assert report.layers[0].measurable == MEASURABLE_FLOOR
+    assert report.first_divergence_dict()["within_budget"] is True
+
+
+def test_within_budget_noise_scales_the_threshold_and_fixed_or_failed_budgets_do_not_use_it():
+    from guard.verify.activation.decide import MEASURABLE_NOISE_FACTOR, Budget, decide
+
+    report, noise = _report([5e-5], [1e-5])  # 5x its own noise: not measurable
+    decide(report, Budget(1e-3, "test", False), noise, {}, 1.0)
+    assert report.first_divergence is None and report.layers[0].measurable == pytest.approx(
+        MEASURABLE_NOISE_FACTOR * 1e-5)
+    report, noise = _report([5e-4], [0.0])
+    decide(report, Budget(1e-3, "test", False), noise, {}, 1.0, fixed=0.05)  # user's threshold
+    assert report.first_divergence is None and report.passed
+    report, noise = _report([5e-4, 2e-4], [0.0, 0.0])
+    decide(report, Budget(1e-3, "test", True), noise, {}, 1.0)  # tier 1 failed: the fallback
+    assert report.first_divergence.name == "l0" and not report.within_budget
+    assert not report.passed
+
+
+@pytest.mark.parametrize("precision", ["int8", "fp16", "bf16"])
+def test_within_budget_a_reduced_precision_pair_names_none_and_says_why(precision):
+    from guard.verify.activation.decide import Budget, decide
+
+    report, noise = _report([3e-3, 5e-3], [0.0, 0.0])
+    decide(report, Budget(2e-2, "test", False), noise, {}, 1.0, precision=precision)
+    assert report.first_divergence is None and report.passed and not report.within_budget
+    assert report.within_budget_note.startswith(f"the pair computes in {precision}: 2 layer(s)")
+
+
+def test_side_precision_is_read_off_the_graph(tmp_path):
+    from guard.backends.derive import derive_onnx
+    from guard.verify.activation.onnx_side import OnnxSide
+
+    path = two_layer_onnx(tmp_path / "two.onnx", hidden=8)
+    assert OnnxSide(path).precision == "fp32"
+    assert OnnxSide(derive_onnx(path, "int8"), source_path=path).precision == "int8"
+    assert OnnxSide(derive_onnx(path, "fp16"), source_path=path).precision == "fp16"
+    assert OnnxSide(path, precision="fp16").precision == "fp16"

@@ -61,7 +61,10 @@ def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
     if build is None:
         raise CaptureUnsupported(
             f"{label}: tier 2 cannot capture intermediate tensors of backend '{spec.backend}'")
-    return build(spec, role, config, threads, run_path, label)
+    side = build(spec, role, config, threads, run_path, label)
+    if spec.precision != "fp32":  # a hint the side's own graph may not show (OpenVINO fp16)
+        side.precision = spec.precision
+    return side
 
 
 class ActivationChecker:
@@ -139,10 +142,16 @@ class ActivationChecker:
         report.noise_note = self._noise_note
         decide(report, self._budget(tier1, [p for _, p in compared]), noise,
                {p.value: p.ref_key or p.value for _, p in compared},
-               self.tensor.noise_floor.multiplier, self.config.rel_error)
+               self.tensor.noise_floor.multiplier, self.config.rel_error, self._precision())
         report.suspects = rank_suspects(report.layers, self.config.top_k)
         report.seconds = time.perf_counter() - started
         return report
+
+    def _precision(self) -> str:
+        """``fp32`` when both sides compute in it, else the reduced one (the primary's first)."""
+        reduced = [p for p in (getattr(self.primary, "precision", "fp32"),
+                               getattr(self.reference, "precision", "fp32")) if p != "fp32"]
+        return reduced[0] if reduced else "fp32"
 
     def _budget(self, tier1, pairings: list[Pairing]) -> Budget:
         budget = budget_from_tier1(tier1) if tier1 is not None else None

@@ -304,6 +304,25 @@ def _session(model_bytes: bytes, threads: int):
     return ort.InferenceSession(model_bytes, so, providers=["CPUExecutionProvider"])
 
 
+_QUANT_OPS = {"QuantizeLinear", "DynamicQuantizeLinear", "MatMulInteger", "ConvInteger",
+              "QLinearMatMul", "QLinearConv", "MatMulIntegerToFloat", "DynamicQuantizeMatMul"}
+
+
+def graph_precision(graph: "OnnxGraph") -> str:
+    """``int8`` when the graph holds quantised ops, ``fp16``/``bf16`` when it holds such
+    tensors, else ``fp32``."""
+    import onnx
+
+    if any(node.op_type in _QUANT_OPS for node in graph.nodes):
+        return "int8"
+    types = set(graph.elem_types.values()) | {i.data_type for i in graph.initializers.values()}
+    if onnx.TensorProto.FLOAT16 in types:
+        return "fp16"
+    if onnx.TensorProto.BFLOAT16 in types:
+        return "bf16"
+    return "fp32"
+
+
 class OnnxSide:
     """One ONNX artifact, run for capture on a private session.
 
@@ -315,12 +334,15 @@ class OnnxSide:
     kind = "onnx"
 
     def __init__(self, run_path: str | Path, source_path: str | Path | None = None,
-                 threads: int = 1, label: str = "onnx"):
+                 threads: int = 1, label: str = "onnx", precision: str | None = None):
         self.label = label
         self.run_path = Path(run_path)
         self.graph = OnnxGraph.load(self.run_path)
         same = source_path is None or Path(source_path) == self.run_path
         self.source = self.graph if same else OnnxGraph.load(source_path)
+        # What the side computes in: the backend block's precision where known, else read off
+        # the graph (quantised ops: int8; float16/bfloat16 tensors: fp16/bf16).
+        self.precision = precision or graph_precision(self.graph)
         self.threads = threads
         self.values = self.graph.comparable_values()
         self._session = None
@@ -446,4 +468,5 @@ def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
     options = OnnxRuntimeOptions.model_validate(spec.options)
     path = run_path or derive_onnx(spec.path, spec.precision, options.nodes_to_exclude,
                                    options.per_channel)
-    return OnnxSide(path, source_path=spec.path, threads=threads, label=label)
+    return OnnxSide(path, source_path=spec.path, threads=threads, label=label,
+                    precision=spec.precision)

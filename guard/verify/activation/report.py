@@ -24,6 +24,7 @@ class LayerResult:
     divergent: bool = False  # its isolated error exceeds its allowance (see decide.py)
     noise: float = 0.0  # the reference's own relative error on this layer against itself
     allowance: float | None = None  # budget + multiplier * noise (or the fixed rel_error)
+    measurable: float | None = None  # isolated error beyond which it differs measurably
 
     @property
     def ratio(self) -> float:
@@ -42,6 +43,7 @@ class LayerResult:
             "isolation_note": self.isolation_note, "primary_nodes": self.primary_nodes,
             "divergent": self.divergent, "noise": _round(self.noise),
             "allowance": None if self.allowance is None else _round(self.allowance),
+            "measurable": None if self.measurable is None else _round(self.measurable),
         }
 
 
@@ -70,6 +72,10 @@ class ActivationReport:
     basis: str = ""  # the rule that named the first divergence
     undetermined: str = ""  # tier 1 failed but no layer can be named: exactly why
     noise_note: str = ""  # how the per-layer noise was measured, or why it was not
+    # ``first`` differs measurably but every layer is within its allowance (decide.py): named,
+    # not a failure.
+    within_budget: bool = False
+    within_budget_note: str = ""  # why no layer is named within the budget (reduced precision)
 
     @property
     def first_divergence(self) -> LayerResult | None:
@@ -79,7 +85,8 @@ class ActivationReport:
 
     @property
     def passed(self) -> bool:
-        return not self.error and self.first_divergence is None
+        """Driven by the budget: a first divergence named within it does not fail the check."""
+        return not self.error and (self.first_divergence is None or self.within_budget)
 
     def first_divergence_dict(self) -> dict | None:
         """The CONTRACT report shape: ``{"layer": ..., "error": ...}`` (plus context)."""
@@ -89,7 +96,8 @@ class ActivationReport:
         return {"layer": first.name, "error": first.propagated.rel_error, "op": first.op,
                 "module": first.module, "value": first.value,
                 "isolated_error": first.isolated.rel_error if first.isolated else None,
-                "allowance": first.allowance, "basis": self.basis}
+                "allowance": first.allowance, "basis": self.basis,
+                "within_budget": self.within_budget}
 
     def summary(self, names: int = _SUMMARY_NAMES) -> dict:
         """Compact evidence for events and route transitions."""
@@ -100,6 +108,8 @@ class ActivationReport:
             "aligned": len(self.layers),
             "first_divergence": self.first_divergence_dict(),
             **({"undetermined": self.undetermined} if self.undetermined else {}),
+            **({"within_budget_note": self.within_budget_note}
+               if self.within_budget_note else {}),
             "budget": self.budget.as_dict() if self.budget is not None else None,
             "suspects": [
                 {"layer": s.name, "op": s.op, "module": s.module,

@@ -122,6 +122,7 @@ class TorchSide:
         self.device = torch.device(device)
         if dtype is not None:
             self.module = self.module.to(dtype)
+        self.precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}.get(dtype, "fp32")
         self.module = self.module.to(self.device)
         self.paths = {m: path for path, m in self.module.named_modules() if path}
         self.submodules = dict(self.module.named_modules())
