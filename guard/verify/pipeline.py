@@ -280,8 +280,12 @@ def tier_reports(result: CheckResult) -> dict[str, TierReport]:
             details = _activation_details(tier, details)
             if not isinstance(summary, str):  # tier 2 summarises as a dict of evidence
                 first = details["first_divergence"]
-                summary = (f"first divergence at {first['layer']}" if first
-                           else "no layer diverges")
+                if first is None:
+                    summary = "no layer diverges"
+                elif first.get("within_budget"):  # measurable, but inside tier 1's budget
+                    summary = f"first measurable divergence at {first['layer']} (within budget)"
+                else:
+                    summary = f"first divergence at {first['layer']}"
         out[name] = TierReport(bool(tier.passed), str(summary), [], details)
     return out
 
