@@ -214,7 +214,12 @@ class Verifier:
                     continue
                 if record is not None:
                     took = True
-                    self._hand_over(record)
+                    try:
+                        self._hand_over(record)
+                    except Exception as exc:  # a bug: one sample lost, never the reader
+                        log.exception("handing a sample over failed")
+                        self._log_error(f"a sample could not be handed over: "
+                                        f"{type(exc).__name__}: {exc}")
             if not took:
                 time.sleep(_IDLE_S)
 
@@ -243,6 +248,10 @@ class Verifier:
     def _heartbeat(self) -> None:
         pid = os.getpid()
         while not self.stopping.is_set():
+            # No pulse without a ring reader: a verifier that cannot take samples any more
+            # is hung as far as the serving process is concerned, and gets restarted.
+            if not self._reader.is_alive() and self._reader.ident is not None:
+                return
             self.table.beat(time.monotonic_ns(), pid)
             with self._lock:
                 models = list(self.models.values())
