@@ -119,6 +119,10 @@ class Mirror:
         self._queued_bytes = 0
         self._bytes_lock = threading.Lock()
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
+        # Children resolved once: labels() is a dict lookup under a lock on every call.
+        self._outcomes = {o: metrics.mirror.labels(model, o)
+                          for o in ("compared", "dropped", "error", "timeout")}
+        self._reference_seconds = metrics.reference_duration.labels(model)
 
     # -- fed by the ring reader -------------------------------------------------------------------
     def accept(self, sample: Sample) -> bool:
@@ -135,7 +139,7 @@ class Mirror:
                 return True
             except queue.Full:
                 self._release(sample)
-        self.metrics.mirror.labels(self.model, "dropped").inc()
+        self._outcomes["dropped"].inc()
         self._unchecked(sample, "dropped")
         self._finished(sample)
         return False
@@ -167,7 +171,7 @@ class Mirror:
                 self._unchecked(sample, "dropped")
                 self._finished(sample)
         if dropped:
-            self.metrics.mirror.labels(self.model, "dropped").inc(dropped)
+            self._outcomes["dropped"].inc(dropped)
         self._queue.put(None)
         self._thread.join(timeout)
         self._caller.shutdown()
@@ -181,7 +185,7 @@ class Mirror:
                 return
             self._release(sample)
             if self._stopping.is_set():  # taken while stop() was draining: still accounted for
-                self.metrics.mirror.labels(self.model, "dropped").inc()
+                self._outcomes["dropped"].inc()
                 self._unchecked(sample, "dropped")
                 self._finished(sample)
                 return
@@ -193,7 +197,7 @@ class Mirror:
                 self._process(sample)
             except Exception:  # a bug here must not kill the worker
                 log.exception("mirror worker for %s failed on a sample", self.model)
-                self.metrics.mirror.labels(self.model, "error").inc()
+                self._outcomes["error"].inc()
             finally:
                 self._finished(sample)
             if self._span is not None:
@@ -212,23 +216,23 @@ class Mirror:
             reference = self._caller.call(self.reference.infer, sample.inputs, timeout)
             seconds = time.perf_counter() - started
         except TimeoutError:
-            self.metrics.mirror.labels(self.model, "timeout").inc()
+            self._outcomes["timeout"].inc()
             tracing.set_attributes(self._span, {"guard.outcome": "timeout"})
             self._log_error(f"{stage} timed out after {timeout}s")
             self._unchecked(sample, "timeout")
             return
         except Exception as exc:
-            self.metrics.mirror.labels(self.model, "error").inc()
+            self._outcomes["error"].inc()
             self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
             self._unchecked(sample, "error")
             return
-        self.metrics.reference_duration.labels(self.model).observe(seconds)
+        self._reference_seconds.observe(seconds)
         if sample.only_outputs and not probed:
             # The answer holds only what the client asked for (upstream): compare just that.
             reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
             sample.outputs = {k: v for k, v in sample.outputs.items() if k in sample.only_outputs}
         check = self.verifier.check(reference, sample.outputs, inputs=sample.inputs)
-        self.metrics.mirror.labels(self.model, "compared").inc()
+        self._outcomes["compared"].inc()
         tracing.set_attributes(self._span, {
             "guard.verdict": "pass" if check.passed else "fail",
             "guard.tier.tensor.max_abs_error": check.max_abs_error,

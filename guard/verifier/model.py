@@ -57,9 +57,17 @@ class VerifiedModel:
         self._in_hand = 0  # samples taken from the ring and not yet accounted for
         self._in_hand_lock = threading.Lock()
         metrics.declare_model(self.name, self.policy_tiers)
-        if self.activation_tier is not None:
-            for outcome in ("pass", "fail"):
-                metrics.checks.labels(self.name, "activation", outcome)
+        # Children resolved once (the mirror worker updates them for every sample).
+        tiers = (*self.policy_tiers, *(("activation",) if self.activation_tier else ()))
+        self._checks = {(tier, result): metrics.checks.labels(self.name, tier, result)
+                        for tier in tiers for result in ("pass", "fail")}
+        self._drift_ratio = {t: metrics.drift_ratio.labels(self.name, t)
+                             for t in self.policy_tiers}
+        self._statistic = {t: metrics.detector_statistic.labels(self.name, t)
+                           for t in self.policy_tiers}
+        self._threshold = {t: metrics.detector_threshold.labels(self.name, t)
+                           for t in self.policy_tiers}
+        self._max_abs_error = metrics.tensor_max_abs_error.labels(self.name)
         self._export_detectors()
         self.activation = None  # tier 2's checker, built at load
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
@@ -200,8 +208,7 @@ class VerifiedModel:
     # -- mirror worker -------------------------------------------------------------------------------
     def _on_result(self, result: SampleResult) -> None:
         check: CheckResult = result.check
-        m = self.metrics
-        m.tensor_max_abs_error.labels(self.name).observe(check.max_abs_error)
+        self._max_abs_error.observe(check.max_abs_error)
         if self.ops is not None:
             self.ops.observe(result.sample.inputs, not check.passed)
         transition = None
@@ -211,11 +218,11 @@ class VerifiedModel:
                 continue
             if tier not in self.policy_tiers:
                 continue
-            m.checks.labels(self.name, tier, "pass" if tier_result.passed else "fail").inc()
+            self._checks[tier, "pass" if tier_result.passed else "fail"].inc()
             transition = self.policy.observe(tier, not tier_result.passed,
                                              result.sample.epoch) or transition
         for figures in self.policy.windows():
-            m.drift_ratio.labels(self.name, figures.tier).set(figures.ratio)
+            self._drift_ratio[figures.tier].set(figures.ratio)
         self._export_detectors()
         if check.arbitration is not None:
             emit("arbitration", model=self.name, verdict=check.arbitration.as_dict())
@@ -249,8 +256,8 @@ class VerifiedModel:
 
     def _export_detectors(self) -> None:
         for figures in self.policy.detectors():
-            self.metrics.detector_statistic.labels(self.name, figures.tier).set(figures.statistic)
-            self.metrics.detector_threshold.labels(self.name, figures.tier).set(figures.threshold)
+            self._statistic[figures.tier].set(figures.statistic)
+            self._threshold[figures.tier].set(figures.threshold)
 
     def _on_activation(self, report, epoch: int) -> None:
         """A tier-2 report from the Verifier: counted, kept for the evidence, announced."""
@@ -258,8 +265,7 @@ class VerifiedModel:
         if report.error:
             emit("activation_error", model=self.name, error=report.error)
             return
-        self.metrics.checks.labels(self.name, "activation",
-                                   "pass" if report.passed else "fail").inc()
+        self._checks["activation", "pass" if report.passed else "fail"].inc()
         if not report.passed:
             now = time.monotonic()
             if now - self._last_activation_event >= _ACTIVATION_EVENT_INTERVAL_S:
