@@ -43,6 +43,9 @@ class BackendKind:
     - ``capture``: ``"module:function"`` building tier 2's capture side for a block
       (``(spec, role, config, threads, run_path, label) -> side``), or None: tier 2 cannot
       capture its intermediate tensors.
+    - ``capture_as``: ``(spec) -> spec``, the block tier 2 captures in this one's place to
+      find the op repair's suspects, when it cannot hook this backend's own computation (e.g.
+      an eager copy of a compiled module); None: the block itself.
     - ``keep_back``: precision -> ``"module:Class"`` of the op repair's strategy
       (guard/policy/keep_back.py) for a primary of that precision; empty: not repairable.
     - ``forwards``: it forwards protocol messages itself (``forward``/``connect``, see
@@ -65,6 +68,7 @@ class BackendKind:
     artifact: bool = True
     formats: frozenset[str] = frozenset()
     capture: str | None = None
+    capture_as: Callable[[Any], Any] | None = None
     keep_back: Mapping[str, str] = field(default_factory=dict)
     forwards: bool = False
     check: Callable[[Any], None] | None = None

@@ -352,6 +352,15 @@ def _check_model(model) -> None:
                     "pins it off (run the reference on cpu)")
 
 
+def _eager_copy(spec: "BackendConfig") -> "BackendConfig":
+    """``BackendKind.capture_as`` of torch_compile: tier 2 cannot hook compiled kernels, so it
+    captures an eager ``torch`` copy of the module at the same precision."""
+    copy = spec.model_copy(deep=True)
+    copy.backend = "torch"
+    copy.options = {k: v for k, v in spec.options.items() if k in TorchOptions.model_fields}
+    return copy
+
+
 _TORCH_FORMATS = frozenset({"torchscript", "torch_export", "factory"})
 KINDS = {
     "torch": BackendKind(
@@ -366,7 +375,7 @@ KINDS = {
     "torch_compile": BackendKind(
         name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}),
-        formats=frozenset({"torch_export", "factory"}),
+        formats=frozenset({"torch_export", "factory"}), capture_as=_eager_copy,
         keep_back={p: "guard.policy.keep_back:TorchCompileModules"  # eager_fp32_modules
                    for p in ("fp32", "fp16", "bf16")},
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
