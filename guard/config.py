@@ -10,6 +10,7 @@ config file's folder, and check that artifacts exist. Building backends happens 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import ipaddress
 import os
@@ -68,6 +69,24 @@ def _repairable_kinds() -> str:
     return ", ".join(parts)
 
 
+@dataclasses.dataclass(frozen=True)
+class ConfigContext:
+    """Where a config came from, kept beside the validated models (``GuardConfig.context``,
+    ``BackendConfig.context``) and passed explicitly to whoever needs it.
+
+    - ``base_dir``: the config file's folder; relative paths were resolved against it and a
+      ``module:factory`` is imported from it.
+    - ``source_hash``: sha256 of the file's text, 16 hex digits (events and capture records
+      name it, so that a verdict can be tied to the config that produced it; reload compares).
+    - ``source_path``: the file as given (what a reload re-reads); None for a config that did
+      not come from a file (a child process's copy, a test).
+    """
+
+    base_dir: Path | None = None
+    source_hash: str = ""
+    source_path: Path | None = None
+
+
 # A Python model given as "package.module:factory" instead of a file.
 FACTORY_REF = re.compile(r"^[A-Za-z_][\w.]*:[A-Za-z_]\w*$")
 
@@ -117,6 +136,21 @@ class Strict(BaseModel):
     """Base for every config block: unknown keys are errors, values are not coerced silently."""
 
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+class WithContext(Strict):
+    """A block that knows where its config came from (``context``, set by parse_config): not
+    a field, so no key of the YAML, not in the schema or a dump; copies keep it."""
+
+    _context: ConfigContext = PrivateAttr(default_factory=ConfigContext)
+
+    @property
+    def context(self) -> ConfigContext:
+        return self._context
+
+    @context.setter
+    def context(self, context: ConfigContext) -> None:
+        self._context = context
 
 
 class TlsConfig(Strict):
@@ -275,7 +309,7 @@ class ServerConfig(Strict):
     )
 
 
-class BackendConfig(Strict):
+class BackendConfig(WithContext):
     backend: BackendName
     path: str | None = Field(
         None,
@@ -298,8 +332,16 @@ class BackendConfig(Strict):
     target: str | None = Field(None, description="upstream only: host:port of an OIP server.")
     model: str | None = Field(None, description="upstream only: model name on that server.")
 
-    # The config file's folder: a 'module:factory' path is imported from there.
-    _base_dir: Path | None = PrivateAttr(None)
+
+    @property
+    def _base_dir(self) -> Path | None:
+        """``context.base_dir`` under its old name, for code not yet moved to ``context``
+        (guard/verify/activation/torch_side.py)."""
+        return self._context.base_dir
+
+    @_base_dir.setter
+    def _base_dir(self, base_dir: Path | None) -> None:
+        self._context = dataclasses.replace(self._context, base_dir=base_dir)
 
     @field_validator("sha256")
     @classmethod
@@ -912,16 +954,11 @@ class ModelConfig(Strict):
         return self
 
 
-class GuardConfig(Strict):
+class GuardConfig(WithContext):
     version: Literal[1]
     server: ServerConfig = Field(default_factory=ServerConfig)
     models: list[ModelConfig] = Field(min_length=1)
 
-    # Set by load_config: the folder relative paths resolved against, and a hash of the file
-    # (exported in events so that a verdict can be tied to the config that produced it).
-    _base_dir: Path | None = PrivateAttr(None)
-    _source_hash: str = PrivateAttr("")
-    _source_path: Path | None = PrivateAttr(None)
 
     @model_validator(mode="after")
     def _unique_names(self) -> "GuardConfig":
@@ -1013,8 +1050,12 @@ def _check_server(server: ServerConfig, base_dir: Path) -> list[str]:
 # -- end hardening2 ----------------------------------------------------------------------------
 
 
-def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardConfig:
-    """Validate a parsed YAML document; resolve and check artifact paths against ``base_dir``."""
+def parse_config(data: Any, base_dir: Path | ConfigContext,
+                 source: str | None = None) -> GuardConfig:
+    """Validate a parsed YAML document; resolve and check artifact paths against ``base_dir``
+    (a folder, or the whole ``ConfigContext`` the config and its backend blocks then carry)."""
+    context = base_dir if isinstance(base_dir, ConfigContext) else ConfigContext(base_dir)
+    base_dir = context.base_dir
     if not isinstance(data, dict):
         raise ConfigError(["(top level): must be a mapping with 'version' and 'models'"], source)
     try:
@@ -1030,7 +1071,7 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
             spec: BackendConfig | None = getattr(model, role)
             if spec is None or spec.path is None:
                 continue
-            spec._base_dir = base_dir
+            spec.context = context
             if ("factory" in backend_kind(spec.backend).formats and FACTORY_REF.match(spec.path)
                     and not (base_dir / spec.path).exists()):
                 # A Python factory, imported when the backend loads: code, not a file to pin.
@@ -1062,7 +1103,7 @@ def parse_config(data: Any, base_dir: Path, source: str | None = None) -> GuardC
                 ]
     if problems:
         raise ConfigError(problems, source)
-    config._base_dir = base_dir
+    config.context = context
     return config
 
 
@@ -1089,10 +1130,10 @@ def load_config(path: str | Path) -> GuardConfig:
     path = Path(path)
     text, data = read_yaml(path)
     # Not path.resolve(): see _absolute (ConfigMap '..data' symlinks).
-    config = parse_config(data, Path(os.path.abspath(path)).parent, str(path))
-    config._source_hash = hashlib.sha256(text.encode()).hexdigest()[:16]
-    config._source_path = path
-    return config
+    context = ConfigContext(base_dir=Path(os.path.abspath(path)).parent,
+                            source_hash=hashlib.sha256(text.encode()).hexdigest()[:16],
+                            source_path=path)
+    return parse_config(data, context, str(path))
 
 
 def config_json_schema() -> dict[str, Any]:

@@ -102,7 +102,7 @@ class TorchBackend(Backend):
         path = self.spec.path
         if self.spec.is_factory:
             try:
-                factory = import_factory(path, getattr(self.spec, "_base_dir", None))
+                factory = import_factory(path, self.spec.context.base_dir)
             except (ImportError, AttributeError) as exc:
                 raise BackendError(f"cannot import factory '{path}': {exc}") from exc
             # One factory call at a time in the process: a model's backends load on parallel
@@ -301,7 +301,6 @@ def fp64_twin(spec: "BackendConfig") -> Backend:
     if str(spec.path).endswith(".pt2"):
         raise Unsupported("a torch.export program (.pt2) runs as exported: no fp64 run")
     twin = spec.model_copy(update={"precision": "fp32", "backend": "torch"})
-    twin._base_dir = getattr(spec, "_base_dir", None)
     return Fp64TorchBackend(twin, "primary")
 
 
