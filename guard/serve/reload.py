@@ -71,7 +71,7 @@ def content_digest(path: Path) -> str:
 def model_fingerprint(model: ModelConfig) -> str:
     """A model's config plus the content of its artifact files: equal means nothing to reload.
     Paths are compared as written in the config, resolved against the config file's folder
-    without following symlinks (guard/config.py ``_absolute``)."""
+    without following symlinks (guard/config/base.py ``_absolute``)."""
     state = model.model_dump(mode="json")
     for role in ("primary", "reference", "fallback"):
         spec = getattr(model, role)

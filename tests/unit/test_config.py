@@ -1,4 +1,4 @@
-"""guard/config.py: loading, validation, error lines, path resolution, JSON Schema."""
+"""guard/config/: loading, validation, error lines, path resolution, JSON Schema."""
 
 from __future__ import annotations
 
