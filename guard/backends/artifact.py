@@ -7,8 +7,8 @@ between). Where a runtime can only read a path, the backend says so beside the c
 Formats whose loader can unpickle (run code from the file) are loaded only when pinned: a
 ``.pt2`` goes through ``torch.export.load``, which unpickles parts of the archive. TorchScript
 (``.pt``) is read by TorchScript's own C++ loader and ONNX is a protobuf: neither runs Python.
-The config refuses an unpinned ``.pt2`` already (guard/config.py); ``require_pin`` holds the
-rule for backends built without a config file (``guard matrix``, tests, tools).
+The config refuses an unpinned ``.pt2`` already (guard/config/backend.py); ``require_pin``
+holds the rule for backends built without a config file (``guard matrix``, tests, tools).
 
 Factories (``package.module:function``) are code, not artifacts: imported with the config
 file's folder *appended* to ``sys.path``, so a file in that folder cannot shadow an installed

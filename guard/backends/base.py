@@ -69,6 +69,15 @@ class Backend(abc.ABC):
         """Release sessions and memory. Default: nothing to release."""
 
 
+class ForwardingError(Exception):
+    """The server a ``Forwarding`` backend forwards to answered with a gRPC error: ``status`` is
+    its StatusCode name, which the client gets unchanged."""
+
+    def __init__(self, status: str, message: str):
+        super().__init__(message)
+        self.status = status
+
+
 class Forwarding(abc.ABC):
     """A declared capability (``BackendKind.forwards``): the backend forwards the client's
     Open Inference Protocol messages to a server itself instead of inferring on arrays."""
@@ -86,3 +95,5 @@ class Forwarding(abc.ABC):
     @abc.abstractmethod
     async def forward_raw(self, data: bytes, timeout: float | None, metadata=()) -> bytes:
         """Forward a serialized ModelInferRequest; returns the serialized response."""
+
+    # Both forward methods raise ForwardingError for the server's gRPC errors.

@@ -7,9 +7,10 @@ the op repair and the matrix. No other module lists backend names.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -21,6 +22,11 @@ def load_ref(ref: str) -> Any:
     """The object a ``"package.module:name"`` reference names (imported on first use)."""
     module, _, name = ref.partition(":")
     return getattr(importlib.import_module(module), name)
+
+
+class Unsupported(Exception):
+    """A declared capability that this block cannot provide (e.g. no fp64 run of a program
+    that runs as exported); the message says why."""
 
 
 @dataclass(frozen=True)
@@ -37,14 +43,22 @@ class BackendKind:
     - ``capture``: ``"module:function"`` building tier 2's capture side for a block
       (``(spec, role, config, threads, run_path, label) -> side``), or None: tier 2 cannot
       capture its intermediate tensors.
+    - ``capture_as``: ``(spec) -> spec``, the block tier 2 captures in this one's place to
+      find the op repair's suspects, when it cannot hook this backend's own computation (e.g.
+      an eager copy of a compiled module); None: the block itself.
     - ``keep_back``: precision -> ``"module:Class"`` of the op repair's strategy
       (guard/policy/keep_back.py) for a primary of that precision; empty: not repairable.
     - ``forwards``: it forwards protocol messages itself (``forward``/``connect``, see
       ``guard.backends.base.Forwarding``): the data plane hands it the client's request.
     - ``check``: backend-specific checks of a block (raise ValueError; may normalise it, e.g.
       a device); ``check_model``: checks of a model block that involve this backend.
-    - ``threaded``: one instance can be rebuilt with another intra-op thread count (the noise
-      floor's thread comparison).
+    - ``threaded``: it computes with another intra-op thread count on request (the noise
+      floor's thread comparison, ``with_threads``); ``in_threads``: a context manager
+      ``(backend, threads)`` in which the built backend itself computes with ``threads``
+      (a process-wide setting, e.g. torch's); None: a second instance is built with them.
+    - ``fp64``: ``(spec) -> Backend``, the block's model run in float64 (built, not loaded; the
+      fp64 arbiter's truth), raising ``Unsupported`` for a block that has none; None: the
+      backend has no fp64 run.
     """
 
     name: str
@@ -54,12 +68,14 @@ class BackendKind:
     artifact: bool = True
     formats: frozenset[str] = frozenset()
     capture: str | None = None
+    capture_as: Callable[[Any], Any] | None = None
     keep_back: Mapping[str, str] = field(default_factory=dict)
     forwards: bool = False
     check: Callable[[Any], None] | None = None
     check_model: Callable[[Any], None] | None = None
     threaded: bool = False
-    fp64: bool = False  # its model converts to float64 (the fp64 arbiter)
+    in_threads: Callable[[Any, int], ContextManager[Any]] | None = None
+    fp64: Callable[[Any], "Backend"] | None = None
 
     def capture_side(self) -> Callable | None:
         return load_ref(self.capture) if self.capture else None
@@ -67,3 +83,19 @@ class BackendKind:
     def keep_back_strategy(self, precision: str) -> type | None:
         ref = self.keep_back.get(precision)
         return load_ref(ref) if ref else None
+
+    @contextlib.contextmanager
+    def with_threads(self, built: "Backend", spec: Any, threads: int) -> Iterator["Backend"]:
+        """A backend computing like ``built`` (the reference of ``spec``) but with ``threads``
+        intra-op threads: ``built`` itself inside ``in_threads``, or a second instance, closed
+        after."""
+        if self.in_threads is not None:
+            with self.in_threads(built, threads):
+                yield built
+            return
+        other = self.backend(spec, "reference", threads)
+        other.load()
+        try:
+            yield other
+        finally:
+            other.close()

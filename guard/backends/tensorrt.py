@@ -219,10 +219,21 @@ def _check(spec) -> None:
         spec.device = "cuda"  # TensorRT runs on a GPU only
 
 
+def _onnx_variant(spec):
+    """``BackendKind.capture_as``: tier 2 cannot hook an engine's layers, so it captures ONNX
+    Runtime's variant of the same ONNX file at the same precision (TensorRT's ONNX parser names
+    each layer after its node: the fp32 layers kept back are the nodes excluded there)."""
+    from guard.config import BackendConfig
+
+    return BackendConfig(backend="onnxruntime", path=spec.path, precision=spec.precision,
+                         options={"nodes_to_exclude": list(spec.options.get("fp32_layers", []))})
+
+
 KINDS = {
     "tensorrt": BackendKind(
         name="tensorrt", backend=TensorRTBackend, options=TensorRTOptions,
         precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
+        capture_as=_onnx_variant,
         keep_back={p: "guard.policy.keep_back:TensorRTLayers"  # fp32_layers
                    for p in ("fp16", "int8")},
         check=_check,

@@ -19,6 +19,7 @@ nested: each leaf becomes one named output (``boxes``, ``aux.0``), so every outp
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import io
 import json
@@ -32,7 +33,7 @@ from guard.backends.artifact import import_factory, read_artifact, require_pin
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.determinism import pin_torch_reference
 from guard.backends.options import TorchCompileOptions, TorchOptions
-from guard.backends.kind import BackendKind
+from guard.backends.kind import BackendKind, Unsupported
 from guard.errors import BackendError
 
 if TYPE_CHECKING:
@@ -101,7 +102,7 @@ class TorchBackend(Backend):
         path = self.spec.path
         if self.spec.is_factory:
             try:
-                factory = import_factory(path, getattr(self.spec, "_base_dir", None))
+                factory = import_factory(path, self.spec.context.base_dir)
             except (ImportError, AttributeError) as exc:
                 raise BackendError(f"cannot import factory '{path}': {exc}") from exc
             # One factory call at a time in the process: a model's backends load on parallel
@@ -272,6 +273,52 @@ class TorchCompileBackend(TorchBackend):
         return call
 
 
+class Fp64TorchBackend(TorchBackend):
+    """The fp64 arbiter's truth: the block's module converted with ``.double()`` (inputs cast to
+    float64 too); outputs stay float64."""
+
+    def load(self) -> None:
+        import torch
+
+        super().load()
+        self.module = self.module.double()
+        self._callable = self.module
+        self._dtype = torch.float64
+
+    def infer(self, inputs):
+        import torch
+
+        args = [self._to_torch(inputs[s.name]) for s in self._inputs]
+        with torch.inference_mode():
+            result = self._callable(*args)
+        flat: dict = {}
+        _flatten(result, "", self._output_names, flat)
+        return {k: v.detach().cpu().numpy() for k, v in flat.items()}
+
+
+def fp64_twin(spec: "BackendConfig") -> Backend:
+    """``BackendKind.fp64``: the block's model in float64 (built, not loaded)."""
+    if str(spec.path).endswith(".pt2"):
+        raise Unsupported("a torch.export program (.pt2) runs as exported: no fp64 run")
+    twin = spec.model_copy(update={"precision": "fp32", "backend": "torch"})
+    return Fp64TorchBackend(twin, "primary")
+
+
+@contextlib.contextmanager
+def _in_threads(backend: Backend, threads: int):
+    """``BackendKind.in_threads``: torch's thread count is process-wide, so the built backend is
+    rerun with it changed and restored after (the noise floor does this at load, before the
+    model serves)."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def _check(spec) -> None:
     if spec.backend == "torch_compile" and spec.path.endswith(".pt"):
         raise ValueError("torch_compile cannot compile a TorchScript (.pt) module: give it "
@@ -304,22 +351,33 @@ def _check_model(model) -> None:
                     "pins it off (run the reference on cpu)")
 
 
+def _eager_copy(spec: "BackendConfig") -> "BackendConfig":
+    """``BackendKind.capture_as`` of torch_compile: tier 2 cannot hook compiled kernels, so it
+    captures an eager ``torch`` copy of the module at the same precision."""
+    copy = spec.model_copy(deep=True)
+    copy.backend = "torch"
+    copy.options = {k: v for k, v in spec.options.items() if k in TorchOptions.model_fields}
+    return copy
+
+
 _TORCH_FORMATS = frozenset({"torchscript", "torch_export", "factory"})
 KINDS = {
     "torch": BackendKind(
         name="torch", backend=TorchBackend, options=TorchOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), formats=_TORCH_FORMATS,
         capture="guard.verify.activation.torch_side:torch_side",
-        check=_check, check_model=_check_model, fp64=True, threaded=True,
+        check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
+        in_threads=_in_threads,
     ),
     # Not captured by tier 2: hooks on the eager module would observe eager arithmetic, not the
     # compiled kernels it is meant to judge (the repair captures an eager copy instead).
     "torch_compile": BackendKind(
         name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}),
-        formats=frozenset({"torch_export", "factory"}),
+        formats=frozenset({"torch_export", "factory"}), capture_as=_eager_copy,
         keep_back={p: "guard.policy.keep_back:TorchCompileModules"  # eager_fp32_modules
                    for p in ("fp32", "fp16", "bf16")},
-        check=_check, check_model=_check_model, fp64=True, threaded=True,
+        check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
+        in_threads=_in_threads,
     ),
 }

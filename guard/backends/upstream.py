@@ -26,7 +26,14 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
-from guard.backends.base import Backend, BackendInfo, Forwarding, Role, TensorSpec
+from guard.backends.base import (
+    Backend,
+    BackendInfo,
+    Forwarding,
+    ForwardingError,
+    Role,
+    TensorSpec,
+)
 from guard.backends.kind import BackendKind
 from guard.backends.options import UpstreamOptions
 from guard.errors import BackendError
@@ -34,12 +41,8 @@ from guard.observe import tracing
 from guard.protocol import raw
 
 
-class UpstreamError(Exception):
+class UpstreamError(ForwardingError):
     """The upstream answered with a gRPC error: ``status`` is its StatusCode name."""
-
-    def __init__(self, status: str, message: str):
-        super().__init__(message)
-        self.status = status
 
 
 def _credentials(options: UpstreamOptions):

@@ -116,7 +116,8 @@ class Tolerances(_Strict):
 
 
 class ReferenceBackend(_Strict):
-    backend: Literal["torch", "onnxruntime"] = "torch"
+    backend: BackendName = Field("torch", description="A backend the matrix can give an "
+                                 "artifact (its kind declares formats), run at fp32.")
     options: dict[str, Any] = Field(default_factory=dict)
 
 
@@ -162,6 +163,12 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
         raise ConfigError(format_validation_error(exc), str(path)) from None
     base = path.resolve().parent
     problems = []
+    references = [("reference", config.reference)] + [
+        (f"models[{i}].reference", m.reference) for i, m in enumerate(config.models)
+        if m.reference is not None]
+    for where, ref in references:
+        if not backend_kind(ref.backend).formats:
+            problems.append(f"{where}.backend: the matrix gives {ref.backend} no artifact")
     for i, b in enumerate(config.backends):
         if b.precision not in backend_kind(b.backend).precisions:
             problems.append(f"backends[{i}].precision: {b.backend} cannot derive {b.precision}")

@@ -29,7 +29,7 @@ import numpy as np
 
 from guard.machine import cpu_model
 
-from guard.config import BackendConfig, ChecksConfig
+from guard.config import BackendConfig, ChecksConfig, ConfigContext
 from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel
 from guard.verify.pipeline import CheckResult, Verifier
 
@@ -148,7 +148,7 @@ def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
         return "no TorchScript artifact or factory for this model"
     spec = BackendConfig.model_validate({"backend": kind, "path": path, "precision": precision,
                                          "device": device, "options": options})
-    spec._base_dir = base
+    spec.context = ConfigContext(base_dir=base)
     return spec
 
 

@@ -56,8 +56,12 @@ class KeepBack(ABC):
         self.base = list(spec.options.get(self.option, []))  # kept back by the config itself
 
     def capture_spec(self) -> BackendConfig:
-        """The backend block tier 2 captures as the primary (a copy it can hook)."""
-        return self.spec
+        """The backend block tier 2 captures as the primary: the primary's own, or the copy it
+        can hook that its backend declares (``BackendKind.capture_as``)."""
+        from guard.backends import backend_kind
+
+        copy = backend_kind(self.spec.backend).capture_as
+        return copy(self.spec) if copy is not None else self.spec
 
     @abstractmethod
     def ops_for(self, layer: "LayerResult") -> list[str]:
@@ -147,7 +151,8 @@ class TorchCompileModules(KeepBack):
     ``eager_fp32_modules`` (each runs eagerly on an fp32 copy, outside the compiled graph).
 
     Tier 2 cannot hook compiled kernels, so it captures the primary on an eager copy of the
-    module at the primary's precision (a ``torch`` block): this locates *precision* drift.
+    module at the primary's precision (the kind's ``capture_as``, a ``torch`` block): this
+    locates *precision* drift.
     Drift that exists only in the compiled kernels (a fusion that reorders a reduction) is not
     visible to it; when tier 2 names no module above ``min_isolated_error`` the candidates are
     every leaf submodule in forward order, and the search narrows them down. A suspect layer is
@@ -158,14 +163,6 @@ class TorchCompileModules(KeepBack):
     what = "module"
     kept_as = "kept eager at fp32"
     no_ops_because = "submodule"
-
-    def capture_spec(self) -> BackendConfig:
-        from guard.backends.options import TorchOptions
-
-        spec = self.spec.model_copy(deep=True)
-        spec.backend = "torch"
-        spec.options = {k: v for k, v in spec.options.items() if k in TorchOptions.model_fields}
-        return spec
 
     def ops_for(self, layer):
         path = layer.module or layer.name.split("#")[0]
@@ -194,7 +191,7 @@ class TensorRTLayers(KeepBack):
     ``ImporterContext::registerLayer``) names each layer after the ONNX node it comes from (a
     second layer of the same node gets a numbered suffix and is not pinned by the node name).
     So tier 2 captures the primary as ONNX Runtime's variant of the same file at the same
-    precision (fp16: the fp16 converter; int8: ``quantize_dynamic``, a different scheme from
+    precision (the kind's ``capture_as``) (fp16: the fp16 converter; int8: ``quantize_dynamic``, a different scheme from
     TensorRT's calibrated int8, so it locates layers whose precision matters rather than
     TensorRT's own kernels), its segments map to fp32 ONNX node names as for ONNX Runtime, and
     when it names none the candidates are the graph's nodes in order. The check is the
@@ -212,11 +209,6 @@ class TensorRTLayers(KeepBack):
     def __init__(self, spec: BackendConfig):
         super().__init__(spec)
         self.onnx = keep_back_for(self.capture_spec())
-
-    def capture_spec(self) -> BackendConfig:
-        return BackendConfig(backend="onnxruntime", path=self.spec.path,
-                             precision=self.spec.precision,
-                             options={"nodes_to_exclude": list(self.base)})
 
     def ops_for(self, layer):
         return self.onnx.ops_for(layer)

@@ -43,7 +43,7 @@ from guard.replay.items import (
     SampleOutcome,
 )
 from guard.serve.codec import InferenceError
-from guard.serve.dataplane import check_inputs
+from guard.protocol.inputs import check_inputs
 from guard.verify.noise import NoiseFloor
 from guard.verify.pair import CheckedPair
 

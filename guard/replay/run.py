@@ -71,7 +71,8 @@ def _engine(options: ReplayOptions, config, config_text: str):
     if options.engine == "ray":
         from guard.replay.engines import RayEngine
 
-        return RayEngine(config_text, config._base_dir, options.ray_address, options.workers)
+        return RayEngine(config_text, config.context.base_dir, options.ray_address,
+                         options.workers)
     from guard.replay.engines import LocalEngine
 
     return LocalEngine(config)
@@ -153,7 +154,7 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
         "verdict": verdict,
         "exit_code": code,
         "problems": problems + [p + suffix for p in strict_problems],
-        "config": {"path": str(Path(options.config).resolve()), "hash": config._source_hash},
+        "config": {"path": str(Path(options.config).resolve()), "hash": config.context.source_hash},
         "filters": {"models": sorted(options.models) or None, "since": options.since,
                     "until": options.until, "max_records": options.max_records,
                     "strict": options.strict, "batch_rows": options.batch_rows},

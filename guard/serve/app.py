@@ -195,8 +195,8 @@ class GuardServer:
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
         for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
-        if self.config._source_path is not None:
-            self.reloader = ConfigReloader(self, self.config._source_path)
+        if self.config.context.source_path is not None:
+            self.reloader = ConfigReloader(self, self.config.context.source_path)
 
     @staticmethod
     def _bind(server: grpc.aio.Server, host: str, port: int, key: str,

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from guard.backends.base import TensorSpec, oip_datatype
-from guard.backends.upstream import UpstreamError
+from guard.backends.base import Forwarding, ForwardingError
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
+from guard.protocol.inputs import check_inputs
 from guard.serve.codec import InferenceError, InferenceRequest, invalid
 from guard.serve.model import ServedModel
 
@@ -34,31 +34,6 @@ class InferenceResult:
     route: str
     outputs: dict[str, np.ndarray] | None = None
     message: pb.ModelInferResponse | None = None
-
-
-def check_inputs(inputs: dict[str, np.ndarray], known: dict[str, TensorSpec]) -> None:
-    """Names, datatypes and shapes against the model's signature, each error naming the tensor.
-    A backend that cannot name its inputs (empty ``known``) is left to complain itself."""
-    if known:
-        unknown = [n for n in inputs if n not in known]
-        if unknown:
-            raise invalid(f"unknown input '{unknown[0]}' (the model takes: {', '.join(known)})")
-        missing = [n for n in known if n not in inputs]
-        if missing:
-            raise invalid(f"missing input '{missing[0]}' (the model takes: {', '.join(known)})")
-    for name, array in inputs.items():
-        spec = known.get(name)
-        if spec is None:
-            continue
-        if spec.datatype and oip_datatype(array.dtype) != spec.datatype:
-            raise invalid(f"input '{name}': datatype {oip_datatype(array.dtype)}, the model "
-                          f"expects {spec.datatype}")
-        if spec.shape and (
-            len(spec.shape) != array.ndim
-            or any(want not in (-1, got) for want, got in zip(spec.shape, array.shape))
-        ):
-            raise invalid(f"input '{name}': shape {list(array.shape)} does not match the "
-                          f"model's {list(spec.shape)} (-1 = any)")
 
 
 class DataPlane:
@@ -78,7 +53,7 @@ class DataPlane:
     def models_changed(self) -> None:
         """After a load or reload: does any model forward to an upstream (which needs the
         client's metadata, read per request only then)?"""
-        self.forwards = any(getattr(b, "forward", None) is not None
+        self.forwards = any(isinstance(b, Forwarding)
                             for m in self.models.values() for b in m.backends.values())
 
     @property
@@ -110,7 +85,7 @@ class DataPlane:
         model.requests_in_flight += 1
         try:
             result = await self._run(backend, route, request, timeout)
-        except UpstreamError as exc:
+        except ForwardingError as exc:
             raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
         except Exception as exc:
             # The client learns which route failed and why; the log also gets the backend
@@ -153,7 +128,7 @@ class DataPlane:
         model.requests_in_flight += 1
         try:
             answer = await backend.forward_raw(data, timeout, metadata)
-        except UpstreamError as exc:
+        except ForwardingError as exc:
             raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
         finally:
             self.in_flight -= 1
@@ -181,10 +156,9 @@ class DataPlane:
 
     async def _run(self, backend, route: str, request: InferenceRequest,
                    timeout: float | None) -> InferenceResult:
-        forward = getattr(backend, "forward", None)
-        if forward is not None and request.message is not None:
-            return InferenceResult(route, message=await forward(request.message, timeout,
-                                                                request.metadata))
+        if isinstance(backend, Forwarding) and request.message is not None:
+            return InferenceResult(route, message=await backend.forward(
+                request.message, timeout, request.metadata))
         if self.executor is None:
             return InferenceResult(route, outputs=backend.infer(request.inputs))
         loop = asyncio.get_running_loop()

@@ -14,7 +14,7 @@ import asyncio
 import threading
 import time
 
-from guard.backends import Backend, BackendInfo, TensorSpec, create_backend
+from guard.backends import Backend, BackendInfo, Forwarding, TensorSpec, create_backend
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes, wire
@@ -78,8 +78,8 @@ class ServedModel:
         self.signature = self.backends["primary"].describe()
         self.input_specs = {spec.name: spec for spec in self.signature.inputs}
         self.output_names = frozenset(spec.name for spec in self.signature.outputs)
-        # Every backend that can answer forwards to an upstream: requests go through as bytes.
-        self.forwards_only = all(hasattr(b, "forward_raw") for b in self.backends.values())
+        # Every backend that can answer forwards (base.Forwarding): requests go through as bytes.
+        self.forwards_only = all(isinstance(b, Forwarding) for b in self.backends.values())
         self.ready = True
         emit("model_loaded", model=self.name,
              backends={role: b.describe().summary() for role, b in self.backends.items()},
@@ -90,8 +90,7 @@ class ServedModel:
         upstream backends so the first request does not pay for the connection. One that does
         not connect in time is reported, not fatal."""
         for role, backend in self.backends.items():
-            connect = getattr(backend, "connect", None)
-            if connect is not None and not await connect():
+            if isinstance(backend, Forwarding) and not await backend.connect():
                 emit("upstream_not_connected", model=self.name, role=role,
                      note="the channel keeps connecting; requests wait for it")
 

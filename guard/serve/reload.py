@@ -71,7 +71,7 @@ def content_digest(path: Path) -> str:
 def model_fingerprint(model: ModelConfig) -> str:
     """A model's config plus the content of its artifact files: equal means nothing to reload.
     Paths are compared as written in the config, resolved against the config file's folder
-    without following symlinks (guard/config.py ``_absolute``)."""
+    without following symlinks (guard/config/base.py ``_absolute``)."""
     state = model.model_dump(mode="json")
     for role in ("primary", "reference", "fallback"):
         spec = getattr(model, role)
@@ -172,8 +172,7 @@ class ConfigReloader:
         kept_models = [m for m in old.models if m.name in failed]
         applied = new.model_copy(update={"models": [
             *(m for m in new.models if m.name not in failed), *kept_models]})
-        applied._source_path, applied._source_hash = new._source_path, new._source_hash
-        applied._base_dir = new._base_dir
+        applied.context = new.context
         server.config = applied
         self._prints = {name: (old_prints[name] if name in failed else new_prints[name])
                         for name in new_prints if name in old_prints or name not in failed}
@@ -182,7 +181,7 @@ class ConfigReloader:
         result = "failed" if failed else "applied"
         server.metrics.config_reloads.labels(result).inc()
         emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,
-             failed=sorted(failed), config_hash=new._source_hash)
+             failed=sorted(failed), config_hash=new.context.source_hash)
         return not failed
 
     async def _retire(self, model: ServedModel) -> None:

@@ -45,7 +45,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from guard.config import GuardConfig, parse_config
+from guard.config import ConfigContext, GuardConfig, parse_config
 from guard.errors import GuardError
 from guard.ipc import routes
 from guard.ipc.channel import Channel, ChannelClosed
@@ -67,16 +67,17 @@ class VerifierUnavailable(GuardError):
 
 def config_message(config: GuardConfig) -> dict:
     """The config as the verifier re-validates it (paths already resolved)."""
-    return {"config": config.model_dump(mode="json", exclude_unset=True), "base_dir": str(config._base_dir),
-            "source_hash": config._source_hash, "sys_path": [p for p in sys.path if p]}
+    context = config.context
+    return {"config": config.model_dump(mode="json", exclude_unset=True),
+            "base_dir": str(context.base_dir), "source_hash": context.source_hash,
+            "sys_path": [p for p in sys.path if p]}
 
 
 def config_from_message(message: dict) -> GuardConfig:
     """The other side of ``config_message``, in a child process."""
     sys.path.extend(p for p in message.get("sys_path", ()) if p not in sys.path)
-    config = parse_config(message["config"], Path(message["base_dir"]))
-    config._source_hash = message.get("source_hash", "")
-    return config
+    return parse_config(message["config"], ConfigContext(
+        base_dir=Path(message["base_dir"]), source_hash=message.get("source_hash", "")))
 
 
 class VerifierSupervisor:

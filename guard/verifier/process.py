@@ -139,7 +139,7 @@ class Verifier:
         try:
             for model_config in config.models:
                 name = model_config.name
-                model = self._build(model_config, slots[name], config._source_hash,
+                model = self._build(model_config, slots[name], config.context.source_hash,
                                     resume.get(name), kept.get(name) or [])
                 with self._lock:
                     self.models[name] = model
@@ -162,7 +162,7 @@ class Verifier:
         for name in message.get("changed", ()):
             model_config = config.model(name)
             try:
-                model = self._build(model_config, slots[name], config._source_hash, None, [],
+                model = self._build(model_config, slots[name], config.context.source_hash, None, [],
                                     start_capture=False)
             except Exception as exc:
                 failed[name] = str(exc)

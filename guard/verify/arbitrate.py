@@ -8,9 +8,10 @@ we. The truth is the reference's own model run in float64 (inputs cast to float6
 
 When it holds, the disagreement is within what the reference itself gets wrong: the verdict is
 ``wrong: reference``. Otherwise ``wrong: primary``. When no fp64 run can be made the verdict is
-``wrong: undetermined`` with the reason: ONNX Runtime (and a ``.pt2`` program) has no fp64 mode
-of a float32 model; only torch references (TorchScript ``.pt`` or ``module:factory``) can be
-converted with ``module.double()``.
+``wrong: undetermined`` with the reason. The fp64 run is the reference backend's declaration
+(``BackendKind.fp64``, guard/backends/kind.py): torch converts its module with ``.double()``
+(not a ``.pt2`` program, which runs as exported); ONNX Runtime has no fp64 mode of a float32
+model.
 
 The fp64 copy loads lazily on the first disagreement and is kept; it runs on the mirror worker.
 """
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from guard.backends.kind import Unsupported
 from guard.config import ArbitrationConfig, BackendConfig
 from guard.verify.tensor import TensorCheck
 
@@ -49,13 +51,13 @@ class Verdict:
 
 
 def fp64_unavailable_reason(spec: BackendConfig) -> str:
-    from guard.backends import backend_kind
+    """Why a reference on ``spec`` has no fp64 run at all ("" when its backend declares one)."""
+    from guard.backends import backend_kind, backend_kinds
 
-    if not backend_kind(spec.backend).fp64:
+    if backend_kind(spec.backend).fp64 is None:
+        able = ", ".join(name for name, kind in backend_kinds().items() if kind.fp64)
         return (f"no fp64 run for a reference on backend '{spec.backend}' "
-                "(only torch models convert to fp64)")
-    if str(spec.path).endswith(".pt2"):
-        return "a torch.export program (.pt2) runs as exported: no fp64 run"
+                f"(only {able} models convert to fp64)")
     return ""
 
 
@@ -84,34 +86,9 @@ class Fp64Arbiter:
         self._broken = fp64_unavailable_reason(spec)
 
     def _load(self):
-        from guard.backends.torch import TorchBackend
+        from guard.backends import backend_kind
 
-        class Fp64Torch(TorchBackend):
-            """The reference's module converted with ``.double()``; outputs stay float64."""
-
-            def load(self) -> None:
-                import torch
-
-                super().load()
-                self.module = self.module.double()
-                self._callable = self.module
-                self._dtype = torch.float64
-
-            def infer(self, inputs):
-                import torch
-
-                from guard.backends.torch import _flatten
-
-                args = [self._to_torch(inputs[s.name]) for s in self._inputs]
-                with torch.inference_mode():
-                    result = self._callable(*args)
-                flat: dict = {}
-                _flatten(result, "", self._output_names, flat)
-                return {k: v.detach().cpu().numpy() for k, v in flat.items()}
-
-        spec = self.spec.model_copy(update={"precision": "fp32", "backend": "torch"})
-        spec._base_dir = getattr(self.spec, "_base_dir", None)
-        model = Fp64Torch(spec, "primary")
+        model = backend_kind(self.spec.backend).fp64(self.spec)
         model.load()
         return model
 
@@ -125,6 +102,9 @@ class Fp64Arbiter:
                     self._model = self._load()
                 truth = self._model.infer(inputs)
             truth = adapters.apply(truth) if adapters else truth
+        except Unsupported as exc:  # the backend says why this block has no fp64 run
+            self._broken = str(exc)
+            return Verdict("undetermined", multiplier=m, tolerance=tol, reason=self._broken)
         except Exception as exc:  # a model that cannot run in fp64 says so once, then stops trying
             self._broken = f"fp64 run failed: {type(exc).__name__}: {exc}"
             return Verdict("undetermined", multiplier=m, tolerance=tol, reason=self._broken)

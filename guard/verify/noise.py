@@ -15,20 +15,20 @@ float inputs standard normal, integer inputs in [0, 10), booleans at random. A s
 without datatypes or with unknown non-batch dimensions cannot generate inputs: the floor is then
 not measured and the report says why (name an .npz instead).
 
-Thread counts: torch's thread count is process-wide, so the torch reference is rerun with
-``torch.set_num_threads`` changed for the measurement and restored after (this happens at load,
-before the model serves). ONNX Runtime gets a second session with the other thread count.
+Thread counts: the reference backend's declaration says how (``BackendKind.with_threads``):
+torch's thread count is process-wide, so the torch reference itself is rerun with it changed
+for the measurement and restored after (this happens at load, before the model serves); ONNX
+Runtime gets a second session with the other thread count.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
-from guard.backends import Backend, TensorSpec, create_backend
+from guard.backends import Backend, TensorSpec
 from guard.backends.base import OIP_TO_NUMPY
 from guard.config import BackendConfig, NoiseFloorConfig
 
@@ -93,27 +93,6 @@ def _fold(floor: NoiseFloor, label: str, a: dict, b: dict) -> None:
         floor.per_output[name] = max(floor.per_output.get(name, 0.0), err)
 
 
-@contextlib.contextmanager
-def _with_threads(reference: Backend, spec: BackendConfig, threads: int):
-    """Yields a backend computing like ``reference`` but with ``threads`` intra-op threads."""
-    if spec.backend in ("torch", "torch_compile"):
-        import torch
-
-        before = torch.get_num_threads()
-        torch.set_num_threads(threads)
-        try:
-            yield reference
-        finally:
-            torch.set_num_threads(before)
-    else:
-        other = create_backend(spec, "reference", threads)
-        other.load()
-        try:
-            yield other
-        finally:
-            other.close()
-
-
 def _load_inputs(config: NoiseFloorConfig, specs) -> tuple[dict[str, np.ndarray], str]:
     if config.inputs:
         with np.load(config.inputs) as data:
@@ -152,12 +131,13 @@ def measure_noise_floor(reference: Backend, spec: BackendConfig,
     counts = list(dict.fromkeys(config.thread_counts))
     from guard.backends import backend_kind
 
-    if not backend_kind(spec.backend).threaded:
+    kind = backend_kind(spec.backend)
+    if not kind.threaded:
         floor.notes.append(f"thread counts do not apply to a {spec.backend} reference")
         counts = []
     runs = []
     for threads in counts:
-        with _with_threads(reference, spec, threads) as backend:
+        with kind.with_threads(reference, spec, threads) as backend:
             runs.append((threads, backend.infer(batched_inputs)))
     for (t0, first), (t1, other) in zip(runs, runs[1:]):
         _fold(floor, f"threads {t0} vs {t1}", first, other)

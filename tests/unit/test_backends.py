@@ -14,7 +14,7 @@ import torch
 
 from guard.backends import create_backend
 from guard.backends.torch import SIGNATURE_FILE, signature_json
-from guard.config import BackendConfig
+from guard.config import BackendConfig, ConfigContext
 from guard.errors import BackendError
 from guard.zoo.classifier import INPUTS, OUTPUTS, build, sample_inputs
 
@@ -260,7 +260,7 @@ def test_factory_folder_is_appended_to_sys_path_and_shadows_nothing(tmp_path, mo
     monkeypatch.syspath_prepend(str(installed))
     monkeypatch.delitem(sys.modules, name, raising=False)
     spec = BackendConfig(backend="torch", path=f"{name}:build")
-    spec._base_dir = config_dir
+    spec.context = ConfigContext(base_dir=config_dir)
     backend = create_backend(spec, "primary")
     try:
         backend.load()

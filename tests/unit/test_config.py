@@ -1,4 +1,4 @@
-"""guard/config.py: loading, validation, error lines, path resolution, JSON Schema."""
+"""guard/config/: loading, validation, error lines, path resolution, JSON Schema."""
 
 from __future__ import annotations
 
@@ -119,11 +119,14 @@ models:
 def test_load_config_sets_source_hash_and_base_dir(base):
     path = write(base / "guard.yaml", doc())
     config = load_config(path)
-    assert re.fullmatch(r"[0-9a-f]{16}", config._source_hash)
-    assert config._base_dir == base.resolve()
+    assert re.fullmatch(r"[0-9a-f]{16}", config.context.source_hash)
+    assert config.context.base_dir == base.resolve()
+    assert config.context.source_path == path
+    # Every backend block carries the same context (its factory imports from base_dir).
+    assert config.models[0].primary.context is config.context
     # The hash follows the file's text.
     write(path, yaml.safe_dump(doc()) + "# a comment\n")
-    assert load_config(path)._source_hash != config._source_hash
+    assert load_config(path).context.source_hash != config.context.source_hash
 
 
 def test_per_output_tolerances_parse(base):
@@ -178,7 +181,7 @@ def test_every_role_is_resolved(base):
     assert m.reference.path == str((base / "ref.pt").resolve())
     assert m.fallback.path == str((base / "m.onnx").resolve())
     for spec in (m.primary, m.reference, m.fallback):
-        assert spec._base_dir == base
+        assert spec.context.base_dir == base
 
 
 def test_missing_artifact_names_resolved_path(base):

@@ -1,0 +1,162 @@
+"""The whole document: ``GuardConfig``, reading and validating a file (``load_config``,
+``parse_config``, ``read_yaml``), its problems as ``dotted.path: message`` lines, and the JSON
+Schema.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import Field, ValidationError, model_validator
+
+from guard.backends import backend_kind
+from guard.backends.options import validate_backend_options
+from guard.config.backend import BackendConfig
+from guard.config.base import ConfigContext, FACTORY_REF, WithContext, _absolute
+from guard.config.model import ModelConfig
+from guard.config.server import ServerConfig, _check_server
+from guard.errors import ConfigError
+
+
+class GuardConfig(WithContext):
+    version: Literal[1]
+    server: ServerConfig = Field(default_factory=ServerConfig)
+    models: list[ModelConfig] = Field(min_length=1)
+
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> "GuardConfig":
+        seen: set[str] = set()
+        for model in self.models:
+            if model.name in seen:
+                raise ValueError(f"model name '{model.name}' appears twice")
+            seen.add(model.name)
+        return self
+
+    def model(self, name: str) -> ModelConfig:
+        return next(m for m in self.models if m.name == name)
+
+
+def _dotted(loc: tuple[Any, ...]) -> str:
+    out = ""
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _message(error: dict[str, Any]) -> str:
+    kind = error["type"]
+    if kind == "extra_forbidden":
+        return "unknown key"
+    if kind == "missing":
+        return "required key is missing"
+    message = str(error["msg"])
+    # pydantic prefixes messages raised from our validators.
+    return message.removeprefix("Value error, ")
+
+
+def format_validation_error(exc: ValidationError) -> list[str]:
+    """One ``dotted.path: message`` line per problem, in the order the fields are declared."""
+    lines = []
+    for error in exc.errors():
+        # Literal/union errors carry the discriminating value in the loc; keep the field path.
+        loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        lines.append(f"{_dotted(loc)}: {_message(error)}")
+    return lines
+
+
+def parse_config(data: Any, base_dir: Path | ConfigContext,
+                 source: str | None = None) -> GuardConfig:
+    """Validate a parsed YAML document; resolve and check artifact paths against ``base_dir``
+    (a folder, or the whole ``ConfigContext`` the config and its backend blocks then carry)."""
+    context = base_dir if isinstance(base_dir, ConfigContext) else ConfigContext(base_dir)
+    base_dir = context.base_dir
+    if not isinstance(data, dict):
+        raise ConfigError(["(top level): must be a mapping with 'version' and 'models'"], source)
+    try:
+        config = GuardConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc), source) from None
+    problems = _check_server(config.server, base_dir)
+    for i, model in enumerate(config.models):
+        if model.tap and config.server.tap is None:
+            problems.append(f"models[{i}].tap: needs server.tap (the Tap listener that the "
+                            "model's own server reports to)")
+        for role in ("primary", "reference", "fallback"):
+            spec: BackendConfig | None = getattr(model, role)
+            if spec is None or spec.path is None:
+                continue
+            spec.context = context
+            if ("factory" in backend_kind(spec.backend).formats and FACTORY_REF.match(spec.path)
+                    and not (base_dir / spec.path).exists()):
+                # A Python factory, imported when the backend loads: code, not a file to pin.
+                if spec.sha256 is not None:
+                    problems.append(
+                        f"models[{i}].{role}.sha256: '{spec.path}' is a Python factory, not an "
+                        "artifact file: sha256 cannot pin it; remove sha256 (or export the "
+                        "model to .pt/.pt2/.onnx and pin that)")
+                continue
+            resolved = _absolute(base_dir, spec.path)
+            if not resolved.exists():
+                problems.append(f"models[{i}].{role}.path: file not found: {resolved}")
+            spec.path = str(resolved)
+        if model.capture is not None:
+            model.capture.dir = str(_absolute(base_dir, model.capture.dir))
+        floor = model.checks.tensor.noise_floor
+        if floor.inputs is not None:
+            resolved = _absolute(base_dir, floor.inputs)
+            if not resolved.exists():
+                problems.append(
+                    f"models[{i}].checks.tensor.noise_floor.inputs: file not found: {resolved}")
+            floor.inputs = str(resolved)
+        for role in ("primary", "reference", "fallback"):
+            spec = getattr(model, role)
+            if spec is not None:
+                problems += [
+                    f"models[{i}].{role}.options{line}"
+                    for line in validate_backend_options(spec.backend, spec.options)
+                ]
+    if problems:
+        raise ConfigError(problems, source)
+    config.context = context
+    return config
+
+
+def read_yaml(path: str | Path) -> tuple[str, Any]:
+    """A YAML file's text and data; ``ConfigError`` with one ``(file)`` or ``(yaml)`` line
+    (the line and column of a syntax error) when it cannot be read or parsed. Every YAML the
+    guard reads (its config, the matrix config, the config behind alert rules) goes through it."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError([f"(file): cannot read: {exc.strerror or exc}"], str(path)) from None
+    try:
+        return text, yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc)
+        raise ConfigError([f"(yaml): {where}{problem}"], str(path)) from None
+
+
+def load_config(path: str | Path) -> GuardConfig:
+    """Read, validate and resolve a config file; raises ``ConfigError`` naming every problem."""
+    path = Path(path)
+    text, data = read_yaml(path)
+    # Not path.resolve(): see _absolute (ConfigMap '..data' symlinks).
+    context = ConfigContext(base_dir=Path(os.path.abspath(path)).parent,
+                            source_hash=hashlib.sha256(text.encode()).hexdigest()[:16],
+                            source_path=path)
+    return parse_config(data, context, str(path))
+
+
+def config_json_schema() -> dict[str, Any]:
+    return GuardConfig.model_json_schema()
