@@ -4,7 +4,6 @@ own module declares (guard/backends/kind.py).
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import Annotated, Any
@@ -38,17 +37,6 @@ class BackendConfig(WithContext):
     )
     target: str | None = Field(None, description="upstream only: host:port of an OIP server.")
     model: str | None = Field(None, description="upstream only: model name on that server.")
-
-
-    @property
-    def _base_dir(self) -> Path | None:
-        """``context.base_dir`` under its old name, for code not yet moved to ``context``
-        (guard/verify/activation/torch_side.py)."""
-        return self._context.base_dir
-
-    @_base_dir.setter
-    def _base_dir(self, base_dir: Path | None) -> None:
-        self._context = dataclasses.replace(self._context, base_dir=base_dir)
 
     @field_validator("sha256")
     @classmethod

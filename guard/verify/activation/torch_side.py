@@ -202,11 +202,9 @@ def torch_side(spec, role: str, config, threads: int = 1, run_path=None,
 
     from guard.backends.torch import TorchBackend
 
-    backend = TorchBackend(spec.model_copy(), role, threads)
-    backend.spec._base_dir = getattr(spec, "_base_dir", None)
+    backend = TorchBackend(spec.model_copy(), role, threads)  # the copy keeps spec.context
     backend.load()
-    module = eager_module(backend.module, config.torch_factory,
-                          getattr(spec, "_base_dir", None), label)
+    module = eager_module(backend.module, config.torch_factory, spec.context.base_dir, label)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.precision)
     names = [s.name for s in backend.describe().inputs]
     return TorchSide(module, names, dtype=dtype, device=spec.device, label=label)
