@@ -105,6 +105,14 @@ class PendingRecord:
     tier_reports: Mapping[str, object] = field(default_factory=dict)
     reference_seconds: float = 0.0
     probed: bool = False
+    size: int = 0  # bytes of its tensors, set when queued (the queue's byte budget)
+
+
+def _tensor_bytes(*groups) -> int:
+    """Bytes of the arrays in these mappings (a callable that decodes later counts 0: its
+    serialized answer is already held by the verifier's sample)."""
+    return sum(getattr(a, "nbytes", 0) for g in groups if isinstance(g, Mapping)
+               for a in g.values())
 
 
 @dataclass
@@ -130,6 +138,8 @@ class CaptureWriter:
         self._backends = dict(backends)
         self._config_hash = config_hash
         self._queue: queue.Queue = queue.Queue(maxsize=config.queue_size)
+        self._queued_bytes = 0  # tensors' bytes of the queued records (config.queue_bytes)
+        self._bytes_lock = threading.Lock()
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name=f"guard-capture-{model}",
                                         daemon=True)
@@ -165,10 +175,24 @@ class CaptureWriter:
         if not self._accepting:
             self.metrics.capture_records.labels(self.model, "dropped").inc()
             return
-        try:
-            self._queue.put_nowait(pending)
-        except queue.Full:
-            self.metrics.capture_records.labels(self.model, "dropped").inc()
+        pending.size = _tensor_bytes(pending.inputs, pending.outputs, pending.reference)
+        with self._bytes_lock:
+            room = self._queued_bytes + pending.size <= self.config.queue_bytes
+            if room:
+                self._queued_bytes += pending.size
+        if room:
+            try:
+                self._queue.put_nowait(pending)
+                return
+            except queue.Full:
+                self._taken([pending])
+        self.metrics.capture_records.labels(self.model, "dropped").inc()
+
+    def _taken(self, pendings) -> None:
+        """Records left the queue: their bytes no longer count against queue_bytes."""
+        size = sum(p.size for p in pendings if p is not _STOP)
+        with self._bytes_lock:
+            self._queued_bytes -= size
 
     # -- lifecycle -----------------------------------------------------------------------------
     def start(self) -> None:
@@ -225,6 +249,7 @@ class CaptureWriter:
                 break
             if item is not _STOP:
                 left += 1
+                self._taken([item])
         if left:
             self.metrics.capture_records.labels(self.model, "dropped").inc(left)
 
@@ -250,6 +275,7 @@ class CaptureWriter:
                     except queue.Empty:
                         break
                 stop = burst[-1] is _STOP
+                self._taken(burst)
                 self._handle([p for p in burst if p is not _STOP])
                 if stop:
                     return

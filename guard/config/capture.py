@@ -34,6 +34,11 @@ class CaptureConfig(Strict):
         description="Records waiting for the writer thread, which writes in bursts about every "
         "10 ms; a full queue drops and counts.",
     )
+    queue_bytes: PositiveInt = Field(
+        256 * 1024 * 1024,
+        description="Bytes of tensors (inputs, answers, reference answers) in records waiting "
+        "for the writer: past it a record is dropped and counted, whatever queue_size says.",
+    )
     max_segment_bytes: PositiveInt = Field(
         64 * 1024 * 1024, description="A segment file is closed and a new one opened past this."
     )

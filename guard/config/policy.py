@@ -36,6 +36,9 @@ class RepairConfig(Strict):
     buffer: PositiveInt = Field(
         32, description="Recent mirrored inputs kept in memory: suspects are found on the "
         "failing ones, every candidate is validated on all of them.")
+    buffer_bytes: PositiveInt = Field(
+        64 * 1024 * 1024, description="Bytes of inputs the buffer may hold: past it the oldest "
+        "samples are let go, whatever buffer says.")
     suspect_samples: PositiveInt = Field(
         4, description="Failing buffered samples tier 2 runs on to rank the suspects.")
     min_isolated_error: NonNegativeFloat = Field(

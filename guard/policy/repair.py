@@ -65,18 +65,30 @@ from guard.policy.onnx_ops import (  # noqa: F401  (their historical home: tests
 class BufferedSample:
     inputs: dict[str, np.ndarray]
     failed: bool
+    size: int = 0  # bytes of the inputs
 
 
 class SampleBuffer:
-    """The last ``size`` mirrored inputs and whether they failed: bounded, in memory."""
+    """The last ``size`` mirrored inputs and whether they failed: bounded in items and in
+    bytes (``max_bytes``: the oldest go first; a single sample larger than it is not kept)."""
 
-    def __init__(self, size: int):
+    def __init__(self, size: int, max_bytes: int | None = None):
         self._items: deque[BufferedSample] = deque(maxlen=size)
+        self._max_bytes = max_bytes
+        self._bytes = 0
         self._lock = threading.Lock()
 
     def add(self, inputs: dict[str, np.ndarray], failed: bool) -> None:
+        size = sum(getattr(a, "nbytes", 0) for a in inputs.values())
+        if self._max_bytes is not None and size > self._max_bytes:
+            return
         with self._lock:
-            self._items.append(BufferedSample(inputs, failed))
+            if len(self._items) == self._items.maxlen:
+                self._bytes -= self._items[0].size
+            self._items.append(BufferedSample(inputs, failed, size))
+            self._bytes += size
+            while self._max_bytes is not None and self._bytes > self._max_bytes:
+                self._bytes -= self._items.popleft().size
 
     def snapshot(self) -> list[BufferedSample]:
         with self._lock:

@@ -33,7 +33,7 @@ class OpsFallback:
     def __init__(self, model):
         self.model = model
         self.config = model.config.policy.repair
-        self.buffer = SampleBuffer(self.config.buffer)
+        self.buffer = SampleBuffer(self.config.buffer, self.config.buffer_bytes)
         self.kept: list[str] = []
         self.original = None  # the primary as configured, while a repaired one serves
         self._lock = threading.Lock()

@@ -257,3 +257,17 @@ def test_bytes_outputs_of_an_upstream_are_recorded_and_read_back(tmp_path):
     back = tensors(record.outputs)["labels"]
     assert back.dtype == object and back.tolist() == labels.tolist()
     assert value(metrics, "guard_capture_records_total", outcome="written") == 1
+
+
+def test_the_queue_is_bounded_in_bytes_too(tmp_path):
+    """Before the writer starts, records queue up: past queue_bytes (not queue_size) they are
+    dropped and counted; once written, their bytes are free again."""
+    w, metrics = writer(tmp_path, queue_size=1000, queue_bytes=3 * 56)  # 56 bytes a record
+    for i in range(5):
+        w.submit(pending(w, i))
+    assert value(metrics, "guard_capture_records_total", outcome="dropped") == 2
+    w.start()
+    wait_for(lambda: value(metrics, "guard_capture_records_total", outcome="written") == 3)
+    w.submit(pending(w, 9))
+    wait_for(lambda: value(metrics, "guard_capture_records_total", outcome="written") == 4)
+    w.close()

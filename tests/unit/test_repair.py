@@ -52,6 +52,19 @@ def test_sample_buffer_is_bounded_and_keeps_the_latest():
     assert [int(s.inputs["x"][0]) for s in buffer.snapshot()] == [2, 3, 4]
 
 
+def test_sample_buffer_is_bounded_in_bytes_too():
+    buffer = SampleBuffer(100, max_bytes=3 * 800)
+    for i in range(6):  # 800 bytes each: only the last three fit
+        buffer.add({"x": np.full(100, i, np.float64)}, failed=False)
+    assert [int(s.inputs["x"][0]) for s in buffer.snapshot()] == [3, 4, 5]
+    buffer.add({"x": np.zeros(1000, np.float64)}, failed=True)  # larger than the budget
+    assert [int(s.inputs["x"][0]) for s in buffer.snapshot()] == [3, 4, 5]
+    small = SampleBuffer(2, max_bytes=10_000)  # the item bound still holds
+    for i in range(4):
+        small.add({"x": np.full(10, i, np.float64)}, failed=False)
+    assert [int(s.inputs["x"][0]) for s in small.snapshot()] == [2, 3]
+
+
 def test_repair_keeps_fc1_and_a_minimal_set_at_fp32(cnn):
     """Which ops besides fc1 must stay fp32 depends on the CPU's int8 kernels (the project's
     Intel Xeon: fc1 alone; a 2-core AMD EPYC: fc1 and fc2): what holds on every CPU is
