@@ -73,7 +73,7 @@ CELLS = {
     "a": "baseline (bare OIP server + ORT)",
     "t": "baseline on grpc's threaded server (sync servicer)",
     "b": "guard, mirroring off",
-    "w": "as (b), server.workers 0 (ORT inline on the event loop, no thread hop)",
+    "w": "as (b), server.inline_below_ms 0 (ORT always on the worker threads: the thread hop)",
     "c": "guard, mirror 10% -> ~5x reference",
     "n": "as (c), mirror.nice 0 (mirror threads at the request path's priority)",
     "x": "guard, mirror 100% -> ~100x reference",
@@ -701,7 +701,7 @@ def guard_delta(before: dict, after: dict) -> dict:
 # -- configs -------------------------------------------------------------------------------------
 def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float,
                  ort_threads: int, workers: int | None = None, nice: int | None = None,
-                 slowdown: int = 1) -> dict:
+                 slowdown: int = 1, inline_below_ms: float | None = None) -> dict:
     primary = {"backend": "onnxruntime", "path": prep["onnx"]}
     if ort_threads:
         primary["options"] = {"intra_op_threads": ort_threads}
@@ -720,6 +720,8 @@ def guard_config(prep: dict, ports: dict, mirror: bool, sample_rate: float,
     server = {"host": HOST, "shutdown_grace_s": 5.0, **ports}
     if workers is not None:
         server["workers"] = workers
+    if inline_below_ms is not None:
+        server["inline_below_ms"] = inline_below_ms
     return {"version": 1, "server": server, "models": [model]}
 
 
@@ -801,8 +803,9 @@ def run(args: argparse.Namespace) -> int:
                     config = guard_config(prep, ports, mirror=cell in MIRROR_CELLS,
                                           sample_rate=rate or args.sample_rate,
                                           ort_threads=args.ort_threads,
-                                          workers=0 if cell == "w" else args.guard_workers,
-                                          nice=0 if cell == "n" else None, slowdown=slowdown)
+                                          workers=args.guard_workers,
+                                          nice=0 if cell == "n" else None, slowdown=slowdown,
+                                          inline_below_ms=0.0 if cell == "w" else None)
                     path = workdir / f"guard_{cell}.yaml"
                     path.write_text(yaml.safe_dump(config, sort_keys=False))
                     argv = [sys.executable, "-m", "guard", "serve", "--config", str(path)]
@@ -960,21 +963,21 @@ def lean_path_targets(cells: dict, c: str, prep: dict) -> dict:
         "threaded_over_aio_baseline": {"throughput": t["throughput_rps"] / a["throughput_rps"],
                                        "cpu_ms_per_request": cpu(t) - cpu(a)},
         "local_cpu_add_ms": {"value": cpu(b) - cpu(a), "target": TARGET_LOCAL_CPU_ADD_MS},
-        "local_cpu_add_ms_workers_0": {"value": cpu(w) - cpu(a),
-                                       "target": TARGET_LOCAL_CPU_ADD_MS},
+        "local_cpu_add_ms_thread_hop": {"value": cpu(w) - cpu(a),
+                                        "target": TARGET_LOCAL_CPU_ADD_MS},
         "local_throughput": {"value": b["throughput_rps"] / a["throughput_rps"],
                              "target": TARGET_LOCAL_THROUGHPUT},
-        "local_throughput_workers_0": {"value": w["throughput_rps"] / a["throughput_rps"],
-                                       "target": TARGET_LOCAL_THROUGHPUT},
+        "local_throughput_thread_hop": {"value": w["throughput_rps"] / a["throughput_rps"],
+                                        "target": TARGET_LOCAL_THROUGHPUT},
         "mirror_p99": {"value": cc["p99_ms"] / b["p99_ms"], "target": TARGET_MIRROR_P99_RATIO},
         "mirror_throughput": {"value": cc["throughput_rps"] / b["throughput_rps"],
                               "target": TARGET_MIRROR_THROUGHPUT},
         "slow_reference_p99": {"value": x["p99_ms"] / b["p99_ms"],
                                "target": TARGET_SLOW_REFERENCE_P99},
     }
-    for key in ("local_cpu_add_ms", "local_cpu_add_ms_workers_0"):
+    for key in ("local_cpu_add_ms", "local_cpu_add_ms_thread_hop"):
         out[key]["ok"] = out[key]["value"] <= out[key]["target"]
-    for key in ("local_throughput", "local_throughput_workers_0", "mirror_throughput"):
+    for key in ("local_throughput", "local_throughput_thread_hop", "mirror_throughput"):
         out[key]["ok"] = out[key]["value"] >= out[key]["target"]
     for key in ("mirror_p99", "slow_reference_p99"):
         out[key]["ok"] = out[key]["value"] <= out[key]["target"]
@@ -989,13 +992,15 @@ def lean_path_targets(cells: dict, c: str, prep: dict) -> dict:
     verifier_s = cc.get("cpu", {}).get("verifier_s")
     if compared and verifier_s is not None:
         per_sample = verifier_s * 1e3 / compared
-        reference = prep["reference_p50_ms"]
+        # The reference's forward pass as the verifier timed it in this cell (under the same
+        # load), else its in-process p50 from the calibration.
+        reference = cc.get("guard", {}).get("reference_mean_ms", prep["reference_p50_ms"])
         out["compared_sample_cpu_ms"] = {
             "value": per_sample, "reference_forward_ms": reference,
             "target": reference + TARGET_COMPARED_EXTRA_CPU_MS,
             "ok": per_sample <= reference + TARGET_COMPARED_EXTRA_CPU_MS,
             "note": "verifier process CPU over the cell / samples compared (includes its idle "
-                    "ring polling)"}
+                    "ring polling); the reference forward as timed by the verifier in the cell"}
     return out
 
 
@@ -1263,14 +1268,14 @@ def _lean_rows(report: dict) -> list[list[str]]:
              "CPU/req", "info"],
             [c, "guard adds serving CPU/req (b-a)", f"<= {TARGET_LOCAL_CPU_ADD_MS} ms",
              f"{t['local_cpu_add_ms']['value']:+.3f} ms", ok(t["local_cpu_add_ms"])],
-            [c, "same, workers 0 (w-a)", f"<= {TARGET_LOCAL_CPU_ADD_MS} ms",
-             f"{t['local_cpu_add_ms_workers_0']['value']:+.3f} ms",
-             ok(t["local_cpu_add_ms_workers_0"])],
+            [c, "same, with the thread hop (w-a)", f"<= {TARGET_LOCAL_CPU_ADD_MS} ms",
+             f"{t['local_cpu_add_ms_thread_hop']['value']:+.3f} ms",
+             ok(t["local_cpu_add_ms_thread_hop"])],
             [c, "guard throughput (b/a)", f">= {TARGET_LOCAL_THROUGHPUT}x",
              f"{t['local_throughput']['value']:.2f}x", ok(t["local_throughput"])],
-            [c, "same, workers 0 (w/a)", f">= {TARGET_LOCAL_THROUGHPUT}x",
-             f"{t['local_throughput_workers_0']['value']:.2f}x",
-             ok(t["local_throughput_workers_0"])],
+            [c, "same, with the thread hop (w/a)", f">= {TARGET_LOCAL_THROUGHPUT}x",
+             f"{t['local_throughput_thread_hop']['value']:.2f}x",
+             ok(t["local_throughput_thread_hop"])],
             [c, "mirror 10% onto 5x: p99 (c/b)", f"<= {TARGET_MIRROR_P99_RATIO}x",
              f"{t['mirror_p99']['value']:.2f}x", ok(t["mirror_p99"])],
             [c, "mirror 10% onto 5x: throughput (c/b)", f">= {TARGET_MIRROR_THROUGHPUT}x",

@@ -112,11 +112,21 @@ class ServerConfig(Strict):
     )
     workers: Annotated[int, Field(ge=0)] = Field(
         4,
-        description="Threads that run primary/fallback inference for the request path. 0 runs "
-        "inference on the event loop itself: no thread hop (~0.1-0.3 ms saved per request on a "
-        "busy CPU), but one inference at a time and a slow call stalls every other RPC: only "
-        "for models that answer in well under a millisecond. Upstream models are forwarded "
-        "asynchronously and never use these threads.",
+        description="Threads that run primary/fallback inference for the request path, for "
+        "backends that are not run inline (see inline_below_ms). 0 runs every inference on the "
+        "event loop itself: one inference at a time, and a slow call stalls every other RPC. "
+        "Upstream models are forwarded asynchronously and never use these threads.",
+    )
+    # 1 ms: the hop to a worker thread and back costs ~0.2 ms of CPU and two GIL hand-offs per
+    # request on a 2-core machine (benchmarks/results/proxy_overhead.md, cells b and w); for a
+    # model that answers in well under a millisecond that is most of guard's cost, while an
+    # inline call blocks the event loop for less than the hop would have cost.
+    inline_below_ms: NonNegativeFloat = Field(
+        1.0,
+        description="A local backend whose median inference, measured at load on inputs "
+        "generated from its signature (batch 1), is below this many milliseconds runs inline "
+        "on the event loop instead of hopping to a worker thread (the decision is in the "
+        "model_loaded event). 0: always the worker threads.",
     )
     max_message_bytes: PositiveInt = Field(
         64 * 1024 * 1024,

@@ -108,7 +108,7 @@ class GuardServer:
         starter.start()
         try:
             for model in self.models.values():
-                model.load()
+                model.load(self.config.server.inline_below_ms)
         except Exception:
             starter.join()
             self.close_models()

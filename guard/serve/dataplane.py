@@ -84,7 +84,8 @@ class DataPlane:
         self.in_flight += 1
         model.requests_in_flight += 1
         try:
-            result = await self._run(backend, route, request, timeout)
+            result = await self._run(backend, route, request, timeout,
+                                     model.inline.get(route, False))
         except ForwardingError as exc:
             raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
         except Exception as exc:
@@ -155,11 +156,11 @@ class DataPlane:
         return model
 
     async def _run(self, backend, route: str, request: InferenceRequest,
-                   timeout: float | None) -> InferenceResult:
+                   timeout: float | None, inline: bool = False) -> InferenceResult:
         if isinstance(backend, Forwarding) and request.message is not None:
             return InferenceResult(route, message=await backend.forward(
                 request.message, timeout, request.metadata))
-        if self.executor is None:
+        if inline or self.executor is None:  # cheaper than the hop (server.inline_below_ms)
             return InferenceResult(route, outputs=backend.infer(request.inputs))
         loop = asyncio.get_running_loop()
         outputs = await loop.run_in_executor(self.executor, backend.infer, request.inputs)

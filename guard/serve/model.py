@@ -49,6 +49,7 @@ class ServedModel:
         self.capture_rate = capture.sample_rate if capture and capture.mode == "all" else 0.0
         self._word_index = table.index(slot, routes.ROUTE)
         self.forwards_only = False
+        self.inline: dict[str, bool] = {}  # role -> run on the event loop (measured at load)
         # Appended to an upstream's serialized answer: the client's model name and guard_route
         # (a parse of the answer would merge them the same way; guard/protocol/raw.py).
         self.route_suffix = {route: _route_suffix(self.name, route)
@@ -71,7 +72,9 @@ class ServedModel:
                                  if capture is not None else None)
 
     # -- lifecycle -------------------------------------------------------------------------------
-    def load(self) -> None:
+    def load(self, inline_below_ms: float = 0.0) -> None:
+        """Load the serving backends; ``inline_below_ms`` (server.inline_below_ms): which of
+        them answer fast enough to run inline on the event loop (measured here)."""
         load_all(self.name, self.config, self.backends)
         self._check_signatures()
         # The request path checks inputs against this; computed once, never per request.
@@ -80,10 +83,17 @@ class ServedModel:
         self.output_names = frozenset(spec.name for spec in self.signature.outputs)
         # Every backend that can answer forwards (base.Forwarding): requests go through as bytes.
         self.forwards_only = all(isinstance(b, Forwarding) for b in self.backends.values())
+        latency = {role: _median_ms(b) for role, b in self.backends.items()
+                   if not isinstance(b, Forwarding)}
+        self.inline = {role: ms is not None and ms < inline_below_ms
+                       for role, ms in latency.items()}
         self.ready = True
         emit("model_loaded", model=self.name,
              backends={role: b.describe().summary() for role, b in self.backends.items()},
-             mirror_rate=self.mirror_rate, action=self.config.policy.action)
+             mirror_rate=self.mirror_rate, action=self.config.policy.action,
+             inline={role: {"inline": self.inline[role],
+                            "median_ms": None if ms is None else round(ms, 4)}
+                     for role, ms in latency.items()})
 
     async def connect(self) -> None:
         """On the server's event loop, after ``load``: open the request path's channels of
@@ -216,6 +226,24 @@ class ServedModel:
         for loop, queue in watchers:
             if not loop.is_closed():
                 loop.call_soon_threadsafe(queue.put_nowait, transition)
+
+
+def _median_ms(backend: Backend, calls: int = 7) -> float | None:
+    """Median milliseconds of a batch-1 inference on inputs generated from the signature
+    (after one warm-up call); None when no inputs can be generated or the call fails."""
+    from guard.verify.noise import generate_inputs
+
+    try:
+        inputs = generate_inputs(backend.describe().inputs, rows=1)
+        backend.infer(inputs)
+        times = []
+        for _ in range(calls):
+            started = time.perf_counter()
+            backend.infer(inputs)
+            times.append(time.perf_counter() - started)
+    except Exception:  # a signature guard cannot fill, a model that wants other inputs
+        return None
+    return sorted(times)[len(times) // 2] * 1e3
 
 
 def _route_suffix(model: str, route: str) -> bytes:

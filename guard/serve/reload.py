@@ -137,7 +137,8 @@ class ConfigReloader:
             model = ServedModel(model_config, server.metrics, server.table, slots[name],
                                 server.ring)
             try:
-                await loop.run_in_executor(None, model.load)
+                await loop.run_in_executor(None, model.load,
+                                           new.server.inline_below_ms)
                 await model.connect()
             except Exception as exc:  # a broken model must not take the others down
                 await loop.run_in_executor(None, model.close)

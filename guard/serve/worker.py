@@ -114,7 +114,7 @@ class WorkerServer:
     def _build(self, model_config, slot: int, kept: list[str] | None = None) -> ServedModel:
         model = ServedModel(model_config, self.metrics, self.table, slot, self.ring)
         try:
-            model.load()
+            model.load(self.config.server.inline_below_ms)
             if kept:
                 model.use_primary(kept)
             self._run(model.connect())

@@ -102,7 +102,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
                         mirror={"sample_rate": 0.0})
     config = write_config(tmp_path, [model])
     data = yaml.safe_load(config.read_text())
-    data["server"].update(grpc_port=port, shutdown_grace_s=10)
+    data["server"].update(grpc_port=port, shutdown_grace_s=10, inline_below_ms=0)
     config.write_text(yaml.safe_dump(data))
     process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

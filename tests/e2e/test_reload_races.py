@@ -19,7 +19,9 @@ def test_a_replaced_model_waits_for_its_last_request(tmp_path, caplog):
     caplog.set_level(logging.INFO, logger="guard.events")
     block = model_block(primary=affine_backend(sleep_on_trigger=3.0), reference=None,
                         mirror={"sample_rate": 0.0})
-    path = write_config(tmp_path, [block], reload_interval_s=0.1)
+    # inline_below_ms 0: the request sleeps inside the model; inline, it would hold the event
+    # loop (and the reload with it) for the whole sleep.
+    path = write_config(tmp_path, [block], reload_interval_s=0.1, inline_below_ms=0)
     with BackgroundServer(load_config(path)) as srv:
         srv.reloader.retire_report_s = 0.5  # report early; the wait itself has no limit
         old = srv.models["m"]

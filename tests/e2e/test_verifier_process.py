@@ -176,7 +176,10 @@ def test_expired_deadline_and_concurrency_cap(tmp_path, rng):
 
     slow = model_block(primary=affine_backend(sleep_on_trigger=1.0),
                        mirror={"sample_rate": 0.0})
-    with running(tmp_path, [slow], max_concurrent_requests=1) as (srv, client):
+    # inline_below_ms 0: the fast model must not run inline on the event loop here, where
+    # one request sleeps inside it while the next one arrives.
+    with running(tmp_path, [slow], max_concurrent_requests=1,
+                 inline_below_ms=0) as (srv, client):
         request = decode_request(encode_request("m", {"x": np.ones((1, 4), np.float32)}))
         with pytest.raises(InferenceError) as expired:
             asyncio.run(srv.dataplane.infer(request, timeout=0.0))
@@ -193,3 +196,20 @@ def test_expired_deadline_and_concurrency_cap(tmp_path, rng):
         client.infer("m", [x_input(rng.normal(size=(1, 4)))])
         assert metric(scrape(srv.metrics_port), "guard_request_errors_total", model="m",
                       code="RESOURCE_EXHAUSTED") == 1
+
+
+@pytest.mark.parametrize("inline_below_ms,expected", [(1000.0, True), (0.0, False)])
+def test_the_thread_hop_is_skipped_for_fast_models_and_the_choice_reported(
+        tmp_path, rng, caplog, inline_below_ms, expected):
+    """server.inline_below_ms: a backend measured faster than it at load runs on the event
+    loop; 0 keeps every backend on the worker threads. Answers are the same either way."""
+    caplog.set_level(logging.INFO, logger="guard.events")
+    model = model_block(fallback=affine_backend(), mirror={"sample_rate": 0.0})
+    with running(tmp_path, [model], inline_below_ms=inline_below_ms) as (srv, client):
+        assert srv.models["m"].inline == {"primary": expected, "fallback": expected}
+        (loaded,) = events(caplog, "model_loaded")
+        assert loaded["inline"]["primary"]["inline"] is expected
+        assert loaded["inline"]["primary"]["median_ms"] >= 0
+        x = rng.normal(size=(2, 4)).astype(np.float32)
+        answer = client.infer("m", [x_input(x)]).as_numpy("y")
+        assert answer.shape == (2, 3)
