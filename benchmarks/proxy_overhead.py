@@ -321,12 +321,7 @@ def cmd_baseline(onnx_path: str, port: int, executor_workers: int, ort_threads: 
         pb_grpc.add_GRPCInferenceServiceServicer_to_server(ThreadedServicer(), server)
         if not server.add_insecure_port(f"{HOST}:{port}"):
             raise SystemExit(f"baseline: cannot listen on {HOST}:{port}")
-        server.start()
-        stopped = threading.Event()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda *_: stopped.set())
-        stopped.wait()
-        server.stop(2)
+        serve_until_signalled(server)
         return
 
     async def main() -> None:
@@ -345,6 +340,17 @@ def cmd_baseline(onnx_path: str, port: int, executor_workers: int, ort_threads: 
         await server.stop(2)
 
     asyncio.run(main())
+
+
+def serve_until_signalled(server) -> None:
+    """Run a started-here grpc threaded server until SIGTERM/SIGINT (also upstream_hop.py's
+    raw proxy)."""
+    server.start()
+    stopped = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stopped.set())
+    stopped.wait()
+    server.stop(2)
 
 
 # -- servers as child processes ------------------------------------------------------------------

@@ -496,7 +496,6 @@ def markdown(report: dict) -> str:
 def cmd_proxy(port: int, upstream: str) -> None:
     """The minimal raw-bytes pass-through proxy of cell (p): every unary call's bytes go on,
     unparsed, on one channel, with the caller's deadline; the answer's bytes come back."""
-    import threading
     from concurrent.futures import ThreadPoolExecutor
 
     import grpc
@@ -521,12 +520,7 @@ def cmd_proxy(port: int, upstream: str) -> None:
     server = grpc.server(ThreadPoolExecutor(max_workers=16), handlers=(Forward(),),
                          options=options)
     server.add_insecure_port(f"{HOST}:{port}")
-    server.start()
-    stopped = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stopped.set())
-    stopped.wait()
-    server.stop(2)
+    po.serve_until_signalled(server)
 
 
 def main(argv: list[str] | None = None) -> int:
