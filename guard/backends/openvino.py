@@ -1,5 +1,7 @@
 """OpenVINO backend (``openvino`` 2026.x from PyPI, CPU plugin): ``.onnx`` or OpenVINO IR.
 
+``precision: int8`` is NNCF's post-training quantisation of the model (calibrated on
+``options.calibration_inputs`` or on inputs generated from the signature), cached as IR.
 ``precision`` fp32, fp16 or bf16 is the compiled model's inference precision hint
 (``INFERENCE_PRECISION_HINT``): the weights stay as given and the CPU plugin runs its kernels at
 that precision where it has them. The CPU plugin lowers precision on its own: on a CPU with
@@ -41,8 +43,11 @@ if TYPE_CHECKING:
 
 NOT_INSTALLED = "backend 'openvino' needs the openvino package: pip install 'guard[openvino]'"
 
-# guard precision -> OpenVINO element type name of the inference precision hint.
-HINTS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16"}
+# guard precision -> OpenVINO element type name of the inference precision hint. int8 is an
+# NNCF-quantised model (its quantised ops run int8 whatever the hint; the rest f32).
+HINTS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "f32"}
+NNCF_NOT_INSTALLED = ("backend 'openvino' with precision int8 quantises with NNCF: "
+                      "pip install 'guard[openvino]' (nncf)")
 # OpenVINO element type names -> OIP datatypes.
 _OV_TYPES = {
     "boolean": "BOOL", "u8": "UINT8", "u16": "UINT16", "u32": "UINT32", "u64": "UINT64",
@@ -65,6 +70,14 @@ class OpenVinoOptions(BaseModel):
     properties: dict[str, str] = Field(
         default_factory=dict, description="Further compile properties passed through as "
         "they are, e.g. {CPU_DENORMALS_OPTIMIZATION: 'YES'}.")
+    calibration_samples: int = Field(
+        64, ge=1, description="precision int8: samples NNCF calibrates on (post-training "
+        "quantisation, its default preset), generated from the model's signature (seeded) "
+        "unless calibration_inputs names an .npz of real inputs (one array per input name, "
+        "first axis = samples). Real inputs calibrate better.")
+    calibration_inputs: str | None = Field(
+        None, description="precision int8: an .npz of calibration inputs (absolute path, or "
+        "relative to the working folder).")
 
 
 def _import_openvino():
@@ -128,6 +141,8 @@ class OpenVinoBackend(Backend):
         ov = _import_openvino()
         core = ov.Core()
         model = read_model(core, self.spec)
+        if self.spec.precision == "int8":
+            model = quantised(core, model, self.spec, self.options)
         props = compile_properties(self.spec, self.options, self.role, self.reference_threads)
         try:
             self.compiled = core.compile_model(model, "CPU", props)
@@ -172,11 +187,67 @@ class OpenVinoBackend(Backend):
         self.compiled = None
 
 
+def quantised(core, model, spec: "BackendConfig", options: OpenVinoOptions):
+    """The NNCF post-training int8 quantisation of ``model``, cached as IR under
+    ``$GUARD_CACHE_DIR/openvino`` by the artifact's digest, the calibration settings and the
+    OpenVINO and NNCF versions (quantising takes seconds; a restart reuses it)."""
+    import hashlib
+    import json
+
+    from guard.backends.derive import cache_dir
+
+    try:
+        import nncf
+    except ImportError:
+        raise BackendError(NNCF_NOT_INSTALLED) from None
+    ov = _import_openvino()
+    data, _ = read_artifact(spec.path, spec.sha256)
+    key = hashlib.sha256(json.dumps({
+        "sha256": hashlib.sha256(data).hexdigest(), "samples": options.calibration_samples,
+        "inputs": options.calibration_inputs, "openvino": ov.get_version(),
+        "nncf": nncf.__version__}, sort_keys=True).encode()).hexdigest()[:20]
+    target = cache_dir() / "openvino" / f"{Path(spec.path).stem}.int8.{key}.xml"
+    if target.exists():
+        return core.read_model(str(target))
+    samples = _calibration(model, options)
+    quantised_model = nncf.quantize(model, nncf.Dataset(samples))
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(target.stem + ".partial.xml")
+    ov.save_model(quantised_model, str(partial))
+    partial.with_suffix(".bin").replace(target.with_suffix(".bin"))
+    partial.replace(target)
+    return quantised_model
+
+
+def _calibration(model, options: OpenVinoOptions) -> list[dict[str, np.ndarray]]:
+    """Calibration feeds, one sample (batch 1) each."""
+    names = [p.get_any_name() for p in model.inputs]
+    if options.calibration_inputs:
+        arrays = np.load(options.calibration_inputs)
+        missing = [n for n in names if n not in arrays]
+        if missing:
+            raise BackendError(f"options.calibration_inputs: no array for input '{missing[0]}'")
+        count = min(len(arrays[n]) for n in names)
+        return [{n: arrays[n][i:i + 1] for n in names} for i in range(count)]
+    from guard.verify.noise import CannotGenerate, generate_inputs
+
+    specs = tuple(_spec(p) for p in model.inputs)
+    try:
+        return [generate_inputs(specs, rows=1, seed=i)
+                for i in range(options.calibration_samples)]
+    except CannotGenerate as exc:
+        raise BackendError(f"precision int8: cannot generate calibration inputs ({exc}); "
+                           "give options.calibration_inputs") from None
+
+
 def _check(spec) -> None:
     if spec.device != "cpu":
         raise ValueError("backend 'openvino' runs on the CPU plugin here: device must be cpu")
     if not spec.path.endswith((".onnx", ".xml")):
         raise ValueError("backend 'openvino' loads an ONNX file (.onnx) or OpenVINO IR (.xml)")
+    if spec.precision == "int8" and spec.path.endswith(".xml"):
+        raise ValueError("precision int8 quantises an ONNX file with NNCF; give the .onnx "
+                         "(an IR that is already quantised runs as it is with precision fp32)")
     if spec.options.get("plugin_precision") and spec.precision != "fp32":
         raise ValueError("options.plugin_precision is for precision fp32 (the hint is "
                          f"{HINTS[spec.precision]} already)")

@@ -64,6 +64,9 @@ def openvino_side(spec, role: str, config, threads: int = 1, run_path=None,
     from guard.backends.openvino import OpenVinoOptions, compile_properties
 
     path = str(run_path or spec.path)
+    if spec.precision == "int8":
+        raise CaptureUnsupported(f"{label}: tier 2 cannot capture an NNCF-quantised model by "
+                                 "the ONNX graph (its quantisation nodes are OpenVINO's)")
     if not path.endswith(".onnx"):
         raise CaptureUnsupported(f"{label}: tier 2 aligns OpenVINO by the ONNX graph; "
                                  f"{path} is not an .onnx file")

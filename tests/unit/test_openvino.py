@@ -114,9 +114,9 @@ def test_config_declarations(zoo_classifier):
     from pydantic import ValidationError
 
     kind = backend_kind("openvino")
-    assert kind.precisions == {"fp32", "fp16", "bf16"} and not kind.keep_back
+    assert kind.precisions == {"fp32", "fp16", "bf16", "int8"} and not kind.keep_back
     assert kind.capture and not kind.forwards
-    for bad, words in [({"precision": "int8"}, "cannot be derived"),
+    for bad, words in [({"precision": "int8", "path": "model.xml"}, "int8 quantises an ONNX"),
                        ({"device": "cuda"}, "device must be cpu"),
                        ({"precision": "fp16", "options": {"plugin_precision": True}},
                         "plugin_precision")]:
@@ -187,3 +187,40 @@ def test_no_per_node_fp32_keep_back_from_python(tmp_path):
                              ov.Tensor(np.fromfile(tmp_path / "m.bin", np.uint8)))
     assert all("disable_fp16_compression" not in str(list(op.get_rt_info().keys()))
                for op in marked.get_ordered_ops())
+
+
+def test_int8_is_nncf_quantised_runs_int8_kernels_and_is_cached(zoo_classifier, images,
+                                                                 ort_logits, tmp_path,
+                                                                 monkeypatch):
+    """precision int8: NNCF post-training quantisation (calibrated on generated inputs),
+    executed with int8 kernels, close enough to keep the classes, cached as IR for the next
+    load (which then reads the cached model)."""
+    pytest.importorskip("nncf")
+    monkeypatch.setenv("GUARD_CACHE_DIR", str(tmp_path))
+    spec = {"backend": "openvino", "path": str(zoo_classifier["onnx"]), "precision": "int8",
+            "options": {"calibration_samples": 16}}
+    backend = load(spec)
+    info = backend.describe()
+    assert info.precision == "int8"
+    ran = {p.split(":")[0] for p in info.details["runtime_precisions"].split(",")}
+    assert ran & {"i8", "u8"}, ran  # quantised ops really run int8
+    out = backend.infer({"image": images})["logits"]
+    assert out.shape == ort_logits.shape and np.isfinite(out).all()
+    assert not np.array_equal(out, ort_logits)  # a different computation, not the fp32 one
+    agree = (out.argmax(1) == ort_logits.argmax(1)).mean()
+    assert agree >= 0.75, agree  # int8 keeps (most of) the classes of this seeded CNN
+    cached = list((tmp_path / "derived" / "openvino").glob("*.int8.*.xml"))
+    assert len(cached) == 1 and cached[0].with_suffix(".bin").exists()
+    again = load(spec).infer({"image": images})["logits"]
+    np.testing.assert_array_equal(again, out)  # the cached model answers the same
+
+
+def test_int8_refuses_an_ir_and_tier2_says_why(zoo_classifier):
+    with pytest.raises(ValueError, match="int8 quantises an ONNX file"):
+        BackendConfig(backend="openvino", path="model.xml", precision="int8")
+    from guard.backends.openvino_capture import openvino_side
+    from guard.verify.activation.torch_side import CaptureUnsupported
+
+    spec = BackendConfig(backend="openvino", path=str(zoo_classifier["onnx"]), precision="int8")
+    with pytest.raises(CaptureUnsupported, match="NNCF-quantised"):
+        openvino_side(spec, "primary", None)
