@@ -834,14 +834,19 @@ def run(args: argparse.Namespace) -> int:
         write_results(out_dir, "proxy_overhead", report, markdown(report), text_table(report))
         return 0
     finally:
-        for child in children:
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait(timeout=10)
-        if args.keep_workdir:
-            log(f"work folder kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+        clean_up(children, workdir, args.keep_workdir)
+
+
+def clean_up(children: list, workdir: Path, keep_workdir: bool) -> None:
+    """Kill what still runs of ``children`` and remove the work folder (unless kept)."""
+    for child in children:
+        if child.process.poll() is None:
+            child.process.kill()
+            child.process.wait(timeout=10)
+    if keep_workdir:
+        log(f"work folder kept: {workdir}")
+    else:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def cell_note(figures: dict) -> str:

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -112,14 +111,7 @@ def run(args: argparse.Namespace) -> int:
                          text_table(report))
         return 0
     finally:
-        for child in children:
-            if child.process.poll() is None:
-                child.process.kill()
-                child.process.wait(timeout=10)
-        if args.keep_workdir:
-            po.log(f"work folder kept: {workdir}")
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+        po.clean_up(children, workdir, args.keep_workdir)
 
 
 # -- report ----------------------------------------------------------------------------------------

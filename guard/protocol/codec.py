@@ -185,12 +185,7 @@ def encode_request(model_name: str, inputs: dict[str, np.ndarray], request_id: s
     """A raw-contents request, as tritonclient would send it."""
     request = pb.ModelInferRequest(model_name=model_name, model_version=model_version,
                                    id=request_id)
-    for name, array in inputs.items():
-        array = np.asarray(array)
-        datatype, raw = wire_contents(array)
-        tensor = request.inputs.add(name=name, datatype=datatype)
-        tensor.shape.extend(array.shape)
-        request.raw_input_contents.append(raw)
+    _add_raw(request.inputs, request.raw_input_contents, inputs)
     return request
 
 
@@ -202,10 +197,15 @@ def encode_response(
     )
     # Which backend answered: lets clients and tests tell primary from fallback answers.
     response.parameters["guard_route"].string_param = route
-    for name, array in outputs.items():
+    _add_raw(response.outputs, response.raw_output_contents, outputs)
+    return response
+
+
+def _add_raw(tensors, raw_contents, arrays: dict[str, np.ndarray]) -> None:
+    """Each array as a tensor entry (name, datatype, shape) and its raw little-endian bytes."""
+    for name, array in arrays.items():
         array = np.asarray(array)
         datatype, raw = wire_contents(array)
-        tensor = response.outputs.add(name=name, datatype=datatype)
+        tensor = tensors.add(name=name, datatype=datatype)
         tensor.shape.extend(array.shape)
-        response.raw_output_contents.append(raw)
-    return response
+        raw_contents.append(raw)

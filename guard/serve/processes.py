@@ -33,7 +33,8 @@ from guard.errors import GuardError
 from guard.ipc.channel import Channel, ChannelClosed
 from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
-from guard.serve.supervisor import _exit_reason, config_message
+from guard.ipc.config import config_message
+from guard.serve.supervisor import _exit_reason
 
 if TYPE_CHECKING:
     from guard.serve.app import GuardServer

@@ -31,23 +31,22 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
 import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Callable, Iterable
 
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 from prometheus_client.samples import Sample
 
-from guard.config import ConfigContext, GuardConfig, parse_config
+from guard.config import GuardConfig
 from guard.errors import GuardError
 from guard.ipc import routes
+from guard.ipc.config import config_message
 from guard.ipc.channel import Channel, ChannelClosed
 from guard.ipc.ring import SampleRing
 from guard.observe import tracing
@@ -63,21 +62,6 @@ _WATCH_S = 0.1
 
 class VerifierUnavailable(GuardError):
     """The verifier is not running right now (restarting)."""
-
-
-def config_message(config: GuardConfig) -> dict:
-    """The config as the verifier re-validates it (paths already resolved)."""
-    context = config.context
-    return {"config": config.model_dump(mode="json", exclude_unset=True),
-            "base_dir": str(context.base_dir), "source_hash": context.source_hash,
-            "sys_path": [p for p in sys.path if p]}
-
-
-def config_from_message(message: dict) -> GuardConfig:
-    """The other side of ``config_message``, in a child process."""
-    sys.path.extend(p for p in message.get("sys_path", ()) if p not in sys.path)
-    return parse_config(message["config"], ConfigContext(
-        base_dir=Path(message["base_dir"]), source_hash=message.get("source_hash", "")))
 
 
 class VerifierSupervisor:

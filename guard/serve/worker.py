@@ -7,7 +7,7 @@ guard.serve.worker`` with inherited descriptors: one end of a control socket pai
 channel.py), the route table every process shares (read-only here) and a sample ring of its own
 (this process is its only producer; the verifier reads every ring). Over the control socket:
 
-- ``init``: the config (the wire form of ``supervisor.config_message``), the route slots, the
+- ``init``: the config (the wire form of ``guard.ipc.config.config_message``), the route slots, the
   port and the ops a repair keeps back; the models load first and the port is bound after, so
   this process never answers "not ready" on the shared port;
 - ``prepare`` / ``commit``: a reload in two steps: the changed models are built beside the old
@@ -46,7 +46,7 @@ from guard.serve.dataplane import DataPlane
 from guard.serve.model import ServedModel
 from guard.serve.servicer import InferenceServicer
 from guard.serve.servicer import add_to_server as add_inference_service
-from guard.serve.supervisor import config_from_message
+from guard.ipc.config import config_from_message
 
 log = logging.getLogger("guard.worker")
 _RETIRE_GRACE_S = 30.0

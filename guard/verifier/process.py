@@ -42,7 +42,7 @@ from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Transition
-from guard.serve.supervisor import config_from_message
+from guard.ipc.config import config_from_message
 from guard.verifier.model import VerifiedModel
 from guard.verifier.status import model_status
 from guard.v1 import admin_pb2 as admin_pb
