@@ -32,6 +32,8 @@ def test_replay_report_names_the_first_divergent_layer(tmp_path, zoo_classifier)
     assert code == 1 and cnn["verdict"] == "drift"
     activation = cnn["tiers"]["activation"]
     assert activation["checks"] == 12 and activation["passed"] == 0
+    # fc1 (node_linear) holds the seeded weight outlier: the first layer over its allowance on
+    # any CPU (the convolutions' own int8 error, ~0.5%, is far under rtol 0.05).
     assert activation["first_divergence"]["layer"] == "node_linear"
     assert activation["first_divergence"]["error"] > 0.05
     assert "activation" in cnn["tiers_run"]

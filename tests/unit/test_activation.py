@@ -51,6 +51,8 @@ def test_int8_vs_fp32_onnx_names_fc1_first_and_top_suspect(zoo):
                      tensor={"rtol": 0.02}).check(zoo["images"])
     assert report.pair == "onnx/onnx" and not report.error
     assert not report.passed
+    # fc1 holds the seeded weight outlier (guard.zoo.classifier): it is the fault on every CPU;
+    # the convolutions' own int8 error (~0.5%) stays well under rtol 0.02 on any of them.
     first = report.first_divergence
     assert (first.name, first.op, first.module) == ("node_linear", "Gemm", "fc1")
     top = report.suspects[0]
@@ -62,13 +64,20 @@ def test_int8_vs_fp32_onnx_names_fc1_first_and_top_suspect(zoo):
     # Convolutions drift a little under int8 but stay below the threshold.
     for name in ("node_conv2d", "node_conv2d_1"):
         assert 1e-4 < layers[name].propagated.rel_error < report.threshold
-    # Inherited, not caused: after fc1 the error is still there (propagated) but the layers
-    # themselves add little (isolated): they are not divergent.
+    # Inherited, not caused: after fc1 the error is still there (propagated), but a layer is
+    # divergent only for what it adds itself (isolated). The relu adds nothing. fc2 is int8
+    # too: whether its own error passes its allowance depends on the CPU's int8 kernels (on
+    # an AMD EPYC the repair keeps fc2 as well), so what is asserted is the rule, on any CPU.
     relu, fc2 = layers["node_relu_2"], layers["node_Gemm_8"]
     assert relu.propagated.rel_error > report.threshold and relu.isolated.rel_error < 1e-6
     assert fc2.propagated.rel_error > report.threshold
-    assert not relu.divergent and not fc2.divergent
-    assert [layer.name for layer in report.layers if layer.divergent] == ["node_linear"]
+    assert not relu.divergent
+    for layer in report.layers:
+        assert layer.divergent == (layer.isolated is not None
+                                   and layer.isolated.rel_error > layer.allowance), layer.name
+    divergent = [layer.name for layer in report.layers if layer.divergent]
+    # The seeded fault (fc1's weight outlier) comes first; only quantised layers follow it.
+    assert divergent[0] == "node_linear" and set(divergent) <= {"node_linear", "node_Gemm_8"}
     assert report.budget.tier1_failed and report.basis == "isolated error exceeds its allowance"
     assert report.unaligned == []
     # What quantize_dynamic added has no fp32 counterpart and is listed as such.
