@@ -5,7 +5,12 @@ how the variant was made and can later rebuild it with chosen nodes kept at fp32
 
 - int8: ``onnxruntime.quantization.quantize_dynamic`` (weights int8, activations quantised at run
   time). Note: it rewrites ``Gemm`` into ``MatMul`` + ``Add`` first, so ``nodes_to_exclude`` must
-  name the rewritten node (``/fc/Gemm_MatMul``), not the exported ``/fc/Gemm``.
+  name the rewritten node (``/fc/Gemm_MatMul``), not the exported ``/fc/Gemm``. ``reduce_range``
+  (7-bit weights) is on by default where the CPU's int8 kernels saturate (x86-64 without VNNI,
+  guard/machine.py): there full 8-bit weights overflow AVX2's int16 pair sums, and a seeded
+  MLP's int8 variant was 10x further from fp32 (9.4% vs 0.9% of the output's scale) than with
+  reduce_range, an artefact of the instruction, not of int8. ONNX Runtime's documentation gives
+  the same advice; set ``options.reduce_range`` to choose.
 - fp16: ``onnxconverter_common.float16.convert_float_to_float16`` with ``keep_io_types=True``,
   so clients keep sending and receiving fp32.
 
@@ -45,18 +50,22 @@ def derive_onnx(
     nodes_to_exclude: list[str] | None = None,
     per_channel: bool = False,
     source: bytes | None = None,
+    reduce_range: bool | None = None,
 ) -> Path:
     """Return the path of the ``precision`` variant of ``artifact`` (fp32 returns it unchanged).
 
     ``source``: the artifact's bytes as the caller read (and checked) them; the variant is then
     derived from, and its cache entry keyed by, those bytes, and the file is not opened again
-    (external data files beside it are still read from its folder)."""
+    (external data files beside it are still read from its folder).
+
+    ``reduce_range`` (int8): None chooses by this CPU (``int8_reduce_range``)."""
     artifact = Path(artifact)
     if precision == "fp32":
         return artifact
     import onnxruntime
 
     excluded = sorted(nodes_to_exclude or [])
+    reduce_range = int8_reduce_range(reduce_range) if precision == "int8" else False
     key_parts = {
         "sha256": hashlib.sha256(source).hexdigest() if source is not None
         else file_sha256(artifact),
@@ -65,6 +74,8 @@ def derive_onnx(
         "per_channel": per_channel,
         "onnxruntime": onnxruntime.__version__,
     }
+    if reduce_range:  # only when on: variants cached before the option keep their keys
+        key_parts["reduce_range"] = True
     key = hashlib.sha256(json.dumps(key_parts, sort_keys=True).encode()).hexdigest()[:20]
     target = cache_dir() / f"{artifact.stem}.{precision}.{key}.onnx"
     if target.exists():
@@ -74,7 +85,7 @@ def derive_onnx(
         try:
             model_input = _model_input(artifact, source)
             if precision == "int8":
-                _quantize_int8(model_input, tmp_path, excluded, per_channel)
+                _quantize_int8(model_input, tmp_path, excluded, per_channel, reduce_range)
             elif precision == "fp16":
                 _convert_fp16(model_input, tmp_path, excluded)
             else:
@@ -120,7 +131,17 @@ def _check_loadable(path: Path, precision: str, artifact: Path) -> None:
         ) from None
 
 
-def _quantize_int8(source, target: Path, excluded: list[str], per_channel: bool) -> None:
+def int8_reduce_range(requested: bool | None) -> bool:
+    """``options.reduce_range`` as given, or (None) on where this CPU's int8 kernels saturate."""
+    if requested is not None:
+        return requested
+    from guard.machine import int8_kernels_saturate
+
+    return int8_kernels_saturate()
+
+
+def _quantize_int8(source, target: Path, excluded: list[str], per_channel: bool,
+                   reduce_range: bool) -> None:
     import logging
 
     from onnxruntime.quantization import QuantType, quantize_dynamic
@@ -130,17 +151,20 @@ def _quantize_int8(source, target: Path, excluded: list[str], per_channel: bool)
     level = root.level
     root.setLevel(logging.ERROR)
     try:
-        _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_channel)
+        _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_channel,
+                      reduce_range)
     finally:
         root.setLevel(level)
 
 
-def _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_channel) -> None:
+def _run_quantize(quantize_dynamic, QuantType, source, target, excluded, per_channel,
+                  reduce_range) -> None:
     quantize_dynamic(
         model_input=source if not isinstance(source, Path) else str(source),
         model_output=str(target),
         weight_type=QuantType.QInt8,
         per_channel=per_channel,
+        reduce_range=reduce_range,
         nodes_to_exclude=excluded,
     )
 

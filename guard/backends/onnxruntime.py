@@ -9,7 +9,7 @@ import numpy as np
 
 from guard.backends.artifact import read_artifact
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
-from guard.backends.derive import derive_onnx
+from guard.backends.derive import derive_onnx, int8_reduce_range
 from guard.backends.options import OnnxRuntimeOptions
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
@@ -65,7 +65,7 @@ class OnnxRuntimeBackend(Backend):
         data, _ = read_artifact(self.spec.path, self.spec.sha256)
         self.model_path = derive_onnx(
             self.spec.path, self.spec.precision, self.options.nodes_to_exclude,
-            self.options.per_channel, source=data,
+            self.options.per_channel, source=data, reduce_range=self.options.reduce_range,
         )
         so = ort.SessionOptions()
         if self.spec.precision == "fp32":
@@ -124,8 +124,16 @@ class OnnxRuntimeBackend(Backend):
             device=self.spec.device,
             inputs=self._inputs,
             outputs=self._outputs,
-            details={"providers": ",".join(self.session.get_providers())} if self.session else {},
+            details=self._details(),
         )
+
+    def _details(self) -> dict[str, str]:
+        if self.session is None:
+            return {}
+        details = {"providers": ",".join(self.session.get_providers())}
+        if self.spec.precision == "int8":  # how the variant was quantised (7-bit or 8-bit)
+            details["reduce_range"] = str(int8_reduce_range(self.options.reduce_range)).lower()
+        return details
 
     def close(self) -> None:
         self.session = None

@@ -25,6 +25,7 @@ tests/unit/test_openvino.py::test_no_per_node_fp32_keep_back_from_python.
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import Counter
 from pathlib import Path
@@ -42,6 +43,8 @@ if TYPE_CHECKING:
     from guard.config import BackendConfig
 
 NOT_INSTALLED = "backend 'openvino' needs the openvino package: pip install 'guard[openvino]'"
+
+log = logging.getLogger("guard.backends.openvino")
 
 # guard precision -> OpenVINO element type name of the inference precision hint. int8 is an
 # NNCF-quantised model (its quantised ops run int8 whatever the hint; the rest f32).
@@ -153,6 +156,14 @@ class OpenVinoBackend(Backend):
         self._output_names = [s.name for s in self._outputs]
         self._details = {"version": ov.get_version(), **self.runtime_precision(),
                          "properties": ",".join(f"{k}={v}" for k, v in sorted(props.items()))}
+        asked = props.get("INFERENCE_PRECISION_HINT")
+        ran = self._details["inference_precision"]
+        if asked not in (None, ran):  # the CPU lacks the kernels: the hint is dropped silently
+            self._details["precision_note"] = (
+                f"asked {asked}, runs {ran}: this CPU's plugin has no {asked} kernels "
+                f"({','.join(core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES'))})")
+            log.warning("openvino %s (%s, precision %s): %s", self.role, self.spec.path,
+                        self.spec.precision, self._details["precision_note"])
 
     def runtime_precision(self) -> dict[str, str]:
         """What the compiled model runs: its inference precision and its executed nodes'

@@ -34,6 +34,12 @@ class OnnxRuntimeOptions(_Options):
         description="precision int8/fp16: node names kept at fp32 when deriving the variant.",
     )
     per_channel: bool = Field(False, description="precision int8: per-channel weight scales.")
+    reduce_range: bool | None = Field(
+        None,
+        description="precision int8: 7-bit weights (quantize_dynamic's reduce_range). null "
+        "(default): on where this CPU's int8 kernels saturate (x86-64 without VNNI/AMX, whose "
+        "AVX2 pair sums overflow int16 with 8-bit weights), off elsewhere.",
+    )
     provider_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict,
         description="Per-provider settings passed through to ONNX Runtime, e.g. "

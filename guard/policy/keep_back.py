@@ -118,7 +118,8 @@ class OnnxInt8Ops(_OnnxRuntimeOps):
 
             try:
                 path = derive_onnx(self.spec.path, self.spec.precision, self.base,
-                                   bool(self.spec.options.get("per_channel", False)))
+                                   bool(self.spec.options.get("per_channel", False)),
+                                   reduce_range=self.spec.options.get("reduce_range"))
                 self._quantised = QuantisedGraph(path)
             except Exception:  # suffix rules still apply without it
                 self._quantised = None

@@ -10,8 +10,10 @@ Alongside the verdict we keep the error statistics an engineer asks for next (me
 absolute error, the largest relative error, cosine distance) and, as Polygraphy does, the
 smallest tolerance that would have passed, so thresholds can be set from evidence.
 
-Cost: the verdict needs only ``max|a - b|`` and ``max|ref|``, taken in one pass over cache-sized
-chunks (a NaN or Inf anywhere propagates into them and sends the output down the full path).
+Cost: the verdict needs only ``max|a - b|`` and ``max|ref|``, taken in one pass: by the C kernel
+``guard/verify/_verdict.c`` for float32/float64 (one read of each side, about one copy's cost),
+else by numpy over cache-sized chunks (float16, or an install built without a C compiler). A NaN
+or Inf anywhere propagates into them and sends the output down the full path.
 The statistics cost several passes more, so they are computed for every failure and for a
 sample of passes (``stats``: the first pass and one in ``PASS_STATS_EVERY`` after it, unless the
 caller asks for all or none); a pass without them carries NaN in mean_abs, p99_abs, max_rel and
@@ -25,6 +27,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+try:  # the one-pass kernel; optional: built only where a C compiler was at install time
+    from guard.verify._verdict import max_abs_pair as _kernel
+except ImportError:  # pragma: no cover - depends on the install
+    _kernel = None
+
+# The float types the kernel takes (native byte order is checked by the caller).
+_KERNEL_DTYPES = frozenset({np.dtype(np.float32), np.dtype(np.float64)})
 # Relative error divides by |ref|; below this the reference value counts as zero.
 _REL_FLOOR = 1e-12
 # Passes that get the full statistics: the first, then one in this many (per process).
@@ -94,8 +103,15 @@ def _stats_due(stats: bool | None) -> bool:
 
 
 def _decide(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
-    """``max|a - b|`` and ``max|b|`` over flat same-dtype arrays, in one pass over chunks that
-    stay in cache. NaN (from a NaN or an Inf anywhere) propagates into the result."""
+    """``max|a - b|`` and ``max|b|`` over flat same-dtype arrays, in one pass (the kernel, or
+    numpy over chunks that stay in cache). NaN or Inf anywhere propagates into the result."""
+    if (_kernel is not None and a.dtype in _KERNEL_DTYPES and a.flags.c_contiguous
+            and b.flags.c_contiguous):  # a strided 1-D view stays strided after reshape(-1)
+        return _kernel(a, b)
+    return _decide_numpy(a, b)
+
+
+def _decide_numpy(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
     n = a.size
     if n <= _CHUNK:
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, meant

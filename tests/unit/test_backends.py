@@ -60,6 +60,58 @@ def test_int8_is_derived_by_the_guard_and_really_quantised(zoo_classifier, image
     assert Path(again.describe().artifact) == derived and derived.stat().st_mtime_ns == mtime
 
 
+def _largest_int8_weight(path) -> int:
+    """The largest |quantised weight| of an int8 variant: 127 with 8-bit weights, at most 64
+    with reduce_range's 7."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path))
+    weights = [np.abs(numpy_helper.to_array(t).astype(np.int32)).max()
+               for t in model.graph.initializer if t.data_type == onnx.TensorProto.INT8]
+    assert weights, "no int8 weights in the variant"
+    return int(max(weights))
+
+
+def test_int8_reduce_range_is_chosen_by_the_cpu_and_can_be_set(zoo_classifier, images):
+    """null: 7-bit weights where the CPU's int8 kernels saturate (x86-64 without VNNI), 8-bit
+    elsewhere; true/false force it; each is its own cached variant and describe() says which."""
+    from guard.machine import int8_kernels_saturate
+
+    path = str(zoo_classifier["onnx"])
+    auto = load({"backend": "onnxruntime", "path": path, "precision": "int8"})
+    on = load({"backend": "onnxruntime", "path": path, "precision": "int8",
+               "options": {"reduce_range": True}})
+    off = load({"backend": "onnxruntime", "path": path, "precision": "int8",
+                "options": {"reduce_range": False}})
+    assert on.describe().details["reduce_range"] == "true"
+    assert off.describe().details["reduce_range"] == "false"
+    assert _largest_int8_weight(on.describe().artifact) <= 64
+    assert _largest_int8_weight(off.describe().artifact) > 64
+    assert on.describe().artifact != off.describe().artifact
+    chosen = on if int8_kernels_saturate() else off
+    assert auto.describe().artifact == chosen.describe().artifact
+    assert auto.describe().details["reduce_range"] == chosen.describe().details["reduce_range"]
+    for backend in (auto, on, off):
+        assert backend.infer({"image": images})["logits"].shape == (len(images), 10)
+
+
+def test_the_int8_saturation_rule_reads_the_cpu_flags():
+    import platform
+
+    from guard.machine import cpu_flags, int8_kernels_saturate, saturating_int8
+
+    assert int8_kernels_saturate() == saturating_int8(cpu_flags(), platform.machine())
+    int8_kernels_saturate = saturating_int8  # noqa: N806 - the rule, on given flags
+    avx2 = frozenset({"sse4_2", "avx", "avx2", "fma"})
+    assert int8_kernels_saturate(avx2, "x86_64")  # e.g. AMD Zen 3: vpmaddubsw saturates
+    assert int8_kernels_saturate(avx2 | {"avx512f", "avx512bw"}, "x86_64")  # Skylake-SP
+    assert not int8_kernels_saturate(avx2 | {"avx512f", "avx512_vnni"}, "x86_64")
+    assert not int8_kernels_saturate(avx2 | {"avx_vnni"}, "AMD64")  # Alder Lake and later
+    assert not int8_kernels_saturate(avx2 | {"amx_int8"}, "x86_64")
+    assert not int8_kernels_saturate(frozenset({"asimd"}), "aarch64")  # ARM: no such kernel
+    assert not int8_kernels_saturate(None, "x86_64")  # flags unreadable: ORT's default
+
+
 def test_int8_nodes_to_exclude_keeps_those_nodes_fp32(zoo_classifier):
     model = onnx.load(str(zoo_classifier["onnx"]))
     matmuls = [n.name for n in model.graph.node if n.op_type in ("MatMul", "Gemm")]

@@ -72,6 +72,10 @@ def test_reduced_precision_through_the_hint(zoo_classifier, images, ort_logits, 
         assert info.details["inference_precision"] == hint
         assert hint in info.details["runtime_precisions"]
         assert np.abs(out - ort_logits).max() > 0
+        assert "precision_note" not in info.details
+    else:  # the plugin drops the hint without a word: guard says it, in describe() and the log
+        assert info.details["inference_precision"] == "f32"
+        assert info.details["precision_note"].startswith(f"asked {hint}, runs f32")
     assert np.abs(out - ort_logits).max() < 0.1 * np.abs(ort_logits).max()
 
 
@@ -160,6 +164,11 @@ def test_no_per_node_fp32_keep_back_from_python(tmp_path):
     torch.onnx.export(lin, (torch.randn(2, 16),), str(tmp_path / "m.onnx"), dynamo=False,
                       input_names=["x"], output_names=["y"])
     core = ov.Core()
+    if "FP16" not in core.get_property("CPU", "OPTIMIZATION_CAPABILITIES"):
+        # e.g. AMD Zen 3 (AVX2 only): the plugin runs every node at f32 whatever the hint, so
+        # there is no f16 to keep a node out of; the claim can only be checked elsewhere.
+        pytest.skip("this CPU's OpenVINO plugin has no FP16 kernels "
+                    f"({core.get_property('CPU', 'OPTIMIZATION_CAPABILITIES')})")
 
     def precisions(model):
         compiled = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": "f16"})

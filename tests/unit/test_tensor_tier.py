@@ -436,3 +436,80 @@ def test_passes_get_statistics_first_and_then_one_in_n(monkeypatch):
     assert skipped.max_abs == checks[0].max_abs and skipped.allowed == checks[0].allowed
     failing = compare_output("y", ref, ref + np.float32(1.0), Tolerance(1e-4, 0.0))
     assert not failing.passed and failing.stats and failing.mean_abs > 0
+
+
+# -- the one-pass kernel (guard/verify/_verdict.c) against numpy, exactly -------------------------
+kernel = pytest.importorskip("guard.verify._verdict", reason="the C kernel is not built here")
+
+
+def _numpy_pair(a: np.ndarray, b: np.ndarray) -> tuple[float, float]:
+    with np.errstate(invalid="ignore", over="ignore"):
+        return float(np.abs(a - b).max()), float(np.abs(b).max())
+
+
+def _same(x: tuple[float, float], y: tuple[float, float]) -> bool:
+    """Equal, NaN included (a NaN must come back as NaN, not as some number)."""
+    return all((math.isnan(p) and math.isnan(q)) or p == q for p, q in zip(x, y))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("size", [1, 2, 7, 8, 9, 31, 33, 1000, tensor._CHUNK + 5])
+def test_kernel_equals_numpy_bit_for_bit(dtype, size):
+    rng = np.random.default_rng(size)
+    for scale in (1e-30, 1e-6, 1.0, 1e30):
+        b = (scale * rng.standard_normal(size)).astype(dtype)
+        a = (b + scale * 1e-3 * rng.standard_normal(size)).astype(dtype)
+        assert kernel.max_abs_pair(a, b) == _numpy_pair(a, b)
+    # the extremes: subnormals, signed zeros, the largest finite values (a - b overflows to Inf)
+    tiny, big = np.finfo(dtype).smallest_subnormal, np.finfo(dtype).max
+    specials = np.array([0.0, -0.0, tiny, -tiny, big, -big, 1.0], dtype=dtype)
+    a = np.resize(specials, size)
+    b = np.resize(specials[::-1], size)
+    assert _same(kernel.max_abs_pair(a, b), _numpy_pair(a, b))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("where", [0, 5, -1])
+@pytest.mark.parametrize("bad", [np.nan, -np.nan, np.inf, -np.inf])
+def test_kernel_propagates_nan_and_inf(dtype, where, bad):
+    size = 37
+    for side in ("a", "b", "both"):
+        a, b = np.ones(size, dtype), np.ones(size, dtype)
+        if side in ("a", "both"):
+            a[where] = bad
+        if side in ("b", "both"):
+            b[where] = bad
+        got, want = kernel.max_abs_pair(a, b), _numpy_pair(a, b)
+        assert _same(got, want), (side, got, want)
+        assert not (math.isfinite(got[0]) and math.isfinite(got[1]))  # sends to the full path
+
+
+def test_kernel_refuses_what_it_cannot_read():
+    f32 = np.ones(4, np.float32)
+    with pytest.raises(TypeError):
+        kernel.max_abs_pair(f32.astype(np.float16), f32.astype(np.float16))
+    with pytest.raises(TypeError):
+        kernel.max_abs_pair(f32, f32.astype(np.float64))
+    with pytest.raises(ValueError):
+        kernel.max_abs_pair(f32, np.ones(5, np.float32))
+    with pytest.raises(ValueError):
+        kernel.max_abs_pair(f32[:0], f32[:0])
+    with pytest.raises((ValueError, BufferError)):
+        kernel.max_abs_pair(np.ones(8, np.float32)[::2], f32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_verdict_paths_agree(dtype, monkeypatch):
+    """The kernel and the numpy chunks give one verdict and the same figures; float16, which
+    the kernel does not take, goes to numpy; a strided output never reaches the kernel."""
+    rng = np.random.default_rng(1)
+    ref = rng.standard_normal(3 * tensor._CHUNK + 11).astype(dtype)
+    out = (ref + rng.standard_normal(ref.size).astype(dtype) * dtype(1e-3)).astype(dtype)
+    tol = Tolerance(1e-4, 1e-3)
+    with_kernel = compare_output("y", ref, out, tol, stats=False)
+    strided = compare_output("y", ref[::2], out[::2], tol, stats=False)
+    monkeypatch.setattr(tensor, "_kernel", None)
+    without = compare_output("y", ref, out, tol, stats=False)
+    assert (with_kernel.passed, with_kernel.max_abs, with_kernel.ref_max_abs) == (
+        without.passed, without.max_abs, without.ref_max_abs)
+    assert strided.max_abs == compare_output("y", ref[::2], out[::2], tol, stats=False).max_abs

@@ -467,6 +467,6 @@ def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
 
     options = OnnxRuntimeOptions.model_validate(spec.options)
     path = run_path or derive_onnx(spec.path, spec.precision, options.nodes_to_exclude,
-                                   options.per_channel)
+                                   options.per_channel, reduce_range=options.reduce_range)
     return OnnxSide(path, source_path=spec.path, threads=threads, label=label,
                     precision=spec.precision)
