@@ -46,11 +46,7 @@ def polygraphy_first_failure(case) -> tuple[str | None, float]:
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
     from polygraphy.comparator import Comparator, CompareFunc
 
-    primary = case.primary
-    if case.precision != "fp32":
-        from guard.backends.derive import derive_onnx
-
-        primary = derive_onnx(case.primary, case.precision)
+    primary = case.primary_variant()
     started = time.perf_counter()
     runners = [OnnxrtRunner(SessionFromOnnx(BytesFromOnnx(ModifyOutputs(
         OnnxFromPath(str(path)), outputs=constants.MARK_ALL))), name=name)

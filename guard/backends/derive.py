@@ -6,11 +6,13 @@ how the variant was made and can later rebuild it with chosen nodes kept at fp32
 - int8: ``onnxruntime.quantization.quantize_dynamic`` (weights int8, activations quantised at run
   time). Note: it rewrites ``Gemm`` into ``MatMul`` + ``Add`` first, so ``nodes_to_exclude`` must
   name the rewritten node (``/fc/Gemm_MatMul``), not the exported ``/fc/Gemm``. ``reduce_range``
-  (7-bit weights) is on by default where the CPU's int8 kernels saturate (x86-64 without VNNI,
-  guard/machine.py): there full 8-bit weights overflow AVX2's int16 pair sums, and a seeded
-  MLP's int8 variant was 10x further from fp32 (9.4% vs 0.9% of the output's scale) than with
-  reduce_range, an artefact of the instruction, not of int8. ONNX Runtime's documentation gives
-  the same advice; set ``options.reduce_range`` to choose.
+  (``options.reduce_range``, off by default as in ONNX Runtime): 7-bit weights. On an x86-64 CPU
+  without VNNI/AMX (guard/machine.py) ONNX Runtime's U8S8 kernels add pairs of products in int16
+  (AVX2's vpmaddubsw) and saturate when the weights use all 8 bits: measured on an AMD EPYC, a
+  seeded MLP's 8-bit variant was 9.4% of the output's scale off fp32, 0.9% with reduce_range;
+  but the zoo CNN (an outlier weight) was worse with 7 bits (median max-abs error 1.32 vs
+  0.54). Which recipe is right depends on the model, so guard keeps ONNX Runtime's default and
+  the backend's ``describe()`` says when this CPU's int8 kernels saturate.
 - fp16: ``onnxconverter_common.float16.convert_float_to_float16`` with ``keep_io_types=True``,
   so clients keep sending and receiving fp32.
 
@@ -50,22 +52,21 @@ def derive_onnx(
     nodes_to_exclude: list[str] | None = None,
     per_channel: bool = False,
     source: bytes | None = None,
-    reduce_range: bool | None = None,
+    reduce_range: bool = False,
 ) -> Path:
     """Return the path of the ``precision`` variant of ``artifact`` (fp32 returns it unchanged).
 
     ``source``: the artifact's bytes as the caller read (and checked) them; the variant is then
     derived from, and its cache entry keyed by, those bytes, and the file is not opened again
     (external data files beside it are still read from its folder).
-
-    ``reduce_range`` (int8): None chooses by this CPU (``int8_reduce_range``)."""
+    ``reduce_range`` (int8): 7-bit weights (see the module docstring)."""
     artifact = Path(artifact)
     if precision == "fp32":
         return artifact
     import onnxruntime
 
     excluded = sorted(nodes_to_exclude or [])
-    reduce_range = int8_reduce_range(reduce_range) if precision == "int8" else False
+    reduce_range = bool(reduce_range) and precision == "int8"
     key_parts = {
         "sha256": hashlib.sha256(source).hexdigest() if source is not None
         else file_sha256(artifact),
@@ -129,15 +130,6 @@ def _check_loadable(path: Path, precision: str, artifact: Path) -> None:
             f"the {precision} variant derived from {artifact} does not load in ONNX Runtime "
             f"({first}); keep the offending nodes at fp32 with options.nodes_to_exclude"
         ) from None
-
-
-def int8_reduce_range(requested: bool | None) -> bool:
-    """``options.reduce_range`` as given, or (None) on where this CPU's int8 kernels saturate."""
-    if requested is not None:
-        return requested
-    from guard.machine import int8_kernels_saturate
-
-    return int8_kernels_saturate()
 
 
 def _quantize_int8(source, target: Path, excluded: list[str], per_channel: bool,

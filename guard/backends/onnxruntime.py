@@ -9,7 +9,7 @@ import numpy as np
 
 from guard.backends.artifact import read_artifact
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
-from guard.backends.derive import derive_onnx, int8_reduce_range
+from guard.backends.derive import derive_onnx
 from guard.backends.options import OnnxRuntimeOptions
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
@@ -131,8 +131,13 @@ class OnnxRuntimeBackend(Backend):
         if self.session is None:
             return {}
         details = {"providers": ",".join(self.session.get_providers())}
-        if self.spec.precision == "int8":  # how the variant was quantised (7-bit or 8-bit)
-            details["reduce_range"] = str(int8_reduce_range(self.options.reduce_range)).lower()
+        if self.spec.precision == "int8":  # how the variant was quantised, and how it runs
+            from guard.machine import int8_kernels_saturate
+
+            details["reduce_range"] = str(self.options.reduce_range).lower()
+            details["int8_kernels"] = ("saturating (x86-64 without VNNI/AMX: 8-bit weights "
+                                       "can overflow; see options.reduce_range)"
+                                       if int8_kernels_saturate() else "exact")
         return details
 
     def close(self) -> None:

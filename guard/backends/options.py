@@ -34,11 +34,12 @@ class OnnxRuntimeOptions(_Options):
         description="precision int8/fp16: node names kept at fp32 when deriving the variant.",
     )
     per_channel: bool = Field(False, description="precision int8: per-channel weight scales.")
-    reduce_range: bool | None = Field(
-        None,
-        description="precision int8: 7-bit weights (quantize_dynamic's reduce_range). null "
-        "(default): on where this CPU's int8 kernels saturate (x86-64 without VNNI/AMX, whose "
-        "AVX2 pair sums overflow int16 with 8-bit weights), off elsewhere.",
+    reduce_range: bool = Field(
+        False,
+        description="precision int8: 7-bit weights (quantize_dynamic's reduce_range). Worth "
+        "trying on x86-64 CPUs without VNNI/AMX, whose int8 kernels saturate with 8-bit weights "
+        "(the backend's describe() says int8_kernels: saturating there); it costs precision on "
+        "layers with outlier weights.",
     )
     provider_options: dict[str, dict[str, Any]] = Field(
         default_factory=dict,

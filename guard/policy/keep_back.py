@@ -117,9 +117,10 @@ class OnnxInt8Ops(_OnnxRuntimeOps):
             from guard.backends.derive import derive_onnx
 
             try:
+                options = self.spec.options
                 path = derive_onnx(self.spec.path, self.spec.precision, self.base,
-                                   bool(self.spec.options.get("per_channel", False)),
-                                   reduce_range=self.spec.options.get("reduce_range"))
+                                   bool(options.get("per_channel", False)),
+                                   reduce_range=bool(options.get("reduce_range", False)))
                 self._quantised = QuantisedGraph(path)
             except Exception:  # suffix rules still apply without it
                 self._quantised = None

@@ -72,27 +72,27 @@ def _largest_int8_weight(path) -> int:
     return int(max(weights))
 
 
-def test_int8_reduce_range_is_chosen_by_the_cpu_and_can_be_set(zoo_classifier, images):
-    """null: 7-bit weights where the CPU's int8 kernels saturate (x86-64 without VNNI), 8-bit
-    elsewhere; true/false force it; each is its own cached variant and describe() says which."""
+def test_int8_reduce_range_is_an_option_and_describe_says_how_int8_runs(zoo_classifier,
+                                                                          images):
+    """ONNX Runtime's recipe by default (8-bit weights); reduce_range: 7-bit, its own cached
+    variant; describe() says which, and whether this CPU's int8 kernels saturate."""
     from guard.machine import int8_kernels_saturate
 
     path = str(zoo_classifier["onnx"])
-    auto = load({"backend": "onnxruntime", "path": path, "precision": "int8"})
+    default = load({"backend": "onnxruntime", "path": path, "precision": "int8"})
     on = load({"backend": "onnxruntime", "path": path, "precision": "int8",
                "options": {"reduce_range": True}})
-    off = load({"backend": "onnxruntime", "path": path, "precision": "int8",
-                "options": {"reduce_range": False}})
+    assert default.describe().details["reduce_range"] == "false"
     assert on.describe().details["reduce_range"] == "true"
-    assert off.describe().details["reduce_range"] == "false"
+    assert _largest_int8_weight(default.describe().artifact) > 64
     assert _largest_int8_weight(on.describe().artifact) <= 64
-    assert _largest_int8_weight(off.describe().artifact) > 64
-    assert on.describe().artifact != off.describe().artifact
-    chosen = on if int8_kernels_saturate() else off
-    assert auto.describe().artifact == chosen.describe().artifact
-    assert auto.describe().details["reduce_range"] == chosen.describe().details["reduce_range"]
-    for backend in (auto, on, off):
+    assert on.describe().artifact != default.describe().artifact
+    kernels = default.describe().details["int8_kernels"]
+    assert kernels.startswith("saturating") == int8_kernels_saturate()
+    for backend in (default, on):
         assert backend.infer({"image": images})["logits"].shape == (len(images), 10)
+    fp32 = load({"backend": "onnxruntime", "path": path})
+    assert "int8_kernels" not in fp32.describe().details
 
 
 def test_the_int8_saturation_rule_reads_the_cpu_flags():
