@@ -14,6 +14,7 @@ with) and is reported as an error.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections import Counter
 
@@ -34,10 +35,7 @@ def _bin(value: float) -> int:
         return 0
     if not math.isfinite(value):
         return len(HIST_EDGES)
-    for k in range(1, len(HIST_EDGES)):
-        if value < HIST_EDGES[k]:
-            return k
-    return len(HIST_EDGES)
+    return max(1, bisect.bisect_right(HIST_EDGES, value))
 
 
 class _OutputFigures:

@@ -1,7 +1,8 @@
 """Engines run planned batches and yield their outcomes; the aggregator does not care which ran.
 
 - ``LocalEngine``: one process, one ``ModelRunner`` per model, batches in order, inference of
-  the next batches (on a helper thread) overlapped with reading and checking (on this one).
+  the next batches (on a thread per side: reference, primary) overlapped with reading and
+  checking (on this one).
 - ``RayEngine``: one worker actor per CPU slot, each with its own backend set (built from the
   config text the driver ships, so the workers need the artifacts at the same paths: a shared
   volume or the same image), batches handed to idle actors with a bounded number in flight so a
@@ -16,7 +17,6 @@ from __future__ import annotations
 import os
 import sys
 from collections import deque
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable, Iterator
 
@@ -33,7 +33,7 @@ LOCAL_RAY_CPUS = 2  # a local cluster (no --ray-address) gets this many CPUs: on
 
 class LocalEngine:
     name = "local"
-    AHEAD = 2  # batches queued for inference beyond the one being checked
+    AHEAD = 2  # batches handed to the sides' threads beyond the one being checked
 
     def __init__(self, config: GuardConfig):
         self.runners = Runners({m.name: m for m in config.models})
@@ -46,21 +46,25 @@ class LocalEngine:
         return self.runners.get(model).describe()
 
     def run(self, batches: Iterable[Batch]) -> Iterator[list[SampleOutcome]]:
-        """Two stages: a helper thread infers batches back to back while this thread reads
-        the records of the next batches and checks the inferred ones. ``AHEAD`` batches are
-        queued for inference, so that it never waits for this thread to read the next one
-        (with one in flight, the inference thread idled while a batch was read)."""
-        pending: deque = deque()  # (runner, future of its Inferred), in batch order
-        with ThreadPoolExecutor(max_workers=1, thread_name_prefix="replay-infer") as pool:
+        """This thread reads the records of the next batches, hands each batch to the
+        reference's and the primary's threads (``ModelRunner.submit``: each side runs its
+        queue back to back) and checks the inferred ones. ``AHEAD`` batches are queued beyond
+        the one being checked, so that the reference never waits for this thread to read the
+        next batch, nor for the primary to finish the last one."""
+        pending: deque = deque()  # (runner, Submitted), in batch order
+        try:
             for batch in batches:
                 runner = self.runners.get(batch.model)
-                pending.append((runner, pool.submit(runner.infer, batch)))
+                pending.append((runner, runner.submit(batch)))
                 if len(pending) > self.AHEAD:
-                    runner, future = pending.popleft()
-                    yield runner.check(future.result())
+                    runner, submitted = pending.popleft()
+                    yield runner.check(runner.collect(submitted))
             while pending:
-                runner, future = pending.popleft()
-                yield runner.check(future.result())
+                runner, submitted = pending.popleft()
+                yield runner.check(runner.collect(submitted))
+        finally:  # stopped early (an error, or the caller closed us): let queued work finish
+            for runner, submitted in pending:
+                runner.collect(submitted)
 
     def close(self) -> None:
         self.runners.close()

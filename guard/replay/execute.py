@@ -7,17 +7,19 @@ as the sidecar's verifier process assembles its own. For each batch it:
 1. checks every item's inputs against the primary's signature (the data plane's own check): an
    item that does not fit is an ``input_error`` outcome;
 2. stacks the items along the first axis when every input of both backends declares a dynamic
-   first dimension (-1), runs the reference and the primary at the same time (the primary on a
-   helper thread: both release the GIL), and splits the outputs back per item; when a stacked
-   call fails, or its outputs do not split by rows, the items run one by one, so that an error
-   is pinned on the item that caused it;
+   first dimension (-1), hands the batch to the reference's thread and to the primary's (one
+   each: both release the GIL, and each runs its queue of batches back to back, so the
+   reference, which bounds replay, never waits for the primary), and splits the outputs back per
+   item; when a stacked call fails, or its outputs do not split by rows, the items run one by
+   one, so that an error is pinned on the item that caused it;
 3. checks every item as one sample, as the sidecar does: the items of a stacked batch that
    pass tiers 1 and 3 are found with the batch's figures computed at once
    (guard/replay/batchcheck.py: the same numbers, bit for bit), every other item goes through
    ``Verifier.check`` alone with its inputs; ``Verifier.tier_reports`` of each is kept.
 
-The two halves are separate methods (``infer``, then ``check``) so that an engine can overlap
-them: the local engine checks batch k while batch k+1 is inferred (inference releases the GIL,
+The steps are separate methods (``submit``, which returns at once; ``collect``, which waits for
+both sides; ``check``) so that an engine can overlap them: the local engine submits a few
+batches ahead and checks batch k while later ones are inferred (inference releases the GIL,
 the checks mostly hold it). Whether items are stacked depends only on the batch and the
 backends' signatures, so the local and the Ray engine, which run the same batches, compute the
 same numbers.
@@ -25,7 +27,7 @@ same numbers.
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -75,9 +77,28 @@ class Inferred:
     stacked: Stacked | None = None
 
 
+@dataclass
+class Submitted:
+    """A batch handed to the two sides' threads: input errors, and futures of their answers
+    (one pair for the stacked items, or one pair per item)."""
+
+    inferred: Inferred
+    items: list[ReplayItem]
+    stacked: tuple[Future, Future] | None = None
+    each: list[tuple[Future, Future]] = field(default_factory=list)
+
+
 def _dynamic_batch(backend: Backend) -> bool:
     specs = backend.describe().inputs
     return bool(specs) and all(s.shape and s.shape[0] == -1 for s in specs)
+
+
+def _answer(backend: Backend, inputs: dict[str, np.ndarray]):
+    """The backend's outputs, or the exception it raised (reported per item)."""
+    try:
+        return backend.infer(inputs)
+    except Exception as exc:  # noqa: BLE001
+        return exc
 
 
 class ModelRunner:
@@ -88,7 +109,10 @@ class ModelRunner:
         self.verifier = self.pair.verifier
         self.reference = self.pair.reference
         self.primary = self.pair.primary
-        self._helper = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replay-{self.name}")
+        # One thread per side: each runs its batches in order, back to back.
+        self._sides = {
+            role: ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"replay-{self.name}-{role}")
+            for role in ("reference", "primary")}
 
     @property
     def noise_floor(self) -> NoiseFloor | None:
@@ -108,7 +132,8 @@ class ModelRunner:
                 "noise_floor": self.noise_floor.as_dict() if self.noise_floor else None}
 
     def close(self) -> None:
-        self._helper.shutdown(wait=True)
+        for pool in self._sides.values():
+            pool.shutdown(wait=True)
         self.pair.close()
 
     # -- one batch ---------------------------------------------------------------------------
@@ -116,21 +141,39 @@ class ModelRunner:
         return self.check(self.infer(batch))
 
     def infer(self, batch: Batch) -> Inferred:
-        result = Inferred(batch)
+        return self.collect(self.submit(batch))
+
+    def submit(self, batch: Batch) -> Submitted:
+        """Check the items' inputs and hand the rest to both sides' threads; returns at once."""
+        inferred = Inferred(batch)
         valid: list[ReplayItem] = []
         for item in batch.items:
             try:
                 check_inputs(item.inputs, self.input_specs)
             except InferenceError as exc:
-                result.done[item.index] = self._outcome(item, INPUT_ERROR, error=str(exc))
+                inferred.done[item.index] = self._outcome(item, INPUT_ERROR, error=str(exc))
                 continue
             valid.append(item)
+        submitted = Submitted(inferred, valid)
         if len(valid) > 1 and self.stackable:
-            result.stacked = self._infer_stacked(valid)
-            if result.stacked is not None:
-                valid = []
-        for item in valid:
-            reference, primary = self._infer_both(item.inputs)
+            names = list(valid[0].inputs)
+            stacked = {n: np.concatenate([it.inputs[n] for it in valid], axis=0) for n in names}
+            submitted.stacked = self._both(stacked)
+        else:
+            submitted.each = [self._both(item.inputs) for item in valid]
+        return submitted
+
+    def collect(self, submitted: Submitted) -> Inferred:
+        """Wait for both sides' answers to a submitted batch."""
+        result = submitted.inferred
+        each = submitted.each
+        if submitted.stacked is not None:
+            reference, primary = (f.result() for f in submitted.stacked)
+            result.stacked = self._split_stacked(submitted.items, reference, primary)
+            if result.stacked is None:  # one by one, to pin an error on its item
+                each = [self._both(item.inputs) for item in submitted.items]
+        for item, (reference, primary) in zip(submitted.items, each):
+            reference, primary = reference.result(), primary.result()
             if isinstance(reference, Exception):
                 result.done[item.index] = self._outcome(item, REFERENCE_ERROR,
                                                         error=_describe(reference))
@@ -163,27 +206,17 @@ class ModelRunner:
                                                  tiers=self.verifier.tier_reports(check))
         return [outcomes[item.index] for item in inferred.batch.items]
 
-    def _infer_both(self, inputs: dict[str, np.ndarray]):
-        """(reference outputs or exception, primary outputs or exception), run concurrently."""
-        primary_future = self._helper.submit(self.primary.infer, inputs)
-        try:
-            reference = self.reference.infer(inputs)
-        except Exception as exc:  # noqa: BLE001 - reported per item
-            reference = exc
-        try:
-            primary = primary_future.result()
-        except Exception as exc:  # noqa: BLE001
-            primary = exc
-        return reference, primary
+    def _both(self, inputs: dict[str, np.ndarray]) -> tuple[Future, Future]:
+        """Futures of (reference outputs or exception, primary outputs or exception)."""
+        return (self._sides["reference"].submit(_answer, self.reference, inputs),
+                self._sides["primary"].submit(_answer, self.primary, inputs))
 
-    def _infer_stacked(self, items: list[ReplayItem]) -> Stacked | None:
-        names = list(items[0].inputs)
-        stacked = {n: np.concatenate([it.inputs[n] for it in items], axis=0) for n in names}
-        reference, primary = self._infer_both(stacked)
+    @staticmethod
+    def _split_stacked(items: list[ReplayItem], reference, primary) -> Stacked | None:
+        """The stacked answers, or None when a side raised or its outputs are not per row."""
         if isinstance(reference, Exception) or isinstance(primary, Exception):
             return None
-        rows = [it.rows for it in items]
-        total = sum(rows)
+        total = sum(it.rows for it in items)
         outputs = list(reference.values()) + list(primary.values())
         if any(np.ndim(a) == 0 or np.shape(a)[0] != total for a in outputs):
             return None  # outputs not per row: cannot split, run one by one
