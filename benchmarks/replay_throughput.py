@@ -104,10 +104,12 @@ def reference_limit(config, images: np.ndarray, batch: int, repeats: int) -> dic
 
 
 def warm_process(config, images: np.ndarray, batch: int) -> None:
-    """Load and run one reference that is then thrown away. On the AMD EPYC the first
-    TorchScript module loaded in a process ran 1.5x slower per row than every later one
-    (400 vs 260-270 us, each warmed alike): without this, whichever of the limit and the replay
-    loaded first was handicapped, and the first pair's ratio was off by that much."""
+    """Load and run one reference that is then thrown away, so that neither half of the first
+    pair pays for the process's first load. Before guard/malloc.py, the first TorchScript
+    module in a process ran 1.5x slower per row than later ones on the AMD EPYC (400 vs 260-270
+    us): glibc trimmed and re-faulted its heap on every forward, depending on where earlier
+    allocations had left the heap's top. With the malloc settings the throwaway runs as fast
+    as the rest; the warm-up stays, cheap insurance for the first pair."""
     limit = reference_limit(config, images[: 8 * batch], batch, 1)
     log(f"process warm-up: a throwaway reference at {limit['rows_per_s']:.0f} rows/s")
 
@@ -399,12 +401,16 @@ def replay_markdown(rp: dict) -> list[str]:
         "Where the time goes (microseconds per record, each stage measured alone): " + ", ".join(
             f"{k.removesuffix('_us').replace('_', ' ')} {v:.0f}"
             for k, v in rp["stages_us_per_record"].items()) + ". Replay must run the reference "
-        "*and* the primary and check every record. The local engine infers batches back to "
-        "back on a helper thread (reference and primary side by side, two batches queued) "
-        "while the main thread reads records and checks inferred batches (tiers 1 and 3 of a "
-        "stacked batch computed at once for the records that pass, guard/replay/batchcheck.py)"
-        ", so its steady state is bounded by the slower of (reference, primary) and (read + "
-        "checks), and by the CPUs there are to run all three threads.", "",
+        "*and* the primary and check every record. The local engine gives each side its own "
+        "thread, running its queue of batches back to back (two batches queued beyond the one "
+        "being checked), while the main thread reads records and checks inferred batches "
+        "(tiers 1 and 3 of a stacked batch computed at once for the records that pass, "
+        "guard/replay/batchcheck.py). So the reference never waits for the primary or for "
+        "the reading; what it loses is CPU: three busy threads share two cores and one "
+        "interpreter lock, and the reference then runs slower per row than alone (measured "
+        "on the AMD EPYC with thread CPU clocks: inside replay the reference thread was on a "
+        "CPU for 80-85% of its time in forward, and its CPU per row was about 13% above the "
+        "limit's).", "",
     ]
 
 
@@ -439,8 +445,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--records", type=int, default=10_000)
     parser.add_argument("--batch", type=int, default=64, help="replay batch rows (default 64)")
-    parser.add_argument("--repeats", type=int, default=3,
-                        help="limit/replay pairs, the median ratio kept (default 3)")
+    parser.add_argument("--repeats", type=int, default=5,
+                        help="limit/replay pairs, the median ratio kept (default 5)")
     parser.add_argument("--duration", type=float, default=10.0,
                         help="seconds of load per capture cell (default 10)")
     parser.add_argument("--rounds", type=int, default=3, help="off/on rounds (default 3)")
@@ -459,13 +465,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.records, args.duration, args.rounds, args.repeats = 500, 2.0, 1, 1
 
+    from guard.malloc import tune_for_inference
     from guard.zoo import classifier
 
+    # As `guard replay` (guard/cli.py) does: the limit and the replay both run tuned.
+    malloc = tune_for_inference()
+    log(f"malloc: {malloc}")
     cache = Path(tempfile.mkdtemp(prefix="guard-replay-bench-"))
     os.environ.setdefault("GUARD_CACHE_DIR", str(cache / "cache"))
     try:
         paths = classifier.export(cache / "zoo")
-        result = {"machine": po.machine_info(), "quick": args.quick,
+        result = {"machine": po.machine_info(), "quick": args.quick, "malloc": malloc,
                   "load_average_at_start": os.getloadavg(),
                   "command": "benchmarks/replay_throughput.py " + " ".join(argv or sys.argv[1:])}
         if args.part in ("all", "replay"):

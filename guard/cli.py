@@ -15,6 +15,7 @@ import traceback
 
 from guard import __version__
 from guard.errors import ConfigError, GuardError
+from guard.malloc import tune_for_inference
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
 
@@ -324,6 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     _configure_logging(args.debug)
+    tune_for_inference()  # before backends allocate: see guard/malloc.py
     try:
         return args.func(args)
     except ConfigError as exc:

@@ -43,18 +43,19 @@ def tensor_from_proto(tensor: pb.Tensor) -> np.ndarray:
     except ValueError as exc:
         raise RecordError(f"{where}: {exc}") from None
     shape = tuple(tensor.shape)
+    raw = tensor.raw  # each read of a bytes field builds a new bytes object: read it once
     if tensor.datatype == "BYTES":
         try:
-            return decode_bytes_elements(tensor.raw, count).reshape(shape)
+            return decode_bytes_elements(raw, count).reshape(shape)
         except ValueError as exc:
             raise RecordError(f"{where}: {exc}") from None
     dtype = OIP_TO_NUMPY.get(tensor.datatype)
     if dtype is None:
         raise RecordError(f"{where}: unknown datatype '{tensor.datatype}'")
-    if len(tensor.raw) != count * dtype.itemsize:
-        raise RecordError(f"{where}: {len(tensor.raw)} bytes for shape "
+    if len(raw) != count * dtype.itemsize:
+        raise RecordError(f"{where}: {len(raw)} bytes for shape "
                           f"{list(shape)} x {tensor.datatype}")
-    return np.frombuffer(tensor.raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+    return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
 
 
 def tensors(field) -> dict[str, np.ndarray]:

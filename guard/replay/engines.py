@@ -25,6 +25,7 @@ import yaml
 from guard.backends.base import TensorSpec
 from guard.config import GuardConfig, parse_config
 from guard.errors import GuardError
+from guard.malloc import tune_for_inference
 from guard.replay.execute import Runners
 from guard.replay.items import Batch, SampleOutcome
 
@@ -74,6 +75,7 @@ class ReplayWorker:
     """A Ray actor: its own backends for the models of one config, loaded on first use."""
 
     def __init__(self, config_text: str, base_dir: str):
+        tune_for_inference()  # a Ray worker process: see guard/malloc.py
         config = parse_config(yaml.safe_load(config_text), Path(base_dir), "replay config")
         self.runners = Runners({m.name: m for m in config.models})
 

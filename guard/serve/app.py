@@ -39,6 +39,7 @@ from guard.serve.dataplane import DataPlane
 from guard.serve.decoding import guarded
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
+from guard.malloc import tune_for_inference
 from guard.serve import sampling
 from guard.serve.model import ServedModel
 from guard.serve.processes import ServingProcesses
@@ -146,7 +147,7 @@ class GuardServer:
              metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
              models=sorted(self.models),
              tap=f"{self.config.server.tap.host}:{self.tap_port}" if self._tap else None,
-             sampling_key=self.sampling_key)  # hardening2
+             sampling_key=self.sampling_key, malloc=tune_for_inference())  # hardening2
 
     async def _start_servers(self) -> None:
         server_config = self.config.server

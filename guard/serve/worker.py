@@ -222,6 +222,9 @@ async def _serve(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from guard.malloc import tune_for_inference
+
+    tune_for_inference()  # before backends allocate: see guard/malloc.py
     parser = argparse.ArgumentParser(prog="python -m guard.serve.worker",
                                      description="one of guard's extra serving processes "
                                      "(started by guard serve; not meant to be run by hand).")

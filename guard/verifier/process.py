@@ -291,6 +291,9 @@ def _tensors(handed: wire.HandedSample):
 
 
 def main(argv: list[str] | None = None) -> int:
+    from guard.malloc import tune_for_inference
+
+    tune_for_inference()  # before backends allocate: see guard/malloc.py
     parser = argparse.ArgumentParser(prog="python -m guard.verifier",
                                      description="guard's verifier process (started by guard "
                                      "serve; not meant to be run by hand).")
