@@ -31,45 +31,31 @@
 #define VERDICT_CLONES
 #endif
 
-VERDICT_CLONES
-static void max_abs_f32(const float *a, const float *b, Py_ssize_t n, uint32_t *diff_bits,
-                        uint32_t *ref_bits)
-{
-    uint32_t md = 0, mb = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        float d = a[i] - b[i];
-        uint32_t ud, ub;
-        memcpy(&ud, &d, sizeof ud);
-        memcpy(&ub, &b[i], sizeof ub);
-        ud &= 0x7fffffffu;
-        ub &= 0x7fffffffu;
-        md = ud > md ? ud : md;
-        mb = ub > mb ? ub : mb;
+/* One loop per float type, from one template: BITS is an integer type of the float's size whose
+ * ordering of the masked patterns is that of |x|. For float64 it is signed: the masked patterns
+ * are below 2^63, and signed 64-bit compares are what x86 vector units have. */
+#define MAX_ABS_LOOP(NAME, FLOAT, BITS, MASK)                                                 \
+    VERDICT_CLONES                                                                            \
+    static void NAME(const FLOAT *a, const FLOAT *b, Py_ssize_t n, BITS *diff_bits,           \
+                     BITS *ref_bits)                                                          \
+    {                                                                                         \
+        BITS md = 0, mb = 0;                                                                  \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                  \
+            FLOAT d = a[i] - b[i];                                                            \
+            BITS ud, ub;                                                                      \
+            memcpy(&ud, &d, sizeof ud);                                                       \
+            memcpy(&ub, &b[i], sizeof ub);                                                    \
+            ud &= MASK;                                                                       \
+            ub &= MASK;                                                                       \
+            md = ud > md ? ud : md;                                                           \
+            mb = ub > mb ? ub : mb;                                                           \
+        }                                                                                     \
+        *diff_bits = md;                                                                      \
+        *ref_bits = mb;                                                                       \
     }
-    *diff_bits = md;
-    *ref_bits = mb;
-}
 
-VERDICT_CLONES
-static void max_abs_f64(const double *a, const double *b, Py_ssize_t n, uint64_t *diff_bits,
-                        uint64_t *ref_bits)
-{
-    /* Masked patterns are below 2^63: a signed compare orders them as an unsigned one would,
-     * and signed 64-bit compares are what x86 vector units have. */
-    int64_t md = 0, mb = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        double d = a[i] - b[i];
-        int64_t ud, ub;
-        memcpy(&ud, &d, sizeof ud);
-        memcpy(&ub, &b[i], sizeof ub);
-        ud &= INT64_MAX;
-        ub &= INT64_MAX;
-        md = ud > md ? ud : md;
-        mb = ub > mb ? ub : mb;
-    }
-    *diff_bits = (uint64_t)md;
-    *ref_bits = (uint64_t)mb;
-}
+MAX_ABS_LOOP(max_abs_f32, float, uint32_t, 0x7fffffffu)
+MAX_ABS_LOOP(max_abs_f64, double, int64_t, INT64_MAX)
 
 static int
 get_buffer(PyObject *obj, Py_buffer *view)
@@ -142,7 +128,7 @@ max_abs_pair(PyObject *self, PyObject *args)
         diff = df;
         ref = rf;
     } else {
-        uint64_t db, rb;
+        int64_t db, rb;
         Py_BEGIN_ALLOW_THREADS
         max_abs_f64((const double *)a.buf, (const double *)b.buf, n, &db, &rb);
         Py_END_ALLOW_THREADS
