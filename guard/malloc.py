@@ -7,8 +7,9 @@ forward whose intermediates add up to more is trimmed at the end of each call an
 memory back at the start of the next. Measured on the project's AMD EPYC: the zoo CNN's
 TorchScript reference at batch 64 took 47 minor page faults per row and ran at 380-430 us per row
 instead of 205-220 (2x), depending only on where earlier allocations (an ONNX Runtime session's,
-say) had left the top of the heap; with the thresholds below, 0 faults and the fast figure. The
-same happens to the sidecar's verifier on any model with large activations.
+say) had left the top of the heap; with the thresholds below, 0 faults and the fast figure. It
+takes a large working set per call: the zoo's models at batch 1 and 8 (what the sidecar's
+verifier runs for them) faulted neither way; a larger model, or replay's batches, do.
 
 What: ``M_MMAP_THRESHOLD`` 32 MiB (glibc's own ceiling for its dynamic threshold: larger blocks,
 model weights, are still mapped on their own and returned when freed) and ``M_TRIM_THRESHOLD``
