@@ -5,26 +5,26 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def cpu_model(default: str = "unknown") -> str:
-    """The CPU's model name from /proc/cpuinfo (Linux); ``default`` where it cannot be read."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` of /proc/cpuinfo (Linux), or None where it cannot be read."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
+            if line.startswith(field):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return default
+    return None
+
+
+def cpu_model(default: str = "unknown") -> str:
+    """The CPU's model name from /proc/cpuinfo (Linux); ``default`` where it cannot be read."""
+    return _cpuinfo("model name") or default
 
 
 def cpu_flags() -> frozenset[str] | None:
     """The CPU's feature flags from /proc/cpuinfo (Linux); None where they cannot be read."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return None
+    flags = _cpuinfo("flags")
+    return None if flags is None else frozenset(flags.split())
 
 
 # x86 instructions ONNX Runtime's int8 (U8S8) kernels use instead of AVX2's vpmaddubsw, which

@@ -13,9 +13,19 @@ from guard.backends.derive import derive_onnx
 from guard.backends.options import OnnxRuntimeOptions
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
+from guard.machine import int8_kernels_saturate
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
+
+def derived_variant(spec: "BackendConfig", source: bytes | None = None) -> Path:
+    """The file an onnxruntime block runs: its artifact, or the ``precision`` variant derived
+    with the block's options (nodes_to_exclude, per_channel, reduce_range). The backend, tier 2's
+    ONNX side and the int8 repair all ask here, so they see one variant."""
+    options = OnnxRuntimeOptions.model_validate(spec.options)
+    return derive_onnx(spec.path, spec.precision, options.nodes_to_exclude, options.per_channel,
+                       source=source, reduce_range=options.reduce_range)
+
 
 # ORT type strings -> OIP datatypes.
 _ORT_TYPES = {
@@ -63,10 +73,7 @@ class OnnxRuntimeBackend(Backend):
         # The artifact is read once and checked against its sha256; fp32 loads from those very
         # bytes, a derived variant is derived from them (and cached under their digest).
         data, _ = read_artifact(self.spec.path, self.spec.sha256)
-        self.model_path = derive_onnx(
-            self.spec.path, self.spec.precision, self.options.nodes_to_exclude,
-            self.options.per_channel, source=data, reduce_range=self.options.reduce_range,
-        )
+        self.model_path = derived_variant(self.spec, source=data)
         so = ort.SessionOptions()
         if self.spec.precision == "fp32":
             model: bytes | str = data
@@ -132,8 +139,6 @@ class OnnxRuntimeBackend(Backend):
             return {}
         details = {"providers": ",".join(self.session.get_providers())}
         if self.spec.precision == "int8":  # how the variant was quantised, and how it runs
-            from guard.machine import int8_kernels_saturate
-
             details["reduce_range"] = str(self.options.reduce_range).lower()
             details["int8_kernels"] = ("saturating (x86-64 without VNNI/AMX: 8-bit weights "
                                        "can overflow; see options.reduce_range)"

@@ -114,13 +114,10 @@ class OnnxInt8Ops(_OnnxRuntimeOps):
     def _graph(self) -> QuantisedGraph | None:
         """The int8 variant as configured (cached by derive), to map segment nodes to ops."""
         if not hasattr(self, "_quantised"):
-            from guard.backends.derive import derive_onnx
+            from guard.backends.onnxruntime import derived_variant
 
             try:
-                options = self.spec.options
-                path = derive_onnx(self.spec.path, self.spec.precision, self.base,
-                                   bool(options.get("per_channel", False)),
-                                   reduce_range=bool(options.get("reduce_range", False)))
+                path = derived_variant(self.spec)  # its nodes_to_exclude are self.base
                 self._quantised = QuantisedGraph(path)
             except Exception:  # suffix rules still apply without it
                 self._quantised = None

@@ -462,11 +462,8 @@ def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
                      label: str = "onnx") -> OnnxSide:
     """Tier 2's side for an onnxruntime block (declared in guard/backends/onnxruntime.py):
     the variant it runs (derived as the backend derives it), or ``run_path``."""
-    from guard.backends.derive import derive_onnx
-    from guard.backends.options import OnnxRuntimeOptions
+    from guard.backends.onnxruntime import derived_variant
 
-    options = OnnxRuntimeOptions.model_validate(spec.options)
-    path = run_path or derive_onnx(spec.path, spec.precision, options.nodes_to_exclude,
-                                   options.per_channel, reduce_range=options.reduce_range)
+    path = run_path or derived_variant(spec)
     return OnnxSide(path, source_path=spec.path, threads=threads, label=label,
                     precision=spec.precision)
