@@ -363,6 +363,8 @@ def markdown(result: dict) -> str:
         f"Machine: {m['cpu_model']}, {m['cpus_usable']} usable CPU(s) of {m['cpu_count']} "
         f"(shared with other work), {m['platform']}; {m['date']}.",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in m["versions"].items()) + ".",
+        f"malloc: {result.get('malloc', '?')}; replay's gc freeze (guard/collector.py): "
+        f"{'on' if result.get('gc_freeze', True) else 'off (GUARD_GC_FREEZE=off)'}.",
         f"Command: `{result['command']}`" + (" (--quick: a smoke check, not figures to quote)"
                                               if result["quick"] else ""),
         "Load average (1, 5, 15 min) at start: "
@@ -406,11 +408,18 @@ def replay_markdown(rp: dict) -> list[str]:
         "being checked), while the main thread reads records and checks inferred batches "
         "(tiers 1 and 3 of a stacked batch computed at once for the records that pass, "
         "guard/replay/batchcheck.py). So the reference never waits for the primary or for "
-        "the reading; what it loses is CPU: three busy threads share two cores and one "
-        "interpreter lock, and the reference then runs slower per row than alone (measured "
-        "on the AMD EPYC with thread CPU clocks: inside replay the reference thread was on a "
-        "CPU for 80-85% of its time in forward, and its CPU per row was about 13% above the "
-        "limit's).", "",
+        "the reading. What it can still wait for is the interpreter lock: a TorchScript "
+        "forward takes it back at least twice per call (on return, and inside, when it drops "
+        "the input tensor Python made), so every stretch the main thread holds the lock "
+        "stalls the reference. Two such stretches were found with perf (sched_switch call "
+        "graphs of the reference thread) and removed: the torch backend's per-call tensor "
+        "calls (.to, .detach, .cpu: one lock round trip each; 8 per forward became 2) and "
+        "the cyclic collector's full collections over torch's ~430 000 objects (300+ ms "
+        "each, holding the lock; guard/collector.py freezes what loading left alive). "
+        "Steady state on the AMD EPYC: 70% before both, 75% with the first, 87% with both "
+        "(medians of 5 pairs). What is left: the main thread's own Python per record, "
+        "and two busy cores slowing each other (the reference's CPU per row inside replay "
+        "is 0-10% above the limit's).", "",
     ]
 
 
@@ -475,7 +484,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GUARD_CACHE_DIR", str(cache / "cache"))
     try:
         paths = classifier.export(cache / "zoo")
+        from guard import collector
+
         result = {"machine": po.machine_info(), "quick": args.quick, "malloc": malloc,
+                  "gc_freeze": collector.enabled(),
                   "load_average_at_start": os.getloadavg(),
                   "command": "benchmarks/replay_throughput.py " + " ".join(argv or sys.argv[1:])}
         if args.part in ("all", "replay"):

@@ -70,3 +70,19 @@ class Nested(nn.Module):
 
 def nested() -> Nested:
     return Nested()
+
+
+class WithParameterOutput(nn.Module):
+    """Returns one of its parameters as is beside a computed output: a tensor made outside
+    inference mode, which still requires grad (numpy() refuses it unless detached)."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.full((3,), 2.0))
+
+    def forward(self, x):
+        return {"y": x[:, :3] * self.scale, "scale": self.scale}
+
+
+def with_parameter_output() -> WithParameterOutput:
+    return WithParameterOutput()

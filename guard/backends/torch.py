@@ -196,7 +196,9 @@ class TorchBackend(Backend):
             tensor = tensor.pin_memory().to(self.device, non_blocking=True)
         if self._dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self._dtype)
-        return tensor.to(self.device)
+        if tensor.device != self.device:
+            tensor = tensor.to(self.device)
+        return tensor
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         import torch
@@ -211,10 +213,13 @@ class TorchBackend(Backend):
         _flatten(result, "", self._output_names, flat)
         out = {}
         for name, tensor in flat.items():
-            tensor = tensor.detach()
+            if tensor.requires_grad:  # a parameter returned as is (made outside inference mode)
+                tensor = tensor.detach()
             if self._dtype is not None and tensor.dtype == self._dtype:
                 tensor = tensor.float()  # reduced precision inside, fp32 at the boundary
-            out[name] = tensor.cpu().numpy()  # synchronises with the device
+            if tensor.device.type != "cpu":
+                tensor = tensor.cpu()  # synchronises with the device
+            out[name] = tensor.numpy()
         return out
 
     def describe(self) -> BackendInfo:

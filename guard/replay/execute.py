@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from guard.backends import Backend
+from guard.collector import freeze_loaded, thaw
 from guard.config import ModelConfig
 from guard.replay.batchcheck import check_stacked
 from guard.replay.items import (
@@ -236,7 +237,10 @@ def _describe(exc: Exception) -> str:
 
 
 class Runners:
-    """One ``ModelRunner`` per model, built and loaded on first use."""
+    """One ``ModelRunner`` per model, built and loaded on first use. What a load leaves alive
+    is frozen out of the cyclic collector until the runners close (guard/collector.py: a full
+    collection over torch's objects held the interpreter lock for 300+ ms, and the reference's
+    forward waits for that lock)."""
 
     def __init__(self, models: dict[str, ModelConfig]):
         self.models = models
@@ -247,6 +251,7 @@ class Runners:
         if runner is None:
             runner = ModelRunner(self.models[name]).load()
             self._runners[name] = runner
+            freeze_loaded()
         return runner
 
     def run(self, batch: Batch) -> list[SampleOutcome]:
@@ -256,3 +261,4 @@ class Runners:
         for runner in self._runners.values():
             runner.close()
         self._runners.clear()
+        thaw()

@@ -320,3 +320,14 @@ def test_factory_folder_is_appended_to_sys_path_and_shadows_nothing(tmp_path, mo
         assert sys.path[-1] == str(config_dir)
     finally:
         sys.modules.pop(name, None)
+
+
+def test_torch_backend_detaches_a_parameter_returned_as_is():
+    """infer() detaches only what requires grad (outputs made in inference mode need not be)."""
+    backend = create_backend(BackendConfig(backend="torch", path="fixture_models:"
+                                           "with_parameter_output"), "primary")
+    backend.load()
+    x = np.arange(8, dtype=np.float32).reshape(2, 4)
+    out = backend.infer({"x": x})
+    np.testing.assert_array_equal(out["scale"], np.full(3, 2.0, np.float32))
+    np.testing.assert_array_equal(out["y"], x[:, :3] * 2.0)
