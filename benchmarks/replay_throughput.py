@@ -474,6 +474,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.quick:
         args.records, args.duration, args.rounds, args.repeats = 500, 2.0, 1, 1
 
+    from guard import collector
     from guard.malloc import tune_for_inference
     from guard.zoo import classifier
 
@@ -484,8 +485,6 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GUARD_CACHE_DIR", str(cache / "cache"))
     try:
         paths = classifier.export(cache / "zoo")
-        from guard import collector
-
         result = {"machine": po.machine_info(), "quick": args.quick, "malloc": malloc,
                   "gc_freeze": collector.enabled(),
                   "load_average_at_start": os.getloadavg(),

@@ -48,8 +48,14 @@ def tune_for_inference() -> str:
     return _done
 
 
+def switched_off(variable: str) -> bool:
+    """Is a process setting's off switch (``GUARD_MALLOC_TUNING``, guard/collector.py's
+    ``GUARD_GC_FREEZE``) set: off, 0, false or no, in any case."""
+    return os.environ.get(variable, "").lower() in ("off", "0", "false", "no")
+
+
 def _tune() -> str:
-    if os.environ.get("GUARD_MALLOC_TUNING", "").lower() in ("off", "0", "false", "no"):
+    if switched_off("GUARD_MALLOC_TUNING"):
         return "off (GUARD_MALLOC_TUNING)"
     if any(name in os.environ for name in _USER_VARIABLES):
         return "left to the MALLOC_*_ environment variables"

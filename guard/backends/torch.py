@@ -196,7 +196,9 @@ class TorchBackend(Backend):
             tensor = tensor.pin_memory().to(self.device, non_blocking=True)
         if self._dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(self._dtype)
-        if tensor.device != self.device:  # only calls that do something: see _to_numpy
+        # Only calls that do something (see _to_numpy); CUDA inputs were moved above, and
+        # "cuda" vs "cuda:0" would read as a difference.
+        if tensor.device.type != self.device.type:
             tensor = tensor.to(self.device)
         return tensor
 
