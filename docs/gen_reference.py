@@ -145,10 +145,10 @@ def _table(obj: dict, defs: dict) -> list[str]:
             default = "required"
         elif "default" in prop:
             default = f"`{json.dumps(prop['default'])}`"
-        elif _nested_refs(prop):
-            default = "(its defaults)"
+        elif "$ref" in prop:
+            default = "(its defaults)"  # a nested block left out is built with its own defaults
         else:
-            default = ""
+            default = "optional"  # a default_factory, which the JSON Schema does not carry
         description = prop.get("description")
         if description is None and "$ref" in prop:
             description = defs[_ref_name(prop["$ref"])].get("description", "")
