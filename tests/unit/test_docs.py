@@ -44,29 +44,58 @@ def test_site_builds_strictly_with_every_page(built_site):
         assert (built_site / page).is_file(), page
 
 
+def _rows(page: str) -> dict[str, str]:
+    """Table rows of a generated page by their first cell (a code span)."""
+    rows = {}
+    for line in page.splitlines():
+        m = re.match(r"\| `([^`]+)` \|", line)
+        if m:
+            rows.setdefault(m.group(1), line)
+    return rows
+
+
+def _sections(page: str) -> dict[str, str]:
+    """A generated page's sections by their explicit anchor ({#name})."""
+    parts = re.split(r"^## .*\{#([\w-]+)\}$", page, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
 def test_every_registered_metric_is_in_the_metrics_page(built_site):
     from guard.observe.metrics import GuardMetrics
 
-    page = (REFERENCE / "metrics.md").read_text()
-    families = list(GuardMetrics("test").registry.collect())
+    metrics = GuardMetrics("test")
+    rows = _rows((REFERENCE / "metrics.md").read_text())
+    families = list(metrics.registry.collect())
     assert len(families) >= 26
     for family in families:
         exposed = f"{family.name}_total" if family.type == "counter" else family.name
-        assert f"`{exposed}`" in page, f"{exposed} is registered but not in the metrics page"
-        assert family.documentation.split()[0] in page
+        assert exposed in rows, f"{exposed} is registered but not in the metrics page"
+        row = rows[exposed]
+        assert f"| {family.type} |" in row
+        assert " ".join(family.documentation.split()) in row.replace("\\|", "|")
+    for value in vars(metrics).values():
+        labels = getattr(value, "_labelnames", None)
+        if labels:
+            name = value.describe()[0].name
+            row = rows[f"{name}_total" if value._type == "counter" else name]
+            for label in labels:
+                assert f"`{label}`" in row, f"{name}: label {label} missing"
 
 
 def test_every_config_section_is_in_the_config_page(built_site):
     schema = json.loads(subprocess.run(
         [sys.executable, "-m", "guard", "config", "schema"], cwd=REPO, env=_env(),
         capture_output=True, text=True, check=True).stdout)
-    page = (REFERENCE / "config.md").read_text()
+    sections = _sections((REFERENCE / "config.md").read_text())
     for key in schema["properties"]:
-        assert f"| `{key}` |" in page, f"top-level key {key} is not in the config page"
+        assert key in _rows(sections["top-level"]), f"top-level key {key} is not in the page"
     for name, definition in schema["$defs"].items():
-        assert f"{{#{name.lower()}}}" in page, f"section {name} is not in the config page"
-        for key in definition.get("properties", {}):
-            assert f"| `{key}` |" in page, f"{name}.{key} is not in the config page"
+        assert name.lower() in sections, f"section {name} is not in the config page"
+        rows = _rows(sections[name.lower()])
+        for key, prop in definition.get("properties", {}).items():
+            assert key in rows, f"{name}.{key} is not in the config page"
+            if "default" in prop:
+                assert f"`{json.dumps(prop['default'])}`" in rows[key], f"{name}.{key} default"
 
 
 def test_readme_fits_a_page():
