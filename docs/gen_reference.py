@@ -1,13 +1,13 @@
 """Writes the generated reference pages, docs/reference/config.md and docs/reference/metrics.md.
 
-Why generated: a hand-kept list of config keys or metric series drifts from the code (the README
-once listed 15 of 26 series). These pages are written from the code itself, at every docs build:
+Why generated: a hand-kept list of config keys or metric series drifts from the code. These pages
+are written from the code itself, at every docs build:
 
 - config.md from the JSON Schema that ``guard config schema`` prints (run as a subprocess of this
   checkout, so the page is exactly what users get from the command): one table per config
   section (key, type, default, description), in the order a config file nests them;
 - metrics.md from the registry of a real ``GuardMetrics`` instance: every family the registry
-  collects, with its type, labels, help text and buckets, and which process keeps it.
+  collects, with its type, labels, help text and buckets, and which registries hold it.
 
 Two ways to run it: as a mkdocs hook (``hooks:`` in mkdocs.yml; ``on_pre_build`` writes the pages
 before mkdocs collects its files, so ``mkdocs build --strict`` checks links into them too), or as
@@ -23,6 +23,7 @@ from __future__ import annotations
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -61,8 +62,12 @@ def _anchor(def_name: str) -> str:
 
 
 def _cell(text: str) -> str:
-    """One table cell: no newlines, no bare pipes."""
-    return " ".join(str(text).split()).replace("|", "\\|")
+    """One table cell: no newlines, no bare pipes (a pipe inside a code span needs no escape
+    and would show its backslash)."""
+    parts = re.split(r"((`+).*?\2)", " ".join(str(text).split()))
+    # re.split yields text, code span, its backticks, text, ...: escape the text parts only.
+    return "".join(part.replace("|", "\\|") if i % 3 == 0 else part
+                   for i, part in enumerate(parts) if i % 3 != 2)
 
 
 def _constraints(prop: dict) -> list[str]:
@@ -90,15 +95,14 @@ def _type(prop: dict) -> str:
         return text
     kind = prop.get("type")
     if kind == "array":
-        return "list of " + (_type(prop["items"]) if "items" in prop else "anything")
-    if kind == "object":
+        text = "list of " + (_type(prop["items"]) if "items" in prop else "anything")
+    elif kind == "object":
         extra = prop.get("additionalProperties")
-        if isinstance(extra, dict):
-            return "map of name to " + _type(extra)
-        return "map"
-    if isinstance(kind, list):
-        return " or ".join(kind)
-    text = kind or "any"
+        text = "map of name to " + _type(extra) if isinstance(extra, dict) else "map"
+    elif isinstance(kind, list):
+        text = " or ".join(kind)
+    else:
+        text = kind or "any"
     marks = _constraints(prop)
     return text + (f" ({', '.join(marks)})" if marks else "")
 
@@ -183,15 +187,19 @@ def config_markdown(schema: dict) -> str:
 
 
 def _wrappers(metrics) -> dict[str, object]:
-    """Family name -> the prometheus_client metric object that GuardMetrics holds for it.
+    """Family name -> the prometheus_client metric object behind it (held by GuardMetrics or
+    registered on its registry).
 
     Label names and buckets are not in a collected family when no child exists yet, so they are
-    read from the metric objects (``_labelnames``, ``_upper_bounds``: prometheus_client's
-    attributes, stable since 0.4)."""
+    read from the metric objects (``_labelnames``, ``_upper_bounds``: prometheus_client's own
+    attributes, not its public API; should a release rename them, the build fails here with an
+    AttributeError rather than writing a page without labels)."""
     from prometheus_client.metrics import MetricWrapperBase
 
+    held = list(vars(metrics).values())
+    held += list(getattr(metrics.registry, "_collector_to_names", {}))  # registered elsewhere
     out = {}
-    for value in vars(metrics).values():
+    for value in held:
         if isinstance(value, MetricWrapperBase):
             out[value.describe()[0].name] = value
     return out
