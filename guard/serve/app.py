@@ -1,22 +1,22 @@
 """The sidecar process: loads the models, serves OIP + health + admin + metrics, stops gracefully.
 
 Ports: the data plane and ``grpc.health.v1`` share ``server.grpc_port`` (Kubernetes gRPC probes
-point there: service ``""`` = live, ``readiness`` = ready); the admin API listens on its own port
-on loopback (or under mutual TLS, ``server.admin_tls``); the guard.v1.Tap service, when
-``server.tap`` is set, on a listener of its own (loopback or mutual TLS); Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A port of 0 picks a free
-one (tests, demo); the bound ports are on the server object after ``start()``.
+point there: service ``""`` = live, ``readiness`` = ready; built by guard/serve/listen.py, as in
+every serving process); the admin API listens on its own port on loopback (or under mutual TLS,
+``server.admin_tls``); the guard.v1.Tap service, when ``server.tap`` is set, on a listener of
+its own (loopback or mutual TLS); Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A
+port of 0 picks a free one (tests, demo); the bound ports are on the server object after
+``start()``.
 
 With ``server.processes`` > 1 this process is the primary of several serving processes on the
 data-plane port (guard/serve/processes.py).
 
-Shutdown (SIGTERM/SIGINT, handled from the first moment of ``guard serve``: a signal during
-start cancels it, and what had started stops, the verifier and the other serving processes
-included): health turns NOT_SERVING, the gRPC server stops accepting and gives
+Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the gRPC server stops accepting and gives
 in-flight requests ``shutdown_grace_s`` to finish (in every serving process), then the verifier
-process stops (its queued
-samples are counted as dropped, capture is flushed), backends close, and the metrics endpoint
-goes last.
-"""
+process stops (its queued samples are counted as dropped, capture is flushed), backends close,
+and the metrics endpoint goes last. The signals are handled from the first moment of ``guard
+serve``: one that comes while it is still starting cancels the start, and what had started
+stops, the verifier and the other serving processes included (``serve_until_signalled``)."""
 
 from __future__ import annotations
 
@@ -265,13 +265,13 @@ def _on_own_thread(function, *args) -> asyncio.Future:
 
     def run() -> None:
         try:
-            result = function(*args)
+            outcome = (function(*args), None)
         except BaseException as exc:
-            if not loop.is_closed():
-                loop.call_soon_threadsafe(settle, None, exc)
-            return
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(settle, result)
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody waits for this any more
+            pass
 
     threading.Thread(target=run, name=f"guard-{function.__name__}", daemon=True).start()
     return future

@@ -114,13 +114,13 @@ class VerifierSupervisor:
                    "--ring-bytes", str(self.rings[0].capacity)]
         for fd in fds[2:]:
             command += ["--ring-fd", str(fd)]
-        self.table.clear_heartbeat()
         channel = Channel(parent, self._handlers(), "serving", on_close=self._on_close)
         with self._lock:  # a stop (a signal during start) starts no verifier after it
             if self._stopping.is_set():
                 child.close()
                 parent.close()
                 return "stopped during start-up"
+            self.table.clear_heartbeat()
             process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL)
             self.process, self.channel = process, channel
         child.close()
