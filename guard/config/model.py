@@ -67,7 +67,7 @@ class ModelConfig(Strict):
         "letters, digits, '_', '.', '-', starting with a letter or digit.")
     task: Task = "generic"
     tap: bool = Field(
-        False, description="hardening2: true: this model's own server answers its clients and "
+        False, description="true: this model's own server answers its clients and "
         "reports each answer to guard over guard.v1.Tap (server.tap's listener); guard never "
         "answers it (ModelInfer for it is FAILED_PRECONDITION). false: guard answers it in the "
         "path and Tap/Observe for it is refused, so that nobody else can feed its detectors.")

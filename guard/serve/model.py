@@ -179,25 +179,31 @@ class ServedModel:
         return False
 
     # -- from the verifier -------------------------------------------------------------------------
-    def use_primary(self, kept: list[str]) -> None:
-        """Serve the primary with ``kept`` ops held back at full precision (a repair's winner,
-        rebuilt here from the same spec), or as configured (``[]``). Requests in flight keep
-        the backend object they were given."""
+    kept_primary: dict | None = None  # the wire form of the repaired primary serving now
+
+    def use_primary(self, kept: list[str], primary: dict | None = None) -> None:
+        """Serve the primary with ``kept`` ops held back at full precision, built from
+        ``primary`` (the rebuilt backend block's wire form: a repair's winner, derived by the
+        verifier), or as configured (``[]``). Requests in flight keep the backend object they
+        were given."""
         if not kept:
             if self._configured_primary is not None:
                 repaired = self.backends["primary"]
                 self.backends["primary"] = self._configured_primary
-                self._configured_primary, self.kept = None, []
+                self._configured_primary, self.kept, self.kept_primary = None, [], None
                 repaired.close()
             return
-        from guard.policy.keep_back import keep_back_for
+        if primary is None:
+            raise ValueError(f"model '{self.name}': ops kept back without the rebuilt primary")
+        from guard.ipc.config import backend_from_wire
 
-        backend = create_backend(keep_back_for(self.config.primary).rebuild_spec(kept), "primary")
+        spec = backend_from_wire(primary, self.config.primary.context)
+        backend = create_backend(spec, "primary")
         backend.load()
         if self._configured_primary is None:
             self._configured_primary = self.backends["primary"]
         self.backends["primary"] = backend
-        self.kept = list(kept)
+        self.kept, self.kept_primary = list(kept), primary
 
     def transition(self, message: dict) -> None:
         """A route transition the verifier made: for WatchRoute streams (tap mode)."""
