@@ -45,7 +45,7 @@ from guard.replay.items import (
     ReplayItem,
     SampleOutcome,
 )
-from guard.serve.codec import InferenceError
+from guard.protocol.codec import InferenceError
 from guard.protocol.inputs import check_inputs
 from guard.verify.noise import NoiseFloor
 from guard.verify.pair import CheckedPair

@@ -15,6 +15,7 @@ import threading
 import time
 
 from guard.backends import Backend, BackendInfo, Forwarding, TensorSpec, create_backend
+from guard.backends.loading import load_all
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes, wire
@@ -22,9 +23,8 @@ from guard.ipc.ring import SampleRing
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.serve.codec import InferenceError
-from guard.serve.sampling import sampled
-from guard.verify.pair import load_all
+from guard.protocol.codec import InferenceError
+from guard.runtime.sampling import sampled
 
 
 class ServedModel:
@@ -231,7 +231,7 @@ class ServedModel:
 def _median_ms(backend: Backend, calls: int = 7) -> float | None:
     """Median milliseconds of a batch-1 inference on inputs generated from the signature
     (after one warm-up call); None when no inputs can be generated or the call fails."""
-    from guard.verify.noise import generate_inputs
+    from guard.protocol.synthetic import generate_inputs
 
     try:
         inputs = generate_inputs(backend.describe().inputs, rows=1)

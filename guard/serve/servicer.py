@@ -19,7 +19,7 @@ from google.protobuf.message_factory import GetMessageClass
 from guard import __version__
 from guard.observe import tracing
 from guard.protocol import raw
-from guard.serve.codec import InferenceError, decode_request, encode_response
+from guard.protocol.codec import InferenceError, decode_request, encode_response
 from guard.serve.dataplane import DataPlane
 
 log = logging.getLogger("guard.servicer")

@@ -282,7 +282,7 @@ def _tensors(handed: wire.HandedSample):
         return handed.inputs, handed.outputs
     from tritonclient.grpc import service_pb2 as pb
 
-    from guard.serve.codec import decode_request, decode_response
+    from guard.protocol.codec import decode_request, decode_response
 
     request = decode_request(pb.ModelInferRequest.FromString(handed.request_message))
     handed.requested_outputs = tuple(request.requested_outputs)
