@@ -15,7 +15,8 @@ class CannotGenerate(ValueError):
     """The signature has no datatype or shape for an input, or unknown non-batch dimensions."""
 
 
-def generate_inputs(specs: tuple[TensorSpec, ...], rows: int, seed: int = 0) -> dict[str, np.ndarray]:
+def generate_inputs(specs: tuple[TensorSpec, ...], rows: int,
+                    seed: int = 0) -> dict[str, np.ndarray]:
     """Seeded inputs shaped by the signature, ``rows`` along axis 0."""
     rng = np.random.default_rng(seed)
     out = {}

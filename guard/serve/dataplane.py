@@ -22,8 +22,8 @@ from tritonclient.grpc import service_pb2 as pb
 
 from guard.backends.base import Backend, Forwarding, ForwardingError
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
-from guard.protocol.inputs import check_inputs
 from guard.protocol.codec import InferenceError, InferenceRequest, invalid
+from guard.protocol.inputs import check_inputs
 from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.dataplane")
