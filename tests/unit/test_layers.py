@@ -50,3 +50,17 @@ def test_every_package_is_held_to_the_serve_rule():
                 if (p.suffix == ".py" or (p / "__init__.py").exists())}
     listed = {m.removeprefix("guard.") for m in rule["source_modules"]}
     assert packages - command_line == listed
+
+
+def test_registries_above_the_backends_name_real_backends():
+    """Tier 2's capture sides and the repair's strategies are keyed by backend name in their
+    own layers: every key is a registered backend, and every entry loads."""
+    from guard.backends import BACKEND_NAMES
+    from guard.policy.keep_back import STRATEGIES, KeepBack
+    from guard.verify.activation.sides import SIDES, capture_side
+
+    assert set(SIDES) <= set(BACKEND_NAMES) and set(STRATEGIES) <= set(BACKEND_NAMES)
+    assert all(callable(capture_side(name)) for name in SIDES)
+    assert capture_side("upstream") is None
+    assert all(issubclass(strategy, KeepBack) and strategy.option
+               for by_precision in STRATEGIES.values() for strategy in by_precision.values())
