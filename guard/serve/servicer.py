@@ -87,7 +87,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             answer = await self.dataplane.forward(model, data, request_id,
                                                   context.time_remaining(),
                                                   _client_metadata(context))
-        except InferenceError as exc:  # counted by the data plane, where it was raised
+        except Exception as exc:  # counted by the data plane, where it was raised
             await _abort(context, model.name, exc)
         if span is not None:
             tracing.set_attributes(span, {"guard.route": "forwarded"})
