@@ -19,7 +19,7 @@ from guard.config.base import (
 
 
 def _repairable_kinds() -> str:
-    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the declarations."""
+    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the repair's strategies."""
     from guard.policy.keep_back import STRATEGIES  # the repair's own registry
 
     parts = []
