@@ -28,7 +28,7 @@ from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
 from guard.serve.supervisor import VerifierSupervisor, VerifierUnavailable
 from guard.serve.tls import CallerCheck
-from guard.verifier.status import counts
+from guard.observe.metrics import counts
 from guard.v1 import admin_pb2 as pb
 from guard.v1 import admin_pb2_grpc as pb_grpc
 

@@ -43,7 +43,7 @@ from guard.serve.decoding import guarded
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.malloc import tune_for_inference
-from guard.serve import sampling
+from guard.runtime import sampling
 from guard.serve.listen import bind, data_plane_server, server_options
 from guard.serve.model import ServedModel
 from guard.serve.processes import ServingProcesses

@@ -217,7 +217,7 @@ class VerifierSupervisor:
             self.table.set(model.slot, routes.IN_HAND, 0)
             if held:
                 lost[name] = held
-                model._dropped.inc(held)
+                model.count_lost(held)
         if time.monotonic() - self._started_at > _HEALTHY_AFTER_S:
             self._backoff = self.settings.restart_backoff_s
         emit("verifier_lost", how=how, samples_lost=lost, restart_in_s=round(self._backoff, 2),

@@ -24,7 +24,7 @@ import threading
 
 from guard.observe.events import emit
 from guard.policy.repair import OpRepair, SampleBuffer
-from guard.serve.priority import lower_current_thread
+from guard.runtime.priority import lower_current_thread
 
 log = logging.getLogger("guard.ops_fallback")
 
