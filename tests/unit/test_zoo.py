@@ -17,9 +17,8 @@ MODELS = ["resnet", "vit", "detector", "segmenter"]
 
 
 @pytest.fixture(scope="session")
-def zoo_exports(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("seeded-zoo")
-    return {name: zoo_entry(name).export(folder, 0) for name in MODELS}
+def zoo_exports(zoo_folder):
+    return {name: zoo_entry(name).export(zoo_folder, 0) for name in MODELS}
 
 
 def run_both(name, paths, rows=16):
