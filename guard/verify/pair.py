@@ -12,6 +12,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from guard.backends import Backend, create_backend
+from guard.backends.signatures import check_pair
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.verify.arbitrate import build_arbiter
@@ -53,6 +54,7 @@ class CheckedPair:
 
     def load_backends(self) -> None:
         load_all(self.name, self.config, self.backends)
+        check_pair(self.name, self.reference.describe(), self.primary.describe())
 
     def measure_noise_floor(self) -> NoiseFloor:
         """The reference against itself; tier 1 then allows the floor. A floor that cannot be
