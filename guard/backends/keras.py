@@ -161,6 +161,30 @@ class KerasBackend(Backend):
         # Keras's TensorFlow backend runs a tf.function, callable from several threads; the
         # other backends' predict paths are not documented thread-safe: one call at a time.
         self._serialise = self.options.keras_backend != "tensorflow"
+        self._warm_up()
+
+    def _warm_up(self) -> None:
+        """One batch-1 call of zeros when the inputs' shapes are known past the batch axis:
+        Keras builds its predict function on the first call (not thread-safe), and on the
+        OpenVINO backend this compiles the model, whose precision is then reported."""
+        if not all(s.shape and all(d >= 0 for d in s.shape[1:]) and s.datatype
+                   for s in self._inputs):
+            return
+        from guard.protocol.tensors import OIP_TO_NUMPY
+
+        zeros = {s.name: np.zeros((1, *s.shape[1:]), OIP_TO_NUMPY[s.datatype])
+                 for s in self._inputs}
+        try:
+            self.infer(zeros)
+        except Exception as exc:
+            raise BackendError(f"keras cannot run {self.spec.path} on a batch of zeros: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        compiled = getattr(self.model, "ov_compiled_model", None)  # Keras's OpenVINO trainer
+        if compiled is not None:
+            # Keras compiles with OpenVINO's default precision: bf16 on a CPU with bf16
+            # kernels (avx512_bf16, AMX), where a guard openvino block would pin f32.
+            self._details["inference_precision"] = (
+                compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name())
 
     def _feed(self, inputs: dict[str, np.ndarray]):
         if isinstance(self._input_structure, dict):

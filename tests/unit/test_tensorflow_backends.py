@@ -240,3 +240,47 @@ def test_two_keras_backends_in_one_config_are_refused_naming_both_keys(tmp_path)
 def test_blocks_that_cannot_load_are_config_errors(tmp_path, block, message):
     with pytest.raises(ConfigError, match=message):
         parse_config(guard_yaml(tmp_path, {"name": "m", "primary": block}), tmp_path)
+
+
+CHILD = """
+import json, sys
+import numpy as np
+from guard.backends import create_backend
+from guard.config import BackendConfig
+spec = BackendConfig.model_validate({"backend": "keras", "path": sys.argv[1],
+                                     "options": {"keras_backend": sys.argv[2]}})
+backend = create_backend(spec, "reference", 1)
+backend.load()
+x = np.load(sys.argv[3])
+out = backend.infer({"image": x})["output_0"]
+print(json.dumps({"tensorflow": "tensorflow" in sys.modules,
+                  "keras_backend": backend.describe().details["keras_backend"],
+                  "outputs": [s.name for s in backend.describe().outputs],
+                  "precision": backend.describe().details.get("inference_precision", "f32"),
+                  "drift": float(np.abs(out - np.load(sys.argv[4])).max())}))
+"""
+
+
+@pytest.mark.parametrize("keras_backend", ["torch", "openvino"])
+def test_a_keras_file_runs_on_another_keras_backend_in_its_own_process(
+        models, expected, tmp_path, keras_backend):
+    """Keras's backend is per process: a child process with this one's environment."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    pytest.importorskip(keras_backend)
+    np.save(tmp_path / "x.npy", tf_models.images(4))
+    np.save(tmp_path / "y.npy", expected)
+    env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
+    done = subprocess.run([sys.executable, "-c", CHILD, str(models["keras"]), keras_backend,
+                           str(tmp_path / "x.npy"), str(tmp_path / "y.npy")],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["keras_backend"] == keras_backend and report["outputs"] == ["output_0"]
+    assert not report["tensorflow"]  # only Keras on TensorFlow pays for TensorFlow
+    # Keras's OpenVINO backend compiles at the plugin's default precision: bf16 on a CPU with
+    # bf16 kernels (reported), 8 mantissa bits on logits of scale ~0.6.
+    assert report["drift"] < (2e-2 if report["precision"] == "bf16" else 1e-4), report
