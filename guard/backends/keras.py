@@ -112,6 +112,48 @@ def _names(structure: Any, mode: str, layer_names: list[str] | None) -> list[str
     return [f"output_{i}" for i in range(count)]
 
 
+def _load_model(keras, path: str, data: bytes):
+    """The model from a private copy of the checked bytes (Keras loads from a path), with
+    ``safe_mode`` on; a model without declared inputs is refused (nothing to name)."""
+    with tempfile.TemporaryDirectory(prefix="guard-keras-") as tmp:
+        copy = Path(tmp) / Path(path).name
+        copy.write_bytes(data)
+        try:
+            model = keras.saving.load_model(copy, compile=False, safe_mode=True)
+        except Exception as exc:
+            first = str(exc).splitlines()[0][:300] if str(exc) else ""
+            raise BackendError(f"keras cannot load {path}: {type(exc).__name__}: {first}") from exc
+    try:
+        declared = model.inputs
+    except Exception:  # a subclassed model that was never called raises here
+        declared = None
+    if not declared:
+        raise BackendError(f"{path} holds a Keras model without declared inputs (a subclassed "
+                           "model): guard names tensors by a functional or Sequential model's "
+                           "inputs; save one built on keras.Input")
+    return model
+
+
+def _input_specs(model) -> tuple[list[str], tuple]:
+    """Input names (a dict input's keys, sorted; else the inputs' own names) and specs."""
+    structure = model.input
+    if isinstance(structure, dict):
+        names = sorted(structure)
+        tensors = [structure[name] for name in names]
+    else:
+        tensors = list(model.inputs)
+        names = [t.name for t in tensors]
+    return names, tuple(tensor_spec(n, t.dtype, t.shape) for n, t in zip(names, tensors))
+
+
+def _output_specs(model, mode: str, layer_names: list[str] | None) -> tuple[list[str], tuple]:
+    structure = model.output
+    names = _names(structure, mode, layer_names)
+    flat = ([structure[name] for name in names] if isinstance(structure, dict)
+            else list(structure) if isinstance(structure, (list, tuple)) else [structure])
+    return names, tuple(tensor_spec(n, t.dtype, t.shape) for n, t in zip(names, flat))
+
+
 class KerasBackend(Backend):
     def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):
         self.spec = spec
@@ -125,37 +167,17 @@ class KerasBackend(Backend):
     def load(self) -> None:
         data, digest = read_artifact(self.spec.path, self.spec.sha256)
         keras = import_keras(self.options.keras_backend, self.threads)
-        with tempfile.TemporaryDirectory(prefix="guard-keras-") as tmp:
-            copy = Path(tmp) / Path(self.spec.path).name
-            copy.write_bytes(data)
-            try:
-                model = keras.saving.load_model(copy, compile=False, safe_mode=True)
-            except Exception as exc:
-                raise BackendError(f"keras cannot load {self.spec.path}: {type(exc).__name__}: "
-                                   f"{str(exc).splitlines()[0][:300] if str(exc) else ''}") from exc
-        self.model = model
-        self._input_structure = model.input
-        inputs = model.inputs
-        if isinstance(self._input_structure, dict):
-            input_names = sorted(self._input_structure)
-            inputs = [self._input_structure[name] for name in input_names]
-        else:
-            input_names = [t.name for t in inputs]
-        self._input_names = input_names
-        self._inputs = tuple(tensor_spec(name, t.dtype, t.shape)
-                             for name, t in zip(input_names, inputs))
-        structure = model.output
-        layer_names = getattr(model, "output_names", None)
-        names = _names(structure, self.options.output_names, layer_names)
-        flat = ([structure[name] for name in names] if isinstance(structure, dict)
-                else list(structure) if isinstance(structure, (list, tuple)) else [structure])
-        self._output_names = names
-        self._outputs = tuple(tensor_spec(name, t.dtype, t.shape) for name, t in zip(names, flat))
+        self.model = _load_model(keras, self.spec.path, data)
+        self._input_structure = self.model.input
+        self._input_names, self._inputs = _input_specs(self.model)
+        layer_names = getattr(self.model, "output_names", None)
+        self._output_names, self._outputs = _output_specs(self.model, self.options.output_names,
+                                                          layer_names)
         self._details = {"version": keras.__version__,
                          "keras_backend": keras.backend.backend(), "sha256": digest}
         if layer_names:
             self._details["output_layers"] = ",".join(
-                f"{name}={layer}" for name, layer in zip(names, layer_names))
+                f"{name}={layer}" for name, layer in zip(self._output_names, layer_names))
         if self.options.keras_backend == "tensorflow":
             _, self._details["threads"] = import_tensorflow("keras", self.threads)
         # Keras's TensorFlow backend runs a tf.function, callable from several threads; the
