@@ -72,3 +72,36 @@ def test_every_export_names_its_output_logits(exports):
         assert [s.name for s in backend.describe().outputs] == ["logits"]
         assert [(s.name, s.shape) for s in backend.describe().inputs] == [
             ("image", (-1, 3, 16, 16))]
+
+
+def test_guard_replay_names_the_port_bug_on_an_input_set(exports, tmp_path):
+    """``guard replay`` on an .npz of images: the faithful port's model passes, the padding
+    bug's fails tiers 1 and 3 (the replay exits 1)."""
+    import json
+
+    import yaml
+
+    from guard.cli import main
+
+    def model(name: str, variant: str) -> dict:
+        paths = exports[variant]
+        return {"name": name, "task": "classification",
+                "primary": {"backend": "keras", "path": str(paths["keras"])},
+                "reference": {"backend": "torch", "path": str(paths["torchscript"])},
+                "checks": {"tensor": {"atol": 1e-5, "rtol": 1e-5}},
+                "policy": {"window": 10, "min_samples": 5, "trip_ratio": 0.2}}
+
+    results = {}
+    for name, variant in (("faithful", "keras_port"), ("padding", "keras_port_padding")):
+        config = tmp_path / f"{name}.yaml"
+        config.write_text(yaml.safe_dump({"version": 1, "models": [model(name, variant)]}))
+        np.savez(tmp_path / "images.npz", image=zoo_entry("keras_port").sample_inputs(12, 3)["image"])
+        code = main(["replay", "--config", str(config), str(tmp_path / "images.npz"),
+                     "--report-dir", str(tmp_path / name), "--quiet"])
+        report = json.loads((tmp_path / name / "report.json").read_text())["models"][name]
+        results[name] = (code, report["tiers"])
+    assert results["faithful"][0] == 0
+    assert results["faithful"][1]["tensor"]["passed"] == 12
+    assert results["padding"][0] == 1
+    assert results["padding"][1]["tensor"]["passed"] == 0
+    assert results["padding"][1]["task"]["passed"] < 12
