@@ -311,7 +311,12 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
                       "failure_type": None, "reason": spec})
         say(f"  {backend.name}: skipped ({spec})")
         return
-    run = run_backend(spec, "primary", config.threads, prepared.samples)
+    if backend.process == "own":
+        from guard.matrix.apart import run_apart
+
+        run = run_apart(spec, "primary", config.threads, prepared.samples)
+    else:
+        run = run_backend(spec, "primary", config.threads, prepared.samples)
     latency = {"reference_ms": reference.latency_ms, "backend_ms": run.latency_ms,
                "backend_load_s": round(run.load_s, 3)}
     if run.error:

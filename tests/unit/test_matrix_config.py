@@ -48,8 +48,12 @@ def test_keras_columns_on_two_keras_backends_are_refused_naming_both(tmp_path):
                             {"name": "b", "backend": "keras",
                              "options": {"keras_backend": "torch"}}])
     with pytest.raises(ConfigError, match=r"backends\[1\]\.options\.keras_backend: 'torch', but "
-                                          r"backends\[0\] runs Keras on 'tensorflow'"):
+                                          r"backends\[0\] runs Keras on 'tensorflow'.*process: own"):
         load_matrix_config(path)
+    path = write(tmp_path, [{"name": "a", "backend": "keras"},
+                            {"name": "b", "backend": "keras", "process": "own",
+                             "options": {"keras_backend": "torch"}}])
+    assert load_matrix_config(path)[0].backends[1].process == "own"
 
 
 def test_the_tensorflow_family_gets_the_keras_artifacts_and_others_skip(tmp_path):
