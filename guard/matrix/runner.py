@@ -31,7 +31,7 @@ from guard.machine import cpu_model
 
 from guard.config import BackendConfig, ChecksConfig, ConfigContext
 from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel
-from guard.verify.pipeline import CheckResult, Verifier
+from guard.verify.pipeline import CheckResult, Comparator
 
 log = logging.getLogger("guard.matrix")
 
@@ -331,7 +331,7 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
         checks = ChecksConfig.model_validate({
             "tensor": {"atol": atol, "rtol": rtol, "noise_floor": {"enabled": False}},
             "task": model.checks.task.model_dump(exclude_unset=True)})
-        verifier = Verifier(checks, prepared.task, prepared.adapters)
+        verifier = Comparator(checks, prepared.task, prepared.adapters)
         verifier.pass_stats = True  # the sweep's tables report every output's statistics
         results = [verifier.check(ref, out) for ref, out in zip(reference.outputs, run.outputs)]
         for tier in tiers:
