@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from guard.backends import Backend, create_backend
 from guard.backends.loading import load_all
+from guard.backends.signatures import check_pair
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.verify.arbitrate import build_arbiter
@@ -52,6 +53,7 @@ class CheckedPair:
 
     def load_backends(self) -> None:
         load_all(self.name, self.config, self.backends)
+        check_pair(self.name, self.reference.describe(), self.primary.describe())
 
     def measure_noise_floor(self) -> NoiseFloor:
         """The reference against itself; tier 1 then allows the floor. A floor that cannot be
