@@ -117,6 +117,28 @@ def cmd_deploy_rules(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_deploy_rollout(args: argparse.Namespace) -> int:
+    from guard.deploy.rollout import RolloutSettings, render_file
+
+    try:
+        settings = RolloutSettings(prometheus=args.prometheus, window=args.window,
+                                   interval=args.interval, count=args.count,
+                                   selector=args.selector, name=args.name)
+        text = render_file(args.file, args.kind, settings)
+    except ValueError as exc:
+        raise GuardError(str(exc)) from None
+    if args.output:
+        try:
+            with open(args.output, "w") as out:
+                out.write(text)
+        except OSError as exc:
+            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
+                from None
+    else:
+        sys.stdout.write(text)
+    return EXIT_OK
+
+
 def cmd_matrix(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -305,6 +327,30 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the scrape job label of the guard targets (default guard)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
+    rollout = deploy_sub.add_parser(
+        "rollout", help="a canary gate (Argo Rollouts AnalysisTemplate, Flagger MetricTemplates)",
+        description="Prints the analysis that gates a canary on what its guard saw: per model, "
+        "the failing share of each tier's checks and the detector's peak over the analysis "
+        "window (at most policy.trip_ratio, or the detector below its threshold), the compared "
+        "samples (at least policy.min_samples: fewer is inconclusive for Argo), and the route "
+        "(the fallback never served). Models without a reference are not gated.",
+    )
+    rollout.add_argument("file", metavar="FILE", help="guard YAML config")
+    rollout.add_argument("--kind", choices=("argo", "flagger"), required=True,
+                         help="argo: an AnalysisTemplate; flagger: MetricTemplates and the "
+                         "Canary's analysis.metrics")
+    rollout.add_argument("--prometheus", default="http://prometheus.monitoring.svc:9090",
+                         metavar="URL", help="the Prometheus the controller queries")
+    rollout.add_argument("--window", default="5m", help="argo: the analysis window (the "
+                         "window arg's default); flagger reads its metric interval (default 5m)")
+    rollout.add_argument("--interval", default="1m", help="how often to measure (default 1m)")
+    rollout.add_argument("--count", type=int, default=5,
+                         help="argo: measurements per analysis run (default 5)")
+    rollout.add_argument("--selector", default='job="guard"', help="argo: PromQL label "
+                         "matchers of the canary's guard series (the selector arg's default)")
+    rollout.add_argument("--name", default="guard", help="name (prefix) of the objects")
+    rollout.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    rollout.set_defaults(func=cmd_deploy_rollout)
 
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
     admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",
