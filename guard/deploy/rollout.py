@@ -30,10 +30,11 @@ Every query ends in ``or vector(0)``, so that an absent series is a value (0) an
 result (an error in both controllers), and a tier with no checks in the window drops out of
 the ratio instead of making it NaN (which fails every comparison); the evidence check is what
 stops "no data" from passing.
-The canary's series are picked by a label selector: an Argo arg (``{{args.selector}}``,
-default ``job="guard"``; pass the canary's pod-template-hash or pod regex) and, for Flagger,
-the canary pods of ``{{ target }}`` in ``{{ namespace }}`` as Flagger's own built-in checks
-select them.
+The canary's series are picked by label matchers: for Argo, the args ``selector`` (default
+``job="guard"``, e.g. the namespace) and ``canary-hash`` (the canary ReplicaSet's
+pod-template-hash, which the Rollout passes; default ``.*``) matched against the pod name; for
+Flagger, the canary pods of ``{{ target }}`` in ``{{ namespace }}`` as Flagger's own built-in
+checks select them.
 
 The manifests follow the fields the controllers document (Argo Rollouts' AnalysisTemplate
 ``spec.args``/``spec.metrics[].provider.prometheus``; Flagger's MetricTemplate ``spec.provider``
@@ -52,7 +53,10 @@ import yaml
 from guard.deploy.rules import DURATION, ModelThresholds, model_selector, read_thresholds
 
 KINDS = ("argo", "flagger")
-ARGO_SELECTOR = "{{args.selector}}"
+# A Rollout's pods are named <rollout>-<pod-template-hash>-<suffix>: the Rollout passes the
+# canary's hash (valueFrom.podTemplateHashValue: Latest); `pod` is a label every Kubernetes
+# scrape (PodMonitor, pod service discovery) gives.
+ARGO_SELECTOR = '{{args.selector}},pod=~".+-{{args.canary-hash}}-.+"'
 ARGO_WINDOW = "{{args.window}}"
 # Flagger's canary pods of a Deployment target `podinfo` are podinfo-<hash>-<id>; the primary's
 # are podinfo-primary-<hash>-<id> (the pattern Flagger's built-in request-success-rate uses).
@@ -181,6 +185,7 @@ def _argo(models: list[ModelThresholds], settings: RolloutSettings) -> dict:
         "spec": {
             "args": [
                 {"name": "selector", "value": settings.selector},
+                {"name": "canary-hash", "value": ".*"},
                 {"name": "window", "value": settings.window},
                 {"name": "prometheus", "value": settings.prometheus},
             ],

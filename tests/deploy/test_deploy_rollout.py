@@ -64,6 +64,7 @@ def flagger_documents(text: str) -> tuple[list[dict], list[dict]]:
 
 def filled(query: str) -> str:
     for placeholder, value in {"{{args.selector}}": 'job="guard"', "{{args.window}}": "5m",
+                               "{{args.canary-hash}}": "5d8f7c9b4",
                                "{{ namespace }}": "prod", "{{ target }}": "shop",
                                "{{ interval }}": "5m"}.items():
         query = query.replace(placeholder, value)

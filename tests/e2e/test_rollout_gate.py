@@ -54,11 +54,12 @@ def canary(name: str, detector: str, drifts: bool) -> dict:
                        policy={"action": "alert", **POLICIES[detector]})
 
 
-def argo_measurements(text: str) -> dict[str, tuple[str, str, str]]:
+def argo_measurements(text: str, canary_hash: str = "5d8f7c9b4") -> dict[str, tuple]:
     """metric name -> (query with the args' defaults, successCondition, failureCondition)."""
     template = yaml.safe_load(text)
     args = {a["name"]: a["value"] for a in template["spec"]["args"]}
     args["window"] = "1m"
+    args["canary-hash"] = canary_hash  # what valueFrom.podTemplateHashValue gives the Rollout
     out = {}
     for metric in template["spec"]["metrics"]:
         query = metric["provider"]["prometheus"]["query"]
@@ -111,6 +112,8 @@ def test_the_gate_passes_clean_canaries_and_fails_drifting_ones(tmp_path):
         config = thresholds_from_data(yaml.safe_load((guard_dir / "guard.yaml").read_text()))
         settings = RolloutSettings(window="1m", interval="10s")
         argo = argo_measurements(render(config, "argo", settings))
+        # Another ReplicaSet's hash: the stable pods, say, which this scrape does not have.
+        elsewhere = argo_measurements(render(config, "argo", settings), canary_hash="6b7c8d9f0")
         flagger = flagger_measurements(render(config, "flagger", settings))
         # drift-ratio, evidence, and route (fallback_model) or detector (alert)
         assert len(argo) == len(flagger) == 4 * 3
@@ -157,6 +160,10 @@ def test_the_gate_passes_clean_canaries_and_fails_drifting_ones(tmp_path):
                                  for n in evidence), timeout=30, interval=0.5)
             clean = verdicts()
             assert all(v == ("success", True) for v in clean.values()), clean
+            # Series of other pods are not the canary's evidence: too little is inconclusive.
+            for name in evidence:
+                assert value(elsewhere[name][0]) == 0
+                assert argo_verdict(0.0, *elsewhere[name][1:]) == "inconclusive"
 
             drifting = np.full((1, 4), DRIFT_TRIGGER, np.float32)
             for model in ("bad_window", "bad_cusum"):
