@@ -176,7 +176,10 @@ def _argo(models: list[ModelThresholds], settings: RolloutSettings) -> dict:
                 }},
             }
             if check.inconclusive_when_unmet:
-                metric["inconclusiveLimit"] = settings.count
+                # Argo ends a metric Inconclusive once its inconclusive measurements exceed
+                # this, and Successful after `count` otherwise: evidence reached in at least one
+                # of the run's measurements passes, evidence never reached pauses the rollout.
+                metric["inconclusiveLimit"] = settings.count - 1
             metrics.append(metric)
     return {
         "apiVersion": "argoproj.io/v1alpha1",

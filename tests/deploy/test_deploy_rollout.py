@@ -135,6 +135,9 @@ def test_thresholds_come_from_the_config():
     # Too little evidence pauses an Argo rollout (inconclusive), it does not abort it.
     assert metrics["cnn-evidence"]["successCondition"] == "result[0] >= 40"
     assert metrics["cnn-evidence"]["failureCondition"] == "false"
+    # Inconclusive in every one of the run's measurements (count 5) is an inconclusive run.
+    assert (metrics["cnn-evidence"]["count"], metrics["cnn-evidence"]["inconclusiveLimit"]) == \
+        (5, 4)
     _, analysis = flagger_documents(render(config(*MODELS), "flagger", RolloutSettings()))
     ranges = {m["name"]: m["thresholdRange"] for m in analysis}
     assert ranges["guard-cnn-drift-ratio"] == {"max": 0.15}
