@@ -22,6 +22,8 @@ What it takes to run that server from a test (each learned the hard way):
   and metrics are off.
 - ``--model-control-mode=explicit`` with ``--load-model=*``: every model loads at start, and
   the repository API (load, unload) works, which the tests use.
+- The Python backend's shared-memory regions stay in /dev/shm when the server is killed: each
+  server gets its own region prefix, and ``stop`` removes them.
 - Without a GPU, Triton logs CUDA-driver warnings (pinned memory, CudaDriverHelper) and serves
   ``KIND_CPU`` models normally.
 """
@@ -37,6 +39,7 @@ import subprocess
 import sys
 import sysconfig
 import time
+import uuid
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
@@ -115,6 +118,9 @@ class TritonServer:
         self.target = f"127.0.0.1:{self.port}"
         self.log_path = folder / "tritonserver.log"
         self.process: subprocess.Popen | None = None
+        # The Python backend's shared-memory regions (/dev/shm/<prefix>...): named per server,
+        # so that stop() removes exactly this server's, which a killed server leaves behind.
+        self.shm_prefix = f"guard_tests_triton_{uuid.uuid4().hex[:12]}_"
         self._write_repository()
         self._backends = self._write_backends()
 
@@ -153,7 +159,8 @@ class TritonServer:
             [str(binary), f"--model-repository={self.repository}",
              f"--backend-directory={self._backends}", "--model-control-mode=explicit",
              "--load-model=*", "--allow-http=false", "--allow-metrics=false",
-             "--grpc-address=127.0.0.1", f"--grpc-port={self.port}", "--exit-timeout-secs=5"],
+             "--grpc-address=127.0.0.1", f"--grpc-port={self.port}", "--exit-timeout-secs=5",
+             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"],
             stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
             env=self.environment(), cwd=self.folder, start_new_session=True,
         )
@@ -199,3 +206,5 @@ class TritonServer:
                 pass
             self.process.wait(10)
             self._log.close()
+        for region in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
+            region.unlink(missing_ok=True)
