@@ -5,8 +5,8 @@ driven by either) runs guard as its sidecar; the gate asks Prometheus, over the 
 window, whether guard saw that canary drift. Per model of the config:
 
 - ``drift-ratio``: the largest failing share of any tier's checks over the window
-  (``guard_checks_total``), at most ``policy.trip_ratio``: the share at which the guard itself
-  trips.
+  (``guard_checks_total``; the tiers the policy acts on, not tier 2's localisation), at most
+  ``policy.trip_ratio``: the share at which the guard itself trips.
 - ``detector`` (``policy.action: alert``): the guard's trip condition at its peak over the
   window: for ``detector: window`` the drift-ratio gauge (``guard_drift_ratio``) at most
   ``trip_ratio``; for the sequential detectors (``cusum``, ``e_detector``) the statistic below
@@ -121,11 +121,13 @@ def gate_checks(model: ModelThresholds) -> list[GateCheck]:
     if not model.mirrors:
         return []
     sel = model_selector(model.name, "$SELECTOR")
+    # The tiers the policy acts on: tier 2 (activation) localises, it does not trip the guard.
+    tiers = f'{sel},tier!="activation"'
     policy = model.policy
     checks = [GateCheck(
         model.name, "drift-ratio",
-        f'max(sum by (tier) (increase(guard_checks_total{{{sel},result="fail"}}[$WINDOW]))'
-        f" / (sum by (tier) (increase(guard_checks_total{{{sel}}}[$WINDOW])) > 0))"
+        f'max(sum by (tier) (increase(guard_checks_total{{{tiers},result="fail"}}[$WINDOW]))'
+        f" / (sum by (tier) (increase(guard_checks_total{{{tiers}}}[$WINDOW])) > 0))"
         " or vector(0)",
         "<=", policy.trip_ratio)]
     if policy.action == "alert" and policy.detector == "window":

@@ -142,8 +142,9 @@ def test_the_gate_passes_clean_canaries_and_fails_drifting_ones(tmp_path):
                     got[name.removeprefix("guard-")] += (flagger_passes(value(query), bounds),)
                 return got
 
-            # One request per canary, scraped, then the rest: increase() counts from a
-            # series' first scrape, as it would for a canary pod that has just started.
+            # One request per canary, scraped, then the rest: increase() counts what changed
+            # after a target's first scrape, and this guard took traffic before Prometheus
+            # had started.
             rng = np.random.default_rng(0)
             names = ("ok_window", "ok_cusum", "bad_window", "bad_cusum")
             for model in names:
