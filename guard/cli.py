@@ -329,11 +329,12 @@ def build_parser() -> argparse.ArgumentParser:
     rules.set_defaults(func=cmd_deploy_rules)
     rollout = deploy_sub.add_parser(
         "rollout", help="a canary gate (Argo Rollouts AnalysisTemplate, Flagger MetricTemplates)",
-        description="Prints the analysis that gates a canary on what its guard saw: per model, "
-        "the failing share of each tier's checks and the detector's peak over the analysis "
-        "window (at most policy.trip_ratio, or the detector below its threshold), the compared "
-        "samples (at least policy.min_samples: fewer is inconclusive for Argo), and the route "
-        "(the fallback never served). Models without a reference are not gated.",
+        description="Prints the analysis that gates a canary on what its guard saw over the "
+        "analysis window: per model, the failing share of each tier's checks (at most "
+        "policy.trip_ratio), the drift alert's condition never met (action alert) or the "
+        "fallback never serving (fallback_model, fallback_ops), and the compared samples (at "
+        "least policy.min_samples: fewer is inconclusive for Argo). Models without a "
+        "reference are not gated.",
     )
     rollout.add_argument("file", metavar="FILE", help="guard YAML config")
     rollout.add_argument("--kind", choices=("argo", "flagger"), required=True,

@@ -7,11 +7,12 @@ window, whether guard saw that canary drift. Per model of the config:
 - ``drift-ratio``: the largest failing share of any tier's checks over the window
   (``guard_checks_total``; the tiers the policy acts on, not tier 2's localisation), at most
   ``policy.trip_ratio``: the share at which the guard itself trips.
-- ``detector`` (``policy.action: alert``): the guard's trip condition at its peak over the
-  window: for ``detector: window`` the drift-ratio gauge (``guard_drift_ratio``) at most
-  ``trip_ratio``; for the sequential detectors (``cusum``, ``e_detector``) the statistic below
-  its own threshold gauge (``statistic >= bool threshold``, 1 while tripped). This is the condition ``guard deploy rules`` alerts on
-  (guard/deploy/rules.py), read as a peak over the window instead of a ``for`` duration.
+- ``detector`` (``policy.action: alert``): the tiers that met the guard's trip condition at
+  any point of the window, which must be none. The condition is the drift alert's
+  (``guard deploy rules``, guard/deploy/rules.py: the drift-ratio gauge over ``trip_ratio``
+  for ``detector: window``, the statistic at its threshold gauge for ``cusum`` and
+  ``e_detector``, each from ``policy.min_samples`` samples on), read over the window instead
+  of for a ``for`` duration.
 - ``evidence``: compared samples in the window (``guard_mirror_total{outcome="compared"}``), at
   least ``policy.min_samples``: a canary that saw no traffic, or whose reference failed, has
   not passed anything. Argo marks too little evidence *inconclusive* (the rollout pauses), not
@@ -50,7 +51,13 @@ from pathlib import Path
 
 import yaml
 
-from guard.deploy.rules import DURATION, ModelThresholds, model_selector, read_thresholds
+from guard.deploy.rules import (
+    DURATION,
+    ModelThresholds,
+    drift_condition,
+    model_selector,
+    read_thresholds,
+)
 
 KINDS = ("argo", "flagger")
 # A Rollout's pods are named <rollout>-<pod-template-hash>-<suffix>: the Rollout passes the
@@ -130,17 +137,11 @@ def gate_checks(model: ModelThresholds) -> list[GateCheck]:
         f" / (sum by (tier) (increase(guard_checks_total{{{tiers}}}[$WINDOW])) > 0))"
         " or vector(0)",
         "<=", policy.trip_ratio)]
-    if policy.action == "alert" and policy.detector == "window":
+    if policy.action == "alert":
+        # How many tiers met the trip condition at some point of the window: 0 passes.
         checks.append(GateCheck(
             model.name, "detector",
-            f"max(max_over_time(guard_drift_ratio{{{sel}}}[$WINDOW])) or vector(0)",
-            "<=", policy.trip_ratio))
-    elif policy.action == "alert":
-        checks.append(GateCheck(
-            model.name, "detector",
-            # 1 while the guard's trip condition (statistic >= threshold) holds, else 0.
-            f"max(max_over_time((guard_detector_statistic{{{sel}}} >= bool "
-            f"guard_detector_threshold{{{sel}}})[$WINDOW:])) or vector(0)",
+            f"count(max_over_time(({drift_condition(model, sel)})[$WINDOW:])) or vector(0)",
             "<=", 0.0))
     checks.append(GateCheck(
         model.name, "evidence",

@@ -284,7 +284,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     if policy.detector == "window":
         return _alert(
             "GuardDriftOverThreshold",
-            f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}" + _enough(sel, policy),
+            drift_condition(model, sel),
             settings.drift_for, "critical",
             f"guard {model.name}: {{{{ $labels.tier }}}} drift {{{{ $value | humanizePercentage "
             f"}}}} over trip_ratio {_pct(policy.trip_ratio)}",
@@ -300,8 +300,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         false_alarms = f"policy.arl0={policy.arl0_for(model.mirror.sample_rate):g}"
     return _alert(
         "GuardDriftOverThreshold",
-        f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}"
-        + _enough(sel, policy),
+        drift_condition(model, sel),
         settings.drift_for, "critical",
         f"guard {model.name}: {{{{ $labels.tier }}}} drift detected ({policy.detector} "
         f"statistic {{{{ printf \"%.2f\" $value }}}} at its threshold)",
@@ -311,6 +310,16 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         f"alarms: {false_alarms}). The failing share is guard_drift_ratio. " + consequence,
         settings,
     )
+
+
+def drift_condition(model: ModelThresholds, sel: str) -> str:
+    """The condition the guard trips on, as PromQL over the series ``sel`` selects: the drift
+    alert's expression, and the rollout gate's detector check (guard/deploy/rollout.py)."""
+    policy = model.policy
+    if policy.detector == "window":
+        return f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}" + _enough(sel, policy)
+    return (f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}"
+            + _enough(sel, policy))
 
 
 def _enough(sel: str, policy) -> str:

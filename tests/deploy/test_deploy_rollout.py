@@ -22,7 +22,8 @@ import yaml
 
 from guard.cli import main
 from guard.deploy.rollout import RolloutSettings, gate_checks, render
-from guard.deploy.rules import thresholds_from_data
+from guard.deploy.rules import RuleSettings, thresholds_from_data
+from guard.deploy.rules import render as render_rules
 
 DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?")
 ARGO_SPEC = {"args", "metrics", "dryRun", "measurementRetention"}
@@ -126,7 +127,13 @@ def test_thresholds_come_from_the_config():
     assert (checks["cnn-evidence"].op, checks["cnn-evidence"].threshold) == (">=", 40)
     assert "cnn-route" in checks and "cnn-detector" not in checks  # the switch is the verdict
     assert "sequential-detector" in checks and "sequential-route" not in checks
-    assert "guard_detector_statistic" in checks["sequential-detector"].query
+    # The detector check is the drift alert's own condition, on the canary's series.
+    rules = render_rules(config(*MODELS), RuleSettings())
+    alert = next(r for g in yaml.safe_load(rules)["groups"] for r in g["rules"]
+                 if r["alert"] == "GuardDriftOverThreshold" and 'model="sequential"' in r["expr"])
+    assert "guard_detector_statistic" in alert["expr"]
+    assert alert["expr"].replace('model="sequential"', 'model="sequential",$SELECTOR') in \
+        checks["sequential-detector"].query
     assert not any(name.startswith("no-reference") for name in checks)
     document = yaml.safe_load(render(config(*MODELS), "argo", RolloutSettings()))
     metrics = {m["name"]: m for m in document["spec"]["metrics"]}
