@@ -31,6 +31,7 @@ Every query ends in ``or vector(0)``, so that an absent series is a value (0) an
 result (an error in both controllers), and a tier with no checks in the window drops out of
 the ratio instead of making it NaN (which fails every comparison); the evidence check is what
 stops "no data" from passing.
+
 The canary's series are picked by label matchers: for Argo, the args ``selector`` (default
 ``job="guard"``, e.g. the namespace) and ``canary-hash`` (the canary ReplicaSet's
 pod-template-hash, which the Rollout passes; default ``.*``) matched against the pod name; for
