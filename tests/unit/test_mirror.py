@@ -349,7 +349,7 @@ def test_mirror_threads_run_below_the_request_path(harness, nice):
     h.offer(rows(1.0))
     assert h.result_event.wait(10)
     worker = h.mirror._thread.native_id
-    (caller,) = [t.native_id for t in h.mirror._caller._executor._threads]
+    caller = h.mirror._caller.native_id
     for tid in (worker, caller):
         assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, base + nice)
     assert thread_niceness() == base
