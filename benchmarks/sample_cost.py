@@ -24,6 +24,13 @@ samples compared in (s), for the whole process tree (serving + verifier) and for
 reference's forward is quoted twice: its in-process p50 (calibration, 1 thread) and the mean the
 verifier timed (``guard_reference_duration_seconds``, under load).
 
+``--in-process`` adds a steadier figure: the verifier's own path (its ring reader, the mirror
+worker, the checks, policy and metrics) in one child process, fed through a real ring at the
+(s) cell's sample rate (``--in-process-rate``, 100/s), with the CPU of each thread read from
+/proc, and the reference's forward timed alone in the same process twice: back to back (hot)
+and spaced like the samples (cold: caches and predictors lose it between samples, which on a
+shared VM triples its cost). Overhead = CPU per sample - the spaced forward.
+
 ``--profile`` also records the verifier of the last (s) cell with py-spy (``pip install
 py-spy``; the ``bench`` extra) and writes the collapsed stacks (``sample_cost.pyspy.txt``) and a
 summary of where the verifier's samples went (``sample_cost.profile.md``) under ``--out``.
@@ -37,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -104,6 +112,139 @@ def measure(args, cell: str, rate: float, prep: dict, workdir: Path, env: dict,
         code = child.stop()
         if code not in (0, None):
             po.log(f"warning: guard ({cell}) exited with code {code}:\n{child.log_tail()}")
+
+
+def thread_ticks() -> dict[int, int]:
+    """utime + stime of each thread of this process, by native thread id."""
+    out = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = Path(f"/proc/self/task/{tid}/stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[int(tid)] = int(fields[11]) + int(fields[12])
+    return out
+
+
+def cmd_in_process(workdir: Path, rate: float, samples: int, ort_threads: int) -> None:
+    """The verifier's path in this process (a child of the benchmark): its ring reader,
+    mirror and checks as ``python -m guard.verifier`` runs them (``Verifier`` with a real
+    ring and route table, the model built by its ``_build``), fed at ``rate``; prints JSON."""
+    import threading
+
+    import yaml
+
+    from guard.config import load_config
+    from guard.ipc import routes, wire
+    from guard.ipc.ring import SampleRing
+    from guard.verifier import process
+
+    prep = json.loads((workdir / "prepare.json").read_text())
+    config_path = workdir / "guard_in_process.yaml"
+    config_path.write_text(yaml.safe_dump(po.guard_config(
+        prep, {"grpc_port": 0, "metrics_port": 0, "admin_port": 0}, mirror=True,
+        sample_rate=0.1, ort_threads=ort_threads)))
+    model_config = load_config(config_path).models[0]
+
+    class NoServing:  # the verifier's link to a serving process: nothing on this path uses it
+        def use_primary(self, *args):
+            return ""
+
+        def transition(self, *args):
+            pass
+
+        def span(self, *args):
+            pass
+
+    table = routes.RouteTable(16)
+    slot = table.assign([model_config.name])[model_config.name]
+    ring = SampleRing(64 << 20)
+    verifier = process.Verifier(None, table, [ring])
+    verifier.link = NoServing()
+    model = verifier._build(model_config, slot, "", None, [])
+    verifier.models[model.name], verifier.by_slot[slot] = model, model
+    inputs, expected = np.load(workdir / "inputs.npy"), np.load(workdir / "expected.npy")
+    reference = model.backends["reference"]
+    gap = 1.0 / rate
+
+    def forward_ms(spacing: float, n: int) -> float:
+        total = 0.0
+        for i in range(n):
+            t0 = time.thread_time()
+            reference.infer({"image": inputs[i % 64:i % 64 + 1]})
+            total += time.thread_time() - t0
+            if spacing:
+                time.sleep(spacing)
+        return total / n * 1e3
+
+    forward_ms(0, 200)
+    hot = forward_ms(0, 2000)
+    spaced: list[float] = []
+    timer = threading.Thread(target=lambda: spaced.append(forward_ms(gap, min(samples, 500))))
+    timer.start()
+    timer.join()
+    compared = lambda: model.metrics.mirror.labels(model.name, "compared")._value.get()  # noqa
+
+    def feed(k: int) -> float:
+        t0 = time.thread_time()
+        i = k % 64
+        parts = wire.encode(wire.MIRROR, "primary", slot, 0, time.time_ns(), 0.001, model.name,
+                            f"r{k}", "", (), {"image": inputs[i:i + 1]},
+                            {"logits": expected[i:i + 1]})
+        if not ring.put(parts):
+            raise RuntimeError("ring full")
+        return time.thread_time() - t0
+
+    verifier._reader.start()
+    verifier._beat.start()
+    for k in range(100):  # warm-up, and every ring page touched once
+        feed(k)
+        time.sleep(gap)
+    while compared() < 100:
+        time.sleep(0.01)
+    idle_before, idle_wall = time.process_time(), time.perf_counter()
+    time.sleep(3.0)
+    idle_cores = (time.process_time() - idle_before) / (time.perf_counter() - idle_wall)
+    start_compared = compared()
+    ticks_before, cpu_before, wall_before = thread_ticks(), time.process_time(), time.perf_counter()
+    fed = 0.0
+    for k in range(samples):
+        fed += feed(k)
+        time.sleep(gap)
+    while compared() < start_compared + samples:
+        time.sleep(0.001)
+    wall = time.perf_counter() - wall_before
+    cpu = time.process_time() - cpu_before
+    ticks_after = thread_ticks()
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    by_thread = {}
+    for tid, after in ticks_after.items():
+        used = (after - ticks_before.get(tid, 0)) / po.CLK_TCK * 1e3 / samples
+        if used:
+            name = names.get(tid, str(tid))
+            by_thread[name] = by_thread.get(name, 0.0) + used
+    per_sample = (cpu - fed - idle_cores * wall) / samples * 1e3
+    print(json.dumps({
+        "rate": rate, "samples": samples, "per_sample_cpu_ms": per_sample,
+        "forward_hot_ms": hot, "forward_spaced_ms": spaced[0],
+        "overhead_ms": per_sample - spaced[0], "feed_ms": fed / samples * 1e3,
+        "idle_cores": idle_cores, "by_thread_ms": by_thread,
+        "dropped": model.metrics.mirror.labels(model.name, "dropped")._value.get()}))
+    os._exit(0)  # the verifier's threads are daemons; nothing to flush
+
+
+def in_process(args, workdir: Path, env: dict) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "_in_process", "--workdir", str(workdir),
+         "--rate", str(args.in_process_rate), "--samples", str(args.in_process_samples),
+         "--ort-threads", str(args.ort_threads)],
+        check=True, env=env, cwd=str(po.REPO), capture_output=True, text=True)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    po.log(f"  in process: {result['per_sample_cpu_ms']:.3f} ms CPU per sample; forward "
+           f"{result['forward_spaced_ms']:.3f} ms spaced, {result['forward_hot_ms']:.3f} ms hot; "
+           f"overhead {result['overhead_ms']:.3f} ms; by thread {result['by_thread_ms']}")
+    return result
 
 
 def per_sample(zero: dict, sampled: dict) -> dict:
@@ -185,7 +326,10 @@ def run(args: argparse.Namespace) -> int:
         runs: dict[str, list[dict]] = {"0": [], "s": []}
         stacks = out_dir / "sample_cost.pyspy.txt"
         out_dir.mkdir(parents=True, exist_ok=True)
+        inprocess = []
         for round_index in range(args.rounds):
+            if args.in_process:
+                inprocess.append(in_process(args, workdir, env))
             for cell, rate in (("0", 0.0), ("s", args.sample_rate)):
                 last = round_index == args.rounds - 1 and cell == "s"
                 runs[cell].append(measure(
@@ -193,6 +337,8 @@ def run(args: argparse.Namespace) -> int:
                     duration, warmup, round_index,
                     stacks if args.profile and last else None))
         report = build_report(args, prep, concurrency, duration, warmup, runs)
+        if inprocess:
+            report["in_process"] = inprocess
         md = markdown(report)
         if args.profile and stacks.exists():
             summary = profile_summary(stacks)
@@ -275,11 +421,33 @@ def markdown(report: dict) -> str:
             "Per round (whole tree ms per compared sample): "
             + ", ".join(f"{r['tree_ms']:.3f}" for r in report["per_round"] if r),
         ]
+    for r in report.get("in_process", []):
+        if r is report["in_process"][0]:
+            lines += ["", f"In process (the verifier's path fed at {r['rate']:g} samples/s "
+                      "through a real ring; CPU by thread; the forward timed alone in the same "
+                      "process):", "",
+                      "| samples | CPU ms per sample | forward spaced ms | forward hot ms | "
+                      "overhead ms (CPU - spaced forward) | by thread (ms per sample) |",
+                      "|---|---|---|---|---|---|"]
+        threads = ", ".join(f"{k} {v:.3f}" for k, v in sorted(
+            r["by_thread_ms"].items(), key=lambda kv: -kv[1]))
+        lines.append(f"| {r['samples']} | {r['per_sample_cpu_ms']:.3f} | "
+                     f"{r['forward_spaced_ms']:.3f} | {r['forward_hot_ms']:.3f} | "
+                     f"**{r['overhead_ms']:.3f}** | {threads} |")
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "_in_process":
+        p = argparse.ArgumentParser()
+        p.add_argument("--workdir", type=Path, required=True)
+        p.add_argument("--rate", type=float, required=True)
+        p.add_argument("--samples", type=int, required=True)
+        p.add_argument("--ort-threads", type=int, default=1)
+        a = p.parse_args(argv[1:])
+        cmd_in_process(a.workdir, a.rate, a.samples, a.ort_threads)
+        return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     po.add_run_arguments(parser, "sample_cost", "repeat the (0), (s) pair (fresh servers)")
     parser.set_defaults(concurrency="1")
@@ -287,6 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference-slowdown", type=float, default=1.0,
                         help="the reference's cost over the primary's (1: one forward pass)")
     parser.add_argument("--ort-threads", type=int, default=1)
+    parser.add_argument("--in-process", action="store_true",
+                        help="also measure the verifier's path in one process (each round)")
+    parser.add_argument("--in-process-rate", type=float, default=100.0)
+    parser.add_argument("--in-process-samples", type=int, default=500)
     parser.add_argument("--profile", action="store_true",
                         help="py-spy the verifier during the last sampled cell")
     return po.parse_and_run(parser, argv, run)
