@@ -1,6 +1,6 @@
 """The verifier process: everything guard does besides answering requests.
 
-Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier`` with
+Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier_process`` with
 inherited descriptors: the control socket, the route table and one sample ring per serving
 process (memfds; ``server.processes``).
 It is told the config over the control socket (``Init``; every message: guard/ipc/messages.py),
@@ -48,11 +48,11 @@ from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Transition
-from guard.verifier.model import VerifiedModel
-from guard.verifier.status import model_status
+from guard.verifier_process.model import VerifiedModel
+from guard.verifier_process.status import model_status
 from guard.v1 import admin_pb2 as admin_pb
 
-log = logging.getLogger("guard.verifier")
+log = logging.getLogger("guard.verifier_process")
 # Rings empty: look again after 20 ms. A check's latency does not matter, the ring holds the
 # samples meanwhile, and a look costs a sleep and a wake-up (~30 us of CPU on a VM): a 2 ms
 # cadence costs 1.2% of a core idle and several looks per sample at 100 samples/s.
@@ -94,7 +94,7 @@ class ServingLink:
             pass
 
 
-class Verifier:
+class VerifierProcess:
     def __init__(self, channel: Channel, table: routes.RouteTable, rings: list[SampleRing]):
         self.channel = channel
         self.table = table
@@ -139,7 +139,7 @@ class Verifier:
         slots = message.slots
         self.table.adopt(slots)
         # The repaired primaries' blocks are for the serving processes: the verifier rebuilds
-        # its copy from the kept ops itself (guard/verifier/ops_fallback.py ``resume``).
+        # its copy from the kept ops itself (guard/verifier_process/ops_fallback.py ``resume``).
         resume, kept = message.resume, message.kept
         try:
             for model_config in config.models:
@@ -300,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     from guard.malloc import tune_for_inference
 
     tune_for_inference()  # before backends allocate: see guard/malloc.py
-    parser = argparse.ArgumentParser(prog="python -m guard.verifier",
+    parser = argparse.ArgumentParser(prog="python -m guard.verifier_process",
                                      description="guard's verifier process (started by guard "
                                      "serve; not meant to be run by hand).")
     parser.add_argument("--control-fd", type=int, required=True)
@@ -319,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
     closed = threading.Event()
     channel = Channel(sock, lambda m: holder["handlers"](m), "verifier", on_close=closed.set)
     ForwardEvents.install(channel)
-    verifier = Verifier(channel, table, rings)
+    verifier = VerifierProcess(channel, table, rings)
     holder["handlers"] = verifier.handlers()
     channel.start()
     while not (verifier.stopping.is_set() or closed.is_set()):
@@ -330,7 +330,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """``python -m guard.verifier``: ``main``, then exit at once. A control request still
+    """``python -m guard.verifier_process``: ``main``, then exit at once. A control request still
     running on the channel's threads (an ``Init`` waiting on an upstream's ``ready_timeout_s``
     when the serving process stops or dies) must not keep this process alive past its parent;
     the models and capture are closed by then."""

@@ -36,14 +36,14 @@ from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.runtime.priority import lower_current_thread
-from guard.verify.pipeline import CheckResult, Verifier
+from guard.verify.pipeline import CheckResult, Comparator
 
 log = logging.getLogger("guard.mirror")
 _ERROR_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
-class Sample:
+class MirrorSample:
     inputs: dict[str, np.ndarray]
     outputs: dict[str, np.ndarray]  # what the route answered; the probe replaces it if needed
     route: str  # "primary" or "fallback": who answered the client
@@ -56,8 +56,8 @@ class Sample:
 
 
 @dataclass
-class SampleResult:
-    sample: Sample
+class MirrorResult:
+    sample: MirrorSample
     check: CheckResult  # one result per tier
     reference_seconds: float
     probed: bool  # True when the primary ran in the background for this sample
@@ -74,7 +74,7 @@ class _InFlight:
 
     __slots__ = ("deadline", "sample", "stage", "span")
 
-    def __init__(self, deadline: float, sample: "Sample", stage: str, span):
+    def __init__(self, deadline: float, sample: "MirrorSample", stage: str, span):
         self.deadline, self.sample, self.stage, self.span = deadline, sample, stage, span
 
 
@@ -85,12 +85,12 @@ class Mirror:
         config: MirrorConfig,
         reference: Backend,
         primary: Backend,
-        verifier: Verifier,
+        verifier: Comparator,
         metrics: GuardMetrics,
-        on_result: Callable[[SampleResult], None],
-        on_unchecked: Callable[[Sample, str], None] | None = None,
+        on_result: Callable[[MirrorResult], None],
+        on_unchecked: Callable[[MirrorSample, str], None] | None = None,
         on_span: Callable[[dict], None] | None = None,
-        on_finished: Callable[[Sample], None] | None = None,
+        on_finished: Callable[[MirrorSample], None] | None = None,
     ):
         self.model = model
         self.config = config
@@ -108,7 +108,7 @@ class Mirror:
         self.on_finished = on_finished
         # A SimpleQueue (in C) and the bounds kept here, under _bytes_lock: a queue.Queue's
         # condition variables cost ~10 us of Python per sample on each side.
-        self._queue: queue.SimpleQueue[Sample | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[MirrorSample | None] = queue.SimpleQueue()
         self._thread = self._worker()
         self._watchdog = threading.Thread(target=self._watch, name=f"guard-watch-{model}",
                                           daemon=True)
@@ -126,7 +126,7 @@ class Mirror:
         self._reference_seconds = metrics.reference_duration.labels(model)
 
     # -- fed by the ring reader -------------------------------------------------------------------
-    def accept(self, sample: Sample) -> bool:
+    def accept(self, sample: MirrorSample) -> bool:
         """Non-blocking; True when queued. Drops (and counts) when the queue is full in items or
         bytes, or the mirror is stopping."""
         with self._bytes_lock:
@@ -143,7 +143,7 @@ class Mirror:
         self._finished(sample)
         return False
 
-    def _release(self, sample: Sample) -> None:
+    def _release(self, sample: MirrorSample) -> None:
         with self._bytes_lock:
             self._queued -= 1
             self._queued_bytes -= sample.size
@@ -209,7 +209,7 @@ class Mirror:
             if span is not None:
                 self.on_span(span.end())
 
-    def _call(self, fn, sample: Sample, stage: str, span):
+    def _call(self, fn, sample: MirrorSample, stage: str, span):
         """``fn(sample.inputs)`` on this thread, watched: TimeoutError when a call the watchdog
         gave up on still holds the backend after ``timeout_s``; ``_Abandoned`` when the
         watchdog gave up on this one."""
@@ -255,13 +255,13 @@ class Mirror:
             if flight.span is not None:
                 self.on_span(flight.span.end())
 
-    def _timed_out(self, sample: Sample, stage: str, span) -> None:
+    def _timed_out(self, sample: MirrorSample, stage: str, span) -> None:
         self._outcomes["timeout"].inc()
         tracing.set_attributes(span, {"guard.outcome": "timeout"})
         self._log_error(f"{stage} timed out after {self.config.timeout_s}s")
         self._unchecked(sample, "timeout")
 
-    def _process(self, sample: Sample, span) -> None:
+    def _process(self, sample: MirrorSample, span) -> None:
         stage = "reference"
         try:
             probed = sample.route != "primary"
@@ -293,15 +293,15 @@ class Mirror:
                 "guard.tier.tensor.max_abs_error": check.max_abs_error,
                 "guard.probed": probed, "guard.reference_seconds": seconds})
         try:
-            self.on_result(SampleResult(sample, check, seconds, probed, reference))
+            self.on_result(MirrorResult(sample, check, seconds, probed, reference))
         except Exception:  # a bug downstream; the sample was compared, count it once
             log.exception("handling a check result for %s failed", self.model)
 
-    def _finished(self, sample: Sample) -> None:
+    def _finished(self, sample: MirrorSample) -> None:
         if self.on_finished is not None:
             self.on_finished(sample)
 
-    def _unchecked(self, sample: Sample, outcome: str) -> None:
+    def _unchecked(self, sample: MirrorSample, outcome: str) -> None:
         if self.on_unchecked is not None:
             try:
                 self.on_unchecked(sample, outcome)
