@@ -1,2 +1,3 @@
-"""Envoy as guard's data plane (``server.data_plane: envoy``): the bootstrap, the supervised
-process, route switching, stats and the observer. See docs/envoy.md."""
+"""guard beside Envoy (``server.data_plane: envoy``): Envoy forwards the calls, guard watches
+(``observer``, ``handoff``) and steers (``routes``); ``bootstrap`` writes Envoy's config,
+``process`` supervises it, ``stats`` reads its request metrics back. See docs/envoy.md."""
