@@ -257,12 +257,32 @@ class EnvoyProcess:
         return process is not None and process.poll() is None
 
     # -- stop ---------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Stop taking new connections gracefully (clients are told to go elsewhere: HTTP/2
+        GOAWAY) and wait, at most ``drain_time_s``, for the requests in flight to end."""
+        port = self.admin_port
+        if not port or not self.serving:
+            return
+        deadline = time.monotonic() + self.settings.drain_time_s
+        try:
+            admin_post(port, "/drain_listeners?graceful&inboundonly", timeout=1.0)
+            while time.monotonic() < deadline:
+                text = admin_get(port, "/stats?filter=%5Ehttp%5C.guard%5C.downstream_rq_active%24",
+                                 timeout=1.0)
+                if all(line.rpartition(": ")[2].strip() == "0"
+                       for line in text.splitlines() if line.strip()):
+                    return
+                time.sleep(0.05)
+        except (OSError, urllib.error.URLError):
+            return
+
     def stop(self) -> None:
-        """SIGTERM every Envoy of ours (the current one and draining ones), SIGKILL the ones that
-        take longer than drain_time_s + 5 s."""
+        """Drain, then SIGTERM every Envoy of ours (the current one and draining ones), SIGKILL
+        the ones that take longer than drain_time_s + 5 s."""
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join(5)
+        self.drain()
         with self._lock:
             processes = [p for p in (self.process, *self.retiring) if p is not None]
         for process in processes:

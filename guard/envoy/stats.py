@@ -27,7 +27,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from guard.envoy.process import admin_get
 
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
-_GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)$")
+_GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
 _FILTER = r"^cluster\.guard_[^.]*_(primary|fallback)\."
 
 

@@ -30,6 +30,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from guard import __version__
 from guard.config import GuardConfig
+from guard.envoy.plane import EnvoyPlane
 from guard.errors import GuardError
 from guard.observe import tracing
 from guard.observe.events import emit
@@ -75,11 +76,16 @@ class GuardServer:
         # How full the rings are: a verifier that falls behind shows here before it drops.
         self.metrics.ring_used_bytes.set_function(lambda: sum(r.used for r in rings))
         self.metrics.ring_capacity_bytes.set(sum(r.capacity for r in rings))
+        # Envoy mode (server.data_plane: envoy; guard/envoy/): None in the Python data plane,
+        # or where no envoy binary is found (then the Python data plane serves, and says so).
+        self.envoy = EnvoyPlane.create(config, self.metrics, self.ring)
         self.exposition = CollectorRegistry(auto_describe=False)
         self.exposition.register(MergedMetrics(self.metrics, lambda: [
-            self.supervisor.exposition(), *self.processes.expositions()]))
+            self.supervisor.exposition(), *self.processes.expositions(),
+            *([self.envoy.exposition()] if self.envoy is not None else [])]))
         self.dataplane: DataPlane | None = None
         self.grpc_port = self.admin_port = self.metrics_port = 0
+        self.health_port = 0  # Envoy mode: guard's own gRPC health server, on loopback
         self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
         self._tap: grpc.aio.Server | None = None  # hardening2: server.tap's listener
@@ -130,6 +136,9 @@ class GuardServer:
             for model in self.models.values():
                 await model.connect()
             await asyncio.get_running_loop().run_in_executor(None, self.processes.start)
+            if self.envoy is not None:  # Envoy answers grpc_port; guard's server is its health
+                await self.envoy.start(lambda: self.models, self.grpc_port)
+                self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
             self.dataplane.models_changed()
             self.dataplane.loading = False
             serving = health_pb2.HealthCheckResponse.SERVING
@@ -147,7 +156,8 @@ class GuardServer:
              metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
              models=sorted(self.models),
              tap=f"{self.config.server.tap.host}:{self.tap_port}" if self._tap else None,
-             sampling_key=self.sampling_key, malloc=tune_for_inference())  # hardening2
+             sampling_key=self.sampling_key, malloc=tune_for_inference(),  # hardening2
+             data_plane="envoy" if self.envoy is not None else "python")
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
@@ -158,12 +168,17 @@ class GuardServer:
                    ("grpc.max_send_message_length", size),
                    ("grpc.so_reuseport", int(server_config.processes > 1))]
         self._grpc = grpc.aio.server(options=options)
-        guarded(add_inference_service,  # ModelInfer on bytes; the rest with decoders guarded
-                InferenceServicer(self.dataplane), self._grpc)
+        if self.envoy is None:
+            guarded(add_inference_service,  # ModelInfer on bytes; the rest with decoders guarded
+                    InferenceServicer(self.dataplane), self._grpc)
         self._health = health_aio.HealthServicer()
         guarded(health_pb2_grpc.add_HealthServicer_to_server, self._health, self._grpc)
-        self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
-                                    "server.grpc_port", server_credentials(server_config.tls))
+        if self.envoy is None:
+            self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
+                                        "server.grpc_port", server_credentials(server_config.tls))
+        else:  # Envoy listens on grpc_port and routes gRPC health here (guard/envoy/plane.py)
+            self.grpc_port = self._bind(self._grpc, "127.0.0.1", server_config.envoy.health_port,
+                                        "server.envoy.health_port")
 
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         # hardening2: admin TLS/mTLS with an allow-list; the Tap service on its own listener.
@@ -226,6 +241,8 @@ class GuardServer:
             self.dataplane.live = False
         for model in self.models.values():
             model.end_watches()
+        if self.envoy is not None:  # drains, then exits: the request path ends first
+            await self.envoy.stop()
         others = asyncio.get_running_loop().run_in_executor(None, self.processes.stop, grace)
         if self._grpc is not None:
             await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs

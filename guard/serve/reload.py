@@ -179,6 +179,8 @@ class ConfigReloader:
                         for name in new_prints if name in old_prints or name not in failed}
         server.supervisor.config = applied  # what a restarted verifier is told
         server.dataplane.models_changed()
+        if server.envoy is not None:  # a changed bootstrap: Envoy hot restarts
+            await server.envoy.apply(applied)
         result = "failed" if failed else "applied"
         server.metrics.config_reloads.labels(result).inc()
         emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,
