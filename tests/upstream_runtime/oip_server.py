@@ -1,8 +1,9 @@
 """A bare Open Inference Protocol server (grpc.aio, ONNX Runtime inline) for the Envoy-mode tests:
-one model under a given name, its metadata from the ONNX file, and an answer parameter
-``server`` carrying ``--tag`` so that a test can tell which server answered.
+one ONNX model under one or more names, its metadata from the ONNX file, and answer
+parameters ``server`` (``--tag``, so that a test can tell which server answered) and
+``traceparent`` (the caller's header, so that a test can see it pass through a proxy).
 
-    python oip_server.py --name cnn --onnx model.onnx --tag primary [--port 0]
+    python oip_server.py --name cnn [--name other] --onnx model.onnx --tag primary [--port 0]
 
 Prints ``PORT <n>`` once it listens; stops on SIGTERM. An input whose first value is -999
 is refused with INVALID_ARGUMENT (an upstream error path).
@@ -26,7 +27,7 @@ ORT = {"tensor(float)": "FP32", "tensor(double)": "FP64", "tensor(int64)": "INT6
        "tensor(int32)": "INT32"}
 
 
-def make_servicer(name: str, onnx: str, tag: str):
+def make_servicer(names: list[str], onnx: str, tag: str):
     import onnxruntime as ort
 
     options = ort.SessionOptions()
@@ -39,7 +40,8 @@ def make_servicer(name: str, onnx: str, tag: str):
             name=i.name, datatype=ORT.get(i.type, "FP32"),
             shape=[d if isinstance(d, int) else -1 for d in i.shape]) for i in items]
 
-    metadata = pb.ModelMetadataResponse(name=name, platform="onnxruntime", versions=["1"],
+    def metadata(name: str):
+        return pb.ModelMetadataResponse(name=name, platform="onnxruntime", versions=["1"],
                                         inputs=tensors(session.get_inputs()),
                                         outputs=tensors(session.get_outputs()))
 
@@ -51,15 +53,15 @@ def make_servicer(name: str, onnx: str, tag: str):
             return pb.ServerReadyResponse(ready=True)
 
         async def ModelReady(self, request, context):
-            return pb.ModelReadyResponse(ready=request.name == name)
+            return pb.ModelReadyResponse(ready=request.name in names)
 
         async def ModelMetadata(self, request, context):
-            if request.name != name:
+            if request.name not in names:
                 await context.abort(grpc.StatusCode.NOT_FOUND, f"unknown model {request.name}")
-            return metadata
+            return metadata(request.name)
 
         async def ModelInfer(self, request, context):
-            if request.model_name != name:
+            if request.model_name not in names:
                 await context.abort(grpc.StatusCode.NOT_FOUND,
                                     f"unknown model {request.model_name}")
             feeds = {t.name: np.frombuffer(raw, dtype=NUMPY[t.datatype]).reshape(tuple(t.shape))
@@ -68,8 +70,10 @@ def make_servicer(name: str, onnx: str, tag: str):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "runtime refuses the trigger input")
             outputs = session.run(output_names, feeds)
-            response = pb.ModelInferResponse(model_name=name, id=request.id)
+            response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
             response.parameters["server"].string_param = tag
+            headers = dict(context.invocation_metadata() or ())
+            response.parameters["traceparent"].string_param = headers.get("traceparent", "")
             for output, array in zip(output_names, outputs):
                 tensor = response.outputs.add(name=output, datatype=OIP[array.dtype])
                 tensor.shape.extend(array.shape)
@@ -96,7 +100,7 @@ async def main(args) -> None:
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
-    parser.add_argument("--name", required=True)
+    parser.add_argument("--name", required=True, action="append")
     parser.add_argument("--onnx", required=True)
     parser.add_argument("--tag", default="")
     parser.add_argument("--port", type=int, default=0)
