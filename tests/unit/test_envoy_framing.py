@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("envoy.service.ext_proc.v3", reason="pip install xds-protos")
-
-from guard.envoy.observer import FramingError, UnsupportedMessage, grpc_messages  # noqa: E402
+from guard.envoy.observer import FramingError, UnsupportedMessage, grpc_messages
 
 
 def framed(*messages: bytes, compressed: bool = False) -> bytes:
