@@ -252,6 +252,28 @@ def test_health_on_grpc_port_is_guards(watching):
     assert watching.client.is_server_ready() and watching.client.is_model_ready("cnn")
 
 
+def test_an_admin_pin_moves_envoys_route(watching):
+    """A pin goes through the verifier into the route word; the watcher tells Envoy."""
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    images = sample_inputs(1, seed=6)
+    with grpc.insecure_channel(f"127.0.0.1:{watching.srv.admin_port}") as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        try:
+            admin.SetRoute(admin_pb2.SetRouteRequest(model="cnn", route=admin_pb2.FALLBACK),
+                           timeout=10)
+            wait_for(lambda: answered_by(watching.client.infer("cnn", [image_input(images)]))
+                     == "fallback")
+            assert raw_call(watching.srv.grpc_port, "cnn", images)[1]["guard-route"] \
+                == "fallback"
+        finally:  # back to the primary, then to the policy (which goes on from there)
+            for route in (admin_pb2.PRIMARY, admin_pb2.AUTO):
+                admin.SetRoute(admin_pb2.SetRouteRequest(model="cnn", route=route), timeout=10)
+        wait_for(lambda: answered_by(watching.client.infer("cnn", [image_input(images)]))
+                 == "primary")
+    assert metric(watching.metrics(), "guard_requests_total", model="cnn", route="fallback") >= 1
+
+
 def test_verifier_killed_under_load_fails_no_client(watching):
     srv = watching.srv
     load = Load(srv.grpc_port)
