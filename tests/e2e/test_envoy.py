@@ -97,12 +97,13 @@ def model_block(upstreams, zoo_classifier, name="cnn", **overrides) -> dict:
     return block
 
 
-def write(folder: Path, models: list[dict], **envoy) -> Path:
+def write(folder: Path, models: list[dict], server: dict | None = None, **envoy) -> Path:
     data = {"version": 1,
             "server": {"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0, "admin_port": 0,
                        "reload_interval_s": 0, "data_plane": "envoy",
                        "envoy": {"admin_port": 0, "observer_port": 0, "health_port": 0,
-                                 "drain_time_s": 1, "parent_shutdown_s": 3, **envoy}},
+                                 "drain_time_s": 1, "parent_shutdown_s": 3, **envoy},
+                       **(server or {})},
             "models": models}
     path = folder / "guard.yaml"
     path.write_text(yaml.safe_dump(data, sort_keys=False))
@@ -112,11 +113,12 @@ def write(folder: Path, models: list[dict], **envoy) -> Path:
 class Guard:
     """guard serve in Envoy mode on its own event loop thread, with a tritonclient in front."""
 
-    def __init__(self, path: Path):
+    def __init__(self, path: Path, **client):
         self.path = path
         self.background = BackgroundServer(load_config(path))
         self.srv = self.background.__enter__()
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.srv.grpc_port}")
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.srv.grpc_port}",
+                                                       **client)
 
     def reload(self) -> bool:
         return asyncio.run_coroutine_threadsafe(
@@ -364,11 +366,28 @@ def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(
         guard.close()
 
 
-def test_unsampled_calls_never_reach_the_observer(tmp_path, upstreams, zoo_classifier):
-    """Sampling is Envoy's: at mirror.sample_rate 0 the observer sees no call at all."""
+def test_unsampled_calls_never_reach_the_observer_over_mutual_tls(tmp_path, upstreams,
+                                                                  zoo_classifier):
+    """Sampling is Envoy's: at mirror.sample_rate 0 the observer sees no call at all. The
+    listener speaks mutual TLS (server.tls)."""
+    from tritonclient.utils import InferenceServerException
+
+    from support import make_pki
+
+    pki = make_pki(tmp_path / "pki")
+    tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]),
+           "client_ca_file": str(pki["ca"])}
     block = model_block(upstreams, zoo_classifier, mirror={"sample_rate": 0.0})
-    guard = Guard(write(tmp_path, [block]))
+    guard = Guard(write(tmp_path, [block], server={"tls": tls}), ssl=True,
+                  root_certificates=str(pki["ca"]), private_key=str(pki["client_key"]),
+                  certificate_chain=str(pki["client_cert"]))
     try:
+        anonymous = grpcclient.InferenceServerClient(f"127.0.0.1:{guard.srv.grpc_port}",
+                                                     ssl=True,
+                                                     root_certificates=str(pki["ca"]))
+        with pytest.raises(InferenceServerException):
+            anonymous.infer("cnn", [image_input(sample_inputs(1, seed=4))], client_timeout=5)
+        anonymous.close()
         images = sample_inputs(1, seed=4)
         for _ in range(30):
             guard.client.infer("cnn", [image_input(images)])
