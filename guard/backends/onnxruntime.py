@@ -153,9 +153,6 @@ KINDS = {
     "onnxruntime": BackendKind(
         name="onnxruntime", backend=OnnxRuntimeBackend, options=OnnxRuntimeOptions,
         precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
-        capture="guard.verify.activation.onnx_side:onnxruntime_side",
-        keep_back={"int8": "guard.policy.keep_back:OnnxInt8Ops",  # nodes_to_exclude
-                   "fp16": "guard.policy.keep_back:OnnxFp16Ops"},
         threaded=True,
     ),
 }

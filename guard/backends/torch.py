@@ -382,7 +382,6 @@ KINDS = {
     "torch": BackendKind(
         name="torch", backend=TorchBackend, options=TorchOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), formats=_TORCH_FORMATS,
-        capture="guard.verify.activation.torch_side:torch_side",
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads,
     ),
@@ -392,8 +391,6 @@ KINDS = {
         name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}),
         formats=frozenset({"torch_export", "factory"}), capture_as=_eager_copy,
-        keep_back={p: "guard.policy.keep_back:TorchCompileModules"  # eager_fp32_modules
-                   for p in ("fp32", "fp16", "bf16")},
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads,
     ),

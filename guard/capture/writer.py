@@ -60,7 +60,7 @@ from guard.capture.segment import SUFFIX, encode_frame
 from guard.config import CaptureConfig
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.serve.sampling import sampled
+from guard.runtime.sampling import sampled
 from guard.v1 import capture_pb2 as pb
 
 log = logging.getLogger("guard.capture")

@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from guard.backends import backend_kinds
 from guard.config.base import (
     Action,
     Fraction,
@@ -20,13 +19,14 @@ from guard.config.base import (
 
 
 def _repairable_kinds() -> str:
-    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the declarations."""
+    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the repair's strategies."""
+    from guard.policy.keep_back import STRATEGIES  # the repair's own registry
+
     parts = []
-    for name, kind in backend_kinds().items():
-        if kind.keep_back:
-            precisions = sorted(kind.keep_back, key=["int8", "fp32", "fp16", "bf16"].index)
-            option = kind.keep_back_strategy(precisions[0]).option
-            parts.append(f"{name} precision {' or '.join(precisions)} ({option})")
+    for name, by_precision in sorted(STRATEGIES.items()):
+        precisions = sorted(by_precision, key=["int8", "fp32", "fp16", "bf16"].index)
+        option = by_precision[precisions[0]].option
+        parts.append(f"{name} precision {' or '.join(precisions)} ({option})")
     return ", ".join(parts)
 
 

@@ -229,7 +229,7 @@ def _first_reason(tier: str, results: list[CheckResult]) -> str:
 
 def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
                say: Callable[[str], None] = print) -> list[dict]:
-    from guard.verify.noise import generate_inputs
+    from guard.protocol.synthetic import generate_inputs
 
     output_dir.mkdir(parents=True, exist_ok=True)
     env: dict = {}

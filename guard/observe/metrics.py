@@ -193,3 +193,14 @@ class GuardMetrics:
             self.capture_records.labels(model, outcome)
         self.capture_segments_deleted.labels(model)
         self.capture_bytes.labels(model).set(0)
+
+
+def counts(metric, model: str, label: str) -> dict[str, int]:
+    """Current values of a counter's children for one model, read from the registry (both
+    processes' halves of the admin status read their counters this way)."""
+    out: dict[str, int] = {}
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels.get("model") == model:
+                out[sample.labels[label]] = int(sample.value)
+    return out

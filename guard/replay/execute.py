@@ -35,6 +35,8 @@ import numpy as np
 from guard.backends import Backend
 from guard.collector import freeze_loaded, thaw
 from guard.config import ModelConfig
+from guard.protocol.codec import InferenceError
+from guard.protocol.inputs import check_inputs
 from guard.replay.batchcheck import check_stacked
 from guard.replay.items import (
     CHECKED,
@@ -45,8 +47,6 @@ from guard.replay.items import (
     ReplayItem,
     SampleOutcome,
 )
-from guard.serve.codec import InferenceError
-from guard.protocol.inputs import check_inputs
 from guard.verify.noise import NoiseFloor
 from guard.verify.pair import CheckedPair
 

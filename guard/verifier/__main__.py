@@ -1,5 +1,3 @@
-import sys
+from guard.verifier.process import run
 
-from guard.verifier.process import main
-
-sys.exit(main())
+run()

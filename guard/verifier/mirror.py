@@ -1,7 +1,7 @@
 """Mirroring in the verifier process: a bounded queue per model, checked by a worker thread.
 
 The verifier's ring reader calls ``accept()`` with each sample a serving process handed over (the
-sampling decision was made there, guard/serve/sampling.py): a ``put_nowait`` on a queue bounded
+sampling decision was made there, guard/runtime/sampling.py): a ``put_nowait`` on a queue bounded
 in items (``mirror.queue_size``) and in bytes (``mirror.queue_bytes``). It never waits: when the
 queue is full the sample is dropped and counted. One worker thread per model takes samples from
 the queue, runs the reference (and, while the model is on its fallback, the primary as a
@@ -12,7 +12,7 @@ Timeouts: reference and probe calls run on a single helper thread and the worker
 out in turn and are counted as ``timeout``, the queue fills, and further samples are counted as
 ``dropped``. The request path is never affected. The CPU budget of the reference is its own
 thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
-request path (guard/serve/priority.py): on a busy machine they take the CPU it leaves.
+request path (guard/runtime/priority.py): on a busy machine they take the CPU it leaves.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from guard.config import MirrorConfig
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.serve.priority import lower_current_thread
+from guard.runtime.priority import lower_current_thread
 from guard.verify.pipeline import CheckResult, Verifier
 
 log = logging.getLogger("guard.mirror")

@@ -9,9 +9,8 @@ parallel (derivation and compilation take seconds); a load error names the model
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from guard.backends import Backend, create_backend
+from guard.backends.loading import load_all
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.verify.arbitrate import build_arbiter
@@ -70,18 +69,3 @@ class CheckedPair:
     def close(self) -> None:
         for backend in self.backends.values():
             backend.close()
-
-
-def load_all(model: str, config: ModelConfig, backends: dict[str, Backend]) -> None:
-    """Load backends in parallel; the first failure raises ``BackendError`` naming the role."""
-    with ThreadPoolExecutor(max_workers=max(1, len(backends))) as pool:
-        futures = {role: pool.submit(b.load) for role, b in backends.items()}
-    for role, future in futures.items():
-        exc = future.exception()
-        if exc is None:
-            continue
-        if isinstance(exc, BackendError):
-            raise exc.at(f"models[{model}].{role}") from exc
-        spec = getattr(config, role)
-        raise BackendError(f"models[{model}].{role}: cannot load {spec.describe()}: "
-                           f"{type(exc).__name__}: {exc}") from exc

@@ -9,7 +9,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import serialize_byte_tensor
 
-from guard.serve.codec import (
+from guard.protocol.codec import (
     InferenceError,
     InferenceRequest,
     decode_request,

@@ -1,4 +1,4 @@
-"""guard/serve/sampling.py (which requests are taken) and guard/verifier/mirror.py (the bounded
+"""guard/runtime/sampling.py (which requests are taken) and guard/verifier/mirror.py (the bounded
 queue, timeouts and errors), with real torch backends (tests/fixture_models.py's ``affine``
 through the ``module:factory`` path)."""
 
@@ -18,8 +18,8 @@ import fixture_models
 from guard.backends import create_backend
 from guard.config import BackendConfig, ChecksConfig, MirrorConfig
 from guard.observe.metrics import GuardMetrics
-from guard.serve.priority import thread_niceness
-from guard.serve.sampling import sampled
+from guard.runtime.priority import thread_niceness
+from guard.runtime.sampling import sampled
 from guard.verifier.mirror import Mirror, Sample, SampleResult
 from guard.verify.pipeline import Verifier
 

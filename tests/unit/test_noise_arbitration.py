@@ -8,9 +8,10 @@ import pytest
 
 from guard.backends import TensorSpec, create_backend
 from guard.config import ArbitrationConfig, BackendConfig, ChecksConfig, NoiseFloorConfig
+from guard.protocol.synthetic import CannotGenerate, generate_inputs
 from guard.verify.adapters import AdapterChain
 from guard.verify.arbitrate import Fp64Arbiter
-from guard.verify.noise import CannotGenerate, generate_inputs, measure_noise_floor
+from guard.verify.noise import measure_noise_floor
 from guard.verify.pipeline import Verifier
 
 AFFINE = {"backend": "torch", "path": "fixture_models:affine"}
