@@ -147,8 +147,10 @@ class EnvoyProcess:
             command += ["--base-id", str(self.base_id)]
         if self._log is None:
             self._log = (self.folder / "envoy.log").open("ab")
+        # A session of its own: a terminal's Ctrl-C reaches guard only, which drains Envoy
+        # before it stops it, instead of Envoy dropping its connections at once.
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                   stderr=subprocess.STDOUT)
+                                   stderr=subprocess.STDOUT, start_new_session=True)
         try:
             admin_port, listener_port = self._wait_ready(process, admin_file)
         except GuardError:
