@@ -8,14 +8,18 @@ What the bootstrap holds (docs/envoy.md):
   guard's observer), grpc_stats (gRPC status per cluster, for guard_request_errors_total), the
   router;
 - per model, a cluster per serving upstream (``guard_<model>_primary``, ``guard_<model>_fallback``;
-  HTTP/2), and ModelInfer routes whose ``weighted_clusters`` take their weights from Envoy's
-  runtime (``guard.<model>.route.<cluster>``): guard switches a model by setting two runtime
-  keys through the admin API (``POST /runtime_modify``), and every route answers with the
-  response header ``guard-route: primary|fallback``;
-- sampling decided in Envoy: the first ModelInfer route of a model matches only a
-  ``runtime_fraction`` of the calls (the model's mirror rate, or capture rate for capture mode
-  "all", the larger one) and leaves ext_proc on; the second takes the rest with ext_proc
-  disabled (``ExtProcPerRoute.disabled``), so an unsampled call never reaches guard;
+  HTTP/2), and for a model that samples a twin of each (``..._sampled``, the same upstream);
+  the model's ModelInfer route is a ``weighted_clusters`` whose weights come from Envoy's
+  runtime (``guard.<model>.route.<cluster>``): guard switches a model by setting them through
+  the admin API (``POST /runtime_modify``), and every answer carries the response header
+  ``guard-route: primary|fallback``;
+- sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of
+  the call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample
+  rate (its mirror rate, or capture rate for capture mode "all", the larger one) in a million;
+  ext_proc is off (``ExtProcPerRoute.disabled`` on the cluster's entry) for every cluster but
+  the sampled twins, so an unsampled call never reaches guard, and an id is sampled, or not,
+  on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
+  measured, the same id was sampled on some calls and not on others);
 - ``/grpc.health.v1.Health/`` routed to guard's own health server on loopback: readiness on
   grpc_port means Envoy's listener, guard and (guard's readiness) the upstreams are up;
 - the admin API on 127.0.0.1 only, a runtime with an admin layer, and the duration histogram's
@@ -46,6 +50,8 @@ HEALTH_CLUSTER = "guard_health"
 EXTRACTION_FILTER = "envoy.filters.http.grpc_field_extraction"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 ROLES = ("primary", "fallback")
+SAMPLED = "_sampled"
+WEIGHTS = 1_000_000  # the weights of a model's clusters add up to this (a sample rate in ppm)
 _TYPE = "type.googleapis.com/"
 # Methods whose first field names the model (ModelInfer's model_name, the others' name).
 _NAMED_METHODS = {"ModelInfer": "model_name", "ModelMetadata": "name", "ModelReady": "name"}
@@ -57,26 +63,30 @@ def token(name: str) -> str:
     return name.replace("_", "__").replace(".", "_d")
 
 
-def cluster_name(model: str, role: str) -> str:
-    return f"guard_{token(model)}_{role}"
+def cluster_name(model: str, role: str, sampled: bool = False) -> str:
+    """A model's cluster for ``role``; ``sampled``: its twin that the sampled calls take (the
+    same upstream; ext_proc stays on for it)."""
+    return f"guard_{token(model)}_{role}{SAMPLED if sampled else ''}"
 
 
-def route_key(model: str, role: str) -> str:
-    """The runtime key of a route's weight (0 or 1) for ``role`` of ``model``."""
-    return f"guard.{token(model)}.route.{cluster_name(model, role)}"
+def route_key(model: str, role: str, sampled: bool = False) -> str:
+    """The runtime key of the weight of a cluster of ``model``."""
+    return f"guard.{token(model)}.route.{cluster_name(model, role, sampled)}"
 
 
-def sample_key(model: str) -> str:
-    """The runtime key of the share of ``model``'s calls sent to the observer."""
-    return f"guard.{token(model)}.sample"
-
-
-def route_values(model: str, route: str, has_fallback: bool) -> dict[str, int]:
-    """The runtime keys that put ``model`` on ``route``."""
-    if not has_fallback:
-        return {route_key(model, "primary"): 1}
-    return {route_key(model, "primary"): int(route != "fallback"),
-            route_key(model, "fallback"): int(route == "fallback")}
+def route_values(model: str, route: str, roles: tuple[str, ...] | list[str],
+                 rate: float) -> dict[str, int]:
+    """The runtime weights that put ``model`` on ``route``: ``rate`` of its calls (by the hash
+    of their x-request-id) to the route's sampled cluster, the rest to its other one; 0 for the
+    other role's."""
+    sampled = round(rate * WEIGHTS)
+    values = {}
+    for role in roles:
+        on = role == route or (route not in roles and role == "primary")
+        values[route_key(model, role)] = (WEIGHTS - sampled if on else 0) if sampled else int(on)
+        if sampled:
+            values[route_key(model, role, True)] = sampled if on else 0
+    return values
 
 
 def sample_rate(model: ModelConfig) -> float:
@@ -163,20 +173,35 @@ def _upstream_cluster(name: str, spec) -> dict:
     return _http2_cluster(name, host, port, tls=tls, dns=not _is_ip(host))
 
 
+def roles_of(model: ModelConfig) -> tuple[str, ...]:
+    return tuple(r for r in ROLES if getattr(model, r) is not None)
+
+
 def _weighted(model: ModelConfig) -> dict:
-    """The route action of a model's calls: its clusters weighted by runtime keys."""
-    roles = [r for r in ROLES if getattr(model, r) is not None]
-    timeout = float(model.primary.options.get("timeout_s", 10.0))
-    return {
-        "weighted_clusters": {
-            "runtime_key_prefix": f"guard.{token(model.name)}.route",
-            "clusters": [{
-                "name": cluster_name(model.name, role),
-                "weight": 1 if role == "primary" else 0,
+    """The route action of a model's calls: its clusters weighted by runtime keys (defaults:
+    the primary), chosen by the hash of the call's x-request-id (Envoy makes one for a call
+    without), so that a given id is sampled, or not, on every replica. The unsampled clusters
+    turn ext_proc off."""
+    rate = sample_rate(model)
+    defaults = route_values(model.name, "primary", roles_of(model), rate)
+    clusters = []
+    for role in roles_of(model):
+        for sampled in ((False, True) if defaults.get(route_key(model.name, role, True)) is not
+                        None else (False,)):
+            entry = {
+                "name": cluster_name(model.name, role, sampled),
+                "weight": defaults[route_key(model.name, role, sampled)],
                 "response_headers_to_add": [{
                     "header": {"key": ROUTE_HEADER, "value": role},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}],
-            } for role in roles]},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
+            if not sampled:
+                entry["typed_per_filter_config"] = _off()
+            clusters.append(entry)
+    timeout = float(model.primary.options.get("timeout_s", 10.0))
+    return {
+        "weighted_clusters": {"runtime_key_prefix": f"guard.{token(model.name)}.route",
+                              "use_hash_policy": True, "clusters": clusters},
+        "hash_policy": [{"header": {"header_name": "x-request-id"}}],
         # The client's deadline (grpc-timeout) is honoured as it is; without one, the
         # upstream's options.timeout_s, as in the Python data plane.
         "timeout": f"{timeout}s",
@@ -191,8 +216,8 @@ def _off() -> dict:
 
 
 def _model_routes(model: ModelConfig, by_body: bool) -> list[dict]:
-    """A model's routes: sampled ModelInfer calls (ext_proc on), the other calls (off), and
-    its other per-model methods (metadata, readiness)."""
+    """A model's routes: its ModelInfer calls, and its other per-model methods (metadata,
+    readiness)."""
     def match(path: str | None = None, prefix: str | None = None) -> dict:
         out: dict = {"path": path} if path else {"prefix": prefix}
         if by_body:
@@ -205,17 +230,10 @@ def _model_routes(model: ModelConfig, by_body: bool) -> list[dict]:
         return out
 
     action = _weighted(model)
-    routes = []
-    rate = sample_rate(model)
-    if rate > 0:
-        sampled = match(path=MODEL_INFER)
-        sampled["runtime_fraction"] = {
-            "default_value": {"numerator": round(rate * 1_000_000), "denominator": "MILLION"},
-            "runtime_key": sample_key(model.name)}
-        routes.append({"name": f"{token(model.name)}_sampled", "match": sampled,
-                       "route": action})
-    routes.append({"name": f"{token(model.name)}_infer", "match": match(path=MODEL_INFER),
-                   "route": action, "typed_per_filter_config": _off()})
+    # ModelInfer: ext_proc is on for the sampled clusters only (their entries carry no
+    # ExtProcPerRoute); every other call has it off on the route itself.
+    routes = [{"name": f"{token(model.name)}_infer", "match": match(path=MODEL_INFER),
+               "route": action}]
     if by_body:
         routes.append({"name": f"{token(model.name)}_other",
                        "match": match(prefix=f"/{SERVICE}/"), "route": action,
@@ -325,14 +343,14 @@ def build(config: GuardConfig, ports: Ports,
         "typed_per_filter_config": _off()}]
     static: dict[str, float] = {}
     for model in config.models:
-        for role in ROLES:
-            spec = getattr(model, role)
-            if spec is not None:
-                name = cluster_name(model.name, role)
-                clusters.append(_upstream_cluster(name, spec))
+        rate = sample_rate(model)
+        for role in roles_of(model):
+            for sampled in (False, True) if round(rate * WEIGHTS) else (False,):
+                name = cluster_name(model.name, role, sampled)
+                clusters.append(_upstream_cluster(name, getattr(model, role)))
                 layout.clusters[name] = (model.name, role)
         static.update(route_values(model.name, routes.get(model.name, "primary"),
-                                   model.fallback is not None))
+                                   roles_of(model), rate))
         virtual_routes += _model_routes(model, by_body)
     if config.models:
         # Server-wide calls (ServerLive, ServerReady, ModelConfig...) go to the first model's

@@ -1,7 +1,7 @@
 """Routes from the verifier to Envoy: a small watcher in the serving process reads each model's
 route word (guard/ipc/routes.py: what the verifier publishes, and what an operator's pin
 through the admin API becomes, since a pin goes through the verifier) and, when one changes,
-sets the model's two route weights in Envoy's runtime (admin ``POST /runtime_modify``, one
+sets the weights of the model's clusters in Envoy's runtime (admin ``POST /runtime_modify``, one
 call for every change, applied by Envoy as one snapshot). The next call Envoy routes takes the
 new weights.
 
@@ -27,7 +27,7 @@ import urllib.error
 from typing import Callable, Mapping, Protocol
 from urllib.parse import urlencode
 
-from guard.envoy.bootstrap import route_values
+from guard.envoy.bootstrap import ROLES, route_values, sample_rate
 from guard.envoy.process import admin_post
 
 log = logging.getLogger("guard.envoy.routes")
@@ -38,6 +38,7 @@ class Routed(Protocol):
     """What the watcher needs of a served model (guard/serve/model.py's ServedModel)."""
 
     backends: Mapping[str, object]
+    config: object  # its ModelConfig
 
     def route_word(self) -> tuple[str, int, bool]: ...
 
@@ -87,7 +88,10 @@ class RouteSync:
                 return True
             values: dict[str, int] = {}
             for name, route in changed.items():
-                values.update(route_values(name, route, "fallback" in models[name].backends))
+                model = models[name]
+                values.update(route_values(name, route,
+                                           [r for r in ROLES if r in model.backends],
+                                           sample_rate(model.config)))
             port = self.admin_port()
             if not port:
                 return False

@@ -28,7 +28,7 @@ from guard.envoy.process import admin_get
 
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
-_FILTER = r"^cluster\.guard_[^.]*_(primary|fallback)\."
+_FILTER = r"^cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\."
 
 
 def _labels(pairs: dict[str, str]) -> str:
@@ -61,14 +61,16 @@ def translate(text: str, clusters: dict[str, tuple[str, str]]) -> str:
                 else:
                     key = (model, _STATUS.get(status, str(status)))
                     errors[key] = errors.get(key, 0.0) + sample.value
+            # A route's two clusters (sampled twin and the other) add up.
             elif name == "envoy_cluster_upstream_rq_time_bucket":
                 bound = float(sample.labels["le"])
                 bound = bound / 1000.0 if bound != float("inf") else bound
-                buckets.setdefault(where, {})[bound] = sample.value
+                bounds = buckets.setdefault(where, {})
+                bounds[bound] = bounds.get(bound, 0.0) + sample.value
             elif name == "envoy_cluster_upstream_rq_time_sum":
-                sums[where] = sample.value / 1000.0
+                sums[where] = sums.get(where, 0.0) + sample.value / 1000.0
             elif name == "envoy_cluster_upstream_rq_time_count":
-                counts[where] = sample.value
+                counts[where] = counts.get(where, 0.0) + sample.value
     lines = ["# TYPE guard_requests_total counter"]
     lines += [f"guard_requests_total{_labels({'model': m, 'route': r})} {v}"
               for (m, r), v in sorted(requests.items())]

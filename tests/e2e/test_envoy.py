@@ -366,10 +366,11 @@ def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(
         guard.close()
 
 
-def test_unsampled_calls_never_reach_the_observer_over_mutual_tls(tmp_path, upstreams,
-                                                                  zoo_classifier):
-    """Sampling is Envoy's: at mirror.sample_rate 0 the observer sees no call at all. The
-    listener speaks mutual TLS (server.tls)."""
+def test_sampling_is_stable_per_request_id_and_unsampled_calls_never_reach_guard(
+        tmp_path, upstreams, zoo_classifier):
+    """Sampling is Envoy's, by the hash of x-request-id: at sample rate 0.5 an id is observed on
+    every call or on none, and the observer sees exactly the sampled ids' calls. The listener
+    speaks mutual TLS (server.tls)."""
     from tritonclient.utils import InferenceServerException
 
     from support import make_pki
@@ -377,7 +378,7 @@ def test_unsampled_calls_never_reach_the_observer_over_mutual_tls(tmp_path, upst
     pki = make_pki(tmp_path / "pki")
     tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]),
            "client_ca_file": str(pki["ca"])}
-    block = model_block(upstreams, zoo_classifier, mirror={"sample_rate": 0.0})
+    block = model_block(upstreams, zoo_classifier, mirror={"sample_rate": 0.5})
     guard = Guard(write(tmp_path, [block], server={"tls": tls}), ssl=True,
                   root_certificates=str(pki["ca"]), private_key=str(pki["client_key"]),
                   certificate_chain=str(pki["client_cert"]))
@@ -389,14 +390,26 @@ def test_unsampled_calls_never_reach_the_observer_over_mutual_tls(tmp_path, upst
             anonymous.infer("cnn", [image_input(sample_inputs(1, seed=4))], client_timeout=5)
         anonymous.close()
         images = sample_inputs(1, seed=4)
-        for _ in range(30):
-            guard.client.infer("cnn", [image_input(images)])
+        observed = {}
+        for k in range(12):
+            request_id = f"req-{k}"
+            seen = []
+            for _ in range(4):
+                before = guard.srv.envoy.handoff.handed
+                guard.client.infer("cnn", [image_input(images)],
+                                   headers={"x-request-id": request_id})
+                time.sleep(0.05)  # the observer hands a call over once its answer has ended
+                seen.append(guard.srv.envoy.handoff.handed - before)
+            observed[request_id] = seen
+        assert all(seen in ([0] * 4, [1] * 4) for seen in observed.values()), observed
+        sampled = sum(seen[0] for seen in observed.values())
+        assert 0 < sampled < 12
         values = wait_for(lambda: (v := guard.metrics()) and metric(
-            v, "guard_request_duration_seconds_count", model="cnn", route="primary") >= 30 and v)
-        assert metric(values, "guard_requests_total", model="cnn", route="primary") == 30
+            v, "guard_request_duration_seconds_count", model="cnn", route="primary") >= 48 and v)
+        assert metric(values, "guard_requests_total", model="cnn", route="primary") == 48
         assert sum(metric(values, "guard_observer_calls_total", outcome=o)
-                   for o in ("complete", "incomplete", "too_large", "unsupported", "error")) == 0
-        assert metric(values, "guard_mirror_total", model="cnn", outcome="compared") == 0
+                   for o in ("complete", "incomplete", "too_large", "unsupported", "error")) \
+            == 4 * sampled
     finally:
         guard.close()
 

@@ -80,7 +80,7 @@ def filters_of(built: dict) -> list[str]:
     return [f["name"] for f in manager["typed_config"]["http_filters"]]
 
 
-def test_one_model_is_routed_by_path_and_sampled_in_envoy(tmp_path):
+def test_one_model_is_routed_by_path_and_sampled_in_envoy_by_request_id(tmp_path):
     loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
                                 "fallback": upstream("cnn", "127.0.0.1:9002"),
                                 "reference": upstream("ref"), "mirror": {"sample_rate": 0.05}}])
@@ -89,24 +89,35 @@ def test_one_model_is_routed_by_path_and_sampled_in_envoy(tmp_path):
     assert bootstrap.EXTRACTION_FILTER not in filters_of(built)  # no body parse for one model
     assert filters_of(built)[-1] == "envoy.filters.http.router"
     routes = {r["name"]: r for r in routes_of(built)}
-    sampled, unsampled = routes["cnn_sampled"], routes["cnn_infer"]
-    fraction = sampled["match"]["runtime_fraction"]
-    assert fraction["default_value"] == {"numerator": 50_000, "denominator": "MILLION"}
-    assert "typed_per_filter_config" not in sampled  # ext_proc on
-    assert unsampled["typed_per_filter_config"][bootstrap.EXT_PROC_FILTER]["disabled"] is True
+    infer = routes["cnn_infer"]
+    assert "typed_per_filter_config" not in infer  # ext_proc decided per cluster
     assert routes["health"]["route"]["cluster"] == bootstrap.HEALTH_CLUSTER
-    weighted = sampled["route"]["weighted_clusters"]
-    headers = {c["name"]: c["response_headers_to_add"][0]["header"] for c in weighted["clusters"]}
-    assert headers == {"guard_cnn_primary": {"key": "guard-route", "value": "primary"},
-                       "guard_cnn_fallback": {"key": "guard-route", "value": "fallback"}}
-    # Started on the fallback: the runtime's static layer says so from the first request.
+    weighted = infer["route"]["weighted_clusters"]
+    assert weighted["use_hash_policy"] is True
+    assert infer["route"]["hash_policy"] == [{"header": {"header_name": "x-request-id"}}]
+    entries = {c["name"]: c for c in weighted["clusters"]}
+    assert {name: c["response_headers_to_add"][0]["header"]["value"]
+            for name, c in entries.items()} == {
+        "guard_cnn_primary": "primary", "guard_cnn_primary_sampled": "primary",
+        "guard_cnn_fallback": "fallback", "guard_cnn_fallback_sampled": "fallback"}
+    # ext_proc is off on every cluster but the sampled twins.
+    assert [name for name, c in entries.items() if "typed_per_filter_config" not in c] == [
+        "guard_cnn_primary_sampled", "guard_cnn_fallback_sampled"]
+    assert entries["guard_cnn_primary"]["typed_per_filter_config"][
+        bootstrap.EXT_PROC_FILTER]["disabled"] is True
+    # Started on the fallback: the runtime's static layer says so from the first request,
+    # 5% of the weight (in a million) on the sampled twin.
     static = built["layered_runtime"]["layers"][0]["static_layer"]
     assert static == {"guard.cnn.route.guard_cnn_primary": 0,
-                      "guard.cnn.route.guard_cnn_fallback": 1}
+                      "guard.cnn.route.guard_cnn_primary_sampled": 0,
+                      "guard.cnn.route.guard_cnn_fallback": 950_000,
+                      "guard.cnn.route.guard_cnn_fallback_sampled": 50_000}
     assert "admin_layer" in built["layered_runtime"]["layers"][1]
     assert built["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
     assert layout.clusters == {"guard_cnn_primary": ("cnn", "primary"),
-                               "guard_cnn_fallback": ("cnn", "fallback")}
+                               "guard_cnn_primary_sampled": ("cnn", "primary"),
+                               "guard_cnn_fallback": ("cnn", "fallback"),
+                               "guard_cnn_fallback_sampled": ("cnn", "fallback")}
 
 
 def test_several_models_are_routed_by_the_model_name_in_the_body(tmp_path):
@@ -115,7 +126,9 @@ def test_several_models_are_routed_by_the_model_name_in_the_body(tmp_path):
     built, layout = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
     assert filters_of(built)[:2] == [bootstrap.EXTRACTION_FILTER, "envoy.filters.http.lua"]
     routes = {r["name"]: r for r in routes_of(built)}
-    assert "cnn_sampled" not in routes  # no reference: nothing to observe
+    # No reference: nothing to observe, no sampled twin, ext_proc off everywhere.
+    assert [c["name"] for c in routes["cnn_infer"]["route"]["weighted_clusters"]["clusters"]] \
+        == ["guard_cnn_primary"]
     matcher = routes["v_d2_infer"]["match"]["dynamic_metadata"][0]
     assert matcher["path"] == [{"key": "model_name"}]
     assert matcher["value"]["list_match"]["one_of"]["string_match"]["exact"] == "v.2"
@@ -155,6 +168,8 @@ envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="guard_cnn_primary",le=
 envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="guard_cnn_primary",le="+Inf"} 4
 envoy_cluster_upstream_rq_time_sum{envoy_cluster_name="guard_cnn_primary"} 8.5
 envoy_cluster_upstream_rq_time_count{envoy_cluster_name="guard_cnn_primary"} 4
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="guard_cnn_primary_sampled",le="10"} 2
+envoy_cluster_upstream_rq_time_count{envoy_cluster_name="guard_cnn_primary_sampled"} 2
 envoy_cluster_upstream_rq_time_count{envoy_cluster_name="someone_elses"} 9
 """
 
@@ -163,6 +178,7 @@ def test_envoy_stats_become_guards_request_metrics():
     from prometheus_client.parser import text_string_to_metric_families
 
     text = translate(ENVOY_TEXT, {"guard_cnn_primary": ("cnn", "primary"),
+                                  "guard_cnn_primary_sampled": ("cnn", "primary"),
                                   "guard_cnn_fallback": ("cnn", "fallback")})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
@@ -171,7 +187,10 @@ def test_envoy_stats_become_guards_request_metrics():
         == 2
     bucket = ("guard_request_duration_seconds_bucket",
               (("le", "0.01"), ("model", "cnn"), ("route", "primary")))
-    assert samples[bucket] == 3  # 10 ms in Envoy's buckets: 0.01 s in guard's
+    assert samples[bucket] == 3 + 2  # 10 ms in Envoy's buckets: 0.01 s in guard's; both
+    # clusters of the route (the sampled twin and the other) add up
+    assert samples[("guard_request_duration_seconds_count",
+                    (("model", "cnn"), ("route", "primary")))] == 4 + 2
     assert samples[("guard_request_duration_seconds_sum",
                     (("model", "cnn"), ("route", "primary")))] == pytest.approx(0.0085)
     assert not any("someone" in str(key) for key in samples)
