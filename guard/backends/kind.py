@@ -48,7 +48,9 @@ class BackendKind:
     - ``forwards``: it forwards protocol messages itself (``forward``/``connect``, see
       ``guard.backends.base.Forwarding``): the data plane hands it the client's request.
     - ``check``: backend-specific checks of a block (raise ValueError; may normalise it, e.g.
-      a device); ``check_model``: checks of a model block that involve this backend.
+      a device); ``check_model``: checks of a model block that involve this backend;
+      ``check_config``: checks of the whole config that involve it (a process-wide setting
+      two blocks must agree on, e.g. Keras's backend), given the validated ``GuardConfig``.
     - ``threaded``: it computes with another intra-op thread count on request (the noise
       floor's thread comparison, ``with_threads``); ``in_threads``: a context manager
       ``(backend, threads)`` in which the built backend itself computes with ``threads``
@@ -68,6 +70,7 @@ class BackendKind:
     forwards: bool = False
     check: Callable[[Any], None] | None = None
     check_model: Callable[[Any], None] | None = None
+    check_config: Callable[[Any], None] | None = None
     threaded: bool = False
     in_threads: Callable[[Any, int], ContextManager[Any]] | None = None
     fp64: Callable[[Any], "Backend"] | None = None

@@ -31,7 +31,7 @@ import numpy as np
 
 from guard.backends.artifact import import_factory, read_artifact, require_pin
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
-from guard.backends.determinism import pin_torch_reference
+from guard.backends.determinism import pin_compiler, pin_torch_reference
 from guard.backends.options import TorchCompileOptions, TorchOptions
 from guard.backends.kind import BackendKind, Unsupported
 from guard.errors import BackendError
@@ -269,6 +269,7 @@ class TorchCompileBackend(TorchBackend):
             if warmed.is_set():
                 return compiled(*args)
             with first_call:
+                pin_compiler()  # a reference may have pinned determinism since _wrap
                 result = compiled(*args)
                 warmed.set()
                 return result

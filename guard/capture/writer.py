@@ -82,7 +82,7 @@ def _private(path: str, flags: int) -> int:
 
 @dataclass
 class CaptureTag:
-    """Rides with a request from the request path to the mirror's result (``Sample.tag``)."""
+    """Rides with a request from the request path to the mirror's result (``MirrorSample.tag``)."""
 
     request_id: str
     unix_nanos: int

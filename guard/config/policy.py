@@ -87,6 +87,12 @@ class PolicyConfig(Strict):
     repair: RepairConfig = Field(default_factory=RepairConfig)
     detector: Literal["cusum", "e_detector", "window"] = Field(
         "cusum", description="The trip/recovery rule: cusum, e_detector or window.")
+    min_samples: PositiveInt = Field(
+        20, description="No decision on fewer samples than this, for every detector: neither "
+        "a trip nor a recovery until the detector has taken this many compared samples since "
+        "it (re)started: at a route change, a manual override, a dry-run report, the re-arm "
+        "after an alert, and once burn_in has measured p0. The detector's statistic moves "
+        "from the first sample; only the decision waits.")
     # -- sequential detectors (cusum, e_detector) --
     arl0: PositiveFloat | None = Field(
         None, description="Expected compared samples between false alarms, per tier "
@@ -123,7 +129,6 @@ class PolicyConfig(Strict):
         "recoveries (recovery threshold = ln(recover_arl0)).")
     # -- window detector --
     window: PositiveInt = Field(100, description="Compared samples kept per tier.")
-    min_samples: PositiveInt = Field(20, description="No decision on fewer samples than this.")
     trip_ratio: Fraction = Field(
         0.2, description="window: switch to the fallback when the failing share exceeds this."
     )

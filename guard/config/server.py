@@ -80,7 +80,7 @@ class TapListenerConfig(Strict):
 
 class VerifierConfig(Strict):
     """The verifier process: reference, checks, detectors, capture and repair run there, out of
-    the serving process and its interpreter lock (guard/verifier/)."""
+    the serving process and its interpreter lock (guard/verifier_process/)."""
 
     ring_bytes: PositiveInt = Field(
         64 * 1024 * 1024,

@@ -2,7 +2,7 @@
 finds the handler for one.
 
 Three kinds of process talk over the control channel (guard/ipc/channel.py): the primary serving
-process (``guard serve``), the verifier process (guard/verifier/process.py) and the extra
+process (``guard serve``), the verifier process (guard/verifier_process/process.py) and the extra
 serving processes (guard/serve/worker.py). What each sends:
 
 | message | from -> to | reply |

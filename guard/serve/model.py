@@ -4,7 +4,7 @@ route word that says which one, and the hand-off of sampled requests to the veri
 The request path touches three things only: ``route()`` (one shared-memory load),
 ``after_response()`` (a sampling decision; for a sampled request one copy into the sample ring)
 and the pre-resolved metric children. The reference, the checks, the detectors, capture and the
-repair live in the verifier process (guard/verifier/model.py); what they decide comes back as
+repair live in the verifier process (guard/verifier_process/model.py); what they decide comes back as
 the route word and, for a repair, as ``use_primary``.
 """
 

@@ -1,6 +1,6 @@
 """The serving process's side of the verifier: start it, talk to it, watch it, restart it.
 
-The verifier is a child process (``python -m guard.verifier``) that inherits its descriptors:
+The verifier is a child process (``python -m guard.verifier_process``) that inherits its descriptors:
 one end of a control socket pair, the route table and one sample ring per serving process
 (guard/ipc/; ``server.processes``). At start-up
 the server waits for it to load every model's reference and noise floor, so a broken reference
@@ -109,7 +109,7 @@ class VerifierSupervisor:
         """Start a verifier and initialise it; "" on success, otherwise why it failed."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = (child.fileno(), self.table.block.fd, *(r.block.fd for r in self.rings))
-        command = [sys.executable, "-m", "guard.verifier", "--control-fd", str(fds[0]),
+        command = [sys.executable, "-m", "guard.verifier_process", "--control-fd", str(fds[0]),
                    "--routes-fd", str(fds[1]), "--routes-capacity", str(self.table.capacity),
                    "--ring-bytes", str(self.rings[0].capacity)]
         for fd in fds[2:]:

@@ -188,7 +188,7 @@ def test_sigterm_while_still_starting_stops_everything_and_exits_0(tmp_path):
             assert process.poll() is None, log.read_text()
             assert time.monotonic() < deadline, "the verifier child never started"
             verifier = next((pid for pid, cmd in _children(process.pid).items()
-                             if "guard.verifier" in cmd), None)
+                             if "guard.verifier_process" in cmd), None)
             time.sleep(0.1)
         time.sleep(1.0)  # both sides are waiting for the upstream now
         process.send_signal(signal.SIGTERM)

@@ -1,6 +1,6 @@
 """Tier 2 for one model: build the capture sides once, then check samples.
 
-``ActivationChecker`` is deliberately separate from the tier-1 ``Verifier``: it owns sessions
+``ActivationChecker`` is deliberately separate from the tier-1 ``Comparator``: it owns sessions
 of its own (built from the artifacts, never the production ones), costs far more than tier 1,
 and so runs only on a sub-sample in the mirror worker (``checks.activation.sample_rate``) and,
 with ``on_failure``, on tier-1 failures while the mirror queue has room.

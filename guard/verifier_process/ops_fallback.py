@@ -23,7 +23,7 @@ import logging
 import threading
 
 from guard.observe.events import emit
-from guard.policy.repair import OpRepair, SampleBuffer
+from guard.policy.repair import OpRepair, RepairBuffer
 from guard.runtime.priority import lower_current_thread
 
 log = logging.getLogger("guard.ops_fallback")
@@ -33,7 +33,7 @@ class OpsFallback:
     def __init__(self, model):
         self.model = model
         self.config = model.config.policy.repair
-        self.buffer = SampleBuffer(self.config.buffer, self.config.buffer_bytes)
+        self.buffer = RepairBuffer(self.config.buffer, self.config.buffer_bytes)
         self.kept: list[str] = []
         self.original = None  # the primary as configured, while a repaired one serves
         self._lock = threading.Lock()

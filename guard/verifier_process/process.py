@@ -1,6 +1,6 @@
 """The verifier process: everything guard does besides answering requests.
 
-Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier`` with
+Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier_process`` with
 inherited descriptors: the control socket, the route table and one sample ring per serving
 process (memfds; ``server.processes``).
 It is told the config over the control socket (``Init``; every message: guard/ipc/messages.py),
@@ -48,11 +48,11 @@ from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Transition
-from guard.verifier.model import VerifiedModel
-from guard.verifier.status import model_status
+from guard.verifier_process.model import VerifiedModel
+from guard.verifier_process.status import model_status
 from guard.v1 import admin_pb2 as admin_pb
 
-log = logging.getLogger("guard.verifier")
+log = logging.getLogger("guard.verifier_process")
 _IDLE_S = 0.002  # ring empty: look again after 2 ms (a check's latency does not matter)
 _HEARTBEAT_S = 0.1
 _ERROR_LOG_INTERVAL_S = 10.0
@@ -91,7 +91,7 @@ class ServingLink:
             pass
 
 
-class Verifier:
+class VerifierProcess:
     def __init__(self, channel: Channel, table: routes.RouteTable, rings: list[SampleRing]):
         self.channel = channel
         self.table = table
@@ -136,7 +136,7 @@ class Verifier:
         slots = message.slots
         self.table.adopt(slots)
         # The repaired primaries' blocks are for the serving processes: the verifier rebuilds
-        # its copy from the kept ops itself (guard/verifier/ops_fallback.py ``resume``).
+        # its copy from the kept ops itself (guard/verifier_process/ops_fallback.py ``resume``).
         resume, kept = message.resume, message.kept
         try:
             for model_config in config.models:
@@ -297,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from guard.malloc import tune_for_inference
 
     tune_for_inference()  # before backends allocate: see guard/malloc.py
-    parser = argparse.ArgumentParser(prog="python -m guard.verifier",
+    parser = argparse.ArgumentParser(prog="python -m guard.verifier_process",
                                      description="guard's verifier process (started by guard "
                                      "serve; not meant to be run by hand).")
     parser.add_argument("--control-fd", type=int, required=True)
@@ -316,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     closed = threading.Event()
     channel = Channel(sock, lambda m: holder["handlers"](m), "verifier", on_close=closed.set)
     ForwardEvents.install(channel)
-    verifier = Verifier(channel, table, rings)
+    verifier = VerifierProcess(channel, table, rings)
     holder["handlers"] = verifier.handlers()
     channel.start()
     while not (verifier.stopping.is_set() or closed.is_set()):
@@ -327,7 +327,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run() -> None:
-    """``python -m guard.verifier``: ``main``, then exit at once. A control request still
+    """``python -m guard.verifier_process``: ``main``, then exit at once. A control request still
     running on the channel's threads (an ``Init`` waiting on an upstream's ``ready_timeout_s``
     when the serving process stops or dies) must not keep this process alive past its parent;
     the models and capture are closed by then."""

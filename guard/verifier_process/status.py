@@ -11,7 +11,7 @@ from guard.v1 import admin_pb2 as pb
 
 
 def model_status(model) -> pb.ModelStatus:
-    """``model``: a guard.verifier.model.VerifiedModel."""
+    """``model``: a guard.verifier_process.model.VerifiedModel."""
     policy = model.policy
     status = pb.ModelStatus(
         name=model.name, route=policy.route, override=policy.override,

@@ -1,3 +1,0 @@
-from guard.verifier.process import run
-
-run()
