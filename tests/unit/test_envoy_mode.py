@@ -250,3 +250,24 @@ def test_on_the_fallback_only_probing_calls_are_mirrored():
     handoff.on_call(observed("cnn", route="fallback"))
     assert wire.decode(bytes(ring.take())).route == "fallback"
     ring.close()
+
+
+# -- guard deploy envoy ---------------------------------------------------------------------------
+def test_deploy_envoy_prints_the_bootstrap_and_refuses_ports_chosen_at_start(tmp_path, capsys):
+    from guard.cli import main
+
+    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}])
+    path = str(tmp_path / "guard.yaml")
+    assert main(["deploy", "envoy", path, "--format", "json"]) == 0
+    import json
+
+    printed = json.loads(capsys.readouterr().out)
+    clusters = {c["name"]: c for c in printed["static_resources"]["clusters"]}
+    observer = clusters[bootstrap.OBSERVER_CLUSTER]["load_assignment"]["endpoints"][0]
+    assert observer["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": 8005}
+
+    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}],
+           envoy={"observer_port": 0})
+    assert main(["deploy", "envoy", path]) == 2
+    assert "server.envoy.observer_port: 0" in capsys.readouterr().err
