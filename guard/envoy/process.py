@@ -28,7 +28,6 @@ verifier and serving processes the same way, with the same metrics and events.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -45,7 +44,6 @@ from guard.config.envoy import EnvoyConfig
 from guard.errors import GuardError
 from guard.observe.events import emit
 
-log = logging.getLogger("guard.envoy")
 _MAX_BACKOFF_S = 10.0
 _HEALTHY_AFTER_S = 60.0
 _WATCH_S = 0.05
@@ -225,7 +223,7 @@ class EnvoyProcess:
         emit("envoy_hot_restarted", epoch=epoch, pid=self.process.pid,
              drain_s=self.settings.drain_time_s)
 
-    # -- watching -----------------------------------------------------------------------------------
+    # -- watching ---------------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stopping.wait(_WATCH_S):
             with self._lock:
@@ -256,7 +254,7 @@ class EnvoyProcess:
         process = self.process
         return process is not None and process.poll() is None
 
-    # -- stop ---------------------------------------------------------------------------------------
+    # -- stop -------------------------------------------------------------------------------------
     def drain(self) -> None:
         """Stop taking new connections gracefully (clients are told to go elsewhere: HTTP/2
         GOAWAY) and wait, at most ``drain_time_s``, for the requests in flight to end."""

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(ENVOY is None, reason="envoy is not installed: "
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
-# -- the upstreams ---------------------------------------------------------------------------------
+# -- the upstreams --------------------------------------------------------------------------------
 class OipServer:
     def __init__(self, folder: Path, onnx: str, tag: str, names=("cnn",)):
         self.log = folder / f"oip-{tag}.log"
@@ -203,7 +203,7 @@ def watching(tmp_path_factory, upstreams, zoo_classifier):
     guard.close()
 
 
-# -- the tests -------------------------------------------------------------------------------------
+# -- the tests ------------------------------------------------------------------------------------
 def test_calls_go_through_envoy_and_sampled_calls_are_compared(watching, upstreams):
     srv, client = watching.srv, watching.client
     assert srv.envoy is not None and srv.envoy.process.serving

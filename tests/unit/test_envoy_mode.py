@@ -40,7 +40,7 @@ def problems(tmp_path, models, **server) -> list[str]:
     return error.value.problems
 
 
-# -- config -----------------------------------------------------------------------------------------
+# -- config ---------------------------------------------------------------------------------------
 def test_a_fallback_that_needs_the_body_readdressed_is_refused(tmp_path):
     lines = problems(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
                                  "fallback": upstream("cnn_fp32", "127.0.0.1:9002")}])
@@ -69,7 +69,7 @@ def test_python_mode_takes_what_envoy_mode_refuses(tmp_path):
     assert loaded.server.envoy.concurrency == 1
 
 
-# -- bootstrap ----------------------------------------------------------------------------------------
+# -- bootstrap ------------------------------------------------------------------------------------
 def routes_of(built: dict) -> list[dict]:
     manager = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     return manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
@@ -156,7 +156,7 @@ def test_tls_on_the_listener(tmp_path):
         "filename"] == str(tmp_path / "cert.pem")
 
 
-# -- stats --------------------------------------------------------------------------------------------
+# -- stats ----------------------------------------------------------------------------------------
 ENVOY_TEXT = """\
 # TYPE envoy_cluster_grpc_ModelInfer_0 counter
 envoy_cluster_grpc_ModelInfer_0{envoy_grpc_bridge_method="GRPCInferenceService",envoy_grpc_bridge_service="inference",envoy_cluster_name="guard_cnn_primary"} 4
@@ -196,7 +196,7 @@ def test_envoy_stats_become_guards_request_metrics():
     assert not any("someone" in str(key) for key in samples)
 
 
-# -- hand-off -------------------------------------------------------------------------------------------
+# -- hand-off --------------------------------------------------------------------------------
 @dataclass
 class Model:
     """The three things the hand-off reads of a served model."""
