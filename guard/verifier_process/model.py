@@ -65,6 +65,8 @@ class VerifiedModel:
                              for t in self.policy_tiers}
         self._statistic = {t: metrics.detector_statistic.labels(self.name, t)
                            for t in self.policy_tiers}
+        self._samples = {t: metrics.detector_samples.labels(self.name, t)
+                         for t in self.policy_tiers}
         self._threshold = {t: metrics.detector_threshold.labels(self.name, t)
                            for t in self.policy_tiers}
         self._max_abs_error = metrics.tensor_max_abs_error.labels(self.name)
@@ -258,6 +260,7 @@ class VerifiedModel:
         for figures in self.policy.detectors():
             self._statistic[figures.tier].set(figures.statistic)
             self._threshold[figures.tier].set(figures.threshold)
+            self._samples[figures.tier].set(figures.samples)
 
     def _on_activation(self, report, epoch: int) -> None:
         """A tier-2 report from the Comparator: counted, kept for the evidence, announced."""
