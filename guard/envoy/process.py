@@ -104,6 +104,7 @@ class EnvoyProcess:
         self.up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).",
                         registry=metrics_registry)
         self._lock = threading.RLock()
+        self._launching = threading.Lock()  # one start at a time: a restart, a hot restart
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._backoff = settings.restart_backoff_s
@@ -123,6 +124,10 @@ class EnvoyProcess:
     def _launch(self, epoch: int) -> None:
         """Start an Envoy at ``epoch`` (0: a fresh one; more: a hot restart of the current one)
         and wait until it is ready."""
+        with self._launching:
+            self._launch_now(epoch)
+
+    def _launch_now(self, epoch: int) -> None:
         settings = self.settings
         config_file = self.folder / f"bootstrap-{epoch}.json"
         admin_file = self.folder / f"admin-{epoch}.txt"
@@ -215,10 +220,12 @@ class EnvoyProcess:
     def hot_restart(self) -> None:
         """A new Envoy (the next epoch) from a new bootstrap takes the listener over; the old
         one drains and exits. GuardError when the new one does not come up (the old one
-        keeps serving then)."""
-        with self._lock:
-            epoch = self.epoch + 1
-        self._launch(epoch)
+        keeps serving then; one that died meanwhile is started again by the watcher, from
+        the new bootstrap)."""
+        with self._launching:
+            with self._lock:
+                epoch = self.epoch + 1
+            self._launch_now(epoch)
         self.hot_restarts.inc()
         emit("envoy_hot_restarted", epoch=epoch, pid=self.process.pid,
              drain_s=self.settings.drain_time_s)
