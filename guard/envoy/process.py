@@ -95,6 +95,7 @@ class EnvoyProcess:
         self.listener_port = 0
         self.admin_port = 0
         self.base_id: int | None = None
+        self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
         self.epoch = 0
         self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
                                 "started again (Envoy mode).", registry=metrics_registry)
@@ -169,6 +170,7 @@ class EnvoyProcess:
             self.epoch = epoch
             if epoch == 0:
                 self.base_id = int((self.folder / "base-id.txt").read_text().strip())
+                self._base_ids.add(self.base_id)
             self._started_at = time.monotonic()
         self.up.set(1)
         if self.on_started is not None:
@@ -303,8 +305,8 @@ class EnvoyProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
-        if self.base_id is not None:  # the hot-restart shared memory a killed Envoy leaves
-            Path(f"/dev/shm/envoy_shared_memory_{self.base_id * 10}").unlink(missing_ok=True)
+        for base_id in self._base_ids:  # the hot-restart shared memory killed Envoys left
+            Path(f"/dev/shm/envoy_shared_memory_{base_id * 10}").unlink(missing_ok=True)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 
