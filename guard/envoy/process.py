@@ -97,6 +97,7 @@ class EnvoyProcess:
         self.base_id: int | None = None
         self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
         self.epoch = 0
+        self.generation = 0  # Envoys started afresh (epoch 0) so far, the first one included
         self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
                                 "started again (Envoy mode).", registry=metrics_registry)
         self.hot_restarts = Counter("guard_envoy_hot_restarts", "Hot restarts of Envoy (a "
@@ -171,6 +172,7 @@ class EnvoyProcess:
             if epoch == 0:
                 self.base_id = int((self.folder / "base-id.txt").read_text().strip())
                 self._base_ids.add(self.base_id)
+                self.generation += 1
             self._started_at = time.monotonic()
         self.up.set(1)
         if self.on_started is not None:

@@ -346,6 +346,9 @@ def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(
         assert raw_call(guard.srv.grpc_port, "cnn", images[:1])[1]["guard-route"] == "fallback"
 
         # Envoy SIGKILLed: guard starts it again on the same port, on the fallback still.
+        counted = wait_for(lambda: metric(guard.metrics(), "guard_requests_total", model="cnn",
+                                          route="fallback") >= 3 and metric(
+            guard.metrics(), "guard_requests_total", model="cnn", route="fallback"))
         process = guard.srv.envoy.process
         os.kill(process.process.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -362,6 +365,9 @@ def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(
         print(f"Envoy SIGKILLed -> serving the fallback again after "
               f"{time.monotonic() - killed:.2f} s")
         assert metric(guard.metrics(), "guard_envoy_up") == 1
+        # What the killed Envoy had counted (at the last scrape) is carried over.
+        assert metric(guard.metrics(), "guard_requests_total", model="cnn",
+                      route="fallback") >= counted + 1
     finally:
         guard.close()
 
