@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,7 @@ from guard.observe.events import emit
 _MAX_BACKOFF_S = 10.0
 _HEALTHY_AFTER_S = 60.0
 _WATCH_S = 0.05
+_CANNOT_BIND = re.compile(r"cannot bind '([^']+)': ([^`|\n]+)")
 
 
 def find_envoy(settings: EnvoyConfig) -> str | None:
@@ -185,8 +187,12 @@ class EnvoyProcess:
         while True:
             code = process.poll()
             if code is not None:
-                raise GuardError(f"envoy exited during start-up (exit code {code}): "
-                                 f"{self.log_tail()}")
+                tail = self.log_tail()
+                taken = _CANNOT_BIND.search(tail)
+                if taken is not None:  # the one failure a user makes: say which key
+                    raise GuardError(f"server.grpc_port: envoy cannot listen on "
+                                     f"{taken.group(1)}: {taken.group(2).strip()}")
+                raise GuardError(f"envoy exited during start-up (exit code {code}): {tail}")
             if time.monotonic() > deadline:
                 raise GuardError(f"envoy not ready within server.envoy.start_timeout_s "
                                  f"({self.settings.start_timeout_s}s): {self.log_tail()}")

@@ -420,6 +420,23 @@ def test_sampling_is_stable_per_request_id_and_unsampled_calls_never_reach_guard
         guard.close()
 
 
+def test_a_taken_grpc_port_is_a_clear_start_error(tmp_path, upstreams, zoo_classifier):
+    import socket
+
+    from guard.errors import GuardError
+
+    block = model_block(upstreams, zoo_classifier)
+    block.pop("reference")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = write(tmp_path, [block], server={"grpc_port": port})
+        with pytest.raises(GuardError, match=rf"^server.grpc_port: envoy cannot listen on "
+                                             rf"127.0.0.1:{port}: Address already in use"):
+            BackgroundServer(load_config(path)).__enter__()
+
+
 def test_without_envoy_the_python_data_plane_serves(tmp_path, upstreams, zoo_classifier,
                                                     caplog):
     import logging
