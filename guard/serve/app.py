@@ -33,6 +33,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 
 from guard import __version__
 from guard.config import GuardConfig
+from guard.envoy.plane import EnvoyPlane
 from guard.errors import GuardError
 from guard.observe import tracing
 from guard.observe.events import emit
@@ -44,7 +45,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.malloc import tune_for_inference
 from guard.runtime import sampling
-from guard.serve.listen import bind, data_plane_server, server_options
+from guard.serve.listen import bind, data_plane_server, health_server, server_options
 from guard.serve.model import ServedModel
 from guard.serve.processes import ServingProcesses
 from guard.serve.reload import ConfigReloader
@@ -78,11 +79,16 @@ class GuardServer:
         # How full the rings are: a verifier that falls behind shows here before it drops.
         self.metrics.ring_used_bytes.set_function(lambda: sum(r.used for r in rings))
         self.metrics.ring_capacity_bytes.set(sum(r.capacity for r in rings))
+        # Envoy mode (server.data_plane: envoy; guard/envoy/): None in the Python data plane,
+        # or where no envoy binary is found (then the Python data plane serves, and says so).
+        self.envoy = EnvoyPlane.create(config, self.metrics, self.ring)
         self.exposition = CollectorRegistry(auto_describe=False)
         self.exposition.register(MergedMetrics(self.metrics, lambda: [
-            self.supervisor.exposition(), *self.processes.expositions()]))
+            self.supervisor.exposition(), *self.processes.expositions(),
+            *([self.envoy.exposition()] if self.envoy is not None else [])]))
         self.dataplane: DataPlane | None = None
         self.grpc_port = self.admin_port = self.metrics_port = 0
+        self.health_port = 0  # Envoy mode: guard's own gRPC health server, on loopback
         self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
         self._tap: grpc.aio.Server | None = None  # server.tap's listener
@@ -134,6 +140,9 @@ class GuardServer:
             for model in self.models.values():
                 await model.connect()
             await _on_own_thread(self.processes.start, self.grpc_port)
+            if self.envoy is not None:  # Envoy answers grpc_port; guard's server is its health
+                await self.envoy.start(lambda: self.models, self.grpc_port)
+                self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
             self.dataplane.models_changed()
             self.dataplane.loading = False
             serving = health_pb2.HealthCheckResponse.SERVING
@@ -151,13 +160,17 @@ class GuardServer:
              metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
              models=sorted(self.models),
              tap=f"{self.config.server.tap.host}:{self.tap_port}" if self._tap else None,
-             sampling_key=self.sampling_key, malloc=tune_for_inference())
+             sampling_key=self.sampling_key, malloc=tune_for_inference(),
+             data_plane="envoy" if self.envoy is not None else "python")
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
         self.dataplane = DataPlane(self.models, self.metrics, server_config.workers,
                                    server_config.max_concurrent_requests)
-        built = data_plane_server(self.dataplane, server_config)
+        if self.envoy is None:
+            built = data_plane_server(self.dataplane, server_config)
+        else:  # Envoy listens on grpc_port and routes gRPC health here (guard/envoy/plane.py)
+            built = health_server(server_config.envoy.health_port, "server.envoy.health_port")
         self._grpc, self._health, self.grpc_port = built.server, built.health, built.port
 
         # The admin API: loopback, or mutual TLS with an allow-list (server.admin_tls).
@@ -200,11 +213,13 @@ class GuardServer:
     def _served_model(self, model_config, slot: int) -> ServedModel:
         return ServedModel(model_config, self.metrics, self.table, slot, self.ring)
 
-    def _reloaded(self, config: GuardConfig) -> None:
-        """A reload put ``config`` in force (a restarted child is told this one)."""
+    def _reloaded(self, config: GuardConfig):
+        """A reload put ``config`` in force (a restarted child is told this one). In Envoy
+        mode, an awaitable: Envoy hot-restarts when its bootstrap changed."""
         self.config = config
         self.supervisor.config = config
         self.dataplane.models_changed()
+        return self.envoy.apply(config) if self.envoy is not None else None
 
     # -- stop ----------------------------------------------------------------------------------
     async def stop(self, grace: float | None = None) -> None:
@@ -218,6 +233,8 @@ class GuardServer:
             self.dataplane.live = False
         for model in self.models.values():
             model.end_watches()
+        if self.envoy is not None:  # drains, then exits: the request path ends first
+            await self.envoy.stop()
         others = asyncio.get_running_loop().run_in_executor(None, self.processes.stop, grace)
         if self._grpc is not None:
             await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs

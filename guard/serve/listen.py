@@ -43,6 +43,15 @@ def data_plane_server(dataplane: DataPlane, settings: ServerConfig,
     return DataPlaneServer(server, health, bound)
 
 
+def health_server(port: int, key: str) -> DataPlaneServer:
+    """gRPC health alone on 127.0.0.1 (Envoy mode: Envoy answers the data plane on grpc_port
+    and routes /grpc.health.v1.Health/ here; guard/envoy/plane.py)."""
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    health = health_aio.HealthServicer()
+    guarded(health_pb2_grpc.add_HealthServicer_to_server, health, server)
+    return DataPlaneServer(server, health, bind(server, "127.0.0.1", port, key))
+
+
 def server_options(settings: ServerConfig) -> list[tuple[str, int]]:
     """Message size limits; SO_REUSEPORT only when several serving processes share the port
     (otherwise a second guard on the same port must fail, not share it)."""

@@ -26,7 +26,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable
 
 from guard.config import GuardConfig, ModelConfig, load_config
 from guard.errors import ConfigError
@@ -113,12 +113,14 @@ class ConfigReloader:
     retire_report_s = RETIRE_REPORT_S  # see ``retire``; the other serving processes' too
 
     def __init__(self, path: Path, *, config: Callable[[], GuardConfig],
-                 applied: Callable[[GuardConfig], None], models: dict[str, ServedModel],
+                 applied: Callable[[GuardConfig], Awaitable | None],
+                 models: dict[str, ServedModel],
                  table: RouteTable, build: Callable[[ModelConfig, int], ServedModel],
                  others: "ServingProcesses", verifier: "VerifierSupervisor",
                  reloads: "Counter"):
         """``config()``: the config in force; ``applied(config)``: called with the config a
-        reload put in force (what a restarted child is told). ``models``: the served models by
+        reload put in force (what a restarted child is told); what it returns, if anything, is
+        awaited (Envoy mode: a hot restart). ``models``: the served models by
         name (swapped in place: the data plane reads the same dict); ``table``: the route
         slots; ``build(model_config, slot)``: a new ServedModel (not loaded); ``others`` and
         ``verifier``: the other processes, which load their halves; ``reloads``:
@@ -220,7 +222,9 @@ class ConfigReloader:
         applied.context = new.context
         self._prints = {name: (old_prints[name] if name in failed else new_prints[name])
                         for name in new_prints if name in old_prints or name not in failed}
-        self.applied(applied)
+        done = self.applied(applied)
+        if done is not None:  # Envoy mode: a changed bootstrap hot-restarts Envoy
+            await done
         result = "failed" if failed else "applied"
         self.reloads.labels(result).inc()
         emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,

@@ -1,0 +1,420 @@
+"""A guard config as an Envoy bootstrap: Envoy forwards, guard watches and steers.
+
+What the bootstrap holds (docs/envoy.md):
+
+- one listener on ``server.host:grpc_port`` (TLS from ``server.tls``) with an HTTP connection
+  manager whose filters are, in order: grpc_field_extraction (only when the config has several
+  models: the model name is inside the request body), ext_proc (observability mode, toward
+  guard's observer), grpc_stats (gRPC status per cluster, for guard_request_errors_total), the
+  router;
+- per model, a cluster per serving upstream (``guard_<model>_primary``, ``guard_<model>_fallback``;
+  HTTP/2), and for a model that samples a twin of each (``..._sampled``, the same upstream);
+  the model's ModelInfer route is a ``weighted_clusters`` whose weights come from Envoy's
+  runtime (``guard.<model>.route.<cluster>``): guard switches a model by setting them through
+  the admin API (``POST /runtime_modify``), and every answer carries the response header
+  ``guard-route: primary|fallback``;
+- sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of
+  the call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample
+  rate (its mirror rate, or capture rate for capture mode "all", the larger one) in a million;
+  ext_proc is off (``ExtProcPerRoute.disabled`` on the cluster's entry) for every cluster but
+  the sampled twins, so an unsampled call never reaches guard, and an id is sampled, or not,
+  on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
+  measured, the same id was sampled on some calls and not on others);
+- ``/grpc.health.v1.Health/`` routed to guard's own health server on loopback: readiness on
+  grpc_port means Envoy's listener, guard and (guard's readiness) the upstreams are up;
+- the admin API on 127.0.0.1 only, a runtime with an admin layer, and the duration histogram's
+  buckets set to guard's (in ms) so that the merged /metrics keeps guard's bucket bounds.
+
+Why the model name is read with grpc_field_extraction when several models share the listener:
+it is Envoy's own extension for exactly that (a field of the first request message into dynamic
+metadata, which a route matches), it needs only the protocol's descriptors (from tritonclient,
+already a dependency), and a one-model config (a sidecar's usual case) skips the filter and its
+parse. A listener per model would make clients address a port per model.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+
+from guard.config import GuardConfig, ModelConfig
+from guard.observe.metrics import LATENCY_BUCKETS
+
+SERVICE = "inference.GRPCInferenceService"
+MODEL_INFER = f"/{SERVICE}/ModelInfer"
+HEALTH_PREFIX = "/grpc.health.v1.Health/"
+ROUTE_HEADER = "guard-route"
+OBSERVER_CLUSTER = "guard_observer"
+HEALTH_CLUSTER = "guard_health"
+EXTRACTION_FILTER = "envoy.filters.http.grpc_field_extraction"
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+ROLES = ("primary", "fallback")
+SAMPLED = "_sampled"
+WEIGHTS = 1_000_000  # the weights of a model's clusters add up to this (a sample rate in ppm)
+_TYPE = "type.googleapis.com/"
+# Methods whose first field names the model (ModelInfer's model_name, the others' name).
+_NAMED_METHODS = {"ModelInfer": "model_name", "ModelMetadata": "name", "ModelReady": "name"}
+
+
+def token(name: str) -> str:
+    """A model name as a part of Envoy names without dots (Envoy's stat names split on dots):
+    '_' doubled, '.' as '_d'; different names never give the same token."""
+    return name.replace("_", "__").replace(".", "_d")
+
+
+def cluster_name(model: str, role: str, sampled: bool = False) -> str:
+    """A model's cluster for ``role``; ``sampled``: its twin that the sampled calls take (the
+    same upstream; ext_proc stays on for it)."""
+    return f"guard_{token(model)}_{role}{SAMPLED if sampled else ''}"
+
+
+def route_key(model: str, role: str, sampled: bool = False) -> str:
+    """The runtime key of the weight of a cluster of ``model``."""
+    return f"guard.{token(model)}.route.{cluster_name(model, role, sampled)}"
+
+
+def route_values(model: str, route: str, roles: tuple[str, ...] | list[str],
+                 rate: float) -> dict[str, int]:
+    """The runtime weights that put ``model`` on ``route``: ``rate`` of its calls (by the hash
+    of their x-request-id) to the route's sampled cluster, the rest to its other one; 0 for the
+    other role's."""
+    sampled = round(rate * WEIGHTS)
+    values = {}
+    for role in roles:
+        on = role == route or (route not in roles and role == "primary")
+        values[route_key(model, role)] = (WEIGHTS - sampled if on else 0) if sampled else int(on)
+        if sampled:
+            values[route_key(model, role, True)] = sampled if on else 0
+    return values
+
+
+def sample_rate(model: ModelConfig) -> float:
+    """The share of a model's calls Envoy copies to the observer: what the mirror and capture
+    mode "all" sample (one fraction for both in Envoy mode: the larger)."""
+    mirror = model.mirror.sample_rate if model.reference is not None else 0.0
+    capture = model.capture
+    recorded = capture.sample_rate if capture is not None and capture.mode == "all" else 0.0
+    return max(mirror, recorded)
+
+
+@dataclass
+class Ports:
+    """Where things listen: Envoy's listener and admin, and guard's loopback servers."""
+
+    listener: int
+    admin: int
+    observer: int
+    health: int
+
+
+@dataclass
+class Layout:
+    """Names the rest of guard needs to read Envoy's stats back: cluster -> (model, route)."""
+
+    clusters: dict[str, tuple[str, str]] = field(default_factory=dict)
+
+
+def _address(host: str, port: int) -> dict:
+    return {"socket_address": {"address": host.strip("[]"), "port_value": port}}
+
+
+def _http2_cluster(name: str, host: str, port: int, *, tls: dict | None = None,
+                   dns: bool = False) -> dict:
+    cluster = {
+        "name": name,
+        "type": "STRICT_DNS" if dns else "STATIC",
+        "connect_timeout": "1s",
+        "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
+            {"endpoint": {"address": _address(host, port)}}]}]},
+        "typed_extension_protocol_options": {
+            "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
+                "explicit_http_config": {"http2_protocol_options": {}}}},
+        # Envoy's defaults (1024 pending / in flight) would refuse a burst that guard's own
+        # max_concurrent_requests admits; the model server is the limit, not the proxy.
+        "circuit_breakers": {"thresholds": [{"max_connections": 100000,
+                                             "max_pending_requests": 100000,
+                                             "max_requests": 100000}]},
+    }
+    if dns:
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if tls is not None:
+        cluster["transport_socket"] = {"name": "envoy.transport_sockets.tls", "typed_config": {
+            "@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.UpstreamTlsContext",
+            **tls}}
+    return cluster
+
+
+def _split_target(target: str) -> tuple[str, int]:
+    host, _, port = target.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def _is_ip(host: str) -> bool:
+    import ipaddress
+
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
+def _upstream_cluster(name: str, spec) -> dict:
+    host, port = _split_target(spec.target)
+    tls = None
+    options = spec.options
+    if options.get("tls"):
+        roots = options.get("root_ca_file") or "/etc/ssl/certs/ca-certificates.crt"
+        tls = {"sni": host, "common_tls_context": {
+            "alpn_protocols": ["h2"],
+            "validation_context": {"trusted_ca": {"filename": roots}}}}
+    return _http2_cluster(name, host, port, tls=tls, dns=not _is_ip(host))
+
+
+def roles_of(model: ModelConfig) -> tuple[str, ...]:
+    return tuple(r for r in ROLES if getattr(model, r) is not None)
+
+
+def _weighted(model: ModelConfig) -> dict:
+    """The route action of a model's calls: its clusters weighted by runtime keys (defaults:
+    the primary), chosen by the hash of the call's x-request-id (Envoy makes one for a call
+    without), so that a given id is sampled, or not, on every replica. The unsampled clusters
+    turn ext_proc off."""
+    rate = sample_rate(model)
+    defaults = route_values(model.name, "primary", roles_of(model), rate)
+    clusters = []
+    for role in roles_of(model):
+        for sampled in ((False, True) if defaults.get(route_key(model.name, role, True)) is not
+                        None else (False,)):
+            entry = {
+                "name": cluster_name(model.name, role, sampled),
+                "weight": defaults[route_key(model.name, role, sampled)],
+                "response_headers_to_add": [{
+                    "header": {"key": ROUTE_HEADER, "value": role},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
+            if not sampled:
+                entry["typed_per_filter_config"] = _off()
+            clusters.append(entry)
+    timeout = float(model.primary.options.get("timeout_s", 10.0))
+    return {
+        "weighted_clusters": {"runtime_key_prefix": f"guard.{token(model.name)}.route",
+                              "use_hash_policy": True, "clusters": clusters},
+        "hash_policy": [{"header": {"header_name": "x-request-id"}}],
+        # The client's deadline (grpc-timeout) is honoured as it is; without one, the
+        # upstream's options.timeout_s, as in the Python data plane.
+        "timeout": f"{timeout}s",
+        "max_stream_duration": {"grpc_timeout_header_max": "0s"},
+    }
+
+
+def _off() -> dict:
+    return {EXT_PROC_FILTER: {
+        "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
+        "disabled": True}}
+
+
+def _model_routes(model: ModelConfig, by_body: bool) -> list[dict]:
+    """A model's routes: its ModelInfer calls, and its other per-model methods (metadata,
+    readiness)."""
+    def match(path: str | None = None, prefix: str | None = None) -> dict:
+        out: dict = {"path": path} if path else {"prefix": prefix}
+        if by_body:
+            # The extraction files a value under its field's name.
+            key = "model_name" if path == MODEL_INFER else "name"
+            out["dynamic_metadata"] = [{
+                "filter": EXTRACTION_FILTER, "path": [{"key": key}],
+                # The extraction stores a field's values as a list.
+                "value": {"list_match": {"one_of": {"string_match": {"exact": model.name}}}}}]
+        return out
+
+    action = _weighted(model)
+    # ModelInfer: ext_proc is on for the sampled clusters only (their entries carry no
+    # ExtProcPerRoute); every other call has it off on the route itself.
+    routes = [{"name": f"{token(model.name)}_infer", "match": match(path=MODEL_INFER),
+               "route": action}]
+    if by_body:
+        routes.append({"name": f"{token(model.name)}_other",
+                       "match": match(prefix=f"/{SERVICE}/"), "route": action,
+                       "typed_per_filter_config": _off()})
+    return routes
+
+
+def descriptor_set() -> bytes:
+    """The Open Inference Protocol's descriptors (grpc_service.proto and what it imports), for
+    grpc_field_extraction: taken from tritonclient's generated module."""
+    from google.protobuf import descriptor_pb2
+    from tritonclient.grpc import service_pb2
+
+    files, seen = descriptor_pb2.FileDescriptorSet(), set()
+
+    def add(descriptor) -> None:
+        if descriptor.name in seen:
+            return
+        seen.add(descriptor.name)
+        for dependency in descriptor.dependencies:
+            add(dependency)
+        descriptor.CopyToProto(files.file.add())
+
+    add(service_pb2.DESCRIPTOR)
+    return files.SerializeToString()
+
+
+def _extraction_filter() -> dict:
+    import base64
+
+    return {"name": EXTRACTION_FILTER, "typed_config": {
+        "@type": _TYPE + "envoy.extensions.filters.http.grpc_field_extraction.v3."
+                         "GrpcFieldExtractionConfig",
+        "descriptor_set": {"inline_bytes": base64.b64encode(descriptor_set()).decode()},
+        "extractions_by_method": {
+            f"{SERVICE}.{method}": {"request_field_extractions": {
+                field_name: {"dynamic_metadata": field_name}}}
+            for method, field_name in _NAMED_METHODS.items()}}}
+
+
+def _reroute_filter() -> dict:
+    """Routes are chosen when the headers arrive, before the extraction has read the body:
+    this one line (Lua, on the headers, which reach it only once the extraction let them go)
+    has Envoy choose the route again, now with the model name in the dynamic metadata."""
+    return {"name": "envoy.filters.http.lua", "typed_config": {
+        "@type": _TYPE + "envoy.extensions.filters.http.lua.v3.Lua",
+        "default_source_code": {"inline_string":
+                                "function envoy_on_request(handle) handle:clearRouteCache() end"}}}
+
+
+def _ext_proc_filter() -> dict:
+    return {"name": EXT_PROC_FILTER, "typed_config": {
+        "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
+        "grpc_service": {"envoy_grpc": {"cluster_name": OBSERVER_CLUSTER}},
+        # Copies, never waited for; a dead observer must not fail clients (with false, Envoy
+        # fails them with UNKNOWN even in observability mode).
+        "observability_mode": True,
+        "failure_mode_allow": True,
+        # STREAMED is the only body mode that sends bodies in observability mode.
+        "processing_mode": {
+            "request_header_mode": "SEND", "response_header_mode": "SEND",
+            "request_body_mode": "STREAMED", "response_body_mode": "STREAMED",
+            "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"}}}
+
+
+def _grpc_stats_filter() -> dict:
+    return {"name": "envoy.filters.http.grpc_stats", "typed_config": {
+        "@type": _TYPE + "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
+        "emit_filter_state": False,
+        "individual_method_stats_allowlist": {"services": [
+            {"name": SERVICE, "method_names": ["ModelInfer"]}]},
+        "replace_dots_in_grpc_service_name": True}}
+
+
+def _downstream_tls(config: GuardConfig) -> dict | None:
+    tls = config.server.tls
+    if tls is None:
+        return None
+    context: dict = {"common_tls_context": {
+        "alpn_protocols": ["h2"],
+        "tls_certificates": [{"certificate_chain": {"filename": tls.cert_file},
+                              "private_key": {"filename": tls.key_file}}]}}
+    if tls.client_ca_file:
+        context["require_client_certificate"] = True
+        context["common_tls_context"]["validation_context"] = {
+            "trusted_ca": {"filename": tls.client_ca_file}}
+    return {"name": "envoy.transport_sockets.tls", "typed_config": {
+        "@type": _TYPE + "envoy.extensions.transport_sockets.tls.v3.DownstreamTlsContext",
+        **context}}
+
+
+def build(config: GuardConfig, ports: Ports,
+          routes: dict[str, str] | None = None) -> tuple[dict, Layout]:
+    """The bootstrap for ``config`` (a dict, dumped as YAML or JSON) and its layout.
+    ``routes``: model -> "primary"/"fallback" to start on (the runtime's static layer), so
+    that an Envoy started again begins where the last one was."""
+    routes = routes or {}
+    layout = Layout()
+    by_body = len(config.models) > 1
+    clusters = [
+        _http2_cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer),
+        _http2_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health),
+    ]
+    virtual_routes: list[dict] = [{
+        "name": "health", "match": {"prefix": HEALTH_PREFIX},
+        "route": {"cluster": HEALTH_CLUSTER, "timeout": "5s"},
+        "typed_per_filter_config": _off()}]
+    static: dict[str, float] = {}
+    for model in config.models:
+        rate = sample_rate(model)
+        for role in roles_of(model):
+            for sampled in (False, True) if round(rate * WEIGHTS) else (False,):
+                name = cluster_name(model.name, role, sampled)
+                clusters.append(_upstream_cluster(name, getattr(model, role)))
+                layout.clusters[name] = (model.name, role)
+        static.update(route_values(model.name, routes.get(model.name, "primary"),
+                                   roles_of(model), rate))
+        virtual_routes += _model_routes(model, by_body)
+    if config.models:
+        # Server-wide calls (ServerLive, ServerReady, ModelConfig...) go to the first model's
+        # server, on its current route.
+        virtual_routes.append({"name": "server", "match": {"prefix": f"/{SERVICE}/"},
+                               "route": _weighted(config.models[0]),
+                               "typed_per_filter_config": _off()})
+    filters = ([_extraction_filter(), _reroute_filter()] if by_body else []) + [
+        _ext_proc_filter(), _grpc_stats_filter(),
+        {"name": "envoy.filters.http.router", "typed_config": {
+            "@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"}}]
+    size = config.server.max_message_bytes
+    manager = {
+        "@type": _TYPE + "envoy.extensions.filters.network.http_connection_manager.v3."
+                         "HttpConnectionManager",
+        "stat_prefix": "guard",
+        "codec_type": "AUTO",
+        # A client's x-request-id is kept (it is what samples are known by); one is made for a
+        # call without. traceparent/tracestate pass through untouched (no tracer here).
+        "preserve_external_request_id": True,
+        "generate_request_id": True,
+        "http2_protocol_options": {"initial_stream_window_size": min(size, 2 ** 31 - 1),
+                                   "initial_connection_window_size": min(size, 2 ** 31 - 1)},
+        "route_config": {"name": "guard", "virtual_hosts": [
+            {"name": "guard", "domains": ["*"], "routes": virtual_routes}]},
+        "http_filters": filters,
+    }
+    chain: dict = {"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                "typed_config": manager}]}
+    tls = _downstream_tls(config)
+    if tls is not None:
+        chain["transport_socket"] = tls
+    bootstrap = {
+        "node": {"id": "guard", "cluster": "guard"},
+        "admin": {"address": _address("127.0.0.1", ports.admin)},
+        "layered_runtime": {"layers": [
+            {"name": "guard_static", "static_layer": static},
+            {"name": "guard_admin", "admin_layer": {}}]},
+        # Histograms are merged from the worker threads at each flush: 1 s keeps the duration
+        # histogram on /metrics at most a second behind the counters.
+        "stats_flush_interval": "1s",
+        "stats_config": {"histogram_bucket_settings": [{
+            "match": {"safe_regex": {"regex": r"^cluster\.guard_.*\.upstream_rq_time$"}},
+            "buckets": [b * 1000 for b in LATENCY_BUCKETS]}]},
+        "static_resources": {
+            "listeners": [{"name": "guard_grpc",
+                           "address": _address(config.server.host, ports.listener),
+                           "filter_chains": [chain]}],
+            "clusters": clusters},
+    }
+    return bootstrap, layout
+
+
+def dump(bootstrap: dict, as_json: bool = False) -> str:
+    """The bootstrap as YAML (for people: ``guard deploy envoy``) or JSON (for Envoy)."""
+    if as_json:
+        return json.dumps(bootstrap, indent=1)
+    import yaml
+
+    return yaml.safe_dump(bootstrap, sort_keys=False)
+
+
+def ports_of(config: GuardConfig) -> Ports:
+    """The ports as configured (``guard deploy envoy``): 0 stays 0 (Envoy picks)."""
+    server = config.server
+    return Ports(server.grpc_port, server.envoy.admin_port, server.envoy.observer_port,
+                 server.envoy.health_port)

@@ -1,0 +1,75 @@
+"""An observed call (guard/envoy/observer.py) into the sample ring, the way the Python data plane
+hands over an upstream's answer (guard/serve/model.py ``after_response``): the serialized
+request and answer as they were, decoded only in the verifier.
+
+Sampling was decided in Envoy (the model's sampled route), so every observed call of a model is
+a sample: MIRROR when the model has a reference (and, on the fallback, only while probing, as in
+the Python data plane), CAPTURE for capture mode "all". Runs on the observer's event loop: one
+model lookup, a peek at the request's model name (guard/protocol/raw.py) and one copy into the
+ring; never a wait. A full ring drops the sample and counts it, as on the request path.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Mapping, Protocol
+
+from guard.ipc import wire
+from guard.ipc.ring import SampleRing
+from guard.observe.metrics import GuardMetrics
+from guard.protocol import raw
+
+MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+
+
+class Sampled(Protocol):
+    """What the hand-off needs of a served model (guard/serve/model.py's ServedModel)."""
+
+    slot: int
+    mirror_rate: float
+    capture_rate: float
+
+    def route_word(self) -> tuple[str, int, bool]: ...
+
+
+class Handoff:
+    def __init__(self, models: Callable[[], Mapping[str, Sampled]], ring: SampleRing,
+                 metrics: GuardMetrics):
+        self.models = models
+        self.ring = ring
+        self.metrics = metrics
+        self.handed = 0  # calls put into the ring
+
+    def on_call(self, call) -> None:
+        """The observer's ``on_call``: an ObservedCall into the ring (or not, and why not is
+        an answer that cannot be compared: an error status, another method, an unknown
+        model)."""
+        if call.path != MODEL_INFER or call.grpc_status not in (0, None) or not call.response:
+            return
+        try:
+            name = raw.peek(call.request)[0]
+        except raw.MalformedMessage:
+            return
+        model = self.models().get(name)
+        if model is None:
+            return
+        route, epoch, probing = model.route_word()
+        if call.route in ("primary", "fallback"):
+            route = call.route  # what answered it, from Envoy's guard-route header
+        flags = 0
+        if model.mirror_rate and (route != "fallback" or probing):
+            flags |= wire.MIRROR
+        if model.capture_rate:
+            flags |= wire.CAPTURE
+        if not flags:
+            return
+        parts = wire.encode(flags, route, model.slot, epoch, time.time_ns(), call.seconds, name,
+                            call.request_id, call.traceparent, (), None, None, call.request,
+                            call.response)
+        if self.ring.put(parts):
+            self.handed += 1
+            return
+        if flags & wire.MIRROR:
+            self.metrics.mirror.labels(name, "dropped").inc()
+        if flags & wire.CAPTURE:
+            self.metrics.capture_records.labels(name, "dropped").inc()

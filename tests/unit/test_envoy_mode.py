@@ -1,0 +1,273 @@
+"""Envoy mode without Envoy: the config's refusals, the bootstrap's shape, Envoy's stats under
+guard's names, and the hand-off of an observed call into a real sample ring."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import yaml
+from tritonclient.grpc import service_pb2 as pb
+
+from guard.config import load_config
+from guard.envoy import bootstrap
+from guard.envoy.handoff import MODEL_INFER, Handoff
+from guard.envoy.observer import ObservedCall
+from guard.envoy.stats import translate
+from guard.errors import ConfigError
+from guard.ipc import wire
+from guard.ipc.ring import SampleRing
+from guard.observe.metrics import GuardMetrics
+
+
+def upstream(model: str, target: str = "127.0.0.1:9001", **options) -> dict:
+    block = {"backend": "upstream", "target": target, "model": model}
+    if options:
+        block["options"] = options
+    return block
+
+
+def config(tmp_path, models: list[dict], **server):
+    data = {"version": 1, "server": {"data_plane": "envoy", **server}, "models": models}
+    path = tmp_path / "guard.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return load_config(path)
+
+
+def problems(tmp_path, models, **server) -> list[str]:
+    with pytest.raises(ConfigError) as error:
+        config(tmp_path, models, **server)
+    return error.value.problems
+
+
+# -- config ---------------------------------------------------------------------------------------
+def test_a_fallback_that_needs_the_body_readdressed_is_refused(tmp_path):
+    lines = problems(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
+                                 "fallback": upstream("cnn_fp32", "127.0.0.1:9002")}])
+    assert len(lines) == 1
+    assert lines[0].startswith("models[0].fallback.model: 'cnn_fp32' differs from the name "
+                               "clients send ('cnn')")
+    assert "cannot re-address" in lines[0]
+
+
+def test_local_backends_and_versions_are_refused_in_envoy_mode(tmp_path):
+    local = {"backend": "torch", "path": "fixture_models:affine"}
+    lines = problems(tmp_path, [
+        {"name": "a", "primary": local},
+        {"name": "b", "primary": upstream("b", model_version="2")},
+    ], processes=2)
+    assert any(line.startswith("models[0].primary.backend: Envoy mode forwards to upstream "
+                               "servers only") for line in lines)
+    assert any(line.startswith("models[1].primary.options.model_version:") for line in lines)
+    assert any(line.startswith("server.processes:") for line in lines)
+
+
+def test_python_mode_takes_what_envoy_mode_refuses(tmp_path):
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn_int8"),
+                                "fallback": upstream("cnn_fp32")}], data_plane="python")
+    assert loaded.server.data_plane == "python"
+    assert loaded.server.envoy.concurrency == 1
+
+
+# -- bootstrap ------------------------------------------------------------------------------------
+def routes_of(built: dict) -> list[dict]:
+    manager = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
+
+
+def filters_of(built: dict) -> list[str]:
+    manager = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
+    return [f["name"] for f in manager["typed_config"]["http_filters"]]
+
+
+def test_one_model_is_routed_by_path_and_sampled_in_envoy_by_request_id(tmp_path):
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
+                                "fallback": upstream("cnn", "127.0.0.1:9002"),
+                                "reference": upstream("ref"), "mirror": {"sample_rate": 0.05}}])
+    built, layout = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006),
+                                    {"cnn": "fallback"})
+    assert bootstrap.EXTRACTION_FILTER not in filters_of(built)  # no body parse for one model
+    assert filters_of(built)[-1] == "envoy.filters.http.router"
+    routes = {r["name"]: r for r in routes_of(built)}
+    infer = routes["cnn_infer"]
+    assert "typed_per_filter_config" not in infer  # ext_proc decided per cluster
+    assert routes["health"]["route"]["cluster"] == bootstrap.HEALTH_CLUSTER
+    weighted = infer["route"]["weighted_clusters"]
+    assert weighted["use_hash_policy"] is True
+    assert infer["route"]["hash_policy"] == [{"header": {"header_name": "x-request-id"}}]
+    entries = {c["name"]: c for c in weighted["clusters"]}
+    assert {name: c["response_headers_to_add"][0]["header"]["value"]
+            for name, c in entries.items()} == {
+        "guard_cnn_primary": "primary", "guard_cnn_primary_sampled": "primary",
+        "guard_cnn_fallback": "fallback", "guard_cnn_fallback_sampled": "fallback"}
+    # ext_proc is off on every cluster but the sampled twins.
+    assert [name for name, c in entries.items() if "typed_per_filter_config" not in c] == [
+        "guard_cnn_primary_sampled", "guard_cnn_fallback_sampled"]
+    assert entries["guard_cnn_primary"]["typed_per_filter_config"][
+        bootstrap.EXT_PROC_FILTER]["disabled"] is True
+    # Started on the fallback: the runtime's static layer says so from the first request,
+    # 5% of the weight (in a million) on the sampled twin.
+    static = built["layered_runtime"]["layers"][0]["static_layer"]
+    assert static == {"guard.cnn.route.guard_cnn_primary": 0,
+                      "guard.cnn.route.guard_cnn_primary_sampled": 0,
+                      "guard.cnn.route.guard_cnn_fallback": 950_000,
+                      "guard.cnn.route.guard_cnn_fallback_sampled": 50_000}
+    assert "admin_layer" in built["layered_runtime"]["layers"][1]
+    assert built["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+    assert layout.clusters == {"guard_cnn_primary": ("cnn", "primary"),
+                               "guard_cnn_primary_sampled": ("cnn", "primary"),
+                               "guard_cnn_fallback": ("cnn", "fallback"),
+                               "guard_cnn_fallback_sampled": ("cnn", "fallback")}
+
+
+def test_several_models_are_routed_by_the_model_name_in_the_body(tmp_path):
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")},
+                               {"name": "v.2", "primary": upstream("v.2")}])
+    built, layout = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+    assert filters_of(built)[:2] == [bootstrap.EXTRACTION_FILTER, "envoy.filters.http.lua"]
+    routes = {r["name"]: r for r in routes_of(built)}
+    # No reference: nothing to observe, no sampled twin, ext_proc off everywhere.
+    assert [c["name"] for c in routes["cnn_infer"]["route"]["weighted_clusters"]["clusters"]] \
+        == ["guard_cnn_primary"]
+    matcher = routes["v_d2_infer"]["match"]["dynamic_metadata"][0]
+    assert matcher["path"] == [{"key": "model_name"}]
+    assert matcher["value"]["list_match"]["one_of"]["string_match"]["exact"] == "v.2"
+    assert set(layout.clusters) == {"guard_cnn_primary", "guard_v_d2_primary"}
+
+
+def test_tokens_keep_different_names_apart():
+    names = ["a.b", "a_b", "a_db", "a__b", "a-b"]
+    assert len({bootstrap.token(n) for n in names}) == len(names)
+    assert all("." not in bootstrap.token(n) for n in names)
+
+
+def test_tls_on_the_listener(tmp_path):
+    for name in ("cert.pem", "key.pem", "ca.pem"):
+        (tmp_path / name).write_text("-")
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}],
+                    tls={"cert_file": "cert.pem", "key_file": "key.pem",
+                         "client_ca_file": "ca.pem"})
+    built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+    socket = built["static_resources"]["listeners"][0]["filter_chains"][0]["transport_socket"]
+    context = socket["typed_config"]
+    assert context["require_client_certificate"] is True
+    assert context["common_tls_context"]["alpn_protocols"] == ["h2"]
+    assert context["common_tls_context"]["tls_certificates"][0]["certificate_chain"][
+        "filename"] == str(tmp_path / "cert.pem")
+
+
+# -- stats ----------------------------------------------------------------------------------------
+ENVOY_TEXT = """\
+# TYPE envoy_cluster_grpc_ModelInfer_0 counter
+envoy_cluster_grpc_ModelInfer_0{envoy_grpc_bridge_method="GRPCInferenceService",envoy_grpc_bridge_service="inference",envoy_cluster_name="guard_cnn_primary"} 4
+# TYPE envoy_cluster_grpc_ModelInfer_5 counter
+envoy_cluster_grpc_ModelInfer_5{envoy_grpc_bridge_method="GRPCInferenceService",envoy_grpc_bridge_service="inference",envoy_cluster_name="guard_cnn_fallback"} 2
+# TYPE envoy_cluster_upstream_rq_time histogram
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="guard_cnn_primary",le="1"} 1
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="guard_cnn_primary",le="10"} 3
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="guard_cnn_primary",le="+Inf"} 4
+envoy_cluster_upstream_rq_time_sum{envoy_cluster_name="guard_cnn_primary"} 8.5
+envoy_cluster_upstream_rq_time_count{envoy_cluster_name="guard_cnn_primary"} 4
+envoy_cluster_upstream_rq_time_bucket{envoy_cluster_name="guard_cnn_primary_sampled",le="10"} 2
+envoy_cluster_upstream_rq_time_count{envoy_cluster_name="guard_cnn_primary_sampled"} 2
+envoy_cluster_upstream_rq_time_count{envoy_cluster_name="someone_elses"} 9
+"""
+
+
+def test_envoy_stats_become_guards_request_metrics():
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = translate(ENVOY_TEXT, {"guard_cnn_primary": ("cnn", "primary"),
+                                  "guard_cnn_primary_sampled": ("cnn", "primary"),
+                                  "guard_cnn_fallback": ("cnn", "fallback")})
+    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
+               for family in text_string_to_metric_families(text) for s in family.samples}
+    assert samples[("guard_requests_total", (("model", "cnn"), ("route", "primary")))] == 4
+    assert samples[("guard_request_errors_total", (("code", "NOT_FOUND"), ("model", "cnn")))] \
+        == 2
+    bucket = ("guard_request_duration_seconds_bucket",
+              (("le", "0.01"), ("model", "cnn"), ("route", "primary")))
+    assert samples[bucket] == 3 + 2  # 10 ms in Envoy's buckets: 0.01 s in guard's; both
+    # clusters of the route (the sampled twin and the other) add up
+    assert samples[("guard_request_duration_seconds_count",
+                    (("model", "cnn"), ("route", "primary")))] == 4 + 2
+    assert samples[("guard_request_duration_seconds_sum",
+                    (("model", "cnn"), ("route", "primary")))] == pytest.approx(0.0085)
+    assert not any("someone" in str(key) for key in samples)
+
+
+# -- hand-off --------------------------------------------------------------------------------
+@dataclass
+class Model:
+    """The three things the hand-off reads of a served model."""
+
+    slot: int
+    mirror_rate: float
+    capture_rate: float
+    route: str = "primary"
+    probing: bool = False
+
+    def route_word(self):
+        return self.route, 3, self.probing
+
+
+def observed(model: str, route: str = "primary", status: int | None = 0) -> ObservedCall:
+    request = pb.ModelInferRequest(model_name=model, id="r-1").SerializeToString()
+    response = pb.ModelInferResponse(model_name=model, id="r-1").SerializeToString()
+    return ObservedCall(path=MODEL_INFER, request_id="r-1", traceparent="00-ab-cd-01",
+                        route=route, request=request, response=response, grpc_status=status,
+                        seconds=0.002)
+
+
+def test_an_observed_call_goes_into_the_ring_as_the_upstream_path_would_put_it():
+    ring = SampleRing(1 << 20)
+    models = {"cnn": Model(slot=2, mirror_rate=0.1, capture_rate=0.0),
+              "rec": Model(slot=4, mirror_rate=0.0, capture_rate=1.0, route="fallback")}
+    handoff = Handoff(lambda: models, ring, GuardMetrics("test"))
+    call = observed("cnn")
+    handoff.on_call(call)
+    handoff.on_call(observed("cnn", status=5))  # an error answer: nothing to compare
+    handoff.on_call(observed("unknown"))
+    handoff.on_call(observed("rec", route="fallback"))  # capture only, also on the fallback
+    records = []
+    while (record := ring.take()) is not None:
+        records.append(wire.decode(bytes(record)))
+    assert [(r.model, r.flags, r.route, r.slot, r.epoch) for r in records] == [
+        ("cnn", wire.MIRROR, "primary", 2, 3), ("rec", wire.CAPTURE, "fallback", 4, 3)]
+    first = records[0]
+    assert (first.request_message, first.response_message) == (call.request, call.response)
+    assert (first.request_id, first.traceparent) == ("r-1", "00-ab-cd-01")
+    ring.close()
+
+
+def test_on_the_fallback_only_probing_calls_are_mirrored():
+    ring = SampleRing(1 << 20)
+    model = Model(slot=0, mirror_rate=1.0, capture_rate=0.0, route="fallback")
+    handoff = Handoff(lambda: {"cnn": model}, ring, GuardMetrics("test"))
+    handoff.on_call(observed("cnn", route="fallback"))
+    assert ring.take() is None
+    model.probing = True
+    handoff.on_call(observed("cnn", route="fallback"))
+    assert wire.decode(bytes(ring.take())).route == "fallback"
+    ring.close()
+
+
+# -- guard deploy envoy ---------------------------------------------------------------------------
+def test_deploy_envoy_prints_the_bootstrap_and_refuses_ports_chosen_at_start(tmp_path, capsys):
+    from guard.cli import main
+
+    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}])
+    path = str(tmp_path / "guard.yaml")
+    assert main(["deploy", "envoy", path, "--format", "json"]) == 0
+    import json
+
+    printed = json.loads(capsys.readouterr().out)
+    clusters = {c["name"]: c for c in printed["static_resources"]["clusters"]}
+    observer = clusters[bootstrap.OBSERVER_CLUSTER]["load_assignment"]["endpoints"][0]
+    assert observer["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": 8005}
+
+    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}],
+           envoy={"observer_port": 0})
+    assert main(["deploy", "envoy", path]) == 2
+    assert "server.envoy.observer_port: 0" in capsys.readouterr().err
