@@ -134,7 +134,7 @@ class ActivationChecker:
                 continue
             layer = LayerResult(
                 pairing.name, pairing.op, pairing.module, pairing.value, propagated,
-                isolation_note=pairing.isolation_note)
+                isolation_note=pairing.isolation_note, unsure=pairing.unsure)
             report.layers.append(layer)
             compared.append((layer, pairing))
         self._isolate(compared)

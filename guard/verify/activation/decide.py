@@ -139,11 +139,25 @@ def decide(report: ActivationReport, budget: Budget, noise: dict[str, float],
     if first is not None:
         report.basis = BASIS_FIXED if fixed is not None else BASIS_EXCEEDS
         report.first = first
-        return
-    if budget.tier1_failed:
+    elif budget.tier1_failed:
         report.undetermined = _fallback(report, budget)
     elif fixed is None:
         _first_measurable(report, precision)
+    _withhold_unsure(report)
+
+
+def _withhold_unsure(report: ActivationReport) -> None:
+    """A layer whose alignment is unsure (its counterpart may hold a neighbour's computation
+    too) is never named: the report says undetermined, and why."""
+    first = report.first
+    if first is None or not first.unsure:
+        return
+    report.undetermined = (f"the first divergence would be {first.name} ({report.basis}), but "
+                           f"its alignment is unsure: {first.unsure}")
+    report.unsure_divergence = first.divergent
+    report.first = None
+    report.basis = ""
+    report.within_budget = False
 
 
 def _first_measurable(report: ActivationReport, precision: str) -> None:
