@@ -59,6 +59,13 @@ class FaultCase:
     def onnx_pair(self) -> bool:
         return isinstance(self.reference, Path)
 
+    def names_true_layer(self, name: str | None) -> bool:
+        """Whether a reported layer is the broken one: the layer itself, or a unit tier 2
+        compared as one that holds it (``layer2.0.conv1+layer2.0.bn1``)."""
+        if name is None or self.true_layer is None:
+            return False
+        return name == self.true_layer or self.true_layer in name.split("+")
+
     def primary_variant(self) -> Path:
         """The primary as it runs: the fp32 file, or the variant derived at ``precision``.
 
@@ -357,6 +364,75 @@ def silero_cases(folder: Path) -> list[FaultCase]:
     return out
 
 
+# -- standard layouts (guard.zoo.layouts): faults in leaf modules at every depth ---------------
+# (module, tensor, share): weights, a LayerNorm's gamma, a BatchNorm's statistics, a bias.
+LAYOUT_FAULTS = {
+    "encoder": (("blocks.1.attn.q", "weight", 0.02), ("blocks.0.mlp.fc2", "weight", 0.01),
+                ("blocks.0.ln2", "weight", 0.03), ("blocks.1.attn.v", "bias", 0.1),
+                ("blocks.0.attn.out", "weight", 0.005), ("head", "weight", 0.03)),
+    "resnet": (("layer2.0.conv1", "weight", 0.02), ("layer3.1.conv2", "weight", 0.01),
+               ("layer1.0.bn1", "running_var", 0.03), ("layer2.0.downsample.0", "weight", 0.03),
+               ("conv1", "weight", 0.005), ("fc", "weight", 0.03)),
+}
+EXPORTERS = ("torchscript", "dynamo")
+
+
+def _layout(family: str):
+    from guard.zoo import layouts
+
+    if family == "encoder":
+        return layouts.encoder, layouts.encoder_inputs(4, seed=1)
+    return layouts.resnet, layouts.resnet_inputs(4, seed=1)
+
+
+def true_node(clean: Path, primary: Path) -> str | None:
+    """The first node, in graph order, that reads a weight the primary changed: the layer an
+    ONNX-vs-ONNX comparison should name."""
+    import onnx
+    from onnx import numpy_helper
+
+    a, b = onnx.load(str(clean)).graph, onnx.load(str(primary)).graph
+    theirs = {i.name: numpy_helper.to_array(i) for i in b.initializer}
+    changed = {i.name for i in a.initializer
+               if i.name in theirs and not np.array_equal(numpy_helper.to_array(i), theirs[i.name])}
+    return next((n.name for n in a.node if changed & set(n.input)), None)
+
+
+def layout_cases(folder: Path, families=("encoder", "resnet"), exporters=EXPORTERS,
+                 faults: dict | None = None, onnx_pairs: bool = True,
+                 clean: bool = True) -> list[FaultCase]:
+    """Per family and exporter: the torch eager module as reference vs the ONNX export of a
+    copy with one leaf module's tensor changed (``true_layer``: the module path), the same
+    fault ONNX vs ONNX (the clean export as reference; ``true_layer``: the node that reads the
+    changed weight), and the clean pair torch vs its export."""
+    from guard.zoo import layouts
+
+    out = []
+    for family in families:
+        build, inputs = _layout(family)
+        model = build(0)
+        for exporter in exporters:
+            dynamo = exporter == "dynamo"
+            tag = f"{family}-{exporter}"
+            base = layouts.export(model, folder / f"{tag}.onnx", inputs, dynamo=dynamo)
+            if clean:
+                out.append(FaultCase(f"{tag}-clean-torch-onnx", "clean", tag, build, base,
+                                     inputs, None, tensor=FP32, input_names=list(inputs)))
+            for module, tensor, share in (faults or LAYOUT_FAULTS)[family]:
+                name = f"{tag}-{module}.{tensor}-{share:g}"
+                broken = layouts.perturbed(model, module, share, seed=len(out), tensor=tensor)
+                prim = layouts.export(broken, folder / f"{name}.onnx", inputs, dynamo=dynamo)
+                kind = {"running_var": "bn_stats", "bias": "bias"}.get(tensor, "weight")
+                if family == "encoder" and module.split(".")[-1].startswith("ln"):
+                    kind = "ln_gamma"
+                out.append(FaultCase(f"{name}-torch", kind, tag, build, prim, inputs, module,
+                                     tensor=FP32, input_names=list(inputs)))
+                if onnx_pairs:
+                    out.append(FaultCase(f"{name}-onnx", kind, tag, base, prim, inputs,
+                                         true_node(base, prim), tensor=FP32))
+    return out
+
+
 # A batch of the zoo detector on which torch's sort and ONNX Runtime's TopK order the tied
 # candidates (scores capped at 1.0) differently (row 2 of sample_inputs(16, seed=5) on the
 # x86-64 machines measured); whether they do on another CPU, the pair is clean either way.
@@ -457,6 +533,13 @@ def checker_for(case: FaultCase, top_k: int = 50):
         reference = TorchSide(case.reference(), case.input_names, label="reference")
     config = ActivationCheckConfig(on_failure=True, top_k=top_k)
     return ActivationChecker(config, reference, primary, tensor=TensorCheckConfig(**case.tensor))
+
+
+def rank_of_true_layer(case: FaultCase, report) -> int | None:
+    """1 when tier 2 names the broken layer (or the unit holding it), 2 when it is the first
+    suspect after that..., None when it is not among them."""
+    names = ranked_names(report)
+    return next((i + 1 for i, n in enumerate(names) if case.names_true_layer(n)), None)
 
 
 def ranked_names(report) -> list[str]:

@@ -1,8 +1,9 @@
 """Standard architectures written the usual way, seeded, for tier 2's alignment at depth.
 
-- :func:`encoder`: a pre-norm attention encoder laid out as most Hugging Face encoders are,
-  ``embed``, ``blocks.N.{ln1, attn.{q,k,v,out}, ln2, mlp.{fc1,act,fc2}}``, ``norm``, ``head``
-  (a ``ModuleList`` the forward loops over, so the exporter sees no call of ``blocks`` itself).
+- :func:`encoder`: a pre-norm attention encoder laid out as timm's ViT and most Hugging Face
+  encoders are, ``embed``, ``blocks.N.{ln1, attn.{q,k,v,out}, ln2, mlp.{fc1,act,fc2}}``,
+  ``norm``, ``head``; ``blocks`` a ``Sequential`` (timm) the exporter sees called, or with
+  ``module_list`` a ``ModuleList`` the forward loops over (Hugging Face), which it does not.
 - :func:`resnet`: torchvision's ResNet layout (``conv1``, ``bn1``, ``relu``, ``maxpool``,
   ``layerK`` as ``Sequential`` of ``BasicBlock`` with ``downsample = Sequential(conv, bn)``,
   ``avgpool``, ``fc``), a BatchNorm after every convolution and one in-place ReLU reused twice
@@ -18,6 +19,18 @@ from __future__ import annotations
 import numpy as np
 
 ENCODER_VOCAB = 64
+
+
+def _sign(model, inputs: list[tuple[str, str, tuple]], outputs: list[tuple[str, str, tuple]]):
+    """The ``guard_signature`` a torch backend reads off a factory's module."""
+    import json
+
+    from guard.backends.base import TensorSpec
+    from guard.backends.torch import signature_json
+
+    specs = [[TensorSpec(*item) for item in items] for items in (inputs, outputs)]
+    model.guard_signature = json.loads(signature_json(*specs))
+    return model
 
 
 def _settle_norms(model, seed: int) -> None:
@@ -38,7 +51,8 @@ def _settle_norms(model, seed: int) -> None:
                 module.bias.copy_(0.05 * torch.randn(shape, generator=generator))
 
 
-def encoder(seed: int = 0, dim: int = 32, heads: int = 4, depth: int = 2, classes: int = 8):
+def encoder(seed: int = 0, dim: int = 32, heads: int = 4, depth: int = 2, classes: int = 8,
+            module_list: bool = False):
     """ids int64 [N, T] -> logits [N, T, classes]."""
     import torch
     from torch import nn
@@ -88,20 +102,25 @@ def encoder(seed: int = 0, dim: int = 32, heads: int = 4, depth: int = 2, classe
         def __init__(self):
             super().__init__()
             self.embed = nn.Embedding(ENCODER_VOCAB, dim)
-            self.blocks = nn.ModuleList([Block() for _ in range(depth)])
+            blocks = [Block() for _ in range(depth)]
+            self.blocks = nn.ModuleList(blocks) if module_list else nn.Sequential(*blocks)
             self.norm = nn.LayerNorm(dim)
             self.head = nn.Linear(dim, classes)
 
         def forward(self, ids):
             x = self.embed(ids)
-            for block in self.blocks:
-                x = block(x)
+            if module_list:
+                for block in self.blocks:
+                    x = block(x)
+            else:
+                x = self.blocks(x)
             return self.head(self.norm(x))
 
     torch.manual_seed(seed)
     model = Encoder()
     _settle_norms(model, seed)
-    return model.eval()
+    return _sign(model.eval(), [("ids", "INT64", (-1, -1))],
+                 [("logits", "FP32", (-1, -1, classes))])
 
 
 def encoder_inputs(n: int = 4, tokens: int = 8, seed: int = 0) -> dict[str, np.ndarray]:
@@ -162,7 +181,8 @@ def resnet(seed: int = 0, widths: tuple[int, ...] = (16, 32, 64), blocks: int = 
     torch.manual_seed(seed)
     model = ResNet()
     _settle_norms(model, seed)
-    return model.eval()
+    return _sign(model.eval(), [("image", "FP32", (-1, 3, 32, 32))],
+                 [("logits", "FP32", (-1, classes))])
 
 
 def resnet_inputs(n: int = 4, seed: int = 0, size: int = 32) -> dict[str, np.ndarray]:

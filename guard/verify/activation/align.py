@@ -281,7 +281,7 @@ class _Units:
                 continue
             source = call.sources[0] if len(call.sources) == 1 else None
             before = self.units.get(source) if source is not None else None
-            if (before is not None and before.last.key == source
+            if (before is not None and before.last.key == source and before.last.leaf
                     and self._sole_consumer(source) is call):
                 before.unsure = (f"its output in the graph may already include {name} "
                                  f"({call.kind}), which has no scope of its own")
