@@ -23,7 +23,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest $(ARGS)
 
 proto: $(STAMP)
-	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/guard/v1/*.proto
+	$(BIN)/python -m grpc_tools.protoc -Iproto --python_out=. --pyi_out=. --grpc_python_out=. proto/guard/v1/*.proto proto/guard/xds/*.proto
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/proxy_overhead.py $(ARGS)

@@ -1,4 +1,4 @@
-"""guard/v1/*_pb2_grpc.py are grpcio-tools' output for proto/guard/v1/*.proto, not code of ours.
+"""guard/{v1,xds}/*_pb2*.py are grpcio-tools' output for proto/guard/*/*.proto, not code of ours.
 
 Their base servicers answer every RPC with ``NotImplementedError`` (gRPC UNIMPLEMENTED): the
 generator's way of declaring the service's abstract methods. Two things keep that honest: the
@@ -19,7 +19,7 @@ from guard.serve.tap import TapServicer
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
-PROTOS = sorted((ROOT / "proto/guard/v1").glob("*.proto"))
+PROTOS = sorted((ROOT / "proto/guard").glob("*/*.proto"))  # guard/v1 and guard/xds
 
 
 def test_generated_files_are_what_make_proto_generates(tmp_path):
@@ -27,7 +27,8 @@ def test_generated_files_are_what_make_proto_generates(tmp_path):
     args = ["protoc", f"-I{ROOT / 'proto'}", f"--python_out={tmp_path}", f"--pyi_out={tmp_path}",
             f"--grpc_python_out={tmp_path}", *map(str, PROTOS)]
     assert protoc.main(args) == 0
-    generated = sorted(p.relative_to(tmp_path) for p in (tmp_path / "guard/v1").iterdir())
+    generated = sorted(p.relative_to(tmp_path) for p in (tmp_path / "guard").glob("*/*")
+                       if p.is_file())
     assert generated, "protoc wrote nothing"
     for relative in generated:
         assert (tmp_path / relative).read_text() == (ROOT / relative).read_text(), (

@@ -74,8 +74,11 @@ def test_reduced_precision_through_the_hint(zoo_classifier, images, ort_logits, 
         assert np.abs(out - ort_logits).max() > 0
         assert "precision_note" not in info.details
     else:  # the plugin drops the hint without a word: guard says it, in describe() and the log
-        assert info.details["inference_precision"] == "f32"
-        assert info.details["precision_note"].startswith(f"asked {hint}, runs f32")
+        # What it runs instead is the plugin's choice: f32, or bf16 on a CPU with bf16 kernels
+        # and none for f16 (AMD EPYC without AVX-512: "BF16,WINOGRAD,FP32,INT8,...").
+        ran = info.details["inference_precision"]
+        assert ran != hint
+        assert info.details["precision_note"].startswith(f"asked {hint}, runs {ran}")
     assert np.abs(out - ort_logits).max() < 0.1 * np.abs(ort_logits).max()
 
 

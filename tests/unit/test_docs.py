@@ -1,0 +1,116 @@
+"""The docs: the site builds strictly (a broken link fails), the README fits a page and its links
+resolve, and the generated reference pages cover every metric and config section in the code."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+REFERENCE = REPO / "docs" / "reference"
+
+
+def _env() -> dict:
+    """This checkout's guard first, whatever guard the interpreter has installed."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(REPO)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    return env
+
+
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory) -> Path:
+    """``mkdocs build --strict`` of this checkout into a temporary folder (its hook writes the
+    generated reference pages into docs/reference/ first)."""
+    pytest.importorskip("mkdocs", reason="mkdocs is in the dev extra: pip install -e '.[dev]'")
+    site = tmp_path_factory.mktemp("site")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(site)],
+        cwd=REPO, env=_env(), capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, (
+        f"mkdocs build --strict exited {proc.returncode}\n{proc.stdout}\n{proc.stderr}")
+    return site
+
+
+def test_site_builds_strictly_with_every_page(built_site):
+    for page in ("index.html", "quickstart/index.html", "reference/config/index.html",
+                 "reference/metrics/index.html", "architecture/index.html"):
+        assert (built_site / page).is_file(), page
+
+
+def _rows(page: str) -> dict[str, str]:
+    """Table rows of a generated page by their first cell (a code span)."""
+    rows = {}
+    for line in page.splitlines():
+        m = re.match(r"\| `([^`]+)` \|", line)
+        if m:
+            rows.setdefault(m.group(1), line)
+    return rows
+
+
+def _sections(page: str) -> dict[str, str]:
+    """A generated page's sections by their explicit anchor ({#name})."""
+    parts = re.split(r"^## .*\{#([\w-]+)\}$", page, flags=re.M)
+    return dict(zip(parts[1::2], parts[2::2]))
+
+
+def test_every_registered_metric_is_in_the_metrics_page(built_site):
+    from guard.observe.metrics import GuardMetrics
+
+    metrics = GuardMetrics("test")
+    rows = _rows((REFERENCE / "metrics.md").read_text())
+    families = list(metrics.registry.collect())
+    assert len(families) >= 26
+    for family in families:
+        exposed = f"{family.name}_total" if family.type == "counter" else family.name
+        assert exposed in rows, f"{exposed} is registered but not in the metrics page"
+        row = rows[exposed]
+        assert f"| {family.type} |" in row
+        assert " ".join(family.documentation.split()) in row.replace("\\|", "|")
+    for value in vars(metrics).values():
+        labels = getattr(value, "_labelnames", None)
+        if labels:
+            name = value.describe()[0].name
+            row = rows[f"{name}_total" if value._type == "counter" else name]
+            for label in labels:
+                assert f"`{label}`" in row, f"{name}: label {label} missing"
+
+
+def test_every_config_section_is_in_the_config_page(built_site):
+    schema = json.loads(subprocess.run(
+        [sys.executable, "-m", "guard", "config", "schema"], cwd=REPO, env=_env(),
+        capture_output=True, text=True, check=True).stdout)
+    sections = _sections((REFERENCE / "config.md").read_text())
+    for key in schema["properties"]:
+        assert key in _rows(sections["top-level"]), f"top-level key {key} is not in the page"
+    for name, definition in schema["$defs"].items():
+        assert name.lower() in sections, f"section {name} is not in the config page"
+        rows = _rows(sections[name.lower()])
+        for key, prop in definition.get("properties", {}).items():
+            assert key in rows, f"{name}.{key} is not in the config page"
+            if "default" in prop:
+                assert f"`{json.dumps(prop['default'])}`" in rows[key], f"{name}.{key} default"
+
+
+def test_readme_fits_a_page():
+    lines = (REPO / "README.md").read_text().splitlines()
+    assert len(lines) <= 200, f"README.md has {len(lines)} lines (at most 200)"
+
+
+def test_readme_links_resolve():
+    text = (REPO / "README.md").read_text()
+    links = re.findall(r"\]\(([^)\s]+)\)", text)
+    relative = [link.split("#")[0] for link in links
+                if not re.match(r"[a-z]+:", link) and not link.startswith("#")]
+    assert relative, "the README links to no docs page"
+    for link in relative:
+        assert not link.startswith("docs/reference/"), (
+            f"README.md links to {link}: generated at build time, not in a fresh clone")
+        assert (REPO / link).exists(), f"README.md links to {link}, which does not exist"
+    assert any(link.startswith("docs/") for link in relative)
