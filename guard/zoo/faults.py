@@ -364,8 +364,11 @@ def silero_cases(folder: Path) -> list[FaultCase]:
     return out
 
 
-# -- standard layouts (guard.zoo.layouts): faults in leaf modules at every depth ---------------
-# (module, tensor, share): weights, a LayerNorm's gamma, a BatchNorm's statistics, a bias.
+# -- the field's architectures: faults in leaf modules at every depth ---------------------------
+# Per family: (module, tensor, share) faults (weights 0.1-10%, a LayerNorm's gamma, a
+# BatchNorm's statistics, an attention projection, a bias), the exporters its torch-vs-ONNX
+# cases use, and whether it gets fp16 cases. guard.zoo.layouts' hand-written encoder and
+# torchvision-layout ResNet, and guard.zoo.families' transformers models built from configs.
 LAYOUT_FAULTS = {
     "encoder": (("blocks.1.attn.q", "weight", 0.02), ("blocks.0.mlp.fc2", "weight", 0.01),
                 ("blocks.0.ln2", "weight", 0.03), ("blocks.1.attn.v", "bias", 0.1),
@@ -374,15 +377,52 @@ LAYOUT_FAULTS = {
                ("layer1.0.bn1", "running_var", 0.03), ("layer2.0.downsample.0", "weight", 0.03),
                ("conv1", "weight", 0.005), ("fc", "weight", 0.03)),
 }
+FAMILY_FAULTS = {
+    "bert": (("model.bert.encoder.layer.1.attention.self.query", "weight", 0.02),
+             ("model.bert.encoder.layer.0.output.LayerNorm", "weight", 0.03),
+             ("model.bert.encoder.layer.0.intermediate.dense", "bias", 0.1),
+             ("model.classifier", "weight", 0.01)),
+    "vit": (("model.vit.layers.1.attention.q_proj", "weight", 0.02),
+            ("model.vit.layers.0.mlp.fc2", "weight", 0.005),
+            ("model.vit.layers.0.layernorm_before", "weight", 0.03),
+            ("model.vit.embeddings.patch_embeddings.projection", "weight", 0.01)),
+    "hf_resnet": (("model.resnet.encoder.stages.1.layers.0.layer.0.convolution", "weight", 0.02),
+                  ("model.resnet.encoder.stages.0.layers.0.layer.1.normalization",
+                   "running_var", 0.05),
+                  ("model.resnet.embedder.embedder.convolution", "weight", 0.003),
+                  ("model.classifier.1", "weight", 0.03)),
+    "convnext": (("model.convnext.encoder.stages.1.layers.0.pwconv1", "weight", 0.02),
+                 ("model.convnext.encoder.stages.0.layers.0.dwconv", "weight", 0.01),
+                 ("model.convnext.encoder.stages.1.layers.0.layernorm", "weight", 0.03),
+                 ("model.classifier", "weight", 0.1)),
+    "mobilenet_v2": (("model.mobilenet_v2.layer.5.conv_3x3.convolution", "weight", 0.02),
+                     ("model.mobilenet_v2.layer.10.expand_1x1.normalization", "running_var",
+                      0.05),
+                     ("model.classifier", "weight", 0.01)),
+    "whisper_encoder": (("model.layers.1.self_attn.k_proj", "weight", 0.02),
+                        ("model.conv2", "weight", 0.01), ("model.layers.0.fc1", "bias", 0.1),
+                        ("model.layer_norm", "weight", 0.03)),
+    "llama": (("model.model.layers.1.self_attn.v_proj", "weight", 0.02),
+              ("model.model.layers.0.mlp.up_proj", "weight", 0.01),
+              ("model.model.layers.1.post_attention_layernorm", "weight", 0.03),
+              ("model.lm_head", "weight", 0.005)),
+}
+FAMILIES = tuple(LAYOUT_FAULTS) + tuple(FAMILY_FAULTS)
 EXPORTERS = ("torchscript", "dynamo")
+# MobileNetV2's dynamo export takes ~1 min a file here: the TorchScript exporter's alone.
+_FAMILY_EXPORTERS = {"mobilenet_v2": ("torchscript",)}
+_FP16_FAMILIES = ("encoder", "resnet", "bert", "vit", "hf_resnet")
 
 
-def _layout(family: str):
-    from guard.zoo import layouts
+def _family(family: str):
+    """(factory of the seeded module, its inputs)."""
+    from guard.zoo import families, layouts
 
     if family == "encoder":
         return layouts.encoder, layouts.encoder_inputs(4, seed=1)
-    return layouts.resnet, layouts.resnet_inputs(4, seed=1)
+    if family == "resnet":
+        return layouts.resnet, layouts.resnet_inputs(4, seed=1)
+    return families.BUILDERS[family], families.inputs(family)
 
 
 def true_node(clean: Path, primary: Path) -> str | None:
@@ -398,39 +438,61 @@ def true_node(clean: Path, primary: Path) -> str | None:
     return next((n.name for n in a.node if changed & set(n.input)), None)
 
 
-def layout_cases(folder: Path, families=("encoder", "resnet"), exporters=EXPORTERS,
-                 faults: dict | None = None, onnx_pairs: bool = True,
-                 clean: bool = True) -> list[FaultCase]:
+def _kind(module: str, tensor: str) -> str:
+    if tensor == "running_var":
+        return "bn_stats"
+    if tensor == "bias":
+        return "bias"
+    leaf = module.split(".")[-1].lower()
+    return "norm_gamma" if "norm" in leaf or leaf.startswith("ln") else "weight"
+
+
+def family_cases(folder: Path, families=("encoder", "resnet"), exporters=EXPORTERS,
+                 faults: dict | None = None, onnx_pairs: bool = True, clean: bool = True,
+                 fp16: bool = False) -> list[FaultCase]:
     """Per family and exporter: the torch eager module as reference vs the ONNX export of a
     copy with one leaf module's tensor changed (``true_layer``: the module path), the same
     fault ONNX vs ONNX (the clean export as reference; ``true_layer``: the node that reads the
-    changed weight), and the clean pair torch vs its export."""
+    changed weight), and the clean pair torch vs its export. With ``fp16``: the first fault and
+    the clean export, ONNX vs their fp16 variants, for the families in ``_FP16_FAMILIES``."""
     from guard.zoo import layouts
 
+    faults = faults or {**LAYOUT_FAULTS, **FAMILY_FAULTS}
+    folder.mkdir(parents=True, exist_ok=True)
     out = []
     for family in families:
-        build, inputs = _layout(family)
-        model = build(0)
-        for exporter in exporters:
+        build, inputs = _family(family)
+        model = build()
+        for exporter in [e for e in exporters if e in _FAMILY_EXPORTERS.get(family, EXPORTERS)]:
             dynamo = exporter == "dynamo"
             tag = f"{family}-{exporter}"
             base = layouts.export(model, folder / f"{tag}.onnx", inputs, dynamo=dynamo)
             if clean:
                 out.append(FaultCase(f"{tag}-clean-torch-onnx", "clean", tag, build, base,
                                      inputs, None, tensor=FP32, input_names=list(inputs)))
-            for module, tensor, share in (faults or LAYOUT_FAULTS)[family]:
+            for i, (module, tensor, share) in enumerate(faults[family]):
                 name = f"{tag}-{module}.{tensor}-{share:g}"
-                broken = layouts.perturbed(model, module, share, seed=len(out), tensor=tensor)
+                broken = layouts.perturbed(model, module, share, seed=i, tensor=tensor)
                 prim = layouts.export(broken, folder / f"{name}.onnx", inputs, dynamo=dynamo)
-                kind = {"running_var": "bn_stats", "bias": "bias"}.get(tensor, "weight")
-                if family == "encoder" and module.split(".")[-1].startswith("ln"):
-                    kind = "ln_gamma"
+                kind = _kind(module, tensor)
                 out.append(FaultCase(f"{name}-torch", kind, tag, build, prim, inputs, module,
                                      tensor=FP32, input_names=list(inputs)))
                 if onnx_pairs:
-                    out.append(FaultCase(f"{name}-onnx", kind, tag, base, prim, inputs,
-                                         true_node(base, prim), tensor=FP32))
+                    node = true_node(base, prim)
+                    out.append(FaultCase(f"{name}-onnx", kind, tag, base, prim, inputs, node,
+                                         tensor=FP32))
+                    if fp16 and i == 0 and family in _FP16_FAMILIES:
+                        out.append(FaultCase(f"{name}-onnx-fp16", kind, tag, base, prim, inputs,
+                                             node, precision="fp16", tensor=FP16))
+            if fp16 and clean and family in _FP16_FAMILIES:
+                out.append(FaultCase(f"{tag}-clean-fp16", "clean", tag, base, base, inputs,
+                                     None, precision="fp16", tensor=FP16))
     return out
+
+
+def layout_cases(folder: Path, families=("encoder", "resnet"), **kw) -> list[FaultCase]:
+    """The hand-written layouts' cases (guard.zoo.layouts), as family_cases builds them."""
+    return family_cases(folder, families, **kw)
 
 
 # A batch of the zoo detector on which torch's sort and ONNX Runtime's TopK order the tied
@@ -507,12 +569,24 @@ def _no_grad():
         yield
 
 
-def corpus(folder: str | Path, real: bool = True) -> list[FaultCase]:
+def corpus(folder: str | Path, real: bool = True, families: bool = True) -> list[FaultCase]:
+    """``families``: the field's architectures too (the transformers ones where it is
+    installed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cases = (weight_cases(folder) + issue_cases(folder) + other_fault_cases(folder)
              + clean_cases(folder) + zoo_cnn_cases(folder) + [nms_clean_case(folder)])
-    return cases + (real_cases(folder) + silero_cases(folder) if real else [])
+    cases += (real_cases(folder) + silero_cases(folder)) if real else []
+    if families:
+        names = tuple(LAYOUT_FAULTS)
+        try:
+            import transformers  # noqa: F401
+
+            names += tuple(FAMILY_FAULTS)
+        except ImportError:
+            pass
+        cases += family_cases(folder / "families", names, fp16=True)
+    return cases
 
 
 # -- running a case through tier 2 ----------------------------------------------------------------

@@ -192,8 +192,8 @@ def resnet_inputs(n: int = 4, seed: int = 0, size: int = 32) -> dict[str, np.nda
 
 def perturbed(model, module: str, share: float, seed: int = 0, tensor: str = "weight"):
     """A copy of ``model`` with one module's ``tensor`` changed by ``share`` of its spread:
-    ``W + share * std(W) * N(0, 1)`` (``running_mean``/``running_var`` for BatchNorm
-    statistics: the variance scaled by ``1 + share``)."""
+    ``W + share * std(W) * N(0, 1)`` (a bias of zeros: the weight's spread; ``running_var``,
+    a BatchNorm's statistics: the variance scaled by ``1 + share``)."""
     import copy
 
     import torch
@@ -206,7 +206,10 @@ def perturbed(model, module: str, share: float, seed: int = 0, tensor: str = "we
         if tensor == "running_var":
             value.mul_(1 + share)
         else:
-            std = float(value.std()) if value.numel() > 1 else float(value.abs().mean()) or 1.0
+            std = float(value.std()) if value.numel() > 1 else float(value.abs().mean())
+            if std == 0.0:  # a bias initialised to zeros: the spread of the layer's weight
+                weight = getattr(target, "weight", None)
+                std = float(weight.std()) if weight is not None and weight.numel() > 1 else 1.0
             value.add_(share * std * torch.randn(value.shape, generator=generator))
     return other.eval()
 
@@ -230,7 +233,7 @@ def export(model, path, inputs: dict[str, np.ndarray], output: str = "logits",
             batch = torch.export.Dim("batch", max=4096)
             torch.onnx.export(model, args, str(path), dynamo=True, external_data=False,
                               input_names=names, output_names=[output],
-                              dynamic_shapes={n: {0: batch} for n in names})
+                              dynamic_shapes=tuple({0: batch} for _ in names))
         else:
             torch.onnx.export(model, args, str(path), dynamo=False, opset_version=17,
                               input_names=names, output_names=[output],

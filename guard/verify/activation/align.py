@@ -293,6 +293,21 @@ class _Units:
                                     f"({call.kind}), which has no scope of its own")
 
     # -- matches --------------------------------------------------------------------------------
+    def _read_outputs(self, unit: _Unit) -> list[str]:
+        """The unit's ONNX outputs. A group with more values leaving it than torch returns (an
+        RMSNorm whose input cast is also read by the residual add) is matched on the one value
+        the next modules' groups read, when exactly one is."""
+        outputs = list(unit.instance.outputs)
+        if len(unit.last.outputs) != 1 or len(outputs) < 2:
+            return outputs
+        read = set()
+        for consumer in self.consumers.get(unit.last.key, []):
+            after = self.units.get(consumer.key)
+            if after is not None and after.first is consumer:
+                read.update(after.instance.inputs)
+        chosen = [v for v in outputs if v in read]
+        return chosen if len(chosen) == 1 else outputs
+
     def matches(self, onnx_cap: dict[str, np.ndarray]) -> list[_Match]:
         """One match per unit, in the order the units finish; a unit whose outputs are those
         of a unit inside it (a Sequential's output is its last child's) is that unit."""
@@ -302,21 +317,22 @@ class _Units:
         for unit in units:
             instance = unit.instance
             name = self.unit_name(unit)
-            if len(instance.outputs) != len(unit.last.outputs):
+            outputs = self._read_outputs(unit)
+            if len(outputs) != len(unit.last.outputs):
                 self.unaligned.append(Unaligned(
                     self.role, name,
                     f"{len(unit.last.outputs)} tensor output(s) in torch, "
-                    f"{len(instance.outputs)} value(s) leave its scope in ONNX "
-                    f"({', '.join(instance.outputs)})"))
+                    f"{len(outputs)} value(s) leave its scope in ONNX "
+                    f"({', '.join(outputs)})"))
                 continue
-            missing = [v for v in instance.outputs if v not in onnx_cap]
+            missing = [v for v in outputs if v not in onnx_cap]
             if missing:
                 self.unaligned.append(Unaligned(
                     self.role, name,
                     f"ONNX value(s) {', '.join(missing)} are not produced by the graph that runs "
                     "(renamed or removed when the variant was derived)"))
                 continue
-            key = tuple(instance.outputs)
+            key = tuple(outputs)
             if key in seen:
                 continue
             seen.add(key)
@@ -324,7 +340,7 @@ class _Units:
             shapes_ok = len(instance.inputs) == len(first.inputs) and all(
                 v in onnx_cap and onnx_cap[v].shape == t.shape
                 for v, t in zip(instance.inputs, first.inputs))
-            out.append(_Match(unit, list(instance.outputs),
+            out.append(_Match(unit, outputs,
                               list(instance.inputs) if shapes_ok else None))
         return out
 

@@ -4,7 +4,9 @@ Hooks are registered on every named submodule for the duration of one capture an
 afterwards, on a module loaded for tier 2 alone (never the module that serves requests). Each
 call of a module is recorded in the order calls *finish* (a valid topological order: a module
 finishes after everything it read), so a module called twice (a shared pooling layer) has
-calls ``pool#0`` and ``pool#1``.
+calls ``pool#0`` and ``pool#1``. Each call also records where its inputs came from (the call
+whose output each input tensor is, by identity) and the call it ran inside: the dataflow that
+tells align.py which modules an exporter folded into one group of nodes.
 
 TorchScript and ``torch.export`` programs run their forward in C++: Python hooks cannot see
 inside them (``register_forward_hook is not supported on ScriptModules``). For those the config
