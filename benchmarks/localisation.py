@@ -151,6 +151,19 @@ def _family_score(rows: list[dict]) -> dict:
                 if r.get("polygraphy") == r["true_layer"] and not r["right"]]}
 
 
+def _failed_row(case, exc: Exception) -> dict:
+    from guard.zoo.faults import FAMILIES
+
+    return {"case": case.name, "kind": case.kind, "model": case.model,
+            "precision": case.precision, "onnx_pair": case.onnx_pair,
+            "true_layer": case.true_layer, "tier1_failed": None, "budget": None, "named": None,
+            "basis": "", "right": False, "named_container": False,
+            "family": case.model.rsplit("-", 1)[0] in FAMILIES, "undetermined": "",
+            "error": f"{type(exc).__name__}: {exc}", "rank": None, "within_budget": False,
+            "passed": False, "within_budget_note": "", "max_isolated": None,
+            "max_isolated_over_noise": None, "true_isolated": None, "seconds": 0.0}
+
+
 def score(rows: list[dict]) -> dict:
     faults = [r for r in rows if r["true_layer"] is not None]
     visible = [r for r in faults if r["tier1_failed"]]
@@ -186,6 +199,8 @@ def score(rows: list[dict]) -> dict:
         "within_budget_faults_min_true_isolated": min(
             (r["true_isolated"] for r in within if r["true_isolated"] is not None),
             default=None),
+        "cases_that_could_not_run": [r["case"] for r in rows if r["error"]
+                                     and r["tier1_failed"] is None],
         "silent_none_when_tier1_fails": sum(1 for r in visible
                                             if r["named"] is None and not r["undetermined"]),
         "onnx_cases": len(onnx),
@@ -274,6 +289,7 @@ def markdown(result: dict) -> str:
         f"| clean pairs blamed (guard) | {s['clean_blames']} of {s['clean_cases']} |",
         f"| clean pairs failing tier 2 | {s['clean_failed_tier2']} |",
         f"| tier 1 failed, no layer and no reason | {s['silent_none_when_tier1_fails']} |",
+        f"| cases that could not run | {', '.join(s['cases_that_could_not_run']) or 'none'} |",
         f"| ONNX-vs-ONNX fault cases: guard top-1 | {s['guard_top1_onnx']:.1%} "
         f"({s['onnx_cases']} cases) |",
         f"| ONNX-vs-ONNX fault cases: Polygraphy top-1 | {s['polygraphy_top1_onnx']:.1%} |",
@@ -334,7 +350,10 @@ def main(argv: list[str] | None = None) -> int:
                                     families=not args.no_families))
         rows = []
         for case in cases:
-            rows.append(run_case(case))
+            try:
+                rows.append(run_case(case))
+            except Exception as exc:  # a case that cannot run is a miss, said as such
+                rows.append(_failed_row(case, exc))
             r = rows[-1]
             print(f"{r['case']:60s} named={r['named']} true={r['true_layer']} rank={r['rank']} "
                   f"poly={r.get('polygraphy', 'n/a')} {r['seconds']:.2f}s", flush=True)

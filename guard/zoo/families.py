@@ -135,3 +135,29 @@ def inputs(family: str, n: int = 4, seed: int = 1) -> dict[str, np.ndarray]:
 
 BUILDERS = {"bert": bert, "vit": vit, "hf_resnet": hf_resnet, "convnext": convnext,
             "mobilenet_v2": mobilenet_v2, "whisper_encoder": whisper_encoder, "llama": llama}
+
+
+# -- full-size members, for tier 2's cost (benchmarks/activation_cost.py --large) ----------------
+def bert_base(seed: int = 0):
+    """BERT-base's shape (12 layers, hidden 768, 12 heads, 110M parameters), seeded."""
+    import torch
+    import transformers as t
+
+    torch.manual_seed(seed)
+    config = t.BertConfig(num_labels=2)  # the defaults are bert-base-uncased's
+    return _wrap(t.BertForSequenceClassification(config).eval(), "logits")
+
+
+def resnet50(seed: int = 0):
+    """ResNet-50's shape (bottleneck stages 3-4-6-3, widths 256-2048, 25M parameters)."""
+    import torch
+    import transformers as t
+
+    torch.manual_seed(seed)
+    config = t.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
+                            depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=1000)
+    return _wrap(t.ResNetForImageClassification(config).eval(), "logits")
+
+
+LARGE = {"bert-base": (bert_base, lambda seed: {"x": _ids(1, 128, 30522, seed)}),
+         "resnet50": (resnet50, lambda seed: {"x": _images(1, seed, size=224)})}

@@ -426,8 +426,9 @@ def _family(family: str):
 
 
 def true_node(clean: Path, primary: Path) -> str | None:
-    """The first node, in graph order, that reads a weight the primary changed: the layer an
-    ONNX-vs-ONNX comparison should name."""
+    """The first node, in graph order, that reads a weight the primary changed (through the
+    TorchScript exporter's Identity nodes, which it adds where weights were equal and so
+    shared: a bias of zeros): the layer an ONNX-vs-ONNX comparison should name."""
     import onnx
     from onnx import numpy_helper
 
@@ -435,7 +436,14 @@ def true_node(clean: Path, primary: Path) -> str | None:
     theirs = {i.name: numpy_helper.to_array(i) for i in b.initializer}
     changed = {i.name for i in a.initializer
                if i.name in theirs and not np.array_equal(numpy_helper.to_array(i), theirs[i.name])}
-    return next((n.name for n in a.node if changed & set(n.input)), None)
+    changed |= {i.name for i in b.initializer if i.name not in {j.name for j in a.initializer}}
+    for node in b.node:  # the primary's graph: the changed weight is its own initializer there
+        if changed & set(node.input):
+            if node.op_type == "Identity":  # the exporter's weight plumbing (deduplication)
+                changed.update(node.output)
+                continue
+            return node.name
+    return None
 
 
 def _kind(module: str, tensor: str) -> str:

@@ -64,6 +64,7 @@ def encoder(seed: int = 0, dim: int = 32, heads: int = 4, depth: int = 2, classe
             self.k = nn.Linear(dim, dim)
             self.v = nn.Linear(dim, dim)
             self.out = nn.Linear(dim, dim)
+            self.scale = (dim // heads) ** -0.5  # a constant, as timm writes it
 
         def forward(self, x):
             n, t, d = x.shape
@@ -73,7 +74,7 @@ def encoder(seed: int = 0, dim: int = 32, heads: int = 4, depth: int = 2, classe
                 return y.view(n, t, h, d // h).transpose(1, 2)
 
             q, k, v = split(self.q(x)), split(self.k(x)), split(self.v(x))
-            weights = torch.softmax(q @ k.transpose(-1, -2) / (d // h) ** 0.5, dim=-1)
+            weights = torch.softmax(q @ k.transpose(-1, -2) * self.scale, dim=-1)
             return self.out((weights @ v).transpose(1, 2).reshape(n, t, d))
 
     class MLP(nn.Module):

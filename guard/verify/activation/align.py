@@ -32,7 +32,7 @@ import numpy as np
 
 from guard.verify.activation.onnx_side import OnnxSide
 from guard.verify.activation.report import Unaligned
-from guard.verify.activation.scopes import node_module
+from guard.verify.activation.scopes import node_module, node_scopes
 from guard.verify.activation.torch_side import ModuleCall, TorchCapture, TorchSide
 
 # (output, primary node names) of a layer run on the reference's inputs.
@@ -125,6 +125,12 @@ def align_onnx_onnx(ref: OnnxSide, prim: OnnxSide, ref_cap: dict[str, np.ndarray
 _FOLDABLE = frozenset({
     "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "ReLU", "ReLU6", "GELU", "SiLU", "Sigmoid",
     "Tanh", "LeakyReLU", "Hardswish", "Hardsigmoid", "ELU", "Mish"})
+
+
+def _foldable(kind: str) -> bool:
+    """A module an exporter or runtime may fold into the op before it (transformers names its
+    activation modules ``GELUActivation``, ``SiLUActivation``...)."""
+    return kind in _FOLDABLE or kind.endswith("Activation")
 # Modules that can absorb a foldable one, and the ONNX ops that compute them.
 _ABSORBING = {"Conv1d": {"Conv"}, "Conv2d": {"Conv"}, "Conv3d": {"Conv"},
               "ConvTranspose1d": {"ConvTranspose"}, "ConvTranspose2d": {"ConvTranspose"},
@@ -141,6 +147,7 @@ class _Unit:
     members: list[ModuleCall]
     instance: object  # onnx_side.ScopeInstance: the group of nodes that computes it
     unsure: str = ""  # why the pairing may compare different computations
+    outputs: list[str] | None = None  # its ONNX values, where not the group's own (a fold)
 
     @property
     def first(self) -> ModuleCall:
@@ -237,18 +244,51 @@ class _Units:
                     changed = True
 
     def _append(self, call: ModuleCall) -> bool:
-        """TorchScript exporter: the Conv keeps its scope, the BatchNorm after it has none."""
-        if call.kind not in _FOLDABLE or len(call.sources) != 1 or call.sources[0] is None:
+        """The module before keeps its scope, this one has none: folded into that group of
+        nodes (the TorchScript exporter's Conv+BatchNorm), or computed by an unscoped node a
+        runtime's optimiser fused right after it (MatMul -> BiasGelu: the unit's output is then
+        that node's, as the next module's group reads it)."""
+        if not _foldable(call.kind) or len(call.sources) != 1 or call.sources[0] is None:
             return False
         unit = self.units.get(call.sources[0])
         if (unit is None or unit.last.key != call.sources[0]
                 or unit.first.kind not in _ABSORBING
-                or any(m.kind not in _FOLDABLE for m in unit.members[1:])
+                or not all(_foldable(m.kind) for m in unit.members[1:])
                 or self._sole_consumer(unit.last.key) is not call):
             return False
+        outputs = self._read_outputs(unit)
+        if len(outputs) != 1:
+            return False
+        value = self._folded_output(call, outputs[0])
+        if value is None:
+            return False
         unit.members.append(call)
+        unit.outputs = [value]
         self.units[call.key] = unit
         return True
+
+    def _folded_output(self, call: ModuleCall, value: str) -> str | None:
+        """The ONNX value holding ``call``'s output when it has no scope and ``value`` is the
+        output of the group before it, or None when the graph does not show the fold."""
+        graph = self.onnx.source
+        consumer = self._sole_consumer(call.key)
+        after = self.units.get(consumer.key) if consumer is not None else None
+        if after is not None and after.first is consumer:
+            index = consumer.sources.index(call.key)
+            if len(after.instance.inputs) != len(consumer.sources):
+                return None
+            read = after.instance.inputs[index]
+            if read == value:
+                return value  # folded into the group before
+            node = graph.node_of(read)
+            if node is not None and node_scopes(node) is None and value in node.input:
+                return read  # one unscoped node between the two groups computes it
+            return None
+        # Read by a parent's own code (a residual add): every reader of the value is scoped.
+        readers = [graph.nodes[i] for i in graph.consumers.get(value, [])]
+        if readers and all(node_scopes(n) is not None for n in readers):
+            return value
+        return None
 
     def _prepend(self, call: ModuleCall) -> bool:
         """Dynamo exporter: the fused Conv carries the BatchNorm's scope, the Conv has none."""
@@ -257,7 +297,7 @@ class _Units:
         consumer = self._sole_consumer(call.key)
         unit = self.units.get(consumer.key) if consumer is not None else None
         if (unit is None or unit.first is not consumer or consumer.sources != [call.key]
-                or any(m.kind not in _FOLDABLE for m in unit.members)):
+                or not all(_foldable(m.kind) for m in unit.members)):
             return False
         ops = {self.onnx.source.nodes[i].op_type for i in unit.instance.nodes}
         if not ops & _ABSORBING[call.kind]:
@@ -297,6 +337,8 @@ class _Units:
         """The unit's ONNX outputs. A group with more values leaving it than torch returns (an
         RMSNorm whose input cast is also read by the residual add) is matched on the one value
         the next modules' groups read, when exactly one is."""
+        if unit.outputs is not None:
+            return list(unit.outputs)
         outputs = list(unit.instance.outputs)
         if len(unit.last.outputs) != 1 or len(outputs) < 2:
             return outputs

@@ -123,6 +123,7 @@ class ActivationChecker:
             report.error = f"capture failed: {type(exc).__name__}: {exc}"
             report.seconds = time.perf_counter() - started
             return report
+        report.capture_seconds = time.perf_counter() - started
         report.unaligned = list(alignment.unaligned)
         report.primary_only = alignment.primary_only
         compared: list[tuple[LayerResult, Pairing]] = []
@@ -137,7 +138,9 @@ class ActivationChecker:
                 isolation_note=pairing.isolation_note, unsure=pairing.unsure)
             report.layers.append(layer)
             compared.append((layer, pairing))
+        isolating = time.perf_counter()
         self._isolate(compared)
+        report.isolate_seconds = time.perf_counter() - isolating
         noise = self._layer_noise(inputs)
         report.noise_note = self._noise_note
         decide(report, self._budget(tier1, [p for _, p in compared]), noise,

@@ -68,6 +68,8 @@ class ActivationReport:
     primary_only: list[str] = field(default_factory=list)  # values the primary's derivation added
     suspects: list[LayerResult] = field(default_factory=list)  # by isolated error, largest first
     seconds: float = 0.0
+    capture_seconds: float = 0.0  # both sides captured and aligned
+    isolate_seconds: float = 0.0  # the layers re-run in isolation (at most max_isolated)
     error: str = ""  # set when the check itself could not run (capture failed)
     budget: object = None  # decide.Budget: what the allowances derive from
     first: LayerResult | None = None  # set by decide.decide

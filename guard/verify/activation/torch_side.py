@@ -207,19 +207,22 @@ class TorchSide:
                         and in_arrays[0].shape == arrays[0].shape
                         and in_arrays[0].dtype == arrays[0].dtype
                         and np.array_equal(in_arrays[0], arrays[0], equal_nan=True))
+            leaf = not self.has_children[path]
             for tensor in outs:
                 # An identity is transparent: its output still comes from its input's producer.
+                # A container returning a child's tensor does not become its producer: the
+                # dataflow is between the modules that compute.
                 if identity:
                     if sources[0] is None:
                         producer.pop(id(tensor), None)
                     else:
                         producer[id(tensor)] = sources[0]
-                else:
+                elif leaf:
                     producer[id(tensor)] = key
             name, _, index = key.rpartition("#")
             capture.calls.append(ModuleCall(
                 name, int(index), type(module).__name__, in_arrays, arrays, sources, parent,
-                leaf=not self.has_children[path], identity=identity, order=len(capture.calls)))
+                leaf=leaf, identity=identity, order=len(capture.calls)))
 
         handles = [m.register_forward_pre_hook(pre_hook) for m in self.paths]
         handles += [m.register_forward_hook(hook) for m in self.paths]
