@@ -26,7 +26,7 @@ import numpy as np
 
 from guard.config import ModelConfig
 from guard.machine import cpu_model
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 from guard.verify import tensor
 from guard.verify.tensor import PASS_STATS_EVERY, Tolerance, compare_output
 
@@ -106,7 +106,7 @@ def tier3(repeat: int) -> list[dict]:
         config = ModelConfig.model_validate({
             "name": name, "task": entry.task, "adapters": entry.adapters,
             "primary": {"backend": "torch", "path": "pkg:fn"}})
-        verifier = Verifier.for_model(config)
+        verifier = Comparator.for_model(config)
         adapters, checker = verifier.adapters, verifier.task_checker
         infer_s = best_of(infer, repeat)
         task_s = best_of(lambda: checker.check(adapters.apply(ref), adapters.apply(out)), repeat)

@@ -81,7 +81,7 @@ def run_case(case) -> dict:
     from guard.zoo.faults import FAMILIES, checker_for, rank_of_true_layer, tier1_for
 
     checker = checker_for(case)
-    tier1 = tier1_for(case)  # cases with adapters: tier 1 as the Verifier runs it
+    tier1 = tier1_for(case)  # cases with adapters: tier 1 as the Comparator runs it
     started = time.perf_counter()
     report = checker.check(case.inputs, tier1=tier1[0] if tier1 else None)
     seconds = time.perf_counter() - started

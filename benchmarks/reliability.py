@@ -72,7 +72,7 @@ def rss_mib(pid: int) -> float:
 
 
 def verifier_pid(pid: int) -> int:
-    """The serving process's child running ``guard.verifier``."""
+    """The serving process's child running ``guard.verifier_process``."""
     for task in os.listdir(f"/proc/{pid}/task"):
         try:
             kids = open(f"/proc/{pid}/task/{task}/children").read().split()
@@ -80,7 +80,7 @@ def verifier_pid(pid: int) -> int:
             continue
         for kid in kids:
             try:
-                if b"guard.verifier" in open(f"/proc/{kid}/cmdline", "rb").read():
+                if b"guard.verifier_process" in open(f"/proc/{kid}/cmdline", "rb").read():
                     return int(kid)
             except OSError:
                 pass

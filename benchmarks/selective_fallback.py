@@ -168,10 +168,10 @@ def run_model(name: str, model: dict, rounds: int, folder: Path) -> dict:
     from guard.backends import create_backend
     from guard.policy.repair import BufferedSample, OpRepair
     from guard.verify.activation import ActivationChecker
-    from guard.verify.pipeline import Verifier
+    from guard.verify.pipeline import Comparator
 
     config = build_config(model, folder)
-    verifier = Verifier.for_model(config)
+    verifier = Comparator.for_model(config)
     reference = create_backend(config.reference, "reference")
     reference.load()
     int8 = create_backend(config.primary, "primary")  # the derived primary: int8 or fp16

@@ -34,12 +34,20 @@ def _configure_logging(debug: bool) -> None:
 # -- commands -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
     import asyncio
+    import signal
+
+    # SIGTERM/SIGINT from the first moment: while the config is read nothing has started, so
+    # a signal then is only noted (the server's own handlers take over before it starts
+    # anything, guard/serve/app.py ``serve_until_signalled``) and guard exits 0.
+    signalled: list[int] = []
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: signalled.append(signum))
 
     from guard.config import load_config
     from guard.serve.app import serve_until_signalled
 
     config = load_config(args.config)
-    asyncio.run(serve_until_signalled(config))
+    asyncio.run(serve_until_signalled(config, signalled))
     return EXIT_OK
 
 

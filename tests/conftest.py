@@ -21,11 +21,24 @@ def _guard_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def zoo_classifier(tmp_path_factory) -> dict[str, Path]:
+def zoo_folder(_guard_cache) -> Path:
+    """One folder for every seeded zoo export of the session: an export already there for its
+    seed is reused (guard/zoo/export.py), so each model is exported once, whichever tests ask
+    for it. It is the folder ``guard matrix`` exports zoo models to (guard.matrix.runner's
+    ``zoo_dir``, under the session's cache), so a sweep reuses the tests' exports too."""
+    from guard.matrix.runner import zoo_dir
+
+    folder = zoo_dir()
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def zoo_classifier(zoo_folder) -> dict[str, Path]:
     """The seeded zoo CNN exported once per session: {'torchscript': .pt, 'onnx': .onnx}."""
     from guard.zoo import classifier
 
-    return classifier.export(tmp_path_factory.mktemp("zoo"))
+    return classifier.export(zoo_folder)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ from guard.config import RepairConfig, parse_config
 from guard.policy.keep_back import keep_back_for
 from guard.policy.repair import BufferedSample, OpRepair
 from guard.verify.activation import ActivationChecker
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 
 # The zoo CNN's seeded fault (guard/zoo/classifier.py): one fc1 weight 40x the layer's largest,
 # so per-tensor int8 of fc1 crushes the rest of its weights. That error is in the quantised
@@ -37,7 +37,7 @@ def repair_case(model: dict, folder: Path, input_name: str, rows: np.ndarray) ->
     reference.load()
     samples = [BufferedSample({input_name: rows[i:i + 1]}, True) for i in range(len(rows))]
     capture = keep_back_for(config.primary).capture_spec()
-    return {"config": config, "reference": reference, "verifier": Verifier(config.checks),
+    return {"config": config, "reference": reference, "verifier": Comparator(config.checks),
             "samples": samples,
             "activation": ActivationChecker.for_model(config, primary_spec=capture)}
 

@@ -17,8 +17,11 @@ if TYPE_CHECKING:
     from guard.config import BackendConfig
 
 BACKEND_MODULES: dict[str, str] = {
+    "keras": "guard.backends.keras",
+    "litert": "guard.backends.litert",
     "onnxruntime": "guard.backends.onnxruntime",
     "openvino": "guard.backends.openvino",
+    "tensorflow": "guard.backends.tensorflow",
     "tensorrt": "guard.backends.tensorrt",
     "torch": "guard.backends.torch",
     "torch_compile": "guard.backends.torch",

@@ -1,16 +1,18 @@
 """What a backend is, declared once in its own module (no heavy imports here).
 
 Each backend module ends with ``KINDS = {name: BackendKind(...)}``; ``guard.backends`` holds the
-one registration (name -> module) and reads these declarations for config validation, tier 2,
-the op repair and the matrix. No other module lists backend names.
+one registration (name -> module) and reads these declarations for config validation, the
+checks and the matrix. What the layers above do with a backend they register themselves, keyed
+by its name: tier 2's capture sides in guard/verify/activation/sides.py, the op repair's
+strategies in guard/policy/keep_back.py. A backend knows no checks, policy or serving.
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 
 if TYPE_CHECKING:
     from pydantic import BaseModel
@@ -40,18 +42,15 @@ class BackendKind:
       (``target`` + ``model``).
     - ``formats``: artifact formats it loads (``onnx``, ``openvino_ir``, ``torchscript``,
       ``torch_export``, ``factory``): the matrix picks a model's artifact by them.
-    - ``capture``: ``"module:function"`` building tier 2's capture side for a block
-      (``(spec, role, config, threads, run_path, label) -> side``), or None: tier 2 cannot
-      capture its intermediate tensors.
     - ``capture_as``: ``(spec) -> spec``, the block tier 2 captures in this one's place to
       find the op repair's suspects, when it cannot hook this backend's own computation (e.g.
       an eager copy of a compiled module); None: the block itself.
-    - ``keep_back``: precision -> ``"module:Class"`` of the op repair's strategy
-      (guard/policy/keep_back.py) for a primary of that precision; empty: not repairable.
     - ``forwards``: it forwards protocol messages itself (``forward``/``connect``, see
       ``guard.backends.base.Forwarding``): the data plane hands it the client's request.
     - ``check``: backend-specific checks of a block (raise ValueError; may normalise it, e.g.
-      a device); ``check_model``: checks of a model block that involve this backend.
+      a device); ``check_model``: checks of a model block that involve this backend;
+      ``check_config``: checks of the whole config that involve it (a process-wide setting
+      two blocks must agree on, e.g. Keras's backend), given the validated ``GuardConfig``.
     - ``threaded``: it computes with another intra-op thread count on request (the noise
       floor's thread comparison, ``with_threads``); ``in_threads``: a context manager
       ``(backend, threads)`` in which the built backend itself computes with ``threads``
@@ -67,22 +66,14 @@ class BackendKind:
     precisions: frozenset[str] = frozenset({"fp32"})
     artifact: bool = True
     formats: frozenset[str] = frozenset()
-    capture: str | None = None
     capture_as: Callable[[Any], Any] | None = None
-    keep_back: Mapping[str, str] = field(default_factory=dict)
     forwards: bool = False
     check: Callable[[Any], None] | None = None
     check_model: Callable[[Any], None] | None = None
+    check_config: Callable[[Any], None] | None = None
     threaded: bool = False
     in_threads: Callable[[Any, int], ContextManager[Any]] | None = None
     fp64: Callable[[Any], "Backend"] | None = None
-
-    def capture_side(self) -> Callable | None:
-        return load_ref(self.capture) if self.capture else None
-
-    def keep_back_strategy(self, precision: str) -> type | None:
-        ref = self.keep_back.get(precision)
-        return load_ref(ref) if ref else None
 
     @contextlib.contextmanager
     def with_threads(self, built: "Backend", spec: Any, threads: int) -> Iterator["Backend"]:

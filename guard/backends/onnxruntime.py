@@ -1,4 +1,9 @@
-"""ONNX Runtime backend (CPU by default; any installed execution provider by name)."""
+"""ONNX Runtime backend (CPU by default; any installed execution provider by name).
+
+A SavedModel directory or a ``.keras`` file is converted to ONNX with tf2onnx first, in a child
+process, cached by digest (guard/backends/tf_convert.py); the precision variants are derived
+from that conversion.
+"""
 
 from __future__ import annotations
 
@@ -23,8 +28,21 @@ def derived_variant(spec: "BackendConfig", source: bytes | None = None) -> Path:
     with the block's options (nodes_to_exclude, per_channel, reduce_range). The backend, tier 2's
     ONNX side and the int8 repair all ask here, so they see one variant."""
     options = OnnxRuntimeOptions.model_validate(spec.options)
-    return derive_onnx(spec.path, spec.precision, options.nodes_to_exclude, options.per_channel,
+    path, _ = onnx_source(spec)
+    return derive_onnx(path, spec.precision, options.nodes_to_exclude, options.per_channel,
                        source=source, reduce_range=options.reduce_range)
+
+
+def onnx_source(spec: "BackendConfig") -> tuple[str, str | None]:
+    """The ONNX file of a block and the digest it is pinned by: its own path, or tf2onnx's
+    conversion of a SavedModel or ``.keras`` (pinned by the source's digest, checked there)."""
+    from guard.backends.tf_convert import is_tf_source
+
+    if not is_tf_source(spec.path):
+        return spec.path, spec.sha256
+    from guard.backends.tf_convert import derive
+
+    return str(derive(spec.path, "onnx", sha256=spec.sha256)), None
 
 
 # ORT type strings -> OIP datatypes.
@@ -72,7 +90,7 @@ class OnnxRuntimeBackend(Backend):
 
         # The artifact is read once and checked against its sha256; fp32 loads from those very
         # bytes, a derived variant is derived from them (and cached under their digest).
-        data, _ = read_artifact(self.spec.path, self.spec.sha256)
+        data, _ = read_artifact(*onnx_source(self.spec))
         self.model_path = derived_variant(self.spec, source=data)
         so = ort.SessionOptions()
         if self.spec.precision == "fp32":
@@ -153,9 +171,6 @@ KINDS = {
     "onnxruntime": BackendKind(
         name="onnxruntime", backend=OnnxRuntimeBackend, options=OnnxRuntimeOptions,
         precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
-        capture="guard.verify.activation.onnx_side:onnxruntime_side",
-        keep_back={"int8": "guard.policy.keep_back:OnnxInt8Ops",  # nodes_to_exclude
-                   "fp16": "guard.policy.keep_back:OnnxFp16Ops"},
         threaded=True,
     ),
 }

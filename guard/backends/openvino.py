@@ -15,8 +15,8 @@ Threads: one InferRequest per calling thread (a request is not thread-safe, the 
 model is). The reference pins ``INFERENCE_NUM_THREADS`` to its budget, one stream and
 ``EXECUTION_MODE_HINT: ACCURACY``.
 
-Tier 2 captures a private copy (guard/backends/openvino_capture.py: every ONNX value added as a
-result, compiled at the same precision). Ops kept back at fp32 (``policy.action:
+Tier 2 captures a private copy (guard/verify/activation/openvino_side.py: every ONNX value
+added as a result, compiled at the same precision). Ops kept back at fp32 (``policy.action:
 fallback_ops``): not offered. OpenVINO marks nodes with the ``disable_fp16_compression`` runtime
 attribute, but openvino 2026.4's Python API cannot set it (a string in ``rt_info`` is ignored by
 the CPU plugin, and the IR reader drops the attribute from ``<rt_info>``): measured in
@@ -240,7 +240,7 @@ def _calibration(model, options: OpenVinoOptions) -> list[dict[str, np.ndarray]]
             raise BackendError(f"options.calibration_inputs: no array for input '{missing[0]}'")
         count = min(len(arrays[n]) for n in names)
         return [{n: arrays[n][i:i + 1] for n in names} for i in range(count)]
-    from guard.verify.noise import CannotGenerate, generate_inputs
+    from guard.protocol.synthetic import CannotGenerate, generate_inputs
 
     specs = tuple(_spec(p) for p in model.inputs)
     try:
@@ -268,7 +268,6 @@ KINDS = {
     "openvino": BackendKind(
         name="openvino", backend=OpenVinoBackend, options=OpenVinoOptions,
         precisions=frozenset(HINTS), formats=frozenset({"onnx", "openvino_ir"}),
-        capture="guard.backends.openvino_capture:openvino_side",
         check=_check, threaded=True,
     ),
 }

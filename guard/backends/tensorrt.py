@@ -234,8 +234,6 @@ KINDS = {
         name="tensorrt", backend=TensorRTBackend, options=TensorRTOptions,
         precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
         capture_as=_onnx_variant,
-        keep_back={p: "guard.policy.keep_back:TensorRTLayers"  # fp32_layers
-                   for p in ("fp16", "int8")},
         check=_check,
     ),
 }

@@ -31,7 +31,7 @@ import numpy as np
 
 from guard.backends.artifact import import_factory, read_artifact, require_pin
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
-from guard.backends.determinism import pin_torch_reference
+from guard.backends.determinism import pin_compiler, pin_torch_reference
 from guard.backends.options import TorchCompileOptions, TorchOptions
 from guard.backends.kind import BackendKind, Unsupported
 from guard.errors import BackendError
@@ -269,6 +269,7 @@ class TorchCompileBackend(TorchBackend):
             if warmed.is_set():
                 return compiled(*args)
             with first_call:
+                pin_compiler()  # a reference may have pinned determinism since _wrap
                 result = compiled(*args)
                 warmed.set()
                 return result
@@ -382,7 +383,6 @@ KINDS = {
     "torch": BackendKind(
         name="torch", backend=TorchBackend, options=TorchOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), formats=_TORCH_FORMATS,
-        capture="guard.verify.activation.torch_side:torch_side",
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads,
     ),
@@ -392,8 +392,6 @@ KINDS = {
         name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}),
         formats=frozenset({"torch_export", "factory"}), capture_as=_eager_copy,
-        keep_back={p: "guard.policy.keep_back:TorchCompileModules"  # eager_fp32_modules
-                   for p in ("fp32", "fp16", "bf16")},
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads,
     ),

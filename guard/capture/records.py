@@ -69,7 +69,7 @@ def describe_backends(out, backends: Mapping[str, BackendInfo]) -> None:
 
 
 def add_tier_verdicts(out, results: Mapping[str, object]) -> None:
-    """Per-tier results from ``Verifier.tier_reports`` into ``TierVerdict`` messages."""
+    """Per-tier results from ``Comparator.tier_reports`` into ``TierVerdict`` messages."""
     for tier, result in results.items():
         verdict = out.add(tier=tier, passed=result.passed, summary=result.summary)
         for o in result.outputs:

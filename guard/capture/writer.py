@@ -60,7 +60,7 @@ from guard.capture.segment import SUFFIX, encode_frame
 from guard.config import CaptureConfig
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.serve.sampling import sampled
+from guard.runtime.sampling import sampled
 from guard.v1 import capture_pb2 as pb
 
 log = logging.getLogger("guard.capture")
@@ -82,7 +82,7 @@ def _private(path: str, flags: int) -> int:
 
 @dataclass
 class CaptureTag:
-    """Rides with a request from the request path to the mirror's result (``Sample.tag``)."""
+    """Rides with a request from the request path to the mirror's result (``MirrorSample.tag``)."""
 
     request_id: str
     unix_nanos: int

@@ -86,13 +86,18 @@ __all__ = [
 
 
 def __getattr__(name: str):
-    """The tables this module once held, read from the backends' declarations."""
+    """Tables read from the registries that own them: the backends' declarations, tier 2's
+    capture sides, the repair's strategies."""
     if name == "IMPLEMENTED_BACKENDS":
         return frozenset(BACKEND_NAMES)
     if name == "DERIVABLE_PRECISIONS":
         return {n: k.precisions for n, k in backend_kinds().items()}
     if name == "ACTIVATION_BACKENDS":
-        return frozenset(n for n, k in backend_kinds().items() if k.capture)
+        from guard.verify.activation.sides import capturable
+
+        return capturable()
     if name == "REPAIRABLE_PRIMARIES":
-        return {n: frozenset(k.keep_back) for n, k in backend_kinds().items() if k.keep_back}
+        from guard.policy.keep_back import repairable
+
+        return {n: frozenset(p) for n, p in repairable().items()}
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

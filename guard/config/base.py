@@ -15,7 +15,8 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, PrivateAttr
 from guard.backends import BACKEND_NAMES
 
 # Backend names are registered once (guard/backends/__init__.py); what each backend is (the
-# precisions it derives, its options, tier 2, the op repair) its own module declares.
+# precisions it derives, its options) its own module declares; tier 2 and the op repair keep
+# their own tables by backend name (guard/verify/activation/sides.py, guard/policy/keep_back.py).
 BackendName = Literal[BACKEND_NAMES]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 Task = Literal["classification", "detection", "segmentation", "embedding", "generic"]

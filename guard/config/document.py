@@ -35,6 +35,12 @@ class GuardConfig(WithContext):
             if model.name in seen:
                 raise ValueError(f"model name '{model.name}' appears twice")
             seen.add(model.name)
+        named = {spec.backend for model in self.models
+                 for spec in (model.primary, model.reference, model.fallback) if spec}
+        for backend in sorted(named):
+            check_config = backend_kind(backend).check_config
+            if check_config is not None:
+                check_config(self)
         return self
 
     def model(self, name: str) -> ModelConfig:

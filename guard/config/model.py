@@ -9,7 +9,7 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from guard.backends import backend_kind, backend_kinds
+from guard.backends import backend_kind
 from guard.config.backend import BackendConfig
 from guard.config.base import Fraction, PositiveFloat, PositiveInt, Strict, Task
 from guard.config.capture import CaptureConfig
@@ -67,7 +67,7 @@ class ModelConfig(Strict):
         "letters, digits, '_', '.', '-', starting with a letter or digit.")
     task: Task = "generic"
     tap: bool = Field(
-        False, description="hardening2: true: this model's own server answers its clients and "
+        False, description="true: this model's own server answers its clients and "
         "reports each answer to guard over guard.v1.Tap (server.tap's listener); guard never "
         "answers it (ModelInfer for it is FAILED_PRECONDITION). false: guard answers it in the "
         "path and Tap/Observe for it is refused, so that nobody else can feed its detectors.")
@@ -98,14 +98,17 @@ class ModelConfig(Strict):
             if self.fallback is None or self.reference is None:
                 raise ValueError("policy.action 'fallback_ops' needs a 'reference' (to find "
                                  "and validate the ops) and a 'fallback' (served meanwhile)")
+            from guard.policy.keep_back import repairable  # the repair's own registry
+            from guard.verify.activation.sides import capturable  # tier 2's
+
             primary = self.primary
-            if primary.precision not in backend_kind(primary.backend).keep_back:
+            if primary.precision not in repairable().get(primary.backend, ()):
                 raise ValueError(
                     "policy.action 'fallback_ops' rebuilds the primary with ops kept back, "
                     f"which it can for {_repairable_kinds()}; this primary is "
                     f"{primary.backend} {primary.precision} (primary.backend, "
                     "primary.precision)")
-            if backend_kind(self.reference.backend).capture is None:
+            if self.reference.backend not in capturable():
                 raise ValueError(
                     "policy.action 'fallback_ops' finds the ops with tier 2, which cannot "
                     f"capture reference.backend '{self.reference.backend}'")
@@ -137,10 +140,12 @@ class ModelConfig(Strict):
         if self.checks.activation.enabled:
             if self.reference is None:
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")
+            from guard.verify.activation.sides import capturable
+
             for role in ("primary", "reference"):
                 backend = getattr(self, role).backend
-                if backend_kind(backend).capture is None:
-                    can = sorted(n for n, k in backend_kinds().items() if k.capture)
+                if backend not in capturable():
+                    can = sorted(capturable())
                     raise ValueError(
                         f"checks.activation: tier 2 cannot capture the intermediate tensors of "
                         f"{role} backend '{backend}' (it can: "

@@ -7,7 +7,6 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, Field, model_validator
 
-from guard.backends import backend_kinds
 from guard.config.base import (
     Action,
     Fraction,
@@ -20,13 +19,14 @@ from guard.config.base import (
 
 
 def _repairable_kinds() -> str:
-    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the declarations."""
+    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the repair's strategies."""
+    from guard.policy.keep_back import STRATEGIES  # the repair's own registry
+
     parts = []
-    for name, kind in backend_kinds().items():
-        if kind.keep_back:
-            precisions = sorted(kind.keep_back, key=["int8", "fp32", "fp16", "bf16"].index)
-            option = kind.keep_back_strategy(precisions[0]).option
-            parts.append(f"{name} precision {' or '.join(precisions)} ({option})")
+    for name, by_precision in sorted(STRATEGIES.items()):
+        precisions = sorted(by_precision, key=["int8", "fp32", "fp16", "bf16"].index)
+        option = by_precision[precisions[0]].option
+        parts.append(f"{name} precision {' or '.join(precisions)} ({option})")
     return ", ".join(parts)
 
 
@@ -87,6 +87,12 @@ class PolicyConfig(Strict):
     repair: RepairConfig = Field(default_factory=RepairConfig)
     detector: Literal["cusum", "e_detector", "window"] = Field(
         "cusum", description="The trip/recovery rule: cusum, e_detector or window.")
+    min_samples: PositiveInt = Field(
+        20, description="No decision on fewer samples than this, for every detector: neither "
+        "a trip nor a recovery until the detector has taken this many compared samples since "
+        "it (re)started: at a route change, a manual override, a dry-run report, the re-arm "
+        "after an alert, and once burn_in has measured p0. The detector's statistic moves "
+        "from the first sample; only the decision waits.")
     # -- sequential detectors (cusum, e_detector) --
     arl0: PositiveFloat | None = Field(
         None, description="Expected compared samples between false alarms, per tier "
@@ -123,7 +129,6 @@ class PolicyConfig(Strict):
         "recoveries (recovery threshold = ln(recover_arl0)).")
     # -- window detector --
     window: PositiveInt = Field(100, description="Compared samples kept per tier.")
-    min_samples: PositiveInt = Field(20, description="No decision on fewer samples than this.")
     trip_ratio: Fraction = Field(
         0.2, description="window: switch to the fallback when the failing share exceeds this."
     )

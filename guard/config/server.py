@@ -79,7 +79,7 @@ class TapListenerConfig(Strict):
 
 class VerifierConfig(Strict):
     """The verifier process: reference, checks, detectors, capture and repair run there, out of
-    the serving process and its interpreter lock (guard/verifier/)."""
+    the serving process and its interpreter lock (guard/verifier_process/)."""
 
     ring_bytes: PositiveInt = Field(
         64 * 1024 * 1024,
@@ -149,7 +149,7 @@ class ServerConfig(Strict):
         "queue without bound in front of the model.",
     )
     verifier: VerifierConfig = Field(default_factory=VerifierConfig)
-    # -- hardening2 ----------------------------------------------------------------------------
+    # -- who may call, and what is sampled -----------------------------------------------------
     admin_tls: ClientAuthTlsConfig | None = Field(
         None, description="TLS / mutual TLS on the admin API. Required, with client_ca_file and "
         "allowed_identities, when admin_host is not loopback.")
@@ -161,8 +161,6 @@ class ServerConfig(Strict):
         "request ids deciding which requests are mirrored and captured. Give every replica the "
         "same one (a Secret) so that they pick the same requests. Unset: the environment "
         "variable GUARD_SAMPLING_KEY, else a random key per start (replicas then disagree).")
-
-    # -- end hardening2 ------------------------------------------------------------------------
     processes: PositiveInt = Field(
         1,
         description="Serving processes on grpc_port (SO_REUSEPORT: the kernel spreads client "

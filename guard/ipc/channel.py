@@ -1,10 +1,12 @@
-"""Control messages between the serving process and the verifier: length-prefixed JSON over a
-Unix socket pair.
+"""Control messages between guard's processes (the primary serving process, the verifier, the
+extra serving processes): length-prefixed JSON over a Unix socket pair.
 
-Small things only: the config, admin requests and answers, events, finished spans, metric
+The messages are the dataclasses of guard/ipc/messages.py (``to_wire``/``from_wire``); small
+things only: the config, admin requests and answers, events, finished spans, metric
 expositions. Tensors never go here (they go through the sample ring). A message with an ``id``
-is a request and gets exactly one reply carrying ``re`` = that id; ``call`` sends a request and
-waits for its reply. Requests are handled on a small thread pool (a reload takes seconds and
+is a request and gets exactly one reply carrying ``re`` = that id (``Done`` when the handler
+returns nothing, ``Failed`` when it raises or the message's type is unknown); ``call`` sends a
+request and waits for its reply. Requests are handled on a small thread pool (a reload takes seconds and
 must not hold up events behind it); one-way messages are handled in order on the reader thread.
 When the other side goes away, pending calls fail with ``ConnectionError`` and ``on_close``
 runs once.
@@ -22,6 +24,8 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
+from guard.ipc.messages import Done, Event, Failed, Message, UnknownMessage, from_wire, to_wire
+
 log = logging.getLogger("guard.channel")
 _LENGTH = struct.Struct("<I")
 MAX_MESSAGE = 256 * 1024 * 1024
@@ -32,8 +36,10 @@ class ChannelClosed(ConnectionError):
 
 
 class Channel:
-    def __init__(self, sock: socket.socket, handler: Callable[[dict], dict | None],
+    def __init__(self, sock: socket.socket, handler: Callable[[Message], Message | None],
                  name: str, on_close: Callable[[], None] | None = None):
+        """``handler``: this end's handlers (``messages.Handlers``); it gets every message the
+        other side sends and returns the reply to a request."""
         self.sock = sock
         self.handler = handler
         self.name = name
@@ -52,8 +58,12 @@ class Channel:
         return self
 
     # -- sending -------------------------------------------------------------------------------
-    def send(self, message: dict) -> None:
-        data = json.dumps(message, default=str).encode()
+    def send(self, message: Message) -> None:
+        """A one-way message (no reply)."""
+        self._send(to_wire(message))
+
+    def _send(self, wire: dict) -> None:
+        data = json.dumps(wire, default=str).encode()
         with self._send_lock:
             if self.closed.is_set():
                 raise ChannelClosed(f"{self.name}: closed")
@@ -62,17 +72,18 @@ class Channel:
             except OSError as exc:
                 raise ChannelClosed(f"{self.name}: {exc}") from None
 
-    def call(self, message: dict, timeout: float | None = 30.0) -> dict:
-        """Send a request and wait for its reply; ``ChannelClosed`` or ``TimeoutError``."""
+    def call(self, message: Message, timeout: float | None = 30.0) -> Message:
+        """Send a request and wait for its reply (a ``Failed`` reply is returned, not raised);
+        ``ChannelClosed`` or ``TimeoutError``."""
         return self.call_async(message).result(timeout)
 
-    def call_async(self, message: dict) -> Future:
+    def call_async(self, message: Message) -> Future:
         future: Future = Future()
         ident = next(self._ids)
         with self._pending_lock:
             self._pending[ident] = future
         try:
-            self.send({**message, "id": ident})
+            self._send({**to_wire(message), "id": ident})
         except ChannelClosed as exc:
             with self._pending_lock:
                 self._pending.pop(ident, None)
@@ -110,29 +121,34 @@ class Channel:
         finally:
             self._closed()
 
-    def _dispatch(self, message: dict) -> None:
-        if "re" in message:
+    def _dispatch(self, wire: dict) -> None:
+        if "re" in wire:
             with self._pending_lock:
-                future = self._pending.pop(message["re"], None)
+                future = self._pending.pop(wire["re"], None)
             if future is not None and not future.done():
-                future.set_result(message)
+                try:
+                    future.set_result(from_wire(wire))
+                except UnknownMessage as exc:
+                    future.set_result(Failed(f"{self.name}: undecodable reply: {exc}"))
             return
-        if "id" in message:
-            self._pool.submit(self._answer, message)
+        if "id" in wire:
+            self._pool.submit(self._answer, wire)
             return
         try:
-            self.handler(message)
+            self.handler(from_wire(wire))
         except Exception:  # a bad message must not end the channel
-            log.exception("%s: handling %s failed", self.name, message.get("op"))
+            log.exception("%s: handling %s failed", self.name, wire.get("type"))
 
-    def _answer(self, message: dict) -> None:
+    def _answer(self, wire: dict) -> None:
         try:
-            reply = self.handler(message) or {}
+            reply = self.handler(from_wire(wire)) or Done()
+        except UnknownMessage as exc:
+            reply = Failed(f"{self.name}: {exc}")
         except Exception as exc:
-            log.exception("%s: handling %s failed", self.name, message.get("op"))
-            reply = {"error": f"{type(exc).__name__}: {exc}"}
+            log.exception("%s: handling %s failed", self.name, wire.get("type"))
+            reply = Failed(f"{type(exc).__name__}: {exc}")
         try:
-            self.send({**reply, "re": message["id"]})
+            self._send({**to_wire(reply), "re": wire["id"]})
         except ChannelClosed:
             pass
 
@@ -173,7 +189,7 @@ class ForwardEvents(logging.Handler):
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
-            self.channel.send({"op": "event", "line": record.getMessage()})
+            self.channel.send(Event(record.getMessage()))
         except ChannelClosed:
             sys.stderr.write(record.getMessage() + "\n")
 

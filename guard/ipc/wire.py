@@ -4,7 +4,7 @@ a record says, and a record is only ever read as data.
 
 A local backend's answer travels as tensors. An upstream's answer (and a tap observation)
 travels as the serialized protocol messages, so the serving process never decodes an answer it
-only forwarded: the verifier decodes it (``guard.serve.codec``) when it checks the sample.
+only forwarded: the verifier decodes it (``guard.protocol.codec``) when it checks the sample.
 
 The tensors' bytes are not copied into an intermediate buffer: ``encode`` returns a list of
 parts (small headers and memoryviews of the arrays) that the ring copies in once.

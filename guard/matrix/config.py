@@ -98,6 +98,13 @@ class MatrixBackend(_Strict):
     precision: Precision = "fp32"
     device: str = Field("cpu", description="cpu, cuda or cuda:N.")
     options: dict[str, Any] = Field(default_factory=dict)
+    artifact: Literal["onnx", "torchscript", "keras", "tf_saved_model"] | None = Field(
+        None, description="Which of the model's artifacts this backend gets, when not the one "
+        "its kind's formats pick (e.g. onnxruntime on the Keras port: tf2onnx's conversion).")
+    process: Literal["same", "own"] = Field(
+        "same", description="'own': run this column in a child process (guard/matrix/apart.py), "
+        "for a backend whose settings are process-wide, e.g. Keras on a backend other than the "
+        "sweep's (Keras picks its backend once per process).")
     cause: str = Field(
         "", description="What makes this backend differ from the reference, when known (e.g. "
         "'TF32 on: matmul inputs rounded to 10 mantissa bits'): printed beside its failures."
@@ -169,12 +176,21 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     for where, ref in references:
         if not backend_kind(ref.backend).formats:
             problems.append(f"{where}.backend: the matrix gives {ref.backend} no artifact")
+    keras_backends: dict[str, str] = {}
     for i, b in enumerate(config.backends):
+        if b.backend == "keras" and b.process == "same":
+            keras_backends.setdefault(b.options.get("keras_backend", "tensorflow"),
+                                      f"backends[{i}]")
         if b.precision not in backend_kind(b.backend).precisions:
             problems.append(f"backends[{i}].precision: {b.backend} cannot derive {b.precision}")
         else:
             problems += [f"backends[{i}].options{line}"
                          for line in validate_backend_options(b.backend, b.options)]
+    if len(keras_backends) > 1:
+        (a, first), (b, second) = list(keras_backends.items())[:2]
+        problems.append(f"{second}.options.keras_backend: '{b}', but {first} runs Keras on "
+                        f"'{a}': one sweep runs in one process, and Keras on one backend per "
+                        "process; give the other Keras columns process: own")
     for i, m in enumerate(config.models):
         if m.zoo is not None and m.zoo not in zoo_names():
             problems.append(f"models[{i}].zoo: unknown zoo model '{m.zoo}' (available: "

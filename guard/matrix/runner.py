@@ -31,7 +31,7 @@ from guard.machine import cpu_model
 
 from guard.config import BackendConfig, ChecksConfig, ConfigContext
 from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel
-from guard.verify.pipeline import CheckResult, Verifier
+from guard.verify.pipeline import CheckResult, Comparator
 
 log = logging.getLogger("guard.matrix")
 
@@ -48,6 +48,8 @@ class PreparedModel:
     factory: str | None = None
     factory_kwargs: dict = field(default_factory=dict)
     eager_factory: str | None = None  # zoo models: the eager module, for torch_compile
+    keras: str | None = None  # the zoo's Keras ports: the .keras and its SavedModel
+    saved_model: str | None = None
     samples: list[dict[str, np.ndarray]] = field(default_factory=list)
 
 
@@ -98,7 +100,9 @@ def prepare(model: MatrixModel, workdir: Path) -> PreparedModel:
                                  # backend (minilm: transformers' module).
                                  factory=None if paths.get("torchscript") else entry.factory,
                                  factory_kwargs=dict(entry.factory_kwargs),
-                                 eager_factory=entry.factory)
+                                 eager_factory=entry.factory,
+                                 keras=str(paths.get("keras") or "") or None,
+                                 saved_model=str(paths.get("saved_model") or "") or None)
         n = model.inputs.samples * model.inputs.batch
         arrays = entry.sample_inputs(n, model.inputs.seed)
     else:
@@ -126,14 +130,26 @@ def _split(arrays: dict[str, np.ndarray], batch: int, samples: int) -> list[dict
     return [{k: v[i * batch:(i + 1) * batch] for k, v in arrays.items()} for i in range(count)]
 
 
+# A TensorFlow-family format -> the PreparedModel field holding it, in the order preferred.
+_TF_ARTIFACTS = {"tf_saved_model": "saved_model", "keras": "keras"}
+
+
 def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
-                 base: Path, device: str = "cpu") -> BackendConfig | str:
-    """The backend block for this model, or why the backend does not apply to it."""
+                 base: Path, device: str = "cpu", artifact: str | None = None
+                 ) -> BackendConfig | str:
+    """The backend block for this model, or why the backend does not apply to it.
+    ``artifact``: the format to give it instead of the one its kind's formats pick."""
     from guard.backends import backend_kind
 
     options = dict(options)
-    formats = backend_kind(kind).formats
-    if "onnx" in formats:
+    formats = backend_kind(kind).formats if artifact is None else frozenset({artifact})
+    tf_formats = [f for f in _TF_ARTIFACTS if f in formats]
+    if tf_formats and "onnx" not in formats:
+        path = next((getattr(model, _TF_ARTIFACTS[f]) for f in tf_formats
+                     if getattr(model, _TF_ARTIFACTS[f])), None)
+        if path is None:
+            return f"no {' or '.join(tf_formats)} artifact for this model"
+    elif "onnx" in formats:
         if not model.onnx:
             return "no ONNX artifact for this model"
         path = model.onnx
@@ -229,7 +245,7 @@ def _first_reason(tier: str, results: list[CheckResult]) -> str:
 
 def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
                say: Callable[[str], None] = print) -> list[dict]:
-    from guard.verify.noise import generate_inputs
+    from guard.protocol.synthetic import generate_inputs
 
     output_dir.mkdir(parents=True, exist_ok=True)
     env: dict = {}
@@ -279,7 +295,7 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
                    reference: BackendRun, grid, emit, say) -> None:
     model = prepared.config
     spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base,
-                        backend.device)
+                        backend.device, backend.artifact)
     common = {"matrix": config.name, "model": model.name, "task": prepared.task,
               "reference": f"{(model.reference or config.reference).backend} fp32",
               "backend": backend.name,
@@ -295,7 +311,12 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
                       "failure_type": None, "reason": spec})
         say(f"  {backend.name}: skipped ({spec})")
         return
-    run = run_backend(spec, "primary", config.threads, prepared.samples)
+    if backend.process == "own":
+        from guard.matrix.apart import run_apart
+
+        run = run_apart(spec, "primary", config.threads, prepared.samples)
+    else:
+        run = run_backend(spec, "primary", config.threads, prepared.samples)
     latency = {"reference_ms": reference.latency_ms, "backend_ms": run.latency_ms,
                "backend_load_s": round(run.load_s, 3)}
     if run.error:
@@ -310,7 +331,7 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
         checks = ChecksConfig.model_validate({
             "tensor": {"atol": atol, "rtol": rtol, "noise_floor": {"enabled": False}},
             "task": model.checks.task.model_dump(exclude_unset=True)})
-        verifier = Verifier(checks, prepared.task, prepared.adapters)
+        verifier = Comparator(checks, prepared.task, prepared.adapters)
         verifier.pass_stats = True  # the sweep's tables report every output's statistics
         results = [verifier.check(ref, out) for ref, out in zip(reference.outputs, run.outputs)]
         for tier in tiers:

@@ -80,6 +80,12 @@ class GuardMetrics:
             "The value guard_detector_statistic must reach for the tier to trip.",
             ["model", "tier"], registry=r,
         )
+        self.detector_samples = Gauge(
+            "guard_detector_samples",
+            "Samples a tier's trip detector has taken since it (re)started; it decides only "
+            "from policy.min_samples on (the generated drift alert requires both).",
+            ["model", "tier"], registry=r,
+        )
         self.fallback_active = Gauge(
             "guard_fallback_active", "1 while the fallback serves (model) or ops are kept back.",
             ["model", "scope"], registry=r,
@@ -183,3 +189,14 @@ class GuardMetrics:
             self.capture_records.labels(model, outcome)
         self.capture_segments_deleted.labels(model)
         self.capture_bytes.labels(model).set(0)
+
+
+def counts(metric, model: str, label: str) -> dict[str, int]:
+    """Current values of a counter's children for one model, read from the registry (both
+    processes' halves of the admin status read their counters this way)."""
+    out: dict[str, int] = {}
+    for family in metric.collect():
+        for sample in family.samples:
+            if sample.name.endswith("_total") and sample.labels.get("model") == model:
+                out[sample.labels[label]] = int(sample.value)
+    return out

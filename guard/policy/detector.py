@@ -21,6 +21,11 @@
 Every detector exposes ``statistic`` and ``threshold`` on the same scale (log-likelihood for
 the sequential ones, a share for the window) so a dashboard shows how close a model is to
 tripping.
+
+Every detector also takes ``min_samples`` (``policy.min_samples``): it is never in alarm on
+fewer results than that since it started or was last reset. The statistic moves from the first
+result (the gauges show it); only the decision waits. For the sequential detectors this can
+only delay an alarm, never advance one, so their false-alarm guarantees still hold.
 """
 
 from __future__ import annotations
@@ -34,8 +39,11 @@ from guard.policy.window import CountWindow
 class Detector(abc.ABC):
     kind: str = ""
 
-    def __init__(self) -> None:
+    def __init__(self, min_samples: int = 1) -> None:
+        if min_samples < 1:
+            raise ValueError(f"min_samples must be >= 1, got {min_samples}")
         self.samples = 0  # since the last reset
+        self.min_samples = min_samples
 
     @abc.abstractmethod
     def update(self, failed: bool) -> bool:
@@ -55,7 +63,7 @@ class Detector(abc.ABC):
 
     @property
     def alarmed(self) -> bool:
-        return self.statistic >= self.threshold
+        return self.samples >= self.min_samples and self.statistic >= self.threshold
 
     def describe(self) -> dict:
         return {"detector": self.kind, "statistic": round(self.statistic, 4),
@@ -75,8 +83,8 @@ def _check_rate(name: str, p: float) -> None:
 class BernoulliCusum(Detector):
     kind = "cusum"
 
-    def __init__(self, p_null: float, p_alt: float, threshold: float):
-        super().__init__()
+    def __init__(self, p_null: float, p_alt: float, threshold: float, min_samples: int = 1):
+        super().__init__(min_samples)
         _check_rate("p_null", p_null)
         _check_rate("p_alt", p_alt)
         if p_null == p_alt:
@@ -90,7 +98,7 @@ class BernoulliCusum(Detector):
     def update(self, failed: bool) -> bool:
         self.samples += 1
         self._s = max(0.0, self._s + (self.on_fail if failed else self.on_pass))
-        return self._s >= self._threshold
+        return self.alarmed
 
     def reset(self) -> None:
         self._s = 0.0
@@ -121,8 +129,9 @@ def default_alternatives(p_null: float, shift: float) -> list[float]:
 class EDetector(Detector):
     kind = "e_detector"
 
-    def __init__(self, p_null_bound: float, alternatives: list[float], threshold: float):
-        super().__init__()
+    def __init__(self, p_null_bound: float, alternatives: list[float], threshold: float,
+                 min_samples: int = 1):
+        super().__init__(min_samples)
         _check_rate("p_null_bound", p_null_bound)
         if not alternatives or any(not p_null_bound < a < 1.0 for a in alternatives):
             raise ValueError("alternatives must be rates in (p_null_bound, 1)")
@@ -142,7 +151,7 @@ class EDetector(Detector):
                    for s, (up, down) in zip(self._s, self._steps)]
         top = max(self._s)
         self._stat = top + math.log(sum(math.exp(s - top) for s in self._s)) + self._log_weight
-        return self._stat >= self._threshold
+        return self.alarmed
 
     def reset(self) -> None:
         self._s = [0.0] * len(self.alternatives)
@@ -165,16 +174,18 @@ class EDetector(Detector):
 class WindowDetector(Detector):
     """``direction='up'``: alarm when the failing share exceeds ``ratio`` (trip).
     ``direction='down'``: alarm when it is at most ``ratio`` (recovered). Both only once
-    ``min_samples`` results are in the window."""
+    ``min_samples`` results are in the window (the window holds the results since the last
+    reset, up to its size, and ``min_samples`` is at most that size)."""
 
     kind = "window"
 
     def __init__(self, window: int, min_samples: int, ratio: float, direction: str = "up"):
-        super().__init__()
+        super().__init__(min_samples)
         if direction not in ("up", "down"):
             raise ValueError("direction must be 'up' or 'down'")
+        if min_samples > window:
+            raise ValueError("min_samples must not exceed window")
         self.window = CountWindow(window)
-        self.min_samples = min_samples
         self.ratio = ratio
         self.direction = direction
 

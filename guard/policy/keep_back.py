@@ -2,7 +2,7 @@
 
 The repair search (guard/policy/repair.py) is the same for every primary; what differs is
 answered here by one small strategy per primary kind, chosen from the primary's backend block
-(:func:`keep_back_for`):
+(:func:`keep_back_for`, registered in ``STRATEGIES`` by backend name):
 
 - which spec tier 2 captures as the primary to find suspects (``capture_spec``);
 - which candidate ops a suspect layer of tier 2 maps to (``ops_for``), and which ops to try
@@ -216,12 +216,20 @@ class TensorRTLayers(KeepBack):
         return computing_nodes(self.spec.path)
 
 
-def keep_back_for(spec: BackendConfig) -> KeepBack:
-    """The strategy for a primary, as its backend declares it (``BackendKind.keep_back``;
-    config validation admits only these kinds)."""
-    from guard.backends import backend_kind
+# The one registration: backend name -> precision -> the strategy for a primary of that precision
+# (config validation admits ``action: fallback_ops`` for these only). A backend module knows
+# nothing of the repair; its entry here says how the repair rebuilds it.
+STRATEGIES: dict[str, dict[str, type[KeepBack]]] = {
+    "onnxruntime": {"int8": OnnxInt8Ops, "fp16": OnnxFp16Ops},  # nodes_to_exclude
+    "tensorrt": {p: TensorRTLayers for p in ("fp16", "int8")},  # fp32_layers
+    "torch_compile": {p: TorchCompileModules  # eager_fp32_modules
+                      for p in ("fp32", "fp16", "bf16")},
+}
 
-    strategy = backend_kind(spec.backend).keep_back_strategy(spec.precision)
+
+def keep_back_for(spec: BackendConfig) -> KeepBack:
+    """The strategy for a primary (``STRATEGIES``; config validation admits only these)."""
+    strategy = STRATEGIES.get(spec.backend, {}).get(spec.precision)
     if strategy is None:
         raise ValueError(f"policy.action 'fallback_ops' cannot rebuild a {spec.backend} "
                          f"{spec.precision} primary")
@@ -229,8 +237,5 @@ def keep_back_for(spec: BackendConfig) -> KeepBack:
 
 
 def repairable() -> dict[str, set[str]]:
-    """backend -> precisions a strategy is declared for."""
-    from guard.backends import backend_kinds
-
-    return {name: set(kind.keep_back) for name, kind in backend_kinds().items()
-            if kind.keep_back}
+    """backend -> precisions a strategy is registered for."""
+    return {name: set(by_precision) for name, by_precision in STRATEGIES.items()}

@@ -68,7 +68,7 @@ class BufferedSample:
     size: int = 0  # bytes of the inputs
 
 
-class SampleBuffer:
+class RepairBuffer:
     """The last ``size`` mirrored inputs and whether they failed: bounded in items and in
     bytes (``max_bytes``: the oldest go first; a single sample larger than it is not kept)."""
 

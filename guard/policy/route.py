@@ -87,6 +87,8 @@ class DetectorFigures:
     statistic: float
     threshold: float
     p0: float | None  # None for the window detector
+    samples: int = 0  # since the detector (re)started: it decides from min_samples on
+    min_samples: int = 1
 
 
 class _TierState:
@@ -118,6 +120,8 @@ class _TierState:
         return min(0.999, p0 + c.shift)
 
     def build(self) -> None:
+        """Fresh trip and recovery detectors (at the start, and once burn-in measured p0).
+        Both decide only from ``min_samples`` results on (guard/policy/detector.py)."""
         c = self.config
         if not self.sequential:
             self.trip = WindowDetector(c.window, c.min_samples, c.trip_ratio, "up")
@@ -129,13 +133,14 @@ class _TierState:
         if c.detector == "cusum":
             if c.threshold == "exact":
                 h = exact_threshold(p0, p1, self.arl0)
-            self.trip = BernoulliCusum(p0, p1, h)
+            self.trip = BernoulliCusum(p0, p1, h, c.min_samples)
         else:
-            self.trip = EDetector(p0, default_alternatives(p0, c.shift), h)
+            self.trip = EDetector(p0, default_alternatives(p0, c.shift), h, c.min_samples)
         rate = c.recover_rate if c.recover_rate is not None else p0
         if not rate < p1:
             rate = p1 / 2
-        self.recover = BernoulliCusum(p1, max(rate, 1e-6), math.log(c.recover_arl0))
+        self.recover = BernoulliCusum(p1, max(rate, 1e-6), math.log(c.recover_arl0),
+                                      c.min_samples)
 
     def reset(self) -> None:
         self.window.clear()
@@ -164,7 +169,7 @@ class _SharedWindowView(Detector):
     kind = "window"
 
     def __init__(self, trip: WindowDetector, ratio: float):
-        super().__init__()
+        super().__init__(trip.min_samples)
         self._trip = trip
         self.ratio = ratio
 
@@ -370,7 +375,8 @@ class RoutePolicy:
     def detectors(self) -> list[DetectorFigures]:
         with self._lock:
             return [DetectorFigures(tier, s.trip.kind, s.trip.statistic, s.trip.threshold,
-                                    s.p0_in_use if s.sequential else None)
+                                    s.p0_in_use if s.sequential else None,
+                                    s.trip.samples, s.trip.min_samples)
                     for tier, s in self._tiers.items()]
 
     # -- internals (lock held) ---------------------------------------------------------------

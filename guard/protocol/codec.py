@@ -195,10 +195,16 @@ def encode_response(
     response = pb.ModelInferResponse(
         model_name=request.model_name, model_version=request.model_version, id=request.id
     )
-    # Which backend answered: lets clients and tests tell primary from fallback answers.
-    response.parameters["guard_route"].string_param = route
+    stamp_route(response, route)
     _add_raw(response.outputs, response.raw_output_contents, outputs)
     return response
+
+
+def stamp_route(response: pb.ModelInferResponse, route: str) -> None:
+    """Which backend answered (``guard_route``: ``primary`` or ``fallback``), on every answer
+    guard gives: lets clients and tests tell primary from fallback answers. The one place the
+    parameter is written (a forwarded answer gets it as a serialized suffix built here too)."""
+    response.parameters["guard_route"].string_param = route
 
 
 def _add_raw(tensors, raw_contents, arrays: dict[str, np.ndarray]) -> None:

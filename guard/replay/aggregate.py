@@ -19,7 +19,7 @@ import math
 from collections import Counter
 
 from guard.config import ModelConfig
-from guard.replay.items import CHECKED, INPUT_ERROR, PRIMARY_ERROR, REFERENCE_ERROR, SampleOutcome
+from guard.replay.items import CHECKED, INPUT_ERROR, PRIMARY_ERROR, REFERENCE_ERROR, RecordOutcome
 
 TIERS = ("tensor", "activation", "task")
 # Error histogram: a bin for exact zero, half-decade bins from 1e-12 to 1e3, one for beyond.
@@ -96,7 +96,7 @@ class ModelAggregate:
         self.errors: list[dict] = []
 
     # -- adding --------------------------------------------------------------------------------
-    def add(self, o: SampleOutcome) -> None:
+    def add(self, o: RecordOutcome) -> None:
         self.samples += 1
         self.status[o.status] += 1
         if o.status == PRIMARY_ERROR:
@@ -151,15 +151,15 @@ class ModelAggregate:
     def _add_other(self, result) -> None:
         """A tier this version of replay has no figures for: counted, nothing more."""
 
-    def _timeline(self, o: SampleOutcome, passed: bool) -> None:
+    def _timeline(self, o: RecordOutcome, passed: bool) -> None:
         self.timeline.append((o.unix_nanos, o.index, passed))
 
     @staticmethod
-    def _where(o: SampleOutcome) -> dict:
+    def _where(o: RecordOutcome) -> dict:
         return {"index": o.index, "request_id": o.request_id, "source": o.source,
                 "unix_nanos": o.unix_nanos}
 
-    def _example(self, o: SampleOutcome, why: str, tiers: list[str],
+    def _example(self, o: RecordOutcome, why: str, tiers: list[str],
                  outputs: list[str]) -> None:
         """``tiers``/``outputs``: which tiers and which tier-1 outputs failed (the report links
         the record to those plots)."""

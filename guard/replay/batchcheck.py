@@ -1,6 +1,6 @@
 """Tiers 1 and 3 over a stacked batch at once, for the records whose verdict is a plain pass.
 
-``Verifier.check`` per record costs a few hundred microseconds of Python (arrays, dataclasses,
+``Comparator.check`` per record costs a few hundred microseconds of Python (arrays, dataclasses,
 strings for every record), more than the zoo CNN's reference needs to infer it. But what a
 record's tier-1 and tier-3 (classification) verdict rests on is computed row by row, then
 reduced over the record's rows with reductions that do not depend on order:
@@ -11,8 +11,8 @@ reduced over the record's rows with reductions that do not depend on order:
   top-k overlap; per record, integer counts, and means/minima over its own rows' values.
 
 So they are computed once for the batch and sliced per record: the figures are bit for bit the
-ones ``Verifier.check`` computes on that record alone. Only a record that passes both tiers on
-this path is reported from it. Everything else goes to ``Verifier.check`` one record at a time,
+ones ``Comparator.check`` computes on that record alone. Only a record that passes both tiers on
+this path is reported from it. Everything else goes to ``Comparator.check`` one record at a time,
 exactly as before: a failure (which gets full statistics, reasons, and the fp64 arbiter), a
 NaN or Inf anywhere, outputs whose shapes or dtypes differ, a task checker other than
 classification. A whole batch takes the per-record path when the verifier has adapters, extra
@@ -30,7 +30,7 @@ import math
 
 import numpy as np
 
-from guard.verify.pipeline import CheckResult, TierReport, Verifier
+from guard.verify.pipeline import CheckResult, TierReport, Comparator
 from guard.verify.structure import is_flat
 from guard.verify.task.base import OutputMissing, TaskCheck
 from guard.verify.task.classification import ClassificationChecker
@@ -39,7 +39,7 @@ from guard.verify.tensor import OutputCheck, TensorCheck
 NAN = math.nan
 
 
-def batchable(verifier: Verifier) -> bool:
+def batchable(verifier: Comparator) -> bool:
     """Can this verifier's checks take the batched path at all?"""
     checker = verifier.task_checker
     return (not verifier.adapters and not verifier.extra_tiers and verifier.pass_stats is not True
@@ -50,7 +50,7 @@ def _segment_max(rowwise: np.ndarray, starts: np.ndarray) -> list[float]:
     return np.maximum.reduceat(rowwise, starts).tolist()
 
 
-def _tensor_figures(verifier: Verifier, reference: dict, primary: dict, starts: np.ndarray,
+def _tensor_figures(verifier: Comparator, reference: dict, primary: dict, starts: np.ndarray,
                     total: int) -> dict[str, tuple[list, list, list]] | None:
     """Per output name (sorted, as ``compare_outputs``): per record (max_abs, ref_max,
     allowed), or None when some output cannot take this path."""
@@ -122,7 +122,7 @@ class _Classification:
         agreement = 1.0 - real / n
         overlap = self.overlap_list[lo] if n == 1 else float(self.overlap[lo:hi].mean())
         if agreement < c.min_top1_agreement or overlap < c.min_topk_overlap:
-            return None  # a failure: Verifier.check says why
+            return None  # a failure: Comparator.check says why
         tie = self.ties[j]
         metrics = {
             "rows": n,
@@ -156,7 +156,7 @@ def _select(checker: ClassificationChecker, reference: dict, primary: dict) -> s
         raise _PerRecord from None
 
 
-def check_stacked(verifier: Verifier, reference: dict, primary: dict,
+def check_stacked(verifier: Comparator, reference: dict, primary: dict,
                   rows: list[int]) -> list[dict[str, TierReport] | None]:
     """Per record of a stacked batch (``rows`` rows each, in order): its tier reports when it
     passes tiers 1 and 3 on the batched path, else None (check it alone)."""
@@ -181,7 +181,7 @@ def check_stacked(verifier: Verifier, reference: dict, primary: dict,
         for name, (max_abs, ref_max, allowed) in figures.items():
             m, r, a = max_abs[j], ref_max[j], allowed[j]
             if not (m <= a and r < math.inf):
-                checks = None  # fails, or NaN/Inf: Verifier.check alone
+                checks = None  # fails, or NaN/Inf: Comparator.check alone
                 break
             checks.append(OutputCheck(name, True, "", m, NAN, NAN, NAN, NAN, r, 0, a,
                                       m / r if r > 0 else 0.0, stats=False))
@@ -195,5 +195,5 @@ def check_stacked(verifier: Verifier, reference: dict, primary: dict,
                 out.append(None)
                 continue
             result.tiers["task"] = check
-        out.append(Verifier.tier_reports(result))
+        out.append(Comparator.tier_reports(result))
     return out

@@ -27,7 +27,7 @@ from guard.config import GuardConfig, parse_config
 from guard.errors import GuardError
 from guard.malloc import tune_for_inference
 from guard.replay.execute import Runners
-from guard.replay.items import Batch, SampleOutcome
+from guard.replay.items import Batch, RecordOutcome
 
 LOCAL_RAY_CPUS = 2  # a local cluster (no --ray-address) gets this many CPUs: one actor each
 
@@ -46,7 +46,7 @@ class LocalEngine:
     def describe(self, model: str) -> dict[str, str]:
         return self.runners.get(model).describe()
 
-    def run(self, batches: Iterable[Batch]) -> Iterator[list[SampleOutcome]]:
+    def run(self, batches: Iterable[Batch]) -> Iterator[list[RecordOutcome]]:
         """This thread reads the records of the next batches, hands each batch to the
         reference's and the primary's threads (``ModelRunner.submit``: each side runs its
         queue back to back) and checks the inferred ones. ``AHEAD`` batches are queued beyond
@@ -85,7 +85,7 @@ class ReplayWorker:
     def input_specs(self, model: str) -> tuple[TensorSpec, ...]:
         return self.runners.get(model).primary.describe().inputs
 
-    def run(self, batch: Batch) -> list[SampleOutcome]:
+    def run(self, batch: Batch) -> list[RecordOutcome]:
         return self.runners.run(batch)
 
     def close(self) -> None:
@@ -146,7 +146,7 @@ class RayEngine:
     def describe(self, model: str) -> dict[str, str]:
         return self._ask("describe", model)
 
-    def run(self, batches: Iterable[Batch]) -> Iterator[list[SampleOutcome]]:
+    def run(self, batches: Iterable[Batch]) -> Iterator[list[RecordOutcome]]:
         ray = self.ray
         idle = list(self.actors) * 2  # two batches per actor: the next one waits there
         pending: dict = {}  # object ref -> actor

@@ -1,7 +1,7 @@
 """Running batches of replay items through a model's reference and primary, and the checks.
 
 ``ModelRunner`` holds one model's ``CheckedPair`` (guard/verify/pair.py: reference and primary
-as configured now, the ``Verifier`` with its arbiter, tier 2 and noise floor), assembled exactly
+as configured now, the ``Comparator`` with its arbiter, tier 2 and noise floor), assembled exactly
 as the sidecar's verifier process assembles its own. For each batch it:
 
 1. checks every item's inputs against the primary's signature (the data plane's own check): an
@@ -15,7 +15,7 @@ as the sidecar's verifier process assembles its own. For each batch it:
 3. checks every item as one sample, as the sidecar does: the items of a stacked batch that
    pass tiers 1 and 3 are found with the batch's figures computed at once
    (guard/replay/batchcheck.py: the same numbers, bit for bit), every other item goes through
-   ``Verifier.check`` alone with its inputs; ``Verifier.tier_reports`` of each is kept.
+   ``Comparator.check`` alone with its inputs; ``Comparator.tier_reports`` of each is kept.
 
 The steps are separate methods (``submit``, which returns at once; ``collect``, which waits for
 both sides; ``check``) so that an engine can overlap them: the local engine submits a few
@@ -35,6 +35,8 @@ import numpy as np
 from guard.backends import Backend
 from guard.collector import freeze_loaded, thaw
 from guard.config import ModelConfig
+from guard.protocol.codec import InferenceError
+from guard.protocol.inputs import check_inputs
 from guard.replay.batchcheck import check_stacked
 from guard.replay.items import (
     CHECKED,
@@ -43,10 +45,8 @@ from guard.replay.items import (
     REFERENCE_ERROR,
     Batch,
     ReplayItem,
-    SampleOutcome,
+    RecordOutcome,
 )
-from guard.serve.codec import InferenceError
-from guard.protocol.inputs import check_inputs
 from guard.verify.noise import NoiseFloor
 from guard.verify.pair import CheckedPair
 
@@ -73,7 +73,7 @@ class Inferred:
     """A batch after inference: final outcomes (errors) and the answers still to be checked."""
 
     batch: Batch
-    done: dict[int, SampleOutcome] = field(default_factory=dict)
+    done: dict[int, RecordOutcome] = field(default_factory=dict)
     answers: list[tuple[ReplayItem, dict, dict]] = field(default_factory=list)
     stacked: Stacked | None = None
 
@@ -138,7 +138,7 @@ class ModelRunner:
         self.pair.close()
 
     # -- one batch ---------------------------------------------------------------------------
-    def run(self, batch: Batch) -> list[SampleOutcome]:
+    def run(self, batch: Batch) -> list[RecordOutcome]:
         return self.check(self.infer(batch))
 
     def infer(self, batch: Batch) -> Inferred:
@@ -185,7 +185,7 @@ class ModelRunner:
                 result.answers.append((item, reference, primary))
         return result
 
-    def check(self, inferred: Inferred) -> list[SampleOutcome]:
+    def check(self, inferred: Inferred) -> list[RecordOutcome]:
         outcomes = dict(inferred.done)
         alone = list(inferred.answers)
         stacked = inferred.stacked
@@ -224,8 +224,8 @@ class ModelRunner:
         return Stacked(items, reference, primary)
 
     @staticmethod
-    def _outcome(item: ReplayItem, status: str, error: str = "", tiers=None) -> SampleOutcome:
-        return SampleOutcome(
+    def _outcome(item: ReplayItem, status: str, error: str = "", tiers=None) -> RecordOutcome:
+        return RecordOutcome(
             index=item.index, model=item.model, status=status, unix_nanos=item.unix_nanos,
             request_id=item.request_id, source=item.source, error=error,
             tiers=tiers or {}, live_passed=item.live_passed, progress=item.progress,
@@ -254,7 +254,7 @@ class Runners:
             freeze_loaded()
         return runner
 
-    def run(self, batch: Batch) -> list[SampleOutcome]:
+    def run(self, batch: Batch) -> list[RecordOutcome]:
         return self.get(batch.model).run(batch)
 
     def close(self) -> None:

@@ -12,7 +12,7 @@ import numpy as np
 
 from guard.verify.pipeline import TierReport
 
-# SampleOutcome.status values.
+# RecordOutcome.status values.
 CHECKED = "checked"  # both sides answered; the tiers ran
 PRIMARY_ERROR = "primary_error"  # the primary raised: counts as a failed tensor check
 REFERENCE_ERROR = "reference_error"  # no truth to check against: not a check
@@ -54,7 +54,7 @@ class Batch:
 
 
 @dataclass
-class SampleOutcome:
+class RecordOutcome:
     index: int
     model: str
     status: str

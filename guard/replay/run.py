@@ -1,7 +1,7 @@
 """``guard replay``: captured traffic (or .npz input sets) through the same checks, offline.
 
 Pipeline: ``Source`` (read, filter) -> ``plan_batches`` (group) -> engine (reference + primary as
-configured now, ``Verifier.check`` per record) -> ``ModelAggregate`` (in record order) ->
+configured now, ``Comparator.check`` per record) -> ``ModelAggregate`` (in record order) ->
 ``write_report``. Exit codes: 0 every model passes, 1 a model drifts, 2 usage or input error
 (also, with ``--strict``: damaged bytes skipped, records of models the config lacks, records
 that do not fit the model). The report is written in every case where replay ran.
@@ -20,7 +20,7 @@ from guard import __version__
 from guard.config import load_config
 from guard.errors import GuardError
 from guard.replay.aggregate import ModelAggregate
-from guard.replay.items import INPUT_ERROR, SampleOutcome
+from guard.replay.items import INPUT_ERROR, RecordOutcome
 from guard.replay.plan import DEFAULT_BATCH_ROWS, plan_batches
 from guard.replay.progress import Progress
 from guard.replay.report import write_report
@@ -108,7 +108,7 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
     try:
         source = Source(options.captures, set(names), filters, engine.input_specs, npz_model)
         progress = Progress(max_records=options.max_records, enabled=options.progress)
-        outcomes: list[SampleOutcome] = []
+        outcomes: list[RecordOutcome] = []
         for batch_outcomes in engine.run(plan_batches(source.items(), options.batch_rows)):
             outcomes += batch_outcomes
             progress.update(len(batch_outcomes), max(o.progress for o in batch_outcomes))

@@ -22,12 +22,13 @@ import grpc
 
 from guard import __version__
 from guard.ipc import routes
+from guard.ipc.messages import Failed, RouteSet, SetRoute
 from guard.observe.events import emit
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
 from guard.serve.supervisor import VerifierSupervisor, VerifierUnavailable
 from guard.serve.tls import CallerCheck
-from guard.verifier.status import counts
+from guard.observe.metrics import counts
 from guard.v1 import admin_pb2 as pb
 from guard.v1 import admin_pb2_grpc as pb_grpc
 
@@ -89,16 +90,16 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"model '{model.name}' has no fallback backend")
         reason = request.reason or f"set by admin API at {time.strftime('%H:%M:%S')}"
-        message = {"op": "set_route", "model": model.name, "override": override,
-                   "reason": reason}
+        message = SetRoute(model.name, override, reason)
         loop = asyncio.get_running_loop()
         try:
             reply = await loop.run_in_executor(None, self.verifier.call, message)
         except VerifierUnavailable as exc:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
-        if reply.get("error"):
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, reply["error"])
+        if not isinstance(reply, RouteSet):
+            error = reply.error if isinstance(reply, Failed) else f"unexpected reply {reply}"
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
         emit("admin_route_set", model=model.name, override=override, reason=reason,
              caller=caller)
         return pb.SetRouteResponse(
-            status=served_status(model, base64.b64decode(reply["status"])))
+            status=served_status(model, base64.b64decode(reply.status)))

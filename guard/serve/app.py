@@ -1,20 +1,22 @@
 """The sidecar process: loads the models, serves OIP + health + admin + metrics, stops gracefully.
 
 Ports: the data plane and ``grpc.health.v1`` share ``server.grpc_port`` (Kubernetes gRPC probes
-point there: service ``""`` = live, ``readiness`` = ready); the admin API listens on its own port
-on loopback (or under mutual TLS, ``server.admin_tls``); the guard.v1.Tap service, when
-``server.tap`` is set, on a listener of its own (loopback or mutual TLS); Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A port of 0 picks a free
-one (tests, demo); the bound ports are on the server object after ``start()``.
+point there: service ``""`` = live, ``readiness`` = ready; built by guard/serve/listen.py, as in
+every serving process); the admin API listens on its own port on loopback (or under mutual TLS,
+``server.admin_tls``); the guard.v1.Tap service, when ``server.tap`` is set, on a listener of
+its own (loopback or mutual TLS); Prometheus scrapes ``/metrics`` on ``server.metrics_port``. A
+port of 0 picks a free one (tests, demo); the bound ports are on the server object after
+``start()``.
 
 With ``server.processes`` > 1 this process is the primary of several serving processes on the
 data-plane port (guard/serve/processes.py).
 
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the gRPC server stops accepting and gives
 in-flight requests ``shutdown_grace_s`` to finish (in every serving process), then the verifier
-process stops (its queued
-samples are counted as dropped, capture is flushed), backends close, and the metrics endpoint
-goes last.
-"""
+process stops (its queued samples are counted as dropped, capture is flushed), backends close,
+and the metrics endpoint goes last. The signals are handled from the first moment of ``guard
+serve``: one that comes while it is still starting cancels the start, and what had started
+stops, the verifier and the other serving processes included (``serve_until_signalled``)."""
 
 from __future__ import annotations
 
@@ -22,9 +24,10 @@ import asyncio
 import logging
 import signal
 import threading
+from typing import Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, start_http_server
 
@@ -40,13 +43,12 @@ from guard.serve.decoding import guarded
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.malloc import tune_for_inference
-from guard.serve import sampling
+from guard.runtime import sampling
+from guard.serve.listen import bind, data_plane_server, server_options
 from guard.serve.model import ServedModel
 from guard.serve.processes import ServingProcesses
 from guard.serve.reload import ConfigReloader
 from guard.serve.supervisor import MergedMetrics, VerifierSupervisor
-from guard.serve.servicer import InferenceServicer
-from guard.serve.servicer import add_to_server as add_inference_service
 from guard.serve.tap import TapServicer
 from guard.serve.tls import CallerCheck, server_credentials
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
@@ -58,8 +60,8 @@ READINESS_SERVICE = "readiness"
 class GuardServer:
     def __init__(self, config: GuardConfig):
         self.config = config
-        # hardening2: the key of the sampling hash (file, environment or random), handed to
-        # the verifier through the environment before it starts.
+        # The key of the sampling hash (file, environment or random), handed to the verifier
+        # through the environment before it starts.
         self.sampling_key = sampling.configure(config.server.sampling_key_file)
         self.metrics = GuardMetrics(__version__)
         self.models: dict[str, ServedModel] = {}
@@ -69,7 +71,8 @@ class GuardServer:
         rings = [SampleRing(config.server.verifier.ring_bytes)
                  for _ in range(config.server.processes)]
         self.ring = rings[0]
-        self.processes = ServingProcesses(self, rings[1:])
+        self.processes = ServingProcesses(rings[1:], self.table, self.metrics,
+                                          lambda: self.config, lambda: self.models)
         self.supervisor = VerifierSupervisor(config, self.metrics, self.table, rings,
                                              lambda: self.models, self.processes.use_primary)
         # How full the rings are: a verifier that falls behind shows here before it drops.
@@ -82,7 +85,7 @@ class GuardServer:
         self.grpc_port = self.admin_port = self.metrics_port = 0
         self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
-        self._tap: grpc.aio.Server | None = None  # hardening2: server.tap's listener
+        self._tap: grpc.aio.Server | None = None  # server.tap's listener
         self.tap_port = 0
         self._health: health_aio.HealthServicer | None = None
         self._metrics_httpd = None
@@ -95,8 +98,8 @@ class GuardServer:
         references (both at once: each takes seconds); on any failure stop both."""
         slots = self.table.assign(m.name for m in self.config.models)
         for model_config in self.config.models:
-            self.models[model_config.name] = ServedModel(
-                model_config, self.metrics, self.table, slots[model_config.name], self.ring)
+            self.models[model_config.name] = self._served_model(model_config,
+                                                                slots[model_config.name])
         verifier_error: list[BaseException] = []
 
         def start_verifier():
@@ -105,7 +108,8 @@ class GuardServer:
             except BaseException as exc:
                 verifier_error.append(exc)
 
-        starter = threading.Thread(target=start_verifier, name="guard-verifier-start")
+        starter = threading.Thread(target=start_verifier, name="guard-verifier-start",
+                                   daemon=True)
         starter.start()
         try:
             for model in self.models.values():
@@ -126,16 +130,16 @@ class GuardServer:
         try:
             await self._start_servers()
             if not self.models:
-                await asyncio.get_running_loop().run_in_executor(None, self.load_models)
+                await _on_own_thread(self.load_models)
             for model in self.models.values():
                 await model.connect()
-            await asyncio.get_running_loop().run_in_executor(None, self.processes.start)
+            await _on_own_thread(self.processes.start, self.grpc_port)
             self.dataplane.models_changed()
             self.dataplane.loading = False
             serving = health_pb2.HealthCheckResponse.SERVING
             for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
                 await self._health.set(service, serving)
-            # hardening2: the config watcher starts after the first load, never during it.
+            # The config watcher starts after the first load, never during it.
             if self.reloader is not None and self.config.server.reload_interval_s > 0:
                 self._watch_task = asyncio.create_task(
                     self.reloader.watch(self.config.server.reload_interval_s))
@@ -147,41 +151,31 @@ class GuardServer:
              metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
              models=sorted(self.models),
              tap=f"{self.config.server.tap.host}:{self.tap_port}" if self._tap else None,
-             sampling_key=self.sampling_key, malloc=tune_for_inference())  # hardening2
+             sampling_key=self.sampling_key, malloc=tune_for_inference())
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
         self.dataplane = DataPlane(self.models, self.metrics, server_config.workers,
                                    server_config.max_concurrent_requests)
-        size = server_config.max_message_bytes
-        options = [("grpc.max_receive_message_length", size),
-                   ("grpc.max_send_message_length", size),
-                   ("grpc.so_reuseport", int(server_config.processes > 1))]
-        self._grpc = grpc.aio.server(options=options)
-        guarded(add_inference_service,  # ModelInfer on bytes; the rest with decoders guarded
-                InferenceServicer(self.dataplane), self._grpc)
-        self._health = health_aio.HealthServicer()
-        guarded(health_pb2_grpc.add_HealthServicer_to_server, self._health, self._grpc)
-        self.grpc_port = self._bind(self._grpc, server_config.host, server_config.grpc_port,
-                                    "server.grpc_port", server_credentials(server_config.tls))
+        built = data_plane_server(self.dataplane, server_config)
+        self._grpc, self._health, self.grpc_port = built.server, built.health, built.port
 
+        # The admin API: loopback, or mutual TLS with an allow-list (server.admin_tls).
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
-        # hardening2: admin TLS/mTLS with an allow-list; the Tap service on its own listener.
         guarded(admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(self.models, self.supervisor,
                               CallerCheck("admin API", server_config.admin_tls)), self._admin)
-        self.admin_port = self._bind(self._admin, server_config.admin_host,
-                                     server_config.admin_port, "server.admin_port",
-                                     server_credentials(server_config.admin_tls))
+        self.admin_port = bind(self._admin, server_config.admin_host,
+                               server_config.admin_port, "server.admin_port",
+                               server_credentials(server_config.admin_tls))
         tap = server_config.tap
-        if tap is not None:
-            self._tap = grpc.aio.server(options=options)
+        if tap is not None:  # the Tap service, on a listener of its own
+            self._tap = grpc.aio.server(options=server_options(server_config))
             guarded(tap_pb2_grpc.add_TapServicer_to_server,
                     TapServicer(self.models, CallerCheck("tap", tap.tls)), self._tap)
-            self.tap_port = self._bind(self._tap, tap.host, tap.port, "server.tap.port",
-                                       server_credentials(tap.tls))
+            self.tap_port = bind(self._tap, tap.host, tap.port, "server.tap.port",
+                                 server_credentials(tap.tls))
             await self._tap.start()
-        # -- end hardening2
         try:
             self._metrics_httpd, _ = start_http_server(
                 server_config.metrics_port, addr=server_config.host, registry=self.exposition
@@ -197,22 +191,20 @@ class GuardServer:
         for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
             await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.config.context.source_path is not None:
-            self.reloader = ConfigReloader(self, self.config.context.source_path)
+            self.reloader = ConfigReloader(
+                self.config.context.source_path, config=lambda: self.config,
+                applied=self._reloaded, models=self.models, table=self.table,
+                build=self._served_model, others=self.processes, verifier=self.supervisor,
+                reloads=self.metrics.config_reloads)
 
-    @staticmethod
-    def _bind(server: grpc.aio.Server, host: str, port: int, key: str,
-              credentials: grpc.ServerCredentials | None = None) -> int:
-        address = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        try:
-            if credentials is None:
-                bound = server.add_insecure_port(address)
-            else:
-                bound = server.add_secure_port(address, credentials)
-        except RuntimeError as exc:
-            raise GuardError(f"{key}: cannot listen on {address}: {exc}") from None
-        if not bound:
-            raise GuardError(f"{key}: cannot listen on {address}")
-        return bound
+    def _served_model(self, model_config, slot: int) -> ServedModel:
+        return ServedModel(model_config, self.metrics, self.table, slot, self.ring)
+
+    def _reloaded(self, config: GuardConfig) -> None:
+        """A reload put ``config`` in force (a restarted child is told this one)."""
+        self.config = config
+        self.supervisor.config = config
+        self.dataplane.models_changed()
 
     # -- stop ----------------------------------------------------------------------------------
     async def stop(self, grace: float | None = None) -> None:
@@ -232,7 +224,7 @@ class GuardServer:
         await others
         if self._admin is not None:
             await self._admin.stop(0)
-        if self._tap is not None:  # hardening2
+        if self._tap is not None:
             await self._tap.stop(0)
         if self.dataplane is not None:
             self.dataplane.close()
@@ -254,18 +246,74 @@ class GuardServer:
             model.close()
 
 
-async def serve_until_signalled(config: GuardConfig) -> None:
-    """``guard serve``: run until SIGTERM or SIGINT, then stop gracefully."""
-    tracing.configure_from_env()
-    server = GuardServer(config)
-    await server.start()
-    stop = asyncio.Event()
+def _on_own_thread(function, *args) -> asyncio.Future:
+    """``function(*args)`` on a daemon thread of its own, awaited. For the steps of start that
+    can block for minutes (loading models: an upstream's ``ready_timeout_s``; the other serving
+    processes' start): a start cancelled by a signal stops waiting at once, and the thread,
+    which ends with the models that ``stop`` closes under it, never holds up the exit (the
+    event loop's default executor would be joined at exit)."""
     loop = asyncio.get_running_loop()
+    future = loop.create_future()
+
+    def settle(result=None, error=None) -> None:
+        if future.done():
+            return
+        if error is not None:
+            future.set_exception(error)
+        else:
+            future.set_result(result)
+
+    def run() -> None:
+        try:
+            outcome = (function(*args), None)
+        except BaseException as exc:
+            outcome = (None, exc)
+        try:
+            loop.call_soon_threadsafe(settle, *outcome)
+        except RuntimeError:  # the loop is closed: nobody waits for this any more
+            pass
+
+    threading.Thread(target=run, name=f"guard-{function.__name__}", daemon=True).start()
+    return future
+
+
+async def serve_until_signalled(config: GuardConfig, signalled: Sequence[int] = ()) -> None:
+    """``guard serve``: run until SIGTERM or SIGINT, then stop gracefully.
+
+    The handlers are installed before anything starts: a signal while the server is still
+    starting (loading models, waiting for an upstream, the verifier loading the references)
+    cancels the start, and ``start`` stops what had started, the verifier and the other serving
+    processes included; then this returns as after a graceful stop. ``signalled``: signals that
+    came before this ran (the command line's own handlers, while it read the config): nothing
+    is started then. A SIGHUP during start reloads once the start is done."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    hangups: list[int] = []
+    loop.add_signal_handler(signal.SIGHUP, hangups.append, signal.SIGHUP)
+    if signalled:
+        return
+    tracing.configure_from_env()
+    server = GuardServer(config)
+    starting = asyncio.ensure_future(server.start())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    if not starting.done():
+        starting.cancel()  # start's own handler stops what it had started
+        try:
+            await starting
+        except asyncio.CancelledError:
+            pass
+        return
+    stopped.cancel()
+    starting.result()  # a start that failed raises its error here
     if server.reloader is not None:
+        reloader = server.reloader
         loop.add_signal_handler(
-            signal.SIGHUP, lambda: asyncio.ensure_future(server.reloader.reload("SIGHUP")))
+            signal.SIGHUP, lambda: asyncio.ensure_future(reloader.reload("SIGHUP")))
+        if hangups:
+            asyncio.ensure_future(reloader.reload("SIGHUP"))
     await stop.wait()
     await server.stop()
 

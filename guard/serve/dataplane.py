@@ -3,8 +3,10 @@
 ``infer()`` reads top to bottom as the request path: refuse what cannot be served (deadline
 passed, too many in flight), find the model, check the inputs against its signature, read the
 route word, run that backend (inline, on the inference thread pool, or forwarded upstream),
-hand a sampled request to the verifier (a copy into shared memory, never a wait), filter the
-requested outputs, count. The gRPC servicer is a thin translation layer over this class.
+count, hand a sampled request to the verifier (a copy into shared memory, never a wait), filter
+the requested outputs. ``forward()`` is the same path for bytes that go upstream unparsed. Both
+account through one ``Call`` (admission, in flight, timing, metrics, hand-off, errors). The gRPC
+servicer is a thin translation layer over this class.
 """
 
 from __future__ import annotations
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from guard.backends.base import Forwarding, ForwardingError
+from guard.backends.base import Backend, Forwarding, ForwardingError
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
+from guard.protocol.codec import InferenceError, InferenceRequest, invalid
 from guard.protocol.inputs import check_inputs
-from guard.serve.codec import InferenceError, InferenceRequest, invalid
 from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.dataplane")
@@ -72,49 +74,28 @@ class DataPlane:
     async def infer(self, request: InferenceRequest,
                     timeout: float | None = None) -> InferenceResult:
         """The request path. ``timeout``: the client's remaining deadline, if it sent one."""
-        started = time.perf_counter()
-        model = self._admit(request.model_name, timeout)
-        check_inputs(request.inputs, model.input_specs)
-        unknown = [n for n in request.requested_outputs
-                   if model.output_names and n not in model.output_names]
-        if unknown:
-            raise invalid(f"unknown output '{unknown[0]}' requested")
-
-        route, epoch, probing, backend = model.route()
-        self.in_flight += 1
-        model.requests_in_flight += 1
-        try:
-            result = await self._run(backend, route, request, timeout,
-                                     model.inline.get(route, False))
-        except ForwardingError as exc:
-            raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
-        except Exception as exc:
-            # The client learns which route failed and why; the log also gets the backend
-            # (artifact paths stay out of what clients see).
-            log.warning("model %s: %s backend (%s) failed: %s: %s", model.name, route,
-                        backend.describe().summary(), type(exc).__name__, exc)
-            raise InferenceError("INTERNAL", f"model '{model.name}': {route} backend failed: "
-                                 f"{type(exc).__name__}: {exc}") from exc
-        finally:
-            self.in_flight -= 1
-            model.requests_in_flight -= 1
-
-        seconds = time.perf_counter() - started
-        outputs = result.outputs
-        if outputs is not None:
-            # A local backend computed every output: all are handed over and compared.
-            model.after_response(request.id, route, epoch, probing, seconds,
-                                 inputs=request.inputs, outputs=outputs)
-            if request.requested_outputs:
-                result.outputs = {n: outputs[n] for n in request.requested_outputs
-                                  if n in outputs}
-        else:  # an upstream's answer: decoded, if sampled, in the verifier
-            model.after_response(request.id, route, epoch, probing, seconds,
-                                 request_message=request.message,
-                                 response_message=result.message)
-        model.requests[route].inc()
-        model.durations[route].observe(seconds)
-        return result
+        with Call(self, request.model_name, timeout) as call:
+            model = call.model
+            check_inputs(request.inputs, model.input_specs)
+            unknown = [n for n in request.requested_outputs
+                       if model.output_names and n not in model.output_names]
+            if unknown:
+                raise invalid(f"unknown output '{unknown[0]}' requested")
+            backend = call.route()
+            result = await self._run(backend, call.routed, request, timeout,
+                                     model.inline.get(call.routed, False))
+            call.answered()
+            outputs = result.outputs
+            if outputs is not None:
+                # A local backend computed every output: all are handed over and compared.
+                call.hand_off(request.id, inputs=request.inputs, outputs=outputs)
+                if request.requested_outputs:
+                    result.outputs = {n: outputs[n] for n in request.requested_outputs
+                                      if n in outputs}
+            else:  # an upstream's answer: decoded, if sampled, in the verifier
+                call.hand_off(request.id, request_message=request.message,
+                              response_message=result.message)
+            return result
 
     async def forward(self, model: ServedModel, data: bytes, request_id: str,
                       timeout: float | None, metadata) -> bytes:
@@ -122,26 +103,14 @@ class DataPlane:
         go on as they are and the upstream's answer comes back unparsed, with the route added
         (guard/protocol/raw.py). The upstream validates the request and its gRPC status comes
         back unchanged."""
-        started = time.perf_counter()
-        self._admit(model.name, timeout)
-        route, epoch, probing, backend = model.route()
-        self.in_flight += 1
-        model.requests_in_flight += 1
-        try:
+        with Call(self, model.name, timeout) as call:
+            backend = call.route()
             answer = await backend.forward_raw(data, timeout, metadata)
-        except ForwardingError as exc:
-            raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
-        finally:
-            self.in_flight -= 1
-            model.requests_in_flight -= 1
-        seconds = time.perf_counter() - started
-        model.after_response(request_id, route, epoch, probing, seconds,
-                             request_message=data, response_message=answer)
-        model.requests[route].inc()
-        model.durations[route].observe(seconds)
-        return answer + model.route_suffix[route]
+            call.answered()
+            call.hand_off(request_id, request_message=data, response_message=answer)
+            return answer + model.route_suffix[call.routed]
 
-    def _admit(self, name: str, timeout: float | None) -> ServedModel:
+    def admit(self, name: str, timeout: float | None) -> ServedModel:
         """Refuse what must not run: a passed deadline, one request too many, an unknown or
         unready model."""
         if timeout is not None and timeout <= 0:
@@ -155,7 +124,7 @@ class DataPlane:
             raise InferenceError("UNAVAILABLE", f"model '{model.name}' is not ready")
         return model
 
-    async def _run(self, backend, route: str, request: InferenceRequest,
+    async def _run(self, backend: Backend, route: str, request: InferenceRequest,
                    timeout: float | None, inline: bool = False) -> InferenceResult:
         if isinstance(backend, Forwarding) and request.message is not None:
             return InferenceResult(route, message=await backend.forward(
@@ -167,6 +136,8 @@ class DataPlane:
         return InferenceResult(route, outputs=outputs)
 
     def count_error(self, model_name: str, status: str) -> None:
+        """One failed request (``guard_request_errors_total``): by the data plane for what it
+        raises (``Call``), by the servicer for what it cannot parse."""
         label = model_name if model_name in self.models else UNKNOWN_MODEL
         self.metrics.request_errors.labels(label, status).inc()
 
@@ -174,3 +145,83 @@ class DataPlane:
         self.live = False
         if self.executor is not None:
             self.executor.shutdown(wait=True)
+
+
+class Call:
+    """One request's accounting, the same for ``infer`` and ``forward`` (MLServer keeps timing,
+    counting and errors in one context manager too): admission on entry, the in-flight counts
+    while a backend has it (``route``), the duration and ``guard_requests_total`` once it
+    answered (``answered``), the hand-off to the verifier (``hand_off``), and every error
+    counted where it is raised (``guard_request_errors_total``, on exit). A backend's failure
+    reaches the client as the route that failed and why: an upstream's own status, or INTERNAL
+    (the log also gets the backend; artifact paths stay out of what clients see).
+
+    One small object per request, no label lookups: the metric children are the model's,
+    resolved when it was loaded."""
+
+    __slots__ = ("plane", "name", "timeout", "model", "started", "seconds", "routed", "epoch",
+                 "probing", "backend")
+
+    def __init__(self, plane: DataPlane, name: str, timeout: float | None):
+        self.plane = plane
+        self.name = name
+        self.timeout = timeout
+        self.backend: Backend | None = None  # while a backend has the request
+
+    def __enter__(self) -> "Call":
+        self.started = time.perf_counter()
+        try:
+            self.model = self.plane.admit(self.name, self.timeout)
+        except InferenceError as exc:
+            self.plane.count_error(self.name, exc.status)
+            raise
+        return self
+
+    def route(self) -> Backend:
+        """The backend the route word names; the request is in flight from here."""
+        model = self.model
+        self.routed, self.epoch, self.probing, backend = model.route()
+        self.backend = backend
+        self.plane.in_flight += 1
+        model.requests_in_flight += 1
+        return backend
+
+    def answered(self) -> None:
+        """The backend answered: out of flight, timed and counted."""
+        self._leave()
+        self.seconds = time.perf_counter() - self.started
+        self.model.answered(self.routed, self.seconds)
+
+    def hand_off(self, request_id: str, inputs=None, outputs=None, request_message=None,
+                 response_message=None) -> None:
+        """A sampled request to the verifier (``ServedModel.after_response``)."""
+        self.model.after_response(request_id, self.routed, self.epoch, self.probing,
+                                  self.seconds, inputs, outputs, request_message,
+                                  response_message)
+
+    def _leave(self) -> None:
+        if self.backend is not None:
+            self.backend = None
+            self.plane.in_flight -= 1
+            self.model.requests_in_flight -= 1
+
+    def __exit__(self, kind, exc, traceback) -> None:
+        if exc is None:
+            return
+        backend, model = self.backend, self.model
+        self._leave()
+        if not isinstance(exc, Exception):  # a cancelled call (the client went away): no error
+            return
+        if isinstance(exc, InferenceError):
+            self.plane.count_error(self.name, exc.status)
+            return
+        if isinstance(exc, ForwardingError):
+            self.plane.count_error(self.name, exc.status)
+            raise InferenceError(exc.status, f"model '{model.name}': {exc}") from None
+        self.plane.count_error(self.name, "INTERNAL")
+        if backend is None:  # not the backend's failure: a fault of guard's, the servicer logs it
+            return
+        log.warning("model %s: %s backend (%s) failed: %s: %s", model.name, self.routed,
+                    backend.describe().summary(), type(exc).__name__, exc)
+        raise InferenceError("INTERNAL", f"model '{model.name}': {self.routed} backend failed: "
+                             f"{type(exc).__name__}: {exc}") from exc

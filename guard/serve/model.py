@@ -4,7 +4,7 @@ route word that says which one, and the hand-off of sampled requests to the veri
 The request path touches three things only: ``route()`` (one shared-memory load),
 ``after_response()`` (a sampling decision; for a sampled request one copy into the sample ring)
 and the pre-resolved metric children. The reference, the checks, the detectors, capture and the
-repair live in the verifier process (guard/verifier/model.py); what they decide comes back as
+repair live in the verifier process (guard/verifier_process/model.py); what they decide comes back as
 the route word and, for a repair, as ``use_primary``.
 """
 
@@ -15,6 +15,7 @@ import threading
 import time
 
 from guard.backends import Backend, BackendInfo, Forwarding, TensorSpec, create_backend
+from guard.backends.loading import load_all
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes, wire
@@ -22,9 +23,8 @@ from guard.ipc.ring import SampleRing
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.serve.codec import InferenceError
-from guard.serve.sampling import sampled
-from guard.verify.pair import load_all
+from guard.protocol.codec import InferenceError, stamp_route
+from guard.runtime.sampling import sampled
 
 
 class ServedModel:
@@ -67,7 +67,7 @@ class ServedModel:
         self.requests = {r: metrics.requests.labels(self.name, r) for r in ("primary", "fallback")}
         self.durations = {r: metrics.request_duration.labels(self.name, r)
                           for r in ("primary", "fallback")}
-        self._dropped = metrics.mirror.labels(self.name, "dropped")
+        self._mirror_dropped = metrics.mirror.labels(self.name, "dropped")
         self._capture_dropped = (metrics.capture_records.labels(self.name, "dropped")
                                  if capture is not None else None)
 
@@ -132,19 +132,29 @@ class ServedModel:
         if self.tap:
             raise InferenceError("FAILED_PRECONDITION", f"model '{self.name}' is tapped "
                                  "('tap: true'): its own server answers it, guard does not")
-        word = self.table.words[self._word_index]
-        if word & routes.FALLBACK:
+        route, probing, epoch = routes.unpack(self.table.words[self._word_index])
+        if route == "fallback":
             fallback = self.backends.get("fallback")
             if fallback is not None:
-                return "fallback", word >> 8, bool(word & routes.PROBING), fallback
-        return "primary", word >> 8, False, self.backends["primary"]
+                return route, epoch, probing, fallback
+        return "primary", epoch, False, self.backends["primary"]
 
     def route_word(self) -> tuple[str, int, bool]:
         """(route, epoch, probing) the route word says (tap mode: what the server should use)."""
-        word = self.table.words[self._word_index]
-        if word & routes.FALLBACK and "fallback" in self.backends:
-            return "fallback", word >> 8, bool(word & routes.PROBING)
-        return "primary", word >> 8, False
+        route, probing, epoch = routes.unpack(self.table.words[self._word_index])
+        if route == "fallback" and "fallback" in self.backends:
+            return route, epoch, probing
+        return "primary", epoch, False
+
+    def answered(self, route: str, seconds: float) -> None:
+        """Count one answered request (``guard_requests_total``, its duration)."""
+        self.requests[route].inc()
+        self.durations[route].observe(seconds)
+
+    def count_lost(self, samples: int) -> None:
+        """Samples handed over but never checked (a verifier that died holding them): counted
+        as mirror ``dropped``, like those the full ring refused."""
+        self._mirror_dropped.inc(samples)
 
     def after_response(self, request_id: str, route: str, epoch: int, probing: bool,
                        seconds: float, inputs=None, outputs=None, request_message=None,
@@ -173,31 +183,37 @@ class ServedModel:
         if self.ring.put(parts):
             return True
         if flags & wire.MIRROR:
-            self._dropped.inc()
+            self._mirror_dropped.inc()
         if flags & wire.CAPTURE and self._capture_dropped is not None:
             self._capture_dropped.inc()
         return False
 
     # -- from the verifier -------------------------------------------------------------------------
-    def use_primary(self, kept: list[str]) -> None:
-        """Serve the primary with ``kept`` ops held back at full precision (a repair's winner,
-        rebuilt here from the same spec), or as configured (``[]``). Requests in flight keep
-        the backend object they were given."""
+    kept_primary: dict | None = None  # the wire form of the repaired primary serving now
+
+    def use_primary(self, kept: list[str], primary: dict | None = None) -> None:
+        """Serve the primary with ``kept`` ops held back at full precision, built from
+        ``primary`` (the rebuilt backend block's wire form: a repair's winner, derived by the
+        verifier), or as configured (``[]``). Requests in flight keep the backend object they
+        were given."""
         if not kept:
             if self._configured_primary is not None:
                 repaired = self.backends["primary"]
                 self.backends["primary"] = self._configured_primary
-                self._configured_primary, self.kept = None, []
+                self._configured_primary, self.kept, self.kept_primary = None, [], None
                 repaired.close()
             return
-        from guard.policy.keep_back import keep_back_for
+        if primary is None:
+            raise ValueError(f"model '{self.name}': ops kept back without the rebuilt primary")
+        from guard.ipc.config import backend_from_wire
 
-        backend = create_backend(keep_back_for(self.config.primary).rebuild_spec(kept), "primary")
+        spec = backend_from_wire(primary, self.config.primary.context)
+        backend = create_backend(spec, "primary")
         backend.load()
         if self._configured_primary is None:
             self._configured_primary = self.backends["primary"]
         self.backends["primary"] = backend
-        self.kept = list(kept)
+        self.kept, self.kept_primary = list(kept), primary
 
     def transition(self, message: dict) -> None:
         """A route transition the verifier made: for WatchRoute streams (tap mode)."""
@@ -231,7 +247,7 @@ class ServedModel:
 def _median_ms(backend: Backend, calls: int = 7) -> float | None:
     """Median milliseconds of a batch-1 inference on inputs generated from the signature
     (after one warm-up call); None when no inputs can be generated or the call fails."""
-    from guard.verify.noise import generate_inputs
+    from guard.protocol.synthetic import generate_inputs
 
     try:
         inputs = generate_inputs(backend.describe().inputs, rows=1)
@@ -250,7 +266,7 @@ def _route_suffix(model: str, route: str) -> bytes:
     from tritonclient.grpc import service_pb2 as pb
 
     response = pb.ModelInferResponse(model_name=model)
-    response.parameters["guard_route"].string_param = route
+    stamp_route(response, route)
     return response.SerializeToString()
 
 

@@ -12,7 +12,9 @@ A new config is validated before anything changes. An invalid one is rejected wi
 is applied per model: models whose config (or artifact file) changed are built and loaded beside
 the old ones, in this process and in the verifier process, then swapped in with one dict
 assignment; requests already inside the old model finish on it, and it is closed once they are
-done (however long that takes; ``model_retire_waiting`` after 30 s). A model that fails to load on either side keeps its old version on both. Models that did not change are not touched,
+done (however long that takes; ``model_retire_waiting`` after 30 s, ``model_retired`` when it
+then closes; every serving process retires the same way: ``retire``). A model that fails to
+load on either side keeps its old version on both. Models that did not change are not touched,
 so their traffic never notices. ``server`` settings (ports, workers) take effect on restart.
 """
 
@@ -24,17 +26,22 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from guard.config import GuardConfig, ModelConfig, load_config
 from guard.errors import ConfigError
+from guard.ipc.routes import RouteTable
 from guard.observe.events import emit
 from guard.serve.model import ServedModel
 
 if TYPE_CHECKING:
-    from guard.serve.app import GuardServer
+    from prometheus_client import Counter
+
+    from guard.serve.processes import ServingProcesses
+    from guard.serve.supervisor import VerifierSupervisor
 
 log = logging.getLogger("guard.reload")
+RETIRE_REPORT_S = 30.0  # a replaced model still busy after this is reported (and awaited)
 
 
 def file_state(path: Path) -> tuple:
@@ -80,17 +87,56 @@ def model_fingerprint(model: ModelConfig) -> str:
     return json.dumps(state, sort_keys=True, default=str)
 
 
-class ConfigReloader:
-    retire_report_s = 30.0  # a replaced model still busy after this is reported (and awaited)
+async def retire(model: ServedModel, report_s: float = RETIRE_REPORT_S) -> None:
+    """Close a replaced model once the requests inside it have finished: never under a request
+    (a backend closed mid-inference can crash the process). Requests end by their own deadline
+    or the backend's (an upstream's timeout); one still inside after ``report_s`` seconds is
+    reported once (``model_retire_waiting``), and waited for (``model_retired`` when the model
+    then closes). Every serving process retires its models this way (a reload here, a
+    ``Commit`` in guard/serve/worker.py)."""
+    model.end_watches()  # WatchRoute streams of the old version end now
+    waited, reported = 0.0, False
+    while model.requests_in_flight:
+        await asyncio.sleep(0.05)
+        waited += 0.05
+        if waited >= report_s and not reported:
+            reported = True
+            emit("model_retire_waiting", model=model.name,
+                 requests_in_flight=model.requests_in_flight, waited_s=round(waited, 1),
+                 note="the replaced version is closed when its last request finishes")
+    await asyncio.get_running_loop().run_in_executor(None, model.close)
+    if reported:
+        emit("model_retired", model=model.name, waited_s=round(waited, 1))
 
-    def __init__(self, server: "GuardServer", path: Path):
-        self.server = server
+
+class ConfigReloader:
+    retire_report_s = RETIRE_REPORT_S  # see ``retire``; the other serving processes' too
+
+    def __init__(self, path: Path, *, config: Callable[[], GuardConfig],
+                 applied: Callable[[GuardConfig], None], models: dict[str, ServedModel],
+                 table: RouteTable, build: Callable[[ModelConfig, int], ServedModel],
+                 others: "ServingProcesses", verifier: "VerifierSupervisor",
+                 reloads: "Counter"):
+        """``config()``: the config in force; ``applied(config)``: called with the config a
+        reload put in force (what a restarted child is told). ``models``: the served models by
+        name (swapped in place: the data plane reads the same dict); ``table``: the route
+        slots; ``build(model_config, slot)``: a new ServedModel (not loaded); ``others`` and
+        ``verifier``: the other processes, which load their halves; ``reloads``:
+        ``guard_config_reloads_total``."""
         self.path = path
+        self.config = config
+        self.applied = applied
+        self.models = models
+        self.table = table
+        self.build = build
+        self.others = others
+        self.verifier = verifier
+        self.reloads = reloads
         self._state = file_state(path)
         self._lock = asyncio.Lock()
         # What each model was loaded from (config and artifact content), taken when it was
         # loaded: computing the old side at reload time would read the new artifact twice.
-        self._prints = {m.name: model_fingerprint(m) for m in server.config.models}
+        self._prints = {m.name: model_fingerprint(m) for m in config().models}
 
     async def watch(self, interval: float) -> None:
         """Poll the file; started by the server once the first load has finished (a change
@@ -106,11 +152,10 @@ class ConfigReloader:
         """Validate and apply the config file; False when it was rejected or a model failed."""
         async with self._lock:
             loop = asyncio.get_running_loop()
-            metrics = self.server.metrics
             try:
                 new = await loop.run_in_executor(None, load_config, self.path)
             except ConfigError as exc:
-                metrics.config_reloads.labels("rejected").inc()
+                self.reloads.labels("rejected").inc()
                 emit("config_rejected", trigger=trigger, path=str(self.path),
                      problems=exc.problems, note="the previous config stays in force")
                 return False
@@ -119,23 +164,21 @@ class ConfigReloader:
     async def _apply(self, new: GuardConfig, trigger: str) -> bool:
         """Changed and added models load in this process (the backends that answer) and in the
         verifier (reference, checks, capture); only those that loaded in both are swapped in."""
-        server = self.server
-        old = server.config
+        old = self.config()
         if new.server != old.server:
             emit("config_server_changed", note="server settings take effect on restart")
         old_prints = self._prints
         new_prints = {m.name: model_fingerprint(m) for m in new.models}
         loop = asyncio.get_running_loop()
         names = {m.name for m in new.models}
-        slots = server.table.assign(m.name for m in new.models)
+        slots = self.table.assign(m.name for m in new.models)
         built: dict[str, ServedModel] = {}
         failed: dict[str, str] = {}
         for model_config in new.models:
             name = model_config.name
             if old_prints.get(name) == new_prints[name]:
                 continue
-            model = ServedModel(model_config, server.metrics, server.table, slots[name],
-                                server.ring)
+            model = self.build(model_config, slots[name])
             try:
                 await loop.run_in_executor(None, model.load,
                                            new.server.inline_below_ms)
@@ -145,28 +188,29 @@ class ConfigReloader:
                 failed[name] = str(exc)
                 continue
             built[name] = model
-        removed = [name for name in list(server.models) if name not in names]
+        removed = [name for name in list(self.models) if name not in names]
         # The other serving processes (server.processes) build theirs beside the old ones.
         for name, error in (await loop.run_in_executor(
-                None, server.processes.prepare, new, slots, sorted(built))).items():
+                None, self.others.prepare, new, slots, sorted(built))).items():
             await loop.run_in_executor(None, built.pop(name).close)
             failed[name] = error
         refused = await loop.run_in_executor(
-            None, server.supervisor.reload, new, slots, sorted(built), removed)
+            None, self.verifier.reload, new, slots, sorted(built), removed)
         for name, error in refused.items():
             await loop.run_in_executor(None, built.pop(name).close)
             failed[name] = error
         changed, added = [], []
         for name, model in built.items():
-            previous = server.models.get(name)
-            server.models[name] = model  # the swap: the next request sees the new model
+            previous = self.models.get(name)
+            self.models[name] = model  # the swap: the next request sees the new model
             (changed if previous else added).append(name)
             if previous is not None:
-                asyncio.create_task(self._retire(previous))
+                asyncio.create_task(retire(previous, self.retire_report_s))
         for name in removed:
-            asyncio.create_task(self._retire(server.models.pop(name)))
-            server.table.release(name)
-        await loop.run_in_executor(None, server.processes.commit, sorted(built), removed)
+            asyncio.create_task(retire(self.models.pop(name), self.retire_report_s))
+            self.table.release(name)
+        await loop.run_in_executor(None, self.others.commit, sorted(built), removed,
+                                   self.retire_report_s)
         for name, error in failed.items():
             emit("model_reload_failed", model=name, error=error,
                  note="the previous version of this model stays in force")
@@ -174,30 +218,11 @@ class ConfigReloader:
         applied = new.model_copy(update={"models": [
             *(m for m in new.models if m.name not in failed), *kept_models]})
         applied.context = new.context
-        server.config = applied
         self._prints = {name: (old_prints[name] if name in failed else new_prints[name])
                         for name in new_prints if name in old_prints or name not in failed}
-        server.supervisor.config = applied  # what a restarted verifier is told
-        server.dataplane.models_changed()
+        self.applied(applied)
         result = "failed" if failed else "applied"
-        server.metrics.config_reloads.labels(result).inc()
+        self.reloads.labels(result).inc()
         emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,
              failed=sorted(failed), config_hash=new.context.source_hash)
         return not failed
-
-    async def _retire(self, model: ServedModel) -> None:
-        """Close a replaced model once the requests inside it have finished: never under a
-        request (a backend closed mid-inference can crash the process). Requests end by their
-        own deadline or the backend's (an upstream's timeout); one still inside after
-        ``retire_report_s`` seconds is reported once (``model_retire_waiting``), and waited for."""
-        model.end_watches()  # WatchRoute streams of the old version end now
-        waited, reported = 0.0, False
-        while model.requests_in_flight:
-            await asyncio.sleep(0.05)
-            waited += 0.05
-            if waited >= self.retire_report_s and not reported:
-                reported = True
-                emit("model_retire_waiting", model=model.name,
-                     requests_in_flight=model.requests_in_flight, waited_s=round(waited, 1),
-                     note="the replaced version is closed when its last request finishes")
-        await asyncio.get_running_loop().run_in_executor(None, model.close)

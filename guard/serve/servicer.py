@@ -19,7 +19,7 @@ from google.protobuf.message_factory import GetMessageClass
 from guard import __version__
 from guard.observe import tracing
 from guard.protocol import raw
-from guard.serve.codec import InferenceError, decode_request, encode_response
+from guard.protocol.codec import InferenceError, decode_request, encode_response, stamp_route
 from guard.serve.dataplane import DataPlane
 
 log = logging.getLogger("guard.servicer")
@@ -87,9 +87,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             answer = await self.dataplane.forward(model, data, request_id,
                                                   context.time_remaining(),
                                                   _client_metadata(context))
-        except InferenceError as exc:
-            self.dataplane.count_error(model.name, exc.status)
-            await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+        except Exception as exc:  # counted by the data plane, where it was raised
+            await _abort(context, model.name, exc)
         if span is not None:
             tracing.set_attributes(span, {"guard.route": "forwarded"})
         return answer
@@ -102,25 +101,46 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
             return await self._infer(request, context, span)
 
     async def _infer(self, request, context, span):
+        """Parse, answer through the data plane, encode. An error is counted where it is
+        raised: the data plane counts its own, this servicer what it parses and encodes."""
+        name = request.model_name
         try:
             decoded = decode_request(request)
-            if self.dataplane.forwards:  # only an upstream needs the client's metadata
-                decoded.metadata = _client_metadata(context)
+        except Exception as exc:
+            await self._failed(context, name, exc)
+        if self.dataplane.forwards:  # only an upstream needs the client's metadata
+            decoded.metadata = _client_metadata(context)
+        try:
             result = await self.dataplane.infer(decoded, context.time_remaining())
-            if span is not None:
-                tracing.set_attributes(span, {"guard.route": result.route})
-            if result.message is not None:  # an upstream's answer, passed through
-                result.message.parameters["guard_route"].string_param = result.route
-                return result.message
+        except Exception as exc:  # counted by the data plane
+            await _abort(context, name, exc)
+        if span is not None:
+            tracing.set_attributes(span, {"guard.route": result.route})
+        if result.message is not None:  # an upstream's answer, passed through
+            stamp_route(result.message, result.route)
+            return result.message
+        try:
             return encode_response(decoded, result.outputs, result.route)
-        except InferenceError as exc:
-            self.dataplane.count_error(request.model_name, exc.status)
-            await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
-        except Exception as exc:  # never let a bug take the server down with it
-            log.exception("ModelInfer failed for model %s", request.model_name)
-            self.dataplane.count_error(request.model_name, "INTERNAL")
-            await context.abort(grpc.StatusCode.INTERNAL,
-                                f"model '{request.model_name}': {type(exc).__name__}: {exc}")
+        except Exception as exc:
+            await self._failed(context, name, exc)
+
+    async def _failed(self, context, model_name: str, exc: Exception) -> None:
+        """A request that failed here, in the servicer: counted, then ended."""
+        self.dataplane.count_error(
+            model_name, exc.status if isinstance(exc, InferenceError) else "INTERNAL")
+        await _abort(context, model_name, exc)
+
+
+async def _abort(context, model_name: str, exc: Exception) -> None:
+    """End the call with ``exc``'s status (``context.abort`` raises). Anything but an
+    ``InferenceError`` is a fault of guard's: logged, INTERNAL (never let a bug take the server
+    down with it)."""
+    if isinstance(exc, InferenceError):
+        await context.abort(getattr(grpc.StatusCode, exc.status), str(exc))
+    else:
+        log.error("ModelInfer failed for model %s", model_name, exc_info=exc)
+        await context.abort(grpc.StatusCode.INTERNAL,
+                            f"model '{model_name}': {type(exc).__name__}: {exc}")
 
 
 def _client_metadata(context) -> tuple[tuple[str, str], ...]:

@@ -1,6 +1,6 @@
 """The serving process's side of the verifier: start it, talk to it, watch it, restart it.
 
-The verifier is a child process (``python -m guard.verifier``) that inherits its descriptors:
+The verifier is a child process (``python -m guard.verifier_process``) that inherits its descriptors:
 one end of a control socket pair, the route table and one sample ring per serving process
 (guard/ipc/; ``server.processes``). At start-up
 the server waits for it to load every model's reference and noise floor, so a broken reference
@@ -17,7 +17,7 @@ slows a client:
   after a minute of good health) and goes on from the route words and any repaired primary.
 
 Metrics: the verifier keeps its own registry; ``MergedMetrics`` asks it (and any other serving
-process, guard/serve/workers.py) for its exposition at each scrape and merges it into this
+process, guard/serve/worker.py) for its exposition at each scrape and merges it into this
 process's /metrics (same-named series are summed: the
 request path counts the samples the ring refused under ``guard_mirror_total{outcome="dropped"}``,
 the verifier those its queues refused). Why a forward and not prometheus_client's multiprocess
@@ -30,6 +30,7 @@ per process and a dead verifier's gauges simply vanish with it.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import logging
 import signal
 import socket
@@ -46,8 +47,11 @@ from prometheus_client.samples import Sample
 from guard.config import GuardConfig
 from guard.errors import GuardError
 from guard.ipc import routes
-from guard.ipc.config import config_message
 from guard.ipc.channel import Channel, ChannelClosed
+from guard.ipc.config import config_to_wire
+from guard.ipc.messages import (Event, Exposition, Failed, Handlers, Init, LoadFailures, Message,
+                                Metrics, Reload, RouteChanged, Span, Status, StatusReport, Stop,
+                                UsePrimary)
 from guard.ipc.ring import SampleRing
 from guard.observe import tracing
 from guard.observe.events import emit
@@ -67,9 +71,9 @@ class VerifierUnavailable(GuardError):
 class VerifierSupervisor:
     def __init__(self, config: GuardConfig, metrics: GuardMetrics, table: routes.RouteTable,
                  rings: list[SampleRing], served: Callable[[], dict],
-                 relay: Callable[[dict], str] | None = None):
+                 relay: Callable[[UsePrimary], str] | None = None):
         """``served()``: the serving process's current models by name (ServedModel); ``rings``:
-        one per serving process; ``relay``: passes a ``use_primary`` on to the other serving
+        one per serving process; ``relay``: passes a ``UsePrimary`` on to the other serving
         processes ("" when all did it, otherwise why not)."""
         self.config = config
         self.settings = config.server.verifier
@@ -105,24 +109,28 @@ class VerifierSupervisor:
         """Start a verifier and initialise it; "" on success, otherwise why it failed."""
         parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
         fds = (child.fileno(), self.table.block.fd, *(r.block.fd for r in self.rings))
-        command = [sys.executable, "-m", "guard.verifier", "--control-fd", str(fds[0]),
+        command = [sys.executable, "-m", "guard.verifier_process", "--control-fd", str(fds[0]),
                    "--routes-fd", str(fds[1]), "--routes-capacity", str(self.table.capacity),
                    "--ring-bytes", str(self.rings[0].capacity)]
         for fd in fds[2:]:
             command += ["--ring-fd", str(fd)]
-        self.table.clear_heartbeat()
-        process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL)
-        child.close()
-        channel = Channel(parent, self._handle, "serving", on_close=self._on_close)
-        with self._lock:
+        channel = Channel(parent, self._handlers(), "serving", on_close=self._on_close)
+        with self._lock:  # a stop (a signal during start) starts no verifier after it
+            if self._stopping.is_set():
+                child.close()
+                parent.close()
+                return "stopped during start-up"
+            self.table.clear_heartbeat()
+            process = subprocess.Popen(command, pass_fds=fds, stdin=subprocess.DEVNULL)
             self.process, self.channel = process, channel
+        child.close()
         channel.start()
-        message = {"op": "init", **config_message(self.config), "slots": self._slots()}
+        message = Init(config_to_wire(self.config), self._slots())
         if resume:
             served = self.served()
-            message["resume"] = {name: self.table.get(m.slot, routes.ROUTE)
-                                 for name, m in served.items()}
-            message["kept"] = {name: m.kept for name, m in served.items() if m.kept}
+            message.resume = {name: self.table.get(m.slot, routes.ROUTE)
+                              for name, m in served.items()}
+            message.kept = {name: m.kept for name, m in served.items() if m.kept}
         try:
             reply = channel.call(message, timeout=self.settings.start_timeout_s)
         except ChannelClosed:
@@ -131,8 +139,8 @@ class VerifierSupervisor:
         except TimeoutError:
             return (f"the verifier did not load the models within "
                     f"server.verifier.start_timeout_s ({self.settings.start_timeout_s}s)")
-        if reply.get("error"):
-            return reply["error"]
+        if isinstance(reply, Failed):
+            return reply.error
         self._started_at = time.monotonic()
         self.ready.set()
         self.up.set(1)
@@ -142,13 +150,17 @@ class VerifierSupervisor:
         return {name: model.slot for name, model in self.served().items()}
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Ask the verifier to stop (it flushes capture), wait for it, kill it past timeout."""
+        """Ask the verifier to stop (it flushes capture), wait for it, kill it past timeout.
+        One that has not answered ``Init`` yet (a stop during start, or a restart) is killed:
+        it may be waiting on a model (an upstream's ``ready_timeout_s``) and has no samples."""
         self._stopping.set()
         with self._lock:
             channel, process = self.channel, self.process
-        if channel is not None:
+        if not self.ready.is_set():
+            self._terminate_current()
+        elif channel is not None:
             try:
-                channel.call({"op": "stop"}, timeout=5)
+                channel.call(Stop(), timeout=5)
             except (ChannelClosed, TimeoutError):
                 pass
         if process is not None:
@@ -192,7 +204,7 @@ class VerifierSupervisor:
                 continue  # the control socket closed but the process lingers: give it a tick
             if self._stopping.is_set():
                 return
-            self._lost(f"exited with {_exit_reason(code)}")
+            self._lost(f"exited with {exit_reason(code)}")
             self._restart()
 
     def _lost(self, how: str) -> None:
@@ -205,7 +217,7 @@ class VerifierSupervisor:
             self.table.set(model.slot, routes.IN_HAND, 0)
             if held:
                 lost[name] = held
-                model._dropped.inc(held)
+                model.count_lost(held)
         if time.monotonic() - self._started_at > _HEALTHY_AFTER_S:
             self._backoff = self.settings.restart_backoff_s
         emit("verifier_lost", how=how, samples_lost=lost, restart_in_s=round(self._backoff, 2),
@@ -238,7 +250,7 @@ class VerifierSupervisor:
             channel.close()
 
     # -- talking -------------------------------------------------------------------------------------
-    def call(self, message: dict, timeout: float = 30.0) -> dict:
+    def call(self, message: Message, timeout: float = 30.0) -> Message:
         """A request to the verifier; ``VerifierUnavailable`` while it is down or restarting."""
         with self._lock:
             channel = self.channel
@@ -252,13 +264,16 @@ class VerifierSupervisor:
     def exposition(self) -> str:
         """The verifier's metrics in the text format; "" while it is down."""
         try:
-            return self.call({"op": "metrics"}, timeout=2.0)["text"]
+            reply = self.call(Metrics(), timeout=2.0)
         except VerifierUnavailable:
             return ""
+        return reply.text if isinstance(reply, Exposition) else ""
 
     def status(self, model: str = "") -> dict[str, bytes]:
-        reply = self.call({"op": "status", "model": model}, timeout=10)
-        return {name: base64.b64decode(data) for name, data in reply.get("models", {}).items()}
+        reply = self.call(Status(model), timeout=10)
+        if not isinstance(reply, StatusReport):
+            raise VerifierUnavailable(f"the verifier did not report: {reply}")
+        return {name: base64.b64decode(data) for name, data in reply.models.items()}
 
     def reload(self, config: GuardConfig, slots: dict[str, int], changed: list[str],
                removed: list[str]) -> dict:
@@ -268,34 +283,39 @@ class VerifierSupervisor:
         if not self.ready.is_set():
             return {}
         try:
-            reply = self.call({"op": "reload", **config_message(config), "slots": slots,
-                               "changed": changed, "removed": removed},
+            reply = self.call(Reload(config_to_wire(config), slots, changed, removed),
                               timeout=self.settings.start_timeout_s)
         except VerifierUnavailable:
             return {}
-        return reply.get("failed", {})
+        if isinstance(reply, Failed):
+            return {name: reply.error for name in changed}
+        return reply.failed if isinstance(reply, LoadFailures) else {}
 
-    def _handle(self, message: dict) -> dict | None:
-        op = message.get("op")
-        if op == "event":
-            _events.info(message["line"])
-        elif op == "span":
-            tracing.export_recorded(message["record"])
-        elif op == "transition":
-            model = self.served().get(message["model"])
-            if model is not None:
-                model.transition(message)
-        elif op == "use_primary":
-            model = self.served().get(message["model"])
-            if model is None:
-                return {"error": f"unknown model '{message['model']}'"}
-            model.use_primary(message["kept"])
-            error = self.relay(message) if self.relay is not None else ""
-            return {"error": error} if error else {}
-        return None
+    def _handlers(self) -> Handlers:
+        """What the verifier sends this process."""
+        return Handlers("the primary serving process", {
+            Event: lambda m: _events.info(m.line),
+            Span: lambda m: tracing.export_recorded(m.record),
+            RouteChanged: self._route_changed, UsePrimary: self._use_primary})
+
+    def _route_changed(self, message: RouteChanged) -> None:
+        model = self.served().get(message.model)
+        if model is not None:
+            model.transition(dataclasses.asdict(message))
+
+    def _use_primary(self, message: UsePrimary) -> Failed | None:
+        """A repair's variant (or the configured primary back): here first, then in the other
+        serving processes; the verifier moves the route only once every one answers with it."""
+        model = self.served().get(message.model)
+        if model is None:
+            return Failed(f"unknown model '{message.model}'")
+        model.use_primary(message.kept, message.primary)
+        error = self.relay(message) if self.relay is not None else ""
+        return Failed(error) if error else None
 
 
-def _exit_reason(code: int) -> str:
+def exit_reason(code: int) -> str:
+    """How a child process ended, from its return code: ``exit code 3``, ``signal SIGKILL``."""
     if code < 0:
         try:
             return f"signal {signal.Signals(-code).name}"

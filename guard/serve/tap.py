@@ -23,7 +23,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as oip
 
-from guard.serve.codec import InferenceError, decode_request, decode_response
+from guard.protocol.codec import InferenceError, decode_request, decode_response
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
 from guard.serve.tls import CallerCheck

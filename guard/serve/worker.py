@@ -5,17 +5,19 @@ connections over the processes), nothing else.
 Started by the primary serving process (guard/serve/processes.py) as ``python -m
 guard.serve.worker`` with inherited descriptors: one end of a control socket pair (guard/ipc/
 channel.py), the route table every process shares (read-only here) and a sample ring of its own
-(this process is its only producer; the verifier reads every ring). Over the control socket:
+(this process is its only producer; the verifier reads every ring). Over the control socket
+(guard/ipc/messages.py):
 
-- ``init``: the config (the wire form of ``guard.ipc.config.config_message``), the route slots, the
-  port and the ops a repair keeps back; the models load first and the port is bound after, so
-  this process never answers "not ready" on the shared port;
-- ``prepare`` / ``commit``: a reload in two steps: the changed models are built beside the old
-  ones, then swapped in only if they loaded in every process (the primary decides);
-- ``use_primary``: a repair's variant, relayed from the verifier by the primary;
-- ``metrics``: this process's registry, merged into the primary's /metrics (same-named series
+- ``Init``: the config (its wire form, guard/ipc/config.py), the route slots, the port and a
+  repaired primary's block; the models load first and the port is bound after, so this process
+  never answers "not ready" on the shared port;
+- ``Prepare`` / ``Commit``: a reload in two steps: the changed models are built beside the old
+  ones, then swapped in only if they loaded in every process (the primary decides); a replaced
+  model is closed once the requests inside it are done, never under one (``reload.retire``);
+- ``UsePrimary``: a repair's variant, relayed from the verifier by the primary;
+- ``Metrics``: this process's registry, merged into the primary's /metrics (same-named series
   summed; the registry leaves out the primary-only series such as ``guard_build_info``);
-- ``stop``: graceful (health NOT_SERVING, in-flight requests get the grace, then exit).
+- ``Stop``: graceful (health NOT_SERVING, in-flight requests get the grace, then exit).
 
 Its ``guard.events`` go to the primary, which logs them. When the primary goes away (the control
 socket closes, whatever killed it) this process stops gracefully too; SIGTERM/SIGINT do the same.
@@ -32,24 +34,25 @@ import socket
 import sys
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from grpc_health.v1.health import aio as health_aio
 from prometheus_client import generate_latest
 
 from guard import __version__
 from guard.ipc.channel import Channel, ForwardEvents
+from guard.ipc.config import config_from_wire
+from guard.ipc.messages import (Commit, Exposition, Failed, Handlers, Init, LoadFailures,
+                                Metrics, Prepare, Ready, Stop, UsePrimary)
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe import tracing
 from guard.observe.metrics import GuardMetrics
 from guard.serve.dataplane import DataPlane
+from guard.serve.listen import data_plane_server
 from guard.serve.model import ServedModel
-from guard.serve.servicer import InferenceServicer
-from guard.serve.servicer import add_to_server as add_inference_service
-from guard.ipc.config import config_from_message
+from guard.serve.reload import retire
 
 log = logging.getLogger("guard.worker")
-_RETIRE_GRACE_S = 30.0
 _SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
@@ -71,72 +74,72 @@ class WorkerServer:
         self._health: health_aio.HealthServicer | None = None
 
     # -- control (channel threads) ---------------------------------------------------------------
-    def handle(self, message: dict) -> dict | None:
-        op = message.get("op")
-        if op == "metrics":
-            return {"text": generate_latest(self.metrics.registry).decode()}
-        if op == "init":
-            return self._init(message)
-        if op == "prepare":
-            return self._prepare(message)
-        if op == "commit":
-            self._run(self._commit(set(message["names"]), message["removed"]))
-            return {}
-        if op == "use_primary":
-            model = self.models.get(message["model"])
-            if model is None:
-                return {"error": f"serving process {self.index}: unknown model "
-                                 f"'{message['model']}'"}
-            model.use_primary(message["kept"])
-            return {}
-        if op == "stop":
-            self.grace = message.get("grace")
-            self.loop.call_soon_threadsafe(self.stopping.set)
-            return {}
-        return {"error": f"unknown op {op!r}"}
+    def handlers(self) -> Handlers:
+        return Handlers(f"serving process {self.index}", {
+            Metrics: self._metrics, Init: self._init, Prepare: self._prepare,
+            Commit: self._commit, UsePrimary: self._use_primary, Stop: self._stop})
+
+    def _metrics(self, _: Metrics) -> Exposition:
+        return Exposition(generate_latest(self.metrics.registry).decode())
+
+    def _stop(self, message: Stop) -> None:
+        self.grace = message.grace
+        self.loop.call_soon_threadsafe(self.stopping.set)
+
+    def _use_primary(self, message: UsePrimary) -> Failed | None:
+        model = self.models.get(message.model)
+        if model is None:
+            return Failed(f"serving process {self.index}: unknown model '{message.model}'")
+        model.use_primary(message.kept, message.primary)
+        return None
 
     def _run(self, coroutine):
         """Run a coroutine on the server's event loop and wait for it (from a channel thread)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
-    def _init(self, message: dict) -> dict:
-        self.config = config = config_from_message(message)
-        slots, kept = message["slots"], message.get("kept") or {}
+    def _init(self, message: Init) -> Ready | Failed:
+        self.config = config = config_from_wire(message.config)
         try:
             for model_config in config.models:
                 name = model_config.name
-                self.models[name] = self._build(model_config, slots[name], kept.get(name))
-            self._run(self._listen(message["port"]))
+                self.models[name] = self._build(model_config, message.slots[name],
+                                                message.kept.get(name),
+                                                message.primaries.get(name))
+            self._run(self._listen(message.port))
         except Exception as exc:
-            return {"error": f"serving process {self.index}: {exc}"}
-        return {"pid": os.getpid()}
+            return Failed(f"serving process {self.index}: {exc}")
+        return Ready(sorted(self.models), os.getpid())
 
-    def _build(self, model_config, slot: int, kept: list[str] | None = None) -> ServedModel:
+    def _build(self, model_config, slot: int, kept: list[str] | None = None,
+               primary: dict | None = None) -> ServedModel:
         model = ServedModel(model_config, self.metrics, self.table, slot, self.ring)
         try:
             model.load(self.config.server.inline_below_ms)
             if kept:
-                model.use_primary(kept)
+                model.use_primary(kept, primary)
             self._run(model.connect())
         except BaseException:
             model.close()
             raise
         return model
 
-    def _prepare(self, message: dict) -> dict:
-        """Build the changed models beside the old ones; swapped in by ``commit``."""
-        config = config_from_message(message)
+    def _prepare(self, message: Prepare) -> LoadFailures:
+        """Build the changed models beside the old ones; swapped in by ``Commit``."""
+        config = config_from_wire(message.config)
         failed: dict[str, str] = {}
-        for name in message["changed"]:
+        for name in message.changed:
             try:
-                self.prepared[name] = self._build(config.model(name), message["slots"][name])
+                self.prepared[name] = self._build(config.model(name), message.slots[name])
             except Exception as exc:
                 failed[name] = f"serving process {self.index}: {exc}"
-        return {"failed": failed}
+        return LoadFailures(failed)
 
-    async def _commit(self, names: set[str], removed: list[str]) -> None:
+    def _commit(self, message: Commit) -> None:
+        self._run(self._swap(set(message.names), message.removed, message.retire_report_s))
+
+    async def _swap(self, names: set[str], removed: list[str], report_s: float) -> None:
         """Swap in the prepared models that loaded everywhere, drop the others and the removed
-        ones; a replaced model is closed once the requests inside it are done."""
+        ones; a replaced model is closed once the requests inside it are done (``retire``)."""
         prepared, self.prepared = self.prepared, {}
         retired = []
         for name, model in prepared.items():
@@ -148,37 +151,19 @@ class WorkerServer:
         retired.extend(self.models.pop(name, None) for name in removed)
         for model in retired:
             if model is not None:
-                asyncio.create_task(self._retire(model))
+                asyncio.create_task(retire(model, report_s))
         self.dataplane.models_changed()
-
-    async def _retire(self, model: ServedModel) -> None:
-        waited = 0.0
-        while model.requests_in_flight and waited < _RETIRE_GRACE_S:
-            await asyncio.sleep(0.05)
-            waited += 0.05
-        await self.loop.run_in_executor(None, model.close)
 
     # -- the data plane ------------------------------------------------------------------------------
     async def _listen(self, port: int) -> None:
         """Bind the primary's port (SO_REUSEPORT) and serve: every model is loaded by now."""
-        from guard.serve.app import GuardServer
-        from guard.serve.decoding import guarded
-        from guard.serve.tls import server_credentials
-
         server_config = self.config.server
         self.dataplane = DataPlane(self.models, self.metrics, server_config.workers,
                                    server_config.max_concurrent_requests)
         self.dataplane.models_changed()
         self.dataplane.loading = False
-        size = server_config.max_message_bytes
-        self._grpc = grpc.aio.server(options=[("grpc.max_receive_message_length", size),
-                                              ("grpc.max_send_message_length", size),
-                                              ("grpc.so_reuseport", 1)])
-        guarded(add_inference_service, InferenceServicer(self.dataplane), self._grpc)
-        self._health = health_aio.HealthServicer()
-        guarded(health_pb2_grpc.add_HealthServicer_to_server, self._health, self._grpc)
-        GuardServer._bind(self._grpc, server_config.host, port, "server.grpc_port",
-                          server_credentials(server_config.tls))
+        built = data_plane_server(self.dataplane, server_config, port)
+        self._grpc, self._health = built.server, built.health
         await self._grpc.start()
         for service in ("", "readiness", "inference.GRPCInferenceService"):
             await self._health.set(service, _SERVING)
@@ -209,7 +194,7 @@ async def _serve(args) -> int:
         if not loop.is_closed():
             loop.call_soon_threadsafe(worker.stopping.set)
 
-    channel = Channel(socket.socket(fileno=args.control_fd), worker.handle,
+    channel = Channel(socket.socket(fileno=args.control_fd), worker.handlers(),
                       f"serving-{args.index}", on_close=primary_gone)
     ForwardEvents.install(channel)
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -243,4 +228,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # Exit at once once stopped: a control request still running on the channel's threads
+    # (an Init waiting on an upstream when the primary stops or dies) must not keep this
+    # process alive past the primary; the server and the models are closed by then.
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -28,9 +28,9 @@ from pathlib import Path
 
 import numpy as np
 
-from guard.backends import Backend, TensorSpec
-from guard.backends.base import OIP_TO_NUMPY
+from guard.backends import Backend
 from guard.config import BackendConfig, NoiseFloorConfig
+from guard.protocol.synthetic import CannotGenerate, generate_inputs
 
 
 @dataclass
@@ -48,30 +48,6 @@ class NoiseFloor:
                 "notes": list(self.notes)}
 
 
-
-
-class CannotGenerate(ValueError):
-    pass
-
-
-def generate_inputs(specs: tuple[TensorSpec, ...], rows: int, seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded inputs shaped by the signature, ``rows`` along axis 0."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for spec in specs:
-        if not spec.datatype or spec.datatype not in OIP_TO_NUMPY or not spec.shape:
-            raise CannotGenerate(f"input '{spec.name}' has no known datatype/shape")
-        if any(d < 0 for d in spec.shape[1:]):
-            raise CannotGenerate(f"input '{spec.name}' has unknown dimensions {list(spec.shape)}")
-        shape = (rows,) + tuple(spec.shape[1:])
-        dtype = OIP_TO_NUMPY[spec.datatype]
-        if np.issubdtype(dtype, np.floating):
-            out[spec.name] = rng.standard_normal(shape).astype(dtype)
-        elif dtype == np.bool_:
-            out[spec.name] = rng.random(shape) < 0.5
-        else:
-            out[spec.name] = rng.integers(0, 10, size=shape).astype(dtype)
-    return out
 
 
 def _max_abs(a: np.ndarray, b: np.ndarray) -> float | None:

@@ -1,4 +1,4 @@
-"""One assembly of a checked pair: a model's reference and primary, and the ``Verifier`` that
+"""One assembly of a checked pair: a model's reference and primary, and the ``Comparator`` that
 compares them (tiers 1 and 3, the fp64 arbiter, tier 2 when configured, the reference's noise
 floor). The sidecar's verifier process and ``guard replay`` build it the same way, so a verdict
 replayed offline is the verdict the sidecar would have reached.
@@ -9,14 +9,14 @@ parallel (derivation and compilation take seconds); a load error names the model
 
 from __future__ import annotations
 
-from concurrent.futures import ThreadPoolExecutor
-
 from guard.backends import Backend, create_backend
+from guard.backends.loading import load_all
+from guard.backends.signatures import check_pair
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.verify.arbitrate import build_arbiter
 from guard.verify.noise import NoiseFloor, measure_noise_floor
-from guard.verify.pipeline import Verifier, load_activation_tier
+from guard.verify.pipeline import Comparator, load_activation_tier
 
 
 class CheckedPair:
@@ -26,7 +26,7 @@ class CheckedPair:
                                "this model has none")
         self.name = config.name
         self.config = config
-        self.verifier = Verifier.for_model(config, arbiter=build_arbiter(config))
+        self.verifier = Comparator.for_model(config, arbiter=build_arbiter(config))
         self.backends: dict[str, Backend] = {
             "reference": create_backend(config.reference, "reference", config.mirror.threads),
             "primary": create_backend(config.primary, "primary"),
@@ -53,6 +53,7 @@ class CheckedPair:
 
     def load_backends(self) -> None:
         load_all(self.name, self.config, self.backends)
+        check_pair(self.name, self.reference.describe(), self.primary.describe())
 
     def measure_noise_floor(self) -> NoiseFloor:
         """The reference against itself; tier 1 then allows the floor. A floor that cannot be
@@ -70,18 +71,3 @@ class CheckedPair:
     def close(self) -> None:
         for backend in self.backends.values():
             backend.close()
-
-
-def load_all(model: str, config: ModelConfig, backends: dict[str, Backend]) -> None:
-    """Load backends in parallel; the first failure raises ``BackendError`` naming the role."""
-    with ThreadPoolExecutor(max_workers=max(1, len(backends))) as pool:
-        futures = {role: pool.submit(b.load) for role, b in backends.items()}
-    for role, future in futures.items():
-        exc = future.exception()
-        if exc is None:
-            continue
-        if isinstance(exc, BackendError):
-            raise exc.at(f"models[{model}].{role}") from exc
-        spec = getattr(config, role)
-        raise BackendError(f"models[{model}].{role}: cannot load {spec.describe()}: "
-                           f"{type(exc).__name__}: {exc}") from exc

@@ -1,6 +1,6 @@
 """The checks one mirrored (or replayed, or swept) sample goes through, wherever it came from.
 
-The sidecar's mirror worker, offline replay and ``guard matrix`` all call ``Verifier.check``:
+The sidecar's mirror worker, offline replay and ``guard matrix`` all call ``Comparator.check``:
 
 1. both sides' outputs are flattened to named arrays (nested lists/dicts: every leaf compared);
 2. the model's deterministic adapters run on both sides (``verify/adapters.py``);
@@ -15,7 +15,7 @@ The sidecar's mirror worker, offline replay and ``guard matrix`` all call ``Veri
 The result is a ``CheckResult`` with one entry per tier; ``.passed``, ``.max_abs_error``,
 ``.summary()`` and ``.outputs`` keep the shape of the tier-1 result callers used before.
 
-``Verifier.tier_reports`` turns a ``CheckResult`` into one plain ``TierReport`` per tier: the
+``Comparator.tier_reports`` turns a ``CheckResult`` into one plain ``TierReport`` per tier: the
 shape that capture records (guard/capture/) and replay reports (guard/replay/) share, so that a
 tier shows up in both by being in ``CheckResult.tiers``. ``details`` per tier:
 
@@ -71,7 +71,7 @@ class CheckResult:
     notes: list[str] = field(default_factory=list)
     arbitration: Any = None  # an arbitrate.Verdict when the fp64 arbiter ran
 
-    # -- the shape callers of the tier-1-only Verifier relied on --------------------------------
+    # -- the shape callers of the tier-1-only Comparator relied on --------------------------------
     @property
     def passed(self) -> bool:
         return bool(self.tiers) and all(t.passed for t in self.tiers.values())
@@ -122,7 +122,7 @@ class CheckResult:
         return out
 
 
-class Verifier:
+class Comparator:
     def __init__(
         self,
         checks: ChecksConfig,
@@ -149,7 +149,7 @@ class Verifier:
         self.tiers: tuple[str, ...] = ("tensor",) + (("task",) if self.task_checker else ())
 
     @classmethod
-    def for_model(cls, config: ModelConfig, arbiter=None) -> "Verifier":
+    def for_model(cls, config: ModelConfig, arbiter=None) -> "Comparator":
         return cls(config.checks, config.task, config.adapters, arbiter)
 
     # -- configuration after construction ---------------------------------------------------------

@@ -3,7 +3,8 @@ ship inside PyPI wheels (optional extra ``guard[zoo]``).
 
 ``zoo_entry(name)`` gives one model's task, signature, input generator, adapters and exporter,
 whatever kind it is. Seeded models: ``classifier`` (the demo's CNN), ``resnet``, ``vit``,
-``detector``, ``segmenter``. Real models (``guard.zoo.real``): ``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
+``detector``, ``segmenter``, and ``keras_port`` with its port-bug variants (a torch CNN and its
+Keras ports, guard/zoo/keras_port.py). Real models (``guard.zoo.real``): ``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
 command.
 """
 
@@ -26,6 +27,14 @@ SEEDED = {
     "detector": "guard.zoo.detector",
     "segmenter": "guard.zoo.segmenter",
 }
+# Seeded too: a torch CNN and its Keras ports (faithful, and the three classic port bugs). Each
+# exports the torch artifacts and its own .keras and SavedModel (needs guard[tensorflow]).
+PORTS = {
+    "keras_port": "guard.zoo.keras_port:FAITHFUL",
+    "keras_port_bn_epsilon": "guard.zoo.keras_port:BN_EPSILON",
+    "keras_port_flatten": "guard.zoo.keras_port:FLATTEN",
+    "keras_port_padding": "guard.zoo.keras_port:PADDING",
+}
 REAL = ("magika", "minilm", "silero_vad")
 
 
@@ -40,12 +49,21 @@ class ZooEntry:
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
     sample_inputs: Callable[[int, int], dict[str, np.ndarray]]
-    export: Callable[[Path, int], dict[str, Path]]  # -> {"torchscript": .pt, "onnx": .onnx}
+    # -> {"torchscript": .pt, "onnx": .onnx}; the Keras ports add "keras" and "saved_model"
+    export: Callable[[Path, int], dict[str, Path]]
     adapters: list[Any] = field(default_factory=list)
     checks: dict[str, Any] = field(default_factory=dict)  # task-tier settings that fit it
     kind: str = "seeded"  # "seeded" | "real"
     factory: str | None = None  # "module:function" building the eager module (torch backends)
     factory_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _seeded(name: str):
+    """A seeded model's module, or the object a ``module:NAME`` entry names (a variant that
+    shares its module with others)."""
+    module, _, attr = {**SEEDED, **PORTS}[name].partition(":")
+    loaded = importlib.import_module(module)
+    return getattr(loaded, attr) if attr else loaded
 
 
 def eager(name: str, seed: int = 0):
@@ -55,19 +73,19 @@ def eager(name: str, seed: int = 0):
 
     from guard.backends.torch import signature_json
 
-    module = importlib.import_module(SEEDED[name])
+    module = _seeded(name)
     model = module.build(seed)
     model.guard_signature = json.loads(signature_json(module.INPUTS, module.OUTPUTS))
     return model
 
 
 def names() -> list[str]:
-    return list(SEEDED) + list(REAL)
+    return list(SEEDED) + list(PORTS) + list(REAL)
 
 
 def zoo_entry(name: str) -> ZooEntry:
-    if name in SEEDED:
-        module = importlib.import_module(SEEDED[name])
+    if name in SEEDED or name in PORTS:
+        module = _seeded(name)
         first = module.INPUTS[0].name
         return ZooEntry(
             name=name,

@@ -14,7 +14,7 @@ MLPs, the zoo CNN and the real models (MiniLM, silero-vad) when their packages a
 - ``clean``: fp32 vs fp32 (the same file twice, torch vs its export, ONNX Runtime at another
   thread count), int8/fp16 variants under the tolerances such a deployment sets, and the zoo
   detector (torch vs its export) on a batch where the two sorts break a score tie in another
-  order: its ``stable_nms`` adapter resolves it, as the Verifier's tier 1 does.
+  order: its ``stable_nms`` adapter resolves it, as the Comparator's tier 1 does.
 
 silero-vad (the package's ONNX, its 16 kHz network; ``guard.zoo.silero_vad``) gives ONNX-vs-ONNX
 cases on a real recurrent model: convolution and LSTM-gate weights perturbed 0.1-10%, a bias
@@ -522,7 +522,7 @@ def nms_clean_case(folder: Path) -> FaultCase:
 
 
 def tier1_for(case: FaultCase) -> tuple[object, bool] | None:
-    """Tier 1 as the Verifier runs it for a case with adapters: both sides' outputs through the
+    """Tier 1 as the Comparator runs it for a case with adapters: both sides' outputs through the
     model's adapters, then compared at the case's tolerances. Returns (the ``TensorCheck``,
     whether the raw outputs, without adapters, would pass); None without adapters."""
     if not case.adapters:

@@ -145,6 +145,66 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
             process.kill()
 
 
+def _children(pid: int) -> dict[int, str]:
+    """{pid: command line} of the processes whose parent is ``pid`` (from /proc)."""
+    found = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+            cmdline = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found[int(entry)] = cmdline
+    return found
+
+
+def _alive(pid: int) -> bool:
+    """Running (a zombie, or a pid gone, is not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_sigterm_while_still_starting_stops_everything_and_exits_0(tmp_path):
+    """Start-up waits for an upstream that never comes (a closed port, a long ready_timeout_s)
+    in the serving process and in the verifier; SIGTERM then ends both, with exit 0."""
+    upstream = {"backend": "upstream", "target": f"127.0.0.1:{free_port()}", "model": "m",
+                "options": {"ready_timeout_s": 600}}
+    model = model_block(primary=upstream)
+    config = write_config(tmp_path, [model])
+    log = tmp_path / "stderr.txt"  # a file: a child left behind would hold a pipe open
+    with log.open("w") as stderr:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "guard", "serve", "--config", str(config)],
+            stdout=subprocess.DEVNULL, stderr=stderr, env=guard_env())
+    verifier = None
+    try:
+        deadline = time.monotonic() + 120
+        while verifier is None:
+            assert process.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, "the verifier child never started"
+            verifier = next((pid for pid, cmd in _children(process.pid).items()
+                             if "guard.verifier_process" in cmd), None)
+            time.sleep(0.1)
+        time.sleep(1.0)  # both sides are waiting for the upstream now
+        process.send_signal(signal.SIGTERM)
+        code = process.wait(120)  # far below ready_timeout_s: the start did not run out
+        stderr = log.read_text()
+        assert not _alive(verifier), "the verifier child was left behind"
+        assert code == 0, stderr
+        assert '"event": "server_stopped"' in stderr
+        assert "Traceback" not in stderr
+    finally:
+        for pid in (process.pid, verifier):
+            if pid is not None and _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        process.wait(10)
+
+
 def test_demo_runs_end_to_end_and_shows_the_fallback(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "guard", "demo", "--requests", "80", "--exit",

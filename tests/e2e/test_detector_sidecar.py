@@ -19,9 +19,10 @@ def test_cusum_trips_exports_its_statistic_and_recovers(tmp_path, rng):
     model = model_block(
         primary=affine_backend(drift_on_trigger=True),
         fallback=affine_backend(),
-        # CUSUM from p0 = 1% to p1 = 3% (the default shift): each failure adds ln 3.
+        # CUSUM from p0 = 1% to p1 = 3% (the default shift): each failure adds ln 3. No
+        # min_samples gate: the test counts the CUSUM's own steps to its threshold.
         policy={"action": "fallback_model", "p0": 0.01, "arl0": 1000, "recover_arl0": 10,
-                "dwell_s": 0.2},
+                "dwell_s": 0.2, "min_samples": 1},
     )
     drifting = np.full((1, 4), DRIFT_TRIGGER, np.float32)
     with running(tmp_path, [model]) as (srv, client):

@@ -91,3 +91,26 @@ def test_bad_matrix_config_exits_2_with_dotted_paths(tmp_path, capsys):
     assert main(["matrix", str(write(tmp_path, doc))]) == 2
     assert "models[0].zoo: unknown zoo model 'nope'" in capsys.readouterr().err
     assert main(["matrix", str(tmp_path / "missing.yaml")]) == 2
+
+
+def test_a_column_in_a_process_of_its_own_answers_as_in_the_sweep(tmp_path):
+    """``process: own`` (Keras on another Keras backend, any process-wide setting): the child
+    process runs the same block on the same samples; the answers come back unchanged."""
+    import numpy as np
+
+    from guard.config import BackendConfig, ConfigContext
+    from guard.matrix.apart import run_apart
+    from guard.matrix.runner import run_backend
+
+    spec = BackendConfig.model_validate({"backend": "torch", "path": "fixture_models:affine"})
+    spec.context = ConfigContext(base_dir=TESTS)
+    rng = np.random.default_rng(0)
+    samples = [{"x": rng.normal(size=(2, 4)).astype(np.float32)} for _ in range(3)]
+    here = run_backend(spec, "primary", 1, samples)
+    apart = run_apart(spec, "primary", 1, samples)
+    assert apart.error == "" and len(apart.outputs) == 3
+    for a, b in zip(here.outputs, apart.outputs):
+        assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
+    broken = BackendConfig.model_validate({"backend": "torch", "path": "fixture_models:nope"})
+    broken.context = ConfigContext(base_dir=TESTS)
+    assert run_apart(broken, "primary", 1, samples).error.startswith("load failed")

@@ -13,6 +13,7 @@ import signal
 
 import grpc
 import numpy as np
+import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -140,3 +141,42 @@ def test_a_serving_process_that_dies_is_restarted_and_counted(tmp_path, rng, cap
         (lost,) = events(caplog, "serving_process_lost")
         assert "SIGKILL" in lost["how"] and lost["index"] == 1
         assert events(caplog, "serving_process_restarted")
+
+
+def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_process(
+        tmp_path, rng, caplog):
+    """UsePrimary carries the rebuilt backend block: the primary builds it and relays it, and a
+    serving process started again later is handed it with its Init. (The block here is the
+    fixture's drifting affine, so the variant is told apart by its answers.)"""
+    from guard.config import BackendConfig
+    from guard.ipc.config import backend_to_wire
+    from guard.ipc.messages import UsePrimary
+
+    caplog.set_level(logging.INFO, logger="guard.events")
+    trigger = np.array([[fixture_models.DRIFT_TRIGGER, 0.0, 0.0, 0.0]])
+    with running(tmp_path, [model_block(mirror={"sample_rate": 0.0})],
+                 processes=2) as (srv, client):
+        before = client.infer("m", [x_input(trigger)]).as_numpy("y")
+        configured = srv.models["m"].config.primary
+        variant = BackendConfig.model_validate(
+            {**backend_to_wire(configured), "options": {"kwargs": {"drift_on_trigger": True}}})
+        handle = srv.supervisor._handlers()  # what the verifier's UsePrimary reaches
+        assert handle(UsePrimary("m", ["linear"], backend_to_wire(variant))) is None
+        assert srv.models["m"].kept == ["linear"]
+
+        def every_process_answers_the_variant():
+            counted = _per_process(srv)
+            for result in _answer_on_fresh_connections(
+                    srv, trigger, lambda: all(n > c for n, c in zip(_per_process(srv),
+                                                                     counted))):
+                np.testing.assert_allclose(result.as_numpy("y"), before + 1.0, rtol=1e-6)
+
+        every_process_answers_the_variant()
+        (other,) = srv.processes.others
+        first = other.process.pid
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: events(caplog, "serving_process_restarted"), timeout=60)
+        assert other.process.pid != first
+        every_process_answers_the_variant()  # the new process was handed the block at Init
+        with pytest.raises(ValueError, match="without the rebuilt primary"):
+            handle(UsePrimary("m", ["linear"], None))  # the channel answers Failed with it

@@ -12,7 +12,7 @@ import torch
 from tritonclient.grpc import service_pb2 as oip
 
 from fixture_models import DRIFT_TRIGGER, Affine
-from guard.serve.codec import encode_request, encode_response, decode_request
+from guard.protocol.codec import encode_request, encode_response, decode_request
 from guard.v1 import tap_pb2, tap_pb2_grpc
 from support import affine_backend, metric, model_block, running, scrape
 

@@ -172,7 +172,7 @@ def test_expired_deadline_and_concurrency_cap(tmp_path, rng):
 
     from tritonclient.utils import InferenceServerException
 
-    from guard.serve.codec import InferenceError, decode_request, encode_request
+    from guard.protocol.codec import InferenceError, decode_request, encode_request
 
     slow = model_block(primary=affine_backend(sleep_on_trigger=1.0),
                        mirror={"sample_rate": 0.0})

@@ -128,7 +128,7 @@ def test_tensorrt_fp16_repair_pins_the_overflowing_layer_norm_to_fp32(tmp_path):
     from guard.policy.keep_back import keep_back_for
     from guard.policy.repair import BufferedSample, OpRepair
     from guard.verify.activation import ActivationChecker
-    from guard.verify.pipeline import Verifier
+    from guard.verify.pipeline import Comparator
 
     onnx_path = str(fp16_models.export(tmp_path)["onnx"])
     profile = {"x": [[1, 16], [1, 16], [8, 16]]}
@@ -143,7 +143,7 @@ def test_tensorrt_fp16_repair_pins_the_overflowing_layer_norm_to_fp32(tmp_path):
     config = parse_config(doc, tmp_path).models[0]
     reference = create_backend(config.reference, "reference")
     reference.load()
-    verifier = Verifier(config.checks)
+    verifier = Comparator(config.checks)
     xs = fp16_models.sample_inputs(8, seed=21)
     samples = [BufferedSample({"x": xs[i:i + 1]}, True) for i in range(8)]
 

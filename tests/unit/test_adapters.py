@@ -13,7 +13,7 @@ from guard.verify.adapters import (
     deterministic_nms,
     softmax64,
 )
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 
 
 def greedy_nms_in_given_order(boxes, scores, labels, thr=0.5):
@@ -45,7 +45,7 @@ def backend_output(order):
 def detection_verifier(adapters):
     checks = ChecksConfig.model_validate({"tensor": {"atol": 1e-5, "rtol": 1e-5},
                                           "task": {"detection": {"match_iou": 0.7}}})
-    return Verifier(checks, task="detection", adapters=model_adapters(adapters))
+    return Comparator(checks, task="detection", adapters=model_adapters(adapters))
 
 
 def model_adapters(adapters):

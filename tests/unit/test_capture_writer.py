@@ -17,7 +17,7 @@ from guard.capture.writer import CaptureWriter, PendingRecord
 from guard.config import CaptureConfig
 from guard.observe.metrics import GuardMetrics
 from guard.config import ChecksConfig
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 
 MODEL = "m"
 INFO = {"primary": BackendInfo("onnxruntime", "/models/m.onnx", "int8", "cpu",
@@ -57,7 +57,7 @@ def read_all(folder) -> list:
 
 def test_records_round_trip_with_tensors_and_metadata(tmp_path):
     w, metrics = writer(tmp_path)
-    verifier = Verifier(ChecksConfig())
+    verifier = Comparator(ChecksConfig())
     w.start()
     ref = {"y": np.zeros((2, 3), np.float32)}
     check = verifier.check(ref, {"y": np.ones((2, 3), np.float32)})

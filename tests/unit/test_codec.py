@@ -9,7 +9,7 @@ import tritonclient.grpc as grpcclient
 from tritonclient.grpc import service_pb2 as pb
 from tritonclient.utils import serialize_byte_tensor
 
-from guard.serve.codec import (
+from guard.protocol.codec import (
     InferenceError,
     InferenceRequest,
     decode_request,
@@ -486,9 +486,9 @@ def test_encode_response_bytes_reads_back_in_tritonclient():
 
 def test_tier1_compares_decoded_bytes_outputs_for_equality_and_bf16_numerically():
     from guard.config import ChecksConfig
-    from guard.verify.pipeline import Verifier
+    from guard.verify.pipeline import Comparator
 
-    verifier = Verifier(ChecksConfig.model_validate({"tensor": {"atol": 0.01, "rtol": 0.0}}))
+    verifier = Comparator(ChecksConfig.model_validate({"tensor": {"atol": 0.01, "rtol": 0.0}}))
 
     def answer(label: bytes, score: float):
         return decode_response(upstream_response({

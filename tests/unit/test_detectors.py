@@ -186,10 +186,11 @@ def test_wilson_upper_bound():
 # -- the policy with sequential detectors ----------------------------------------------------------
 def make(detector="cusum", rng=None, **overrides):
     """A policy whose CUSUM threshold is ln(ARL0) (``threshold: bound``), so that counts of
-    failures to a trip are easy to state: ln(1e5) / ln(3) -> the 11th failure trips."""
+    failures to a trip are easy to state: ln(1e5) / ln(3) -> the 11th failure trips. These
+    tests pin the detectors' own counts, so no min_samples gate (tested on its own below)."""
     clock = FakeClock()
     fields = dict(action="fallback_model", detector=detector, p0=0.01, arl0=1e5,
-                  recover_arl0=100, dwell_s=10.0, threshold="bound")
+                  recover_arl0=100, dwell_s=10.0, threshold="bound", min_samples=1)
     fields.update(overrides)
     config = PolicyConfig(**fields)
     return RoutePolicy("m", config, clock=clock, rng=rng or random.Random(0)), clock
@@ -332,6 +333,82 @@ def test_alert_mode_alerts_once_and_rearms_after_recovery():
     assert feed(policy, [False] * needed) == []  # re-armed, quietly
     (again,) = feed(policy, [True] * 11)
     assert again.trigger == "alert"
+
+
+# -- min_samples: no decision on fewer samples, whatever the detector -----------------------------
+def _first_trip(policy: RoutePolicy, limit: int = 500) -> int | None:
+    """How many failing samples in a row until the policy trips (None: not within ``limit``)."""
+    for i in range(1, limit + 1):
+        if feed(policy, [True]):
+            return i
+    return None
+
+
+@pytest.mark.parametrize("kind", ["cusum", "e_detector", "window"])
+def test_no_detector_trips_before_min_samples_and_each_trips_at_it(kind):
+    """On a constant failing stream every detector kind would decide early (the CUSUM at the
+    11th sample, the window at the 1st); with min_samples above that it trips at exactly
+    min_samples, never before: one gate for all, as policy.min_samples promises. The statistic
+    is past its threshold meanwhile (the gauges show it); only the decision waits."""
+    ungated = _first_trip(make(kind, window=100)[0])
+    assert ungated is not None and ungated < 30
+    policy, _ = make(kind, window=100, min_samples=30)
+    assert feed(policy, [True] * 29) == []
+    (figures,) = policy.detectors()
+    assert figures.statistic >= figures.threshold and policy.route == "primary"
+    (t,) = feed(policy, [True])
+    assert (t.from_route, t.to_route, t.trigger) == ("primary", "fallback", "policy")
+    assert t.evidence["samples"] == 30
+
+
+@pytest.mark.parametrize("kind", ["cusum", "e_detector", "window"])
+def test_min_samples_below_a_detectors_own_count_does_not_delay_it(kind):
+    ungated = _first_trip(make(kind, window=100)[0])
+    assert _first_trip(make(kind, window=100, min_samples=max(1, ungated - 1))[0]) == ungated
+    assert _first_trip(make(kind, window=100, min_samples=ungated)[0]) == ungated
+
+
+@pytest.mark.parametrize("kind", ["cusum", "e_detector", "window"])
+def test_min_samples_counts_again_after_a_route_change(kind):
+    """A manual route change starts a new epoch and fresh detectors: the gate applies again."""
+    policy, _ = make(kind, window=100, min_samples=25)
+    assert _first_trip(policy) == 25
+    policy.set_override("primary", "back by hand")
+    policy.set_override("auto", "")
+    assert policy.route == "primary"
+    assert _first_trip(policy) == 25
+
+
+def test_min_samples_also_holds_back_a_sequential_recovery():
+    """The recovery CUSUM (3% down to 1%, threshold ln 2) would call clean probes recovered
+    after 34; with min_samples 50 the primary comes back at the 50th probe, not before."""
+    needed = math.ceil(math.log(2) / math.log(0.99 / 0.97))
+    assert needed == 34
+    for min_samples, back_at in ((1, needed), (50, 50)):
+        policy, clock = make(recover_arl0=2, min_samples=min_samples)
+        _first_trip(policy)
+        clock.advance(10)
+        assert policy.probing
+        assert feed(policy, [False] * (back_at - 1)) == []
+        (back,) = feed(policy, [False])
+        assert back.to_route == "primary"
+
+
+@pytest.mark.parametrize("build", [
+    lambda m: BernoulliCusum(0.01, 0.03, math.log(1e5), min_samples=m),
+    lambda m: EDetector(0.01, default_alternatives(0.01, 0.02), math.log(1e5), min_samples=m),
+    lambda m: WindowDetector(40, m, 0.2, "up"),
+], ids=["cusum", "e_detector", "window"])
+def test_each_detector_class_gates_its_own_alarm(build):
+    ungated = first_alarm(build(1), [True] * 200)
+    assert ungated is not None and ungated < 35
+    gated = build(35)
+    assert [gated.update(True) for _ in range(35)] == [False] * 34 + [True]
+    assert gated.alarmed and gated.statistic >= gated.threshold
+    gated.reset()
+    assert not gated.alarmed and first_alarm(gated, [True] * 200) == 35
+    with pytest.raises(ValueError, match="min_samples"):
+        build(0)
 
 
 # -- config ----------------------------------------------------------------------------------------

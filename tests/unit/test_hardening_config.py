@@ -15,7 +15,7 @@ import yaml
 from guard.cli import main as guard_main
 from guard.config import load_config, parse_config
 from guard.errors import ConfigError, GuardError
-from guard.serve import sampling
+from guard.runtime import sampling
 from guard.serve.reload import model_fingerprint
 
 LINE = re.compile(r"^\S.*?: \S.*$")
@@ -119,7 +119,7 @@ def test_keyed_sampling_is_shared_by_key_and_secret_without_it(tmp_path, clean_k
     first = _picked(IDS)
     assert 800 < len(first) < 1200  # about a quarter
     # Another process with the same key file (another replica) picks the same requests.
-    code = ("import sys; from guard.serve import sampling; sampling.configure(sys.argv[1]); "
+    code = ("import sys; from guard.runtime import sampling; sampling.configure(sys.argv[1]); "
             "print(sum(sampling.sampled(f'req-{i}', 0.25) << i for i in range(4000)))")
     replica = subprocess.run([sys.executable, "-c", code, str(secret)], capture_output=True,
                              text=True, check=True, env={k: v for k, v in os.environ.items()

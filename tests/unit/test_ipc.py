@@ -1,5 +1,6 @@
-"""guard/ipc/: the route table, the sample ring, the record layout and the control channel,
-each through a second mapping of the same shared memory (as the verifier process maps it)."""
+"""guard/ipc/: the route table, the sample ring, the record layout, each through a second
+mapping of the same shared memory (as the verifier process maps it), and the control channel
+with its typed messages."""
 
 from __future__ import annotations
 
@@ -12,8 +13,12 @@ import threading
 import numpy as np
 import pytest
 
-from guard.ipc import routes, wire
+from guard.config import BackendConfig, ConfigContext
+from guard.ipc import messages, routes, wire
 from guard.ipc.channel import Channel, ChannelClosed
+from guard.ipc.config import backend_from_wire, backend_to_wire
+from guard.ipc.messages import (Done, Event, Exposition, Failed, Handlers, Metrics, SetRoute,
+                                Status, UsePrimary)
 from guard.ipc.ring import SampleRing
 
 
@@ -138,27 +143,96 @@ def test_truncated_record_is_an_error_not_a_crash():
 # -- the control channel -------------------------------------------------------------------------
 def test_channel_calls_replies_one_way_messages_and_close():
     a, b = socket.socketpair()
-    seen: list[dict] = []
+    seen: list = []
     got_event = threading.Event()
 
-    def serve(message):
-        if message["op"] == "add":
-            return {"sum": message["x"] + message["y"]}
+    def note(message):
         seen.append(message)
         got_event.set()
-        return None
 
+    handlers = Handlers("server", {Metrics: lambda m: Exposition("x 5"), Event: note,
+                                   Status: lambda m: None})
     closed = threading.Event()
-    server = Channel(b, serve, "server").start()
-    client = Channel(a, lambda m: None, "client", on_close=closed.set).start()
-    assert client.call({"op": "add", "x": 2, "y": 3})["sum"] == 5
-    client.send({"op": "note", "text": "hi"})
-    assert got_event.wait(5) and seen == [{"op": "note", "text": "hi"}]
-    pending = client.call_async({"op": "note", "text": "no reply expected"})
+    server = Channel(b, handlers, "server").start()
+    client = Channel(a, Handlers("client", {}), "client", on_close=closed.set).start()
+    assert client.call(Metrics()) == Exposition("x 5")
+    assert client.call(Status("m")) == Done()  # a handler that returns nothing
+    client.send(Event("hi"))
+    assert got_event.wait(5) and seen == [Event("hi")]
+    pending = client.call_async(Event("no reply expected"))
     server.close()
     assert closed.wait(5)
     with pytest.raises(ChannelClosed):
         pending.result(5)
     with pytest.raises(ChannelClosed):
-        client.call({"op": "add", "x": 1, "y": 1})
+        client.call(Metrics())
     client.close()
+
+
+def test_a_message_without_a_handler_or_of_an_unknown_type_gets_an_error_naming_it():
+    import json
+    import struct
+
+    a, b = socket.socketpair()
+    server = Channel(b, Handlers("the verifier", {Metrics: lambda m: Exposition("")}),
+                     "server").start()
+    client = Channel(a, Handlers("client", {}), "client").start()
+    try:
+        reply = client.call(SetRoute("m", "auto"))
+        assert isinstance(reply, Failed)
+        assert reply.error == "the verifier: no handler for message type SetRoute"
+    finally:
+        client.close()
+    # A type no class names, sent as raw frames: the reply is Failed, naming it.
+    raw, b = socket.socketpair()
+    server = Channel(b, Handlers("the verifier", {}), "server").start()
+    try:
+        data = json.dumps({"type": "Reticulate", "splines": 3, "id": 7}).encode()
+        raw.sendall(struct.pack("<I", len(data)) + data)
+        (length,) = struct.unpack("<I", raw.recv(4, socket.MSG_WAITALL))
+        answer = json.loads(raw.recv(length, socket.MSG_WAITALL))
+        assert answer["re"] == 7 and answer["type"] == "Failed"
+        assert "unknown message type 'Reticulate'" in answer["error"]
+    finally:
+        raw.close()
+        server.close()
+    with pytest.raises(messages.UnknownMessage, match="unknown fields"):
+        messages.from_wire({"type": "Metrics", "extra": 1})
+
+
+def test_every_message_goes_through_the_wire_form_unchanged():
+    import json
+
+    examples = {
+        "Init": messages.Init({"config": {}}, {"m": 0}, {"m": ["a"]}, {"m": {"backend": "x"}},
+                              {"m": 5}, 8001),
+        "UsePrimary": UsePrimary("m", ["conv1"], {"backend": "onnxruntime", "path": "/a"}),
+        "RouteChanged": messages.RouteChanged("m", "fallback", "drift", 1.5),
+        "Commit": messages.Commit(["m"], ["old"], 0.5),
+    }
+    for name, cls in messages.message_types().items():
+        msg = examples.get(name)
+        if msg is None:  # the others have defaults or one plain field
+            import dataclasses
+
+            required = [f for f in dataclasses.fields(cls)
+                        if f.default is dataclasses.MISSING
+                        and f.default_factory is dataclasses.MISSING]
+            msg = cls(*["text" if f.type == "str" else {} for f in required])
+        wire_form = json.loads(json.dumps(messages.to_wire(msg)))
+        assert wire_form["type"] == name
+        assert messages.from_wire(wire_form) == msg
+
+
+def test_a_rebuilt_backend_block_crosses_as_its_wire_form(tmp_path):
+    artifact = tmp_path / "m.onnx"
+    artifact.write_bytes(b"not read here")
+    spec = BackendConfig(backend="onnxruntime", path=str(artifact), precision="int8",
+                         options={"nodes_to_exclude": ["conv1"]})
+    context = ConfigContext(base_dir=tmp_path, source_hash="abc")
+    import json
+
+    back = backend_from_wire(json.loads(json.dumps(backend_to_wire(spec))), context)
+    assert back.model_dump() == spec.model_dump() and back.context is context
+    with pytest.raises(Exception, match="backend"):
+        backend_from_wire({"backend": "tensorflow"}, context)

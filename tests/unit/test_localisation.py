@@ -12,8 +12,15 @@ from guard.zoo.faults import checker_for, ranked_names
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tmp_path_factory.mktemp("faults")
+def folder(tmp_path_factory, zoo_folder):
+    """The corpus's folder; the subfolders it exports zoo models into are links to the
+    session's shared export folder, so the classifier, the detector, MiniLM and silero-vad
+    exported by other tests are reused here (the corpus writes its faulty variants beside
+    them, in this folder)."""
+    folder = tmp_path_factory.mktemp("faults")
+    for name in ("zoo", "detector", "minilm", "silero_vad"):
+        (folder / name).symlink_to(zoo_folder, target_is_directory=True)
+    return folder
 
 
 def check(case):

@@ -1,4 +1,4 @@
-"""guard/serve/sampling.py (which requests are taken) and guard/verifier/mirror.py (the bounded
+"""guard/runtime/sampling.py (which requests are taken) and guard/verifier_process/mirror.py (the bounded
 queue, timeouts and errors), with real torch backends (tests/fixture_models.py's ``affine``
 through the ``module:factory`` path)."""
 
@@ -18,10 +18,10 @@ import fixture_models
 from guard.backends import create_backend
 from guard.config import BackendConfig, ChecksConfig, MirrorConfig
 from guard.observe.metrics import GuardMetrics
-from guard.serve.priority import thread_niceness
-from guard.serve.sampling import sampled
-from guard.verifier.mirror import Mirror, Sample, SampleResult
-from guard.verify.pipeline import Verifier
+from guard.runtime.priority import thread_niceness
+from guard.runtime.sampling import sampled
+from guard.verifier_process.mirror import Mirror, MirrorSample, MirrorResult
+from guard.verify.pipeline import Comparator
 
 MODEL = "affine"
 # The drift trigger scales outputs to ~1e3, where the default rtol would excuse the +1.0 drift.
@@ -108,11 +108,11 @@ class Harness:
         self.primary = backend("primary", **(primary_kwargs or {}))
         self.metrics = GuardMetrics("test")
         self.metrics.declare_model(MODEL)
-        self.results: list[SampleResult] = []
+        self.results: list[MirrorResult] = []
         self.result_event = threading.Event()
         config = MirrorConfig(**{"sample_rate": 1.0, "queue_size": 8, "timeout_s": 5.0, **mirror})
         self.mirror = Mirror(MODEL, config, self.reference, self.primary,
-                             Verifier(ChecksConfig.model_validate(checks or {})), self.metrics,
+                             Comparator(ChecksConfig.model_validate(checks or {})), self.metrics,
                              self._on_result)
         self.started = self.stopped = False
 
@@ -120,7 +120,7 @@ class Harness:
         self.mirror.start()
         self.started = True
 
-    def _on_result(self, result: SampleResult) -> None:
+    def _on_result(self, result: MirrorResult) -> None:
         self.results.append(result)
         self.result_event.set()
 
@@ -128,7 +128,7 @@ class Harness:
         if outputs is None:
             outputs = self.primary.infer(inputs)
         if sampled(request_id, self.mirror.config.sample_rate):  # as the serving process does
-            self.mirror.accept(Sample(inputs, outputs, route, epoch, time.monotonic()))
+            self.mirror.accept(MirrorSample(inputs, outputs, route, epoch, time.monotonic()))
 
     def depth(self) -> float:
         return scraped(self.metrics, "guard_mirror_queue_depth")
@@ -230,7 +230,7 @@ def test_queue_bytes_bound_drops_past_the_budget(harness):
     h = harness(queue_size=100, queue_bytes=1000)
     inputs = rows(0.1)
     outputs = h.primary.infer(inputs)
-    accepted = [h.mirror.accept(Sample(inputs, outputs, "primary", 0, 0.0, size=400))
+    accepted = [h.mirror.accept(MirrorSample(inputs, outputs, "primary", 0, 0.0, size=400))
                 for _ in range(5)]
     assert accepted == [True, True, False, False, False]
     assert h.depth() == 2

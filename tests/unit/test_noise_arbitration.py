@@ -8,10 +8,11 @@ import pytest
 
 from guard.backends import TensorSpec, create_backend
 from guard.config import ArbitrationConfig, BackendConfig, ChecksConfig, NoiseFloorConfig
+from guard.protocol.synthetic import CannotGenerate, generate_inputs
 from guard.verify.adapters import AdapterChain
 from guard.verify.arbitrate import Fp64Arbiter
-from guard.verify.noise import CannotGenerate, generate_inputs, measure_noise_floor
-from guard.verify.pipeline import Verifier
+from guard.verify.noise import measure_noise_floor
+from guard.verify.pipeline import Comparator
 
 AFFINE = {"backend": "torch", "path": "fixture_models:affine"}
 
@@ -55,7 +56,7 @@ def test_floor_is_skipped_with_a_reason_when_inputs_cannot_be_generated():
 def test_verifier_allows_the_floor_on_top_of_atol_and_rtol():
     checks = ChecksConfig.model_validate({"tensor": {"atol": 1e-6, "rtol": 0.0,
                                                      "noise_floor": {"multiplier": 2.0}}})
-    verifier = Verifier(checks)
+    verifier = Comparator(checks)
     ref, out = {"y": np.zeros(3)}, {"y": np.full(3, 5e-6)}
     assert not verifier.check(ref, out).passed
     verifier.set_noise_floor({"y": 2.5e-6})  # allowed: 1e-6 + 2 x 2.5e-6 = 6e-6
@@ -78,7 +79,7 @@ def test_arbiter_blames_the_primary_that_moved_away_from_fp64():
     primary = {"y": reference["y"] + np.float32(1e-2)}
     checks = ChecksConfig.model_validate({"tensor": {"atol": 1e-5, "rtol": 0.0}})
     arbiter = Fp64Arbiter(spec(**AFFINE), ArbitrationConfig(enabled=True), atol=1e-5)
-    result = Verifier(checks, arbiter=arbiter).check(reference, primary, inputs={"x": rows})
+    result = Comparator(checks, arbiter=arbiter).check(reference, primary, inputs={"x": rows})
     verdict = result.arbitration
     assert not result.passed and verdict.wrong == "primary"
     assert verdict.primary_error == pytest.approx(1e-2, rel=1e-3)
@@ -93,7 +94,7 @@ def test_arbiter_finds_the_reference_wrong_and_can_forgive():
     primary = {"y": truth.copy()}
     arbiter = Fp64Arbiter(spec(**AFFINE), ArbitrationConfig(enabled=True, forgive=True), 1e-5)
     checks = ChecksConfig.model_validate({"tensor": {"atol": 1e-5, "rtol": 0.0}})
-    result = Verifier(checks, arbiter=arbiter).check(reference, primary, inputs={"x": rows})
+    result = Comparator(checks, arbiter=arbiter).check(reference, primary, inputs={"x": rows})
     assert result.arbitration.wrong == "reference" and result.arbitration.forgiven
     assert result.passed and any("forgiven" in note for note in result.notes)
 

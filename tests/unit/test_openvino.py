@@ -120,9 +120,12 @@ def test_reference_role_pins_threads_and_accuracy(zoo_classifier):
 def test_config_declarations(zoo_classifier):
     from pydantic import ValidationError
 
+    from guard.policy.keep_back import repairable
+    from guard.verify.activation.sides import capturable
+
     kind = backend_kind("openvino")
-    assert kind.precisions == {"fp32", "fp16", "bf16", "int8"} and not kind.keep_back
-    assert kind.capture and not kind.forwards
+    assert kind.precisions == {"fp32", "fp16", "bf16", "int8"} and "openvino" not in repairable()
+    assert "openvino" in capturable() and not kind.forwards
     for bad, words in [({"precision": "int8", "path": "model.xml"}, "int8 quantises an ONNX"),
                        ({"device": "cuda"}, "device must be cpu"),
                        ({"precision": "fp16", "options": {"plugin_precision": True}},
@@ -230,7 +233,7 @@ def test_int8_is_nncf_quantised_runs_int8_kernels_and_is_cached(zoo_classifier, 
 def test_int8_refuses_an_ir_and_tier2_says_why(zoo_classifier):
     with pytest.raises(ValueError, match="int8 quantises an ONNX file"):
         BackendConfig(backend="openvino", path="model.xml", precision="int8")
-    from guard.backends.openvino_capture import openvino_side
+    from guard.verify.activation.openvino_side import openvino_side
     from guard.verify.activation.torch_side import CaptureUnsupported
 
     spec = BackendConfig(backend="openvino", path=str(zoo_classifier["onnx"]), precision="int8")

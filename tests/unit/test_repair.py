@@ -12,7 +12,7 @@ from guard.config import RepairConfig
 from guard.policy.repair import (
     BufferedSample,
     OpRepair,
-    SampleBuffer,
+    RepairBuffer,
     Suspect,
     excluded_ops_missing,
     rebuildable_ops,
@@ -45,7 +45,7 @@ def test_rebuildable_ops_strip_the_quantiser_suffix():
 
 
 def test_sample_buffer_is_bounded_and_keeps_the_latest():
-    buffer = SampleBuffer(3)
+    buffer = RepairBuffer(3)
     for i in range(5):
         buffer.add({"x": np.full(1, i)}, failed=i % 2 == 0)
     assert len(buffer) == 3
@@ -53,13 +53,13 @@ def test_sample_buffer_is_bounded_and_keeps_the_latest():
 
 
 def test_sample_buffer_is_bounded_in_bytes_too():
-    buffer = SampleBuffer(100, max_bytes=3 * 800)
+    buffer = RepairBuffer(100, max_bytes=3 * 800)
     for i in range(6):  # 800 bytes each: only the last three fit
         buffer.add({"x": np.full(100, i, np.float64)}, failed=False)
     assert [int(s.inputs["x"][0]) for s in buffer.snapshot()] == [3, 4, 5]
     buffer.add({"x": np.zeros(1000, np.float64)}, failed=True)  # larger than the budget
     assert [int(s.inputs["x"][0]) for s in buffer.snapshot()] == [3, 4, 5]
-    small = SampleBuffer(2, max_bytes=10_000)  # the item bound still holds
+    small = RepairBuffer(2, max_bytes=10_000)  # the item bound still holds
     for i in range(4):
         small.add({"x": np.full(10, i, np.float64)}, failed=False)
     assert [int(s.inputs["x"][0]) for s in small.snapshot()] == [2, 3]

@@ -1,5 +1,5 @@
 """guard/replay/batchcheck.py: the batched tiers 1 and 3 give each record of a stacked batch the
-reports ``Verifier.check`` gives it alone, with real ONNX Runtime sessions (the zoo CNN, int8
+reports ``Comparator.check`` gives it alone, with real ONNX Runtime sessions (the zoo CNN, int8
 primary against its fp32 reference: some records pass, some fail, some flip top-1)."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from guard.config import ModelConfig
 from guard.replay.batchcheck import batchable, check_stacked
 from guard.replay.execute import ModelRunner
 from guard.replay.items import CHECKED, Batch, ReplayItem
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 from guard.zoo.classifier import sample_inputs
 
 # Optional statistics of a passing output: the batched path leaves them out (documented).
@@ -96,12 +96,12 @@ def test_nonfinite_values_go_to_the_per_record_checks(runner):
 def test_adapters_and_extra_tiers_keep_the_per_record_path():
     base = {"name": "m", "task": "classification",
             "primary": {"backend": "torch", "path": "x:y"}}
-    assert batchable(Verifier.for_model(ModelConfig.model_validate(base)))
+    assert batchable(Comparator.for_model(ModelConfig.model_validate(base)))
     detection = ModelConfig.model_validate(base | {"task": "detection"})
-    assert not batchable(Verifier.for_model(detection))
-    sweep = Verifier.for_model(ModelConfig.model_validate(base))
+    assert not batchable(Comparator.for_model(detection))
+    sweep = Comparator.for_model(ModelConfig.model_validate(base))
     sweep.pass_stats = True
     assert not batchable(sweep)
-    extra = Verifier.for_model(ModelConfig.model_validate(base))
+    extra = Comparator.for_model(ModelConfig.model_validate(base))
     extra.add_tier(type("Tier", (), {"name": "activation", "check": lambda *a, **k: None})())
     assert not batchable(extra)

@@ -1,6 +1,6 @@
 """guard/replay/aggregate.py, report.py and progress.py: figures, verdicts and the written files.
 
-Tier 2 and 3 results are built here in the shape ``Verifier.tier_reports`` documents for them
+Tier 2 and 3 results are built here in the shape ``Comparator.tier_reports`` documents for them
 (guard/verify/pipeline.py), so the report's handling of those tiers is checked before the tiers
 themselves land."""
 
@@ -13,7 +13,7 @@ from xml.etree import ElementTree
 
 from guard.config import ModelConfig
 from guard.replay.aggregate import HIST_EDGES, ModelAggregate, _bin
-from guard.replay.items import CHECKED, REFERENCE_ERROR, SampleOutcome
+from guard.replay.items import CHECKED, REFERENCE_ERROR, RecordOutcome
 from guard.replay.progress import Progress
 from guard.replay.report import markdown, write_report
 from guard.verify.pipeline import TierReport
@@ -26,7 +26,7 @@ MODEL = ModelConfig.model_validate({
 
 
 def outcome(i: int, error: float, allowed: float = 1e-3, activation=None, task=None,
-            status: str = CHECKED) -> SampleOutcome:
+            status: str = CHECKED) -> RecordOutcome:
     passed = error <= allowed
     tiers = {"tensor": TierReport(passed, "ok" if passed else "fail",
                                   [OutputCheck("y", passed, "", max_abs=error, allowed=allowed)],
@@ -35,7 +35,7 @@ def outcome(i: int, error: float, allowed: float = 1e-3, activation=None, task=N
         tiers["activation"] = activation
     if task is not None:
         tiers["task"] = task
-    return SampleOutcome(index=i, model="m", status=status, unix_nanos=(i + 1) * 10**9,
+    return RecordOutcome(index=i, model="m", status=status, unix_nanos=(i + 1) * 10**9,
                          request_id=f"r{i}", tiers=tiers if status == CHECKED else {},
                          error="boom" if status != CHECKED else "")
 
@@ -197,11 +197,11 @@ def test_progress_redraws_on_a_terminal_and_prints_lines_otherwise():
 def test_tier_reports_carry_task_metrics_from_the_real_verifier():
     import numpy as np
 
-    from guard.verify.pipeline import Verifier
+    from guard.verify.pipeline import Comparator
 
     config = ModelConfig.model_validate({
         "name": "c", "task": "classification", "primary": {"backend": "torch", "path": "x:y"}})
-    verifier = Verifier.for_model(config)
+    verifier = Comparator.for_model(config)
     reference = {"logits": np.array([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]], np.float32)}
     primary = {"logits": np.array([[3.0, 1.0, 0.0], [0.0, 1.0, 2.0]], np.float32)}
     reports = verifier.tier_reports(verifier.check(reference, primary))

@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 from guard.config import ChecksConfig
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 from guard.verify.structure import flatten_outputs
 
 
 def check(ref, out):
-    return Verifier(ChecksConfig.model_validate({"tensor": {"atol": 1e-6, "rtol": 0.0}})).check(
+    return Comparator(ChecksConfig.model_validate({"tensor": {"atol": 1e-6, "rtol": 0.0}})).check(
         ref, out)
 
 

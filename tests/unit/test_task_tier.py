@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from guard.config import ChecksConfig, TaskCheckConfig
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 from guard.verify.task import task_checker
 from guard.verify.task.detection import average_precision
 
@@ -182,9 +182,9 @@ def test_embedding_small_batch_states_neighbours_not_applicable():
     assert check.passed and "not applicable" in check.notes[0]
 
 
-# -- generic and the Verifier -----------------------------------------------------------------------------
+# -- generic and the Comparator -----------------------------------------------------------------------------
 def test_generic_has_no_task_tier_and_says_so():
-    verifier = Verifier(ChecksConfig(), task="generic")
+    verifier = Comparator(ChecksConfig(), task="generic")
     assert verifier.tiers == ("tensor",)
     result = verifier.check({"y": np.zeros(3)}, {"y": np.zeros(3)})
     assert result.passed and list(result.tiers) == ["tensor"]
@@ -193,7 +193,7 @@ def test_generic_has_no_task_tier_and_says_so():
 
 def test_verifier_runs_task_tier_with_tier_one_tie_margin():
     checks = ChecksConfig.model_validate({"tensor": {"atol": 1e-3, "rtol": 0.0}})
-    verifier = Verifier(checks, task="classification")
+    verifier = Comparator(checks, task="classification")
     assert verifier.tiers == ("tensor", "task")
     ref = {"logits": np.array([[1.0, 1.0 - 1e-4, 0.0]])}
     out = {"logits": np.array([[1.0 - 1e-4, 1.0, 0.0]])}
@@ -221,7 +221,7 @@ def test_task_block_of_another_task_is_a_config_error(tmp_path):
 
 def test_task_tier_is_left_out_when_neither_side_has_its_output():
     # A client that asked for other outputs only: nothing to judge, nothing to count.
-    verifier = Verifier(ChecksConfig(), task="detection")
+    verifier = Comparator(ChecksConfig(), task="detection")
     result = verifier.check({"feat": np.zeros(2)}, {"feat": np.zeros(2)})
     assert list(result.tiers) == ["tensor"] and result.passed
     assert "tier 3 not run on this sample: neither side has output 'boxes'" in result.notes[0]

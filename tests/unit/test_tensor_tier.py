@@ -1,4 +1,4 @@
-"""Tier 1 (guard/verify/tensor.py) and the Verifier's per-output tolerances."""
+"""Tier 1 (guard/verify/tensor.py) and the Comparator's per-output tolerances."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 
 from guard.config import ChecksConfig
 from guard.verify import tensor
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 from guard.verify.tensor import (
     OutputCheck,
     TensorCheck,
@@ -350,9 +350,9 @@ def test_max_abs_error_over_outputs():
     assert check.max_abs_error == pytest.approx(0.3)
 
 
-# -- Verifier with a ChecksConfig ---------------------------------------------------------------------
+# -- Comparator with a ChecksConfig ---------------------------------------------------------------------
 def test_verifier_uses_default_tolerances():
-    verifier = Verifier(ChecksConfig.model_validate({"tensor": {"atol": 0.1, "rtol": 0.0}}))
+    verifier = Comparator(ChecksConfig.model_validate({"tensor": {"atol": 0.1, "rtol": 0.0}}))
     assert verifier.check({"y": f64(1.0)}, {"y": f64(1.1 - 1e-9)}).passed
     assert not verifier.check({"y": f64(1.0)}, {"y": f64(1.2)}).passed
 
@@ -362,7 +362,7 @@ def test_verifier_per_output_override_falls_back_to_defaults_for_the_rest():
         {"tensor": {"atol": 0.01, "rtol": 0.0,
                     "outputs": {"logits": {"atol": 1.0}, "probs": {"rtol": 0.5}}}}
     )
-    verifier = Verifier(checks)
+    verifier = Comparator(checks)
     assert verifier.default == Tolerance(0.01, 0.0)
     assert verifier.per_output["logits"] == Tolerance(1.0, 0.0)  # rtol inherited
     assert verifier.per_output["probs"] == Tolerance(0.01, 0.5)  # atol inherited
@@ -382,13 +382,13 @@ def test_verifier_override_can_be_stricter():
     checks = ChecksConfig.model_validate(
         {"tensor": {"atol": 1.0, "rtol": 0.0, "outputs": {"y": {"atol": 0.0}}}}
     )
-    result = Verifier(checks).check({"y": f64(1.0), "z": f64(1.0)},
+    result = Comparator(checks).check({"y": f64(1.0), "z": f64(1.0)},
                                     {"y": f64(1.5), "z": f64(1.5)})
     assert [o.name for o in result.failures] == ["y"]
 
 
 def test_verifier_default_checks_config():
-    verifier = Verifier(ChecksConfig())
+    verifier = Comparator(ChecksConfig())
     ref = {"y": np.ones((2, 3), np.float32)}
     assert verifier.check(ref, {"y": ref["y"] + np.float32(1e-5)}).passed
     assert not verifier.check(ref, {"y": ref["y"] + np.float32(1e-2)}).passed

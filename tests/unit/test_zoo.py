@@ -10,16 +10,15 @@ import torch
 
 from guard.config import ModelConfig
 from guard.errors import GuardError
-from guard.verify.pipeline import Verifier
+from guard.verify.pipeline import Comparator
 from guard.zoo import SEEDED, zoo_entry
 
 MODELS = ["resnet", "vit", "detector", "segmenter"]
 
 
 @pytest.fixture(scope="session")
-def zoo_exports(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("seeded-zoo")
-    return {name: zoo_entry(name).export(folder, 0) for name in MODELS}
+def zoo_exports(zoo_folder):
+    return {name: zoo_entry(name).export(zoo_folder, 0) for name in MODELS}
 
 
 def run_both(name, paths, rows=16):
@@ -43,7 +42,7 @@ def test_torch_and_onnx_agree_on_every_task_tier(name, zoo_exports):
         "name": name, "task": entry.task, "adapters": entry.adapters,
         "primary": {"backend": "torch", "path": "pkg:fn"},
         "checks": {"tensor": {"atol": 1e-4, "rtol": 1e-4}}})
-    result = Verifier.for_model(config).check(reference, primary)
+    result = Comparator.for_model(config).check(reference, primary)
     assert result.passed, result.summary()
     assert list(result.tiers) == ["tensor", "task"]
 

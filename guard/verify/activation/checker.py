@@ -1,6 +1,6 @@
 """Tier 2 for one model: build the capture sides once, then check samples.
 
-``ActivationChecker`` is deliberately separate from the tier-1 ``Verifier``: it owns sessions
+``ActivationChecker`` is deliberately separate from the tier-1 ``Comparator``: it owns sessions
 of its own (built from the artifacts, never the production ones), costs far more than tier 1,
 and so runs only on a sub-sample in the mirror worker (``checks.activation.sample_rate``) and,
 with ``on_failure``, on tier-1 failures while the mirror queue has room.
@@ -41,6 +41,7 @@ from guard.verify.activation.decide import (
 from guard.verify.activation.errors import ShapeMismatch, layer_error
 from guard.verify.activation.onnx_side import OnnxSide
 from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
+from guard.verify.activation.sides import capture_side
 from guard.verify.activation.torch_side import CaptureUnsupported, TorchSide
 
 log = logging.getLogger("guard.activation")
@@ -54,10 +55,8 @@ def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
 
     ``run_path`` overrides the ONNX file that runs (e.g. a variant rebuilt with ops kept back).
     """
-    from guard.backends import backend_kind
-
     label = f"{role} ({spec.describe()})"
-    build = backend_kind(spec.backend).capture_side()
+    build = capture_side(spec.backend)
     if build is None:
         raise CaptureUnsupported(
             f"{label}: tier 2 cannot capture intermediate tensors of backend '{spec.backend}'")

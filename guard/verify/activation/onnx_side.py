@@ -448,7 +448,7 @@ class OnnxSide:
 
 def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
                      label: str = "onnx") -> OnnxSide:
-    """Tier 2's side for an onnxruntime block (declared in guard/backends/onnxruntime.py):
+    """Tier 2's side for an onnxruntime block (registered in guard/verify/activation/sides.py):
     the variant it runs (derived as the backend derives it), or ``run_path``."""
     from guard.backends.onnxruntime import derived_variant
 

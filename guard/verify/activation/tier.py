@@ -1,4 +1,4 @@
-"""Tier 2 as the Verifier's extra tier (``guard.verify.pipeline.load_activation_tier``).
+"""Tier 2 as the Comparator's extra tier (``guard.verify.pipeline.load_activation_tier``).
 
 The same tier serves the sidecar's mirror worker and offline replay: ``check`` decides per
 sample whether tier 2 runs (``checks.activation.sample_rate``, and ``on_failure`` when tier 1 or

@@ -300,7 +300,7 @@ class TorchSide:
 
 def torch_side(spec, role: str, config, threads: int = 1, run_path=None,
                label: str = "torch") -> TorchSide:
-    """Tier 2's side for a torch block (declared in guard/backends/torch.py): the module
+    """Tier 2's side for a torch block (registered in guard/verify/activation/sides.py): the module
     loaded as the backend loads it, hooked on a copy."""
     import torch
 

@@ -90,7 +90,7 @@ class TaskChecker(abc.ABC):
             return self._check(reference, primary, allowed or {})
         except OutputMissing as exc:
             if exc.on_neither_side:
-                raise  # not a disagreement: the Verifier leaves tier 3 out for this sample
+                raise  # not a disagreement: the Comparator leaves tier 3 out for this sample
             return TaskCheck(self.task, False, reasons=[str(exc)], failure="shape")
 
     @abc.abstractmethod

@@ -1,2 +1,2 @@
 """The verifier process: reference, checks, detectors, capture and repair, out of the serving
-process (guard/verifier/process.py)."""
+process (guard/verifier_process/process.py)."""

@@ -1,8 +1,8 @@
 """``policy.action: fallback_ops`` for one verified model: buffer, repair thread, atomic swap.
 
 Runs in the verifier process. A winning variant is loaded by the serving processes first
-(``serving.use_primary``: they rebuild it from the same kept-op list), then the route word moves
-back to the primary; the verifier keeps its own copy of the variant for probes and tier 2.
+(``serving.use_primary``, with the rebuilt backend block computed here), then the route word
+moves back to the primary; the verifier keeps its own copy of the variant for probes and tier 2.
 
 The policy trips the model to its whole-model fallback as for ``fallback_model``; this then runs
 a repair (guard/policy/repair.py) on a thread of its own. When a variant with a few ops kept
@@ -23,8 +23,8 @@ import logging
 import threading
 
 from guard.observe.events import emit
-from guard.policy.repair import OpRepair, SampleBuffer
-from guard.serve.priority import lower_current_thread
+from guard.policy.repair import OpRepair, RepairBuffer
+from guard.runtime.priority import lower_current_thread
 
 log = logging.getLogger("guard.ops_fallback")
 
@@ -33,7 +33,7 @@ class OpsFallback:
     def __init__(self, model):
         self.model = model
         self.config = model.config.policy.repair
-        self.buffer = SampleBuffer(self.config.buffer, self.config.buffer_bytes)
+        self.buffer = RepairBuffer(self.config.buffer, self.config.buffer_bytes)
         self.kept: list[str] = []
         self.original = None  # the primary as configured, while a repaired one serves
         self._lock = threading.Lock()
@@ -89,7 +89,8 @@ class OpsFallback:
                 return
             # The serving processes load the same variant first: the route moves to it only
             # once they answer with it.
-            refused = model.serving.use_primary(model.name, list(outcome.kept))
+            refused = model.serving.use_primary(model.name, list(outcome.kept),
+                                                self.rebuilt_spec(outcome.kept))
             if refused:
                 emit("repair_failed", model=model.name, ops_kept_fp32=outcome.kept,
                      error=f"the serving process could not load the repaired primary: {refused}",
@@ -135,15 +136,20 @@ class OpsFallback:
              reason=reason or "manual override to the primary",
              repaired_artifact=repaired.describe().artifact)
 
+    def rebuilt_spec(self, kept: list[str]):
+        """The primary's backend block with ``kept`` held back, as the serving processes
+        build it (the primary's own options: not the repair's thread budget)."""
+        from guard.policy.keep_back import keep_back_for
+
+        return keep_back_for(self.model.config.primary).rebuild_spec(kept)
+
     def resume(self, kept: list[str]) -> None:
         """A restarted verifier whose serving processes still answer with a repaired primary:
         build the same variant for the probes, so the repair state survives the restart."""
         from guard.backends import create_backend
-        from guard.policy.keep_back import keep_back_for
 
         model = self.model
-        backend = create_backend(keep_back_for(model.config.primary).rebuild_spec(kept),
-                                 "primary")
+        backend = create_backend(self.rebuilt_spec(kept), "primary")
         backend.load()
         with self._lock:
             self.original = model.backends["primary"]

@@ -1,10 +1,10 @@
 """The verifier process: everything guard does besides answering requests.
 
-Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier`` with
+Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier_process`` with
 inherited descriptors: the control socket, the route table and one sample ring per serving
 process (memfds; ``server.processes``).
-It is told the config over the control socket (``init``), loads one ``VerifiedModel`` per model
-(reference, checks, detectors, capture, repair), then:
+It is told the config over the control socket (``Init``; every message: guard/ipc/messages.py),
+loads one ``VerifiedModel`` per model (reference, checks, detectors, capture, repair), then:
 
 - the ring reader takes each sampled request a serving process handed over (one record from
   each ring in turn), decodes it (an
@@ -12,11 +12,12 @@ It is told the config over the control socket (``init``), loads one ``VerifiedMo
   model's mirror and capture;
 - the heartbeat thread stamps the route table every 100 ms and re-publishes every route word
   (``probing`` turns on by the clock);
-- control requests: ``status``, ``set_route`` (admin), ``reload`` (changed models), ``metrics``
-  (its registry's exposition, merged into the serving process's /metrics), ``stop``;
-- to the serving process: events (one JSON line each, logged there on ``guard.events``), the
-  spans of mirrored comparisons (exported there), route transitions (for tap's WatchRoute), and
-  ``use_primary`` when a repair found a variant to serve.
+- control requests: ``Status``, ``SetRoute`` (admin), ``Reload`` (changed models), ``Metrics``
+  (its registry's exposition, merged into the serving process's /metrics), ``Stop``;
+- to the serving process: ``Event`` (one JSON line each, logged there on ``guard.events``),
+  ``Span`` (mirrored comparisons, exported there), ``RouteChanged`` (for tap's WatchRoute), and
+  ``UsePrimary`` when a repair found a variant to serve (with the rebuilt backend block: the
+  serving processes build it without the repair code).
 
 If the serving process goes away (the control socket closes) the verifier flushes capture and
 exits. Its own death is the serving process's business: it counts the loss and restarts it.
@@ -36,18 +37,22 @@ import time
 from prometheus_client import generate_latest
 
 from guard import __version__
+from guard.config import BackendConfig
 from guard.ipc import routes, wire
 from guard.ipc.channel import Channel, ChannelClosed, ForwardEvents
+from guard.ipc.config import backend_to_wire, config_from_wire
+from guard.ipc.messages import (Exposition, Failed, Handlers, Init, LoadFailures, Metrics, Ready,
+                                Reload, RouteChanged, RouteSet, SetRoute, Span, Status,
+                                StatusReport, Stop, UsePrimary)
 from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Transition
-from guard.ipc.config import config_from_message
-from guard.verifier.model import VerifiedModel
-from guard.verifier.status import model_status
+from guard.verifier_process.model import VerifiedModel
+from guard.verifier_process.status import model_status
 from guard.v1 import admin_pb2 as admin_pb
 
-log = logging.getLogger("guard.verifier")
+log = logging.getLogger("guard.verifier_process")
 _IDLE_S = 0.002  # ring empty: look again after 2 ms (a check's latency does not matter)
 _HEARTBEAT_S = 0.1
 _ERROR_LOG_INTERVAL_S = 10.0
@@ -60,31 +65,33 @@ class ServingLink:
     def __init__(self, channel: Channel):
         self.channel = channel
 
-    def use_primary(self, model: str, kept: list[str]) -> str:
-        """Serve the primary with these ops kept back ([] = as configured); "" when done,
-        otherwise why not."""
+    def use_primary(self, model: str, kept: list[str],
+                    primary: BackendConfig | None = None) -> str:
+        """Serve the primary with these ops kept back, built from ``primary`` (the rebuilt
+        backend block; [] and None = as configured); "" when done, otherwise why not."""
+        message = UsePrimary(model, list(kept),
+                             backend_to_wire(primary) if primary is not None else None)
         try:
-            reply = self.channel.call({"op": "use_primary", "model": model, "kept": kept},
-                                      timeout=600)
+            reply = self.channel.call(message, timeout=600)
         except (ChannelClosed, TimeoutError) as exc:
             return f"{type(exc).__name__}: {exc}"
-        return reply.get("error", "")
+        return reply.error if isinstance(reply, Failed) else ""
 
     def transition(self, model: str, transition: Transition) -> None:
-        self._send({"op": "transition", "model": model, "to_route": transition.to_route,
-                    "reason": transition.reason, "unix_time": transition.unix_time})
+        self._send(RouteChanged(model, transition.to_route, transition.reason,
+                                transition.unix_time))
 
     def span(self, record: dict) -> None:
-        self._send({"op": "span", "record": record})
+        self._send(Span(record))
 
-    def _send(self, message: dict) -> None:
+    def _send(self, message) -> None:
         try:
             self.channel.send(message)
         except ChannelClosed:
             pass
 
 
-class Verifier:
+class VerifierProcess:
     def __init__(self, channel: Channel, table: routes.RouteTable, rings: list[SampleRing]):
         self.channel = channel
         self.table = table
@@ -102,22 +109,16 @@ class Verifier:
                                       daemon=True)
 
     # -- control -------------------------------------------------------------------------------
-    def handle(self, message: dict) -> dict | None:
-        op = message.get("op")
-        if op == "init":
-            return self._init(message)
-        if op == "reload":
-            return self._reload(message)
-        if op == "status":
-            return self._status(message.get("model", ""))
-        if op == "set_route":
-            return self._set_route(message)
-        if op == "metrics":
-            return {"text": generate_latest(self.metrics.registry).decode()}
-        if op == "stop":
-            self.stopping.set()
-            return {}
-        return {"error": f"unknown op {op!r}"}
+    def handlers(self) -> Handlers:
+        return Handlers("verifier", {
+            Init: self._init, Reload: self._reload, Status: self._status,
+            SetRoute: self._set_route, Metrics: self._metrics, Stop: self._stop})
+
+    def _metrics(self, _: Metrics) -> Exposition:
+        return Exposition(generate_latest(self.metrics.registry).decode())
+
+    def _stop(self, _: Stop) -> None:
+        self.stopping.set()
 
     def _build(self, model_config, slot: int, source_hash: str, resume: int | None,
                kept: list[str], start_capture: bool = True) -> VerifiedModel:
@@ -130,12 +131,13 @@ class Verifier:
             raise
         return model
 
-    def _init(self, message: dict) -> dict:
-        config = config_from_message(message)
-        slots = message["slots"]
+    def _init(self, message: Init) -> Ready | Failed:
+        config = config_from_wire(message.config)
+        slots = message.slots
         self.table.adopt(slots)
-        resume = message.get("resume") or {}
-        kept = message.get("kept") or {}
+        # The repaired primaries' blocks are for the serving processes: the verifier rebuilds
+        # its copy from the kept ops itself (guard/verifier_process/ops_fallback.py ``resume``).
+        resume, kept = message.resume, message.kept
         try:
             for model_config in config.models:
                 name = model_config.name
@@ -145,21 +147,21 @@ class Verifier:
                     self.models[name] = model
                     self.by_slot[model.slot] = model
         except Exception as exc:
-            return {"error": str(exc)}
+            return Failed(str(exc))
         if not self._reader.is_alive():
             self._reader.start()
             self._beat.start()
-        return {"models": sorted(self.models)}
+        return Ready(sorted(self.models), os.getpid())
 
-    def _reload(self, message: dict) -> dict:
+    def _reload(self, message: Reload) -> LoadFailures:
         """Build the changed models beside the old ones, swap the ones that loaded, close the
         old ones and the removed ones; a model that fails keeps its old version. A new
         version's capture writer starts only after the old one's has closed."""
-        config = config_from_message(message)
-        slots = message["slots"]
+        config = config_from_wire(message.config)
+        slots = message.slots
         self.table.adopt(slots)
         failed: dict[str, str] = {}
-        for name in message.get("changed", ()):
+        for name in message.changed:
             model_config = config.model(name)
             try:
                 model = self._build(model_config, slots[name], config.context.source_hash, None, [],
@@ -174,32 +176,33 @@ class Verifier:
             if old is not None:
                 old.close()
             model.start_capture()
-        for name in message.get("removed", ()):
+        for name in message.removed:
             with self._lock:
                 old = self.models.pop(name, None)
                 if old is not None and self.by_slot.get(old.slot) is old:
                     del self.by_slot[old.slot]
             if old is not None:
                 old.close()
-        return {"failed": failed}
+        return LoadFailures(failed)
 
-    def _status(self, name: str) -> dict:
+    def _status(self, message: Status) -> StatusReport:
+        name = message.model
         models = [self.models[name]] if name in self.models else (
             [] if name else list(self.models.values()))
-        return {"models": {m.name: base64.b64encode(model_status(m).SerializeToString())
-                           .decode() for m in models}}
+        return StatusReport({m.name: base64.b64encode(model_status(m).SerializeToString())
+                             .decode() for m in models})
 
-    def _set_route(self, message: dict) -> dict:
-        model = self.models.get(message["model"])
+    def _set_route(self, message: SetRoute) -> RouteSet | Failed:
+        model = self.models.get(message.model)
         if model is None:
-            return {"error": f"unknown model '{message['model']}'"}
-        override = message["override"]
+            return Failed(f"unknown model '{message.model}'")
+        override = message.override
         if override not in _OVERRIDES:
-            return {"error": f"route must be one of {sorted(_OVERRIDES)}"}
-        model.set_override(override, message.get("reason", ""))
+            return Failed(f"route must be one of {sorted(_OVERRIDES)}")
+        model.set_override(override, message.reason)
         status = admin_pb.ModelStatus()
         status.CopyFrom(model_status(model))
-        return {"status": base64.b64encode(status.SerializeToString()).decode()}
+        return RouteSet(base64.b64encode(status.SerializeToString()).decode())
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
@@ -282,7 +285,7 @@ def _tensors(handed: wire.HandedSample):
         return handed.inputs, handed.outputs
     from tritonclient.grpc import service_pb2 as pb
 
-    from guard.serve.codec import decode_request, decode_response
+    from guard.protocol.codec import decode_request, decode_response
 
     request = decode_request(pb.ModelInferRequest.FromString(handed.request_message))
     handed.requested_outputs = tuple(request.requested_outputs)
@@ -294,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
     from guard.malloc import tune_for_inference
 
     tune_for_inference()  # before backends allocate: see guard/malloc.py
-    parser = argparse.ArgumentParser(prog="python -m guard.verifier",
+    parser = argparse.ArgumentParser(prog="python -m guard.verifier_process",
                                      description="guard's verifier process (started by guard "
                                      "serve; not meant to be run by hand).")
     parser.add_argument("--control-fd", type=int, required=True)
@@ -311,14 +314,25 @@ def main(argv: list[str] | None = None) -> int:
     rings = [SampleRing.attach(fd, args.ring_bytes) for fd in args.ring_fd]
     holder: dict = {}
     closed = threading.Event()
-    channel = Channel(sock, lambda m: holder["verifier"].handle(m), "verifier",
-                      on_close=closed.set)
+    channel = Channel(sock, lambda m: holder["handlers"](m), "verifier", on_close=closed.set)
     ForwardEvents.install(channel)
-    verifier = Verifier(channel, table, rings)
-    holder["verifier"] = verifier
+    verifier = VerifierProcess(channel, table, rings)
+    holder["handlers"] = verifier.handlers()
     channel.start()
     while not (verifier.stopping.is_set() or closed.is_set()):
         closed.wait(0.2)
     verifier.close()
     channel.close()
     return 0
+
+
+def run() -> None:
+    """``python -m guard.verifier_process``: ``main``, then exit at once. A control request still
+    running on the channel's threads (an ``Init`` waiting on an upstream's ``ready_timeout_s``
+    when the serving process stops or dies) must not keep this process alive past its parent;
+    the models and capture are closed by then."""
+    code = main()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -1,7 +1,7 @@
 """Mirroring in the verifier process: a bounded queue per model, checked by a worker thread.
 
 The verifier's ring reader calls ``accept()`` with each sample a serving process handed over (the
-sampling decision was made there, guard/serve/sampling.py): a ``put_nowait`` on a queue bounded
+sampling decision was made there, guard/runtime/sampling.py): a ``put_nowait`` on a queue bounded
 in items (``mirror.queue_size``) and in bytes (``mirror.queue_bytes``). It never waits: when the
 queue is full the sample is dropped and counted. One worker thread per model takes samples from
 the queue, runs the reference (and, while the model is on its fallback, the primary as a
@@ -12,7 +12,7 @@ Timeouts: reference and probe calls run on a single helper thread and the worker
 out in turn and are counted as ``timeout``, the queue fills, and further samples are counted as
 ``dropped``. The request path is never affected. The CPU budget of the reference is its own
 thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
-request path (guard/serve/priority.py): on a busy machine they take the CPU it leaves.
+request path (guard/runtime/priority.py): on a busy machine they take the CPU it leaves.
 """
 
 from __future__ import annotations
@@ -33,15 +33,15 @@ from guard.config import MirrorConfig
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.serve.priority import lower_current_thread
-from guard.verify.pipeline import CheckResult, Verifier
+from guard.runtime.priority import lower_current_thread
+from guard.verify.pipeline import CheckResult, Comparator
 
 log = logging.getLogger("guard.mirror")
 _ERROR_LOG_INTERVAL_S = 10.0
 
 
 @dataclass
-class Sample:
+class MirrorSample:
     inputs: dict[str, np.ndarray]
     outputs: dict[str, np.ndarray]  # what the route answered; the probe replaces it if needed
     route: str  # "primary" or "fallback": who answered the client
@@ -54,8 +54,8 @@ class Sample:
 
 
 @dataclass
-class SampleResult:
-    sample: Sample
+class MirrorResult:
+    sample: MirrorSample
     check: CheckResult  # one result per tier
     reference_seconds: float
     probed: bool  # True when the primary ran in the background for this sample
@@ -88,12 +88,12 @@ class Mirror:
         config: MirrorConfig,
         reference: Backend,
         primary: Backend,
-        verifier: Verifier,
+        verifier: Comparator,
         metrics: GuardMetrics,
-        on_result: Callable[[SampleResult], None],
-        on_unchecked: Callable[[Sample, str], None] | None = None,
+        on_result: Callable[[MirrorResult], None],
+        on_unchecked: Callable[[MirrorSample, str], None] | None = None,
         on_span: Callable[[dict], None] | None = None,
-        on_finished: Callable[[Sample], None] | None = None,
+        on_finished: Callable[[MirrorSample], None] | None = None,
     ):
         self.model = model
         self.config = config
@@ -109,7 +109,7 @@ class Mirror:
         # process to export; and every sample leaving the mirror (the verifier's loss count).
         self.on_span = on_span
         self.on_finished = on_finished
-        self._queue: queue.Queue[Sample | None] = queue.Queue(maxsize=config.queue_size)
+        self._queue: queue.Queue[MirrorSample | None] = queue.Queue(maxsize=config.queue_size)
         self._caller = _BoundedCaller(f"guard-ref-{model}", config.nice)
         self._thread = threading.Thread(target=self._run, name=f"guard-mirror-{model}",
                                         daemon=True)
@@ -125,7 +125,7 @@ class Mirror:
         self._reference_seconds = metrics.reference_duration.labels(model)
 
     # -- fed by the ring reader -------------------------------------------------------------------
-    def accept(self, sample: Sample) -> bool:
+    def accept(self, sample: MirrorSample) -> bool:
         """Non-blocking; True when queued. Drops (and counts) when the queue is full in items or
         bytes, or the mirror is stopping."""
         with self._bytes_lock:
@@ -144,7 +144,7 @@ class Mirror:
         self._finished(sample)
         return False
 
-    def _release(self, sample: Sample) -> None:
+    def _release(self, sample: MirrorSample) -> None:
         with self._bytes_lock:
             self._queued_bytes -= sample.size
 
@@ -203,7 +203,7 @@ class Mirror:
             if self._span is not None:
                 self.on_span(self._span.end())
 
-    def _process(self, sample: Sample) -> None:
+    def _process(self, sample: MirrorSample) -> None:
         timeout = self.config.timeout_s
         stage = "reference"
         try:
@@ -238,15 +238,15 @@ class Mirror:
             "guard.tier.tensor.max_abs_error": check.max_abs_error,
             "guard.probed": probed, "guard.reference_seconds": seconds})
         try:
-            self.on_result(SampleResult(sample, check, seconds, probed, reference))
+            self.on_result(MirrorResult(sample, check, seconds, probed, reference))
         except Exception:  # a bug downstream; the sample was compared, count it once
             log.exception("handling a check result for %s failed", self.model)
 
-    def _finished(self, sample: Sample) -> None:
+    def _finished(self, sample: MirrorSample) -> None:
         if self.on_finished is not None:
             self.on_finished(sample)
 
-    def _unchecked(self, sample: Sample, outcome: str) -> None:
+    def _unchecked(self, sample: MirrorSample, outcome: str) -> None:
         if self.on_unchecked is not None:
             try:
                 self.on_unchecked(sample, outcome)

@@ -6,21 +6,12 @@ The serving process adds its half (the backends that answer, requests per route)
 
 from __future__ import annotations
 
+from guard.observe.metrics import counts
 from guard.v1 import admin_pb2 as pb
 
 
-def counts(metric, model: str, label: str) -> dict[str, int]:
-    """Current values of a counter's children for one model, read from the registry."""
-    out: dict[str, int] = {}
-    for family in metric.collect():
-        for sample in family.samples:
-            if sample.name.endswith("_total") and sample.labels.get("model") == model:
-                out[sample.labels[label]] = int(sample.value)
-    return out
-
-
 def model_status(model) -> pb.ModelStatus:
-    """``model``: a guard.verifier.model.VerifiedModel."""
+    """``model``: a guard.verifier_process.model.VerifiedModel."""
     policy = model.policy
     status = pb.ModelStatus(
         name=model.name, route=policy.route, override=policy.override,

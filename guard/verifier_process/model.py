@@ -20,11 +20,11 @@ from guard.ipc.wire import CAPTURE, MIRROR, HandedSample
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
-from guard.verifier.mirror import Mirror, Sample, SampleResult
+from guard.verifier_process.mirror import Mirror, MirrorSample, MirrorResult
 from guard.verify.pair import CheckedPair
-from guard.verify.pipeline import CheckResult, Verifier
+from guard.verify.pipeline import CheckResult, Comparator
 
-log = logging.getLogger("guard.verifier.model")
+log = logging.getLogger("guard.verifier_process.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
 
 
@@ -32,7 +32,7 @@ class VerifiedModel:
     def __init__(self, config: ModelConfig, metrics: GuardMetrics, table: routes.RouteTable,
                  slot: int, serving, config_hash: str = ""):
         """``serving``: the verifier's link to the serving processes (``use_primary``,
-        ``transition``, ``span``: guard/verifier/process.py ``ServingLink``)."""
+        ``transition``, ``span``: guard/verifier_process/process.py ``ServingLink``)."""
         self.name = config.name
         self.config = config
         self.metrics = metrics
@@ -40,7 +40,7 @@ class VerifiedModel:
         self.slot = slot
         self.serving = serving
         self.pair = CheckedPair(config) if config.reference is not None else None
-        self.verifier: Verifier | None = self.pair.verifier if self.pair else None
+        self.verifier: Comparator | None = self.pair.verifier if self.pair else None
         self.backends = self.pair.backends if self.pair else {}
         self.activation_tier = self.pair.activation_tier if self.pair else None
         # Tier 2 localises drift; it runs on a biased sub-sample (failures), so it informs the
@@ -65,6 +65,8 @@ class VerifiedModel:
                              for t in self.policy_tiers}
         self._statistic = {t: metrics.detector_statistic.labels(self.name, t)
                            for t in self.policy_tiers}
+        self._samples = {t: metrics.detector_samples.labels(self.name, t)
+                         for t in self.policy_tiers}
         self._threshold = {t: metrics.detector_threshold.labels(self.name, t)
                            for t in self.policy_tiers}
         self._max_abs_error = metrics.tensor_max_abs_error.labels(self.name)
@@ -75,7 +77,7 @@ class VerifiedModel:
         self._suppressed_activation_events = 0
         self.ops = None
         if config.policy.action == "fallback_ops":
-            from guard.verifier.ops_fallback import OpsFallback
+            from guard.verifier_process.ops_fallback import OpsFallback
 
             self.ops = OpsFallback(self)
 
@@ -189,7 +191,7 @@ class VerifiedModel:
                          error=f"{type(exc).__name__}: {exc}"[:300])
                     return
             self._took()
-            mirrored = self.mirror.accept(Sample(
+            mirrored = self.mirror.accept(MirrorSample(
                 inputs, outputs, handed.route, handed.epoch, time.monotonic(),
                 handed.requested_outputs, handed.traceparent, tag, handed.size))
         if tag is not None and tag.record and not mirrored:
@@ -200,13 +202,13 @@ class VerifiedModel:
             self._in_hand += 1
             self.table.set(self.slot, routes.IN_HAND, self._in_hand)
 
-    def _finished(self, sample: Sample) -> None:
+    def _finished(self, sample: MirrorSample) -> None:
         with self._in_hand_lock:
             self._in_hand = max(0, self._in_hand - 1)
             self.table.set(self.slot, routes.IN_HAND, self._in_hand)
 
     # -- mirror worker -------------------------------------------------------------------------------
-    def _on_result(self, result: SampleResult) -> None:
+    def _on_result(self, result: MirrorResult) -> None:
         check: CheckResult = result.check
         self._max_abs_error.observe(check.max_abs_error)
         if self.ops is not None:
@@ -234,7 +236,7 @@ class VerifiedModel:
             self._record(transition, evidence)
         self._capture_checked(result)
 
-    def _capture_checked(self, result: SampleResult) -> None:
+    def _capture_checked(self, result: MirrorResult) -> None:
         tag, capture = result.sample.tag, self.capture
         if capture is None or tag is None:
             return
@@ -247,7 +249,7 @@ class VerifiedModel:
             reference_seconds=result.reference_seconds, probed=result.probed,
         ))
 
-    def _on_unchecked(self, sample: Sample, outcome: str) -> None:
+    def _on_unchecked(self, sample: MirrorSample, outcome: str) -> None:
         """A mirrored sample that got no verdict (error, timeout, dropped): record the request."""
         tag = sample.tag
         if self.capture is not None and tag is not None and tag.record:
@@ -258,9 +260,10 @@ class VerifiedModel:
         for figures in self.policy.detectors():
             self._statistic[figures.tier].set(figures.statistic)
             self._threshold[figures.tier].set(figures.threshold)
+            self._samples[figures.tier].set(figures.samples)
 
     def _on_activation(self, report, epoch: int) -> None:
-        """A tier-2 report from the Verifier: counted, kept for the evidence, announced."""
+        """A tier-2 report from the Comparator: counted, kept for the evidence, announced."""
         self._last_activation = (epoch, report)
         if report.error:
             emit("activation_error", model=self.name, error=report.error)

@@ -1,5 +1,0 @@
-import sys
-
-from guard.verifier.process import main
-
-sys.exit(main())

@@ -1,0 +1,3 @@
+from guard.verifier_process.process import run
+
+run()

@@ -1,0 +1,33 @@
+"""Which backends tier 2 can capture, and the function that builds each one's capture side.
+
+Tier 2 owns this table: a backend module declares what the backend is (guard/backends/kind.py)
+and knows nothing of the checks; the capture code of a backend lives here beside tier 2
+(``onnx_side``, ``torch_side``, ``openvino_side``), keyed by the backend's config name. A
+builder takes ``(spec, role, config, threads, run_path, label)`` and returns a side; it is
+imported only when a side is built. A backend absent here (``upstream``, ``tensorrt``,
+``torch_compile``: compiled kernels cannot be hooked) cannot be captured; the op repair
+captures a copy in its place where the backend declares one (``BackendKind.capture_as``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from guard.backends.kind import load_ref
+
+SIDES: dict[str, str] = {
+    "onnxruntime": "guard.verify.activation.onnx_side:onnxruntime_side",
+    "openvino": "guard.verify.activation.openvino_side:openvino_side",
+    "torch": "guard.verify.activation.torch_side:torch_side",
+}
+
+
+def capturable() -> frozenset[str]:
+    """The backend names tier 2 can capture (config validation reads this)."""
+    return frozenset(SIDES)
+
+
+def capture_side(backend: str) -> Callable | None:
+    """The builder of ``backend``'s capture side, or None: tier 2 cannot capture it."""
+    ref = SIDES.get(backend)
+    return load_ref(ref) if ref else None
