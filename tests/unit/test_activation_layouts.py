@@ -165,7 +165,8 @@ def test_a_runtime_optimised_graph_aligns_fused_units_and_lists_what_it_lost(fol
     one unscoped BiasGelu node after the Linear's MatMul, compared as the unit
     ``...mlp.fc1+...mlp.act`` on that node's output (never the bare MatMul against torch's
     GELU output); a LayerNorm fused with its residual add into SkipLayerNormalization has no
-    scope of its own: listed, with reasons, and never silently compared."""
+    scope of its own: listed, with reasons, and never silently compared; the projection whose
+    bias went into that node is unsure, never named for what it lost."""
     from onnxruntime.transformers import optimizer
 
     case = _case(folder, "encoder", "torchscript", "blocks.1.attn.q")
@@ -187,6 +188,6 @@ def test_a_runtime_optimised_graph_aligns_fused_units_and_lists_what_it_lost(fol
         assert case.names_true_layer(first.name) and not first.unsure
     else:
         assert report.undetermined.startswith("the first divergence would be ")
+    # What lost its scope, or whose nodes the unscoped ones split, is listed with the reason.
     reasons = {u.name: u.reason for u in report.unaligned}
-    for module in set(reasons) - {"blocks"}:
-        assert "no ONNX node carries this module's scope" in reasons[module], module
+    assert reasons and all("scope" in reason for reason in reasons.values()), reasons

@@ -222,6 +222,7 @@ class _Units:
             self.units[call.key] = _Unit([call], instances[call.index])
         self._fold()
         self._explain_missing()
+        self._flag_rewritten()
 
     def name(self, call: ModuleCall) -> str:
         return _label(call, self.counts)
@@ -331,6 +332,23 @@ class _Units:
                         consumer.sources) == {call.key}:
                     after.unsure = (f"its group of nodes may already include {name} "
                                     f"({call.kind}), which has no scope of its own")
+
+    def _flag_rewritten(self) -> None:
+        """A unit whose output a node without any scope reads (a runtime's optimiser fused it
+        there: a bias and a residual add into SkipLayerNormalization) may not be computed in
+        its group alone: unsure."""
+        graph = self.onnx.source
+        for unit in {id(u): u for u in self.units.values()}.values():
+            if unit.unsure:
+                continue
+            for value in self._read_outputs(unit):
+                readers = [graph.nodes[i] for i in graph.consumers.get(value, [])]
+                loose = [n for n in readers if node_scopes(n) is None]
+                if loose:
+                    unit.unsure = (f"its output is read by {loose[0].name or loose[0].op_type} "
+                                   f"({loose[0].op_type}), a node without a module scope (fused "
+                                   "after export), which may compute part of it")
+                    break
 
     # -- matches --------------------------------------------------------------------------------
     def _read_outputs(self, unit: _Unit) -> list[str]:

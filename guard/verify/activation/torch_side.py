@@ -37,8 +37,8 @@ class ModuleCall:
     kind: str  # the module's class name
     inputs: list[np.ndarray]  # positional tensor arguments, as they were when the call began
     outputs: list[np.ndarray]  # tensor outputs, flattened (a tuple output gives several)
-    # Dataflow between module calls, by tensor identity: for each input, the key of the call
-    # whose output it is (None: a graph input, or computed by a parent's own code).
+    # Dataflow between module calls, by tensor identity: for each input, the key of the leaf call
+    # that computed it, else of the container whose own code did (None: a graph input).
     sources: list[str | None] = field(default_factory=list)
     parent: str | None = None  # the key of the call this one ran inside (None: the root's)
     leaf: bool = True  # the module has no submodules
@@ -179,7 +179,8 @@ class TorchSide:
             raise ValueError(f"missing inputs: {', '.join(missing)}")
         capture = TorchCapture()
         counts: dict[str, int] = {}
-        producer: dict[int, str] = {}  # id(tensor) -> the key of the call that returned it
+        producer: dict[int, str] = {}  # id(tensor) -> the key of the leaf call that computed it
+        returned: dict[int, str] = {}  # id(tensor) -> the last container call that returned it
         alive: list = []  # every tensor seen, so that no id is reused during the forward
         stack: list[tuple[str, list, list[np.ndarray], list[str | None], str | None]] = []
 
@@ -193,7 +194,8 @@ class TorchSide:
             alive.extend(tensors)
             parent = stack[-1][0] if stack else None
             stack.append((f"{path}#{index}", tensors, [_to_numpy(t) for t in tensors],
-                          [producer.get(id(t)) for t in tensors], parent))
+                          [producer.get(id(t)) or returned.get(id(t)) for t in tensors],
+                          parent))
 
         def hook(module, args, output):
             path = self.paths.get(module)
@@ -210,8 +212,9 @@ class TorchSide:
             leaf = not self.has_children[path]
             for tensor in outs:
                 # An identity is transparent: its output still comes from its input's producer.
-                # A container returning a child's tensor does not become its producer: the
-                # dataflow is between the modules that compute.
+                # A container returning a child's tensor does not become its producer (the
+                # dataflow is between the modules that compute); a tensor its own code computed
+                # (a residual add) comes from the container.
                 if identity:
                     if sources[0] is None:
                         producer.pop(id(tensor), None)
@@ -219,6 +222,8 @@ class TorchSide:
                         producer[id(tensor)] = sources[0]
                 elif leaf:
                     producer[id(tensor)] = key
+                else:
+                    returned[id(tensor)] = key
             name, _, index = key.rpartition("#")
             capture.calls.append(ModuleCall(
                 name, int(index), type(module).__name__, in_arrays, arrays, sources, parent,
