@@ -326,6 +326,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lscpu() -> str:
+    """``lscpu | head -20``: the machine the figures come from, kept beside them."""
+    import subprocess
+
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
+                               timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return f"{platform.processor() or platform.machine()} (lscpu unavailable)\n"
+    return "\n".join(lines[:20]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     from guard.machine import cpu_model
     from guard.zoo import faults
@@ -366,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = "localisation_quick" if args.quick else "localisation"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
+    (out / f"{stem}_machine.txt").write_text(_lscpu())
     print(json.dumps(result["score"], indent=1))
     return 0
 
