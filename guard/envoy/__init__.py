@@ -1,0 +1,1 @@
+"""guard beside Envoy: Envoy forwards the calls, guard watches (``observer``) and steers."""
