@@ -1,7 +1,11 @@
 """Tier 2 localisation on a seeded fault corpus, beside Polygraphy.
 
 For every case of ``guard.zoo.faults.corpus`` (seeded MLPs, the zoo CNN, the zoo detector's
-tie-broken NMS, MiniLM, silero-vad): tier 2 as
+tie-broken NMS, MiniLM, silero-vad, and the field's architectures: a hand-written pre-norm
+encoder and torchvision-layout ResNet, BERT, ViT, ResNet, ConvNeXt, MobileNetV2, Whisper's
+encoder and a Llama decoder from ``transformers`` configs, each exported with both exporters,
+faults in leaf modules at every depth, torch vs ONNX, ONNX vs ONNX, fp16 variants and clean
+pairs; ``guard.zoo.faults.family_cases``): tier 2 as
 ``checks.activation: {on_failure: true}`` builds it (every other key at its default, tier-1
 tolerances of the case's deployment), on real ONNX Runtime sessions and torch modules. Per case:
 tier 1's verdict (tier 2 applies tier 1's tolerances to the aligned outputs; for a model with
@@ -18,7 +22,11 @@ with the primary's at Polygraphy's default tolerances (rtol 1e-5, atol 1e-5, ele
 answer is the first failing tensor in the reference graph's order, mapped to the node that
 produces it. Polygraphy cannot run the torch-vs-ONNX cases.
 
-    python benchmarks/localisation.py [--quick] [--no-real] [--out benchmarks/results]
+A layer named counts as right when it is the broken one or a unit tier 2 compared as one that
+holds it (``layer2.0.conv1+layer2.0.bn1``: the exporter folded the BatchNorm into the Conv).
+
+    python benchmarks/localisation.py [--quick] [--no-real] [--no-families]
+                                      [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -63,8 +71,14 @@ def polygraphy_first_failure(case) -> tuple[str | None, float]:
     return None, seconds
 
 
+def _containers(report) -> set[str]:
+    """Layers of a torch side that are modules holding other compared modules."""
+    return {layer.name for layer in report.layers if any(
+        other.module.startswith(layer.module + ".") for other in report.layers)}
+
+
 def run_case(case) -> dict:
-    from guard.zoo.faults import checker_for, ranked_names, tier1_for
+    from guard.zoo.faults import FAMILIES, checker_for, rank_of_true_layer, tier1_for
 
     checker = checker_for(case)
     tier1 = tier1_for(case)  # cases with adapters: tier 1 as the Comparator runs it
@@ -72,7 +86,6 @@ def run_case(case) -> dict:
     report = checker.check(case.inputs, tier1=tier1[0] if tier1 else None)
     seconds = time.perf_counter() - started
     checker.close()
-    names = ranked_names(report)
     first = report.first_divergence
     isolated = [(layer.isolated.rel_error, layer.noise, layer.name) for layer in report.layers
                 if layer.isolated is not None]
@@ -83,8 +96,12 @@ def run_case(case) -> dict:
         "tier1_failed": report.budget.tier1_failed if report.budget else None,
         "budget": report.budget.relative if report.budget else None,
         "named": first.name if first else None, "basis": report.basis,
+        "right": case.names_true_layer(first.name if first else None),
+        "named_container": (not case.onnx_pair and first is not None
+                            and first.name in _containers(report)),
+        "family": case.model.rsplit("-", 1)[0] in FAMILIES,
         "undetermined": report.undetermined, "error": report.error,
-        "rank": names.index(case.true_layer) + 1 if case.true_layer in names else None,
+        "rank": rank_of_true_layer(case, report) if case.true_layer else None,
         "within_budget": report.within_budget, "passed": report.passed,
         "within_budget_note": report.within_budget_note,
         # the margins of the within-budget rule: the largest isolated error of any layer, that
@@ -106,6 +123,47 @@ def run_case(case) -> dict:
     return row
 
 
+def _family_score(rows: list[dict]) -> dict:
+    """The field's architectures alone: torch vs ONNX and ONNX vs ONNX faults, clean pairs."""
+    faults = [r for r in rows if r["true_layer"] is not None and r["family"]]
+    clean = [r for r in rows if r["true_layer"] is None and r["family"]]
+
+    def group(items):
+        n = len(items)
+        return {"cases": n,
+                "top1": round(sum(r["right"] for r in items) / n, 4) if n else None,
+                "top3": round(sum(1 for r in items if r["rank"] and r["rank"] <= 3) / n, 4)
+                if n else None,
+                "polygraphy_top1": round(sum(r.get("polygraphy") == r["true_layer"]
+                                             for r in items) / n, 4)
+                if n and all(r["onnx_pair"] for r in items) else None,
+                "wrong": [r["case"] for r in items if not r["right"]]}
+
+    torch_pairs = [r for r in faults if not r["onnx_pair"]]
+    onnx_pairs = [r for r in faults if r["onnx_pair"]]
+    return {"families": sorted({r["model"].rsplit("-", 1)[0] for r in faults + clean}),
+            "torch_onnx": group(torch_pairs), "onnx_onnx": group(onnx_pairs),
+            "clean_cases": len(clean),
+            "clean_blames": sum(1 for r in clean if r["named"] is not None),
+            "named_containers": [r["case"] for r in faults if r["named_container"]],
+            "cases_polygraphy_right_guard_wrong": [
+                r["case"] for r in onnx_pairs
+                if r.get("polygraphy") == r["true_layer"] and not r["right"]]}
+
+
+def _failed_row(case, exc: Exception) -> dict:
+    from guard.zoo.faults import FAMILIES
+
+    return {"case": case.name, "kind": case.kind, "model": case.model,
+            "precision": case.precision, "onnx_pair": case.onnx_pair,
+            "true_layer": case.true_layer, "tier1_failed": None, "budget": None, "named": None,
+            "basis": "", "right": False, "named_container": False,
+            "family": case.model.rsplit("-", 1)[0] in FAMILIES, "undetermined": "",
+            "error": f"{type(exc).__name__}: {exc}", "rank": None, "within_budget": False,
+            "passed": False, "within_budget_note": "", "max_isolated": None,
+            "max_isolated_over_noise": None, "true_isolated": None, "seconds": 0.0}
+
+
 def score(rows: list[dict]) -> dict:
     faults = [r for r in rows if r["true_layer"] is not None]
     visible = [r for r in faults if r["tier1_failed"]]
@@ -122,10 +180,10 @@ def score(rows: list[dict]) -> dict:
     return {
         "cases": len(rows), "fault_cases": len(faults), "clean_cases": len(clean),
         "tier1_failing_fault_cases": len(visible),
-        "top1": share(faults, lambda r: r["named"] == r["true_layer"]),
-        "top1_when_tier1_fails": share(visible, lambda r: r["named"] == r["true_layer"]),
+        "top1": share(faults, lambda r: r["right"]),
+        "top1_when_tier1_fails": share(visible, lambda r: r["right"]),
         "tier1_passing_fault_cases": len(within),
-        "top1_when_tier1_passes": share(within, lambda r: r["named"] == r["true_layer"]),
+        "top1_when_tier1_passes": share(within, lambda r: r["right"]),
         "named_within_budget": sum(1 for r in rows if r["within_budget"]),
         "top3": share(faults, lambda r: r["rank"] is not None and r["rank"] <= 3),
         "clean_blames": sum(1 for r in clean if r["named"] is not None),
@@ -141,19 +199,22 @@ def score(rows: list[dict]) -> dict:
         "within_budget_faults_min_true_isolated": min(
             (r["true_isolated"] for r in within if r["true_isolated"] is not None),
             default=None),
+        "cases_that_could_not_run": [r["case"] for r in rows if r["error"]
+                                     and r["tier1_failed"] is None],
         "silent_none_when_tier1_fails": sum(1 for r in visible
                                             if r["named"] is None and not r["undetermined"]),
         "onnx_cases": len(onnx),
-        "guard_top1_onnx": share(onnx, lambda r: r["named"] == r["true_layer"]),
+        "guard_top1_onnx": share(onnx, lambda r: r["right"]),
         "polygraphy_top1_onnx": share(onnx, lambda r: r.get("polygraphy") == r["true_layer"]),
         "polygraphy_clean_blames": sum(1 for r in clean if r["onnx_pair"] and r.get("polygraphy")),
         "cases_polygraphy_right_guard_wrong": [
             r["case"] for r in onnx
-            if r.get("polygraphy") == r["true_layer"] and r["named"] != r["true_layer"]],
+            if r.get("polygraphy") == r["true_layer"] and not r["right"]],
         "torch_onnx_cases_polygraphy_cannot_run": sum(1 for r in faults if not r["onnx_pair"]),
         "median_seconds_guard": _median([r["seconds"] for r in rows]),
         "median_seconds_polygraphy": _median([r["polygraphy_seconds"] for r in rows
                                               if "polygraphy_seconds" in r]),
+        "field_architectures": _family_score(rows),
     }
 
 
@@ -187,6 +248,27 @@ def _margins(s: dict) -> list[str]:
     return lines + [""]
 
 
+def _field(f: dict) -> list[str]:
+    """The field's architectures' figures (guard.zoo.faults.family_cases)."""
+    if not f["torch_onnx"]["cases"] and not f["onnx_onnx"]["cases"]:
+        return []
+    t, o = f["torch_onnx"], f["onnx_onnx"]
+    return [
+        f"The field's architectures ({', '.join(f['families'])}; both exporters):", "",
+        "| figure | value |", "| --- | --- |",
+        f"| torch-vs-ONNX faults: top-1 / top-3 | {_pct(t['top1'])} / {_pct(t['top3'])} "
+        f"({t['cases']} cases) |",
+        f"| ONNX-vs-ONNX faults: top-1 / top-3 | {_pct(o['top1'])} / {_pct(o['top3'])} "
+        f"({o['cases']} cases) |",
+        f"| ONNX-vs-ONNX faults: Polygraphy top-1 | {_pct(o['polygraphy_top1'])} |",
+        f"| clean pairs blamed | {f['clean_blames']} of {f['clean_cases']} |",
+        f"| a container named | {', '.join(f['named_containers']) or 'never'} |",
+        f"| named wrong | {', '.join(t['wrong'] + o['wrong']) or 'none'} |",
+        f"| Polygraphy right, guard wrong | "
+        f"{', '.join(f['cases_polygraphy_right_guard_wrong']) or 'none'} |",
+        ""]
+
+
 def markdown(result: dict) -> str:
     s = result["score"]
     lines = [
@@ -207,6 +289,7 @@ def markdown(result: dict) -> str:
         f"| clean pairs blamed (guard) | {s['clean_blames']} of {s['clean_cases']} |",
         f"| clean pairs failing tier 2 | {s['clean_failed_tier2']} |",
         f"| tier 1 failed, no layer and no reason | {s['silent_none_when_tier1_fails']} |",
+        f"| cases that could not run | {', '.join(s['cases_that_could_not_run']) or 'none'} |",
         f"| ONNX-vs-ONNX fault cases: guard top-1 | {s['guard_top1_onnx']:.1%} "
         f"({s['onnx_cases']} cases) |",
         f"| ONNX-vs-ONNX fault cases: Polygraphy top-1 | {s['polygraphy_top1_onnx']:.1%} |",
@@ -224,6 +307,7 @@ def markdown(result: dict) -> str:
         " named with `within_budget: true`; tier 2 still passes). Only fp32 pairs get `noise`:",
         "a reduced-precision primary within its budget names none (`-`).",
         "",
+        *_field(s["field_architectures"]),
         *_margins(s),
         "| case | kind | t1 fail | true layer | guard names | rank | basis | Polygraphy | s |",
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -242,6 +326,18 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _lscpu() -> str:
+    """``lscpu | head -20``: the machine the figures come from, kept beside them."""
+    import subprocess
+
+    try:
+        lines = subprocess.run(["lscpu"], capture_output=True, text=True, check=True,
+                               timeout=10).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return f"{platform.processor() or platform.machine()} (lscpu unavailable)\n"
+    return "\n".join(lines[:20]) + "\n"
+
+
 def main(argv: list[str] | None = None) -> int:
     from guard.machine import cpu_model
     from guard.zoo import faults
@@ -249,6 +345,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--no-real", action="store_true", help="skip MiniLM and silero-vad")
+    parser.add_argument("--no-families", action="store_true",
+                        help="skip the field's architectures (hand-written and transformers)")
     parser.add_argument("--quick", action="store_true", help="the issue's six cases only")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
@@ -260,12 +358,16 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="guard-localisation-") as tmp:
         folder = Path(tmp)
         cases = (faults.issue_cases(folder) if args.quick
-                 else faults.corpus(folder, real=not args.no_real))
+                 else faults.corpus(folder, real=not args.no_real,
+                                    families=not args.no_families))
         rows = []
         for case in cases:
-            rows.append(run_case(case))
+            try:
+                rows.append(run_case(case))
+            except Exception as exc:  # a case that cannot run is a miss, said as such
+                rows.append(_failed_row(case, exc))
             r = rows[-1]
-            print(f"{r['case']:34s} named={r['named']} true={r['true_layer']} rank={r['rank']} "
+            print(f"{r['case']:60s} named={r['named']} true={r['true_layer']} rank={r['rank']} "
                   f"poly={r.get('polygraphy', 'n/a')} {r['seconds']:.2f}s", flush=True)
     result = {"machine": f"{cpu_model()} ({platform.machine()})",
               "date": _dt.date.today().isoformat(), "polygraphy": polygraphy.__version__,
@@ -276,6 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     stem = "localisation_quick" if args.quick else "localisation"
     (out / f"{stem}.json").write_text(json.dumps(result, indent=1) + "\n")
     (out / f"{stem}.md").write_text(markdown(result))
+    (out / f"{stem}_machine.txt").write_text(_lscpu())
     print(json.dumps(result["score"], indent=1))
     return 0
 

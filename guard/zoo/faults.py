@@ -59,6 +59,13 @@ class FaultCase:
     def onnx_pair(self) -> bool:
         return isinstance(self.reference, Path)
 
+    def names_true_layer(self, name: str | None) -> bool:
+        """Whether a reported layer is the broken one: the layer itself, or a unit tier 2
+        compared as one that holds it (``layer2.0.conv1+layer2.0.bn1``)."""
+        if name is None or self.true_layer is None:
+            return False
+        return name == self.true_layer or self.true_layer in name.split("+")
+
     def primary_variant(self) -> Path:
         """The primary as it runs: the fp32 file, or the variant derived at ``precision``.
 
@@ -357,6 +364,145 @@ def silero_cases(folder: Path) -> list[FaultCase]:
     return out
 
 
+# -- the field's architectures: faults in leaf modules at every depth ---------------------------
+# Per family: (module, tensor, share) faults (weights 0.1-10%, a LayerNorm's gamma, a
+# BatchNorm's statistics, an attention projection, a bias), the exporters its torch-vs-ONNX
+# cases use, and whether it gets fp16 cases. guard.zoo.layouts' hand-written encoder and
+# torchvision-layout ResNet, and guard.zoo.families' transformers models built from configs.
+LAYOUT_FAULTS = {
+    "encoder": (("blocks.1.attn.q", "weight", 0.02), ("blocks.0.mlp.fc2", "weight", 0.01),
+                ("blocks.0.ln2", "weight", 0.03), ("blocks.1.attn.v", "bias", 0.1),
+                ("blocks.0.attn.out", "weight", 0.005), ("head", "weight", 0.03)),
+    "resnet": (("layer2.0.conv1", "weight", 0.02), ("layer3.1.conv2", "weight", 0.01),
+               ("layer1.0.bn1", "running_var", 0.03), ("layer2.0.downsample.0", "weight", 0.03),
+               ("conv1", "weight", 0.005), ("fc", "weight", 0.03)),
+}
+FAMILY_FAULTS = {
+    "bert": (("model.bert.encoder.layer.1.attention.self.query", "weight", 0.02),
+             ("model.bert.encoder.layer.0.output.LayerNorm", "weight", 0.03),
+             ("model.bert.encoder.layer.0.intermediate.dense", "bias", 0.1),
+             ("model.classifier", "weight", 0.01)),
+    "vit": (("model.vit.layers.1.attention.q_proj", "weight", 0.02),
+            ("model.vit.layers.0.mlp.fc2", "weight", 0.005),
+            ("model.vit.layers.0.layernorm_before", "weight", 0.03),
+            ("model.vit.embeddings.patch_embeddings.projection", "weight", 0.01)),
+    "hf_resnet": (("model.resnet.encoder.stages.1.layers.0.layer.0.convolution", "weight", 0.02),
+                  ("model.resnet.encoder.stages.0.layers.0.layer.1.normalization",
+                   "running_var", 0.05),
+                  ("model.resnet.embedder.embedder.convolution", "weight", 0.003),
+                  ("model.classifier.1", "weight", 0.03)),
+    "convnext": (("model.convnext.encoder.stages.1.layers.0.pwconv1", "weight", 0.02),
+                 ("model.convnext.encoder.stages.0.layers.0.dwconv", "weight", 0.01),
+                 ("model.convnext.encoder.stages.1.layers.0.layernorm", "weight", 0.03),
+                 ("model.classifier", "weight", 0.1)),
+    "mobilenet_v2": (("model.mobilenet_v2.layer.5.conv_3x3.convolution", "weight", 0.02),
+                     ("model.mobilenet_v2.layer.10.expand_1x1.normalization", "running_var",
+                      0.05),
+                     ("model.classifier", "weight", 0.01)),
+    "whisper_encoder": (("model.layers.1.self_attn.k_proj", "weight", 0.02),
+                        ("model.conv2", "weight", 0.01), ("model.layers.0.fc1", "bias", 0.1),
+                        ("model.layer_norm", "weight", 0.03)),
+    "llama": (("model.model.layers.1.self_attn.v_proj", "weight", 0.02),
+              ("model.model.layers.0.mlp.up_proj", "weight", 0.01),
+              ("model.model.layers.1.post_attention_layernorm", "weight", 0.03),
+              ("model.lm_head", "weight", 0.005)),
+}
+FAMILIES = tuple(LAYOUT_FAULTS) + tuple(FAMILY_FAULTS)
+EXPORTERS = ("torchscript", "dynamo")
+# MobileNetV2's dynamo export takes ~1 min a file here: the TorchScript exporter's alone.
+_FAMILY_EXPORTERS = {"mobilenet_v2": ("torchscript",)}
+_FP16_FAMILIES = ("encoder", "resnet", "bert", "vit", "hf_resnet")
+
+
+def _family(family: str):
+    """(factory of the seeded module, its inputs)."""
+    from guard.zoo import families, layouts
+
+    if family == "encoder":
+        return layouts.encoder, layouts.encoder_inputs(4, seed=1)
+    if family == "resnet":
+        return layouts.resnet, layouts.resnet_inputs(4, seed=1)
+    return families.BUILDERS[family], families.inputs(family)
+
+
+def true_node(clean: Path, primary: Path) -> str | None:
+    """The first node, in graph order, that reads a weight the primary changed (through the
+    TorchScript exporter's Identity nodes, which it adds where weights were equal and so
+    shared: a bias of zeros): the layer an ONNX-vs-ONNX comparison should name."""
+    import onnx
+    from onnx import numpy_helper
+
+    a, b = onnx.load(str(clean)).graph, onnx.load(str(primary)).graph
+    theirs = {i.name: numpy_helper.to_array(i) for i in b.initializer}
+    changed = {i.name for i in a.initializer
+               if i.name in theirs and not np.array_equal(numpy_helper.to_array(i), theirs[i.name])}
+    changed |= {i.name for i in b.initializer if i.name not in {j.name for j in a.initializer}}
+    for node in b.node:  # the primary's graph: the changed weight is its own initializer there
+        if changed & set(node.input):
+            if node.op_type == "Identity":  # the exporter's weight plumbing (deduplication)
+                changed.update(node.output)
+                continue
+            return node.name
+    return None
+
+
+def _kind(module: str, tensor: str) -> str:
+    if tensor == "running_var":
+        return "bn_stats"
+    if tensor == "bias":
+        return "bias"
+    leaf = module.split(".")[-1].lower()
+    return "norm_gamma" if "norm" in leaf or leaf.startswith("ln") else "weight"
+
+
+def family_cases(folder: Path, families=("encoder", "resnet"), exporters=EXPORTERS,
+                 faults: dict | None = None, onnx_pairs: bool = True, clean: bool = True,
+                 fp16: bool = False) -> list[FaultCase]:
+    """Per family and exporter: the torch eager module as reference vs the ONNX export of a
+    copy with one leaf module's tensor changed (``true_layer``: the module path), the same
+    fault ONNX vs ONNX (the clean export as reference; ``true_layer``: the node that reads the
+    changed weight), and the clean pair torch vs its export. With ``fp16``: the first fault and
+    the clean export, ONNX vs their fp16 variants, for the families in ``_FP16_FAMILIES``."""
+    from guard.zoo import layouts
+
+    faults = faults or {**LAYOUT_FAULTS, **FAMILY_FAULTS}
+    folder.mkdir(parents=True, exist_ok=True)
+    out = []
+    for family in families:
+        build, inputs = _family(family)
+        model = build()
+        for exporter in [e for e in exporters if e in _FAMILY_EXPORTERS.get(family, EXPORTERS)]:
+            dynamo = exporter == "dynamo"
+            tag = f"{family}-{exporter}"
+            base = layouts.export(model, folder / f"{tag}.onnx", inputs, dynamo=dynamo)
+            if clean:
+                out.append(FaultCase(f"{tag}-clean-torch-onnx", "clean", tag, build, base,
+                                     inputs, None, tensor=FP32, input_names=list(inputs)))
+            for i, (module, tensor, share) in enumerate(faults[family]):
+                name = f"{tag}-{module}.{tensor}-{share:g}"
+                broken = layouts.perturbed(model, module, share, seed=i, tensor=tensor)
+                prim = layouts.export(broken, folder / f"{name}.onnx", inputs, dynamo=dynamo)
+                kind = _kind(module, tensor)
+                out.append(FaultCase(f"{name}-torch", kind, tag, build, prim, inputs, module,
+                                     tensor=FP32, input_names=list(inputs)))
+                if onnx_pairs:
+                    node = true_node(base, prim)
+                    out.append(FaultCase(f"{name}-onnx", kind, tag, base, prim, inputs, node,
+                                         tensor=FP32))
+                    if fp16 and i == 0 and family in _FP16_FAMILIES:
+                        out.append(FaultCase(f"{name}-onnx-fp16", kind, tag, base, prim, inputs,
+                                             node, precision="fp16", tensor=FP16))
+            if fp16 and clean and family in _FP16_FAMILIES:
+                out.append(FaultCase(f"{tag}-clean-fp16", "clean", tag, base, base, inputs,
+                                     None, precision="fp16", tensor=FP16))
+    return out
+
+
+def layout_cases(folder: Path, families=("encoder", "resnet"), **kw) -> list[FaultCase]:
+    """The hand-written layouts' cases (guard.zoo.layouts), as family_cases builds them."""
+    return family_cases(folder, families, **kw)
+
+
 # A batch of the zoo detector on which torch's sort and ONNX Runtime's TopK order the tied
 # candidates (scores capped at 1.0) differently (row 2 of sample_inputs(16, seed=5) on the
 # x86-64 machines measured); whether they do on another CPU, the pair is clean either way.
@@ -431,12 +577,24 @@ def _no_grad():
         yield
 
 
-def corpus(folder: str | Path, real: bool = True) -> list[FaultCase]:
+def corpus(folder: str | Path, real: bool = True, families: bool = True) -> list[FaultCase]:
+    """``families``: the field's architectures too (the transformers ones where it is
+    installed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cases = (weight_cases(folder) + issue_cases(folder) + other_fault_cases(folder)
              + clean_cases(folder) + zoo_cnn_cases(folder) + [nms_clean_case(folder)])
-    return cases + (real_cases(folder) + silero_cases(folder) if real else [])
+    cases += (real_cases(folder) + silero_cases(folder)) if real else []
+    if families:
+        names = tuple(LAYOUT_FAULTS)
+        try:
+            import transformers  # noqa: F401
+
+            names += tuple(FAMILY_FAULTS)
+        except ImportError:
+            pass
+        cases += family_cases(folder / "families", names, fp16=True)
+    return cases
 
 
 # -- running a case through tier 2 ----------------------------------------------------------------
@@ -457,6 +615,13 @@ def checker_for(case: FaultCase, top_k: int = 50):
         reference = TorchSide(case.reference(), case.input_names, label="reference")
     config = ActivationCheckConfig(on_failure=True, top_k=top_k)
     return ActivationChecker(config, reference, primary, tensor=TensorCheckConfig(**case.tensor))
+
+
+def rank_of_true_layer(case: FaultCase, report) -> int | None:
+    """1 when tier 2 names the broken layer (or the unit holding it), 2 when it is the first
+    suspect after that..., None when it is not among them."""
+    names = ranked_names(report)
+    return next((i + 1 for i, n in enumerate(names) if case.names_true_layer(n)), None)
 
 
 def ranked_names(report) -> list[str]:

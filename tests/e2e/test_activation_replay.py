@@ -51,3 +51,33 @@ def test_replay_report_names_the_first_divergent_layer(tmp_path, zoo_classifier)
         shown = [target(page, href) for href in cell.links]
         assert "logits: max abs error per sample (12 samples)" in shown[0][1]
         assert shown[1] == target(page, layer[0])
+
+
+def test_replay_torch_reference_vs_onnx_export_names_the_nested_leaf(tmp_path):
+    """The way a new user deploys: the eager module as reference (``module:factory``), its
+    ONNX export (TorchScript exporter, opset 17) as the primary, made from a copy with one
+    projection perturbed by 2%. The report names that projection, inside its block's Sequential,
+    not the container around it."""
+    from guard.zoo import layouts
+
+    inputs = layouts.encoder_inputs(6, seed=2)
+    broken = layouts.perturbed(layouts.encoder(0), "blocks.1.attn.q", 0.02, seed=1)
+    primary = layouts.export(broken, tmp_path / "encoder.onnx", inputs)
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [{
+        "name": "encoder",
+        "primary": {"backend": "onnxruntime", "path": str(primary)},
+        "reference": {"backend": "torch", "path": "guard.zoo.layouts:encoder"},
+        "checks": {"activation": {"on_failure": True}},
+    }]}))
+    np.savez(tmp_path / "set.npz", **inputs)
+    out = tmp_path / "report"
+    code = main(["replay", "--config", str(config), str(tmp_path / "set.npz"),
+                 "--report-dir", str(out), "--batch-size", "2", "--quiet"])
+    report = json.loads((out / "report.json").read_text())
+    encoder = report["models"]["encoder"]
+    assert code == 1 and encoder["verdict"] == "drift"
+    activation = encoder["tiers"]["activation"]
+    assert activation["checks"] == 3 and activation["passed"] == 0
+    assert activation["first_divergence"]["layer"] == "blocks.1.attn.q"
+    assert set(activation["first_divergence_layers"]) == {"blocks.1.attn.q"}

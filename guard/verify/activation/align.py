@@ -4,11 +4,20 @@
   derivations keep the names of the values they do not replace; what they add (``_quantized``,
   ``_scale``, casts) has no counterpart and is listed as primary-only, and a reference value the
   primary lacks is listed as unaligned.
-- torch vs ONNX exported from it: the k-th call of module ``path`` is the k-th connected group
-  of nodes whose exporter scope is ``path`` (or below it); its outputs are the group's values
-  read outside it. Modules that left no scope (fused, inlined, called a different number of
-  times than the graph shows) are listed as unaligned with the reason.
-- torch vs torch: module path and call index.
+- torch vs ONNX exported from it: the k-th call of module ``path`` (at any depth) is the k-th
+  connected group of nodes whose exporter scope stack holds ``path`` (scopes.py reads both
+  exporters'); its outputs are the group's values read outside it. A module the exporter folded
+  into its neighbour (a BatchNorm into the Conv before it, an activation into a fused op) has
+  no scope of its own: where the torch dataflow shows the chain (the BatchNorm reads only the
+  Conv's output, and is its only reader), the chain is one unit, ``layer1.0.conv1+layer1.0.bn1``,
+  compared on the chain's last output. Anything else without a scope is listed as unaligned with
+  the reason, and the neighbour that may hold its computation is flagged ``unsure`` (tier 2
+  then says undetermined rather than name it). A container whose output is its last child's
+  (a ``Sequential``) is that child; a container with code of its own (a residual add) is
+  compared on it, and isolated on that code alone (its children's tensors fed from the
+  reference).
+- torch vs torch: module path and call index; a container isolated on its own code, its
+  children returning the reference's tensors.
 
 Each aligned layer comes with a thunk that computes its *isolated* output: the primary's layer
 fed the reference's own inputs for it, where the primary's backend allows.
@@ -23,6 +32,7 @@ import numpy as np
 
 from guard.verify.activation.onnx_side import OnnxSide
 from guard.verify.activation.report import Unaligned
+from guard.verify.activation.scopes import node_module, node_scopes
 from guard.verify.activation.torch_side import ModuleCall, TorchCapture, TorchSide
 
 # (output, primary node names) of a layer run on the reference's inputs.
@@ -42,6 +52,7 @@ class Pairing:
     inputs: list[str] = field(default_factory=list)  # values (this side's names) it reads
     isolate_is_free: bool = False  # the primary computes it exactly as the reference does
     ref_key: str = ""  # the reference's own key for this tensor (its per-layer noise), else value
+    unsure: str = ""  # why the two tensors may not be the same computation (never named then)
 
 
 @dataclass
@@ -52,10 +63,8 @@ class Alignment:
 
 
 def _module_of(side: OnnxSide, value: str) -> str:
-    from guard.verify.activation.onnx_side import _node_module
-
     node = side.source.node_of(value) or side.graph.node_of(value)
-    module = _node_module(node) if node is not None else None
+    module = node_module(node) if node is not None else None
     return module or ""
 
 
@@ -110,11 +119,54 @@ def align_onnx_onnx(ref: OnnxSide, prim: OnnxSide, ref_cap: dict[str, np.ndarray
 
 
 # -- torch vs ONNX ------------------------------------------------------------------------------
+# What an exporter or a runtime folds into the op before it, leaving no scope of its own: a
+# BatchNorm into the Conv (or Linear) it follows in eval mode, an activation into a fused
+# Conv/MatMul. The unit is then compared as one, under a name that lists its members.
+_FOLDABLE = frozenset({
+    "BatchNorm1d", "BatchNorm2d", "BatchNorm3d", "ReLU", "ReLU6", "GELU", "SiLU", "Sigmoid",
+    "Tanh", "LeakyReLU", "Hardswish", "Hardsigmoid", "ELU", "Mish"})
+
+
+def _foldable(kind: str) -> bool:
+    """A module an exporter or runtime may fold into the op before it (transformers names its
+    activation modules ``GELUActivation``, ``SiLUActivation``...)."""
+    return kind in _FOLDABLE or kind.endswith("Activation")
+# Modules that can absorb a foldable one, and the ONNX ops that compute them.
+_ABSORBING = {"Conv1d": {"Conv"}, "Conv2d": {"Conv"}, "Conv3d": {"Conv"},
+              "ConvTranspose1d": {"ConvTranspose"}, "ConvTranspose2d": {"ConvTranspose"},
+              "ConvTranspose3d": {"ConvTranspose"}, "Linear": {"Gemm", "MatMul"}}
+_NO_SCOPE = ("no ONNX node carries this module's scope (fused away, folded into a constant or "
+             "inlined by the exporter)")
+
+
+@dataclass
+class _Unit:
+    """Module calls compared as one: a call, or a chain the graph computes as one group of
+    nodes (``layer1.0.conv1+layer1.0.bn1``)."""
+
+    members: list[ModuleCall]
+    instance: object  # onnx_side.ScopeInstance: the group of nodes that computes it
+    unsure: str = ""  # why the pairing may compare different computations
+    outputs: list[str] | None = None  # its ONNX values, where not the group's own (a fold)
+
+    @property
+    def first(self) -> ModuleCall:
+        return self.members[0]
+
+    @property
+    def last(self) -> ModuleCall:
+        return self.members[-1]
+
+    @property
+    def order(self) -> int:
+        return max(m.order for m in self.members)
+
+
 @dataclass
 class _Match:
-    call: ModuleCall
-    outputs: list[str]  # ONNX values, one per torch output
-    inputs: list[str] | None  # ONNX values, one per torch input (None: not matchable)
+    unit: _Unit
+    outputs: list[str]  # ONNX values, one per torch output of the unit's last member
+    inputs: list[str] | None  # ONNX values, one per torch input of its first (None: not matchable)
 
 
 def _instances_of(path: str, scopes: dict, torch_paths: set[str]) -> list:
@@ -125,64 +177,241 @@ def _instances_of(path: str, scopes: dict, torch_paths: set[str]) -> list:
     while f"{path}_{suffix}" in scopes and f"{path}_{suffix}" not in torch_paths:
         instances += scopes[f"{path}_{suffix}"]
         suffix += 1
+    instances.sort(key=lambda inst: min(inst.nodes))
     return instances
 
 
-def _match_calls(torch_cap: TorchCapture, onnx: OnnxSide, onnx_cap: dict[str, np.ndarray],
-                 torch_side_name: str, torch_paths: set[str]
-                 ) -> tuple[list[_Match], list[Unaligned]]:
-    scopes = onnx.scope_instances()
-    by_path = torch_cap.by_path()
-    matches: list[_Match] = []
-    unaligned: list[Unaligned] = []
-    for call in torch_cap.calls:
-        calls = by_path[call.path]
-        name = call.path if len(calls) == 1 else call.key
-        if not call.outputs:
-            continue  # a module that returns no tensor has nothing to compare
-        if not scopes:
-            unaligned.append(Unaligned(torch_side_name, name,
-                                       "the ONNX graph records no module scopes (neither "
-                                       "pkg.torch.onnx.name_scopes metadata nor /module/Op "
-                                       "node names)"))
-            continue
-        instances = _instances_of(call.path, scopes, torch_paths)
-        if not instances:
-            unaligned.append(Unaligned(torch_side_name, name,
-                                       "no ONNX node carries this module's scope (fused away, "
-                                       "folded into a constant or inlined by the exporter)"))
-            continue
-        if len(instances) != len(calls):
-            unaligned.append(Unaligned(
-                torch_side_name, name,
-                f"called {len(calls)} time(s) in torch but {len(instances)} group(s) of nodes "
-                "carry its scope in ONNX"))
-            continue
-        instance = instances[call.index]
-        if len(instance.outputs) != len(call.outputs):
-            unaligned.append(Unaligned(
-                torch_side_name, name,
-                f"{len(call.outputs)} tensor output(s) in torch, {len(instance.outputs)} "
-                f"value(s) leave its scope in ONNX ({', '.join(instance.outputs)})"))
-            continue
-        missing = [v for v in instance.outputs if v not in onnx_cap]
-        if missing:
-            unaligned.append(Unaligned(
-                torch_side_name, name,
-                f"ONNX value(s) {', '.join(missing)} are not produced by the graph that runs "
-                "(renamed or removed when the variant was derived)"))
-            continue
-        shapes_ok = len(instance.inputs) == len(call.inputs) and all(
-            v in onnx_cap and onnx_cap[v].shape == t.shape
-            for v, t in zip(instance.inputs, call.inputs))
-        matches.append(_Match(call, instance.outputs, instance.inputs if shapes_ok else None))
-    return matches, unaligned
+def _label(call: ModuleCall, calls_per_path: dict[str, int]) -> str:
+    return call.path if calls_per_path.get(call.path, 1) == 1 else call.key
+
+
+class _Units:
+    """Torch calls matched to the graph's groups of nodes, folded units joined."""
+
+    def __init__(self, torch_cap: TorchCapture, onnx: OnnxSide, role: str, torch_paths: set[str]):
+        self.cap = torch_cap
+        self.onnx = onnx
+        self.role = role
+        self.by_key = torch_cap.by_key()
+        self.consumers = torch_cap.consumers()
+        self.counts = {path: len(calls) for path, calls in torch_cap.by_path().items()}
+        self.units: dict[str, _Unit] = {}  # member key -> its unit
+        self.missing: dict[str, ModuleCall] = {}  # calls without a scope of their own
+        self.unaligned: list[Unaligned] = []
+        scopes = onnx.scope_instances(torch_paths)
+        by_path = torch_cap.by_path()
+        for call in torch_cap.calls:
+            if not call.outputs:
+                continue  # a module that returns no tensor has nothing to compare
+            name = self.name(call)
+            if not scopes:
+                self.unaligned.append(Unaligned(
+                    role, name, "the ONNX graph records no module scopes (neither "
+                    "pkg.torch.onnx.name_scopes metadata nor /module/Op node names)"))
+                continue
+            instances = _instances_of(call.path, scopes, torch_paths)
+            if not instances:
+                self.missing[call.key] = call
+                continue
+            calls = by_path[call.path]
+            if len(instances) != len(calls):
+                self.unaligned.append(Unaligned(
+                    role, name, f"called {len(calls)} time(s) in torch but {len(instances)} "
+                    "group(s) of nodes carry its scope in ONNX"))
+                continue
+            self.units[call.key] = _Unit([call], instances[call.index])
+        self._fold()
+        self._explain_missing()
+        self._flag_rewritten()
+
+    def name(self, call: ModuleCall) -> str:
+        return _label(call, self.counts)
+
+    def unit_name(self, unit: _Unit) -> str:
+        return "+".join(self.name(m) for m in unit.members)
+
+    # -- folded units ---------------------------------------------------------------------------
+    def _sole_consumer(self, key: str) -> ModuleCall | None:
+        consumers = self.consumers.get(key, [])
+        return consumers[0] if len(consumers) == 1 else None
+
+    def _fold(self) -> None:
+        changed = True
+        while changed:
+            changed = False
+            for key, call in list(self.missing.items()):
+                if call.leaf and not call.identity and (self._append(call) or self._prepend(call)):
+                    del self.missing[key]
+                    changed = True
+
+    def _append(self, call: ModuleCall) -> bool:
+        """The module before keeps its scope, this one has none: folded into that group of
+        nodes (the TorchScript exporter's Conv+BatchNorm), or computed by an unscoped node a
+        runtime's optimiser fused right after it (MatMul -> BiasGelu: the unit's output is then
+        that node's, as the next module's group reads it)."""
+        if not _foldable(call.kind) or len(call.sources) != 1 or call.sources[0] is None:
+            return False
+        unit = self.units.get(call.sources[0])
+        if (unit is None or unit.last.key != call.sources[0]
+                or unit.first.kind not in _ABSORBING
+                or not all(_foldable(m.kind) for m in unit.members[1:])
+                or self._sole_consumer(unit.last.key) is not call):
+            return False
+        outputs = self._read_outputs(unit)
+        if len(outputs) != 1:
+            return False
+        value = self._folded_output(call, outputs[0])
+        if value is None:
+            return False
+        unit.members.append(call)
+        unit.outputs = [value]
+        self.units[call.key] = unit
+        return True
+
+    def _folded_output(self, call: ModuleCall, value: str) -> str | None:
+        """The ONNX value holding ``call``'s output when it has no scope and ``value`` is the
+        output of the group before it, or None when the graph does not show the fold."""
+        graph = self.onnx.source
+        consumer = self._sole_consumer(call.key)
+        after = self.units.get(consumer.key) if consumer is not None else None
+        if after is not None and after.first is consumer:
+            index = consumer.sources.index(call.key)
+            if len(after.instance.inputs) != len(consumer.sources):
+                return None
+            read = after.instance.inputs[index]
+            if read == value:
+                return value  # folded into the group before
+            node = graph.node_of(read)
+            if node is not None and node_scopes(node) is None and value in node.input:
+                return read  # one unscoped node between the two groups computes it
+            return None
+        # Read by a parent's own code (a residual add): every reader of the value is scoped.
+        readers = [graph.nodes[i] for i in graph.consumers.get(value, [])]
+        if readers and all(node_scopes(n) is not None for n in readers):
+            return value
+        return None
+
+    def _prepend(self, call: ModuleCall) -> bool:
+        """Dynamo exporter: the fused Conv carries the BatchNorm's scope, the Conv has none."""
+        if call.kind not in _ABSORBING:
+            return False
+        consumer = self._sole_consumer(call.key)
+        unit = self.units.get(consumer.key) if consumer is not None else None
+        if (unit is None or unit.first is not consumer or consumer.sources != [call.key]
+                or not all(_foldable(m.kind) for m in unit.members)):
+            return False
+        ops = {self.onnx.source.nodes[i].op_type for i in unit.instance.nodes}
+        if not ops & _ABSORBING[call.kind]:
+            return False  # the group does not compute this module's op: not folded into it
+        unit.members.insert(0, call)
+        self.units[call.key] = unit
+        return True
+
+    def _explain_missing(self) -> None:
+        """Calls left without a scope: listed with the reason; a neighbour whose group of nodes
+        may hold their computation is flagged unsure (never silently blamed for it)."""
+        for call in self.missing.values():
+            name = self.name(call)
+            if call.identity:
+                self.unaligned.append(Unaligned(
+                    self.role, name, "returns its input unchanged (Identity, eval-mode "
+                    "Dropout): the graph has no op of its own to compare"))
+                continue
+            self.unaligned.append(Unaligned(self.role, name, _NO_SCOPE))
+            if not call.leaf:
+                continue
+            source = call.sources[0] if len(call.sources) == 1 else None
+            before = self.units.get(source) if source is not None else None
+            if (before is not None and before.last.key == source and before.last.leaf
+                    and self._sole_consumer(source) is call):
+                before.unsure = (f"its output in the graph may already include {name} "
+                                 f"({call.kind}), which has no scope of its own")
+            for consumer in self.consumers.get(call.key, []):
+                after = self.units.get(consumer.key)
+                if after is not None and after.first is consumer and set(
+                        consumer.sources) == {call.key}:
+                    after.unsure = (f"its group of nodes may already include {name} "
+                                    f"({call.kind}), which has no scope of its own")
+
+    def _flag_rewritten(self) -> None:
+        """A unit whose output a node without any scope reads (a runtime's optimiser fused it
+        there: a bias and a residual add into SkipLayerNormalization) may not be computed in
+        its group alone: unsure."""
+        graph = self.onnx.source
+        for unit in {id(u): u for u in self.units.values()}.values():
+            if unit.unsure:
+                continue
+            for value in self._read_outputs(unit):
+                readers = [graph.nodes[i] for i in graph.consumers.get(value, [])]
+                loose = [n for n in readers if node_scopes(n) is None]
+                if loose:
+                    unit.unsure = (f"its output is read by {loose[0].name or loose[0].op_type} "
+                                   f"({loose[0].op_type}), a node without a module scope (fused "
+                                   "after export), which may compute part of it")
+                    break
+
+    # -- matches --------------------------------------------------------------------------------
+    def _read_outputs(self, unit: _Unit) -> list[str]:
+        """The unit's ONNX outputs. A group with more values leaving it than torch returns (an
+        RMSNorm whose input cast is also read by the residual add) is matched on the one value
+        the next modules' groups read, when exactly one is."""
+        if unit.outputs is not None:
+            return list(unit.outputs)
+        outputs = list(unit.instance.outputs)
+        if len(unit.last.outputs) != 1 or len(outputs) < 2:
+            return outputs
+        read = set()
+        for consumer in self.consumers.get(unit.last.key, []):
+            after = self.units.get(consumer.key)
+            if after is not None and after.first is consumer:
+                read.update(after.instance.inputs)
+        chosen = [v for v in outputs if v in read]
+        return chosen if len(chosen) == 1 else outputs
+
+    def matches(self, onnx_cap: dict[str, np.ndarray]) -> list[_Match]:
+        """One match per unit, in the order the units finish; a unit whose outputs are those
+        of a unit inside it (a Sequential's output is its last child's) is that unit."""
+        out: list[_Match] = []
+        seen: set[tuple[str, ...]] = set()
+        units = sorted({id(u): u for u in self.units.values()}.values(), key=lambda u: u.order)
+        for unit in units:
+            instance = unit.instance
+            name = self.unit_name(unit)
+            outputs = self._read_outputs(unit)
+            if len(outputs) != len(unit.last.outputs):
+                self.unaligned.append(Unaligned(
+                    self.role, name,
+                    f"{len(unit.last.outputs)} tensor output(s) in torch, "
+                    f"{len(outputs)} value(s) leave its scope in ONNX "
+                    f"({', '.join(outputs)})"))
+                continue
+            missing = [v for v in outputs if v not in onnx_cap]
+            if missing:
+                self.unaligned.append(Unaligned(
+                    self.role, name,
+                    f"ONNX value(s) {', '.join(missing)} are not produced by the graph that runs "
+                    "(renamed or removed when the variant was derived)"))
+                continue
+            key = tuple(outputs)
+            if key in seen:
+                continue
+            seen.add(key)
+            first = unit.first
+            shapes_ok = len(instance.inputs) == len(first.inputs) and all(
+                v in onnx_cap and onnx_cap[v].shape == t.shape
+                for v, t in zip(instance.inputs, first.inputs))
+            out.append(_Match(unit, outputs,
+                              list(instance.inputs) if shapes_ok else None))
+        return out
+
+
+def _output_name(base: str, j: int, n: int) -> str:
+    return base if n == 1 else f"{base}.{j}"
 
 
 def _call_name(call: ModuleCall, torch_cap: TorchCapture, j: int, n: int) -> str:
     calls = sum(1 for c in torch_cap.calls if c.path == call.path)
-    base = call.path if calls == 1 else call.key
-    return base if n == 1 else f"{base}.{j}"
+    return _output_name(call.path if calls == 1 else call.key, j, n)
 
 
 def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapture,
@@ -190,31 +419,39 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
                      torch_is_reference: bool) -> Alignment:
     out = Alignment()
     torch_role = "reference" if torch_is_reference else "primary"
-    matches, out.unaligned = _match_calls(torch_cap, onnx, onnx_cap, torch_role,
-                                          set(torch_side.submodules))
+    units = _Units(torch_cap, onnx, torch_role, set(torch_side.submodules))
+    matches = units.matches(onnx_cap)
+    out.unaligned = units.unaligned
 
     if torch_is_reference:
         # Everything torch computed that has a name in the graph is a boundary the ONNX
         # primary's segments can start from.
         available: dict[str, np.ndarray] = {n: a for n, a in inputs.items()}
         for m in matches:
-            for v, t in zip(m.outputs, m.call.outputs):
+            for v, t in zip(m.outputs, m.unit.last.outputs):
                 available[v] = t
-            for v, t in zip(m.inputs or [], m.call.inputs):
+            for v, t in zip(m.inputs or [], m.unit.first.inputs):
                 available.setdefault(v, t)
         boundary = set(available)
         fetch = _fetcher(available, onnx_cap)
+    else:
+        # What the ONNX reference computed for each matched call: a container run on its own
+        # gets its children's reference outputs in place of its children (its own code alone).
+        reference_of = {m.unit.last.key: [onnx_cap[v] for v in m.outputs] for m in matches}
     for m in matches:
+        unit = m.unit
         n = len(m.outputs)
-        for j, (value, tensor) in enumerate(zip(m.outputs, m.call.outputs)):
-            name = _call_name(m.call, torch_cap, j, n)
+        base = units.unit_name(unit)
+        for j, (value, tensor) in enumerate(zip(m.outputs, unit.last.outputs)):
+            name = _output_name(base, j, n)
             if torch_is_reference:
                 def isolate(value=value) -> tuple[np.ndarray, list[str]]:
                     return onnx.isolate(value, boundary, fetch)
 
-                out.pairings.append(Pairing(name, m.call.kind, m.call.path, value, tensor,
+                out.pairings.append(Pairing(name, _kind(unit), unit.first.path, value, tensor,
                                             onnx_cap[value], isolate,
-                                            ref_key=f"{m.call.key}.{j}"))
+                                            inputs=list(unit.instance.inputs),
+                                            ref_key=f"{unit.last.key}.{j}", unsure=unit.unsure))
             else:
                 isolate = None
                 note = ""
@@ -223,12 +460,34 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
                 else:
                     def isolate(m=m, j=j) -> tuple[np.ndarray, list[str]]:
                         args = [onnx_cap[v] for v in m.inputs]
-                        return torch_side.run_module(m.call.path, args)[j], []
-                out.pairings.append(Pairing(name, m.call.kind, m.call.path, value,
-                                            onnx_cap[value], tensor, isolate, note))
+                        for member in m.unit.members:
+                            args = torch_side.run_module(member.path, args, _substitutes(
+                                torch_cap, member, reference_of.get))
+                        return args[j], []
+                out.pairings.append(Pairing(name, _kind(unit), unit.first.path, value,
+                                            onnx_cap[value], tensor, isolate, note,
+                                            inputs=list(unit.instance.inputs),
+                                            unsure=unit.unsure))
     if not torch_is_reference:
         return _reorder_by_graph(out, onnx)
     return out
+
+
+def _kind(unit: _Unit) -> str:
+    return "+".join(m.kind for m in unit.members)
+
+
+def _substitutes(cap: TorchCapture, call: ModuleCall,
+                 value_of: Callable[[str], list[np.ndarray] | None]
+                 ) -> dict[str, list[list[np.ndarray] | None]] | None:
+    """For a container's call: what each call inside it returns instead of computing (the
+    other side's tensors, where known), by path, in call order."""
+    if call.leaf:
+        return None
+    out: dict[str, list[list[np.ndarray] | None]] = {}
+    for inner in cap.descendants(call.key):
+        out.setdefault(inner.path, []).append(value_of(inner.key))
+    return out if any(v is not None for values in out.values() for v in values) else None
 
 
 def _reorder_by_graph(out: Alignment, onnx: OnnxSide) -> Alignment:
@@ -243,6 +502,7 @@ def align_torch_torch(ref: TorchSide, prim: TorchSide, ref_cap: TorchCapture,
                       prim_cap: TorchCapture) -> Alignment:
     out = Alignment()
     prim_calls = {c.key: c for c in prim_cap.calls}
+    reference_of = {c.key: c.outputs for c in ref_cap.calls}
     for call in ref_cap.calls:
         other = prim_calls.get(call.key)
         n = len(call.outputs)
@@ -256,7 +516,9 @@ def align_torch_torch(ref: TorchSide, prim: TorchSide, ref_cap: TorchCapture,
             continue
         for j in range(n):
             def isolate(call=call, j=j) -> tuple[np.ndarray, list[str]]:
-                return prim.run_module(call.path, call.inputs)[j], []
+                # A container is judged on its own code: its children return the reference's.
+                return prim.run_module(call.path, call.inputs,
+                                       _substitutes(ref_cap, call, reference_of.get))[j], []
 
             out.pairings.append(Pairing(_call_name(call, ref_cap, j, n), call.kind, call.path,
                                         call.key, call.outputs[j], other.outputs[j], isolate,

@@ -122,6 +122,7 @@ class ActivationChecker:
             report.error = f"capture failed: {type(exc).__name__}: {exc}"
             report.seconds = time.perf_counter() - started
             return report
+        report.capture_seconds = time.perf_counter() - started
         report.unaligned = list(alignment.unaligned)
         report.primary_only = alignment.primary_only
         compared: list[tuple[LayerResult, Pairing]] = []
@@ -133,10 +134,12 @@ class ActivationChecker:
                 continue
             layer = LayerResult(
                 pairing.name, pairing.op, pairing.module, pairing.value, propagated,
-                isolation_note=pairing.isolation_note)
+                isolation_note=pairing.isolation_note, unsure=pairing.unsure)
             report.layers.append(layer)
             compared.append((layer, pairing))
+        isolating = time.perf_counter()
         self._isolate(compared)
+        report.isolate_seconds = time.perf_counter() - isolating
         noise = self._layer_noise(inputs)
         report.noise_note = self._noise_note
         decide(report, self._budget(tier1, [p for _, p in compared]), noise,

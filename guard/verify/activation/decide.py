@@ -19,7 +19,10 @@ add up, or a fault whose effect grows downstream), the first divergence is the l
 largest isolated error relative to its allowance, up to the first layer whose propagated error
 crosses the budget (where the drift becomes visible): ``basis`` says which rule named it. When
 none can be named, ``undetermined`` says exactly why (nothing aligned, nothing isolated, no layer
-adds error: the drift arises where there is no counterpart).
+adds error: the drift arises where there is no counterpart). A layer whose alignment is unsure
+(align.py: a neighbour without a scope of its own may be computed in its counterpart) is never
+named: the rule that would name it says so in ``undetermined``, and a layer over its allowance
+still fails the check (``unsure_divergence``).
 
 Within the budget (tier 1 passed, or its verdict is unknown, and no layer exceeds its
 allowance): a fault can be real and still small enough for the output to stay inside what the
@@ -139,11 +142,25 @@ def decide(report: ActivationReport, budget: Budget, noise: dict[str, float],
     if first is not None:
         report.basis = BASIS_FIXED if fixed is not None else BASIS_EXCEEDS
         report.first = first
-        return
-    if budget.tier1_failed:
+    elif budget.tier1_failed:
         report.undetermined = _fallback(report, budget)
     elif fixed is None:
         _first_measurable(report, precision)
+    _withhold_unsure(report)
+
+
+def _withhold_unsure(report: ActivationReport) -> None:
+    """A layer whose alignment is unsure (its counterpart may hold a neighbour's computation
+    too) is never named: the report says undetermined, and why."""
+    first = report.first
+    if first is None or not first.unsure:
+        return
+    report.undetermined = (f"the first divergence would be {first.name} ({report.basis}), but "
+                           f"its alignment is unsure: {first.unsure}")
+    report.unsure_divergence = first.divergent
+    report.first = None
+    report.basis = ""
+    report.within_budget = False
 
 
 def _first_measurable(report: ActivationReport, precision: str) -> None:

@@ -13,20 +13,21 @@ derived by ``quantize_dynamic`` the segment of ``linear`` is the whole quantised
 how a quantised layer maps back to its fp32 origin. Each segment becomes a small model of its
 own, built once and cached.
 
-Module scopes (for torch vs ONNX): the dynamo exporter writes ``pkg.torch.onnx.name_scopes``
-(``['', 'layers.0', 'layers.0.lin', 'linear']``: the module path is the element before the
-op's own name) on every node; the TorchScript exporter names nodes ``/layers.0/lin/Gemm``.
+Module scopes (for torch vs ONNX): which modules' calls a node belongs to, read from either
+exporter's conventions (scopes.py).
 """
 
 from __future__ import annotations
 
-import ast
 import threading
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
+
+from guard.verify.activation.scopes import node_scopes
 
 # Ops whose outputs are bookkeeping (shapes, constants), never worth comparing.
 _BOOKKEEPING_OPS = frozenset({"Constant", "Shape", "Size", "ConstantOfShape"})
@@ -55,22 +56,6 @@ def _same_weight(a, b) -> bool:
 
     x, y = numpy_helper.to_array(a), numpy_helper.to_array(b)
     return x.dtype == y.dtype and x.shape == y.shape and np.array_equal(x, y, equal_nan=True)
-
-
-def _node_module(node) -> str | None:
-    """The torch module path a node was exported from ('' = the root module), or None."""
-    for prop in node.metadata_props:
-        if prop.key == "pkg.torch.onnx.name_scopes":
-            try:
-                scopes = ast.literal_eval(prop.value)
-            except (ValueError, SyntaxError):
-                return None
-            if isinstance(scopes, list) and len(scopes) >= 2:
-                return str(scopes[-2]) if len(scopes) >= 3 else ""
-            return None
-    if node.name.startswith("/"):  # TorchScript exporter: /layers.0/lin/Gemm
-        return ".".join(part for part in node.name.split("/")[1:-1] if part)
-    return None
 
 
 def _subgraph_inputs(node) -> list[str]:
@@ -185,19 +170,20 @@ class OnnxGraph:
 
     # -- module scopes (torch exporter metadata) ----------------------------------------------
     def has_scopes(self) -> bool:
-        return any(_node_module(n) is not None for n in self.nodes)
+        return any(node_scopes(n) is not None for n in self.nodes)
 
-    def scope_instances(self) -> dict[str, list[ScopeInstance]]:
-        """For every module path: its calls, as connected groups of nodes, in graph order."""
+    def scope_instances(self, known: Collection[str] | None = None
+                        ) -> dict[str, list[ScopeInstance]]:
+        """For every module path: its calls, as connected groups of nodes, in graph order. A
+        node belongs to every module on its call stack (``layer1.0.conv1`` is in ``layer1.0``
+        and ``layer1``); ``known``: the torch module's paths, to resolve the TorchScript
+        exporter's segments against (scopes.py)."""
         members: dict[str, list[int]] = {}
         for index, node in enumerate(self.nodes):
-            module = _node_module(node)
-            if module is None or node.op_type == "Constant":
+            if node.op_type == "Constant":
                 continue
-            parts = module.split(".") if module else []
-            # A node belongs to its module and every ancestor ("layers.0.lin" is in "layers.0").
-            for depth in range(1, len(parts) + 1):
-                members.setdefault(".".join(parts[:depth]), []).append(index)
+            for module in node_scopes(node, known) or []:
+                members.setdefault(module, []).append(index)
         return {module: self._instances(module, nodes) for module, nodes in members.items()}
 
     def _instances(self, module: str, nodes: list[int]) -> list[ScopeInstance]:
@@ -348,7 +334,7 @@ class OnnxSide:
         self._session = None
         self._segments: dict[tuple[str, tuple[str, ...]], object] = {}
         self._lock = threading.Lock()
-        self._scopes: dict[str, list[ScopeInstance]] | None = None
+        self._scopes: tuple | None = None  # (known paths, instances)
         self._same: dict[tuple, bool] = {}
         self._by_threads: dict[int, object] = {}
 
@@ -395,10 +381,12 @@ class OnnxSide:
         results = session.run(self._output_names, feeds)
         return dict(zip(self._output_names, results))
 
-    def scope_instances(self) -> dict[str, list[ScopeInstance]]:
-        if self._scopes is None:
-            self._scopes = self.source.scope_instances()
-        return self._scopes
+    def scope_instances(self, known: Collection[str] | None = None
+                        ) -> dict[str, list[ScopeInstance]]:
+        key = frozenset(known) if known is not None else None
+        if self._scopes is None or self._scopes[0] != key:
+            self._scopes = (key, self.source.scope_instances(known))
+        return self._scopes[1]
 
     def isolate(self, target: str, boundary: set[str],
                 fetch: Callable[[str], np.ndarray]) -> tuple[np.ndarray, list[str]]:

@@ -25,6 +25,7 @@ class LayerResult:
     noise: float = 0.0  # the reference's own relative error on this layer against itself
     allowance: float | None = None  # budget + multiplier * noise (or the fixed rel_error)
     measurable: float | None = None  # isolated error beyond which it differs measurably
+    unsure: str = ""  # why the alignment may compare different computations (never named)
 
     @property
     def ratio(self) -> float:
@@ -44,6 +45,7 @@ class LayerResult:
             "divergent": self.divergent, "noise": _round(self.noise),
             "allowance": None if self.allowance is None else _round(self.allowance),
             "measurable": None if self.measurable is None else _round(self.measurable),
+            **({"unsure": self.unsure} if self.unsure else {}),
         }
 
 
@@ -66,6 +68,8 @@ class ActivationReport:
     primary_only: list[str] = field(default_factory=list)  # values the primary's derivation added
     suspects: list[LayerResult] = field(default_factory=list)  # by isolated error, largest first
     seconds: float = 0.0
+    capture_seconds: float = 0.0  # both sides captured and aligned
+    isolate_seconds: float = 0.0  # the layers re-run in isolation (at most max_isolated)
     error: str = ""  # set when the check itself could not run (capture failed)
     budget: object = None  # decide.Budget: what the allowances derive from
     first: LayerResult | None = None  # set by decide.decide
@@ -76,17 +80,21 @@ class ActivationReport:
     # not a failure.
     within_budget: bool = False
     within_budget_note: str = ""  # why no layer is named within the budget (reduced precision)
+    # a layer over its allowance would be named, but its alignment is unsure: not passed, and
+    # ``undetermined`` says why no layer is named
+    unsure_divergence: bool = False
 
     @property
     def first_divergence(self) -> LayerResult | None:
-        if self.first is not None:
+        if self.first is not None or self.undetermined:
             return self.first
         return next((layer for layer in self.layers if layer.divergent), None)
 
     @property
     def passed(self) -> bool:
         """Driven by the budget: a first divergence named within it does not fail the check."""
-        return not self.error and (self.first_divergence is None or self.within_budget)
+        return not self.error and not self.unsure_divergence and (
+            self.first_divergence is None or self.within_budget)
 
     def first_divergence_dict(self) -> dict | None:
         """The CONTRACT report shape: ``{"layer": ..., "error": ...}`` (plus context)."""

@@ -4,7 +4,9 @@ Hooks are registered on every named submodule for the duration of one capture an
 afterwards, on a module loaded for tier 2 alone (never the module that serves requests). Each
 call of a module is recorded in the order calls *finish* (a valid topological order: a module
 finishes after everything it read), so a module called twice (a shared pooling layer) has
-calls ``pool#0`` and ``pool#1``.
+calls ``pool#0`` and ``pool#1``. Each call also records where its inputs came from (the call
+whose output each input tensor is, by identity) and the call it ran inside: the dataflow that
+tells align.py which modules an exporter folded into one group of nodes.
 
 TorchScript and ``torch.export`` programs run their forward in C++: Python hooks cannot see
 inside them (``register_forward_hook is not supported on ScriptModules``). For those the config
@@ -33,8 +35,15 @@ class ModuleCall:
     path: str  # "layers.0.lin"
     index: int  # 0 for the first call of this module in the forward, 1 for the second...
     kind: str  # the module's class name
-    inputs: list[np.ndarray]  # positional tensor arguments
+    inputs: list[np.ndarray]  # positional tensor arguments, as they were when the call began
     outputs: list[np.ndarray]  # tensor outputs, flattened (a tuple output gives several)
+    # Dataflow between module calls, by tensor identity: for each input, the key of the leaf call
+    # that computed it, else of the container whose own code did (None: a graph input).
+    sources: list[str | None] = field(default_factory=list)
+    parent: str | None = None  # the key of the call this one ran inside (None: the root's)
+    leaf: bool = True  # the module has no submodules
+    identity: bool = False  # returned its only input unchanged (Identity, eval-mode Dropout)
+    order: int = 0  # position in finish order
 
     @property
     def key(self) -> str:
@@ -49,6 +58,28 @@ class TorchCapture:
         out: dict[str, list[ModuleCall]] = {}
         for call in self.calls:
             out.setdefault(call.path, []).append(call)
+        return out
+
+    def by_key(self) -> dict[str, ModuleCall]:
+        return {call.key: call for call in self.calls}
+
+    def consumers(self) -> dict[str, list[ModuleCall]]:
+        """Leaf calls reading each call's outputs (by tensor identity)."""
+        out: dict[str, list[ModuleCall]] = {}
+        for call in self.calls:
+            if call.leaf:
+                for source in dict.fromkeys(s for s in call.sources if s is not None):
+                    out.setdefault(source, []).append(call)
+        return out
+
+    def descendants(self, key: str) -> list[ModuleCall]:
+        """The calls made inside call ``key``, at any depth, in finish order."""
+        inside = {key}
+        out = []
+        for call in sorted(self.calls, key=lambda c: c.order):
+            if call.parent in inside:
+                inside.add(call.key)
+                out.append(call)
         return out
 
 
@@ -126,6 +157,8 @@ class TorchSide:
         self.module = self.module.to(self.device)
         self.paths = {m: path for path, m in self.module.named_modules() if path}
         self.submodules = dict(self.module.named_modules())
+        self.has_children = {path: any(True for _ in m.children())
+                             for path, m in self.submodules.items()}
 
     def _tensor(self, array: np.ndarray):
         import torch
@@ -136,6 +169,9 @@ class TorchSide:
         return tensor.to(self.device)
 
     def capture(self, inputs: dict[str, np.ndarray]) -> TorchCapture:
+        """One forward with hooks on every submodule: each call's inputs (a pre-hook, before an
+        in-place module such as ``ReLU(inplace=True)`` overwrites them), outputs, the calls its
+        inputs came from and the call it ran inside."""
         import torch
 
         missing = [n for n in self.input_names if n not in inputs]
@@ -143,19 +179,58 @@ class TorchSide:
             raise ValueError(f"missing inputs: {', '.join(missing)}")
         capture = TorchCapture()
         counts: dict[str, int] = {}
+        producer: dict[int, str] = {}  # id(tensor) -> the key of the leaf call that computed it
+        returned: dict[int, str] = {}  # id(tensor) -> the last container call that returned it
+        alive: list = []  # every tensor seen, so that no id is reused during the forward
+        stack: list[tuple[str, list, list[np.ndarray], list[str | None], str | None]] = []
 
-        def hook(module, args, output):
+        def pre_hook(module, args):
             path = self.paths.get(module)
             if path is None:
                 return
             index = counts.get(path, 0)
             counts[path] = index + 1
-            capture.calls.append(ModuleCall(
-                path, index, type(module).__name__,
-                [_to_numpy(t) for t in _tensors(args)], [_to_numpy(t) for t in _tensors(output)],
-            ))
+            tensors = _tensors(args)
+            alive.extend(tensors)
+            parent = stack[-1][0] if stack else None
+            stack.append((f"{path}#{index}", tensors, [_to_numpy(t) for t in tensors],
+                          [producer.get(id(t)) or returned.get(id(t)) for t in tensors],
+                          parent))
 
-        handles = [m.register_forward_hook(hook) for m in self.paths]
+        def hook(module, args, output):
+            path = self.paths.get(module)
+            if path is None or not stack:
+                return
+            key, in_tensors, in_arrays, sources, parent = stack.pop()
+            outs = _tensors(output)
+            alive.extend(outs)
+            arrays = [_to_numpy(t) for t in outs]
+            identity = (len(in_arrays) == 1 and len(arrays) == 1
+                        and in_arrays[0].shape == arrays[0].shape
+                        and in_arrays[0].dtype == arrays[0].dtype
+                        and np.array_equal(in_arrays[0], arrays[0], equal_nan=True))
+            leaf = not self.has_children[path]
+            for tensor in outs:
+                # An identity is transparent: its output still comes from its input's producer.
+                # A container returning a child's tensor does not become its producer (the
+                # dataflow is between the modules that compute); a tensor its own code computed
+                # (a residual add) comes from the container.
+                if identity:
+                    if sources[0] is None:
+                        producer.pop(id(tensor), None)
+                    else:
+                        producer[id(tensor)] = sources[0]
+                elif leaf:
+                    producer[id(tensor)] = key
+                else:
+                    returned[id(tensor)] = key
+            name, _, index = key.rpartition("#")
+            capture.calls.append(ModuleCall(
+                name, int(index), type(module).__name__, in_arrays, arrays, sources, parent,
+                leaf=leaf, identity=identity, order=len(capture.calls)))
+
+        handles = [m.register_forward_pre_hook(pre_hook) for m in self.paths]
+        handles += [m.register_forward_hook(hook) for m in self.paths]
         try:
             with torch.inference_mode():
                 self.module(*[self._tensor(inputs[n]) for n in self.input_names])
@@ -180,12 +255,46 @@ class TorchSide:
         return {f"{call.key}.{j}": out for call in capture.calls
                 for j, out in enumerate(call.outputs)}
 
-    def run_module(self, path: str, inputs: list[np.ndarray]) -> list[np.ndarray]:
-        """Call one submodule on given inputs (isolated error when torch is the primary)."""
+    def run_module(self, path: str, inputs: list[np.ndarray],
+                   substitutes: dict[str, list[list[np.ndarray]]] | None = None
+                   ) -> list[np.ndarray]:
+        """Call one submodule on given inputs (isolated error when torch is the primary).
+
+        ``substitutes``: for submodules of ``path``, the outputs each of their calls returns
+        instead of computing (the k-th call gets the k-th entry): a container is then judged
+        on its own code alone, its children fed and replaced by the reference's tensors."""
         import torch
 
-        with torch.inference_mode():
-            result = self.submodules[path](*[self._tensor(a) for a in inputs])
+        handles = []
+        if substitutes:
+            counts: dict[str, int] = {}
+
+            def replace(module, args, output):
+                sub = self.paths.get(module)
+                values = substitutes.get(sub) if sub is not None else None
+                if values is None:
+                    return None
+                index = counts.get(sub, 0)
+                counts[sub] = index + 1
+                if index >= len(values):
+                    return None
+                arrays = values[index]
+                if isinstance(output, torch.Tensor) and len(arrays) == 1:
+                    return self._tensor(arrays[0]).to(output.dtype)
+                if (isinstance(output, tuple) and len(output) == len(arrays)
+                        and all(isinstance(o, torch.Tensor) for o in output)):
+                    return tuple(self._tensor(a).to(o.dtype) for a, o in zip(arrays, output))
+                return None
+
+            root = self.submodules[path]
+            handles = [m.register_forward_hook(replace) for name, m in root.named_modules()
+                       if name and f"{path}.{name}" in substitutes]
+        try:
+            with torch.inference_mode():
+                result = self.submodules[path](*[self._tensor(a) for a in inputs])
+        finally:
+            for handle in handles:
+                handle.remove()
         return [_to_numpy(t) for t in _tensors(result)]
 
     def close(self) -> None:
