@@ -158,8 +158,8 @@ def test_a_model_unloaded_through_kserves_repository_api_is_unknown(tmp_path, ks
 
 
 def test_an_unknown_kserve_model_is_a_clear_startup_error(tmp_path, kserve, zoo_classifier):
-    """KServe answers ModelReady for a model it does not have with NOT_FOUND; guard refuses
-    to start, naming the model and the server."""
+    """KServe answers ModelReady for a model it does not have with NOT_FOUND (Triton answers
+    ready=false); guard refuses to start, naming the model, the server and KServe's words."""
     from guard.config import load_config
     from guard.errors import BackendError
     from guard.serve.app import GuardServer
@@ -171,7 +171,8 @@ def test_an_unknown_kserve_model_is_a_clear_startup_error(tmp_path, kserve, zoo_
     block = guard_model(server.target, zoo_classifier, primary="cnn_absent")
     block["primary"]["options"] = {"ready_timeout_s": 0.5}
     guard = GuardServer(load_config(write_config(tmp_path, [block])))
-    with pytest.raises(BackendError, match=rf"cnn_absent@{server.target}"):
+    with pytest.raises(BackendError, match=rf"cnn_absent@{server.target} not ready after .*"
+                       r"\(NOT_FOUND: Model with name cnn_absent does not exist"):
         guard.load_models()
 
 
