@@ -9,6 +9,14 @@ from pathlib import Path
 import pytest
 
 TESTS_DIR = Path(__file__).resolve().parent
+MAX_WORKERS = 4  # each worker may load torch, TensorFlow and ONNX Runtime (1-2 GB)
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """``-n auto`` (pyproject.toml's addopts): one worker per core, at most MAX_WORKERS. The e2e
+    tests spend much of their time waiting for servers and child processes, so two workers on two
+    cores nearly halve the suite's wall time; more than four would mostly add memory."""
+    return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
 @pytest.fixture(autouse=True, scope="session")
