@@ -104,7 +104,7 @@ def _typed(name: str, datatype: str, dtype: np.dtype, contents, count: int,
 
 
 def _decode_tensor(name: str, datatype: str, shape, raw: bytes | None, contents,
-                   has_contents: bool, what: str = "input") -> np.ndarray:
+                   has_contents: bool | None, what: str = "input") -> np.ndarray:
     """One tensor; every malformed one (shape, size, contents) is INVALID_ARGUMENT, checked
     before anything is allocated for it."""
     try:
@@ -154,9 +154,9 @@ def decode_request(request: pb.ModelInferRequest) -> InferenceRequest:
     for index, tensor in enumerate(request.inputs):
         if tensor.name in inputs:
             raise invalid(f"input '{tensor.name}' appears twice")
-        inputs[tensor.name] = _decode_tensor(
+        inputs[tensor.name] = _decode_tensor(  # contents are read only when not raw
             tensor.name, tensor.datatype, tensor.shape, raw[index] if raw else None,
-            tensor.contents, tensor.HasField("contents"))
+            None if raw else tensor.contents, bool(not raw and tensor.HasField("contents")))
     return InferenceRequest(
         model_name=request.model_name,
         model_version=request.model_version,

@@ -45,6 +45,9 @@ NUMPY_TO_OIP: dict[np.dtype, str] = {v: k for k, v in OIP_TO_NUMPY.items()}
 def oip_datatype(dtype: np.dtype) -> str:
     """OIP name of a numpy dtype, whatever its byte order (the wire is little-endian); strings,
     bytes and objects are BYTES."""
+    name = NUMPY_TO_OIP.get(dtype)  # the common case: a native-order dtype, one dict lookup
+    if name is not None:
+        return name
     key = np.dtype(dtype)
     if key.kind in "OSU":
         return "BYTES"
@@ -71,11 +74,14 @@ def element_count(shape) -> int:
     shape = list(shape)
     if len(shape) > MAX_RANK:
         raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_RANK}")
-    if any(d < 0 for d in shape):
+    count = math.prod(shape)
+    if 0 < count <= MAX_ELEMENTS and (not shape or min(shape) > 0):  # the common case
+        return count
+    if shape and min(shape) < 0:
         raise ValueError(f"shape {shape} has a negative dimension")
     if math.prod(d for d in shape if d) > MAX_ELEMENTS:
         raise ValueError(f"shape {shape} describes more than {MAX_ELEMENTS} elements")
-    return math.prod(shape)
+    return count
 
 
 def decode_bytes_elements(raw: bytes, count: int) -> np.ndarray:
