@@ -71,16 +71,16 @@ _LENGTH = struct.Struct("<I")  # BYTES elements: a little-endian u32 length, the
 def element_count(shape) -> int:
     """Elements of ``shape``; ValueError (a message for the sender) when the shape is
     malformed: too many dimensions, a negative one, or more than MAX_ELEMENTS elements."""
-    shape = list(shape)
+    shape = tuple(shape)
     if len(shape) > MAX_RANK:
         raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_RANK}")
     count = math.prod(shape)
     if 0 < count <= MAX_ELEMENTS and (not shape or min(shape) > 0):  # the common case
         return count
     if shape and min(shape) < 0:
-        raise ValueError(f"shape {shape} has a negative dimension")
+        raise ValueError(f"shape {list(shape)} has a negative dimension")
     if math.prod(d for d in shape if d) > MAX_ELEMENTS:
-        raise ValueError(f"shape {shape} describes more than {MAX_ELEMENTS} elements")
+        raise ValueError(f"shape {list(shape)} describes more than {MAX_ELEMENTS} elements")
     return count
 
 
