@@ -4,10 +4,12 @@ bare grpc.aio OIP server running the same model, and (optionally) guard from ano
 
 The servers are proxy_overhead.py's: (a) its bare OIP server, (b) ``python -m guard serve`` with
 mirroring off (guard's defaults: the ~0.1 ms primary runs inline on the event loop). All of them
-run at once, idle between cells; the cells are measured in turn (a, b, b0, a, b, b0, ...) for
-``--rounds`` rounds, so that the drift of a shared machine falls on every cell alike. Figures:
+run at once, idle between cells; the cells are measured in turn, the order rotated each round
+(a, b, b0; b, b0, a; ...), for ``--rounds`` rounds, so that the drift of a shared machine falls
+on every cell alike. Figures:
 the serving process's CPU per request (/proc utime+stime, the verifier process excluded: it is
-not on the request path) and req/s, per concurrency, summed over the rounds; ratios to (a).
+not on the request path) and req/s, per concurrency, summed over the rounds; ratios to (a),
+and the median over the rounds of each round's ratio.
 
 Usage: ``.venv/bin/python benchmarks/local_cost.py [--concurrency 4,8] [--duration 6]
 [--rounds 3] [--before DIR]``. Results: ``local_cost.json`` and ``local_cost.md`` under ``--out``
@@ -34,8 +36,10 @@ TARGET_CPU_ADD_MS = po.TARGET_LOCAL_CPU_ADD_MS
 TARGET_THROUGHPUT = po.TARGET_LOCAL_THROUGHPUT
 
 
-def start(cell: str, argv: list[str], workdir: Path, env: dict, port: int) -> po.Child:
-    child = po.Child(cell, argv, workdir / f"server_{cell}.log", env)
+def start(cell: str, argv: list[str], workdir: Path, env: dict, port: int,
+          cwd: str = str(po.REPO)) -> po.Child:
+    """A server, ready. ``cwd`` is the source tree: ``python -m`` puts it first on sys.path."""
+    child = po.Child(cell, argv, workdir / f"server_{cell}.log", env, cwd=Path(cwd))
     po.wait_ready(f"{po.HOST}:{port}", child)
     return child
 
@@ -77,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
             path.write_text(yaml.safe_dump(config, sort_keys=False))
             cenv = dict(env, PYTHONPATH=tree)
             children[cell] = start(cell, [sys.executable, "-m", "guard", "serve", "--config",
-                                          str(path)], workdir, cenv, port)
+                                          str(path)], workdir, cenv, port, cwd=tree)
             targets[cell] = f"{po.HOST}:{port}"
         for cell, target in targets.items():
             po.check_answers(target, requests, expected)
@@ -85,7 +89,10 @@ def run(args: argparse.Namespace) -> int:
                        for c in concurrencies} for cell in targets}
         for round_index in range(args.rounds):
             for c in concurrencies:
-                for cell, target in targets.items():
+                cells = list(targets)  # rotated each round: no cell always follows another
+                shift = round_index % len(cells)
+                for cell in cells[shift:] + cells[:shift]:
+                    target = targets[cell]
                     pid = children[cell].process.pid
                     po.closed_loop(target, requests, c, args.warmup)
                     before = po.cpu_snapshot(pid)
@@ -98,6 +105,9 @@ def run(args: argparse.Namespace) -> int:
                     s["requests"] += n
                     s["wall_s"] += result["elapsed_s"]
                     s["other_s"] += cpu["other_s"]
+                    s.setdefault("rounds", []).append(
+                        {"rps": n / result["elapsed_s"],
+                         "cpu_ms": cpu["server_cpu_ms_per_request"]})
                     po.log(f"round {round_index + 1} ({cell}) c={c}: "
                            f"{n / result['elapsed_s']:.0f} req/s, serving CPU "
                            f"{cpu['server_cpu_ms_per_request']:.3f} ms/req, other "
@@ -114,7 +124,14 @@ def run(args: argparse.Namespace) -> int:
                 report["cells"][cell][str(c)] = {
                     "requests": s["requests"], "throughput_rps": s["requests"] / s["wall_s"],
                     "cpu_ms_per_request": s["server_s"] * 1e3 / s["requests"],
-                    "other_cores": s["other_s"] / s["wall_s"]}
+                    "other_cores": s["other_s"] / s["wall_s"], "rounds": s["rounds"]}
+                if cell != "a":  # per-round ratios to (a) measured just before: less drift
+                    base = sums["a"][c]["rounds"]
+                    f = report["cells"][cell][str(c)]
+                    f["median_round_throughput_ratio"] = float(np.median(
+                        [r["rps"] / b["rps"] for r, b in zip(s["rounds"], base)]))
+                    f["median_round_cpu_add_ms"] = float(np.median(
+                        [r["cpu_ms"] - b["cpu_ms"] for r, b in zip(s["rounds"], base)]))
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
         (out / "local_cost.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -134,8 +151,9 @@ def markdown(report: dict, cells) -> str:
     lines = ["# Local mode: guard vs a bare OIP server", "",
              po.machine_line(report["machine"], ("onnxruntime",)), "",
              f"Run: {report['settings']}; guard commit {report['source']}", "",
-             "| C | cell | req/s | x bare | serving CPU ms/req | + over bare | other cores |",
-             "|---|---|---|---|---|---|---|"]
+             "| C | cell | req/s | x bare | serving CPU ms/req | + over bare | median of rounds: "
+             "x bare | median of rounds: + over bare | other cores |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for c in map(str, report["settings"]["concurrency"]):
         a = report["cells"]["a"][c]
         for cell in cells:
@@ -145,6 +163,8 @@ def markdown(report: dict, cells) -> str:
                 f"{f['throughput_rps'] / a['throughput_rps']:.2f}x | "
                 f"{f['cpu_ms_per_request']:.3f} | "
                 f"{f['cpu_ms_per_request'] - a['cpu_ms_per_request']:+.3f} | "
+                f"{f.get('median_round_throughput_ratio', 1.0):.2f}x | "
+                f"{f.get('median_round_cpu_add_ms', 0.0):+.3f} | "
                 f"{f['other_cores']:.2f} |")
     lines += ["", f"Targets: + over bare <= {TARGET_CPU_ADD_MS} ms; x bare >= "
               f"{TARGET_THROUGHPUT}x at C=4-8.", ""]
