@@ -46,6 +46,10 @@ _TYPED_FIELD = {
 }
 
 
+# The wire's byte order per datatype, made once (not a new dtype object per tensor).
+_LITTLE_ENDIAN = {name: dtype.newbyteorder("<") for name, dtype in OIP_TO_NUMPY.items()}
+
+
 class InferenceError(Exception):
     """A request the data plane refuses; ``status`` names the gRPC status code to answer."""
 
@@ -107,11 +111,11 @@ def _decode_tensor(name: str, datatype: str, shape, raw: bytes | None, contents,
                    has_contents: bool, what: str = "input") -> np.ndarray:
     """One tensor; every malformed one (shape, size, contents) is INVALID_ARGUMENT, checked
     before anything is allocated for it."""
+    shape = tuple(shape)
     try:
         count = element_count(shape)
     except ValueError as exc:
         raise invalid(f"{what} '{name}': {exc}") from None
-    shape = tuple(shape)
     if datatype == "BYTES":
         if raw is not None:
             try:
@@ -139,7 +143,7 @@ def _decode_tensor(name: str, datatype: str, shape, raw: bytes | None, contents,
         if len(raw) != expected:
             raise invalid(f"{what} '{name}': raw contents are {len(raw)} bytes, shape "
                           f"{list(shape)} x {datatype} needs {expected}")
-        return np.frombuffer(raw, dtype=dtype.newbyteorder("<")).reshape(shape)
+        return np.frombuffer(raw, dtype=_LITTLE_ENDIAN[datatype]).reshape(shape)
     if not has_contents and count:
         raise invalid(f"{what} '{name}': no contents (neither raw nor typed)")
     return _typed(name, datatype, dtype, contents, count, what).reshape(shape)
@@ -152,11 +156,15 @@ def decode_request(request: pb.ModelInferRequest) -> InferenceRequest:
                       "send all inputs raw or none")
     inputs: dict[str, np.ndarray] = {}
     for index, tensor in enumerate(request.inputs):
-        if tensor.name in inputs:
-            raise invalid(f"input '{tensor.name}' appears twice")
-        inputs[tensor.name] = _decode_tensor(
-            tensor.name, tensor.datatype, tensor.shape, raw[index] if raw else None,
-            tensor.contents, tensor.HasField("contents"))
+        name = tensor.name  # each field read is a call into protobuf: read once
+        if name in inputs:
+            raise invalid(f"input '{name}' appears twice")
+        if raw:
+            inputs[name] = _decode_tensor(name, tensor.datatype, tensor.shape, raw[index],
+                                          None, False)
+        else:
+            inputs[name] = _decode_tensor(name, tensor.datatype, tensor.shape, None,
+                                          tensor.contents, tensor.HasField("contents"))
     return InferenceRequest(
         model_name=request.model_name,
         model_version=request.model_version,

@@ -13,7 +13,7 @@ def check_inputs(inputs: dict[str, np.ndarray], known: dict[str, TensorSpec]) ->
     """Names, datatypes and shapes against the model's signature, each error naming the tensor
     (INVALID_ARGUMENT). A backend that cannot name its inputs (empty ``known``) is left to
     complain itself."""
-    if known:
+    if known and inputs.keys() != known.keys():  # names checked one by one only when they differ
         unknown = [n for n in inputs if n not in known]
         if unknown:
             raise invalid(f"unknown input '{unknown[0]}' (the model takes: {', '.join(known)})")
@@ -27,9 +27,16 @@ def check_inputs(inputs: dict[str, np.ndarray], known: dict[str, TensorSpec]) ->
         if spec.datatype and oip_datatype(array.dtype) != spec.datatype:
             raise invalid(f"input '{name}': datatype {oip_datatype(array.dtype)}, the model "
                           f"expects {spec.datatype}")
-        if spec.shape and (
-            len(spec.shape) != array.ndim
-            or any(want not in (-1, got) for want, got in zip(spec.shape, array.shape))
-        ):
+        if spec.shape and not _shape_fits(spec.shape, array.shape):
             raise invalid(f"input '{name}': shape {list(array.shape)} does not match the "
                           f"model's {list(spec.shape)} (-1 = any)")
+
+
+def _shape_fits(want: tuple, got: tuple) -> bool:
+    """``got`` matches the signature's ``want`` (same rank; -1 in ``want`` matches any)."""
+    if len(want) != len(got):
+        return False
+    for w, g in zip(want, got):
+        if w != g and w != -1:
+            return False
+    return True

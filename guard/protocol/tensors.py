@@ -45,6 +45,9 @@ NUMPY_TO_OIP: dict[np.dtype, str] = {v: k for k, v in OIP_TO_NUMPY.items()}
 def oip_datatype(dtype: np.dtype) -> str:
     """OIP name of a numpy dtype, whatever its byte order (the wire is little-endian); strings,
     bytes and objects are BYTES."""
+    name = NUMPY_TO_OIP.get(dtype)  # the common case: a native-order dtype, one dict lookup
+    if name is not None:
+        return name
     key = np.dtype(dtype)
     if key.kind in "OSU":
         return "BYTES"
@@ -68,14 +71,17 @@ _LENGTH = struct.Struct("<I")  # BYTES elements: a little-endian u32 length, the
 def element_count(shape) -> int:
     """Elements of ``shape``; ValueError (a message for the sender) when the shape is
     malformed: too many dimensions, a negative one, or more than MAX_ELEMENTS elements."""
-    shape = list(shape)
+    shape = tuple(shape)
     if len(shape) > MAX_RANK:
         raise ValueError(f"shape has {len(shape)} dimensions, more than {MAX_RANK}")
-    if any(d < 0 for d in shape):
-        raise ValueError(f"shape {shape} has a negative dimension")
+    count = math.prod(shape)
+    if 0 < count <= MAX_ELEMENTS and (not shape or min(shape) > 0):  # the common case
+        return count
+    if shape and min(shape) < 0:
+        raise ValueError(f"shape {list(shape)} has a negative dimension")
     if math.prod(d for d in shape if d) > MAX_ELEMENTS:
-        raise ValueError(f"shape {shape} describes more than {MAX_ELEMENTS} elements")
-    return math.prod(shape)
+        raise ValueError(f"shape {list(shape)} describes more than {MAX_ELEMENTS} elements")
+    return count
 
 
 def decode_bytes_elements(raw: bytes, count: int) -> np.ndarray:

@@ -77,13 +77,15 @@ class DataPlane:
         with Call(self, request.model_name, timeout) as call:
             model = call.model
             check_inputs(request.inputs, model.input_specs)
-            unknown = [n for n in request.requested_outputs
-                       if model.output_names and n not in model.output_names]
-            if unknown:
-                raise invalid(f"unknown output '{unknown[0]}' requested")
+            if request.requested_outputs and model.output_names:
+                unknown = [n for n in request.requested_outputs if n not in model.output_names]
+                if unknown:
+                    raise invalid(f"unknown output '{unknown[0]}' requested")
             backend = call.route()
-            result = await self._run(backend, call.routed, request, timeout,
-                                     model.inline.get(call.routed, False))
+            if model.inline.get(call.routed, False):  # no coroutine for what runs inline
+                result = InferenceResult(call.routed, outputs=backend.infer(request.inputs))
+            else:
+                result = await self._run(backend, call.routed, request, timeout)
             call.answered()
             outputs = result.outputs
             if outputs is not None:
@@ -125,11 +127,13 @@ class DataPlane:
         return model
 
     async def _run(self, backend: Backend, route: str, request: InferenceRequest,
-                   timeout: float | None, inline: bool = False) -> InferenceResult:
+                   timeout: float | None) -> InferenceResult:
+        """A backend that does not run inline (``ServedModel.inline``, measured at load
+        against server.inline_below_ms): an upstream, or a hop to the inference threads."""
         if isinstance(backend, Forwarding) and request.message is not None:
             return InferenceResult(route, message=await backend.forward(
                 request.message, timeout, request.metadata))
-        if inline or self.executor is None:  # cheaper than the hop (server.inline_below_ms)
+        if self.executor is None:  # server.workers 0: everything inline
             return InferenceResult(route, outputs=backend.infer(request.inputs))
         loop = asyncio.get_running_loop()
         outputs = await loop.run_in_executor(self.executor, backend.infer, request.inputs)
@@ -194,7 +198,10 @@ class Call:
 
     def hand_off(self, request_id: str, inputs=None, outputs=None, request_message=None,
                  response_message=None) -> None:
-        """A sampled request to the verifier (``ServedModel.after_response``)."""
+        """A sampled request to the verifier (``ServedModel.after_response``); nothing at all
+        when the model samples nothing (mirror and capture rates 0)."""
+        if not self.model.samples:
+            return
         self.model.after_response(request_id, self.routed, self.epoch, self.probing,
                                   self.seconds, inputs, outputs, request_message,
                                   response_message)

@@ -47,6 +47,8 @@ class ServedModel:
         self.mirror_rate = config.mirror.sample_rate if config.reference is not None else 0.0
         capture = config.capture
         self.capture_rate = capture.sample_rate if capture and capture.mode == "all" else 0.0
+        # Whether the request path samples at all: when not, a request skips the hand-off call.
+        self.samples = bool(self.mirror_rate or self.capture_rate)
         self._word_index = table.index(slot, routes.ROUTE)
         self.forwards_only = False
         self.inline: dict[str, bool] = {}  # role -> run on the event loop (measured at load)

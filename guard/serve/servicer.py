@@ -75,6 +75,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 self.dataplane.count_error(name or "", "INVALID_ARGUMENT")
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     f"not a ModelInferRequest: {exc}")
+            if not tracing.enabled():  # the common case: one coroutine, no span work
+                return (await self._infer(request, context, None)).SerializeToString()
             return (await self.ModelInfer(request, context)).SerializeToString()
         if not tracing.enabled():
             return await self._forward(model, data, request_id, context, None)
