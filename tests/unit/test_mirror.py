@@ -238,7 +238,9 @@ def test_queue_bytes_bound_drops_past_the_budget(harness):
 
 
 def test_queue_of_one_with_slow_reference_drops_and_counts(harness):
-    h = harness(reference_kwargs={"sleep_on_trigger": 0.6}, queue_size=1, timeout_s=5.0)
+    # The reference holds the worker long enough for three offers on a loaded machine (0.6 s
+    # was not, under two test workers on two busy cores).
+    h = harness(reference_kwargs={"sleep_on_trigger": 2.0}, queue_size=1, timeout_s=8.0)
     h.start()
     h.offer(rows(fixture_models.SLEEP_TRIGGER))  # the worker takes it and waits on the reference
     assert wait_for(lambda: h.depth() == 0)
