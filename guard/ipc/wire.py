@@ -114,23 +114,33 @@ class _Reader:
         return self.bytes(n).decode()
 
     def tensor(self) -> tuple[str, np.ndarray]:
-        name_len, dtype_len, ndim = self.unpack(_TENSOR)
-        name = self.bytes(name_len).decode()
-        dtype = self.bytes(dtype_len).decode()
-        shape = struct.unpack_from(f"<{ndim}Q", self.data, self.at)
-        self.at += 8 * ndim
-        (nbytes,) = self.unpack(_U64)
-        start = self.at
-        self.bytes(nbytes)
+        # One bounds check per tensor and no copy of its bytes: the array is a view on the
+        # record (this runs for every sample the verifier takes).
+        data, at = self.data, self.at
+        name_len, dtype_len, ndim = _TENSOR.unpack_from(data, at)
+        at += _TENSOR.size
+        names_end = at + name_len + dtype_len
+        if names_end > len(data):
+            raise ValueError("record truncated")
+        name = data[at:at + name_len].decode()
+        dtype = data[at + name_len:names_end].decode()
+        shape = struct.unpack_from(f"<{ndim}Q", data, names_end)
+        at = names_end + 8 * ndim
+        (nbytes,) = _U64.unpack_from(data, at)
+        start = at + _U64.size
+        self.at = end = start + nbytes
+        if end > len(data):
+            raise ValueError("record truncated")
         if dtype == _OBJECT:
             items, at = [], start
-            while at < start + nbytes:
-                (n,) = struct.unpack_from("<I", self.data, at)
-                items.append(self.data[at + 4:at + 4 + n])
+            while at < end:
+                (n,) = struct.unpack_from("<I", data, at)
+                items.append(data[at + 4:at + 4 + n])
                 at += 4 + n
             return name, np.array(items, dtype=object).reshape(shape)
-        array = np.frombuffer(self.data, dtype=np.dtype(dtype), count=nbytes // np.dtype(
-            dtype).itemsize, offset=start)
+        numpy_dtype = np.dtype(dtype)
+        array = np.frombuffer(data, dtype=numpy_dtype, count=nbytes // numpy_dtype.itemsize,
+                              offset=start)
         return name, array.reshape(shape)
 
     def tensors(self) -> dict[str, np.ndarray]:
@@ -141,7 +151,8 @@ class _Reader:
 def decode(data: bytes) -> HandedSample:
     reader = _Reader(data)
     flags, route, kind, slot, epoch, unix_nanos, seconds = reader.unpack(_FIXED)
-    model, request_id, traceparent, requested = (reader.string() for _ in range(4))
+    model, request_id, traceparent, requested = (reader.string(), reader.string(),
+                                                 reader.string(), reader.string())
     sample = HandedSample(flags, "fallback" if route else "primary", slot, epoch, unix_nanos,
                           seconds, model, request_id, traceparent,
                           tuple(requested.split("\0")) if requested else (), size=len(data))

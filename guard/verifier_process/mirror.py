@@ -7,10 +7,14 @@ queue is full the sample is dropped and counted. One worker thread per model tak
 the queue, runs the reference (and, while the model is on its fallback, the primary as a
 background probe) and hands the result to a callback.
 
-Timeouts: reference and probe calls run on a single helper thread and the worker waits at most
-``timeout_s``. A hung call cannot be killed in Python; later calls then wait behind it, time
-out in turn and are counted as ``timeout``, the queue fills, and further samples are counted as
-``dropped``. The request path is never affected. The CPU budget of the reference is its own
+Timeouts: the worker runs the reference and probe calls itself, one at a time, and a watchdog
+thread gives up on a call that has run ``timeout_s`` (it looks every ``timeout_s / 2``, at most
+every second): it counts the sample as ``timeout`` and hands the queue to a new worker. A hung
+call cannot be killed in Python; later calls then wait behind it, time out in turn and are
+counted as ``timeout``, the queue fills, and further samples are counted as ``dropped``. The
+request path is never affected. Why the calls are not handed to a helper thread that the worker
+waits on: each sample would then wake two more threads, and on a VM a wake-up costs ~30 us of
+CPU, a third of a small reference's forward pass. The CPU budget of the reference is its own
 thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
 request path (guard/runtime/priority.py): on a busy machine they take the CPU it leaves.
 """
@@ -21,8 +25,6 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Callable
 
@@ -62,23 +64,18 @@ class MirrorResult:
     reference: dict[str, np.ndarray] | None = None  # the reference's answer
 
 
-class _BoundedCaller:
-    """Runs calls on one helper thread and waits at most ``timeout`` for each."""
+class _Abandoned(BaseException):
+    """The watchdog gave up on this worker's call: the thread leaves without a word (the
+    watchdog counted its sample). A BaseException, so that no ``except Exception`` takes it."""
 
-    def __init__(self, name: str, nice: int = 0):
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=name,
-                                            initializer=lower_current_thread, initargs=(nice,))
 
-    def call(self, fn, arg, timeout: float):
-        future = self._executor.submit(fn, arg)
-        try:
-            return future.result(timeout=timeout)
-        except FutureTimeout:
-            future.cancel()  # if it never started; a running call cannot be stopped
-            raise TimeoutError from None
+class _InFlight:
+    """The reference or probe call a worker is in, for the watchdog."""
 
-    def shutdown(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    __slots__ = ("deadline", "sample", "stage", "span")
+
+    def __init__(self, deadline: float, sample: "MirrorSample", stage: str, span):
+        self.deadline, self.sample, self.stage, self.span = deadline, sample, stage, span
 
 
 class Mirror:
@@ -109,14 +106,18 @@ class Mirror:
         # process to export; and every sample leaving the mirror (the verifier's loss count).
         self.on_span = on_span
         self.on_finished = on_finished
-        self._queue: queue.Queue[MirrorSample | None] = queue.Queue(maxsize=config.queue_size)
-        self._caller = _BoundedCaller(f"guard-ref-{model}", config.nice)
-        self._thread = threading.Thread(target=self._run, name=f"guard-mirror-{model}",
-                                        daemon=True)
+        # A SimpleQueue (in C) and the bounds kept here, under _bytes_lock: a queue.Queue's
+        # condition variables cost ~10 us of Python per sample on each side.
+        self._queue: queue.SimpleQueue[MirrorSample | None] = queue.SimpleQueue()
+        self._thread = self._worker()
+        self._watchdog = threading.Thread(target=self._watch, name=f"guard-watch-{model}",
+                                          daemon=True)
+        self._call_lock = threading.Lock()  # one backend call at a time, hung ones included
+        self._state_lock = threading.Lock()  # _inflight and _thread, worker vs watchdog
+        self._inflight: _InFlight | None = None
         self._stopping = threading.Event()
         self._last_error_log = 0.0
-        self._span = None  # the comparison's span while a sample is processed (worker thread)
-        self._queued_bytes = 0
+        self._queued = self._queued_bytes = 0
         self._bytes_lock = threading.Lock()
         metrics.mirror_queue_depth.labels(model).set_function(self._queue.qsize)
         # Children resolved once: labels() is a dict lookup under a lock on every call.
@@ -129,16 +130,14 @@ class Mirror:
         """Non-blocking; True when queued. Drops (and counts) when the queue is full in items or
         bytes, or the mirror is stopping."""
         with self._bytes_lock:
-            room = (not self._stopping.is_set()
+            room = (not self._stopping.is_set() and self._queued < self.config.queue_size
                     and self._queued_bytes + sample.size <= self.config.queue_bytes)
             if room:
+                self._queued += 1
                 self._queued_bytes += sample.size
         if room:
-            try:
-                self._queue.put_nowait(sample)
-                return True
-            except queue.Full:
-                self._release(sample)
+            self._queue.put(sample)
+            return True
         self._outcomes["dropped"].inc()
         self._unchecked(sample, "dropped")
         self._finished(sample)
@@ -146,6 +145,7 @@ class Mirror:
 
     def _release(self, sample: MirrorSample) -> None:
         with self._bytes_lock:
+            self._queued -= 1
             self._queued_bytes -= sample.size
 
     def queue_fill(self) -> float:
@@ -155,6 +155,7 @@ class Mirror:
     # -- lifecycle -------------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
+        self._watchdog.start()
 
     def stop(self, timeout: float = 5.0) -> None:
         """Stop taking samples; finish the one in hand; count the rest as dropped."""
@@ -173,10 +174,15 @@ class Mirror:
         if dropped:
             self._outcomes["dropped"].inc(dropped)
         self._queue.put(None)
-        self._thread.join(timeout)
-        self._caller.shutdown()
+        with self._state_lock:
+            worker = self._thread
+        worker.join(timeout)
+        self._watchdog.join(timeout)
 
     # -- worker ------------------------------------------------------------------------------------
+    def _worker(self) -> threading.Thread:
+        return threading.Thread(target=self._run, name=f"guard-mirror-{self.model}", daemon=True)
+
     def _run(self) -> None:
         lower_current_thread(self.config.nice)  # the checks yield the CPU to the request path
         while True:
@@ -189,37 +195,85 @@ class Mirror:
                 self._unchecked(sample, "dropped")
                 self._finished(sample)
                 return
-            self._span = (tracing.RecordedSpan("guard.mirror.compare", sample.trace_context,
-                                               {"guard.model": self.model,
-                                                "guard.route": sample.route})
-                          if sample.trace_context and self.on_span is not None else None)
+            span = (tracing.RecordedSpan("guard.mirror.compare", sample.trace_context,
+                                         {"guard.model": self.model, "guard.route": sample.route})
+                    if sample.trace_context and self.on_span is not None else None)
             try:
-                self._process(sample)
+                self._process(sample, span)
+            except _Abandoned:
+                return  # the watchdog counted this sample; a new worker has the queue
             except Exception:  # a bug here must not kill the worker
                 log.exception("mirror worker for %s failed on a sample", self.model)
                 self._outcomes["error"].inc()
-            finally:
-                self._finished(sample)
-            if self._span is not None:
-                self.on_span(self._span.end())
+            self._finished(sample)
+            if span is not None:
+                self.on_span(span.end())
 
-    def _process(self, sample: MirrorSample) -> None:
+    def _call(self, fn, sample: MirrorSample, stage: str, span):
+        """``fn(sample.inputs)`` on this thread, watched: TimeoutError when a call the watchdog
+        gave up on still holds the backend after ``timeout_s``; ``_Abandoned`` when the
+        watchdog gave up on this one."""
         timeout = self.config.timeout_s
+        if not self._call_lock.acquire(timeout=timeout):
+            raise TimeoutError
+        flight = _InFlight(time.monotonic() + timeout, sample, stage, span)
+        with self._state_lock:
+            self._inflight = flight
+        try:
+            result = fn(sample.inputs)
+        except BaseException:
+            if self._end_call(flight):
+                raise _Abandoned from None
+            raise
+        if self._end_call(flight):
+            raise _Abandoned
+        return result
+
+    def _end_call(self, flight: _InFlight) -> bool:
+        """Release the backend; True when the watchdog gave up on ``flight`` meanwhile."""
+        with self._state_lock:
+            abandoned = self._inflight is not flight
+            if not abandoned:
+                self._inflight = None
+        self._call_lock.release()
+        return abandoned
+
+    def _watch(self) -> None:
+        """Give up on a call past its deadline: count its sample, start a new worker."""
+        lower_current_thread(self.config.nice)
+        interval = min(max(self.config.timeout_s / 2, 0.05), 1.0)
+        while not self._stopping.wait(interval):
+            with self._state_lock:
+                flight = self._inflight
+                if flight is None or time.monotonic() < flight.deadline:
+                    continue
+                self._inflight = None  # its worker leaves when (if ever) the call returns
+                self._thread = self._worker()
+                self._thread.start()
+            self._timed_out(flight.sample, flight.stage, flight.span)
+            self._finished(flight.sample)
+            if flight.span is not None:
+                self.on_span(flight.span.end())
+
+    def _timed_out(self, sample: MirrorSample, stage: str, span) -> None:
+        self._outcomes["timeout"].inc()
+        tracing.set_attributes(span, {"guard.outcome": "timeout"})
+        self._log_error(f"{stage} timed out after {self.config.timeout_s}s")
+        self._unchecked(sample, "timeout")
+
+    def _process(self, sample: MirrorSample, span) -> None:
         stage = "reference"
         try:
             probed = sample.route != "primary"
             if probed:
                 stage = "primary probe"
-                sample.outputs = self._caller.call(self.primary.infer, sample.inputs, timeout)
+                sample.outputs = self._call(self.primary.infer, sample, stage, span)
                 stage = "reference"
             started = time.perf_counter()
-            reference = self._caller.call(self.reference.infer, sample.inputs, timeout)
+            reference = self._call(self.reference.infer, sample, stage, span)
             seconds = time.perf_counter() - started
         except TimeoutError:
-            self._outcomes["timeout"].inc()
-            tracing.set_attributes(self._span, {"guard.outcome": "timeout"})
-            self._log_error(f"{stage} timed out after {timeout}s")
-            self._unchecked(sample, "timeout")
+            self._timed_out(sample, stage, span)
             return
         except Exception as exc:
             self._outcomes["error"].inc()
@@ -233,10 +287,11 @@ class Mirror:
             sample.outputs = {k: v for k, v in sample.outputs.items() if k in sample.only_outputs}
         check = self.verifier.check(reference, sample.outputs, inputs=sample.inputs)
         self._outcomes["compared"].inc()
-        tracing.set_attributes(self._span, {
-            "guard.verdict": "pass" if check.passed else "fail",
-            "guard.tier.tensor.max_abs_error": check.max_abs_error,
-            "guard.probed": probed, "guard.reference_seconds": seconds})
+        if span is not None:  # (its attributes are not built for untraced samples)
+            tracing.set_attributes(span, {
+                "guard.verdict": "pass" if check.passed else "fail",
+                "guard.tier.tensor.max_abs_error": check.max_abs_error,
+                "guard.probed": probed, "guard.reference_seconds": seconds})
         try:
             self.on_result(MirrorResult(sample, check, seconds, probed, reference))
         except Exception:  # a bug downstream; the sample was compared, count it once

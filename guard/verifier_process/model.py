@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from functools import partial
 
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
@@ -61,14 +62,13 @@ class VerifiedModel:
         tiers = (*self.policy_tiers, *(("activation",) if self.activation_tier else ()))
         self._checks = {(tier, result): metrics.checks.labels(self.name, tier, result)
                         for tier in tiers for result in ("pass", "fail")}
-        self._drift_ratio = {t: metrics.drift_ratio.labels(self.name, t)
-                             for t in self.policy_tiers}
-        self._statistic = {t: metrics.detector_statistic.labels(self.name, t)
-                           for t in self.policy_tiers}
-        self._threshold = {t: metrics.detector_threshold.labels(self.name, t)
-                           for t in self.policy_tiers}
         self._max_abs_error = metrics.tensor_max_abs_error.labels(self.name)
-        self._export_detectors()
+        # The window and detector gauges read the policy when scraped, so a sample sets none.
+        for tier in self.policy_tiers:
+            for gauge, figure in ((metrics.drift_ratio, "ratio"),
+                                  (metrics.detector_statistic, "statistic"),
+                                  (metrics.detector_threshold, "threshold")):
+                gauge.labels(self.name, tier).set_function(partial(self._figure, tier, figure))
         self.activation = None  # tier 2's checker, built at load
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
         self._last_activation_event = 0.0
@@ -221,9 +221,6 @@ class VerifiedModel:
             self._checks[tier, "pass" if tier_result.passed else "fail"].inc()
             transition = self.policy.observe(tier, not tier_result.passed,
                                              result.sample.epoch) or transition
-        for figures in self.policy.windows():
-            self._drift_ratio[figures.tier].set(figures.ratio)
-        self._export_detectors()
         if check.arbitration is not None:
             emit("arbitration", model=self.name, verdict=check.arbitration.as_dict())
         if transition is not None:
@@ -254,10 +251,10 @@ class VerifiedModel:
             self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, sample.inputs,
                                               sample.outputs))
 
-    def _export_detectors(self) -> None:
-        for figures in self.policy.detectors():
-            self._statistic[figures.tier].set(figures.statistic)
-            self._threshold[figures.tier].set(figures.threshold)
+    def _figure(self, tier: str, figure: str) -> float:
+        """A tier's window ratio or detector statistic/threshold, for its gauge at a scrape."""
+        figures = self.policy.windows() if figure == "ratio" else self.policy.detectors()
+        return next(getattr(f, figure) for f in figures if f.tier == tier)
 
     def _on_activation(self, report, epoch: int) -> None:
         """A tier-2 report from the Comparator: counted, kept for the evidence, announced."""
@@ -293,7 +290,6 @@ class VerifiedModel:
             self._record(transition, transition.evidence)
         else:
             self.publish()
-        self._export_detectors()
         return transition
 
     def _record(self, transition: Transition, evidence: dict) -> None:

@@ -154,6 +154,14 @@ class ObserverThread:
         self.thread.join(timeout=10)
 
 
+def envoy_counter(admin: int, name: str) -> int:
+    """One of Envoy's counters, from its admin endpoint."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{admin}/stats?filter=^{name}$",
+                                timeout=5) as reply:
+        text = reply.read().decode()
+    return int(text.rsplit(":", 1)[1]) if text.strip() else 0
+
+
 def start_logged(argv: list[str], log: Path) -> subprocess.Popen:
     with log.open("w") as out:
         return subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT)
@@ -194,7 +202,7 @@ def stack(tmp_path_factory):
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{listen}")
         wait_for(lambda: client.is_model_ready(MODEL), timeout=30)
         observer.take(1)  # the readiness call above, observed too
-        yield client, observer, folder
+        yield client, observer, admin
         client.close()
     finally:
         if envoy is not None:
@@ -286,12 +294,15 @@ def test_streaming_calls_are_counted_not_handed_on(stack):
 
 def test_a_slow_observer_delays_no_client_and_its_losses_are_counted(stack):
     """on_call blocks the observer's loop past Envoy's deferred close (5 s): every client call
-    completes with the right answer meanwhile; the calls whose streams Envoy reset are counted
-    incomplete, and every call's stream is counted once."""
-    client, observer, _ = stack
+    completes with the right answer meanwhile. Every call is accounted for: the observer counts
+    each stream that reached it (those Envoy reset before it read them as incomplete), and
+    Envoy counts the streams it could not open to the blocked observer (``streams_failed``,
+    the calls ``failure_mode_allow`` let through unobserved)."""
+    client, observer, admin = stack
     observer.drain()
     before = {o: observer.count(o) for o in observer.observer.counts}
-    observer.hold_s = 6.0
+    failed_before = envoy_counter(admin, "http.ingress.ext_proc.streams_failed")
+    observer.hold_s = 7.0  # the streams of calls in its first 2 s are reset by Envoy
     rng = np.random.default_rng(7)
     x = rng.standard_normal((1, 8)).astype(np.float32)
     infer(client, x, "slow-0")  # its on_call holds the loop
@@ -304,10 +315,20 @@ def test_a_slow_observer_delays_no_client_and_its_losses_are_counted(stack):
         finished.append(time.monotonic())
     assert len(finished) >= 3
     calls = 1 + len(finished)
-    wait_for(lambda: sum(observer.count(o) - before[o] for o in before) == calls, timeout=30)
-    assert observer.count("incomplete") - before["incomplete"] >= 1
-    handed_on = observer.count("complete") - before["complete"]
-    assert handed_on == observer.calls.qsize() < calls
+
+    def accounted() -> dict:
+        out = {o: observer.count(o) - before[o] for o in before}
+        out["not_opened"] = envoy_counter(admin, "http.ingress.ext_proc.streams_failed") \
+            - failed_before
+        return out
+
+    try:
+        wait_for(lambda: sum(accounted().values()) == calls, timeout=30)
+    except AssertionError:
+        raise AssertionError(f"{calls} calls, accounted for {accounted()}") from None
+    counts = accounted()
+    assert counts["incomplete"] >= 1, counts  # losses the observer saw, counted
+    assert counts["complete"] == observer.calls.qsize() < calls
 
 
 def test_too_large_calls_are_dropped_and_counted(stack):

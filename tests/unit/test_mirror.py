@@ -286,6 +286,24 @@ def test_offer_does_not_block_while_reference_hangs(harness):
     assert count(h.metrics, "dropped") >= 7  # at most 1 in hand + 2 queued
 
 
+def test_a_hung_call_is_given_up_and_a_new_worker_checks_the_next_samples(harness):
+    """The watchdog counts the hung sample as timeout and hands the queue to a new worker;
+    the next sample waits behind the hung call (one backend call at a time) and is compared
+    once it returns; the abandoned worker's late answer is dropped, never counted."""
+    h = harness(reference_kwargs={"sleep_on_trigger": 1.0}, timeout_s=0.6)
+    h.start()
+    first = h.mirror._thread
+    h.offer(rows(fixture_models.SLEEP_TRIGGER))
+    assert wait_for(lambda: count(h.metrics, "timeout") == 1, timeout=5)
+    assert h.mirror._thread is not first
+    h.offer(rows(0.5))
+    assert wait_for(lambda: count(h.metrics, "compared") == 1, timeout=5)
+    assert h.results[0].check.passed and len(h.results) == 1
+    first.join(5)
+    assert not first.is_alive()  # the abandoned worker left once its call returned
+    assert count(h.metrics, "timeout") == 1 and count(h.metrics, "error") == 0
+
+
 def test_failing_reference_counts_error_and_worker_survives(harness):
     h = harness(reference_kwargs={"fail_on_trigger": True})
     h.start()
@@ -341,15 +359,15 @@ def test_stop_without_samples_drops_nothing(harness):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="per-thread niceness is Linux")
 @pytest.mark.parametrize("nice", [10, 0])
 def test_mirror_threads_run_below_the_request_path(harness, nice):
-    """The worker (checks) and the reference caller run ``mirror.nice`` steps below the thread
-    that serves; the serving thread keeps its niceness."""
+    """The worker (reference and checks) and its watchdog run ``mirror.nice`` steps below the
+    thread that serves; the serving thread keeps its niceness."""
     h = harness(nice=nice)
     base = thread_niceness()
     h.start()
     h.offer(rows(1.0))
     assert h.result_event.wait(10)
     worker = h.mirror._thread.native_id
-    (caller,) = [t.native_id for t in h.mirror._caller._executor._threads]
-    for tid in (worker, caller):
+    watchdog = h.mirror._watchdog.native_id
+    for tid in (worker, watchdog):
         assert os.getpriority(os.PRIO_PROCESS, tid) == min(19, base + nice)
     assert thread_niceness() == base

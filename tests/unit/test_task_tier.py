@@ -70,6 +70,49 @@ def test_topk_overlap_threshold_and_tie_awareness():
     assert tied.check({"logits": ref4}, {"logits": out4}).passed
 
 
+def test_classification_small_path_gives_the_numpy_paths_result(monkeypatch):
+    """Small agreeing logits take a pure-Python path; on random logits (ties, +/-0, Inf, NaN,
+    flips, float16/32/64, 1-8 rows, every top_k / tie margin / overlap bound) its result is
+    the numpy path's, figure for figure."""
+    import guard.verify.task.classification as classification
+
+    rng = np.random.default_rng(20)
+    taken = []
+    agreeing = classification.ClassificationChecker._agreeing
+    monkeypatch.setattr(classification.ClassificationChecker, "_agreeing",
+                        lambda self, *a: taken.append(1) or agreeing(self, *a))
+    for _ in range(1500):
+        dtype = rng.choice([np.float16, np.float32, np.float64])
+        ref = rng.standard_normal((int(rng.integers(1, 9)), int(rng.choice([2, 3, 10])))
+                                  ).astype(dtype)
+        kind = rng.integers(0, 4)
+        if kind == 1:
+            ref = (np.round(ref * 2) / 2).astype(dtype)  # exact ties
+        out = (ref + rng.standard_normal(ref.shape) * 10.0 ** -int(rng.integers(1, 6))
+               ).astype(dtype)
+        if kind == 2:
+            out = ref.copy()
+        if kind == 3:
+            side = ref if rng.random() < 0.5 else out
+            side[tuple(rng.integers(0, n) for n in ref.shape)] = rng.choice(
+                [np.inf, -np.inf, np.nan, -0.0])
+        block = {"top_k": int(rng.integers(1, 7))}
+        if rng.random() < 0.3:
+            block["tie_margin"] = float(rng.choice([0.0, 1e-3, 0.5]))
+        if rng.random() < 0.3:
+            block["min_topk_overlap"] = float(rng.choice([0.5, 0.9, 1.0]))
+        allowed = {"logits": float(rng.choice([0.0, 1e-4, 0.3]))}
+        check = checker("classification", **block)
+        with np.errstate(invalid="ignore"):
+            fast = check.check({"logits": ref}, {"logits": out}, allowed)
+            monkeypatch.setattr(classification, "_SMALL_VALUES", 0)
+            general = check.check({"logits": ref}, {"logits": out}, allowed)
+        monkeypatch.setattr(classification, "_SMALL_VALUES", 128)
+        assert repr(fast.as_dict()) == repr(general.as_dict()) and \
+            fast.summary() == general.summary()
+    assert len(taken) > 300  # the small path was taken, not only the general one
+
+
 def test_classification_output_selection_and_missing_output():
     logits = np.zeros((1, 3))
     two = {"a": logits, "b": logits}

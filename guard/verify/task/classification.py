@@ -8,6 +8,11 @@ against ``min_top1_agreement``. A flip beyond the margin is a real one.
 
 Top-k overlap is tie-aware: the reference's top-k set is extended by every class within
 ``tie_margin`` of its k-th value, so a tie at the boundary cannot cost overlap.
+
+Cost: the common sample (a few rows of a few logits, every row agreeing) takes a pure-Python
+path, about ten times cheaper than the ~25 small numpy calls of the general one, whose fixed
+cost dominated a compared sample's checks; it computes the same figures in the same float64
+arithmetic (see ``_agreeing_overlaps``). Any flip, NaN, or larger output takes the numpy path.
 """
 
 from __future__ import annotations
@@ -16,6 +21,12 @@ import numpy as np
 
 from guard.config import ClassificationTaskConfig
 from guard.verify.task.base import TaskCheck, TaskChecker
+
+# The pure-Python path's bounds: beyond ~128 logits numpy's per-call cost is the smaller one;
+# below 8 rows numpy's mean is a plain left-to-right sum (its pairwise summation starts at 8),
+# which the Python path repeats exactly.
+_SMALL_VALUES = 128
+_SMALL_ROWS = 7
 
 
 class ClassificationChecker(TaskChecker):
@@ -32,9 +43,18 @@ class ClassificationChecker(TaskChecker):
         if ref.ndim == 0 or ref.shape[-1] < 2 or ref.size == 0:
             return TaskCheck(self.task, False, failure="shape", reasons=[
                 f"'{name}' {list(ref.shape)} has no class axis of 2 or more (last axis)"])
-        ref = ref.reshape(-1, ref.shape[-1]).astype(np.float64)
-        out = out.reshape(-1, out.shape[-1]).astype(np.float64)
         tie = c.tie_margin if c.tie_margin is not None else 2.0 * allowed.get(name, 0.0)
+        classes = ref.shape[-1]
+        if (ref.size <= _SMALL_VALUES and ref.size <= _SMALL_ROWS * classes
+                and ref.dtype.kind == "f" and out.dtype.kind == "f"
+                and c.min_top1_agreement <= 1.0):
+            overlaps = _agreeing_overlaps(ref.reshape(-1, classes).tolist(),
+                                          out.reshape(-1, classes).tolist(),
+                                          min(c.top_k, classes), tie)
+            if overlaps is not None:
+                return self._agreeing(overlaps, min(c.top_k, classes), tie)
+        ref = ref.reshape(-1, classes).astype(np.float64)
+        out = out.reshape(-1, classes).astype(np.float64)
         rows = np.arange(len(ref))
         top1_ref = np.argmax(ref, axis=1)
         top1_out = np.argmax(out, axis=1)
@@ -77,3 +97,51 @@ class ClassificationChecker(TaskChecker):
         if check.reasons:
             check.passed, check.failure = False, "task"
         return check
+
+    def _agreeing(self, overlaps: list[float], k: int, tie: float) -> TaskCheck:
+        """The numpy path's result for rows whose top-1 all agree (no flip, so agreement is 1)."""
+        total = 0.0
+        for value in overlaps:  # numpy's mean below 8 values: a left-to-right sum, then / n
+            total += value
+        overlap = total / len(overlaps)
+        check = TaskCheck(self.task, True, {
+            "rows": len(overlaps),
+            "top1_agreement": 1.0,
+            "top1_agreement_beyond_ties": 1.0,
+            "real_flips": 0,
+            "near_tie_flips": 0,
+            f"top{k}_overlap": overlap,
+            "min_reference_margin_of_flips": 0.0,
+            "tie_margin": float(tie),
+        })
+        if overlap < self.config.min_topk_overlap:
+            check.reasons.append(f"top-{k} overlap {overlap:.4f} < {self.config.min_topk_overlap}")
+            check.passed, check.failure = False, "task"
+        return check
+
+
+def _agreeing_overlaps(ref: list[list[float]], out: list[list[float]], k: int,
+                       tie: float) -> list[float] | None:
+    """Per row, the tie-aware top-k overlap, when every row's top-1 agrees and no value is
+    NaN; else None (the numpy path decides). Python floats are the float64 values numpy's
+    path computes with; ``max`` returns the first maximum, as ``argmax`` does; the top-k of
+    the primary is a stable descending sort, as ``argsort(-x, kind="stable")``."""
+    overlaps = []
+    for r, o in zip(ref, out):
+        for v in r:
+            if v != v:
+                return None
+        for v in o:
+            if v != v:
+                return None
+        classes = range(len(r))
+        if max(classes, key=r.__getitem__) != max(classes, key=o.__getitem__):
+            return None
+        bound = sorted(r, reverse=True)[k - 1] - tie
+        top = sorted(classes, key=o.__getitem__, reverse=True)[:k]
+        hits = 0
+        for i in top:
+            if r[i] >= bound:
+                hits += 1
+        overlaps.append(hits / k)
+    return overlaps
