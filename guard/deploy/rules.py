@@ -11,7 +11,8 @@ Per model, where it applies:
 - ``GuardDriftOverThreshold`` (critical), for ``drift_for``, on the condition the guard acts
   on: ``guard_detector_statistic >= guard_detector_threshold`` for the sequential detectors
   (``cusum``, the default, and ``e_detector``), ``guard_drift_ratio > policy.trip_ratio`` for
-  ``detector: window``. With ``action: alert`` clients keep getting the drifting answers; with
+  ``detector: window``, each with ``guard_detector_samples >= policy.min_samples`` (the
+  detector decides from that many samples on, and so does the alert). With ``action: alert`` clients keep getting the drifting answers; with
   a fallback the guard restarts the detector when it switches, so the alert lasts only while
   the probes of the primary keep failing or the route could not move (an override).
 - ``GuardFallbackActive`` (warning): ``guard_fallback_active == 1`` for ``fallback_for``
@@ -277,7 +278,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     if policy.detector == "window":
         return _alert(
             "GuardDriftOverThreshold",
-            f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}",
+            f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}" + _enough(sel, policy),
             settings.drift_for, "critical",
             f"guard {model.name}: {{{{ $labels.tier }}}} drift {{{{ $value | humanizePercentage "
             f"}}}} over trip_ratio {_pct(policy.trip_ratio)}",
@@ -293,7 +294,8 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         false_alarms = f"policy.arl0={policy.arl0_for(model.mirror.sample_rate):g}"
     return _alert(
         "GuardDriftOverThreshold",
-        f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}",
+        f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}"
+        + _enough(sel, policy),
         settings.drift_for, "critical",
         f"guard {model.name}: {{{{ $labels.tier }}}} drift detected ({policy.detector} "
         f"statistic {{{{ printf \"%.2f\" $value }}}} at its threshold)",
@@ -303,6 +305,12 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         f"alarms: {false_alarms}). The failing share is guard_drift_ratio. " + consequence,
         settings,
     )
+
+
+def _enough(sel: str, policy) -> str:
+    """The detector's own evidence rule (policy.min_samples): no alert on fewer samples than
+    guard itself decides on. Same labels on both sides, so ``and`` matches series by series."""
+    return f" and guard_detector_samples{{{sel}}} >= {policy.min_samples}"
 
 
 def availability_rules(settings: RuleSettings) -> list[dict]:

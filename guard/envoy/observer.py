@@ -1,4 +1,4 @@
-"""The ext_proc observer: Envoy's copies of sampled calls, reassembled into request and answer bytes.
+"""The ext_proc observer: Envoy's copies of sampled calls, reassembled into request and answer.
 
 In Envoy mode Envoy forwards every call in C++; for the calls it samples, its ``ext_proc`` filter
 runs in *observability mode* and streams a copy of the call to this gRPC service (one

@@ -80,6 +80,12 @@ class GuardMetrics:
             "The value guard_detector_statistic must reach for the tier to trip.",
             ["model", "tier"], registry=r,
         )
+        self.detector_samples = Gauge(
+            "guard_detector_samples",
+            "Samples a tier's trip detector has taken since it (re)started; it decides only "
+            "from policy.min_samples on (the generated drift alert requires both).",
+            ["model", "tier"], registry=r,
+        )
         self.fallback_active = Gauge(
             "guard_fallback_active", "1 while the fallback serves (model) or ops are kept back.",
             ["model", "scope"], registry=r,

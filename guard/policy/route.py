@@ -87,6 +87,8 @@ class DetectorFigures:
     statistic: float
     threshold: float
     p0: float | None  # None for the window detector
+    samples: int = 0  # since the detector (re)started: it decides from min_samples on
+    min_samples: int = 1
 
 
 class _TierState:
@@ -373,7 +375,8 @@ class RoutePolicy:
     def detectors(self) -> list[DetectorFigures]:
         with self._lock:
             return [DetectorFigures(tier, s.trip.kind, s.trip.statistic, s.trip.threshold,
-                                    s.p0_in_use if s.sequential else None)
+                                    s.p0_in_use if s.sequential else None,
+                                    s.trip.samples, s.trip.min_samples)
                     for tier, s in self._tiers.items()]
 
     # -- internals (lock held) ---------------------------------------------------------------

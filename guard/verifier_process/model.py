@@ -67,7 +67,8 @@ class VerifiedModel:
         for tier in self.policy_tiers:
             for gauge, figure in ((metrics.drift_ratio, "ratio"),
                                   (metrics.detector_statistic, "statistic"),
-                                  (metrics.detector_threshold, "threshold")):
+                                  (metrics.detector_threshold, "threshold"),
+                                  (metrics.detector_samples, "samples")):
                 gauge.labels(self.name, tier).set_function(partial(self._figure, tier, figure))
         self.activation = None  # tier 2's checker, built at load
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
@@ -252,7 +253,8 @@ class VerifiedModel:
                                               sample.outputs))
 
     def _figure(self, tier: str, figure: str) -> float:
-        """A tier's window ratio or detector statistic/threshold, for its gauge at a scrape."""
+        """A tier's window ratio or detector figure (statistic, threshold, samples), for its
+        gauge at a scrape."""
         figures = self.policy.windows() if figure == "ratio" else self.policy.detectors()
         return next(getattr(f, figure) for f in figures if f.tier == tier)
 

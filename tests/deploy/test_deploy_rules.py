@@ -117,14 +117,17 @@ def test_rule_unit_tests_cover_every_alert_firing():
 
 # -- what the rules are made of -------------------------------------------------------------------
 def test_window_drift_threshold_is_each_models_trip_ratio():
+    """... on as many samples as the detector itself decides from (policy.min_samples)."""
     window = {"detector": "window"}
     data = {"version": 1, "models": [
         model("a", policy={**window, "trip_ratio": 0.3, "recover_ratio": 0.1}),
-        model("b", policy={**window, "trip_ratio": 0.05, "recover_ratio": 0})]}
+        model("b", policy={**window, "trip_ratio": 0.05, "recover_ratio": 0, "min_samples": 5})]}
     drift = alerts_by_name(rule_groups(thresholds_from_data(data), RuleSettings()))[
         "GuardDriftOverThreshold"]
     exprs = sorted(rule["expr"] for rule in drift)
-    assert exprs == ['guard_drift_ratio{model="a"} > 0.3', 'guard_drift_ratio{model="b"} > 0.05']
+    assert exprs == [
+        'guard_drift_ratio{model="a"} > 0.3 and guard_detector_samples{model="a"} >= 20',
+        'guard_drift_ratio{model="b"} > 0.05 and guard_detector_samples{model="b"} >= 5']
     assert all(rule["labels"]["severity"] == "critical" for rule in drift)
 
 
@@ -138,8 +141,10 @@ def test_sequential_drift_alert_is_the_detectors_own_threshold():
                            "expected_rps": 50})]}
     drift = {rule["expr"]: rule for rule in alerts_by_name(
         rule_groups(thresholds_from_data(data), RuleSettings()))["GuardDriftOverThreshold"]}
-    a = drift['guard_detector_statistic{model="a"} >= guard_detector_threshold{model="a"}']
-    b = drift['guard_detector_statistic{model="b"} >= guard_detector_threshold{model="b"}']
+    a = drift['guard_detector_statistic{model="a"} >= guard_detector_threshold{model="a"}'
+              ' and guard_detector_samples{model="a"} >= 20']
+    b = drift['guard_detector_statistic{model="b"} >= guard_detector_threshold{model="b"}'
+              ' and guard_detector_samples{model="b"} >= 20']
     assert "cusum" in a["annotations"]["summary"] and "0.3" not in str(a)
     assert "policy.arl0=100000" in a["annotations"]["description"]
     assert "e_detector" in b["annotations"]["summary"]

@@ -73,8 +73,8 @@ def bootstrap(listen: int, admin: int, upstream: int, observer: int) -> dict:
     route = {"match": {"prefix": "/"}, "route": {"cluster": "upstream", "timeout": "0s"},
              "response_headers_to_add": [{"header": {"key": "guard-route", "value": "primary"}}]}
     manager = {
-        "@type": "type.googleapis.com/"
-                 "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager",
+        "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                 "http_connection_manager.v3.HttpConnectionManager",
         "stat_prefix": "ingress", "codec_type": "AUTO", "preserve_external_request_id": True,
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
                                             "routes": [route]}]},
