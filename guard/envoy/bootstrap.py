@@ -398,7 +398,6 @@ def build(config: GuardConfig, ports: Ports,
         "static_resources": {
             "listeners": [{"name": "guard_grpc",
                            "address": _address(config.server.host, ports.listener),
-                           "per_connection_buffer_limit_bytes": 1024 * 1024,
                            "filter_chains": [chain]}],
             "clusters": clusters},
     }

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 from typing import Callable, Mapping
 
 from guard.config import GuardConfig
@@ -34,7 +33,6 @@ from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 
-log = logging.getLogger("guard.envoy")
 
 
 class EnvoyPlane:
@@ -124,7 +122,7 @@ class EnvoyPlane:
         if self._observer_server is not None:
             await self._observer_server.stop(0)
 
-    # -- reload ------------------------------------------------------------------------------------
+    # -- reload -----------------------------------------------------------------------------------
     async def apply(self, config: GuardConfig) -> None:
         """A reloaded config: when it changes Envoy's bootstrap (a model or an upstream added,
         removed or moved), a hot restart puts the new one in; requests in flight finish on the
@@ -143,7 +141,7 @@ class EnvoyPlane:
             emit("envoy_hot_restart_failed", error=str(exc),
                  note="the running Envoy keeps serving the previous bootstrap")
 
-    # -- metrics -----------------------------------------------------------------------------------
+    # -- metrics ----------------------------------------------------------------------------------
     def exposition(self) -> str:
         """guard's request metrics from Envoy's stats (for the merged /metrics)."""
         return stats.exposition(self.admin_port, self.layout.clusters)

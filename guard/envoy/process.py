@@ -28,7 +28,6 @@ verifier and serving processes the same way, with the same metrics and events.
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import signal
@@ -45,7 +44,6 @@ from guard.config.envoy import EnvoyConfig
 from guard.errors import GuardError
 from guard.observe.events import emit
 
-log = logging.getLogger("guard.envoy")
 _MAX_BACKOFF_S = 10.0
 _HEALTHY_AFTER_S = 60.0
 _WATCH_S = 0.05
@@ -97,6 +95,7 @@ class EnvoyProcess:
         self.listener_port = 0
         self.admin_port = 0
         self.base_id: int | None = None
+        self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
         self.epoch = 0
         self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
                                 "started again (Envoy mode).", registry=metrics_registry)
@@ -106,6 +105,7 @@ class EnvoyProcess:
         self.up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).",
                         registry=metrics_registry)
         self._lock = threading.RLock()
+        self._launching = threading.Lock()  # one start at a time: a restart, a hot restart
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
         self._backoff = settings.restart_backoff_s
@@ -125,6 +125,10 @@ class EnvoyProcess:
     def _launch(self, epoch: int) -> None:
         """Start an Envoy at ``epoch`` (0: a fresh one; more: a hot restart of the current one)
         and wait until it is ready."""
+        with self._launching:
+            self._launch_now(epoch)
+
+    def _launch_now(self, epoch: int) -> None:
         settings = self.settings
         config_file = self.folder / f"bootstrap-{epoch}.json"
         admin_file = self.folder / f"admin-{epoch}.txt"
@@ -166,6 +170,7 @@ class EnvoyProcess:
             self.epoch = epoch
             if epoch == 0:
                 self.base_id = int((self.folder / "base-id.txt").read_text().strip())
+                self._base_ids.add(self.base_id)
             self._started_at = time.monotonic()
         self.up.set(1)
         if self.on_started is not None:
@@ -217,15 +222,17 @@ class EnvoyProcess:
     def hot_restart(self) -> None:
         """A new Envoy (the next epoch) from a new bootstrap takes the listener over; the old
         one drains and exits. GuardError when the new one does not come up (the old one
-        keeps serving then)."""
-        with self._lock:
-            epoch = self.epoch + 1
-        self._launch(epoch)
+        keeps serving then; one that died meanwhile is started again by the watcher, from
+        the new bootstrap)."""
+        with self._launching:
+            with self._lock:
+                epoch = self.epoch + 1
+            self._launch_now(epoch)
         self.hot_restarts.inc()
         emit("envoy_hot_restarted", epoch=epoch, pid=self.process.pid,
              drain_s=self.settings.drain_time_s)
 
-    # -- watching -----------------------------------------------------------------------------------
+    # -- watching ---------------------------------------------------------------------------------
     def _watch(self) -> None:
         while not self._stopping.wait(_WATCH_S):
             with self._lock:
@@ -256,7 +263,7 @@ class EnvoyProcess:
         process = self.process
         return process is not None and process.poll() is None
 
-    # -- stop ---------------------------------------------------------------------------------------
+    # -- stop -------------------------------------------------------------------------------------
     def drain(self) -> None:
         """Stop taking new connections gracefully (clients are told to go elsewhere: HTTP/2
         GOAWAY) and wait, at most ``drain_time_s``, for the requests in flight to end."""
@@ -298,8 +305,8 @@ class EnvoyProcess:
         if self._log is not None:
             self._log.close()
             self._log = None
-        if self.base_id is not None:  # the hot-restart shared memory a killed Envoy leaves
-            Path(f"/dev/shm/envoy_shared_memory_{self.base_id * 10}").unlink(missing_ok=True)
+        for base_id in self._base_ids:  # the hot-restart shared memory killed Envoys left
+            Path(f"/dev/shm/envoy_shared_memory_{base_id * 10}").unlink(missing_ok=True)
         shutil.rmtree(self.folder, ignore_errors=True)
 
 

@@ -40,7 +40,7 @@ pytestmark = pytest.mark.skipif(ENVOY is None, reason="envoy is not installed: "
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
 
-# -- the upstreams ---------------------------------------------------------------------------------
+# -- the upstreams --------------------------------------------------------------------------------
 class OipServer:
     def __init__(self, folder: Path, onnx: str, tag: str, names=("cnn",)):
         self.log = folder / f"oip-{tag}.log"
@@ -203,7 +203,7 @@ def watching(tmp_path_factory, upstreams, zoo_classifier):
     guard.close()
 
 
-# -- the tests -------------------------------------------------------------------------------------
+# -- the tests ------------------------------------------------------------------------------------
 def test_calls_go_through_envoy_and_sampled_calls_are_compared(watching, upstreams):
     srv, client = watching.srv, watching.client
     assert srv.envoy is not None and srv.envoy.process.serving
@@ -431,12 +431,20 @@ def test_without_envoy_the_python_data_plane_serves(tmp_path, upstreams, zoo_cla
         guard.close()
 
 
-@pytest.mark.parametrize("models", [1, 2])
+@pytest.mark.parametrize("shape", ["one model", "two models", "mutual TLS"])
 def test_deploy_envoy_prints_a_bootstrap_envoy_validates(tmp_path, upstreams, zoo_classifier,
-                                                         models):
+                                                         shape):
+    from support import make_pki
+
     blocks = [model_block(upstreams, zoo_classifier),
-              model_block(upstreams, zoo_classifier, name="cnn2")][:models]
-    path = write(tmp_path, blocks, observer_port=8005, health_port=8006)
+              model_block(upstreams, zoo_classifier, name="cnn2")]
+    server = {}
+    if shape == "mutual TLS":
+        pki = make_pki(tmp_path / "pki")
+        server["tls"] = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]),
+                         "client_ca_file": str(pki["ca"])}
+    path = write(tmp_path, blocks[:2 if shape == "two models" else 1], server=server,
+                 observer_port=8005, health_port=8006)
     bootstrap = tmp_path / "envoy.yaml"
     subprocess.run([sys.executable, "-m", "guard", "deploy", "envoy", str(path), "-o",
                     str(bootstrap)], check=True, cwd=tmp_path)

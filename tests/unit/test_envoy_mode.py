@@ -40,7 +40,7 @@ def problems(tmp_path, models, **server) -> list[str]:
     return error.value.problems
 
 
-# -- config -----------------------------------------------------------------------------------------
+# -- config ---------------------------------------------------------------------------------------
 def test_a_fallback_that_needs_the_body_readdressed_is_refused(tmp_path):
     lines = problems(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
                                  "fallback": upstream("cnn_fp32", "127.0.0.1:9002")}])
@@ -69,7 +69,7 @@ def test_python_mode_takes_what_envoy_mode_refuses(tmp_path):
     assert loaded.server.envoy.concurrency == 1
 
 
-# -- bootstrap ----------------------------------------------------------------------------------------
+# -- bootstrap ------------------------------------------------------------------------------------
 def routes_of(built: dict) -> list[dict]:
     manager = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]
     return manager["typed_config"]["route_config"]["virtual_hosts"][0]["routes"]
@@ -156,7 +156,7 @@ def test_tls_on_the_listener(tmp_path):
         "filename"] == str(tmp_path / "cert.pem")
 
 
-# -- stats --------------------------------------------------------------------------------------------
+# -- stats ----------------------------------------------------------------------------------------
 ENVOY_TEXT = """\
 # TYPE envoy_cluster_grpc_ModelInfer_0 counter
 envoy_cluster_grpc_ModelInfer_0{envoy_grpc_bridge_method="GRPCInferenceService",envoy_grpc_bridge_service="inference",envoy_cluster_name="guard_cnn_primary"} 4
@@ -196,7 +196,7 @@ def test_envoy_stats_become_guards_request_metrics():
     assert not any("someone" in str(key) for key in samples)
 
 
-# -- hand-off -------------------------------------------------------------------------------------------
+# -- hand-off --------------------------------------------------------------------------------
 @dataclass
 class Model:
     """The three things the hand-off reads of a served model."""
@@ -250,3 +250,24 @@ def test_on_the_fallback_only_probing_calls_are_mirrored():
     handoff.on_call(observed("cnn", route="fallback"))
     assert wire.decode(bytes(ring.take())).route == "fallback"
     ring.close()
+
+
+# -- guard deploy envoy ---------------------------------------------------------------------------
+def test_deploy_envoy_prints_the_bootstrap_and_refuses_ports_chosen_at_start(tmp_path, capsys):
+    from guard.cli import main
+
+    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}])
+    path = str(tmp_path / "guard.yaml")
+    assert main(["deploy", "envoy", path, "--format", "json"]) == 0
+    import json
+
+    printed = json.loads(capsys.readouterr().out)
+    clusters = {c["name"]: c for c in printed["static_resources"]["clusters"]}
+    observer = clusters[bootstrap.OBSERVER_CLUSTER]["load_assignment"]["endpoints"][0]
+    assert observer["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": 8005}
+
+    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}],
+           envoy={"observer_port": 0})
+    assert main(["deploy", "envoy", path]) == 2
+    assert "server.envoy.observer_port: 0" in capsys.readouterr().err
