@@ -31,8 +31,8 @@ The model server (``--upstream``, default ``oip``) serves the zoo classifier
 
   oip       tests/upstream_runtime/oip_server.py: a bare grpc.aio OIP server, ONNX Runtime
             inline on 1 intra-op thread (what the Envoy-mode tests put behind Envoy). The
-            default because it is cheaper and steadier than MLServer: ~0.3 ms of CPU a call
-            instead of MLServer's ~1 ms, and no thread pool spinning, so on a 2-core machine
+            default because it is cheaper and steadier than MLServer: ~0.5 ms of CPU a call
+            instead of MLServer's ~3 ms, and no thread pool, so on a 2-core machine
             more of the CPU and less of the noise is the proxies', which is what is measured.
   mlserver  MLServer from pip (``mlserver start``, ``parallel_workers: 0``, ``debug: false``)
             with the e2e tests' custom runtime tests/upstream_runtime/ort_runtime.py.
