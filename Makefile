@@ -4,6 +4,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+# A real Triton for the e2e tests (tests/triton_server.py): nvidia-pytriton's wheel carries the
+# server binary and the Python backend. Its Python package pins numpy<2, which the venv cannot
+# take (pandas 3 needs numpy 2), so its files go beside the venv (--no-deps --target), not into
+# it: the binary needs none of the package's dependencies and `pip check` stays green.
+TRITON_PACKAGE := nvidia-pytriton==0.7.0
 
 .PHONY: demo test venv proto bench bench-replay clean
 
@@ -11,6 +16,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/triton '$(TRITON_PACKAGE)'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

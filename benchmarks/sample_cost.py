@@ -396,7 +396,7 @@ def markdown(report: dict) -> str:
         f"{st['rounds']} round(s), cells alternating",
         f"- Reference: the zoo classifier's TorchScript, {report['prepare']['repeats']} forward "
         f"pass(es), 1 thread: in-process p50 {ref['in_process_p50']:.3f} ms; as timed by the "
-        f"verifier under load (hand-off to its caller thread included) "
+        f"verifier under load (wall time, on its niced thread) "
         f"{(ref['timed_by_verifier_mean'] or float('nan')):.3f} ms",
         f"- Other processes used up to {report['other_cores_max']:.2f} cores during a cell",
         "",

@@ -97,6 +97,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(options)
 
 
+def _write_output(text: str, output: str | None) -> None:
+    """A deploy command's manifest: to ``-o FILE``, or stdout."""
+    if not output:
+        sys.stdout.write(text)
+        return
+    try:
+        with open(output, "w") as out:
+            out.write(text)
+    except OSError as exc:
+        raise GuardError(f"--output: cannot write {output}: {exc.strerror or exc}") from None
+
+
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
@@ -104,16 +116,22 @@ def cmd_deploy_rules(args: argparse.Namespace) -> int:
         settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
-    text = render(read_thresholds(args.config), settings, args.format, source=args.config)
-    if args.output:
-        try:
-            with open(args.output, "w") as out:
-                out.write(text)
-        except OSError as exc:
-            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
-                from None
-    else:
-        sys.stdout.write(text)
+    _write_output(render(read_thresholds(args.config), settings, args.format,
+                         source=args.config), args.output)
+    return EXIT_OK
+
+
+def cmd_deploy_rollout(args: argparse.Namespace) -> int:
+    from guard.deploy.rollout import RolloutSettings, render_file
+
+    try:
+        settings = RolloutSettings(prometheus=args.prometheus, window=args.window,
+                                   interval=args.interval, count=args.count,
+                                   selector=args.selector, name=args.name)
+        text = render_file(args.file, args.kind, settings)
+    except ValueError as exc:
+        raise GuardError(str(exc)) from None
+    _write_output(text, args.output)
     return EXIT_OK
 
 
@@ -130,16 +148,7 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
             raise GuardError(f"server.envoy.{key}: 0 (a free port chosen when guard starts) "
                              "cannot go into a bootstrap printed ahead of time: set a port")
     bootstrap, _ = build(config, ports)
-    text = dump(bootstrap, as_json=args.format == "json")
-    if args.output:
-        try:
-            with open(args.output, "w") as out:
-                out.write(text)
-        except OSError as exc:
-            raise GuardError(f"--output: cannot write {args.output}: {exc.strerror or exc}") \
-                from None
-    else:
-        sys.stdout.write(text)
+    _write_output(dump(bootstrap, as_json=args.format == "json"), args.output)
     if where:
         print(f"guard deploy envoy: {args.config}{where}", file=sys.stderr)
     return EXIT_OK
@@ -361,6 +370,31 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the scrape job label of the guard targets (default guard)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
+    rollout = deploy_sub.add_parser(
+        "rollout", help="a canary gate (Argo Rollouts AnalysisTemplate, Flagger MetricTemplates)",
+        description="Prints the analysis that gates a canary on what its guard saw over the "
+        "analysis window: per model, the failing share of each tier's checks (at most "
+        "policy.trip_ratio), the drift alert's condition never met (action alert) or the "
+        "fallback never serving (fallback_model, fallback_ops), and the compared samples (at "
+        "least policy.min_samples: fewer is inconclusive for Argo). Models without a "
+        "reference are not gated.",
+    )
+    rollout.add_argument("file", metavar="FILE", help="guard YAML config")
+    rollout.add_argument("--kind", choices=("argo", "flagger"), required=True,
+                         help="argo: an AnalysisTemplate; flagger: MetricTemplates and the "
+                         "Canary's analysis.metrics")
+    rollout.add_argument("--prometheus", default="http://prometheus.monitoring.svc:9090",
+                         metavar="URL", help="the Prometheus the controller queries")
+    rollout.add_argument("--window", default="5m", help="argo: the analysis window (the "
+                         "window arg's default); flagger reads its metric interval (default 5m)")
+    rollout.add_argument("--interval", default="1m", help="how often to measure (default 1m)")
+    rollout.add_argument("--count", type=int, default=5,
+                         help="argo: measurements per analysis run (default 5)")
+    rollout.add_argument("--selector", default='job="guard"', help="argo: PromQL label "
+                         "matchers of the canary's guard series (the selector arg's default)")
+    rollout.add_argument("--name", default="guard", help="name (prefix) of the objects")
+    rollout.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    rollout.set_defaults(func=cmd_deploy_rollout)
     envoy = deploy_sub.add_parser(
         "envoy", help="the Envoy bootstrap of a config's Envoy mode",
         description="Prints the Envoy bootstrap that `guard serve` runs in Envoy mode "

@@ -1,4 +1,5 @@
-"""Deployment helpers: artefacts generated from a guard config (Prometheus alerting rules).
+"""Deployment helpers: artefacts generated from a guard config (Prometheus alerting rules in
+rules.py, a canary gate for Argo Rollouts and Flagger in rollout.py).
 
 The constants live here, free of heavy imports, so that ``guard --help`` stays instant.
 """

@@ -64,7 +64,7 @@ from guard.errors import ConfigError
 
 FORMATS = RULE_FORMATS
 PROMETHEUS_RULE_NAME = "guard-alerts"
-_DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
+DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 
 ALERTS = (
     "GuardDriftOverThreshold",
@@ -97,7 +97,7 @@ class RuleSettings:
     def __post_init__(self) -> None:
         for field in ("drift_for", "fallback_for", "rate_window", "mirror_for", "reference_for",
                       "down_for", "reload_window", "verifier_for"):
-            if not _DURATION.match(getattr(self, field)):
+            if not DURATION.match(getattr(self, field)):
                 raise ValueError(f"{field}: '{getattr(self, field)}' is not a Prometheus "
                                  "duration (e.g. 30s, 5m, 1h)")
         if not re.fullmatch(r"[^\"\\\n]+", self.job):
@@ -182,6 +182,12 @@ def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThre
 
 
 # -- building the rules --------------------------------------------------------------------------
+def model_selector(model: str, extra: str = "") -> str:
+    """The label matchers of one model's series, and any others (``extra``: a rollout gate's
+    canary pods); the rules and the gate (guard/deploy/rollout.py) select series alike."""
+    return f'model="{model}"' + (f",{extra}" if extra else "")
+
+
 def _pct(ratio: float) -> str:
     return f"{ratio * 100:g}%"
 
@@ -202,7 +208,7 @@ def _alert(name: str, expr: str, duration: str | None, severity: str, summary: s
 
 
 def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
-    sel = f'model="{model.name}"'
+    sel = model_selector(model.name)
     policy, mirror = model.policy, model.mirror
     rules = []
     if model.mirrors:
@@ -264,7 +270,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     detector's own statistic at its own threshold (both exported as gauges with the same
     labels, so the comparison matches series one to one and the rule needs no copy of the
     threshold, which the guard derives from p0, p1 and ARL0 at run time)."""
-    sel = f'model="{model.name}"'
+    sel = model_selector(model.name)
     policy = model.policy
     if policy.action == "alert":
         consequence = ("policy.action is alert: the primary keeps answering clients with "
@@ -278,7 +284,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     if policy.detector == "window":
         return _alert(
             "GuardDriftOverThreshold",
-            f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}" + _enough(sel, policy),
+            drift_condition(model, sel),
             settings.drift_for, "critical",
             f"guard {model.name}: {{{{ $labels.tier }}}} drift {{{{ $value | humanizePercentage "
             f"}}}} over trip_ratio {_pct(policy.trip_ratio)}",
@@ -294,8 +300,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         false_alarms = f"policy.arl0={policy.arl0_for(model.mirror.sample_rate):g}"
     return _alert(
         "GuardDriftOverThreshold",
-        f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}"
-        + _enough(sel, policy),
+        drift_condition(model, sel),
         settings.drift_for, "critical",
         f"guard {model.name}: {{{{ $labels.tier }}}} drift detected ({policy.detector} "
         f"statistic {{{{ printf \"%.2f\" $value }}}} at its threshold)",
@@ -305,6 +310,16 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         f"alarms: {false_alarms}). The failing share is guard_drift_ratio. " + consequence,
         settings,
     )
+
+
+def drift_condition(model: ModelThresholds, sel: str) -> str:
+    """The condition the guard trips on, as PromQL over the series ``sel`` selects: the drift
+    alert's expression, and the rollout gate's detector check (guard/deploy/rollout.py)."""
+    policy = model.policy
+    if policy.detector == "window":
+        return f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}" + _enough(sel, policy)
+    return (f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}"
+            + _enough(sel, policy))
 
 
 def _enough(sel: str, policy) -> str:

@@ -51,6 +51,7 @@ class EnvoyPlane:
         self.routes: RouteSync | None = None
         self.process: EnvoyProcess | None = None
         self._observer_server = None
+        self._stats = stats.StatsReader()
         self._running: dict | None = None  # the bootstrap Envoy runs, its routes left out
 
     @classmethod
@@ -144,7 +145,11 @@ class EnvoyPlane:
     # -- metrics ----------------------------------------------------------------------------------
     def exposition(self) -> str:
         """guard's request metrics from Envoy's stats (for the merged /metrics)."""
-        return stats.exposition(self.admin_port, self.layout.clusters)
+        process = self.process
+        if process is None:
+            return ""
+        return self._stats.exposition(process.admin_port, self.layout.clusters,
+                                      process.generation)
 
 
 def _without_routes(built: dict) -> dict:

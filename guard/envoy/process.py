@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -47,6 +48,7 @@ from guard.observe.events import emit
 _MAX_BACKOFF_S = 10.0
 _HEALTHY_AFTER_S = 60.0
 _WATCH_S = 0.05
+_CANNOT_BIND = re.compile(r"cannot bind '([^']+)': ([^`|\n]+)")
 
 
 def find_envoy(settings: EnvoyConfig) -> str | None:
@@ -97,6 +99,7 @@ class EnvoyProcess:
         self.base_id: int | None = None
         self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
         self.epoch = 0
+        self.generation = 0  # Envoys started afresh (epoch 0) so far, the first one included
         self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
                                 "started again (Envoy mode).", registry=metrics_registry)
         self.hot_restarts = Counter("guard_envoy_hot_restarts", "Hot restarts of Envoy (a "
@@ -171,6 +174,7 @@ class EnvoyProcess:
             if epoch == 0:
                 self.base_id = int((self.folder / "base-id.txt").read_text().strip())
                 self._base_ids.add(self.base_id)
+                self.generation += 1
             self._started_at = time.monotonic()
         self.up.set(1)
         if self.on_started is not None:
@@ -183,8 +187,12 @@ class EnvoyProcess:
         while True:
             code = process.poll()
             if code is not None:
-                raise GuardError(f"envoy exited during start-up (exit code {code}): "
-                                 f"{self.log_tail()}")
+                tail = self.log_tail()
+                taken = _CANNOT_BIND.search(tail)
+                if taken is not None:  # the one failure a user makes: say which key
+                    raise GuardError(f"server.grpc_port: envoy cannot listen on "
+                                     f"{taken.group(1)}: {taken.group(2).strip()}")
+                raise GuardError(f"envoy exited during start-up (exit code {code}): {tail}")
             if time.monotonic() > deadline:
                 raise GuardError(f"envoy not ready within server.envoy.start_timeout_s "
                                  f"({self.settings.start_timeout_s}s): {self.log_tail()}")

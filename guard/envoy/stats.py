@@ -14,6 +14,8 @@ so that dashboards and alerts built on the Python data plane keep working:
 
 Envoy merges its histograms from the worker threads at each stats flush (the bootstrap sets
 ``stats_flush_interval`` to 1 s), so the duration histogram lags the counters by up to that.
+An Envoy started again after a death counts from 0; ``StatsReader`` carries the dead one's
+figures over.
 """
 
 from __future__ import annotations
@@ -38,14 +40,19 @@ def _labels(pairs: dict[str, str]) -> str:
     return "{" + ",".join(f'{k}="{quote(v)}"' for k, v in pairs.items()) + "}"
 
 
-def translate(text: str, clusters: dict[str, tuple[str, str]]) -> str:
-    """Envoy's exposition of guard's clusters as guard's metrics (the text format);
-    ``clusters``: cluster name -> (model, route), from the bootstrap's layout."""
-    requests: dict[tuple[str, str], float] = {}
-    errors: dict[tuple[str, str], float] = {}
-    buckets: dict[tuple[str, str], dict[float, float]] = {}
-    sums: dict[tuple[str, str], float] = {}
-    counts: dict[tuple[str, str], float] = {}
+Figures = dict[tuple, float]  # ("requests", model, route), ("errors", model, code),
+# ("bucket", model, route, le_seconds), ("sum", model, route), ("count", model, route)
+
+
+def collect(text: str, clusters: dict[str, tuple[str, str]]) -> Figures:
+    """Envoy's exposition of guard's clusters as guard's figures; ``clusters``: cluster name ->
+    (model, route), from the bootstrap's layout. A route's two clusters (the sampled twin and
+    the other) add up."""
+    figures: Figures = {}
+
+    def add(key: tuple, value: float) -> None:
+        figures[key] = figures.get(key, 0.0) + value
+
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             where = clusters.get(sample.labels.get("envoy_cluster_name", ""))
@@ -57,48 +64,79 @@ def translate(text: str, clusters: dict[str, tuple[str, str]]) -> str:
             if code is not None:
                 status = int(code.group(1))
                 if status == 0:
-                    requests[where] = requests.get(where, 0.0) + sample.value
+                    add(("requests", model, route), sample.value)
                 else:
-                    key = (model, _STATUS.get(status, str(status)))
-                    errors[key] = errors.get(key, 0.0) + sample.value
-            # A route's two clusters (sampled twin and the other) add up.
+                    add(("errors", model, _STATUS.get(status, str(status))), sample.value)
             elif name == "envoy_cluster_upstream_rq_time_bucket":
                 bound = float(sample.labels["le"])
-                bound = bound / 1000.0 if bound != float("inf") else bound
-                bounds = buckets.setdefault(where, {})
-                bounds[bound] = bounds.get(bound, 0.0) + sample.value
+                add(("bucket", model, route, bound / 1000.0 if bound != float("inf") else bound),
+                    sample.value)
             elif name == "envoy_cluster_upstream_rq_time_sum":
-                sums[where] = sums.get(where, 0.0) + sample.value / 1000.0
+                add(("sum", model, route), sample.value / 1000.0)
             elif name == "envoy_cluster_upstream_rq_time_count":
-                counts[where] = counts.get(where, 0.0) + sample.value
+                add(("count", model, route), sample.value)
+    return figures
+
+
+def render(figures: Figures) -> str:
+    """guard's figures in the text format."""
     lines = ["# TYPE guard_requests_total counter"]
-    lines += [f"guard_requests_total{_labels({'model': m, 'route': r})} {v}"
-              for (m, r), v in sorted(requests.items())]
+    lines += [f"guard_requests_total{_labels({'model': k[1], 'route': k[2]})} {v}"
+              for k, v in sorted(figures.items()) if k[0] == "requests"]
     lines.append("# TYPE guard_request_errors_total counter")
-    lines += [f"guard_request_errors_total{_labels({'model': m, 'code': c})} {v}"
-              for (m, c), v in sorted(errors.items())]
+    lines += [f"guard_request_errors_total{_labels({'model': k[1], 'code': k[2]})} {v}"
+              for k, v in sorted(figures.items()) if k[0] == "errors"]
     lines.append("# TYPE guard_request_duration_seconds histogram")
-    for (model, route), bounds in sorted(buckets.items()):
+    routes = sorted({k[1:3] for k in figures if k[0] == "bucket"})
+    for model, route in routes:
         labels = {"model": model, "route": route}
-        for bound, value in sorted(bounds.items()):
+        bounds = sorted((k[3], v) for k, v in figures.items()
+                        if k[0] == "bucket" and k[1:3] == (model, route))
+        for bound, value in bounds:
             le = "+Inf" if bound == float("inf") else repr(round(bound, 9))
             lines.append(f"guard_request_duration_seconds_bucket{_labels({**labels, 'le': le})}"
                          f" {value}")
-        lines.append(f"guard_request_duration_seconds_count{_labels(labels)} "
-                     f"{counts.get((model, route), 0.0)}")
-        lines.append(f"guard_request_duration_seconds_sum{_labels(labels)} "
-                     f"{sums.get((model, route), 0.0)}")
+        for part in ("count", "sum"):
+            lines.append(f"guard_request_duration_seconds_{part}{_labels(labels)} "
+                         f"{figures.get((part, model, route), 0.0)}")
     return "\n".join(lines) + "\n"
 
 
-def exposition(admin_port: int, clusters: dict[str, tuple[str, str]]) -> str:
-    """guard's request metrics from the Envoy whose admin API is on ``admin_port``; "" when
-    it does not answer (restarting: the series come back with the next Envoy, from 0, as a
-    counter reset that Prometheus' rate() handles)."""
-    if not admin_port:
-        return ""
-    try:
-        text = admin_get(admin_port, f"/stats?format=prometheus&usedonly&filter={quote(_FILTER)}")
-    except OSError:
-        return ""
-    return translate(text, clusters)
+def translate(text: str, clusters: dict[str, tuple[str, str]]) -> str:
+    """Envoy's exposition of guard's clusters as guard's metrics (the text format)."""
+    return render(collect(text, clusters))
+
+
+class StatsReader:
+    """guard's request metrics from the Envoy of the moment, read at each scrape. An Envoy
+    started again after a death begins its counters at 0: what the dead one had counted at
+    the last scrape is carried over, so guard's counters do not go backwards (the calls it
+    answered after that scrape are lost to them). A hot restart needs none of this: the new
+    Envoy takes the old one's stats over itself."""
+
+    def __init__(self):
+        self._carried: Figures = {}
+        self._last: Figures = {}
+        self._generation = 0
+
+    def exposition(self, admin_port: int, clusters: dict[str, tuple[str, str]],
+                   generation: int) -> str:
+        """``generation``: how many times Envoy was started afresh (not hot restarts); ""
+        while it does not answer."""
+        if not admin_port:
+            return ""
+        try:
+            text = admin_get(admin_port,
+                             f"/stats?format=prometheus&usedonly&filter={quote(_FILTER)}")
+        except OSError:
+            return ""
+        figures = collect(text, clusters)
+        if generation != self._generation:
+            for key, value in self._last.items():
+                self._carried[key] = self._carried.get(key, 0.0) + value
+            self._generation = generation
+        self._last = figures
+        total = dict(self._carried)
+        for key, value in figures.items():
+            total[key] = total.get(key, 0.0) + value
+        return render(total)

@@ -67,7 +67,7 @@ def test_serve_rejects_bad_configs_with_one_clear_line(tmp_path):
                           "models[0].primary.path", "file not found")
 
     data = yaml.safe_load(missing.read_text())
-    data["models"][0]["primary"]["backend"] = "tensorflow"
+    data["models"][0]["primary"]["backend"] = "caffe2"  # not a backend guard has
     missing.write_text(yaml.safe_dump(data))
     assert_one_line_error(run_guard("serve", "--config", str(missing)),
                           "models[0].primary.backend")

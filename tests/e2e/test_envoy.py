@@ -346,6 +346,9 @@ def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(
         assert raw_call(guard.srv.grpc_port, "cnn", images[:1])[1]["guard-route"] == "fallback"
 
         # Envoy SIGKILLed: guard starts it again on the same port, on the fallback still.
+        counted = wait_for(lambda: metric(guard.metrics(), "guard_requests_total", model="cnn",
+                                          route="fallback") >= 3 and metric(
+            guard.metrics(), "guard_requests_total", model="cnn", route="fallback"))
         process = guard.srv.envoy.process
         os.kill(process.process.pid, signal.SIGKILL)
         killed = time.monotonic()
@@ -362,6 +365,9 @@ def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(
         print(f"Envoy SIGKILLed -> serving the fallback again after "
               f"{time.monotonic() - killed:.2f} s")
         assert metric(guard.metrics(), "guard_envoy_up") == 1
+        # What the killed Envoy had counted (at the last scrape) is carried over.
+        assert metric(guard.metrics(), "guard_requests_total", model="cnn",
+                      route="fallback") >= counted + 1
     finally:
         guard.close()
 
@@ -412,6 +418,23 @@ def test_sampling_is_stable_per_request_id_and_unsampled_calls_never_reach_guard
             == 4 * sampled
     finally:
         guard.close()
+
+
+def test_a_taken_grpc_port_is_a_clear_start_error(tmp_path, upstreams, zoo_classifier):
+    import socket
+
+    from guard.errors import GuardError
+
+    block = model_block(upstreams, zoo_classifier)
+    block.pop("reference")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        path = write(tmp_path, [block], server={"grpc_port": port})
+        with pytest.raises(GuardError, match=rf"^server.grpc_port: envoy cannot listen on "
+                                             rf"127.0.0.1:{port}: Address already in use"):
+            BackgroundServer(load_config(path)).__enter__()
 
 
 def test_without_envoy_the_python_data_plane_serves(tmp_path, upstreams, zoo_classifier,

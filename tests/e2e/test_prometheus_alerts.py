@@ -124,18 +124,20 @@ def dashboard_queries() -> list[str]:
 
 # The two kinds of drift rule `guard deploy rules` writes: the window detector's failing share
 # over trip_ratio, and a sequential detector's statistic at its own threshold gauge. The cusum
-# case pins p0 and a large shift so that two failing samples trip it (threshold exact, ARL0 1e3).
+# case pins p0 and a large shift so that two failing samples would trip it (threshold exact, ARL0
+# 1e3); both decide, and alert, from policy.min_samples (5) on.
 DETECTORS = {
     "window": {
         "policy": {"detector": "window", "window": 10, "min_samples": 5, "trip_ratio": 0.2,
                    "recover_ratio": 0.05},
-        "query": 'guard_drift_ratio{model="m"} > 0.2',
+        "query": 'guard_drift_ratio{model="m"} > 0.2 and guard_detector_samples{model="m"} >= 5',
         "summary": lambda value: "guard m: tensor drift 100% over trip_ratio 20%",
     },
     "cusum": {
         "policy": {"detector": "cusum", "p0": 0.01, "shift": 0.5, "arl0": 1000, "window": 10,
                    "min_samples": 5},
-        "query": 'guard_detector_statistic{model="m"} >= guard_detector_threshold{model="m"}',
+        "query": ('guard_detector_statistic{model="m"} >= guard_detector_threshold{model="m"}'
+                  ' and guard_detector_samples{model="m"} >= 5'),
         "summary": lambda value: (f"guard m: tensor drift detected (cusum statistic "
                                   f"{value:.2f} at its threshold)"),
     },
