@@ -166,20 +166,8 @@ def cmd_deploy_istio(args: argparse.Namespace) -> int:
         selector[label] = value
     resource = envoy_filter(load_config(args.config), selector, name=args.name,
                             namespace=args.namespace, port=args.port)
-    _write(args.output, dump(resource, as_json=args.format == "json"))
+    _write_output(dump(resource, as_json=args.format == "json"), args.output)
     return EXIT_OK
-
-
-def _write(output: str | None, text: str) -> None:
-    """``text`` into ``output`` (a clear error when it cannot be written), else to stdout."""
-    if not output:
-        sys.stdout.write(text)
-        return
-    try:
-        with open(output, "w") as out:
-            out.write(text)
-    except OSError as exc:
-        raise GuardError(f"--output: cannot write {output}: {exc.strerror or exc}") from None
 
 
 def cmd_matrix(args: argparse.Namespace) -> int:
