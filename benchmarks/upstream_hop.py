@@ -36,6 +36,8 @@ The model server (``--upstream``, default ``oip``) serves the zoo classifier
             more of the CPU and less of the noise is the proxies', which is what is measured.
   mlserver  MLServer from pip (``mlserver start``, ``parallel_workers: 0``, ``debug: false``)
             with the e2e tests' custom runtime tests/upstream_runtime/ort_runtime.py.
+  triton    the tests' Triton (tests/triton_server.py: nvidia-pytriton's tritonserver), the
+            model through its Python backend (tests/upstream_runtime/triton_onnx/model.py).
 
 One model server serves every cell for the whole run; Envoy and guard are started fresh for
 each cell and stopped after it. The load generator, readiness wait, quiet-waiting and table
@@ -62,7 +64,7 @@ The targets (issue 20), as ratios of this run at each C:
   beside it.
 
 Usage: ``.venv/bin/python benchmarks/upstream_hop.py [--duration S] [--concurrency 1,4,8]
-[--rounds N] [--cells a,e,b,g0,g5] [--upstream oip|mlserver] [--quick]`` (``--help`` for the
+[--rounds N] [--cells a,e,b,g0,g5] [--upstream oip|mlserver|triton] [--quick]`` (``--help`` for the
 rest; ``--quick``: 1.5 s cells, one round, no waiting for quiet and no re-measure: under 2
 minutes). Results: ``upstream_hop.json`` and ``upstream_hop.md`` under ``--out``
 (default ``benchmarks/results``).
@@ -235,6 +237,9 @@ def start_upstream(args, workdir: Path, prep: dict, env: dict) -> tuple[Child, s
                                    "--port", str(port)],
                       workdir / "upstream.log", env, cwd=workdir)
         return child, f"{HOST}:{port}"
+    if args.upstream == "triton":
+        server = TritonUpstream(workdir / "triton", prep["onnx"])
+        return server, server.target
     if not MLSERVER.exists():
         raise SystemExit(f"{MLSERVER} not found: pip install -e '.[dev]' (mlserver)")
     ports = {"grpc_port": port, "http_port": po.free_port(), "metrics_port": po.free_port()}
@@ -245,6 +250,43 @@ def start_upstream(args, workdir: Path, prep: dict, env: dict) -> tuple[Child, s
     child = Child("upstream", [str(MLSERVER), "start", str(folder)], workdir / "upstream.log",
                   ml_env, cwd=workdir)
     return child, f"{HOST}:{port}"
+
+
+class TritonUpstream:
+    """``--upstream triton``: the tests' Triton (tests/triton_server.py: nvidia-pytriton's
+    tritonserver, the ONNX file through the Python backend), with the interface the run needs
+    of a model server child (its process group, stop, kill, its log)."""
+
+    cell = "upstream"
+
+    def __init__(self, folder: Path, onnx: str):
+        sys.path.insert(0, str(REPO / "tests"))
+        from triton_server import TritonServer, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise SystemExit(f"--upstream triton: {reason}")
+        folder.mkdir(parents=True)
+        signature = ([("image", "TYPE_FP32", [-1, 3, 32, 32])],
+                     [("logits", "TYPE_FP32", [-1, 10])])
+        self.server = TritonServer(folder, {MODEL: (Path(onnx), *signature)})
+        self.server.start()
+        self.process = self.server.process
+        self.pgid = self.process.pid  # started in its own session, the stubs in its group
+        self.target = self.server.target
+
+    def log_tail(self) -> str:
+        return self.server.log_tail()
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        self.server.stop()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
 
 def envoy_binary() -> str:
@@ -715,6 +757,9 @@ def build_report(args, prep, cell_names, present, concurrencies, duration, warmu
     machine["lscpu"] = lscpu()
     upstream = ("tests/upstream_runtime/oip_server.py: grpc.aio, ONNX Runtime CPU inline, 1 "
                 "intra-op thread" if args.upstream == "oip" else
+                "Triton 2.51 (nvidia-pytriton 0.7.0's tritonserver, tests/triton_server.py), "
+                "the model through the Python backend (tests/upstream_runtime/triton_onnx/"
+                "model.py: ONNX Runtime)" if args.upstream == "triton" else
                 "MLServer (mlserver start), parallel_workers 0, debug false, runtime "
                 "tests/upstream_runtime/ort_runtime.py (ONNX Runtime CPU, "
                 + (f"intra-op threads {args.ort_threads})" if args.ort_threads
@@ -941,9 +986,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cells", default=",".join(DEFAULT_CELLS),
                         help=f"which cells, in order (default {','.join(DEFAULT_CELLS)}; also: "
                         "p, the raw Python proxy)")
-    parser.add_argument("--upstream", choices=("oip", "mlserver"), default="oip",
+    parser.add_argument("--upstream", choices=("oip", "mlserver", "triton"), default="oip",
                         help="the model server: oip (tests/upstream_runtime/oip_server.py, "
-                        "default) or mlserver")
+                        "default), mlserver, or triton (the tests' Triton: "
+                        "tests/triton_server.py, the Python backend running ONNX Runtime)")
     parser.add_argument("--ort-threads", type=int, default=0, metavar="N",
                         help="(mlserver) its ORT intra-op threads; 0 (default) = the e2e "
                         "runtime as it is")
