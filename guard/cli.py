@@ -154,6 +154,22 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_deploy_istio(args: argparse.Namespace) -> int:
+    from guard.config import load_config
+    from guard.envoy.istio import dump, envoy_filter
+
+    selector = {}
+    for item in args.selector:
+        label, sep, value = item.partition("=")
+        if not sep or not label:
+            raise GuardError(f"--selector: '{item}' is not LABEL=VALUE")
+        selector[label] = value
+    resource = envoy_filter(load_config(args.config), selector, name=args.name,
+                            namespace=args.namespace, port=args.port)
+    _write_output(dump(resource, as_json=args.format == "json"), args.output)
+    return EXIT_OK
+
+
 def cmd_matrix(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -380,6 +396,24 @@ def build_parser() -> argparse.ArgumentParser:
                        help="yaml (default) or json (what guard serve writes)")
     envoy.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     envoy.set_defaults(func=cmd_deploy_envoy)
+    istio = deploy_sub.add_parser(
+        "istio", help="an Istio EnvoyFilter putting guard's ext_proc and routes in a sidecar",
+        description="Prints an Istio EnvoyFilter (networking.istio.io/v1alpha3; docs/deploy.md) "
+        "that adds to the istio-proxy of the selected pods, on the model server's inbound port, "
+        "what `guard deploy envoy` puts in guard's own Envoy: ext_proc toward guard's observer "
+        "for sampled calls, the per-model clusters and the runtime-switched primary/fallback "
+        "routes. The YAML's header says what the Pod needs beside it.",
+    )
+    istio.add_argument("config", metavar="FILE", help="guard YAML config")
+    istio.add_argument("--selector", action="append", default=[], metavar="LABEL=VALUE",
+                       help="the pods' labels (the workloadSelector; at least one, repeatable)")
+    istio.add_argument("--name", default="guard", help="the EnvoyFilter's name (default guard)")
+    istio.add_argument("--namespace", help="its namespace (default: none, kubectl's)")
+    istio.add_argument("--port", type=int, default=None,
+                       help="the inbound port to patch (default: the primaries' port)")
+    istio.add_argument("--format", choices=("yaml", "json"), default="yaml")
+    istio.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
+    istio.set_defaults(func=cmd_deploy_istio)
 
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
     admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",

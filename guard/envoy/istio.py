@@ -1,0 +1,175 @@
+"""A guard config as an Istio ``EnvoyFilter``: the same ext_proc and runtime-driven routes as
+guard's own Envoy bootstrap (guard/envoy/bootstrap.py), patched into an existing Istio sidecar.
+
+In an Istio pod the model server's inbound traffic already crosses a C++ proxy, istio-proxy.
+Rather than put a second Envoy in the path, the EnvoyFilter adds guard's pieces to istio-proxy's
+inbound listener for the model server's port (docs/deploy.md, "Istio"):
+
+- clusters (``CLUSTER`` / ``ADD``): guard's observer on loopback, and per model its primary and
+  fallback clusters and, for a model that samples, their sampled twins, built by the
+  bootstrap's own cluster code;
+- HTTP filters (``HTTP_FILTER`` / ``INSERT_BEFORE`` the router): ext_proc toward the observer
+  (observability mode, ``failure_mode_allow``, STREAMED bodies), grpc_stats, and with several
+  models the model-name extraction and the Lua re-route, the bootstrap's filters verbatim;
+- routes (``HTTP_ROUTE`` / ``INSERT_FIRST`` in the inbound virtual host ``inbound|http|PORT``):
+  each model's ModelInfer route, weighted by the runtime keys ``guard.<model>.route.<cluster>``
+  and sampled by the hash of ``x-request-id``, as in the bootstrap; and Istio's own ``default``
+  route of that virtual host merged with ext_proc off, so that the calls guard's routes do not
+  take (ServerLive, metadata, anything else) never reach the observer.
+
+Istio's bootstrap has an admin runtime layer (named ``admin``) and its admin API on
+127.0.0.1:15000, so the routes switch there as in guard's own Envoy (``POST /runtime_modify``).
+The weights a route starts with are the primary's, the route's own defaults: the runtime keys
+need no static layer.
+
+Why patches to the inbound listener of the model server's port: that is where a call from any
+client in the mesh arrives (after mTLS, authorisation and Istio's telemetry), so guard sees and
+steers exactly what the model server would have answered, whichever client called.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+
+from guard.config import GuardConfig
+from guard.config.envoy import check_envoy_mode
+from guard.envoy import bootstrap
+from guard.errors import GuardError
+
+API_VERSION = "networking.istio.io/v1alpha3"
+INBOUND = "SIDECAR_INBOUND"
+HCM = "envoy.filters.network.http_connection_manager"
+ROUTER = "envoy.filters.http.router"
+ISTIO_ADMIN_PORT = 15000  # istio-proxy's admin API (ProxyAdminPort), loopback only
+# istio-proxy keeps only the stats its stats matcher names: guard's metrics read these.
+STATS_PREFIXES = ("cluster.guard_",)
+
+
+def inbound_vhost(port: int) -> str:
+    """The name Istio gives the inbound virtual host of ``port``."""
+    return f"inbound|http|{port}"
+
+
+def _local_port(config: GuardConfig) -> int:
+    """The model server's port in the pod: every model's primary must be it, on loopback."""
+    ports = set()
+    for i, model in enumerate(config.models):
+        host, port = bootstrap._split_target(model.primary.target)
+        if host != "localhost":
+            try:
+                loopback = ipaddress.ip_address(host).is_loopback
+            except ValueError:
+                loopback = False
+            if not loopback:
+                raise GuardError(
+                    f"models[{i}].primary.target: '{model.primary.target}' is not on loopback; "
+                    "behind an Istio sidecar the primary is the model server in the same pod, "
+                    "whose inbound traffic istio-proxy carries (127.0.0.1:PORT)")
+        ports.add(port)
+    if len(ports) != 1:
+        raise GuardError(f"models[].primary.target: the models' primaries use ports "
+                         f"{sorted(ports)}; the EnvoyFilter patches one inbound port: serve "
+                         "them from one model server")
+    return ports.pop()
+
+
+def _listener_match(port: int) -> dict:
+    return {"context": INBOUND, "listener": {"portNumber": port, "filterChain": {
+        "filter": {"name": HCM, "subFilter": {"name": ROUTER}}}}}
+
+
+def _route_match(port: int, route: str | None = None) -> dict:
+    vhost: dict = {"name": inbound_vhost(port)}
+    if route is not None:
+        vhost["route"] = {"name": route}
+    return {"context": INBOUND, "routeConfiguration": {"portNumber": port, "vhost": vhost}}
+
+
+def config_patches(config: GuardConfig, observer_port: int, port: int | None = None) -> list:
+    """The EnvoyFilter's ``configPatches`` for ``config`` (its models on the inbound ``port``,
+    default: their primaries' port), guard's observer on 127.0.0.1:``observer_port``."""
+    problems = [p for p in check_envoy_mode(config.model_copy(update={
+        "server": config.server.model_copy(update={"data_plane": "envoy"})}))
+        if p.startswith("models")]
+    if problems:
+        raise GuardError("not servable through Envoy:\n  " + "\n  ".join(problems))
+    if not config.models:
+        raise GuardError("models: none to route")
+    if not observer_port:
+        raise GuardError("server.envoy.observer_port: 0 (a free port chosen when guard starts) "
+                         "cannot go into an EnvoyFilter printed ahead of time: set a port")
+    local = _local_port(config)
+    port = port or local
+    by_body = len(config.models) > 1
+
+    patches: list[dict] = []
+
+    def cluster(value: dict) -> None:
+        patches.append({"applyTo": "CLUSTER", "match": {"context": INBOUND},
+                        "patch": {"operation": "ADD", "value": value}})
+
+    cluster(bootstrap._http2_cluster(bootstrap.OBSERVER_CLUSTER, "127.0.0.1", observer_port))
+    for model in config.models:
+        rate = bootstrap.sample_rate(model)
+        for role in bootstrap.roles_of(model):
+            for sampled in (False, True) if round(rate * bootstrap.WEIGHTS) else (False,):
+                cluster(bootstrap._upstream_cluster(
+                    bootstrap.cluster_name(model.name, role, sampled), getattr(model, role)))
+
+    filters = ([bootstrap._extraction_filter(), bootstrap._reroute_filter()] if by_body
+               else []) + [bootstrap._ext_proc_filter(), bootstrap._grpc_stats_filter()]
+    for value in filters:  # each before the router, so in this order
+        patches.append({"applyTo": "HTTP_FILTER", "match": _listener_match(port),
+                        "patch": {"operation": "INSERT_BEFORE", "value": value}})
+
+    routes = [r for model in config.models for r in bootstrap._model_routes(model, by_body)]
+    for route in reversed(routes):  # each INSERT_FIRST goes before the last: reversed, in order
+        patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port),
+                        "patch": {"operation": "INSERT_FIRST", "value": route}})
+    # Istio's own route for the port: everything guard's routes do not take, ext_proc off.
+    patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port, "default"),
+                    "patch": {"operation": "MERGE",
+                              "value": {"typed_per_filter_config": bootstrap._off()}}})
+    return patches
+
+
+def envoy_filter(config: GuardConfig, selector: dict[str, str], *, name: str = "guard",
+                 namespace: str | None = None, port: int | None = None) -> dict:
+    """The EnvoyFilter resource: ``config``'s patches on the pods ``selector`` picks."""
+    if not selector:
+        raise GuardError("--selector: at least one LABEL=VALUE (an EnvoyFilter without a "
+                         "workloadSelector patches every sidecar in its namespace)")
+    metadata: dict = {"name": name, "labels": {"app.kubernetes.io/managed-by": "guard"}}
+    if namespace:
+        metadata["namespace"] = namespace
+    return {"apiVersion": API_VERSION, "kind": "EnvoyFilter", "metadata": metadata,
+            "spec": {"workloadSelector": {"labels": dict(selector)},
+                     "configPatches": config_patches(config, config.server.envoy.observer_port,
+                                                     port)}}
+
+
+def pod_annotations() -> dict[str, str]:
+    """What the model server's Pod needs beside the EnvoyFilter: istio-proxy keeps guard's
+    cluster stats (its stats matcher drops them otherwise)."""
+    import json
+
+    return {"proxy.istio.io/config": json.dumps(
+        {"proxyStatsMatcher": {"inclusionPrefixes": list(STATS_PREFIXES)}})}
+
+
+def dump(resource: dict, as_json: bool = False) -> str:
+    """The EnvoyFilter as YAML (with a header saying what else the pod needs) or JSON."""
+    import json
+
+    if as_json:
+        return json.dumps(resource, indent=1) + "\n"
+    import yaml
+
+    annotations = yaml.safe_dump({"annotations": pod_annotations()}, sort_keys=False)
+    header = ["# guard's ext_proc and runtime routes for an Istio sidecar (docs/deploy.md).",
+              "# The Pod beside it needs, in its metadata:"]
+    header += [f"#   {line}" for line in annotations.splitlines()]
+    header += ["# and guard's observer on 127.0.0.1:server.envoy.observer_port. The routes "
+               "follow the runtime keys", "# guard.<model>.route.* of istio-proxy's admin "
+               f"runtime layer (POST 127.0.0.1:{ISTIO_ADMIN_PORT}/runtime_modify)."]
+    return "\n".join(header) + "\n" + yaml.safe_dump(resource, sort_keys=False)
