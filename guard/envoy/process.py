@@ -44,6 +44,7 @@ from typing import Callable
 from guard.config.envoy import EnvoyConfig
 from guard.errors import GuardError
 from guard.observe.events import emit
+from guard.runtime.children import exit_reason
 
 _MAX_BACKOFF_S = 10.0
 _HEALTHY_AFTER_S = 60.0
@@ -253,7 +254,7 @@ class EnvoyProcess:
             self.restarts.inc()
             if time.monotonic() - self._started_at > _HEALTHY_AFTER_S:
                 self._backoff = self.settings.restart_backoff_s
-            emit("envoy_lost", pid=process.pid, how=_exit_reason(code),
+            emit("envoy_lost", pid=process.pid, how=exit_reason(code),
                  restart_in_s=round(self._backoff, 2), log=self.log_tail(5))
             while not self._stopping.wait(self._backoff):
                 self._backoff = min(_MAX_BACKOFF_S, self._backoff * 2)
@@ -317,11 +318,3 @@ class EnvoyProcess:
             Path(f"/dev/shm/envoy_shared_memory_{base_id * 10}").unlink(missing_ok=True)
         shutil.rmtree(self.folder, ignore_errors=True)
 
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"

@@ -40,7 +40,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.serve.supervisor import exit_reason
+from guard.runtime.children import exit_reason
 
 log = logging.getLogger("guard.processes")
 _events = logging.getLogger("guard.events")

@@ -32,7 +32,6 @@ from __future__ import annotations
 import base64
 import dataclasses
 import logging
-import signal
 import socket
 import subprocess
 import sys
@@ -56,6 +55,7 @@ from guard.ipc.ring import SampleRing
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
+from guard.runtime.children import exit_reason
 
 log = logging.getLogger("guard.supervisor")
 _events = logging.getLogger("guard.events")
@@ -314,14 +314,6 @@ class VerifierSupervisor:
         return Failed(error) if error else None
 
 
-def exit_reason(code: int) -> str:
-    """How a child process ended, from its return code: ``exit code 3``, ``signal SIGKILL``."""
-    if code < 0:
-        try:
-            return f"signal {signal.Signals(-code).name}"
-        except ValueError:
-            return f"signal {-code}"
-    return f"exit code {code}"
 
 
 class MergedMetrics(Collector):
