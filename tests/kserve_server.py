@@ -12,14 +12,11 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from model_server_process import ServerProcess, free_port
 
 KSERVE_PACKAGES = "'kserve==0.21.*' onnxruntime numpy"
 SCRIPT = Path(__file__).resolve().parent / "upstream_runtime" / "kserve_onnx.py"
@@ -50,18 +47,14 @@ def unavailable_reason() -> str | None:
     return None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class KServeServer:
+class KServeServer(ServerProcess):
     """KServe's ModelServer as a child process; ``models`` maps a model name to an ONNX file.
 
     ``start`` returns once every model is ready on the gRPC port; a server that exits first
     raises with its log's tail.
     """
+
+    label = "KServe's ModelServer"
 
     def __init__(self, folder: Path, models: dict[str, Path]):
         self.folder = folder
@@ -77,37 +70,7 @@ class KServeServer:
                    f"--grpc_port={self.port}", f"--http_port={self.http_port}"]
         command += [f"--model={name}={path}" for name, path in self.models.items()]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        self._log = self.log_path.open("w")
-        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, env=env, cwd=self.folder,
-                                        start_new_session=True)
-        client = grpcclient.InferenceServerClient(self.target)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"KServe's ModelServer exited with "
-                                       f"{self.process.returncode} at start:\n{self.log_tail()}")
-                try:
-                    if all(client.is_model_ready(name) for name in self.models):
-                        return
-                except InferenceServerException:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"KServe's ModelServer not ready in {timeout:.0f} s:\n"
-                                       f"{self.log_tail()}")
-                time.sleep(0.3)
-        finally:
-            client.close()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def kill(self) -> None:
-        """SIGKILL the server (its own process group)."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+        self.launch(command, env, timeout)
 
     def stop(self) -> None:
         if self.process is None:

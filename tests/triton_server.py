@@ -34,16 +34,13 @@ import os
 import platform
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import sysconfig
-import time
 import uuid
 from pathlib import Path
 
-import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
+from model_server_process import ServerProcess, free_port
 
 TRITON_PACKAGE = "nvidia-pytriton==0.7.0"
 MODEL_PY = Path(__file__).resolve().parent / "upstream_runtime" / "triton_onnx" / "model.py"
@@ -81,12 +78,6 @@ def _stub_path(home: Path) -> Path:
         "triton_python_backend_stub"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _dims(shape) -> str:
     return ", ".join(str(d) for d in shape)
 
@@ -103,13 +94,15 @@ def model_config(name: str, inputs: list[tuple], outputs: list[tuple]) -> str:
             + "instance_group [ { kind: KIND_CPU count: 1 } ]\n")
 
 
-class TritonServer:
+class TritonServer(ServerProcess):
     """``tritonserver`` as a child process serving ONNX files through the Python backend.
 
     ``models`` maps a model name to (onnx file, inputs, outputs) as :func:`model_config` takes
     them. ``start`` returns once every model is ready; a server that exits first raises with
     its log's tail.
     """
+
+    label = "tritonserver"
 
     def __init__(self, folder: Path, models: dict[str, tuple[Path, list, list]]):
         self.folder = folder
@@ -154,43 +147,13 @@ class TritonServer:
 
     def start(self, timeout: float = 180.0) -> None:
         binary = triton_home() / "pytriton" / "tritonserver" / "bin" / "tritonserver"
-        self._log = self.log_path.open("w")
-        self.process = subprocess.Popen(
+        self.launch(
             [str(binary), f"--model-repository={self.repository}",
              f"--backend-directory={self._backends}", "--model-control-mode=explicit",
              "--load-model=*", "--allow-http=false", "--allow-metrics=false",
              "--grpc-address=127.0.0.1", f"--grpc-port={self.port}", "--exit-timeout-secs=5",
              f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            env=self.environment(), cwd=self.folder, start_new_session=True,
-        )
-        client = grpcclient.InferenceServerClient(self.target)
-        deadline = time.monotonic() + timeout
-        try:
-            while True:
-                if self.process.poll() is not None:
-                    raise RuntimeError(f"tritonserver exited with {self.process.returncode} "
-                                       f"at start:\n{self.log_tail()}")
-                try:
-                    if all(client.is_model_ready(name) for name in self.models):
-                        return
-                except InferenceServerException:
-                    pass
-                if time.monotonic() > deadline:
-                    raise RuntimeError(f"tritonserver not ready in {timeout:.0f} s:\n"
-                                       f"{self.log_tail()}")
-                time.sleep(0.3)
-        finally:
-            client.close()
-
-    def log_tail(self, chars: int = 3000) -> str:
-        return self.log_path.read_text(errors="replace")[-chars:]
-
-    def kill(self) -> None:
-        """SIGKILL the server and its Python-backend stubs (one process group)."""
-        if self.process is not None and self.process.poll() is None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait(10)
+            self.environment(), timeout)
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
