@@ -25,7 +25,10 @@ from tritonclient.utils import InferenceServerException
 from guard.backends.derive import derive_onnx
 from guard.zoo.classifier import sample_inputs
 from kserve_server import KServeServer, unavailable_reason
-from support import image_input, metric, running, scrape, wait_for
+from support import image_input, running
+from upstream_scenarios import (a_drifting_model_is_switched_to_the_fallback_model,
+                                answers_pass_through_and_samples_match_the_local_reference,
+                                guard_model, server_error)
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -48,85 +51,24 @@ def kserve(request, tmp_path_factory):
         server.stop()
 
 
-def guard_model(target: str, zoo_classifier, primary: str = "cnn_fp32", **overrides) -> dict:
-    block = {
-        "name": "cnn",
-        "task": "classification",
-        "primary": {"backend": "upstream", "target": target, "model": primary},
-        "reference": {"backend": "onnxruntime", "path": str(zoo_classifier["onnx"])},
-        "fallback": {"backend": "upstream", "target": target, "model": "cnn_fp32"},
-        "mirror": {"sample_rate": 1.0, "queue_size": 64},
-        "checks": {"tensor": {"atol": 1e-4, "rtol": 1e-3}},
-        "policy": {"action": "alert", "detector": "window", "window": 10, "min_samples": 5},
-    }
-    block.update(overrides)
-    return block
-
-
-def _kserve_error(call) -> InferenceServerException:
-    with pytest.raises(InferenceServerException) as error:
-        call()
-    return error.value
-
-
 def test_answers_pass_through_and_samples_match_the_local_reference(tmp_path, kserve,
                                                                      zoo_classifier):
-    server, direct = kserve
-    images = sample_inputs(4, seed=3)
-    expected = direct.infer("cnn_fp32", [image_input(images)]).as_numpy("logits")
-    with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
-        meta = client.get_model_metadata("cnn")
-        assert meta.platform == "guard/upstream"
-        assert [(i.name, i.datatype, list(i.shape)) for i in meta.inputs] == \
-            [("image", "FP32", [-1, 3, 32, 32])]
-        for i in range(4):
-            result = client.infer("cnn", [image_input(images[i:i + 1])], request_id=f"r{i}")
-            np.testing.assert_array_equal(result.as_numpy("logits"), expected[i:i + 1])
-            response = result.get_response()
-            assert (response.id, response.model_name) == (f"r{i}", "cnn")
-            assert response.parameters["guard_route"].string_param == "primary"
-        # Every answer was mirrored to the local ONNX Runtime reference, compared, and passed.
-        values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
-            v, "guard_mirror_total", model="cnn", outcome="compared") == 4 and v)
-        assert metric(values, "guard_checks_total", model="cnn", tier="tensor",
-                      result="pass") == 4
-        assert metric(values, "guard_checks_total", model="cnn", tier="tensor",
-                      result="fail") == 0
+    answers_pass_through_and_samples_match_the_local_reference(tmp_path, *kserve,
+                                                               zoo_classifier)
 
 
 def test_a_drifting_kserve_model_is_switched_to_the_fallback_kserve_model(tmp_path, kserve,
-                                                                         zoo_classifier):
-    server, direct = kserve
-    policy = {"action": "fallback_model", "detector": "window", "window": 10, "min_samples": 5,
-              "trip_ratio": 0.2, "recover_ratio": 0.05, "dwell_s": 60}
-    block = guard_model(server.target, zoo_classifier, primary="cnn_int8", policy=policy)
-    images = sample_inputs(12, seed=9)
-    with running(tmp_path, [block]) as (srv, client):
-        first = client.infer("cnn", [image_input(images[:1])])
-        assert first.get_response().parameters["guard_route"].string_param == "primary"
-        np.testing.assert_array_equal(
-            first.as_numpy("logits"),
-            direct.infer("cnn_int8", [image_input(images[:1])]).as_numpy("logits"))
-        for i in range(1, 6):
-            client.infer("cnn", [image_input(images[i:i + 1])])
-        values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
-            v, "guard_fallback_active", model="cnn", scope="model") == 1 and v)
-        assert metric(values, "guard_checks_total", model="cnn", tier="tensor",
-                      result="fail") >= 5
-        result = client.infer("cnn", [image_input(images[10:11])])
-        assert result.get_response().parameters["guard_route"].string_param == "fallback"
-        np.testing.assert_array_equal(
-            result.as_numpy("logits"),
-            direct.infer("cnn_fp32", [image_input(images[10:11])]).as_numpy("logits"))
+                                                                          zoo_classifier):
+    a_drifting_model_is_switched_to_the_fallback_model(tmp_path, *kserve, zoo_classifier)
 
 
 def test_a_wrong_shape_comes_back_with_kserves_status(tmp_path, kserve, zoo_classifier):
     server, direct = kserve
     small = np.zeros((1, 3, 16, 16), np.float32)
-    kserve_said = _kserve_error(lambda: direct.infer("cnn_fp32", [image_input(small)]))
+    kserve_said = server_error(lambda: direct.infer("cnn_fp32", [image_input(small)]))
     assert kserve_said.status() == "StatusCode.INVALID_ARGUMENT"
     with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
-        guard_said = _kserve_error(lambda: client.infer("cnn", [image_input(small)]))
+        guard_said = server_error(lambda: client.infer("cnn", [image_input(small)]))
         # kserve.errors.InvalidInput from the model, mapped by KServe's gRPC interceptor.
         assert guard_said.status() == kserve_said.status()
         assert "input 'image': expected FP32 [-1, 3, 32, 32]" in kserve_said.message()
@@ -148,8 +90,8 @@ def test_a_model_unloaded_through_kserves_repository_api_is_unknown(tmp_path, ks
         with urllib.request.urlopen(urllib.request.Request(url, method="POST"),
                                     timeout=60) as reply:
             assert json.load(reply) == {"name": "cnn_spare", "unload": True}
-        kserve_said = _kserve_error(lambda: direct.infer("cnn_spare", [image_input(images)]))
-        guard_said = _kserve_error(lambda: client.infer("cnn", [image_input(images)]))
+        kserve_said = server_error(lambda: direct.infer("cnn_spare", [image_input(images)]))
+        guard_said = server_error(lambda: client.infer("cnn", [image_input(images)]))
         assert kserve_said.status() == "StatusCode.NOT_FOUND"
         assert "Model with name cnn_spare does not exist" in kserve_said.message()
         assert guard_said.status() == kserve_said.status()
@@ -166,7 +108,7 @@ def test_an_unknown_kserve_model_is_a_clear_startup_error(tmp_path, kserve, zoo_
     from support import write_config
 
     server, direct = kserve
-    said = _kserve_error(lambda: direct.is_model_ready("cnn_absent"))
+    said = server_error(lambda: direct.is_model_ready("cnn_absent"))
     assert said.status() == "StatusCode.NOT_FOUND"
     block = guard_model(server.target, zoo_classifier, primary="cnn_absent")
     block["primary"]["options"] = {"ready_timeout_s": 0.5}
