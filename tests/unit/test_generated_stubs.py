@@ -18,7 +18,9 @@ import pytest
 
 from guard.serve.admin import AdminServicer
 from guard.serve.tap import TapServicer
+from guard.envoy.observer import Observer
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
+from guard.xds import ext_proc_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 PROTOS = sorted((ROOT / "proto/guard").glob("*/*.proto"))  # guard/v1 and guard/xds
@@ -44,6 +46,7 @@ def test_generated_files_are_what_make_proto_generates(tmp_path):
 @pytest.mark.parametrize("servicer,base", [
     (AdminServicer, admin_pb2_grpc.AdminServicer),
     (TapServicer, tap_pb2_grpc.TapServicer),
+    (Observer, ext_proc_pb2_grpc.ExternalProcessorServicer),
 ])
 def test_guard_servicers_override_every_generated_rpc(servicer, base):
     rpcs = [name for name, _ in inspect.getmembers(base, inspect.isfunction)
