@@ -61,10 +61,13 @@ class FaultCase:
 
     def names_true_layer(self, name: str | None) -> bool:
         """Whether a reported layer is the broken one: the layer itself, or a unit tier 2
-        compared as one that holds it (``layer2.0.conv1+layer2.0.bn1``)."""
+        compared as one that holds it (``layer2.0.conv1+layer2.0.bn1``, ``blocks.1.attn.{q,k,v}``
+        packed into one Attention node)."""
+        from guard.verify.activation.packed import members
+
         if name is None or self.true_layer is None:
             return False
-        return name == self.true_layer or self.true_layer in name.split("+")
+        return name == self.true_layer or self.true_layer in members(name)
 
     def primary_variant(self) -> Path:
         """The primary as it runs: the fp32 file, or the variant derived at ``precision``.

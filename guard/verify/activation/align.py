@@ -30,7 +30,8 @@ from typing import Callable
 
 import numpy as np
 
-from guard.verify.activation.onnx_side import OnnxSide
+from guard.verify.activation.onnx_side import OnnxSide, ScopeInstance
+from guard.verify.activation.packed import brace, pack_order
 from guard.verify.activation.report import Unaligned
 from guard.verify.activation.scopes import node_module, node_scopes
 from guard.verify.activation.torch_side import ModuleCall, TorchCapture, TorchSide
@@ -82,6 +83,47 @@ def _fetcher(values: dict[str, np.ndarray], dtypes: dict[str, np.ndarray]):
 
 
 # -- ONNX vs ONNX -------------------------------------------------------------------------------
+def _arrays(graph, names) -> list[tuple[str, np.ndarray]]:
+    from onnx import numpy_helper
+
+    return [(name, numpy_helper.to_array(graph.initializers[name])) for name in names]
+
+
+def _packed_members(ref: OnnxSide, prim: OnnxSide, value: str, boundary: set[str]
+                    ) -> list[str] | None:
+    """When the primary computes ``value`` with a node the reference lacks whose weights pack
+    several of the reference's (ONNX Runtime's Attention: q, k, v projections concatenated),
+    the reference's nodes that read those weights, packed order (weights, then biases): the
+    layer is then that unit, named by them, not by the reference node that happens to produce
+    ``value`` (the heads' Reshape after the attention)."""
+    node = prim.graph.node_of(value)
+    if node is None or node.name in ref.graph.by_name():
+        return None
+    packed = [n for n in node.input if n in prim.graph.initializers]
+    if not packed:
+        return None
+    try:
+        nodes, _ = ref.graph.segment(value, boundary)
+    except KeyError:
+        return None
+    readers: dict[str, str] = {}  # the reference's weight -> the first node reading it
+    for index in nodes:
+        for name in ref.graph.nodes[index].input:
+            if name in ref.graph.initializers:
+                readers.setdefault(name, ref.graph.nodes[index].name or name)
+    candidates = []
+    for name, array in _arrays(ref.graph, readers):
+        candidates.append((name, array))
+        if array.ndim == 2:
+            candidates.append((name, array.T))  # a Gemm's [out, in] weight
+    out: list[str] = []
+    for name, array in _arrays(prim.graph, packed):
+        order = pack_order(array, candidates)
+        if order:
+            out += [readers[n] for n in order if readers[n] not in out]
+    return out if len(out) >= 2 else None
+
+
 def align_onnx_onnx(ref: OnnxSide, prim: OnnxSide, ref_cap: dict[str, np.ndarray],
                     prim_cap: dict[str, np.ndarray], inputs: dict[str, np.ndarray]) -> Alignment:
     out = Alignment()
@@ -102,6 +144,9 @@ def align_onnx_onnx(ref: OnnxSide, prim: OnnxSide, ref_cap: dict[str, np.ndarray
                 "reference", name, f"value '{value}' is not in the primary's graph"))
             continue
 
+        packed = _packed_members(ref, prim, value, boundary)
+        if packed:
+            name = brace(packed, "/")
         free = prim.computes_like(ref, value, boundary)
         if free:
             def isolate(value=value, node=node) -> tuple[np.ndarray, list[str]]:
@@ -135,6 +180,8 @@ def _foldable(kind: str) -> bool:
 _ABSORBING = {"Conv1d": {"Conv"}, "Conv2d": {"Conv"}, "Conv3d": {"Conv"},
               "ConvTranspose1d": {"ConvTranspose"}, "ConvTranspose2d": {"ConvTranspose"},
               "ConvTranspose3d": {"ConvTranspose"}, "Linear": {"Gemm", "MatMul"}}
+# What ONNX Runtime fuses a Linear's bias, a residual add and a LayerNorm into (unscoped).
+_RESIDUAL_NORMS = frozenset({"SkipLayerNormalization", "SkipSimplifiedLayerNormalization"})
 _NO_SCOPE = ("no ONNX node carries this module's scope (fused away, folded into a constant or "
              "inlined by the exporter)")
 
@@ -148,6 +195,19 @@ class _Unit:
     instance: object  # onnx_side.ScopeInstance: the group of nodes that computes it
     unsure: str = ""  # why the pairing may compare different computations
     outputs: list[str] | None = None  # its ONNX values, where not the group's own (a fold)
+    # The torch tensors compared, where not its last member's outputs (a packed attention's:
+    # what the module after it reads).
+    tensors: list[np.ndarray] | None = None
+    # Why torch cannot re-run it member by member (its parent's code runs between them).
+    composite: str = ""
+    # (ONNX value, torch tensor) pairs inside the unit that segments may start from (a fused
+    # residual norm's sum output: the norm's own input).
+    extra: list[tuple[str, np.ndarray]] = field(default_factory=list)
+    packed: bool = False  # its members are packed into one op: named with braces
+
+    @property
+    def torch_outputs(self) -> list[np.ndarray]:
+        return self.tensors if self.tensors is not None else self.last.outputs
 
     @property
     def first(self) -> ModuleCall:
@@ -188,7 +248,8 @@ def _label(call: ModuleCall, calls_per_path: dict[str, int]) -> str:
 class _Units:
     """Torch calls matched to the graph's groups of nodes, folded units joined."""
 
-    def __init__(self, torch_cap: TorchCapture, onnx: OnnxSide, role: str, torch_paths: set[str]):
+    def __init__(self, torch_cap: TorchCapture, onnx: OnnxSide, role: str, torch_paths: set[str],
+                 weight_of: Callable[[str], np.ndarray | None] | None = None):
         self.cap = torch_cap
         self.onnx = onnx
         self.role = role
@@ -198,6 +259,7 @@ class _Units:
         self.units: dict[str, _Unit] = {}  # member key -> its unit
         self.missing: dict[str, ModuleCall] = {}  # calls without a scope of their own
         self.unaligned: list[Unaligned] = []
+        self.absorbed: set[tuple[str, ...]] = set()  # a unit's outputs before a join changed them
         scopes = onnx.scope_instances(torch_paths)
         by_path = torch_cap.by_path()
         for call in torch_cap.calls:
@@ -221,6 +283,9 @@ class _Units:
                 continue
             self.units[call.key] = _Unit([call], instances[call.index])
         self._fold()
+        if weight_of is not None:
+            self._pack(weight_of)
+        self._join_residual_norms()
         self._explain_missing()
         self._flag_rewritten()
 
@@ -228,7 +293,8 @@ class _Units:
         return _label(call, self.counts)
 
     def unit_name(self, unit: _Unit) -> str:
-        return "+".join(self.name(m) for m in unit.members)
+        names = [self.name(m) for m in unit.members]
+        return brace(names) if unit.packed else "+".join(names)
 
     # -- folded units ---------------------------------------------------------------------------
     def _sole_consumer(self, key: str) -> ModuleCall | None:
@@ -307,6 +373,136 @@ class _Units:
         self.units[call.key] = unit
         return True
 
+    # -- what a runtime's optimiser fused across modules -----------------------------------------
+    def _ancestors(self, key: str) -> set[str]:
+        out, call = set(), self.by_key.get(key)
+        while call is not None and call.parent is not None:
+            out.add(call.parent)
+            call = self.by_key.get(call.parent)
+        return out
+
+    def _reader(self, value: str) -> tuple[ModuleCall, int] | None:
+        """The first module call of a unit whose group reads ``value``, and at which of its
+        inputs (the torch tensor it read there is what ``value`` holds)."""
+        for index in self.onnx.source.consumers.get(value, []):
+            node = self.onnx.source.nodes[index]
+            if node_scopes(node) is None:
+                continue
+            for unit in {id(u): u for u in self.units.values()}.values():
+                inputs = unit.instance.inputs
+                if (index in unit.instance.nodes and value in inputs
+                        and len(inputs) == len(unit.first.inputs)):
+                    return unit.first, inputs.index(value)
+        return None
+
+    def _join_residual_norms(self) -> None:
+        """ONNX Runtime's transformer optimiser fuses a Linear's bias, the residual add after
+        it (its parent's code) and the LayerNorm that reads the sum into one unscoped
+        SkipLayerNormalization: the Linear's group then ends before its bias, and the
+        LayerNorm has no scope. Both are one unit, ``blocks.0.attn.out+blocks.0.ln2``,
+        compared on the node's first output (the LayerNorm's, as the next module reads it);
+        its sum output is the LayerNorm's own input, a boundary the next such node's segment
+        starts from."""
+        graph = self.onnx.source
+        for key, norm in list(self.missing.items()):
+            if not norm.leaf or len(norm.inputs) != 1 or len(norm.outputs) != 1:
+                continue
+            node = None
+            for consumer in self.consumers.get(norm.key, []):
+                after = self.units.get(consumer.key)
+                if (after is None or after.first is not consumer
+                        or len(after.instance.inputs) != len(consumer.sources)):
+                    continue
+                read = after.instance.inputs[consumer.sources.index(norm.key)]
+                candidate = graph.node_of(read)
+                if (candidate is not None and candidate.op_type in _RESIDUAL_NORMS
+                        and node_scopes(candidate) is None and candidate.output[0] == read):
+                    node = candidate
+                    break
+            if node is None:
+                continue
+            linears = []
+            for value in node.input[:2]:
+                for unit in {id(u): u for u in self.units.values()}.values():
+                    if (unit.last.leaf and unit.first.kind == "Linear" and len(unit.members) == 1
+                            and self._read_outputs(unit) == [value]):
+                        linears.append(unit)
+            if len(linears) != 1:
+                continue  # no Linear, or two: which one's bias the node holds is unknown
+            unit = linears[0]
+            # The norm reads the residual sum that code around the Linear computed from its
+            # output: a container holding the Linear returned it, or (no module returned it
+            # yet) the norm's own parent's code, which also holds the Linear, did.
+            around = self._ancestors(unit.last.key)
+            source = norm.sources[0]
+            if not (source in around or source is None and norm.parent in around):
+                continue
+            self.absorbed.add(tuple(self._read_outputs(unit)))
+            unit.members.append(norm)
+            unit.outputs = [node.output[0]]
+            unit.composite = f"its parent's residual add runs between {unit.first.path} and {norm.path}"
+            if len(node.output) > 3 and node.output[3]:
+                unit.extra.append((node.output[3], norm.inputs[0]))
+            self.units[key] = unit
+            del self.missing[key]
+
+    def _pack(self, weight_of: Callable[[str], np.ndarray | None]) -> None:
+        """Linear modules without a scope whose weights an unscoped node packs (ONNX Runtime's
+        Attention: q, k, v concatenated along the output axis, the attention's own code
+        inside): one unit, ``blocks.1.attn.{q,k,v}``, fed what they all read, compared on the
+        node's output against what the module after it reads in torch. The members are the
+        modules whose weights tile the packed one (packed.pack_order), not guesses from
+        names."""
+        graph = self.onnx.source
+        groups: dict[tuple, list[ModuleCall]] = {}
+        for call in self.missing.values():
+            if (call.kind == "Linear" and call.leaf and len(call.inputs) == 1
+                    and len(call.sources) == 1 and len(call.outputs) == 1):
+                groups.setdefault((call.sources[0], call.parent), []).append(call)
+        for (_, parent), calls in groups.items():
+            if len(calls) < 2:
+                continue
+            weights = []
+            for call in calls:
+                w = weight_of(call.path)
+                if w is not None and w.ndim == 2:
+                    weights += [(call.key, w.T), (call.key, w)]  # [in, out] and [out, in] layouts
+            if not weights:
+                continue
+            for index, node in enumerate(graph.nodes):
+                if node_scopes(node) is not None or not node.input or not node.output:
+                    continue
+                order = None
+                for name in node.input[1:]:
+                    init = graph.initializers.get(name)
+                    if init is not None and len(init.dims) == 2:
+                        from onnx import numpy_helper
+
+                        order = pack_order(numpy_helper.to_array(init), weights)
+                        if order:
+                            break
+                if not order:
+                    continue
+                reader = self._reader(node.output[0])
+                if reader is None:
+                    continue
+                # What the module after them reads is their parent's code's (not yet returned
+                # by any module: no source), or one of theirs.
+                source = reader[0].sources[reader[1]]
+                if not (source in {parent, *order}
+                        or source is None and reader[0].parent == parent):
+                    continue
+                members = sorted((self.by_key[k] for k in order), key=lambda c: c.order)
+                unit = _Unit(members, ScopeInstance(parent or "", [index], [node.input[0]],
+                                                    [node.output[0]]),
+                             outputs=[node.output[0]],
+                             tensors=[reader[0].inputs[reader[1]]], packed=True,
+                             composite=f"{node.op_type} packs them with their parent's code")
+                for member in members:
+                    self.units[member.key] = unit
+                    self.missing.pop(member.key, None)
+                break
+
     def _explain_missing(self) -> None:
         """Calls left without a scope: listed with the reason; a neighbour whose group of nodes
         may hold their computation is flagged unsure (never silently blamed for it)."""
@@ -338,11 +534,15 @@ class _Units:
         there: a bias and a residual add into SkipLayerNormalization) may not be computed in
         its group alone: unsure."""
         graph = self.onnx.source
-        for unit in {id(u): u for u in self.units.values()}.values():
+        units = {id(u): u for u in self.units.values()}.values()
+        # An unscoped node a unit stands for (a packed Attention) is accounted for.
+        claimed = {i for u in units if u.packed for i in u.instance.nodes}
+        for unit in units:
             if unit.unsure:
                 continue
             for value in self._read_outputs(unit):
-                readers = [graph.nodes[i] for i in graph.consumers.get(value, [])]
+                readers = [graph.nodes[i] for i in graph.consumers.get(value, [])
+                           if i not in claimed]
                 loose = [n for n in readers if node_scopes(n) is None]
                 if loose:
                     unit.unsure = (f"its output is read by {loose[0].name or loose[0].op_type} "
@@ -372,16 +572,17 @@ class _Units:
         """One match per unit, in the order the units finish; a unit whose outputs are those
         of a unit inside it (a Sequential's output is its last child's) is that unit."""
         out: list[_Match] = []
-        seen: set[tuple[str, ...]] = set()
+        # A container whose output is a joined unit's former output is that unit's member.
+        seen: set[tuple[str, ...]] = set(self.absorbed)
         units = sorted({id(u): u for u in self.units.values()}.values(), key=lambda u: u.order)
         for unit in units:
             instance = unit.instance
             name = self.unit_name(unit)
             outputs = self._read_outputs(unit)
-            if len(outputs) != len(unit.last.outputs):
+            if len(outputs) != len(unit.torch_outputs):
                 self.unaligned.append(Unaligned(
                     self.role, name,
-                    f"{len(unit.last.outputs)} tensor output(s) in torch, "
+                    f"{len(unit.torch_outputs)} tensor output(s) in torch, "
                     f"{len(outputs)} value(s) leave its scope in ONNX "
                     f"({', '.join(outputs)})"))
                 continue
@@ -419,7 +620,8 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
                      torch_is_reference: bool) -> Alignment:
     out = Alignment()
     torch_role = "reference" if torch_is_reference else "primary"
-    units = _Units(torch_cap, onnx, torch_role, set(torch_side.submodules))
+    units = _Units(torch_cap, onnx, torch_role, set(torch_side.submodules),
+                   torch_side.weight)
     matches = units.matches(onnx_cap)
     out.unaligned = units.unaligned
 
@@ -428,21 +630,25 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
         # primary's segments can start from.
         available: dict[str, np.ndarray] = {n: a for n, a in inputs.items()}
         for m in matches:
-            for v, t in zip(m.outputs, m.unit.last.outputs):
+            for v, t in zip(m.outputs, m.unit.torch_outputs):
                 available[v] = t
             for v, t in zip(m.inputs or [], m.unit.first.inputs):
+                available.setdefault(v, t)
+            for v, t in m.unit.extra:
                 available.setdefault(v, t)
         boundary = set(available)
         fetch = _fetcher(available, onnx_cap)
     else:
         # What the ONNX reference computed for each matched call: a container run on its own
         # gets its children's reference outputs in place of its children (its own code alone).
-        reference_of = {m.unit.last.key: [onnx_cap[v] for v in m.outputs] for m in matches}
+        # (A packed unit's tensor is what the module after it reads, no member's output.)
+        reference_of = {m.unit.last.key: [onnx_cap[v] for v in m.outputs] for m in matches
+                        if m.unit.tensors is None}
     for m in matches:
         unit = m.unit
         n = len(m.outputs)
         base = units.unit_name(unit)
-        for j, (value, tensor) in enumerate(zip(m.outputs, unit.last.outputs)):
+        for j, (value, tensor) in enumerate(zip(m.outputs, unit.torch_outputs)):
             name = _output_name(base, j, n)
             if torch_is_reference:
                 def isolate(value=value) -> tuple[np.ndarray, list[str]]:
@@ -455,7 +661,9 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
             else:
                 isolate = None
                 note = ""
-                if m.inputs is None:
+                if unit.composite:
+                    note = f"not re-run in torch member by member: {unit.composite}"
+                elif m.inputs is None:
                     note = "the module's inputs could not be matched to ONNX values"
                 else:
                     def isolate(m=m, j=j) -> tuple[np.ndarray, list[str]]:

@@ -255,6 +255,17 @@ class TorchSide:
         return {f"{call.key}.{j}": out for call in capture.calls
                 for j, out in enumerate(call.outputs)}
 
+    def weight(self, path: str) -> np.ndarray | None:
+        """Module ``path``'s ``weight`` parameter as float numpy, or None (align.py matches a
+        runtime's packed weights against it)."""
+        import torch
+
+        module = self.submodules.get(path)
+        weight = getattr(module, "weight", None) if module is not None else None
+        if not isinstance(weight, torch.Tensor):
+            return None
+        return weight.detach().float().cpu().numpy()
+
     def run_module(self, path: str, inputs: list[np.ndarray],
                    substitutes: dict[str, list[list[np.ndarray]]] | None = None
                    ) -> list[np.ndarray]:
