@@ -11,6 +11,8 @@ MLPs, the zoo CNN and the real models (MiniLM, silero-vad) when their packages a
 - ``fp16_overflow``: one Linear whose output exceeds fp16's range (a LayerNorm after it hides it
   in fp32), primary derived as fp16;
 - ``torch_onnx``: torch eager reference vs its ONNX export with one module's weights perturbed;
+- the same and ONNX vs ONNX with the primary through ONNX Runtime's transformer optimiser,
+  q/k/v packed into one Attention node (``packed_attention_cases``);
 - ``clean``: fp32 vs fp32 (the same file twice, torch vs its export, ONNX Runtime at another
   thread count), int8/fp16 variants under the tolerances such a deployment sets, and the zoo
   detector (torch vs its export) on a batch where the two sorts break a score tie in another
@@ -410,7 +412,7 @@ FAMILY_FAULTS = {
               ("model.model.layers.1.post_attention_layernorm", "weight", 0.03),
               ("model.lm_head", "weight", 0.005)),
 }
-FAMILIES = tuple(LAYOUT_FAULTS) + tuple(FAMILY_FAULTS)
+FAMILIES = tuple(LAYOUT_FAULTS) + tuple(FAMILY_FAULTS) + ("encoder_ort",)
 EXPORTERS = ("torchscript", "dynamo")
 # MobileNetV2's dynamo export takes ~1 min a file here: the TorchScript exporter's alone.
 _FAMILY_EXPORTERS = {"mobilenet_v2": ("torchscript",)}
@@ -506,6 +508,71 @@ def layout_cases(folder: Path, families=("encoder", "resnet"), **kw) -> list[Fau
     return family_cases(folder, families, **kw)
 
 
+# -- a runtime-optimised primary: q/k/v packed into one Attention node ---------------------------
+# ONNX Runtime's transformer optimiser (onnxruntime.transformers.optimizer, the fusions alone:
+# opt_level 0, so the file does not depend on this CPU) on the hand-written encoder's export:
+# model_type "clip" is the pattern set that fuses a pre-norm attention without a mask (the
+# "bert" one expects a mask input and fuses none here). It fuses the second block's attention
+# (q, k, v and the attention's own code) into one Attention node whose weight packs the three
+# projections', folds each Linear's bias, the residual add and the next LayerNorm into
+# SkipLayerNormalization, and GELU with fc1's bias into BiasGelu. The first block's attention,
+# whose LayerNorm reads the embedding directly, stays unfused. A user who serves the optimised
+# file as the primary keeps the plain export, or the torch module, as the reference.
+PACKED_FAMILY = "encoder_ort"
+PACKED_FAULTS = (("blocks.1.attn.q", "weight", 0.02), ("blocks.1.attn.k", "weight", 0.005),
+                 ("blocks.1.attn.v", "bias", 0.1), ("blocks.1.ln1", "weight", 0.03),
+                 ("blocks.0.mlp.fc2", "weight", 0.01), ("blocks.0.attn.q", "weight", 0.02))
+
+
+def ort_optimised(path: Path, heads: int = 4, hidden: int = 32) -> Path:
+    """``path`` through ONNX Runtime's transformer optimiser, saved beside it (``-ort.onnx``)."""
+    from onnxruntime.transformers import optimizer
+
+    out = path.with_name(path.stem + "-ort.onnx")
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        model = optimizer.optimize_model(str(path), model_type="clip", num_heads=heads,
+                                         hidden_size=hidden, opt_level=0)
+        model.save_model_to_file(str(out))
+    return out
+
+
+def packed_attention_cases(folder: Path, exporters=EXPORTERS, faults=PACKED_FAULTS,
+                           clean: bool = True, onnx_pairs: bool = True) -> list[FaultCase]:
+    """Per exporter: the encoder's torch module (and its plain export, ONNX vs ONNX) as the
+    reference, the optimised export of a copy with one module changed as the primary, and the
+    clean pairs. ``true_layer``: the module, or the node of the plain export reading the
+    changed weight; a unit that lists it counts (``blocks.1.attn.{q,k,v}``)."""
+    from guard.zoo import layouts
+
+    folder.mkdir(parents=True, exist_ok=True)
+    build, inputs = _family("encoder")
+    model = build()
+    out = []
+    for exporter in exporters:
+        dynamo = exporter == "dynamo"
+        tag = f"{PACKED_FAMILY}-{exporter}"
+        base = layouts.export(model, folder / f"{tag}.onnx", inputs, dynamo=dynamo)
+        packed = ort_optimised(base)
+        if clean:
+            out.append(FaultCase(f"{tag}-clean-torch-onnx", "clean", tag, build, packed, inputs,
+                                 None, tensor=FP32, input_names=list(inputs)))
+            if onnx_pairs:
+                out.append(FaultCase(f"{tag}-clean-onnx", "clean", tag, base, packed, inputs,
+                                     None, tensor=FP32))
+        for i, (module, tensor, share) in enumerate(faults):
+            name = f"{tag}-{module}.{tensor}-{share:g}"
+            broken = layouts.perturbed(model, module, share, seed=i, tensor=tensor)
+            plain = layouts.export(broken, folder / f"{name}.onnx", inputs, dynamo=dynamo)
+            prim = ort_optimised(plain)
+            kind = _kind(module, tensor)
+            out.append(FaultCase(f"{name}-torch", kind, tag, build, prim, inputs, module,
+                                 tensor=FP32, input_names=list(inputs)))
+            if onnx_pairs:
+                out.append(FaultCase(f"{name}-onnx", kind, tag, base, prim, inputs,
+                                     true_node(base, plain), tensor=FP32))
+    return out
+
+
 # A batch of the zoo detector on which torch's sort and ONNX Runtime's TopK order the tied
 # candidates (scores capped at 1.0) differently (row 2 of sample_inputs(16, seed=5) on the
 # x86-64 machines measured); whether they do on another CPU, the pair is clean either way.
@@ -597,6 +664,7 @@ def corpus(folder: str | Path, real: bool = True, families: bool = True) -> list
         except ImportError:
             pass
         cases += family_cases(folder / "families", names, fp16=True)
+        cases += packed_attention_cases(folder / "packed")
     return cases
 
 
