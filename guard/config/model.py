@@ -140,10 +140,18 @@ class ModelConfig(Strict):
         if self.checks.activation.enabled:
             if self.reference is None:
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")
-            from guard.verify.activation.sides import capturable
+            from guard.verify.activation.sides import PAIRED_WITH, capturable
 
-            for role in ("primary", "reference"):
+            for role, other in (("primary", "reference"), ("reference", "primary")):
                 backend = getattr(self, role).backend
+                beside = getattr(self, other).backend
+                if backend in PAIRED_WITH and beside not in PAIRED_WITH[backend]:
+                    raise ValueError(
+                        f"checks.activation: tier 2 cannot capture the intermediate tensors of "
+                        f"{role} backend '{backend}' beside {other} backend '{beside}' (its "
+                        "compiled capture aligns with a "
+                        f"{' or '.join(sorted(PAIRED_WITH[backend]))} {other} only, by module "
+                        "path); set sample_rate: 0 and on_failure: false for this model")
                 if backend not in capturable():
                     can = sorted(capturable())
                     raise ValueError(

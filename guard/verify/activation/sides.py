@@ -4,9 +4,13 @@ Tier 2 owns this table: a backend module declares what the backend is (guard/bac
 and knows nothing of the checks; the capture code of a backend lives here beside tier 2
 (``onnx_side``, ``torch_side``, ``openvino_side``), keyed by the backend's config name. A
 builder takes ``(spec, role, config, threads, run_path, label)`` and returns a side; it is
-imported only when a side is built. A backend absent here (``upstream``, ``tensorrt``,
-``torch_compile``: compiled kernels cannot be hooked) cannot be captured; the op repair
-captures a copy in its place where the backend declares one (``BackendKind.capture_as``).
+imported only when a side is built. A backend absent here (``upstream``, ``tensorrt``: an
+engine's layers cannot be read) cannot be captured; the op repair captures a copy in its place
+where the backend declares one (``BackendKind.capture_as``).
+
+``torch_compile`` is captured through hooks compiled into its graph (compiled_side.py), and only
+beside a torch side (``PAIRED_WITH``): its calls align by module path; against an ONNX graph the
+exporter's folds are told from tensor identities, which the compiled capture's clones lack.
 """
 
 from __future__ import annotations
@@ -19,7 +23,10 @@ SIDES: dict[str, str] = {
     "onnxruntime": "guard.verify.activation.onnx_side:onnxruntime_side",
     "openvino": "guard.verify.activation.openvino_side:openvino_side",
     "torch": "guard.verify.activation.torch_side:torch_side",
+    "torch_compile": "guard.verify.activation.compiled_side:torch_compile_side",
 }
+# Backends captured only beside one of these on the other side of the pair.
+PAIRED_WITH: dict[str, frozenset[str]] = {"torch_compile": frozenset({"torch", "torch_compile"})}
 
 
 def capturable() -> frozenset[str]:
