@@ -5,7 +5,9 @@ tie-broken NMS, MiniLM, silero-vad, and the field's architectures: a hand-writte
 encoder and torchvision-layout ResNet, BERT, ViT, ResNet, ConvNeXt, MobileNetV2, Whisper's
 encoder and a Llama decoder from ``transformers`` configs, each exported with both exporters,
 faults in leaf modules at every depth, torch vs ONNX, ONNX vs ONNX, fp16 variants and clean
-pairs; ``guard.zoo.faults.family_cases``): tier 2 as
+pairs; ``guard.zoo.faults.family_cases``; and ``encoder_ort``, the encoder's export through ONNX
+Runtime's transformer optimiser as the primary, q/k/v packed into one Attention node,
+``guard.zoo.faults.packed_attention_cases``): tier 2 as
 ``checks.activation: {on_failure: true}`` builds it (every other key at its default, tier-1
 tolerances of the case's deployment), on real ONNX Runtime sessions and torch modules. Per case:
 tier 1's verdict (tier 2 applies tier 1's tolerances to the aligned outputs; for a model with
@@ -23,7 +25,8 @@ answer is the first failing tensor in the reference graph's order, mapped to the
 produces it. Polygraphy cannot run the torch-vs-ONNX cases.
 
 A layer named counts as right when it is the broken one or a unit tier 2 compared as one that
-holds it (``layer2.0.conv1+layer2.0.bn1``: the exporter folded the BatchNorm into the Conv).
+holds it (``layer2.0.conv1+layer2.0.bn1``: the exporter folded the BatchNorm into the Conv;
+``blocks.1.attn.{q,k,v}``: the optimiser packed the three projections into one node).
 
     python benchmarks/localisation.py [--quick] [--no-real] [--no-families]
                                       [--out benchmarks/results]
