@@ -370,8 +370,9 @@ def _check_model(model) -> None:
 
 
 def _eager_copy(spec: "BackendConfig") -> "BackendConfig":
-    """``BackendKind.capture_as`` of torch_compile: tier 2 cannot hook compiled kernels, so it
-    captures an eager ``torch`` copy of the module at the same precision."""
+    """``BackendKind.capture_as`` of torch_compile: the op repair captures an eager ``torch``
+    copy of the module at the same precision (it locates precision drift; tier 2's own check
+    captures the compiled code, guard/verify/activation/compiled_side.py)."""
     copy = spec.model_copy(deep=True)
     copy.backend = "torch"
     copy.options = {k: v for k, v in spec.options.items() if k in TorchOptions.model_fields}
@@ -386,8 +387,8 @@ KINDS = {
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads,
     ),
-    # Not captured by tier 2: hooks on the eager module would observe eager arithmetic, not the
-    # compiled kernels it is meant to judge (the repair captures an eager copy instead).
+    # Tier 2 captures it through hooks compiled into its graph (beside a torch side); the op
+    # repair captures an eager copy instead (capture_as).
     "torch_compile": BackendKind(
         name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}),

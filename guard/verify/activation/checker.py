@@ -87,8 +87,8 @@ class ActivationChecker:
     def for_model(cls, model: ModelConfig, threads: int = 1,
                   primary_spec: BackendConfig | None = None) -> "ActivationChecker":
         """``primary_spec``: what to capture as the primary instead of ``model.primary`` (the
-        repair's stand-in for a primary tier 2 cannot hook: an eager copy of a torch_compile
-        module, ONNX Runtime's variant of a TensorRT engine's ONNX)."""
+        repair's stand-in: an eager copy of a torch_compile module, ONNX Runtime's variant of
+        a TensorRT engine's ONNX, which tier 2 cannot read)."""
         config = model.checks.activation
         if model.reference is None:
             raise CaptureUnsupported(f"models[{model.name}]: tier 2 needs a reference backend")
