@@ -164,9 +164,10 @@ def test_a_runtime_optimised_graph_aligns_fused_units_and_lists_what_it_lost(fol
     """ONNX Runtime's transformer optimiser on the export: GELU and the Linear's bias become
     one unscoped BiasGelu node after the Linear's MatMul, compared as the unit
     ``...mlp.fc1+...mlp.act`` on that node's output (never the bare MatMul against torch's
-    GELU output); a LayerNorm fused with its residual add into SkipLayerNormalization has no
-    scope of its own: listed, with reasons, and never silently compared; the projection whose
-    bias went into that node is unsure, never named for what it lost."""
+    GELU output); a Linear's bias, the residual add and the LayerNorm fused into
+    SkipLayerNormalization are the unit ``...attn.out+...ln2`` on the LayerNorm's output (never
+    the Linear's bias-less MatMul against torch's Linear output); what is left without a
+    counterpart (containers whose nodes the unscoped ones split) is listed with the reason."""
     from onnxruntime.transformers import optimizer
 
     case = _case(folder, "encoder", "torchscript", "blocks.1.attn.q")
@@ -191,3 +192,6 @@ def test_a_runtime_optimised_graph_aligns_fused_units_and_lists_what_it_lost(fol
     # What lost its scope, or whose nodes the unscoped ones split, is listed with the reason.
     reasons = {u.name: u.reason for u in report.unaligned}
     assert reasons and all("scope" in reason for reason in reasons.values()), reasons
+    assert {"blocks.0.attn.out+blocks.0.ln2", "blocks.0.mlp.fc2+blocks.1.ln1",
+            "blocks.1.mlp.fc2+norm"} <= set(names)
+    assert first is not None and first.name == "blocks.1.attn.q", report.undetermined

@@ -10,14 +10,22 @@
   into its neighbour (a BatchNorm into the Conv before it, an activation into a fused op) has
   no scope of its own: where the torch dataflow shows the chain (the BatchNorm reads only the
   Conv's output, and is its only reader), the chain is one unit, ``layer1.0.conv1+layer1.0.bn1``,
-  compared on the chain's last output. Anything else without a scope is listed as unaligned with
+  compared on the chain's last output. What a runtime's optimiser fused after export, on nodes
+  without a scope, is joined likewise: a Linear's bias with GELU in BiasGelu; a Linear's bias,
+  the residual add and the next LayerNorm in SkipLayerNormalization
+  (``blocks.0.attn.out+blocks.0.ln2``); q, k and v packed with the attention's own code into
+  one Attention node (``blocks.1.attn.{q,k,v}``: the members are the Linears whose weights tile
+  its packed weight, packed.py). Anything else without a scope is listed as unaligned with
   the reason, and the neighbour that may hold its computation is flagged ``unsure`` (tier 2
   then says undetermined rather than name it). A container whose output is its last child's
   (a ``Sequential``) is that child; a container with code of its own (a residual add) is
   compared on it, and isolated on that code alone (its children's tensors fed from the
   reference).
-- torch vs torch: module path and call index; a container isolated on its own code, its
-  children returning the reference's tensors.
+- ONNX vs ONNX, a primary node the reference lacks whose weights pack several of the
+  reference's (that Attention node) is named after the reference's nodes reading them.
+- torch vs torch (eager, or torch.compile captured on the compiled code: compiled_side.py):
+  module path and call index; a container isolated on its own code, its children returning the
+  reference's tensors (a compiled container is not re-run: its leaves are).
 
 Each aligned layer comes with a thunk that computes its *isolated* output: the primary's layer
 fed the reference's own inputs for it, where the primary's backend allows.
