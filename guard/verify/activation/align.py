@@ -461,6 +461,8 @@ class _Units:
         node's output against what the module after it reads in torch. The members are the
         modules whose weights tile the packed one (packed.pack_order), not guesses from
         names."""
+        from onnx import numpy_helper
+
         graph = self.onnx.source
         groups: dict[tuple, list[ModuleCall]] = {}
         for call in self.missing.values():
@@ -484,8 +486,6 @@ class _Units:
                 for name in node.input[1:]:
                     init = graph.initializers.get(name)
                     if init is not None and len(init.dims) == 2:
-                        from onnx import numpy_helper
-
                         order = pack_order(numpy_helper.to_array(init), weights)
                         if order:
                             break
@@ -501,7 +501,8 @@ class _Units:
                         or source is None and reader[0].parent == parent):
                     continue
                 members = sorted((self.by_key[k] for k in order), key=lambda c: c.order)
-                unit = _Unit(members, ScopeInstance(parent or "", [index], [node.input[0]],
+                owner = self.by_key[parent].path if parent in self.by_key else ""
+                unit = _Unit(members, ScopeInstance(owner, [index], [node.input[0]],
                                                     [node.output[0]]),
                              outputs=[node.output[0]],
                              tensors=[reader[0].inputs[reader[1]]], packed=True,
