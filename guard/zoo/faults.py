@@ -524,13 +524,14 @@ PACKED_FAULTS = (("blocks.1.attn.q", "weight", 0.02), ("blocks.1.attn.k", "weigh
                  ("blocks.0.mlp.fc2", "weight", 0.01), ("blocks.0.attn.q", "weight", 0.02))
 
 
-def ort_optimised(path: Path, heads: int = 4, hidden: int = 32) -> Path:
+def ort_optimised(path: Path, heads: int = 4, hidden: int = 32,
+                  model_type: str = "clip") -> Path:
     """``path`` through ONNX Runtime's transformer optimiser, saved beside it (``-ort.onnx``)."""
     from onnxruntime.transformers import optimizer
 
     out = path.with_name(path.stem + "-ort.onnx")
     with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-        model = optimizer.optimize_model(str(path), model_type="clip", num_heads=heads,
+        model = optimizer.optimize_model(str(path), model_type=model_type, num_heads=heads,
                                          hidden_size=hidden, opt_level=0)
         model.save_model_to_file(str(out))
     return out

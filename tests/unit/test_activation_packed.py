@@ -90,3 +90,36 @@ def test_a_fault_in_a_packed_bias_and_clean_pairs(folder):
             first = report.first_divergence
             assert first is not None and case.names_true_layer(first.name), (
                 case.name, first and first.name, report.undetermined)
+
+
+def test_a_post_norm_bert_optimised_by_onnx_runtime_names_the_broken_leaf(folder):
+    """transformers' BERT (post-norm: each Linear's bias, the residual add and the LayerNorm
+    after it fused into SkipLayerNormalization, GELU with its bias into BiasGelu) through the
+    optimiser's own ``bert`` patterns: a fault in a query projection is named; the clean file
+    names nothing. The fused units' outputs are the boundaries the isolated segments start
+    from, never a container's tensor compared against a bias-less MatMul."""
+    pytest.importorskip("transformers")
+    from guard.zoo import families, layouts
+
+    inputs = families.inputs("bert")
+    module = "model.bert.encoder.layer.1.attention.self.query"
+    model = families.bert()
+    out = []
+    for name, source in (("clean", model), ("broken", layouts.perturbed(model, module, 0.02))):
+        path = layouts.export(source, folder / f"bert-{name}.onnx", inputs)
+        out.append(faults.ort_optimised(path, model_type="bert"))
+    ops = {node.op_type for node in onnx.load(str(out[1])).graph.node}
+    assert {"SkipLayerNormalization", "BiasGelu"} <= ops
+    for path, true_layer in zip(out, (None, module)):
+        case = faults.FaultCase("bert-ort", "weight", "bert", families.bert, path, inputs,
+                                true_layer, tensor=faults.FP32, input_names=list(inputs))
+        report = faults.check(case)
+        assert not report.error, report.error
+        first = report.first_divergence
+        if true_layer is None:
+            assert first is None and report.passed and not report.undetermined
+        else:
+            assert first is not None and first.name == module, report.undetermined
+        names = {layer.name for layer in report.layers}
+        assert ("model.bert.encoder.layer.0.attention.output.dense"
+                "+model.bert.encoder.layer.0.attention.output.LayerNorm") in names

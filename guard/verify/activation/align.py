@@ -212,6 +212,7 @@ class _Unit:
     # residual norm's sum output: the norm's own input).
     extra: list[tuple[str, np.ndarray]] = field(default_factory=list)
     packed: bool = False  # its members are packed into one op: named with braces
+    fused: list[int] = field(default_factory=list)  # unscoped nodes it stands for (their index)
 
     @property
     def torch_outputs(self) -> list[np.ndarray]:
@@ -337,6 +338,10 @@ class _Units:
         value = self._folded_output(call, outputs[0])
         if value is None:
             return False
+        if value != outputs[0]:
+            # The group's own output (BiasGelu's MatMul before it) is no module's output now:
+            # a container returning the folded module's output is that unit, not that value.
+            self.absorbed.add(tuple(outputs))
         unit.members.append(call)
         unit.outputs = [value]
         self.units[call.key] = unit
@@ -416,7 +421,8 @@ class _Units:
             if not norm.leaf or len(norm.inputs) != 1 or len(norm.outputs) != 1:
                 continue
             node = None
-            for consumer in self.consumers.get(norm.key, []):
+            # Its readers, containers included (a pooler's own code slices the last norm's).
+            for consumer in [c for c in self.cap.calls if norm.key in c.sources]:
                 after = self.units.get(consumer.key)
                 if (after is None or after.first is not consumer
                         or len(after.instance.inputs) != len(consumer.sources)):
@@ -451,6 +457,7 @@ class _Units:
             unit.composite = f"its parent's residual add runs between {unit.first.path} and {norm.path}"
             if len(node.output) > 3 and node.output[3]:
                 unit.extra.append((node.output[3], norm.inputs[0]))
+            unit.fused.append(graph.producer[node.output[0]])
             self.units[key] = unit
             del self.missing[key]
 
@@ -506,6 +513,7 @@ class _Units:
                                                     [node.output[0]]),
                              outputs=[node.output[0]],
                              tensors=[reader[0].inputs[reader[1]]], packed=True,
+                             fused=[index],
                              composite=f"{node.op_type} packs them with their parent's code")
                 for member in members:
                     self.units[member.key] = unit
@@ -544,8 +552,9 @@ class _Units:
         its group alone: unsure."""
         graph = self.onnx.source
         units = {id(u): u for u in self.units.values()}.values()
-        # An unscoped node a unit stands for (a packed Attention) is accounted for.
-        claimed = {i for u in units if u.packed for i in u.instance.nodes}
+        # An unscoped node a unit stands for (a packed Attention, the next residual norm that
+        # reads this one's output as its skip) computes that unit, not part of this one.
+        claimed = {i for u in units for i in u.fused}
         for unit in units:
             if unit.unsure:
                 continue
@@ -639,6 +648,8 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
         # primary's segments can start from.
         available: dict[str, np.ndarray] = {n: a for n, a in inputs.items()}
         for m in matches:
+            if m.unit.unsure:
+                continue  # its tensor may be another computation's: no segment starts there
             for v, t in zip(m.outputs, m.unit.torch_outputs):
                 available[v] = t
             for v, t in zip(m.inputs or [], m.unit.first.inputs):
