@@ -7,7 +7,8 @@ encoder and a Llama decoder from ``transformers`` configs, each exported with bo
 faults in leaf modules at every depth, torch vs ONNX, ONNX vs ONNX, fp16 variants and clean
 pairs; ``guard.zoo.faults.family_cases``; and ``encoder_ort``, the encoder's export through ONNX
 Runtime's transformer optimiser as the primary, q/k/v packed into one Attention node,
-``guard.zoo.faults.packed_attention_cases``): tier 2 as
+``guard.zoo.faults.packed_attention_cases``; and the hand-written layouts eager vs
+torch.compile, ``guard.zoo.faults.compiled_cases``): tier 2 as
 ``checks.activation: {on_failure: true}`` builds it (every other key at its default, tier-1
 tolerances of the case's deployment), on real ONNX Runtime sessions and torch modules. Per case:
 tier 1's verdict (tier 2 applies tier 1's tolerances to the aligned outputs; for a model with
@@ -28,7 +29,7 @@ A layer named counts as right when it is the broken one or a unit tier 2 compare
 holds it (``layer2.0.conv1+layer2.0.bn1``: the exporter folded the BatchNorm into the Conv;
 ``blocks.1.attn.{q,k,v}``: the optimiser packed the three projections into one node).
 
-    python benchmarks/localisation.py [--quick] [--no-real] [--no-families]
+    python benchmarks/localisation.py [--quick] [--no-real] [--no-families] [--no-compiled]
                                       [--out benchmarks/results]
 """
 
@@ -96,6 +97,7 @@ def run_case(case) -> dict:
     row = {
         "case": case.name, "kind": case.kind, "model": case.model, "precision": case.precision,
         "onnx_pair": case.onnx_pair, "true_layer": case.true_layer,
+        "compiled": case.compiled is not None,
         "tier1_failed": report.budget.tier1_failed if report.budget else None,
         "budget": report.budget.relative if report.budget else None,
         "named": first.name if first else None, "basis": report.basis,
@@ -154,11 +156,26 @@ def _family_score(rows: list[dict]) -> dict:
                 if r.get("polygraphy") == r["true_layer"] and not r["right"]]}
 
 
+def _compiled_score(rows: list[dict]) -> dict:
+    """Eager vs torch.compile (guard.zoo.faults.compiled_cases)."""
+    faults = [r for r in rows if r.get("compiled") and r["true_layer"] is not None]
+    clean = [r for r in rows if r.get("compiled") and r["true_layer"] is None]
+    n = len(faults)
+    return {"cases": n,
+            "top1": round(sum(r["right"] for r in faults) / n, 4) if n else None,
+            "top3": round(sum(1 for r in faults if r["rank"] and r["rank"] <= 3) / n, 4)
+            if n else None,
+            "clean_cases": len(clean),
+            "clean_blames": sum(1 for r in clean if r["named"] is not None),
+            "wrong": [r["case"] for r in faults if not r["right"]]}
+
+
 def _failed_row(case, exc: Exception) -> dict:
     from guard.zoo.faults import FAMILIES
 
     return {"case": case.name, "kind": case.kind, "model": case.model,
             "precision": case.precision, "onnx_pair": case.onnx_pair,
+            "compiled": case.compiled is not None,
             "true_layer": case.true_layer, "tier1_failed": None, "budget": None, "named": None,
             "basis": "", "right": False, "named_container": False,
             "family": case.model.rsplit("-", 1)[0] in FAMILIES, "undetermined": "",
@@ -213,7 +230,9 @@ def score(rows: list[dict]) -> dict:
         "cases_polygraphy_right_guard_wrong": [
             r["case"] for r in onnx
             if r.get("polygraphy") == r["true_layer"] and not r["right"]],
-        "torch_onnx_cases_polygraphy_cannot_run": sum(1 for r in faults if not r["onnx_pair"]),
+        "torch_onnx_cases_polygraphy_cannot_run": sum(1 for r in faults if not r["onnx_pair"]
+                                                      and not r.get("compiled")),
+        "compiled": _compiled_score(rows),
         "median_seconds_guard": _median([r["seconds"] for r in rows]),
         "median_seconds_polygraphy": _median([r["polygraphy_seconds"] for r in rows
                                               if "polygraphy_seconds" in r]),
@@ -300,6 +319,10 @@ def markdown(result: dict) -> str:
         f"| Polygraphy right, guard wrong | {', '.join(s['cases_polygraphy_right_guard_wrong']) or 'none'} |",
         f"| torch-vs-ONNX fault cases (Polygraphy cannot run) | "
         f"{s['torch_onnx_cases_polygraphy_cannot_run']} |",
+        *([f"| eager vs torch.compile faults: top-1 / top-3 | {_pct(s['compiled']['top1'])} / "
+           f"{_pct(s['compiled']['top3'])} ({s['compiled']['cases']} cases; clean blamed "
+           f"{s['compiled']['clean_blames']} of {s['compiled']['clean_cases']}) |"]
+          if s["compiled"]["cases"] else []),
         f"| median time per case: guard / Polygraphy | {s['median_seconds_guard']:.3f} s / "
         f"{s['median_seconds_polygraphy'] or 0:.3f} s |",
         "",
@@ -350,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-real", action="store_true", help="skip MiniLM and silero-vad")
     parser.add_argument("--no-families", action="store_true",
                         help="skip the field's architectures (hand-written and transformers)")
+    parser.add_argument("--no-compiled", action="store_true",
+                        help="skip eager vs torch.compile (inductor compiles, minutes)")
     parser.add_argument("--quick", action="store_true", help="the issue's six cases only")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
@@ -362,7 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         folder = Path(tmp)
         cases = (faults.issue_cases(folder) if args.quick
                  else faults.corpus(folder, real=not args.no_real,
-                                    families=not args.no_families))
+                                    families=not args.no_families,
+                                    compiled=not args.no_compiled))
         rows = []
         for case in cases:
             try:

@@ -48,7 +48,7 @@ class FaultCase:
     kind: str
     model: str
     reference: Path | Callable  # an ONNX file, or a factory of the torch eager reference
-    primary: Path  # an fp32 ONNX file (derived to ``precision`` when not fp32)
+    primary: Path | Callable  # an fp32 ONNX file (derived to ``precision`` when not fp32)
     inputs: dict[str, np.ndarray]
     true_layer: str | None  # None: a clean pair
     precision: str = "fp32"
@@ -56,6 +56,9 @@ class FaultCase:
     input_names: list[str] = field(default_factory=list)  # torch reference's positional inputs
     adapters: list = field(default_factory=list)  # the model's adapters (tier 1 runs through them)
     primary_threads: int = 1  # the primary's intra-op threads (the reference runs at 1)
+    # torch.compile options: the primary is then ``primary`` (a factory of the eager module)
+    # compiled, captured on the compiled code (guard/verify/activation/compiled_side.py).
+    compiled: dict | None = None
 
     @property
     def onnx_pair(self) -> bool:
@@ -574,6 +577,35 @@ def packed_attention_cases(folder: Path, exporters=EXPORTERS, faults=PACKED_FAUL
     return out
 
 
+# -- eager vs torch.compile ----------------------------------------------------------------------
+INDUCTOR = {"backend": "inductor"}
+
+
+def compiled_cases(families=("encoder", "resnet"), faults: dict | None = None,
+                   clean: bool = True) -> list[FaultCase]:
+    """Per hand-written layout: the eager module as the reference, a copy with one leaf's
+    tensor changed (LAYOUT_FAULTS) under torch.compile (inductor) as the primary, and the clean
+    module compiled. Nothing is exported; ``true_layer`` is the module path."""
+    from guard.zoo import layouts
+
+    faults = faults or LAYOUT_FAULTS
+    out = []
+    for family in families:
+        build, inputs = _family(family)
+        tag = f"compiled-{family}"
+        if clean:
+            out.append(FaultCase(f"{tag}-clean", "clean", tag, build, build, inputs, None,
+                                 tensor=FP32, input_names=list(inputs), compiled=INDUCTOR))
+        for i, (module, tensor, share) in enumerate(faults[family]):
+            def broken(build=build, module=module, tensor=tensor, share=share, i=i):
+                return layouts.perturbed(build(), module, share, seed=i, tensor=tensor)
+
+            out.append(FaultCase(f"{tag}-{module}.{tensor}-{share:g}", _kind(module, tensor),
+                                 tag, build, broken, inputs, module, tensor=FP32,
+                                 input_names=list(inputs), compiled=INDUCTOR))
+    return out
+
+
 # A batch of the zoo detector on which torch's sort and ONNX Runtime's TopK order the tied
 # candidates (scores capped at 1.0) differently (row 2 of sample_inputs(16, seed=5) on the
 # x86-64 machines measured); whether they do on another CPU, the pair is clean either way.
@@ -648,9 +680,10 @@ def _no_grad():
         yield
 
 
-def corpus(folder: str | Path, real: bool = True, families: bool = True) -> list[FaultCase]:
+def corpus(folder: str | Path, real: bool = True, families: bool = True,
+           compiled: bool = True) -> list[FaultCase]:
     """``families``: the field's architectures too (the transformers ones where it is
-    installed)."""
+    installed); ``compiled``: eager vs torch.compile on the hand-written layouts."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cases = (weight_cases(folder) + issue_cases(folder) + other_fault_cases(folder)
@@ -666,6 +699,8 @@ def corpus(folder: str | Path, real: bool = True, families: bool = True) -> list
             pass
         cases += family_cases(folder / "families", names, fp16=True)
         cases += packed_attention_cases(folder / "packed")
+    if compiled:
+        cases += compiled_cases()
     return cases
 
 
@@ -677,7 +712,12 @@ def checker_for(case: FaultCase, top_k: int = 50):
     from guard.verify.activation.onnx_side import OnnxSide
     from guard.verify.activation.torch_side import TorchSide
 
-    if case.precision != "fp32":
+    if case.compiled is not None:
+        from guard.verify.activation.compiled_side import CompiledTorchSide
+
+        primary = CompiledTorchSide(case.primary(), case.input_names, case.compiled,
+                                    label="primary")
+    elif case.precision != "fp32":
         primary = OnnxSide(case.primary_variant(), source_path=case.primary, label="primary")
     else:
         primary = OnnxSide(case.primary, label="primary", threads=case.primary_threads)
