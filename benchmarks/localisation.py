@@ -343,7 +343,8 @@ def markdown(result: dict) -> str:
         basis = ("noise" if r["within_budget"] else
                  "exceeds" if r["basis"].startswith("isolated") else
                  "largest" if r["basis"] else (r["undetermined"][:40] or "-"))
-        t1 = "yes" if r["tier1_failed"] else "no"
+        # "-": no tier-1 verdict (torch vs torch: tier 2 applies tier 1 to ONNX outputs only)
+        t1 = "-" if r["tier1_failed"] is None else "yes" if r["tier1_failed"] else "no"
         if "raw_tier1_passed" in r:
             t1 += " (raw: " + ("pass" if r["raw_tier1_passed"] else "fail") + ")"
         lines.append(f"| {r['case']} | {r['kind']} | {t1} | "
