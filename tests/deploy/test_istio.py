@@ -145,7 +145,12 @@ def test_the_patches_are_the_bootstraps_own_pieces(tmp_path):
     copy: observability mode, failure allowed, STREAMED bodies; sampled calls only."""
     config_path = write_config(tmp_path, "127.0.0.1:9001", "10.0.0.7:9001")
     resource = printed_filter(config_path)
-    config = load_config(config_path)
+    # An istio-proxy is observed through ext_proc (guard attaches no tap to an Envoy it does
+    # not run): compare with guard's own bootstrap on that observer.
+    data = yaml.safe_load(config_path.read_text())
+    data["server"].setdefault("envoy", {})["observer"] = "ext_proc"
+    (tmp_path / "ext_proc.yaml").write_text(yaml.safe_dump(data))
+    config = load_config(tmp_path / "ext_proc.yaml")
     built, _ = bootstrap.build(config, bootstrap.ports_of(config))
     manager = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
@@ -171,7 +176,7 @@ def test_the_patches_are_the_bootstraps_own_pieces(tmp_path):
     # Istio's own route for the port keeps its action; only ext_proc is turned off there.
     (default,) = [p for p in patches if p["patch"]["operation"] == "MERGE"]
     assert default["match"]["routeConfiguration"]["vhost"]["route"] == {"name": "default"}
-    assert default["patch"]["value"] == {"typed_per_filter_config": bootstrap._off()}
+    assert default["patch"]["value"] == {"typed_per_filter_config": bootstrap._off("ext_proc")}
 
 
 def test_bad_input_is_refused_with_the_key(tmp_path):
