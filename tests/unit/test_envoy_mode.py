@@ -291,6 +291,25 @@ def test_on_the_fallback_only_probing_calls_are_mirrored():
     ring.close()
 
 
+def test_a_full_ring_drops_the_observed_call_and_counts_it_as_the_request_path_does():
+    ring = SampleRing(64)  # smaller than any record: every put is refused
+    metrics = GuardMetrics("test")
+    models = {"cnn": Model(slot=0, mirror_rate=1.0, capture_rate=0.0),
+              "rec": Model(slot=1, mirror_rate=1.0, capture_rate=1.0)}
+    handoff = Handoff(lambda: models, ring, metrics)
+    for _ in range(2):
+        handoff.on_call(observed("cnn"))
+    handoff.on_call(observed("rec"))
+    value = metrics.registry.get_sample_value
+    assert value("guard_mirror_total", {"model": "cnn", "outcome": "dropped"}) == 2
+    assert value("guard_mirror_total", {"model": "rec", "outcome": "dropped"}) == 1
+    assert value("guard_capture_records_total", {"model": "rec", "outcome": "dropped"}) == 1
+    # a model that does not capture gets no capture series
+    assert value("guard_capture_records_total", {"model": "cnn", "outcome": "dropped"}) is None
+    assert handoff.handed == 0 and ring.take() is None
+    ring.close()
+
+
 # -- guard deploy envoy ---------------------------------------------------------------------------
 def test_deploy_envoy_prints_the_bootstrap_and_refuses_ports_chosen_at_start(tmp_path, capsys):
     from guard.cli import main
