@@ -99,6 +99,11 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
         raise GuardError("not servable through Envoy:\n  " + "\n  ".join(problems))
     if not config.models:
         raise GuardError("models: none to route")
+    if config.server.envoy.observer != OBSERVER:
+        raise GuardError("server.envoy.observer: tap cannot observe an istio-proxy (a tap is "
+                         "attached through the admin API of an Envoy guard runs itself): set "
+                         "ext_proc, so that guard serve in the Pod listens on observer_port "
+                         "for the EnvoyFilter's ext_proc copies")
     if not observer_port:
         raise GuardError("server.envoy.observer_port: 0 (a free port chosen when guard starts) "
                          "cannot go into an EnvoyFilter printed ahead of time: set a port")

@@ -72,8 +72,8 @@ def write_config(folder: Path, primary: str, fallback: str, names=("cnn",)) -> P
                "reference": {"backend": "onnxruntime", "path": str(reference)},
                "mirror": {"sample_rate": 0.05}} for name in names]
     path = folder / "guard.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "server": {"data_plane": "envoy"},
-                                    "models": models}))
+    path.write_text(yaml.safe_dump({"version": 1, "server": {
+        "data_plane": "envoy", "envoy": {"observer": "ext_proc"}}, "models": models}))
     return path
 
 
@@ -145,12 +145,7 @@ def test_the_patches_are_the_bootstraps_own_pieces(tmp_path):
     copy: observability mode, failure allowed, STREAMED bodies; sampled calls only."""
     config_path = write_config(tmp_path, "127.0.0.1:9001", "10.0.0.7:9001")
     resource = printed_filter(config_path)
-    # An istio-proxy is observed through ext_proc (guard attaches no tap to an Envoy it does
-    # not run): compare with guard's own bootstrap on that observer.
-    data = yaml.safe_load(config_path.read_text())
-    data["server"].setdefault("envoy", {})["observer"] = "ext_proc"
-    (tmp_path / "ext_proc.yaml").write_text(yaml.safe_dump(data))
-    config = load_config(tmp_path / "ext_proc.yaml")
+    config = load_config(config_path)
     built, _ = bootstrap.build(config, bootstrap.ports_of(config))
     manager = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
         "typed_config"]
@@ -189,6 +184,11 @@ def test_bad_input_is_refused_with_the_key(tmp_path):
     assert result.returncode == 2 and "--selector: at least one LABEL=VALUE" in result.stderr
     result = deploy_istio(config, "--selector", "app")
     assert result.returncode == 2 and "--selector: 'app' is not LABEL=VALUE" in result.stderr
+    data = yaml.safe_load(config.read_text())
+    data["server"]["envoy"]["observer"] = "tap"  # a tap needs an Envoy guard runs itself
+    config.write_text(yaml.safe_dump(data))
+    result = deploy_istio(config, "--selector", "app=cnn")
+    assert result.returncode == 2 and "server.envoy.observer: tap" in result.stderr
 
 
 # -- the patches applied to an istio-proxy-shaped bootstrap ---------------------------------------
@@ -424,3 +424,4 @@ def test_the_istio_example_pod_validates_and_matches_its_filter(tmp_path):
         "configPatches"] if "listener" in p["match"]}
     assert patched <= set(ports)
     assert data["server"]["envoy"]["observer_port"] == 8005
+    assert data["server"]["envoy"]["observer"] == "ext_proc"
