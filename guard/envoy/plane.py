@@ -10,7 +10,9 @@ data plane and hands the request path to Envoy:
   tap held on Envoy's admin API (guard/envoy/tap.py, ``server.envoy.observer: tap``, the
   default) or an ext_proc service on loopback (guard/envoy/observer.py);
 - Envoy as a supervised child (guard/envoy/process.py), its bootstrap built from the config, the
-  bound ports and the current routes (guard/envoy/bootstrap.py);
+  bound ports and the current routes (guard/envoy/bootstrap.py); or, with
+  ``server.envoy.attach_admin_port``, an Envoy guard does not run (an Istio sidecar) steered
+  through that admin port (guard/envoy/attached.py);
 - the route watcher (guard/envoy/routes.py) and Envoy's stats as guard's request metrics
   (guard/envoy/stats.py).
 
@@ -26,6 +28,7 @@ from typing import Callable, Mapping
 
 from guard.config import GuardConfig
 from guard.envoy import bootstrap, stats
+from guard.envoy.attached import AttachedEnvoy
 from guard.envoy.handoff import Handoff
 from guard.envoy.process import EnvoyProcess, find_envoy
 from guard.envoy.routes import RouteSync
@@ -38,7 +41,7 @@ from guard.observe.metrics import GuardMetrics
 
 class EnvoyPlane:
     def __init__(self, config: GuardConfig, metrics: GuardMetrics, ring: SampleRing,
-                 binary: str):
+                 binary: str | None):
         self.config = config
         self.metrics = metrics
         self.ring = ring
@@ -50,7 +53,7 @@ class EnvoyPlane:
         self.health_port = 0
         self.handoff: Handoff | None = None
         self.routes: RouteSync | None = None
-        self.process: EnvoyProcess | None = None
+        self.process: EnvoyProcess | AttachedEnvoy | None = None
         self._observer_server = None
         self._tap = None
         self._observing = False  # the running bootstrap has a tap filter to attach to
@@ -63,6 +66,8 @@ class EnvoyPlane:
         """An EnvoyPlane in Envoy mode, where an envoy binary is found; None otherwise."""
         if config.server.data_plane != "envoy":
             return None
+        if config.server.envoy.attach_admin_port:
+            return cls(config, metrics, ring, None)  # someone else's Envoy: no binary needed
         binary = find_envoy(config.server.envoy)
         if binary is None:
             wanted = config.server.envoy.binary
@@ -72,6 +77,11 @@ class EnvoyPlane:
                  "'guard[envoy]', or set server.envoy.binary): the Python data plane serves")
             return None
         return cls(config, metrics, ring, binary)
+
+    @property
+    def attached(self) -> bool:
+        """Steering an Envoy guard does not run (``server.envoy.attach_admin_port``)."""
+        return bool(self.settings.attach_admin_port)
 
     @property
     def listener_port(self) -> int:
@@ -99,13 +109,25 @@ class EnvoyPlane:
         else:
             await self._start_ext_proc(2 * self.config.server.max_message_bytes)
         self.routes = RouteSync(models, lambda: self.admin_port)
-        self.process = EnvoyProcess(self.binary, self.settings, self._bootstrap,
-                                    self.metrics.registry, on_started=self._on_started)
+        if self.attached:
+            self._bootstrap(0, self.settings.attach_admin_port)  # the layout, and whether to tap
+            self.process = AttachedEnvoy(self.settings, self.metrics.registry,
+                                         on_started=self._on_started)
+        else:
+            self.process = EnvoyProcess(self.binary, self.settings, self._bootstrap,
+                                        self.metrics.registry, on_started=self._on_started)
         if self._tap is not None:
             self._tap.start()  # attaches once an Envoy with a tap filter serves
         await asyncio.get_running_loop().run_in_executor(
             None, self.process.start, self.config.server.grpc_port)
         self.routes.start()
+        if self.attached:
+            emit("envoy_attached", admin=f"127.0.0.1:{self.admin_port}",
+                 observer=("tap" if self._tap is not None else f"ext_proc 127.0.0.1:"
+                                                                f"{self.observer_port}"),
+                 note="an Envoy guard does not run: its routes, stats and copies are steered "
+                 "and read through its admin API")
+            return
         emit("envoy_started", pid=self.process.process.pid, binary=self.binary,
              listener=f"{self.config.server.host}:{self.listener_port}",
              admin=f"127.0.0.1:{self.admin_port}",

@@ -203,7 +203,8 @@ class TapReader:
                 finally:
                     self.attached.clear()
                     self._connection = None
-            if self._reattach.is_set():
+            if self._reattach.is_set():  # a new Envoy: attach at once, and soon again if it fails
+                retry = _RETRY_S[0]
                 continue
             self._stopping.wait(retry)
             retry = min(retry * 2, _RETRY_S[1])
