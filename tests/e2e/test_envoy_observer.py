@@ -111,36 +111,19 @@ def bootstrap(listen: int, admin: int, upstream: int, observer: int | None) -> d
     }
 
 
-class ObserverThread:
-    """guard's observer on its own event loop thread; observed calls land in ``calls``."""
+class Collected:
+    """What an observer hands on lands in ``calls``; its outcomes are counted in ``metrics``."""
 
-    def __init__(self, port: int):
-        self.port = port
+    def __init__(self):
         self.calls: queue.Queue[ObservedCall] = queue.Queue()
-        self.hold_s = 0.0  # on_call blocks the loop this long once (a slow observer)
+        self.hold_s = 0.0  # on_call blocks the observer this long once (a slow observer)
         self.metrics = GuardMetrics("test")
-        self.observer = Observer(self._on_call, self.metrics)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.server = None
 
     def _on_call(self, call: ObservedCall) -> None:
         self.calls.put(call)
         if self.hold_s:
             hold, self.hold_s = self.hold_s, 0.0
-            time.sleep(hold)  # blocks the loop: what a misbehaving on_call would do
-
-    def _run(self, coroutine):
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
-
-    def start(self) -> None:
-        self.server, bound = self._run(start_observer(self.observer, "127.0.0.1", self.port))
-        assert bound == self.port
-
-    def kill(self) -> None:
-        self._run(self.server.stop(0))
-        self.server = None
+            time.sleep(hold)  # blocks the observer: what a misbehaving on_call would do
 
     def count(self, outcome: str) -> float:
         from prometheus_client import generate_latest
@@ -160,6 +143,30 @@ class ObserverThread:
                 self.calls.get_nowait()
             except queue.Empty:
                 return
+
+
+class ObserverThread(Collected):
+    """guard's ext_proc observer on its own event loop thread."""
+
+    def __init__(self, port: int):
+        super().__init__()
+        self.port = port
+        self.observer = Observer(self._on_call, self.metrics)
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.server = None
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout=30)
+
+    def start(self) -> None:
+        self.server, bound = self._run(start_observer(self.observer, "127.0.0.1", self.port))
+        assert bound == self.port
+
+    def kill(self) -> None:
+        self._run(self.server.stop(0))
+        self.server = None
 
     def close(self) -> None:
         if self.server is not None:
@@ -272,42 +279,39 @@ def check_observed(call: ObservedCall, x: np.ndarray, request_id: str, result) -
     np.testing.assert_allclose(result.as_numpy("y"), 2 * x + 1, rtol=1e-6)
 
 
-@pytest.mark.parametrize("shape", [(1, 8), (4, 16384)], ids=["small", "large-256KiB"])
-def test_observed_bytes_are_what_the_client_sent_and_received(stack, shape):
-    client, observer, _ = stack
+# -- what either observer must do (each test below runs them on one) -----------------------------
+def sent_calls_are_observed(client, observer, shape, prefix: str) -> list[ObservedCall]:
+    """Three calls of ``shape``: each one handed on is what the client sent and received."""
     observer.drain()
     rng = np.random.default_rng(sum(shape))
     sent = {}
     for i in range(3):
         x = rng.standard_normal(shape).astype(np.float32)
-        request_id = f"{shape[1]}-{i}"
+        request_id = f"{prefix}{shape[1]}-{i}"
         sent[request_id] = (x, infer(client, x, request_id, headers={
             "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}))
-    for call in observer.take(len(sent)):
+    calls = observer.take(len(sent))
+    for call in calls:
         x, result = sent[call.request_id]
         check_observed(call, x, call.request_id, result)
         assert call.traceparent == f"00-{'ab' * 16}-{'cd' * 8}-01"
-        assert call.seconds > 0  # first request header to the stream's end
-    if shape[1] > 4096:  # > 64 KiB: Envoy streamed it in several chunks each way
-        assert len(call.request) > 4 * 16384 and len(call.response) > 4 * 16384
+    return calls
 
 
-def test_error_answers_are_observed_with_their_status(stack):
-    client, observer, _ = stack
+def refused_call_is_observed_with_its_status(client, observer, request_id: str) -> None:
     observer.drain()
     x = np.full((1, 4), -999.0, np.float32)  # the upstream refuses it: a trailers-only answer
     with pytest.raises(InferenceServerException, match="refused"):
-        infer(client, x, "refused-1")
+        infer(client, x, request_id)
     (call,) = observer.take(1)
-    assert call.request_id == "refused-1" and call.grpc_status == 3  # INVALID_ARGUMENT
+    assert call.request_id == request_id and call.grpc_status == 3  # INVALID_ARGUMENT
     assert call.response == b""
     np.testing.assert_array_equal(
         np.frombuffer(pb.ModelInferRequest.FromString(call.request).raw_input_contents[0],
                       "<f4"), x.ravel())
 
 
-def test_streaming_calls_are_counted_not_handed_on(stack):
-    client, observer, _ = stack
+def streaming_call_is_counted_not_handed_on(client, observer, prefix: str) -> None:
     observer.drain()
     before = observer.count("unsupported")
     answers: queue.Queue = queue.Queue()
@@ -316,7 +320,7 @@ def test_streaming_calls_are_counted_not_handed_on(stack):
         for i in range(3):
             tensor = grpcclient.InferInput("x", [1, 4], "FP32")
             tensor.set_data_from_numpy(np.full((1, 4), i, np.float32))
-            client.async_stream_infer(MODEL, [tensor], request_id=f"stream-{i}")
+            client.async_stream_infer(MODEL, [tensor], request_id=f"{prefix}stream-{i}")
         for _ in range(3):
             result, error = answers.get(timeout=20)
             assert error is None
@@ -324,6 +328,26 @@ def test_streaming_calls_are_counted_not_handed_on(stack):
         client.stop_stream()
     wait_for(lambda: observer.count("unsupported") == before + 1, timeout=20)
     assert observer.calls.empty()
+
+
+# -- ext_proc ---------------------------------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(1, 8), (4, 16384)], ids=["small", "large-256KiB"])
+def test_observed_bytes_are_what_the_client_sent_and_received(stack, shape):
+    client, observer, _ = stack
+    calls = sent_calls_are_observed(client, observer, shape, prefix="")
+    assert all(call.seconds > 0 for call in calls)  # first request header to the stream's end
+    if shape[1] > 4096:  # > 64 KiB: Envoy streamed it in several chunks each way
+        assert all(len(c.request) > 4 * 16384 and len(c.response) > 4 * 16384 for c in calls)
+
+
+def test_error_answers_are_observed_with_their_status(stack):
+    client, observer, _ = stack
+    refused_call_is_observed_with_its_status(client, observer, "refused-1")
+
+
+def test_streaming_calls_are_counted_not_handed_on(stack):
+    client, observer, _ = stack
+    streaming_call_is_counted_not_handed_on(client, observer, prefix="")
 
 
 def test_a_slow_observer_delays_no_client_and_its_losses_are_counted(stack):
@@ -433,27 +457,19 @@ def test_a_dead_observer_fails_no_client(stack):
 
 
 # -- the tap ---------------------------------------------------------------------------------------
-class TapThread:
-    """guard's TapReader on a real Envoy's admin API; observed calls land in ``calls``."""
+class TapThread(Collected):
+    """guard's TapReader (a thread of its own) on a real Envoy's admin API."""
 
     def __init__(self, admin: int):
         from guard.envoy.observer import Outcomes
         from guard.envoy.tap import TapReader
 
+        super().__init__()
         self.admin = admin
-        self.calls: queue.Queue[ObservedCall] = queue.Queue()
-        self.hold_s = 0.0  # on_call blocks the reader this long once (a slow observer)
-        self.metrics = GuardMetrics("test")
         self.reader = TapReader(self._on_call, lambda: self.admin, Outcomes(self.metrics),
                                 max_call_bytes=64 * 1024 * 1024)
         self.reader.start()
         self.reader.reattach(wanted=True)
-
-    def _on_call(self, call: ObservedCall) -> None:
-        self.calls.put(call)
-        if self.hold_s:
-            hold, self.hold_s = self.hold_s, 0.0
-            time.sleep(hold)
 
     def attach_again(self) -> None:
         """What a new Envoy's start does (EnvoyPlane's on_started): drop the tap, attach anew."""
@@ -461,12 +477,6 @@ class TapThread:
         self.reader.reattach(wanted=True)
         wait_for(lambda: self.reader.attached.is_set() and self.reader.attaches > attaches,
                  timeout=20)
-
-    def count(self, outcome: str) -> float:
-        return ObserverThread.count(self, outcome)
-
-    take = ObserverThread.take
-    drain = ObserverThread.drain
 
 
 @pytest.fixture(scope="module")
@@ -491,49 +501,18 @@ def tap_stack(tmp_path_factory, upstream_port):
 @pytest.mark.parametrize("shape", [(1, 8), (4, 16384)], ids=["small", "large-256KiB"])
 def test_tapped_bytes_are_what_the_client_sent_and_received(tap_stack, shape):
     client, tap, _, _ = tap_stack
-    tap.drain()
-    rng = np.random.default_rng(sum(shape))
-    sent = {}
-    for i in range(3):
-        x = rng.standard_normal(shape).astype(np.float32)
-        request_id = f"tap-{shape[1]}-{i}"
-        sent[request_id] = (x, infer(client, x, request_id, headers={
-            "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}))
-    for call in tap.take(len(sent)):
-        x, result = sent[call.request_id]
-        check_observed(call, x, call.request_id, result)
-        assert call.traceparent == f"00-{'ab' * 16}-{'cd' * 8}-01"
-    assert tap.count("complete") >= len(sent)
+    calls = sent_calls_are_observed(client, tap, shape, prefix="tap-")
+    assert tap.count("complete") >= len(calls)
 
 
 def test_tapped_error_answers_keep_their_status(tap_stack):
     client, tap, _, _ = tap_stack
-    tap.drain()
-    x = np.full((1, 4), -999.0, np.float32)  # refused: a trailers-only answer
-    with pytest.raises(InferenceServerException, match="refused"):
-        infer(client, x, "tap-refused")
-    (call,) = tap.take(1)
-    assert call.request_id == "tap-refused" and call.grpc_status == 3  # INVALID_ARGUMENT
-    assert call.response == b""
+    refused_call_is_observed_with_its_status(client, tap, "tap-refused")
 
 
 def test_tapped_streaming_calls_are_counted_not_handed_on(tap_stack):
     client, tap, _, _ = tap_stack
-    tap.drain()
-    before = tap.count("unsupported")
-    answers: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    try:
-        for i in range(3):
-            tensor = grpcclient.InferInput("x", [1, 4], "FP32")
-            tensor.set_data_from_numpy(np.full((1, 4), i, np.float32))
-            client.async_stream_infer(MODEL, [tensor], request_id=f"tap-stream-{i}")
-        for _ in range(3):
-            assert answers.get(timeout=20)[1] is None
-    finally:
-        client.stop_stream()
-    wait_for(lambda: tap.count("unsupported") == before + 1, timeout=20)
-    assert tap.calls.empty()
+    streaming_call_is_counted_not_handed_on(client, tap, prefix="tap-")
 
 
 def test_a_slow_tap_reader_delays_no_client_and_loses_nothing(tap_stack):
