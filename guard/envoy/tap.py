@@ -117,9 +117,12 @@ def observe_trace(trace: dict, on_call: Callable[[ObservedCall], None]) -> str:
 class TraceStream:
     """Envoy's streaming admin output cut into traces. Envoy writes each trace as indented
     JSON, so a trace ends at the first ``}`` that starts a line (nested objects are indented,
-    and JSON strings hold no raw newline)."""
+    and JSON strings hold no raw newline). ``limit``: the most bytes one trace may take (its
+    bodies in base64 and its headers); more without an end is not Envoy's trace format, and
+    raises ``ValueError`` rather than buffer without bound."""
 
-    def __init__(self):
+    def __init__(self, limit: int):
+        self.limit = limit
         self._buffer = bytearray()
         self._scan = 0  # where to look for the next end: bytes before it hold none
 
@@ -135,6 +138,10 @@ class TraceStream:
             start = end + 2
         del self._buffer[:start]
         self._scan = max(len(self._buffer) - 1, 0)
+        if len(self._buffer) > self.limit:
+            self._buffer.clear()
+            self._scan = 0
+            raise ValueError(f"more than {self.limit} bytes of tap output without a trace's end")
         return traces
 
 
@@ -222,12 +229,19 @@ class TapReader:
         connection.sock.settimeout(None)
         self.attached.set()
         self.attaches += 1
-        stream = TraceStream()
+        # A trace holds both bodies in base64 (4/3 of their bytes) and the headers.
+        stream = TraceStream(limit=3 * self.max_call_bytes + (1 << 20))
         while not self._stopping.is_set():
             data = answer.read1(_READ)
             if not data:
                 return  # Envoy went away (exit, restart): attach again
-            for text in stream.feed(data):
+            try:
+                traces = stream.feed(data)
+            except ValueError as exc:  # not a trace stream: count it, attach afresh
+                log.warning("tap output from Envoy's admin port %d: %s", port, exc)
+                self.outcomes.count("error")
+                return
+            for text in traces:
                 self._observe(text)
 
     def _observe(self, text: bytes) -> None:
