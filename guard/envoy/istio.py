@@ -45,6 +45,20 @@ ISTIO_ADMIN_PORT = 15000  # istio-proxy's admin API (ProxyAdminPort), loopback o
 STATS_PREFIXES = ("cluster.guard_",)
 
 
+def observer_of(config: GuardConfig) -> str:
+    """The observing filter the EnvoyFilter inserts: the config's (``server.envoy.observer``).
+    A tap is attached through the istio-proxy's admin API, so only a guard serve attached to it
+    (``server.envoy.attach_admin_port``) can use one; ext_proc copies reach guard's observer
+    port by Envoy's own connection, attached or not."""
+    envoy = config.server.envoy
+    if envoy.observer == "tap" and not envoy.attach_admin_port:
+        raise GuardError("server.envoy.observer: tap needs server.envoy.attach_admin_port (the "
+                         f"istio-proxy's admin, {ISTIO_ADMIN_PORT}) to attach the tap there; or "
+                         "set ext_proc, so that guard serve in the Pod listens on observer_port "
+                         "for the EnvoyFilter's ext_proc copies")
+    return envoy.observer
+
+
 def inbound_vhost(port: int) -> str:
     """The name Istio gives the inbound virtual host of ``port``."""
     return f"inbound|http|{port}"
@@ -95,7 +109,8 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
         raise GuardError("not servable through Envoy:\n  " + "\n  ".join(problems))
     if not config.models:
         raise GuardError("models: none to route")
-    if not observer_port:
+    observer = observer_of(config)
+    if observer == "ext_proc" and not observer_port:
         raise GuardError("server.envoy.observer_port: 0 (a free port chosen when guard starts) "
                          "cannot go into an EnvoyFilter printed ahead of time: set a port")
     local = _local_port(config)
@@ -108,7 +123,9 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
         patches.append({"applyTo": "CLUSTER", "match": {"context": INBOUND},
                         "patch": {"operation": "ADD", "value": value}})
 
-    cluster(bootstrap._http2_cluster(bootstrap.OBSERVER_CLUSTER, "127.0.0.1", observer_port))
+    if observer == "ext_proc":
+        cluster(bootstrap._http2_cluster(bootstrap.OBSERVER_CLUSTER, "127.0.0.1",
+                                         observer_port))
     for model in config.models:
         rate = bootstrap.sample_rate(model)
         for role in bootstrap.roles_of(model):
@@ -117,19 +134,20 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
                     bootstrap.cluster_name(model.name, role, sampled), getattr(model, role)))
 
     filters = ([bootstrap._extraction_filter(), bootstrap._reroute_filter()] if by_body
-               else []) + [bootstrap._ext_proc_filter(), bootstrap._grpc_stats_filter()]
+               else []) + [bootstrap.observing_filter(observer), bootstrap._grpc_stats_filter()]
     for value in filters:  # each before the router, so in this order
         patches.append({"applyTo": "HTTP_FILTER", "match": _listener_match(port),
                         "patch": {"operation": "INSERT_BEFORE", "value": value}})
 
-    routes = [r for model in config.models for r in bootstrap._model_routes(model, by_body)]
+    routes = [r for model in config.models
+              for r in bootstrap._model_routes(model, by_body, observer)]
     for route in reversed(routes):  # each INSERT_FIRST goes before the last: reversed, in order
         patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port),
                         "patch": {"operation": "INSERT_FIRST", "value": route}})
     # Istio's own route for the port: everything guard's routes do not take, ext_proc off.
     patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port, "default"),
                     "patch": {"operation": "MERGE",
-                              "value": {"typed_per_filter_config": bootstrap._off()}}})
+                              "value": {"typed_per_filter_config": bootstrap._off(observer)}}})
     return patches
 
 
@@ -157,6 +175,15 @@ def pod_annotations() -> dict[str, str]:
         {"proxyStatsMatcher": {"inclusionPrefixes": list(STATS_PREFIXES)}})}
 
 
+def _observing(resource: dict) -> str | None:
+    """The observing filter an EnvoyFilter inserts (the tap's or ext_proc's name)."""
+    for patch in resource["spec"]["configPatches"]:
+        name = patch["patch"]["value"].get("name") if patch["applyTo"] == "HTTP_FILTER" else None
+        if name in (bootstrap.TAP_FILTER, bootstrap.EXT_PROC_FILTER):
+            return name
+    return None
+
+
 def dump(resource: dict, as_json: bool = False) -> str:
     """The EnvoyFilter as YAML (with a header saying what else the pod needs) or JSON."""
     import json
@@ -166,10 +193,13 @@ def dump(resource: dict, as_json: bool = False) -> str:
     import yaml
 
     annotations = yaml.safe_dump({"annotations": pod_annotations()}, sort_keys=False)
-    header = ["# guard's ext_proc and runtime routes for an Istio sidecar (docs/deploy.md).",
-              "# The Pod beside it needs, in its metadata:"]
+    tapped = _observing(resource) == bootstrap.TAP_FILTER
+    header = [f"# guard's {'tap' if tapped else 'ext_proc'} and runtime routes for an Istio "
+              "sidecar (docs/deploy.md).", "# The Pod beside it needs, in its metadata:"]
     header += [f"#   {line}" for line in annotations.splitlines()]
-    header += ["# and guard's observer on 127.0.0.1:server.envoy.observer_port. The routes "
-               "follow the runtime keys", "# guard.<model>.route.* of istio-proxy's admin "
-               f"runtime layer (POST 127.0.0.1:{ISTIO_ADMIN_PORT}/runtime_modify)."]
+    header += ["# and guard serve attached to istio-proxy's admin (server.envoy.attach_admin_port"
+               f": {ISTIO_ADMIN_PORT}), which holds the tap there." if tapped else
+               "# and guard's observer on 127.0.0.1:server.envoy.observer_port.",
+               "# The routes follow the runtime keys guard.<model>.route.* of istio-proxy's "
+               f"admin runtime layer (POST 127.0.0.1:{ISTIO_ADMIN_PORT}/runtime_modify)."]
     return "\n".join(header) + "\n" + yaml.safe_dump(resource, sort_keys=False)

@@ -120,14 +120,16 @@ class GuardMetrics:
             "guard_capture_queue_depth", "Records waiting for the capture writer.", ["model"],
             registry=r,
         )
-        # Envoy mode (guard/envoy/observer.py): every ext_proc stream's outcome. No model
-        # label: the model name is inside the body, which the observer does not parse.
+        # Envoy mode (guard/envoy/tap.py, guard/envoy/observer.py): every observed call's
+        # outcome. No model label: the model name is inside the body, which the observer does
+        # not parse.
         self.observer_calls = Counter(
-            "guard_observer_calls", "Calls Envoy copied to guard's ext_proc observer, by "
-            "outcome: complete (handed to the verifier), incomplete (the stream ended or was "
-            "reset before the answer ended: a slow observer loses calls so), too_large "
-            "(over the per-call byte limit, dropped), unsupported (compressed or streaming "
-            "calls), error (a body that does not parse as gRPC messages).",
+            "guard_observer_calls", "Calls Envoy copied to guard (its tap, or the ext_proc "
+            "observer), by outcome: complete (handed to the verifier), incomplete (ext_proc "
+            "only: the stream ended or was reset before the answer ended: a slow observer "
+            "loses calls so), too_large (over the per-call byte limit, dropped), unsupported "
+            "(compressed or streaming calls), error (a body that does not parse as gRPC "
+            "messages, or tap output that is not a trace).",
             ["outcome"], registry=r,
         )
         if not serving:

@@ -142,7 +142,8 @@ class GuardServer:
             await _on_own_thread(self.processes.start, self.grpc_port)
             if self.envoy is not None:  # Envoy answers grpc_port; guard's server is its health
                 await self.envoy.start(lambda: self.models, self.grpc_port)
-                self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
+                if not self.envoy.attached:  # an attached Envoy's listeners are the mesh's
+                    self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
             self.dataplane.models_changed()
             self.dataplane.loading = False
             serving = health_pb2.HealthCheckResponse.SERVING
@@ -169,6 +170,8 @@ class GuardServer:
                                    server_config.max_concurrent_requests)
         if self.envoy is None:
             built = data_plane_server(self.dataplane, server_config)
+        elif self.envoy.attached:  # gRPC health on grpc_port: the probes of guard's container
+            built = health_server(server_config.grpc_port, "server.grpc_port")
         else:  # Envoy listens on grpc_port and routes gRPC health here (guard/envoy/plane.py)
             built = health_server(server_config.envoy.health_port, "server.envoy.health_port")
         self._grpc, self._health, self.grpc_port = built.server, built.health, built.port

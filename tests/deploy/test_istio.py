@@ -31,6 +31,7 @@ import yaml
 from guard.config import load_config
 from guard.config.envoy import EnvoyConfig
 from guard.envoy import bootstrap
+from guard.envoy.istio import ISTIO_ADMIN_PORT
 from guard.envoy.process import find_envoy
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -72,8 +73,8 @@ def write_config(folder: Path, primary: str, fallback: str, names=("cnn",)) -> P
                "reference": {"backend": "onnxruntime", "path": str(reference)},
                "mirror": {"sample_rate": 0.05}} for name in names]
     path = folder / "guard.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "server": {"data_plane": "envoy"},
-                                    "models": models}))
+    path.write_text(yaml.safe_dump({"version": 1, "server": {
+        "data_plane": "envoy", "envoy": {"observer": "ext_proc"}}, "models": models}))
     return path
 
 
@@ -171,7 +172,7 @@ def test_the_patches_are_the_bootstraps_own_pieces(tmp_path):
     # Istio's own route for the port keeps its action; only ext_proc is turned off there.
     (default,) = [p for p in patches if p["patch"]["operation"] == "MERGE"]
     assert default["match"]["routeConfiguration"]["vhost"]["route"] == {"name": "default"}
-    assert default["patch"]["value"] == {"typed_per_filter_config": bootstrap._off()}
+    assert default["patch"]["value"] == {"typed_per_filter_config": bootstrap._off("ext_proc")}
 
 
 def test_bad_input_is_refused_with_the_key(tmp_path):
@@ -184,6 +185,11 @@ def test_bad_input_is_refused_with_the_key(tmp_path):
     assert result.returncode == 2 and "--selector: at least one LABEL=VALUE" in result.stderr
     result = deploy_istio(config, "--selector", "app")
     assert result.returncode == 2 and "--selector: 'app' is not LABEL=VALUE" in result.stderr
+    data = yaml.safe_load(config.read_text())
+    data["server"]["envoy"]["observer"] = "tap"  # a tap needs an Envoy guard runs itself
+    config.write_text(yaml.safe_dump(data))
+    result = deploy_istio(config, "--selector", "app=cnn")
+    assert result.returncode == 2 and "server.envoy.observer: tap" in result.stderr
 
 
 # -- the patches applied to an istio-proxy-shaped bootstrap ---------------------------------------
@@ -374,6 +380,114 @@ def test_the_runtime_keys_switch_the_patched_sidecar_to_the_fallback(tmp_path, z
         fallback.stop()
 
 
+# -- guard serve attached to the patched side ----------------------------------------------------
+def start_istio_like(tmp_path: Path, config_path: Path, primary_port: int, listener: int,
+                     admin: int) -> subprocess.Popen:
+    """An istio-proxy-shaped Envoy with ``guard deploy istio``'s patches for the config, once it
+    answers on ``listener``."""
+    from guard.zoo.classifier import sample_inputs
+
+    resource = printed_filter(config_path)
+    patched = apply_patches(istio_like_bootstrap(listener, primary_port, admin),
+                            resource["spec"]["configPatches"], primary_port)
+    path = tmp_path / "istio-proxy.json"
+    path.write_text(json.dumps(patched))
+    envoy = subprocess.Popen([ENVOY, "-c", str(path), "--concurrency", "1",
+                              "--disable-hot-restart", "--log-level", "warning"],
+                             stdout=(tmp_path / "envoy.log").open("a"), stderr=subprocess.STDOUT)
+    image = sample_inputs(1, seed=3)
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            infer(f"127.0.0.1:{listener}", image)
+            return envoy
+        except Exception:
+            if time.monotonic() > deadline or envoy.poll() is not None:
+                raise AssertionError((tmp_path / "envoy.log").read_text()[-3000:])
+            time.sleep(0.2)
+
+
+@needs_envoy
+@pytest.mark.parametrize("observer", ["tap", "ext_proc"])
+def test_guard_attached_to_the_sidecar_compares_counts_and_steers_it(tmp_path, zoo_classifier,
+                                                                      observer):
+    """guard serve with ``server.envoy.attach_admin_port`` on the patched istio-proxy-shaped
+    Envoy: it starts no Envoy of its own; the sidecar's sampled calls reach the verifier (by the
+    tap guard attaches, or ext_proc), its stats become guard's request metrics, an admin pin
+    moves the sidecar's route, and after the sidecar is killed and started again (the kubelet's
+    part) guard pushes the pinned route and observes again."""
+    from e2e.support import metric, scrape, wait_for
+    from guard.serve.app import BackgroundServer
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+    from guard.zoo.classifier import sample_inputs
+    import grpc
+
+    primary = OipServer(tmp_path, zoo_classifier["onnx"], "primary")
+    fallback = OipServer(tmp_path, zoo_classifier["onnx"], "fallback")
+    listener, admin = free_port(), free_port()
+    config_path = tmp_path / "guard.yaml"
+    config_path.write_text(yaml.safe_dump({"version": 1, "server": {
+        "host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0, "admin_port": 0,
+        "reload_interval_s": 0, "data_plane": "envoy",
+        "envoy": {"attach_admin_port": admin, "observer": observer, "observer_port": free_port(),
+                  "health_port": 0}},
+        "models": [{"name": "cnn", "task": "classification",
+                    "primary": {"backend": "upstream", "target": f"127.0.0.1:{primary.port}",
+                                "model": "cnn"},
+                    "fallback": {"backend": "upstream", "target": f"127.0.0.1:{fallback.port}",
+                                 "model": "cnn"},
+                    "reference": {"backend": "onnxruntime", "path": str(zoo_classifier["onnx"])},
+                    "mirror": {"sample_rate": 1.0}}]}))
+    envoy = start_istio_like(tmp_path, config_path, primary.port, listener, admin)
+    target = f"127.0.0.1:{listener}"
+    image = sample_inputs(1, seed=5)
+    background = None
+    try:
+        background = BackgroundServer(load_config(config_path))
+        srv = background.__enter__()
+        assert srv.envoy.attached and srv.envoy.process.process is None  # no Envoy of guard's
+
+        def compared() -> float:
+            return metric(scrape(srv.metrics_port), "guard_mirror_total", model="cnn",
+                          outcome="compared")
+
+        for _ in range(5):
+            assert infer(target, image) == ("primary", "primary")
+        wait_for(lambda: compared() >= 5, timeout=60)
+        values = scrape(srv.metrics_port)
+        assert metric(values, "guard_requests_total", model="cnn", route="primary") >= 5
+        assert metric(values, "guard_envoy_up") == 1
+        with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+            pins = admin_pb2_grpc.AdminStub(channel)
+            pins.SetRoute(admin_pb2.SetRouteRequest(model="cnn", route=admin_pb2.FALLBACK),
+                          timeout=10)
+            wait_for(lambda: infer(target, image) == ("fallback", "fallback"), timeout=20)
+
+            envoy.kill()
+            envoy.wait(10)
+            envoy = start_istio_like(tmp_path, config_path, primary.port, listener, admin)
+            # The new sidecar starts on its defaults (the primary); guard sees it back and
+            # pushes the pin again, and observes its calls.
+            wait_for(lambda: infer(target, image) == ("fallback", "fallback"), timeout=20)
+            before = compared()
+            pins.SetRoute(admin_pb2.SetRouteRequest(model="cnn", route=admin_pb2.PRIMARY),
+                          timeout=10)
+            wait_for(lambda: infer(target, image) == ("primary", "primary"), timeout=20)
+            # Calls sampled before guard has the tap on the new sidecar are not observed:
+            # traffic goes on until three are.
+            wait_for(lambda: infer(target, image) and compared() >= before + 3, timeout=60,
+                     interval=0.2)
+        assert metric(scrape(srv.metrics_port), "guard_envoy_restarts_total") >= 1
+    finally:
+        if background is not None:
+            background.__exit__(None, None, None)
+        assert envoy.poll() is None  # guard leaves the sidecar serving
+        envoy.terminate()
+        envoy.wait(10)
+        primary.stop()
+        fallback.stop()
+
+
 # -- the Kubernetes example of docs/deploy.md ------------------------------------------------------
 EXAMPLE = ROOT / "deploy" / "istio" / "example.yaml"
 
@@ -412,10 +526,11 @@ def test_the_istio_example_pod_validates_and_matches_its_filter(tmp_path):
 
     annotations = pod["metadata"]["annotations"]
     assert {k: annotations[k] for k in pod_annotations()} == pod_annotations()
-    # The model server listens on the port the filter patches, guard's observer where the
-    # filter sends the copies.
+    # The model server listens on the port the filter patches; guard is attached to
+    # istio-proxy's admin, where it holds the tap.
     ports = [p["containerPort"] for c in pod["spec"]["containers"] for p in c["ports"]]
     patched = {p["match"]["listener"]["portNumber"] for p in by_kind["EnvoyFilter"]["spec"][
         "configPatches"] if "listener" in p["match"]}
     assert patched <= set(ports)
-    assert data["server"]["envoy"]["observer_port"] == 8005
+    assert data["server"]["envoy"]["attach_admin_port"] == ISTIO_ADMIN_PORT
+    assert data["server"]["envoy"]["observer"] == "tap"

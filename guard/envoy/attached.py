@@ -1,0 +1,137 @@
+"""An Envoy that guard does not run, steered through its admin API: an Istio sidecar.
+
+``server.envoy.attach_admin_port`` names the admin port (on 127.0.0.1: the Pod's loopback) of
+an Envoy whose config already holds guard's pieces (``guard deploy istio`` prints them as an
+EnvoyFilter). ``guard serve`` then starts no Envoy of its own; this class stands where
+guard/envoy/process.py's ``EnvoyProcess`` stands for the rest of guard/envoy/ (the same
+``admin_port``, ``generation``, ``serving``, ``on_started``), so the route watcher pushes the
+routes, the stats reader merges the stats, and the tap reader (or ext_proc, by Envoy's own
+connection) receives the copies, exactly as with guard's own Envoy.
+
+What differs, and why:
+
+- **Start** waits for the admin's ``/ready`` to say LIVE (within ``start_timeout_s``): guard
+  is ready only once it can steer.
+- **Watch**: a thread reads ``/server_info`` every second. The Envoy is someone else's child
+  (the kubelet restarts istio-proxy), so guard cannot wait on its exit; a restart shows as an
+  unreachable admin, or as an uptime that went back. Then the routes go again and the tap is
+  attached again (``on_started``), and ``generation`` moves on so that the stats reader carries
+  the old counts over, as after a restart of guard's own Envoy. Counted in
+  ``guard_envoy_restarts_total`` (a restart seen, not made).
+- **Reload**: a config change that would change Envoy's pieces cannot be applied here (the
+  EnvoyFilter is the cluster's, applied with kubectl): ``hot_restart`` raises, and the plane says
+  so (event ``envoy_hot_restart_failed``): apply the new ``guard deploy istio`` output.
+- **Stop** leaves the Envoy serving: it is not guard's.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.error
+from typing import Callable
+
+from guard.config.envoy import EnvoyConfig
+from guard.envoy.process import admin_get
+from guard.errors import GuardError
+from guard.observe.events import emit
+
+_WATCH_S = 1.0
+
+
+class AttachedEnvoy:
+    def __init__(self, settings: EnvoyConfig, metrics_registry=None,
+                 on_started: Callable[["AttachedEnvoy"], None] | None = None):
+        from prometheus_client import Counter, Gauge
+
+        assert settings.attach_admin_port, "an attached Envoy needs its admin port"
+        self.settings = settings
+        self.on_started = on_started
+        self.admin_port = settings.attach_admin_port
+        self.listener_port = 0  # its listeners are the mesh's, not one guard knows
+        self.generation = 0
+        self.process = None  # no child process of guard's
+        self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
+                                "started again (Envoy mode; attached: restarts seen).",
+                                registry=metrics_registry)
+        self.up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).",
+                        registry=metrics_registry)
+        self._uptime = -1.0
+        self._serving = False
+        self._stopping = threading.Event()
+        self._watcher: threading.Thread | None = None
+
+    @property
+    def serving(self) -> bool:
+        return self._serving
+
+    def _uptime_now(self) -> float | None:
+        """The Envoy's uptime in seconds, or None when its admin does not answer LIVE."""
+        try:
+            info = json.loads(admin_get(self.admin_port, "/server_info", 1.0))
+        except (OSError, urllib.error.URLError, ValueError):
+            return None
+        if info.get("state") != "LIVE":
+            return None
+        uptime = info.get("uptime_current_epoch", "0s")  # a JSON Duration: "12.5s"
+        try:
+            return float(str(uptime).rstrip("s"))
+        except ValueError:
+            return 0.0
+
+    def start(self, _listener_port: int = 0) -> None:
+        deadline = time.monotonic() + self.settings.start_timeout_s
+        while (uptime := self._uptime_now()) is None:
+            if time.monotonic() > deadline:
+                raise GuardError(
+                    f"server.envoy.attach_admin_port: no Envoy admin answers LIVE on "
+                    f"127.0.0.1:{self.admin_port} within server.envoy.start_timeout_s "
+                    f"({self.settings.start_timeout_s}s)")
+            time.sleep(0.1)
+        self._started(uptime)
+        self._watcher = threading.Thread(target=self._watch, name="guard-envoy-attached",
+                                         daemon=True)
+        self._watcher.start()
+
+    def _started(self, uptime: float) -> None:
+        self._uptime = uptime
+        self.generation += 1
+        self._serving = True
+        self.up.set(1)
+        if self.on_started is not None:
+            self.on_started(self)
+
+    def _watch(self) -> None:
+        lost = False
+        while not self._stopping.wait(_WATCH_S):
+            uptime = self._uptime_now()
+            if uptime is None:
+                if not lost:
+                    lost = True
+                    self._serving = False
+                    self.up.set(0)
+                    emit("envoy_lost", admin=f"127.0.0.1:{self.admin_port}", how="its admin "
+                         "API does not answer LIVE", note="an attached Envoy: guard waits for "
+                         "it to come back")
+                continue
+            if lost or uptime < self._uptime:
+                lost = False
+                self.restarts.inc()
+                self._started(uptime)
+                emit("envoy_restarted", admin=f"127.0.0.1:{self.admin_port}",
+                     note="an attached Envoy came back: routes pushed and the tap attached "
+                     "again")
+            else:
+                self._uptime = uptime
+
+    def hot_restart(self) -> None:
+        raise GuardError("server.envoy.attach_admin_port: the attached Envoy's config is not "
+                         "guard's to replace; apply the new `guard deploy istio` output")
+
+    def stop(self) -> None:
+        self._stopping.set()
+        if self._watcher is not None:
+            self._watcher.join(_WATCH_S + 2)
+        self._serving = False
+        self.up.set(0)
