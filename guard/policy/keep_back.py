@@ -149,9 +149,9 @@ class TorchCompileModules(KeepBack):
     """``torch_compile`` at any precision: the ops are submodule paths, rebuilt with
     ``eager_fp32_modules`` (each runs eagerly on an fp32 copy, outside the compiled graph).
 
-    Tier 2 cannot hook compiled kernels, so it captures the primary on an eager copy of the
-    module at the primary's precision (the kind's ``capture_as``, a ``torch`` block): this
-    locates *precision* drift.
+    The repair captures the primary on an eager copy of the module at the primary's precision
+    (the kind's ``capture_as``, a ``torch`` block; tier 2's own check captures the compiled
+    code, guard/verify/activation/compiled_side.py): this locates *precision* drift.
     Drift that exists only in the compiled kernels (a fusion that reorders a reduction) is not
     visible to it; when tier 2 names no module above ``min_isolated_error`` the candidates are
     every leaf submodule in forward order, and the search narrows them down. A suspect layer is
