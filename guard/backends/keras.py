@@ -64,6 +64,11 @@ class KerasOptions(BaseModel):
         "export", description="How outputs are named: 'export' as model.export names them "
         "(the output dict's keys, else output_0, output_1...), so a .keras agrees with its "
         "own SavedModel and LiteRT conversion; 'layers': by Keras's output layer names.")
+    layer_map: dict[str, str] = Field(
+        default_factory=dict, description="Tier 2 against a torch side: Keras layer name -> "
+        "torch module path, for layers whose names do not match. Unmapped layers match the "
+        "torch module whose path equals the layer's name with every '.' read as '_' "
+        "(features.0 and features_0).")
     threads: int = Field(0, ge=0, description="keras_backend tensorflow: TensorFlow intra-op "
                          "threads for a primary or fallback (0: TensorFlow's default); the "
                          "reference uses mirror.threads. Process-wide, set once.")

@@ -140,15 +140,20 @@ class ModelConfig(Strict):
         if self.checks.activation.enabled:
             if self.reference is None:
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")
-            from guard.verify.activation.sides import capturable
+            from guard.verify.activation.sides import NOT_CAPTURED, capturable, pair_problem
 
             for role in ("primary", "reference"):
                 backend = getattr(self, role).backend
                 if backend not in capturable():
                     can = sorted(capturable())
+                    why = f": {NOT_CAPTURED[backend]}" if backend in NOT_CAPTURED else ""
                     raise ValueError(
                         f"checks.activation: tier 2 cannot capture the intermediate tensors of "
-                        f"{role} backend '{backend}' (it can: "
+                        f"{role} backend '{backend}'{why} (it can: "
                         f"{', '.join(can)}); set sample_rate: 0 and "
                         "on_failure: false for this model")
+            problem = pair_problem(self.reference.backend, self.primary.backend)
+            if problem is not None:
+                raise ValueError(f"checks.activation: {problem}; set sample_rate: 0 and "
+                                 "on_failure: false for this model")
         return self

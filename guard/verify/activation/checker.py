@@ -39,6 +39,7 @@ from guard.verify.activation.decide import (
     rank_suspects,
 )
 from guard.verify.activation.errors import ShapeMismatch, layer_error
+from guard.verify.activation.keras_side import KerasSide
 from guard.verify.activation.onnx_side import OnnxSide
 from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
 from guard.verify.activation.sides import capture_side
@@ -46,7 +47,7 @@ from guard.verify.activation.torch_side import CaptureUnsupported, TorchSide
 
 log = logging.getLogger("guard.activation")
 
-Side = OnnxSide | TorchSide
+Side = OnnxSide | TorchSide | KerasSide
 
 
 def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
@@ -64,6 +65,19 @@ def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
     if spec.precision != "fp32":  # a hint the side's own graph may not show (OpenVINO fp16)
         side.precision = spec.precision
     return side
+
+
+def _check_pair(reference: Side, primary: Side) -> None:
+    """The config refuses a pair tier 2 cannot align (sides.pair_problem); so does a checker
+    built for a stand-in primary."""
+    from guard.verify.activation.sides import pair_problem
+
+    problem = pair_problem(reference.kind if reference.kind != "onnx" else "onnxruntime",
+                           primary.kind if primary.kind != "onnx" else "onnxruntime")
+    if problem is not None:
+        reference.close()
+        primary.close()
+        raise CaptureUnsupported(problem)
 
 
 class ActivationChecker:
@@ -94,6 +108,7 @@ class ActivationChecker:
             raise CaptureUnsupported(f"models[{model.name}]: tier 2 needs a reference backend")
         reference = build_side(model.reference, "reference", config, threads)
         primary = build_side(primary_spec or model.primary, "primary", config, threads)
+        _check_pair(reference, primary)
         return cls(config, reference, primary, tensor=model.checks.tensor)
 
     # -- when to run (mirror worker) ------------------------------------------------------------
@@ -208,6 +223,8 @@ class ActivationChecker:
 
     def _align(self, inputs: dict[str, np.ndarray]) -> Alignment:
         ref, prim = self.reference, self.primary
+        if isinstance(ref, KerasSide) or isinstance(prim, KerasSide):
+            return self._align_keras(inputs)
 
         def onnx_values(side: OnnxSide) -> dict[str, np.ndarray]:
             # Graph inputs are values too: a segment or a module may start from them.
@@ -223,6 +240,21 @@ class ActivationChecker:
             return align_torch_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
                                     torch_is_reference=False)
         return align_torch_torch(ref, prim, ref.capture(inputs), prim.capture(inputs))
+
+    def _align_keras(self, inputs: dict[str, np.ndarray]) -> Alignment:
+        from guard.verify.activation.keras_align import align_keras_keras, align_torch_keras
+
+        ref, prim = self.reference, self.primary
+        if isinstance(ref, KerasSide) and isinstance(prim, KerasSide):
+            return align_keras_keras(ref, prim, ref.capture(inputs), prim.capture(inputs),
+                                     inputs)
+        if isinstance(ref, TorchSide) and isinstance(prim, KerasSide):
+            return align_torch_keras(ref, prim, ref.capture(inputs), prim.capture(inputs),
+                                     inputs, torch_is_reference=True)
+        if isinstance(ref, KerasSide) and isinstance(prim, TorchSide):
+            return align_torch_keras(prim, ref, prim.capture(inputs), ref.capture(inputs),
+                                     inputs, torch_is_reference=False)
+        raise CaptureUnsupported(f"tier 2 cannot align {self.pair}")  # _check_pair refuses
 
     def _isolate(self, compared: list[tuple[LayerResult, Pairing]]) -> None:
         """Isolated error for the layers most likely to *add* error, up to the budget: ranked by

@@ -7,6 +7,12 @@ builder takes ``(spec, role, config, threads, run_path, label)`` and returns a s
 imported only when a side is built. A backend absent here (``upstream``, ``tensorrt``,
 ``torch_compile``: compiled kernels cannot be hooked) cannot be captured; the op repair
 captures a copy in its place where the backend declares one (``BackendKind.capture_as``).
+
+A Keras side aligns by Keras layer name, with another Keras side or a torch side only
+(keras_align.py): tf2onnx folds Keras layers together (a ``ZeroPadding2D`` into the next Conv's
+pads, the layout Transposes across layers), so its ONNX conversion has no node group for every
+layer. ``litert`` and ``tensorflow`` are not captured; ``NOT_CAPTURED`` says why, and the config
+error repeats it.
 """
 
 from __future__ import annotations
@@ -16,10 +22,25 @@ from typing import Callable
 from guard.backends.kind import load_ref
 
 SIDES: dict[str, str] = {
+    "keras": "guard.verify.activation.keras_side:keras_side",
     "onnxruntime": "guard.verify.activation.onnx_side:onnxruntime_side",
     "openvino": "guard.verify.activation.openvino_side:openvino_side",
     "torch": "guard.verify.activation.torch_side:torch_side",
 }
+
+
+# Why a backend of the TensorFlow family is not captured (the config error's reason).
+NOT_CAPTURED: dict[str, str] = {
+    "litert": "LiteRT's interpreter runs fused kernels (a convolution with its activation) and "
+              "can run no single op on given tensors, so no layer could be isolated; compare "
+              "the .keras it came from as a keras block",
+    "tensorflow": "a SavedModel's signature is one TensorFlow graph function without Keras "
+                  "layers to capture; compare the .keras it was exported from as a keras "
+                  "block",
+}
+
+# Backends a side of each kind can be aligned with (absent: any capturable backend).
+ALIGNS_WITH: dict[str, frozenset[str]] = {"keras": frozenset({"keras", "torch"})}
 
 
 def capturable() -> frozenset[str]:
@@ -31,3 +52,15 @@ def capture_side(backend: str) -> Callable | None:
     """The builder of ``backend``'s capture side, or None: tier 2 cannot capture it."""
     ref = SIDES.get(backend)
     return load_ref(ref) if ref else None
+
+
+def pair_problem(reference: str, primary: str) -> str | None:
+    """Why tier 2 cannot align these two capturable backends, or None."""
+    for one, other in ((reference, primary), (primary, reference)):
+        allowed = ALIGNS_WITH.get(one)
+        if allowed is not None and other not in allowed:
+            return (f"tier 2 aligns a {one} side with {' or '.join(sorted(allowed))} only, not "
+                    f"with {other}: tf2onnx folds Keras layers together (a ZeroPadding2D into "
+                    "the next Conv's pads), so a converted graph has no node group for every "
+                    "Keras layer")
+    return None
