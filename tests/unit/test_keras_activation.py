@@ -1,0 +1,159 @@
+"""Tier 2 on Keras sides (guard/verify/activation/keras_side.py, keras_align.py), on the
+CrossedWires port cases of the zoo (guard/zoo/keras_port.py): a torch CNN and its Keras ports
+with the same seeded weights. Each port bug is named at its own layer, against the torch
+reference and against the faithful port; clean pairs name none. One process: torch and Keras
+on TensorFlow; the exports are built once per module."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+pytest.importorskip("tensorflow")
+
+from guard.config import ModelConfig, parse_config  # noqa: E402
+from guard.errors import ConfigError  # noqa: E402
+from guard.verify.activation import ActivationChecker  # noqa: E402
+from guard.zoo import zoo_entry  # noqa: E402
+from guard.zoo.keras_port import BUGS  # noqa: E402
+
+VARIANTS = ("keras_port", *(f"keras_port_{bug}" for bug in BUGS))
+TORCH = {"backend": "torch", "path": "guard.zoo.keras_port:build"}  # the eager reference
+# Where each bug is: the layer whose own computation differs from torch's.
+BUG_LAYER = {"padding": "conv2", "bn_epsilon": "bn1", "flatten": "fc"}
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("ports")
+    return {name: zoo_entry(name).export(folder, 0) for name in VARIANTS}
+
+
+def keras(paths: dict, **options) -> dict:
+    return {"backend": "keras", "path": str(paths["keras"]),
+            **({"options": options} if options else {})}
+
+
+def check(reference: dict, primary: dict, rows: int = 4):
+    config = ModelConfig.model_validate({
+        "name": "port", "task": "classification", "primary": primary, "reference": reference,
+        "checks": {"tensor": {"atol": 1e-5, "rtol": 1e-5},
+                   "activation": {"on_failure": True}}})
+    checker = ActivationChecker.for_model(config)
+    try:
+        return checker.check(zoo_entry("keras_port").sample_inputs(rows, 7))
+    finally:
+        checker.close()
+
+
+def test_the_faithful_port_is_blamed_nowhere(exports):
+    paths = exports["keras_port"]
+    for reference, primary in ((TORCH, keras(paths)), (keras(paths), TORCH),
+                               (keras(paths), keras(paths))):
+        report = check(reference, primary)
+        assert report.passed and report.first_divergence is None, report.summary()
+        assert not report.error
+        assert len(report.layers) >= 4  # conv1, bn1, conv2, fc at least
+        assert all(layer.isolated is not None and layer.isolated.rel_error < 1e-5
+                   for layer in report.layers), report.as_dict()["layers"]
+
+
+@pytest.mark.parametrize("bug", BUGS)
+def test_a_torch_reference_names_each_port_bug_at_its_layer(exports, bug):
+    report = check(TORCH, keras(exports[f"keras_port_{bug}"]))
+    assert report.pair == "torch/keras"
+    assert not report.passed, report.summary()
+    assert report.first_divergence.name == BUG_LAYER[bug]
+    assert report.suspects[0].name == BUG_LAYER[bug]
+    assert all(not s.divergent for s in report.suspects[1:])
+    # The port's own layers without a torch module (Permutes, the ReLUs torch computes in
+    # forward, the padding) are primary-only, never unaligned or blamed.
+    assert "to_nhwc" in report.primary_only and not report.unaligned
+
+
+def test_the_padding_bug_is_isolated_on_what_torch_feeds_the_convolution(exports):
+    """The faulty port has no ZeroPadding2D: its conv2 reads relu1 (16x16) where the faithful
+    port's reads pad2 (18x18). Each is fed torch's bn1 output through its own layers in front:
+    the faithful one pads and matches torch, the faulty one pads 0 before, 1 after."""
+    faithful = check(TORCH, keras(exports["keras_port"]))
+    faulty = check(TORCH, keras(exports["keras_port_padding"]))
+    conv = {r: next(layer for layer in report.layers if layer.name == "conv2")
+            for r, report in (("faithful", faithful), ("faulty", faulty))}
+    assert conv["faithful"].primary_nodes == ["relu1", "pad2", "conv2"]
+    assert conv["faulty"].primary_nodes == ["relu1", "conv2"]
+    assert conv["faithful"].isolated.rel_error < 1e-5
+    assert conv["faulty"].isolated.rel_error > 0.1
+    assert conv["faulty"].op == "Conv2d" and conv["faulty"].module == "conv2"
+
+
+def test_a_keras_reference_names_the_padding_bug_of_a_torch_primary_and_a_keras_one(exports):
+    """Reversed: the faithful port as the reference. A torch primary's conv2 is fed the
+    tensor in front of the reference's ZeroPadding2D (the shape torch's module reads); the
+    faulty Keras port, aligned by layer name, lacks pad2 (listed as unaligned)."""
+    padding = keras(exports["keras_port_padding"])
+    report = check(keras(exports["keras_port"]), padding)
+    assert report.pair == "keras/keras" and not report.passed
+    assert report.first_divergence.name == "conv2"
+    assert [u.name for u in report.unaligned] == ["pad2"]
+    report = check(padding, TORCH)
+    assert report.pair == "keras/torch" and not report.passed
+    assert report.first_divergence.name == "conv2"
+
+
+def test_layer_map_aligns_names_that_differ(exports):
+    """options.layer_map (Keras layer -> torch module) pairs layers whose names do not match;
+    a map entry naming a module torch does not have is reported, not fatal."""
+    paths = exports["keras_port_bn_epsilon"]
+    report = check(TORCH, keras(paths, layer_map={"relu1": "bn1", "bn1": "nonexistent"}))
+    reasons = {u.name: u.reason for u in report.unaligned}
+    assert "nonexistent" in reasons["bn1"]
+    relu = next(layer for layer in report.layers if layer.name == "bn1")
+    assert relu.op == "BatchNorm2d" and relu.primary_nodes[-1] == "relu1"
+    # bn1 of torch compared with Keras's relu1: the ReLU's output is not the BatchNorm's.
+    assert relu.propagated.rel_error > 0.1
+
+
+def test_config_refuses_litert_and_keras_against_onnx_with_the_reason(exports, tmp_path):
+    paths = exports["keras_port"]
+
+    def problems(primary: dict, reference: dict) -> list[str]:
+        doc = {"version": 1, "models": [{"name": "m", "primary": primary,
+                                         "reference": reference,
+                                         "checks": {"activation": {"on_failure": True}}}]}
+        with pytest.raises(ConfigError) as err:
+            parse_config(doc, tmp_path)
+        return err.value.problems
+
+    litert = problems({"backend": "litert", "path": str(paths["saved_model"])}, keras(paths))
+    assert "primary backend 'litert': LiteRT's interpreter runs fused kernels" in litert[0]
+    onnx = problems({"backend": "onnxruntime", "path": str(paths["onnx"])}, keras(paths))
+    assert "aligns a keras side with keras or torch only, not with onnxruntime" in onnx[0]
+
+
+def test_guard_replay_names_the_keras_layer_of_the_padding_bug(exports, tmp_path):
+    """End to end: ``guard replay`` with tier 2 on failures, the torch TorchScript reference
+    (its eager factory for the hooks) against the faulty Keras port: report.json's first
+    divergence is the Keras port's conv2."""
+    import yaml
+
+    from guard.cli import main
+
+    paths = exports["keras_port_padding"]
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [{
+        "name": "port", "task": "classification",
+        "primary": keras(paths),
+        "reference": {"backend": "torch", "path": str(paths["torchscript"])},
+        "checks": {"tensor": {"atol": 1e-5, "rtol": 1e-5},
+                   "activation": {"on_failure": True,
+                                  "torch_factory": "guard.zoo.keras_port:build"}}}]}))
+    np.savez(tmp_path / "set.npz", **zoo_entry("keras_port").sample_inputs(6, 3))
+    code = main(["replay", "--config", str(config), str(tmp_path / "set.npz"),
+                 "--report-dir", str(tmp_path / "report"), "--batch-size", "2", "--quiet"])
+    report = json.loads((tmp_path / "report" / "report.json").read_text())["models"]["port"]
+    assert code == 1 and report["verdict"] == "drift"
+    activation = report["tiers"]["activation"]
+    assert activation["checks"] == 6 and activation["passed"] == 0
+    assert activation["first_divergence"]["layer"] == "conv2"
