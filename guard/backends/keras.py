@@ -22,7 +22,8 @@ The file is read once, checked against ``sha256`` and loaded from a private copy
 bytes (Keras loads from a path); ``safe_mode`` stays on, so a file with lambda layers (Python
 bytecode) is refused. ``keras_backend: jax`` needs ``pip install 'jax[cpu]'`` (not part of
 ``guard[tensorflow]``: with jax installed, ``import tensorflow`` imports jax as well, +140 MB).
-Tier 2 and the op repair: not offered.
+Tier 2 captures it (guard/verify/activation/keras_side.py: against a Keras or torch side,
+``options.layer_map`` pairing Keras layers with torch modules); the op repair: not offered.
 """
 
 from __future__ import annotations
