@@ -115,21 +115,42 @@ def test_layer_map_aligns_names_that_differ(exports):
     assert relu.propagated.rel_error > 0.1
 
 
-def test_config_refuses_litert_and_keras_against_onnx_with_the_reason(exports, tmp_path):
+def test_config_refuses_litert_and_tensorflow_with_the_reason(exports, tmp_path):
     paths = exports["keras_port"]
 
-    def problems(primary: dict, reference: dict) -> list[str]:
+    def problems(primary: dict) -> list[str]:
         doc = {"version": 1, "models": [{"name": "m", "primary": primary,
-                                         "reference": reference,
+                                         "reference": keras(paths),
                                          "checks": {"activation": {"on_failure": True}}}]}
         with pytest.raises(ConfigError) as err:
             parse_config(doc, tmp_path)
         return err.value.problems
 
-    litert = problems({"backend": "litert", "path": str(paths["saved_model"])}, keras(paths))
+    litert = problems({"backend": "litert", "path": str(paths["saved_model"])})
     assert "primary backend 'litert': LiteRT's interpreter runs fused kernels" in litert[0]
-    onnx = problems({"backend": "onnxruntime", "path": str(paths["onnx"])}, keras(paths))
-    assert "aligns a keras side with keras or torch only, not with onnxruntime" in onnx[0]
+    tf = problems({"backend": "tensorflow", "path": str(paths["saved_model"])})
+    assert "primary backend 'tensorflow': a SavedModel's signature is one" in tf[0]
+
+
+def test_keras_against_its_tf2onnx_conversion_aligns_by_scope(exports):
+    """The faithful port against tf2onnx's conversion of it (ONNX Runtime): layers align by
+    the scopes in the node names and none is blamed; the padding tf2onnx folded into the
+    Conv's pads leaves pad2 and conv2 unaligned, and the Conv it named itself runs in relu2's
+    segment. With that conversion as the reference, the faulty Keras port is named at relu2,
+    the first layer the two graphs share after the fault, whose segment is the port's conv2."""
+    paths = exports["keras_port"]
+    onnx = {"backend": "onnxruntime", "path": str(paths["keras"])}  # tf2onnx, cached
+    report = check(keras(paths), onnx)
+    assert report.pair == "keras/onnx" and report.passed, report.summary()
+    assert {"conv1", "bn1", "relu1", "relu2", "fc"} <= {layer.name for layer in report.layers}
+    assert {"pad2", "conv2"} <= {u.name for u in report.unaligned}
+    relu2 = next(layer for layer in report.layers if layer.name == "relu2")
+    assert relu2.primary_nodes[0].startswith("Conv__")  # tf2onnx's own node, unscoped
+    assert all(layer.isolated.rel_error < 1e-5 for layer in report.layers)
+    report = check(onnx, keras(exports["keras_port_padding"]))
+    assert report.pair == "onnx/keras" and not report.passed
+    assert report.first_divergence.name == "relu2"
+    assert report.first_divergence.primary_nodes == ["conv2", "relu2"]
 
 
 def test_guard_replay_names_the_keras_layer_of_the_padding_bug(exports, tmp_path):

@@ -67,19 +67,6 @@ def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
     return side
 
 
-def _check_pair(reference: Side, primary: Side) -> None:
-    """The config refuses a pair tier 2 cannot align (sides.pair_problem); so does a checker
-    built for a stand-in primary."""
-    from guard.verify.activation.sides import pair_problem
-
-    problem = pair_problem(reference.kind if reference.kind != "onnx" else "onnxruntime",
-                           primary.kind if primary.kind != "onnx" else "onnxruntime")
-    if problem is not None:
-        reference.close()
-        primary.close()
-        raise CaptureUnsupported(problem)
-
-
 class ActivationChecker:
     """Tier 2 for one (reference, primary) pair."""
 
@@ -108,7 +95,6 @@ class ActivationChecker:
             raise CaptureUnsupported(f"models[{model.name}]: tier 2 needs a reference backend")
         reference = build_side(model.reference, "reference", config, threads)
         primary = build_side(primary_spec or model.primary, "primary", config, threads)
-        _check_pair(reference, primary)
         return cls(config, reference, primary, tensor=model.checks.tensor)
 
     # -- when to run (mirror worker) ------------------------------------------------------------
@@ -242,7 +228,11 @@ class ActivationChecker:
         return align_torch_torch(ref, prim, ref.capture(inputs), prim.capture(inputs))
 
     def _align_keras(self, inputs: dict[str, np.ndarray]) -> Alignment:
-        from guard.verify.activation.keras_align import align_keras_keras, align_torch_keras
+        from guard.verify.activation.keras_align import (
+            align_keras_keras,
+            align_keras_onnx,
+            align_torch_keras,
+        )
 
         ref, prim = self.reference, self.primary
         if isinstance(ref, KerasSide) and isinstance(prim, KerasSide):
@@ -254,7 +244,16 @@ class ActivationChecker:
         if isinstance(ref, KerasSide) and isinstance(prim, TorchSide):
             return align_torch_keras(prim, ref, prim.capture(inputs), ref.capture(inputs),
                                      inputs, torch_is_reference=False)
-        raise CaptureUnsupported(f"tier 2 cannot align {self.pair}")  # _check_pair refuses
+
+        def onnx_values(side: OnnxSide) -> dict[str, np.ndarray]:
+            return {**{n: inputs[n] for n in side.graph.inputs if n in inputs},
+                    **side.capture(inputs)}
+
+        if isinstance(ref, KerasSide):
+            return align_keras_onnx(ref, prim, ref.capture(inputs), onnx_values(prim), inputs,
+                                    keras_is_reference=True)
+        return align_keras_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
+                                keras_is_reference=False)
 
     def _isolate(self, compared: list[tuple[LayerResult, Pairing]]) -> None:
         """Isolated error for the layers most likely to *add* error, up to the budget: ranked by

@@ -1,4 +1,4 @@
-"""Align a Keras side with another Keras side or with a torch side, layer call by layer call.
+"""Align a Keras side with a Keras, torch or ONNX side, layer call by layer call.
 
 - Keras vs Keras (a ``.keras`` against another, or against itself on another Keras backend):
   the layer's name and call index (``conv2#0``).
@@ -9,6 +9,13 @@
   A Keras layer with no torch counterpart (a ``Permute`` to NHWC, a ``ZeroPadding2D``, an
   activation torch computes in ``forward`` code) is listed as primary-only when Keras is the
   primary; a torch module without a Keras layer is listed as unaligned.
+- Keras vs ONNX (tf2onnx's conversion of the ``.keras``, run by ONNX Runtime or OpenVINO): a
+  layer is the group of nodes whose name holds its scope
+  (``StatefulPartitionedCall/functional_1/conv1_1/BiasAdd``: the layer name, with TensorFlow's
+  ``_N`` suffix), compared on the value leaving the group. tf2onnx folds some layers away (a
+  ``ZeroPadding2D`` into the Conv's pads, Permutes cancelled against its own Transposes) and
+  names some nodes itself (``Conv__34``): those layers are unaligned, and such nodes run in the
+  next aligned layer's segment (listed in its primary nodes).
 
 Layouts: torch computes images NCHW, a Keras port NHWC. Each aligned tensor pair is compared
 after moving the channel axis of the Keras tensor to where torch has it, when that is what makes
@@ -321,3 +328,124 @@ def _torch_feeds(keras: KerasSide, kcall: KerasCall, tcall: ModuleCall,
                           f"shape torch's module reads ({tuple(want.shape)})")
         feeds.append(found)
     return feeds, ""
+
+
+# -- Keras vs ONNX (tf2onnx's conversion) ---------------------------------------------------------
+def onnx_layer(node_name: str, layers: set[str]) -> str | None:
+    """The Keras layer a tf2onnx node came from: the innermost scope segment of its name
+    (``StatefulPartitionedCall/functional_1/conv1_1/BiasAdd``) that is a layer's name, or one
+    with TensorFlow's ``_N`` uniquifying suffix; None for a node tf2onnx made itself
+    (``Conv__34``, ``Transpose__12``)."""
+    segments = node_name.split("/")[:-1]
+    for segment in reversed(segments):
+        if segment in layers:
+            return segment
+        stem, _, suffix = segment.rpartition("_")
+        if suffix.isdigit() and stem in layers:
+            return stem
+    return None
+
+
+def _groups(keras: KerasSide, onnx) -> dict[str, tuple[list[str], list[str]]]:
+    """Keras layer -> (the ONNX values its nodes read from outside, the values read outside
+    its nodes or leaving the graph)."""
+    graph = onnx.source
+    layers = {call.name for call in keras.calls}
+    members: dict[str, set[int]] = {}
+    for index, node in enumerate(graph.nodes):
+        if node.op_type == "Constant":
+            continue
+        layer = onnx_layer(node.name, layers)
+        if layer is not None:
+            members.setdefault(layer, set()).add(index)
+    out = {}
+    graph_outputs = set(graph.outputs)
+    for layer, nodes in members.items():
+        produced = {v for i in nodes for v in graph.nodes[i].output if v}
+        if produced <= graph.static:
+            continue  # weights folded under the layer's scope: no computation of its own
+        reads = [v for i in sorted(nodes) for v in graph.nodes[i].input
+                 if v and v not in produced and v not in graph.initializers
+                 and v not in graph.static]
+        leaves = [v for i in sorted(nodes) for v in graph.nodes[i].output if v and (
+            v in graph_outputs or any(c not in nodes for c in graph.consumers.get(v, [])))]
+        out[layer] = (list(dict.fromkeys(reads)), leaves)
+    return out
+
+
+def align_keras_onnx(keras: KerasSide, onnx, keras_cap: KerasCapture,
+                     onnx_cap: dict[str, np.ndarray], inputs: dict[str, np.ndarray],
+                     keras_is_reference: bool) -> Alignment:
+    """A ``.keras`` and tf2onnx's conversion of it: each Keras layer is the group of nodes
+    named under its scope, compared on the group's output (NCHW inside the ONNX graph is
+    moved to Keras's NHWC). tf2onnx folds some layers into others (a ``ZeroPadding2D`` into
+    the Conv's pads, Permutes cancelled against its Transposes) and names some nodes itself
+    (``Conv__34``): those layers are unaligned, and the nodes run in the next aligned layer's
+    segment."""
+    out = Alignment()
+    keras_role = "reference" if keras_is_reference else "primary"
+    groups = _groups(keras, onnx)
+    pairs: list[tuple[KerasCall, str, list[str], object]] = []  # call, value, reads, perm
+    for call in keras.calls:
+        name = keras.call_name(call)
+        group = groups.get(call.name)
+        if group is None:
+            if keras_is_reference:
+                out.unaligned.append(Unaligned(
+                    "reference", name, "no node of the ONNX graph carries its scope (tf2onnx "
+                    "folded it into a neighbour, or named the node itself)"))
+            else:
+                out.primary_only.append(name)
+            continue
+        reads, leaves = group
+        if keras.counts.get(call.name, 1) > 1 or len(call.outputs) != 1:
+            out.unaligned.append(Unaligned(keras_role, name, "a layer called more than once "
+                                           "or with several outputs is not aligned by scope"))
+            continue
+        array = keras_cap.values[call.outputs[0]]
+        chosen = [(v, p) for v in leaves if v in onnx_cap
+                  for p in [to_keras_layout(onnx_cap[v].shape, array.shape)] if p is not False]
+        if len(chosen) != 1:
+            out.unaligned.append(Unaligned(
+                keras_role, name, f"{len(leaves)} value(s) leave its nodes in ONNX "
+                f"({', '.join(leaves[:4])}), {len(chosen)} of its output's shape"))
+            continue
+        value, perm = chosen[0]
+        pairs.append((call, value, reads, perm))
+    if keras_is_reference:
+        available = {n: a for n, a in inputs.items()}
+        for call, value, _, perm in pairs:
+            available[value] = _undo(keras_cap.values[call.outputs[0]], perm)
+        boundary = set(available)
+        fetch = _onnx_fetcher(available, onnx_cap)
+        for call, value, reads, perm in pairs:
+            def isolate(value=value, perm=perm) -> tuple[np.ndarray, list[str]]:
+                result, nodes = onnx.isolate(value, boundary - {value}, fetch)
+                return _apply(result, perm), nodes
+
+            out.pairings.append(Pairing(
+                keras.call_name(call), call.kind, call.name, value,
+                keras_cap.values[call.outputs[0]], _apply(onnx_cap[value], perm), isolate,
+                inputs=reads, ref_key=f"{call.key}.0"))
+        return out
+    given = _model_inputs(keras, inputs)
+    for call, value, _, perm in pairs:
+        given[call.outputs[0]] = _apply(onnx_cap[value], perm)
+    for call, value, reads, perm in pairs:
+        out.pairings.append(Pairing(
+            keras.call_name(call), call.kind, call.name, value, _apply(onnx_cap[value], perm),
+            keras_cap.values[call.outputs[0]], _keras_isolator(keras, call, 0, given,
+                                                               lambda a: a),
+            inputs=reads))
+    return out
+
+
+def _onnx_fetcher(values: dict[str, np.ndarray], onnx_cap: dict[str, np.ndarray]):
+    def fetch(name: str) -> np.ndarray:
+        array = values[name]
+        like = onnx_cap.get(name)
+        if like is not None and array.dtype != like.dtype:
+            array = array.astype(like.dtype)
+        return array
+
+    return fetch

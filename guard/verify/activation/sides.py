@@ -8,11 +8,9 @@ imported only when a side is built. A backend absent here (``upstream``, ``tenso
 ``torch_compile``: compiled kernels cannot be hooked) cannot be captured; the op repair
 captures a copy in its place where the backend declares one (``BackendKind.capture_as``).
 
-A Keras side aligns by Keras layer name, with another Keras side or a torch side only
-(keras_align.py): tf2onnx folds Keras layers together (a ``ZeroPadding2D`` into the next Conv's
-pads, the layout Transposes across layers), so its ONNX conversion has no node group for every
-layer. ``litert`` and ``tensorflow`` are not captured; ``NOT_CAPTURED`` says why, and the config
-error repeats it.
+A Keras side aligns by Keras layer name with a Keras, torch or ONNX side (keras_align.py; an
+ONNX graph by tf2onnx's node scopes). ``litert`` and ``tensorflow`` are not captured;
+``NOT_CAPTURED`` says why, and the config error repeats it.
 """
 
 from __future__ import annotations
@@ -39,10 +37,6 @@ NOT_CAPTURED: dict[str, str] = {
                   "block",
 }
 
-# Backends a side of each kind can be aligned with (absent: any capturable backend).
-ALIGNS_WITH: dict[str, frozenset[str]] = {"keras": frozenset({"keras", "torch"})}
-
-
 def capturable() -> frozenset[str]:
     """The backend names tier 2 can capture (config validation reads this)."""
     return frozenset(SIDES)
@@ -53,14 +47,3 @@ def capture_side(backend: str) -> Callable | None:
     ref = SIDES.get(backend)
     return load_ref(ref) if ref else None
 
-
-def pair_problem(reference: str, primary: str) -> str | None:
-    """Why tier 2 cannot align these two capturable backends, or None."""
-    for one, other in ((reference, primary), (primary, reference)):
-        allowed = ALIGNS_WITH.get(one)
-        if allowed is not None and other not in allowed:
-            return (f"tier 2 aligns a {one} side with {' or '.join(sorted(allowed))} only, not "
-                    f"with {other}: tf2onnx folds Keras layers together (a ZeroPadding2D into "
-                    "the next Conv's pads), so a converted graph has no node group for every "
-                    "Keras layer")
-    return None
