@@ -6,6 +6,7 @@ on TensorFlow; the exports are built once per module."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -178,3 +179,47 @@ def test_guard_replay_names_the_keras_layer_of_the_padding_bug(exports, tmp_path
     activation = report["tiers"]["activation"]
     assert activation["checks"] == 6 and activation["passed"] == 0
     assert activation["first_divergence"]["layer"] == "conv2"
+
+
+_ON_JAX = """
+import json, sys
+from guard.config import ModelConfig
+from guard.verify.activation import ActivationChecker
+from guard.zoo import zoo_entry
+
+out = {}
+for variant, path in json.loads(sys.argv[1]).items():
+    config = ModelConfig.model_validate({
+        "name": "port", "task": "classification",
+        "primary": {"backend": "keras", "path": path, "options": {"keras_backend": "jax"}},
+        "reference": {"backend": "torch", "path": "guard.zoo.keras_port:build"},
+        "checks": {"tensor": {"atol": 1e-5, "rtol": 1e-5}, "activation": {"on_failure": True}}})
+    checker = ActivationChecker.for_model(config)
+    report = checker.check(zoo_entry("keras_port").sample_inputs(4, 7))
+    first = report.first_divergence
+    out[variant] = {"passed": report.passed, "first": first.name if first else None,
+                    "error": report.error}
+out["tensorflow_imported"] = "tensorflow" in sys.modules
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("jax") is None,
+                    reason="jax is not installed (pip install 'jax[cpu]')")
+def test_keras_on_jax_names_the_padding_bug_in_a_process_of_its_own(exports):
+    """``keras_backend: jax`` (Keras picks its backend once per process: a child process).
+    Skipped where jax is not installed: it is not part of guard[tensorflow], because with jax
+    installed ``import tensorflow`` imports it too (+140 MB in every TensorFlow process)."""
+    import os
+    import subprocess
+    import sys
+
+    paths = {v: str(exports[v]["keras"]) for v in ("keras_port", "keras_port_padding")}
+    env = dict(os.environ, KERAS_BACKEND="jax")
+    done = subprocess.run([sys.executable, "-c", _ON_JAX, json.dumps(paths)], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["keras_port"] == {"passed": True, "first": None, "error": ""}
+    assert result["keras_port_padding"] == {"passed": False, "first": "conv2", "error": ""}
+    assert not result["tensorflow_imported"]  # Keras on jax needs no TensorFlow

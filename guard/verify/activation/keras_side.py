@@ -20,8 +20,9 @@ convolution, a ``Permute`` to NHWC) are part of the segment of the next aligned 
 layer is judged on the input the reference's graph feeds it: a stride-2 convolution written
 ``padding="same"`` where torch pads 1 on every side shows its own error there.
 
-Tier 2 captures Keras on its tensorflow, jax and torch backends (eager calls; only tensorflow is
-tested here); ``keras_backend: openvino`` compiles whole models only and is refused.
+Tier 2 captures Keras on its tensorflow, jax and torch backends (eager calls; tensorflow and
+jax are tested, torch is not); ``keras_backend: openvino`` compiles whole models only and is
+refused.
 """
 
 from __future__ import annotations
