@@ -216,13 +216,18 @@ def align_torch_keras(torch_side: TorchSide, keras: KerasSide, torch_cap: TorchC
             continue
         pairs.append((tcall, call))
     paired = {t.key for t, _ in pairs}
-    if torch_is_reference:
-        for tcall in torch_cap.calls:
-            if tcall.key not in paired and tcall.outputs and not tcall.identity:
-                out.unaligned.append(Unaligned(
-                    "reference", _torch_name(tcall, torch_counts),
-                    "no Keras layer has its name (every '.' read as '_') or is mapped to it "
-                    "in options.layer_map"))
+    # torch's leaf modules without a Keras layer (a container is structure; its own code, a
+    # residual add, is forward code the Keras side has as layers of its own).
+    for tcall in torch_cap.calls:
+        if tcall.key in paired or not tcall.leaf or not tcall.outputs or tcall.identity:
+            continue
+        if torch_is_reference:
+            out.unaligned.append(Unaligned(
+                "reference", _torch_name(tcall, torch_counts),
+                "no Keras layer has its name (every '.' read as '_') or is mapped to it in "
+                "options.layer_map"))
+        else:
+            out.primary_only.append(_torch_name(tcall, torch_counts))
     # Each aligned tensor pair's layout move (torch -> Keras); False: the shapes disagree.
     perms = {}
     for tcall, kcall in pairs:
