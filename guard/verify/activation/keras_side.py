@@ -9,7 +9,7 @@ functional graph records them.
 
 The graph is read as Keras itself runs it: the functional model's nodes by depth
 (``Function._nodes_by_depth``) and each node's recorded arguments (``node.arguments.fill_in``),
-Keras 3 internals that ``keras>=3.15,<4`` (guard[tensorflow]) keeps stable.
+Keras 3 internals (guard[tensorflow] takes ``keras>=3.15,<4``; the tests exercise them).
 
 Names: a layer call is its Keras layer name (``conv2``); a layer called more than once in the
 graph (a shared layer) has calls ``name#0``, ``name#1`` in graph order. A nested model (a
