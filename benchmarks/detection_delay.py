@@ -7,9 +7,14 @@ three detectors guard ships (guard/policy/detector.py):
               threshold h = ln(ARL0), exactly as RoutePolicy builds it;
   e_detector  the mixture e-detector over p0 + 0.02 x {1/2, 1, 2, 4, 8, 16}, threshold ln(ARL0);
   window      the count window (trip when more than k of the last W samples failed, decided only
-              on a full window), tuned by simulation to the same false-alarm rate: for each W in
-              a grid, the smallest k whose measured false alarms per million in-control samples
-              are at most 1e6/ARL0; the table shows, per shift, the W that detected fastest.
+              on a full window: policy.min_samples = W), tuned by simulation to the same
+              false-alarm rate: for each W in a grid, the smallest k whose measured false alarms
+              per million in-control samples are at most 1e6/ARL0; the table shows, per shift,
+              the W that detected fastest.
+
+Every detector decides only from ``policy.min_samples`` results since it (re)started, as guard's
+do (``--min-samples``, the policy's default unless given; the window's is its full size): an
+alarm the statistic reaches earlier waits, which matters after every restart.
 
 Measured per in-control rate p0 in {0.1%, 1%}:
   - false alarms per million in-control samples (long streams, detector restarted after each
@@ -27,8 +32,8 @@ guard's own detector objects, and before measuring, the script checks that the v
 detectors alarm at exactly the same samples as guard's classes on a set of streams.
 
 Usage: ``.venv/bin/python benchmarks/detection_delay.py [--arl0 1e5] [--runs 2000]
-[--fa-samples 4e7] [--quick] [--out benchmarks/results]``. Writes detection_delay.json and
-detection_delay.md (with the machine noted).
+[--fa-samples 4e7] [--min-samples 20] [--quick] [--out benchmarks/results]``. Writes
+detection_delay.json and detection_delay.md (with the machine noted).
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from guard.config import PolicyConfig  # noqa: E402
 from guard.machine import cpu_model  # noqa: E402
 from guard.policy.detector import (  # noqa: E402
     BernoulliCusum,
@@ -62,21 +68,41 @@ WINDOWS = (100, 200, 400, 800, 1600, 3200)
 
 
 # -- vectorised detectors (over streams), built from guard's detector objects --------------------
-class VecCusum:
+class VecSamples:
+    """guard's ``min_samples`` rule (guard/policy/detector.py ``Detector.alarmed``), per stream:
+    no alarm on fewer results than that since the detector (re)started."""
+
+    def __init__(self, min_samples: int, n: int):
+        self.min_samples = min_samples
+        self.samples = np.zeros(n, dtype=np.int64)
+
+    def decide(self, over: np.ndarray) -> np.ndarray:
+        """One more result taken; alarm where the statistic is ``over`` its threshold."""
+        self.samples += 1
+        return over & (self.samples >= self.min_samples)
+
+    def reset(self, mask: np.ndarray) -> None:
+        self.samples[mask] = 0
+
+
+class VecCusum(VecSamples):
     def __init__(self, detector: BernoulliCusum, n: int):
+        super().__init__(detector.min_samples, n)
         self.up, self.down, self.h = detector.on_fail, detector.on_pass, detector.threshold
         self.s = np.zeros(n)
 
     def step(self, x: np.ndarray) -> np.ndarray:
         self.s = np.maximum(0.0, self.s + np.where(x, self.up, self.down))
-        return self.s >= self.h
+        return self.decide(self.s >= self.h)
 
     def reset(self, mask: np.ndarray) -> None:
+        super().reset(mask)
         self.s[mask] = 0.0
 
 
-class VecEDetector:
+class VecEDetector(VecSamples):
     def __init__(self, detector: EDetector, n: int):
+        super().__init__(detector.min_samples, n)
         steps = np.array(detector._steps)  # (K, 2): log LR on a failure, on a pass
         self.up, self.down = steps[:, 0:1], steps[:, 1:2]
         self.h = detector.threshold
@@ -87,14 +113,16 @@ class VecEDetector:
         self.s = np.maximum(0.0, self.s + np.where(x[None, :], self.up, self.down))
         top = self.s.max(axis=0)
         stat = top + np.log(np.exp(self.s - top).sum(axis=0)) + self.log_w
-        return stat >= self.h
+        return self.decide(stat >= self.h)
 
     def reset(self, mask: np.ndarray) -> None:
+        super().reset(mask)
         self.s[:, mask] = 0.0
 
 
 class VecWindow:
-    """Trip when the count of failures in a full window of W exceeds ratio x W."""
+    """Trip when the count of failures in a full window of W exceeds ratio x W (guard's
+    WindowDetector with min_samples = W: on a full window its share is count / W)."""
 
     def __init__(self, window: int, ratio: float, n: int):
         self.w, self.ratio = window, ratio
@@ -117,31 +145,33 @@ class VecWindow:
         self.filled[mask] = 0
 
 
-def guard_detector(kind: str, p0: float, arl0: float):
+def guard_detector(kind: str, p0: float, arl0: float, min_samples: int):
     """The trip detector exactly as RoutePolicy builds it for this policy config."""
-    from guard.config import PolicyConfig
     from guard.policy.route import _TierState
 
     detector, threshold = {"cusum": ("cusum", "exact"), "cusum_bound": ("cusum", "bound"),
                            "e_detector": ("e_detector", "exact")}[kind]
     config = PolicyConfig(detector=detector, threshold=threshold, p0=p0, arl0=arl0,
-                          shift=SHIFT)
+                          shift=SHIFT, min_samples=min_samples,
+                          window=max(min_samples, PolicyConfig.model_fields["window"].default))
     return _TierState(config, arl0).trip
 
 
-def make_vec(kind: str, p0: float, arl0: float, n: int, window: tuple[int, float] | None = None):
+def make_vec(kind: str, p0: float, arl0: float, min_samples: int, n: int,
+             window: tuple[int, float] | None = None):
     if kind == "window":
         w, ratio = window
         return VecWindow(w, ratio, n)
-    detector = guard_detector(kind, p0, arl0)
+    detector = guard_detector(kind, p0, arl0, min_samples)
     return VecEDetector(detector, n) if kind == "e_detector" else VecCusum(detector, n)
 
 
-def make_scalar(kind: str, p0: float, arl0: float, window: tuple[int, float] | None = None):
+def make_scalar(kind: str, p0: float, arl0: float, min_samples: int,
+                window: tuple[int, float] | None = None):
     if kind == "window":
         w, ratio = window
         return WindowDetector(w, w, ratio, "up")
-    return guard_detector(kind, p0, arl0)
+    return guard_detector(kind, p0, arl0, min_samples)
 
 
 # -- measurements ---------------------------------------------------------------------------------
@@ -231,12 +261,13 @@ def tune_window(p0: float, target: float, window: int, fa_samples: int, streams:
 
 
 # -- a check that the vectorised detectors are guard's detectors ----------------------------------
-def check_against_guard(p0: float, arl0: float, window: tuple[int, float], rng) -> None:
+def check_against_guard(p0: float, arl0: float, min_samples: int, window: tuple[int, float],
+                        rng) -> None:
     streams, steps = 24, 3000
     xs = rng.random((steps, streams)) < (p0 + 0.05)
     for kind in SEQUENTIAL + ("window",):
-        vec = make_vec(kind, p0, arl0, streams, window)
-        scalars = [make_scalar(kind, p0, arl0, window) for _ in range(streams)]
+        vec = make_vec(kind, p0, arl0, min_samples, streams, window)
+        scalars = [make_scalar(kind, p0, arl0, min_samples, window) for _ in range(streams)]
         for t, x in enumerate(xs):
             hit = vec.step(x)
             for j, det in enumerate(scalars):
@@ -266,16 +297,18 @@ def run(args) -> dict:
     rng = np.random.default_rng(args.seed)
     arl0 = args.arl0
     fa_samples = int(args.fa_samples)
-    results = {"arl0": arl0, "shift_tuned_for": SHIFT, "onset": args.onset,
-               "horizon": args.horizon, "runs": args.runs, "fa_samples": fa_samples,
-               "machine": machine_info(), "p0": {}}
+    min_samples = args.min_samples
+    results = {"arl0": arl0, "shift_tuned_for": SHIFT, "min_samples": min_samples,
+               "onset": args.onset, "horizon": args.horizon, "runs": args.runs,
+               "fa_samples": fa_samples, "machine": machine_info(), "p0": {}}
     started = time.perf_counter()
     for p0 in P0S:
         print(f"p0 = {p0:.1%}", flush=True)
         entry: dict = {"false_alarms_per_million": {}, "delay": {}, "window_tuning": {}}
         for kind in SEQUENTIAL:
-            alarms, samples = false_alarms(lambda n, k=kind: make_vec(k, p0, arl0, n), p0,
-                                           fa_samples, args.streams, rng)
+            alarms, samples = false_alarms(
+                lambda n, k=kind: make_vec(k, p0, arl0, min_samples, n), p0, fa_samples,
+                args.streams, rng)
             entry["false_alarms_per_million"][kind] = alarms / samples * 1e6
             entry.setdefault("false_alarm_counts", {})[kind] = [alarms, samples]
             print(f"  {kind}: {alarms / samples * 1e6:.3f} false alarms / million "
@@ -294,12 +327,12 @@ def run(args) -> dict:
                 "trip_count": k, "trip_ratio": round(ratio, 6), "false_alarms_per_million": fa}
             print(f"  window {w:5d} (to {matched * 1e6:.2f}/M): trip at >= {k} failures; "
                   f"measured {fa:.2f} false alarms / million", flush=True)
-        check_against_guard(p0, arl0, next(iter(tuned["matched"].items()))[1], rng)
+        check_against_guard(p0, arl0, min_samples, next(iter(tuned["matched"].items()))[1], rng)
         for delta in DELTAS:
             row = {}
             for kind in SEQUENTIAL:
-                d, early = delays(lambda n, k=kind: make_vec(k, p0, arl0, n), p0, delta,
-                                  args.runs, args.onset, args.horizon, rng)
+                d, early = delays(lambda n, k=kind: make_vec(k, p0, arl0, min_samples, n), p0,
+                                  delta, args.runs, args.onset, args.horizon, rng)
                 row[kind] = {**summarise(d), "false_alarms_before_onset": early}
             for label in ("matched",):
                 best = None
@@ -350,7 +383,9 @@ def markdown(results: dict) -> str:
         "chain, is at least ARL0) and with the bound h = ln(ARL0). The e-detector mixes "
         f"p0 + {SHIFT:.0%} x {{1/2, 1, 2, 4, 8, 16}} with h = ln(ARL0). Drift onset after "
         f"{results['onset']} in-control samples; {results['runs']} runs per cell; false alarms "
-        f"over {results['fa_samples']:.1e} in-control samples per detector.",
+        f"over {results['fa_samples']:.1e} in-control samples per detector. The sequential "
+        f"detectors decide only from policy.min_samples = {results['min_samples']} results "
+        "since they (re)started, as guard's do.",
         "",
         "The count window (trip when at least k of the last W samples failed, on a full window) "
         "is tuned by simulation, for every W in "
@@ -420,6 +455,10 @@ def main() -> None:
     parser.add_argument("--fa-samples", type=float, default=1e8,
                         help="in-control samples per false-alarm measurement")
     parser.add_argument("--streams", type=int, default=10000)
+    parser.add_argument("--min-samples", type=int,
+                        default=PolicyConfig.model_fields["min_samples"].default,
+                        help="policy.min_samples of the sequential detectors (the window decides "
+                        "on a full window)")
     parser.add_argument("--seed", type=int, default=2026)
     parser.add_argument("--quick", action="store_true", help="fewer runs and samples (smoke)")
     parser.add_argument("--out", type=Path, default=Path(__file__).parent / "results")

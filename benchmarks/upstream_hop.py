@@ -18,7 +18,11 @@ guard in front of a real model server (``backend: upstream``, the sidecar deploy
   (g5) guard envoy, 5%    as (g0) with ``mirror.sample_rate: 0.05``: Envoy copies 5% of the
                   calls (by the hash of x-request-id) to guard's ext_proc observer, which hands
                   them through the sample ring to the verifier, whose reference (ONNX Runtime, 1
-                  thread, the same zoo classifier) answers them again and compares.
+                  thread, the same zoo classifier) answers them again and compares. The
+                  observer is Envoy's tap (``server.envoy.observer: tap``, the default).
+  (g5x) guard envoy, 5%, ext_proc   as (g5) with ``server.envoy.observer: ext_proc``: Envoy
+                  streams each sampled call to guard's ext_proc observer instead (one gRPC
+                  stream per call), for the side-by-side of the two observers.
   (p)  raw proxy  (``--cells``, not in the default run) a minimal raw-bytes Python gRPC
                   pass-through proxy, for scale.
   (eg) Envoy, guard's bootstrap   (``--cells``, not in the default run) Envoy alone running
@@ -100,11 +104,13 @@ CELLS = {
     "b": "guard, Python forwarder (mirroring off)",
     "g0": "guard, Envoy mode, mirroring off",
     "g5": "guard, Envoy mode, mirroring 5%",
+    "g5x": "guard, Envoy mode, mirroring 5%, ext_proc observer",
     "p": "raw-bytes Python proxy",
     "eg": "Envoy with guard's bootstrap, guard not running",
 }
-DEFAULT_CELLS = ("a", "e", "b", "g0", "g5")
-ENVOY_MODE_RATES = {"g0": 0.0, "g5": 0.05}
+DEFAULT_CELLS = ("a", "e", "b", "g0", "g5", "g5x")
+ENVOY_MODE_RATES = {"g0": 0.0, "g5": 0.05, "g5x": 0.05}
+EXT_PROC_CELLS = {"g5x"}  # server.envoy.observer: ext_proc (the others: the default, tap)
 ROLES = ("upstream", "envoy", "guard", "verifier")  # the processes whose CPU is read
 
 TARGET_ENVOY_CPU_RATIO = 1.05  # (g0) Envoy + guard CPU/request over (e)'s
@@ -349,7 +355,8 @@ def guard_config(cell: str, upstream: str, prep: dict, ports: dict) -> dict:
         server["data_plane"] = "envoy"
         server["envoy"] = {"admin_port": ports["envoy_admin"],
                            "observer_port": ports["observer"], "health_port": ports["health"],
-                           "concurrency": 1}
+                           "concurrency": 1,
+                           "observer": "ext_proc" if cell in EXT_PROC_CELLS else "tap"}
     else:
         model["mirror"] = {"sample_rate": 0.0}
     return {"version": 1, "server": server, "models": [model]}
@@ -502,7 +509,7 @@ def measure_cell(args, cell: str, child: Child, layout: Layout, target: str,
                  warmup: float):
     """``po.measure_cell`` with CPU read per process (``layout``), and guard's /metrics
     scraped around the cell (drained of mirror samples in g5)."""
-    scrape = po.drained if cell == "g5" else po.scrape
+    scrape = po.drained if cell in ("g5", "g5x") else po.scrape
     return po.measure_cell(args, cell, child, target, metrics_port, requests, concurrency,
                            duration, warmup, pids=layout.pids(),
                            snapshot=lambda: cpu_snapshot(layout), servers=ROLES,
@@ -662,10 +669,38 @@ def ms_per_request(f: dict, *roles: str) -> float | None:
 PROXY_ROLES = ("envoy", "guard", "verifier")  # everything between client and model server
 
 
+def _mirror_share(g5: dict, g0: dict | None, envoy_ms: float, prep: dict, name: str) -> dict:
+    """A mirroring cell's (``name``: g5, or g5x for the ext_proc observer, info only) guard share
+    of CPU per request (serving + verifier - the reference's forward passes) over Envoy
+    alone's."""
+    cpu, guard = g5.get("cpu") or {}, g5.get("guard", {})
+    requests = cpu.get("requests") or 0
+    compared = guard.get("mirror", {}).get("compared", 0)
+    reference_s = guard.get("reference_s", 0.0)
+    own_s = cpu.get("guard_s", 0.0) + cpu.get("verifier_s", 0.0)
+    share = (own_s - reference_s) * 1e3 / requests if requests else float("nan")
+    by_cpu = ((own_s * 1e3 - compared * prep["reference_1thread_cpu_mean_ms"]) / requests
+              if requests else float("nan"))
+    observed = guard.get("observer", {})
+    return {
+        "value": share / envoy_ms, "target": TARGET_MIRROR_SHARE,
+        "ok": share / envoy_ms <= TARGET_MIRROR_SHARE, "cells": ("e", name),
+        "guard_share_ms": share, "envoy_alone_ms": envoy_ms,
+        "serving_ms": ms_per_request(g5, "guard"),
+        "verifier_ms": ms_per_request(g5, "verifier"),
+        "reference_wall_ms": reference_s * 1e3 / requests if requests else None,
+        "share_by_forward_cpu_ms": by_cpu, "value_by_forward_cpu": by_cpu / envoy_ms,
+        "requests": requests, "observed": observed, "compared": compared,
+        "sampled_share": (sum(observed.values()) / requests) if requests else None,
+        "g5_envoy_ms": ms_per_request(g5, "envoy"),
+        "g0_envoy_ms": ms_per_request(g0, "envoy") if g0 else None,
+    }
+
+
 def targets(cells: dict, c: str, prep: dict) -> dict:
     """Issue 20's targets at concurrency ``c`` as ratios of this run (those whose cells ran)."""
     get = lambda k: cells[k][c] if k in cells else None  # noqa: E731
-    a, e, b, g0, g5 = (get(k) for k in ("a", "e", "b", "g0", "g5"))
+    a, e, b, g0 = (get(k) for k in ("a", "e", "b", "g0"))
     out: dict = {}
     envoy_ms = ms_per_request(e, "envoy") if e else None
     if b and envoy_ms:
@@ -689,29 +724,10 @@ def targets(cells: dict, c: str, prep: dict) -> dict:
         out["envoy_mode_throughput"] = {"value": ratio, "target": TARGET_ENVOY_THROUGHPUT,
                                         "ok": ratio >= TARGET_ENVOY_THROUGHPUT,
                                         "cells": ("e", "g0")}
-    if g5 and e and envoy_ms:
-        cpu, guard = g5.get("cpu") or {}, g5.get("guard", {})
-        requests = cpu.get("requests") or 0
-        compared = guard.get("mirror", {}).get("compared", 0)
-        reference_s = guard.get("reference_s", 0.0)
-        own_s = cpu.get("guard_s", 0.0) + cpu.get("verifier_s", 0.0)
-        share = (own_s - reference_s) * 1e3 / requests if requests else float("nan")
-        by_cpu = ((own_s * 1e3 - compared * prep["reference_1thread_cpu_mean_ms"]) / requests
-                  if requests else float("nan"))
-        observed = guard.get("observer", {})
-        out["mirror_share"] = {
-            "value": share / envoy_ms, "target": TARGET_MIRROR_SHARE,
-            "ok": share / envoy_ms <= TARGET_MIRROR_SHARE, "cells": ("e", "g5"),
-            "guard_share_ms": share, "envoy_alone_ms": envoy_ms,
-            "serving_ms": ms_per_request(g5, "guard"),
-            "verifier_ms": ms_per_request(g5, "verifier"),
-            "reference_wall_ms": reference_s * 1e3 / requests if requests else None,
-            "share_by_forward_cpu_ms": by_cpu, "value_by_forward_cpu": by_cpu / envoy_ms,
-            "requests": requests, "observed": observed, "compared": compared,
-            "sampled_share": (sum(observed.values()) / requests) if requests else None,
-            "g5_envoy_ms": ms_per_request(g5, "envoy"),
-            "g0_envoy_ms": ms_per_request(g0, "envoy") if g0 else None,
-        }
+    for name, key in (("g5", "mirror_share"), ("g5x", "mirror_share_ext_proc")):
+        cell = get(name)
+        if cell and e and envoy_ms:
+            out[key] = _mirror_share(cell, g0, envoy_ms, prep, name)
     eg = get("eg")
     if eg and envoy_ms:
         split = {"eg_envoy_ms": ms_per_request(eg, "envoy"), "envoy_alone_ms": envoy_ms,
@@ -849,17 +865,22 @@ def _rows(report: dict):
             x = t["envoy_mode_throughput"]
             goals.append([c, "Envoy mode off: req/s (g0 / e)", f">= {TARGET_ENVOY_THROUGHPUT}x",
                           f"{x['value']:.3f}x", po._ok(x)])
-        if "mirror_share" in t:
-            x = t["mirror_share"]
-            goals.append([c, "mirroring 5%: guard's share of CPU/req (g5: serving + verifier - "
-                          "reference forward) over Envoy alone's", f"<= {TARGET_MIRROR_SHARE}x",
+        for key, cell, label in (("mirror_share", "g5", ""),
+                                 ("mirror_share_ext_proc", "g5x", " [ext_proc observer]")):
+            if key not in t:
+                continue
+            x = t[key]
+            goals.append([c, f"mirroring 5%{label}: guard's share of CPU/req ({cell}: serving + "
+                          "verifier - reference forward) over Envoy alone's",
+                          f"<= {TARGET_MIRROR_SHARE}x" if cell == "g5" else "info",
                           f"{x['value']:.3f}x ({x['guard_share_ms']:.3f} = serving "
                           f"{x['serving_ms']:.3f} + verifier {x['verifier_ms']:.3f} - reference "
                           f"{x['reference_wall_ms']:.3f} ms; with the forward's CPU subtracted "
                           f"instead: {x['share_by_forward_cpu_ms']:.3f} ms = "
-                          f"{x['value_by_forward_cpu']:.2f}x)", po._ok(x)])
+                          f"{x['value_by_forward_cpu']:.2f}x)",
+                          po._ok(x) if cell == "g5" else "info"])
             observed = ", ".join(f"{k} {v}" for k, v in sorted(x["observed"].items())) or "none"
-            goals.append([c, "mirroring 5%: calls observed / compared", "info",
+            goals.append([c, f"mirroring 5%{label}: calls observed / compared", "info",
                           f"observed {observed} of {x['requests']} requests "
                           f"({(x['sampled_share'] or 0) * 100:.1f}%), compared {x['compared']};"
                           f" Envoy CPU/req {x['g5_envoy_ms']:.3f} ms (g0: "

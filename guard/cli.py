@@ -143,7 +143,10 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     where = "" if config.server.data_plane == "envoy" else \
         " (the config's server.data_plane is python: this is what envoy would run)"
     ports = ports_of(config)
-    for key, port in (("observer_port", ports.observer), ("health_port", ports.health)):
+    needed = [("health_port", ports.health)]
+    if config.server.envoy.observer == "ext_proc":
+        needed.append(("observer_port", ports.observer))
+    for key, port in needed:
         if not port:
             raise GuardError(f"server.envoy.{key}: 0 (a free port chosen when guard starts) "
                              "cannot go into a bootstrap printed ahead of time: set a port")
@@ -387,8 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
         "envoy", help="the Envoy bootstrap of a config's Envoy mode",
         description="Prints the Envoy bootstrap that `guard serve` runs in Envoy mode "
         "(server.data_plane: envoy; docs/envoy.md): the listener on server.host:grpc_port, a "
-        "cluster per upstream, runtime-switched primary/fallback routes, ext_proc toward "
-        "guard's observer for sampled calls, gRPC health to guard. Check it with `envoy "
+        "cluster per upstream, runtime-switched primary/fallback routes, for sampled calls "
+        "the tap that guard attaches through the admin API (or, with server.envoy.observer: "
+        "ext_proc, ext_proc toward guard's observer), gRPC health to guard. Check it with `envoy "
         "--mode validate -c FILE`.",
     )
     envoy.add_argument("config", metavar="FILE", help="guard YAML config")

@@ -112,7 +112,7 @@ class UpstreamBackend(Forwarding, Backend):
                 last = f"{exc.code().name}: {exc.details()}"
             if time.monotonic() >= deadline:
                 raise BackendError(f"upstream {self.model}@{self.target} not ready after "
-                                   f"{self.options.ready_timeout_s:.0f}s ({last})")
+                                   f"{self.options.ready_timeout_s:g}s ({last})")
             time.sleep(0.2)
 
     def close(self) -> None:

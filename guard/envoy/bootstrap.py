@@ -49,6 +49,8 @@ OBSERVER_CLUSTER = "guard_observer"
 HEALTH_CLUSTER = "guard_health"
 EXTRACTION_FILTER = "envoy.filters.http.grpc_field_extraction"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
+TAP_FILTER = "envoy.filters.http.tap"
+TAP_CONFIG_ID = "guard"  # the tap guard/envoy/tap.py attaches through the admin API
 ROLES = ("primary", "fallback")
 SAMPLED = "_sampled"
 WEIGHTS = 1_000_000  # the weights of a model's clusters add up to this (a sample rate in ppm)
@@ -177,11 +179,11 @@ def roles_of(model: ModelConfig) -> tuple[str, ...]:
     return tuple(r for r in ROLES if getattr(model, r) is not None)
 
 
-def _weighted(model: ModelConfig) -> dict:
+def _weighted(model: ModelConfig, observer: str | None) -> dict:
     """The route action of a model's calls: its clusters weighted by runtime keys (defaults:
     the primary), chosen by the hash of the call's x-request-id (Envoy makes one for a call
     without), so that a given id is sampled, or not, on every replica. The unsampled clusters
-    turn ext_proc off."""
+    turn the observing filter (``observer``: tap or ext_proc; None: the chain has none) off."""
     rate = sample_rate(model)
     defaults = route_values(model.name, "primary", roles_of(model), rate)
     clusters = []
@@ -194,8 +196,8 @@ def _weighted(model: ModelConfig) -> dict:
                 "response_headers_to_add": [{
                     "header": {"key": ROUTE_HEADER, "value": role},
                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
-            if not sampled:
-                entry["typed_per_filter_config"] = _off()
+            if not sampled and observer:
+                entry["typed_per_filter_config"] = _off(observer)
             clusters.append(entry)
     timeout = float(model.primary.options.get("timeout_s", 10.0))
     return {
@@ -209,13 +211,21 @@ def _weighted(model: ModelConfig) -> dict:
     }
 
 
-def _off() -> dict:
+def _off(observer: str | None) -> dict:
+    """The observing filter turned off for a route or a cluster's entry (the tap filter has no
+    per-route config of its own: the generic FilterConfig disables it); {} when the chain has
+    no observing filter (``observer`` None)."""
+    if observer is None:
+        return {}
+    if observer == "tap":
+        return {TAP_FILTER: {"@type": _TYPE + "envoy.config.route.v3.FilterConfig",
+                             "disabled": True}}
     return {EXT_PROC_FILTER: {
         "@type": _TYPE + "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute",
         "disabled": True}}
 
 
-def _model_routes(model: ModelConfig, by_body: bool) -> list[dict]:
+def _model_routes(model: ModelConfig, by_body: bool, observer: str | None) -> list[dict]:
     """A model's routes: its ModelInfer calls, and its other per-model methods (metadata,
     readiness)."""
     def match(path: str | None = None, prefix: str | None = None) -> dict:
@@ -229,15 +239,17 @@ def _model_routes(model: ModelConfig, by_body: bool) -> list[dict]:
                 "value": {"list_match": {"one_of": {"string_match": {"exact": model.name}}}}}]
         return out
 
-    action = _weighted(model)
-    # ModelInfer: ext_proc is on for the sampled clusters only (their entries carry no
-    # ExtProcPerRoute); every other call has it off on the route itself.
+    action = _weighted(model, observer)
+    # ModelInfer: the observing filter is on for the sampled clusters only (their entries do
+    # not turn it off); every other call has it off on the route itself.
     routes = [{"name": f"{token(model.name)}_infer", "match": match(path=MODEL_INFER),
                "route": action}]
     if by_body:
-        routes.append({"name": f"{token(model.name)}_other",
-                       "match": match(prefix=f"/{SERVICE}/"), "route": action,
-                       "typed_per_filter_config": _off()})
+        other = {"name": f"{token(model.name)}_other", "match": match(prefix=f"/{SERVICE}/"),
+                 "route": action}
+        if observer:
+            other["typed_per_filter_config"] = _off(observer)
+        routes.append(other)
     return routes
 
 
@@ -299,6 +311,18 @@ def _ext_proc_filter() -> dict:
             "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"}}}
 
 
+def _tap_filter() -> dict:
+    """Envoy's tap, controlled through the admin API: it taps nothing until guard's reader
+    (guard/envoy/tap.py) attaches a match and an output to config id ``guard``."""
+    return {"name": TAP_FILTER, "typed_config": {
+        "@type": _TYPE + "envoy.extensions.filters.http.tap.v3.Tap",
+        "common_config": {"admin_config": {"config_id": TAP_CONFIG_ID}}}}
+
+
+def observing_filter(observer: str) -> dict:
+    return _tap_filter() if observer == "tap" else _ext_proc_filter()
+
+
 def _grpc_stats_filter() -> dict:
     return {"name": "envoy.filters.http.grpc_stats", "typed_config": {
         "@type": _TYPE + "envoy.extensions.filters.http.grpc_stats.v3.FilterConfig",
@@ -333,14 +357,18 @@ def build(config: GuardConfig, ports: Ports,
     routes = routes or {}
     layout = Layout()
     by_body = len(config.models) > 1
-    clusters = [
-        _http2_cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer),
-        _http2_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health),
-    ]
-    virtual_routes: list[dict] = [{
-        "name": "health", "match": {"prefix": HEALTH_PREFIX},
-        "route": {"cluster": HEALTH_CLUSTER, "timeout": "5s"},
-        "typed_per_filter_config": _off()}]
+    # No model samples: no observing filter at all (and nothing for it to skip per call).
+    observing = any(round(sample_rate(m) * WEIGHTS) for m in config.models)
+    observer = config.server.envoy.observer if observing else None
+    off = _off(observer)
+    clusters = [_http2_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health)]
+    if observer == "ext_proc":
+        clusters.insert(0, _http2_cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer))
+    health = {"name": "health", "match": {"prefix": HEALTH_PREFIX},
+              "route": {"cluster": HEALTH_CLUSTER, "timeout": "5s"}}
+    if off:
+        health["typed_per_filter_config"] = off
+    virtual_routes: list[dict] = [health]
     static: dict[str, float] = {}
     for model in config.models:
         rate = sample_rate(model)
@@ -351,15 +379,17 @@ def build(config: GuardConfig, ports: Ports,
                 layout.clusters[name] = (model.name, role)
         static.update(route_values(model.name, routes.get(model.name, "primary"),
                                    roles_of(model), rate))
-        virtual_routes += _model_routes(model, by_body)
+        virtual_routes += _model_routes(model, by_body, observer)
     if config.models:
         # Server-wide calls (ServerLive, ServerReady, ModelConfig...) go to the first model's
         # server, on its current route.
-        virtual_routes.append({"name": "server", "match": {"prefix": f"/{SERVICE}/"},
-                               "route": _weighted(config.models[0]),
-                               "typed_per_filter_config": _off()})
-    filters = ([_extraction_filter(), _reroute_filter()] if by_body else []) + [
-        _ext_proc_filter(), _grpc_stats_filter(),
+        server = {"name": "server", "match": {"prefix": f"/{SERVICE}/"},
+                  "route": _weighted(config.models[0], observer)}
+        if off:
+            server["typed_per_filter_config"] = off
+        virtual_routes.append(server)
+    filters = ([_extraction_filter(), _reroute_filter()] if by_body else []) + (
+        [observing_filter(observer)] if observer else []) + [_grpc_stats_filter(),
         {"name": "envoy.filters.http.router", "typed_config": {
             "@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"}}]
     size = config.server.max_message_bytes

@@ -11,7 +11,6 @@ ring; never a wait. A full ring drops the sample and counts it, as on the reques
 
 from __future__ import annotations
 
-import time
 from typing import Callable, Mapping, Protocol
 
 from guard.ipc import wire
@@ -39,6 +38,7 @@ class Handoff:
         self.ring = ring
         self.metrics = metrics
         self.handed = 0  # calls put into the ring
+        self._drop_counters: dict[str, tuple] = {}
 
     def on_call(self, call) -> None:
         """The observer's ``on_call``: an ObservedCall into the ring (or not, and why not is
@@ -63,13 +63,18 @@ class Handoff:
             flags |= wire.CAPTURE
         if not flags:
             return
-        parts = wire.encode(flags, route, model.slot, epoch, time.time_ns(), call.seconds, name,
-                            call.request_id, call.traceparent, (), None, None, call.request,
-                            call.response)
-        if self.ring.put(parts):
+        if wire.hand_over(self.ring, flags, route, model.slot, epoch, call.seconds, name,
+                          call.request_id, call.traceparent, None, None, call.request,
+                          call.response, *self._dropped(name, flags)):
             self.handed += 1
-            return
-        if flags & wire.MIRROR:
-            self.metrics.mirror.labels(name, "dropped").inc()
-        if flags & wire.CAPTURE:
-            self.metrics.capture_records.labels(name, "dropped").inc()
+
+    def _dropped(self, name: str, flags: int) -> tuple:
+        """The model's ``dropped`` counters (mirror, capture), resolved once per model; the
+        capture one only for a model that captures (no series for one that does not)."""
+        counters = self._drop_counters.get(name)
+        if counters is None or (flags & wire.CAPTURE and counters[1] is None):
+            counters = self._drop_counters[name] = (
+                self.metrics.mirror.labels(name, "dropped"),
+                self.metrics.capture_records.labels(name, "dropped")
+                if flags & wire.CAPTURE else None)
+        return counters

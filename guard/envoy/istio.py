@@ -43,6 +43,10 @@ ROUTER = "envoy.filters.http.router"
 ISTIO_ADMIN_PORT = 15000  # istio-proxy's admin API (ProxyAdminPort), loopback only
 # istio-proxy keeps only the stats its stats matcher names: guard's metrics read these.
 STATS_PREFIXES = ("cluster.guard_",)
+# ext_proc here, not the tap guard's own Envoy uses: Envoy connects to an ext_proc observer by
+# itself, while a tap must be attached through the admin API of the istio-proxy, which guard
+# serve does not drive (it starts and steers its own Envoy only).
+OBSERVER = "ext_proc"
 
 
 def inbound_vhost(port: int) -> str:
@@ -95,6 +99,11 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
         raise GuardError("not servable through Envoy:\n  " + "\n  ".join(problems))
     if not config.models:
         raise GuardError("models: none to route")
+    if config.server.envoy.observer != OBSERVER:
+        raise GuardError("server.envoy.observer: tap cannot observe an istio-proxy (a tap is "
+                         "attached through the admin API of an Envoy guard runs itself): set "
+                         "ext_proc, so that guard serve in the Pod listens on observer_port "
+                         "for the EnvoyFilter's ext_proc copies")
     if not observer_port:
         raise GuardError("server.envoy.observer_port: 0 (a free port chosen when guard starts) "
                          "cannot go into an EnvoyFilter printed ahead of time: set a port")
@@ -117,19 +126,19 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
                     bootstrap.cluster_name(model.name, role, sampled), getattr(model, role)))
 
     filters = ([bootstrap._extraction_filter(), bootstrap._reroute_filter()] if by_body
-               else []) + [bootstrap._ext_proc_filter(), bootstrap._grpc_stats_filter()]
+               else []) + [bootstrap.observing_filter(OBSERVER), bootstrap._grpc_stats_filter()]
     for value in filters:  # each before the router, so in this order
         patches.append({"applyTo": "HTTP_FILTER", "match": _listener_match(port),
                         "patch": {"operation": "INSERT_BEFORE", "value": value}})
 
-    routes = [r for model in config.models for r in bootstrap._model_routes(model, by_body)]
+    routes = [r for model in config.models for r in bootstrap._model_routes(model, by_body, OBSERVER)]
     for route in reversed(routes):  # each INSERT_FIRST goes before the last: reversed, in order
         patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port),
                         "patch": {"operation": "INSERT_FIRST", "value": route}})
     # Istio's own route for the port: everything guard's routes do not take, ext_proc off.
     patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port, "default"),
                     "patch": {"operation": "MERGE",
-                              "value": {"typed_per_filter_config": bootstrap._off()}}})
+                              "value": {"typed_per_filter_config": bootstrap._off(OBSERVER)}}})
     return patches
 
 

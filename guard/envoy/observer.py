@@ -112,6 +112,51 @@ def _headers(header_map) -> dict[str, str]:
     return out
 
 
+class Outcomes:
+    """``guard_observer_calls_total{outcome}``, and the same figures without a registry
+    (``counts``), for either observer (ext_proc here, tap in guard/envoy/tap.py)."""
+
+    def __init__(self, metrics: GuardMetrics | None = None):
+        self.counts = dict.fromkeys(OUTCOMES, 0)
+        self._series = ({o: metrics.observer_calls.labels(o) for o in OUTCOMES}
+                        if metrics is not None else None)
+
+    def count(self, outcome: str) -> None:
+        self.counts[outcome] += 1
+        if self._series is not None:
+            self._series[outcome].inc()
+
+
+def hand_on(*, path: str, request_id: str, traceparent: str, route: str,
+            request_chunks: list[bytes], response_chunks: list[bytes],
+            grpc_status: int | None, seconds: float,
+            on_call: Callable[[ObservedCall], None]) -> str:
+    """An observed call's bodies unframed and handed to ``on_call``; returns the outcome."""
+    try:
+        requests = grpc_messages(request_chunks) if request_chunks else []
+        responses = grpc_messages(response_chunks) if response_chunks else []
+    except UnsupportedMessage:
+        return "unsupported"
+    except FramingError as e:
+        log.warning("observed call %s: %s", path or "?", e)
+        return "error"
+    if len(requests) > 1 or len(responses) > 1:
+        return "unsupported"
+    if not requests:
+        log.warning("observed call %s: no request message", path or "?")
+        return "error"
+    observed = ObservedCall(path=path, request_id=request_id, traceparent=traceparent,
+                            route=route, request=requests[0],
+                            response=responses[0] if responses else b"",
+                            grpc_status=grpc_status, seconds=seconds)
+    try:
+        on_call(observed)
+    except Exception:
+        log.exception("on_call failed for an observed call of %s", path)
+        return "error"
+    return "complete"
+
+
 class _Call:
     """One stream's state, from the first request header to the end of the answer."""
 
@@ -155,14 +200,7 @@ class Observer(ext_proc_grpc.ExternalProcessorServicer):
             raise ValueError(f"max_call_bytes must be positive, got {max_call_bytes}")
         self.on_call = on_call
         self.max_call_bytes = max_call_bytes
-        self.counts = dict.fromkeys(OUTCOMES, 0)  # the same figures, without a registry
-        self._series = ({o: metrics.observer_calls.labels(o) for o in OUTCOMES}
-                        if metrics is not None else None)
-
-    def _count(self, outcome: str) -> None:
-        self.counts[outcome] += 1
-        if self._series is not None:
-            self._series[outcome].inc()
+        self.outcomes = Outcomes(metrics)
 
     async def Process(self, request_iterator, context) -> None:  # noqa: N802 (the gRPC name)
         call: _Call | None = None
@@ -200,34 +238,19 @@ class Observer(ext_proc_grpc.ExternalProcessorServicer):
         finally:
             # Reached on every exit: the answer's end, the stream ending early, or a reset
             # (the handler is cancelled), so that each stream counts exactly once.
-            self._count(outcome)
+            self.outcomes.count(outcome)
 
     def _hand_on(self, call: _Call) -> str:
-        try:
-            requests = grpc_messages(call.request) if call.request else []
-            responses = grpc_messages(call.response) if call.response else []
-        except UnsupportedMessage:
-            return "unsupported"
-        except FramingError as e:
-            log.warning("observed call %s: %s", call.headers.get(":path", "?"), e)
-            return "error"
-        if len(requests) > 1 or len(responses) > 1:
-            return "unsupported"
-        if not requests:
-            log.warning("observed call %s: no request message", call.headers.get(":path", "?"))
-            return "error"
         h = call.headers
-        observed = ObservedCall(
-            path=h.get(":path", ""), request_id=h.get("x-request-id", ""),
-            traceparent=h.get("traceparent", ""), route=call.route, request=requests[0],
-            response=responses[0] if responses else b"", grpc_status=call.status,
-            seconds=time.monotonic() - call.started)
-        try:
-            self.on_call(observed)
-        except Exception:
-            log.exception("on_call failed for an observed call of %s", observed.path)
-            return "error"
-        return "complete"
+        return hand_on(path=h.get(":path", ""), request_id=h.get("x-request-id", ""),
+                       traceparent=h.get("traceparent", ""), route=call.route,
+                       request_chunks=call.request, response_chunks=call.response,
+                       grpc_status=call.status, seconds=time.monotonic() - call.started,
+                       on_call=self.on_call)
+
+    @property
+    def counts(self) -> dict[str, int]:
+        return self.outcomes.counts
 
 
 async def start_observer(observer: Observer, host: str, port: int) -> tuple[grpc.aio.Server, int]:

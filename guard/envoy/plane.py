@@ -6,8 +6,9 @@ data plane and hands the request path to Envoy:
   only; Envoy routes ``/grpc.health.v1.Health/`` on ``grpc_port`` there, so a probe on
   ``grpc_port`` is answered only when Envoy's listener and guard are up, and guard is ready
   only once it has loaded the models (upstreams ready) and Envoy serves;
-- the observer (guard/envoy/observer.py) on loopback, its calls into the sample ring
-  (guard/envoy/handoff.py);
+- the observer of sampled calls, its calls into the sample ring (guard/envoy/handoff.py): a
+  tap held on Envoy's admin API (guard/envoy/tap.py, ``server.envoy.observer: tap``, the
+  default) or an ext_proc service on loopback (guard/envoy/observer.py);
 - Envoy as a supervised child (guard/envoy/process.py), its bootstrap built from the config, the
   bound ports and the current routes (guard/envoy/bootstrap.py);
 - the route watcher (guard/envoy/routes.py) and Envoy's stats as guard's request metrics
@@ -51,6 +52,8 @@ class EnvoyPlane:
         self.routes: RouteSync | None = None
         self.process: EnvoyProcess | None = None
         self._observer_server = None
+        self._tap = None
+        self._observing = False  # the running bootstrap has a tap filter to attach to
         self._stats = stats.StatsReader()
         self._running: dict | None = None  # the bootstrap Envoy runs, its routes left out
 
@@ -82,35 +85,58 @@ class EnvoyPlane:
     async def start(self, models: Callable[[], Mapping], health_port: int) -> None:
         """Start the observer and Envoy (after the models loaded: the bootstrap starts them on
         their current routes); GuardError when Envoy does not come up."""
-        from guard.envoy.observer import Observer, start_observer
-
         self.models = models
         self.health_port = health_port
         self.handoff = Handoff(models, self.ring, self.metrics)
-        observer = Observer(self.handoff.on_call, self.metrics,
-                            max_call_bytes=2 * self.config.server.max_message_bytes)
+        if self.settings.observer == "tap":
+            from guard.envoy.observer import Outcomes
+            from guard.envoy.tap import TapReader
+
+            # One reader thread is the ring's one producer in Envoy mode.
+            # Each way: a message of the largest size and its 5-byte gRPC prefix.
+            self._tap = TapReader(self.handoff.on_call, lambda: self.admin_port,
+                                  Outcomes(self.metrics), self.config.server.max_message_bytes + 5)
+        else:
+            await self._start_ext_proc(2 * self.config.server.max_message_bytes)
+        self.routes = RouteSync(models, lambda: self.admin_port)
+        self.process = EnvoyProcess(self.binary, self.settings, self._bootstrap,
+                                    self.metrics.registry, on_started=self._on_started)
+        if self._tap is not None:
+            self._tap.start()  # attaches once an Envoy with a tap filter serves
+        await asyncio.get_running_loop().run_in_executor(
+            None, self.process.start, self.config.server.grpc_port)
+        self.routes.start()
+        emit("envoy_started", pid=self.process.process.pid, binary=self.binary,
+             listener=f"{self.config.server.host}:{self.listener_port}",
+             admin=f"127.0.0.1:{self.admin_port}",
+             observer=("tap" if self._tap is not None else f"ext_proc 127.0.0.1:"
+                                                            f"{self.observer_port}"),
+             concurrency=self.settings.concurrency)
+
+    async def _start_ext_proc(self, max_call_bytes: int) -> None:
+        from guard.envoy.observer import Observer, start_observer
+
+        observer = Observer(self.handoff.on_call, self.metrics, max_call_bytes=max_call_bytes)
         try:
             self._observer_server, self.observer_port = await start_observer(
                 observer, "127.0.0.1", self.settings.observer_port)
         except (OSError, RuntimeError) as exc:
             raise GuardError(f"server.envoy.observer_port: cannot listen on 127.0.0.1:"
                              f"{self.settings.observer_port}: {exc}") from None
-        self.routes = RouteSync(models, lambda: self.admin_port)
-        self.process = EnvoyProcess(self.binary, self.settings, self._bootstrap,
-                                    self.metrics.registry, on_started=self.routes.push_all)
-        await asyncio.get_running_loop().run_in_executor(
-            None, self.process.start, self.config.server.grpc_port)
-        self.routes.start()
-        emit("envoy_started", pid=self.process.process.pid, binary=self.binary,
-             listener=f"{self.config.server.host}:{self.listener_port}",
-             admin=f"127.0.0.1:{self.admin_port}", observer=f"127.0.0.1:{self.observer_port}",
-             concurrency=self.settings.concurrency)
+
+    def _on_started(self, process: EnvoyProcess) -> None:
+        """An Envoy is ready (a start, restart or hot restart): the routes again, and the tap
+        onto the new Envoy."""
+        self.routes.push_all(process)
+        if self._tap is not None:
+            self._tap.reattach(wanted=self._observing)
 
     def _bootstrap(self, listener_port: int, admin_port: int) -> dict:
         routes = self.routes.current() if self.routes is not None else {}
         ports = bootstrap.Ports(listener_port, admin_port, self.observer_port, self.health_port)
         built, self.layout = bootstrap.build(self.config, ports, routes)
         self._running = _without_routes(built)
+        self._observing = bootstrap.TAP_FILTER in json.dumps(built["static_resources"])
         return built
 
     async def stop(self) -> None:
@@ -120,6 +146,8 @@ class EnvoyPlane:
             await loop.run_in_executor(None, self.process.stop)
         if self.routes is not None:
             self.routes.stop()
+        if self._tap is not None:
+            self._tap.stop()
         if self._observer_server is not None:
             await self._observer_server.stop(0)
 

@@ -6,7 +6,7 @@ restart, stop.
   Ready means admin ``/ready`` answers LIVE and the listener is bound (its port read from
   ``/listeners``: with ``grpc_port: 0`` Envoy picks it, and every later start is given that
   port, so clients keep their address across a restart).
-- **watch**: a thread polls the child; a death is counted (``guard_envoy_restarts_total``), an
+- **watch**: a thread waits for the child's exit (a pidfd, so no polling); a death is counted (``guard_envoy_restarts_total``), an
   event (``envoy_lost``), and Envoy starts again after ``server.envoy.restart_backoff_s``
   (doubling per death in a row up to 10 s, reset after a minute of good health). The bootstrap
   of a restart is built again from the current routes (``bootstrap()`` is a callable), so the
@@ -44,11 +44,11 @@ from typing import Callable
 from guard.config.envoy import EnvoyConfig
 from guard.errors import GuardError
 from guard.observe.events import emit
-from guard.runtime.children import exit_reason
+from guard.runtime.children import exit_reason, wait_exit
 
 _MAX_BACKOFF_S = 10.0
 _HEALTHY_AFTER_S = 60.0
-_WATCH_S = 0.05
+_WATCH_S = 0.5  # the longest wait on one Envoy: after it, a hot restart's new one is watched
 _CANNOT_BIND = re.compile(r"cannot bind '([^']+)': ([^`|\n]+)")
 
 
@@ -243,12 +243,14 @@ class EnvoyProcess:
 
     # -- watching ---------------------------------------------------------------------------------
     def _watch(self) -> None:
-        while not self._stopping.wait(_WATCH_S):
+        while not self._stopping.is_set():
             with self._lock:
                 process = self.process
                 self.retiring = [p for p in self.retiring if p.poll() is None]
-            code = process.poll()
-            if code is None or self._stopping.is_set():
+            code = wait_exit(process, _WATCH_S)  # wakes at the exit, idle otherwise
+            with self._lock:
+                current = process is self.process  # a hot restart replaced it meanwhile
+            if code is None or not current or self._stopping.is_set():
                 continue
             self.up.set(0)
             self.restarts.inc()

@@ -13,6 +13,7 @@ parts (small headers and memoryviews of the arrays) that the ring copies in once
 from __future__ import annotations
 
 import struct
+import time
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -91,6 +92,28 @@ def encode(flags: int, route: str, slot: int, epoch: int, unix_nanos: int,
         parts += [_U64.pack(len(request_message)), request_message,
                   _U64.pack(len(response_message)), response_message]
     return parts
+
+
+def hand_over(ring, flags: int, route: str, slot: int, epoch: int, request_seconds: float,
+              model: str, request_id: str, traceparent: str, inputs: dict | None = None,
+              outputs: dict | None = None, request_message: bytes = b"",
+              response_message: bytes = b"", mirror_dropped=None, capture_dropped=None) -> bool:
+    """One sample into ``ring`` (a ``SampleRing``), stamped now; True when it went in.
+
+    The one hand-over both producers share (the data plane's ``ServedModel.after_response``
+    and Envoy mode's observer hand-off): a full ring never waits, it drops the sample and counts
+    it on ``mirror_dropped`` / ``capture_dropped`` (counters with ``inc()``, or None), the one
+    for each flag the sample carried."""
+    parts = encode(flags, route, slot, epoch, time.time_ns(), request_seconds, model,
+                   request_id, traceparent, (), inputs, outputs, request_message,
+                   response_message)
+    if ring.put(parts):
+        return True
+    if flags & MIRROR and mirror_dropped is not None:
+        mirror_dropped.inc()
+    if flags & CAPTURE and capture_dropped is not None:
+        capture_dropped.inc()
+    return False
 
 
 class _Reader:

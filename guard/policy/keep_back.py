@@ -155,7 +155,10 @@ class TorchCompileModules(KeepBack):
     Drift that exists only in the compiled kernels (a fusion that reorders a reduction) is not
     visible to it; when tier 2 names no module above ``min_isolated_error`` the candidates are
     every leaf submodule in forward order, and the search narrows them down. A suspect layer is
-    a module call (``layers.0.lin``, ``pool#1`` for a second call): its op is the module path.
+    a module call (``layers.0.lin``, ``pool#1`` for a second call): its op is the module path;
+    or a unit tier 2 compared as one (``conv1+bn1``: a Conv and the BatchNorm an exporter folded
+    into it, a Linear and its GELU): its ops are every member's path, since keeping only the
+    first at fp32 leaves the rest of the unit's computation at the primary's precision.
     Checked: each kept path is wrapped, and its copy's parameters and buffers are fp32."""
 
     option = "eager_fp32_modules"
@@ -164,6 +167,8 @@ class TorchCompileModules(KeepBack):
     no_ops_because = "submodule"
 
     def ops_for(self, layer):
+        if layer.modules:
+            return list(layer.modules)
         path = layer.module or layer.name.split("#")[0]
         return [path] if path else []
 

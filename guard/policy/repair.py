@@ -12,10 +12,10 @@ search below is the same for all of them:
    layers ranked by *isolated* error (the layer's own contribution, not what it inherited).
 2. Ops: the strategy maps each suspect to candidate ops (int8: its segment's quantised nodes
    ``<node>_quant`` -> ``<node>``; fp16: its segment's nodes that the fp32 graph has; torch:
-   the module path; TensorRT: the ONNX node names its layers are named after). Suspects that
-   map to none (a Relu that inherited error) drop out. When none is left, a strategy may offer
-   every op in forward order (torch_compile, TensorRT: drift tier 2's stand-in capture cannot
-   see); otherwise the repair ends.
+   the module path, every member's for a fused unit; TensorRT: the ONNX node names its layers
+   are named after). Suspects that map to none (a Relu that inherited error) drop out. When
+   none is left, a strategy may offer every op in forward order (torch_compile, TensorRT:
+   drift tier 2's stand-in capture cannot see); otherwise the repair ends.
 3. Search over arbitrary op sets: start with every candidate op kept back (it must pass, or
    nothing will); then try to put back the largest untested segment, keeping the change when
    the candidate still passes and splitting the segment in two when it fails. The result keeps

@@ -179,16 +179,10 @@ class ServedModel:
         if outputs is None:
             request_message = _serialized(request_message)
             response_message = _serialized(response_message)
-        parts = wire.encode(flags, route, self.slot, epoch, time.time_ns(), seconds, self.name,
-                            request_id, tracing.traceparent(), (), inputs,
-                            outputs, request_message or b"", response_message or b"")
-        if self.ring.put(parts):
-            return True
-        if flags & wire.MIRROR:
-            self._mirror_dropped.inc()
-        if flags & wire.CAPTURE and self._capture_dropped is not None:
-            self._capture_dropped.inc()
-        return False
+        return wire.hand_over(self.ring, flags, route, self.slot, epoch, seconds, self.name,
+                              request_id, tracing.traceparent(), inputs, outputs,
+                              request_message or b"", response_message or b"",
+                              self._mirror_dropped, self._capture_dropped)
 
     # -- from the verifier -------------------------------------------------------------------------
     kept_primary: dict | None = None  # the wire form of the repaired primary serving now

@@ -55,13 +55,13 @@ from guard.ipc.ring import SampleRing
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.runtime.children import exit_reason
+from guard.runtime.children import exit_reason, wait_exit
 
 log = logging.getLogger("guard.supervisor")
 _events = logging.getLogger("guard.events")
 _MAX_BACKOFF_S = 30.0
 _HEALTHY_AFTER_S = 60.0
-_WATCH_S = 0.1
+_WATCH_S = 0.5  # the hang check's tick (hang_timeout_s is seconds); an exit wakes the watcher at once
 
 
 class VerifierUnavailable(GuardError):
@@ -185,12 +185,18 @@ class VerifierSupervisor:
 
     def _watch(self) -> None:
         """Restart a verifier that died or hung, with backoff; count what it took with it."""
-        while not self._stopping.wait(_WATCH_S):
+        while not self._stopping.is_set():
             with self._lock:
                 process = self.process
             if process is None:
+                self._stopping.wait(_WATCH_S)
                 continue
-            code = process.poll()
+            code = wait_exit(process, _WATCH_S)  # wakes at the exit, else after the tick
+            if self._stopping.is_set():
+                return
+            with self._lock:
+                if process is not self.process:
+                    continue
             if code is None and self.ready.is_set():
                 beat, _ = self.table.heartbeat()
                 stale = (time.monotonic_ns() - beat) / 1e9 if beat else 0.0

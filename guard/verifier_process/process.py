@@ -57,6 +57,7 @@ log = logging.getLogger("guard.verifier_process")
 # samples meanwhile, and a look costs a sleep and a wake-up (~30 us of CPU on a VM): a 2 ms
 # cadence costs 1.2% of a core idle and several looks per sample at 100 samples/s.
 _IDLE_S = 0.02
+_IDLE_MAX_S = 0.2
 _HEARTBEAT_S = 0.1
 _ERROR_LOG_INTERVAL_S = 10.0
 _OVERRIDES = {"auto", "primary", "fallback"}
@@ -209,7 +210,11 @@ class VerifierProcess:
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
-        """One record from each serving process's ring in turn; a pause when all are empty."""
+        """One record from each serving process's ring in turn; a pause when all are empty,
+        from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier
+        wakes a few times a second, not 50; the first sample after a lull waits at most
+        ``_IDLE_MAX_S``, well inside any mirror timeout)."""
+        idle = _IDLE_S
         while not self.stopping.is_set():
             took = False
             for ring in self.rings:
@@ -226,8 +231,11 @@ class VerifierProcess:
                         log.exception("handing a sample over failed")
                         self._log_error(f"a sample could not be handed over: "
                                         f"{type(exc).__name__}: {exc}")
-            if not took:
-                time.sleep(_IDLE_S)
+            if took:
+                idle = _IDLE_S
+            else:
+                time.sleep(idle)
+                idle = min(idle * 2, _IDLE_MAX_S)
 
     def _hand_over(self, record: bytes) -> None:
         try:

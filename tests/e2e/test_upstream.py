@@ -172,5 +172,5 @@ def test_upstream_not_ready_is_a_clear_startup_error(tmp_path, zoo_classifier):
     for role in ("primary", "fallback"):
         block[role]["options"] = {"ready_timeout_s": 0.5}
     server = GuardServer(load_config(write_config(tmp_path, [block])))
-    with pytest.raises(BackendError, match=r"cnn_int8@127\.0\.0\.1:\d+ not ready after"):
+    with pytest.raises(BackendError, match=r"cnn_int8@127\.0\.0\.1:\d+ not ready after 0\.5s "):
         server.load_models()

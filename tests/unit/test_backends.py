@@ -331,3 +331,19 @@ def test_torch_backend_detaches_a_parameter_returned_as_is():
     out = backend.infer({"x": x})
     np.testing.assert_array_equal(out["scale"], np.full(3, 2.0, np.float32))
     np.testing.assert_array_equal(out["y"], x[:, :3] * 2.0)
+
+
+@pytest.mark.parametrize("ready_timeout_s, shown", [(0.5, "0.5s"), (0, "0s")])
+def test_an_upstream_never_ready_names_its_wait_as_configured(ready_timeout_s, shown):
+    import socket
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    backend = create_backend(BackendConfig(
+        backend="upstream", target=f"127.0.0.1:{port}", model="absent",
+        options={"ready_timeout_s": ready_timeout_s}), "primary")
+    with pytest.raises(BackendError) as error:
+        backend.load()
+    backend.close()
+    assert f"absent@127.0.0.1:{port} not ready after {shown} (" in str(error.value)

@@ -452,3 +452,32 @@ def test_dry_run_percent_range(tmp_path):
             "name": "m", "primary": {"backend": "torch", "path": "fixture_models:affine"},
             "policy": {"dry_run_percent": 150}}]}, tmp_path)
     assert err.value.problems == ["models[0].policy.dry_run_percent: must be in [0, 100]"]
+
+
+# -- the detection-delay benchmark simulates these detectors ---------------------------------------
+@pytest.fixture(scope="module")
+def delay_benchmark():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "detection_delay.py"
+    spec = importlib.util.spec_from_file_location("detection_delay", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("kind", ["cusum", "cusum_bound", "e_detector"])
+def test_the_delay_benchmark_holds_alarms_back_until_min_samples_as_guard_does(
+        delay_benchmark, kind):
+    """The vectorised detectors of benchmarks/detection_delay.py alarm where guard's classes do,
+    ``min_samples`` included: with it, a stream failing from its first sample alarms only at
+    the min_samples-th result (without it, earlier)."""
+    rng = np.random.default_rng(5)
+    delay_benchmark.check_against_guard(0.01, 1e5, 40, (100, 0.05), rng)
+    always = np.ones(2, dtype=bool)
+    first = {}
+    for min_samples in (1, 40):
+        vec = delay_benchmark.make_vec(kind, 0.01, 1e5, min_samples, 2)
+        first[min_samples] = next(t for t in range(1, 100) if vec.step(always).all())
+    assert first[1] < 40 and first[40] == 40

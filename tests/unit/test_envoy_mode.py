@@ -3,6 +3,7 @@ guard's names, and the hand-off of an observed call into a real sample ring."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 
 import pytest
@@ -27,7 +28,9 @@ def upstream(model: str, target: str = "127.0.0.1:9001", **options) -> dict:
     return block
 
 
-def config(tmp_path, models: list[dict], **server):
+def config(tmp_path, models: list[dict], observer: str | None = None, **server):
+    if observer is not None:
+        server["envoy"] = {**server.get("envoy", {}), "observer": observer}
     data = {"version": 1, "server": {"data_plane": "envoy", **server}, "models": models}
     path = tmp_path / "guard.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -80,6 +83,10 @@ def filters_of(built: dict) -> list[str]:
     return [f["name"] for f in manager["typed_config"]["http_filters"]]
 
 
+def clusters_of(built: dict) -> list[str]:
+    return [c["name"] for c in built["static_resources"]["clusters"]]
+
+
 def test_one_model_is_routed_by_path_and_sampled_in_envoy_by_request_id(tmp_path):
     loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
                                 "fallback": upstream("cnn", "127.0.0.1:9002"),
@@ -100,11 +107,14 @@ def test_one_model_is_routed_by_path_and_sampled_in_envoy_by_request_id(tmp_path
             for name, c in entries.items()} == {
         "guard_cnn_primary": "primary", "guard_cnn_primary_sampled": "primary",
         "guard_cnn_fallback": "fallback", "guard_cnn_fallback_sampled": "fallback"}
-    # ext_proc is off on every cluster but the sampled twins.
+    # The tap (the default observer) is off on every cluster but the sampled twins.
+    assert bootstrap.TAP_FILTER in filters_of(built)
+    assert bootstrap.EXT_PROC_FILTER not in filters_of(built)
+    assert bootstrap.OBSERVER_CLUSTER not in clusters_of(built)
     assert [name for name, c in entries.items() if "typed_per_filter_config" not in c] == [
         "guard_cnn_primary_sampled", "guard_cnn_fallback_sampled"]
     assert entries["guard_cnn_primary"]["typed_per_filter_config"][
-        bootstrap.EXT_PROC_FILTER]["disabled"] is True
+        bootstrap.TAP_FILTER]["disabled"] is True
     # Started on the fallback: the runtime's static layer says so from the first request,
     # 5% of the weight (in a million) on the sampled twin.
     static = built["layered_runtime"]["layers"][0]["static_layer"]
@@ -118,6 +128,35 @@ def test_one_model_is_routed_by_path_and_sampled_in_envoy_by_request_id(tmp_path
                                "guard_cnn_primary_sampled": ("cnn", "primary"),
                                "guard_cnn_fallback": ("cnn", "fallback"),
                                "guard_cnn_fallback_sampled": ("cnn", "fallback")}
+
+
+def test_ext_proc_observer_is_off_on_unsampled_clusters_and_has_its_cluster(tmp_path):
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
+                                "reference": upstream("ref"), "mirror": {"sample_rate": 0.05}}],
+                    observer="ext_proc")
+    built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+    assert bootstrap.EXT_PROC_FILTER in filters_of(built)
+    assert bootstrap.TAP_FILTER not in filters_of(built)
+    assert bootstrap.OBSERVER_CLUSTER in clusters_of(built)
+    routes = {r["name"]: r for r in routes_of(built)}
+    entries = {c["name"]: c for c in routes["cnn_infer"]["route"]["weighted_clusters"]["clusters"]}
+    assert "typed_per_filter_config" not in entries["guard_cnn_primary_sampled"]
+    assert entries["guard_cnn_primary"]["typed_per_filter_config"][
+        bootstrap.EXT_PROC_FILTER]["disabled"] is True
+    assert routes["health"]["typed_per_filter_config"][bootstrap.EXT_PROC_FILTER]["disabled"]
+
+
+def test_without_sampling_the_chain_has_no_observing_filter(tmp_path):
+    """Mirroring off: nothing to observe, so nothing per call for an observer to skip."""
+    for observer in ("tap", "ext_proc"):
+        loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
+                                    "reference": upstream("ref"),
+                                    "mirror": {"sample_rate": 0.0}}], observer=observer)
+        built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+        assert filters_of(built) == ["envoy.filters.http.grpc_stats",
+                                     "envoy.filters.http.router"]
+        assert bootstrap.OBSERVER_CLUSTER not in clusters_of(built)
+        assert "typed_per_filter_config" not in json.dumps(built)
 
 
 def test_several_models_are_routed_by_the_model_name_in_the_body(tmp_path):
@@ -252,22 +291,44 @@ def test_on_the_fallback_only_probing_calls_are_mirrored():
     ring.close()
 
 
+def test_a_full_ring_drops_the_observed_call_and_counts_it_as_the_request_path_does():
+    ring = SampleRing(64)  # smaller than any record: every put is refused
+    metrics = GuardMetrics("test")
+    models = {"cnn": Model(slot=0, mirror_rate=1.0, capture_rate=0.0),
+              "rec": Model(slot=1, mirror_rate=1.0, capture_rate=1.0)}
+    handoff = Handoff(lambda: models, ring, metrics)
+    for _ in range(2):
+        handoff.on_call(observed("cnn"))
+    handoff.on_call(observed("rec"))
+    value = metrics.registry.get_sample_value
+    assert value("guard_mirror_total", {"model": "cnn", "outcome": "dropped"}) == 2
+    assert value("guard_mirror_total", {"model": "rec", "outcome": "dropped"}) == 1
+    assert value("guard_capture_records_total", {"model": "rec", "outcome": "dropped"}) == 1
+    # a model that does not capture gets no capture series
+    assert value("guard_capture_records_total", {"model": "cnn", "outcome": "dropped"}) is None
+    assert handoff.handed == 0 and ring.take() is None
+    ring.close()
+
+
 # -- guard deploy envoy ---------------------------------------------------------------------------
 def test_deploy_envoy_prints_the_bootstrap_and_refuses_ports_chosen_at_start(tmp_path, capsys):
     from guard.cli import main
 
-    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}])
+    sampled = {"name": "cnn", "primary": upstream("cnn"), "reference": upstream("ref"),
+               "mirror": {"sample_rate": 0.1}}
+    config(tmp_path, [sampled], observer="ext_proc")
     path = str(tmp_path / "guard.yaml")
     assert main(["deploy", "envoy", path, "--format", "json"]) == 0
-    import json
-
     printed = json.loads(capsys.readouterr().out)
     clusters = {c["name"]: c for c in printed["static_resources"]["clusters"]}
     observer = clusters[bootstrap.OBSERVER_CLUSTER]["load_assignment"]["endpoints"][0]
     assert observer["lb_endpoints"][0]["endpoint"]["address"]["socket_address"] == {
         "address": "127.0.0.1", "port_value": 8005}
 
-    config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}],
-           envoy={"observer_port": 0})
+    config(tmp_path, [sampled], envoy={"observer_port": 0, "observer": "ext_proc"})
     assert main(["deploy", "envoy", path]) == 2
     assert "server.envoy.observer_port: 0" in capsys.readouterr().err
+    # The tap needs no port of guard's: Envoy's admin API is where guard attaches it.
+    config(tmp_path, [sampled], envoy={"observer_port": 0})
+    assert main(["deploy", "envoy", path]) == 0
+    assert bootstrap.TAP_FILTER in capsys.readouterr().out

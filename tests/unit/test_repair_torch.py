@@ -96,6 +96,42 @@ def test_tensorrt_layers_are_onnx_node_names_and_rebuild_with_fp32_layers(tmp_pa
     assert strategy.not_kept_back(None, ["node_layer_norm"]) == []  # the builder checks
 
 
+def test_a_fused_unit_keeps_every_member_back_not_only_its_first(tmp_path):
+    """A torch primary against its ONNX export (the TorchScript exporter folds each BatchNorm
+    into its Conv): tier 2 compares ``layer1.0.conv1+layer1.0.bn1`` as one unit, and a fault in
+    its second member (the BatchNorm's statistics) makes it the suspect. The strategy keeps
+    both members back, and the rebuilt module runs both eagerly at fp32."""
+    from guard.config import ActivationCheckConfig
+    from guard.verify.activation import ActivationChecker
+    from guard.verify.activation.onnx_side import OnnxSide
+    from guard.verify.activation.torch_side import TorchSide
+    from guard.zoo import layouts
+
+    model = layouts.resnet(seed=3, widths=(8,), blocks=1)
+    inputs = layouts.resnet_inputs(2, seed=3)
+    layouts.export(model, tmp_path / "ref.onnx", inputs)
+    primary = layouts.perturbed(model, "layer1.0.bn1", 0.5, tensor="running_var")
+    checker = ActivationChecker(ActivationCheckConfig(on_failure=True),
+                                OnnxSide(tmp_path / "ref.onnx", label="reference"),
+                                TorchSide(primary, ["image"], label="primary"))
+    try:
+        report = checker.check(inputs)
+    finally:
+        checker.close()
+    assert not report.error, report.error
+    suspect = report.suspects[0]
+    assert suspect.name == "layer1.0.conv1+layer1.0.bn1"
+    assert suspect.module == "layer1.0.conv1"  # the unit's first member, as reported
+    spec = BackendConfig(backend="torch_compile", path=FACTORY, precision="fp16")
+    strategy = keep_back_for(spec)
+    ops = strategy.ops_for(suspect)
+    assert ops == ["layer1.0.conv1", "layer1.0.bn1"]
+    assert strategy.rebuild_spec(ops).options["eager_fp32_modules"] == ops
+    kept = keep_eager_fp32(primary, ops, torch.device("cpu"), torch.float16).to(torch.float16)
+    assert not_eager_fp32(kept, ops) == []
+    assert kept.layer1[0].bn2.weight.dtype == torch.float16  # the rest stays at fp16
+
+
 # -- eager_fp32_modules ------------------------------------------------------------------------
 def test_eager_fp32_wrapper_runs_fp32_and_hands_back_the_input_dtype():
     torch.manual_seed(0)

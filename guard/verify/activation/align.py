@@ -53,6 +53,9 @@ class Pairing:
     isolate_is_free: bool = False  # the primary computes it exactly as the reference does
     ref_key: str = ""  # the reference's own key for this tensor (its per-layer noise), else value
     unsure: str = ""  # why the two tensors may not be the same computation (never named then)
+    # The torch module paths it computes, in call order: one call's, or every member of a unit
+    # the graph computes as one (a Conv with the BatchNorm folded into it); [] for ONNX vs ONNX.
+    modules: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -451,7 +454,8 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
                 out.pairings.append(Pairing(name, _kind(unit), unit.first.path, value, tensor,
                                             onnx_cap[value], isolate,
                                             inputs=list(unit.instance.inputs),
-                                            ref_key=f"{unit.last.key}.{j}", unsure=unit.unsure))
+                                            ref_key=f"{unit.last.key}.{j}", unsure=unit.unsure,
+                                            modules=_paths(unit)))
             else:
                 isolate = None
                 note = ""
@@ -467,7 +471,7 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
                 out.pairings.append(Pairing(name, _kind(unit), unit.first.path, value,
                                             onnx_cap[value], tensor, isolate, note,
                                             inputs=list(unit.instance.inputs),
-                                            unsure=unit.unsure))
+                                            unsure=unit.unsure, modules=_paths(unit)))
     if not torch_is_reference:
         return _reorder_by_graph(out, onnx)
     return out
@@ -475,6 +479,10 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
 
 def _kind(unit: _Unit) -> str:
     return "+".join(m.kind for m in unit.members)
+
+
+def _paths(unit: _Unit) -> list[str]:
+    return list(dict.fromkeys(m.path for m in unit.members))
 
 
 def _substitutes(cap: TorchCapture, call: ModuleCall,
@@ -522,7 +530,7 @@ def align_torch_torch(ref: TorchSide, prim: TorchSide, ref_cap: TorchCapture,
 
             out.pairings.append(Pairing(_call_name(call, ref_cap, j, n), call.kind, call.path,
                                         call.key, call.outputs[j], other.outputs[j], isolate,
-                                        ref_key=f"{call.key}.{j}"))
+                                        ref_key=f"{call.key}.{j}", modules=[call.path]))
     ref_keys = {c.key for c in ref_cap.calls}
     out.primary_only = [c.key for c in prim_cap.calls if c.key not in ref_keys]
     return out

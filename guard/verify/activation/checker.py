@@ -135,7 +135,8 @@ class ActivationChecker:
                 continue
             layer = LayerResult(
                 pairing.name, pairing.op, pairing.module, pairing.value, propagated,
-                isolation_note=pairing.isolation_note, unsure=pairing.unsure)
+                isolation_note=pairing.isolation_note, unsure=pairing.unsure,
+                modules=pairing.modules)
             report.layers.append(layer)
             compared.append((layer, pairing))
         isolating = time.perf_counter()

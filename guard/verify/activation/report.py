@@ -26,6 +26,7 @@ class LayerResult:
     allowance: float | None = None  # budget + multiplier * noise (or the fixed rel_error)
     measurable: float | None = None  # isolated error beyond which it differs measurably
     unsure: str = ""  # why the alignment may compare different computations (never named)
+    modules: list[str] = field(default_factory=list)  # torch paths it computes (every member)
 
     @property
     def ratio(self) -> float:
