@@ -186,8 +186,7 @@ def align_torch_keras(torch_side: TorchSide, keras: KerasSide, torch_cap: TorchC
                       keras_cap: KerasCapture, inputs: dict[str, np.ndarray],
                       torch_is_reference: bool) -> Alignment:
     out = Alignment()
-    torch_role, keras_role = (("reference", "primary") if torch_is_reference
-                              else ("primary", "reference"))
+    keras_role = "primary" if torch_is_reference else "reference"
     mapping, problems = keras_counterparts(keras, set(torch_side.submodules))
     for problem in problems:
         out.unaligned.append(Unaligned(keras_role, problem.name, problem.reason))
@@ -235,10 +234,9 @@ def align_torch_keras(torch_side: TorchSide, keras: KerasSide, torch_cap: TorchC
             perms[(kcall.key, j)] = to_keras_layout(tcall.outputs[j].shape,
                                                     keras_cap.values[tensor].shape)
     if torch_is_reference:
-        _torch_reference(out, torch_side, keras, pairs, perms, keras_cap, inputs, torch_counts)
+        _torch_reference(out, keras, pairs, perms, keras_cap, inputs, torch_counts)
     else:
-        _keras_reference(out, torch_side, keras, pairs, perms, torch_cap, keras_cap,
-                         torch_counts)
+        _keras_reference(out, torch_side, keras, pairs, perms, torch_cap, keras_cap)
     return out
 
 
@@ -252,8 +250,8 @@ def _compared(array: np.ndarray, perm) -> np.ndarray:
     return array if perm is False else _undo(array, perm)
 
 
-def _torch_reference(out: Alignment, torch_side: TorchSide, keras: KerasSide, pairs, perms,
-                     keras_cap: KerasCapture, inputs, counts) -> None:
+def _torch_reference(out: Alignment, keras: KerasSide, pairs, perms, keras_cap: KerasCapture,
+                     inputs, counts) -> None:
     given = _model_inputs(keras, inputs)
     for tcall, kcall in pairs:
         for j, tensor in enumerate(kcall.outputs):
@@ -280,7 +278,7 @@ def _torch_reference(out: Alignment, torch_side: TorchSide, keras: KerasSide, pa
 
 
 def _keras_reference(out: Alignment, torch_side: TorchSide, keras: KerasSide, pairs, perms,
-                     torch_cap: TorchCapture, keras_cap: KerasCapture, counts) -> None:
+                     torch_cap: TorchCapture, keras_cap: KerasCapture) -> None:
     aligned = {kcall.key for _, kcall in pairs}
     # What the Keras reference computed for each paired torch call, in torch's layout (a
     # container run on its own gets its children's in their place).
