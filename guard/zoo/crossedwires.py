@@ -9,13 +9,14 @@ layer the twin computes in one module (VGG's ``Conv2D(activation="relu")`` is ``
 what torch writes as ``forward`` code (ReLUs, residual adds, concatenations) or folds into a
 module (the ``ZeroPadding2D`` before a stride-2 convolution or pooling: ``padding=``) has no
 module, so those Keras layers are the port's own (tier 2 runs them in the next layer's
-segment). A twin takes the Keras model's NHWC images (``image``, [-1, 32, 32, 3]) and computes
-NCHW inside; both name their output ``logits`` (10 classes, no softmax).
+segment). A twin takes the Keras model's NHWC images (``image``, [-1, 32, 32, 3]; 64x64 for
+DenseNet121, see ``SIZES``) and computes NCHW inside; both name their output ``logits`` (10
+classes, no softmax).
 
 Weights: the torch twin is built seeded (torchvision's initialisation), its BatchNorm
 statistics set from a probe batch (unit RMS per channel), its head scaled so that
 logits spread like a trained model's; the Keras model (``keras.applications.X(weights=None,
-input_tensor=keras.Input((32, 32, 3), name="image"), classes=10,
+input_tensor=keras.Input((size, size, 3), name="image"), classes=10,
 classifier_activation=None)``) then gets those weights layer by layer (conv OIHW -> HWIO,
 Linear W.T, BatchNorm [weight, bias, running_mean, running_var]). VGG16's Flatten sees a 1x1
 map at 32x32, but the twin flattens NHWC as Keras does, so the port holds at any size.
@@ -35,20 +36,27 @@ import numpy as np
 
 from guard.backends.base import TensorSpec
 
-SIZE = 32
 CLASSES = 10
-INPUTS = [TensorSpec("image", "FP32", (-1, SIZE, SIZE, 3))]
 OUTPUTS = [TensorSpec("logits", "FP32", (-1, CLASSES))]
 ARCHITECTURES = ("vgg16", "resnet50", "densenet121")
+# Image sizes: the smallest keras.applications accepts (32), but 64 for DenseNet121, whose 120
+# layers carry fp32 noise to 9e-6 of the logits at 32x32 (1.2e-5 with torch on one thread),
+# 7e-6 at 64x64 (its last feature map then averages 2x2 positions, not one).
+SIZES = {"vgg16": 32, "resnet50": 32, "densenet121": 64}
+
+
+def inputs(arch: str) -> list[TensorSpec]:
+    size = SIZES[arch]
+    return [TensorSpec("image", "FP32", (-1, size, size, 3))]
 _KERAS = {"vgg16": "VGG16", "resnet50": "ResNet50", "densenet121": "DenseNet121"}
 _EPS = 1.001e-5  # keras.applications' BatchNormalization epsilon (torch's default is 1e-5)
 
 
-def sample_inputs(n: int, seed: int = 0) -> np.ndarray:
+def sample_inputs(n: int, seed: int = 0, size: int = 32) -> np.ndarray:
     """Image-like NHWC inputs: smooth random fields plus noise, in [-1, 1]."""
     rng = np.random.default_rng(seed)
-    smooth = np.kron(rng.normal(size=(n, SIZE // 4, SIZE // 4, 3)), np.ones((1, 4, 4, 1)))
-    noisy = 0.6 * smooth + 0.3 * rng.normal(size=(n, SIZE, SIZE, 3))
+    smooth = np.kron(rng.normal(size=(n, size // 4, size // 4, 3)), np.ones((1, 4, 4, 1)))
+    noisy = 0.6 * smooth + 0.3 * rng.normal(size=(n, size, size, 3))
     return np.clip(noisy, -1, 1).astype(np.float32)
 
 
@@ -99,7 +107,7 @@ def _vgg16():
                     channels = filters
                 self._add(f"block{b}_pool", m.nn.MaxPool2d(2, 2))
             self._add("flatten", m.FlattenNHWC())
-            self._add("fc1", m.LinearReLU(channels * (SIZE // 32) ** 2, 4096))
+            self._add("fc1", m.LinearReLU(channels * (SIZES["vgg16"] // 32) ** 2, 4096))
             self._add("fc2", m.LinearReLU(4096, 4096))
             self._add("predictions", m.nn.Linear(4096, CLASSES))
 
@@ -245,7 +253,7 @@ def build_twin(arch: str, seed: int = 0):
             elif isinstance(module, torch.nn.Linear):
                 torch.nn.init.kaiming_normal_(module.weight, nonlinearity="relu")
                 torch.nn.init.normal_(module.bias, 0.0, 0.01)
-    probe = torch.from_numpy(sample_inputs(32, seed + 1))
+    probe = torch.from_numpy(sample_inputs(32, seed + 1, SIZES[arch]))
     named_norms = [(n, m) for n, m in model.named_modules() if isinstance(m, torch.nn.BatchNorm2d)]
     norms = [m for _, m in named_norms]
     generator = torch.Generator().manual_seed(seed + 2)
@@ -279,13 +287,14 @@ def build_twin(arch: str, seed: int = 0):
 
 # -- the Keras models ---------------------------------------------------------------------------
 def keras_model(arch: str, torch_model=None, seed: int = 0):
-    """``keras.applications`` builds ``arch`` (weights=None, 32x32, 10 classes, logits out),
+    """``keras.applications`` builds ``arch`` (weights=None, ``SIZES``, 10 classes, logits out),
     then gets the torch twin's weights layer by layer. Output: ``{"logits": ...}``."""
     import keras
 
     if torch_model is None:
         torch_model = build_twin(arch, seed)
-    image = keras.Input((SIZE, SIZE, 3), name="image")
+    size = SIZES[arch]
+    image = keras.Input((size, size, 3), name="image")
     app = getattr(keras.applications, _KERAS[arch])(
         weights=None, input_tensor=image, classes=CLASSES, classifier_activation=None)
     model = keras.Model(image, {"logits": app.output}, name=f"cw_{arch}")
@@ -331,8 +340,8 @@ def _export(arch: str, folder: str | Path, seed: int = 0) -> dict[str, Path]:
     folder = Path(folder)
     name = f"cw_{arch}"
     twin = build_twin(arch, seed)
-    example = (torch.from_numpy(sample_inputs(2, 0)),)
-    paths = export_pair(name, twin, example, INPUTS, OUTPUTS, folder, seed)
+    example = (torch.from_numpy(sample_inputs(2, 0, SIZES[arch])),)
+    paths = export_pair(name, twin, example, inputs(arch), OUTPUTS, folder, seed)
     keras_path, saved_model = folder / f"{name}.keras", folder / f"{name}_saved_model"
     stamp = folder / f"{name}.keras.seed"
     if not (stamp.exists() and stamp.read_text() == str(seed) and keras_path.exists()
@@ -353,8 +362,9 @@ def _export(arch: str, folder: str | Path, seed: int = 0) -> dict[str, Path]:
 
 def _entry(arch: str) -> SimpleNamespace:
     return SimpleNamespace(
-        NAME=f"cw_{arch}", TASK="classification", INPUTS=INPUTS, OUTPUTS=OUTPUTS,
-        build=lambda seed=0: build_twin(arch, seed), sample_inputs=sample_inputs,
+        NAME=f"cw_{arch}", TASK="classification", INPUTS=inputs(arch), OUTPUTS=OUTPUTS,
+        build=lambda seed=0: build_twin(arch, seed),
+        sample_inputs=lambda n, seed=0: sample_inputs(n, seed, SIZES[arch]),
         export=lambda folder, seed=0: _export(arch, folder, seed))
 
 

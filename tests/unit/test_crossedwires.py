@@ -33,12 +33,13 @@ def test_each_twin_agrees_with_keras_within_1e5(models, arch):
     import torch
 
     twin, model = models[arch]
-    x = cw.sample_inputs(8, 7)
+    x = cw.sample_inputs(8, 7, cw.SIZES[arch])
     with torch.no_grad():
         reference = twin(torch.from_numpy(x)).numpy()
     port = np.asarray(model.predict_on_batch(x)["logits"])
     assert port.shape == reference.shape == (8, cw.CLASSES)
-    # Measured here: relative L2 5e-6 (VGG16), 4e-6 (ResNet50), 9e-6 (DenseNet121).
+    # Measured here: relative L2 5e-6 (VGG16), 4e-6 (ResNet50), 7e-6 (DenseNet121 at 64x64),
+    # the same with torch on one thread or two.
     assert np.linalg.norm(port - reference) / np.linalg.norm(reference) < 1e-5
     assert np.abs(port - reference).max() < 1e-5 * np.abs(reference).max()
     assert (port.argmax(1) == reference.argmax(1)).all()
@@ -66,7 +67,7 @@ def _check(keras_path, arch: str):
                    "activation": {"on_failure": True, "max_isolated": 200}}})
     checker = ActivationChecker.for_model(config)
     try:
-        return checker.check({"image": cw.sample_inputs(2, 3)})
+        return checker.check({"image": cw.sample_inputs(2, 3, cw.SIZES[arch])})
     finally:
         checker.close()
 
