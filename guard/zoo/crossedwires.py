@@ -338,7 +338,7 @@ def _export(arch: str, folder: str | Path, seed: int = 0) -> dict[str, Path]:
     from guard.zoo.export import export_pair
 
     folder = Path(folder)
-    name = f"cw_{arch}"
+    name = f"cw_{arch}_{SIZES[arch]}"  # a cached export at another image size is not reused
     twin = build_twin(arch, seed)
     example = (torch.from_numpy(sample_inputs(2, 0, SIZES[arch])),)
     paths = export_pair(name, twin, example, inputs(arch), OUTPUTS, folder, seed)
