@@ -223,3 +223,34 @@ def test_keras_on_jax_names_the_padding_bug_in_a_process_of_its_own(exports):
     assert result["keras_port"] == {"passed": True, "first": None, "error": ""}
     assert result["keras_port_padding"] == {"passed": False, "first": "conv2", "error": ""}
     assert not result["tensorflow_imported"]  # Keras on jax needs no TensorFlow
+
+
+def test_guard_matrix_names_the_port_bugs_with_tier2(tmp_path):
+    """``tiers: [..., activation]`` in a matrix: tier 2 runs on each cell's first tier-1 failure
+    and the record, and the summary's table, name the layer; LiteRT is skipped with the reason
+    and a faithful port has nothing to localise."""
+    import yaml
+
+    from guard.cli import main
+
+    config = tmp_path / "ports.yaml"
+    config.write_text(yaml.safe_dump({
+        "version": 1, "name": "ports", "output_dir": "res",
+        "models": [{"name": "faithful", "zoo": "keras_port", "inputs": {"samples": 2, "batch": 4}},
+                   {"name": "padding", "zoo": "keras_port_padding",
+                    "inputs": {"samples": 2, "batch": 4}}],
+        "backends": [{"name": "keras_tf", "backend": "keras"},
+                     {"name": "litert_fp32", "backend": "litert"}],
+        "tolerances": {"atol": [1e-3], "rtol": [1e-5]},
+        "tiers": ["tensor", "activation"]}))
+    assert main(["matrix", str(config), "--quiet"]) == 1
+    records = [json.loads(line) for line in (tmp_path / "res" / "records.jsonl").open()]
+    tier2 = {(r["model"], r["backend"]): r for r in records if r["tier"] == "activation"}
+    padding = tier2[("padding", "keras_tf")]
+    assert padding["status"] == "fail"
+    assert padding["stats"]["first_divergence"]["layer"] == "conv2"
+    assert tier2[("faithful", "keras_tf")]["status"] == "pass"
+    litert = tier2[("padding", "litert_fp32")]
+    assert litert["status"] == "skip" and "LiteRT's interpreter" in litert["reason"]
+    summary = (tmp_path / "res" / "summary.md").read_text()
+    assert "| padding | conv2 | skip |" in summary
