@@ -240,6 +240,7 @@ def test_guard_matrix_names_the_port_bugs_with_tier2(tmp_path):
                    {"name": "padding", "zoo": "keras_port_padding",
                     "inputs": {"samples": 2, "batch": 4}}],
         "backends": [{"name": "keras_tf", "backend": "keras"},
+                     {"name": "tf2onnx_ort", "backend": "onnxruntime", "artifact": "keras"},
                      {"name": "litert_fp32", "backend": "litert"}],
         "tolerances": {"atol": [1e-3], "rtol": [1e-5]},
         "tiers": ["tensor", "activation"]}))
@@ -250,7 +251,10 @@ def test_guard_matrix_names_the_port_bugs_with_tier2(tmp_path):
     assert padding["status"] == "fail"
     assert padding["stats"]["first_divergence"]["layer"] == "conv2"
     assert tier2[("faithful", "keras_tf")]["status"] == "pass"
+    # tf2onnx's conversion of the port carries its Keras layer scopes: aligned with torch's
+    # modules by name, the bug is named there too.
+    assert tier2[("padding", "tf2onnx_ort")]["stats"]["first_divergence"]["layer"] == "conv2"
     litert = tier2[("padding", "litert_fp32")]
     assert litert["status"] == "skip" and "LiteRT's interpreter" in litert["reason"]
     summary = (tmp_path / "res" / "summary.md").read_text()
-    assert "| padding | conv2 | skip |" in summary
+    assert "| padding | conv2 | conv2 | skip |" in summary

@@ -220,6 +220,14 @@ class ActivationChecker:
 
         if isinstance(ref, OnnxSide) and isinstance(prim, OnnxSide):
             return align_onnx_onnx(ref, prim, onnx_values(ref), onnx_values(prim), inputs)
+        if (isinstance(ref, TorchSide) and isinstance(prim, OnnxSide)
+                and not prim.source.has_scopes()):
+            from guard.verify.activation.keras_align import align_torch_tf2onnx, keras_scoped
+
+            if keras_scoped(prim, ref.submodules):
+                # tf2onnx's conversion of a Keras port: named by the port's layers.
+                return align_torch_tf2onnx(ref, prim, ref.capture(inputs),
+                                           onnx_values(prim), inputs)
         if isinstance(ref, TorchSide) and isinstance(prim, OnnxSide):
             return align_torch_onnx(ref, prim, ref.capture(inputs), onnx_values(prim), inputs,
                                     torch_is_reference=True)

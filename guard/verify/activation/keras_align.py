@@ -15,7 +15,8 @@
   ``_N`` suffix), compared on the value leaving the group. tf2onnx folds some layers away (a
   ``ZeroPadding2D`` into the Conv's pads, Permutes cancelled against its own Transposes) and
   names some nodes itself (``Conv__34``): those layers are unaligned, and such nodes run in the
-  next aligned layer's segment (listed in its primary nodes).
+  next aligned layer's segment (listed in its primary nodes). A torch reference against that
+  conversion of its port aligns the same way, a torch module being the layer its path names.
 
 Layouts: torch computes images NCHW, a Keras port NHWC. Each aligned tensor pair is compared
 after moving the channel axis of the Keras tensor to where torch has it, when that is what makes
@@ -349,11 +350,10 @@ def onnx_layer(node_name: str, layers: set[str]) -> str | None:
     return None
 
 
-def _groups(keras: KerasSide, onnx) -> dict[str, tuple[list[str], list[str]]]:
+def _groups(layers: set[str], onnx) -> dict[str, tuple[list[str], list[str]]]:
     """Keras layer -> (the ONNX values its nodes read from outside, the values read outside
     its nodes or leaving the graph)."""
     graph = onnx.source
-    layers = {call.name for call in keras.calls}
     members: dict[str, set[int]] = {}
     for index, node in enumerate(graph.nodes):
         if node.op_type == "Constant":
@@ -387,7 +387,7 @@ def align_keras_onnx(keras: KerasSide, onnx, keras_cap: KerasCapture,
     segment."""
     out = Alignment()
     keras_role = "reference" if keras_is_reference else "primary"
-    groups = _groups(keras, onnx)
+    groups = _groups({call.name for call in keras.calls}, onnx)
     pairs: list[tuple[KerasCall, str, list[str], object]] = []  # call, value, reads, perm
     for call in keras.calls:
         name = keras.call_name(call)
@@ -452,3 +452,63 @@ def _onnx_fetcher(values: dict[str, np.ndarray], onnx_cap: dict[str, np.ndarray]
         return array
 
     return fetch
+
+
+def keras_scoped(onnx, torch_paths) -> bool:
+    """True when some node of the graph is named under a Keras layer scope that a torch module
+    path names (tf2onnx's conversion of a port of the torch model)."""
+    layers = {_normalised(path) for path in torch_paths if path}
+    return any(onnx_layer(node.name, layers) for node in onnx.source.nodes)
+
+
+def align_torch_tf2onnx(torch_side: TorchSide, onnx, torch_cap: TorchCapture,
+                        onnx_cap: dict[str, np.ndarray], inputs: dict[str, np.ndarray]
+                        ) -> Alignment:
+    """A torch reference against tf2onnx's conversion of its Keras port: the graph carries the
+    port's Keras layer scopes, not torch's, so a torch module is the group of nodes under the
+    layer its path names (every '.' read as '_', as for torch vs Keras), compared on the
+    group's output in torch's layout; the ONNX side is isolated on segments as for any ONNX
+    primary."""
+    out = Alignment()
+    counts = {path: len(calls) for path, calls in torch_cap.by_path().items()}
+    layers = {_normalised(call.path): call.path for call in torch_cap.calls if call.leaf}
+    groups = _groups(set(layers), onnx)
+    pairs = []  # call, value, reads, perm (torch -> ONNX layout)
+    for call in torch_cap.calls:
+        if not call.leaf or not call.outputs or call.identity:
+            continue
+        name = _torch_name(call, counts)
+        group = groups.get(_normalised(call.path))
+        if group is None:
+            out.unaligned.append(Unaligned(
+                "reference", name, "no node of the ONNX graph carries a layer scope named "
+                "after it (every '.' read as '_'), or tf2onnx folded that layer away"))
+            continue
+        reads, leaves = group
+        if counts.get(call.path, 1) > 1 or len(call.outputs) != 1:
+            out.unaligned.append(Unaligned("reference", name, "a module called more than once "
+                                           "or with several outputs is not aligned by scope"))
+            continue
+        chosen = [(v, p) for v in leaves if v in onnx_cap
+                  for p in [to_keras_layout(call.outputs[0].shape, onnx_cap[v].shape)]
+                  if p is not False]
+        if len(chosen) != 1:
+            out.unaligned.append(Unaligned(
+                "reference", name, f"{len(leaves)} value(s) leave its nodes in ONNX, "
+                f"{len(chosen)} of its output's shape"))
+            continue
+        pairs.append((call, *chosen[0], reads))
+    available = {n: a for n, a in inputs.items()}
+    for call, value, perm, _ in pairs:
+        available[value] = _apply(call.outputs[0], perm)
+    boundary = set(available)
+    fetch = _onnx_fetcher(available, onnx_cap)
+    for call, value, perm, reads in pairs:
+        def isolate(value=value, perm=perm) -> tuple[np.ndarray, list[str]]:
+            result, nodes = onnx.isolate(value, boundary - {value}, fetch)
+            return _undo(result, perm), nodes
+
+        out.pairings.append(Pairing(
+            _torch_name(call, counts), call.kind, call.path, value, call.outputs[0],
+            _undo(onnx_cap[value], perm), isolate, inputs=reads, ref_key=f"{call.key}.0"))
+    return out
