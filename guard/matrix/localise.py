@@ -53,6 +53,7 @@ class Localiser:
                          "process")
         if not self.skip:
             self.skip = _not_captured(primary.backend) or _not_captured(reference.backend)
+        self.failed = ""  # why the sides did not load (each cell's record says so)
         self._sides = None
 
     def _build(self):
@@ -78,11 +79,17 @@ class Localiser:
         if failing is None:
             return {"status": "pass", "failure_type": None,
                     "reason": "tier 1 passed: no layer to localise", "stats": {}}
+        if self.failed:
+            return {"status": "fail", "failure_type": "exception", "reason": self.failed[:400]}
         try:
             reference, primary = self._build()
-        except (CaptureUnsupported, ValueError) as exc:
+        except CaptureUnsupported as exc:
             self.skip = f"tier 2 cannot capture this pair: {exc}"
             return {"status": "skip", "failure_type": None, "reason": self.skip}
+        except Exception as exc:  # this column's failure, not the sweep's
+            self.failed = f"tier 2's capture sides did not load: {type(exc).__name__}: {exc}"
+        if self.failed:
+            return {"status": "fail", "failure_type": "exception", "reason": self.failed[:400]}
         tensor = TensorCheckConfig.model_validate(
             {"atol": atol, "rtol": rtol, "noise_floor": {"enabled": False}})
         checker = ActivationChecker(ACTIVATION, reference, primary, tensor=tensor)

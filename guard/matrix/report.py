@@ -1,6 +1,7 @@
 """Summary tables of a matrix run: pass rate by tolerance, model x backend (table and heat map
-PNG), failure taxonomy, smallest passing atol, tier 2's first divergent layer, latencies. Written as summary.json and summary.md
-(and heatmap.png when matplotlib is installed: ``pip install 'guard[matrix]'``)."""
+PNG), failure taxonomy, smallest passing atol, tier 2's first divergent layer, latencies.
+Written as summary.json and summary.md (and heatmap.png when matplotlib is installed:
+``pip install 'guard[matrix]'``)."""
 
 from __future__ import annotations
 
