@@ -22,7 +22,8 @@ The file is read once, checked against ``sha256`` and loaded from a private copy
 bytes (Keras loads from a path); ``safe_mode`` stays on, so a file with lambda layers (Python
 bytecode) is refused. ``keras_backend: jax`` needs ``pip install 'jax[cpu]'`` (not part of
 ``guard[tensorflow]``: with jax installed, ``import tensorflow`` imports jax as well, +140 MB).
-Tier 2 and the op repair: not offered.
+Tier 2 captures it (guard/verify/activation/keras_side.py: against a Keras or torch side,
+``options.layer_map`` pairing Keras layers with torch modules); the op repair: not offered.
 """
 
 from __future__ import annotations
@@ -64,6 +65,11 @@ class KerasOptions(BaseModel):
         "export", description="How outputs are named: 'export' as model.export names them "
         "(the output dict's keys, else output_0, output_1...), so a .keras agrees with its "
         "own SavedModel and LiteRT conversion; 'layers': by Keras's output layer names.")
+    layer_map: dict[str, str] = Field(
+        default_factory=dict, description="Tier 2 against a torch side: Keras layer name -> "
+        "torch module path, for layers whose names do not match. Unmapped layers match the "
+        "torch module whose path equals the layer's name with every '.' read as '_' "
+        "(features.0 and features_0).")
     threads: int = Field(0, ge=0, description="keras_backend tensorflow: TensorFlow intra-op "
                          "threads for a primary or fallback (0: TensorFlow's default); the "
                          "reference uses mirror.threads. Process-wide, set once.")

@@ -15,7 +15,8 @@ file's only signature), as in the SavedModel it came from; a ``.tflite`` without
 named by its raw tensor names (``serving_default_x:0``). The interpreter is not thread-safe:
 one per calling thread, built from the same bytes, ``options.threads`` each (the reference:
 ``mirror.threads``). Only the interpreter is imported to run (0.3 s, ~40 MB); TensorFlow only
-in the converting child, on a cache miss. Tier 2 and the op repair: not offered.
+in the converting child, on a cache miss. Tier 2 and the op repair: not offered
+(guard/verify/activation/sides.py says why).
 """
 
 from __future__ import annotations

@@ -10,7 +10,8 @@ process runs with is ``describe().details.threads``. No thread comparison for th
 (``threaded`` off): a second instance would share the same pools.
 
 ``sha256`` pins the directory by guard's tree digest (every file's path and bytes); TensorFlow
-then reads the directory from its path. Tier 2 and the op repair: not offered.
+then reads the directory from its path. Tier 2 and the op repair: not offered
+(guard/verify/activation/sides.py says why).
 """
 
 from __future__ import annotations

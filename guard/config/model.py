@@ -140,7 +140,7 @@ class ModelConfig(Strict):
         if self.checks.activation.enabled:
             if self.reference is None:
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")
-            from guard.verify.activation.sides import PAIRED_WITH, capturable
+            from guard.verify.activation.sides import NOT_CAPTURED, PAIRED_WITH, capturable
 
             for role, other in (("primary", "reference"), ("reference", "primary")):
                 backend = getattr(self, role).backend
@@ -154,9 +154,10 @@ class ModelConfig(Strict):
                         "path); set sample_rate: 0 and on_failure: false for this model")
                 if backend not in capturable():
                     can = sorted(capturable())
+                    why = f": {NOT_CAPTURED[backend]}" if backend in NOT_CAPTURED else ""
                     raise ValueError(
                         f"checks.activation: tier 2 cannot capture the intermediate tensors of "
-                        f"{role} backend '{backend}' (it can: "
+                        f"{role} backend '{backend}'{why} (it can: "
                         f"{', '.join(can)}); set sample_rate: 0 and "
                         "on_failure: false for this model")
         return self

@@ -140,7 +140,10 @@ class MatrixConfig(_Strict):
     models: list[MatrixModel] = Field(min_length=1)
     backends: list[MatrixBackend] = Field(min_length=1)
     tolerances: Tolerances
-    tiers: list[Literal["tensor", "task"]] = Field(default_factory=lambda: ["tensor", "task"])
+    tiers: list[Literal["tensor", "task", "activation"]] = Field(
+        default_factory=lambda: ["tensor", "task"],
+        description="activation: tier 2 on each cell's first tier-1 failure, naming the first "
+        "divergent layer (guard/matrix/localise.py); skipped where it cannot capture.")
 
     @model_validator(mode="after")
     def _unique(self) -> "MatrixConfig":

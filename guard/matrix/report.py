@@ -1,6 +1,7 @@
 """Summary tables of a matrix run: pass rate by tolerance, model x backend (table and heat map
-PNG), failure taxonomy, smallest passing atol, latencies. Written as summary.json and summary.md
-(and heatmap.png when matplotlib is installed: ``pip install 'guard[matrix]'``)."""
+PNG), failure taxonomy, smallest passing atol, tier 2's first divergent layer, latencies.
+Written as summary.json and summary.md (and heatmap.png when matplotlib is installed:
+``pip install 'guard[matrix]'``)."""
 
 from __future__ import annotations
 
@@ -38,6 +39,12 @@ def summarise(records: list[dict]) -> dict:
             min_atol[key] = r["atol"] if current is None else min(current, r["atol"])
         if "latency" in r:
             latency[key] = r["latency"]
+    # Tier 2: the layer named at the loosest tolerance where tier 2 ran (its first failure).
+    divergence: dict = {}
+    for r in sorted((r for r in run if r["tier"] == "activation"), key=lambda r: r["atol"]):
+        first = (r.get("stats") or {}).get("first_divergence")
+        divergence[(r["model"], r["backend"])] = (
+            first["layer"] if first else ("undetermined" if r["status"] == "fail" else "-"))
     models = list(dict.fromkeys(r["model"] for r in records))
     backends = list(dict.fromkeys(r["backend"] for r in records))
     return {
@@ -54,6 +61,7 @@ def summarise(records: list[dict]) -> dict:
         "failure_taxonomy_by_backend": {b: dict(c) for b, c in taxonomy_by_backend.items()},
         "min_passing_atol": {f"{m}|{b}": v for (m, b), v in min_atol.items()},
         "latency": {f"{m}|{b}": v for (m, b), v in latency.items()},
+        "first_divergence": {f"{m}|{b}": v for (m, b), v in divergence.items()},
         "causes": {r["backend"]: r["cause"] for r in records if r.get("cause")},
         "environment": records[0]["environment"] if records else {},
     }
@@ -86,6 +94,13 @@ def markdown(summary: dict, title: str) -> str:
         "Model x backend (checks passed over all tolerances and tiers)", s, cell_count)
     lines += _model_backend_table("Smallest atol in the grid at which tier 1 passes", s,
                                   cell_atol)
+    if s.get("first_divergence"):
+        def cell_layer(m: str, b: str) -> str:
+            return s["first_divergence"].get(f"{m}|{b}", "skip")
+
+        lines += _model_backend_table(
+            "First divergent layer (tier 2, at the loosest tolerance it ran; -: tier 1 passed)",
+            s, cell_layer)
     lines += ["", "## Failure taxonomy", "", "| failure type | checks |", "| --- | --- |"]
     for kind, count in sorted(s["failure_taxonomy"].items(), key=lambda kv: -kv[1]):
         lines.append(f"| {kind} | {count} |")

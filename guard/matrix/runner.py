@@ -285,14 +285,15 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
             say(f"model {model.name}: reference {ref_config.backend} fp32, "
                 f"{len(prepared.samples)} samples, {reference.latency_ms:.2f} ms/sample")
             for backend in config.backends:
-                _check_backend(config, base, prepared, backend, reference, grid, emit, say)
+                _check_backend(config, base, prepared, backend, reference, grid, emit, say,
+                               ref_spec)
     finally:
         handle.close()
     return records
 
 
 def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend,
-                   reference: BackendRun, grid, emit, say) -> None:
+                   reference: BackendRun, grid, emit, say, ref_spec=None) -> None:
     model = prepared.config
     spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base,
                         backend.device, backend.artifact)
@@ -327,6 +328,25 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
         say(f"  {backend.name}: exception: {run.error}")
         return
     passed_cells = []
+    localiser = None
+    if "activation" in tiers:
+        from guard.matrix.localise import Localiser, capture_reference
+
+        localiser = Localiser(capture_reference(prepared, ref_spec), spec,
+                              backend.process == "own")
+    try:
+        _check_cells(model, prepared, grid, tiers, reference, run, common, latency, emit,
+                     passed_cells, localiser)
+    finally:
+        if localiser is not None:
+            localiser.close()
+    say(f"  {backend.name}: {sum(passed_cells)}/{len(passed_cells)} checks pass, "
+        f"{run.latency_ms:.2f} ms/sample")
+
+
+def _check_cells(model, prepared: PreparedModel, grid, tiers, reference: BackendRun,
+                 run: BackendRun, common: dict, latency: dict, emit, passed_cells: list,
+                 localiser) -> None:
     for atol, rtol in grid:
         checks = ChecksConfig.model_validate({
             "tensor": {"atol": atol, "rtol": rtol, "noise_floor": {"enabled": False}},
@@ -334,7 +354,13 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
         verifier = Comparator(checks, prepared.task, prepared.adapters)
         verifier.pass_stats = True  # the sweep's tables report every output's statistics
         results = [verifier.check(ref, out) for ref, out in zip(reference.outputs, run.outputs)]
-        for tier in tiers:
+        if localiser is not None:  # tier 2 on the cell's first tier-1 failure
+            record = localiser.record(atol, rtol, results, prepared.samples)
+            emit({**common, "atol": atol, "rtol": rtol, "tier": "activation", **record,
+                  "latency": latency})
+            if record["status"] != "skip":
+                passed_cells.append(record["status"] == "pass")
+        for tier in [t for t in tiers if t != "activation"]:
             tier_results = [r.tiers[tier] for r in results]
             ok = all(t.passed for t in tier_results)
             failure = None
@@ -350,5 +376,3 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
                   "samples_passed": sum(t.passed for t in tier_results),
                   "stats": _tier_stats(tier, results), "latency": latency})
             passed_cells.append(ok)
-    say(f"  {backend.name}: {sum(passed_cells)}/{len(passed_cells)} checks pass, "
-        f"{run.latency_ms:.2f} ms/sample")

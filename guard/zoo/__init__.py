@@ -3,8 +3,9 @@ ship inside PyPI wheels (optional extra ``guard[zoo]``).
 
 ``zoo_entry(name)`` gives one model's task, signature, input generator, adapters and exporter,
 whatever kind it is. Seeded models: ``classifier`` (the demo's CNN), ``resnet``, ``vit``,
-``detector``, ``segmenter``, and ``keras_port`` with its port-bug variants (a torch CNN and its
-Keras ports, guard/zoo/keras_port.py). Real models (``guard.zoo.real``): ``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
+``detector``, ``segmenter``, ``keras_port`` with its port-bug variants (a torch CNN and its
+Keras ports, guard/zoo/keras_port.py), and CrossedWires' ``cw_vgg16``, ``cw_resnet50``,
+``cw_densenet121`` (keras.applications and torch twins, guard/zoo/crossedwires.py). Real models (``guard.zoo.real``): ``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
 command.
 """
 
@@ -34,6 +35,11 @@ PORTS = {
     "keras_port_bn_epsilon": "guard.zoo.keras_port:BN_EPSILON",
     "keras_port_flatten": "guard.zoo.keras_port:FLATTEN",
     "keras_port_padding": "guard.zoo.keras_port:PADDING",
+    # CrossedWires' architectures: keras.applications and a torch twin with the same weights
+    # (guard/zoo/crossedwires.py).
+    "cw_vgg16": "guard.zoo.crossedwires:VGG16",
+    "cw_resnet50": "guard.zoo.crossedwires:RESNET50",
+    "cw_densenet121": "guard.zoo.crossedwires:DENSENET121",
 }
 REAL = ("magika", "minilm", "silero_vad")
 

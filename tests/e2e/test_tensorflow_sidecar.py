@@ -82,3 +82,43 @@ def test_a_drifting_litert_int8_primary_is_caught_and_falls_back(tmp_path):
         result = client.infer("int8", [image_tensor(rows[:1])])
         assert result.get_response().parameters["guard_route"].string_param == "fallback"
         np.testing.assert_allclose(result.as_numpy("output_0"), truth[:1], rtol=1e-5, atol=1e-6)
+
+
+def test_tier2_names_the_keras_port_padding_bug_in_the_route_transition(tmp_path, caplog):
+    """The sidecar with a Keras port as the primary and the torch model it was ported from as
+    the reference (TorchScript, its eager factory for the hooks): the stride-2
+    ``padding="same"`` bug fails tier 1, the mirror worker runs tier 2 on the failures, and the
+    route transition to the faithful port names the Keras layer, ``conv2``."""
+    import logging
+
+    from guard.zoo import zoo_entry
+    from support import events
+
+    caplog.set_level(logging.INFO, logger="guard.events")
+    faulty = zoo_entry("keras_port_padding").export(tmp_path, 0)
+    faithful = zoo_entry("keras_port").export(tmp_path, 0)
+    model = {
+        "name": "port", "task": "classification",
+        "primary": {"backend": "keras", "path": str(faulty["keras"])},
+        "reference": {"backend": "torch", "path": str(faulty["torchscript"])},
+        "fallback": {"backend": "keras", "path": str(faithful["keras"])},
+        "mirror": {"sample_rate": 1.0, "queue_size": 64, "timeout_s": 30.0},
+        "checks": {"tensor": {"atol": 1e-5, "rtol": 1e-5},
+                   "activation": {"on_failure": True, "max_queue_fill": 1.0,
+                                  "torch_factory": "guard.zoo.keras_port:build"}},
+        "policy": {"action": "fallback_model", "detector": "window", "window": 10,
+                   "min_samples": 5, "trip_ratio": 0.2, "recover_ratio": 0.0, "dwell_s": 600},
+    }
+    rows = zoo_entry("keras_port").sample_inputs(6, 11)["image"]
+    with running(tmp_path, [model]) as (srv, client):
+        for i in range(6):
+            client.infer("port", [image_tensor(rows[i:i + 1])])
+        values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
+            v, "guard_fallback_active", model="port", scope="model") == 1 and v, timeout=120)
+        assert metric(values, "guard_checks_total", model="port", tier="activation",
+                      result="fail") >= 1
+        result = client.infer("port", [image_tensor(rows[:1])])
+        assert result.get_response().parameters["guard_route"].string_param == "fallback"
+    (transition,) = [e for e in events(caplog, "route_transition") if e["trigger"] == "policy"]
+    assert transition["evidence"]["first_divergence"]["layer"] == "conv2"
+    assert transition["evidence"]["activation"]["suspects"][0]["layer"] == "conv2"

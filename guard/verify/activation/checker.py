@@ -39,6 +39,7 @@ from guard.verify.activation.decide import (
     rank_suspects,
 )
 from guard.verify.activation.errors import ShapeMismatch, layer_error
+from guard.verify.activation.keras_side import KerasSide
 from guard.verify.activation.onnx_side import OnnxSide
 from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
 from guard.verify.activation.sides import capture_side
@@ -46,7 +47,7 @@ from guard.verify.activation.torch_side import CaptureUnsupported, TorchSide
 
 log = logging.getLogger("guard.activation")
 
-Side = OnnxSide | TorchSide
+Side = OnnxSide | TorchSide | KerasSide
 
 
 def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
@@ -209,6 +210,8 @@ class ActivationChecker:
 
     def _align(self, inputs: dict[str, np.ndarray]) -> Alignment:
         ref, prim = self.reference, self.primary
+        if isinstance(ref, KerasSide) or isinstance(prim, KerasSide):
+            return self._align_keras(inputs)
 
         def onnx_values(side: OnnxSide) -> dict[str, np.ndarray]:
             # Graph inputs are values too: a segment or a module may start from them.
@@ -217,6 +220,14 @@ class ActivationChecker:
 
         if isinstance(ref, OnnxSide) and isinstance(prim, OnnxSide):
             return align_onnx_onnx(ref, prim, onnx_values(ref), onnx_values(prim), inputs)
+        if (isinstance(ref, TorchSide) and isinstance(prim, OnnxSide)
+                and not prim.source.has_scopes()):
+            from guard.verify.activation.keras_align import align_torch_tf2onnx, keras_scoped
+
+            if keras_scoped(prim, ref.submodules):
+                # tf2onnx's conversion of a Keras port: named by the port's layers.
+                return align_torch_tf2onnx(ref, prim, ref.capture(inputs),
+                                           onnx_values(prim), inputs)
         if isinstance(ref, TorchSide) and isinstance(prim, OnnxSide):
             return align_torch_onnx(ref, prim, ref.capture(inputs), onnx_values(prim), inputs,
                                     torch_is_reference=True)
@@ -224,6 +235,34 @@ class ActivationChecker:
             return align_torch_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
                                     torch_is_reference=False)
         return align_torch_torch(ref, prim, ref.capture(inputs), prim.capture(inputs))
+
+    def _align_keras(self, inputs: dict[str, np.ndarray]) -> Alignment:
+        from guard.verify.activation.keras_align import (
+            align_keras_keras,
+            align_keras_onnx,
+            align_torch_keras,
+        )
+
+        ref, prim = self.reference, self.primary
+        if isinstance(ref, KerasSide) and isinstance(prim, KerasSide):
+            return align_keras_keras(ref, prim, ref.capture(inputs), prim.capture(inputs),
+                                     inputs)
+        if isinstance(ref, TorchSide) and isinstance(prim, KerasSide):
+            return align_torch_keras(ref, prim, ref.capture(inputs), prim.capture(inputs),
+                                     inputs, torch_is_reference=True)
+        if isinstance(ref, KerasSide) and isinstance(prim, TorchSide):
+            return align_torch_keras(prim, ref, prim.capture(inputs), ref.capture(inputs),
+                                     inputs, torch_is_reference=False)
+
+        def onnx_values(side: OnnxSide) -> dict[str, np.ndarray]:
+            return {**{n: inputs[n] for n in side.graph.inputs if n in inputs},
+                    **side.capture(inputs)}
+
+        if isinstance(ref, KerasSide):
+            return align_keras_onnx(ref, prim, ref.capture(inputs), onnx_values(prim), inputs,
+                                    keras_is_reference=True)
+        return align_keras_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
+                                keras_is_reference=False)
 
     def _isolate(self, compared: list[tuple[LayerResult, Pairing]]) -> None:
         """Isolated error for the layers most likely to *add* error, up to the budget: ranked by

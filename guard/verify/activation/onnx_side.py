@@ -450,8 +450,10 @@ def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
                      label: str = "onnx") -> OnnxSide:
     """Tier 2's side for an onnxruntime block (registered in guard/verify/activation/sides.py):
     the variant it runs (derived as the backend derives it), or ``run_path``."""
-    from guard.backends.onnxruntime import derived_variant
+    from guard.backends.onnxruntime import derived_variant, onnx_source
 
     path = run_path or derived_variant(spec)
-    return OnnxSide(path, source_path=spec.path, threads=threads, label=label,
+    # The fp32 graph the variant came from (for a SavedModel or .keras: its tf2onnx conversion).
+    source, _ = onnx_source(spec)
+    return OnnxSide(path, source_path=source, threads=threads, label=label,
                     precision=spec.precision)
