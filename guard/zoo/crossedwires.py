@@ -28,7 +28,6 @@ Building the Keras side needs Keras on its TensorFlow backend.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -336,27 +335,15 @@ def _export(arch: str, folder: str | Path, seed: int = 0) -> dict[str, Path]:
     import torch
 
     from guard.zoo.export import export_pair
+    from guard.zoo.keras_port import save_keras
 
     folder = Path(folder)
     name = f"cw_{arch}_{SIZES[arch]}"  # a cached export at another image size is not reused
     twin = build_twin(arch, seed)
     example = (torch.from_numpy(sample_inputs(2, 0, SIZES[arch])),)
     paths = export_pair(name, twin, example, inputs(arch), OUTPUTS, folder, seed)
-    keras_path, saved_model = folder / f"{name}.keras", folder / f"{name}_saved_model"
-    stamp = folder / f"{name}.keras.seed"
-    if not (stamp.exists() and stamp.read_text() == str(seed) and keras_path.exists()
-            and (saved_model / "saved_model.pb").exists()):
-        os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
-        os.environ.setdefault("KERAS_BACKEND", "tensorflow")
-        import keras
-
-        if keras.backend.backend() != "tensorflow":
-            raise RuntimeError("exporting the Keras models needs Keras on its tensorflow "
-                               f"backend (this process runs '{keras.backend.backend()}')")
-        model = keras_model(arch, twin, seed)
-        model.save(keras_path)
-        model.export(str(saved_model), format="tf_saved_model", verbose=False)
-        stamp.write_text(str(seed))
+    keras_path, saved_model = save_keras(folder, name, seed,
+                                         lambda: keras_model(arch, twin, seed))
     return {**paths, "keras": keras_path, "saved_model": saved_model}
 
 

@@ -110,15 +110,10 @@ def keras_port(torch_model, bug: str | None = None):
     return model
 
 
-def _export_variant(bug: str | None, folder: str | Path, seed: int = 0) -> dict[str, Path]:
-    """The torch artifacts (shared by the variants) and this variant's ``.keras`` and
-    SavedModel, reused when already exported for ``seed``."""
-    from guard.zoo.export import export_pair
-
-    folder = Path(folder)
-    torch_model = build(seed)
-    paths = export_pair(NAME, torch_model, (_example(),), INPUTS, OUTPUTS, folder, seed)
-    stem = NAME if bug is None else f"{NAME}_{bug}"
+def save_keras(folder: Path, stem: str, seed: int, make) -> tuple[Path, Path]:
+    """``stem.keras`` and its SavedModel (``stem_saved_model``) from the Keras model ``make()``
+    builds, saved once per ``seed`` (a stamp file beside them) and reused after. Needs Keras on
+    its tensorflow backend (``model.export`` writes the SavedModel through TensorFlow)."""
     keras_path, saved_model = folder / f"{stem}.keras", folder / f"{stem}_saved_model"
     stamp = folder / f"{stem}.keras.seed"
     if not (stamp.exists() and stamp.read_text() == str(seed) and keras_path.exists()
@@ -128,12 +123,26 @@ def _export_variant(bug: str | None, folder: str | Path, seed: int = 0) -> dict[
         import keras
 
         if keras.backend.backend() != "tensorflow":
-            raise RuntimeError("exporting the Keras ports needs Keras on its tensorflow backend "
+            raise RuntimeError("exporting Keras models needs Keras on its tensorflow backend "
                                f"(this process runs '{keras.backend.backend()}')")
-        model = keras_port(torch_model, bug)
+        model = make()
         model.save(keras_path)
         model.export(str(saved_model), format="tf_saved_model", verbose=False)
         stamp.write_text(str(seed))
+    return keras_path, saved_model
+
+
+def _export_variant(bug: str | None, folder: str | Path, seed: int = 0) -> dict[str, Path]:
+    """The torch artifacts (shared by the variants) and this variant's ``.keras`` and
+    SavedModel, reused when already exported for ``seed``."""
+    from guard.zoo.export import export_pair
+
+    folder = Path(folder)
+    torch_model = build(seed)
+    paths = export_pair(NAME, torch_model, (_example(),), INPUTS, OUTPUTS, folder, seed)
+    stem = NAME if bug is None else f"{NAME}_{bug}"
+    keras_path, saved_model = save_keras(folder, stem, seed,
+                                         lambda: keras_port(torch_model, bug))
     return {**paths, "keras": keras_path, "saved_model": saved_model}
 
 

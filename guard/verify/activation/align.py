@@ -80,7 +80,7 @@ def _module_of(side: OnnxSide, value: str) -> str:
     return module or ""
 
 
-def _fetcher(values: dict[str, np.ndarray], dtypes: dict[str, np.ndarray]):
+def dtype_fetcher(values: dict[str, np.ndarray], dtypes: dict[str, np.ndarray]):
     """Reference tensors cast to the dtype the primary holds for the same value."""
 
     def fetch(name: str) -> np.ndarray:
@@ -142,7 +142,7 @@ def align_onnx_onnx(ref: OnnxSide, prim: OnnxSide, ref_cap: dict[str, np.ndarray
     available = dict(inputs)
     available.update({v: ref_cap[v] for v in common})
     boundary = set(available)
-    fetch = _fetcher(available, prim_cap)
+    fetch = dtype_fetcher(available, prim_cap)
     for value in ref.values:
         node = ref.graph.node_of(value)
         name = node.name or value
@@ -660,7 +660,7 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
             for v, t in m.unit.extra:
                 available.setdefault(v, t)
         boundary = set(available)
-        fetch = _fetcher(available, onnx_cap)
+        fetch = dtype_fetcher(available, onnx_cap)
     else:
         # What the ONNX reference computed for each matched call: a container run on its own
         # gets its children's reference outputs in place of its children (its own code alone).

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from guard.verify.activation.align import Alignment, Pairing, _substitutes
+from guard.verify.activation.align import Alignment, Pairing, _substitutes, dtype_fetcher
 from guard.verify.activation.keras_side import KerasCall, KerasCapture, KerasSide
 from guard.verify.activation.report import Unaligned
 from guard.verify.activation.torch_side import ModuleCall, TorchCapture, TorchSide
@@ -420,7 +420,7 @@ def align_keras_onnx(keras: KerasSide, onnx, keras_cap: KerasCapture,
         for call, value, _, perm in pairs:
             available[value] = _undo(keras_cap.values[call.outputs[0]], perm)
         boundary = set(available)
-        fetch = _onnx_fetcher(available, onnx_cap)
+        fetch = dtype_fetcher(available, onnx_cap)
         for call, value, reads, perm in pairs:
             def isolate(value=value, perm=perm) -> tuple[np.ndarray, list[str]]:
                 result, nodes = onnx.isolate(value, boundary - {value}, fetch)
@@ -441,17 +441,6 @@ def align_keras_onnx(keras: KerasSide, onnx, keras_cap: KerasCapture,
                                                                lambda a: a),
             inputs=reads))
     return out
-
-
-def _onnx_fetcher(values: dict[str, np.ndarray], onnx_cap: dict[str, np.ndarray]):
-    def fetch(name: str) -> np.ndarray:
-        array = values[name]
-        like = onnx_cap.get(name)
-        if like is not None and array.dtype != like.dtype:
-            array = array.astype(like.dtype)
-        return array
-
-    return fetch
 
 
 def keras_scoped(onnx, torch_paths) -> bool:
@@ -502,7 +491,7 @@ def align_torch_tf2onnx(torch_side: TorchSide, onnx, torch_cap: TorchCapture,
     for call, value, perm, _ in pairs:
         available[value] = _apply(call.outputs[0], perm)
     boundary = set(available)
-    fetch = _onnx_fetcher(available, onnx_cap)
+    fetch = dtype_fetcher(available, onnx_cap)
     for call, value, perm, reads in pairs:
         def isolate(value=value, perm=perm) -> tuple[np.ndarray, list[str]]:
             result, nodes = onnx.isolate(value, boundary - {value}, fetch)
