@@ -12,12 +12,14 @@ What differs, and why:
 
 - **Start** waits for the admin's ``/ready`` to say LIVE (within ``start_timeout_s``): guard
   is ready only once it can steer.
-- **Watch**: a thread reads ``/server_info`` every second. The Envoy is someone else's child
-  (the kubelet restarts istio-proxy), so guard cannot wait on its exit; a restart shows as an
-  unreachable admin, or as an uptime that went back. Then the routes go again and the tap is
-  attached again (``on_started``), and ``generation`` moves on so that the stats reader carries
-  the old counts over, as after a restart of guard's own Envoy. Counted in
-  ``guard_envoy_restarts_total`` (a restart seen, not made).
+- **Watch**: the Envoy is someone else's child (the kubelet restarts istio-proxy), so guard
+  cannot wait on its exit. At attach guard writes a mark of its own into the Envoy's admin
+  runtime layer (``guard.attached``, a token of this guard process), and a thread reads
+  ``/runtime`` every second: an Envoy that answers without the mark is a new one, whatever its
+  uptime or however fast it came back (an uptime compare missed restarts quicker than the
+  poll). Then the mark, the routes and the tap go again (``on_started``), and ``generation``
+  moves on so that the stats reader carries the old counts over, as after a restart of guard's
+  own Envoy. Counted in ``guard_envoy_restarts_total`` (a restart seen, not made).
 - **Reload**: a config change that would change Envoy's pieces cannot be applied here (the
   EnvoyFilter is the cluster's, applied with kubectl): ``hot_restart`` raises, and the plane says
   so (event ``envoy_hot_restart_failed``): apply the new ``guard deploy istio`` output.
@@ -27,17 +29,19 @@ What differs, and why:
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 import urllib.error
 from typing import Callable
 
 from guard.config.envoy import EnvoyConfig
-from guard.envoy.process import admin_get
+from guard.envoy.process import admin_get, admin_post
 from guard.errors import GuardError
 from guard.observe.events import emit
 
 _WATCH_S = 1.0
+MARK_KEY = "guard.attached"  # in the attached Envoy's admin runtime layer: guard's token
 
 
 class AttachedEnvoy:
@@ -57,7 +61,7 @@ class AttachedEnvoy:
                                 registry=metrics_registry)
         self.up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).",
                         registry=metrics_registry)
-        self._uptime = -1.0
+        self._token = f"{os.getpid()}-{time.time_ns()}"
         self._serving = False
         self._stopping = threading.Event()
         self._watcher: threading.Thread | None = None
@@ -66,36 +70,40 @@ class AttachedEnvoy:
     def serving(self) -> bool:
         return self._serving
 
-    def _uptime_now(self) -> float | None:
-        """The Envoy's uptime in seconds, or None when its admin does not answer LIVE."""
+    def _marked(self) -> bool | None:
+        """Whether the Envoy holds this guard's mark (False: a new Envoy); None when its admin
+        does not answer, or not LIVE."""
         try:
-            info = json.loads(admin_get(self.admin_port, "/server_info", 1.0))
+            if admin_get(self.admin_port, "/ready", 1.0).strip() != "LIVE":
+                return None
+            runtime = json.loads(admin_get(self.admin_port, "/runtime?format=json", 1.0))
         except (OSError, urllib.error.URLError, ValueError):
             return None
-        if info.get("state") != "LIVE":
-            return None
-        uptime = info.get("uptime_current_epoch", "0s")  # a JSON Duration: "12.5s"
+        entry = runtime.get("entries", {}).get(MARK_KEY) or {}
+        return entry.get("final_value") == self._token
+
+    def _mark(self) -> bool:
         try:
-            return float(str(uptime).rstrip("s"))
-        except ValueError:
-            return 0.0
+            admin_post(self.admin_port, f"/runtime_modify?{MARK_KEY}={self._token}", 1.0)
+        except (OSError, urllib.error.URLError):
+            return False
+        return True
 
     def start(self, _listener_port: int = 0) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
-        while (uptime := self._uptime_now()) is None:
+        while self._marked() is None or not self._mark():
             if time.monotonic() > deadline:
                 raise GuardError(
                     f"server.envoy.attach_admin_port: no Envoy admin answers LIVE on "
                     f"127.0.0.1:{self.admin_port} within server.envoy.start_timeout_s "
                     f"({self.settings.start_timeout_s}s)")
             time.sleep(0.1)
-        self._started(uptime)
+        self._started()
         self._watcher = threading.Thread(target=self._watch, name="guard-envoy-attached",
                                          daemon=True)
         self._watcher.start()
 
-    def _started(self, uptime: float) -> None:
-        self._uptime = uptime
+    def _started(self) -> None:
         self.generation += 1
         self._serving = True
         self.up.set(1)
@@ -105,8 +113,8 @@ class AttachedEnvoy:
     def _watch(self) -> None:
         lost = False
         while not self._stopping.wait(_WATCH_S):
-            uptime = self._uptime_now()
-            if uptime is None:
+            marked = self._marked()
+            if marked is None:
                 if not lost:
                     lost = True
                     self._serving = False
@@ -115,15 +123,19 @@ class AttachedEnvoy:
                          "API does not answer LIVE", note="an attached Envoy: guard waits for "
                          "it to come back")
                 continue
-            if lost or uptime < self._uptime:
-                lost = False
-                self.restarts.inc()
-                self._started(uptime)
-                emit("envoy_restarted", admin=f"127.0.0.1:{self.admin_port}",
-                     note="an attached Envoy came back: routes pushed and the tap attached "
-                     "again")
-            else:
-                self._uptime = uptime
+            if marked:  # the same Envoy (its admin only stalled, if it was lost)
+                if lost:
+                    lost = False
+                    self._serving = True
+                    self.up.set(1)
+                continue
+            if not marked and not self._mark():
+                continue  # gone again between the two calls: the next look decides
+            lost = False
+            self.restarts.inc()
+            self._started()
+            emit("envoy_restarted", admin=f"127.0.0.1:{self.admin_port}",
+                 note="an attached Envoy came back: routes pushed and the tap attached again")
 
     def hot_restart(self) -> None:
         raise GuardError("server.envoy.attach_admin_port: the attached Envoy's config is not "

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import json
+import os
 import re
 import socket
 import subprocess
@@ -407,6 +408,25 @@ def start_istio_like(tmp_path: Path, config_path: Path, primary_port: int, liste
             time.sleep(0.2)
 
 
+def attached_config(folder: Path, primary_port: int, fallback_port: int, admin: int,
+                    observer: str, reference: Path, **server) -> Path:
+    """guard's config for a guard serve attached to the sidecar's admin on ``admin``."""
+    path = folder / "guard.yaml"
+    path.write_text(yaml.safe_dump({"version": 1, "server": {
+        "host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0, "admin_port": 0,
+        "reload_interval_s": 0, "data_plane": "envoy",
+        "envoy": {"attach_admin_port": admin, "observer": observer, "observer_port": free_port(),
+                  "health_port": 0}, **server},
+        "models": [{"name": "cnn", "task": "classification",
+                    "primary": {"backend": "upstream", "target": f"127.0.0.1:{primary_port}",
+                                "model": "cnn"},
+                    "fallback": {"backend": "upstream", "target": f"127.0.0.1:{fallback_port}",
+                                 "model": "cnn"},
+                    "reference": {"backend": "onnxruntime", "path": str(reference)},
+                    "mirror": {"sample_rate": 1.0}}]}))
+    return path
+
+
 @needs_envoy
 @pytest.mark.parametrize("observer", ["tap", "ext_proc"])
 def test_guard_attached_to_the_sidecar_compares_counts_and_steers_it(tmp_path, zoo_classifier,
@@ -425,19 +445,8 @@ def test_guard_attached_to_the_sidecar_compares_counts_and_steers_it(tmp_path, z
     primary = OipServer(tmp_path, zoo_classifier["onnx"], "primary")
     fallback = OipServer(tmp_path, zoo_classifier["onnx"], "fallback")
     listener, admin = free_port(), free_port()
-    config_path = tmp_path / "guard.yaml"
-    config_path.write_text(yaml.safe_dump({"version": 1, "server": {
-        "host": "127.0.0.1", "grpc_port": 0, "metrics_port": 0, "admin_port": 0,
-        "reload_interval_s": 0, "data_plane": "envoy",
-        "envoy": {"attach_admin_port": admin, "observer": observer, "observer_port": free_port(),
-                  "health_port": 0}},
-        "models": [{"name": "cnn", "task": "classification",
-                    "primary": {"backend": "upstream", "target": f"127.0.0.1:{primary.port}",
-                                "model": "cnn"},
-                    "fallback": {"backend": "upstream", "target": f"127.0.0.1:{fallback.port}",
-                                 "model": "cnn"},
-                    "reference": {"backend": "onnxruntime", "path": str(zoo_classifier["onnx"])},
-                    "mirror": {"sample_rate": 1.0}}]}))
+    config_path = attached_config(tmp_path, primary.port, fallback.port, admin, observer,
+                                  zoo_classifier["onnx"])
     envoy = start_istio_like(tmp_path, config_path, primary.port, listener, admin)
     target = f"127.0.0.1:{listener}"
     image = sample_inputs(1, seed=5)
@@ -482,6 +491,79 @@ def test_guard_attached_to_the_sidecar_compares_counts_and_steers_it(tmp_path, z
         if background is not None:
             background.__exit__(None, None, None)
         assert envoy.poll() is None  # guard leaves the sidecar serving
+        envoy.terminate()
+        envoy.wait(10)
+        primary.stop()
+        fallback.stop()
+
+
+@needs_envoy
+def test_guard_sigkilled_beside_the_sidecar_fails_no_client_call(tmp_path, zoo_classifier):
+    """guard serve (and its verifier) SIGKILLed under load while attached to the sidecar: the
+    sidecar forwards on, not one client call fails; a guard started again attaches and observes.
+    (guard's own Envoy, a child of guard serve, cannot be tested so here: this machine's init
+    kills orphans; an Envoy of its own container, as here, survives.)"""
+    import signal
+    import threading
+
+    from e2e.support import metric, scrape, wait_for
+    from guard.zoo.classifier import sample_inputs
+
+    primary = OipServer(tmp_path, zoo_classifier["onnx"], "primary")
+    fallback = OipServer(tmp_path, zoo_classifier["onnx"], "fallback")
+    listener, admin, metrics_port = free_port(), free_port(), free_port()
+    config_path = attached_config(tmp_path, primary.port, fallback.port, admin, "tap",
+                                  zoo_classifier["onnx"], metrics_port=metrics_port)
+    envoy = start_istio_like(tmp_path, config_path, primary.port, listener, admin)
+    target = f"127.0.0.1:{listener}"
+    image = sample_inputs(1, seed=8)
+    log = (tmp_path / "guard.log").open("a")
+
+    def start_guard() -> subprocess.Popen:
+        guard = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config",
+                                  str(config_path)], stdout=log, stderr=subprocess.STDOUT,
+                                 start_new_session=True)
+
+        def observing() -> bool:
+            assert guard.poll() is None, (tmp_path / "guard.log").read_text()[-3000:]
+            infer(target, image)
+            try:
+                return metric(scrape(metrics_port), "guard_mirror_total", model="cnn",
+                              outcome="compared") > 0
+            except OSError:
+                return False
+
+        wait_for(observing, timeout=120, interval=0.2)
+        return guard
+
+    calls, failures, stop = [0], [], threading.Event()
+
+    def load() -> None:
+        while not stop.is_set():
+            try:
+                assert infer(target, image)[0] in ("primary", "fallback")
+                calls[0] += 1
+            except Exception as exc:  # every failure is the test's finding
+                failures.append(repr(exc))
+
+    guard = start_guard()
+    worker = threading.Thread(target=load, daemon=True)
+    try:
+        worker.start()
+        wait_for(lambda: calls[0] >= 50, timeout=30)
+        os.killpg(guard.pid, signal.SIGKILL)  # guard serve and its verifier, no goodbye
+        guard.wait(10)
+        killed_at = calls[0]
+        wait_for(lambda: calls[0] >= killed_at + 100, timeout=30)
+        guard = start_guard()  # back: it attaches again and observes
+        stop.set()
+        worker.join(15)
+        assert failures == [] and calls[0] > killed_at + 100
+    finally:
+        stop.set()
+        if guard.poll() is None:
+            os.killpg(guard.pid, signal.SIGTERM)
+            guard.wait(30)
         envoy.terminate()
         envoy.wait(10)
         primary.stop()
