@@ -72,28 +72,33 @@ def test_torch_layers_map_to_module_paths_and_capture_on_an_eager_copy():
 
 def test_tensorrt_layers_are_onnx_node_names_and_rebuild_with_fp32_layers(tmp_path):
     import fp16_models
+    import onnx
 
     onnx_path = str(fp16_models.export(tmp_path)["onnx"])
+    # The nodes that read the LayerNorm's and fc1's weights, whatever the exporter named them.
+    nodes = onnx.load(onnx_path).graph.node
+    (norm,) = [n.name for n in nodes if "norm.weight" in n.input]
+    (fc1,) = [n.name for n in nodes if "fc1.weight" in n.input]
     spec = BackendConfig(backend="tensorrt", path=onnx_path, precision="fp16",
-                         options={"fp32_layers": ["node_linear"], "workspace_mib": 512})
+                         options={"fp32_layers": [fc1], "workspace_mib": 512})
     strategy = keep_back_for(spec)
     assert isinstance(strategy, TensorRTLayers)
     capture = strategy.capture_spec()  # tier 2 captures ONNX Runtime's fp16 variant
     assert (capture.backend, capture.precision) == ("onnxruntime", "fp16")
-    assert capture.options == {"nodes_to_exclude": ["node_linear"]}
+    assert capture.options == {"nodes_to_exclude": [fc1]}
     assert isinstance(strategy.onnx, OnnxFp16Ops)
     # A segment of the fp16 variant maps to the fp32 node names, which TensorRT's parser
     # gives its layers; the converter's Casts are dropped.
-    segment = layer("node_layer_norm")
-    segment.primary_nodes = ["x_cast_to_node_layer_norm", "node_layer_norm"]
-    assert strategy.ops_for(segment) == ["node_layer_norm"]
-    rebuilt = strategy.rebuild_spec(["node_layer_norm"])
+    segment = layer(norm)
+    segment.primary_nodes = [f"x_cast_to_{norm}", norm]
+    assert strategy.ops_for(segment) == [norm]
+    rebuilt = strategy.rebuild_spec([norm])
     assert rebuilt.backend == "tensorrt" and rebuilt.device == "cuda"
-    assert rebuilt.options == {"fp32_layers": ["node_linear", "node_layer_norm"],
+    assert rebuilt.options == {"fp32_layers": [fc1, norm],
                                "workspace_mib": 512}
     every = strategy.every_op(None, {})
-    assert every[0] == "node_layer_norm" and "node_linear" in every
-    assert strategy.not_kept_back(None, ["node_layer_norm"]) == []  # the builder checks
+    assert every[0] == norm and fc1 in every
+    assert strategy.not_kept_back(None, [norm]) == []  # the builder checks
 
 
 def test_a_fused_unit_keeps_every_member_back_not_only_its_first(tmp_path):
