@@ -16,17 +16,16 @@ from __future__ import annotations
 import json
 import urllib.request
 
-import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 from guard.backends.derive import derive_onnx
 from guard.zoo.classifier import sample_inputs
 from kserve_server import KServeServer, unavailable_reason
 from support import image_input, running
 from upstream_scenarios import (a_drifting_model_is_switched_to_the_fallback_model,
+                                a_killed_server_is_unavailable_and_guard_stays_up,
+                                a_wrong_shape_comes_back_with_the_servers_status,
                                 answers_pass_through_and_samples_match_the_local_reference,
                                 guard_model, server_error)
 
@@ -63,18 +62,9 @@ def test_a_drifting_kserve_model_is_switched_to_the_fallback_kserve_model(tmp_pa
 
 
 def test_a_wrong_shape_comes_back_with_kserves_status(tmp_path, kserve, zoo_classifier):
-    server, direct = kserve
-    small = np.zeros((1, 3, 16, 16), np.float32)
-    kserve_said = server_error(lambda: direct.infer("cnn_fp32", [image_input(small)]))
-    assert kserve_said.status() == "StatusCode.INVALID_ARGUMENT"
-    with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
-        guard_said = server_error(lambda: client.infer("cnn", [image_input(small)]))
-        # kserve.errors.InvalidInput from the model, mapped by KServe's gRPC interceptor.
-        assert guard_said.status() == kserve_said.status()
-        assert "input 'image': expected FP32 [-1, 3, 32, 32]" in kserve_said.message()
-        assert kserve_said.message() in guard_said.message()
-        good = client.infer("cnn", [image_input(sample_inputs(1, seed=1))])
-        assert good.as_numpy("logits").shape == (1, 10)
+    # kserve.errors.InvalidInput from the model, mapped by KServe's gRPC interceptor.
+    a_wrong_shape_comes_back_with_the_servers_status(
+        tmp_path, *kserve, zoo_classifier, "input 'image': expected FP32 [-1, 3, 32, 32]")
 
 
 def test_a_model_unloaded_through_kserves_repository_api_is_unknown(tmp_path, kserve,
@@ -120,13 +110,4 @@ def test_an_unknown_kserve_model_is_a_clear_startup_error(tmp_path, kserve, zoo_
 
 def test_kserve_killed_is_unavailable_and_guard_stays_up(tmp_path, kserve, zoo_classifier):
     """Runs last: it kills the module's server."""
-    server, _ = kserve
-    images = sample_inputs(1, seed=2)
-    with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
-        assert client.infer("cnn", [image_input(images)]).as_numpy("logits").shape == (1, 10)
-        server.kill()
-        with pytest.raises(InferenceServerException) as error:
-            client.infer("cnn", [image_input(images)], client_timeout=30)
-        assert error.value.status() == f"StatusCode.{grpc.StatusCode.UNAVAILABLE.name}"
-        assert client.is_server_live()
-        assert client.get_model_metadata("cnn").name == "cnn"
+    a_killed_server_is_unavailable_and_guard_stays_up(tmp_path, kserve[0], zoo_classifier)

@@ -13,16 +13,15 @@ a dead server at teardown.
 
 from __future__ import annotations
 
-import grpc
-import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from tritonclient.utils import InferenceServerException
 
 from guard.backends.derive import derive_onnx
 from guard.zoo.classifier import sample_inputs
 from support import image_input, running, wait_for
 from upstream_scenarios import (a_drifting_model_is_switched_to_the_fallback_model,
+                                a_killed_server_is_unavailable_and_guard_stays_up,
+                                a_wrong_shape_comes_back_with_the_servers_status,
                                 answers_pass_through_and_samples_match_the_local_reference,
                                 guard_model, server_error)
 from triton_server import TritonServer, unavailable_reason
@@ -63,18 +62,9 @@ def test_a_drifting_triton_model_is_switched_to_the_fallback_triton_model(tmp_pa
 
 
 def test_a_wrong_shape_comes_back_with_tritons_status(tmp_path, triton, zoo_classifier):
-    server, direct = triton
-    small = np.zeros((1, 3, 16, 16), np.float32)
-    triton_said = server_error(lambda: direct.infer("cnn_fp32", [image_input(small)]))
-    assert triton_said.status() == "StatusCode.INVALID_ARGUMENT"
-    with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
-        guard_said = server_error(lambda: client.infer("cnn", [image_input(small)]))
-        # Triton's own check of the shape against config.pbtxt, its status and its words.
-        assert guard_said.status() == triton_said.status()
-        assert "unexpected shape for input 'image'" in triton_said.message()
-        assert triton_said.message() in guard_said.message()
-        good = client.infer("cnn", [image_input(sample_inputs(1, seed=1))])
-        assert good.as_numpy("logits").shape == (1, 10)
+    # Triton's own check of the shape against config.pbtxt, its status and its words.
+    a_wrong_shape_comes_back_with_the_servers_status(
+        tmp_path, *triton, zoo_classifier, "unexpected shape for input 'image'")
 
 
 def test_a_model_unloaded_through_tritons_repository_api(tmp_path, triton, zoo_classifier):
@@ -122,13 +112,4 @@ def test_an_unknown_triton_model_is_a_clear_startup_error(tmp_path, triton, zoo_
 
 def test_triton_killed_is_unavailable_and_guard_stays_up(tmp_path, triton, zoo_classifier):
     """Runs last: it kills the module's server."""
-    server, _ = triton
-    images = sample_inputs(1, seed=2)
-    with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
-        assert client.infer("cnn", [image_input(images)]).as_numpy("logits").shape == (1, 10)
-        server.kill()
-        with pytest.raises(InferenceServerException) as error:
-            client.infer("cnn", [image_input(images)], client_timeout=30)
-        assert error.value.status() == f"StatusCode.{grpc.StatusCode.UNAVAILABLE.name}"
-        assert client.is_server_live()
-        assert client.get_model_metadata("cnn").name == "cnn"
+    a_killed_server_is_unavailable_and_guard_stays_up(tmp_path, triton[0], zoo_classifier)

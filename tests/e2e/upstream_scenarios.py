@@ -6,6 +6,7 @@ directly."""
 
 from __future__ import annotations
 
+import grpc
 import numpy as np
 import pytest
 from tritonclient.utils import InferenceServerException
@@ -83,3 +84,32 @@ def a_drifting_model_is_switched_to_the_fallback_model(tmp_path, server, direct,
         np.testing.assert_array_equal(
             result.as_numpy("logits"),
             direct.infer("cnn_fp32", [image_input(images[10:11])]).as_numpy("logits"))
+
+
+def a_wrong_shape_comes_back_with_the_servers_status(tmp_path, server, direct, zoo_classifier,
+                                                     servers_words: str) -> None:
+    """An input of the wrong shape: the model server's own status and words come back through
+    guard, and guard goes on answering."""
+    small = np.zeros((1, 3, 16, 16), np.float32)
+    server_said = server_error(lambda: direct.infer("cnn_fp32", [image_input(small)]))
+    assert server_said.status() == "StatusCode.INVALID_ARGUMENT"
+    with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
+        guard_said = server_error(lambda: client.infer("cnn", [image_input(small)]))
+        assert guard_said.status() == server_said.status()
+        assert servers_words in server_said.message()
+        assert server_said.message() in guard_said.message()
+        good = client.infer("cnn", [image_input(sample_inputs(1, seed=1))])
+        assert good.as_numpy("logits").shape == (1, 10)
+
+
+def a_killed_server_is_unavailable_and_guard_stays_up(tmp_path, server, zoo_classifier) -> None:
+    """Kills ``server``: run it last in its module."""
+    images = sample_inputs(1, seed=2)
+    with running(tmp_path, [guard_model(server.target, zoo_classifier)]) as (srv, client):
+        assert client.infer("cnn", [image_input(images)]).as_numpy("logits").shape == (1, 10)
+        server.kill()
+        with pytest.raises(InferenceServerException) as error:
+            client.infer("cnn", [image_input(images)], client_timeout=30)
+        assert error.value.status() == f"StatusCode.{grpc.StatusCode.UNAVAILABLE.name}"
+        assert client.is_server_live()
+        assert client.get_model_metadata("cnn").name == "cnn"
