@@ -26,6 +26,7 @@ from tritonclient.utils import InferenceServerException
 from guard.backends.derive import derive_onnx
 from guard.zoo.classifier import sample_inputs
 from support import metric, running, scrape, wait_for
+import upstream_scenarios
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "upstream_runtime"
 MLSERVER = Path(sys.executable).with_name("mlserver")
@@ -92,18 +93,11 @@ def mlserver(tmp_path_factory, zoo_classifier):
 
 
 def guard_model(target: str, zoo_classifier, **overrides) -> dict:
-    block = {
-        "name": "cnn",
-        "task": "classification",
-        "primary": {"backend": "upstream", "target": target, "model": "cnn_int8"},
-        "reference": {"backend": "torch", "path": str(zoo_classifier["torchscript"])},
-        "fallback": {"backend": "upstream", "target": target, "model": "cnn_fp32"},
-        "mirror": {"sample_rate": 1.0, "queue_size": 64},
-        "checks": {"tensor": {"atol": 1e-4, "rtol": 1e-3}},
-        "policy": {"action": "alert", "detector": "window", "window": 10, "min_samples": 5},
-    }
-    block.update(overrides)
-    return block
+    """The model servers' shared block (tests/e2e/upstream_scenarios.py) with MLServer's int8
+    model as the primary and the TorchScript export as the reference."""
+    reference = {"backend": "torch", "path": str(zoo_classifier["torchscript"])}
+    return upstream_scenarios.guard_model(target, zoo_classifier, primary="cnn_int8",
+                                          **{"reference": reference, **overrides})
 
 
 def test_requests_pass_through_unchanged(tmp_path, mlserver, zoo_classifier):
