@@ -36,7 +36,7 @@ import urllib.error
 from typing import Callable
 
 from guard.config.envoy import EnvoyConfig
-from guard.envoy.process import admin_get, admin_post
+from guard.envoy.process import admin_get, admin_post, envoy_series
 from guard.errors import GuardError
 from guard.observe.events import emit
 
@@ -47,8 +47,6 @@ MARK_KEY = "guard.attached"  # in the attached Envoy's admin runtime layer: guar
 class AttachedEnvoy:
     def __init__(self, settings: EnvoyConfig, metrics_registry=None,
                  on_started: Callable[["AttachedEnvoy"], None] | None = None):
-        from prometheus_client import Counter, Gauge
-
         assert settings.attach_admin_port, "an attached Envoy needs its admin port"
         self.settings = settings
         self.on_started = on_started
@@ -56,11 +54,7 @@ class AttachedEnvoy:
         self.listener_port = 0  # its listeners are the mesh's, not one guard knows
         self.generation = 0
         self.process = None  # no child process of guard's
-        self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
-                                "started again (Envoy mode; attached: restarts seen).",
-                                registry=metrics_registry)
-        self.up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).",
-                        registry=metrics_registry)
+        self.restarts, self.up = envoy_series(metrics_registry)
         self._token = f"{os.getpid()}-{time.time_ns()}"
         self._serving = False
         self._stopping = threading.Event()

@@ -112,9 +112,12 @@ class Ports:
 
 @dataclass
 class Layout:
-    """Names the rest of guard needs to read Envoy's stats back: cluster -> (model, route)."""
+    """What the rest of guard needs to know of a bootstrap: its clusters (cluster -> (model,
+    route), to read Envoy's stats back) and its observing filter ("tap", "ext_proc", or None
+    when no model samples)."""
 
     clusters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    observer: str | None = None
 
 
 def _address(host: str, port: int) -> dict:
@@ -360,6 +363,7 @@ def build(config: GuardConfig, ports: Ports,
     # No model samples: no observing filter at all (and nothing for it to skip per call).
     observing = any(round(sample_rate(m) * WEIGHTS) for m in config.models)
     observer = config.server.envoy.observer if observing else None
+    layout.observer = observer
     off = _off(observer)
     clusters = [_http2_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health)]
     if observer == "ext_proc":

@@ -56,7 +56,6 @@ class EnvoyPlane:
         self.process: EnvoyProcess | AttachedEnvoy | None = None
         self._observer_server = None
         self._tap = None
-        self._observing = False  # the running bootstrap has a tap filter to attach to
         self._stats = stats.StatsReader()
         self._running: dict | None = None  # the bootstrap Envoy runs, its routes left out
 
@@ -151,14 +150,13 @@ class EnvoyPlane:
         onto the new Envoy."""
         self.routes.push_all(process)
         if self._tap is not None:
-            self._tap.reattach(wanted=self._observing)
+            self._tap.reattach(wanted=self.layout.observer == "tap")
 
     def _bootstrap(self, listener_port: int, admin_port: int) -> dict:
         routes = self.routes.current() if self.routes is not None else {}
         ports = bootstrap.Ports(listener_port, admin_port, self.observer_port, self.health_port)
         built, self.layout = bootstrap.build(self.config, ports, routes)
         self._running = _without_routes(built)
-        self._observing = bootstrap.TAP_FILTER in json.dumps(built["static_resources"])
         return built
 
     async def stop(self) -> None:

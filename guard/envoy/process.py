@@ -79,6 +79,17 @@ def admin_post(port: int, path: str, timeout: float = 2.0) -> str:
         return answer.read().decode()
 
 
+def envoy_series(registry=None):
+    """``guard_envoy_restarts_total`` and ``guard_envoy_up``, for guard's own Envoy and for an
+    attached one (guard/envoy/attached.py) alike."""
+    from prometheus_client import Counter, Gauge
+
+    restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were started "
+                       "again (Envoy mode; an attached Envoy: restarts seen).", registry=registry)
+    up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).", registry=registry)
+    return restarts, up
+
+
 class EnvoyProcess:
     def __init__(self, binary: str, settings: EnvoyConfig,
                  bootstrap: Callable[[int, int], dict], metrics_registry=None,
@@ -86,7 +97,7 @@ class EnvoyProcess:
         """``bootstrap(listener_port, admin_port)``: the bootstrap to start with (called again
         for each start); ``on_started``: called (on the starting thread) once an Envoy is
         ready, with ``admin_port`` and ``listener_port`` set."""
-        from prometheus_client import Counter, Gauge
+        from prometheus_client import Counter
 
         self.binary = binary
         self.settings = settings
@@ -101,13 +112,10 @@ class EnvoyProcess:
         self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
         self.epoch = 0
         self.generation = 0  # Envoys started afresh (epoch 0) so far, the first one included
-        self.restarts = Counter("guard_envoy_restarts", "Envoy processes that died and were "
-                                "started again (Envoy mode).", registry=metrics_registry)
+        self.restarts, self.up = envoy_series(metrics_registry)
         self.hot_restarts = Counter("guard_envoy_hot_restarts", "Hot restarts of Envoy (a "
                                     "reload that changed its bootstrap).",
                                     registry=metrics_registry)
-        self.up = Gauge("guard_envoy_up", "1 while guard's Envoy serves (Envoy mode).",
-                        registry=metrics_registry)
         self._lock = threading.RLock()
         self._launching = threading.Lock()  # one start at a time: a restart, a hot restart
         self._stopping = threading.Event()
