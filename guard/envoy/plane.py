@@ -120,6 +120,7 @@ class EnvoyPlane:
         await asyncio.get_running_loop().run_in_executor(
             None, self.process.start, self.config.server.grpc_port)
         self.routes.start()
+        await self._tap_attached()
         if self.attached:
             emit("envoy_attached", admin=f"127.0.0.1:{self.admin_port}",
                  observer=("tap" if self._tap is not None else f"ext_proc 127.0.0.1:"
@@ -133,6 +134,19 @@ class EnvoyPlane:
              observer=("tap" if self._tap is not None else f"ext_proc 127.0.0.1:"
                                                             f"{self.observer_port}"),
              concurrency=self.settings.concurrency)
+
+    async def _tap_attached(self) -> None:
+        """Readiness waits (at most ``start_timeout_s``) for the tap on the first Envoy, so that
+        guard is not ready with its sampled calls still unobserved; a tap that does not come is
+        said (event ``envoy_tap_not_attached``) and guard serves on: Envoy forwards regardless,
+        and the reader keeps trying."""
+        if self._tap is None or self.layout.observer != "tap":
+            return
+        attached = await asyncio.get_running_loop().run_in_executor(
+            None, self._tap.attached.wait, self.settings.start_timeout_s)
+        if not attached:
+            emit("envoy_tap_not_attached", admin=f"127.0.0.1:{self.admin_port}",
+                 note="sampled calls are forwarded but not observed until the tap attaches")
 
     async def _start_ext_proc(self, max_call_bytes: int) -> None:
         from guard.envoy.observer import Observer, start_observer

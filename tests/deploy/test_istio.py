@@ -460,6 +460,7 @@ def test_guard_attached_to_the_sidecar_compares_counts_and_steers_it(tmp_path, z
             return metric(scrape(srv.metrics_port), "guard_mirror_total", model="cnn",
                           outcome="compared")
 
+        # Ready means observing: the first calls are compared.
         for _ in range(5):
             assert infer(target, image) == ("primary", "primary")
         wait_for(lambda: compared() >= 5, timeout=60)
