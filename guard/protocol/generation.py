@@ -1,0 +1,165 @@
+"""A sampled LLM call, protocol-free: what the OpenAI-compatible edge hands over and what the
+`generation` tier checks.
+
+The edge (guard/serve/, OpenAI-compatible HTTP, plain or SSE) turns one client call and the
+primary's answer into a :class:`GenerationSample`; the verifier's reference scores
+``prompt + completion`` teacher-forced and the tier compares per position. Nothing here knows
+HTTP, JSON field spellings of one server, tensors or torch: it is the envelope both processes,
+capture and replay agree on, so a second generative edge (Envoy's observer, a capture file)
+builds the same value.
+
+Encoding: :func:`to_dict` / :func:`from_dict` give plain JSON-able dicts (the ring and capture
+records carry them as UTF-8 JSON: an LLM call is text, and a JSON body is what it came as; the
+tensor samples' binary layout buys nothing here). ``from_dict`` rejects what it cannot read with
+``ValueError`` naming the field, so a corrupt record is counted, never half-read.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+Endpoint = Literal["completions", "chat"]
+ENDPOINTS: tuple[str, ...] = ("completions", "chat")
+FORMAT_VERSION = 1  # bump when a field's meaning changes; readers refuse newer versions
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One generated token as the primary returned it.
+
+    ``text`` is the token's text (OpenAI's ``token``); ``token_id`` where the server said it
+    (vLLM's ``return_tokens_as_token_ids``, llama.cpp's ``tokens``); ``logprob`` the primary's
+    log-probability of it (None where the client did not ask and guard did not add it); ``top``
+    the server's ``top_logprobs`` as (token text, logprob), best first, as returned.
+    """
+
+    text: str
+    logprob: float | None = None
+    top: tuple[tuple[str, float], ...] = ()
+    token_id: int | None = None
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """The sampling transform the server applied, as far as the request and the backend block's
+    declared server defaults tell. ``None`` is "not said": the tier then uses the server's
+    declared default, and a sampled completion whose transform stays unknown is not comparable.
+    """
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
+    max_tokens: int | None = None
+    logprobs: int | None = None  # top-k the client asked for (None: no logprobs asked)
+    n: int = 1
+    stop: tuple[str, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        """Temperature 0 (OpenAI's convention for argmax decoding)."""
+        return self.temperature is not None and self.temperature <= 0.0
+
+
+@dataclass(frozen=True)
+class GenerationSample:
+    """One compared LLM call: the request as the client sent it, the prompt as the server
+    rendered it where the server told, and the primary's completion token by token.
+
+    ``prompt`` is /v1/completions' prompt text; ``messages`` the chat messages (roles and
+    contents as sent). ``prompt_token_ids`` are the server's own rendering of the prompt (BOS
+    included) where it returned them; None means the reference renders it (with the model's
+    chat template for chat) and marks the score an approximation. ``tokens`` are the primary's
+    completion tokens; ``completion_text`` their concatenation as the client received it.
+    """
+
+    model: str
+    endpoint: Endpoint
+    completion_text: str
+    tokens: tuple[TokenLogprob, ...]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    prompt: str | None = None
+    messages: tuple[dict[str, Any], ...] | None = None
+    prompt_token_ids: tuple[int, ...] | None = None
+    finish_reason: str | None = None
+    route: str = "primary"
+    request_id: str = ""
+    streamed: bool = False
+    unix_nanos: int = 0
+    request_seconds: float = 0.0  # the whole call as the edge measured it
+    first_token_seconds: float | None = None  # time to first token (streamed calls)
+    upstream_model: str = ""  # the name the upstream served it under
+
+    @property
+    def has_logprobs(self) -> bool:
+        """Every token carries the primary's logprob (the per-token comparison applies)."""
+        return bool(self.tokens) and all(t.logprob is not None for t in self.tokens)
+
+
+def to_dict(sample: GenerationSample) -> dict[str, Any]:
+    """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
+    data = asdict(sample)
+    data["format_version"] = FORMAT_VERSION
+    return data
+
+
+def _tuple(value: Any, name: str) -> tuple:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name}: expected a list, got {type(value).__name__}")
+    return tuple(value)
+
+
+def _token(item: Any, index: int) -> TokenLogprob:
+    if not isinstance(item, dict) or not isinstance(item.get("text"), str):
+        raise ValueError(f"tokens[{index}]: expected an object with a string 'text'")
+    logprob = item.get("logprob")
+    if logprob is not None and not (isinstance(logprob, (int, float)) and not math.isnan(logprob)):
+        raise ValueError(f"tokens[{index}].logprob: expected a number or null")
+    top = tuple((str(t), float(lp)) for t, lp in _tuple(item.get("top", ()), f"tokens[{index}].top"))
+    token_id = item.get("token_id")
+    if token_id is not None and not isinstance(token_id, int):
+        raise ValueError(f"tokens[{index}].token_id: expected an integer or null")
+    return TokenLogprob(item["text"], None if logprob is None else float(logprob), top, token_id)
+
+
+def from_dict(data: Any) -> GenerationSample:
+    """The sample ``to_dict`` wrote; ValueError naming the field for anything else."""
+    if not isinstance(data, dict):
+        raise ValueError("generation sample: expected an object")
+    version = data.get("format_version", FORMAT_VERSION)
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise ValueError(f"format_version: {version!r} is newer than this guard reads "
+                         f"({FORMAT_VERSION})")
+    for key in ("model", "endpoint", "completion_text"):
+        if not isinstance(data.get(key), str):
+            raise ValueError(f"{key}: expected a string")
+    if data["endpoint"] not in ENDPOINTS:
+        raise ValueError(f"endpoint: {data['endpoint']!r} is not one of {', '.join(ENDPOINTS)}")
+    tokens = tuple(_token(t, i) for i, t in enumerate(_tuple(data.get("tokens", ()), "tokens")))
+    sampling_data = data.get("sampling") or {}
+    if not isinstance(sampling_data, dict):
+        raise ValueError("sampling: expected an object")
+    known = SamplingParams.__dataclass_fields__
+    unknown = sorted(set(sampling_data) - set(known))
+    if unknown:
+        raise ValueError(f"sampling.{unknown[0]}: unknown field")
+    sampling_data = dict(sampling_data)
+    sampling_data["stop"] = tuple(sampling_data.get("stop") or ())
+    sampling = SamplingParams(**sampling_data)
+    messages = data.get("messages")
+    ids = data.get("prompt_token_ids")
+    rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
+                                  "unix_nanos", "request_seconds", "first_token_seconds",
+                                  "upstream_model") if k in data}
+    return GenerationSample(
+        model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],
+        tokens=tokens, sampling=sampling,
+        messages=None if messages is None else tuple(_tuple(messages, "messages")),
+        prompt_token_ids=None if ids is None else tuple(int(i) for i in _tuple(ids, "prompt_token_ids")),
+        **rest)
