@@ -77,6 +77,9 @@ def format_model_status(status: pb.ModelStatus) -> str:
                      f"decides from {w.min_samples})")
     lines.append("  requests: " + ", ".join(f"{k}={v}" for k, v in sorted(status.requests.items())))
     lines.append("  mirror:   " + ", ".join(f"{k}={v}" for k, v in sorted(status.mirror.items())))
+    if status.outputs_matched:
+        lines.append("  outputs matched by position (reference -> primary): " + ", ".join(
+            f"{k} -> {v}" for k, v in sorted(status.outputs_matched.items())))
     if status.ops_kept_back or status.repairing:
         lines.append(f"  ops kept at fp32: {', '.join(status.ops_kept_back) or 'none yet'}"
                      f"{' (repair running)' if status.repairing else ''}")

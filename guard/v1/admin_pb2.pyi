@@ -93,7 +93,7 @@ class BackendStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., artifact: _Optional[str] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing")
+    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing", "outputs_matched")
     class MirrorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -108,6 +108,13 @@ class ModelStatus(_message.Message):
         key: str
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    class OutputsMatchedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
     NAME_FIELD_NUMBER: _ClassVar[int]
     ROUTE_FIELD_NUMBER: _ClassVar[int]
     OVERRIDE_FIELD_NUMBER: _ClassVar[int]
@@ -121,6 +128,7 @@ class ModelStatus(_message.Message):
     PROBING_FIELD_NUMBER: _ClassVar[int]
     OPS_KEPT_BACK_FIELD_NUMBER: _ClassVar[int]
     REPAIRING_FIELD_NUMBER: _ClassVar[int]
+    OUTPUTS_MATCHED_FIELD_NUMBER: _ClassVar[int]
     name: str
     route: str
     override: str
@@ -134,4 +142,5 @@ class ModelStatus(_message.Message):
     probing: bool
     ops_kept_back: _containers.RepeatedScalarFieldContainer[str]
     repairing: bool
-    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ..., ops_kept_back: _Optional[_Iterable[str]] = ..., repairing: _Optional[bool] = ...) -> None: ...
+    outputs_matched: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ..., ops_kept_back: _Optional[_Iterable[str]] = ..., repairing: _Optional[bool] = ..., outputs_matched: _Optional[_Mapping[str, str]] = ...) -> None: ...

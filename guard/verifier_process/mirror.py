@@ -286,6 +286,12 @@ class Mirror:
             reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
             sample.outputs = {k: v for k, v in sample.outputs.items() if k in sample.only_outputs}
         check = self.verifier.check(reference, sample.outputs, inputs=sample.inputs)
+        if check.unmatched:  # names, not numbers: an error of the pairing, never drift
+            self._outcomes["error"].inc()
+            self._log_error(f"outputs only the reference gives: {check.unmatched['reference']}, "
+                            f"only the primary: {check.unmatched['primary']}; name them alike")
+            self._unchecked(sample, "error")
+            return
         self._outcomes["compared"].inc()
         if span is not None:  # (its attributes are not built for untraced samples)
             tracing.set_attributes(span, {

@@ -93,6 +93,10 @@ class VerifiedModel:
         so that two writers never share the folder and its disk cap."""
         if self.pair is not None:
             self.pair.load_backends()
+            match = self.pair.output_match
+            if match.renamed:  # the sides name outputs differently: a naming, never drift
+                emit("outputs_matched_by_position", model=self.name, renamed=match.renamed,
+                     observed=list(match.observed))
             wants_tier2 = (self.config.checks.activation.enabled
                            or self.config.policy.action == "fallback_ops")
             if wants_tier2:

@@ -32,6 +32,8 @@ def model_status(model) -> pb.ModelStatus:
         info = reference.describe()
         status.backends.add(role="reference", backend=info.backend, precision=info.precision,
                             device=info.device, artifact=info.artifact)
+    if model.pair is not None:
+        status.outputs_matched.update(model.pair.output_match.renamed)
     if model.ops is not None:
         status.ops_kept_back.extend(model.ops.kept)
         status.repairing = model.ops.repairing

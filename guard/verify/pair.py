@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from guard.backends import Backend, create_backend
 from guard.backends.loading import load_all
+from guard.backends.signature_match import OutputMatch, pair_outputs
 from guard.backends.signatures import check_pair
 from guard.config import ModelConfig
 from guard.errors import BackendError
@@ -35,6 +36,9 @@ class CheckedPair:
         if self.activation_tier is not None:
             self.verifier.add_tier(self.activation_tier)
         self.noise_floor: NoiseFloor | None = None
+        # The reference's outputs under the primary's names (guard/backends/signature_match.py),
+        # known once both sides are loaded.
+        self.output_match = OutputMatch()
 
     @property
     def reference(self) -> Backend:
@@ -53,7 +57,10 @@ class CheckedPair:
 
     def load_backends(self) -> None:
         load_all(self.name, self.config, self.backends)
-        check_pair(self.name, self.reference.describe(), self.primary.describe())
+        self.output_match = pair_outputs(self.name, self.reference, self.primary)
+        check_pair(self.name, self.output_match.rename_info(self.reference.describe()),
+                   self.primary.describe())
+        self.verifier.match_reference(self.output_match)
 
     def measure_noise_floor(self) -> NoiseFloor:
         """The reference against itself; tier 1 then allows the floor. A floor that cannot be
@@ -65,7 +72,7 @@ class CheckedPair:
             floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
         self.noise_floor = floor
         if not floor.skipped:
-            self.verifier.set_noise_floor(floor.per_output)
+            self.verifier.set_noise_floor(self.output_match.apply(floor.per_output))
         return floor
 
     def close(self) -> None:

@@ -70,6 +70,9 @@ class CheckResult:
     tiers: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     arbitration: Any = None  # an arbitrate.Verdict when the fp64 arbiter ran
+    # Outputs only one side gave (after renaming and the adapters): a naming difference, not
+    # drift; the sidecar's mirror counts such a sample as an error, never as a failed check.
+    unmatched: dict[str, list[str]] = field(default_factory=dict)
 
     # -- the shape callers of the tier-1-only Comparator relied on --------------------------------
     @property
@@ -147,6 +150,13 @@ class Comparator:
         # Tier-1 statistics of passing outputs: sampled (None), or always (True: offline sweeps).
         self.pass_stats: bool | None = None
         self.tiers: tuple[str, ...] = ("tensor",) + (("task",) if self.task_checker else ())
+        # The reference's outputs under the primary's names, where the two sides name them
+        # differently (guard/backends/signature_match.py; set by the checked pair at load).
+        self.reference_names = None
+
+    def match_reference(self, match) -> None:
+        """Rename the reference's outputs by ``match`` (an ``OutputMatch``) before comparing."""
+        self.reference_names = match if match.renamed else None
 
     @classmethod
     def for_model(cls, config: ModelConfig, arbiter=None) -> "Comparator":
@@ -182,6 +192,8 @@ class Comparator:
     ) -> CheckResult:
         raw_reference = reference if is_flat(reference) else flatten_outputs(reference)
         raw_primary = primary if is_flat(primary) else flatten_outputs(primary)
+        if self.reference_names is not None:
+            raw_reference = self.reference_names.apply(raw_reference)
         result = CheckResult()
         try:
             ref = self.adapters.apply(raw_reference)
@@ -194,6 +206,9 @@ class Comparator:
                 result.tiers["task"] = TaskCheck(self.task_name, False, reasons=[reason],
                                                  failure="shape")
             return result
+        if set(ref) != set(out):
+            result.unmatched = {"reference": sorted(set(ref) - set(out)),
+                                "primary": sorted(set(out) - set(ref))}
         tensor = compare_outputs(ref, out, self.default, self.per_output, self.pass_stats)
         result.tiers["tensor"] = tensor
         if self.task_checker is not None:
@@ -214,7 +229,8 @@ class Comparator:
                 log.exception("tier %s failed to run", tier.name)
                 result.notes.append(f"tier {tier.name} could not run: {type(exc).__name__}: {exc}")
         if not tensor.passed and self.arbiter is not None and inputs is not None:
-            verdict = self.arbiter.judge(inputs, ref, out, tensor, self.adapters)
+            verdict = self.arbiter.judge(inputs, ref, out, tensor,
+                                         _Renaming(self.reference_names, self.adapters))
             result.arbitration = verdict
             if verdict.forgiven:
                 result.notes.append("tier 1 failure forgiven: the fp64 arbiter found the "
@@ -226,6 +242,17 @@ class Comparator:
     def tier_reports(result: CheckResult) -> dict[str, "TierReport"]:
         """Per tier, the plain ``TierReport`` capture and replay share (``tier_reports``)."""
         return tier_reports(result)
+
+
+class _Renaming:
+    """The fp64 arbiter's run of the reference, under the primary's names, then the adapters."""
+
+    def __init__(self, names, adapters: AdapterChain):
+        self.names, self.adapters = names, adapters
+
+    def apply(self, outputs: dict) -> dict:
+        outputs = outputs if self.names is None else self.names.apply(outputs)
+        return self.adapters.apply(outputs) if self.adapters else outputs
 
 
 def load_activation_tier(config: ModelConfig, backends: dict) -> ExtraTier | None:

@@ -1,0 +1,122 @@
+"""A user's own torch network, exported by hand to ONNX (output ``scores``) and TorchScript
+(``output0``), served by ``guard serve`` as the README pairs them: a naming difference is matched
+at load, never drift (issue 28, item 1)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+
+import own_model
+from guard.config import ModelConfig
+from guard.errors import BackendError
+from guard.verify.pair import CheckedPair
+from support import metric, scrape, wait_for, x_input
+from test_cli import free_port, guard_env, run_guard
+
+REQUESTS = 40
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("own")
+    return {1: own_model.export(folder, outputs=1), 2: own_model.export(folder, outputs=2)}
+
+
+def own_config(folder, paths, **server) -> tuple:
+    ports = {"grpc_port": free_port(), "metrics_port": free_port(), "admin_port": free_port()}
+    data = {
+        "version": 1,
+        "server": {"host": "127.0.0.1", **ports, **server},
+        "models": [{
+            "name": "net",
+            "task": "classification",
+            "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
+            "reference": {"backend": "torch", "path": str(paths["torchscript"])},
+            "fallback": {"backend": "onnxruntime", "path": str(paths["onnx"])},
+            "mirror": {"sample_rate": 1.0, "queue_size": 256},
+            "checks": {"tensor": {"atol": 1.0e-4, "rtol": 1.0e-3}},
+            "policy": {"action": "fallback_model", "detector": "window", "window": 20,
+                       "min_samples": 5},
+        }],
+    }
+    path = folder / "guard.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path, ports
+
+
+def test_outputs_named_differently_are_matched_by_position_and_never_drift(tmp_path, exports):
+    config, ports = own_config(tmp_path, exports[1])
+    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               env=guard_env())
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc_port']}")
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert process.poll() is None, process.stderr.read()
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "server never became ready"
+            time.sleep(0.1)
+        rows = np.random.default_rng(0).standard_normal((REQUESTS, own_model.FEATURES))
+        routes = []
+        for i in range(REQUESTS):
+            result = client.infer("net", [x_input(rows[i:i + 1])])
+            assert result.as_numpy("scores").shape == (1, own_model.CLASSES)
+            routes.append(result.get_response().parameters["guard_route"].string_param)
+        values = wait_for(lambda: (v := scrape(ports["metrics_port"])) and metric(
+            v, "guard_mirror_total", model="net", outcome="compared") == REQUESTS and v)
+        assert set(routes) == {"primary"}
+        for tier in ("tensor", "task"):
+            assert metric(values, "guard_checks_total", model="net", tier=tier,
+                          result="pass") == REQUESTS
+            assert metric(values, "guard_checks_total", model="net", tier=tier,
+                          result="fail") == 0
+        assert metric(values, "guard_mirror_total", model="net", outcome="error") == 0
+        assert metric(values, "guard_fallback_active", model="net", scope="model") == 0
+        status = run_guard("admin", "--admin", f"127.0.0.1:{ports['admin_port']}", "status",
+                           "--json")
+        assert status.returncode == 0, status.stderr
+        (model,) = json.loads(status.stdout)["models"]
+        assert model["outputs_matched"] == {"output0": "scores"}
+        assert model["route"] == "primary"
+        text = run_guard("admin", "--admin", f"127.0.0.1:{ports['admin_port']}", "status")
+        assert "outputs matched by position (reference -> primary): output0 -> scores" \
+            in text.stdout
+    finally:
+        client.close()
+        process.terminate()
+        _, stderr = process.communicate(timeout=60)
+    matched = [json.loads(line[line.index("{"):]) for line in stderr.splitlines()
+               if '"outputs_matched_by_position"' in line]
+    assert matched and matched[0]["renamed"] == {"output0": "scores"}
+    assert matched[0]["observed"] == ["reference"]
+
+
+def test_outputs_that_cannot_be_matched_refuse_with_one_line_naming_both_sides(exports):
+    config = ModelConfig.model_validate({
+        "name": "net",
+        "primary": {"backend": "onnxruntime", "path": str(exports[1]["onnx"])},
+        "reference": {"backend": "torch", "path": str(exports[2]["torchscript"])},
+    })
+    pair = CheckedPair(config)
+    try:
+        with pytest.raises(BackendError) as info:
+            pair.load_backends()
+    finally:
+        pair.close()
+    message = str(info.value)
+    assert "\n" not in message
+    assert "models[net]: the reference's outputs [output0, output1] (torch) cannot be matched " \
+           "to the primary's [scores] (onnxruntime): 2 outputs against 1" in message
