@@ -182,6 +182,9 @@ class VerifiedModel:
         if self.capture is not None:
             tag = CaptureTag(handed.request_id, handed.unix_nanos, handed.request_seconds,
                              bool(handed.flags & CAPTURE))
+        # Handed to the mirror, the sample is its to account for: checked, or told back through
+        # _on_unchecked (dropped, error, timeout), which records it. Recording a dropped sample
+        # here as well wrote every dropped request twice.
         mirrored = False
         if handed.flags & MIRROR and self.mirror is not None:
             if callable(outputs):
@@ -194,7 +197,8 @@ class VerifiedModel:
                          error=f"{type(exc).__name__}: {exc}"[:300])
                     return
             self._took()
-            mirrored = self.mirror.accept(MirrorSample(
+            mirrored = True
+            self.mirror.accept(MirrorSample(
                 inputs, outputs, handed.route, handed.epoch, time.monotonic(),
                 handed.requested_outputs, handed.traceparent, tag, handed.size))
         if tag is not None and tag.record and not mirrored:

@@ -8,7 +8,7 @@ import logging
 
 import numpy as np
 
-from fixture_models import DRIFT_TRIGGER
+from fixture_models import DRIFT_TRIGGER, SLEEP_TRIGGER
 from guard.capture.inspect import summarise
 from guard.cli import main
 
@@ -103,3 +103,30 @@ def test_unwritable_capture_dir_disables_capture_and_serving_goes_on(tmp_path, r
             assert client.is_server_ready()
     events = [json.loads(r.getMessage()) for r in caplog.records if r.name == "guard.events"]
     assert [e["model"] for e in events if e["event"] == "capture_disabled"] == ["m"]
+
+
+def test_one_record_per_request_when_the_mirror_drops_samples(tmp_path):
+    """A reference too slow for the traffic: the mirror's queue (one item) drops most samples.
+    Each request is recorded once, whether it was compared or dropped (issue 28: a dropped
+    sample was recorded by the mirror's listener and again by the ring reader)."""
+    from guard.capture.reader import FileStats, expand_paths, read_records
+
+    n = 30
+    model = model_block(
+        reference={"backend": "torch", "path": "fixture_models:affine",
+                   "options": {"kwargs": {"sleep_on_trigger": 0.2}}},
+        mirror={"sample_rate": 1.0, "queue_size": 1, "timeout_s": 5.0},
+        capture={"dir": "capture", "sample_rate": 1.0},
+    )
+    rows = np.full((1, 4), SLEEP_TRIGGER, np.float32)
+    with running(tmp_path, [model]) as (srv, client):
+        for i in range(n):
+            client.infer("m", [x_input(rows)], request_id=f"req-{i}")
+        live = wait_for(lambda: (v := scrape(srv.metrics_port)) and sum(
+            metric(v, "guard_mirror_total", model="m", outcome=o)
+            for o in ("compared", "dropped", "error", "timeout")) == n and v)
+    assert metric(live, "guard_mirror_total", model="m", outcome="dropped") > 0
+    stats = FileStats()
+    ids = [r.request_id for path in expand_paths([tmp_path / "capture"])
+           for r in read_records(path, stats)]
+    assert sorted(ids) == sorted(f"req-{i}" for i in range(n))
