@@ -68,6 +68,18 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     names = ", ".join(m.name for m in config.models)
     print(f"{args.file}: valid ({len(config.models)} model(s): {names})")
+    if not args.load:
+        return EXIT_OK
+    from guard.preflight import check_config
+
+    reports = check_config(config)
+    for report in reports:
+        print(report.line(), file=sys.stderr if report.error else sys.stdout)
+    failed = sum(bool(r.error) for r in reports)
+    if failed:
+        print(f"{args.file}: {failed} of {len(reports)} model(s) would fail at serve",
+              file=sys.stderr)
+        return EXIT_USAGE
     return EXIT_OK
 
 
@@ -282,6 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
         description="Exit 0 when valid; exit 2 with one 'dotted.path: message' line per problem.",
     )
     validate.add_argument("file", metavar="FILE")
+    validate.add_argument("--load", action="store_true",
+                          help="also load every backend as serve would (derivations included), "
+                          "match the reference's outputs to the primary's, and say what would "
+                          "fail at serve (a tensorrt side without CUDA, a torch side on an "
+                          ".onnx); exit 2 if anything would")
     validate.set_defaults(func=cmd_config_validate)
     schema = config_sub.add_parser("schema", help="print the config's JSON Schema")
     schema.set_defaults(func=cmd_config_schema)

@@ -57,6 +57,11 @@ class CheckedPair:
 
     def load_backends(self) -> None:
         load_all(self.name, self.config, self.backends)
+        self.match_outputs()
+
+    def match_outputs(self) -> None:
+        """Once both sides are loaded: match their outputs (guard/backends/signature_match.py),
+        check their shapes, and have the comparator rename the reference's by the match."""
         self.output_match = pair_outputs(self.name, self.reference, self.primary)
         check_pair(self.name, self.output_match.rename_info(self.reference.describe()),
                    self.primary.describe())

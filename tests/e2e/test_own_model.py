@@ -120,3 +120,49 @@ def test_outputs_that_cannot_be_matched_refuse_with_one_line_naming_both_sides(e
     assert "\n" not in message
     assert "models[net]: the reference's outputs [output0, output1] (torch) cannot be matched " \
            "to the primary's [scores] (onnxruntime): 2 outputs against 1" in message
+
+
+def _tensorrt_runs() -> bool:
+    import importlib.util
+
+    if importlib.util.find_spec("tensorrt") is None:
+        return False
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def test_validate_load_says_what_would_fail_at_serve(tmp_path, exports):
+    """`guard config validate` checks the schema; `--load` loads every side as serve would."""
+    paths = exports[1]
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [
+        {"name": "good", "task": "classification",
+         "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
+         "reference": {"backend": "torch", "path": str(paths["torchscript"])},
+         "fallback": {"backend": "onnxruntime", "path": str(paths["onnx"])}},
+        {"name": "trt", "primary": {"backend": "tensorrt", "path": str(paths["onnx"])},
+         "reference": {"backend": "torch", "path": str(paths["torchscript"])}},
+        {"name": "wrongfile", "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
+         "reference": {"backend": "torch", "path": str(paths["onnx"])}},
+        {"name": "unmatched", "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
+         "reference": {"backend": "torch", "path": str(exports[2]["torchscript"])}},
+    ]}))
+    assert run_guard("config", "validate", str(config)).returncode == 0  # the schema holds
+    result = run_guard("config", "validate", "--load", str(config))
+    assert result.returncode == 2 and "Traceback" not in result.stderr, result.stderr
+    assert "models[good]: loads (reference torch/fp32/cpu" in result.stdout
+    assert "outputs matched by position (reference -> primary): output0 -> scores" \
+        in result.stdout
+    errors = result.stderr.splitlines()
+    assert any(line.startswith("models[wrongfile].reference: torch cannot load") and
+               "(a .onnx file is for backend onnxruntime or openvino or tensorrt, not torch)"
+               in line for line in errors), errors
+    assert any(line.startswith("models[unmatched]: the reference's outputs [output0, output1]")
+               for line in errors), errors
+    failing = 3
+    if not _tensorrt_runs():
+        assert any(line.startswith("models[trt].primary: ") for line in errors), errors
+    else:
+        failing = 2
+    assert errors[-1] == f"{config}: {failing} of 4 model(s) would fail at serve"
