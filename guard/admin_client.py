@@ -61,6 +61,33 @@ def _call(address: str, method: str, request, timeout: float = 10.0,
             raise GuardError(f"admin API at {address}: {exc.code().name}: {exc.details()}") from None
 
 
+def admin_address_of(path: str) -> str:
+    """The admin API's address in a guard config: server.admin_host (a wildcard host is reached
+    on loopback) and server.admin_port. Only the server block is validated."""
+    from pydantic import ValidationError
+
+    from guard.config.document import format_validation_error, read_yaml
+    from guard.config.server import ServerConfig
+    from guard.errors import ConfigError
+
+    _, data = read_yaml(path)
+    server = data.get("server") if isinstance(data, dict) else None
+    try:
+        config = ServerConfig.model_validate(server or {})
+    except ValidationError as exc:
+        raise ConfigError([f"server.{line}" for line in format_validation_error(exc)],
+                          str(path)) from None
+    if not config.admin_port:
+        raise GuardError(f"{path}: server.admin_port is 0 (a free port chosen at start): "
+                         "give the address with --admin HOST:PORT")
+    host = config.admin_host
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        host = "127.0.0.1"
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"{host}:{config.admin_port}"
+
+
 def get_status(address: str, model: str = "", tls: ClientTls | None = None
                ) -> pb.GetStatusResponse:
     return _call(address, "GetStatus", pb.GetStatusRequest(model=model), tls=tls)

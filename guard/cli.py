@@ -18,6 +18,32 @@ from guard.errors import ConfigError, GuardError
 from guard.malloc import tune_for_inference
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+DEFAULT_ADMIN = "127.0.0.1:8003"  # server.admin_host and server.admin_port's defaults
+
+
+# -- one grammar for the config file ---------------------------------------------------------------
+# Every command that reads a config takes it either way, `--config FILE` or as the argument FILE
+# (the README and users wrote both; one of them used to be `unrecognized arguments`).
+def _add_config(parser: argparse.ArgumentParser, what: str = "guard YAML config") -> None:
+    parser.add_argument("file", nargs="?", metavar="FILE", help=f"{what} (or --config FILE)")
+    parser.add_argument("--config", metavar="FILE", help=f"{what} (or as the argument FILE)")
+    parser.set_defaults(config_argument=True)
+
+
+def _resolve_config(args: argparse.Namespace) -> None:
+    """Set ``args.config`` (and ``args.file``) to the one config file given, either way."""
+    flag, positional = args.config, getattr(args, "file", None)
+    if args.command == "replay" and flag is None and len(args.captures) >= 2:
+        positional, args.captures = args.captures[0], args.captures[1:]  # replay FILE CAPTURE..
+    if flag and positional and flag != positional:
+        raise GuardError(f"the config is given twice ('{positional}' and --config '{flag}'): "
+                         "give FILE or --config FILE")
+    path = flag or positional
+    if not path:
+        command = " ".join(filter(None, (args.command, getattr(args, "deploy_command", None),
+                                         getattr(args, "config_command", None))))
+        raise GuardError(f"guard {command}: a config file is needed: --config FILE (or FILE)")
+    args.config = args.file = path
 
 
 def _configure_logging(debug: bool) -> None:
@@ -217,16 +243,28 @@ def _admin_tls(args: argparse.Namespace):
     return ClientTls(args.tls_ca, args.tls_cert, args.tls_key, args.tls_server_name)
 
 
+def _admin_address(args: argparse.Namespace) -> str:
+    """--admin HOST:PORT, else the address in --config FILE's server block, else the default."""
+    if args.config is None:
+        return args.admin or DEFAULT_ADMIN
+    if args.admin:
+        raise GuardError("--admin and --config both name the admin API: give one")
+    from guard.admin_client import admin_address_of
+
+    return admin_address_of(args.config)
+
+
 def cmd_admin_status(args: argparse.Namespace) -> int:
     from guard.admin_client import print_status
 
-    return print_status(args.admin, args.model, args.json, _admin_tls(args))
+    return print_status(_admin_address(args), args.model, args.json, _admin_tls(args))
 
 
 def cmd_admin_route(args: argparse.Namespace) -> int:
     from guard.admin_client import set_route
 
-    return set_route(args.admin, args.model, args.route, args.reason, _admin_tls(args))
+    return set_route(_admin_address(args), args.model, args.route, args.reason,
+                     _admin_tls(args))
 
 
 # -- parser ---------------------------------------------------------------------------------------
@@ -249,7 +287,7 @@ def build_parser() -> argparse.ArgumentParser:
         "server.admin_port (loopback). SIGTERM stops gracefully: health turns NOT_SERVING, "
         "in-flight requests finish (server.shutdown_grace_s), exit 0.",
     )
-    serve.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
+    _add_config(serve)
     serve.set_defaults(func=cmd_serve)
 
     demo = sub.add_parser(
@@ -280,7 +318,7 @@ def build_parser() -> argparse.ArgumentParser:
         "record per check (records.jsonl) and summary tables (summary.md, summary.json, "
         "heatmap.png). Exit 0 when every check passes, 1 when some fail, 2 on a bad config.",
     )
-    matrix.add_argument("file", metavar="FILE", help="matrix YAML (see configs/matrix/cpu.yaml)")
+    _add_config(matrix, "matrix YAML (see configs/matrix/cpu.yaml)")
     matrix.add_argument("--output-dir", metavar="DIR", help="default: output_dir of the file")
     matrix.add_argument("--models", metavar="A,B", help="run only these models")
     matrix.add_argument("--backends", metavar="X,Y", help="run only these backends")
@@ -293,7 +331,7 @@ def build_parser() -> argparse.ArgumentParser:
         "validate", help="validate a config file",
         description="Exit 0 when valid; exit 2 with one 'dotted.path: message' line per problem.",
     )
-    validate.add_argument("file", metavar="FILE")
+    _add_config(validate)
     validate.add_argument("--load", action="store_true",
                           help="also load every backend as serve would (derivations included), "
                           "match the reference's outputs to the primary's, and say what would "
@@ -314,9 +352,11 @@ def build_parser() -> argparse.ArgumentParser:
         "(with --strict also: damaged bytes skipped, records of models the config lacks, "
         "records that do not fit their model).",
     )
-    replay.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
+    replay.add_argument("--config", metavar="FILE",
+                        help="guard YAML config (or the first argument: replay FILE CAPTURE...)")
     replay.add_argument("captures", nargs="+", metavar="CAPTURE",
                         help="segment files (.gcap), folders of them, or .npz input sets")
+    replay.set_defaults(config_argument=True)
     replay.add_argument("--report-dir", default="replay-report", metavar="DIR",
                         help="where report.json/.md/.html go (default ./replay-report)")
     replay.add_argument("--engine", choices=["local", "ray"], default="local",
@@ -367,7 +407,7 @@ def build_parser() -> argparse.ArgumentParser:
         "reference errors and timeouts; and guard down. Only the parts the rules use are validated (names, policy, "
         "mirror, server); `guard config validate` checks the whole file.",
     )
-    rules.add_argument("--config", required=True, metavar="FILE", help="guard YAML config")
+    _add_config(rules)
     rules.add_argument("--format", choices=RULE_FORMATS, default="prometheus",
                        help="prometheus: a rule file (rule_files:); prometheusrule: a "
                        "PrometheusRule for the Prometheus Operator (default prometheus)")
@@ -387,7 +427,7 @@ def build_parser() -> argparse.ArgumentParser:
         "least policy.min_samples: fewer is inconclusive for Argo). Models without a "
         "reference are not gated.",
     )
-    rollout.add_argument("file", metavar="FILE", help="guard YAML config")
+    _add_config(rollout)
     rollout.add_argument("--kind", choices=("argo", "flagger"), required=True,
                          help="argo: an AnalysisTemplate; flagger: MetricTemplates and the "
                          "Canary's analysis.metrics")
@@ -412,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
         "ext_proc, ext_proc toward guard's observer), gRPC health to guard. Check it with `envoy "
         "--mode validate -c FILE`.",
     )
-    envoy.add_argument("config", metavar="FILE", help="guard YAML config")
+    _add_config(envoy)
     envoy.add_argument("--format", choices=("yaml", "json"), default="yaml",
                        help="yaml (default) or json (what guard serve writes)")
     envoy.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
@@ -425,7 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
         "for sampled calls, the per-model clusters and the runtime-switched primary/fallback "
         "routes. The YAML's header says what the Pod needs beside it.",
     )
-    istio.add_argument("config", metavar="FILE", help="guard YAML config")
+    _add_config(istio)
     istio.add_argument("--selector", action="append", default=[], metavar="LABEL=VALUE",
                        help="the pods' labels (the workloadSelector; at least one, repeatable)")
     istio.add_argument("--name", default="guard", help="the EnvoyFilter's name (default guard)")
@@ -437,8 +477,10 @@ def build_parser() -> argparse.ArgumentParser:
     istio.set_defaults(func=cmd_deploy_istio)
 
     admin = sub.add_parser("admin", help="talk to a running guard's admin API")
-    admin.add_argument("--admin", default="127.0.0.1:8003", metavar="HOST:PORT",
-                       help="admin API address (default 127.0.0.1:8003)")
+    admin.add_argument("--admin", default=None, metavar="HOST:PORT",
+                       help=f"admin API address (default {DEFAULT_ADMIN}, or --config's)")
+    admin.add_argument("--config", metavar="FILE", help="read the admin API's address from this "
+                       "guard YAML (server.admin_host, server.admin_port)")
     admin.add_argument("--tls-ca", metavar="PEM", help="CA of the admin API's certificate "
                        "(server.admin_tls); turns TLS on")
     admin.add_argument("--tls-cert", metavar="PEM", help="this client's certificate (mutual "
@@ -465,6 +507,8 @@ def main(argv: list[str] | None = None) -> int:
     _configure_logging(args.debug)
     tune_for_inference()  # before backends allocate: see guard/malloc.py
     try:
+        if getattr(args, "config_argument", False):
+            _resolve_config(args)
         return args.func(args)
     except ConfigError as exc:
         if args.debug:

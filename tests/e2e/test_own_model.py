@@ -91,7 +91,7 @@ def test_outputs_named_differently_are_matched_by_position_and_never_drift(tmp_p
         (model,) = json.loads(status.stdout)["models"]
         assert model["outputs_matched"] == {"output0": "scores"}
         assert model["route"] == "primary"
-        text = run_guard("admin", "--admin", f"127.0.0.1:{ports['admin_port']}", "status")
+        text = run_guard("admin", "--config", str(config), "status")  # its address from the file
         assert "outputs matched by position (reference -> primary): output0 -> scores" \
             in text.stdout
     finally:

@@ -103,9 +103,9 @@ def test_validate_missing_file(tmp_path, capsys):
 
 
 def test_validate_needs_a_file_argument(capsys):
-    code, _, err = usage_exit(capsys, "config", "validate")
+    code, _, err = run(capsys, "config", "validate")
     assert code == 2
-    assert "usage" in err
+    assert err == "guard: guard config validate: a config file is needed: --config FILE (or FILE)\n"
 
 
 # -- config schema ---------------------------------------------------------------------------------
@@ -138,9 +138,9 @@ def test_serve_invalid_config_exits_2_naming_the_problem(tmp_path, capsys):
 
 
 def test_serve_needs_config(capsys):
-    code, _, err = usage_exit(capsys, "serve")
+    code, _, err = run(capsys, "serve")
     assert code == 2
-    assert "--config" in err
+    assert err == "guard: guard serve: a config file is needed: --config FILE (or FILE)\n"
 
 
 # -- usage ------------------------------------------------------------------------------------------
