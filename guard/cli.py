@@ -176,8 +176,10 @@ def cmd_deploy_rollout(args: argparse.Namespace) -> int:
 def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     from guard.config import load_config
     from guard.envoy.bootstrap import build, dump, ports_of
+    from guard.envoy.servable import require_servable
 
     config = load_config(args.config)
+    require_servable(config)  # local backends have no place in a bootstrap (as deploy istio)
     where = "" if config.server.data_plane == "envoy" else \
         " (the config's server.data_plane is python: this is what envoy would run)"
     ports = ports_of(config)

@@ -32,8 +32,8 @@ from __future__ import annotations
 import ipaddress
 
 from guard.config import GuardConfig
-from guard.config.envoy import check_envoy_mode
 from guard.envoy import bootstrap
+from guard.envoy.servable import require_servable
 from guard.errors import GuardError
 
 API_VERSION = "networking.istio.io/v1alpha3"
@@ -102,11 +102,7 @@ def _route_match(port: int, route: str | None = None) -> dict:
 def config_patches(config: GuardConfig, observer_port: int, port: int | None = None) -> list:
     """The EnvoyFilter's ``configPatches`` for ``config`` (its models on the inbound ``port``,
     default: their primaries' port), guard's observer on 127.0.0.1:``observer_port``."""
-    problems = [p for p in check_envoy_mode(config.model_copy(update={
-        "server": config.server.model_copy(update={"data_plane": "envoy"})}))
-        if p.startswith("models")]
-    if problems:
-        raise GuardError("not servable through Envoy:\n  " + "\n  ".join(problems))
+    require_servable(config)
     if not config.models:
         raise GuardError("models: none to route")
     observer = observer_of(config)
