@@ -39,9 +39,7 @@ import threading
 import time
 from typing import Callable, Iterable
 
-from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
-from prometheus_client.samples import Sample
 
 from guard.config import GuardConfig
 from guard.errors import GuardError
@@ -54,6 +52,7 @@ from guard.ipc.messages import (Event, Exposition, Failed, Handlers, Init, LoadF
 from guard.ipc.ring import SampleRing
 from guard.observe import tracing
 from guard.observe.events import emit
+from guard.observe.exposition import merge
 from guard.observe.metrics import GuardMetrics
 from guard.runtime.children import exit_reason, wait_exit
 
@@ -331,21 +330,4 @@ class MergedMetrics(Collector):
         self.others = others
 
     def collect(self):
-        families = {f.name: f for f in self.metrics.registry.collect()}
-        for other in (f for text in self.others() for f in text_string_to_metric_families(text)):
-            mine = families.get(other.name)
-            if mine is None:
-                families[other.name] = other
-                continue
-            values = {(s.name, tuple(sorted(s.labels.items()))): s for s in mine.samples}
-            for s in other.samples:
-                key = (s.name, tuple(sorted(s.labels.items())))
-                if key in values:
-                    old = values[key]
-                    value = (max(old.value, s.value) if s.name.endswith("_created")
-                             else old.value + s.value)
-                    values[key] = Sample(s.name, s.labels, value, old.timestamp, old.exemplar)
-                else:
-                    values[key] = s
-            mine.samples = list(values.values())
-        yield from families.values()
+        yield from merge(self.metrics.registry.collect(), self.others())
