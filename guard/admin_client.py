@@ -118,10 +118,24 @@ def format_model_status(status: pb.ModelStatus) -> str:
     return "\n".join(lines)
 
 
+_COUNTS = ("requests", "mirror")  # ModelStatus's map<string, uint64> fields
+
+
+def status_json(response: pb.GetStatusResponse) -> dict:
+    """The status as JSON, counts as numbers: protobuf's JSON mapping writes 64-bit integers as
+    strings (for JavaScript's doubles); a count of requests is well within 2**53."""
+    data = MessageToDict(response, preserving_proto_field_name=True)
+    for status in data.get("models", []):
+        for field in _COUNTS:
+            if field in status:
+                status[field] = {k: int(v) for k, v in status[field].items()}
+    return data
+
+
 def print_status(address: str, model: str, as_json: bool, tls: ClientTls | None = None) -> int:
     response = get_status(address, model, tls)
     if as_json:
-        print(json.dumps(MessageToDict(response, preserving_proto_field_name=True), indent=2))
+        print(json.dumps(status_json(response), indent=2))
     else:
         print(f"guard {response.guard_version} at {address}")
         for status in response.models:

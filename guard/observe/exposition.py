@@ -71,3 +71,19 @@ def merge(local: Iterable[Metric], texts: Iterable[str]) -> list[Metric]:
         else:
             families[created.name] = created
     return list(families.values())
+
+
+def counter_by_label(families: Iterable[Metric], family: str, label: str) -> dict[str, dict]:
+    """A counter's values in a merged exposition, per model and ``label`` value:
+    ``{model: {value: int}}`` (what the admin status shows as /metrics counts it, whichever
+    process or Envoy counted)."""
+    out: dict[str, dict[str, int]] = {}
+    for metric in families:
+        if metric.name != family:
+            continue
+        for sample in metric.samples:
+            model = sample.labels.get("model")
+            if sample.name.endswith("_total") and model is not None and label in sample.labels:
+                per = out.setdefault(model, {})
+                per[sample.labels[label]] = per.get(sample.labels[label], 0) + int(sample.value)
+    return out

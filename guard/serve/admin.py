@@ -35,8 +35,10 @@ from guard.v1 import admin_pb2_grpc as pb_grpc
 _OVERRIDES = {pb.AUTO: "auto", pb.PRIMARY: "primary", pb.FALLBACK: "fallback"}
 
 
-def served_status(model: ServedModel, verified: bytes | None) -> pb.ModelStatus:
-    """The verifier's half (``verified``, serialized) merged with this process's half."""
+def served_status(model: ServedModel, verified: bytes | None,
+                  requests: dict[str, int] | None = None) -> pb.ModelStatus:
+    """The verifier's half (``verified``, serialized) merged with this process's half;
+    ``requests``: per route, as the merged /metrics counts them (default: this process's)."""
     status = pb.ModelStatus()
     if verified is not None:
         status.ParseFromString(verified)
@@ -52,7 +54,8 @@ def served_status(model: ServedModel, verified: bytes | None) -> pb.ModelStatus:
         status.backends.add(role=role, backend=info.backend, precision=info.precision,
                             device=info.device, artifact=info.artifact)
     status.backends.extend(reference)
-    status.requests.update(counts(model.metrics.requests, model.name, "route"))
+    status.requests.update(counts(model.metrics.requests, model.name, "route")
+                           if requests is None else requests)
     status.mirror["dropped"] = status.mirror.get("dropped", 0) + int(
         model.metrics.mirror.labels(model.name, "dropped")._value.get())
     return status
@@ -60,10 +63,14 @@ def served_status(model: ServedModel, verified: bytes | None) -> pb.ModelStatus:
 
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, models: dict[str, ServedModel], verifier: VerifierSupervisor,
-                 callers: CallerCheck | None = None):
+                 callers: CallerCheck | None = None, requests=None):
+        """``requests()``: ``{model: {route: count}}`` as /metrics counts them (every serving
+        process, or Envoy in Envoy mode, where this process counts none); default: this
+        process's counters."""
         self.models = models
         self.verifier = verifier
         self.callers = callers or CallerCheck("admin API")  # server.admin_tls's allow-list
+        self.requests = requests
 
     async def GetStatus(self, request, context):
         await self.callers.check(context, "GetStatus")
@@ -76,8 +83,12 @@ class AdminServicer(pb_grpc.AdminServicer):
             verified = await loop.run_in_executor(None, self.verifier.status, request.model)
         except VerifierUnavailable:
             verified = {}
+        requests = (await loop.run_in_executor(None, self.requests)
+                    if self.requests is not None else {})
         return pb.GetStatusResponse(guard_version=__version__, models=[
-            served_status(m, verified.get(m.name)) for m in models])
+            served_status(m, verified.get(m.name),
+                          None if self.requests is None else requests.get(m.name, {}))
+            for m in models])
 
     async def SetRoute(self, request, context):
         caller = await self.callers.check(context, "SetRoute")

@@ -37,6 +37,7 @@ from guard.envoy.plane import EnvoyPlane
 from guard.errors import GuardError
 from guard.observe import tracing
 from guard.observe.events import emit
+from guard.observe.exposition import counter_by_label
 from guard.observe.metrics import GuardMetrics
 from guard.serve.admin import AdminServicer
 from guard.serve.dataplane import DataPlane
@@ -180,7 +181,8 @@ class GuardServer:
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         guarded(admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(self.models, self.supervisor,
-                              CallerCheck("admin API", server_config.admin_tls)), self._admin)
+                              CallerCheck("admin API", server_config.admin_tls),
+                              requests=self._requests_seen), self._admin)
         self.admin_port = bind(self._admin, server_config.admin_host,
                                server_config.admin_port, "server.admin_port",
                                server_credentials(server_config.admin_tls))
@@ -212,6 +214,10 @@ class GuardServer:
                 applied=self._reloaded, models=self.models, table=self.table,
                 build=self._served_model, others=self.processes, verifier=self.supervisor,
                 reloads=self.metrics.config_reloads)
+
+    def _requests_seen(self) -> dict[str, dict[str, int]]:
+        """Requests per model and route as /metrics counts them (admin status)."""
+        return counter_by_label(self.exposition.collect(), "guard_requests", "route")
 
     def _served_model(self, model_config, slot: int) -> ServedModel:
         return ServedModel(model_config, self.metrics, self.table, slot, self.ring)

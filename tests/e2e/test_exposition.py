@@ -91,3 +91,18 @@ def test_envoy_data_plane_exposition_passes_promtool(envoy_guard):
     assert_one_family_each(text)
     result = promtool_check(text)
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@needs_envoy
+def test_envoy_mode_admin_status_counts_requests_as_metrics_does(envoy_guard):
+    values = envoy_guard.metrics()
+    counted = metric(values, "guard_requests_total", model="net", route="primary")
+    assert counted == REQUESTS
+    result = run_guard("admin", "--admin", f"127.0.0.1:{envoy_guard.srv.admin_port}", "status",
+                       "--json")
+    assert result.returncode == 0, result.stderr
+    (status,) = json.loads(result.stdout)["models"]
+    assert status["requests"]["primary"] == REQUESTS  # a number, not "12"
+    assert status["mirror"]["compared"] == REQUESTS
+    text = run_guard("admin", "--admin", f"127.0.0.1:{envoy_guard.srv.admin_port}", "status")
+    assert f"requests: fallback=0, primary={REQUESTS}" in text.stdout, text.stdout
