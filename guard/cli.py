@@ -72,7 +72,10 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from guard.config import load_config
     from guard.serve.app import serve_until_signalled
 
+    from guard.observe.logformat import configure
+
     config = load_config(args.config)
+    configure(config.server.log_format)  # this process's log, and its children's
     asyncio.run(serve_until_signalled(config, signalled))
     return EXIT_OK
 

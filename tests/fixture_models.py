@@ -86,3 +86,12 @@ class WithParameterOutput(nn.Module):
 
 def with_parameter_output() -> WithParameterOutput:
     return WithParameterOutput()
+
+
+def noisy_affine(**kwargs) -> Affine:
+    """``affine``, saying so in the log (logger ``fixture.noisy``, WARNING) when it is built: a
+    log line of whichever process loads it (the serving process, the verifier)."""
+    import logging
+
+    logging.getLogger("fixture.noisy").warning("built an affine model")
+    return Affine(**kwargs)

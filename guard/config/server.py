@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import ipaddress
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import Field, model_validator
 
@@ -172,6 +172,14 @@ class ServerConfig(Strict):
         "and is restarted with backoff if it dies. Default 1: on a 2-core machine a second "
         "process did not pay (no more req/s; higher p99 and CPU per request; "
         "benchmarks/results/serving_processes.md). Takes effect on restart.",
+    )
+    log_format: Literal["text", "json"] = Field(
+        "text",
+        description="How every guard process writes its log on stderr. text: `TIME LEVEL LOGGER "
+        "MESSAGE` (an event's JSON after that prefix). json: one JSON object per line, every "
+        "record of the serving process, the verifier and the extra serving processes (ts, "
+        "level, logger, process, and message or an event's own fields). Takes effect on "
+        "restart.",
     )
     data_plane: DataPlane = Field(
         "python",

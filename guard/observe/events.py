@@ -1,4 +1,5 @@
-"""Structured events: one JSON line each on the ``guard.events`` logger.
+"""Structured events: one JSON object each on the ``guard.events`` logger (the log prefix before
+it, or none with ``server.log_format: json``: guard/observe/logformat.py).
 
 Every route transition, drop burst, load and shutdown is an event with its evidence, so that an
 SRE can grep the log for what the guard did and why, and so that tools can parse it.

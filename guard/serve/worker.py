@@ -45,7 +45,7 @@ from guard.ipc.messages import (Commit, Exposition, Failed, Handlers, Init, Load
                                 Metrics, Prepare, Ready, Stop, UsePrimary)
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
-from guard.observe import tracing
+from guard.observe import logformat, tracing
 from guard.observe.metrics import GuardMetrics
 from guard.serve.dataplane import DataPlane
 from guard.serve.listen import data_plane_server
@@ -220,9 +220,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ring-fd", type=int, required=True)
     parser.add_argument("--ring-bytes", type=int, required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format=f"%(asctime)s %(levelname)s %(name)s [serving {args.index}]: "
-                        "%(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logformat.configure(process=f"serving {args.index}")  # server.log_format, from the parent
     tracing.configure_from_env()
     return asyncio.run(_serve(args))
 

@@ -45,6 +45,7 @@ from guard.ipc.messages import (Exposition, Failed, Handlers, Init, LoadFailures
                                 Reload, RouteChanged, RouteSet, SetRoute, Span, Status,
                                 StatusReport, Stop, UsePrimary)
 from guard.ipc.ring import SampleRing
+from guard.observe import logformat
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Transition
@@ -318,8 +319,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="one per serving process")
     parser.add_argument("--ring-bytes", type=int, required=True)
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s [verifier]: %(message)s")
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
+    logformat.configure(process="verifier")  # server.log_format, from the serving process
     sock = socket.socket(fileno=args.control_fd)
     table = routes.RouteTable.attach(args.routes_fd, args.routes_capacity)
     rings = [SampleRing.attach(fd, args.ring_bytes) for fd in args.ring_fd]
