@@ -1,9 +1,13 @@
 # The two quick-start commands (README): `make demo` and `make test`. Both create .venv in the
-# repository and install what they need; running them again reuses it.
+# repository and install what they need; running them again reuses it. `make demo` installs
+# only the demo extra (guard, ONNX Runtime and CPU torch, about 1.1 GB); `make test` the whole
+# development set (every backend, Triton, MLServer, a KServe venv: about 5 GB), a superset.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha256sum | cut -c1-12)
+HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-12)
+STAMP := $(VENV)/.installed-$(HASH)
+DEMO_STAMP := $(VENV)/.demo-installed-$(HASH)
 # A real Triton for the e2e tests (tests/triton_server.py): nvidia-pytriton's wheel carries the
 # server binary and the Python backend. Its Python package pins numpy<2, which the venv cannot
 # take (pandas 3 needs numpy 2), so its files go beside the venv (--no-deps --target), not into
@@ -28,9 +32,17 @@ $(STAMP): pyproject.toml
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
+# The demo's own stamp: the demo extra, or nothing more where the full set is installed.
+$(DEMO_STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	test -e $(STAMP) || $(BIN)/python -m pip install -q --upgrade pip
+	test -e $(STAMP) || $(BIN)/python -m pip install -q -e '.[demo]'
+	rm -f $(VENV)/.demo-installed-*
+	touch $(DEMO_STAMP)
+
 venv: $(STAMP)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(BIN)/guard demo $(ARGS)
 
 test: $(STAMP)

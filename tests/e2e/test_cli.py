@@ -206,10 +206,17 @@ def test_sigterm_while_still_starting_stops_everything_and_exits_0(tmp_path):
 
 
 def test_demo_runs_end_to_end_and_shows_the_fallback(tmp_path):
+    """With only what `pip install '.[demo]'` installs (`make demo`): every other installed
+    distribution hidden from the demo and the processes it starts (tests/extra_closure.py)."""
+    from extra_closure import only
+
+    assert "tensorflow" in only("demo", tmp_path / "demo-only")
+    env = guard_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "demo-only"), env["PYTHONPATH"]])
     result = subprocess.run(
         [sys.executable, "-m", "guard", "demo", "--requests", "80", "--exit",
          "--workdir", str(tmp_path / "demo")],
-        capture_output=True, text=True, timeout=300, env=guard_env(),
+        capture_output=True, text=True, timeout=300, env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
     out = result.stdout
