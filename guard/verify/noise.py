@@ -78,10 +78,14 @@ def _load_inputs(config: NoiseFloorConfig, specs) -> tuple[dict[str, np.ndarray]
 
 
 def measure_noise_floor(reference: Backend, spec: BackendConfig,
-                        config: NoiseFloorConfig) -> NoiseFloor:
+                        config: NoiseFloorConfig, input_specs=None) -> NoiseFloor:
+    """``input_specs``: the signature to generate inputs from (default: the reference's own;
+    the checked pair passes the primary's when the reference's cannot generate, e.g. a
+    TorchScript file without guard.json)."""
     floor = NoiseFloor()
     try:
-        inputs, floor.source = _load_inputs(config, reference.describe().inputs)
+        inputs, floor.source = _load_inputs(
+            config, reference.describe().inputs if input_specs is None else input_specs)
     except CannotGenerate as exc:
         floor.skipped = f"{exc}: set checks.tensor.noise_floor.inputs to an .npz"
         return floor

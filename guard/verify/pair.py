@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from guard.backends import Backend, create_backend
 from guard.backends.loading import load_all
-from guard.backends.signature_match import OutputMatch, pair_outputs
+from guard.backends.signature_match import OutputMatch, generatable, pair_outputs
 from guard.backends.signatures import check_pair
 from guard.config import ModelConfig
 from guard.errors import BackendError
@@ -70,15 +70,33 @@ class CheckedPair:
     def measure_noise_floor(self) -> NoiseFloor:
         """The reference against itself; tier 1 then allows the floor. A floor that cannot be
         measured is reported as skipped, never fatal."""
+        specs = self._noise_inputs()
         try:
             floor = measure_noise_floor(self.reference, self.config.reference,
-                                        self.config.checks.tensor.noise_floor)
+                                        self.config.checks.tensor.noise_floor, specs)
+            if specs is not self.reference.describe().inputs and not floor.skipped:
+                floor.notes.append(f"inputs generated from the primary's signature: the "
+                                   f"reference ({self.config.reference.backend}) declares no "
+                                   "datatypes or shapes")
         except Exception as exc:
             floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
         self.noise_floor = floor
+        floor.per_output = self.output_match.apply(floor.per_output)  # the primary's names
         if not floor.skipped:
-            self.verifier.set_noise_floor(self.output_match.apply(floor.per_output))
+            self.verifier.set_noise_floor(floor.per_output)
         return floor
+
+    def _noise_inputs(self):
+        """The signature the floor's inputs are generated from: the reference's, or, where it
+        cannot tell datatypes and shapes (TorchScript without guard.json), the primary's when
+        both take the same input names."""
+        own = self.reference.describe().inputs
+        if generatable(own):
+            return own
+        other = self.primary.describe().inputs
+        if generatable(other) and {s.name for s in other} == {s.name for s in own}:
+            return other
+        return own
 
     def close(self) -> None:
         for backend in self.backends.values():

@@ -166,3 +166,22 @@ def test_validate_load_says_what_would_fail_at_serve(tmp_path, exports):
     else:
         failing = 2
     assert errors[-1] == f"{config}: {failing} of 4 model(s) would fail at serve"
+
+
+def test_noise_floor_of_a_torchscript_reference_uses_the_primarys_signature(exports):
+    """A TorchScript reference without guard.json declares no datatypes or shapes: its noise
+    floor is measured on inputs generated from the primary's signature (it was skipped)."""
+    config = ModelConfig.model_validate({
+        "name": "net",
+        "primary": {"backend": "onnxruntime", "path": str(exports[1]["onnx"])},
+        "reference": {"backend": "torch", "path": str(exports[1]["torchscript"])},
+    })
+    pair = CheckedPair(config).load()
+    try:
+        floor = pair.noise_floor
+        assert floor.skipped == "" and floor.samples > 1
+        assert set(floor.per_output) == {"scores"}  # under the primary's name
+        assert "inputs generated from the primary's signature" in floor.notes[-1]
+        assert "scores" in pair.verifier.per_output
+    finally:
+        pair.close()
