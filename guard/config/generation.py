@@ -4,7 +4,8 @@ defaults of the task, and the checks of a generation model block, kept together 
 
 The figures behind the defaults (SmolLM2-135M-Instruct against its fp32 reference, mean KLD per
 token over 10 prompts x 32 tokens, STACK.md): F16 0.00000, Q4_1 0.00285, Q8_0 0.00415, Q2_K
-0.454 nats. The in-control bound sits ~5x above the worst agreeing primary and ~20x below Q2_K.
+0.454 nats. The detector's in-control bound (0.4 x 0.05 = 0.02 nats) sits ~5x above the worst
+agreeing primary and ~20x below Q2_K.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import Field, model_validator
 
-from guard.config.base import Fraction, PositiveFloat, Strict
+from guard.config.base import Fraction, NonNegativeFloat, PositiveFloat, PositiveInt, Strict
 
 if TYPE_CHECKING:
     from guard.config.model import ModelConfig
@@ -33,40 +34,55 @@ POLICY_DEFAULTS: dict[str, Any] = {"min_samples": 5}
 
 
 class GenerationCheckConfig(Strict):
-    """The generation tier (token-level checks of a compared completion).
+    """The generation tier (guard/verify/generation.py): the token-level checks of a compared
+    completion, and what the detector accumulates.
 
-    Each compared completion gives its mean KLD per token (reference || primary, over the
-    primary's returned top-k with the tail mass) and the share of positions whose top-1 agrees.
-    ``max_mean_kld`` and ``min_top1_agreement`` make the per-completion pass/fail verdict
-    (guard_checks_total, guard_drift_ratio). The detector does not read the verdict: it
-    accumulates the mean KLD itself (a continuous statistic carries far more evidence per
-    completion than one bit), as an e-CUSUM against ``in_control_kld``:
-    ``S = max(0, S + ln(1 + bet x (kld / in_control_kld - 1)))``, alarm at ``S >= ln(ARL0)``.
-    Each factor has expectation <= 1 whenever the primary's mean KLD is at most
-    ``in_control_kld`` (KLD is never negative and bet < 1), so ARL0 holds as for the Bernoulli
-    CUSUM (guard/policy/detector.py ``ScoreCusum``).
+    The tier compares per token where the primary returned logprobs (mean KLD over its
+    returned top-k with the tail mass), tests greedy calls against the reference's argmax where
+    its margin is beyond the noise floor, and turns a sampled call into a z-score under the
+    sampling transform the server applied. Each mode's verdict has a threshold below. The
+    detector does not read the verdict: it accumulates each completion's statistic over its
+    mode's threshold (1 = the failing level; KLD / max_mean_kld, flips / max_greedy_disagreement,
+    z^2 / max_abs_z^2) as an e-CUSUM against ``in_control_ratio``:
+    ``S = max(0, S + ln(1 + bet x (score / in_control_ratio - 1)))``, alarm at
+    ``S >= ln(ARL0)``. Each factor has expectation <= 1 while the primary's mean score is at
+    most ``in_control_ratio`` (scores are never negative and bet < 1), so ARL0 holds as for the
+    Bernoulli CUSUM (guard/policy/detector.py ``ScoreCusum``), with far fewer samples needed:
+    a continuous figure per completion carries more evidence than a pass/fail bit.
     """
 
     max_mean_kld: PositiveFloat = Field(
-        0.1, description="A completion fails when its mean KLD per token (nats) exceeds this "
-        "(Q8_0 of SmolLM2: 0.004, Q2_K: 0.45).")
-    min_top1_agreement: Fraction = Field(
-        0.8, description="A completion fails when fewer of its positions than this share have "
-        "the reference's top-1 token equal to the primary's (Q8_0: 95%, Q2_K: 65%).")
-    in_control_kld: PositiveFloat = Field(
-        0.02, description="The detector's null: the mean KLD per token (nats) of a primary "
-        "that agrees with the reference is at most this; ARL0 (policy.arl0) is promised for "
-        "any such primary. Must be below max_mean_kld.")
+        0.05, description="logprobs mode: a completion fails when its mean KLD per token "
+        "(nats, reference || primary) exceeds this (SmolLM2 Q8_0: 0.004, Q2_K: 0.45).")
+    max_abs_z: PositiveFloat = Field(
+        4.0, description="sampled mode (no logprobs, temperature > 0): a completion fails "
+        "when |z| of its surprise under the reference exceeds this (N(0, 1) when they agree).")
+    margin_floor: NonNegativeFloat = Field(
+        1.0, description="Reference margin (nats, top-1 minus top-2 logprob) above which an "
+        "argmax flip is not kernel noise (greedy mode, and the first divergent token).")
+    max_greedy_disagreement: Fraction = Field(
+        0.05, description="greedy mode (no logprobs, temperature 0): a completion fails when "
+        "more of its confident positions than this left the reference's argmax.")
+    support_epsilon: Fraction = Field(
+        0.05, description="sampled mode: weight of the untransformed distribution in the "
+        "surprise (keeps a token the transform excludes finite).")
+    min_tokens: PositiveInt = Field(
+        1, description="Completions with fewer compared positions are not comparable "
+        "(counted, never scored).")
+    in_control_ratio: Fraction = Field(
+        0.4, description="The detector's null: the mean score of a primary that agrees is at "
+        "most this share of the failing level (a mean KLD of 0.02 nats at max_mean_kld 0.05); "
+        "ARL0 (policy.arl0) is promised for any such primary. In (0, 1).")
     bet: float = Field(
         0.5, gt=0.0, lt=1.0, description="The detector's bet in (0, 1): larger reaches the "
         "threshold in fewer completions on a large drift and falls back faster on an agreeing "
-        "one (each agreeing completion takes at most ln(1 - bet) off the statistic).")
+        "one (an agreeing completion takes at most -ln(1 - bet) off the statistic).")
 
     @model_validator(mode="after")
     def _check(self) -> "GenerationCheckConfig":
-        if self.in_control_kld >= self.max_mean_kld:
-            raise ValueError("in_control_kld must be below max_mean_kld (the detector's null "
-                             "lies inside what a completion passes)")
+        if not 0.0 < self.in_control_ratio < 1.0:
+            raise ValueError("in_control_ratio must be in (0, 1): the detector's null lies "
+                             "below the level at which one completion fails")
         return self
 
 

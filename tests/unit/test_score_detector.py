@@ -17,7 +17,12 @@ DEFAULTS = GenerationCheckConfig()
 
 
 def _spec() -> ScoreSpec:
-    return ScoreSpec(DEFAULTS.in_control_kld, DEFAULTS.max_mean_kld, DEFAULTS.bet)
+    """The generation tier's: scores are the statistic over its failing level."""
+    return ScoreSpec(DEFAULTS.in_control_ratio, 1.0, DEFAULTS.bet)
+
+
+def kld(nats: float) -> float:
+    return nats / DEFAULTS.max_mean_kld
 
 
 def _policy(**policy) -> RoutePolicy:
@@ -70,7 +75,7 @@ def test_generation_defaults_trip_on_q2k_like_scores_within_ten():
     assert policy.config.min_samples == 5 and policy.arl0 == 1e5
     transitions = []
     for i in range(10):
-        t = policy.observe("generation", True, policy.epoch, score=0.3)
+        t = policy.observe("generation", True, policy.epoch, score=kld(0.3))
         if t is not None:
             transitions.append((i + 1, t))
     assert len(transitions) == 1
@@ -84,7 +89,7 @@ def test_agreeing_scores_never_trip_and_p0_is_never_calibrated():
     rng = random.Random(3)
     for _ in range(1000):
         assert policy.observe("generation", False, policy.epoch,
-                              score=rng.expovariate(1 / 0.004)) is None
+                              score=kld(rng.expovariate(1 / 0.004))) is None
     (figures,) = policy.detectors()
     assert figures.kind == "score_cusum" and figures.p0 is None
     assert figures.statistic < figures.threshold == pytest.approx(math.log(1e5))
@@ -106,12 +111,12 @@ def test_probes_with_agreeing_scores_route_back():
     policy = RoutePolicy("smol", config, ("generation",), clock=lambda: clock[0],
                          scores={"generation": _spec()})
     while policy.route == "primary":
-        policy.observe("generation", True, policy.epoch, score=0.5)
+        policy.observe("generation", True, policy.epoch, score=kld(0.5))
     clock[0] += 2.0
     assert policy.probing
     back = None
     for probes in range(1, 100):
-        back = policy.observe("generation", False, policy.epoch, score=0.001)
+        back = policy.observe("generation", False, policy.epoch, score=kld(0.001))
         if back is not None:
             break
     assert back is not None and back.to_route == "primary"
