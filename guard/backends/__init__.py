@@ -20,6 +20,7 @@ BACKEND_MODULES: dict[str, str] = {
     "keras": "guard.backends.keras",
     "litert": "guard.backends.litert",
     "onnxruntime": "guard.backends.onnxruntime",
+    "openai": "guard.backends.openai",
     "openvino": "guard.backends.openvino",
     "tensorflow": "guard.backends.tensorflow",
     "tensorrt": "guard.backends.tensorrt",
