@@ -17,7 +17,6 @@ from guard.backends import backend_kind
 from guard.backends.options import validate_backend_options
 from guard.config.backend import BackendConfig
 from guard.config.base import ConfigContext, FACTORY_REF, WithContext, _absolute
-from guard.config import generation
 from guard.config.model import ModelConfig
 from guard.config.envoy import check_envoy_mode
 from guard.config.server import ServerConfig, _check_server
@@ -92,8 +91,7 @@ def parse_config(data: Any, base_dir: Path | ConfigContext,
         config = GuardConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc), source) from None
-    problems = (_check_server(config.server, base_dir) + check_envoy_mode(config)
-                + generation.document_problems(config))
+    problems = _check_server(config.server, base_dir) + check_envoy_mode(config)
     for i, model in enumerate(config.models):
         if model.tap and config.server.tap is None:
             problems.append(f"models[{i}].tap: needs server.tap (the Tap listener that the "

@@ -134,13 +134,3 @@ def model_problems(model: "ModelConfig") -> list[str]:
     if model.tap:
         problems.append("tap: a generation model is observed on guard's HTTP edge, not Tap")
     return problems
-
-
-def document_problems(config) -> list[str]:
-    """Checks across the document (``GuardConfig``): the HTTP edge a generation model needs."""
-    problems = []
-    for i, model in enumerate(config.models):
-        if model.task == TASK and getattr(config.server, "http_port", None) is None:
-            problems.append(f"models[{i}].task: 'generation' needs server.http_port (guard's "
-                            "OpenAI-compatible HTTP edge)")
-    return problems

@@ -346,10 +346,18 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         f"statistic {{{{ printf \"%.2f\" $value }}}} at its threshold)",
         f"On {{{{ $labels.instance }}}}, the {policy.detector} detector of model {model.name}'s "
         f"{{{{ $labels.tier }}}} checks has reached its threshold (guard_detector_threshold): "
-        "the mirrored samples fail more often than the in-control rate p0 allows (false "
-        f"alarms: {false_alarms}). The failing share is guard_drift_ratio. " + consequence,
+        + _drift_evidence(model) + f" (false alarms: {false_alarms}). The failing share is "
+        "guard_drift_ratio. " + consequence,
         settings,
     )
+
+
+def _drift_evidence(model: ModelThresholds) -> str:
+    if model.generation is None:
+        return "the mirrored samples fail more often than the in-control rate p0 allows"
+    return ("the compared completions score above the in-control level (mean KLD per token "
+            "over checks.generation.max_mean_kld, or the greedy/sampled statistic over its "
+            f"threshold, averaging more than in_control_ratio={model.generation.in_control_ratio!r})")
 
 
 def drift_condition(model: ModelThresholds, sel: str) -> str:
