@@ -44,6 +44,12 @@ class ScriptedUpstream:
         return self
 
     def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop serving (the server goes away); again: nothing."""
+        if not self._thread.is_alive():
+            return
         asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
