@@ -99,11 +99,8 @@ class GuardMetrics:
             "guard_fallback_transitions", "Route changes, by the route taken.",
             ["model", "to"], registry=r,
         )
-        # The generation tier (task: generation), one observation per compared completion.
-        self.generation_tokens = Counter(
-            "guard_generation_tokens", "Completion tokens of the compared (sampled) calls, by "
-            "the route that answered them.", ["model", "route"], registry=r,
-        )
+        # The generation tier (task: generation), one observation per compared completion
+        # (guard_generation_tokens_total and the edge's own series: guard/serve/openai_edge.py).
         self.generation_kld = Histogram(
             "guard_generation_kld", "Mean KLD per token (nats, reference || primary) of a "
             "compared completion.", ["model"], buckets=KLD_BUCKETS, registry=r,
@@ -214,8 +211,6 @@ class GuardMetrics:
 
     def declare_generation_model(self, model: str) -> None:
         """A generation model's own series at zero (besides ``declare_model``'s)."""
-        for route in ("primary", "fallback"):
-            self.generation_tokens.labels(model, route)
         self.generation_kld.labels(model)
         self.generation_top1_agreement.labels(model)
         self.generation_first_divergence.labels(model)

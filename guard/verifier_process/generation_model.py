@@ -235,8 +235,6 @@ class VerifiedGenerationModel(VerifiedModel):
         metrics.declare_generation_model(self.name)
         metrics.mirror.labels(self.name, "not_comparable")
         self._checks = {r: metrics.checks.labels(self.name, TIER, r) for r in ("pass", "fail")}
-        self._tokens = {r: metrics.generation_tokens.labels(self.name, r)
-                        for r in ("primary", "fallback")}
         self._kld = metrics.generation_kld.labels(self.name)
         self._top1 = metrics.generation_top1_agreement.labels(self.name)
         self._divergence = metrics.generation_first_divergence.labels(self.name)
@@ -317,7 +315,6 @@ class VerifiedGenerationModel(VerifiedModel):
     # -- mirror worker ---------------------------------------------------------------------------
     def _on_result(self, result: GenerationResult) -> None:
         check, sample = result.check, result.sample
-        self._tokens["primary" if result.probed else sample.route].inc(check.tokens)
         if not check.comparable and check.mode != "tokenization_mismatch":
             self._not_comparable.inc()
             self.window.not_comparable += 1
