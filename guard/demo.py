@@ -201,6 +201,10 @@ def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status
 
 
 def run_demo(args: Namespace) -> int:
+    if getattr(args, "llm", False):
+        from guard.demo_llm import run_llm_demo
+
+        return run_llm_demo(args)
     import tritonclient.grpc as grpcclient
 
     from guard.admin_client import get_status
@@ -229,9 +233,9 @@ def run_demo(args: Namespace) -> int:
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc_port']}")
     try:
         _wait_ready(client, process)
-        print(f"guard demo: sending {args.requests} requests with tritonclient.grpc "
+        print(f"guard demo: sending {args.requests or 300} requests with tritonclient.grpc "
               f"(mirroring {args.sample_rate:.0%} onto the torch reference)", flush=True)
-        routes = _drive(client, args.requests, log)
+        routes = _drive(client, args.requests or 300, log)
         time.sleep(1.0)  # let the mirror finish the samples in its queue
         values = _scrape(ports["metrics_port"])
         status = get_status(f"127.0.0.1:{ports['admin_port']}", "classifier").models[0]

@@ -19,12 +19,15 @@ if TYPE_CHECKING:
 BACKEND_MODULES: dict[str, str] = {
     "keras": "guard.backends.keras",
     "litert": "guard.backends.litert",
+    "llama_cpp": "guard.backends.llama_cpp",
     "onnxruntime": "guard.backends.onnxruntime",
+    "openai": "guard.backends.openai",
     "openvino": "guard.backends.openvino",
     "tensorflow": "guard.backends.tensorflow",
     "tensorrt": "guard.backends.tensorrt",
     "torch": "guard.backends.torch",
     "torch_compile": "guard.backends.torch",
+    "transformers": "guard.backends.transformers",
     "upstream": "guard.backends.upstream",
 }
 BACKEND_NAMES: tuple[str, ...] = tuple(sorted(BACKEND_MODULES))

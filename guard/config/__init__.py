@@ -53,6 +53,7 @@ from guard.config.checks import (
     TensorCheckConfig,
     _adapter_entry,  # noqa: F401 (the matrix config reads adapter entries the same way)
 )
+from guard.config.generation import GenerationCheckConfig
 from guard.config.document import (
     GuardConfig,
     config_json_schema,
@@ -76,7 +77,7 @@ __all__ = [
     "FACTORY_REF", "MODEL_NAME", "Action", "ActivationCheckConfig", "AdapterConfig",
     "ArbitrationConfig", "BackendConfig", "BackendName", "CaptureConfig", "ChecksConfig",
     "ClassificationTaskConfig", "ClientAuthTlsConfig", "ConfigContext", "DetectionTaskConfig",
-    "EmbeddingTaskConfig", "Fraction", "GuardConfig", "MirrorConfig", "ModelConfig",
+    "EmbeddingTaskConfig", "Fraction", "GenerationCheckConfig", "GuardConfig", "MirrorConfig", "ModelConfig",
     "NoiseFloorConfig", "NonNegativeFloat", "OutputTolerance", "PolicyConfig", "Port",
     "PositiveFloat", "PositiveInt", "Precision", "RepairConfig", "SegmentationTaskConfig",
     "ServerConfig", "Strict", "TapListenerConfig", "Task", "TaskCheckConfig",

@@ -35,8 +35,10 @@ class BackendConfig(WithContext):
         "whose loader can unpickle; an error on upstream and 'module:factory' backends, which "
         "have no artifact file to pin."
     )
-    target: str | None = Field(None, description="upstream only: host:port of an OIP server.")
-    model: str | None = Field(None, description="upstream only: model name on that server.")
+    target: str | None = Field(None, description="upstream: host:port of an OIP server; "
+                               "openai: the base URL of an OpenAI-compatible server.")
+    model: str | None = Field(None, description="upstream, openai: the model's name on that "
+                              "server.")
 
     @field_validator("sha256")
     @classmethod
@@ -60,7 +62,8 @@ class BackendConfig(WithContext):
         if self.path is None:
             raise ValueError(f"backend '{self.backend}' needs 'path'")
         if self.target is not None or self.model is not None:
-            raise ValueError("'target' and 'model' are for backend 'upstream' only")
+            raise ValueError("'target' and 'model' are for remote backends only (upstream, "
+                             "openai)")
         if self.precision not in kind.precisions:
             raise ValueError(
                 f"precision '{self.precision}' cannot be derived by backend '{self.backend}' "

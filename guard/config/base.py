@@ -19,7 +19,8 @@ from guard.backends import BACKEND_NAMES
 # their own tables by backend name (guard/verify/activation/sides.py, guard/policy/keep_back.py).
 BackendName = Literal[BACKEND_NAMES]
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
-Task = Literal["classification", "detection", "segmentation", "embedding", "generic"]
+Task = Literal["classification", "detection", "segmentation", "embedding", "generation",
+               "generic"]
 Action = Literal["alert", "fallback_model", "fallback_ops"]
 
 

@@ -16,6 +16,7 @@ from guard.config.base import (
     PositiveInt,
     Strict,
 )
+from guard.config.generation import GenerationCheckConfig
 
 
 class NoiseFloorConfig(Strict):
@@ -242,5 +243,8 @@ class AdapterConfig(Strict):
 
 class ChecksConfig(Strict):
     tensor: TensorCheckConfig = Field(default_factory=TensorCheckConfig)
+    generation: GenerationCheckConfig = Field(
+        default_factory=GenerationCheckConfig,
+        description="task: generation only: the token-level checks of a compared completion.")
     activation: ActivationCheckConfig = Field(default_factory=ActivationCheckConfig)
     task: TaskCheckConfig = Field(default_factory=TaskCheckConfig)

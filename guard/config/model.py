@@ -14,6 +14,7 @@ from guard.config.backend import BackendConfig
 from guard.config.base import Fraction, PositiveFloat, PositiveInt, Strict, Task
 from guard.config.capture import CaptureConfig
 from guard.config.checks import AdapterConfig, ChecksConfig, _adapter_entry
+from guard.config import generation
 from guard.config.policy import PolicyConfig, _repairable_kinds
 
 
@@ -92,6 +93,10 @@ class ModelConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "ModelConfig":
+        problems = generation.model_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        self.policy = generation.with_task_defaults(self.policy, self.task)
         if self.policy.action == "fallback_model" and self.fallback is None:
             raise ValueError("policy.action 'fallback_model' needs a 'fallback' backend")
         if self.policy.action == "fallback_ops":

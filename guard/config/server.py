@@ -107,6 +107,11 @@ class ServerConfig(Strict):
     host: str = Field("0.0.0.0", description="Address the data plane and metrics listen on.")
     grpc_port: Port = Field(8001, description="Open Inference Protocol (KServe v2) gRPC port.")
     metrics_port: Port = Field(9090, description="Prometheus text exposition at /metrics.")
+    http_port: Port | None = Field(
+        None, description="OpenAI-compatible HTTP for generative models (backend openai): "
+        "/v1/completions, /v1/chat/completions (Server-Sent Events when the request says "
+        "\"stream\": true), /v1/models, /health and /health/ready, on server.host. Off when "
+        "unset (0 picks a free one). Served by the first serving process only.")
     admin_port: Port = Field(8003, description="guard.v1 admin API port.")
     admin_host: str = Field(
         "127.0.0.1", description="The admin API changes routes: loopback only unless set."

@@ -21,6 +21,11 @@ Per model, where it applies:
   ``mirror_drop_ratio`` (models with a reference and ``sample_rate > 0``).
 - ``GuardReferenceFailing`` (warning): errors and timeouts over ``reference_error_ratio`` of
   the samples that reached the reference (same models).
+- ``GuardGenerationKldHigh`` (warning), ``task: generation`` models that mirror: the mean KLD
+  per token of the compared completions over ``rate_window`` above
+  ``checks.generation.max_mean_kld`` (the level at which one completion fails). The detector
+  (GuardDriftOverThreshold, tier ``generation``) acts on the same figure per completion; this
+  one says how far the model is, also under ``action: alert`` and while the fallback serves.
 
 Once: ``GuardDown`` (critical): ``up{job=...} == 0`` for ``down_for``. The data plane goes through
 the guard, so a guard that cannot be scraped is usually a model that cannot be reached. And
@@ -55,10 +60,12 @@ from guard.config import (
     MirrorConfig,
     ModelConfig,
     PolicyConfig,
+    GenerationCheckConfig,
     ServerConfig,
     format_validation_error,
     read_yaml,
 )
+from guard.config.generation import TASK as GENERATION, with_task_defaults
 from guard.deploy import DEFAULT_RUNBOOK_BASE, RULE_FORMATS
 from guard.errors import ConfigError
 
@@ -71,6 +78,7 @@ ALERTS = (
     "GuardFallbackActive",
     "GuardMirrorDropping",
     "GuardReferenceFailing",
+    "GuardGenerationKldHigh",
     "GuardDown",
     "GuardConfigReloadFailed",
     "GuardVerifierDown",
@@ -117,6 +125,7 @@ class ModelThresholds:
     mirror: MirrorConfig
     has_reference: bool
     has_fallback: bool
+    generation: GenerationCheckConfig | None = None  # task: generation's tier thresholds
 
     @property
     def mirrors(self) -> bool:
@@ -170,12 +179,20 @@ def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThre
             problems.append(f"{where}.primary: required key is missing")
         policy = _validate_block(PolicyConfig, block.get("policy"), f"{where}.policy", problems)
         mirror = _validate_block(MirrorConfig, block.get("mirror"), f"{where}.mirror", problems)
+        generation = None
+        if block.get("task") == GENERATION:
+            checks = block.get("checks") if isinstance(block.get("checks"), dict) else {}
+            generation = _validate_block(GenerationCheckConfig, checks.get("generation"),
+                                         f"{where}.checks.generation", problems)
+            if policy is not None:
+                policy = with_task_defaults(policy, GENERATION)
         has_fallback = block.get("fallback") is not None
         if policy is not None and policy.action == "fallback_model" and not has_fallback:
             problems.append(f"{where}: policy.action 'fallback_model' needs a 'fallback' backend")
         if policy is not None and mirror is not None:
             found.append(ModelThresholds(name, policy, mirror,
-                                         block.get("reference") is not None, has_fallback))
+                                         block.get("reference") is not None, has_fallback,
+                                         generation))
     if problems:
         raise ConfigError(problems, source)
     return found
@@ -260,7 +277,30 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
             f"{_pct(settings.reference_error_ratio)}). Those samples are not checked.",
             settings,
         ))
+    if model.mirrors and model.generation is not None:
+        rules.append(_generation_alert(model, settings))
     return rules
+
+
+def _generation_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
+    """GuardGenerationKldHigh: the compared completions' mean KLD per token over the window."""
+    sel, w = model_selector(model.name), settings.rate_window
+    limit = model.generation.max_mean_kld
+    return _alert(
+        "GuardGenerationKldHigh",
+        f"rate(guard_generation_kld_sum{{{sel}}}[{w}]) / rate(guard_generation_kld_count"
+        f"{{{sel}}}[{w}]) > {limit!r}",
+        settings.drift_for, "warning",
+        f"guard {model.name}: completions {{{{ printf \"%.3g\" $value }}}} nats/token from "
+        "the reference",
+        f"On {{{{ $labels.instance }}}} the completions of model {model.name} compared over {w} "
+        f"average {{{{ printf \"%.3g\" $value }}}} nats of KL divergence per token from the "
+        f"reference's distribution (a completion fails above checks.generation.max_mean_kld="
+        f"{limit!r}; an 8-bit quantization sits near 0.004). The events drift_alert / "
+        "route_transition name the first divergent token; the primary (its quantization, "
+        "engine version or chat template) answers differently from its reference.",
+        settings,
+    )
 
 
 def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
@@ -306,10 +346,18 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         f"statistic {{{{ printf \"%.2f\" $value }}}} at its threshold)",
         f"On {{{{ $labels.instance }}}}, the {policy.detector} detector of model {model.name}'s "
         f"{{{{ $labels.tier }}}} checks has reached its threshold (guard_detector_threshold): "
-        "the mirrored samples fail more often than the in-control rate p0 allows (false "
-        f"alarms: {false_alarms}). The failing share is guard_drift_ratio. " + consequence,
+        + _drift_evidence(model) + f" (false alarms: {false_alarms}). The failing share is "
+        "guard_drift_ratio. " + consequence,
         settings,
     )
+
+
+def _drift_evidence(model: ModelThresholds) -> str:
+    if model.generation is None:
+        return "the mirrored samples fail more often than the in-control rate p0 allows"
+    return ("the compared completions score above the in-control level (mean KLD per token "
+            "over checks.generation.max_mean_kld, or the greedy/sampled statistic over its "
+            f"threshold, averaging more than in_control_ratio={model.generation.in_control_ratio!r})")
 
 
 def drift_condition(model: ModelThresholds, sel: str) -> str:

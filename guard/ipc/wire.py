@@ -5,6 +5,9 @@ a record says, and a record is only ever read as data.
 A local backend's answer travels as tensors. An upstream's answer (and a tap observation)
 travels as the serialized protocol messages, so the serving process never decodes an answer it
 only forwarded: the verifier decodes it (``guard.protocol.codec``) when it checks the sample.
+A sampled LLM call (the OpenAI-compatible edge) travels as one ``GenerationSample``: the UTF-8
+JSON of ``guard.protocol.generation.to_dict`` (text in, text out; ``decode`` rejects a record
+whose JSON or sample does not read, with ValueError).
 
 The tensors' bytes are not copied into an intermediate buffer: ``encode`` returns a list of
 parts (small headers and memoryviews of the arrays) that the ring copies in once.
@@ -12,14 +15,17 @@ parts (small headers and memoryviews of the arrays) that the ring copies in once
 
 from __future__ import annotations
 
+import json
 import struct
 import time
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from guard.protocol.generation import GenerationSample, from_dict, to_dict
+
 MIRROR, CAPTURE = 1, 2  # flags: hand to the mirror; record it (capture mode "all")
-TENSORS, MESSAGES = 0, 1  # payload kinds
+TENSORS, MESSAGES, GENERATION = 0, 1, 2  # payload kinds
 
 # flags, route (0 primary / 1 fallback), payload kind, slot, epoch, unix ns, request seconds
 _FIXED = struct.Struct("<BBBxHxxQQd")
@@ -47,6 +53,7 @@ class HandedSample:
     outputs: dict[str, np.ndarray] | None = None  # TENSORS
     request_message: bytes = b""  # MESSAGES: a serialized ModelInferRequest...
     response_message: bytes = b""  # ...and ModelInferResponse
+    generation: "GenerationSample | None" = None  # GENERATION: the sampled LLM call
     size: int = 0
 
 
@@ -94,6 +101,17 @@ def encode(flags: int, route: str, slot: int, epoch: int, unix_nanos: int,
     return parts
 
 
+def encode_generation(flags: int, slot: int, epoch: int, unix_nanos: int, model: str,
+                      traceparent: str, sample: GenerationSample) -> list:
+    """The parts of one GENERATION record: the common header (route, request id and the
+    edge's timing taken from ``sample``), then the sample's JSON."""
+    head = (_FIXED.pack(flags, 1 if sample.route == "fallback" else 0, GENERATION, slot, epoch,
+                        unix_nanos, sample.request_seconds)
+            + _string(model) + _string(sample.request_id) + _string(traceparent) + _string(""))
+    body = json.dumps(to_dict(sample), ensure_ascii=False, separators=(",", ":")).encode()
+    return [head, _U64.pack(len(body)), body]
+
+
 def hand_over(ring, flags: int, route: str, slot: int, epoch: int, request_seconds: float,
               model: str, request_id: str, traceparent: str, inputs: dict | None = None,
               outputs: dict | None = None, request_message: bytes = b"",
@@ -107,6 +125,18 @@ def hand_over(ring, flags: int, route: str, slot: int, epoch: int, request_secon
     parts = encode(flags, route, slot, epoch, time.time_ns(), request_seconds, model,
                    request_id, traceparent, (), inputs, outputs, request_message,
                    response_message)
+    return _put(ring, parts, flags, mirror_dropped, capture_dropped)
+
+
+def hand_over_generation(ring, flags: int, slot: int, epoch: int, model: str,
+                         traceparent: str, sample: GenerationSample, mirror_dropped=None,
+                         capture_dropped=None) -> bool:
+    """``hand_over`` for a sampled LLM call (the OpenAI-compatible edge)."""
+    parts = encode_generation(flags, slot, epoch, time.time_ns(), model, traceparent, sample)
+    return _put(ring, parts, flags, mirror_dropped, capture_dropped)
+
+
+def _put(ring, parts: list, flags: int, mirror_dropped, capture_dropped) -> bool:
     if ring.put(parts):
         return True
     if flags & MIRROR and mirror_dropped is not None:
@@ -182,6 +212,15 @@ def decode(data: bytes) -> HandedSample:
     if kind == TENSORS:
         sample.inputs = reader.tensors()
         sample.outputs = reader.tensors()
+    elif kind == GENERATION:
+        (n,) = reader.unpack(_U64)
+        body = reader.bytes(n)
+        try:
+            sample.generation = from_dict(json.loads(body))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise ValueError(f"generation record: not JSON: {exc}") from None
+    elif kind != MESSAGES:
+        raise ValueError(f"record of unknown payload kind {kind}")
     else:
         (n,) = reader.unpack(_U64)
         sample.request_message = reader.bytes(n)

@@ -19,6 +19,11 @@ LATENCY_BUCKETS = (
     1.0, 2.5, 5.0, 10.0,
 )
 ERROR_BUCKETS = tuple(10 ** (e / 2) for e in range(-16, 5))  # 1e-8 ... 1e2
+# Mean KLD per token of a completion, in nats: half a decade apart from 1e-5 (an fp16 or F16
+# copy) through 1e-3..1e-2 (8-bit and 4-bit quantizations) to 10 (a broken model).
+KLD_BUCKETS = tuple(10 ** (e / 2) for e in range(-10, 3))  # 1e-5 ... 10
+SHARE_BUCKETS = (0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
+POSITION_BUCKETS = tuple(2 ** e for e in range(11))  # 1 ... 1024 (0-based position + 1)
 UNKNOWN_MODEL = "_unknown"
 
 
@@ -93,6 +98,22 @@ class GuardMetrics:
         self.fallback_transitions = Counter(
             "guard_fallback_transitions", "Route changes, by the route taken.",
             ["model", "to"], registry=r,
+        )
+        # The generation tier (task: generation), one observation per compared completion
+        # (guard_generation_tokens_total and the edge's own series: guard/serve/openai_edge.py).
+        self.generation_kld = Histogram(
+            "guard_generation_kld", "Mean KLD per token (nats, reference || primary) of a "
+            "compared completion.", ["model"], buckets=KLD_BUCKETS, registry=r,
+        )
+        self.generation_top1_agreement = Histogram(
+            "guard_generation_top1_agreement", "Share of a compared completion's positions "
+            "whose top-1 token agrees with the reference's.", ["model"],
+            buckets=SHARE_BUCKETS, registry=r,
+        )
+        self.generation_first_divergence = Histogram(
+            "guard_generation_first_divergence_position", "Position (1-based) of a failing "
+            "completion's first divergent token.", ["model"], buckets=POSITION_BUCKETS,
+            registry=r,
         )
         # Capture (guard/capture/): what was recorded for replay, what was lost, disk use.
         self.capture_records = Counter(
@@ -187,6 +208,12 @@ class GuardMetrics:
             self.fallback_active.labels(model, scope).set(0)
         for to in ("primary", "fallback_model", "fallback_ops"):
             self.fallback_transitions.labels(model, to)
+
+    def declare_generation_model(self, model: str) -> None:
+        """A generation model's own series at zero (besides ``declare_model``'s)."""
+        self.generation_kld.labels(model)
+        self.generation_top1_agreement.labels(model)
+        self.generation_first_divergence.labels(model)
 
     def declare_served_model(self, model: str) -> None:
         """The serving process's series of a model at zero (requests; samples the ring

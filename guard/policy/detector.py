@@ -14,6 +14,9 @@
   expectation <= 1 there) and the size of the shift is unknown: a mixture over several
   alternatives (Shin, Ramdas & Rinaldo, "E-detectors", 2022). It pays about ln(K) nats of
   threshold for K alternatives and in exchange is never badly tuned.
+- ``ScoreCusum``: the same construction on a non-negative score per sample instead of a bit
+  (the generation tier's mean KLD per completion): a betting e-value against "the score's mean
+  is at most ``null_mean``" (one continuous figure carries far more evidence than a bit).
 - ``WindowDetector``: the failing share of the last N samples against a ratio: the v0 rule,
   kept as an option (its false-alarm rate has no closed form; benchmarks/detection_delay.py
   tunes it by simulation).
@@ -32,6 +35,7 @@ from __future__ import annotations
 
 import abc
 import math
+from dataclasses import dataclass
 
 from guard.policy.window import CountWindow
 
@@ -47,7 +51,8 @@ class Detector(abc.ABC):
 
     @abc.abstractmethod
     def update(self, failed: bool) -> bool:
-        """Take one result; True when the detector is in alarm after it."""
+        """Take one result (a failure bit; a score for ``ScoreCusum``); True when the
+        detector is in alarm after it."""
 
     @abc.abstractmethod
     def reset(self) -> None:
@@ -114,6 +119,83 @@ class BernoulliCusum(Detector):
 
     def describe(self) -> dict:
         return {**super().describe(), "p_null": self.p_null, "p_alt": self.p_alt}
+
+
+@dataclass(frozen=True)
+class ScoreSpec:
+    """A tier whose detector accumulates a non-negative score per sample (``ScoreCusum``):
+    ``null_mean`` the in-control mean bound, ``alarm_mean`` the level a drifting primary's
+    score reaches (a sample fails above it; recovery tests against it), ``bet`` in (0, 1)."""
+
+    null_mean: float
+    alarm_mean: float
+    bet: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not 0 < self.null_mean < self.alarm_mean:
+            raise ValueError("need 0 < null_mean < alarm_mean")
+        if not 0 < self.bet < 1:
+            raise ValueError("bet must be in (0, 1)")
+
+
+class ScoreCusum(Detector):
+    """CUSUM of betting e-values on a non-negative score ``x`` per sample.
+
+    ``direction='up'`` (trip): ``S = max(0, S + ln(1 + bet (x / null_mean - 1)))``. Whenever
+    E[x] <= null_mean, each factor has expectation <= 1 (and is > 0, as x >= 0 and bet < 1):
+    it is an e-value, so with ``threshold = ln(ARL0)`` the in-control ARL is at least ARL0 by
+    the Shiryaev-Roberts argument of the module docstring, whatever the score's distribution.
+    ``direction='down'`` (recovery): ``ln(1 + bet (1 - min(x, 2 null_mean) / null_mean))``, an
+    e-value while E[min(x, 2 null_mean)] >= null_mean (the primary still drifts at that level;
+    the clip keeps each factor >= 1 - bet > 0)."""
+
+    kind = "score_cusum"
+
+    def __init__(self, null_mean: float, bet: float, threshold: float, min_samples: int = 1,
+                 direction: str = "up"):
+        super().__init__(min_samples)
+        if null_mean <= 0:
+            raise ValueError("null_mean must be > 0")
+        if not 0 < bet < 1:
+            raise ValueError("bet must be in (0, 1)")
+        if threshold <= 0:
+            raise ValueError("threshold must be > 0")
+        if direction not in ("up", "down"):
+            raise ValueError("direction must be 'up' or 'down'")
+        self.null_mean, self.bet, self._threshold = null_mean, bet, threshold
+        self.direction = direction
+        self._s = 0.0
+        self.last_score: float | None = None
+
+    def increment(self, score: float) -> float:
+        if not score >= 0.0:  # NaN included
+            raise ValueError(f"score must be a number >= 0, got {score}")
+        if self.direction == "up":
+            return math.log1p(self.bet * (score / self.null_mean - 1.0))
+        return math.log1p(self.bet * (1.0 - min(score, 2.0 * self.null_mean) / self.null_mean))
+
+    def update(self, score: float) -> bool:  # type: ignore[override]
+        step = self.increment(score)
+        self.samples += 1
+        self.last_score = score
+        self._s = max(0.0, self._s + step)
+        return self.alarmed
+
+    def reset(self) -> None:
+        self._s = 0.0
+        self.samples = 0
+
+    @property
+    def statistic(self) -> float:
+        return self._s
+
+    @property
+    def threshold(self) -> float:
+        return self._threshold
+
+    def describe(self) -> dict:
+        return {**super().describe(), "null_mean": self.null_mean, "bet": self.bet,
+                "direction": self.direction}
 
 
 def default_alternatives(p_null: float, shift: float) -> list[float]:

@@ -17,6 +17,10 @@ Calibration: with ``p0`` unset, the first ``burn_in`` compared samples on the pr
 (one-sided 90% Wilson upper bound of the failing share, clipped to [p0_min, p0_max]); during the
 burn-in the detector runs with p0 = p0_max, so a model broken from the start still trips.
 
+A *scored* tier (the generation tier: ``scores``) feeds its detectors a number per sample (a
+completion's mean KLD) instead of the failure bit: trip and recovery are ``ScoreCusum``s, with
+no p0 to calibrate; its window still counts failures for the drift-ratio gauge.
+
 Each transition starts a new *epoch*: results of samples taken in an earlier epoch are ignored,
 so a verdict on the old route never counts toward a decision about the new one.
 
@@ -41,6 +45,8 @@ from guard.policy.detector import (
     BernoulliCusum,
     Detector,
     EDetector,
+    ScoreCusum,
+    ScoreSpec,
     WindowDetector,
     default_alternatives,
     exact_threshold,
@@ -94,9 +100,12 @@ class DetectorFigures:
 class _TierState:
     """One tier's count window (for the drift-ratio gauge), detectors and burn-in."""
 
-    def __init__(self, config: PolicyConfig, arl0: float):
+    def __init__(self, config: PolicyConfig, arl0: float, score: ScoreSpec | None = None):
         self.config = config
         self.arl0 = arl0
+        # A scored tier's sequential detectors accumulate its score (not the failure bit):
+        # no p0 to measure, no burn-in. The window (drift-ratio gauge) still counts failures.
+        self.score = score if config.detector != "window" else None
         self.window = CountWindow(config.window)
         self.p0 = config.p0
         self.burn_samples = 0
@@ -108,6 +117,10 @@ class _TierState:
     @property
     def sequential(self) -> bool:
         return self.config.detector != "window"
+
+    @property
+    def scored(self) -> bool:
+        return self.score is not None
 
     @property
     def p0_in_use(self) -> float:
@@ -129,6 +142,12 @@ class _TierState:
             self.recover = _SharedWindowView(self.trip, c.recover_ratio)
             return
         h = math.log(self.arl0)
+        if self.score is not None:
+            spec = self.score
+            self.trip = ScoreCusum(spec.null_mean, spec.bet, h, c.min_samples, "up")
+            self.recover = ScoreCusum(spec.alarm_mean, spec.bet, math.log(c.recover_arl0),
+                                      c.min_samples, "down")
+            return
         p0, p1 = self.p0_in_use, self.alarm_rate()
         if c.detector == "cusum":
             if c.threshold == "exact":
@@ -149,7 +168,7 @@ class _TierState:
 
     def calibrate(self, failed: bool) -> dict | None:
         """Count one burn-in sample; returns the calibration record when p0 gets measured."""
-        if self.p0 is not None or not self.sequential:
+        if self.p0 is not None or not self.sequential or self.scored:
             return None
         self.burn_samples += 1
         self.burn_failures += failed
@@ -203,7 +222,10 @@ class RoutePolicy:
         clock: Callable[[], float] = time.monotonic,
         sample_rate: float = 1.0,
         rng: random.Random | None = None,
+        scores: dict[str, ScoreSpec] | None = None,
     ):
+        """``scores``: the tiers whose detectors accumulate a score per sample (``observe``'s
+        ``score``) instead of the failure bit (guard/policy/detector.py ``ScoreCusum``)."""
         self.model = model
         self.config = config
         self.can_switch = config.action in ("fallback_model", "fallback_ops") and has_fallback
@@ -211,7 +233,8 @@ class RoutePolicy:
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self.arl0 = config.arl0_for(sample_rate)
-        self._tiers = {tier: _TierState(config, self.arl0) for tier in tiers}
+        self._tiers = {tier: _TierState(config, self.arl0, (scores or {}).get(tier))
+                       for tier in tiers}
         self._state: Route = "primary"
         self._override: Override = "auto"
         self._since = clock()
@@ -242,18 +265,27 @@ class RoutePolicy:
         return self._dwell
 
     # -- fed by the mirror worker --------------------------------------------------------------
-    def observe(self, tier: str, failed: bool, epoch: int) -> Transition | None:
-        """Record one check result taken in ``epoch``; returns a transition if one happened."""
+    def observe(self, tier: str, failed: bool, epoch: int,
+                score: float | None = None) -> Transition | None:
+        """Record one check result taken in ``epoch``; returns a transition if one happened.
+        ``score``: a scored tier's figure for the sample (its detectors take it; a scored
+        sample without one counts in the window only)."""
         with self._lock:
             if epoch != self.epoch:
                 return None  # taken on a route that is no longer current
             state = self._tiers[tier]
             state.window.add(failed)
+            if state.scored:
+                if score is None:
+                    return None
+                value = score
+            else:
+                value = failed
             if self._state == "primary":
-                return self._observe_primary(tier, state, failed)
-            return self._observe_fallback(tier, state, failed)
+                return self._observe_primary(tier, state, value)
+            return self._observe_fallback(tier, state, value)
 
-    def _observe_primary(self, tier: str, state: _TierState, failed: bool) -> Transition | None:
+    def _observe_primary(self, tier: str, state: _TierState, failed) -> Transition | None:
         if not self._alerting:
             calibrated = state.calibrate(failed)
             if calibrated is not None:
@@ -289,12 +321,17 @@ class RoutePolicy:
                               evidence)
         return None
 
-    def _observe_fallback(self, tier: str, state: _TierState, failed: bool) -> Transition | None:
+    def _observe_fallback(self, tier: str, state: _TierState, failed) -> Transition | None:
         state.trip.update(failed)  # probes keep the trip statistic (window: the shared window)
         recovered = state.recover.update(failed) if state.sequential else state.recover.alarmed
         if not recovered or self._override != "auto":
             return None
-        if state.sequential:
+        if state.scored:
+            r = state.recover
+            reason = (f"primary probes recovered: {tier} {r.kind} statistic {r.statistic:.2f} "
+                      f">= {r.threshold:.2f} after {r.samples} probes (mean score below "
+                      f"{r.null_mean:.4g})")
+        elif state.sequential:
             r = state.recover
             reason = (f"primary probes recovered: {tier} {r.kind} statistic {r.statistic:.2f} "
                       f">= {r.threshold:.2f} after {r.samples} probes (failure rate down from "
@@ -312,6 +349,11 @@ class RoutePolicy:
             return (f"{tier} drift ratio {w.ratio:.2f} > trip_ratio {self.config.trip_ratio} "
                     f"over {w.samples} samples")
         d = state.trip
+        if state.scored:
+            return (f"{tier} {d.kind} statistic {d.statistic:.2f} >= threshold "
+                    f"{d.threshold:.2f} (ARL0 {self.arl0:.3g} while the mean score is at most "
+                    f"{d.null_mean:.4g}; last score {d.last_score:.4g}) after {d.samples} "
+                    "samples")
         return (f"{tier} {d.kind} statistic {d.statistic:.2f} >= threshold {d.threshold:.2f} "
                 f"(ARL0 {self.arl0:.3g}, p0 {state.p0_in_use:.4g}"
                 f"{'' if state.p0 is not None else ' during burn-in'}) after {d.samples} "
@@ -321,7 +363,9 @@ class RoutePolicy:
         w = state.window
         evidence = {"tier": tier, "samples": w.samples, "failures": w.failures,
                     "drift_ratio": round(w.ratio, 4)}
-        if state.sequential:
+        if state.scored:
+            evidence["detector"] = {**detector.describe(), "arl0": self.arl0}
+        elif state.sequential:
             evidence["detector"] = {**detector.describe(), "p0": state.p0_in_use,
                                     "p0_measured": state.p0 is not None and
                                     self.config.p0 is None, "arl0": self.arl0}
@@ -375,7 +419,7 @@ class RoutePolicy:
     def detectors(self) -> list[DetectorFigures]:
         with self._lock:
             return [DetectorFigures(tier, s.trip.kind, s.trip.statistic, s.trip.threshold,
-                                    s.p0_in_use if s.sequential else None,
+                                    s.p0_in_use if s.sequential and not s.scored else None,
                                     s.trip.samples, s.trip.min_samples)
                     for tier, s in self._tiers.items()]
 

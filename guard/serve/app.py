@@ -98,6 +98,8 @@ class GuardServer:
         self._metrics_httpd = None
         self.reloader: ConfigReloader | None = None
         self._watch_task: asyncio.Task | None = None
+        self.http = None  # the OpenAI-compatible edge (server.http_port; openai_edge.py)
+        self.http_port = 0
 
     # -- start ---------------------------------------------------------------------------------
     def load_models(self) -> None:
@@ -147,6 +149,8 @@ class GuardServer:
                     self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
             self.dataplane.models_changed()
             self.dataplane.loading = False
+            if self.http is not None:
+                self.http.ready = True
             serving = health_pb2.HealthCheckResponse.SERVING
             for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
                 await self._health.set(service, serving)
@@ -162,6 +166,7 @@ class GuardServer:
              metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
              models=sorted(self.models),
              tap=f"{self.config.server.tap.host}:{self.tap_port}" if self._tap else None,
+             http_port=self.http_port or None,
              sampling_key=self.sampling_key, malloc=tune_for_inference(),
              data_plane="envoy" if self.envoy is not None else "python")
 
@@ -203,6 +208,11 @@ class GuardServer:
                              f"{server_config.metrics_port}: {exc.strerror or exc}") from None
         self.metrics_port = self._metrics_httpd.server_port
 
+        if server_config.http_port is not None:  # aiohttp is imported only then
+            from guard.serve.openai_edge import OpenAIEdge
+
+            self.http = OpenAIEdge(lambda: self.models, self.metrics, server_config)
+            self.http_port = await self.http.start()
         await self._grpc.start()
         await self._admin.start()
         await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -245,6 +255,8 @@ class GuardServer:
         if self.envoy is not None:  # drains, then exits: the request path ends first
             await self.envoy.stop()
         others = asyncio.get_running_loop().run_in_executor(None, self.processes.stop, grace)
+        if self.http is not None:
+            await self.http.stop(grace)
         if self._grpc is not None:
             await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs
         await others

@@ -158,6 +158,17 @@ class ServedModel:
         as mirror ``dropped``, like those the full ring refused."""
         self._mirror_dropped.inc(samples)
 
+    def sample_flags(self, request_id: str, route: str, probing: bool) -> int:
+        """What a request is handed to the verifier for (``wire.MIRROR``, ``wire.CAPTURE``),
+        0 for nothing. Within the dwell time on the fallback nothing is mirrored."""
+        flags = 0
+        if self.mirror_rate and (route != "fallback" or probing) and sampled(
+                request_id, self.mirror_rate):
+            flags |= wire.MIRROR
+        if self.capture_rate and sampled(request_id, self.capture_rate):
+            flags |= wire.CAPTURE
+        return flags
+
     def after_response(self, request_id: str, route: str, epoch: int, probing: bool,
                        seconds: float, inputs=None, outputs=None, request_message=None,
                        response_message=None) -> bool:
@@ -168,12 +179,7 @@ class ServedModel:
         message objects serialized only when sampled), decoded only in the verifier (which
         compares just the outputs the request asked for). Within the dwell time on the
         fallback nothing is mirrored."""
-        flags = 0
-        if self.mirror_rate and (route != "fallback" or probing) and sampled(
-                request_id, self.mirror_rate):
-            flags |= wire.MIRROR
-        if self.capture_rate and sampled(request_id, self.capture_rate):
-            flags |= wire.CAPTURE
+        flags = self.sample_flags(request_id, route, probing)
         if not flags:
             return False
         if outputs is None:
@@ -183,6 +189,13 @@ class ServedModel:
                               request_id, tracing.traceparent(), inputs, outputs,
                               request_message or b"", response_message or b"",
                               self._mirror_dropped, self._capture_dropped)
+
+    def hand_over_generation(self, flags: int, epoch: int, sample) -> bool:
+        """A sampled LLM call (a ``GenerationSample``, built by the HTTP edge) to the verifier;
+        True when it went into the ring (a full ring drops and counts it, never waits)."""
+        return wire.hand_over_generation(self.ring, flags, self.slot, epoch, self.name,
+                                         tracing.traceparent(), sample, self._mirror_dropped,
+                                         self._capture_dropped)
 
     # -- from the verifier -------------------------------------------------------------------------
     kept_primary: dict | None = None  # the wire form of the repaired primary serving now

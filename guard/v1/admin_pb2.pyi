@@ -92,8 +92,26 @@ class BackendStatus(_message.Message):
     artifact: str
     def __init__(self, role: _Optional[str] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., artifact: _Optional[str] = ...) -> None: ...
 
+class GenerationWindow(_message.Message):
+    __slots__ = ("completions", "window", "mean_kld", "kld_p99", "top1_agreement", "not_comparable", "last_divergence_json")
+    COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    WINDOW_FIELD_NUMBER: _ClassVar[int]
+    MEAN_KLD_FIELD_NUMBER: _ClassVar[int]
+    KLD_P99_FIELD_NUMBER: _ClassVar[int]
+    TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
+    NOT_COMPARABLE_FIELD_NUMBER: _ClassVar[int]
+    LAST_DIVERGENCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    completions: int
+    window: int
+    mean_kld: float
+    kld_p99: float
+    top1_agreement: float
+    not_comparable: int
+    last_divergence_json: str
+    def __init__(self, completions: _Optional[int] = ..., window: _Optional[int] = ..., mean_kld: _Optional[float] = ..., kld_p99: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., not_comparable: _Optional[int] = ..., last_divergence_json: _Optional[str] = ...) -> None: ...
+
 class ModelStatus(_message.Message):
-    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing", "outputs_matched")
+    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing", "outputs_matched", "generation", "has_generation")
     class MirrorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +147,8 @@ class ModelStatus(_message.Message):
     OPS_KEPT_BACK_FIELD_NUMBER: _ClassVar[int]
     REPAIRING_FIELD_NUMBER: _ClassVar[int]
     OUTPUTS_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    HAS_GENERATION_FIELD_NUMBER: _ClassVar[int]
     name: str
     route: str
     override: str
@@ -143,4 +163,6 @@ class ModelStatus(_message.Message):
     ops_kept_back: _containers.RepeatedScalarFieldContainer[str]
     repairing: bool
     outputs_matched: _containers.ScalarMap[str, str]
-    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ..., ops_kept_back: _Optional[_Iterable[str]] = ..., repairing: _Optional[bool] = ..., outputs_matched: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    generation: GenerationWindow
+    has_generation: bool
+    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ..., ops_kept_back: _Optional[_Iterable[str]] = ..., repairing: _Optional[bool] = ..., outputs_matched: _Optional[_Mapping[str, str]] = ..., generation: _Optional[_Union[GenerationWindow, _Mapping]] = ..., has_generation: _Optional[bool] = ...) -> None: ...

@@ -49,6 +49,7 @@ from guard.observe import logformat
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Transition
+from guard.verifier_process.generation_model import VerifiedGenerationModel
 from guard.verifier_process.model import VerifiedModel
 from guard.verifier_process.status import model_status
 from guard.v1 import admin_pb2 as admin_pb
@@ -127,8 +128,8 @@ class VerifierProcess:
 
     def _build(self, model_config, slot: int, source_hash: str, resume: int | None,
                kept: list[str], start_capture: bool = True) -> VerifiedModel:
-        model = VerifiedModel(model_config, self.metrics, self.table, slot, self.link,
-                              source_hash)
+        kind = VerifiedGenerationModel if model_config.task == "generation" else VerifiedModel
+        model = kind(model_config, self.metrics, self.table, slot, self.link, source_hash)
         try:
             model.load(resume, kept, start_capture)
         except BaseException:
@@ -250,6 +251,10 @@ class VerifierProcess:
             model = self.models.get(handed.model)
         if model is None:
             return  # a model removed by a reload while its samples were in the ring
+        if getattr(handed, "generation", None) is not None:  # a sampled LLM call
+            if isinstance(model, VerifiedGenerationModel):
+                model.accept_generation(handed)
+            return
         try:
             inputs, outputs = _tensors(handed)
         except Exception as exc:  # an answer guard cannot decode: the mirror's error, no more

@@ -6,6 +6,8 @@ The serving process adds its half (the backends that answer, requests per route)
 
 from __future__ import annotations
 
+import json
+
 from guard.observe.metrics import counts
 from guard.v1 import admin_pb2 as pb
 
@@ -38,4 +40,14 @@ def model_status(model) -> pb.ModelStatus:
         status.ops_kept_back.extend(model.ops.kept)
         status.repairing = model.ops.repairing
     status.mirror.update(counts(model.metrics.mirror, model.name, "outcome"))
+    window = getattr(model, "window", None)  # a generation model's KLD window
+    if window is not None:
+        figures = window.figures()
+        status.has_generation = True
+        status.generation.CopyFrom(pb.GenerationWindow(
+            completions=figures["completions"], window=figures["window"],
+            mean_kld=figures["mean_kld"], kld_p99=figures["kld_p99"],
+            top1_agreement=figures["top1_agreement"], not_comparable=figures["not_comparable"],
+            last_divergence_json=json.dumps(window.last_divergence, ensure_ascii=False)
+            if window.last_divergence else ""))
     return status

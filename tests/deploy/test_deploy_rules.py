@@ -36,7 +36,11 @@ SHIPPED = [
     (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules.yaml"),
     (f"{BASE}/guard.yaml", "prometheusrule", f"{BASE}/prometheusrule.yaml"),
     (f"{OVERLAY}/guard.yaml", "prometheusrule", f"{OVERLAY}/prometheusrule.yaml"),
+    ("deploy/prometheus/llm-guard.yaml", "prometheus", "deploy/prometheus/guard-rules-llm.yaml"),
 ]
+# The promtool unit tests of each shipped rule file: tensor models, and an LLM.
+RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml"]
+GENERATION_ALERTS = {"GuardGenerationKldHigh"}  # only task: generation models have these
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None,
@@ -77,11 +81,14 @@ def test_shipped_rules_equal_a_fresh_generation(config, fmt, shipped):
 
 
 @needs_promtool
-def test_promtool_checks_the_rule_file():
-    result = subprocess.run([PROMTOOL, "check", "rules", "deploy/prometheus/guard-rules.yaml"],
+@pytest.mark.parametrize("rule_file,alerts", [
+    ("deploy/prometheus/guard-rules.yaml", len(ALERTS) - len(GENERATION_ALERTS)),
+    ("deploy/prometheus/guard-rules-llm.yaml", len(ALERTS))])
+def test_promtool_checks_the_rule_file(rule_file, alerts):
+    result = subprocess.run([PROMTOOL, "check", "rules", rule_file],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"SUCCESS: {len(ALERTS)} rules found" in result.stdout
+    assert f"SUCCESS: {alerts} rules found" in result.stdout
 
 
 @needs_promtool
@@ -98,19 +105,20 @@ def test_promtool_checks_the_prometheusrule_groups(tmp_path):
 
 
 @needs_promtool
-def test_promtool_rule_unit_tests_pass():
-    result = subprocess.run([PROMTOOL, "test", "rules", "deploy/prometheus/tests.yaml"],
+@pytest.mark.parametrize("tests", RULE_TESTS)
+def test_promtool_rule_unit_tests_pass(tests):
+    result = subprocess.run([PROMTOOL, "test", "rules", tests],
                             cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "SUCCESS" in result.stdout
 
 
 def test_rule_unit_tests_cover_every_alert_firing():
-    tests = yaml.safe_load((ROOT / "deploy/prometheus/tests.yaml").read_text())
-    fired = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"]
-             if case["exp_alerts"]}
-    quiet = {case["alertname"] for test in tests["tests"] for case in test["alert_rule_test"]
-             if not case["exp_alerts"]}
+    cases = [case for path in RULE_TESTS
+             for test in yaml.safe_load((ROOT / path).read_text())["tests"]
+             for case in test["alert_rule_test"]]
+    fired = {case["alertname"] for case in cases if case["exp_alerts"]}
+    quiet = {case["alertname"] for case in cases if not case["exp_alerts"]}
     assert fired == set(ALERTS)
     assert quiet == set(ALERTS)
 
@@ -183,6 +191,32 @@ def test_alerts_exist_only_for_what_a_model_has():
     assert groups[0]["name"] == "guard.availability"
     assert {r["alert"] for r in groups[0]["rules"]} == {"GuardDown", "GuardConfigReloadFailed",
                                                         "GuardVerifierDown"}
+
+
+def test_generation_models_get_the_kld_alert_and_the_tasks_min_samples():
+    llm = model("smol", task="generation",
+                primary={"backend": "openai", "target": "http://h:1", "model": "q2"},
+                reference={"backend": "transformers", "path": "smol.gguf"},
+                fallback={"backend": "openai", "target": "http://h:2", "model": "q8"},
+                checks={"generation": {"max_mean_kld": 0.08}},
+                policy={"action": "fallback_model"})
+    groups = rule_groups(thresholds_from_data({"version": 1, "models": [llm, model("m")]}),
+                         RuleSettings())
+    alerts = alerts_by_name(groups)
+    (kld,) = alerts["GuardGenerationKldHigh"]
+    assert kld["expr"] == ('rate(guard_generation_kld_sum{model="smol"}[10m]) / '
+                           'rate(guard_generation_kld_count{model="smol"}[10m]) > 0.08')
+    drift = {r["expr"].split("{")[1].split("}")[0]: r["expr"]
+             for r in alerts["GuardDriftOverThreshold"]}
+    assert drift['model="smol"'].endswith('guard_detector_samples{model="smol"} >= 5')
+    assert drift['model="m"'].endswith('guard_detector_samples{model="m"} >= 20')
+
+
+def test_generation_threshold_problems_are_dotted_lines():
+    llm = model("smol", task="generation", checks={"generation": {"max_mean_kld": -1}})
+    with pytest.raises(ConfigError) as info:
+        thresholds_from_data({"version": 1, "models": [llm]})
+    assert info.value.problems == ["models[0].checks.generation.max_mean_kld: must be > 0"]
 
 
 def test_action_alert_says_clients_get_drifting_answers():

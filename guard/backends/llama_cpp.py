@@ -1,0 +1,158 @@
+"""``backend: llama_cpp``: a GGUF run in-process by llama.cpp (llama-cpp-python), as a
+teacher-forcing scorer.
+
+``path`` is the ``.gguf`` file; it runs as it is quantized (``precision`` stays fp32: the
+config's word for "as the artifact is"). The model is loaded with ``logits_all`` so that one
+evaluation of prompt + completion leaves the logits of every position; the scorer keeps those
+that predict the completion. Mind the memory: llama-cpp-python keeps a float32 ``[n_ctx,
+n_vocab]`` array for them (about 200 MB for SmolLM2's 49152 tokens at the default
+``context_length`` 1024).
+
+llama.cpp reads a path, not bytes: a pinned file (``sha256``) is hashed right before the load.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+from pydantic import Field
+
+from guard.backends.base import BackendInfo, Role
+from guard.backends.kind import BackendKind
+from guard.backends.options import _Options
+from guard.backends.scoring import Scorer, Vocabulary
+from guard.errors import BackendError
+
+if TYPE_CHECKING:
+    from guard.config import BackendConfig
+
+
+class LlamaCppOptions(_Options):
+    threads: int = Field(0, ge=0, description="llama.cpp threads; 0: the reference's CPU "
+                         "budget (mirror.threads).")
+    context_length: int = Field(1024, ge=16, description="n_ctx: the longest prompt + "
+                                "completion scored (memory: n_ctx x n_vocab x 4 bytes).")
+    batch: int = Field(512, ge=1, description="n_batch: tokens per llama.cpp decode call.")
+
+
+class _LlamaVocabulary(Vocabulary):
+    def __init__(self, llm):
+        self._llm = llm
+        self._texts: dict[int, str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._llm.tokenize(text.encode("utf-8"), add_bos=False, special=False))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._llm.detokenize([token_id], special=True).decode("utf-8", "replace")
+            self._texts[token_id] = text
+        return text
+
+    @property
+    def size(self) -> int:
+        return int(self._llm.n_vocab())
+
+
+def log_softmax(logits: np.ndarray) -> np.ndarray:
+    """Row-wise log-softmax in float64, returned as float32."""
+    wide = logits.astype(np.float64)
+    wide -= wide.max(axis=-1, keepdims=True)
+    wide -= np.log(np.exp(wide).sum(axis=-1, keepdims=True))
+    return wide.astype(np.float32)
+
+
+def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
+               batch: int = 512, logits_all: bool = True):
+    """A llama_cpp.Llama on ``path``, quiet; BackendError where it cannot be loaded."""
+    try:
+        from llama_cpp import Llama
+    except ImportError as exc:  # pragma: no cover - depends on the install
+        raise BackendError(f"backend llama_cpp needs llama-cpp-python (the llm extra): "
+                           f"{exc}") from None
+    try:
+        return Llama(model_path=str(path), n_ctx=context_length, n_batch=batch,
+                     n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
+                     verbose=False)
+    except (ValueError, RuntimeError) as exc:
+        raise BackendError(f"llama.cpp cannot load {path}: {exc}") from None
+
+
+class LlamaCppScorer(Scorer):
+    name = "llama_cpp"
+
+    def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):
+        self.spec = spec
+        self.role = role
+        self.options = LlamaCppOptions.model_validate(spec.options)
+        self.threads = self.options.threads or threads
+        self.llm = None
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        if self.spec.sha256 is not None:
+            from guard.backends.artifact import read_artifact
+
+            read_artifact(self.spec.path, self.spec.sha256)
+        self.llm = open_llama(self.spec.path, self.options.context_length, self.threads,
+                              self.options.batch)
+        self.vocab = _LlamaVocabulary(self.llm)
+        self.bos_id = int(self.llm.token_bos())
+        probe = self.llm.tokenize(b"a", add_bos=True, special=False)
+        self.adds_bos = bool(probe) and probe[0] == self.bos_id
+        self.context_length = int(self.llm.n_ctx())
+
+    def encode_prompt(self, text: str) -> list[int]:
+        # As llama.cpp's servers tokenize a completions prompt: BOS where the model adds one,
+        # special-token text parsed.
+        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+
+    def render_chat(self, messages: Sequence[dict]) -> list[int]:
+        from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+        template = self.llm.metadata.get("tokenizer.chat_template")
+        if not template:
+            raise BackendError(f"{self.spec.path} has no chat template to render chat "
+                               "messages with")
+        vocab = self.vocab
+        formatter = Jinja2ChatFormatter(
+            template=template, eos_token=vocab.token_text(int(self.llm.token_eos())),
+            bos_token=vocab.token_text(self.bos_id), add_generation_prompt=True)
+        rendered = formatter(messages=list(messages))
+        # llama-cpp-python's chat handler: BOS added unless the template wrote it.
+        return list(self.llm.tokenize(rendered.prompt.encode("utf-8"),
+                                      add_bos=not rendered.added_special, special=True))
+
+    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+        with self._lock:
+            self.llm.reset()
+            self.llm.eval(list(ids))
+            logits = np.array(self.llm.scores[prompt_length - 1:len(ids) - 1], copy=True)
+        return log_softmax(logits)
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(self.name, str(self.spec.path), "as quantized", "cpu", (), (),
+                           {"vocabulary": str(self.vocab.size),
+                            "context_length": str(self.context_length)})
+
+    def close(self) -> None:
+        if self.llm is not None:
+            self.llm.close()
+            self.llm = None
+
+
+def _check(spec: "BackendConfig") -> None:
+    if Path(spec.path).suffix != ".gguf":
+        raise ValueError(f"path: {spec.path} is not a .gguf file")
+    if spec.device != "cpu":
+        raise ValueError("device: this build of llama_cpp runs on cpu")
+
+
+KINDS = {
+    "llama_cpp": BackendKind(name="llama_cpp", backend=LlamaCppScorer, options=LlamaCppOptions,
+                             check=_check),
+}

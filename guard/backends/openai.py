@@ -1,0 +1,292 @@
+"""An OpenAI-compatible HTTP server as a backend (vLLM, llama.cpp's or llama-cpp-python's
+server, TGI, SGLang, Triton's OpenAI frontend): the upstream of a generative model
+(``task: generation``), forwarded by the HTTP edge on ``server.http_port``
+(guard/serve/openai_edge.py).
+
+The block::
+
+    primary:
+      backend: openai
+      target: http://127.0.0.1:8081      # base URL (a trailing /v1 is allowed)
+      model: smol-q4                     # the name the upstream serves
+      options:
+        api_key_env: UPSTREAM_KEY        # the NAME of the variable holding the key
+        server_defaults: {top_k: 40, min_p: 0.05}   # what the server applies unless told
+
+It forwards; it has no tensor inference (``infer`` raises) and refuses Open Inference Protocol
+calls (FAILED_PRECONDITION: the model is served over HTTP). The HTTP client is aiohttp's (the
+edge's server is aiohttp too: one well-kept package gives a streaming server and a streaming
+client with connection pooling; it is imported only when a session opens, so that `guard
+config validate` never imports it): one ``ClientSession`` per backend, opened on the serving
+event loop by ``connect()`` and reused by every call.
+
+At start-up ``load()`` waits up to ``options.ready_timeout_s`` for ``GET {target}/v1/models``
+to answer (a sidecar may start before its model server), with the standard library, on the
+loading thread. An upstream that does not list ``model`` is reported (event
+``openai_model_not_listed``), not refused: some servers list a file path or one fixed name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Mapping
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from guard.backends.base import Backend, BackendInfo, Forwarding, ForwardingError, Role
+from guard.backends.kind import BackendKind
+from guard.errors import BackendError
+from guard.observe.events import emit
+
+# Hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself: never forwarded.
+# Accept-Encoding is dropped so that the upstream answers uncompressed: the edge reads every
+# streamed event (and edits the model name in it) as it passes.
+HOP_BY_HOP = frozenset({
+    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "proxy-connection",
+    "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length",
+    "accept-encoding", "content-encoding",
+})
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ServerDefaults(_Strict):
+    """The sampling transform the server applies when a request does not say (None: not
+    declared). The generation tier needs it to score a sampled completion: llama.cpp's
+    server applies top_k 40, top_p 0.95, min_p 0.05, temperature 0.8 and repeat_penalty 1.0
+    unless told; vLLM applies the model's generation_config.json. A sampled completion whose
+    transform stays unknown is not comparable (counted, never scored)."""
+
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = Field(None, ge=0, description="0: off.")
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0)
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+
+class OpenAIOptions(_Strict):
+    api_key_env: str | None = Field(
+        None, description="The name of an environment variable holding the upstream's API "
+        "key, sent as 'Authorization: Bearer <key>' in place of the client's Authorization. "
+        "Never the key itself: a config is not a secret store. Unset: the client's "
+        "Authorization header is forwarded as it came.")
+    server_defaults: ServerDefaults = Field(
+        default_factory=ServerDefaults,
+        description="The sampling defaults the server applies unless a request says "
+        "otherwise (see ServerDefaults).")
+    connect_timeout_s: float = Field(
+        5.0, gt=0, description="Longest wait for a connection to the upstream; past it the "
+        "client gets 502.")
+    read_timeout_s: float = Field(
+        120.0, gt=0, description="Longest silence while the upstream answers (before the "
+        "first byte, or between two streamed events); past it the client gets 504 (or, "
+        "mid-stream, a cut connection).")
+    timeout_s: float = Field(
+        600.0, gt=0, description="Longest time for a whole call, streamed or not.")
+    ready_timeout_s: float = Field(
+        60.0, ge=0, description="At start-up, how long to wait for GET /v1/models to answer.")
+    sample_logprobs: int = Field(
+        0, ge=0, le=20,
+        description="On a sampled call whose client did not ask for logprobs, ask the upstream "
+        "for this many top_logprobs per token (the per-token comparison needs them) and strip "
+        "them from the client's answer (each choices[i].logprobs back to null, byte for byte "
+        "as the server answers unasked). Only for servers that answer logprobs for any "
+        "request (llama-cpp-python needs --logits_all true; vLLM max_logprobs): a server that "
+        "refuses them would turn a sampled call into an error. 0: never add them.")
+    max_connections: int = Field(
+        0, ge=0, description="Connections to the upstream at once; 0: no limit.")
+
+
+def _strip_v1(target: str) -> str:
+    target = target.rstrip("/")
+    return target[:-3] if target.endswith("/v1") else target
+
+
+class OpenAIBackend(Forwarding, Backend):
+    def __init__(self, spec, role: Role, threads: int = 1):
+        self.spec = spec
+        self.role = role
+        self.options = OpenAIOptions.model_validate(spec.options)
+        self.base = _strip_v1(spec.target)
+        self.model = spec.model
+        self._authorization: str | None = None
+        self.session = None  # aiohttp.ClientSession, opened by connect() on the serving loop
+        self._loop = None
+        self.listed: tuple[str, ...] = ()
+
+    def url(self, path: str) -> str:
+        """The upstream's URL for an API path (``/v1/chat/completions``)."""
+        return self.base + path
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def load(self) -> None:
+        name = self.options.api_key_env
+        if name is not None:
+            key = os.environ.get(name, "")
+            if not key:
+                raise BackendError(f"environment variable {name} (options.api_key_env) is not "
+                                   "set or empty", key="options.api_key_env")
+            self._authorization = f"Bearer {key}"
+        self.listed = self._wait_ready()
+        if self.listed and self.model not in self.listed:
+            emit("openai_model_not_listed", model=self.model, target=self.base,
+                 listed=list(self.listed)[:10],
+                 note="forwarding anyway: the upstream may serve it under another listing")
+
+    def _wait_ready(self) -> tuple[str, ...]:
+        deadline = time.monotonic() + self.options.ready_timeout_s
+        request = urllib.request.Request(self.url("/v1/models"))
+        if self._authorization:
+            request.add_header("Authorization", self._authorization)
+        last = "no answer"
+        while True:
+            try:
+                with urllib.request.urlopen(request, timeout=2.0) as answer:
+                    data = json.loads(answer.read() or b"{}")
+                return tuple(str(m.get("id")) for m in data.get("data") or ()
+                             if isinstance(m, dict))
+            except urllib.error.HTTPError as exc:
+                last = f"HTTP {exc.code}"
+                if exc.code in (401, 403):  # a wrong key does not get better by waiting
+                    raise BackendError(f"openai {self.model}@{self.base}: GET /v1/models: "
+                                       f"{last} (check options.api_key_env)") from None
+            except (OSError, ValueError) as exc:
+                last = f"{type(exc).__name__}: {exc}"
+            if time.monotonic() >= deadline:
+                raise BackendError(f"openai {self.model}@{self.base} not ready after "
+                                   f"{self.options.ready_timeout_s:g}s ({last})")
+            time.sleep(0.2)
+
+    async def connect(self, timeout: float = 5.0) -> bool:
+        """Open the client session on the serving event loop (once)."""
+        import asyncio
+
+        import aiohttp
+
+        if self.session is None:
+            self._loop = asyncio.get_running_loop()
+            options = self.options
+            self.session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=options.max_connections),
+                timeout=aiohttp.ClientTimeout(total=options.timeout_s,
+                                              connect=options.connect_timeout_s,
+                                              sock_read=options.read_timeout_s),
+                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+        return True
+
+    async def aclose(self) -> None:
+        """Close the session on its own loop (the edge's stop, before the loop ends)."""
+        session, self.session = self.session, None
+        if session is not None:
+            await session.close()
+
+    def close(self) -> None:
+        import asyncio
+
+        session, loop, self.session = self.session, self._loop, None
+        if session is None or loop is None or loop.is_closed():
+            return
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            loop.create_task(session.close())
+        else:
+            asyncio.run_coroutine_threadsafe(session.close(), loop)
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(backend="openai", artifact=f"{self.model}@{self.base}",
+                           precision="as served", device="remote", inputs=(), outputs=())
+
+    # -- the request path (the HTTP edge) ------------------------------------------------------
+    def headers(self, client: Mapping[str, str], request_id: str) -> dict[str, str]:
+        """The client's headers for the upstream: hop-by-hop ones left out, the upstream's
+        Authorization in place of the client's where ``api_key_env`` is set."""
+        out = {k: v for k, v in client.items() if k.lower() not in HOP_BY_HOP}
+        if self._authorization is not None:
+            for key in [k for k in out if k.lower() == "authorization"]:
+                del out[key]
+            out["Authorization"] = self._authorization
+        if not any(k.lower() == "x-request-id" for k in out):
+            out["X-Request-Id"] = request_id
+        out["Content-Type"] = "application/json"
+        return out
+
+    # -- what this backend is not --------------------------------------------------------------
+    def infer(self, inputs: dict[str, Any]) -> dict[str, Any]:
+        raise BackendError(f"backend 'openai' ({self.model}@{self.base}) generates text over "
+                           "HTTP: it has no tensor inference")
+
+    async def forward(self, request, timeout, metadata=()):
+        raise ForwardingError("FAILED_PRECONDITION", f"model is generative (backend openai): "
+                              "call it over OpenAI-compatible HTTP on server.http_port")
+
+    async def forward_raw(self, data: bytes, timeout, metadata=()) -> bytes:
+        return await self.forward(None, timeout, metadata)
+
+
+def server_defaults(spec) -> ServerDefaults:
+    """The declared sampling defaults of an ``openai`` block (for the generation tier)."""
+    return OpenAIOptions.model_validate(spec.options).server_defaults
+
+
+def _check(spec) -> None:
+    if not spec.target or not spec.model:
+        raise ValueError("backend 'openai' needs 'target' (the server's base URL, "
+                         "http://host:port) and 'model' (the name it serves)")
+    if spec.path is not None:
+        raise ValueError("backend 'openai' takes 'target' and 'model', not 'path'")
+    if spec.precision != "fp32":
+        raise ValueError("backend 'openai' cannot derive a precision: the remote server runs "
+                         "what it serves")
+    if not re.fullmatch(r"https?://(\[[0-9a-fA-F:.]+\]|[\w.\-]+)(:\d{1,5})?(/[\w.\-/]*)?",
+                        spec.target):
+        raise ValueError(f"target '{spec.target}' must be a base URL: http://host:port")
+    name = spec.options.get("api_key_env") if isinstance(spec.options, dict) else None
+    if isinstance(name, str) and not _ENV_NAME.fullmatch(name):
+        raise ValueError(f"options.api_key_env: {name[:4]}... is not the name of an environment "
+                         "variable (letters, digits, '_'): give the variable's name, never the "
+                         "key itself")
+
+
+def _check_model(model) -> None:
+    """Both routes of a generative model are OpenAI-compatible servers (the edge forwards
+    either); a reference may be any scorer."""
+    if model.primary.backend == "openai" and model.task != "generation":
+        raise ValueError(f"task: '{model.task}' with an 'openai' primary; an OpenAI-compatible "
+                         "server's model is task 'generation'")
+    roles = [r for r in ("primary", "fallback") if getattr(model, r) is not None]
+    kinds = {r: getattr(model, r).backend for r in roles}
+    if "openai" in kinds.values() and set(kinds.values()) != {"openai"}:
+        other = next(r for r, k in kinds.items() if k != "openai")
+        raise ValueError(f"{other}: backend '{kinds[other]}' beside an 'openai' "
+                         f"{'primary' if other == 'fallback' else 'fallback'}: the HTTP edge "
+                         "forwards either route, so both must be backend 'openai'")
+
+
+def _check_config(config) -> None:
+    if config.server.http_port is None and any(
+            m.primary.backend == "openai" for m in config.models):
+        raise ValueError("server.http_port: unset, but a model's primary is backend 'openai' "
+                         "(served over OpenAI-compatible HTTP on that port)")
+
+
+KINDS = {
+    "openai": BackendKind(
+        name="openai", backend=OpenAIBackend, options=OpenAIOptions,
+        precisions=frozenset({"fp32"}),  # the remote server runs what it runs
+        artifact=False, forwards=True, check=_check, check_model=_check_model,
+        check_config=_check_config,
+    ),
+}

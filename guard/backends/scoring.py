@@ -1,0 +1,315 @@
+"""Teacher-forcing scorers: the reference side of a generative model (no heavy imports here).
+
+A scorer takes one :class:`~guard.protocol.generation.GenerationSample` (the prompt and the
+primary's completion) and runs ONE forward pass of its own model over ``prompt + completion``;
+it returns the reference's next-token distribution at every completion position
+(:class:`ReferenceScores`). It knows no checks: the ``generation`` tier
+(guard/verify/generation.py) compares those distributions with what the primary did.
+
+What every scorer does the same way lives here:
+
+- **The prompt as the server rendered it.** Token ids the server returned are used as they
+  are; otherwise the scorer renders the prompt with its own tokenizer (the chat template with
+  the generation prompt for chat) and marks the result ``approximate``. Either way BOS is
+  checked explicitly (:func:`bos_findings`): a doubled BOS (a template that writes it plus a
+  tokenizer that adds it) or a missing one is a finding, the classic silent chat-path bug.
+- **The primary's tokens, reproduced** (:func:`align_completion`). Where the primary said its
+  token ids they are checked against their texts in the reference's vocabulary; where it said
+  texts only, the reference's tokenization of the completion text must give the same texts
+  (or, for a sampled, non-canonical split, every text must be one token of the vocabulary). A
+  difference is a :class:`TokenizationMismatch` (tokenizer or template drift), reported with
+  its position and never scored as noise.
+
+Local scorers return the full-vocabulary log-softmax (float32 ``[T, V]``); a remote one (a
+server's prompt logprobs) fills only the top-k arrays and the chosen token's logprob, so the
+tier's math reads what is there (``has_full``).
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import numpy as np
+
+from guard.backends.base import Backend
+from guard.errors import BackendError
+from guard.protocol.generation import GenerationSample
+
+# How many of the reference's best tokens are kept per position (for reports and for a
+# top-k-only comparison); vLLM's max_logprobs default is 20 too.
+TOP_K = 20
+# Prefix the OpenAI servers put on a token text that is not valid UTF-8 by itself (vLLM
+# writes "bytes:\\xe2\\x80"); such texts, and texts with U+FFFD, are partial characters whose
+# text cannot be compared byte for byte.
+_BYTES_PREFIX = "bytes:"
+
+
+@dataclass(frozen=True)
+class TokenizationMismatch:
+    """The reference does not reproduce the primary's tokens from position ``position`` on."""
+
+    position: int
+    primary: str  # the primary's token text there ("" past its end)
+    reference: str  # the reference's token text there ("" past its end)
+    reason: str
+
+    def as_dict(self) -> dict[str, object]:
+        return {"position": self.position, "primary": self.primary,
+                "reference": self.reference, "reason": self.reason}
+
+
+@dataclass
+class ReferenceScores:
+    """The reference's view of one completion, teacher-forced.
+
+    ``token_ids`` are the completion's tokens in the reference's vocabulary (the primary's
+    own where it said them); position ``t``'s arrays are the reference's distribution over the
+    token at ``t`` given the prompt and tokens ``< t``. ``logprobs`` (float32 ``[T, V]``, the
+    full log-softmax) is None for a remote scorer; ``top_ids``/``top_logprobs`` (``[T, k]``,
+    best first) and ``chosen_logprob`` (``[T]``, the reference's logprob of the primary's
+    token) are always there. ``primary_top_logprobs[t]`` holds the reference's logprob of each
+    of the primary's ``top`` alternatives at ``t`` (NaN where the reference has no such
+    token). ``mismatch`` set means nothing was scored (the arrays are empty).
+    """
+
+    token_ids: tuple[int, ...]
+    token_texts: tuple[str, ...]
+    top_ids: np.ndarray
+    top_logprobs: np.ndarray
+    top_texts: tuple[tuple[str, ...], ...]
+    chosen_logprob: np.ndarray
+    logprobs: np.ndarray | None = None
+    primary_top_logprobs: tuple[np.ndarray, ...] = ()
+    prompt_token_ids: tuple[int, ...] = ()
+    approximate: bool = False  # the prompt was rendered by the reference, not told by the server
+    findings: tuple[str, ...] = ()  # prompt findings: "double_bos", "missing_bos"
+    mismatch: TokenizationMismatch | None = None
+    noncanonical: bool = False  # the primary's split is not the reference's canonical one
+    scorer: str = ""
+
+    @property
+    def has_full(self) -> bool:
+        return self.logprobs is not None
+
+    @property
+    def scored(self) -> bool:
+        return self.mismatch is None
+
+
+def comparable_text(text: str) -> bool:
+    """Can this token text be compared byte for byte? (Not a partial UTF-8 character.)"""
+    return not text.startswith(_BYTES_PREFIX) and "\ufffd" not in text
+
+
+def _texts_equal(primary: str, reference: str) -> bool:
+    return primary == reference or not (comparable_text(primary) and comparable_text(reference))
+
+
+class Vocabulary(abc.ABC):
+    """The tokenizer operations the shared steps need; each scorer wraps its own tokenizer."""
+
+    @abc.abstractmethod
+    def encode(self, text: str) -> list[int]:
+        """``text`` as tokens, no BOS/EOS added, special-token text not parsed."""
+
+    @abc.abstractmethod
+    def token_text(self, token_id: int) -> str:
+        """One token's text (bytes decoded with replacement)."""
+
+    @property
+    @abc.abstractmethod
+    def size(self) -> int:
+        """The number of token ids."""
+
+    _by_text: dict[str, int] | None = None
+
+    def lookup(self, text: str) -> int | None:
+        """The id whose text is ``text`` (built on first use: one decode per id)."""
+        if self._by_text is None:
+            table: dict[str, int] = {}
+            for token_id in range(self.size):
+                table.setdefault(self.token_text(token_id), token_id)
+            self._by_text = table
+        return self._by_text.get(text)
+
+
+def align_completion(sample: GenerationSample, vocab: Vocabulary
+                     ) -> tuple[list[int], bool, TokenizationMismatch | None]:
+    """The primary's completion as reference token ids: ``(ids, noncanonical, mismatch)``.
+
+    With the primary's ids: each id's reference text must be the primary's text. With texts
+    only: the reference's canonical tokenization of ``completion_text`` must give the same
+    texts; where it does not, a sampled split is accepted when every text is one token of the
+    vocabulary and they join to the completion text (``noncanonical``); anything else is a
+    mismatch at the first position where the reference's tokens part from the primary's.
+    """
+    tokens = sample.tokens
+    if tokens and all(t.token_id is not None for t in tokens):
+        ids = [int(t.token_id) for t in tokens]  # type: ignore[arg-type]
+        for position, (token, token_id) in enumerate(zip(tokens, ids)):
+            if not 0 <= token_id < vocab.size:
+                return [], False, TokenizationMismatch(
+                    position, token.text, "", f"token id {token_id} is outside the reference's "
+                    f"vocabulary of {vocab.size}")
+            reference = vocab.token_text(token_id)
+            if not _texts_equal(token.text, reference):
+                return [], False, TokenizationMismatch(
+                    position, token.text, reference,
+                    f"token id {token_id} is {reference!r} in the reference's vocabulary")
+        return ids, False, None
+    texts = [t.text for t in tokens]
+    joined = "".join(texts)
+    if tokens and joined != sample.completion_text and all(comparable_text(t) for t in texts):
+        position = next((i for i in range(len(texts))
+                         if not sample.completion_text.startswith("".join(texts[:i + 1]))),
+                        len(texts) - 1)
+        return [], False, TokenizationMismatch(
+            position, texts[position], "", "the tokens' texts do not join to the completion text")
+    canonical = vocab.encode(sample.completion_text)
+    canonical_texts = [vocab.token_text(i) for i in canonical]
+    if not tokens:
+        return canonical, False, None
+    if len(canonical) == len(texts) and all(map(_texts_equal, texts, canonical_texts)):
+        return canonical, False, None
+    split = [vocab.lookup(text) for text in texts]
+    if all(i is not None for i in split):
+        return [int(i) for i in split], True, None  # type: ignore[arg-type]
+    position = next((i for i, (p, r) in enumerate(zip(texts, canonical_texts))
+                     if not _texts_equal(p, r)), min(len(texts), len(canonical)))
+    return [], False, TokenizationMismatch(
+        position, texts[position] if position < len(texts) else "",
+        canonical_texts[position] if position < len(canonical_texts) else "",
+        "the reference's tokenization of the completion differs from the primary's tokens")
+
+
+def bos_findings(prompt_ids: Sequence[int], bos_id: int | None, adds_bos: bool) -> tuple[str, ...]:
+    """``double_bos`` where the prompt starts with BOS twice; ``missing_bos`` where the model
+    expects a BOS (its tokenizer adds one) and the prompt does not start with it."""
+    if bos_id is None or bos_id < 0:
+        return ()
+    if len(prompt_ids) >= 2 and prompt_ids[0] == bos_id and prompt_ids[1] == bos_id:
+        return ("double_bos",)
+    if adds_bos and (not prompt_ids or prompt_ids[0] != bos_id):
+        return ("missing_bos",)
+    return ()
+
+
+def top_of(logprobs: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """The ``k`` best ids and logprobs per row of ``[T, V]`` log-probabilities, best first."""
+    k = min(k, logprobs.shape[-1])
+    part = np.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+    values = np.take_along_axis(logprobs, part, axis=-1)
+    order = np.argsort(-values, axis=-1, kind="stable")
+    return (np.take_along_axis(part, order, axis=-1).astype(np.int64),
+            np.take_along_axis(values, order, axis=-1).astype(np.float32))
+
+
+def scores_from_full(sample: GenerationSample, vocab: Vocabulary, logprobs: np.ndarray,
+                     ids: Sequence[int], **fields) -> ReferenceScores:
+    """:class:`ReferenceScores` from a local scorer's full ``[T, V]`` log-softmax."""
+    logprobs = np.ascontiguousarray(logprobs, dtype=np.float32)
+    top_ids, top_lp = top_of(logprobs)
+    positions = np.arange(len(ids))
+    chosen = logprobs[positions, np.asarray(ids, dtype=np.int64)] if len(ids) else \
+        np.zeros(0, np.float32)
+    alternatives = []
+    for t, token in enumerate(sample.tokens[:len(ids)]):
+        found = [vocab.lookup(text) if comparable_text(text) else None for text, _ in token.top]
+        alternatives.append(np.array([logprobs[t, i] if i is not None else np.nan
+                                      for i in found], dtype=np.float64))
+    return ReferenceScores(
+        token_ids=tuple(int(i) for i in ids),
+        token_texts=tuple(vocab.token_text(int(i)) for i in ids),
+        top_ids=top_ids, top_logprobs=top_lp,
+        top_texts=tuple(tuple(vocab.token_text(int(i)) for i in row[:5]) for row in top_ids),
+        chosen_logprob=chosen.astype(np.float32), logprobs=logprobs,
+        primary_top_logprobs=tuple(alternatives), **fields)
+
+
+def unscored(mismatch: TokenizationMismatch, **fields) -> ReferenceScores:
+    """The scores of a completion the reference could not align: nothing but the finding."""
+    empty = np.zeros((0, 0), np.float32)
+    return ReferenceScores((), (), empty.astype(np.int64), empty, (), np.zeros(0, np.float32),
+                           mismatch=mismatch, **fields)
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    """A prompt as token ids, and how they were obtained."""
+
+    ids: list[int]
+    approximate: bool
+    findings: tuple[str, ...] = field(default=())
+
+
+class Scorer(Backend):
+    """A backend that teacher-forces generations instead of mapping tensors (``score``).
+
+    Subclasses give the tokenizer (``vocab``, ``bos_id``, ``adds_bos``, ``encode_prompt``,
+    ``render_chat``), the context length and ONE forward pass (``forward``); the steps every
+    scorer shares (render, check BOS, align, gather) are here.
+    """
+
+    name = "scorer"
+    vocab: Vocabulary
+    bos_id: int | None = None
+    adds_bos: bool = False
+    context_length: int = 0
+
+    @abc.abstractmethod
+    def encode_prompt(self, text: str) -> list[int]:
+        """A completions prompt as the server tokenizes it (BOS where the model adds one,
+        special-token text parsed)."""
+
+    @abc.abstractmethod
+    def render_chat(self, messages: Sequence[dict]) -> list[int]:
+        """Chat messages through the model's chat template, generation prompt added."""
+
+    @abc.abstractmethod
+    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+        """One teacher-forced pass over ``ids``: the log-softmax (float32 ``[T, V]``) at the
+        ``T = len(ids) - prompt_length`` positions that predict ``ids[prompt_length:]``."""
+
+    def render(self, sample: GenerationSample) -> RenderedPrompt:
+        """The prompt's ids: the server's where it told them, else rendered here."""
+        if sample.prompt_token_ids is not None:
+            ids, approximate = list(sample.prompt_token_ids), False
+        elif sample.endpoint == "chat":
+            if not sample.messages:
+                raise BackendError("a chat sample without messages cannot be scored")
+            ids, approximate = self.render_chat(sample.messages), True
+        else:
+            if sample.prompt is None:
+                raise BackendError("a completions sample without a prompt cannot be scored")
+            ids, approximate = self.encode_prompt(sample.prompt), True
+        return RenderedPrompt(ids, approximate, bos_findings(ids, self.bos_id, self.adds_bos))
+
+    def score(self, sample: GenerationSample) -> ReferenceScores:
+        """The reference's distributions over ``sample``'s completion positions; raises
+        BackendError for a sample it cannot score at all (longer than its context)."""
+        prompt = self.render(sample)
+        common = dict(prompt_token_ids=tuple(prompt.ids), approximate=prompt.approximate,
+                      findings=prompt.findings, scorer=self.name)
+        ids, noncanonical, mismatch = align_completion(sample, self.vocab)
+        if mismatch is not None:
+            return unscored(mismatch, **common)
+        if not ids:
+            return scores_from_full(sample, self.vocab, np.zeros((0, self.vocab.size),
+                                                                 np.float32), [], **common)
+        total = len(prompt.ids) + len(ids)
+        if self.context_length and total > self.context_length:
+            raise BackendError(f"prompt ({len(prompt.ids)} tokens) and completion "
+                               f"({len(ids)}) exceed the reference's context of "
+                               f"{self.context_length} tokens")
+        if not prompt.ids:
+            raise BackendError("an empty prompt (no BOS either) gives no position to score "
+                               "the first token from")
+        logprobs = self.forward(prompt.ids + ids, len(prompt.ids))
+        return scores_from_full(sample, self.vocab, logprobs, ids, noncanonical=noncanonical,
+                                **common)
+
+    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        raise BackendError(f"backend {self.name} scores generations (score()); it has no "
+                           "tensor inputs to infer on")

@@ -1,0 +1,169 @@
+"""``backend: transformers``: a teacher-forcing reference for generative models (torch).
+
+``path`` is an HF model folder, or a ``.gguf`` file that transformers dequantizes on load
+(``from_pretrained(folder, gguf_file=NAME)``, which needs the ``gguf`` and ``accelerate``
+packages): the reference is then the very weights the GGUF holds, in ``precision`` (fp32 by
+default), run by torch's kernels instead of llama.cpp's. Files only: nothing is fetched from a
+hub (``local_files_only``).
+
+A scorer (guard/backends/scoring.py): one forward pass over prompt + completion gives the
+reference's log-softmax at every completion position. The reference role pins torch's
+determinism and thread count as the ``torch`` backend's reference does.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Sequence
+
+import numpy as np
+from pydantic import Field
+
+from guard.backends.base import BackendInfo, Role
+from guard.backends.kind import BackendKind
+from guard.backends.options import _Options
+from guard.backends.scoring import Scorer, Vocabulary
+from guard.errors import BackendError
+
+if TYPE_CHECKING:
+    from guard.config import BackendConfig
+
+
+class TransformersOptions(_Options):
+    threads: int = Field(0, ge=0, description="torch intra-op threads; 0: the reference's "
+                         "CPU budget (mirror.threads).")
+    context_length: int = Field(0, ge=0, description="Longest prompt + completion scored; 0: "
+                                "the model's max_position_embeddings.")
+
+
+class _HFVocabulary(Vocabulary):
+    def __init__(self, tokenizer, size: int):
+        self._tokenizer = tokenizer
+        self._size = size
+        self._texts: dict[int, str] = {}
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False,
+                                          clean_up_tokenization_spaces=False)
+            self._texts[token_id] = text
+        return text
+
+    @property
+    def size(self) -> int:
+        return self._size
+
+
+def _source(path: str) -> tuple[Path, dict[str, str]]:
+    """``from_pretrained``'s folder and keyword arguments for an HF folder or a .gguf file."""
+    location = Path(path)
+    if location.suffix == ".gguf":
+        return location.parent, {"gguf_file": location.name}
+    return location, {}
+
+
+def _verify_pin(path: str, sha256: str | None) -> None:
+    """transformers reads paths, not bytes: a pinned GGUF is hashed right before the load."""
+    if sha256 is None:
+        return
+    if Path(path).is_dir():
+        raise BackendError("sha256 pins one file; an HF folder has several (pin a .gguf)",
+                           key="sha256")
+    from guard.backends.artifact import read_artifact
+
+    read_artifact(path, sha256)
+
+
+class TransformersScorer(Scorer):
+    name = "transformers"
+
+    def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):
+        self.spec = spec
+        self.role = role
+        self.options = TransformersOptions.model_validate(spec.options)
+        self.threads = self.options.threads or threads
+        self._model = None
+        self._tokenizer = None
+        self._lock = threading.Lock()
+
+    def load(self) -> None:
+        import torch
+
+        from guard.backends.determinism import pin_torch_reference
+
+        if self.role == "reference":
+            pin_torch_reference(self.threads)
+        elif self.options.threads:
+            torch.set_num_threads(self.options.threads)
+        try:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+        except ImportError as exc:  # pragma: no cover - depends on the install
+            raise BackendError(f"backend transformers needs the llm extra ({exc})") from None
+        _verify_pin(self.spec.path, self.spec.sha256)
+        folder, extra = _source(self.spec.path)
+        dtype = {"fp32": torch.float32, "fp16": torch.float16,
+                 "bf16": torch.bfloat16}[self.spec.precision]
+        try:
+            self._model = AutoModelForCausalLM.from_pretrained(
+                folder, dtype=dtype, local_files_only=True, **extra).eval()
+            self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                            **extra)
+        except (OSError, ValueError, ImportError) as exc:
+            raise BackendError(f"transformers cannot load {self.spec.path}: {exc}") from None
+        self._model.to(self.spec.device)
+        config = self._model.config
+        size = int(self._model.get_output_embeddings().weight.shape[0])
+        self.vocab = _HFVocabulary(self._tokenizer, size)
+        self.bos_id = self._tokenizer.bos_token_id
+        probe = self._tokenizer.encode("a")
+        self.adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
+        self.context_length = (self.options.context_length
+                               or int(getattr(config, "max_position_embeddings", 0) or 0))
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def render_chat(self, messages: Sequence[dict]) -> list[int]:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise BackendError(f"{self.spec.path} has no chat template to render chat "
+                               "messages with")
+        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                   tokenize=False)
+        # The template writes the special tokens itself (BOS too, where it has one).
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+        import torch
+
+        with self._lock, torch.inference_mode():
+            tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.spec.device)
+            logits = self._model(input_ids=tokens).logits[0, prompt_length - 1:len(ids) - 1]
+            return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+
+    def describe(self) -> BackendInfo:
+        return BackendInfo(self.name, str(self.spec.path), self.spec.precision,
+                           self.spec.device, (), (),
+                           {"vocabulary": str(self.vocab.size),
+                            "context_length": str(self.context_length)})
+
+    def close(self) -> None:
+        self._model = None
+
+
+def _check(spec: "BackendConfig") -> None:
+    path = Path(spec.path)
+    if path.suffix != ".gguf" and not path.is_dir() and path.exists():
+        raise ValueError(f"path: {spec.path} is neither an HF model folder nor a .gguf file")
+
+
+KINDS = {
+    "transformers": BackendKind(
+        name="transformers", backend=TransformersScorer, options=TransformersOptions,
+        precisions=frozenset({"fp32", "fp16", "bf16"}), check=_check,
+    ),
+}

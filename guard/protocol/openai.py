@@ -1,0 +1,426 @@
+"""The OpenAI-compatible HTTP API as data: requests, answers (plain JSON or Server-Sent Events),
+the byte-exact edits the edge makes to them, and the :class:`GenerationSample` they add up to.
+
+Protocol-free of any HTTP library: the edge (guard/serve/openai_edge.py) feeds it bytes and
+gets bytes back, and so can any other observer of the same traffic (Envoy mode, capture
+replay).
+
+Byte-exact edits: the client's answer is the upstream's answer. The edge changes only the value
+of the top-level ``"model"`` key (the upstream's name back to the client's), and, where guard
+itself asked for logprobs on a sampled call, the value of each ``choices[i].logprobs`` back to
+``null`` (what the server answers when nobody asked). Both edits splice the value's bytes in
+place (:func:`replace_values`): every other byte (spacing, key order, number spelling, escapes)
+stays as the server wrote it, which a ``json.loads``/``json.dumps`` round trip would not keep.
+
+Server-Sent Events (https://html.spec.whatwg.org/multipage/server-sent-events.html): an event
+ends at a blank line; lines end with CRLF, LF or CR. :class:`EventSplitter` reassembles events
+across the chunks a connection delivers them in (an event can arrive in pieces, several can
+arrive in one chunk) and hands back each complete event's bytes as they came.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+
+PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+DONE = b"[DONE]"
+
+
+class BadRequest(ValueError):
+    """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why."""
+
+
+# -- requests --------------------------------------------------------------------------------------
+@dataclass
+class ParsedCall:
+    """What the edge needs from a client's request body (the body itself is forwarded)."""
+
+    endpoint: str
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    # Why this call cannot be compared with a reference ("" when it can): n > 1 (several
+    # completions in one answer), tool calls (the completion is a structured call, not text).
+    not_comparable: str = ""
+
+    @property
+    def asked_logprobs(self) -> bool:
+        """The client asked for the primary's logprobs itself."""
+        value = self.body.get("logprobs")
+        return value not in (None, False, 0)
+
+
+def parse_request(endpoint: str, data: bytes) -> ParsedCall:
+    """The client's body as a call; BadRequest for what is not an OpenAI request body."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required (a string)")
+    if endpoint == "chat":
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise BadRequest("'messages' is required (a non-empty list)")
+    elif "prompt" not in body:
+        raise BadRequest("'prompt' is required")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    n = body.get("n", 1)
+    reason = ""
+    if not isinstance(n, int) or n != 1:
+        reason = "n"
+    elif body.get("tools") or body.get("functions") or body.get("tool_choice") not in (
+            None, "none"):
+        reason = "tools"
+    elif endpoint == "completions" and not isinstance(body["prompt"], str):
+        reason = "prompt_list"  # a batch of prompts, or token ids: several completions
+    return ParsedCall(endpoint, body, model, stream, reason)
+
+
+def _number(value: Any, kind=float):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return kind(value) if kind is float or float(value).is_integer() else None
+
+
+def sampling_params(body: dict[str, Any]) -> SamplingParams:
+    """The sampling transform the request names (None where it says nothing: the server's
+    declared default applies)."""
+    logprobs = body.get("logprobs")
+    if body.get("top_logprobs") is not None:  # chat: logprobs: true, top_logprobs: k
+        logprobs = body.get("top_logprobs") if logprobs not in (None, False) else None
+    elif logprobs is True:
+        logprobs = 0
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    return SamplingParams(
+        temperature=_number(body.get("temperature")), top_p=_number(body.get("top_p")),
+        top_k=_number(body.get("top_k"), int), min_p=_number(body.get("min_p")),
+        repetition_penalty=_number(body.get("repetition_penalty", body.get("repeat_penalty"))),
+        presence_penalty=_number(body.get("presence_penalty")),
+        frequency_penalty=_number(body.get("frequency_penalty")),
+        seed=_number(body.get("seed"), int), max_tokens=_number(max_tokens, int),
+        logprobs=_number(logprobs, int), n=_number(body.get("n", 1), int) or 1, stop=stops)
+
+
+def with_logprobs(call: ParsedCall, top: int) -> dict[str, Any]:
+    """The body with the primary's logprobs asked for (``top`` alternatives per token), for a
+    sampled call whose client did not ask; the answer's logprobs are stripped again."""
+    body = dict(call.body)
+    if call.endpoint == "chat":
+        body["logprobs"], body["top_logprobs"] = True, top
+    else:
+        body["logprobs"] = top
+    return body
+
+
+# -- byte-exact edits of JSON ------------------------------------------------------------------
+_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\],:]|[^\s{}\[\],:"]+')
+_SPACE = re.compile(rb"\s*")
+
+
+class _Scanner:
+    """Finds the byte spans of values at given paths of a JSON document, without building it.
+    Paths are tuples of keys, ``"*"`` standing for every element of an array."""
+
+    def __init__(self, data: bytes):
+        self.data = data
+        self.at = 0
+
+    def _token(self) -> tuple[bytes, int, int]:
+        match = _TOKEN.search(self.data, self.at)
+        if match is None:
+            raise ValueError("unexpected end of JSON")
+        self.at = match.end()
+        return match.group(), match.start(), match.end()
+
+    def _skip(self, first: bytes) -> None:
+        """Skip the rest of the value that began with ``first``."""
+        if first not in (b"{", b"["):
+            return
+        depth = 1
+        while depth:
+            token = self._token()[0]
+            if token in (b"{", b"["):
+                depth += 1
+            elif token in (b"}", b"]"):
+                depth -= 1
+
+    def spans(self, paths: tuple[tuple[str, ...], ...], found: list, prefix=()) -> None:
+        """Scan the value at the cursor; append (start, end, path) of wanted values."""
+        token, start, _ = self._token()
+        wanted = [p for p in paths if p[:len(prefix)] == prefix]
+        if prefix in paths:
+            self._skip(token)
+            found.append((start, self.at, prefix))
+            return
+        if not wanted or token not in (b"{", b"["):
+            self._skip(token)
+            return
+        if token == b"[":
+            index = 0
+            while True:
+                mark = self.at
+                nxt = self._token()[0]
+                if nxt == b"]":
+                    return
+                if nxt == b",":
+                    continue
+                self.at = mark
+                key = "*" if any(len(p) > len(prefix) and p[len(prefix)] == "*"
+                                 for p in wanted) else str(index)
+                self.spans(paths, found, (*prefix, key))
+                index += 1
+        while True:
+            key, _, _ = self._token()
+            if key == b"}":
+                return
+            if key == b",":
+                continue
+            self._token()  # ':'
+            name = json.loads(key) if key.startswith(b'"') else key.decode()
+            self.spans(paths, found, (*prefix, name))
+
+
+def value_spans(data: bytes, paths: Iterable[tuple[str, ...]]) -> list[tuple[int, int, tuple]]:
+    """(start, end, path) of every value at ``paths`` in the JSON ``data``, in document order;
+    ValueError for data that is not one JSON value."""
+    found: list = []
+    _Scanner(data).spans(tuple(paths), found)
+    return found
+
+
+def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> bytes:
+    """``data`` with the values at these paths replaced by the given JSON bytes; every other
+    byte as it was. Paths that are not there are left out (nothing added)."""
+    spans = value_spans(data, replacements)
+    if not spans:
+        return data
+    out, at = [], 0
+    for start, end, path in spans:
+        out += [data[at:start], replacements[path]]
+        at = end
+    out.append(data[at:])
+    return b"".join(out)
+
+
+MODEL_PATH = ("model",)
+LOGPROBS_PATH = ("choices", "*", "logprobs")
+
+
+def answer_edits(client_model: str, upstream_model: str, strip_logprobs: bool
+                 ) -> dict[tuple[str, ...], bytes]:
+    """The edits an answer (or each streamed chunk) of this call needs; {} for none."""
+    edits: dict[tuple[str, ...], bytes] = {}
+    if client_model != upstream_model:
+        edits[MODEL_PATH] = json.dumps(client_model, ensure_ascii=False).encode()
+    if strip_logprobs:
+        edits[LOGPROBS_PATH] = b"null"
+    return edits
+
+
+# -- Server-Sent Events --------------------------------------------------------------------------
+_BLANK_LINE = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+
+class EventSplitter:
+    """Complete SSE events out of a byte stream cut anywhere."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self):
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The events completed by ``chunk``, each with its terminating blank line, as sent."""
+        data = self._pending + chunk if self._pending else chunk
+        events, at = [], 0
+        while True:
+            match = _BLANK_LINE.search(data, at)
+            # A CR at the very end may be the first half of a CRLF still in flight.
+            if match is None or (match.end() == len(data) and data.endswith(b"\r")):
+                break
+            events.append(data[at:match.end()])
+            at = match.end()
+        self._pending = data[at:]
+        return events
+
+    def rest(self) -> bytes:
+        """What came after the last complete event (at the end of the stream)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The ``data`` of one event (its data lines joined by LF), None for an event without
+    data (a comment, a retry)."""
+    lines = []
+    for line in _LINE_END.split(event):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(lines) if lines else None
+
+
+def edit_event(event: bytes, edits: dict[tuple[str, ...], bytes]) -> bytes:
+    """One event with ``edits`` applied to its JSON data (a single ``data:`` line, as every
+    OpenAI-compatible server sends); any other event as it came."""
+    if not edits or not event.startswith(b"data:"):
+        return event
+    head = 6 if event.startswith(b"data: ") else 5
+    end = _LINE_END.search(event, head)
+    if end is None or event[end.end():].strip(b"\r\n"):  # several lines: not ours to edit
+        return event
+    payload = event[head:end.start()]
+    if not payload.startswith(b"{"):
+        return event
+    try:
+        return event[:head] + replace_values(payload, edits) + event[end.start():]
+    except ValueError:  # not JSON after all: forwarded as it came
+        return event
+
+
+# -- answers -> the sample -------------------------------------------------------------------------
+@dataclass
+class Completion:
+    """The primary's completion of one call, gathered from its answer or its chunks."""
+
+    text: list[str] = field(default_factory=list)
+    tokens: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    upstream_model: str = ""
+    prompt_token_ids: tuple[int, ...] | None = None
+    completion_tokens: int | None = None  # usage.completion_tokens, where the server said
+    error: str = ""  # an error object in the answer or a chunk
+    tool_calls: bool = False
+
+
+def _token_id(text: str) -> int | None:
+    # vLLM's return_tokens_as_token_ids spells a token "token_id:123".
+    if text.startswith("token_id:") and text[9:].isdigit():
+        return int(text[9:])
+    return None
+
+
+def _top(items) -> tuple[tuple[str, float], ...]:
+    if isinstance(items, dict):  # completions: {token: logprob}
+        pairs = items.items()
+    else:  # chat: [{token, logprob}]
+        pairs = ((t.get("token"), t.get("logprob")) for t in items or () if isinstance(t, dict))
+    return tuple((str(t), float(lp)) for t, lp in pairs
+                 if isinstance(lp, (int, float)) and not isinstance(lp, bool))
+
+
+def _logprob_tokens(endpoint: str, logprobs: Any) -> list[TokenLogprob]:
+    if not isinstance(logprobs, dict):
+        return []
+    out = []
+    if endpoint == "chat" or "content" in logprobs:
+        for item in logprobs.get("content") or ():
+            if isinstance(item, dict) and isinstance(item.get("token"), str):
+                lp = item.get("logprob")
+                out.append(TokenLogprob(item["token"], float(lp) if isinstance(
+                    lp, (int, float)) else None, _top(item.get("top_logprobs")),
+                    _token_id(item["token"])))
+        return out
+    tokens = logprobs.get("tokens") or ()
+    values = logprobs.get("token_logprobs") or ()
+    tops = logprobs.get("top_logprobs") or ()
+    for i, token in enumerate(tokens):
+        if not isinstance(token, str):
+            continue
+        lp = values[i] if i < len(values) else None
+        out.append(TokenLogprob(token, float(lp) if isinstance(lp, (int, float)) else None,
+                                _top(tops[i]) if i < len(tops) and tops[i] else (),
+                                _token_id(token)))
+    return out
+
+
+def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -> None:
+    """Add one answer (non-streamed) or one chunk (streamed) to ``completion``."""
+    if not isinstance(answer, dict):
+        return
+    if "error" in answer:
+        error = answer["error"]
+        completion.error = str(error.get("message") if isinstance(error, dict) else error)
+        return
+    if isinstance(answer.get("model"), str):
+        completion.upstream_model = answer["model"]
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+        completion.completion_tokens = usage["completion_tokens"]
+    ids = answer.get("prompt_token_ids")
+    choices = answer.get("choices") or ()
+    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
+    ids = choice.get("prompt_token_ids", ids)
+    if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
+        completion.prompt_token_ids = tuple(ids)
+    if endpoint == "chat":
+        part = choice.get("delta" if streamed else "message") or {}
+        content = part.get("content") if isinstance(part, dict) else None
+        if isinstance(part, dict) and part.get("tool_calls"):
+            completion.tool_calls = True
+    else:
+        content = choice.get("text")
+    if isinstance(content, str):
+        completion.text.append(content)
+    tokens = _logprob_tokens(endpoint, choice.get("logprobs"))
+    token_ids = choice.get("token_ids")
+    if isinstance(token_ids, list) and len(token_ids) == len(tokens):
+        tokens = [TokenLogprob(t.text, t.logprob, t.top, i if isinstance(i, int) else None)
+                  for t, i in zip(tokens, token_ids)]
+    completion.tokens.extend(tokens)
+    if choice.get("finish_reason") is not None:
+        completion.finish_reason = str(choice["finish_reason"])
+
+
+def chunk_has_content(answer: Any, endpoint: str) -> bool:
+    """A streamed chunk that carries completion text (a token, for TTFT and the gaps): not the
+    chat role announcement, not a usage-only or finish-only chunk."""
+    if not isinstance(answer, dict):
+        return False
+    choices = answer.get("choices") or ()
+    if not choices or not isinstance(choices[0], dict):
+        return False
+    if endpoint == "chat":
+        delta = choices[0].get("delta")
+        return isinstance(delta, dict) and bool(delta.get("content"))
+    return bool(choices[0].get("text"))
+
+
+def build_sample(call: ParsedCall, completion: Completion, **envelope) -> GenerationSample:
+    """The sample of one call: the request as the client sent it and the primary's
+    completion. ``envelope``: route, request_id, streamed, unix_nanos, request_seconds,
+    first_token_seconds, ``guard_logprobs`` (guard asked for them: the client did not)."""
+    guard_logprobs = envelope.pop("guard_logprobs", False)
+    sampling = sampling_params(call.body)
+    if guard_logprobs:  # the transform the client asked for: without guard's logprobs
+        from dataclasses import replace
+
+        sampling = replace(sampling, logprobs=None)
+    body = call.body
+    return GenerationSample(
+        model=call.model, endpoint=call.endpoint, completion_text="".join(completion.text),
+        tokens=tuple(completion.tokens), sampling=sampling,
+        prompt=body.get("prompt") if call.endpoint == "completions" else None,
+        messages=tuple(body["messages"]) if call.endpoint == "chat" else None,
+        prompt_token_ids=completion.prompt_token_ids, finish_reason=completion.finish_reason,
+        upstream_model=completion.upstream_model, **envelope)
+
+
+def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,
+               param: str | None = None) -> bytes:
+    """OpenAI's error JSON shape."""
+    return json.dumps({"error": {"message": message, "type": kind, "param": param,
+                                 "code": code}}).encode()

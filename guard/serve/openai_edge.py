@@ -1,0 +1,441 @@
+"""The OpenAI-compatible HTTP edge (``server.http_port``): guard in the path of generative models
+served by OpenAI-compatible servers (backend ``openai``).
+
+Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (Server-Sent Events when
+the body says ``"stream": true``), ``GET /v1/models`` (the generative models guard serves, under
+the names clients send), ``GET /health`` (live) and ``GET /health/ready`` (models loaded).
+
+A call: the body is read and parsed (guard/protocol/openai.py: 400 for what is not an OpenAI
+body, 404 in OpenAI's error shape for a model guard does not serve), the route word picks the
+primary or the fallback (guard/ipc/routes.py, as on the OIP path), and the client's body and
+headers go to that upstream: hop-by-hop headers left out, the upstream's Authorization from
+``options.api_key_env``, ``model`` re-addressed to the upstream's name by splicing the value's
+bytes. The answer comes back as the upstream wrote it, with the header ``guard-route:
+primary|fallback`` and ``model`` set back to the client's name (in every streamed event too).
+A streamed answer is written to the client event by event as each event completes (events are
+reassembled across the connection's chunks), never buffered; a client that disconnects
+closes the upstream connection, which stops the upstream's generation.
+
+Sampling: the keyed sampler (guard/runtime/sampling.py, ``mirror.sample_rate``) decides on the
+request id (``x-request-id``, else a random one). A sampled call's events are kept as they pass
+and, once the client has its whole answer, turned into a ``GenerationSample`` and put into the
+sample ring for the verifier (``wire.GENERATION``). With ``options.sample_logprobs`` the edge
+asks the upstream for logprobs on sampled calls whose clients did not, and sets each
+``choices[i].logprobs`` back to ``null`` in what the client gets. Calls that cannot be
+compared (n > 1, tool calls, a batch of prompts, an answer that is an error or was cut short)
+are forwarded and counted (``guard_generation_not_comparable_total{model,reason}``), never
+sampled. A prompt longer than the reference's context is the verifier's to count.
+
+Outcomes: every call ends in ``guard_requests_total`` / ``guard_request_duration_seconds`` (a
+2xx answer that completed) or ``guard_request_errors_total{code}``, whose code is the HTTP
+status mapped to its gRPC status name as google.rpc.Code maps them (400 INVALID_ARGUMENT, 404
+NOT_FOUND, 429 RESOURCE_EXHAUSTED, 502/503 UNAVAILABLE, 504 DEADLINE_EXCEEDED...), so that one
+vocabulary serves the OIP and the HTTP data planes; a client that went away is CANCELLED, an
+upstream that died mid-stream UNAVAILABLE, an error event inside a 200 stream INTERNAL. Time to
+first token and the gaps between tokens are histograms per model and route.
+
+The HTTP server is aiohttp's (``pip install 'guard[llm]'``): one well-kept package that gives
+an asyncio server with streamed responses and a streaming, pooling client (the backend's), on
+the serving process's own event loop beside grpc.aio. This module is imported only when
+``server.http_port`` is set.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+import uuid
+from typing import Callable
+
+import aiohttp
+from aiohttp import web
+
+from guard.backends.openai import HOP_BY_HOP, OpenAIBackend
+from guard.errors import GuardError
+from guard.ipc import wire
+from guard.observe.events import emit
+from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
+from guard.protocol import openai as api
+from guard.serve.model import ServedModel
+
+log = logging.getLogger("guard.serve.openai")
+ROUTE_HEADER = "guard-route"
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
+# HTTP status -> gRPC status name (google.rpc.Code's HTTP mapping), for the code label.
+_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+          404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 409: "ABORTED", 413: "RESOURCE_EXHAUSTED",
+          429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 501: "UNIMPLEMENTED",
+          502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def status_code_name(status: int) -> str:
+    """The gRPC status name of an HTTP error status (the ``code`` label)."""
+    if status in _CODES:
+        return _CODES[status]
+    return "FAILED_PRECONDITION" if 400 <= status < 500 else "INTERNAL" if status == 500 \
+        else "UNKNOWN"
+
+
+class EdgeMetrics:
+    """The edge's own series, on the serving process's registry."""
+
+    def __init__(self, metrics: GuardMetrics):
+        from prometheus_client import Counter, Histogram
+
+        r = metrics.registry
+        self.base = metrics
+        self.ttft = Histogram(
+            "guard_generation_ttft_seconds", "Time from a streamed call received to its first "
+            "token written to the client.", ["model", "route"], buckets=TTFT_BUCKETS,
+            registry=r)
+        self.gaps = Histogram(
+            "guard_generation_inter_token_seconds", "Gaps between consecutive streamed tokens "
+            "as they reached guard from the upstream.", ["model", "route"],
+            buckets=GAP_BUCKETS, registry=r)
+        self.tokens = Counter(
+            "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "
+            "else one per streamed token event).", ["model", "route"], registry=r)
+        self.not_comparable = Counter(
+            "guard_generation_not_comparable", "Calls forwarded but never handed over for "
+            "comparison, by reason (n, tools, prompt_list, upstream_error, incomplete).",
+            ["model", "reason"], registry=r)
+
+    def error(self, model: str, code: str) -> None:
+        self.base.request_errors.labels(model, code).inc()
+
+
+class OpenAIEdge:
+    """The HTTP listener; ``models()`` gives the serving process's models (a reload swaps
+    them), ``start``/``stop`` are the serving process's hooks."""
+
+    def __init__(self, models: Callable[[], dict[str, ServedModel]], metrics: GuardMetrics,
+                 server_config):
+        self.models = models
+        self.metrics = EdgeMetrics(metrics)
+        self.config = server_config
+        self.ready = False
+        self.live = True
+        self.port = 0
+        self.in_flight = 0
+        self._runner: web.AppRunner | None = None
+        self._site: web.TCPSite | None = None
+        self._tasks: set[asyncio.Task] = set()
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> int:
+        """Listen on server.http_port (liveness answers at once, readiness once ``ready``)."""
+        app = web.Application(client_max_size=self.config.max_message_bytes)
+        app.router.add_post("/v1/completions", self._generate)
+        app.router.add_post("/v1/chat/completions", self._generate)
+        app.router.add_get("/v1/models", self._list_models)
+        app.router.add_get("/health", self._health)
+        app.router.add_get("/health/live", self._health)
+        app.router.add_get("/health/ready", self._health_ready)
+        # handler_cancellation: a client that disconnects cancels its handler, which closes
+        # the upstream connection (the upstream stops generating).
+        self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
+                                     shutdown_timeout=self.config.shutdown_grace_s)
+        await self._runner.setup()
+        self._site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
+        try:
+            await self._site.start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            raise GuardError(f"server.http_port: cannot listen on {self.config.host}:"
+                             f"{self.config.http_port}: {exc.strerror or exc}") from None
+        self.port = self._site._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self, grace: float) -> None:
+        """Stop accepting; calls in flight get ``grace`` seconds, then are cut."""
+        self.live = self.ready = False
+        if self._runner is None:
+            return
+        if self._site is not None:
+            await self._site.stop()
+        deadline = time.monotonic() + grace
+        while self.in_flight and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        await self._runner.cleanup()
+        self._runner = None
+        for model in self._generative().values():
+            for backend in model.backends.values():
+                if isinstance(backend, OpenAIBackend):
+                    await backend.aclose()
+
+    # -- health and listing ------------------------------------------------------------------
+    async def _health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok" if self.live else "stopping"},
+                                 status=200 if self.live else 503)
+
+    async def _health_ready(self, request: web.Request) -> web.Response:
+        ready = self.ready and self.live
+        return web.json_response({"status": "ready" if ready else "not ready"},
+                                 status=200 if ready else 503)
+
+    def _generative(self) -> dict[str, ServedModel]:
+        return {name: m for name, m in self.models().items()
+                if m.config.primary.backend == "openai"}
+
+    async def _list_models(self, request: web.Request) -> web.Response:
+        data = [{"id": name, "object": "model", "created": 0, "owned_by": "guard"}
+                for name in sorted(self._generative())]
+        return web.json_response({"object": "list", "data": data})
+
+    # -- a call ----------------------------------------------------------------------------------
+    def _refuse(self, status: int, message: str, model: str, code: str | None = None,
+                param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
+        self.metrics.error(model, status_code_name(status))
+        return web.Response(status=status, body=api.error_body(message, kind, code, param),
+                            content_type="application/json")
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        endpoint = api.PATHS[request.path]
+        try:
+            data = await request.read()
+        except web.HTTPRequestEntityTooLarge as exc:
+            return self._refuse(413, exc.text or "request too large", UNKNOWN_MODEL)
+        try:
+            call = api.parse_request(endpoint, data)
+        except api.BadRequest as exc:
+            return self._refuse(400, str(exc), UNKNOWN_MODEL)
+        model = self._generative().get(call.model)
+        if model is None:
+            return self._refuse(404, f"The model '{call.model}' does not exist",
+                                UNKNOWN_MODEL, code="model_not_found", param="model")
+        if not (self.live and model.ready):
+            return self._refuse(503, "guard is not ready", model.name, kind="server_error")
+        if self.in_flight >= self.config.max_concurrent_requests:
+            return self._refuse(429, "too many requests in guard at once "
+                                "(server.max_concurrent_requests)", model.name,
+                                kind="rate_limit_error")
+        route, epoch, probing, backend = model.route()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        flags = model.sample_flags(request_id, route, probing) if model.samples else 0
+        if call.not_comparable:
+            self.metrics.not_comparable.labels(model.name, call.not_comparable).inc()
+            flags = 0
+        self.in_flight += 1
+        model.requests_in_flight += 1
+        try:
+            return await _Forward(self, request, call, model, route, backend, request_id,
+                                  flags, epoch, started, data).run()
+        finally:
+            self.in_flight -= 1
+            model.requests_in_flight -= 1
+
+
+class _Forward:
+    """One forwarded call, from the upstream request to the hand-off."""
+
+    def __init__(self, edge: OpenAIEdge, request: web.Request, call: api.ParsedCall,
+                 model: ServedModel, route: str, backend: OpenAIBackend, request_id: str,
+                 flags: int, epoch: int, started: float, data: bytes):
+        self.edge, self.request, self.call, self.model = edge, request, call, model
+        self.route, self.backend, self.request_id = route, backend, request_id
+        self.flags, self.epoch, self.started = flags, epoch, started
+        # Ask for logprobs on a sampled call whose client did not (options.sample_logprobs).
+        top = backend.options.sample_logprobs
+        self.guard_logprobs = bool(flags & wire.MIRROR and top and not call.asked_logprobs)
+        if self.guard_logprobs:
+            body = api.with_logprobs(call, top)
+            body["model"] = backend.model
+            self.payload = json.dumps(body, ensure_ascii=False).encode()
+        elif backend.model != call.model:
+            self.payload = api.replace_values(
+                data, {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
+        else:
+            self.payload = data  # the client's bytes, as they came
+        self.edits = api.answer_edits(call.model, backend.model, self.guard_logprobs)
+        self.first_token: float | None = None
+
+    def _headers(self, upstream: aiohttp.ClientResponse) -> dict[str, str]:
+        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+        headers[ROUTE_HEADER] = self.route
+        return headers
+
+    def _error(self, code: str) -> None:
+        self.edge.metrics.error(self.model.name, code)
+
+    async def run(self) -> web.StreamResponse:
+        session = self.backend.session
+        if session is None:  # connect() runs at start; a reload's new backend connects here
+            await self.backend.connect()
+            session = self.backend.session
+        try:
+            upstream = await session.post(
+                self.backend.url(self.request.path), data=self.payload,
+                headers=self.backend.headers(self.request.headers, self.request_id))
+        except asyncio.TimeoutError:
+            return self._upstream_failed(504, "the upstream did not answer in time")
+        except aiohttp.ClientError as exc:
+            return self._upstream_failed(502, f"the upstream is unreachable: "
+                                         f"{type(exc).__name__}: {exc}")
+        try:
+            streamed = (self.call.stream and upstream.status == 200 and upstream.headers.get(
+                "Content-Type", "").startswith("text/event-stream"))
+            if streamed:
+                return await self._stream(upstream)
+            return await self._whole(upstream)
+        finally:
+            upstream.close()  # a finished answer's connection is already back in the pool
+
+    def _upstream_failed(self, status: int, message: str) -> web.Response:
+        self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
+        emit("openai_upstream_failed", model=self.model.name, route=self.route,
+             status=status, error=message)
+        response = self.edge._refuse(status, f"guard: {message}", self.model.name,
+                                     kind="server_error")
+        response.headers[ROUTE_HEADER] = self.route
+        return response
+
+    # -- a whole answer ----------------------------------------------------------------------
+    async def _whole(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        try:
+            body = await upstream.read()
+        except asyncio.TimeoutError:
+            return self._upstream_failed(504, "the upstream did not finish its answer in time")
+        except aiohttp.ClientError as exc:
+            return self._upstream_failed(502, f"the upstream broke off its answer: "
+                                         f"{type(exc).__name__}: {exc}")
+        ok = 200 <= upstream.status < 300
+        client_body = body
+        if ok and self.edits:
+            try:
+                client_body = api.replace_values(body, self.edits)
+            except ValueError:  # not JSON: forwarded as it came
+                pass
+        response = web.Response(status=upstream.status, body=client_body,
+                                headers=self._headers(upstream))
+        await response.prepare(self.request)
+        await response.write_eof()
+        # The client has its answer: the accounting and the hand-off come after.
+        seconds = time.perf_counter() - self.started
+        if not ok:
+            self._error(status_code_name(upstream.status))
+            self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
+            return response
+        self.model.answered(self.route, seconds)
+        completion = api.Completion()
+        try:
+            api.gather(completion, self.call.endpoint, json.loads(body), streamed=False)
+        except ValueError:
+            completion.error = "the answer is not JSON"
+        if completion.completion_tokens:
+            self.edge.metrics.tokens.labels(self.model.name, self.route).inc(
+                completion.completion_tokens)
+        self._hand_over(completion, seconds, streamed=False)
+        return response
+
+    # -- a streamed answer -------------------------------------------------------------------
+    async def _stream(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+        metrics, name, route = self.edge.metrics, self.model.name, self.route
+        ttft, gaps = metrics.ttft.labels(name, route), metrics.gaps.labels(name, route)
+        response = web.StreamResponse(status=200, headers=self._headers(upstream))
+        await response.prepare(self.request)
+        splitter = api.EventSplitter()
+        edits, endpoint = self.edits, self.call.endpoint
+        sampled = bool(self.flags)  # a sampled call's chunks are gathered into its sample
+        completion = api.Completion()
+        events_with_tokens, last = 0, None
+        outcome = "incomplete"
+        try:
+            async for chunk in upstream.content.iter_any():
+                arrived = time.perf_counter()
+                events = splitter.feed(chunk)
+                if not events:
+                    continue
+                await response.write(b"".join([api.edit_event(e, edits) for e in events])
+                                     if edits else b"".join(events))
+                # Written: what follows is bookkeeping for the metrics and the sample.
+                for event in events:
+                    data = event_data_json(event)
+                    if data is None:
+                        continue
+                    if isinstance(data, dict) and "error" in data:
+                        api.gather(completion, endpoint, data, streamed=True)
+                        continue
+                    if api.chunk_has_content(data, endpoint):
+                        events_with_tokens += 1
+                        if last is None:
+                            self.first_token = arrived - self.started
+                            ttft.observe(self.first_token)
+                        else:
+                            gaps.observe(arrived - last)
+                        last = arrived
+                    if sampled:
+                        api.gather(completion, endpoint, data, streamed=True)
+                    elif isinstance(data, dict) and isinstance(data.get("usage"), dict):
+                        api.gather(completion, endpoint, {"usage": data["usage"]}, True)
+            rest = splitter.rest()
+            if rest:
+                await response.write(rest)
+            await response.write_eof()
+            outcome = "done"
+        except (asyncio.CancelledError, ConnectionResetError):
+            # The client went away: closing the upstream connection (``run``'s finally) stops
+            # the upstream's generation.
+            self._error("CANCELLED")
+            metrics.not_comparable.labels(name, "incomplete").inc()
+            emit("openai_client_disconnected", model=name, route=route,
+                 tokens=events_with_tokens)
+            raise
+        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            # The upstream died mid-stream: the client gets what had arrived, then a cut
+            # connection (no end of the chunked body), as it would have from the upstream.
+            rest = splitter.rest()
+            try:
+                if rest:
+                    await response.write(rest)
+            except ConnectionResetError:
+                pass
+            self._error("UNAVAILABLE" if not isinstance(exc, asyncio.TimeoutError)
+                        else "DEADLINE_EXCEEDED")
+            metrics.not_comparable.labels(name, "incomplete").inc()
+            emit("openai_upstream_broke_off", model=name, route=route,
+                 error=f"{type(exc).__name__}: {exc}", tokens=events_with_tokens)
+            if self.request.transport is not None:
+                self.request.transport.close()
+            return response
+        seconds = time.perf_counter() - self.started
+        tokens = completion.completion_tokens or events_with_tokens
+        if tokens:
+            metrics.tokens.labels(name, route).inc(tokens)
+        if completion.error:
+            self._error("INTERNAL")
+            metrics.not_comparable.labels(name, "upstream_error").inc()
+            return response
+        self.model.answered(route, seconds)
+        if sampled:
+            self._hand_over(completion, seconds, streamed=True)
+        return response
+
+    # -- the hand-off ------------------------------------------------------------------------
+    def _hand_over(self, completion: api.Completion, seconds: float, streamed: bool) -> None:
+        if not self.flags:
+            return
+        if completion.error or completion.tool_calls:
+            self.edge.metrics.not_comparable.labels(
+                self.model.name, "upstream_error" if completion.error else "tools").inc()
+            return
+        sample = api.build_sample(
+            self.call, completion, route=self.route, request_id=self.request_id,
+            streamed=streamed, unix_nanos=time.time_ns(), request_seconds=seconds,
+            first_token_seconds=self.first_token, guard_logprobs=self.guard_logprobs)
+        self.model.hand_over_generation(self.flags, self.epoch, sample)
+
+
+def event_data_json(event: bytes):
+    """The JSON value of an event's data; None for no data, ``[DONE]`` or data that is not
+    JSON."""
+    data = api.event_data(event)
+    if data is None or data == api.DONE:
+        return None
+    try:
+        return json.loads(data)
+    except ValueError:
+        return None

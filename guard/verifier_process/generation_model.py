@@ -1,0 +1,400 @@
+"""One verified generative model (``task: generation``), in the verifier process: its reference
+scorer, the generation tier, the route policy and its route word, capture and events.
+
+The loop is the tensor models' (guard/verifier_process/model.py), with a completion as the
+sample. The ring reader hands each sampled call over (``accept_generation``: a bounded put, it
+never waits); the mirror worker (``GenerationMirror``, the shared queue, byte budget, watchdog
+and timeouts of guard/verifier_process/mirror.py) asks the primary again when the fallback
+serves (a probe, guard/verifier_process/generation_probe.py), scores the completion with the
+reference (ONE teacher-forced pass, ``Scorer.score``) and runs the tier
+(guard/verify/generation.py). The result then feeds, as for every tier:
+
+- ``guard_checks_total{tier="generation"}`` and the window (guard_drift_ratio) with the
+  completion's verdict;
+- the detector with its *score*: the tier's statistic over the level at which one completion
+  fails (mean KLD / max_mean_kld with the primary's logprobs; the share of confident argmax
+  flips / max_greedy_disagreement for greedy calls; z^2 / max_abs_z^2 for sampled ones), so
+  that 1 is the failing level in every mode and ``checks.generation.in_control_ratio`` the
+  in-control mean the ARL0 promise is made for (guard/policy/detector.py ``ScoreCusum``);
+- the guard_generation_* series, events (``generation_divergence`` with the first divergent
+  token, at most one per 10 s; ``route_transition`` / ``drift_alert`` with it as evidence) and
+  capture (the sample as JSON; it holds no header, so no Authorization can be stored).
+
+A completion the tier cannot compare (unknown sampling transform, too short) is counted
+(``guard_mirror_total{outcome="not_comparable"}``), never scored; a tokenization mismatch is a
+failure of its own (a finding, never fed to the detector as noise).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from functools import partial
+
+import numpy as np
+
+from guard.backends import create_backend
+from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
+from guard.config import ModelConfig
+from guard.errors import BackendError
+from guard.ipc import routes
+from guard.ipc.wire import CAPTURE, MIRROR
+from guard.observe import tracing
+from guard.observe.events import emit
+from guard.observe.metrics import GuardMetrics
+from guard.policy.detector import ScoreSpec
+from guard.policy.route import RoutePolicy
+from guard.protocol.generation import GenerationSample, to_dict
+from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
+from guard.verifier_process.model import VerifiedModel
+
+log = logging.getLogger("guard.verifier_process.generation_model")
+TIER = "generation"
+_EVENT_INTERVAL_S = 10.0  # at most one generation_divergence event per model per 10 s
+
+
+def tier_limits(config: ModelConfig):
+    """The tier's thresholds (guard/verify/generation.py) from ``checks.generation``."""
+    from guard.verify.generation import GenerationThresholds
+
+    gen = config.checks.generation
+    return GenerationThresholds(**{name: getattr(gen, name)
+                                   for name in GenerationThresholds.__dataclass_fields__
+                                   if hasattr(gen, name)})
+
+
+def server_defaults(config: ModelConfig):
+    """The sampling defaults the primary's server applies (its block's
+    ``options.server_defaults``), as the tier reads them."""
+    from guard.verify.generation import ServerDefaults
+
+    declared = dict((config.primary.options or {}).get("server_defaults") or {})
+    known = ServerDefaults.__dataclass_fields__
+    return ServerDefaults(**{k: v for k, v in declared.items() if k in known and v is not None})
+
+
+def detector_score(check, limits) -> float | None:
+    """The tier's statistic on one scale for every mode: 1 at the level where a completion
+    fails, 0 for perfect agreement (None: not scored)."""
+    if check.statistic is None:
+        return None
+    if check.mode == "logprobs":
+        return max(check.statistic, 0.0) / limits.max_mean_kld
+    if check.mode == "greedy":
+        return max(check.statistic, 0.0) / limits.max_greedy_disagreement
+    if check.mode == "sampled":
+        return check.statistic ** 2 / limits.max_abs_z ** 2
+    return None
+
+
+@dataclass
+class GenerationMirrorSample(MirrorSample):
+    generation: GenerationSample | None = None
+
+
+@dataclass
+class GenerationResult:
+    sample: GenerationMirrorSample
+    completion: GenerationSample  # what was compared (the probe's, when the primary was probed)
+    check: object  # guard.verify.generation.GenerationCheck
+    reference_seconds: float
+    probed: bool
+
+
+@dataclass(frozen=True)
+class GenerationReport:
+    """A completion's verdict as capture records it (the shape of a tier report)."""
+
+    passed: bool
+    summary: str
+    details: dict = field(default_factory=dict)
+    outputs: tuple = ()
+
+
+class GenerationMirror(Mirror):
+    """The shared mirror (queue, byte budget, watchdog, timeouts), with a completion as the
+    sample: probe the primary when the fallback answered, score, run the tier."""
+
+    def __init__(self, model: str, config, scorer, probe, check, metrics, on_result,
+                 on_unchecked, on_span, on_finished):
+        super().__init__(model, config, scorer, None, None, metrics, on_result, on_unchecked,
+                         on_span, on_finished)
+        self.probe, self.check = probe, check
+
+    def _process(self, sample: GenerationMirrorSample, span) -> None:
+        stage = "reference"
+        completion = sample.generation
+        probed = sample.route != "primary"
+        try:
+            if probed:
+                stage = "primary probe"
+                if self.probe is None:
+                    raise BackendError("no primary to probe")
+                completion = self._call(lambda _: self.probe(sample.generation), sample, stage,
+                                        span)
+                stage = "reference"
+            started = time.perf_counter()
+            scores = self._call(lambda _: self.reference.score(completion), sample, stage, span)
+            seconds = time.perf_counter() - started
+        except _Abandoned:
+            raise
+        except TimeoutError:
+            self._timed_out(sample, stage, span)
+            return
+        except Exception as exc:
+            self._outcomes["error"].inc()
+            self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
+            self._unchecked(sample, "error")
+            return
+        self._reference_seconds.observe(seconds)
+        check = self.check(completion, scores)
+        if span is not None:
+            tracing.set_attributes(span, {
+                "guard.verdict": "pass" if check.passed else "fail",
+                "guard.tier.generation.mode": check.mode, "guard.probed": probed,
+                "guard.reference_seconds": seconds})
+        try:
+            self.on_result(GenerationResult(sample, completion, check, seconds, probed))
+        except Exception:
+            log.exception("handling a generation result for %s failed", self.model)
+
+
+class KldWindow:
+    """The last ``size`` compared completions' mean KLD and top-1 share (admin status)."""
+
+    def __init__(self, size: int):
+        self._kld: deque[float] = deque(maxlen=size)
+        self._top1: deque[float] = deque(maxlen=size)
+        self.size = size
+        self.not_comparable = 0
+        self.last_divergence: dict | None = None
+        self._lock = threading.Lock()
+
+    def add(self, check) -> None:
+        with self._lock:
+            if not math.isnan(check.mean_kld):
+                self._kld.append(check.mean_kld)
+            if not math.isnan(check.top1_agreement):
+                self._top1.append(check.top1_agreement)
+            if check.first_divergence is not None and not check.passed:
+                self.last_divergence = check.first_divergence.as_dict()
+
+    def figures(self) -> dict:
+        with self._lock:
+            kld = np.asarray(self._kld, dtype=np.float64)
+            top1 = np.asarray(self._top1, dtype=np.float64)
+        return {"completions": int(kld.size), "window": self.size,
+                "mean_kld": float(kld.mean()) if kld.size else 0.0,
+                "kld_p99": float(np.percentile(kld, 99)) if kld.size else 0.0,
+                "top1_agreement": float(top1.mean()) if top1.size else 0.0,
+                "not_comparable": self.not_comparable}
+
+
+class VerifiedGenerationModel(VerifiedModel):
+    """``VerifiedModel`` with a completion as the sample: the same surface for the verifier
+    process and admin (``publish``, ``set_override``, the route transitions' metrics and
+    events, the in-hand count are inherited); its own assembly (no tensor pair, no tier 2, no
+    op repair), mirror, results and capture records. ``VerifiedModel.__init__`` is not run:
+    it builds a tensor pair."""
+
+    ops = None  # no op repair for an LLM
+    pair = verifier = activation_tier = activation = None
+
+    def __init__(self, config: ModelConfig, metrics: GuardMetrics, table: routes.RouteTable,
+                 slot: int, serving, config_hash: str = ""):
+        self.name = config.name
+        self.config = config
+        self.metrics = metrics
+        self.table = table
+        self.slot = slot
+        self.serving = serving
+        self._config_hash = config_hash
+        self.policy_tiers = (TIER,)
+        gen = config.checks.generation
+        self.policy = RoutePolicy(
+            self.name, config.policy, self.policy_tiers, has_fallback=config.fallback is not None,
+            sample_rate=config.mirror.sample_rate,
+            scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
+        self.backends: dict = {}
+        self.mirror: GenerationMirror | None = None
+        self.capture: CaptureWriter | None = None
+        self.window = KldWindow(config.policy.window)
+        self._limits = None
+        self._defaults = None
+        self._in_hand = 0
+        self._in_hand_lock = threading.Lock()
+        self._last_event = 0.0
+        self._suppressed_events = 0
+        self._last_failure: dict | None = None  # (epoch, evidence) of the latest failing one
+        metrics.declare_model(self.name, self.policy_tiers)
+        metrics.declare_generation_model(self.name)
+        metrics.mirror.labels(self.name, "not_comparable")
+        self._checks = {r: metrics.checks.labels(self.name, TIER, r) for r in ("pass", "fail")}
+        self._kld = metrics.generation_kld.labels(self.name)
+        self._top1 = metrics.generation_top1_agreement.labels(self.name)
+        self._divergence = metrics.generation_first_divergence.labels(self.name)
+        self._not_comparable = metrics.mirror.labels(self.name, "not_comparable")
+        for gauge, figure in ((metrics.drift_ratio, "ratio"),
+                              (metrics.detector_statistic, "statistic"),
+                              (metrics.detector_threshold, "threshold"),
+                              (metrics.detector_samples, "samples")):
+            gauge.labels(self.name, TIER).set_function(partial(self._figure, TIER, figure))
+
+    # -- lifecycle -------------------------------------------------------------------------------
+    def load(self, resume_word: int | None = None, kept: list[str] | None = None,
+             start_capture: bool = True) -> None:
+        config = self.config
+        if config.reference is not None:
+            from guard.verify.generation import check_generation
+
+            scorer = create_backend(config.reference, "reference", config.mirror.threads)
+            scorer.load()
+            self.backends["reference"] = scorer
+            self._limits, self._defaults = tier_limits(config), server_defaults(config)
+            limits, defaults = self._limits, self._defaults
+            if config.mirror.sample_rate > 0:
+                from guard.verifier_process.generation_probe import PrimaryProbe
+
+                probe = (PrimaryProbe(config.primary, config.mirror.timeout_s)
+                         if config.fallback is not None else None)
+                self.mirror = GenerationMirror(
+                    self.name, config.mirror, scorer, probe,
+                    lambda sample, scores: check_generation(sample, scores, defaults, limits),
+                    self.metrics, self._on_result, self._on_unchecked, self.serving.span,
+                    self._finished)
+        if resume_word is not None:
+            route, _, epoch = routes.unpack(resume_word)
+            self.policy.resume(route, epoch, routes.override_of(resume_word))
+        if config.capture is not None:
+            self.capture = CaptureWriter(
+                self.name, config.capture, self.metrics,
+                {role: b.describe() for role, b in self.backends.items()}, self._config_hash)
+            if start_capture:
+                self.capture.start()
+        if self.mirror is not None:
+            self.mirror.start()
+        self.publish()
+        emit("model_verifier_loaded", model=self.name, task=TIER,
+             backends={role: b.describe().summary() for role, b in self.backends.items()},
+             mirror_rate=config.mirror.sample_rate if self.mirror else 0.0,
+             action=config.policy.action, resumed=resume_word is not None)
+
+    def close(self) -> None:  # (no pair, repair or tier 2 to close)
+        if self.mirror is not None:
+            self.mirror.stop()
+        if self.capture is not None:
+            self.capture.close()
+        for backend in self.backends.values():
+            backend.close()
+
+    # -- fed by the ring reader ------------------------------------------------------------------
+    def accept(self, handed, inputs=None, outputs=None) -> None:
+        self.accept_generation(handed)
+
+    def accept_generation(self, handed) -> None:
+        """A sampled call a serving process handed over (``handed.generation``)."""
+        sample: GenerationSample = handed.generation
+        tag = None
+        if self.capture is not None:
+            tag = CaptureTag(handed.request_id, handed.unix_nanos, handed.request_seconds,
+                             bool(handed.flags & CAPTURE))
+        mirrored = False
+        if handed.flags & MIRROR and self.mirror is not None:
+            self._took()
+            mirrored = self.mirror.accept(GenerationMirrorSample(
+                {}, {}, handed.route, handed.epoch, time.monotonic(), (), handed.traceparent,
+                tag, handed.size, generation=sample))
+        if tag is not None and tag.record and not mirrored:
+            self.capture.submit(self._pending(tag, handed.route, handed.epoch, sample))
+
+    # -- mirror worker ---------------------------------------------------------------------------
+    def _on_result(self, result: GenerationResult) -> None:
+        check, sample = result.check, result.sample
+        if not check.comparable and check.mode != "tokenization_mismatch":
+            self._not_comparable.inc()
+            self.window.not_comparable += 1
+            self._capture_checked(result)
+            return
+        self.metrics.mirror.labels(self.name, "compared").inc()
+        if not math.isnan(check.mean_kld):
+            self._kld.observe(check.mean_kld)
+        if not math.isnan(check.top1_agreement):
+            self._top1.observe(check.top1_agreement)
+        self.window.add(check)
+        self._checks["pass" if check.passed else "fail"].inc()
+        if not check.passed:
+            if check.first_divergence is not None:
+                self._divergence.observe(check.first_divergence.position + 1)
+            self._last_failure = (sample.epoch, self._evidence(result))
+            self._announce(result)
+        transition = self.policy.observe(TIER, not check.passed, sample.epoch,
+                                         score=detector_score(check, self._limits))
+        if transition is not None:
+            evidence = dict(transition.evidence)
+            if self._last_failure is not None and self._last_failure[0] == sample.epoch:
+                evidence["last_failure"] = self._last_failure[1]
+            self._record(transition, evidence)
+        self._capture_checked(result)
+
+    def _evidence(self, result: GenerationResult) -> dict:
+        check = result.check
+        out = {"mode": check.mode, "reason": check.reason, "tokens": check.tokens,
+               "probed": result.probed, "request_id": result.sample.generation.request_id}
+        for key in ("mean_kld", "kld_p99", "top1_agreement", "z"):
+            value = getattr(check, key)
+            if not math.isnan(value):
+                out[key] = round(value, 6)
+        if check.first_divergence is not None:
+            out["first_divergence"] = check.first_divergence.as_dict()
+        if check.findings:
+            out["findings"] = list(check.findings)
+        return out
+
+    def _announce(self, result: GenerationResult) -> None:
+        now = time.monotonic()
+        if now - self._last_event < _EVENT_INTERVAL_S:
+            self._suppressed_events += 1
+            return
+        emit("generation_divergence", model=self.name, **self._evidence(result),
+             suppressed_since_last=self._suppressed_events)
+        self._last_event = now
+        self._suppressed_events = 0
+
+    def _pending(self, tag, route: str, epoch: int, sample: GenerationSample,
+                 result: GenerationResult | None = None) -> PendingRecord:
+        """A capture record of a call: the sample as JSON (it holds no header: nothing of the
+        client's Authorization can be stored), the compared completion and the verdict."""
+        def blob(data) -> np.ndarray:
+            return np.array([json.dumps(data, ensure_ascii=False).encode()], dtype=object)
+
+        reports = {}
+        outputs = {}
+        if result is not None:
+            check = result.check
+            reports[TIER] = GenerationReport(check.passed, check.reason or check.mode,
+                                             check.as_dict())
+            if result.probed:
+                outputs["probed_sample_json"] = blob(to_dict(result.completion))
+        return PendingRecord(tag, route, epoch, {"generation_sample_json": blob(to_dict(sample))},
+                             outputs, tier_reports=reports,
+                             reference_seconds=result.reference_seconds if result else 0.0,
+                             probed=bool(result and result.probed))
+
+    def _capture_checked(self, result: GenerationResult) -> None:
+        tag, capture = result.sample.tag, self.capture
+        if capture is None or tag is None:
+            return
+        if not (tag.record or (not result.check.passed and capture.wants_failure(tag))):
+            return
+        s = result.sample
+        capture.submit(self._pending(tag, s.route, s.epoch, s.generation, result))
+
+    def _on_unchecked(self, sample: GenerationMirrorSample, outcome: str) -> None:
+        tag = sample.tag
+        if self.capture is not None and tag is not None and tag.record:
+            self.capture.submit(self._pending(tag, sample.route, sample.epoch, sample.generation))

@@ -1,0 +1,95 @@
+"""Probing a generative primary while its fallback serves: the sampled call asked again of the
+primary upstream, from the verifier's mirror worker, so that its completion can be scored.
+
+The probe rebuilds the request from the sample (prompt or messages, the sampling transform the
+client asked for, ``max_tokens``) and asks for ``top_logprobs`` so that the tier compares per
+token. It is not streamed (nobody waits for it token by token), it goes out with the upstream's
+key (``options.api_key_env``) and never with anything the client sent: the sample carries no
+headers. The standard library's HTTP client does it: one call at a time, on a thread the mirror
+watches (``mirror.timeout_s``), so a pooled asynchronous client would buy nothing here.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import urllib.error
+import urllib.request
+from dataclasses import replace
+
+from guard.errors import BackendError
+from guard.protocol.generation import GenerationSample
+from guard.protocol.openai import Completion, build_sample, gather, parse_request
+
+PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
+PROBE_TOP_LOGPROBS = 5  # alternatives per token the probe asks for (the KL's top-k)
+
+
+def probe_body(sample: GenerationSample, upstream_model: str, top: int) -> dict:
+    """The request the probe sends: the client's call as the sample recorded it."""
+    s = sample.sampling
+    body: dict = {"model": upstream_model, "stream": False}
+    if sample.endpoint == "chat":
+        body["messages"] = list(sample.messages or ())
+        body["logprobs"], body["top_logprobs"] = True, top
+    else:
+        body["prompt"] = sample.prompt or ""
+        body["logprobs"] = top
+    for key in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
+                "frequency_penalty", "seed"):
+        value = getattr(s, key)
+        if value is not None:
+            body[key] = value
+    if s.repetition_penalty is not None:
+        body["repeat_penalty"] = s.repetition_penalty
+    # At most as many tokens as the primary's answer had: a probe costs what the call did.
+    body["max_tokens"] = s.max_tokens if s.max_tokens is not None else max(len(sample.tokens), 1)
+    if s.stop:
+        body["stop"] = list(s.stop)
+    return body
+
+
+class PrimaryProbe:
+    """Asks the primary upstream (an ``openai`` backend block) for a sampled call again."""
+
+    def __init__(self, spec, timeout_s: float, top: int = PROBE_TOP_LOGPROBS):
+        options = spec.options or {}
+        self.base = spec.target.rstrip("/").removesuffix("/v1")
+        self.model = spec.model
+        self.timeout_s = timeout_s
+        self.top = top
+        self._authorization = None
+        name = options.get("api_key_env")
+        if name:
+            key = os.environ.get(name, "")
+            if not key:
+                raise BackendError(f"environment variable {name} (options.api_key_env) is "
+                                   "not set or empty", key="options.api_key_env")
+            self._authorization = f"Bearer {key}"
+
+    def __call__(self, sample: GenerationSample) -> GenerationSample:
+        """The primary's completion of ``sample``'s call, as a sample of its own (route
+        ``primary``); BackendError when the upstream fails or answers an error."""
+        body = probe_body(sample, self.model, self.top)
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(self.base + PATHS[sample.endpoint], data=data,
+                                         headers={"Content-Type": "application/json"})
+        if self._authorization:
+            request.add_header("Authorization", self._authorization)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                answer = json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            raise BackendError(f"primary probe: HTTP {exc.code} from {self.base}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise BackendError(f"primary probe: {type(exc).__name__}: {exc}") from None
+        completion = Completion()
+        gather(completion, sample.endpoint, answer, streamed=False)
+        if completion.error:
+            raise BackendError(f"primary probe: the upstream answered an error: "
+                               f"{completion.error[:200]}")
+        call = parse_request(sample.endpoint, data)
+        probed = build_sample(call, completion, route="primary", request_id=sample.request_id,
+                              guard_logprobs=True)
+        # The sample is the client's call: its name and transform, not the probe's.
+        return replace(probed, model=sample.model, sampling=sample.sampling)

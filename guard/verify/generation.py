@@ -1,0 +1,455 @@
+"""The ``generation`` tier: one LLM completion against a teacher-forced reference (numpy only).
+
+Input: the primary's completion (:class:`~guard.protocol.generation.GenerationSample`) and the
+reference's distributions at each of its positions (:class:`~guard.backends.scoring.
+ReferenceScores`, one forward pass of the reference over prompt + completion). Output: one
+:class:`GenerationCheck` per completion, with a verdict and a continuous ``statistic`` for the
+detectors. Which comparison applies depends on what the primary returned:
+
+- **logprobs** (the primary's answer carries each token's logprob, best with ``top_logprobs``):
+  per token, the KL divergence of the primary from the reference over the primary's returned
+  top-k with the rest of the mass lumped into one tail bucket (llama-perplexity's
+  ``KL(reference || primary)``; lumping can only lower a KL, so with a short top-k this is a
+  lower bound of the full-vocabulary KLD, ``kld_exact`` says whether the top-k held nearly all
+  of the primary's mass), Δ logprob and Δp of the chosen token, same top-1. Verdict: the
+  completion's mean KLD per token <= ``max_mean_kld``; statistic: that mean.
+- **sampled** (no logprobs; temperature > 0): at each position the reference's surprise at the
+  primary's token minus its expectation under the sampling transform the server applied
+  (temperature, top_k, top_p, min_p, penalties: the request's values over the server's declared
+  defaults, :class:`ServerDefaults`). When the primary samples from the reference's transformed
+  distribution, each term has mean 0 given the past and a variance the reference knows (the
+  varentropy), so the sum over the completion divided by the square root of the summed
+  variances is a z-score, approximately N(0, 1) under agreement (a martingale CLT). A token
+  the transform excludes would give an infinite surprise: the surprise is taken under
+  ``(1 - eps) * transformed + eps * untransformed`` (mean and variance taken under the
+  transformed distribution, so the zero mean holds exactly). Verdict: ``|z| <= max_abs_z``;
+  statistic: z. A completion whose transform is unknown (a server whose defaults the block does
+  not declare, and a request that does not set them) is ``not_comparable``: counted, never
+  scored.
+- **greedy** (no logprobs; temperature 0): the primary's token must be the reference's argmax
+  wherever the reference's margin (top-1 minus top-2 logprob) exceeds ``margin_floor`` nats:
+  below it, kernel noise flips the argmax of agreeing models. Verdict: the share of confident
+  positions that disagree <= ``max_greedy_disagreement``; statistic: that share.
+
+A tokenization mismatch (guard/backends/scoring.py) is a failure of its own: nothing is scored,
+``findings`` names it. Prompt findings (``double_bos``, ``missing_bos``) fail the completion
+too: they change every token after them. Every mode reports the first divergent token: the
+first confident position where the primary's choice is not the reference's argmax (greedy,
+logprobs), or the first token outside the reference's transformed support (sampled).
+
+Defaults (:class:`GenerationThresholds`) were calibrated on SmolLM2-135M-Instruct against its
+fp32 reference (benchmarks/llm_ladder.py; numbers in docs/generation.md): F16, Q4_1 and Q8_0
+primaries pass them and Q2_K fails them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Sequence
+
+import numpy as np
+
+from guard.backends.scoring import ReferenceScores
+from guard.protocol.generation import GenerationSample, SamplingParams
+
+# Probabilities are floored here before a log: a bucket the other side gives no mass to.
+_TINY = 1e-12
+# The primary's top-k held at least this share of its mass at every position: the top-k KL is
+# the full-vocabulary KLD to within about this much.
+_EXACT_COVERAGE = 0.999
+_TEXT_BEFORE = 200  # characters of completion text kept before the first divergent token
+
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """The sampling transform a server applies where the request does not say (the backend
+    block declares it: it depends on the server and its launch flags).
+
+    ``temperature=None`` means the server's default temperature is not known: a sampled
+    request that does not set it is not comparable. ``temperature_last``: the server applies
+    the truncations (top_k, top_p, min_p) at temperature 1 and the temperature after them
+    (llama.cpp's sampler chain); otherwise temperature first (vLLM, transformers). Penalties
+    follow vLLM's meaning: the repetition penalty over prompt and completion tokens, presence
+    and frequency over completion tokens, within the last ``penalty_last_n`` tokens (-1: all).
+    """
+
+    temperature: float | None = None
+    top_p: float = 1.0
+    top_k: int = 0  # 0: off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    penalty_last_n: int = -1
+    temperature_last: bool = False
+
+
+# Starting points for the backend block; the server's launch flags can change them (vLLM
+# applies a model's generation_config.json defaults unless told not to).
+SERVER_DEFAULTS: dict[str, ServerDefaults] = {
+    # llama.cpp's server and llama-cpp-python's: top_k 40, top_p 0.95, min_p 0.05,
+    # temperature 0.8, repeat_penalty 1.0 over the last 64 tokens; temperature last.
+    "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
+                                penalty_last_n=64, temperature_last=True),
+    # vLLM's SamplingParams defaults (without a model's generation_config).
+    "vllm": ServerDefaults(temperature=1.0),
+    # OpenAI's API semantics: temperature 1, nothing else.
+    "openai": ServerDefaults(temperature=1.0),
+    # Nothing known: only greedy requests and requests that set the temperature compare.
+    "unknown": ServerDefaults(),
+}
+
+
+@dataclass(frozen=True)
+class GenerationThresholds:
+    """The tier's defaults. Why these values: docs/generation.md (measured ladder)."""
+
+    # Mean KLD per token (nats) over one completion, logprobs mode. Q8_0's ladder mean is
+    # 0.004 and Q2_K's 0.45: 0.05 sits near their geometric mean.
+    max_mean_kld: float = 0.05
+    # |z| of one sampled completion (N(0, 1) under agreement: 4 is 6e-5 two-sided).
+    max_abs_z: float = 4.0
+    # Reference margin (nats) above which an argmax flip is not kernel noise.
+    margin_floor: float = 1.0
+    # Greedy: the share of confident positions where the primary left the reference's argmax.
+    max_greedy_disagreement: float = 0.05
+    # Weight of the untransformed distribution in the sampled surprise (finite for a token the
+    # transform excludes).
+    support_epsilon: float = 0.05
+    # Fewer compared positions than this: not comparable (counted, not scored).
+    min_tokens: int = 1
+
+
+@dataclass(frozen=True)
+class FirstDivergence:
+    position: int
+    text_before: str
+    primary_token: str
+    reference_top: tuple[tuple[str, float], ...]  # (token text, probability), best first
+    record: int | None = None  # set by whoever numbers the samples (replay)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"record": self.record, "position": self.position,
+                "text_before": self.text_before, "primary_token": self.primary_token,
+                "reference_top": [[t, p] for t, p in self.reference_top]}
+
+
+@dataclass
+class GenerationCheck:
+    """One completion's comparison. ``statistic`` is what a detector accumulates (None when
+    the completion was not scored); the metric fields are NaN where the mode has none."""
+
+    passed: bool
+    mode: str  # logprobs | sampled | greedy | not_comparable | tokenization_mismatch
+    reason: str = ""
+    tokens: int = 0
+    statistic: float | None = None
+    mean_kld: float = math.nan
+    kld_p99: float = math.nan
+    kld_exact: bool = False
+    top1_agreement: float = math.nan
+    delta_p_rms: float = math.nan
+    mean_delta_logprob: float = math.nan
+    z: float = math.nan
+    out_of_support: int = 0
+    confident_positions: int = 0
+    confident_disagreements: int = 0
+    first_divergence: FirstDivergence | None = None
+    findings: tuple[str, ...] = ()
+    approximate: bool = False
+    per_token_kld: np.ndarray | None = field(default=None, repr=False)
+
+    @property
+    def comparable(self) -> bool:
+        return self.statistic is not None
+
+    def as_dict(self) -> dict[str, Any]:
+        data = {k: v for k, v in self.__dict__.items() if k != "per_token_kld"}
+        data["first_divergence"] = (None if self.first_divergence is None
+                                    else self.first_divergence.as_dict())
+        data["findings"] = list(self.findings)
+        return {k: (None if isinstance(v, float) and math.isnan(v) else v)
+                for k, v in data.items()}
+
+
+# -- the sampling transform ------------------------------------------------------------------
+@dataclass(frozen=True)
+class Transform:
+    """The sampling transform one completion was drawn with (request over server defaults)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_last_n: int
+    temperature_last: bool
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Transform | None:
+    """The transform the server applied, or None where its temperature is not known."""
+    temperature = sampling.temperature if sampling.temperature is not None else \
+        defaults.temperature
+    if temperature is None:
+        return None
+
+    def pick(value, default):
+        return default if value is None else value
+
+    return Transform(
+        temperature=float(temperature), top_p=float(pick(sampling.top_p, defaults.top_p)),
+        top_k=int(pick(sampling.top_k, defaults.top_k)),
+        min_p=float(pick(sampling.min_p, defaults.min_p)),
+        repetition_penalty=float(pick(sampling.repetition_penalty,
+                                      defaults.repetition_penalty)),
+        presence_penalty=float(pick(sampling.presence_penalty, defaults.presence_penalty)),
+        frequency_penalty=float(pick(sampling.frequency_penalty, defaults.frequency_penalty)),
+        penalty_last_n=defaults.penalty_last_n, temperature_last=defaults.temperature_last)
+
+
+def _penalize(logits: np.ndarray, transform: Transform, prompt: Sequence[int],
+              completion: Sequence[int], t: int) -> np.ndarray:
+    """vLLM's penalties on one position's logits (completion tokens before ``t`` and, for the
+    repetition penalty, the prompt), within the last ``penalty_last_n`` tokens."""
+    history = list(prompt) + list(completion[:t])
+    if transform.penalty_last_n >= 0:
+        history = history[len(history) - transform.penalty_last_n:] if \
+            transform.penalty_last_n else []
+    out = logits.copy()
+    if transform.repetition_penalty != 1.0 and history:
+        seen = np.unique(np.asarray(history, dtype=np.int64))
+        values = out[seen]
+        out[seen] = np.where(values > 0, values / transform.repetition_penalty,
+                             values * transform.repetition_penalty)
+    generated = list(completion[:t])
+    if transform.penalty_last_n >= 0:
+        generated = generated[max(0, len(generated) - transform.penalty_last_n):] if \
+            transform.penalty_last_n else []
+    if generated and (transform.presence_penalty or transform.frequency_penalty):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        out[ids] -= transform.presence_penalty + transform.frequency_penalty * counts
+    return out
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(logits)
+    out = np.zeros_like(logits)
+    if not finite.any():
+        return out
+    shifted = np.where(finite, logits - logits[finite].max(), -np.inf)
+    out = np.exp(shifted)
+    return out / out.sum()
+
+
+def transformed(logprobs: np.ndarray, transform: Transform) -> np.ndarray:
+    """The distribution the server samples from, given the model's log-probabilities at one
+    position (penalties already applied): float64 ``[V]``, zero outside the kept set."""
+    logits = logprobs.astype(np.float64)
+    if not transform.temperature_last:
+        logits = logits / transform.temperature
+    keep = np.isfinite(logits)
+    if 0 < transform.top_k < logits.size:
+        cut = np.partition(logits, logits.size - transform.top_k)[logits.size - transform.top_k]
+        keep &= logits >= cut
+    if transform.top_p < 1.0 or transform.min_p > 0.0:
+        probs = _softmax(np.where(keep, logits, -np.inf))
+        if transform.top_p < 1.0:
+            order = np.argsort(-probs, kind="stable")
+            cumulative = np.cumsum(probs[order])
+            # The smallest prefix whose mass reaches top_p (the token that crosses included).
+            count = int(np.searchsorted(cumulative, transform.top_p, side="left")) + 1
+            cutoff = np.zeros_like(keep)
+            cutoff[order[:count]] = True
+            keep &= cutoff
+        if transform.min_p > 0.0:
+            probs = _softmax(np.where(keep, logits, -np.inf))
+            keep &= probs >= transform.min_p * probs.max()
+    if transform.temperature_last:
+        logits = logits / transform.temperature
+    return _softmax(np.where(keep, logits, -np.inf))
+
+
+# -- the tier ----------------------------------------------------------------------------------
+def _reference_top(scores: ReferenceScores, t: int) -> tuple[tuple[str, float], ...]:
+    return tuple((text, float(math.exp(lp))) for text, lp in
+                 zip(scores.top_texts[t], scores.top_logprobs[t][:len(scores.top_texts[t])]))
+
+
+def _divergence(sample: GenerationSample, scores: ReferenceScores,
+                position: int | None) -> FirstDivergence | None:
+    if position is None:
+        return None
+    texts = [token.text for token in sample.tokens]
+    before = "".join(texts[:position])
+    return FirstDivergence(position, before[-_TEXT_BEFORE:], texts[position],
+                           _reference_top(scores, position))
+
+
+def _margins(scores: ReferenceScores) -> np.ndarray:
+    if scores.top_logprobs.shape[1] < 2:
+        return np.full(scores.top_logprobs.shape[0], np.inf)
+    return (scores.top_logprobs[:, 0] - scores.top_logprobs[:, 1]).astype(np.float64)
+
+
+def _topk_kld(primary_lp: np.ndarray, reference_lp: np.ndarray) -> tuple[float, float]:
+    """``KL(reference || primary)`` over the primary's top-k plus one tail bucket, and the
+    share of the primary's mass its top-k held."""
+    p = np.exp(primary_lp)
+    q = np.exp(reference_lp)
+    p_tail = max(1.0 - float(p.sum()), 0.0)
+    q_tail = max(1.0 - float(q.sum()), 0.0)
+    kld = float(np.sum(q * (np.log(np.maximum(q, _TINY)) - np.log(np.maximum(p, _TINY)))))
+    if q_tail > 0.0:
+        kld += q_tail * (math.log(max(q_tail, _TINY)) - math.log(max(p_tail, _TINY)))
+    return max(kld, 0.0), float(p.sum())
+
+
+def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
+                   limits: GenerationThresholds) -> GenerationCheck:
+    n = len(scores.token_ids)
+    klds = np.zeros(n)
+    coverage = np.ones(n)
+    delta_lp = np.zeros(n)
+    delta_p = np.zeros(n)
+    same_top: list[bool] = []
+    margins = _margins(scores)
+    first = None
+    for t in range(n):
+        token = sample.tokens[t]
+        ref_chosen = float(scores.chosen_logprob[t])
+        primary_chosen = float(token.logprob)  # type: ignore[arg-type]
+        delta_lp[t] = primary_chosen - ref_chosen
+        delta_p[t] = math.exp(primary_chosen) - math.exp(ref_chosen)
+        alternatives = scores.primary_top_logprobs[t] if t < len(scores.primary_top_logprobs) \
+            else np.zeros(0)
+        prim, ref = [primary_chosen], [ref_chosen]
+        for (text, lp), ref_lp in zip(token.top, alternatives):
+            if text != token.text and not math.isnan(ref_lp):
+                prim.append(lp)
+                ref.append(float(ref_lp))
+        klds[t], coverage[t] = _topk_kld(np.array(prim), np.array(ref))
+        primary_top = token.top[0][0] if token.top else (
+            token.text if sample.sampling.greedy else None)
+        if primary_top is not None:
+            agree = primary_top == scores.top_texts[t][0]
+            same_top.append(agree)
+            if not agree and first is None and margins[t] > limits.margin_floor:
+                first = t
+    mean_kld = float(klds.mean())
+    passed = mean_kld <= limits.max_mean_kld
+    return GenerationCheck(
+        passed=passed, mode="logprobs", tokens=n, statistic=mean_kld,
+        reason="" if passed else f"mean KLD {mean_kld:.4g} > max_mean_kld {limits.max_mean_kld:g}",
+        mean_kld=mean_kld, kld_p99=float(np.percentile(klds, 99)),
+        kld_exact=bool(coverage.min() >= _EXACT_COVERAGE),
+        top1_agreement=float(np.mean(same_top)) if same_top else math.nan,
+        delta_p_rms=float(np.sqrt(np.mean(delta_p ** 2))),
+        mean_delta_logprob=float(delta_lp.mean()),
+        first_divergence=_divergence(sample, scores, first), per_token_kld=klds)
+
+
+def _greedy(sample: GenerationSample, scores: ReferenceScores,
+            limits: GenerationThresholds) -> GenerationCheck:
+    n = len(scores.token_ids)
+    ids = np.asarray(scores.token_ids, dtype=np.int64)
+    agree = scores.top_ids[:, 0] == ids
+    confident = _margins(scores) > limits.margin_floor
+    disagreements = int(np.sum(confident & ~agree))
+    positions = int(confident.sum())
+    share = disagreements / positions if positions else 0.0
+    passed = share <= limits.max_greedy_disagreement
+    flips = np.flatnonzero(confident & ~agree)
+    return GenerationCheck(
+        passed=passed, mode="greedy", tokens=n, statistic=share,
+        reason="" if passed else (f"{disagreements} of {positions} confident positions left the "
+                                  f"reference's argmax (> {limits.max_greedy_disagreement:g})"),
+        top1_agreement=float(agree.mean()), confident_positions=positions,
+        confident_disagreements=disagreements,
+        first_divergence=_divergence(sample, scores, int(flips[0]) if flips.size else None))
+
+
+def sampled_terms(scores: ReferenceScores, transform: Transform, epsilon: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per position: the centred surprise at the primary's token, its variance under
+    agreement, and whether the token is outside the transformed support."""
+    assert scores.logprobs is not None
+    n = len(scores.token_ids)
+    terms, variances, outside = np.zeros(n), np.zeros(n), np.zeros(n, bool)
+    prompt = scores.prompt_token_ids
+    for t, token_id in enumerate(scores.token_ids):
+        row = scores.logprobs[t].astype(np.float64)
+        if transform.penalized:
+            row = _penalize(row, transform, prompt, scores.token_ids, t)
+            row = row - np.logaddexp.reduce(row)
+        pi = transformed(row, transform)
+        mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row) + _TINY)
+        expected = float(np.dot(pi, mixed))  # -(cross entropy of pi against the mixture)
+        terms[t] = -float(mixed[token_id]) + expected
+        variances[t] = max(float(np.dot(pi, mixed ** 2)) - expected ** 2, 0.0)
+        outside[t] = pi[token_id] == 0.0
+    return terms, variances, outside
+
+
+def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
+             limits: GenerationThresholds) -> GenerationCheck:
+    if scores.logprobs is None:
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=len(scores.token_ids),
+                               reason="a sampled completion without logprobs needs the "
+                               "reference's full distribution (a local scorer)")
+    terms, variances, outside = sampled_terms(scores, transform, limits.support_epsilon)
+    total_var = float(variances.sum())
+    z = float(terms.sum() / math.sqrt(total_var)) if total_var > 0 else 0.0
+    passed = abs(z) <= limits.max_abs_z
+    ids = np.asarray(scores.token_ids, dtype=np.int64)
+    firsts = np.flatnonzero(outside)
+    return GenerationCheck(
+        passed=passed, mode="sampled", tokens=len(ids), statistic=z, z=z,
+        reason="" if passed else f"|z| {abs(z):.3g} > max_abs_z {limits.max_abs_z:g}",
+        top1_agreement=float(np.mean(scores.top_ids[:, 0] == ids)),
+        out_of_support=int(outside.sum()),
+        first_divergence=_divergence(sample, scores, int(firsts[0]) if firsts.size else None))
+
+
+def check_generation(sample: GenerationSample, scores: ReferenceScores,
+                     defaults: ServerDefaults = SERVER_DEFAULTS["unknown"],
+                     limits: GenerationThresholds = GenerationThresholds()) -> GenerationCheck:
+    """Compare one completion with the reference's teacher-forced distributions."""
+    common: dict[str, Any] = {"approximate": scores.approximate, "findings": scores.findings}
+    if scores.mismatch is not None:
+        m = scores.mismatch
+        return GenerationCheck(
+            passed=False, mode="tokenization_mismatch", tokens=len(sample.tokens),
+            reason=f"tokenization mismatch at token {m.position}: primary {m.primary!r}, "
+                   f"reference {m.reference!r} ({m.reason})",
+            approximate=scores.approximate,
+            findings=scores.findings + ("tokenization_mismatch",))
+    n = len(scores.token_ids)
+    if n < max(limits.min_tokens, 1):
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                               reason=f"{n} completion tokens (< min_tokens)", **common)
+    if sample.has_logprobs and len(sample.tokens) == n:
+        check = _with_logprobs(sample, scores, limits)
+    else:
+        transform = resolve_transform(sample.sampling, defaults)
+        if transform is None:
+            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                                   reason="the sampling transform is unknown (no temperature "
+                                   "in the request, none declared for the server)", **common)
+        if transform.temperature <= 0.0:
+            check = _greedy(sample, scores, limits)
+        else:
+            check = _sampled(sample, scores, transform, limits)
+    check = replace(check, **common)
+    if scores.findings and check.comparable:
+        check.passed = False
+        check.reason = "; ".join(filter(None, [check.reason, "prompt: " +
+                                               ", ".join(scores.findings)]))
+    return check

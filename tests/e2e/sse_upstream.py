@@ -1,0 +1,153 @@
+"""A real OpenAI-shaped HTTP server whose answers a test scripts (aiohttp, on 127.0.0.1, on a
+thread of its own): the upstream for the faults a real model server does not produce on
+demand (a stream held open, cut mid-event, cut off, an error event) and for what guard sent
+it (headers, body). The test picks the script with the request header ``x-test-scenario``,
+which guard forwards like any other header.
+
+It records every request (path, headers, body) and, per scenario, whether the client went
+away before the stream ended (``disconnected``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+
+from aiohttp import web
+
+MODEL = "scripted-upstream"
+
+
+def chunk(text: str, model: str = MODEL, chat: bool = True, finish=None) -> bytes:
+    choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat
+              else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+    body = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
+            "created": 1, "model": model, "choices": [choice]}
+    return b"data: " + json.dumps(body).encode() + b"\n\n"
+
+
+class ScriptedUpstream:
+    def __init__(self):
+        self.requests: list[dict] = []
+        self.disconnected = threading.Event()
+        self.release = None  # asyncio.Event on the server loop ("hold")
+        self.sent_last = threading.Event()
+        self.port = 0
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    def __enter__(self) -> "ScriptedUpstream":
+        self._thread.start()
+        asyncio.run_coroutine_threadsafe(self._start(), self._loop).result(10)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def stop(self) -> None:
+        """Stop serving (the server goes away); again: nothing."""
+        if not self._thread.is_alive():
+            return
+        asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/chat/completions", self._answer)
+        app.router.add_post("/v1/completions", self._answer)
+        app.router.add_get("/v1/models", self._models)
+        self._runner = web.AppRunner(app, handler_cancellation=True)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        self.release = asyncio.Event()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def reset(self) -> None:
+        self.requests.clear()
+        self.disconnected.clear()
+        self.sent_last.clear()
+        self._loop.call_soon_threadsafe(self.release.clear)
+
+    def let_go(self) -> None:
+        """Let a held stream ("hold") send its last event."""
+        self._loop.call_soon_threadsafe(self.release.set)
+
+    # -- answers -----------------------------------------------------------------------------
+    async def _models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
+
+    async def _answer(self, request: web.Request) -> web.StreamResponse:
+        body = await request.read()
+        self.requests.append({"path": request.path, "headers": dict(request.headers),
+                              "body": body})
+        scenario = request.headers.get("x-test-scenario", "plain")
+        chat = request.path.endswith("chat/completions")
+        if scenario == "status":
+            return web.json_response({"error": {"message": "no such thing", "type": "x"}},
+                                     status=int(request.headers["x-test-status"]))
+        if scenario == "plain":
+            answer = {"id": "cmpl-1", "object": "chat.completion", "created": 1,
+                      "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",
+                                                   "message": {"role": "assistant",
+                                                               "content": "Paris"}}],
+                      "usage": {"prompt_tokens": 3, "completion_tokens": 1}}
+            # Spacing and key order of the server's own: the edge must keep them.
+            return web.Response(body=json.dumps(answer, indent=1).encode(),
+                                content_type="application/json")
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            await getattr(self, f"_{scenario}")(response, chat)
+        except (asyncio.CancelledError, ConnectionResetError):
+            self.disconnected.set()
+            raise
+        return response
+
+    async def _hold(self, response, chat) -> None:
+        await response.write(chunk("first", chat=chat))
+        await self.release.wait()
+        await response.write(chunk(" last", chat=chat, finish="stop") + b"data: [DONE]\n\n")
+        self.sent_last.set()
+        await response.write_eof()
+
+    async def _slow(self, response, chat) -> None:
+        for i in range(2000):  # far longer than any test waits
+            await response.write(chunk(f" t{i}", chat=chat))
+            await asyncio.sleep(0.01)
+        await response.write_eof()
+
+    async def _split(self, response, chat) -> None:
+        data = (chunk("Par", chat=chat) + b": a comment\r\n\r\n" + chunk("is", chat=chat)
+                + chunk("", chat=chat, finish="stop") + b"data: [DONE]\n\n")
+        for i in range(0, len(data), 7):  # cut anywhere, inside events and line ends
+            await response.write(data[i:i + 7])
+            await asyncio.sleep(0.001)
+        await response.write_eof()
+
+    async def _die(self, response, chat) -> None:
+        await response.write(chunk("one", chat=chat) + chunk(" two", chat=chat) + b"data: {\"id")
+        await asyncio.sleep(0.05)
+        response._req.transport.abort()  # the server process died: no end of the body
+
+    async def _error_event(self, response, chat) -> None:
+        await response.write(chunk("one", chat=chat))
+        await response.write(b'data: {"error": {"message": "out of memory", "type": '
+                             b'"server_error"}}\n\n')
+        await response.write_eof()
+
+
+def wait_until(predicate, timeout: float = 30.0, step: float = 0.02) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(step)
+    return predicate()

@@ -1,0 +1,233 @@
+"""The HTTP edge's bad input and faults (issue 29 item 6), end to end: a real guard (``http_port``)
+in front of a real HTTP server whose answers the test scripts (tests/e2e/sse_upstream.py), with
+plain HTTP clients (httpx2, the one the openai package uses). Every case is a counted outcome with the
+right status, never a crash and never a changed answer; guard serves the next call after each."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import pytest
+
+from sse_upstream import MODEL, ScriptedUpstream, wait_until
+from support import metric, running, scrape
+
+CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Capital of France?"}]}
+
+
+@pytest.fixture(scope="module")
+def upstreams():
+    with ScriptedUpstream() as primary, ScriptedUpstream() as doomed:
+        yield primary, doomed
+
+
+@pytest.fixture(scope="module")
+def guard(upstreams, tmp_path_factory):
+    primary, doomed = upstreams
+    block = {"backend": "openai", "target": primary.url, "model": MODEL,
+             "options": {"api_key_env": "GUARD_TEST_UPSTREAM_KEY"}}
+    models = [
+        {"name": "smol", "task": "generation", "primary": block,
+         "fallback": dict(block, options={"api_key_env": "GUARD_TEST_UPSTREAM_KEY"}),
+         "policy": {"action": "fallback_model"}},
+        {"name": "doomed", "task": "generation",
+         "primary": {"backend": "openai", "target": doomed.url, "model": MODEL}},
+    ]
+    import os
+
+    os.environ["GUARD_TEST_UPSTREAM_KEY"] = "upstream-secret"
+    try:
+        with running(tmp_path_factory.mktemp("edge"), models, http_port=0) as (server, _):
+            yield server
+    finally:
+        os.environ.pop("GUARD_TEST_UPSTREAM_KEY", None)
+
+
+@pytest.fixture
+def http(guard, upstreams):
+    upstreams[0].reset()
+    with httpx.Client(base_url=f"http://127.0.0.1:{guard.http_port}", timeout=30) as client:
+        yield client
+
+
+def errors(guard, code: str, model: str = "smol") -> float:
+    return metric(scrape(guard.metrics_port), "guard_request_errors_total", model=model,
+                  code=code)
+
+
+def not_comparable(guard, reason: str) -> float:
+    return metric(scrape(guard.metrics_port), "guard_generation_not_comparable_total",
+                  model="smol", reason=reason)
+
+
+def still_serves(http) -> None:
+    answer = http.post("/v1/chat/completions", json=CHAT)
+    assert answer.status_code == 200 and answer.json()["model"] == "smol"
+
+
+# -- what guard sends and answers --------------------------------------------------------------------
+def test_a_plain_answer_is_the_upstreams_bytes_but_the_model_name(http, upstreams):
+    answer = http.post("/v1/chat/completions", json=CHAT,
+                       headers={"Authorization": "Bearer client-key", "X-Custom": "kept"})
+    assert answer.status_code == 200 and answer.headers["guard-route"] == "primary"
+    # The scripted server indents its JSON: the edge changed the model value, no other byte.
+    sent = json.loads(answer.content)
+    assert sent["model"] == "smol"
+    assert answer.content == json.dumps(dict(sent, model=MODEL), indent=1).encode().replace(
+        f'"model": "{MODEL}"'.encode(), b'"model": "smol"')
+    seen = upstreams[0].requests[-1]
+    assert json.loads(seen["body"]) == dict(CHAT, model=MODEL)
+    assert seen["headers"]["Authorization"] == "Bearer upstream-secret"  # api_key_env
+    assert seen["headers"]["X-Custom"] == "kept"
+    assert seen["headers"].get("Accept-Encoding", "identity") == "identity"
+
+
+def test_a_stream_reaches_the_client_before_the_upstream_has_sent_its_last_event(http,
+                                                                               upstreams):
+    upstream = upstreams[0]
+    body = dict(CHAT, stream=True)
+    with http.stream("POST", "/v1/chat/completions", json=body,
+                     headers={"x-test-scenario": "hold"}) as answer:
+        assert answer.headers["guard-route"] == "primary"
+        lines = answer.iter_lines()
+        first = next(line for line in lines if line.startswith("data:"))
+        # The upstream holds its last event until told: the first came through alone.
+        assert not upstream.sent_last.is_set()
+        assert json.loads(first[5:])["choices"][0]["delta"]["content"] == "first"
+        assert json.loads(first[5:])["model"] == "smol"
+        upstream.let_go()
+        rest = [line for line in lines if line.startswith("data:")]
+    assert upstream.sent_last.is_set()
+    assert rest[-1] == "data: [DONE]" and json.loads(rest[0][5:])["model"] == "smol"
+
+
+def test_events_cut_anywhere_reach_the_client_whole_and_renamed(http):
+    answer = http.post("/v1/chat/completions", json=dict(CHAT, stream=True),
+                       headers={"x-test-scenario": "split"})
+    assert answer.status_code == 200
+    text = answer.content
+    assert b": a comment\r\n\r\n" in text and text.endswith(b"data: [DONE]\n\n")
+    events = [json.loads(e[6:]) for e in re.split(rb"\r?\n\r?\n", text)
+              if e.startswith(b"data: {")]
+    assert [e["model"] for e in events] == ["smol"] * 3
+    assert "".join(e["choices"][0]["delta"]["content"] for e in events) == "Paris"
+
+
+def test_every_answer_names_its_route_and_the_fallback_answers_when_pinned(guard, http):
+    from guard.admin_client import set_route
+
+    address = f"127.0.0.1:{guard.admin_port}"
+    set_route(address, "smol", "fallback", "test")
+    try:
+        assert wait_until(lambda: http.post("/v1/chat/completions", json=CHAT).headers[
+            "guard-route"] == "fallback")
+        streamed = http.post("/v1/chat/completions", json=dict(CHAT, stream=True),
+                             headers={"x-test-scenario": "split"})
+        assert streamed.headers["guard-route"] == "fallback"
+    finally:
+        set_route(address, "smol", "primary", "test")
+    assert wait_until(lambda: http.post("/v1/chat/completions", json=CHAT).headers[
+        "guard-route"] == "primary")
+    set_route(address, "smol", "auto", "test")
+
+
+# -- bad input -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("content", [b"not json", b"\xff\xfe\x00", b"[]", b'{"model": 3}'])
+def test_a_body_that_is_not_an_openai_call_is_400_and_counted(guard, http, content):
+    before = errors(guard, "INVALID_ARGUMENT", "_unknown")
+    answer = http.post("/v1/chat/completions", content=content,
+                       headers={"Content-Type": "application/json"})
+    assert answer.status_code == 400
+    assert answer.json()["error"]["type"] == "invalid_request_error"
+    assert errors(guard, "INVALID_ARGUMENT", "_unknown") == before + 1
+    still_serves(http)
+
+
+def test_an_unknown_model_is_404_in_openais_error_shape(guard, http):
+    before = errors(guard, "NOT_FOUND", "_unknown")
+    answer = http.post("/v1/completions", json={"model": "gpt-nope", "prompt": "x"})
+    assert answer.status_code == 404
+    error = answer.json()["error"]
+    assert (error["code"], error["param"], error["type"]) == ("model_not_found", "model",
+                                                              "invalid_request_error")
+    assert "gpt-nope" in error["message"]
+    assert errors(guard, "NOT_FOUND", "_unknown") == before + 1
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["doomed", "smol"]
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ({"n": 2}, "n"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+])
+def test_calls_that_cannot_be_compared_are_forwarded_unchanged_and_counted(
+        guard, http, upstreams, extra, reason):
+    before = not_comparable(guard, reason)
+    answer = http.post("/v1/chat/completions", json=dict(CHAT, **extra))
+    assert answer.status_code == 200 and answer.json()["model"] == "smol"
+    assert json.loads(upstreams[0].requests[-1]["body"]) == dict(CHAT, model=MODEL, **extra)
+    assert not_comparable(guard, reason) == before + 1
+
+
+def test_an_upstream_error_status_reaches_the_client_as_it_came(guard, http):
+    before = errors(guard, "RESOURCE_EXHAUSTED")
+    answer = http.post("/v1/chat/completions", json=CHAT,
+                       headers={"x-test-scenario": "status", "x-test-status": "429"})
+    assert answer.status_code == 429 and answer.headers["guard-route"] == "primary"
+    assert answer.json() == {"error": {"message": "no such thing", "type": "x"}}
+    assert errors(guard, "RESOURCE_EXHAUSTED") == before + 1
+
+
+# -- faults mid-stream ---------------------------------------------------------------------------
+def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, upstreams):
+    upstream = upstreams[0]
+    before = errors(guard, "CANCELLED")
+    with http.stream("POST", "/v1/chat/completions", json=dict(CHAT, stream=True),
+                     headers={"x-test-scenario": "slow"}) as answer:
+        lines = answer.iter_lines()
+        assert next(line for line in lines if line.startswith("data:"))
+    # The client closed its connection; guard closed the upstream's, whose handler saw it.
+    assert wait_until(upstream.disconnected.is_set)
+    assert wait_until(lambda: errors(guard, "CANCELLED") == before + 1)
+    still_serves(http)
+
+
+def test_an_upstream_that_dies_mid_stream_cuts_the_client_after_what_had_arrived(guard, http):
+    before = errors(guard, "UNAVAILABLE")
+    received = []
+    with pytest.raises(httpx.RemoteProtocolError):  # the body never ends properly
+        with http.stream("POST", "/v1/chat/completions", json=dict(CHAT, stream=True),
+                         headers={"x-test-scenario": "die"}) as answer:
+            for data in answer.iter_raw():
+                received.append(data)
+    text = b"".join(received)
+    assert text.count(b'"model": "smol"') == 2 and text.endswith(b'data: {"id')
+    assert errors(guard, "UNAVAILABLE") == before + 1
+    still_serves(http)
+
+
+def test_an_error_event_is_forwarded_and_counted(guard, http):
+    before, unusable = errors(guard, "INTERNAL"), not_comparable(guard, "upstream_error")
+    answer = http.post("/v1/chat/completions", json=dict(CHAT, stream=True),
+                       headers={"x-test-scenario": "error_event"})
+    assert answer.status_code == 200
+    assert b'data: {"error": {"message": "out of memory"' in answer.content
+    assert errors(guard, "INTERNAL") == before + 1
+    assert not_comparable(guard, "upstream_error") == unusable + 1
+
+
+def test_an_upstream_that_is_down_is_502_and_counted(guard, http, upstreams):
+    doomed = upstreams[1]
+    doomed.stop()  # the server goes away after guard started
+    before = errors(guard, "UNAVAILABLE", "doomed")
+    answer = http.post("/v1/chat/completions", json=dict(CHAT, model="doomed"))
+    assert answer.status_code == 502 and answer.headers["guard-route"] == "primary"
+    assert answer.json()["error"]["type"] == "server_error"
+    assert errors(guard, "UNAVAILABLE", "doomed") == before + 1
+    still_serves(http)
+
+
+def test_health_answers_live_and_ready(http):
+    assert http.get("/health").status_code == 200
+    assert http.get("/health/ready").json() == {"status": "ready"}

@@ -1,0 +1,118 @@
+"""``task: generation`` in the config: checks.generation, its policy defaults, and what a
+generation model block may not hold (guard/config/generation.py)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from guard.config import parse_config
+from guard.errors import ConfigError
+
+LINE = re.compile(r"^\S.*?: \S.*$")
+OPENAI = {"backend": "openai", "target": "http://127.0.0.1:8081", "model": "smol-q2"}
+FALLBACK = {"backend": "openai", "target": "http://127.0.0.1:8082", "model": "smol-q8"}
+
+
+@pytest.fixture
+def base(tmp_path: Path) -> Path:
+    (tmp_path / "m.onnx").touch()
+    (tmp_path / "smol.gguf").touch()
+    return tmp_path
+
+
+def problems(data, base_dir: Path) -> list[str]:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, base_dir, "guard.yaml")
+    lines = info.value.problems
+    assert lines and all(LINE.match(line) for line in lines), lines
+    return lines
+
+
+def generation_doc(**overrides) -> dict:
+    model = {"name": "smol", "task": "generation", "primary": dict(OPENAI),
+             "reference": {"backend": "transformers", "path": "smol.gguf"},
+             "fallback": dict(FALLBACK), "policy": {"action": "fallback_model"}}
+    model.update(overrides)
+    return {"version": 1, "server": {"http_port": 8080}, "models": [model]}
+
+
+def test_a_tensor_primary_is_refused_for_generation(base):
+    doc = {"version": 1, "models": [{"name": "smol", "task": "generation",
+                                      "primary": {"backend": "onnxruntime", "path": "m.onnx"}}]}
+    (line,) = problems(doc, base)
+    assert line.startswith("models[0]: primary.backend: a generation model is served by an "
+                           "OpenAI-compatible upstream")
+
+
+def test_tensor_checks_are_refused_for_generation(base):
+    doc = {"version": 1, "models": [{
+        "name": "smol", "task": "generation",
+        "primary": {"backend": "onnxruntime", "path": "m.onnx"},
+        "checks": {"tensor": {"atol": 0.1}, "activation": {"sample_rate": 0.5}},
+        "policy": {"action": "fallback_ops"}}]}
+    (line,) = problems(doc, base)
+    assert "checks.tensor: tensor checks do not apply to a generation model" in line
+    assert "checks.activation: tensor checks do not apply" in line
+    assert "policy.action: 'fallback_ops'" in line
+
+
+def test_checks_generation_on_a_tensor_model_is_refused(base):
+    doc = {"version": 1, "models": [{"name": "m", "task": "classification",
+                                      "primary": {"backend": "onnxruntime", "path": "m.onnx"},
+                                      "checks": {"generation": {"max_mean_kld": 0.2}}}]}
+    (line,) = problems(doc, base)
+    assert line == ("models[0]: checks.generation: is set but the model's task is "
+                    "'classification'")
+
+
+def test_generation_thresholds_are_checked(base):
+    doc = {"version": 1, "models": [{"name": "m", "primary": {"backend": "onnxruntime",
+                                                               "path": "m.onnx"},
+                                      "checks": {"generation": {"in_control_ratio": 1.0,
+                                                                "bet": 1.0}}}]}
+    lines = problems(doc, base)
+    assert any(line.startswith("models[0].checks.generation.bet: ") for line in lines)
+    doc["models"][0]["checks"]["generation"] = {"in_control_ratio": 1.0}
+    (line,) = problems(doc, base)
+    assert line.startswith("models[0].checks.generation: in_control_ratio must be in (0, 1)")
+
+
+def test_a_generation_model_validates_with_its_defaults(base):
+    config = parse_config(generation_doc(), base, "guard.yaml")
+    model = config.models[0]
+    assert model.policy.min_samples == 5  # the task's default
+    assert model.policy.arl0_for(model.mirror.sample_rate) == 1e5  # the shared ARL0
+    assert 0 < model.checks.generation.in_control_ratio < 1
+
+
+def test_the_task_default_survives_the_trip_to_the_verifier(base):
+    from guard.ipc.config import config_from_wire, config_to_wire
+
+    config = parse_config(generation_doc(), base, "guard.yaml")
+    again = config_from_wire(config_to_wire(config))
+    assert again.models[0].policy.min_samples == 5
+
+
+def test_a_generation_model_needs_the_http_edge(base):
+    doc = generation_doc()
+    del doc["server"]
+    (line,) = problems(doc, base)
+    assert "server.http_port: unset" in line  # the openai backend's own check
+
+
+def test_a_tensor_reference_is_refused_for_generation(base):
+    lines = problems(generation_doc(reference={"backend": "onnxruntime", "path": "m.onnx"}),
+                     base)
+    assert any("reference.backend: a generation model is scored by transformers, llama_cpp, "
+               "openai" in line for line in lines)
+
+
+def test_an_llm_backend_needs_task_generation(base):
+    doc = generation_doc()
+    doc["models"][0]["task"] = "generic"
+    lines = problems(doc, base)
+    assert any("primary.backend: 'openai' serves or scores an LLM: set task: generation" in line
+               for line in lines)

@@ -1,0 +1,151 @@
+"""The generation tier's math on its own (numpy): the sampling transform, the top-k KLD and the
+z-score's null distribution. The real model's side is tests/unit/test_generation_tier.py."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from guard.backends.scoring import ReferenceScores, top_of
+from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+from guard.verify.generation import (
+    SERVER_DEFAULTS,
+    GenerationThresholds,
+    ServerDefaults,
+    Transform,
+    _topk_kld,
+    check_generation,
+    resolve_transform,
+    transformed,
+)
+
+
+def _log_softmax(x: np.ndarray) -> np.ndarray:
+    x = x - x.max(axis=-1, keepdims=True)
+    return x - np.log(np.exp(x).sum(axis=-1, keepdims=True))
+
+
+def _transform(**kw) -> Transform:
+    base = dict(temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                presence_penalty=0.0, frequency_penalty=0.0, penalty_last_n=-1,
+                temperature_last=False)
+    base.update(kw)
+    return Transform(**base)
+
+
+@pytest.mark.parametrize("temperature_last", [False, True])
+def test_transform_keeps_what_each_truncation_allows(temperature_last):
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        logprobs = _log_softmax(rng.normal(0, 3, 300))
+        top_k, top_p, min_p = int(rng.integers(1, 60)), float(rng.uniform(0.3, 1.0)), \
+            float(rng.uniform(0, 0.2))
+        pi = transformed(logprobs, _transform(temperature=float(rng.uniform(0.3, 1.5)),
+                                              top_k=top_k, top_p=top_p, min_p=min_p,
+                                              temperature_last=temperature_last))
+        kept = np.flatnonzero(pi > 0)
+        assert math.isclose(pi.sum(), 1.0, rel_tol=1e-9)
+        assert 1 <= kept.size <= top_k
+        # The kept set is a top set of the model's own order (every truncation keeps the best).
+        assert logprobs[kept].min() >= np.sort(logprobs)[::-1][kept.size - 1]
+        # The argmax always survives and keeps the largest probability.
+        assert pi.argmax() == logprobs.argmax()
+
+
+def test_temperature_last_applies_truncation_at_temperature_one():
+    # One dominant token with p > top_p at temperature 1: llama.cpp (temperature last) keeps
+    # it alone; temperature first flattens the distribution before top_p and keeps more.
+    logprobs = _log_softmax(np.array([4.0, 2.0, 1.9, 1.8, 0.0]))
+    first = transformed(logprobs, _transform(temperature=3.0, top_p=0.7))
+    last = transformed(logprobs, _transform(temperature=3.0, top_p=0.7, temperature_last=True))
+    assert np.count_nonzero(last) == 1
+    assert np.count_nonzero(first) > 1
+
+
+def test_unknown_server_without_temperature_is_not_resolvable():
+    assert resolve_transform(SamplingParams(), SERVER_DEFAULTS["unknown"]) is None
+    llama = resolve_transform(SamplingParams(), SERVER_DEFAULTS["llama.cpp"])
+    assert (llama.top_k, llama.min_p, llama.temperature_last) == (40, 0.05, True)
+    told = resolve_transform(SamplingParams(temperature=0.5, top_k=5), ServerDefaults())
+    assert (told.temperature, told.top_k, told.top_p) == (0.5, 5, 1.0)
+
+
+def test_topk_kld_is_exact_with_the_whole_vocabulary_and_a_lower_bound_without():
+    rng = np.random.default_rng(1)
+    for _ in range(20):
+        p = _log_softmax(rng.normal(0, 2, 200))
+        q = _log_softmax(rng.normal(0, 2, 200))
+        exact = float(np.sum(np.exp(q) * (q - p)))
+        full, coverage = _topk_kld(p, q)
+        assert math.isclose(full, exact, rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(coverage, 1.0, rel_tol=1e-9)
+        top = np.argsort(-p)[:10]
+        lumped, coverage = _topk_kld(p[top], q[top])
+        assert lumped <= exact + 1e-12 and coverage < 1.0
+
+
+def _synthetic_scores(logprobs: np.ndarray, tokens: np.ndarray) -> ReferenceScores:
+    top_ids, top_lp = top_of(logprobs.astype(np.float32))
+    return ReferenceScores(
+        token_ids=tuple(int(t) for t in tokens), token_texts=tuple(f"t{t}" for t in tokens),
+        top_ids=top_ids, top_logprobs=top_lp,
+        top_texts=tuple(tuple(f"t{i}" for i in row[:5]) for row in top_ids),
+        chosen_logprob=logprobs[np.arange(len(tokens)), tokens].astype(np.float32),
+        logprobs=logprobs.astype(np.float32), prompt_token_ids=(0,))
+
+
+def _sample(tokens: np.ndarray, sampling: SamplingParams) -> GenerationSample:
+    return GenerationSample(model="m", endpoint="completions", prompt="p",
+                            completion_text="".join(f"t{t}" for t in tokens),
+                            tokens=tuple(TokenLogprob(f"t{t}") for t in tokens),
+                            sampling=sampling)
+
+
+@pytest.mark.parametrize("server", ["llama.cpp", "vllm"])
+def test_z_is_standard_normal_when_the_primary_samples_the_reference(server):
+    """Property: tokens drawn from the reference's own transformed distribution give z with
+    mean ~0 and variance ~1 (loose bounds over 200 completions of 32 tokens)."""
+    rng = np.random.default_rng(2)
+    defaults = SERVER_DEFAULTS[server]
+    sampling = SamplingParams(temperature=0.9)
+    transform = resolve_transform(sampling, defaults)
+    zs = []
+    for _ in range(200):
+        logprobs = _log_softmax(rng.normal(0, 2.5, (32, 400)))
+        tokens = np.array([rng.choice(400, p=transformed(row, transform)) for row in logprobs])
+        check = check_generation(_sample(tokens, sampling), _synthetic_scores(logprobs, tokens),
+                                 defaults)
+        assert check.mode == "sampled"
+        zs.append(check.statistic)
+    zs = np.array(zs)
+    assert abs(zs.mean()) < 0.3 and 0.6 < zs.std() < 1.4
+    assert np.mean(np.abs(zs) > GenerationThresholds().max_abs_z) < 0.02
+
+
+@pytest.mark.parametrize("actual", [0.5, 1.6])
+def test_z_is_large_when_the_primary_samples_another_distribution(actual):
+    """A server that samples at another temperature than the request says (sharper or
+    flatter): |z| over the threshold on most 64-token completions, with the sign of the fault."""
+    rng = np.random.default_rng(3)
+    sampling = SamplingParams(temperature=1.0)
+    zs = []
+    for _ in range(20):
+        logprobs = _log_softmax(rng.normal(0, 2.5, (64, 400)))
+        tokens = np.array([rng.choice(400, p=transformed(row, _transform(temperature=actual)))
+                           for row in logprobs])
+        zs.append(check_generation(_sample(tokens, sampling),
+                                   _synthetic_scores(logprobs, tokens),
+                                   SERVER_DEFAULTS["vllm"]).statistic)
+    zs = np.array(zs)
+    assert np.mean(np.abs(zs) > GenerationThresholds().max_abs_z) >= 0.8
+    assert np.sign(np.median(zs)) == (1 if actual > 1 else -1)
+
+
+def test_a_sampled_completion_with_an_unknown_transform_is_not_comparable():
+    rng = np.random.default_rng(4)
+    logprobs = _log_softmax(rng.normal(0, 2, (8, 50)))
+    tokens = logprobs.argmax(axis=1)
+    check = check_generation(_sample(tokens, SamplingParams()), _synthetic_scores(logprobs, tokens))
+    assert (check.mode, check.passed, check.statistic) == ("not_comparable", True, None)

@@ -1,0 +1,79 @@
+"""The verifier's generation path, in its parts: the detector's score per mode, the probe's
+request, the KLD window of admin status (the loop itself: tests/e2e/test_llm_online.py)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from guard.config import GenerationCheckConfig
+from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+from guard.verifier_process.generation_model import KldWindow, detector_score
+from guard.verifier_process.generation_probe import probe_body
+from guard.verify.generation import FirstDivergence, GenerationCheck, GenerationThresholds
+
+LIMITS = GenerationThresholds()
+
+
+def test_config_and_tier_defaults_agree():
+    """checks.generation's defaults are the tier's own (one set of calibrated numbers)."""
+    config = GenerationCheckConfig()
+    for name in GenerationThresholds.__dataclass_fields__:
+        if hasattr(config, name):
+            assert getattr(config, name) == getattr(LIMITS, name), name
+
+
+@pytest.mark.parametrize("mode,statistic,score", [
+    ("logprobs", LIMITS.max_mean_kld, 1.0),  # the failing level is 1 in every mode
+    ("logprobs", 0.0, 0.0),
+    ("greedy", LIMITS.max_greedy_disagreement * 3, 3.0),
+    ("sampled", -LIMITS.max_abs_z, 1.0),  # two-sided: z^2
+    ("sampled", LIMITS.max_abs_z / 2, 0.25),
+])
+def test_the_score_is_the_statistic_over_its_failing_level(mode, statistic, score):
+    check = GenerationCheck(passed=True, mode=mode, statistic=statistic)
+    assert detector_score(check, LIMITS) == pytest.approx(score)
+
+
+def test_what_was_not_scored_has_no_score():
+    for mode in ("not_comparable", "tokenization_mismatch"):
+        assert detector_score(GenerationCheck(passed=False, mode=mode), LIMITS) is None
+
+
+def _sample(endpoint="completions", **sampling) -> GenerationSample:
+    return GenerationSample(
+        model="smol", endpoint=endpoint, completion_text=" Paris.",
+        tokens=(TokenLogprob(" Paris"), TokenLogprob(".")),
+        sampling=SamplingParams(**sampling), prompt="The capital of France is",
+        messages=({"role": "user", "content": "Capital?"},) if endpoint == "chat" else None)
+
+
+def test_the_probe_asks_the_call_again_with_logprobs():
+    body = probe_body(_sample(temperature=0.0, max_tokens=32, top_k=40, seed=7,
+                              repetition_penalty=1.1, stop=("\n",)), "smol-q2", 5)
+    assert body == {"model": "smol-q2", "stream": False, "prompt": "The capital of France is",
+                    "logprobs": 5, "temperature": 0.0, "top_k": 40, "seed": 7,
+                    "repeat_penalty": 1.1, "max_tokens": 32, "stop": ["\n"]}
+    chat = probe_body(_sample("chat"), "smol-q2", 5)
+    assert chat["messages"] == [{"role": "user", "content": "Capital?"}]
+    assert (chat["logprobs"], chat["top_logprobs"]) == (True, 5)
+    assert chat["max_tokens"] == 2  # no max_tokens in the call: as long as its answer
+    assert "temperature" not in chat  # unset stays unset: the server's default applies
+
+
+def test_the_kld_window_keeps_the_last_completions():
+    window = KldWindow(3)
+    first = FirstDivergence(4, " Paris", ",", ((".", 0.7), (",", 0.2)))
+    for kld in (0.5, 0.01, 0.02, 0.03):
+        window.add(GenerationCheck(passed=kld < 0.05, mode="logprobs", statistic=kld,
+                                   mean_kld=kld, top1_agreement=1 - kld,
+                                   first_divergence=first if kld >= 0.05 else None))
+    figures = window.figures()
+    assert figures["completions"] == 3 and figures["window"] == 3
+    assert figures["mean_kld"] == pytest.approx(0.02)
+    assert figures["top1_agreement"] == pytest.approx(0.98)
+    assert window.last_divergence["primary_token"] == ","
+    greedy = GenerationCheck(passed=True, mode="greedy", statistic=0.0, top1_agreement=1.0)
+    window.add(greedy)  # no KLD without the primary's logprobs: the KLD window keeps its own
+    assert window.figures()["completions"] == 3 and not math.isnan(window.figures()["kld_p99"])

@@ -1,0 +1,274 @@
+"""The OpenAI-compatible API as data (guard/protocol/openai.py), the GENERATION ring record
+(guard/ipc/wire.py) and the ``openai`` backend block's validation."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import pytest
+
+from guard.config import parse_config
+from guard.errors import ConfigError
+from guard.ipc import wire
+from guard.ipc.ring import SampleRing
+from guard.protocol import generation
+from guard.protocol import openai as api
+
+UPSTREAM = {"backend": "openai", "target": "http://127.0.0.1:8081", "model": "smol-q4"}
+
+
+# -- requests -------------------------------------------------------------------------------------
+@pytest.mark.parametrize("data, why", [
+    (b"not json", "not JSON"), (b"\xff\xfe", "not JSON"), (b"[1, 2]", "JSON object"),
+    (b'{"messages": [{"role": "user", "content": "x"}]}', "'model'"),
+    (b'{"model": "m"}', "'messages'"), (b'{"model": "m", "messages": [], "stream": 1}',
+                                         "'messages'"),
+    (b'{"model": "m", "messages": [{}], "stream": "yes"}', "'stream'"),
+])
+def test_a_body_that_is_not_a_chat_call_is_refused_saying_why(data, why):
+    with pytest.raises(api.BadRequest, match=why):
+        api.parse_request("chat", data)
+
+
+def test_completions_need_a_prompt_and_calls_that_cannot_be_compared_say_why():
+    with pytest.raises(api.BadRequest, match="'prompt'"):
+        api.parse_request("completions", b'{"model": "m"}')
+    chat = '{"model": "m", "messages": [{"role": "user", "content": "x"}]%s}'
+    assert api.parse_request("chat", (chat % "").encode()).not_comparable == ""
+    assert api.parse_request("chat", (chat % ', "n": 2').encode()).not_comparable == "n"
+    tools = ', "tools": [{"type": "function", "function": {"name": "f"}}]'
+    assert api.parse_request("chat", (chat % tools).encode()).not_comparable == "tools"
+    assert api.parse_request("chat", (chat % ', "tool_choice": "none"').encode()
+                             ).not_comparable == ""
+    batch = api.parse_request("completions", b'{"model": "m", "prompt": ["a", "b"]}')
+    assert batch.not_comparable == "prompt_list"
+
+
+def test_sampling_params_are_what_the_request_says_and_none_where_it_is_silent():
+    body = {"model": "m", "prompt": "x", "temperature": 0, "top_k": 40, "min_p": 0.05,
+            "max_tokens": 16, "stop": "\n", "seed": 3, "logprobs": 5}
+    params = api.sampling_params(body)
+    assert (params.temperature, params.top_k, params.min_p, params.max_tokens) == (0.0, 40,
+                                                                                    0.05, 16)
+    assert params.greedy and params.stop == ("\n",) and params.seed == 3
+    assert params.logprobs == 5 and params.top_p is None and params.repetition_penalty is None
+    chat = api.sampling_params({"logprobs": True, "top_logprobs": 3, "top_p": 0.9})
+    assert (chat.logprobs, chat.top_p, chat.temperature) == (3, 0.9, None)
+    assert api.sampling_params({"temperature": "hot", "top_k": 1.5}).temperature is None
+
+
+# -- byte-exact edits ----------------------------------------------------------------------------
+def test_replacing_a_value_keeps_every_other_byte_as_the_server_wrote_it():
+    data = (b'{ "id" : "c", "model":"up",\n "choices": [ {"text": "a \\"model\\": \\"x\\"",'
+            b' "logprobs": {"tokens": ["a"], "n": [1, {"k": [2]}]}}, {"logprobs" :null} ],'
+            b' "usage": {"model": "inner"} }')
+    edited = api.replace_values(data, api.answer_edits("client", "up", strip_logprobs=True))
+    assert edited == (b'{ "id" : "c", "model":"client",\n "choices": [ {"text": "a \\"model\\": '
+                      b'\\"x\\"", "logprobs": null}, {"logprobs" :null} ], "usage": {"model": '
+                      b'"inner"} }')
+    assert json.loads(edited)["usage"]["model"] == "inner"  # only the top-level key
+    assert api.replace_values(data, {}) is data
+    assert api.answer_edits("same", "same", strip_logprobs=False) == {}
+    with pytest.raises(ValueError):
+        api.replace_values(b'{"model": "up", "choices": [', {api.MODEL_PATH: b'"x"'})
+
+
+def test_replacement_agrees_with_a_parse_on_random_documents():
+    rng = random.Random(7)
+
+    def value(depth):
+        kind = rng.randrange(6 if depth < 3 else 3)
+        if kind == 0:
+            return rng.choice([1, -2.5e-3, True, None])
+        if kind in (1, 2):
+            return rng.choice(["model", 'q"uote', "back\\slash", "ünï", "{[,:]}"])
+        if kind == 3:
+            return [value(depth + 1) for _ in range(rng.randrange(4))]
+        return {rng.choice(["model", "logprobs", "a", "choices"]): value(depth + 1)
+                for _ in range(rng.randrange(4))}
+
+    for _ in range(300):
+        doc = {"model": "up", "x": value(0), "choices": [
+            {"logprobs": value(1), "text": value(1)} for _ in range(rng.randrange(3))]}
+        data = json.dumps(doc, ensure_ascii=rng.random() < 0.5,
+                          indent=rng.choice([None, 1])).encode()
+        edited = json.loads(api.replace_values(data, api.answer_edits("cl", "up", True)))
+        expected = dict(doc, model="cl",
+                        choices=[dict(c, logprobs=None) for c in doc["choices"]])
+        assert edited == expected
+
+
+# -- Server-Sent Events -----------------------------------------------------------------------------
+def test_events_are_reassembled_from_chunks_cut_anywhere():
+    stream = (b'data: {"a": 1}\n\n: comment\r\n\r\ndata: {"b":\r\ndata: 2}\r\r'
+              b'event: x\ndata: [DONE]\n\n')
+    expected = [b'data: {"a": 1}\n\n', b": comment\r\n\r\n", b'data: {"b":\r\ndata: 2}\r\r',
+                b"event: x\ndata: [DONE]\n\n"]
+    rng = random.Random(3)
+    for _ in range(200):
+        splitter, events, at = api.EventSplitter(), [], 0
+        while at < len(stream):
+            step = rng.randrange(1, 9)
+            events += splitter.feed(stream[at:at + step])
+            at += step
+        assert events == expected and splitter.rest() == b""
+    splitter = api.EventSplitter()
+    assert splitter.feed(b"data: 1\n\ndata: partial") == [b"data: 1\n\n"]
+    assert splitter.rest() == b"data: partial"
+    assert api.event_data(expected[2]) == b'{"b":\n2}'
+    assert api.event_data(expected[1]) is None
+    assert api.event_data(expected[3]) == api.DONE
+
+
+def test_an_event_is_edited_only_where_it_is_one_line_of_json():
+    edits = api.answer_edits("client", "up", False)
+    assert api.edit_event(b'data: {"model": "up"}\n\n', edits) == b'data: {"model": "client"}\n\n'
+    assert api.edit_event(b'data:{"model":"up"}\r\n\r\n', edits) == (
+        b'data:{"model":"client"}\r\n\r\n')
+    for untouched in (b"data: [DONE]\n\n", b": ping\n\n", b'data: {"model":\ndata: "up"}\n\n',
+                      b'data: {"model": "up", broken\n\n'):
+        assert api.edit_event(untouched, edits) == untouched
+
+
+# -- answers -> the sample ---------------------------------------------------------------------------
+def test_a_chat_stream_with_logprobs_becomes_the_sample_token_by_token():
+    call = api.parse_request("chat", json.dumps({
+        "model": "smol", "messages": [{"role": "user", "content": "Capital of France?"}],
+        "temperature": 0, "stream": True}).encode())
+    completion = api.Completion()
+    chunks = [{"model": "up", "choices": [{"delta": {"role": "assistant"}}]}]
+    for text, lp in ((" Paris", -0.26), (".", -1.5)):
+        chunks.append({"model": "up", "choices": [{"delta": {"content": text}, "logprobs": {
+            "content": [{"token": text, "logprob": lp, "top_logprobs": [
+                {"token": text, "logprob": lp}, {"token": " Lyon", "logprob": -3.0}]}]}}]})
+    chunks.append({"model": "up", "choices": [{"delta": {}, "finish_reason": "stop"}]})
+    for c in chunks:
+        api.gather(completion, "chat", c, streamed=True)
+    assert [api.chunk_has_content(c, "chat") for c in chunks] == [False, True, True, False]
+    sample = api.build_sample(call, completion, route="primary", request_id="r", streamed=True,
+                              guard_logprobs=True)
+    assert sample.completion_text == " Paris." and sample.finish_reason == "stop"
+    assert [t.text for t in sample.tokens] == [" Paris", "."] and sample.has_logprobs
+    assert sample.tokens[0].top == ((" Paris", -0.26), (" Lyon", -3.0))
+    assert sample.sampling.greedy and sample.sampling.logprobs is None  # guard's, not asked
+    assert sample.messages[0]["content"] == "Capital of France?" and sample.prompt is None
+    assert sample.upstream_model == "up"
+
+
+def test_a_completion_answer_with_token_ids_and_usage():
+    completion = api.Completion()
+    api.gather(completion, "completions", {"model": "up", "usage": {"completion_tokens": 2},
+                                           "choices": [{"text": " Paris.", "finish_reason":
+                                                        "length", "prompt_token_ids": [1, 2],
+                                                        "logprobs": {
+        "tokens": ["token_id:12", "token_id:13"], "token_logprobs": [-0.2, None],
+        "top_logprobs": [{"token_id:12": -0.2}, None]}}]}, streamed=False)
+    assert completion.completion_tokens == 2 and completion.prompt_token_ids == (1, 2)
+    assert [t.token_id for t in completion.tokens] == [12, 13]
+    assert completion.tokens[1].logprob is None and completion.tokens[1].top == ()
+    errored = api.Completion()
+    api.gather(errored, "chat", {"error": {"message": "boom"}}, streamed=True)
+    assert errored.error == "boom"
+
+
+# -- the ring record -------------------------------------------------------------------------------
+def _sample() -> generation.GenerationSample:
+    return generation.GenerationSample(
+        model="smol", endpoint="completions", completion_text=" Paris ✓",
+        tokens=(generation.TokenLogprob(" Paris", -0.25, ((" Paris", -0.25),), 7),),
+        sampling=generation.SamplingParams(temperature=0.0, stop=("\n",)), prompt="Capital",
+        route="fallback", request_id="req-1", streamed=True, request_seconds=0.5,
+        first_token_seconds=0.1, upstream_model="smol-q4")
+
+
+def test_a_generation_record_crosses_the_ring_and_reads_back_equal():
+    producer = SampleRing(4096)
+    consumer = SampleRing.attach(os.dup(producer.block.fd), 4096)
+    try:
+        assert wire.hand_over_generation(producer, wire.MIRROR, 3, 9, "smol", "tp", _sample())
+        handed = wire.decode(bytes(consumer.take()))
+    finally:
+        consumer.close()
+        producer.close()
+    assert handed.generation == _sample()
+    assert (handed.route, handed.slot, handed.epoch, handed.request_id) == ("fallback", 3, 9,
+                                                                           "req-1")
+    assert handed.request_seconds == 0.5 and handed.traceparent == "tp"
+    assert handed.outputs is None and handed.request_message == b""
+
+
+def test_a_corrupt_generation_record_is_rejected_naming_why():
+    data = b"".join(bytes(p) for p in wire.encode_generation(wire.MIRROR, 0, 1, 2, "smol", "",
+                                                             _sample()))
+    body_at = data.index(b'{"model"')
+    with pytest.raises(ValueError, match="not JSON"):
+        wire.decode(data[:body_at] + b"\xff" + data[body_at + 1:])
+    broken = data.replace(b'"endpoint":"completions"', b'"endpoint":"speech"     ')
+    with pytest.raises(ValueError, match="endpoint"):
+        wire.decode(broken)
+    with pytest.raises(ValueError, match="truncated"):
+        wire.decode(data[:-3])
+    kind_at = 2  # the fixed header's payload kind
+    with pytest.raises(ValueError, match="payload kind"):
+        wire.decode(data[:kind_at] + b"\x09" + data[kind_at + 1:])
+
+
+# -- the backend block --------------------------------------------------------------------------
+def _doc(primary=None, http_port=8080, **model):
+    return {"version": 1, "server": {"http_port": http_port} if http_port is not None else {},
+            "models": [{"name": "smol", "task": "generation", "primary": primary or UPSTREAM,
+                        **model}]}
+
+
+def _problems(data, tmp_path) -> str:
+    with pytest.raises(ConfigError) as info:
+        parse_config(data, tmp_path, "guard.yaml")
+    return "; ".join(info.value.problems)
+
+
+def test_an_openai_block_validates_with_its_options(tmp_path):
+    primary = dict(UPSTREAM, options={"api_key_env": "SMOL_KEY", "sample_logprobs": 5,
+                                      "server_defaults": {"top_k": 40, "min_p": 0.05}})
+    config = parse_config(_doc(primary, fallback=dict(UPSTREAM, model="smol-q8")), tmp_path)
+    assert config.server.http_port == 8080
+    from guard.backends.openai import server_defaults
+
+    defaults = server_defaults(config.models[0].primary)
+    assert (defaults.top_k, defaults.min_p, defaults.temperature) == (40, 0.05, None)
+
+
+@pytest.mark.parametrize("primary, model, http_port, says", [
+    (dict(UPSTREAM, target="127.0.0.1:8081"), {}, 8080, "base URL"),
+    (dict(UPSTREAM, options={"api_key_env": "sk-abc123"}), {}, 8080, "never the key itself"),
+    (dict(UPSTREAM, options={"server_defaults": {"top_q": 1}}), {}, 8080, "top_q"),
+    (dict(UPSTREAM, path="x.gguf"), {}, 8080, "not 'path'"),
+    ({"backend": "openai", "target": "http://h:1"}, {}, 8080, "'model'"),
+    (UPSTREAM, {}, None, "server.http_port"),
+    (UPSTREAM, {"task": "generic"}, 8080, "task"),
+    (UPSTREAM, {"fallback": {"backend": "upstream", "target": "h:1", "model": "m"}}, 8080,
+     "both must be backend 'openai'"),
+])
+def test_a_bad_openai_block_names_its_path(tmp_path, primary, model, http_port, says):
+    assert says in _problems(_doc(primary, http_port, **model), tmp_path)
+
+
+def test_the_key_variable_must_be_set_when_the_backend_loads(monkeypatch):
+    from guard.backends.openai import OpenAIBackend
+    from guard.config import BackendConfig
+    from guard.errors import BackendError
+
+    monkeypatch.delenv("GUARD_TEST_NO_SUCH_KEY", raising=False)
+    spec = BackendConfig.model_validate(dict(UPSTREAM, options={
+        "api_key_env": "GUARD_TEST_NO_SUCH_KEY"}))
+    with pytest.raises(BackendError, match="GUARD_TEST_NO_SUCH_KEY"):
+        OpenAIBackend(spec, "primary").load()
+    monkeypatch.setenv("GUARD_TEST_NO_SUCH_KEY", "s3cret")
+    backend = OpenAIBackend(spec, "primary")
+    backend._authorization = "Bearer s3cret"
+    headers = backend.headers({"Authorization": "Bearer client", "Connection": "keep-alive",
+                               "Accept-Encoding": "gzip", "X-Custom": "1"}, "req-9")
+    assert headers["Authorization"] == "Bearer s3cret" and headers["X-Custom"] == "1"
+    assert "Connection" not in headers and "Accept-Encoding" not in headers
+    assert headers["X-Request-Id"] == "req-9"
