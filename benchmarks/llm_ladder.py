@@ -69,8 +69,14 @@ def strip_logprobs(sample: GenerationSample) -> GenerationSample:
 
 def full_kld(reference: np.ndarray, primary: np.ndarray) -> np.ndarray:
     """KL(reference || primary) per position from full log-softmax rows (float64)."""
-    ref = reference.astype(np.float64)
-    return np.sum(np.exp(ref) * (ref - primary.astype(np.float64)), axis=-1)
+    def normalized(rows: np.ndarray) -> np.ndarray:
+        # Re-normalized in float64: float32 rows sum to 1 only within ~1e-6, the size of an
+        # F16 rung's whole KLD.
+        wide = rows.astype(np.float64)
+        return wide - np.logaddexp.reduce(wide, axis=-1, keepdims=True)
+
+    ref, prim = normalized(reference), normalized(primary)
+    return np.sum(np.exp(ref) * (ref - prim), axis=-1)
 
 
 def rung_figures(rung: str, path: Path, reference, prompts, tokens: int, samples: int,
