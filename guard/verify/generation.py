@@ -7,11 +7,14 @@ ReferenceScores`, one forward pass of the reference over prompt + completion). O
 detectors. Which comparison applies depends on what the primary returned:
 
 - **logprobs** (the primary's answer carries each token's logprob, best with ``top_logprobs``):
-  per token, the KL divergence of the primary from the reference over the primary's returned
-  top-k with the rest of the mass lumped into one tail bucket (llama-perplexity's
-  ``KL(reference || primary)``; lumping can only lower a KL, so with a short top-k this is a
-  lower bound of the full-vocabulary KLD, ``kld_exact`` says whether the top-k held nearly all
-  of the primary's mass), Δ logprob and Δp of the chosen token, same top-1. Verdict: the
+  per token, ``KL(primary || reference)`` over the primary's returned top-k with the rest of
+  the mass lumped into one tail bucket (lumping can only lower a KL: with a short top-k this
+  is a lower bound of the full-vocabulary KLD, close to it where the top-k holds most of the
+  primary's mass; ``kld_exact`` says it held at least 99.9% everywhere). llama-perplexity
+  reports the other direction, ``KL(reference || primary)``, which the primary's top-k cannot
+  estimate (it needs the primary's probability of the reference's likely tokens); the two
+  agree to second order for close models and benchmarks/llm_ladder.py reports both from
+  full logits. Also Δ logprob and Δp of the chosen token, same top-1. Verdict: the
   completion's mean KLD per token <= ``max_mean_kld``; statistic: that mean.
 - **sampled** (no logprobs; temperature > 0): at each position the reference's surprise at the
   primary's token minus its expectation under the sampling transform the server applied
@@ -46,7 +49,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -99,6 +102,19 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
     # Nothing known: only greedy requests and requests that set the temperature compare.
     "unknown": ServerDefaults(),
 }
+
+
+def server_defaults(declared: Mapping[str, Any] | None = None,
+                    engine: str = "unknown") -> ServerDefaults:
+    """The defaults of ``engine`` (a key of SERVER_DEFAULTS: its sampler order and penalty
+    window) with what the backend block declares laid over them (None: not declared)."""
+    if engine not in SERVER_DEFAULTS:
+        raise ValueError(f"engine: {engine!r} is not one of {', '.join(SERVER_DEFAULTS)}")
+    told = {k: v for k, v in (declared or {}).items() if v is not None}
+    unknown = sorted(set(told) - set(ServerDefaults.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"server_defaults.{unknown[0]}: unknown field")
+    return replace(SERVER_DEFAULTS[engine], **told)
 
 
 @dataclass(frozen=True)
@@ -158,14 +174,16 @@ class GenerationCheck:
     first_divergence: FirstDivergence | None = None
     findings: tuple[str, ...] = ()
     approximate: bool = False
+    top1_compared: int = 0  # positions where both top-1s are known (top1_agreement's count)
     per_token_kld: np.ndarray | None = field(default=None, repr=False)
+    per_token_delta_p: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def comparable(self) -> bool:
         return self.statistic is not None
 
     def as_dict(self) -> dict[str, Any]:
-        data = {k: v for k, v in self.__dict__.items() if k != "per_token_kld"}
+        data = {k: v for k, v in self.__dict__.items() if not k.startswith("per_token")}
         data["first_divergence"] = (None if self.first_divergence is None
                                     else self.first_divergence.as_dict())
         data["findings"] = list(self.findings)
@@ -251,30 +269,32 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 
 def transformed(logprobs: np.ndarray, transform: Transform) -> np.ndarray:
     """The distribution the server samples from, given the model's log-probabilities at one
-    position (penalties already applied): float64 ``[V]``, zero outside the kept set."""
+    position (penalties already applied): float64 ``[V]``, zero outside the kept set.
+
+    The truncations work on the candidates top_k left (all tokens without it), so that a
+    top_k server costs one partition of the vocabulary, not a sort."""
     logits = logprobs.astype(np.float64)
     if not transform.temperature_last:
         logits = logits / transform.temperature
-    keep = np.isfinite(logits)
-    if 0 < transform.top_k < logits.size:
-        cut = np.partition(logits, logits.size - transform.top_k)[logits.size - transform.top_k]
-        keep &= logits >= cut
-    if transform.top_p < 1.0 or transform.min_p > 0.0:
-        probs = _softmax(np.where(keep, logits, -np.inf))
-        if transform.top_p < 1.0:
-            order = np.argsort(-probs, kind="stable")
-            cumulative = np.cumsum(probs[order])
-            # The smallest prefix whose mass reaches top_p (the token that crosses included).
-            count = int(np.searchsorted(cumulative, transform.top_p, side="left")) + 1
-            cutoff = np.zeros_like(keep)
-            cutoff[order[:count]] = True
-            keep &= cutoff
-        if transform.min_p > 0.0:
-            probs = _softmax(np.where(keep, logits, -np.inf))
-            keep &= probs >= transform.min_p * probs.max()
+    candidates = np.flatnonzero(np.isfinite(logits))
+    if 0 < transform.top_k < candidates.size:
+        best = np.argpartition(-logits[candidates], transform.top_k - 1)[:transform.top_k]
+        candidates = candidates[best]
+    values = logits[candidates]
+    if transform.top_p < 1.0:
+        order = np.argsort(-values, kind="stable")
+        cumulative = np.cumsum(_softmax(values[order]))
+        # The smallest prefix whose mass reaches top_p (the token that crosses included).
+        count = int(np.searchsorted(cumulative, transform.top_p, side="left")) + 1
+        candidates, values = candidates[order[:count]], values[order[:count]]
+    if transform.min_p > 0.0:
+        kept = values >= values.max() + math.log(transform.min_p)  # p >= min_p * p_max
+        candidates, values = candidates[kept], values[kept]
     if transform.temperature_last:
-        logits = logits / transform.temperature
-    return _softmax(np.where(keep, logits, -np.inf))
+        values = values / transform.temperature
+    out = np.zeros(logits.shape, dtype=np.float64)
+    out[candidates] = _softmax(values)
+    return out
 
 
 # -- the tier ----------------------------------------------------------------------------------
@@ -287,7 +307,7 @@ def _divergence(sample: GenerationSample, scores: ReferenceScores,
                 position: int | None) -> FirstDivergence | None:
     if position is None:
         return None
-    texts = [token.text for token in sample.tokens]
+    texts = scores.token_texts  # the primary's tokens, aligned (also where it sent only text)
     before = "".join(texts[:position])
     return FirstDivergence(position, before[-_TEXT_BEFORE:], texts[position],
                            _reference_top(scores, position))
@@ -300,15 +320,21 @@ def _margins(scores: ReferenceScores) -> np.ndarray:
 
 
 def _topk_kld(primary_lp: np.ndarray, reference_lp: np.ndarray) -> tuple[float, float]:
-    """``KL(reference || primary)`` over the primary's top-k plus one tail bucket, and the
-    share of the primary's mass its top-k held."""
+    """``KL(primary || reference)`` over the primary's top-k plus one tail bucket, and the
+    share of the primary's mass its top-k held.
+
+    Why this direction: the primary's top-k holds most of the primary's mass, so the tail
+    bucket, the only approximation (lumping can only lower a KL), weighs little; the other
+    direction would weigh the reference's mass on tokens the primary named no probability
+    for, which is where two diverging models differ most.
+    """
     p = np.exp(primary_lp)
     q = np.exp(reference_lp)
     p_tail = max(1.0 - float(p.sum()), 0.0)
     q_tail = max(1.0 - float(q.sum()), 0.0)
-    kld = float(np.sum(q * (np.log(np.maximum(q, _TINY)) - np.log(np.maximum(p, _TINY)))))
-    if q_tail > 0.0:
-        kld += q_tail * (math.log(max(q_tail, _TINY)) - math.log(max(p_tail, _TINY)))
+    kld = float(np.sum(p * (np.log(np.maximum(p, _TINY)) - np.log(np.maximum(q, _TINY)))))
+    if p_tail > 0.0:
+        kld += p_tail * (math.log(max(p_tail, _TINY)) - math.log(max(q_tail, _TINY)))
     return max(kld, 0.0), float(p.sum())
 
 
@@ -353,7 +379,8 @@ def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
         top1_agreement=float(np.mean(same_top)) if same_top else math.nan,
         delta_p_rms=float(np.sqrt(np.mean(delta_p ** 2))),
         mean_delta_logprob=float(delta_lp.mean()),
-        first_divergence=_divergence(sample, scores, first), per_token_kld=klds)
+        top1_compared=len(same_top), first_divergence=_divergence(sample, scores, first),
+        per_token_kld=klds, per_token_delta_p=delta_p)
 
 
 def _greedy(sample: GenerationSample, scores: ReferenceScores,
@@ -371,7 +398,7 @@ def _greedy(sample: GenerationSample, scores: ReferenceScores,
         passed=passed, mode="greedy", tokens=n, statistic=share,
         reason="" if passed else (f"{disagreements} of {positions} confident positions left the "
                                   f"reference's argmax (> {limits.max_greedy_disagreement:g})"),
-        top1_agreement=float(agree.mean()), confident_positions=positions,
+        top1_agreement=float(agree.mean()), top1_compared=n, confident_positions=positions,
         confident_disagreements=disagreements,
         first_divergence=_divergence(sample, scores, int(flips[0]) if flips.size else None))
 
@@ -413,7 +440,7 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
     return GenerationCheck(
         passed=passed, mode="sampled", tokens=len(ids), statistic=z, z=z,
         reason="" if passed else f"|z| {abs(z):.3g} > max_abs_z {limits.max_abs_z:g}",
-        top1_agreement=float(np.mean(scores.top_ids[:, 0] == ids)),
+        top1_agreement=float(np.mean(scores.top_ids[:, 0] == ids)), top1_compared=len(ids),
         out_of_support=int(outside.sum()),
         first_divergence=_divergence(sample, scores, int(firsts[0]) if firsts.size else None))
 
@@ -453,3 +480,34 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
         check.reason = "; ".join(filter(None, [check.reason, "prompt: " +
                                                ", ".join(scores.findings)]))
     return check
+
+
+def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None = None
+              ) -> dict[str, Any]:
+    """The report's ``tiers.generation`` block over many completions (CONTRACT.md): checks
+    and passes counted over the scored ones, KLD and Δp over every token (not a mean of
+    means), and the first divergence of the first completion that had one (``records``
+    numbers the completions; their positions in ``checks`` otherwise)."""
+    scored = [c for c in checks if c.comparable]
+    klds = [c.per_token_kld for c in scored if c.per_token_kld is not None]
+    deltas = [c.per_token_delta_p for c in scored if c.per_token_delta_p is not None]
+    compared = sum(c.top1_compared for c in scored)
+    agreeing = sum(c.top1_agreement * c.top1_compared for c in scored if c.top1_compared)
+    first = None
+    for index, check in enumerate(checks):
+        if check.first_divergence is not None:
+            record = records[index] if records is not None else index
+            first = replace(check.first_divergence, record=record).as_dict()
+            break
+    kld = np.concatenate(klds) if klds else np.zeros(0)
+    delta = np.concatenate(deltas) if deltas else np.zeros(0)
+    return {
+        "checks": len(scored), "passed": sum(c.passed for c in scored),
+        "not_comparable": sum(c.mode == "not_comparable" for c in checks),
+        "tokenization_mismatches": sum(c.mode == "tokenization_mismatch" for c in checks),
+        "mean_kld": float(kld.mean()) if kld.size else None,
+        "kld_p99": float(np.percentile(kld, 99)) if kld.size else None,
+        "top1_agreement": agreeing / compared if compared else None,
+        "delta_p_rms": float(np.sqrt(np.mean(delta ** 2))) if delta.size else None,
+        "first_divergence": first,
+    }

