@@ -506,7 +506,8 @@ def test_contract_backends_not_implemented_are_rejected(base, backend):
 
 def test_every_implemented_backend_is_a_contract_name():
     assert IMPLEMENTED_BACKENDS <= {"torch", "torch_compile", "onnxruntime", "openvino",
-                                    "tensorrt", "tensorflow", "keras", "litert", "upstream"}
+                                    "tensorrt", "tensorflow", "keras", "litert", "upstream",
+                                    "openai"}  # CONTRACT.md "Generative models"
     assert {"torch", "torch_compile", "onnxruntime"} <= IMPLEMENTED_BACKENDS
 
 
