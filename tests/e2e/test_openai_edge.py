@@ -174,10 +174,17 @@ class EdgeOnOwnRing:
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(60)
 
-    def samples(self) -> list:
-        out = []
-        while (record := self.ring.take()) is not None:
-            out.append(wire.decode(bytes(record)))
+    def samples(self, count: int = 1) -> list:
+        """The next ``count`` samples (handed over once the client has its answer: waited
+        for), and any more already there."""
+        out: list = []
+
+        def take() -> bool:
+            while (record := self.ring.take()) is not None:
+                out.append(wire.decode(bytes(record)))
+            return len(out) >= count
+
+        wait_for(take)
         return out
 
     def close(self) -> None:
