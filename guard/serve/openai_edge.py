@@ -62,8 +62,6 @@ from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 # HTTP status -> gRPC status name (google.rpc.Code's HTTP mapping), for the code label.
 _CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
           404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 409: "ABORTED", 413: "RESOURCE_EXHAUSTED",
@@ -80,28 +78,14 @@ def status_code_name(status: int) -> str:
 
 
 class EdgeMetrics:
-    """The edge's own series, on the serving process's registry."""
+    """The edge's series (``GuardMetrics``' generation_* ones), by the names the edge uses."""
 
     def __init__(self, metrics: GuardMetrics):
-        from prometheus_client import Counter, Histogram
-
-        r = metrics.registry
         self.base = metrics
-        self.ttft = Histogram(
-            "guard_generation_ttft_seconds", "Time from a streamed call received to its first "
-            "token written to the client.", ["model", "route"], buckets=TTFT_BUCKETS,
-            registry=r)
-        self.gaps = Histogram(
-            "guard_generation_inter_token_seconds", "Gaps between consecutive streamed tokens "
-            "as they reached guard from the upstream.", ["model", "route"],
-            buckets=GAP_BUCKETS, registry=r)
-        self.tokens = Counter(
-            "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "
-            "else one per streamed token event).", ["model", "route"], registry=r)
-        self.not_comparable = Counter(
-            "guard_generation_not_comparable", "Calls forwarded but never handed over for "
-            "comparison, by reason (n, tools, prompt_list, upstream_error, incomplete).",
-            ["model", "reason"], registry=r)
+        self.ttft = metrics.generation_ttft
+        self.gaps = metrics.generation_inter_token
+        self.tokens = metrics.generation_tokens
+        self.not_comparable = metrics.generation_not_comparable
 
     def error(self, model: str, code: str) -> None:
         self.base.request_errors.labels(model, code).inc()
