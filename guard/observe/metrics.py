@@ -24,6 +24,11 @@ ERROR_BUCKETS = tuple(10 ** (e / 2) for e in range(-16, 5))  # 1e-8 ... 1e2
 KLD_BUCKETS = tuple(10 ** (e / 2) for e in range(-10, 3))  # 1e-5 ... 10
 SHARE_BUCKETS = (0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 POSITION_BUCKETS = tuple(2 ** e for e in range(11))  # 1 ... 1024 (0-based position + 1)
+# LLM calls: a first token from 5 ms (a small model, warm) to a minute (a long prompt queued);
+# the gaps between tokens from 0.5 ms (a fast GPU server) to 10 s (a stall).
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
+               10.0)
 UNKNOWN_MODEL = "_unknown"
 
 
@@ -188,6 +193,25 @@ class GuardMetrics:
         )
         for result in ("applied", "rejected", "failed"):
             self.config_reloads.labels(result)
+        # The OpenAI-compatible HTTP edge (guard/serve/openai_edge.py; the first serving
+        # process only): tokens as they pass, per model and route.
+        self.generation_ttft = Histogram(
+            "guard_generation_ttft_seconds", "Time from a streamed call received to its first "
+            "token written to the client (HTTP edge).", ["model", "route"],
+            buckets=TTFT_BUCKETS, registry=r)
+        self.generation_inter_token = Histogram(
+            "guard_generation_inter_token_seconds", "Gaps between consecutive streamed tokens "
+            "as they reached guard from the upstream (HTTP edge).", ["model", "route"],
+            buckets=GAP_BUCKETS, registry=r)
+        self.generation_tokens = Counter(
+            "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "
+            "else one per streamed token event).", ["model", "route"], registry=r)
+        self.generation_not_comparable = Counter(
+            "guard_generation_not_comparable", "Calls the HTTP edge forwarded but never "
+            "handed over for comparison, by reason: n (n > 1), tools (tool calls), "
+            "prompt_list (a batch of prompts), upstream_error (an error answer or event, an "
+            "upstream down), incomplete (cut short by the client or the upstream).",
+            ["model", "reason"], registry=r)
         self.build_info = Gauge(
             "guard_build_info", "Always 1; the version label says which guard runs.",
             ["version"], registry=r,

@@ -125,97 +125,110 @@ def with_logprobs(call: ParsedCall, top: int) -> dict[str, Any]:
 
 
 # -- byte-exact edits of JSON ------------------------------------------------------------------
-_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\],:]|[^\s{}\[\],:"]+')
-_SPACE = re.compile(rb"\s*")
+MODEL_PATH = ("model",)
+LOGPROBS_PATH = ("choices", "*", "logprobs")
+# The scan walks the keys on the way to the wanted values and skips every other value with the
+# json module's C scanner (``raw_decode``), so an edit costs a few microseconds per event.
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+_scanstring = json.decoder.scanstring
 
 
-class _Scanner:
-    """Finds the byte spans of values at given paths of a JSON document, without building it.
-    Paths are tuples of keys, ``"*"`` standing for every element of an array."""
+def _skip_space(text: str, at: int) -> int:
+    return _SPACE.match(text, at).end()
 
-    def __init__(self, data: bytes):
-        self.data = data
-        self.at = 0
 
-    def _token(self) -> tuple[bytes, int, int]:
-        match = _TOKEN.search(self.data, self.at)
-        if match is None:
-            raise ValueError("unexpected end of JSON")
-        self.at = match.end()
-        return match.group(), match.start(), match.end()
+def _value_end(text: str, at: int) -> int:
+    try:
+        return _DECODER.raw_decode(text, at)[1]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON at {exc.pos}: {exc.msg}") from None
 
-    def _skip(self, first: bytes) -> None:
-        """Skip the rest of the value that began with ``first``."""
-        if first not in (b"{", b"["):
-            return
-        depth = 1
-        while depth:
-            token = self._token()[0]
-            if token in (b"{", b"["):
-                depth += 1
-            elif token in (b"}", b"]"):
-                depth -= 1
 
-    def spans(self, paths: tuple[tuple[str, ...], ...], found: list, prefix=()) -> None:
-        """Scan the value at the cursor; append (start, end, path) of wanted values."""
-        token, start, _ = self._token()
-        wanted = [p for p in paths if p[:len(prefix)] == prefix]
-        if prefix in paths:
-            self._skip(token)
-            found.append((start, self.at, prefix))
-            return
-        if not wanted or token not in (b"{", b"["):
-            self._skip(token)
-            return
-        if token == b"[":
-            index = 0
-            while True:
-                mark = self.at
-                nxt = self._token()[0]
-                if nxt == b"]":
-                    return
-                if nxt == b",":
-                    continue
-                self.at = mark
-                key = "*" if any(len(p) > len(prefix) and p[len(prefix)] == "*"
-                                 for p in wanted) else str(index)
-                self.spans(paths, found, (*prefix, key))
-                index += 1
-        while True:
-            key, _, _ = self._token()
-            if key == b"}":
-                return
-            if key == b",":
-                continue
-            self._token()  # ':'
-            name = json.loads(key) if key.startswith(b'"') else key.decode()
-            self.spans(paths, found, (*prefix, name))
+def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:
+    """Scan the value at ``at`` (no leading space); append (start, end, path) of wanted values;
+    return where the value ends."""
+    if prefix in paths:
+        end = _value_end(text, at)
+        found.append((at, end, prefix))
+        return end
+    depth = len(prefix)
+    wanted = [p for p in paths if len(p) > depth and p[:depth] == prefix]
+    opener = text[at:at + 1]
+    if not wanted or opener not in ("{", "["):
+        return _value_end(text, at)
+    closer = "}" if opener == "{" else "]"
+    at = _skip_space(text, at + 1)
+    if text[at:at + 1] == closer:
+        return at + 1
+    while True:
+        if opener == "{":
+            if text[at:at + 1] != '"':
+                raise ValueError(f"not JSON at {at}: expected a key")
+            key, at = _scanstring(text, at + 1)
+            at = _skip_space(text, at)
+            if text[at:at + 1] != ":":
+                raise ValueError(f"not JSON at {at}: expected ':'")
+            at = _skip_space(text, at + 1)
+            step = key
+        else:
+            step = "*"
+        if any(p[depth] == step for p in wanted):
+            at = _spans(text, at, paths, (*prefix, step), found)
+        else:
+            at = _value_end(text, at)
+        if depth == 0 and all("*" not in p for p in paths) and len(found) == len(paths):
+            return len(text)  # every exact path found: the rest stays as it is
+        at = _skip_space(text, at)
+        sep = text[at:at + 1]
+        if sep == closer:
+            return at + 1
+        if sep != ",":
+            raise ValueError(f"not JSON at {at}: expected ',' or '{closer}'")
+        at = _skip_space(text, at + 1)
 
 
 def value_spans(data: bytes, paths: Iterable[tuple[str, ...]]) -> list[tuple[int, int, tuple]]:
-    """(start, end, path) of every value at ``paths`` in the JSON ``data``, in document order;
-    ValueError for data that is not one JSON value."""
+    """(start, end, path) of every value at ``paths`` in the JSON ``data`` (character offsets
+    of its UTF-8 text), in document order. Paths are tuples of keys, ``"*"`` standing for
+    every element of an array. ValueError for data that is not JSON."""
+    text = data.decode() if isinstance(data, (bytes, bytearray)) else data
     found: list = []
-    _Scanner(data).spans(tuple(paths), found)
+    _spans(text, _skip_space(text, 0), tuple(paths), (), found)
     return found
+
+
+# The fast path of the one edit every answer needs: a top-level "model" key reached over
+# top-level keys whose values are strings or scalars (how servers write their chunks: "id",
+# "object", "created", "model", then "choices"), in one C-level regex match.
+_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+_SCALAR = rb"(?:" + _STRING + rb"|true|false|null|-?\d[\d.eE+-]*)"
+_LEADING_MODEL = re.compile(rb"\{(?:\s*" + _STRING + rb"\s*:\s*" + _SCALAR + rb"\s*,)*?"
+                            rb'\s*"model"\s*:\s*(' + _STRING + rb")\s*[,}]")
 
 
 def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> bytes:
     """``data`` with the values at these paths replaced by the given JSON bytes; every other
-    byte as it was. Paths that are not there are left out (nothing added)."""
-    spans = value_spans(data, replacements)
+    byte as it was. Paths that are not there are left out (nothing added). Once every exact
+    path is found the rest of the document is not read: a document that breaks off after them
+    is edited there and forwarded as it is."""
+    if len(replacements) == 1 and MODEL_PATH in replacements:
+        match = _LEADING_MODEL.match(data)
+        if match is not None:
+            return data[:match.start(1)] + replacements[MODEL_PATH] + data[match.end(1):]
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8: {exc}") from None
+    spans = value_spans(text, replacements)
     if not spans:
         return data
     out, at = [], 0
     for start, end, path in spans:
-        out += [data[at:start], replacements[path]]
+        out += [text[at:start], replacements[path].decode()]
         at = end
-    out.append(data[at:])
-    return b"".join(out)
-
-
-MODEL_PATH = ("model",)
-LOGPROBS_PATH = ("choices", "*", "logprobs")
+    out.append(text[at:])
+    return "".join(out).encode()
 
 
 def answer_edits(client_model: str, upstream_model: str, strip_logprobs: bool
@@ -265,6 +278,10 @@ class EventSplitter:
 def event_data(event: bytes) -> bytes | None:
     """The ``data`` of one event (its data lines joined by LF), None for an event without
     data (a comment, a retry)."""
+    if event.startswith(b"data:"):  # the usual event: one data line
+        payload = event[6 if event[5:6] == b" " else 5:].rstrip(b"\r\n")
+        if b"\n" not in payload and b"\r" not in payload:
+            return payload
     lines = []
     for line in _LINE_END.split(event):
         if line.startswith(b"data:"):
@@ -278,17 +295,15 @@ def edit_event(event: bytes, edits: dict[tuple[str, ...], bytes]) -> bytes:
     OpenAI-compatible server sends); any other event as it came."""
     if not edits or not event.startswith(b"data:"):
         return event
-    head = 6 if event.startswith(b"data: ") else 5
-    end = _LINE_END.search(event, head)
-    if end is None or event[end.end():].strip(b"\r\n"):  # several lines: not ours to edit
-        return event
-    payload = event[head:end.start()]
-    if not payload.startswith(b"{"):
-        return event
+    head = 6 if event[5:6] == b" " else 5
+    payload = event[head:].rstrip(b"\r\n")
+    if not payload.startswith(b"{") or b"\n" in payload or b"\r" in payload:
+        return event  # [DONE], or several data lines: not ours to edit
     try:
-        return event[:head] + replace_values(payload, edits) + event[end.start():]
+        edited = replace_values(payload, edits)
     except ValueError:  # not JSON after all: forwarded as it came
         return event
+    return event[:head] + edited + event[head + len(payload):]
 
 
 # -- answers -> the sample -------------------------------------------------------------------------

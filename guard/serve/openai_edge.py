@@ -62,8 +62,6 @@ from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
-TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
-GAP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0)
 # HTTP status -> gRPC status name (google.rpc.Code's HTTP mapping), for the code label.
 _CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
           404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 409: "ABORTED", 413: "RESOURCE_EXHAUSTED",
@@ -80,28 +78,14 @@ def status_code_name(status: int) -> str:
 
 
 class EdgeMetrics:
-    """The edge's own series, on the serving process's registry."""
+    """The edge's series (``GuardMetrics``' generation_* ones), by the names the edge uses."""
 
     def __init__(self, metrics: GuardMetrics):
-        from prometheus_client import Counter, Histogram
-
-        r = metrics.registry
         self.base = metrics
-        self.ttft = Histogram(
-            "guard_generation_ttft_seconds", "Time from a streamed call received to its first "
-            "token written to the client.", ["model", "route"], buckets=TTFT_BUCKETS,
-            registry=r)
-        self.gaps = Histogram(
-            "guard_generation_inter_token_seconds", "Gaps between consecutive streamed tokens "
-            "as they reached guard from the upstream.", ["model", "route"],
-            buckets=GAP_BUCKETS, registry=r)
-        self.tokens = Counter(
-            "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "
-            "else one per streamed token event).", ["model", "route"], registry=r)
-        self.not_comparable = Counter(
-            "guard_generation_not_comparable", "Calls forwarded but never handed over for "
-            "comparison, by reason (n, tools, prompt_list, upstream_error, incomplete).",
-            ["model", "reason"], registry=r)
+        self.ttft = metrics.generation_ttft
+        self.gaps = metrics.generation_inter_token
+        self.tokens = metrics.generation_tokens
+        self.not_comparable = metrics.generation_not_comparable
 
     def error(self, model: str, code: str) -> None:
         self.base.request_errors.labels(model, code).inc()
@@ -341,8 +325,8 @@ class _Forward:
         edits, endpoint = self.edits, self.call.endpoint
         sampled = bool(self.flags)  # a sampled call's chunks are gathered into its sample
         completion = api.Completion()
-        events_with_tokens, last = 0, None
-        outcome = "incomplete"
+        tokens, last = 0, None
+        done = False  # the client has every event: "[DONE]" went out
         try:
             async for chunk in upstream.content.iter_any():
                 arrived = time.perf_counter()
@@ -353,14 +337,23 @@ class _Forward:
                                      if edits else b"".join(events))
                 # Written: what follows is bookkeeping for the metrics and the sample.
                 for event in events:
-                    data = event_data_json(event)
+                    data = api.event_data(event)
                     if data is None:
                         continue
-                    if isinstance(data, dict) and "error" in data:
-                        api.gather(completion, endpoint, data, streamed=True)
+                    if data == api.DONE:
+                        done = True
                         continue
-                    if api.chunk_has_content(data, endpoint):
-                        events_with_tokens += 1
+                    try:
+                        answer = json.loads(data)
+                    except ValueError:
+                        continue
+                    if not isinstance(answer, dict):
+                        continue
+                    if "error" in answer:
+                        api.gather(completion, endpoint, answer, streamed=True)
+                        continue
+                    if api.chunk_has_content(answer, endpoint):
+                        tokens += 1
                         if last is None:
                             self.first_token = arrived - self.started
                             ttft.observe(self.first_token)
@@ -368,23 +361,28 @@ class _Forward:
                             gaps.observe(arrived - last)
                         last = arrived
                     if sampled:
-                        api.gather(completion, endpoint, data, streamed=True)
-                    elif isinstance(data, dict) and isinstance(data.get("usage"), dict):
-                        api.gather(completion, endpoint, {"usage": data["usage"]}, True)
+                        api.gather(completion, endpoint, answer, streamed=True)
+                    elif isinstance(answer.get("usage"), dict):
+                        api.gather(completion, endpoint, {"usage": answer["usage"]}, True)
             rest = splitter.rest()
             if rest:
                 await response.write(rest)
+            done = True
             await response.write_eof()
-            outcome = "done"
         except (asyncio.CancelledError, ConnectionResetError):
+            if done:  # the client left after the last event (clients close at [DONE])
+                self._streamed(completion, tokens, sampled)
+                raise
             # The client went away: closing the upstream connection (``run``'s finally) stops
             # the upstream's generation.
             self._error("CANCELLED")
             metrics.not_comparable.labels(name, "incomplete").inc()
-            emit("openai_client_disconnected", model=name, route=route,
-                 tokens=events_with_tokens)
+            emit("openai_client_disconnected", model=name, route=route, tokens=tokens)
             raise
         except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            if done:  # the upstream broke off after [DONE]: the client has its answer
+                self._streamed(completion, tokens, sampled)
+                return response
             # The upstream died mid-stream: the client gets what had arrived, then a cut
             # connection (no end of the chunked body), as it would have from the upstream.
             rest = splitter.rest()
@@ -397,22 +395,27 @@ class _Forward:
                         else "DEADLINE_EXCEEDED")
             metrics.not_comparable.labels(name, "incomplete").inc()
             emit("openai_upstream_broke_off", model=name, route=route,
-                 error=f"{type(exc).__name__}: {exc}", tokens=events_with_tokens)
+                 error=f"{type(exc).__name__}: {exc}", tokens=tokens)
             if self.request.transport is not None:
                 self.request.transport.close()
             return response
+        self._streamed(completion, tokens, sampled)
+        return response
+
+    def _streamed(self, completion: api.Completion, tokens: int, sampled: bool) -> None:
+        """The accounting of a stream the client received whole, and its hand-off."""
+        metrics, name, route = self.edge.metrics, self.model.name, self.route
         seconds = time.perf_counter() - self.started
-        tokens = completion.completion_tokens or events_with_tokens
+        tokens = completion.completion_tokens or tokens
         if tokens:
             metrics.tokens.labels(name, route).inc(tokens)
         if completion.error:
             self._error("INTERNAL")
             metrics.not_comparable.labels(name, "upstream_error").inc()
-            return response
+            return
         self.model.answered(route, seconds)
         if sampled:
             self._hand_over(completion, seconds, streamed=True)
-        return response
 
     # -- the hand-off ------------------------------------------------------------------------
     def _hand_over(self, completion: api.Completion, seconds: float, streamed: bool) -> None:
@@ -428,14 +431,3 @@ class _Forward:
             first_token_seconds=self.first_token, guard_logprobs=self.guard_logprobs)
         self.model.hand_over_generation(self.flags, self.epoch, sample)
 
-
-def event_data_json(event: bytes):
-    """The JSON value of an event's data; None for no data, ``[DONE]`` or data that is not
-    JSON."""
-    data = api.event_data(event)
-    if data is None or data == api.DONE:
-        return None
-    try:
-        return json.loads(data)
-    except ValueError:
-        return None

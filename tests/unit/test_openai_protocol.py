@@ -71,8 +71,13 @@ def test_replacing_a_value_keeps_every_other_byte_as_the_server_wrote_it():
     assert json.loads(edited)["usage"]["model"] == "inner"  # only the top-level key
     assert api.replace_values(data, {}) is data
     assert api.answer_edits("same", "same", strip_logprobs=False) == {}
+    with pytest.raises(ValueError):  # broken on the way to the model key
+        api.replace_values(b'{"choices": [, "model": "up"}', {api.MODEL_PATH: b'"x"'})
     with pytest.raises(ValueError):
-        api.replace_values(b'{"model": "up", "choices": [', {api.MODEL_PATH: b'"x"'})
+        api.replace_values(b'{"id": nope, "model": "up"}', {api.MODEL_PATH: b'"x"'})
+    # Past the last edited value the document is not read: what breaks there stays as it is.
+    assert api.replace_values(b'{"model": "up", "choices": [', {api.MODEL_PATH: b'"x"'}) == (
+        b'{"model": "x", "choices": [')
 
 
 def test_replacement_agrees_with_a_parse_on_random_documents():
@@ -90,14 +95,19 @@ def test_replacement_agrees_with_a_parse_on_random_documents():
                 for _ in range(rng.randrange(4))}
 
     for _ in range(300):
-        doc = {"model": "up", "x": value(0), "choices": [
-            {"logprobs": value(1), "text": value(1)} for _ in range(rng.randrange(3))]}
+        items = [("model", "up"), ("x", value(0)), ("id", rng.choice(["c-1", 3, None])),
+                 ("choices", [{"logprobs": value(1), "text": value(1)}
+                              for _ in range(rng.randrange(3))])]
+        rng.shuffle(items)  # the model key first (the fast path), or after nested values
+        doc = dict(items)
         data = json.dumps(doc, ensure_ascii=rng.random() < 0.5,
                           indent=rng.choice([None, 1])).encode()
         edited = json.loads(api.replace_values(data, api.answer_edits("cl", "up", True)))
         expected = dict(doc, model="cl",
                         choices=[dict(c, logprobs=None) for c in doc["choices"]])
         assert edited == expected
+        renamed = api.replace_values(data, api.answer_edits("cl", "up", False))
+        assert json.loads(renamed) == dict(doc, model="cl")
 
 
 # -- Server-Sent Events -----------------------------------------------------------------------------
@@ -128,7 +138,7 @@ def test_an_event_is_edited_only_where_it_is_one_line_of_json():
     assert api.edit_event(b'data:{"model":"up"}\r\n\r\n', edits) == (
         b'data:{"model":"client"}\r\n\r\n')
     for untouched in (b"data: [DONE]\n\n", b": ping\n\n", b'data: {"model":\ndata: "up"}\n\n',
-                      b'data: {"model": "up", broken\n\n'):
+                      b'data: {"id": broken, "model": "up"}\n\n'):
         assert api.edit_event(untouched, edits) == untouched
 
 

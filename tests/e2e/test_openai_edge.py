@@ -1,0 +1,272 @@
+"""The OpenAI-compatible HTTP edge end to end with real parts: llama-cpp-python's server serving
+the real SmolLM2 GGUF (tests/e2e/llm_support.py), guard in front of it on ``http_port``, and
+the ``openai`` Python client (and plain HTTP) as the users' side.
+
+Greedy calls (temperature 0) answer the same text directly and through guard; guard renames
+the model both ways, names the route, and hands every sampled call to the verifier as a
+GenerationSample (asserted here on the ring itself, decoded, until the verifier's generation
+tier lands)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import openai
+import pytest
+
+from guard.config import load_config
+from guard.ipc import wire
+from guard.ipc.ring import SampleRing
+from guard.ipc.routes import RouteTable
+from guard.observe.metrics import GuardMetrics
+from guard.serve.model import ServedModel
+from llm_support import llama_server  # noqa: F401  (the module's llama_cpp.server)
+from support import metric, running, scrape, wait_for, write_config
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def model_block(server, **options) -> dict:
+    upstream = {"backend": "openai", "target": server.url, "model": server.model,
+                "options": options}
+    # An openai reference (a remote scorer) makes the model sampled: mirror.sample_rate 1.
+    return {"name": "smol", "task": "generation", "primary": upstream, "reference": upstream,
+            "mirror": {"sample_rate": 1.0}}
+
+
+@pytest.fixture(scope="module")
+def guard(llama_server, tmp_path_factory):  # noqa: F811
+    with running(tmp_path_factory.mktemp("edge"), [model_block(llama_server)],
+                 http_port=0) as (server, _):
+        yield server
+
+
+@pytest.fixture(scope="module")
+def through(guard):
+    with openai.OpenAI(base_url=f"http://127.0.0.1:{guard.http_port}/v1", api_key="none",
+                       max_retries=0) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def direct(llama_server):  # noqa: F811
+    with openai.OpenAI(base_url=f"{llama_server.url}/v1", api_key="none",
+                       max_retries=0) as client:
+        yield client
+
+
+def handed(guard) -> float:
+    """Samples the verifier took from the ring, whatever it made of them."""
+    values = scrape(guard.metrics_port)
+    return sum(metric(values, "guard_mirror_total", model="smol", outcome=o)
+               for o in ("compared", "error", "timeout"))
+
+
+def test_a_completion_through_guard_is_the_servers_under_the_clients_name(
+        guard, through, direct, llama_server):  # noqa: F811
+    raw = through.completions.with_raw_response.create(model="smol", prompt=PROMPT,
+                                                       max_tokens=8, temperature=0)
+    assert raw.headers["guard-route"] == "primary"
+    answer = raw.parse()
+    expected = direct.completions.create(model=llama_server.model, prompt=PROMPT,
+                                         max_tokens=8, temperature=0)
+    assert answer.model == "smol" and expected.model == llama_server.model
+    assert answer.choices[0].text == expected.choices[0].text
+    assert answer.choices[0].text.startswith(" Paris")
+    assert answer.usage.completion_tokens == expected.usage.completion_tokens
+
+
+def test_a_chat_through_guard_is_the_servers_under_the_clients_name(guard, through, direct,
+                                                                    llama_server):  # noqa: F811
+    raw = through.chat.completions.with_raw_response.create(
+        model="smol", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert raw.headers["guard-route"] == "primary"
+    answer = raw.parse()
+    expected = direct.chat.completions.create(model=llama_server.model, messages=MESSAGES,
+                                              max_tokens=8, temperature=0)
+    assert answer.model == "smol"
+    assert answer.choices[0].message.content == expected.choices[0].message.content
+    assert answer.choices[0].finish_reason == expected.choices[0].finish_reason
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_a_streamed_call_comes_token_by_token_and_is_counted(guard, through, direct,
+                                                             llama_server, endpoint):  # noqa: F811
+    def stream(client, model):
+        if endpoint == "chat":
+            chunks = client.chat.completions.create(model=model, messages=MESSAGES,
+                                                    max_tokens=12, temperature=0, stream=True)
+            return [c for c in chunks], lambda c: c.choices[0].delta.content or "" \
+                if c.choices else ""
+        chunks = client.completions.create(model=model, prompt=PROMPT, max_tokens=12,
+                                           temperature=0, stream=True)
+        return [c for c in chunks], lambda c: c.choices[0].text if c.choices else ""
+
+    before = metric(scrape(guard.metrics_port), "guard_generation_tokens_total", model="smol",
+                    route="primary")
+    ttft_before = metric(scrape(guard.metrics_port), "guard_generation_ttft_seconds_count",
+                         model="smol", route="primary")
+    ours, text = stream(through, "smol")
+    theirs, _ = stream(direct, llama_server.model)
+    assert {c.model for c in ours} == {"smol"}
+    assert [text(c) for c in ours] == [text(c) for c in theirs]  # the same events, in order
+    tokens = sum(1 for c in ours if text(c))
+    assert tokens > 3  # one event per token: streamed, not one buffered answer
+    # Counted once the client has its last event: off the response path.
+    wait_for(lambda: metric(scrape(guard.metrics_port), "guard_generation_tokens_total",
+                            model="smol", route="primary") == before + tokens)
+    values = scrape(guard.metrics_port)
+    assert metric(values, "guard_generation_ttft_seconds_count", model="smol",
+                  route="primary") == ttft_before + 1
+    assert metric(values, "guard_generation_inter_token_seconds_count", model="smol",
+                  route="primary") >= tokens - 1
+
+
+def test_every_sampled_call_reaches_the_verifier(guard, through):
+    before = handed(guard)
+    through.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0)
+    for _ in through.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=4,
+                                             temperature=0, stream=True):
+        pass
+    wait_for(lambda: handed(guard) >= before + 2)
+    values = scrape(guard.metrics_port)
+    assert metric(values, "guard_mirror_total", model="smol", outcome="dropped") == 0
+
+
+def test_plain_http_gets_openai_errors_and_the_model_list(guard):
+    with httpx.Client(base_url=f"http://127.0.0.1:{guard.http_port}", timeout=30) as http:
+        assert http.get("/v1/models").json()["data"][0]["id"] == "smol"
+        missing = http.post("/v1/completions", json={"model": "gpt-4", "prompt": "x"})
+        assert missing.status_code == 404
+        assert missing.json()["error"]["code"] == "model_not_found"
+        bad = http.post("/v1/chat/completions", content=b"{not json",
+                        headers={"Content-Type": "application/json"})
+        assert bad.status_code == 400 and "not JSON" in bad.json()["error"]["message"]
+
+
+# -- the hand-off, read off the ring ---------------------------------------------------------------
+class EdgeOnOwnRing:
+    """The edge of one served model on an event loop thread, sampling every call into a ring
+    this test reads (no verifier takes from it)."""
+
+    def __init__(self, config_path):
+        from guard.serve.openai_edge import OpenAIEdge
+
+        self.config = load_config(config_path)
+        self.metrics = GuardMetrics("test")
+        self.table = RouteTable(capacity=4)
+        self.ring = SampleRing(4 * 1024 * 1024)
+        self.model = ServedModel(self.config.models[0], self.metrics, self.table, 0, self.ring)
+        self.model.load()
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self.thread.start()
+        self.edge = OpenAIEdge(lambda: {"smol": self.model}, self.metrics, self.config.server)
+        self._run(self.model.connect())
+        self.port = self._run(self.edge.start())
+        self.edge.ready = True
+
+    def _run(self, coroutine):
+        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(60)
+
+    def samples(self, count: int = 1) -> list:
+        """The next ``count`` samples (handed over once the client has its answer: waited
+        for), and any more already there."""
+        out: list = []
+
+        def take() -> bool:
+            while (record := self.ring.take()) is not None:
+                out.append(wire.decode(bytes(record)))
+            return len(out) >= count
+
+        wait_for(take)
+        return out
+
+    def close(self) -> None:
+        self._run(self.edge.stop(1.0))
+        self.model.close()
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.ring.close()
+        self.table.close()
+
+
+@pytest.fixture(scope="module")
+def own_ring(llama_server, tmp_path_factory):  # noqa: F811
+    folder = tmp_path_factory.mktemp("own_ring")
+    edge = EdgeOnOwnRing(write_config(folder, [model_block(llama_server, sample_logprobs=3)],
+                                      http_port=0))
+    try:
+        yield edge
+    finally:
+        edge.close()
+
+
+def _masked(body: bytes) -> bytes:
+    """An answer with its per-call fields (id, created) blanked: two calls differ only there."""
+    body = re.sub(rb'"id": ?"[^"]*"', b'"id":""', body)
+    return re.sub(rb'"created": ?\d+', b'"created":0', body)
+
+
+def test_a_sampled_chat_hands_over_the_primarys_tokens_with_logprobs_the_client_never_sees(
+        own_ring, llama_server):  # noqa: F811
+    body = {"model": "smol", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
+    with httpx.Client(timeout=60) as http:
+        ours = http.post(f"http://127.0.0.1:{own_ring.port}/v1/chat/completions", json=body)
+        theirs = http.post(f"{llama_server.url}/v1/chat/completions",
+                           json=dict(body, model=llama_server.model))
+    assert ours.status_code == 200 and ours.headers["guard-route"] == "primary"
+    # guard asked for logprobs (sample_logprobs: 3) and set them back to null: the client's
+    # bytes are the server's answer to the call it sent, but for the model's name.
+    assert json.loads(ours.content)["choices"][0]["logprobs"] is None
+    assert _masked(ours.content) == _masked(theirs.content).replace(
+        f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
+    (sample,) = [s.generation for s in own_ring.samples()]
+    assert sample.model == "smol" and sample.endpoint == "chat" and sample.route == "primary"
+    assert sample.messages == tuple(MESSAGES) and sample.upstream_model == llama_server.model
+    assert sample.completion_text == json.loads(ours.content)["choices"][0]["message"]["content"]
+    assert sample.has_logprobs and len(sample.tokens) == 6
+    assert "".join(t.text for t in sample.tokens) == sample.completion_text
+    assert all(len(t.top) == 3 and t.top[0][1] >= t.top[-1][1] for t in sample.tokens)
+    assert sample.sampling.greedy and sample.sampling.max_tokens == 6
+    assert sample.sampling.logprobs is None  # the client's transform: it asked for none
+    assert sample.finish_reason == "length" and not sample.streamed
+
+
+def test_a_sampled_stream_hands_over_its_tokens_and_timing(own_ring):
+    body = {"model": "smol", "prompt": PROMPT, "max_tokens": 8, "temperature": 0,
+            "stream": True}
+    with httpx.Client(timeout=60) as http:
+        answer = http.post(f"http://127.0.0.1:{own_ring.port}/v1/completions", json=body)
+    events = [json.loads(line[6:]) for line in answer.text.split("\n\n")
+              if line.startswith("data: {")]
+    assert all(e["model"] == "smol" for e in events)
+    assert all(e["choices"][0]["logprobs"] is None for e in events)  # stripped in each event
+    text = "".join(e["choices"][0]["text"] for e in events)
+    (sample,) = [s.generation for s in own_ring.samples()]
+    assert sample.streamed and sample.prompt == PROMPT and sample.completion_text == text
+    assert [t.text for t in sample.tokens] and "".join(t.text for t in sample.tokens) == text
+    assert sample.has_logprobs and sample.tokens[0].text == " Paris"
+    assert 0 < sample.first_token_seconds <= sample.request_seconds
+
+
+def test_calls_the_client_asked_logprobs_for_keep_them_and_n_2_is_not_sampled(own_ring):
+    with httpx.Client(timeout=60) as http:
+        asked = http.post(f"http://127.0.0.1:{own_ring.port}/v1/completions", json={
+            "model": "smol", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+            "logprobs": 2})
+        several = http.post(f"http://127.0.0.1:{own_ring.port}/v1/completions", json={
+            "model": "smol", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "n": 2})
+    logprobs = asked.json()["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == 3 and len(logprobs["top_logprobs"][0]) == 2
+    assert several.status_code in (200, 400)  # the server's own answer to n=2, forwarded
+    (sample,) = [s.generation for s in own_ring.samples()]  # the first only
+    assert sample.sampling.logprobs == 2 and len(sample.tokens[0].top) == 2
+    values = own_ring.metrics.registry.get_sample_value(
+        "guard_generation_not_comparable_total", {"model": "smol", "reason": "n"})
+    assert values == 1
