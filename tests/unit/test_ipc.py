@@ -192,8 +192,12 @@ def test_channel_calls_replies_one_way_messages_and_close():
     pending = client.call_async(Event("no reply expected"))
     server.close()
     assert closed.wait(5)
-    with pytest.raises(ChannelClosed):
-        pending.result(5)
+    # A call in flight at the close either got its answer before the server closed (a race the
+    # server may win under load) or fails with ChannelClosed: never hangs, never another error.
+    try:
+        assert pending.result(5) == Done()
+    except ChannelClosed:
+        pass
     with pytest.raises(ChannelClosed):
         client.call(Metrics())
     client.close()
