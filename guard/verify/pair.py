@@ -30,9 +30,9 @@ class CheckedPair:
             "reference": create_backend(config.reference, "reference", config.mirror.threads),
             "primary": create_backend(config.primary, "primary"),
         }
-        self.verifier = Comparator.for_model(config, arbiter=build_arbiter(config),
+        self.comparator = Comparator.for_model(config, arbiter=build_arbiter(config),
                                              backends=self.backends)
-        self.activation_tier = self.verifier.tier("activation")
+        self.activation_tier = self.comparator.tier("activation")
         self.noise_floor: NoiseFloor | None = None
 
     @property
@@ -64,7 +64,7 @@ class CheckedPair:
             floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")
         self.noise_floor = floor
         if not floor.skipped:
-            self.verifier.set_noise_floor(floor.per_output)
+            self.comparator.set_noise_floor(floor.per_output)
         return floor
 
     def close(self) -> None:
