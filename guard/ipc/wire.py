@@ -94,13 +94,13 @@ def encode(flags: int, route: str, slot: int, epoch: int, unix_nanos: int,
     return parts
 
 
-def hand_over(ring, flags: int, route: str, slot: int, epoch: int, request_seconds: float,
-              model: str, request_id: str, traceparent: str, inputs: dict | None = None,
-              outputs: dict | None = None, request_message: bytes = b"",
-              response_message: bytes = b"", mirror_dropped=None, capture_dropped=None) -> bool:
+def hand_off(ring, flags: int, route: str, slot: int, epoch: int, request_seconds: float,
+             model: str, request_id: str, traceparent: str, inputs: dict | None = None,
+             outputs: dict | None = None, request_message: bytes = b"",
+             response_message: bytes = b"", mirror_dropped=None, capture_dropped=None) -> bool:
     """One sample into ``ring`` (a ``SampleRing``), stamped now; True when it went in.
 
-    The one hand-over both producers share (the data plane's ``ServedModel.after_response``
+    The one hand-off both producers share (the data plane's ``ServedModel.after_response``
     and Envoy mode's observer hand-off): a full ring never waits, it drops the sample and counts
     it on ``mirror_dropped`` / ``capture_dropped`` (counters with ``inc()``, or None), the one
     for each flag the sample carried."""

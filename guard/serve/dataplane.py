@@ -89,7 +89,7 @@ class DataPlane:
             call.answered()
             outputs = result.outputs
             if outputs is not None:
-                # A local backend computed every output: all are handed over and compared.
+                # A local backend computed every output: all are handed off and compared.
                 call.hand_off(request.id, inputs=request.inputs, outputs=outputs)
                 if request.requested_outputs:
                     result.outputs = {n: outputs[n] for n in request.requested_outputs

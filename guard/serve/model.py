@@ -154,7 +154,7 @@ class ServedModel:
         self.durations[route].observe(seconds)
 
     def count_lost(self, samples: int) -> None:
-        """Samples handed over but never checked (a verifier that died holding them): counted
+        """Samples handed off but never checked (a verifier that died holding them): counted
         as mirror ``dropped``, like those the full ring refused."""
         self._mirror_dropped.inc(samples)
 
@@ -179,14 +179,12 @@ class ServedModel:
         if outputs is None:
             request_message = _serialized(request_message)
             response_message = _serialized(response_message)
-        return wire.hand_over(self.ring, flags, route, self.slot, epoch, seconds, self.name,
-                              request_id, tracing.traceparent(), inputs, outputs,
-                              request_message or b"", response_message or b"",
-                              self._mirror_dropped, self._capture_dropped)
+        return wire.hand_off(self.ring, flags, route, self.slot, epoch, seconds, self.name,
+                             request_id, tracing.traceparent(), inputs, outputs,
+                             request_message or b"", response_message or b"",
+                             self._mirror_dropped, self._capture_dropped)
 
-    # -- from the verifier -------------------------------------------------------------------------
-    kept_primary: dict | None = None  # the wire form of the repaired primary serving now
-
+    # -- from the verifier (through ModelRegistry.use_primary) ---------------------------------
     def use_primary(self, kept: list[str], primary: dict | None = None) -> None:
         """Serve the primary with ``kept`` ops held back at full precision, built from
         ``primary`` (the rebuilt backend block's wire form: a repair's winner, derived by the
@@ -196,7 +194,7 @@ class ServedModel:
             if self._configured_primary is not None:
                 repaired = self.backends["primary"]
                 self.backends["primary"] = self._configured_primary
-                self._configured_primary, self.kept, self.kept_primary = None, [], None
+                self._configured_primary, self.kept = None, []
                 repaired.close()
             return
         if primary is None:
@@ -209,7 +207,7 @@ class ServedModel:
         if self._configured_primary is None:
             self._configured_primary = self.backends["primary"]
         self.backends["primary"] = backend
-        self.kept, self.kept_primary = list(kept), primary
+        self.kept = list(kept)
 
     def transition(self, message: dict) -> None:
         """A route transition the verifier made: for WatchRoute streams (tap mode)."""

@@ -1,7 +1,7 @@
 """One verified model, in the verifier process: its checked pair, route policy, mirror, capture
 and repair, and the route word it publishes for the serving processes.
 
-Fed by the ring reader (``accept``) with samples the serving processes handed over; everything
+Fed by the ring reader (``accept``) with samples the serving processes handed off; everything
 else runs on the mirror worker (``_on_result``), the capture writer, the repair thread, or a
 control request (admin). The request path never touches this object: it reads the route word.
 """
@@ -22,6 +22,7 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
 from guard.verifier_process.mirror import Mirror, MirrorSample, MirrorResult
+from guard.verifier_process.primary import CurrentPrimary
 from guard.verify.pair import CheckedPair
 from guard.verify.pipeline import CheckResult, Comparator
 
@@ -74,11 +75,18 @@ class VerifiedModel:
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
         self._last_activation_event = 0.0
         self._suppressed_activation_events = 0
+        # The one owner of the primary the checks run (a repair's variant or as configured).
+        self.primary = (CurrentPrimary(self.name, self.backends["primary"], serving,
+                                       self._repaired) if self.pair else None)
         self.ops = None
-        if config.policy.action == "fallback_ops":
+        if config.policy.action == "fallback_ops" and self.primary is not None:
             from guard.verifier_process.ops_fallback import OpsFallback
 
-            self.ops = OpsFallback(self)
+            self.ops = OpsFallback(
+                config, self.primary, self.policy, lambda: self.backends["reference"],
+                lambda reference, outputs, inputs: self.verifier.check(
+                    reference, outputs, inputs).passed,
+                lambda: self.activation, lambda t: self.record(t, t.evidence))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self, resume_word: int | None = None, kept: list[str] | None = None,
@@ -109,7 +117,7 @@ class VerifiedModel:
         if self.pair is not None and self.config.mirror.sample_rate > 0:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
-                self.backends["primary"], self.verifier, self.metrics, self._on_result,
+                self.primary, self.verifier, self.metrics, self._on_result,
                 self._on_unchecked, on_span=self.serving.span, on_finished=self._finished,
             )
             if self.activation_tier is not None:  # on_failure waits for room in the queue
@@ -172,7 +180,7 @@ class VerifiedModel:
 
     # -- fed by the ring reader --------------------------------------------------------------------
     def accept(self, handed: HandedSample, inputs, outputs) -> None:
-        """A sample a serving process handed over, decoded (``outputs`` may be a callable that
+        """A sample a serving process handed off, decoded (``outputs`` may be a callable that
         decodes an upstream's answer): to the mirror and/or to capture."""
         tag = None
         if self.capture is not None:
@@ -229,7 +237,7 @@ class VerifiedModel:
             if not check.passed:
                 evidence["last_failure"] = check.summary()
             evidence.update(self._activation_evidence(result.sample.epoch))
-            self._record(transition, evidence)
+            self.record(transition, evidence)
         self._capture_checked(result)
 
     def _capture_checked(self, result: MirrorResult) -> None:
@@ -289,12 +297,17 @@ class VerifiedModel:
             self.ops.restore(reason)  # "primary" means the primary as configured
         transition = self.policy.set_override(override, reason)
         if transition is not None:
-            self._record(transition, transition.evidence)
+            self.record(transition, transition.evidence)
         else:
             self.publish()
         return transition
 
-    def _record(self, transition: Transition, evidence: dict) -> None:
+    def _repaired(self, on: bool) -> None:
+        """A repair's variant serves (or no more): ``guard_fallback_active{kind="ops"}``."""
+        self.metrics.fallback_active.labels(self.name, "ops").set(1 if on else 0)
+
+    def record(self, transition: Transition, evidence: dict) -> None:
+        """A route transition: published first, then counted and announced."""
         self.publish()  # first: the serving processes switch before anyone reads the event
         m = self.metrics
         if transition.trigger == "alert":

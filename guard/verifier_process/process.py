@@ -6,7 +6,7 @@ process (memfds; ``server.processes``).
 It is told the config over the control socket (``Init``; every message: guard/ipc/messages.py),
 loads one ``VerifiedModel`` per model (reference, checks, detectors, capture, repair), then:
 
-- the ring reader takes each sampled request a serving process handed over (one record from
+- the ring reader takes each sampled request a serving process handed off (one record from
   each ring in turn), decodes it (an
   upstream's protocol messages only here, never on the request path) and gives it to its
   model's mirror and capture;
@@ -226,10 +226,10 @@ class VerifierProcess:
                 if record is not None:
                     took = True
                     try:
-                        self._hand_over(record)
+                        self._deliver(record)
                     except Exception as exc:  # a bug: one sample lost, never the reader
                         log.exception("handing a sample over failed")
-                        self._log_error(f"a sample could not be handed over: "
+                        self._log_error(f"a sample could not be delivered: "
                                         f"{type(exc).__name__}: {exc}")
             if took:
                 idle = _IDLE_S
@@ -237,7 +237,7 @@ class VerifierProcess:
                 time.sleep(idle)
                 idle = min(idle * 2, _IDLE_MAX_S)
 
-    def _hand_over(self, record: bytes) -> None:
+    def _deliver(self, record: bytes) -> None:
         try:
             handed = wire.decode(record)
         except Exception as exc:

@@ -37,7 +37,7 @@ def _counts(text: str, route: str) -> float:
 def _per_process(srv, route: str = "primary") -> list[float]:
     """Requests each serving process answered itself: the primary first."""
     own = generate_latest(srv.metrics.registry).decode()
-    return [_counts(text, route) for text in (own, *srv.processes.expositions())]
+    return [_counts(text, route) for text in (own, *srv.serving.expositions())]
 
 
 def _answer_on_fresh_connections(srv, rows, until) -> list[grpcclient.InferResult]:
@@ -62,8 +62,8 @@ def _route(result) -> str:
 
 def test_both_processes_answer_report_on_metrics_and_hand_samples_over(tmp_path, rng):
     with running(tmp_path, [model_block()], processes=2) as (srv, _):
-        (other,) = srv.processes.others
-        assert other.process.pid not in (os.getpid(), srv.supervisor.process.pid)
+        (other,) = srv.serving.others
+        assert other.process.pid not in (os.getpid(), srv.verifier.process.pid)
         rows = rng.normal(size=(8, 4))
         results = _answer_on_fresh_connections(
             srv, rows, lambda: all(n >= 2 for n in _per_process(srv)))
@@ -123,7 +123,7 @@ def test_a_serving_process_that_dies_is_restarted_and_counted(tmp_path, rng, cap
     caplog.set_level(logging.INFO, logger="guard.events")
     with running(tmp_path, [model_block(mirror={"sample_rate": 0.0})],
                  processes=2) as (srv, client):
-        (other,) = srv.processes.others
+        (other,) = srv.serving.others
         first = other.process.pid
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: metric(scrape(srv.metrics_port),
@@ -145,9 +145,10 @@ def test_a_serving_process_that_dies_is_restarted_and_counted(tmp_path, rng, cap
 
 def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_process(
         tmp_path, rng, caplog):
-    """UsePrimary carries the rebuilt backend block: the primary builds it and relays it, and a
-    serving process started again later is handed it with its Init. (The block here is the
-    fixture's drifting affine, so the variant is told apart by its answers.)"""
+    """UsePrimary carries the rebuilt backend block: every serving process builds it, the first
+    one as the others, and a serving process started again later is handed it with its Init.
+    (The block here is the fixture's drifting affine, so the variant is told apart by its
+    answers.)"""
     from guard.config import BackendConfig
     from guard.ipc.config import backend_to_wire
     from guard.ipc.messages import UsePrimary
@@ -160,7 +161,7 @@ def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_
         configured = srv.models["m"].config.primary
         variant = BackendConfig.model_validate(
             {**backend_to_wire(configured), "options": {"kwargs": {"drift_on_trigger": True}}})
-        handle = srv.supervisor._handlers()  # what the verifier's UsePrimary reaches
+        handle = srv.verifier._handlers()  # what the verifier's UsePrimary reaches
         assert handle(UsePrimary("m", ["linear"], backend_to_wire(variant))) is None
         assert srv.models["m"].kept == ["linear"]
 
@@ -172,11 +173,13 @@ def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_
                 np.testing.assert_allclose(result.as_numpy("y"), before + 1.0, rtol=1e-6)
 
         every_process_answers_the_variant()
-        (other,) = srv.processes.others
+        (other,) = srv.serving.others
         first = other.process.pid
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: events(caplog, "serving_process_restarted"), timeout=60)
         assert other.process.pid != first
         every_process_answers_the_variant()  # the new process was handed the block at Init
-        with pytest.raises(ValueError, match="without the rebuilt primary"):
-            handle(UsePrimary("m", ["linear"], None))  # the channel answers Failed with it
+        refused = handle(UsePrimary("m", ["linear"], None))  # the channel answers it
+        assert "without the rebuilt primary" in refused.error
+        # Every process said no, so every process is put back on the variant it served.
+        every_process_answers_the_variant()

@@ -131,7 +131,7 @@ def test_record_of_protocol_messages_keeps_the_bytes():
     assert (sample.request_message, sample.response_message) == (b"\x01request", b"\x02answer")
 
 
-def test_hand_over_puts_a_stamped_record_or_counts_a_drop_per_flag():
+def test_hand_off_puts_a_stamped_record_or_counts_a_drop_per_flag():
     class Counter:
         value = 0
 
@@ -140,24 +140,24 @@ def test_hand_over_puts_a_stamped_record_or_counts_a_drop_per_flag():
 
     producer, consumer = _ring_pair(1024)
     mirror, capture = Counter(), Counter()
-    assert wire.hand_over(producer, wire.MIRROR, "fallback", 3, 7, 0.5, "m", "r-1", "tp",
-                          request_message=b"q", response_message=b"a",
-                          mirror_dropped=mirror, capture_dropped=capture)
+    assert wire.hand_off(producer, wire.MIRROR, "fallback", 3, 7, 0.5, "m", "r-1", "tp",
+                         request_message=b"q", response_message=b"a",
+                         mirror_dropped=mirror, capture_dropped=capture)
     sample = wire.decode(bytes(consumer.take()))
     assert (sample.flags, sample.route, sample.slot, sample.epoch) == (wire.MIRROR, "fallback",
                                                                        3, 7)
     assert sample.unix_nanos > 0 and sample.request_seconds == 0.5
     assert (sample.request_message, sample.response_message) == (b"q", b"a")
     too_big = bytes(2000)  # never fits: the ring refuses it without waiting
-    assert not wire.hand_over(producer, wire.MIRROR | wire.CAPTURE, "primary", 0, 0, 0.0, "m",
-                              "", "", request_message=too_big, mirror_dropped=mirror,
-                              capture_dropped=capture)
-    assert not wire.hand_over(producer, wire.CAPTURE, "primary", 0, 0, 0.0, "m", "", "",
-                              request_message=too_big, mirror_dropped=mirror,
-                              capture_dropped=capture)
+    assert not wire.hand_off(producer, wire.MIRROR | wire.CAPTURE, "primary", 0, 0, 0.0, "m",
+                             "", "", request_message=too_big, mirror_dropped=mirror,
+                             capture_dropped=capture)
+    assert not wire.hand_off(producer, wire.CAPTURE, "primary", 0, 0, 0.0, "m", "", "",
+                             request_message=too_big, mirror_dropped=mirror,
+                             capture_dropped=capture)
     assert (mirror.value, capture.value) == (1, 2)
-    assert not wire.hand_over(producer, wire.MIRROR, "primary", 0, 0, 0.0, "m", "", "",
-                              request_message=too_big)  # no counter: the drop is only refused
+    assert not wire.hand_off(producer, wire.MIRROR, "primary", 0, 0, 0.0, "m", "", "",
+                             request_message=too_big)  # no counter: the drop is only refused
     assert consumer.take() is None
 
 

@@ -1,4 +1,5 @@
 """The guard.v1.Tap service (tap mode): observe answered requests, tell the server the route.
+(Not Envoy's tap filter, through which Envoy mode observes calls: guard/envoy/tap_filter.py.)
 
 Opt-in and authenticated: the service listens on its own listener (``server.tap``: loopback by
 default, or mutual TLS with an allow-list of client identities) and knows only the models
@@ -40,7 +41,7 @@ async def tapped_or_abort(models: dict[str, ServedModel], name: str, context) ->
     return model
 
 
-class TapServicer(pb_grpc.TapServicer):
+class TapService(pb_grpc.TapServicer):
     def __init__(self, models: dict[str, ServedModel], callers: CallerCheck | None = None):
         self.models = models
         self.callers = callers or CallerCheck("tap")  # server.tap.tls's allow-list
