@@ -2,7 +2,8 @@
 route word that says which one, and the hand-off of sampled requests to the verifier.
 
 The request path touches three things only: ``route()`` (one shared-memory load),
-``after_response()`` (a sampling decision; for a sampled request one copy into the sample ring)
+``sample_flags()`` (a sampling decision) and, for a sampled request, ``hand_off()`` (one copy of
+its ``wire.Sample`` into the sample ring)
 and the pre-resolved metric children. The reference, the checks, the detectors, capture and the
 repair live in the verifier process (guard/verifier_process/model.py); what they decide comes back as
 the route word and, for a repair, as ``use_primary``.
@@ -158,31 +159,26 @@ class ServedModel:
         as mirror ``dropped``, like those the full ring refused."""
         self._mirror_dropped.inc(samples)
 
-    def after_response(self, request_id: str, route: str, epoch: int, probing: bool,
-                       seconds: float, inputs=None, outputs=None, request_message=None,
-                       response_message=None) -> bool:
-        """Hand a sampled request to the verifier; True when it went into the ring.
-
-        Local answers go as tensors (``inputs``, ``outputs``); an upstream's or a tap's as the
-        protocol messages (``request_message``, ``response_message``: serialized bytes, or
-        message objects serialized only when sampled), decoded only in the verifier (which
-        compares just the outputs the request asked for). Within the dwell time on the
-        fallback nothing is mirrored."""
+    def sample_flags(self, request_id: str, route: str, probing: bool) -> int:
+        """Whether a request is sampled, and for what (``wire.MIRROR``, ``wire.CAPTURE``); 0
+        when not. Within the dwell time on the fallback nothing is mirrored."""
         flags = 0
         if self.mirror_rate and (route != "fallback" or probing) and sampled(
                 request_id, self.mirror_rate):
             flags |= wire.MIRROR
         if self.capture_rate and sampled(request_id, self.capture_rate):
             flags |= wire.CAPTURE
-        if not flags:
-            return False
-        if outputs is None:
-            request_message = _serialized(request_message)
-            response_message = _serialized(response_message)
-        return wire.hand_off(self.ring, flags, route, self.slot, epoch, seconds, self.name,
-                             request_id, tracing.traceparent(), inputs, outputs,
-                             request_message or b"", response_message or b"",
-                             self._mirror_dropped, self._capture_dropped)
+        return flags
+
+    def hand_off(self, flags: int, request_id: str, route: str, epoch: int, seconds: float,
+                 payload: wire.Payload) -> bool:
+        """A sampled request to the verifier (``flags`` from ``sample_flags``); True when it
+        went into the ring. Local answers go as ``wire.Tensors``; an upstream's or a tap's as
+        ``wire.Messages`` (serialized bytes, or message objects serialized only here), decoded
+        only in the verifier."""
+        return wire.hand_off(self.ring, wire.Sample(
+            self.name, self.slot, route, epoch, flags, request_id, tracing.traceparent(),
+            seconds, payload), self._mirror_dropped, self._capture_dropped)
 
     # -- from the verifier (through ModelRegistry.use_primary) ---------------------------------
     def use_primary(self, kept: list[str], primary: dict | None = None) -> None:
@@ -263,10 +259,3 @@ def _route_suffix(model: str, route: str) -> bytes:
     stamp_route(response, route)
     return response.SerializeToString()
 
-
-def _serialized(message) -> bytes:
-    if message is None:
-        return b""
-    if isinstance(message, (bytes, bytearray, memoryview)):
-        return bytes(message)
-    return message.SerializeToString()

@@ -24,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as oip
 
+from guard.ipc import wire
 from guard.protocol.codec import InferenceError, decode_request, decode_response
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
@@ -66,9 +67,9 @@ class TapService(pb_grpc.TapServicer):
         model = await tapped_or_abort(self.models, infer_request.model_name, context)
         route, epoch, probing = model.route_word()
         model.requests[served_by].inc()
-        queued = model.after_response(infer_request.id, served_by, epoch, probing, 0.0,
-                                      request_message=request.request,
-                                      response_message=request.response)
+        flags = model.sample_flags(infer_request.id, served_by, probing)
+        queued = bool(flags) and model.hand_off(flags, infer_request.id, served_by, epoch, 0.0,
+                                                wire.Messages(request.request, request.response))
         return pb.ObserveResponse(sampled=queued, route=route)
 
     async def WatchRoute(self, request: pb.WatchRouteRequest, context):

@@ -17,7 +17,7 @@ from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes
-from guard.ipc.wire import CAPTURE, MIRROR, HandedSample
+from guard.ipc.wire import CAPTURE, MIRROR, Sample
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
@@ -179,30 +179,33 @@ class VerifiedModel:
                            policy.override)
 
     # -- fed by the ring reader --------------------------------------------------------------------
-    def accept(self, handed: HandedSample, inputs, outputs) -> None:
-        """A sample a serving process handed off, decoded (``outputs`` may be a callable that
-        decodes an upstream's answer): to the mirror and/or to capture."""
+    def accept(self, sample: Sample, request: tuple) -> None:
+        """A sample a serving process handed off, with its decoded ``request`` (inputs, the
+        outputs the client asked for: ``sample.payload.request()``): to the mirror and/or to
+        capture. An upstream's answer is decoded only when the mirror takes it (capture
+        decodes it when it writes the record)."""
+        inputs, only_outputs = request
         tag = None
         if self.capture is not None:
-            tag = CaptureTag(handed.request_id, handed.unix_nanos, handed.request_seconds,
-                             bool(handed.flags & CAPTURE))
+            tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
+                             bool(sample.flags & CAPTURE))
         mirrored = False
-        if handed.flags & MIRROR and self.mirror is not None:
-            if callable(outputs):
-                try:
-                    outputs = outputs()
-                except Exception as exc:  # an answer that parses but does not decode: the
-                    # mirror's error, never the ring reader's death (found by the fuzzer)
-                    self.metrics.mirror.labels(self.name, "error").inc()
-                    emit("mirror_undecodable_answer", model=self.name,
-                         error=f"{type(exc).__name__}: {exc}"[:300])
-                    return
+        if sample.flags & MIRROR and self.mirror is not None:
+            try:
+                outputs = sample.payload.answer()
+            except Exception as exc:  # an answer that parses but does not decode: the
+                # mirror's error, never the ring reader's death (found by the fuzzer)
+                self.metrics.mirror.labels(self.name, "error").inc()
+                emit("mirror_undecodable_answer", model=self.name,
+                     error=f"{type(exc).__name__}: {exc}"[:300])
+                return
             self._took()
             mirrored = self.mirror.accept(MirrorSample(
-                inputs, outputs, handed.route, handed.epoch, time.monotonic(),
-                handed.requested_outputs, handed.traceparent, tag, handed.size))
+                inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
+                sample.traceparent, tag, sample.size))
         if tag is not None and tag.record and not mirrored:
-            self.capture.submit(PendingRecord(tag, handed.route, handed.epoch, inputs, outputs))
+            self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
+                                              sample.payload.answer))
 
     def _took(self) -> None:
         with self._in_hand_lock:

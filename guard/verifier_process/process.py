@@ -239,25 +239,25 @@ class VerifierProcess:
 
     def _deliver(self, record: bytes) -> None:
         try:
-            handed = wire.decode(record)
+            sample = wire.decode(record)
         except Exception as exc:
             self._log_error(f"undecodable sample record: {type(exc).__name__}: {exc}")
             return
         with self._lock:
-            model = self.by_slot.get(handed.slot)
-        if model is None or model.name != handed.model:
-            model = self.models.get(handed.model)
+            model = self.by_slot.get(sample.slot)
+        if model is None or model.name != sample.model:
+            model = self.models.get(sample.model)
         if model is None:
             return  # a model removed by a reload while its samples were in the ring
         try:
-            inputs, outputs = _tensors(handed)
-        except Exception as exc:  # an answer guard cannot decode: the mirror's error, no more
-            if handed.flags & wire.MIRROR:
+            request = sample.payload.request()
+        except Exception as exc:  # a request guard cannot decode: the mirror's error, no more
+            if sample.flags & wire.MIRROR:
                 self.metrics.mirror.labels(model.name, "error").inc()
             self._log_error(f"model {model.name}: cannot decode a sampled request: "
                             f"{type(exc).__name__}: {exc}")
             return
-        model.accept(handed, inputs, outputs)
+        model.accept(sample, request)
 
     def _heartbeat(self) -> None:
         pid = os.getpid()
@@ -286,22 +286,6 @@ class VerifierProcess:
             models = list(self.models.values())
         for model in models:
             model.close()
-
-
-def _tensors(handed: wire.HandedSample):
-    """(inputs, outputs) of a handed sample; an upstream's answer is decoded only when asked
-    (``outputs`` is then a callable), and only the outputs the request asked for are compared
-    (``handed.requested_outputs``: an upstream answered just those)."""
-    if handed.outputs is not None:
-        return handed.inputs, handed.outputs
-    from tritonclient.grpc import service_pb2 as pb
-
-    from guard.protocol.codec import decode_request, decode_response
-
-    request = decode_request(pb.ModelInferRequest.FromString(handed.request_message))
-    handed.requested_outputs = tuple(request.requested_outputs)
-    response = handed.response_message
-    return request.inputs, (lambda: decode_response(pb.ModelInferResponse.FromString(response)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -274,7 +274,7 @@ def test_an_observed_call_goes_into_the_ring_as_the_upstream_path_would_put_it()
     assert [(r.model, r.flags, r.route, r.slot, r.epoch) for r in records] == [
         ("cnn", wire.MIRROR, "primary", 2, 3), ("rec", wire.CAPTURE, "fallback", 4, 3)]
     first = records[0]
-    assert (first.request_message, first.response_message) == (call.request, call.response)
+    assert first.payload == wire.Messages(call.request, call.response)
     assert (first.request_id, first.traceparent) == ("r-1", "00-ab-cd-01")
     ring.close()
 

@@ -84,7 +84,7 @@ def test_the_data_plane_answers_from_the_registry_and_hands_the_sample_off(tmp_p
     answer = asyncio.run(core.infer(1.0, "r-1"))
     handed = wire.decode(core.ring.take())
     assert (handed.model, handed.request_id, handed.route) == ("m", "r-1", "primary")
-    np.testing.assert_array_equal(handed.outputs["y"], answer)
+    np.testing.assert_array_equal(handed.payload.answer()["y"], answer)
     assert handed.slot == core.registry.models["m"].slot
     # The route word the verifier publishes is what the next request reads.
     core.table.publish(handed.slot, "fallback", False, 1)
