@@ -159,8 +159,8 @@ class ChildSupervisor:
 
     def stop(self, grace: float) -> None:
         """No restart from now on; the child ends gracefully (killed past its grace)."""
-        self.stopping.set()
         with self._lock:
+            self.stopping.set()
             process = self.process
         self.child.end(process, grace)
         if self._watcher is not None and self._watcher is not threading.current_thread():
@@ -210,6 +210,12 @@ class ChildSupervisor:
                 emit(f"{self.child.kind}_restart_failed", **self.child.fields,
                      error=str(exc), retry_in_s=round(self._backoff, 2))
                 continue
-            self._serve(process)
+            with self._lock:  # a stop while it started ends it at once, never orphans it
+                stopped = self.stopping.is_set()
+                if not stopped:
+                    self.process, self._started_at = process, time.monotonic()
+            if stopped:
+                self.child.end(process, 0.0)
+                return
             emit(f"{self.child.kind}_restarted", **self.child.fields, pid=process.pid)
             return

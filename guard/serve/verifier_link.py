@@ -191,10 +191,11 @@ class VerifierLink:
         with self._lock:
             channel = self.channel
             starting = self._starting
-        process = process or starting
         if not self.ready.is_set():
-            if process is not None and process.poll() is None:
-                process.kill()
+            for each in {id(p): p for p in (process, starting) if p is not None}.values():
+                if each.poll() is None:
+                    each.kill()
+            process = starting or process
         elif channel is not None:
             try:
                 channel.call(Stop(), timeout=5)
