@@ -85,24 +85,20 @@ def _check_rate(name: str, p: float) -> None:
         raise ValueError(f"{name} must be in (0, 1), got {p}")
 
 
-class BernoulliCusum(Detector):
-    kind = "cusum"
+class _ClampedSum(Detector):
+    """A CUSUM's bookkeeping: ``S = max(0, S + step)`` against a fixed threshold (the two
+    CUSUMs below differ only in the step a sample adds)."""
 
-    def __init__(self, p_null: float, p_alt: float, threshold: float, min_samples: int = 1):
+    def __init__(self, threshold: float, min_samples: int):
         super().__init__(min_samples)
-        _check_rate("p_null", p_null)
-        _check_rate("p_alt", p_alt)
-        if p_null == p_alt:
-            raise ValueError("p_alt must differ from p_null")
         if threshold <= 0:
             raise ValueError("threshold must be > 0")
-        self.p_null, self.p_alt, self._threshold = p_null, p_alt, threshold
-        self.on_fail, self.on_pass = _llr(p_null, p_alt)
+        self._threshold = threshold
         self._s = 0.0
 
-    def update(self, failed: bool) -> bool:
+    def _add(self, step: float) -> bool:
         self.samples += 1
-        self._s = max(0.0, self._s + (self.on_fail if failed else self.on_pass))
+        self._s = max(0.0, self._s + step)
         return self.alarmed
 
     def reset(self) -> None:
@@ -116,6 +112,22 @@ class BernoulliCusum(Detector):
     @property
     def threshold(self) -> float:
         return self._threshold
+
+
+class BernoulliCusum(_ClampedSum):
+    kind = "cusum"
+
+    def __init__(self, p_null: float, p_alt: float, threshold: float, min_samples: int = 1):
+        super().__init__(threshold, min_samples)
+        _check_rate("p_null", p_null)
+        _check_rate("p_alt", p_alt)
+        if p_null == p_alt:
+            raise ValueError("p_alt must differ from p_null")
+        self.p_null, self.p_alt = p_null, p_alt
+        self.on_fail, self.on_pass = _llr(p_null, p_alt)
+
+    def update(self, failed: bool) -> bool:
+        return self._add(self.on_fail if failed else self.on_pass)
 
     def describe(self) -> dict:
         return {**super().describe(), "p_null": self.p_null, "p_alt": self.p_alt}
@@ -138,7 +150,7 @@ class ScoreSpec:
             raise ValueError("bet must be in (0, 1)")
 
 
-class ScoreCusum(Detector):
+class ScoreCusum(_ClampedSum):
     """CUSUM of betting e-values on a non-negative score ``x`` per sample.
 
     ``direction='up'`` (trip): ``S = max(0, S + ln(1 + bet (x / null_mean - 1)))``. Whenever
@@ -153,18 +165,15 @@ class ScoreCusum(Detector):
 
     def __init__(self, null_mean: float, bet: float, threshold: float, min_samples: int = 1,
                  direction: str = "up"):
-        super().__init__(min_samples)
+        super().__init__(threshold, min_samples)
         if null_mean <= 0:
             raise ValueError("null_mean must be > 0")
         if not 0 < bet < 1:
             raise ValueError("bet must be in (0, 1)")
-        if threshold <= 0:
-            raise ValueError("threshold must be > 0")
         if direction not in ("up", "down"):
             raise ValueError("direction must be 'up' or 'down'")
-        self.null_mean, self.bet, self._threshold = null_mean, bet, threshold
+        self.null_mean, self.bet = null_mean, bet
         self.direction = direction
-        self._s = 0.0
         self.last_score: float | None = None
 
     def increment(self, score: float) -> float:
@@ -176,22 +185,8 @@ class ScoreCusum(Detector):
 
     def update(self, score: float) -> bool:  # type: ignore[override]
         step = self.increment(score)
-        self.samples += 1
         self.last_score = score
-        self._s = max(0.0, self._s + step)
-        return self.alarmed
-
-    def reset(self) -> None:
-        self._s = 0.0
-        self.samples = 0
-
-    @property
-    def statistic(self) -> float:
-        return self._s
-
-    @property
-    def threshold(self) -> float:
-        return self._threshold
+        return self._add(step)
 
     def describe(self) -> dict:
         return {**super().describe(), "null_mean": self.null_mean, "bet": self.bet,

@@ -147,9 +147,7 @@ class GenerationMirror(Mirror):
             self._timed_out(sample, stage, span)
             return
         except Exception as exc:
-            self._outcomes["error"].inc()
-            self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
-            self._unchecked(sample, "error")
+            self._failed(sample, stage, exc)
             return
         self._reference_seconds.observe(seconds)
         check = self.check(completion, scores)
@@ -386,13 +384,10 @@ class VerifiedGenerationModel(VerifiedModel):
                              probed=bool(result and result.probed))
 
     def _capture_checked(self, result: GenerationResult) -> None:
-        tag, capture = result.sample.tag, self.capture
-        if capture is None or tag is None:
-            return
-        if not (tag.record or (not result.check.passed and capture.wants_failure(tag))):
+        if not self._wants_capture(result.sample.tag, result.check.passed):
             return
         s = result.sample
-        capture.submit(self._pending(tag, s.route, s.epoch, s.generation, result))
+        self.capture.submit(self._pending(tag, s.route, s.epoch, s.generation, result))
 
     def _on_unchecked(self, sample: GenerationMirrorSample, outcome: str) -> None:
         tag = sample.tag

@@ -276,9 +276,7 @@ class Mirror:
             self._timed_out(sample, stage, span)
             return
         except Exception as exc:
-            self._outcomes["error"].inc()
-            self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
-            self._unchecked(sample, "error")
+            self._failed(sample, stage, exc)
             return
         self._reference_seconds.observe(seconds)
         if sample.only_outputs and not probed:
@@ -306,6 +304,12 @@ class Mirror:
     def _finished(self, sample: MirrorSample) -> None:
         if self.on_finished is not None:
             self.on_finished(sample)
+
+    def _failed(self, sample: MirrorSample, stage: str, exc: Exception) -> None:
+        """A stage (probe, reference) raised: counted as an error, logged, never checked."""
+        self._outcomes["error"].inc()
+        self._log_error(f"{stage} failed: {type(exc).__name__}: {exc}")
+        self._unchecked(sample, "error")
 
     def _unchecked(self, sample: MirrorSample, outcome: str) -> None:
         if self.on_unchecked is not None:

@@ -240,15 +240,19 @@ class VerifiedModel:
             self._record(transition, evidence)
         self._capture_checked(result)
 
+    def _wants_capture(self, tag, passed: bool) -> bool:
+        """A checked sample is recorded when capture marked it, or when it failed and capture
+        keeps failures (the one rule for every kind of verified model)."""
+        if self.capture is None or tag is None:
+            return False
+        return tag.record or (not passed and self.capture.wants_failure(tag))
+
     def _capture_checked(self, result: MirrorResult) -> None:
-        tag, capture = result.sample.tag, self.capture
-        if capture is None or tag is None:
-            return
-        if not (tag.record or (not result.check.passed and capture.wants_failure(tag))):
+        if not self._wants_capture(result.sample.tag, result.check.passed):
             return
         sample = result.sample
-        capture.submit(PendingRecord(
-            tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
+        self.capture.submit(PendingRecord(
+            sample.tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
             reference=result.reference, tier_reports=self.verifier.tier_reports(result.check),
             reference_seconds=result.reference_seconds, probed=result.probed,
         ))

@@ -39,6 +39,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def start_serve(config: Path, port: int, stdout=subprocess.PIPE, timeout: float = 60):
+    """`guard serve --config CONFIG` as a child, returned with a tritonclient once it is ready
+    on ``port`` (stderr is piped and shown if the child exits first)."""
+    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
+                               stdout=stdout, stderr=subprocess.PIPE, text=True, env=guard_env())
+    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise AssertionError(process.stderr.read())
+        try:
+            if client.is_server_ready():
+                return process, client
+        except Exception:
+            pass
+        if time.monotonic() >= deadline:
+            process.kill()
+            raise AssertionError("server never became ready")
+        time.sleep(0.1)
+
+
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
     assert result.returncode == 2, result.stderr
     assert "Traceback" not in result.stderr
@@ -104,22 +125,8 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
     data = yaml.safe_load(config.read_text())
     data["server"].update(grpc_port=port, shutdown_grace_s=10, inline_below_ms=0)
     config.write_text(yaml.safe_dump(data))
-    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=guard_env())
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    process, client = start_serve(config, port)
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.1)
-
         outcome: dict[str, object] = {}
 
         def slow_request():

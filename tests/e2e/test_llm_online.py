@@ -10,15 +10,13 @@ detector, ARL0 and min_samples are the task's defaults."""
 
 from __future__ import annotations
 
-import socket
-import subprocess
-import sys
 import time
 import urllib.request
 from contextlib import contextmanager
 
 import pytest
 
+from llm_support import start_llama_server, stop_llama_server
 from support import events, metric, scrape, wait_for, write_config
 
 pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
@@ -38,42 +36,15 @@ CONTRACT_SERIES = {  # name -> type, as CONTRACT.md "Generative models" names th
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextmanager
-def llama_server(path, alias: str, log):
-    """llama-cpp-python's OpenAI-compatible server on one GGUF, on loopback; logits_all so that
-    it can answer the logprobs guard asks for on sampled calls."""
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
-         "--port", str(port), "--model_alias", alias, "--logits_all", "true", "--n_ctx", "512",
-         "--n_threads", "1", "--verbose", "false"],
-        stdout=subprocess.DEVNULL, stderr=log)
-    url = f"http://127.0.0.1:{port}"
+def llama_server(path, alias: str, log_dir):
+    """llama-cpp-python's server on one GGUF (tests/e2e/llm_support.py), its URL; logits_all so
+    that it can answer the logprobs guard asks for on sampled calls."""
+    server = start_llama_server(log_dir, gguf=path, alias=alias)
     try:
-        def up() -> bool:
-            if process.poll() is not None:
-                raise RuntimeError(f"llama_cpp.server for {alias} exited ({process.returncode})")
-            try:
-                urllib.request.urlopen(url + "/v1/models", timeout=2)
-                return True
-            except OSError:
-                return False
-
-        wait_for(up, timeout=120, interval=0.2)
-        yield url
+        yield server.url
     finally:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)
+        stop_llama_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +55,8 @@ def ladder():
 @pytest.fixture(scope="module")
 def upstreams(ladder, tmp_path_factory):
     logs = tmp_path_factory.mktemp("llama")
-    with open(logs / "q2k.log", "w") as q2_log, open(logs / "q8.log", "w") as q8_log, \
-            llama_server(ladder["Q2_K"], "smol-q2", q2_log) as q2, \
-            llama_server(ladder["Q8_0"], "smol-q8", q8_log) as q8:
+    with llama_server(ladder["Q2_K"], "smol-q2", logs) as q2, \
+            llama_server(ladder["Q8_0"], "smol-q8", logs) as q8:
         yield {"Q2_K": q2, "Q8_0": q8}
 
 

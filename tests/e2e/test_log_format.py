@@ -6,15 +6,12 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
-import time
 
 import numpy as np
-import tritonclient.grpc as grpcclient
 import yaml
 
 from support import model_block, write_config, x_input
-from test_cli import free_port, guard_env
+from test_cli import free_port, start_serve
 
 NOISY = {"backend": "torch", "path": "fixture_models:noisy_affine"}
 
@@ -27,21 +24,8 @@ def serve_briefly(tmp_path, log_format: str, requests: int = 5) -> str:
     data = yaml.safe_load(config.read_text())
     data["server"]["grpc_port"] = port
     config.write_text(yaml.safe_dump(data))
-    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                               env=guard_env())
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
+    process, client = start_serve(config, port, stdout=subprocess.DEVNULL, timeout=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.1)
         for _ in range(requests):
             client.infer("m", [x_input(np.ones((1, 4)))])
     finally:

@@ -5,13 +5,9 @@ at load, never drift (issue 28, item 1)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
-import tritonclient.grpc as grpcclient
 import yaml
 
 import own_model
@@ -19,7 +15,7 @@ from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.verify.pair import CheckedPair
 from support import metric, scrape, wait_for, x_input
-from test_cli import free_port, guard_env, run_guard
+from test_cli import free_port, run_guard, start_serve
 
 REQUESTS = 40
 
@@ -54,21 +50,8 @@ def own_config(folder, paths, **server) -> tuple:
 
 def test_outputs_named_differently_are_matched_by_position_and_never_drift(tmp_path, exports):
     config, ports = own_config(tmp_path, exports[1])
-    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
-                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               env=guard_env())
-    client = grpcclient.InferenceServerClient(f"127.0.0.1:{ports['grpc_port']}")
+    process, client = start_serve(config, ports["grpc_port"], timeout=120)
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert process.poll() is None, process.stderr.read()
-            try:
-                if client.is_server_ready():
-                    break
-            except Exception:
-                pass
-            assert time.monotonic() < deadline, "server never became ready"
-            time.sleep(0.1)
         rows = np.random.default_rng(0).standard_normal((REQUESTS, own_model.FEATURES))
         routes = []
         for i in range(REQUESTS):
