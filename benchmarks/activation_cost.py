@@ -44,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 def measure(name: str, work: Path, samples: int) -> dict:
     from guard.backends import create_backend
-    from guard.config import parse_config
+    from guard.plan.complete import parse_config
     from guard.verify.activation import ActivationChecker
     from guard.zoo import zoo_entry
 
@@ -103,7 +103,7 @@ def measure(name: str, work: Path, samples: int) -> dict:
 def measure_large(name: str, work: Path, samples: int) -> dict:
     """Tier 2 on a full-size architecture: torch eager vs its export, and fp32 vs int8 ONNX."""
     from guard.backends import create_backend
-    from guard.config import parse_config
+    from guard.plan.complete import parse_config
     from guard.zoo import families, layouts
     from guard.zoo.faults import INT8, FaultCase, checker_for
 

@@ -12,7 +12,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import proxy_overhead as po
 from guard.zoo import classifier
 from guard import __version__
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.ipc.routes import RouteTable
 from guard.ipc.ring import SampleRing
 from guard.observe.metrics import GuardMetrics

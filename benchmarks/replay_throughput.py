@@ -208,7 +208,7 @@ def measure_heavy(work: Path, paths: dict, config_path: Path, capture: Path, ima
     """The same replay with a reference ``heavy_repeats`` times as costly (the TorchScript
     forward repeated, benchmarks/proxy_overhead.py's module): when the reference dominates, as
     it does for real models, does replay keep up with it?"""
-    from guard.config import load_config
+    from guard.plan.complete import load_config
 
     (work / "bench_reference.py").write_text(po.REFERENCE_MODULE)
     data = yaml.safe_load(config_path.read_text())
@@ -243,7 +243,7 @@ def paired(config, capture: Path, images, batch: int, pairs: int,
 
 def measure_replay(work: Path, paths: dict, records: int, batch: int, repeats: int,
                    heavy_repeats: int = 4, heavy_records: int = 2000) -> dict:
-    from guard.config import load_config
+    from guard.plan.complete import load_config
     from guard.zoo.classifier import sample_inputs
 
     config_path = work / "replay.yaml"

@@ -137,7 +137,7 @@ def cmd_in_process(workdir: Path, rate: float, samples: int, ort_threads: int) -
 
     import yaml
 
-    from guard.config import load_config
+    from guard.plan.complete import load_config
     from guard.ipc import routes, wire
     from guard.ipc.ring import SampleRing
     from guard.verifier_process.process import VerifierProcess

@@ -111,7 +111,7 @@ def minilm_model(work: Path, per_channel: bool = False) -> dict | None:
 
 # -- measuring ------------------------------------------------------------------------------------
 def build_config(model: dict, folder: Path):
-    from guard.config import parse_config
+    from guard.plan.complete import parse_config
 
     onnx = str(model["onnx"])
     options = {"intra_op_threads": 1, "inter_op_threads": 1}

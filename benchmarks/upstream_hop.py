@@ -367,7 +367,7 @@ def guard_bootstrap(workdir: Path, upstream: str, prep: dict, port: int) -> dict
     (its observer and health clusters point at ports nothing listens on)."""
     import yaml
 
-    from guard.config import load_config
+    from guard.plan.complete import load_config
     from guard.envoy import bootstrap
 
     ports = {"grpc_port": port, "metrics_port": po.free_port(), "admin_port": po.free_port(),

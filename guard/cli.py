@@ -69,7 +69,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda signum, _frame: signalled.append(signum))
 
-    from guard.config import load_config
+    from guard.plan.serving import load_config
     from guard.serve.app import serve_until_signalled
 
     from guard.observe.logformat import configure
@@ -87,7 +87,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_config_validate(args: argparse.Namespace) -> int:
-    from guard.config import load_config
+    from guard.plan.complete import load_config
 
     try:
         config = load_config(args.file)
@@ -113,7 +113,7 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
 
 
 def cmd_config_schema(args: argparse.Namespace) -> int:
-    from guard.config import config_json_schema
+    from guard.plan.schema import config_json_schema
 
     print(json.dumps(config_json_schema(), indent=2))
     return EXIT_OK
@@ -177,9 +177,9 @@ def cmd_deploy_rollout(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy_envoy(args: argparse.Namespace) -> int:
-    from guard.config import load_config
     from guard.envoy.bootstrap import build, dump, ports_of
     from guard.envoy.servable import require_servable
+    from guard.plan.serving import load_config
 
     config = load_config(args.config)
     require_servable(config)  # local backends have no place in a bootstrap (as deploy istio)
@@ -201,8 +201,8 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
 
 
 def cmd_deploy_istio(args: argparse.Namespace) -> int:
-    from guard.config import load_config
     from guard.envoy.istio import dump, envoy_filter
+    from guard.plan.serving import load_config
 
     selector = {}
     for item in args.selector:

@@ -17,7 +17,8 @@ from pathlib import Path
 import numpy as np
 
 from guard.backends import create_backend
-from guard.config import RepairConfig, parse_config
+from guard.config import RepairConfig
+from guard.plan.complete import parse_config
 from guard.policy.keep_back import keep_back_for
 from guard.policy.repair import BufferedSample, OpRepair
 from guard.verify.activation import ActivationChecker

@@ -4,8 +4,11 @@ Why pydantic: it gives typed settings, unknown-key rejection (``extra="forbid"``
 we can turn into the ``dotted.path: message`` lines that CONTRACT.md promises, and the JSON Schema
 for ``guard config schema``, all from one declaration. Every default is documented on its field.
 
-Loading does only what needs no heavy imports: parse, validate, resolve relative paths against the
-config file's folder, and check that artifacts exist. Building backends happens later.
+config/ is a leaf: it validates the document's own schema and imports nothing of guard but
+errors. Loading does only that: parse, validate, resolve relative paths against the config
+file's folder, and check that artifacts exist. What the layers above declare (a backend's
+precisions and options, what tier 2 can capture, what the repair can rebuild, the adapters) the
+plan step checks a config against (guard/plan/): a config is loaded through it.
 
 By concern, each block beside the blocks it is made of:
 
@@ -20,7 +23,6 @@ Everything is importable from ``guard.config`` as before.
 
 from __future__ import annotations
 
-from guard.backends import BACKEND_NAMES, backend_kinds
 from guard.config.backend import BackendConfig
 from guard.config.base import (
     FACTORY_REF,
@@ -56,10 +58,10 @@ from guard.config.checks import (
 from guard.config.generation import GenerationCheckConfig
 from guard.config.document import (
     GuardConfig,
-    config_json_schema,
+    document_json_schema,
     format_validation_error,
-    load_config,
-    parse_config,
+    load_document,
+    parse_document,
     read_yaml,
 )
 from guard.config.model import MODEL_NAME, MirrorConfig, ModelConfig
@@ -81,24 +83,7 @@ __all__ = [
     "NoiseFloorConfig", "NonNegativeFloat", "OutputTolerance", "PolicyConfig", "Port",
     "PositiveFloat", "PositiveInt", "Precision", "RepairConfig", "SegmentationTaskConfig",
     "ServerConfig", "Strict", "TapListenerConfig", "Task", "TaskCheckConfig",
-    "TensorCheckConfig", "TlsConfig", "VerifierConfig", "WithContext", "config_json_schema",
-    "format_validation_error", "is_loopback", "load_config", "parse_config", "read_yaml",
+    "TensorCheckConfig", "TlsConfig", "VerifierConfig", "WithContext", "document_json_schema",
+    "format_validation_error", "is_loopback", "load_document", "parse_document", "read_yaml",
 ]
 
-
-def __getattr__(name: str):
-    """Tables read from the registries that own them: the backends' declarations, tier 2's
-    capture sides, the repair's strategies."""
-    if name == "IMPLEMENTED_BACKENDS":
-        return frozenset(BACKEND_NAMES)
-    if name == "DERIVABLE_PRECISIONS":
-        return {n: k.precisions for n, k in backend_kinds().items()}
-    if name == "ACTIVATION_BACKENDS":
-        from guard.verify.activation.sides import capturable
-
-        return capturable()
-    if name == "REPAIRABLE_PRIMARIES":
-        from guard.policy.keep_back import repairable
-
-        return {n: frozenset(p) for n, p in repairable().items()}
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

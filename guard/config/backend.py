@@ -1,5 +1,8 @@
-"""A backend block (``primary``, ``reference``, ``fallback``); what is valid for each backend its
-own module declares (guard/backends/kind.py).
+"""A backend block (``primary``, ``reference``, ``fallback``): its shape only.
+
+What is valid for each backend (its name, the precisions it derives, its options, a pinned
+artifact) its own module declares (guard/backends/kind.py), and the plan step checks a block
+against that declaration (guard/plan/serving.py): config/ imports no backend.
 """
 
 from __future__ import annotations
@@ -8,15 +11,16 @@ import re
 from pathlib import Path
 from typing import Annotated, Any
 
-from pydantic import Field, ValidationInfo, field_validator, model_validator
+from pydantic import Field, field_validator
 
-from guard.backends import BACKEND_NAMES, backend_kind
-from guard.backends.artifact import pin_required
 from guard.config.base import BackendName, FACTORY_REF, Precision, WithContext
 
 
 class BackendConfig(WithContext):
-    backend: BackendName
+    backend: BackendName = Field(
+        description="A registered backend (the schema of `guard config schema` lists them; "
+        "guard/backends/__init__.py registers them)."
+    )
     path: str | None = Field(
         None,
         description="The artifact (.onnx, .pt TorchScript, .pt2 torch.export) or, for torch, "
@@ -40,47 +44,24 @@ class BackendConfig(WithContext):
     model: str | None = Field(None, description="upstream, openai: the model's name on that "
                               "server.")
 
-    @field_validator("sha256")
+    @field_validator("device")
     @classmethod
-    def _check_sha256(cls, value: str | None, info: ValidationInfo) -> str | None:
-        backend = info.data.get("backend")
-        if backend in BACKEND_NAMES and not backend_kind(backend).artifact and value is not None:
-            raise ValueError(f"backend '{backend}' has no artifact to pin (the remote server "
-                             "loads its own model): remove sha256")
-        why = pin_required(info.data.get("path"))
-        if why and value is None:
-            raise ValueError(f"required: {why}; pin the file with sha256: <hex digest> "
-                             "(sha256sum FILE)")
+    def _check_device(cls, value: str) -> str:
+        if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+            raise ValueError(f"device '{value}' must be cpu, cuda or cuda:N")
         return value
-
-    @model_validator(mode="after")
-    def _check_backend(self) -> "BackendConfig":
-        kind = backend_kind(self.backend)
-        if not kind.artifact:
-            kind.check(self)
-            return self
-        if self.path is None:
-            raise ValueError(f"backend '{self.backend}' needs 'path'")
-        if self.target is not None or self.model is not None:
-            raise ValueError("'target' and 'model' are for remote backends only (upstream, "
-                             "openai)")
-        if self.precision not in kind.precisions:
-            raise ValueError(
-                f"precision '{self.precision}' cannot be derived by backend '{self.backend}' "
-                f"(it can derive: {', '.join(sorted(kind.precisions))})"
-            )
-        if kind.check is not None:
-            kind.check(self)
-        if not re.fullmatch(r"cpu|cuda(:\d+)?", self.device):
-            raise ValueError(f"device '{self.device}' must be cpu, cuda or cuda:N")
-        return self
 
     @property
     def is_factory(self) -> bool:
         return bool(self.path and FACTORY_REF.match(self.path)) and not Path(self.path).exists()
 
+    @property
+    def remote(self) -> bool:
+        """A block that names a server (``target`` + ``model``), not an artifact ``path``."""
+        return self.path is None and self.target is not None
+
     def describe(self) -> str:
-        if not backend_kind(self.backend).artifact:
+        if self.remote:
             return f"{self.backend} {self.model}@{self.target}"
         suffix = "" if self.precision == "fp32" else f" {self.precision}"
         return f"{self.backend}{suffix} {self.path}"

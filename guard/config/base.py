@@ -12,12 +12,11 @@ from typing import Annotated, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, PrivateAttr
 
-from guard.backends import BACKEND_NAMES
-
-# Backend names are registered once (guard/backends/__init__.py); what each backend is (the
-# precisions it derives, its options) its own module declares; tier 2 and the op repair keep
-# their own tables by backend name (guard/verify/activation/sides.py, guard/policy/keep_back.py).
-BackendName = Literal[BACKEND_NAMES]
+# A backend's name: registered once (guard/backends/__init__.py), what each backend is its own
+# module declares. config/ is the schema only and imports no backend: the plan step checks a
+# name against the registry (guard/plan/serving.py) and the schema it prints lists them
+# (guard/plan/schema.py).
+BackendName = str
 Precision = Literal["fp32", "fp16", "bf16", "int8"]
 Task = Literal["classification", "detection", "segmentation", "embedding", "generation",
                "generic"]

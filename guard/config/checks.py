@@ -222,23 +222,12 @@ def _adapter_entry(value: Any) -> Any:
 
 
 class AdapterConfig(Strict):
-    """A deterministic post-processing adapter applied to both sides before tiers 1 and 3."""
+    """A deterministic post-processing adapter applied to both sides before tiers 1 and 3. Its
+    name and options are checked against the adapters' own registry by the plan step
+    (guard/plan/checks.py): config/ imports no check."""
 
     name: str
     options: dict[str, Any] = Field(default_factory=dict)
-
-    @model_validator(mode="after")
-    def _check(self) -> "AdapterConfig":
-        from guard.verify.adapters import ADAPTERS, validate_adapter_options
-
-        if self.name not in ADAPTERS:
-            raise ValueError(
-                f"unknown adapter '{self.name}' (available: {', '.join(sorted(ADAPTERS))})"
-            )
-        problems = validate_adapter_options(self.name, self.options)
-        if problems:
-            raise ValueError("; ".join(problems))
-        return self
 
 
 class ChecksConfig(Strict):

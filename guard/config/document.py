@@ -1,6 +1,10 @@
-"""The whole document: ``GuardConfig``, reading and validating a file (``load_config``,
-``parse_config``, ``read_yaml``), its problems as ``dotted.path: message`` lines, and the JSON
-Schema.
+"""The whole document: ``GuardConfig``, reading and validating a file against the schema
+(``load_document``, ``parse_document``, ``read_yaml``), its problems as ``dotted.path: message``
+lines, and the JSON Schema of the document alone.
+
+This is the schema step only. A config is used after the plan step (guard/plan/) has checked it
+against what the layers above config/ declare (the backends, the tiers, the repair):
+``guard.plan.serving.load_config`` / ``guard.plan.complete.load_config``.
 """
 
 from __future__ import annotations
@@ -13,8 +17,6 @@ from typing import Any, Literal
 import yaml
 from pydantic import Field, ValidationError, model_validator
 
-from guard.backends import backend_kind
-from guard.backends.options import validate_backend_options
 from guard.config.backend import BackendConfig
 from guard.config.base import ConfigContext, FACTORY_REF, WithContext, _absolute
 from guard.config.model import ModelConfig
@@ -36,12 +38,6 @@ class GuardConfig(WithContext):
             if model.name in seen:
                 raise ValueError(f"model name '{model.name}' appears twice")
             seen.add(model.name)
-        named = {spec.backend for model in self.models
-                 for spec in (model.primary, model.reference, model.fallback) if spec}
-        for backend in sorted(named):
-            check_config = backend_kind(backend).check_config
-            if check_config is not None:
-                check_config(self)
         return self
 
     def model(self, name: str) -> ModelConfig:
@@ -79,10 +75,22 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     return lines
 
 
-def parse_config(data: Any, base_dir: Path | ConfigContext,
-                 source: str | None = None) -> GuardConfig:
-    """Validate a parsed YAML document; resolve and check artifact paths against ``base_dir``
-    (a folder, or the whole ``ConfigContext`` the config and its backend blocks then carry)."""
+def parse_document(data: Any, base_dir: Path | ConfigContext,
+                   source: str | None = None) -> GuardConfig:
+    """Validate a parsed YAML document against the schema; resolve and check artifact paths
+    against ``base_dir`` (a folder, or the whole ``ConfigContext`` the config and its backend
+    blocks then carry). A ``path`` of the form ``module:factory`` with no such file is left as
+    it is (the plan step checks that its backend imports factories)."""
+    config, problems = resolve_document(data, base_dir, source)
+    if problems:
+        raise ConfigError(problems, source)
+    return config
+
+
+def resolve_document(data: Any, base_dir: Path | ConfigContext,
+                     source: str | None = None) -> tuple[GuardConfig, list[str]]:
+    """``parse_document``'s work, its path problems returned beside the config (for the plan
+    step to name with its own); ``ConfigError`` when the document breaks the schema."""
     context = base_dir if isinstance(base_dir, ConfigContext) else ConfigContext(base_dir)
     base_dir = context.base_dir
     if not isinstance(data, dict):
@@ -101,8 +109,7 @@ def parse_config(data: Any, base_dir: Path | ConfigContext,
             if spec is None or spec.path is None:
                 continue
             spec.context = context
-            if ("factory" in backend_kind(spec.backend).formats and FACTORY_REF.match(spec.path)
-                    and not (base_dir / spec.path).exists()):
+            if FACTORY_REF.match(spec.path) and not (base_dir / spec.path).exists():
                 # A Python factory, imported when the backend loads: code, not a file to pin.
                 if spec.sha256 is not None:
                     problems.append(
@@ -123,17 +130,8 @@ def parse_config(data: Any, base_dir: Path | ConfigContext,
                 problems.append(
                     f"models[{i}].checks.tensor.noise_floor.inputs: file not found: {resolved}")
             floor.inputs = str(resolved)
-        for role in ("primary", "reference", "fallback"):
-            spec = getattr(model, role)
-            if spec is not None:
-                problems += [
-                    f"models[{i}].{role}.options{line}"
-                    for line in validate_backend_options(spec.backend, spec.options)
-                ]
-    if problems:
-        raise ConfigError(problems, source)
     config.context = context
-    return config
+    return config, problems
 
 
 def read_yaml(path: str | Path) -> tuple[str, Any]:
@@ -154,16 +152,25 @@ def read_yaml(path: str | Path) -> tuple[str, Any]:
         raise ConfigError([f"(yaml): {where}{problem}"], str(path)) from None
 
 
-def load_config(path: str | Path) -> GuardConfig:
-    """Read, validate and resolve a config file; raises ``ConfigError`` naming every problem."""
+def read_document(path: str | Path) -> tuple[Any, ConfigContext]:
+    """A config file's data and the context it is read in (``ConfigError`` when it cannot be
+    read or parsed as YAML)."""
     path = Path(path)
     text, data = read_yaml(path)
     # Not path.resolve(): see _absolute (ConfigMap '..data' symlinks).
-    context = ConfigContext(base_dir=Path(os.path.abspath(path)).parent,
-                            source_hash=hashlib.sha256(text.encode()).hexdigest()[:16],
-                            source_path=path)
-    return parse_config(data, context, str(path))
+    return data, ConfigContext(base_dir=Path(os.path.abspath(path)).parent,
+                               source_hash=hashlib.sha256(text.encode()).hexdigest()[:16],
+                               source_path=path)
 
 
-def config_json_schema() -> dict[str, Any]:
+def load_document(path: str | Path) -> GuardConfig:
+    """Read, validate against the schema and resolve a config file; raises ``ConfigError``
+    naming every problem."""
+    data, context = read_document(path)
+    return parse_document(data, context, str(path))
+
+
+def document_json_schema() -> dict[str, Any]:
+    """The document's schema alone (``backend`` a string): `guard config schema` prints it with
+    the registered names filled in (guard/plan/schema.py)."""
     return GuardConfig.model_json_schema()

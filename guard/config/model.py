@@ -1,5 +1,6 @@
 """One ``models:`` entry: its backends, mirror, checks, policy and capture, and the checks across
-them.
+them that the schema alone answers (what a backend, a tier or the repair can do the plan step
+checks: guard/plan/).
 """
 
 from __future__ import annotations
@@ -9,13 +10,12 @@ from typing import Annotated
 
 from pydantic import AfterValidator, BeforeValidator, Field, model_validator
 
-from guard.backends import backend_kind
 from guard.config.backend import BackendConfig
 from guard.config.base import Fraction, PositiveFloat, PositiveInt, Strict, Task
 from guard.config.capture import CaptureConfig
 from guard.config.checks import AdapterConfig, ChecksConfig, _adapter_entry
 from guard.config import generation
-from guard.config.policy import PolicyConfig, _repairable_kinds
+from guard.config.policy import PolicyConfig
 
 
 class MirrorConfig(Strict):
@@ -103,20 +103,6 @@ class ModelConfig(Strict):
             if self.fallback is None or self.reference is None:
                 raise ValueError("policy.action 'fallback_ops' needs a 'reference' (to find "
                                  "and validate the ops) and a 'fallback' (served meanwhile)")
-            from guard.policy.keep_back import repairable  # the repair's own registry
-            from guard.verify.activation.sides import capturable  # tier 2's
-
-            primary = self.primary
-            if primary.precision not in repairable().get(primary.backend, ()):
-                raise ValueError(
-                    "policy.action 'fallback_ops' rebuilds the primary with ops kept back, "
-                    f"which it can for {_repairable_kinds()}; this primary is "
-                    f"{primary.backend} {primary.precision} (primary.backend, "
-                    "primary.precision)")
-            if self.reference.backend not in capturable():
-                raise ValueError(
-                    "policy.action 'fallback_ops' finds the ops with tier 2, which cannot "
-                    f"capture reference.backend '{self.reference.backend}'")
         if self.capture is not None and self.capture.mode == "failures" and (
             self.reference is None or self.mirror.sample_rate == 0
         ):
@@ -131,11 +117,6 @@ class ModelConfig(Strict):
             raise ValueError(
                 f"checks.task.{other[0]} is set but the model's task is '{self.task}'"
             )
-        for backend in dict.fromkeys(
-                spec.backend for spec in (self.primary, self.reference, self.fallback) if spec):
-            check_model = backend_kind(backend).check_model
-            if check_model is not None:
-                check_model(self)
         policy = self.policy
         if (policy.false_alarms_per_day is not None and policy.detector != "window"
                 and self.mirror.sample_rate > 0 and policy.arl0_for(self.mirror.sample_rate) <= 2.0):
@@ -145,24 +126,4 @@ class ModelConfig(Strict):
         if self.checks.activation.enabled:
             if self.reference is None:
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")
-            from guard.verify.activation.sides import NOT_CAPTURED, PAIRED_WITH, capturable
-
-            for role, other in (("primary", "reference"), ("reference", "primary")):
-                backend = getattr(self, role).backend
-                beside = getattr(self, other).backend
-                if backend in PAIRED_WITH and beside not in PAIRED_WITH[backend]:
-                    raise ValueError(
-                        f"checks.activation: tier 2 cannot capture the intermediate tensors of "
-                        f"{role} backend '{backend}' beside {other} backend '{beside}' (its "
-                        "compiled capture aligns with a "
-                        f"{' or '.join(sorted(PAIRED_WITH[backend]))} {other} only, by module "
-                        "path); set sample_rate: 0 and on_failure: false for this model")
-                if backend not in capturable():
-                    can = sorted(capturable())
-                    why = f": {NOT_CAPTURED[backend]}" if backend in NOT_CAPTURED else ""
-                    raise ValueError(
-                        f"checks.activation: tier 2 cannot capture the intermediate tensors of "
-                        f"{role} backend '{backend}'{why} (it can: "
-                        f"{', '.join(can)}); set sample_rate: 0 and "
-                        "on_failure: false for this model")
         return self

@@ -18,18 +18,6 @@ from guard.config.base import (
 )
 
 
-def _repairable_kinds() -> str:
-    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the repair's strategies."""
-    from guard.policy.keep_back import STRATEGIES  # the repair's own registry
-
-    parts = []
-    for name, by_precision in sorted(STRATEGIES.items()):
-        precisions = sorted(by_precision, key=["int8", "fp32", "fp16", "bf16"].index)
-        option = by_precision[precisions[0]].option
-        parts.append(f"{name} precision {' or '.join(precisions)} ({option})")
-    return ", ".join(parts)
-
-
 class RepairConfig(Strict):
     """``action: fallback_ops``: how the guard searches for the ops to keep back."""
 

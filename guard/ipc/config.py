@@ -1,7 +1,8 @@
 """The config as it crosses to a child process (the verifier, extra serving processes): the
 validated document with its paths already resolved, the context it was read in, and the
 parent's import path (module:factory backends import what the parent can import). The child
-validates it again; nothing is pickled.
+validates it again and plans it against the backends (guard/plan/serving.py; the verifier
+process also against the checks); nothing is pickled.
 
 One backend block crosses alone too: a repair's rebuilt primary (``messages.UsePrimary``,
 ``messages.Init.primaries``), built by the verifier's repair code and only instantiated by a
@@ -12,8 +13,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from guard.config import BackendConfig, ConfigContext, GuardConfig, parse_config
-from guard.errors import ConfigError
+from guard.config import BackendConfig, ConfigContext, GuardConfig
+from guard.plan.serving import backend_block, parse_config
 
 
 def config_to_wire(config: GuardConfig) -> dict:
@@ -39,14 +40,5 @@ def backend_to_wire(spec: BackendConfig) -> dict:
 def backend_from_wire(wire: dict, context: ConfigContext) -> BackendConfig:
     """The other side of ``backend_to_wire``; ``context``: the config the block belongs to
     (a ``module:factory`` is imported from its folder). ``ConfigError`` when it does not
-    validate."""
-    from pydantic import ValidationError
-
-    from guard.config.document import format_validation_error
-
-    try:
-        spec = BackendConfig.model_validate(wire)
-    except ValidationError as exc:
-        raise ConfigError(format_validation_error(exc), "a rebuilt backend block") from None
-    spec.context = context
-    return spec
+    validate or its backend's declaration does not hold it."""
+    return backend_block(wire, context, "a rebuilt backend block")

@@ -36,10 +36,10 @@ from pydantic import (
     model_validator,
 )
 
+from guard.backends import BACKEND_NAMES
 from guard.config import (
     FACTORY_REF,
     AdapterConfig,
-    BackendName,
     Precision,
     Task,
     TaskCheckConfig,
@@ -47,6 +47,11 @@ from guard.config import (
     format_validation_error,
 )
 from guard.errors import ConfigError
+
+
+# The matrix sits above the backends: its schema names them (the guard config's leaves that to
+# the plan step, guard/plan/schema.py).
+BackendName = Literal[BACKEND_NAMES]
 
 
 class _Strict(BaseModel):
@@ -161,6 +166,7 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     from guard.backends.options import validate_backend_options
     from guard.backends import backend_kind
     from guard.config import read_yaml
+    from guard.plan.complete import adapter_problems
     from guard.zoo import names as zoo_names
 
     path = Path(path)
@@ -195,6 +201,7 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
                         f"'{a}': one sweep runs in one process, and Keras on one backend per "
                         "process; give the other Keras columns process: own")
     for i, m in enumerate(config.models):
+        problems += adapter_problems(m.adapters or [], f"models[{i}]")
         if m.zoo is not None and m.zoo not in zoo_names():
             problems.append(f"models[{i}].zoo: unknown zoo model '{m.zoo}' (available: "
                             f"{', '.join(zoo_names())})")

@@ -162,10 +162,12 @@ def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
         path = model.torchscript
     else:
         return "no TorchScript artifact or factory for this model"
-    spec = BackendConfig.model_validate({"backend": kind, "path": path, "precision": precision,
-                                         "device": device, "options": options})
-    spec.context = ConfigContext(base_dir=base)
-    return spec
+    from guard.plan.serving import backend_block
+
+    # Checked against the backend's declaration, which may normalise it (TensorRT's device).
+    return backend_block({"backend": kind, "path": path, "precision": precision,
+                          "device": device, "options": options},
+                         ConfigContext(base_dir=base), f"the matrix's {kind} block")
 
 
 @dataclass

@@ -23,7 +23,8 @@ from typing import Iterable, Iterator
 import yaml
 
 from guard.backends.base import TensorSpec
-from guard.config import GuardConfig, parse_config
+from guard.config import GuardConfig
+from guard.plan.complete import parse_config
 from guard.errors import GuardError
 from guard.malloc import tune_for_inference
 from guard.replay.execute import Runners

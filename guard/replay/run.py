@@ -17,7 +17,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 from guard import __version__
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.errors import GuardError
 from guard.replay.aggregate import ModelAggregate
 from guard.replay.items import INPUT_ERROR, RecordOutcome

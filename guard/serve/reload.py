@@ -28,7 +28,8 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Awaitable, Callable
 
-from guard.config import GuardConfig, ModelConfig, load_config
+from guard.config import GuardConfig, ModelConfig
+from guard.plan.serving import load_config
 from guard.errors import ConfigError
 from guard.ipc.routes import RouteTable
 from guard.observe.events import emit

@@ -41,6 +41,7 @@ from guard.config import BackendConfig
 from guard.ipc import routes, wire
 from guard.ipc.channel import Channel, ChannelClosed, ForwardEvents
 from guard.ipc.config import backend_to_wire, config_from_wire
+from guard.plan.complete import require_checks
 from guard.ipc.messages import (Exposition, Failed, Handlers, Init, LoadFailures, Metrics, Ready,
                                 Reload, RouteChanged, RouteSet, SetRoute, Span, Status,
                                 StatusReport, Stop, UsePrimary)
@@ -138,7 +139,7 @@ class VerifierProcess:
         return model
 
     def _init(self, message: Init) -> Ready | Failed:
-        config = config_from_wire(message.config)
+        config = require_checks(config_from_wire(message.config), "the verifier's config")
         slots = message.slots
         self.table.adopt(slots)
         # The repaired primaries' blocks are for the serving processes: the verifier rebuilds
@@ -163,7 +164,7 @@ class VerifierProcess:
         """Build the changed models beside the old ones, swap the ones that loaded, close the
         old ones and the removed ones; a model that fails keeps its old version. A new
         version's capture writer starts only after the old one's has closed."""
-        config = config_from_wire(message.config)
+        config = require_checks(config_from_wire(message.config), "the verifier's config")
         slots = message.slots
         self.table.adopt(slots)
         failed: dict[str, str] = {}

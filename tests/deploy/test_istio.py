@@ -29,7 +29,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.config.envoy import EnvoyConfig
 from guard.envoy import bootstrap
 from guard.envoy.istio import ISTIO_ADMIN_PORT

@@ -14,7 +14,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.grpc import service_pb2 as pb
 
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.config.envoy import EnvoyConfig
 from guard.envoy.process import find_envoy
 from guard.serve.app import BackgroundServer

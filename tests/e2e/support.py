@@ -12,7 +12,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 import yaml
 
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
 
 AFFINE = "fixture_models:affine"

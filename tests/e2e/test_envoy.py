@@ -23,7 +23,7 @@ import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from guard.backends.derive import derive_onnx
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
 from guard.zoo.classifier import sample_inputs
 from envoy_support import ENVOY, Guard, needs_envoy, raw_call, write

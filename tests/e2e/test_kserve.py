@@ -92,7 +92,7 @@ def test_a_model_unloaded_through_kserves_repository_api_is_unknown(tmp_path, ks
 def test_an_unknown_kserve_model_is_a_clear_startup_error(tmp_path, kserve, zoo_classifier):
     """KServe answers ModelReady for a model it does not have with NOT_FOUND (Triton answers
     ready=false); guard refuses to start, naming the model, the server and KServe's words."""
-    from guard.config import load_config
+    from guard.plan.complete import load_config
     from guard.errors import BackendError
     from guard.serve.app import GuardServer
     from support import write_config

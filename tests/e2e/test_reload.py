@@ -17,7 +17,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 from tritonclient.utils import InferenceServerException
 
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
 from support import metric, model_block, scrape, wait_for, write_config, x_input
 

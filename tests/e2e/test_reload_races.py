@@ -11,7 +11,7 @@ import tritonclient.grpc as grpcclient
 import yaml
 
 from fixture_models import SLEEP_TRIGGER
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
 from support import affine_backend, events, model_block, wait_for, write_config, x_input
 

@@ -15,7 +15,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from opentelemetry.trace import SpanKind
 from tritonclient.utils import InferenceServerException
 
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.errors import BackendError
 from guard.observe import tracing
 from guard.serve.app import GuardServer

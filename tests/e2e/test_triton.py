@@ -93,7 +93,7 @@ def test_an_unknown_triton_model_is_a_clear_startup_error(tmp_path, triton, zoo_
     """Triton answers ModelReady for a model it does not have with ready=false (no error
     status) and ModelMetadata with NOT_FOUND; guard waits ready_timeout_s, then refuses to
     start, naming the model and the server."""
-    from guard.config import load_config
+    from guard.plan.complete import load_config
     from guard.errors import BackendError
     from guard.serve.app import GuardServer
     from support import write_config

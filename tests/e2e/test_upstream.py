@@ -157,7 +157,7 @@ def test_drift_switches_to_another_model_on_the_same_server(tmp_path, mlserver, 
 
 
 def test_upstream_not_ready_is_a_clear_startup_error(tmp_path, zoo_classifier):
-    from guard.config import load_config
+    from guard.plan.complete import load_config
     from guard.errors import BackendError
     from guard.serve.app import GuardServer
     from support import write_config

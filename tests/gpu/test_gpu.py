@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from guard.backends import create_backend
-from guard.config import BackendConfig, parse_config
+from guard.config import BackendConfig
+from guard.plan.complete import parse_config
 from guard.errors import BackendError, ConfigError
 from guard.zoo.classifier import sample_inputs
 

@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 from activation_models import export_nested, two_layer_onnx
-from guard.config import ActivationCheckConfig, parse_config
+from guard.config import ActivationCheckConfig
+from guard.plan.complete import parse_config
 from guard.errors import ConfigError
 from guard.verify.activation import ActivationChecker, CaptureUnsupported
 from guard.zoo.classifier import sample_inputs

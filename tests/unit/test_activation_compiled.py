@@ -9,7 +9,8 @@ import copy
 import numpy as np
 import pytest
 
-from guard.config import ActivationCheckConfig, TensorCheckConfig, parse_config
+from guard.config import ActivationCheckConfig, TensorCheckConfig
+from guard.plan.complete import parse_config
 from guard.errors import ConfigError
 from guard.verify.activation import ActivationChecker
 from guard.verify.activation.compiled_side import CompiledTorchSide

@@ -147,7 +147,7 @@ def test_adapter_on_missing_output_fails_the_check_with_the_reason():
     ({"float64_softmax": {}}, "options.outputs: Field required"),
 ])
 def test_bad_adapter_config_is_a_config_error(tmp_path, entry, message):
-    from guard.config import parse_config
+    from guard.plan.complete import parse_config
 
     doc = {"version": 1, "models": [{"name": "d", "primary": {"backend": "torch",
                                                               "path": "pkg:fn"},

@@ -284,9 +284,13 @@ def test_torchscript_sha256_mismatch_is_refused(zoo_classifier):
 
 def test_pt2_loads_only_when_pinned(tmp_path, images):
     path = export_pt2(tmp_path / "classifier.pt2", images)
-    # The config refuses an unpinned .pt2 ...
-    with pytest.raises(ValueError, match="unpickle"):
-        BackendConfig(backend="torch", path=str(path))
+    # The plan refuses an unpinned .pt2 ...
+    from guard.config import ConfigContext
+    from guard.errors import ConfigError
+    from guard.plan.serving import backend_block
+
+    with pytest.raises(ConfigError, match="unpickle"):
+        backend_block({"backend": "torch", "path": str(path)}, ConfigContext(), "a block")
     # ... and so does the backend, for a spec built around the config (model_construct).
     unpinned = create_backend(BackendConfig.model_construct(
         backend="torch", path=str(path), precision="fp32", device="cpu", options={},

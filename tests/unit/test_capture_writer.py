@@ -189,7 +189,7 @@ def test_io_error_while_running_disables_capture(tmp_path, caplog):
 def test_config_rejects_segment_larger_than_cap_and_failures_without_reference():
     from pathlib import Path
 
-    from guard.config import parse_config
+    from guard.plan.complete import parse_config
     from guard.errors import ConfigError
 
     with pytest.raises(ValueError, match="max_segment_bytes must not exceed"):

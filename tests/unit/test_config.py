@@ -10,16 +10,13 @@ import pytest
 import yaml
 from pydantic import ValidationError
 
-from guard.config import (
-    IMPLEMENTED_BACKENDS,
-    BackendConfig,
-    GuardConfig,
-    config_json_schema,
-    format_validation_error,
-    load_config,
-    parse_config,
-)
+from guard.backends import BACKEND_NAMES
+from guard.config import BackendConfig, GuardConfig, format_validation_error
 from guard.errors import ConfigError, GuardError
+from guard.plan.complete import load_config, parse_config
+from guard.plan.schema import config_json_schema
+
+IMPLEMENTED_BACKENDS = frozenset(BACKEND_NAMES)
 
 LINE = re.compile(r"^\S.*?: \S.*$")  # "dotted.path: message"
 
@@ -473,7 +470,7 @@ def test_sha256_on_files_stays_optional(base):
 
 def test_bad_device(base):
     lines = problems(doc(primary={**ORT, "device": "tpu"}), base)
-    assert len(lines) == 1 and lines[0].startswith("models[0].primary: ")
+    assert len(lines) == 1 and lines[0].startswith("models[0].primary.device: ")
     assert "tpu" in lines[0]
 
 
@@ -755,9 +752,9 @@ def test_format_validation_error_lines():
 
 def test_format_validation_error_strips_value_error_prefix():
     with pytest.raises(ValidationError) as info:
-        BackendConfig.model_validate({"backend": "openvino", "path": "x"})
+        BackendConfig.model_validate({"backend": "onnxruntime", "path": "x", "device": "tpu"})
     (line,) = format_validation_error(info.value)
-    assert line.startswith("(top level): backend 'openvino'")
+    assert line.startswith("device: device 'tpu'")
     assert "Value error" not in line
 
 

@@ -8,7 +8,8 @@ import random
 import numpy as np
 import pytest
 
-from guard.config import PolicyConfig, parse_config
+from guard.config import PolicyConfig
+from guard.plan.complete import parse_config
 from guard.errors import ConfigError
 from guard.policy.detector import (
     BernoulliCusum,

@@ -10,7 +10,7 @@ import pytest
 import yaml
 from tritonclient.grpc import service_pb2 as pb
 
-from guard.config import load_config
+from guard.plan.complete import load_config
 from guard.envoy import bootstrap
 from guard.envoy.handoff import MODEL_INFER, Handoff
 from guard.envoy.observer import ObservedCall

@@ -13,7 +13,7 @@ import pytest
 import yaml
 
 from guard.cli import main as guard_main
-from guard.config import load_config, parse_config
+from guard.plan.complete import load_config, parse_config
 from guard.errors import ConfigError, GuardError
 from guard.runtime import sampling
 from guard.serve.reload import model_fingerprint

@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("tensorflow")
 
-from guard.config import ModelConfig, parse_config  # noqa: E402
+from guard.config import ModelConfig  # noqa: E402
+from guard.plan.complete import parse_config  # noqa: E402
 from guard.errors import ConfigError  # noqa: E402
 from guard.verify.activation import ActivationChecker  # noqa: E402
 from guard.zoo import zoo_entry  # noqa: E402

@@ -11,8 +11,9 @@ import pytest
 ov = pytest.importorskip("openvino")
 
 from guard.backends import backend_kind, create_backend  # noqa: E402
-from guard.config import BackendConfig, format_validation_error  # noqa: E402
-from guard.errors import BackendError  # noqa: E402
+from guard.config import BackendConfig, ConfigContext  # noqa: E402
+from guard.errors import BackendError, ConfigError  # noqa: E402
+from guard.plan.serving import backend_block  # noqa: E402
 from guard.zoo.classifier import sample_inputs  # noqa: E402
 
 
@@ -118,8 +119,6 @@ def test_reference_role_pins_threads_and_accuracy(zoo_classifier):
 
 
 def test_config_declarations(zoo_classifier):
-    from pydantic import ValidationError
-
     from guard.policy.keep_back import repairable
     from guard.verify.activation.sides import capturable
 
@@ -130,10 +129,10 @@ def test_config_declarations(zoo_classifier):
                        ({"device": "cuda"}, "device must be cpu"),
                        ({"precision": "fp16", "options": {"plugin_precision": True}},
                         "plugin_precision")]:
-        with pytest.raises(ValidationError) as exc:
-            BackendConfig.model_validate(
-                {"backend": "openvino", "path": str(zoo_classifier["onnx"]), **bad})
-        assert words in " ".join(format_validation_error(exc.value)), bad
+        with pytest.raises(ConfigError) as exc:
+            backend_block({"backend": "openvino", "path": str(zoo_classifier["onnx"]), **bad},
+                          ConfigContext(), "a block")
+        assert words in " ".join(exc.value.problems), bad
     from guard.backends.options import validate_backend_options
 
     assert validate_backend_options("openvino", {"nthreads": 2}) == [".nthreads: unknown key"]
@@ -231,8 +230,9 @@ def test_int8_is_nncf_quantised_runs_int8_kernels_and_is_cached(zoo_classifier, 
 
 
 def test_int8_refuses_an_ir_and_tier2_says_why(zoo_classifier):
-    with pytest.raises(ValueError, match="int8 quantises an ONNX file"):
-        BackendConfig(backend="openvino", path="model.xml", precision="int8")
+    with pytest.raises(ConfigError, match="int8 quantises an ONNX file"):
+        backend_block({"backend": "openvino", "path": "model.xml", "precision": "int8"},
+                      ConfigContext(), "a block")
     from guard.verify.activation.openvino_side import openvino_side
     from guard.verify.activation.torch_side import CaptureUnsupported
 

@@ -12,7 +12,7 @@ import torch
 import torch_drift_models
 from guard.backends import create_backend
 from guard.backends.eager_modules import EagerFp32, keep_eager_fp32, not_eager_fp32
-from guard.config import REPAIRABLE_PRIMARIES, BackendConfig
+from guard.config import BackendConfig
 from guard.errors import BackendError
 from guard.policy.keep_back import (
     OnnxFp16Ops,
@@ -48,10 +48,6 @@ def layer(name: str, module: str = "") -> LayerResult:
 
 
 # -- the strategies ------------------------------------------------------------------------------
-def test_config_and_strategies_agree_on_what_can_be_repaired():
-    assert {b: set(p) for b, p in REPAIRABLE_PRIMARIES.items()} == repairable()
-
-
 def test_torch_layers_map_to_module_paths_and_capture_on_an_eager_copy():
     spec = BackendConfig(backend="torch_compile", path=FACTORY, precision="bf16",
                          options={"mode": "max-autotune", "threads": 2,

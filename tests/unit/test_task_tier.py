@@ -250,7 +250,7 @@ def test_verifier_runs_task_tier_with_tier_one_tie_margin():
 
 
 def test_task_block_of_another_task_is_a_config_error(tmp_path):
-    from guard.config import parse_config
+    from guard.plan.complete import parse_config
     from guard.errors import ConfigError
 
     doc = {"version": 1, "models": [{"name": "c", "task": "classification",

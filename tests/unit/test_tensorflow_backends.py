@@ -18,7 +18,8 @@ pytest.importorskip("ai_edge_litert")
 from guard.backends import create_backend  # noqa: E402
 from guard.backends.tf_convert import derive  # noqa: E402
 from guard.backends.tf_runtime import tree_sha256  # noqa: E402
-from guard.config import BackendConfig, ModelConfig, parse_config  # noqa: E402
+from guard.config import BackendConfig, ModelConfig  # noqa: E402
+from guard.plan.complete import parse_config  # noqa: E402
 from guard.errors import BackendError, ConfigError  # noqa: E402
 from guard.verify.pair import CheckedPair  # noqa: E402
 

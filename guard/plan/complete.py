@@ -1,0 +1,120 @@
+"""A config held against everything declared above config/: the backends (``serving``), then
+the checks' own registries: the adapters (guard/verify/adapters.py), what tier 2 can capture
+(the backends' capture declarations, guard/verify/activation/sides.py) and what the op repair
+can rebuild (guard/policy/keep_back.py).
+
+What `guard config validate`, the verifier process, replay and the matrix load. A serving
+process does not: it runs no check (guard/plan/serving.py), so it imports none of them.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from guard.config import AdapterConfig, ConfigContext, GuardConfig, ModelConfig
+from guard.plan import serving
+from guard.plan.serving import Check, check_backends
+
+
+def check_checks(config: GuardConfig) -> list[str]:
+    """Each model's adapters, tier 2 and the repair against their registries."""
+    problems = []
+    for i, model in enumerate(config.models):
+        where = f"models[{i}]"
+        problems += adapter_problems(model.adapters, where)
+        for check in (_repair, _activation):
+            try:
+                check(model)
+            except ValueError as exc:
+                problems.append(f"{where}: {exc}")
+    return problems
+
+
+CHECKS: tuple[Check, ...] = (check_backends, check_checks)
+
+
+def adapter_problems(adapters: list[AdapterConfig], where: str) -> list[str]:
+    """``adapters`` (a model's, a matrix model's) against the adapters' registry."""
+    from guard.verify.adapters import ADAPTERS, validate_adapter_options
+
+    problems = []
+    for j, adapter in enumerate(adapters):
+        if adapter.name not in ADAPTERS:
+            problems.append(f"{where}.adapters[{j}]: unknown adapter '{adapter.name}' "
+                            f"(available: {', '.join(sorted(ADAPTERS))})")
+            continue
+        found = validate_adapter_options(adapter.name, adapter.options)
+        if found:
+            problems.append(f"{where}.adapters[{j}]: {'; '.join(found)}")
+    return problems
+
+
+def repairable_kinds() -> str:
+    """'onnxruntime precision int8 or fp16 (nodes_to_exclude), ...' from the repair's
+    strategies."""
+    from guard.policy.keep_back import STRATEGIES
+
+    parts = []
+    for name, by_precision in sorted(STRATEGIES.items()):
+        precisions = sorted(by_precision, key=["int8", "fp32", "fp16", "bf16"].index)
+        option = by_precision[precisions[0]].option
+        parts.append(f"{name} precision {' or '.join(precisions)} ({option})")
+    return ", ".join(parts)
+
+
+def _repair(model: ModelConfig) -> None:
+    if model.policy.action != "fallback_ops" or model.reference is None:
+        return
+    from guard.policy.keep_back import repairable
+    from guard.verify.activation.sides import capturable
+
+    primary = model.primary
+    if primary.precision not in repairable().get(primary.backend, ()):
+        raise ValueError(
+            "policy.action 'fallback_ops' rebuilds the primary with ops kept back, which it "
+            f"can for {repairable_kinds()}; this primary is {primary.backend} "
+            f"{primary.precision} (primary.backend, primary.precision)")
+    if model.reference.backend not in capturable():
+        raise ValueError(
+            "policy.action 'fallback_ops' finds the ops with tier 2, which cannot capture "
+            f"reference.backend '{model.reference.backend}'")
+
+
+def _activation(model: ModelConfig) -> None:
+    if not model.checks.activation.enabled or model.reference is None:
+        return
+    from guard.verify.activation.sides import NOT_CAPTURED, PAIRED_WITH, capturable
+
+    for role, other in (("primary", "reference"), ("reference", "primary")):
+        backend = getattr(model, role).backend
+        beside = getattr(model, other).backend
+        if backend in PAIRED_WITH and beside not in PAIRED_WITH[backend]:
+            raise ValueError(
+                f"checks.activation: tier 2 cannot capture the intermediate tensors of {role} "
+                f"backend '{backend}' beside {other} backend '{beside}' (its compiled capture "
+                f"aligns with a {' or '.join(sorted(PAIRED_WITH[backend]))} {other} only, by "
+                "module path); set sample_rate: 0 and on_failure: false for this model")
+        if backend not in capturable():
+            why = f": {NOT_CAPTURED[backend]}" if backend in NOT_CAPTURED else ""
+            raise ValueError(
+                f"checks.activation: tier 2 cannot capture the intermediate tensors of {role} "
+                f"backend '{backend}'{why} (it can: {', '.join(sorted(capturable()))}); set "
+                "sample_rate: 0 and on_failure: false for this model")
+
+
+def parse_config(data: Any, base_dir: Path | ConfigContext,
+                 source: str | None = None) -> GuardConfig:
+    """A parsed YAML document validated and planned against every declaration."""
+    return serving.parse_config(data, base_dir, source, CHECKS)
+
+
+def load_config(path: str | Path) -> GuardConfig:
+    """A config file read, validated and planned against every declaration."""
+    return serving.load_config(path, CHECKS)
+
+
+def require_checks(config: GuardConfig, source: str | None = None) -> GuardConfig:
+    """``config`` (already planned for serving, e.g. come over the wire) once the checks'
+    registries hold it too; ``ConfigError`` otherwise (the verifier process at load)."""
+    return serving.planned(config, [], source, (check_checks,))
