@@ -22,7 +22,7 @@ The file is read once, checked against ``sha256`` and loaded from a private copy
 bytes (Keras loads from a path); ``safe_mode`` stays on, so a file with lambda layers (Python
 bytecode) is refused. ``keras_backend: jax`` needs ``pip install 'jax[cpu]'`` (not part of
 ``guard[tensorflow]``: with jax installed, ``import tensorflow`` imports jax as well, +140 MB).
-Tier 2 captures it (guard/verify/activation/keras_side.py: against a Keras or torch side,
+Tier 2 captures it (guard/backends/activations/keras.py: against a Keras or torch side,
 ``options.layer_map`` pairing Keras layers with torch modules); the op repair: not offered.
 """
 
@@ -277,5 +277,6 @@ KINDS = {
     "keras": BackendKind(
         name="keras", backend=KerasBackend, options=KerasOptions,
         formats=frozenset({"keras"}), check=_check, check_config=check_config,
+        activations="guard.backends.activations.keras:keras_side",
     ),
 }

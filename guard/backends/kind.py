@@ -2,9 +2,11 @@
 
 Each backend module ends with ``KINDS = {name: BackendKind(...)}``; ``guard.backends`` holds the
 one registration (name -> module) and reads these declarations for config validation, the
-checks and the matrix. What the layers above do with a backend they register themselves, keyed
-by its name: tier 2's capture sides in guard/verify/activation/sides.py, the op repair's
-strategies in guard/policy/keep_back.py. A backend knows no checks, policy or serving.
+checks and the matrix. Capturing a model's intermediate tensors is one of a backend's
+capabilities (``activations``, the code in guard/backends/activations/): tier 2 compares what a
+capture hands it. What the layers above do with a backend they register themselves, keyed by its
+name (the op repair's strategies in guard/policy/keep_back.py). A backend knows no checks,
+policy or serving.
 """
 
 from __future__ import annotations
@@ -42,6 +44,12 @@ class BackendKind:
       (``target`` + ``model``).
     - ``formats``: artifact formats it loads (``onnx``, ``openvino_ir``, ``torchscript``,
       ``torch_export``, ``factory``): the matrix picks a model's artifact by them.
+    - ``activations``: ``"module:function"``, the builder of this backend's activation capture
+      (``(spec, role, config, threads, run_path, label) -> side``, guard/backends/activations/;
+      imported when a side is built); None: its intermediate tensors cannot be captured, and
+      ``no_activations`` may say why (the config error repeats it).
+    - ``activations_beside``: captured only beside one of these backends on the other side of
+      the pair (their captures align); None: beside any capturable one.
     - ``capture_as``: ``(spec) -> spec``, the block tier 2 captures in this one's place to
       find the op repair's suspects, when it cannot hook this backend's own computation (e.g.
       an eager copy of a compiled module); None: the block itself.
@@ -66,6 +74,9 @@ class BackendKind:
     precisions: frozenset[str] = frozenset({"fp32"})
     artifact: bool = True
     formats: frozenset[str] = frozenset()
+    activations: str | None = None
+    activations_beside: frozenset[str] | None = None
+    no_activations: str = ""
     capture_as: Callable[[Any], Any] | None = None
     forwards: bool = False
     check: Callable[[Any], None] | None = None

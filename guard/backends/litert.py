@@ -16,7 +16,7 @@ named by its raw tensor names (``serving_default_x:0``). The interpreter is not 
 one per calling thread, built from the same bytes, ``options.threads`` each (the reference:
 ``mirror.threads``). Only the interpreter is imported to run (0.3 s, ~40 MB); TensorFlow only
 in the converting child, on a cache miss. Tier 2 and the op repair: not offered
-(guard/verify/activation/sides.py says why).
+(its ``no_activations`` says why).
 """
 
 from __future__ import annotations
@@ -215,5 +215,8 @@ KINDS = {
         precisions=frozenset({"fp32", "fp16", "int8"}),
         formats=frozenset({"tflite", "tf_saved_model", "keras"}),
         check=_check, threaded=True,
+        no_activations="LiteRT's interpreter runs fused kernels (a convolution with its "
+        "activation) and can run no single op on given tensors, so no layer could be isolated; "
+        "compare the .keras it came from as a keras block",
     ),
 }

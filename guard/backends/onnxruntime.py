@@ -171,6 +171,6 @@ KINDS = {
     "onnxruntime": BackendKind(
         name="onnxruntime", backend=OnnxRuntimeBackend, options=OnnxRuntimeOptions,
         precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
-        threaded=True,
+        activations="guard.backends.activations.onnx:onnxruntime_side", threaded=True,
     ),
 }

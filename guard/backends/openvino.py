@@ -15,7 +15,7 @@ Threads: one InferRequest per calling thread (a request is not thread-safe, the 
 model is). The reference pins ``INFERENCE_NUM_THREADS`` to its budget, one stream and
 ``EXECUTION_MODE_HINT: ACCURACY``.
 
-Tier 2 captures a private copy (guard/verify/activation/openvino_side.py: every ONNX value
+Tier 2 captures a private copy (guard/backends/activations/openvino.py: every ONNX value
 added as a result, compiled at the same precision). Ops kept back at fp32 (``policy.action:
 fallback_ops``): not offered. OpenVINO marks nodes with the ``disable_fp16_compression`` runtime
 attribute, but openvino 2026.4's Python API cannot set it (a string in ``rt_info`` is ignored by
@@ -268,6 +268,7 @@ KINDS = {
     "openvino": BackendKind(
         name="openvino", backend=OpenVinoBackend, options=OpenVinoOptions,
         precisions=frozenset(HINTS), formats=frozenset({"onnx", "openvino_ir"}),
+        activations="guard.backends.activations.openvino:openvino_side",
         check=_check, threaded=True,
     ),
 }

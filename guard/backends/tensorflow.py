@@ -11,7 +11,7 @@ process runs with is ``describe().details.threads``. No thread comparison for th
 
 ``sha256`` pins the directory by guard's tree digest (every file's path and bytes); TensorFlow
 then reads the directory from its path. Tier 2 and the op repair: not offered
-(guard/verify/activation/sides.py says why).
+(its ``no_activations`` says why).
 """
 
 from __future__ import annotations
@@ -109,5 +109,7 @@ KINDS = {
     "tensorflow": BackendKind(
         name="tensorflow", backend=TensorFlowBackend, options=TensorFlowOptions,
         formats=frozenset({"tf_saved_model"}), check=_check,
+        no_activations="a SavedModel's signature is one TensorFlow graph function without "
+        "Keras layers to capture; compare the .keras it was exported from as a keras block",
     ),
 }

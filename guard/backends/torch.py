@@ -372,7 +372,7 @@ def _check_model(model) -> None:
 def _eager_copy(spec: "BackendConfig") -> "BackendConfig":
     """``BackendKind.capture_as`` of torch_compile: the op repair captures an eager ``torch``
     copy of the module at the same precision (it locates precision drift; tier 2's own check
-    captures the compiled code, guard/verify/activation/compiled_side.py)."""
+    captures the compiled code, guard/backends/activations/compiled.py)."""
     copy = spec.model_copy(deep=True)
     copy.backend = "torch"
     copy.options = {k: v for k, v in spec.options.items() if k in TorchOptions.model_fields}
@@ -385,13 +385,17 @@ KINDS = {
         name="torch", backend=TorchBackend, options=TorchOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), formats=_TORCH_FORMATS,
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
-        in_threads=_in_threads,
+        in_threads=_in_threads, activations="guard.backends.activations.torch:torch_side",
     ),
-    # Tier 2 captures it through hooks compiled into its graph (beside a torch side); the op
-    # repair captures an eager copy instead (capture_as).
+    # Captured through hooks compiled into its graph, and only beside a torch side: their
+    # calls align by module path; against an ONNX graph the exporter's folds are told from
+    # tensor identities, which the compiled capture's clones lack. The op repair captures an
+    # eager copy instead (capture_as).
     "torch_compile": BackendKind(
         name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}),
+        activations="guard.backends.activations.compiled:torch_compile_side",
+        activations_beside=frozenset({"torch", "torch_compile"}),
         formats=frozenset({"torch_export", "factory"}), capture_as=_eager_copy,
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads,

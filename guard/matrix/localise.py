@@ -31,11 +31,12 @@ def capture_reference(prepared, ref_spec: BackendConfig) -> BackendConfig:
 
 
 def _not_captured(backend: str) -> str:
-    from guard.verify.activation.sides import NOT_CAPTURED, capturable
+    from guard.backends import backend_kind
 
-    if backend in capturable():
+    kind = backend_kind(backend)
+    if kind.activations:
         return ""
-    why = NOT_CAPTURED.get(backend, "compiled kernels or a remote server: nothing to hook")
+    why = kind.no_activations or "compiled kernels or a remote server: nothing to hook"
     return f"tier 2 does not capture backend '{backend}': {why}"
 
 

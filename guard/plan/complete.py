@@ -1,7 +1,7 @@
 """A config held against everything declared above config/: the backends (``serving``), then
-the checks' own registries: the adapters (guard/verify/adapters.py), what tier 2 can capture
-(the backends' capture declarations, guard/verify/activation/sides.py) and what the op repair
-can rebuild (guard/policy/keep_back.py).
+the checks' own registries: the adapters (guard/verify/adapters.py), the pairs tier 2 can
+capture (from what the backends declare they capture, ``BackendKind.activations``) and what the
+op repair can rebuild (guard/policy/keep_back.py).
 
 What `guard config validate`, the verifier process, replay and the matrix load. A serving
 process does not: it runs no check (guard/plan/serving.py), so it imports none of them.
@@ -66,8 +66,8 @@ def repairable_kinds() -> str:
 def _repair(model: ModelConfig) -> None:
     if model.policy.action != "fallback_ops" or model.reference is None:
         return
+    from guard.backends.activations import capturable
     from guard.policy.keep_back import repairable
-    from guard.verify.activation.sides import capturable
 
     primary = model.primary
     if primary.precision not in repairable().get(primary.backend, ()):
@@ -84,19 +84,21 @@ def _repair(model: ModelConfig) -> None:
 def _activation(model: ModelConfig) -> None:
     if not model.checks.activation.enabled or model.reference is None:
         return
-    from guard.verify.activation.sides import NOT_CAPTURED, PAIRED_WITH, capturable
+    from guard.backends import backend_kind
+    from guard.backends.activations import capturable
 
     for role, other in (("primary", "reference"), ("reference", "primary")):
         backend = getattr(model, role).backend
         beside = getattr(model, other).backend
-        if backend in PAIRED_WITH and beside not in PAIRED_WITH[backend]:
+        kind = backend_kind(backend)
+        if kind.activations_beside is not None and beside not in kind.activations_beside:
             raise ValueError(
                 f"checks.activation: tier 2 cannot capture the intermediate tensors of {role} "
                 f"backend '{backend}' beside {other} backend '{beside}' (its compiled capture "
-                f"aligns with a {' or '.join(sorted(PAIRED_WITH[backend]))} {other} only, by "
-                "module path); set sample_rate: 0 and on_failure: false for this model")
-        if backend not in capturable():
-            why = f": {NOT_CAPTURED[backend]}" if backend in NOT_CAPTURED else ""
+                f"aligns with a {' or '.join(sorted(kind.activations_beside))} {other} only, "
+                "by module path); set sample_rate: 0 and on_failure: false for this model")
+        if not kind.activations:
+            why = f": {kind.no_activations}" if kind.no_activations else ""
             raise ValueError(
                 f"checks.activation: tier 2 cannot capture the intermediate tensors of {role} "
                 f"backend '{backend}'{why} (it can: {', '.join(sorted(capturable()))}); set "

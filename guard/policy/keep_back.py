@@ -151,7 +151,7 @@ class TorchCompileModules(KeepBack):
 
     The repair captures the primary on an eager copy of the module at the primary's precision
     (the kind's ``capture_as``, a ``torch`` block; tier 2's own check captures the compiled
-    code, guard/verify/activation/compiled_side.py): this locates *precision* drift.
+    code, guard/backends/activations/compiled.py): this locates *precision* drift.
     Drift that exists only in the compiled kernels (a fusion that reorders a reduction) is not
     visible to it; when tier 2 names no module above ``min_isolated_error`` the candidates are
     every leaf submodule in forward order, and the search narrows them down. A suspect layer is

@@ -79,7 +79,7 @@ def fp16_ops_not_fp32(model_path, kept: list[str]) -> list[str]:
     input or output (types from shape inference and the initializers)."""
     import onnx
 
-    from guard.verify.activation.onnx_side import OnnxGraph
+    from guard.backends.activations.onnx import OnnxGraph
 
     graph = OnnxGraph.load(model_path)
     nodes = graph.by_name()

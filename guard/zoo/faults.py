@@ -57,7 +57,7 @@ class FaultCase:
     adapters: list = field(default_factory=list)  # the model's adapters (tier 1 runs through them)
     primary_threads: int = 1  # the primary's intra-op threads (the reference runs at 1)
     # torch.compile options: the primary is then ``primary`` (a factory of the eager module)
-    # compiled, captured on the compiled code (guard/verify/activation/compiled_side.py).
+    # compiled, captured on the compiled code (guard/backends/activations/compiled.py).
     compiled: dict | None = None
 
     @property
@@ -709,11 +709,11 @@ def checker_for(case: FaultCase, top_k: int = 50):
     """Tier 2 for one case, as ``on_failure`` builds it, every activation key at its default."""
     from guard.config import ActivationCheckConfig, TensorCheckConfig
     from guard.verify.activation import ActivationChecker
-    from guard.verify.activation.onnx_side import OnnxSide
-    from guard.verify.activation.torch_side import TorchSide
+    from guard.backends.activations.onnx import OnnxSide
+    from guard.backends.activations.torch import TorchSide
 
     if case.compiled is not None:
-        from guard.verify.activation.compiled_side import CompiledTorchSide
+        from guard.backends.activations.compiled import CompiledTorchSide
 
         primary = CompiledTorchSide(case.primary(), case.input_names, case.compiled,
                                     label="primary")

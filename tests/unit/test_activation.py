@@ -356,7 +356,7 @@ def test_within_budget_a_reduced_precision_pair_names_none_and_says_why(precisio
 
 def test_side_precision_is_read_off_the_graph(tmp_path):
     from guard.backends.derive import derive_onnx
-    from guard.verify.activation.onnx_side import OnnxSide
+    from guard.backends.activations.onnx import OnnxSide
 
     path = two_layer_onnx(tmp_path / "two.onnx", hidden=8)
     assert OnnxSide(path).precision == "fp32"

@@ -13,8 +13,8 @@ from guard.config import ActivationCheckConfig, TensorCheckConfig
 from guard.plan.complete import parse_config
 from guard.errors import ConfigError
 from guard.verify.activation import ActivationChecker
-from guard.verify.activation.compiled_side import CompiledTorchSide
-from guard.verify.activation.torch_side import TorchSide
+from guard.backends.activations.compiled import CompiledTorchSide
+from guard.backends.activations.torch import TorchSide
 from guard.zoo import layouts
 
 torch = pytest.importorskip("torch")

@@ -13,9 +13,9 @@ import pytest
 
 from guard.config import ActivationCheckConfig, TensorCheckConfig
 from guard.verify.activation import ActivationChecker
-from guard.verify.activation.onnx_side import OnnxSide
-from guard.verify.activation.scopes import torchscript_paths, unqualified
-from guard.verify.activation.torch_side import TorchSide
+from guard.backends.activations.onnx import OnnxSide
+from guard.backends.activations.scopes import torchscript_paths, unqualified
+from guard.backends.activations.torch import TorchSide
 from guard.zoo import faults, layouts
 
 

@@ -1,4 +1,4 @@
-"""Tier 2 on Keras sides (guard/verify/activation/keras_side.py, keras_align.py), on the
+"""Tier 2 on Keras sides (guard/backends/activations/keras.py, keras_align.py), on the
 CrossedWires port cases of the zoo (guard/zoo/keras_port.py): a torch CNN and its Keras ports
 with the same seeded weights. Each port bug is named at its own layer, against the torch
 reference and against the faithful port; clean pairs name none. One process: torch and Keras

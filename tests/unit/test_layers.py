@@ -53,14 +53,30 @@ def test_every_package_is_held_to_the_serve_rule():
 
 
 def test_registries_above_the_backends_name_real_backends():
-    """Tier 2's capture sides and the repair's strategies are keyed by backend name in their
-    own layers: every key is a registered backend, and every entry loads."""
-    from guard.backends import BACKEND_NAMES
+    """The repair's strategies are keyed by backend name in their own layer: every key is a
+    registered backend. What a backend captures for tier 2 it declares itself: every declared
+    capture loads, and a backend declaring none gets none."""
+    from guard.backends import BACKEND_NAMES, backend_kinds
+    from guard.backends.activations import capturable, capture_side
     from guard.policy.keep_back import STRATEGIES, KeepBack
-    from guard.verify.activation.sides import SIDES, capture_side
 
-    assert set(SIDES) <= set(BACKEND_NAMES) and set(STRATEGIES) <= set(BACKEND_NAMES)
-    assert all(callable(capture_side(name)) for name in SIDES)
-    assert capture_side("upstream") is None
+    assert set(STRATEGIES) <= set(BACKEND_NAMES)
+    assert capturable() and all(callable(capture_side(name)) for name in capturable())
+    assert capture_side("upstream") is None and not backend_kinds()["upstream"].activations
     assert all(issubclass(strategy, KeepBack) and strategy.option
                for by_precision in STRATEGIES.values() for strategy in by_precision.values())
+
+
+def test_the_checks_capture_nothing_themselves():
+    """Capturing a model's intermediate tensors is a backend capability: no module of verify/
+    imports a backend's internals (its classes, its derived variants); tier 2 compares what a
+    capture hands it."""
+    import ast
+
+    for path in (ROOT / "guard" / "verify").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
+                    "guard.backends."):
+                assert node.module.startswith(("guard.backends.activations", "guard.backends.kind",
+                                               "guard.backends.loading",
+                                               "guard.backends.signatures")), (path, node.module)

@@ -120,7 +120,7 @@ def test_reference_role_pins_threads_and_accuracy(zoo_classifier):
 
 def test_config_declarations(zoo_classifier):
     from guard.policy.keep_back import repairable
-    from guard.verify.activation.sides import capturable
+    from guard.backends.activations import capturable
 
     kind = backend_kind("openvino")
     assert kind.precisions == {"fp32", "fp16", "bf16", "int8"} and "openvino" not in repairable()
@@ -233,8 +233,8 @@ def test_int8_refuses_an_ir_and_tier2_says_why(zoo_classifier):
     with pytest.raises(ConfigError, match="int8 quantises an ONNX file"):
         backend_block({"backend": "openvino", "path": "model.xml", "precision": "int8"},
                       ConfigContext(), "a block")
-    from guard.verify.activation.openvino_side import openvino_side
-    from guard.verify.activation.torch_side import CaptureUnsupported
+    from guard.backends.activations.openvino import openvino_side
+    from guard.backends.activations.torch import CaptureUnsupported
 
     spec = BackendConfig(backend="openvino", path=str(zoo_classifier["onnx"]), precision="int8")
     with pytest.raises(CaptureUnsupported, match="NNCF-quantised"):

@@ -104,8 +104,8 @@ def test_a_fused_unit_keeps_every_member_back_not_only_its_first(tmp_path):
     both members back, and the rebuilt module runs both eagerly at fp32."""
     from guard.config import ActivationCheckConfig
     from guard.verify.activation import ActivationChecker
-    from guard.verify.activation.onnx_side import OnnxSide
-    from guard.verify.activation.torch_side import TorchSide
+    from guard.backends.activations.onnx import OnnxSide
+    from guard.backends.activations.torch import TorchSide
     from guard.zoo import layouts
 
     model = layouts.resnet(seed=3, widths=(8,), blocks=1)

@@ -3,7 +3,7 @@
 from guard.verify.activation.checker import ActivationChecker, build_side
 from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
 from guard.verify.activation.tier import ActivationTier, build_tier
-from guard.verify.activation.torch_side import CaptureUnsupported
+from guard.backends.activations.torch import CaptureUnsupported
 
 __all__ = ["ActivationChecker", "ActivationReport", "ActivationTier", "CaptureUnsupported",
            "LayerResult", "Unaligned", "build_side", "build_tier"]

@@ -38,11 +38,11 @@ from typing import Callable
 
 import numpy as np
 
-from guard.verify.activation.onnx_side import OnnxSide, ScopeInstance
+from guard.backends.activations.onnx import OnnxSide, ScopeInstance
 from guard.verify.activation.packed import brace, pack_order
 from guard.verify.activation.report import Unaligned
-from guard.verify.activation.scopes import node_module, node_scopes
-from guard.verify.activation.torch_side import ModuleCall, TorchCapture, TorchSide
+from guard.backends.activations.scopes import node_module, node_scopes
+from guard.backends.activations.torch import ModuleCall, TorchCapture, TorchSide
 
 # (output, primary node names) of a layer run on the reference's inputs.
 Isolator = Callable[[], tuple[np.ndarray, list[str]]]

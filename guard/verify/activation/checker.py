@@ -39,11 +39,11 @@ from guard.verify.activation.decide import (
     rank_suspects,
 )
 from guard.verify.activation.errors import ShapeMismatch, layer_error
-from guard.verify.activation.keras_side import KerasSide
-from guard.verify.activation.onnx_side import OnnxSide
+from guard.backends.activations.keras import KerasSide
+from guard.backends.activations.onnx import OnnxSide
 from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
-from guard.verify.activation.sides import capture_side
-from guard.verify.activation.torch_side import CaptureUnsupported, TorchSide
+from guard.backends.activations import capture_side
+from guard.backends.activations.torch import CaptureUnsupported, TorchSide
 
 log = logging.getLogger("guard.activation")
 

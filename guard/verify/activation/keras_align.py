@@ -40,9 +40,9 @@ from __future__ import annotations
 import numpy as np
 
 from guard.verify.activation.align import Alignment, Pairing, _substitutes, dtype_fetcher
-from guard.verify.activation.keras_side import KerasCall, KerasCapture, KerasSide
+from guard.backends.activations.keras import KerasCall, KerasCapture, KerasSide
 from guard.verify.activation.report import Unaligned
-from guard.verify.activation.torch_side import ModuleCall, TorchCapture, TorchSide
+from guard.backends.activations.torch import ModuleCall, TorchCapture, TorchSide
 
 _WALK_BACK = 8  # layers without a counterpart a torch module's input may sit behind
 

@@ -1,4 +1,4 @@
-"""torch side of tier 2: module inputs and outputs captured with forward hooks.
+"""A torch module's activations for tier 2: module inputs and outputs captured with forward hooks.
 
 Hooks are registered on every named submodule for the duration of one capture and removed
 afterwards, on a module loaded for tier 2 alone (never the module that serves requests). Each
@@ -22,12 +22,10 @@ from pathlib import Path
 
 import numpy as np
 
+from guard.backends.activations import CaptureUnsupported
 from guard.backends.artifact import import_factory
-from guard.errors import GuardError
 
-
-class CaptureUnsupported(GuardError):
-    """This side cannot be captured as configured; the message says what to configure."""
+__all__ = ["CaptureUnsupported", "ModuleCall", "TorchCapture", "TorchSide", "torch_side"]
 
 
 @dataclass
@@ -316,7 +314,7 @@ class TorchSide:
 
 def torch_side(spec, role: str, config, threads: int = 1, run_path=None,
                label: str = "torch") -> TorchSide:
-    """Tier 2's side for a torch block (registered in guard/verify/activation/sides.py): the module
+    """Tier 2's side for a torch block (declared as its ``activations`` in guard/backends/torch.py): the module
     loaded as the backend loads it, hooked on a copy."""
     import torch
 

@@ -27,7 +27,7 @@ from typing import Callable
 
 import numpy as np
 
-from guard.verify.activation.scopes import node_scopes
+from guard.backends.activations.scopes import node_scopes
 
 # Ops whose outputs are bookkeeping (shapes, constants), never worth comparing.
 _BOOKKEEPING_OPS = frozenset({"Constant", "Shape", "Size", "ConstantOfShape"})
@@ -448,7 +448,7 @@ class OnnxSide:
 
 def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
                      label: str = "onnx") -> OnnxSide:
-    """Tier 2's side for an onnxruntime block (registered in guard/verify/activation/sides.py):
+    """Tier 2's side for an onnxruntime block (declared as its ``activations`` in guard/backends/onnxruntime.py):
     the variant it runs (derived as the backend derives it), or ``run_path``."""
     from guard.backends.onnxruntime import derived_variant, onnx_source
 

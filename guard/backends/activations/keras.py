@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from guard.verify.activation.torch_side import CaptureUnsupported
+from guard.backends.activations.torch import CaptureUnsupported
 
 
 @dataclass
@@ -214,7 +214,7 @@ def _call_arguments(operation) -> tuple[str, ...]:
 
 def keras_side(spec, role: str, config, threads: int = 1, run_path=None,
                label: str = "keras") -> KerasSide:
-    """Tier 2's side for a keras block (registered in guard/verify/activation/sides.py): the
+    """Tier 2's side for a keras block (declared as its ``activations`` in guard/backends/keras.py): the
     ``.keras`` loaded again as the backend loads it (digest checked, ``safe_mode``), and the
     capture model built over that copy."""
     from guard.backends.keras import KerasBackend, KerasOptions

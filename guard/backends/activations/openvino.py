@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from guard.verify.activation.onnx_side import OnnxSide
-from guard.verify.activation.torch_side import CaptureUnsupported
+from guard.backends.activations.onnx import OnnxSide
+from guard.backends.activations.torch import CaptureUnsupported
 
 
 @dataclass(frozen=True)
