@@ -218,8 +218,11 @@ class GuardMetrics:
         )
         self.build_info.labels(version=version).set(1)
 
-    def declare_model(self, model: str, tiers: tuple[str, ...] = ("tensor",)) -> None:
-        """Create a model's series at zero, so that rate() and alerts see them from the start."""
+    def declare_model(self, model: str, tiers: tuple[str, ...] = ("tensor",),
+                      detectors: tuple[str, ...] | None = None) -> None:
+        """Create a model's series at zero, so that rate() and alerts see them from the start:
+        checks for every tier it runs, drift figures for those feeding a detector (default:
+        all of ``tiers``)."""
         for route in ("primary", "fallback"):
             self.requests.labels(model, route)
         for outcome in ("compared", "dropped", "error", "timeout"):
@@ -227,6 +230,7 @@ class GuardMetrics:
         for tier in tiers:
             for result in ("pass", "fail"):
                 self.checks.labels(model, tier, result)
+        for tier in tiers if detectors is None else detectors:
             self.drift_ratio.labels(model, tier).set(0)
         for scope in ("model", "ops"):
             self.fallback_active.labels(model, scope).set(0)

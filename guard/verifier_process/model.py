@@ -24,6 +24,7 @@ from guard.policy.route import Override, RoutePolicy, Transition
 from guard.verifier_process.mirror import Mirror, MirrorSample, MirrorResult
 from guard.verify.pair import CheckedPair
 from guard.verify.pipeline import CheckResult, Comparator
+from guard.verify.tiers import detector_tiers
 
 log = logging.getLogger("guard.verifier_process.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
@@ -44,10 +45,10 @@ class VerifiedModel:
         self.verifier: Comparator | None = self.pair.verifier if self.pair else None
         self.backends = self.pair.backends if self.pair else {}
         self.activation_tier = self.pair.activation_tier if self.pair else None
-        # Tier 2 localises drift; it runs on a biased sub-sample (failures), so it informs the
-        # evidence but does not feed the route detectors.
+        # The tiers this model runs (guard/verify/tiers.py); those whose kind says so feed the
+        # route detectors (tier 2 runs on a biased sub-sample, failures: evidence only).
         tiers = self.verifier.tiers if self.verifier else ("tensor",)
-        self.policy_tiers = tuple(t for t in tiers if t != "activation")
+        self.policy_tiers = detector_tiers(tiers)
         self.policy = RoutePolicy(
             self.name, config.policy, self.policy_tiers,
             has_fallback=config.fallback is not None, sample_rate=config.mirror.sample_rate,
@@ -57,9 +58,8 @@ class VerifiedModel:
         self._config_hash = config_hash
         self._in_hand = 0  # samples taken from the ring and not yet accounted for
         self._in_hand_lock = threading.Lock()
-        metrics.declare_model(self.name, self.policy_tiers)
+        metrics.declare_model(self.name, tiers, self.policy_tiers)
         # Children resolved once (the mirror worker updates them for every sample).
-        tiers = (*self.policy_tiers, *(("activation",) if self.activation_tier else ()))
         self._checks = {(tier, result): metrics.checks.labels(self.name, tier, result)
                         for tier in tiers for result in ("pass", "fail")}
         self._max_abs_error = metrics.tensor_max_abs_error.labels(self.name)
@@ -222,14 +222,13 @@ class VerifiedModel:
             self.ops.observe(result.sample.inputs, not check.passed)
         transition = None
         for tier, tier_result in check.tiers.items():
-            if tier == "activation":
+            if tier == "activation":  # its events, and the evidence it gives a transition
                 self._on_activation(tier_result, result.sample.epoch)
                 continue
-            if tier not in self.policy_tiers:
-                continue
             self._checks[tier, "pass" if tier_result.passed else "fail"].inc()
-            transition = self.policy.observe(tier, not tier_result.passed,
-                                             result.sample.epoch) or transition
+            if tier in self.policy_tiers:
+                transition = self.policy.observe(tier, not tier_result.passed,
+                                                 result.sample.epoch) or transition
         if check.arbitration is not None:
             emit("arbitration", model=self.name, verdict=check.arbitration.as_dict())
         if transition is not None:

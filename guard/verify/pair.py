@@ -17,7 +17,7 @@ from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.verify.arbitrate import build_arbiter
 from guard.verify.noise import NoiseFloor, measure_noise_floor
-from guard.verify.pipeline import Comparator, load_activation_tier
+from guard.verify.pipeline import Comparator
 
 
 class CheckedPair:
@@ -27,14 +27,13 @@ class CheckedPair:
                                "this model has none")
         self.name = config.name
         self.config = config
-        self.verifier = Comparator.for_model(config, arbiter=build_arbiter(config))
         self.backends: dict[str, Backend] = {
             "reference": create_backend(config.reference, "reference", config.mirror.threads),
             "primary": create_backend(config.primary, "primary"),
         }
-        self.activation_tier = load_activation_tier(config, self.backends)
-        if self.activation_tier is not None:
-            self.verifier.add_tier(self.activation_tier)
+        self.verifier = Comparator.for_model(config, arbiter=build_arbiter(config),
+                                             backends=self.backends)
+        self.activation_tier = self.verifier.tier("activation")
         self.noise_floor: NoiseFloor | None = None
         # The reference's outputs under the primary's names (guard/backends/signature_match.py),
         # known once both sides are loaded.

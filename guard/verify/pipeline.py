@@ -4,65 +4,47 @@ The sidecar's mirror worker, offline replay and ``guard matrix`` all call ``Comp
 
 1. both sides' outputs are flattened to named arrays (nested lists/dicts: every leaf compared);
 2. the model's deterministic adapters run on both sides (``verify/adapters.py``);
-3. tier 1 (tensor) compares every output, with the reference's noise floor added to the
-   allowed error when it was measured (``verify/noise.py``);
-4. tier 3 (task) judges what the task cares about (``verify/task/``), unless ``task: generic``;
-5. tier 2 (activation), for a model that enables it (``checks.activation``: a sample_rate
-   above 0 or on_failure) and has a reference (see ``load_activation_tier``);
-6. on a tier-1 failure, with ``checks.tensor.arbitration.enabled``, an fp64 run of the reference
+3. every registered tier the model runs judges the sample, in registration order
+   (guard/verify/tiers.py: ``tensor``, tier 1, with the reference's noise floor added to the
+   allowed error when it was measured; ``task``, tier 3, unless ``task: generic``;
+   ``activation``, tier 2, for a model that enables it and has a reference); a tier that raises
+   is reported in the notes, it never fails the primary;
+4. on a tier-1 failure, with ``checks.tensor.arbitration.enabled``, an fp64 run of the reference
    says which side was wrong (``verify/arbitrate.py``).
 
-The result is a ``CheckResult`` with one entry per tier; ``.passed``, ``.max_abs_error``,
-``.summary()`` and ``.outputs`` keep the shape of the tier-1 result callers used before.
+The result is a ``CheckResult`` with one entry per tier that ran; ``.passed``,
+``.max_abs_error``, ``.summary()`` and ``.outputs`` keep the shape of the tier-1 result.
 
-``Comparator.tier_reports`` turns a ``CheckResult`` into one plain ``TierReport`` per tier: the
-shape that capture records (guard/capture/) and replay reports (guard/replay/) share, so that a
-tier shows up in both by being in ``CheckResult.tiers``. ``details`` per tier:
+``tier_reports`` turns a ``CheckResult`` into one plain ``TierReport`` per tier: the shape that
+capture records (guard/capture/) and replay reports (guard/replay/) share, so that a tier shows
+up in both by being registered. ``details`` per tier are its kind's ``details(result)``
+(default: the result's ``as_dict()``):
 
 - ``tensor``: ``{"max_abs_error": float}`` (per-output figures are in ``outputs``);
 - ``task``: ``{"metrics": {name: float}, ...}`` (``TaskCheck.as_dict()``);
 - ``activation``: ``{"first_divergence": {"layer": str, "error": float, ...} | None,
   "layers": [{"layer": str, "error": float}, ...]}`` in network order (error: propagated
-  relative error);
-- any other tier: its ``as_dict()`` when it has one.
+  relative error).
 """
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any
 
 import numpy as np
 
 from guard.config import ChecksConfig, ModelConfig
 from guard.verify.adapters import AdapterChain, AdapterError
 from guard.verify.structure import flatten_outputs, is_flat
-from guard.verify.task import GENERIC_NOTE, TaskCheck, task_checker
-from guard.verify.task.base import OutputMissing
-from guard.verify.tensor import OutputCheck, TensorCheck, Tolerance, compare_outputs
+from guard.verify.task import GENERIC_NOTE, TaskCheck
+from guard.verify.tensor import OutputCheck, TensorCheck, TensorTier
+from guard.verify.tiers import Compared, Tier, TierResult, TierSetup, tier_kind, tier_kinds
 
 log = logging.getLogger("guard.verify")
 
-ACTIVATION_MODULE = "guard.verify.activation"
-
-
-class TierResult(Protocol):
-    passed: bool
-
-    def summary(self) -> str: ...
-
-
-class ExtraTier(Protocol):
-    """What tier 2 provides: ``name`` and ``check(...)`` returning a result with ``passed`` and
-    ``summary()``, or None when it skips the sample (tier 2 runs on a sub-sample). ``results``
-    holds the tiers already run for this sample."""
-
-    name: str
-
-    def check(self, *, inputs, reference, primary, results) -> TierResult | None: ...
+__all__ = ["CheckResult", "Comparator", "TierReport", "TierResult", "tier_reports"]
 
 
 @dataclass
@@ -126,30 +108,26 @@ class CheckResult:
 
 
 class Comparator:
-    def __init__(
-        self,
-        checks: ChecksConfig,
-        task: str = "generic",
-        adapters=(),
-        arbiter=None,
-    ):
+    """The registered tiers for one model, run on each sample (see the module docstring).
+
+    ``model`` and ``backends``: the whole model block and its built backends, for a tier built
+    from more than ``checks`` and ``task`` (tier 2 captures beside the backends); a comparator
+    without them (a sweep's) runs the tiers that need neither."""
+
+    def __init__(self, checks: ChecksConfig, task: str = "generic", adapters=(), arbiter=None,
+                 model: ModelConfig | None = None, backends: dict | None = None):
         self.checks = checks
-        t = checks.tensor
-        self.default = Tolerance(t.atol, t.rtol)
-        self._overrides = {
-            name: (o.atol if o.atol is not None else t.atol, o.rtol if o.rtol is not None else t.rtol)
-            for name, o in t.outputs.items()
-        }
-        self.noise_floor: dict[str, float] = {}
-        self.per_output = self._per_output()
         self.adapters = AdapterChain(adapters)
         self.task_name = task
-        self.task_checker = task_checker(task, checks.task)
         self.arbiter = arbiter
-        self.extra_tiers: list[ExtraTier] = []
-        # Tier-1 statistics of passing outputs: sampled (None), or always (True: offline sweeps).
-        self.pass_stats: bool | None = None
-        self.tiers: tuple[str, ...] = ("tensor",) + (("task",) if self.task_checker else ())
+        setup = TierSetup(checks, task, model, backends)
+        self.tensor = TensorTier(checks)  # tier 1 judges every sample: it always runs
+        self.runs: list[Tier] = [self.tensor]
+        for kind in tier_kinds():
+            if kind.name != self.tensor.name:
+                built = kind.build(setup)
+                if built is not None:
+                    self.runs.append(built)
         # The reference's outputs under the primary's names, where the two sides name them
         # differently (guard/backends/signature_match.py; set by the checked pair at load).
         self.reference_names = None
@@ -159,29 +137,57 @@ class Comparator:
         self.reference_names = match if match.renamed else None
 
     @classmethod
-    def for_model(cls, config: ModelConfig, arbiter=None) -> "Comparator":
-        return cls(config.checks, config.task, config.adapters, arbiter)
+    def for_model(cls, config: ModelConfig, arbiter=None,
+                  backends: dict | None = None) -> "Comparator":
+        return cls(config.checks, config.task, config.adapters, arbiter, config, backends)
+
+    @property
+    def tiers(self) -> tuple[str, ...]:
+        """The names of the tiers this model runs, in run order (the metrics' ``tier`` labels)."""
+        return tuple(t.name for t in self.runs)
+
+    def tier(self, name: str) -> Tier | None:
+        return next((t for t in self.runs if t.name == name), None)
+
+    # -- tier 1's settings, read by replay's batched check and the sweeps --------------------------
+    @property
+    def default(self):
+        return self.tensor.default
+
+    @property
+    def per_output(self):
+        return self.tensor.per_output
+
+    @property
+    def noise_floor(self) -> dict[str, float]:
+        return self.tensor.noise_floor
+
+    @property
+    def pass_stats(self) -> bool | None:
+        return self.tensor.pass_stats
+
+    @pass_stats.setter
+    def pass_stats(self, value: bool | None) -> None:
+        self.tensor.pass_stats = value
+
+    @property
+    def task_checker(self):
+        task = self.tier("task")
+        return task.checker if task is not None else None
+
+    @property
+    def extra_tiers(self) -> list[Tier]:
+        """Tiers beyond tiers 1 and 3 (replay's batched check takes only those two)."""
+        return [t for t in self.runs if t.name not in ("tensor", "task")]
 
     # -- configuration after construction ---------------------------------------------------------
     def set_noise_floor(self, floor: dict[str, float]) -> None:
         """Per-output floors (max abs error of the reference against itself)."""
-        self.noise_floor = dict(floor)
-        self.per_output = self._per_output()
+        self.tensor.set_noise_floor(floor)
 
-    def add_tier(self, tier: ExtraTier) -> None:
-        """Register an extra tier (tier 2) that runs after tiers 1 and 3."""
-        self.extra_tiers.append(tier)
-        if tier.name not in self.tiers:
-            self.tiers = self.tiers + (tier.name,)
-
-    def _per_output(self) -> dict[str, Tolerance]:
-        mult = self.checks.tensor.noise_floor.multiplier
-        names = set(self._overrides) | set(self.noise_floor)
-        out = {}
-        for name in names:
-            atol, rtol = self._overrides.get(name, (self.default.atol, self.default.rtol))
-            out[name] = Tolerance(atol, rtol, mult * self.noise_floor.get(name, 0.0))
-        return out
+    def add_tier(self, tier: Tier) -> None:
+        """Run one more tier instance after the others (one built by hand)."""
+        self.runs.append(tier)
 
     # -- the check -----------------------------------------------------------------------------------
     def check(
@@ -209,25 +215,21 @@ class Comparator:
         if set(ref) != set(out):
             result.unmatched = {"reference": sorted(set(ref) - set(out)),
                                 "primary": sorted(set(out) - set(ref))}
-        tensor = compare_outputs(ref, out, self.default, self.per_output, self.pass_stats)
-        result.tiers["tensor"] = tensor
-        if self.task_checker is not None:
-            allowed = {o.name: o.allowed for o in tensor.outputs}
+        sample = Compared(ref, out, inputs, result.tiers, result.notes)
+        for tier in self.runs:
+            if tier is self.tensor:  # tier 1's problems are the sample's verdict, not a note
+                result.tiers[tier.name] = tier.check(sample)
+                continue
             try:
-                result.tiers["task"] = self.task_checker.check(ref, out, allowed)
-            except OutputMissing as exc:  # on neither side: the request asked for other outputs
-                result.notes.append(f"tier 3 not run on this sample: {exc}")
-        elif self.task_name == "generic":
-            result.notes.append(GENERIC_NOTE)
-        for tier in self.extra_tiers:
-            try:
-                extra = tier.check(inputs=inputs, reference=ref, primary=out,
-                                   results=dict(result.tiers))
-                if extra is not None:  # None: the tier skipped this sample (tier 2 samples)
-                    result.tiers[tier.name] = extra
-            except Exception as exc:  # a tier-2 problem is reported, it never fails the primary
+                checked = tier.check(sample)
+                if checked is not None:  # None: the tier skipped this sample (tier 2 samples)
+                    result.tiers[tier.name] = checked
+            except Exception as exc:  # a tier's problem is reported, it never fails the primary
                 log.exception("tier %s failed to run", tier.name)
                 result.notes.append(f"tier {tier.name} could not run: {type(exc).__name__}: {exc}")
+        if self.task_checker is None and self.task_name == "generic":
+            result.notes.append(GENERIC_NOTE)
+        tensor = result.tiers["tensor"]
         if not tensor.passed and self.arbiter is not None and inputs is not None:
             verdict = self.arbiter.judge(inputs, ref, out, tensor,
                                          _Renaming(self.reference_names, self.adapters))
@@ -255,19 +257,6 @@ class _Renaming:
         return self.adapters.apply(outputs) if self.adapters else outputs
 
 
-def load_activation_tier(config: ModelConfig, backends: dict) -> ExtraTier | None:
-    """Tier 2 for a model: ``guard.verify.activation.build_tier(config, backends)``, imported
-    here, when first needed. None when the model does not enable tier 2
-    (``checks.activation``: a sample_rate above 0 or on_failure) or has no reference: it then
-    runs tiers 1 and 3 only.
-    """
-    if importlib.util.find_spec(ACTIVATION_MODULE) is None:
-        return None
-    module = importlib.import_module(ACTIVATION_MODULE)
-    build = getattr(module, "build_tier", None)
-    return build(config, backends) if build is not None else None
-
-
 @dataclass
 class TierReport:
     """One tier's result on one sample, in the plain shape capture and replay share."""
@@ -278,41 +267,25 @@ class TierReport:
     details: dict[str, Any] = field(default_factory=dict)
 
 
-def _activation_details(tier: Any, details: dict[str, Any]) -> dict[str, Any]:
-    """Tier 2's report reduced to what replay aggregates: the first divergence and the
-    per-layer error profile (propagated relative error), in network order."""
-    first = tier.first_divergence_dict() if hasattr(tier, "first_divergence_dict") else \
-        details.get("first_divergence")
-    layers = []
-    for layer in details.get("layers", []):
-        error = layer.get("error")
-        if error is None:
-            error = (layer.get("propagated") or {}).get("rel_error")
-        if error is not None:
-            layers.append({"layer": layer.get("layer", ""), "error": float(error)})
-    return {"first_divergence": first, "layers": layers}
-
-
 def tier_reports(result: CheckResult) -> dict[str, TierReport]:
     """One ``TierReport`` per tier that ran on this sample (see the module docstring)."""
     out: dict[str, TierReport] = {}
     for name, tier in result.tiers.items():
-        if isinstance(tier, TensorCheck):
-            out[name] = TierReport(tier.passed, tier.summary(), list(tier.outputs),
-                                   {"max_abs_error": tier.max_abs_error})
-            continue
-        summary = tier.summary()
-        details = tier.as_dict() if hasattr(tier, "as_dict") else {}
-        if name == "activation":
-            details = _activation_details(tier, details)
-            if not isinstance(summary, str):  # tier 2 summarises as a dict of evidence
-                first = details["first_divergence"]
-                if first is None:
-                    summary = "no layer diverges"
-                elif first.get("within_budget"):  # measurable, but inside tier 1's budget
-                    summary = f"first measurable divergence at {first['layer']} (within budget)"
-                else:
-                    summary = f"first divergence at {first['layer']}"
-        out[name] = TierReport(bool(tier.passed), str(summary), [], details)
+        kind = _kind(name)
+        if kind is not None and kind.details is not None:
+            details = kind.details(tier)
+        else:
+            details = tier.as_dict() if hasattr(tier, "as_dict") else {}
+        summary = kind.summary(tier, details) if kind is not None and kind.summary else \
+            tier.summary()
+        outputs = list(tier.outputs) if isinstance(tier, TensorCheck) else []
+        out[name] = TierReport(bool(tier.passed), str(summary), outputs, details)
     return out
 
+
+def _kind(name: str):
+    """The registered kind of a result's tier; None for one added by hand (``add_tier``)."""
+    try:
+        return tier_kind(name)
+    except KeyError:
+        return None

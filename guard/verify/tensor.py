@@ -309,3 +309,55 @@ def compare_outputs(
             tol = per_output.get(name, default)
             checks.append(compare_output(name, reference[name], candidate[name], tol, stats))
     return TensorCheck(passed=bool(checks) and all(c.passed for c in checks), outputs=checks)
+
+
+class TensorTier:
+    """Tier 1 for one model: every output against its allowed error (``atol + rtol *
+    max|ref|`` plus the reference's noise floor when it was measured)."""
+
+    name = "tensor"
+
+    def __init__(self, checks):
+        t = checks.tensor
+        self.multiplier = t.noise_floor.multiplier
+        self.default = Tolerance(t.atol, t.rtol)
+        self._overrides = {
+            name: (o.atol if o.atol is not None else t.atol, o.rtol if o.rtol is not None else t.rtol)
+            for name, o in t.outputs.items()
+        }
+        self.noise_floor: dict[str, float] = {}
+        # Tier-1 statistics of passing outputs: sampled (None), or always (True: offline sweeps).
+        self.pass_stats: bool | None = None
+        self.per_output = self._per_output()
+
+    def set_noise_floor(self, floor: dict[str, float]) -> None:
+        self.noise_floor = dict(floor)
+        self.per_output = self._per_output()
+
+    def _per_output(self) -> dict[str, Tolerance]:
+        out = {}
+        for name in set(self._overrides) | set(self.noise_floor):
+            atol, rtol = self._overrides.get(name, (self.default.atol, self.default.rtol))
+            out[name] = Tolerance(atol, rtol, self.multiplier * self.noise_floor.get(name, 0.0))
+        return out
+
+    def check(self, sample) -> TensorCheck:
+        return compare_outputs(sample.reference, sample.primary, self.default, self.per_output,
+                               self.pass_stats)
+
+
+def _tensor_details(check: TensorCheck) -> dict:
+    return {"max_abs_error": check.max_abs_error}
+
+
+def _build(setup):
+    return TensorTier(setup.checks)
+
+
+def _declare():
+    from guard.verify.tiers import TierKind
+
+    return TierKind("tensor", build=_build, details=_tensor_details)
+
+
+TIER = _declare()

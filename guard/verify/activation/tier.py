@@ -1,4 +1,4 @@
-"""Tier 2 as the Comparator's extra tier (``guard.verify.pipeline.load_activation_tier``).
+"""Tier 2 as a registered tier (``TIER``, guard/verify/tiers.py).
 
 The same tier serves the sidecar's mirror worker and offline replay: ``check`` decides per
 sample whether tier 2 runs (``checks.activation.sample_rate``, and ``on_failure`` when tier 1 or
@@ -36,15 +36,15 @@ class ActivationTier:
                 self.checker = ActivationChecker.for_model(self.model_config, self.threads)
             return self.checker
 
-    def check(self, *, inputs: dict[str, np.ndarray] | None, reference, primary,
-              results: dict) -> ActivationReport | None:
+    def check(self, sample) -> ActivationReport | None:
+        inputs: dict[str, np.ndarray] | None = sample.inputs
         if inputs is None:
             return None  # tier 2 re-runs both sides on the inputs; without them it cannot
-        failed = any(not result.passed for result in results.values())
+        failed = any(not result.passed for result in sample.results.values())
         checker = self.prepare()
         if not checker.due(failed, self.queue_fill()):
             return None
-        return checker.check(inputs, tier1=results.get("tensor"))
+        return checker.check(inputs, tier1=sample.results.get("tensor"))
 
     def close(self) -> None:
         if self.checker is not None:
@@ -56,3 +56,47 @@ def build_tier(config: ModelConfig, backends: dict) -> ActivationTier | None:
     if config.reference is None or not config.checks.activation.enabled:
         return None
     return ActivationTier(config, config.mirror.threads)
+
+
+def _build(setup) -> ActivationTier | None:
+    return build_tier(setup.model, setup.backends or {}) if setup.model is not None else None
+
+
+def _details(report) -> dict:
+    """Tier 2's report reduced to what capture and replay keep: the first divergence and the
+    per-layer error profile (propagated relative error), in network order."""
+    details = report.as_dict() if hasattr(report, "as_dict") else {}
+    first = report.first_divergence_dict() if hasattr(report, "first_divergence_dict") else \
+        details.get("first_divergence")
+    layers = []
+    for layer in details.get("layers", []):
+        error = layer.get("error")
+        if error is None:
+            error = (layer.get("propagated") or {}).get("rel_error")
+        if error is not None:
+            layers.append({"layer": layer.get("layer", ""), "error": float(error)})
+    return {"first_divergence": first, "layers": layers}
+
+
+def _summary(report, details: dict) -> str:
+    """Tier 2 summarises as a dict of evidence; its line names the first divergence."""
+    summary = report.summary()
+    if isinstance(summary, str):
+        return summary
+    first = details["first_divergence"]
+    if first is None:
+        return "no layer diverges"
+    if first.get("within_budget"):  # measurable, but inside tier 1's budget
+        return f"first measurable divergence at {first['layer']} (within budget)"
+    return f"first divergence at {first['layer']}"
+
+
+def _declare():
+    from guard.verify.tiers import TierKind
+
+    # It runs on a biased sub-sample (failures): evidence, not a detector's input.
+    return TierKind("activation", build=_build, detector=False, details=_details,
+                    summary=_summary)
+
+
+TIER = _declare()

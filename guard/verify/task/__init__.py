@@ -33,4 +33,38 @@ def task_checker(task: str, config: TaskCheckConfig) -> TaskChecker | None:
     return cls(getattr(config, block))
 
 
-__all__ = ["GENERIC_NOTE", "TaskCheck", "TaskChecker", "task_checker"]
+class TaskTier:
+    """Tier 3 for one model: its task's checker on both sides' outputs, each output allowed
+    what tier 1 allowed it."""
+
+    name = "task"
+
+    def __init__(self, checker: TaskChecker):
+        self.checker = checker
+
+    def check(self, sample) -> TaskCheck | None:
+        from guard.verify.task.base import OutputMissing
+
+        tensor = sample.results.get("tensor")
+        allowed = {o.name: o.allowed for o in tensor.outputs} if tensor is not None else {}
+        try:
+            return self.checker.check(sample.reference, sample.primary, allowed)
+        except OutputMissing as exc:  # on neither side: the request asked for other outputs
+            sample.notes.append(f"tier 3 not run on this sample: {exc}")
+            return None
+
+
+def _build(setup) -> TaskTier | None:
+    checker = task_checker(setup.task, setup.checks.task)
+    return TaskTier(checker) if checker is not None else None
+
+
+def _declare():
+    from guard.verify.tiers import TierKind
+
+    return TierKind("task", build=_build)
+
+
+TIER = _declare()
+
+__all__ = ["GENERIC_NOTE", "TaskCheck", "TaskChecker", "TaskTier", "task_checker"]
