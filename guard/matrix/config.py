@@ -33,6 +33,7 @@ from pydantic import (
     ConfigDict,
     Field,
     ValidationError,
+    field_validator,
     model_validator,
 )
 
@@ -145,10 +146,22 @@ class MatrixConfig(_Strict):
     models: list[MatrixModel] = Field(min_length=1)
     backends: list[MatrixBackend] = Field(min_length=1)
     tolerances: Tolerances
-    tiers: list[Literal["tensor", "task", "activation"]] = Field(
+    tiers: list[str] = Field(
         default_factory=lambda: ["tensor", "task"],
-        description="activation: tier 2 on each cell's first tier-1 failure, naming the first "
-        "divergent layer (guard/matrix/localise.py); skipped where it cannot capture.")
+        description="Registered tiers (guard/verify/tiers.py) each cell runs. activation: tier "
+        "2 on each cell's first tier-1 failure, naming the first divergent layer "
+        "(guard/matrix/localise.py); skipped where it cannot capture.")
+
+    @field_validator("tiers")
+    @classmethod
+    def _registered(cls, tiers: list[str]) -> list[str]:
+        from guard.verify.tiers import tier_names
+
+        unknown = [t for t in tiers if t not in tier_names()]
+        if unknown:
+            raise ValueError(f"unknown tier '{unknown[0]}' (registered: "
+                             f"{', '.join(tier_names())})")
+        return tiers
 
     @model_validator(mode="after")
     def _unique(self) -> "MatrixConfig":

@@ -20,8 +20,8 @@ from collections import Counter
 
 from guard.config import ModelConfig
 from guard.replay.items import CHECKED, INPUT_ERROR, PRIMARY_ERROR, REFERENCE_ERROR, RecordOutcome
+from guard.verify.tiers import tier_kind, tier_names
 
-TIERS = ("tensor", "activation", "task")
 # Error histogram: a bin for exact zero, half-decade bins from 1e-12 to 1e3, one for beyond.
 HIST_EDGES = tuple(10 ** (e / 2) for e in range(-24, 7))
 TIMELINE_BUCKETS = 40
@@ -91,6 +91,8 @@ class ModelAggregate:
         self.task_sums: dict[str, float] = {}
         self.task_counts = Counter()
         self.live = Counter()
+        # A registered tier's own figures (its kind's ``figures``), by tier name.
+        self.figures: dict[str, object] = {}
         self.timeline: list[tuple[int, int, bool]] = []  # (unix_nanos, index, passed)
         self.examples: list[dict] = []
         self.errors: list[dict] = []
@@ -113,7 +115,7 @@ class ModelAggregate:
             self.tier_checks[tier] += 1
             self.tier_passed[tier] += result.passed
             passed_all &= result.passed
-            getattr(self, f"_add_{tier}", self._add_other)(result)
+            getattr(self, f"_add_{tier}", self._add_other)(tier, result)
         if self.first_divergence is not None and self.profile_record is None:
             self.profile_record = o.index  # the record the kept per-layer profile belongs to
         self._timeline(o, passed_all)
@@ -126,14 +128,14 @@ class ModelAggregate:
         if o.live_passed is not None:
             self.live[("pass" if o.live_passed else "fail", "pass" if passed_all else "fail")] += 1
 
-    def _add_tensor(self, result) -> None:
+    def _add_tensor(self, tier: str, result) -> None:
         value = result.details.get("max_abs_error", 0.0)
         if math.isfinite(value):
             self.tensor_max_abs = max(self.tensor_max_abs, value)
         for check in result.outputs:
             self.outputs.setdefault(check.name, _OutputFigures()).add(check)
 
-    def _add_activation(self, result) -> None:
+    def _add_activation(self, tier: str, result) -> None:
         first = result.details.get("first_divergence")
         if first and not first.get("within_budget"):  # a layer named inside the budget is
             self.divergent_layers[first["layer"]] += 1  # information, not a divergence
@@ -142,14 +144,21 @@ class ModelAggregate:
                                          "error": float(first["error"])}
                 self.divergence_profile = list(result.details.get("layers", []))
 
-    def _add_task(self, result) -> None:
+    def _add_task(self, tier: str, result) -> None:
         for name, value in result.details.get("metrics", {}).items():
             if isinstance(value, (int, float)) and math.isfinite(value):
                 self.task_sums[name] = self.task_sums.get(name, 0.0) + float(value)
                 self.task_counts[name] += 1
 
-    def _add_other(self, result) -> None:
-        """A tier this version of replay has no figures for: counted, nothing more."""
+    def _add_other(self, tier: str, result) -> None:
+        """A tier with figures of its own (its kind's ``figures``) adds to them; any other is
+        counted, nothing more."""
+        if tier not in self.figures:
+            factory = _figures_of(tier)
+            if factory is None:
+                return
+            self.figures[tier] = factory()
+        self.figures[tier].add(result)
 
     def _timeline(self, o: RecordOutcome, passed: bool) -> None:
         self.timeline.append((o.unix_nanos, o.index, passed))
@@ -190,8 +199,14 @@ class ModelAggregate:
                             for n in sorted(self.task_sums)},
             },
         }
-        for tier in sorted(set(self.tier_checks) - set(TIERS)):
-            t[tier] = {"checks": self.tier_checks[tier], "passed": self.tier_passed[tier]}
+        # Every registered tier has a section (zero checks when it did not run), then any tier
+        # a record holds that this guard has no registration for; in run order.
+        for tier in [*tier_names(), *sorted(set(self.tier_checks) - set(tier_names()))]:
+            section = t.setdefault(tier, {"checks": self.tier_checks[tier],
+                                          "passed": self.tier_passed[tier]})
+            if tier in self.figures:
+                section.update(self.figures[tier].as_dict())
+        t = {tier: t[tier] for tier in [*tier_names(), *t] if tier in t}
         for figures in t.values():
             checks = figures["checks"]
             figures["failing_share"] = (checks - figures["passed"]) / checks if checks else 0.0
@@ -261,3 +276,11 @@ class ModelAggregate:
             "failing_examples": self.examples,
             "error_examples": self.errors,
         }
+
+
+def _figures_of(tier: str):
+    """The registered tier's figures factory, or None (unregistered, or counts only)."""
+    try:
+        return tier_kind(tier).figures
+    except KeyError:
+        return None

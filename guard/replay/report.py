@@ -143,16 +143,18 @@ def layout(r: dict) -> list:
         blocks.append(Bullets([[Strong("problem"), f": {p}"] for p in r["problems"]]))
     anchors = {name: _Anchors(k, name, m["tiers"]["tensor"]["outputs"])
                for k, (name, m) in enumerate(r["models"].items())}
+    # One column per tier the report holds (every registered one), tier 1's error beside it.
+    others = list(dict.fromkeys(t for m in r["models"].values() for t in m["tiers"]
+                                if t != "tensor"))
     rows = []
     for name, m in r["models"].items():
         tiers = m["tiers"]
         rows.append([[Link(name, anchors[name].model)], [str(m["samples"])],
                      [Strong(m["verdict"])], [_tier_cell(tiers["tensor"])],
                      [_fmt(tiers["tensor"]["max_abs_error"])],
-                     [_tier_cell(tiers["activation"])], [_tier_cell(tiers["task"])]])
-    blocks.append(Table(["model", "samples", "verdict", "tensor", "max abs error",
-                         "activation", "task"],
-                        [False, True, False, False, True, False, False], rows))
+                     *[[_tier_cell(tiers[t]) if t in tiers else "-"] for t in others]])
+    blocks.append(Table(["model", "samples", "verdict", "tensor", "max abs error", *others],
+                        [False, True, False, False, True, *[False] * len(others)], rows))
     for name, m in r["models"].items():
         blocks += _model_layout(name, m, anchors[name])
     blocks += _inputs_layout(r)

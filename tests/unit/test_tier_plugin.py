@@ -1,0 +1,112 @@
+"""A tier is one module plus one registration line: a toy tier declared here (``TIER``) and
+registered (``register_tier``) runs in the Comparator, has its series in the metrics
+exposition and its section, figures and column in the replay report."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+from prometheus_client import generate_latest
+
+from guard.config import ChecksConfig, ModelConfig
+from guard.observe.metrics import GuardMetrics
+from guard.replay.aggregate import ModelAggregate
+from guard.replay.items import CHECKED, RecordOutcome
+from guard.replay.report import markdown
+from guard.verify.pipeline import Comparator, tier_reports
+from guard.verify.tiers import TIER_MODULES, TierKind, detector_tiers, register_tier
+
+
+# -- the toy tier: the whole of it ----------------------------------------------------------------
+@dataclass
+class Gap:
+    """Per sample: the largest gap between the sides' sums, a continuous statistic."""
+
+    passed: bool
+    statistic: float
+
+    def summary(self) -> str:
+        return f"sum gap {self.statistic:.3g}"
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "statistic": self.statistic}
+
+
+class SumGap:
+    name = "toy"
+
+    def check(self, sample):
+        gap = max(abs(float(np.sum(sample.reference[k]) - np.sum(sample.primary[k])))
+                  for k in sample.reference)
+        return Gap(gap <= 0.5, gap)
+
+
+class GapFigures:
+    def __init__(self):
+        self.values: list[float] = []
+
+    def add(self, report) -> None:
+        self.values.append(report.details["statistic"])
+
+    def as_dict(self) -> dict:
+        return {"mean_gap": float(np.mean(self.values)), "max_gap": max(self.values)}
+
+
+TIER = TierKind("toy", build=lambda setup: SumGap(), detector=False, figures=GapFigures)
+
+
+@pytest.fixture
+def toy():
+    register_tier("toy", __name__)  # the one registration line
+    yield
+    TIER_MODULES.pop("toy")
+
+
+MODEL = ModelConfig.model_validate({"name": "m", "primary": {"backend": "onnxruntime",
+                                                             "path": "m.onnx"}})
+
+
+def test_a_registered_tier_runs_is_exposed_and_reported(toy):
+    comparator = Comparator(ChecksConfig(), "generic")
+    assert comparator.tiers == ("tensor", "toy")
+    reference = {"y": np.zeros(4, np.float32)}
+    results = [comparator.check(reference, {"y": np.full(4, v, np.float32)})
+               for v in (0.0, 0.1, 1.0)]
+    assert [r.tiers["toy"].passed for r in results] == [True, True, False]
+    assert results[2].tiers["toy"].statistic == pytest.approx(4.0)
+
+    metrics = GuardMetrics("t", serving=False)
+    metrics.declare_model("m", comparator.tiers, detector_tiers(comparator.tiers))
+    exposition = generate_latest(metrics.registry).decode()
+    assert 'guard_checks_total{model="m",result="fail",tier="toy"} 0.0' in exposition
+    assert 'tier="toy"' not in "\n".join(  # evidence only: no detector series
+        line for line in exposition.splitlines() if line.startswith("guard_drift_ratio"))
+
+    aggregate = ModelAggregate(MODEL, {"tiers": list(comparator.tiers)})
+    for i, result in enumerate(results):
+        aggregate.add(RecordOutcome(i, "m", CHECKED, tiers=tier_reports(result)))
+    tiers = aggregate.result()["tiers"]
+    assert list(tiers)[:2] == ["tensor", "task"] and "toy" in tiers
+    assert tiers["toy"]["checks"] == 3 and tiers["toy"]["passed"] == 2
+    assert tiers["toy"]["max_gap"] == pytest.approx(4.0)
+    assert tiers["toy"]["mean_gap"] == pytest.approx((0.0 + 0.4 + 4.0) / 3, rel=1e-6)
+    assert tiers["toy"]["failing_share"] == pytest.approx(1 / 3)
+    report = {"guard_version": "t", "verdict": "pass", "exit_code": 0, "problems": [],
+              "config": {"path": "/c.yaml", "hash": "h"}, "filters": {},
+              "inputs": {"files": [], "records_read": 0, "replayed": 0, "skipped_bytes": 0,
+                         "skipped_regions": 0, "unreadable_records": 0, "filtered": {},
+                         "stopped_at_max_records": False},
+              "unknown_models": {}, "models": {"m": aggregate.result()}, "generated_at": "now",
+              "engine": {"name": "local", "workers": 1},
+              "timing": {"seconds": 1.0, "records": 3, "records_per_second": 1.0}}
+    page = markdown(json.loads(json.dumps(report)))
+    header = next(line for line in page.splitlines() if line.startswith("| model"))
+    assert "toy" in header and "2/3 pass" in page
+
+
+def test_without_its_registration_the_tier_is_nowhere():
+    assert "toy" not in Comparator(ChecksConfig(), "generic").tiers
+    assert "toy" not in ModelAggregate(MODEL).result()["tiers"]
