@@ -106,8 +106,8 @@ def tier3(repeat: int) -> list[dict]:
         config = ModelConfig.model_validate({
             "name": name, "task": entry.task, "adapters": entry.adapters,
             "primary": {"backend": "torch", "path": "pkg:fn"}})
-        verifier = Comparator.for_model(config)
-        adapters, checker = verifier.adapters, verifier.task_checker
+        comparator = Comparator.for_model(config)
+        adapters, checker = comparator.adapters, comparator.task_checker
         infer_s = best_of(infer, repeat)
         task_s = best_of(lambda: checker.check(adapters.apply(ref), adapters.apply(out)), repeat)
         rows.append({"model": name, "task": entry.task, "inference_ms": 1000 * infer_s,

@@ -376,7 +376,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the field's architectures (hand-written and transformers)")
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip eager vs torch.compile (inductor compiles, minutes)")
-    parser.add_argument("--quick", action="store_true", help="the issue's six cases only")
+    parser.add_argument("--quick", action="store_true", help="the six small weight faults only")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
     import polygraphy
@@ -386,7 +386,7 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="guard-localisation-") as tmp:
         folder = Path(tmp)
-        cases = (faults.issue_cases(folder) if args.quick
+        cases = (faults.small_weight_cases(folder) if args.quick
                  else faults.corpus(folder, real=not args.no_real,
                                     families=not args.no_families,
                                     compiled=not args.no_compiled))

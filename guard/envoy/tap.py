@@ -9,7 +9,7 @@ one JSON ``HttpBufferedTrace`` (request headers and body, answer headers, body a
 Why tap rather than ext_proc, measured (benchmarks/upstream_hop.py, cells g5 and g5x): ext_proc
 opens one gRPC stream per observed call and sends it five messages, and grpcio's server spends
 ~1 ms of CPU on each stream on a 2-core EPYC whatever the handler does (an empty handler
-costs the same, aio or threads), which alone is more than issue 20's budget for guard's share.
+costs the same, aio or threads), which alone is more than the budget of guard's share of a call.
 A tap trace is one read and one ``json.loads`` on a connection held open: ~0.2 ms of CPU a
 call. The costs on Envoy's side are alike (both copy the call's bytes as they pass; neither
 waits for guard).

@@ -353,9 +353,9 @@ def _check_cells(model, prepared: PreparedModel, grid, tiers, reference: Backend
         checks = ChecksConfig.model_validate({
             "tensor": {"atol": atol, "rtol": rtol, "noise_floor": {"enabled": False}},
             "task": model.checks.task.model_dump(exclude_unset=True)})
-        verifier = Comparator(checks, prepared.task, prepared.adapters)
-        verifier.pass_stats = True  # the sweep's tables report every output's statistics
-        results = [verifier.check(ref, out) for ref, out in zip(reference.outputs, run.outputs)]
+        comparator = Comparator(checks, prepared.task, prepared.adapters)
+        comparator.pass_stats = True  # the sweep's tables report every output's statistics
+        results = [comparator.check(ref, out) for ref, out in zip(reference.outputs, run.outputs)]
         if localiser is not None:  # tier 2 on the cell's first tier-1 failure
             record = localiser.record(atol, rtol, results, prepared.samples)
             emit({**common, "atol": atol, "rtol": rtol, "tier": "activation", **record,

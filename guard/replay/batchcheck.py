@@ -15,7 +15,7 @@ ones ``Comparator.check`` computes on that record alone. Only a record that pass
 this path is reported from it. Everything else goes to ``Comparator.check`` one record at a time,
 exactly as before: a failure (which gets full statistics, reasons, and the fp64 arbiter), a
 NaN or Inf anywhere, outputs whose shapes or dtypes differ, a task checker other than
-classification. A whole batch takes the per-record path when the verifier has adapters, extra
+classification. A whole batch takes the per-record path when the comparator has adapters, extra
 tiers (tier 2) or is asked for statistics of every pass (``pass_stats``).
 
 One difference, by design: a passing output's optional statistics (mean_abs, p99_abs, max_rel,
@@ -39,10 +39,10 @@ from guard.verify.tensor import OutputCheck, TensorCheck
 NAN = math.nan
 
 
-def batchable(verifier: Comparator) -> bool:
+def batchable(comparator: Comparator) -> bool:
     """Can this verifier's checks take the batched path at all?"""
-    checker = verifier.task_checker
-    return (not verifier.adapters and not verifier.extra_tiers and verifier.pass_stats is not True
+    checker = comparator.task_checker
+    return (not comparator.adapters and not comparator.extra_tiers and comparator.pass_stats is not True
             and (checker is None or type(checker) is ClassificationChecker))
 
 
@@ -50,7 +50,7 @@ def _segment_max(rowwise: np.ndarray, starts: np.ndarray) -> list[float]:
     return np.maximum.reduceat(rowwise, starts).tolist()
 
 
-def _tensor_figures(verifier: Comparator, reference: dict, primary: dict, starts: np.ndarray,
+def _tensor_figures(comparator: Comparator, reference: dict, primary: dict, starts: np.ndarray,
                     total: int) -> dict[str, tuple[list, list, list]] | None:
     """Per output name (sorted, as ``compare_outputs``): per record (max_abs, ref_max,
     allowed), or None when some output cannot take this path."""
@@ -69,7 +69,7 @@ def _tensor_figures(verifier: Comparator, reference: dict, primary: dict, starts
         np.abs(diff, out=diff)
         max_abs = _segment_max(diff.max(axis=1), starts)
         ref_max = _segment_max(np.abs(ref.reshape(total, -1)).max(axis=1), starts)
-        tol = verifier.per_output.get(name, verifier.default)
+        tol = comparator.per_output.get(name, comparator.default)
         allowed = [tol.atol + tol.rtol * r + tol.floor for r in ref_max]
         figures[name] = (max_abs, ref_max, allowed)
     return figures
@@ -156,22 +156,22 @@ def _select(checker: ClassificationChecker, reference: dict, primary: dict) -> s
         raise _PerRecord from None
 
 
-def check_stacked(verifier: Comparator, reference: dict, primary: dict,
+def check_stacked(comparator: Comparator, reference: dict, primary: dict,
                   rows: list[int]) -> list[dict[str, TierReport] | None]:
     """Per record of a stacked batch (``rows`` rows each, in order): its tier reports when it
     passes tiers 1 and 3 on the batched path, else None (check it alone)."""
     none = [None] * len(rows)
-    if not (batchable(verifier) and all(rows) and is_flat(reference) and is_flat(primary)):
+    if not (batchable(comparator) and all(rows) and is_flat(reference) and is_flat(primary)):
         return none
     total = sum(rows)
     bounds = np.cumsum([0, *rows])
-    figures = _tensor_figures(verifier, reference, primary, bounds[:-1], total)
+    figures = _tensor_figures(comparator, reference, primary, bounds[:-1], total)
     if figures is None:
         return none
     task = None
-    if verifier.task_checker is not None:
+    if comparator.task_checker is not None:
         try:
-            task = _Classification(verifier.task_checker, reference, primary, rows,
+            task = _Classification(comparator.task_checker, reference, primary, rows,
                                    {n: f[2] for n, f in figures.items()})
         except _PerRecord:
             return none

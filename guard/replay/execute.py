@@ -107,7 +107,7 @@ class ModelRunner:
         self.name = config.name
         self.config = config
         self.pair = CheckedPair(config)  # the verifier process builds its pairs the same way
-        self.verifier = self.pair.verifier
+        self.comparator = self.pair.comparator
         self.reference = self.pair.reference
         self.primary = self.pair.primary
         # One thread per side: each runs its batches in order, back to back.
@@ -129,7 +129,7 @@ class ModelRunner:
         """Backends, tiers and noise floor, for the report."""
         return {"reference": self.reference.describe().summary(),
                 "primary": self.primary.describe().summary(),
-                "tiers": list(self.verifier.tiers),
+                "tiers": list(self.comparator.tiers),
                 "noise_floor": self.noise_floor.as_dict() if self.noise_floor else None}
 
     def close(self) -> None:
@@ -190,7 +190,7 @@ class ModelRunner:
         alone = list(inferred.answers)
         stacked = inferred.stacked
         if stacked is not None:
-            batched = check_stacked(self.verifier, stacked.reference, stacked.primary,
+            batched = check_stacked(self.comparator, stacked.reference, stacked.primary,
                                     [it.rows for it in stacked.items])
             if all(tiers is None for tiers in batched):
                 alone += stacked.split()
@@ -202,9 +202,9 @@ class ModelRunner:
                     else:
                         outcomes[item.index] = self._outcome(item, CHECKED, tiers=tiers)
         for item, reference, primary in alone:
-            check = self.verifier.check(reference, primary, inputs=item.inputs)
+            check = self.comparator.check(reference, primary, inputs=item.inputs)
             outcomes[item.index] = self._outcome(item, CHECKED,
-                                                 tiers=self.verifier.tier_reports(check))
+                                                 tiers=self.comparator.tier_reports(check))
         return [outcomes[item.index] for item in inferred.batch.items]
 
     def _both(self, inputs: dict[str, np.ndarray]) -> tuple[Future, Future]:

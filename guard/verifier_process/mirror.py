@@ -85,7 +85,7 @@ class Mirror:
         config: MirrorConfig,
         reference: Backend,
         primary: Backend,
-        verifier: Comparator,
+        comparator: Comparator,
         metrics: GuardMetrics,
         on_result: Callable[[MirrorResult], None],
         on_unchecked: Callable[[MirrorSample, str], None] | None = None,
@@ -96,7 +96,7 @@ class Mirror:
         self.config = config
         self.reference = reference
         self.primary = primary
-        self.verifier = verifier
+        self.comparator = comparator
         self.metrics = metrics
         self.on_result = on_result
         # Told about samples that were taken but never compared ("error", "timeout", or
@@ -283,7 +283,7 @@ class Mirror:
             # The answer holds only what the client asked for (upstream): compare just that.
             reference = {k: v for k, v in reference.items() if k in sample.only_outputs}
             sample.outputs = {k: v for k, v in sample.outputs.items() if k in sample.only_outputs}
-        check = self.verifier.check(reference, sample.outputs, inputs=sample.inputs)
+        check = self.comparator.check(reference, sample.outputs, inputs=sample.inputs)
         if check.unmatched:  # names, not numbers: an error of the pairing, never drift
             self._outcomes["error"].inc()
             self._log_error(f"outputs only the reference gives: {check.unmatched['reference']}, "

@@ -42,12 +42,12 @@ class VerifiedModel:
         self.slot = slot
         self.serving = serving
         self.pair = CheckedPair(config) if config.reference is not None else None
-        self.verifier: Comparator | None = self.pair.verifier if self.pair else None
+        self.comparator: Comparator | None = self.pair.comparator if self.pair else None
         self.backends = self.pair.backends if self.pair else {}
         self.activation_tier = self.pair.activation_tier if self.pair else None
         # The tiers this model runs (guard/verify/tiers.py); those whose kind says so feed the
         # route detectors (tier 2 runs on a biased sub-sample, failures: evidence only).
-        tiers = self.verifier.tiers if self.verifier else ("tensor",)
+        tiers = self.comparator.tiers if self.comparator else ("tensor",)
         self.policy_tiers = detector_tiers(tiers)
         self.policy = RoutePolicy(
             self.name, config.policy, self.policy_tiers,
@@ -113,7 +113,7 @@ class VerifiedModel:
         if self.pair is not None and self.config.mirror.sample_rate > 0:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
-                self.backends["primary"], self.verifier, self.metrics, self._on_result,
+                self.backends["primary"], self.comparator, self.metrics, self._on_result,
                 self._on_unchecked, on_span=self.serving.span, on_finished=self._finished,
             )
             if self.activation_tier is not None:  # on_failure waits for room in the queue
@@ -252,7 +252,7 @@ class VerifiedModel:
         sample = result.sample
         self.capture.submit(PendingRecord(
             sample.tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
-            reference=result.reference, tier_reports=self.verifier.tier_reports(result.check),
+            reference=result.reference, tier_reports=self.comparator.tier_reports(result.check),
             reference_seconds=result.reference_seconds, probed=result.probed,
         ))
 

@@ -116,7 +116,7 @@ class OpsFallback:
         model._record(transition, transition.evidence)
 
     def _validate(self, reference: dict, outputs: dict, inputs: dict) -> bool:
-        return self.model.verifier.check(reference, outputs, inputs).passed
+        return self.model.comparator.check(reference, outputs, inputs).passed
 
     # -- admin ------------------------------------------------------------------------------------
     def restore(self, reason: str) -> None:

@@ -31,9 +31,9 @@ class CheckedPair:
             "reference": create_backend(config.reference, "reference", config.mirror.threads),
             "primary": create_backend(config.primary, "primary"),
         }
-        self.verifier = Comparator.for_model(config, arbiter=build_arbiter(config),
+        self.comparator = Comparator.for_model(config, arbiter=build_arbiter(config),
                                              backends=self.backends)
-        self.activation_tier = self.verifier.tier("activation")
+        self.activation_tier = self.comparator.tier("activation")
         self.noise_floor: NoiseFloor | None = None
         # The reference's outputs under the primary's names (guard/backends/signature_match.py),
         # known once both sides are loaded.
@@ -82,7 +82,7 @@ class CheckedPair:
         self.noise_floor = floor
         floor.per_output = self.output_match.apply(floor.per_output)  # the primary's names
         if not floor.skipped:
-            self.verifier.set_noise_floor(floor.per_output)
+            self.comparator.set_noise_floor(floor.per_output)
         return floor
 
     def _noise_inputs(self):

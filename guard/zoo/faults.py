@@ -228,13 +228,13 @@ def weight_cases(folder: Path, seeds=range(6),
     return out
 
 
-def issue_cases(folder: Path) -> list[FaultCase]:
-    """The report's six: seeded MLPs, one Linear perturbed by 0.5-5%, tier-1 defaults."""
+def small_weight_cases(folder: Path) -> list[FaultCase]:
+    """Six small faults near tier 1's defaults: seeded MLPs, one Linear perturbed by 0.5-5%."""
     out = []
     for seed, share in zip(range(6), (0.005, 0.01, 0.02, 0.03, 0.04, 0.05)):
         clean, _ = _mlp_file(folder, seed)
         layer = f"/fc{1 + (seed + 1) % 4}/Gemm"
-        name = f"mlp{seed}-issue-{share:g}"
+        name = f"mlp{seed}-small-{share:g}"
         prim = perturb_weight(clean, folder / f"{name}.onnx", layer, share, 100 + seed)
         out.append(FaultCase(name, "weight", f"mlp{seed}", clean, prim, mlp_inputs(8, seed),
                              layer, tensor=FP32))
@@ -686,7 +686,7 @@ def corpus(folder: str | Path, real: bool = True, families: bool = True,
     installed); ``compiled``: eager vs torch.compile on the hand-written layouts."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
-    cases = (weight_cases(folder) + issue_cases(folder) + other_fault_cases(folder)
+    cases = (weight_cases(folder) + small_weight_cases(folder) + other_fault_cases(folder)
              + clean_cases(folder) + zoo_cnn_cases(folder) + [nms_clean_case(folder)])
     cases += (real_cases(folder) + silero_cases(folder)) if real else []
     if families:

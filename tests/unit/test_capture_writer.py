@@ -57,12 +57,12 @@ def read_all(folder) -> list:
 
 def test_records_round_trip_with_tensors_and_metadata(tmp_path):
     w, metrics = writer(tmp_path)
-    verifier = Comparator(ChecksConfig())
+    comparator = Comparator(ChecksConfig())
     w.start()
     ref = {"y": np.zeros((2, 3), np.float32)}
-    check = verifier.check(ref, {"y": np.ones((2, 3), np.float32)})
+    check = comparator.check(ref, {"y": np.ones((2, 3), np.float32)})
     w.submit(pending(w, 0))
-    w.submit(pending(w, 1, reference=ref, tier_reports=verifier.tier_reports(check),
+    w.submit(pending(w, 1, reference=ref, tier_reports=comparator.tier_reports(check),
                      reference_seconds=0.01))
     w.close()
     records = read_all(tmp_path / "cap")

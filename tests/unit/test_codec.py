@@ -488,7 +488,7 @@ def test_tier1_compares_decoded_bytes_outputs_for_equality_and_bf16_numerically(
     from guard.config import ChecksConfig
     from guard.verify.pipeline import Comparator
 
-    verifier = Comparator(ChecksConfig.model_validate({"tensor": {"atol": 0.01, "rtol": 0.0}}))
+    comparator = Comparator(ChecksConfig.model_validate({"tensor": {"atol": 0.01, "rtol": 0.0}}))
 
     def answer(label: bytes, score: float):
         return decode_response(upstream_response({
@@ -496,9 +496,9 @@ def test_tier1_compares_decoded_bytes_outputs_for_equality_and_bf16_numerically(
             "scores": ("BF16", np.array([[score]], dtype=ml_dtypes.bfloat16))}))
 
     reference = answer(b"0.91:3:cat", 0.5)
-    same = verifier.check(reference, answer(b"0.91:3:cat", 0.50390625))  # next bf16 up
+    same = comparator.check(reference, answer(b"0.91:3:cat", 0.50390625))  # next bf16 up
     assert same.passed, same.tiers["tensor"].summary()
-    flipped = verifier.check(reference, answer(b"0.91:4:fox", 0.5))
+    flipped = comparator.check(reference, answer(b"0.91:4:fox", 0.5))
     by_name = {o.name: o for o in flipped.tiers["tensor"].outputs}
     assert not by_name["labels"].passed and "non-numeric values differ" in by_name["labels"].reason
     assert by_name["scores"].passed and not flipped.passed

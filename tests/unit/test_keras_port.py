@@ -36,7 +36,7 @@ def checked(name: str, paths: dict, rows: int = 32) -> tuple:
         pair.load_backends()
         x = zoo_entry(name).sample_inputs(rows, 7)
         reference, primary = pair.reference.infer(x), pair.primary.infer(x)
-        return pair.verifier.check(reference, primary, x), reference, primary
+        return pair.comparator.check(reference, primary, x), reference, primary
     finally:
         pair.close()
 

@@ -28,9 +28,9 @@ def check(case):
 
 
 def test_the_reported_six_mlps_name_the_perturbed_linear(folder):
-    """The issue's corpus: one Linear perturbed by 0.5-5%, tier-1 defaults. The old fixed 0.05
+    """The small faults: one Linear perturbed by 0.5-5%, tier-1 defaults. The old fixed 0.05
     named it in 1 of 6; isolated error against the tier-1 budget names it in each."""
-    for case in faults.issue_cases(folder):
+    for case in faults.small_weight_cases(folder):
         report = check(case)
         first = report.first_divergence
         assert first is not None and first.name == case.true_layer, case.name
@@ -114,7 +114,7 @@ def test_silero_vad_cases(folder):
 def test_budget_comes_from_tier1_when_given(folder):
     from guard.verify.tensor import Tolerance, compare_outputs
 
-    case = faults.issue_cases(folder)[3]
+    case = faults.small_weight_cases(folder)[3]
     checker = checker_for(case)
     ref = checker.reference.capture(case.inputs)["y"]
     prim = checker.primary.capture(case.inputs)["y"]

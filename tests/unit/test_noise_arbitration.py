@@ -56,11 +56,11 @@ def test_floor_is_skipped_with_a_reason_when_inputs_cannot_be_generated():
 def test_verifier_allows_the_floor_on_top_of_atol_and_rtol():
     checks = ChecksConfig.model_validate({"tensor": {"atol": 1e-6, "rtol": 0.0,
                                                      "noise_floor": {"multiplier": 2.0}}})
-    verifier = Comparator(checks)
+    comparator = Comparator(checks)
     ref, out = {"y": np.zeros(3)}, {"y": np.full(3, 5e-6)}
-    assert not verifier.check(ref, out).passed
-    verifier.set_noise_floor({"y": 2.5e-6})  # allowed: 1e-6 + 2 x 2.5e-6 = 6e-6
-    result = verifier.check(ref, out)
+    assert not comparator.check(ref, out).passed
+    comparator.set_noise_floor({"y": 2.5e-6})  # allowed: 1e-6 + 2 x 2.5e-6 = 6e-6
+    result = comparator.check(ref, out)
     assert result.passed and result.outputs[0].allowed == pytest.approx(6e-6)
 
 

@@ -26,9 +26,9 @@ def test_pair_loads_measures_the_floor_and_the_verifier_allows_it():
     try:
         floor = pair.noise_floor
         assert floor is not None and not floor.skipped
-        assert pair.verifier.per_output["y"].floor == floor.per_output["y"]
+        assert pair.comparator.per_output["y"].floor == floor.per_output["y"]
         x = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)}
-        assert pair.verifier.check(pair.reference.infer(x), pair.primary.infer(x), x).passed
+        assert pair.comparator.check(pair.reference.infer(x), pair.primary.infer(x), x).passed
     finally:
         pair.close()
 
@@ -37,7 +37,7 @@ def test_replay_runs_on_the_same_assembly():
     runner = ModelRunner(config()).load()
     try:
         assert isinstance(runner.pair, CheckedPair)
-        assert runner.verifier is runner.pair.verifier
+        assert runner.comparator is runner.pair.comparator
         assert runner.noise_floor is runner.pair.noise_floor
     finally:
         runner.close()

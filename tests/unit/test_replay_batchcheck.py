@@ -56,7 +56,7 @@ def test_stacked_checks_equal_record_by_record(runner):
         start += rows
     inferred = runner.infer(Batch("cnn", items))
     assert inferred.stacked is not None and not inferred.done
-    batched = check_stacked(runner.verifier, inferred.stacked.reference,
+    batched = check_stacked(runner.comparator, inferred.stacked.reference,
                             inferred.stacked.primary, [it.rows for it in items])
     fast = [k for k, r in enumerate(batched) if r is not None]
     assert 0 < len(fast) < len(items)  # both paths taken: a real comparison
@@ -65,8 +65,8 @@ def test_stacked_checks_equal_record_by_record(runner):
     alone = inferred.stacked.split()
     verdicts = set()
     for outcome, (item, reference, primary) in zip(outcomes, alone):
-        expected = runner.verifier.tier_reports(
-            runner.verifier.check(reference, primary, inputs=item.inputs))
+        expected = runner.comparator.tier_reports(
+            runner.comparator.check(reference, primary, inputs=item.inputs))
         assert outcome.status == CHECKED
         assert comparable(outcome.tiers) == comparable(expected), f"record {item.index}"
         verdicts.add(tuple(r.passed for r in expected.values()))
@@ -84,7 +84,7 @@ def test_nonfinite_values_go_to_the_per_record_checks(runner):
     items = [ReplayItem(k, "cnn", {"image": images[k:k + 1]}) for k in range(4)]
     inferred = runner.infer(Batch("cnn", items))
     inferred.stacked.primary["logits"][2, 0] = np.nan
-    batched = check_stacked(runner.verifier, inferred.stacked.reference,
+    batched = check_stacked(runner.comparator, inferred.stacked.reference,
                             inferred.stacked.primary, [1] * 4)
     assert batched[2] is None
     outcome = runner.check(inferred)[2]

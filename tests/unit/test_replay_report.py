@@ -201,10 +201,10 @@ def test_tier_reports_carry_task_metrics_from_the_real_verifier():
 
     config = ModelConfig.model_validate({
         "name": "c", "task": "classification", "primary": {"backend": "torch", "path": "x:y"}})
-    verifier = Comparator.for_model(config)
+    comparator = Comparator.for_model(config)
     reference = {"logits": np.array([[3.0, 1.0, 0.0], [0.0, 2.0, 1.0]], np.float32)}
     primary = {"logits": np.array([[3.0, 1.0, 0.0], [0.0, 1.0, 2.0]], np.float32)}
-    reports = verifier.tier_reports(verifier.check(reference, primary))
+    reports = comparator.tier_reports(comparator.check(reference, primary))
     assert set(reports) == {"tensor", "task"}
     assert not reports["tensor"].passed and reports["tensor"].outputs[0].name == "logits"
     assert reports["task"].details["metrics"]["top1_agreement"] == 0.5

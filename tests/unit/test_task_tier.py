@@ -227,24 +227,24 @@ def test_embedding_small_batch_states_neighbours_not_applicable():
 
 # -- generic and the Comparator -----------------------------------------------------------------------------
 def test_generic_has_no_task_tier_and_says_so():
-    verifier = Comparator(ChecksConfig(), task="generic")
-    assert verifier.tiers == ("tensor",)
-    result = verifier.check({"y": np.zeros(3)}, {"y": np.zeros(3)})
+    comparator = Comparator(ChecksConfig(), task="generic")
+    assert comparator.tiers == ("tensor",)
+    result = comparator.check({"y": np.zeros(3)}, {"y": np.zeros(3)})
     assert result.passed and list(result.tiers) == ["tensor"]
     assert "tier 1 (tensor) only" in result.notes[0]
 
 
 def test_verifier_runs_task_tier_with_tier_one_tie_margin():
     checks = ChecksConfig.model_validate({"tensor": {"atol": 1e-3, "rtol": 0.0}})
-    verifier = Comparator(checks, task="classification")
-    assert verifier.tiers == ("tensor", "task")
+    comparator = Comparator(checks, task="classification")
+    assert comparator.tiers == ("tensor", "task")
     ref = {"logits": np.array([[1.0, 1.0 - 1e-4, 0.0]])}
     out = {"logits": np.array([[1.0 - 1e-4, 1.0, 0.0]])}
-    result = verifier.check(ref, out)
+    result = comparator.check(ref, out)
     assert result.passed, result.summary()
     assert result.task.metrics["near_tie_flips"] == 1
     moved = {"logits": np.array([[0.0, 1.0, 5.0]])}
-    result = verifier.check(ref, moved)
+    result = comparator.check(ref, moved)
     assert not result.passed and result.failed_tiers() == ["tensor", "task"]
     assert "task: fail (classification)" in result.summary()
 
@@ -264,7 +264,7 @@ def test_task_block_of_another_task_is_a_config_error(tmp_path):
 
 def test_task_tier_is_left_out_when_neither_side_has_its_output():
     # A client that asked for other outputs only: nothing to judge, nothing to count.
-    verifier = Comparator(ChecksConfig(), task="detection")
-    result = verifier.check({"feat": np.zeros(2)}, {"feat": np.zeros(2)})
+    comparator = Comparator(ChecksConfig(), task="detection")
+    result = comparator.check({"feat": np.zeros(2)}, {"feat": np.zeros(2)})
     assert list(result.tiers) == ["tensor"] and result.passed
     assert "tier 3 not run on this sample: neither side has output 'boxes'" in result.notes[0]

@@ -352,9 +352,9 @@ def test_max_abs_error_over_outputs():
 
 # -- Comparator with a ChecksConfig ---------------------------------------------------------------------
 def test_verifier_uses_default_tolerances():
-    verifier = Comparator(ChecksConfig.model_validate({"tensor": {"atol": 0.1, "rtol": 0.0}}))
-    assert verifier.check({"y": f64(1.0)}, {"y": f64(1.1 - 1e-9)}).passed
-    assert not verifier.check({"y": f64(1.0)}, {"y": f64(1.2)}).passed
+    comparator = Comparator(ChecksConfig.model_validate({"tensor": {"atol": 0.1, "rtol": 0.0}}))
+    assert comparator.check({"y": f64(1.0)}, {"y": f64(1.1 - 1e-9)}).passed
+    assert not comparator.check({"y": f64(1.0)}, {"y": f64(1.2)}).passed
 
 
 def test_verifier_per_output_override_falls_back_to_defaults_for_the_rest():
@@ -362,14 +362,14 @@ def test_verifier_per_output_override_falls_back_to_defaults_for_the_rest():
         {"tensor": {"atol": 0.01, "rtol": 0.0,
                     "outputs": {"logits": {"atol": 1.0}, "probs": {"rtol": 0.5}}}}
     )
-    verifier = Comparator(checks)
-    assert verifier.default == Tolerance(0.01, 0.0)
-    assert verifier.per_output["logits"] == Tolerance(1.0, 0.0)  # rtol inherited
-    assert verifier.per_output["probs"] == Tolerance(0.01, 0.5)  # atol inherited
+    comparator = Comparator(checks)
+    assert comparator.default == Tolerance(0.01, 0.0)
+    assert comparator.per_output["logits"] == Tolerance(1.0, 0.0)  # rtol inherited
+    assert comparator.per_output["probs"] == Tolerance(0.01, 0.5)  # atol inherited
 
     ref = {"logits": f64(10.0), "probs": f64(1.0), "other": f64(1.0)}
     out = {"logits": f64(10.9), "probs": f64(1.4), "other": f64(1.4)}
-    result = verifier.check(ref, out)
+    result = comparator.check(ref, out)
     by_name = {o.name: o for o in result.outputs}
     assert by_name["logits"].passed  # 0.9 <= 1.0
     assert by_name["probs"].passed  # 0.4 <= 0.01 + 0.5 * 1
@@ -388,10 +388,10 @@ def test_verifier_override_can_be_stricter():
 
 
 def test_verifier_default_checks_config():
-    verifier = Comparator(ChecksConfig())
+    comparator = Comparator(ChecksConfig())
     ref = {"y": np.ones((2, 3), np.float32)}
-    assert verifier.check(ref, {"y": ref["y"] + np.float32(1e-5)}).passed
-    assert not verifier.check(ref, {"y": ref["y"] + np.float32(1e-2)}).passed
+    assert comparator.check(ref, {"y": ref["y"] + np.float32(1e-5)}).passed
+    assert not comparator.check(ref, {"y": ref["y"] + np.float32(1e-2)}).passed
 
 
 # -- one-pass verdict, statistics for failures and a sample of passes ------------------------------

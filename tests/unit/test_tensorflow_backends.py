@@ -207,7 +207,7 @@ def test_a_keras_primary_and_its_savedmodel_reference_pass_tier_1(models):
     try:
         pair.load_backends()
         x = {"image": tf_models.images(2)}
-        assert pair.verifier.check(pair.reference.infer(x), pair.primary.infer(x), x).passed
+        assert pair.comparator.check(pair.reference.infer(x), pair.primary.infer(x), x).passed
     finally:
         pair.close()
 
