@@ -224,7 +224,7 @@ def _adapter_entry(value: Any) -> Any:
 class AdapterConfig(Strict):
     """A deterministic post-processing adapter applied to both sides before tiers 1 and 3. Its
     name and options are checked against the adapters' own registry by the plan step
-    (guard/plan/checks.py): config/ imports no check."""
+    (guard/plan/complete.py): config/ imports no check."""
 
     name: str
     options: dict[str, Any] = Field(default_factory=dict)

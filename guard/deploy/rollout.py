@@ -124,13 +124,21 @@ def _dns(name: str) -> str:
     return re.sub(r"[^a-z0-9-]+", "-", name.lower()).strip("-") or "model"
 
 
+def _evidence_tiers() -> list[str]:
+    """The registered tiers that feed no detector (guard/verify/tiers.py)."""
+    from guard.verify.tiers import tier_kinds
+
+    return [kind.name for kind in tier_kinds() if not kind.detector]
+
+
 def gate_checks(model: ModelThresholds) -> list[GateCheck]:
     """The checks for one model (none when it mirrors nothing: see the module docstring)."""
     if not model.mirrors:
         return []
     sel = model_selector(model.name, "$SELECTOR")
-    # The tiers the policy acts on: tier 2 (activation) localises, it does not trip the guard.
-    tiers = f'{sel},tier!="activation"'
+    # The tiers the policy acts on: those whose kind feeds a detector (tier 2, activation,
+    # localises: it does not trip the guard).
+    tiers = sel + "".join(f',tier!="{name}"' for name in _evidence_tiers())
     policy = model.policy
     checks = [GateCheck(
         model.name, "drift-ratio",
