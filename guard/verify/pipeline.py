@@ -40,7 +40,15 @@ from guard.verify.adapters import AdapterChain, AdapterError
 from guard.verify.structure import flatten_outputs, is_flat
 from guard.verify.task import GENERIC_NOTE, TaskCheck
 from guard.verify.tensor import OutputCheck, TensorCheck, TensorTier
-from guard.verify.tiers import Compared, Tier, TierResult, TierSetup, tier_kind, tier_kinds
+from guard.verify.tiers import (
+    Compared,
+    Tier,
+    TierResult,
+    TierSetup,
+    sample_kind,
+    tier_kind,
+    tier_kinds,
+)
 
 log = logging.getLogger("guard.verify")
 
@@ -110,9 +118,13 @@ class CheckResult:
 class Comparator:
     """The registered tiers for one model, run on each sample (see the module docstring).
 
-    ``model`` and ``backends``: the whole model block and its built backends, for a tier built
-    from more than ``checks`` and ``task`` (tier 2 captures beside the backends); a comparator
-    without them (a sweep's) runs the tiers that need neither."""
+    A model runs the registered tiers that take its kind of sample (``sample_kind(task)``):
+    tensors (tier 1 then always runs: it judges every sample, and its allowed errors are what
+    tier 3 allows), or a generative model's sampled calls (handed to its tiers as they come:
+    no flattening, no adapters, no tier 1). ``model`` and ``backends``: the whole model block
+    and its built backends, for a tier built from more than ``checks`` and ``task`` (tier 2
+    captures beside the backends); a comparator without them (a sweep's) runs the tiers that
+    need neither."""
 
     def __init__(self, checks: ChecksConfig, task: str = "generic", adapters=(), arbiter=None,
                  model: ModelConfig | None = None, backends: dict | None = None):
@@ -121,10 +133,11 @@ class Comparator:
         self.task_name = task
         self.arbiter = arbiter
         setup = TierSetup(checks, task, model, backends)
-        self.tensor = TensorTier(checks)  # tier 1 judges every sample: it always runs
-        self.runs: list[Tier] = [self.tensor]
+        self.samples = sample_kind(task)
+        self.tensor = TensorTier(checks)
+        self.runs: list[Tier] = [self.tensor] if self.samples == "tensors" else []
         for kind in tier_kinds():
-            if kind.name != self.tensor.name:
+            if kind.name != self.tensor.name and kind.takes == self.samples:
                 built = kind.build(setup)
                 if built is not None:
                     self.runs.append(built)
@@ -196,6 +209,10 @@ class Comparator:
         primary: dict[str, np.ndarray],
         inputs: dict[str, np.ndarray] | None = None,
     ) -> CheckResult:
+        if self.samples != "tensors":
+            result = CheckResult()
+            self._run(Compared(reference, primary, inputs, result.tiers, result.notes), result)
+            return result
         raw_reference = reference if is_flat(reference) else flatten_outputs(reference)
         raw_primary = primary if is_flat(primary) else flatten_outputs(primary)
         if self.reference_names is not None:
@@ -215,18 +232,7 @@ class Comparator:
         if set(ref) != set(out):
             result.unmatched = {"reference": sorted(set(ref) - set(out)),
                                 "primary": sorted(set(out) - set(ref))}
-        sample = Compared(ref, out, inputs, result.tiers, result.notes)
-        for tier in self.runs:
-            if tier is self.tensor:  # tier 1's problems are the sample's verdict, not a note
-                result.tiers[tier.name] = tier.check(sample)
-                continue
-            try:
-                checked = tier.check(sample)
-                if checked is not None:  # None: the tier skipped this sample (tier 2 samples)
-                    result.tiers[tier.name] = checked
-            except Exception as exc:  # a tier's problem is reported, it never fails the primary
-                log.exception("tier %s failed to run", tier.name)
-                result.notes.append(f"tier {tier.name} could not run: {type(exc).__name__}: {exc}")
+        self._run(Compared(ref, out, inputs, result.tiers, result.notes), result)
         if self.task_checker is None and self.task_name == "generic":
             result.notes.append(GENERIC_NOTE)
         tensor = result.tiers["tensor"]
@@ -239,6 +245,19 @@ class Comparator:
                                     "reference further from fp64 than the primary")
                 result.tiers["tensor"] = TensorCheck(True, tensor.outputs)
         return result
+
+    def _run(self, sample: Compared, result: CheckResult) -> None:
+        for tier in self.runs:
+            if tier is self.tensor:  # tier 1's problems are the sample's verdict, not a note
+                result.tiers[tier.name] = tier.check(sample)
+                continue
+            try:
+                checked = tier.check(sample)
+                if checked is not None:  # None: the tier skipped this sample (tier 2 samples)
+                    result.tiers[tier.name] = checked
+            except Exception as exc:  # a tier's problem is reported, it never fails the primary
+                log.exception("tier %s failed to run", tier.name)
+                result.notes.append(f"tier {tier.name} could not run: {type(exc).__name__}: {exc}")
 
     @staticmethod
     def tier_reports(result: CheckResult) -> dict[str, "TierReport"]:

@@ -20,10 +20,20 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
 
 if TYPE_CHECKING:
     from guard.config import ChecksConfig, ModelConfig
+
+
+# What a sample is: a tensor model's named outputs, or a generative model's sampled call
+# (guard/protocol/generation.py: ``GenerationSample`` and the reference's per-token scores).
+SampleKind = Literal["tensors", "generation"]
+
+
+def sample_kind(task: str) -> SampleKind:
+    """The kind of sample a model's tiers judge, from its ``task``."""
+    return "generation" if task == "generation" else "tensors"
 
 
 class TierResult(Protocol):
@@ -72,6 +82,8 @@ class TierKind:
     """One tier, declared in its own module as ``TIER``.
 
     - ``name``: the ``tier`` label value and the report's key.
+    - ``takes``: the kind of sample it judges (``tensors``; ``generation``: a sampled LLM
+      call); a model runs the registered tiers that take its kind of sample.
     - ``build``: ``(TierSetup) -> Tier | None``; None: this model does not run the tier.
     - ``detector``: its per-sample failures feed the route detectors (False: evidence only, as
       tier 2's, which runs on a biased sub-sample: failures).
@@ -85,6 +97,7 @@ class TierKind:
 
     name: str
     build: Callable[[TierSetup], Tier | None]
+    takes: SampleKind = "tensors"
     detector: bool = True
     details: Callable[[Any], dict] | None = None
     summary: Callable[[Any, dict], str] | None = None

@@ -5,6 +5,7 @@ exposition and its section, figures and column in the replay report."""
 from __future__ import annotations
 
 import json
+import sys
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,3 +111,56 @@ def test_a_registered_tier_runs_is_exposed_and_reported(toy):
 def test_without_its_registration_the_tier_is_nowhere():
     assert "toy" not in Comparator(ChecksConfig(), "generic").tiers
     assert "toy" not in ModelAggregate(MODEL).result()["tiers"]
+
+
+# -- a tier of another kind of sample: what the generation tier needs -----------------------------
+@dataclass
+class Divergence:
+    passed: bool
+    statistic: float  # mean KLD per token, nats: the detector's continuous input
+
+    def summary(self) -> str:
+        return f"mean KLD {self.statistic:.3g} nats/token"
+
+    def as_dict(self) -> dict:
+        return {"passed": self.passed, "kld": self.statistic}
+
+
+class TokenKld:
+    name = "toygen"
+
+    def check(self, sample):
+        """``reference``/``primary``: per-token distributions over a shared vocabulary (what a
+        teacher-forced reference and the primary's top logprobs give)."""
+        p, q = np.asarray(sample.reference), np.asarray(sample.primary)
+        kld = float(np.mean(np.sum(p * np.log(p / q), axis=-1)))
+        return Divergence(kld <= 0.01, kld)
+
+
+GENERATION = TierKind("toygen", build=lambda setup: TokenKld(), takes="generation")
+
+
+@pytest.fixture
+def toygen(monkeypatch):
+    import types
+
+    module = types.ModuleType("toygen_tier")
+    module.TIER = GENERATION
+    monkeypatch.setitem(sys.modules, "toygen_tier", module)
+    register_tier("toygen", "toygen_tier")
+    yield
+    TIER_MODULES.pop("toygen")
+
+
+def test_a_generation_tier_judges_sampled_calls_without_tier_1(toygen):
+    tensors = Comparator(ChecksConfig(), "classification")
+    assert "toygen" not in tensors.tiers  # it takes another kind of sample
+    calls = Comparator(ChecksConfig(), "generation")
+    assert calls.tiers == ("toygen",)
+    reference = [[0.7, 0.2, 0.1], [0.5, 0.25, 0.25]]
+    same = calls.check(reference, reference)
+    drifted = calls.check(reference, [[0.2, 0.7, 0.1], [0.5, 0.25, 0.25]])
+    assert same.passed and same.tiers["toygen"].statistic == pytest.approx(0.0)
+    assert not drifted.passed and drifted.tiers["toygen"].statistic > 0.1
+    assert set(drifted.tiers) == {"toygen"}
+    assert tier_reports(drifted)["toygen"].details["kld"] == drifted.tiers["toygen"].statistic
