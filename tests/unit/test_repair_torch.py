@@ -75,8 +75,13 @@ def test_tensorrt_layers_are_onnx_node_names_and_rebuild_with_fp32_layers(tmp_pa
     nodes = onnx.load(onnx_path).graph.node
     (norm,) = [n.name for n in nodes if "norm.weight" in n.input]
     (fc1,) = [n.name for n in nodes if "fc1.weight" in n.input]
-    spec = BackendConfig(backend="tensorrt", path=onnx_path, precision="fp16",
-                         options={"fp32_layers": [fc1], "workspace_mib": 512})
+    from guard.config import ConfigContext
+    from guard.plan.serving import backend_block
+
+    # Planned as a config's block is (TensorRT's declaration puts it on the GPU).
+    spec = backend_block({"backend": "tensorrt", "path": onnx_path, "precision": "fp16",
+                          "options": {"fp32_layers": [fc1], "workspace_mib": 512}},
+                         ConfigContext(), "a block")
     strategy = keep_back_for(spec)
     assert isinstance(strategy, TensorRTLayers)
     capture = strategy.capture_spec()  # tier 2 captures ONNX Runtime's fp16 variant
