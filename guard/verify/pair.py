@@ -64,7 +64,7 @@ class CheckedPair:
         self.output_match = pair_outputs(self.name, self.reference, self.primary)
         check_pair(self.name, self.output_match.rename_info(self.reference.describe()),
                    self.primary.describe())
-        self.verifier.match_reference(self.output_match)
+        self.comparator.match_reference(self.output_match)
 
     def measure_noise_floor(self) -> NoiseFloor:
         """The reference against itself; tier 1 then allows the floor. A floor that cannot be

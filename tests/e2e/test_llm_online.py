@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 # Real servers generating and a real reference scoring on a shared CPU: minutes, not seconds.
 pytestmark = pytest.mark.timeout(900)
 
-from guard.config import load_config  # noqa: E402
+from guard.plan.serving import load_config  # noqa: E402
 from guard.serve.app import BackgroundServer  # noqa: E402
 from guard.zoo.llm import PROMPTS, quant_ladder  # noqa: E402
 

@@ -62,7 +62,7 @@ def test_text_log_format_keeps_the_prefix(tmp_path):
 
 
 def test_log_format_is_text_or_json(tmp_path):
-    from guard.config import load_config
+    from guard.plan.serving import load_config
     from guard.errors import ConfigError
 
     config = write_config(tmp_path, [model_block()], log_format="yaml")

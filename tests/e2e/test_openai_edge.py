@@ -18,7 +18,7 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
 
-from guard.config import load_config
+from guard.plan.serving import load_config
 from guard.ipc import wire
 from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from guard.config import parse_config
+from guard.plan.serving import parse_config
 from guard.errors import ConfigError
 
 LINE = re.compile(r"^\S.*?: \S.*$")

@@ -9,7 +9,7 @@ import random
 
 import pytest
 
-from guard.config import parse_config
+from guard.plan.serving import parse_config
 from guard.errors import ConfigError
 from guard.ipc import wire
 from guard.ipc.ring import SampleRing
