@@ -191,9 +191,10 @@ def cmd_in_process(workdir: Path, rate: float, samples: int, ort_threads: int) -
     def feed(k: int) -> float:
         t0 = time.thread_time()
         i = k % 64
-        parts = wire.encode(wire.MIRROR, "primary", slot, 0, time.time_ns(), 0.001, model.name,
-                            f"r{k}", "", (), {"image": inputs[i:i + 1]},
-                            {"logits": expected[i:i + 1]})
+        parts = wire.encode(wire.Sample(
+            model.name, slot, "primary", 0, wire.MIRROR, f"r{k}", "", 0.001,
+            wire.Tensors({"image": inputs[i:i + 1]}, {"logits": expected[i:i + 1]}),
+            time.time_ns()))
         if not ring.put(parts):
             raise RuntimeError("ring full")
         return time.thread_time() - t0

@@ -60,7 +60,7 @@ The targets (issue 20), as ratios of this run at each C:
   verifier <= 1.05x Envoy alone's; added p50 (over direct) <= Envoy's + 0.05 ms; req/s >= 0.95x
   Envoy alone's.
 - Envoy mode, mirroring 5% (g5): guard's share of CPU per request (serving process, i.e. the
-  observer and the hand-over to the ring, plus the verifier, less the reference's forward passes)
+  observer and the hand-off to the ring, plus the verifier, less the reference's forward passes)
   <= 0.25x Envoy alone's CPU per request. The forward passes subtracted are the verifier's own
   timing (``guard_reference_duration_seconds``, wall time: under load it includes time the
   forward waited for a core, so it subtracts at least the forward's CPU); the figure with the

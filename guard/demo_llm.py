@@ -105,11 +105,10 @@ def _wait_http(url: str, process: subprocess.Popen, what: str, timeout: float = 
 def llm_demo_config(upstreams: dict[str, str], reference: dict, ports: dict[str, int]) -> dict:
     def upstream(url: str, alias: str) -> dict:
         # sample_logprobs: guard asks llama.cpp for 5 alternatives per token on sampled calls
-        # (the per-token KL needs them) and strips them from the client's answer.
+        # (the per-token KL needs them) and strips them from the client's answer; engine:
+        # llama.cpp's sampler defaults and order, which the tier needs for sampled calls.
         return {"backend": "openai", "target": url, "model": alias,
-                "options": {"sample_logprobs": 5,
-                            "server_defaults": {"temperature": 0.8, "top_k": 40,
-                                                "top_p": 0.95, "min_p": 0.05}}}
+                "options": {"sample_logprobs": 5, "engine": "llama.cpp"}}
 
     return {
         "version": 1,

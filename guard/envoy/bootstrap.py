@@ -50,7 +50,7 @@ HEALTH_CLUSTER = "guard_health"
 EXTRACTION_FILTER = "envoy.filters.http.grpc_field_extraction"
 EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 TAP_FILTER = "envoy.filters.http.tap"
-TAP_CONFIG_ID = "guard"  # the tap guard/envoy/tap.py attaches through the admin API
+TAP_CONFIG_ID = "guard"  # the tap guard/envoy/tap_filter.py attaches through the admin API
 ROLES = ("primary", "fallback")
 SAMPLED = "_sampled"
 WEIGHTS = 1_000_000  # the weights of a model's clusters add up to this (a sample rate in ppm)
@@ -316,7 +316,7 @@ def _ext_proc_filter() -> dict:
 
 def _tap_filter() -> dict:
     """Envoy's tap, controlled through the admin API: it taps nothing until guard's reader
-    (guard/envoy/tap.py) attaches a match and an output to config id ``guard``."""
+    (guard/envoy/tap_filter.py) attaches a match and an output to config id ``guard``."""
     return {"name": TAP_FILTER, "typed_config": {
         "@type": _TYPE + "envoy.extensions.filters.http.tap.v3.Tap",
         "common_config": {"admin_config": {"config_id": TAP_CONFIG_ID}}}}

@@ -114,7 +114,7 @@ def _headers(header_map) -> dict[str, str]:
 
 class Outcomes:
     """``guard_observer_calls_total{outcome}``, and the same figures without a registry
-    (``counts``), for either observer (ext_proc here, tap in guard/envoy/tap.py)."""
+    (``counts``), for either observer (ext_proc here, tap in guard/envoy/tap_filter.py)."""
 
     def __init__(self, metrics: GuardMetrics | None = None):
         self.counts = dict.fromkeys(OUTCOMES, 0)

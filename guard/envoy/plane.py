@@ -6,8 +6,8 @@ data plane and hands the request path to Envoy:
   only; Envoy routes ``/grpc.health.v1.Health/`` on ``grpc_port`` there, so a probe on
   ``grpc_port`` is answered only when Envoy's listener and guard are up, and guard is ready
   only once it has loaded the models (upstreams ready) and Envoy serves;
-- the observer of sampled calls, its calls into the sample ring (guard/envoy/handoff.py): a
-  tap held on Envoy's admin API (guard/envoy/tap.py, ``server.envoy.observer: tap``, the
+- the observer of sampled calls, its calls into the sample ring (guard/envoy/hand_off.py): a
+  tap held on Envoy's admin API (guard/envoy/tap_filter.py, ``server.envoy.observer: tap``, the
   default) or an ext_proc service on loopback (guard/envoy/observer.py);
 - Envoy as a supervised child (guard/envoy/process.py), its bootstrap built from the config, the
   bound ports and the current routes (guard/envoy/bootstrap.py); or, with
@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 from guard.config import GuardConfig
 from guard.envoy import bootstrap, stats
 from guard.envoy.attached import AttachedEnvoy
-from guard.envoy.handoff import Handoff
+from guard.envoy.hand_off import HandOff
 from guard.envoy.process import EnvoyProcess, find_envoy
 from guard.envoy.routes import RouteSync
 from guard.errors import GuardError
@@ -51,7 +51,7 @@ class EnvoyPlane:
         self.layout = bootstrap.Layout()
         self.observer_port = 0
         self.health_port = 0
-        self.handoff: Handoff | None = None
+        self.hand_off: HandOff | None = None
         self.routes: RouteSync | None = None
         self.process: EnvoyProcess | AttachedEnvoy | None = None
         self._observer_server = None
@@ -96,14 +96,14 @@ class EnvoyPlane:
         their current routes); GuardError when Envoy does not come up."""
         self.models = models
         self.health_port = health_port
-        self.handoff = Handoff(models, self.ring, self.metrics)
+        self.hand_off = HandOff(models, self.ring, self.metrics)
         if self.settings.observer == "tap":
             from guard.envoy.observer import Outcomes
-            from guard.envoy.tap import TapReader
+            from guard.envoy.tap_filter import TapFilterReader
 
             # One reader thread is the ring's one producer in Envoy mode.
             # Each way: a message of the largest size and its 5-byte gRPC prefix.
-            self._tap = TapReader(self.handoff.on_call, lambda: self.admin_port,
+            self._tap = TapFilterReader(self.hand_off.on_call, lambda: self.admin_port,
                                   Outcomes(self.metrics), self.config.server.max_message_bytes + 5)
         else:
             await self._start_ext_proc(2 * self.config.server.max_message_bytes)
@@ -151,7 +151,7 @@ class EnvoyPlane:
     async def _start_ext_proc(self, max_call_bytes: int) -> None:
         from guard.envoy.observer import Observer, start_observer
 
-        observer = Observer(self.handoff.on_call, self.metrics, max_call_bytes=max_call_bytes)
+        observer = Observer(self.hand_off.on_call, self.metrics, max_call_bytes=max_call_bytes)
         try:
             self._observer_server, self.observer_port = await start_observer(
                 observer, "127.0.0.1", self.settings.observer_port)

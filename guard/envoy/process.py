@@ -6,9 +6,11 @@ restart, stop.
   Ready means admin ``/ready`` answers LIVE and the listener is bound (its port read from
   ``/listeners``: with ``grpc_port: 0`` Envoy picks it, and every later start is given that
   port, so clients keep their address across a restart).
-- **watch**: a thread waits for the child's exit (a pidfd, so no polling); a death is counted (``guard_envoy_restarts_total``), an
-  event (``envoy_lost``), and Envoy starts again after ``server.envoy.restart_backoff_s``
-  (doubling per death in a row up to 10 s, reset after a minute of good health). The bootstrap
+- **watch**: guard's one ``ChildSupervisor`` (guard/runtime/children.py, the same as for the
+  verifier and the serving processes) waits for the child's exit (a pidfd, so no polling); a
+  death is counted (``guard_envoy_restarts_total``), an event (``envoy_lost``), and Envoy
+  starts again after ``server.envoy.restart_backoff_s`` (doubling per death in a row up to its
+  ceiling in ``RESTART_POLICIES``, reset after a minute of good health). The bootstrap
   of a restart is built again from the current routes (``bootstrap()`` is a callable), so the
   new Envoy starts where the old one was: the routes are in its runtime's static layer from
   its first request, and ``on_started`` pushes them again through the admin layer.
@@ -22,7 +24,7 @@ restart, stop.
   ``drain_time_s`` + 5 s.
 
 Why not Envoy's own restarter script or a process manager: guard already supervises its
-verifier and serving processes the same way, with the same metrics and events.
+verifier and serving processes, with the same policy, metrics and events.
 """
 
 from __future__ import annotations
@@ -44,11 +46,8 @@ from typing import Callable
 from guard.config.envoy import EnvoyConfig
 from guard.errors import GuardError
 from guard.observe.events import emit
-from guard.runtime.children import exit_reason, wait_exit
+from guard.runtime.children import RESTART_POLICIES, ChildSupervisor
 
-_MAX_BACKOFF_S = 10.0
-_HEALTHY_AFTER_S = 60.0
-_WATCH_S = 0.5  # the longest wait on one Envoy: after it, a hot restart's new one is watched
 _CANNOT_BIND = re.compile(r"cannot bind '([^']+)': ([^`|\n]+)")
 
 
@@ -91,6 +90,11 @@ def envoy_series(registry=None):
 
 
 class EnvoyProcess:
+    """guard's own Envoy, a ``Child`` of ``ChildSupervisor``."""
+
+    kind = "envoy"
+    fields: dict = {}
+
     def __init__(self, binary: str, settings: EnvoyConfig,
                  bootstrap: Callable[[int, int], dict], metrics_registry=None,
                  on_started: Callable[["EnvoyProcess"], None] | None = None):
@@ -104,7 +108,6 @@ class EnvoyProcess:
         self.bootstrap = bootstrap
         self.on_started = on_started
         self.folder = Path(tempfile.mkdtemp(prefix="guard-envoy-"))
-        self.process: subprocess.Popen | None = None
         self.retiring: list[subprocess.Popen] = []  # old epochs of a hot restart, draining
         self.listener_port = 0
         self.admin_port = 0
@@ -118,29 +121,30 @@ class EnvoyProcess:
                                     registry=metrics_registry)
         self._lock = threading.RLock()
         self._launching = threading.Lock()  # one start at a time: a restart, a hot restart
-        self._stopping = threading.Event()
-        self._watcher: threading.Thread | None = None
-        self._backoff = settings.restart_backoff_s
-        self._started_at = 0.0
         self._log = None
+        self.supervisor = ChildSupervisor(
+            self, RESTART_POLICIES[self.kind].with_first(settings.restart_backoff_s),
+            self.restarts)
+
+    @property
+    def process(self) -> subprocess.Popen | None:
+        return self.supervisor.process
 
     # -- start ----------------------------------------------------------------------------------
     def start(self, listener_port: int) -> None:
         """Start the first Envoy and wait until it serves; GuardError with Envoy's own last log
         lines when it cannot."""
         self.listener_port = listener_port
-        self._launch(epoch=0)
-        self._watcher = threading.Thread(target=self._watch, name="guard-envoy-watch",
-                                         daemon=True)
-        self._watcher.start()
+        self.supervisor.start()
 
-    def _launch(self, epoch: int) -> None:
+    def launch(self) -> subprocess.Popen:
+        """A fresh Envoy (epoch 0), ready (``Child``: the first start and every restart)."""
+        with self._launching:
+            return self._launch_now(0)
+
+    def _launch_now(self, epoch: int) -> subprocess.Popen:
         """Start an Envoy at ``epoch`` (0: a fresh one; more: a hot restart of the current one)
         and wait until it is ready."""
-        with self._launching:
-            self._launch_now(epoch)
-
-    def _launch_now(self, epoch: int) -> None:
         settings = self.settings
         config_file = self.folder / f"bootstrap-{epoch}.json"
         admin_file = self.folder / f"admin-{epoch}.txt"
@@ -175,19 +179,21 @@ class EnvoyProcess:
                 process.wait(5)
             raise
         with self._lock:
-            old, self.process = self.process, process
-            if old is not None and epoch > 0:
-                self.retiring.append(old)
+            if epoch > 0:  # the old epoch drains and exits by itself
+                self.retiring = [p for p in self.retiring if p.poll() is None]
+                old = self.supervisor.replace(process)
+                if old is not None:
+                    self.retiring.append(old)
             self.admin_port, self.listener_port = admin_port, listener_port
             self.epoch = epoch
             if epoch == 0:
                 self.base_id = int((self.folder / "base-id.txt").read_text().strip())
                 self._base_ids.add(self.base_id)
                 self.generation += 1
-            self._started_at = time.monotonic()
         self.up.set(1)
         if self.on_started is not None:
             self.on_started(self)
+        return process
 
     def _wait_ready(self, process: subprocess.Popen, admin_file: Path) -> tuple[int, int]:
         """(admin port, listener port) once admin /ready says LIVE and the listener is bound."""
@@ -249,33 +255,13 @@ class EnvoyProcess:
         emit("envoy_hot_restarted", epoch=epoch, pid=self.process.pid,
              drain_s=self.settings.drain_time_s)
 
-    # -- watching ---------------------------------------------------------------------------------
-    def _watch(self) -> None:
-        while not self._stopping.is_set():
-            with self._lock:
-                process = self.process
-                self.retiring = [p for p in self.retiring if p.poll() is None]
-            code = wait_exit(process, _WATCH_S)  # wakes at the exit, idle otherwise
-            with self._lock:
-                current = process is self.process  # a hot restart replaced it meanwhile
-            if code is None or not current or self._stopping.is_set():
-                continue
-            self.up.set(0)
-            self.restarts.inc()
-            if time.monotonic() - self._started_at > _HEALTHY_AFTER_S:
-                self._backoff = self.settings.restart_backoff_s
-            emit("envoy_lost", pid=process.pid, how=exit_reason(code),
-                 restart_in_s=round(self._backoff, 2), log=self.log_tail(5))
-            while not self._stopping.wait(self._backoff):
-                self._backoff = min(_MAX_BACKOFF_S, self._backoff * 2)
-                try:
-                    self._launch(epoch=0)
-                except GuardError as exc:
-                    emit("envoy_restart_failed", error=str(exc),
-                         retry_in_s=round(self._backoff, 2))
-                    continue
-                emit("envoy_restarted", pid=self.process.pid, listener_port=self.listener_port)
-                break
+    # -- watching (ChildSupervisor) -------------------------------------------------------------
+    def hung(self, process: subprocess.Popen) -> str | None:
+        return None  # Envoy answers its admin API or dies; a death is what is watched
+
+    def lost(self, process: subprocess.Popen, how: str) -> dict:
+        self.up.set(0)
+        return {"log": self.log_tail(5)}
 
     @property
     def serving(self) -> bool:
@@ -305,9 +291,10 @@ class EnvoyProcess:
     def stop(self) -> None:
         """Drain, then SIGTERM every Envoy of ours (the current one and draining ones), SIGKILL
         the ones that take longer than drain_time_s + 5 s."""
-        self._stopping.set()
-        if self._watcher is not None:
-            self._watcher.join(5)
+        self.supervisor.stop(self.settings.drain_time_s + 5)
+
+    def end(self, current: subprocess.Popen | None, grace: float) -> None:
+        """``Child``: how ``stop`` ends the Envoys (``grace``: drain_time_s + 5 s)."""
         self.drain()
         with self._lock:
             processes = [p for p in (self.process, *self.retiring) if p is not None]
@@ -316,7 +303,7 @@ class EnvoyProcess:
                 process.send_signal(signal.SIGTERM)
         for process in processes:
             try:
-                process.wait(self.settings.drain_time_s + 5)
+                process.wait(grace)
             except subprocess.TimeoutExpired:
                 process.kill()
                 process.wait(5)

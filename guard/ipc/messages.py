@@ -163,15 +163,16 @@ class Init(Message):
 
     ``kept``: the ops a repaired primary keeps back, per model, with ``primaries``: that
     primary's rebuilt backend block (wire form), so a serving process builds it without the
-    repair code. ``resume``: the route words a previous verifier left (a restart). ``port``:
-    the data-plane port an extra serving process binds (SO_REUSEPORT)."""
+    repair code. ``resume``: the route words a previous verifier left (a restart). ``ports``:
+    the ports the first serving process bound, by edge name (guard/serve/edges.py), which an
+    extra serving process binds too (SO_REUSEPORT)."""
 
     config: dict
     slots: dict[str, int]
     kept: dict[str, list[str]] = field(default_factory=dict)
     primaries: dict[str, dict] = field(default_factory=dict)
     resume: dict[str, int] = field(default_factory=dict)
-    port: int = 0
+    ports: dict[str, int] = field(default_factory=dict)
 
 
 @message

@@ -1,13 +1,18 @@
-"""A sampled request as bytes in the sample ring, and back: a fixed header, a few strings, then
-the tensors as (name, dtype, shape, raw bytes). No pickle: the verifier never executes anything
-a record says, and a record is only ever read as data.
+"""A sampled call (``Sample``) as bytes in the sample ring, and back: a fixed header, a few
+strings, then the payload. The record encodes exactly a ``Sample``: ``decode(encode(s))`` equals
+``s`` (with ``size``, the record's length, filled in). No pickle: the verifier never executes
+anything a record says, and a record is only ever read as data.
 
-A local backend's answer travels as tensors. An upstream's answer (and a tap observation)
-travels as the serialized protocol messages, so the serving process never decodes an answer it
-only forwarded: the verifier decodes it (``guard.protocol.codec``) when it checks the sample.
-A sampled LLM call (the OpenAI-compatible edge) travels as one ``GenerationSample``: the UTF-8
-JSON of ``guard.protocol.generation.to_dict`` (text in, text out; ``decode`` rejects a record
-whose JSON or sample does not read, with ValueError).
+A sample's payload is one of three kinds, each answering ``request()`` (the inputs and the
+outputs the client asked for) and ``answer()`` (the primary's outputs) the same way:
+
+- ``Tensors``: a local backend's answer, inputs and outputs as (name, dtype, shape, raw bytes);
+- ``Messages``: an upstream's answer (and a tap observation) as the serialized OIP messages, so
+  the serving process never decodes an answer it only forwarded: the verifier decodes them
+  (``guard.protocol.codec``) when it checks the sample;
+- ``Generation``: an LLM call (guard/protocol/generation.py ``GenerationSample``: prompt,
+  completion tokens and logprobs, sampling parameters), as UTF-8 JSON: it is text, and a JSON
+  body is what it came as.
 
 The tensors' bytes are not copied into an intermediate buffer: ``encode`` returns a list of
 parts (small headers and memoryviews of the arrays) that the ring copies in once.
@@ -18,11 +23,12 @@ from __future__ import annotations
 import json
 import struct
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
+from typing import Mapping, Union
 
 import numpy as np
 
-from guard.protocol.generation import GenerationSample, from_dict, to_dict
+from guard.protocol import generation
 
 MIRROR, CAPTURE = 1, 2  # flags: hand to the mirror; record it (capture mode "all")
 TENSORS, MESSAGES, GENERATION = 0, 1, 2  # payload kinds
@@ -33,28 +39,88 @@ _U16 = struct.Struct("<H")
 _TENSOR = struct.Struct("<HBB")  # name length, dtype length, ndim
 _U64 = struct.Struct("<Q")
 _OBJECT = "|O"  # BYTES tensors: elements as u32-length-prefixed byte strings
+Arrays = Mapping[str, np.ndarray]
 
 
-@dataclass
-class HandedSample:
-    """A record decoded in the verifier."""
+class NotTensors(ValueError):
+    """A payload that has no tensors to compare (an LLM call: the generation tier's)."""
 
-    flags: int
-    route: str
-    slot: int
-    epoch: int
-    unix_nanos: int
-    request_seconds: float
+
+@dataclass(frozen=True, slots=True)
+class Tensors:
+    """A local backend's answer: every input and every output (all are compared)."""
+
+    inputs: Arrays
+    outputs: Arrays
+    kind = TENSORS
+
+    def request(self) -> tuple[Arrays, tuple[str, ...]]:
+        return self.inputs, ()
+
+    def answer(self) -> Arrays:
+        return self.outputs
+
+
+@dataclass(frozen=True, slots=True)
+class Messages:
+    """The serialized OIP ``ModelInferRequest`` and ``ModelInferResponse`` (an upstream's
+    answer, a tap observation); the serving process may hand message objects, serialized only
+    when the sample is encoded."""
+
+    request_message: bytes
+    response_message: bytes
+    kind = MESSAGES
+
+    def request(self) -> tuple[Arrays, tuple[str, ...]]:
+        """The inputs, and the outputs the request asked for (an upstream answered just
+        those, so only they are compared)."""
+        from tritonclient.grpc import service_pb2 as pb
+
+        from guard.protocol.codec import decode_request
+
+        decoded = decode_request(pb.ModelInferRequest.FromString(self.request_message))
+        return decoded.inputs, tuple(decoded.requested_outputs)
+
+    def answer(self) -> Arrays:
+        from tritonclient.grpc import service_pb2 as pb
+
+        from guard.protocol.codec import decode_response
+
+        return decode_response(pb.ModelInferResponse.FromString(self.response_message))
+
+
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One LLM call (prompt, completion tokens with their logprobs, sampling parameters)."""
+
+    call: generation.GenerationSample
+    kind = GENERATION
+
+    def request(self) -> tuple[Arrays, tuple[str, ...]]:
+        raise NotTensors("an LLM call carries no tensors (the generation tier checks it)")
+
+    def answer(self) -> Arrays:
+        raise NotTensors("an LLM call carries no tensors (the generation tier checks it)")
+
+
+Payload = Union[Tensors, Messages, Generation]
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One sampled call, as a serving process hands it off and the verifier reads it."""
+
     model: str
+    slot: int  # the model's route slot (guard/ipc/routes.py)
+    route: str  # "primary" or "fallback": what answered the client
+    epoch: int  # the route policy's epoch when it was routed
+    flags: int  # MIRROR and/or CAPTURE
     request_id: str
-    traceparent: str
-    requested_outputs: tuple[str, ...]
-    inputs: dict[str, np.ndarray] = field(default_factory=dict)
-    outputs: dict[str, np.ndarray] | None = None  # TENSORS
-    request_message: bytes = b""  # MESSAGES: a serialized ModelInferRequest...
-    response_message: bytes = b""  # ...and ModelInferResponse
-    generation: "GenerationSample | None" = None  # GENERATION: the sampled LLM call
-    size: int = 0
+    traceparent: str  # W3C trace context ("" without tracing)
+    request_seconds: float  # the call as the serving process timed it
+    payload: Payload
+    unix_nanos: int = 0  # when it was handed off (stamped by ``hand_off``)
+    size: int = 0  # the record's bytes (set by ``decode``: the queues' byte budgets)
 
 
 def _string(value: str) -> bytes:
@@ -79,69 +145,48 @@ def _tensor_parts(name: str, array: np.ndarray, parts: list) -> None:
     parts.append(data)
 
 
-def encode(flags: int, route: str, slot: int, epoch: int, unix_nanos: int,
-           request_seconds: float, model: str, request_id: str, traceparent: str,
-           requested_outputs, inputs: dict | None = None, outputs: dict | None = None,
-           request_message: bytes = b"", response_message: bytes = b"") -> list:
+def encode(sample: Sample) -> list:
     """The parts of one record, for ``SampleRing.put``."""
-    kind = TENSORS if outputs is not None else MESSAGES
-    head = (_FIXED.pack(flags, 1 if route == "fallback" else 0, kind, slot, epoch, unix_nanos,
-                        request_seconds)
-            + _string(model) + _string(request_id) + _string(traceparent)
-            + _string("\0".join(requested_outputs or ())))
+    payload = sample.payload
+    kind = payload.kind
+    head = (_FIXED.pack(sample.flags, 1 if sample.route == "fallback" else 0, kind, sample.slot,
+                        sample.epoch, sample.unix_nanos, sample.request_seconds)
+            + _string(sample.model) + _string(sample.request_id) + _string(sample.traceparent))
     parts: list = [head]
     if kind == TENSORS:
-        for group in (inputs, outputs):
+        for group in (payload.inputs, payload.outputs):
             parts.append(_U16.pack(len(group)))
             for name, array in group.items():
                 _tensor_parts(name, array, parts)
+    elif kind == MESSAGES:
+        for message in (payload.request_message, payload.response_message):
+            data = _serialized(message)
+            parts += [_U64.pack(len(data)), data]
     else:
-        parts += [_U64.pack(len(request_message)), request_message,
-                  _U64.pack(len(response_message)), response_message]
+        data = json.dumps(generation.to_dict(payload.call), ensure_ascii=False,
+                          separators=(",", ":")).encode()
+        parts += [_U64.pack(len(data)), data]
     return parts
 
 
-def encode_generation(flags: int, slot: int, epoch: int, unix_nanos: int, model: str,
-                      traceparent: str, sample: GenerationSample) -> list:
-    """The parts of one GENERATION record: the common header (route, request id and the
-    edge's timing taken from ``sample``), then the sample's JSON."""
-    head = (_FIXED.pack(flags, 1 if sample.route == "fallback" else 0, GENERATION, slot, epoch,
-                        unix_nanos, sample.request_seconds)
-            + _string(model) + _string(sample.request_id) + _string(traceparent) + _string(""))
-    body = json.dumps(to_dict(sample), ensure_ascii=False, separators=(",", ":")).encode()
-    return [head, _U64.pack(len(body)), body]
+def _serialized(message) -> bytes:
+    if isinstance(message, (bytes, bytearray, memoryview)):
+        return message
+    return message.SerializeToString() if message is not None else b""
 
 
-def hand_over(ring, flags: int, route: str, slot: int, epoch: int, request_seconds: float,
-              model: str, request_id: str, traceparent: str, inputs: dict | None = None,
-              outputs: dict | None = None, request_message: bytes = b"",
-              response_message: bytes = b"", mirror_dropped=None, capture_dropped=None) -> bool:
-    """One sample into ``ring`` (a ``SampleRing``), stamped now; True when it went in.
+def hand_off(ring, sample: Sample, mirror_dropped=None, capture_dropped=None) -> bool:
+    """``sample`` into ``ring`` (a ``SampleRing``), stamped now; True when it went in.
 
-    The one hand-over both producers share (the data plane's ``ServedModel.after_response``
-    and Envoy mode's observer hand-off): a full ring never waits, it drops the sample and counts
-    it on ``mirror_dropped`` / ``capture_dropped`` (counters with ``inc()``, or None), the one
-    for each flag the sample carried."""
-    parts = encode(flags, route, slot, epoch, time.time_ns(), request_seconds, model,
-                   request_id, traceparent, (), inputs, outputs, request_message,
-                   response_message)
-    return _put(ring, parts, flags, mirror_dropped, capture_dropped)
-
-
-def hand_over_generation(ring, flags: int, slot: int, epoch: int, model: str,
-                         traceparent: str, sample: GenerationSample, mirror_dropped=None,
-                         capture_dropped=None) -> bool:
-    """``hand_over`` for a sampled LLM call (the OpenAI-compatible edge)."""
-    parts = encode_generation(flags, slot, epoch, time.time_ns(), model, traceparent, sample)
-    return _put(ring, parts, flags, mirror_dropped, capture_dropped)
-
-
-def _put(ring, parts: list, flags: int, mirror_dropped, capture_dropped) -> bool:
-    if ring.put(parts):
+    The one hand-off every producer shares (the data plane's ``ServedModel.hand_off``, the Tap
+    service, Envoy mode's observer hand-off): a full ring never waits, it drops the sample and
+    counts it on ``mirror_dropped`` / ``capture_dropped`` (counters with ``inc()``, or None),
+    the one for each flag the sample carried."""
+    if ring.put(encode(replace(sample, unix_nanos=time.time_ns()))):
         return True
-    if flags & MIRROR and mirror_dropped is not None:
+    if sample.flags & MIRROR and mirror_dropped is not None:
         mirror_dropped.inc()
-    if flags & CAPTURE and capture_dropped is not None:
+    if sample.flags & CAPTURE and capture_dropped is not None:
         capture_dropped.inc()
     return False
 
@@ -201,29 +246,28 @@ class _Reader:
         return dict(self.tensor() for _ in range(count))
 
 
-def decode(data: bytes) -> HandedSample:
+def decode(data: bytes) -> Sample:
+    """The ``Sample`` a record holds; ValueError for a record that is not one."""
     reader = _Reader(data)
     flags, route, kind, slot, epoch, unix_nanos, seconds = reader.unpack(_FIXED)
-    model, request_id, traceparent, requested = (reader.string(), reader.string(),
-                                                 reader.string(), reader.string())
-    sample = HandedSample(flags, "fallback" if route else "primary", slot, epoch, unix_nanos,
-                          seconds, model, request_id, traceparent,
-                          tuple(requested.split("\0")) if requested else (), size=len(data))
+    model, request_id, traceparent = reader.string(), reader.string(), reader.string()
+    payload: Payload
     if kind == TENSORS:
-        sample.inputs = reader.tensors()
-        sample.outputs = reader.tensors()
+        inputs = reader.tensors()
+        payload = Tensors(inputs, reader.tensors())
+    elif kind == MESSAGES:
+        (n,) = reader.unpack(_U64)
+        request = reader.bytes(n)
+        (n,) = reader.unpack(_U64)
+        payload = Messages(request, reader.bytes(n))
     elif kind == GENERATION:
         (n,) = reader.unpack(_U64)
         body = reader.bytes(n)
         try:
-            sample.generation = from_dict(json.loads(body))
+            payload = Generation(generation.from_dict(json.loads(body)))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise ValueError(f"generation record: not JSON: {exc}") from None
-    elif kind != MESSAGES:
-        raise ValueError(f"record of unknown payload kind {kind}")
     else:
-        (n,) = reader.unpack(_U64)
-        sample.request_message = reader.bytes(n)
-        (n,) = reader.unpack(_U64)
-        sample.response_message = reader.bytes(n)
-    return sample
+        raise ValueError(f"unknown payload kind {kind}")
+    return Sample(model, slot, "fallback" if route else "primary", epoch, flags, request_id,
+                  traceparent, seconds, payload, unix_nanos, len(data))

@@ -1,5 +1,5 @@
 """One exposition out of several registries: this process's, plus the texts of the verifier and
-of the other serving processes, same-named series summed (guard/serve/supervisor.py
+of the other serving processes, same-named series summed (guard/serve/merged_metrics.py
 ``MergedMetrics``; why a forward and not prometheus_client's multiprocess mode: there).
 
 The text format has no counter ``_created`` series of its own: a counter's, histogram's or

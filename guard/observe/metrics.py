@@ -146,7 +146,7 @@ class GuardMetrics:
             "guard_capture_queue_depth", "Records waiting for the capture writer.", ["model"],
             registry=r,
         )
-        # Envoy mode (guard/envoy/tap.py, guard/envoy/observer.py): every observed call's
+        # Envoy mode (guard/envoy/tap_filter.py, guard/envoy/observer.py): every observed call's
         # outcome. No model label: the model name is inside the body, which the observer does
         # not parse.
         self.observer_calls = Counter(

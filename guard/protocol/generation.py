@@ -1,4 +1,4 @@
-"""A sampled LLM call, protocol-free: what the OpenAI-compatible edge hands over and what the
+"""A sampled LLM call, protocol-free: what the OpenAI-compatible edge hands off and what the
 `generation` tier checks.
 
 The edge (guard/serve/, OpenAI-compatible HTTP, plain or SSE) turns one client call and the

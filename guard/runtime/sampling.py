@@ -9,7 +9,7 @@ captures only mirrored requests. Without a request id the decision is a random d
 The key, in order: ``server.sampling_key_file`` (a file, e.g. a mounted Secret; surrounding
 whitespace ignored), the environment variable ``GUARD_SAMPLING_KEY``, or else a random key made
 when the server starts. A random key still agrees between a serving process and its verifier
-(handed over through the environment, ``GUARD_SAMPLING_KEY_RESOLVED``, which is internal), but
+(passed on through the environment, ``GUARD_SAMPLING_KEY_RESOLVED``, which is internal), but
 not between replicas or across restarts: give replicas one key when they must agree. Key
 material must hold at least 16 bytes; it is hashed into blake2b's 32-byte key.
 """

@@ -26,7 +26,7 @@ from guard.ipc.messages import Failed, RouteSet, SetRoute
 from guard.observe.events import emit
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
-from guard.serve.supervisor import VerifierSupervisor, VerifierUnavailable
+from guard.serve.verifier_link import VerifierLink, VerifierUnavailable
 from guard.serve.tls import CallerCheck
 from guard.observe.metrics import counts
 from guard.v1 import admin_pb2 as pb
@@ -62,7 +62,7 @@ def served_status(model: ServedModel, verified: bytes | None,
 
 
 class AdminServicer(pb_grpc.AdminServicer):
-    def __init__(self, models: dict[str, ServedModel], verifier: VerifierSupervisor,
+    def __init__(self, models: dict[str, ServedModel], verifier: VerifierLink,
                  callers: CallerCheck | None = None, requests=None):
         """``requests()``: ``{model: {route: count}}`` as /metrics counts them (every serving
         process, or Envoy in Envoy mode, where this process counts none); default: this

@@ -8,8 +8,9 @@ its own (loopback or mutual TLS); Prometheus scrapes ``/metrics`` on ``server.me
 port of 0 picks a free one (tests, demo); the bound ports are on the server object after
 ``start()``.
 
-With ``server.processes`` > 1 this process is the primary of several serving processes on the
-data-plane port (guard/serve/processes.py).
+Every serving process runs the same ``ServingWorker`` (guard/serve/worker.py); this one runs it
+in-process, and with ``server.processes`` > 1 it is the first of several serving processes on
+the data-plane port (guard/serve/processes.py).
 
 Shutdown (SIGTERM/SIGINT): health turns NOT_SERVING, the gRPC server stops accepting and gives
 in-flight requests ``shutdown_grace_s`` to finish (in every serving process), then the verifier
@@ -27,56 +28,63 @@ import threading
 from typing import Sequence
 
 import grpc
-from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import aio as health_aio
 from prometheus_client import CollectorRegistry, start_http_server
 
 from guard import __version__
 from guard.config import GuardConfig
 from guard.envoy.plane import EnvoyPlane
 from guard.errors import GuardError
+from guard.ipc.ring import SampleRing
+from guard.ipc.routes import RouteTable
+from guard.malloc import tune_for_inference
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.exposition import counter_by_label
 from guard.observe.metrics import GuardMetrics
-from guard.serve.admin import AdminServicer
-from guard.serve.dataplane import DataPlane
-from guard.serve.decoding import guarded
-from guard.ipc.ring import SampleRing
-from guard.ipc.routes import RouteTable
-from guard.malloc import tune_for_inference
 from guard.runtime import sampling
-from guard.serve.listen import bind, data_plane_server, health_server, server_options
-from guard.serve.model import ServedModel
-from guard.serve.processes import ServingProcesses
+from guard.serve.admin import AdminServicer
+from guard.serve.decoding import guarded
+from guard.serve.edges import health_only
+from guard.serve.listen import bind, server_options
+from guard.serve.merged_metrics import MergedMetrics
+from guard.serve.processes import ServingPool
 from guard.serve.reload import ConfigReloader
-from guard.serve.supervisor import MergedMetrics, VerifierSupervisor
-from guard.serve.tap import TapServicer
+from guard.serve.tap_service import TapService
 from guard.serve.tls import CallerCheck, server_credentials
+from guard.serve.verifier_link import VerifierLink
+from guard.serve.worker import ServingWorker
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
 
 log = logging.getLogger("guard.server")
-READINESS_SERVICE = "readiness"
 
 
 class GuardServer:
+    """``guard serve``: the first serving process. Its own serving is a ``ServingWorker`` (the
+    class every serving process runs); beside it, what only the first process has: the admin
+    API, the Tap service, /metrics, reload, the serving pool (guard/serve/processes.py), the
+    verifier's link and Envoy (each a supervised child: guard/runtime/children.py)."""
+
     def __init__(self, config: GuardConfig):
         self.config = config
         # The key of the sampling hash (file, environment or random), handed to the verifier
         # through the environment before it starts.
         self.sampling_key = sampling.configure(config.server.sampling_key_file)
         self.metrics = GuardMetrics(__version__)
-        self.models: dict[str, ServedModel] = {}
         # What this process shares with the verifier process (guard/ipc/).
         self.table = RouteTable()
         # One sample ring per serving process (server.processes), this one's first.
         rings = [SampleRing(config.server.verifier.ring_bytes)
                  for _ in range(config.server.processes)]
         self.ring = rings[0]
-        self.processes = ServingProcesses(rings[1:], self.table, self.metrics,
-                                          lambda: self.config, lambda: self.models)
-        self.supervisor = VerifierSupervisor(config, self.metrics, self.table, rings,
-                                             lambda: self.models, self.processes.use_primary)
+        self.rings = rings
+        # This process's serving: the class every serving process runs.
+        self.worker = ServingWorker(self.table, self.ring, self.metrics, 0)
+        self.models = self.worker.models
+        self.serving = ServingPool(self.worker, rings[1:], self.table, self.metrics,
+                                   lambda: self.config)
+        self.verifier = VerifierLink(config, self.metrics, self.table, rings,
+                                     lambda: self.models, self.serving.use_primary,
+                                     lambda: self.serving.primaries)
         # How full the rings are: a verifier that falls behind shows here before it drops.
         self.metrics.ring_used_bytes.set_function(lambda: sum(r.used for r in rings))
         self.metrics.ring_capacity_bytes.set(sum(r.capacity for r in rings))
@@ -85,35 +93,37 @@ class GuardServer:
         self.envoy = EnvoyPlane.create(config, self.metrics, self.ring)
         self.exposition = CollectorRegistry(auto_describe=False)
         self.exposition.register(MergedMetrics(self.metrics, lambda: [
-            self.supervisor.exposition(), *self.processes.expositions(),
+            self.verifier.exposition(), *self.serving.expositions(),
             *([self.envoy.exposition()] if self.envoy is not None else [])]))
-        self.dataplane: DataPlane | None = None
         self.grpc_port = self.admin_port = self.metrics_port = 0
         self.health_port = 0  # Envoy mode: guard's own gRPC health server, on loopback
-        self._grpc: grpc.aio.Server | None = None
         self._admin: grpc.aio.Server | None = None
         self._tap: grpc.aio.Server | None = None  # server.tap's listener
         self.tap_port = 0
-        self._health: health_aio.HealthServicer | None = None
         self._metrics_httpd = None
         self.reloader: ConfigReloader | None = None
         self._watch_task: asyncio.Task | None = None
-        self.http = None  # the OpenAI-compatible edge (server.http_port; openai_edge.py)
-        self.http_port = 0
+        self._loaded = False
+
+    @property
+    def dataplane(self):
+        return self.worker.dataplane
+
+    @property
+    def http_port(self) -> int:
+        """The OpenAI-compatible edge's bound port (0 without ``server.http_port``)."""
+        return self.worker.ports.get("openai-http", 0)
 
     # -- start ---------------------------------------------------------------------------------
     def load_models(self) -> None:
         """Load every model's serving backends here while the verifier process loads the
         references (both at once: each takes seconds); on any failure stop both."""
         slots = self.table.assign(m.name for m in self.config.models)
-        for model_config in self.config.models:
-            self.models[model_config.name] = self._served_model(model_config,
-                                                                slots[model_config.name])
         verifier_error: list[BaseException] = []
 
         def start_verifier():
             try:
-                self.supervisor.start()
+                self.verifier.start()
             except BaseException as exc:
                 verifier_error.append(exc)
 
@@ -121,8 +131,7 @@ class GuardServer:
                                    daemon=True)
         starter.start()
         try:
-            for model in self.models.values():
-                model.load(self.config.server.inline_below_ms)
+            self.worker.registry.load(self.config, slots)
         except Exception:
             starter.join()
             self.close_models()
@@ -131,6 +140,7 @@ class GuardServer:
         if verifier_error:
             self.close_models()
             raise verifier_error[0]
+        self._loaded = True
 
     async def start(self) -> None:
         """Listen first (liveness answers, readiness NOT_SERVING), then load the models, then
@@ -138,22 +148,15 @@ class GuardServer:
         probe happy while an upstream model server is still starting."""
         try:
             await self._start_servers()
-            if not self.models:
+            if not self._loaded:
                 await _on_own_thread(self.load_models)
-            for model in self.models.values():
-                await model.connect()
-            await _on_own_thread(self.processes.start, self.grpc_port)
+            await self.worker.registry.connect()
+            await _on_own_thread(self.serving.start, self.worker.ports)
             if self.envoy is not None:  # Envoy answers grpc_port; guard's server is its health
                 await self.envoy.start(lambda: self.models, self.grpc_port)
                 if not self.envoy.attached:  # an attached Envoy's listeners are the mesh's
                     self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
-            self.dataplane.models_changed()
-            self.dataplane.loading = False
-            if self.http is not None:
-                self.http.ready = True
-            serving = health_pb2.HealthCheckResponse.SERVING
-            for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
-                await self._health.set(service, serving)
+            await self.worker.set_ready()
             # The config watcher starts after the first load, never during it.
             if self.reloader is not None and self.config.server.reload_interval_s > 0:
                 self._watch_task = asyncio.create_task(
@@ -172,20 +175,19 @@ class GuardServer:
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
-        self.dataplane = DataPlane(self.models, self.metrics, server_config.workers,
-                                   server_config.max_concurrent_requests)
-        if self.envoy is None:
-            built = data_plane_server(self.dataplane, server_config)
-        elif self.envoy.attached:  # gRPC health on grpc_port: the probes of guard's container
-            built = health_server(server_config.grpc_port, "server.grpc_port")
-        else:  # Envoy listens on grpc_port and routes gRPC health here (guard/envoy/plane.py)
-            built = health_server(server_config.envoy.health_port, "server.envoy.health_port")
-        self._grpc, self._health, self.grpc_port = built.server, built.health, built.port
+        edges = None  # the Python data plane: every edge the config asks for
+        if self.envoy is not None and self.envoy.attached:  # health: guard's container probes
+            edges = [health_only(server_config.grpc_port, "server.grpc_port")]
+        elif self.envoy is not None:  # Envoy listens on grpc_port, routes gRPC health here
+            edges = [health_only(server_config.envoy.health_port, "server.envoy.health_port")]
+        # Bound before anything starts: a taken port fails before the admin API listens.
+        await self.worker.listen(self.config, edges=edges)
+        self.grpc_port = self.worker.edges[0].port
 
         # The admin API: loopback, or mutual TLS with an allow-list (server.admin_tls).
         self._admin = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
         guarded(admin_pb2_grpc.add_AdminServicer_to_server,
-                AdminServicer(self.models, self.supervisor,
+                AdminServicer(self.models, self.verifier,
                               CallerCheck("admin API", server_config.admin_tls),
                               requests=self._requests_seen), self._admin)
         self.admin_port = bind(self._admin, server_config.admin_host,
@@ -195,7 +197,7 @@ class GuardServer:
         if tap is not None:  # the Tap service, on a listener of its own
             self._tap = grpc.aio.server(options=server_options(server_config))
             guarded(tap_pb2_grpc.add_TapServicer_to_server,
-                    TapServicer(self.models, CallerCheck("tap", tap.tls)), self._tap)
+                    TapService(self.models, CallerCheck("tap", tap.tls)), self._tap)
             self.tap_port = bind(self._tap, tap.host, tap.port, "server.tap.port",
                                  server_credentials(tap.tls))
             await self._tap.start()
@@ -207,37 +209,22 @@ class GuardServer:
             raise GuardError(f"server.metrics_port: cannot listen on {server_config.host}:"
                              f"{server_config.metrics_port}: {exc.strerror or exc}") from None
         self.metrics_port = self._metrics_httpd.server_port
-
-        if server_config.http_port is not None:  # aiohttp is imported only then
-            from guard.serve.openai_edge import OpenAIEdge
-
-            self.http = OpenAIEdge(lambda: self.models, self.metrics, server_config)
-            self.http_port = await self.http.start()
-        await self._grpc.start()
         await self._admin.start()
-        await self._health.set("", health_pb2.HealthCheckResponse.SERVING)
-        for service in (READINESS_SERVICE, "inference.GRPCInferenceService"):
-            await self._health.set(service, health_pb2.HealthCheckResponse.NOT_SERVING)
         if self.config.context.source_path is not None:
             self.reloader = ConfigReloader(
                 self.config.context.source_path, config=lambda: self.config,
-                applied=self._reloaded, models=self.models, table=self.table,
-                build=self._served_model, others=self.processes, verifier=self.supervisor,
-                reloads=self.metrics.config_reloads)
+                applied=self._reloaded, table=self.table, serving=self.serving,
+                verifier=self.verifier, reloads=self.metrics.config_reloads)
 
     def _requests_seen(self) -> dict[str, dict[str, int]]:
         """Requests per model and route as /metrics counts them (admin status)."""
         return counter_by_label(self.exposition.collect(), "guard_requests", "route")
 
-    def _served_model(self, model_config, slot: int) -> ServedModel:
-        return ServedModel(model_config, self.metrics, self.table, slot, self.ring)
-
     def _reloaded(self, config: GuardConfig):
         """A reload put ``config`` in force (a restarted child is told this one). In Envoy
         mode, an awaitable: Envoy hot-restarts when its bootstrap changed."""
         self.config = config
-        self.supervisor.config = config
-        self.dataplane.models_changed()
+        self.verifier.config = config
         return self.envoy.apply(config) if self.envoy is not None else None
 
     # -- stop ----------------------------------------------------------------------------------
@@ -246,30 +233,21 @@ class GuardServer:
         emit("server_stopping", grace_s=grace)
         if self._watch_task is not None:
             self._watch_task.cancel()
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
-        if self.dataplane is not None:
-            self.dataplane.live = False
-        for model in self.models.values():
-            model.end_watches()
+        loop = asyncio.get_running_loop()
+        await self.worker.end_serving()
         if self.envoy is not None:  # drains, then exits: the request path ends first
             await self.envoy.stop()
-        others = asyncio.get_running_loop().run_in_executor(None, self.processes.stop, grace)
-        if self.http is not None:
-            await self.http.stop(grace)
-        if self._grpc is not None:
-            await self._grpc.stop(grace)  # stops accepting; waits for in-flight RPCs
+        others = loop.run_in_executor(None, self.serving.stop, grace)
+        await self.worker.stop(grace, close_models=False)  # as every serving process stops
         await others
         if self._admin is not None:
             await self._admin.stop(0)
         if self._tap is not None:
             await self._tap.stop(0)
-        if self.dataplane is not None:
-            self.dataplane.close()
         # The verifier stops after the last request: queued samples count as dropped, capture
         # is flushed, and it exits.
-        await asyncio.get_running_loop().run_in_executor(None, self.close_models)
-        for ring in self.supervisor.rings:
+        await loop.run_in_executor(None, self.close_models)
+        for ring in self.rings:
             ring.close()
         self.table.close()
         if self._metrics_httpd is not None:
@@ -279,9 +257,8 @@ class GuardServer:
 
     def close_models(self) -> None:
         """Stop the verifier process (it flushes capture), then close the serving backends."""
-        self.supervisor.stop()
-        for model in self.models.values():
-            model.close()
+        self.verifier.stop()
+        self.worker.registry.close()
 
 
 def _on_own_thread(function, *args) -> asyncio.Future:

@@ -21,6 +21,7 @@ import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
 from guard.backends.base import Backend, Forwarding, ForwardingError
+from guard.ipc import wire
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
 from guard.protocol.codec import InferenceError, InferenceRequest, invalid
 from guard.protocol.inputs import check_inputs
@@ -89,14 +90,13 @@ class DataPlane:
             call.answered()
             outputs = result.outputs
             if outputs is not None:
-                # A local backend computed every output: all are handed over and compared.
-                call.hand_off(request.id, inputs=request.inputs, outputs=outputs)
+                # A local backend computed every output: all are handed off and compared.
+                call.hand_off(request.id, wire.Tensors, request.inputs, outputs)
                 if request.requested_outputs:
                     result.outputs = {n: outputs[n] for n in request.requested_outputs
                                       if n in outputs}
             else:  # an upstream's answer: decoded, if sampled, in the verifier
-                call.hand_off(request.id, request_message=request.message,
-                              response_message=result.message)
+                call.hand_off(request.id, wire.Messages, request.message, result.message)
             return result
 
     async def forward(self, model: ServedModel, data: bytes, request_id: str,
@@ -109,7 +109,7 @@ class DataPlane:
             backend = call.route()
             answer = await backend.forward_raw(data, timeout, metadata)
             call.answered()
-            call.hand_off(request_id, request_message=data, response_message=answer)
+            call.hand_off(request_id, wire.Messages, data, answer)
             return answer + model.route_suffix[call.routed]
 
     def admit(self, name: str, timeout: float | None) -> ServedModel:
@@ -196,15 +196,17 @@ class Call:
         self.seconds = time.perf_counter() - self.started
         self.model.answered(self.routed, self.seconds)
 
-    def hand_off(self, request_id: str, inputs=None, outputs=None, request_message=None,
-                 response_message=None) -> None:
-        """A sampled request to the verifier (``ServedModel.after_response``); nothing at all
-        when the model samples nothing (mirror and capture rates 0)."""
-        if not self.model.samples:
+    def hand_off(self, request_id: str, payload: type, first, second) -> None:
+        """A sampled request to the verifier: ``payload(first, second)`` (``wire.Tensors``
+        with inputs and outputs, ``wire.Messages`` with the request and the answer), built only
+        when the request is sampled; nothing at all when the model samples nothing."""
+        model = self.model
+        if not model.samples:
             return
-        self.model.after_response(request_id, self.routed, self.epoch, self.probing,
-                                  self.seconds, inputs, outputs, request_message,
-                                  response_message)
+        flags = model.sample_flags(request_id, self.routed, self.probing)
+        if flags:
+            model.hand_off(flags, request_id, self.routed, self.epoch, self.seconds,
+                           payload(first, second))
 
     def _leave(self) -> None:
         if self.backend is not None:

@@ -2,7 +2,8 @@
 route word that says which one, and the hand-off of sampled requests to the verifier.
 
 The request path touches three things only: ``route()`` (one shared-memory load),
-``after_response()`` (a sampling decision; for a sampled request one copy into the sample ring)
+``sample_flags()`` (a sampling decision) and, for a sampled request, ``hand_off()`` (one copy of
+its ``wire.Sample`` into the sample ring)
 and the pre-resolved metric children. The reference, the checks, the detectors, capture and the
 repair live in the verifier process (guard/verifier_process/model.py); what they decide comes back as
 the route word and, for a repair, as ``use_primary``.
@@ -154,13 +155,13 @@ class ServedModel:
         self.durations[route].observe(seconds)
 
     def count_lost(self, samples: int) -> None:
-        """Samples handed over but never checked (a verifier that died holding them): counted
+        """Samples handed off but never checked (a verifier that died holding them): counted
         as mirror ``dropped``, like those the full ring refused."""
         self._mirror_dropped.inc(samples)
 
     def sample_flags(self, request_id: str, route: str, probing: bool) -> int:
-        """What a request is handed to the verifier for (``wire.MIRROR``, ``wire.CAPTURE``),
-        0 for nothing. Within the dwell time on the fallback nothing is mirrored."""
+        """Whether a request is sampled, and for what (``wire.MIRROR``, ``wire.CAPTURE``); 0
+        when not. Within the dwell time on the fallback nothing is mirrored."""
         flags = 0
         if self.mirror_rate and (route != "fallback" or probing) and sampled(
                 request_id, self.mirror_rate):
@@ -169,37 +170,17 @@ class ServedModel:
             flags |= wire.CAPTURE
         return flags
 
-    def after_response(self, request_id: str, route: str, epoch: int, probing: bool,
-                       seconds: float, inputs=None, outputs=None, request_message=None,
-                       response_message=None) -> bool:
-        """Hand a sampled request to the verifier; True when it went into the ring.
+    def hand_off(self, flags: int, request_id: str, route: str, epoch: int, seconds: float,
+                 payload: wire.Payload) -> bool:
+        """A sampled request to the verifier (``flags`` from ``sample_flags``); True when it
+        went into the ring. Local answers go as ``wire.Tensors``; an upstream's or a tap's as
+        ``wire.Messages`` (serialized bytes, or message objects serialized only here), decoded
+        only in the verifier."""
+        return wire.hand_off(self.ring, wire.Sample(
+            self.name, self.slot, route, epoch, flags, request_id, tracing.traceparent(),
+            seconds, payload), self._mirror_dropped, self._capture_dropped)
 
-        Local answers go as tensors (``inputs``, ``outputs``); an upstream's or a tap's as the
-        protocol messages (``request_message``, ``response_message``: serialized bytes, or
-        message objects serialized only when sampled), decoded only in the verifier (which
-        compares just the outputs the request asked for). Within the dwell time on the
-        fallback nothing is mirrored."""
-        flags = self.sample_flags(request_id, route, probing)
-        if not flags:
-            return False
-        if outputs is None:
-            request_message = _serialized(request_message)
-            response_message = _serialized(response_message)
-        return wire.hand_over(self.ring, flags, route, self.slot, epoch, seconds, self.name,
-                              request_id, tracing.traceparent(), inputs, outputs,
-                              request_message or b"", response_message or b"",
-                              self._mirror_dropped, self._capture_dropped)
-
-    def hand_over_generation(self, flags: int, epoch: int, sample) -> bool:
-        """A sampled LLM call (a ``GenerationSample``, built by the HTTP edge) to the verifier;
-        True when it went into the ring (a full ring drops and counts it, never waits)."""
-        return wire.hand_over_generation(self.ring, flags, self.slot, epoch, self.name,
-                                         tracing.traceparent(), sample, self._mirror_dropped,
-                                         self._capture_dropped)
-
-    # -- from the verifier -------------------------------------------------------------------------
-    kept_primary: dict | None = None  # the wire form of the repaired primary serving now
-
+    # -- from the verifier (through ModelRegistry.use_primary) ---------------------------------
     def use_primary(self, kept: list[str], primary: dict | None = None) -> None:
         """Serve the primary with ``kept`` ops held back at full precision, built from
         ``primary`` (the rebuilt backend block's wire form: a repair's winner, derived by the
@@ -209,7 +190,7 @@ class ServedModel:
             if self._configured_primary is not None:
                 repaired = self.backends["primary"]
                 self.backends["primary"] = self._configured_primary
-                self._configured_primary, self.kept, self.kept_primary = None, [], None
+                self._configured_primary, self.kept = None, []
                 repaired.close()
             return
         if primary is None:
@@ -222,7 +203,7 @@ class ServedModel:
         if self._configured_primary is None:
             self._configured_primary = self.backends["primary"]
         self.backends["primary"] = backend
-        self.kept, self.kept_primary = list(kept), primary
+        self.kept = list(kept)
 
     def transition(self, message: dict) -> None:
         """A route transition the verifier made: for WatchRoute streams (tap mode)."""
@@ -278,10 +259,3 @@ def _route_suffix(model: str, route: str) -> bytes:
     stamp_route(response, route)
     return response.SerializeToString()
 
-
-def _serialized(message) -> bytes:
-    if message is None:
-        return b""
-    if isinstance(message, (bytes, bytearray, memoryview)):
-        return bytes(message)
-    return message.SerializeToString()

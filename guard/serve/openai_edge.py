@@ -95,22 +95,27 @@ class OpenAIEdge:
     """The HTTP listener; ``models()`` gives the serving process's models (a reload swaps
     them), ``start``/``stop`` are the serving process's hooks."""
 
+    name = "openai-http"
+
     def __init__(self, models: Callable[[], dict[str, ServedModel]], metrics: GuardMetrics,
-                 server_config):
+                 server_config, port: int | None = None):
+        """``port``: the port the first serving process bound (an extra serving process binds
+        it too, with SO_REUSEPORT); default ``server.http_port``."""
         self.models = models
         self.metrics = EdgeMetrics(metrics)
         self.config = server_config
         self.ready = False
         self.live = True
         self.port = 0
+        self._bind_port = server_config.http_port if port is None else port
         self.in_flight = 0
         self._runner: web.AppRunner | None = None
         self._site: web.TCPSite | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    # -- lifecycle ---------------------------------------------------------------------------
-    async def start(self) -> int:
-        """Listen on server.http_port (liveness answers at once, readiness once ``ready``)."""
+    # -- lifecycle (guard/serve/edges.py's Edge) ---------------------------------------------
+    async def start(self) -> None:
+        """Listen on server.http_port (liveness answers at once, readiness once ready)."""
         app = web.Application(client_max_size=self.config.max_message_bytes)
         app.router.add_post("/v1/completions", self._generate)
         app.router.add_post("/v1/chat/completions", self._generate)
@@ -123,15 +128,20 @@ class OpenAIEdge:
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
                                      shutdown_timeout=self.config.shutdown_grace_s)
         await self._runner.setup()
-        self._site = web.TCPSite(self._runner, self.config.host, self.config.http_port)
+        # Several serving processes share the port (server.processes): the kernel spreads
+        # connections over them, as on the gRPC port.
+        self._site = web.TCPSite(self._runner, self.config.host, self._bind_port,
+                                 reuse_port=self.config.processes > 1 or None)
         try:
             await self._site.start()
         except OSError as exc:
             await self._runner.cleanup()
             raise GuardError(f"server.http_port: cannot listen on {self.config.host}:"
-                             f"{self.config.http_port}: {exc.strerror or exc}") from None
+                             f"{self._bind_port}: {exc.strerror or exc}") from None
         self.port = self._site._server.sockets[0].getsockname()[1]
-        return self.port
+
+    async def set_ready(self, ready: bool) -> None:
+        self.ready = ready
 
     async def stop(self, grace: float) -> None:
         """Stop accepting; calls in flight get ``grace`` seconds, then are cut."""
@@ -312,7 +322,7 @@ class _Forward:
         if completion.completion_tokens:
             self.edge.metrics.tokens.labels(self.model.name, self.route).inc(
                 completion.completion_tokens)
-        self._hand_over(completion, seconds, streamed=False)
+        self._hand_off(completion, seconds, streamed=False)
         return response
 
     # -- a streamed answer -------------------------------------------------------------------
@@ -415,10 +425,10 @@ class _Forward:
             return
         self.model.answered(route, seconds)
         if sampled:
-            self._hand_over(completion, seconds, streamed=True)
+            self._hand_off(completion, seconds, streamed=True)
 
     # -- the hand-off ------------------------------------------------------------------------
-    def _hand_over(self, completion: api.Completion, seconds: float, streamed: bool) -> None:
+    def _hand_off(self, completion: api.Completion, seconds: float, streamed: bool) -> None:
         if not self.flags:
             return
         if completion.error or completion.tool_calls:
@@ -429,5 +439,6 @@ class _Forward:
             self.call, completion, route=self.route, request_id=self.request_id,
             streamed=streamed, unix_nanos=time.time_ns(), request_seconds=seconds,
             first_token_seconds=self.first_token, guard_logprobs=self.guard_logprobs)
-        self.model.hand_over_generation(self.flags, self.epoch, sample)
+        self.model.hand_off(self.flags, self.request_id, self.route, self.epoch, seconds,
+                            wire.Generation(sample))
 

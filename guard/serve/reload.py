@@ -9,12 +9,14 @@ content: a ConfigMap update reloads only the models whose config or artifact cha
 
 A new config is validated before anything changes. An invalid one is rejected with an event and
 ``guard_config_reloads_total{result="rejected"}``, and the old config stays in force. A valid one
-is applied per model: models whose config (or artifact file) changed are built and loaded beside
-the old ones, in this process and in the verifier process, then swapped in with one dict
-assignment; requests already inside the old model finish on it, and it is closed once they are
-done (however long that takes; ``model_retire_waiting`` after 30 s, ``model_retired`` when it
-then closes; every serving process retires the same way: ``retire``). A model that fails to
-load on either side keeps its old version on both. Models that did not change are not touched,
+is applied per model, the same way in every serving process (the first one included: one path,
+guard/serve/processes.py ``ServingPool``): models whose config (or artifact file) changed are
+built and loaded beside the old ones (``Prepare``), in every serving process and in the verifier
+process, then swapped in with one dict assignment (``Commit``); requests already inside the old
+model finish on it, and it is closed once they are done (however long that takes;
+``model_retire_waiting`` after 30 s, ``model_retired`` when it then closes:
+guard/serve/registry.py ``retire``). A model that fails to load anywhere keeps its old version
+everywhere. Models that did not change are not touched,
 so their traffic never notices. ``server`` settings (ports, workers) take effect on restart.
 """
 
@@ -33,16 +35,15 @@ from guard.plan.serving import load_config
 from guard.errors import ConfigError
 from guard.ipc.routes import RouteTable
 from guard.observe.events import emit
-from guard.serve.model import ServedModel
+from guard.serve.registry import RETIRE_REPORT_S
 
 if TYPE_CHECKING:
     from prometheus_client import Counter
 
-    from guard.serve.processes import ServingProcesses
-    from guard.serve.supervisor import VerifierSupervisor
+    from guard.serve.processes import ServingPool
+    from guard.serve.verifier_link import VerifierLink
 
 log = logging.getLogger("guard.reload")
-RETIRE_REPORT_S = 30.0  # a replaced model still busy after this is reported (and awaited)
 
 
 def file_state(path: Path) -> tuple:
@@ -88,51 +89,23 @@ def model_fingerprint(model: ModelConfig) -> str:
     return json.dumps(state, sort_keys=True, default=str)
 
 
-async def retire(model: ServedModel, report_s: float = RETIRE_REPORT_S) -> None:
-    """Close a replaced model once the requests inside it have finished: never under a request
-    (a backend closed mid-inference can crash the process). Requests end by their own deadline
-    or the backend's (an upstream's timeout); one still inside after ``report_s`` seconds is
-    reported once (``model_retire_waiting``), and waited for (``model_retired`` when the model
-    then closes). Every serving process retires its models this way (a reload here, a
-    ``Commit`` in guard/serve/worker.py)."""
-    model.end_watches()  # WatchRoute streams of the old version end now
-    waited, reported = 0.0, False
-    while model.requests_in_flight:
-        await asyncio.sleep(0.05)
-        waited += 0.05
-        if waited >= report_s and not reported:
-            reported = True
-            emit("model_retire_waiting", model=model.name,
-                 requests_in_flight=model.requests_in_flight, waited_s=round(waited, 1),
-                 note="the replaced version is closed when its last request finishes")
-    await asyncio.get_running_loop().run_in_executor(None, model.close)
-    if reported:
-        emit("model_retired", model=model.name, waited_s=round(waited, 1))
-
-
 class ConfigReloader:
-    retire_report_s = RETIRE_REPORT_S  # see ``retire``; the other serving processes' too
+    retire_report_s = RETIRE_REPORT_S  # sent with Commit: every serving process retires so
 
     def __init__(self, path: Path, *, config: Callable[[], GuardConfig],
                  applied: Callable[[GuardConfig], Awaitable | None],
-                 models: dict[str, ServedModel],
-                 table: RouteTable, build: Callable[[ModelConfig, int], ServedModel],
-                 others: "ServingProcesses", verifier: "VerifierSupervisor",
+                 table: RouteTable, serving: "ServingPool", verifier: "VerifierLink",
                  reloads: "Counter"):
         """``config()``: the config in force; ``applied(config)``: called with the config a
         reload put in force (what a restarted child is told); what it returns, if anything, is
-        awaited (Envoy mode: a hot restart). ``models``: the served models by
-        name (swapped in place: the data plane reads the same dict); ``table``: the route
-        slots; ``build(model_config, slot)``: a new ServedModel (not loaded); ``others`` and
-        ``verifier``: the other processes, which load their halves; ``reloads``:
-        ``guard_config_reloads_total``."""
+        awaited (Envoy mode: a hot restart). ``table``: the route slots; ``serving``: every
+        serving process (``prepare``, ``commit``, their models by name); ``verifier``: the
+        verifier's half; ``reloads``: ``guard_config_reloads_total``."""
         self.path = path
         self.config = config
         self.applied = applied
-        self.models = models
         self.table = table
-        self.build = build
-        self.others = others
+        self.serving = serving
         self.verifier = verifier
         self.reloads = reloads
         self._state = file_state(path)
@@ -165,8 +138,9 @@ class ConfigReloader:
             return await self._apply(new, trigger)
 
     async def _apply(self, new: GuardConfig, trigger: str) -> bool:
-        """Changed and added models load in this process (the backends that answer) and in the
-        verifier (reference, checks, capture); only those that loaded in both are swapped in."""
+        """Changed and added models load in every serving process (the backends that answer)
+        and in the verifier (reference, checks, capture); only those that loaded everywhere
+        are swapped in."""
         old = self.config()
         if new.server != old.server:
             emit("config_server_changed", note="server settings take effect on restart")
@@ -174,46 +148,22 @@ class ConfigReloader:
         new_prints = {m.name: model_fingerprint(m) for m in new.models}
         loop = asyncio.get_running_loop()
         names = {m.name for m in new.models}
+        models = self.serving.local.models
         slots = self.table.assign(m.name for m in new.models)
-        built: dict[str, ServedModel] = {}
-        failed: dict[str, str] = {}
-        for model_config in new.models:
-            name = model_config.name
-            if old_prints.get(name) == new_prints[name]:
-                continue
-            model = self.build(model_config, slots[name])
-            try:
-                await loop.run_in_executor(None, model.load,
-                                           new.server.inline_below_ms)
-                await model.connect()
-            except Exception as exc:  # a broken model must not take the others down
-                await loop.run_in_executor(None, model.close)
-                failed[name] = str(exc)
-                continue
-            built[name] = model
-        removed = [name for name in list(self.models) if name not in names]
-        # The other serving processes (server.processes) build theirs beside the old ones.
-        for name, error in (await loop.run_in_executor(
-                None, self.others.prepare, new, slots, sorted(built))).items():
-            await loop.run_in_executor(None, built.pop(name).close)
-            failed[name] = error
+        wanted = sorted(name for name in names if old_prints.get(name) != new_prints[name])
+        removed = [name for name in list(models) if name not in names]
+        failed = await loop.run_in_executor(None, self.serving.prepare, new, slots, wanted)
+        built = [name for name in wanted if name not in failed]
         refused = await loop.run_in_executor(
-            None, self.verifier.reload, new, slots, sorted(built), removed)
-        for name, error in refused.items():
-            await loop.run_in_executor(None, built.pop(name).close)
-            failed[name] = error
-        changed, added = [], []
-        for name, model in built.items():
-            previous = self.models.get(name)
-            self.models[name] = model  # the swap: the next request sees the new model
-            (changed if previous else added).append(name)
-            if previous is not None:
-                asyncio.create_task(retire(previous, self.retire_report_s))
-        for name in removed:
-            asyncio.create_task(retire(self.models.pop(name), self.retire_report_s))
-            self.table.release(name)
-        await loop.run_in_executor(None, self.others.commit, sorted(built), removed,
+            None, self.verifier.reload, new, slots, built, removed)
+        failed.update(refused)
+        built = [name for name in built if name not in refused]
+        changed = [name for name in built if name in models]
+        added = [name for name in built if name not in models]
+        await loop.run_in_executor(None, self.serving.commit, built, removed,
                                    self.retire_report_s)
+        for name in removed:
+            self.table.release(name)
         for name, error in failed.items():
             emit("model_reload_failed", model=name, error=error,
                  note="the previous version of this model stays in force")

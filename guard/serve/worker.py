@@ -1,26 +1,31 @@
-"""Another serving process (``server.processes`` > 1): the Open Inference Protocol data plane and
-gRPC health on the same port as ``guard serve`` (SO_REUSEPORT: the kernel spreads client
-connections over the processes), nothing else.
+"""``ServingWorker``: one serving process's serving (its models, its data plane, its edges), the
+same class in every serving process. ``guard serve`` runs one in-process (the first serving
+process, guard/serve/app.py, which also keeps the admin API, /metrics, reload, the Tap service
+and the supervisors); with ``server.processes`` > 1 each extra serving process runs one as
+``python -m guard.serve.worker`` (started and restarted by guard/serve/processes.py) on the same
+port (SO_REUSEPORT: the kernel spreads client connections over the processes).
 
-Started by the primary serving process (guard/serve/processes.py) as ``python -m
-guard.serve.worker`` with inherited descriptors: one end of a control socket pair (guard/ipc/
-channel.py), the route table every process shares (read-only here) and a sample ring of its own
-(this process is its only producer; the verifier reads every ring). Over the control socket
-(guard/ipc/messages.py):
+A worker is changed only through its control messages (guard/ipc/messages.py), handled the same
+in every process: the first process's pool (guard/serve/processes.py) hands them to its own
+worker directly and sends them to the others over their control channels.
 
-- ``Init``: the config (its wire form, guard/ipc/config.py), the route slots, the port and a
-  repaired primary's block; the models load first and the port is bound after, so this process
-  never answers "not ready" on the shared port;
-- ``Prepare`` / ``Commit``: a reload in two steps: the changed models are built beside the old
-  ones, then swapped in only if they loaded in every process (the primary decides); a replaced
-  model is closed once the requests inside it are done, never under one (``reload.retire``);
-- ``UsePrimary``: a repair's variant, relayed from the verifier by the primary;
-- ``Metrics``: this process's registry, merged into the primary's /metrics (same-named series
-  summed; the registry leaves out the primary-only series such as ``guard_build_info``);
-- ``Stop``: graceful (health NOT_SERVING, in-flight requests get the grace, then exit).
+- ``Init``: the config (its wire form, guard/ipc/config.py), the route slots, the ports the
+  first process bound and the primaries a repair put in (an extra process: its models load
+  first and it binds after, so it never answers "not ready" on the shared port; the first
+  process listens before it loads, and calls ``listen``, ``registry.load`` and ``set_ready``
+  itself in that order);
+- ``Prepare`` / ``Commit``: a reload in two steps (guard/serve/registry.py): the changed models
+  are built beside the old ones, then swapped in only if they loaded in every process; a
+  replaced model is closed once the requests inside it are done, never under one;
+- ``UsePrimary``: a repair's variant (or the configured primary back), sent by the pool to
+  every serving process alike;
+- ``Metrics``: the process's registry, merged into /metrics (same-named series summed; an extra
+  process's registry leaves out the first-only series such as ``guard_build_info``);
+- ``Stop``: graceful (readiness NOT_SERVING, in-flight requests get the grace, then exit).
 
-Its ``guard.events`` go to the primary, which logs them. When the primary goes away (the control
-socket closes, whatever killed it) this process stops gracefully too; SIGTERM/SIGINT do the same.
+An extra process's ``guard.events`` go to the first, which logs them. When the first goes away
+(the control socket closes, whatever killed it) the extra stops gracefully too; SIGTERM/SIGINT
+do the same.
 """
 
 from __future__ import annotations
@@ -32,13 +37,12 @@ import os
 import signal
 import socket
 import sys
+from typing import Mapping
 
-import grpc
-from grpc_health.v1 import health_pb2
-from grpc_health.v1.health import aio as health_aio
 from prometheus_client import generate_latest
 
 from guard import __version__
+from guard.config import GuardConfig
 from guard.ipc.channel import Channel, ForwardEvents
 from guard.ipc.config import config_from_wire
 from guard.ipc.messages import (Commit, Exposition, Failed, Handlers, Init, LoadFailures,
@@ -48,32 +52,36 @@ from guard.ipc.routes import RouteTable
 from guard.observe import logformat, tracing
 from guard.observe.metrics import GuardMetrics
 from guard.serve.dataplane import DataPlane
-from guard.serve.listen import data_plane_server
-from guard.serve.model import ServedModel
-from guard.serve.reload import retire
+from guard.serve.edges import Edge, build_edges
+from guard.serve.registry import ModelRegistry
 
 log = logging.getLogger("guard.worker")
-_SERVING = health_pb2.HealthCheckResponse.SERVING
 
 
-class WorkerServer:
-    def __init__(self, loop: asyncio.AbstractEventLoop, table: RouteTable, ring: SampleRing,
-                 index: int):
+def init_primaries(message: Init) -> dict[str, UsePrimary]:
+    """The repaired primaries an ``Init`` carries, as the ``UsePrimary`` each came with."""
+    return {name: UsePrimary(name, kept, message.primaries.get(name))
+            for name, kept in message.kept.items() if kept}
+
+
+class ServingWorker:
+    def __init__(self, table: RouteTable, ring: SampleRing, metrics: GuardMetrics,
+                 index: int = 0, loop: asyncio.AbstractEventLoop | None = None):
+        """``index``: 0 for the first serving process, 1.. for the extra ones; ``metrics``:
+        the process's registry (the first process's holds the first-only series too);
+        ``loop``: the event loop it serves on (else the one ``listen`` runs on)."""
         self.loop = loop
-        self.table = table
-        self.ring = ring
         self.index = index
-        self.metrics = GuardMetrics(__version__, serving=False)
-        self.models: dict[str, ServedModel] = {}
-        self.prepared: dict[str, ServedModel] = {}
-        self.config = None
+        self.metrics = metrics
+        self.registry = ModelRegistry(metrics, table, ring, f"serving process {index}")
+        self.models = self.registry.models  # one dict for the process's life
+        self.config: GuardConfig | None = None
         self.dataplane: DataPlane | None = None
+        self.edges: list[Edge] = []
         self.stopping = asyncio.Event()
-        self.grace: float | None = None
-        self._grpc: grpc.aio.Server | None = None
-        self._health: health_aio.HealthServicer | None = None
+        self.grace: float | None = None  # a Stop's grace (None: server.shutdown_grace_s)
 
-    # -- control (channel threads) ---------------------------------------------------------------
+    # -- control (from a channel thread, or the first process's pool) ---------------------------
     def handlers(self) -> Handlers:
         return Handlers(f"serving process {self.index}", {
             Metrics: self._metrics, Init: self._init, Prepare: self._prepare,
@@ -87,115 +95,105 @@ class WorkerServer:
         self.loop.call_soon_threadsafe(self.stopping.set)
 
     def _use_primary(self, message: UsePrimary) -> Failed | None:
-        model = self.models.get(message.model)
-        if model is None:
-            return Failed(f"serving process {self.index}: unknown model '{message.model}'")
-        model.use_primary(message.kept, message.primary)
-        return None
+        error = self.registry.use_primary(message)
+        return Failed(error) if error else None
 
     def _run(self, coroutine):
-        """Run a coroutine on the server's event loop and wait for it (from a channel thread)."""
+        """Run a coroutine on the worker's event loop and wait for it (from another thread)."""
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
 
     def _init(self, message: Init) -> Ready | Failed:
         self.config = config = config_from_wire(message.config)
         try:
-            for model_config in config.models:
-                name = model_config.name
-                self.models[name] = self._build(model_config, message.slots[name],
-                                                message.kept.get(name),
-                                                message.primaries.get(name))
-            self._run(self._listen(message.port))
+            self.registry.load(config, message.slots, init_primaries(message))
+            self._run(self.registry.connect())
+            self._run(self.listen(config, message.ports))
+            self._run(self.set_ready())
         except Exception as exc:
             return Failed(f"serving process {self.index}: {exc}")
         return Ready(sorted(self.models), os.getpid())
 
-    def _build(self, model_config, slot: int, kept: list[str] | None = None,
-               primary: dict | None = None) -> ServedModel:
-        model = ServedModel(model_config, self.metrics, self.table, slot, self.ring)
-        try:
-            model.load(self.config.server.inline_below_ms)
-            if kept:
-                model.use_primary(kept, primary)
-            self._run(model.connect())
-        except BaseException:
-            model.close()
-            raise
-        return model
-
     def _prepare(self, message: Prepare) -> LoadFailures:
         """Build the changed models beside the old ones; swapped in by ``Commit``."""
-        config = config_from_wire(message.config)
-        failed: dict[str, str] = {}
-        for name in message.changed:
-            try:
-                self.prepared[name] = self._build(config.model(name), message.slots[name])
-            except Exception as exc:
-                failed[name] = f"serving process {self.index}: {exc}"
+        failed = self.registry.prepare(config_from_wire(message.config), message.slots,
+                                       message.changed)
+        self._run(self.registry.connect(prepared=True))
         return LoadFailures(failed)
 
     def _commit(self, message: Commit) -> None:
-        self._run(self._swap(set(message.names), message.removed, message.retire_report_s))
+        self._run(self.commit(message))
 
-    async def _swap(self, names: set[str], removed: list[str], report_s: float) -> None:
-        """Swap in the prepared models that loaded everywhere, drop the others and the removed
-        ones; a replaced model is closed once the requests inside it are done (``retire``)."""
-        prepared, self.prepared = self.prepared, {}
-        retired = []
-        for name, model in prepared.items():
-            if name in names:
-                retired.append(self.models.get(name))
-                self.models[name] = model
-            else:
-                retired.append(model)
-        retired.extend(self.models.pop(name, None) for name in removed)
-        for model in retired:
-            if model is not None:
-                asyncio.create_task(retire(model, report_s))
-        self.dataplane.models_changed()
+    async def commit(self, message: Commit) -> None:
+        await self.registry.commit(message.names, message.removed, message.retire_report_s)
+        if self.dataplane is not None:
+            self.dataplane.models_changed()
 
-    # -- the data plane ------------------------------------------------------------------------------
-    async def _listen(self, port: int) -> None:
-        """Bind the primary's port (SO_REUSEPORT) and serve: every model is loaded by now."""
-        server_config = self.config.server
-        self.dataplane = DataPlane(self.models, self.metrics, server_config.workers,
-                                   server_config.max_concurrent_requests)
+    # -- serving ---------------------------------------------------------------------------------
+    async def listen(self, config: GuardConfig, ports: Mapping[str, int] | None = None,
+                     edges: list[Edge] | None = None) -> None:
+        """Start the data plane and the edges (``edges``: those of ``EDGES`` the config asks
+        for, on ``ports`` where given): live from here, not ready until ``set_ready``."""
+        self.config = config
+        self.loop = asyncio.get_running_loop()
+        settings = config.server
+        self.dataplane = DataPlane(self.models, self.metrics, settings.workers,
+                                   settings.max_concurrent_requests)
+        self.edges = build_edges(self.dataplane, settings, ports) if edges is None else edges
+        for edge in self.edges:
+            await edge.start()
+
+    @property
+    def ports(self) -> dict[str, int]:
+        """The bound port of each edge, by name (what an extra serving process binds too)."""
+        return {edge.name: edge.port for edge in self.edges}
+
+    async def set_ready(self) -> None:
+        """Every model is loaded: requests are routed to them, and the edges say ready."""
         self.dataplane.models_changed()
         self.dataplane.loading = False
-        built = data_plane_server(self.dataplane, server_config, port)
-        self._grpc, self._health = built.server, built.health
-        await self._grpc.start()
-        for service in ("", "readiness", "inference.GRPCInferenceService"):
-            await self._health.set(service, _SERVING)
+        for edge in self.edges:
+            await edge.set_ready(True)
 
-    async def stop(self) -> None:
-        grace = self.grace
-        if grace is None:
-            grace = self.config.server.shutdown_grace_s if self.config is not None else 0.0
-        if self._health is not None:
-            await self._health.enter_graceful_shutdown()
+    async def end_serving(self) -> None:
+        """Not ready from now on, no new request (the first step of a stop, at once)."""
         if self.dataplane is not None:
             self.dataplane.live = False
-        if self._grpc is not None:
-            await self._grpc.stop(grace)
+        for model in self.models.values():
+            model.end_watches()  # WatchRoute streams end now, not after the grace
+        for edge in self.edges:
+            await edge.set_ready(False)
+
+    async def stop(self, grace: float | None = None, close_models: bool = True) -> None:
+        """Stop gracefully: no new requests, the ones in flight get ``grace`` seconds (None:
+        the Stop's, else ``server.shutdown_grace_s``), then the data plane and (unless
+        ``close_models`` is False: the first process closes them after the verifier) the
+        models close."""
+        if grace is None:
+            grace = self.grace
+        if grace is None:
+            grace = self.config.server.shutdown_grace_s if self.config is not None else 0.0
+        await self.end_serving()
+        await asyncio.gather(*(edge.stop(grace) for edge in self.edges))
+        loop = asyncio.get_running_loop()
         if self.dataplane is not None:
-            await self.loop.run_in_executor(None, self.dataplane.close)
-        for model in [*self.models.values(), *self.prepared.values()]:
-            await self.loop.run_in_executor(None, model.close)
+            await loop.run_in_executor(None, self.dataplane.close)
+        if close_models:
+            await loop.run_in_executor(None, self.registry.close)
 
 
 async def _serve(args) -> int:
     loop = asyncio.get_running_loop()
     table = RouteTable.attach(args.routes_fd, args.routes_capacity)
     ring = SampleRing.attach(args.ring_fd, args.ring_bytes)
-    worker = WorkerServer(loop, table, ring, args.index)
+    worker = ServingWorker(table, ring, GuardMetrics(__version__, serving=False), args.index,
+                           loop)
 
-    def primary_gone() -> None:
+    def first_gone() -> None:
         if not loop.is_closed():
             loop.call_soon_threadsafe(worker.stopping.set)
 
     channel = Channel(socket.socket(fileno=args.control_fd), worker.handlers(),
-                      f"serving-{args.index}", on_close=primary_gone)
+                      f"serving-{args.index}", on_close=first_gone)
     ForwardEvents.install(channel)
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, worker.stopping.set)
@@ -228,8 +226,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     # Exit at once once stopped: a control request still running on the channel's threads
-    # (an Init waiting on an upstream when the primary stops or dies) must not keep this
-    # process alive past the primary; the server and the models are closed by then.
+    # (an Init waiting on an upstream when the first process stops or dies) must not keep this
+    # process alive past it; the server and the models are closed by then.
     code = main()
     logging.shutdown()
     sys.stdout.flush()

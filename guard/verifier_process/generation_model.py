@@ -2,7 +2,7 @@
 scorer, the generation tier, the route policy and its route word, capture and events.
 
 The loop is the tensor models' (guard/verifier_process/model.py), with a completion as the
-sample. The ring reader hands each sampled call over (``accept_generation``: a bounded put, it
+sample. The ring reader hands each sampled call over (``accept``: a bounded put, it
 never waits); the mirror worker (``GenerationMirror``, the shared queue, byte budget, watchdog
 and timeouts of guard/verifier_process/mirror.py) asks the primary again when the fallback
 serves (a probe, guard/verifier_process/generation_probe.py), scores the completion with the
@@ -43,7 +43,7 @@ from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes
-from guard.ipc.wire import CAPTURE, MIRROR
+from guard.ipc.wire import CAPTURE, MIRROR, Sample
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
@@ -52,30 +52,11 @@ from guard.policy.route import RoutePolicy
 from guard.protocol.generation import GenerationSample, to_dict
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
 from guard.verifier_process.model import VerifiedModel
+from guard.verify.pipeline import Comparator
 
 log = logging.getLogger("guard.verifier_process.generation_model")
 TIER = "generation"
 _EVENT_INTERVAL_S = 10.0  # at most one generation_divergence event per model per 10 s
-
-
-def tier_limits(config: ModelConfig):
-    """The tier's thresholds (guard/verify/generation.py) from ``checks.generation``."""
-    from guard.verify.generation import GenerationThresholds
-
-    gen = config.checks.generation
-    return GenerationThresholds(**{name: getattr(gen, name)
-                                   for name in GenerationThresholds.__dataclass_fields__
-                                   if hasattr(gen, name)})
-
-
-def server_defaults(config: ModelConfig):
-    """The sampling defaults the primary's server applies (its block's
-    ``options.server_defaults``), as the tier reads them."""
-    from guard.verify.generation import ServerDefaults
-
-    declared = dict((config.primary.options or {}).get("server_defaults") or {})
-    known = ServerDefaults.__dataclass_fields__
-    return ServerDefaults(**{k: v for k, v in declared.items() if k in known and v is not None})
 
 
 def detector_score(check, limits) -> float | None:
@@ -201,7 +182,7 @@ class VerifiedGenerationModel(VerifiedModel):
     it builds a tensor pair."""
 
     ops = None  # no op repair for an LLM
-    pair = verifier = activation_tier = activation = None
+    pair = comparator = activation_tier = activation = None
 
     def __init__(self, config: ModelConfig, metrics: GuardMetrics, table: routes.RouteTable,
                  slot: int, serving, config_hash: str = ""):
@@ -223,7 +204,6 @@ class VerifiedGenerationModel(VerifiedModel):
         self.capture: CaptureWriter | None = None
         self.window = KldWindow(config.policy.window)
         self._limits = None
-        self._defaults = None
         self._in_hand = 0
         self._in_hand_lock = threading.Lock()
         self._last_event = 0.0
@@ -248,13 +228,15 @@ class VerifiedGenerationModel(VerifiedModel):
              start_capture: bool = True) -> None:
         config = self.config
         if config.reference is not None:
-            from guard.verify.generation import check_generation
-
             scorer = create_backend(config.reference, "reference", config.mirror.threads)
             scorer.load()
             self.backends["reference"] = scorer
-            self._limits, self._defaults = tier_limits(config), server_defaults(config)
-            limits, defaults = self._limits, self._defaults
+            # The registered tiers that take a sampled call (guard/verify/tiers.py): the
+            # generation tier, with the primary server's declared sampling defaults.
+            self.comparator = Comparator.for_model(config)
+            tier = self.comparator.tier(TIER)
+            self._limits = tier.limits
+            comparator = self.comparator
             if config.mirror.sample_rate > 0:
                 from guard.verifier_process.generation_probe import PrimaryProbe
 
@@ -262,7 +244,7 @@ class VerifiedGenerationModel(VerifiedModel):
                          if config.fallback is not None else None)
                 self.mirror = GenerationMirror(
                     self.name, config.mirror, scorer, probe,
-                    lambda sample, scores: check_generation(sample, scores, defaults, limits),
+                    lambda sample, scores: comparator.check(scores, sample).tiers[TIER],
                     self.metrics, self._on_result, self._on_unchecked, self.serving.span,
                     self._finished)
         if resume_word is not None:
@@ -291,24 +273,25 @@ class VerifiedGenerationModel(VerifiedModel):
             backend.close()
 
     # -- fed by the ring reader ------------------------------------------------------------------
-    def accept(self, handed, inputs=None, outputs=None) -> None:
-        self.accept_generation(handed)
-
-    def accept_generation(self, handed) -> None:
-        """A sampled call a serving process handed over (``handed.generation``)."""
-        sample: GenerationSample = handed.generation
+    def accept(self, sample: Sample, request: tuple = ((), ())) -> None:
+        """A sampled call a serving process handed off (``sample.payload``: a
+        ``wire.Generation``): to the mirror and/or to capture."""
+        call: GenerationSample = sample.payload.call
         tag = None
         if self.capture is not None:
-            tag = CaptureTag(handed.request_id, handed.unix_nanos, handed.request_seconds,
-                             bool(handed.flags & CAPTURE))
+            tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
+                             bool(sample.flags & CAPTURE))
         mirrored = False
-        if handed.flags & MIRROR and self.mirror is not None:
+        if sample.flags & MIRROR and self.mirror is not None:
             self._took()
-            mirrored = self.mirror.accept(GenerationMirrorSample(
-                {}, {}, handed.route, handed.epoch, time.monotonic(), (), handed.traceparent,
-                tag, handed.size, generation=sample))
+            # Handed to the mirror, the call is its to account for (checked, or told back as
+            # dropped / error / timeout, which records it): never recorded here as well.
+            mirrored = True
+            self.mirror.accept(GenerationMirrorSample(
+                {}, {}, sample.route, sample.epoch, time.monotonic(), (), sample.traceparent,
+                tag, sample.size, generation=call))
         if tag is not None and tag.record and not mirrored:
-            self.capture.submit(self._pending(tag, handed.route, handed.epoch, sample))
+            self.capture.submit(self._pending(tag, sample.route, sample.epoch, call))
 
     # -- mirror worker ---------------------------------------------------------------------------
     def _on_result(self, result: GenerationResult) -> None:
@@ -336,7 +319,7 @@ class VerifiedGenerationModel(VerifiedModel):
             evidence = dict(transition.evidence)
             if self._last_failure is not None and self._last_failure[0] == sample.epoch:
                 evidence["last_failure"] = self._last_failure[1]
-            self._record(transition, evidence)
+            self.record(transition, evidence)
         self._capture_checked(result)
 
     def _evidence(self, result: GenerationResult) -> dict:

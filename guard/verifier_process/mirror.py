@@ -1,6 +1,6 @@
 """Mirroring in the verifier process: a bounded queue per model, checked by a worker thread.
 
-The verifier's ring reader calls ``accept()`` with each sample a serving process handed over (the
+The verifier's ring reader calls ``accept()`` with each sample a serving process handed off (the
 sampling decision was made there, guard/runtime/sampling.py): a ``put_nowait`` on a queue bounded
 in items (``mirror.queue_size``) and in bytes (``mirror.queue_bytes``). It never waits: when the
 queue is full the sample is dropped and counted. One worker thread per model takes samples from

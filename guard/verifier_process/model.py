@@ -1,7 +1,7 @@
 """One verified model, in the verifier process: its checked pair, route policy, mirror, capture
 and repair, and the route word it publishes for the serving processes.
 
-Fed by the ring reader (``accept``) with samples the serving processes handed over; everything
+Fed by the ring reader (``accept``) with samples the serving processes handed off; everything
 else runs on the mirror worker (``_on_result``), the capture writer, the repair thread, or a
 control request (admin). The request path never touches this object: it reads the route word.
 """
@@ -17,11 +17,12 @@ from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes
-from guard.ipc.wire import CAPTURE, MIRROR, HandedSample
+from guard.ipc.wire import CAPTURE, MIRROR, Sample
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
 from guard.verifier_process.mirror import Mirror, MirrorSample, MirrorResult
+from guard.verifier_process.primary import CurrentPrimary
 from guard.verify.pair import CheckedPair
 from guard.verify.pipeline import CheckResult, Comparator
 from guard.verify.tiers import detector_tiers
@@ -74,11 +75,18 @@ class VerifiedModel:
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
         self._last_activation_event = 0.0
         self._suppressed_activation_events = 0
+        # The one owner of the primary the checks run (a repair's variant or as configured).
+        self.primary = (CurrentPrimary(self.name, self.backends["primary"], serving,
+                                       self._repaired) if self.pair else None)
         self.ops = None
-        if config.policy.action == "fallback_ops":
+        if config.policy.action == "fallback_ops" and self.primary is not None:
             from guard.verifier_process.ops_fallback import OpsFallback
 
-            self.ops = OpsFallback(self)
+            self.ops = OpsFallback(
+                config, self.primary, self.policy, lambda: self.backends["reference"],
+                lambda reference, outputs, inputs: self.comparator.check(
+                    reference, outputs, inputs).passed,
+                lambda: self.activation, lambda t: self.record(t, t.evidence))
 
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self, resume_word: int | None = None, kept: list[str] | None = None,
@@ -113,7 +121,7 @@ class VerifiedModel:
         if self.pair is not None and self.config.mirror.sample_rate > 0:
             self.mirror = Mirror(
                 self.name, self.config.mirror, self.backends["reference"],
-                self.backends["primary"], self.comparator, self.metrics, self._on_result,
+                self.primary, self.comparator, self.metrics, self._on_result,
                 self._on_unchecked, on_span=self.serving.span, on_finished=self._finished,
             )
             if self.activation_tier is not None:  # on_failure waits for room in the queue
@@ -175,34 +183,37 @@ class VerifiedModel:
                            policy.override)
 
     # -- fed by the ring reader --------------------------------------------------------------------
-    def accept(self, handed: HandedSample, inputs, outputs) -> None:
-        """A sample a serving process handed over, decoded (``outputs`` may be a callable that
-        decodes an upstream's answer): to the mirror and/or to capture."""
+    def accept(self, sample: Sample, request: tuple) -> None:
+        """A sample a serving process handed off, with its decoded ``request`` (inputs, the
+        outputs the client asked for: ``sample.payload.request()``): to the mirror and/or to
+        capture. An upstream's answer is decoded only when the mirror takes it (capture
+        decodes it when it writes the record)."""
+        inputs, only_outputs = request
         tag = None
         if self.capture is not None:
-            tag = CaptureTag(handed.request_id, handed.unix_nanos, handed.request_seconds,
-                             bool(handed.flags & CAPTURE))
+            tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
+                             bool(sample.flags & CAPTURE))
         # Handed to the mirror, the sample is its to account for: checked, or told back through
         # _on_unchecked (dropped, error, timeout), which records it. Recording a dropped sample
         # here as well wrote every dropped request twice.
         mirrored = False
-        if handed.flags & MIRROR and self.mirror is not None:
-            if callable(outputs):
-                try:
-                    outputs = outputs()
-                except Exception as exc:  # an answer that parses but does not decode: the
-                    # mirror's error, never the ring reader's death (found by the fuzzer)
-                    self.metrics.mirror.labels(self.name, "error").inc()
-                    emit("mirror_undecodable_answer", model=self.name,
-                         error=f"{type(exc).__name__}: {exc}"[:300])
-                    return
+        if sample.flags & MIRROR and self.mirror is not None:
+            try:
+                outputs = sample.payload.answer()
+            except Exception as exc:  # an answer that parses but does not decode: the
+                # mirror's error, never the ring reader's death (found by the fuzzer)
+                self.metrics.mirror.labels(self.name, "error").inc()
+                emit("mirror_undecodable_answer", model=self.name,
+                     error=f"{type(exc).__name__}: {exc}"[:300])
+                return
             self._took()
             mirrored = True
             self.mirror.accept(MirrorSample(
-                inputs, outputs, handed.route, handed.epoch, time.monotonic(),
-                handed.requested_outputs, handed.traceparent, tag, handed.size))
+                inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
+                sample.traceparent, tag, sample.size))
         if tag is not None and tag.record and not mirrored:
-            self.capture.submit(PendingRecord(tag, handed.route, handed.epoch, inputs, outputs))
+            self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
+                                              sample.payload.answer))
 
     def _took(self) -> None:
         with self._in_hand_lock:
@@ -237,7 +248,7 @@ class VerifiedModel:
             if not check.passed:
                 evidence["last_failure"] = check.summary()
             evidence.update(self._activation_evidence(result.sample.epoch))
-            self._record(transition, evidence)
+            self.record(transition, evidence)
         self._capture_checked(result)
 
     def _wants_capture(self, tag, passed: bool) -> bool:
@@ -301,12 +312,17 @@ class VerifiedModel:
             self.ops.restore(reason)  # "primary" means the primary as configured
         transition = self.policy.set_override(override, reason)
         if transition is not None:
-            self._record(transition, transition.evidence)
+            self.record(transition, transition.evidence)
         else:
             self.publish()
         return transition
 
-    def _record(self, transition: Transition, evidence: dict) -> None:
+    def _repaired(self, on: bool) -> None:
+        """A repair's variant serves (or no more): ``guard_fallback_active{kind="ops"}``."""
+        self.metrics.fallback_active.labels(self.name, "ops").set(1 if on else 0)
+
+    def record(self, transition: Transition, evidence: dict) -> None:
+        """A route transition: published first, then counted and announced."""
         self.publish()  # first: the serving processes switch before anyone reads the event
         m = self.metrics
         if transition.trigger == "alert":

@@ -6,7 +6,7 @@ process (memfds; ``server.processes``).
 It is told the config over the control socket (``Init``; every message: guard/ipc/messages.py),
 loads one ``VerifiedModel`` per model (reference, checks, detectors, capture, repair), then:
 
-- the ring reader takes each sampled request a serving process handed over (one record from
+- the ring reader takes each sampled request a serving process handed off (one record from
   each ring in turn), decodes it (an
   upstream's protocol messages only here, never on the request path) and gives it to its
   model's mirror and capture;
@@ -229,10 +229,10 @@ class VerifierProcess:
                 if record is not None:
                     took = True
                     try:
-                        self._hand_over(record)
+                        self._deliver(record)
                     except Exception as exc:  # a bug: one sample lost, never the reader
                         log.exception("handing a sample over failed")
-                        self._log_error(f"a sample could not be handed over: "
+                        self._log_error(f"a sample could not be delivered: "
                                         f"{type(exc).__name__}: {exc}")
             if took:
                 idle = _IDLE_S
@@ -240,31 +240,31 @@ class VerifierProcess:
                 time.sleep(idle)
                 idle = min(idle * 2, _IDLE_MAX_S)
 
-    def _hand_over(self, record: bytes) -> None:
+    def _deliver(self, record: bytes) -> None:
         try:
-            handed = wire.decode(record)
+            sample = wire.decode(record)
         except Exception as exc:
             self._log_error(f"undecodable sample record: {type(exc).__name__}: {exc}")
             return
         with self._lock:
-            model = self.by_slot.get(handed.slot)
-        if model is None or model.name != handed.model:
-            model = self.models.get(handed.model)
+            model = self.by_slot.get(sample.slot)
+        if model is None or model.name != sample.model:
+            model = self.models.get(sample.model)
         if model is None:
             return  # a model removed by a reload while its samples were in the ring
-        if getattr(handed, "generation", None) is not None:  # a sampled LLM call
+        if sample.payload.kind == wire.GENERATION:  # a sampled LLM call: no tensors to decode
             if isinstance(model, VerifiedGenerationModel):
-                model.accept_generation(handed)
+                model.accept(sample)
             return
         try:
-            inputs, outputs = _tensors(handed)
-        except Exception as exc:  # an answer guard cannot decode: the mirror's error, no more
-            if handed.flags & wire.MIRROR:
+            request = sample.payload.request()
+        except Exception as exc:  # a request guard cannot decode: the mirror's error, no more
+            if sample.flags & wire.MIRROR:
                 self.metrics.mirror.labels(model.name, "error").inc()
             self._log_error(f"model {model.name}: cannot decode a sampled request: "
                             f"{type(exc).__name__}: {exc}")
             return
-        model.accept(handed, inputs, outputs)
+        model.accept(sample, request)
 
     def _heartbeat(self) -> None:
         pid = os.getpid()
@@ -293,22 +293,6 @@ class VerifierProcess:
             models = list(self.models.values())
         for model in models:
             model.close()
-
-
-def _tensors(handed: wire.HandedSample):
-    """(inputs, outputs) of a handed sample; an upstream's answer is decoded only when asked
-    (``outputs`` is then a callable), and only the outputs the request asked for are compared
-    (``handed.requested_outputs``: an upstream answered just those)."""
-    if handed.outputs is not None:
-        return handed.inputs, handed.outputs
-    from tritonclient.grpc import service_pb2 as pb
-
-    from guard.protocol.codec import decode_request, decode_response
-
-    request = decode_request(pb.ModelInferRequest.FromString(handed.request_message))
-    handed.requested_outputs = tuple(request.requested_outputs)
-    response = handed.response_message
-    return request.inputs, (lambda: decode_response(pb.ModelInferResponse.FromString(response)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -511,3 +511,49 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
         "delta_p_rms": float(np.sqrt(np.mean(delta ** 2))) if delta.size else None,
         "first_divergence": first,
     }
+
+
+# -- the tier's registration (guard/verify/tiers.py) ------------------------------------------
+def thresholds_of(checks) -> GenerationThresholds:
+    """The tier's thresholds from a model's ``checks.generation`` block."""
+    block = checks.generation
+    return GenerationThresholds(**{name: getattr(block, name)
+                                   for name in GenerationThresholds.__dataclass_fields__
+                                   if hasattr(block, name)})
+
+
+def declared_defaults(primary_options: Mapping[str, Any] | None) -> ServerDefaults:
+    """The sampling defaults the primary's server applies: its block's ``options.engine``
+    preset (sampler order, penalty window) with ``options.server_defaults`` laid over it."""
+    options = dict(primary_options or {})
+    return server_defaults(options.get("server_defaults"), options.get("engine") or "unknown")
+
+
+class GenerationTier:
+    """One generative model's instance of the tier: ``Compared.primary`` is the completion (a
+    ``GenerationSample``), ``Compared.reference`` the reference's scores over it."""
+
+    name = "generation"
+
+    def __init__(self, defaults: ServerDefaults, limits: GenerationThresholds):
+        self.defaults, self.limits = defaults, limits
+
+    def check(self, sample) -> GenerationCheck:
+        return check_generation(sample.primary, sample.reference, self.defaults, self.limits)
+
+
+def _build(setup) -> GenerationTier | None:
+    if setup.task != "generation":
+        return None
+    primary = setup.model.primary.options if setup.model is not None else None
+    return GenerationTier(declared_defaults(primary), thresholds_of(setup.checks))
+
+
+def _declare():
+    from guard.verify.tiers import TierKind
+
+    return TierKind("generation", build=_build, takes="generation",
+                    details=lambda check: check.as_dict())
+
+
+TIER = _declare()

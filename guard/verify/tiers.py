@@ -13,7 +13,7 @@ the order the tiers run. Whatever iterates tiers reads this table: the ``Compara
 (guard/verify/pipeline.py), the verifier's metrics labels and detectors
 (guard/verifier_process/model.py), the replay report's sections (guard/replay/), the matrix
 (guard/matrix/). The ``name`` is the ``tier`` label of the metrics and the key of the report's
-``tiers`` (CONTRACT.md): ``tensor``, ``task``, ``activation``.
+``tiers`` (CONTRACT.md): ``tensor``, ``task``, ``activation``, ``generation``.
 """
 
 from __future__ import annotations
@@ -110,6 +110,7 @@ TIER_MODULES: dict[str, str] = {
     "tensor": "guard.verify.tensor",
     "task": "guard.verify.task",
     "activation": "guard.verify.activation.tier",
+    "generation": "guard.verify.generation",
 }
 
 

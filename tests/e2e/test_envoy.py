@@ -221,10 +221,10 @@ def test_verifier_killed_under_load_fails_no_client(watching):
     try:
         load.wait_for_calls(20)
         before = metric(watching.metrics(), "guard_verifier_restarts_total")
-        os.kill(srv.supervisor.process.pid, signal.SIGKILL)
+        os.kill(srv.verifier.process.pid, signal.SIGKILL)
         wait_for(lambda: metric(watching.metrics(), "guard_verifier_restarts_total")
                  >= before + 1, timeout=30)
-        wait_for(srv.supervisor.ready.is_set, timeout=60)
+        wait_for(srv.verifier.ready.is_set, timeout=60)
         load.wait_for_calls(20)
     finally:
         load.stop()
@@ -340,11 +340,11 @@ def test_sampling_is_stable_per_request_id_and_unsampled_calls_never_reach_guard
             request_id = f"req-{k}"
             seen = []
             for _ in range(4):
-                before = guard.srv.envoy.handoff.handed
+                before = guard.srv.envoy.hand_off.handed
                 guard.client.infer("cnn", [image_input(images)],
                                    headers={"x-request-id": request_id})
                 time.sleep(0.05)  # the observer hands a call over once its answer has ended
-                seen.append(guard.srv.envoy.handoff.handed - before)
+                seen.append(guard.srv.envoy.hand_off.handed - before)
             observed[request_id] = seen
         assert all(seen in ([0] * 4, [1] * 4) for seen in observed.values()), observed
         sampled = sum(seen[0] for seen in observed.values())

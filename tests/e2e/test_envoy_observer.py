@@ -6,7 +6,7 @@ runs as a subprocess, and in front of it one Envoy per observer, each a plain gR
 - ``stack``: the ext_proc filter in observability mode (``failure_mode_allow``, STREAMED bodies,
   response trailers sent) pointing at guard's observer, which runs here on its own event loop
   thread;
-- ``tap_stack``: the tap filter (admin config ``guard``) with guard's TapReader holding the tap
+- ``tap_stack``: the tap filter (admin config ``guard``) with guard's TapFilterReader holding the tap
   on Envoy's admin API, in its own thread.
 
 tritonclient talks to Envoy; what the observer hands on is compared with what the client sent
@@ -458,15 +458,15 @@ def test_a_dead_observer_fails_no_client(stack):
 
 # -- the tap ---------------------------------------------------------------------------------------
 class TapThread(Collected):
-    """guard's TapReader (a thread of its own) on a real Envoy's admin API."""
+    """guard's TapFilterReader (a thread of its own) on a real Envoy's admin API."""
 
     def __init__(self, admin: int):
         from guard.envoy.observer import Outcomes
-        from guard.envoy.tap import TapReader
+        from guard.envoy.tap_filter import TapFilterReader
 
         super().__init__()
         self.admin = admin
-        self.reader = TapReader(self._on_call, lambda: self.admin, Outcomes(self.metrics),
+        self.reader = TapFilterReader(self._on_call, lambda: self.admin, Outcomes(self.metrics),
                                 max_call_bytes=64 * 1024 * 1024)
         self.reader.start()
         self.reader.reattach(wanted=True)

@@ -62,11 +62,9 @@ def upstreams(ladder, tmp_path_factory):
 
 def openai_block(url: str, alias: str) -> dict:
     return {"backend": "openai", "target": url, "model": alias,
-            # llama.cpp's sampler defaults, declared (the tier needs them for sampled calls),
+            # llama.cpp's sampler defaults and order (the tier needs them for sampled calls),
             # and the logprobs guard asks for on sampled calls.
-            "options": {"sample_logprobs": 5,
-                        "server_defaults": {"temperature": 0.8, "top_k": 40, "top_p": 0.95,
-                                            "min_p": 0.05}}}
+            "options": {"sample_logprobs": 5, "engine": "llama.cpp"}}
 
 
 @contextmanager

@@ -165,6 +165,6 @@ def test_noise_floor_of_a_torchscript_reference_uses_the_primarys_signature(expo
         assert floor.skipped == "" and floor.samples > 1
         assert set(floor.per_output) == {"scores"}  # under the primary's name
         assert "inputs generated from the primary's signature" in floor.notes[-1]
-        assert "scores" in pair.verifier.per_output
+        assert "scores" in pair.comparator.per_output
     finally:
         pair.close()

@@ -99,7 +99,7 @@ def _client_of_the_other_process(srv) -> grpcclient.InferenceServerClient:
     from prometheus_client.parser import text_string_to_metric_families
 
     def answered_there() -> float:
-        (text,) = srv.processes.expositions()
+        (text,) = srv.serving.expositions()
         return sum(s.value for family in text_string_to_metric_families(text)
                    for s in family.samples if s.name == "guard_requests_total")
 

@@ -13,7 +13,6 @@ import signal
 
 import grpc
 import numpy as np
-import pytest
 import tritonclient.grpc as grpcclient
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -37,7 +36,7 @@ def _counts(text: str, route: str) -> float:
 def _per_process(srv, route: str = "primary") -> list[float]:
     """Requests each serving process answered itself: the primary first."""
     own = generate_latest(srv.metrics.registry).decode()
-    return [_counts(text, route) for text in (own, *srv.processes.expositions())]
+    return [_counts(text, route) for text in (own, *srv.serving.expositions())]
 
 
 def _answer_on_fresh_connections(srv, rows, until) -> list[grpcclient.InferResult]:
@@ -62,8 +61,8 @@ def _route(result) -> str:
 
 def test_both_processes_answer_report_on_metrics_and_hand_samples_over(tmp_path, rng):
     with running(tmp_path, [model_block()], processes=2) as (srv, _):
-        (other,) = srv.processes.others
-        assert other.process.pid not in (os.getpid(), srv.supervisor.process.pid)
+        (other,) = srv.serving.others
+        assert other.process.pid not in (os.getpid(), srv.verifier.process.pid)
         rows = rng.normal(size=(8, 4))
         results = _answer_on_fresh_connections(
             srv, rows, lambda: all(n >= 2 for n in _per_process(srv)))
@@ -123,7 +122,7 @@ def test_a_serving_process_that_dies_is_restarted_and_counted(tmp_path, rng, cap
     caplog.set_level(logging.INFO, logger="guard.events")
     with running(tmp_path, [model_block(mirror={"sample_rate": 0.0})],
                  processes=2) as (srv, client):
-        (other,) = srv.processes.others
+        (other,) = srv.serving.others
         first = other.process.pid
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: metric(scrape(srv.metrics_port),
@@ -145,9 +144,10 @@ def test_a_serving_process_that_dies_is_restarted_and_counted(tmp_path, rng, cap
 
 def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_process(
         tmp_path, rng, caplog):
-    """UsePrimary carries the rebuilt backend block: the primary builds it and relays it, and a
-    serving process started again later is handed it with its Init. (The block here is the
-    fixture's drifting affine, so the variant is told apart by its answers.)"""
+    """UsePrimary carries the rebuilt backend block: every serving process builds it, the first
+    one as the others, and a serving process started again later is handed it with its Init.
+    (The block here is the fixture's drifting affine, so the variant is told apart by its
+    answers.)"""
     from guard.config import BackendConfig
     from guard.ipc.config import backend_to_wire
     from guard.ipc.messages import UsePrimary
@@ -160,7 +160,7 @@ def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_
         configured = srv.models["m"].config.primary
         variant = BackendConfig.model_validate(
             {**backend_to_wire(configured), "options": {"kwargs": {"drift_on_trigger": True}}})
-        handle = srv.supervisor._handlers()  # what the verifier's UsePrimary reaches
+        handle = srv.verifier._handlers()  # what the verifier's UsePrimary reaches
         assert handle(UsePrimary("m", ["linear"], backend_to_wire(variant))) is None
         assert srv.models["m"].kept == ["linear"]
 
@@ -172,11 +172,81 @@ def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_
                 np.testing.assert_allclose(result.as_numpy("y"), before + 1.0, rtol=1e-6)
 
         every_process_answers_the_variant()
-        (other,) = srv.processes.others
+        (other,) = srv.serving.others
         first = other.process.pid
         os.kill(first, signal.SIGKILL)
         wait_for(lambda: events(caplog, "serving_process_restarted"), timeout=60)
         assert other.process.pid != first
         every_process_answers_the_variant()  # the new process was handed the block at Init
-        with pytest.raises(ValueError, match="without the rebuilt primary"):
-            handle(UsePrimary("m", ["linear"], None))  # the channel answers Failed with it
+        refused = handle(UsePrimary("m", ["linear"], None))  # the channel answers it
+        assert "without the rebuilt primary" in refused.error
+        # Every process said no, so every process is put back on the variant it served.
+        every_process_answers_the_variant()
+
+
+def test_a_repair_reaches_every_serving_process_and_outlives_their_restarts(
+        tmp_path, zoo_classifier, caplog):
+    """A real repair (the zoo CNN's int8 drift, tests/e2e/test_ops_fallback_sidecar.py) with two
+    serving processes: its UsePrimary reaches both the same way, and the pool's record of it
+    is what a killed verifier and a killed serving process resume from."""
+    import onnxruntime as ort
+
+    from guard.zoo.classifier import sample_inputs
+    from support import (assert_repaired_once, image_input, ops_fallback_model,
+                         traffic_through_repair)
+
+    caplog.set_level(logging.INFO, logger="guard.events")
+    onnx_path = str(zoo_classifier["onnx"])
+    model = ops_fallback_model(
+        "cnn",
+        primary={"backend": "onnxruntime", "path": onnx_path, "precision": "int8"},
+        reference={"backend": "onnxruntime", "path": onnx_path},
+        fallback={"backend": "onnxruntime", "path": onnx_path})
+    images = sample_inputs(32, seed=17)
+    expected = ort.InferenceSession(onnx_path).run(None, {"image": images})[0]
+
+    def every_process_answers_the_repaired_primary(srv):
+        def counted():
+            own = generate_latest(srv.metrics.registry).decode()
+            return [sum(s.value for f in text_string_to_metric_families(text)
+                        for s in f.samples if s.name == "guard_requests_total"
+                        and s.labels == {"model": "cnn", "route": "primary"})
+                    for text in (own, *srv.serving.expositions())]
+
+        before = counted()
+        for _ in range(_CONNECTIONS):
+            client = grpcclient.InferenceServerClient(
+                f"127.0.0.1:{srv.grpc_port}",
+                channel_args=[("grpc.use_local_subchannel_pool", 1)])
+            try:
+                result = client.infer("cnn", [image_input(images)])
+            finally:
+                client.close()
+            assert _route(result) == "primary"
+            logits = result.as_numpy("logits")
+            assert (np.abs(logits - expected).max(axis=1)
+                    <= 0.05 * np.abs(expected).max(axis=1)).all()
+            if all(n > b for n, b in zip(counted(), before)):
+                return
+        raise AssertionError("not every serving process answered")
+
+    with running(tmp_path, [model], processes=2) as (srv, _):
+        values, traffic, _ = traffic_through_repair(srv, "cnn", image_input, images)
+        kept = assert_repaired_once(values, traffic, caplog, "cnn")["ops_kept_fp32"]
+        assert srv.serving.primaries["cnn"].kept == kept
+        every_process_answers_the_repaired_primary(srv)
+
+        verifier = srv.verifier.process.pid
+        os.kill(verifier, signal.SIGKILL)
+        wait_for(lambda: srv.verifier.ready.is_set() and srv.verifier.process.pid != verifier,
+                 timeout=120)
+        with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+            status = admin_pb2_grpc.AdminStub(channel).GetStatus(
+                admin_pb2.GetStatusRequest(model="cnn")).models[0]
+        assert list(status.ops_kept_back) == kept  # resumed from the pool's record
+
+        (other,) = srv.serving.others
+        first = other.process.pid
+        os.kill(first, signal.SIGKILL)
+        wait_for(lambda: other.ready and other.process.pid != first, timeout=120)
+        every_process_answers_the_repaired_primary(srv)  # handed the variant at its Init

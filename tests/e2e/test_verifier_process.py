@@ -20,7 +20,7 @@ from support import (Traffic, affine_backend, events, metric, model_block, runni
 
 
 def _verifier_pid(srv) -> int:
-    return srv.supervisor.process.pid
+    return srv.verifier.process.pid
 
 
 def _compared(srv) -> float:
@@ -65,7 +65,7 @@ def test_sigkill_of_the_verifier_under_load_fails_no_request(tmp_path, rng, capl
                      == 1, timeout=20)
             assert _ready(srv)  # readiness never drops for the verifier
             # Checking again: a new process compares new samples.
-            wait_for(lambda: _verifier_pid(srv) != first and srv.supervisor.ready.is_set(),
+            wait_for(lambda: _verifier_pid(srv) != first and srv.verifier.ready.is_set(),
                      timeout=20)
             before = _compared(srv)
             wait_for(lambda: _compared(srv) > before + 5, timeout=20)
@@ -93,7 +93,7 @@ def test_pinned_fallback_survives_a_verifier_restart(tmp_path, rng):
             route = client.infer("m", [x_input(rng.normal(size=(1, 4)))]).get_response() \
                 .parameters["guard_route"].string_param
             assert route == "fallback"  # serving goes on on the last route
-            wait_for(lambda: _verifier_pid(srv) != first and srv.supervisor.ready.is_set(),
+            wait_for(lambda: _verifier_pid(srv) != first and srv.verifier.ready.is_set(),
                      timeout=20)
             status = admin.GetStatus(admin_pb2.GetStatusRequest(model="m")).models[0]
             assert (status.route, status.override) == ("fallback", "fallback")  # still pinned
@@ -123,9 +123,9 @@ def test_a_hung_verifier_is_killed_and_restarted_while_serving_goes_on(tmp_path,
                 pass
         (lost,) = events(caplog, "verifier_lost")
         assert "hung" in lost["how"]
-        wait_for(lambda: srv.supervisor.ready.is_set() and _verifier_pid(srv) != hung,
+        wait_for(lambda: srv.verifier.ready.is_set() and _verifier_pid(srv) != hung,
                  timeout=20)
-        # The samples handed over while it hung waited in the ring: the new one checks them.
+        # The samples handed off while it hung waited in the ring: the new one checks them.
         # (Its counters start at zero: a restart is a counter reset, as Prometheus expects.)
         wait_for(lambda: _compared(srv) == 5, timeout=20)
 

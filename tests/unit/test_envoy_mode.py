@@ -12,7 +12,7 @@ from tritonclient.grpc import service_pb2 as pb
 
 from guard.plan.complete import load_config
 from guard.envoy import bootstrap
-from guard.envoy.handoff import MODEL_INFER, Handoff
+from guard.envoy.hand_off import MODEL_INFER, HandOff
 from guard.envoy.observer import ObservedCall
 from guard.envoy.stats import translate
 from guard.errors import ConfigError
@@ -262,19 +262,19 @@ def test_an_observed_call_goes_into_the_ring_as_the_upstream_path_would_put_it()
     ring = SampleRing(1 << 20)
     models = {"cnn": Model(slot=2, mirror_rate=0.1, capture_rate=0.0),
               "rec": Model(slot=4, mirror_rate=0.0, capture_rate=1.0, route="fallback")}
-    handoff = Handoff(lambda: models, ring, GuardMetrics("test"))
+    hand_off = HandOff(lambda: models, ring, GuardMetrics("test"))
     call = observed("cnn")
-    handoff.on_call(call)
-    handoff.on_call(observed("cnn", status=5))  # an error answer: nothing to compare
-    handoff.on_call(observed("unknown"))
-    handoff.on_call(observed("rec", route="fallback"))  # capture only, also on the fallback
+    hand_off.on_call(call)
+    hand_off.on_call(observed("cnn", status=5))  # an error answer: nothing to compare
+    hand_off.on_call(observed("unknown"))
+    hand_off.on_call(observed("rec", route="fallback"))  # capture only, also on the fallback
     records = []
     while (record := ring.take()) is not None:
         records.append(wire.decode(bytes(record)))
     assert [(r.model, r.flags, r.route, r.slot, r.epoch) for r in records] == [
         ("cnn", wire.MIRROR, "primary", 2, 3), ("rec", wire.CAPTURE, "fallback", 4, 3)]
     first = records[0]
-    assert (first.request_message, first.response_message) == (call.request, call.response)
+    assert first.payload == wire.Messages(call.request, call.response)
     assert (first.request_id, first.traceparent) == ("r-1", "00-ab-cd-01")
     ring.close()
 
@@ -282,11 +282,11 @@ def test_an_observed_call_goes_into_the_ring_as_the_upstream_path_would_put_it()
 def test_on_the_fallback_only_probing_calls_are_mirrored():
     ring = SampleRing(1 << 20)
     model = Model(slot=0, mirror_rate=1.0, capture_rate=0.0, route="fallback")
-    handoff = Handoff(lambda: {"cnn": model}, ring, GuardMetrics("test"))
-    handoff.on_call(observed("cnn", route="fallback"))
+    hand_off = HandOff(lambda: {"cnn": model}, ring, GuardMetrics("test"))
+    hand_off.on_call(observed("cnn", route="fallback"))
     assert ring.take() is None
     model.probing = True
-    handoff.on_call(observed("cnn", route="fallback"))
+    hand_off.on_call(observed("cnn", route="fallback"))
     assert wire.decode(bytes(ring.take())).route == "fallback"
     ring.close()
 
@@ -296,17 +296,17 @@ def test_a_full_ring_drops_the_observed_call_and_counts_it_as_the_request_path_d
     metrics = GuardMetrics("test")
     models = {"cnn": Model(slot=0, mirror_rate=1.0, capture_rate=0.0),
               "rec": Model(slot=1, mirror_rate=1.0, capture_rate=1.0)}
-    handoff = Handoff(lambda: models, ring, metrics)
+    hand_off = HandOff(lambda: models, ring, metrics)
     for _ in range(2):
-        handoff.on_call(observed("cnn"))
-    handoff.on_call(observed("rec"))
+        hand_off.on_call(observed("cnn"))
+    hand_off.on_call(observed("rec"))
     value = metrics.registry.get_sample_value
     assert value("guard_mirror_total", {"model": "cnn", "outcome": "dropped"}) == 2
     assert value("guard_mirror_total", {"model": "rec", "outcome": "dropped"}) == 1
     assert value("guard_capture_records_total", {"model": "rec", "outcome": "dropped"}) == 1
     # a model that does not capture gets no capture series
     assert value("guard_capture_records_total", {"model": "cnn", "outcome": "dropped"}) is None
-    assert handoff.handed == 0 and ring.take() is None
+    assert hand_off.handed == 0 and ring.take() is None
     ring.close()
 
 

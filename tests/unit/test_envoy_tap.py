@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from tritonclient.grpc import service_pb2 as pb
 
-from guard.envoy.tap import TraceStream, observe_trace, tap_request
+from guard.envoy.tap_filter import TraceStream, observe_trace, tap_request
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from guard.serve.admin import AdminServicer
-from guard.serve.tap import TapServicer
+from guard.serve.tap_service import TapService
 from guard.envoy.observer import Observer
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
 from guard.xds import ext_proc_pb2_grpc
@@ -45,7 +45,7 @@ def test_generated_files_are_what_make_proto_generates(tmp_path):
 
 @pytest.mark.parametrize("servicer,base", [
     (AdminServicer, admin_pb2_grpc.AdminServicer),
-    (TapServicer, tap_pb2_grpc.TapServicer),
+    (TapService, tap_pb2_grpc.TapServicer),
     (Observer, ext_proc_pb2_grpc.ExternalProcessorServicer),
 ])
 def test_guard_servicers_override_every_generated_rpc(servicer, base):

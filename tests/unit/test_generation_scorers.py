@@ -5,7 +5,6 @@ from __future__ import annotations
 import sys
 
 import pytest
-from pydantic import ValidationError
 
 from guard.backends import backend_kind
 from guard.backends.scoring import Scorer, bos_findings
@@ -34,15 +33,15 @@ def test_scorer_blocks_validate_and_import_nothing_heavy(tmp_path):
     ({"backend": "transformers", "path": "m.gguf", "precision": "int8"}, "int8"),
     ({"backend": "transformers"}, "needs 'path'"),
 ])
-def test_bad_scorer_blocks_say_what_is_wrong(block, message):
-    from guard.backends.options import validate_backend_options
+def test_bad_scorer_blocks_say_what_is_wrong(block, message, tmp_path):
+    """Each block held against its backend's declaration, as guard serve plans a config."""
+    from guard.config import ConfigContext
+    from guard.errors import ConfigError
+    from guard.plan.serving import backend_block
 
-    problems = validate_backend_options(block["backend"], block.get("options", {}))
-    try:
-        BackendConfig(**{k: v for k, v in block.items() if k != "options"})
-    except ValidationError as exc:
-        problems.append(str(exc))
-    assert any(message in line for line in problems), problems
+    with pytest.raises(ConfigError) as raised:
+        backend_block(block, ConfigContext(tmp_path), "guard.yaml")
+    assert any(message in line for line in raised.value.problems), raised.value.problems
 
 
 def test_bos_findings():

@@ -5,6 +5,7 @@ with its typed messages."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import os
 import random
 import socket
@@ -107,31 +108,69 @@ def test_record_round_trip_keeps_every_tensor_bit_for_bit():
               "strided": rng.standard_normal((4, 4)).astype(np.float64)[:, ::2]}
     outputs = {"labels": np.array([[b"cat", b""], [b"\x00dog", b"e"]], dtype=object),
                "logits": rng.standard_normal((2, 10)).astype(np.float32)}
-    parts = wire.encode(wire.MIRROR | wire.CAPTURE, "fallback", 5, 2**33, 99, 0.25, "m",
-                        "req-1", "00-abc-def-01", ["logits"], inputs, outputs)
-    sample = wire.decode(b"".join(bytes(p) for p in parts))
-    assert (sample.flags, sample.route, sample.slot, sample.epoch) == (3, "fallback", 5, 2**33)
-    assert (sample.model, sample.request_id, sample.traceparent) == ("m", "req-1",
-                                                                     "00-abc-def-01")
-    assert sample.requested_outputs == ("logits",) and sample.request_seconds == 0.25
-    for sent, got in ((inputs, sample.inputs), (outputs, sample.outputs)):
-        assert list(got) == list(sent)
-        for name in sent:
-            assert got[name].shape == sent[name].shape
-            assert np.array_equal(got[name], np.asarray(sent[name])), name
-            if sent[name].dtype != object:
-                assert got[name].dtype == sent[name].dtype.newbyteorder("<")
+    sent = wire.Sample("m", 5, "fallback", 2**33, wire.MIRROR | wire.CAPTURE, "req-1",
+                       "00-abc-def-01", 0.25, wire.Tensors(inputs, outputs), unix_nanos=99)
+    data = b"".join(bytes(p) for p in wire.encode(sent))
+    sample = wire.decode(data)
+    # The record is exactly the Sample: every field comes back, the record's size added.
+    assert sample.payload.kind == wire.TENSORS and sample.size == len(data)
+    assert dataclasses.replace(sample, payload=sent.payload, size=0) == sent
+    assert sample.payload.request() == (sample.payload.inputs, ())
+    for sent_group, got in ((inputs, sample.payload.inputs), (outputs, sample.payload.answer())):
+        assert list(got) == list(sent_group)
+        for name in sent_group:
+            assert got[name].shape == sent_group[name].shape
+            assert np.array_equal(got[name], np.asarray(sent_group[name])), name
+            if sent_group[name].dtype != object:
+                assert got[name].dtype == sent_group[name].dtype.newbyteorder("<")
 
 
-def test_record_of_protocol_messages_keeps_the_bytes():
-    parts = wire.encode(wire.MIRROR, "primary", 0, 1, 2, 0.0, "m", "", "", (),
-                        request_message=b"\x01request", response_message=b"\x02answer")
-    sample = wire.decode(b"".join(bytes(p) for p in parts))
-    assert sample.outputs is None
-    assert (sample.request_message, sample.response_message) == (b"\x01request", b"\x02answer")
+def _sample(payload, flags=wire.MIRROR, **fields) -> wire.Sample:
+    return wire.Sample(**{"model": "m", "slot": 0, "route": "primary", "epoch": 1,
+                          "flags": flags, "request_id": "", "traceparent": "",
+                          "request_seconds": 0.0, "payload": payload, **fields})
 
 
-def test_hand_over_puts_a_stamped_record_or_counts_a_drop_per_flag():
+def test_record_of_protocol_messages_keeps_the_bytes_and_decodes_them_when_asked():
+    from tritonclient.grpc import service_pb2 as oip
+
+    from guard.protocol.codec import InferenceRequest, encode_response
+
+    request = oip.ModelInferRequest(model_name="m", id="r-1")
+    tensor = request.inputs.add(name="x", datatype="FP32", shape=[1, 2])
+    tensor.contents.fp32_contents.extend([1.0, 2.0])
+    request.outputs.add(name="y")  # the client asked for y only
+    response = encode_response(InferenceRequest("m", "", "r-1", {}),
+                               {"y": np.array([[3.0]], np.float32)}, "primary")
+    # Message objects are serialized only when the sample is encoded.
+    sample = wire.decode(b"".join(bytes(p) for p in wire.encode(
+        _sample(wire.Messages(request, response)))))
+    assert sample.payload == wire.Messages(request.SerializeToString(),
+                                           response.SerializeToString())
+    inputs, requested = sample.payload.request()
+    np.testing.assert_array_equal(inputs["x"], [[1.0, 2.0]])
+    assert requested == ("y",)
+    np.testing.assert_array_equal(sample.payload.answer()["y"], [[3.0]])
+
+
+def test_record_of_an_llm_call_carries_the_generation_sample_whole():
+    from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+
+    call = GenerationSample(
+        model="llm", endpoint="chat", completion_text="Hi there",
+        tokens=(TokenLogprob("Hi", -0.1, (("Hi", -0.1), ("Hey", -2.5)), 17),
+                TokenLogprob(" there", -0.7)),
+        sampling=SamplingParams(temperature=0.0, max_tokens=8, logprobs=2, stop=("\n",)),
+        messages=({"role": "user", "content": "Say hi"},), prompt_token_ids=(1, 5, 9),
+        finish_reason="stop", request_id="r-9", streamed=True, first_token_seconds=0.05)
+    sample = wire.decode(b"".join(bytes(p) for p in wire.encode(
+        _sample(wire.Generation(call), flags=wire.CAPTURE, request_id="r-9"))))
+    assert sample.payload == wire.Generation(call) and sample.request_id == "r-9"
+    with pytest.raises(wire.NotTensors):
+        sample.payload.request()
+
+
+def test_hand_off_puts_a_stamped_record_or_counts_a_drop_per_flag():
     class Counter:
         value = 0
 
@@ -140,31 +179,26 @@ def test_hand_over_puts_a_stamped_record_or_counts_a_drop_per_flag():
 
     producer, consumer = _ring_pair(1024)
     mirror, capture = Counter(), Counter()
-    assert wire.hand_over(producer, wire.MIRROR, "fallback", 3, 7, 0.5, "m", "r-1", "tp",
-                          request_message=b"q", response_message=b"a",
-                          mirror_dropped=mirror, capture_dropped=capture)
+    assert wire.hand_off(producer, _sample(wire.Messages(b"q", b"a"), route="fallback",
+                                           slot=3, epoch=7, request_seconds=0.5),
+                         mirror, capture)
     sample = wire.decode(bytes(consumer.take()))
     assert (sample.flags, sample.route, sample.slot, sample.epoch) == (wire.MIRROR, "fallback",
                                                                        3, 7)
     assert sample.unix_nanos > 0 and sample.request_seconds == 0.5
-    assert (sample.request_message, sample.response_message) == (b"q", b"a")
-    too_big = bytes(2000)  # never fits: the ring refuses it without waiting
-    assert not wire.hand_over(producer, wire.MIRROR | wire.CAPTURE, "primary", 0, 0, 0.0, "m",
-                              "", "", request_message=too_big, mirror_dropped=mirror,
-                              capture_dropped=capture)
-    assert not wire.hand_over(producer, wire.CAPTURE, "primary", 0, 0, 0.0, "m", "", "",
-                              request_message=too_big, mirror_dropped=mirror,
-                              capture_dropped=capture)
+    assert sample.payload == wire.Messages(b"q", b"a")
+    too_big = wire.Messages(bytes(2000), b"")  # never fits: the ring refuses it at once
+    assert not wire.hand_off(producer, _sample(too_big, flags=wire.MIRROR | wire.CAPTURE),
+                             mirror, capture)
+    assert not wire.hand_off(producer, _sample(too_big, flags=wire.CAPTURE), mirror, capture)
     assert (mirror.value, capture.value) == (1, 2)
-    assert not wire.hand_over(producer, wire.MIRROR, "primary", 0, 0, 0.0, "m", "", "",
-                              request_message=too_big)  # no counter: the drop is only refused
+    assert not wire.hand_off(producer, _sample(too_big))  # no counter: the drop is only refused
     assert consumer.take() is None
 
 
 def test_truncated_record_is_an_error_not_a_crash():
-    parts = wire.encode(wire.MIRROR, "primary", 0, 1, 2, 0.0, "m", "", "", (),
-                        {"x": np.ones((64,), np.float32)}, {"y": np.ones((2,), np.float32)})
-    data = b"".join(bytes(p) for p in parts)
+    data = b"".join(bytes(p) for p in wire.encode(_sample(wire.Tensors(
+        {"x": np.ones((64,), np.float32)}, {"y": np.ones((2,), np.float32)}))))
     for cut in (10, len(data) // 2, len(data) - 1):
         with pytest.raises((ValueError, Exception)):
             wire.decode(data[:cut])

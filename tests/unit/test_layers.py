@@ -78,5 +78,6 @@ def test_the_checks_capture_nothing_themselves():
             if isinstance(node, ast.ImportFrom) and (node.module or "").startswith(
                     "guard.backends."):
                 assert node.module.startswith(("guard.backends.activations", "guard.backends.kind",
-                                               "guard.backends.loading",
+                                               "guard.backends.loading", "guard.backends.scoring",
+                                               "guard.backends.signature_match",
                                                "guard.backends.signatures")), (path, node.module)

@@ -193,25 +193,31 @@ def _sample() -> generation.GenerationSample:
         first_token_seconds=0.1, upstream_model="smol-q4")
 
 
+def _record(slot: int, epoch: int, traceparent: str) -> wire.Sample:
+    call = _sample()
+    return wire.Sample("smol", slot, call.route, epoch, wire.MIRROR, call.request_id,
+                       traceparent, call.request_seconds, wire.Generation(call))
+
+
 def test_a_generation_record_crosses_the_ring_and_reads_back_equal():
     producer = SampleRing(4096)
     consumer = SampleRing.attach(os.dup(producer.block.fd), 4096)
     try:
-        assert wire.hand_over_generation(producer, wire.MIRROR, 3, 9, "smol", "tp", _sample())
+        assert wire.hand_off(producer, _record(3, 9, "tp"))
         handed = wire.decode(bytes(consumer.take()))
     finally:
         consumer.close()
         producer.close()
-    assert handed.generation == _sample()
+    assert handed.payload == wire.Generation(_sample())
     assert (handed.route, handed.slot, handed.epoch, handed.request_id) == ("fallback", 3, 9,
                                                                            "req-1")
     assert handed.request_seconds == 0.5 and handed.traceparent == "tp"
-    assert handed.outputs is None and handed.request_message == b""
+    with pytest.raises(wire.NotTensors):
+        handed.payload.answer()
 
 
 def test_a_corrupt_generation_record_is_rejected_naming_why():
-    data = b"".join(bytes(p) for p in wire.encode_generation(wire.MIRROR, 0, 1, 2, "smol", "",
-                                                             _sample()))
+    data = b"".join(bytes(p) for p in wire.encode(_record(0, 1, "")))
     body_at = data.index(b'{"model"')
     with pytest.raises(ValueError, match="not JSON"):
         wire.decode(data[:body_at] + b"\xff" + data[body_at + 1:])

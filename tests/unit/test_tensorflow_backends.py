@@ -195,7 +195,7 @@ def test_a_naming_difference_is_matched_by_position_not_refused(models):
         pair.load_backends()
         assert pair.output_match.renamed == {"output_0": "logits"}
         inputs = {"image": tf_models.images(4)}
-        check = pair.verifier.check(pair.reference.infer(inputs), pair.primary.infer(inputs))
+        check = pair.comparator.check(pair.reference.infer(inputs), pair.primary.infer(inputs))
         assert check.passed and not check.unmatched, check.summary()
     finally:
         pair.close()

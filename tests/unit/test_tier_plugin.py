@@ -156,11 +156,14 @@ def test_a_generation_tier_judges_sampled_calls_without_tier_1(toygen):
     tensors = Comparator(ChecksConfig(), "classification")
     assert "toygen" not in tensors.tiers  # it takes another kind of sample
     calls = Comparator(ChecksConfig(), "generation")
-    assert calls.tiers == ("toygen",)
+    assert calls.tiers == ("generation", "toygen")  # after the registered generation tier
     reference = [[0.7, 0.2, 0.1], [0.5, 0.25, 0.25]]
     same = calls.check(reference, reference)
     drifted = calls.check(reference, [[0.2, 0.7, 0.1], [0.5, 0.25, 0.25]])
     assert same.passed and same.tiers["toygen"].statistic == pytest.approx(0.0)
     assert not drifted.passed and drifted.tiers["toygen"].statistic > 0.1
+    # The generation tier cannot read these toy distributions: its error is a note, never the
+    # sample's verdict.
     assert set(drifted.tiers) == {"toygen"}
+    assert any(note.startswith("tier generation could not run") for note in drifted.notes)
     assert tier_reports(drifted)["toygen"].details["kld"] == drifted.tiers["toygen"].statistic

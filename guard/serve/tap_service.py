@@ -1,4 +1,5 @@
 """The guard.v1.Tap service (tap mode): observe answered requests, tell the server the route.
+(Not Envoy's tap filter, through which Envoy mode observes calls: guard/envoy/tap_filter.py.)
 
 Opt-in and authenticated: the service listens on its own listener (``server.tap``: loopback by
 default, or mutual TLS with an allow-list of client identities) and knows only the models
@@ -23,6 +24,7 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2 as oip
 
+from guard.ipc import wire
 from guard.protocol.codec import InferenceError, decode_request, decode_response
 from guard.serve.lookup import model_or_abort
 from guard.serve.model import ServedModel
@@ -40,7 +42,7 @@ async def tapped_or_abort(models: dict[str, ServedModel], name: str, context) ->
     return model
 
 
-class TapServicer(pb_grpc.TapServicer):
+class TapService(pb_grpc.TapServicer):
     def __init__(self, models: dict[str, ServedModel], callers: CallerCheck | None = None):
         self.models = models
         self.callers = callers or CallerCheck("tap")  # server.tap.tls's allow-list
@@ -65,9 +67,9 @@ class TapServicer(pb_grpc.TapServicer):
         model = await tapped_or_abort(self.models, infer_request.model_name, context)
         route, epoch, probing = model.route_word()
         model.requests[served_by].inc()
-        queued = model.after_response(infer_request.id, served_by, epoch, probing, 0.0,
-                                      request_message=request.request,
-                                      response_message=request.response)
+        flags = model.sample_flags(infer_request.id, served_by, probing)
+        queued = bool(flags) and model.hand_off(flags, infer_request.id, served_by, epoch, 0.0,
+                                                wire.Messages(request.request, request.response))
         return pb.ObserveResponse(sampled=queued, route=route)
 
     async def WatchRoute(self, request: pb.WatchRouteRequest, context):

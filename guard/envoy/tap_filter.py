@@ -1,4 +1,5 @@
-"""Envoy's tap filter as guard's observer: each sampled call as one trace on one stream.
+"""Envoy's tap filter as guard's observer: each sampled call as one trace on one stream. (Not
+the guard.v1.Tap service, which model servers call: guard/serve/tap_service.py.)
 
 ``server.envoy.observer: tap`` (the default; ``ext_proc`` is guard/envoy/observer.py). The
 bootstrap puts Envoy's HTTP tap filter (``admin_config``, config id ``guard``) on the sampled
@@ -145,7 +146,7 @@ class TraceStream:
         return traces
 
 
-class TapReader:
+class TapFilterReader:
     """Holds a tap on the current Envoy and hands every trace on; a thread of its own.
 
     ``admin_port()``: the current Envoy's admin port (0 while none serves)."""

@@ -1,5 +1,5 @@
 """An observed call (guard/envoy/observer.py) into the sample ring, the way the Python data plane
-hands over an upstream's answer (guard/serve/model.py ``after_response``): the serialized
+hands off an upstream's answer (guard/serve/model.py ``hand_off``): the serialized
 request and answer as they were, decoded only in the verifier.
 
 Sampling was decided in Envoy (the model's sampled route), so every observed call of a model is
@@ -31,7 +31,7 @@ class Sampled(Protocol):
     def route_word(self) -> tuple[str, int, bool]: ...
 
 
-class Handoff:
+class HandOff:
     def __init__(self, models: Callable[[], Mapping[str, Sampled]], ring: SampleRing,
                  metrics: GuardMetrics):
         self.models = models
@@ -63,9 +63,10 @@ class Handoff:
             flags |= wire.CAPTURE
         if not flags:
             return
-        if wire.hand_over(self.ring, flags, route, model.slot, epoch, call.seconds, name,
-                          call.request_id, call.traceparent, None, None, call.request,
-                          call.response, *self._dropped(name, flags)):
+        sample = wire.Sample(name, model.slot, route, epoch, flags, call.request_id,
+                             call.traceparent, call.seconds,
+                             wire.Messages(call.request, call.response))
+        if wire.hand_off(self.ring, sample, *self._dropped(name, flags)):
             self.handed += 1
 
     def _dropped(self, name: str, flags: int) -> tuple:
