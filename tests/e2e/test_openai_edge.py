@@ -168,8 +168,9 @@ class EdgeOnOwnRing:
         self.thread.start()
         self.edge = OpenAIEdge(lambda: {"smol": self.model}, self.metrics, self.config.server)
         self._run(self.model.connect())
-        self.port = self._run(self.edge.start())
-        self.edge.ready = True
+        self._run(self.edge.start())
+        self._run(self.edge.set_ready(True))
+        self.port = self.edge.port
 
     def _run(self, coroutine):
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(60)
@@ -226,7 +227,7 @@ def test_a_sampled_chat_hands_over_the_primarys_tokens_with_logprobs_the_client_
     assert json.loads(ours.content)["choices"][0]["logprobs"] is None
     assert _masked(ours.content) == _masked(theirs.content).replace(
         f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
-    (sample,) = [s.generation for s in own_ring.samples()]
+    (sample,) = [s.payload.call for s in own_ring.samples()]
     assert sample.model == "smol" and sample.endpoint == "chat" and sample.route == "primary"
     assert sample.messages == tuple(MESSAGES) and sample.upstream_model == llama_server.model
     assert sample.completion_text == json.loads(ours.content)["choices"][0]["message"]["content"]
@@ -248,7 +249,7 @@ def test_a_sampled_stream_hands_over_its_tokens_and_timing(own_ring):
     assert all(e["model"] == "smol" for e in events)
     assert all(e["choices"][0]["logprobs"] is None for e in events)  # stripped in each event
     text = "".join(e["choices"][0]["text"] for e in events)
-    (sample,) = [s.generation for s in own_ring.samples()]
+    (sample,) = [s.payload.call for s in own_ring.samples()]
     assert sample.streamed and sample.prompt == PROMPT and sample.completion_text == text
     assert [t.text for t in sample.tokens] and "".join(t.text for t in sample.tokens) == text
     assert sample.has_logprobs and sample.tokens[0].text == " Paris"
@@ -265,7 +266,7 @@ def test_calls_the_client_asked_logprobs_for_keep_them_and_n_2_is_not_sampled(ow
     logprobs = asked.json()["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == 3 and len(logprobs["top_logprobs"][0]) == 2
     assert several.status_code in (200, 400)  # the server's own answer to n=2, forwarded
-    (sample,) = [s.generation for s in own_ring.samples()]  # the first only
+    (sample,) = [s.payload.call for s in own_ring.samples()]  # the first only
     assert sample.sampling.logprobs == 2 and len(sample.tokens[0].top) == 2
     values = own_ring.metrics.registry.get_sample_value(
         "guard_generation_not_comparable_total", {"model": "smol", "reason": "n"})

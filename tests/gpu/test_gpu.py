@@ -25,16 +25,24 @@ except ImportError:
     HAS_TRT = False
 
 
+def planned(spec: dict) -> BackendConfig:
+    """A block planned as a config's is (TensorRT's declaration puts it on the GPU)."""
+    from guard.config import ConfigContext
+    from guard.plan.serving import backend_block
+
+    return backend_block(spec, ConfigContext(), "a block")
+
+
 def load(spec: dict, role: str = "primary"):
-    backend = create_backend(BackendConfig(**spec), role)
+    backend = create_backend(planned(spec), role)
     backend.load()
     return backend
 
 
 # -- everywhere ---------------------------------------------------------------------------------
 def test_tensorrt_backend_defaults_to_cuda_and_reports_a_missing_install(zoo_classifier):
-    spec = BackendConfig(backend="tensorrt", path=str(zoo_classifier["onnx"]), precision="fp16",
-                         options={"fp32_layers": ["/fc1/Gemm"]})
+    spec = planned({"backend": "tensorrt", "path": str(zoo_classifier["onnx"]),
+                    "precision": "fp16", "options": {"fp32_layers": ["/fc1/Gemm"]}})
     assert spec.device == "cuda"
     if HAS_TRT and CUDA:
         pytest.skip("TensorRT and CUDA are present: the CUDA tests below exercise it")
