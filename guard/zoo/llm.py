@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +65,30 @@ def cache_dir() -> Path:
     return Path(root) / "llm"
 
 
+@contextmanager
+def _stderr_to_log(what: str):
+    """llama.cpp's quantizer writes a line per tensor it cannot give the asked type straight to
+    file descriptor 2 (past any log callback): kept in a temporary file, summed up in one log
+    line (SmolLM2's 576-wide rows are not a multiple of the k-quants' 256: most of a "Q2_K"
+    is q4_0, which the ladder's figures include)."""
+    with tempfile.TemporaryFile() as kept:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(kept.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            kept.seek(0)
+            lines = kept.read().decode(errors="replace").splitlines()
+    fallbacks = sum("falling back" in line for line in lines)
+    if fallbacks:
+        logging.getLogger("guard.zoo.llm").info(
+            "quantize %s: %d tensors fell back to another type (%s)", what, fallbacks,
+            next((line.strip() for line in lines if "falling back" in line), ""))
+
+
 def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> Path:
     """``source`` requantized to ``ftype_name`` (e.g. "Q8_0") at ``target``; a file already
     there is kept (the name says what it holds). Written beside the target and renamed in,
@@ -87,7 +113,9 @@ def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> P
         params.ftype = ftype
         params.allow_requantize = True
         params.nthread = threads
-        status = llama_cpp.llama_model_quantize(str(source).encode(), partial.encode(), params)
+        with _stderr_to_log(f"{source.name} -> {ftype_name}"):
+            status = llama_cpp.llama_model_quantize(str(source).encode(), partial.encode(),
+                                                    params)
         if status != 0:
             raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype_name}: "
                                f"status {status}")
