@@ -53,7 +53,7 @@ def _configure_logging(debug: bool) -> None:
         stream=sys.stderr,
     )
     # Library chatter that says nothing to an operator.
-    for noisy in ("torch", "onnxscript", "onnx_ir", "asyncio"):
+    for noisy in ("torch", "onnxscript", "onnx_ir", "asyncio", "httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING if debug else logging.ERROR)
 
 
