@@ -154,5 +154,5 @@ def _check(spec: "BackendConfig") -> None:
 
 KINDS = {
     "llama_cpp": BackendKind(name="llama_cpp", backend=LlamaCppScorer, options=LlamaCppOptions,
-                             check=_check),
+                             check=_check, llm=frozenset({"score"})),
 }

@@ -165,5 +165,6 @@ KINDS = {
     "transformers": BackendKind(
         name="transformers", backend=TransformersScorer, options=TransformersOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), check=_check,
+        llm=frozenset({"score"}),
     ),
 }
