@@ -42,7 +42,7 @@ class LocalEngine:
         self.workers = 1
 
     def input_specs(self, model: str) -> tuple[TensorSpec, ...]:
-        return self.runners.get(model).primary.describe().inputs
+        return self.runners.get(model).npz_inputs()
 
     def describe(self, model: str) -> dict[str, str]:
         return self.runners.get(model).describe()
@@ -84,7 +84,7 @@ class ReplayWorker:
         return self.runners.get(model).describe()
 
     def input_specs(self, model: str) -> tuple[TensorSpec, ...]:
-        return self.runners.get(model).primary.describe().inputs
+        return self.runners.get(model).npz_inputs()
 
     def run(self, batch: Batch) -> list[RecordOutcome]:
         return self.runners.run(batch)
