@@ -14,7 +14,7 @@ import sys
 import traceback
 
 from guard import __version__
-from guard.errors import ConfigError, GuardError
+from guard.errors import ConfigError, GuardError, install_hint
 from guard.malloc import tune_for_inference
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
@@ -378,7 +378,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where report.json/.md/.html go (default ./replay-report)")
     replay.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="local: this process; ray: shard over a Ray cluster "
-                        "(pip install 'guard[ray]')")
+                        f"({install_hint('ray')})")
     replay.add_argument("--ray-address", metavar="ADDR",
                         help="Ray cluster to use (e.g. ray://head:10001); default: start a "
                         "local one")

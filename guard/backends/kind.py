@@ -66,6 +66,9 @@ class BackendKind:
     - ``fp64``: ``(spec) -> Backend``, the block's model run in float64 (built, not loaded; the
       fp64 arbiter's truth), raising ``Unsupported`` for a block that has none; None: the
       backend has no fp64 run.
+    - ``extra``: the optional dependency extra of pyproject.toml that installs its runtime
+      (None: guard's core installs it, or it comes from elsewhere, as TensorRT): a load that
+      fails on a missing module says how to install it (``guard.errors.install_hint``).
     """
 
     name: str
@@ -85,6 +88,7 @@ class BackendKind:
     threaded: bool = False
     in_threads: Callable[[Any, int], ContextManager[Any]] | None = None
     fp64: Callable[[Any], "Backend"] | None = None
+    extra: str | None = None
 
     @contextlib.contextmanager
     def with_threads(self, built: "Backend", spec: Any, threads: int) -> Iterator["Backend"]:

