@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 
@@ -18,6 +19,9 @@ from guard.errors import ConfigError, GuardError, install_hint
 from guard.malloc import tune_for_inference
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+# The reader of our output went away (`guard config schema | head`): what a shell reports for a
+# program that SIGPIPE ended (128 + 13), which is what `| head` users expect, never a traceback.
+EXIT_PIPE_CLOSED = 141
 DEFAULT_ADMIN = "127.0.0.1:8003"  # server.admin_host and server.admin_port's defaults
 
 
@@ -92,8 +96,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
     except ConfigError as exc:
-        for line in exc.problems:
-            print(line, file=sys.stderr)
+        for line in exc.problems:  # FILE: dotted.path: message, as a compiler names its file
+            print(f"{exc.source or args.file}: {line}", file=sys.stderr)
         return EXIT_USAGE
     names = ", ".join(m.name for m in config.models)
     print(f"{args.file}: valid ({len(config.models)} model(s): {names})")
@@ -541,6 +545,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_PIPE_CLOSED
+
+
+def _drop_stdout() -> None:
+    """stdout's reader is gone: point stdout at /dev/null so that the interpreter's own flush
+    at exit does not fail on the pipe again (Python's documented recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing to flush later
+        pass
 
 
 if __name__ == "__main__":
