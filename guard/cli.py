@@ -155,14 +155,17 @@ def _write_output(text: str, output: str | None) -> None:
 
 
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
+    from guard.deploy import parse_labels
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
     try:
         settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
+        labels = parse_labels(args.label, "--label")
+        text = render(read_thresholds(args.config), settings, args.format, source=args.config,
+                      labels=labels)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
-    _write_output(render(read_thresholds(args.config), settings, args.format,
-                         source=args.config), args.output)
+    _write_output(text, args.output)
     return EXIT_OK
 
 
@@ -208,12 +211,12 @@ def cmd_deploy_istio(args: argparse.Namespace) -> int:
     from guard.envoy.istio import dump, envoy_filter
     from guard.plan.serving import load_config
 
-    selector = {}
-    for item in args.selector:
-        label, sep, value = item.partition("=")
-        if not sep or not label:
-            raise GuardError(f"--selector: '{item}' is not LABEL=VALUE")
-        selector[label] = value
+    from guard.deploy import parse_labels
+
+    try:
+        selector = parse_labels(args.selector, "--selector")
+    except ValueError as exc:
+        raise GuardError(str(exc)) from None
     resource = envoy_filter(load_config(args.config), selector, name=args.name,
                             namespace=args.namespace, port=args.port)
     _write_output(dump(resource, as_json=args.format == "json"), args.output)
@@ -437,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
                        f"(default {DEFAULT_RUNBOOK_BASE})")
     rules.add_argument("--job", default="guard",
                        help="the scrape job label of the guard targets (default guard)")
+    rules.add_argument("--label", action="append", default=[], metavar="LABEL=VALUE",
+                       help="prometheusrule: a label of the PrometheusRule's metadata "
+                       "(repeatable), e.g. release=kube-prometheus-stack, the label a "
+                       "kube-prometheus-stack Prometheus selects rules by (its "
+                       "ruleSelector)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
     rollout = deploy_sub.add_parser(
