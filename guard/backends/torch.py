@@ -349,7 +349,7 @@ def _check(spec) -> None:
 def _check_model(model) -> None:
     """Checks of a model block with a torch backend in it."""
     ref, primary = model.reference, model.primary
-    if model.policy.action == "fallback_ops" and primary.backend == "torch_compile":
+    if model.policy.uses("fallback_ops") and primary.backend == "torch_compile":
         if ref.backend != "torch":
             raise ValueError(
                 "policy.action 'fallback_ops' on a torch_compile primary names modules "

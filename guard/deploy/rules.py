@@ -187,7 +187,7 @@ def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThre
             if policy is not None:
                 policy = with_task_defaults(policy, GENERATION)
         has_fallback = block.get("fallback") is not None
-        if policy is not None and policy.action == "fallback_model" and not has_fallback:
+        if policy is not None and policy.uses("fallback_model") and not has_fallback:
             problems.append(f"{where}: policy.action 'fallback_model' needs a 'fallback' backend")
         if policy is not None and mirror is not None:
             found.append(ModelThresholds(name, policy, mirror,
@@ -312,15 +312,20 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     threshold, which the guard derives from p0, p1 and ARL0 at run time)."""
     sel = model_selector(model.name)
     policy = model.policy
-    if policy.action == "alert":
-        consequence = ("policy.action is alert: the primary keeps answering clients with "
-                       "these results.")
+    alerting = ("the primary keeps answering clients with these results.")
+    switching = ("the guard switches away from the primary when this condition is met and "
+                 "restarts the detector; while the fallback serves, probes of the primary feed "
+                 "it, so this alert lasts while the primary still fails its probes or the route "
+                 "could not move (pinned by an override?).")
+    if policy.actions:
+        per_tier = ", ".join(f"{tier}: {action}" for tier, action in sorted(policy.actions.items()))
+        consequence = (f"The action depends on the tier (policy.actions {per_tier}; every other "
+                       f"tier: {policy.action}). A tier whose action is alert: {alerting} A "
+                       f"tier that switches: {switching}")
+    elif policy.action == "alert":
+        consequence = f"policy.action is alert: {alerting}"
     else:
-        consequence = (f"policy.action is {policy.action}: the guard switches away from the "
-                       "primary when this condition is met and restarts the detector; while "
-                       "the fallback serves, probes of the primary feed it, so this alert "
-                       "lasts while the primary still fails its probes or the route could "
-                       "not move (pinned by an override?).")
+        consequence = f"policy.action is {policy.action}: {switching}"
     if policy.detector == "window":
         return _alert(
             "GuardDriftOverThreshold",
@@ -368,6 +373,21 @@ def drift_condition(model: ModelThresholds, sel: str) -> str:
         return f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}" + _enough(sel, policy)
     return (f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}"
             + _enough(sel, policy))
+
+
+def tiers_taking(policy, alert: bool) -> str | None:
+    """A PromQL matcher (``,tier=~"..."``) of the tiers whose trip alerts (``alert``) or
+    switches (not ``alert``) under ``policy.action``/``policy.actions``: "" for every tier, None
+    for none."""
+    def takes(action: str) -> bool:
+        return (action == "alert") == alert
+
+    named = sorted(policy.actions)
+    if takes(policy.action):  # every tier but the named ones that do otherwise
+        others = [tier for tier in named if not takes(policy.actions[tier])]
+        return f',tier!~"{"|".join(others)}"' if others else ""
+    these = [tier for tier in named if takes(policy.actions[tier])]
+    return f',tier=~"{"|".join(these)}"' if these else None
 
 
 def _enough(sel: str, policy) -> str:
