@@ -114,3 +114,33 @@ def test_readme_links_resolve():
             f"README.md links to {link}: generated at build time, not in a fresh clone")
         assert (REPO / link).exists(), f"README.md links to {link}, which does not exist"
     assert any(link.startswith("docs/") for link in relative)
+
+
+def _relative_targets(html: str) -> list[str]:
+    """The href and src targets of a built page that point inside the site."""
+    targets = re.findall(r'(?:href|src)="([^"]+)"', html)
+    return [t.split("#")[0] for t in targets
+            if not re.match(r"[a-z]+:", t) and not t.startswith(("#", "//")) and t.split("#")[0]]
+
+
+def test_every_link_on_the_site_resolves_benchmark_results_included(built_site):
+    """A docs page's link to a repository file (a benchmark's results) is a link on the site
+    too, to a copy the build puts under repo/ (docs/repo_links.py), and nothing links nowhere."""
+    broken = []
+    for page in built_site.rglob("*.html"):
+        if page.name == "404.html":
+            continue
+        for target in _relative_targets(page.read_text()):
+            path = (page.parent / target).resolve()
+            if path.is_dir():
+                path = path / "index.html"
+            if not path.exists():
+                broken.append(f"{page.relative_to(built_site)} -> {target}")
+    assert not broken, broken[:20]
+    benchmarks = (built_site / "benchmarks/index.html").read_text()
+    results = [t for t in _relative_targets(benchmarks) if "repo/benchmarks/results/" in t]
+    assert len(results) >= 5, results
+    summary = built_site / "repo/benchmarks/results/matrix-cpu/summary/index.html"
+    assert summary.is_file()  # a results page, rendered, with its heat map beside it
+    assert 'src="../heatmap.png"' in summary.read_text()
+    assert (built_site / "repo/benchmarks/results/matrix-cpu/heatmap.png").is_file()
