@@ -28,10 +28,12 @@ Each tier acts as ``policy.action_for(tier)`` says (``policy.actions``, else ``p
 A tier whose action is ``alert`` runs the same way on paper (events, gauges), but its trip never
 moves the route: an alert fires once per crossing of that tier and re-arms when the tier's
 recovery detector says the rate came down. So ``{tensor: alert, task: fallback_model}`` alerts
-on tensor drift and switches on task drift. On the fallback, only the tiers that switch decide
-the way back (a tier that only alerts may go on drifting on the probes: that is not what sent the
-model away); a model none of whose tiers switch (on the fallback by an operator's pin, then
-handed back to ``auto``) is brought back by any tier's recovery. ``dry_run_percent`` of the
+on tensor drift and switches on task drift. On the fallback, the tier whose trip sent the model
+there decides the way back, and only while no other switching tier's trip detector is in alarm
+on the same probes (a tier that never failed, such as tier 3 under a tier-1 drift, says nothing
+about the drift; a tier that only alerts may go on drifting: that did not send the model away).
+On the fallback by an operator's pin, handed back to ``auto``, any switching tier's recovery
+brings it back (any tier's, when none switches). ``dry_run_percent`` of the
 switching trips are reported (trigger ``dry_run``) but not enforced. A manual override (admin
 API) pins the route until ``auto``.
 """
@@ -254,6 +256,7 @@ class RoutePolicy:
         self._trips = 0  # trips in a row, for the growing dwell
         self._healthy_since = clock()
         self._dwell = config.dwell_s
+        self._sent_by: str | None = None  # the tier whose trip put the model on the fallback
         self.epoch = 0
         self.last_transition: Transition | None = None
 
@@ -338,8 +341,8 @@ class RoutePolicy:
         recovered = state.recover.update(failed) if state.sequential else state.recover.alarmed
         if not recovered or self._override != "auto":
             return None
-        if self.can_switch and not state.switches:
-            return None  # an alerting tier did not send the model away: not its call
+        if not self._decides_recovery(tier, state):
+            return None
         if state.scored:
             r = state.recover
             reason = (f"primary probes recovered: {tier} {r.kind} statistic {r.statistic:.2f} "
@@ -356,6 +359,15 @@ class RoutePolicy:
                       f"recover_ratio {self.config.recover_ratio} over {w.samples} samples")
         return self._switch("primary", "policy", reason,
                             self._evidence(tier, state, state.recover))
+
+    def _decides_recovery(self, tier: str, state: _TierState) -> bool:
+        """Whether ``tier``'s recovery may route back now (see the module docstring)."""
+        if self.can_switch and not state.switches:
+            return False  # an alerting tier did not send the model away: not its call
+        if self._sent_by is not None and tier != self._sent_by:
+            return False
+        return not any(other.switches and other.trip.alarmed
+                       for name, other in self._tiers.items() if name != tier)
 
     def _trip_reason(self, tier: str, state: _TierState) -> str:
         if not state.sequential:
@@ -422,6 +434,7 @@ class RoutePolicy:
             self.epoch = epoch
             self._override = override
             self._since = self._clock()
+            self._sent_by = None  # who sent it there died with the previous process
             if route == "fallback":
                 self._dwell = self.config.dwell_s
 
@@ -456,6 +469,8 @@ class RoutePolicy:
                 self._dwell = self.config.dwell_s
         else:
             self._healthy_since = now
+        self._sent_by = evidence.get("tier") if to == "fallback" and trigger == "policy" \
+            else None
         transition = Transition(self.model, self._state, to, trigger, reason, time.time(),
                                 evidence)
         self._state = to

@@ -506,3 +506,30 @@ def test_concurrent_observers_trip_exactly_once():
         th.join()
     assert len(transitions) == 1
     assert policy.route == "fallback" and policy.epoch == 1
+
+
+def test_a_tier_that_never_failed_does_not_bring_the_model_back():
+    """Both tiers switch; tier 1 sent the model away. Tier 3 passing on every probe (an int8
+    primary keeps its top-1 classes) is no sign that tier 1's drift is gone."""
+    policy, clock = make(tiers=("tensor", "task"), dwell=10, recover=0.0)
+    (trip,) = feed(policy, [True] * 5, tier="tensor")
+    assert trip.evidence["tier"] == "tensor" and policy.route == "fallback"
+    clock.advance(10)
+    for _ in range(20):  # each probe: tier 1 still fails, tier 3 passes
+        assert policy.observe("tensor", True, policy.epoch) is None
+        assert policy.observe("task", False, policy.epoch) is None
+    assert policy.route == "fallback"
+    (back,) = feed(policy, [False] * 10, tier="tensor")  # tier 1 clean: it brings it back
+    assert back.to_route == "primary" and back.evidence["tier"] == "tensor"
+
+
+def test_recovery_waits_while_another_switching_tier_is_in_alarm():
+    """Pinned to the fallback and handed back: any switching tier may bring the model back, but
+    not while another one's trip detector is in alarm on the same probes."""
+    policy, _ = make(tiers=("tensor", "task"), dwell=0, recover=0.0)
+    policy.set_override("fallback", "pin")
+    policy.set_override("auto", "release")
+    for _ in range(10):
+        policy.observe("task", True, policy.epoch)  # the task tier drifts on the probes
+        assert policy.observe("tensor", False, policy.epoch) is None
+    assert policy.route == "fallback"
