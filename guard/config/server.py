@@ -111,7 +111,8 @@ class ServerConfig(Strict):
         None, description="OpenAI-compatible HTTP for generative models (backend openai): "
         "/v1/completions, /v1/chat/completions (Server-Sent Events when the request says "
         "\"stream\": true), /v1/models, /health and /health/ready, on server.host. Off when "
-        "unset (0 picks a free one). Served by the first serving process only.")
+        "unset (0 picks a free one). Every serving process (server.processes) listens on it "
+        "(SO_REUSEPORT), as on grpc_port.")
     admin_port: Port = Field(8003, description="guard.v1 admin API port.")
     admin_host: str = Field(
         "127.0.0.1", description="The admin API changes routes: loopback only unless set."

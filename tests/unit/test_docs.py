@@ -144,3 +144,36 @@ def test_every_link_on_the_site_resolves_benchmark_results_included(built_site):
     assert summary.is_file()  # a results page, rendered, with its heat map beside it
     assert 'src="../heatmap.png"' in summary.read_text()
     assert (built_site / "repo/benchmarks/results/matrix-cpu/heatmap.png").is_file()
+
+
+# The packages whose every module the architecture page's code map must name.
+MAPPED_IN_FULL = ("serve", "verifier_process", "ipc", "runtime", "policy", "plan", "verify",
+                  "protocol")
+
+
+def test_the_architecture_page_names_what_exists():
+    """Every repository path docs/architecture.md names exists; in its code map each module a
+    folder's bullet names is in that folder, and the packages of MAPPED_IN_FULL are named in
+    full (a module added or removed there changes the map)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    paths = re.findall(r"`((?:guard|tests|proto|benchmarks)/[\w./-]*)`", text)
+    assert len(paths) > 50
+    missing = [p for p in paths if "NAME" not in p and not (REPO / p.rstrip("/")).exists()]
+    assert not missing, missing
+    code_map = text[text.index("## Code map"):text.index("## Layers")]
+    bullets = {m.group(1): m.group(2) for m in re.finditer(
+        r"^- `guard/(\w+)/`(.*?)(?=^- |\Z)", code_map, flags=re.M | re.S)}
+    assert set(MAPPED_IN_FULL) <= set(bullets), sorted(bullets)
+    for package, bullet in bullets.items():
+        folder = REPO / "guard" / package
+        named = set(re.findall(r"`([\w]+\.(?:py|c))`", bullet))
+        named |= {f"{d}/" for d in re.findall(r"`(\w+)/`", bullet)}
+        for name in named:  # a module of the package or of one of its subpackages
+            assert (folder / name).exists() or list(folder.rglob(name.rstrip("/"))), \
+                f"the code map names guard/{package}/.../{name}, which does not exist"
+        if package in MAPPED_IN_FULL:
+            modules = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+            modules |= {f"{p.name}/" for p in folder.iterdir()
+                        if p.is_dir() and (p / "__init__.py").exists()}
+            assert not modules - named, f"guard/{package}/: not in the code map: " \
+                f"{sorted(modules - named)}"
