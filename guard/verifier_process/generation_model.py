@@ -73,6 +73,16 @@ def detector_score(check, limits) -> float | None:
     return None
 
 
+def generation_policy(config: ModelConfig) -> RoutePolicy:
+    """A generative model's route policy: its detector accumulates the tier's per-completion
+    score (``detector_score``) against ``checks.generation``'s in-control ratio."""
+    gen = config.checks.generation
+    return RoutePolicy(config.name, config.policy, (TIER,),
+                       has_fallback=config.fallback is not None,
+                       sample_rate=config.mirror.sample_rate,
+                       scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
+
+
 @dataclass
 class GenerationMirrorSample(MirrorSample):
     generation: GenerationSample | None = None
@@ -194,11 +204,7 @@ class VerifiedGenerationModel(VerifiedModel):
         self.serving = serving
         self._config_hash = config_hash
         self.policy_tiers = (TIER,)
-        gen = config.checks.generation
-        self.policy = RoutePolicy(
-            self.name, config.policy, self.policy_tiers, has_fallback=config.fallback is not None,
-            sample_rate=config.mirror.sample_rate,
-            scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
+        self.policy = generation_policy(config)
         self.backends: dict = {}
         self.mirror: GenerationMirror | None = None
         self.capture: CaptureWriter | None = None
