@@ -50,10 +50,10 @@ def unavailable_reason() -> str | None:
     python = home / "bin" / "python"
     if not python.exists():
         return f"vLLM's virtualenv not found at {home}: create it with {_install_hint(home)}"
-    probe = subprocess.run(
-        [str(python), "-c", f"import importlib.util, sys; "
-         f"sys.exit(importlib.util.find_spec('{ENTRY.rsplit('.', 1)[0]}') is None)"],
-        capture_output=True, text=True, timeout=120)
+    look = ("import importlib.util, sys; "
+            f"sys.exit(importlib.util.find_spec('{ENTRY.split('.', 1)[0]}') is None)")
+    probe = subprocess.run([str(python), "-c", look], capture_output=True, text=True,
+                           timeout=120, check=False)
     if probe.returncode != 0:
         return f"{python} has no vllm package: install it with {_install_hint(home)}"
     return None

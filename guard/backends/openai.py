@@ -24,6 +24,10 @@ At start-up ``load()`` waits up to ``options.ready_timeout_s`` for ``GET {target
 to answer (a sidecar may start before its model server), with the standard library, on the
 loading thread. An upstream that does not list ``model`` is reported (event
 ``openai_model_not_listed``), not refused: some servers list a file path or one fixed name.
+
+In the ``reference`` role the same block is a remote scorer instead (``build``;
+guard/backends/openai_scorer.py): the server scores the primary's completions. The options
+class is shared; which options a role takes is checked per model (``_check_roles``).
 """
 
 from __future__ import annotations

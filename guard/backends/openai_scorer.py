@@ -62,8 +62,14 @@ import numpy as np
 
 from guard.backends.base import BackendInfo, Role
 from guard.backends.openai import OpenAIOptions, authorization, strip_v1, wait_ready
-from guard.backends.scoring import (ReferenceScores, Scorer, TokenizationMismatch, Vocabulary,
-                                    comparable_text, unscored)
+from guard.backends.scoring import (
+    ReferenceScores,
+    Scorer,
+    TokenizationMismatch,
+    Vocabulary,
+    comparable_text,
+    unscored,
+)
 from guard.errors import BackendError
 from guard.protocol.generation import GenerationSample
 
@@ -156,7 +162,12 @@ class ScoringClient:
 # -- the two ways of asking ----------------------------------------------------------------------
 def _prompt_logprobs(client: ScoringClient, ids: Sequence[int], k: int) -> list[Position]:
     """Positions 1.. of ``ids`` from vLLM's ``prompt_logprobs`` (position 0 has none)."""
-    choice = client.complete(ids, max_tokens=1, prompt_logprobs=k)
+    return prompt_logprobs_positions(client.complete(ids, max_tokens=1, prompt_logprobs=k),
+                                     ids, k)
+
+
+def prompt_logprobs_positions(choice: dict, ids: Sequence[int], k: int) -> list[Position]:
+    """The positions of a completion choice that carries ``prompt_logprobs`` for ``ids``."""
     entries = choice.get("prompt_logprobs")
     if not isinstance(entries, list) or len(entries) != len(ids):
         raise BackendError("the server ignored prompt_logprobs (no list of one entry per "
@@ -179,7 +190,12 @@ def _prompt_logprobs(client: ScoringClient, ids: Sequence[int], k: int) -> list[
 
 def _echo(client: ScoringClient, ids: Sequence[int], k: int) -> list[Position]:
     """Positions 1.. of ``ids`` from an echoed prompt with ``logprobs`` (texts, not ids)."""
-    choice = client.complete(ids, max_tokens=0, echo=True, logprobs=k)
+    return echo_positions(client.complete(ids, max_tokens=0, echo=True, logprobs=k), ids, k)
+
+
+def echo_positions(choice: dict, ids: Sequence[int], k: int) -> list[Position]:
+    """The positions of a completion choice that echoes the prompt ``ids`` with logprobs (as
+    many tokens as ``ids``, each its logprob and top logprobs, the first without)."""
     logprobs = choice.get("logprobs") or {}
     texts, values = logprobs.get("tokens"), logprobs.get("token_logprobs")
     tops = logprobs.get("top_logprobs")
@@ -334,16 +350,17 @@ class OpenAIScorer(Scorer):
             except BackendError as exc:
                 why.append(f"{mode}: {exc}")
                 continue
-            misaligned = _misalignment(generated, positions[-1])
+            misaligned = misalignment(generated, positions[-1])
             if misaligned is None:
                 return mode
             why.append(f"{mode}: {misaligned}")
-        hint = ""
+        hint, key = "", None
         if any("max allowed" in line or "max_logprobs" in line for line in why):
             hint = (f" (options.top_logprobs {k} is above the server's limit: lower it, or "
                     "start vLLM with a larger --max-logprobs)")
+            key = "options.top_logprobs"
         raise BackendError(f"openai reference {self.model}@{self.base} cannot score a given "
-                           f"text{hint}: " + "; ".join(why) + f". {SERVERS}")
+                           f"text{hint}: " + "; ".join(why) + f". {SERVERS}", key=key)
 
     def describe(self) -> BackendInfo:
         return BackendInfo("openai", f"{self.model}@{self.base}", "as served", "remote", (), (),
@@ -384,21 +401,28 @@ class OpenAIScorer(Scorer):
         return scores_from_top(sample, ids, scored, self.options.top_logprobs, **fields)
 
 
-def _misalignment(generated: dict, scored: Position) -> str | None:
+def misalignment(generated: dict, scored: Position) -> str | None:
     """Why the scored distribution after the probe is not the one the server generated from
-    (None: it is). ``generated`` is the first choice of a one-token completion with logprobs."""
+    (None: it is): the generated best token must be among the scored best, and every token of
+    the generated top within ``_ALIGNMENT_TOLERANCE`` of its scored logprob (by text; a near
+    tie may swap places, a shifted position is off by nats). ``generated`` is the first choice
+    of a one-token completion with logprobs."""
     logprobs = generated.get("logprobs") or {}
     tops = logprobs.get("top_logprobs") or [None]
     if not isinstance(tops[0], dict) or not tops[0]:
         return "the server answered no top_logprobs for a generated token"
-    best_text, best_lp = max(((str(t), float(v)) for t, v in tops[0].items()),
-                             key=lambda item: item[1])
-    scored_text, scored_lp = (scored.top[0][1], scored.top[0][2]) if scored.top else ("", math.nan)
-    if scored_text != best_text or not abs(scored_lp - best_lp) <= _ALIGNMENT_TOLERANCE:
-        return (f"its scores are not aligned with the prompt's positions: after the probe "
-                f"prompt it generates {best_text!r} (logprob {best_lp:.3f}) but scores "
-                f"{scored_text!r} best there (logprob {scored_lp:.3f})")
-    return None
+    wanted = {str(t): float(v) for t, v in tops[0].items()}
+    best_text = max(wanted, key=wanted.__getitem__)
+    found = {text: lp for _, text, lp in scored.top}
+    found.setdefault(scored.token_text, scored.logprob)
+    apart = [abs(found[t] - lp) for t, lp in wanted.items() if t in found]
+    if best_text in found and max(apart) <= _ALIGNMENT_TOLERANCE:
+        return None
+    scored_best = scored.top[0] if scored.top else (-1, "", math.nan)
+    return (f"its scores are not aligned with the prompt's positions: after the probe prompt "
+            f"it generates {best_text!r} (logprob {wanted[best_text]:.3f}) but scores "
+            f"{best_text!r} at {found.get(best_text, math.nan):.3f} there, its best being "
+            f"{scored_best[1]!r} ({scored_best[2]:.3f})")
 
 
 def scores_from_top(sample: GenerationSample, ids: Sequence[int],
