@@ -108,7 +108,8 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
              "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
                          "options": {"engine": "vllm", "sample_logprobs": 5}},
              "reference": {"backend": "transformers", "path": str(smollm2_gguf())},
-             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
+             "capture": {"dir": str(tmp_path / "capture")}}
     direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0,
                            timeout=120)
     with running(tmp_path, [model], http_port=0) as (server, _):
@@ -153,6 +154,20 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
             metric(values, "guard_generation_kld_count", model="smol")
         assert kld < FP32_NOISE  # vLLM fp32 and torch fp32: the same model, kernel noise only
         assert metric(values, "guard_mirror_total", model="smol", outcome="error") == 0
+
+    # Capture: each checked call, with its sample and the tier's verdict.
+    from guard.capture.reader import FileStats, expand_paths, read_records
+
+    stats = FileStats()
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, stats)]
+    assert len(records) == 4 and stats.undecodable == 0
+    for record in records:
+        (verdict,) = record.verdicts
+        assert verdict.tier == "generation" and verdict.passed
+        assert json.loads(verdict.details_json)["mode"] == "logprobs"
+        (sample,) = [t for t in record.inputs if t.name == "generation_sample_json"]
+        assert b'"completion_text"' in sample.raw and b'"route": "primary"' in sample.raw
 
 
 # -- vLLM as the remote reference ----------------------------------------------------------------
