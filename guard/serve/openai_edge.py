@@ -379,9 +379,13 @@ class _Forward:
                 await response.write(rest)
             done = True
             await response.write_eof()
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
             if done:  # the client left after the last event (clients close at [DONE])
                 self._streamed(completion, tokens, sampled)
+                if isinstance(exc, ConnectionResetError):
+                    # Only the chunked body's end found the socket closed: the client has
+                    # every event, nothing failed (aiohttp would log it as an error).
+                    return response
                 raise
             # The client went away: closing the upstream connection (``run``'s finally) stops
             # the upstream's generation.

@@ -24,7 +24,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe.metrics import GuardMetrics
 from guard.serve.model import ServedModel
-from llm_support import llama_server  # noqa: F401  (the module's llama_cpp.server)
+from llm_support import llama_server, smollm2_gguf  # noqa: F401  (the module's llama_cpp.server)
 from support import metric, running, scrape, wait_for, write_config
 
 PROMPT = "The capital of France is"
@@ -34,8 +34,11 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 def model_block(server, **options) -> dict:
     upstream = {"backend": "openai", "target": server.url, "model": server.model,
                 "options": options}
-    # An openai reference (a remote scorer) makes the model sampled: mirror.sample_rate 1.
-    return {"name": "smol", "task": "generation", "primary": upstream, "reference": upstream,
+    # A reference makes the model sampled (mirror.sample_rate 1): llama.cpp in guard's
+    # verifier on the server's own GGUF (llama-cpp-python's server cannot be a remote one: it
+    # scores no given token ids, guard/backends/openai_scorer.py).
+    reference = {"backend": "llama_cpp", "path": str(smollm2_gguf())}
+    return {"name": "smol", "task": "generation", "primary": upstream, "reference": reference,
             "mirror": {"sample_rate": 1.0}}
 
 
