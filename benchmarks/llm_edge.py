@@ -38,6 +38,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import signal
 import subprocess
 import sys
@@ -78,7 +79,21 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_guard(work: Path, upstream_url: str, served: str, sampled: bool, name: str):
+def tree_at(revision: str, work: Path) -> Path:
+    """guard's tree at a git revision (``--before``), unpacked beside the run with ``git
+    archive`` (the repository is not touched), with this checkout's built C extensions."""
+    folder = work / f"tree-{revision.replace('/', '_')}"
+    folder.mkdir()
+    archive = subprocess.run(["git", "-C", str(ROOT), "archive", revision, "guard"],
+                             check=True, capture_output=True).stdout
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive, check=True)
+    for built in (*ROOT.glob("guard/ipc/_atomics*.so"), *ROOT.glob("guard/verify/_verdict*.so")):
+        shutil.copy(built, folder / built.relative_to(ROOT))
+    return folder
+
+
+def start_guard(work: Path, upstream_url: str, served: str, sampled: bool, name: str,
+                root: Path = ROOT):
     block = {"backend": "openai", "target": upstream_url, "model": served}
     model = {"name": "smol", "task": "generation", "primary": block}
     if sampled:
@@ -93,7 +108,7 @@ def start_guard(work: Path, upstream_url: str, served: str, sampled: bool, name:
     log = (work / f"{name}.log").open("wb")
     process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(path)],
                                stdout=log, stderr=subprocess.STDOUT, cwd=work,
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+                               env={**os.environ, "PYTHONPATH": str(root)})
     url = f"http://127.0.0.1:{http_port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -137,6 +152,9 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="without the sampled cell")
     parser.add_argument("--out", type=Path, default=None, help="folder for llm_edge.json/.md")
+    parser.add_argument("--before", metavar="REV", default=None,
+                        help="also run guard as of this git revision (cell guard@REV, "
+                        "mirroring off) beside this checkout's: a change's cost side by side")
     args = parser.parse_args(argv)
 
     import httpx2
@@ -148,8 +166,12 @@ def main(argv=None) -> int:
     guards = {}
     try:
         cells = {"direct": (llama.url, llama.model)}
-        for name, sampled in (("guard", False), ("guard+s", True))[:1 if args.quick else 2]:
-            process, url = start_guard(work, llama.url, llama.model, sampled, name)
+        runs = [(f"guard@{args.before}", False, tree_at(args.before, work))] if args.before \
+            else []
+        runs += [("guard", False, ROOT), ("guard+s", True, ROOT)][:1 if args.quick else 2]
+        for name, sampled, root in runs:
+            process, url = start_guard(work, llama.url, llama.model, sampled,
+                                       name.replace("@", "-").replace("+", "-"), root)
             guards[name] = process
             cells[name] = (url, "smol")
         clients = {name: httpx2.Client(timeout=120) for name in cells}

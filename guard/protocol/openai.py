@@ -400,6 +400,48 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
         completion.finish_reason = str(choice["finish_reason"])
 
 
+# A streamed chunk's completion text, found in its bytes without parsing it: a non-empty string
+# value of the choice's "text" (completions) or "content" (chat's delta) key. The key's value in
+# a chat chunk's logprobs ("content": [...]) is a list, the role announcement's is "" or null,
+# and a finish- or usage-only chunk has neither: none of them match.
+_TEXT_VALUE = {"completions": re.compile(rb'"text"\s*:\s*"[^"]'),
+               "chat": re.compile(rb'"content"\s*:\s*"[^"]')}
+
+
+def data_has_content(data: bytes, endpoint: str) -> bool:
+    """Whether a streamed chunk's JSON ``data`` carries completion text (a token, for TTFT and
+    the gaps), read from its bytes: what :func:`chunk_has_content` says of the parsed chunk
+    for every chunk an OpenAI-compatible server sends, at a regex search's cost instead of a
+    parse's (the edge's unsampled calls parse no event)."""
+    return _TEXT_VALUE[endpoint].search(data) is not None
+
+
+_OUTCOME_KEY = re.compile(rb'"(?:error|usage)"\s*:\s*[{"]')
+
+
+def data_needs_parse(data: bytes) -> bool:
+    """Whether an unsampled call's chunk may hold what the edge reads from every call: an error
+    (the call's outcome) or ``usage`` (its token count), as an object or a string; a
+    ``"usage": null`` that some servers put in every chunk does not count."""
+    return _OUTCOME_KEY.search(data) is not None
+
+
+def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool = True) -> None:
+    """Add one streamed event's JSON ``data`` to ``completion``: all of it (``whole``), or only
+    what every call is counted by (an error, the usage). Data that is not a JSON object is
+    left out (a server's keep-alive or a proprietary event)."""
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        return
+    if not isinstance(answer, dict):
+        return
+    if whole or "error" in answer:
+        gather(completion, endpoint, answer, streamed=True)
+    elif isinstance(answer.get("usage"), dict):
+        gather(completion, endpoint, {"usage": answer["usage"]}, streamed=True)
+
+
 def chunk_has_content(answer: Any, endpoint: str) -> bool:
     """A streamed chunk that carries completion text (a token, for TTFT and the gaps): not the
     chat role announcement, not a usage-only or finish-only chunk."""

@@ -345,7 +345,9 @@ class _Forward:
                     continue
                 await response.write(b"".join([api.edit_event(e, edits) for e in events])
                                      if edits else b"".join(events))
-                # Written: what follows is bookkeeping for the metrics and the sample.
+                # Written: what follows is bookkeeping for the metrics and the sample. Tokens
+                # are told from the event's bytes; only a sampled call's events are parsed (and
+                # an unsampled one's that may carry an error or the usage).
                 for event in events:
                     data = api.event_data(event)
                     if data is None:
@@ -353,16 +355,7 @@ class _Forward:
                     if data == api.DONE:
                         done = True
                         continue
-                    try:
-                        answer = json.loads(data)
-                    except ValueError:
-                        continue
-                    if not isinstance(answer, dict):
-                        continue
-                    if "error" in answer:
-                        api.gather(completion, endpoint, answer, streamed=True)
-                        continue
-                    if api.chunk_has_content(answer, endpoint):
+                    if api.data_has_content(data, endpoint):
                         tokens += 1
                         if last is None:
                             self.first_token = arrived - self.started
@@ -370,10 +363,8 @@ class _Forward:
                         else:
                             gaps.observe(arrived - last)
                         last = arrived
-                    if sampled:
-                        api.gather(completion, endpoint, answer, streamed=True)
-                    elif isinstance(answer.get("usage"), dict):
-                        api.gather(completion, endpoint, {"usage": answer["usage"]}, True)
+                    if sampled or api.data_needs_parse(data):
+                        api.gather_event(completion, endpoint, data, whole=sampled)
             rest = splitter.rest()
             if rest:
                 await response.write(rest)
