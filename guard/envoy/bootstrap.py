@@ -39,6 +39,7 @@ import re
 from dataclasses import dataclass, field
 
 from guard.config import GuardConfig, ModelConfig
+from guard.envoy.process import GRPC_LISTENER
 from guard.observe.metrics import LATENCY_BUCKETS
 
 SERVICE = "inference.GRPCInferenceService"
@@ -108,15 +109,19 @@ class Ports:
     admin: int
     observer: int
     health: int
+    http_listener: int = 0  # Envoy's HTTP listener (server.http_port; generation models)
+    http_health: int = 0  # guard's HTTP health and model list (server.envoy.http_health_port)
 
 
 @dataclass
 class Layout:
     """What the rest of guard needs to know of a bootstrap: its clusters (cluster -> (model,
-    route), to read Envoy's stats back) and its observing filter ("tap", "ext_proc", or None
-    when no model samples)."""
+    route), to read Envoy's stats back; ``http_clusters``: those of generation models, whose
+    calls are HTTP) and its observing filter ("tap", "ext_proc", or None when no model
+    samples)."""
 
     clusters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    http_clusters: set[str] = field(default_factory=set)
     observer: str | None = None
 
 
@@ -124,21 +129,28 @@ def _address(host: str, port: int) -> dict:
     return {"socket_address": {"address": host.strip("[]"), "port_value": port}}
 
 
-def _http2_cluster(name: str, host: str, port: int, *, tls: dict | None = None,
-                   dns: bool = False) -> dict:
+def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict | None = None,
+             dns: bool | None = None, connect_timeout_s: float = 1.0,
+             max_connections: int | None = None) -> dict:
+    """A cluster of one endpoint, over HTTP/2 (gRPC) or HTTP/1.1 (``http2=False``: the
+    OpenAI-compatible servers, most of which speak no h2c); ``dns``: resolve ``host`` (default:
+    when it is not an IP address)."""
+    if dns is None:
+        dns = not _is_ip(host)
+    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
     cluster = {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
-        "connect_timeout": "1s",
+        "connect_timeout": f"{connect_timeout_s:g}s",
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _address(host, port)}}]}]},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}},
+                "explicit_http_config": protocol}},
         # Envoy's defaults (1024 pending / in flight) would refuse a burst that guard's own
         # max_concurrent_requests admits; the model server is the limit, not the proxy.
-        "circuit_breakers": {"thresholds": [{"max_connections": 100000,
+        "circuit_breakers": {"thresholds": [{"max_connections": max_connections or 100000,
                                              "max_pending_requests": 100000,
                                              "max_requests": 100000}]},
     }
@@ -175,11 +187,36 @@ def _upstream_cluster(name: str, spec) -> dict:
         tls = {"sni": host, "common_tls_context": {
             "alpn_protocols": ["h2"],
             "validation_context": {"trusted_ca": {"filename": roots}}}}
-    return _http2_cluster(name, host, port, tls=tls, dns=not _is_ip(host))
+    return _cluster(name, host, port, tls=tls)
 
 
 def roles_of(model: ModelConfig) -> tuple[str, ...]:
     return tuple(r for r in ROLES if getattr(model, r) is not None)
+
+
+def model_clusters(model: ModelConfig) -> list[tuple[str, str, bool]]:
+    """(cluster name, role, sampled) of each of a model's clusters: one per serving role, and
+    for a model that samples the sampled twin of each."""
+    twins = (False, True) if round(sample_rate(model) * WEIGHTS) else (False,)
+    return [(cluster_name(model.name, role, sampled), role, sampled)
+            for role in roles_of(model) for sampled in twins]
+
+
+def cluster_entries(model: ModelConfig) -> list[tuple[dict, str, bool]]:
+    """The ``weighted_clusters`` entries of a model's route (with the weights it starts on,
+    its primary's, until the runtime says otherwise), each answer named by its route in the
+    ``guard-route`` header; beside each, its role and whether it is a sampled twin."""
+    defaults = route_values(model.name, "primary", roles_of(model), sample_rate(model))
+    return [({"name": name, "weight": defaults[route_key(model.name, role, sampled)],
+              "response_headers_to_add": [{
+                  "header": {"key": ROUTE_HEADER, "value": role},
+                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}, role, sampled)
+            for name, role, sampled in model_clusters(model)]
+
+
+def router_filter() -> dict:
+    return {"name": "envoy.filters.http.router", "typed_config": {
+        "@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"}}
 
 
 def _weighted(model: ModelConfig, observer: str | None) -> dict:
@@ -187,21 +224,11 @@ def _weighted(model: ModelConfig, observer: str | None) -> dict:
     the primary), chosen by the hash of the call's x-request-id (Envoy makes one for a call
     without), so that a given id is sampled, or not, on every replica. The unsampled clusters
     turn the observing filter (``observer``: tap or ext_proc; None: the chain has none) off."""
-    rate = sample_rate(model)
-    defaults = route_values(model.name, "primary", roles_of(model), rate)
     clusters = []
-    for role in roles_of(model):
-        for sampled in ((False, True) if defaults.get(route_key(model.name, role, True)) is not
-                        None else (False,)):
-            entry = {
-                "name": cluster_name(model.name, role, sampled),
-                "weight": defaults[route_key(model.name, role, sampled)],
-                "response_headers_to_add": [{
-                    "header": {"key": ROUTE_HEADER, "value": role},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
-            if not sampled and observer:
-                entry["typed_per_filter_config"] = _off(observer)
-            clusters.append(entry)
+    for entry, _, sampled in cluster_entries(model):
+        if not sampled and observer:
+            entry["typed_per_filter_config"] = _off(observer)
+        clusters.append(entry)
     timeout = float(model.primary.options.get("timeout_s", 10.0))
     return {
         "weighted_clusters": {"runtime_key_prefix": f"guard.{token(model.name)}.route",
@@ -357,17 +384,24 @@ def build(config: GuardConfig, ports: Ports,
     """The bootstrap for ``config`` (a dict, dumped as YAML or JSON) and its layout.
     ``routes``: model -> "primary"/"fallback" to start on (the runtime's static layer), so
     that an Envoy started again begins where the last one was."""
+    from guard.envoy import openai_listener  # it builds on this module's pieces
+
     routes = routes or {}
     layout = Layout()
-    by_body = len(config.models) > 1
-    # No model samples: no observing filter at all (and nothing for it to skip per call).
-    observing = any(round(sample_rate(m) * WEIGHTS) for m in config.models)
-    observer = config.server.envoy.observer if observing else None
+    served = [m for m in config.models if not openai_listener.generative(m)]  # gRPC (OIP)
+    generating = [m for m in config.models if openai_listener.generative(m)]  # HTTP (OpenAI)
+    by_body = len(served) > 1
+    # No model samples: no observing filter at all (and nothing for it to skip per call); a
+    # listener whose models do not sample has none either.
+    observing = {kind: any(round(sample_rate(m) * WEIGHTS) for m in models)
+                 for kind, models in (("grpc", served), ("http", generating))}
+    observer = config.server.envoy.observer if any(observing.values()) else None
     layout.observer = observer
-    off = _off(observer)
-    clusters = [_http2_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health)]
-    if observer == "ext_proc":
-        clusters.insert(0, _http2_cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer))
+    grpc_observer = observer if observing["grpc"] else None
+    off = _off(grpc_observer)
+    clusters = [_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health)]
+    if grpc_observer == "ext_proc":
+        clusters.insert(0, _cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer))
     health = {"name": "health", "match": {"prefix": HEALTH_PREFIX},
               "route": {"cluster": HEALTH_CLUSTER, "timeout": "5s"}}
     if off:
@@ -375,27 +409,32 @@ def build(config: GuardConfig, ports: Ports,
     virtual_routes: list[dict] = [health]
     static: dict[str, float] = {}
     for model in config.models:
-        rate = sample_rate(model)
-        for role in roles_of(model):
-            for sampled in (False, True) if round(rate * WEIGHTS) else (False,):
-                name = cluster_name(model.name, role, sampled)
-                clusters.append(_upstream_cluster(name, getattr(model, role)))
-                layout.clusters[name] = (model.name, role)
         static.update(route_values(model.name, routes.get(model.name, "primary"),
-                                   roles_of(model), rate))
-        virtual_routes += _model_routes(model, by_body, observer)
-    if config.models:
+                                   roles_of(model), sample_rate(model)))
+    for model in served:
+        for name, role, _ in model_clusters(model):
+            clusters.append(_upstream_cluster(name, getattr(model, role)))
+            layout.clusters[name] = (model.name, role)
+        virtual_routes += _model_routes(model, by_body, grpc_observer)
+    if served:
         # Server-wide calls (ServerLive, ServerReady, ModelConfig...) go to the first model's
         # server, on its current route.
         server = {"name": "server", "match": {"prefix": f"/{SERVICE}/"},
-                  "route": _weighted(config.models[0], observer)}
+                  "route": _weighted(served[0], grpc_observer)}
         if off:
             server["typed_per_filter_config"] = off
         virtual_routes.append(server)
     filters = ([_extraction_filter(), _reroute_filter()] if by_body else []) + (
-        [observing_filter(observer)] if observer else []) + [_grpc_stats_filter(),
-        {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"}}]
+        [observing_filter(grpc_observer)] if grpc_observer else []) + [_grpc_stats_filter(),
+                                                                        router_filter()]
+    listeners = []
+    if generating:  # the OpenAI-compatible HTTP listener (server.http_port)
+        http_observer = observer if observing["http"] else None
+        http, http_clusters = openai_listener.listener(
+            config, ports, http_observer,
+            observing_filter(http_observer) if http_observer else None, layout)
+        listeners.append(http)
+        clusters += http_clusters
     size = config.server.max_message_bytes
     manager = {
         "@type": _TYPE + "envoy.extensions.filters.network.http_connection_manager.v3."
@@ -430,9 +469,9 @@ def build(config: GuardConfig, ports: Ports,
             "match": {"safe_regex": {"regex": r"^cluster\.guard_.*\.upstream_rq_time$"}},
             "buckets": [b * 1000 for b in LATENCY_BUCKETS]}]},
         "static_resources": {
-            "listeners": [{"name": "guard_grpc",
+            "listeners": [{"name": GRPC_LISTENER,
                            "address": _address(config.server.host, ports.listener),
-                           "filter_chains": [chain]}],
+                           "filter_chains": [chain]}, *listeners],
             "clusters": clusters},
     }
     return bootstrap, layout
@@ -444,11 +483,16 @@ def dump(bootstrap: dict, as_json: bool = False) -> str:
         return json.dumps(bootstrap, indent=1)
     import yaml
 
-    return yaml.safe_dump(bootstrap, sort_keys=False)
+    class Plain(yaml.SafeDumper):  # every value written out: no &anchors for repeated parts
+        def ignore_aliases(self, data) -> bool:
+            return True
+
+    return yaml.dump(bootstrap, Dumper=Plain, sort_keys=False)
 
 
 def ports_of(config: GuardConfig) -> Ports:
     """The ports as configured (``guard deploy envoy``): 0 stays 0 (Envoy picks)."""
     server = config.server
     return Ports(server.grpc_port, server.envoy.admin_port, server.envoy.observer_port,
-                 server.envoy.health_port)
+                 server.envoy.health_port, server.http_port or 0,
+                 server.envoy.http_health_port)

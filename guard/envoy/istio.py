@@ -105,6 +105,12 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
     require_servable(config)
     if not config.models:
         raise GuardError("models: none to route")
+    generating = [i for i, m in enumerate(config.models) if m.primary.backend == "openai"]
+    if generating:
+        raise GuardError(f"models[{generating[0]}]: a generation model's calls are HTTP on "
+                         "server.http_port, which this EnvoyFilter (guard's gRPC pieces on the "
+                         "sidecar's inbound listener) does not carry: serve it with guard's "
+                         "own Envoy (`guard deploy envoy`) or server.data_plane: python")
     observer = observer_of(config)
     if observer == "ext_proc" and not observer_port:
         raise GuardError("server.envoy.observer_port: 0 (a free port chosen when guard starts) "
@@ -120,14 +126,10 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
                         "patch": {"operation": "ADD", "value": value}})
 
     if observer == "ext_proc":
-        cluster(bootstrap._http2_cluster(bootstrap.OBSERVER_CLUSTER, "127.0.0.1",
-                                         observer_port))
+        cluster(bootstrap._cluster(bootstrap.OBSERVER_CLUSTER, "127.0.0.1", observer_port))
     for model in config.models:
-        rate = bootstrap.sample_rate(model)
-        for role in bootstrap.roles_of(model):
-            for sampled in (False, True) if round(rate * bootstrap.WEIGHTS) else (False,):
-                cluster(bootstrap._upstream_cluster(
-                    bootstrap.cluster_name(model.name, role, sampled), getattr(model, role)))
+        for name, role, _ in bootstrap.model_clusters(model):
+            cluster(bootstrap._upstream_cluster(name, getattr(model, role)))
 
     filters = ([bootstrap._extraction_filter(), bootstrap._reroute_filter()] if by_body
                else []) + [bootstrap.observing_filter(observer), bootstrap._grpc_stats_filter()]

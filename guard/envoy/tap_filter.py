@@ -44,6 +44,7 @@ import socket
 import threading
 from collections.abc import Callable
 
+from guard.envoy.llm_calls import ObservedHttpCall
 from guard.envoy.observer import ROUTE_HEADER, ObservedCall, Outcomes, hand_on
 
 log = logging.getLogger("guard.envoy.tap")
@@ -83,8 +84,11 @@ def _status(headers: dict[str, str]) -> int | None:
         return None
 
 
-def observe_trace(trace: dict, on_call: Callable[[ObservedCall], None]) -> str:
-    """One decoded tap trace handed to ``on_call``; returns its outcome."""
+def observe_trace(trace: dict, on_call: Callable[[ObservedCall | ObservedHttpCall], None]
+                  ) -> str:
+    """One decoded tap trace handed to ``on_call``; returns its outcome. A gRPC call goes as
+    an ``ObservedCall`` (its messages unframed), a generation model's OpenAI-compatible call
+    (a path under ``/v1/``) as an ``ObservedHttpCall`` (its bodies as they came)."""
     try:
         buffered = trace["http_buffered_trace"]
         request, response = buffered["request"], buffered.get("response") or {}
@@ -100,19 +104,47 @@ def observe_trace(trace: dict, on_call: Callable[[ObservedCall], None]) -> str:
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         log.warning("a tap trace guard cannot read: %s: %s", type(exc).__name__, exc)
         return "error"
+    path = headers.get(":path", "")
+    if path.startswith("/v1/"):
+        return _hand_on_http(path, headers, answer, bodies, on_call)
     status = _status(trailers)
     if status is None:
         status = _status(answer)  # a trailers-only answer
-    try:
-        seconds = float(answer.get("x-envoy-upstream-service-time", 0)) / 1e3
-    except ValueError:
-        seconds = 0.0
-    return hand_on(path=headers.get(":path", ""), request_id=headers.get("x-request-id", ""),
+    return hand_on(path=path, request_id=headers.get("x-request-id", ""),
                    traceparent=headers.get("traceparent", ""),
                    route=answer.get(ROUTE_HEADER, ""),
                    request_chunks=[bodies[0]] if bodies[0] else [],
                    response_chunks=[bodies[1]] if bodies[1] else [],
-                   grpc_status=status, seconds=seconds, on_call=on_call)
+                   grpc_status=status, seconds=_upstream_seconds(answer), on_call=on_call)
+
+
+def _upstream_seconds(answer: dict[str, str]) -> float:
+    """The upstream's time to its answer's headers, as Envoy says it (a trace has no timing)."""
+    try:
+        return float(answer.get("x-envoy-upstream-service-time", 0)) / 1e3
+    except ValueError:
+        return 0.0
+
+
+def _hand_on_http(path: str, headers: dict[str, str], answer: dict[str, str],
+                  bodies: list[bytes], on_call: Callable) -> str:
+    """A traced OpenAI-compatible call handed to ``on_call`` whole (its events are reassembled
+    from the answer's body by the hand-off, guard/envoy/llm_calls.py)."""
+    try:
+        status = int(answer.get(":status", 0))
+    except ValueError:
+        status = 0
+    call = ObservedHttpCall(
+        path=path.partition("?")[0], request_id=headers.get("x-request-id", ""),
+        traceparent=headers.get("traceparent", ""), route=answer.get(ROUTE_HEADER, ""),
+        status=status, content_type=answer.get("content-type", ""), request=bodies[0],
+        response=bodies[1], seconds=_upstream_seconds(answer))
+    try:
+        on_call(call)
+    except Exception:
+        log.exception("on_call failed for an observed call of %s", path)
+        return "error"
+    return "complete"
 
 
 class TraceStream:

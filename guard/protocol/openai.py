@@ -31,6 +31,22 @@ PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 DONE = b"[DONE]"
 
 
+# HTTP status -> gRPC status name (google.rpc.Code's HTTP mapping), for the ``code`` label of
+# guard_request_errors_total: one vocabulary for the OIP and the HTTP data planes.
+_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+          404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 409: "ABORTED", 413: "RESOURCE_EXHAUSTED",
+          429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 501: "UNIMPLEMENTED",
+          502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def status_code_name(status: int) -> str:
+    """The gRPC status name of an HTTP error status (the ``code`` label)."""
+    if status in _CODES:
+        return _CODES[status]
+    return "FAILED_PRECONDITION" if 400 <= status < 500 else "INTERNAL" if status == 500 \
+        else "UNKNOWN"
+
+
 class BadRequest(ValueError):
     """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why."""
 
@@ -440,6 +456,35 @@ def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool
         gather(completion, endpoint, answer, streamed=True)
     elif isinstance(answer.get("usage"), dict):
         gather(completion, endpoint, {"usage": answer["usage"]}, streamed=True)
+
+
+CUT_SHORT = "the stream ended before [DONE]"  # gather_answer's error for a stream cut short
+
+
+def gather_answer(endpoint: str, body: bytes, streamed: bool) -> Completion:
+    """The completion of a whole answer as it came: its JSON, or (``streamed``) its
+    Server-Sent Events, every event's data gathered in order. ``completion.error`` says why
+    an answer cannot be compared: not JSON, an error object, or a stream that ended before
+    ``[DONE]`` (cut short)."""
+    completion = Completion()
+    if not streamed:
+        try:
+            gather(completion, endpoint, json.loads(body), streamed=False)
+        except ValueError:
+            completion.error = "the answer is not JSON"
+        return completion
+    splitter, done = EventSplitter(), False
+    for event in (*splitter.feed(body), splitter.rest()):
+        data = event_data(event) if event else None
+        if data is None:
+            continue
+        if data == DONE:
+            done = True
+            continue
+        gather_event(completion, endpoint, data)
+    if not done and not completion.error:
+        completion.error = CUT_SHORT
+    return completion
 
 
 def chunk_has_content(answer: Any, endpoint: str) -> bool:
