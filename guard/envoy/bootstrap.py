@@ -46,6 +46,8 @@ SERVICE = "inference.GRPCInferenceService"
 MODEL_INFER = f"/{SERVICE}/ModelInfer"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 ROUTE_HEADER = "guard-route"
+SAMPLED_HEADER = "guard-sampled"  # a sampled twin's answers, for the tap's match (Chain)
+LUA_FILTER = "envoy.filters.http.lua"
 OBSERVER_CLUSTER = "guard_observer"
 HEALTH_CLUSTER = "guard_health"
 EXTRACTION_FILTER = "envoy.filters.http.grpc_field_extraction"
@@ -202,16 +204,22 @@ def model_clusters(model: ModelConfig) -> list[tuple[str, str, bool]]:
             for role in roles_of(model) for sampled in twins]
 
 
-def cluster_entries(model: ModelConfig) -> list[tuple[dict, str, bool]]:
+def cluster_entries(model: ModelConfig, marked: bool = False) -> list[tuple[dict, str, bool]]:
     """The ``weighted_clusters`` entries of a model's route (with the weights it starts on,
     its primary's, until the runtime says otherwise), each answer named by its route in the
-    ``guard-route`` header; beside each, its role and whether it is a sampled twin."""
+    ``guard-route`` header, and (``marked``) a sampled twin's answers marked for the tap
+    (``Chain``); beside each, its role and whether it is a sampled twin."""
     defaults = route_values(model.name, "primary", roles_of(model), sample_rate(model))
-    return [({"name": name, "weight": defaults[route_key(model.name, role, sampled)],
-              "response_headers_to_add": [{
-                  "header": {"key": ROUTE_HEADER, "value": role},
-                  "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}, role, sampled)
-            for name, role, sampled in model_clusters(model)]
+    entries = []
+    for name, role, sampled in model_clusters(model):
+        headers = [{"header": {"key": ROUTE_HEADER, "value": role},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+        if sampled and marked:
+            headers.append({"header": {"key": SAMPLED_HEADER, "value": "1"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"})
+        entries.append(({"name": name, "weight": defaults[route_key(model.name, role, sampled)],
+                         "response_headers_to_add": headers}, role, sampled))
+    return entries
 
 
 def router_filter() -> dict:
@@ -219,15 +227,65 @@ def router_filter() -> dict:
         "@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"}}
 
 
-def _weighted(model: ModelConfig, observer: str | None) -> dict:
+@dataclass(frozen=True)
+class Chain:
+    """How a listener's filter chain observes the sampled calls: its observing filter
+    (``observer``: "tap", "ext_proc", or None when none of its models samples), and whether
+    its routes are chosen again once the body has been read (``by_body``: several models).
+
+    Envoy creates a call's filters once, for the route chosen at its headers: a filter turned
+    off there (the generic ``FilterConfig.disabled``, the tap's only off switch) does not exist
+    for the call, whatever route is chosen afterwards. So in a chain that routes by the body
+    the tap must exist for every call, and which calls it keeps is said by the sampled twins
+    themselves: their answers carry the header ``guard-sampled`` (``SAMPLED_HEADER``), the
+    tap keeps only calls whose answer has it (guard/envoy/tap_filter.py), and a Lua filter
+    takes it out of the answer before the client sees it. A one-model chain's route is final
+    at the headers, so there the tap and that Lua exist only for the sampled twins' calls.
+    ext_proc reads its per-route switch per call, after any re-route: no marker needed."""
+
+    observer: str | None
+    by_body: bool = False
+
+    @property
+    def marked(self) -> bool:
+        """Sampled twins mark their answers (for the tap's match)."""
+        return self.observer == "tap"
+
+    def off(self) -> dict:
+        """``typed_per_filter_config`` that turns the observing filter off on a route or a
+        cluster entry (and the marker's Lua, in a one-model chain); {} with no observer."""
+        off = _off(self.observer)
+        if self.marked and not self.by_body:
+            off[LUA_FILTER] = {"@type": _TYPE + "envoy.config.route.v3.FilterConfig",
+                               "disabled": True}
+        return off
+
+    def off_before_body(self) -> dict:
+        """``off`` for a route that may be chosen at the headers and then again once the body
+        is read: in a tap chain that routes by the body, none (see the class)."""
+        return {} if self.by_body and self.marked else self.off()
+
+    def filters(self, body_filter: dict | None = None) -> list[dict]:
+        """The chain's filters up to its observing filter: the body's reader
+        (``body_filter``) and the re-route when ``by_body``, the marker's Lua, the observer."""
+        out = [body_filter] if self.by_body and body_filter is not None else []
+        if self.by_body or self.marked:
+            out.append(_lua_filter(reroute=self.by_body, strip=self.marked))
+        if self.observer:
+            out.append(observing_filter(self.observer))
+        return out
+
+
+def _weighted(model: ModelConfig, chain: Chain, compared: bool = True) -> dict:
     """The route action of a model's calls: its clusters weighted by runtime keys (defaults:
     the primary), chosen by the hash of the call's x-request-id (Envoy makes one for a call
     without), so that a given id is sampled, or not, on every replica. The unsampled clusters
-    turn the observing filter (``observer``: tap or ext_proc; None: the chain has none) off."""
+    turn the chain's observing filter off; the sampled twins mark the answers of the calls
+    that are ``compared`` (ModelInfer's, not the metadata calls that share the clusters)."""
     clusters = []
-    for entry, _, sampled in cluster_entries(model):
-        if not sampled and observer:
-            entry["typed_per_filter_config"] = _off(observer)
+    for entry, _, sampled in cluster_entries(model, chain.marked and compared):
+        if not sampled and chain.observer:
+            entry["typed_per_filter_config"] = chain.off()
         clusters.append(entry)
     timeout = float(model.primary.options.get("timeout_s", 10.0))
     return {
@@ -255,12 +313,12 @@ def _off(observer: str | None) -> dict:
         "disabled": True}}
 
 
-def _model_routes(model: ModelConfig, by_body: bool, observer: str | None) -> list[dict]:
+def _model_routes(model: ModelConfig, chain: Chain) -> list[dict]:
     """A model's routes: its ModelInfer calls, and its other per-model methods (metadata,
     readiness)."""
     def match(path: str | None = None, prefix: str | None = None) -> dict:
         out: dict = {"path": path} if path else {"prefix": prefix}
-        if by_body:
+        if chain.by_body:
             # The extraction files a value under its field's name.
             key = "model_name" if path == MODEL_INFER else "name"
             out["dynamic_metadata"] = [{
@@ -269,16 +327,16 @@ def _model_routes(model: ModelConfig, by_body: bool, observer: str | None) -> li
                 "value": {"list_match": {"one_of": {"string_match": {"exact": model.name}}}}}]
         return out
 
-    action = _weighted(model, observer)
     # ModelInfer: the observing filter is on for the sampled clusters only (their entries do
-    # not turn it off); every other call has it off on the route itself.
+    # not turn it off); every other call has it off on the route itself, and its answers are
+    # not marked.
     routes = [{"name": f"{token(model.name)}_infer", "match": match(path=MODEL_INFER),
-               "route": action}]
-    if by_body:
+               "route": _weighted(model, chain)}]
+    if chain.by_body:
         other = {"name": f"{token(model.name)}_other", "match": match(prefix=f"/{SERVICE}/"),
-                 "route": action}
-        if observer:
-            other["typed_per_filter_config"] = _off(observer)
+                 "route": _weighted(model, chain, compared=False)}
+        if chain.observer:
+            other["typed_per_filter_config"] = chain.off()
         routes.append(other)
     return routes
 
@@ -316,14 +374,26 @@ def _extraction_filter() -> dict:
             for method, field_name in _NAMED_METHODS.items()}}}
 
 
-def _reroute_filter() -> dict:
-    """Routes are chosen when the headers arrive, before the extraction has read the body:
-    this one line (Lua, on the headers, which reach it only once the extraction let them go)
-    has Envoy choose the route again, now with the model name in the dynamic metadata."""
-    return {"name": "envoy.filters.http.lua", "typed_config": {
+def _lua_filter(reroute: bool, strip: bool) -> dict:
+    """One line of Lua per job. ``reroute``: routes are chosen when the headers arrive, before
+    the body's reader has read the body; on the headers (which reach Lua only once the reader
+    let them go) Envoy chooses the route again, now with the model name in the dynamic
+    metadata. ``strip``: the sampled-twin marker (``Chain``) leaves the answer here, after the
+    tap (earlier in the encoding) has seen it."""
+    lines = []
+    if reroute:
+        lines.append("function envoy_on_request(handle) handle:clearRouteCache() end")
+    if strip:
+        lines.append("function envoy_on_response(handle) "
+                     f'handle:headers():remove("{SAMPLED_HEADER}") end')
+    return {"name": LUA_FILTER, "typed_config": {
         "@type": _TYPE + "envoy.extensions.filters.http.lua.v3.Lua",
-        "default_source_code": {"inline_string":
-                                "function envoy_on_request(handle) handle:clearRouteCache() end"}}}
+        "default_source_code": {"inline_string": "\n".join(lines)}}}
+
+
+def _reroute_filter() -> dict:
+    """The re-route alone (see ``_lua_filter``)."""
+    return _lua_filter(reroute=True, strip=False)
 
 
 def _ext_proc_filter() -> dict:
@@ -390,17 +460,16 @@ def build(config: GuardConfig, ports: Ports,
     layout = Layout()
     served = [m for m in config.models if not openai_listener.generative(m)]  # gRPC (OIP)
     generating = [m for m in config.models if openai_listener.generative(m)]  # HTTP (OpenAI)
-    by_body = len(served) > 1
     # No model samples: no observing filter at all (and nothing for it to skip per call); a
     # listener whose models do not sample has none either.
     observing = {kind: any(round(sample_rate(m) * WEIGHTS) for m in models)
                  for kind, models in (("grpc", served), ("http", generating))}
     observer = config.server.envoy.observer if any(observing.values()) else None
     layout.observer = observer
-    grpc_observer = observer if observing["grpc"] else None
-    off = _off(grpc_observer)
+    chain = Chain(observer if observing["grpc"] else None, by_body=len(served) > 1)
+    off = chain.off()
     clusters = [_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health)]
-    if grpc_observer == "ext_proc":
+    if chain.observer == "ext_proc":
         clusters.insert(0, _cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer))
     health = {"name": "health", "match": {"prefix": HEALTH_PREFIX},
               "route": {"cluster": HEALTH_CLUSTER, "timeout": "5s"}}
@@ -415,24 +484,23 @@ def build(config: GuardConfig, ports: Ports,
         for name, role, _ in model_clusters(model):
             clusters.append(_upstream_cluster(name, getattr(model, role)))
             layout.clusters[name] = (model.name, role)
-        virtual_routes += _model_routes(model, by_body, grpc_observer)
+        virtual_routes += _model_routes(model, chain)
     if served:
         # Server-wide calls (ServerLive, ServerReady, ModelConfig...) go to the first model's
-        # server, on its current route.
+        # server, on its current route. With several models, every ModelInfer's route too
+        # until its body is read.
         server = {"name": "server", "match": {"prefix": f"/{SERVICE}/"},
-                  "route": _weighted(served[0], grpc_observer)}
-        if off:
-            server["typed_per_filter_config"] = off
+                  "route": _weighted(served[0], chain, compared=False)}
+        if chain.off_before_body():
+            server["typed_per_filter_config"] = chain.off_before_body()
         virtual_routes.append(server)
-    filters = ([_extraction_filter(), _reroute_filter()] if by_body else []) + (
-        [observing_filter(grpc_observer)] if grpc_observer else []) + [_grpc_stats_filter(),
-                                                                        router_filter()]
+    filters = chain.filters(_extraction_filter() if chain.by_body else None) + [
+        _grpc_stats_filter(), router_filter()]
     listeners = []
     if generating:  # the OpenAI-compatible HTTP listener (server.http_port)
-        http_observer = observer if observing["http"] else None
-        http, http_clusters = openai_listener.listener(
-            config, ports, http_observer,
-            observing_filter(http_observer) if http_observer else None, layout)
+        http_chain = Chain(observer if observing["http"] else None,
+                           by_body=len(generating) > 1)
+        http, http_clusters = openai_listener.listener(config, ports, http_chain, layout)
         listeners.append(http)
         clusters += http_clusters
     size = config.server.max_message_bytes

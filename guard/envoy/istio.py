@@ -131,21 +131,24 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
         for name, role, _ in bootstrap.model_clusters(model):
             cluster(bootstrap._upstream_cluster(name, getattr(model, role)))
 
-    filters = ([bootstrap._extraction_filter(), bootstrap._reroute_filter()] if by_body
-               else []) + [bootstrap.observing_filter(observer), bootstrap._grpc_stats_filter()]
+    chain = bootstrap.Chain(observer, by_body)
+    filters = chain.filters(bootstrap._extraction_filter() if by_body else None) + [
+        bootstrap._grpc_stats_filter()]
     for value in filters:  # each before the router, so in this order
         patches.append({"applyTo": "HTTP_FILTER", "match": _listener_match(port),
                         "patch": {"operation": "INSERT_BEFORE", "value": value}})
 
     routes = [r for model in config.models
-              for r in bootstrap._model_routes(model, by_body, observer)]
+              for r in bootstrap._model_routes(model, chain)]
     for route in reversed(routes):  # each INSERT_FIRST goes before the last: reversed, in order
         patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port),
                         "patch": {"operation": "INSERT_FIRST", "value": route}})
-    # Istio's own route for the port: everything guard's routes do not take, ext_proc off.
-    patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port, "default"),
-                    "patch": {"operation": "MERGE",
-                              "value": {"typed_per_filter_config": bootstrap._off(observer)}}})
+    # Istio's own route for the port: everything guard's routes do not take (and, with several
+    # models, every call until its body is read), the observer off where that holds.
+    off = chain.off_before_body()
+    if off:
+        patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port, "default"),
+                        "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": off}}})
     return patches
 
 

@@ -44,18 +44,8 @@ from urllib.parse import urlsplit
 from guard.backends.openai import OpenAIOptions, base_url
 from guard.config import GuardConfig, ModelConfig
 from guard.envoy.bootstrap import (
-    Layout,
-    Ports,
-    _address,
-    _cluster,
-    _off,
-    _reroute_filter,
-    cluster_entries,
-    model_clusters,
-    roles_of,
-    router_filter,
-    token,
-)
+    Chain, Layout, Ports, _address, _cluster, cluster_entries, model_clusters, roles_of,
+    router_filter, token)
 from guard.envoy.process import HTTP_LISTENER
 from guard.protocol import openai as api
 
@@ -107,16 +97,17 @@ def _upstream(name: str, spec) -> dict:
                     max_connections=options.max_connections or None)
 
 
-def _weighted(model: ModelConfig, observer: str | None) -> dict:
+def _weighted(model: ModelConfig, chain: Chain) -> dict:
     """A generation model's calls: its clusters weighted by the runtime keys (the sampled twins
-    by the hash of x-request-id), each answer named by its route, the Host the upstream's."""
+    by the hash of x-request-id, their answers marked for the tap: bootstrap.Chain), each
+    answer named by its route, the Host the upstream's."""
     clusters = []
-    for entry, role, sampled in cluster_entries(model):
+    for entry, role, sampled in cluster_entries(model, chain.marked):
         entry["host_rewrite_literal"] = _authority(getattr(model, role))
         if sampled:  # the traced answer must be the events as written, not gzip
             entry["request_headers_to_remove"] = ["accept-encoding"]
-        elif observer:
-            entry["typed_per_filter_config"] = _off(observer)
+        elif chain.observer:
+            entry["typed_per_filter_config"] = chain.off()
         clusters.append(entry)
     options = _options(model)
     action: dict = {
@@ -132,16 +123,14 @@ def _weighted(model: ModelConfig, observer: str | None) -> dict:
     return action
 
 
-def _reply(status: int, message: str, code: str | None, param: str | None,
-           observer: str | None) -> dict:
-    """A route's answer from Envoy itself, in OpenAI's error shape."""
-    route: dict = {"direct_response": {"status": status, "body": {"inline_string": (
+def _reply(status: int, message: str, code: str | None, param: str | None) -> dict:
+    """A route's answer from Envoy itself, in OpenAI's error shape. (These routes are what a
+    call's headers choose before its body is read: the observing filter stays on there,
+    bootstrap.Chain; no answer of theirs is marked, so none is traced.)"""
+    return {"direct_response": {"status": status, "body": {"inline_string": (
         api.error_body(message, code=code, param=param).decode())}},
         "response_headers_to_add": [{"header": {"key": "content-type",
                                                 "value": "application/json"}}]}
-    if observer:
-        route["typed_per_filter_config"] = _off(observer)
-    return route
 
 
 def _metadata(key: str, value: str) -> dict:
@@ -149,8 +138,8 @@ def _metadata(key: str, value: str) -> dict:
             "value": {"string_match": {"exact": value}}}
 
 
-def _routes(models: list[ModelConfig], by_body: bool, observer: str | None) -> list[dict]:
-    off = _off(observer)
+def _routes(models: list[ModelConfig], chain: Chain) -> list[dict]:
+    off, by_body = chain.off(), chain.by_body
     routes = []
     for path in GUARD_PATHS:
         route = {"name": f"guard{path.replace('/', '_')}", "match": {"path": path},
@@ -164,17 +153,17 @@ def _routes(models: list[ModelConfig], by_body: bool, observer: str | None) -> l
                                  ("no_model", "'model' is required (a string)")):
             routes.append({"name": f"body_{problem}",
                            "match": {**calls, "dynamic_metadata": [_metadata("body", problem)]},
-                           **_reply(400, message, None, None, observer)})
+                           **_reply(400, message, None, None)})
     for model in models:
         match = dict(calls)
         if by_body:
             match["dynamic_metadata"] = [_metadata("model", model.name)]
         routes.append({"name": f"{token(model.name)}_generate", "match": match,
-                       "route": _weighted(model, observer)})
+                       "route": _weighted(model, chain)})
     if by_body:
         routes.append({"name": "unknown_model", "match": calls, **_reply(
             404, "The model named in the request is not served here", "model_not_found",
-            "model", observer)})
+            "model")})
     return routes
 
 
@@ -182,9 +171,8 @@ def _json_to_metadata() -> dict:
     """The body's top-level ``model`` into dynamic metadata (a body that is not JSON, or names
     no model, marked under ``body`` for the 400 routes). The body is buffered up to the
     listener's per-connection buffer limit (a larger one is 413)."""
-    def mark(value: str) -> dict:
-        return {"metadata_namespace": JSON_FILTER, "key": "body",
-                "value": {"string_value": value}}
+    def mark(value: str) -> dict:  # (a google.protobuf.Value's JSON form is the bare value)
+        return {"metadata_namespace": JSON_FILTER, "key": "body", "value": value}
 
     return {"name": JSON_FILTER, "typed_config": {
         "@type": _TYPE + "envoy.extensions.filters.http.json_to_metadata.v3.JsonToMetadata",
@@ -196,13 +184,13 @@ def _json_to_metadata() -> dict:
             "allow_content_types": _JSON_TYPES, "allow_empty_content_type": True}}}
 
 
-def listener(config: GuardConfig, ports: Ports, observer: str | None, tap_filter: dict | None,
+def listener(config: GuardConfig, ports: Ports, chain: Chain,
              layout: Layout) -> tuple[dict, list[dict]]:
     """The HTTP listener of ``config``'s generation models (at least one) and its clusters
-    (added to ``layout``); ``observer``: the observing filter of the sampled clusters (the tap,
-    ``tap_filter``), or None when no generation model samples."""
+    (added to ``layout``); ``chain``: how it observes (the tap, or nothing when no generation
+    model samples) and whether it routes by the body (several models)."""
     models = [m for m in config.models if generative(m)]
-    by_body = len(models) > 1
+    by_body = chain.by_body
     size = config.server.max_message_bytes
     clusters = [_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.http_health, http2=False)]
     for model in models:
@@ -210,8 +198,7 @@ def listener(config: GuardConfig, ports: Ports, observer: str | None, tap_filter
             clusters.append(_upstream(name, getattr(model, role)))
             layout.clusters[name] = (model.name, role)
             layout.http_clusters.add(name)
-    filters = ([_json_to_metadata(), _reroute_filter()] if by_body else []) + (
-        [tap_filter] if observer and tap_filter else []) + [router_filter()]
+    filters = chain.filters(_json_to_metadata()) + [router_filter()]
     manager = {
         "@type": _TYPE + "envoy.extensions.filters.network.http_connection_manager.v3."
                          "HttpConnectionManager",
@@ -221,7 +208,7 @@ def listener(config: GuardConfig, ports: Ports, observer: str | None, tap_filter
         "generate_request_id": True,
         "route_config": {"name": LISTENER, "virtual_hosts": [
             {"name": LISTENER, "domains": ["*"],
-             "routes": _routes(models, by_body, observer)}]},
+             "routes": _routes(models, chain)}]},
         "http_filters": filters,
     }
     built: dict = {"name": LISTENER, "address": _address(config.server.host, ports.http_listener),

@@ -128,7 +128,7 @@ class EnvoyPlane:
             await self._start_ext_proc(2 * self.config.server.max_message_bytes)
         self.routes = RouteSync(models, lambda: self.admin_port)
         if self.attached:
-            self._bootstrap(0, self.settings.attach_admin_port)  # the layout, and whether to tap
+            self._bootstrap({}, self.settings.attach_admin_port)  # the layout, and whether to tap
             self.process = AttachedEnvoy(self.settings, self.metrics.registry,
                                          on_started=self._on_started)
         else:

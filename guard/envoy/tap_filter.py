@@ -44,6 +44,7 @@ import socket
 import threading
 from collections.abc import Callable
 
+from guard.envoy.bootstrap import SAMPLED_HEADER
 from guard.envoy.llm_calls import ObservedHttpCall
 from guard.envoy.observer import ROUTE_HEADER, ObservedCall, Outcomes, hand_on
 
@@ -57,11 +58,14 @@ _RETRY_S = (0.05, 1.0)  # first and longest wait before attaching again after a 
 
 
 def tap_request(max_call_bytes: int) -> dict:
-    """The body of ``POST /tap``: every call the filter sees (the bootstrap turns it on for
-    the sampled clusters only), streamed as JSON with the bodies as base64 (the one format
-    Envoy's streaming admin sink writes), bodies buffered up to ``max_call_bytes`` each way."""
+    """The body of ``POST /tap``: the calls whose answer a sampled twin marked (the header
+    ``guard-sampled``, which Lua takes out before the client sees it: guard/envoy/bootstrap.py
+    ``Chain``), streamed as JSON with the bodies as base64 (the one format Envoy's streaming
+    admin sink writes), bodies buffered up to ``max_call_bytes`` each way (Envoy's default is
+    1 KiB: an LLM call's prompt and events need far more)."""
     return {"config_id": CONFIG_ID, "tap_config": {
-        "match": {"any_match": True},
+        "match": {"http_response_headers_match": {"headers": [
+            {"name": SAMPLED_HEADER, "present_match": True}]}},
         "output_config": {"sinks": [{"format": "JSON_BODY_AS_BYTES", "streaming_admin": {}}],
                           "max_buffered_rx_bytes": max_call_bytes,
                           "max_buffered_tx_bytes": max_call_bytes}}}

@@ -102,7 +102,8 @@ def test_one_generation_model_is_forwarded_without_a_body_parse_and_sampled_by_r
     http = listeners(built)["guard_http"]
     assert http["address"]["socket_address"]["port_value"] == 8080
     filters = [f["name"] for f in manager(http)["http_filters"]]
-    assert filters == [bootstrap.TAP_FILTER, "envoy.filters.http.router"]  # no body read
+    # No body read; the tap, and the Lua that takes the sampled twins' mark out of answers.
+    assert filters == [bootstrap.LUA_FILTER, bootstrap.TAP_FILTER, "envoy.filters.http.router"]
     assert "per_connection_buffer_limit_bytes" not in http
     # The gRPC listener keeps guard's health and has nothing of the generation model's.
     grpc = manager(listeners(built)["guard_grpc"])
@@ -129,12 +130,17 @@ def test_one_generation_model_is_forwarded_without_a_body_parse_and_sampled_by_r
         "guard_smol_primary_sampled": ("primary", "127.0.0.1:8081"),
         "guard_smol_fallback": ("fallback", "127.0.0.1:8082"),
         "guard_smol_fallback_sampled": ("fallback", "127.0.0.1:8082")}
-    # The tap only on the sampled twins, whose answers come uncompressed.
+    # The tap (and the mark's Lua) only on the sampled twins, whose answers come uncompressed
+    # and marked for the tap.
     for name, entry in entries.items():
         sampled = name.endswith("_sampled")
-        assert ("typed_per_filter_config" in entry) is not sampled
+        assert set(entry.get("typed_per_filter_config", {})) == (
+            set() if sampled else {bootstrap.TAP_FILTER, bootstrap.LUA_FILTER})
         assert entry.get("request_headers_to_remove") == (["accept-encoding"] if sampled
                                                           else None)
+        marks = [h["header"] for h in entry["response_headers_to_add"]
+                 if h["header"]["key"] == bootstrap.SAMPLED_HEADER]
+        assert marks == ([{"key": "guard-sampled", "value": "1"}] if sampled else [])
     # Started on the fallback, 5% on its sampled twin: the gRPC listener's runtime keys.
     static = built["layered_runtime"]["layers"][0]["static_layer"]
     assert static == {"guard.smol.route.guard_smol_primary": 0,
@@ -160,8 +166,14 @@ def test_several_models_are_routed_by_the_model_name_in_the_json_body(tmp_path):
     built, layout = bootstrap.build(loaded, PORTS)
     http = listeners(built)["guard_http"]
     filters = manager(http)["http_filters"]
-    assert [f["name"] for f in filters] == [openai_listener.JSON_FILTER, "envoy.filters.http.lua",
+    assert [f["name"] for f in filters] == [openai_listener.JSON_FILTER, bootstrap.LUA_FILTER,
                                             bootstrap.TAP_FILTER, "envoy.filters.http.router"]
+    lua = filters[1]["typed_config"]["default_source_code"]["inline_string"]
+    assert "clearRouteCache" in lua and 'remove("guard-sampled")' in lua
+    # A call's filters are made for the route its headers choose (here, before the body is
+    # read: a 400/404 route), so the tap must stay on there; the mark says what it keeps.
+    for name in ("body_not_json", "body_no_model", "unknown_model"):
+        assert "typed_per_filter_config" not in http_routes(built)[name]
     rules = filters[0]["typed_config"]["request_rules"]
     assert rules["rules"][0]["selectors"] == [{"key": "model"}]
     assert "application/json" in rules["allow_content_types"]
