@@ -64,7 +64,9 @@ class EnvoyConfig(Strict):
         "each call one JSON trace on one admin stream that guard holds open (~0.2 ms of "
         "guard's CPU a call, measured); ext_proc: the ext_proc filter in observability mode, "
         "one gRPC stream of five messages a call to guard's observer on observer_port (~1 ms "
-        "a call in grpcio's server). Both send without waiting for guard (guard/envoy/tap.py).")
+        "a call in grpcio's server; a streamed LLM answer is a message per chunk: generation "
+        "models are observed through the tap only). Both send without waiting for guard "
+        "(guard/envoy/tap_filter.py, guard/envoy/observer.py).")
     observer_port: Port = Field(
         8005, description="guard's ext_proc observer (observer: ext_proc), on 127.0.0.1. "
         "0 picks a free port (guard serve only: `guard deploy envoy` needs a fixed one).")

@@ -3,10 +3,13 @@
 What the bootstrap holds (docs/envoy.md):
 
 - one listener on ``server.host:grpc_port`` (TLS from ``server.tls``) with an HTTP connection
-  manager whose filters are, in order: grpc_field_extraction (only when the config has several
-  models: the model name is inside the request body), ext_proc (observability mode, toward
-  guard's observer), grpc_stats (gRPC status per cluster, for guard_request_errors_total), the
-  router;
+  manager whose filters are, in order: grpc_field_extraction and the Lua re-route (only when
+  the config has several models: the model name is inside the request body), the Lua that
+  takes the sampled twins' mark out of answers (with the tap: ``Chain``), the observing filter
+  (the tap, or ext_proc in observability mode toward guard's observer), grpc_stats (gRPC status
+  per cluster, for guard_request_errors_total), the router;
+- for generation models (backend ``openai``), a second listener on ``server.http_port``:
+  guard/envoy/openai_listener.py;
 - per model, a cluster per serving upstream (``guard_<model>_primary``, ``guard_<model>_fallback``;
   HTTP/2), and for a model that samples a twin of each (``..._sampled``, the same upstream);
   the model's ModelInfer route is a ``weighted_clusters`` whose weights come from Envoy's
@@ -16,9 +19,9 @@ What the bootstrap holds (docs/envoy.md):
 - sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of
   the call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample
   rate (its mirror rate, or capture rate for capture mode "all", the larger one) in a million;
-  ext_proc is off (``ExtProcPerRoute.disabled`` on the cluster's entry) for every cluster but
-  the sampled twins, so an unsampled call never reaches guard, and an id is sampled, or not,
-  on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
+  the observing filter is off on every cluster's entry but the sampled twins' (and the tap
+  keeps only the calls whose answer a twin marked, ``Chain``), so an unsampled call never
+  reaches guard, and an id is sampled, or not, on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
   measured, the same id was sampled on some calls and not on others);
 - ``/grpc.health.v1.Health/`` routed to guard's own health server on loopback: readiness on
   grpc_port means Envoy's listener, guard and (guard's readiness) the upstreams are up;

@@ -178,10 +178,14 @@ class EnvoyProcess:
             command += ["--base-id", str(self.base_id)]
         if self._log is None:
             self._log = (self.folder / "envoy.log").open("ab")
-        # A session of its own: a terminal's Ctrl-C reaches guard only, which drains Envoy
-        # before it stops it, instead of Envoy dropping its connections at once.
+        # A process group of its own: a terminal's Ctrl-C reaches guard only, which drains
+        # Envoy before it stops it, instead of Envoy dropping its connections at once. Not a
+        # session of its own: where the kernel groups tasks by session for the scheduler
+        # (autogroup, on a machine's root cgroup), that gave Envoy its own share of a busy
+        # machine, and every streamed LLM call through it ~5 ms more to its first token
+        # (measured: benchmarks/llm_edge.py, the same bootstrap started both ways).
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, process_group=0)
         try:
             admin_port, listener_ports = self._wait_ready(process, admin_file, listeners)
         except GuardError:

@@ -3,9 +3,13 @@ the guard.v1.Tap service, which model servers call: guard/serve/tap_service.py.)
 
 ``server.envoy.observer: tap`` (the default; ``ext_proc`` is guard/envoy/observer.py). The
 bootstrap puts Envoy's HTTP tap filter (``admin_config``, config id ``guard``) on the sampled
-clusters only, like ext_proc; this reader POSTs the tap's match and output to Envoy's admin
-``/tap`` and keeps the answer open: Envoy streams every tapped call there once it has ended, as
-one JSON ``HttpBufferedTrace`` (request headers and body, answer headers, body and trailers).
+clusters only, like ext_proc, and has their answers marked (``guard-sampled``, taken out before
+the client sees it: guard/envoy/bootstrap.py ``Chain``); this reader POSTs the tap's match (the
+mark) and output to Envoy's admin ``/tap`` and keeps the answer open: Envoy streams every tapped
+call there once it has ended, as one JSON ``HttpBufferedTrace`` (request headers and body,
+answer headers, body and trailers). The gRPC listener's calls go on as ``ObservedCall``; the
+OpenAI-compatible listener's (generation models, a path under ``/v1/``) as ``ObservedHttpCall``,
+whose event stream the hand-off reassembles (guard/envoy/llm_calls.py).
 
 Why tap rather than ext_proc, measured (benchmarks/upstream_hop.py, cells g5 and g5x): ext_proc
 opens one gRPC stream per observed call and sends it five messages, and grpcio's server spends
