@@ -44,7 +44,8 @@ each content event as it arrives: TTFT is the time from sending to the first con
 the gaps are between consecutive content events. The cells take turns call by call, in a new
 random order each round (seeded), so that a disturbance on a shared machine falls on all of
 them alike and no cell always follows the same one (the llama server's tail work after a call
-overlaps the next call's start). CPU: utime + stime from /proc of each process of a cell (guard's serving process,
+overlaps the next call's start). CPU: the scheduler's account (/proc/PID/task/*/schedstat, in
+ns) of each process of a cell (guard's serving process,
 its verifier, its Envoy; Envoy alone; the ext_proc sink) over the calls of its cell, divided
 by the calls; each process's idle CPU (heartbeats, stats flushes) is measured apart over a
 quiet 2 s and subtracted (``_raw``: not subtracted).
@@ -79,17 +80,21 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "e2e")]
 
 from guard.machine import cpu_model  # noqa: E402
 
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
 ROLES = ("guard", "verifier", "envoy", "observer")  # the processes a cell's CPU is read from
 
 
 def cpu_seconds(pid: int) -> float:
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+    """CPU time of every thread of ``pid`` so far, from the scheduler's own account in ns
+    (/proc/PID/task/*/schedstat): /proc/PID/stat counts in clock ticks (10 ms), coarser than
+    a call's cost. Threads that ended are not counted."""
+    total = 0
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        try:
+            total += int((task / "schedstat").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            pass
+    return total / 1e9
 
 
 def children(pid: int) -> list[int]:
