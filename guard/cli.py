@@ -185,6 +185,7 @@ def cmd_deploy_rollout(args: argparse.Namespace) -> int:
 
 def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     from guard.envoy.bootstrap import build, dump, ports_of
+    from guard.envoy.openai_listener import generative
     from guard.envoy.servable import require_servable
     from guard.plan.serving import load_config
 
@@ -196,7 +197,7 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     needed = [("health_port", ports.health)]
     if config.server.envoy.observer == "ext_proc":
         needed.append(("observer_port", ports.observer))
-    if any(model.primary.backend == "openai" for model in config.models):
+    if any(generative(model) for model in config.models):
         needed.append(("http_health_port", ports.http_health))
     for key, port in needed:
         if not port:

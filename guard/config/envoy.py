@@ -9,7 +9,7 @@ local serving backend (or a tapped model) cannot be answered by Envoy at all: al
 rather than served by a second, Python data plane on another port that clients and probes would
 have to know about.
 
-Generation models (backend ``openai``, on ``server.http_port``) are forwarded by Envoy too, with
+Generation models (``task: generation``, on ``server.http_port``) are forwarded by Envoy too, with
 what Envoy cannot do refused likewise: a served name other than the client's (the Python
 forwarder rewrites ``model`` both ways; Envoy cannot without a filter in the path of every
 call), ``options.sample_logprobs`` (it rewrites a sampled call's body) and
@@ -27,6 +27,7 @@ from urllib.parse import urlsplit
 
 from pydantic import Field
 
+from guard.config import generation
 from guard.config.base import NonNegativeFloat, Port, PositiveFloat, PositiveInt, Strict
 
 if TYPE_CHECKING:
@@ -34,9 +35,6 @@ if TYPE_CHECKING:
 
 DataPlane = Literal["python", "envoy"]
 ObserverKind = Literal["tap", "ext_proc"]
-# Backends whose calls Envoy forwards: an Open Inference Protocol server, an OpenAI-compatible
-# HTTP server (a generation model's, on server.http_port).
-FORWARDED = ("upstream", "openai")
 EnvoyLogLevel = Literal["trace", "debug", "info", "warning", "error", "critical", "off"]
 
 
@@ -121,14 +119,16 @@ def check_envoy_mode(config: "GuardConfig") -> list[str]:
             problems.append(f"{where}.tap: a tapped model is answered by its own server; Envoy "
                             "mode forwards models guard answers: set tap: false or serve it "
                             "with server.data_plane: python")
-        generative = model.primary.backend == "openai"
+        # A generation model's calls are OpenAI-compatible HTTP, on server.http_port: which
+        # backends serve one (all forward over HTTP) is theirs to declare (the plan step).
+        generative = model.task == generation.TASK
         if generative:
             problems += _generation_problems(config, model, where)
         for role in ("primary", "fallback"):
             spec = getattr(model, role)
             if spec is None:
                 continue
-            if spec.backend not in FORWARDED:
+            if spec.backend != "upstream" and not generative:
                 problems.append(
                     f"{where}.{role}.backend: Envoy mode forwards to upstream servers only; "
                     f"'{spec.backend}' would be answered in guard's process (serve this model "
@@ -172,7 +172,7 @@ def _generation_problems(config: "GuardConfig", model, where: str) -> list[str]:
     envoy = config.server.envoy
     problems = []
     fallback = model.fallback
-    if fallback is not None and fallback.backend == "openai" and \
+    if fallback is not None and fallback.target and model.primary.target and \
             _base_path(fallback.target) != _base_path(model.primary.target):
         problems.append(
             f"{where}.fallback.target: its path ('{_base_path(fallback.target)}') differs from "

@@ -33,6 +33,7 @@ import ipaddress
 
 from guard.config import GuardConfig
 from guard.envoy import bootstrap
+from guard.envoy.openai_listener import generative
 from guard.envoy.servable import require_servable
 from guard.errors import GuardError
 
@@ -105,7 +106,7 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
     require_servable(config)
     if not config.models:
         raise GuardError("models: none to route")
-    generating = [i for i, m in enumerate(config.models) if m.primary.backend == "openai"]
+    generating = [i for i, m in enumerate(config.models) if generative(m)]
     if generating:
         raise GuardError(f"models[{generating[0]}]: a generation model's calls are HTTP on "
                          "server.http_port, which this EnvoyFilter (guard's gRPC pieces on the "

@@ -42,7 +42,7 @@ from __future__ import annotations
 from urllib.parse import urlsplit
 
 from guard.backends.openai import OpenAIOptions, base_url
-from guard.config import GuardConfig, ModelConfig
+from guard.config import GuardConfig, ModelConfig, generation
 from guard.envoy.bootstrap import (
     Chain, Layout, Ports, _address, _cluster, cluster_entries, model_clusters, roles_of,
     router_filter, token)
@@ -61,8 +61,9 @@ _JSON_TYPES = ["application/json", "application/json; charset=utf-8",
 
 
 def generative(model: ModelConfig) -> bool:
-    """A generation model: its calls are OpenAI-compatible HTTP, on this listener."""
-    return model.primary.backend == "openai"
+    """A generation model: its calls are OpenAI-compatible HTTP, on this listener (the backends
+    that serve one forward over HTTP: the plan step holds them to it)."""
+    return model.task == generation.TASK
 
 
 def _options(model: ModelConfig) -> list[OpenAIOptions]:

@@ -251,11 +251,7 @@ class Model:
 
 @dataclass
 class _Config:
-    @dataclass
-    class _Primary:
-        backend: str = "openai"
-
-    primary: _Primary = field(default_factory=_Primary)
+    task: str = "generation"
 
 
 def chunk(text: str, finish: str | None = None) -> dict:
@@ -342,7 +338,7 @@ def test_a_whole_answer_is_sampled_and_what_cannot_be_compared_is_counted():
         trace(CHAT, b"data: {", truncated=True),  # over the tap's body limit
     ]
     models = {"smol": Model(slot=0),
-              "cnn": Model(slot=1, config=_Config(_Config._Primary("upstream")))}
+              "cnn": Model(slot=1, config=_Config("classification"))}
     records, metrics, outcomes = handed(traces, models)
     assert [r.payload.call.completion_text for r in records] == [" Paris."]
     assert not records[0].payload.call.streamed
