@@ -185,6 +185,7 @@ def cmd_deploy_rollout(args: argparse.Namespace) -> int:
 
 def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     from guard.envoy.bootstrap import build, dump, ports_of
+    from guard.envoy.openai_listener import generative
     from guard.envoy.servable import require_servable
     from guard.plan.serving import load_config
 
@@ -196,6 +197,8 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     needed = [("health_port", ports.health)]
     if config.server.envoy.observer == "ext_proc":
         needed.append(("observer_port", ports.observer))
+    if any(generative(model) for model in config.models):
+        needed.append(("http_health_port", ports.http_health))
     for key, port in needed:
         if not port:
             raise GuardError(f"server.envoy.{key}: 0 (a free port chosen when guard starts) "
@@ -483,8 +486,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(server.data_plane: envoy; docs/envoy.md): the listener on server.host:grpc_port, a "
         "cluster per upstream, runtime-switched primary/fallback routes, for sampled calls "
         "the tap that guard attaches through the admin API (or, with server.envoy.observer: "
-        "ext_proc, ext_proc toward guard's observer), gRPC health to guard. Check it with `envoy "
-        "--mode validate -c FILE`.",
+        "ext_proc, ext_proc toward guard's observer), gRPC health to guard; with generation "
+        "models (backend openai) the OpenAI-compatible listener on server.http_port too. Check "
+        "it with `envoy --mode validate -c FILE`.",
     )
     _add_config(envoy)
     envoy.add_argument("--format", choices=("yaml", "json"), default="yaml",

@@ -130,7 +130,9 @@ class OpenAIOptions(_Strict):
         "primary's alternatives outside them count in the tail bucket of the per-token KLD.")
 
 
-def strip_v1(target: str) -> str:
+def base_url(target: str) -> str:
+    """An ``openai`` block's ``target`` as the base the API paths (``/v1/...``) go under: a
+    trailing ``/`` or ``/v1`` left out."""
     target = target.rstrip("/")
     return target[:-3] if target.endswith("/v1") else target
 
@@ -179,7 +181,7 @@ class OpenAIBackend(Forwarding, Backend):
         self.spec = spec
         self.role = role
         self.options = OpenAIOptions.model_validate(spec.options)
-        self.base = strip_v1(spec.target)
+        self.base = base_url(spec.target)
         self.model = spec.model
         self._authorization: str | None = None
         self.session = None  # aiohttp.ClientSession, opened by connect() on the serving loop

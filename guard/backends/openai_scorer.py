@@ -61,7 +61,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from guard.backends.base import BackendInfo, Role
-from guard.backends.openai import OpenAIOptions, authorization, strip_v1, wait_ready
+from guard.backends.openai import OpenAIOptions, authorization, base_url, wait_ready
 from guard.backends.scoring import (
     ReferenceScores,
     Scorer,
@@ -303,7 +303,7 @@ class OpenAIScorer(Scorer):
         self.spec = spec
         self.role = role
         self.options = OpenAIOptions.model_validate(spec.options)
-        self.base = strip_v1(spec.target)
+        self.base = base_url(spec.target)
         self.model = spec.model
         self.mode: str | None = None
         self.client: ScoringClient | None = None

@@ -24,7 +24,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe.metrics import GuardMetrics
 from guard.serve.model import ServedModel
-from llm_support import llama_server, smollm2_gguf  # noqa: F401  (the module's llama_cpp.server)
+from llm_support import call_both_ways, llama_server, smollm2_gguf  # noqa: F401  (the module's server)
 from support import metric, running, scrape, wait_for, write_config
 
 PROMPT = "The capital of France is"
@@ -132,10 +132,7 @@ def test_a_streamed_call_comes_token_by_token_and_is_counted(guard, through, dir
 
 def test_every_sampled_call_reaches_the_verifier(guard, through):
     before = handed(guard)
-    through.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0)
-    for _ in through.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=4,
-                                             temperature=0, stream=True):
-        pass
+    call_both_ways(through, "smol", max_tokens=4)
     wait_for(lambda: handed(guard) >= before + 2)
     values = scrape(guard.metrics_port)
     assert metric(values, "guard_mirror_total", model="smol", outcome="dropped") == 0
