@@ -7,7 +7,8 @@ backend raise by choosing the input, while everything between client and backend
 Signature: input ``x`` FP32 [-1, 4]; output ``y`` FP32 [-1, 3].
 
 Triggers (first feature of any row):
-- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to its answer (drift).
+- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to that row's answer (drift; row by
+  row, so that a batch of several requests drifts only where a request does).
 - ``== 77``: ``affine(sleep_on_trigger=S)`` sleeps S seconds before answering (slow/hung).
 - ``== -999``: ``affine(fail_on_trigger=True)`` raises RuntimeError (backend failure).
 """
@@ -52,8 +53,8 @@ class Affine(nn.Module):
         y = self.linear(x)
         for _ in range(self.repeat - 1):
             y = self.linear(x)
-        if self.drift_on_trigger and bool((first >= DRIFT_TRIGGER).any()):
-            y = y + 1.0
+        if self.drift_on_trigger:
+            y = y + (first >= DRIFT_TRIGGER).to(y.dtype)[:, None]
         return y
 
 

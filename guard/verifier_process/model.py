@@ -188,36 +188,43 @@ class VerifiedModel:
         outputs the client asked for: ``sample.payload.request()``): to the mirror and/or to
         capture. An upstream's answer is decoded only when the mirror takes it (capture
         decodes it when it writes the record)."""
-        inputs, only_outputs = request
-        tag = None
-        if self.capture is not None:
-            tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
-                             bool(sample.flags & CAPTURE))
-        # Handed to the mirror, the sample is its to account for: checked, or told back through
-        # _on_unchecked (dropped, error, timeout), which records it. Recording a dropped sample
-        # here as well wrote every dropped request twice.
-        mirrored = False
-        if sample.flags & MIRROR and self.mirror is not None:
-            try:
-                outputs = sample.payload.answer()
-            except Exception as exc:  # an answer that parses but does not decode: the
-                # mirror's error, never the ring reader's death (found by the fuzzer)
-                self.metrics.mirror.labels(self.name, "error").inc()
-                emit("mirror_undecodable_answer", model=self.name,
-                     error=f"{type(exc).__name__}: {exc}"[:300])
-                return
-            self._took()
-            mirrored = True
-            self.mirror.accept(MirrorSample(
-                inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
-                sample.traceparent, tag, sample.size))
-        if tag is not None and tag.record and not mirrored:
-            self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
-                                              sample.payload.answer))
+        self.accept_many([(sample, request)])
 
-    def _took(self) -> None:
+    def accept_many(self, samples: list[tuple[Sample, tuple]]) -> None:
+        """``accept`` for the samples the ring reader drained for this model, in order: the
+        mirrored ones go to the mirror in one hand-off (one wake-up of its worker)."""
+        mirrored: list[MirrorSample] = []
+        for sample, request in samples:
+            inputs, only_outputs = request
+            tag = None
+            if self.capture is not None:
+                tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
+                                 bool(sample.flags & CAPTURE))
+            # Handed to the mirror, the sample is its to account for: checked, or told back
+            # through _on_unchecked (dropped, error, timeout), which records it. Recording a
+            # dropped sample here as well wrote every dropped request twice.
+            if sample.flags & MIRROR and self.mirror is not None:
+                try:
+                    outputs = sample.payload.answer()
+                except Exception as exc:  # an answer that parses but does not decode: the
+                    # mirror's error, never the ring reader's death (found by the fuzzer)
+                    self.metrics.mirror.labels(self.name, "error").inc()
+                    emit("mirror_undecodable_answer", model=self.name,
+                         error=f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                mirrored.append(MirrorSample(
+                    inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
+                    sample.traceparent, tag, sample.size))
+            elif tag is not None and tag.record:
+                self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
+                                                  sample.payload.answer))
+        if mirrored:
+            self._took(len(mirrored))
+            self.mirror.accept_many(mirrored)
+
+    def _took(self, n: int = 1) -> None:
         with self._in_hand_lock:
-            self._in_hand += 1
+            self._in_hand += n
             self.table.set(self.slot, routes.IN_HAND, self._in_hand)
 
     def _finished(self, sample: MirrorSample) -> None:

@@ -61,6 +61,9 @@ log = logging.getLogger("guard.verifier_process")
 # cadence costs 1.2% of a core idle and several looks per sample at 100 samples/s.
 _IDLE_S = 0.02
 _IDLE_MAX_S = 0.2
+# Records taken from one ring per round: a round's samples are checked as a batch, and a
+# bound keeps one busy serving process from holding the others' rings waiting.
+_DRAIN = 256
 _HEARTBEAT_S = 0.1
 _ERROR_LOG_INTERVAL_S = 10.0
 _OVERRIDES = {"auto", "primary", "fallback"}
@@ -213,49 +216,73 @@ class VerifierProcess:
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
-        """One record from each serving process's ring in turn; a pause when all are empty,
-        from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier
-        wakes a few times a second, not 50; the first sample after a lull waits at most
-        ``_IDLE_MAX_S``, well inside any mirror timeout)."""
+        """Drain every serving process's ring in turn (up to ``_DRAIN`` records each) and hand
+        each model what it got in one go, so that its mirror checks them as a batch; a pause
+        when all are empty, from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay
+        empty (an idle verifier wakes a few times a second, not 50; the first sample after a
+        lull waits at most ``_IDLE_MAX_S``, well inside any mirror timeout)."""
         idle = _IDLE_S
         while not self.stopping.is_set():
-            took = False
+            records = []
             for ring in self.rings:
-                try:
-                    record = ring.take()
-                except ValueError as exc:
-                    self._log_error(str(exc))
-                    continue
-                if record is not None:
-                    took = True
+                for _ in range(_DRAIN):
                     try:
-                        self._deliver(record)
-                    except Exception as exc:  # a bug: one sample lost, never the reader
-                        log.exception("handing a sample over failed")
-                        self._log_error(f"a sample could not be delivered: "
-                                        f"{type(exc).__name__}: {exc}")
-            if took:
+                        record = ring.take()
+                    except ValueError as exc:
+                        self._log_error(str(exc))
+                        continue
+                    if record is None:
+                        break
+                    records.append(record)
+            if records:
                 idle = _IDLE_S
+                try:
+                    self._deliver_all(records)
+                except Exception as exc:  # a bug: these samples lost, never the reader
+                    log.exception("handing samples over failed")
+                    self._log_error(f"samples could not be delivered: "
+                                    f"{type(exc).__name__}: {exc}")
             else:
                 time.sleep(idle)
                 idle = min(idle * 2, _IDLE_MAX_S)
 
     def _deliver(self, record: bytes) -> None:
+        """One record (a test's, or a tool's): as the ring reader delivers them."""
+        self._deliver_all([record])
+
+    def _deliver_all(self, records: list[bytes]) -> None:
+        """Decode the records and hand each model its samples, in order, at once."""
+        batches: dict[int, tuple[VerifiedModel, list]] = {}
+        for record in records:
+            taken = self._decode(record)
+            if taken is not None:
+                model, item = taken
+                batches.setdefault(id(model), (model, []))[1].append(item)
+        for model, items in batches.values():
+            if isinstance(model, VerifiedGenerationModel):
+                for sample in items:
+                    model.accept(sample)
+            else:
+                model.accept_many(items)
+
+    def _decode(self, record: bytes):
+        """(model, what its accept takes) for one record; None when it is skipped (counted)."""
         try:
             sample = wire.decode(record)
         except Exception as exc:
             self._log_error(f"undecodable sample record: {type(exc).__name__}: {exc}")
-            return
+            return None
         with self._lock:
             model = self.by_slot.get(sample.slot)
         if model is None or model.name != sample.model:
             model = self.models.get(sample.model)
         if model is None:
-            return  # a model removed by a reload while its samples were in the ring
+            return None  # a model removed by a reload while its samples were in the ring
         if sample.payload.kind == wire.GENERATION:  # a sampled LLM call: no tensors to decode
-            if isinstance(model, VerifiedGenerationModel):
-                model.accept(sample)
-            return
+            return (model, sample) if isinstance(model, VerifiedGenerationModel) else None
+        if isinstance(model, VerifiedGenerationModel):
+            self._log_error(f"model {model.name}: a tensor sample for a generation model")
+            return None
         try:
             request = sample.payload.request()
         except Exception as exc:  # a request guard cannot decode: the mirror's error, no more
@@ -263,8 +290,8 @@ class VerifierProcess:
                 self.metrics.mirror.labels(model.name, "error").inc()
             self._log_error(f"model {model.name}: cannot decode a sampled request: "
                             f"{type(exc).__name__}: {exc}")
-            return
-        model.accept(sample, request)
+            return None
+        return model, (sample, request)
 
     def _heartbeat(self) -> None:
         pid = os.getpid()

@@ -1,9 +1,12 @@
 """Tiers 1 and 3 over a stacked batch at once, for the records whose verdict is a plain pass.
 
-``Comparator.check`` per record costs a few hundred microseconds of Python (arrays, dataclasses,
-strings for every record), more than the zoo CNN's reference needs to infer it. But what a
-record's tier-1 and tier-3 (classification) verdict rests on is computed row by row, then
-reduced over the record's rows with reductions that do not depend on order:
+Offline replay (guard/replay/execute.py) and the verifier's mirror
+(guard/verifier_process/mirror.py) both check many samples (records) at once, stacked along
+the first axis (guard/backends/batching.py). ``Comparator.check`` per record costs tens to a
+few hundred microseconds of Python (arrays, dataclasses, strings for every record), more than a
+small reference needs to infer it. But what a record's tier-1 and tier-3 (classification)
+verdict rests on is computed row by row, then reduced over the record's rows with reductions
+that do not depend on order:
 
 - tier 1: per output, ``max|primary - reference|`` and ``max|reference|`` in the outputs' own
   dtype (a maximum is exact in any order), then ``allowed = atol + rtol * max|ref| + floor``;
@@ -19,9 +22,12 @@ classification. A whole batch takes the per-record path when the comparator has 
 tiers (tier 2) or is asked for statistics of every pass (``pass_stats``).
 
 One difference, by design: a passing output's optional statistics (mean_abs, p99_abs, max_rel,
-cosine_distance; the sidecar computes them for one pass in 16) are not computed here (NaN,
-``stats=False``). The replay report shows none of them; the verdicts and every figure it shows
-are unchanged.
+cosine_distance; ``Comparator.check`` computes them for one pass in 16) are not computed here
+(NaN, ``stats=False``). Neither the replay report nor the verifier's metrics and detectors use
+them; the verdicts and every figure they show are unchanged.
+
+``check_stacked_results`` gives each record its ``CheckResult`` (the mirror's shape: detectors
+and capture take it), ``check_stacked`` its ``tier_reports`` (replay's).
 """
 
 from __future__ import annotations
@@ -32,6 +38,7 @@ import numpy as np
 
 from guard.verify.pipeline import CheckResult, TierReport, Comparator
 from guard.verify.structure import is_flat
+from guard.verify.task import GENERIC_NOTE
 from guard.verify.task.base import OutputMissing, TaskCheck
 from guard.verify.task.classification import ClassificationChecker
 from guard.verify.tensor import OutputCheck, TensorCheck
@@ -40,9 +47,12 @@ NAN = math.nan
 
 
 def batchable(comparator: Comparator) -> bool:
-    """Can this verifier's checks take the batched path at all?"""
+    """Can this verifier's checks take the batched path at all? Not with adapters, extra tiers
+    (tier 2), statistics of every pass, or outputs renamed between the sides (each record then
+    goes through ``Comparator.check``)."""
     checker = comparator.task_checker
-    return (not comparator.adapters and not comparator.extra_tiers and comparator.pass_stats is not True
+    return (not comparator.adapters and not comparator.extra_tiers
+            and comparator.pass_stats is not True and comparator.reference_names is None
             and (checker is None or type(checker) is ClassificationChecker))
 
 
@@ -156,11 +166,11 @@ def _select(checker: ClassificationChecker, reference: dict, primary: dict) -> s
         raise _PerRecord from None
 
 
-def check_stacked(comparator: Comparator, reference: dict, primary: dict,
-                  rows: list[int]) -> list[dict[str, TierReport] | None]:
-    """Per record of a stacked batch (``rows`` rows each, in order): its tier reports when it
+def check_stacked_results(comparator: Comparator, reference: dict, primary: dict,
+                          rows: list[int]) -> list[CheckResult | None]:
+    """Per record of a stacked batch (``rows`` rows each, in order): its ``CheckResult`` when it
     passes tiers 1 and 3 on the batched path, else None (check it alone)."""
-    none = [None] * len(rows)
+    none: list[CheckResult | None] = [None] * len(rows)
     if not (batchable(comparator) and all(rows) and is_flat(reference) and is_flat(primary)):
         return none
     total = sum(rows)
@@ -175,7 +185,8 @@ def check_stacked(comparator: Comparator, reference: dict, primary: dict,
                                    {n: f[2] for n, f in figures.items()})
         except _PerRecord:
             return none
-    out: list[dict[str, TierReport] | None] = []
+    notes = [GENERIC_NOTE] if task is None and comparator.task_name == "generic" else []
+    out: list[CheckResult | None] = []
     for j in range(len(rows)):
         checks = []
         for name, (max_abs, ref_max, allowed) in figures.items():
@@ -188,12 +199,20 @@ def check_stacked(comparator: Comparator, reference: dict, primary: dict,
         if checks is None:
             out.append(None)
             continue
-        result = CheckResult({"tensor": TensorCheck(True, checks)})
+        result = CheckResult({"tensor": TensorCheck(True, checks)}, list(notes))
         if task is not None:
             check = task.record(j)
             if check is None:
                 out.append(None)
                 continue
             result.tiers["task"] = check
-        out.append(Comparator.tier_reports(result))
+        out.append(result)
     return out
+
+
+def check_stacked(comparator: Comparator, reference: dict, primary: dict,
+                  rows: list[int]) -> list[dict[str, TierReport] | None]:
+    """Per record of a stacked batch: its tier reports when it passes tiers 1 and 3 on the
+    batched path, else None (check it alone)."""
+    return [None if result is None else Comparator.tier_reports(result)
+            for result in check_stacked_results(comparator, reference, primary, rows)]

@@ -1,4 +1,4 @@
-"""guard/replay/batchcheck.py: the batched tiers 1 and 3 give each record of a stacked batch the
+"""guard/verify/batched.py: the batched tiers 1 and 3 give each record of a stacked batch the
 reports ``Comparator.check`` gives it alone, with real ONNX Runtime sessions (the zoo CNN, int8
 primary against its fp32 reference: some records pass, some fail, some flip top-1)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from guard.config import ModelConfig
-from guard.replay.batchcheck import batchable, check_stacked
+from guard.verify.batched import batchable, check_stacked
 from guard.replay.execute import ModelRunner
 from guard.replay.items import CHECKED, Batch, ReplayItem
 from guard.verify.pipeline import Comparator

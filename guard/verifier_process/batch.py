@@ -1,0 +1,196 @@
+"""A batch of mirrored samples through the probes, the reference and the checks: the mirror
+worker's work (guard/verifier_process/mirror.py keeps the queue, the watchdog and the outcome
+counts).
+
+The worker takes what waits in its queue, up to ``mirror.max_batch`` samples, and:
+
+1. probes the primary for the samples the fallback answered (their route is not ``primary``);
+2. runs the reference. Both calls stack same-signature samples along the first axis into one
+   forward pass (guard/backends/batching.py) where the backend declares a dynamic first
+   dimension on every input and the answers each sample carries have one row per input row;
+   else one call per sample. A stacked call that raises, or answers with outputs that are not
+   one row per input row, is run again one sample at a time, so that an error is pinned on
+   the sample that caused it;
+3. checks: tiers 1 and 3 over each group of same-shaped answers at once
+   (guard/verify/batched.py: a sample that passes there gets the figures ``Comparator.check``
+   gives it alone against the same reference answer, bit for bit); every other sample (a
+   failure, which gets the full statistics and the fp64 arbiter; tier 2; adapters) goes
+   through ``Comparator.check`` alone, as before.
+
+The mirror then hands each sample's outcome on in arrival order, so that the detectors and
+capture see the samples in the order they came. What batching changes is the reference's
+answer itself: a stacked forward may sum in another order than one sample's (another kernel
+for another batch size), so a sample's figures agree with one-by-one checking within that
+noise, which a tolerance above float noise never notices (tests/unit/test_mirror_batch.py).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from guard.backends import batching
+from guard.verify.batched import check_stacked_results
+from guard.verify.pipeline import CheckResult, Comparator
+
+# ``call(fn, inputs, stage)``: the mirror's watched backend call (TimeoutError when a hung call
+# still holds the backend; the mirror's _Abandoned when the watchdog gave up on this one).
+Call = Callable[[Callable, dict, str], dict]
+
+
+@dataclass
+class Held:
+    """One sample on its way through a batch, and what became of it."""
+
+    sample: object  # a MirrorSample
+    span: object = None  # its RecordedSpan when traced
+    probed: bool = False  # the primary ran for it (the fallback answered the client)
+    reference: dict | None = None  # the reference's answer
+    seconds: float = 0.0  # the reference call's wall time (a stacked call's, for each)
+    failed: tuple[str, Exception] | None = None  # (stage, error): no verdict
+    timed_out: str = ""  # the stage that could not get the backend in time
+    check: CheckResult | None = None
+
+    @property
+    def pending(self) -> bool:
+        return self.failed is None and not self.timed_out
+
+
+def probe(call: Call, primary, held: list[Held]) -> None:
+    """Run the primary for the samples the fallback answered; its answer is the one checked."""
+    wanted = [h for h in held if h.pending and h.sample.route != "primary"]
+    for h in wanted:
+        h.probed = True
+
+    def store(h: Held, outputs: dict, seconds: float) -> None:
+        h.sample.outputs = outputs
+
+    infer(call, primary, wanted, "primary probe", store)
+
+
+def reference(call: Call, backend, held: list[Held], observe: Callable[[float], None]) -> None:
+    """Run the reference for every sample still pending; ``observe`` gets each call's time."""
+
+    def store(h: Held, outputs: dict, seconds: float) -> None:
+        h.reference, h.seconds = outputs, seconds
+
+    infer(call, backend, [h for h in held if h.pending], "reference", store, observe)
+
+
+def infer(call: Call, backend, held: list[Held], stage: str,
+          store: Callable[[Held, dict, float], None],
+          observe: Callable[[float], None] | None = None) -> None:
+    """``backend`` on each held sample's inputs: stacked per signature where it can (see the
+    module docstring), else one by one; ``store(held, outputs, seconds)`` per sample. A call
+    that times out marks its samples ``timed_out``; once the backend is busy (a hung call holds
+    it), every sample not yet run is."""
+    if not held:
+        return
+    groups = _groups(held) if len(held) > 1 and batching.dynamic_batch(backend.describe()) \
+        else [[h] for h in held]
+    done: set[int] = set()
+    try:
+        for group in groups:
+            if len(group) > 1 and _stacked(call, backend, group, stage, store, observe):
+                done.update(id(h) for h in group)
+                continue
+            for h in group:
+                try:
+                    outputs, seconds = _timed(call, backend, h.sample.inputs, stage, observe)
+                except BackendBusy:
+                    raise
+                except TimeoutError:  # the backend's own (an upstream's deadline)
+                    h.timed_out = stage
+                except Exception as exc:
+                    h.failed = (stage, exc)
+                else:
+                    store(h, outputs, seconds)
+                done.add(id(h))
+    except BackendBusy:
+        for h in held:
+            if id(h) not in done:
+                h.timed_out = stage
+
+
+class BackendBusy(TimeoutError):
+    """The backend is still held by a call the watchdog gave up on, past ``timeout_s``."""
+
+
+def _stacked(call: Call, backend, group: list[Held], stage: str, store, observe) -> bool:
+    """One call for the group; False when it raised or its outputs do not split by rows (the
+    group then runs one by one)."""
+    counts = [batching.rows(h.sample.inputs) for h in group]
+    try:
+        outputs, seconds = _timed(call, backend, batching.stack([h.sample.inputs for h in group]),
+                                  stage, observe)
+    except BackendBusy:
+        raise
+    except Exception:  # its own TimeoutError too: one by one says which sample it was
+        return False
+    parts = batching.split_rows(outputs, counts)
+    if parts is None:
+        return False
+    for h, part in zip(group, parts):
+        store(h, part, seconds)
+    return True
+
+
+def _timed(call: Call, backend, inputs: dict, stage: str, observe):
+    started = time.perf_counter()
+    outputs = call(backend.infer, inputs, stage)
+    seconds = time.perf_counter() - started
+    if observe is not None:
+        observe(seconds)
+    return outputs, seconds
+
+
+def _groups(held: list[Held]) -> list[list[Held]]:
+    """Samples that can share a stacked call: equal input signatures, and answers of one row per
+    input row (what a per-row model gives; a detector's boxes are not, and run alone)."""
+    groups: dict[tuple, list[Held]] = {}
+    alone: list[list[Held]] = []
+    for h in held:
+        inputs = h.sample.inputs
+        if inputs and _per_row(h.sample.outputs, batching.rows(inputs)):
+            groups.setdefault(batching.signature(inputs), []).append(h)
+        else:
+            alone.append([h])
+    return list(groups.values()) + alone
+
+
+def _per_row(outputs: dict, n: int) -> bool:
+    return all(isinstance(a, np.ndarray) and a.ndim and a.shape[0] == n for a in outputs.values())
+
+
+def check(comparator: Comparator, held: list[Held]) -> None:
+    """Each pending sample's ``CheckResult``: tiers 1 and 3 at once per group of same-shaped
+    answers where the comparator allows it, ``Comparator.check`` alone for the rest."""
+    ready = [h for h in held if h.pending]
+    for h in ready:
+        sample = h.sample
+        if sample.only_outputs and not h.probed:
+            # The answer holds only what the client asked for (upstream): compare just that.
+            h.reference = {k: v for k, v in h.reference.items() if k in sample.only_outputs}
+            sample.outputs = {k: v for k, v in sample.outputs.items()
+                              if k in sample.only_outputs}
+    groups: dict[tuple, list[Held]] = {}
+    for h in ready:
+        n = batching.rows(h.sample.inputs) if h.sample.inputs else 0
+        if n and _per_row(h.reference, n) and _per_row(h.sample.outputs, n):
+            key = (batching.signature(h.reference), batching.signature(h.sample.outputs))
+            groups.setdefault(key, []).append(h)
+    for group in groups.values():
+        if len(group) < 2:
+            continue
+        results = check_stacked_results(
+            comparator, batching.stack([h.reference for h in group]),
+            batching.stack([h.sample.outputs for h in group]),
+            [batching.rows(h.sample.inputs) for h in group])
+        for h, result in zip(group, results):
+            h.check = result
+    for h in ready:
+        if h.check is None:
+            h.check = comparator.check(h.reference, h.sample.outputs, inputs=h.sample.inputs)
