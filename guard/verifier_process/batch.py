@@ -4,13 +4,16 @@ counts).
 
 The worker takes what waits in its queue, up to ``mirror.max_batch`` samples, and:
 
-1. probes the primary for the samples the fallback answered (their route is not ``primary``);
-2. runs the reference. Both calls stack same-signature samples along the first axis into one
-   forward pass (guard/backends/batching.py) where the backend declares a dynamic first
-   dimension on every input and the answers each sample carries have one row per input row;
-   else one call per sample. A stacked call that raises, or answers with outputs that are not
-   one row per input row, is run again one sample at a time, so that an error is pinned on
-   the sample that caused it;
+1. probes the primary for the samples the fallback answered (their route is not ``primary``),
+   one sample at a time: a probe must answer as the request was answered, and a primary's
+   answer may depend on the rest of its batch (dynamic int8 quantisation scales activations
+   over the whole batch);
+2. runs the reference: same-signature samples stacked along the first axis into one forward
+   pass (guard/backends/batching.py) where the backend declares a dynamic first dimension on
+   every input, is not int8 (same reason) and the answers each sample carries have one row
+   per input row; else one call per sample. A stacked call that raises, or answers with
+   outputs that are not one row per input row, is run again one sample at a time, so that an
+   error is pinned on the sample that caused it;
 3. checks: tiers 1 and 3 over each group of same-shaped answers at once
    (guard/verify/batched.py: a sample that passes there gets the figures ``Comparator.check``
    gives it alone against the same reference answer, bit for bit); every other sample (a
@@ -68,7 +71,7 @@ def probe(call: Call, primary, held: list[Held]) -> None:
     def store(h: Held, outputs: dict, seconds: float) -> None:
         h.sample.outputs = outputs
 
-    infer(call, primary, wanted, "primary probe", store)
+    infer(call, primary, wanted, "primary probe", store, stack=False)
 
 
 def reference(call: Call, backend, held: list[Held], observe: Callable[[float], None]) -> None:
@@ -82,14 +85,15 @@ def reference(call: Call, backend, held: list[Held], observe: Callable[[float], 
 
 def infer(call: Call, backend, held: list[Held], stage: str,
           store: Callable[[Held, dict, float], None],
-          observe: Callable[[float], None] | None = None) -> None:
-    """``backend`` on each held sample's inputs: stacked per signature where it can (see the
-    module docstring), else one by one; ``store(held, outputs, seconds)`` per sample. A call
+          observe: Callable[[float], None] | None = None, stack: bool = True) -> None:
+    """``backend`` on each held sample's inputs: stacked per signature where it can and
+    ``stack`` allows (see the module docstring), else one by one; ``store(held, outputs,
+    seconds)`` per sample. A call
     that times out marks its samples ``timed_out``; once the backend is busy (a hung call holds
     it), every sample not yet run is."""
     if not held:
         return
-    groups = _groups(held) if len(held) > 1 and batching.dynamic_batch(backend.describe()) \
+    groups = _groups(held) if stack and len(held) > 1 and _stacks(backend) \
         else [[h] for h in held]
     done: set[int] = set()
     try:
@@ -136,6 +140,11 @@ def _stacked(call: Call, backend, group: list[Held], stage: str, store, observe)
     for h, part in zip(group, parts):
         store(h, part, seconds)
     return True
+
+
+def _stacks(backend) -> bool:
+    info = backend.describe()
+    return info.precision != "int8" and batching.dynamic_batch(info)
 
 
 def _timed(call: Call, backend, inputs: dict, stage: str, observe):
