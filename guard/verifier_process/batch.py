@@ -74,13 +74,22 @@ def probe(call: Call, primary, held: list[Held]) -> None:
     infer(call, primary, wanted, "primary probe", store, stack=False)
 
 
-def reference(call: Call, backend, held: list[Held], observe: Callable[[float], None]) -> None:
-    """Run the reference for every sample still pending; ``observe`` gets each call's time."""
+def reference(call: Call, backend, held: list[Held], observe: Callable[[float], None],
+              stack: bool) -> None:
+    """Run the reference for every sample still pending, stacked where ``stack`` (``stacks``
+    of it) allows; ``observe`` gets each call's time."""
 
     def store(h: Held, outputs: dict, seconds: float) -> None:
         h.reference, h.seconds = outputs, seconds
 
-    infer(call, backend, [h for h in held if h.pending], "reference", store, observe)
+    infer(call, backend, [h for h in held if h.pending], "reference", store, observe, stack)
+
+
+def stacks(backend) -> bool:
+    """Can this backend take several samples stacked along the first axis? (See the module
+    docstring: a dynamic first dimension on every input, and not int8.)"""
+    info = backend.describe()
+    return info.precision != "int8" and batching.dynamic_batch(info)
 
 
 def infer(call: Call, backend, held: list[Held], stage: str,
@@ -93,8 +102,7 @@ def infer(call: Call, backend, held: list[Held], stage: str,
     it), every sample not yet run is."""
     if not held:
         return
-    groups = _groups(held) if stack and len(held) > 1 and _stacks(backend) \
-        else [[h] for h in held]
+    groups = _groups(held) if stack and len(held) > 1 else [[h] for h in held]
     done: set[int] = set()
     try:
         for group in groups:
@@ -142,11 +150,6 @@ def _stacked(call: Call, backend, group: list[Held], stage: str, store, observe)
     return True
 
 
-def _stacks(backend) -> bool:
-    info = backend.describe()
-    return info.precision != "int8" and batching.dynamic_batch(info)
-
-
 def _timed(call: Call, backend, inputs: dict, stage: str, observe):
     started = time.perf_counter()
     outputs = call(backend.infer, inputs, stage)
@@ -157,21 +160,30 @@ def _timed(call: Call, backend, inputs: dict, stage: str, observe):
 
 
 def _groups(held: list[Held]) -> list[list[Held]]:
-    """Samples that can share a stacked call: equal input signatures, and answers of one row per
+    """Samples that can share a stacked call: equal input layouts, and answers of one row per
     input row (what a per-row model gives; a detector's boxes are not, and run alone)."""
     groups: dict[tuple, list[Held]] = {}
     alone: list[list[Held]] = []
     for h in held:
         inputs = h.sample.inputs
-        if inputs and _per_row(h.sample.outputs, batching.rows(inputs)):
-            groups.setdefault(batching.signature(inputs), []).append(h)
+        n = batching.rows(inputs) if inputs else 0
+        key = _layout(inputs, n) if n else None
+        if key is not None and _layout(h.sample.outputs, n) is not None:
+            groups.setdefault(key, []).append(h)
         else:
             alone.append([h])
     return list(groups.values()) + alone
 
 
-def _per_row(outputs: dict, n: int) -> bool:
-    return all(isinstance(a, np.ndarray) and a.ndim and a.shape[0] == n for a in outputs.values())
+def _layout(arrays: dict, n: int) -> tuple | None:
+    """Names, dtypes and trailing shapes of ``arrays`` (what must agree for them to stack);
+    None unless each has one row per input row (``n``)."""
+    key = []
+    for name, a in arrays.items():
+        if not (isinstance(a, np.ndarray) and a.ndim and a.shape[0] == n):
+            return None
+        key.append((name, a.dtype, a.shape[1:]))
+    return tuple(key)
 
 
 def check(comparator: Comparator, held: list[Held]) -> None:
@@ -188,9 +200,10 @@ def check(comparator: Comparator, held: list[Held]) -> None:
     groups: dict[tuple, list[Held]] = {}
     for h in ready:
         n = batching.rows(h.sample.inputs) if h.sample.inputs else 0
-        if n and _per_row(h.reference, n) and _per_row(h.sample.outputs, n):
-            key = (batching.signature(h.reference), batching.signature(h.sample.outputs))
-            groups.setdefault(key, []).append(h)
+        ref = _layout(h.reference, n) if n else None
+        out = _layout(h.sample.outputs, n) if ref is not None else None
+        if out is not None:
+            groups.setdefault((ref, out), []).append(h)
     for group in groups.values():
         if len(group) < 2:
             continue

@@ -119,6 +119,7 @@ class Mirror:
         self._queue: queue.SimpleQueue[MirrorSample | list[MirrorSample] | None] = \
             queue.SimpleQueue()
         self._carry: list[MirrorSample] = []  # taken past max_batch: the worker's next batch
+        self._stacks: bool | None = None  # does the reference take stacked samples?
         self._thread = self._worker()
         self._watchdog = threading.Thread(target=self._watch, name=f"guard-watch-{model}",
                                           daemon=True)
@@ -269,7 +270,10 @@ class Mirror:
         call = partial(self._watched, hand=hand)
         try:
             batch.probe(call, self.primary, hand)
-            batch.reference(call, self.reference, hand, self._reference_seconds.observe)
+            if self._stacks is None:  # (the backend's signature is known once it is loaded)
+                self._stacks = batch.stacks(self.reference)
+            batch.reference(call, self.reference, hand, self._reference_seconds.observe,
+                            self._stacks)
             batch.check(self.comparator, hand)
         except Exception as exc:  # a bug here must not kill the worker, nor lose the batch
             log.exception("mirror worker for %s failed on a batch", self.model)

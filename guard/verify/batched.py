@@ -33,6 +33,7 @@ and capture take it), ``check_stacked`` its ``tier_reports`` (replay's).
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import numpy as np
 
@@ -56,12 +57,21 @@ def batchable(comparator: Comparator) -> bool:
             and (checker is None or type(checker) is ClassificationChecker))
 
 
-def _segment_max(rowwise: np.ndarray, starts: np.ndarray) -> list[float]:
-    return np.maximum.reduceat(rowwise, starts).tolist()
+def _per_record(reduce, rowwise: np.ndarray, starts: list[int] | None) -> list:
+    """``rowwise`` reduced over each record's rows (``starts``: each record's first row; None
+    when every record is one row, the usual case: nothing to reduce)."""
+    if starts is not None:
+        return reduce.reduceat(rowwise, starts).tolist()
+    return (rowwise.astype(np.int64) if rowwise.dtype == np.bool_ else rowwise).tolist()
 
 
-def _tensor_figures(comparator: Comparator, reference: dict, primary: dict, starts: np.ndarray,
-                    total: int) -> dict[str, tuple[list, list, list]] | None:
+def _starts(rows: list[int]) -> list[int] | None:
+    """Each record's first row; None when every record is one row."""
+    return None if all(n == 1 for n in rows) else list(accumulate(rows, initial=0))[:-1]
+
+
+def _tensor_figures(comparator: Comparator, reference: dict, primary: dict,
+                    starts: list[int] | None, total: int) -> dict[str, tuple] | None:
     """Per output name (sorted, as ``compare_outputs``): per record (max_abs, ref_max,
     allowed), or None when some output cannot take this path."""
     if sorted(reference) != sorted(primary):
@@ -77,8 +87,8 @@ def _tensor_figures(comparator: Comparator, reference: dict, primary: dict, star
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, sent per record
             diff = np.subtract(out, ref).reshape(total, -1)
         np.abs(diff, out=diff)
-        max_abs = _segment_max(diff.max(axis=1), starts)
-        ref_max = _segment_max(np.abs(ref.reshape(total, -1)).max(axis=1), starts)
+        max_abs = _per_record(np.maximum, diff.max(axis=1), starts)
+        ref_max = _per_record(np.maximum, np.abs(ref.reshape(total, -1)).max(axis=1), starts)
         tol = comparator.per_output.get(name, comparator.default)
         allowed = [tol.atol + tol.rtol * r + tol.floor for r in ref_max]
         figures[name] = (max_abs, ref_max, allowed)
@@ -104,7 +114,9 @@ class _Classification:
         # tie margin per record (tier 1's allowed error on this output), repeated per row
         self.ties = [c.tie_margin if c.tie_margin is not None else 2.0 * a
                      for a in allowed.get(name, [0.0] * len(rows))]
-        tie = np.repeat(np.asarray(self.ties, dtype=np.float64), rows)
+        tie = np.asarray(self.ties, dtype=np.float64)
+        if len(ref) != len(rows):
+            tie = np.repeat(tie, rows)
         index = np.arange(len(ref))
         top1_ref = np.argmax(ref, axis=1)
         top1_out = np.argmax(out, axis=1)
@@ -113,15 +125,15 @@ class _Classification:
         near_tie = flipped & (self.margin <= tie)
         real = flipped & ~near_tie
         self.k = k = min(c.top_k, ref.shape[1])
-        kth = -np.sort(-ref, axis=1)[:, k - 1]
+        kth = -np.partition(-ref, k - 1, axis=1)[:, k - 1]
         ref_set = ref >= (kth - tie)[:, None]
         top_out = np.argsort(-out, axis=1, kind="stable")[:, :k]
         self.overlap = np.take_along_axis(ref_set, top_out, axis=1).sum(axis=1) / k
-        self.bounds = np.cumsum([0, *rows]).tolist()
-        starts = self.bounds[:-1]
-        self.flips = np.add.reduceat(flipped, starts).tolist()
-        self.near = np.add.reduceat(near_tie, starts).tolist()
-        self.real = np.add.reduceat(real, starts).tolist()
+        self.bounds = list(accumulate(rows, initial=0))
+        starts = _starts(rows)
+        self.flips = _per_record(np.add, flipped, starts)
+        self.near = _per_record(np.add, near_tie, starts)
+        self.real = _per_record(np.add, real, starts)
         self.overlap_list = self.overlap.tolist()
 
     def record(self, j: int) -> TaskCheck | None:
@@ -173,9 +185,7 @@ def check_stacked_results(comparator: Comparator, reference: dict, primary: dict
     none: list[CheckResult | None] = [None] * len(rows)
     if not (batchable(comparator) and all(rows) and is_flat(reference) and is_flat(primary)):
         return none
-    total = sum(rows)
-    bounds = np.cumsum([0, *rows])
-    figures = _tensor_figures(comparator, reference, primary, bounds[:-1], total)
+    figures = _tensor_figures(comparator, reference, primary, _starts(rows), sum(rows))
     if figures is None:
         return none
     task = None

@@ -47,11 +47,12 @@ def runner(zoo_classifier, request):
     runner.close()
 
 
-def test_stacked_checks_equal_record_by_record(runner):
+@pytest.mark.parametrize("max_rows", [3, 1], ids=["1-3-rows", "one-row-each"])
+def test_stacked_checks_equal_record_by_record(runner, max_rows):
     images = sample_inputs(120, seed=5)
     items, start = [], 0
     while start < len(images):  # records of 1-3 rows, as the sidecar captures requests
-        rows = 1 + len(items) % 3
+        rows = 1 + len(items) % max_rows
         items.append(ReplayItem(len(items), "cnn", {"image": images[start:start + rows]}))
         start += rows
     inferred = runner.infer(Batch("cnn", items))
