@@ -50,8 +50,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import proxy_overhead as po  # noqa: E402  (load generator, CPU accounting, children)
-from sample_cost import thread_ticks  # noqa: E402
+import proxy_overhead as po
+from sample_cost import thread_ticks
 
 MODEL = po.MODEL  # the name proxy_overhead's scrape and readiness wait look for
 POOL = 256  # distinct inputs
@@ -120,9 +120,9 @@ class _NoServing:  # the verifier's link to a serving process: nothing on this p
 
 def cmd_in_process(workdir: Path, max_batch: int, rate: float, samples: int) -> None:
     """Prints one JSON line: the verifier's CPU per sample fed at ``rate``, and its parts."""
+    from guard.config import ModelConfig
     from guard.ipc import routes, wire
     from guard.ipc.ring import SampleRing
-    from guard.config import ModelConfig
     from guard.verifier_process.process import VerifierProcess
 
     prep = json.loads((workdir / "prepare.json").read_text())

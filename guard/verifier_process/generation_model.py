@@ -387,7 +387,7 @@ class VerifiedGenerationModel(VerifiedModel):
         if not self._wants_capture(result.sample.tag, result.check.passed):
             return
         s = result.sample
-        self.capture.submit(self._pending(tag, s.route, s.epoch, s.generation, result))
+        self.capture.submit(self._pending(s.tag, s.route, s.epoch, s.generation, result))
 
     def _on_unchecked(self, sample: GenerationMirrorSample, outcome: str) -> None:
         tag = sample.tag

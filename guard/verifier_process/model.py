@@ -69,7 +69,9 @@ class VerifiedModel:
             for gauge, figure in ((metrics.drift_ratio, "ratio"),
                                   (metrics.detector_statistic, "statistic"),
                                   (metrics.detector_threshold, "threshold"),
-                                  (metrics.detector_samples, "samples")):
+                                  (metrics.detector_samples, "samples"),
+                                  (metrics.detector_p0, "null_rate"),
+                                  (metrics.detector_p1, "alarm_rate")):
                 gauge.labels(self.name, tier).set_function(partial(self._figure, tier, figure))
         self.activation = None  # tier 2's checker, built at load
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check

@@ -37,7 +37,7 @@ from itertools import accumulate
 
 import numpy as np
 
-from guard.verify.pipeline import CheckResult, TierReport, Comparator
+from guard.verify.pipeline import CheckResult, Comparator, TierReport
 from guard.verify.structure import is_flat
 from guard.verify.task import GENERIC_NOTE
 from guard.verify.task.base import OutputMissing, TaskCheck

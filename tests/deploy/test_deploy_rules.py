@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from guard.cli import main
+from guard.deploy.fleet import ALERTS as FLEET_ALERTS
 from guard.deploy.rules import (
     ALERTS,
     RuleSettings,
@@ -31,15 +32,18 @@ from guard.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "deploy/kubernetes/base"
 OVERLAY = "deploy/kubernetes/overlays/example"
-# (config the rules were generated from, format, committed file)
+# (config the rules were generated from, format, committed file, more flags)
 SHIPPED = [
-    (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules.yaml"),
-    (f"{BASE}/guard.yaml", "prometheusrule", f"{BASE}/prometheusrule.yaml"),
-    (f"{OVERLAY}/guard.yaml", "prometheusrule", f"{OVERLAY}/prometheusrule.yaml"),
-    ("deploy/prometheus/llm-guard.yaml", "prometheus", "deploy/prometheus/guard-rules-llm.yaml"),
+    (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules.yaml", ()),
+    (f"{BASE}/guard.yaml", "prometheusrule", f"{BASE}/prometheusrule.yaml", ()),
+    (f"{OVERLAY}/guard.yaml", "prometheusrule", f"{OVERLAY}/prometheusrule.yaml", ()),
+    ("deploy/prometheus/llm-guard.yaml", "prometheus", "deploy/prometheus/guard-rules-llm.yaml",
+     ()),
+    (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules-fleet.yaml", ("--fleet",)),
 ]
-# The promtool unit tests of each shipped rule file: tensor models, and an LLM.
-RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml"]
+# The promtool unit tests of each shipped rule file: tensor models, an LLM, the fleet rules.
+RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml",
+              "deploy/prometheus/tests-fleet.yaml"]
 GENERATION_ALERTS = {"GuardGenerationKldHigh"}  # only task: generation models have these
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -66,24 +70,26 @@ def alerts_by_name(groups: list[dict]) -> dict[str, list[dict]]:
 
 
 # -- shipped files ------------------------------------------------------------------------------
-@pytest.mark.parametrize("config,fmt,shipped", SHIPPED)
-def test_shipped_rules_equal_a_fresh_generation(config, fmt, shipped):
+@pytest.mark.parametrize("config,fmt,shipped,flags", SHIPPED)
+def test_shipped_rules_equal_a_fresh_generation(config, fmt, shipped, flags):
     """Regenerate with the real command, from the repository root as the docs say."""
     result = subprocess.run(
-        [sys.executable, "-m", "guard", "deploy", "rules", "--config", config, "--format", fmt],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "guard", "deploy", "rules", "--config", config, "--format", fmt,
+         *flags], cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == (ROOT / shipped).read_text(), (
         f"{shipped} is stale: regenerate it with "
-        f"`guard deploy rules --config {config} --format {fmt} -o {shipped}`"
+        f"`guard deploy rules --config {config} --format {fmt} {' '.join(flags)} -o {shipped}`"
     )
 
 
 @needs_promtool
 @pytest.mark.parametrize("rule_file,alerts", [
     ("deploy/prometheus/guard-rules.yaml", len(ALERTS) - len(GENERATION_ALERTS)),
-    ("deploy/prometheus/guard-rules-llm.yaml", len(ALERTS))])
+    ("deploy/prometheus/guard-rules-llm.yaml", len(ALERTS)),
+    # + per window 2 counts and a model's ratio, 2 rates, the fleet alert: 19 with 3 windows
+    ("deploy/prometheus/guard-rules-fleet.yaml", len(ALERTS) - len(GENERATION_ALERTS) + 12)])
 def test_promtool_checks_the_rule_file(rule_file, alerts):
     result = subprocess.run([PROMTOOL, "check", "rules", rule_file],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -119,8 +125,8 @@ def test_rule_unit_tests_cover_every_alert_firing():
              for case in test["alert_rule_test"]]
     fired = {case["alertname"] for case in cases if case["exp_alerts"]}
     quiet = {case["alertname"] for case in cases if not case["exp_alerts"]}
-    assert fired == set(ALERTS)
-    assert quiet == set(ALERTS)
+    assert fired == set(ALERTS) | set(FLEET_ALERTS)
+    assert quiet == set(ALERTS) | set(FLEET_ALERTS)
 
 
 # -- what the rules are made of -------------------------------------------------------------------
@@ -297,4 +303,4 @@ def test_cli_writes_output_file_with_runbook_base(tmp_path, capsys):
 def test_runbook_has_a_section_for_every_alert():
     runbook = (ROOT / "docs/runbook.md").read_text()
     headings = {line[3:].strip() for line in runbook.splitlines() if line.startswith("## ")}
-    assert set(ALERTS) <= headings
+    assert set(ALERTS) | set(FLEET_ALERTS) <= headings

@@ -11,10 +11,10 @@ import math
 import threading
 import time
 
+import fixture_models
 import numpy as np
 import pytest
 
-import fixture_models
 from guard.backends import create_backend
 from guard.config import BackendConfig, ChecksConfig, MirrorConfig, ModelConfig
 from guard.observe.metrics import GuardMetrics
@@ -294,7 +294,7 @@ def test_capture_records_keep_the_arrival_order(tmp_path, zoo_classifier):
                                         time.time_ns()))
         assert ring.put(parts)
         sent.append(f"r{k:03d}")
-    compared = lambda: model.metrics.mirror.labels(MODEL, "compared")._value.get()  # noqa
+    compared = lambda: model.metrics.mirror.labels(MODEL, "compared")._value.get()
     verifier._reader.start()
     try:
         assert wait_for(lambda: compared() == 60, timeout=60)
