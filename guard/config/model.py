@@ -40,7 +40,7 @@ class MirrorConfig(Strict):
         1, description="CPU threads the reference may use (its intra-op thread pool)."
     )
     # 64: a small model's fixed cost per call (dispatch, a thread's wake-up, Python per sample)
-    # is amortised well before that (docs/mirror.md#batched-checking); a larger batch only
+    # is amortised well before that (docs/configuration.md#batched-checking); a larger batch only
     # holds more samples in hand at once.
     max_batch: PositiveInt = Field(
         64, description="Most samples the verifier checks in one go, out of those waiting: one "

@@ -8,6 +8,8 @@ healthy ones.
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 import subprocess
 import sys
@@ -304,3 +306,64 @@ def test_runbook_has_a_section_for_every_alert():
     runbook = (ROOT / "docs/runbook.md").read_text()
     headings = {line[3:].strip() for line in runbook.splitlines() if line.startswith("## ")}
     assert set(ALERTS) | set(FLEET_ALERTS) <= headings
+
+
+# -- fleet rules (--fleet) -------------------------------------------------------------------------
+def fleet_groups_of(text: str) -> list[dict]:
+    return [g for g in yaml.safe_load(text)["groups"] if g["name"] == "guard.fleet"]
+
+
+def test_fleet_threshold_bounds_the_false_alarms_per_day():
+    """h = ln(windows x evaluations a day / false alarms a day): Markov's bound on each
+    window's likelihood ratio, summed over the evaluations of a day."""
+    from guard.deploy.fleet import FleetSettings, fleet_threshold
+
+    assert FleetSettings().threshold == pytest.approx(math.log(3 * 1440 / 0.1))
+    assert fleet_threshold(1.0, 15.0, 2) == pytest.approx(math.log(2 * 5760))
+    # more windows or evaluations, or fewer false alarms allowed: a higher threshold
+    assert fleet_threshold(0.01, 60, 3) > fleet_threshold(0.1, 60, 3) > fleet_threshold(0.1, 60, 1)
+
+
+def test_fleet_rules_pool_by_the_labels_asked_and_leave_generation_models_out():
+    from guard.deploy.fleet import FleetSettings
+
+    data = {"version": 1, "models": [
+        model("a", policy={"action": "alert", "min_samples": 7}),
+        model("smol", task="generation",
+              primary={"backend": "openai", "target": "http://h:1", "model": "x"},
+              reference={"backend": "transformers", "path": "m.gguf"}),
+        model("quiet", mirror={"sample_rate": 0.0})]}
+    fleet = FleetSettings(windows=("10m",), by=("namespace", "model"))
+    (group,) = fleet_groups_of(render(thresholds_from_data(data), RuleSettings(job="ml"),
+                                      fleet=fleet))
+    assert group["interval"] == "1m"
+    rules = {r.get("record") or r["alert"]: r for r in group["rules"]}
+    assert rules["model_tier:guard_fleet_checks:increase10m"]["expr"] == (
+        'sum by (namespace, model, tier) (increase(guard_checks_total{job="ml",'
+        'tier!="activation",result=~"pass|fail"}[10m]))')
+    assert rules["model_tier:guard_fleet_p0:max"]["expr"] == (
+        'max by (namespace, model, tier) (guard_detector_p0{job="ml"})')
+    (alert,) = [r for r in group["rules"] if r.get("alert")]
+    assert 'model="a"' in alert["expr"] and ">= 7)" in alert["expr"]
+    assert "smol" not in json.dumps(group) and "quiet" not in json.dumps(group)
+    assert alert["labels"] == {"severity": "critical", "scope": "fleet"}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fleet-windows", "5 minutes"], "not a Prometheus duration"),
+    (["--fleet-by", "namespace"], "'model' among them"),
+    (["--fleet-false-alarms-per-day", "0"], "must be > 0"),
+])
+def test_cli_refuses_bad_fleet_settings_in_one_line(tmp_path, capsys, flags, message):
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    assert main(["deploy", "rules", "--config", str(config), "--fleet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_without_fleet_no_fleet_rules(tmp_path, capsys):
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    assert main(["deploy", "rules", "--config", str(config)]) == 0
+    assert "guard_fleet" not in capsys.readouterr().out
