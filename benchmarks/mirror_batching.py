@@ -44,6 +44,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -71,7 +72,8 @@ def cmd_prepare(workdir: Path) -> None:
     mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
                         nn.Linear(64, 10)).eval()
     path = workdir / "mlp.onnx"
-    with torch.no_grad():
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
         torch.onnx.export(mlp, (torch.zeros(1, 32),), str(path), input_names=["x"],
                           output_names=["logits"], dynamic_axes={"x": {0: "batch"},
                                                                  "logits": {0: "batch"}},

@@ -170,6 +170,10 @@ class Mirror:
             self._queued -= len(samples)
             self._queued_bytes -= sum(s.size for s in samples)
 
+    def room(self) -> int:
+        """Samples the queue can take now (in items; the byte bound aside)."""
+        return max(0, self.config.queue_size - self._queued)
+
     def queue_fill(self) -> float:
         """Queue depth over its size: how much room the mirror has for extra work."""
         return self._queued / self.config.queue_size

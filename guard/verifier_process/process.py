@@ -61,9 +61,10 @@ log = logging.getLogger("guard.verifier_process")
 # cadence costs 1.2% of a core idle and several looks per sample at 100 samples/s.
 _IDLE_S = 0.02
 _IDLE_MAX_S = 0.2
-# Records taken from one ring per round: a round's samples are checked as a batch, and a
-# bound keeps one busy serving process from holding the others' rings waiting.
+# Records taken in one round at most: a round's samples are checked as a batch.
 _DRAIN = 256
+# Longest the reader leaves samples in the ring while a mirror queue is full (see _read_ring).
+_HOLD_S = 1.0
 _HEARTBEAT_S = 0.1
 _ERROR_LOG_INTERVAL_S = 10.0
 _OVERRIDES = {"auto", "primary", "fallback"}
@@ -216,24 +217,32 @@ class VerifierProcess:
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
-        """Drain every serving process's ring in turn (up to ``_DRAIN`` records each) and hand
-        each model what it got in one go, so that its mirror checks them as a batch; a pause
-        when all are empty, from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay
-        empty (an idle verifier wakes a few times a second, not 50; the first sample after a
-        lull waits at most ``_IDLE_MAX_S``, well inside any mirror timeout)."""
-        idle = _IDLE_S
+        """Drain the serving processes' rings (up to ``_DRAIN`` records a round, each ring in
+        turn) and hand each model what it got in one go, so that its mirror checks them as a
+        batch; a pause when all are empty, from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while
+        they stay empty (an idle verifier wakes a few times a second, not 50; the first sample
+        after a lull waits at most ``_IDLE_MAX_S``, well inside any mirror timeout).
+
+        A round takes no more records than the fullest mirror queue has room for: while a
+        queue is full the samples wait in the ring (bounded in bytes, and the request path
+        never waits on it: a full ring drops and counts) instead of being dropped at the queue,
+        so a mirror worker that lost the CPU for a while (it runs ``mirror.nice`` below the
+        request path) catches up on them. For at most ``_HOLD_S`` in a row: a mirror that stays
+        full (a reference slower than the samples, a hung call) then drops at its queue as
+        before, and the other models' samples, which share the ring, move on."""
+        idle, held_since = _IDLE_S, None
         while not self.stopping.is_set():
-            records = []
-            for ring in self.rings:
-                for _ in range(_DRAIN):
-                    try:
-                        record = ring.take()
-                    except ValueError as exc:
-                        self._log_error(str(exc))
-                        continue
-                    if record is None:
-                        break
-                    records.append(record)
+            room = self._room()
+            if room == 0:
+                now = time.monotonic()
+                held_since = held_since if held_since is not None else now
+                if now - held_since < _HOLD_S:
+                    time.sleep(_IDLE_S)
+                    continue
+                room = _DRAIN  # held long enough: drain, the full queue drops (counted)
+            else:
+                held_since = None
+            records = self._take(min(room, _DRAIN))
             if records:
                 idle = _IDLE_S
                 try:
@@ -245,6 +254,32 @@ class VerifierProcess:
             else:
                 time.sleep(idle)
                 idle = min(idle * 2, _IDLE_MAX_S)
+
+    def _take(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` records, a record from each ring in turn (no serving process's
+        samples wait behind another's)."""
+        records: list[bytes] = []
+        active = list(self.rings)
+        while active and len(records) < limit:
+            for ring in list(active):
+                if len(records) >= limit:
+                    break
+                try:
+                    record = ring.take()
+                except ValueError as exc:  # the ring dropped what it held: counted there
+                    self._log_error(str(exc))
+                    record = None
+                if record is None:
+                    active.remove(ring)
+                else:
+                    records.append(record)
+        return records
+
+    def _room(self) -> int:
+        """Samples the fullest mirror queue can take now (``_DRAIN`` with no mirror)."""
+        with self._lock:
+            models = list(self.models.values())
+        return min((m.mirror.room() for m in models if m.mirror is not None), default=_DRAIN)
 
     def _deliver(self, record: bytes) -> None:
         """One record (a test's, or a tool's): as the ring reader delivers them."""

@@ -257,14 +257,76 @@ class NoServing:
         pass
 
 
+def verifier_process(config: ModelConfig, ring_bytes: int = 16 << 20):
+    """The verifier's ring reader, model and mirror as ``python -m guard.verifier_process``
+    builds them, on a real ring and route table (its threads not started)."""
+    from guard.ipc import routes
+    from guard.ipc.ring import SampleRing
+    from guard.verifier_process.process import VerifierProcess
+
+    table = routes.RouteTable(4)
+    slot = table.assign([config.name])[config.name]
+    ring = SampleRing(ring_bytes)
+    verifier = VerifierProcess(None, table, [ring])
+    verifier.link = NoServing()
+    model = verifier._build(config, slot, "", None, [])
+    verifier.models[config.name], verifier.by_slot[slot] = model, model
+    return verifier, model, ring, slot
+
+
+def test_samples_wait_in_the_ring_while_the_mirror_queue_is_full():
+    """A mirror worker that loses the CPU for a while (here: its reference held) leaves the
+    reader's samples in the ring, not dropped at its small queue; they are all checked once it
+    runs again. A queue that stays full past the reader's hold drops at the queue as before."""
+    from guard.ipc import wire
+    from guard.verifier_process import process
+
+    config = ModelConfig.model_validate({
+        "name": MODEL, "primary": {"backend": "torch", "path": "fixture_models:affine"},
+        "reference": {"backend": "torch", "path": "fixture_models:affine"},
+        "mirror": {"sample_rate": 1.0, "queue_size": 4, "timeout_s": 30.0}})
+    verifier, model, ring, slot = verifier_process(config)
+    held = threading.Event()
+    reference, infer = model.mirror.reference, model.mirror.reference.infer
+    reference.infer = lambda inputs: (held.wait(30), infer(inputs))[1]
+    outcome_of = lambda name: model.metrics.mirror.labels(MODEL, name)._value.get()  # noqa: E731
+
+    def feed(n: int, first: int = 0) -> None:
+        for k in range(first, first + n):
+            x = np.full((1, 4), 0.01 * k, np.float32)
+            assert ring.put(wire.encode(wire.Sample(
+                MODEL, slot, "primary", 0, wire.MIRROR, f"r{k}", "", 0.001,
+                wire.Tensors({"x": x}, {"y": infer({"x": x})["y"]}), time.time_ns())))
+
+    verifier._reader.start()
+    try:
+        feed(20)
+        # The worker holds its first batch; the queue fills (4) and the rest wait in the ring.
+        assert wait_for(lambda: model.mirror.room() == 0, timeout=10)
+        time.sleep(0.3)  # several reader rounds (each 20 ms) while the queue is full
+        assert outcome_of("dropped") == 0
+        assert ring.used > 0  # what did not fit is still in the ring
+        held.set()
+        assert wait_for(lambda: outcome_of("compared") == 20, timeout=30)
+        assert outcome_of("dropped") == 0
+        # Stuck past the hold: the reader drains again and the full queue drops, counted.
+        held.clear()
+        feed(40, first=20)
+        assert wait_for(lambda: outcome_of("dropped") > 0, timeout=process._HOLD_S + 20)
+        held.set()
+        assert wait_for(lambda: outcome_of("compared") + outcome_of("dropped") == 60,
+                        timeout=30)
+    finally:
+        held.set()
+        verifier.close()
+
+
 def test_capture_records_keep_the_arrival_order(tmp_path, zoo_classifier):
     """Samples through a real ring into the verifier's reader and model, checked in batches:
     the capture records (every request, the mirrored ones with their verdicts) come in the
     order the serving process handed the samples off."""
     from guard.capture.reader import FileStats, expand_paths, read_records
-    from guard.ipc import routes, wire
-    from guard.ipc.ring import SampleRing
-    from guard.verifier_process.process import VerifierProcess
+    from guard.ipc import wire
 
     onnx = str(zoo_classifier["onnx"])
     config = ModelConfig.model_validate({
@@ -275,13 +337,7 @@ def test_capture_records_keep_the_arrival_order(tmp_path, zoo_classifier):
         "checks": CHECKS,
         "capture": {"dir": str(tmp_path), "mode": "all", "sample_rate": 1.0},
     })
-    table = routes.RouteTable(4)
-    slot = table.assign([MODEL])[MODEL]
-    ring = SampleRing(16 << 20)
-    verifier = VerifierProcess(None, table, [ring])
-    verifier.link = NoServing()
-    model = verifier._build(config, slot, "", None, [])
-    verifier.models[MODEL], verifier.by_slot[slot] = model, model
+    verifier, model, ring, slot = verifier_process(config)
     primary = create_backend(config.primary, "primary")
     primary.load()
     images = sample_inputs(80, seed=3)
