@@ -192,17 +192,18 @@ class Mirror:
             except queue.Empty:
                 break
             if item is not None:
-                self._drop(self._taken(item))
+                self.drop(self._taken(item))
         self._queue.put(None)
         with self._state_lock:
             worker = self._thread
         worker.join(timeout)
         self._watchdog.join(timeout)
         carried, self._carry = self._carry, []
-        self._drop(carried)
+        self.drop(carried)
 
-    def _drop(self, samples: list[MirrorSample]) -> None:
-        """Samples taken but never to be checked (the mirror stops): dropped, counted, told."""
+    def drop(self, samples: list[MirrorSample]) -> None:
+        """Samples the mirror will not check (it stops; they waited too long to be worth it):
+        dropped, counted, told."""
         if samples:
             self._outcomes["dropped"].inc(len(samples))
         for sample in samples:
@@ -218,7 +219,7 @@ class Mirror:
         while True:
             samples, last = self._take()
             if samples and self._stopping.is_set():  # taken while stop() was draining
-                self._drop(samples + self._carry)
+                self.drop(samples + self._carry)
                 self._carry = []
                 return
             if samples:

@@ -29,6 +29,11 @@ from guard.verify.tiers import detector_tiers
 
 log = logging.getLogger("guard.verifier_process.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
+# A sample handed off longer ago than this is dropped (counted) when the ring reader gets to
+# it: the reader leaves samples in the ring while the mirror's queue is full
+# (guard/verifier_process/process.py), and a mirror that stays behind the samples must check
+# recent traffic, not a backlog that grows to the ring's size.
+_STALE_NS = 2_000_000_000
 
 
 class VerifiedModel:
@@ -196,6 +201,8 @@ class VerifiedModel:
         """``accept`` for the samples the ring reader drained for this model, in order: the
         mirrored ones go to the mirror in one hand-off (one wake-up of its worker)."""
         mirrored: list[MirrorSample] = []
+        stale: list[MirrorSample] = []
+        stale_before = time.time_ns() - _STALE_NS
         for sample, request in samples:
             inputs, only_outputs = request
             tag = None
@@ -214,14 +221,18 @@ class VerifiedModel:
                     emit("mirror_undecodable_answer", model=self.name,
                          error=f"{type(exc).__name__}: {exc}"[:300])
                     continue
-                mirrored.append(MirrorSample(
+                taken = MirrorSample(
                     inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
-                    sample.traceparent, tag, sample.size))
+                    sample.traceparent, tag, sample.size)
+                (stale if 0 < sample.unix_nanos < stale_before else mirrored).append(taken)
             elif tag is not None and tag.record:
                 self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
                                                   sample.payload.answer))
+        if mirrored or stale:
+            self._took(len(mirrored) + len(stale))
+        if stale:  # waited in the ring past _STALE_NS: a mirror that stays behind drops
+            self.mirror.drop(stale)
         if mirrored:
-            self._took(len(mirrored))
             self.mirror.accept_many(mirrored)
 
     def _took(self, n: int = 1) -> None:

@@ -232,8 +232,10 @@ class VerifierProcess:
         never waits on it: a full ring drops and counts) instead of being dropped at the queue,
         so a mirror worker that lost the CPU for a while (it runs ``mirror.nice`` below the
         request path) catches up on them. For at most ``_HOLD_S`` in a row: a mirror that stays
-        full (a reference slower than the samples, a hung call) then drops at its queue as
-        before, and the other models' samples, which share the ring, move on."""
+        full (a hung call) then drops at its queue as before, and the other models' samples,
+        which share the ring, move on; a sample that waited too long is dropped when it is
+        taken (guard/verifier_process/model.py ``_STALE_NS``: a reference slower than the
+        samples checks recent traffic, not a backlog)."""
         idle, held_since = _IDLE_S, None
         while not self.stopping.is_set():
             room = self._room()

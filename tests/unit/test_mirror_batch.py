@@ -277,7 +277,8 @@ def verifier_process(config: ModelConfig, ring_bytes: int = 16 << 20):
 def test_samples_wait_in_the_ring_while_the_mirror_queue_is_full():
     """A mirror worker that loses the CPU for a while (here: its reference held) leaves the
     reader's samples in the ring, not dropped at its small queue; they are all checked once it
-    runs again. A queue that stays full past the reader's hold drops at the queue as before."""
+    runs again. A queue that stays full past the reader's hold drops at the queue as before,
+    and samples that waited too long are dropped when taken."""
     from guard.ipc import wire
     from guard.verifier_process import process
 
@@ -291,12 +292,13 @@ def test_samples_wait_in_the_ring_while_the_mirror_queue_is_full():
     reference.infer = lambda inputs: (held.wait(30), infer(inputs))[1]
     outcome_of = lambda name: model.metrics.mirror.labels(MODEL, name)._value.get()  # noqa: E731
 
-    def feed(n: int, first: int = 0) -> None:
+    def feed(n: int, first: int = 0, age_s: float = 0.0) -> None:
         for k in range(first, first + n):
             x = np.full((1, 4), 0.01 * k, np.float32)
             assert ring.put(wire.encode(wire.Sample(
                 MODEL, slot, "primary", 0, wire.MIRROR, f"r{k}", "", 0.001,
-                wire.Tensors({"x": x}, {"y": infer({"x": x})["y"]}), time.time_ns())))
+                wire.Tensors({"x": x}, {"y": infer({"x": x})["y"]}),
+                time.time_ns() - int(age_s * 1e9))))
 
     verifier._reader.start()
     try:
@@ -316,6 +318,12 @@ def test_samples_wait_in_the_ring_while_the_mirror_queue_is_full():
         held.set()
         assert wait_for(lambda: outcome_of("compared") + outcome_of("dropped") == 60,
                         timeout=30)
+        # Samples handed off long ago (a mirror far behind): dropped when taken, not checked.
+        compared = outcome_of("compared")
+        feed(3, first=60, age_s=10.0)
+        assert wait_for(lambda: outcome_of("compared") + outcome_of("dropped") == 63,
+                        timeout=30)
+        assert outcome_of("compared") == compared
     finally:
         held.set()
         verifier.close()
