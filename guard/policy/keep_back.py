@@ -33,7 +33,6 @@ from guard.policy.onnx_ops import (
     excluded_ops_missing,
     fp16_ops_not_fp32,
     fp16_rebuildable_ops,
-    op_costs,
     rebuildable_ops,
     source_node_names,
 )
@@ -72,11 +71,6 @@ class KeepBack(ABC):
         """Candidates when no suspect maps to an op ([]: the repair ends there)."""
         return []
 
-    def costs(self, ops: list[str]) -> dict[str, float]:
-        """What keeping each op back costs, relatively (the search puts the dearest back
-        first); the same for all unless a strategy can tell."""
-        return {op: 1.0 for op in ops}
-
     def rebuild_spec(self, kept: list[str]) -> BackendConfig:
         spec = self.spec.model_copy(deep=True)
         spec.options = {**spec.options, self.option: self.base + list(kept)}
@@ -96,9 +90,6 @@ class _OnnxRuntimeOps(KeepBack):
     """ONNX Runtime primaries: each session has its own thread pools."""
 
     option = "nodes_to_exclude"
-
-    def costs(self, ops):
-        return _graph_costs(self.spec.path, ops)
 
     def within_threads(self, spec, threads):
         configured = spec.options.get("intra_op_threads", 0)  # 0: ORT's default, every core
@@ -228,23 +219,6 @@ class TensorRTLayers(KeepBack):
 
     def every_op(self, activation, inputs):
         return computing_nodes(self.spec.path)
-
-    def costs(self, ops):
-        return _graph_costs(self.spec.path, ops)
-
-
-def _graph_costs(source_path, ops: list[str]) -> dict[str, float]:
-    """Per op of an ONNX graph, its weights' elements (``op_costs``); a Gemm's int8 name
-    (``<node>_MatMul``) costs what its node does."""
-    try:
-        costs = op_costs(source_path)
-    except Exception:  # noqa: BLE001  (an unreadable graph: no order by cost, no failure)
-        return {op: 1.0 for op in ops}
-    out = {}
-    for op in ops:
-        base = op[:-len("_MatMul")] if op not in costs and op.endswith("_MatMul") else op
-        out[op] = costs.get(base, 1.0)
-    return out
 
 
 # The one registration: backend name -> precision -> the strategy for a primary of that precision

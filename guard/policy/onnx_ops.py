@@ -10,8 +10,6 @@ a rebuilt variant really keeps given nodes at fp32.
 
 from __future__ import annotations
 
-import math
-
 QUANT_SUFFIX = "_quant"
 QUANT_WEIGHT_SUFFIX = "_quantized"
 
@@ -99,20 +97,3 @@ def fp16_ops_not_fp32(model_path, kept: list[str]) -> list[str]:
                 missing.append(op)
                 break
     return missing
-
-
-# Ops whose reduced precision saves compute, and so whose reference precision costs it back:
-# a product with a weight. A Gather (an embedding lookup) costs the same either way.
-_COMPUTE_OPS = {"MatMul", "Gemm", "Conv", "ConvTranspose", "MatMulInteger", "Attention"}
-
-
-def op_costs(source_path) -> dict[str, float]:
-    """Per fp32 node: what keeping it at fp32 costs, as the elements of its constant inputs
-    (weights: a product's multiply-adds per row grow with them) for the ops that compute with
-    weights, 0 for the others (their reduced precision saves nothing to speak of)."""
-    import onnx
-
-    model = onnx.load(str(source_path), load_external_data=False)
-    sizes = {init.name: float(math.prod(init.dims)) for init in model.graph.initializer}
-    return {node.name: sum(sizes.get(name, 0.0) for name in node.input)
-            if node.op_type in _COMPUTE_OPS else 0.0 for node in model.graph.node}

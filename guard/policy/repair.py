@@ -20,13 +20,7 @@ search below is the same for all of them:
    nothing will); then try to put back the largest untested segment, keeping the change when
    the candidate still passes and splitting the segment in two when it fails. The result keeps
    back only ops whose reduced precision alone breaks the thresholds. (Polygraphy bisects a
-   prefix or suffix of the layer list; drift sits anywhere.) The order of the candidates
-   decides which of several passing sets the search ends at: they are sorted so that the ops
-   that cost most to keep and contribute least to the drift come first (the strategy's cost,
-   e.g. an ONNX product's weight elements, over the op's measured contribution, its largest
-   isolated error in tier 2), and so are put back first: what stays back is what the drift
-   needs and costs least (a 384x1536 MatMul costs four 384x384 ones; an embedding Gather
-   nothing).
+   prefix or suffix of the layer list; drift sits anywhere.)
 4. Each candidate is rebuilt from the primary's backend block with the strategy's option
    extended, checked to really keep those ops back (int8: the quantised node is gone; fp16:
    every float input and output of the node is float32; torch: each module is wrapped and its
@@ -169,8 +163,7 @@ class OpRepair:
             if not samples:
                 raise RepairAborted("no buffered samples to find suspects on or validate with")
             outcome.suspects = suspects if suspects is not None else self.find_suspects(samples)
-            ops = self._by_cost_over_contribution(
-                self._candidate_ops(outcome.suspects, samples), outcome.suspects)
+            ops = self._candidate_ops(outcome.suspects, samples)
             # The samples that failed on the primary first: a candidate that has not fixed
             # the drift fails on them soonest, and its validation stops there.
             samples = sorted(samples, key=lambda s: not s.failed)
@@ -235,25 +228,6 @@ class OpRepair:
                 + ", ".join(f"{s.layer} ({s.isolated_error:.3g})" for s in suspects[:5]))
         self.on_step({"step": "candidate_ops", "ops": ops, **({"note": note} if note else {})})
         return ops
-
-    def _by_cost_over_contribution(self, ops: list[str], suspects: list[Suspect]) -> list[str]:
-        """The candidates, dearest to keep per unit of drift first (see the module docstring);
-        ties keep tier 2's order."""
-        contribution: dict[str, float] = {}
-        for suspect in suspects:
-            for op in suspect.ops:
-                contribution[op] = max(contribution.get(op, 0.0), suspect.isolated_error)
-        costs = self.keep_back.costs(ops)
-        floor = max(contribution.values(), default=1.0) * 1e-6 or 1e-12
-
-        def score(op: str) -> float:
-            return costs.get(op, 1.0) / max(contribution.get(op, floor), floor)
-
-        ordered = sorted(ops, key=score, reverse=True)
-        self.on_step({"step": "search_order", "ops": ordered,
-                      "cost": [costs.get(op, 1.0) for op in ordered],
-                      "contribution": [round(contribution.get(op, 0.0), 6) for op in ordered]})
-        return ordered
 
     # -- search -----------------------------------------------------------------------------------
     def _search(self, ops: list[str], samples, references, outcome: RepairOutcome,
