@@ -29,10 +29,11 @@ from guard.verify.tiers import detector_tiers
 
 log = logging.getLogger("guard.verifier_process.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
-# A sample handed off longer ago than this is dropped (counted) when the ring reader gets to
-# it: the reader leaves samples in the ring while the mirror's queue is full
-# (guard/verifier_process/process.py), and a mirror that stays behind the samples must check
-# recent traffic, not a backlog that grows to the ring's size.
+# A sample handed off longer ago than this, while the model was checking, is dropped (counted)
+# when the ring reader gets to it: the reader leaves samples in the ring while the mirror's
+# queue is full (guard/verifier_process/process.py), and a mirror that stays behind the samples
+# must check recent traffic, not a backlog that grows to the ring's size. (What waited while a
+# verifier restarted is checked, as ever.)
 _STALE_NS = 2_000_000_000
 
 
@@ -62,6 +63,7 @@ class VerifiedModel:
         self.mirror: Mirror | None = None
         self.capture: CaptureWriter | None = None
         self._config_hash = config_hash
+        self._born_ns = 2 ** 63  # set when load() ends: what came before is never stale
         self._in_hand = 0  # samples taken from the ring and not yet accounted for
         self._in_hand_lock = threading.Lock()
         metrics.declare_model(self.name, tiers, self.policy_tiers)
@@ -142,6 +144,7 @@ class VerifiedModel:
                 self.capture.start()
         if self.mirror is not None:
             self.mirror.start()
+        self._born_ns = time.time_ns()
         self.publish()
         emit("model_verifier_loaded", model=self.name,
              backends={role: b.describe().summary() for role, b in self.backends.items()},
@@ -202,6 +205,8 @@ class VerifiedModel:
         mirrored ones go to the mirror in one hand-off (one wake-up of its worker)."""
         mirrored: list[MirrorSample] = []
         stale: list[MirrorSample] = []
+        # Stale: handed off while this model was checking (not while a verifier restarted or a
+        # reload built it: those wait in the ring to be checked) and waited past _STALE_NS.
         stale_before = time.time_ns() - _STALE_NS
         for sample, request in samples:
             inputs, only_outputs = request
@@ -224,7 +229,8 @@ class VerifiedModel:
                 taken = MirrorSample(
                     inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
                     sample.traceparent, tag, sample.size)
-                (stale if 0 < sample.unix_nanos < stale_before else mirrored).append(taken)
+                (stale if self._born_ns < sample.unix_nanos < stale_before
+                 else mirrored).append(taken)
             elif tag is not None and tag.record:
                 self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
                                                   sample.payload.answer))
