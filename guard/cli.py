@@ -156,13 +156,20 @@ def _write_output(text: str, output: str | None) -> None:
 
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
     from guard.deploy import parse_labels
+    from guard.deploy.fleet import FleetSettings
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
     try:
         settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
         labels = parse_labels(args.label, "--label")
+        fleet = FleetSettings(
+            windows=tuple(w.strip() for w in args.fleet_windows.split(",") if w.strip()),
+            evaluation_interval=args.fleet_evaluation_interval,
+            false_alarms_per_day=args.fleet_false_alarms_per_day,
+            by=tuple(b.strip() for b in args.fleet_by.split(",") if b.strip()),
+        ) if args.fleet else None
         text = render(read_thresholds(args.config), settings, args.format, source=args.config,
-                      labels=labels)
+                      labels=labels, fleet=fleet)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
     _write_output(text, args.output)
@@ -453,6 +460,21 @@ def build_parser() -> argparse.ArgumentParser:
                        "(repeatable), e.g. release=kube-prometheus-stack, the label a "
                        "kube-prometheus-stack Prometheus selects rules by (its "
                        "ruleSelector)")
+    rules.add_argument("--fleet", action="store_true",
+                       help="also the rules that pool each model's replicas: their checks "
+                       "summed by model, a likelihood-ratio test on the pooled counts and the "
+                       "GuardFleetDrift alert (docs/deploy.md#fleet)")
+    rules.add_argument("--fleet-windows", default="5m,30m,2h", metavar="W[,W...]",
+                       help="windows the pooled test looks back over (default 5m,30m,2h)")
+    rules.add_argument("--fleet-evaluation-interval", default="1m", metavar="DURATION",
+                       help="how often the fleet rules are evaluated: their threshold counts "
+                       "the evaluations (default 1m)")
+    rules.add_argument("--fleet-false-alarms-per-day", type=float, default=0.1, metavar="F",
+                       help="at most this many false GuardFleetDrift alarms per day, per model "
+                       "and tier (a bound; default 0.1)")
+    rules.add_argument("--fleet-by", default="model", metavar="LABEL[,LABEL...]",
+                       help="labels the replicas are pooled by, model among them (default "
+                       "model; e.g. namespace,model)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
     rollout = deploy_sub.add_parser(
