@@ -285,21 +285,26 @@ def _weighted(model: ModelConfig, chain: Chain, compared: bool = True) -> dict:
     without), so that a given id is sampled, or not, on every replica. The unsampled clusters
     turn the chain's observing filter off; the sampled twins mark the answers of the calls
     that are ``compared`` (ModelInfer's, not the metadata calls that share the clusters)."""
-    clusters = []
+    clusters, hashed = [], False
     for entry, _, sampled in cluster_entries(model, chain.marked and compared):
         if not sampled and chain.observer:
             entry["typed_per_filter_config"] = chain.off()
+        hashed = hashed or sampled
         clusters.append(entry)
     timeout = float(model.primary.options.get("timeout_s", 10.0))
-    return {
-        "weighted_clusters": {"runtime_key_prefix": f"guard.{token(model.name)}.route",
-                              "use_hash_policy": True, "clusters": clusters},
-        "hash_policy": [{"header": {"header_name": "x-request-id"}}],
+    weighted: dict = {"runtime_key_prefix": f"guard.{token(model.name)}.route",
+                      "clusters": clusters}
+    action: dict = {
+        "weighted_clusters": weighted,
         # The client's deadline (grpc-timeout) is honoured as it is; without one, the
         # upstream's options.timeout_s, as in the Python data plane.
         "timeout": f"{timeout}s",
         "max_stream_duration": {"grpc_timeout_header_max": "0s"},
     }
+    if hashed:  # only a model with a sampled twin needs the id's hash (mirroring off: no cost)
+        weighted["use_hash_policy"] = True
+        action["hash_policy"] = [{"header": {"header_name": "x-request-id"}}]
+    return action
 
 
 def _off(observer: str | None) -> dict:
