@@ -37,6 +37,8 @@ from guard.backends.kind import BackendKind, Unsupported
 from guard.errors import BackendError
 
 if TYPE_CHECKING:
+    import torch
+
     from guard.config import BackendConfig
 
 SIGNATURE_FILE = "guard.json"
@@ -91,15 +93,17 @@ class TorchBackend(Backend):
         self.role = role
         self.options = self.options_model.model_validate(spec.options)
         self.reference_threads = threads
-        self.module = None
-        self._callable = None
-        self._dtype = None
+        # Once loaded: the module (a factory's, TorchScript's or an exported program's), what
+        # infer calls (it, or torch.compile's wrapper) and the dtype inputs are cast to.
+        self.module: Any = None
+        self._callable: Any = None
+        self._dtype: torch.dtype | None = None
 
     # -- loading -----------------------------------------------------------------------------
     def _load_module(self):
         import torch
 
-        path = self.spec.path
+        path = self.spec.artifact_path
         if self.spec.is_factory:
             try:
                 factory = import_factory(path, self.spec.context.base_dir)

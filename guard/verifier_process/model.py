@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
@@ -26,6 +27,10 @@ from guard.verifier_process.primary import CurrentPrimary
 from guard.verify.pair import CheckedPair
 from guard.verify.pipeline import CheckResult, Comparator
 from guard.verify.tiers import detector_tiers
+
+if TYPE_CHECKING:  # (imported where a model uses them)
+    from guard.verifier_process.ops_fallback import OpsFallback
+    from guard.verify.activation import ActivationChecker
 
 log = logging.getLogger("guard.verifier_process.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
@@ -80,20 +85,23 @@ class VerifiedModel:
                                   (metrics.detector_p0, "null_rate"),
                                   (metrics.detector_p1, "alarm_rate")):
                 gauge.labels(self.name, tier).set_function(partial(self._figure, tier, figure))
-        self.activation = None  # tier 2's checker, built at load
-        self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
+        self.activation: ActivationChecker | None = None  # tier 2's checker, built at load
+        # (epoch, ActivationReport) of the latest tier-2 check
+        self._last_activation: tuple[int, object] | None = None
         self._last_activation_event = 0.0
         self._suppressed_activation_events = 0
         # The one owner of the primary the checks run (a repair's variant or as configured).
         self.primary = (CurrentPrimary(self.name, self.backends["primary"], serving,
                                        self._repaired) if self.pair else None)
-        self.ops = None
-        if config.policy.uses("fallback_ops") and self.primary is not None:
+        self.ops: OpsFallback | None = None
+        if (config.policy.uses("fallback_ops") and self.primary is not None
+                and self.comparator is not None):  # (both come with the pair)
             from guard.verifier_process.ops_fallback import OpsFallback
 
+            comparator = self.comparator
             self.ops = OpsFallback(
                 config, self.primary, self.policy, lambda: self.backends["reference"],
-                lambda reference, outputs, inputs: self.comparator.check(
+                lambda reference, outputs, inputs: comparator.check(
                     reference, outputs, inputs).passed,
                 lambda: self.activation, lambda t: self.record(t, t.evidence))
 

@@ -205,10 +205,13 @@ class Comparator:
     # -- the check -----------------------------------------------------------------------------------
     def check(
         self,
-        reference: dict[str, np.ndarray],
-        primary: dict[str, np.ndarray],
+        reference: dict[str, np.ndarray] | Any,
+        primary: dict[str, np.ndarray] | Any,
         inputs: dict[str, np.ndarray] | None = None,
     ) -> CheckResult:
+        """Both sides' answers through the tiers. A tensor model's are named output arrays; a
+        generative model's (``samples`` other than ``tensors``) are what its tiers take, as
+        ``Compared`` says: the reference's scores and the sampled call."""
         if self.samples != "tensors":
             result = CheckResult()
             self._run(Compared(reference, primary, inputs, result.tiers, result.notes), result)
