@@ -40,8 +40,10 @@ class UnknownMessage(ValueError):
     """A wire object that names no registered message, or does not fit the one it names."""
 
 
+@dataclass
 class Message:
-    """Base of every message; ``type`` on the wire is the class name."""
+    """Base of every message (each a dataclass, so is this one, of no field); ``type`` on the
+    wire is the class name."""
 
 
 M = TypeVar("M", bound=type[Message])

@@ -31,7 +31,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -99,10 +99,12 @@ class Mirror:
         primary: Backend | CurrentPrimary | None,
         comparator: Comparator | None,
         metrics: GuardMetrics,
-        on_result: Callable[[MirrorResult], None],
-        on_unchecked: Callable[[MirrorSample, str], None] | None = None,
+        # Any: a MirrorResult here; a subclass's own kind of sample and result where it checks
+        # its own way (GenerationMirror: a GenerationMirrorSample, a GenerationResult).
+        on_result: Callable[[Any], None],
+        on_unchecked: Callable[[Any, str], None] | None = None,
         on_span: Callable[[dict], None] | None = None,
-        on_finished: Callable[[MirrorSample], None] | None = None,
+        on_finished: Callable[[Any], None] | None = None,
     ):
         # ``primary`` and ``comparator``: None only for a subclass that checks its own way
         # (GenerationMirror, whose _handle needs neither).

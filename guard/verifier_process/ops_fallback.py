@@ -103,6 +103,7 @@ class OpsFallback:
             emit("repair_failed", model=self.name, **outcome.evidence(),
                  note="the whole-model fallback keeps serving")
             return
+        assert outcome.backend is not None, "a repair that succeeded built its variant"
         with self._lock:
             policy = self.policy
             if policy.epoch != epoch or policy.route != "fallback":

@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from typing import cast
 
 from prometheus_client import generate_latest
 
@@ -49,7 +50,7 @@ from guard.ipc.ring import SampleRing
 from guard.observe import logformat
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.policy.route import Transition
+from guard.policy.route import Override, Transition
 from guard.verifier_process.generation_model import VerifiedGenerationModel
 from guard.verifier_process.model import VerifiedModel
 from guard.verifier_process.status import model_status
@@ -214,7 +215,7 @@ class VerifierProcess:
         override = message.override
         if override not in _OVERRIDES:
             return Failed(f"route must be one of {sorted(_OVERRIDES)}")
-        model.set_override(override, message.reason)
+        model.set_override(cast(Override, override), message.reason)  # (checked above)
         status = admin_pb.ModelStatus()
         status.CopyFrom(model_status(model))
         return RouteSet(base64.b64encode(status.SerializeToString()).decode())

@@ -23,10 +23,12 @@ cosine_distance and ``stats=False``. max_abs, ref_max_abs, allowed and min_rtol 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+_kernel: Callable[[np.ndarray, np.ndarray], tuple[float, float]] | None
 try:  # the one-pass kernel; optional: built only where a C compiler was at install time
     from guard.verify._verdict import max_abs_pair as _kernel
 except ImportError:  # pragma: no cover - depends on the install
