@@ -181,7 +181,7 @@ def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThre
         mirror = _validate_block(MirrorConfig, block.get("mirror"), f"{where}.mirror", problems)
         generation = None
         if block.get("task") == GENERATION:
-            checks = block.get("checks") if isinstance(block.get("checks"), dict) else {}
+            checks = block["checks"] if isinstance(block.get("checks"), dict) else {}
             generation = _validate_block(GenerationCheckConfig, checks.get("generation"),
                                          f"{where}.checks.generation", problems)
             if policy is not None:
@@ -278,14 +278,15 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
             settings,
         ))
     if model.mirrors and model.generation is not None:
-        rules.append(_generation_alert(model, settings))
+        rules.append(_generation_alert(model, model.generation, settings))
     return rules
 
 
-def _generation_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
+def _generation_alert(model: ModelThresholds, generation: GenerationCheckConfig,
+                      settings: RuleSettings) -> dict:
     """GuardGenerationKldHigh: the compared completions' mean KLD per token over the window."""
     sel, w = model_selector(model.name), settings.rate_window
-    limit = model.generation.max_mean_kld
+    limit = generation.max_mean_kld
     return alert_rule(
         "GuardGenerationKldHigh",
         f"rate(guard_generation_kld_sum{{{sel}}}[{w}]) / rate(guard_generation_kld_count"

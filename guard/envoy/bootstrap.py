@@ -40,6 +40,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from guard.config import GuardConfig, ModelConfig
 from guard.envoy.process import GRPC_LISTENER
@@ -142,8 +143,9 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict |
     when it is not an IP address)."""
     if dns is None:
         dns = not _is_ip(host)
-    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
-    cluster = {
+    protocol: dict = ({"http2_protocol_options": {}} if http2
+                      else {"http_protocol_options": {}})
+    cluster: dict[str, Any] = {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
         "connect_timeout": f"{connect_timeout_s:g}s",
@@ -168,7 +170,9 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict |
     return cluster
 
 
-def _split_target(target: str) -> tuple[str, int]:
+def _split_target(target: str | None) -> tuple[str, int]:
+    if target is None:  # (the config's Envoy-mode checks require it of every upstream)
+        raise ValueError("an upstream block needs 'target' (host:port)")
     host, _, port = target.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -522,11 +526,11 @@ def build(config: GuardConfig, ports: Ports,
             {"name": "guard", "domains": ["*"], "routes": virtual_routes}]},
         "http_filters": filters,
     }
-    chain: dict = {"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                "typed_config": manager}]}
+    filter_chain: dict = {"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                       "typed_config": manager}]}
     tls = _downstream_tls(config)
     if tls is not None:
-        chain["transport_socket"] = tls
+        filter_chain["transport_socket"] = tls
     bootstrap = {
         "node": {"id": "guard", "cluster": "guard"},
         "admin": {"address": _address("127.0.0.1", ports.admin)},
@@ -542,7 +546,7 @@ def build(config: GuardConfig, ports: Ports,
         "static_resources": {
             "listeners": [{"name": GRPC_LISTENER,
                            "address": _address(config.server.host, ports.listener),
-                           "filter_chains": [chain]}, *listeners],
+                           "filter_chains": [filter_chain]}, *listeners],
             "clusters": clusters},
     }
     return bootstrap, layout
