@@ -172,7 +172,7 @@ class Init(Message):
     config: dict
     slots: dict[str, int]
     kept: dict[str, list[str]] = field(default_factory=dict)
-    primaries: dict[str, dict] = field(default_factory=dict)
+    primaries: dict[str, dict | None] = field(default_factory=dict)
     resume: dict[str, int] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
