@@ -118,7 +118,7 @@ class OnnxInt8Ops(_OnnxRuntimeOps):
 
             try:
                 path = derived_variant(self.spec)  # its nodes_to_exclude are self.base
-                self._quantised = QuantisedGraph(path)
+                self._quantised: QuantisedGraph | None = QuantisedGraph(path)
             except Exception:  # suffix rules still apply without it
                 self._quantised = None
         return self._quantised

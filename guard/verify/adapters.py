@@ -155,8 +155,8 @@ class StableNms:
         o = self.o
         boxes = _require(outputs, o.boxes_output, self.name)
         scores = _require(outputs, o.scores_output, self.name)
-        labels = (np.asarray(outputs[o.classes_output])
-                  if o.classes_output and o.classes_output in outputs else None)
+        classes = o.classes_output
+        labels = np.asarray(outputs[classes]) if classes and classes in outputs else None
         batched = boxes.ndim == 3
         if boxes.shape[-1:] != (4,) or boxes.ndim not in (2, 3):
             raise AdapterError(f"{self.name}: '{o.boxes_output}' must be [N, 4] or [B, N, 4], "
@@ -180,8 +180,8 @@ class StableNms:
             idx = kept[0]
             result[o.boxes_output] = boxes[0][idx]
             result[o.scores_output] = scores[0][idx]
-            if labels is not None:
-                result[o.classes_output] = labels[0][idx]
+            if labels is not None and classes is not None:  # (labels come with classes)
+                result[classes] = labels[0][idx]
             return result
         width = max((len(k) for k in kept), default=0)
         out_boxes = np.zeros((len(kept), width, 4), boxes.dtype)
@@ -190,12 +190,12 @@ class StableNms:
         for b, idx in enumerate(kept):
             out_boxes[b, : len(idx)] = boxes[b][idx]
             out_scores[b, : len(idx)] = scores[b][idx]
-            if out_labels is not None:
+            if out_labels is not None and labels is not None:  # (one comes with the other)
                 out_labels[b, : len(idx)] = labels[b][idx]
         result[o.boxes_output] = out_boxes
         result[o.scores_output] = out_scores
-        if out_labels is not None:
-            result[o.classes_output] = out_labels
+        if out_labels is not None and classes is not None:
+            result[classes] = out_labels
         return result
 
 
