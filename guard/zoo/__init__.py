@@ -93,12 +93,16 @@ def zoo_entry(name: str) -> ZooEntry:
     if name in SEEDED or name in PORTS:
         module = _seeded(name)
         first = module.INPUTS[0].name
+
+        def sample_inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+            return {first: module.sample_inputs(n, seed)}
+
         return ZooEntry(
             name=name,
             task=getattr(module, "TASK", "classification"),
             inputs=list(module.INPUTS),
             outputs=list(module.OUTPUTS),
-            sample_inputs=lambda n, seed=0: {first: module.sample_inputs(n, seed)},
+            sample_inputs=sample_inputs,
             export=module.export,
             adapters=list(getattr(module, "ADAPTERS", [])),
             factory="guard.zoo:eager",

@@ -91,9 +91,11 @@ def _modules():
 
 
 def _vgg16():
+    from torch import nn
+
     m = _modules()
 
-    class VGG16(m.nn.Module):
+    class VGG16(nn.Module):
         BLOCKS = ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3))
 
         def __init__(self):
@@ -124,8 +126,10 @@ def _vgg16():
 
 
 def _resnet50():
+    from torch import nn
+
     m = _modules()
-    nn, F = m.nn, m.F
+    F = m.F
 
     class ResNet50(nn.Module):
         STAGES = ((2, 64, 3, 1), (3, 128, 4, 2), (4, 256, 6, 2), (5, 512, 3, 2))
@@ -171,8 +175,10 @@ def _resnet50():
 
 
 def _densenet121():
+    from torch import nn
+
     m = _modules()
-    nn, F, torch = m.nn, m.F, m.torch
+    F, torch = m.F, m.torch
 
     class DenseNet121(nn.Module):
         BLOCKS = (6, 12, 24, 16)
