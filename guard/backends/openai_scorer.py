@@ -386,7 +386,7 @@ class OpenAIScorer(Scorer):
         # The texts of the primary's tokens (or of the completion's canonical tokenization)
         # in one call before the shared steps compare them token by token.
         if sample.tokens and all(t.token_id is not None for t in sample.tokens):
-            ids = [int(t.token_id) for t in sample.tokens]  # type: ignore[arg-type]
+            ids = [int(t.token_id) for t in sample.tokens if t.token_id is not None]  # (all)
             outside = self.vocab.outside(ids)
             if outside is not None:  # ids the server refuses: another model's vocabulary
                 position = ids.index(outside)

@@ -246,9 +246,10 @@ class TorchCompileBackend(TorchBackend):
 
     name = "torch_compile"
     options_model = TorchCompileOptions
+    options: TorchCompileOptions  # (what options_model validates)
 
     def _keep_back(self, module, device):
-        paths = self.options.eager_fp32_modules  # type: ignore[attr-defined]
+        paths = self.options.eager_fp32_modules
         if not paths:
             return module
         from guard.backends.eager_modules import keep_eager_fp32
@@ -258,7 +259,7 @@ class TorchCompileBackend(TorchBackend):
     def _wrap(self, module):
         import torch
 
-        opts: TorchCompileOptions = self.options  # type: ignore[assignment]
+        opts = self.options
         compiled = torch.compile(
             module,
             mode=None if opts.mode == "default" else opts.mode,
