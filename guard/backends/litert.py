@@ -82,8 +82,8 @@ class LiteRtBackend(Backend):
         else:
             from guard.backends.tf_convert import derive
 
-            derived = derive(self.spec.artifact_path, self.spec.precision, self.options.calibration_inputs,
-                             sha256=self.spec.sha256)
+            derived = derive(self.spec.artifact_path, self.spec.precision,
+                             self.options.calibration_inputs, sha256=self.spec.sha256)
             self._artifact = str(derived)
             self._content, digest = read_artifact(derived, None)
         self._Interpreter = Interpreter

@@ -270,7 +270,7 @@ class OpenAIBackend(Forwarding, Backend):
                            "HTTP: it has no tensor inference")
 
     async def forward(self, request, timeout, metadata=()):
-        raise ForwardingError("FAILED_PRECONDITION", f"model is generative (backend openai): "
+        raise ForwardingError("FAILED_PRECONDITION", "model is generative (backend openai): "
                               "call it over OpenAI-compatible HTTP on server.http_port")
 
     async def forward_raw(self, data: bytes, timeout, metadata=()) -> bytes:

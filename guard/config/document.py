@@ -71,7 +71,8 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     lines = []
     for error in exc.errors():
         # Literal/union errors carry the discriminating value in the loc; keep the field path.
-        loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc = tuple(p for p in error["loc"]
+                    if not (isinstance(p, str) and p.startswith("function-")))
         lines.append(f"{_dotted(loc)}: {_message(error)}")
     return lines
 

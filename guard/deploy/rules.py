@@ -8,13 +8,14 @@ repository's tests compare the shipped files with a fresh generation.
 
 Per model, where it applies:
 
-- ``GuardDriftOverThreshold`` (critical), for ``drift_for``, on the condition the guard acts
-  on: ``guard_detector_statistic >= guard_detector_threshold`` for the sequential detectors
-  (``cusum``, the default, and ``e_detector``), ``guard_drift_ratio > policy.trip_ratio`` for
-  ``detector: window``, each with ``guard_detector_samples >= policy.min_samples`` (the
-  detector decides from that many samples on, and so does the alert). With ``action: alert`` clients keep getting the drifting answers; with
-  a fallback the guard restarts the detector when it switches, so the alert lasts only while
-  the probes of the primary keep failing or the route could not move (an override).
+- ``GuardDriftOverThreshold`` (critical), for ``drift_for``, on the condition the guard acts on:
+  ``guard_detector_statistic >= guard_detector_threshold`` for the sequential detectors (``cusum``,
+  the default, and ``e_detector``), ``guard_drift_ratio > policy.trip_ratio`` for
+  ``detector: window``, each with ``guard_detector_samples >= policy.min_samples`` (the detector
+  decides from that many samples on, and so does the alert). With ``action: alert`` clients keep
+  getting the drifting answers; with a fallback the guard restarts the detector when it switches,
+  so the alert lasts only while the probes of the primary keep failing or the route could not
+  move (an override).
 - ``GuardFallbackActive`` (warning): ``guard_fallback_active == 1`` for ``fallback_for``
   (models with a fallback).
 - ``GuardMirrorDropping`` (warning): dropped share of mirrored samples over
@@ -363,7 +364,8 @@ def _drift_evidence(model: ModelThresholds) -> str:
         return "the mirrored samples fail more often than the in-control rate p0 allows"
     return ("the compared completions score above the in-control level (mean KLD per token "
             "over checks.generation.max_mean_kld, or the greedy/sampled statistic over its "
-            f"threshold, averaging more than in_control_ratio={model.generation.in_control_ratio!r})")
+            "threshold, averaging more than "
+            f"in_control_ratio={model.generation.in_control_ratio!r})")
 
 
 def drift_condition(model: ModelThresholds, sel: str) -> str:

@@ -16,13 +16,13 @@ What the bootstrap holds (docs/envoy.md):
   runtime (``guard.<model>.route.<cluster>``): guard switches a model by setting them through
   the admin API (``POST /runtime_modify``), and every answer carries the response header
   ``guard-route: primary|fallback``;
-- sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of
-  the call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample
-  rate (its mirror rate, or capture rate for capture mode "all", the larger one) in a million;
-  the observing filter is off on every cluster's entry but the sampled twins' (and the tap
-  keeps only the calls whose answer a twin marked, ``Chain``), so an unsampled call never
-  reaches guard, and an id is sampled, or not, on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
-  measured, the same id was sampled on some calls and not on others);
+- sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of the
+  call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample rate (its
+  mirror rate, or capture rate for capture mode "all", the larger one) in a million; the observing
+  filter is off on every cluster's entry but the sampled twins' (and the tap keeps only the calls
+  whose answer a twin marked, ``Chain``), so an unsampled call never reaches guard, and an id is
+  sampled, or not, on every replica alike. (A route ``runtime_fraction`` would draw a random number
+  per call: measured, the same id was sampled on some calls and not on others);
 - ``/grpc.health.v1.Health/`` routed to guard's own health server on loopback: readiness on
   grpc_port means Envoy's listener, guard and (guard's readiness) the upstreams are up;
 - the admin API on 127.0.0.1 only, a runtime with an admin layer, and the duration histogram's
@@ -38,7 +38,6 @@ parse. A listener per model would make clients address a port per model.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -244,7 +244,7 @@ class Stop(Message):
     grace: float | None = None
 
 
-# -- verifier -> serving processes ------------------------------------------------------------------
+# -- verifier -> serving processes -----------------------------------------------------------------
 @message
 @dataclass
 class UsePrimary(Message):

@@ -10,15 +10,15 @@ model takes what waits in the queue, up to ``mirror.max_batch`` samples, runs th
 over them as a batch (guard/verifier_process/batch.py: stacked forward passes, tiers 1 and 3
 at once), and hands each result to a callback in arrival order.
 
-Timeouts: the worker runs the reference and probe calls itself, one at a time, and a watchdog
-thread gives up on a call that has run ``timeout_s`` (it looks every ``timeout_s / 2``, at most
-every second): it counts the samples the worker holds (its batch) as ``timeout`` and hands the
-queue to a new worker. A hung call cannot be killed in Python; later calls then wait behind it,
-time out in turn and are counted as ``timeout``, the queue fills, and further samples are
-counted as ``dropped``. The request path is never affected. Why the calls are not handed to a helper thread that the worker
-waits on: each sample would then wake two more threads, and on a VM a wake-up costs ~30 us of
-CPU, a third of a small reference's forward pass. The CPU budget of the reference is its own
-thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
+Timeouts: the worker runs the reference and probe calls itself, one at a time, and a watchdog thread
+gives up on a call that has run ``timeout_s`` (it looks every ``timeout_s / 2``, at most every
+second): it counts the samples the worker holds (its batch) as ``timeout`` and hands the queue to a
+new worker. A hung call cannot be killed in Python; later calls then wait behind it, time out in
+turn and are counted as ``timeout``, the queue fills, and further samples are counted as
+``dropped``. The request path is never affected. Why the calls are not handed to a helper thread
+that the worker waits on: each sample would then wake two more threads, and on a VM a wake-up costs
+~30 us of CPU, a third of a small reference's forward pass. The CPU budget of the reference is its
+own thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
 request path (guard/runtime/priority.py): on a busy machine they take the CPU it leaves.
 """
 

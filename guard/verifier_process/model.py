@@ -263,7 +263,7 @@ class VerifiedModel:
             self._in_hand = max(0, self._in_hand - 1)
             self.table.set(self.slot, routes.IN_HAND, self._in_hand)
 
-    # -- mirror worker -------------------------------------------------------------------------------
+    # -- mirror worker -----------------------------------------------------------------------------
     def _on_result(self, result: MirrorResult) -> None:
         check: CheckResult = result.check
         if "tensor" in check.tiers:  # a generative model's samples have no tier 1

@@ -1,7 +1,7 @@
 """The verifier process: everything guard does besides answering requests.
 
-Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier_process`` with
-inherited descriptors: the control socket, the route table and one sample ring per serving
+Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier_process``
+with inherited descriptors: the control socket, the route table and one sample ring per serving
 process (memfds; ``server.processes``).
 It is told the config over the control socket (``Init``; every message: guard/ipc/messages.py),
 loads one ``VerifiedModel`` per model (reference, checks, detectors, capture, repair), then:
@@ -222,11 +222,12 @@ class VerifierProcess:
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
-        """Drain the serving processes' rings (up to ``_DRAIN`` records a round, each ring in
-        turn) and hand each model what it got in one go, so that its mirror checks them as a
-        batch, then let the next batch gather for ``_GATHER_S``; a pause when all are empty,
-        from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier wakes a few times a second, not 50; the first sample
-        after a lull waits at most ``_IDLE_MAX_S``, well inside any mirror timeout).
+        """Drain the serving processes' rings (up to ``_DRAIN`` records a round, each ring in turn)
+        and hand each model what it got in one go, so that its mirror checks them as a batch, then
+        let the next batch gather for ``_GATHER_S``; a pause when all are empty, from ``_IDLE_S``
+        doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier wakes a few times a
+        second, not 50; the first sample after a lull waits at most ``_IDLE_MAX_S``, well inside any
+        mirror timeout).
 
         A round takes no more records than the fullest mirror queue has room for: while a
         queue is full the samples wait in the ring (bounded in bytes, and the request path

@@ -75,7 +75,8 @@ class CanonicalOrderOptions(_Options):
 
 
 class Float64SoftmaxOptions(_Options):
-    outputs: list[str] = Field(min_length=1, description="Logits outputs to turn into probabilities.")
+    outputs: list[str] = Field(min_length=1,
+                               description="Logits outputs to turn into probabilities.")
     axis: int = Field(-1, description="The class axis.")
 
 
@@ -161,7 +162,8 @@ class StableNms:
         if boxes.shape[-1:] != (4,) or boxes.ndim not in (2, 3):
             raise AdapterError(f"{self.name}: '{o.boxes_output}' must be [N, 4] or [B, N, 4], "
                                f"got {list(boxes.shape)}")
-        if scores.shape != boxes.shape[:-1] or (labels is not None and labels.shape != scores.shape):
+        if scores.shape != boxes.shape[:-1] or (labels is not None
+                                                and labels.shape != scores.shape):
             raise AdapterError(
                 f"{self.name}: shapes do not line up: boxes {list(boxes.shape)}, scores "
                 f"{list(scores.shape)}" + (f", labels {list(labels.shape)}" if labels is not None
@@ -199,7 +201,7 @@ class StableNms:
         return result
 
 
-# -- tie-aware top-k ---------------------------------------------------------------------------------
+# -- tie-aware top-k -------------------------------------------------------------------------------
 class TieAwareTopk:
     name = "tie_aware_topk"
 
@@ -226,7 +228,7 @@ class TieAwareTopk:
         return result
 
 
-# -- canonical order of set-like outputs -------------------------------------------------------------
+# -- canonical order of set-like outputs -----------------------------------------------------------
 def _row_order(columns: np.ndarray) -> np.ndarray:
     """Lexicographic order of the rows of a 2-D array (first column most significant)."""
     if columns.shape[1] == 0:
@@ -268,7 +270,7 @@ class CanonicalOrder:
         return result
 
 
-# -- float64 softmax ----------------------------------------------------------------------------------
+# -- float64 softmax -------------------------------------------------------------------------------
 def softmax64(x: np.ndarray, axis: int = -1) -> np.ndarray:
     x = np.asarray(x, np.float64)
     shifted = x - np.max(x, axis=axis, keepdims=True)
@@ -293,7 +295,7 @@ class Float64Softmax:
         return result
 
 
-# -- registry -------------------------------------------------------------------------------------------
+# -- registry --------------------------------------------------------------------------------------
 ADAPTERS: dict[str, tuple[type[_Options], Callable[[Any], Any]]] = {
     "stable_nms": (StableNmsOptions, StableNms),
     "tie_aware_topk": (TieAwareTopkOptions, TieAwareTopk),

@@ -202,7 +202,7 @@ class Comparator:
         """Run one more tier instance after the others (one built by hand)."""
         self.runs.append(tier)
 
-    # -- the check -----------------------------------------------------------------------------------
+    # -- the check ---------------------------------------------------------------------------------
     def check(
         self,
         reference: dict[str, np.ndarray] | Any,

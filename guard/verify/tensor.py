@@ -324,7 +324,8 @@ class TensorTier:
         self.multiplier = t.noise_floor.multiplier
         self.default = Tolerance(t.atol, t.rtol)
         self._overrides = {
-            name: (o.atol if o.atol is not None else t.atol, o.rtol if o.rtol is not None else t.rtol)
+            name: (o.atol if o.atol is not None else t.atol,
+                   o.rtol if o.rtol is not None else t.rtol)
             for name, o in t.outputs.items()
         }
         self.noise_floor: dict[str, float] = {}

@@ -3,10 +3,11 @@ ship inside PyPI wheels (optional extra ``guard[zoo]``).
 
 ``zoo_entry(name)`` gives one model's task, signature, input generator, adapters and exporter,
 whatever kind it is. Seeded models: ``classifier`` (the demo's CNN), ``resnet``, ``vit``,
-``detector``, ``segmenter``, ``keras_port`` with its port-bug variants (a torch CNN and its
-Keras ports, guard/zoo/keras_port.py), and CrossedWires' ``cw_vgg16``, ``cw_resnet50``,
-``cw_densenet121`` (keras.applications and torch twins, guard/zoo/crossedwires.py). Real models (``guard.zoo.real``): ``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
-command.
+``detector``, ``segmenter``, ``keras_port`` with its port-bug variants (a torch CNN and its Keras
+ports, guard/zoo/keras_port.py), and CrossedWires' ``cw_vgg16``, ``cw_resnet50``, ``cw_densenet121``
+(keras.applications and torch twins, guard/zoo/crossedwires.py). Real models (``guard.zoo.real``):
+``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises
+``ZooExtraMissing`` with the install command.
 """
 
 from __future__ import annotations

@@ -163,7 +163,8 @@ def _resnet50():
             x = image.permute(0, 3, 1, 2)
             x = self.pool1_pool(F.relu(self.conv1_bn(self.conv1_conv(x))))
             for name, projects in self.blocks:
-                layer = lambda suffix: getattr(self, f"{name}_{suffix}")  # noqa: E731
+                layer = lambda suffix, prefix=name: getattr(  # noqa: E731
+                    self, f"{prefix}_{suffix}")
                 shortcut = layer("0_bn")(layer("0_conv")(x)) if projects else x
                 y = F.relu(layer("1_bn")(layer("1_conv")(x)))
                 y = F.relu(layer("2_bn")(layer("2_conv")(y)))
@@ -222,12 +223,14 @@ def _densenet121():
             x = self.pool1(F.relu(self.conv1_bn(self.conv1_conv(x))))
             for blocks, transition in self.stages:
                 for name in blocks:
-                    layer = lambda suffix: getattr(self, f"{name}_{suffix}")  # noqa: E731
+                    layer = lambda suffix, prefix=name: getattr(  # noqa: E731
+                        self, f"{prefix}_{suffix}")
                     y = layer("1_conv")(F.relu(layer("0_bn")(x)))
                     y = layer("2_conv")(F.relu(layer("1_bn")(y)))
                     x = torch.cat([x, y], dim=1)
                 if transition is not None:
-                    layer = lambda suffix: getattr(self, f"{transition}_{suffix}")  # noqa: E731
+                    layer = lambda suffix, prefix=transition: getattr(  # noqa: E731
+                        self, f"{prefix}_{suffix}")
                     x = layer("pool")(layer("conv")(F.relu(layer("bn")(x))))
             return self.predictions(self.avg_pool(F.relu(self.bn(x))))
 

@@ -38,7 +38,7 @@ def _wrap(model, field: str):
     _settle_norms(wrapped, 0)
     with torch.no_grad():  # RMSNorm and ConvNeXt's own LayerNorm: a gamma that is not all ones
         generator = torch.Generator().manual_seed(1)
-        for name, module in wrapped.named_modules():
+        for _name, module in wrapped.named_modules():
             kind = type(module).__name__
             if kind.endswith("RMSNorm") or kind == "ConvNextLayerNorm":
                 module.weight.copy_(0.8 + 0.4 * torch.rand(module.weight.shape,
