@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from guard.backends.base import Backend
+from guard.backends import Backend
 from guard.backends.kind import Unsupported
 from guard.config import ArbitrationConfig, BackendConfig
 from guard.verify.tensor import TensorCheck
