@@ -307,7 +307,7 @@ def run(args) -> dict:
         entry: dict = {"false_alarms_per_million": {}, "delay": {}, "window_tuning": {}}
         for kind in SEQUENTIAL:
             alarms, samples = false_alarms(
-                lambda n, k=kind: make_vec(k, p0, arl0, min_samples, n), p0, fa_samples,
+                lambda n, k=kind, p=p0: make_vec(k, p, arl0, min_samples, n), p0, fa_samples,
                 args.streams, rng)
             entry["false_alarms_per_million"][kind] = alarms / samples * 1e6
             entry.setdefault("false_alarm_counts", {})[kind] = [alarms, samples]
@@ -331,7 +331,7 @@ def run(args) -> dict:
         for delta in DELTAS:
             row = {}
             for kind in SEQUENTIAL:
-                d, early = delays(lambda n, k=kind: make_vec(k, p0, arl0, min_samples, n), p0,
+                d, early = delays(lambda n, k=kind, p=p0: make_vec(k, p, arl0, min_samples, n), p0,
                                   delta, args.runs, args.onset, args.horizon, rng)
                 row[kind] = {**summarise(d), "false_alarms_before_onset": early}
             for label in ("matched",):
@@ -419,7 +419,7 @@ def markdown(results: dict) -> str:
     for p0, entry in results["p0"].items():
         counts = entry["false_alarm_counts"]
 
-        def rate(kind: str) -> str:  # per million, with a 95% normal interval on the count
+        def rate(kind: str, counts=counts) -> str:  # per million, 95% normal interval on the count
             alarms, samples = counts[kind]
             half = 1.96 * math.sqrt(max(alarms, 1)) / samples * 1e6
             return f"{alarms / samples * 1e6:.2f} +/- {half:.2f}"

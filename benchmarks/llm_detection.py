@@ -209,8 +209,8 @@ def main() -> int:
                 run.close()
         report["rungs"][rung] = row
         write(report)
-        print(f"{rung}: {json.dumps({k: v for k, v in row.items() if k != 'completions_to_alarm'})}",
-              flush=True)
+        shown = {k: v for k, v in row.items() if k != "completions_to_alarm"}
+        print(f"{rung}: {json.dumps(shown)}", flush=True)
     reference.close()
     return 0
 

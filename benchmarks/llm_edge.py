@@ -78,6 +78,7 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "e2e")]
 
+from bench import free_port  # noqa: E402  (this folder: the machinery the benchmarks share)
 from guard.machine import cpu_model  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
@@ -115,13 +116,6 @@ def command_of(pid: int) -> str:
     except OSError:
         return ""
 
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

@@ -2,14 +2,13 @@
 bare grpc.aio OIP server running the same model, and (optionally) guard from another source tree
 (``--before DIR``, e.g. an export of the previous commit), all in one run.
 
-The servers are proxy_overhead.py's: (a) its bare OIP server, (b) ``python -m guard serve`` with
-mirroring off (guard's defaults: the ~0.1 ms primary runs inline on the event loop). All of them
-run at once, idle between cells; the cells are measured in turn, the order rotated each round
-(a, b, b0; b, b0, a; ...), for ``--rounds`` rounds, so that the drift of a shared machine falls
-on every cell alike. Figures:
-the serving process's CPU per request (/proc utime+stime, the verifier process excluded: it is
-not on the request path) and req/s, per concurrency, summed over the rounds; ratios to (a),
-and the median over the rounds of each round's ratio.
+The servers are proxy_overhead.py's (oip_load.py's): (a) the bare OIP server, (b) ``python -m guard
+serve`` with mirroring off (guard's defaults: the ~0.1 ms primary runs inline on the event loop).
+All of them run at once, idle between cells; the cells are measured in turn, the order rotated each
+round (a, b, b0; b, b0, a; ...), for ``--rounds`` rounds, so that the drift of a shared machine
+falls on every cell alike. Figures: the serving process's CPU per request (/proc utime+stime, the
+verifier process excluded: it is not on the request path) and req/s, per concurrency, summed over
+the rounds; ratios to (a), and the median over the rounds of each round's ratio.
 
 Usage: ``.venv/bin/python benchmarks/local_cost.py [--concurrency 4,8] [--duration 6]
 [--rounds 3] [--before DIR]``. Results: ``local_cost.json`` and ``local_cost.md`` under ``--out``
@@ -24,23 +23,23 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import proxy_overhead as po  # noqa: E402
+import bench  # noqa: E402  (the machinery the benchmarks share)
+import oip_load as oip  # noqa: E402  (the classifier over OIP, its load)
 
-TARGET_CPU_ADD_MS = po.TARGET_LOCAL_CPU_ADD_MS
-TARGET_THROUGHPUT = po.TARGET_LOCAL_THROUGHPUT
+TARGET_CPU_ADD_MS = oip.TARGET_LOCAL_CPU_ADD_MS
+TARGET_THROUGHPUT = oip.TARGET_LOCAL_THROUGHPUT
 
 
 def start(cell: str, argv: list[str], workdir: Path, env: dict, port: int,
-          cwd: str = str(po.REPO)) -> po.Child:
+          cwd: str = str(bench.REPO)) -> bench.Child:
     """A server, ready. ``cwd`` is the source tree: ``python -m`` puts it first on sys.path."""
-    child = po.Child(cell, argv, workdir / f"server_{cell}.log", env, cwd=Path(cwd))
-    po.wait_ready(f"{po.HOST}:{port}", child)
+    child = bench.Child(cell, argv, workdir / f"server_{cell}.log", env, cwd=Path(cwd))
+    oip.wait_ready(f"{bench.HOST}:{port}", child)
     return child
 
 
@@ -52,39 +51,39 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True)
     env = dict(os.environ, GUARD_CACHE_DIR=str(workdir), PYTHONUNBUFFERED="1")
     os.environ["GUARD_CACHE_DIR"] = str(workdir)
-    children: dict[str, po.Child] = {}
+    children: dict[str, bench.Child] = {}
     try:
-        (workdir / "bench_reference.py").write_text(po.REFERENCE_MODULE)  # _prepare times it
-        subprocess.run([sys.executable, str(Path(po.__file__)), "_prepare", "--workdir",
+        (workdir / "bench_reference.py").write_text(oip.REFERENCE_MODULE)  # _prepare times it
+        subprocess.run([sys.executable, str(Path(oip.__file__)), "_prepare", "--workdir",
                         str(workdir), "--slowdown", "1", "--iters", "300",
                         "--ort-threads", str(args.ort_threads)],
-                       check=True, env=env, cwd=str(po.REPO))
+                       check=True, env=env, cwd=str(bench.REPO))
         prep = json.loads((workdir / "prepare.json").read_text())
-        requests = po.build_requests(np.load(workdir / "inputs.npy"))
+        requests = oip.build_requests(np.load(workdir / "inputs.npy"))
         expected = np.load(workdir / "expected.npy")
-        trees = {"b": str(po.REPO)}
+        trees = {"b": str(bench.REPO)}
         if args.before:
             trees["b0"] = str(Path(args.before).resolve())
         targets = {}
-        port = po.free_port()
-        children["a"] = start("a", [sys.executable, str(Path(po.__file__)), "_baseline",
+        port = bench.free_port()
+        children["a"] = start("a", [sys.executable, str(Path(oip.__file__)), "_baseline",
                                     "--onnx", prep["onnx"], "--port", str(port),
                                     "--ort-threads", str(args.ort_threads)], workdir, env, port)
-        targets["a"] = f"{po.HOST}:{port}"
+        targets["a"] = f"{bench.HOST}:{port}"
         for cell, tree in trees.items():
-            port = po.free_port()
-            ports = {"grpc_port": port, "metrics_port": po.free_port(),
-                     "admin_port": po.free_port()}
-            config = po.guard_config(prep, ports, mirror=False, sample_rate=0.0,
+            port = bench.free_port()
+            ports = {"grpc_port": port, "metrics_port": bench.free_port(),
+                     "admin_port": bench.free_port()}
+            config = oip.guard_config(prep, ports, mirror=False, sample_rate=0.0,
                                      ort_threads=args.ort_threads)
             path = workdir / f"guard_{cell}.yaml"
             path.write_text(yaml.safe_dump(config, sort_keys=False))
             cenv = dict(env, PYTHONPATH=tree)
             children[cell] = start(cell, [sys.executable, "-m", "guard", "serve", "--config",
                                           str(path)], workdir, cenv, port, cwd=tree)
-            targets[cell] = f"{po.HOST}:{port}"
-        for cell, target in targets.items():
-            po.check_answers(target, requests, expected)
+            targets[cell] = f"{bench.HOST}:{port}"
+        for target in targets.values():
+            oip.check_answers(target, requests, expected)
         sums = {cell: {c: {"server_s": 0.0, "requests": 0, "wall_s": 0.0, "other_s": 0.0}
                        for c in concurrencies} for cell in targets}
         for round_index in range(args.rounds):
@@ -94,12 +93,12 @@ def run(args: argparse.Namespace) -> int:
                 for cell in cells[shift:] + cells[:shift]:
                     target = targets[cell]
                     pid = children[cell].process.pid
-                    po.closed_loop(target, requests, c, args.warmup)
-                    before = po.cpu_snapshot(pid)
-                    result = po.closed_loop(target, requests, c, args.duration)
-                    after = po.cpu_snapshot(pid)
+                    oip.closed_loop(target, requests, c, args.warmup)
+                    before = bench.cpu_snapshot(pid)
+                    result = oip.closed_loop(target, requests, c, args.duration)
+                    after = bench.cpu_snapshot(pid)
                     n = int(result["latencies_ns"].size)
-                    cpu = po.cpu_usage(before, after, n)
+                    cpu = bench.cpu_usage(before, after, n)
                     s = sums[cell][c]
                     s["server_s"] += cpu["server_s"]
                     s["requests"] += n
@@ -108,11 +107,11 @@ def run(args: argparse.Namespace) -> int:
                     s.setdefault("rounds", []).append(
                         {"rps": n / result["elapsed_s"],
                          "cpu_ms": cpu["server_cpu_ms_per_request"]})
-                    po.log(f"round {round_index + 1} ({cell}) c={c}: "
+                    bench.log(f"round {round_index + 1} ({cell}) c={c}: "
                            f"{n / result['elapsed_s']:.0f} req/s, serving CPU "
                            f"{cpu['server_cpu_ms_per_request']:.3f} ms/req, other "
                            f"{cpu['other_cores']:.2f} cores, errors {result['errors']}")
-        report = {"machine": po.machine_info(), "source": po.guard_source(),
+        report = {"machine": bench.machine_info(), "source": bench.guard_source(),
                   "settings": {"concurrency": concurrencies, "duration_s": args.duration,
                                "warmup_s": args.warmup, "rounds": args.rounds,
                                "ort_threads": args.ort_threads, "before": args.before},
@@ -149,7 +148,7 @@ def markdown(report: dict, cells) -> str:
     names = {"a": "(a) bare grpc.aio + ORT", "b": "(b) guard, this tree",
              "b0": f"(b0) guard, {report['settings']['before']}"}
     lines = ["# Local mode: guard vs a bare OIP server", "",
-             po.machine_line(report["machine"], ("onnxruntime",)), "",
+             bench.machine_line(report["machine"], ("onnxruntime",)), "",
              f"Run: {report['settings']}; guard commit {report['source']}", "",
              "| C | cell | req/s | x bare | serving CPU ms/req | + over bare | median of rounds: "
              "x bare | median of rounds: + over bare | other cores |",
@@ -180,7 +179,7 @@ def main(argv=None) -> int:
     p.add_argument("--ort-threads", type=int, default=1)
     p.add_argument("--before", default=None, metavar="DIR",
                    help="another guard source tree, served beside this one as (b0)")
-    p.add_argument("--out", default=str(po.HERE / "results"))
+    p.add_argument("--out", default=str(bench.HERE / "results"))
     return run(p.parse_args(argv))
 
 

@@ -18,7 +18,7 @@ Two parts, side by side in one run:
    Overhead per compared sample = (CPU - forward CPU) / samples. Cells: ``mirror.max_batch: 1``
    (one by one) and the default (batched).
 2. **End to end** (unless ``--no-e2e``): ``python -m guard serve`` with this model, driven by
-   ``--concurrency`` (4) closed-loop clients (tritonclient's gRPC stubs, proxy_overhead.py's
+   ``--concurrency`` (4) closed-loop clients (tritonclient's gRPC stubs, oip_load.py's
    load generator) on the same machine. Cells: (off) mirroring configured, ``sample_rate: 0``;
    (one) 100% mirrored, ``max_batch: 1``; (batch) 100% mirrored, batched; and with ``--before
    DIR`` (a source tree of guard from before batching, e.g. ``git archive <commit> guard | tar
@@ -51,10 +51,11 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import proxy_overhead as po
+import bench
+import oip_load as oip
 from sample_cost import thread_ticks
 
-MODEL = po.MODEL  # the name proxy_overhead's scrape and readiness wait look for
+MODEL = oip.MODEL  # the name oip_load's scrape and readiness wait look for
 POOL = 256  # distinct inputs
 TARGET_OVERHEAD_MS = 0.1  # CPU per compared sample beyond the reference's forward
 TARGET_DROPPED = 0.01
@@ -104,7 +105,7 @@ def guard_config(onnx: str, ports: dict, sample_rate: float, max_batch: int | No
                          "options": {"intra_op_threads": 1}},
              "reference": {"backend": "onnxruntime", "path": onnx},
              "mirror": mirror}
-    return {"version": 1, "server": {"host": po.HOST, "shutdown_grace_s": 5.0, **ports},
+    return {"version": 1, "server": {"host": bench.HOST, "shutdown_grace_s": 5.0, **ports},
             "models": [model]}
 
 
@@ -200,7 +201,7 @@ def cmd_in_process(workdir: Path, max_batch: int, rate: float, samples: int) -> 
     names = {t.native_id: t.name for t in threading.enumerate()}
     by_thread: dict[str, float] = {}
     for tid, used in after.items():
-        ms = (used - ticks.get(tid, 0)) / po.CLK_TCK * 1e3 / samples
+        ms = (used - ticks.get(tid, 0)) / bench.CLK_TCK * 1e3 / samples
         if ms:
             name = names.get(tid, str(tid))
             by_thread[name] = by_thread.get(name, 0.0) + ms
@@ -222,9 +223,9 @@ def in_process(workdir: Path, env: dict, max_batch: int, rate: float, samples: i
     out = subprocess.run(
         [sys.executable, str(Path(__file__).resolve()), "_in_process", "--workdir", str(workdir),
          "--max-batch", str(max_batch), "--rate", str(rate), "--samples", str(samples)],
-        check=True, env=env, cwd=str(po.REPO), capture_output=True, text=True)
+        check=True, env=env, cwd=str(bench.REPO), capture_output=True, text=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    po.log(f"  in process, max_batch {max_batch}, {rate:g}/s: verifier "
+    bench.log(f"  in process, max_batch {max_batch}, {rate:g}/s: verifier "
            f"{result['verifier_cpu_ms']:.3f} ms CPU/sample, forward {result['forward_cpu_ms']:.3f}"
            f", overhead {result['overhead_ms']:.3f} ms; mean batch {result['mean_batch']:.1f}; "
            f"feed {result['feed_ms']:.3f} ms; dropped {result['dropped']:.0f}")
@@ -256,32 +257,32 @@ def measure(cell: str, args, prep: dict, workdir: Path, env: dict, requests: lis
             round_index: int) -> dict:
     import yaml
 
-    port, metrics_port = po.free_port(), po.free_port()
-    ports = {"grpc_port": port, "metrics_port": metrics_port, "admin_port": po.free_port()}
+    port, metrics_port = bench.free_port(), bench.free_port()
+    ports = {"grpc_port": port, "metrics_port": metrics_port, "admin_port": bench.free_port()}
     rate = 0.0 if cell == "off" else 1.0
     max_batch = {"one": 1, "batch": 64}.get(cell)
     path = workdir / f"guard_{cell}_r{round_index}.yaml"
     path.write_text(yaml.safe_dump(guard_config(prep["onnx"], ports, rate, max_batch)))
-    cwd = Path(args.before).resolve() if cell == "today" else po.REPO
-    child = po.Child(cell, [sys.executable, "-m", "guard", "serve", "--config", str(path)],
+    cwd = Path(args.before).resolve() if cell == "today" else bench.REPO
+    child = bench.Child(cell, [sys.executable, "-m", "guard", "serve", "--config", str(path)],
                      workdir / f"server_{cell}_r{round_index}.log", env, cwd=cwd)
     try:
-        target = f"{po.HOST}:{port}"
-        po.wait_ready(target, child)
-        po.wait_quiet([child.process.pid], args.wait_quiet)
-        po.closed_loop(target, requests, args.concurrency, args.warmup)
-        before = po.drained(metrics_port)
-        cpu_before = po.cpu_snapshot(child.process.pid)
+        target = f"{bench.HOST}:{port}"
+        oip.wait_ready(target, child)
+        bench.wait_quiet([child.process.pid], args.wait_quiet)
+        oip.closed_loop(target, requests, args.concurrency, args.warmup)
+        before = oip.drained(metrics_port)
+        cpu_before = bench.cpu_snapshot(child.process.pid)
         load_before = os.getloadavg()[0]
-        result = po.closed_loop(target, requests, args.concurrency, args.duration)
-        cpu_after = po.cpu_snapshot(child.process.pid)
-        after = po.drained(metrics_port)
-        figures = po.summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
-        figures["cpu"] = po.cpu_usage(cpu_before, cpu_after, figures["requests"])
-        figures["guard"] = po.guard_delta(before, after)
+        result = oip.closed_loop(target, requests, args.concurrency, args.duration)
+        cpu_after = bench.cpu_snapshot(child.process.pid)
+        after = oip.drained(metrics_port)
+        figures = bench.summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
+        figures["cpu"] = bench.cpu_usage(cpu_before, cpu_after, figures["requests"])
+        figures["guard"] = oip.guard_delta(before, after)
         figures["loadavg"] = [load_before, os.getloadavg()[0]]
         mirror = figures["guard"].get("mirror", {})
-        po.log(f"  round {round_index + 1} ({cell}): {figures['throughput_rps']:.0f} req/s, p50 "
+        bench.log(f"  round {round_index + 1} ({cell}): {figures['throughput_rps']:.0f} req/s, p50 "
                f"{figures['p50_ms']:.3f} ms, p99 {figures['p99_ms']:.3f} ms; compared "
                f"{mirror.get('compared', 0)}, dropped {mirror.get('dropped', 0)}; other load "
                f"{figures['cpu'].get('other_cores', float('nan')):.2f} cores")
@@ -289,7 +290,7 @@ def measure(cell: str, args, prep: dict, workdir: Path, env: dict, requests: lis
     finally:
         code = child.stop()
         if code not in (0, None):
-            po.log(f"warning: guard ({cell}) exited with code {code}:\n{child.log_tail()}")
+            bench.log(f"warning: guard ({cell}) exited with code {code}:\n{child.log_tail()}")
 
 
 def pooled(parts: list[dict]) -> dict:
@@ -304,7 +305,7 @@ def pooled(parts: list[dict]) -> dict:
            "throughput_rps": requests / sum(p["elapsed_s"] for p in parts),
            "p50_ms": float(np.mean([p["p50_ms"] for p in parts])),
            "p99_ms": float(np.mean([p["p99_ms"] for p in parts])),
-           "mirror": mirror, "cpu": po.merge_cpu(parts),
+           "mirror": mirror, "cpu": bench.merge_cpu(parts),
            "loadavg_max": max(max(p["loadavg"]) for p in parts),
            "other_cores_max": max(p["cpu"].get("other_cores", 0.0) for p in parts),
            "rounds": [{k: p[k] for k in ("throughput_rps", "p50_ms", "p99_ms")}
@@ -320,16 +321,17 @@ def run(args: argparse.Namespace) -> int:
     workdir.mkdir(parents=True)
     env = dict(os.environ, GUARD_CACHE_DIR=str(workdir), PYTHONUNBUFFERED="1")
     os.environ["GUARD_CACHE_DIR"] = str(workdir)
-    report: dict = {"machine": po.machine_info(), "loadavg_start": os.getloadavg(),
+    report: dict = {"machine": bench.machine_info(), "loadavg_start": os.getloadavg(),
                     "settings": {k: v for k, v in vars(args).items()}}
     try:
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "_prepare", "--workdir",
-                        str(workdir)], check=True, env=env, cwd=str(po.REPO))
+                        str(workdir)], check=True, env=env, cwd=str(bench.REPO))
         prep = json.loads((workdir / "prepare.json").read_text())
         report["forward_cpu_ms_hot"] = prep["forward_cpu_ms_hot"]
-        po.log(f"MLP exported; ORT forward, batch 1, hot: {prep['forward_cpu_ms_hot']:.4f} ms CPU")
+        bench.log(f"MLP exported; ORT forward, batch 1, hot: {prep['forward_cpu_ms_hot']:.4f} "
+                  "ms CPU")
         report["in_process"] = []
-        for round_index in range(args.in_process_rounds):
+        for _round in range(args.in_process_rounds):
             for rate in [float(r) for r in args.rates.split(",")]:
                 for max_batch in (1, 64):
                     report["in_process"].append(
@@ -364,7 +366,7 @@ def markdown(report: dict) -> str:
         "Generated by `benchmarks/mirror_batching.py` (" + " ".join(
             f"--{k.replace('_', '-')} {v}" for k, v in report["settings"].items()
             if v not in (None, False) and k not in ("out",)) + ").", "",
-        "- " + po.machine_line(m, ("onnxruntime", "numpy", "grpcio")),
+        "- " + bench.machine_line(m, ("onnxruntime", "numpy", "grpcio")),
         f"- Load average (1 min) at start {report['loadavg_start'][0]:.2f}, at end "
         f"{report['loadavg_end'][0]:.2f}"
         + (": **a shared, busy machine; rerun on a quiet one before quoting**"
@@ -453,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="wait up to S s for other processes to calm down before a cell")
     parser.add_argument("--out", default=str(HERE / "results"))
     parser.add_argument("--keep-workdir", action="store_true")
-    return po.parse_and_run(parser, argv, run)
+    return bench.parse_and_run(parser, argv, run)
 
 
 if __name__ == "__main__":

@@ -47,18 +47,12 @@ from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
 from tritonclient.grpc import service_pb2 as oip  # noqa: E402
 from tritonclient.grpc import service_pb2_grpc as oip_grpc  # noqa: E402
 
+import bench  # noqa: E402  (this folder: the machinery the benchmarks share)
+from bench import free_port  # noqa: E402
 from fixture_models import SLEEP_TRIGGER, Affine  # noqa: E402
 from fuzz_messages import Target, cases, reset_routes, target_models  # noqa: E402
 
 MAX_MESSAGE = 16 * 1024 * 1024
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def rss_mib(pid: int) -> float:
@@ -902,7 +896,6 @@ def _samples_cell(s: dict) -> str:
 
 def faults_markdown(r: dict) -> str:
     """The faults section of reliability.md, from the report."""
-    import proxy_overhead as po
 
     k, h, sl, d = (r["reference_killed"], r["reference_hung"], r["reference_slow"],
                    r["disk_full"])
@@ -931,7 +924,7 @@ def faults_markdown(r: dict) -> str:
         "and captures every request (mode all). `server.verifier`: hang_timeout_s "
         f"{HANG_TIMEOUT_S:g}, restart_backoff_s 0.5. Raw figures: `reliability.json` "
         "(`faults`).", "",
-        po.machine_line(r["machine"], ("torch", "tritonclient")) + "; load average at the "
+        bench.machine_line(r["machine"], ("torch", "tritonclient")) + "; load average at the "
         f"start {r['loadavg_at_start']} (the machine's 2 cores are shared with other work).",
         "",
         "| fault | client requests / failed | client p99 before / p99, max during (ms) "
@@ -1093,11 +1086,10 @@ def main() -> int:
                        "exit_code_after_sigterm": exit_code})
         ok = ok and result["tracebacks_in_server_log"] == 0
     if "faults" in parts:
-        import proxy_overhead as po
 
         with tempfile.TemporaryDirectory(prefix="guard-faults-") as tmp:
             faulted = faults(Path(tmp), args.load_s, args.reloads, args.keep_log)
-        faulted["machine"] = po.machine_info()
+        faulted["machine"] = bench.machine_info()
         faulted["command"] = " ".join(["python", "benchmarks/reliability.py", *sys.argv[1:]])
         faulted["settings"] = {"load_s": args.load_s, "reloads": args.reloads,
                                "load": "2 closed-loop tritonclient.grpc clients, FP32 [1, 4]"}

@@ -19,7 +19,7 @@
     zoo CNN on ONNX Runtime fp32, no mirror, with capture off and with capture at 100%
     (mode all, every request recorded), alternating over ``--rounds``; closed-loop load from
     ``--concurrency`` tritonclient-stub threads for ``--duration`` s per cell (the load
-    generator of benchmarks/proxy_overhead.py). The figure is p99 with capture / p99 without:
+    generator of benchmarks/oip_load.py). The figure is p99 with capture / p99 without:
     target <= 1.05.
 
 Usage: ``.venv/bin/python benchmarks/replay_throughput.py [--records N] [--duration S]
@@ -43,19 +43,17 @@ import yaml
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import proxy_overhead as po  # noqa: E402  (shared: machine info, server child, load generator)
+import bench  # noqa: E402  (the machinery the benchmarks share)
+from bench import log  # noqa: E402
+import oip_load as oip  # noqa: E402  (the classifier over OIP, its load)
 
-MODEL = po.MODEL  # "classifier": the load generator's requests name it
+MODEL = oip.MODEL  # "classifier": the load generator's requests name it
 TARGET_RATIO = 0.80
 # Batches run before timing, on both sides of a pair: TorchScript's profiling executor
 # re-optimises over its first calls (the first pass over 5 000 images ran at 55-70% of the
 # speed of later ones on the AMD EPYC), so one warm-up batch left the limit cold.
 WARM_BATCHES = 4
 TARGET_P99_RATIO = 1.05
-
-
-def log(message: str) -> None:
-    po.log(message)
 
 
 # -- (1) replay throughput -------------------------------------------------------------------------
@@ -206,11 +204,11 @@ def replay_end_to_end(config_path: Path, capture: Path, batch: int, report_dir: 
 def measure_heavy(work: Path, paths: dict, config_path: Path, capture: Path, images, batch: int,
                   repeats: int, heavy_repeats: int, records: int) -> dict:
     """The same replay with a reference ``heavy_repeats`` times as costly (the TorchScript
-    forward repeated, benchmarks/proxy_overhead.py's module): when the reference dominates, as
+    forward repeated, benchmarks/oip_load.py's module): when the reference dominates, as
     it does for real models, does replay keep up with it?"""
     from guard.plan.complete import load_config
 
-    (work / "bench_reference.py").write_text(po.REFERENCE_MODULE)
+    (work / "bench_reference.py").write_text(oip.REFERENCE_MODULE)
     data = yaml.safe_load(config_path.read_text())
     data["models"][0]["reference"] = {
         "backend": "torch", "path": "bench_reference:make",
@@ -300,10 +298,10 @@ def serve_config(work: Path, onnx: Path, capture: bool) -> Path:
         model["capture"] = {"dir": str(work / "serve-capture"), "sample_rate": 1.0,
                             "queue_size": 1024, "max_total_bytes": 2 * 2**30}
     cell = "on" if capture else "off"
-    grpc_port, metrics_port, admin_port = po.free_port(), po.free_port(), po.free_port()
+    grpc_port, metrics_port, admin_port = bench.free_port(), bench.free_port(), bench.free_port()
     path = work / f"serve-{cell}.yaml"
     path.write_text(yaml.safe_dump({"version": 1, "server": {
-        "host": po.HOST, "grpc_port": grpc_port, "metrics_port": metrics_port,
+        "host": bench.HOST, "grpc_port": grpc_port, "metrics_port": metrics_port,
         "admin_port": admin_port}, "models": [model]}))
     return path
 
@@ -312,7 +310,7 @@ def measure_capture(work: Path, onnx: Path, rounds: int, concurrency: int,
                     duration: float) -> dict:
     from guard.zoo.classifier import sample_inputs
 
-    requests = po.build_requests(sample_inputs(po.REQUEST_POOL, seed=5))
+    requests = oip.build_requests(sample_inputs(oip.REQUEST_POOL, seed=5))
     env = dict(os.environ)
     cells: dict[str, list] = {"off": [], "on": []}
     written = 0.0
@@ -320,20 +318,20 @@ def measure_capture(work: Path, onnx: Path, rounds: int, concurrency: int,
         for cell in ("off", "on"):
             path = serve_config(work, onnx, cell == "on")
             data = yaml.safe_load(path.read_text())
-            target = f"{po.HOST}:{data['server']['grpc_port']}"
-            child = po.Child(cell, [sys.executable, "-m", "guard", "serve", "--config",
+            target = f"{bench.HOST}:{data['server']['grpc_port']}"
+            child = bench.Child(cell, [sys.executable, "-m", "guard", "serve", "--config",
                                     str(path)], work / f"serve-{cell}-{r}.log", env)
             try:
-                po.wait_ready(target, child)
-                po.closed_loop(target, requests, concurrency, min(2.0, duration))  # warm-up
-                result = po.closed_loop(target, requests, concurrency, duration)
+                oip.wait_ready(target, child)
+                oip.closed_loop(target, requests, concurrency, min(2.0, duration))  # warm-up
+                result = oip.closed_loop(target, requests, concurrency, duration)
                 if cell == "on":
-                    values = po.scrape(data["server"]["metrics_port"])
+                    values = oip.scrape(data["server"]["metrics_port"])
                     written = values.get("guard_capture_records_total,outcome=written", 0.0)
                     dropped = values.get("guard_capture_records_total,outcome=dropped", 0.0)
             finally:
                 child.stop()
-            summary = po.summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
+            summary = bench.summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
             if cell == "on":
                 summary["capture_written"] = written
                 summary["capture_dropped"] = dropped
@@ -485,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("GUARD_CACHE_DIR", str(cache / "cache"))
     try:
         paths = classifier.export(cache / "zoo")
-        result = {"machine": po.machine_info(), "quick": args.quick, "malloc": malloc,
+        result = {"machine": bench.machine_info(), "quick": args.quick, "malloc": malloc,
                   "gc_freeze": collector.enabled(),
                   "load_average_at_start": os.getloadavg(),
                   "command": "benchmarks/replay_throughput.py " + " ".join(argv or sys.argv[1:])}

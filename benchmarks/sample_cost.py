@@ -17,7 +17,7 @@ sample rate), alternating over ``--rounds``:
 The model is proxy_overhead.py's: the zoo classifier, ONNX Runtime fp32 primary (intra-op 1),
 ``task: classification`` (tiers 1 and 3), 10 logits; the reference is its TorchScript, one
 forward pass (``--reference-slowdown`` 1: as cheap as it gets, so the overhead shows), on
-``mirror.threads: 1``. Load: proxy_overhead.py's closed loop (C threads, raw requests).
+``mirror.threads: 1``. Load: oip_load.py's closed loop (C threads, raw requests).
 
 Per compared sample: (guard's CPU in (s) - guard's CPU per request in (0) x requests in (s)) /
 samples compared in (s), for the whole process tree (serving + verifier) and for each process
@@ -57,9 +57,10 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import proxy_overhead as po  # noqa: E402  (the shared machinery)
+import bench  # noqa: E402  (the machinery the benchmarks share)
+import oip_load as oip  # noqa: E402  (the classifier over OIP, its load)
 
-TARGET_EXTRA_MS = po.TARGET_COMPARED_EXTRA_CPU_MS  # 0.3 ms over the reference's forward
+TARGET_EXTRA_MS = oip.TARGET_COMPARED_EXTRA_CPU_MS  # 0.3 ms over the reference's forward
 CELLS = {"0": "mirror configured, sample_rate 0", "s": "mirror sample_rate {rate:g}"}
 
 
@@ -68,42 +69,42 @@ def measure(args, cell: str, rate: float, prep: dict, workdir: Path, env: dict,
             warmup: float, round_index: int, profile_to: Path | None) -> dict:
     import yaml
 
-    port, metrics_port = po.free_port(), po.free_port()
-    ports = {"grpc_port": port, "metrics_port": metrics_port, "admin_port": po.free_port()}
-    config = po.guard_config(prep, ports, mirror=True, sample_rate=rate,
+    port, metrics_port = bench.free_port(), bench.free_port()
+    ports = {"grpc_port": port, "metrics_port": metrics_port, "admin_port": bench.free_port()}
+    config = oip.guard_config(prep, ports, mirror=True, sample_rate=rate,
                              ort_threads=args.ort_threads)
     path = workdir / f"guard_{cell}_r{round_index}.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
-    child = po.Child(cell, [sys.executable, "-m", "guard", "serve", "--config", str(path)],
+    child = bench.Child(cell, [sys.executable, "-m", "guard", "serve", "--config", str(path)],
                      workdir / f"server_{cell}_r{round_index}.log", env)
     try:
-        target = f"{po.HOST}:{port}"
-        po.wait_ready(target, child)
-        po.check_answers(target, requests, expected)
-        po.wait_quiet([child.process.pid], args.wait_quiet)
-        po.closed_loop(target, requests, concurrency, warmup)
-        before = po.drained(metrics_port)
+        target = f"{bench.HOST}:{port}"
+        oip.wait_ready(target, child)
+        oip.check_answers(target, requests, expected)
+        bench.wait_quiet([child.process.pid], args.wait_quiet)
+        oip.closed_loop(target, requests, concurrency, warmup)
+        before = oip.drained(metrics_port)
         spy = None
         if profile_to is not None:
-            (verifier,) = po.child_pids(child.process.pid)
+            (verifier,) = bench.child_pids(child.process.pid)
             spy = subprocess.Popen(
                 [str(Path(sys.executable).with_name("py-spy")), "record", "--pid",
                  str(verifier), "--rate", "250", "--format", "raw", "--duration",
                  str(int(duration)), "--output", str(profile_to), "--nonblocking"],
                 stdout=(workdir / "py-spy.log").open("w"), stderr=subprocess.STDOUT)
-        cpu_before = po.cpu_snapshot(child.process.pid)
-        result = po.closed_loop(target, requests, concurrency, duration)
-        cpu_after = po.cpu_snapshot(child.process.pid)
-        after = po.drained(metrics_port)
+        cpu_before = bench.cpu_snapshot(child.process.pid)
+        result = oip.closed_loop(target, requests, concurrency, duration)
+        cpu_after = bench.cpu_snapshot(child.process.pid)
+        after = oip.drained(metrics_port)
         if spy is not None:
             spy.wait(timeout=duration + 60)
-        figures = po.summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
-        figures["cpu"] = po.cpu_usage(cpu_before, cpu_after, figures["requests"])
+        figures = bench.summarize(result["latencies_ns"], result["elapsed_s"], result["errors"])
+        figures["cpu"] = bench.cpu_usage(cpu_before, cpu_after, figures["requests"])
         # The mirror's outcomes by the drained scrape: samples of the cell finish after it.
-        figures["guard"] = po.guard_delta(before, after)
+        figures["guard"] = oip.guard_delta(before, after)
         mirror = figures["guard"].get("mirror", {})
         cpu = figures["cpu"]
-        po.log(f"  round {round_index + 1} ({cell}) c={concurrency}: "
+        bench.log(f"  round {round_index + 1} ({cell}) c={concurrency}: "
                f"{figures['throughput_rps']:.0f} req/s, p50 {figures['p50_ms']:.3f} ms; CPU "
                f"serving {cpu['server_cpu_ms_per_request']:.3f} ms/req, verifier "
                f"{cpu['verifier_cores']:.3f} cores; compared {mirror.get('compared', 0)}, "
@@ -112,7 +113,7 @@ def measure(args, cell: str, rate: float, prep: dict, workdir: Path, env: dict,
     finally:
         code = child.stop()
         if code not in (0, None):
-            po.log(f"warning: guard ({cell}) exited with code {code}:\n{child.log_tail()}")
+            bench.log(f"warning: guard ({cell}) exited with code {code}:\n{child.log_tail()}")
 
 
 def thread_ticks() -> dict[int, int]:
@@ -144,7 +145,7 @@ def cmd_in_process(workdir: Path, rate: float, samples: int, ort_threads: int) -
 
     prep = json.loads((workdir / "prepare.json").read_text())
     config_path = workdir / "guard_in_process.yaml"
-    config_path.write_text(yaml.safe_dump(po.guard_config(
+    config_path.write_text(yaml.safe_dump(oip.guard_config(
         prep, {"grpc_port": 0, "metrics_port": 0, "admin_port": 0}, mirror=True,
         sample_rate=0.1, ort_threads=ort_threads)))
     model_config = load_config(config_path).models[0]
@@ -224,7 +225,7 @@ def cmd_in_process(workdir: Path, rate: float, samples: int, ort_threads: int) -
     names = {t.native_id: t.name for t in threading.enumerate()}
     by_thread = {}
     for tid, after in ticks_after.items():
-        used = (after - ticks_before.get(tid, 0)) / po.CLK_TCK * 1e3 / samples
+        used = (after - ticks_before.get(tid, 0)) / bench.CLK_TCK * 1e3 / samples
         if used:
             name = names.get(tid, str(tid))
             by_thread[name] = by_thread.get(name, 0.0) + used
@@ -243,9 +244,9 @@ def in_process(args, workdir: Path, env: dict) -> dict:
         [sys.executable, str(Path(__file__).resolve()), "_in_process", "--workdir", str(workdir),
          "--rate", str(args.in_process_rate), "--samples", str(args.in_process_samples),
          "--ort-threads", str(args.ort_threads)],
-        check=True, env=env, cwd=str(po.REPO), capture_output=True, text=True)
+        check=True, env=env, cwd=str(bench.REPO), capture_output=True, text=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    po.log(f"  in process: {result['per_sample_cpu_ms']:.3f} ms CPU per sample; forward "
+    bench.log(f"  in process: {result['per_sample_cpu_ms']:.3f} ms CPU per sample; forward "
            f"{result['forward_spaced_ms']:.3f} ms spaced, {result['forward_hot_ms']:.3f} ms hot; "
            f"overhead {result['overhead_ms']:.3f} ms; by thread {result['by_thread_ms']}")
     return result
@@ -266,7 +267,7 @@ def per_sample(zero: dict, sampled: dict) -> dict:
 
 
 def merged(parts: list[dict]) -> dict:
-    out = {"cpu": po.merge_cpu(parts), "guard": po._merge_guard(parts)}
+    out = {"cpu": bench.merge_cpu(parts), "guard": oip.merge_guard(parts)}
     out.update({k: sum(p[k] for p in parts) for k in ("requests", "errors")})
     out["throughput_rps"] = out["requests"] / sum(p["elapsed_s"] for p in parts)
     out["rounds"] = [per_round(p) for p in parts]
@@ -309,23 +310,23 @@ def profile_summary(stacks: Path, top: int = 40) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    concurrencies, duration, warmup, out_dir, workdir, env = po.run_plan(args, "guard-sample-")
+    concurrencies, duration, warmup, out_dir, workdir, env = bench.run_plan(args, "guard-sample-")
     if len(concurrencies) != 1:
         raise SystemExit("--concurrency: one value (the per-sample cost needs one load)")
     concurrency = concurrencies[0]
     if args.profile and not Path(sys.executable).with_name("py-spy").exists():
         raise SystemExit("--profile needs py-spy: pip install py-spy (the bench extra)")
     try:
-        (workdir / "bench_reference.py").write_text(po.REFERENCE_MODULE)
-        po.log("exporting the zoo classifier and calibrating the reference ...")
-        subprocess.run([sys.executable, str(HERE / "proxy_overhead.py"), "_prepare",
+        (workdir / "bench_reference.py").write_text(oip.REFERENCE_MODULE)
+        bench.log("exporting the zoo classifier and calibrating the reference ...")
+        subprocess.run([sys.executable, str(HERE / "oip_load.py"), "_prepare",
                         "--workdir", str(workdir), "--slowdown", str(args.reference_slowdown),
                         "--iters", "2000", "--ort-threads", str(args.ort_threads)],
-                       check=True, env=env, cwd=str(po.REPO))
+                       check=True, env=env, cwd=str(bench.REPO))
         prep = json.loads((workdir / "prepare.json").read_text())
-        po.log(f"primary ORT p50 {prep['primary_ort_p50_ms'] * 1e3:.0f} us; reference "
+        bench.log(f"primary ORT p50 {prep['primary_ort_p50_ms'] * 1e3:.0f} us; reference "
                f"{prep['repeats']} forward(s), p50 {prep['reference_p50_ms'] * 1e3:.0f} us")
-        requests = po.build_requests(np.load(workdir / "inputs.npy"))
+        requests = oip.build_requests(np.load(workdir / "inputs.npy"))
         expected = np.load(workdir / "expected.npy")
         runs: dict[str, list[dict]] = {"0": [], "s": []}
         stacks = out_dir / "sample_cost.pyspy.txt"
@@ -349,7 +350,7 @@ def run(args: argparse.Namespace) -> int:
             (out_dir / "sample_cost.profile.md").write_text(
                 "# Verifier profile (py-spy), the last sampled cell\n\n" + summary)
             print(summary)
-        po.write_results(out_dir, "sample_cost", report, md, md)
+        bench.write_results(out_dir, "sample_cost", report, md, md)
         return 0
     finally:
         if not args.keep_workdir:
@@ -368,7 +369,7 @@ def build_report(args, prep, concurrency, duration, warmup, runs) -> dict:
                          {"cpu": b["cpu"], "guard": b["guard"]})
               for a, b in zip(runs["0"], runs["s"])]
     return {
-        "machine": po.machine_info(),
+        "machine": bench.machine_info(),
         "settings": {"duration_s": duration, "warmup_s": warmup, "rounds": args.rounds,
                      "concurrency": concurrency, "sample_rate": args.sample_rate,
                      "reference_slowdown": args.reference_slowdown,
@@ -392,7 +393,7 @@ def markdown(report: dict) -> str:
         f"{st['sample_rate']:g} minus at 0, per compared sample; closed loop, "
         f"C={st['concurrency']}.",
         "",
-        "- " + po.machine_line(m, ("onnxruntime", "torch", "numpy")),
+        "- " + bench.machine_line(m, ("onnxruntime", "torch", "numpy")),
         f"- Run: {st['duration_s']:g} s per cell after {st['warmup_s']:g} s warm-up, "
         f"{st['rounds']} round(s), cells alternating",
         f"- Reference: the zoo classifier's TorchScript, {report['prepare']['repeats']} forward "
@@ -454,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         cmd_in_process(a.workdir, a.rate, a.samples, a.ort_threads)
         return 0
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    po.add_run_arguments(parser, "sample_cost", "repeat the (0), (s) pair (fresh servers)")
+    bench.add_run_arguments(parser, "sample_cost", "repeat the (0), (s) pair (fresh servers)")
     parser.set_defaults(concurrency="1")
     parser.add_argument("--sample-rate", type=float, default=0.1)
     parser.add_argument("--reference-slowdown", type=float, default=1.0,
@@ -466,7 +467,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--in-process-samples", type=int, default=500)
     parser.add_argument("--profile", action="store_true",
                         help="py-spy the verifier during the last sampled cell")
-    return po.parse_and_run(parser, argv, run)
+    return bench.parse_and_run(parser, argv, run)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,11 @@ Runtime fp32 (intra-op threads 1), batch 1, no reference (mirroring off), guard'
 
 Which process gets a connection is the kernel's hash of the connection, so at C=1 only one
 process works, and at C=4 or 8 the split need not be even. CPU per request counts every guard
-process (the primary, its verifier and, in (2), the second serving process; read from /proc):
-on this machine's cores the load generator competes with them. The load generator, readiness
-wait, answer check, CPU snapshots and quiet-waiting are ``benchmarks/proxy_overhead.py``'s
-(imported), as in upstream_hop.py: C threads, one gRPC channel (own TCP connection) each,
-pre-built raw requests (64 distinct images); a cell disturbed by other processes is measured
+process (the primary, its verifier and, in (2), the second serving process; read from /proc): on
+this machine's cores the load generator competes with them. The load generator, readiness wait,
+answer check, CPU snapshots and quiet-waiting are ``benchmarks/oip_load.py``'s and
+``benchmarks/bench.py``'s, as in upstream_hop.py: C threads, one gRPC channel (own TCP connection)
+each, pre-built raw requests (64 distinct images); a cell disturbed by other processes is measured
 again, and what stays disturbed is marked so.
 
 Usage: ``.venv/bin/python benchmarks/serving_processes.py [--duration S] [--concurrency 1,4,8]
@@ -35,13 +35,14 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import proxy_overhead as po  # noqa: E402  (the shared machinery)
+import bench  # noqa: E402  (the machinery the benchmarks share)
+import oip_load as oip  # noqa: E402  (the classifier over OIP, its load)
 
 CELLS = {"1": "guard, server.processes 1", "2": "guard, server.processes 2"}
 
 
 def guard_config(prep: dict, ports: dict, processes: int) -> dict:
-    config = po.guard_config(prep, ports, mirror=False, sample_rate=0.0, ort_threads=1)
+    config = oip.guard_config(prep, ports, mirror=False, sample_rate=0.0, ort_threads=1)
     config["server"]["processes"] = processes
     return config
 
@@ -63,60 +64,60 @@ def guard_cpu_ms(cpu: dict) -> float:
 def run(args: argparse.Namespace) -> int:
     import yaml
 
-    concurrencies, duration, warmup, out_dir, workdir, env = po.run_plan(args, "guard-procs-")
-    children: list[po.Child] = []
+    concurrencies, duration, warmup, out_dir, workdir, env = bench.run_plan(args, "guard-procs-")
+    children: list[bench.Child] = []
     try:
-        (workdir / "bench_reference.py").write_text(po.REFERENCE_MODULE)  # po's _prepare wants it
-        po.log("exporting the zoo classifier ...")
-        subprocess.run([sys.executable, str(HERE / "proxy_overhead.py"), "_prepare",
+        (workdir / "bench_reference.py").write_text(oip.REFERENCE_MODULE)  # _prepare times it
+        bench.log("exporting the zoo classifier ...")
+        subprocess.run([sys.executable, str(HERE / "oip_load.py"), "_prepare",
                         "--workdir", str(workdir), "--slowdown", "1", "--iters",
                         "300" if args.quick else "1000", "--ort-threads", "1"],
-                       check=True, env=env, cwd=str(po.REPO))
+                       check=True, env=env, cwd=str(bench.REPO))
         prep = json.loads((workdir / "prepare.json").read_text())
-        requests = po.build_requests(np.load(workdir / "inputs.npy"))
+        requests = oip.build_requests(np.load(workdir / "inputs.npy"))
         expected = np.load(workdir / "expected.npy")
 
         runs = {c: {n: [] for n in concurrencies} for c in CELLS}
         pooled = {c: {n: [] for n in concurrencies} for c in CELLS}
         for round_index in range(args.rounds):
             for cell in CELLS:
-                port, metrics_port = po.free_port(), po.free_port()
+                port, metrics_port = bench.free_port(), bench.free_port()
                 ports = {"grpc_port": port, "metrics_port": metrics_port,
-                         "admin_port": po.free_port()}
+                         "admin_port": bench.free_port()}
                 path = workdir / f"guard_{cell}.yaml"
                 path.write_text(yaml.safe_dump(guard_config(prep, ports, int(cell)),
                                                sort_keys=False))
-                child = po.Child(cell, [sys.executable, "-m", "guard", "serve", "--config",
+                child = bench.Child(cell, [sys.executable, "-m", "guard", "serve", "--config",
                                         str(path)],
                                  workdir / f"guard_{cell}_r{round_index}.log", env)
                 children.append(child)
-                target = f"{po.HOST}:{port}"
-                po.wait_ready(target, child)
-                worst = po.check_answers(target, requests, expected)
-                po.log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} on {target}; answers "
+                target = f"{bench.HOST}:{port}"
+                oip.wait_ready(target, child)
+                worst = oip.check_answers(target, requests, expected)
+                bench.log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} on {target}; answers "
                        f"match ORT (max |diff| {worst:.1e})")
                 for concurrency in concurrencies:
-                    figures, latencies = po.measure_cell(
+                    figures, latencies = oip.measure_cell(
                         args, cell, child, target, metrics_port, requests, concurrency,
-                        duration, warmup, scrape_fn=po.scrape, note=cell_note)
+                        duration, warmup, scrape_fn=oip.scrape, note=cell_note)
                     runs[cell][concurrency].append(figures)
                     pooled[cell][concurrency].append(latencies)
                 code = child.stop()
                 if code not in (0, None):
-                    po.log(f"warning: guard ({cell}) exited with code {code}:\n"
+                    bench.log(f"warning: guard ({cell}) exited with code {code}:\n"
                            f"{child.log_tail()}")
 
         report = build_report(args, prep, concurrencies, duration, warmup, runs, pooled)
-        po.write_results(out_dir, "serving_processes", report, markdown(report),
+        bench.write_results(out_dir, "serving_processes", report, markdown(report),
                          text_table(report))
         return 0
     finally:
-        po.clean_up(children, workdir, args.keep_workdir)
+        bench.clean_up(children, workdir, args.keep_workdir)
 
 
 # -- report ----------------------------------------------------------------------------------------
 def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> dict:
-    cells = po.merge_rounds(CELLS, concurrencies, runs, pooled)
+    cells = oip.merge_rounds(CELLS, concurrencies, runs, pooled)
     comparisons = {}
     for c in concurrencies:
         one, two = cells["1"][str(c)], cells["2"][str(c)]
@@ -128,13 +129,13 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
                                                           / guard_cpu_ms(one["cpu"])
                                                           if one["cpu"] and two["cpu"]
                                                           else None)},
-            "disturbed": any(po.other_cores({"cells": {k: {"by_concurrency": v}
+            "disturbed": any(bench.other_cores({"cells": {k: {"by_concurrency": v}
                                                        for k, v in cells.items()}}, x, str(c))
-                             > po.NOISY_NEIGHBOUR_CORES for x in CELLS),
+                             > bench.NOISY_NEIGHBOUR_CORES for x in CELLS),
         }
     return {
         "benchmark": "serving_processes",
-        "machine": po.machine_info(),
+        "machine": bench.machine_info(),
         "settings": {
             "duration_s": duration, "warmup_s": warmup, "rounds": args.rounds,
             "wait_quiet_s": args.wait_quiet, "retries": args.retries,
@@ -143,7 +144,7 @@ def build_report(args, prep, concurrencies, duration, warmup, runs, pooled) -> d
                      "FP32 [1,3,32,32], output logits FP32 [1,10]",
             "guard": "python -m guard serve; primary onnxruntime (intra-op threads 1), no "
                      "reference, server.workers default; server.processes 1 vs 2",
-            "load_generator": po.LOAD_GENERATOR,
+            "load_generator": oip.LOAD_GENERATOR,
         },
         "calibration": {"primary_ort_p50_ms": prep["primary_ort_p50_ms"]},
         "cells": {k: {"name": CELLS[k], "by_concurrency": v} for k, v in cells.items()},
@@ -181,25 +182,25 @@ def _rows(report: dict) -> tuple[list[list[str]], list[list[str]]]:
 def _context_lines(report: dict) -> list[str]:
     s = report["settings"]
     return [
-        po.machine_line(report["machine"], ("onnxruntime",)),
-        po.run_line(s),
+        bench.machine_line(report["machine"], ("onnxruntime",)),
+        bench.run_line(s),
         f"Model: {s['model']}; ORT in-process p50 "
         f"{report['calibration']['primary_ort_p50_ms'] * 1e3:.0f} us",
         f"guard: {s['guard']}",
         "children cores: the primary's child processes (its verifier, idle here, and in (2) "
         "the second serving process)",
-    ] + po.noisy_warning(report, "guard CPU ms/req")
+    ] + bench.noisy_warning(report, "guard CPU ms/req")
 
 
 def text_table(report: dict) -> str:
     figures, comparisons = _rows(report)
-    return po.render_text(_context_lines(report), [
+    return bench.render_text(_context_lines(report), [
         ("", FIG_HEAD, figures), ("Two processes over one", CMP_HEAD, comparisons)])
 
 
 def markdown(report: dict) -> str:
     figures, comparisons = _rows(report)
-    return po.render_markdown(
+    return bench.render_markdown(
         "Serving processes: server.processes 1 vs 2", "serving_processes.py",
         _context_lines(report), CELLS,
         [("Figures", FIG_HEAD, figures), ("Two processes over one", CMP_HEAD, comparisons)])
@@ -209,10 +210,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description="server.processes 1 vs 2: one or two guard serving processes on one port "
         "(SO_REUSEPORT), same ONNX Runtime model, closed-loop load over loopback.")
-    po.add_run_arguments(parser, "serving_processes",
+    bench.add_run_arguments(parser, "serving_processes",
                          "repeat the 1,2 sequence (guard restarted each time)")
     parser.set_defaults(concurrency="1,4,8")
-    return po.parse_and_run(parser, sys.argv[1:] if argv is None else argv, run)
+    return bench.parse_and_run(parser, sys.argv[1:] if argv is None else argv, run)
 
 
 if __name__ == "__main__":

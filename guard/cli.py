@@ -443,8 +443,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Prints Prometheus alerting rules made from the config: per model, drift "
         "on the condition the guard acts on (its detector at its threshold; the failing share "
         "over policy.trip_ratio for detector: window), fallback active, mirror drops, "
-        "reference errors and timeouts; and guard down. Only the parts the rules use are validated (names, policy, "
-        "mirror, server); `guard config validate` checks the whole file.",
+        "reference errors and timeouts; and guard down. Only the parts the rules use are "
+        "validated (names, policy, mirror, server); `guard config validate` checks the whole "
+        "file.",
     )
     _add_config(rules)
     rules.add_argument("--format", choices=RULE_FORMATS, default="prometheus",

@@ -173,8 +173,10 @@ def _drive(client, n: int, log: _ServerLog) -> dict[str, int]:
 def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status) -> None:
     m = "classifier"
     print("\nWhat the guard saw and did")
-    print(f"  requests answered   primary {int(_metric(values, 'guard_requests_total', model=m, route='primary'))}"
-          f", fallback {int(_metric(values, 'guard_requests_total', model=m, route='fallback'))}"
+    answered = {r: int(_metric(values, "guard_requests_total", model=m, route=r))
+                for r in ("primary", "fallback")}
+    print(f"  requests answered   primary {answered['primary']}"
+          f", fallback {answered['fallback']}"
           f" (client saw: primary {routes['primary']}, fallback {routes['fallback']}, "
           f"errors {routes['errors']})")
     outcomes = {o: int(_metric(values, "guard_mirror_total", model=m, outcome=o))

@@ -49,7 +49,7 @@ class _LlmServerLog(_ServerLog):
 
     def _show(self, line: str) -> None:
         start = line.find("{")
-        event = None
+        event: dict = {}
         if "guard.events" in line and start >= 0:
             try:
                 event = json.loads(line[start:])

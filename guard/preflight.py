@@ -34,7 +34,7 @@ class ModelReport:
         if self.error:
             return self.error
         sides = "; ".join(f"{role} {summary}" for role, summary in self.sides.items())
-        matched = (f"; outputs matched by position (reference -> primary): "
+        matched = ("; outputs matched by position (reference -> primary): "
                    + ", ".join(f"{r} -> {p}" for r, p in self.renamed.items())
                    if self.renamed else "")
         return f"models[{self.name}]: loads ({sides}){matched}"
@@ -45,7 +45,8 @@ def _hint(model: ModelConfig, exc: BackendError) -> str:
     message = str(exc)
     for role in ("primary", "reference", "fallback"):
         spec = getattr(model, role)
-        if spec is None or spec.is_factory or not message.startswith(f"models[{model.name}].{role}"):
+        if (spec is None or spec.is_factory
+                or not message.startswith(f"models[{model.name}].{role}")):
             continue
         readers = _READERS.get(Path(str(spec.path)).suffix.lower(), ())
         if readers and spec.backend not in readers:

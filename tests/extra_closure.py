@@ -87,8 +87,8 @@ def blocked(extra: str) -> tuple[list[str], list[str]]:
     return sorted(others), sorted(outside - inside)
 
 
-SITECUSTOMIZE = '''"""Written by tests/extra_closure.py: these modules and distributions are not installed
-here. A None in sys.modules is what an absent module looks like both to ``import``
+SITECUSTOMIZE = '''"""Written by tests/extra_closure.py: these modules and distributions are not
+installed here. A None in sys.modules is what an absent module looks like both to ``import``
 (ModuleNotFoundError) and to ``importlib.util.find_spec`` (None); libraries that probe a package's
 metadata instead (torch looks for optree by its version) get PackageNotFoundError."""
 import importlib.metadata as _md

@@ -65,7 +65,7 @@ class Backend(abc.ABC):
     def describe(self) -> BackendInfo:
         """Inputs, outputs and what was loaded; valid after ``load()``."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a default, not abstract: most hold nothing to free)
         """Release sessions and memory. Default: nothing to release."""
 
 

@@ -21,6 +21,8 @@ backend sums (a batch can pick another kernel): the callers compare figures with
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+
 import numpy as np
 
 from guard.backends.base import BackendInfo
@@ -38,13 +40,13 @@ def signature(inputs: dict[str, np.ndarray]) -> tuple:
                  for name, a in sorted(inputs.items()))
 
 
-def rows(inputs: dict[str, np.ndarray]) -> int:
+def rows(inputs: Mapping[str, np.ndarray]) -> int:
     """The rows of one request: its (first) input's first dimension; 1 for a scalar input."""
     first = next(iter(inputs.values()), None)
     return int(first.shape[0]) if first is not None and first.ndim else 1
 
 
-def stack(requests: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
+def stack(requests: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     """Same-signature requests as one, in order."""
     return {name: np.concatenate([r[name] for r in requests], axis=0) for name in requests[0]}
 

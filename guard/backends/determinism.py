@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import sys
 import threading
+from typing import Any
 
 _lock = threading.Lock()
 _pinned = False
@@ -30,7 +31,8 @@ def pin_torch_reference(threads: int) -> None:
             return
         torch._C._set_deterministic_algorithms(True, warn_only=True)
         if _INDUCTOR_CONFIG in sys.modules:
-            sys.modules[_INDUCTOR_CONFIG].deterministic = True
+            inductor_config: Any = sys.modules[_INDUCTOR_CONFIG]  # (a config module of flags)
+            inductor_config.deterministic = True
         torch.backends.cudnn.benchmark = False
         torch.backends.cudnn.deterministic = True
         torch.backends.cuda.matmul.allow_tf32 = False

@@ -26,6 +26,8 @@ from guard.errors import BackendError
 class EagerFp32(nn.Module):
     """Runs an fp32 copy of ``module`` eagerly, outside any compiled graph."""
 
+    fp32: nn.Module  # (set past nn.Module's registration, below)
+
     def __init__(self, module: nn.Module, device: torch.device, dtype: torch.dtype | None):
         super().__init__()
         # Not registered: a dtype cast of the surrounding module must not reach it.

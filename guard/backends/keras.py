@@ -166,14 +166,14 @@ class KerasBackend(Backend):
         self.role = role
         self.options = KerasOptions.model_validate(spec.options)
         self.threads = threads if role == "reference" else self.options.threads
-        self.model = None
+        self.model: Any = None  # the keras.Model, once loaded (keras has no type information)
         self._lock = threading.Lock()
         self._details: dict[str, str] = {}
 
     def load(self) -> None:
-        data, digest = read_artifact(self.spec.path, self.spec.sha256)
+        data, digest = read_artifact(self.spec.artifact_path, self.spec.sha256)
         keras = import_keras(self.options.keras_backend, self.threads)
-        self.model = _load_model(keras, self.spec.path, data)
+        self.model = _load_model(keras, self.spec.artifact_path, data)
         self._input_structure = self.model.input
         self._input_names, self._inputs = _input_specs(self.model)
         layer_names = getattr(self.model, "output_names", None)

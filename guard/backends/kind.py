@@ -19,7 +19,8 @@ from typing import TYPE_CHECKING, Any, Callable, ContextManager, Iterator
 if TYPE_CHECKING:
     from pydantic import BaseModel
 
-    from guard.backends.base import Backend
+    from guard.backends.base import Backend, Role
+    from guard.config import BackendConfig
 
 
 def load_ref(ref: str) -> Any:
@@ -78,7 +79,7 @@ class BackendKind:
     """
 
     name: str
-    backend: type["Backend"]
+    backend: Callable[["BackendConfig", "Role", int], "Backend"]
     options: type["BaseModel"]
     precisions: frozenset[str] = frozenset({"fp32"})
     artifact: bool = True

@@ -77,13 +77,13 @@ class LiteRtBackend(Backend):
 
     def load(self) -> None:
         Interpreter = _interpreter_class()
-        if self.spec.path.endswith(".tflite"):
-            self._content, digest = read_artifact(self.spec.path, self.spec.sha256)
+        if self.spec.artifact_path.endswith(".tflite"):
+            self._content, digest = read_artifact(self.spec.artifact_path, self.spec.sha256)
         else:
             from guard.backends.tf_convert import derive
 
-            derived = derive(self.spec.path, self.spec.precision, self.options.calibration_inputs,
-                             sha256=self.spec.sha256)
+            derived = derive(self.spec.artifact_path, self.spec.precision,
+                             self.options.calibration_inputs, sha256=self.spec.sha256)
             self._artifact = str(derived)
             self._content, digest = read_artifact(derived, None)
         self._Interpreter = Interpreter
@@ -108,7 +108,7 @@ class LiteRtBackend(Backend):
                          "derived": self._derivation()}
 
     def _derivation(self) -> str:
-        if self.spec.path.endswith(".tflite"):
+        if self.spec.artifact_path.endswith(".tflite"):
             return "as given"
         if self.spec.precision == "int8":
             return ("full int8, calibrated" if self.options.calibration_inputs

@@ -8,7 +8,7 @@ from that conversion.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -38,11 +38,11 @@ def onnx_source(spec: "BackendConfig") -> tuple[str, str | None]:
     conversion of a SavedModel or ``.keras`` (pinned by the source's digest, checked there)."""
     from guard.backends.tf_convert import is_tf_source
 
-    if not is_tf_source(spec.path):
-        return spec.path, spec.sha256
+    if not is_tf_source(spec.artifact_path):
+        return spec.artifact_path, spec.sha256
     from guard.backends.tf_convert import derive
 
-    return str(derive(spec.path, "onnx", sha256=spec.sha256)), None
+    return str(derive(spec.artifact_path, "onnx", sha256=spec.sha256)), None
 
 
 # ORT type strings -> OIP datatypes.
@@ -82,7 +82,7 @@ class OnnxRuntimeBackend(Backend):
         self.role = role
         self.options = OnnxRuntimeOptions.model_validate(spec.options)
         self.reference_threads = threads
-        self.session = None
+        self.session: Any = None  # the InferenceSession, once loaded (no type information)
         self.model_path: Path | None = None
 
     def load(self) -> None:
@@ -98,7 +98,7 @@ class OnnxRuntimeBackend(Backend):
             # A model given as bytes has no folder of its own: external data files (.onnx.data)
             # are read from the artifact's folder. sha256 pins the .onnx file, not those files.
             so.add_session_config_entry("session.model_external_initializers_file_folder_path",
-                                        str(Path(self.spec.path).parent))
+                                        str(Path(self.spec.artifact_path).parent))
         else:
             model = str(self.model_path)  # guard's own derived file in its cache
         so.graph_optimization_level = getattr(

@@ -38,7 +38,7 @@ import re
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -46,6 +46,11 @@ from guard.backends.base import Backend, BackendInfo, Forwarding, ForwardingErro
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
 from guard.observe.events import emit
+
+if TYPE_CHECKING:  # (imported by the serving loop that uses them)
+    import asyncio
+
+    import aiohttp
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself: never forwarded.
 # Accept-Encoding is dropped so that the upstream answers uncompressed: the edge reads every
@@ -184,8 +189,9 @@ class OpenAIBackend(Forwarding, Backend):
         self.base = base_url(spec.target)
         self.model = spec.model
         self._authorization: str | None = None
-        self.session = None  # aiohttp.ClientSession, opened by connect() on the serving loop
-        self._loop = None
+        # Opened by connect() on the serving loop.
+        self.session: aiohttp.ClientSession | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.listed: tuple[str, ...] = ()
 
     def url(self, path: str) -> str:
@@ -264,7 +270,7 @@ class OpenAIBackend(Forwarding, Backend):
                            "HTTP: it has no tensor inference")
 
     async def forward(self, request, timeout, metadata=()):
-        raise ForwardingError("FAILED_PRECONDITION", f"model is generative (backend openai): "
+        raise ForwardingError("FAILED_PRECONDITION", "model is generative (backend openai): "
                               "call it over OpenAI-compatible HTTP on server.http_port")
 
     async def forward_raw(self, data: bytes, timeout, metadata=()) -> bytes:
@@ -348,7 +354,7 @@ def build(spec, role: Role, threads: int = 1) -> Backend:
 
 KINDS = {
     "openai": BackendKind(
-        name="openai", extra="llm", backend=build,  # type: ignore[arg-type]
+        name="openai", extra="llm", backend=build,
         options=OpenAIOptions,
         precisions=frozenset({"fp32"}),  # the remote server runs what it runs
         artifact=False, forwards=True, check=_check, check_model=_check_model,

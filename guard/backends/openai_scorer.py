@@ -298,6 +298,7 @@ class OpenAIScorer(Scorer):
     """A remote OpenAI-compatible server as the reference (module docstring)."""
 
     name = "openai"
+    vocab: RemoteVocabulary
 
     def __init__(self, spec, role: Role, threads: int = 1):
         self.spec = spec
@@ -312,11 +313,11 @@ class OpenAIScorer(Scorer):
     def load(self) -> None:
         header = authorization(self.options)
         wait_ready(self.base, self.model, header, self.options.ready_timeout_s)
-        self.client = ScoringClient(self.base, self.model, self.options, header)
+        client = self.client = ScoringClient(self.base, self.model, self.options, header)
         try:
-            probe = self.client.tokenize(PROBE_TEXT, special=True)
-            plain = self.client.tokenize(PROBE_TEXT, special=False)
-            self.context_length = int(self.client.post(
+            probe = client.tokenize(PROBE_TEXT, special=True)
+            plain = client.tokenize(PROBE_TEXT, special=False)
+            self.context_length = int(client.post(
                 "/tokenize", {"model": self.model, "prompt": "a"}).get("max_model_len") or 0)
         except BackendError as exc:
             raise BackendError(f"openai reference {self.model}@{self.base}: the server cannot "
@@ -325,23 +326,29 @@ class OpenAIScorer(Scorer):
         self.bos_id = probe[0] if self.adds_bos else None
         # The server scores one generated token past the prompt (max_tokens 1): it must fit.
         self.context_length = max(self.context_length - 1, 0)
-        self.mode = self._choose_mode(probe)
-        self.vocab = RemoteVocabulary(self.client, _ASK[self.mode])
+        self.mode = self._choose_mode(client, probe)
+        self.vocab = RemoteVocabulary(client, _ASK[self.mode])
 
-    def _choose_mode(self, probe: list[int]) -> str:
+    def _loaded(self) -> tuple[ScoringClient, str]:
+        """The client and the way of asking, which ``load()`` set."""
+        if self.client is None or self.mode is None:
+            raise BackendError(f"openai reference {self.model}@{self.base} is not loaded")
+        return self.client, self.mode
+
+    def _choose_mode(self, client: ScoringClient, probe: list[int]) -> str:
         """The first way of asking (``options.scoring``) that the server answers and whose
         positions are aligned; BackendError naming why each failed otherwise."""
         modes = SCORING_MODES if self.options.scoring == "auto" else (self.options.scoring,)
         k = self.options.top_logprobs
         try:
-            generated = self.client.complete(probe, max_tokens=1, logprobs=min(k, 5))
+            generated = client.complete(probe, max_tokens=1, logprobs=min(k, 5))
         except BackendError as exc:
             raise BackendError(f"openai reference {self.model}@{self.base}: the server did not "
                                f"complete a prompt of token ids: {exc}. {SERVERS}") from None
         why = []
         for mode in modes:
             try:
-                positions = _ASK[mode](self.client, probe + probe[-1:], k)
+                positions = _ASK[mode](client, probe + probe[-1:], k)
             except ServerRefused as exc:
                 if exc.status in (401, 403):
                     raise
@@ -370,16 +377,16 @@ class OpenAIScorer(Scorer):
 
     # -- the shared steps' inputs ----------------------------------------------------------------
     def encode_prompt(self, text: str) -> list[int]:
-        return self.client.tokenize(text, special=True)
+        return self._loaded()[0].tokenize(text, special=True)
 
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        return self.client.tokenize_chat(messages)
+        return self._loaded()[0].tokenize_chat(messages)
 
     def score(self, sample: GenerationSample) -> ReferenceScores:
         # The texts of the primary's tokens (or of the completion's canonical tokenization)
         # in one call before the shared steps compare them token by token.
         if sample.tokens and all(t.token_id is not None for t in sample.tokens):
-            ids = [int(t.token_id) for t in sample.tokens]  # type: ignore[arg-type]
+            ids = [int(t.token_id) for t in sample.tokens if t.token_id is not None]  # (all)
             outside = self.vocab.outside(ids)
             if outside is not None:  # ids the server refuses: another model's vocabulary
                 position = ids.index(outside)
@@ -393,8 +400,9 @@ class OpenAIScorer(Scorer):
 
     def teacher_force(self, sample: GenerationSample, prompt_ids: list[int], ids: list[int],
                       **fields) -> ReferenceScores:
+        client, mode = self._loaded()
         sent = prompt_ids + ids
-        positions = (_ASK[self.mode](self.client, sent, self.options.top_logprobs)
+        positions = (_ASK[mode](client, sent, self.options.top_logprobs)
                      if ids else [])
         self.vocab.learn(sent, positions)
         scored = positions[len(prompt_ids) - 1:] if ids else []

@@ -29,7 +29,7 @@ import logging
 import threading
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -118,8 +118,8 @@ def compile_properties(spec: "BackendConfig", options: OpenVinoOptions, role: st
 def read_model(core, spec: "BackendConfig"):
     """The model of a block: an ONNX file from the bytes pinned by sha256, or an IR (``.xml``
     with its ``.bin`` beside it, both pinned only by the .xml's digest when given)."""
-    data, _ = read_artifact(spec.path, spec.sha256)
-    path = Path(spec.path)
+    data, _ = read_artifact(spec.artifact_path, spec.sha256)
+    path = Path(spec.artifact_path)
     try:
         if path.suffix == ".xml":
             weights = path.with_suffix(".bin")
@@ -137,7 +137,7 @@ class OpenVinoBackend(Backend):
         self.role = role
         self.options = OpenVinoOptions.model_validate(spec.options)
         self.reference_threads = threads
-        self.compiled = None
+        self.compiled: Any = None  # the ov.CompiledModel, once loaded (no type information)
         self._local = threading.local()
         self._details: dict[str, str] = {}
 
@@ -170,7 +170,7 @@ class OpenVinoBackend(Backend):
         """What the compiled model runs: its inference precision and its executed nodes'
         precisions (``{'f32': 8, 'bf16': 2}`` written ``bf16:2,f32:8``)."""
         hint = self.compiled.get_property("INFERENCE_PRECISION_HINT").get_type_name()
-        counts = Counter()
+        counts: Counter[str] = Counter()
         for op in self.compiled.get_runtime_model().get_ordered_ops():
             info = op.get_rt_info()
             if op.get_type_name() == "ExecutionNode" and "runtimePrecision" in info:
@@ -213,12 +213,12 @@ def quantised(core, model, spec: "BackendConfig", options: OpenVinoOptions):
     except ImportError:
         raise BackendError(NNCF_NOT_INSTALLED) from None
     ov = _import_openvino()
-    data, _ = read_artifact(spec.path, spec.sha256)
+    data, _ = read_artifact(spec.artifact_path, spec.sha256)
     key = hashlib.sha256(json.dumps({
         "sha256": hashlib.sha256(data).hexdigest(), "samples": options.calibration_samples,
         "inputs": options.calibration_inputs, "openvino": ov.get_version(),
         "nncf": nncf.__version__}, sort_keys=True).encode()).hexdigest()[:20]
-    target = cache_dir() / "openvino" / f"{Path(spec.path).stem}.int8.{key}.xml"
+    target = cache_dir() / "openvino" / f"{Path(spec.artifact_path).stem}.int8.{key}.xml"
     if target.exists():
         return core.read_model(str(target))
     samples = _calibration(model, options)

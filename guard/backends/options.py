@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator
+from pydantic.json_schema import JsonDict
 
 
 class _Options(BaseModel):
@@ -19,7 +20,7 @@ class _Options(BaseModel):
 # The mark of an option that describes the model rather than how an engine runs it (a forward()'s
 # input and output names, a factory's arguments): the same for every backend that reads the same
 # artifact, so `guard matrix` gives the reference's to every column that takes the option.
-DESCRIBES_MODEL = {"describes": "model"}
+DESCRIBES_MODEL: JsonDict = {"describes": "model"}
 
 
 class OnnxRuntimeOptions(_Options):
@@ -147,7 +148,7 @@ def model_options(backend: str) -> frozenset[str]:
                      if field.json_schema_extra == DESCRIBES_MODEL)
 
 
-def parse_backend_options(backend: str, options: dict[str, Any]) -> _Options:
+def parse_backend_options(backend: str, options: dict[str, Any]) -> BaseModel:
     """``options`` checked by the model the backend declares (``BackendKind.options``)."""
     from guard.backends import backend_kind
 

@@ -22,6 +22,7 @@ the serving process never needs it.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TypeVar
 
 import numpy as np
 
@@ -29,6 +30,8 @@ from guard.backends.base import Backend, BackendInfo
 from guard.errors import BackendError
 from guard.protocol.synthetic import CannotGenerate, generate_inputs
 from guard.protocol.tensors import OIP_TO_NUMPY, TensorSpec, oip_datatype
+
+_Value = TypeVar("_Value")  # an answer's arrays, or a figure per output (the noise floor)
 
 _PROBE_ROWS = 1  # one row is enough to learn names, dtypes and the per-row shape
 
@@ -41,8 +44,8 @@ class OutputMatch:
     renamed: dict[str, str] = field(default_factory=dict)
     observed: tuple[str, ...] = ()  # the roles whose outputs were learnt by running them
 
-    def apply(self, outputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """A reference answer under the primary's names."""
+    def apply(self, outputs: dict[str, _Value]) -> dict[str, _Value]:
+        """A reference answer (or a figure per output) under the primary's names."""
         if not self.renamed:
             return outputs
         return {self.renamed.get(name, name): value for name, value in outputs.items()}

@@ -17,7 +17,7 @@ then reads the directory from its path. Tier 2 and the op repair: not offered
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
@@ -51,13 +51,13 @@ class TensorFlowBackend(Backend):
         self.role = role
         self.options = TensorFlowOptions.model_validate(spec.options)
         self.threads = threads if role == "reference" else self.options.threads
-        self.function = None
+        self.function: Any = None  # the SavedModel's signature function, once loaded (untyped)
         self._details: dict[str, str] = {}
 
     def load(self) -> None:
-        if not is_saved_model(self.spec.path):
+        if not is_saved_model(self.spec.artifact_path):
             raise BackendError(f"{self.spec.path}: {NOT_A_SAVED_MODEL}", key="path")
-        digest = check_pin(self.spec.path, self.spec.sha256)
+        digest = check_pin(self.spec.artifact_path, self.spec.sha256)
         tf, threads = import_tensorflow("tensorflow", self.threads)
         try:
             loaded = tf.saved_model.load(str(self.spec.path))

@@ -146,7 +146,8 @@ class TensorRTBackend(Backend):
         self.engine = trt.Runtime(logger).deserialize_cuda_engine(plan)
         self.context = self.engine.create_execution_context()
         names = [self.engine.get_tensor_name(i) for i in range(self.engine.num_io_tensors)]
-        inputs, outputs = [], []
+        inputs: list[TensorSpec] = []
+        outputs: list[TensorSpec] = []
         for name in names:
             datatype, _ = _TRT_TYPES[self.engine.get_tensor_dtype(name).name]
             spec = TensorSpec(name, datatype, tuple(self.engine.get_tensor_shape(name)))

@@ -31,6 +31,7 @@ import sys
 import tempfile
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 from guard.backends.derive import cache_dir
 from guard.backends.tf_runtime import NOT_INSTALLED, tree_sha256
@@ -88,8 +89,8 @@ def derive(source: str | Path, target: str, calibration: str | None = None,
             if tree_sha256(given) != digest:
                 raise BackendError(f"{source} changed while guard read it", key="sha256")
         partial = Path(tmp) / out.name
-        job = {"source": str(given), "target": target, "calibration": calibration,
-               "out": str(partial)}
+        job: dict[str, Any] = {"source": str(given), "target": target,
+                               "calibration": calibration, "out": str(partial)}
         if in_process:
             convert(**job)
         else:

@@ -37,6 +37,8 @@ from guard.backends.kind import BackendKind, Unsupported
 from guard.errors import BackendError
 
 if TYPE_CHECKING:
+    import torch
+
     from guard.config import BackendConfig
 
 SIGNATURE_FILE = "guard.json"
@@ -91,15 +93,17 @@ class TorchBackend(Backend):
         self.role = role
         self.options = self.options_model.model_validate(spec.options)
         self.reference_threads = threads
-        self.module = None
-        self._callable = None
-        self._dtype = None
+        # Once loaded: the module (a factory's, TorchScript's or an exported program's), what
+        # infer calls (it, or torch.compile's wrapper) and the dtype inputs are cast to.
+        self.module: Any = None
+        self._callable: Any = None
+        self._dtype: torch.dtype | None = None
 
     # -- loading -----------------------------------------------------------------------------
     def _load_module(self):
         import torch
 
-        path = self.spec.path
+        path = self.spec.artifact_path
         if self.spec.is_factory:
             try:
                 factory = import_factory(path, self.spec.context.base_dir)
@@ -242,9 +246,10 @@ class TorchCompileBackend(TorchBackend):
 
     name = "torch_compile"
     options_model = TorchCompileOptions
+    options: TorchCompileOptions  # (what options_model validates)
 
     def _keep_back(self, module, device):
-        paths = self.options.eager_fp32_modules  # type: ignore[attr-defined]
+        paths = self.options.eager_fp32_modules
         if not paths:
             return module
         from guard.backends.eager_modules import keep_eager_fp32
@@ -254,7 +259,7 @@ class TorchCompileBackend(TorchBackend):
     def _wrap(self, module):
         import torch
 
-        opts: TorchCompileOptions = self.options  # type: ignore[assignment]
+        opts = self.options
         compiled = torch.compile(
             module,
             mode=None if opts.mode == "default" else opts.mode,

@@ -84,10 +84,10 @@ class UpstreamBackend(Forwarding, Backend):
             self._channel = grpc.insecure_channel(self.target, self._channel_options)
         else:
             self._channel = grpc.secure_channel(self.target, credentials, self._channel_options)
-        self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
-        self._wait_ready()
+        stub = self._stub = pb_grpc.GRPCInferenceServiceStub(self._channel)
+        self._wait_ready(stub)
         try:
-            meta = self._stub.ModelMetadata(
+            meta = stub.ModelMetadata(
                 pb.ModelMetadataRequest(name=self.model, version=self.options.model_version),
                 timeout=self.options.timeout_s)
         except grpc.RpcError as exc:
@@ -97,12 +97,12 @@ class UpstreamBackend(Forwarding, Backend):
         self._outputs = tuple(TensorSpec(t.name, t.datatype, tuple(t.shape))
                               for t in meta.outputs)
 
-    def _wait_ready(self) -> None:
+    def _wait_ready(self, stub: pb_grpc.GRPCInferenceServiceStub) -> None:
         deadline = time.monotonic() + self.options.ready_timeout_s
         last = "no answer"
         while True:
             try:
-                ready = self._stub.ModelReady(
+                ready = stub.ModelReady(
                     pb.ModelReadyRequest(name=self.model, version=self.options.model_version),
                     timeout=2.0)
                 if ready.ready:
@@ -153,8 +153,10 @@ class UpstreamBackend(Forwarding, Backend):
         for the TCP (and TLS) handshake. False when it did not connect in time: the channel
         keeps trying on its own and requests still go through it (gRPC waits for it)."""
         self._async_stub()
+        channel = self._aio_channel
+        assert channel is not None, "opened by _async_stub"
         try:
-            await asyncio.wait_for(self._aio_channel.channel_ready(), timeout)
+            await asyncio.wait_for(channel.channel_ready(), timeout)
         except asyncio.TimeoutError:
             return False
         return True
@@ -191,8 +193,10 @@ class UpstreamBackend(Forwarding, Backend):
         upstream's model name and version (the last occurrence of a field wins), sent without a
         parse, and the upstream's serialized answer returned as it came."""
         self._async_stub()
+        send = self._aio_raw
+        assert send is not None, "opened by _async_stub"
         try:
-            return await self._aio_raw(
+            return await send(
                 data + self._readdress,
                 timeout=timeout if timeout is not None else self.options.timeout_s,
                 metadata=tracing.inject(metadata))
@@ -204,6 +208,8 @@ class UpstreamBackend(Forwarding, Backend):
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from guard.protocol.codec import decode_response, encode_request
 
+        if self._stub is None:
+            raise BackendError(f"upstream {self.model}@{self.target}: not loaded")
         request = encode_request(self.model, inputs, model_version=self.options.model_version)
         try:
             response = self._stub.ModelInfer(request, timeout=self.options.timeout_s)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Mapping
+from typing import Any, Mapping, Protocol, Sequence
 
 import numpy as np
 
@@ -77,7 +77,21 @@ def describe_backends(out, backends: Mapping[str, BackendInfo]) -> None:
                 precision=info.precision, device=info.device)
 
 
-def add_tier_verdicts(out, results: Mapping[str, object]) -> None:
+class Verdict(Protocol):
+    """One tier's report as a record keeps it: the shape of ``guard.verify.pipeline.TierReport``
+    (a generative model's ``GenerationReport`` has it too)."""
+
+    @property
+    def passed(self) -> bool: ...
+    @property
+    def summary(self) -> str: ...
+    @property
+    def outputs(self) -> Sequence[Any]: ...  # the tensor tier's per-output checks
+    @property
+    def details(self) -> Mapping[str, Any]: ...
+
+
+def add_tier_verdicts(out, results: Mapping[str, Verdict]) -> None:
     """Per-tier results from ``Comparator.tier_reports`` into ``TierVerdict`` messages."""
     for tier, result in results.items():
         verdict = out.add(tier=tier, passed=result.passed, summary=result.summary)

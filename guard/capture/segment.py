@@ -63,7 +63,7 @@ class ReadStats:
             self.problems.append(f"bytes {start}-{end}: {why}")
 
 
-def _frame_at(data: bytes, view: memoryview, pos: int) -> tuple[int, str]:
+def _frame_at(data: bytes | mmap.mmap, view: memoryview, pos: int) -> tuple[int, str]:
     """(payload length, "") when a valid frame starts at ``pos``, else (0, why not)."""
     size = len(data)
     if size - pos < HEADER_SIZE:

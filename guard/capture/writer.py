@@ -41,6 +41,7 @@ timeout), and the open segment is flushed and fsynced.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
 import queue
@@ -102,7 +103,7 @@ class PendingRecord:
     # here, on the writer thread).
     outputs: Mapping[str, np.ndarray] | Callable[[], Mapping[str, np.ndarray]]
     reference: Mapping[str, np.ndarray] | None = None
-    tier_reports: Mapping[str, object] = field(default_factory=dict)
+    tier_reports: Mapping[str, records.Verdict] = field(default_factory=dict)
     reference_seconds: float = 0.0
     probed: bool = False
     size: int = 0  # bytes of its tensors, set when queued (the queue's byte budget)
@@ -145,7 +146,7 @@ class CaptureWriter:
                                         daemon=True)
         self._closed: list[_Segment] = []  # oldest first
         self._current: _Segment | None = None
-        self._file = None
+        self._file: io.FileIO | None = None  # the current segment's, open with it
         self._opened_at = 0.0
         self._sequence = 0
         self._written_before_error = 0  # frames of the current _write already on disk
@@ -346,12 +347,14 @@ class CaptureWriter:
         while done < len(frames):
             if self._current is None:
                 self._open_segment()
+            current, file = self._current, self._file
+            assert current is not None and file is not None  # (opened together)
             # As many frames as fit in this segment (at least one: a record larger than
             # max_segment_bytes gets a segment of its own).
-            room = self.config.max_segment_bytes - self._current.size
+            room = self.config.max_segment_bytes - current.size
             end, size = done, 0
             while end < len(frames) and (size + len(frames[end]) <= room or
-                                         (end == done and self._current.size == 0)):
+                                         (end == done and current.size == 0)):
                 size += len(frames[end])
                 end += 1
             if end == done:  # the next frame does not fit: rotate
@@ -359,9 +362,9 @@ class CaptureWriter:
                 continue
             view = memoryview(b"".join(frames[done:end]))
             while view:  # a raw file may write less than asked
-                written = self._file.write(view)
+                written = file.write(view) or 0
                 view = view[written:]
-            self._current.size += size
+            current.size += size
             done = self._written_before_error = end
             self._enforce_cap()
         return done

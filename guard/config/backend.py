@@ -53,7 +53,16 @@ class BackendConfig(WithContext):
 
     @property
     def is_factory(self) -> bool:
-        return bool(self.path and FACTORY_REF.match(self.path)) and not Path(self.path).exists()
+        return (self.path is not None and FACTORY_REF.match(self.path) is not None
+                and not Path(self.path).exists())
+
+    @property
+    def artifact_path(self) -> str:
+        """``path`` of a block that names a file: every artifact backend needs one (the plan
+        checks it, guard/plan/serving.py); a ValueError saying so where it is missing."""
+        if self.path is None:
+            raise ValueError(f"backend '{self.backend}' needs 'path'")
+        return self.path
 
     @property
     def remote(self) -> bool:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 import yaml
 from pydantic import Field, ValidationError, model_validator
+from pydantic_core import ErrorDetails
 
 from guard.config.backend import BackendConfig
 from guard.config.base import ConfigContext, FACTORY_REF, WithContext, _absolute
@@ -54,7 +55,7 @@ def _dotted(loc: tuple[Any, ...]) -> str:
     return out or "(top level)"
 
 
-def _message(error: dict[str, Any]) -> str:
+def _message(error: ErrorDetails) -> str:
     kind = error["type"]
     if kind == "extra_forbidden":
         return "unknown key"
@@ -70,7 +71,8 @@ def format_validation_error(exc: ValidationError) -> list[str]:
     lines = []
     for error in exc.errors():
         # Literal/union errors carry the discriminating value in the loc; keep the field path.
-        loc = tuple(p for p in error["loc"] if not (isinstance(p, str) and p.startswith("function-")))
+        loc = tuple(p for p in error["loc"]
+                    if not (isinstance(p, str) and p.startswith("function-")))
         lines.append(f"{_dotted(loc)}: {_message(error)}")
     return lines
 
@@ -92,14 +94,17 @@ def resolve_document(data: Any, base_dir: Path | ConfigContext,
     """``parse_document``'s work, its path problems returned beside the config (for the plan
     step to name with its own); ``ConfigError`` when the document breaks the schema."""
     context = base_dir if isinstance(base_dir, ConfigContext) else ConfigContext(base_dir)
-    base_dir = context.base_dir
+    folder = context.base_dir
+    if folder is None:
+        raise ValueError("a config document is resolved against its folder: the context has "
+                         "no base_dir")
     if not isinstance(data, dict):
         raise ConfigError(["(top level): must be a mapping with 'version' and 'models'"], source)
     try:
         config = GuardConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc), source) from None
-    problems = _check_server(config.server, base_dir) + check_envoy_mode(config)
+    problems = _check_server(config.server, folder) + check_envoy_mode(config)
     for i, model in enumerate(config.models):
         if model.tap and config.server.tap is None:
             problems.append(f"models[{i}].tap: needs server.tap (the Tap listener that the "
@@ -109,7 +114,7 @@ def resolve_document(data: Any, base_dir: Path | ConfigContext,
             if spec is None or spec.path is None:
                 continue
             spec.context = context
-            if FACTORY_REF.match(spec.path) and not (base_dir / spec.path).exists():
+            if FACTORY_REF.match(spec.path) and not (folder / spec.path).exists():
                 # A Python factory, imported when the backend loads: code, not a file to pin.
                 if spec.sha256 is not None:
                     problems.append(
@@ -117,15 +122,15 @@ def resolve_document(data: Any, base_dir: Path | ConfigContext,
                         "artifact file: sha256 cannot pin it; remove sha256 (or export the "
                         "model to .pt/.pt2/.onnx and pin that)")
                 continue
-            resolved = _absolute(base_dir, spec.path)
+            resolved = _absolute(folder, spec.path)
             if not resolved.exists():
                 problems.append(f"models[{i}].{role}.path: file not found: {resolved}")
             spec.path = str(resolved)
         if model.capture is not None:
-            model.capture.dir = str(_absolute(base_dir, model.capture.dir))
+            model.capture.dir = str(_absolute(folder, model.capture.dir))
         floor = model.checks.tensor.noise_floor
         if floor.inputs is not None:
-            resolved = _absolute(base_dir, floor.inputs)
+            resolved = _absolute(folder, floor.inputs)
             if not resolved.exists():
                 problems.append(
                     f"models[{i}].checks.tensor.noise_floor.inputs: file not found: {resolved}")

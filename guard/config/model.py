@@ -128,7 +128,8 @@ class ModelConfig(Strict):
             )
         policy = self.policy
         if (policy.false_alarms_per_day is not None and policy.detector != "window"
-                and self.mirror.sample_rate > 0 and policy.arl0_for(self.mirror.sample_rate) <= 2.0):
+                and self.mirror.sample_rate > 0
+                and policy.arl0_for(self.mirror.sample_rate) <= 2.0):
             raise ValueError(
                 "policy.false_alarms_per_day: fewer compared samples per day "
                 "(expected_rps x mirror.sample_rate x 86400) than allowed false alarms")

@@ -4,12 +4,12 @@ rules.py, a canary gate for Argo Rollouts and Flagger in rollout.py).
 The constants live here, free of heavy imports, so that ``guard --help`` stays instant.
 """
 
+import re
+
 RULE_FORMATS = ("prometheus", "prometheusrule")
 # Where `runbook_url` points unless --runbook-base says otherwise: the runbook in this repository.
 # Pass the URL your runbook is served at (a git host's rendered page) to get clickable links.
 DEFAULT_RUNBOOK_BASE = "docs/runbook.md"
-
-import re
 
 # Kubernetes label syntax (apimachinery's validation): a key is a name of at most 63 characters,
 # optionally under a DNS-subdomain prefix ("app.kubernetes.io/name"); a value is empty or a name.

@@ -166,8 +166,9 @@ def model_rules(model: ModelThresholds, settings: RuleSettings,
                 fleet: FleetSettings) -> list[dict]:
     """One model's pooled log-likelihood ratio per window (recorded) and its alert."""
     sel, h = model_selector(model.name), fleet.threshold
-    rules = [{"record": f"model_tier:guard_fleet_llr:{window}", "expr": llr_expr(model, window),
-              "labels": {"window": window}} for window in fleet.windows]
+    rules: list[dict] = [{"record": f"model_tier:guard_fleet_llr:{window}",
+                          "expr": llr_expr(model, window), "labels": {"window": window}}
+                         for window in fleet.windows]
     # One alert per model and tier: the largest ratio of the windows that pass.
     condition = "max without (window) (" + " or ".join(
         f"(model_tier:guard_fleet_llr:{window}{{{sel}}} >= {h!r} and ignoring(window) "

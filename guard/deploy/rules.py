@@ -8,13 +8,14 @@ repository's tests compare the shipped files with a fresh generation.
 
 Per model, where it applies:
 
-- ``GuardDriftOverThreshold`` (critical), for ``drift_for``, on the condition the guard acts
-  on: ``guard_detector_statistic >= guard_detector_threshold`` for the sequential detectors
-  (``cusum``, the default, and ``e_detector``), ``guard_drift_ratio > policy.trip_ratio`` for
-  ``detector: window``, each with ``guard_detector_samples >= policy.min_samples`` (the
-  detector decides from that many samples on, and so does the alert). With ``action: alert`` clients keep getting the drifting answers; with
-  a fallback the guard restarts the detector when it switches, so the alert lasts only while
-  the probes of the primary keep failing or the route could not move (an override).
+- ``GuardDriftOverThreshold`` (critical), for ``drift_for``, on the condition the guard acts on:
+  ``guard_detector_statistic >= guard_detector_threshold`` for the sequential detectors (``cusum``,
+  the default, and ``e_detector``), ``guard_drift_ratio > policy.trip_ratio`` for
+  ``detector: window``, each with ``guard_detector_samples >= policy.min_samples`` (the detector
+  decides from that many samples on, and so does the alert). With ``action: alert`` clients keep
+  getting the drifting answers; with a fallback the guard restarts the detector when it switches,
+  so the alert lasts only while the probes of the primary keep failing or the route could not
+  move (an override).
 - ``GuardFallbackActive`` (warning): ``guard_fallback_active == 1`` for ``fallback_for``
   (models with a fallback).
 - ``GuardMirrorDropping`` (warning): dropped share of mirrored samples over
@@ -181,7 +182,7 @@ def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThre
         mirror = _validate_block(MirrorConfig, block.get("mirror"), f"{where}.mirror", problems)
         generation = None
         if block.get("task") == GENERATION:
-            checks = block.get("checks") if isinstance(block.get("checks"), dict) else {}
+            checks = block["checks"] if isinstance(block.get("checks"), dict) else {}
             generation = _validate_block(GenerationCheckConfig, checks.get("generation"),
                                          f"{where}.checks.generation", problems)
             if policy is not None:
@@ -278,14 +279,15 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
             settings,
         ))
     if model.mirrors and model.generation is not None:
-        rules.append(_generation_alert(model, settings))
+        rules.append(_generation_alert(model, model.generation, settings))
     return rules
 
 
-def _generation_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
+def _generation_alert(model: ModelThresholds, generation: GenerationCheckConfig,
+                      settings: RuleSettings) -> dict:
     """GuardGenerationKldHigh: the compared completions' mean KLD per token over the window."""
     sel, w = model_selector(model.name), settings.rate_window
-    limit = model.generation.max_mean_kld
+    limit = generation.max_mean_kld
     return alert_rule(
         "GuardGenerationKldHigh",
         f"rate(guard_generation_kld_sum{{{sel}}}[{w}]) / rate(guard_generation_kld_count"
@@ -362,7 +364,8 @@ def _drift_evidence(model: ModelThresholds) -> str:
         return "the mirrored samples fail more often than the in-control rate p0 allows"
     return ("the compared completions score above the in-control level (mean KLD per token "
             "over checks.generation.max_mean_kld, or the greedy/sampled statistic over its "
-            f"threshold, averaging more than in_control_ratio={model.generation.in_control_ratio!r})")
+            "threshold, averaging more than "
+            f"in_control_ratio={model.generation.in_control_ratio!r})")
 
 
 def drift_condition(model: ModelThresholds, sel: str) -> str:

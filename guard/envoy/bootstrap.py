@@ -16,13 +16,13 @@ What the bootstrap holds (docs/envoy.md):
   runtime (``guard.<model>.route.<cluster>``): guard switches a model by setting them through
   the admin API (``POST /runtime_modify``), and every answer carries the response header
   ``guard-route: primary|fallback``;
-- sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of
-  the call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample
-  rate (its mirror rate, or capture rate for capture mode "all", the larger one) in a million;
-  the observing filter is off on every cluster's entry but the sampled twins' (and the tap
-  keeps only the calls whose answer a twin marked, ``Chain``), so an unsampled call never
-  reaches guard, and an id is sampled, or not, on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
-  measured, the same id was sampled on some calls and not on others);
+- sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of the
+  call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample rate (its
+  mirror rate, or capture rate for capture mode "all", the larger one) in a million; the observing
+  filter is off on every cluster's entry but the sampled twins' (and the tap keeps only the calls
+  whose answer a twin marked, ``Chain``), so an unsampled call never reaches guard, and an id is
+  sampled, or not, on every replica alike. (A route ``runtime_fraction`` would draw a random number
+  per call: measured, the same id was sampled on some calls and not on others);
 - ``/grpc.health.v1.Health/`` routed to guard's own health server on loopback: readiness on
   grpc_port means Envoy's listener, guard and (guard's readiness) the upstreams are up;
 - the admin API on 127.0.0.1 only, a runtime with an admin layer, and the duration histogram's
@@ -38,8 +38,8 @@ parse. A listener per model would make clients address a port per model.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from guard.config import GuardConfig, ModelConfig
 from guard.envoy.process import GRPC_LISTENER
@@ -142,8 +142,9 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict |
     when it is not an IP address)."""
     if dns is None:
         dns = not _is_ip(host)
-    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
-    cluster = {
+    protocol: dict = ({"http2_protocol_options": {}} if http2
+                      else {"http_protocol_options": {}})
+    cluster: dict[str, Any] = {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
         "connect_timeout": f"{connect_timeout_s:g}s",
@@ -168,7 +169,9 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict |
     return cluster
 
 
-def _split_target(target: str) -> tuple[str, int]:
+def _split_target(target: str | None) -> tuple[str, int]:
+    if target is None:  # (the config's Envoy-mode checks require it of every upstream)
+        raise ValueError("an upstream block needs 'target' (host:port)")
     host, _, port = target.rpartition(":")
     return host.strip("[]"), int(port)
 
@@ -527,11 +530,11 @@ def build(config: GuardConfig, ports: Ports,
             {"name": "guard", "domains": ["*"], "routes": virtual_routes}]},
         "http_filters": filters,
     }
-    chain: dict = {"filters": [{"name": "envoy.filters.network.http_connection_manager",
-                                "typed_config": manager}]}
+    filter_chain: dict = {"filters": [{"name": "envoy.filters.network.http_connection_manager",
+                                       "typed_config": manager}]}
     tls = _downstream_tls(config)
     if tls is not None:
-        chain["transport_socket"] = tls
+        filter_chain["transport_socket"] = tls
     bootstrap = {
         "node": {"id": "guard", "cluster": "guard"},
         "admin": {"address": _address("127.0.0.1", ports.admin)},
@@ -547,7 +550,7 @@ def build(config: GuardConfig, ports: Ports,
         "static_resources": {
             "listeners": [{"name": GRPC_LISTENER,
                            "address": _address(config.server.host, ports.listener),
-                           "filter_chains": [chain]}, *listeners],
+                           "filter_chains": [filter_chain]}, *listeners],
             "clusters": clusters},
     }
     return bootstrap, layout

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol
 
+from guard.config import ModelConfig
 from guard.envoy.llm_calls import NotComparable, ObservedHttpCall, parse, sample
 from guard.envoy.openai_listener import generative
 from guard.ipc import wire
@@ -32,7 +33,9 @@ class Sampled(Protocol):
     slot: int
     mirror_rate: float
     capture_rate: float
-    config: object  # its ModelConfig
+
+    @property
+    def config(self) -> ModelConfig: ...
 
     def route_word(self) -> tuple[str, int, bool]: ...
 
@@ -70,7 +73,9 @@ class HandOff:
 
     def _generation(self, call: ObservedHttpCall) -> None:
         parsed = parse(call)
-        model = self.models().get(parsed.model) if parsed is not None else None
+        if parsed is None:
+            return
+        model = self.models().get(parsed.model)
         if model is None or not generative(model.config):  # a name the upstream answered
             return
         route, epoch, flags = self._routed(model, call.route)

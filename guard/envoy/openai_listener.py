@@ -39,6 +39,7 @@ clients send (guard/config/envoy.py refuses other names): the Python forwarder's
 
 from __future__ import annotations
 
+from typing import Any
 from urllib.parse import urlsplit
 
 from guard.backends.openai import OpenAIOptions, base_url
@@ -156,7 +157,7 @@ def _routes(models: list[ModelConfig], chain: Chain) -> list[dict]:
                            "match": {**calls, "dynamic_metadata": [_metadata("body", problem)]},
                            **_reply(400, message, None, None)})
     for model in models:
-        match = dict(calls)
+        match: dict[str, Any] = dict(calls)
         if by_body:
             match["dynamic_metadata"] = [_metadata("model", model.name)]
         routes.append({"name": f"{token(model.name)}_generate", "match": match,

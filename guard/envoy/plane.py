@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from typing import Callable, Mapping
+from typing import TYPE_CHECKING, Callable, Mapping
 
 from guard.config import GuardConfig
 from guard.envoy import bootstrap, stats
@@ -38,6 +38,9 @@ from guard.errors import GuardError, install_hint
 from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
+
+if TYPE_CHECKING:  # (imported when the observer is the tap)
+    from guard.envoy.tap_filter import TapFilterReader
 
 
 
@@ -58,7 +61,7 @@ class EnvoyPlane:
         self.routes: RouteSync | None = None
         self.process: EnvoyProcess | AttachedEnvoy | None = None
         self._observer_server = None
-        self._tap = None
+        self._tap: TapFilterReader | None = None
         self._stats = stats.StatsReader()
         self._running: dict | None = None  # the bootstrap Envoy runs, its routes left out
 
@@ -115,23 +118,25 @@ class EnvoyPlane:
         self.models = models
         self.health_port = health_port
         self.http_health_port = http_health_port
-        self.hand_off = HandOff(models, self.ring, self.metrics)
+        hand_off = self.hand_off = HandOff(models, self.ring, self.metrics)
         if self.settings.observer == "tap":
             from guard.envoy.observer import Outcomes
             from guard.envoy.tap_filter import TapFilterReader
 
             # One reader thread is the ring's one producer in Envoy mode.
             # Each way: a message of the largest size and its 5-byte gRPC prefix.
-            self._tap = TapFilterReader(self.hand_off.on_call, lambda: self.admin_port,
+            self._tap = TapFilterReader(hand_off.on_call, lambda: self.admin_port,
                                   Outcomes(self.metrics), self.config.server.max_message_bytes + 5)
         else:
-            await self._start_ext_proc(2 * self.config.server.max_message_bytes)
+            await self._start_ext_proc(hand_off, 2 * self.config.server.max_message_bytes)
         self.routes = RouteSync(models, lambda: self.admin_port)
         if self.attached:
-            self._bootstrap({}, self.settings.attach_admin_port)  # the layout, and whether to tap
+            # The layout, and whether to tap (attached: the admin port is set).
+            self._bootstrap({}, self.settings.attach_admin_port or 0)
             self.process = AttachedEnvoy(self.settings, self.metrics.registry,
                                          on_started=self._on_started)
         else:
+            assert self.binary is not None, "create() found the binary"
             self.process = EnvoyProcess(self.binary, self.settings, self._bootstrap,
                                         self.metrics.registry, on_started=self._on_started)
         if self._tap is not None:
@@ -149,7 +154,8 @@ class EnvoyPlane:
                  note="an Envoy guard does not run: its routes, stats and copies are steered "
                  "and read through its admin API")
             return
-        emit("envoy_started", pid=self.process.process.pid, binary=self.binary,
+        envoy = self.process.process if isinstance(self.process, EnvoyProcess) else None
+        emit("envoy_started", pid=envoy.pid if envoy is not None else None, binary=self.binary,
              listener=f"{self.config.server.host}:{self.listener_port}",
              http_listener=(f"{self.config.server.host}:{self.http_listener_port}"
                             if self.http_listener_port else None),
@@ -171,10 +177,10 @@ class EnvoyPlane:
             emit("envoy_tap_not_attached", admin=f"127.0.0.1:{self.admin_port}",
                  note="sampled calls are forwarded but not observed until the tap attaches")
 
-    async def _start_ext_proc(self, max_call_bytes: int) -> None:
+    async def _start_ext_proc(self, hand_off: HandOff, max_call_bytes: int) -> None:
         from guard.envoy.observer import Observer, start_observer
 
-        observer = Observer(self.hand_off.on_call, self.metrics, max_call_bytes=max_call_bytes)
+        observer = Observer(hand_off.on_call, self.metrics, max_call_bytes=max_call_bytes)
         try:
             self._observer_server, self.observer_port = await start_observer(
                 observer, "127.0.0.1", self.settings.observer_port)
@@ -182,10 +188,11 @@ class EnvoyPlane:
             raise GuardError(f"server.envoy.observer_port: cannot listen on 127.0.0.1:"
                              f"{self.settings.observer_port}: {exc}") from None
 
-    def _on_started(self, process: EnvoyProcess) -> None:
+    def _on_started(self, process: EnvoyProcess | AttachedEnvoy) -> None:
         """An Envoy is ready (a start, restart or hot restart): the routes again, and the tap
         onto the new Envoy."""
-        self.routes.push_all(process)
+        if self.routes is not None:  # (set before any Envoy starts)
+            self.routes.push_all(process)
         if self._tap is not None:
             self._tap.reattach(wanted=self.layout.observer == "tap")
 
@@ -223,7 +230,7 @@ class EnvoyPlane:
         removed or moved), a hot restart puts the new one in; requests in flight finish on the
         old Envoy and no connection is refused."""
         self.config = config
-        if self.process is None:
+        if self.process is None or self.routes is None:  # (not started)
             return
         ports = self._ports(self.process.listener_ports, self.settings.admin_port)
         built, _ = bootstrap.build(config, ports, self.routes.current())

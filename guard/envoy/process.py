@@ -36,13 +36,14 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Callable
+from typing import BinaryIO, Callable
 
 from guard.config.envoy import EnvoyConfig
 from guard.errors import GuardError
@@ -126,7 +127,7 @@ class EnvoyProcess:
                                     registry=metrics_registry)
         self._lock = threading.RLock()
         self._launching = threading.Lock()  # one start at a time: a restart, a hot restart
-        self._log = None
+        self._log: BinaryIO | None = None  # envoy.log, opened at the first start
         self.supervisor = ChildSupervisor(
             self, RESTART_POLICIES[self.kind].with_first(settings.restart_backoff_s),
             self.restarts)
@@ -184,8 +185,12 @@ class EnvoyProcess:
         # (autogroup, on a machine's root cgroup), that gave Envoy its own share of a busy
         # machine, and every streamed LLM call through it ~5 ms more to its first token
         # (measured: benchmarks/llm_edge.py, the same bootstrap started both ways).
-        process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                   stderr=subprocess.STDOUT, process_group=0)
+        if sys.version_info >= (3, 11):
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                       stderr=subprocess.STDOUT, process_group=0)
+        else:  # (process_group is 3.11's: the same setpgid(0, 0) in the child)
+            process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
+                                       stderr=subprocess.STDOUT, preexec_fn=os.setpgrp)
         try:
             admin_port, listener_ports = self._wait_ready(process, admin_file, listeners)
         except GuardError:
@@ -275,9 +280,9 @@ class EnvoyProcess:
         with self._launching:
             with self._lock:
                 epoch = self.epoch + 1
-            self._launch_now(epoch)
+            process = self._launch_now(epoch)
         self.hot_restarts.inc()
-        emit("envoy_hot_restarted", epoch=epoch, pid=self.process.pid,
+        emit("envoy_hot_restarted", epoch=epoch, pid=process.pid,
              drain_s=self.settings.drain_time_s)
 
     # -- watching (ChildSupervisor) -------------------------------------------------------------

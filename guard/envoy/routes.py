@@ -29,6 +29,7 @@ import urllib.error
 from typing import Callable, Mapping, Protocol
 from urllib.parse import urlencode
 
+from guard.config import ModelConfig
 from guard.envoy.bootstrap import ROLES, route_values, sample_rate
 from guard.envoy.process import admin_post
 
@@ -40,7 +41,9 @@ class Routed(Protocol):
     """What the watcher needs of a served model (guard/serve/model.py's ServedModel)."""
 
     backends: Mapping[str, object]
-    config: object  # its ModelConfig
+
+    @property
+    def config(self) -> ModelConfig: ...
 
     def route_word(self) -> tuple[str, int, bool]: ...
 

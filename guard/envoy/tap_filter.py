@@ -75,7 +75,7 @@ def tap_request(max_call_bytes: int) -> dict:
                           "max_buffered_tx_bytes": max_call_bytes}}}
 
 
-def _headers(entries: list[dict]) -> dict[str, str]:
+def _headers(entries: list[dict] | None) -> dict[str, str]:
     out = {}
     for h in entries or ():
         value = h.get("value", "")
@@ -191,7 +191,7 @@ class TapFilterReader:
 
     ``admin_port()``: the current Envoy's admin port (0 while none serves)."""
 
-    def __init__(self, on_call: Callable[[ObservedCall], None],
+    def __init__(self, on_call: Callable[[ObservedCall | ObservedHttpCall], None],
                  admin_port: Callable[[], int], outcomes: Outcomes, max_call_bytes: int):
         self.on_call = on_call
         self.admin_port = admin_port

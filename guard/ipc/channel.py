@@ -3,13 +3,12 @@ extra serving processes): length-prefixed JSON over a Unix socket pair.
 
 The messages are the dataclasses of guard/ipc/messages.py (``to_wire``/``from_wire``); small
 things only: the config, admin requests and answers, events, finished spans, metric
-expositions. Tensors never go here (they go through the sample ring). A message with an ``id``
-is a request and gets exactly one reply carrying ``re`` = that id (``Done`` when the handler
-returns nothing, ``Failed`` when it raises or the message's type is unknown); ``call`` sends a
-request and waits for its reply. Requests are handled on a small thread pool (a reload takes seconds and
-must not hold up events behind it); one-way messages are handled in order on the reader thread.
-When the other side goes away, pending calls fail with ``ConnectionError`` and ``on_close``
-runs once.
+expositions. Tensors never go here (they go through the sample ring). A message with an ``id`` is a
+request and gets exactly one reply carrying ``re`` = that id (``Done`` when the handler returns
+nothing, ``Failed`` when it raises or the message's type is unknown); ``call`` sends a request and
+waits for its reply. Requests are handled on a small thread pool (a reload takes seconds and must
+not hold up events behind it); one-way messages are handled in order on the reader thread. When the
+other side goes away, pending calls fail with ``ConnectionError`` and ``on_close`` runs once.
 """
 
 from __future__ import annotations

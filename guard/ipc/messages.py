@@ -40,8 +40,10 @@ class UnknownMessage(ValueError):
     """A wire object that names no registered message, or does not fit the one it names."""
 
 
+@dataclass
 class Message:
-    """Base of every message; ``type`` on the wire is the class name."""
+    """Base of every message (each a dataclass, so is this one, of no field); ``type`` on the
+    wire is the class name."""
 
 
 M = TypeVar("M", bound=type[Message])
@@ -170,7 +172,7 @@ class Init(Message):
     config: dict
     slots: dict[str, int]
     kept: dict[str, list[str]] = field(default_factory=dict)
-    primaries: dict[str, dict] = field(default_factory=dict)
+    primaries: dict[str, dict | None] = field(default_factory=dict)
     resume: dict[str, int] = field(default_factory=dict)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -242,7 +244,7 @@ class Stop(Message):
     grace: float | None = None
 
 
-# -- verifier -> serving processes ------------------------------------------------------------------
+# -- verifier -> serving processes -----------------------------------------------------------------
 @message
 @dataclass
 class UsePrimary(Message):

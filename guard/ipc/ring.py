@@ -29,10 +29,12 @@ from __future__ import annotations
 import platform
 import struct
 import threading
+from types import ModuleType
 
 from guard.errors import GuardError
 from guard.ipc.memory import SharedBlock
 
+_atomics: ModuleType | None
 try:
     from guard.ipc import _atomics
 except ImportError:  # not built: see _counter_ops

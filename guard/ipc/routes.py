@@ -24,6 +24,8 @@ all processes on Linux) and pid, so a serving process can tell a hung verifier f
 
 from __future__ import annotations
 
+from typing import Literal
+
 from guard.ipc.memory import SharedBlock
 
 SLOT_WORDS = 8
@@ -32,7 +34,10 @@ MAGIC = 0x67756172645F7631  # "guard_v1"
 _HEARTBEAT, _PID = 1, 2
 ROUTE, DROPPED, IN_HAND = 0, 1, 2
 FALLBACK, PROBING = 1, 2
-_OVERRIDES = ("auto", "primary", "fallback")
+# The words a route word holds (guard/policy/route.py ``Route`` and ``Override`` are the same).
+RouteName = Literal["primary", "fallback"]
+OverrideName = Literal["auto", "primary", "fallback"]
+_OVERRIDES: tuple[OverrideName, ...] = ("auto", "primary", "fallback")
 
 
 def pack(route: str, probing: bool, epoch: int, override: str = "auto") -> int:
@@ -40,12 +45,12 @@ def pack(route: str, probing: bool, epoch: int, override: str = "auto") -> int:
             | (FALLBACK if route == "fallback" else 0) | (PROBING if probing else 0))
 
 
-def unpack(word: int) -> tuple[str, bool, int]:
+def unpack(word: int) -> tuple[RouteName, bool, int]:
     """(route, probing, epoch) of a route word."""
     return ("fallback" if word & FALLBACK else "primary"), bool(word & PROBING), word >> 8
 
 
-def override_of(word: int) -> str:
+def override_of(word: int) -> OverrideName:
     return _OVERRIDES[(word >> 2) & 3]
 
 

@@ -130,6 +130,7 @@ def _string(value: str) -> bytes:
 
 def _tensor_parts(name: str, array: np.ndarray, parts: list) -> None:
     array = np.asarray(array)
+    data: bytes | memoryview
     if array.dtype == object:
         items = [v if isinstance(v, bytes) else str(v).encode() for v in array.ravel()]
         data = b"".join(struct.pack("<I", len(v)) + v for v in items)
@@ -137,7 +138,7 @@ def _tensor_parts(name: str, array: np.ndarray, parts: list) -> None:
     else:
         if array.dtype.byteorder == ">":
             array = array.astype(array.dtype.newbyteorder("<"))
-        data = memoryview(np.ascontiguousarray(array).reshape(-1).view(np.uint8))
+        data = np.ascontiguousarray(array).reshape(-1).view(np.uint8).data  # (a memoryview)
         dtype = array.dtype.str
     encoded = name.encode()
     parts.append(_TENSOR.pack(len(encoded), len(dtype), array.ndim) + encoded + dtype.encode()
@@ -153,12 +154,12 @@ def encode(sample: Sample) -> list:
                         sample.epoch, sample.unix_nanos, sample.request_seconds)
             + _string(sample.model) + _string(sample.request_id) + _string(sample.traceparent))
     parts: list = [head]
-    if kind == TENSORS:
+    if isinstance(payload, Tensors):
         for group in (payload.inputs, payload.outputs):
             parts.append(_U16.pack(len(group)))
             for name, array in group.items():
                 _tensor_parts(name, array, parts)
-    elif kind == MESSAGES:
+    elif isinstance(payload, Messages):
         for message in (payload.request_message, payload.response_message):
             data = _serialized(message)
             parts += [_U64.pack(len(data)), data]
@@ -169,7 +170,7 @@ def encode(sample: Sample) -> list:
     return parts
 
 
-def _serialized(message) -> bytes:
+def _serialized(message) -> bytes | bytearray | memoryview:
     if isinstance(message, (bytes, bytearray, memoryview)):
         return message
     return message.SerializeToString() if message is not None else b""

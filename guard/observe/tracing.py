@@ -45,13 +45,14 @@ def configure_from_env() -> None:
     try:
         from opentelemetry.sdk.resources import Resource
         from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+        from opentelemetry.sdk.trace.export import (BatchSpanProcessor, ConsoleSpanExporter,
+                                                    SpanExporter)
     except ImportError:
         log.warning("OTEL_TRACES_EXPORTER=%s but the OpenTelemetry SDK is not installed "
                     "(%s): tracing stays off", exporter_name, install_hint("otel"))
         return
     if exporter_name == "console":
-        exporter = ConsoleSpanExporter()
+        exporter: SpanExporter = ConsoleSpanExporter()
     elif exporter_name == "otlp":
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter

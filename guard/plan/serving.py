@@ -45,7 +45,7 @@ def block_problems(spec: BackendConfig, where: str) -> list[str]:
     if spec.is_factory and "factory" not in kind.formats and kind.artifact:
         takes = sorted(n for n in BACKEND_NAMES if "factory" in backend_kind(n).formats)
         base = spec.context.base_dir or Path(".")
-        problems.append(f"{where}.path: file not found: {(base / spec.path)} (a "
+        problems.append(f"{where}.path: file not found: {(base / spec.artifact_path)} (a "
                         f"'module:function' factory is for backend {' or '.join(takes)} only)")
     problems += [f"{where}.options{line}"
                  for line in validate_backend_options(spec.backend, spec.options)]

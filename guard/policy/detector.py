@@ -183,7 +183,7 @@ class ScoreCusum(_ClampedSum):
             return math.log1p(self.bet * (score / self.null_mean - 1.0))
         return math.log1p(self.bet * (1.0 - min(score, 2.0 * self.null_mean) / self.null_mean))
 
-    def update(self, score: float) -> bool:  # type: ignore[override]
+    def update(self, score: float) -> bool:
         step = self.increment(score)
         self.last_score = score
         return self._add(step)

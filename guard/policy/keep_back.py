@@ -118,7 +118,7 @@ class OnnxInt8Ops(_OnnxRuntimeOps):
 
             try:
                 path = derived_variant(self.spec)  # its nodes_to_exclude are self.base
-                self._quantised = QuantisedGraph(path)
+                self._quantised: QuantisedGraph | None = QuantisedGraph(path)
             except Exception:  # suffix rules still apply without it
                 self._quantised = None
         return self._quantised
@@ -192,15 +192,15 @@ class TensorRTLayers(KeepBack):
     (precision constraints, ``OBEY_PRECISION_CONSTRAINTS``).
 
     The engine is built from the ONNX file, and TensorRT's ONNX parser (onnx-tensorrt,
-    ``ImporterContext::registerLayer``) names each layer after the ONNX node it comes from (a
-    second layer of the same node gets a numbered suffix and is not pinned by the node name).
-    So tier 2 captures the primary as ONNX Runtime's variant of the same file at the same
-    precision (the kind's ``capture_as``) (fp16: the fp16 converter; int8: ``quantize_dynamic``, a different scheme from
-    TensorRT's calibrated int8, so it locates layers whose precision matters rather than
-    TensorRT's own kernels), its segments map to fp32 ONNX node names as for ONNX Runtime, and
-    when it names none the candidates are the graph's nodes in order. The check is the
-    builder's own: ``fp32_layers`` naming a layer the network lacks is a build error, and
-    constraints it cannot obey fail the build.
+    ``ImporterContext::registerLayer``) names each layer after the ONNX node it comes from (a second
+    layer of the same node gets a numbered suffix and is not pinned by the node name). So tier 2
+    captures the primary as ONNX Runtime's variant of the same file at the same precision (the
+    kind's ``capture_as``) (fp16: the fp16 converter; int8: ``quantize_dynamic``, a different scheme
+    from TensorRT's calibrated int8, so it locates layers whose precision matters rather than
+    TensorRT's own kernels), its segments map to fp32 ONNX node names as for ONNX Runtime, and when
+    it names none the candidates are the graph's nodes in order. The check is the builder's own:
+    ``fp32_layers`` naming a layer the network lacks is a build error, and constraints it cannot
+    obey fail the build.
 
     Not exercised here: TensorRT does not install on the project's CPU machines; the unit
     tests check the mapping and the rebuilt spec, tests/gpu the rebuild where TensorRT imports.

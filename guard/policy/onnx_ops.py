@@ -10,6 +10,8 @@ a rebuilt variant really keeps given nodes at fp32.
 
 from __future__ import annotations
 
+from typing import Any
+
 QUANT_SUFFIX = "_quant"
 QUANT_WEIGHT_SUFFIX = "_quantized"
 
@@ -91,7 +93,7 @@ def fp16_ops_not_fp32(model_path, kept: list[str]) -> list[str]:
             missing.append(op)
             continue
         for name in [n for n in list(node.input) + list(node.output) if n]:
-            init = graph.initializers.get(name)
+            init: Any = graph.initializers.get(name)  # (an onnx TensorProto)
             elem = init.data_type if init is not None else graph.elem_types.get(name)
             if elem == half:
                 missing.append(op)

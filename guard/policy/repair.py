@@ -141,7 +141,7 @@ class OpRepair:
         config: RepairConfig,
         activation=None,
         build: Callable[[BackendConfig], Backend] | None = None,
-        on_step: Callable[[dict], None] | None = None,
+        on_step: Callable[[dict], object] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.spec = primary_spec

@@ -45,7 +45,7 @@ import random
 import threading
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Literal
+from typing import Callable, Literal, cast
 
 from guard.config import PolicyConfig
 from guard.observe.events import emit
@@ -354,12 +354,12 @@ class RoutePolicy:
         if not self._decides_recovery(tier, state):
             return None
         if state.scored:
-            r = state.recover
-            reason = (f"primary probes recovered: {tier} {r.kind} statistic {r.statistic:.2f} "
-                      f">= {r.threshold:.2f} after {r.samples} probes (mean score below "
-                      f"{r.null_mean:.4g})")
+            scored = cast(ScoreCusum, state.recover)  # (what build() made of a scored tier)
+            reason = (f"primary probes recovered: {tier} {scored.kind} statistic "
+                      f"{scored.statistic:.2f} >= {scored.threshold:.2f} after "
+                      f"{scored.samples} probes (mean score below {scored.null_mean:.4g})")
         elif state.sequential:
-            r = state.recover
+            r = cast(BernoulliCusum, state.recover)  # (what build() made of a counted tier)
             reason = (f"primary probes recovered: {tier} {r.kind} statistic {r.statistic:.2f} "
                       f">= {r.threshold:.2f} after {r.samples} probes (failure rate down from "
                       f"{r.p_null:.4g} to {r.p_alt:.4g})")
@@ -386,9 +386,10 @@ class RoutePolicy:
                     f"over {w.samples} samples")
         d = state.trip
         if state.scored:
-            return (f"{tier} {d.kind} statistic {d.statistic:.2f} >= threshold "
-                    f"{d.threshold:.2f} (ARL0 {self.arl0:.3g} while the mean score is at most "
-                    f"{d.null_mean:.4g}; last score {d.last_score:.4g}) after {d.samples} "
+            s = cast(ScoreCusum, d)  # (what build() made of a scored tier)
+            return (f"{tier} {s.kind} statistic {s.statistic:.2f} >= threshold "
+                    f"{s.threshold:.2f} (ARL0 {self.arl0:.3g} while the mean score is at most "
+                    f"{s.null_mean:.4g}; last score {s.last_score:.4g}) after {s.samples} "
                     "samples")
         return (f"{tier} {d.kind} statistic {d.statistic:.2f} >= threshold {d.threshold:.2f} "
                 f"(ARL0 {self.arl0:.3g}, p0 {state.p0_in_use:.4g}"

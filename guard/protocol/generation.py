@@ -121,7 +121,8 @@ def _token(item: Any, index: int) -> TokenLogprob:
     logprob = item.get("logprob")
     if logprob is not None and not (isinstance(logprob, (int, float)) and not math.isnan(logprob)):
         raise ValueError(f"tokens[{index}].logprob: expected a number or null")
-    top = tuple((str(t), float(lp)) for t, lp in _tuple(item.get("top", ()), f"tokens[{index}].top"))
+    top = tuple((str(t), float(lp))
+                for t, lp in _tuple(item.get("top", ()), f"tokens[{index}].top"))
     token_id = item.get("token_id")
     if token_id is not None and not isinstance(token_id, int):
         raise ValueError(f"tokens[{index}].token_id: expected an integer or null")
@@ -161,5 +162,6 @@ def from_dict(data: Any) -> GenerationSample:
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],
         tokens=tokens, sampling=sampling,
         messages=None if messages is None else tuple(_tuple(messages, "messages")),
-        prompt_token_ids=None if ids is None else tuple(int(i) for i in _tuple(ids, "prompt_token_ids")),
+        prompt_token_ids=(None if ids is None
+                          else tuple(int(i) for i in _tuple(ids, "prompt_token_ids"))),
         **rest)

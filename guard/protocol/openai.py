@@ -25,9 +25,9 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+from guard.protocol.generation import Endpoint, GenerationSample, SamplingParams, TokenLogprob
 
-PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 DONE = b"[DONE]"
 
 
@@ -56,7 +56,7 @@ class BadRequest(ValueError):
 class ParsedCall:
     """What the edge needs from a client's request body (the body itself is forwarded)."""
 
-    endpoint: str
+    endpoint: Endpoint
     body: dict[str, Any]
     model: str
     stream: bool
@@ -71,7 +71,7 @@ class ParsedCall:
         return value not in (None, False, 0)
 
 
-def parse_request(endpoint: str, data: bytes) -> ParsedCall:
+def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
     """The client's body as a call; BadRequest for what is not an OpenAI request body."""
     try:
         body = json.loads(data)
@@ -147,11 +147,13 @@ LOGPROBS_PATH = ("choices", "*", "logprobs")
 # json module's C scanner (``raw_decode``), so an edit costs a few microseconds per event.
 _DECODER = json.JSONDecoder()
 _SPACE = re.compile(r"[ \t\n\r]*")
-_scanstring = json.decoder.scanstring
+# (CPython's C scanner; typeshed does not declare json.decoder.scanstring)
+_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]
 
 
 def _skip_space(text: str, at: int) -> int:
-    return _SPACE.match(text, at).end()
+    match = _SPACE.match(text, at)  # (always a match: the pattern takes an empty run too)
+    return match.end() if match is not None else at
 
 
 def _value_end(text: str, at: int) -> int:
@@ -204,7 +206,8 @@ def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:
         at = _skip_space(text, at + 1)
 
 
-def value_spans(data: bytes, paths: Iterable[tuple[str, ...]]) -> list[tuple[int, int, tuple]]:
+def value_spans(data: bytes | str,
+                paths: Iterable[tuple[str, ...]]) -> list[tuple[int, int, tuple]]:
     """(start, end, path) of every value at ``paths`` in the JSON ``data`` (character offsets
     of its UTF-8 text), in document order. Paths are tuples of keys, ``"*"`` standing for
     every element of an array. ValueError for data that is not JSON."""
@@ -345,6 +348,7 @@ def _token_id(text: str) -> int | None:
 
 
 def _top(items) -> tuple[tuple[str, float], ...]:
+    pairs: Iterable[tuple[Any, Any]]
     if isinstance(items, dict):  # completions: {token: logprob}
         pairs = items.items()
     else:  # chat: [{token, logprob}]

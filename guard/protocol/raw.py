@@ -59,7 +59,7 @@ def peek(data: bytes) -> tuple[str, str, str]:
     if at != end:
         raise MalformedMessage("truncated field")
     try:
-        return tuple(found[n].decode() for n in (MODEL_NAME, MODEL_VERSION, ID))
+        return found[MODEL_NAME].decode(), found[MODEL_VERSION].decode(), found[ID].decode()
     except UnicodeDecodeError:
         raise MalformedMessage("a string field is not UTF-8") from None
 

@@ -18,10 +18,11 @@ from __future__ import annotations
 import bisect
 import math
 from collections import Counter
+from typing import Any
 
 from guard.config import ModelConfig
 from guard.replay.items import CHECKED, INPUT_ERROR, PRIMARY_ERROR, REFERENCE_ERROR, RecordOutcome
-from guard.verify.tiers import sample_kind, tier_kind, tier_names
+from guard.verify.tiers import TierFigures, sample_kind, tier_kind, tier_names
 
 # Error histogram: a bin for exact zero, half-decade bins from 1e-12 to 1e3, one for beyond.
 HIST_EDGES = tuple(10 ** (e / 2) for e in range(-24, 7))
@@ -83,20 +84,20 @@ class ModelAggregate:
         self.tiers_configured = list(described.get("tiers", []))
         self.noise_floor = described.get("noise_floor")
         self.samples = 0
-        self.status = Counter()
-        self.tier_checks = Counter()
-        self.tier_passed = Counter()
+        self.status: Counter[str] = Counter()
+        self.tier_checks: Counter[str] = Counter()
+        self.tier_passed: Counter[str] = Counter()
         self.tensor_max_abs = 0.0
         self.outputs: dict[str, _OutputFigures] = {}
         self.first_divergence: dict | None = None
         self.divergence_profile: list = []
         self.profile_record: int | None = None  # the record whose per-layer profile is kept
-        self.divergent_layers = Counter()
+        self.divergent_layers: Counter[str] = Counter()
         self.task_sums: dict[str, float] = {}
-        self.task_counts = Counter()
-        self.live = Counter()
+        self.task_counts: Counter[str] = Counter()
+        self.live: Counter[tuple[str, str]] = Counter()  # (live, replay) verdicts
         # A registered tier's own figures (its kind's ``figures``), by tier name.
-        self.figures: dict[str, object] = {}
+        self.figures: dict[str, TierFigures] = {}
         self.timeline: list[tuple[int, int, bool]] = []  # (unix_nanos, index, passed)
         self.examples: list[dict] = []
         self.errors: list[dict] = []
@@ -186,7 +187,7 @@ class ModelAggregate:
 
     # -- result --------------------------------------------------------------------------------
     def _tiers(self) -> dict:
-        t = {
+        t: dict[str, dict[str, Any]] = {
             "tensor": {
                 "checks": self.tier_checks["tensor"], "passed": self.tier_passed["tensor"],
                 "max_abs_error": self.tensor_max_abs,

@@ -18,7 +18,7 @@ import os
 import sys
 from collections import deque
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 import yaml
 
@@ -111,7 +111,7 @@ class RayEngine:
         self._started_here = False
         ray = self.ray
         if not ray.is_initialized():
-            kwargs = {"log_to_driver": False}
+            kwargs: dict[str, Any] = {"log_to_driver": False}
             if address:
                 kwargs["address"] = address  # an existing cluster: its settings are its own
             else:

@@ -65,8 +65,9 @@ class Stacked:
 
     def split(self) -> list[tuple[ReplayItem, dict, dict]]:
         counts = [it.rows for it in self.items]
-        return list(zip(self.items, split_rows(self.reference, counts),
-                        split_rows(self.primary, counts)))
+        reference, primary = split_rows(self.reference, counts), split_rows(self.primary, counts)
+        assert reference is not None and primary is not None  # (_split_stacked checked both)
+        return list(zip(self.items, reference, primary))
 
 
 @dataclass
@@ -194,7 +195,7 @@ class ModelRunner:
             if all(tiers is None for tiers in batched):
                 alone += stacked.split()
             else:
-                answers = stacked.split() if None in batched else None
+                answers = stacked.split() if None in batched else []
                 for k, (item, tiers) in enumerate(zip(stacked.items, batched)):
                     if tiers is None:
                         alone.append(answers[k])
@@ -237,7 +238,7 @@ class Runners:
 
     def __init__(self, models: dict[str, ModelConfig]):
         self.models = models
-        self._runners: dict[str, ModelRunner] = {}
+        self._runners: dict[str, ModelRunner | GenerationRunner] = {}
 
     def get(self, name: str) -> "ModelRunner | GenerationRunner":
         runner = self._runners.get(name)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, cast
 
 from guard.backends import create_backend
 from guard.backends.openai import OpenAIBackend
@@ -45,6 +46,9 @@ from guard.replay.items import (
 from guard.verify.pair import require_reference
 from guard.verify.pipeline import Comparator
 
+if TYPE_CHECKING:
+    from guard.backends.scoring import ReferenceScores, Scorer
+
 TIER = "generation"
 _PROMPT_CHARS = 300  # the end of a call's prompt kept in the report beside its completion
 
@@ -56,7 +60,7 @@ class Scored:
 
     item: ReplayItem
     completion: GenerationSample | None = None
-    scores: object = None  # guard.backends.scoring.ReferenceScores
+    scores: ReferenceScores | None = None
     outcome: RecordOutcome | None = None
 
 
@@ -79,10 +83,13 @@ def prompt_text(call: GenerationSample) -> str:
 
 class GenerationRunner:
     def __init__(self, config: ModelConfig):
-        require_reference(config)
+        reference = require_reference(config)
         self.name = config.name
         self.config = config
-        self.scorer = create_backend(config.reference, "reference", config.mirror.threads)
+        # (a scorer: the plan refuses any other reference for a generation model,
+        # guard/plan/serving.py llm_role_problems)
+        self.scorer = cast("Scorer", create_backend(reference, "reference",
+                                                    config.mirror.threads))
         self.comparator = Comparator.for_model(config)
         self._primary: PrimaryProbe | None = None  # built for the first prompt to generate
         self._reference = ThreadPoolExecutor(max_workers=1,
@@ -128,6 +135,7 @@ class GenerationRunner:
             if scored.outcome is not None:
                 outcomes.append(scored.outcome)
                 continue
+            assert scored.completion is not None, "scored without a completion"
             result = self.comparator.check(scored.scores, scored.completion)
             reports = self.comparator.tier_reports(result)
             if TIER in reports:  # the prompt beside the completion, for the report's reader

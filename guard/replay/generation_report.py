@@ -160,8 +160,9 @@ def shaded_html(f: dict) -> str:
     prompt = f"<span class='prompt'>{escape(f['prompt'])}</span>" if f.get("prompt") else ""
     out = f"<div class='completion'>{prompt}{''.join(spans)}</div>"
     if first:
+        at = surprise[first["position"]]
         rows = [("the primary wrote", first["primary_token"],
-                 None if surprise[position] is None else math.exp(-surprise[position]))]
+                 None if at is None else math.exp(-at))]
         rows += [(f"reference #{k + 1}", t, p) for k, (t, p) in
                  enumerate(first["reference_top"])]
         cells = "".join(f"<tr><td>{escape(who)}</td><td class='token'>{escape(repr(t))}</td>"

@@ -99,6 +99,7 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
         until_nanos=parse_time(options.until, "--until") if options.until else None,
         max_records=options.max_records,
     )
+    npz_model: str | None
     if options.models and len(options.models) == 1:
         npz_model = options.models[0]
     else:

@@ -176,6 +176,7 @@ class ChildSupervisor:
         while not self.stopping.is_set():
             with self._lock:
                 process = self.process
+            assert process is not None, "the watcher starts after the first launch"
             code = wait_exit(process, self.policy.watch_s)  # wakes at the exit
             with self._lock:
                 current = process is self.process  # a hot restart replaced it meanwhile

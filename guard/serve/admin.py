@@ -24,7 +24,7 @@ from guard import __version__
 from guard.ipc import routes
 from guard.ipc.messages import Failed, RouteSet, SetRoute
 from guard.observe.events import emit
-from guard.serve.lookup import model_or_abort
+from guard.serve.lookup import abort, model_or_abort
 from guard.serve.model import ServedModel
 from guard.serve.verifier_link import VerifierLink, VerifierUnavailable
 from guard.serve.tls import CallerCheck
@@ -96,8 +96,8 @@ class AdminServicer(pb_grpc.AdminServicer):
         model = await model_or_abort(self.models, request.model, context)
         override = _OVERRIDES.get(request.route)
         if override is None:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                "route must be AUTO, PRIMARY or FALLBACK")
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                        "route must be AUTO, PRIMARY or FALLBACK")
         if override == "fallback" and "fallback" not in model.backends:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 f"model '{model.name}' has no fallback backend")
@@ -110,7 +110,7 @@ class AdminServicer(pb_grpc.AdminServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(exc))
         if not isinstance(reply, RouteSet):
             error = reply.error if isinstance(reply, Failed) else f"unexpected reply {reply}"
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION, error)
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION, error)
         emit("admin_route_set", model=model.name, override=override, reason=reason,
              caller=caller)
         return pb.SetRouteResponse(

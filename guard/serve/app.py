@@ -25,7 +25,7 @@ import asyncio
 import logging
 import signal
 import threading
-from typing import Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import grpc
 from prometheus_client import CollectorRegistry, start_http_server
@@ -44,7 +44,7 @@ from guard.observe.metrics import GuardMetrics
 from guard.runtime import sampling
 from guard.serve.admin import AdminServicer
 from guard.serve.decoding import guarded
-from guard.serve.edges import health_only, http_health_only
+from guard.serve.edges import Edge, health_only, http_health_only
 from guard.serve.listen import bind, server_options
 from guard.serve.merged_metrics import MergedMetrics
 from guard.serve.processes import ServingPool
@@ -54,6 +54,9 @@ from guard.serve.tls import CallerCheck, server_credentials
 from guard.serve.verifier_link import VerifierLink
 from guard.serve.worker import ServingWorker
 from guard.v1 import admin_pb2_grpc, tap_pb2_grpc
+
+if TYPE_CHECKING:
+    from wsgiref.simple_server import WSGIServer
 
 log = logging.getLogger("guard.server")
 
@@ -100,7 +103,7 @@ class GuardServer:
         self._admin: grpc.aio.Server | None = None
         self._tap: grpc.aio.Server | None = None  # server.tap's listener
         self.tap_port = 0
-        self._metrics_httpd = None
+        self._metrics_httpd: WSGIServer | None = None
         self.reloader: ConfigReloader | None = None
         self._watch_task: asyncio.Task | None = None
         self._loaded = False
@@ -168,18 +171,19 @@ class GuardServer:
         except BaseException:
             await self.stop(grace=0)
             raise
+        tap = self.config.server.tap if self._tap is not None else None
         emit("server_started", version=__version__, grpc_port=self.grpc_port,
              admin=f"{self.config.server.admin_host}:{self.admin_port}",
              metrics=f"http://{self.config.server.host}:{self.metrics_port}/metrics",
              models=sorted(self.models),
-             tap=f"{self.config.server.tap.host}:{self.tap_port}" if self._tap else None,
+             tap=f"{tap.host}:{self.tap_port}" if tap is not None else None,
              http_port=self.http_port or None,
              sampling_key=self.sampling_key, malloc=tune_for_inference(),
              data_plane="envoy" if self.envoy is not None else "python")
 
     async def _start_servers(self) -> None:
         server_config = self.config.server
-        edges = None  # the Python data plane: every edge the config asks for
+        edges: list[Edge] | None = None  # the Python data plane: every edge the config asks for
         if self.envoy is not None and self.envoy.attached:  # health: guard's container probes
             edges = [health_only(server_config.grpc_port, "server.grpc_port")]
         elif self.envoy is not None:  # Envoy listens on grpc_port, routes gRPC health here
@@ -208,13 +212,14 @@ class GuardServer:
                                  server_credentials(tap.tls))
             await self._tap.start()
         try:
-            self._metrics_httpd, _ = start_http_server(
+            httpd, _ = start_http_server(
                 server_config.metrics_port, addr=server_config.host, registry=self.exposition
             )
         except OSError as exc:
             raise GuardError(f"server.metrics_port: cannot listen on {server_config.host}:"
                              f"{server_config.metrics_port}: {exc.strerror or exc}") from None
-        self.metrics_port = self._metrics_httpd.server_port
+        self._metrics_httpd = httpd
+        self.metrics_port = httpd.server_port
         await self._admin.start()
         if self.config.context.source_path is not None:
             self.reloader = ConfigReloader(
@@ -285,6 +290,7 @@ def _on_own_thread(function, *args) -> asyncio.Future:
             future.set_result(result)
 
     def run() -> None:
+        outcome: tuple[Any, BaseException | None]
         try:
             outcome = (function(*args), None)
         except BaseException as exc:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from typing import cast
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -106,7 +107,8 @@ class DataPlane:
         (guard/protocol/raw.py). The upstream validates the request and its gRPC status comes
         back unchanged."""
         with Call(self, model.name, timeout) as call:
-            backend = call.route()
+            # (forward() serves the models whose every backend forwards: ``forwards``)
+            backend = cast(Forwarding, call.route())
             answer = await backend.forward_raw(data, timeout, metadata)
             call.answered()
             call.hand_off(request_id, wire.Messages, data, answer)

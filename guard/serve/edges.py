@@ -4,11 +4,11 @@ every edge ``EDGES`` builds for the config, turns them ready together, and stops
 
 An edge is one object with a ``port`` and three coroutines (``Edge``): ``start`` (listening;
 liveness answers, readiness not yet), ``set_ready`` and ``stop(grace)`` (no new calls; those in
-flight get ``grace`` seconds). A new protocol is one module with an edge and its factory, and
-one line in ``EDGES``: ``(dataplane, settings, ports) -> Edge | None`` (None: the config does
-not ask for it; ``ports``: the ports the first serving process bound, by edge name, which an
-extra serving process binds too (SO_REUSEPORT); empty in the first). The Open Inference Protocol over gRPC is the first one, the OpenAI-compatible HTTP edge
-(guard/serve/openai_edge.py) the second.
+flight get ``grace`` seconds). A new protocol is one module with an edge and its factory, and one
+line in ``EDGES``: ``(dataplane, settings, ports) -> Edge | None`` (None: the config does not ask
+for it; ``ports``: the ports the first serving process bound, by edge name, which an extra serving
+process binds too (SO_REUSEPORT); empty in the first). The Open Inference Protocol over gRPC is the
+first one, the OpenAI-compatible HTTP edge (guard/serve/openai_edge.py) the second.
 """
 
 from __future__ import annotations

@@ -1,12 +1,11 @@
 """One served model, in a serving process: the backends that answer (primary, fallback), the
 route word that says which one, and the hand-off of sampled requests to the verifier.
 
-The request path touches three things only: ``route()`` (one shared-memory load),
-``sample_flags()`` (a sampling decision) and, for a sampled request, ``hand_off()`` (one copy of
-its ``wire.Sample`` into the sample ring)
-and the pre-resolved metric children. The reference, the checks, the detectors, capture and the
-repair live in the verifier process (guard/verifier_process/model.py); what they decide comes back as
-the route word and, for a repair, as ``use_primary``.
+The request path touches three things only: ``route()`` (one shared-memory load), ``sample_flags()``
+(a sampling decision) and, for a sampled request, ``hand_off()`` (one copy of its ``wire.Sample``
+into the sample ring) and the pre-resolved metric children. The reference, the checks, the
+detectors, capture and the repair live in the verifier process (guard/verifier_process/model.py);
+what they decide comes back as the route word and, for a repair, as ``use_primary``.
 """
 
 from __future__ import annotations
@@ -220,7 +219,7 @@ class ServedModel:
 
     def unwatch_routes(self, queue: asyncio.Queue) -> None:
         with self._watchers_lock:
-            self._watchers = [(l, q) for l, q in self._watchers if q is not queue]
+            self._watchers = [(loop, q) for loop, q in self._watchers if q is not queue]
 
     def end_watches(self) -> None:
         """Ends every WatchRoute stream (at shutdown, so that it does not wait out the grace)."""

@@ -47,7 +47,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Callable
+from typing import Callable, Mapping, cast
 
 import aiohttp
 from aiohttp import web
@@ -84,7 +84,7 @@ class OpenAIEdge:
 
     name = "openai-http"
 
-    def __init__(self, models: Callable[[], dict[str, ServedModel]], metrics: GuardMetrics,
+    def __init__(self, models: Callable[[], Mapping[str, ServedModel]], metrics: GuardMetrics,
                  server_config, port: int | None = None, *, forwarding: bool = True,
                  host: str | None = None, key: str = "server.http_port"):
         """``port``: the port the first serving process bound (an extra serving process binds
@@ -134,7 +134,7 @@ class OpenAIEdge:
             await self._runner.cleanup()
             raise GuardError(f"{self.key}: cannot listen on {self.host}:"
                              f"{self._bind_port}: {exc.strerror or exc}") from None
-        self.port = self._site._server.sockets[0].getsockname()[1]
+        self.port = self._runner.addresses[0][1]
 
     async def set_ready(self, ready: bool) -> None:
         self.ready = ready
@@ -212,8 +212,10 @@ class OpenAIEdge:
         self.in_flight += 1
         model.requests_in_flight += 1
         try:
-            return await _Forward(self, request, call, model, route, backend, request_id,
-                                  flags, epoch, started, data).run()
+            # (a generation model is served by openai backends: the plan's llm roles)
+            return await _Forward(self, request, call, model, route,
+                                  cast(OpenAIBackend, backend), request_id, flags, epoch,
+                                  started, data).run()
         finally:
             self.in_flight -= 1
             model.requests_in_flight -= 1
@@ -256,6 +258,7 @@ class _Forward:
         if session is None:  # connect() runs at start; a reload's new backend connects here
             await self.backend.connect()
             session = self.backend.session
+            assert session is not None, "connect() opens the session"
         try:
             upstream = await session.post(
                 self.backend.url(self.request.path), data=self.payload,

@@ -207,12 +207,12 @@ class ServingPool:
         self.metrics.serving_processes.set(1 + sum(other.ready for other in self.others))
 
     # -- every serving process alike ---------------------------------------------------------------
-    def call_all(self, message: Message, timeout: float) -> list[Message]:
+    def call_all(self, message: Message, timeout: float) -> list[Message | None]:
         """``message`` to every serving process that serves now, the own one included (handled
         by the same handlers); the replies (one that did not answer gives ``Failed``)."""
         pending = [(other, other.call_async(message)) for other in self.others]
         try:
-            replies = [self.local.handlers()(message)]
+            replies: list[Message | None] = [self.local.handlers()(message)]
         except Exception as exc:
             replies = [Failed(f"serving process 0: {type(exc).__name__}: {exc}")]
         for other, future in pending:

@@ -104,17 +104,17 @@ class ModelRegistry:
         loaded everywhere), drop the rest of what was prepared and the ``removed`` models;
         each replaced one is retired (``retire``)."""
         prepared, self.prepared = self.prepared, {}
-        retired = []
+        retired: list[ServedModel | None] = []
         for name, model in prepared.items():
             if name in names:
-                retired.append(self.models.get(name))
+                retired.append(self.models.get(name))  # (None: not served before)
                 self.models[name] = model  # the swap
             else:
                 retired.append(model)
         retired.extend(self.models.pop(name, None) for name in removed)
-        for model in retired:
-            if model is not None:
-                asyncio.create_task(retire(model, report_s))
+        for old in retired:
+            if old is not None:
+                asyncio.create_task(retire(old, report_s))
 
     def use_primary(self, message: UsePrimary) -> str:
         """A repair's variant (or the primary as configured back); "" when done, otherwise

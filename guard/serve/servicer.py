@@ -21,6 +21,8 @@ from guard.observe import tracing
 from guard.protocol import raw
 from guard.protocol.codec import InferenceError, decode_request, encode_response, stamp_route
 from guard.serve.dataplane import DataPlane
+from guard.serve.lookup import abort
+from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.servicer")
 
@@ -59,22 +61,23 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelInferBytes(self, data: bytes, context) -> bytes:
         """ModelInfer as registered: peek at the model name and id; forward the bytes, or parse
         and answer."""
-        model = name = request_id = None
+        model: ServedModel | None = None
+        name = request_id = ""
         if self.dataplane.forwards:  # only then can a request skip the parse
             try:
                 name, _, request_id = raw.peek(data)
             except raw.MalformedMessage as exc:
                 self.dataplane.count_error("", "INVALID_ARGUMENT")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"not a ModelInferRequest: {exc}")
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"not a ModelInferRequest: {exc}")
             model = self.dataplane.models.get(name)
         if model is None or not model.forwards_only:
             try:
                 request = pb.ModelInferRequest.FromString(data)
             except DecodeError as exc:
                 self.dataplane.count_error(name or "", "INVALID_ARGUMENT")
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
-                                    f"not a ModelInferRequest: {exc}")
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                            f"not a ModelInferRequest: {exc}")
             if not tracing.enabled():  # the common case: one coroutine, no span work
                 return (await self._infer(request, context, None)).SerializeToString()
             return (await self.ModelInfer(request, context)).SerializeToString()
@@ -121,6 +124,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         if result.message is not None:  # an upstream's answer, passed through
             stamp_route(result.message, result.route)
             return result.message
+        assert result.outputs is not None  # (no message: guard's own answer)
         try:
             return encode_response(decoded, result.outputs, result.route)
         except Exception as exc:

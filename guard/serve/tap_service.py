@@ -9,11 +9,12 @@ model whose route guard switches for its own clients (and guard never answers a 
 ModelInfer for it is FAILED_PRECONDITION too, see ServedModel.route). A caller outside the
 allow-list gets PERMISSION_DENIED.
 
-A model server that cannot put guard in its request path calls ``Observe`` with each request and
-the response it already gave; guard hands a sampled pair to the verifier exactly as if it had
-answered itself (as protocol bytes: decoded only there) and returns at once. ``WatchRoute`` streams the route guard wants
-(the current one first, then every change), so the server can switch to its own fallback.
-Observed requests count in ``guard_requests_total`` under the route the server says answered.
+A model server that cannot put guard in its request path calls ``Observe`` with each request and the
+response it already gave; guard hands a sampled pair to the verifier exactly as if it had answered
+itself (as protocol bytes: decoded only there) and returns at once. ``WatchRoute`` streams the route
+guard wants (the current one first, then every change), so the server can switch to its own
+fallback. Observed requests count in ``guard_requests_total`` under the route the server says
+answered.
 """
 
 from __future__ import annotations

@@ -29,7 +29,7 @@ log = logging.getLogger("guard.tls")
 
 
 def _stamp(paths: tuple[str, ...]) -> tuple:
-    out = []
+    out: list[tuple[int, int, int] | None] = []
     for path in paths:
         try:
             st = os.stat(path)

@@ -206,7 +206,7 @@ class VerifierLink:
             channel.close()
         self.up.set(0)
 
-    # -- talking -------------------------------------------------------------------------------------
+    # -- talking -----------------------------------------------------------------------------------
     def call(self, message: Message, timeout: float = 30.0) -> Message:
         """A request to the verifier; ``VerifierUnavailable`` while it is down or restarting."""
         with self._lock:

@@ -92,7 +92,7 @@ class ServingWorker:
 
     def _stop(self, message: Stop) -> None:
         self.grace = message.grace
-        self.loop.call_soon_threadsafe(self.stopping.set)
+        self._serving_loop().call_soon_threadsafe(self.stopping.set)
 
     def _use_primary(self, message: UsePrimary) -> Failed | None:
         error = self.registry.use_primary(message)
@@ -100,7 +100,12 @@ class ServingWorker:
 
     def _run(self, coroutine):
         """Run a coroutine on the worker's event loop and wait for it (from another thread)."""
-        return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result()
+        return asyncio.run_coroutine_threadsafe(coroutine, self._serving_loop()).result()
+
+    def _serving_loop(self) -> asyncio.AbstractEventLoop:
+        """The event loop the worker serves on (``listen`` sets it; handlers run after)."""
+        assert self.loop is not None, "the serving worker is not listening yet"
+        return self.loop
 
     def _init(self, message: Init) -> Ready | Failed:
         self.config = config = config_from_wire(message.config)
@@ -149,6 +154,7 @@ class ServingWorker:
 
     async def set_ready(self) -> None:
         """Every model is loaded: requests are routed to them, and the edges say ready."""
+        assert self.dataplane is not None, "listen() comes first"
         self.dataplane.models_changed()
         self.dataplane.loading = False
         for edge in self.edges:

@@ -31,14 +31,19 @@ noise, which a tolerance above float noise never notices (tests/unit/test_mirror
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from guard.backends import batching
 from guard.verify.batched import check_stacked_results
 from guard.verify.pipeline import CheckResult, Comparator
+
+if TYPE_CHECKING:  # (mirror.py imports this module)
+    from guard.observe.tracing import RecordedSpan
+    from guard.verifier_process.mirror import MirrorSample
 
 # Tiers 1 and 3 at once pay a few dozen numpy calls per group, one sample alone a pure-Python
 # fast path (~20 us for 10 logits): measured, the group wins from about 8 samples on.
@@ -53,8 +58,8 @@ Call = Callable[[Callable, dict, str], dict]
 class Held:
     """One sample on its way through a batch, and what became of it."""
 
-    sample: object  # a MirrorSample
-    span: object = None  # its RecordedSpan when traced
+    sample: MirrorSample
+    span: RecordedSpan | None = None  # when traced
     probed: bool = False  # the primary ran for it (the fallback answered the client)
     reference: dict | None = None  # the reference's answer
     seconds: float = 0.0  # the reference call's wall time (a stacked call's, for each)
@@ -65,6 +70,12 @@ class Held:
     @property
     def pending(self) -> bool:
         return self.failed is None and not self.timed_out
+
+    @property
+    def answer(self) -> dict:
+        """The reference's answer of a sample still pending after ``reference()``."""
+        assert self.reference is not None, "a pending sample without a reference answer"
+        return self.reference
 
 
 def probe(call: Call, primary, held: list[Held]) -> None:
@@ -180,7 +191,7 @@ def _groups(held: list[Held]) -> list[list[Held]]:
     return list(groups.values()) + alone
 
 
-def _layout(arrays: dict, n: int) -> tuple | None:
+def _layout(arrays: Mapping, n: int) -> tuple | None:
     """Names, dtypes and trailing shapes of ``arrays`` (what must agree for them to stack);
     None unless each has one row per input row (``n``)."""
     key = []
@@ -199,13 +210,13 @@ def check(comparator: Comparator, held: list[Held]) -> None:
         sample = h.sample
         if sample.only_outputs and not h.probed:
             # The answer holds only what the client asked for (upstream): compare just that.
-            h.reference = {k: v for k, v in h.reference.items() if k in sample.only_outputs}
+            h.reference = {k: v for k, v in h.answer.items() if k in sample.only_outputs}
             sample.outputs = {k: v for k, v in sample.outputs.items()
                               if k in sample.only_outputs}
     groups: dict[tuple, list[Held]] = {}
     for h in ready if len(ready) >= STACKED_CHECKS_FROM else ():
         n = batching.rows(h.sample.inputs) if h.sample.inputs else 0
-        ref = _layout(h.reference, n) if n else None
+        ref = _layout(h.answer, n) if n else None
         out = _layout(h.sample.outputs, n) if ref is not None else None
         if out is not None:
             groups.setdefault((ref, out), []).append(h)
@@ -213,11 +224,11 @@ def check(comparator: Comparator, held: list[Held]) -> None:
         if len(group) < STACKED_CHECKS_FROM:
             continue
         results = check_stacked_results(
-            comparator, batching.stack([h.reference for h in group]),
+            comparator, batching.stack([h.answer for h in group]),
             batching.stack([h.sample.outputs for h in group]),
             [batching.rows(h.sample.inputs) for h in group])
         for h, result in zip(group, results):
             h.check = result
     for h in ready:
         if h.check is None:
-            h.check = comparator.check(h.reference, h.sample.outputs, inputs=h.sample.inputs)
+            h.check = comparator.check(h.answer, h.sample.outputs, inputs=h.sample.inputs)

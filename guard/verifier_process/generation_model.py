@@ -34,6 +34,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from functools import partial
+from typing import TYPE_CHECKING, Callable, cast
 
 import numpy as np
 
@@ -43,7 +44,7 @@ from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes
-from guard.ipc.wire import CAPTURE, MIRROR, Sample
+from guard.ipc.wire import CAPTURE, MIRROR, Generation, Sample
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
@@ -53,6 +54,10 @@ from guard.protocol.generation import GenerationSample
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
 from guard.verifier_process.model import VerifiedModel
 from guard.verify.pipeline import Comparator
+
+if TYPE_CHECKING:
+    from guard.backends.scoring import ReferenceScores, Scorer
+    from guard.verify.generation import GenerationCheck, GenerationThresholds, GenerationTier
 
 log = logging.getLogger("guard.verifier_process.generation_model")
 TIER = "generation"
@@ -85,14 +90,14 @@ def generation_policy(config: ModelConfig) -> RoutePolicy:
 
 @dataclass
 class GenerationMirrorSample(MirrorSample):
-    generation: GenerationSample | None = None
+    generation: GenerationSample = field(kw_only=True)
 
 
 @dataclass
 class GenerationResult:
     sample: GenerationMirrorSample
     completion: GenerationSample  # what was compared (the probe's, when the primary was probed)
-    check: object  # guard.verify.generation.GenerationCheck
+    check: GenerationCheck
     reference_seconds: float
     probed: bool
 
@@ -112,11 +117,15 @@ class GenerationMirror(Mirror):
     sample: probe the primary when the fallback answered, score, run the tier. One completion
     at a time: scoring one is a forward pass over its tokens, which no stacking amortises."""
 
-    def __init__(self, model: str, config, scorer, probe, check, metrics, on_result,
-                 on_unchecked, on_span, on_finished):
+    def __init__(self, model: str, config, scorer: Scorer,
+                 probe: Callable[[GenerationSample], GenerationSample] | None,
+                 check: Callable[[GenerationSample, ReferenceScores], GenerationCheck], metrics,
+                 on_result: Callable[[GenerationResult], None],
+                 on_unchecked: Callable[[GenerationMirrorSample, str], None], on_span,
+                 on_finished: Callable[[GenerationMirrorSample], None]):
         super().__init__(model, config, scorer, None, None, metrics, on_result, on_unchecked,
                          on_span, on_finished)
-        self.probe, self.check = probe, check
+        self.scorer, self.probe, self.check = scorer, probe, check
 
     def _limit(self) -> int:
         return 1
@@ -131,7 +140,7 @@ class GenerationMirror(Mirror):
                 log.exception("mirror worker for %s failed on a sample", self.model)
                 self._outcomes["error"].inc()
             self._finished(held.sample)
-            if held.span is not None:
+            if held.span is not None and self.on_span is not None:  # (a span only with on_span)
                 self.on_span(held.span.end())
 
     def _process(self, sample: GenerationMirrorSample, span) -> None:
@@ -141,13 +150,13 @@ class GenerationMirror(Mirror):
         try:
             if probed:
                 stage = "primary probe"
-                if self.probe is None:
+                probe = self.probe
+                if probe is None:
                     raise BackendError("no primary to probe")
-                completion = self._call(lambda _: self.probe(sample.generation), sample, stage,
-                                        span)
+                completion = self._call(lambda _: probe(sample.generation), sample, stage, span)
                 stage = "reference"
             started = time.perf_counter()
-            scores = self._call(lambda _: self.reference.score(completion), sample, stage, span)
+            scores = self._call(lambda _: self.scorer.score(completion), sample, stage, span)
             seconds = time.perf_counter() - started
         except _Abandoned:
             raise
@@ -181,7 +190,7 @@ class KldWindow:
         self.last_divergence: dict | None = None
         self._lock = threading.Lock()
 
-    def add(self, check) -> None:
+    def add(self, check: GenerationCheck) -> None:
         with self._lock:
             if not math.isnan(check.mean_kld):
                 self._kld.append(check.mean_kld)
@@ -226,16 +235,16 @@ class VerifiedGenerationModel(VerifiedModel):
         self.mirror: GenerationMirror | None = None
         self.capture: CaptureWriter | None = None
         self.window = KldWindow(config.policy.window)
-        self._limits = None
+        self._limits: GenerationThresholds | None = None
         self._in_hand = 0
         self._in_hand_lock = threading.Lock()
         self._last_event = 0.0
         self._suppressed_events = 0
-        self._last_failure: dict | None = None  # (epoch, evidence) of the latest failing one
+        self._last_failure: tuple[int, dict] | None = None  # (epoch, evidence): latest failure
         metrics.declare_model(self.name, self.policy_tiers)
         metrics.declare_generation_model(self.name)
         metrics.mirror.labels(self.name, "not_comparable")
-        self._checks = {r: metrics.checks.labels(self.name, TIER, r) for r in ("pass", "fail")}
+        self._verdicts = {r: metrics.checks.labels(self.name, TIER, r) for r in ("pass", "fail")}
         self._kld = metrics.generation_kld.labels(self.name)
         self._top1 = metrics.generation_top1_agreement.labels(self.name)
         self._divergence = metrics.generation_first_divergence.labels(self.name)
@@ -251,13 +260,16 @@ class VerifiedGenerationModel(VerifiedModel):
              start_capture: bool = True) -> None:
         config = self.config
         if config.reference is not None:
-            scorer = create_backend(config.reference, "reference", config.mirror.threads)
+            # (a scorer: the plan refuses any other reference for a generation model,
+            # guard/plan/serving.py llm_role_problems)
+            scorer = cast("Scorer", create_backend(config.reference, "reference",
+                                                   config.mirror.threads))
             scorer.load()
             self.backends["reference"] = scorer
             # The registered tiers that take a sampled call (guard/verify/tiers.py): the
             # generation tier, with the primary server's declared sampling defaults.
             self.comparator = Comparator.for_model(config)
-            tier = self.comparator.tier(TIER)
+            tier = cast("GenerationTier", self.comparator.tier(TIER))  # (the registry's)
             self._limits = tier.limits
             comparator = self.comparator
             if config.mirror.sample_rate > 0:
@@ -268,8 +280,8 @@ class VerifiedGenerationModel(VerifiedModel):
                 self.mirror = GenerationMirror(
                     self.name, config.mirror, scorer, probe,
                     lambda sample, scores: comparator.check(scores, sample).tiers[TIER],
-                    self.metrics, self._on_result, self._on_unchecked, self.serving.span,
-                    self._finished)
+                    self.metrics, self._on_completion, self._completion_unchecked,
+                    self.serving.span, self._finished)
         if resume_word is not None:
             route, _, epoch = routes.unpack(resume_word)
             self.policy.resume(route, epoch, routes.override_of(resume_word))
@@ -299,9 +311,12 @@ class VerifiedGenerationModel(VerifiedModel):
     def accept(self, sample: Sample, request: tuple = ((), ())) -> None:
         """A sampled call a serving process handed off (``sample.payload``: a
         ``wire.Generation``): to the mirror and/or to capture."""
-        call: GenerationSample = sample.payload.call
+        payload = sample.payload
+        assert isinstance(payload, Generation), "a generation model's ring record is a call"
+        call: GenerationSample = payload.call
+        capture = self.capture
         tag = None
-        if self.capture is not None:
+        if capture is not None:
             tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
                              bool(sample.flags & CAPTURE))
         mirrored = False
@@ -313,16 +328,16 @@ class VerifiedGenerationModel(VerifiedModel):
             self.mirror.accept(GenerationMirrorSample(
                 {}, {}, sample.route, sample.epoch, time.monotonic(), (), sample.traceparent,
                 tag, sample.size, generation=call))
-        if tag is not None and tag.record and not mirrored:
-            self.capture.submit(self._pending(tag, sample.route, sample.epoch, call))
+        if capture is not None and tag is not None and tag.record and not mirrored:
+            capture.submit(self._pending(tag, sample.route, sample.epoch, call))
 
     # -- mirror worker ---------------------------------------------------------------------------
-    def _on_result(self, result: GenerationResult) -> None:
+    def _on_completion(self, result: GenerationResult) -> None:
         check, sample = result.check, result.sample
         if not check.comparable and check.mode != "tokenization_mismatch":
             self._not_comparable.inc()
             self.window.not_comparable += 1
-            self._capture_checked(result)
+            self._capture_completion(result)
             return
         self.metrics.mirror.labels(self.name, "compared").inc()
         if not math.isnan(check.mean_kld):
@@ -330,7 +345,7 @@ class VerifiedGenerationModel(VerifiedModel):
         if not math.isnan(check.top1_agreement):
             self._top1.observe(check.top1_agreement)
         self.window.add(check)
-        self._checks["pass" if check.passed else "fail"].inc()
+        self._verdicts["pass" if check.passed else "fail"].inc()
         if not check.passed:
             if check.first_divergence is not None:
                 self._divergence.observe(check.first_divergence.position + 1)
@@ -343,7 +358,7 @@ class VerifiedGenerationModel(VerifiedModel):
             if self._last_failure is not None and self._last_failure[0] == sample.epoch:
                 evidence["last_failure"] = self._last_failure[1]
             self.record(transition, evidence)
-        self._capture_checked(result)
+        self._capture_completion(result)
 
     def _evidence(self, result: GenerationResult) -> dict:
         check = result.check
@@ -386,13 +401,14 @@ class VerifiedGenerationModel(VerifiedModel):
                              reference_seconds=result.reference_seconds if result else 0.0,
                              probed=bool(result and result.probed))
 
-    def _capture_checked(self, result: GenerationResult) -> None:
+    def _capture_completion(self, result: GenerationResult) -> None:
         if not self._wants_capture(result.sample.tag, result.check.passed):
             return
         s = result.sample
+        assert self.capture is not None and s.tag is not None  # (_wants_capture)
         self.capture.submit(self._pending(s.tag, s.route, s.epoch, s.generation, result))
 
-    def _on_unchecked(self, sample: GenerationMirrorSample, outcome: str) -> None:
+    def _completion_unchecked(self, sample: GenerationMirrorSample, outcome: str) -> None:
         tag = sample.tag
         if self.capture is not None and tag is not None and tag.record:
             self.capture.submit(self._pending(tag, sample.route, sample.epoch, sample.generation))

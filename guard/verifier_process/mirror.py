@@ -10,15 +10,15 @@ model takes what waits in the queue, up to ``mirror.max_batch`` samples, runs th
 over them as a batch (guard/verifier_process/batch.py: stacked forward passes, tiers 1 and 3
 at once), and hands each result to a callback in arrival order.
 
-Timeouts: the worker runs the reference and probe calls itself, one at a time, and a watchdog
-thread gives up on a call that has run ``timeout_s`` (it looks every ``timeout_s / 2``, at most
-every second): it counts the samples the worker holds (its batch) as ``timeout`` and hands the
-queue to a new worker. A hung call cannot be killed in Python; later calls then wait behind it,
-time out in turn and are counted as ``timeout``, the queue fills, and further samples are
-counted as ``dropped``. The request path is never affected. Why the calls are not handed to a helper thread that the worker
-waits on: each sample would then wake two more threads, and on a VM a wake-up costs ~30 us of
-CPU, a third of a small reference's forward pass. The CPU budget of the reference is its own
-thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
+Timeouts: the worker runs the reference and probe calls itself, one at a time, and a watchdog thread
+gives up on a call that has run ``timeout_s`` (it looks every ``timeout_s / 2``, at most every
+second): it counts the samples the worker holds (its batch) as ``timeout`` and hands the queue to a
+new worker. A hung call cannot be killed in Python; later calls then wait behind it, time out in
+turn and are counted as ``timeout``, the queue fills, and further samples are counted as
+``dropped``. The request path is never affected. Why the calls are not handed to a helper thread
+that the worker waits on: each sample would then wake two more threads, and on a VM a wake-up costs
+~30 us of CPU, a third of a small reference's forward pass. The CPU budget of the reference is its
+own thread pool (``mirror.threads``), and both mirror threads run ``mirror.nice`` steps below the
 request path (guard/runtime/priority.py): on a busy machine they take the CPU it leaves.
 """
 
@@ -28,9 +28,10 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -44,6 +45,10 @@ from guard.verifier_process import batch
 from guard.verifier_process.batch import BackendBusy, Held
 from guard.verify.pipeline import CheckResult, Comparator
 
+if TYPE_CHECKING:
+    from guard.capture.writer import CaptureTag
+    from guard.verifier_process.primary import CurrentPrimary
+
 log = logging.getLogger("guard.mirror")
 _ERROR_LOG_INTERVAL_S = 10.0
 
@@ -51,13 +56,13 @@ _ERROR_LOG_INTERVAL_S = 10.0
 @dataclass
 class MirrorSample:
     inputs: dict[str, np.ndarray]
-    outputs: dict[str, np.ndarray]  # what the route answered; the probe replaces it if needed
+    outputs: Mapping[str, np.ndarray]  # what the route answered; the probe replaces it if needed
     route: str  # "primary" or "fallback": who answered the client
     epoch: int  # the policy epoch when the request was routed
     enqueued_at: float
     only_outputs: tuple[str, ...] = ()  # compare just these ("" = all): the client's request
     trace_context: str = ""  # the request's W3C traceparent, when tracing is on
-    tag: object = None  # opaque to the mirror, handed back with the result (capture uses it)
+    tag: CaptureTag | None = None  # opaque to the mirror, handed back with the result (capture's)
     size: int = 0  # bytes of the record it came in (the queue's byte budget)
 
 
@@ -91,14 +96,18 @@ class Mirror:
         model: str,
         config: MirrorConfig,
         reference: Backend,
-        primary: Backend,
-        comparator: Comparator,
+        primary: Backend | CurrentPrimary | None,
+        comparator: Comparator | None,
         metrics: GuardMetrics,
-        on_result: Callable[[MirrorResult], None],
-        on_unchecked: Callable[[MirrorSample, str], None] | None = None,
+        # Any: a MirrorResult here; a subclass's own kind of sample and result where it checks
+        # its own way (GenerationMirror: a GenerationMirrorSample, a GenerationResult).
+        on_result: Callable[[Any], None],
+        on_unchecked: Callable[[Any, str], None] | None = None,
         on_span: Callable[[dict], None] | None = None,
-        on_finished: Callable[[MirrorSample], None] | None = None,
+        on_finished: Callable[[Any], None] | None = None,
     ):
+        # ``primary`` and ``comparator``: None only for a subclass that checks its own way
+        # (GenerationMirror, whose _handle needs neither).
         self.model = model
         self.config = config
         self.reference = reference
@@ -274,6 +283,7 @@ class Mirror:
         each sample's outcome in arrival order."""
         call = partial(self._watched, hand=hand)
         try:
+            assert self.comparator is not None, "a tensor mirror without a comparator"
             batch.probe(call, self.primary, hand)
             if self._stacks is None:  # (the backend's signature is known once it is loaded)
                 self._stacks = batch.stacks(self.reference)
@@ -292,7 +302,7 @@ class Mirror:
             except Exception:  # a bug downstream; the sample is still accounted for below
                 log.exception("handing a check result for %s on failed", self.model)
             self._finished(h.sample)
-            if h.span is not None:
+            if h.span is not None and self.on_span is not None:  # (a span only with on_span)
                 self.on_span(h.span.end())
         if compared:
             self._outcomes["compared"].inc(compared)
@@ -308,6 +318,7 @@ class Mirror:
             self._failed(sample, *h.failed)
             return False
         check = h.check
+        assert check is not None, "a pending sample left the checks without a result"
         if check.unmatched:  # names, not numbers: an error of the pairing, never drift
             self._outcomes["error"].inc()
             self._log_error(f"outputs only the reference gives: {check.unmatched['reference']}, "
@@ -373,7 +384,7 @@ class Mirror:
             for h in flight.held:  # the batch the abandoned worker held: none of it is checked
                 self._timed_out(h.sample, flight.stage, h.span)
                 self._finished(h.sample)
-                if h.span is not None:
+                if h.span is not None and self.on_span is not None:
                     self.on_span(h.span.end())
 
     def _timed_out(self, sample: MirrorSample, stage: str, span) -> None:

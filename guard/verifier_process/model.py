@@ -12,6 +12,7 @@ import logging
 import threading
 import time
 from functools import partial
+from typing import TYPE_CHECKING
 
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
@@ -26,6 +27,11 @@ from guard.verifier_process.primary import CurrentPrimary
 from guard.verify.pair import CheckedPair
 from guard.verify.pipeline import CheckResult, Comparator
 from guard.verify.tiers import detector_tiers
+
+if TYPE_CHECKING:  # (imported where a model uses them)
+    from guard.verifier_process.ops_fallback import OpsFallback
+    from guard.verify.activation import ActivationChecker
+    from guard.verify.activation.report import ActivationReport
 
 log = logging.getLogger("guard.verifier_process.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
@@ -80,20 +86,23 @@ class VerifiedModel:
                                   (metrics.detector_p0, "null_rate"),
                                   (metrics.detector_p1, "alarm_rate")):
                 gauge.labels(self.name, tier).set_function(partial(self._figure, tier, figure))
-        self.activation = None  # tier 2's checker, built at load
-        self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
+        self.activation: ActivationChecker | None = None  # tier 2's checker, built at load
+        # (epoch, ActivationReport) of the latest tier-2 check
+        self._last_activation: tuple[int, ActivationReport] | None = None
         self._last_activation_event = 0.0
         self._suppressed_activation_events = 0
         # The one owner of the primary the checks run (a repair's variant or as configured).
         self.primary = (CurrentPrimary(self.name, self.backends["primary"], serving,
                                        self._repaired) if self.pair else None)
-        self.ops = None
-        if config.policy.uses("fallback_ops") and self.primary is not None:
+        self.ops: OpsFallback | None = None
+        if (config.policy.uses("fallback_ops") and self.primary is not None
+                and self.comparator is not None):  # (both come with the pair)
             from guard.verifier_process.ops_fallback import OpsFallback
 
+            comparator = self.comparator
             self.ops = OpsFallback(
                 config, self.primary, self.policy, lambda: self.backends["reference"],
-                lambda reference, outputs, inputs: self.comparator.check(
+                lambda reference, outputs, inputs: comparator.check(
                     reference, outputs, inputs).passed,
                 lambda: self.activation, lambda t: self.record(t, t.evidence))
 
@@ -203,6 +212,7 @@ class VerifiedModel:
     def accept_many(self, samples: list[tuple[Sample, tuple]]) -> None:
         """``accept`` for the samples the ring reader drained for this model, in order: the
         mirrored ones go to the mirror in one hand-off (one wake-up of its worker)."""
+        mirror, capture = self.mirror, self.capture
         mirrored: list[MirrorSample] = []
         stale: list[MirrorSample] = []
         # Stale: handed off while this model was checking (not while a verifier restarted or a
@@ -211,13 +221,13 @@ class VerifiedModel:
         for sample, request in samples:
             inputs, only_outputs = request
             tag = None
-            if self.capture is not None:
+            if capture is not None:
                 tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
                                  bool(sample.flags & CAPTURE))
             # Handed to the mirror, the sample is its to account for: checked, or told back
             # through _on_unchecked (dropped, error, timeout), which records it. Recording a
             # dropped sample here as well wrote every dropped request twice.
-            if sample.flags & MIRROR and self.mirror is not None:
+            if sample.flags & MIRROR and mirror is not None:
                 try:
                     outputs = sample.payload.answer()
                 except Exception as exc:  # an answer that parses but does not decode: the
@@ -231,15 +241,17 @@ class VerifiedModel:
                     sample.traceparent, tag, sample.size)
                 (stale if self._born_ns < sample.unix_nanos < stale_before
                  else mirrored).append(taken)
-            elif tag is not None and tag.record:
-                self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
-                                                  sample.payload.answer))
+            elif capture is not None and tag is not None and tag.record:
+                capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
+                                             sample.payload.answer))
+        if mirror is None:  # (then nothing was mirrored)
+            return
         if mirrored or stale:
             self._took(len(mirrored) + len(stale))
         if stale:  # waited in the ring past _STALE_NS: a mirror that stays behind drops
-            self.mirror.drop(stale)
+            mirror.drop(stale)
         if mirrored:
-            self.mirror.accept_many(mirrored)
+            mirror.accept_many(mirrored)
 
     def _took(self, n: int = 1) -> None:
         with self._in_hand_lock:
@@ -251,7 +263,7 @@ class VerifiedModel:
             self._in_hand = max(0, self._in_hand - 1)
             self.table.set(self.slot, routes.IN_HAND, self._in_hand)
 
-    # -- mirror worker -------------------------------------------------------------------------------
+    # -- mirror worker -----------------------------------------------------------------------------
     def _on_result(self, result: MirrorResult) -> None:
         check: CheckResult = result.check
         if "tensor" in check.tiers:  # a generative model's samples have no tier 1
@@ -288,6 +300,8 @@ class VerifiedModel:
         if not self._wants_capture(result.sample.tag, result.check.passed):
             return
         sample = result.sample
+        assert self.capture is not None and sample.tag is not None  # (_wants_capture)
+        assert self.comparator is not None  # (a result comes from the pair's checks)
         self.capture.submit(PendingRecord(
             sample.tag, sample.route, sample.epoch, sample.inputs, sample.outputs,
             reference=result.reference, tier_reports=self.comparator.tier_reports(result.check),

@@ -6,11 +6,12 @@ backend block computed here, then the verifier's own copy for probes and tier 2 
 route word moves back to the primary. What this needs of its model is named in the constructor:
 the primary's owner, the route policy, the checks and a callback for the transition.
 
-The policy trips the model to its whole-model fallback as for ``fallback_model``; this then runs
-a repair (guard/policy/repair.py) on a thread of its own. When a variant with a few ops kept
-back at reference precision passes (ONNX nodes at fp32, torch_compile submodules run eagerly in
-fp32, TensorRT layers pinned to fp32: guard/policy/keep_back.py), it becomes the primary
-(``CurrentPrimary.use``) and the route goes back to the primary with trigger ``repair``. Every step is an event; a fault ends in the whole-model fallback.
+The policy trips the model to its whole-model fallback as for ``fallback_model``; this then runs a
+repair (guard/policy/repair.py) on a thread of its own. When a variant with a few ops kept back at
+reference precision passes (ONNX nodes at fp32, torch_compile submodules run eagerly in fp32,
+TensorRT layers pinned to fp32: guard/policy/keep_back.py), it becomes the primary
+(``CurrentPrimary.use``) and the route goes back to the primary with trigger ``repair``. Every step
+is an event; a fault ends in the whole-model fallback.
 
 A manual override to ``primary`` restores the primary as configured (no ops kept back): the
 operator's way to say the drift is gone. A repaired primary that trips again goes to the
@@ -103,6 +104,7 @@ class OpsFallback:
             emit("repair_failed", model=self.name, **outcome.evidence(),
                  note="the whole-model fallback keeps serving")
             return
+        assert outcome.backend is not None, "a repair that succeeded built its variant"
         with self._lock:
             policy = self.policy
             if policy.epoch != epoch or policy.route != "fallback":

@@ -1,7 +1,7 @@
 """The verifier process: everything guard does besides answering requests.
 
-Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier_process`` with
-inherited descriptors: the control socket, the route table and one sample ring per serving
+Started by the serving process (guard/serve/supervisor.py) as ``python -m guard.verifier_process``
+with inherited descriptors: the control socket, the route table and one sample ring per serving
 process (memfds; ``server.processes``).
 It is told the config over the control socket (``Init``; every message: guard/ipc/messages.py),
 loads one ``VerifiedModel`` per model (reference, checks, detectors, capture, repair), then:
@@ -33,6 +33,7 @@ import socket
 import sys
 import threading
 import time
+from typing import cast
 
 from prometheus_client import generate_latest
 
@@ -49,7 +50,7 @@ from guard.ipc.ring import SampleRing
 from guard.observe import logformat
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.policy.route import Transition
+from guard.policy.route import Override, Transition
 from guard.verifier_process.generation_model import VerifiedGenerationModel
 from guard.verifier_process.model import VerifiedModel
 from guard.verifier_process.status import model_status
@@ -214,18 +215,19 @@ class VerifierProcess:
         override = message.override
         if override not in _OVERRIDES:
             return Failed(f"route must be one of {sorted(_OVERRIDES)}")
-        model.set_override(override, message.reason)
+        model.set_override(cast(Override, override), message.reason)  # (checked above)
         status = admin_pb.ModelStatus()
         status.CopyFrom(model_status(model))
         return RouteSet(base64.b64encode(status.SerializeToString()).decode())
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
-        """Drain the serving processes' rings (up to ``_DRAIN`` records a round, each ring in
-        turn) and hand each model what it got in one go, so that its mirror checks them as a
-        batch, then let the next batch gather for ``_GATHER_S``; a pause when all are empty,
-        from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier wakes a few times a second, not 50; the first sample
-        after a lull waits at most ``_IDLE_MAX_S``, well inside any mirror timeout).
+        """Drain the serving processes' rings (up to ``_DRAIN`` records a round, each ring in turn)
+        and hand each model what it got in one go, so that its mirror checks them as a batch, then
+        let the next batch gather for ``_GATHER_S``; a pause when all are empty, from ``_IDLE_S``
+        doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier wakes a few times a
+        second, not 50; the first sample after a lull waits at most ``_IDLE_MAX_S``, well inside any
+        mirror timeout).
 
         A round takes no more records than the fullest mirror queue has room for: while a
         queue is full the samples wait in the ring (bounded in bytes, and the request path

@@ -75,7 +75,8 @@ class CanonicalOrderOptions(_Options):
 
 
 class Float64SoftmaxOptions(_Options):
-    outputs: list[str] = Field(min_length=1, description="Logits outputs to turn into probabilities.")
+    outputs: list[str] = Field(min_length=1,
+                               description="Logits outputs to turn into probabilities.")
     axis: int = Field(-1, description="The class axis.")
 
 
@@ -155,13 +156,14 @@ class StableNms:
         o = self.o
         boxes = _require(outputs, o.boxes_output, self.name)
         scores = _require(outputs, o.scores_output, self.name)
-        labels = (np.asarray(outputs[o.classes_output])
-                  if o.classes_output and o.classes_output in outputs else None)
+        classes = o.classes_output
+        labels = np.asarray(outputs[classes]) if classes and classes in outputs else None
         batched = boxes.ndim == 3
         if boxes.shape[-1:] != (4,) or boxes.ndim not in (2, 3):
             raise AdapterError(f"{self.name}: '{o.boxes_output}' must be [N, 4] or [B, N, 4], "
                                f"got {list(boxes.shape)}")
-        if scores.shape != boxes.shape[:-1] or (labels is not None and labels.shape != scores.shape):
+        if scores.shape != boxes.shape[:-1] or (labels is not None
+                                                and labels.shape != scores.shape):
             raise AdapterError(
                 f"{self.name}: shapes do not line up: boxes {list(boxes.shape)}, scores "
                 f"{list(scores.shape)}" + (f", labels {list(labels.shape)}" if labels is not None
@@ -180,8 +182,8 @@ class StableNms:
             idx = kept[0]
             result[o.boxes_output] = boxes[0][idx]
             result[o.scores_output] = scores[0][idx]
-            if labels is not None:
-                result[o.classes_output] = labels[0][idx]
+            if labels is not None and classes is not None:  # (labels come with classes)
+                result[classes] = labels[0][idx]
             return result
         width = max((len(k) for k in kept), default=0)
         out_boxes = np.zeros((len(kept), width, 4), boxes.dtype)
@@ -190,16 +192,16 @@ class StableNms:
         for b, idx in enumerate(kept):
             out_boxes[b, : len(idx)] = boxes[b][idx]
             out_scores[b, : len(idx)] = scores[b][idx]
-            if out_labels is not None:
+            if out_labels is not None and labels is not None:  # (one comes with the other)
                 out_labels[b, : len(idx)] = labels[b][idx]
         result[o.boxes_output] = out_boxes
         result[o.scores_output] = out_scores
-        if out_labels is not None:
-            result[o.classes_output] = out_labels
+        if out_labels is not None and classes is not None:
+            result[classes] = out_labels
         return result
 
 
-# -- tie-aware top-k ---------------------------------------------------------------------------------
+# -- tie-aware top-k -------------------------------------------------------------------------------
 class TieAwareTopk:
     name = "tie_aware_topk"
 
@@ -226,7 +228,7 @@ class TieAwareTopk:
         return result
 
 
-# -- canonical order of set-like outputs -------------------------------------------------------------
+# -- canonical order of set-like outputs -----------------------------------------------------------
 def _row_order(columns: np.ndarray) -> np.ndarray:
     """Lexicographic order of the rows of a 2-D array (first column most significant)."""
     if columns.shape[1] == 0:
@@ -268,7 +270,7 @@ class CanonicalOrder:
         return result
 
 
-# -- float64 softmax ----------------------------------------------------------------------------------
+# -- float64 softmax -------------------------------------------------------------------------------
 def softmax64(x: np.ndarray, axis: int = -1) -> np.ndarray:
     x = np.asarray(x, np.float64)
     shifted = x - np.max(x, axis=axis, keepdims=True)
@@ -293,7 +295,7 @@ class Float64Softmax:
         return result
 
 
-# -- registry -------------------------------------------------------------------------------------------
+# -- registry --------------------------------------------------------------------------------------
 ADAPTERS: dict[str, tuple[type[_Options], Callable[[Any], Any]]] = {
     "stable_nms": (StableNmsOptions, StableNms),
     "tie_aware_topk": (TieAwareTopkOptions, TieAwareTopk),

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
+from guard.backends import Backend
 from guard.backends.kind import Unsupported
 from guard.config import ArbitrationConfig, BackendConfig
 from guard.verify.tensor import TensorCheck
@@ -81,14 +82,17 @@ class Fp64Arbiter:
         self.spec = spec
         self.config = config
         self.atol = atol
-        self._model = None
+        self._model: Backend | None = None  # the fp64 run, loaded at the first judgement
         self._lock = threading.Lock()
         self._broken = fp64_unavailable_reason(spec)
 
-    def _load(self):
+    def _load(self) -> Backend:
         from guard.backends import backend_kind
 
-        model = backend_kind(self.spec.backend).fp64(self.spec)
+        fp64 = backend_kind(self.spec.backend).fp64
+        if fp64 is None:  # (fp64_unavailable_reason said so first)
+            raise Unsupported(fp64_unavailable_reason(self.spec))
+        model = fp64(self.spec)
         model.load()
         return model
 

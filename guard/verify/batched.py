@@ -198,15 +198,16 @@ def check_stacked_results(comparator: Comparator, reference: dict, primary: dict
     notes = [GENERIC_NOTE] if task is None and comparator.task_name == "generic" else []
     out: list[CheckResult | None] = []
     for j in range(len(rows)):
-        checks = []
+        checks: list[OutputCheck] = []
+        clean = True
         for name, (max_abs, ref_max, allowed) in figures.items():
             m, r, a = max_abs[j], ref_max[j], allowed[j]
             if not (m <= a and r < math.inf):
-                checks = None  # fails, or NaN/Inf: Comparator.check alone
+                clean = False  # fails, or NaN/Inf: Comparator.check alone
                 break
             checks.append(OutputCheck(name, True, "", m, NAN, NAN, NAN, NAN, r, 0, a,
                                       m / r if r > 0 else 0.0, stats=False))
-        if checks is None:
+        if not clean:
             out.append(None)
             continue
         result = CheckResult({"tensor": TensorCheck(True, checks)}, list(notes))

@@ -163,7 +163,7 @@ def layer_noise(run, inputs: dict[str, np.ndarray], samples: int,
     if len(lengths) == 1 and None not in lengths and rows > 1:
         singles = [run({k: v[i:i + 1] for k, v in inputs.items()}, None) for i in range(rows)]
         stacked = {}
-        for key, value in batched.items():
+        for key in batched:
             parts = [s.get(key) for s in singles]
             if all(p is not None and p.ndim and p.shape[0] == 1 for p in parts):
                 stacked[key] = np.concatenate(parts, axis=0)

@@ -9,36 +9,45 @@ parallel (derivation and compilation take seconds); a load error names the model
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 from guard.backends import Backend, create_backend
 from guard.backends.loading import load_all
 from guard.backends.signature_match import OutputMatch, generatable, pair_outputs
 from guard.backends.signatures import check_pair
-from guard.config import ModelConfig
+from guard.config import BackendConfig, ModelConfig
 from guard.errors import BackendError
 from guard.verify.arbitrate import build_arbiter
 from guard.verify.noise import NoiseFloor, measure_noise_floor
 from guard.verify.pipeline import Comparator
 
+if TYPE_CHECKING:  # (tier 2's package is imported only where a model runs it)
+    from guard.verify.activation.tier import ActivationTier
 
-def require_reference(config: ModelConfig) -> None:
-    """BackendError naming the model where it has no reference: nothing to check against."""
+
+def require_reference(config: ModelConfig) -> BackendConfig:
+    """The model's reference; BackendError naming the model where it has none: nothing to
+    check against."""
     if config.reference is None:
         raise BackendError(f"models[{config.name}]: checking needs a 'reference' backend; "
                            "this model has none")
+    return config.reference
 
 
 class CheckedPair:
     def __init__(self, config: ModelConfig):
-        require_reference(config)
+        self.reference_config = require_reference(config)
         self.name = config.name
         self.config = config
         self.backends: dict[str, Backend] = {
-            "reference": create_backend(config.reference, "reference", config.mirror.threads),
+            "reference": create_backend(self.reference_config, "reference",
+                                        config.mirror.threads),
             "primary": create_backend(config.primary, "primary"),
         }
         self.comparator = Comparator.for_model(config, arbiter=build_arbiter(config),
                                              backends=self.backends)
-        self.activation_tier = self.comparator.tier("activation")
+        # (the registry builds tier 2 as an ActivationTier)
+        self.activation_tier = cast("ActivationTier | None", self.comparator.tier("activation"))
         self.noise_floor: NoiseFloor | None = None
         # The reference's outputs under the primary's names (guard/backends/signature_match.py),
         # known once both sides are loaded.
@@ -76,11 +85,11 @@ class CheckedPair:
         measured is reported as skipped, never fatal."""
         specs = self._noise_inputs()
         try:
-            floor = measure_noise_floor(self.reference, self.config.reference,
+            floor = measure_noise_floor(self.reference, self.reference_config,
                                         self.config.checks.tensor.noise_floor, specs)
             if specs is not self.reference.describe().inputs and not floor.skipped:
                 floor.notes.append(f"inputs generated from the primary's signature: the "
-                                   f"reference ({self.config.reference.backend}) declares no "
+                                   f"reference ({self.reference_config.backend}) declares no "
                                    "datatypes or shapes")
         except Exception as exc:
             floor = NoiseFloor(skipped=f"measurement failed: {type(exc).__name__}: {exc}")

@@ -31,14 +31,14 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from guard.config import ChecksConfig, ModelConfig
 from guard.verify.adapters import AdapterChain, AdapterError
 from guard.verify.structure import flatten_outputs, is_flat
-from guard.verify.task import GENERIC_NOTE, TaskCheck
+from guard.verify.task import GENERIC_NOTE, TaskCheck, TaskTier
 from guard.verify.tensor import OutputCheck, TensorCheck, TensorTier
 from guard.verify.tiers import (
     Compared,
@@ -185,7 +185,7 @@ class Comparator:
 
     @property
     def task_checker(self):
-        task = self.tier("task")
+        task = cast(TaskTier | None, self.tier("task"))  # (the registry's tier 3)
         return task.checker if task is not None else None
 
     @property
@@ -202,13 +202,16 @@ class Comparator:
         """Run one more tier instance after the others (one built by hand)."""
         self.runs.append(tier)
 
-    # -- the check -----------------------------------------------------------------------------------
+    # -- the check ---------------------------------------------------------------------------------
     def check(
         self,
-        reference: dict[str, np.ndarray],
-        primary: dict[str, np.ndarray],
+        reference: dict[str, np.ndarray] | Any,
+        primary: dict[str, np.ndarray] | Any,
         inputs: dict[str, np.ndarray] | None = None,
     ) -> CheckResult:
+        """Both sides' answers through the tiers. A tensor model's are named output arrays; a
+        generative model's (``samples`` other than ``tensors``) are what its tiers take, as
+        ``Compared`` says: the reference's scores and the sampled call."""
         if self.samples != "tensors":
             result = CheckResult()
             self._run(Compared(reference, primary, inputs, result.tiers, result.notes), result)

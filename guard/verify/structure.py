@@ -17,7 +17,8 @@ import numpy as np
 def _leaf(value: Any) -> np.ndarray:
     if isinstance(value, np.ndarray):
         return value
-    if hasattr(value, "detach") and hasattr(value, "cpu"):  # a torch tensor, without importing torch
+    # A torch tensor, without importing torch.
+    if hasattr(value, "detach") and hasattr(value, "cpu"):
         tensor = value.detach().cpu()
         if str(tensor.dtype) == "torch.bfloat16":
             tensor = tensor.float()

@@ -23,10 +23,12 @@ cosine_distance and ``stats=False``. max_abs, ref_max_abs, allowed and min_rtol 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+_kernel: Callable[[np.ndarray, np.ndarray], tuple[float, float]] | None
 try:  # the one-pass kernel; optional: built only where a C compiler was at install time
     from guard.verify._verdict import max_abs_pair as _kernel
 except ImportError:  # pragma: no cover - depends on the install
@@ -322,7 +324,8 @@ class TensorTier:
         self.multiplier = t.noise_floor.multiplier
         self.default = Tolerance(t.atol, t.rtol)
         self._overrides = {
-            name: (o.atol if o.atol is not None else t.atol, o.rtol if o.rtol is not None else t.rtol)
+            name: (o.atol if o.atol is not None else t.atol,
+                   o.rtol if o.rtol is not None else t.rtol)
             for name, o in t.outputs.items()
         }
         self.noise_floor: dict[str, float] = {}

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Literal, Mapping, Protocol
 
 if TYPE_CHECKING:
     from guard.config import ChecksConfig, ModelConfig
@@ -55,6 +55,14 @@ class Compared:
     inputs: Any = None
     results: dict[str, Any] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)  # why a tier did not run (the result's notes)
+
+
+class TierFigures(Protocol):
+    """A tier's per-model replay figures (``TierKind.figures``)."""
+
+    def add(self, report: Any, where: Mapping[str, Any] | None = None) -> None: ...
+
+    def as_dict(self) -> dict[str, Any]: ...
 
 
 class Tier(Protocol):
@@ -102,7 +110,7 @@ class TierKind:
     detector: bool = True
     details: Callable[[Any], dict] | None = None
     summary: Callable[[Any, dict], str] | None = None
-    figures: Callable[[], Any] | None = None
+    figures: Callable[[], TierFigures] | None = None
 
 
 # The one registration, in the order the tiers run on a sample (a later tier reads the earlier

@@ -3,10 +3,11 @@ ship inside PyPI wheels (optional extra ``guard[zoo]``).
 
 ``zoo_entry(name)`` gives one model's task, signature, input generator, adapters and exporter,
 whatever kind it is. Seeded models: ``classifier`` (the demo's CNN), ``resnet``, ``vit``,
-``detector``, ``segmenter``, ``keras_port`` with its port-bug variants (a torch CNN and its
-Keras ports, guard/zoo/keras_port.py), and CrossedWires' ``cw_vgg16``, ``cw_resnet50``,
-``cw_densenet121`` (keras.applications and torch twins, guard/zoo/crossedwires.py). Real models (``guard.zoo.real``): ``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises ``ZooExtraMissing`` with the install
-command.
+``detector``, ``segmenter``, ``keras_port`` with its port-bug variants (a torch CNN and its Keras
+ports, guard/zoo/keras_port.py), and CrossedWires' ``cw_vgg16``, ``cw_resnet50``, ``cw_densenet121``
+(keras.applications and torch twins, guard/zoo/crossedwires.py). Real models (``guard.zoo.real``):
+``magika``, ``minilm``, ``silero_vad``; asking for one whose package is absent raises
+``ZooExtraMissing`` with the install command.
 """
 
 from __future__ import annotations
@@ -93,12 +94,16 @@ def zoo_entry(name: str) -> ZooEntry:
     if name in SEEDED or name in PORTS:
         module = _seeded(name)
         first = module.INPUTS[0].name
+
+        def sample_inputs(n: int, seed: int = 0) -> dict[str, np.ndarray]:
+            return {first: module.sample_inputs(n, seed)}
+
         return ZooEntry(
             name=name,
             task=getattr(module, "TASK", "classification"),
             inputs=list(module.INPUTS),
             outputs=list(module.OUTPUTS),
-            sample_inputs=lambda n, seed=0: {first: module.sample_inputs(n, seed)},
+            sample_inputs=sample_inputs,
             export=module.export,
             adapters=list(getattr(module, "ADAPTERS", [])),
             factory="guard.zoo:eager",

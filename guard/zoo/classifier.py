@@ -95,7 +95,8 @@ def export(folder: str | Path, seed: int = 0) -> dict[str, Path]:
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"torchscript": folder / "classifier.pt", "onnx": folder / "classifier.onnx"}
     stamp = folder / "classifier.seed"
-    if stamp.exists() and stamp.read_text() == str(seed) and all(p.exists() for p in paths.values()):
+    if (stamp.exists() and stamp.read_text() == str(seed)
+            and all(p.exists() for p in paths.values())):
         return paths
     model = build(seed)
     example = torch.from_numpy(sample_inputs(2, seed))

@@ -91,9 +91,11 @@ def _modules():
 
 
 def _vgg16():
+    from torch import nn
+
     m = _modules()
 
-    class VGG16(m.nn.Module):
+    class VGG16(nn.Module):
         BLOCKS = ((64, 2), (128, 2), (256, 3), (512, 3), (512, 3))
 
         def __init__(self):
@@ -124,8 +126,10 @@ def _vgg16():
 
 
 def _resnet50():
+    from torch import nn
+
     m = _modules()
-    nn, F = m.nn, m.F
+    F = m.F
 
     class ResNet50(nn.Module):
         STAGES = ((2, 64, 3, 1), (3, 128, 4, 2), (4, 256, 6, 2), (5, 512, 3, 2))
@@ -159,7 +163,8 @@ def _resnet50():
             x = image.permute(0, 3, 1, 2)
             x = self.pool1_pool(F.relu(self.conv1_bn(self.conv1_conv(x))))
             for name, projects in self.blocks:
-                layer = lambda suffix: getattr(self, f"{name}_{suffix}")  # noqa: E731
+                layer = lambda suffix, prefix=name: getattr(  # noqa: E731
+                    self, f"{prefix}_{suffix}")
                 shortcut = layer("0_bn")(layer("0_conv")(x)) if projects else x
                 y = F.relu(layer("1_bn")(layer("1_conv")(x)))
                 y = F.relu(layer("2_bn")(layer("2_conv")(y)))
@@ -171,8 +176,10 @@ def _resnet50():
 
 
 def _densenet121():
+    from torch import nn
+
     m = _modules()
-    nn, F, torch = m.nn, m.F, m.torch
+    F, torch = m.F, m.torch
 
     class DenseNet121(nn.Module):
         BLOCKS = (6, 12, 24, 16)
@@ -216,12 +223,14 @@ def _densenet121():
             x = self.pool1(F.relu(self.conv1_bn(self.conv1_conv(x))))
             for blocks, transition in self.stages:
                 for name in blocks:
-                    layer = lambda suffix: getattr(self, f"{name}_{suffix}")  # noqa: E731
+                    layer = lambda suffix, prefix=name: getattr(  # noqa: E731
+                        self, f"{prefix}_{suffix}")
                     y = layer("1_conv")(F.relu(layer("0_bn")(x)))
                     y = layer("2_conv")(F.relu(layer("1_bn")(y)))
                     x = torch.cat([x, y], dim=1)
                 if transition is not None:
-                    layer = lambda suffix: getattr(self, f"{transition}_{suffix}")  # noqa: E731
+                    layer = lambda suffix, prefix=transition: getattr(  # noqa: E731
+                        self, f"{prefix}_{suffix}")
                     x = layer("pool")(layer("conv")(F.relu(layer("bn")(x))))
             return self.predictions(self.avg_pool(F.relu(self.bn(x))))
 

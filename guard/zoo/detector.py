@@ -49,6 +49,9 @@ def build(seed: int = 0):
     stride = SIZE // GRID
 
     class Detector(nn.Module):
+        grid: torch.Tensor  # (buffers, registered below)
+        upper: torch.Tensor
+
         def __init__(self):
             super().__init__()
             self.backbone = nn.Sequential(
@@ -89,7 +92,9 @@ def build(seed: int = 0):
         probe = model.head(model.backbone(torch.from_numpy(sample_inputs(16, seed + 1))))
         obj, cls = probe[:, 4], probe[:, 5:]
         model.head.weight[4].mul_(4.0 / float(obj.std()))
-        model.head.bias[4].copy_(-4.0 * float(obj.mean()) / float(obj.std()) - 1.5)
+        bias = model.head.bias
+        assert bias is not None  # (a Conv2d's, with bias)
+        bias[4].fill_(-4.0 * float(obj.mean()) / float(obj.std()) - 1.5)
         model.head.weight[5:].mul_(2.0 / float(cls.std()))
     return model
 

@@ -32,7 +32,8 @@ def export_pair(
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"torchscript": folder / f"{name}.pt", "onnx": folder / f"{name}.onnx"}
     stamp = folder / f"{name}.seed"
-    if stamp.exists() and stamp.read_text() == str(seed) and all(p.exists() for p in paths.values()):
+    if (stamp.exists() and stamp.read_text() == str(seed)
+            and all(p.exists() for p in paths.values())):
         return paths
     with _quiet_exporter(), torch.no_grad():
         scripted = torch.jit.trace(model, example, check_trace=False)

@@ -13,6 +13,10 @@ from __future__ import annotations
 
 import numpy as np
 
+# ``type: ignore[call-arg]`` on the configs below: transformers 5 declares each config's
+# __init__ without the PreTrainedConfig keywords it takes at run time (num_labels,
+# attn_implementation).
+
 
 def _wrap(model, field: str):
     import torch
@@ -34,7 +38,7 @@ def _wrap(model, field: str):
     _settle_norms(wrapped, 0)
     with torch.no_grad():  # RMSNorm and ConvNeXt's own LayerNorm: a gamma that is not all ones
         generator = torch.Generator().manual_seed(1)
-        for name, module in wrapped.named_modules():
+        for _name, module in wrapped.named_modules():
             kind = type(module).__name__
             if kind.endswith("RMSNorm") or kind == "ConvNextLayerNorm":
                 module.weight.copy_(0.8 + 0.4 * torch.rand(module.weight.shape,
@@ -55,7 +59,7 @@ def bert(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,
+    config = t.BertConfig(vocab_size=100, hidden_size=32, num_hidden_layers=2,  # type: ignore[call-arg]
                           num_attention_heads=4, intermediate_size=64,
                           max_position_embeddings=32, num_labels=4)
     return _wrap(t.BertForSequenceClassification(config).eval(), "logits")
@@ -66,7 +70,7 @@ def vit(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,
+    config = t.ViTConfig(image_size=32, patch_size=8, hidden_size=32, num_hidden_layers=2,  # type: ignore[call-arg]
                          num_attention_heads=4, intermediate_size=64, num_labels=5)
     return _wrap(t.ViTForImageClassification(config).eval(), "logits")
 
@@ -76,7 +80,7 @@ def hf_resnet(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],
+    config = t.ResNetConfig(embedding_size=16, hidden_sizes=[16, 32], depths=[1, 1],  # type: ignore[call-arg]
                             layer_type="basic", num_labels=5)
     return _wrap(t.ResNetForImageClassification(config).eval(), "logits")
 
@@ -86,7 +90,7 @@ def convnext(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+    config = t.ConvNextConfig(num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],  # type: ignore[call-arg]
                               num_labels=5, image_size=32)
     return _wrap(t.ConvNextForImageClassification(config).eval(), "logits")
 
@@ -96,7 +100,7 @@ def mobilenet_v2(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.MobileNetV2Config(image_size=32, depth_multiplier=0.35, num_labels=5)
+    config = t.MobileNetV2Config(image_size=32, depth_multiplier=0.35, num_labels=5)  # type: ignore[call-arg]
     return _wrap(t.MobileNetV2ForImageClassification(config).eval(), "logits")
 
 
@@ -118,7 +122,7 @@ def llama(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,
+    config = t.LlamaConfig(vocab_size=100, hidden_size=32, intermediate_size=64,  # type: ignore[call-arg]
                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            max_position_embeddings=32, attn_implementation="eager")
     return _wrap(t.LlamaForCausalLM(config).eval(), "logits")
@@ -144,7 +148,7 @@ def bert_base(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.BertConfig(num_labels=2)  # the defaults are bert-base-uncased's
+    config = t.BertConfig(num_labels=2)  # type: ignore[call-arg]  # bert-base-uncased's defaults
     return _wrap(t.BertForSequenceClassification(config).eval(), "logits")
 
 
@@ -154,7 +158,7 @@ def resnet50(seed: int = 0):
     import transformers as t
 
     torch.manual_seed(seed)
-    config = t.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],
+    config = t.ResNetConfig(embedding_size=64, hidden_sizes=[256, 512, 1024, 2048],  # type: ignore[call-arg]
                             depths=[3, 4, 6, 3], layer_type="bottleneck", num_labels=1000)
     return _wrap(t.ResNetForImageClassification(config).eval(), "logits")
 

@@ -67,8 +67,10 @@ def build(seed: int = 0):
         bn = model.bn1
         bn.weight.copy_(torch.empty(8).uniform_(0.5, 1.5, generator=generator))
         bn.bias.copy_(torch.empty(8).normal_(0.0, 0.1, generator=generator))
-        bn.running_mean.copy_(torch.empty(8).normal_(0.0, 0.1, generator=generator))
-        bn.running_var.copy_(torch.empty(8).uniform_(0.05, 0.5, generator=generator))
+        mean, var = bn.running_mean, bn.running_var
+        assert mean is not None and var is not None  # (track_running_stats)
+        mean.copy_(torch.empty(8).normal_(0.0, 0.1, generator=generator))
+        var.copy_(torch.empty(8).uniform_(0.05, 0.5, generator=generator))
         spread_logits(model.fc, model, torch.from_numpy(sample_inputs(64, seed + 2)))
     return model
 

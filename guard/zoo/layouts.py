@@ -42,9 +42,10 @@ def _settle_norms(model, seed: int) -> None:
     with torch.no_grad():
         for module in model.modules():
             if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d)):
-                n = module.num_features
-                module.running_mean.copy_(0.1 * torch.randn(n, generator=generator))
-                module.running_var.copy_(0.5 + torch.rand(n, generator=generator))
+                n, mean, var = module.num_features, module.running_mean, module.running_var
+                assert mean is not None and var is not None  # (track_running_stats)
+                mean.copy_(0.1 * torch.randn(n, generator=generator))
+                var.copy_(0.5 + torch.rand(n, generator=generator))
             if isinstance(module, (nn.BatchNorm1d, nn.BatchNorm2d, nn.LayerNorm)):
                 shape = module.weight.shape
                 module.weight.copy_(0.8 + 0.4 * torch.rand(shape, generator=generator))

@@ -88,12 +88,16 @@ def entry(name: str):
 
     if name == "magika":
         path = magika_model_path()
+
+        def export(folder: Path, seed: int = 0) -> dict[str, Path]:
+            return {"onnx": path}  # (shipped as ONNX: nothing to export)
+
         return ZooEntry(
             name="magika", task="classification",
             inputs=[TensorSpec("bytes", "INT32", (-1, 2 * BLOCK))],
             outputs=[TensorSpec("target_label", "FP32", (-1, 214))],
             sample_inputs=magika_inputs,
-            export=lambda folder, seed=0: {"onnx": path},
+            export=export,
             kind="real",
         )
     if name == "minilm":

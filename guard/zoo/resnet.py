@@ -59,9 +59,10 @@ def build(seed: int = 0):
     generator = torch.Generator().manual_seed(seed)
     for module in model.modules():
         if isinstance(module, nn.BatchNorm2d):
-            n = module.num_features
-            module.running_mean.copy_(0.1 * torch.randn(n, generator=generator))
-            module.running_var.copy_(0.5 + torch.rand(n, generator=generator))
+            n, mean, var = module.num_features, module.running_mean, module.running_var
+            assert mean is not None and var is not None  # (track_running_stats)
+            mean.copy_(0.1 * torch.randn(n, generator=generator))
+            var.copy_(0.5 + torch.rand(n, generator=generator))
             module.weight.data.copy_(0.8 + 0.4 * torch.rand(n, generator=generator))
     model.eval()
     probe = torch.from_numpy(sample_inputs(64, seed=seed + 1))

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import cast
 
 import numpy as np
 
@@ -162,10 +163,10 @@ def signal(seconds: float, seed: int = 0) -> np.ndarray:
         else:
             f0 = rng.uniform(100, 220) * (1 + 0.1 * np.sin(2 * np.pi * 3 * t))
             phase = 2 * np.pi * np.cumsum(f0) / RATE
-            source = sum(np.sin(k * phase) / k for k in range(1, 30))
+            source = cast(np.ndarray, sum(np.sin(k * phase) / k for k in range(1, 30)))
             formants = rng.choice([(730, 1090, 2440), (270, 2290, 3010), (300, 870, 2240),
                                    (530, 1840, 2480), (660, 1720, 2410)])
-            seg = sum(_resonate(source, f, 80 + 0.05 * f) for f in formants)
+            seg = cast(np.ndarray, sum(_resonate(source, f, 80 + 0.05 * f) for f in formants))
             seg *= 0.3 * (0.6 + 0.4 * np.sin(2 * np.pi * 4 * t)) / (np.abs(seg).max() + 1e-9)
             seg += 0.002 * rng.standard_normal(length)
         out.append(seg)

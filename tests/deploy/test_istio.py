@@ -359,9 +359,9 @@ def test_the_runtime_keys_switch_the_patched_sidecar_to_the_fallback(tmp_path, z
             try:
                 answered = infer(target, image)
                 break
-            except Exception:
+            except Exception as exc:
                 if time.monotonic() > deadline or envoy.poll() is not None:
-                    raise AssertionError((tmp_path / "envoy.log").read_text()[-3000:])
+                    raise AssertionError((tmp_path / "envoy.log").read_text()[-3000:]) from exc
                 time.sleep(0.2)
         assert answered == ("primary", "primary")
 
@@ -402,9 +402,9 @@ def start_istio_like(tmp_path: Path, config_path: Path, primary_port: int, liste
         try:
             infer(f"127.0.0.1:{listener}", image)
             return envoy
-        except Exception:
+        except Exception as exc:
             if time.monotonic() > deadline or envoy.poll() is not None:
-                raise AssertionError((tmp_path / "envoy.log").read_text()[-3000:])
+                raise AssertionError((tmp_path / "envoy.log").read_text()[-3000:]) from exc
             time.sleep(0.2)
 
 

@@ -93,7 +93,7 @@ def test_unwritable_capture_dir_disables_capture_and_serving_goes_on(tmp_path, r
     model = model_block(capture={"dir": "blocked/capture", "sample_rate": 1.0})
     with caplog.at_level(logging.INFO, logger="guard.events"):
         with running(tmp_path, [model]) as (srv, client):
-            for i in range(6):
+            for _ in range(6):
                 result = client.infer("m", [x_input(rng.normal(size=(1, 4)))])
                 assert result.as_numpy("y").shape == (1, 3)
             values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(

@@ -266,8 +266,9 @@ def test_reload_hot_restarts_envoy_without_a_failed_request(watching, upstreams,
     for name in ("cnn", "cnn2"):
         before = metric(watching.metrics(), "guard_mirror_total", model=name, outcome="compared")
         watching.client.infer(name, [image_input(sample_inputs(1, seed=4))])
-        wait_for(lambda: metric(watching.metrics(), "guard_mirror_total", model=name,
-                                outcome="compared") >= before + 1, timeout=60)
+        wait_for(lambda name=name, before=before: metric(
+            watching.metrics(), "guard_mirror_total", model=name, outcome="compared")
+            >= before + 1, timeout=60)
 
 
 def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(

@@ -6,8 +6,8 @@ runs as a subprocess, and in front of it one Envoy per observer, each a plain gR
 - ``stack``: the ext_proc filter in observability mode (``failure_mode_allow``, STREAMED bodies,
   response trailers sent) pointing at guard's observer, which runs here on its own event loop
   thread;
-- ``tap_stack``: the tap filter (admin config ``guard``) with guard's TapFilterReader holding the tap
-  on Envoy's admin API, in its own thread.
+- ``tap_stack``: the tap filter (admin config ``guard``) with guard's TapFilterReader holding the
+  tap on Envoy's admin API, in its own thread.
 
 tritonclient talks to Envoy; what the observer hands on is compared with what the client sent
 and received.
@@ -332,7 +332,7 @@ def streaming_call_is_counted_not_handed_on(client, observer, prefix: str) -> No
     assert observer.calls.empty()
 
 
-# -- ext_proc ---------------------------------------------------------------------------------------
+# -- ext_proc --------------------------------------------------------------------------------------
 @pytest.mark.parametrize("shape", [(1, 8), (4, 16384)], ids=["small", "large-256KiB"])
 def test_observed_bytes_are_what_the_client_sent_and_received(stack, shape):
     client, observer, _ = stack

@@ -42,7 +42,8 @@ def test_structured_outputs_are_compared_never_passed_unseen(tmp_path, monkeypat
     bumped = out["bumped"]
     assert bumped["failure_type"] == "numeric" and "parts.1: max abs error 0.5" in bumped["reason"]
     assert "parts.0" not in bumped["reason"] and "sum" not in bumped["reason"]
-    assert out["reshaped"]["failure_type"] == "shape" and "parts.0: shape" in out["reshaped"]["reason"]
+    assert (out["reshaped"]["failure_type"] == "shape"
+            and "parts.0: shape" in out["reshaped"]["reason"])
     flat = out["flattened"]
     assert flat["failure_type"] == "shape"
     assert "parts: reference lacks this output" in flat["reason"]

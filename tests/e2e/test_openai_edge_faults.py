@@ -1,7 +1,8 @@
 """The HTTP edge's bad input and faults (issue 29 item 6), end to end: a real guard (``http_port``)
 in front of a real HTTP server whose answers the test scripts (tests/e2e/sse_upstream.py), with
-plain HTTP clients (httpx2, the one the openai package uses). Every case is a counted outcome with the
-right status, never a crash and never a changed answer; guard serves the next call after each."""
+plain HTTP clients (httpx2, the one the openai package uses). Every case is a counted outcome with
+the right status, never a crash and never a changed answer; guard serves the next call after
+each."""
 
 from __future__ import annotations
 
@@ -67,7 +68,7 @@ def still_serves(http) -> None:
     assert answer.status_code == 200 and answer.json()["model"] == "smol"
 
 
-# -- what guard sends and answers --------------------------------------------------------------------
+# -- what guard sends and answers ------------------------------------------------------------------
 def test_a_plain_answer_is_the_upstreams_bytes_but_the_model_name(http, upstreams):
     answer = http.post("/v1/chat/completions", json=CHAT,
                        headers={"Authorization": "Bearer client-key", "X-Custom": "kept"})

@@ -50,4 +50,5 @@ def test_fp16_overflow_repaired_by_keeping_the_layer_norm_at_fp32(tmp_path, capl
         client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
         answers = client.infer("pressure", [x_input(rows)]).as_numpy("logits")
         client.close()
-        assert np.isnan(answers).all()  # the configured fp16 primary answers again, overflow and all
+        # The configured fp16 primary answers again, overflow and all.
+        assert np.isnan(answers).all()

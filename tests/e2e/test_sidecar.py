@@ -207,7 +207,8 @@ def test_health_and_admin_api(tmp_path, rng):
             back = admin.SetRoute(admin_pb2.SetRouteRequest(model="m", route=admin_pb2.PRIMARY))
             assert back.status.route == "primary"
             admin.SetRoute(admin_pb2.SetRouteRequest(model="m", route=admin_pb2.AUTO))
-            assert admin.GetStatus(admin_pb2.GetStatusRequest(model="m")).models[0].override == "auto"
+            status = admin.GetStatus(admin_pb2.GetStatusRequest(model="m"))
+            assert status.models[0].override == "auto"
             with pytest.raises(grpc.RpcError) as err:
                 admin.GetStatus(admin_pb2.GetStatusRequest(model="nope"))
             assert err.value.code() == grpc.StatusCode.NOT_FOUND

@@ -1,4 +1,5 @@
-"""guard in front of a real model server: MLServer (from pip) as the upstream, tritonclient in front.
+"""guard in front of a real model server: MLServer (from pip) as the upstream, tritonclient in
+front.
 
 MLServer runs as a subprocess (its own `inference` protobuf symbols clash with tritonclient's in
 one process) with ``parallel_workers: 0`` (its default worker pool crashes under uvloop 0.22+),

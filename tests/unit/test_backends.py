@@ -51,7 +51,8 @@ def test_int8_is_derived_by_the_guard_and_really_quantised(zoo_classifier, image
     derived = Path(int8.describe().artifact)
     assert derived != Path(zoo_classifier["onnx"]) and derived.exists()
     assert {"MatMulInteger", "DynamicQuantizeLinear"} & op_types(derived)
-    drift = np.abs(int8.infer({"image": images})["logits"] - fp32.infer({"image": images})["logits"])
+    drift = np.abs(int8.infer({"image": images})["logits"]
+                   - fp32.infer({"image": images})["logits"])
     assert drift.max() > 1e-2  # the outlier weight makes per-tensor int8 visibly wrong
     # A second build reuses the cached variant instead of quantising again.
     mtime = derived.stat().st_mtime_ns

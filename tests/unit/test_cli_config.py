@@ -157,7 +157,7 @@ def test_schema_into_a_pipe_closed_early_ends_quietly():
     assert process.returncode == 141  # 128 + SIGPIPE: what a shell reports for `cmd | head`
 
 
-# -- serve with a bad config ------------------------------------------------------------------------
+# -- serve with a bad config -----------------------------------------------------------------------
 def test_serve_missing_config_one_line_no_traceback(tmp_path, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, out, err = run(capsys, "serve", "--config", "missing.yaml")
@@ -183,7 +183,7 @@ def test_serve_needs_config(capsys):
     assert err == "guard: guard serve: a config file is needed: --config FILE (or FILE)\n"
 
 
-# -- usage ------------------------------------------------------------------------------------------
+# -- usage -----------------------------------------------------------------------------------------
 def test_unknown_command_exits_2(capsys):
     code, _, err = usage_exit(capsys, "frobnicate")
     assert code == 2

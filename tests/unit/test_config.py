@@ -312,7 +312,8 @@ def test_unknown_torch_compile_option_and_bad_value(base):
 
 def test_known_backend_options_accepted(base):
     config = parse_config(
-        doc(primary={**ORT, "options": {"intra_op_threads": 2, "providers": ["CPUExecutionProvider"],
+        doc(primary={**ORT, "options": {"intra_op_threads": 2,
+                                        "providers": ["CPUExecutionProvider"],
                                         "graph_optimization_level": "basic"}},
             reference={**TORCH, "options": {"threads": 1, "output_names": ["y"]}}),
         base,
@@ -379,7 +380,8 @@ def test_sample_rate_out_of_range(base):
 
 @pytest.mark.parametrize("rate", [0, 0.0, 1, 1.0, 0.5])
 def test_sample_rate_bounds_inclusive(base, rate):
-    assert parse_config(doc(mirror={"sample_rate": rate}), base).models[0].mirror.sample_rate == rate
+    config = parse_config(doc(mirror={"sample_rate": rate}), base)
+    assert config.models[0].mirror.sample_rate == rate
 
 
 def test_several_problems_one_line_each(base):
@@ -476,7 +478,8 @@ def test_bad_device(base):
 
 @pytest.mark.parametrize("device", ["cpu", "cuda", "cuda:1"])
 def test_good_devices(base, device):
-    assert parse_config(doc(primary={**ORT, "device": device}), base).models[0].primary.device == device
+    config = parse_config(doc(primary={**ORT, "device": device}), base)
+    assert config.models[0].primary.device == device
 
 
 # Contract backend names; those whose code has not landed must be rejected with a clear message.
@@ -554,7 +557,7 @@ def test_unknown_precision(base):
     assert len(lines) == 1 and lines[0].startswith("models[0].primary.precision: ")
 
 
-# -- policy rules -----------------------------------------------------------------------------------
+# -- policy rules ----------------------------------------------------------------------------------
 def test_fallback_model_needs_fallback(base):
     lines = problems(doc(policy={"action": "fallback_model"}), base)
     assert len(lines) == 1
@@ -747,7 +750,8 @@ def test_format_validation_error_lines():
                          "mirror": {"sample_rate": 3}}]}
         )
     lines = format_validation_error(info.value)
-    assert sorted(lines) == ["extra: unknown key", "models[0].mirror.sample_rate: must be in [0, 1]"]
+    assert sorted(lines) == ["extra: unknown key",
+                             "models[0].mirror.sample_rate: must be in [0, 1]"]
 
 
 def test_format_validation_error_strips_value_error_prefix():

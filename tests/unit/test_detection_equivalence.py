@@ -17,7 +17,7 @@ from guard.verify.task import task_checker
 from guard.verify.task.detection import _images, average_precision, match
 
 
-# -- the original, kept as the reference ------------------------------------------------------------
+# -- the original, kept as the reference -----------------------------------------------------------
 def reference_match(ref, out, iou_thr, class_aware=True):
     (rb, rs, rl), (ob, _, ol) = ref, out
     if len(rb) == 0 or len(ob) == 0:
@@ -100,7 +100,7 @@ def reference_metrics(reference, primary, config, class_aware):
     return metrics, refs, outs
 
 
-# -- seeded random cases that stress the ties ---------------------------------------------------------
+# -- seeded random cases that stress the ties ------------------------------------------------------
 def random_side(rng, batch, n, like=None):
     """Boxes on a coarse grid (duplicates and exact IoU ties), scores from a small set (equal
     scores), some padding rows; ``like`` makes a jittered, shuffled, partly relabelled copy."""

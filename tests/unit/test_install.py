@@ -49,7 +49,8 @@ def test_the_demo_extra_is_within_the_development_set():
 
 def test_the_readme_install_section_names_every_backend_extra():
     readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Install"):readme.index("\n## ", readme.index("## Install") + 1)]
+    start = readme.index("## Install")
+    section = readme[start:readme.index("\n## ", start + 1)]
     assert "pip install ." in section
     for extra in ("onnxruntime", "torch", "openvino", "tensorflow", "envoy", "demo", "dev"):
         assert extra in extras(), extra

@@ -95,7 +95,8 @@ def test_guard_replay_names_the_port_bug_on_an_input_set(exports, tmp_path):
     for name, variant in (("faithful", "keras_port"), ("padding", "keras_port_padding")):
         config = tmp_path / f"{name}.yaml"
         config.write_text(yaml.safe_dump({"version": 1, "models": [model(name, variant)]}))
-        np.savez(tmp_path / "images.npz", image=zoo_entry("keras_port").sample_inputs(12, 3)["image"])
+        np.savez(tmp_path / "images.npz",
+                 image=zoo_entry("keras_port").sample_inputs(12, 3)["image"])
         code = main(["replay", "--config", str(config), str(tmp_path / "images.npz"),
                      "--report-dir", str(tmp_path / name), "--quiet"])
         report = json.loads((tmp_path / name / "report.json").read_text())["models"][name]

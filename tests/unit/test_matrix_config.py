@@ -26,7 +26,8 @@ def test_causes_are_printed_beside_failures():
               "environment": {}}
     text = markdown(summarise([record]), "gpu")
     assert "| backend | numeric | cause |" in text
-    assert "| cuda_eager_tf32 | 1 | TF32 on: matmul/conv inputs rounded to 10 mantissa bits |" in text
+    assert ("| cuda_eager_tf32 | 1 | TF32 on: matmul/conv inputs rounded to 10 mantissa bits |"
+            in text)
 
 
 def write(tmp_path: Path, backends: list[dict]) -> Path:
@@ -47,8 +48,9 @@ def test_keras_columns_on_two_keras_backends_are_refused_naming_both(tmp_path):
     path = write(tmp_path, [{"name": "a", "backend": "keras"},
                             {"name": "b", "backend": "keras",
                              "options": {"keras_backend": "torch"}}])
-    with pytest.raises(ConfigError, match=r"backends\[1\]\.options\.keras_backend: 'torch', but "
-                                          r"backends\[0\] runs Keras on 'tensorflow'.*process: own"):
+    with pytest.raises(ConfigError,
+                       match=r"backends\[1\]\.options\.keras_backend: 'torch', but "
+                             r"backends\[0\] runs Keras on 'tensorflow'.*process: own"):
         load_matrix_config(path)
     path = write(tmp_path, [{"name": "a", "backend": "keras"},
                             {"name": "b", "backend": "keras", "process": "own",

@@ -1,5 +1,5 @@
-"""guard/runtime/sampling.py (which requests are taken) and guard/verifier_process/mirror.py (the bounded
-queue, timeouts and errors), with real torch backends (tests/fixture_models.py's ``affine``
+"""guard/runtime/sampling.py (which requests are taken) and guard/verifier_process/mirror.py (the
+bounded queue, timeouts and errors), with real torch backends (tests/fixture_models.py's ``affine``
 through the ``module:factory`` path)."""
 
 from __future__ import annotations

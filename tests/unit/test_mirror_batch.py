@@ -290,7 +290,9 @@ def test_samples_wait_in_the_ring_while_the_mirror_queue_is_full():
     held = threading.Event()
     reference, infer = model.mirror.reference, model.mirror.reference.infer
     reference.infer = lambda inputs: (held.wait(30), infer(inputs))[1]
-    outcome_of = lambda name: model.metrics.mirror.labels(MODEL, name)._value.get()
+
+    def outcome_of(name: str) -> float:
+        return model.metrics.mirror.labels(MODEL, name)._value.get()
 
     def feed(n: int, first: int = 0, stamp: int | None = None) -> None:
         for k in range(first, first + n):
@@ -362,7 +364,10 @@ def test_capture_records_keep_the_arrival_order(tmp_path, zoo_classifier):
                                         time.time_ns()))
         assert ring.put(parts)
         sent.append(f"r{k:03d}")
-    compared = lambda: model.metrics.mirror.labels(MODEL, "compared")._value.get()
+
+    def compared() -> float:
+        return model.metrics.mirror.labels(MODEL, "compared")._value.get()
+
     verifier._reader.start()
     try:
         assert wait_for(lambda: compared() == 60, timeout=60)

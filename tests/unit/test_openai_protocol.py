@@ -110,7 +110,7 @@ def test_replacement_agrees_with_a_parse_on_random_documents():
         assert json.loads(renamed) == dict(doc, model="cl")
 
 
-# -- Server-Sent Events -----------------------------------------------------------------------------
+# -- Server-Sent Events ----------------------------------------------------------------------------
 def test_events_are_reassembled_from_chunks_cut_anywhere():
     stream = (b'data: {"a": 1}\n\n: comment\r\n\r\ndata: {"b":\r\ndata: 2}\r\r'
               b'event: x\ndata: [DONE]\n\n')
@@ -142,7 +142,7 @@ def test_an_event_is_edited_only_where_it_is_one_line_of_json():
         assert api.edit_event(untouched, edits) == untouched
 
 
-# -- answers -> the sample ---------------------------------------------------------------------------
+# -- answers -> the sample -------------------------------------------------------------------------
 def test_a_chat_stream_with_logprobs_becomes_the_sample_token_by_token():
     call = api.parse_request("chat", json.dumps({
         "model": "smol", "messages": [{"role": "user", "content": "Capital of France?"}],

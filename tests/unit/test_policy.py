@@ -92,7 +92,7 @@ def test_count_window_size_one_and_clear():
     assert w.failures == 1
 
 
-# -- tripping ---------------------------------------------------------------------------------------
+# -- tripping --------------------------------------------------------------------------------------
 def test_starts_on_primary_with_nothing_recorded():
     policy, _ = make()
     assert policy.route == "primary"
@@ -159,7 +159,7 @@ def test_no_fallback_configured_only_alerts():
     assert policy.route == "primary"
 
 
-# -- action alert -------------------------------------------------------------------------------------
+# -- action alert ----------------------------------------------------------------------------------
 def test_alert_never_switches_and_alerts_once_per_crossing():
     policy, _ = make(action="alert", window=10, min_samples=5, trip=0.2, recover=0.05)
     assert not policy.can_switch
@@ -191,7 +191,7 @@ def test_alert_not_rearmed_between_recover_and_trip():
     assert feed(policy, [True] * 8) == []
 
 
-# -- an action per tier (policy.actions) ----------------------------------------------------------------
+# -- an action per tier (policy.actions) -----------------------------------------------------------
 def tiered(**kw):
     """Tensor failures alert, task failures switch (the default action: fallback_model)."""
     return make(tiers=("tensor", "task"), actions={"tensor": "alert"}, dwell=10, **kw)
@@ -262,7 +262,7 @@ def test_actions_say_what_each_tier_does():
         PolicyConfig(actions={"task": "reboot"})
 
 
-# -- epochs --------------------------------------------------------------------------------------------
+# -- epochs ----------------------------------------------------------------------------------------
 def test_results_from_old_epoch_ignored_after_transition():
     policy, _ = make(min_samples=5)
     trip(policy)

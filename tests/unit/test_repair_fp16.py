@@ -60,7 +60,8 @@ def test_the_fp16_primary_fails_and_the_repair_keeps_only_the_layer_norm_at_fp32
     assert fp16_ops_not_fp32(outcome.backend.model_path, outcome.kept) == []
     assert fp16_ops_not_fp32(outcome.backend.model_path, ["node_linear_1"]) == ["node_linear_1"]
     graph = onnx.load(str(outcome.backend.model_path)).graph
-    assert {i.name: i.data_type for i in graph.initializer}["fc1.weight"] == onnx.TensorProto.FLOAT16
+    types = {i.name: i.data_type for i in graph.initializer}
+    assert types["fc1.weight"] == onnx.TensorProto.FLOAT16
     (norm,) = [n for n in graph.node if n.name == "node_layer_norm"]
     assert norm.input[0] == "x"  # the raw fp32 input, no Cast to fp16 in front of it
     assert failing(wide, outcome.backend) == 0

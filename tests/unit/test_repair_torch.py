@@ -19,7 +19,6 @@ from guard.policy.keep_back import (
     TensorRTLayers,
     TorchCompileModules,
     keep_back_for,
-    repairable,
 )
 from guard.policy.repair import Suspect
 from guard.verify.activation.errors import LayerError

@@ -115,7 +115,7 @@ def test_probes_with_agreeing_scores_route_back():
     clock[0] += 2.0
     assert policy.probing
     back = None
-    for probes in range(1, 100):
+    for probes in range(1, 100):  # noqa: B007 (read after the loop: where it recovered)
         back = policy.observe("generation", False, policy.epoch, score=kld(0.001))
         if back is not None:
             break

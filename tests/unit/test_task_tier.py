@@ -15,7 +15,7 @@ def checker(task: str, **block):
     return task_checker(task, TaskCheckConfig.model_validate({task: block} if block else {}))
 
 
-# -- classification ---------------------------------------------------------------------------------
+# -- classification --------------------------------------------------------------------------------
 def test_classification_identical_logits_agree_fully():
     logits = np.random.default_rng(0).normal(size=(8, 10)).astype(np.float32)
     check = checker("classification").check({"logits": logits}, {"logits": logits.copy()})
@@ -125,7 +125,7 @@ def test_classification_output_selection_and_missing_output():
     assert not shape.passed and shape.failure == "shape" and "shape" in shape.reasons[0]
 
 
-# -- detection ----------------------------------------------------------------------------------------
+# -- detection -------------------------------------------------------------------------------------
 def dets(boxes, scores, labels):
     return {"boxes": np.array(boxes, np.float32).reshape(-1, 4),
             "scores": np.array(scores, np.float32), "labels": np.array(labels, np.int64)}
@@ -184,7 +184,7 @@ def test_average_precision_known_values():
     assert average_precision(np.array([]), 0) == 1.0
 
 
-# -- segmentation ---------------------------------------------------------------------------------------
+# -- segmentation ----------------------------------------------------------------------------------
 def test_segmentation_pixel_agreement_and_miou():
     ref = np.zeros((1, 2, 4, 4), np.float32)
     ref[:, 1, :, :2] = 1.0  # class 1 on the left half
@@ -205,7 +205,7 @@ def test_segmentation_integer_label_masks():
     assert check.passed and check.metrics["miou"] == 1.0 and check.metrics["classes"] == 3
 
 
-# -- embedding --------------------------------------------------------------------------------------------
+# -- embedding -------------------------------------------------------------------------------------
 def test_embedding_cosine_and_neighbours():
     rng = np.random.default_rng(1)
     ref = rng.normal(size=(6, 16))
@@ -225,7 +225,7 @@ def test_embedding_small_batch_states_neighbours_not_applicable():
     assert check.passed and "not applicable" in check.notes[0]
 
 
-# -- generic and the Comparator -----------------------------------------------------------------------------
+# -- generic and the Comparator --------------------------------------------------------------------
 def test_generic_has_no_task_tier_and_says_so():
     comparator = Comparator(ChecksConfig(), task="generic")
     assert comparator.tiers == ("tensor",)

@@ -33,7 +33,7 @@ def f64(*values) -> np.ndarray:
     return np.array(values, dtype=np.float64)
 
 
-# -- verdicts ---------------------------------------------------------------------------------------
+# -- verdicts --------------------------------------------------------------------------------------
 def test_identical_passes_with_zero_tolerance():
     ref = np.random.default_rng(0).standard_normal((4, 5)).astype(np.float32)
     check = compare_output("y", ref, ref.copy(), ZERO)
@@ -110,7 +110,7 @@ def test_dtype_mismatch_fails_even_when_values_equal():
     assert check.max_abs == 0.0  # still measured
 
 
-# -- NaN / Inf --------------------------------------------------------------------------------------
+# -- NaN / Inf -------------------------------------------------------------------------------------
 def test_nan_on_candidate_only_fails():
     check = compare_output("y", f64(1.0, 2.0), f64(1.0, np.nan), Tolerance(1.0, 1.0))
     assert not check.passed
@@ -292,7 +292,7 @@ def test_p99_with_many_values():
     assert check.mean_abs == pytest.approx(0.1)
 
 
-# -- compare_outputs ----------------------------------------------------------------------------------
+# -- compare_outputs -------------------------------------------------------------------------------
 def test_compare_outputs_all_pass():
     ref = {"a": f64(1.0), "b": f64(2.0)}
     result = compare_outputs(ref, {"a": f64(1.0), "b": f64(2.0)}, ZERO)
@@ -350,7 +350,7 @@ def test_max_abs_error_over_outputs():
     assert check.max_abs_error == pytest.approx(0.3)
 
 
-# -- Comparator with a ChecksConfig ---------------------------------------------------------------------
+# -- Comparator with a ChecksConfig ----------------------------------------------------------------
 def test_verifier_uses_default_tolerances():
     comparator = Comparator(ChecksConfig.model_validate({"tensor": {"atol": 0.1, "rtol": 0.0}}))
     assert comparator.check({"y": f64(1.0)}, {"y": f64(1.1 - 1e-9)}).passed

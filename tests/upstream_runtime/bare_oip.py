@@ -1,9 +1,9 @@
 """A bare Open Inference Protocol server: one grpc.aio servicer, ONNX Runtime inline.
 
-The smallest real model server a proxy can stand in front of (what the Envoy tests and the
-hop benchmarks put behind Envoy): ``ModelInfer`` and ``ModelStreamInfer`` on FP32 raw inputs,
-the liveness and readiness calls, nothing else. It serves one model, ``affine``: ``y = 2x + 1``
-over an FP32 matrix ``x`` of any size, an ONNX graph run by ONNX Runtime, so the answer is as large as the
+The smallest real model server a proxy can stand in front of (what the Envoy tests and the hop
+benchmarks put behind Envoy): ``ModelInfer`` and ``ModelStreamInfer`` on FP32 raw inputs, the
+liveness and readiness calls, nothing else. It serves one model, ``affine``: ``y = 2x + 1`` over an
+FP32 matrix ``x`` of any size, an ONNX graph run by ONNX Runtime, so the answer is as large as the
 request (large calls are large both ways). An input whose first element is -999 is refused with
 INVALID_ARGUMENT (an error answer, trailers only).
 
@@ -33,7 +33,8 @@ def affine_model() -> bytes:
     two = helper.make_tensor("two", TensorProto.FLOAT, [], [2.0])
     one = helper.make_tensor("one", TensorProto.FLOAT, [], [1.0])
     graph = helper.make_graph(
-        [helper.make_node("Mul", ["x", "two"], ["x2"]), helper.make_node("Add", ["x2", "one"], ["y"])],
+        [helper.make_node("Mul", ["x", "two"], ["x2"]),
+         helper.make_node("Add", ["x2", "one"], ["y"])],
         "affine", [x], [y], initializer=[two, one])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8

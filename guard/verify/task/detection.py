@@ -103,15 +103,15 @@ def mean_average_precision(refs, outs, ious, iou_thr: float) -> float:
     rank = np.empty(len(order), np.int64)
     rank[order] = np.arange(len(order))
     # Candidate pairs (detection rank, IoU, reference id), reference ids unique across images.
-    det_rank, pair_iou, ref_id = [], [], []
+    det_ranks, pair_ious, ref_ids = [], [], []
     first = np.cumsum([0] + [len(o[0]) for o in outs])
     ref_first = np.cumsum([0] + [len(r[0]) for r in refs])
     for img, ((_, _, rl), (_, _, ol), iou) in enumerate(zip(refs, outs, ious)):
         ri, oi = np.nonzero((iou >= iou_thr) & (rl[:, None] == ol[None, :]))
-        det_rank.append(rank[first[img] + oi])
-        pair_iou.append(iou[ri, oi])
-        ref_id.append(ref_first[img] + ri)
-    ref_id, pair_iou, det_rank = (np.concatenate(a) for a in (ref_id, pair_iou, det_rank))
+        det_ranks.append(rank[first[img] + oi])
+        pair_ious.append(iou[ri, oi])
+        ref_ids.append(ref_first[img] + ri)
+    ref_id, pair_iou, det_rank = (np.concatenate(a) for a in (ref_ids, pair_ious, det_ranks))
     walk = np.lexsort((ref_id, -pair_iou, det_rank))
     tp = np.zeros(len(order))
     taken, done = set(), set()

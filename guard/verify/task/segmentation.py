@@ -46,7 +46,7 @@ class SegmentationChecker(TaskChecker):
             return TaskCheck(self.task, False, failure="shape", reasons=[f"'{name}' is empty"])
         agreement = float(np.mean(ref_mask == out_mask))
         miou, per_class = mean_iou(ref_mask, out_mask)
-        worst = min(per_class, key=per_class.get) if per_class else None
+        worst = min(per_class, key=per_class.__getitem__) if per_class else None
         metrics = {"pixels": int(ref_mask.size), "pixel_agreement": agreement, "miou": miou,
                    "classes": len(per_class)}
         if worst is not None:
@@ -56,8 +56,9 @@ class SegmentationChecker(TaskChecker):
         if agreement < c.min_pixel_agreement:
             check.reasons.append(f"pixel agreement {agreement:.4f} < {c.min_pixel_agreement}")
         if miou < c.min_miou:
+            worst_iou = per_class[worst] if worst is not None else float("nan")
             check.reasons.append(f"mIoU {miou:.4f} < {c.min_miou} (worst class {worst}: IoU "
-                                 f"{per_class[worst]:.3f})")
+                                 f"{worst_iou:.3f})")
         if check.reasons:
             check.passed, check.failure = False, "task"
         return check
