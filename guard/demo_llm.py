@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 from argparse import Namespace
 from contextlib import ExitStack
 from pathlib import Path
@@ -77,29 +76,6 @@ class _LlmServerLog(_ServerLog):
                 print(f"  [guard] {event['model']} {role:<9} {summary}", flush=True)
             return
         super()._show(line)
-
-
-def _llama_server(path: Path, alias: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
-         "--port", str(port), "--model_alias", alias, "--logits_all", "true",
-         "--n_ctx", "512", "--n_threads", "1", "--verbose", "false"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    return process, f"http://127.0.0.1:{port}"
-
-
-def _wait_http(url: str, process: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise GuardError(f"{what} exited with code {process.returncode} before it was ready")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise GuardError(f"{what} was not ready after {timeout:.0f}s ({url})")
 
 
 def llm_demo_config(upstreams: dict[str, str], reference: dict, ports: dict[str, int]) -> dict:
@@ -188,7 +164,7 @@ def run_llm_demo(args: Namespace) -> int:
     import openai
 
     from guard.admin_client import get_status
-    from guard.zoo.llm import PROMPTS, quant_ladder
+    from guard.zoo.llm import PROMPTS, quant_ladder, start_llama_server, stop_process, wait_http
 
     workdir = Path(args.workdir) if args.workdir else default_workdir().with_name("demo-llm")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -202,13 +178,13 @@ def run_llm_demo(args: Namespace) -> int:
     with ExitStack() as stack:
         upstreams, servers = {}, {}
         for role, rung in (("primary", "Q2_K"), ("fallback", "Q8_0")):
-            servers[role], upstreams[role] = _llama_server(
+            servers[role], upstreams[role] = start_llama_server(
                 ladder[rung], f"smol-{rung.lower()}", workdir / f"llama-{rung}.log")
-            stack.callback(_end, servers[role])
+            stack.callback(stop_process, servers[role])
             print(f"guard demo --llm: llama.cpp server for {rung} ({role}) at "
                   f"{upstreams[role]}", flush=True)
         for role, url in upstreams.items():
-            _wait_http(url + "/v1/models", servers[role], f"the {role} llama.cpp server")
+            wait_http(url + "/v1/models", servers[role], f"the {role} llama.cpp server")
         ports = {"grpc_port": _free_port(), "metrics_port": _free_port(),
                  "admin_port": _free_port(), "http_port": args.http_port or _free_port()}
         config_path = workdir / "demo-llm.yaml"
@@ -219,11 +195,11 @@ def run_llm_demo(args: Namespace) -> int:
             [sys.executable, "-m", "guard", "serve", "--config", str(config_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        stack.callback(_end, process)
+        stack.callback(stop_process, process)
         log = _LlmServerLog(process.stderr, workdir / "guard.log")
         log.start()
-        _wait_http(f"http://127.0.0.1:{ports['http_port']}/health/ready", process,
-                   "guard serve", timeout=600)
+        wait_http(f"http://127.0.0.1:{ports['http_port']}/health/ready", process,
+                  "guard serve", timeout=600)
         n = args.requests or 14
         print(f"guard demo --llm: {n} completions (max_tokens {MAX_TOKENS}, greedy) with the "
               f"openai client through guard's edge; every call is scored by the "
@@ -245,13 +221,3 @@ def run_llm_demo(args: Namespace) -> int:
         except KeyboardInterrupt:
             return _stop(process, log)
         return 0
-
-
-def _end(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)

@@ -134,6 +134,19 @@ class LlamaCppScorer(Scorer):
             logits = np.array(self.llm.scores[prompt_length - 1:len(ids) - 1], copy=True)
         return log_softmax(logits)
 
+    def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
+        """llama.cpp's greedy continuation of ``ids`` (at most ``max_tokens``, stopping at
+        EOS): token ids only (``forward`` gives their distributions)."""
+        out: list[int] = []
+        with self._lock:
+            self.llm.reset()
+            eos = int(self.llm.token_eos())
+            for token in self.llm.generate(list(ids), temp=0.0, top_k=1, repeat_penalty=1.0):
+                if token == eos or len(out) >= max_tokens:
+                    break
+                out.append(int(token))
+        return out
+
     def describe(self) -> BackendInfo:
         return BackendInfo(self.name, str(self.spec.path), "as quantized", "cpu", (), (),
                            {"vocabulary": str(self.vocab.size),

@@ -266,6 +266,14 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
 
     try:
         for model in config.models:
+            if model.task == "generation":
+                from guard.matrix.generation import run_generation_model
+
+                if "generation" in config.tiers:
+                    run_generation_model(config, model, emit, say)
+                else:
+                    say(f"model {model.name}: task generation, but tiers name no generation")
+                continue
             say(f"model {model.name}: preparing")
             prepared = prepare(model, zoo_dir())
             ref_config = model.reference or config.reference
@@ -296,9 +304,12 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
 
 def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend,
                    reference: BackendRun, grid, emit, say, ref_spec=None) -> None:
+    from guard.matrix.generation import applies
+
     model = prepared.config
-    spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base,
-                        backend.device, backend.artifact)
+    spec = "a generative column (task generation models only)" if applies(backend) else \
+        backend_spec(prepared, backend.backend, backend.precision, backend.options, base,
+                     backend.device, backend.artifact)
     common = {"matrix": config.name, "model": model.name, "task": prepared.task,
               "reference": f"{(model.reference or config.reference).backend} fp32",
               "backend": backend.name,
