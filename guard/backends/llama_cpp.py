@@ -111,6 +111,10 @@ class LlamaCppScorer(Scorer):
         # special-token text parsed.
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids as text, as llama.cpp's servers detokenize a completion."""
+        return self.llm.detokenize(list(ids)).decode("utf-8", "replace")
+
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 

@@ -37,9 +37,9 @@ class GenerationCheckConfig(Strict):
     """The generation tier (guard/verify/generation.py): the token-level checks of a compared
     completion, and what the detector accumulates.
 
-    The tier compares per token where the primary returned logprobs (mean KLD over its
-    returned top-k with the tail mass), tests greedy calls against the reference's argmax where
-    its margin is beyond the noise floor, and turns a sampled call into a z-score under the
+    The tier compares per token where the primary returned logprobs (mean KLD estimated from
+    its returned top-k: the lumped bound plus the tail's correction), tests greedy calls
+    against the reference's argmax where its margin is beyond the noise floor, and turns a sampled call into a z-score under the
     sampling transform the server applied. Each mode's verdict has a threshold below. The
     detector does not read the verdict: it accumulates each completion's statistic over its
     mode's threshold (1 = the failing level; KLD / max_mean_kld, flips / max_greedy_disagreement,
@@ -53,7 +53,8 @@ class GenerationCheckConfig(Strict):
 
     max_mean_kld: PositiveFloat = Field(
         0.05, description="logprobs mode: a completion fails when its mean KLD per token "
-        "(nats, reference || primary) exceeds this (SmolLM2 Q8_0: 0.004, Q2_K: 0.45).")
+        "(nats, KL(primary || reference) estimated from the primary's top-k logprobs) exceeds "
+        "this (SmolLM2 Q8_0: 0.005, Q2_K: 0.5).")
     max_abs_z: PositiveFloat = Field(
         4.0, description="sampled mode (no logprobs, temperature > 0): a completion fails "
         "when |z| of its surprise under the reference exceeds this (N(0, 1) when they agree).")

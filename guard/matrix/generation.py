@@ -128,7 +128,11 @@ def run_generation_model(config: MatrixConfig, model: MatrixModel, emit: Callabl
     say(f"model {model.name}: reference {note}, {len(prompts)} prompts x "
         f"{model.inputs.max_tokens} tokens")
     started = time.perf_counter()
-    reference = open_reference(model, config)
+    try:
+        reference = open_reference(model, config)
+    except Exception as exc:  # as for a tensor model: the model is skipped, the sweep goes on
+        say(f"model {model.name}: reference failed ({type(exc).__name__}: {exc}); skipped")
+        return
     say(f"model {model.name}: reference loaded in {time.perf_counter() - started:.1f}s")
     try:
         fixed = _reference_text(reference, prompts, model.inputs.max_tokens)

@@ -73,7 +73,9 @@ def environment() -> dict:
     env = {"guard": version("guard"), "python": platform.python_version(),
            "numpy": np.__version__, "torch": version("torch"),
            "onnxruntime": version("onnxruntime"), "platform": platform.platform(),
-           "cpu": cpu, "cores": os.cpu_count()}
+           "cpu": cpu, "cores": os.cpu_count(),
+           # Other work on the machine slows latencies, never the accuracy figures.
+           "loadavg": [round(v, 2) for v in os.getloadavg()]}
     try:
         import torch
 
