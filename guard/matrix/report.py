@@ -172,7 +172,9 @@ def _generation_sections(generation: dict) -> list[str]:
         for name, row in rows:
             st = row.get("stats") or {}
             served = row.get("serve") and f"({row['serve']} server)"
-            engine = " ".join(filter(None, [row["backend_kind"], served, row.get("quant"),
+            as_is = row["backend_kind"] in ("llama_cpp", "openai") and not row.get("quant")
+            engine = " ".join(filter(None, [row["backend_kind"], served, row.get("quant") or (
+                                                "GGUF as is" if as_is else None),
                                             None if row["precision"] == "fp32" else
                                             row["precision"]]))
             if not st:

@@ -1,6 +1,8 @@
 """guard matrix's generative columns on the real SmolLM2-135M-Instruct GGUF: the config's
 checks, and one small sweep (2 prompts x 16 tokens) of llama.cpp in-process at F16 and Q2_K
-and llama-cpp-python's server on the shipped Q4_1, against the fp32 reference.
+and llama-cpp-python's server on the shipped Q4_1, against the fp32 reference (llama.cpp on
+the GGUF dequantized to F32: the weights of the transformers reference, loaded in a second;
+tests/unit/test_generation_tier.py runs the transformers one).
 
 Every assertion is a property that holds on any x86-64 CPU: the ladder's gaps (F16 ~0, Q2_K
 ~0.4 nats per token) are orders of magnitude wider than kernel differences between CPUs.
@@ -97,7 +99,9 @@ def sweep(tmp_path_factory):
     except FileNotFoundError as exc:
         pytest.skip(str(exc))
     tmp_path = tmp_path_factory.mktemp("matrix-llm")
-    path = _write(tmp_path, {"zoo": "smollm2", "inputs": {"samples": 2, "max_tokens": 16}},
+    path = _write(tmp_path, {"zoo": "smollm2", "inputs": {"samples": 2, "max_tokens": 16},
+                             "reference": {"backend": "llama_cpp", "quant": "F32",
+                                           "options": {"context_length": 256}}},
                   [{"name": "llama_f16", "backend": "llama_cpp", "quant": "F16"},
                    {"name": "llama_q2_k", "backend": "llama_cpp", "quant": "Q2_K"},
                    {"name": "server_q4_1", "backend": "openai", "serve": "llama_cpp"}])
@@ -119,7 +123,7 @@ def test_the_ladder_passes_near_the_top_and_fails_at_two_bits(sweep):
     assert server["stats"]["mean_kld"] < limit
     for record in records.values():
         assert record["tier"] == "generation" and record["samples"] == 2
-        assert "transformers fp32 on SmolLM2-135M-Instruct.Q4_1.gguf" in record["reference"]
+        assert record["reference"] == "llama.cpp on SmolLM2-135M-Instruct.Q4_1.gguf at F32"
 
 
 def test_guards_figure_is_close_to_the_full_vocabulary_one(sweep):
@@ -145,7 +149,7 @@ def test_llama_perplexity_statistics_order_the_ladder(sweep):
 def test_the_summary_names_the_reference_beside_the_figures(sweep):
     text = sweep[2]
     assert "## Generative columns of smol" in text
-    assert "against the reference **transformers fp32 on SmolLM2-135M-Instruct.Q4_1.gguf " \
-           "(dequantized)**" in text
+    assert "against the reference **llama.cpp on SmolLM2-135M-Instruct.Q4_1.gguf at F32**" \
+        in text
     assert "| llama_q2_k | llama_cpp Q2_K | fail |" in text
-    assert "| server_q4_1 | openai (llama_cpp server) | pass | 2/2 |" in text
+    assert "| server_q4_1 | openai (llama_cpp server) GGUF as is | pass | 2/2 |" in text
