@@ -163,8 +163,9 @@ def scoring_cost(ladder: dict, reference_fp32, tokens: int, repeat: int, threads
     primary_scorer = scorer("llama_cpp", ladder[SHIPPED], threads, context_length=512)
     f16 = scorer("llama_cpp", ladder["F16"], threads, context_length=512)
     references = {"transformers_fp32": reference_fp32, "llama_cpp_f16": f16}
-    totals = {"generate": 0.0, **{f"{name}_{part}": 0.0 for name in references
-                                  for part in ("score", "check_sampled", "check_logprobs")}}
+    modes = ("sampled", "logprobs")
+    totals = {"generate": 0.0, **{f"{name}_{part}_{mode}": 0.0 for name in references
+                                  for part in ("score", "check") for mode in modes}}
     produced = 0
     for seed in range(repeat):
         prompt = PROMPTS[seed % len(PROMPTS)]
@@ -185,15 +186,13 @@ def scoring_cost(ladder: dict, reference_fp32, tokens: int, repeat: int, threads
                                       primary_scorer.vocab, 5, primary_scorer.decode),
             sampling=SamplingParams(logprobs=5))
         for name, reference in references.items():
-            start = cpu_seconds()
-            scores = reference.score(sampled)
-            middle = cpu_seconds()
-            assert check_generation(sampled, scores, LLAMA).mode == "sampled"
-            end = cpu_seconds()
-            assert check_generation(with_logprobs, scores, LLAMA).mode == "logprobs"
-            totals[f"{name}_score"] += middle - start
-            totals[f"{name}_check_sampled"] += end - middle
-            totals[f"{name}_check_logprobs"] += cpu_seconds() - end
+            for mode, sample in zip(modes, (sampled, with_logprobs)):
+                start = cpu_seconds()
+                scores = reference.score(sample)
+                middle = cpu_seconds()
+                assert check_generation(sample, scores, LLAMA).mode == mode
+                totals[f"{name}_score_{mode}"] += middle - start
+                totals[f"{name}_check_{mode}"] += cpu_seconds() - middle
     primary.close()
     primary_scorer.close()
     f16.close()
@@ -202,13 +201,11 @@ def scoring_cost(ladder: dict, reference_fp32, tokens: int, repeat: int, threads
            "threads": threads, "cpu_source": "/proc/self/stat utime+stime",
            "generate_cpu_s": per["generate"]}
     for name in references:
-        sampled_cost = per[f"{name}_score"] + per[f"{name}_check_sampled"]
-        logprobs_cost = per[f"{name}_score"] + per[f"{name}_check_logprobs"]
-        out[name] = {"score_cpu_s": per[f"{name}_score"],
-                     "check_sampled_cpu_s": per[f"{name}_check_sampled"],
-                     "check_logprobs_cpu_s": per[f"{name}_check_logprobs"],
-                     "ratio_sampled": sampled_cost / per["generate"],
-                     "ratio_logprobs": logprobs_cost / per["generate"]}
+        out[name] = {}
+        for mode in modes:
+            score, check = per[f"{name}_score_{mode}"], per[f"{name}_check_{mode}"]
+            out[name][mode] = {"score_cpu_s": score, "check_cpu_s": check,
+                               "ratio": (score + check) / per["generate"]}
     return out
 
 
@@ -218,7 +215,7 @@ def machine() -> dict:
             "loadavg": [round(v, 2) for v in os.getloadavg()]}
 
 
-def markdown(record: dict, args) -> list[str]:
+def markdown(record: dict) -> list[str]:
     rows, cost, limits = record["ladder"], record["cost"], record["defaults"]
     m = record["machine"]
     lines = [
@@ -228,7 +225,8 @@ def markdown(record: dict, args) -> list[str]:
         f"work: the CPU figures below are to be rerun on a quiet machine; the KLD figures do "
         f"not depend on load). {record['prompts']} prompts x {record['tokens_per_completion']} "
         f"greedy tokens per rung (primaries in llama.cpp, top-{TOP_LOGPROBS} logprobs as an "
-        f"OpenAI server returns them); {args.samples} sampled completions per rung (llama.cpp's "
+        f"OpenAI server returns them); {record['samples_per_rung']} sampled completions per "
+        f"rung (llama.cpp's "
         f"default transform, no logprobs). Against the {REFERENCE_NOTE}.", "",
         f"Defaults: max_mean_kld {limits['max_mean_kld']}, max_abs_z {limits['max_abs_z']}, "
         f"margin_floor {limits['margin_floor']}, max_greedy_disagreement "
@@ -256,27 +254,28 @@ def markdown(record: dict, args) -> list[str]:
             f"{r['delta_p_rms']:.2%} | {r['logprobs_passed']}/{r['completions']} | "
             f"{r['greedy_passed']}/{r['completions']} | "
             f"{r['sampled_passed']}/{r['sampled_completions']} | {z} |")
-    t, f = cost["transformers_fp32"], cost["llama_cpp_f16"]
     lines += [
         "", f"Scoring cost of one {cost['tokens']}-token sampled completion, CPU seconds of "
         f"this process from {cost['cpu_source']} (mean of {cost['repeat']}, "
-        f"{cost['threads']} thread); the primary is the shipped Q4_1 in llama.cpp, generating "
-        "as a server does without logprobs (the top-5 of the logprobs-mode check taken "
-        "afterwards, untimed). Target: scoring <= 0.25x generating (10% sampling adds <= 2.5% "
+        f"{cost['threads']} thread; load average {m['loadavg_cost']} when it was taken); the "
+        "primary is the shipped Q4_1 in llama.cpp, generating as a server does without "
+        "logprobs (the top-5 of the logprobs-mode sample taken afterwards, untimed). Scoring "
+        "is the reference's teacher-forced pass plus the tier's check, in sampled mode (no "
+        "logprobs: the z-score, the costliest check) and in logprobs mode (top-5, as guard asks "
+        "on sampled calls). Target: scoring <= 0.25x generating (10% sampling adds <= 2.5% "
         "CPU).", "",
-        "| | CPU s | x generating (sampled mode) | x generating (logprobs mode) |",
-        "| --- | --- | --- | --- |",
-        f"| generate (Q4_1 primary, llama.cpp) | {cost['generate_cpu_s']:.3f} | 1 | 1 |"]
-    for label, c in (("transformers fp32 reference (Q4_1 dequantized)", t),
-                     ("llama_cpp F16 reference (Q4_1 in 16 bits)", f)):
-        lines.append(
-            f"| score with the {label}: pass {c['score_cpu_s']:.3f} + check "
-            f"{c['check_sampled_cpu_s']:.3f} (sampled) / {c['check_logprobs_cpu_s']:.3f} "
-            f"(logprobs) | {c['score_cpu_s'] + c['check_sampled_cpu_s']:.3f} | "
-            f"{c['ratio_sampled']:.3f} | {c['ratio_logprobs']:.3f} |")
+        "| | pass, CPU s | check, CPU s | x generating |", "| --- | --- | --- | --- |",
+        f"| generate (Q4_1 primary, llama.cpp) | {cost['generate_cpu_s']:.3f} | | 1 |"]
+    for label, key in (("transformers fp32 reference (Q4_1 dequantized)", "transformers_fp32"),
+                       ("llama_cpp F16 reference (Q4_1 in 16 bits)", "llama_cpp_f16")):
+        for mode in ("sampled", "logprobs"):
+            c = cost[key][mode]
+            lines.append(f"| score with the {label}, {mode} mode | {c['score_cpu_s']:.3f} | "
+                         f"{c['check_cpu_s']:.3f} | {c['ratio']:.3f} |")
     lines += ["", f"Reproduce: `PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_ladder.py "
-              f"--prompts {args.prompts} --tokens {args.tokens} --samples {args.samples}` "
-              f"({record['seconds']} s here)."]
+              f"--prompts {record['prompts']} --tokens {record['tokens_per_completion']} "
+              f"--samples {record['samples_per_rung']}` (the ladder took {record['seconds']} s "
+              "here); `--cost-only` reruns the CPU figures alone."]
     return lines
 
 
@@ -289,35 +288,43 @@ def main() -> None:
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rungs", default=",".join(RUNGS))
-    parser.add_argument("--skip-cost", action="store_true")
+    parser.add_argument("--cost-only", action="store_true",
+                        help="rerun the CPU figures only (a quiet machine), keeping the ladder "
+                        "of the existing llm_ladder.json")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
+    args.out.mkdir(parents=True, exist_ok=True)
+    path = args.out / "llm_ladder.json"
     rungs = tuple(args.rungs.split(","))
     started, load_start = time.time(), [round(v, 2) for v in os.getloadavg()]
     ladder = quant_ladder(tuple(dict.fromkeys(rungs + (SHIPPED, "F16"))))
     reference = scorer("transformers", smollm2_gguf(), args.threads)
-    prompts = PROMPTS[:args.prompts]
-    rows = []
-    for rung in rungs:
-        row = rung_figures(rung, ladder[rung], reference, prompts, args.tokens, args.samples,
-                           args.threads)
-        rows.append(row)
-        print(json.dumps(row), file=sys.stderr, flush=True)
-    cost = None if args.skip_cost else scoring_cost(ladder, reference, args.cost_tokens,
-                                                     args.repeat, args.threads)
-    record = {
-        "machine": {**machine(), "loadavg_start": load_start},
-        "reference": REFERENCE_NOTE, "defaults": GenerationThresholds().__dict__,
-        "prompts": len(prompts), "tokens_per_completion": args.tokens,
-        "top_logprobs": TOP_LOGPROBS, "ladder": rows, "cost": cost,
-        "seconds": round(time.time() - started, 1),
-    }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "llm_ladder.json").write_text(json.dumps(record, indent=2) + "\n")
-    if cost is not None:
-        text = "\n".join(markdown(record, args)) + "\n"
-        (args.out / "llm_ladder.md").write_text(text)
-        print(text)
+    if args.cost_only:
+        record = json.loads(path.read_text())
+    else:
+        prompts = PROMPTS[:args.prompts]
+        rows = []
+        for rung in rungs:
+            row = rung_figures(rung, ladder[rung], reference, prompts, args.tokens,
+                               args.samples, args.threads)
+            rows.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        record = {
+            "machine": {**machine(), "loadavg_start": load_start},
+            "reference": REFERENCE_NOTE, "defaults": GenerationThresholds().__dict__,
+            "prompts": len(prompts), "tokens_per_completion": args.tokens,
+            "samples_per_rung": args.samples, "top_logprobs": TOP_LOGPROBS, "ladder": rows,
+            "cost": None, "seconds": round(time.time() - started, 1),
+        }
+        path.write_text(json.dumps(record, indent=2) + "\n")  # kept if the cost part fails
+    record["machine"]["loadavg_cost"] = [round(v, 2) for v in os.getloadavg()]
+    record["cost"] = scoring_cost(ladder, reference, args.cost_tokens, args.repeat,
+                                  args.threads)
+    record["machine"]["loadavg"] = [round(v, 2) for v in os.getloadavg()]
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    text = "\n".join(markdown(record)) + "\n"
+    (args.out / "llm_ladder.md").write_text(text)
+    print(text)
 
 
 if __name__ == "__main__":

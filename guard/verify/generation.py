@@ -275,20 +275,23 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
     return out / out.sum()
 
 
-def transformed(logprobs: np.ndarray, transform: Transform) -> np.ndarray:
-    """The distribution the server samples from, given the model's log-probabilities at one
-    position (penalties already applied): float64 ``[V]``, zero outside the kept set.
+def transformed_support(logprobs: np.ndarray, transform: Transform
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens the server may sample at one position and their probabilities (float64),
+    given the model's log-probabilities there (penalties already applied).
 
     The truncations work on the candidates top_k left (all tokens without it), so that a
-    top_k server costs one partition of the vocabulary, not a sort."""
-    logits = logprobs.astype(np.float64)
+    top_k server costs one partition of the vocabulary, not a sort; only the kept tokens are
+    converted and normalized (the vocabulary is tens of thousands, the kept set tens)."""
+    if 0 < transform.top_k < logprobs.shape[-1]:
+        # Temperature is monotonic: the top_k set is the same before or after it.
+        candidates = np.argpartition(-logprobs, transform.top_k - 1)[:transform.top_k]
+        candidates = candidates[np.isfinite(logprobs[candidates])]
+    else:
+        candidates = np.flatnonzero(np.isfinite(logprobs))
+    values = logprobs[candidates].astype(np.float64)
     if not transform.temperature_last:
-        logits = logits / transform.temperature
-    candidates = np.flatnonzero(np.isfinite(logits))
-    if 0 < transform.top_k < candidates.size:
-        best = np.argpartition(-logits[candidates], transform.top_k - 1)[:transform.top_k]
-        candidates = candidates[best]
-    values = logits[candidates]
+        values = values / transform.temperature
     if transform.top_p < 1.0:
         order = np.argsort(-values, kind="stable")
         cumulative = np.cumsum(_softmax(values[order]))
@@ -300,8 +303,15 @@ def transformed(logprobs: np.ndarray, transform: Transform) -> np.ndarray:
         candidates, values = candidates[kept], values[kept]
     if transform.temperature_last:
         values = values / transform.temperature
-    out = np.zeros(logits.shape, dtype=np.float64)
-    out[candidates] = _softmax(values)
+    return candidates, _softmax(values)
+
+
+def transformed(logprobs: np.ndarray, transform: Transform) -> np.ndarray:
+    """The distribution the server samples from at one position: float64 ``[V]``, zero
+    outside the kept set (:func:`transformed_support`, dense)."""
+    candidates, probabilities = transformed_support(logprobs, transform)
+    out = np.zeros(logprobs.shape, dtype=np.float64)
+    out[candidates] = probabilities
     return out
 
 
@@ -455,16 +465,21 @@ def sampled_terms(scores: ReferenceScores, transform: Transform, epsilon: float
     terms, variances, outside = np.zeros(n), np.zeros(n), np.zeros(n, bool)
     prompt = scores.prompt_token_ids
     for t, token_id in enumerate(scores.token_ids):
-        row = scores.logprobs[t].astype(np.float64)
+        row = scores.logprobs[t]
         if transform.penalized:
-            row = _penalize(row, transform, prompt, scores.token_ids, t)
+            row = _penalize(row.astype(np.float64), transform, prompt, scores.token_ids, t)
             row = row - np.logaddexp.reduce(row)
-        pi = transformed(row, transform)
-        mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row) + _TINY)
+        # Only the kept set and the primary's token enter: pi is zero elsewhere.
+        kept, pi = transformed_support(row, transform)
+        mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
+                       + _TINY)
         expected = float(np.dot(pi, mixed))  # -(cross entropy of pi against the mixture)
-        terms[t] = -float(mixed[token_id]) + expected
+        chosen = float(pi[kept == token_id].sum())
+        mixed_chosen = math.log((1.0 - epsilon) * chosen + epsilon * math.exp(
+            float(row[token_id])) + _TINY)
+        terms[t] = -mixed_chosen + expected
         variances[t] = max(float(np.dot(pi, mixed ** 2)) - expected ** 2, 0.0)
-        outside[t] = pi[token_id] == 0.0
+        outside[t] = chosen == 0.0
     return terms, variances, outside
 
 

@@ -19,6 +19,7 @@ from guard.verify.generation import (
     _topk_kld,
     check_generation,
     resolve_transform,
+    sampled_terms,
     transformed,
 )
 
@@ -169,6 +170,39 @@ def test_z_is_large_when_the_primary_samples_another_distribution(actual):
     zs = np.array(zs)
     assert np.mean(np.abs(zs) > GenerationThresholds().max_abs_z) >= 0.8
     assert np.sign(np.median(zs)) == (1 if actual > 1 else -1)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, temperature_last=True),
+    dict(temperature=1.3, top_p=0.7),
+    dict(temperature=0.6, repetition_penalty=1.3, presence_penalty=0.5, penalty_last_n=64),
+])
+def test_sampled_terms_match_the_dense_formula(kw):
+    """The z-score's terms, computed on the kept set only, equal the formula over the whole
+    vocabulary: s_t = -log m(x_t) + E_pi[log m], Var_pi[log m], m = (1-eps) pi + eps q (a
+    token outside the support included)."""
+    rng = np.random.default_rng(5)
+    logprobs = _log_softmax(rng.gumbel(0, 2, (16, 3000)))
+    tokens = np.array([rng.choice(3000, p=np.exp(row)) for row in logprobs])
+    tokens[3] = int(np.argmin(logprobs[3]))  # outside every truncation
+    transform = _transform(**kw)
+    scores = replace(_synthetic_scores(logprobs, tokens), prompt_token_ids=(0, 5, 7))
+    terms, variances, outside = sampled_terms(scores, transform, 0.05)
+    for t, token in enumerate(tokens):
+        row = scores.logprobs[t].astype(np.float64)
+        if transform.penalized:
+            from guard.verify.generation import _penalize
+
+            row = _penalize(row, transform, (0, 5, 7), tuple(int(i) for i in tokens), t)
+            row = row - np.logaddexp.reduce(row)
+        pi = transformed(row, transform)
+        mixed = np.log(0.95 * pi + 0.05 * np.exp(row) + 1e-12)
+        assert math.isclose(terms[t], -mixed[token] + pi @ mixed, rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(variances[t], pi @ mixed ** 2 - (pi @ mixed) ** 2, rel_tol=1e-6,
+                            abs_tol=1e-9)
+        assert outside[t] == (pi[token] == 0.0)
+    truncated = transform.top_k or transform.top_p < 1.0 or transform.min_p > 0.0
+    assert outside[3] == bool(truncated)
 
 
 def test_a_sampled_completion_with_an_unknown_transform_is_not_comparable():
