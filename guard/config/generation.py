@@ -2,10 +2,10 @@
 defaults of the task, and the checks of a generation model block, kept together in one place
 (they move as one when tiers become plug-ins).
 
-The figures behind the defaults (SmolLM2-135M-Instruct against its fp32 reference, mean KLD per
-token over 10 prompts x 32 tokens, STACK.md): F16 0.00000, Q4_1 0.00285, Q8_0 0.00415, Q2_K
-0.454 nats. The detector's in-control bound (0.4 x 0.05 = 0.02 nats) sits ~5x above the worst
-agreeing primary and ~20x below Q2_K.
+The figures behind the defaults (SmolLM2-135M-Instruct against its fp32 reference, guard's mean
+KLD per token over 10 prompts x 32 tokens from top-20 logprobs, benchmarks/llm_ladder.py): F16
+0.0000036, Q4_1 0.00303, Q8_0 0.00461, Q2_K 0.519 nats. The detector's in-control bound (0.4 x
+0.05 = 0.02 nats) sits ~4x above the worst agreeing primary and ~25x below Q2_K.
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ detectors. Which comparison applies depends on what the primary returned:
   reference's logprobs of the same tokens (:func:`_topk_kld`): the exact KL over the top-k
   plus one bucket for the rest of the mass (a lower bound, ``mean_kld_lower_bound``) plus a
   correction for the divergence within that bucket, taken from the spread of the top-k's
-  log-ratios. On SmolLM2's quant ladder from top-20 the estimate is 0.97-1.00 of the
-  full-vocabulary KLD over the same tokens, the bound 0.80-0.83 (docs/generation.md);
+  log-ratios. On SmolLM2's quant ladder from top-20 the estimate is 0.95-1.02 of the
+  full-vocabulary KLD over the same tokens, the bound 0.70-0.84 (docs/generation.md);
   ``kld_exact`` says the top-k held at least 99.9% of the mass everywhere (the figure is then
   exact to that). llama-perplexity's direction, ``KL(reference || primary)``, is estimated
   the same way (``mean_kld_reverse``: for close models the two agree to second order). Also
@@ -124,7 +124,7 @@ class GenerationThresholds:
     """The tier's defaults. Why these values: docs/generation.md (measured ladder)."""
 
     # Mean KLD per token (nats) over one completion, logprobs mode. Q8_0's ladder mean is
-    # 0.004 and Q2_K's 0.45: 0.05 sits near their geometric mean.
+    # 0.0046 and Q2_K's 0.52: 0.05 sits near their geometric mean.
     max_mean_kld: float = 0.05
     # |z| of one sampled completion (N(0, 1) under agreement: 4 is 6e-5 two-sided).
     max_abs_z: float = 4.0
@@ -363,7 +363,7 @@ def _topk_kld(primary_lp: np.ndarray, reference_lp: np.ndarray) -> TopKKld:
     coarse-grained distributions: a lower bound (lumping can only lower a KL), which loses
     ``P_tail * KL(p_tail || q_tail)``, the tail's own divergence (p_tail, q_tail: the two
     distributions within the tail, P_tail the primary's tail mass). Measured on SmolLM2's
-    quant ladder from top-20, the bound is 0.80-0.83 of the full-vocabulary KLD: the tail
+    quant ladder from top-20, the bound is 0.70-0.84 of the full-vocabulary KLD: the tail
     holds about a tenth of the mass and its log-ratios spread as much as the top-k's.
 
     The correction: a quantized, reordered or otherwise perturbed model's logits are the
@@ -373,7 +373,7 @@ def _topk_kld(primary_lp: np.ndarray, reference_lp: np.ndarray) -> TopKKld:
     tilted by ``exp(noise)`` and ``KL(p_tail || q_tail) = s²/2`` exactly (and the same for
     ``KL(q_tail || p_tail)``). s² is estimated by the sample variance of ``d`` over the
     top-k, where both sides are known; the estimate adds ``P_tail * s²/2`` (the reverse
-    direction ``Q_tail * s²/2``). On the ladder it came out at 0.97-1.00 of the full figure
+    direction ``Q_tail * s²/2``). On the ladder it came out at 0.95-1.02 of the full figure
     (docs/generation.md); with the whole vocabulary the tail is empty and it is exact.
     """
     p = np.exp(primary_lp)
