@@ -10,14 +10,18 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import traceback
 
 from guard import __version__
-from guard.errors import ConfigError, GuardError
+from guard.errors import ConfigError, GuardError, install_hint
 from guard.malloc import tune_for_inference
 
 EXIT_OK, EXIT_FAIL, EXIT_USAGE = 0, 1, 2
+# The reader of our output went away (`guard config schema | head`): what a shell reports for a
+# program that SIGPIPE ended (128 + 13), which is what `| head` users expect, never a traceback.
+EXIT_PIPE_CLOSED = 141
 DEFAULT_ADMIN = "127.0.0.1:8003"  # server.admin_host and server.admin_port's defaults
 
 
@@ -53,7 +57,7 @@ def _configure_logging(debug: bool) -> None:
         stream=sys.stderr,
     )
     # Library chatter that says nothing to an operator.
-    for noisy in ("torch", "onnxscript", "onnx_ir", "asyncio"):
+    for noisy in ("torch", "onnxscript", "onnx_ir", "asyncio", "httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING if debug else logging.ERROR)
 
 
@@ -92,8 +96,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
     try:
         config = load_config(args.file)
     except ConfigError as exc:
-        for line in exc.problems:
-            print(line, file=sys.stderr)
+        for line in exc.problems:  # FILE: dotted.path: message, as a compiler names its file
+            print(f"{exc.source or args.file}: {line}", file=sys.stderr)
         return EXIT_USAGE
     names = ", ".join(m.name for m in config.models)
     print(f"{args.file}: valid ({len(config.models)} model(s): {names})")
@@ -151,14 +155,24 @@ def _write_output(text: str, output: str | None) -> None:
 
 
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
+    from guard.deploy import parse_labels
+    from guard.deploy.fleet import FleetSettings
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
     try:
         settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
+        labels = parse_labels(args.label, "--label")
+        fleet = FleetSettings(
+            windows=tuple(w.strip() for w in args.fleet_windows.split(",") if w.strip()),
+            evaluation_interval=args.fleet_evaluation_interval,
+            false_alarms_per_day=args.fleet_false_alarms_per_day,
+            by=tuple(b.strip() for b in args.fleet_by.split(",") if b.strip()),
+        ) if args.fleet else None
+        text = render(read_thresholds(args.config), settings, args.format, source=args.config,
+                      labels=labels, fleet=fleet)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
-    _write_output(render(read_thresholds(args.config), settings, args.format,
-                         source=args.config), args.output)
+    _write_output(text, args.output)
     return EXIT_OK
 
 
@@ -178,6 +192,7 @@ def cmd_deploy_rollout(args: argparse.Namespace) -> int:
 
 def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     from guard.envoy.bootstrap import build, dump, ports_of
+    from guard.envoy.openai_listener import generative
     from guard.envoy.servable import require_servable
     from guard.plan.serving import load_config
 
@@ -189,6 +204,8 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     needed = [("health_port", ports.health)]
     if config.server.envoy.observer == "ext_proc":
         needed.append(("observer_port", ports.observer))
+    if any(generative(model) for model in config.models):
+        needed.append(("http_health_port", ports.http_health))
     for key, port in needed:
         if not port:
             raise GuardError(f"server.envoy.{key}: 0 (a free port chosen when guard starts) "
@@ -204,12 +221,12 @@ def cmd_deploy_istio(args: argparse.Namespace) -> int:
     from guard.envoy.istio import dump, envoy_filter
     from guard.plan.serving import load_config
 
-    selector = {}
-    for item in args.selector:
-        label, sep, value = item.partition("=")
-        if not sep or not label:
-            raise GuardError(f"--selector: '{item}' is not LABEL=VALUE")
-        selector[label] = value
+    from guard.deploy import parse_labels
+
+    try:
+        selector = parse_labels(args.selector, "--selector")
+    except ValueError as exc:
+        raise GuardError(str(exc)) from None
     resource = envoy_filter(load_config(args.config), selector, name=args.name,
                             namespace=args.namespace, port=args.port)
     _write_output(dump(resource, as_json=args.format == "json"), args.output)
@@ -359,12 +376,16 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=cmd_config_schema)
 
     replay = sub.add_parser(
-        "replay", help="replay captured traffic (or .npz input sets) through the checks",
+        "replay", help="replay captured traffic (or .npz input sets, or JSONL prompt sets) "
+        "through the checks",
         description="Runs the reference and the primary of each model as configured now (this is "
         "how a new backend is tried on old traffic) over captured records or .npz input sets "
         "(one array per input name, first axis = samples), through the same checks as the "
-        "sidecar, and writes REPORT_DIR/report.json, report.md and report.html. A model drifts "
-        "when the failing share of a tier exceeds its policy.trip_ratio.",
+        "sidecar, and writes REPORT_DIR/report.json, report.md and report.html. A generative "
+        "model's captured calls are scored again by its reference; a JSONL prompt set "
+        "({\"prompt\": ...} or {\"messages\": [...]} per line) is generated by its primary "
+        "first. A model drifts when the failing share of a tier exceeds its "
+        "policy.trip_ratio.",
         epilog="Exit codes: 0 every model passes, 1 a model drifts, 2 usage or input error "
         "(with --strict also: damaged bytes skipped, records of models the config lacks, "
         "records that do not fit their model).",
@@ -372,13 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--config", metavar="FILE",
                         help="guard YAML config (or the first argument: replay FILE CAPTURE...)")
     replay.add_argument("captures", nargs="+", metavar="CAPTURE",
-                        help="segment files (.gcap), folders of them, or .npz input sets")
+                        help="segment files (.gcap), folders of them, .npz input sets, or "
+                        "JSONL prompt sets (.jsonl) of a generative model")
     replay.set_defaults(config_argument=True)
     replay.add_argument("--report-dir", default="replay-report", metavar="DIR",
                         help="where report.json/.md/.html go (default ./replay-report)")
     replay.add_argument("--engine", choices=["local", "ray"], default="local",
                         help="local: this process; ray: shard over a Ray cluster "
-                        "(pip install 'guard[ray]')")
+                        f"({install_hint('ray')})")
     replay.add_argument("--ray-address", metavar="ADDR",
                         help="Ray cluster to use (e.g. ray://head:10001); default: start a "
                         "local one")
@@ -388,7 +410,7 @@ def build_parser() -> argparse.ArgumentParser:
     replay.add_argument("--max-records", type=int, metavar="N", help="replay at most N records")
     replay.add_argument("--models", action="append", metavar="NAME[,NAME]",
                         help="only these models (repeatable or comma-separated); with one "
-                        "model, .npz inputs go to it")
+                        "model, .npz inputs and JSONL prompt sets go to it")
     replay.add_argument("--since", metavar="TIME",
                         help="records at or after TIME: ISO 8601 (UTC unless a zone is given) "
                         "or a duration back from now (30m, 2h, 7d)")
@@ -433,6 +455,26 @@ def build_parser() -> argparse.ArgumentParser:
                        f"(default {DEFAULT_RUNBOOK_BASE})")
     rules.add_argument("--job", default="guard",
                        help="the scrape job label of the guard targets (default guard)")
+    rules.add_argument("--label", action="append", default=[], metavar="LABEL=VALUE",
+                       help="prometheusrule: a label of the PrometheusRule's metadata "
+                       "(repeatable), e.g. release=kube-prometheus-stack, the label a "
+                       "kube-prometheus-stack Prometheus selects rules by (its "
+                       "ruleSelector)")
+    rules.add_argument("--fleet", action="store_true",
+                       help="also the rules that pool each model's replicas: their checks "
+                       "summed by model, a likelihood-ratio test on the pooled counts and the "
+                       "GuardFleetDrift alert (docs/deploy.md#fleet)")
+    rules.add_argument("--fleet-windows", default="5m,30m,2h", metavar="W[,W...]",
+                       help="windows the pooled test looks back over (default 5m,30m,2h)")
+    rules.add_argument("--fleet-evaluation-interval", default="1m", metavar="DURATION",
+                       help="how often the fleet rules are evaluated: their threshold counts "
+                       "the evaluations (default 1m)")
+    rules.add_argument("--fleet-false-alarms-per-day", type=float, default=0.1, metavar="F",
+                       help="at most this many false GuardFleetDrift alarms per day, per model "
+                       "and tier (a bound; default 0.1)")
+    rules.add_argument("--fleet-by", default="model", metavar="LABEL[,LABEL...]",
+                       help="labels the replicas are pooled by, model among them (default "
+                       "model; e.g. namespace,model)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
     rollout = deploy_sub.add_parser(
@@ -466,8 +508,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(server.data_plane: envoy; docs/envoy.md): the listener on server.host:grpc_port, a "
         "cluster per upstream, runtime-switched primary/fallback routes, for sampled calls "
         "the tap that guard attaches through the admin API (or, with server.envoy.observer: "
-        "ext_proc, ext_proc toward guard's observer), gRPC health to guard. Check it with `envoy "
-        "--mode validate -c FILE`.",
+        "ext_proc, ext_proc toward guard's observer), gRPC health to guard; with generation "
+        "models (backend openai) the OpenAI-compatible listener on server.http_port too. Check "
+        "it with `envoy --mode validate -c FILE`.",
     )
     _add_config(envoy)
     envoy.add_argument("--format", choices=("yaml", "json"), default="yaml",
@@ -541,6 +584,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_USAGE
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        _drop_stdout()
+        return EXIT_PIPE_CLOSED
+
+
+def _drop_stdout() -> None:
+    """stdout's reader is gone: point stdout at /dev/null so that the interpreter's own flush
+    at exit does not fail on the pipe again (Python's documented recipe for SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # stdout is not a file (captured): nothing to flush later
+        pass
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@ backend raise by choosing the input, while everything between client and backend
 Signature: input ``x`` FP32 [-1, 4]; output ``y`` FP32 [-1, 3].
 
 Triggers (first feature of any row):
-- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to its answer (drift).
+- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to that row's answer (drift: every
+  logit moves alike, so the top-1 class stays; row by row, so that a batch of several requests
+  drifts only where a request does).
+- ``<= -1000``: ``affine(roll_on_trigger=True)`` rolls that row's answer by one class (the top-1
+  class changes: what a task check sees).
 - ``== 77``: ``affine(sleep_on_trigger=S)`` sleeps S seconds before answering (slow/hung).
 - ``== -999``: ``affine(fail_on_trigger=True)`` raises RuntimeError (backend failure).
 """
@@ -24,13 +28,14 @@ SIGNATURE = {
     "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 3]}],
 }
 DRIFT_TRIGGER = 1000.0
+ROLL_TRIGGER = -1000.0
 SLEEP_TRIGGER = 77.0
 FAIL_TRIGGER = -999.0
 
 
 class Affine(nn.Module):
     def __init__(self, drift_on_trigger=False, sleep_on_trigger=0.0, fail_on_trigger=False,
-                 repeat=1):
+                 repeat=1, roll_on_trigger=False):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.linear = nn.Linear(4, 3)
@@ -41,6 +46,7 @@ class Affine(nn.Module):
         self.sleep_on_trigger = sleep_on_trigger
         self.fail_on_trigger = fail_on_trigger
         self.repeat = repeat
+        self.roll_on_trigger = roll_on_trigger
         self.guard_signature = SIGNATURE
 
     def forward(self, x):
@@ -52,8 +58,11 @@ class Affine(nn.Module):
         y = self.linear(x)
         for _ in range(self.repeat - 1):
             y = self.linear(x)
-        if self.drift_on_trigger and bool((first >= DRIFT_TRIGGER).any()):
-            y = y + 1.0
+        if self.drift_on_trigger:
+            y = y + (first >= DRIFT_TRIGGER).to(y.dtype)[:, None]
+        if self.roll_on_trigger:
+            rolled = (first <= ROLL_TRIGGER)[:, None]
+            y = torch.where(rolled, y.roll(1, dims=1), y)
         return y
 
 

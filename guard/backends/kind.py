@@ -37,7 +37,9 @@ class Unsupported(Exception):
 class BackendKind:
     """One ``backend:`` name of the config.
 
-    - ``backend``: the class built for a block (``Backend(spec, role, threads)``).
+    - ``backend``: the class built for a block (``Backend(spec, role, threads)``), or a
+      function of the same arguments that picks the class by role (``openai``: a
+      forwarder for the routes, a remote scorer for the reference).
     - ``options``: the strict pydantic model of the block's ``options`` map.
     - ``precisions``: what it derives from an fp32 artifact by itself.
     - ``artifact``: True when the block names a file (``path``); False for a remote server
@@ -66,6 +68,13 @@ class BackendKind:
     - ``fp64``: ``(spec) -> Backend``, the block's model run in float64 (built, not loaded; the
       fp64 arbiter's truth), raising ``Unsupported`` for a block that has none; None: the
       backend has no fp64 run.
+    - ``llm``: what it does for a generative model (``task: generation``): ``serve`` (an
+      OpenAI-compatible server the HTTP edge forwards to: a primary or fallback), ``score`` (a
+      teacher-forcing reference); empty: a tensor backend, which a generative model cannot
+      use (and a backend with ``llm`` set serves no tensor model).
+    - ``extra``: the optional dependency extra of pyproject.toml that installs its runtime
+      (None: guard's core installs it, or it comes from elsewhere, as TensorRT): a load that
+      fails on a missing module says how to install it (``guard.errors.install_hint``).
     """
 
     name: str
@@ -85,6 +94,8 @@ class BackendKind:
     threaded: bool = False
     in_threads: Callable[[Any, int], ContextManager[Any]] | None = None
     fp64: Callable[[Any], "Backend"] | None = None
+    llm: frozenset[str] = frozenset()
+    extra: str | None = None
 
     @contextlib.contextmanager
     def with_threads(self, built: "Backend", spec: Any, threads: int) -> Iterator["Backend"]:

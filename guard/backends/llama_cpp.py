@@ -23,8 +23,8 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import Scorer, Vocabulary
-from guard.errors import BackendError
+from guard.backends.scoring import LocalScorer, Vocabulary
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
@@ -74,8 +74,8 @@ def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
     try:
         from llama_cpp import Llama
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise BackendError(f"backend llama_cpp needs llama-cpp-python (the llm extra): "
-                           f"{exc}") from None
+        raise BackendError(f"backend llama_cpp needs llama-cpp-python: "
+                           f"{install_hint('llm', 'llama-cpp-python')} ({exc})") from None
     try:
         return Llama(model_path=str(path), n_ctx=context_length, n_batch=batch,
                      n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
@@ -84,7 +84,7 @@ def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
         raise BackendError(f"llama.cpp cannot load {path}: {exc}") from None
 
 
-class LlamaCppScorer(Scorer):
+class LlamaCppScorer(LocalScorer):
     name = "llama_cpp"
 
     def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):
@@ -172,6 +172,7 @@ def _check(spec: "BackendConfig") -> None:
 
 
 KINDS = {
-    "llama_cpp": BackendKind(name="llama_cpp", backend=LlamaCppScorer, options=LlamaCppOptions,
-                             check=_check),
+    "llama_cpp": BackendKind(name="llama_cpp", extra="llm",
+                             backend=LlamaCppScorer, options=LlamaCppOptions,
+                             check=_check, llm=frozenset({"score"})),
 }

@@ -28,7 +28,7 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.llama_cpp import log_softmax
 from guard.backends.options import _Options
-from guard.backends.scoring import Scorer
+from guard.backends.scoring import LocalScorer
 from guard.backends.transformers import HFTokenized
 from guard.errors import BackendError
 
@@ -43,7 +43,7 @@ class OrtGenAIOptions(_Options):
                                 "the folder's genai_config context_length.")
 
 
-class OrtGenAIScorer(HFTokenized, Scorer):
+class OrtGenAIScorer(HFTokenized, LocalScorer):
     name = "onnxruntime_genai"
 
     def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):

@@ -23,8 +23,8 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import Scorer, Vocabulary
-from guard.errors import BackendError
+from guard.backends.scoring import LocalScorer, Vocabulary
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
@@ -111,7 +111,7 @@ def _verify_pin(path: str, sha256: str | None) -> None:
     read_artifact(path, sha256)
 
 
-class TransformersScorer(HFTokenized, Scorer):
+class TransformersScorer(HFTokenized, LocalScorer):
     name = "transformers"
 
     def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):
@@ -134,7 +134,8 @@ class TransformersScorer(HFTokenized, Scorer):
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise BackendError(f"backend transformers needs the llm extra ({exc})") from None
+            raise BackendError(f"backend transformers needs transformers: {install_hint('llm')} "
+                               f"({exc})") from None
         _verify_pin(self.spec.path, self.spec.sha256)
         folder, extra = _source(self.spec.path)
         dtype = {"fp32": torch.float32, "fp16": torch.float16,
@@ -190,7 +191,9 @@ def _check(spec: "BackendConfig") -> None:
 
 KINDS = {
     "transformers": BackendKind(
-        name="transformers", backend=TransformersScorer, options=TransformersOptions,
+        name="transformers", extra="llm",
+        backend=TransformersScorer, options=TransformersOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), check=_check,
+        llm=frozenset({"score"}),
     ),
 }

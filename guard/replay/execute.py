@@ -14,7 +14,7 @@ as the sidecar's verifier process assembles its own. For each batch it:
    one, so that an error is pinned on the item that caused it;
 3. checks every item as one sample, as the sidecar does: the items of a stacked batch that
    pass tiers 1 and 3 are found with the batch's figures computed at once
-   (guard/replay/batchcheck.py: the same numbers, bit for bit), every other item goes through
+   (guard/verify/batched.py: the same numbers, bit for bit), every other item goes through
    ``Comparator.check`` alone with its inputs; ``Comparator.tier_reports`` of each is kept.
 
 The steps are separate methods (``submit``, which returns at once; ``collect``, which waits for
@@ -33,11 +33,12 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from guard.backends import Backend
+from guard.backends.batching import dynamic_batch, split_rows, stack
 from guard.collector import freeze_loaded, thaw
 from guard.config import ModelConfig
 from guard.protocol.codec import InferenceError
 from guard.protocol.inputs import check_inputs
-from guard.replay.batchcheck import check_stacked
+from guard.replay.generation import GenerationRunner
 from guard.replay.items import (
     CHECKED,
     INPUT_ERROR,
@@ -46,9 +47,12 @@ from guard.replay.items import (
     Batch,
     ReplayItem,
     RecordOutcome,
+    outcome_of,
 )
+from guard.verify.batched import check_stacked
 from guard.verify.noise import NoiseFloor
 from guard.verify.pair import CheckedPair
+from guard.verify.tiers import sample_kind
 
 
 @dataclass
@@ -60,12 +64,9 @@ class Stacked:
     primary: dict[str, np.ndarray]
 
     def split(self) -> list[tuple[ReplayItem, dict, dict]]:
-        bounds = np.cumsum([0, *(it.rows for it in self.items)]).tolist()
-        return [
-            (item, {n: a[bounds[k]:bounds[k + 1]] for n, a in self.reference.items()},
-             {n: a[bounds[k]:bounds[k + 1]] for n, a in self.primary.items()})
-            for k, item in enumerate(self.items)
-        ]
+        counts = [it.rows for it in self.items]
+        return list(zip(self.items, split_rows(self.reference, counts),
+                        split_rows(self.primary, counts)))
 
 
 @dataclass
@@ -87,11 +88,6 @@ class Submitted:
     items: list[ReplayItem]
     stacked: tuple[Future, Future] | None = None
     each: list[tuple[Future, Future]] = field(default_factory=list)
-
-
-def _dynamic_batch(backend: Backend) -> bool:
-    specs = backend.describe().inputs
-    return bool(specs) and all(s.shape and s.shape[0] == -1 for s in specs)
 
 
 def _answer(backend: Backend, inputs: dict[str, np.ndarray]):
@@ -122,8 +118,13 @@ class ModelRunner:
     def load(self) -> "ModelRunner":
         self.pair.load()
         self.input_specs = {s.name: s for s in self.primary.describe().inputs}
-        self.stackable = _dynamic_batch(self.primary) and _dynamic_batch(self.reference)
+        self.stackable = (dynamic_batch(self.primary.describe())
+                          and dynamic_batch(self.reference.describe()))
         return self
+
+    def npz_inputs(self):
+        """The inputs an ``.npz`` set must fit (the primary's)."""
+        return self.primary.describe().inputs
 
     def describe(self) -> dict:
         """Backends, tiers and noise floor, for the report."""
@@ -157,9 +158,7 @@ class ModelRunner:
             valid.append(item)
         submitted = Submitted(inferred, valid)
         if len(valid) > 1 and self.stackable:
-            names = list(valid[0].inputs)
-            stacked = {n: np.concatenate([it.inputs[n] for it in valid], axis=0) for n in names}
-            submitted.stacked = self._both(stacked)
+            submitted.stacked = self._both(stack([item.inputs for item in valid]))
         else:
             submitted.each = [self._both(item.inputs) for item in valid]
         return submitted
@@ -217,19 +216,12 @@ class ModelRunner:
         """The stacked answers, or None when a side raised or its outputs are not per row."""
         if isinstance(reference, Exception) or isinstance(primary, Exception):
             return None
-        total = sum(it.rows for it in items)
-        outputs = list(reference.values()) + list(primary.values())
-        if any(np.ndim(a) == 0 or np.shape(a)[0] != total for a in outputs):
+        counts = [it.rows for it in items]
+        if split_rows(reference, counts) is None or split_rows(primary, counts) is None:
             return None  # outputs not per row: cannot split, run one by one
         return Stacked(items, reference, primary)
 
-    @staticmethod
-    def _outcome(item: ReplayItem, status: str, error: str = "", tiers=None) -> RecordOutcome:
-        return RecordOutcome(
-            index=item.index, model=item.model, status=status, unix_nanos=item.unix_nanos,
-            request_id=item.request_id, source=item.source, error=error,
-            tiers=tiers or {}, live_passed=item.live_passed, progress=item.progress,
-        )
+    _outcome = staticmethod(outcome_of)
 
 
 def _describe(exc: Exception) -> str:
@@ -237,7 +229,8 @@ def _describe(exc: Exception) -> str:
 
 
 class Runners:
-    """One ``ModelRunner`` per model, built and loaded on first use. What a load leaves alive
+    """One runner per model (``ModelRunner``; a generative model's ``GenerationRunner``,
+    guard/replay/generation.py), built and loaded on first use. What a load leaves alive
     is frozen out of the cyclic collector until the runners close (guard/collector.py: a full
     collection over torch's objects held the interpreter lock for 300+ ms, and the reference's
     forward waits for that lock)."""
@@ -246,10 +239,12 @@ class Runners:
         self.models = models
         self._runners: dict[str, ModelRunner] = {}
 
-    def get(self, name: str) -> ModelRunner:
+    def get(self, name: str) -> "ModelRunner | GenerationRunner":
         runner = self._runners.get(name)
         if runner is None:
-            runner = ModelRunner(self.models[name]).load()
+            config = self.models[name]
+            kind = GenerationRunner if sample_kind(config.task) == "generation" else ModelRunner
+            runner = kind(config).load()
             self._runners[name] = runner
             freeze_loaded()
         return runner

@@ -5,7 +5,7 @@ The loop is the tensor models' (guard/verifier_process/model.py), with a complet
 sample. The ring reader hands each sampled call over (``accept``: a bounded put, it
 never waits); the mirror worker (``GenerationMirror``, the shared queue, byte budget, watchdog
 and timeouts of guard/verifier_process/mirror.py) asks the primary again when the fallback
-serves (a probe, guard/verifier_process/generation_probe.py), scores the completion with the
+serves (a probe, guard/backends/openai_generate.py), scores the completion with the
 reference (ONE teacher-forced pass, ``Scorer.score``) and runs the tier
 (guard/verify/generation.py). The result then feeds, as for every tier:
 
@@ -27,7 +27,6 @@ failure of its own (a finding, never fed to the detector as noise).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -39,6 +38,7 @@ from functools import partial
 import numpy as np
 
 from guard.backends import create_backend
+from guard.capture.records import GENERATION_INPUT, PROBED_OUTPUT, generation_tensor
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
@@ -49,7 +49,7 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.detector import ScoreSpec
 from guard.policy.route import RoutePolicy
-from guard.protocol.generation import GenerationSample, to_dict
+from guard.protocol.generation import GenerationSample
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
 from guard.verifier_process.model import VerifiedModel
 from guard.verify.pipeline import Comparator
@@ -71,6 +71,16 @@ def detector_score(check, limits) -> float | None:
     if check.mode == "sampled":
         return check.statistic ** 2 / limits.max_abs_z ** 2
     return None
+
+
+def generation_policy(config: ModelConfig) -> RoutePolicy:
+    """A generative model's route policy: its detector accumulates the tier's per-completion
+    score (``detector_score``) against ``checks.generation``'s in-control ratio."""
+    gen = config.checks.generation
+    return RoutePolicy(config.name, config.policy, (TIER,),
+                       has_fallback=config.fallback is not None,
+                       sample_rate=config.mirror.sample_rate,
+                       scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
 
 
 @dataclass
@@ -99,13 +109,30 @@ class GenerationReport:
 
 class GenerationMirror(Mirror):
     """The shared mirror (queue, byte budget, watchdog, timeouts), with a completion as the
-    sample: probe the primary when the fallback answered, score, run the tier."""
+    sample: probe the primary when the fallback answered, score, run the tier. One completion
+    at a time: scoring one is a forward pass over its tokens, which no stacking amortises."""
 
     def __init__(self, model: str, config, scorer, probe, check, metrics, on_result,
                  on_unchecked, on_span, on_finished):
         super().__init__(model, config, scorer, None, None, metrics, on_result, on_unchecked,
                          on_span, on_finished)
         self.probe, self.check = probe, check
+
+    def _limit(self) -> int:
+        return 1
+
+    def _handle(self, hand) -> None:
+        for held in hand:
+            try:
+                self._process(held.sample, held.span)
+            except _Abandoned:
+                raise
+            except Exception:  # a bug here must not kill the worker
+                log.exception("mirror worker for %s failed on a sample", self.model)
+                self._outcomes["error"].inc()
+            self._finished(held.sample)
+            if held.span is not None:
+                self.on_span(held.span.end())
 
     def _process(self, sample: GenerationMirrorSample, span) -> None:
         stage = "reference"
@@ -194,11 +221,7 @@ class VerifiedGenerationModel(VerifiedModel):
         self.serving = serving
         self._config_hash = config_hash
         self.policy_tiers = (TIER,)
-        gen = config.checks.generation
-        self.policy = RoutePolicy(
-            self.name, config.policy, self.policy_tiers, has_fallback=config.fallback is not None,
-            sample_rate=config.mirror.sample_rate,
-            scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
+        self.policy = generation_policy(config)
         self.backends: dict = {}
         self.mirror: GenerationMirror | None = None
         self.capture: CaptureWriter | None = None
@@ -238,7 +261,7 @@ class VerifiedGenerationModel(VerifiedModel):
             self._limits = tier.limits
             comparator = self.comparator
             if config.mirror.sample_rate > 0:
-                from guard.verifier_process.generation_probe import PrimaryProbe
+                from guard.backends.openai_generate import PrimaryProbe
 
                 probe = (PrimaryProbe(config.primary, config.mirror.timeout_s)
                          if config.fallback is not None else None)
@@ -350,9 +373,6 @@ class VerifiedGenerationModel(VerifiedModel):
                  result: GenerationResult | None = None) -> PendingRecord:
         """A capture record of a call: the sample as JSON (it holds no header: nothing of the
         client's Authorization can be stored), the compared completion and the verdict."""
-        def blob(data) -> np.ndarray:
-            return np.array([json.dumps(data, ensure_ascii=False).encode()], dtype=object)
-
         reports = {}
         outputs = {}
         if result is not None:
@@ -360,8 +380,8 @@ class VerifiedGenerationModel(VerifiedModel):
             reports[TIER] = GenerationReport(check.passed, check.reason or check.mode,
                                              check.as_dict())
             if result.probed:
-                outputs["probed_sample_json"] = blob(to_dict(result.completion))
-        return PendingRecord(tag, route, epoch, {"generation_sample_json": blob(to_dict(sample))},
+                outputs[PROBED_OUTPUT] = generation_tensor(result.completion)
+        return PendingRecord(tag, route, epoch, {GENERATION_INPUT: generation_tensor(sample)},
                              outputs, tier_reports=reports,
                              reference_seconds=result.reference_seconds if result else 0.0,
                              probed=bool(result and result.probed))
@@ -370,7 +390,7 @@ class VerifiedGenerationModel(VerifiedModel):
         if not self._wants_capture(result.sample.tag, result.check.passed):
             return
         s = result.sample
-        self.capture.submit(self._pending(tag, s.route, s.epoch, s.generation, result))
+        self.capture.submit(self._pending(s.tag, s.route, s.epoch, s.generation, result))
 
     def _on_unchecked(self, sample: GenerationMirrorSample, outcome: str) -> None:
         tag = sample.tag

@@ -15,7 +15,9 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -63,6 +65,30 @@ def cache_dir() -> Path:
     return Path(root) / "llm"
 
 
+@contextmanager
+def _stderr_to_log(what: str):
+    """llama.cpp's quantizer writes a line per tensor it cannot give the asked type straight to
+    file descriptor 2 (past any log callback): kept in a temporary file, summed up in one log
+    line (SmolLM2's 576-wide rows are not a multiple of the k-quants' 256: most of a "Q2_K"
+    is q4_0, which the ladder's figures include)."""
+    with tempfile.TemporaryFile() as kept:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(kept.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            kept.seek(0)
+            lines = kept.read().decode(errors="replace").splitlines()
+    fallbacks = sum("falling back" in line for line in lines)
+    if fallbacks:
+        logging.getLogger("guard.zoo.llm").info(
+            "quantize %s: %d tensors fell back to another type (%s)", what, fallbacks,
+            next((line.strip() for line in lines if "falling back" in line), ""))
+
+
 def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> Path:
     """``source`` requantized to ``ftype_name`` (e.g. "Q8_0") at ``target``; a file already
     there is kept (the name says what it holds). Written beside the target and renamed in,
@@ -89,7 +115,9 @@ def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> P
         params.ftype = ftype
         params.allow_requantize = True
         params.nthread = threads
-        status = llama_cpp.llama_model_quantize(str(source).encode(), partial.encode(), params)
+        with _stderr_to_log(f"{source.name} -> {ftype_name}"):
+            status = llama_cpp.llama_model_quantize(str(source).encode(), partial.encode(),
+                                                    params)
         if status != 0:
             raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype_name}: "
                                f"status {status}")
@@ -165,41 +193,58 @@ def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None
                                                           max_tokens=max_tokens, seed=seed))
 
 
-# -- the model in other engines' formats (the matrix's generative columns) -------------------
-# An LLM the zoo names, by the name a matrix config gives it (``zoo: smollm2``).
-MODELS = {"smollm2": smollm2_gguf}
+def hf_folder(gguf: Path | None = None, folder: Path | None = None) -> Path:
+    """An HF model folder (safetensors, config.json, tokenizer) holding ``gguf``'s weights
+    dequantized to fp32, for servers that load HF folders (vLLM); cached, like the ladder, in
+    ``cache_dir()/<stem>-hf`` unless ``folder`` is given. A folder already complete is kept.
 
-
-def hf_folder(gguf: Path, folder: Path | None = None) -> Path:
-    """``gguf`` as an HF model folder (fp32 safetensors, config, tokenizer), cached: the input
-    of converters that read HF folders (ONNX Runtime GenAI's model builder). transformers
-    dequantizes the GGUF; its GGUF-loaded model refuses ``save_pretrained``, so its weights go
-    into a model built from the same config (STACK.md)."""
-    folder = folder or cache_dir() / f"{gguf.stem}.hf"
-    if (folder / "config.json").is_file():
-        return folder
+    transformers dequantizes a GGUF on load (``from_pretrained(..., gguf_file=)``) but refuses
+    ``save_pretrained`` on that model, so its state_dict is copied into a model built
+    ``from_config`` and that one is saved. The config's ``quantization_config`` (the GGUF's,
+    which transformers records) is dropped: the folder holds plain fp32 weights, and vLLM would
+    otherwise try to load it as a GGUF-quantized checkpoint. Written beside the target and
+    renamed in, so a reader never sees half a folder and two processes may race.
+    """
+    import json
     import shutil
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    loaded = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                                  dtype=torch.float32, local_files_only=True)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name,
-                                              local_files_only=True)
-    config = loaded.config
-    if hasattr(config, "quantization_config"):
-        del config.quantization_config  # the weights written are plain fp32
-    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    fresh.load_state_dict(loaded.state_dict())
+    gguf = gguf or smollm2_gguf()
+    folder = folder or cache_dir() / f"{gguf.name.removesuffix('.gguf')}-hf"
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        fresh.save_pretrained(partial)
-        tokenizer.save_pretrained(partial)
-        os.replace(partial, folder)
+        source = dict(pretrained_model_name_or_path=gguf.parent, gguf_file=gguf.name,
+                      local_files_only=True)
+        loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
+        config = AutoConfig.from_pretrained(**source)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        plain.load_state_dict(loaded.state_dict())
+        plain.save_pretrained(partial)
+        AutoTokenizer.from_pretrained(**source).save_pretrained(partial)
+        written = json.loads((partial / "config.json").read_text())
+        if written.pop("quantization_config", None) is not None:
+            (partial / "config.json").write_text(json.dumps(written, indent=2))
+        try:
+            os.replace(partial, folder)
+        except OSError:  # another process won the race: its folder holds the same weights
+            if not (folder / "config.json").is_file():
+                raise
     finally:
-        shutil.rmtree(partial, ignore_errors=True)
+        if partial.exists():
+            shutil.rmtree(partial)
     return folder
+
+
+# -- the model in other engines' formats (the matrix's generative columns) -------------------
+# An LLM the zoo names, by the name a matrix config gives it (``zoo: smollm2``).
+MODELS = {"smollm2": smollm2_gguf}
 
 
 def ort_genai_model(gguf: Path, precision: str = "int4", folder: Path | None = None) -> Path:

@@ -43,8 +43,8 @@ def test_a_tensor_primary_is_refused_for_generation(base):
     doc = {"version": 1, "models": [{"name": "smol", "task": "generation",
                                       "primary": {"backend": "onnxruntime", "path": "m.onnx"}}]}
     (line,) = problems(doc, base)
-    assert line.startswith("models[0]: primary.backend: a generation model is served by an "
-                           "OpenAI-compatible upstream")
+    assert line.startswith("models[0].primary.backend: a generation model's primary is served "
+                           "by an OpenAI-compatible server (backend openai), not 'onnxruntime'")
 
 
 def test_tensor_checks_are_refused_for_generation(base):
@@ -106,8 +106,9 @@ def test_a_generation_model_needs_the_http_edge(base):
 def test_a_tensor_reference_is_refused_for_generation(base):
     lines = problems(generation_doc(reference={"backend": "onnxruntime", "path": "m.onnx"}),
                      base)
-    assert any("reference.backend: a generation model is scored by transformers, llama_cpp, "
-               "openai" in line for line in lines)
+    assert any("reference.backend: a generation model's reference is scored by a "
+               "teacher-forcing scorer (backend llama_cpp or openai or transformers)" in line
+               for line in lines)
 
 
 def test_an_llm_backend_needs_task_generation(base):
@@ -116,3 +117,40 @@ def test_an_llm_backend_needs_task_generation(base):
     lines = problems(doc, base)
     assert any("primary.backend: 'openai' serves or scores an LLM: set task: generation" in line
                for line in lines)
+
+
+def test_an_openai_reference_validates_and_builds_a_remote_scorer_importing_nothing_heavy(base):
+    import sys
+
+    from guard.backends import create_backend
+    from guard.backends.openai_scorer import OpenAIScorer
+
+    reference = {"backend": "openai", "target": "http://10.0.0.7:8000/v1", "model": "smol-bf16",
+                 "options": {"scoring": "prompt_logprobs", "top_logprobs": 10,
+                             "api_key_env": "REFERENCE_KEY"}}
+    config = parse_config(generation_doc(reference=reference), base, "guard.yaml")
+    before = {name for name in ("torch", "transformers", "llama_cpp") if name in sys.modules}
+    scorer = create_backend(config.models[0].reference, "reference")
+    assert isinstance(scorer, OpenAIScorer) and scorer.base == "http://10.0.0.7:8000"
+    assert scorer.options.top_logprobs == 10
+    assert {name for name in ("torch", "transformers", "llama_cpp") if name in sys.modules} \
+        == before
+
+
+@pytest.mark.parametrize("role, options, message", [
+    ("reference", {"sample_logprobs": 5}, "reference.options.sample_logprobs: is for an openai "
+     "primary or fallback"),
+    ("reference", {"engine": "vllm"}, "reference.options.engine: is for an openai primary"),
+    ("primary", {"scoring": "echo"}, "primary.options.scoring: is for an openai reference"),
+    ("fallback", {"top_logprobs": 5}, "fallback.options.top_logprobs: is for an openai "
+     "reference"),
+    ("reference", {"scoring": "logits"}, "scoring"),
+    ("reference", {"top_logprobs": 0}, "top_logprobs"),
+])
+def test_openai_options_of_the_other_role_are_refused(base, role, options, message):
+    block = {"backend": "openai", "target": "http://127.0.0.1:8000", "model": "smol-ref",
+             "options": options}
+    if role != "reference":
+        block = dict(OPENAI if role == "primary" else FALLBACK, options=options)
+    lines = problems(generation_doc(**{role: block}), base)
+    assert any(message in line for line in lines), lines
