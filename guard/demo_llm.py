@@ -140,7 +140,7 @@ def _summary(values: dict, routes: dict, ports: dict, status) -> None:
                          result="fail"))
     print(f"  compared            {compared} completions (pass {passed}, fail {failed}); mean "
           f"KLD {kld_sum / kld_count if kld_count else 0:.3f} nats/token (Q8_0 of this model: "
-          "~0.004)")
+          "~0.005)")
     to_fallback = int(_metric(values, "guard_fallback_transitions_total", model=m,
                               to="fallback_model"))
     active = int(_metric(values, "guard_fallback_active", model=m, scope="model"))
