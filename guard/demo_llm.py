@@ -23,7 +23,6 @@ import os
 import subprocess
 import sys
 import time
-import urllib.request
 import uuid
 from argparse import Namespace
 from contextlib import ExitStack
@@ -78,29 +77,6 @@ class _LlmServerLog(_ServerLog):
                 print(f"  [guard] {event['model']} {role:<9} {summary}", flush=True)
             return
         super()._show(line)
-
-
-def _llama_server(path: Path, alias: str, log: Path) -> tuple[subprocess.Popen, str]:
-    port = _free_port()
-    process = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
-         "--port", str(port), "--model_alias", alias, "--logits_all", "true",
-         "--n_ctx", "512", "--n_threads", "1", "--verbose", "false"],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"))
-    return process, f"http://127.0.0.1:{port}"
-
-
-def _wait_http(url: str, process: subprocess.Popen, what: str, timeout: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise GuardError(f"{what} exited with code {process.returncode} before it was ready")
-        try:
-            urllib.request.urlopen(url, timeout=2)
-            return
-        except OSError:
-            time.sleep(0.3)
-    raise GuardError(f"{what} was not ready after {timeout:.0f}s ({url})")
 
 
 def llm_demo_config(upstreams: dict[str, str], reference: dict, ports: dict[str, int]) -> dict:
@@ -164,7 +140,7 @@ def _summary(values: dict, routes: dict, ports: dict, status) -> None:
                          result="fail"))
     print(f"  compared            {compared} completions (pass {passed}, fail {failed}); mean "
           f"KLD {kld_sum / kld_count if kld_count else 0:.3f} nats/token (Q8_0 of this model: "
-          "~0.004)")
+          "~0.005)")
     to_fallback = int(_metric(values, "guard_fallback_transitions_total", model=m,
                               to="fallback_model"))
     active = int(_metric(values, "guard_fallback_active", model=m, scope="model"))
@@ -191,7 +167,7 @@ def run_llm_demo(args: Namespace) -> int:
     import openai
 
     from guard.admin_client import get_status
-    from guard.zoo.llm import PROMPTS, quant_ladder
+    from guard.zoo.llm import PROMPTS, quant_ladder, start_llama_server, stop_process, wait_http
 
     workdir = Path(args.workdir) if args.workdir else default_workdir().with_name("demo-llm")
     workdir.mkdir(parents=True, exist_ok=True)
@@ -205,13 +181,13 @@ def run_llm_demo(args: Namespace) -> int:
     with ExitStack() as stack:
         upstreams, servers = {}, {}
         for role, rung in (("primary", "Q2_K"), ("fallback", "Q8_0")):
-            servers[role], upstreams[role] = _llama_server(
+            servers[role], upstreams[role] = start_llama_server(
                 ladder[rung], f"smol-{rung.lower()}", workdir / f"llama-{rung}.log")
-            stack.callback(_end, servers[role])
+            stack.callback(stop_process, servers[role])
             print(f"guard demo --llm: llama.cpp server for {rung} ({role}) at "
                   f"{upstreams[role]}", flush=True)
         for role, url in upstreams.items():
-            _wait_http(url + "/v1/models", servers[role], f"the {role} llama.cpp server")
+            wait_http(url + "/v1/models", servers[role], f"the {role} llama.cpp server")
         ports = {"grpc_port": _free_port(), "metrics_port": _free_port(),
                  "admin_port": _free_port(), "http_port": args.http_port or _free_port()}
         config_path = workdir / "demo-llm.yaml"
@@ -222,11 +198,11 @@ def run_llm_demo(args: Namespace) -> int:
             [sys.executable, "-m", "guard", "serve", "--config", str(config_path)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
             env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        stack.callback(_end, process)
+        stack.callback(stop_process, process)
         log = _LlmServerLog(process.stderr, workdir / "guard.log")
         log.start()
-        _wait_http(f"http://127.0.0.1:{ports['http_port']}/health/ready", process,
-                   "guard serve", timeout=600)
+        wait_http(f"http://127.0.0.1:{ports['http_port']}/health/ready", process,
+                  "guard serve", timeout=600)
         n = args.requests or 14
         print(f"guard demo --llm: {n} completions (max_tokens {MAX_TOKENS}, greedy) with the "
               f"openai client through guard's edge; every call is scored by the "
@@ -248,13 +224,3 @@ def run_llm_demo(args: Namespace) -> int:
         except KeyboardInterrupt:
             return _stop(process, log)
         return 0
-
-
-def _end(process: subprocess.Popen) -> None:
-    if process.poll() is None:
-        process.terminate()
-        try:
-            process.wait(10)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait(10)

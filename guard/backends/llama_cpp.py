@@ -59,11 +59,13 @@ class _LlamaVocabulary(Vocabulary):
 
 
 def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax in float64, returned as float32."""
-    wide = logits.astype(np.float64)
-    wide -= wide.max(axis=-1, keepdims=True)
-    wide -= np.log(np.exp(wide).sum(axis=-1, keepdims=True))
-    return wide.astype(np.float32)
+    """Row-wise log-softmax of float32 logits, as float32: the shift and the exponentials in
+    float32, the sum in float64 (within one float32 ulp of computing it all in float64, at a
+    tenth of the CPU: this pass was a third of a teacher-forced score of 128 tokens)."""
+    logits = np.asarray(logits, dtype=np.float32)
+    shifted = logits - logits.max(axis=-1, keepdims=True)
+    total = np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)
+    return shifted - np.log(total).astype(np.float32)
 
 
 def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
@@ -111,6 +113,10 @@ class LlamaCppScorer(LocalScorer):
         # special-token text parsed.
         return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids as text, as llama.cpp's servers detokenize a completion."""
+        return self.llm.detokenize(list(ids)).decode("utf-8", "replace")
+
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
@@ -133,6 +139,19 @@ class LlamaCppScorer(LocalScorer):
             self.llm.eval(list(ids))
             logits = np.array(self.llm.scores[prompt_length - 1:len(ids) - 1], copy=True)
         return log_softmax(logits)
+
+    def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
+        """llama.cpp's greedy continuation of ``ids`` (at most ``max_tokens``, stopping at
+        EOS): token ids only (``forward`` gives their distributions)."""
+        out: list[int] = []
+        with self._lock:
+            self.llm.reset()
+            eos = int(self.llm.token_eos())
+            for token in self.llm.generate(list(ids), temp=0.0, top_k=1, repeat_penalty=1.0):
+                if token == eos or len(out) >= max_tokens:
+                    break
+                out.append(int(token))
+        return out
 
     def describe(self) -> BackendInfo:
         return BackendInfo(self.name, str(self.spec.path), "as quantized", "cpu", (), (),

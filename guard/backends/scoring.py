@@ -41,8 +41,8 @@ from guard.protocol.generation import GenerationSample
 # top-k-only comparison); vLLM's max_logprobs default is 20 too.
 TOP_K = 20
 # Prefix the OpenAI servers put on a token text that is not valid UTF-8 by itself (vLLM
-# writes "bytes:\\xe2\\x80"); such texts, and texts with U+FFFD, are partial characters whose
-# text cannot be compared byte for byte.
+# writes "bytes:\\xe2\\x80"); such texts, texts with U+FFFD and empty ones (llama-cpp-python
+# drops the bytes) are partial characters whose text cannot be compared byte for byte.
 _BYTES_PREFIX = "bytes:"
 
 
@@ -99,8 +99,10 @@ class ReferenceScores:
 
 
 def comparable_text(text: str) -> bool:
-    """Can this token text be compared byte for byte? (Not a partial UTF-8 character.)"""
-    return not text.startswith(_BYTES_PREFIX) and "\ufffd" not in text
+    """Can this token text be compared byte for byte? (Not a partial UTF-8 character, and not
+    empty: llama-cpp-python drops a partial character's bytes from its ``top_logprobs`` keys,
+    leaving "", which names no one token.)"""
+    return bool(text) and not text.startswith(_BYTES_PREFIX) and "\ufffd" not in text
 
 
 def _texts_equal(primary: str, reference: str) -> bool:

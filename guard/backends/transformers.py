@@ -59,6 +59,38 @@ class _HFVocabulary(Vocabulary):
         return self._size
 
 
+class HFTokenized:
+    """The tokenizer half of a scorer whose model folder carries an HF tokenizer
+    (``tokenizer.json``): prompts, chat and the vocabulary as transformers tokenizes them.
+    ``attach_tokenizer(tokenizer, size)`` after loading."""
+
+    _tokenizer = None
+
+    def attach_tokenizer(self, tokenizer, size: int) -> None:
+        self._tokenizer = tokenizer
+        self.vocab = _HFVocabulary(tokenizer, size)
+        self.bos_id = tokenizer.bos_token_id
+        probe = tokenizer.encode("a")
+        self.adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
+
+    def encode_prompt(self, text: str) -> list[int]:
+        return list(self._tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        """Token ids as text, as the model's servers detokenize a completion."""
+        return self._tokenizer.decode(list(ids), skip_special_tokens=False,
+                                      clean_up_tokenization_spaces=False)
+
+    def render_chat(self, messages: Sequence[dict]) -> list[int]:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise BackendError(f"{self.spec.path} has no chat template to render chat "
+                               "messages with")
+        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                                   tokenize=False)
+        # The template writes the special tokens itself (BOS too, where it has one).
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+
 def _source(path: str) -> tuple[Path, dict[str, str]]:
     """``from_pretrained``'s folder and keyword arguments for an HF folder or a .gguf file."""
     location = Path(path)
@@ -79,7 +111,7 @@ def _verify_pin(path: str, sha256: str | None) -> None:
     read_artifact(path, sha256)
 
 
-class TransformersScorer(LocalScorer):
+class TransformersScorer(HFTokenized, LocalScorer):
     name = "transformers"
 
     def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):
@@ -88,7 +120,6 @@ class TransformersScorer(LocalScorer):
         self.options = TransformersOptions.model_validate(spec.options)
         self.threads = self.options.threads or threads
         self._model = None
-        self._tokenizer = None
         self._lock = threading.Lock()
 
     def load(self) -> None:
@@ -112,31 +143,14 @@ class TransformersScorer(LocalScorer):
         try:
             self._model = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=dtype, local_files_only=True, **extra).eval()
-            self._tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
-                                                            **extra)
+            tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
         except (OSError, ValueError, ImportError) as exc:
             raise BackendError(f"transformers cannot load {self.spec.path}: {exc}") from None
         self._model.to(self.spec.device)
         config = self._model.config
-        size = int(self._model.get_output_embeddings().weight.shape[0])
-        self.vocab = _HFVocabulary(self._tokenizer, size)
-        self.bos_id = self._tokenizer.bos_token_id
-        probe = self._tokenizer.encode("a")
-        self.adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
+        self.attach_tokenizer(tokenizer, int(self._model.get_output_embeddings().weight.shape[0]))
         self.context_length = (self.options.context_length
                                or int(getattr(config, "max_position_embeddings", 0) or 0))
-
-    def encode_prompt(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
-
-    def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        if not getattr(self._tokenizer, "chat_template", None):
-            raise BackendError(f"{self.spec.path} has no chat template to render chat "
-                               "messages with")
-        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                   tokenize=False)
-        # The template writes the special tokens itself (BOS too, where it has one).
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
 
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         import torch
@@ -145,6 +159,19 @@ class TransformersScorer(LocalScorer):
             tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.spec.device)
             logits = self._model(input_ids=tokens).logits[0, prompt_length - 1:len(ids) - 1]
             return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+
+    def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
+        """The model's greedy continuation of ``ids`` (at most ``max_tokens``, stopping at
+        EOS), as transformers generates it: token ids only (``forward`` gives their
+        distributions)."""
+        import torch
+
+        with self._lock, torch.inference_mode():
+            tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.spec.device)
+            out = self._model.generate(tokens, attention_mask=torch.ones_like(tokens),
+                                       max_new_tokens=max_tokens, do_sample=False,
+                                       pad_token_id=self._tokenizer.eos_token_id)
+        return [int(t) for t in out[0, len(ids):]]
 
     def describe(self) -> BackendInfo:
         return BackendInfo(self.name, str(self.spec.path), self.spec.precision,

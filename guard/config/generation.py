@@ -2,10 +2,10 @@
 defaults of the task, and the checks of a generation model block, kept together in one place
 (they move as one when tiers become plug-ins).
 
-The figures behind the defaults (SmolLM2-135M-Instruct against its fp32 reference, mean KLD per
-token over 10 prompts x 32 tokens, STACK.md): F16 0.00000, Q4_1 0.00285, Q8_0 0.00415, Q2_K
-0.454 nats. The detector's in-control bound (0.4 x 0.05 = 0.02 nats) sits ~5x above the worst
-agreeing primary and ~20x below Q2_K.
+The figures behind the defaults (SmolLM2-135M-Instruct against its fp32 reference, guard's mean
+KLD per token over 10 prompts x 32 tokens from top-20 logprobs, benchmarks/llm_ladder.py): F16
+0.0000036, Q4_1 0.00303, Q8_0 0.00461, Q2_K 0.519 nats. The detector's in-control bound (0.4 x
+0.05 = 0.02 nats) sits ~4x above the worst agreeing primary and ~25x below Q2_K.
 """
 
 from __future__ import annotations
@@ -33,9 +33,9 @@ class GenerationCheckConfig(Strict):
     """The generation tier (guard/verify/generation.py): the token-level checks of a compared
     completion, and what the detector accumulates.
 
-    The tier compares per token where the primary returned logprobs (mean KLD over its
-    returned top-k with the tail mass), tests greedy calls against the reference's argmax where
-    its margin is beyond the noise floor, and turns a sampled call into a z-score under the
+    The tier compares per token where the primary returned logprobs (mean KLD estimated from
+    its returned top-k: the lumped bound plus the tail's correction), tests greedy calls
+    against the reference's argmax where its margin is beyond the noise floor, and turns a sampled call into a z-score under the
     sampling transform the server applied. Each mode's verdict has a threshold below. The
     detector does not read the verdict: it accumulates each completion's statistic over its
     mode's threshold (1 = the failing level; KLD / max_mean_kld, flips / max_greedy_disagreement,
@@ -49,7 +49,8 @@ class GenerationCheckConfig(Strict):
 
     max_mean_kld: PositiveFloat = Field(
         0.05, description="logprobs mode: a completion fails when its mean KLD per token "
-        "(nats, reference || primary) exceeds this (SmolLM2 Q8_0: 0.004, Q2_K: 0.45).")
+        "(nats, KL(primary || reference) estimated from the primary's top-k logprobs) exceeds "
+        "this (SmolLM2 Q8_0: 0.005, Q2_K: 0.5).")
     max_abs_z: PositiveFloat = Field(
         4.0, description="sampled mode (no logprobs, temperature > 0): a completion fails "
         "when |z| of its surprise under the reference exceeds this (N(0, 1) when they agree).")

@@ -48,12 +48,15 @@ from guard.config import (
     _adapter_entry,
     format_validation_error,
 )
+from guard.config.generation import GenerationCheckConfig
 from guard.errors import ConfigError
 
 
 # The matrix sits above the backends: its schema names them (the guard config's leaves that to
-# the plan step, guard/plan/schema.py).
-BackendName = Literal[BACKEND_NAMES]
+# the plan step, guard/plan/schema.py), and one engine that is a matrix column only: ONNX Runtime
+# GenAI (guard/backends/onnxruntime_genai.py; not a backend of the guard config).
+BackendName = Literal[(*BACKEND_NAMES, "onnxruntime_genai")]
+GENERATION = "generation"
 
 
 class _Strict(BaseModel):
@@ -61,19 +64,33 @@ class _Strict(BaseModel):
 
 
 class InputSet(_Strict):
-    samples: int = Field(8, ge=1, description="Inferences per backend (one check sample each).")
+    samples: int = Field(8, ge=1, description="Inferences per backend (one check sample each); "
+                         "task generation: prompts (one completion each).")
     batch: int = Field(1, ge=1, description="Rows per inference.")
     seed: int = Field(0, description="Seed of generated inputs.")
-    file: str | None = Field(None, description=".npz of inputs batched on axis 0.")
+    file: str | None = Field(None, description=".npz of inputs batched on axis 0; task "
+                             "generation: a text file of prompts, one per line (default: the "
+                             "zoo's prompts, guard/zoo/llm.py).")
+    max_tokens: int = Field(32, ge=1, description="task generation: tokens per greedy "
+                            "completion.")
+    top_logprobs: int = Field(20, ge=0, description="task generation: the alternatives each "
+                              "token carries, as an OpenAI-compatible server returns them "
+                              "(OpenAI and vLLM allow at most 20).")
 
 
 class MatrixChecks(_Strict):
     task: TaskCheckConfig = Field(default_factory=TaskCheckConfig)
+    generation: GenerationCheckConfig = Field(
+        default_factory=GenerationCheckConfig,
+        description="task generation: the generation tier's thresholds (max_mean_kld, ...).")
 
 
 class MatrixModel(_Strict):
     name: str = Field(pattern=r"^[A-Za-z0-9_.\-]+$")
-    zoo: str | None = Field(None, description="A guard zoo model (guard.zoo.names()).")
+    zoo: str | None = Field(None, description="A guard zoo model (guard.zoo.names()); task "
+                            "generation: an LLM of guard.zoo.llm.MODELS (smollm2).")
+    gguf: str | None = Field(None, description="task generation: the model's GGUF; every "
+                             "generative column is derived from it.")
     torchscript: str | None = Field(None, description="TorchScript/.pt2 for torch backends.")
     onnx: str | None = Field(None, description=".onnx for onnxruntime backends.")
     factory: str | None = Field(None, description="'module:factory' for torch backends.")
@@ -90,10 +107,13 @@ class MatrixModel(_Strict):
 
     @model_validator(mode="after")
     def _one_source(self) -> "MatrixModel":
-        if self.zoo is None and not (self.torchscript or self.onnx or self.factory):
-            raise ValueError("give 'zoo', or artifacts ('torchscript', 'onnx') or a 'factory'")
-        if self.zoo is not None and (self.torchscript or self.onnx or self.factory):
+        if self.zoo is None and not (self.torchscript or self.onnx or self.factory or self.gguf):
+            raise ValueError("give 'zoo', or artifacts ('torchscript', 'onnx', 'gguf') or a "
+                             "'factory'")
+        if self.zoo is not None and (self.torchscript or self.onnx or self.factory or self.gguf):
             raise ValueError("'zoo' and artifacts/factory are exclusive")
+        if self.gguf is not None and self.task != GENERATION:
+            raise ValueError("'gguf' is an LLM's: set task: generation")
         if self.factory is not None and not FACTORY_REF.match(self.factory):
             raise ValueError("factory must look like 'package.module:function'")
         return self
@@ -116,6 +136,21 @@ class MatrixBackend(_Strict):
         "", description="What makes this backend differ from the reference, when known (e.g. "
         "'TF32 on: matmul inputs rounded to 10 mantissa bits'): printed beside its failures."
     )
+    quant: str | None = Field(
+        None, description="Generative columns: the model's GGUF converted for this column: a "
+        "llama.cpp file type for llama_cpp and openai (F16, Q8_0, Q4_K_M, Q2_K, ...; llama.cpp's "
+        "quantizer, cached; default: the GGUF as it is), the model builder's precision for "
+        "onnxruntime_genai (int4 default, int8, fp32).")
+    serve: Literal["llama_cpp"] | None = Field(
+        None, description="backend openai: the server the matrix starts for this column on the "
+        "model's GGUF (llama-cpp-python's OpenAI-compatible server, loopback).")
+
+    @model_validator(mode="after")
+    def _served(self) -> "MatrixBackend":
+        if (self.backend == "openai") != (self.serve is not None):
+            raise ValueError("backend openai needs 'serve: llama_cpp' (the server the matrix "
+                             "starts), and 'serve' needs backend openai")
+        return self
 
 
 class Tolerances(_Strict):
@@ -131,11 +166,21 @@ class Tolerances(_Strict):
 
 class ReferenceBackend(_Strict):
     backend: BackendName = Field("torch", description="A backend the matrix can give an "
-                                 "artifact (its kind declares formats), run at fp32.")
+                                 "artifact (its kind declares formats), run at fp32; task "
+                                 "generation: a teacher-forcing scorer (transformers, "
+                                 "llama_cpp, onnxruntime_genai).")
     options: dict[str, Any] = Field(
         default_factory=dict, description="Its backend options. Those that describe the model "
         "rather than the engine (input_names, output_names, a factory's kwargs) also reach "
         "every column whose backend takes them and does not set them itself.")
+    precision: Precision = Field("fp32", description="task generation: the scorer's precision.")
+    quant: str | None = Field(None, description="task generation: as a column's 'quant' (e.g. "
+                              "F32 for llama.cpp on the GGUF dequantized).")
+
+
+# The reference of a generation model whose block names none.
+GENERATION_REFERENCE = ReferenceBackend(backend="transformers")
+GENERATION_REFERENCES = ("transformers", "llama_cpp", "onnxruntime_genai")
 
 
 MatrixModel.model_rebuild()
@@ -198,12 +243,19 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     problems = []
     references = [("reference", config.reference)] + [
         (f"models[{i}].reference", m.reference) for i, m in enumerate(config.models)
-        if m.reference is not None]
+        if m.reference is not None and m.task != GENERATION]
+    for i, m in enumerate(config.models):
+        if m.task == GENERATION:
+            problems += _generation_problems(m, f"models[{i}]", base)
     for where, ref in references:
         if not backend_kind(ref.backend).formats:
             problems.append(f"{where}.backend: the matrix gives {ref.backend} no artifact")
     keras_backends: dict[str, str] = {}
     for i, b in enumerate(config.backends):
+        if b.backend in _GENERATIVE:
+            if b.backend == "transformers" and b.precision not in ("fp32", "fp16", "bf16"):
+                problems.append(f"backends[{i}].precision: transformers runs fp32, fp16 or bf16")
+            continue
         if b.backend == "keras" and b.process == "same":
             keras_backends.setdefault(b.options.get("keras_backend", "tensorflow"),
                                       f"backends[{i}]")
@@ -218,6 +270,8 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
                         f"'{a}': one sweep runs in one process, and Keras on one backend per "
                         "process; give the other Keras columns process: own")
     for i, m in enumerate(config.models):
+        if m.task == GENERATION:
+            continue
         problems += adapter_problems(m.adapters or [], f"models[{i}]")
         if m.zoo is not None and m.zoo not in zoo_names():
             problems.append(f"models[{i}].zoo: unknown zoo model '{m.zoo}' (available: "
@@ -237,3 +291,36 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     if problems:
         raise ConfigError(problems, str(path))
     return config, base
+
+
+# Columns that run on a generation model (guard/matrix/columns.py), never on a tensor one.
+_GENERATIVE = ("llama_cpp", "openai", "transformers", "onnxruntime_genai")
+
+
+def generation_reference(model: MatrixModel, config: MatrixConfig) -> ReferenceBackend:
+    """A generation model's reference: its own block, else transformers fp32 on its GGUF."""
+    return model.reference or GENERATION_REFERENCE
+
+
+def _generation_problems(model: MatrixModel, where: str, base: Path) -> list[str]:
+    from guard.zoo.llm import MODELS
+
+    problems = []
+    if model.zoo is not None and model.zoo not in MODELS:
+        problems.append(f"{where}.zoo: unknown LLM '{model.zoo}' (available: "
+                        f"{', '.join(MODELS)})")
+    if model.gguf is not None:
+        resolved = (base / model.gguf).resolve()
+        if not resolved.is_file():
+            problems.append(f"{where}.gguf: file not found: {resolved}")
+        model.gguf = str(resolved)
+    if model.inputs.file is not None:
+        resolved = (base / model.inputs.file).resolve()
+        if not resolved.is_file():
+            problems.append(f"{where}.inputs.file: file not found: {resolved}")
+        model.inputs.file = str(resolved)
+    if model.reference is not None and model.reference.backend not in GENERATION_REFERENCES:
+        problems.append(f"{where}.reference.backend: a generation model's reference is a "
+                        f"teacher-forcing scorer ({', '.join(GENERATION_REFERENCES)}), not "
+                        f"'{model.reference.backend}'")
+    return problems

@@ -25,22 +25,29 @@ def summarise(records: list[dict]) -> dict:
     taxonomy_by_backend: dict = defaultdict(Counter)
     min_atol: dict = {}
     latency: dict = {}
+    generation: dict = {}
     for r in run:
         ok = r["status"] == "pass"
-        for tier in (r["tier"], "all"):
-            cell = by_tol[f"atol={r['atol']:g} rtol={r['rtol']:g}"][tier]
-            cell[0] += ok
-            cell[1] += 1
         key = (r["model"], r["backend"])
         cells[key][0] += ok
         cells[key][1] += 1
         if not ok:
             taxonomy_by_backend[r["backend"]][r["failure_type"]] += 1
+        if "latency" in r:
+            latency[key] = r["latency"]
+        if r["tier"] == "generation":
+            generation[f"{r['model']}|{r['backend']}"] = {
+                k: r.get(k) for k in ("status", "reason", "reference", "backend_kind",
+                                      "precision", "quant", "serve", "samples",
+                                      "samples_passed", "stats", "cause")}
+            continue
+        for tier in (r["tier"], "all"):
+            cell = by_tol[f"atol={r['atol']:g} rtol={r['rtol']:g}"][tier]
+            cell[0] += ok
+            cell[1] += 1
         if r["tier"] == "tensor" and ok:
             current = min_atol.get(key)
             min_atol[key] = r["atol"] if current is None else min(current, r["atol"])
-        if "latency" in r:
-            latency[key] = r["latency"]
     # Tier 2: the layer named at the loosest tolerance where tier 2 ran (its first failure).
     divergence: dict = {}
     for r in sorted((r for r in run if r["tier"] == "activation"), key=lambda r: r["atol"]):
@@ -65,6 +72,7 @@ def summarise(records: list[dict]) -> dict:
         "latency": {f"{m}|{b}": v for (m, b), v in latency.items()},
         "first_divergence": {f"{m}|{b}": v for (m, b), v in divergence.items()},
         "causes": {r["backend"]: r["cause"] for r in records if r.get("cause")},
+        "generation": generation,
         "environment": records[0]["environment"] if records else {},
     }
 
@@ -78,6 +86,37 @@ def markdown(summary: dict, title: str) -> str:
     env = s.get("environment", {})
     if env:
         lines += ["Machine: " + ", ".join(f"{k} {v}" for k, v in env.items()), ""]
+    if s["by_tolerance"]:
+        lines += _tensor_sections(s)
+    if s.get("generation"):
+        lines += _generation_sections(s["generation"])
+    lines += ["", "## Failure taxonomy", "", "| failure type | checks |", "| --- | --- |"]
+    for kind, count in sorted(s["failure_taxonomy"].items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {kind} | {count} |")
+    if s["failure_taxonomy_by_backend"]:
+        kinds = sorted(s["failure_taxonomy"])
+        causes = s.get("causes", {})
+        extra = ["cause"] if causes else []
+        lines += ["", "| backend | " + " | ".join(kinds + extra) + " |",
+                  "| --- |" + " --- |" * len(kinds + extra)]
+        for b, c in s["failure_taxonomy_by_backend"].items():
+            cells = [str(c.get(k, 0)) for k in kinds] + ([causes.get(b, "")] if causes else [])
+            lines.append(f"| {b} | " + " | ".join(cells) + " |")
+    def cell_latency(m: str, b: str) -> str:
+        lat = s["latency"].get(f"{m}|{b}")
+        if not lat or "reference_ms" not in lat:
+            return ""
+        return f"{lat['reference_ms']:.2f} / {lat['backend_ms']:.2f}"
+
+    if s["by_tolerance"]:
+        lines += _model_backend_table("Median latency per sample (ms): reference / backend", s,
+                                      cell_latency)
+    return "\n".join(lines) + "\n"
+
+
+def _tensor_sections(s: dict) -> list[str]:
+    """Pass rates by tolerance, the model x backend tables, tier 2's layers."""
+    lines: list[str] = []
     tiers = sorted({tier for v in s["by_tolerance"].values() for tier in v} - {"all"}) + ["all"]
     lines += ["## Pass rate by tolerance", "", "| tolerance | " + " | ".join(tiers) + " |",
               "| --- |" + " --- |" * len(tiers)]
@@ -103,25 +142,69 @@ def markdown(summary: dict, title: str) -> str:
         lines += _model_backend_table(
             "First divergent layer (tier 2, at the loosest tolerance it ran; -: tier 1 passed)",
             s, cell_layer)
-    lines += ["", "## Failure taxonomy", "", "| failure type | checks |", "| --- | --- |"]
-    for kind, count in sorted(s["failure_taxonomy"].items(), key=lambda kv: -kv[1]):
-        lines.append(f"| {kind} | {count} |")
-    if s["failure_taxonomy_by_backend"]:
-        kinds = sorted(s["failure_taxonomy"])
-        causes = s.get("causes", {})
-        extra = ["cause"] if causes else []
-        lines += ["", "| backend | " + " | ".join(kinds + extra) + " |",
-                  "| --- |" + " --- |" * len(kinds + extra)]
-        for b, c in s["failure_taxonomy_by_backend"].items():
-            cells = [str(c.get(k, 0)) for k in kinds] + ([causes.get(b, "")] if causes else [])
-            lines.append(f"| {b} | " + " | ".join(cells) + " |")
-    def cell_latency(m: str, b: str) -> str:
-        lat = s["latency"].get(f"{m}|{b}")
-        return f"{lat['reference_ms']:.2f} / {lat['backend_ms']:.2f}" if lat else ""
+    return lines
 
-    lines += _model_backend_table("Median latency per sample (ms): reference / backend", s,
-                                  cell_latency)
-    return "\n".join(lines) + "\n"
+
+def _num(value, spec: str = ".5f") -> str:
+    return "n/a" if value is None else format(value, spec)
+
+
+def _generation_sections(generation: dict) -> list[str]:
+    """The generative columns: guard's figures on each column's own completions, and
+    llama-perplexity's statistics on the reference's completions."""
+    lines: list[str] = []
+    by_model: dict = defaultdict(list)
+    for key, row in generation.items():
+        by_model[key.split("|")[0]].append((key.split("|")[1], row))
+    for model, rows in by_model.items():
+        reference = rows[0][1]["reference"]
+        stats0 = rows[0][1].get("stats") or {}
+        lines += [
+            "", f"## Generative columns of {model}", "",
+            f"Every figure is against the reference **{reference}**, per token in nats (not "
+            "llama.cpp's F16-based tables).", "",
+            f"Guard's figures, as the generation tier sees them online: each column's own greedy "
+            f"completions with their top-{stats0.get('top_logprobs', '?')} logprobs, as an "
+            "OpenAI-compatible server returns them; guard's KLD is KL(column || reference) "
+            "estimated from those (guard/verify/generation.py), beside the full-vocabulary "
+            "figure on the same tokens where the column gives its distributions.", "",
+            "| column | engine | verdict | completions passed | mean KLD (guard) | full "
+            "vocabulary | guard / full | lumped bound | KLD p99 | same top-1 | RMS Δp |",
+            "| --- |" + " --- |" * 10]
+        for name, row in rows:
+            st = row.get("stats") or {}
+            served = row.get("serve") and f"({row['serve']} server)"
+            as_is = row["backend_kind"] in ("llama_cpp", "openai") and not row.get("quant")
+            engine = " ".join(filter(None, [row["backend_kind"], served, row.get("quant") or (
+                                                "GGUF as is" if as_is else None),
+                                            None if row["precision"] == "fp32" else
+                                            row["precision"]]))
+            if not st:
+                lines.append(f"| {name} | {engine} | {row['status']}: {row['reason'][:80]} |"
+                             + " |" * 8)
+                continue
+            lines.append(
+                f"| {name} | {engine} | {row['status']} | {row['samples_passed']}/"
+                f"{row['samples']} | {_num(st['mean_kld'])} | {_num(st.get('full_kld'))} | "
+                f"{_num(st.get('guard_over_full'), '.3f')} | "
+                f"{_num(st['mean_kld_lower_bound'])} | {_num(st['kld_p99'], '.4f')} | "
+                f"{_num(st['top1_agreement'], '.1%')} | {_num(st['delta_p_rms'], '.2%')} |")
+        lines += [
+            "", "llama-perplexity's statistics (its `--kl-divergence` figures), on the same "
+            "tokens for every column: the reference's own greedy completions of the prompts, "
+            "teacher-forced by both; in-process columns only (a server returns no "
+            "distributions over a given text).", "",
+            "| column | tokens | mean KLD(ref ‖ column) | KLD p99 | RMS Δp | same top p | "
+            "PPL(column)/PPL(ref) |", "| --- |" + " --- |" * 6]
+        for name, row in rows:
+            pp = (row.get("stats") or {}).get("perplexity") or {}
+            if not pp:
+                lines.append(f"| {name} | n/a |" + " |" * 5)
+                continue
+            lines.append(f"| {name} | {pp['tokens']} | {_num(pp['mean_kld'])} | "
+                         f"{_num(pp['kld_p99'], '.4f')} | {_num(pp['delta_p_rms'], '.2%')} | "
+                         f"{_num(pp['same_top1'], '.1%')} | {_num(pp['ppl_ratio'], '.4f')} |")
+    return lines
 
 
 def _model_backend_table(title: str, s: dict, cell) -> list[str]:

@@ -84,7 +84,9 @@ def environment() -> dict:
     env = {"guard": version("guard"), "python": platform.python_version(),
            "numpy": np.__version__, "torch": version("torch"),
            "onnxruntime": version("onnxruntime"), "platform": platform.platform(),
-           "cpu": cpu, "cores": os.cpu_count()}
+           "cpu": cpu, "cores": os.cpu_count(),
+           # Other work on the machine slows latencies, never the accuracy figures.
+           "loadavg": [round(v, 2) for v in os.getloadavg()]}
     try:
         import torch
 
@@ -362,6 +364,14 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
 
     try:
         for model in config.models:
+            if model.task == "generation":
+                from guard.matrix.generation import run_generation_model
+
+                if "generation" in config.tiers:
+                    run_generation_model(config, model, emit, say)
+                else:
+                    say(f"model {model.name}: task generation, but tiers name no generation")
+                continue
             say(f"model {model.name}: preparing")
             prepared = prepare(model, zoo_dir())
             ref_config = model.reference or config.reference
@@ -392,10 +402,15 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
 
 def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend,
                    reference: BackendRun, grid, emit, say, ref_spec=None) -> None:
+    from guard.matrix.generation import applies
+
     model = prepared.config
-    options = column_options(model.reference or config.reference, backend)
-    spec = backend_spec(prepared, backend.backend, backend.precision, options, base,
-                        backend.device, backend.artifact)
+    if applies(backend):
+        spec = "a generative column (task generation models only)"
+    else:
+        spec = backend_spec(prepared, backend.backend, backend.precision,
+                            column_options(model.reference or config.reference, backend), base,
+                            backend.device, backend.artifact)
     common = {"matrix": config.name, "model": model.name, "task": prepared.task,
               "reference": f"{(model.reference or config.reference).backend} fp32",
               "backend": backend.name,

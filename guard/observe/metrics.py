@@ -120,7 +120,7 @@ class GuardMetrics:
         # The generation tier (task: generation), one observation per compared completion
         # (guard_generation_tokens_total and the edge's own series: guard/serve/openai_edge.py).
         self.generation_kld = Histogram(
-            "guard_generation_kld", "Mean KLD per token (nats, reference || primary) of a "
+            "guard_generation_kld", "Mean KLD per token (nats, KL(primary || reference)) of a "
             "compared completion.", ["model"], buckets=KLD_BUCKETS, registry=r,
         )
         self.generation_top1_agreement = Histogram(

@@ -102,7 +102,9 @@ def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> P
     logger = logging.getLogger("llama-cpp-python")
     if logger.level == logging.NOTSET:
         logger.setLevel(logging.ERROR)
-    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}", None)
+    # F32 is LLAMA_FTYPE_ALL_F32; the rest LLAMA_FTYPE_MOSTLY_*.
+    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}",
+                    getattr(llama_cpp, f"LLAMA_FTYPE_ALL_{ftype_name}", None))
     if ftype is None:
         raise ValueError(f"llama.cpp knows no file type {ftype_name!r}")
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -126,17 +128,25 @@ def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> P
     return target
 
 
+def requantized(source: Path, ftype_name: str, folder: Path | None = None,
+                threads: int = 1) -> Path:
+    """``source`` at llama.cpp file type ``ftype_name``, cached in ``folder`` (default
+    :func:`cache_dir`) as ``<name>.<ftype_name>.gguf``, where ``<name>`` is the source's name
+    without its own file type (``X.Q4_1.gguf`` -> ``X``). The source itself where it already
+    is that type."""
+    stem, own = Path(source.stem).stem, Path(source.stem).suffix.lstrip(".")
+    if own == ftype_name:
+        return source
+    name = stem if own else source.stem
+    return quantize(source, (folder or cache_dir()) / f"{name}.{ftype_name}.gguf", ftype_name,
+                    threads)
+
+
 def quant_ladder(rungs: tuple[str, ...] = LADDER, folder: Path | None = None,
                  threads: int = 1) -> dict[str, Path]:
     """The shipped model at each rung (``SHIPPED`` is the wheel's own file), cached."""
     source = smollm2_gguf()
-    folder = folder or cache_dir()
-    stem = GGUF_NAME.removesuffix(f".{SHIPPED}.gguf")
-    out = {}
-    for rung in rungs:
-        out[rung] = source if rung == SHIPPED else \
-            quantize(source, folder / f"{stem}.{rung}.gguf", rung, threads)
-    return out
+    return {rung: requantized(source, rung, folder, threads) for rung in rungs}
 
 
 def sample_from_response(prompt: str, response: dict, sampling: "SamplingParams",
@@ -230,3 +240,91 @@ def hf_folder(gguf: Path | None = None, folder: Path | None = None) -> Path:
         if partial.exists():
             shutil.rmtree(partial)
     return folder
+
+
+# -- the model in other engines' formats (the matrix's generative columns) -------------------
+# An LLM the zoo names, by the name a matrix config gives it (``zoo: smollm2``).
+MODELS = {"smollm2": smollm2_gguf}
+
+
+def ort_genai_model(gguf: Path, precision: str = "int4", folder: Path | None = None) -> Path:
+    """``gguf`` built for ONNX Runtime GenAI's CPU provider at ``precision`` (int4, int8, fp32)
+    by its model builder from the HF folder (:func:`hf_folder`), cached. int4 is the builder's
+    MatMulNBits (block-wise 4-bit weights, the lm_head too), not llama.cpp's formats."""
+    folder = folder or cache_dir() / f"{gguf.stem}.ort-genai-{precision}"
+    if (folder / "genai_config.json").is_file():
+        return folder
+    import shutil
+    import subprocess
+    import sys
+
+    source = hf_folder(gguf)
+    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "onnxruntime_genai.models.builder", "-i", str(source),
+             "-o", str(partial), "-p", precision, "-e", "cpu", "-c", str(partial / "cache")],
+            capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"onnxruntime_genai's model builder ({precision}) failed: "
+                               f"{done.stderr[-2000:]}")
+        shutil.rmtree(partial / "cache", ignore_errors=True)
+        os.replace(partial, folder)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return folder
+
+
+def start_llama_server(path: Path, alias: str, log: Path, threads: int = 1,
+                       context_length: int = 512):
+    """llama-cpp-python's OpenAI-compatible server on ``path`` at a free loopback port, with
+    ``logits_all`` (it answers logprobs only with it): ``(process, base_url)``. Not waited for:
+    see :func:`wait_http`."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen(
+        [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
+         "--port", str(port), "--model_alias", alias, "--logits_all", "true",
+         "--n_ctx", str(context_length), "--n_threads", str(threads), "--n_threads_batch",
+         str(threads), "--verbose", "false"],
+        stdout=subprocess.DEVNULL, stderr=log.open("w"))
+    return process, f"http://127.0.0.1:{port}"
+
+
+def wait_http(url: str, process, what: str, timeout: float = 180.0) -> None:
+    """Wait until ``url`` answers; GuardError where ``process`` exits first or time runs
+    out."""
+    import time
+    import urllib.request
+
+    from guard.errors import GuardError
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise GuardError(f"{what} exited with code {process.returncode} before it was "
+                             "ready")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except OSError:
+            time.sleep(0.3)
+    raise GuardError(f"{what} was not ready after {timeout:.0f}s ({url})")
+
+
+def stop_process(process) -> None:
+    """Terminate ``process`` (kill after 10 s)."""
+    import subprocess
+
+    if process.poll() is None:
+        process.terminate()
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)

@@ -19,6 +19,7 @@ from guard.verify.generation import (
     _topk_kld,
     check_generation,
     resolve_transform,
+    sampled_terms,
     transformed,
 )
 
@@ -79,12 +80,39 @@ def test_topk_kld_is_exact_with_the_whole_vocabulary_and_a_lower_bound_without()
         p = _log_softmax(rng.normal(0, 2, 200))
         q = _log_softmax(rng.normal(0, 2, 200))
         exact = float(np.sum(np.exp(p) * (p - q)))  # KL(primary || reference)
-        full, coverage = _topk_kld(p, q)
-        assert math.isclose(full, exact, rel_tol=1e-6, abs_tol=1e-12)
-        assert math.isclose(coverage, 1.0, rel_tol=1e-9)
+        reverse = float(np.sum(np.exp(q) * (q - p)))  # llama-perplexity's direction
+        full = _topk_kld(p, q)
+        assert math.isclose(full.estimate, exact, rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(full.lower_bound, exact, rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(full.reverse, reverse, rel_tol=1e-6, abs_tol=1e-12)
+        assert math.isclose(full.coverage, 1.0, rel_tol=1e-9)
         top = np.argsort(-p)[:10]
-        lumped, coverage = _topk_kld(p[top], q[top])
-        assert lumped <= exact + 1e-12 and coverage < 1.0
+        part = _topk_kld(p[top], q[top])
+        assert part.lower_bound <= exact + 1e-12 and part.coverage < 1.0
+        assert part.estimate >= part.lower_bound
+
+
+def test_topk_kld_tail_correction_recovers_the_mass_lumping_loses():
+    """A primary whose logits are the reference's plus token-independent noise (what
+    quantization does): from its top-20 alone the lumped figure misses the tail's share, the
+    corrected one lands on the full-vocabulary KLD, in both directions."""
+    rng = np.random.default_rng(2)
+    for noise in (0.05, 0.3, 0.8):
+        exact, rev_exact, bound, estimate, reverse = [], [], [], [], []
+        for _ in range(200):
+            q = _log_softmax(rng.gumbel(0, 1.5, 5000))
+            p = _log_softmax(q + rng.normal(0, noise, q.size))
+            top = np.argsort(-p)[:20]
+            kld = _topk_kld(p[top], q[top])
+            exact.append(np.sum(np.exp(p) * (p - q)))
+            rev_exact.append(np.sum(np.exp(q) * (q - p)))
+            bound.append(kld.lower_bound)
+            estimate.append(kld.estimate)
+            reverse.append(kld.reverse)
+        assert np.mean(bound) < 0.9 * np.mean(exact)  # the tail matters here
+        assert abs(np.mean(estimate) / np.mean(exact) - 1) <= 0.10, (noise, np.mean(estimate),
+                                                                    np.mean(exact))
+        assert abs(np.mean(reverse) / np.mean(rev_exact) - 1) <= 0.10
 
 
 def _synthetic_scores(logprobs: np.ndarray, tokens: np.ndarray) -> ReferenceScores:
@@ -142,6 +170,39 @@ def test_z_is_large_when_the_primary_samples_another_distribution(actual):
     zs = np.array(zs)
     assert np.mean(np.abs(zs) > GenerationThresholds().max_abs_z) >= 0.8
     assert np.sign(np.median(zs)) == (1 if actual > 1 else -1)
+
+
+@pytest.mark.parametrize("kw", [
+    dict(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, temperature_last=True),
+    dict(temperature=1.3, top_p=0.7),
+    dict(temperature=0.6, repetition_penalty=1.3, presence_penalty=0.5, penalty_last_n=64),
+])
+def test_sampled_terms_match_the_dense_formula(kw):
+    """The z-score's terms, computed on the kept set only, equal the formula over the whole
+    vocabulary: s_t = -log m(x_t) + E_pi[log m], Var_pi[log m], m = (1-eps) pi + eps q (a
+    token outside the support included)."""
+    rng = np.random.default_rng(5)
+    logprobs = _log_softmax(rng.gumbel(0, 2, (16, 3000)))
+    tokens = np.array([rng.choice(3000, p=np.exp(row)) for row in logprobs])
+    tokens[3] = int(np.argmin(logprobs[3]))  # outside every truncation
+    transform = _transform(**kw)
+    scores = replace(_synthetic_scores(logprobs, tokens), prompt_token_ids=(0, 5, 7))
+    terms, variances, outside = sampled_terms(scores, transform, 0.05)
+    for t, token in enumerate(tokens):
+        row = scores.logprobs[t].astype(np.float64)
+        if transform.penalized:
+            from guard.verify.generation import _penalize
+
+            row = _penalize(row, transform, (0, 5, 7), tuple(int(i) for i in tokens), t)
+            row = row - np.logaddexp.reduce(row)
+        pi = transformed(row, transform)
+        mixed = np.log(0.95 * pi + 0.05 * np.exp(row) + 1e-12)
+        assert math.isclose(terms[t], -mixed[token] + pi @ mixed, rel_tol=1e-9, abs_tol=1e-9)
+        assert math.isclose(variances[t], pi @ mixed ** 2 - (pi @ mixed) ** 2, rel_tol=1e-6,
+                            abs_tol=1e-9)
+        assert outside[t] == (pi[token] == 0.0)
+    truncated = transform.top_k or transform.top_p < 1.0 or transform.min_p > 0.0
+    assert outside[3] == bool(truncated)
 
 
 def test_a_sampled_completion_with_an_unknown_transform_is_not_comparable():

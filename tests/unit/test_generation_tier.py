@@ -124,14 +124,16 @@ def _raw_logprobs(logits: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("rung", ["Q8_0", "Q2_K"])
-def test_kld_is_a_lower_bound_of_the_full_logits_kld_and_top1_agrees(fp32, primaries,
-                                                                greedy_samples, rung):
-    """guard's per-completion figures (from the primary's top-20 logprobs) against numpy over
-    both models' full logits at the same tokens, computed here without guard's scorers."""
+def test_kld_and_top1_agree_with_the_full_logits_within_ten_percent(fp32, primaries,
+                                                                     greedy_samples, rung):
+    """guard's per-completion figures (from the primary's top-20 logprobs, as an OpenAI server
+    returns them) against numpy over both models' full logits at the same tokens, computed
+    here without guard's scorers: the issue's target is agreement within 10%."""
     import torch
 
     primary = primaries[rung]
-    guard_kld, numpy_kld, guard_top, numpy_top = [], [], [], []
+    guard_kld, bound, reverse, numpy_kld, numpy_reverse = [], [], [], [], []
+    guard_top, numpy_top = [], []
     for sample in greedy_samples[rung]:
         scores = fp32.score(sample)
         check = check_generation(sample, scores, LLAMA)
@@ -145,17 +147,24 @@ def test_kld_is_a_lower_bound_of_the_full_logits_kld_and_top1_agrees(fp32, prima
             logits = fp32._model(input_ids=torch.tensor([prompt + ids])).logits[0]
         lp_reference = _raw_logprobs(logits[len(prompt) - 1:-1].numpy())
         numpy_kld.append(np.sum(np.exp(lp_primary) * (lp_primary - lp_reference), axis=-1))
+        numpy_reverse.append(np.sum(np.exp(lp_reference) * (lp_reference - lp_primary), axis=-1))
         numpy_top.append(lp_primary.argmax(-1) == lp_reference.argmax(-1))
         guard_kld.append(check.per_token_kld)
+        bound.append(check.per_token_kld_lower_bound)
+        reverse.append(check.per_token_kld_reverse)
         guard_top.append(check.top1_agreement)
     numpy_mean = float(np.mean(np.concatenate(numpy_kld)))
     guard_mean = float(np.mean(np.concatenate(guard_kld)))
-    # KL over the top-k with the tail lumped into one bucket is a coarse-graining of the full
-    # distributions, so it can only be lower (data-processing inequality). From top-20 it came
-    # out at 0.76-0.83 of the full-vocabulary figure here (Q8_0, Q2_K): the issue's 10% target
-    # is not met by the top-k estimate yet (open: a tail correction or a larger k).
-    assert guard_mean <= numpy_mean * (1 + 1e-3), (guard_mean, numpy_mean)
-    assert guard_mean >= 0.70 * numpy_mean, (guard_mean, numpy_mean)
+    # The top-20 plus one tail bucket is a coarse-graining of the full distributions, so its
+    # KL can only be lower (data-processing inequality): 0.70-0.84 of the full figure here.
+    assert float(np.mean(np.concatenate(bound))) <= numpy_mean * (1 + 1e-3)
+    # The tail correction brings guard's figure to the full-vocabulary one, in both directions
+    # (llama-perplexity's is KL(reference || primary)).
+    assert abs(guard_mean / numpy_mean - 1) <= 0.10, (guard_mean, numpy_mean)
+    reverse_mean = float(np.mean(np.concatenate(reverse)))
+    numpy_reverse_mean = float(np.mean(np.concatenate(numpy_reverse)))
+    assert abs(reverse_mean / numpy_reverse_mean - 1) <= 0.10, (reverse_mean,
+                                                                 numpy_reverse_mean)
     numpy_share = float(np.mean(np.concatenate(numpy_top)))
     assert abs(np.mean(guard_top) - numpy_share) <= 0.10 * numpy_share
 
