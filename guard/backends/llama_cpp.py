@@ -13,6 +13,7 @@ llama.cpp reads a path, not bytes: a pinned file (``sha256``) is hashed right be
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -64,6 +65,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     wide -= wide.max(axis=-1, keepdims=True)
     wide -= np.log(np.exp(wide).sum(axis=-1, keepdims=True))
     return wide.astype(np.float32)
+
+
+def quiet_llama_logs() -> None:
+    """llama.cpp logs every graph reserve and tensor it converts through the
+    "llama-cpp-python" logger (its log callback prints what that logger's level lets
+    through): quiet, as ``Llama(verbose=False)`` makes it, unless the application set a level."""
+    logger = logging.getLogger("llama-cpp-python")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
 
 
 def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
@@ -153,6 +163,12 @@ def _check(spec: "BackendConfig") -> None:
 
 
 KINDS = {
-    "llama_cpp": BackendKind(name="llama_cpp", backend=LlamaCppScorer, options=LlamaCppOptions,
-                             check=_check),
+    # Tier 2 captures its graph's nodes through llama.cpp's eval callback, which only observes:
+    # the layers are isolated on a transformers reference's modules (gguf_align.py).
+    "llama_cpp": BackendKind(
+        name="llama_cpp", backend=LlamaCppScorer, options=LlamaCppOptions, check=_check,
+        activations="guard.backends.activations.llama_cpp:llama_cpp_side",
+        activations_beside=frozenset({"transformers"}),
+        beside_why="llama.cpp's eval callback only observes, so its layers are isolated on a "
+        "transformers reference's modules"),
 }

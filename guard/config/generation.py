@@ -105,6 +105,9 @@ def model_problems(model: "ModelConfig") -> list[str]:
         problems = []
         if "generation" in model.checks.model_fields_set:
             problems.append(f"checks.generation: is set but the model's task is '{model.task}'")
+        if model.checks.activation.primary_gguf is not None:
+            problems.append("checks.activation.primary_gguf: names what a generation model's "
+                            f"upstream serves; the model's task is '{model.task}'")
         for role in ("primary", "reference", "fallback"):
             spec = getattr(model, role)
             if spec is not None and spec.backend in GENERATION_ONLY:
@@ -122,10 +125,14 @@ def model_problems(model: "ModelConfig") -> list[str]:
     if model.reference is not None and model.reference.backend not in REFERENCE_BACKENDS:
         problems.append(f"reference.backend: a generation model is scored by "
                         f"{', '.join(REFERENCE_BACKENDS)}, not '{model.reference.backend}'")
-    for block in ("tensor", "activation", "task"):
+    for block in ("tensor", "task"):
         if block in model.checks.model_fields_set:
             problems.append(f"checks.{block}: tensor checks do not apply to a generation model "
                             "(its checks are checks.generation)")
+    activation = model.checks.activation
+    if activation.enabled and activation.primary_gguf is None:
+        problems.append("checks.activation: tier 2 of a generation model captures the GGUF "
+                        "its upstream serves: set checks.activation.primary_gguf to that file")
     if model.adapters:
         problems.append("adapters: tensor adapters do not apply to a generation model")
     if model.policy.action == "fallback_ops":

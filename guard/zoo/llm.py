@@ -13,7 +13,6 @@ dequantized, not the original bf16 checkpoint.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
 import tempfile
 from pathlib import Path
@@ -71,11 +70,9 @@ def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> P
         return target
     import llama_cpp
 
-    # llama.cpp logs every tensor it converts: quiet, as Llama(verbose=False) makes it (its
-    # log callback prints what the "llama-cpp-python" logger's level lets through).
-    logger = logging.getLogger("llama-cpp-python")
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.ERROR)
+    from guard.backends.llama_cpp import quiet_llama_logs
+
+    quiet_llama_logs()  # llama.cpp logs every tensor it converts
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}", None)
     if ftype is None:
         raise ValueError(f"llama.cpp knows no file type {ftype_name!r}")

@@ -55,7 +55,8 @@ def test_tensor_checks_are_refused_for_generation(base):
         "policy": {"action": "fallback_ops"}}]}
     (line,) = problems(doc, base)
     assert "checks.tensor: tensor checks do not apply to a generation model" in line
-    assert "checks.activation: tensor checks do not apply" in line
+    assert "checks.activation: tier 2 of a generation model captures the GGUF its upstream " \
+        "serves: set checks.activation.primary_gguf" in line
     assert "policy.action: 'fallback_ops'" in line
 
 

@@ -65,6 +65,10 @@ class Pairing:
     # The torch module paths it computes, in call order: one call's, or every member of a unit
     # the graph computes as one (a Conv with the BatchNorm folded into it); [] for ONNX vs ONNX.
     modules: list[str] = field(default_factory=list)
+    # ``isolate`` runs the reference's layer on the primary's captured inputs (a primary that
+    # can only be observed: llama.cpp's eval callback); its isolated error is then the
+    # primary's output against that, not the primary's re-run against the reference's.
+    against_primary: bool = False
 
 
 @dataclass
@@ -72,6 +76,11 @@ class Alignment:
     pairings: list[Pairing] = field(default_factory=list)
     unaligned: list[Unaligned] = field(default_factory=list)
     primary_only: list[str] = field(default_factory=list)
+    # Per layer value, the groups of layers it is judged against, in order of preference (the
+    # same module in every block, then every module of its class): set where every layer
+    # differs by design and only one that stands out from its peers diverges (a quantized
+    # GGUF, gguf_align.py; decide.py). Empty: each layer against its own allowance.
+    peers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _module_of(side: OnnxSide, value: str) -> str:
