@@ -262,10 +262,12 @@ def _fallback(report: ActivationReport, budget: Budget) -> str:
                 f"({report.layers[crossing].name}) could be run in isolation: "
                 + ("; ".join(notes) or "no isolated figures"))
     best = max(window, key=lambda layer: layer.ratio)
-    if best.isolated.rel_error == 0.0:
-        return ("every aligned layer up to where the error crosses the budget "
-                f"({report.layers[crossing].name}) computes exactly as the reference does: the "
-                "drift arises in layers without a counterpart"
+    if best.isolated.rel_error <= measurable_threshold(best.noise):
+        # Not the culprit's successor blamed for what it was fed: none of them adds error.
+        return ("no aligned layer up to where the error crosses the budget "
+                f"({report.layers[crossing].name}) adds a measurable error of its own (the "
+                f"largest, {best.name}, adds {best.isolated.rel_error:.3g}): the drift arises "
+                "in layers without a counterpart"
                 + (f" ({', '.join(u.name for u in report.unaligned[:5])})"
                    if report.unaligned else ""))
     best.divergent = True
