@@ -117,3 +117,44 @@ def test_an_llm_backend_needs_task_generation(base):
     lines = problems(doc, base)
     assert any("primary.backend: 'openai' serves or scores an LLM: set task: generation" in line
                for line in lines)
+
+
+def _complete_problems(data, base_dir: Path) -> list[str]:
+    """The checks' registries too (tier 2's capturable pairs): what validate and the verifier
+    load with."""
+    from guard.plan import complete
+
+    with pytest.raises(ConfigError) as info:
+        complete.parse_config(data, base_dir, "guard.yaml")
+    return info.value.problems
+
+
+def test_tier2_of_a_generation_model_captures_the_gguf_its_upstream_serves(base):
+    from guard.plan import complete
+
+    (base / "served.gguf").touch()
+    doc = generation_doc(checks={"activation": {"on_failure": True,
+                                                "primary_gguf": "served.gguf"}})
+    model = complete.parse_config(doc, base, "guard.yaml").models[0]
+    captured = model.activation_primary()
+    assert captured.backend == "llama_cpp" and captured.path == str(base / "served.gguf")
+    assert model.primary.backend == "openai"  # what serves is unchanged
+
+
+def test_tier2_of_a_generation_model_says_what_it_needs(base):
+    (line,) = problems(generation_doc(checks={"activation": {"primary_gguf": "gone.gguf",
+                                                             "on_failure": True}}), base)
+    assert "checks.activation.primary_gguf: file not found" in line
+    (base / "served.gguf").touch()
+    doc = generation_doc(reference={"backend": "llama_cpp", "path": "smol.gguf"},
+                         checks={"activation": {"on_failure": True,
+                                                "primary_gguf": "served.gguf"}})
+    (line,) = _complete_problems(doc, base)
+    assert "primary backend 'llama_cpp' beside reference backend 'llama_cpp'" in line
+    assert "isolated on a transformers reference's modules" in line
+    doc = {"version": 1, "models": [{
+        "name": "m", "primary": {"backend": "onnxruntime", "path": "m.onnx"},
+        "checks": {"activation": {"primary_gguf": "served.gguf"}}}]}
+    (line,) = problems(doc, base)
+    assert "checks.activation.primary_gguf: names what a generation model's upstream serves" \
+        in line

@@ -122,6 +122,12 @@ class LlamaCppSide:
         value = self.metadata.get(f"{self.architecture}.{key}")
         return int(value) if value is not None else None
 
+    def tokenize(self, text: str) -> list[int]:
+        """``text`` as llama.cpp tokenizes it for this file, BOS first where the model adds
+        one (as its server tokenizes a completions prompt)."""
+        return list(self._model.tokenize(text.encode("utf-8"), self._model.add_bos_token(),
+                                         True))
+
     # -- the eval callback ------------------------------------------------------------------------
     def _wanted(self, tensor: int) -> tuple[bool, str, _TensorHead]:
         head = ctypes.cast(tensor, ctypes.POINTER(_TensorHead)).contents
