@@ -94,6 +94,25 @@ def test_one_tensor_requantized_lower_is_named_at_its_layer(shipped, ids):
     assert not any(s.divergent for s in report.layers if s is not first)
 
 
+def test_a_whole_model_requantized_names_no_layer(shipped, ids):
+    """Q2_K everywhere: every layer adds more error, alike; the drift is the model's, which the
+    generation tier reports. With the completion failing it, tier 2 says why no layer."""
+    from guard.verify.generation import GenerationCheck
+
+    q2k = llm.quant_ladder(("Q2_K",))["Q2_K"]
+    checker = faults.checker_for(faults.FaultCase(
+        "q2k", "spread", "smollm2", shipped, q2k, {"input_ids": ids}, None, tensor=NO_NOISE,
+        gguf=True))
+    try:
+        failing = GenerationCheck(passed=False, mode="logprobs", reason="mean KLD 0.45")
+        report = checker.check({"input_ids": ids}, tier1=failing)
+    finally:
+        checker.close()
+    assert report.budget.tier1_failed is True
+    assert report.first_divergence is None
+    assert "stands out from its peers'" in report.undetermined
+
+
 def test_a_llama_cpp_side_beside_anything_but_transformers_is_refused(shipped):
     from guard.backends.activations import CaptureUnsupported
     from guard.backends.activations.llama_cpp import LlamaCppSide

@@ -106,9 +106,15 @@ class LlamaCppSide:
         params.n_ctx = params.n_batch = params.n_ubatch = context_length
         params.n_threads = params.n_threads_batch = threads
         params.cb_eval = self._callback
-        self._context = _internals.LlamaContext(model=self._model, params=params, verbose=False)
-        self._batch = _internals.LlamaBatch(n_tokens=context_length, embd=0, n_seq_max=1,
-                                            verbose=False)
+        try:
+            self._context = _internals.LlamaContext(model=self._model, params=params,
+                                                    verbose=False)
+            self._batch = _internals.LlamaBatch(n_tokens=context_length, embd=0, n_seq_max=1,
+                                                verbose=False)
+        except (ValueError, RuntimeError) as exc:
+            self.close()
+            raise CaptureUnsupported(f"{label}: llama.cpp cannot make a context for "
+                                     f"{self.path}: {exc}") from None
         metadata = self._model.metadata()
         self.architecture = metadata.get("general.architecture", "")
         self.metadata = metadata
