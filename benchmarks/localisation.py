@@ -50,7 +50,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from guard.verify.activation.decide import MEASURABLE_FLOOR, MEASURABLE_NOISE_FACTOR  # noqa: E402
+from guard.verify.activation.decide import (  # noqa: E402
+    MEASURABLE_FLOOR,
+    MEASURABLE_NOISE_FACTOR,
+    PEER_FACTOR,
+)
 
 
 def polygraphy_first_failure(case) -> tuple[str | None, float]:
@@ -365,7 +369,9 @@ def markdown(result: dict) -> str:
         "passes: the first layer whose isolated error is beyond the reference's own noise,",
         "`max(" + f"{MEASURABLE_NOISE_FACTOR:g}" + " x noise, " + f"{MEASURABLE_FLOOR:g}" + ")`,"
         " named with `within_budget: true`; tier 2 still passes). Only fp32 pairs get `noise`:",
-        "a reduced-precision primary within its budget names none (`-`).",
+        "a reduced-precision primary within its budget names none (`-`). `peers` (a GGUF run by",
+        "llama.cpp: the isolated error over " + f"{PEER_FACTOR:g}" + " x the median of the same"
+        " module's in the other blocks).",
         "",
         *_field(s["field_architectures"]),
         *_margins(s),
@@ -376,6 +382,7 @@ def markdown(result: dict) -> str:
         poly = (r.get("polygraphy", "n/a (torch)") if r["onnx_pair"] else
                 "n/a (gguf)" if r.get("gguf") else "n/a (torch)")
         basis = ("noise" if r["within_budget"] else
+                 "peers" if r["basis"].startswith("isolated error stands out") else
                  "exceeds" if r["basis"].startswith("isolated") else
                  "largest" if r["basis"] else (r["undetermined"][:40] or "-"))
         # "-": no tier-1 verdict (torch vs torch: tier 2 applies tier 1 to ONNX outputs only)
