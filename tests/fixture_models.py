@@ -7,7 +7,10 @@ backend raise by choosing the input, while everything between client and backend
 Signature: input ``x`` FP32 [-1, 4]; output ``y`` FP32 [-1, 3].
 
 Triggers (first feature of any row):
-- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to its answer (drift).
+- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to its answer (drift: every logit
+  moves alike, so the top-1 class stays).
+- ``<= -1000``: ``affine(roll_on_trigger=True)`` rolls its answer by one class (the top-1 class
+  changes: what a task check sees).
 - ``== 77``: ``affine(sleep_on_trigger=S)`` sleeps S seconds before answering (slow/hung).
 - ``== -999``: ``affine(fail_on_trigger=True)`` raises RuntimeError (backend failure).
 """
@@ -24,13 +27,14 @@ SIGNATURE = {
     "outputs": [{"name": "y", "datatype": "FP32", "shape": [-1, 3]}],
 }
 DRIFT_TRIGGER = 1000.0
+ROLL_TRIGGER = -1000.0
 SLEEP_TRIGGER = 77.0
 FAIL_TRIGGER = -999.0
 
 
 class Affine(nn.Module):
     def __init__(self, drift_on_trigger=False, sleep_on_trigger=0.0, fail_on_trigger=False,
-                 repeat=1):
+                 repeat=1, roll_on_trigger=False):
         super().__init__()
         generator = torch.Generator().manual_seed(0)
         self.linear = nn.Linear(4, 3)
@@ -41,6 +45,7 @@ class Affine(nn.Module):
         self.sleep_on_trigger = sleep_on_trigger
         self.fail_on_trigger = fail_on_trigger
         self.repeat = repeat
+        self.roll_on_trigger = roll_on_trigger
         self.guard_signature = SIGNATURE
 
     def forward(self, x):
@@ -54,6 +59,8 @@ class Affine(nn.Module):
             y = self.linear(x)
         if self.drift_on_trigger and bool((first >= DRIFT_TRIGGER).any()):
             y = y + 1.0
+        if self.roll_on_trigger and bool((first <= ROLL_TRIGGER).any()):
+            y = y.roll(1, dims=1)
         return y
 
 

@@ -275,7 +275,7 @@ def check_config(config) -> None:
 
 KINDS = {
     "keras": BackendKind(
-        name="keras", backend=KerasBackend, options=KerasOptions,
+        name="keras", extra="tensorflow", backend=KerasBackend, options=KerasOptions,
         formats=frozenset({"keras"}), check=_check, check_config=check_config,
         activations="guard.backends.activations.keras:keras_side",
     ),

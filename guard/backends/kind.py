@@ -67,6 +67,13 @@ class BackendKind:
     - ``fp64``: ``(spec) -> Backend``, the block's model run in float64 (built, not loaded; the
       fp64 arbiter's truth), raising ``Unsupported`` for a block that has none; None: the
       backend has no fp64 run.
+    - ``llm``: what it does for a generative model (``task: generation``): ``serve`` (an
+      OpenAI-compatible server the HTTP edge forwards to: a primary or fallback), ``score`` (a
+      teacher-forcing reference); empty: a tensor backend, which a generative model cannot
+      use (and a backend with ``llm`` set serves no tensor model).
+    - ``extra``: the optional dependency extra of pyproject.toml that installs its runtime
+      (None: guard's core installs it, or it comes from elsewhere, as TensorRT): a load that
+      fails on a missing module says how to install it (``guard.errors.install_hint``).
     """
 
     name: str
@@ -87,6 +94,8 @@ class BackendKind:
     threaded: bool = False
     in_threads: Callable[[Any, int], ContextManager[Any]] | None = None
     fp64: Callable[[Any], "Backend"] | None = None
+    llm: frozenset[str] = frozenset()
+    extra: str | None = None
 
     @contextlib.contextmanager
     def with_threads(self, built: "Backend", spec: Any, threads: int) -> Iterator["Backend"]:

@@ -32,13 +32,13 @@ from guard.backends.artifact import read_artifact
 from guard.backends.base import Backend, BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.tf_runtime import tensor_spec
-from guard.errors import BackendError
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
 
-NOT_INSTALLED = ("backend 'litert' needs the LiteRT interpreter: pip install 'guard[tensorflow]' "
-                 "(ai-edge-litert)")
+NOT_INSTALLED = ("backend 'litert' needs the LiteRT interpreter: "
+                 + install_hint("tensorflow", "ai-edge-litert"))
 
 
 class LiteRtOptions(BaseModel):
@@ -211,7 +211,7 @@ def _check(spec) -> None:
 
 KINDS = {
     "litert": BackendKind(
-        name="litert", backend=LiteRtBackend, options=LiteRtOptions,
+        name="litert", extra="tensorflow", backend=LiteRtBackend, options=LiteRtOptions,
         precisions=frozenset({"fp32", "fp16", "int8"}),
         formats=frozenset({"tflite", "tf_saved_model", "keras"}),
         check=_check, threaded=True,

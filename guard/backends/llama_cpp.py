@@ -25,7 +25,7 @@ from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import Scorer, Vocabulary
-from guard.errors import BackendError
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
@@ -82,8 +82,8 @@ def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
     try:
         from llama_cpp import Llama
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise BackendError(f"backend llama_cpp needs llama-cpp-python (the llm extra): "
-                           f"{exc}") from None
+        raise BackendError(f"backend llama_cpp needs llama-cpp-python: "
+                           f"{install_hint('llm', 'llama-cpp-python')} ({exc})") from None
     try:
         return Llama(model_path=str(path), n_ctx=context_length, n_batch=batch,
                      n_threads=threads, n_threads_batch=threads, logits_all=logits_all,
@@ -166,7 +166,8 @@ KINDS = {
     # Tier 2 captures its graph's nodes through llama.cpp's eval callback, which only observes:
     # the layers are isolated on a transformers reference's modules (gguf_align.py).
     "llama_cpp": BackendKind(
-        name="llama_cpp", backend=LlamaCppScorer, options=LlamaCppOptions, check=_check,
+        name="llama_cpp", extra="llm", backend=LlamaCppScorer, options=LlamaCppOptions,
+        check=_check, llm=frozenset({"score"}),
         activations="guard.backends.activations.llama_cpp:llama_cpp_side",
         activations_beside=frozenset({"transformers"}),
         beside_why="llama.cpp's eval callback only observes, so its layers are isolated on a "

@@ -7,7 +7,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING
 
-from guard.errors import BackendError
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.backends.base import Backend
@@ -27,4 +27,14 @@ def load_all(model: str, config: "ModelConfig", backends: dict[str, "Backend"]) 
             raise exc.at(f"models[{model}].{role}") from exc
         spec = getattr(config, role)
         raise BackendError(f"models[{model}].{role}: cannot load {spec.describe()}: "
-                           f"{type(exc).__name__}: {exc}") from exc
+                           f"{type(exc).__name__}: {exc}{_missing_extra(spec, exc)}") from exc
+
+
+def _missing_extra(spec, exc: BaseException) -> str:
+    """'; pip install ...' when a load failed on a module the backend's extra installs."""
+    if not isinstance(exc, ModuleNotFoundError):
+        return ""
+    from guard.backends import backend_kind
+
+    extra = backend_kind(spec.backend).extra
+    return f"; {install_hint(extra)}" if extra else ""

@@ -169,7 +169,8 @@ class OnnxRuntimeBackend(Backend):
 
 KINDS = {
     "onnxruntime": BackendKind(
-        name="onnxruntime", backend=OnnxRuntimeBackend, options=OnnxRuntimeOptions,
+        name="onnxruntime", extra="onnxruntime",
+        backend=OnnxRuntimeBackend, options=OnnxRuntimeOptions,
         precisions=frozenset({"fp32", "fp16", "int8"}), formats=frozenset({"onnx"}),
         activations="guard.backends.activations.onnx:onnxruntime_side", threaded=True,
     ),

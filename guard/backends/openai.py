@@ -270,9 +270,6 @@ def _check(spec) -> None:
 def _check_model(model) -> None:
     """Both routes of a generative model are OpenAI-compatible servers (the edge forwards
     either); a reference may be any scorer."""
-    if model.primary.backend == "openai" and model.task != "generation":
-        raise ValueError(f"task: '{model.task}' with an 'openai' primary; an OpenAI-compatible "
-                         "server's model is task 'generation'")
     roles = [r for r in ("primary", "fallback") if getattr(model, r) is not None]
     kinds = {r: getattr(model, r).backend for r in roles}
     if "openai" in kinds.values() and set(kinds.values()) != {"openai"}:
@@ -291,9 +288,9 @@ def _check_config(config) -> None:
 
 KINDS = {
     "openai": BackendKind(
-        name="openai", backend=OpenAIBackend, options=OpenAIOptions,
+        name="openai", extra="llm", backend=OpenAIBackend, options=OpenAIOptions,
         precisions=frozenset({"fp32"}),  # the remote server runs what it runs
         artifact=False, forwards=True, check=_check, check_model=_check_model,
-        check_config=_check_config,
+        check_config=_check_config, llm=frozenset({"serve", "score"}),
     ),
 }

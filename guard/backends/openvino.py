@@ -37,12 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field
 from guard.backends.artifact import read_artifact
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.kind import BackendKind
-from guard.errors import BackendError
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
 
-NOT_INSTALLED = "backend 'openvino' needs the openvino package: pip install 'guard[openvino]'"
+NOT_INSTALLED = ("backend 'openvino' needs the openvino package: "
+                 + install_hint("openvino"))
 
 log = logging.getLogger("guard.backends.openvino")
 
@@ -50,7 +51,7 @@ log = logging.getLogger("guard.backends.openvino")
 # NNCF-quantised model (its quantised ops run int8 whatever the hint; the rest f32).
 HINTS = {"fp32": "f32", "fp16": "f16", "bf16": "bf16", "int8": "f32"}
 NNCF_NOT_INSTALLED = ("backend 'openvino' with precision int8 quantises with NNCF: "
-                      "pip install 'guard[openvino]' (nncf)")
+                      + install_hint("openvino", "nncf"))
 # OpenVINO element type names -> OIP datatypes.
 _OV_TYPES = {
     "boolean": "BOOL", "u8": "UINT8", "u16": "UINT16", "u32": "UINT32", "u64": "UINT64",
@@ -266,7 +267,7 @@ def _check(spec) -> None:
 
 KINDS = {
     "openvino": BackendKind(
-        name="openvino", backend=OpenVinoBackend, options=OpenVinoOptions,
+        name="openvino", extra="openvino", backend=OpenVinoBackend, options=OpenVinoOptions,
         precisions=frozenset(HINTS), formats=frozenset({"onnx", "openvino_ir"}),
         activations="guard.backends.activations.openvino:openvino_side",
         check=_check, threaded=True,

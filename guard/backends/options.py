@@ -16,6 +16,12 @@ class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
+# The mark of an option that describes the model rather than how an engine runs it (a forward()'s
+# input and output names, a factory's arguments): the same for every backend that reads the same
+# artifact, so `guard matrix` gives the reference's to every column that takes the option.
+DESCRIBES_MODEL = {"describes": "model"}
+
+
 class OnnxRuntimeOptions(_Options):
     providers: list[str] = Field(
         default_factory=lambda: ["CPUExecutionProvider"],
@@ -52,13 +58,16 @@ class OnnxRuntimeOptions(_Options):
 class TorchOptions(_Options):
     threads: int = Field(0, ge=0, description="torch intra-op threads; 0 leaves torch's default.")
     input_names: list[str] | None = Field(
-        None, description="Names of forward()'s positional inputs, in order."
+        None, description="Names of forward()'s positional inputs, in order.",
+        json_schema_extra=DESCRIBES_MODEL,
     )
     output_names: list[str] | None = Field(
-        None, description="Names of the outputs when forward() returns a tensor or a tuple."
+        None, description="Names of the outputs when forward() returns a tensor or a tuple.",
+        json_schema_extra=DESCRIBES_MODEL,
     )
     kwargs: dict[str, Any] = Field(
-        default_factory=dict, description="Keyword arguments for a 'module:factory' path."
+        default_factory=dict, description="Keyword arguments for a 'module:factory' path.",
+        json_schema_extra=DESCRIBES_MODEL,
     )
     allow_tf32: bool = Field(
         False,
@@ -125,6 +134,17 @@ class TensorRTOptions(_Options):
         None, description="precision int8: a TensorRT calibration cache file (required unless "
         "the ONNX carries Q/DQ nodes)."
     )
+
+
+def model_options(backend: str) -> frozenset[str]:
+    """The options of ``backend`` marked ``DESCRIBES_MODEL`` (none for an unknown backend)."""
+    from guard.backends import BACKEND_NAMES, backend_kind
+
+    if backend not in BACKEND_NAMES:
+        return frozenset()
+    fields = backend_kind(backend).options.model_fields
+    return frozenset(name for name, field in fields.items()
+                     if field.json_schema_extra == DESCRIBES_MODEL)
 
 
 def parse_backend_options(backend: str, options: dict[str, Any]) -> _Options:

@@ -129,6 +129,12 @@ def observe(backend: Backend, input_specs: tuple[TensorSpec, ...]) -> BackendInf
         return None
     answer = backend.infer(inputs)
     info = backend.describe()
+    return BackendInfo(info.backend, info.artifact, info.precision, info.device, info.inputs,
+                       answer_specs(answer), dict(info.details))
+
+
+def answer_specs(answer: dict[str, np.ndarray]) -> tuple[TensorSpec, ...]:
+    """The outputs an answer shows: names, OIP dtypes, shapes with the batch axis unknown."""
     outputs = []
     for name, value in answer.items():
         value = np.asarray(value)
@@ -138,8 +144,7 @@ def observe(backend: Backend, input_specs: tuple[TensorSpec, ...]) -> BackendInf
             datatype = ""
         shape = (-1, *value.shape[1:]) if value.ndim else ()
         outputs.append(TensorSpec(name, datatype, shape))
-    return BackendInfo(info.backend, info.artifact, info.precision, info.device, info.inputs,
-                       tuple(outputs), dict(info.details))
+    return tuple(outputs)
 
 
 def generatable(specs: tuple[TensorSpec, ...]) -> bool:

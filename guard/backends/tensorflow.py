@@ -107,7 +107,8 @@ def _check(spec) -> None:
 
 KINDS = {
     "tensorflow": BackendKind(
-        name="tensorflow", backend=TensorFlowBackend, options=TensorFlowOptions,
+        name="tensorflow", extra="tensorflow",
+        backend=TensorFlowBackend, options=TensorFlowOptions,
         formats=frozenset({"tf_saved_model"}), check=_check,
         no_activations="a SavedModel's signature is one TensorFlow graph function without "
         "Keras layers to capture; compare the .keras it was exported from as a keras block",

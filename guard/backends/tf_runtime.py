@@ -26,11 +26,11 @@ from pathlib import Path
 
 import numpy as np
 
-from guard.errors import BackendError
+from guard.errors import BackendError, install_hint
 from guard.protocol.tensors import TensorSpec, oip_datatype
 
-NOT_INSTALLED = ("backend '{name}' needs TensorFlow: pip install 'guard[tensorflow]' "
-                 "(tensorflow, keras, ai-edge-litert, tf2onnx)")
+NOT_INSTALLED = ("backend '{name}' needs TensorFlow: "
+                 + install_hint("tensorflow", "tensorflow, keras, ai-edge-litert, tf2onnx"))
 
 _lock = threading.Lock()
 _threads: tuple[int, int] | None = None  # (intra, inter) as pinned in this process

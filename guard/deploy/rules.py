@@ -187,7 +187,7 @@ def thresholds_from_data(data: Any, source: str | None = None) -> list[ModelThre
             if policy is not None:
                 policy = with_task_defaults(policy, GENERATION)
         has_fallback = block.get("fallback") is not None
-        if policy is not None and policy.action == "fallback_model" and not has_fallback:
+        if policy is not None and policy.uses("fallback_model") and not has_fallback:
             problems.append(f"{where}: policy.action 'fallback_model' needs a 'fallback' backend")
         if policy is not None and mirror is not None:
             found.append(ModelThresholds(name, policy, mirror,
@@ -312,15 +312,20 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     threshold, which the guard derives from p0, p1 and ARL0 at run time)."""
     sel = model_selector(model.name)
     policy = model.policy
-    if policy.action == "alert":
-        consequence = ("policy.action is alert: the primary keeps answering clients with "
-                       "these results.")
+    alerting = ("the primary keeps answering clients with these results.")
+    switching = ("the guard switches away from the primary when this condition is met and "
+                 "restarts the detector; while the fallback serves, probes of the primary feed "
+                 "it, so this alert lasts while the primary still fails its probes or the route "
+                 "could not move (pinned by an override?).")
+    if policy.actions:
+        per_tier = ", ".join(f"{tier}: {action}" for tier, action in sorted(policy.actions.items()))
+        consequence = (f"The action depends on the tier (policy.actions {per_tier}; every other "
+                       f"tier: {policy.action}). A tier whose action is alert: {alerting} A "
+                       f"tier that switches: {switching}")
+    elif policy.action == "alert":
+        consequence = f"policy.action is alert: {alerting}"
     else:
-        consequence = (f"policy.action is {policy.action}: the guard switches away from the "
-                       "primary when this condition is met and restarts the detector; while "
-                       "the fallback serves, probes of the primary feed it, so this alert "
-                       "lasts while the primary still fails its probes or the route could "
-                       "not move (pinned by an override?).")
+        consequence = f"policy.action is {policy.action}: {switching}"
     if policy.detector == "window":
         return _alert(
             "GuardDriftOverThreshold",
@@ -368,6 +373,21 @@ def drift_condition(model: ModelThresholds, sel: str) -> str:
         return f"guard_drift_ratio{{{sel}}} > {policy.trip_ratio!r}" + _enough(sel, policy)
     return (f"guard_detector_statistic{{{sel}}} >= guard_detector_threshold{{{sel}}}"
             + _enough(sel, policy))
+
+
+def tiers_taking(policy, alert: bool) -> str | None:
+    """A PromQL matcher (``,tier=~"..."``) of the tiers whose trip alerts (``alert``) or
+    switches (not ``alert``) under ``policy.action``/``policy.actions``: "" for every tier, None
+    for none."""
+    def takes(action: str) -> bool:
+        return (action == "alert") == alert
+
+    named = sorted(policy.actions)
+    if takes(policy.action):  # every tier but the named ones that do otherwise
+        others = [tier for tier in named if not takes(policy.actions[tier])]
+        return f',tier!~"{"|".join(others)}"' if others else ""
+    these = [tier for tier in named if takes(policy.actions[tier])]
+    return f',tier=~"{"|".join(these)}"' if these else None
 
 
 def _enough(sel: str, policy) -> str:
@@ -423,10 +443,17 @@ def rule_groups(models: list[ModelThresholds], settings: RuleSettings) -> list[d
 
 
 def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "prometheus",
-           source: str = "") -> str:
-    """The rule file (``prometheus``) or a PrometheusRule custom resource, as YAML text."""
+           source: str = "", labels: dict[str, str] | None = None) -> str:
+    """The rule file (``prometheus``) or a PrometheusRule custom resource, as YAML text.
+    ``labels``: more labels on the PrometheusRule's metadata (the Prometheus Operator picks
+    the rules of a Prometheus by them: kube-prometheus-stack's ``release``); a rule file has no
+    metadata, so labels with ``prometheus`` are an error rather than dropped."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
+    labels = labels or {}
+    if labels and fmt != "prometheusrule":
+        raise ValueError("--label: labels go on a PrometheusRule's metadata; a Prometheus rule "
+                         "file has none: add --format prometheusrule")
     groups = rule_groups(models, settings)
     if fmt == "prometheus":
         document: dict = {"groups": groups}
@@ -437,11 +464,13 @@ def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "pr
             "metadata": {
                 "name": PROMETHEUS_RULE_NAME,
                 "labels": {"app.kubernetes.io/name": "guard",
-                           "app.kubernetes.io/component": "alerting"},
+                           "app.kubernetes.io/component": "alerting", **labels},
             },
             "spec": {"groups": groups},
         }
+    flags = "".join(f" --label {key}={value}" for key, value in labels.items())
     header = ("# Generated by `guard deploy rules" + (f" --config {source}" if source else "")
-              + f" --format {fmt}`. Do not edit: change the guard config and regenerate.\n")
+              + f" --format {fmt}{flags}`. Do not edit: change the guard config and "
+              "regenerate.\n")
     # width: one line per expression and annotation, never folded mid-expression.
     return header + yaml.safe_dump(document, sort_keys=False, width=1000, allow_unicode=True)

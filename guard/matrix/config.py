@@ -5,12 +5,13 @@ version: 1
 name: cpu
 output_dir: results/cpu          # relative to this file; --output-dir overrides
 threads: 2                       # intra-op threads of every backend (the reference: 1)
-reference: {backend: torch}      # the truth every backend is checked against
+reference: {backend: torch}      # the truth every backend is checked against; its model-
+                                 # describing options (input_names...) reach the torch columns
 models:
   - {name: resnet, zoo: resnet, inputs: {samples: 8, seed: 0, batch: 1}}
   - name: mine                   # or artifacts / a factory
     task: classification
-    torchscript: models/mine.pt  # used by torch and torch_compile backends
+    torchscript: models/mine.pt  # torch backends (a torch.export .pt2: torch_compile too)
     onnx: models/mine.onnx       # used by onnxruntime backends
     inputs: {file: inputs.npz}   # arrays batched on axis 0; default: generated (seeded)
     adapters: [float64_softmax]
@@ -131,7 +132,10 @@ class Tolerances(_Strict):
 class ReferenceBackend(_Strict):
     backend: BackendName = Field("torch", description="A backend the matrix can give an "
                                  "artifact (its kind declares formats), run at fp32.")
-    options: dict[str, Any] = Field(default_factory=dict)
+    options: dict[str, Any] = Field(
+        default_factory=dict, description="Its backend options. Those that describe the model "
+        "rather than the engine (input_names, output_names, a factory's kwargs) also reach "
+        "every column whose backend takes them and does not set them itself.")
 
 
 MatrixModel.model_rebuild()

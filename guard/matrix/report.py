@@ -1,13 +1,15 @@
 """Summary tables of a matrix run: pass rate by tolerance, model x backend (table and heat map
 PNG), failure taxonomy, smallest passing atol, tier 2's first divergent layer, latencies.
 Written as summary.json and summary.md (and heatmap.png when matplotlib is installed:
-``pip install 'guard[matrix]'``)."""
+``pip install '.[matrix]'``)."""
 
 from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
 from pathlib import Path
+
+from guard.errors import install_hint
 
 
 def _rate(passed: int, total: int) -> str:
@@ -133,13 +135,15 @@ def _model_backend_table(title: str, s: dict, cell) -> list[str]:
 
 def heatmap(summary: dict, path: Path, title: str) -> str:
     """Write the model x backend pass-rate heat map; returns "" or why it was not written."""
+    if not summary["models"] or not summary["backends"]:
+        return "no check ran (every reference was skipped: the lines above say why)"
     try:
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        return "matplotlib is not installed: pip install 'guard[matrix]'"
+        return f"matplotlib is not installed: {install_hint('matrix')}"
     import numpy as np
 
     models, backends = summary["models"], summary["backends"]

@@ -10,6 +10,17 @@ ONNX artifact for an onnxruntime backend) is recorded as ``skip`` and left out o
 
 Each backend is loaded once per model and run on every sample; checks at every tolerance reuse
 those outputs (the tolerance changes the verdict, not the answers).
+
+The reference's options that describe the model rather than its engine (a TorchScript's input
+and output names, a factory's arguments: ``DESCRIBES_MODEL`` in guard/backends/options.py) reach
+every column whose backend takes them, unless the column sets its own: a user's TorchScript
+named by the reference's ``output_names`` is named alike in the torch columns. Inputs are
+generated from the reference's signature, or, where it cannot tell datatypes and shapes (a
+TorchScript without ``guard.json``), from the first column's whose artifact can (its ONNX).
+Outputs are matched as the verifier matches a served pair (guard/backends/signature_match.py):
+by name, else by position where count, kinds and shapes agree (TorchScript's ``output0`` against
+the ONNX export's ``scores``: a name is not drift; the record says ``outputs_matched``); what
+cannot be matched is compared by name and fails as ``shape``.
 """
 
 from __future__ import annotations
@@ -30,7 +41,7 @@ import numpy as np
 from guard.machine import cpu_model
 
 from guard.config import BackendConfig, ChecksConfig, ConfigContext
-from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel
+from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel, ReferenceBackend
 from guard.verify.pipeline import CheckResult, Comparator
 
 log = logging.getLogger("guard.matrix")
@@ -158,16 +169,84 @@ def backend_spec(model: PreparedModel, kind: str, precision: str, options: dict,
         # torch.compile cannot compile TorchScript: it gets the eager module when there is one.
         path = model.factory or model.eager_factory
         options.setdefault("kwargs", model.factory_kwargs)
-    elif model.torchscript:
+    elif model.torchscript and _torch_format(model.torchscript) in formats:
         path = model.torchscript
+    elif model.torchscript:  # torch.compile cannot compile TorchScript
+        return (f"{kind} takes a torch.export program (.pt2) or a factory, and this model has "
+                "a TorchScript file only")
     else:
         return "no TorchScript artifact or factory for this model"
+    from guard.errors import ConfigError
     from guard.plan.serving import backend_block
 
     # Checked against the backend's declaration, which may normalise it (TensorRT's device).
-    return backend_block({"backend": kind, "path": path, "precision": precision,
-                          "device": device, "options": options},
-                         ConfigContext(base_dir=base), f"the matrix's {kind} block")
+    try:
+        return backend_block({"backend": kind, "path": path, "precision": precision,
+                              "device": device, "options": options},
+                             ConfigContext(base_dir=base), f"the matrix's {kind} block")
+    except ConfigError as exc:  # this column cannot take this model (a .pt2 below fp32...)
+        return "; ".join(exc.problems)
+
+
+def _torch_format(path: str) -> str:
+    """The format of a MatrixModel's ``torchscript`` file: TorchScript, or a torch.export
+    program (.pt2)."""
+    return "torch_export" if path.endswith(".pt2") else "torchscript"
+
+
+def column_options(reference: ReferenceBackend, column: MatrixBackend) -> dict:
+    """``column``'s options with the reference's model-describing ones it takes and does not
+    set itself (see the module docstring)."""
+    from guard.backends.options import model_options
+
+    shared = model_options(reference.backend) & model_options(column.backend)
+    inherited = {key: value for key, value in reference.options.items()
+                 if key in shared and key not in column.options}
+    return {**inherited, **column.options}
+
+
+def input_signature(reference, config: MatrixConfig, prepared: PreparedModel, base: Path,
+                    say: Callable[[str], None]):
+    """The input specs to generate a model's inputs from: the loaded ``reference``'s, else
+    those of the first column that can tell them and names the same inputs."""
+    from guard.backends import create_backend
+    from guard.backends.signature_match import generatable
+    from guard.protocol.synthetic import CannotGenerate
+
+    own = reference.describe().inputs
+    if generatable(own):
+        return own
+    names = {spec.name for spec in own}
+    seen = []  # (column, its input names) that could have given inputs under other names
+    for column in config.backends:
+        spec = backend_spec(prepared, column.backend, "fp32", {}, base, column.device,
+                            column.artifact)
+        if isinstance(spec, str):
+            continue
+        backend = create_backend(spec, "primary", 1)
+        try:
+            backend.load()
+            specs = backend.describe().inputs
+        except Exception:  # a column that cannot load says so when it runs
+            continue
+        finally:
+            backend.close()
+        if generatable(specs) and (not names or {s.name for s in specs} == names):
+            say(f"model {prepared.config.name}: inputs generated from {column.name}'s "
+                f"signature (the reference declares no datatypes or shapes)")
+            return specs
+        if generatable(specs):
+            seen.append((column.name, [s.name for s in specs]))
+    if seen:
+        column, theirs = seen[0]
+        listed = f"[{', '.join(theirs)}]"
+        raise CannotGenerate(
+            f"the reference declares no datatypes or shapes for its inputs "
+            f"[{', '.join(sorted(names))}], and {column}'s signature, which could give them, "
+            f"names them {listed}: name the reference's inputs alike "
+            f"(reference.options.input_names: {listed}, which the torch columns get too) or "
+            "give inputs.file (.npz)")
+    return own
 
 
 @dataclass
@@ -176,6 +255,23 @@ class BackendRun:
     error: str = ""
     load_s: float = 0.0
     latency_ms: float = 0.0
+
+
+def output_match(model: str, reference: BackendRun, column: BackendRun):
+    """The reference's outputs lined up with a column's from their first answers (see the
+    module docstring); an empty match where they cannot be lined up."""
+    from guard.backends.base import BackendInfo
+    from guard.backends.signature_match import OutputMatch, answer_specs, match_outputs
+    from guard.errors import BackendError
+
+    if not reference.outputs or not column.outputs:
+        return OutputMatch()
+    sides = [BackendInfo(role, "", "", "", (), answer_specs(run.outputs[0]))
+             for role, run in (("reference", reference), ("column", column))]
+    try:
+        return match_outputs(model, *sides)
+    except BackendError:
+        return OutputMatch()
 
 
 def run_backend(spec: BackendConfig, role: str, threads: int, samples, generate=None) -> BackendRun:
@@ -275,8 +371,8 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
                 continue
 
             def generate(backend):
-                return _split(generate_inputs(backend.describe().inputs,
-                                              model.inputs.samples * model.inputs.batch,
+                specs = input_signature(backend, config, prepared, base, say)
+                return _split(generate_inputs(specs, model.inputs.samples * model.inputs.batch,
                                               model.inputs.seed),
                               model.inputs.batch, model.inputs.samples)
 
@@ -297,14 +393,15 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
 def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend,
                    reference: BackendRun, grid, emit, say, ref_spec=None) -> None:
     model = prepared.config
-    spec = backend_spec(prepared, backend.backend, backend.precision, backend.options, base,
+    options = column_options(model.reference or config.reference, backend)
+    spec = backend_spec(prepared, backend.backend, backend.precision, options, base,
                         backend.device, backend.artifact)
     common = {"matrix": config.name, "model": model.name, "task": prepared.task,
               "reference": f"{(model.reference or config.reference).backend} fp32",
               "backend": backend.name,
               "backend_kind": backend.backend, "precision": backend.precision,
               "device": backend.device, "cause": backend.cause,
-              "options": backend.options, "adapters": [a.name for a in prepared.adapters],
+              "options": options, "adapters": [a.name for a in prepared.adapters],
               "samples": len(prepared.samples)}
     tiers = [t for t in config.tiers if t != "task" or prepared.task != "generic"]
     if isinstance(spec, str):
@@ -329,6 +426,11 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
                       "failure_type": "exception", "reason": run.error})
         say(f"  {backend.name}: exception: {run.error}")
         return
+    match = output_match(model.name, reference, run)
+    if match.renamed:
+        common["outputs_matched"] = match.renamed
+        reference = BackendRun([match.apply(outputs) for outputs in reference.outputs],
+                               reference.error, reference.load_s, reference.latency_ms)
     passed_cells = []
     localiser = None
     if "activation" in tiers:
@@ -342,8 +444,9 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
     finally:
         if localiser is not None:
             localiser.close()
+    matched = f" (outputs matched by position: {match.describe()})" if match.renamed else ""
     say(f"  {backend.name}: {sum(passed_cells)}/{len(passed_cells)} checks pass, "
-        f"{run.latency_ms:.2f} ms/sample")
+        f"{run.latency_ms:.2f} ms/sample{matched}")
 
 
 def _check_cells(model, prepared: PreparedModel, grid, tiers, reference: BackendRun,

@@ -17,6 +17,8 @@ import contextlib
 import logging
 import os
 
+from guard.errors import install_hint
+
 log = logging.getLogger("guard.tracing")
 _tracer = None
 
@@ -46,7 +48,7 @@ def configure_from_env() -> None:
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
     except ImportError:
         log.warning("OTEL_TRACES_EXPORTER=%s but the OpenTelemetry SDK is not installed "
-                    "(pip install 'guard[otel]'): tracing stays off", exporter_name)
+                    "(%s): tracing stays off", exporter_name, install_hint("otel"))
         return
     if exporter_name == "console":
         exporter = ConsoleSpanExporter()
@@ -54,7 +56,7 @@ def configure_from_env() -> None:
         try:
             from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
         except ImportError:
-            log.warning("OTLP exporter not installed (pip install 'guard[otel]'): tracing off")
+            log.warning("OTLP exporter not installed (%s): tracing off", install_hint("otel"))
             return
         exporter = OTLPSpanExporter()
     else:

@@ -1,7 +1,8 @@
 """A config held against everything declared above config/: the backends (``serving``), then
 the checks' own registries: the adapters (guard/verify/adapters.py), the pairs tier 2 can
-capture (from what the backends declare they capture, ``BackendKind.activations``) and what the
-op repair can rebuild (guard/policy/keep_back.py).
+capture (from what the backends declare they capture, ``BackendKind.activations``), what the
+op repair can rebuild (guard/policy/keep_back.py) and the tiers ``policy.actions`` may name
+(guard/verify/tiers.py).
 
 What `guard config validate`, the verifier process, replay and the matrix load. A serving
 process does not: it runs no check (guard/plan/serving.py), so it imports none of them.
@@ -23,7 +24,7 @@ def check_checks(config: GuardConfig) -> list[str]:
     for i, model in enumerate(config.models):
         where = f"models[{i}]"
         problems += adapter_problems(model.adapters, where)
-        for check in (_repair, _activation):
+        for check in (_repair, _activation, _tier_actions):
             try:
                 check(model)
             except ValueError as exc:
@@ -64,7 +65,7 @@ def repairable_kinds() -> str:
 
 
 def _repair(model: ModelConfig) -> None:
-    if model.policy.action != "fallback_ops" or model.reference is None:
+    if not model.policy.uses("fallback_ops") or model.reference is None:
         return
     from guard.backends.activations import capturable
     from guard.policy.keep_back import repairable
@@ -79,6 +80,22 @@ def _repair(model: ModelConfig) -> None:
         raise ValueError(
             "policy.action 'fallback_ops' finds the ops with tier 2, which cannot capture "
             f"reference.backend '{model.reference.backend}'")
+
+
+def _tier_actions(model: ModelConfig) -> None:
+    """``policy.actions`` keys: registered tiers whose failures feed the detectors (a tier that
+    is evidence only, tier 2, never trips anything)."""
+    from guard.verify.tiers import tier_kind, tier_names
+
+    for tier in model.policy.actions:
+        if tier not in tier_names():
+            raise ValueError(f"policy.actions.{tier}: unknown tier (registered: "
+                             f"{', '.join(tier_names())})")
+        if not tier_kind(tier).detector:
+            deciding = [t for t in tier_names() if tier_kind(t).detector]
+            raise ValueError(f"policy.actions.{tier}: the {tier} tier is evidence only, its "
+                             "failures feed no detector and trip nothing (tiers that do: "
+                             f"{', '.join(deciding)})")
 
 
 def _activation(model: ModelConfig) -> None:

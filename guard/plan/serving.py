@@ -69,6 +69,34 @@ def _check_block(spec: BackendConfig, kind) -> None:
         kind.check(spec)  # may normalise the block (TensorRT's device)
 
 
+# What each role of a model needs of its backend for a generative model (``BackendKind.llm``).
+_LLM_ROLES = {"primary": "serve", "fallback": "serve", "reference": "score"}
+_LLM_WORDS = {"serve": "served by an OpenAI-compatible server",
+              "score": "scored by a teacher-forcing scorer"}
+
+
+def llm_role_problems(model, where: str) -> list[str]:
+    """A generative model's blocks against what their backends declare they do for an LLM
+    (serve it, score it), and a tensor model against backends that only do that."""
+    problems = []
+    for role, needs in _LLM_ROLES.items():
+        spec = getattr(model, role)
+        if spec is None:
+            continue
+        does = backend_kind(spec.backend).llm
+        if model.task != "generation":
+            if does:
+                problems.append(f"{where}.{role}.backend: '{spec.backend}' serves or scores an "
+                                f"LLM: set task: generation (the model's task is "
+                                f"'{model.task}')")
+        elif needs not in does:
+            able = sorted(n for n in BACKEND_NAMES if needs in backend_kind(n).llm)
+            problems.append(f"{where}.{role}.backend: a generation model's {role} is "
+                            f"{_LLM_WORDS[needs]} (backend {' or '.join(able)}), not "
+                            f"'{spec.backend}'")
+    return problems
+
+
 def check_backends(config: GuardConfig) -> list[str]:
     """Every block, then each model whose blocks hold (``check_model``), then the whole config
     when everything else holds (``check_config``)."""
@@ -79,6 +107,7 @@ def check_backends(config: GuardConfig) -> list[str]:
             spec = getattr(model, role)
             if spec is not None:
                 found += block_problems(spec, f"models[{i}].{role}")
+        found = found or llm_role_problems(model, f"models[{i}]")
         problems += found
         if found:
             continue

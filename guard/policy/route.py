@@ -24,10 +24,18 @@ no p0 to calibrate; its window still counts failures for the drift-ratio gauge.
 Each transition starts a new *epoch*: results of samples taken in an earlier epoch are ignored,
 so a verdict on the old route never counts toward a decision about the new one.
 
-With ``action: alert`` the state machine runs the same way on paper (events, gauges), but the
-route never leaves the primary: an alert fires once per crossing and re-arms when the recovery
-detector says the rate came down. ``dry_run_percent`` of the trips are reported (trigger
-``dry_run``) but not enforced. A manual override (admin API) pins the route until ``auto``.
+Each tier acts as ``policy.action_for(tier)`` says (``policy.actions``, else ``policy.action``).
+A tier whose action is ``alert`` runs the same way on paper (events, gauges), but its trip never
+moves the route: an alert fires once per crossing of that tier and re-arms when the tier's
+recovery detector says the rate came down. So ``{tensor: alert, task: fallback_model}`` alerts
+on tensor drift and switches on task drift. On the fallback, the tier whose trip sent the model
+there decides the way back, and only while no other switching tier's trip detector is in alarm
+on the same probes (a tier that never failed, such as tier 3 under a tier-1 drift, says nothing
+about the drift; a tier that only alerts may go on drifting: that did not send the model away).
+On the fallback by an operator's pin, handed back to ``auto``, any switching tier's recovery
+brings it back (any tier's, when none switches). ``dry_run_percent`` of the
+switching trips are reported (trigger ``dry_run``) but not enforced. A manual override (admin
+API) pins the route until ``auto``.
 """
 
 from __future__ import annotations
@@ -98,11 +106,17 @@ class DetectorFigures:
 
 
 class _TierState:
-    """One tier's count window (for the drift-ratio gauge), detectors and burn-in."""
+    """One tier's count window (for the drift-ratio gauge), detectors, burn-in and action."""
 
-    def __init__(self, config: PolicyConfig, arl0: float, score: ScoreSpec | None = None):
+    def __init__(self, config: PolicyConfig, arl0: float, score: ScoreSpec | None = None,
+                 action: str = "alert", has_fallback: bool = True):
         self.config = config
         self.arl0 = arl0
+        self.action = action
+        # A trip of this tier moves the route (else it alerts); alerting: an alert of this
+        # tier fired and its recovery detector has not re-armed it yet.
+        self.switches = action in ("fallback_model", "fallback_ops") and has_fallback
+        self.alerting = False
         # A scored tier's sequential detectors accumulate its score (not the failure bit):
         # no p0 to measure, no burn-in. The window (drift-ratio gauge) still counts failures.
         self.score = score if config.detector != "window" else None
@@ -228,20 +242,21 @@ class RoutePolicy:
         ``score``) instead of the failure bit (guard/policy/detector.py ``ScoreCusum``)."""
         self.model = model
         self.config = config
-        self.can_switch = config.action in ("fallback_model", "fallback_ops") and has_fallback
         self._clock = clock
         self._rng = rng or random.Random()
         self._lock = threading.Lock()
         self.arl0 = config.arl0_for(sample_rate)
-        self._tiers = {tier: _TierState(config, self.arl0, (scores or {}).get(tier))
+        self._tiers = {tier: _TierState(config, self.arl0, (scores or {}).get(tier),
+                                        config.action_for(tier), has_fallback)
                        for tier in tiers}
+        self.can_switch = any(state.switches for state in self._tiers.values())
         self._state: Route = "primary"
         self._override: Override = "auto"
         self._since = clock()
-        self._alerting = False
         self._trips = 0  # trips in a row, for the growing dwell
         self._healthy_since = clock()
         self._dwell = config.dwell_s
+        self._sent_by: str | None = None  # the tier whose trip put the model on the fallback
         self.epoch = 0
         self.last_transition: Transition | None = None
 
@@ -286,18 +301,18 @@ class RoutePolicy:
             return self._observe_fallback(tier, state, value)
 
     def _observe_primary(self, tier: str, state: _TierState, failed) -> Transition | None:
-        if not self._alerting:
+        if not state.alerting:
             calibrated = state.calibrate(failed)
             if calibrated is not None:
                 emit("detector_calibrated", model=self.model, tier=tier,
                      detector=self.config.detector, **calibrated)
                 return None  # fresh detectors start with the next sample
         tripped = state.trip.update(failed)
-        if self._alerting:
+        if state.alerting:
             if state.sequential:
                 state.recover.update(failed)
             if state.recover.alarmed:
-                self._alerting = False  # re-armed: the next crossing alerts again
+                state.alerting = False  # re-armed: the tier's next crossing alerts again
                 if state.sequential:
                     state.trip.reset()
                     state.recover.reset()
@@ -308,14 +323,14 @@ class RoutePolicy:
             return None  # too soon after routing back; the detector keeps its alarm
         evidence = self._evidence(tier, state, state.trip)
         reason = self._trip_reason(tier, state)
-        if self._override == "auto" and self.can_switch:
+        if self._override == "auto" and state.switches:
             if self._rng.random() * 100.0 < self.config.dry_run_percent:
                 state.trip.reset()
                 return Transition(self.model, "primary", "fallback", "dry_run",
                                   f"dry run (not enforced): {reason}", time.time(), evidence)
             return self._switch("fallback", "policy", reason, evidence)
-        if not self._alerting:
-            self._alerting = True
+        if not state.alerting:
+            state.alerting = True
             state.recover.reset()
             return Transition(self.model, "primary", "primary", "alert", reason, time.time(),
                               evidence)
@@ -325,6 +340,8 @@ class RoutePolicy:
         state.trip.update(failed)  # probes keep the trip statistic (window: the shared window)
         recovered = state.recover.update(failed) if state.sequential else state.recover.alarmed
         if not recovered or self._override != "auto":
+            return None
+        if not self._decides_recovery(tier, state):
             return None
         if state.scored:
             r = state.recover
@@ -342,6 +359,15 @@ class RoutePolicy:
                       f"recover_ratio {self.config.recover_ratio} over {w.samples} samples")
         return self._switch("primary", "policy", reason,
                             self._evidence(tier, state, state.recover))
+
+    def _decides_recovery(self, tier: str, state: _TierState) -> bool:
+        """Whether ``tier``'s recovery may route back now (see the module docstring)."""
+        if self.can_switch and not state.switches:
+            return False  # an alerting tier did not send the model away: not its call
+        if self._sent_by is not None and tier != self._sent_by:
+            return False
+        return not any(other.switches and other.trip.alarmed
+                       for name, other in self._tiers.items() if name != tier)
 
     def _trip_reason(self, tier: str, state: _TierState) -> str:
         if not state.sequential:
@@ -361,8 +387,8 @@ class RoutePolicy:
 
     def _evidence(self, tier: str, state: _TierState, detector: Detector) -> dict:
         w = state.window
-        evidence = {"tier": tier, "samples": w.samples, "failures": w.failures,
-                    "drift_ratio": round(w.ratio, 4)}
+        evidence = {"tier": tier, "action": state.action, "samples": w.samples,
+                    "failures": w.failures, "drift_ratio": round(w.ratio, 4)}
         if state.scored:
             evidence["detector"] = {**detector.describe(), "arl0": self.arl0}
         elif state.sequential:
@@ -408,6 +434,7 @@ class RoutePolicy:
             self.epoch = epoch
             self._override = override
             self._since = self._clock()
+            self._sent_by = None  # who sent it there died with the previous process
             if route == "fallback":
                 self._dwell = self.config.dwell_s
 
@@ -442,10 +469,13 @@ class RoutePolicy:
                 self._dwell = self.config.dwell_s
         else:
             self._healthy_since = now
+        self._sent_by = evidence.get("tier") if to == "fallback" and trigger == "policy" \
+            else None
         transition = Transition(self.model, self._state, to, trigger, reason, time.time(),
                                 evidence)
         self._state = to
-        self._alerting = False
+        for state in self._tiers.values():
+            state.alerting = False
         self._start_epoch()
         self.last_transition = transition
         return transition

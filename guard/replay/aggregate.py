@@ -9,7 +9,8 @@ check, the failing share over the whole replay is compared with the model's
 model ``drift``s when any tier's share exceeds it, else it ``pass``es. A primary that raises on
 a record fails that record's tensor check (a new backend that crashes on old traffic must not
 pass a gate); a reference that raises leaves the record unchecked (there is no truth to compare
-with) and is reported as an error.
+with) and is reported as an error, as is a generative primary that fails to generate a prompt
+set's completion (an unreachable server is not drift).
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from collections import Counter
 
 from guard.config import ModelConfig
 from guard.replay.items import CHECKED, INPUT_ERROR, PRIMARY_ERROR, REFERENCE_ERROR, RecordOutcome
-from guard.verify.tiers import tier_kind, tier_names
+from guard.verify.tiers import sample_kind, tier_kind, tier_names
 
 # Error histogram: a bin for exact zero, half-decade bins from 1e-12 to 1e3, one for beyond.
 HIST_EDGES = tuple(10 ** (e / 2) for e in range(-24, 7))
@@ -75,6 +76,9 @@ class ModelAggregate:
         tiers the verifier runs, the noise floor it measured."""
         described = described or {}
         self.config = config
+        # A generative model's primary that fails to answer a prompt set's call (replay asks
+        # it to generate) is an error, as a failed probe is online: not a failed check.
+        self.generative = sample_kind(config.task) == "generation"
         self.backends = {k: described[k] for k in ("reference", "primary") if k in described}
         self.tiers_configured = list(described.get("tiers", []))
         self.noise_floor = described.get("noise_floor")
@@ -101,12 +105,12 @@ class ModelAggregate:
     def add(self, o: RecordOutcome) -> None:
         self.samples += 1
         self.status[o.status] += 1
-        if o.status == PRIMARY_ERROR:
+        if o.status == PRIMARY_ERROR and not self.generative:
             self.tier_checks["tensor"] += 1
             self._timeline(o, False)
             self._example(o, f"primary raised: {o.error}", ["tensor"], [])
             return
-        if o.status in (REFERENCE_ERROR, INPUT_ERROR):
+        if o.status in (REFERENCE_ERROR, INPUT_ERROR, PRIMARY_ERROR):
             if len(self.errors) < EXAMPLES:
                 self.errors.append(self._where(o) | {"status": o.status, "error": o.error})
             return
@@ -115,7 +119,11 @@ class ModelAggregate:
             self.tier_checks[tier] += 1
             self.tier_passed[tier] += result.passed
             passed_all &= result.passed
-            getattr(self, f"_add_{tier}", self._add_other)(tier, result)
+            adder = getattr(self, f"_add_{tier}", None)
+            if adder is not None:
+                adder(tier, result)
+            else:
+                self._add_other(tier, result, self._where(o))
         if self.first_divergence is not None and self.profile_record is None:
             self.profile_record = o.index  # the record the kept per-layer profile belongs to
         self._timeline(o, passed_all)
@@ -150,15 +158,15 @@ class ModelAggregate:
                 self.task_sums[name] = self.task_sums.get(name, 0.0) + float(value)
                 self.task_counts[name] += 1
 
-    def _add_other(self, tier: str, result) -> None:
-        """A tier with figures of its own (its kind's ``figures``) adds to them; any other is
-        counted, nothing more."""
+    def _add_other(self, tier: str, result, where: dict) -> None:
+        """A tier with figures of its own (its kind's ``figures``) adds to them, with where the
+        record came from; any other is counted, nothing more."""
         if tier not in self.figures:
             factory = _figures_of(tier)
             if factory is None:
                 return
             self.figures[tier] = factory()
-        self.figures[tier].add(result)
+        self.figures[tier].add(result, where)
 
     def _timeline(self, o: RecordOutcome, passed: bool) -> None:
         self.timeline.append((o.unix_nanos, o.index, passed))
@@ -249,17 +257,18 @@ class ModelAggregate:
         tiers = self._tiers()
         verdict, reason = self._verdict(tiers)
         c = self.config.checks.tensor
+        thresholds = {"trip_ratio": self.config.policy.trip_ratio,
+                      "tensor": {"atol": c.atol, "rtol": c.rtol,
+                                 "outputs": {n: o.model_dump(exclude_none=True)
+                                             for n, o in c.outputs.items()}}}
+        if self.generative:
+            thresholds["generation"] = self.config.checks.generation.model_dump()
         return {
             "samples": self.samples,
             "verdict": verdict,
             "verdict_reason": reason,
             "tiers": tiers,
-            "thresholds": {
-                "trip_ratio": self.config.policy.trip_ratio,
-                "tensor": {"atol": c.atol, "rtol": c.rtol,
-                           "outputs": {n: o.model_dump(exclude_none=True)
-                                       for n, o in c.outputs.items()}},
-            },
+            "thresholds": thresholds,
             "status": {s: self.status[s] for s in
                        (CHECKED, PRIMARY_ERROR, REFERENCE_ERROR, INPUT_ERROR)},
             "backends": self.backends,

@@ -9,7 +9,7 @@
   large capture streams instead of filling the object store. Outcomes come back out of order;
   the aggregator sorts them by item index, so the report equals the local engine's.
 
-Ray is an optional extra (``pip install 'guard[ray]'``), imported only here and only when used.
+Ray is an optional extra (``pip install '.[ray]'``), imported only here and only when used.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import yaml
 from guard.backends.base import TensorSpec
 from guard.config import GuardConfig
 from guard.plan.complete import parse_config
-from guard.errors import GuardError
+from guard.errors import GuardError, install_hint
 from guard.malloc import tune_for_inference
 from guard.replay.execute import Runners
 from guard.replay.items import Batch, RecordOutcome
@@ -42,7 +42,7 @@ class LocalEngine:
         self.workers = 1
 
     def input_specs(self, model: str) -> tuple[TensorSpec, ...]:
-        return self.runners.get(model).primary.describe().inputs
+        return self.runners.get(model).npz_inputs()
 
     def describe(self, model: str) -> dict[str, str]:
         return self.runners.get(model).describe()
@@ -84,7 +84,7 @@ class ReplayWorker:
         return self.runners.get(model).describe()
 
     def input_specs(self, model: str) -> tuple[TensorSpec, ...]:
-        return self.runners.get(model).primary.describe().inputs
+        return self.runners.get(model).npz_inputs()
 
     def run(self, batch: Batch) -> list[RecordOutcome]:
         return self.runners.run(batch)
@@ -97,7 +97,7 @@ def _import_ray():
     try:
         import ray
     except ImportError:
-        raise GuardError("--engine ray needs Ray: pip install 'guard[ray]'") from None
+        raise GuardError(f"--engine ray needs Ray: {install_hint('ray')}") from None
     return ray
 
 

@@ -38,6 +38,7 @@ from guard.config import ModelConfig
 from guard.protocol.codec import InferenceError
 from guard.protocol.inputs import check_inputs
 from guard.replay.batchcheck import check_stacked
+from guard.replay.generation import GenerationRunner
 from guard.replay.items import (
     CHECKED,
     INPUT_ERROR,
@@ -46,9 +47,11 @@ from guard.replay.items import (
     Batch,
     ReplayItem,
     RecordOutcome,
+    outcome_of,
 )
 from guard.verify.noise import NoiseFloor
 from guard.verify.pair import CheckedPair
+from guard.verify.tiers import sample_kind
 
 
 @dataclass
@@ -124,6 +127,10 @@ class ModelRunner:
         self.input_specs = {s.name: s for s in self.primary.describe().inputs}
         self.stackable = _dynamic_batch(self.primary) and _dynamic_batch(self.reference)
         return self
+
+    def npz_inputs(self):
+        """The inputs an ``.npz`` set must fit (the primary's)."""
+        return self.primary.describe().inputs
 
     def describe(self) -> dict:
         """Backends, tiers and noise floor, for the report."""
@@ -223,13 +230,7 @@ class ModelRunner:
             return None  # outputs not per row: cannot split, run one by one
         return Stacked(items, reference, primary)
 
-    @staticmethod
-    def _outcome(item: ReplayItem, status: str, error: str = "", tiers=None) -> RecordOutcome:
-        return RecordOutcome(
-            index=item.index, model=item.model, status=status, unix_nanos=item.unix_nanos,
-            request_id=item.request_id, source=item.source, error=error,
-            tiers=tiers or {}, live_passed=item.live_passed, progress=item.progress,
-        )
+    _outcome = staticmethod(outcome_of)
 
 
 def _describe(exc: Exception) -> str:
@@ -237,7 +238,8 @@ def _describe(exc: Exception) -> str:
 
 
 class Runners:
-    """One ``ModelRunner`` per model, built and loaded on first use. What a load leaves alive
+    """One runner per model (``ModelRunner``; a generative model's ``GenerationRunner``,
+    guard/replay/generation.py), built and loaded on first use. What a load leaves alive
     is frozen out of the cyclic collector until the runners close (guard/collector.py: a full
     collection over torch's objects held the interpreter lock for 300+ ms, and the reference's
     forward waits for that lock)."""
@@ -246,10 +248,12 @@ class Runners:
         self.models = models
         self._runners: dict[str, ModelRunner] = {}
 
-    def get(self, name: str) -> ModelRunner:
+    def get(self, name: str) -> "ModelRunner | GenerationRunner":
         runner = self._runners.get(name)
         if runner is None:
-            runner = ModelRunner(self.models[name]).load()
+            config = self.models[name]
+            kind = GenerationRunner if sample_kind(config.task) == "generation" else ModelRunner
+            runner = kind(config).load()
             self._runners[name] = runner
             freeze_loaded()
         return runner

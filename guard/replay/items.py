@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from guard.protocol.generation import GenerationSample
 from guard.verify.pipeline import TierReport
 
 # RecordOutcome.status values.
@@ -31,6 +32,11 @@ class ReplayItem:
     source: str = ""  # file it came from
     live_passed: bool | None = None  # the sidecar's verdict when it was mirrored live
     progress: float = 0.0  # share of all input bytes read when this item was read (ETA)
+    # A generative model's item (``inputs`` empty): the call, with the primary's completion to
+    # score (a capture), or without one for the primary to generate first (``generate``: a
+    # JSONL prompt set).
+    generation: GenerationSample | None = None
+    generate: bool = False
 
     def signature(self) -> tuple:
         """Items with equal signatures can be stacked along the first axis."""
@@ -65,3 +71,12 @@ class RecordOutcome:
     tiers: dict[str, TierReport] = field(default_factory=dict)
     live_passed: bool | None = None
     progress: float = 0.0
+
+
+def outcome_of(item: ReplayItem, status: str, error: str = "", tiers=None) -> RecordOutcome:
+    """The outcome of ``item`` (what an engine sends back of it)."""
+    return RecordOutcome(
+        index=item.index, model=item.model, status=status, unix_nanos=item.unix_nanos,
+        request_id=item.request_id, source=item.source, error=error,
+        tiers=tiers or {}, live_passed=item.live_passed, progress=item.progress,
+    )

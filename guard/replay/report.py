@@ -10,14 +10,27 @@ from __future__ import annotations
 
 import json
 import math
-import re
-from dataclasses import dataclass
 from datetime import datetime, timezone
 from html import escape
 from pathlib import Path
 
 from guard.replay import svg
 from guard.replay.aggregate import HIST_EDGES
+from guard.replay.generation_report import CSS as GENERATION_CSS
+from guard.replay.generation_report import generation_layout
+from guard.replay.layout import (
+    Bullets,
+    Code,
+    Figure,
+    Heading,
+    Link,
+    Para,
+    Rendered,
+    Strong,
+    Table,
+    anchor,
+    fmt,
+)
 
 RUN_DEPENDENT = ("generated_at", "engine", "timing")
 
@@ -48,86 +61,24 @@ def write_report(report: dict, folder: str | Path) -> dict[str, Path]:
     return paths
 
 
-# -- one layout, two renderings ----------------------------------------------------------
-# The report's content is laid out once, as blocks of inline pieces; report.md renders them as
-# Markdown (plain text for logs and CI), report.html as a page (real tables, links to the plots,
-# the plots themselves). Figures exist only on the page.
-class Code(str):
-    """Inline code: `x` in Markdown, <code> on the page."""
-
-
-class Strong(str):
-    """**x** in Markdown, <strong> on the page."""
-
-
-@dataclass(frozen=True)
-class Link:
-    """Text that links to an anchor on the page (plain text in Markdown)."""
-    text: str
-    target: str
-
-
-@dataclass
-class Heading:
-    level: int
-    text: list
-    anchor: str = ""
-
-
-@dataclass
-class Para:
-    text: list
-
-
-@dataclass
-class Bullets:
-    items: list  # each a list of inline pieces
-
-
-@dataclass
-class Table:
-    head: list[str]
-    right: list[bool]  # per column: numbers are right-aligned
-    rows: list  # each row a list of cells, each a list of inline pieces
-    caption: str = ""
-    page_only: tuple[int, ...] = ()  # columns of links to the plots: not in Markdown
-    wrap: tuple[int, ...] = ()  # free-text columns: long words break anywhere on the page
-
-
-@dataclass
-class Figure:
-    anchor: str
-    svg: str  # inline SVG or an HTML paragraph; not in Markdown
-
-
-def _fmt(value) -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, float):
-        return f"{value:.3g}"
-    return str(value)
-
-
 def _tier_cell(figures: dict) -> str:
     if not figures["checks"]:
         return "no checks"
-    return f"{figures['passed']}/{figures['checks']} pass"
-
-
-def _anchor(*parts) -> str:
-    """An id that is unique by construction (callers pass an index) and readable."""
-    return "-".join(re.sub(r"[^A-Za-z0-9_]+", "_", str(p)).strip("_") or "x" for p in parts)
+    cell = f"{figures['passed']}/{figures['checks']} pass"
+    if figures.get("mean_kld") is not None:  # the generation tier's headline figure
+        cell += f", mean KLD {figures['mean_kld']:.3g}"
+    return cell
 
 
 class _Anchors:
     """The ids of one model's plot sections, shared by the plots and the links to them."""
 
     def __init__(self, k: int, name: str, outputs):
-        self.model = _anchor("model", k, name)
-        self.outputs = {o: _anchor(self.model, "hist", j, o) for j, o in enumerate(outputs)}
-        self.timeline = _anchor(self.model, "timeline")
-        self.profile = _anchor(self.model, "profile")
-        self.failing = _anchor(self.model, "failing")
+        self.model = anchor("model", k, name)
+        self.outputs = {o: anchor(self.model, "hist", j, o) for j, o in enumerate(outputs)}
+        self.timeline = anchor(self.model, "timeline")
+        self.profile = anchor(self.model, "profile")
+        self.failing = anchor(self.model, "failing")
 
 
 def layout(r: dict) -> list:
@@ -143,18 +94,27 @@ def layout(r: dict) -> list:
         blocks.append(Bullets([[Strong("problem"), f": {p}"] for p in r["problems"]]))
     anchors = {name: _Anchors(k, name, m["tiers"]["tensor"]["outputs"])
                for k, (name, m) in enumerate(r["models"].items())}
-    # One column per tier the report holds (every registered one), tier 1's error beside it.
-    others = list(dict.fromkeys(t for m in r["models"].values() for t in m["tiers"]
-                                if t != "tensor"))
+    # One column per tier the report holds (every registered one that some model runs: a
+    # report of generative models only has no tensor columns), tier 1's error beside it.
+    def runs(m: dict, tier: str) -> bool:
+        return not m.get("tiers_run") or tier in m["tiers_run"]  # not said: maybe
+
+    shown = [t for t in dict.fromkeys(t for m in r["models"].values() for t in m["tiers"])
+             if any(runs(m, t) for m in r["models"].values())]
+    tensor = "tensor" in shown
+    others = [t for t in shown if t != "tensor"]
     rows = []
     for name, m in r["models"].items():
         tiers = m["tiers"]
         rows.append([[Link(name, anchors[name].model)], [str(m["samples"])],
-                     [Strong(m["verdict"])], [_tier_cell(tiers["tensor"])],
-                     [_fmt(tiers["tensor"]["max_abs_error"])],
+                     [Strong(m["verdict"])],
+                     *([[_tier_cell(tiers["tensor"])], [fmt(tiers["tensor"]["max_abs_error"])]]
+                       if tensor else []),
                      *[[_tier_cell(tiers[t]) if t in tiers else "-"] for t in others]])
-    blocks.append(Table(["model", "samples", "verdict", "tensor", "max abs error", *others],
-                        [False, True, False, False, True, *[False] * len(others)], rows))
+    head = ["model", "samples", "verdict", *(["tensor", "max abs error"] if tensor else []),
+            *others]
+    blocks.append(Table(head, [False, True, False, *([False, True] if tensor else []),
+                               *[False] * len(others)], rows))
     for name, m in r["models"].items():
         blocks += _model_layout(name, m, anchors[name])
     blocks += _inputs_layout(r)
@@ -167,7 +127,7 @@ def _facts(m: dict) -> list:
         facts.append([f"tiers run: {', '.join(m['tiers_run'])}"])
     floor = m.get("noise_floor")
     if floor:
-        figures = ", ".join(f"{k} {_fmt(v)}" for k, v in floor["per_output"].items())
+        figures = ", ".join(f"{k} {fmt(v)}" for k, v in floor["per_output"].items())
         facts.append([f"reference noise floor not measured: {floor['skipped']}"]
                      if floor["skipped"] else
                      ["reference noise floor (allowed on top of atol + rtol): " + (figures or "0")])
@@ -187,6 +147,11 @@ def _model_layout(name: str, m: dict, a: _Anchors) -> list:
     tiers = m["tiers"]
     blocks: list = [Heading(2, [f"{name}: ", Strong(m["verdict"])], a.model),
                     Para([m["verdict_reason"]]), Bullets(_facts(m))]
+    if "generation" in m.get("tiers_run", ()):  # a generative model: its completions
+        blocks += generation_layout(tiers["generation"], m["thresholds"].get("generation", {}),
+                                    a.model)
+        blocks.append(Figure(a.timeline, _timeline_svg(m)))
+        return blocks + _error_records(m)
     # tier 1: per-output figures, then the plots they summarise
     outputs = tiers["tensor"]["outputs"]
     blocks.append(Heading(3, ["Tier 1 (tensor)"]))
@@ -195,8 +160,8 @@ def _model_layout(name: str, m: dict, a: _Anchors) -> list:
             ["output", "checks", "passed", "max abs error", "mean of max abs", "allowed (max)"],
             [False, True, True, True, True, True],
             [[[Link(o, a.outputs[o])], [str(f["checks"])], [str(f["passed"])],
-              [_fmt(f["max_abs_error"])], [_fmt(f["mean_max_abs_error"])],
-              [_fmt(f["allowed_max"])]] for o, f in outputs.items()]))
+              [fmt(f["max_abs_error"])], [fmt(f["mean_max_abs_error"])],
+              [fmt(f["allowed_max"])]] for o, f in outputs.items()]))
         blocks += [Figure(a.outputs[o], _histogram_svg(o, f)) for o, f in outputs.items()]
     else:
         blocks.append(Figure("", "<p>No tensor checks: no error distribution.</p>"))
@@ -207,7 +172,7 @@ def _model_layout(name: str, m: dict, a: _Anchors) -> list:
     if act["checks"]:
         first = act["first_divergence"]
         blocks.append(Para(["First divergent layer: "] + (
-            [Link(Code(first["layer"]), a.profile), f" (error {_fmt(first['error'])})"]
+            [Link(Code(first["layer"]), a.profile), f" (error {fmt(first['error'])})"]
             if first else ["none"])))
         counts = act.get("first_divergence_layers") or {}
         if counts:
@@ -223,7 +188,7 @@ def _model_layout(name: str, m: dict, a: _Anchors) -> list:
     if task["checks"]:
         blocks.append(Heading(3, ["Tier 3 (task)"]))
         blocks.append(Table(["task metric (mean over samples)", "value"], [False, True],
-                            [[[k], [_fmt(v)]] for k, v in task["metrics"].items()])
+                            [[[k], [fmt(v)]] for k, v in task["metrics"].items()])
                       if task["metrics"] else Para(["Task metrics: -"]))
     # failing and erroneous records
     if m["failing_examples"]:
@@ -232,14 +197,16 @@ def _model_layout(name: str, m: dict, a: _Anchors) -> list:
                             [True, False, False, False, False],
                             [_failing_row(ex, a, act) for ex in m["failing_examples"]],
                             page_only=(4,), wrap=(1, 2, 3)))
-    if m["error_examples"]:
-        blocks.append(Heading(3, ["Records that could not be checked (first few)"]))
-        blocks.append(Table(["record", "request id", "status", "error"],
-                            [True, False, False, False],
-                            [[[str(ex["index"])], [Code(ex["request_id"] or "-")],
-                              [ex["status"]], [ex["error"]]] for ex in m["error_examples"]],
-                            wrap=(1, 3)))
-    return blocks
+    return blocks + _error_records(m)
+
+
+def _error_records(m: dict) -> list:
+    if not m["error_examples"]:
+        return []
+    return [Heading(3, ["Records that could not be checked (first few)"]),
+            Table(["record", "request id", "status", "error"], [True, False, False, False],
+                  [[[str(ex["index"])], [Code(ex["request_id"] or "-")], [ex["status"]],
+                    [ex["error"]]] for ex in m["error_examples"]], wrap=(1, 3))]
 
 
 def _failing_row(ex: dict, a: _Anchors, act: dict) -> list:
@@ -312,6 +279,8 @@ def markdown(r: dict) -> str:
             out.append("| " + " | ".join("---:" if b.right[k] else "---" for k in keep) + " |")
             out += ["| " + " | ".join(_md_cell(row[k]) for k in keep) + " |" for row in b.rows]
             out.append("")
+        elif isinstance(b, Rendered) and b.markdown:
+            out += [b.markdown, ""]
     return "\n".join(out)
 
 
@@ -421,8 +390,8 @@ def _html_inline(pieces) -> str:
 
 def _html_block(b) -> str:
     if isinstance(b, Heading):
-        anchor = f" id='{b.anchor}'" if b.anchor else ""
-        return f"<h{b.level}{anchor}>{_html_inline(b.text)}</h{b.level}>"
+        ident = f" id='{b.anchor}'" if b.anchor else ""
+        return f"<h{b.level}{ident}>{_html_inline(b.text)}</h{b.level}>"
     if isinstance(b, Para):
         return f"<p>{_html_inline(b.text)}</p>"
     if isinstance(b, Bullets):
@@ -435,15 +404,17 @@ def _html_block(b) -> str:
                                         for k, c in enumerate(row)) + "</tr>" for row in b.rows)
         caption = f"<caption>{escape(b.caption)}</caption>" if b.caption else ""
         return f"<table>{caption}<thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
-    anchor = f" id='{b.anchor}'" if b.anchor else ""
-    return f"<figure{anchor}>{b.svg}</figure>"
+    if isinstance(b, Rendered):
+        return b.html
+    ident = f" id='{b.anchor}'" if b.anchor else ""
+    return f"<figure{ident}>{b.svg}</figure>"
 
 
 def html(r: dict) -> str:
     parts = ["<!doctype html><html lang='en'><head><meta charset='utf-8'>",
              "<meta name='viewport' content='width=device-width, initial-scale=1'>",
              f"<title>guard replay: {escape(r['verdict'])}</title>",
-             f"<style>{CSS}</style></head><body>"]
+             f"<style>{CSS}{GENERATION_CSS}</style></head><body>"]
     parts += [_html_block(b) for b in layout(r)]
     parts.append("</body></html>")
     return "\n".join(parts)

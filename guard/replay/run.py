@@ -1,4 +1,5 @@
-"""``guard replay``: captured traffic (or .npz input sets) through the same checks, offline.
+"""``guard replay``: captured traffic (or .npz input sets, or a generative model's JSONL prompt
+sets) through the same checks, offline.
 
 Pipeline: ``Source`` (read, filter) -> ``plan_batches`` (group) -> engine (reference + primary as
 configured now, ``Comparator.check`` per record) -> ``ModelAggregate`` (in record order) ->
@@ -106,7 +107,9 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
     started = time.monotonic()
     engine = _engine(options, config, config_text)
     try:
-        source = Source(options.captures, set(names), filters, engine.input_specs, npz_model)
+        generative = frozenset(m.name for m in config.models if m.task == "generation")
+        source = Source(options.captures, set(names), filters, engine.input_specs, npz_model,
+                        generative)
         progress = Progress(max_records=options.max_records, enabled=options.progress)
         outcomes: list[RecordOutcome] = []
         for batch_outcomes in engine.run(plan_batches(source.items(), options.batch_rows)):
@@ -169,14 +172,24 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
     return code, report
 
 
+def _figures_line(m: dict) -> str:
+    """A model's headline figures: tier 1's, or a generative model's (mean KLD, same top-1)."""
+    g = m["tiers"].get("generation")
+    if g is not None and "mean_kld" in g:
+        kld = "-" if g["mean_kld"] is None else f"{g['mean_kld']:.3g}"
+        top1 = "-" if g["top1_agreement"] is None else f"{g['top1_agreement']:.1%}"
+        return (f"generation {g['passed']}/{g['checks']} pass, mean KLD {kld} nats, "
+                f"same top-1 {top1}")
+    t = m["tiers"]["tensor"]
+    return f"tensor {t['passed']}/{t['checks']} pass, max abs error {t['max_abs_error']:.3g}"
+
+
 def replay_command(options: ReplayOptions, out=None) -> int:
     out = out or sys.stdout
     code, report = replay(options)
     paths = write_report(report, options.report_dir)
     for name, m in report["models"].items():
-        t = m["tiers"]["tensor"]
-        print(f"{name}: {m['verdict']} ({m['samples']} samples; tensor {t['passed']}/"
-              f"{t['checks']} pass, max abs error {t['max_abs_error']:.3g}): "
+        print(f"{name}: {m['verdict']} ({m['samples']} samples; {_figures_line(m)}): "
               f"{m['verdict_reason']}", file=out)
     for problem in report["problems"]:
         print(f"problem: {problem}", file=out)

@@ -1,4 +1,4 @@
-"""Three small inline-SVG charts for report.html: no plotting library, no server, no script.
+"""Small inline-SVG charts for report.html: no plotting library, no server, no script.
 
 Inline SVG keeps the report one self-contained file that any browser opens from disk, and the
 charts are simple enough (bars, one line) that a few lines of SVG beat a heavy dependency.
@@ -86,10 +86,7 @@ def bars(title: str, labels: list[str], values: list[float], *, x_title: str = "
         body.append(f'<line x1="{x:.1f}" y1="{TOP}" x2="{x:.1f}" y2="{TOP + PLOT_H}" '
                     f'stroke="#d9534f" stroke-dasharray="4 3"/><text x="{x + 3:.1f}" '
                     f'y="{TOP + 10}" {FONT} fill="#d9534f" {HALO}>{escape(marker_label)}</text>')
-    if x_title:
-        body.append(f'<text x="{LEFT + PLOT_W / 2}" y="{H - 6}" {FONT} '
-                    f'text-anchor="middle">{escape(x_title)}</text>')
-    return _frame(title, body)
+    return _frame(title, body + _x_title(x_title))
 
 
 def line(title: str, xs: list[float], ys: list[float], *, x_labels: tuple[str, str],
@@ -114,15 +111,64 @@ def line(title: str, xs: list[float], ys: list[float], *, x_labels: tuple[str, s
         body += [f'<circle cx="{px(x):.1f}" cy="{py(y):.1f}" r="2.5" fill="#4a7ebb">'
                  f'<title>{y:.1%}</title></circle>' for x, y in zip(xs, ys)]
     if threshold is not None:
-        y = TOP + PLOT_H * (1 - threshold)
-        body.append(f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + PLOT_W}" y2="{y:.1f}" '
-                    f'stroke="#d9534f" stroke-dasharray="4 3"/><text x="{LEFT + PLOT_W}" '
-                    f'y="{y - 3:.1f}" {FONT} fill="#d9534f" text-anchor="end" {HALO}>'
-                    f'{escape(threshold_label)}</text>')
+        body.append(_threshold(TOP + PLOT_H * (1 - threshold), threshold_label))
     body.append(f'<text x="{LEFT}" y="{TOP + PLOT_H + 14}" {FONT}>{escape(x_labels[0])}</text>')
     body.append(f'<text x="{LEFT + PLOT_W}" y="{TOP + PLOT_H + 14}" {FONT} '
                 f'text-anchor="end">{escape(x_labels[1])}</text>')
-    if x_title:
-        body.append(f'<text x="{LEFT + PLOT_W / 2}" y="{H - 6}" {FONT} '
-                    f'text-anchor="middle">{escape(x_title)}</text>')
+    return _frame(title, body + _x_title(x_title))
+
+
+def _threshold(y: float, label: str) -> str:
+    """A dashed horizontal line at ``y`` with its label at the right end."""
+    return (f'<line x1="{LEFT}" y1="{y:.1f}" x2="{LEFT + PLOT_W}" y2="{y:.1f}" '
+            f'stroke="#d9534f" stroke-dasharray="4 3"/><text x="{LEFT + PLOT_W}" '
+            f'y="{y - 3:.1f}" {FONT} fill="#d9534f" text-anchor="end" {HALO}>'
+            f'{escape(label)}</text>')
+
+
+def _x_title(text: str) -> list[str]:
+    return [f'<text x="{LEFT + PLOT_W / 2}" y="{H - 6}" {FONT} text-anchor="middle">'
+            f'{escape(text)}</text>'] if text else []
+
+
+def series(title: str, lines: list[tuple[str, list[float | None], str]], *, x_title: str = "",
+           y_title: str = "", threshold: float | None = None, threshold_label: str = "") -> str:
+    """Lines over a shared integer x axis (0, 1, 2...: e.g. a completion's positions), each
+    ``(label, values, colour)`` with None for a missing point, on a linear y axis from 0 to the
+    largest value; an optional horizontal dashed threshold. A legend names the lines."""
+    n = max((len(values) for _, values, _ in lines), default=0)
+    finite = [v for _, values, _ in lines for v in values if v is not None and math.isfinite(v)]
+    top = max(finite + ([threshold] if threshold is not None else []), default=0.0) or 1.0
+    body = [_ylabel(0, TOP + PLOT_H, "0"), _ylabel(top / 2, TOP + PLOT_H / 2, f"{top / 2:.3g}"),
+            _ylabel(top, TOP, f"{top:.3g}")]
+
+    def px(k: float) -> float:
+        return LEFT + PLOT_W * (k / (n - 1) if n > 1 else 0.5)
+
+    def py(v: float) -> float:
+        return TOP + PLOT_H * (1 - v / top)
+
+    for number, (label, values, colour) in enumerate(lines):
+        points = [(k, v) for k, v in enumerate(values) if v is not None and math.isfinite(v)]
+        if len(points) > 1:
+            body.append('<polyline points="' + " ".join(f"{px(k):.1f},{py(v):.1f}"
+                                                        for k, v in points)
+                        + f'" fill="none" stroke="{colour}" stroke-width="1.5"/>')
+        body += [f'<circle cx="{px(k):.1f}" cy="{py(v):.1f}" r="2.5" fill="{colour}">'
+                 f'<title>{escape(label)} at {k}: {v:.4g}</title></circle>' for k, v in points]
+        x = LEFT + 8 + 170 * number
+        body.append(f'<line x1="{x}" y1="{TOP + 6}" x2="{x + 16}" y2="{TOP + 6}" '
+                    f'stroke="{colour}" stroke-width="2"/><text x="{x + 20}" y="{TOP + 10}" '
+                    f'{FONT} {HALO}>{escape(label)}</text>')
+    if threshold is not None:
+        body.append(_threshold(py(threshold), threshold_label))
+    step = max(1, math.ceil(n / 8))
+    ticks = [k for k in range(0, n, step) if k == 0 or n - 1 - k >= step] + [n - 1]
+    for k in sorted(set(ticks)) if n else ():
+        body.append(f'<text x="{px(k):.1f}" y="{TOP + PLOT_H + 14}" {FONT} '
+                    f'text-anchor="middle">{k}</text>')
+    body += _x_title(x_title)
+    if y_title:
+        body.append(f'<text x="12" y="{TOP + PLOT_H / 2}" {FONT} text-anchor="middle" '
+                    f'transform="rotate(-90 12 {TOP + PLOT_H / 2})">{escape(y_title)}</text>')
     return _frame(title, body)

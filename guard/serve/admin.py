@@ -47,6 +47,7 @@ def served_status(model: ServedModel, verified: bytes | None,
         route, probing, _ = routes.unpack(word)
         status.name, status.route, status.probing = model.name, route, probing
         status.action, status.override = model.config.policy.action, routes.override_of(word)
+        status.tier_actions.update(model.config.policy.actions)
     reference = list(status.backends)
     del status.backends[:]
     for role, backend in model.backends.items():

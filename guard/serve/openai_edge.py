@@ -34,7 +34,7 @@ vocabulary serves the OIP and the HTTP data planes; a client that went away is C
 upstream that died mid-stream UNAVAILABLE, an error event inside a 200 stream INTERNAL. Time to
 first token and the gaps between tokens are histograms per model and route.
 
-The HTTP server is aiohttp's (``pip install 'guard[llm]'``): one well-kept package that gives
+The HTTP server is aiohttp's (the ``llm`` extra): one well-kept package that gives
 an asyncio server with streamed responses and a streaming, pooling client (the backend's), on
 the serving process's own event loop beside grpc.aio. This module is imported only when
 ``server.http_port`` is set.

@@ -111,7 +111,7 @@ class GenerationWindow(_message.Message):
     def __init__(self, completions: _Optional[int] = ..., window: _Optional[int] = ..., mean_kld: _Optional[float] = ..., kld_p99: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., not_comparable: _Optional[int] = ..., last_divergence_json: _Optional[str] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
-    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing", "outputs_matched", "generation", "has_generation")
+    __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing", "outputs_matched", "generation", "has_generation", "tier_actions")
     class MirrorEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +127,13 @@ class ModelStatus(_message.Message):
         value: int
         def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     class OutputsMatchedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    class TierActionsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -149,6 +156,7 @@ class ModelStatus(_message.Message):
     OUTPUTS_MATCHED_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     HAS_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    TIER_ACTIONS_FIELD_NUMBER: _ClassVar[int]
     name: str
     route: str
     override: str
@@ -165,4 +173,5 @@ class ModelStatus(_message.Message):
     outputs_matched: _containers.ScalarMap[str, str]
     generation: GenerationWindow
     has_generation: bool
-    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ..., ops_kept_back: _Optional[_Iterable[str]] = ..., repairing: _Optional[bool] = ..., outputs_matched: _Optional[_Mapping[str, str]] = ..., generation: _Optional[_Union[GenerationWindow, _Mapping]] = ..., has_generation: _Optional[bool] = ...) -> None: ...
+    tier_actions: _containers.ScalarMap[str, str]
+    def __init__(self, name: _Optional[str] = ..., route: _Optional[str] = ..., override: _Optional[str] = ..., action: _Optional[str] = ..., windows: _Optional[_Iterable[_Union[WindowStatus, _Mapping]]] = ..., last_transition: _Optional[_Union[Transition, _Mapping]] = ..., has_last_transition: _Optional[bool] = ..., backends: _Optional[_Iterable[_Union[BackendStatus, _Mapping]]] = ..., mirror: _Optional[_Mapping[str, int]] = ..., requests: _Optional[_Mapping[str, int]] = ..., probing: _Optional[bool] = ..., ops_kept_back: _Optional[_Iterable[str]] = ..., repairing: _Optional[bool] = ..., outputs_matched: _Optional[_Mapping[str, str]] = ..., generation: _Optional[_Union[GenerationWindow, _Mapping]] = ..., has_generation: _Optional[bool] = ..., tier_actions: _Optional[_Mapping[str, str]] = ...) -> None: ...

@@ -5,7 +5,7 @@ The loop is the tensor models' (guard/verifier_process/model.py), with a complet
 sample. The ring reader hands each sampled call over (``accept``: a bounded put, it
 never waits); the mirror worker (``GenerationMirror``, the shared queue, byte budget, watchdog
 and timeouts of guard/verifier_process/mirror.py) asks the primary again when the fallback
-serves (a probe, guard/verifier_process/generation_probe.py), scores the completion with the
+serves (a probe, guard/backends/openai_generate.py), scores the completion with the
 reference (ONE teacher-forced pass, ``Scorer.score``) and runs the tier
 (guard/verify/generation.py). The result then feeds, as for every tier:
 
@@ -35,7 +35,6 @@ model (guard/verifier_process/model.py).
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import threading
@@ -47,6 +46,7 @@ from functools import partial
 import numpy as np
 
 from guard.backends import create_backend
+from guard.capture.records import GENERATION_INPUT, PROBED_OUTPUT, generation_tensor
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
@@ -57,7 +57,7 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.detector import ScoreSpec
 from guard.policy.route import RoutePolicy
-from guard.protocol.generation import GenerationSample, to_dict
+from guard.protocol.generation import GenerationSample
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
 from guard.verifier_process.model import VerifiedModel
 from guard.verify.pipeline import Comparator
@@ -79,6 +79,16 @@ def detector_score(check, limits) -> float | None:
     if check.mode == "sampled":
         return check.statistic ** 2 / limits.max_abs_z ** 2
     return None
+
+
+def generation_policy(config: ModelConfig) -> RoutePolicy:
+    """A generative model's route policy: its detector accumulates the tier's per-completion
+    score (``detector_score``) against ``checks.generation``'s in-control ratio."""
+    gen = config.checks.generation
+    return RoutePolicy(config.name, config.policy, (TIER,),
+                       has_fallback=config.fallback is not None,
+                       sample_rate=config.mirror.sample_rate,
+                       scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
 
 
 @dataclass
@@ -204,11 +214,7 @@ class VerifiedGenerationModel(VerifiedModel):
         self.serving = serving
         self._config_hash = config_hash
         self.policy_tiers = (TIER,)
-        gen = config.checks.generation
-        self.policy = RoutePolicy(
-            self.name, config.policy, self.policy_tiers, has_fallback=config.fallback is not None,
-            sample_rate=config.mirror.sample_rate,
-            scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
+        self.policy = generation_policy(config)
         self.backends: dict = {}
         self.mirror: GenerationMirror | None = None
         self.capture: CaptureWriter | None = None
@@ -262,7 +268,7 @@ class VerifiedGenerationModel(VerifiedModel):
                 return tiers[TIER], tiers.get("activation")
 
             if config.mirror.sample_rate > 0:
-                from guard.verifier_process.generation_probe import PrimaryProbe
+                from guard.backends.openai_generate import PrimaryProbe
 
                 probe = (PrimaryProbe(config.primary, config.mirror.timeout_s)
                          if config.fallback is not None else None)
@@ -379,9 +385,6 @@ class VerifiedGenerationModel(VerifiedModel):
                  result: GenerationResult | None = None) -> PendingRecord:
         """A capture record of a call: the sample as JSON (it holds no header: nothing of the
         client's Authorization can be stored), the compared completion and the verdict."""
-        def blob(data) -> np.ndarray:
-            return np.array([json.dumps(data, ensure_ascii=False).encode()], dtype=object)
-
         reports = {}
         outputs = {}
         if result is not None:
@@ -396,8 +399,8 @@ class VerifiedGenerationModel(VerifiedModel):
                 reports["activation"] = GenerationReport(
                     result.activation.passed, kind.summary(result.activation, details), details)
             if result.probed:
-                outputs["probed_sample_json"] = blob(to_dict(result.completion))
-        return PendingRecord(tag, route, epoch, {"generation_sample_json": blob(to_dict(sample))},
+                outputs[PROBED_OUTPUT] = generation_tensor(result.completion)
+        return PendingRecord(tag, route, epoch, {GENERATION_INPUT: generation_tensor(sample)},
                              outputs, tier_reports=reports,
                              reference_seconds=result.reference_seconds if result else 0.0,
                              probed=bool(result and result.probed))
@@ -406,7 +409,7 @@ class VerifiedGenerationModel(VerifiedModel):
         if not self._wants_capture(result.sample.tag, result.check.passed):
             return
         s = result.sample
-        self.capture.submit(self._pending(tag, s.route, s.epoch, s.generation, result))
+        self.capture.submit(self._pending(s.tag, s.route, s.epoch, s.generation, result))
 
     def _on_unchecked(self, sample: GenerationMirrorSample, outcome: str) -> None:
         tag = sample.tag

@@ -79,7 +79,7 @@ class VerifiedModel:
         self.primary = (CurrentPrimary(self.name, self.backends["primary"], serving,
                                        self._repaired) if self.pair else None)
         self.ops = None
-        if config.policy.action == "fallback_ops" and self.primary is not None:
+        if config.policy.uses("fallback_ops") and self.primary is not None:
             from guard.verifier_process.ops_fallback import OpsFallback
 
             self.ops = OpsFallback(
@@ -106,7 +106,7 @@ class VerifiedModel:
                 emit("outputs_matched_by_position", model=self.name, renamed=match.renamed,
                      observed=list(match.observed))
             wants_tier2 = (self.config.checks.activation.enabled
-                           or self.config.policy.action == "fallback_ops")
+                           or self.config.policy.uses("fallback_ops"))
             if wants_tier2:
                 self._load_activation()
             if self.config.checks.tensor.noise_floor.enabled:
@@ -325,9 +325,10 @@ class VerifiedModel:
         """A route transition: published first, then counted and announced."""
         self.publish()  # first: the serving processes switch before anyone reads the event
         m = self.metrics
+        tier = transition.evidence.get("tier", "")
         if transition.trigger == "alert":
             emit("drift_alert", model=self.name, reason=transition.reason,
-                 action=self.config.policy.action, evidence=evidence)
+                 action=self.config.policy.action_for(tier), evidence=evidence)
             return
         if transition.trigger == "dry_run":
             emit("drift_dry_run", model=self.name, reason=transition.reason,
@@ -345,5 +346,6 @@ class VerifiedModel:
              to_route=transition.to_route, trigger=transition.trigger, reason=transition.reason,
              evidence=evidence)
         if (self.ops is not None and transition.trigger == "policy"
-                and transition.to_route == "fallback"):
+                and transition.to_route == "fallback"
+                and self.config.policy.action_for(tier) == "fallback_ops"):
             self.ops.on_trip(self.policy.epoch)

@@ -19,6 +19,7 @@ def model_status(model) -> pb.ModelStatus:
         name=model.name, route=policy.route, override=policy.override,
         action=model.config.policy.action, probing=policy.probing,
     )
+    status.tier_actions.update(model.config.policy.actions)
     for w in policy.windows():
         status.windows.add(tier=w.tier, samples=w.samples, failures=w.failures,
                            drift_ratio=w.ratio, window=model.config.policy.window,

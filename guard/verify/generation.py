@@ -48,7 +48,7 @@ primaries pass them and Q2_K fails them.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Mapping, Sequence
 
 import numpy as np
@@ -175,12 +175,31 @@ class GenerationCheck:
     findings: tuple[str, ...] = ()
     approximate: bool = False
     top1_compared: int = 0  # positions where both top-1s are known (top1_agreement's count)
+    # Per completion token (what the replay report shades and plots): its text, the
+    # reference's surprise at it (-log p, nats), the primary's logprob of it where it said,
+    # the top-k KLD and delta p (logprobs mode).
+    per_token_text: tuple[str, ...] = field(default=(), repr=False)
+    per_token_surprise: np.ndarray | None = field(default=None, repr=False)
+    per_token_primary_logprob: np.ndarray | None = field(default=None, repr=False)
     per_token_kld: np.ndarray | None = field(default=None, repr=False)
     per_token_delta_p: np.ndarray | None = field(default=None, repr=False)
 
     @property
     def comparable(self) -> bool:
         return self.statistic is not None
+
+    def summary(self) -> str:
+        """One line: why it failed, or its mode's figure."""
+        if not self.passed or self.mode == "tokenization_mismatch":
+            return self.reason or self.mode
+        if self.mode == "logprobs":
+            return f"mean KLD {self.mean_kld:.3g} nats over {self.tokens} tokens"
+        if self.mode == "greedy":
+            return (f"{self.confident_disagreements} of {self.confident_positions} confident "
+                    "positions off the reference's argmax")
+        if self.mode == "sampled":
+            return f"z {self.z:.2f} over {self.tokens} tokens"
+        return f"{self.mode}: {self.reason}" if self.reason else self.mode
 
     def as_dict(self) -> dict[str, Any]:
         data = {k: v for k, v in self.__dict__.items() if not k.startswith("per_token")}
@@ -189,6 +208,56 @@ class GenerationCheck:
         data["findings"] = list(self.findings)
         return {k: (None if isinstance(v, float) and math.isnan(v) else v)
                 for k, v in data.items()}
+
+    def per_token_dict(self) -> dict[str, list | None]:
+        """The per-token figures as JSON-able lists (6 significant digits; None: not known)."""
+        def values(array: np.ndarray | None) -> list[float] | None:
+            return None if array is None else [float(f"{v:.6g}") for v in array.tolist()]
+
+        return {"text": list(self.per_token_text),
+                "surprise": values(self.per_token_surprise),
+                "primary_logprob": values(self.per_token_primary_logprob),
+                "kld": values(self.per_token_kld), "delta_p": values(self.per_token_delta_p)}
+
+    def details(self) -> dict[str, Any]:
+        """What the capture record and the replay report keep of this check: ``as_dict()``
+        and, for a scored completion, ``per_token`` (:meth:`per_token_dict`)."""
+        data = self.as_dict()
+        if self.per_token_text:
+            data["per_token"] = self.per_token_dict()
+        return data
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "GenerationCheck":
+        """The check :meth:`details` (or ``as_dict``) described; ValueError for what is not
+        one (a record's details from another guard version)."""
+        if not isinstance(data, Mapping) or not isinstance(data.get("mode"), str):
+            raise ValueError("generation check: expected an object with a 'mode'")
+        names = {f.name: f for f in fields(cls) if not f.name.startswith("per_token")}
+        values: dict[str, Any] = {}
+        for name, spec in names.items():
+            if name not in data:
+                continue
+            value = data[name]
+            if value is None and spec.type == "float":
+                value = math.nan
+            values[name] = value
+        first = data.get("first_divergence")
+        values["first_divergence"] = None if not first else FirstDivergence(
+            int(first["position"]), str(first["text_before"]), str(first["primary_token"]),
+            tuple((str(t), float(p)) for t, p in first.get("reference_top") or ()),
+            first.get("record"))
+        values["findings"] = tuple(data.get("findings") or ())
+        per_token = data.get("per_token") or {}
+
+        def array(key: str) -> np.ndarray | None:
+            found = per_token.get(key)
+            return None if found is None else np.asarray(found, dtype=np.float64)
+
+        return cls(**values, per_token_text=tuple(per_token.get("text") or ()),
+                   per_token_surprise=array("surprise"),
+                   per_token_primary_logprob=array("primary_logprob"),
+                   per_token_kld=array("kld"), per_token_delta_p=array("delta_p"))
 
 
 # -- the sampling transform ------------------------------------------------------------------
@@ -445,6 +514,16 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
         first_divergence=_divergence(sample, scores, int(firsts[0]) if firsts.size else None))
 
 
+def _per_token(sample: GenerationSample, scores: ReferenceScores) -> dict[str, Any]:
+    """The per-token fields every scored mode shares: texts, the reference's surprise at each
+    token, the primary's logprob of it where it said."""
+    told = sample.has_logprobs and len(sample.tokens) == len(scores.token_ids)
+    return {"per_token_text": tuple(scores.token_texts),
+            "per_token_surprise": -np.asarray(scores.chosen_logprob, dtype=np.float64),
+            "per_token_primary_logprob": np.array([t.logprob for t in sample.tokens],
+                                                  dtype=np.float64) if told else None}
+
+
 def check_generation(sample: GenerationSample, scores: ReferenceScores,
                      defaults: ServerDefaults = SERVER_DEFAULTS["unknown"],
                      limits: GenerationThresholds = GenerationThresholds()) -> GenerationCheck:
@@ -474,7 +553,7 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
             check = _greedy(sample, scores, limits)
         else:
             check = _sampled(sample, scores, transform, limits)
-    check = replace(check, **common)
+    check = replace(check, **common, **_per_token(sample, scores))
     if scores.findings and check.comparable:
         check.passed = False
         check.reason = "; ".join(filter(None, [check.reason, "prompt: " +
@@ -482,15 +561,51 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
     return check
 
 
+def _percentile(values: np.ndarray, q: float) -> float | None:
+    return float(np.percentile(values, q)) if values.size else None
+
+
+def _joined(arrays) -> np.ndarray:
+    arrays = [a for a in arrays if a is not None]
+    return np.concatenate(arrays) if arrays else np.zeros(0)
+
+
+def perplexities(checks: Sequence[GenerationCheck]) -> dict[str, float | None]:
+    """llama-perplexity's PPL figures over the completions' tokens where the primary said its
+    logprob: ``PPL(Q) = exp(mean(-log p_primary))``, ``PPL(base) = exp(mean(-log
+    p_reference))`` over the same tokens, and their ratio. Mind what the tokens are: the
+    primary's own completion (llama-perplexity scores a fixed text), so a drifting primary
+    shows as a ratio below 1: the reference finds the text less likely than the primary that
+    wrote it did. Agreeing models give about 1."""
+    primary, reference = [], []
+    for c in checks:
+        if c.per_token_primary_logprob is not None and c.per_token_surprise is not None and \
+                len(c.per_token_primary_logprob) == len(c.per_token_surprise):
+            primary.append(-c.per_token_primary_logprob)
+            reference.append(c.per_token_surprise)
+    nll_primary, nll_reference = _joined(primary), _joined(reference)
+    if not nll_primary.size:
+        return {"ppl_primary": None, "ppl_reference": None, "ppl_ratio": None,
+                "ppl_tokens": 0}
+    return {"ppl_primary": float(np.exp(nll_primary.mean())),
+            "ppl_reference": float(np.exp(nll_reference.mean())),
+            "ppl_ratio": float(np.exp(nll_primary.mean() - nll_reference.mean())),
+            "ppl_tokens": int(nll_primary.size)}
+
+
 def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None = None
               ) -> dict[str, Any]:
     """The report's ``tiers.generation`` block over many completions (CONTRACT.md): checks
-    and passes counted over the scored ones, KLD and Δp over every token (not a mean of
-    means), and the first divergence of the first completion that had one (``records``
-    numbers the completions; their positions in ``checks`` otherwise)."""
+    and passes counted over the completions with a verdict (scored, or failed on a
+    tokenization mismatch; the not comparable ones are counted apart), KLD and Δp over every
+    token (not a mean of means), and the first divergence of the first completion that had
+    one (``records`` numbers the completions; their positions in ``checks`` otherwise).
+    Beside the contract's fields, llama-perplexity's summary: KLD p99.9, median and maximum,
+    mean Δp, and the perplexities (:func:`perplexities`)."""
     scored = [c for c in checks if c.comparable]
-    klds = [c.per_token_kld for c in scored if c.per_token_kld is not None]
-    deltas = [c.per_token_delta_p for c in scored if c.per_token_delta_p is not None]
+    counted = [c for c in checks if c.comparable or c.mode == "tokenization_mismatch"]
+    kld = _joined(c.per_token_kld for c in scored)
+    delta = _joined(c.per_token_delta_p for c in scored)
     compared = sum(c.top1_compared for c in scored)
     agreeing = sum(c.top1_agreement * c.top1_compared for c in scored if c.top1_compared)
     first = None
@@ -499,18 +614,92 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
             record = records[index] if records is not None else index
             first = replace(check.first_divergence, record=record).as_dict()
             break
-    kld = np.concatenate(klds) if klds else np.zeros(0)
-    delta = np.concatenate(deltas) if deltas else np.zeros(0)
     return {
-        "checks": len(scored), "passed": sum(c.passed for c in scored),
+        "checks": len(counted), "passed": sum(c.passed for c in counted),
         "not_comparable": sum(c.mode == "not_comparable" for c in checks),
         "tokenization_mismatches": sum(c.mode == "tokenization_mismatch" for c in checks),
+        "modes": {mode: sum(c.mode == mode for c in checks)
+                  for mode in sorted({c.mode for c in checks})},
+        "tokens": sum(c.tokens for c in scored),
         "mean_kld": float(kld.mean()) if kld.size else None,
-        "kld_p99": float(np.percentile(kld, 99)) if kld.size else None,
+        "kld_p99": _percentile(kld, 99),
+        "kld_p999": _percentile(kld, 99.9),
+        "kld_median": _percentile(kld, 50),
+        "kld_max": float(kld.max()) if kld.size else None,
+        "kld_tokens": int(kld.size),
         "top1_agreement": agreeing / compared if compared else None,
         "delta_p_rms": float(np.sqrt(np.mean(delta ** 2))) if delta.size else None,
+        "delta_p_mean": float(delta.mean()) if delta.size else None,
+        **perplexities(scored),
         "first_divergence": first,
     }
+
+
+def by_position(checks: Sequence[GenerationCheck]) -> dict[str, list]:
+    """Per completion position (0 = the first generated token), over the scored completions
+    long enough to have it: how many, the mean and the largest KLD (logprobs mode), the mean
+    surprise of the reference at the primary's token (every scored mode)."""
+    scored = [c for c in checks if c.comparable and c.per_token_surprise is not None]
+    length = max((len(c.per_token_surprise) for c in scored), default=0)
+    out: dict[str, list] = {"completions": [], "kld_mean": [], "kld_max": [],
+                            "surprise_mean": []}
+    for t in range(length):
+        surprise = [c.per_token_surprise[t] for c in scored if len(c.per_token_surprise) > t]
+        kld = [c.per_token_kld[t] for c in scored
+               if c.per_token_kld is not None and len(c.per_token_kld) > t]
+        out["completions"].append(len(surprise))
+        out["surprise_mean"].append(float(np.mean(surprise)))
+        out["kld_mean"].append(float(np.mean(kld)) if kld else None)
+        out["kld_max"].append(float(np.max(kld)) if kld else None)
+    return out
+
+
+# The failing completions the replay report shows token by token (the rest are counted).
+MAX_FLAGGED = 10
+
+
+class GenerationFigures:
+    """The replay report's ``tiers.generation`` figures of one model (the kind's ``figures``):
+    each record's tier report (``details``: :meth:`GenerationCheck.details`) and where it came
+    from are added in record order; ``as_dict`` is :func:`summarize` over them, KLD by
+    position (:func:`by_position`) and the first ``MAX_FLAGGED`` failing completions with
+    their tokens (``flagged``; ``flagged_total`` counts them all)."""
+
+    def __init__(self):
+        self.checks: list[GenerationCheck] = []
+        self.records: list[int] = []
+        self.flagged: list[dict[str, Any]] = []
+        self.flagged_total = 0
+
+    def add(self, report, where: Mapping[str, Any] | None = None) -> None:
+        check = GenerationCheck.from_dict(report.details)
+        record = int(where["index"]) if where else len(self.records)
+        if not check.passed:
+            self.flagged_total += 1
+            if len(self.flagged) < MAX_FLAGGED:
+                self.flagged.append(_flagged(record, check, report.details, where or {}))
+        self.checks.append(replace(check, per_token_text=()))  # texts: the flagged ones only
+        self.records.append(record)
+
+    def as_dict(self) -> dict[str, Any]:
+        out = summarize(self.checks, self.records)
+        out["by_position"] = by_position(self.checks)
+        out["flagged"] = self.flagged
+        out["flagged_total"] = self.flagged_total
+        return out
+
+
+def _flagged(record: int, check: GenerationCheck, details: Mapping[str, Any],
+             where: Mapping[str, Any]) -> dict[str, Any]:
+    first = check.first_divergence
+    return {"record": record, "request_id": where.get("request_id", ""),
+            "source": where.get("source", ""), "prompt": details.get("prompt"),
+            "mode": check.mode, "reason": check.reason, "tokens": check.tokens,
+            "statistic": check.statistic,
+            "mean_kld": None if math.isnan(check.mean_kld) else check.mean_kld,
+            "per_token": check.per_token_dict() if check.per_token_text else None,
+            "first_divergence": None if first is None else replace(first, record=record)
+            .as_dict()}
 
 
 # -- the tier's registration (guard/verify/tiers.py) ------------------------------------------
@@ -553,7 +742,7 @@ def _declare():
     from guard.verify.tiers import TierKind
 
     return TierKind("generation", build=_build, takes="generation",
-                    details=lambda check: check.as_dict())
+                    details=lambda check: check.details(), figures=GenerationFigures)
 
 
 TIER = _declare()

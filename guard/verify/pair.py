@@ -20,11 +20,16 @@ from guard.verify.noise import NoiseFloor, measure_noise_floor
 from guard.verify.pipeline import Comparator
 
 
+def require_reference(config: ModelConfig) -> None:
+    """BackendError naming the model where it has no reference: nothing to check against."""
+    if config.reference is None:
+        raise BackendError(f"models[{config.name}]: checking needs a 'reference' backend; "
+                           "this model has none")
+
+
 class CheckedPair:
     def __init__(self, config: ModelConfig):
-        if config.reference is None:
-            raise BackendError(f"models[{config.name}]: checking needs a 'reference' backend; "
-                               "this model has none")
+        require_reference(config)
         self.name = config.name
         self.config = config
         self.backends: dict[str, Backend] = {

@@ -91,9 +91,10 @@ class TierKind:
     - ``details``: ``(result) -> dict``, what the capture record and the replay report keep of
       one result (default: its ``as_dict()``); ``summary``: ``(result, details) -> str`` when the
       result's own ``summary()`` is not a line.
-    - ``figures``: ``() -> figures``, the per-model replay figures of this tier: ``add(report)``
-      for each sample's ``TierReport``, ``as_dict()`` merged into the report's section (e.g. a
-      generation tier's mean_kld, kld_p99); None: counts only.
+    - ``figures``: ``() -> figures``, the per-model replay figures of this tier: ``add(report,
+      where)`` for each sample's ``TierReport`` in record order (``where``: the record's
+      ``index``, ``request_id``, ``source``, ``unix_nanos``), ``as_dict()`` merged into the
+      report's section (e.g. the generation tier's mean_kld, kld_p99); None: counts only.
     """
 
     name: str

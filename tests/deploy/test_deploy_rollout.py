@@ -186,3 +186,23 @@ def test_cli_prints_and_writes(tmp_path, capsys):
     path.write_text(yaml.safe_dump({"version": 1, "models": [model(reference=None)]}))
     assert main(["deploy", "rollout", str(path), "--kind", "flagger"]) == 2
     assert "nothing for a rollout gate to read" in capsys.readouterr().err
+
+
+def test_an_action_per_tier_gates_alerting_tiers_by_the_detector_and_the_rest_by_the_route():
+    """policy.actions {tensor: alert} with action fallback_model: the detector check reads the
+    tensor tier only (task trips switch: the route check gates those)."""
+    tiered = model("tiered", policy={"action": "fallback_model", "min_samples": 10,
+                                     "actions": {"tensor": "alert"}})
+    inverse = model("inverse", policy={"action": "alert", "min_samples": 10,
+                                       "actions": {"task": "fallback_model"}})
+    checks = {c.name: c for m in config(tiered, inverse) for c in gate_checks(m)}
+    assert {"tiered-detector", "tiered-route", "inverse-detector", "inverse-route"} <= set(checks)
+    assert 'tier=~"tensor"' in checks["tiered-detector"].query
+    assert 'tier!~"task"' in checks["inverse-detector"].query
+    for name in ("tiered-detector", "inverse-detector"):
+        promql_parser.parse(filled(checks[name].render_query('job="guard"', "5m")))
+    rules = yaml.safe_load(render_rules(config(tiered), RuleSettings()))
+    drift = next(r for g in rules["groups"] for r in g["rules"]
+                 if r["alert"] == "GuardDriftOverThreshold")
+    assert "policy.actions tensor: alert; every other tier: fallback_model" in \
+        drift["annotations"]["description"]

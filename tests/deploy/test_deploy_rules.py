@@ -298,3 +298,36 @@ def test_runbook_has_a_section_for_every_alert():
     runbook = (ROOT / "docs/runbook.md").read_text()
     headings = {line[3:].strip() for line in runbook.splitlines() if line.startswith("## ")}
     assert set(ALERTS) <= headings
+
+
+def test_labels_reach_the_prometheusrule_that_kube_prometheus_stack_selects(tmp_path, capsys):
+    """kube-prometheus-stack's Prometheus selects PrometheusRules by `release: <its release>`:
+    --label puts it on the resource (and in the header's regenerate command)."""
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    assert main(["deploy", "rules", "--config", str(config), "--format", "prometheusrule",
+                 "--label", "release=kube-prometheus-stack", "--label",
+                 "example.com/team=ml"]) == 0
+    text = capsys.readouterr().out
+    resource = yaml.safe_load(text)
+    assert resource["metadata"]["labels"] == {
+        "app.kubernetes.io/name": "guard", "app.kubernetes.io/component": "alerting",
+        "release": "kube-prometheus-stack", "example.com/team": "ml"}
+    assert "--label release=kube-prometheus-stack --label example.com/team=ml`" in \
+        text.splitlines()[0]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--label", "release=prom"], "add --format prometheusrule"),  # a rule file has no metadata
+    (["--format", "prometheusrule", "--label", "release"], "'release' is not LABEL=VALUE"),
+    (["--format", "prometheusrule", "--label", "rel ease=x"], "is not LABEL=VALUE"),
+    (["--format", "prometheusrule", "--label", "release=-prom"], "the value must be"),
+])
+def test_bad_labels_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    assert main(["deploy", "rules", "--config", str(config), *argv]) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    (line,) = err.strip().splitlines()
+    assert line.startswith("guard: --label: ") and message in line, line

@@ -114,3 +114,83 @@ def test_a_column_in_a_process_of_its_own_answers_as_in_the_sweep(tmp_path):
     broken = BackendConfig.model_validate({"backend": "torch", "path": "fixture_models:nope"})
     broken.context = ConfigContext(base_dir=TESTS)
     assert run_apart(broken, "primary", 1, samples).error.startswith("load failed")
+
+
+def own_matrix(tmp_path: Path, reference: dict) -> Path:
+    """The matrix of a user's own export (tests/own_model.py: a TorchScript without guard.json,
+    whose output is output0, and its ONNX export naming it scores), written to a folder the
+    user names on the command line."""
+    import own_model
+
+    paths = own_model.export(tmp_path / "models")
+    return write(tmp_path, {
+        "version": 1, "name": "mine", "reference": reference,
+        "models": [{"name": "net", "task": "classification",
+                    "torchscript": str(paths["torchscript"]), "onnx": str(paths["onnx"]),
+                    "inputs": {"samples": 4, "batch": 2}}],
+        "backends": [{"name": "torch_fp32", "backend": "torch"},
+                     {"name": "torch_compile", "backend": "torch_compile"},
+                     {"name": "ort_fp32", "backend": "onnxruntime"}],
+        "tolerances": {"atol": [1e-4], "rtol": [1e-4]},
+    })
+
+
+def test_your_own_torchscript_and_onnx_need_no_signature_file(tmp_path, capsys):
+    """No guard.json: the inputs come from the ONNX column's signature and output0 is matched
+    to scores by position, as guard serve matches them; every fp32 column passes."""
+    path = own_matrix(tmp_path, {"backend": "torch"})
+    out = tmp_path / "my-results"
+    assert main(["matrix", str(path), "--output-dir", str(out), "--quiet"]) == 0
+    recs = {(r["backend"], r["tier"]): r for r in records(out)}
+    # torch.compile takes a .pt2 or a factory, never TorchScript: a skip that says so.
+    compiled = recs.pop(("torch_compile", "tensor"))
+    assert compiled["status"] == "skip" and "torch.export program (.pt2)" in compiled["reason"]
+    recs.pop(("torch_compile", "task"))
+    assert {r["status"] for r in recs.values()} == {"pass"}, recs
+    assert recs[("ort_fp32", "tensor")]["outputs_matched"] == {"output0": "scores"}
+    assert "outputs_matched" not in recs[("torch_fp32", "tensor")]
+    assert recs[("ort_fp32", "tensor")]["stats"]["outputs"] == 1
+    assert not (tmp_path / "out").exists()  # only where --output-dir says
+
+
+def test_options_set_on_the_reference_reach_the_torch_columns(tmp_path):
+    """The reference names the TorchScript's output scores (options.output_names): the torch
+    columns read the same file and get the same names (they compared output0 against scores)."""
+    path = own_matrix(tmp_path, {"backend": "torch", "options": {"output_names": ["scores"]}})
+    out = tmp_path / "named"
+    assert main(["matrix", str(path), "--output-dir", str(out), "--quiet",
+                 "--backends", "torch_fp32,ort_fp32"]) == 0
+    recs = {(r["backend"], r["tier"]): r for r in records(out)}
+    torch_fp32 = recs[("torch_fp32", "tensor")]
+    assert torch_fp32["status"] == "pass", torch_fp32["reason"]
+    assert torch_fp32["options"] == {"output_names": ["scores"]}  # what the column ran with
+    assert "outputs_matched" not in recs[("ort_fp32", "tensor")]  # same names: nothing to match
+
+
+def test_a_reference_naming_its_inputs_otherwise_says_how_to_name_them(tmp_path, capsys):
+    """nn.Sequential's forward(input) against an ONNX export whose input is x: the sweep says
+    which option names them alike; with it, the reference and the torch columns take x."""
+    import torch
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 4)).eval()
+    example = torch.randn(2, 8)
+    with torch.no_grad():
+        torch.jit.save(torch.jit.trace(model, example), str(tmp_path / "seq.pt"))
+        torch.onnx.export(model, (example,), str(tmp_path / "seq.onnx"), dynamo=False,
+                          input_names=["x"], dynamic_axes={"x": {0: "batch"}})
+    doc = {"version": 1, "reference": {"backend": "torch"},
+           "models": [{"name": "seq", "torchscript": "seq.pt", "onnx": "seq.onnx",
+                       "inputs": {"samples": 2}}],
+           "backends": [{"name": "torch_bf16", "backend": "torch", "precision": "bf16"},
+                        {"name": "ort", "backend": "onnxruntime"}],
+           "tolerances": {"atol": [1e-4], "rtol": [1e-4]}}
+    assert main(["matrix", str(write(tmp_path, doc)), "--output-dir", str(tmp_path / "a")]) == 1
+    assert ("the reference declares no datatypes or shapes for its inputs [input], and ort's "
+            "signature, which could give them, names them [x]: name the reference's inputs "
+            "alike (reference.options.input_names: [x]") in capsys.readouterr().out
+    doc["reference"]["options"] = {"input_names": ["x"]}
+    main(["matrix", str(write(tmp_path, doc)), "--output-dir", str(tmp_path / "b"), "--quiet"])
+    recs = {r["backend"]: r for r in records(tmp_path / "b")}
+    assert recs["ort"]["status"] == "pass"
+    assert recs["torch_bf16"]["options"] == {"input_names": ["x"]}
+    assert recs["torch_bf16"]["failure_type"] in (None, "numeric")  # it ran: bf16 may drift

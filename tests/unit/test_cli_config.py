@@ -4,7 +4,10 @@ config. Exit codes and stderr lines are the contract (CONTRACT.md, "Command line
 from __future__ import annotations
 
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from guard import __version__
 from guard.cli import main
 
 LINE = re.compile(r"^\S.*?: \S.*$")
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def write_config(folder: Path, name: str = "guard.yaml", **model_overrides) -> Path:
@@ -60,6 +64,8 @@ def test_validate_invalid_config_one_line_per_problem(tmp_path, capsys):
     assert len(lines) == 3, lines
     for line in lines:
         assert LINE.match(line), line
+    assert all(line.startswith(f"{path}: ") for line in lines), lines  # the file first
+    lines = [line.removeprefix(f"{path}: ") for line in lines]
     assert "models[0].bogus: unknown key" in lines
     assert "models[0].mirror.sample_rate: must be in [0, 1]" in lines
     assert any(line.startswith("models[0].policy: recover_ratio") for line in lines)
@@ -72,7 +78,7 @@ def test_validate_missing_artifact(tmp_path, capsys):
     code, _, err = run(capsys, "config", "validate", str(path))
     assert code == 2
     assert err.strip().splitlines() == [
-        f"models[0].primary.path: file not found: {(tmp_path / 'nope.onnx').resolve()}"
+        f"{path}: models[0].primary.path: file not found: {(tmp_path / 'nope.onnx').resolve()}"
     ]
 
 
@@ -81,17 +87,30 @@ def test_validate_unknown_backend_option(tmp_path, capsys):
                                            "options": {"bogus": 1}})
     code, _, err = run(capsys, "config", "validate", str(path))
     assert code == 2
-    assert err.strip().splitlines() == ["models[0].primary.options.bogus: unknown key"]
+    assert err.strip().splitlines() == [f"{path}: models[0].primary.options.bogus: unknown key"]
 
 
-def test_validate_bad_yaml(tmp_path, capsys):
+def test_validate_bad_yaml_names_the_file(tmp_path, capsys):
     path = tmp_path / "guard.yaml"
     path.write_text("version: 1\nmodels: [\n")
     code, _, err = run(capsys, "config", "validate", str(path))
     assert code == 2
     lines = err.strip().splitlines()
     assert len(lines) == 1
-    assert lines[0].startswith("(yaml): ") and re.search(r"line \d+, column \d+", lines[0])
+    assert lines[0].startswith(f"{path}: (yaml): "), lines
+    assert re.search(r"line \d+, column \d+", lines[0])
+
+
+@pytest.mark.parametrize("command", [["config", "validate"], ["serve"], ["deploy", "rules"],
+                                     ["matrix"], ["replay"]])
+def test_a_yaml_syntax_error_names_the_file_in_every_command(tmp_path, capsys, command):
+    path = tmp_path / "broken.yaml"
+    path.write_text("version: 1\nmodels:\n  - name: a\n    primary: {backend: torch\n")
+    extra = [str(tmp_path / "none.npz")] if command == ["replay"] else []
+    code, _, err = run(capsys, *command, str(path), *extra)
+    assert code == 2
+    (line,) = err.strip().splitlines()
+    assert str(path) in line and "(yaml): line 5, column 1" in line, line
 
 
 def test_validate_missing_file(tmp_path, capsys):
@@ -115,6 +134,27 @@ def test_schema_prints_json(capsys):
     schema = json.loads(out)
     assert {"version", "server", "models"} <= set(schema["properties"])
     assert "BackendConfig" in schema["$defs"]
+
+
+def test_schema_into_a_pipe_closed_early_ends_quietly():
+    """`guard config schema | head -1`: head leaves after one line; guard must not print a
+    BrokenPipeError traceback. Through a real shell pipe (whether head leaves before or after
+    guard wrote depends on the scheduler: both must be quiet), then with the pipe's read end
+    closed before guard writes (deterministic: the write always meets a closed pipe)."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    command = [sys.executable, "-m", "guard", "config", "schema"]
+    result = subprocess.run(
+        f"set -o pipefail; {' '.join(command)} | head -1", shell=True, executable="/bin/bash",
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert result.stdout == "{\n"
+    assert "Traceback" not in result.stderr and "BrokenPipe" not in result.stderr, result.stderr
+    assert result.returncode in (0, 141)
+    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE)
+    process.stdout.close()  # the reader is gone before guard writes a byte
+    _, err = process.communicate(timeout=120)
+    assert b"Traceback" not in err and b"BrokenPipe" not in err, err.decode()
+    assert process.returncode == 141  # 128 + SIGPIPE: what a shell reports for `cmd | head`
 
 
 # -- serve with a bad config ------------------------------------------------------------------------

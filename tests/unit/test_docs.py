@@ -114,3 +114,66 @@ def test_readme_links_resolve():
             f"README.md links to {link}: generated at build time, not in a fresh clone")
         assert (REPO / link).exists(), f"README.md links to {link}, which does not exist"
     assert any(link.startswith("docs/") for link in relative)
+
+
+def _relative_targets(html: str) -> list[str]:
+    """The href and src targets of a built page that point inside the site."""
+    targets = re.findall(r'(?:href|src)="([^"]+)"', html)
+    return [t.split("#")[0] for t in targets
+            if not re.match(r"[a-z]+:", t) and not t.startswith(("#", "//")) and t.split("#")[0]]
+
+
+def test_every_link_on_the_site_resolves_benchmark_results_included(built_site):
+    """A docs page's link to a repository file (a benchmark's results) is a link on the site
+    too, to a copy the build puts under repo/ (docs/repo_links.py), and nothing links nowhere."""
+    broken = []
+    for page in built_site.rglob("*.html"):
+        if page.name == "404.html":
+            continue
+        for target in _relative_targets(page.read_text()):
+            path = (page.parent / target).resolve()
+            if path.is_dir():
+                path = path / "index.html"
+            if not path.exists():
+                broken.append(f"{page.relative_to(built_site)} -> {target}")
+    assert not broken, broken[:20]
+    benchmarks = (built_site / "benchmarks/index.html").read_text()
+    results = [t for t in _relative_targets(benchmarks) if "repo/benchmarks/results/" in t]
+    assert len(results) >= 5, results
+    summary = built_site / "repo/benchmarks/results/matrix-cpu/summary/index.html"
+    assert summary.is_file()  # a results page, rendered, with its heat map beside it
+    assert 'src="../heatmap.png"' in summary.read_text()
+    assert (built_site / "repo/benchmarks/results/matrix-cpu/heatmap.png").is_file()
+
+
+# The packages whose every module the architecture page's code map must name.
+MAPPED_IN_FULL = ("serve", "verifier_process", "ipc", "runtime", "policy", "plan", "verify",
+                  "protocol")
+
+
+def test_the_architecture_page_names_what_exists():
+    """Every repository path docs/architecture.md names exists; in its code map each module a
+    folder's bullet names is in that folder, and the packages of MAPPED_IN_FULL are named in
+    full (a module added or removed there changes the map)."""
+    text = (REPO / "docs" / "architecture.md").read_text()
+    paths = re.findall(r"`((?:guard|tests|proto|benchmarks)/[\w./-]*)`", text)
+    assert len(paths) > 50
+    missing = [p for p in paths if "NAME" not in p and not (REPO / p.rstrip("/")).exists()]
+    assert not missing, missing
+    code_map = text[text.index("## Code map"):text.index("## Layers")]
+    bullets = {m.group(1): m.group(2) for m in re.finditer(
+        r"^- `guard/(\w+)/`(.*?)(?=^- |\Z)", code_map, flags=re.M | re.S)}
+    assert set(MAPPED_IN_FULL) <= set(bullets), sorted(bullets)
+    for package, bullet in bullets.items():
+        folder = REPO / "guard" / package
+        named = set(re.findall(r"`([\w]+\.(?:py|c))`", bullet))
+        named |= {f"{d}/" for d in re.findall(r"`(\w+)/`", bullet)}
+        for name in named:  # a module of the package or of one of its subpackages
+            assert (folder / name).exists() or list(folder.rglob(name.rstrip("/"))), \
+                f"the code map names guard/{package}/.../{name}, which does not exist"
+        if package in MAPPED_IN_FULL:
+            modules = {p.name for p in folder.glob("*.py") if p.name != "__init__.py"}
+            modules |= {f"{p.name}/" for p in folder.iterdir()
+                        if p.is_dir() and (p / "__init__.py").exists()}
+            assert not modules - named, f"guard/{package}/: not in the code map: " \
+                f"{sorted(modules - named)}"

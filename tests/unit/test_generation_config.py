@@ -43,8 +43,8 @@ def test_a_tensor_primary_is_refused_for_generation(base):
     doc = {"version": 1, "models": [{"name": "smol", "task": "generation",
                                       "primary": {"backend": "onnxruntime", "path": "m.onnx"}}]}
     (line,) = problems(doc, base)
-    assert line.startswith("models[0]: primary.backend: a generation model is served by an "
-                           "OpenAI-compatible upstream")
+    assert line.startswith("models[0].primary.backend: a generation model's primary is served "
+                           "by an OpenAI-compatible server (backend openai), not 'onnxruntime'")
 
 
 def test_tensor_checks_are_refused_for_generation(base):
@@ -107,8 +107,9 @@ def test_a_generation_model_needs_the_http_edge(base):
 def test_a_tensor_reference_is_refused_for_generation(base):
     lines = problems(generation_doc(reference={"backend": "onnxruntime", "path": "m.onnx"}),
                      base)
-    assert any("reference.backend: a generation model is scored by transformers, llama_cpp, "
-               "openai" in line for line in lines)
+    assert any("reference.backend: a generation model's reference is scored by a "
+               "teacher-forcing scorer (backend llama_cpp or openai or transformers)" in line
+               for line in lines)
 
 
 def test_an_llm_backend_needs_task_generation(base):

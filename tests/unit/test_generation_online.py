@@ -10,7 +10,7 @@ import pytest
 from guard.config import GenerationCheckConfig
 from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
 from guard.verifier_process.generation_model import KldWindow, detector_score
-from guard.verifier_process.generation_probe import probe_body
+from guard.backends.openai_generate import probe_body
 from guard.verify.generation import FirstDivergence, GenerationCheck, GenerationThresholds
 
 LIMITS = GenerationThresholds()

@@ -264,7 +264,7 @@ def test_an_openai_block_validates_with_its_options(tmp_path):
     (UPSTREAM, {}, None, "server.http_port"),
     (UPSTREAM, {"task": "generic"}, 8080, "task"),
     (UPSTREAM, {"fallback": {"backend": "upstream", "target": "h:1", "model": "m"}}, 8080,
-     "fallback.backend: the fallback of a generation model is another OpenAI-compatible upstream"),
+     "fallback.backend: a generation model's fallback is served by an OpenAI-compatible server"),
 ])
 def test_a_bad_openai_block_names_its_path(tmp_path, primary, model, http_port, says):
     assert says in _problems(_doc(primary, http_port, **model), tmp_path)

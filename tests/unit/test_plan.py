@@ -132,3 +132,34 @@ def test_the_schema_lists_the_registered_backends():
 
     backend = config_json_schema()["$defs"]["BackendConfig"]["properties"]["backend"]
     assert backend["enum"] == list(BACKEND_NAMES)
+
+
+def test_policy_actions_name_tiers_that_trip(tmp_path):
+    """policy.actions: keys are registered tiers that feed the detectors; an action per tier
+    shows in the schema `guard config schema` prints."""
+    from guard.plan.schema import config_json_schema
+
+    (tmp_path / "m.onnx").touch()
+    good = {"version": 1, "models": [{
+        "name": "m", "task": "classification",
+        "primary": {"backend": "onnxruntime", "path": "m.onnx", "precision": "int8"},
+        "reference": {"backend": "onnxruntime", "path": "m.onnx"},
+        "fallback": {"backend": "onnxruntime", "path": "m.onnx"},
+        "policy": {"action": "fallback_model",
+                   "actions": {"tensor": "alert", "task": "fallback_model"}}}]}
+    policy = complete.parse_config(good, tmp_path).models[0].policy
+    assert (policy.action_for("tensor"), policy.action_for("task")) == ("alert", "fallback_model")
+    bad = json.loads(json.dumps(good))
+    bad["models"][0]["policy"]["actions"] = {"activation": "fallback_model"}
+    with pytest.raises(ConfigError) as info:
+        complete.parse_config(bad, tmp_path)
+    assert info.value.problems == [
+        "models[0]: policy.actions.activation: the activation tier is evidence only, its "
+        "failures feed no detector and trip nothing (tiers that do: tensor, task, generation)"]
+    bad["models"][0]["policy"]["actions"] = {"tier3": "alert"}
+    with pytest.raises(ConfigError) as info:
+        complete.parse_config(bad, tmp_path)
+    assert info.value.problems[0].startswith("models[0]: policy.actions.tier3: unknown tier")
+    schema = config_json_schema()["$defs"]["PolicyConfig"]["properties"]["actions"]
+    assert schema["additionalProperties"]["enum"] == ["alert", "fallback_model", "fallback_ops"]
+    assert "tensor: alert, task: fallback_model" in schema["description"]

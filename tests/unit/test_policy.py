@@ -23,13 +23,13 @@ class FakeClock:
 
 
 def make(action="fallback_model", window=10, min_samples=5, trip=0.2, recover=0.05, dwell=30.0,
-         has_fallback=True, tiers=("tensor",), max_dwell=None):
+         has_fallback=True, tiers=("tensor",), max_dwell=None, actions=None):
     """A window-detector policy (the v0 rule these tests pin down; the sequential detectors
     are tested in test_detectors.py)."""
     clock = FakeClock()
     config = PolicyConfig(action=action, detector="window", window=window,
                           min_samples=min_samples, trip_ratio=trip, recover_ratio=recover,
-                          dwell_s=dwell, max_dwell_s=max_dwell)
+                          dwell_s=dwell, max_dwell_s=max_dwell, actions=actions or {})
     policy = RoutePolicy("m", config, tiers=tiers, has_fallback=has_fallback, clock=clock)
     return policy, clock
 
@@ -118,7 +118,8 @@ def test_trips_to_fallback_at_min_samples():
     t = transitions[0]
     assert (t.model, t.from_route, t.to_route, t.trigger) == ("m", "primary", "fallback", "policy")
     assert "trip_ratio" in t.reason
-    assert t.evidence == {"tier": "tensor", "samples": 5, "failures": 5, "drift_ratio": 1.0,
+    assert t.evidence == {"tier": "tensor", "action": "fallback_model", "samples": 5,
+                          "failures": 5, "drift_ratio": 1.0,
                           "trips_in_a_row": 1, "dwell_s": 30.0}
     assert t.unix_time > 0
     assert policy.route == "fallback"
@@ -188,6 +189,77 @@ def test_alert_not_rearmed_between_recover_and_trip():
     assert feed(policy, [False] * 8) == []
     # Cross again: no new alert, because it never went back under recover_ratio.
     assert feed(policy, [True] * 8) == []
+
+
+# -- an action per tier (policy.actions) ----------------------------------------------------------------
+def tiered(**kw):
+    """Tensor failures alert, task failures switch (the default action: fallback_model)."""
+    return make(tiers=("tensor", "task"), actions={"tensor": "alert"}, dwell=10, **kw)
+
+
+def test_tensor_failures_alert_and_task_failures_switch():
+    policy, _ = tiered()
+    assert policy.can_switch
+    (alert,) = feed(policy, [True] * 10, tier="tensor")
+    assert alert.trigger == "alert" and alert.evidence["tier"] == "tensor"
+    assert alert.evidence["action"] == "alert"
+    assert policy.route == "primary" and policy.epoch == 0  # clients keep the primary
+    assert feed(policy, [True] * 10, tier="tensor") == []  # once per crossing of the tier
+    (switch,) = feed(policy, [True] * 5, tier="task")
+    assert (switch.trigger, switch.to_route) == ("policy", "fallback")
+    assert switch.evidence["tier"] == "task" and switch.evidence["action"] == "fallback_model"
+    assert policy.route == "fallback"
+
+
+def test_the_alerting_tier_does_not_bring_the_model_back():
+    """On the fallback because the task tier drifted: clean tensor probes are not its call."""
+    policy, clock = tiered()
+    feed(policy, [True] * 5, tier="task")
+    clock.advance(10)
+    assert policy.probing
+    assert feed(policy, [False] * 20, tier="tensor") == []
+    assert policy.route == "fallback"
+    (back,) = feed(policy, [False] * 5, tier="task")
+    assert back.to_route == "primary" and back.evidence["tier"] == "task"
+
+
+def test_each_tier_rearms_its_own_alert():
+    policy, _ = make(action="alert", tiers=("tensor", "task"))
+    (first,) = feed(policy, [True] * 5, tier="tensor")
+    (second,) = feed(policy, [True] * 5, tier="task")  # the tensor alert does not mute it
+    assert (first.evidence["tier"], second.evidence["tier"]) == ("tensor", "task")
+    assert feed(policy, [False] * 10, tier="tensor") == []  # tensor re-armed, task still over
+    assert [t.evidence["tier"] for t in feed(policy, [True] * 3, tier="tensor")] == ["tensor"]
+    assert feed(policy, [True] * 10, tier="task") == []
+
+
+def test_a_switching_tier_without_a_fallback_alerts():
+    policy, _ = make(action="alert", actions={"task": "fallback_model"}, has_fallback=False,
+                     tiers=("tensor", "task"))
+    assert not policy.can_switch
+    (t,) = feed(policy, [True] * 5, tier="task")
+    assert t.trigger == "alert" and policy.route == "primary"
+
+
+def test_only_alerting_tiers_still_come_back_after_a_pin():
+    """Pinned to the fallback and handed back to auto with no tier that switches: any tier's
+    recovery routes back (nothing else ever would)."""
+    policy, clock = make(action="alert", tiers=("tensor", "task"), dwell=0)
+    policy.set_override("fallback", "pin")
+    policy.set_override("auto", "release")
+    (back,) = feed(policy, [False] * 5, tier="tensor")
+    assert back.to_route == "primary"
+
+
+def test_actions_say_what_each_tier_does():
+    config = PolicyConfig(action="alert", actions={"task": "fallback_ops"})
+    assert (config.action_for("tensor"), config.action_for("task")) == ("alert", "fallback_ops")
+    assert config.uses("fallback_ops") and config.uses("alert")
+    assert not config.uses("fallback_model")
+    with pytest.raises(ValueError, match="not a tier name"):
+        PolicyConfig(actions={"tier 1": "alert"})
+    with pytest.raises(ValueError):
+        PolicyConfig(actions={"task": "reboot"})
 
 
 # -- epochs --------------------------------------------------------------------------------------------
@@ -434,3 +506,30 @@ def test_concurrent_observers_trip_exactly_once():
         th.join()
     assert len(transitions) == 1
     assert policy.route == "fallback" and policy.epoch == 1
+
+
+def test_a_tier_that_never_failed_does_not_bring_the_model_back():
+    """Both tiers switch; tier 1 sent the model away. Tier 3 passing on every probe (an int8
+    primary keeps its top-1 classes) is no sign that tier 1's drift is gone."""
+    policy, clock = make(tiers=("tensor", "task"), dwell=10, recover=0.0)
+    (trip,) = feed(policy, [True] * 5, tier="tensor")
+    assert trip.evidence["tier"] == "tensor" and policy.route == "fallback"
+    clock.advance(10)
+    for _ in range(20):  # each probe: tier 1 still fails, tier 3 passes
+        assert policy.observe("tensor", True, policy.epoch) is None
+        assert policy.observe("task", False, policy.epoch) is None
+    assert policy.route == "fallback"
+    (back,) = feed(policy, [False] * 10, tier="tensor")  # tier 1 clean: it brings it back
+    assert back.to_route == "primary" and back.evidence["tier"] == "tensor"
+
+
+def test_recovery_waits_while_another_switching_tier_is_in_alarm():
+    """Pinned to the fallback and handed back: any switching tier may bring the model back, but
+    not while another one's trip detector is in alarm on the same probes."""
+    policy, _ = make(tiers=("tensor", "task"), dwell=0, recover=0.0)
+    policy.set_override("fallback", "pin")
+    policy.set_override("auto", "release")
+    for _ in range(10):
+        policy.observe("task", True, policy.epoch)  # the task tier drifts on the probes
+        assert policy.observe("tensor", False, policy.epoch) is None
+    assert policy.route == "fallback"

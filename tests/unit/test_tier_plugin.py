@@ -49,7 +49,7 @@ class GapFigures:
     def __init__(self):
         self.values: list[float] = []
 
-    def add(self, report) -> None:
+    def add(self, report, where) -> None:
         self.values.append(report.details["statistic"])
 
     def as_dict(self) -> dict:

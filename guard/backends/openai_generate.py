@@ -1,12 +1,14 @@
-"""Probing a generative primary while its fallback serves: the sampled call asked again of the
-primary upstream, from the verifier's mirror worker, so that its completion can be scored.
+"""Asking a generative primary (an ``openai`` backend block) for a completion of a call, outside
+the request path: the verifier's probe of a primary while its fallback serves, and ``guard
+replay``'s generation of a JSONL prompt set.
 
-The probe rebuilds the request from the sample (prompt or messages, the sampling transform the
-client asked for, ``max_tokens``) and asks for ``top_logprobs`` so that the tier compares per
-token. It is not streamed (nobody waits for it token by token), it goes out with the upstream's
-key (``options.api_key_env``) and never with anything the client sent: the sample carries no
-headers. The standard library's HTTP client does it: one call at a time, on a thread the mirror
-watches (``mirror.timeout_s``), so a pooled asynchronous client would buy nothing here.
+The request is rebuilt from a :class:`GenerationSample` (prompt or messages, the sampling
+transform the client asked for, ``max_tokens``) and asks for ``top_logprobs`` so that the tier
+compares per token. It is not streamed (nobody waits for it token by token), it goes out with
+the upstream's key (``options.api_key_env``) and never with anything a client sent: the sample
+carries no headers. The standard library's HTTP client does it: one call at a time, on a thread
+the caller watches (the mirror's ``mirror.timeout_s``), so a pooled asynchronous client would
+buy nothing here.
 """
 
 from __future__ import annotations
@@ -80,13 +82,14 @@ class PrimaryProbe:
             with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                 answer = json.loads(response.read())
         except urllib.error.HTTPError as exc:
-            raise BackendError(f"primary probe: HTTP {exc.code} from {self.base}") from None
+            raise BackendError(f"primary {self.model}@{self.base}: HTTP {exc.code}") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise BackendError(f"primary probe: {type(exc).__name__}: {exc}") from None
+            raise BackendError(f"primary {self.model}@{self.base}: {type(exc).__name__}: "
+                               f"{exc}") from None
         completion = Completion()
         gather(completion, sample.endpoint, answer, streamed=False)
         if completion.error:
-            raise BackendError(f"primary probe: the upstream answered an error: "
+            raise BackendError(f"primary {self.model}@{self.base} answered an error: "
                                f"{completion.error[:200]}")
         call = parse_request(sample.endpoint, data)
         probed = build_sample(call, completion, route="primary", request_id=sample.request_id,
