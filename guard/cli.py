@@ -162,13 +162,20 @@ def _write_output(text: str, output: str | None) -> None:
 
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
     from guard.deploy import parse_labels
+    from guard.deploy.fleet import FleetSettings
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
     try:
         settings = RuleSettings(job=args.job, runbook_base=args.runbook_base)
         labels = parse_labels(args.label, "--label")
+        fleet = FleetSettings(
+            windows=tuple(w.strip() for w in args.fleet_windows.split(",") if w.strip()),
+            evaluation_interval=args.fleet_evaluation_interval,
+            false_alarms_per_day=args.fleet_false_alarms_per_day,
+            by=tuple(b.strip() for b in args.fleet_by.split(",") if b.strip()),
+        ) if args.fleet else None
         text = render(read_thresholds(args.config), settings, args.format, source=args.config,
-                      labels=labels)
+                      labels=labels, fleet=fleet)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
     _write_output(text, args.output)
@@ -191,6 +198,7 @@ def cmd_deploy_rollout(args: argparse.Namespace) -> int:
 
 def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     from guard.envoy.bootstrap import build, dump, ports_of
+    from guard.envoy.openai_listener import generative
     from guard.envoy.servable import require_servable
     from guard.plan.serving import load_config
 
@@ -202,6 +210,8 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     needed = [("health_port", ports.health)]
     if config.server.envoy.observer == "ext_proc":
         needed.append(("observer_port", ports.observer))
+    if any(generative(model) for model in config.models):
+        needed.append(("http_health_port", ports.http_health))
     for key, port in needed:
         if not port:
             raise GuardError(f"server.envoy.{key}: 0 (a free port chosen when guard starts) "
@@ -474,6 +484,21 @@ def build_parser() -> argparse.ArgumentParser:
                        "(repeatable), e.g. release=kube-prometheus-stack, the label a "
                        "kube-prometheus-stack Prometheus selects rules by (its "
                        "ruleSelector)")
+    rules.add_argument("--fleet", action="store_true",
+                       help="also the rules that pool each model's replicas: their checks "
+                       "summed by model, a likelihood-ratio test on the pooled counts and the "
+                       "GuardFleetDrift alert (docs/deploy.md#fleet)")
+    rules.add_argument("--fleet-windows", default="5m,30m,2h", metavar="W[,W...]",
+                       help="windows the pooled test looks back over (default 5m,30m,2h)")
+    rules.add_argument("--fleet-evaluation-interval", default="1m", metavar="DURATION",
+                       help="how often the fleet rules are evaluated: their threshold counts "
+                       "the evaluations (default 1m)")
+    rules.add_argument("--fleet-false-alarms-per-day", type=float, default=0.1, metavar="F",
+                       help="at most this many false GuardFleetDrift alarms per day, per model "
+                       "and tier (a bound; default 0.1)")
+    rules.add_argument("--fleet-by", default="model", metavar="LABEL[,LABEL...]",
+                       help="labels the replicas are pooled by, model among them (default "
+                       "model; e.g. namespace,model)")
     rules.add_argument("-o", "--output", metavar="FILE", help="write here instead of stdout")
     rules.set_defaults(func=cmd_deploy_rules)
     rollout = deploy_sub.add_parser(
@@ -507,8 +532,9 @@ def build_parser() -> argparse.ArgumentParser:
         "(server.data_plane: envoy; docs/envoy.md): the listener on server.host:grpc_port, a "
         "cluster per upstream, runtime-switched primary/fallback routes, for sampled calls "
         "the tap that guard attaches through the admin API (or, with server.envoy.observer: "
-        "ext_proc, ext_proc toward guard's observer), gRPC health to guard. Check it with `envoy "
-        "--mode validate -c FILE`.",
+        "ext_proc, ext_proc toward guard's observer), gRPC health to guard; with generation "
+        "models (backend openai) the OpenAI-compatible listener on server.http_port too. Check "
+        "it with `envoy --mode validate -c FILE`.",
     )
     _add_config(envoy)
     envoy.add_argument("--format", choices=("yaml", "json"), default="yaml",

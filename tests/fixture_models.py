@@ -7,10 +7,11 @@ backend raise by choosing the input, while everything between client and backend
 Signature: input ``x`` FP32 [-1, 4]; output ``y`` FP32 [-1, 3].
 
 Triggers (first feature of any row):
-- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to its answer (drift: every logit
-  moves alike, so the top-1 class stays).
-- ``<= -1000``: ``affine(roll_on_trigger=True)`` rolls its answer by one class (the top-1 class
-  changes: what a task check sees).
+- ``>= 1000``: ``affine(drift_on_trigger=True)`` adds 1.0 to that row's answer (drift: every
+  logit moves alike, so the top-1 class stays; row by row, so that a batch of several requests
+  drifts only where a request does).
+- ``<= -1000``: ``affine(roll_on_trigger=True)`` rolls that row's answer by one class (the top-1
+  class changes: what a task check sees).
 - ``== 77``: ``affine(sleep_on_trigger=S)`` sleeps S seconds before answering (slow/hung).
 - ``== -999``: ``affine(fail_on_trigger=True)`` raises RuntimeError (backend failure).
 """
@@ -57,10 +58,11 @@ class Affine(nn.Module):
         y = self.linear(x)
         for _ in range(self.repeat - 1):
             y = self.linear(x)
-        if self.drift_on_trigger and bool((first >= DRIFT_TRIGGER).any()):
-            y = y + 1.0
-        if self.roll_on_trigger and bool((first <= ROLL_TRIGGER).any()):
-            y = y.roll(1, dims=1)
+        if self.drift_on_trigger:
+            y = y + (first >= DRIFT_TRIGGER).to(y.dtype)[:, None]
+        if self.roll_on_trigger:
+            rolled = (first <= ROLL_TRIGGER)[:, None]
+            y = torch.where(rolled, y.roll(1, dims=1), y)
         return y
 
 

@@ -37,7 +37,9 @@ class Unsupported(Exception):
 class BackendKind:
     """One ``backend:`` name of the config.
 
-    - ``backend``: the class built for a block (``Backend(spec, role, threads)``).
+    - ``backend``: the class built for a block (``Backend(spec, role, threads)``), or a
+      function of the same arguments that picks the class by role (``openai``: a
+      forwarder for the routes, a remote scorer for the reference).
     - ``options``: the strict pydantic model of the block's ``options`` map.
     - ``precisions``: what it derives from an fp32 artifact by itself.
     - ``artifact``: True when the block names a file (``path``); False for a remote server

@@ -24,7 +24,7 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import Scorer, Vocabulary
+from guard.backends.scoring import LocalScorer, Vocabulary
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -92,7 +92,7 @@ def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
         raise BackendError(f"llama.cpp cannot load {path}: {exc}") from None
 
 
-class LlamaCppScorer(Scorer):
+class LlamaCppScorer(LocalScorer):
     name = "llama_cpp"
 
     def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):

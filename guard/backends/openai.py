@@ -24,6 +24,10 @@ At start-up ``load()`` waits up to ``options.ready_timeout_s`` for ``GET {target
 to answer (a sidecar may start before its model server), with the standard library, on the
 loading thread. An upstream that does not list ``model`` is reported (event
 ``openai_model_not_listed``), not refused: some servers list a file path or one fixed name.
+
+In the ``reference`` role the same block is a remote scorer instead (``build``;
+guard/backends/openai_scorer.py): the server scores the primary's completions. The options
+class is shared; which options a role takes is checked per model (``_check_roles``).
 """
 
 from __future__ import annotations
@@ -112,11 +116,64 @@ class OpenAIOptions(_Strict):
         "refuses them would turn a sampled call into an error. 0: never add them.")
     max_connections: int = Field(
         0, ge=0, description="Connections to the upstream at once; 0: no limit.")
+    # The reference role (guard/backends/openai_scorer.py): a remote server scores given text.
+    scoring: Literal["auto", "prompt_logprobs", "echo"] = Field(
+        "auto", description="Reference only: how the server is asked to score a prompt of "
+        "token ids. prompt_logprobs: vLLM's extra field (ids and texts of the best tokens); "
+        "echo: echo with logprobs and max_tokens 0 (texts only); auto: the first of those the "
+        "server answers. Either is checked at load against the server's own generation (the "
+        "scored position must be the generated one): a server that cannot score, or whose "
+        "scores sit a position off (llama-cpp-python's echo), is refused.")
+    top_logprobs: int = Field(
+        20, ge=1, le=1000, description="Reference only: the reference's best tokens the server "
+        "returns per position (vLLM refuses more than its --max-logprobs, 20 unless set). The "
+        "primary's alternatives outside them count in the tail bucket of the per-token KLD.")
 
 
-def _strip_v1(target: str) -> str:
+def base_url(target: str) -> str:
+    """An ``openai`` block's ``target`` as the base the API paths (``/v1/...``) go under: a
+    trailing ``/`` or ``/v1`` left out."""
     target = target.rstrip("/")
     return target[:-3] if target.endswith("/v1") else target
+
+
+def authorization(options: OpenAIOptions) -> str | None:
+    """The Authorization header for the upstream (``options.api_key_env``), or None."""
+    name = options.api_key_env
+    if name is None:
+        return None
+    key = os.environ.get(name, "")
+    if not key:
+        raise BackendError(f"environment variable {name} (options.api_key_env) is not set or "
+                           "empty", key="options.api_key_env")
+    return f"Bearer {key}"
+
+
+def wait_ready(base: str, model: str, authorization_header: str | None,
+               timeout_s: float) -> tuple[str, ...]:
+    """Wait up to ``timeout_s`` for ``GET {base}/v1/models`` to answer (a sidecar may start
+    before its model server), with the standard library; the model names it lists."""
+    deadline = time.monotonic() + timeout_s
+    request = urllib.request.Request(base + "/v1/models")
+    if authorization_header:
+        request.add_header("Authorization", authorization_header)
+    last = "no answer"
+    while True:
+        try:
+            with urllib.request.urlopen(request, timeout=2.0) as answer:
+                data = json.loads(answer.read() or b"{}")
+            return tuple(str(m.get("id")) for m in data.get("data") or ()
+                         if isinstance(m, dict))
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+            if exc.code in (401, 403):  # a wrong key does not get better by waiting
+                raise BackendError(f"openai {model}@{base}: GET /v1/models: {last} (check "
+                                   "options.api_key_env)") from None
+        except (OSError, ValueError) as exc:
+            last = f"{type(exc).__name__}: {exc}"
+        if time.monotonic() >= deadline:
+            raise BackendError(f"openai {model}@{base} not ready after {timeout_s:g}s ({last})")
+        time.sleep(0.2)
 
 
 class OpenAIBackend(Forwarding, Backend):
@@ -124,7 +181,7 @@ class OpenAIBackend(Forwarding, Backend):
         self.spec = spec
         self.role = role
         self.options = OpenAIOptions.model_validate(spec.options)
-        self.base = _strip_v1(spec.target)
+        self.base = base_url(spec.target)
         self.model = spec.model
         self._authorization: str | None = None
         self.session = None  # aiohttp.ClientSession, opened by connect() on the serving loop
@@ -137,42 +194,13 @@ class OpenAIBackend(Forwarding, Backend):
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
-        name = self.options.api_key_env
-        if name is not None:
-            key = os.environ.get(name, "")
-            if not key:
-                raise BackendError(f"environment variable {name} (options.api_key_env) is not "
-                                   "set or empty", key="options.api_key_env")
-            self._authorization = f"Bearer {key}"
-        self.listed = self._wait_ready()
+        self._authorization = authorization(self.options)
+        self.listed = wait_ready(self.base, self.model, self._authorization,
+                                 self.options.ready_timeout_s)
         if self.listed and self.model not in self.listed:
             emit("openai_model_not_listed", model=self.model, target=self.base,
                  listed=list(self.listed)[:10],
                  note="forwarding anyway: the upstream may serve it under another listing")
-
-    def _wait_ready(self) -> tuple[str, ...]:
-        deadline = time.monotonic() + self.options.ready_timeout_s
-        request = urllib.request.Request(self.url("/v1/models"))
-        if self._authorization:
-            request.add_header("Authorization", self._authorization)
-        last = "no answer"
-        while True:
-            try:
-                with urllib.request.urlopen(request, timeout=2.0) as answer:
-                    data = json.loads(answer.read() or b"{}")
-                return tuple(str(m.get("id")) for m in data.get("data") or ()
-                             if isinstance(m, dict))
-            except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code}"
-                if exc.code in (401, 403):  # a wrong key does not get better by waiting
-                    raise BackendError(f"openai {self.model}@{self.base}: GET /v1/models: "
-                                       f"{last} (check options.api_key_env)") from None
-            except (OSError, ValueError) as exc:
-                last = f"{type(exc).__name__}: {exc}"
-            if time.monotonic() >= deadline:
-                raise BackendError(f"openai {self.model}@{self.base} not ready after "
-                                   f"{self.options.ready_timeout_s:g}s ({last})")
-            time.sleep(0.2)
 
     async def connect(self, timeout: float = 5.0) -> bool:
         """Open the client session on the serving event loop (once)."""
@@ -267,9 +295,31 @@ def _check(spec) -> None:
                          "key itself")
 
 
+# Options that only mean something in one role: forwarding (primary, fallback) or scoring
+# (reference).
+FORWARDING_ONLY = ("engine", "server_defaults", "sample_logprobs", "max_connections")
+REFERENCE_ONLY = ("scoring", "top_logprobs")
+
+
+def _check_roles(model) -> None:
+    for role in ("primary", "reference", "fallback"):
+        spec = getattr(model, role)
+        if spec is None or spec.backend != "openai" or not isinstance(spec.options, dict):
+            continue
+        other = FORWARDING_ONLY if role == "reference" else REFERENCE_ONLY
+        wrong = [key for key in other if key in spec.options]
+        if wrong:
+            does = ("scores the primary's calls" if role == "reference"
+                    else "forwards the clients' calls")
+            raise ValueError(f"{role}.options.{wrong[0]}: is for an openai "
+                             f"{'primary or fallback' if role == 'reference' else 'reference'}"
+                             f"; the {role} {does}")
+
+
 def _check_model(model) -> None:
     """Both routes of a generative model are OpenAI-compatible servers (the edge forwards
-    either); a reference may be any scorer."""
+    either); a reference may be any scorer (an ``openai`` one scores remotely)."""
+    _check_roles(model)
     roles = [r for r in ("primary", "fallback") if getattr(model, r) is not None]
     kinds = {r: getattr(model, r).backend for r in roles}
     if "openai" in kinds.values() and set(kinds.values()) != {"openai"}:
@@ -286,9 +336,20 @@ def _check_config(config) -> None:
                          "(served over OpenAI-compatible HTTP on that port)")
 
 
+def build(spec, role: Role, threads: int = 1) -> Backend:
+    """The ``openai`` block's backend: a forwarder for the routes, a remote scorer for the
+    reference (guard/backends/openai_scorer.py, imported only then)."""
+    if role == "reference":
+        from guard.backends.openai_scorer import OpenAIScorer
+
+        return OpenAIScorer(spec, role, threads)
+    return OpenAIBackend(spec, role, threads)
+
+
 KINDS = {
     "openai": BackendKind(
-        name="openai", extra="llm", backend=OpenAIBackend, options=OpenAIOptions,
+        name="openai", extra="llm", backend=build,  # type: ignore[arg-type]
+        options=OpenAIOptions,
         precisions=frozenset({"fp32"}),  # the remote server runs what it runs
         artifact=False, forwards=True, check=_check, check_model=_check_model,
         check_config=_check_config, llm=frozenset({"serve", "score"}),

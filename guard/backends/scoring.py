@@ -28,7 +28,7 @@ tier's math reads what is there (``has_full``).
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Sequence
 
 import numpy as np
@@ -144,8 +144,30 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
     texts; where it does not, a sampled split is accepted when every text is one token of the
     vocabulary and they join to the completion text (``noncanonical``); anything else is a
     mismatch at the first position where the reference's tokens part from the primary's.
+
+    A stopped completion may carry, after the tokens that make its text, the stop token the
+    server sampled and left out of the text (vLLM reports EOS, ``<|im_end|>``, in the logprobs
+    of a call that ``finish_reason: stop``): each such token is one token of the vocabulary,
+    aligned by its text, and scored like the others (the reference's probability of
+    stopping there).
     """
     tokens = sample.tokens
+    stopped = _stop_tokens(sample)
+    if stopped:
+        head, noncanonical, mismatch = align_completion(
+            replace(sample, tokens=tokens[:len(tokens) - stopped]), vocab)
+        if mismatch is not None:
+            return [], False, mismatch
+        tail = []
+        for position in range(len(tokens) - stopped, len(tokens)):
+            token = tokens[position]
+            found = token.token_id if token.token_id is not None else vocab.lookup(token.text)
+            if found is None or not _texts_equal(token.text, vocab.token_text(int(found))):
+                return [], False, TokenizationMismatch(
+                    position, token.text, "", "the stop token after the completion's text is "
+                    "not a token of the reference's vocabulary")
+            tail.append(int(found))
+        return head + tail, noncanonical, None
     if tokens and all(t.token_id is not None for t in tokens):
         ids = [int(t.token_id) for t in tokens]  # type: ignore[arg-type]
         for position, (token, token_id) in enumerate(zip(tokens, ids)):
@@ -182,6 +204,21 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         position, texts[position] if position < len(texts) else "",
         canonical_texts[position] if position < len(canonical_texts) else "",
         "the reference's tokenization of the completion differs from the primary's tokens")
+
+
+def _stop_tokens(sample: GenerationSample) -> int:
+    """How many trailing tokens of a stopped completion lie past its text (0: none)."""
+    if sample.finish_reason != "stop" or not sample.tokens:
+        return 0
+    texts = [t.text for t in sample.tokens]
+    if "".join(texts) == sample.completion_text:
+        return 0
+    joined = ""
+    for count, text in enumerate(texts):
+        if joined == sample.completion_text and all(texts[count:]):
+            return len(texts) - count
+        joined += text
+    return 0
 
 
 def bos_findings(prompt_ids: Sequence[int], bos_id: int | None, adds_bos: bool) -> tuple[str, ...]:
@@ -248,8 +285,10 @@ class Scorer(Backend):
     """A backend that teacher-forces generations instead of mapping tensors (``score``).
 
     Subclasses give the tokenizer (``vocab``, ``bos_id``, ``adds_bos``, ``encode_prompt``,
-    ``render_chat``), the context length and ONE forward pass (``forward``); the steps every
-    scorer shares (render, check BOS, align, gather) are here.
+    ``render_chat``), the context length and the teacher-forced pass itself
+    (``teacher_force``: a local scorer's forward pass, :class:`LocalScorer`, or a remote
+    server's prompt logprobs); the steps every scorer shares (render, check BOS, align, check
+    the context) are here.
     """
 
     name = "scorer"
@@ -268,9 +307,10 @@ class Scorer(Backend):
         """Chat messages through the model's chat template, generation prompt added."""
 
     @abc.abstractmethod
-    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
-        """One teacher-forced pass over ``ids``: the log-softmax (float32 ``[T, V]``) at the
-        ``T = len(ids) - prompt_length`` positions that predict ``ids[prompt_length:]``."""
+    def teacher_force(self, sample: GenerationSample, prompt_ids: list[int], ids: list[int],
+                      **fields) -> ReferenceScores:
+        """The reference's scores of the completion ``ids`` after ``prompt_ids`` (both
+        aligned and checked; ``ids`` may be empty); ``fields`` go into the result."""
 
     def render(self, sample: GenerationSample) -> RenderedPrompt:
         """The prompt's ids: the server's where it told them, else rendered here."""
@@ -286,30 +326,46 @@ class Scorer(Backend):
             ids, approximate = self.encode_prompt(sample.prompt), True
         return RenderedPrompt(ids, approximate, bos_findings(ids, self.bos_id, self.adds_bos))
 
+    def prompt_fields(self, prompt: RenderedPrompt) -> dict:
+        """The fields of a :class:`ReferenceScores` that the prompt decides."""
+        return dict(prompt_token_ids=tuple(prompt.ids), approximate=prompt.approximate,
+                    findings=prompt.findings, scorer=self.name)
+
     def score(self, sample: GenerationSample) -> ReferenceScores:
         """The reference's distributions over ``sample``'s completion positions; raises
         BackendError for a sample it cannot score at all (longer than its context)."""
         prompt = self.render(sample)
-        common = dict(prompt_token_ids=tuple(prompt.ids), approximate=prompt.approximate,
-                      findings=prompt.findings, scorer=self.name)
+        common = self.prompt_fields(prompt)
         ids, noncanonical, mismatch = align_completion(sample, self.vocab)
         if mismatch is not None:
             return unscored(mismatch, **common)
-        if not ids:
-            return scores_from_full(sample, self.vocab, np.zeros((0, self.vocab.size),
-                                                                 np.float32), [], **common)
-        total = len(prompt.ids) + len(ids)
-        if self.context_length and total > self.context_length:
-            raise BackendError(f"prompt ({len(prompt.ids)} tokens) and completion "
-                               f"({len(ids)}) exceed the reference's context of "
-                               f"{self.context_length} tokens")
-        if not prompt.ids:
-            raise BackendError("an empty prompt (no BOS either) gives no position to score "
-                               "the first token from")
-        logprobs = self.forward(prompt.ids + ids, len(prompt.ids))
-        return scores_from_full(sample, self.vocab, logprobs, ids, noncanonical=noncanonical,
-                                **common)
+        if ids:
+            total = len(prompt.ids) + len(ids)
+            if self.context_length and total > self.context_length:
+                raise BackendError(f"prompt ({len(prompt.ids)} tokens) and completion "
+                                   f"({len(ids)}) exceed the reference's context of "
+                                   f"{self.context_length} tokens")
+            if not prompt.ids:
+                raise BackendError("an empty prompt (no BOS either) gives no position to "
+                                   "score the first token from")
+        return self.teacher_force(sample, prompt.ids, ids, noncanonical=noncanonical, **common)
 
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         raise BackendError(f"backend {self.name} scores generations (score()); it has no "
                            "tensor inputs to infer on")
+
+
+class LocalScorer(Scorer):
+    """A scorer whose model runs in this process: ONE forward pass gives the full-vocabulary
+    log-softmax at every completion position (``forward``)."""
+
+    @abc.abstractmethod
+    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+        """One teacher-forced pass over ``ids``: the log-softmax (float32 ``[T, V]``) at the
+        ``T = len(ids) - prompt_length`` positions that predict ``ids[prompt_length:]``."""
+
+    def teacher_force(self, sample: GenerationSample, prompt_ids: list[int], ids: list[int],
+                      **fields) -> ReferenceScores:
+        logprobs = (self.forward(prompt_ids + ids, len(prompt_ids)) if ids
+                    else np.zeros((0, self.vocab.size), np.float32))
+        return scores_from_full(sample, self.vocab, logprobs, ids, **fields)

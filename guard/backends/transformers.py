@@ -23,7 +23,7 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import Scorer, Vocabulary
+from guard.backends.scoring import LocalScorer, Vocabulary
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -79,7 +79,7 @@ def _verify_pin(path: str, sha256: str | None) -> None:
     read_artifact(path, sha256)
 
 
-class TransformersScorer(Scorer):
+class TransformersScorer(LocalScorer):
     name = "transformers"
 
     def __init__(self, spec: "BackendConfig", role: Role, threads: int = 1):

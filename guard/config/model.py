@@ -39,6 +39,15 @@ class MirrorConfig(Strict):
     threads: PositiveInt = Field(
         1, description="CPU threads the reference may use (its intra-op thread pool)."
     )
+    # 64: a small model's fixed cost per call (dispatch, a thread's wake-up, Python per sample)
+    # is amortised well before that (docs/configuration.md#batched-checking); a larger batch only
+    # holds more samples in hand at once.
+    max_batch: PositiveInt = Field(
+        64, description="Most samples the verifier checks in one go, out of those waiting: one "
+        "reference forward over the stacked inputs of same-shaped samples where every input "
+        "the reference declares has a dynamic first dimension (else one call per sample), "
+        "tiers 1 and 3 over the batch at once, detectors fed in arrival order. 1: one by one."
+    )
     # 10: under contention a nice-10 thread gets ~1/10 of a nice-0 one's CPU share (Linux CFS
     # weights 110 vs 1024), so the request path keeps its cores; idle CPU still goes to it.
     nice: int = Field(

@@ -112,7 +112,8 @@ class ServerConfig(Strict):
         "/v1/completions, /v1/chat/completions (Server-Sent Events when the request says "
         "\"stream\": true), /v1/models, /health and /health/ready, on server.host. Off when "
         "unset (0 picks a free one). Every serving process (server.processes) listens on it "
-        "(SO_REUSEPORT), as on grpc_port.")
+        "(SO_REUSEPORT), as on grpc_port; in Envoy mode (data_plane: envoy) Envoy listens "
+        "here and forwards the calls (docs/envoy.md).")
     admin_port: Port = Field(8003, description="guard.v1 admin API port.")
     admin_host: str = Field(
         "127.0.0.1", description="The admin API changes routes: loopback only unless set."

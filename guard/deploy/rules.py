@@ -209,7 +209,7 @@ def _pct(ratio: float) -> str:
     return f"{ratio * 100:g}%"
 
 
-def _alert(name: str, expr: str, duration: str | None, severity: str, summary: str,
+def alert_rule(name: str, expr: str, duration: str | None, severity: str, summary: str,
            description: str, settings: RuleSettings) -> dict:
     return {
         "alert": name,
@@ -231,7 +231,7 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
     if model.mirrors:
         rules.append(_drift_alert(model, settings))
     if model.has_fallback:
-        rules.append(_alert(
+        rules.append(alert_rule(
             "GuardFallbackActive",
             f"guard_fallback_active{{{sel}}} == 1",
             settings.fallback_for, "warning",
@@ -247,7 +247,7 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
         ))
     if model.mirrors:
         w = settings.rate_window
-        rules.append(_alert(
+        rules.append(alert_rule(
             "GuardMirrorDropping",
             f'sum without (outcome) (rate(guard_mirror_total{{{sel},outcome="dropped"}}[{w}]))'
             f" / sum without (outcome) (rate(guard_mirror_total{{{sel}}}[{w}]))"
@@ -263,7 +263,7 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
             "unseen. Clients are not affected.",
             settings,
         ))
-        rules.append(_alert(
+        rules.append(alert_rule(
             "GuardReferenceFailing",
             f'sum without (outcome) (rate(guard_mirror_total{{{sel},outcome=~"error|timeout"}}'
             f"[{w}])) / sum without (outcome) (rate(guard_mirror_total"
@@ -286,7 +286,7 @@ def _generation_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     """GuardGenerationKldHigh: the compared completions' mean KLD per token over the window."""
     sel, w = model_selector(model.name), settings.rate_window
     limit = model.generation.max_mean_kld
-    return _alert(
+    return alert_rule(
         "GuardGenerationKldHigh",
         f"rate(guard_generation_kld_sum{{{sel}}}[{w}]) / rate(guard_generation_kld_count"
         f"{{{sel}}}[{w}]) > {limit!r}",
@@ -327,7 +327,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
     else:
         consequence = f"policy.action is {policy.action}: {switching}"
     if policy.detector == "window":
-        return _alert(
+        return alert_rule(
             "GuardDriftOverThreshold",
             drift_condition(model, sel),
             settings.drift_for, "critical",
@@ -343,7 +343,7 @@ def _drift_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
         false_alarms = f"policy.false_alarms_per_day={policy.false_alarms_per_day:g}"
     else:  # the ARL0 the guard itself uses (its default when unset)
         false_alarms = f"policy.arl0={policy.arl0_for(model.mirror.sample_rate):g}"
-    return _alert(
+    return alert_rule(
         "GuardDriftOverThreshold",
         drift_condition(model, sel),
         settings.drift_for, "critical",
@@ -398,7 +398,7 @@ def _enough(sel: str, policy) -> str:
 
 def availability_rules(settings: RuleSettings) -> list[dict]:
     window = settings.reload_window
-    return [_alert(
+    return [alert_rule(
         "GuardDown",
         f'up{{job="{settings.job}"}} == 0',
         settings.down_for, "critical",
@@ -407,7 +407,7 @@ def availability_rules(settings: RuleSettings) -> list[dict]:
         f"{settings.job}) for {settings.down_for}. Clients reach the model through the guard: "
         "the model on this replica is probably unreachable too.",
         settings,
-    ), _alert(
+    ), alert_rule(
         "GuardConfigReloadFailed",
         # A reload that went wrong counts once (the file is not retried until it changes
         # again): the alert holds for the window, then resolves.
@@ -419,7 +419,7 @@ def availability_rules(settings: RuleSettings) -> list[dict]:
         "in force; failed: a changed model did not load and its previous version keeps "
         "serving. Until fixed, the guard runs something other than its config file says.",
         settings,
-    ), _alert(
+    ), alert_rule(
         "GuardVerifierDown",
         f'guard_verifier_up{{job="{settings.job}"}} == 0',
         settings.verifier_for, "warning",
@@ -443,11 +443,12 @@ def rule_groups(models: list[ModelThresholds], settings: RuleSettings) -> list[d
 
 
 def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "prometheus",
-           source: str = "", labels: dict[str, str] | None = None) -> str:
+           source: str = "", labels: dict[str, str] | None = None, fleet=None) -> str:
     """The rule file (``prometheus``) or a PrometheusRule custom resource, as YAML text.
     ``labels``: more labels on the PrometheusRule's metadata (the Prometheus Operator picks
     the rules of a Prometheus by them: kube-prometheus-stack's ``release``); a rule file has no
-    metadata, so labels with ``prometheus`` are an error rather than dropped."""
+    metadata, so labels with ``prometheus`` are an error rather than dropped. ``fleet`` (a
+    ``FleetSettings``): with the rules that pool each model's replicas (guard/deploy/fleet.py)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
     labels = labels or {}
@@ -455,6 +456,10 @@ def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "pr
         raise ValueError("--label: labels go on a PrometheusRule's metadata; a Prometheus rule "
                          "file has none: add --format prometheusrule")
     groups = rule_groups(models, settings)
+    if fleet is not None:
+        from guard.deploy.fleet import fleet_groups
+
+        groups += fleet_groups(models, settings, fleet)
     if fmt == "prometheus":
         document: dict = {"groups": groups}
     else:
@@ -468,9 +473,10 @@ def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "pr
             },
             "spec": {"groups": groups},
         }
-    flags = "".join(f" --label {key}={value}" for key, value in labels.items())
-    header = ("# Generated by `guard deploy rules" + (f" --config {source}" if source else "")
-              + f" --format {fmt}{flags}`. Do not edit: change the guard config and "
-              "regenerate.\n")
+    flags = ((f" --config {source}" if source else "") + f" --format {fmt}"
+             + "".join(f" --label {key}={value}" for key, value in labels.items())
+             + (fleet.flags() if fleet is not None else ""))
+    header = (f"# Generated by `guard deploy rules{flags}`. Do not edit: change the guard config "
+              "and regenerate.\n")
     # width: one line per expression and annotation, never folded mid-expression.
     return header + yaml.safe_dump(document, sort_keys=False, width=1000, allow_unicode=True)

@@ -52,6 +52,7 @@ class AttachedEnvoy:
         self.on_started = on_started
         self.admin_port = settings.attach_admin_port
         self.listener_port = 0  # its listeners are the mesh's, not one guard knows
+        self.listener_ports: dict[str, int] = {}
         self.generation = 0
         self.process = None  # no child process of guard's
         self.restarts, self.up = envoy_series(metrics_registry)
@@ -83,7 +84,7 @@ class AttachedEnvoy:
             return False
         return True
 
-    def start(self, _listener_port: int = 0) -> None:
+    def start(self, _listener_ports: dict[str, int] | None = None) -> None:
         deadline = time.monotonic() + self.settings.start_timeout_s
         while self._marked() is None or not self._mark():
             if time.monotonic() > deadline:

@@ -3,10 +3,13 @@
 What the bootstrap holds (docs/envoy.md):
 
 - one listener on ``server.host:grpc_port`` (TLS from ``server.tls``) with an HTTP connection
-  manager whose filters are, in order: grpc_field_extraction (only when the config has several
-  models: the model name is inside the request body), ext_proc (observability mode, toward
-  guard's observer), grpc_stats (gRPC status per cluster, for guard_request_errors_total), the
-  router;
+  manager whose filters are, in order: grpc_field_extraction and the Lua re-route (only when
+  the config has several models: the model name is inside the request body), the Lua that
+  takes the sampled twins' mark out of answers (with the tap: ``Chain``), the observing filter
+  (the tap, or ext_proc in observability mode toward guard's observer), grpc_stats (gRPC status
+  per cluster, for guard_request_errors_total), the router;
+- for generation models (backend ``openai``), a second listener on ``server.http_port``:
+  guard/envoy/openai_listener.py;
 - per model, a cluster per serving upstream (``guard_<model>_primary``, ``guard_<model>_fallback``;
   HTTP/2), and for a model that samples a twin of each (``..._sampled``, the same upstream);
   the model's ModelInfer route is a ``weighted_clusters`` whose weights come from Envoy's
@@ -16,9 +19,9 @@ What the bootstrap holds (docs/envoy.md):
 - sampling decided in Envoy, stable on ``x-request-id``: the cluster is chosen by the hash of
   the call's x-request-id (``use_hash_policy``), the sampled twin weighing the model's sample
   rate (its mirror rate, or capture rate for capture mode "all", the larger one) in a million;
-  ext_proc is off (``ExtProcPerRoute.disabled`` on the cluster's entry) for every cluster but
-  the sampled twins, so an unsampled call never reaches guard, and an id is sampled, or not,
-  on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
+  the observing filter is off on every cluster's entry but the sampled twins' (and the tap
+  keeps only the calls whose answer a twin marked, ``Chain``), so an unsampled call never
+  reaches guard, and an id is sampled, or not, on every replica alike. (A route ``runtime_fraction`` would draw a random number per call:
   measured, the same id was sampled on some calls and not on others);
 - ``/grpc.health.v1.Health/`` routed to guard's own health server on loopback: readiness on
   grpc_port means Envoy's listener, guard and (guard's readiness) the upstreams are up;
@@ -39,12 +42,15 @@ import re
 from dataclasses import dataclass, field
 
 from guard.config import GuardConfig, ModelConfig
+from guard.envoy.process import GRPC_LISTENER
 from guard.observe.metrics import LATENCY_BUCKETS
 
 SERVICE = "inference.GRPCInferenceService"
 MODEL_INFER = f"/{SERVICE}/ModelInfer"
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 ROUTE_HEADER = "guard-route"
+SAMPLED_HEADER = "guard-sampled"  # a sampled twin's answers, for the tap's match (Chain)
+LUA_FILTER = "envoy.filters.http.lua"
 OBSERVER_CLUSTER = "guard_observer"
 HEALTH_CLUSTER = "guard_health"
 EXTRACTION_FILTER = "envoy.filters.http.grpc_field_extraction"
@@ -108,15 +114,19 @@ class Ports:
     admin: int
     observer: int
     health: int
+    http_listener: int = 0  # Envoy's HTTP listener (server.http_port; generation models)
+    http_health: int = 0  # guard's HTTP health and model list (server.envoy.http_health_port)
 
 
 @dataclass
 class Layout:
     """What the rest of guard needs to know of a bootstrap: its clusters (cluster -> (model,
-    route), to read Envoy's stats back) and its observing filter ("tap", "ext_proc", or None
-    when no model samples)."""
+    route), to read Envoy's stats back; ``http_clusters``: those of generation models, whose
+    calls are HTTP) and its observing filter ("tap", "ext_proc", or None when no model
+    samples)."""
 
     clusters: dict[str, tuple[str, str]] = field(default_factory=dict)
+    http_clusters: set[str] = field(default_factory=set)
     observer: str | None = None
 
 
@@ -124,21 +134,28 @@ def _address(host: str, port: int) -> dict:
     return {"socket_address": {"address": host.strip("[]"), "port_value": port}}
 
 
-def _http2_cluster(name: str, host: str, port: int, *, tls: dict | None = None,
-                   dns: bool = False) -> dict:
+def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict | None = None,
+             dns: bool | None = None, connect_timeout_s: float = 1.0,
+             max_connections: int | None = None) -> dict:
+    """A cluster of one endpoint, over HTTP/2 (gRPC) or HTTP/1.1 (``http2=False``: the
+    OpenAI-compatible servers, most of which speak no h2c); ``dns``: resolve ``host`` (default:
+    when it is not an IP address)."""
+    if dns is None:
+        dns = not _is_ip(host)
+    protocol = {"http2_protocol_options": {}} if http2 else {"http_protocol_options": {}}
     cluster = {
         "name": name,
         "type": "STRICT_DNS" if dns else "STATIC",
-        "connect_timeout": "1s",
+        "connect_timeout": f"{connect_timeout_s:g}s",
         "load_assignment": {"cluster_name": name, "endpoints": [{"lb_endpoints": [
             {"endpoint": {"address": _address(host, port)}}]}]},
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": {"http2_protocol_options": {}}}},
+                "explicit_http_config": protocol}},
         # Envoy's defaults (1024 pending / in flight) would refuse a burst that guard's own
         # max_concurrent_requests admits; the model server is the limit, not the proxy.
-        "circuit_breakers": {"thresholds": [{"max_connections": 100000,
+        "circuit_breakers": {"thresholds": [{"max_connections": max_connections or 100000,
                                              "max_pending_requests": 100000,
                                              "max_requests": 100000}]},
     }
@@ -175,43 +192,119 @@ def _upstream_cluster(name: str, spec) -> dict:
         tls = {"sni": host, "common_tls_context": {
             "alpn_protocols": ["h2"],
             "validation_context": {"trusted_ca": {"filename": roots}}}}
-    return _http2_cluster(name, host, port, tls=tls, dns=not _is_ip(host))
+    return _cluster(name, host, port, tls=tls)
 
 
 def roles_of(model: ModelConfig) -> tuple[str, ...]:
     return tuple(r for r in ROLES if getattr(model, r) is not None)
 
 
-def _weighted(model: ModelConfig, observer: str | None) -> dict:
+def model_clusters(model: ModelConfig) -> list[tuple[str, str, bool]]:
+    """(cluster name, role, sampled) of each of a model's clusters: one per serving role, and
+    for a model that samples the sampled twin of each."""
+    twins = (False, True) if round(sample_rate(model) * WEIGHTS) else (False,)
+    return [(cluster_name(model.name, role, sampled), role, sampled)
+            for role in roles_of(model) for sampled in twins]
+
+
+def cluster_entries(model: ModelConfig, marked: bool = False) -> list[tuple[dict, str, bool]]:
+    """The ``weighted_clusters`` entries of a model's route (with the weights it starts on,
+    its primary's, until the runtime says otherwise), each answer named by its route in the
+    ``guard-route`` header, and (``marked``) a sampled twin's answers marked for the tap
+    (``Chain``); beside each, its role and whether it is a sampled twin."""
+    defaults = route_values(model.name, "primary", roles_of(model), sample_rate(model))
+    entries = []
+    for name, role, sampled in model_clusters(model):
+        headers = [{"header": {"key": ROUTE_HEADER, "value": role},
+                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
+        if sampled and marked:
+            headers.append({"header": {"key": SAMPLED_HEADER, "value": "1"},
+                            "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"})
+        entries.append(({"name": name, "weight": defaults[route_key(model.name, role, sampled)],
+                         "response_headers_to_add": headers}, role, sampled))
+    return entries
+
+
+def router_filter() -> dict:
+    return {"name": "envoy.filters.http.router", "typed_config": {
+        "@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"}}
+
+
+@dataclass(frozen=True)
+class Chain:
+    """How a listener's filter chain observes the sampled calls: its observing filter
+    (``observer``: "tap", "ext_proc", or None when none of its models samples), and whether
+    its routes are chosen again once the body has been read (``by_body``: several models).
+
+    Envoy creates a call's filters once, for the route chosen at its headers: a filter turned
+    off there (the generic ``FilterConfig.disabled``, the tap's only off switch) does not exist
+    for the call, whatever route is chosen afterwards. So in a chain that routes by the body
+    the tap must exist for every call, and which calls it keeps is said by the sampled twins
+    themselves: their answers carry the header ``guard-sampled`` (``SAMPLED_HEADER``), the
+    tap keeps only calls whose answer has it (guard/envoy/tap_filter.py), and a Lua filter
+    takes it out of the answer before the client sees it. A one-model chain's route is final
+    at the headers, so there the tap and that Lua exist only for the sampled twins' calls.
+    ext_proc reads its per-route switch per call, after any re-route: no marker needed."""
+
+    observer: str | None
+    by_body: bool = False
+
+    @property
+    def marked(self) -> bool:
+        """Sampled twins mark their answers (for the tap's match)."""
+        return self.observer == "tap"
+
+    def off(self) -> dict:
+        """``typed_per_filter_config`` that turns the observing filter off on a route or a
+        cluster entry (and the marker's Lua, in a one-model chain); {} with no observer."""
+        off = _off(self.observer)
+        if self.marked and not self.by_body:
+            off[LUA_FILTER] = {"@type": _TYPE + "envoy.config.route.v3.FilterConfig",
+                               "disabled": True}
+        return off
+
+    def off_before_body(self) -> dict:
+        """``off`` for a route that may be chosen at the headers and then again once the body
+        is read: in a tap chain that routes by the body, none (see the class)."""
+        return {} if self.by_body and self.marked else self.off()
+
+    def filters(self, body_filter: dict | None = None) -> list[dict]:
+        """The chain's filters up to its observing filter: the body's reader
+        (``body_filter``) and the re-route when ``by_body``, the marker's Lua, the observer."""
+        out = [body_filter] if self.by_body and body_filter is not None else []
+        if self.by_body or self.marked:
+            out.append(_lua_filter(reroute=self.by_body, strip=self.marked))
+        if self.observer:
+            out.append(observing_filter(self.observer))
+        return out
+
+
+def _weighted(model: ModelConfig, chain: Chain, compared: bool = True) -> dict:
     """The route action of a model's calls: its clusters weighted by runtime keys (defaults:
     the primary), chosen by the hash of the call's x-request-id (Envoy makes one for a call
     without), so that a given id is sampled, or not, on every replica. The unsampled clusters
-    turn the observing filter (``observer``: tap or ext_proc; None: the chain has none) off."""
-    rate = sample_rate(model)
-    defaults = route_values(model.name, "primary", roles_of(model), rate)
-    clusters = []
-    for role in roles_of(model):
-        for sampled in ((False, True) if defaults.get(route_key(model.name, role, True)) is not
-                        None else (False,)):
-            entry = {
-                "name": cluster_name(model.name, role, sampled),
-                "weight": defaults[route_key(model.name, role, sampled)],
-                "response_headers_to_add": [{
-                    "header": {"key": ROUTE_HEADER, "value": role},
-                    "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]}
-            if not sampled and observer:
-                entry["typed_per_filter_config"] = _off(observer)
-            clusters.append(entry)
+    turn the chain's observing filter off; the sampled twins mark the answers of the calls
+    that are ``compared`` (ModelInfer's, not the metadata calls that share the clusters)."""
+    clusters, hashed = [], False
+    for entry, _, sampled in cluster_entries(model, chain.marked and compared):
+        if not sampled and chain.observer:
+            entry["typed_per_filter_config"] = chain.off()
+        hashed = hashed or sampled
+        clusters.append(entry)
     timeout = float(model.primary.options.get("timeout_s", 10.0))
-    return {
-        "weighted_clusters": {"runtime_key_prefix": f"guard.{token(model.name)}.route",
-                              "use_hash_policy": True, "clusters": clusters},
-        "hash_policy": [{"header": {"header_name": "x-request-id"}}],
+    weighted: dict = {"runtime_key_prefix": f"guard.{token(model.name)}.route",
+                      "clusters": clusters}
+    action: dict = {
+        "weighted_clusters": weighted,
         # The client's deadline (grpc-timeout) is honoured as it is; without one, the
         # upstream's options.timeout_s, as in the Python data plane.
         "timeout": f"{timeout}s",
         "max_stream_duration": {"grpc_timeout_header_max": "0s"},
     }
+    if hashed:  # only a model with a sampled twin needs the id's hash (mirroring off: no cost)
+        weighted["use_hash_policy"] = True
+        action["hash_policy"] = [{"header": {"header_name": "x-request-id"}}]
+    return action
 
 
 def _off(observer: str | None) -> dict:
@@ -228,12 +321,12 @@ def _off(observer: str | None) -> dict:
         "disabled": True}}
 
 
-def _model_routes(model: ModelConfig, by_body: bool, observer: str | None) -> list[dict]:
+def _model_routes(model: ModelConfig, chain: Chain) -> list[dict]:
     """A model's routes: its ModelInfer calls, and its other per-model methods (metadata,
     readiness)."""
     def match(path: str | None = None, prefix: str | None = None) -> dict:
         out: dict = {"path": path} if path else {"prefix": prefix}
-        if by_body:
+        if chain.by_body:
             # The extraction files a value under its field's name.
             key = "model_name" if path == MODEL_INFER else "name"
             out["dynamic_metadata"] = [{
@@ -242,16 +335,16 @@ def _model_routes(model: ModelConfig, by_body: bool, observer: str | None) -> li
                 "value": {"list_match": {"one_of": {"string_match": {"exact": model.name}}}}}]
         return out
 
-    action = _weighted(model, observer)
     # ModelInfer: the observing filter is on for the sampled clusters only (their entries do
-    # not turn it off); every other call has it off on the route itself.
+    # not turn it off); every other call has it off on the route itself, and its answers are
+    # not marked.
     routes = [{"name": f"{token(model.name)}_infer", "match": match(path=MODEL_INFER),
-               "route": action}]
-    if by_body:
+               "route": _weighted(model, chain)}]
+    if chain.by_body:
         other = {"name": f"{token(model.name)}_other", "match": match(prefix=f"/{SERVICE}/"),
-                 "route": action}
-        if observer:
-            other["typed_per_filter_config"] = _off(observer)
+                 "route": _weighted(model, chain, compared=False)}
+        if chain.observer:
+            other["typed_per_filter_config"] = chain.off()
         routes.append(other)
     return routes
 
@@ -289,14 +382,26 @@ def _extraction_filter() -> dict:
             for method, field_name in _NAMED_METHODS.items()}}}
 
 
-def _reroute_filter() -> dict:
-    """Routes are chosen when the headers arrive, before the extraction has read the body:
-    this one line (Lua, on the headers, which reach it only once the extraction let them go)
-    has Envoy choose the route again, now with the model name in the dynamic metadata."""
-    return {"name": "envoy.filters.http.lua", "typed_config": {
+def _lua_filter(reroute: bool, strip: bool) -> dict:
+    """One line of Lua per job. ``reroute``: routes are chosen when the headers arrive, before
+    the body's reader has read the body; on the headers (which reach Lua only once the reader
+    let them go) Envoy chooses the route again, now with the model name in the dynamic
+    metadata. ``strip``: the sampled-twin marker (``Chain``) leaves the answer here, after the
+    tap (earlier in the encoding) has seen it."""
+    lines = []
+    if reroute:
+        lines.append("function envoy_on_request(handle) handle:clearRouteCache() end")
+    if strip:
+        lines.append("function envoy_on_response(handle) "
+                     f'handle:headers():remove("{SAMPLED_HEADER}") end')
+    return {"name": LUA_FILTER, "typed_config": {
         "@type": _TYPE + "envoy.extensions.filters.http.lua.v3.Lua",
-        "default_source_code": {"inline_string":
-                                "function envoy_on_request(handle) handle:clearRouteCache() end"}}}
+        "default_source_code": {"inline_string": "\n".join(lines)}}}
+
+
+def _reroute_filter() -> dict:
+    """The re-route alone (see ``_lua_filter``)."""
+    return _lua_filter(reroute=True, strip=False)
 
 
 def _ext_proc_filter() -> dict:
@@ -357,17 +462,23 @@ def build(config: GuardConfig, ports: Ports,
     """The bootstrap for ``config`` (a dict, dumped as YAML or JSON) and its layout.
     ``routes``: model -> "primary"/"fallback" to start on (the runtime's static layer), so
     that an Envoy started again begins where the last one was."""
+    from guard.envoy import openai_listener  # it builds on this module's pieces
+
     routes = routes or {}
     layout = Layout()
-    by_body = len(config.models) > 1
-    # No model samples: no observing filter at all (and nothing for it to skip per call).
-    observing = any(round(sample_rate(m) * WEIGHTS) for m in config.models)
-    observer = config.server.envoy.observer if observing else None
+    served = [m for m in config.models if not openai_listener.generative(m)]  # gRPC (OIP)
+    generating = [m for m in config.models if openai_listener.generative(m)]  # HTTP (OpenAI)
+    # No model samples: no observing filter at all (and nothing for it to skip per call); a
+    # listener whose models do not sample has none either.
+    observing = {kind: any(round(sample_rate(m) * WEIGHTS) for m in models)
+                 for kind, models in (("grpc", served), ("http", generating))}
+    observer = config.server.envoy.observer if any(observing.values()) else None
     layout.observer = observer
-    off = _off(observer)
-    clusters = [_http2_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health)]
-    if observer == "ext_proc":
-        clusters.insert(0, _http2_cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer))
+    chain = Chain(observer if observing["grpc"] else None, by_body=len(served) > 1)
+    off = chain.off()
+    clusters = [_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.health)]
+    if chain.observer == "ext_proc":
+        clusters.insert(0, _cluster(OBSERVER_CLUSTER, "127.0.0.1", ports.observer))
     health = {"name": "health", "match": {"prefix": HEALTH_PREFIX},
               "route": {"cluster": HEALTH_CLUSTER, "timeout": "5s"}}
     if off:
@@ -375,27 +486,31 @@ def build(config: GuardConfig, ports: Ports,
     virtual_routes: list[dict] = [health]
     static: dict[str, float] = {}
     for model in config.models:
-        rate = sample_rate(model)
-        for role in roles_of(model):
-            for sampled in (False, True) if round(rate * WEIGHTS) else (False,):
-                name = cluster_name(model.name, role, sampled)
-                clusters.append(_upstream_cluster(name, getattr(model, role)))
-                layout.clusters[name] = (model.name, role)
         static.update(route_values(model.name, routes.get(model.name, "primary"),
-                                   roles_of(model), rate))
-        virtual_routes += _model_routes(model, by_body, observer)
-    if config.models:
+                                   roles_of(model), sample_rate(model)))
+    for model in served:
+        for name, role, _ in model_clusters(model):
+            clusters.append(_upstream_cluster(name, getattr(model, role)))
+            layout.clusters[name] = (model.name, role)
+        virtual_routes += _model_routes(model, chain)
+    if served:
         # Server-wide calls (ServerLive, ServerReady, ModelConfig...) go to the first model's
-        # server, on its current route.
+        # server, on its current route. With several models, every ModelInfer's route too
+        # until its body is read.
         server = {"name": "server", "match": {"prefix": f"/{SERVICE}/"},
-                  "route": _weighted(config.models[0], observer)}
-        if off:
-            server["typed_per_filter_config"] = off
+                  "route": _weighted(served[0], chain, compared=False)}
+        if chain.off_before_body():
+            server["typed_per_filter_config"] = chain.off_before_body()
         virtual_routes.append(server)
-    filters = ([_extraction_filter(), _reroute_filter()] if by_body else []) + (
-        [observing_filter(observer)] if observer else []) + [_grpc_stats_filter(),
-        {"name": "envoy.filters.http.router", "typed_config": {
-            "@type": _TYPE + "envoy.extensions.filters.http.router.v3.Router"}}]
+    filters = chain.filters(_extraction_filter() if chain.by_body else None) + [
+        _grpc_stats_filter(), router_filter()]
+    listeners = []
+    if generating:  # the OpenAI-compatible HTTP listener (server.http_port)
+        http_chain = Chain(observer if observing["http"] else None,
+                           by_body=len(generating) > 1)
+        http, http_clusters = openai_listener.listener(config, ports, http_chain, layout)
+        listeners.append(http)
+        clusters += http_clusters
     size = config.server.max_message_bytes
     manager = {
         "@type": _TYPE + "envoy.extensions.filters.network.http_connection_manager.v3."
@@ -430,9 +545,9 @@ def build(config: GuardConfig, ports: Ports,
             "match": {"safe_regex": {"regex": r"^cluster\.guard_.*\.upstream_rq_time$"}},
             "buckets": [b * 1000 for b in LATENCY_BUCKETS]}]},
         "static_resources": {
-            "listeners": [{"name": "guard_grpc",
+            "listeners": [{"name": GRPC_LISTENER,
                            "address": _address(config.server.host, ports.listener),
-                           "filter_chains": [chain]}],
+                           "filter_chains": [chain]}, *listeners],
             "clusters": clusters},
     }
     return bootstrap, layout
@@ -444,11 +559,16 @@ def dump(bootstrap: dict, as_json: bool = False) -> str:
         return json.dumps(bootstrap, indent=1)
     import yaml
 
-    return yaml.safe_dump(bootstrap, sort_keys=False)
+    class Plain(yaml.SafeDumper):  # every value written out: no &anchors for repeated parts
+        def ignore_aliases(self, data) -> bool:
+            return True
+
+    return yaml.dump(bootstrap, Dumper=Plain, sort_keys=False)
 
 
 def ports_of(config: GuardConfig) -> Ports:
     """The ports as configured (``guard deploy envoy``): 0 stays 0 (Envoy picks)."""
     server = config.server
     return Ports(server.grpc_port, server.envoy.admin_port, server.envoy.observer_port,
-                 server.envoy.health_port)
+                 server.envoy.health_port, server.http_port or 0,
+                 server.envoy.http_health_port)

@@ -1,18 +1,23 @@
 """An observed call (guard/envoy/observer.py) into the sample ring, the way the Python data plane
 hands off an upstream's answer (guard/serve/model.py ``hand_off``): the serialized
-request and answer as they were, decoded only in the verifier.
+request and answer as they were, decoded only in the verifier. A generation model's call
+(an OpenAI-compatible HTTP call the tap traced, guard/envoy/llm_calls.py) goes as the
+``GenerationSample`` the Python HTTP edge would have made of it (``wire.Generation``).
 
 Sampling was decided in Envoy (the model's sampled route), so every observed call of a model is
 a sample: MIRROR when the model has a reference (and, on the fallback, only while probing, as in
 the Python data plane), CAPTURE for capture mode "all". Runs on the observer's event loop: one
 model lookup, a peek at the request's model name (guard/protocol/raw.py) and one copy into the
-ring; never a wait. A full ring drops the sample and counts it, as on the request path.
+ring; never a wait (a traced LLM call: its events parsed once, on the tap's reader thread). A
+full ring drops the sample and counts it, as on the request path.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Mapping, Protocol
 
+from guard.envoy.llm_calls import NotComparable, ObservedHttpCall, parse, sample
+from guard.envoy.openai_listener import generative
 from guard.ipc import wire
 from guard.ipc.ring import SampleRing
 from guard.observe.metrics import GuardMetrics
@@ -27,6 +32,7 @@ class Sampled(Protocol):
     slot: int
     mirror_rate: float
     capture_rate: float
+    config: object  # its ModelConfig
 
     def route_word(self) -> tuple[str, int, bool]: ...
 
@@ -43,7 +49,10 @@ class HandOff:
     def on_call(self, call) -> None:
         """The observer's ``on_call``: an ObservedCall into the ring (or not, and why not is
         an answer that cannot be compared: an error status, another method, an unknown
-        model)."""
+        model); an ObservedHttpCall as a generation sample."""
+        if isinstance(call, ObservedHttpCall):
+            self._generation(call)
+            return
         if call.path != MODEL_INFER or call.grpc_status not in (0, None) or not call.response:
             return
         try:
@@ -53,20 +62,46 @@ class HandOff:
         model = self.models().get(name)
         if model is None:
             return
+        route, epoch, flags = self._routed(model, call.route)
+        if flags:
+            self._put(wire.Sample(name, model.slot, route, epoch, flags, call.request_id,
+                                  call.traceparent, call.seconds,
+                                  wire.Messages(call.request, call.response)))
+
+    def _generation(self, call: ObservedHttpCall) -> None:
+        parsed = parse(call)
+        model = self.models().get(parsed.model) if parsed is not None else None
+        if model is None or not generative(model.config):  # a name the upstream answered
+            return
+        route, epoch, flags = self._routed(model, call.route)
+        if not flags:
+            return
+        try:
+            generated = sample(call, parsed, route)
+        except NotComparable as why:
+            self.metrics.generation_not_comparable.labels(why.model, why.reason).inc()
+            return
+        self._put(wire.Sample(parsed.model, model.slot, route, epoch, flags, call.request_id,
+                              call.traceparent, call.seconds, wire.Generation(generated)))
+
+    @staticmethod
+    def _routed(model: Sampled, answered_on: str) -> tuple[str, int, int]:
+        """(route, epoch, flags) of an observed call of ``model``: the route that answered it
+        (Envoy's guard-route header, else the model's route word); flags 0 when it is not to
+        be handed on (on the fallback, mirrored only while probing, as in the Python data
+        plane)."""
         route, epoch, probing = model.route_word()
-        if call.route in ("primary", "fallback"):
-            route = call.route  # what answered it, from Envoy's guard-route header
+        if answered_on in ("primary", "fallback"):
+            route = answered_on
         flags = 0
         if model.mirror_rate and (route != "fallback" or probing):
             flags |= wire.MIRROR
         if model.capture_rate:
             flags |= wire.CAPTURE
-        if not flags:
-            return
-        sample = wire.Sample(name, model.slot, route, epoch, flags, call.request_id,
-                             call.traceparent, call.seconds,
-                             wire.Messages(call.request, call.response))
-        if wire.hand_off(self.ring, sample, *self._dropped(name, flags)):
+        return route, epoch, flags
+
+    def _put(self, sample: wire.Sample) -> None:
+        if wire.hand_off(self.ring, sample, *self._dropped(sample.model, sample.flags)):
             self.handed += 1
 
     def _dropped(self, name: str, flags: int) -> tuple:

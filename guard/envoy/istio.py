@@ -33,6 +33,7 @@ import ipaddress
 
 from guard.config import GuardConfig
 from guard.envoy import bootstrap
+from guard.envoy.openai_listener import generative
 from guard.envoy.servable import require_servable
 from guard.errors import GuardError
 
@@ -105,6 +106,12 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
     require_servable(config)
     if not config.models:
         raise GuardError("models: none to route")
+    generating = [i for i, m in enumerate(config.models) if generative(m)]
+    if generating:
+        raise GuardError(f"models[{generating[0]}]: a generation model's calls are HTTP on "
+                         "server.http_port, which this EnvoyFilter (guard's gRPC pieces on the "
+                         "sidecar's inbound listener) does not carry: serve it with guard's "
+                         "own Envoy (`guard deploy envoy`) or server.data_plane: python")
     observer = observer_of(config)
     if observer == "ext_proc" and not observer_port:
         raise GuardError("server.envoy.observer_port: 0 (a free port chosen when guard starts) "
@@ -120,30 +127,29 @@ def config_patches(config: GuardConfig, observer_port: int, port: int | None = N
                         "patch": {"operation": "ADD", "value": value}})
 
     if observer == "ext_proc":
-        cluster(bootstrap._http2_cluster(bootstrap.OBSERVER_CLUSTER, "127.0.0.1",
-                                         observer_port))
+        cluster(bootstrap._cluster(bootstrap.OBSERVER_CLUSTER, "127.0.0.1", observer_port))
     for model in config.models:
-        rate = bootstrap.sample_rate(model)
-        for role in bootstrap.roles_of(model):
-            for sampled in (False, True) if round(rate * bootstrap.WEIGHTS) else (False,):
-                cluster(bootstrap._upstream_cluster(
-                    bootstrap.cluster_name(model.name, role, sampled), getattr(model, role)))
+        for name, role, _ in bootstrap.model_clusters(model):
+            cluster(bootstrap._upstream_cluster(name, getattr(model, role)))
 
-    filters = ([bootstrap._extraction_filter(), bootstrap._reroute_filter()] if by_body
-               else []) + [bootstrap.observing_filter(observer), bootstrap._grpc_stats_filter()]
+    chain = bootstrap.Chain(observer, by_body)
+    filters = chain.filters(bootstrap._extraction_filter() if by_body else None) + [
+        bootstrap._grpc_stats_filter()]
     for value in filters:  # each before the router, so in this order
         patches.append({"applyTo": "HTTP_FILTER", "match": _listener_match(port),
                         "patch": {"operation": "INSERT_BEFORE", "value": value}})
 
     routes = [r for model in config.models
-              for r in bootstrap._model_routes(model, by_body, observer)]
+              for r in bootstrap._model_routes(model, chain)]
     for route in reversed(routes):  # each INSERT_FIRST goes before the last: reversed, in order
         patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port),
                         "patch": {"operation": "INSERT_FIRST", "value": route}})
-    # Istio's own route for the port: everything guard's routes do not take, ext_proc off.
-    patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port, "default"),
-                    "patch": {"operation": "MERGE",
-                              "value": {"typed_per_filter_config": bootstrap._off(observer)}}})
+    # Istio's own route for the port: everything guard's routes do not take (and, with several
+    # models, every call until its body is read), the observer off where that holds.
+    off = chain.off_before_body()
+    if off:
+        patches.append({"applyTo": "HTTP_ROUTE", "match": _route_match(port, "default"),
+                        "patch": {"operation": "MERGE", "value": {"typed_per_filter_config": off}}})
     return patches
 
 

@@ -5,7 +5,9 @@ data plane and hands the request path to Envoy:
 - guard's own gRPC server listens on loopback (``server.envoy.health_port``) with gRPC health
   only; Envoy routes ``/grpc.health.v1.Health/`` on ``grpc_port`` there, so a probe on
   ``grpc_port`` is answered only when Envoy's listener and guard are up, and guard is ready
-  only once it has loaded the models (upstreams ready) and Envoy serves;
+  only once it has loaded the models (upstreams ready) and Envoy serves; with generation
+  models, likewise guard's HTTP health and model list on ``server.envoy.http_health_port``,
+  where Envoy's HTTP listener (``server.http_port``) routes ``/health*`` and ``/v1/models``;
 - the observer of sampled calls, its calls into the sample ring (guard/envoy/hand_off.py): a
   tap held on Envoy's admin API (guard/envoy/tap_filter.py, ``server.envoy.observer: tap``, the
   default) or an ext_proc service on loopback (guard/envoy/observer.py);
@@ -30,7 +32,7 @@ from guard.config import GuardConfig
 from guard.envoy import bootstrap, stats
 from guard.envoy.attached import AttachedEnvoy
 from guard.envoy.hand_off import HandOff
-from guard.envoy.process import EnvoyProcess, find_envoy
+from guard.envoy.process import GRPC_LISTENER, HTTP_LISTENER, EnvoyProcess, find_envoy
 from guard.envoy.routes import RouteSync
 from guard.errors import GuardError, install_hint
 from guard.ipc.ring import SampleRing
@@ -51,6 +53,7 @@ class EnvoyPlane:
         self.layout = bootstrap.Layout()
         self.observer_port = 0
         self.health_port = 0
+        self.http_health_port = 0
         self.hand_off: HandOff | None = None
         self.routes: RouteSync | None = None
         self.process: EnvoyProcess | AttachedEnvoy | None = None
@@ -84,19 +87,34 @@ class EnvoyPlane:
         return bool(self.settings.attach_admin_port)
 
     @property
+    def generates(self) -> bool:
+        """The config has generation models: Envoy's HTTP listener forwards their calls."""
+        from guard.envoy.openai_listener import generative
+
+        return any(generative(m) for m in self.config.models)
+
+    @property
     def listener_port(self) -> int:
         return self.process.listener_port if self.process is not None else 0
+
+    @property
+    def http_listener_port(self) -> int:
+        """Envoy's OpenAI-compatible HTTP listener (0 without generation models)."""
+        return self.process.listener_ports.get(HTTP_LISTENER, 0) if self.process else 0
 
     @property
     def admin_port(self) -> int:
         return self.process.admin_port if self.process is not None else 0
 
     # -- start / stop ------------------------------------------------------------------------
-    async def start(self, models: Callable[[], Mapping], health_port: int) -> None:
+    async def start(self, models: Callable[[], Mapping], health_port: int,
+                    http_health_port: int = 0) -> None:
         """Start the observer and Envoy (after the models loaded: the bootstrap starts them on
-        their current routes); GuardError when Envoy does not come up."""
+        their current routes); GuardError when Envoy does not come up. ``health_port``,
+        ``http_health_port``: where guard's own gRPC and HTTP health servers listen."""
         self.models = models
         self.health_port = health_port
+        self.http_health_port = http_health_port
         self.hand_off = HandOff(models, self.ring, self.metrics)
         if self.settings.observer == "tap":
             from guard.envoy.observer import Outcomes
@@ -110,7 +128,7 @@ class EnvoyPlane:
             await self._start_ext_proc(2 * self.config.server.max_message_bytes)
         self.routes = RouteSync(models, lambda: self.admin_port)
         if self.attached:
-            self._bootstrap(0, self.settings.attach_admin_port)  # the layout, and whether to tap
+            self._bootstrap({}, self.settings.attach_admin_port)  # the layout, and whether to tap
             self.process = AttachedEnvoy(self.settings, self.metrics.registry,
                                          on_started=self._on_started)
         else:
@@ -118,8 +136,10 @@ class EnvoyPlane:
                                         self.metrics.registry, on_started=self._on_started)
         if self._tap is not None:
             self._tap.start()  # attaches once an Envoy with a tap filter serves
-        await asyncio.get_running_loop().run_in_executor(
-            None, self.process.start, self.config.server.grpc_port)
+        listeners = {GRPC_LISTENER: self.config.server.grpc_port}
+        if http_health_port:  # generation models: Envoy's HTTP listener too
+            listeners[HTTP_LISTENER] = self.config.server.http_port or 0
+        await asyncio.get_running_loop().run_in_executor(None, self.process.start, listeners)
         self.routes.start()
         await self._tap_attached()
         if self.attached:
@@ -131,6 +151,8 @@ class EnvoyPlane:
             return
         emit("envoy_started", pid=self.process.process.pid, binary=self.binary,
              listener=f"{self.config.server.host}:{self.listener_port}",
+             http_listener=(f"{self.config.server.host}:{self.http_listener_port}"
+                            if self.http_listener_port else None),
              admin=f"127.0.0.1:{self.admin_port}",
              observer=("tap" if self._tap is not None else f"ext_proc 127.0.0.1:"
                                                             f"{self.observer_port}"),
@@ -167,12 +189,21 @@ class EnvoyPlane:
         if self._tap is not None:
             self._tap.reattach(wanted=self.layout.observer == "tap")
 
-    def _bootstrap(self, listener_port: int, admin_port: int) -> dict:
+    def _bootstrap(self, listeners: dict[str, int], admin_port: int) -> dict:
         routes = self.routes.current() if self.routes is not None else {}
-        ports = bootstrap.Ports(listener_port, admin_port, self.observer_port, self.health_port)
-        built, self.layout = bootstrap.build(self.config, ports, routes)
+        built, self.layout = bootstrap.build(self.config, self._ports(listeners, admin_port),
+                                             routes)
         self._running = _without_routes(built)
         return built
+
+    def _ports(self, listeners: dict[str, int], admin_port: int) -> bootstrap.Ports:
+        """The bootstrap's ports: the listeners where they are bound (a listener a reload adds
+        gets its configured port), guard's own servers where they listen."""
+        server = self.config.server
+        return bootstrap.Ports(
+            listeners.get(GRPC_LISTENER, server.grpc_port), admin_port, self.observer_port,
+            self.health_port, listeners.get(HTTP_LISTENER, server.http_port or 0),
+            self.http_health_port)
 
     async def stop(self) -> None:
         """Envoy first (it drains, then exits), then the route watcher and the observer."""
@@ -194,8 +225,7 @@ class EnvoyPlane:
         self.config = config
         if self.process is None:
             return
-        ports = bootstrap.Ports(self.listener_port, self.settings.admin_port,
-                                self.observer_port, self.health_port)
+        ports = self._ports(self.process.listener_ports, self.settings.admin_port)
         built, _ = bootstrap.build(config, ports, self.routes.current())
         if _without_routes(built) == self._running:
             return
@@ -212,7 +242,7 @@ class EnvoyPlane:
         if process is None:
             return ""
         return self._stats.exposition(process.admin_port, self.layout.clusters,
-                                      process.generation)
+                                      process.generation, self.layout.http_clusters)
 
 
 def _without_routes(built: dict) -> dict:
@@ -221,5 +251,6 @@ def _without_routes(built: dict) -> dict:
     copy = json.loads(json.dumps(built))
     copy["layered_runtime"]["layers"][0]["static_layer"] = {}
     copy["admin"] = {}
-    copy["static_resources"]["listeners"][0]["address"]["socket_address"]["port_value"] = 0
+    for listener in copy["static_resources"]["listeners"]:
+        listener["address"]["socket_address"]["port_value"] = 0
     return copy

@@ -3,9 +3,10 @@ restart, stop.
 
 - **start**: the bootstrap goes to a file (JSON) in a folder of guard's own; Envoy runs as
   ``envoy -c FILE --concurrency N --use-dynamic-base-id --base-id-path ... --restart-epoch 0``.
-  Ready means admin ``/ready`` answers LIVE and the listener is bound (its port read from
-  ``/listeners``: with ``grpc_port: 0`` Envoy picks it, and every later start is given that
-  port, so clients keep their address across a restart).
+  Ready means admin ``/ready`` answers LIVE and every listener of the bootstrap is bound (the
+  gRPC one, and the HTTP one of generation models; their ports read from ``/listeners``: with
+  a port of 0 Envoy picks it, and every later start is given that port, so clients keep their
+  address across a restart).
 - **watch**: guard's one ``ChildSupervisor`` (guard/runtime/children.py, the same as for the
   verifier and the serving processes) waits for the child's exit (a pidfd, so no polling); a
   death is counted (``guard_envoy_restarts_total``), an event (``envoy_lost``), and Envoy
@@ -49,6 +50,9 @@ from guard.observe.events import emit
 from guard.runtime.children import RESTART_POLICIES, ChildSupervisor
 
 _CANNOT_BIND = re.compile(r"cannot bind '([^']+)': ([^`|\n]+)")
+GRPC_LISTENER, HTTP_LISTENER = "guard_grpc", "guard_http"  # the bootstrap's listeners
+# The config key of each listener's port, for a port Envoy cannot bind.
+LISTENER_KEYS = {GRPC_LISTENER: "server.grpc_port", HTTP_LISTENER: "server.http_port"}
 
 
 def find_envoy(settings: EnvoyConfig) -> str | None:
@@ -96,11 +100,12 @@ class EnvoyProcess:
     fields: dict = {}
 
     def __init__(self, binary: str, settings: EnvoyConfig,
-                 bootstrap: Callable[[int, int], dict], metrics_registry=None,
+                 bootstrap: Callable[[dict[str, int], int], dict], metrics_registry=None,
                  on_started: Callable[["EnvoyProcess"], None] | None = None):
-        """``bootstrap(listener_port, admin_port)``: the bootstrap to start with (called again
-        for each start); ``on_started``: called (on the starting thread) once an Envoy is
-        ready, with ``admin_port`` and ``listener_port`` set."""
+        """``bootstrap(listener_ports, admin_port)``: the bootstrap to start with (called again
+        for each start; ``listener_ports``: listener name -> the port it had, where it had
+        one); ``on_started``: called (on the starting thread) once an Envoy is ready, with
+        ``admin_port`` and ``listener_ports`` set."""
         from prometheus_client import Counter
 
         self.binary = binary
@@ -109,7 +114,7 @@ class EnvoyProcess:
         self.on_started = on_started
         self.folder = Path(tempfile.mkdtemp(prefix="guard-envoy-"))
         self.retiring: list[subprocess.Popen] = []  # old epochs of a hot restart, draining
-        self.listener_port = 0
+        self.listener_ports: dict[str, int] = {}  # listener name -> its bound port
         self.admin_port = 0
         self.base_id: int | None = None
         self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
@@ -130,11 +135,16 @@ class EnvoyProcess:
     def process(self) -> subprocess.Popen | None:
         return self.supervisor.process
 
+    @property
+    def listener_port(self) -> int:
+        """The gRPC listener's port (``server.grpc_port``, or the one Envoy picked)."""
+        return self.listener_ports.get(GRPC_LISTENER, 0)
+
     # -- start ----------------------------------------------------------------------------------
-    def start(self, listener_port: int) -> None:
-        """Start the first Envoy and wait until it serves; GuardError with Envoy's own last log
-        lines when it cannot."""
-        self.listener_port = listener_port
+    def start(self, listener_ports: dict[str, int]) -> None:
+        """Start the first Envoy on these ports (listener name -> port; 0: Envoy picks) and
+        wait until it serves; GuardError with Envoy's own last log lines when it cannot."""
+        self.listener_ports = dict(listener_ports)
         self.supervisor.start()
 
     def launch(self) -> subprocess.Popen:
@@ -151,8 +161,9 @@ class EnvoyProcess:
         admin_file.unlink(missing_ok=True)
         # The admin port is Envoy's choice unless configured: a restart must not wait for the
         # old one's port, and guard reads the chosen one from --admin-address-path.
-        config_file.write_text(json.dumps(self.bootstrap(self.listener_port,
-                                                         settings.admin_port)))
+        built = self.bootstrap(dict(self.listener_ports), settings.admin_port)
+        listeners = [entry["name"] for entry in built["static_resources"]["listeners"]]
+        config_file.write_text(json.dumps(built))
         command = [self.binary, "-c", str(config_file), "--concurrency",
                    str(settings.concurrency), "--log-level", settings.log_level,
                    "--drain-time-s", str(int(max(settings.drain_time_s, 0))),
@@ -167,12 +178,16 @@ class EnvoyProcess:
             command += ["--base-id", str(self.base_id)]
         if self._log is None:
             self._log = (self.folder / "envoy.log").open("ab")
-        # A session of its own: a terminal's Ctrl-C reaches guard only, which drains Envoy
-        # before it stops it, instead of Envoy dropping its connections at once.
+        # A process group of its own: a terminal's Ctrl-C reaches guard only, which drains
+        # Envoy before it stops it, instead of Envoy dropping its connections at once. Not a
+        # session of its own: where the kernel groups tasks by session for the scheduler
+        # (autogroup, on a machine's root cgroup), that gave Envoy its own share of a busy
+        # machine, and every streamed LLM call through it ~5 ms more to its first token
+        # (measured: benchmarks/llm_edge.py, the same bootstrap started both ways).
         process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=self._log,
-                                   stderr=subprocess.STDOUT, start_new_session=True)
+                                   stderr=subprocess.STDOUT, process_group=0)
         try:
-            admin_port, listener_port = self._wait_ready(process, admin_file)
+            admin_port, listener_ports = self._wait_ready(process, admin_file, listeners)
         except GuardError:
             if process.poll() is None:
                 process.kill()
@@ -184,7 +199,7 @@ class EnvoyProcess:
                 old = self.supervisor.replace(process)
                 if old is not None:
                     self.retiring.append(old)
-            self.admin_port, self.listener_port = admin_port, listener_port
+            self.admin_port, self.listener_ports = admin_port, listener_ports
             self.epoch = epoch
             if epoch == 0:
                 self.base_id = int((self.folder / "base-id.txt").read_text().strip())
@@ -195,8 +210,10 @@ class EnvoyProcess:
             self.on_started(self)
         return process
 
-    def _wait_ready(self, process: subprocess.Popen, admin_file: Path) -> tuple[int, int]:
-        """(admin port, listener port) once admin /ready says LIVE and the listener is bound."""
+    def _wait_ready(self, process: subprocess.Popen, admin_file: Path,
+                    listeners: list[str]) -> tuple[int, dict[str, int]]:
+        """(admin port, listener name -> port) once admin /ready says LIVE and every one of
+        ``listeners`` is bound."""
         deadline = time.monotonic() + self.settings.start_timeout_s
         admin_port = 0
         while True:
@@ -205,8 +222,8 @@ class EnvoyProcess:
                 tail = self.log_tail()
                 taken = _CANNOT_BIND.search(tail)
                 if taken is not None:  # the one failure a user makes: say which key
-                    raise GuardError(f"server.grpc_port: envoy cannot listen on "
-                                     f"{taken.group(1)}: {taken.group(2).strip()}")
+                    raise GuardError(f"{self._key_of(taken.group(1))}: envoy cannot listen "
+                                     f"on {taken.group(1)}: {taken.group(2).strip()}")
                 raise GuardError(f"envoy exited during start-up (exit code {code}): {tail}")
             if time.monotonic() > deadline:
                 raise GuardError(f"envoy not ready within server.envoy.start_timeout_s "
@@ -218,21 +235,29 @@ class EnvoyProcess:
             if admin_port:
                 try:
                     if admin_get(admin_port, "/ready", 1.0).strip() == "LIVE":
-                        port = self._bound_listener(admin_port)
-                        if port:
-                            return admin_port, port
+                        bound = self._bound_listeners(admin_port)
+                        if all(bound.get(name) for name in listeners):
+                            return admin_port, bound
                 except (OSError, urllib.error.URLError, ValueError):
                     pass
             time.sleep(0.02)
 
     @staticmethod
-    def _bound_listener(admin_port: int) -> int:
+    def _bound_listeners(admin_port: int) -> dict[str, int]:
         listeners = json.loads(admin_get(admin_port, "/listeners?format=json", 1.0))
+        bound = {}
         for listener in listeners.get("listener_statuses", []):
-            if listener.get("name") == "guard_grpc":
-                address = listener.get("local_address", {}).get("socket_address", {})
-                return int(address.get("port_value", 0))
-        return 0
+            address = listener.get("local_address", {}).get("socket_address", {})
+            bound[listener.get("name", "")] = int(address.get("port_value", 0))
+        return bound
+
+    def _key_of(self, address: str) -> str:
+        """The config key of the listener on ``address`` (host:port) Envoy cannot bind."""
+        port = address.rpartition(":")[2]
+        for name, key in LISTENER_KEYS.items():
+            if str(self.listener_ports.get(name)) == port:
+                return key
+        return LISTENER_KEYS[GRPC_LISTENER]
 
     def log_tail(self, lines: int = 15) -> str:
         try:
@@ -279,8 +304,8 @@ class EnvoyProcess:
         try:
             admin_post(port, "/drain_listeners?graceful&inboundonly", timeout=1.0)
             while time.monotonic() < deadline:
-                text = admin_get(port, "/stats?filter=%5Ehttp%5C.guard%5C.downstream_rq_active%24",
-                                 timeout=1.0)
+                text = admin_get(port, "/stats?filter=%5Ehttp%5C.guard(_http)%3F%5C."
+                                 "downstream_rq_active%24", timeout=1.0)
                 if all(line.rpartition(": ")[2].strip() == "0"
                        for line in text.splitlines() if line.strip()):
                     return

@@ -3,10 +3,12 @@ API (``/stats?format=prometheus``, only guard's clusters) and given guard's name
 so that dashboards and alerts built on the Python data plane keep working:
 
 - ``guard_requests_total{model, route}``: the cluster's gRPC calls with status OK (the Python
-  data plane counts answered requests the same way);
+  data plane counts answered requests the same way); a generation model's cluster (HTTP): its
+  answers with a 2xx status;
 - ``guard_request_errors_total{model, code}``: the cluster's calls by any other gRPC status,
   named as gRPC names them (an Envoy local reply, e.g. an upstream that refuses connections,
-  carries a gRPC status too: UNAVAILABLE);
+  carries a gRPC status too: UNAVAILABLE); a generation model's: its answers by any other HTTP
+  status, named as the Python HTTP edge names them (its gRPC name, google.rpc.Code's mapping);
 - ``guard_request_duration_seconds{model, route}``: the cluster's ``upstream_rq_time``, whose
   buckets the bootstrap sets to guard's (milliseconds there, seconds here). It is the time
   Envoy waited for the upstream, every status included; the Python data plane's histogram
@@ -27,10 +29,15 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from guard.envoy.process import admin_get
+from guard.protocol.openai import status_code_name
 
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
 _FILTER = r"^cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\."
+# An HTTP cluster's answers by response code (cluster.X.upstream_rq_<code>, tagged); the parser
+# gives counters the _total suffix, which the cluster's upstream_rq_total shares, so the
+# envoy_response_code label tells them apart.
+_HTTP_CODE = "envoy_cluster_upstream_rq_total"
 
 
 def _labels(pairs: dict[str, str]) -> str:
@@ -44,10 +51,12 @@ Figures = dict[tuple, float]  # ("requests", model, route), ("errors", model, co
 # ("bucket", model, route, le_seconds), ("sum", model, route), ("count", model, route)
 
 
-def collect(text: str, clusters: dict[str, tuple[str, str]]) -> Figures:
+def collect(text: str, clusters: dict[str, tuple[str, str]],
+            http: set[str] | frozenset[str] = frozenset()) -> Figures:
     """Envoy's exposition of guard's clusters as guard's figures; ``clusters``: cluster name ->
-    (model, route), from the bootstrap's layout. A route's two clusters (the sampled twin and
-    the other) add up."""
+    (model, route), from the bootstrap's layout; ``http``: those of them whose calls are HTTP
+    (generation models: counted by response code). A route's two clusters (the sampled twin
+    and the other) add up."""
     figures: Figures = {}
 
     def add(key: tuple, value: float) -> None:
@@ -55,11 +64,18 @@ def collect(text: str, clusters: dict[str, tuple[str, str]]) -> Figures:
 
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            where = clusters.get(sample.labels.get("envoy_cluster_name", ""))
+            cluster = sample.labels.get("envoy_cluster_name", "")
+            where = clusters.get(cluster)
             if where is None:
                 continue
             model, route = where
             name = sample.name
+            if cluster in http:
+                if name == _HTTP_CODE and "envoy_response_code" in sample.labels:
+                    status = int(sample.labels["envoy_response_code"])
+                    add(("requests", model, route) if 200 <= status < 300 else
+                        ("errors", model, status_code_name(status)), sample.value)
+                    continue
             code = _GRPC_CODE.match(name)
             if code is not None:
                 status = int(code.group(1))
@@ -102,9 +118,10 @@ def render(figures: Figures) -> str:
     return "\n".join(lines) + "\n"
 
 
-def translate(text: str, clusters: dict[str, tuple[str, str]]) -> str:
+def translate(text: str, clusters: dict[str, tuple[str, str]],
+              http: set[str] | frozenset[str] = frozenset()) -> str:
     """Envoy's exposition of guard's clusters as guard's metrics (the text format)."""
-    return render(collect(text, clusters))
+    return render(collect(text, clusters, http))
 
 
 class StatsReader:
@@ -120,9 +137,9 @@ class StatsReader:
         self._generation = 0
 
     def exposition(self, admin_port: int, clusters: dict[str, tuple[str, str]],
-                   generation: int) -> str:
+                   generation: int, http: set[str] | frozenset[str] = frozenset()) -> str:
         """``generation``: how many times Envoy was started afresh (not hot restarts); ""
-        while it does not answer."""
+        while it does not answer. ``http``: the clusters whose calls are HTTP."""
         if not admin_port:
             return ""
         try:
@@ -130,7 +147,7 @@ class StatsReader:
                              f"/stats?format=prometheus&usedonly&filter={quote(_FILTER)}")
         except OSError:
             return ""
-        figures = collect(text, clusters)
+        figures = collect(text, clusters, http)
         if generation != self._generation:
             for key, value in self._last.items():
                 self._carried[key] = self._carried.get(key, 0.0) + value

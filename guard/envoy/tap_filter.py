@@ -3,9 +3,13 @@ the guard.v1.Tap service, which model servers call: guard/serve/tap_service.py.)
 
 ``server.envoy.observer: tap`` (the default; ``ext_proc`` is guard/envoy/observer.py). The
 bootstrap puts Envoy's HTTP tap filter (``admin_config``, config id ``guard``) on the sampled
-clusters only, like ext_proc; this reader POSTs the tap's match and output to Envoy's admin
-``/tap`` and keeps the answer open: Envoy streams every tapped call there once it has ended, as
-one JSON ``HttpBufferedTrace`` (request headers and body, answer headers, body and trailers).
+clusters only, like ext_proc, and has their answers marked (``guard-sampled``, taken out before
+the client sees it: guard/envoy/bootstrap.py ``Chain``); this reader POSTs the tap's match (the
+mark) and output to Envoy's admin ``/tap`` and keeps the answer open: Envoy streams every tapped
+call there once it has ended, as one JSON ``HttpBufferedTrace`` (request headers and body,
+answer headers, body and trailers). The gRPC listener's calls go on as ``ObservedCall``; the
+OpenAI-compatible listener's (generation models, a path under ``/v1/``) as ``ObservedHttpCall``,
+whose event stream the hand-off reassembles (guard/envoy/llm_calls.py).
 
 Why tap rather than ext_proc, measured (benchmarks/upstream_hop.py, cells g5 and g5x): ext_proc
 opens one gRPC stream per observed call and sends it five messages, and grpcio's server spends
@@ -44,6 +48,8 @@ import socket
 import threading
 from collections.abc import Callable
 
+from guard.envoy.bootstrap import SAMPLED_HEADER
+from guard.envoy.llm_calls import ObservedHttpCall
 from guard.envoy.observer import ROUTE_HEADER, ObservedCall, Outcomes, hand_on
 
 log = logging.getLogger("guard.envoy.tap")
@@ -56,11 +62,14 @@ _RETRY_S = (0.05, 1.0)  # first and longest wait before attaching again after a 
 
 
 def tap_request(max_call_bytes: int) -> dict:
-    """The body of ``POST /tap``: every call the filter sees (the bootstrap turns it on for
-    the sampled clusters only), streamed as JSON with the bodies as base64 (the one format
-    Envoy's streaming admin sink writes), bodies buffered up to ``max_call_bytes`` each way."""
+    """The body of ``POST /tap``: the calls whose answer a sampled twin marked (the header
+    ``guard-sampled``, which Lua takes out before the client sees it: guard/envoy/bootstrap.py
+    ``Chain``), streamed as JSON with the bodies as base64 (the one format Envoy's streaming
+    admin sink writes), bodies buffered up to ``max_call_bytes`` each way (Envoy's default is
+    1 KiB: an LLM call's prompt and events need far more)."""
     return {"config_id": CONFIG_ID, "tap_config": {
-        "match": {"any_match": True},
+        "match": {"http_response_headers_match": {"headers": [
+            {"name": SAMPLED_HEADER, "present_match": True}]}},
         "output_config": {"sinks": [{"format": "JSON_BODY_AS_BYTES", "streaming_admin": {}}],
                           "max_buffered_rx_bytes": max_call_bytes,
                           "max_buffered_tx_bytes": max_call_bytes}}}
@@ -83,8 +92,11 @@ def _status(headers: dict[str, str]) -> int | None:
         return None
 
 
-def observe_trace(trace: dict, on_call: Callable[[ObservedCall], None]) -> str:
-    """One decoded tap trace handed to ``on_call``; returns its outcome."""
+def observe_trace(trace: dict, on_call: Callable[[ObservedCall | ObservedHttpCall], None]
+                  ) -> str:
+    """One decoded tap trace handed to ``on_call``; returns its outcome. A gRPC call goes as
+    an ``ObservedCall`` (its messages unframed), a generation model's OpenAI-compatible call
+    (a path under ``/v1/``) as an ``ObservedHttpCall`` (its bodies as they came)."""
     try:
         buffered = trace["http_buffered_trace"]
         request, response = buffered["request"], buffered.get("response") or {}
@@ -100,19 +112,47 @@ def observe_trace(trace: dict, on_call: Callable[[ObservedCall], None]) -> str:
     except (KeyError, TypeError, AttributeError, ValueError) as exc:
         log.warning("a tap trace guard cannot read: %s: %s", type(exc).__name__, exc)
         return "error"
+    path = headers.get(":path", "")
+    if path.startswith("/v1/"):
+        return _hand_on_http(path, headers, answer, bodies, on_call)
     status = _status(trailers)
     if status is None:
         status = _status(answer)  # a trailers-only answer
-    try:
-        seconds = float(answer.get("x-envoy-upstream-service-time", 0)) / 1e3
-    except ValueError:
-        seconds = 0.0
-    return hand_on(path=headers.get(":path", ""), request_id=headers.get("x-request-id", ""),
+    return hand_on(path=path, request_id=headers.get("x-request-id", ""),
                    traceparent=headers.get("traceparent", ""),
                    route=answer.get(ROUTE_HEADER, ""),
                    request_chunks=[bodies[0]] if bodies[0] else [],
                    response_chunks=[bodies[1]] if bodies[1] else [],
-                   grpc_status=status, seconds=seconds, on_call=on_call)
+                   grpc_status=status, seconds=_upstream_seconds(answer), on_call=on_call)
+
+
+def _upstream_seconds(answer: dict[str, str]) -> float:
+    """The upstream's time to its answer's headers, as Envoy says it (a trace has no timing)."""
+    try:
+        return float(answer.get("x-envoy-upstream-service-time", 0)) / 1e3
+    except ValueError:
+        return 0.0
+
+
+def _hand_on_http(path: str, headers: dict[str, str], answer: dict[str, str],
+                  bodies: list[bytes], on_call: Callable) -> str:
+    """A traced OpenAI-compatible call handed to ``on_call`` whole (its events are reassembled
+    from the answer's body by the hand-off, guard/envoy/llm_calls.py)."""
+    try:
+        status = int(answer.get(":status", 0))
+    except ValueError:
+        status = 0
+    call = ObservedHttpCall(
+        path=path.partition("?")[0], request_id=headers.get("x-request-id", ""),
+        traceparent=headers.get("traceparent", ""), route=answer.get(ROUTE_HEADER, ""),
+        status=status, content_type=answer.get("content-type", ""), request=bodies[0],
+        response=bodies[1], seconds=_upstream_seconds(answer))
+    try:
+        on_call(call)
+    except Exception:
+        log.exception("on_call failed for an observed call of %s", path)
+        return "error"
+    return "complete"
 
 
 class TraceStream:

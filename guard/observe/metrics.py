@@ -90,6 +90,19 @@ class GuardMetrics:
             "The value guard_detector_statistic must reach for the tier to trip.",
             ["model", "tier"], registry=r,
         )
+        # The rates a tier's pass/fail detector tests between (not for a scored tier): what
+        # `guard deploy rules --fleet` pools replicas' counts with (guard/deploy/fleet.py).
+        self.detector_p0 = Gauge(
+            "guard_detector_p0",
+            "In-control failure rate a tier's detector assumes: policy.p0, else measured at "
+            "burn-in (policy.p0_max until then).",
+            ["model", "tier"], registry=r,
+        )
+        self.detector_p1 = Gauge(
+            "guard_detector_p1",
+            "Failure rate a tier's detector alarms on (policy.p1, else p0 + policy.shift).",
+            ["model", "tier"], registry=r,
+        )
         self.detector_samples = Gauge(
             "guard_detector_samples",
             "Samples a tier's trip detector has taken since it (re)started; it decides only "

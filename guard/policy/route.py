@@ -103,6 +103,16 @@ class DetectorFigures:
     p0: float | None  # None for the window detector
     samples: int = 0  # since the detector (re)started: it decides from min_samples on
     min_samples: int = 1
+    # (p0 in use, alarm rate p1) of a pass/fail tier, whatever its detector; None when scored
+    rates: tuple[float, float] | None = None
+
+    @property
+    def null_rate(self) -> float:
+        return self.rates[0] if self.rates else math.nan
+
+    @property
+    def alarm_rate(self) -> float:
+        return self.rates[1] if self.rates else math.nan
 
 
 class _TierState:
@@ -447,7 +457,8 @@ class RoutePolicy:
         with self._lock:
             return [DetectorFigures(tier, s.trip.kind, s.trip.statistic, s.trip.threshold,
                                     s.p0_in_use if s.sequential and not s.scored else None,
-                                    s.trip.samples, s.trip.min_samples)
+                                    s.trip.samples, s.trip.min_samples,
+                                    None if s.scored else (s.p0_in_use, s.alarm_rate()))
                     for tier, s in self._tiers.items()]
 
     # -- internals (lock held) ---------------------------------------------------------------

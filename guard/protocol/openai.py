@@ -31,6 +31,22 @@ PATHS = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 DONE = b"[DONE]"
 
 
+# HTTP status -> gRPC status name (google.rpc.Code's HTTP mapping), for the ``code`` label of
+# guard_request_errors_total: one vocabulary for the OIP and the HTTP data planes.
+_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
+          404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 409: "ABORTED", 413: "RESOURCE_EXHAUSTED",
+          429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 501: "UNIMPLEMENTED",
+          502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
+
+
+def status_code_name(status: int) -> str:
+    """The gRPC status name of an HTTP error status (the ``code`` label)."""
+    if status in _CODES:
+        return _CODES[status]
+    return "FAILED_PRECONDITION" if 400 <= status < 500 else "INTERNAL" if status == 500 \
+        else "UNKNOWN"
+
+
 class BadRequest(ValueError):
     """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why."""
 
@@ -398,6 +414,77 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
     completion.tokens.extend(tokens)
     if choice.get("finish_reason") is not None:
         completion.finish_reason = str(choice["finish_reason"])
+
+
+# A streamed chunk's completion text, found in its bytes without parsing it: a non-empty string
+# value of the choice's "text" (completions) or "content" (chat's delta) key. The key's value in
+# a chat chunk's logprobs ("content": [...]) is a list, the role announcement's is "" or null,
+# and a finish- or usage-only chunk has neither: none of them match.
+_TEXT_VALUE = {"completions": re.compile(rb'"text"\s*:\s*"[^"]'),
+               "chat": re.compile(rb'"content"\s*:\s*"[^"]')}
+
+
+def data_has_content(data: bytes, endpoint: str) -> bool:
+    """Whether a streamed chunk's JSON ``data`` carries completion text (a token, for TTFT and
+    the gaps), read from its bytes: what :func:`chunk_has_content` says of the parsed chunk
+    for every chunk an OpenAI-compatible server sends, at a regex search's cost instead of a
+    parse's (the edge's unsampled calls parse no event)."""
+    return _TEXT_VALUE[endpoint].search(data) is not None
+
+
+_OUTCOME_KEY = re.compile(rb'"(?:error|usage)"\s*:\s*[{"]')
+
+
+def data_needs_parse(data: bytes) -> bool:
+    """Whether an unsampled call's chunk may hold what the edge reads from every call: an error
+    (the call's outcome) or ``usage`` (its token count), as an object or a string; a
+    ``"usage": null`` that some servers put in every chunk does not count."""
+    return _OUTCOME_KEY.search(data) is not None
+
+
+def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool = True) -> None:
+    """Add one streamed event's JSON ``data`` to ``completion``: all of it (``whole``), or only
+    what every call is counted by (an error, the usage). Data that is not a JSON object is
+    left out (a server's keep-alive or a proprietary event)."""
+    try:
+        answer = json.loads(data)
+    except ValueError:
+        return
+    if not isinstance(answer, dict):
+        return
+    if whole or "error" in answer:
+        gather(completion, endpoint, answer, streamed=True)
+    elif isinstance(answer.get("usage"), dict):
+        gather(completion, endpoint, {"usage": answer["usage"]}, streamed=True)
+
+
+CUT_SHORT = "the stream ended before [DONE]"  # gather_answer's error for a stream cut short
+
+
+def gather_answer(endpoint: str, body: bytes, streamed: bool) -> Completion:
+    """The completion of a whole answer as it came: its JSON, or (``streamed``) its
+    Server-Sent Events, every event's data gathered in order. ``completion.error`` says why
+    an answer cannot be compared: not JSON, an error object, or a stream that ended before
+    ``[DONE]`` (cut short)."""
+    completion = Completion()
+    if not streamed:
+        try:
+            gather(completion, endpoint, json.loads(body), streamed=False)
+        except ValueError:
+            completion.error = "the answer is not JSON"
+        return completion
+    splitter, done = EventSplitter(), False
+    for event in (*splitter.feed(body), splitter.rest()):
+        data = event_data(event) if event else None
+        if data is None:
+            continue
+        if data == DONE:
+            done = True
+            continue
+        gather_event(completion, endpoint, data)
+    if not done and not completion.error:
+        completion.error = CUT_SHORT
+    return completion
 
 
 def chunk_has_content(answer: Any, endpoint: str) -> bool:

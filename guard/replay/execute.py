@@ -14,7 +14,7 @@ as the sidecar's verifier process assembles its own. For each batch it:
    one, so that an error is pinned on the item that caused it;
 3. checks every item as one sample, as the sidecar does: the items of a stacked batch that
    pass tiers 1 and 3 are found with the batch's figures computed at once
-   (guard/replay/batchcheck.py: the same numbers, bit for bit), every other item goes through
+   (guard/verify/batched.py: the same numbers, bit for bit), every other item goes through
    ``Comparator.check`` alone with its inputs; ``Comparator.tier_reports`` of each is kept.
 
 The steps are separate methods (``submit``, which returns at once; ``collect``, which waits for
@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from guard.backends import Backend
+from guard.backends.batching import dynamic_batch, split_rows, stack
 from guard.collector import freeze_loaded, thaw
 from guard.config import ModelConfig
 from guard.protocol.codec import InferenceError
 from guard.protocol.inputs import check_inputs
-from guard.replay.batchcheck import check_stacked
 from guard.replay.generation import GenerationRunner
 from guard.replay.items import (
     CHECKED,
@@ -49,6 +49,7 @@ from guard.replay.items import (
     RecordOutcome,
     outcome_of,
 )
+from guard.verify.batched import check_stacked
 from guard.verify.noise import NoiseFloor
 from guard.verify.pair import CheckedPair
 from guard.verify.tiers import sample_kind
@@ -63,12 +64,9 @@ class Stacked:
     primary: dict[str, np.ndarray]
 
     def split(self) -> list[tuple[ReplayItem, dict, dict]]:
-        bounds = np.cumsum([0, *(it.rows for it in self.items)]).tolist()
-        return [
-            (item, {n: a[bounds[k]:bounds[k + 1]] for n, a in self.reference.items()},
-             {n: a[bounds[k]:bounds[k + 1]] for n, a in self.primary.items()})
-            for k, item in enumerate(self.items)
-        ]
+        counts = [it.rows for it in self.items]
+        return list(zip(self.items, split_rows(self.reference, counts),
+                        split_rows(self.primary, counts)))
 
 
 @dataclass
@@ -90,11 +88,6 @@ class Submitted:
     items: list[ReplayItem]
     stacked: tuple[Future, Future] | None = None
     each: list[tuple[Future, Future]] = field(default_factory=list)
-
-
-def _dynamic_batch(backend: Backend) -> bool:
-    specs = backend.describe().inputs
-    return bool(specs) and all(s.shape and s.shape[0] == -1 for s in specs)
 
 
 def _answer(backend: Backend, inputs: dict[str, np.ndarray]):
@@ -125,7 +118,8 @@ class ModelRunner:
     def load(self) -> "ModelRunner":
         self.pair.load()
         self.input_specs = {s.name: s for s in self.primary.describe().inputs}
-        self.stackable = _dynamic_batch(self.primary) and _dynamic_batch(self.reference)
+        self.stackable = (dynamic_batch(self.primary.describe())
+                          and dynamic_batch(self.reference.describe()))
         return self
 
     def npz_inputs(self):
@@ -164,9 +158,7 @@ class ModelRunner:
             valid.append(item)
         submitted = Submitted(inferred, valid)
         if len(valid) > 1 and self.stackable:
-            names = list(valid[0].inputs)
-            stacked = {n: np.concatenate([it.inputs[n] for it in valid], axis=0) for n in names}
-            submitted.stacked = self._both(stacked)
+            submitted.stacked = self._both(stack([item.inputs for item in valid]))
         else:
             submitted.each = [self._both(item.inputs) for item in valid]
         return submitted
@@ -224,9 +216,8 @@ class ModelRunner:
         """The stacked answers, or None when a side raised or its outputs are not per row."""
         if isinstance(reference, Exception) or isinstance(primary, Exception):
             return None
-        total = sum(it.rows for it in items)
-        outputs = list(reference.values()) + list(primary.values())
-        if any(np.ndim(a) == 0 or np.shape(a)[0] != total for a in outputs):
+        counts = [it.rows for it in items]
+        if split_rows(reference, counts) is None or split_rows(primary, counts) is None:
             return None  # outputs not per row: cannot split, run one by one
         return Stacked(items, reference, primary)
 

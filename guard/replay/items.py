@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from guard.backends import batching
 from guard.protocol.generation import GenerationSample
 from guard.verify.pipeline import TierReport
 
@@ -40,15 +41,11 @@ class ReplayItem:
 
     def signature(self) -> tuple:
         """Items with equal signatures can be stacked along the first axis."""
-        return tuple(
-            (name, a.dtype.str, a.shape[1:] if a.ndim else None)
-            for name, a in sorted(self.inputs.items())
-        )
+        return batching.signature(self.inputs)
 
     @property
     def rows(self) -> int:
-        first = next(iter(self.inputs.values()), None)
-        return int(first.shape[0]) if first is not None and first.ndim else 1
+        return batching.rows(self.inputs)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from guard.observe.metrics import GuardMetrics
 from guard.runtime import sampling
 from guard.serve.admin import AdminServicer
 from guard.serve.decoding import guarded
-from guard.serve.edges import health_only
+from guard.serve.edges import health_only, http_health_only
 from guard.serve.listen import bind, server_options
 from guard.serve.merged_metrics import MergedMetrics
 from guard.serve.processes import ServingPool
@@ -111,7 +111,10 @@ class GuardServer:
 
     @property
     def http_port(self) -> int:
-        """The OpenAI-compatible edge's bound port (0 without ``server.http_port``)."""
+        """The OpenAI-compatible edge's bound port (0 without ``server.http_port``); in Envoy
+        mode, Envoy's HTTP listener's."""
+        if self.envoy is not None:
+            return self.envoy.http_listener_port
         return self.worker.ports.get("openai-http", 0)
 
     # -- start ---------------------------------------------------------------------------------
@@ -153,7 +156,8 @@ class GuardServer:
             await self.worker.registry.connect()
             await _on_own_thread(self.serving.start, self.worker.ports)
             if self.envoy is not None:  # Envoy answers grpc_port; guard's server is its health
-                await self.envoy.start(lambda: self.models, self.grpc_port)
+                await self.envoy.start(lambda: self.models, self.grpc_port,
+                                       self.worker.ports.get("http-health", 0))
                 if not self.envoy.attached:  # an attached Envoy's listeners are the mesh's
                     self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
             await self.worker.set_ready()
@@ -180,6 +184,8 @@ class GuardServer:
             edges = [health_only(server_config.grpc_port, "server.grpc_port")]
         elif self.envoy is not None:  # Envoy listens on grpc_port, routes gRPC health here
             edges = [health_only(server_config.envoy.health_port, "server.envoy.health_port")]
+            if self.envoy.generates:  # and on http_port, routes HTTP health and /v1/models here
+                edges.append(http_health_only(lambda: self.models, self.metrics, server_config))
         # Bound before anything starts: a taken port fails before the admin API listens.
         await self.worker.listen(self.config, edges=edges)
         self.grpc_port = self.worker.edges[0].port

@@ -85,6 +85,17 @@ def openai_http(dataplane: DataPlane, settings: ServerConfig,
                       ports.get("openai-http"))
 
 
+def http_health_only(models: Callable[[], Mapping], metrics, settings: ServerConfig) -> "Edge":
+    """HTTP health and the model list alone on 127.0.0.1:``server.envoy.http_health_port``
+    (Envoy mode with generation models: Envoy forwards their calls on ``server.http_port`` and
+    routes ``/health*`` and ``/v1/models`` here)."""
+    from guard.serve.openai_edge import OpenAIEdge
+
+    return OpenAIEdge(models, metrics, settings,
+                      settings.envoy.http_health_port, forwarding=False, host="127.0.0.1",
+                      key="server.envoy.http_health_port")
+
+
 # The edges of a serving process, in start order; each factory returns None when its config is
 # not set. A new protocol: one line here.
 EDGES: list[Callable[[DataPlane, ServerConfig, Mapping[str, int]], "Edge | None"]] = [

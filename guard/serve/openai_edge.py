@@ -62,19 +62,6 @@ from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
-# HTTP status -> gRPC status name (google.rpc.Code's HTTP mapping), for the code label.
-_CODES = {400: "INVALID_ARGUMENT", 401: "UNAUTHENTICATED", 403: "PERMISSION_DENIED",
-          404: "NOT_FOUND", 408: "DEADLINE_EXCEEDED", 409: "ABORTED", 413: "RESOURCE_EXHAUSTED",
-          429: "RESOURCE_EXHAUSTED", 499: "CANCELLED", 501: "UNIMPLEMENTED",
-          502: "UNAVAILABLE", 503: "UNAVAILABLE", 504: "DEADLINE_EXCEEDED"}
-
-
-def status_code_name(status: int) -> str:
-    """The gRPC status name of an HTTP error status (the ``code`` label)."""
-    if status in _CODES:
-        return _CODES[status]
-    return "FAILED_PRECONDITION" if 400 <= status < 500 else "INTERNAL" if status == 500 \
-        else "UNKNOWN"
 
 
 class EdgeMetrics:
@@ -98,9 +85,17 @@ class OpenAIEdge:
     name = "openai-http"
 
     def __init__(self, models: Callable[[], dict[str, ServedModel]], metrics: GuardMetrics,
-                 server_config, port: int | None = None):
+                 server_config, port: int | None = None, *, forwarding: bool = True,
+                 host: str | None = None, key: str = "server.http_port"):
         """``port``: the port the first serving process bound (an extra serving process binds
-        it too, with SO_REUSEPORT); default ``server.http_port``."""
+        it too, with SO_REUSEPORT); default ``server.http_port``. ``forwarding=False``: health
+        and the model list only, on ``host`` (Envoy mode: Envoy forwards the calls and routes
+        those paths here; ``key`` names the port's config key in errors)."""
+        self.forwarding = forwarding
+        if not forwarding:
+            self.name = "http-health"
+        self.host = server_config.host if host is None else host
+        self.key = key
         self.models = models
         self.metrics = EdgeMetrics(metrics)
         self.config = server_config
@@ -117,8 +112,9 @@ class OpenAIEdge:
     async def start(self) -> None:
         """Listen on server.http_port (liveness answers at once, readiness once ready)."""
         app = web.Application(client_max_size=self.config.max_message_bytes)
-        app.router.add_post("/v1/completions", self._generate)
-        app.router.add_post("/v1/chat/completions", self._generate)
+        if self.forwarding:
+            app.router.add_post("/v1/completions", self._generate)
+            app.router.add_post("/v1/chat/completions", self._generate)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health/live", self._health)
@@ -130,13 +126,13 @@ class OpenAIEdge:
         await self._runner.setup()
         # Several serving processes share the port (server.processes): the kernel spreads
         # connections over them, as on the gRPC port.
-        self._site = web.TCPSite(self._runner, self.config.host, self._bind_port,
+        self._site = web.TCPSite(self._runner, self.host, self._bind_port,
                                  reuse_port=self.config.processes > 1 or None)
         try:
             await self._site.start()
         except OSError as exc:
             await self._runner.cleanup()
-            raise GuardError(f"server.http_port: cannot listen on {self.config.host}:"
+            raise GuardError(f"{self.key}: cannot listen on {self.host}:"
                              f"{self._bind_port}: {exc.strerror or exc}") from None
         self.port = self._site._server.sockets[0].getsockname()[1]
 
@@ -182,7 +178,7 @@ class OpenAIEdge:
     # -- a call ----------------------------------------------------------------------------------
     def _refuse(self, status: int, message: str, model: str, code: str | None = None,
                 param: str | None = None, kind: str = "invalid_request_error") -> web.Response:
-        self.metrics.error(model, status_code_name(status))
+        self.metrics.error(model, api.status_code_name(status))
         return web.Response(status=status, body=api.error_body(message, kind, code, param),
                             content_type="application/json")
 
@@ -310,15 +306,11 @@ class _Forward:
         # The client has its answer: the accounting and the hand-off come after.
         seconds = time.perf_counter() - self.started
         if not ok:
-            self._error(status_code_name(upstream.status))
+            self._error(api.status_code_name(upstream.status))
             self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
             return response
         self.model.answered(self.route, seconds)
-        completion = api.Completion()
-        try:
-            api.gather(completion, self.call.endpoint, json.loads(body), streamed=False)
-        except ValueError:
-            completion.error = "the answer is not JSON"
+        completion = api.gather_answer(self.call.endpoint, body, streamed=False)
         if completion.completion_tokens:
             self.edge.metrics.tokens.labels(self.model.name, self.route).inc(
                 completion.completion_tokens)
@@ -345,7 +337,9 @@ class _Forward:
                     continue
                 await response.write(b"".join([api.edit_event(e, edits) for e in events])
                                      if edits else b"".join(events))
-                # Written: what follows is bookkeeping for the metrics and the sample.
+                # Written: what follows is bookkeeping for the metrics and the sample. Tokens
+                # are told from the event's bytes; only a sampled call's events are parsed (and
+                # an unsampled one's that may carry an error or the usage).
                 for event in events:
                     data = api.event_data(event)
                     if data is None:
@@ -353,16 +347,7 @@ class _Forward:
                     if data == api.DONE:
                         done = True
                         continue
-                    try:
-                        answer = json.loads(data)
-                    except ValueError:
-                        continue
-                    if not isinstance(answer, dict):
-                        continue
-                    if "error" in answer:
-                        api.gather(completion, endpoint, answer, streamed=True)
-                        continue
-                    if api.chunk_has_content(answer, endpoint):
+                    if api.data_has_content(data, endpoint):
                         tokens += 1
                         if last is None:
                             self.first_token = arrived - self.started
@@ -370,18 +355,20 @@ class _Forward:
                         else:
                             gaps.observe(arrived - last)
                         last = arrived
-                    if sampled:
-                        api.gather(completion, endpoint, answer, streamed=True)
-                    elif isinstance(answer.get("usage"), dict):
-                        api.gather(completion, endpoint, {"usage": answer["usage"]}, True)
+                    if sampled or api.data_needs_parse(data):
+                        api.gather_event(completion, endpoint, data, whole=sampled)
             rest = splitter.rest()
             if rest:
                 await response.write(rest)
             done = True
             await response.write_eof()
-        except (asyncio.CancelledError, ConnectionResetError):
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
             if done:  # the client left after the last event (clients close at [DONE])
                 self._streamed(completion, tokens, sampled)
+                if isinstance(exc, ConnectionResetError):
+                    # Only the chunked body's end found the socket closed: the client has
+                    # every event, nothing failed (aiohttp would log it as an error).
+                    return response
                 raise
             # The client went away: closing the upstream connection (``run``'s finally) stops
             # the upstream's generation.

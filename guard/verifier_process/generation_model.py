@@ -118,13 +118,30 @@ class GenerationReport:
 
 class GenerationMirror(Mirror):
     """The shared mirror (queue, byte budget, watchdog, timeouts), with a completion as the
-    sample: probe the primary when the fallback answered, score, run the tier."""
+    sample: probe the primary when the fallback answered, score, run the tier. One completion
+    at a time: scoring one is a forward pass over its tokens, which no stacking amortises."""
 
     def __init__(self, model: str, config, scorer, probe, check, metrics, on_result,
                  on_unchecked, on_span, on_finished):
         super().__init__(model, config, scorer, None, None, metrics, on_result, on_unchecked,
                          on_span, on_finished)
         self.probe, self.check = probe, check
+
+    def _limit(self) -> int:
+        return 1
+
+    def _handle(self, hand) -> None:
+        for held in hand:
+            try:
+                self._process(held.sample, held.span)
+            except _Abandoned:
+                raise
+            except Exception:  # a bug here must not kill the worker
+                log.exception("mirror worker for %s failed on a sample", self.model)
+                self._outcomes["error"].inc()
+            self._finished(held.sample)
+            if held.span is not None:
+                self.on_span(held.span.end())
 
     def _process(self, sample: GenerationMirrorSample, span) -> None:
         stage = "reference"

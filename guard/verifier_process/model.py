@@ -29,6 +29,12 @@ from guard.verify.tiers import detector_tiers
 
 log = logging.getLogger("guard.verifier_process.model")
 _ACTIVATION_EVENT_INTERVAL_S = 10.0  # at most one activation_divergence event per model per 10 s
+# A sample handed off longer ago than this, while the model was checking, is dropped (counted)
+# when the ring reader gets to it: the reader leaves samples in the ring while the mirror's
+# queue is full (guard/verifier_process/process.py), and a mirror that stays behind the samples
+# must check recent traffic, not a backlog that grows to the ring's size. (What waited while a
+# verifier restarted is checked, as ever.)
+_STALE_NS = 2_000_000_000
 
 
 class VerifiedModel:
@@ -57,6 +63,7 @@ class VerifiedModel:
         self.mirror: Mirror | None = None
         self.capture: CaptureWriter | None = None
         self._config_hash = config_hash
+        self._born_ns = 2 ** 63  # set when load() ends: what came before is never stale
         self._in_hand = 0  # samples taken from the ring and not yet accounted for
         self._in_hand_lock = threading.Lock()
         metrics.declare_model(self.name, tiers, self.policy_tiers)
@@ -69,7 +76,9 @@ class VerifiedModel:
             for gauge, figure in ((metrics.drift_ratio, "ratio"),
                                   (metrics.detector_statistic, "statistic"),
                                   (metrics.detector_threshold, "threshold"),
-                                  (metrics.detector_samples, "samples")):
+                                  (metrics.detector_samples, "samples"),
+                                  (metrics.detector_p0, "null_rate"),
+                                  (metrics.detector_p1, "alarm_rate")):
                 gauge.labels(self.name, tier).set_function(partial(self._figure, tier, figure))
         self.activation = None  # tier 2's checker, built at load
         self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
@@ -135,6 +144,7 @@ class VerifiedModel:
                 self.capture.start()
         if self.mirror is not None:
             self.mirror.start()
+        self._born_ns = time.time_ns()
         self.publish()
         emit("model_verifier_loaded", model=self.name,
              backends={role: b.describe().summary() for role, b in self.backends.items()},
@@ -188,36 +198,52 @@ class VerifiedModel:
         outputs the client asked for: ``sample.payload.request()``): to the mirror and/or to
         capture. An upstream's answer is decoded only when the mirror takes it (capture
         decodes it when it writes the record)."""
-        inputs, only_outputs = request
-        tag = None
-        if self.capture is not None:
-            tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
-                             bool(sample.flags & CAPTURE))
-        # Handed to the mirror, the sample is its to account for: checked, or told back through
-        # _on_unchecked (dropped, error, timeout), which records it. Recording a dropped sample
-        # here as well wrote every dropped request twice.
-        mirrored = False
-        if sample.flags & MIRROR and self.mirror is not None:
-            try:
-                outputs = sample.payload.answer()
-            except Exception as exc:  # an answer that parses but does not decode: the
-                # mirror's error, never the ring reader's death (found by the fuzzer)
-                self.metrics.mirror.labels(self.name, "error").inc()
-                emit("mirror_undecodable_answer", model=self.name,
-                     error=f"{type(exc).__name__}: {exc}"[:300])
-                return
-            self._took()
-            mirrored = True
-            self.mirror.accept(MirrorSample(
-                inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
-                sample.traceparent, tag, sample.size))
-        if tag is not None and tag.record and not mirrored:
-            self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
-                                              sample.payload.answer))
+        self.accept_many([(sample, request)])
 
-    def _took(self) -> None:
+    def accept_many(self, samples: list[tuple[Sample, tuple]]) -> None:
+        """``accept`` for the samples the ring reader drained for this model, in order: the
+        mirrored ones go to the mirror in one hand-off (one wake-up of its worker)."""
+        mirrored: list[MirrorSample] = []
+        stale: list[MirrorSample] = []
+        # Stale: handed off while this model was checking (not while a verifier restarted or a
+        # reload built it: those wait in the ring to be checked) and waited past _STALE_NS.
+        stale_before = time.time_ns() - _STALE_NS
+        for sample, request in samples:
+            inputs, only_outputs = request
+            tag = None
+            if self.capture is not None:
+                tag = CaptureTag(sample.request_id, sample.unix_nanos, sample.request_seconds,
+                                 bool(sample.flags & CAPTURE))
+            # Handed to the mirror, the sample is its to account for: checked, or told back
+            # through _on_unchecked (dropped, error, timeout), which records it. Recording a
+            # dropped sample here as well wrote every dropped request twice.
+            if sample.flags & MIRROR and self.mirror is not None:
+                try:
+                    outputs = sample.payload.answer()
+                except Exception as exc:  # an answer that parses but does not decode: the
+                    # mirror's error, never the ring reader's death (found by the fuzzer)
+                    self.metrics.mirror.labels(self.name, "error").inc()
+                    emit("mirror_undecodable_answer", model=self.name,
+                         error=f"{type(exc).__name__}: {exc}"[:300])
+                    continue
+                taken = MirrorSample(
+                    inputs, outputs, sample.route, sample.epoch, time.monotonic(), only_outputs,
+                    sample.traceparent, tag, sample.size)
+                (stale if self._born_ns < sample.unix_nanos < stale_before
+                 else mirrored).append(taken)
+            elif tag is not None and tag.record:
+                self.capture.submit(PendingRecord(tag, sample.route, sample.epoch, inputs,
+                                                  sample.payload.answer))
+        if mirrored or stale:
+            self._took(len(mirrored) + len(stale))
+        if stale:  # waited in the ring past _STALE_NS: a mirror that stays behind drops
+            self.mirror.drop(stale)
+        if mirrored:
+            self.mirror.accept_many(mirrored)
+
+    def _took(self, n: int = 1) -> None:
         with self._in_hand_lock:
-            self._in_hand += 1
+            self._in_hand += n
             self.table.set(self.slot, routes.IN_HAND, self._in_hand)
 
     def _finished(self, sample: MirrorSample) -> None:

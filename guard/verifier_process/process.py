@@ -61,6 +61,14 @@ log = logging.getLogger("guard.verifier_process")
 # cadence costs 1.2% of a core idle and several looks per sample at 100 samples/s.
 _IDLE_S = 0.02
 _IDLE_MAX_S = 0.2
+# Records taken in one round at most: a round's samples are checked as a batch.
+_DRAIN = 256
+# While samples come, the reader looks every 50 ms: a batch gathers meanwhile (10 samples at
+# 200/s), and two wake-ups (reader, mirror worker) are paid per batch, not per sample. The
+# samples wait in the ring, which the reader never lets a queue overflow from (_read_ring).
+_GATHER_S = 0.05
+# Longest the reader leaves samples in the ring while a mirror queue is full (see _read_ring).
+_HOLD_S = 1.0
 _HEARTBEAT_S = 0.1
 _ERROR_LOG_INTERVAL_S = 10.0
 _OVERRIDES = {"auto", "primary", "fallback"}
@@ -213,49 +221,112 @@ class VerifierProcess:
 
     # -- the ring --------------------------------------------------------------------------------
     def _read_ring(self) -> None:
-        """One record from each serving process's ring in turn; a pause when all are empty,
-        from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier
-        wakes a few times a second, not 50; the first sample after a lull waits at most
-        ``_IDLE_MAX_S``, well inside any mirror timeout)."""
-        idle = _IDLE_S
+        """Drain the serving processes' rings (up to ``_DRAIN`` records a round, each ring in
+        turn) and hand each model what it got in one go, so that its mirror checks them as a
+        batch, then let the next batch gather for ``_GATHER_S``; a pause when all are empty,
+        from ``_IDLE_S`` doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier wakes a few times a second, not 50; the first sample
+        after a lull waits at most ``_IDLE_MAX_S``, well inside any mirror timeout).
+
+        A round takes no more records than the fullest mirror queue has room for: while a
+        queue is full the samples wait in the ring (bounded in bytes, and the request path
+        never waits on it: a full ring drops and counts) instead of being dropped at the queue,
+        so a mirror worker that lost the CPU for a while (it runs ``mirror.nice`` below the
+        request path) catches up on them. For at most ``_HOLD_S`` in a row: a mirror that stays
+        full (a hung call) then drops at its queue as before, and the other models' samples,
+        which share the ring, move on; a sample that waited too long is dropped when it is
+        taken (guard/verifier_process/model.py ``_STALE_NS``: a reference slower than the
+        samples checks recent traffic, not a backlog)."""
+        idle, held_since = _IDLE_S, None
         while not self.stopping.is_set():
-            took = False
-            for ring in self.rings:
-                try:
-                    record = ring.take()
-                except ValueError as exc:
-                    self._log_error(str(exc))
+            room = self._room()
+            if room == 0:
+                now = time.monotonic()
+                held_since = held_since if held_since is not None else now
+                if now - held_since < _HOLD_S:
+                    time.sleep(_IDLE_S)
                     continue
-                if record is not None:
-                    took = True
-                    try:
-                        self._deliver(record)
-                    except Exception as exc:  # a bug: one sample lost, never the reader
-                        log.exception("handing a sample over failed")
-                        self._log_error(f"a sample could not be delivered: "
-                                        f"{type(exc).__name__}: {exc}")
-            if took:
+                room = _DRAIN  # held long enough: drain, the full queue drops (counted)
+            else:
+                held_since = None
+            limit = min(room, _DRAIN)
+            records = self._take(limit)
+            if records:
                 idle = _IDLE_S
+                try:
+                    self._deliver_all(records)
+                except Exception as exc:  # a bug: these samples lost, never the reader
+                    log.exception("handing samples over failed")
+                    self._log_error(f"samples could not be delivered: "
+                                    f"{type(exc).__name__}: {exc}")
+                if len(records) < limit:  # the rings are empty: let the next batch gather
+                    time.sleep(_GATHER_S)
             else:
                 time.sleep(idle)
                 idle = min(idle * 2, _IDLE_MAX_S)
 
+    def _take(self, limit: int) -> list[bytes]:
+        """Up to ``limit`` records, a record from each ring in turn (no serving process's
+        samples wait behind another's)."""
+        records: list[bytes] = []
+        active = list(self.rings)
+        while active and len(records) < limit:
+            for ring in list(active):
+                if len(records) >= limit:
+                    break
+                try:
+                    record = ring.take()
+                except ValueError as exc:  # the ring dropped what it held: counted there
+                    self._log_error(str(exc))
+                    record = None
+                if record is None:
+                    active.remove(ring)
+                else:
+                    records.append(record)
+        return records
+
+    def _room(self) -> int:
+        """Samples the fullest mirror queue can take now (``_DRAIN`` with no mirror)."""
+        with self._lock:
+            models = list(self.models.values())
+        return min((m.mirror.room() for m in models if m.mirror is not None), default=_DRAIN)
+
     def _deliver(self, record: bytes) -> None:
+        """One record (a test's, or a tool's): as the ring reader delivers them."""
+        self._deliver_all([record])
+
+    def _deliver_all(self, records: list[bytes]) -> None:
+        """Decode the records and hand each model its samples, in order, at once."""
+        batches: dict[int, tuple[VerifiedModel, list]] = {}
+        for record in records:
+            taken = self._decode(record)
+            if taken is not None:
+                model, item = taken
+                batches.setdefault(id(model), (model, []))[1].append(item)
+        for model, items in batches.values():
+            if isinstance(model, VerifiedGenerationModel):
+                for sample in items:
+                    model.accept(sample)
+            else:
+                model.accept_many(items)
+
+    def _decode(self, record: bytes):
+        """(model, what its accept takes) for one record; None when it is skipped (counted)."""
         try:
             sample = wire.decode(record)
         except Exception as exc:
             self._log_error(f"undecodable sample record: {type(exc).__name__}: {exc}")
-            return
+            return None
         with self._lock:
             model = self.by_slot.get(sample.slot)
         if model is None or model.name != sample.model:
             model = self.models.get(sample.model)
         if model is None:
-            return  # a model removed by a reload while its samples were in the ring
+            return None  # a model removed by a reload while its samples were in the ring
         if sample.payload.kind == wire.GENERATION:  # a sampled LLM call: no tensors to decode
-            if isinstance(model, VerifiedGenerationModel):
-                model.accept(sample)
-            return
+            return (model, sample) if isinstance(model, VerifiedGenerationModel) else None
+        if isinstance(model, VerifiedGenerationModel):
+            self._log_error(f"model {model.name}: a tensor sample for a generation model")
+            return None
         try:
             request = sample.payload.request()
         except Exception as exc:  # a request guard cannot decode: the mirror's error, no more
@@ -263,8 +334,8 @@ class VerifierProcess:
                 self.metrics.mirror.labels(model.name, "error").inc()
             self._log_error(f"model {model.name}: cannot decode a sampled request: "
                             f"{type(exc).__name__}: {exc}")
-            return
-        model.accept(sample, request)
+            return None
+        return model, (sample, request)
 
     def _heartbeat(self) -> None:
         pid = os.getpid()

@@ -8,6 +8,8 @@ healthy ones.
 
 from __future__ import annotations
 
+import json
+import math
 import shutil
 import subprocess
 import sys
@@ -18,6 +20,7 @@ import pytest
 import yaml
 
 from guard.cli import main
+from guard.deploy.fleet import ALERTS as FLEET_ALERTS
 from guard.deploy.rules import (
     ALERTS,
     RuleSettings,
@@ -31,15 +34,18 @@ from guard.errors import ConfigError
 ROOT = Path(__file__).resolve().parents[2]
 BASE = "deploy/kubernetes/base"
 OVERLAY = "deploy/kubernetes/overlays/example"
-# (config the rules were generated from, format, committed file)
+# (config the rules were generated from, format, committed file, more flags)
 SHIPPED = [
-    (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules.yaml"),
-    (f"{BASE}/guard.yaml", "prometheusrule", f"{BASE}/prometheusrule.yaml"),
-    (f"{OVERLAY}/guard.yaml", "prometheusrule", f"{OVERLAY}/prometheusrule.yaml"),
-    ("deploy/prometheus/llm-guard.yaml", "prometheus", "deploy/prometheus/guard-rules-llm.yaml"),
+    (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules.yaml", ()),
+    (f"{BASE}/guard.yaml", "prometheusrule", f"{BASE}/prometheusrule.yaml", ()),
+    (f"{OVERLAY}/guard.yaml", "prometheusrule", f"{OVERLAY}/prometheusrule.yaml", ()),
+    ("deploy/prometheus/llm-guard.yaml", "prometheus", "deploy/prometheus/guard-rules-llm.yaml",
+     ()),
+    (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules-fleet.yaml", ("--fleet",)),
 ]
-# The promtool unit tests of each shipped rule file: tensor models, and an LLM.
-RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml"]
+# The promtool unit tests of each shipped rule file: tensor models, an LLM, the fleet rules.
+RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml",
+              "deploy/prometheus/tests-fleet.yaml"]
 GENERATION_ALERTS = {"GuardGenerationKldHigh"}  # only task: generation models have these
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -66,24 +72,26 @@ def alerts_by_name(groups: list[dict]) -> dict[str, list[dict]]:
 
 
 # -- shipped files ------------------------------------------------------------------------------
-@pytest.mark.parametrize("config,fmt,shipped", SHIPPED)
-def test_shipped_rules_equal_a_fresh_generation(config, fmt, shipped):
+@pytest.mark.parametrize("config,fmt,shipped,flags", SHIPPED)
+def test_shipped_rules_equal_a_fresh_generation(config, fmt, shipped, flags):
     """Regenerate with the real command, from the repository root as the docs say."""
     result = subprocess.run(
-        [sys.executable, "-m", "guard", "deploy", "rules", "--config", config, "--format", fmt],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "guard", "deploy", "rules", "--config", config, "--format", fmt,
+         *flags], cwd=ROOT, capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stderr
     assert result.stdout == (ROOT / shipped).read_text(), (
         f"{shipped} is stale: regenerate it with "
-        f"`guard deploy rules --config {config} --format {fmt} -o {shipped}`"
+        f"`guard deploy rules --config {config} --format {fmt} {' '.join(flags)} -o {shipped}`"
     )
 
 
 @needs_promtool
 @pytest.mark.parametrize("rule_file,alerts", [
     ("deploy/prometheus/guard-rules.yaml", len(ALERTS) - len(GENERATION_ALERTS)),
-    ("deploy/prometheus/guard-rules-llm.yaml", len(ALERTS))])
+    ("deploy/prometheus/guard-rules-llm.yaml", len(ALERTS)),
+    # + per window 2 counts and a model's ratio, 2 rates, the fleet alert: 19 with 3 windows
+    ("deploy/prometheus/guard-rules-fleet.yaml", len(ALERTS) - len(GENERATION_ALERTS) + 12)])
 def test_promtool_checks_the_rule_file(rule_file, alerts):
     result = subprocess.run([PROMTOOL, "check", "rules", rule_file],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -119,8 +127,8 @@ def test_rule_unit_tests_cover_every_alert_firing():
              for case in test["alert_rule_test"]]
     fired = {case["alertname"] for case in cases if case["exp_alerts"]}
     quiet = {case["alertname"] for case in cases if not case["exp_alerts"]}
-    assert fired == set(ALERTS)
-    assert quiet == set(ALERTS)
+    assert fired == set(ALERTS) | set(FLEET_ALERTS)
+    assert quiet == set(ALERTS) | set(FLEET_ALERTS)
 
 
 # -- what the rules are made of -------------------------------------------------------------------
@@ -297,7 +305,7 @@ def test_cli_writes_output_file_with_runbook_base(tmp_path, capsys):
 def test_runbook_has_a_section_for_every_alert():
     runbook = (ROOT / "docs/runbook.md").read_text()
     headings = {line[3:].strip() for line in runbook.splitlines() if line.startswith("## ")}
-    assert set(ALERTS) <= headings
+    assert set(ALERTS) | set(FLEET_ALERTS) <= headings
 
 
 def test_labels_reach_the_prometheusrule_that_kube_prometheus_stack_selects(tmp_path, capsys):
@@ -331,3 +339,64 @@ def test_bad_labels_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
     assert out == ""
     (line,) = err.strip().splitlines()
     assert line.startswith("guard: --label: ") and message in line, line
+
+
+# -- fleet rules (--fleet) -------------------------------------------------------------------------
+def fleet_groups_of(text: str) -> list[dict]:
+    return [g for g in yaml.safe_load(text)["groups"] if g["name"] == "guard.fleet"]
+
+
+def test_fleet_threshold_bounds_the_false_alarms_per_day():
+    """h = ln(windows x evaluations a day / false alarms a day): Markov's bound on each
+    window's likelihood ratio, summed over the evaluations of a day."""
+    from guard.deploy.fleet import FleetSettings, fleet_threshold
+
+    assert FleetSettings().threshold == pytest.approx(math.log(3 * 1440 / 0.1))
+    assert fleet_threshold(1.0, 15.0, 2) == pytest.approx(math.log(2 * 5760))
+    # more windows or evaluations, or fewer false alarms allowed: a higher threshold
+    assert fleet_threshold(0.01, 60, 3) > fleet_threshold(0.1, 60, 3) > fleet_threshold(0.1, 60, 1)
+
+
+def test_fleet_rules_pool_by_the_labels_asked_and_leave_generation_models_out():
+    from guard.deploy.fleet import FleetSettings
+
+    data = {"version": 1, "models": [
+        model("a", policy={"action": "alert", "min_samples": 7}),
+        model("smol", task="generation",
+              primary={"backend": "openai", "target": "http://h:1", "model": "x"},
+              reference={"backend": "transformers", "path": "m.gguf"}),
+        model("quiet", mirror={"sample_rate": 0.0})]}
+    fleet = FleetSettings(windows=("10m",), by=("namespace", "model"))
+    (group,) = fleet_groups_of(render(thresholds_from_data(data), RuleSettings(job="ml"),
+                                      fleet=fleet))
+    assert group["interval"] == "1m"
+    rules = {r.get("record") or r["alert"]: r for r in group["rules"]}
+    assert rules["model_tier:guard_fleet_checks:increase10m"]["expr"] == (
+        'sum by (namespace, model, tier) (increase(guard_checks_total{job="ml",'
+        'tier!="activation",result=~"pass|fail"}[10m]))')
+    assert rules["model_tier:guard_fleet_p0:max"]["expr"] == (
+        'max by (namespace, model, tier) (guard_detector_p0{job="ml"})')
+    (alert,) = [r for r in group["rules"] if r.get("alert")]
+    assert 'model="a"' in alert["expr"] and ">= 7)" in alert["expr"]
+    assert "smol" not in json.dumps(group) and "quiet" not in json.dumps(group)
+    assert alert["labels"] == {"severity": "critical", "scope": "fleet"}
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--fleet-windows", "5 minutes"], "not a Prometheus duration"),
+    (["--fleet-by", "namespace"], "'model' among them"),
+    (["--fleet-false-alarms-per-day", "0"], "must be > 0"),
+])
+def test_cli_refuses_bad_fleet_settings_in_one_line(tmp_path, capsys, flags, message):
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    assert main(["deploy", "rules", "--config", str(config), "--fleet", *flags]) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_without_fleet_no_fleet_rules(tmp_path, capsys):
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    assert main(["deploy", "rules", "--config", str(config)]) == 0
+    assert "guard_fleet" not in capsys.readouterr().out

@@ -224,7 +224,7 @@ def istio_like_bootstrap(listener_port: int, app_port: int, admin_port: int) -> 
                         "http_filters": [{"name": "envoy.filters.http.router", "typed_config": {
                             "@type": "type.googleapis.com/envoy.extensions.filters.http."
                                      "router.v3.Router"}}]}}]}]}],
-            "clusters": [bootstrap._http2_cluster(cluster, "127.0.0.1", app_port)]},
+            "clusters": [bootstrap._cluster(cluster, "127.0.0.1", app_port)]},
     }
 
 

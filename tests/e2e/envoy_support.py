@@ -72,3 +72,19 @@ def raw_call(port: int, model: str, images: np.ndarray, metadata=()):
                                    response_deserializer=pb.ModelInferResponse.FromString)
         response, info = call.with_call(request, metadata=metadata, timeout=10)
         return response, dict(info.initial_metadata())
+
+
+def validated_bootstrap(path: Path, folder: Path) -> Path:
+    """``guard deploy envoy`` of the config at ``path``, written under ``folder`` and checked
+    by the real Envoy (``envoy --mode validate``)."""
+    import subprocess
+    import sys
+
+    bootstrap = folder / "envoy.yaml"
+    subprocess.run([sys.executable, "-m", "guard", "deploy", "envoy", str(path), "-o",
+                    str(bootstrap)], check=True, cwd=folder)
+    checked = subprocess.run([ENVOY, "--mode", "validate", "-c", str(bootstrap)],
+                             capture_output=True, text=True, check=False)
+    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+    assert "OK" in checked.stdout
+    return bootstrap

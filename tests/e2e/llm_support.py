@@ -102,6 +102,17 @@ def stop_llama_server(server: LlamaServer) -> None:
         server.process.wait(10)
 
 
+def call_both_ways(client, model: str, max_tokens: int) -> None:
+    """One greedy completion and one streamed greedy chat, read to their ends, through an
+    ``openai`` client (what a test needs sampled: one whole answer, one event stream)."""
+    client.completions.create(model=model, prompt="The capital of France is",
+                              max_tokens=max_tokens, temperature=0)
+    for _ in client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
+            max_tokens=max_tokens, temperature=0, stream=True):
+        pass
+
+
 @pytest.fixture(scope="module")
 def llama_server(tmp_path_factory):
     server = start_llama_server(tmp_path_factory.mktemp("llama"))

@@ -26,7 +26,7 @@ from guard.backends.derive import derive_onnx
 from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
 from guard.zoo.classifier import sample_inputs
-from envoy_support import ENVOY, Guard, needs_envoy, raw_call, write
+from envoy_support import Guard, needs_envoy, raw_call, validated_bootstrap, write
 from support import image_input, metric, wait_for
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "upstream_runtime"
@@ -261,6 +261,13 @@ def test_reload_hot_restarts_envoy_without_a_failed_request(watching, upstreams,
                       route="primary") >= 2
 
     wait_for(counted, timeout=30, interval=0.2)
+    # Sampled calls of both are observed and compared: the tap exists for every call when the
+    # route is chosen again from the body (bootstrap.Chain), and keeps the sampled twins'.
+    for name in ("cnn", "cnn2"):
+        before = metric(watching.metrics(), "guard_mirror_total", model=name, outcome="compared")
+        watching.client.infer(name, [image_input(sample_inputs(1, seed=4))])
+        wait_for(lambda: metric(watching.metrics(), "guard_mirror_total", model=name,
+                                outcome="compared") >= before + 1, timeout=60)
 
 
 def test_drift_switches_to_the_fallback_cluster_and_survives_envoy_kill(
@@ -407,10 +414,4 @@ def test_deploy_envoy_prints_a_bootstrap_envoy_validates(tmp_path, upstreams, zo
                          "client_ca_file": str(pki["ca"])}
     path = write(tmp_path, blocks[:2 if shape == "two models" else 1], server=server,
                  observer_port=8005, health_port=8006)
-    bootstrap = tmp_path / "envoy.yaml"
-    subprocess.run([sys.executable, "-m", "guard", "deploy", "envoy", str(path), "-o",
-                    str(bootstrap)], check=True, cwd=tmp_path)
-    checked = subprocess.run([ENVOY, "--mode", "validate", "-c", str(bootstrap)],
-                             capture_output=True, text=True)
-    assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
-    assert "OK" in checked.stdout
+    validated_bootstrap(path, tmp_path)

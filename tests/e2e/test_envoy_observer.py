@@ -82,8 +82,10 @@ def bootstrap(listen: int, admin: int, upstream: int, observer: int | None) -> d
             "request_body_mode": "STREAMED", "response_body_mode": "STREAMED",
             "request_trailer_mode": "SKIP", "response_trailer_mode": "SEND"},
     }
+    # Every call as guard's sampled twins answer it: the route, and the mark the tap keeps.
     route = {"match": {"prefix": "/"}, "route": {"cluster": "upstream", "timeout": "0s"},
-             "response_headers_to_add": [{"header": {"key": "guard-route", "value": "primary"}}]}
+             "response_headers_to_add": [{"header": {"key": "guard-route", "value": "primary"}},
+                                         {"header": {"key": "guard-sampled", "value": "1"}}]}
     manager = {
         "@type": "type.googleapis.com/envoy.extensions.filters.network."
                  "http_connection_manager.v3.HttpConnectionManager",

@@ -24,7 +24,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe.metrics import GuardMetrics
 from guard.serve.model import ServedModel
-from llm_support import llama_server  # noqa: F401  (the module's llama_cpp.server)
+from llm_support import call_both_ways, llama_server, smollm2_gguf  # noqa: F401  (the module's server)
 from support import metric, running, scrape, wait_for, write_config
 
 PROMPT = "The capital of France is"
@@ -34,8 +34,11 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 def model_block(server, **options) -> dict:
     upstream = {"backend": "openai", "target": server.url, "model": server.model,
                 "options": options}
-    # An openai reference (a remote scorer) makes the model sampled: mirror.sample_rate 1.
-    return {"name": "smol", "task": "generation", "primary": upstream, "reference": upstream,
+    # A reference makes the model sampled (mirror.sample_rate 1): llama.cpp in guard's
+    # verifier on the server's own GGUF (llama-cpp-python's server cannot be a remote one: it
+    # scores no given token ids, guard/backends/openai_scorer.py).
+    reference = {"backend": "llama_cpp", "path": str(smollm2_gguf())}
+    return {"name": "smol", "task": "generation", "primary": upstream, "reference": reference,
             "mirror": {"sample_rate": 1.0}}
 
 
@@ -129,10 +132,7 @@ def test_a_streamed_call_comes_token_by_token_and_is_counted(guard, through, dir
 
 def test_every_sampled_call_reaches_the_verifier(guard, through):
     before = handed(guard)
-    through.completions.create(model="smol", prompt=PROMPT, max_tokens=4, temperature=0)
-    for _ in through.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=4,
-                                             temperature=0, stream=True):
-        pass
+    call_both_ways(through, "smol", max_tokens=4)
     wait_for(lambda: handed(guard) >= before + 2)
     values = scrape(guard.metrics_port)
     assert metric(values, "guard_mirror_total", model="smol", outcome="dropped") == 0

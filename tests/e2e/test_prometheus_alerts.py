@@ -10,22 +10,25 @@ and rule evaluation every second, and the drift alert's `for` set to 2 s.
 from __future__ import annotations
 
 import json
-import shutil
-import socket
-import subprocess
-import urllib.parse
-import urllib.request
 from pathlib import Path
 
 import numpy as np
 import pytest
 import yaml
 from fixture_models import DRIFT_TRIGGER
-from support import affine_backend, metric, model_block, running, scrape, wait_for, x_input
+from prometheus_support import PROMETHEUS, PrometheusServer
+from support import (
+    affine_backend,
+    metric,
+    model_block,
+    running,
+    scrape,
+    wait_for,
+    x_input,
+)
 
 from guard.deploy.rules import RuleSettings, render, thresholds_from_data
 
-PROMETHEUS = shutil.which("prometheus")
 ROOT = Path(__file__).resolve().parents[2]
 
 pytestmark = [
@@ -33,78 +36,6 @@ pytestmark = [
                        "Debian's `prometheus` package (.ci/run does)"),
     pytest.mark.timeout(120),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class PrometheusServer:
-    """`prometheus` as a child process on a free loopback port, config and TSDB in a folder."""
-
-    def __init__(self, folder: Path, metrics_port: int, rules_text: str):
-        self.folder = folder
-        self.port = free_port()
-        (folder / "rules.yaml").write_text(rules_text)
-        (folder / "prometheus.yml").write_text(yaml.safe_dump({
-            "global": {"scrape_interval": "1s", "scrape_timeout": "1s",
-                       "evaluation_interval": "1s"},
-            "rule_files": [str(folder / "rules.yaml")],
-            "scrape_configs": [{"job_name": "guard",
-                                "static_configs": [{"targets": [f"127.0.0.1:{metrics_port}"]}]}],
-        }))
-        self.log_path = folder / "prometheus.log"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        self._log = self.log_path.open("w")
-        self.process = subprocess.Popen(
-            [PROMETHEUS, f"--config.file={self.folder / 'prometheus.yml'}",
-             f"--storage.tsdb.path={self.folder / 'data'}",
-             f"--web.listen-address=127.0.0.1:{self.port}", "--log.level=warn"],
-            stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-        )
-        wait_for(self._ready, timeout=30, interval=0.1)
-
-    def _ready(self) -> bool:
-        if self.process.poll() is not None:
-            raise AssertionError(f"prometheus exited with {self.process.returncode}:\n"
-                                 + self.log_path.read_text())
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/-/ready", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return False
-
-    def stop(self) -> None:
-        if self.process is not None and self.process.poll() is None:
-            self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(10)
-        if self.process is not None:
-            self._log.close()
-
-    def api(self, path: str, **params) -> dict:
-        query = f"?{urllib.parse.urlencode(params)}" if params else ""
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}/api/v1/{path}{query}",
-                                    timeout=5) as response:
-            body = json.load(response)
-        assert body["status"] == "success", body
-        return body["data"]
-
-    def alerts(self, name: str) -> list[dict]:
-        return [a for a in self.api("alerts")["alerts"] if a["labels"]["alertname"] == name]
-
-    def rule(self, name: str) -> dict:
-        rules = [r for g in self.api("rules")["groups"] for r in g["rules"]
-                 if r.get("name") == name]
-        assert len(rules) == 1, rules
-        return rules[0]
 
 
 def dashboard_queries() -> list[str]:

@@ -174,6 +174,26 @@ def test_several_models_are_routed_by_the_model_name_in_the_body(tmp_path):
     assert set(layout.clusters) == {"guard_cnn_primary", "guard_v_d2_primary"}
 
 
+def test_several_sampled_models_keep_the_tap_for_the_route_chosen_from_the_body(tmp_path):
+    """Envoy makes a call's filters for the route its headers choose, before the body names
+    the model: there (the server-wide route) the tap must not be off, or no call is ever
+    traced; the sampled twins mark their answers and the tap keeps only those."""
+    sampled = {"reference": upstream("ref"), "mirror": {"sample_rate": 0.5}}
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"), **sampled},
+                               {"name": "rec", "primary": upstream("rec"), **sampled}])
+    built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+    assert filters_of(built)[:3] == [bootstrap.EXTRACTION_FILTER, bootstrap.LUA_FILTER,
+                                     bootstrap.TAP_FILTER]
+    routes = {r["name"]: r for r in routes_of(built)}
+    assert "typed_per_filter_config" not in routes["server"]
+    entries = {c["name"]: c for c in routes["cnn_infer"]["route"]["weighted_clusters"]["clusters"]}
+    assert [h["header"]["key"] for h in entries["guard_cnn_primary_sampled"][
+        "response_headers_to_add"]] == ["guard-route", bootstrap.SAMPLED_HEADER]
+    # Metadata calls share the clusters but are never compared: unmarked.
+    for route in ("cnn_other", "server"):
+        assert bootstrap.SAMPLED_HEADER not in json.dumps(routes[route])
+
+
 def test_tokens_keep_different_names_apart():
     names = ["a.b", "a_b", "a_db", "a__b", "a-b"]
     assert len({bootstrap.token(n) for n in names}) == len(names)

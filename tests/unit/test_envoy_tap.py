@@ -97,7 +97,10 @@ def test_outcomes_of_traces_that_are_not_handed_on():
 def test_the_tap_taps_what_it_is_given_and_buffers_bodies_up_to_the_bound():
     body = tap_request(1234)
     assert body["config_id"] == "guard"
-    assert body["tap_config"]["match"] == {"any_match": True}
+    # What the sampled twins mark (the only calls whose filters have the tap, where the
+    # route is final at the headers; every call's, where it is chosen again from the body).
+    assert body["tap_config"]["match"] == {"http_response_headers_match": {"headers": [
+        {"name": "guard-sampled", "present_match": True}]}}
     output = body["tap_config"]["output_config"]
     assert output["sinks"] == [{"format": "JSON_BODY_AS_BYTES", "streaming_admin": {}}]
     assert output["max_buffered_rx_bytes"] == output["max_buffered_tx_bytes"] == 1234

@@ -120,6 +120,43 @@ def test_an_llm_backend_needs_task_generation(base):
                for line in lines)
 
 
+def test_an_openai_reference_validates_and_builds_a_remote_scorer_importing_nothing_heavy(base):
+    import sys
+
+    from guard.backends import create_backend
+    from guard.backends.openai_scorer import OpenAIScorer
+
+    reference = {"backend": "openai", "target": "http://10.0.0.7:8000/v1", "model": "smol-bf16",
+                 "options": {"scoring": "prompt_logprobs", "top_logprobs": 10,
+                             "api_key_env": "REFERENCE_KEY"}}
+    config = parse_config(generation_doc(reference=reference), base, "guard.yaml")
+    before = {name for name in ("torch", "transformers", "llama_cpp") if name in sys.modules}
+    scorer = create_backend(config.models[0].reference, "reference")
+    assert isinstance(scorer, OpenAIScorer) and scorer.base == "http://10.0.0.7:8000"
+    assert scorer.options.top_logprobs == 10
+    assert {name for name in ("torch", "transformers", "llama_cpp") if name in sys.modules} \
+        == before
+
+
+@pytest.mark.parametrize("role, options, message", [
+    ("reference", {"sample_logprobs": 5}, "reference.options.sample_logprobs: is for an openai "
+     "primary or fallback"),
+    ("reference", {"engine": "vllm"}, "reference.options.engine: is for an openai primary"),
+    ("primary", {"scoring": "echo"}, "primary.options.scoring: is for an openai reference"),
+    ("fallback", {"top_logprobs": 5}, "fallback.options.top_logprobs: is for an openai "
+     "reference"),
+    ("reference", {"scoring": "logits"}, "scoring"),
+    ("reference", {"top_logprobs": 0}, "top_logprobs"),
+])
+def test_openai_options_of_the_other_role_are_refused(base, role, options, message):
+    block = {"backend": "openai", "target": "http://127.0.0.1:8000", "model": "smol-ref",
+             "options": options}
+    if role != "reference":
+        block = dict(OPENAI if role == "primary" else FALLBACK, options=options)
+    lines = problems(generation_doc(**{role: block}), base)
+    assert any(message in line for line in lines), lines
+
+
 def _complete_problems(data, base_dir: Path) -> list[str]:
     """The checks' registries too (tier 2's capturable pairs): what validate and the verifier
     load with."""

@@ -251,3 +251,64 @@ def test_a_completion_longer_than_the_context_is_refused(f16_reference):
                               completion_text=" end", tokens=(), sampling=GREEDY)
     with pytest.raises(BackendError, match="context"):
         f16_reference.score(sample)
+
+
+def test_the_stop_token_a_server_reports_past_the_text_is_scored(fp32, f16_reference):
+    """vLLM reports the EOS it stopped on (``<|im_end|>``) in the logprobs and leaves it out
+    of the text: aligned as the vocabulary's token, and scored (the reference's probability of
+    stopping there); without finish_reason stop the same tokens are a mismatch."""
+    text = "The capital of France is Paris."
+    vocab = f16_reference.vocab
+    texts = [vocab.token_text(i) for i in vocab.encode(text)] + ["<|im_end|>"]
+    sample = GenerationSample(
+        model="smol", endpoint="chat", completion_text=text, finish_reason="stop",
+        messages=({"role": "user", "content": "What is the capital of France?"},),
+        tokens=tuple(TokenLogprob(t) for t in texts), sampling=GREEDY)
+    for scorer in (fp32, f16_reference):
+        scores = scorer.score(sample)
+        assert scores.scored and len(scores.token_ids) == len(texts)
+        assert scores.token_texts[-1] == "<|im_end|>"
+        assert scores.token_ids[-1] == scorer.vocab.lookup("<|im_end|>")
+        assert scores.chosen_logprob[-1] > -2.0  # the instruct model stops after its answer
+        assert check_generation(sample, scores, LLAMA).passed
+    cut = replace(sample, finish_reason="length")
+    assert f16_reference.score(cut).mismatch is not None
+    # A call that stopped at once: no text, only the stop token.
+    empty = replace(sample, completion_text="", tokens=(TokenLogprob("<|im_end|>"),))
+    assert f16_reference.score(empty).token_texts == ("<|im_end|>",)
+
+
+def test_the_load_check_catches_llama_cpp_pythons_shifted_echo(primaries):
+    """What an ``openai`` reference checks at load (guard/backends/openai_scorer.py), on
+    llama-cpp-python's own answers (0.3.36, in-process): its echo gives token ``i`` the
+    distribution that predicts token ``i + 1`` (upstream issue 1983), so the position after
+    the probe does not score what the model generates there; the same position read from the
+    model's own logits does."""
+    from guard.backends.openai_scorer import PROBE_TEXT, Position, echo_positions, misalignment
+
+    llm = primaries["F16"]
+    ids = list(llm.tokenize(PROBE_TEXT.encode(), add_bos=False, special=True))
+    llm.reset()
+    generated = llm.create_completion(ids, max_tokens=1, logprobs=5, temperature=0)
+    best = generated["choices"][0]["logprobs"]["tokens"][0]
+    llm.reset()
+    # Its server takes text prompts only: the probe plus its last token, as text.
+    echoed = llm.create_completion(PROBE_TEXT + llm.detokenize(ids[-1:]).decode(), echo=True,
+                                   max_tokens=1, logprobs=5, temperature=0)["choices"][0]
+    sent = ids + ids[-1:]
+    count = len(sent)
+    for key in ("tokens", "token_logprobs", "top_logprobs"):  # the prompt's positions only
+        echoed["logprobs"][key] = echoed["logprobs"][key][:count]
+    shifted = echo_positions(echoed, sent, 5)[-1]
+    assert misalignment(generated["choices"][0], shifted) is not None
+    assert "not aligned" in misalignment(generated["choices"][0], shifted)
+    # The position read right: the model's logits after the probe (one evaluation).
+    llm.reset()
+    llm.eval(sent)
+    row = llm.scores[len(ids) - 1].astype(np.float64)
+    row -= np.logaddexp.reduce(row)
+    order = np.argsort(-row)[:5]
+    aligned = Position(llm.detokenize([sent[-1]]).decode(), float(row[sent[-1]]), tuple(
+        (int(i), llm.detokenize([int(i)]).decode(), float(row[i])) for i in order))
+    assert aligned.top[0][1] == best
+    assert misalignment(generated["choices"][0], aligned) is None

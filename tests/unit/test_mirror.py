@@ -308,7 +308,8 @@ def test_offer_does_not_block_while_reference_hangs(harness):
         h.offer(inputs, outputs)
     # All ten offers returned with the reference still held in its first call.
     assert not gate.finished.is_set()
-    assert count(h.metrics, "dropped") >= 7  # at most 1 in hand + 2 queued
+    # At most 2 in hand (the worker takes what waits, and at most 2 ever wait) + 2 queued.
+    assert count(h.metrics, "dropped") >= 6
     gate.open()
 
 

@@ -167,6 +167,42 @@ def test_a_chat_stream_with_logprobs_becomes_the_sample_token_by_token():
     assert sample.upstream_model == "up"
 
 
+def test_a_chunks_tokens_are_told_from_its_bytes_as_from_its_parse():
+    """The edge's unsampled calls parse no event: the byte test must say what the parse says
+    for the chunks servers send (roles, empty and null contents, logprobs whose "content" is a
+    list, tool calls, finish- and usage-only chunks, escapes and non-ASCII text)."""
+    rng = random.Random(11)
+    texts = ["", " Paris", 'a "quote"', "line\nbreak", "é ✓", "\\", "{}", None]
+    for _ in range(400):
+        endpoint = rng.choice(["chat", "completions"])
+        text = rng.choice(texts)
+        choice: dict = {"index": 0, "finish_reason": rng.choice([None, "stop"])}
+        if endpoint == "chat":
+            delta: dict = {}
+            if rng.random() < 0.3:
+                delta["role"] = "assistant"
+            if rng.random() < 0.8:
+                delta["content"] = text
+            if rng.random() < 0.1:
+                delta["tool_calls"] = [{"function": {"arguments": '{"content": "x"}'}}]
+            choice["delta"] = delta
+            if rng.random() < 0.3:
+                choice["logprobs"] = {"content": [{"token": text or "x", "logprob": -0.1,
+                                                   "top_logprobs": []}]}
+        else:
+            choice["text"] = text
+            if rng.random() < 0.3:
+                choice["logprobs"] = {"tokens": [text or "x"], "token_logprobs": [-0.1],
+                                      "top_logprobs": [{"text": -0.5}], "text_offset": [0]}
+        chunk = {"id": "c", "model": "m", "choices": [choice] if rng.random() < 0.9 else []}
+        if rng.random() < 0.2:
+            chunk["usage"] = rng.choice([None, {"completion_tokens": 3}])
+        data = json.dumps(chunk, ensure_ascii=rng.random() < 0.5,
+                          separators=rng.choice([(",", ":"), (", ", ": ")])).encode()
+        assert api.data_has_content(data, endpoint) == api.chunk_has_content(chunk, endpoint), data
+        assert api.data_needs_parse(data) == isinstance(chunk.get("usage"), dict), data
+
+
 def test_a_completion_answer_with_token_ids_and_usage():
     completion = api.Completion()
     api.gather(completion, "completions", {"model": "up", "usage": {"completion_tokens": 2},

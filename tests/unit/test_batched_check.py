@@ -1,4 +1,4 @@
-"""guard/replay/batchcheck.py: the batched tiers 1 and 3 give each record of a stacked batch the
+"""guard/verify/batched.py: the batched tiers 1 and 3 give each record of a stacked batch the
 reports ``Comparator.check`` gives it alone, with real ONNX Runtime sessions (the zoo CNN, int8
 primary against its fp32 reference: some records pass, some fail, some flip top-1)."""
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from guard.config import ModelConfig
-from guard.replay.batchcheck import batchable, check_stacked
+from guard.verify.batched import batchable, check_stacked
 from guard.replay.execute import ModelRunner
 from guard.replay.items import CHECKED, Batch, ReplayItem
 from guard.verify.pipeline import Comparator
@@ -47,11 +47,12 @@ def runner(zoo_classifier, request):
     runner.close()
 
 
-def test_stacked_checks_equal_record_by_record(runner):
+@pytest.mark.parametrize("max_rows", [3, 1], ids=["1-3-rows", "one-row-each"])
+def test_stacked_checks_equal_record_by_record(runner, max_rows):
     images = sample_inputs(120, seed=5)
     items, start = [], 0
     while start < len(images):  # records of 1-3 rows, as the sidecar captures requests
-        rows = 1 + len(items) % 3
+        rows = 1 + len(items) % max_rows
         items.append(ReplayItem(len(items), "cnn", {"image": images[start:start + rows]}))
         start += rows
     inferred = runner.infer(Batch("cnn", items))

@@ -1,9 +1,12 @@
 """Tiers 1 and 3 over a stacked batch at once, for the records whose verdict is a plain pass.
 
-``Comparator.check`` per record costs a few hundred microseconds of Python (arrays, dataclasses,
-strings for every record), more than the zoo CNN's reference needs to infer it. But what a
-record's tier-1 and tier-3 (classification) verdict rests on is computed row by row, then
-reduced over the record's rows with reductions that do not depend on order:
+Offline replay (guard/replay/execute.py) and the verifier's mirror
+(guard/verifier_process/mirror.py) both check many samples (records) at once, stacked along
+the first axis (guard/backends/batching.py). ``Comparator.check`` per record costs tens to a
+few hundred microseconds of Python (arrays, dataclasses, strings for every record), more than a
+small reference needs to infer it. But what a record's tier-1 and tier-3 (classification)
+verdict rests on is computed row by row, then reduced over the record's rows with reductions
+that do not depend on order:
 
 - tier 1: per output, ``max|primary - reference|`` and ``max|reference|`` in the outputs' own
   dtype (a maximum is exact in any order), then ``allowed = atol + rtol * max|ref| + floor``;
@@ -19,19 +22,24 @@ classification. A whole batch takes the per-record path when the comparator has 
 tiers (tier 2) or is asked for statistics of every pass (``pass_stats``).
 
 One difference, by design: a passing output's optional statistics (mean_abs, p99_abs, max_rel,
-cosine_distance; the sidecar computes them for one pass in 16) are not computed here (NaN,
-``stats=False``). The replay report shows none of them; the verdicts and every figure it shows
-are unchanged.
+cosine_distance; ``Comparator.check`` computes them for one pass in 16) are not computed here
+(NaN, ``stats=False``). Neither the replay report nor the verifier's metrics and detectors use
+them; the verdicts and every figure they show are unchanged.
+
+``check_stacked_results`` gives each record its ``CheckResult`` (the mirror's shape: detectors
+and capture take it), ``check_stacked`` its ``tier_reports`` (replay's).
 """
 
 from __future__ import annotations
 
 import math
+from itertools import accumulate
 
 import numpy as np
 
-from guard.verify.pipeline import CheckResult, TierReport, Comparator
+from guard.verify.pipeline import CheckResult, Comparator, TierReport
 from guard.verify.structure import is_flat
+from guard.verify.task import GENERIC_NOTE
 from guard.verify.task.base import OutputMissing, TaskCheck
 from guard.verify.task.classification import ClassificationChecker
 from guard.verify.tensor import OutputCheck, TensorCheck
@@ -40,18 +48,30 @@ NAN = math.nan
 
 
 def batchable(comparator: Comparator) -> bool:
-    """Can this verifier's checks take the batched path at all?"""
+    """Can this verifier's checks take the batched path at all? Not with adapters, extra tiers
+    (tier 2), statistics of every pass, or outputs renamed between the sides (each record then
+    goes through ``Comparator.check``)."""
     checker = comparator.task_checker
-    return (not comparator.adapters and not comparator.extra_tiers and comparator.pass_stats is not True
+    return (not comparator.adapters and not comparator.extra_tiers
+            and comparator.pass_stats is not True and comparator.reference_names is None
             and (checker is None or type(checker) is ClassificationChecker))
 
 
-def _segment_max(rowwise: np.ndarray, starts: np.ndarray) -> list[float]:
-    return np.maximum.reduceat(rowwise, starts).tolist()
+def _per_record(reduce, rowwise: np.ndarray, starts: list[int] | None) -> list:
+    """``rowwise`` reduced over each record's rows (``starts``: each record's first row; None
+    when every record is one row, the usual case: nothing to reduce)."""
+    if starts is not None:
+        return reduce.reduceat(rowwise, starts).tolist()
+    return (rowwise.astype(np.int64) if rowwise.dtype == np.bool_ else rowwise).tolist()
 
 
-def _tensor_figures(comparator: Comparator, reference: dict, primary: dict, starts: np.ndarray,
-                    total: int) -> dict[str, tuple[list, list, list]] | None:
+def _starts(rows: list[int]) -> list[int] | None:
+    """Each record's first row; None when every record is one row."""
+    return None if all(n == 1 for n in rows) else list(accumulate(rows, initial=0))[:-1]
+
+
+def _tensor_figures(comparator: Comparator, reference: dict, primary: dict,
+                    starts: list[int] | None, total: int) -> dict[str, tuple] | None:
     """Per output name (sorted, as ``compare_outputs``): per record (max_abs, ref_max,
     allowed), or None when some output cannot take this path."""
     if sorted(reference) != sorted(primary):
@@ -67,8 +87,8 @@ def _tensor_figures(comparator: Comparator, reference: dict, primary: dict, star
         with np.errstate(invalid="ignore", over="ignore"):  # inf - inf: NaN, sent per record
             diff = np.subtract(out, ref).reshape(total, -1)
         np.abs(diff, out=diff)
-        max_abs = _segment_max(diff.max(axis=1), starts)
-        ref_max = _segment_max(np.abs(ref.reshape(total, -1)).max(axis=1), starts)
+        max_abs = _per_record(np.maximum, diff.max(axis=1), starts)
+        ref_max = _per_record(np.maximum, np.abs(ref.reshape(total, -1)).max(axis=1), starts)
         tol = comparator.per_output.get(name, comparator.default)
         allowed = [tol.atol + tol.rtol * r + tol.floor for r in ref_max]
         figures[name] = (max_abs, ref_max, allowed)
@@ -94,7 +114,9 @@ class _Classification:
         # tie margin per record (tier 1's allowed error on this output), repeated per row
         self.ties = [c.tie_margin if c.tie_margin is not None else 2.0 * a
                      for a in allowed.get(name, [0.0] * len(rows))]
-        tie = np.repeat(np.asarray(self.ties, dtype=np.float64), rows)
+        tie = np.asarray(self.ties, dtype=np.float64)
+        if len(ref) != len(rows):
+            tie = np.repeat(tie, rows)
         index = np.arange(len(ref))
         top1_ref = np.argmax(ref, axis=1)
         top1_out = np.argmax(out, axis=1)
@@ -103,15 +125,15 @@ class _Classification:
         near_tie = flipped & (self.margin <= tie)
         real = flipped & ~near_tie
         self.k = k = min(c.top_k, ref.shape[1])
-        kth = -np.sort(-ref, axis=1)[:, k - 1]
+        kth = -np.partition(-ref, k - 1, axis=1)[:, k - 1]
         ref_set = ref >= (kth - tie)[:, None]
         top_out = np.argsort(-out, axis=1, kind="stable")[:, :k]
         self.overlap = np.take_along_axis(ref_set, top_out, axis=1).sum(axis=1) / k
-        self.bounds = np.cumsum([0, *rows]).tolist()
-        starts = self.bounds[:-1]
-        self.flips = np.add.reduceat(flipped, starts).tolist()
-        self.near = np.add.reduceat(near_tie, starts).tolist()
-        self.real = np.add.reduceat(real, starts).tolist()
+        self.bounds = list(accumulate(rows, initial=0))
+        starts = _starts(rows)
+        self.flips = _per_record(np.add, flipped, starts)
+        self.near = _per_record(np.add, near_tie, starts)
+        self.real = _per_record(np.add, real, starts)
         self.overlap_list = self.overlap.tolist()
 
     def record(self, j: int) -> TaskCheck | None:
@@ -156,16 +178,14 @@ def _select(checker: ClassificationChecker, reference: dict, primary: dict) -> s
         raise _PerRecord from None
 
 
-def check_stacked(comparator: Comparator, reference: dict, primary: dict,
-                  rows: list[int]) -> list[dict[str, TierReport] | None]:
-    """Per record of a stacked batch (``rows`` rows each, in order): its tier reports when it
+def check_stacked_results(comparator: Comparator, reference: dict, primary: dict,
+                          rows: list[int]) -> list[CheckResult | None]:
+    """Per record of a stacked batch (``rows`` rows each, in order): its ``CheckResult`` when it
     passes tiers 1 and 3 on the batched path, else None (check it alone)."""
-    none = [None] * len(rows)
+    none: list[CheckResult | None] = [None] * len(rows)
     if not (batchable(comparator) and all(rows) and is_flat(reference) and is_flat(primary)):
         return none
-    total = sum(rows)
-    bounds = np.cumsum([0, *rows])
-    figures = _tensor_figures(comparator, reference, primary, bounds[:-1], total)
+    figures = _tensor_figures(comparator, reference, primary, _starts(rows), sum(rows))
     if figures is None:
         return none
     task = None
@@ -175,7 +195,8 @@ def check_stacked(comparator: Comparator, reference: dict, primary: dict,
                                    {n: f[2] for n, f in figures.items()})
         except _PerRecord:
             return none
-    out: list[dict[str, TierReport] | None] = []
+    notes = [GENERIC_NOTE] if task is None and comparator.task_name == "generic" else []
+    out: list[CheckResult | None] = []
     for j in range(len(rows)):
         checks = []
         for name, (max_abs, ref_max, allowed) in figures.items():
@@ -188,12 +209,20 @@ def check_stacked(comparator: Comparator, reference: dict, primary: dict,
         if checks is None:
             out.append(None)
             continue
-        result = CheckResult({"tensor": TensorCheck(True, checks)})
+        result = CheckResult({"tensor": TensorCheck(True, checks)}, list(notes))
         if task is not None:
             check = task.record(j)
             if check is None:
                 out.append(None)
                 continue
             result.tiers["task"] = check
-        out.append(Comparator.tier_reports(result))
+        out.append(result)
     return out
+
+
+def check_stacked(comparator: Comparator, reference: dict, primary: dict,
+                  rows: list[int]) -> list[dict[str, TierReport] | None]:
+    """Per record of a stacked batch: its tier reports when it passes tiers 1 and 3 on the
+    batched path, else None (check it alone)."""
+    return [None if result is None else Comparator.tier_reports(result)
+            for result in check_stacked_results(comparator, reference, primary, rows)]

