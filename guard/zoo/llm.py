@@ -12,10 +12,9 @@ dequantized, not the original bf16 checkpoint.
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
-import os
 import logging
+import os
 import re
 import sys
 import tempfile
@@ -105,7 +104,7 @@ def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1,
     return target
 
 
-@contextlib.contextmanager
+@contextmanager
 def _partial(target: Path):
     """A temporary file beside ``target``, renamed to it when the block succeeds."""
     target.parent.mkdir(parents=True, exist_ok=True)
