@@ -8,7 +8,10 @@ faults in leaf modules at every depth, torch vs ONNX, ONNX vs ONNX, fp16 variant
 pairs; ``guard.zoo.faults.family_cases``; and ``encoder_ort``, the encoder's export through ONNX
 Runtime's transformer optimiser as the primary, q/k/v packed into one Attention node,
 ``guard.zoo.faults.packed_attention_cases``; and the hand-written layouts eager vs
-torch.compile, ``guard.zoo.faults.compiled_cases``): tier 2 as
+torch.compile, ``guard.zoo.faults.compiled_cases``; GRU and LSTM sequence classifiers, the
+recurrent module one ONNX op, among the layouts; and SmolLM2-135M's GGUF run by llama.cpp, its
+graph captured by the eval callback, against the transformers reference, one tensor requantized
+or perturbed, ``guard.zoo.faults.gguf_cases``): tier 2 as
 ``checks.activation: {on_failure: true}`` builds it (every other key at its default, tier-1
 tolerances of the case's deployment), on real ONNX Runtime sessions and torch modules. Per case:
 tier 1's verdict (tier 2 applies tier 1's tolerances to the aligned outputs; for a model with
@@ -30,7 +33,7 @@ holds it (``layer2.0.conv1+layer2.0.bn1``: the exporter folded the BatchNorm int
 ``blocks.1.attn.{q,k,v}``: the optimiser packed the three projections into one node).
 
     python benchmarks/localisation.py [--quick] [--no-real] [--no-families] [--no-compiled]
-                                      [--out benchmarks/results]
+                                      [--no-gguf] [--out benchmarks/results]
 """
 
 from __future__ import annotations
@@ -47,7 +50,11 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from guard.verify.activation.decide import MEASURABLE_FLOOR, MEASURABLE_NOISE_FACTOR  # noqa: E402
+from guard.verify.activation.decide import (  # noqa: E402
+    MEASURABLE_FLOOR,
+    MEASURABLE_NOISE_FACTOR,
+    PEER_FACTOR,
+)
 
 
 def polygraphy_first_failure(case) -> tuple[str | None, float]:
@@ -97,7 +104,7 @@ def run_case(case) -> dict:
     row = {
         "case": case.name, "kind": case.kind, "model": case.model, "precision": case.precision,
         "onnx_pair": case.onnx_pair, "true_layer": case.true_layer,
-        "compiled": case.compiled is not None,
+        "compiled": case.compiled is not None, "gguf": case.gguf,
         "tier1_failed": report.budget.tier1_failed if report.budget else None,
         "budget": report.budget.relative if report.budget else None,
         "named": first.name if first else None, "basis": report.basis,
@@ -156,10 +163,11 @@ def _family_score(rows: list[dict]) -> dict:
                 if r.get("polygraphy") == r["true_layer"] and not r["right"]]}
 
 
-def _compiled_score(rows: list[dict]) -> dict:
-    """Eager vs torch.compile (guard.zoo.faults.compiled_cases)."""
-    faults = [r for r in rows if r.get("compiled") and r["true_layer"] is not None]
-    clean = [r for r in rows if r.get("compiled") and r["true_layer"] is None]
+def _compiled_score(rows: list[dict], key: str = "compiled") -> dict:
+    """Eager vs torch.compile (guard.zoo.faults.compiled_cases); with ``key="gguf"``, llama.cpp
+    vs transformers (guard.zoo.faults.gguf_cases)."""
+    faults = [r for r in rows if r.get(key) and r["true_layer"] is not None]
+    clean = [r for r in rows if r.get(key) and r["true_layer"] is None]
     n = len(faults)
     return {"cases": n,
             "top1": round(sum(r["right"] for r in faults) / n, 4) if n else None,
@@ -170,12 +178,29 @@ def _compiled_score(rows: list[dict]) -> dict:
             "wrong": [r["case"] for r in faults if not r["right"]]}
 
 
+def _recurrent_score(rows: list[dict]) -> dict:
+    """The GRU and LSTM classifiers (a fault in the recurrent module or around it)."""
+    faults = [r for r in rows if r["model"].split("-")[0] in ("gru", "lstm")
+              and r["true_layer"] is not None]
+    clean = [r for r in rows if r["model"].split("-")[0] in ("gru", "lstm")
+             and r["true_layer"] is None]
+    inside = [r for r in faults if r["case"].split("-")[2].startswith("rnn.")]
+    n = len(faults)
+    return {"cases": n, "in_the_rnn": len(inside),
+            "top1": round(sum(r["right"] for r in faults) / n, 4) if n else None,
+            "top1_in_the_rnn": round(sum(r["right"] for r in inside) / len(inside), 4)
+            if inside else None,
+            "clean_cases": len(clean),
+            "clean_blames": sum(1 for r in clean if r["named"] is not None),
+            "wrong": [r["case"] for r in faults if not r["right"]]}
+
+
 def _failed_row(case, exc: Exception) -> dict:
     from guard.zoo.faults import FAMILIES
 
     return {"case": case.name, "kind": case.kind, "model": case.model,
             "precision": case.precision, "onnx_pair": case.onnx_pair,
-            "compiled": case.compiled is not None,
+            "compiled": case.compiled is not None, "gguf": case.gguf,
             "true_layer": case.true_layer, "tier1_failed": None, "budget": None, "named": None,
             "basis": "", "right": False, "named_container": False,
             "family": case.model.rsplit("-", 1)[0] in FAMILIES, "undetermined": "",
@@ -231,8 +256,11 @@ def score(rows: list[dict]) -> dict:
             r["case"] for r in onnx
             if r.get("polygraphy") == r["true_layer"] and not r["right"]],
         "torch_onnx_cases_polygraphy_cannot_run": sum(1 for r in faults if not r["onnx_pair"]
-                                                      and not r.get("compiled")),
+                                                      and not r.get("compiled")
+                                                      and not r.get("gguf")),
         "compiled": _compiled_score(rows),
+        "gguf": _compiled_score(rows, "gguf"),
+        "recurrent": _recurrent_score(rows),
         "median_seconds_guard": _median([r["seconds"] for r in rows]),
         "median_seconds_polygraphy": _median([r["polygraphy_seconds"] for r in rows
                                               if "polygraphy_seconds" in r]),
@@ -323,6 +351,16 @@ def markdown(result: dict) -> str:
            f"{_pct(s['compiled']['top3'])} ({s['compiled']['cases']} cases; clean blamed "
            f"{s['compiled']['clean_blames']} of {s['compiled']['clean_cases']}) |"]
           if s["compiled"]["cases"] else []),
+        *([f"| GRU/LSTM classifiers: top-1 (fault in the recurrent module) | "
+           f"{_pct(s['recurrent']['top1'])} ({_pct(s['recurrent']['top1_in_the_rnn'])}); "
+           f"{s['recurrent']['cases']} cases, {s['recurrent']['in_the_rnn']} in it; clean "
+           f"blamed {s['recurrent']['clean_blames']} of {s['recurrent']['clean_cases']} |"]
+          if s["recurrent"]["cases"] else []),
+        *([f"| GGUF (llama.cpp vs transformers) faults: top-1 / top-3 | "
+           f"{_pct(s['gguf']['top1'])} / {_pct(s['gguf']['top3'])} ({s['gguf']['cases']} "
+           f"cases; clean blamed {s['gguf']['clean_blames']} of {s['gguf']['clean_cases']}; "
+           f"wrong: {', '.join(s['gguf']['wrong']) or 'none'}) |"]
+          if s["gguf"]["cases"] else []),
         f"| median time per case: guard / Polygraphy | {s['median_seconds_guard']:.3f} s / "
         f"{s['median_seconds_polygraphy'] or 0:.3f} s |",
         "",
@@ -331,7 +369,9 @@ def markdown(result: dict) -> str:
         "passes: the first layer whose isolated error is beyond the reference's own noise,",
         "`max(" + f"{MEASURABLE_NOISE_FACTOR:g}" + " x noise, " + f"{MEASURABLE_FLOOR:g}" + ")`,"
         " named with `within_budget: true`; tier 2 still passes). Only fp32 pairs get `noise`:",
-        "a reduced-precision primary within its budget names none (`-`).",
+        "a reduced-precision primary within its budget names none (`-`). `peers` (a GGUF run by",
+        "llama.cpp: the isolated error over " + f"{PEER_FACTOR:g}" + " x the median of the same"
+        " module's in the other blocks).",
         "",
         *_field(s["field_architectures"]),
         *_margins(s),
@@ -339,8 +379,10 @@ def markdown(result: dict) -> str:
         "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in result["rows"]:
-        poly = r.get("polygraphy", "n/a (torch)") if r["onnx_pair"] else "n/a (torch)"
+        poly = (r.get("polygraphy", "n/a (torch)") if r["onnx_pair"] else
+                "n/a (gguf)" if r.get("gguf") else "n/a (torch)")
         basis = ("noise" if r["within_budget"] else
+                 "peers" if r["basis"].startswith("isolated error stands out") else
                  "exceeds" if r["basis"].startswith("isolated") else
                  "largest" if r["basis"] else (r["undetermined"][:40] or "-"))
         # "-": no tier-1 verdict (torch vs torch: tier 2 applies tier 1 to ONNX outputs only)
@@ -376,6 +418,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="skip the field's architectures (hand-written and transformers)")
     parser.add_argument("--no-compiled", action="store_true",
                         help="skip eager vs torch.compile (inductor compiles, minutes)")
+    parser.add_argument("--no-gguf", action="store_true",
+                        help="skip SmolLM2's GGUF cases (llama.cpp vs transformers, minutes)")
     parser.add_argument("--quick", action="store_true", help="the six small weight faults only")
     args = parser.parse_args(argv)
     logging.disable(logging.WARNING)
@@ -389,7 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = (faults.small_weight_cases(folder) if args.quick
                  else faults.corpus(folder, real=not args.no_real,
                                     families=not args.no_families,
-                                    compiled=not args.no_compiled))
+                                    compiled=not args.no_compiled, gguf=not args.no_gguf))
         rows = []
         for case in cases:
             try:

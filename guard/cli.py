@@ -142,6 +142,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return replay_command(options)
 
 
+def cmd_localise(args: argparse.Namespace) -> int:
+    from guard.localise import localise
+
+    return localise(args.config, args.model, args.prompt, args.inputs, args.json)
+
+
 def _write_output(text: str, output: str | None) -> None:
     """A deploy command's manifest: to ``-o FILE``, or stdout."""
     if not output:
@@ -422,6 +428,24 @@ def build_parser() -> argparse.ArgumentParser:
                         "each record alone, exactly as the sidecar did)")
     replay.add_argument("--quiet", action="store_true", help="no progress output")
     replay.set_defaults(func=cmd_replay)
+
+    localise_cmd = sub.add_parser(
+        "localise", help="tier 2 on one input: which layer of the primary diverges",
+        description="Builds a model's tier-2 capture sides from the config as the verifier does "
+        "and checks one input: a generation model's --prompt (run through the GGUF its "
+        "upstream serves, checks.activation.primary_gguf, by llama.cpp in-process), a tensor "
+        "model's --inputs FILE.npz. Prints the first divergent layer, on what basis, and the "
+        "suspects (--json: the whole report).",
+        epilog="Exit codes: 0 no layer diverges, 1 a layer diverges (or none can be named "
+        "while the budget is broken), 2 usage error.")
+    _add_config(localise_cmd)
+    localise_cmd.add_argument("--model", metavar="NAME", help="the model (default: the only one)")
+    localise_cmd.add_argument("--prompt", metavar="TEXT",
+                              help="a generation model's input text (prompt, and completion)")
+    localise_cmd.add_argument("--inputs", metavar="FILE.npz",
+                              help="a tensor model's inputs, one array per input name")
+    localise_cmd.add_argument("--json", action="store_true", help="print the whole report")
+    localise_cmd.set_defaults(func=cmd_localise)
 
     capture = sub.add_parser("capture", help="look into capture files")
     capture_sub = capture.add_subparsers(dest="capture_command", metavar="ACTION", required=True)

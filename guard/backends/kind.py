@@ -52,7 +52,8 @@ class BackendKind:
       imported when a side is built); None: its intermediate tensors cannot be captured, and
       ``no_activations`` may say why (the config error repeats it).
     - ``activations_beside``: captured only beside one of these backends on the other side of
-      the pair (their captures align); None: beside any capturable one.
+      the pair (their captures align); None: beside any capturable one. ``beside_why``: why
+      (the config error says it).
     - ``capture_as``: ``(spec) -> spec``, the block tier 2 captures in this one's place to
       find the op repair's suspects, when it cannot hook this backend's own computation (e.g.
       an eager copy of a compiled module); None: the block itself.
@@ -86,6 +87,7 @@ class BackendKind:
     formats: frozenset[str] = frozenset()
     activations: str | None = None
     activations_beside: frozenset[str] | None = None
+    beside_why: str = ""
     no_activations: str = ""
     capture_as: Callable[[Any], Any] | None = None
     forwards: bool = False

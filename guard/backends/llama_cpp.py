@@ -13,6 +13,7 @@ llama.cpp reads a path, not bytes: a pinned file (``sha256``) is hashed right be
 
 from __future__ import annotations
 
+import logging
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Sequence
@@ -66,6 +67,15 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     shifted = logits - logits.max(axis=-1, keepdims=True)
     total = np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)
     return shifted - np.log(total).astype(np.float32)
+
+
+def quiet_llama_logs() -> None:
+    """llama.cpp logs every graph reserve and tensor it converts through the
+    "llama-cpp-python" logger (its log callback prints what that logger's level lets
+    through): quiet, as ``Llama(verbose=False)`` makes it, unless the application set a level."""
+    logger = logging.getLogger("llama-cpp-python")
+    if logger.level == logging.NOTSET:
+        logger.setLevel(logging.ERROR)
 
 
 def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
@@ -172,7 +182,13 @@ def _check(spec: "BackendConfig") -> None:
 
 
 KINDS = {
-    "llama_cpp": BackendKind(name="llama_cpp", extra="llm",
-                             backend=LlamaCppScorer, options=LlamaCppOptions,
-                             check=_check, llm=frozenset({"score"})),
+    # Tier 2 captures its graph's nodes through llama.cpp's eval callback, which only observes:
+    # the layers are isolated on a transformers reference's modules (gguf_align.py).
+    "llama_cpp": BackendKind(
+        name="llama_cpp", extra="llm", backend=LlamaCppScorer, options=LlamaCppOptions,
+        check=_check, llm=frozenset({"score"}),
+        activations="guard.backends.activations.llama_cpp:llama_cpp_side",
+        activations_beside=frozenset({"transformers"}),
+        beside_why="llama.cpp's eval callback only observes, so its layers are isolated on a "
+        "transformers reference's modules"),
 }

@@ -402,6 +402,7 @@ KINDS = {
         precisions=frozenset({"fp32", "fp16", "bf16"}),
         activations="guard.backends.activations.compiled:torch_compile_side",
         activations_beside=frozenset({"torch", "torch_compile"}),
+        beside_why="its compiled capture aligns by module path",
         formats=frozenset({"torch_export", "factory"}), capture_as=_eager_copy,
         check=_check, check_model=_check_model, fp64=fp64_twin, threaded=True,
         in_threads=_in_threads,

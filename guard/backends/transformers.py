@@ -152,6 +152,11 @@ class TransformersScorer(HFTokenized, LocalScorer):
         self.context_length = (self.options.context_length
                                or int(getattr(config, "max_position_embeddings", 0) or 0))
 
+    @property
+    def model(self):
+        """The loaded torch model (tier 2 hooks a copy of its own: activations/transformers.py)."""
+        return self._model
+
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         import torch
 
@@ -190,10 +195,15 @@ def _check(spec: "BackendConfig") -> None:
 
 
 KINDS = {
+    # Tier 2: forward hooks on a private copy, beside a GGUF run by llama.cpp (its modules
+    # isolate llama.cpp's layers) or another transformers model (by module path).
     "transformers": BackendKind(
         name="transformers", extra="llm",
         backend=TransformersScorer, options=TransformersOptions,
         precisions=frozenset({"fp32", "fp16", "bf16"}), check=_check,
         llm=frozenset({"score"}),
+        activations="guard.backends.activations.transformers:transformers_side",
+        activations_beside=frozenset({"llama_cpp", "transformers"}),
+        beside_why="its capture aligns with llama.cpp's graph or by module path",
     ),
 }

@@ -105,6 +105,11 @@ class ActivationCheckConfig(Strict):
         None, description="For a TorchScript or .pt2 side (Python hooks cannot see inside "
         "them): an eager 'module:factory' of the same architecture; the artifact's weights "
         "are loaded into it.")
+    primary_gguf: str | None = Field(
+        None, description="task generation: the GGUF file the primary's OpenAI-compatible "
+        "upstream serves (relative to the config file). Tier 2 runs it in-process with "
+        "llama.cpp, every node of its graph captured by llama.cpp's eval callback, against a "
+        "transformers reference (docs/tier2.md#gguf); the upstream itself is never asked.")
 
     @property
     def enabled(self) -> bool:

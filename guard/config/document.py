@@ -128,6 +128,13 @@ def resolve_document(data: Any, base_dir: Path | ConfigContext,
             spec.path = str(resolved)
         if model.capture is not None:
             model.capture.dir = str(_absolute(folder, model.capture.dir))
+        activation = model.checks.activation
+        if activation.primary_gguf is not None:
+            resolved = _absolute(folder, activation.primary_gguf)
+            if not resolved.is_file():
+                problems.append(f"models[{i}].checks.activation.primary_gguf: file not found: "
+                                f"{resolved}")
+            activation.primary_gguf = str(resolved)
         floor = model.checks.tensor.noise_floor
         if floor.inputs is not None:
             resolved = _absolute(folder, floor.inputs)

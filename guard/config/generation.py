@@ -101,14 +101,22 @@ def model_problems(model: "ModelConfig") -> list[str]:
     backends serve or score an LLM their declarations say: the plan step checks the roles
     (guard/plan/serving.py, ``BackendKind.llm``)."""
     if model.task != TASK:
+        problems = []
         if "generation" in model.checks.model_fields_set:
-            return [f"checks.generation: is set but the model's task is '{model.task}'"]
-        return []
+            problems.append(f"checks.generation: is set but the model's task is '{model.task}'")
+        if model.checks.activation.primary_gguf is not None:
+            problems.append("checks.activation.primary_gguf: names what a generation model's "
+                            f"upstream serves; the model's task is '{model.task}'")
+        return problems
     problems = []
-    for block in ("tensor", "activation", "task"):
+    for block in ("tensor", "task"):
         if block in model.checks.model_fields_set:
             problems.append(f"checks.{block}: tensor checks do not apply to a generation model "
                             "(its checks are checks.generation)")
+    activation = model.checks.activation
+    if activation.enabled and activation.primary_gguf is None:
+        problems.append("checks.activation: tier 2 of a generation model captures the GGUF "
+                        "its upstream serves: set checks.activation.primary_gguf to that file")
     if model.adapters:
         problems.append("adapters: tensor adapters do not apply to a generation model")
     if model.policy.uses("fallback_ops"):

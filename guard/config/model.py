@@ -137,3 +137,14 @@ class ModelConfig(Strict):
             if self.reference is None:
                 raise ValueError("checks.activation needs a 'reference' backend to compare with")
         return self
+
+    def activation_primary(self) -> BackendConfig:
+        """The block tier 2 captures as the primary: the primary itself, or for a generation
+        model the GGUF its upstream serves (``checks.activation.primary_gguf``), run by
+        llama.cpp in-process."""
+        gguf = self.checks.activation.primary_gguf
+        if gguf is None:
+            return self.primary
+        spec = BackendConfig(backend="llama_cpp", path=gguf)
+        spec.context = self.primary.context
+        return spec

@@ -104,16 +104,19 @@ def _activation(model: ModelConfig) -> None:
     from guard.backends import backend_kind
     from guard.backends.activations import capturable
 
+    # What tier 2 captures: a generation model's primary is the GGUF its upstream serves.
+    blocks = {"primary": model.activation_primary(), "reference": model.reference}
     for role, other in (("primary", "reference"), ("reference", "primary")):
-        backend = getattr(model, role).backend
-        beside = getattr(model, other).backend
+        backend = blocks[role].backend
+        beside = blocks[other].backend
         kind = backend_kind(backend)
         if kind.activations_beside is not None and beside not in kind.activations_beside:
+            why = f": {kind.beside_why}" if kind.beside_why else ""
             raise ValueError(
                 f"checks.activation: tier 2 cannot capture the intermediate tensors of {role} "
-                f"backend '{backend}' beside {other} backend '{beside}' (its compiled capture "
-                f"aligns with a {' or '.join(sorted(kind.activations_beside))} {other} only, "
-                "by module path); set sample_rate: 0 and on_failure: false for this model")
+                f"backend '{backend}' beside {other} backend '{beside}' (it aligns beside "
+                f"{' or '.join(sorted(kind.activations_beside))} only{why}); set sample_rate: 0 "
+                "and on_failure: false for this model")
         if not kind.activations:
             why = f": {kind.no_activations}" if kind.no_activations else ""
             raise ValueError(

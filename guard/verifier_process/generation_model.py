@@ -23,6 +23,14 @@ reference (ONE teacher-forced pass, ``Scorer.score``) and runs the tier
 A completion the tier cannot compare (unknown sampling transform, too short) is counted
 (``guard_mirror_total{outcome="not_comparable"}``), never scored; a tokenization mismatch is a
 failure of its own (a finding, never fed to the detector as noise).
+
+Tier 2 (``checks.activation`` with ``primary_gguf``: the GGUF the upstream serves) runs in the
+same mirror worker after the generation tier, on that completion's tokens (``on_failure``: a
+failing completion, while the queue has room; ``sample_rate``: a share of them), on capture
+sides of its own built at load (llama.cpp in-process with its eval callback, the transformers
+reference hooked on a copy), never on the request path: ``guard_checks_total{tier="activation"}``,
+``activation_divergence`` events and the evidence of the next route transition, as for a tensor
+model (guard/verifier_process/model.py).
 """
 
 from __future__ import annotations
@@ -100,6 +108,7 @@ class GenerationResult:
     check: GenerationCheck
     reference_seconds: float
     probed: bool
+    activation: object = None  # tier 2's ActivationReport, when it ran on this completion
 
 
 @dataclass(frozen=True)
@@ -167,14 +176,15 @@ class GenerationMirror(Mirror):
             self._failed(sample, stage, exc)
             return
         self._reference_seconds.observe(seconds)
-        check = self.check(completion, scores)
+        check, activation = self.check(completion, scores)
         if span is not None:
             tracing.set_attributes(span, {
                 "guard.verdict": "pass" if check.passed else "fail",
                 "guard.tier.generation.mode": check.mode, "guard.probed": probed,
                 "guard.reference_seconds": seconds})
         try:
-            self.on_result(GenerationResult(sample, completion, check, seconds, probed))
+            self.on_result(GenerationResult(sample, completion, check, seconds, probed,
+                                            activation))
         except Exception:
             log.exception("handling a generation result for %s failed", self.model)
 
@@ -213,9 +223,9 @@ class KldWindow:
 class VerifiedGenerationModel(VerifiedModel):
     """``VerifiedModel`` with a completion as the sample: the same surface for the verifier
     process and admin (``publish``, ``set_override``, the route transitions' metrics and
-    events, the in-hand count are inherited); its own assembly (no tensor pair, no tier 2, no
-    op repair), mirror, results and capture records. ``VerifiedModel.__init__`` is not run:
-    it builds a tensor pair."""
+    events, the in-hand count, tier 2's events and evidence are inherited); its own assembly
+    (no tensor pair, no op repair), mirror, results and capture records.
+    ``VerifiedModel.__init__`` is not run: it builds a tensor pair."""
 
     ops = None  # no op repair for an LLM
     pair = comparator = activation_tier = activation = None
@@ -241,10 +251,16 @@ class VerifiedGenerationModel(VerifiedModel):
         self._last_event = 0.0
         self._suppressed_events = 0
         self._last_failure: tuple[int, dict] | None = None  # (epoch, evidence): latest failure
-        metrics.declare_model(self.name, self.policy_tiers)
+        self._last_activation = None  # (epoch, ActivationReport) of the latest tier-2 check
+        self._last_activation_event = 0.0
+        self._suppressed_activation_events = 0
+        tiers = self.policy_tiers + (("activation",) if config.checks.activation.enabled
+                                     and config.reference is not None else ())
+        metrics.declare_model(self.name, tiers, self.policy_tiers)
         metrics.declare_generation_model(self.name)
         metrics.mirror.labels(self.name, "not_comparable")
-        self._verdicts = {r: metrics.checks.labels(self.name, TIER, r) for r in ("pass", "fail")}
+        self._verdicts = {(tier, r): metrics.checks.labels(self.name, tier, r)
+                          for tier in tiers for r in ("pass", "fail")}
         self._kld = metrics.generation_kld.labels(self.name)
         self._top1 = metrics.generation_top1_agreement.labels(self.name)
         self._divergence = metrics.generation_first_divergence.labels(self.name)
@@ -272,16 +288,25 @@ class VerifiedGenerationModel(VerifiedModel):
             tier = cast("GenerationTier", self.comparator.tier(TIER))  # (the registry's)
             self._limits = tier.limits
             comparator = self.comparator
+            self.activation_tier = comparator.tier("activation")
+            if self.activation_tier is not None:
+                self._load_activation()  # a pair tier 2 cannot capture fails at start-up
+
+            def check(sample, scores):
+                tiers = comparator.check(scores, sample).tiers
+                return tiers[TIER], tiers.get("activation")
+
             if config.mirror.sample_rate > 0:
                 from guard.backends.openai_generate import PrimaryProbe
 
                 probe = (PrimaryProbe(config.primary, config.mirror.timeout_s)
                          if config.fallback is not None else None)
                 self.mirror = GenerationMirror(
-                    self.name, config.mirror, scorer, probe,
-                    lambda sample, scores: comparator.check(scores, sample).tiers[TIER],
-                    self.metrics, self._on_completion, self._completion_unchecked,
-                    self.serving.span, self._finished)
+                    self.name, config.mirror, scorer, probe, check, self.metrics,
+                    self._on_completion, self._completion_unchecked, self.serving.span,
+                    self._finished)
+                if self.activation_tier is not None:  # on_failure waits for room in the queue
+                    self.activation_tier.queue_fill = self.mirror.queue_fill
         if resume_word is not None:
             route, _, epoch = routes.unpack(resume_word)
             self.policy.resume(route, epoch, routes.override_of(resume_word))
@@ -299,9 +324,11 @@ class VerifiedGenerationModel(VerifiedModel):
              mirror_rate=config.mirror.sample_rate if self.mirror else 0.0,
              action=config.policy.action, resumed=resume_word is not None)
 
-    def close(self) -> None:  # (no pair, repair or tier 2 to close)
+    def close(self) -> None:  # (no pair or repair to close)
         if self.mirror is not None:
             self.mirror.stop()
+        if self.activation is not None:
+            self.activation.close()
         if self.capture is not None:
             self.capture.close()
         for backend in self.backends.values():
@@ -334,6 +361,8 @@ class VerifiedGenerationModel(VerifiedModel):
     # -- mirror worker ---------------------------------------------------------------------------
     def _on_completion(self, result: GenerationResult) -> None:
         check, sample = result.check, result.sample
+        if result.activation is not None:
+            self._on_activation(result.activation, sample.epoch)
         if not check.comparable and check.mode != "tokenization_mismatch":
             self._not_comparable.inc()
             self.window.not_comparable += 1
@@ -345,7 +374,7 @@ class VerifiedGenerationModel(VerifiedModel):
         if not math.isnan(check.top1_agreement):
             self._top1.observe(check.top1_agreement)
         self.window.add(check)
-        self._verdicts["pass" if check.passed else "fail"].inc()
+        self._verdicts[TIER, "pass" if check.passed else "fail"].inc()
         if not check.passed:
             if check.first_divergence is not None:
                 self._divergence.observe(check.first_divergence.position + 1)
@@ -357,6 +386,7 @@ class VerifiedGenerationModel(VerifiedModel):
             evidence = dict(transition.evidence)
             if self._last_failure is not None and self._last_failure[0] == sample.epoch:
                 evidence["last_failure"] = self._last_failure[1]
+            evidence.update(self._activation_evidence(sample.epoch))
             self.record(transition, evidence)
         self._capture_completion(result)
 
@@ -394,6 +424,13 @@ class VerifiedGenerationModel(VerifiedModel):
             check = result.check
             reports[TIER] = GenerationReport(check.passed, check.reason or check.mode,
                                              check.as_dict())
+            if result.activation is not None:
+                from guard.verify.tiers import tier_kind
+
+                kind = tier_kind("activation")
+                details = kind.details(result.activation)
+                reports["activation"] = GenerationReport(
+                    result.activation.passed, kind.summary(result.activation, details), details)
             if result.probed:
                 outputs[PROBED_OUTPUT] = generation_tensor(result.completion)
         return PendingRecord(tag, route, epoch, {GENERATION_INPUT: generation_tensor(sample)},

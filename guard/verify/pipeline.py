@@ -137,7 +137,7 @@ class Comparator:
         self.tensor = TensorTier(checks)
         self.runs: list[Tier] = [self.tensor] if self.samples == "tensors" else []
         for kind in tier_kinds():
-            if kind.name != self.tensor.name and kind.takes == self.samples:
+            if kind.name != self.tensor.name and kind.judges(self.samples):
                 built = kind.build(setup)
                 if built is not None:
                     self.runs.append(built)

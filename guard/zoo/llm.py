@@ -15,6 +15,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
+import re
 import sys
 import tempfile
 from contextlib import contextmanager
@@ -89,42 +90,108 @@ def _stderr_to_log(what: str):
             next((line.strip() for line in lines if "falling back" in line), ""))
 
 
-def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1) -> Path:
-    """``source`` requantized to ``ftype_name`` (e.g. "Q8_0") at ``target``; a file already
-    there is kept (the name says what it holds). Written beside the target and renamed in,
-    so a reader never sees half a file and two processes may race."""
+def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1,
+             overrides: dict[str, str] | None = None) -> Path:
+    """``source`` requantized to ``ftype_name`` (e.g. "Q8_0") at ``target``; ``overrides``:
+    tensor name -> the ggml type it gets instead (``{"blk.3.ffn_down.weight": "Q2_K"}``, the
+    quantizer's tensor-type overrides: a tensor already of the file's type is copied as it is).
+    A file already there is kept (the name says what it holds). Written beside the target and
+    renamed in, so a reader never sees half a file and two processes may race."""
     if target.is_file():
         return target
+    with _partial(target) as partial:
+        _quantize_to(source, partial, ftype_name, threads, overrides)
+    return target
+
+
+@contextmanager
+def _partial(target: Path):
+    """A temporary file beside ``target``, renamed to it when the block succeeds."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    handle, partial = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(handle)
+    try:
+        yield Path(partial)
+        os.replace(partial, target)
+    finally:
+        if os.path.exists(partial):
+            os.unlink(partial)
+
+
+def _quantize_to(source: Path, target: Path, ftype_name: str, threads: int,
+                 overrides: dict[str, str] | None) -> None:
+    import ctypes
+
     import llama_cpp
 
-    # llama.cpp logs every tensor it converts: quiet, as Llama(verbose=False) makes it (its
-    # log callback prints what the "llama-cpp-python" logger's level lets through).
-    logger = logging.getLogger("llama-cpp-python")
-    if logger.level == logging.NOTSET:
-        logger.setLevel(logging.ERROR)
+    from guard.backends.llama_cpp import quiet_llama_logs
+
+    quiet_llama_logs()  # llama.cpp logs every tensor it converts
     # F32 is LLAMA_FTYPE_ALL_F32; the rest LLAMA_FTYPE_MOSTLY_*.
     ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}",
                     getattr(llama_cpp, f"LLAMA_FTYPE_ALL_{ftype_name}", None))
     if ftype is None:
         raise ValueError(f"llama.cpp knows no file type {ftype_name!r}")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(handle)
-    try:
-        params = llama_cpp.llama_model_quantize_default_params()
-        params.ftype = ftype
-        params.allow_requantize = True
-        params.nthread = threads
-        with _stderr_to_log(f"{source.name} -> {ftype_name}"):
-            status = llama_cpp.llama_model_quantize(str(source).encode(), partial.encode(),
-                                                    params)
-        if status != 0:
-            raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype_name}: "
-                               f"status {status}")
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.allow_requantize = True
+    params.nthread = threads
+    if overrides:
+        # llama.cpp reads {pattern (a regex), ggml type} pairs up to one with no pattern.
+        table = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
+        for entry, (tensor, type_name) in zip(table, overrides.items()):
+            ggml_type = getattr(llama_cpp, f"GGML_TYPE_{type_name}", None)
+            if ggml_type is None:
+                raise ValueError(f"ggml knows no tensor type {type_name!r}")
+            entry.pattern = f"^{re.escape(tensor)}$".encode()
+            entry.type = ggml_type
+        params.tt_overrides = ctypes.cast(
+            table, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
+    with _stderr_to_log(f"{source.name} -> {ftype_name}"):
+        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
+                                                params)
+    if status != 0:
+        raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype_name}: "
+                           f"status {status}")
+
+
+def one_tensor_requantized(tensor: str, ggml_type: str, folder: Path | None = None,
+                           threads: int = 1) -> Path:
+    """The shipped GGUF with one tensor (``blk.3.ffn_down.weight``) requantized to
+    ``ggml_type`` (``Q2_K``), every other tensor byte for byte the shipped one; cached. K-quants
+    need rows of a multiple of 256 (SmolLM2's ffn_down: 1536; its 576-wide projections fall back
+    to another type, which the quantizer logs)."""
+    source = smollm2_gguf()
+    stem = GGUF_NAME.removesuffix(".gguf")
+    target = (folder or cache_dir()) / f"{stem}+{tensor}={ggml_type}.gguf"
+    return quantize(source, target, SHIPPED, threads, {tensor: ggml_type})
+
+
+def one_tensor_perturbed(tensor: str, share: float, seed: int = 0,
+                         folder: Path | None = None, threads: int = 1) -> Path:
+    """The shipped GGUF with one tensor ``W`` replaced by ``W + share * std(W) * N(0, 1)``,
+    stored as F32 (the quantizer's exact dequantization of it, then changed in place); every
+    other tensor byte for byte the shipped one; cached."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    source = smollm2_gguf()
+    stem = GGUF_NAME.removesuffix(".gguf")
+    target = (folder or cache_dir()) / f"{stem}+{tensor}~{share:g}-{seed}.gguf"
+    if target.is_file():
+        return target
+    with _partial(target) as partial:
+        _quantize_to(source, partial, SHIPPED, threads, {tensor: "F32"})
+        reader = GGUFReader(partial, "r+")
+        found = [t for t in reader.tensors if t.name == tensor]
+        if not found:
+            raise ValueError(f"{source.name} has no tensor {tensor!r}")
+        data = found[0].data
+        weights = np.asarray(data, dtype=np.float64)
+        noise = np.random.default_rng(seed).standard_normal(weights.shape)
+        data[...] = (weights + share * weights.std() * noise).astype(np.float32)
+        reader.data.flush()
+        del reader, data, found
     return target
 
 

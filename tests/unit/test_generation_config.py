@@ -55,7 +55,8 @@ def test_tensor_checks_are_refused_for_generation(base):
         "policy": {"action": "fallback_ops"}}]}
     (line,) = problems(doc, base)
     assert "checks.tensor: tensor checks do not apply to a generation model" in line
-    assert "checks.activation: tensor checks do not apply" in line
+    assert "checks.activation: tier 2 of a generation model captures the GGUF its upstream " \
+        "serves: set checks.activation.primary_gguf" in line
     assert "policy.action: 'fallback_ops'" in line
 
 
@@ -154,3 +155,44 @@ def test_openai_options_of_the_other_role_are_refused(base, role, options, messa
         block = dict(OPENAI if role == "primary" else FALLBACK, options=options)
     lines = problems(generation_doc(**{role: block}), base)
     assert any(message in line for line in lines), lines
+
+
+def _complete_problems(data, base_dir: Path) -> list[str]:
+    """The checks' registries too (tier 2's capturable pairs): what validate and the verifier
+    load with."""
+    from guard.plan import complete
+
+    with pytest.raises(ConfigError) as info:
+        complete.parse_config(data, base_dir, "guard.yaml")
+    return info.value.problems
+
+
+def test_tier2_of_a_generation_model_captures_the_gguf_its_upstream_serves(base):
+    from guard.plan import complete
+
+    (base / "served.gguf").touch()
+    doc = generation_doc(checks={"activation": {"on_failure": True,
+                                                "primary_gguf": "served.gguf"}})
+    model = complete.parse_config(doc, base, "guard.yaml").models[0]
+    captured = model.activation_primary()
+    assert captured.backend == "llama_cpp" and captured.path == str(base / "served.gguf")
+    assert model.primary.backend == "openai"  # what serves is unchanged
+
+
+def test_tier2_of_a_generation_model_says_what_it_needs(base):
+    (line,) = problems(generation_doc(checks={"activation": {"primary_gguf": "gone.gguf",
+                                                             "on_failure": True}}), base)
+    assert "checks.activation.primary_gguf: file not found" in line
+    (base / "served.gguf").touch()
+    doc = generation_doc(reference={"backend": "llama_cpp", "path": "smol.gguf"},
+                         checks={"activation": {"on_failure": True,
+                                                "primary_gguf": "served.gguf"}})
+    (line,) = _complete_problems(doc, base)
+    assert "primary backend 'llama_cpp' beside reference backend 'llama_cpp'" in line
+    assert "isolated on a transformers reference's modules" in line
+    doc = {"version": 1, "models": [{
+        "name": "m", "primary": {"backend": "onnxruntime", "path": "m.onnx"},
+        "checks": {"activation": {"primary_gguf": "served.gguf"}}}]}
+    (line,) = problems(doc, base)
+    assert "checks.activation.primary_gguf: names what a generation model's upstream serves" \
+        in line

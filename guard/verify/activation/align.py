@@ -65,6 +65,10 @@ class Pairing:
     # The torch module paths it computes, in call order: one call's, or every member of a unit
     # the graph computes as one (a Conv with the BatchNorm folded into it); [] for ONNX vs ONNX.
     modules: list[str] = field(default_factory=list)
+    # ``isolate`` runs the reference's layer on the primary's captured inputs (a primary that
+    # can only be observed: llama.cpp's eval callback); its isolated error is then the
+    # primary's output against that, not the primary's re-run against the reference's.
+    against_primary: bool = False
 
 
 @dataclass
@@ -72,6 +76,11 @@ class Alignment:
     pairings: list[Pairing] = field(default_factory=list)
     unaligned: list[Unaligned] = field(default_factory=list)
     primary_only: list[str] = field(default_factory=list)
+    # Per layer value, the groups of layers it is judged against, in order of preference (the
+    # same module in every block, then every module of its class): set where every layer
+    # differs by design and only one that stands out from its peers diverges (a quantized
+    # GGUF, gguf_align.py; decide.py). Empty: each layer against its own allowance.
+    peers: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
 def _module_of(side: OnnxSide, value: str) -> str:
@@ -239,6 +248,18 @@ class _Match:
     unit: _Unit
     outputs: list[str]  # ONNX values, one per torch output of the unit's last member
     inputs: list[str] | None  # ONNX values, one per torch input of its first (None: not matchable)
+    # Which torch output each ONNX value is, where not one for one (a recurrent module whose
+    # final states the graph does not read).
+    indices: list[int] | None = None
+
+    @property
+    def torch_indices(self) -> list[int]:
+        return self.indices if self.indices is not None else list(range(len(self.outputs)))
+
+    @property
+    def tensors(self) -> list[np.ndarray]:
+        outputs = self.unit.torch_outputs
+        return [outputs[j] for j in self.torch_indices]
 
 
 def _instances_of(path: str, scopes: dict, torch_paths: set[str]) -> list:
@@ -600,7 +621,10 @@ class _Units:
             instance = unit.instance
             name = self.unit_name(unit)
             outputs = self._read_outputs(unit)
+            indices = None
             if len(outputs) != len(unit.torch_outputs):
+                indices = _recurrent_outputs(unit, outputs, onnx_cap)
+            if len(outputs) != len(unit.torch_outputs) and indices is None:
                 self.unaligned.append(Unaligned(
                     self.role, name,
                     f"{len(unit.torch_outputs)} tensor output(s) in torch, "
@@ -623,8 +647,32 @@ class _Units:
                 v in onnx_cap and onnx_cap[v].shape == t.shape
                 for v, t in zip(instance.inputs, first.inputs))
             out.append(_Match(unit, outputs,
-                              list(instance.inputs) if shapes_ok else None))
+                              list(instance.inputs) if shapes_ok else None, indices))
         return out
+
+
+# Recurrent modules the exporters turn into one ONNX RNN/GRU/LSTM op: torch returns the output
+# sequence and the final states, the graph keeps only what something reads.
+_RECURRENT = frozenset({"RNN", "GRU", "LSTM"})
+
+
+def _recurrent_outputs(unit: _Unit, outputs: list[str], onnx_cap: dict[str, np.ndarray]
+                       ) -> list[int] | None:
+    """For a recurrent module whose scope lets fewer values out than torch returns (its final
+    states unread): the torch output each value is, the one of its shape; None where the
+    module is not recurrent or a shape does not name exactly one."""
+    if unit.last.kind not in _RECURRENT or len(unit.members) != 1:
+        return None
+    shapes = [t.shape for t in unit.torch_outputs]
+    indices = []
+    for value in outputs:
+        if value not in onnx_cap:
+            return None
+        same = [j for j, shape in enumerate(shapes) if shape == onnx_cap[value].shape]
+        if len(same) != 1 or same[0] in indices:
+            return None
+        indices.append(same[0])
+    return indices
 
 
 def _output_name(base: str, j: int, n: int) -> str:
@@ -653,7 +701,7 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
         for m in matches:
             if m.unit.unsure:
                 continue  # its tensor may be another computation's: no segment starts there
-            for v, t in zip(m.outputs, m.unit.torch_outputs):
+            for v, t in zip(m.outputs, m.tensors):
                 available[v] = t
             for v, t in zip(m.inputs or [], m.unit.first.inputs):
                 available.setdefault(v, t)
@@ -666,12 +714,12 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
         # gets its children's reference outputs in place of its children (its own code alone).
         # (A packed unit's tensor is what the module after it reads, no member's output.)
         reference_of = {m.unit.last.key: [onnx_cap[v] for v in m.outputs] for m in matches
-                        if m.unit.tensors is None}
+                        if m.unit.tensors is None and m.indices is None}
     for m in matches:
         unit = m.unit
         n = len(m.outputs)
         base = units.unit_name(unit)
-        for j, (value, tensor) in enumerate(zip(m.outputs, unit.torch_outputs)):
+        for j, value, tensor in zip(m.torch_indices, m.outputs, m.tensors):
             name = _output_name(base, j, n)
             if torch_is_reference:
                 def isolate(value=value) -> tuple[np.ndarray, list[str]]:

@@ -43,11 +43,13 @@ from guard.backends.activations.keras import KerasSide
 from guard.backends.activations.onnx import OnnxSide
 from guard.verify.activation.report import ActivationReport, LayerResult, Unaligned
 from guard.backends.activations import capture_side
+from guard.backends.activations.llama_cpp import LlamaCppSide
 from guard.backends.activations.torch import CaptureUnsupported, TorchSide
+from guard.backends.activations.transformers import TransformersSide
 
 log = logging.getLogger("guard.activation")
 
-Side = OnnxSide | TorchSide | KerasSide
+Side = OnnxSide | TorchSide | KerasSide | LlamaCppSide
 
 
 def build_side(spec: BackendConfig, role: str, config: ActivationCheckConfig,
@@ -76,6 +78,9 @@ class ActivationChecker:
         self.tensor = tensor or TensorCheckConfig()  # tier 1's tolerances: the budget
         self._noise: dict[str, float] | None = None  # the reference's per-layer noise
         self._noise_note = ""
+        from guard.verify.activation.gguf_align import check_pair
+
+        check_pair(reference, primary)
         self.reference = reference
         self.primary = primary
         self.pair = f"{reference.kind}/{primary.kind}"
@@ -94,8 +99,13 @@ class ActivationChecker:
         if model.reference is None:
             raise CaptureUnsupported(f"models[{model.name}]: tier 2 needs a reference backend")
         reference = build_side(model.reference, "reference", config, threads)
-        primary = build_side(primary_spec or model.primary, "primary", config, threads)
-        return cls(config, reference, primary, tensor=model.checks.tensor)
+        try:
+            primary = build_side(primary_spec or model.activation_primary(), "primary", config,
+                                 threads)
+            return cls(config, reference, primary, tensor=model.checks.tensor)
+        except Exception:
+            reference.close()
+            raise
 
     # -- when to run (mirror worker) ------------------------------------------------------------
     def due(self, tier1_failed: bool, queue_fill: float) -> bool:
@@ -140,13 +150,16 @@ class ActivationChecker:
             report.layers.append(layer)
             compared.append((layer, pairing))
         isolating = time.perf_counter()
-        self._isolate(compared)
+        # Judged against its peers, every layer needs its isolated figure (and each is one
+        # module call of the reference's).
+        self._isolate(compared, everything=bool(alignment.peers))
         report.isolate_seconds = time.perf_counter() - isolating
         noise = self._layer_noise(inputs)
         report.noise_note = self._noise_note
-        decide(report, self._budget(tier1, [p for _, p in compared]), noise,
-               {p.value: p.ref_key or p.value for _, p in compared},
-               self.tensor.noise_floor.multiplier, self.config.rel_error, self._precision())
+        decide(report, self._budget(tier1, [p for _, p in compared], bool(alignment.peers)),
+               noise, {p.value: p.ref_key or p.value for _, p in compared},
+               self.tensor.noise_floor.multiplier, self.config.rel_error, self._precision(),
+               alignment.peers)
         report.suspects = rank_suspects(report.layers, self.config.top_k)
         report.seconds = time.perf_counter() - started
         return report
@@ -157,7 +170,7 @@ class ActivationChecker:
                                getattr(self.reference, "precision", "fp32")) if p != "fp32"]
         return reduced[0] if reduced else "fp32"
 
-    def _budget(self, tier1, pairings: list[Pairing]) -> Budget:
+    def _budget(self, tier1, pairings: list[Pairing], peers: bool = False) -> Budget:
         budget = budget_from_tier1(tier1) if tier1 is not None else None
         if budget is not None:
             return budget
@@ -174,8 +187,12 @@ class ActivationChecker:
         finite = np.asarray(last, dtype=np.float64)
         finite = finite[np.isfinite(finite)]
         scale = float(np.abs(finite).max()) if finite.size else 0.0
-        return Budget(t.rtol + (t.atol / scale if scale > 0 else 0.0),
-                      "tier 1's tolerances at the last aligned layer (no aligned output)")
+        source = ("checks.tensor's tolerances at the last aligned layer; a layer with peers is "
+                  "judged against them" if peers else
+                  "tier 1's tolerances at the last aligned layer (no aligned output)")
+        # A tier without tensor outputs (the generation tier) still says whether it failed.
+        failed = None if getattr(tier1, "passed", None) is None else not tier1.passed
+        return Budget(t.rtol + (t.atol / scale if scale > 0 else 0.0), source, failed)
 
     def _layer_noise(self, inputs: dict[str, np.ndarray]) -> dict[str, float]:
         """The reference's per-layer noise, measured once (on the noise-floor .npz when the
@@ -212,6 +229,11 @@ class ActivationChecker:
         ref, prim = self.reference, self.primary
         if isinstance(ref, KerasSide) or isinstance(prim, KerasSide):
             return self._align_keras(inputs)
+        if isinstance(prim, LlamaCppSide) and isinstance(ref, TransformersSide):
+            from guard.verify.activation.gguf_align import align_transformers_llama_cpp
+
+            return align_transformers_llama_cpp(ref, prim, ref.capture(inputs),
+                                                prim.capture(inputs))
 
         def onnx_values(side: OnnxSide) -> dict[str, np.ndarray]:
             # Graph inputs are values too: a segment or a module may start from them.
@@ -264,7 +286,8 @@ class ActivationChecker:
         return align_keras_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
                                 keras_is_reference=False)
 
-    def _isolate(self, compared: list[tuple[LayerResult, Pairing]]) -> None:
+    def _isolate(self, compared: list[tuple[LayerResult, Pairing]],
+                 everything: bool = False) -> None:
         """Isolated error for the layers most likely to *add* error, up to the budget: ranked by
         how much the propagated error grows over the layer's inputs (where the alignment knows
         them), else by the propagated error itself. A Reshape after a drifting MatMul carries
@@ -283,13 +306,15 @@ class ActivationChecker:
             if pairing.isolate is None:
                 layer.isolation_note = layer.isolation_note or "not isolatable on this backend"
                 continue
-            if rank >= self.config.max_isolated and not pairing.isolate_is_free:
+            if (rank >= self.config.max_isolated and not pairing.isolate_is_free
+                    and not everything):
                 layer.isolation_note = (f"outside the isolation budget (max_isolated="
                                         f"{self.config.max_isolated})")
                 continue
             try:
                 output, nodes = pairing.isolate()
-                layer.isolated = layer_error(pairing.reference, output)
+                layer.isolated = (layer_error(output, pairing.primary) if pairing.against_primary
+                                  else layer_error(pairing.reference, output))
                 layer.primary_nodes = nodes
             except Exception as exc:  # one layer that cannot be re-run is a note, not a failure
                 layer.isolation_note = f"{type(exc).__name__}: {exc}"

@@ -27,6 +27,9 @@ class LayerResult:
     measurable: float | None = None  # isolated error beyond which it differs measurably
     unsure: str = ""  # why the alignment may compare different computations (never named)
     modules: list[str] = field(default_factory=list)  # torch paths it computes (every member)
+    # judged against its peers (decide.py): their median isolated error and the group
+    peer_level: float | None = None
+    peer_group: str = ""
 
     @property
     def ratio(self) -> float:
@@ -47,6 +50,8 @@ class LayerResult:
             "allowance": None if self.allowance is None else _round(self.allowance),
             "measurable": None if self.measurable is None else _round(self.measurable),
             **({"unsure": self.unsure} if self.unsure else {}),
+            **({"peers": {"group": self.peer_group, "median_isolated": _round(self.peer_level)}}
+               if self.peer_group else {}),
         }
 
 

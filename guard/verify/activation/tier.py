@@ -5,6 +5,10 @@ sample whether tier 2 runs (``checks.activation.sample_rate``, and ``on_failure`
 3 failed and the mirror queue has room) and returns None when it does not, so a sample without
 tier 2 carries no activation result. The capture sides are built on first use, or at load with
 ``prepare()`` (the sidecar does, so that a pair tier 2 cannot capture fails at start-up).
+
+A generative model's sample (a completion) is checked on its prompt and completion tokens as the
+reference scored them, after the generation tier (``on_failure``: when that check failed), its
+primary the GGUF the upstream serves (``checks.activation.primary_gguf``, gguf_align.py).
 """
 
 from __future__ import annotations
@@ -37,18 +41,32 @@ class ActivationTier:
             return self.checker
 
     def check(self, sample) -> ActivationReport | None:
-        inputs: dict[str, np.ndarray] | None = sample.inputs
+        generation = self.model_config.task == "generation"
+        inputs = token_inputs(sample.reference) if generation else sample.inputs
         if inputs is None:
             return None  # tier 2 re-runs both sides on the inputs; without them it cannot
         failed = any(not result.passed for result in sample.results.values())
         checker = self.prepare()
         if not checker.due(failed, self.queue_fill()):
             return None
-        return checker.check(inputs, tier1=sample.results.get("tensor"))
+        return checker.check(inputs, tier1=sample.results.get(
+            "generation" if generation else "tensor"))
 
     def close(self) -> None:
         if self.checker is not None:
             self.checker.close()
+
+
+def token_inputs(scores) -> dict[str, np.ndarray] | None:
+    """A generation sample's inputs for tier 2: prompt and completion as the reference scored
+    them (``ReferenceScores``), one sequence of token ids; None where nothing was scored (a
+    tokenization mismatch) or no prompt tokens are known."""
+    if scores is None or getattr(scores, "mismatch", None) is not None:
+        return None
+    ids = list(scores.prompt_token_ids) + list(scores.token_ids)
+    if not scores.prompt_token_ids or not ids:
+        return None
+    return {"input_ids": np.asarray([ids], dtype=np.int64)}
 
 
 def build_tier(config: ModelConfig, backends: dict) -> ActivationTier | None:
@@ -95,8 +113,8 @@ def _declare():
     from guard.verify.tiers import TierKind
 
     # It runs on a biased sub-sample (failures): evidence, not a detector's input.
-    return TierKind("activation", build=_build, detector=False, details=_details,
-                    summary=_summary)
+    return TierKind("activation", build=_build, takes=("tensors", "generation"),
+                    detector=False, details=_details, summary=_summary)
 
 
 TIER = _declare()
