@@ -63,7 +63,8 @@ class GuardMetrics:
             registry=r,
         )
         self.reference_duration = Histogram(
-            "guard_reference_duration_seconds", "Reference inference time per mirrored sample.",
+            "guard_reference_duration_seconds", "Reference inference time per mirrored sample "
+            "(a stacked forward's time shared over its samples).",
             ["model"], buckets=LATENCY_BUCKETS, registry=r,
         )
         self.checks = Counter(

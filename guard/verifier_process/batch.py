@@ -153,7 +153,7 @@ def _stacked(call: Call, backend, group: list[Held], stage: str, store, observe)
     counts = [batching.rows(h.sample.inputs) for h in group]
     try:
         outputs, seconds = _timed(call, backend, batching.stack([h.sample.inputs for h in group]),
-                                  stage, observe)
+                                  stage, None)
     except BackendBusy:
         raise
     except Exception:  # noqa: BLE001  (its own TimeoutError too: one by one says which)
@@ -161,8 +161,13 @@ def _stacked(call: Call, backend, group: list[Held], stage: str, store, observe)
     parts = batching.split_rows(outputs, counts)
     if parts is None:
         return False
+    # The time per sample is the stacked call's share (guard_reference_duration_seconds is per
+    # mirrored sample: its count stays the compared samples', its sum the reference's time).
+    share = seconds / len(group)
     for h, part in zip(group, parts):
-        store(h, part, seconds)
+        if observe is not None:
+            observe(share)
+        store(h, part, share)
     return True
 
 
