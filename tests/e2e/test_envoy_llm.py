@@ -70,7 +70,9 @@ def guard(llamas, scripted, tmp_path_factory):
          "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
          "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}},
         {"name": SCRIPTED, "task": "generation", "primary": llm(scripted.url, SCRIPTED),
-         "reference": llm(scripted.url, SCRIPTED), "mirror": {"sample_rate": 1.0}},
+         # (the scripted upstream scores nothing: the in-process reference scores its calls)
+         "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
+         "mirror": {"sample_rate": 1.0}},
     ]
     running = Guard(write(folder, models, server={"http_port": 0}, http_health_port=0))
     yield running
@@ -227,7 +229,9 @@ def test_a_stream_cut_short_is_counted_never_compared(guard):
 def test_deploy_envoy_prints_an_llm_bootstrap_envoy_validates(tmp_path):
     models = [{"name": "smol", "task": "generation",
                "primary": llm("http://127.0.0.1:8081"), "fallback": llm("https://llm.example:8443"),
-               "reference": llm("http://127.0.0.1:8083"), "mirror": {"sample_rate": 0.05}}]
+               "reference": {"backend": "openai", "target": "http://127.0.0.1:8083",
+                             "model": "smol-bf16"},  # a remote scorer
+               "mirror": {"sample_rate": 0.05}}]
     path = write(tmp_path, models, server={"http_port": 8080}, health_port=8006,
                  http_health_port=8008)
     assert "guard_http" in validated_bootstrap(path, tmp_path).read_text()
