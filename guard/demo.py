@@ -202,7 +202,14 @@ def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status
     print(f"  OIP gRPC: 127.0.0.1:{ports['grpc_port']} (tritonclient.grpc, model 'classifier')")
 
 
+def _interrupted(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_demo(args: Namespace) -> int:
+    # SIGTERM (a `kill`, a supervisor) stops the demo as Ctrl-C does: what it started (guard
+    # serve, the llama.cpp servers) is stopped too, never left running.
+    signal.signal(signal.SIGTERM, _interrupted)
     if getattr(args, "llm", False):
         from guard.demo_llm import run_llm_demo
 
