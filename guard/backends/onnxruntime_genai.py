@@ -12,7 +12,7 @@ ONNX Runtime GenAI hands out the logits of the last position appended only, so t
 teacher-forced pass appends the prompt, then the completion one token at a time, reading the
 logits before each (one decoder step per completion token, with its KV cache). Prompts and
 chat are tokenized by transformers from the folder's tokenizer files (as the ``transformers``
-scorer does), so the two tokenize alike. Needs ``pip install 'guard[ort-genai]'``.
+scorer does), so the two tokenize alike. Needs the ``ort-genai`` extra (``install_hint``).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from guard.backends.llama_cpp import log_softmax
 from guard.backends.options import _Options
 from guard.backends.scoring import LocalScorer
 from guard.backends.transformers import HFTokenized
-from guard.errors import BackendError
+from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
     from guard.config import BackendConfig
@@ -61,7 +61,8 @@ class OrtGenAIScorer(HFTokenized, LocalScorer):
             from transformers import AutoTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise BackendError(f"backend onnxruntime_genai needs onnxruntime-genai and "
-                               f"transformers (pip install 'guard[ort-genai]'): {exc}") from None
+                               f"transformers ({install_hint('ort-genai', 'onnxruntime-genai')})"
+                               f": {exc}") from None
         folder = Path(self.spec.path)
         declared = json.loads((folder / "genai_config.json").read_text())["model"]
         config = og.Config(str(folder))
