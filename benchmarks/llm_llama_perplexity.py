@@ -245,7 +245,8 @@ def _markdown(record: dict) -> list[str]:
     lines += [
         "", "guard's own direction, KL(rung ‖ base), on the same tokens: guard's figure (the "
         "tier's mean_kld), its lumped bound, numpy:", "",
-        "| rung | guard | lumped bound | numpy | guard / numpy |", "| --- | --- | --- | --- | --- |"]
+        "| rung | guard | lumped bound | numpy | guard / numpy |",
+        "| --- | --- | --- | --- | --- |"]
     for r in record["rows"]:
         lines.append(f"| {r['rung']} | {r['guard_mean_kld']:.5f} | "
                      f"{r['guard_mean_kld_lower_bound']:.5f} | {r['numpy_mean_kld']:.5f} | "

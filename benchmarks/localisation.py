@@ -281,7 +281,8 @@ def _margins(s: dict) -> list[str]:
     """The `noise` rule's margins, where the run had the cases to measure them."""
     floor = s["measurable_floor"]
     clean, ratio = s["clean_fp32_max_isolated"], s["clean_fp32_max_isolated_over_noise"]
-    fault, reduced = s["within_budget_faults_min_true_isolated"], s["clean_reduced_min_max_isolated"]
+    fault = s["within_budget_faults_min_true_isolated"]
+    reduced = s["clean_reduced_min_max_isolated"]
     lines = ["Margins of the `noise` rule (isolated relative L2 error):", ""]
     if clean is not None:
         lines.append(f"- clean fp32 pairs ({s['clean_fp32_pairs']}): largest isolated error of any "
@@ -344,7 +345,8 @@ def markdown(result: dict) -> str:
         f"({s['onnx_cases']} cases) |",
         f"| ONNX-vs-ONNX fault cases: Polygraphy top-1 | {s['polygraphy_top1_onnx']:.1%} |",
         f"| ONNX clean pairs blamed (Polygraphy) | {s['polygraphy_clean_blames']} |",
-        f"| Polygraphy right, guard wrong | {', '.join(s['cases_polygraphy_right_guard_wrong']) or 'none'} |",
+        "| Polygraphy right, guard wrong | "
+        f"{', '.join(s['cases_polygraphy_right_guard_wrong']) or 'none'} |",
         f"| torch-vs-ONNX fault cases (Polygraphy cannot run) | "
         f"{s['torch_onnx_cases_polygraphy_cannot_run']} |",
         *([f"| eager vs torch.compile faults: top-1 / top-3 | {_pct(s['compiled']['top1'])} / "
@@ -365,8 +367,8 @@ def markdown(result: dict) -> str:
         f"{s['median_seconds_polygraphy'] or 0:.3f} s |",
         "",
         "Basis: `exceeds` (isolated error over its allowance), `largest` (tier 1 failed, no layer",
-        "alone over: the largest contributor), `noise` (every layer within its allowance and tier 1",
-        "passes: the first layer whose isolated error is beyond the reference's own noise,",
+        "alone over: the largest contributor), `noise` (every layer within its allowance and",
+        "tier 1 passes: the first layer whose isolated error is beyond the reference's own noise,",
         "`max(" + f"{MEASURABLE_NOISE_FACTOR:g}" + " x noise, " + f"{MEASURABLE_FLOOR:g}" + ")`,"
         " named with `within_budget: true`; tier 2 still passes). Only fp32 pairs get `noise`:",
         "a reduced-precision primary within its budget names none (`-`). `peers` (a GGUF run by",

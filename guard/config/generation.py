@@ -35,11 +35,11 @@ class GenerationCheckConfig(Strict):
 
     The tier compares per token where the primary returned logprobs (mean KLD estimated from
     its returned top-k: the lumped bound plus the tail's correction), tests greedy calls
-    against the reference's argmax where its margin is beyond the noise floor, and turns a sampled call into a z-score under the
-    sampling transform the server applied. Each mode's verdict has a threshold below. The
-    detector does not read the verdict: it accumulates each completion's statistic over its
-    mode's threshold (1 = the failing level; KLD / max_mean_kld, flips / max_greedy_disagreement,
-    z^2 / max_abs_z^2) as an e-CUSUM against ``in_control_ratio``:
+    against the reference's argmax where its margin is beyond the noise floor, and turns a
+    sampled call into a z-score under the sampling transform the server applied. Each mode's
+    verdict has a threshold below. The detector does not read the verdict: it accumulates each
+    completion's statistic over its mode's threshold (1 = the failing level; KLD / max_mean_kld,
+    flips / max_greedy_disagreement, z^2 / max_abs_z^2) as an e-CUSUM against ``in_control_ratio``:
     ``S = max(0, S + ln(1 + bet x (score / in_control_ratio - 1)))``, alarm at
     ``S >= ln(ARL0)``. Each factor has expectation <= 1 while the primary's mean score is at
     most ``in_control_ratio`` (scores are never negative and bet < 1), so ARL0 holds as for the

@@ -380,7 +380,9 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
                 say(f"model {model.name}: no reference ({ref_spec}); skipped")
                 continue
 
-            def generate(backend):
+            # Bound now: the reference and every column of this model run before the loop moves on,
+            # but the closure must not read whichever model the loop holds later.
+            def generate(backend, prepared=prepared, model=model):
                 specs = input_signature(backend, config, prepared, base, say)
                 return _split(generate_inputs(specs, model.inputs.samples * model.inputs.batch,
                                               model.inputs.seed),
@@ -405,11 +407,12 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
     from guard.matrix.generation import applies
 
     model = prepared.config
+    # The options the column ran with (its own and those it takes from the reference), as recorded.
+    options = column_options(model.reference or config.reference, backend)
     if applies(backend):
         spec = "a generative column (task generation models only)"
     else:
-        spec = backend_spec(prepared, backend.backend, backend.precision,
-                            column_options(model.reference or config.reference, backend), base,
+        spec = backend_spec(prepared, backend.backend, backend.precision, options, base,
                             backend.device, backend.artifact)
     common = {"matrix": config.name, "model": model.name, "task": prepared.task,
               "reference": f"{(model.reference or config.reference).backend} fp32",

@@ -104,7 +104,8 @@ class FaultCase:
 
 
 # -- models ---------------------------------------------------------------------------------------
-def mlp(seed: int, width: int = 32, depth: int = 4, act: str = "relu", norm_after: int | None = None):
+def mlp(seed: int, width: int = 32, depth: int = 4, act: str = "relu",
+        norm_after: int | None = None):
     """x[N,16] -> depth x (Linear -> act) -> Linear -> y[N,8]; ``norm_after``: a LayerNorm after
     that Linear (fp16 overflow sites)."""
     import torch

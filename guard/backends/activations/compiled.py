@@ -165,9 +165,10 @@ class CompiledTorchSide(TorchSide):
 
 def torch_compile_side(spec, role: str, config, threads: int = 1, run_path=None,
                        label: str = "torch_compile") -> CompiledTorchSide:
-    """Tier 2's side for a torch_compile block (declared as its ``activations`` in guard/backends/torch.py): the module
-    loaded as the backend loads it (eager_fp32_modules kept back as it serves them), compiled
-    again with the stash hooks and the block's compile options."""
+    """Tier 2's side for a torch_compile block (declared as its ``activations`` in
+    guard/backends/torch.py): the module loaded as the backend loads it (eager_fp32_modules kept
+    back as it serves them), compiled again with the stash hooks and the block's compile
+    options."""
     import torch
 
     from guard.backends.options import TorchCompileOptions

@@ -214,9 +214,9 @@ def _call_arguments(operation) -> tuple[str, ...]:
 
 def keras_side(spec, role: str, config, threads: int = 1, run_path=None,
                label: str = "keras") -> KerasSide:
-    """Tier 2's side for a keras block (declared as its ``activations`` in guard/backends/keras.py): the
-    ``.keras`` loaded again as the backend loads it (digest checked, ``safe_mode``), and the
-    capture model built over that copy."""
+    """Tier 2's side for a keras block (declared as its ``activations`` in
+    guard/backends/keras.py): the ``.keras`` loaded again as the backend loads it (digest
+    checked, ``safe_mode``), and the capture model built over that copy."""
     from guard.backends.keras import KerasBackend, KerasOptions
 
     options = KerasOptions.model_validate(spec.options)

@@ -160,7 +160,7 @@ class LlamaCppSide:
             self._error = self._error or f"{type(exc).__name__}: {exc}"
         return True
 
-    # -- a capture ----------------------------------------------------------------------------------
+    # -- a capture ---------------------------------------------------------------------------
     def capture(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """The graph's nodes for one sequence of token ids (``inputs["input_ids"]``, shape
         ``[1, T]``), by node name, each ``[1, T, width]`` as transformers lays hidden states."""

@@ -448,8 +448,9 @@ class OnnxSide:
 
 def onnxruntime_side(spec, role: str, config, threads: int = 1, run_path=None,
                      label: str = "onnx") -> OnnxSide:
-    """Tier 2's side for an onnxruntime block (declared as its ``activations`` in guard/backends/onnxruntime.py):
-    the variant it runs (derived as the backend derives it), or ``run_path``."""
+    """Tier 2's side for an onnxruntime block (declared as its ``activations`` in
+    guard/backends/onnxruntime.py): the variant it runs (derived as the backend derives it),
+    or ``run_path``."""
     from guard.backends.onnxruntime import derived_variant, onnx_source
 
     path = run_path or derived_variant(spec)

@@ -314,8 +314,8 @@ class TorchSide:
 
 def torch_side(spec, role: str, config, threads: int = 1, run_path=None,
                label: str = "torch") -> TorchSide:
-    """Tier 2's side for a torch block (declared as its ``activations`` in guard/backends/torch.py): the module
-    loaded as the backend loads it, hooked on a copy."""
+    """Tier 2's side for a torch block (declared as its ``activations`` in
+    guard/backends/torch.py): the module loaded as the backend loads it, hooked on a copy."""
     import torch
 
     from guard.backends.torch import TorchBackend

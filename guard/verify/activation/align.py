@@ -137,7 +137,7 @@ def _packed_members(ref: OnnxSide, prim: OnnxSide, value: str, boundary: set[str
         if array.ndim == 2:
             candidates.append((name, array.T))  # a Gemm's [out, in] weight
     out: list[str] = []
-    for name, array in _arrays(prim.graph, packed):
+    for _name, array in _arrays(prim.graph, packed):
         order = pack_order(array, candidates)
         if order:
             out += [readers[n] for n in order if readers[n] not in out]
@@ -478,7 +478,8 @@ class _Units:
             self.absorbed.add(tuple(self._read_outputs(unit)))
             unit.members.append(norm)
             unit.outputs = [node.output[0]]
-            unit.composite = f"its parent's residual add runs between {unit.first.path} and {norm.path}"
+            unit.composite = (f"its parent's residual add runs between {unit.first.path} "
+                              f"and {norm.path}")
             if len(node.output) > 3 and node.output[3]:
                 unit.extra.append((node.output[3], norm.inputs[0]))
             unit.fused.append(graph.producer[node.output[0]])

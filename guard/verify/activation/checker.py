@@ -117,7 +117,7 @@ class ActivationChecker:
         rate = self.config.sample_rate
         return rate > 0 and (rate >= 1.0 or self._rng.random() < rate)
 
-    # -- the check ----------------------------------------------------------------------------------
+    # -- the check ----------------------------------------------------------------------------
     def check(self, inputs: dict[str, np.ndarray], tier1=None) -> ActivationReport:
         """``tier1``: the sample's tier-1 ``TensorCheck`` (its budget and verdict), when known;
         without it tier 2 applies tier 1's tolerances to the aligned outputs itself."""

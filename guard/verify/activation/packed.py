@@ -76,8 +76,8 @@ def brace(names: Sequence[str], sep: str = ".") -> str:
            and all(p[len(p) - 1 - trail] == parts[0][len(parts[0]) - 1 - trail] for p in parts)):
         trail += 1
     middles = [sep.join(p[lead:len(p) - trail]) for p in parts]
-    if not lead and not trail or any(not m or any(c in m for c in ",{}+") for m in middles) or len(set(middles)) != len(
-            middles):
+    if (not lead and not trail or len(set(middles)) != len(middles)
+            or any(not m or any(c in m for c in ",{}+") for m in middles)):
         return "+".join(names)
     head = parts[0][:lead]
     tail = parts[0][len(parts[0]) - trail:] if trail else []
