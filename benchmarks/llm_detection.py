@@ -184,6 +184,9 @@ def main() -> int:
     parser.add_argument("--rungs", default=f"Q2_K,F16,Q8_0,{SHIPPED}",
                         help="rungs, in order (default Q2_K,F16,Q8_0,Q4_1)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--add", action="store_true",
+                        help="add these rungs to the saved results, keeping the other rungs "
+                             "(a long ladder in several sittings)")
     args = parser.parse_args()
     rungs = args.rungs.split(",")
     ladder = quant_ladder(tuple(r for r in rungs))
@@ -197,6 +200,10 @@ def main() -> int:
               "min_samples": policy.min_samples,
               "arl0": policy.arl0_for(config.mirror.sample_rate),
               "in_control_ratio": config.checks.generation.in_control_ratio, "rungs": {}}
+    saved = RESULTS / "llm_detection.json"
+    if args.add and saved.is_file():
+        report["rungs"] = {rung: row for rung, row in json.loads(saved.read_text())["rungs"].items()
+                           if rung not in rungs}
     for rung in rungs:
         print(f"{rung} ...", flush=True)
         if rung == "Q2_K":

@@ -30,7 +30,8 @@ def run_apart(spec: BackendConfig, role: str, threads: int, samples: list[dict])
         (folder / "job.json").write_text(json.dumps({
             "spec": spec.model_dump(mode="json"), "role": role, "threads": threads,
             "base_dir": str(spec.context.base_dir) if spec.context.base_dir else None}))
-        np.savez(folder / "samples.npz", **_flatten(samples))
+        # (numpy's stub lets **arrays bind savez's allow_pickle: a stub artefact, not ours)
+        np.savez(folder / "samples.npz", **_flatten(samples))  # type: ignore[arg-type]
         env = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
         done = subprocess.run([sys.executable, "-m", "guard.matrix.apart", str(folder)],
                               env=env, capture_output=True, text=True, timeout=1800)
@@ -74,7 +75,7 @@ def main(folder: str) -> int:
     count = 1 + max((int(k.partition("/")[0]) for k in arrays), default=-1)
     samples = _unflatten(arrays, count)
     run = run_backend(spec, job["role"], job["threads"], samples)
-    np.savez(folder_path / "outputs.npz", **_flatten(run.outputs))
+    np.savez(folder_path / "outputs.npz", **_flatten(run.outputs))  # type: ignore[arg-type]
     (folder_path / "run.json").write_text(json.dumps({
         "error": run.error, "load_s": run.load_s, "latency_ms": run.latency_ms,
         "count": len(run.outputs)}))

@@ -25,10 +25,13 @@ from __future__ import annotations
 import json
 import tempfile
 import urllib.request
+from typing import cast
 from pathlib import Path
 
 import numpy as np
 
+from guard.backends.base import Role
+from guard.backends.scoring import Scorer
 from guard.config import BackendConfig
 from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel
 from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
@@ -36,8 +39,8 @@ from guard.protocol.generation import GenerationSample, SamplingParams, TokenLog
 GREEDY = SamplingParams(temperature=0.0)
 
 
-def _scorer(kind: str, path: Path, role: str, threads: int, precision: str = "fp32",
-            options: dict | None = None):
+def _scorer(kind: str, path: Path, role: Role, threads: int, precision: str = "fp32",
+            options: dict | None = None) -> Scorer:
     """A loaded scorer backend (guard/backends/scoring.py) of ``kind`` on ``path``."""
     spec = BackendConfig(backend=kind, path=str(path), precision=precision,
                          options=dict(options or {}))
@@ -45,11 +48,11 @@ def _scorer(kind: str, path: Path, role: str, threads: int, precision: str = "fp
         # Not a config backend (CONTRACT.md): built directly.
         from guard.backends.onnxruntime_genai import OrtGenAIScorer
 
-        built = OrtGenAIScorer(spec, role, threads)
+        built: Scorer = OrtGenAIScorer(spec, role, threads)
     else:
         from guard.backends import create_backend
 
-        built = create_backend(spec, role, threads)
+        built = cast(Scorer, create_backend(spec, role, threads))  # a scorer kind (the schema's)
     built.load()
     return built
 
@@ -72,7 +75,8 @@ def sample_from_distributions(prompt: str, ids: list[int], logprobs: np.ndarray,
     tokens = []
     for t, token_id in enumerate(ids):
         row = logprobs[t]
-        best = np.argpartition(-row, top_logprobs - 1)[:top_logprobs] if top_logprobs else []
+        best = (np.argpartition(-row, top_logprobs - 1)[:top_logprobs] if top_logprobs
+                else np.zeros(0, np.int64))
         top = tuple(sorted(((vocab.token_text(int(i)), float(row[i])) for i in best),
                            key=lambda item: -item[1]))
         tokens.append(TokenLogprob(vocab.token_text(int(token_id)), float(row[token_id]), top,

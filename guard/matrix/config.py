@@ -26,7 +26,7 @@ tiers: [tensor, task]
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -55,7 +55,11 @@ from guard.errors import ConfigError
 # The matrix sits above the backends: its schema names them (the guard config's leaves that to
 # the plan step, guard/plan/schema.py), and one engine that is a matrix column only: ONNX Runtime
 # GenAI (guard/backends/onnxruntime_genai.py; not a backend of the guard config).
-BackendName = Literal[(*BACKEND_NAMES, "onnxruntime_genai")]
+# (built from the registry's tuple at run time, which a type checker cannot read: str to it)
+if TYPE_CHECKING:
+    BackendName = str
+else:
+    BackendName = Literal[tuple(BACKEND_NAMES) + ("onnxruntime_genai",)]
 GENERATION = "generation"
 
 
@@ -265,9 +269,9 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
             problems += [f"backends[{i}].options{line}"
                          for line in validate_backend_options(b.backend, b.options)]
     if len(keras_backends) > 1:
-        (a, first), (b, second) = list(keras_backends.items())[:2]
-        problems.append(f"{second}.options.keras_backend: '{b}', but {first} runs Keras on "
-                        f"'{a}': one sweep runs in one process, and Keras on one backend per "
+        (engine, first), (other, second) = list(keras_backends.items())[:2]
+        problems.append(f"{second}.options.keras_backend: '{other}', but {first} runs Keras on "
+                        f"'{engine}': one sweep runs in one process, and Keras on one backend per "
                         "process; give the other Keras columns process: own")
     for i, m in enumerate(config.models):
         if m.task == GENERATION:

@@ -99,7 +99,11 @@ def prompts_of(model: MatrixModel) -> list[str]:
 def model_gguf(model: MatrixModel) -> Path:
     from guard.zoo.llm import MODELS
 
-    return Path(model.gguf) if model.gguf else MODELS[model.zoo]()
+    if model.gguf:
+        return Path(model.gguf)
+    if model.zoo is None:  # (the config's check asks for one of the two)
+        raise ValueError(f"model {model.name}: neither gguf nor zoo names its model")
+    return MODELS[model.zoo]()
 
 
 def reference_note(model: MatrixModel, config: MatrixConfig) -> str:

@@ -13,7 +13,12 @@ column run in a process of its own) records ``skip`` with the reason.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from guard.config import ActivationCheckConfig, BackendConfig, TensorCheckConfig
+
+if TYPE_CHECKING:
+    from guard.verify.activation.checker import Side
 
 ACTIVATION = ActivationCheckConfig(on_failure=True)
 
@@ -46,21 +51,22 @@ class Localiser:
     def __init__(self, reference: BackendConfig, primary: BackendConfig | str, apart: bool):
         self.reference = reference
         self.primary = primary
-        self.skip = ""
         if isinstance(primary, str):
             self.skip = primary
         elif apart:
             self.skip = ("the column runs in a process of its own; tier 2 runs in the sweep's "
                          "process")
-        if not self.skip:
+        else:
             self.skip = _not_captured(primary.backend) or _not_captured(reference.backend)
         self.failed = ""  # why the sides did not load (each cell's record says so)
-        self._sides = None
+        self._sides: tuple[Side, Side] | None = None
 
-    def _build(self):
+    def _build(self) -> tuple[Side, Side]:
         from guard.verify.activation import build_side
 
         if self._sides is None:
+            if isinstance(self.primary, str):  # (a skipped column is never built)
+                raise ValueError(f"no primary to capture: {self.primary}")
             reference = build_side(self.reference, "reference", ACTIVATION)
             try:
                 primary = build_side(self.primary, "primary", ACTIVATION)

@@ -40,6 +40,7 @@ import numpy as np
 
 from guard.machine import cpu_model
 
+from guard.backends.base import Role
 from guard.config import BackendConfig, ChecksConfig, ConfigContext
 from guard.matrix.config import MatrixBackend, MatrixConfig, MatrixModel, ReferenceBackend
 from guard.verify.pipeline import CheckResult, Comparator
@@ -240,11 +241,11 @@ def input_signature(reference, config: MatrixConfig, prepared: PreparedModel, ba
         if generatable(specs):
             seen.append((column.name, [s.name for s in specs]))
     if seen:
-        column, theirs = seen[0]
+        first, theirs = seen[0]
         listed = f"[{', '.join(theirs)}]"
         raise CannotGenerate(
             f"the reference declares no datatypes or shapes for its inputs "
-            f"[{', '.join(sorted(names))}], and {column}'s signature, which could give them, "
+            f"[{', '.join(sorted(names))}], and {first}'s signature, which could give them, "
             f"names them {listed}: name the reference's inputs alike "
             f"(reference.options.input_names: {listed}, which the torch columns get too) or "
             "give inputs.file (.npz)")
@@ -271,12 +272,13 @@ def output_match(model: str, reference: BackendRun, column: BackendRun):
     sides = [BackendInfo(role, "", "", "", (), answer_specs(run.outputs[0]))
              for role, run in (("reference", reference), ("column", column))]
     try:
-        return match_outputs(model, *sides)
+        return match_outputs(model, sides[0], sides[1])
     except BackendError:
         return OutputMatch()
 
 
-def run_backend(spec: BackendConfig, role: str, threads: int, samples, generate=None) -> BackendRun:
+def run_backend(spec: BackendConfig, role: Role, threads: int, samples,
+                generate=None) -> BackendRun:
     from guard.backends import create_backend
 
     run = BackendRun()
@@ -329,7 +331,7 @@ def _tier_stats(tier: str, results: list[CheckResult]) -> dict:
         }
     metrics: dict[str, list[float]] = {}
     for r in results:
-        for key, value in r.task.metrics.items():
+        for key, value in (r.task.metrics if r.task is not None else {}).items():
             if isinstance(value, (int, float)):
                 metrics.setdefault(key, []).append(float(value))
     return {k: float(np.mean(v)) for k, v in metrics.items()}
@@ -409,6 +411,7 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
     model = prepared.config
     # The options the column ran with (its own and those it takes from the reference), as recorded.
     options = column_options(model.reference or config.reference, backend)
+    spec: BackendConfig | str
     if applies(backend):
         spec = "a generative column (task generation models only)"
     else:
@@ -449,7 +452,7 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
         common["outputs_matched"] = match.renamed
         reference = BackendRun([match.apply(outputs) for outputs in reference.outputs],
                                reference.error, reference.load_s, reference.latency_ms)
-    passed_cells = []
+    passed_cells: list[bool] = []
     localiser = None
     if "activation" in tiers:
         from guard.matrix.localise import Localiser, capture_reference

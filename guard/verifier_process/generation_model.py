@@ -65,6 +65,8 @@ from guard.verify.pipeline import Comparator
 
 if TYPE_CHECKING:
     from guard.backends.scoring import ReferenceScores, Scorer
+    from guard.verify.activation.report import ActivationReport
+    from guard.verify.activation.tier import ActivationTier
     from guard.verify.generation import GenerationCheck, GenerationThresholds, GenerationTier
 
 log = logging.getLogger("guard.verifier_process.generation_model")
@@ -108,7 +110,7 @@ class GenerationResult:
     check: GenerationCheck
     reference_seconds: float
     probed: bool
-    activation: object = None  # tier 2's ActivationReport, when it ran on this completion
+    activation: ActivationReport | None = None  # tier 2's, when it ran on this completion
 
 
 @dataclass(frozen=True)
@@ -128,7 +130,8 @@ class GenerationMirror(Mirror):
 
     def __init__(self, model: str, config, scorer: Scorer,
                  probe: Callable[[GenerationSample], GenerationSample] | None,
-                 check: Callable[[GenerationSample, ReferenceScores], GenerationCheck], metrics,
+                 check: Callable[[GenerationSample, ReferenceScores],
+                                 tuple[GenerationCheck, ActivationReport | None]], metrics,
                  on_result: Callable[[GenerationResult], None],
                  on_unchecked: Callable[[GenerationMirrorSample, str], None], on_span,
                  on_finished: Callable[[GenerationMirrorSample], None]):
@@ -288,7 +291,7 @@ class VerifiedGenerationModel(VerifiedModel):
             tier = cast("GenerationTier", self.comparator.tier(TIER))  # (the registry's)
             self._limits = tier.limits
             comparator = self.comparator
-            self.activation_tier = comparator.tier("activation")
+            self.activation_tier = cast("ActivationTier | None", comparator.tier("activation"))
             if self.activation_tier is not None:
                 self._load_activation()  # a pair tier 2 cannot capture fails at start-up
 
@@ -425,12 +428,11 @@ class VerifiedGenerationModel(VerifiedModel):
             reports[TIER] = GenerationReport(check.passed, check.reason or check.mode,
                                              check.as_dict())
             if result.activation is not None:
-                from guard.verify.tiers import tier_kind
+                from guard.verify.pipeline import tier_report
 
-                kind = tier_kind("activation")
-                details = kind.details(result.activation)
-                reports["activation"] = GenerationReport(
-                    result.activation.passed, kind.summary(result.activation, details), details)
+                report = tier_report("activation", result.activation)
+                reports["activation"] = GenerationReport(report.passed, report.summary,
+                                                         report.details)
             if result.probed:
                 outputs[PROBED_OUTPUT] = generation_tensor(result.completion)
         return PendingRecord(tag, route, epoch, {GENERATION_INPUT: generation_tensor(sample)},

@@ -701,12 +701,14 @@ def by_position(checks: Sequence[GenerationCheck]) -> dict[str, list]:
     """Per completion position (0 = the first generated token), over the scored completions
     long enough to have it: how many, the mean and the largest KLD (logprobs mode), the mean
     surprise of the reference at the primary's token (every scored mode)."""
+    surprises = [c.per_token_surprise for c in checks
+                 if c.comparable and c.per_token_surprise is not None]
     scored = [c for c in checks if c.comparable and c.per_token_surprise is not None]
-    length = max((len(c.per_token_surprise) for c in scored), default=0)
+    length = max((len(s) for s in surprises), default=0)
     out: dict[str, list] = {"completions": [], "kld_mean": [], "kld_max": [],
                             "surprise_mean": []}
     for t in range(length):
-        surprise = [c.per_token_surprise[t] for c in scored if len(c.per_token_surprise) > t]
+        surprise = [s[t] for s in surprises if len(s) > t]
         kld = [c.per_token_kld[t] for c in scored
                if c.per_token_kld is not None and len(c.per_token_kld) > t]
         out["completions"].append(len(surprise))

@@ -52,7 +52,7 @@ from guard.verify.tiers import (
 
 log = logging.getLogger("guard.verify")
 
-__all__ = ["CheckResult", "Comparator", "TierReport", "TierResult", "tier_reports"]
+__all__ = ["CheckResult", "Comparator", "TierReport", "TierResult", "tier_report", "tier_reports"]
 
 
 @dataclass
@@ -291,18 +291,22 @@ class TierReport:
 
 def tier_reports(result: CheckResult) -> dict[str, TierReport]:
     """One ``TierReport`` per tier that ran on this sample (see the module docstring)."""
-    out: dict[str, TierReport] = {}
-    for name, tier in result.tiers.items():
-        kind = _kind(name)
-        if kind is not None and kind.details is not None:
-            details = kind.details(tier)
-        else:
-            details = tier.as_dict() if hasattr(tier, "as_dict") else {}
-        summary = kind.summary(tier, details) if kind is not None and kind.summary else \
-            tier.summary()
-        outputs = list(tier.outputs) if isinstance(tier, TensorCheck) else []
-        out[name] = TierReport(bool(tier.passed), str(summary), outputs, details)
-    return out
+    return {name: tier_report(name, tier) for name, tier in result.tiers.items()}
+
+
+def tier_report(name: str, tier: Any) -> TierReport:
+    """Tier ``name``'s result on one sample as a ``TierReport``: its kind's ``details`` and
+    ``summary`` where it declares them, else the result's own ``as_dict()`` and ``summary()``
+    (``tier``: a ``TierResult``, or what its kind's ``details``/``summary`` read)."""
+    kind = _kind(name)
+    if kind is not None and kind.details is not None:
+        details = kind.details(tier)
+    else:
+        details = tier.as_dict() if hasattr(tier, "as_dict") else {}
+    summary = kind.summary(tier, details) if kind is not None and kind.summary else \
+        tier.summary()
+    outputs = list(tier.outputs) if isinstance(tier, TensorCheck) else []
+    return TierReport(bool(tier.passed), str(summary), outputs, details)
 
 
 def _kind(name: str):

@@ -40,11 +40,14 @@ import io
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-FP32 = {}  # tier 1's defaults (atol 1e-4, rtol 1e-3)
+if TYPE_CHECKING:
+    from guard.verify.activation.checker import Side
+
+FP32: dict[str, float] = {}  # tier 1's defaults (atol 1e-4, rtol 1e-3)
 INT8 = {"rtol": 0.02}  # what an int8 deployment allows (per-layer int8 error ~0.2-0.7%)
 FP16 = {"rtol": 0.01}
 
@@ -74,6 +77,20 @@ class FaultCase:
     def onnx_pair(self) -> bool:
         return isinstance(self.reference, Path) and not self.gguf
 
+    def file(self, role: str) -> Path:
+        """The ``role`` side ("reference", "primary") as its file."""
+        side = getattr(self, role)
+        if not isinstance(side, Path):
+            raise TypeError(f"case {self.name}: the {role} is a module factory, not a file")
+        return side
+
+    def factory(self, role: str) -> Callable:
+        """The ``role`` side ("reference", "primary") as its module factory."""
+        side = getattr(self, role)
+        if isinstance(side, Path):
+            raise TypeError(f"case {self.name}: the {role} is a file ({side}), not a factory")
+        return side
+
     def names_true_layer(self, name: str | None) -> bool:
         """Whether a reported layer is the broken one: the layer itself, or a unit tier 2
         compared as one that holds it (``layer2.0.conv1+layer2.0.bn1``, ``blocks.1.attn.{q,k,v}``
@@ -95,11 +112,11 @@ class FaultCase:
         variants were 3-9% of the output's scale off fp32 on an AMD EPYC (over the int8 rtol
         0.02, tier 2 then rightly blaming fc1), 0.5-0.9% with reduce_range."""
         if self.precision == "fp32":
-            return self.primary
+            return self.file("primary")
         from guard.backends.derive import derive_onnx
         from guard.machine import int8_kernels_saturate
 
-        return derive_onnx(self.primary, self.precision,
+        return derive_onnx(self.file("primary"), self.precision,
                            reduce_range=self.precision == "int8" and int8_kernels_saturate())
 
 
@@ -720,7 +737,7 @@ def _gguf_checker(case: FaultCase, top_k: int):
     from guard.verify.activation import ActivationChecker
 
     reference = TransformersSide(_transformers_module(str(case.reference)), label="reference")
-    primary = LlamaCppSide(case.primary, label="primary")
+    primary = LlamaCppSide(case.file("primary"), label="primary")
     config = ActivationCheckConfig(on_failure=True, top_k=top_k)
     return ActivationChecker(config, reference, primary, tensor=TensorCheckConfig(**case.tensor))
 
@@ -765,7 +782,7 @@ def tier1_for(case: FaultCase) -> tuple[object, bool] | None:
         import torch
 
         with torch.no_grad():
-            result = case.reference()(*(torch.from_numpy(case.inputs[n])
+            result = case.factory("reference")()(*(torch.from_numpy(case.inputs[n])
                                         for n in case.input_names))
         result = result if isinstance(result, (tuple, list)) else (result,)
         ref = {n: t.numpy() for n, t in zip(names, result)}
@@ -837,19 +854,22 @@ def checker_for(case: FaultCase, top_k: int = 50):
 
     if case.gguf:
         return _gguf_checker(case, top_k)
+    primary: Side
+    reference: Side
     if case.compiled is not None:
         from guard.backends.activations.compiled import CompiledTorchSide
 
-        primary = CompiledTorchSide(case.primary(), case.input_names, case.compiled,
+        primary = CompiledTorchSide(case.factory("primary")(), case.input_names, case.compiled,
                                     label="primary")
     elif case.precision != "fp32":
-        primary = OnnxSide(case.primary_variant(), source_path=case.primary, label="primary")
+        primary = OnnxSide(case.primary_variant(), source_path=case.file("primary"),
+                           label="primary")
     else:
-        primary = OnnxSide(case.primary, label="primary", threads=case.primary_threads)
+        primary = OnnxSide(case.file("primary"), label="primary", threads=case.primary_threads)
     if case.onnx_pair:
-        reference = OnnxSide(case.reference, label="reference")
+        reference = OnnxSide(case.file("reference"), label="reference")
     else:
-        reference = TorchSide(case.reference(), case.input_names, label="reference")
+        reference = TorchSide(case.factory("reference")(), case.input_names, label="reference")
     config = ActivationCheckConfig(on_failure=True, top_k=top_k)
     return ActivationChecker(config, reference, primary, tensor=TensorCheckConfig(**case.tensor))
 

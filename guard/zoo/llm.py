@@ -20,7 +20,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from guard.protocol.generation import GenerationSample, SamplingParams
@@ -285,8 +285,8 @@ def hf_folder(gguf: Path | None = None, folder: Path | None = None) -> Path:
     folder.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
     try:
-        source = dict(pretrained_model_name_or_path=gguf.parent, gguf_file=gguf.name,
-                      local_files_only=True)
+        source: dict[str, Any] = dict(pretrained_model_name_or_path=gguf.parent,
+                                      gguf_file=gguf.name, local_files_only=True)
         loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
         config = AutoConfig.from_pretrained(**source)
         if hasattr(config, "quantization_config"):
