@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Sequence, cast
 
 import numpy as np
 from pydantic import Field
@@ -28,6 +28,9 @@ from guard.backends.scoring import LocalScorer, Vocabulary
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
+    from llama_cpp import Llama
+    from llama_cpp.llama_types import ChatCompletionRequestMessage
+
     from guard.config import BackendConfig
 
 
@@ -40,7 +43,7 @@ class LlamaCppOptions(_Options):
 
 
 class _LlamaVocabulary(Vocabulary):
-    def __init__(self, llm):
+    def __init__(self, llm: "Llama"):
         self._llm = llm
         self._texts: dict[int, str] = {}
 
@@ -79,7 +82,7 @@ def quiet_llama_logs() -> None:
 
 
 def open_llama(path: str | Path, context_length: int = 1024, threads: int = 1,
-               batch: int = 512, logits_all: bool = True):
+               batch: int = 512, logits_all: bool = True) -> "Llama":
     """A llama_cpp.Llama on ``path``, quiet; BackendError where it cannot be loaded."""
     try:
         from llama_cpp import Llama
@@ -102,62 +105,73 @@ class LlamaCppScorer(LocalScorer):
         self.role = role
         self.options = LlamaCppOptions.model_validate(spec.options)
         self.threads = self.options.threads or threads
-        self.llm = None
+        self.llm: Llama | None = None
         self._lock = threading.Lock()
 
+    def _loaded(self) -> "Llama":
+        """The llama.cpp model; BackendError before ``load()`` or after ``close()``."""
+        if self.llm is None:
+            raise BackendError(f"backend {self.name}: {self.spec.path} is not loaded")
+        return self.llm
+
     def load(self) -> None:
+        path = self.spec.artifact_path
         if self.spec.sha256 is not None:
             from guard.backends.artifact import read_artifact
 
-            read_artifact(self.spec.path, self.spec.sha256)
-        self.llm = open_llama(self.spec.path, self.options.context_length, self.threads,
-                              self.options.batch)
-        self.vocab = _LlamaVocabulary(self.llm)
-        self.bos_id = int(self.llm.token_bos())
-        probe = self.llm.tokenize(b"a", add_bos=True, special=False)
-        self.adds_bos = bool(probe) and probe[0] == self.bos_id
-        self.context_length = int(self.llm.n_ctx())
+            read_artifact(path, self.spec.sha256)
+        llm = self.llm = open_llama(path, self.options.context_length, self.threads,
+                                    self.options.batch)
+        self.vocab = _LlamaVocabulary(llm)
+        bos_id = self.bos_id = int(llm.token_bos())
+        probe = llm.tokenize(b"a", add_bos=True, special=False)
+        self.adds_bos = bool(probe) and probe[0] == bos_id
+        self.context_length = int(llm.n_ctx())
 
     def encode_prompt(self, text: str) -> list[int]:
         # As llama.cpp's servers tokenize a completions prompt: BOS where the model adds one,
         # special-token text parsed.
-        return list(self.llm.tokenize(text.encode("utf-8"), add_bos=True, special=True))
+        return list(self._loaded().tokenize(text.encode("utf-8"), add_bos=True, special=True))
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids as text, as llama.cpp's servers detokenize a completion."""
-        return self.llm.detokenize(list(ids)).decode("utf-8", "replace")
+        return self._loaded().detokenize(list(ids)).decode("utf-8", "replace")
 
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
-        template = self.llm.metadata.get("tokenizer.chat_template")
+        llm = self._loaded()
+        template = llm.metadata.get("tokenizer.chat_template")
         if not template:
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
         vocab = self.vocab
         formatter = Jinja2ChatFormatter(
-            template=template, eos_token=vocab.token_text(int(self.llm.token_eos())),
-            bos_token=vocab.token_text(self.bos_id), add_generation_prompt=True)
-        rendered = formatter(messages=list(messages))
+            template=template, eos_token=vocab.token_text(int(llm.token_eos())),
+            bos_token=vocab.token_text(int(llm.token_bos())), add_generation_prompt=True)
+        # OpenAI chat messages, as llama-cpp-python's TypedDicts describe them.
+        rendered = formatter(messages=cast("list[ChatCompletionRequestMessage]", list(messages)))
         # llama-cpp-python's chat handler: BOS added unless the template wrote it.
-        return list(self.llm.tokenize(rendered.prompt.encode("utf-8"),
-                                      add_bos=not rendered.added_special, special=True))
+        return list(llm.tokenize(rendered.prompt.encode("utf-8"),
+                                 add_bos=not rendered.added_special, special=True))
 
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+        llm = self._loaded()
         with self._lock:
-            self.llm.reset()
-            self.llm.eval(list(ids))
-            logits = np.array(self.llm.scores[prompt_length - 1:len(ids) - 1], copy=True)
+            llm.reset()
+            llm.eval(list(ids))
+            logits = np.array(llm.scores[prompt_length - 1:len(ids) - 1], copy=True)
         return log_softmax(logits)
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
         """llama.cpp's greedy continuation of ``ids`` (at most ``max_tokens``, stopping at
         EOS): token ids only (``forward`` gives their distributions)."""
         out: list[int] = []
+        llm = self._loaded()
         with self._lock:
-            self.llm.reset()
-            eos = int(self.llm.token_eos())
-            for token in self.llm.generate(list(ids), temp=0.0, top_k=1, repeat_penalty=1.0):
+            llm.reset()
+            eos = int(llm.token_eos())
+            for token in llm.generate(list(ids), temp=0.0, top_k=1, repeat_penalty=1.0):
                 if token == eos or len(out) >= max_tokens:
                     break
                 out.append(int(token))
@@ -175,7 +189,7 @@ class LlamaCppScorer(LocalScorer):
 
 
 def _check(spec: "BackendConfig") -> None:
-    if Path(spec.path).suffix != ".gguf":
+    if Path(spec.artifact_path).suffix != ".gguf":
         raise ValueError(f"path: {spec.path} is not a .gguf file")
     if spec.device != "cpu":
         raise ValueError("device: this build of llama_cpp runs on cpu")

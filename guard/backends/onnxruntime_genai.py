@@ -20,7 +20,8 @@ from __future__ import annotations
 import json
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from pydantic import Field
@@ -51,19 +52,20 @@ class OrtGenAIScorer(HFTokenized, LocalScorer):
         self.role = role
         self.options = OrtGenAIOptions.model_validate(spec.options)
         self.threads = self.options.threads or threads
-        self._model = None
-        self._og = None
+        self._model: Any | None = None  # an og.Model (onnxruntime_genai is untyped)
+        self._og: ModuleType | None = None
         self._lock = threading.Lock()
 
     def load(self) -> None:
         try:
-            import onnxruntime_genai as og
+            # The package ships no type information (no py.typed, no stubs).
+            import onnxruntime_genai as og  # type: ignore[import-untyped]
             from transformers import AutoTokenizer
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise BackendError(f"backend onnxruntime_genai needs onnxruntime-genai and "
                                f"transformers ({install_hint('ort-genai', 'onnxruntime-genai')})"
                                f": {exc}") from None
-        folder = Path(self.spec.path)
+        folder = Path(self.spec.artifact_path)
         declared = json.loads((folder / "genai_config.json").read_text())["model"]
         config = og.Config(str(folder))
         config.overlay(json.dumps({"model": {"decoder": {"session_options": {
@@ -78,9 +80,12 @@ class OrtGenAIScorer(HFTokenized, LocalScorer):
         self.context_length = self.options.context_length or int(declared["context_length"])
 
     def _generator(self, length: int):
-        params = self._og.GeneratorParams(self._model)
+        og, model = self._og, self._model
+        if og is None or model is None:
+            raise BackendError(f"backend {self.name}: {self.spec.path} is not loaded")
+        params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, max_length=length)
-        return self._og.Generator(self._model, params)
+        return og.Generator(model, params)
 
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         ids = [int(i) for i in ids]

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from pydantic import Field
@@ -64,31 +64,45 @@ class HFTokenized:
     (``tokenizer.json``): prompts, chat and the vocabulary as transformers tokenizes them.
     ``attach_tokenizer(tokenizer, size)`` after loading."""
 
-    _tokenizer = None
+    # What the scorer this mixes into holds (Scorer's fields, and its backend block).
+    spec: "BackendConfig"
+    vocab: Vocabulary
+    bos_id: int | None
+    adds_bos: bool
+    # A transformers tokenizer (PreTrainedTokenizerBase), held as Any: its encode/decode/
+    # apply_chat_template return unions that their keyword arguments decide.
+    _tokenizer: Any | None = None
 
-    def attach_tokenizer(self, tokenizer, size: int) -> None:
+    def attach_tokenizer(self, tokenizer: Any, size: int) -> None:
         self._tokenizer = tokenizer
         self.vocab = _HFVocabulary(tokenizer, size)
         self.bos_id = tokenizer.bos_token_id
         probe = tokenizer.encode("a")
         self.adds_bos = self.bos_id is not None and bool(probe) and probe[0] == self.bos_id
 
+    def _loaded_tokenizer(self) -> Any:
+        """The attached tokenizer; BackendError before ``load()`` attached one."""
+        if self._tokenizer is None:
+            raise BackendError(f"{self.spec.path}: the tokenizer is not loaded")
+        return self._tokenizer
+
     def encode_prompt(self, text: str) -> list[int]:
-        return list(self._tokenizer.encode(text))
+        return list(self._loaded_tokenizer().encode(text))
 
     def decode(self, ids: Sequence[int]) -> str:
         """Token ids as text, as the model's servers detokenize a completion."""
-        return self._tokenizer.decode(list(ids), skip_special_tokens=False,
-                                      clean_up_tokenization_spaces=False)
+        return self._loaded_tokenizer().decode(list(ids), skip_special_tokens=False,
+                                               clean_up_tokenization_spaces=False)
 
     def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        if not getattr(self._tokenizer, "chat_template", None):
+        tokenizer = self._loaded_tokenizer()
+        if not getattr(tokenizer, "chat_template", None):
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
-        text = self._tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                                   tokenize=False)
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
+                                             tokenize=False)
         # The template writes the special tokens itself (BOS too, where it has one).
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return list(tokenizer.encode(text, add_special_tokens=False))
 
 
 def _source(path: str) -> tuple[Path, dict[str, str]]:
@@ -119,8 +133,16 @@ class TransformersScorer(HFTokenized, LocalScorer):
         self.role = role
         self.options = TransformersOptions.model_validate(spec.options)
         self.threads = self.options.threads or threads
-        self._model = None
+        # A transformers causal LM (PreTrainedModel), held as Any: from_pretrained is
+        # unannotated and generate returns a union its keyword arguments decide.
+        self._model: Any | None = None
         self._lock = threading.Lock()
+
+    def _loaded_model(self) -> Any:
+        """The torch model; BackendError before ``load()`` or after ``close()``."""
+        if self._model is None:
+            raise BackendError(f"backend {self.name}: {self.spec.path} is not loaded")
+        return self._model
 
     def load(self) -> None:
         import torch
@@ -136,33 +158,35 @@ class TransformersScorer(HFTokenized, LocalScorer):
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise BackendError(f"backend transformers needs transformers: {install_hint('llm')} "
                                f"({exc})") from None
-        _verify_pin(self.spec.path, self.spec.sha256)
-        folder, extra = _source(self.spec.path)
+        path = self.spec.artifact_path
+        _verify_pin(path, self.spec.sha256)
+        folder, extra = _source(path)
         dtype = {"fp32": torch.float32, "fp16": torch.float16,
                  "bf16": torch.bfloat16}[self.spec.precision]
         try:
-            self._model = AutoModelForCausalLM.from_pretrained(
+            model = self._model = AutoModelForCausalLM.from_pretrained(
                 folder, dtype=dtype, local_files_only=True, **extra).eval()
             tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True, **extra)
         except (OSError, ValueError, ImportError) as exc:
             raise BackendError(f"transformers cannot load {self.spec.path}: {exc}") from None
-        self._model.to(self.spec.device)
-        config = self._model.config
-        self.attach_tokenizer(tokenizer, int(self._model.get_output_embeddings().weight.shape[0]))
+        model.to(self.spec.device)
+        config = model.config
+        self.attach_tokenizer(tokenizer, int(model.get_output_embeddings().weight.shape[0]))
         self.context_length = (self.options.context_length
                                or int(getattr(config, "max_position_embeddings", 0) or 0))
 
     @property
-    def model(self):
+    def model(self) -> Any:
         """The loaded torch model (tier 2 hooks a copy of its own: activations/transformers.py)."""
         return self._model
 
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         import torch
 
+        model = self._loaded_model()
         with self._lock, torch.inference_mode():
             tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.spec.device)
-            logits = self._model(input_ids=tokens).logits[0, prompt_length - 1:len(ids) - 1]
+            logits = model(input_ids=tokens).logits[0, prompt_length - 1:len(ids) - 1]
             return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -171,11 +195,12 @@ class TransformersScorer(HFTokenized, LocalScorer):
         distributions)."""
         import torch
 
+        model, tokenizer = self._loaded_model(), self._loaded_tokenizer()
         with self._lock, torch.inference_mode():
             tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.spec.device)
-            out = self._model.generate(tokens, attention_mask=torch.ones_like(tokens),
-                                       max_new_tokens=max_tokens, do_sample=False,
-                                       pad_token_id=self._tokenizer.eos_token_id)
+            out = model.generate(tokens, attention_mask=torch.ones_like(tokens),
+                                 max_new_tokens=max_tokens, do_sample=False,
+                                 pad_token_id=tokenizer.eos_token_id)
         return [int(t) for t in out[0, len(ids):]]
 
     def describe(self) -> BackendInfo:
@@ -189,7 +214,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
 
 
 def _check(spec: "BackendConfig") -> None:
-    path = Path(spec.path)
+    path = Path(spec.artifact_path)
     if path.suffix != ".gguf" and not path.is_dir() and path.exists():
         raise ValueError(f"path: {spec.path} is neither an HF model folder nor a .gguf file")
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+from typing import Any, Callable
 
 import numpy as np
 
@@ -40,6 +41,7 @@ from guard.backends.activations.torch import (
     _to_numpy,
     eager_module,
 )
+from guard.backends.base import Role
 
 
 def _digest(array: np.ndarray) -> tuple:
@@ -57,7 +59,7 @@ class CompiledTorchSide(TorchSide):
         self.compile_options = dict(compile_options or {})
         self._plain = copy.deepcopy(self.module)  # hook-free: the leaves compiled for isolation
         self._plain_modules = dict(self._plain.named_modules())
-        self._leaves: dict[str, object] = {}
+        self._leaves: dict[str, Callable[..., Any]] = {}  # torch.compile'd leaves
         self._events: list[tuple[str, str, list]] = []
         self._compiled = None
 
@@ -132,9 +134,9 @@ class CompiledTorchSide(TorchSide):
             if leaf and not identity:
                 for array in arrays:
                     producer[_digest(array)] = key
-            name, _, index = key.rpartition("#")
+            name, _, number = key.rpartition("#")
             capture.calls.append(ModuleCall(
-                name, int(index), type(self.submodules[path]).__name__, in_arrays, arrays,
+                name, int(number), type(self.submodules[path]).__name__, in_arrays, arrays,
                 sources, parent, leaf=leaf, identity=identity, order=len(capture.calls)))
         return capture
 
@@ -163,7 +165,7 @@ class CompiledTorchSide(TorchSide):
         self._plain = None
 
 
-def torch_compile_side(spec, role: str, config, threads: int = 1, run_path=None,
+def torch_compile_side(spec, role: Role, config, threads: int = 1, run_path=None,
                        label: str = "torch_compile") -> CompiledTorchSide:
     """Tier 2's side for a torch_compile block (declared as its ``activations`` in
     guard/backends/torch.py): the module loaded as the backend loads it (eager_fp32_modules kept

@@ -32,10 +32,12 @@ refused.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
 from guard.backends.activations.torch import CaptureUnsupported
+from guard.backends.base import Role
 
 
 @dataclass
@@ -45,7 +47,7 @@ class KerasCall:
     name: str  # the layer's name
     index: int  # 0 for the layer's first call in this graph, 1 for the second...
     kind: str  # the layer's class name
-    node: object  # keras Node: its arguments replay the call
+    node: Any  # keras Node (keras is untyped): its arguments replay the call
     inputs: list[int]  # ids of the KerasTensors it reads (model inputs or other calls' outputs)
     outputs: list[int]  # ids of the KerasTensors it returns, flattened
     order: int  # position in graph (topological) order
@@ -212,7 +214,7 @@ def _call_arguments(operation) -> tuple[str, ...]:
         return ()
 
 
-def keras_side(spec, role: str, config, threads: int = 1, run_path=None,
+def keras_side(spec, role: Role, config, threads: int = 1, run_path=None,
                label: str = "keras") -> KerasSide:
     """Tier 2's side for a keras block (declared as its ``activations`` in
     guard/backends/keras.py): the ``.keras`` loaded again as the backend loads it (digest

@@ -23,11 +23,14 @@ import threading
 from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Any, Callable, Protocol
 
 import numpy as np
 
 from guard.backends.activations.scopes import node_scopes
+
+if TYPE_CHECKING:
+    from onnx import ModelProto, TensorProto
 
 # Ops whose outputs are bookkeeping (shapes, constants), never worth comparing.
 _BOOKKEEPING_OPS = frozenset({"Constant", "Shape", "Size", "ConstantOfShape"})
@@ -87,11 +90,11 @@ class ScopeInstance:
 class OnnxGraph:
     """Static facts about one graph: node order, producers, consumers, weights, scopes."""
 
-    model: object  # onnx.ModelProto
+    model: ModelProto
     nodes: list = field(default_factory=list)
     producer: dict[str, int] = field(default_factory=dict)
     consumers: dict[str, list[int]] = field(default_factory=dict)
-    initializers: dict[str, object] = field(default_factory=dict)
+    initializers: dict[str, TensorProto] = field(default_factory=dict)
     inputs: list[str] = field(default_factory=list)
     outputs: list[str] = field(default_factory=list)
     static: set[str] = field(default_factory=set)  # computed from weights/constants only
@@ -259,7 +262,7 @@ class OnnxGraph:
         """A standalone model: ``inputs`` -> the segment's nodes -> ``target``."""
         from onnx import helper
 
-        used = set()
+        used: set[str] = set()
         for index in nodes:
             node = self.nodes[index]
             used.update(n for n in list(node.input) + _subgraph_inputs(node) if n)
@@ -277,7 +280,16 @@ class OnnxGraph:
         return model
 
 
-def _session(model_bytes: bytes, threads: int):
+class CaptureSession(Protocol):
+    """What a side runs a capture copy or a segment on: ONNX Runtime's ``InferenceSession``
+    interface (another runtime's side wraps its own in it: activations/openvino.py)."""
+
+    def run(self, output_names: list[str], feeds: dict[str, np.ndarray]) -> list[Any]: ...
+
+    def get_outputs(self) -> list[Any]: ...
+
+
+def _session(model_bytes: bytes, threads: int) -> CaptureSession:
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -324,31 +336,36 @@ class OnnxSide:
         self.label = label
         self.run_path = Path(run_path)
         self.graph = OnnxGraph.load(self.run_path)
-        same = source_path is None or Path(source_path) == self.run_path
-        self.source = self.graph if same else OnnxGraph.load(source_path)
+        if source_path is None or Path(source_path) == self.run_path:
+            self.source = self.graph
+        else:
+            self.source = OnnxGraph.load(source_path)
         # What the side computes in: the backend block's precision where known, else read off
         # the graph (quantised ops: int8; float16/bfloat16 tensors: fp16/bf16).
         self.precision = precision or graph_precision(self.graph)
         self.threads = threads
         self.values = self.graph.comparable_values()
-        self._session = None
-        self._segments: dict[tuple[str, tuple[str, ...]], object] = {}
+        self._session: CaptureSession | None = None
+        self._capture_bytes: bytes | None = None  # the capture copy, serialised with _session
+        self._output_names: list[str] = []
+        self._segments: dict[tuple[str, tuple[str, ...]], CaptureSession] = {}
         self._lock = threading.Lock()
         self._scopes: tuple | None = None  # (known paths, instances)
         self._same: dict[tuple, bool] = {}
-        self._by_threads: dict[int, object] = {}
+        self._by_threads: dict[int, CaptureSession] = {}
 
-    def _new_session(self, model_bytes: bytes, threads: int):
+    def _new_session(self, model_bytes: bytes, threads: int) -> CaptureSession:
         """A session for a capture copy or a segment: ``run(names, feeds)``, ``get_outputs()``
         (ONNX Runtime's; another runtime's side overrides this)."""
         return _session(model_bytes, threads)
 
-    def _capture_session(self, threads: int | None = None):
+    def _capture_session(self, threads: int | None = None) -> CaptureSession:
         if threads is not None and threads != self.threads:
             # Another thread count (tier 2's per-layer noise): a session of its own, kept.
             other = self._by_threads.get(threads)
             if other is None:
                 self._capture_session()
+                assert self._capture_bytes is not None  # serialised by the call above
                 other = self._new_session(self._capture_bytes, threads)
                 self._by_threads[threads] = other
             return other
@@ -368,8 +385,8 @@ class OnnxSide:
                 else:
                     model.graph.output.append(ValueInfoProto(name=name))
             self._capture_bytes = model.SerializeToString()
-            self._session = self._new_session(self._capture_bytes, self.threads)
-            self._output_names = [o.name for o in self._session.get_outputs()]
+            session = self._session = self._new_session(self._capture_bytes, self.threads)
+            self._output_names = [o.name for o in session.get_outputs()]
         return self._session
 
     def capture(self, inputs: dict[str, np.ndarray],

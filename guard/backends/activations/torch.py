@@ -24,6 +24,7 @@ import numpy as np
 
 from guard.backends.activations import CaptureUnsupported
 from guard.backends.artifact import import_factory
+from guard.backends.base import Role
 
 __all__ = ["CaptureUnsupported", "ModuleCall", "TorchCapture", "TorchSide", "torch_side"]
 
@@ -280,7 +281,9 @@ class TorchSide:
 
             def replace(module, args, output):
                 sub = self.paths.get(module)
-                values = substitutes.get(sub) if sub is not None else None
+                if sub is None:
+                    return None
+                values = substitutes.get(sub)
                 if values is None:
                     return None
                 index = counts.get(sub, 0)
@@ -312,7 +315,7 @@ class TorchSide:
         self.paths.clear()
 
 
-def torch_side(spec, role: str, config, threads: int = 1, run_path=None,
+def torch_side(spec, role: Role, config, threads: int = 1, run_path=None,
                label: str = "torch") -> TorchSide:
     """Tier 2's side for a torch block (declared as its ``activations`` in
     guard/backends/torch.py): the module loaded as the backend loads it, hooked on a copy."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from guard.backends.activations.torch import TorchCapture, TorchSide, _tensors, _to_numpy
+from guard.backends.base import Role
 
 
 class TransformersSide(TorchSide):
@@ -57,8 +58,8 @@ class TransformersSide(TorchSide):
         call's first output, or the first input submodule ``read_input_of`` received."""
         import torch
 
-        args, kwargs = self.arguments[key]
-        args, kwargs = list(args), dict(kwargs)
+        recorded_args, recorded_kwargs = self.arguments[key]
+        args, kwargs = list(recorded_args), dict(recorded_kwargs)
         if hidden is not None:
             tensor = self._tensor(hidden)
             if args and isinstance(args[0], torch.Tensor):
@@ -69,9 +70,10 @@ class TransformersSide(TorchSide):
                 raise ValueError(f"{key}: no hidden-state argument to feed")
         handles = []
         read: list = []
+        substitutes = replace or {}
 
         def substitute(module, _args, output):
-            value = self._tensor(replace[self.paths[module]])
+            value = self._tensor(substitutes[self.paths[module]])
             if isinstance(output, tuple):
                 return (value.to(output[0].dtype), *output[1:])
             return value.to(output.dtype)
@@ -82,7 +84,7 @@ class TransformersSide(TorchSide):
                 read.append(_to_numpy(found[0]))
 
         try:
-            for path in replace or {}:
+            for path in substitutes:
                 handles.append(self.submodules[path].register_forward_hook(substitute))
             if read_input_of is not None:
                 handles.append(self.submodules[read_input_of].register_forward_pre_hook(
@@ -104,7 +106,7 @@ class TransformersSide(TorchSide):
         super().close()
 
 
-def transformers_side(spec, role: str, config, threads: int = 1, run_path=None,
+def transformers_side(spec, role: Role, config, threads: int = 1, run_path=None,
                       label: str = "transformers") -> TransformersSide:
     """Tier 2's side for a ``transformers`` block (declared as its ``activations`` in
     guard/backends/transformers.py): the model loaded as the scorer loads it, a copy of its
