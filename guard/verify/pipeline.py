@@ -294,10 +294,9 @@ def tier_reports(result: CheckResult) -> dict[str, TierReport]:
     return {name: tier_report(name, tier) for name, tier in result.tiers.items()}
 
 
-def tier_report(name: str, tier: Any) -> TierReport:
+def tier_report(name: str, tier: TierResult) -> TierReport:
     """Tier ``name``'s result on one sample as a ``TierReport``: its kind's ``details`` and
-    ``summary`` where it declares them, else the result's own ``as_dict()`` and ``summary()``
-    (``tier``: a ``TierResult``, or what its kind's ``details``/``summary`` read)."""
+    ``summary`` where it declares them, else the result's own ``as_dict()`` and ``summary()``."""
     kind = _kind(name)
     if kind is not None and kind.details is not None:
         details = kind.details(tier)

@@ -37,9 +37,11 @@ def sample_kind(task: str) -> SampleKind:
 
 
 class TierResult(Protocol):
-    passed: bool
+    @property
+    def passed(self) -> bool: ...
 
-    def summary(self) -> str: ...
+    # A line, or evidence its kind's ``TierKind.summary`` turns into one (tier 2's dict).
+    def summary(self) -> object: ...
 
 
 @dataclass

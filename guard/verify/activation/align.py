@@ -168,12 +168,15 @@ def align_onnx_onnx(ref: OnnxSide, prim: OnnxSide, ref_cap: dict[str, np.ndarray
         if packed:
             name = brace(packed, "/")
         free = prim.computes_like(ref, value, boundary)
+        isolate: Isolator
         if free:
-            def isolate(value=value, node=node) -> tuple[np.ndarray, list[str]]:
+            def same(value=value, node=node) -> tuple[np.ndarray, list[str]]:
                 return ref_cap[value], [node.name]  # same computation: no error of its own
+            isolate = same
         else:
-            def isolate(value=value) -> tuple[np.ndarray, list[str]]:
+            def rerun(value=value) -> tuple[np.ndarray, list[str]]:
                 return prim.isolate(value, boundary, fetch)
+            isolate = rerun
 
         out.pairings.append(Pairing(name, node.op_type, _module_of(ref, value), value,
                                     ref_cap[value], prim_cap[value], isolate,
@@ -212,7 +215,7 @@ class _Unit:
     nodes (``layer1.0.conv1+layer1.0.bn1``)."""
 
     members: list[ModuleCall]
-    instance: object  # onnx_side.ScopeInstance: the group of nodes that computes it
+    instance: ScopeInstance  # the group of nodes that computes it
     unsure: str = ""  # why the pairing may compare different computations
     outputs: list[str] | None = None  # its ONNX values, where not the group's own (a fold)
     # The torch tensors compared, where not its last member's outputs (a packed attention's:
@@ -493,7 +496,7 @@ class _Units:
         node's output against what the module after it reads in torch. The members are the
         modules whose weights tile the packed one (packed.pack_order), not guesses from
         names."""
-        from onnx import numpy_helper
+        from onnx import TensorProto, numpy_helper
 
         graph = self.onnx.source
         groups: dict[tuple, list[ModuleCall]] = {}
@@ -517,7 +520,7 @@ class _Units:
                 order = None
                 for name in node.input[1:]:
                     init = graph.initializers.get(name)
-                    if init is not None and len(init.dims) == 2:
+                    if isinstance(init, TensorProto) and len(init.dims) == 2:
                         order = pack_order(numpy_helper.to_array(init), weights)
                         if order:
                             break
@@ -723,28 +726,29 @@ def align_torch_onnx(torch_side: TorchSide, onnx: OnnxSide, torch_cap: TorchCapt
         for j, value, tensor in zip(m.torch_indices, m.outputs, m.tensors):
             name = _output_name(base, j, n)
             if torch_is_reference:
-                def isolate(value=value) -> tuple[np.ndarray, list[str]]:
+                def rerun_onnx(value=value) -> tuple[np.ndarray, list[str]]:
                     return onnx.isolate(value, boundary, fetch)
 
                 out.pairings.append(Pairing(name, _kind(unit), unit.first.path, value, tensor,
-                                            onnx_cap[value], isolate,
+                                            onnx_cap[value], rerun_onnx,
                                             inputs=list(unit.instance.inputs),
                                             ref_key=f"{unit.last.key}.{j}", unsure=unit.unsure,
                                             modules=_paths(unit)))
             else:
-                isolate = None
+                isolate: Isolator | None = None
                 note = ""
                 if unit.composite:
                     note = f"not re-run in torch member by member: {unit.composite}"
                 elif m.inputs is None:
                     note = "the module's inputs could not be matched to ONNX values"
                 else:
-                    def isolate(m=m, j=j) -> tuple[np.ndarray, list[str]]:
+                    def rerun_torch(m=m, j=j) -> tuple[np.ndarray, list[str]]:
                         args = [onnx_cap[v] for v in m.inputs]
                         for member in m.unit.members:
                             args = torch_side.run_module(member.path, args, _substitutes(
                                 torch_cap, member, reference_of.get))
                         return args[j], []
+                    isolate = rerun_torch
                 out.pairings.append(Pairing(name, _kind(unit), unit.first.path, value,
                                             onnx_cap[value], tensor, isolate, note,
                                             inputs=list(unit.instance.inputs),
@@ -764,15 +768,20 @@ def _paths(unit: _Unit) -> list[str]:
 
 def _substitutes(cap: TorchCapture, call: ModuleCall,
                  value_of: Callable[[str], list[np.ndarray] | None]
-                 ) -> dict[str, list[list[np.ndarray] | None]] | None:
+                 ) -> dict[str, list[list[np.ndarray]]] | None:
     """For a container's call: what each call inside it returns instead of computing (the
-    other side's tensors, where known), by path, in call order."""
+    other side's tensors, where known), by path, in call order. A call whose tensors are not
+    known gets ``[]``: ``run_module`` lets a call compute whose entry does not match its
+    outputs."""
     if call.leaf:
         return None
-    out: dict[str, list[list[np.ndarray] | None]] = {}
+    out: dict[str, list[list[np.ndarray]]] = {}
+    known = False
     for inner in cap.descendants(call.key):
-        out.setdefault(inner.path, []).append(value_of(inner.key))
-    return out if any(v is not None for values in out.values() for v in values) else None
+        value = value_of(inner.key)
+        known = known or value is not None
+        out.setdefault(inner.path, []).append(value if value is not None else [])
+    return out if known else None
 
 
 def _reorder_by_graph(out: Alignment, onnx: OnnxSide) -> Alignment:

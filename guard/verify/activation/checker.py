@@ -210,6 +210,9 @@ class ActivationChecker:
         if isinstance(ref, OnnxSide):
             def run(feed, threads):
                 return ref.capture(feed, threads)
+        elif isinstance(ref, LlamaCppSide):  # never: check_pair makes llama.cpp the primary
+            self._noise_note = "per-layer noise not measured (a llama_cpp reference)"
+            return self._noise
         else:
             def run(feed, threads):
                 return ref.tensors(feed, threads)
@@ -256,7 +259,9 @@ class ActivationChecker:
         if isinstance(ref, OnnxSide) and isinstance(prim, TorchSide):
             return align_torch_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
                                     torch_is_reference=False)
-        return align_torch_torch(ref, prim, ref.capture(inputs), prim.capture(inputs))
+        if isinstance(ref, TorchSide) and isinstance(prim, TorchSide):
+            return align_torch_torch(ref, prim, ref.capture(inputs), prim.capture(inputs))
+        raise CaptureUnsupported(f"tier 2 cannot align the pair {self.pair}")
 
     def _align_keras(self, inputs: dict[str, np.ndarray]) -> Alignment:
         from guard.verify.activation.keras_align import (
@@ -280,11 +285,13 @@ class ActivationChecker:
             return {**{n: inputs[n] for n in side.graph.inputs if n in inputs},
                     **side.capture(inputs)}
 
-        if isinstance(ref, KerasSide):
+        if isinstance(ref, KerasSide) and isinstance(prim, OnnxSide):
             return align_keras_onnx(ref, prim, ref.capture(inputs), onnx_values(prim), inputs,
                                     keras_is_reference=True)
-        return align_keras_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
-                                keras_is_reference=False)
+        if isinstance(ref, OnnxSide) and isinstance(prim, KerasSide):
+            return align_keras_onnx(prim, ref, prim.capture(inputs), onnx_values(ref), inputs,
+                                    keras_is_reference=False)
+        raise CaptureUnsupported(f"tier 2 cannot align the pair {self.pair}")
 
     def _isolate(self, compared: list[tuple[LayerResult, Pairing]],
                  everything: bool = False) -> None:

@@ -228,20 +228,21 @@ def _withhold_unsure(report: ActivationReport) -> None:
 def _first_measurable(report: ActivationReport, precision: str) -> None:
     """Within the budget: the first layer whose isolated error is beyond the reference's own
     noise (fp32 pairs only), named with ``within_budget``; never a failure."""
+    above: list[tuple[LayerResult, float]] = []  # (layer, its isolated error)
     for layer in report.layers:
-        layer.measurable = measurable_threshold(layer.noise)
-    above = [layer for layer in report.layers
-             if layer.isolated is not None and layer.isolated.rel_error > layer.measurable]
+        layer.measurable = measurable = measurable_threshold(layer.noise)
+        if layer.isolated is not None and layer.isolated.rel_error > measurable:
+            above.append((layer, layer.isolated.rel_error))
     if not above:
         return
     if precision != "fp32":
-        largest = max(layer.isolated.rel_error for layer in above)
+        largest = max(error for _, error in above)
         report.within_budget_note = (
             f"the pair computes in {precision}: {len(above)} layer(s) differ measurably (isolated "
             f"error up to {largest:.3g}), as that precision does by design; within tier 1's "
             "budget none is named (see suspects)")
         return
-    report.first = above[0]
+    report.first = above[0][0]
     report.basis = BASIS_NOISE
     report.within_budget = True
 
@@ -255,19 +256,20 @@ def _fallback(report: ActivationReport, budget: Budget) -> str:
                 "no layer was captured on both sides")
     crossing = next((i for i, layer in enumerate(report.layers)
                      if layer.propagated.rel_error > budget.relative), len(report.layers) - 1)
-    window = [layer for layer in report.layers[: crossing + 1] if layer.isolated is not None]
+    window = [(layer, layer.isolated) for layer in report.layers[: crossing + 1]
+              if layer.isolated is not None]
     if not window:
         notes = sorted({layer.isolation_note for layer in report.layers[: crossing + 1]
                         if layer.isolation_note})
         return ("no layer up to where the error crosses the budget "
                 f"({report.layers[crossing].name}) could be run in isolation: "
                 + ("; ".join(notes) or "no isolated figures"))
-    best = max(window, key=lambda layer: layer.ratio)
-    if best.isolated.rel_error <= measurable_threshold(best.noise):
+    best, isolated = max(window, key=lambda item: item[0].ratio)
+    if isolated.rel_error <= measurable_threshold(best.noise):
         # Not the culprit's successor blamed for what it was fed: none of them adds error.
         return ("no aligned layer up to where the error crosses the budget "
                 f"({report.layers[crossing].name}) adds a measurable error of its own (the "
-                f"largest, {best.name}, adds {best.isolated.rel_error:.3g}): the drift arises "
+                f"largest, {best.name}, adds {isolated.rel_error:.3g}): the drift arises "
                 "in layers without a counterpart"
                 + (f" ({', '.join(u.name for u in report.unaligned[:5])})"
                    if report.unaligned else ""))
@@ -279,6 +281,6 @@ def _fallback(report: ActivationReport, budget: Budget) -> str:
 
 def rank_suspects(layers: list[LayerResult], top_k: int) -> list[LayerResult]:
     """Layers by isolated error over allowance (plain isolated error without one)."""
-    ranked = [layer for layer in layers if layer.isolated is not None]
-    ranked.sort(key=lambda layer: (layer.ratio, layer.isolated.rel_error), reverse=True)
-    return ranked[:top_k]
+    ranked = [(layer, layer.isolated.rel_error) for layer in layers if layer.isolated is not None]
+    ranked.sort(key=lambda item: (item[0].ratio, item[1]), reverse=True)
+    return [layer for layer, _ in ranked[:top_k]]

@@ -149,9 +149,7 @@ class _Llama:
         return unpermute_heads(array, heads) if heads else array
 
 
-def _fill(template: str | None, i: int | None, prev: str) -> str | None:
-    if template is None:
-        return None
+def _fill(template: str, i: int | None, prev: str) -> str:
     return prev if template == "{prev}" else template.replace("{i}", str(i))
 
 
@@ -173,8 +171,8 @@ def align_transformers_llama_cpp(ref: TransformersSide, prim: LlamaCppSide,
     for site in BLOCK:
         for i in range(blocks):
             llama.mark(site.node.replace("{i}", str(i)), site.heads)
-    for site, i, prev in sites:
-        pairing = _pair(site, i, prev, ref, llama, calls, out.unaligned)
+    for site, block, before in sites:
+        pairing = _pair(site, block, before, ref, llama, calls, out.unaligned)
         if pairing is not None:
             out.pairings.append(pairing)
             out.peers[pairing.value] = (peer_group(pairing.module), pairing.op)
@@ -186,8 +184,8 @@ def align_transformers_llama_cpp(ref: TransformersSide, prim: LlamaCppSide,
 def _pair(site: _Site, i: int | None, prev: str, ref: TransformersSide, llama: _Llama,
           calls: dict[str, ModuleCall], unaligned: list[Unaligned]) -> Pairing | None:
     node, path = _fill(site.node, i, prev), _fill(site.module, i, prev)
-    feed = _fill(site.feed, i, prev)
-    reads = _fill(site.reads, i, prev)
+    feed = _fill(site.feed, i, prev) if site.feed is not None else None
+    reads = _fill(site.reads, i, prev) if site.reads is not None else None
     replace = {_fill(p, i, prev): _fill(n, i, prev) for p, n in site.replace}
     call = calls.get(f"{path}#0")
     if call is None or not call.outputs:

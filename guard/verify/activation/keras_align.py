@@ -37,6 +37,8 @@ Isolation (the primary's layer fed the reference's tensors):
 
 from __future__ import annotations
 
+from typing import Literal, TypeAlias
+
 import numpy as np
 
 from guard.verify.activation.align import Alignment, Pairing, _substitutes, dtype_fetcher
@@ -45,6 +47,9 @@ from guard.verify.activation.report import Unaligned
 from guard.backends.activations.torch import ModuleCall, TorchCapture, TorchSide
 
 _WALK_BACK = 8  # layers without a counterpart a torch module's input may sit behind
+
+# A move torch layout -> Keras layout: the permutation of the axes, None for as is.
+Perm: TypeAlias = tuple[int, ...] | None
 
 
 def _output_name(base: str, j: int, n: int) -> str:
@@ -119,7 +124,7 @@ def _keras_isolator(prim: KerasSide, call: KerasCall, j: int, given: dict[int, n
 
 
 # -- layouts ------------------------------------------------------------------------------------
-def _moves(ndim: int) -> list[tuple[int, ...] | None]:
+def _moves(ndim: int) -> list[Perm]:
     """Candidate permutations torch layout -> Keras layout, the likelier first (None: as is)."""
     last = (0, *range(2, ndim), 1) if ndim >= 3 else None
     if last is None:
@@ -127,7 +132,7 @@ def _moves(ndim: int) -> list[tuple[int, ...] | None]:
     return [last, None] if ndim >= 4 else [None, last]
 
 
-def to_keras_layout(torch_shape: tuple, keras_shape: tuple) -> tuple[int, ...] | None | bool:
+def to_keras_layout(torch_shape: tuple, keras_shape: tuple) -> Perm | Literal[False]:
     """The permutation that puts a torch tensor in the Keras tensor's layout (None: none
     needed), or False when neither candidate gives the Keras shape."""
     torch_shape, keras_shape = tuple(torch_shape), tuple(keras_shape)
@@ -388,7 +393,7 @@ def align_keras_onnx(keras: KerasSide, onnx, keras_cap: KerasCapture,
     out = Alignment()
     keras_role = "reference" if keras_is_reference else "primary"
     groups = _groups({call.name for call in keras.calls}, onnx)
-    pairs: list[tuple[KerasCall, str, list[str], object]] = []  # call, value, reads, perm
+    pairs: list[tuple[KerasCall, str, list[str], Perm]] = []  # call, value, reads, perm
     for call in keras.calls:
         name = keras.call_name(call)
         group = groups.get(call.name)

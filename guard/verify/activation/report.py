@@ -4,8 +4,12 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from guard.verify.activation.errors import LayerError, _round
+
+if TYPE_CHECKING:  # decide.py imports this module
+    from guard.verify.activation.decide import Budget
 
 # How many unaligned names / suspects an event carries (the report itself keeps all).
 _SUMMARY_NAMES = 20
@@ -51,7 +55,7 @@ class LayerResult:
             "measurable": None if self.measurable is None else _round(self.measurable),
             **({"unsure": self.unsure} if self.unsure else {}),
             **({"peers": {"group": self.peer_group, "median_isolated": _round(self.peer_level)}}
-               if self.peer_group else {}),
+               if self.peer_group and self.peer_level is not None else {}),
         }
 
 
@@ -77,7 +81,7 @@ class ActivationReport:
     capture_seconds: float = 0.0  # both sides captured and aligned
     isolate_seconds: float = 0.0  # the layers re-run in isolation (at most max_isolated)
     error: str = ""  # set when the check itself could not run (capture failed)
-    budget: object = None  # decide.Budget: what the allowances derive from
+    budget: Budget | None = None  # what the allowances derive from (set by decide.decide)
     first: LayerResult | None = None  # set by decide.decide
     basis: str = ""  # the rule that named the first divergence
     undetermined: str = ""  # tier 1 failed but no layer can be named: exactly why
