@@ -262,8 +262,8 @@ class VerifiedGenerationModel(VerifiedModel):
         metrics.declare_model(self.name, tiers, self.policy_tiers)
         metrics.declare_generation_model(self.name)
         metrics.mirror.labels(self.name, "not_comparable")
-        self._verdicts = {(tier, r): metrics.checks.labels(self.name, tier, r)
-                          for tier in tiers for r in ("pass", "fail")}
+        self._checks = {(tier, r): metrics.checks.labels(self.name, tier, r)
+                        for tier in tiers for r in ("pass", "fail")}
         self._kld = metrics.generation_kld.labels(self.name)
         self._top1 = metrics.generation_top1_agreement.labels(self.name)
         self._divergence = metrics.generation_first_divergence.labels(self.name)
@@ -377,7 +377,7 @@ class VerifiedGenerationModel(VerifiedModel):
         if not math.isnan(check.top1_agreement):
             self._top1.observe(check.top1_agreement)
         self.window.add(check)
-        self._verdicts[TIER, "pass" if check.passed else "fail"].inc()
+        self._checks[TIER, "pass" if check.passed else "fail"].inc()
         if not check.passed:
             if check.first_divergence is not None:
                 self._divergence.observe(check.first_divergence.position + 1)

