@@ -64,10 +64,16 @@ _IDLE_S = 0.02
 _IDLE_MAX_S = 0.2
 # Records taken in one round at most: a round's samples are checked as a batch.
 _DRAIN = 256
-# While samples come, the reader looks every 50 ms: a batch gathers meanwhile (10 samples at
-# 200/s), and two wake-ups (reader, mirror worker) are paid per batch, not per sample. The
-# samples wait in the ring, which the reader never lets a queue overflow from (_read_ring).
-_GATHER_S = 0.05
+# While samples come, a batch gathers in the ring for up to 200 ms between rounds (40 samples
+# at 200/s), the reader looking every 50 ms and starting the round early once a ring is a
+# quarter full (large samples must not overflow it). The batch is what pays: the mirror thread
+# wakes with cold caches, and its per-sample CPU on a small model was ~4x at batches of 10
+# (200/s, 50 ms) what it is at 50 (docs/benchmarks.md#mirror-batching). Checks run up to
+# 200 ms later, which no detector's minutes notice; the ring holds the samples meanwhile and
+# the reader never lets a queue overflow from it (_read_ring).
+_GATHER_S = 0.2
+_GATHER_LOOK_S = 0.05
+_GATHER_FILL = 0.25
 # Longest the reader leaves samples in the ring while a mirror queue is full (see _read_ring).
 _HOLD_S = 1.0
 _HEARTBEAT_S = 0.1
@@ -224,7 +230,7 @@ class VerifierProcess:
     def _read_ring(self) -> None:
         """Drain the serving processes' rings (up to ``_DRAIN`` records a round, each ring in turn)
         and hand each model what it got in one go, so that its mirror checks them as a batch, then
-        let the next batch gather for ``_GATHER_S``; a pause when all are empty, from ``_IDLE_S``
+        let the next batch gather (``_gather``); a pause when all are empty, from ``_IDLE_S``
         doubling up to ``_IDLE_MAX_S`` while they stay empty (an idle verifier wakes a few times a
         second, not 50; the first sample after a lull waits at most ``_IDLE_MAX_S``, well inside any
         mirror timeout).
@@ -261,10 +267,22 @@ class VerifierProcess:
                     self._log_error(f"samples could not be delivered: "
                                     f"{type(exc).__name__}: {exc}")
                 if len(records) < limit:  # the rings are empty: let the next batch gather
-                    time.sleep(_GATHER_S)
+                    self._gather()
             else:
                 time.sleep(idle)
                 idle = min(idle * 2, _IDLE_MAX_S)
+
+    def _gather(self) -> None:
+        """Let the next batch gather in the rings: ``_GATHER_S``, or until one is
+        ``_GATHER_FILL`` full, or until the verifier stops."""
+        deadline = time.monotonic() + _GATHER_S
+        while not self.stopping.is_set():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            time.sleep(min(_GATHER_LOOK_S, left))
+            if any(ring.used >= _GATHER_FILL * ring.capacity for ring in self.rings):
+                return
 
     def _take(self, limit: int) -> list[bytes]:
         """Up to ``limit`` records, a record from each ring in turn (no serving process's
