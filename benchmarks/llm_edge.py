@@ -353,11 +353,15 @@ def summary(ttfts: list[float], gaps: list[float]) -> dict:
             "gap_mean_ms": float(g.mean()), "gaps": len(g)}
 
 
-def start_cells(args, work: Path, llama) -> dict[str, Cell]:
-    cells = {"direct": Cell(llama.url, llama.model)}
+def start_cells(args, work: Path, llama, cells: dict[str, Cell]) -> None:
+    """Start the cells into ``cells`` one by one, so that the caller stops those that started
+    when a later one fails to."""
+    cells["direct"] = Cell(llama.url, llama.model)
     if args.cells:
-        return {**cells, **{name: start_cell(name, work, llama)
-                            for name in args.cells.split(",") if name != "direct"}}
+        for name in args.cells.split(","):
+            if name != "direct":
+                cells[name] = start_cell(name, work, llama)
+        return
     if args.before:
         cells[f"guard@{args.before}"] = start_guard(
             work, llama.url, llama.model, "guard-before", sampled=False,
@@ -374,7 +378,6 @@ def start_cells(args, work: Path, llama) -> dict[str, Cell]:
                                                  sampled=True, envoy=True)
             cells["extproc+s"] = start_envoy(work, llama.url, llama.model, "extproc-s",
                                              ext_proc=True)
-    return cells
 
 
 def start_cell(name: str, work: Path, llama) -> Cell:
@@ -508,7 +511,7 @@ def main(argv=None) -> int:
     llama = start_llama_server(work, logits_all=False, threads=1)
     cells: dict[str, Cell] = {}
     try:
-        cells = start_cells(args, work, llama)
+        start_cells(args, work, llama, cells)
         figures = measure(args, cells)
     finally:
         stop(cells)
