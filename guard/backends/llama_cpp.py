@@ -24,7 +24,7 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import LocalScorer, Vocabulary
+from guard.backends.scoring import LocalScorer, Vocabulary, loaded
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -110,9 +110,7 @@ class LlamaCppScorer(LocalScorer):
 
     def _loaded(self) -> "Llama":
         """The llama.cpp model; BackendError before ``load()`` or after ``close()``."""
-        if self.llm is None:
-            raise BackendError(f"backend {self.name}: {self.spec.path} is not loaded")
-        return self.llm
+        return loaded(self.llm, f"backend {self.name}: {self.spec.path}")
 
     def load(self) -> None:
         path = self.spec.artifact_path

@@ -29,7 +29,7 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.llama_cpp import log_softmax
 from guard.backends.options import _Options
-from guard.backends.scoring import LocalScorer
+from guard.backends.scoring import LocalScorer, loaded
 from guard.backends.transformers import HFTokenized
 from guard.errors import BackendError, install_hint
 
@@ -80,9 +80,8 @@ class OrtGenAIScorer(HFTokenized, LocalScorer):
         self.context_length = self.options.context_length or int(declared["context_length"])
 
     def _generator(self, length: int):
-        og, model = self._og, self._model
-        if og is None or model is None:
-            raise BackendError(f"backend {self.name}: {self.spec.path} is not loaded")
+        what = f"backend {self.name}: {self.spec.path}"
+        og, model = loaded(self._og, what), loaded(self._model, what)
         params = og.GeneratorParams(model)
         params.set_search_options(do_sample=False, max_length=length)
         return og.Generator(model, params)

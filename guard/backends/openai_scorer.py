@@ -68,6 +68,7 @@ from guard.backends.scoring import (
     TokenizationMismatch,
     Vocabulary,
     comparable_text,
+    loaded,
     unscored,
 )
 from guard.errors import BackendError
@@ -331,9 +332,8 @@ class OpenAIScorer(Scorer):
 
     def _loaded(self) -> tuple[ScoringClient, str]:
         """The client and the way of asking, which ``load()`` set."""
-        if self.client is None or self.mode is None:
-            raise BackendError(f"openai reference {self.model}@{self.base} is not loaded")
-        return self.client, self.mode
+        what = f"openai reference {self.model}@{self.base}"
+        return loaded(self.client, what), loaded(self.mode, what)
 
     def _choose_mode(self, client: ScoringClient, probe: list[int]) -> str:
         """The first way of asking (``options.scoring``) that the server answers and whose

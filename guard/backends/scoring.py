@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field, replace
-from typing import Sequence
+from typing import Sequence, TypeVar
 
 import numpy as np
 
@@ -281,6 +281,18 @@ class RenderedPrompt:
     ids: list[int]
     approximate: bool
     findings: tuple[str, ...] = field(default=())
+
+
+_Handle = TypeVar("_Handle")
+
+
+def loaded(handle: _Handle | None, what: str) -> _Handle:
+    """``handle`` as a scorer's ``load()`` set it (its model, tokenizer, client); BackendError
+    "``what`` is not loaded" before ``load()`` or after ``close()``: one message for every
+    scorer, instead of an AttributeError on None."""
+    if handle is None:
+        raise BackendError(f"{what} is not loaded")
+    return handle
 
 
 class Scorer(Backend):

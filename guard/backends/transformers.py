@@ -23,7 +23,7 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import LocalScorer, Vocabulary
+from guard.backends.scoring import LocalScorer, Vocabulary, loaded
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -82,9 +82,7 @@ class HFTokenized:
 
     def _loaded_tokenizer(self) -> Any:
         """The attached tokenizer; BackendError before ``load()`` attached one."""
-        if self._tokenizer is None:
-            raise BackendError(f"{self.spec.path}: the tokenizer is not loaded")
-        return self._tokenizer
+        return loaded(self._tokenizer, f"{self.spec.path}: the tokenizer")
 
     def encode_prompt(self, text: str) -> list[int]:
         return list(self._loaded_tokenizer().encode(text))
@@ -140,9 +138,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
 
     def _loaded_model(self) -> Any:
         """The torch model; BackendError before ``load()`` or after ``close()``."""
-        if self._model is None:
-            raise BackendError(f"backend {self.name}: {self.spec.path} is not loaded")
-        return self._model
+        return loaded(self._model, f"backend {self.name}: {self.spec.path}")
 
     def load(self) -> None:
         import torch

@@ -701,16 +701,15 @@ def by_position(checks: Sequence[GenerationCheck]) -> dict[str, list]:
     """Per completion position (0 = the first generated token), over the scored completions
     long enough to have it: how many, the mean and the largest KLD (logprobs mode), the mean
     surprise of the reference at the primary's token (every scored mode)."""
-    surprises = [c.per_token_surprise for c in checks
-                 if c.comparable and c.per_token_surprise is not None]
-    scored = [c for c in checks if c.comparable and c.per_token_surprise is not None]
-    length = max((len(s) for s in surprises), default=0)
+    # (surprise, kld) per scored completion; kld only in logprobs mode
+    scored = [(c.per_token_surprise, c.per_token_kld) for c in checks
+              if c.comparable and c.per_token_surprise is not None]
+    length = max((len(surprise) for surprise, _ in scored), default=0)
     out: dict[str, list] = {"completions": [], "kld_mean": [], "kld_max": [],
                             "surprise_mean": []}
     for t in range(length):
-        surprise = [s[t] for s in surprises if len(s) > t]
-        kld = [c.per_token_kld[t] for c in scored
-               if c.per_token_kld is not None and len(c.per_token_kld) > t]
+        surprise = [s[t] for s, _ in scored if len(s) > t]
+        kld = [k[t] for _, k in scored if k is not None and len(k) > t]
         out["completions"].append(len(surprise))
         out["surprise_mean"].append(float(np.mean(surprise)))
         out["kld_mean"].append(float(np.mean(kld)) if kld else None)
