@@ -44,7 +44,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import numpy as np
@@ -66,19 +65,8 @@ TARGET_P99_RATIO = 1.5
 def cmd_prepare(workdir: Path) -> None:
     """Export the MLP, the input pool and ORT's answers (a child: the parent never loads torch)."""
     import onnxruntime as ort
-    import torch
-    from torch import nn
 
-    torch.manual_seed(31)
-    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
-                        nn.Linear(64, 10)).eval()
-    path = workdir / "mlp.onnx"
-    with torch.no_grad(), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
-        torch.onnx.export(mlp, (torch.zeros(1, 32),), str(path), input_names=["x"],
-                          output_names=["logits"], dynamic_axes={"x": {0: "batch"},
-                                                                 "logits": {0: "batch"}},
-                          opset_version=17, dynamo=False)
+    path = oip.export_mlp(workdir / "mlp.onnx")
     inputs = np.random.default_rng(31).standard_normal((POOL, 32)).astype(np.float32)
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1

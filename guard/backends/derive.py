@@ -31,9 +31,13 @@ from pathlib import Path
 from guard.errors import BackendError
 
 
+def cache_root() -> Path:
+    """guard's cache: ``$GUARD_CACHE_DIR``, else ``~/.cache/guard``."""
+    return Path(os.environ.get("GUARD_CACHE_DIR") or Path.home() / ".cache" / "guard")
+
+
 def cache_dir() -> Path:
-    root = os.environ.get("GUARD_CACHE_DIR") or Path.home() / ".cache" / "guard"
-    path = Path(root) / "derived"
+    path = cache_root() / "derived"
     path.mkdir(parents=True, exist_ok=True)
     return path
 

@@ -20,7 +20,7 @@ import sys
 import tempfile
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from guard.protocol.generation import GenerationSample, SamplingParams
@@ -260,53 +260,14 @@ def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None
                                                           max_tokens=max_tokens, seed=seed))
 
 
-def hf_folder(gguf: Path | None = None, folder: Path | None = None) -> Path:
+def hf_folder(gguf: Path | None = None) -> Path:
     """An HF model folder (safetensors, config.json, tokenizer) holding ``gguf``'s weights
-    dequantized to fp32, for servers that load HF folders (vLLM); cached, like the ladder, in
-    ``cache_dir()/<stem>-hf`` unless ``folder`` is given. A folder already complete is kept.
+    dequantized to fp32 (default: the shipped file), for servers that load HF folders (vLLM,
+    ONNX Runtime GenAI's builder): the transformers backend's cache of it
+    (guard/backends/gguf_cache.py), written on first use."""
+    from guard.backends.gguf_cache import dequantized_folder
 
-    transformers dequantizes a GGUF on load (``from_pretrained(..., gguf_file=)``) but refuses
-    ``save_pretrained`` on that model, so its state_dict is copied into a model built
-    ``from_config`` and that one is saved. The config's ``quantization_config`` (the GGUF's,
-    which transformers records) is dropped: the folder holds plain fp32 weights, and vLLM would
-    otherwise try to load it as a GGUF-quantized checkpoint. Written beside the target and
-    renamed in, so a reader never sees half a folder and two processes may race.
-    """
-    import json
-    import shutil
-
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
-
-    gguf = gguf or smollm2_gguf()
-    folder = folder or cache_dir() / f"{gguf.name.removesuffix('.gguf')}-hf"
-    if (folder / "config.json").is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
-    try:
-        source: dict[str, Any] = dict(pretrained_model_name_or_path=gguf.parent,
-                                      gguf_file=gguf.name, local_files_only=True)
-        loaded = AutoModelForCausalLM.from_pretrained(**source, dtype=torch.float32)
-        config = AutoConfig.from_pretrained(**source)
-        if hasattr(config, "quantization_config"):
-            del config.quantization_config
-        plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        plain.load_state_dict(loaded.state_dict())
-        plain.save_pretrained(partial)
-        AutoTokenizer.from_pretrained(**source).save_pretrained(partial)
-        written = json.loads((partial / "config.json").read_text())
-        if written.pop("quantization_config", None) is not None:
-            (partial / "config.json").write_text(json.dumps(written, indent=2))
-        try:
-            os.replace(partial, folder)
-        except OSError:  # another process won the race: its folder holds the same weights
-            if not (folder / "config.json").is_file():
-                raise
-    finally:
-        if partial.exists():
-            shutil.rmtree(partial)
-    return folder
+    return dequantized_folder(gguf or smollm2_gguf())
 
 
 # -- the model in other engines' formats (the matrix's generative columns) -------------------
