@@ -238,6 +238,36 @@ def sample_from_response(prompt: str, response: dict, sampling: "SamplingParams"
                             finish_reason=choice.get("finish_reason"))
 
 
+def _logprobs_block(llm, prompt: str, tokens: list[int], top: int) -> dict:
+    """The ``logprobs`` block llama-cpp-python's ``create_completion(logprobs=top)`` writes for
+    ``tokens`` (its token texts, chosen-token logprobs and top-``top`` dicts, the chosen token
+    added), from the same logits (``logits_all``): its own loop sorts the whole vocabulary in
+    Python at every token (49152 entries here, 70% of a 64-token completion's time); this takes
+    the top with numpy. The same dicts, up to the order of exactly tied logprobs."""
+    import numpy as np
+    from llama_cpp import Llama
+
+    prompt_tokens = llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [
+        llm.token_bos()]
+    first = len(prompt_tokens) - 1  # the row whose logits predict the first completion token
+    rows = Llama.logits_to_logprobs(np.asarray(llm.scores[first:first + len(tokens)]))
+
+    def text(ids: list[int], prev: list[int]) -> str:
+        return llm.detokenize(ids, prev_tokens=prev).decode("utf-8", errors="ignore")
+
+    texts, values, tops = [], [], []
+    for i, (token, row) in enumerate(zip(tokens, rows)):
+        token_text = text([token], tokens[:i])
+        best = np.argpartition(-row, top)[:top] if top < row.size else np.arange(row.size)
+        best = best[np.argsort(-row[best], kind="stable")]
+        entry = {text([int(k)], tokens[:i]): float(row[k]) for k in best}
+        entry[token_text] = float(row[token])
+        texts.append(token_text)
+        values.append(float(row[token]))
+        tops.append(entry)
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": tops}
+
+
 def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None" = None,
              logprobs: int | None = None, seed: int = 0) -> "GenerationSample":
     """One completion of ``prompt`` by an in-process ``llama_cpp.Llama`` (the primary side of
@@ -252,8 +282,23 @@ def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None
     if sampling.repetition_penalty is not None:
         asked["repeat_penalty"] = sampling.repetition_penalty
     llm.reset()
-    response = llm.create_completion(prompt, max_tokens=max_tokens, logprobs=logprobs,
-                                     seed=seed, **asked)
+    sampled: list[int] = []
+    generate = llm.generate
+
+    def recording(*args, **kwargs):  # the tokens as sampled (create_completion keeps its own)
+        for token in generate(*args, **kwargs):
+            sampled.append(int(token))
+            yield token
+
+    llm.generate = recording  # an instance attribute: create_completion calls self.generate
+    try:
+        response = llm.create_completion(prompt, max_tokens=max_tokens, seed=seed, **asked)
+    finally:
+        del llm.generate
+    if logprobs is not None:
+        count = response["usage"]["completion_tokens"]
+        response["choices"][0]["logprobs"] = _logprobs_block(llm, prompt, sampled[:count],
+                                                             logprobs)
     from dataclasses import replace
 
     return sample_from_response(prompt, response, replace(sampling, logprobs=logprobs,
