@@ -90,6 +90,7 @@ import signal
 import subprocess
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -546,10 +547,7 @@ def measure_cell(args, cell: str, child: Child, layout: Layout, target: str,
     """``oip.measure_cell`` with CPU read per process (``layout``), and guard's /metrics
     scraped around the cell (drained of mirror samples in g5)."""
     name = MODELS[args.model]["name"]
-    if cell in ("g5", "g5x"):
-        scrape = lambda port: oip.drained(port, model=name)  # noqa: E731
-    else:
-        scrape = lambda port: oip.scrape(port, name)  # noqa: E731
+    scrape = partial(oip.drained if cell in ("g5", "g5x") else oip.scrape, model=name)
     return oip.measure_cell(args, cell, child, target, metrics_port, requests, concurrency,
                            duration, warmup, pids=layout.pids(),
                            snapshot=lambda: cpu_snapshot(layout), servers=ROLES,

@@ -35,8 +35,9 @@ def _free_port() -> int:
 
 
 def default_workdir() -> Path:
-    root = os.environ.get("GUARD_CACHE_DIR") or Path.home() / ".cache" / "guard"
-    return Path(root) / "demo"
+    from guard.backends.derive import cache_root
+
+    return cache_root() / "demo"
 
 
 def demo_config(models: dict[str, Path], ports: dict[str, int], sample_rate: float) -> dict:

@@ -32,7 +32,7 @@ import numpy as np
 
 from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
 from guard.backends.artifact import read_artifact
-from guard.backends.derive import cache_dir
+from guard.backends.derive import cache_root
 from guard.backends.options import TensorRTOptions
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
@@ -129,7 +129,7 @@ class TensorRTBackend(Backend):
         self.device = torch.device(self.spec.device)
         logger = trt.Logger(trt.Logger.WARNING)
         gpu = torch.cuda.get_device_name(self.device)
-        folder = cache_dir().parent / "tensorrt"
+        folder = cache_root() / "tensorrt"
         folder.mkdir(parents=True, exist_ok=True)
         # Read once and checked against sha256: the engine is built from, and cached under the
         # digest of, these bytes.

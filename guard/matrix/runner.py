@@ -67,9 +67,11 @@ class PreparedModel:
 
 def zoo_dir() -> Path:
     """Exported zoo models live in the guard cache, not beside the results."""
-    from guard.backends.derive import cache_dir
+    from guard.backends.derive import cache_root
 
-    return cache_dir().parent / "zoo"
+    folder = cache_root() / "zoo"
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def environment() -> dict:

@@ -62,8 +62,9 @@ def smollm2_gguf() -> Path:
 
 def cache_dir() -> Path:
     """Where the ladder is written: $GUARD_CACHE_DIR/llm, else ~/.cache/guard/llm."""
-    root = os.environ.get("GUARD_CACHE_DIR") or Path.home() / ".cache" / "guard"
-    return Path(root) / "llm"
+    from guard.backends.derive import cache_root
+
+    return cache_root() / "llm"
 
 
 @contextmanager
