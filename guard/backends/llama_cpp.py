@@ -2,11 +2,11 @@
 teacher-forcing scorer.
 
 ``path`` is the ``.gguf`` file; it runs as it is quantized (``precision`` stays fp32: the
-config's word for "as the artifact is"). The model is loaded with ``logits_all`` so that one
-evaluation of prompt + completion leaves the logits of every position; the scorer keeps those
-that predict the completion. Mind the memory: llama-cpp-python keeps a float32 ``[n_ctx,
-n_vocab]`` array for them (about 200 MB for SmolLM2's 49152 tokens at the default
-``context_length`` 1024).
+config's word for "as the artifact is"). One evaluation of prompt + completion asks llama.cpp
+for the logits of only the positions that predict the completion (``completion_logits``): the
+LM head (a fifth of a small model's work per token) is not run on the prompt, and no
+``[n_ctx, n_vocab]`` array of every position is kept (llama-cpp-python's ``logits_all``: about
+200 MB for SmolLM2's 49152 tokens at the default ``context_length`` 1024).
 
 llama.cpp reads a path, not bytes: a pinned file (``sha256``) is hashed right before the load.
 """
@@ -72,6 +72,35 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(total).astype(np.float32)
 
 
+def completion_logits(llm: "Llama", ids: Sequence[int], prompt_length: int) -> np.ndarray:
+    """float32 ``[len(ids) - prompt_length, n_vocab]``: the logits at the positions that predict
+    ``ids[prompt_length:]``, from one teacher-forced evaluation of ``ids`` from an empty cache,
+    ``n_batch`` tokens per decode call. Only those positions are marked for output in the
+    batches (llama.cpp runs the LM head on marked positions only), through llama-cpp-python's
+    own context and batch (``Llama.eval`` marks all or only the last)."""
+    context, batch = llm._ctx, llm._batch
+    first, last = prompt_length - 1, len(ids) - 2  # positions whose logits are kept
+    n_vocab, step = int(llm.n_vocab()), int(llm.n_batch)
+    llm.reset()  # llama-cpp-python's own count of evaluated tokens: none now
+    context.kv_cache_clear()
+    rows = []
+    for start in range(0, len(ids), step):
+        chunk = [int(t) for t in ids[start:start + step]]
+        batch.set_batch(chunk, n_past=start, logits_all=False)
+        marked = 0
+        for i in range(len(chunk)):
+            wanted = first <= start + i <= last
+            batch.batch.logits[i] = wanted
+            marked += wanted
+        context.decode(batch)
+        if marked:  # llama.cpp lays the marked positions' logits out in order
+            rows.append(np.ctypeslib.as_array(context.get_logits(),
+                                              shape=(marked, n_vocab)).copy())
+    if not rows:
+        return np.zeros((0, n_vocab), np.float32)
+    return rows[0] if len(rows) == 1 else np.concatenate(rows)
+
+
 def quiet_llama_logs() -> None:
     """llama.cpp logs every graph reserve and tensor it converts through the
     "llama-cpp-python" logger (its log callback prints what that logger's level lets
@@ -119,7 +148,7 @@ class LlamaCppScorer(LocalScorer):
 
             read_artifact(path, self.spec.sha256)
         llm = self.llm = open_llama(path, self.options.context_length, self.threads,
-                                    self.options.batch)
+                                    self.options.batch, logits_all=False)
         self.vocab = _LlamaVocabulary(llm)
         bos_id = self.bos_id = int(llm.token_bos())
         probe = llm.tokenize(b"a", add_bos=True, special=False)
@@ -156,9 +185,7 @@ class LlamaCppScorer(LocalScorer):
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         llm = self._loaded()
         with self._lock:
-            llm.reset()
-            llm.eval(list(ids))
-            logits = np.array(llm.scores[prompt_length - 1:len(ids) - 1], copy=True)
+            logits = completion_logits(llm, ids, prompt_length)
         return log_softmax(logits)
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
