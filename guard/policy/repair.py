@@ -163,7 +163,7 @@ class OpRepair:
             if not samples:
                 raise RepairAborted("no buffered samples to find suspects on or validate with")
             outcome.suspects = suspects if suspects is not None else self.find_suspects(samples)
-            ops = self._candidate_ops(outcome.suspects, samples)
+            ops = self.candidate_ops(outcome.suspects, samples)
             # The samples that failed on the primary first: a candidate that has not fixed
             # the drift fails on them soonest, and its validation stops there.
             samples = sorted(samples, key=lambda s: not s.failed)
@@ -203,7 +203,9 @@ class OpRepair:
             for s in ranked[:10]]})
         return ranked
 
-    def _candidate_ops(self, suspects: list[Suspect], samples) -> list[str]:
+    def candidate_ops(self, suspects: list[Suspect], samples) -> list[str]:
+        """The ops the search starts from: the suspects' ops in their rank order (or every op,
+        where the strategy offers them and tier 2 names none), at most ``max_ops``."""
         ops: list[str] = []
         for suspect in suspects:
             if suspect.isolated_error < self.config.min_isolated_error:
@@ -239,7 +241,7 @@ class OpRepair:
                 raise _BudgetSpent(f"budget_s={self.config.budget_s:g}")
             outcome.candidates_tried += 1
             try:
-                backend = self._rebuild(kept)
+                backend = self.rebuild(kept)
             except BackendError as exc:  # e.g. a variant ONNX Runtime refuses to load
                 step = {"step": "candidate", "kept": kept, "passed": False,
                         "error": str(exc)[:300]}
@@ -321,7 +323,10 @@ class OpRepair:
                                 "buffered samples with the primary's own options")
         return backend
 
-    def _rebuild(self, kept: list[str]) -> Backend:
+    def rebuild(self, kept: list[str]) -> Backend:
+        """The primary rebuilt with ``kept`` ops kept back, loaded and checked to keep them
+        (RepairAborted where it does not): what one step of the search evaluates, public for
+        the benchmarks that map the search space (benchmarks/selective_fallback_sets.py)."""
         spec = self.keep_back.within_threads(self.keep_back.rebuild_spec(kept),
                                              self.config.threads)
         backend = self.build(spec)
