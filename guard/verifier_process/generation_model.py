@@ -363,15 +363,26 @@ class VerifiedGenerationModel(VerifiedModel):
 
     # -- mirror worker ---------------------------------------------------------------------------
     def _on_completion(self, result: GenerationResult) -> None:
-        check, sample = result.check, result.sample
-        if result.activation is not None:
-            self._on_activation(result.activation, sample.epoch)
-        if not check.comparable and check.mode != "tokenization_mismatch":
+        """A scored completion: counted first, recorded last, whatever fails between (the
+        mirror logs it): never a sample that neither the metrics nor the capture hold."""
+        check = result.check
+        compared = check.comparable or check.mode == "tokenization_mismatch"
+        if compared:
+            self.metrics.mirror.labels(self.name, "compared").inc()
+        else:
             self._not_comparable.inc()
             self.window.not_comparable += 1
+        try:
+            if result.activation is not None:
+                self._on_activation(result.activation, result.sample.epoch)
+            if compared:
+                self._observe(result)
+        finally:
             self._capture_completion(result)
-            return
-        self.metrics.mirror.labels(self.name, "compared").inc()
+
+    def _observe(self, result: GenerationResult) -> None:
+        """A compared completion's figures, verdict and the policy's step."""
+        check, sample = result.check, result.sample
         if not math.isnan(check.mean_kld):
             self._kld.observe(check.mean_kld)
         if not math.isnan(check.top1_agreement):
@@ -391,7 +402,6 @@ class VerifiedGenerationModel(VerifiedModel):
                 evidence["last_failure"] = self._last_failure[1]
             evidence.update(self._activation_evidence(sample.epoch))
             self.record(transition, evidence)
-        self._capture_completion(result)
 
     def _evidence(self, result: GenerationResult) -> dict:
         check = result.check
