@@ -103,7 +103,11 @@ def figures(checks: list) -> dict:
     scored = [c for c in checks if c.comparable]
     kld = np.concatenate([c.per_token_kld for c in scored if c.per_token_kld is not None]
                          or [np.zeros(0)])
-    return {"completions": len(checks), "scored": len(scored),
+    why: dict[str, list[int]] = {}  # the completions that could not be compared, by reason
+    for i, c in enumerate(checks):
+        if not c.comparable:
+            why.setdefault(f"{c.mode}: {c.reason}" if c.reason else c.mode, []).append(i)
+    return {"completions": len(checks), "scored": len(scored), "not_comparable": why,
             "passed": sum(c.passed for c in scored),
             "mean_kld": float(kld.mean()) if kld.size else None,
             "kld_p99": float(np.percentile(kld, 99)) if kld.size else None,
@@ -168,6 +172,10 @@ def write(report: dict) -> None:
         lines.append(f"| {rung} | {row['completions']} | {row['passed']}/{row['scored']} | "
                      f"{_f(row['mean_kld'])} | {_f(row['kld_p99'])} | "
                      f"{_f(row['top1_agreement'], '.1%')} | {alarms} |")
+    for rung, row in report["rungs"].items():
+        for why, which in row.get("not_comparable", {}).items():
+            lines.append(f"\n{rung}: {len(which)} completion(s) not comparable ({why}): "
+                         f"number(s) {', '.join(str(i + 1) for i in which[:10])}.")
     (RESULTS / "llm_detection.md").write_text("\n".join(lines) + "\n")
 
 
