@@ -128,11 +128,15 @@ class Vocabulary(abc.ABC):
     _by_text: dict[str, int] | None = None
 
     def lookup(self, text: str) -> int | None:
-        """The id whose text is ``text`` (built on first use: one decode per id)."""
+        """The id whose text is ``text`` (built on first use: one decode per id); None for a
+        text that names no one token (``comparable_text``: "" is the text of control tokens and
+        of partial characters alike)."""
         if self._by_text is None:
             table: dict[str, int] = {}
             for token_id in range(self.size):
-                table.setdefault(self.token_text(token_id), token_id)
+                token_text = self.token_text(token_id)
+                if comparable_text(token_text):
+                    table.setdefault(token_text, token_id)
             self._by_text = table
         return self._by_text.get(text)
 
@@ -197,11 +201,26 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         return canonical, False, None
     if len(canonical) == len(texts) and all(map(_texts_equal, texts, canonical_texts)):
         return canonical, False, None
-    split = [vocab.lookup(text) for text in texts]
+    # A piece of a character (its text alone not UTF-8, often "") names no token, even where
+    # a vocabulary has a token whose text reads the same.
+    split = [vocab.lookup(text) if comparable_text(text) else None for text in texts]
     if all(i is not None for i in split):
         return [int(i) for i in split], True, None  # type: ignore[arg-type]
     position = next((i for i, (p, r) in enumerate(zip(texts, canonical_texts))
                      if not _texts_equal(p, r)), min(len(texts), len(canonical)))
+    pieces = {i for i, text in enumerate(texts) if not comparable_text(text)}
+    if pieces:
+        # A character sampled as several byte tokens, split otherwise than the reference's
+        # own tokenization would: each piece's text alone is not UTF-8, so it names no token.
+        # Named: the run of pieces where the tokenizations part (or the first run).
+        start = max((i for i in pieces if i <= position), default=min(pieces))
+        while start - 1 in pieces:
+            start -= 1
+        return [], False, TokenizationMismatch(
+            start, texts[start], "",
+            f"token {start} is a piece of a character the primary sampled as several "
+            "tokens, split otherwise than the reference tokenizes it; a piece's text names no "
+            "token (a server that reports token ids would)")
     return [], False, TokenizationMismatch(
         position, texts[position] if position < len(texts) else "",
         canonical_texts[position] if position < len(canonical_texts) else "",

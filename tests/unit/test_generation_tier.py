@@ -231,6 +231,24 @@ def test_a_noncanonical_split_is_scored_as_the_primary_sampled_it(f16_reference)
     assert scores.token_ids == (vocab.lookup(" Par"), vocab.lookup("is"))
 
 
+def test_a_character_sampled_in_pieces_is_named_where_it_cannot_be_aligned(f16_reference):
+    # "ι" is one token of the vocabulary; a primary that sampled its two bytes as two tokens
+    # reports each piece's text as "" (not UTF-8 alone), which names no token. (Seen once in
+    # 1,000 sampled F16 completions, benchmarks/results/llm_detection.md.)
+    vocab = f16_reference.vocab
+    assert len(vocab.encode(" (ι)")) == 3
+    sample = GenerationSample(model="smol", endpoint="completions", prompt=PROMPTS[0],
+                              completion_text=" (ι)", tokens=(
+                                  TokenLogprob(" ("), TokenLogprob(""), TokenLogprob(""),
+                                  TokenLogprob(")")), sampling=SamplingParams(temperature=0.7))
+    scores = f16_reference.score(sample)
+    assert not scores.scored and scores.mismatch is not None
+    assert scores.mismatch.position == 1
+    assert "piece of a character" in scores.mismatch.reason
+    check = check_generation(sample, scores, LLAMA)
+    assert (check.mode, check.statistic) == ("tokenization_mismatch", None)
+
+
 def test_double_bos_is_a_finding(f16_reference, greedy_samples):
     sample = greedy_samples["F16"][0]
     rendered = f16_reference.score(sample).prompt_token_ids
