@@ -110,20 +110,33 @@ class ScorerColumn:
 
 class LlamaColumn:
     """llama-cpp-python in-process: completions from ``create_completion`` (its server's
-    code), distributions from the llama_cpp scorer's teacher-forced pass."""
+    code) on a model of their own, loaded with ``logits_all`` as a server answering logprobs
+    is (the scorer's evaluates only the positions it scores); distributions from the llama_cpp
+    scorer's teacher-forced pass."""
 
     def __init__(self, scorer):
         self.scorer = scorer
+        self._generator = None
 
     def complete(self, prompt: str, max_tokens: int, top_logprobs: int) -> GenerationSample:
         from guard.zoo.llm import complete
 
-        return complete(self.scorer.llm, prompt, max_tokens, GREEDY, logprobs=top_logprobs)
+        if self._generator is None:
+            from guard.backends.llama_cpp import open_llama
+
+            options = self.scorer.options
+            self._generator = open_llama(self.scorer.spec.artifact_path,
+                                         options.context_length, self.scorer.threads,
+                                         options.batch, logits_all=True)
+        return complete(self._generator, prompt, max_tokens, GREEDY, logprobs=top_logprobs)
 
     def logprobs(self, ids: list[int], prompt_length: int) -> np.ndarray | None:
         return self.scorer.forward(ids, prompt_length)
 
     def close(self) -> None:
+        if self._generator is not None:
+            self._generator.close()
+            self._generator = None
         self.scorer.close()
 
 

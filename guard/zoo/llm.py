@@ -248,6 +248,9 @@ def _logprobs_block(llm, prompt: str, tokens: list[int], top: int) -> dict:
     import numpy as np
     from llama_cpp import Llama
 
+    if not getattr(llm, "_logits_all", True):  # llama-cpp-python's own flag
+        raise ValueError("complete(logprobs=...) reads every position's logits: load the "
+                         "model with logits_all=True")
     prompt_tokens = llm.tokenize(prompt.encode("utf-8"), special=True) if prompt else [
         llm.token_bos()]
     first = len(prompt_tokens) - 1  # the row whose logits predict the first completion token
