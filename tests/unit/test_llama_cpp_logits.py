@@ -41,7 +41,9 @@ def test_the_marked_rows_are_the_rows_every_position_gives(models, prompt_length
     assert got.shape == expected.shape == (len(ids) - prompt_length, marked.n_vocab())
     # The LM head runs over fewer rows, which may change the kernel's summation order.
     np.testing.assert_allclose(got, expected, atol=2e-2, rtol=0)
-    assert (got.argmax(axis=1) == expected.argmax(axis=1)).all()
+    # The best token agrees, up to a near-tie within that noise.
+    best = expected.argmax(axis=1)
+    assert (got[np.arange(len(best)), best] >= got.max(axis=1) - 2e-2).all()
 
 
 def test_a_second_evaluation_starts_from_an_empty_cache(models):
