@@ -170,31 +170,46 @@ def agreement(backend, reference, verifier, samples, task: str) -> dict:
     return out
 
 
+class RepairSetup:
+    """A model's repair as guard serve would run it, on the first BUFFER samples: its config,
+    checks (``verifier``), loaded reference and derived primary (int8 or fp16), the buffered
+    samples (failed or not on the primary) and the ``OpRepair`` over them."""
+
+    def __init__(self, model: dict, folder: Path, on_step=None):
+        from guard.backends import create_backend
+        from guard.policy.repair import BufferedSample, OpRepair
+        from guard.verify.activation import ActivationChecker
+        from guard.verify.pipeline import Comparator
+
+        self.config = config = build_config(model, folder)
+        self.verifier = Comparator.for_model(config)
+        self.reference = create_backend(config.reference, "reference")
+        self.reference.load()
+        self.primary = create_backend(config.primary, "primary")
+        self.primary.load()
+        self.buffered = [BufferedSample(feeds, not self.passes(self.reference.infer(feeds),
+                                                               self.primary.infer(feeds), feeds))
+                         for feeds in model["samples"][:BUFFER]]
+        self.repair = OpRepair(config.primary, self.reference, self.passes,
+                               config.policy.repair,
+                               activation=ActivationChecker.for_model(config),
+                               on_step=on_step or (lambda step: None))
+
+    def passes(self, reference, outputs, feeds) -> bool:
+        return self.verifier.check(reference, outputs, feeds).passed
+
+
 def run_model(name: str, model: dict, rounds: int, folder: Path) -> dict:
     from guard.backends import create_backend
-    from guard.policy.repair import BufferedSample, OpRepair
-    from guard.verify.activation import ActivationChecker
-    from guard.verify.pipeline import Comparator
 
-    config = build_config(model, folder)
-    verifier = Comparator.for_model(config)
-    reference = create_backend(config.reference, "reference")
-    reference.load()
-    int8 = create_backend(config.primary, "primary")  # the derived primary: int8 or fp16
-    int8.load()
+    steps: list[dict] = []
+    setup = RepairSetup(model, folder, steps.append)
+    config, verifier, reference = setup.config, setup.verifier, setup.reference
+    int8, buffered, repair = setup.primary, setup.buffered, setup.repair
     a = f"a_{model['precision']}"
     fp32 = create_backend(config.fallback, "fallback")
     fp32.load()
-    samples = model["samples"]
-    buffer_inputs, held_out = samples[:BUFFER], samples[BUFFER:]
-    buffered = [BufferedSample(feeds, not verifier.check(reference.infer(feeds),
-                                                         int8.infer(feeds), feeds).passed)
-                for feeds in buffer_inputs]
-    steps = []
-    repair = OpRepair(config.primary, reference,
-                      lambda ref, out, feeds: verifier.check(ref, out, feeds).passed,
-                      config.policy.repair, activation=ActivationChecker.for_model(config),
-                      on_step=steps.append)
+    held_out = model["samples"][BUFFER:]
     print(f"{name}: repairing on {len(buffered)} buffered samples "
           f"({sum(s.failed for s in buffered)} failing) ...", flush=True)
     outcome = repair.run(buffered)

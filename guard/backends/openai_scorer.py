@@ -290,7 +290,10 @@ class RemoteVocabulary(Vocabulary):
 
     def lookup(self, text: str) -> int | None:
         """The id whose text is ``text``: its tokenization, where that is one token whose text
-        is ``text`` (a token of the vocabulary tokenizes to itself)."""
+        is ``text`` (a token of the vocabulary tokenizes to itself); None for a text that names
+        no one token (``comparable_text``: a piece of a character, "")."""
+        if not comparable_text(text):
+            return None
         ids = self.encode(text)
         return ids[0] if len(ids) == 1 and self.token_text(ids[0]) == text else None
 

@@ -131,6 +131,8 @@ class Vocabulary(abc.ABC):
         """The id whose text is ``text`` (built on first use: one decode per id); None for a
         text that names no one token (``comparable_text``: "" is the text of control tokens and
         of partial characters alike)."""
+        if not comparable_text(text):
+            return None
         if self._by_text is None:
             table: dict[str, int] = {}
             for token_id in range(self.size):
@@ -201,9 +203,7 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         return canonical, False, None
     if len(canonical) == len(texts) and all(map(_texts_equal, texts, canonical_texts)):
         return canonical, False, None
-    # A piece of a character (its text alone not UTF-8, often "") names no token, even where
-    # a vocabulary has a token whose text reads the same.
-    split = [vocab.lookup(text) if comparable_text(text) else None for text in texts]
+    split = [vocab.lookup(text) for text in texts]
     if all(i is not None for i in split):
         return [int(i) for i in split], True, None  # type: ignore[arg-type]
     position = next((i for i, (p, r) in enumerate(zip(texts, canonical_texts))
@@ -274,7 +274,7 @@ def scores_from_full(sample: GenerationSample, vocab: Vocabulary, logprobs: np.n
         np.zeros(0, np.float32)
     alternatives = []
     for t, token in enumerate(sample.tokens[:len(ids)]):
-        found = [vocab.lookup(text) if comparable_text(text) else None for text, _ in token.top]
+        found = [vocab.lookup(text) for text, _ in token.top]
         alternatives.append(np.array([logprobs[t, i] if i is not None else np.nan
                                       for i in found], dtype=np.float64))
     return ReferenceScores(
