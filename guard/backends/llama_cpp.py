@@ -57,6 +57,9 @@ class _LlamaVocabulary(Vocabulary):
             self._texts[token_id] = text
         return text
 
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._llm.detokenize(list(ids), special=False).decode("utf-8", "replace")
+
     @property
     def size(self) -> int:
         return int(self._llm.n_vocab())

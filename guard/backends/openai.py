@@ -119,6 +119,15 @@ class OpenAIOptions(_Strict):
         "as the server answers unasked). Only for servers that answer logprobs for any "
         "request (llama-cpp-python needs --logits_all true; vLLM max_logprobs): a server that "
         "refuses them would turn a sampled call into an error. 0: never add them.")
+    sample_token_ids: bool = Field(
+        False, description="On a sampled call whose client did not ask, ask the upstream for "
+        "the token ids of the prompt and of the completion (vLLM's return_token_ids, vLLM >= "
+        "0.10.2) and set them back to null in the client's answer (as vLLM answers unasked). "
+        "The reference then scores the prompt as the server rendered it (chat template "
+        "included, not an approximation) and takes the completion's tokens by id: a character "
+        "sampled as several byte tokens, or a split the reference's tokenizer would not make, "
+        "is compared instead of counted not comparable. Only for servers that take the "
+        "field (vLLM): false: never add it.")
     max_connections: int = Field(
         0, ge=0, description="Connections to the upstream at once; 0: no limit.")
     # The reference role (guard/backends/openai_scorer.py): a remote server scores given text.
@@ -303,7 +312,8 @@ def _check(spec) -> None:
 
 # Options that only mean something in one role: forwarding (primary, fallback) or scoring
 # (reference).
-FORWARDING_ONLY = ("engine", "server_defaults", "sample_logprobs", "max_connections")
+FORWARDING_ONLY = ("engine", "server_defaults", "sample_logprobs", "sample_token_ids",
+                   "max_connections")
 REFERENCE_ONLY = ("scoring", "top_logprobs")
 
 

@@ -69,6 +69,7 @@ from guard.backends.scoring import (
     Vocabulary,
     comparable_text,
     loaded,
+    names_its_alternatives,
     unscored,
 )
 from guard.errors import BackendError
@@ -282,6 +283,16 @@ class RemoteVocabulary(Vocabulary):
         self.fetch([token_id])
         return self._texts[int(token_id)]
 
+    def detokenize(self, ids: Sequence[int]) -> str | None:
+        """vLLM's ``POST /detokenize``; None from a server without it."""
+        try:
+            text = self._client.post("/detokenize", {"model": self._client.model,
+                                                     "tokens": [int(i) for i in ids]})
+        except ServerRefused:
+            return None
+        prompt = text.get("prompt")
+        return prompt if isinstance(prompt, str) else None
+
     @property
     def size(self) -> int:
         # Not said by the server: the range check is the server's (it refuses an id outside
@@ -450,8 +461,9 @@ def scores_from_top(sample: GenerationSample, ids: Sequence[int],
         by_text = {text: lp for _, text, lp in position.top}
         by_text.setdefault(position.token_text, position.logprob)
         token = sample.tokens[t] if t < len(sample.tokens) else None
+        named = token is not None and names_its_alternatives(token.text, position.token_text)
         alternatives.append(np.array(
-            [by_text.get(text, np.nan) if comparable_text(text) else np.nan
+            [by_text.get(text, np.nan) if named and comparable_text(text) else np.nan
              for text, _ in (token.top if token is not None else ())], dtype=np.float64))
     return ReferenceScores(
         token_ids=tuple(int(i) for i in ids),

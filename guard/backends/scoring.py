@@ -16,9 +16,11 @@ What every scorer does the same way lives here:
 - **The primary's tokens, reproduced** (:func:`align_completion`). Where the primary said its
   token ids they are checked against their texts in the reference's vocabulary; where it said
   texts only, the reference's tokenization of the completion text must give the same texts
-  (or, for a sampled, non-canonical split, every text must be one token of the vocabulary). A
-  difference is a :class:`TokenizationMismatch` (tokenizer or template drift), reported with
-  its position and never scored as noise.
+  (or, for a sampled, non-canonical split, every text must be one token of the vocabulary).
+  Ids whose texts cannot be checked one by one (the server said ids only, or a token is a
+  piece of a character) must together spell the completion text. A difference is a
+  :class:`TokenizationMismatch` (tokenizer or template drift), reported with its position and
+  never scored as noise.
 
 Local scorers return the full-vocabulary log-softmax (float32 ``[T, V]``); a remote one (a
 server's prompt logprobs) fills only the top-k arrays and the chosen token's logprob, so the
@@ -105,6 +107,14 @@ def comparable_text(text: str) -> bool:
     return bool(text) and not text.startswith(_BYTES_PREFIX) and "\ufffd" not in text
 
 
+def names_its_alternatives(token_text: str, reference_text: str) -> bool:
+    """Do the primary's ``top_logprobs`` texts at a position name tokens? Not where its chosen
+    token is a piece of a character (the reference's text of it is not comparable): servers
+    then write each alternative as the character it would complete (vLLM writes "ι" for the
+    byte 0xB9 after 0xCE), a text that names another token of the vocabulary."""
+    return comparable_text(reference_text) and token_text == reference_text
+
+
 def _texts_equal(primary: str, reference: str) -> bool:
     return primary == reference or not (comparable_text(primary) and comparable_text(reference))
 
@@ -124,6 +134,11 @@ class Vocabulary(abc.ABC):
     @abc.abstractmethod
     def size(self) -> int:
         """The number of token ids."""
+
+    def detokenize(self, ids: Sequence[int]) -> str | None:
+        """``ids`` as the text a server writes for them (control tokens as nothing), or None
+        where this vocabulary cannot say (the spelling check is then left out)."""
+        return None
 
     _by_text: dict[str, int] | None = None
 
@@ -188,6 +203,10 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
                 return [], False, TokenizationMismatch(
                     position, token.text, reference,
                     f"token id {token_id} is {reference!r} in the reference's vocabulary")
+        if any(not comparable_text(t.text) for t in tokens):
+            # Texts that could not be checked one by one (ids without texts, pieces of a
+            # character): the ids together must spell the completion the client received.
+            return ids, False, _misspelt(sample, ids, vocab)
         return ids, False, None
     texts = [t.text for t in tokens]
     joined = "".join(texts)
@@ -225,6 +244,38 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         position, texts[position] if position < len(texts) else "",
         canonical_texts[position] if position < len(canonical_texts) else "",
         "the reference's tokenization of the completion differs from the primary's tokens")
+
+
+def _spells(text: str, sample: GenerationSample, whole: bool) -> bool:
+    """Does the reference's ``text`` of the primary's ids (all of them: ``whole``; else a
+    prefix) agree with the completion text? Agreement allows what detokenizers differ in
+    without changing the text: a leading space of the first token (SentencePiece decoders drop
+    it), a character cut at the end (U+FFFD), and, in a stopped completion, the stop string or
+    stop token the server sampled and left out of the text."""
+    completion = sample.completion_text
+    if text.startswith(" ") != completion.startswith(" "):
+        text, completion = text.removeprefix(" "), completion.removeprefix(" ")
+    text = text.rstrip("\ufffd")
+    if sample.finish_reason == "stop" and text.startswith(completion):
+        return True
+    return text == completion.rstrip("\ufffd") if whole else completion.startswith(text)
+
+
+def _misspelt(sample: GenerationSample, ids: Sequence[int], vocab: Vocabulary
+              ) -> TokenizationMismatch | None:
+    """None where the reference's detokenization of ``ids`` is the completion text (or the
+    vocabulary cannot detokenize); else a mismatch at the first token where it departs."""
+    text = vocab.detokenize(ids)
+    if text is None or _spells(text, sample, whole=True):
+        return None
+    position = next((count - 1 for count in range(1, len(ids) + 1)
+                     if not _spells(vocab.detokenize(ids[:count]) or "", sample, whole=False)),
+                    len(ids) - 1)
+    return TokenizationMismatch(
+        position, sample.tokens[position].text if position < len(sample.tokens) else "",
+        vocab.token_text(int(ids[position])),
+        "the primary's token ids, detokenized by the reference, depart from the completion "
+        "text here: the reference's vocabulary is not the primary's")
 
 
 def _stop_tokens(sample: GenerationSample) -> int:
@@ -274,7 +325,8 @@ def scores_from_full(sample: GenerationSample, vocab: Vocabulary, logprobs: np.n
         np.zeros(0, np.float32)
     alternatives = []
     for t, token in enumerate(sample.tokens[:len(ids)]):
-        found = [vocab.lookup(text) for text, _ in token.top]
+        named = names_its_alternatives(token.text, vocab.token_text(int(ids[t])))
+        found = [vocab.lookup(text) if named else None for text, _ in token.top]
         alternatives.append(np.array([logprobs[t, i] if i is not None else np.nan
                                       for i in found], dtype=np.float64))
     return ReferenceScores(

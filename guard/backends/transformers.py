@@ -65,6 +65,10 @@ class _HFVocabulary(Vocabulary):
             self._texts[token_id] = text
         return text
 
+    def detokenize(self, ids: Sequence[int]) -> str:
+        return self._tokenizer.decode(list(ids), skip_special_tokens=True,
+                                      clean_up_tokenization_spaces=False)
+
     @property
     def size(self) -> int:
         return self._size

@@ -12,11 +12,11 @@ have to know about.
 Generation models (``task: generation``, on ``server.http_port``) are forwarded by Envoy too, with
 what Envoy cannot do refused likewise: a served name other than the client's (the Python
 forwarder rewrites ``model`` both ways; Envoy cannot without a filter in the path of every
-call), ``options.sample_logprobs`` (it rewrites a sampled call's body) and
-``options.api_key_env`` (Envoy forwards the client's Authorization; guard puts no secret in a
-bootstrap it prints). They are observed through the tap only (the ext_proc observer reads gRPC
-calls; docs/envoy.md says why the tap), and not on an attached Envoy (the Istio EnvoyFilter
-carries guard's gRPC pieces only).
+call), ``options.sample_logprobs`` and ``options.sample_token_ids`` (they rewrite a sampled
+call's body) and ``options.api_key_env`` (Envoy forwards the client's Authorization; guard puts
+no secret in a bootstrap it prints). They are observed through the tap only (the ext_proc
+observer reads gRPC calls; docs/envoy.md says why the tap), and not on an attached Envoy (the
+Istio EnvoyFilter carries guard's gRPC pieces only).
 """
 
 
@@ -152,6 +152,11 @@ def check_envoy_mode(config: "GuardConfig") -> list[str]:
                     f"{where}.{role}.options.sample_logprobs: asking for logprobs rewrites a "
                     "sampled call's body, which Envoy does not do: set 0 (the generation tier "
                     "scores calls without logprobs) or use server.data_plane: python")
+            if generative and spec.options.get("sample_token_ids"):
+                problems.append(
+                    f"{where}.{role}.options.sample_token_ids: asking for token ids rewrites a "
+                    "sampled call's body, which Envoy does not do: set false (the reference "
+                    "then renders the prompt itself) or use server.data_plane: python")
             if generative and spec.options.get("api_key_env"):
                 problems.append(
                     f"{where}.{role}.options.api_key_env: in Envoy mode the client's "

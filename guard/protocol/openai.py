@@ -70,6 +70,11 @@ class ParsedCall:
         value = self.body.get("logprobs")
         return value not in (None, False, 0)
 
+    @property
+    def asked_token_ids(self) -> bool:
+        """The client asked for the token ids itself (vLLM's ``return_token_ids``)."""
+        return self.body.get("return_token_ids") not in (None, False)
+
 
 def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
     """The client's body as a call; BadRequest for what is not an OpenAI request body."""
@@ -129,20 +134,31 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
         logprobs=_number(logprobs, int), n=_number(body.get("n", 1), int) or 1, stop=stops)
 
 
-def with_logprobs(call: ParsedCall, top: int) -> dict[str, Any]:
-    """The body with the primary's logprobs asked for (``top`` alternatives per token), for a
-    sampled call whose client did not ask; the answer's logprobs are stripped again."""
+def sampled_body(call: ParsedCall, top: int, token_ids: bool) -> dict[str, Any]:
+    """The body of a sampled call with what the comparison needs and its client did not ask:
+    the primary's logprobs (``top`` alternatives per token; 0: none added) and the token ids
+    of the prompt and the completion (vLLM's ``return_token_ids``). ``answer_edits`` takes
+    them out of the answer again."""
     body = dict(call.body)
-    if call.endpoint == "chat":
-        body["logprobs"], body["top_logprobs"] = True, top
-    else:
-        body["logprobs"] = top
+    if top:
+        if call.endpoint == "chat":
+            body["logprobs"], body["top_logprobs"] = True, top
+        else:
+            body["logprobs"] = top
+    if token_ids:
+        body["return_token_ids"] = True
     return body
 
 
 # -- byte-exact edits of JSON ------------------------------------------------------------------
 MODEL_PATH = ("model",)
 LOGPROBS_PATH = ("choices", "*", "logprobs")
+# Where vLLM puts the ids ``return_token_ids`` asks for: the prompt's at the top of a chat
+# answer (its first chunk, streamed) and in each choice of a completions answer, the
+# completion's in each choice. vLLM writes every one of them as null when they are not asked
+# for, so null is the client's answer byte for byte (vLLM 0.32, checked by the e2e test).
+TOKEN_ID_PATHS = (("prompt_token_ids",), ("choices", "*", "prompt_token_ids"),
+                  ("choices", "*", "token_ids"))
 # The scan walks the keys on the way to the wanted values and skips every other value with the
 # json module's C scanner (``raw_decode``), so an edit costs a few microseconds per event.
 _DECODER = json.JSONDecoder()
@@ -250,14 +266,16 @@ def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> b
     return "".join(out).encode()
 
 
-def answer_edits(client_model: str, upstream_model: str, strip_logprobs: bool
-                 ) -> dict[tuple[str, ...], bytes]:
+def answer_edits(client_model: str, upstream_model: str, strip_logprobs: bool,
+                 strip_token_ids: bool = False) -> dict[tuple[str, ...], bytes]:
     """The edits an answer (or each streamed chunk) of this call needs; {} for none."""
     edits: dict[tuple[str, ...], bytes] = {}
     if client_model != upstream_model:
         edits[MODEL_PATH] = json.dumps(client_model, ensure_ascii=False).encode()
     if strip_logprobs:
         edits[LOGPROBS_PATH] = b"null"
+    if strip_token_ids:
+        edits.update(dict.fromkeys(TOKEN_ID_PATHS, b"null"))
     return edits
 
 
@@ -412,9 +430,16 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
         completion.text.append(content)
     tokens = _logprob_tokens(endpoint, choice.get("logprobs"))
     token_ids = choice.get("token_ids")
-    if isinstance(token_ids, list) and len(token_ids) == len(tokens):
-        tokens = [TokenLogprob(t.text, t.logprob, t.top, i if isinstance(i, int) else None)
-                  for t, i in zip(tokens, token_ids)]
+    if isinstance(token_ids, list) and all(isinstance(i, int) and not isinstance(i, bool)
+                                           for i in token_ids):
+        if len(token_ids) == len(tokens):
+            tokens = [TokenLogprob(t.text, t.logprob, t.top, i)
+                      for t, i in zip(tokens, token_ids)]
+        elif not tokens and not choice.get("logprobs"):
+            # Ids without logprobs (return_token_ids alone): a token's own text is not in the
+            # answer (a chunk's text is the detokenizer's, which may hold a character back),
+            # so it is left unsaid; the reference checks that the ids spell the completion.
+            tokens = [TokenLogprob("", token_id=i) for i in token_ids]
     completion.tokens.extend(tokens)
     if choice.get("finish_reason") is not None:
         completion.finish_reason = str(choice["finish_reason"])

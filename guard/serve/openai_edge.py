@@ -21,7 +21,10 @@ request id (``x-request-id``, else a random one). A sampled call's events are ke
 and, once the client has its whole answer, turned into a ``GenerationSample`` and put into the
 sample ring for the verifier (``wire.GENERATION``). With ``options.sample_logprobs`` the edge
 asks the upstream for logprobs on sampled calls whose clients did not, and sets each
-``choices[i].logprobs`` back to ``null`` in what the client gets. Calls that cannot be
+``choices[i].logprobs`` back to ``null`` in what the client gets; with
+``options.sample_token_ids`` it asks vLLM for the token ids of the prompt and the completion
+(``return_token_ids``: the reference then scores the prompt as the server rendered it) and
+sets them back to ``null`` likewise. Calls that cannot be
 compared (n > 1, tool calls, a batch of prompts, an answer that is an error or was cut short)
 are forwarded and counted (``guard_generation_not_comparable_total{model,reason}``), never
 sampled. A prompt longer than the reference's context is the verifier's to count.
@@ -230,11 +233,16 @@ class _Forward:
         self.edge, self.request, self.call, self.model = edge, request, call, model
         self.route, self.backend, self.request_id = route, backend, request_id
         self.flags, self.epoch, self.started = flags, epoch, started
-        # Ask for logprobs on a sampled call whose client did not (options.sample_logprobs).
+        # Ask for logprobs and token ids on a sampled call whose client did not
+        # (options.sample_logprobs, options.sample_token_ids).
+        sampled = bool(flags & wire.MIRROR)
         top = backend.options.sample_logprobs
-        self.guard_logprobs = bool(flags & wire.MIRROR and top and not call.asked_logprobs)
-        if self.guard_logprobs:
-            body = api.with_logprobs(call, top)
+        self.guard_logprobs = bool(sampled and top and not call.asked_logprobs)
+        self.guard_token_ids = (sampled and backend.options.sample_token_ids
+                                and not call.asked_token_ids)
+        if self.guard_logprobs or self.guard_token_ids:
+            body = api.sampled_body(call, top if self.guard_logprobs else 0,
+                                    self.guard_token_ids)
             body["model"] = backend.model
             self.payload = json.dumps(body, ensure_ascii=False).encode()
         elif backend.model != call.model:
@@ -242,7 +250,8 @@ class _Forward:
                 data, {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
         else:
             self.payload = data  # the client's bytes, as they came
-        self.edits = api.answer_edits(call.model, backend.model, self.guard_logprobs)
+        self.edits = api.answer_edits(call.model, backend.model, self.guard_logprobs,
+                                      self.guard_token_ids)
         self.first_token: float | None = None
 
     def _headers(self, upstream: aiohttp.ClientResponse) -> dict[str, str]:

@@ -55,7 +55,7 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from guard.backends.scoring import ReferenceScores
+from guard.backends.scoring import ReferenceScores, comparable_text, names_its_alternatives
 from guard.protocol.generation import GenerationSample, SamplingParams
 
 # Probabilities are floored here before a log: a bucket the other side gives no mass to.
@@ -484,7 +484,10 @@ def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
                                                        kld.reverse, kld.coverage)
         primary_top = token.top[0][0] if token.top else (
             token.text if sample.sampling.greedy else None)
-        if primary_top is not None:
+        # Where the chosen token is a piece of a character, the server's texts there are the
+        # characters they complete (names_its_alternatives): its top-1 is not compared.
+        if primary_top is not None and comparable_text(primary_top) and \
+                names_its_alternatives(token.text, scores.token_texts[t]):
             agree = primary_top == scores.top_texts[t][0]
             same_top.append(agree)
             if not agree and first is None and margins[t] > limits.margin_floor:

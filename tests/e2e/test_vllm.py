@@ -4,7 +4,8 @@ fp32 from an HF folder written from the GGUF (guard/zoo/llm.py ``hf_folder``), o
 
 - guard in front of vLLM: the edge forwards completions and chats, streamed and not, under the
   client's model name; the generation tier checks every call against the in-process fp32
-  reference (transformers on the same GGUF) and finds them agreeing.
+  reference (transformers on the same GGUF) and finds them agreeing, on the prompts and
+  tokens vLLM's own ids say (``sample_token_ids``), a character sampled in bytes included.
 - vLLM as the remote reference (``backend: openai`` in the reference role,
   guard/backends/openai_scorer.py): it scores llama.cpp primaries served by
   llama-cpp-python; the Q8_0 one raises no alarm, the Q2_K one is caught and switched to
@@ -106,7 +107,8 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
                                                                                    tmp_path):
     model = {"name": "smol", "task": "generation",
              "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
-                         "options": {"engine": "vllm", "sample_logprobs": 5}},
+                         "options": {"engine": "vllm", "sample_logprobs": 5,
+                                     "sample_token_ids": True}},
              "reference": {"backend": "transformers", "path": str(smollm2_gguf())},
              "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
              "capture": {"dir": str(tmp_path / "capture")}}
@@ -124,6 +126,9 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert ours.choices[0].text == theirs.choices[0].text
         assert ours.choices[0].text.startswith(" Paris")
         assert ours.choices[0].logprobs is None  # guard's own logprobs, stripped
+        # guard's own token ids too, null as vLLM answers a client who did not ask
+        assert [raw.http_response.json()["choices"][0][key]
+                for key in ("token_ids", "prompt_token_ids")] == [None, None]
 
         raw = through.chat.completions.with_raw_response.create(model="smol",
                                                                 messages=MESSAGES, **asked)
@@ -146,9 +151,19 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
             assert pieces == streamed(direct, vllm.name, chat)  # the same events, in order
             assert sum(1 for p in pieces if p) > 3  # token by token, not one buffered answer
 
-        # Four calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 4, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 4 and checks(server, "smol", "fail") == 0
+        # vLLM writes "Χ" here as its two byte tokens, texts "" and "Χ": aligned by the ids
+        # guard asked for, and scored.
+        greek = through.chat.completions.with_raw_response.create(
+            model="smol", messages=[{"role": "user", "content": "Write ιώτα in Greek"}],
+            max_tokens=8, temperature=0)
+        assert greek.http_response.json()["prompt_token_ids"] is None
+        assert greek.parse().choices[0].message.content == direct.chat.completions.create(
+            model=vllm.name, messages=[{"role": "user", "content": "Write ιώτα in Greek"}],
+            max_tokens=8, temperature=0).choices[0].message.content
+
+        # Five calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 5, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 5 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -157,17 +172,22 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
 
     # Capture: each checked call, with its sample and the tier's verdict.
     from guard.capture.reader import FileStats, expand_paths, read_records
+    from guard.capture.records import generation_calls
 
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 4 and stats.undecodable == 0
+    assert len(records) == 5 and stats.undecodable == 0
     for record in records:
         (verdict,) = record.verdicts
         assert verdict.tier == "generation" and verdict.passed
-        assert json.loads(verdict.details_json)["mode"] == "logprobs"
+        details = json.loads(verdict.details_json)
+        # the prompt as vLLM rendered it (sample_token_ids), not the reference's rendering
+        assert details["mode"] == "logprobs" and details["approximate"] is False
         (sample,) = [t for t in record.inputs if t.name == "generation_sample_json"]
         assert b'"completion_text"' in sample.raw and b'"route": "primary"' in sample.raw
+        call, _ = generation_calls(record)
+        assert call.prompt_token_ids and all(t.token_id is not None for t in call.tokens)
 
 
 # -- vLLM as the remote reference ----------------------------------------------------------------

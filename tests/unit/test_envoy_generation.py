@@ -62,9 +62,11 @@ def test_an_upstream_serving_another_name_is_refused_and_python_mode_takes_it(tm
 
 
 def test_what_envoy_cannot_do_to_an_llm_call_is_refused_by_key(tmp_path):
-    lines = problems(tmp_path, [generation(sample_logprobs=5, api_key_env="KEY")])
+    lines = problems(tmp_path, [generation(sample_logprobs=5, sample_token_ids=True,
+                                           api_key_env="KEY")])
     assert [line.split(":")[0] for line in lines] == [
-        "models[0].primary.options.sample_logprobs", "models[0].primary.options.api_key_env"]
+        "models[0].primary.options.sample_logprobs", "models[0].primary.options.sample_token_ids",
+        "models[0].primary.options.api_key_env"]
     (line,) = problems(tmp_path, [generation(fallback=llm("smol", "http://h:1/other/v1"))])
     assert line.startswith("models[0].fallback.target: its path ('/other') differs from the "
                            "primary's ('')")

@@ -142,6 +142,8 @@ def test_an_openai_reference_validates_and_builds_a_remote_scorer_importing_noth
     ("reference", {"sample_logprobs": 5}, "reference.options.sample_logprobs: is for an openai "
      "primary or fallback"),
     ("reference", {"engine": "vllm"}, "reference.options.engine: is for an openai primary"),
+    ("reference", {"sample_token_ids": True}, "reference.options.sample_token_ids: is for an "
+     "openai primary or fallback"),
     ("primary", {"scoring": "echo"}, "primary.options.scoring: is for an openai reference"),
     ("fallback", {"top_logprobs": 5}, "fallback.options.top_logprobs: is for an openai "
      "reference"),

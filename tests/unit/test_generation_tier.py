@@ -249,6 +249,84 @@ def test_a_character_sampled_in_pieces_is_named_where_it_cannot_be_aligned(f16_r
     assert (check.mode, check.statistic) == ("tokenization_mismatch", None)
 
 
+# vLLM 0.32's answer (SmolLM2 fp32, greedy, return_token_ids) to a chat asking to "Write ιώτα
+# in Greek": "Χ" came as its two bytes (153, 117), whose texts vLLM writes "" and "Χ" (its
+# detokenizer holds a character back until it is whole).
+GREEK = ("Χρημακος", (153, 117, 13583, 25723, 16674, 8998, 21118, 39346),
+         ("", "Χ", "ρ", "η", "μ", "α", "κ", "ος"))
+
+
+def _greek(with_texts: bool, ids=GREEK[1], text=GREEK[0], **fields) -> GenerationSample:
+    texts = GREEK[2] if with_texts else ("",) * len(ids)
+    return GenerationSample(model="smol", endpoint="chat",
+                            messages=({"role": "user", "content": "Write ιώτα in Greek"},),
+                            completion_text=text, sampling=GREEDY, tokens=tuple(
+                                TokenLogprob(t, token_id=i) for t, i in zip(texts, ids)),
+                            **fields)
+
+
+def test_token_ids_align_the_completion_a_server_said_in_ids_alone(fp32, f16_reference):
+    for reference in (fp32, f16_reference):
+        for with_texts in (True, False):  # logprobs' texts, or the ids alone
+            scores = reference.score(_greek(with_texts))
+            assert scores.scored and scores.token_ids == GREEK[1]
+            assert check_generation(_greek(with_texts), scores, LLAMA).comparable
+
+
+def test_alternatives_a_server_writes_as_whole_characters_are_not_taken_for_tokens(fp32):
+    # vLLM's logprobs for the first two tokens of GREEK (the bytes of "Χ"): at the second, each
+    # alternative is written as the character its byte completes after 0xCE ("ι" among them,
+    # itself a token of the vocabulary, which the reference finds at -8.9 there).
+    logprobs = (-0.51693, -2.61279, -1.67464, -1.86447, -0.63454, -0.24109, -2.06089, -1.43170)
+    tops = {0: (("", -0.51693), ("The", -3.46988), ("H", -3.56605), ("", -3.60658),
+                ("In", -3.83376)),
+            1: (("Χ", -2.61279), ("Ο", -2.68440), ("Σ", -2.68801), ("Ε", -2.68806),
+                ("ι", -2.81513))}
+    sample = _greek(True)
+    sample = replace(sample, sampling=SamplingParams(temperature=0.0, logprobs=5), tokens=tuple(
+        replace(t, logprob=lp, top=tops.get(i, ((t.text, lp),)))
+        for i, (t, lp) in enumerate(zip(sample.tokens, logprobs))))
+    scores = fp32.score(sample)
+    assert np.isnan(scores.primary_top_logprobs[1]).all()
+    check = check_generation(sample, scores, LLAMA)
+    assert check.mode == "logprobs" and check.passed and check.mean_kld < 1e-3
+
+
+def test_token_ids_align_a_character_sampled_in_pieces(fp32, f16_reference):
+    # " (ι)" is " (", "ι", ")" to the reference; the primary sampled "ι"'s two bytes (0xCE,
+    # 0xB9), as the two byte tokens of the vocabulary, whose texts alone name no token.
+    vocab = f16_reference.vocab
+    pieces = tuple(vocab.encode("Χ"))  # 0xCE 0xA7: the first byte token is 0xCE's
+    low = next(i for i in range(vocab.size)
+               if f16_reference.decode([pieces[0], i]) == "ι")
+    ids = (vocab.lookup(" ("), pieces[0], low, vocab.lookup(")"))
+    assert list(ids) != vocab.encode(" (ι)")
+    texts = (" (", "", "ι", ")")  # as vLLM writes them
+    tokens = tuple(TokenLogprob(t, token_id=i) for t, i in zip(texts, ids))
+    sample = GenerationSample(model="smol", endpoint="completions", prompt=PROMPTS[0],
+                              completion_text=" (ι)", tokens=tokens,
+                              sampling=SamplingParams(temperature=0.7))
+    for reference in (fp32, f16_reference):
+        without_ids = replace(sample, tokens=tuple(TokenLogprob(t) for t in texts))
+        assert "piece of a character" in reference.score(without_ids).mismatch.reason
+        scores = reference.score(sample)
+        assert scores.scored and scores.token_ids == ids
+        assert check_generation(sample, scores, LLAMA).comparable
+
+
+def test_ids_that_do_not_spell_the_completion_are_a_mismatch(f16_reference):
+    ids = list(GREEK[1])
+    ids[4] = f16_reference.vocab.encode("ν")[0]  # "Χρηνακος": another vocabulary's id
+    scores = f16_reference.score(_greek(False, ids=tuple(ids)))
+    assert not scores.scored and scores.mismatch.position == 4
+    assert "depart from the completion text" in scores.mismatch.reason
+    # A stopped completion's ids may run past its text: the stop string vLLM left out.
+    comma = tuple(f16_reference.vocab.encode(","))
+    stopped = _greek(False, ids=GREEK[1] + comma, finish_reason="stop")
+    assert f16_reference.score(stopped).scored
+    assert not f16_reference.score(replace(stopped, finish_reason="length")).scored
+
+
 def test_double_bos_is_a_finding(f16_reference, greedy_samples):
     sample = greedy_samples["F16"][0]
     rendered = f16_reference.score(sample).prompt_token_ids

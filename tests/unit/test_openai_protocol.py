@@ -167,6 +167,62 @@ def test_a_chat_stream_with_logprobs_becomes_the_sample_token_by_token():
     assert sample.upstream_model == "up"
 
 
+# vLLM 0.32's streamed chat chunks for one call, asked with return_token_ids (the left) and
+# without (the right), as it sent them (SmolLM2, greedy, "Write ιώτα in Greek", 3 tokens).
+_VLLM_CHUNKS = [(
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    b'0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+    b'"prompt_token_ids":[1,9690,198],"prompt_text":null}',
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    b'0,"delta":{"role":"assistant","content":""},"logprobs":null,"finish_reason":null}],'
+    b'"prompt_token_ids":null,"prompt_text":null}'), (
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    b'0,"delta":{"content":""},"logprobs":null,"finish_reason":null,"token_ids":[153]}]}',
+    b'{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    b'0,"delta":{"content":""},"logprobs":null,"finish_reason":null,"token_ids":null}]}'), (
+    '{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    '0,"delta":{"content":"Χ"},"logprobs":null,"finish_reason":null,"token_ids":[117]}]}'
+    .encode(),
+    '{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    '0,"delta":{"content":"Χ"},"logprobs":null,"finish_reason":null,"token_ids":null}]}'
+    .encode()), (
+    '{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    '0,"delta":{"content":"ρ"},"logprobs":null,"finish_reason":"length","stop_reason":null,'
+    '"token_ids":[13583]}],"system_fingerprint":"vllm-0.32.0"}'.encode(),
+    '{"id":"c","object":"chat.completion.chunk","created":1,"model":"smol","choices":[{"index":'
+    '0,"delta":{"content":"ρ"},"logprobs":null,"finish_reason":"length","stop_reason":null,'
+    '"token_ids":null}],"system_fingerprint":"vllm-0.32.0"}'.encode())]
+
+
+def test_the_token_ids_guard_asks_vllm_for_become_the_sample_and_leave_the_answer():
+    call = api.parse_request("chat", json.dumps({
+        "model": "smol", "messages": [{"role": "user", "content": "Write ιώτα in Greek"}],
+        "temperature": 0, "stream": True}).encode())
+    assert not call.asked_token_ids
+    body = api.sampled_body(call, 0, token_ids=True)
+    assert body["return_token_ids"] is True and "logprobs" not in body
+    assert api.sampled_body(call, 5, token_ids=False)["top_logprobs"] == 5
+    edits = api.answer_edits("smol", "smol", strip_logprobs=False, strip_token_ids=True)
+    completion = api.Completion()
+    for asked, unasked in _VLLM_CHUNKS:
+        event = b"data: " + asked + b"\n\n"
+        assert api.edit_event(event, edits) == b"data: " + unasked + b"\n\n"  # byte for byte
+        api.gather(completion, "chat", json.loads(asked), streamed=True)
+    sample = api.build_sample(call, completion, route="primary", request_id="r", streamed=True)
+    assert sample.prompt_token_ids == (1, 9690, 198)
+    assert [(t.text, t.token_id, t.logprob) for t in sample.tokens] == [
+        ("", 153, None), ("", 117, None), ("", 13583, None)]
+    assert sample.completion_text == "Χρ" and not sample.has_logprobs
+    # A completions answer carries both lists in its choice; unasked, both are null.
+    answer = (b'{"choices":[{"index":0,"text":" une","finish_reason":"length",'
+              b'"token_ids":[16520],"prompt_token_ids":[7026,1981]}],"usage":null}')
+    assert api.replace_values(answer, edits) == (
+        b'{"choices":[{"index":0,"text":" une","finish_reason":"length",'
+        b'"token_ids":null,"prompt_token_ids":null}],"usage":null}')
+    assert api.parse_request("completions", b'{"model": "m", "prompt": "x", '
+                             b'"return_token_ids": true}').asked_token_ids
+
+
 def test_a_chunks_tokens_are_told_from_its_bytes_as_from_its_parse():
     """The edge's unsampled calls parse no event: the byte test must say what the parse says
     for the chunks servers send (roles, empty and null contents, logprobs whose "content" is a
