@@ -590,6 +590,11 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
                      limits: GenerationThresholds = GenerationThresholds()) -> GenerationCheck:
     """Compare one completion with the reference's teacher-forced distributions."""
     common: dict[str, Any] = {"approximate": scores.approximate, "findings": scores.findings}
+    if scores.mismatch is not None and not scores.mismatch.drift:
+        m = scores.mismatch
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=len(sample.tokens),
+                               reason=f"the primary's tokens cannot be aligned at token "
+                                      f"{m.position}: {m.reason}", **common)
     if scores.mismatch is not None:
         m = scores.mismatch
         return GenerationCheck(
