@@ -63,7 +63,6 @@ def _configure_logging(debug: bool) -> None:
 
 # -- commands -------------------------------------------------------------------------------------
 def cmd_serve(args: argparse.Namespace) -> int:
-    import asyncio
     import signal
 
     # SIGTERM/SIGINT from the first moment: while the config is read nothing has started, so
@@ -74,13 +73,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
         signal.signal(sig, lambda signum, _frame: signalled.append(signum))
 
     from guard.plan.serving import load_config
+    from guard.serve import event_loop
     from guard.serve.app import serve_until_signalled
 
     from guard.observe.logformat import configure
 
     config = load_config(args.config)
     configure(config.server.log_format)  # this process's log, and its children's
-    asyncio.run(serve_until_signalled(config, signalled))
+    event_loop.run(serve_until_signalled(config, signalled))  # uvloop where installed
     return EXIT_OK
 
 

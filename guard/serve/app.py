@@ -179,7 +179,8 @@ class GuardServer:
              tap=f"{tap.host}:{self.tap_port}" if tap is not None else None,
              http_port=self.http_port or None,
              sampling_key=self.sampling_key, malloc=tune_for_inference(),
-             data_plane="envoy" if self.envoy is not None else "python")
+             data_plane="envoy" if self.envoy is not None else "python",
+             event_loop=type(asyncio.get_running_loop()).__module__.split(".")[0])
 
     async def _start_servers(self) -> None:
         server_config = self.config.server

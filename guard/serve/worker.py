@@ -52,6 +52,7 @@ from guard.ipc.routes import RouteTable
 from guard.observe import logformat, tracing
 from guard.observe.metrics import GuardMetrics
 from guard.serve.dataplane import DataPlane
+from guard.serve import event_loop
 from guard.serve.edges import Edge, build_edges
 from guard.serve.registry import ModelRegistry
 
@@ -227,7 +228,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logformat.configure(process=f"serving {args.index}")  # server.log_format, from the parent
     tracing.configure_from_env()
-    return asyncio.run(_serve(args))
+    return event_loop.run(_serve(args))  # the first process's loop (uvloop where installed)
 
 
 if __name__ == "__main__":

@@ -30,18 +30,29 @@ def models():
 
 @pytest.mark.parametrize("arch", cw.ARCHITECTURES)
 def test_each_twin_agrees_with_keras_within_1e5(models, arch):
+    import copy
+
     import torch
 
     twin, model = models[arch]
     x = cw.sample_inputs(8, 7, cw.SIZES[arch])
     with torch.no_grad():
         reference = twin(torch.from_numpy(x)).numpy()
+        exact = copy.deepcopy(twin).double()(torch.from_numpy(x).double()).numpy()
     port = np.asarray(model.predict_on_batch(x)["logits"])
     assert port.shape == reference.shape == (8, cw.CLASSES)
-    # Measured here: relative L2 5e-6 (VGG16), 4e-6 (ResNet50), 7e-6 (DenseNet121 at 64x64),
-    # the same with torch on one thread or two.
-    assert np.linalg.norm(port - reference) / np.linalg.norm(reference) < 1e-5
-    assert np.abs(port - reference).max() < 1e-5 * np.abs(reference).max()
+
+    def off(a: np.ndarray) -> tuple[float, float]:  # relative L2 and max from the exact answer
+        return (float(np.linalg.norm(a - exact) / np.linalg.norm(exact)),
+                float(np.abs(a - exact).max() / np.abs(exact).max()))
+
+    # Both are fp32 against the twin run in float64: the port is within 1e-5 of the exact
+    # answer, or within twice what torch's own fp32 misses it by (summation-order noise,
+    # which is the kernels' and so the CPU's). Measured: port 5e-6 / torch 1.2e-5 (VGG16),
+    # 2.6e-6 / 3.6e-6 (ResNet50), 5e-6 / 7e-6 (DenseNet121 at 64x64) on an AVX2 EPYC; port
+    # against torch 5e-6, 4e-6, 7e-6 on an AVX-512 one.
+    for port_off, torch_off in zip(off(port), off(reference)):
+        assert port_off < max(1e-5, 2 * torch_off), (port_off, torch_off)
     assert (port.argmax(1) == reference.argmax(1)).all()
     assert len(set(reference.argmax(1).tolist())) >= 3  # the argmax varies: tier 3 means something
 

@@ -1,0 +1,50 @@
+"""The event loop a serving process runs on: uvloop where it is installed, else asyncio's own.
+
+Every serving process (the first, in ``guard serve``, and each extra one, guard/serve/worker.py)
+runs its gRPC server (grpc.aio), the OpenAI-compatible HTTP edge (aiohttp) and its control
+tasks on one event loop. The HTTP edge reads and writes every streamed event of every call in
+Python, and a quarter of its CPU per event was the loop itself (py-spy, docs/http-edge.md):
+uvloop (libuv under asyncio's API) is the loop aiohttp recommends, and MLServer runs grpc.aio
+and its HTTP server on it in one process as guard does. It comes with the ``llm`` extra, beside
+aiohttp; without it, or with ``GUARD_EVENT_LOOP=asyncio`` in the environment (inherited by the
+extra serving processes), the process runs on asyncio's default loop, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from typing import Any, Coroutine, TypeVar, cast
+
+from guard.errors import GuardError, install_hint
+
+log = logging.getLogger("guard.serve")
+T = TypeVar("T")
+ENV = "GUARD_EVENT_LOOP"  # "auto" (default): uvloop where importable; "asyncio": never
+
+
+def uvloop_module() -> Any | None:
+    """The uvloop module where this process should run on it, else None."""
+    choice = os.environ.get(ENV, "auto").strip().lower()
+    if choice == "asyncio":
+        return None
+    if choice not in ("auto", "uvloop"):
+        raise GuardError(f"{ENV}={choice!r}: expected auto, uvloop or asyncio")
+    try:
+        import uvloop
+    except ImportError:
+        if choice == "uvloop":
+            raise GuardError(f"{ENV}=uvloop but uvloop is not installed: "
+                             f"{install_hint('llm', 'uvloop')}") from None
+        return None
+    return uvloop
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """``asyncio.run(main)`` on the loop :func:`uvloop_module` picks."""
+    uvloop = uvloop_module()
+    if uvloop is None:
+        return asyncio.run(main)
+    log.debug("serving on uvloop")
+    return cast(T, uvloop.run(main))
