@@ -31,6 +31,7 @@ from guard.deploy.rules import RuleSettings, render, thresholds_from_data
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPLICAS = 3
 DRIFTING = 6  # drifting requests per replica
+WINDOW = "2m"  # the fleet rule's one window
 
 pytestmark = [
     pytest.mark.skipif(PROMETHEUS is None, reason="Prometheus server binary not found: install "
@@ -90,7 +91,10 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
     config = {"version": 1, "server": {"host": "127.0.0.1"}, "models": [model_block(
         primary=affine_backend(drift_on_trigger=True),
         checks={"tensor": {"atol": 1e-3, "rtol": 0.0}}, policy=policy)]}
-    fleet = FleetSettings(windows=("30s",), evaluation_interval="1s", false_alarms_per_day=1.0)
+    # The window holds the whole drifting phase, however slowly a loaded machine checks the
+    # samples (each replica's wait below may take up to 30 s): with 30 s, a replica's failures
+    # that came in over more than the window were pooled in part (17.6 of 18 once).
+    fleet = FleetSettings(windows=(WINDOW,), evaluation_interval="1s", false_alarms_per_day=1.0)
     assert fleet.threshold == pytest.approx(np.log(86400))
     rules = render(thresholds_from_data(config), RuleSettings(job="guard"), fleet=fleet)
     replicas = [Replica(tmp_path / f"guard{k}", config) for k in range(REPLICAS)]
@@ -143,7 +147,7 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
         # evaluation of the last minute: one whose scrapes were all in by then equals the sum
         # evaluated at that time now (a scrape still in flight at an evaluation, common on a
         # loaded machine, lands later with an earlier timestamp, so that evaluation saw less).
-        name = "model_tier:guard_fleet_failures:increase30s"
+        name = f"model_tier:guard_fleet_failures:increase{WINDOW}"
         (series,) = prometheus.api("query", query=name)["result"]
         assert series["metric"] == {"__name__": name, "model": "m", "tier": "tensor"}
         (history,) = prometheus.api("query", query=f"{name}[1m]")["result"]
@@ -152,7 +156,7 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
             summed = prometheus.api(
                 "query", time=stamp,
                 query='sum by (model, tier) (increase(guard_checks_total{job="guard",'
-                      'tier!="activation",result="fail"}[30s]))')["result"]
+                      f'tier!="activation",result="fail"}}[{WINDOW}]))')["result"]
             assert len(summed) == 1 and len({s["metric"].get("instance") for s in summed}) == 1
             matched += float(value) == pytest.approx(float(summed[0]["value"][1]))
         assert matched >= 1, history["values"]
