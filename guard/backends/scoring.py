@@ -309,10 +309,11 @@ def _misspelt(sample: GenerationSample, ids: Sequence[int], vocab: Vocabulary
     # A completion cut inside a character: a server writes a character once its bytes are
     # whole (vLLM's detokenizer), so the text ends before the tokens of the last, unfinished
     # one. They were sampled all the same, and are scored.
-    whole = len(ids)
-    while whole > 0 and (vocab.detokenize(ids[:whole]) or "").endswith("\ufffd"):
+    whole, head = len(ids), text
+    while whole > 0 and head.endswith("\ufffd"):
         whole -= 1
-    if whole < len(ids) and _spells(vocab.detokenize(ids[:whole]) or "", sample, whole=True):
+        head = vocab.detokenize(ids[:whole]) or ""
+    if whole < len(ids) and _spells(head, sample, whole=True):
         return None
     position = next((count - 1 for count in range(1, len(ids) + 1)
                      if not _spells(vocab.detokenize(ids[:count]) or "", sample, whole=False)),

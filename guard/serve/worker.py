@@ -51,8 +51,8 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe import logformat, tracing
 from guard.observe.metrics import GuardMetrics
-from guard.serve.dataplane import DataPlane
 from guard.serve import event_loop
+from guard.serve.dataplane import DataPlane
 from guard.serve.edges import Edge, build_edges
 from guard.serve.registry import ModelRegistry
 
