@@ -147,19 +147,23 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
         # evaluation of the last minute: one whose scrapes were all in by then equals the sum
         # evaluated at that time now (a scrape still in flight at an evaluation, common on a
         # loaded machine, lands later with an earlier timestamp, so that evaluation saw less).
+        # The alert may fire at the series' first evaluation, so later ones are waited for.
         name = f"model_tier:guard_fleet_failures:increase{WINDOW}"
         (series,) = prometheus.api("query", query=name)["result"]
         assert series["metric"] == {"__name__": name, "model": "m", "tier": "tensor"}
-        (history,) = prometheus.api("query", query=f"{name}[1m]")["result"]
-        matched = 0
-        for stamp, value in history["values"]:
-            summed = prometheus.api(
-                "query", time=stamp,
-                query='sum by (model, tier) (increase(guard_checks_total{job="guard",'
-                      f'tier!="activation",result="fail"}}[{WINDOW}]))')["result"]
-            assert len(summed) == 1 and len({s["metric"].get("instance") for s in summed}) == 1
-            matched += float(value) == pytest.approx(float(summed[0]["value"][1]))
-        assert matched >= 1, history["values"]
+
+        def an_evaluation_equal_to_the_sum():
+            (history,) = prometheus.api("query", query=f"{name}[1m]")["result"]
+            for stamp, value in history["values"]:
+                summed = prometheus.api(
+                    "query", time=stamp,
+                    query='sum by (model, tier) (increase(guard_checks_total{job="guard",'
+                          f'tier!="activation",result="fail"}}[{WINDOW}]))')["result"]
+                assert len(summed) == 1 and len({s["metric"].get("instance") for s in summed}) == 1
+                if float(value) == pytest.approx(float(summed[0]["value"][1])):
+                    return stamp
+            return None
+        wait_for(an_evaluation_equal_to_the_sum, timeout=30, interval=1.0)
         (most,) = prometheus.api("query", query=f"max_over_time({name}[5m])")["result"]
         assert float(most["value"][1]) >= REPLICAS * DRIFTING - 1e-9
         # Nothing per replica fires: the evidence exists only pooled.
