@@ -352,10 +352,46 @@ def bos_findings(prompt_ids: Sequence[int], bos_id: int | None, adds_bos: bool) 
     return ()
 
 
+# Vocabulary entries per block in largest_k: a block's maximum is a cheap reduction, and k
+# blocks of this many leave a few thousand candidates of tens of thousands.
+_BLOCK = 128
+
+
+def largest_k(values: np.ndarray, k: int) -> np.ndarray:
+    """The indices of the ``k`` largest entries along the last axis, in no order: what
+    ``np.argpartition(-values, k - 1, axis=-1)[..., :k]`` gives (ties may pick other indices
+    of equal value), at a fraction of its CPU over a vocabulary.
+
+    The vocabulary is cut into blocks of ``_BLOCK``; the k largest entries lie in the k blocks
+    whose maxima are largest (an entry in any other block is beaten by the k maxima above it),
+    so one pass of block maxima and a partition of k blocks' entries replace a partition of
+    the whole row: over 128 positions of a 49,152-token vocabulary, about 10x less CPU (that
+    partition was an eighth of a llama.cpp F16 reference's score of a completion). Rows with a
+    NaN go the plain way (a NaN maximum would hide its block)."""
+    n = values.shape[-1]
+    k = min(k, n)
+    head = n - n % _BLOCK
+    blocks = head // _BLOCK
+    if k <= 0 or blocks <= 2 * k:
+        return np.argpartition(-values, k - 1, axis=-1)[..., :k]
+    lead = values.shape[:-1]
+    maxima = values[..., :head].reshape(*lead, blocks, _BLOCK).max(axis=-1)
+    if np.isnan(maxima).any():
+        return np.argpartition(-values, k - 1, axis=-1)[..., :k]
+    best = np.argpartition(-maxima, k - 1, axis=-1)[..., :k]
+    candidates = (best[..., None] * _BLOCK + np.arange(_BLOCK)).reshape(*lead, k * _BLOCK)
+    if head < n:  # the entries past the last whole block are always candidates
+        tail = np.broadcast_to(np.arange(head, n), (*lead, n - head))
+        candidates = np.concatenate([candidates, tail], axis=-1)
+    picked = np.argpartition(-np.take_along_axis(values, candidates, axis=-1), k - 1,
+                             axis=-1)[..., :k]
+    return np.take_along_axis(candidates, picked, axis=-1)
+
+
 def top_of(logprobs: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` best ids and logprobs per row of ``[T, V]`` log-probabilities, best first."""
     k = min(k, logprobs.shape[-1])
-    part = np.argpartition(-logprobs, k - 1, axis=-1)[:, :k]
+    part = largest_k(logprobs, k)
     values = np.take_along_axis(logprobs, part, axis=-1)
     order = np.argsort(-values, axis=-1, kind="stable")
     return (np.take_along_axis(part, order, axis=-1).astype(np.int64),

@@ -55,7 +55,12 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from guard.backends.scoring import ReferenceScores, comparable_text, names_its_alternatives
+from guard.backends.scoring import (
+    ReferenceScores,
+    comparable_text,
+    largest_k,
+    names_its_alternatives,
+)
 from guard.protocol.generation import GenerationSample, SamplingParams
 
 # Probabilities are floored here before a log: a bucket the other side gives no mass to.
@@ -354,7 +359,7 @@ def transformed_support(logprobs: np.ndarray, transform: Transform
     converted and normalized (the vocabulary is tens of thousands, the kept set tens)."""
     if 0 < transform.top_k < logprobs.shape[-1]:
         # Temperature is monotonic: the top_k set is the same before or after it.
-        candidates = np.argpartition(-logprobs, transform.top_k - 1)[:transform.top_k]
+        candidates = largest_k(logprobs, transform.top_k)
         candidates = candidates[np.isfinite(logprobs[candidates])]
     else:
         candidates = np.flatnonzero(np.isfinite(logprobs))

@@ -9,7 +9,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
-from guard.backends.scoring import ReferenceScores, top_of
+from guard.backends.scoring import ReferenceScores, largest_k, top_of
 from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
 from guard.verify.generation import (
     SERVER_DEFAULTS,
@@ -35,6 +35,31 @@ def _transform(**kw) -> Transform:
                 temperature_last=False)
     base.update(kw)
     return Transform(**base)
+
+
+@pytest.mark.parametrize("shape", [(64, 49152), (3, 32000), (2, 151936), (5, 49153),
+                                   (4, 1000), (1, 300), (300,)])
+@pytest.mark.parametrize("k", [1, 5, 20, 40])
+def test_largest_k_finds_what_a_partition_of_the_whole_row_finds(shape, k):
+    """The block-maxima shortcut against np.argpartition over the whole row: the same values
+    (indices may differ only among ties), k distinct indices, on vocabularies with and without
+    a partial last block, with masked (-inf) entries and with ties."""
+    rng = np.random.default_rng(k)
+    values = rng.normal(size=shape).astype(np.float32)
+    values[..., ::7] = -np.inf
+    values[..., 5::97] = values.max()  # ties at the top, spread over many blocks
+    got = largest_k(values, k)
+    whole = np.argpartition(-values, k - 1, axis=-1)[..., :k]
+    assert got.shape == whole.shape
+    assert np.array_equal(np.sort(np.take_along_axis(values, got, -1), axis=-1),
+                          np.sort(np.take_along_axis(values, whole, -1), axis=-1))
+    assert all(len(set(row)) == k for row in got.reshape(-1, k))
+
+
+def test_largest_k_on_a_row_with_nan_is_the_plain_partition():
+    values = np.random.default_rng(0).normal(size=(2, 4096)).astype(np.float32)
+    values[1, 100] = np.nan
+    assert np.array_equal(largest_k(values, 5), np.argpartition(-values, 4, axis=-1)[:, :5])
 
 
 @pytest.mark.parametrize("temperature_last", [False, True])
