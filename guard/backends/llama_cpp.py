@@ -8,6 +8,13 @@ LM head (a fifth of a small model's work per token) is not run on the prompt, an
 ``[n_ctx, n_vocab]`` array of every position is kept (llama-cpp-python's ``logits_all``: about
 200 MB for SmolLM2's 49152 tokens at the default ``context_length`` 1024).
 
+The prompt is cached as llama.cpp's server caches it (``options.cache_prompt``, on by default):
+the keys and values of the last sequence scored stay in the context, and the next one evaluates
+only what follows their common prefix (a chat's system prompt and template, a prompt set's
+shared preamble). A row's logits come from the same per-token work either way (the test holds
+them to a full evaluation's); a 270-token prompt shared by two samples costs the second 0.11 s
+of CPU instead of 1.09 s here.
+
 llama.cpp reads a path, not bytes: a pinned file (``sha256``) is hashed right before the load.
 """
 
@@ -24,7 +31,7 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import LocalScorer, Vocabulary, loaded
+from guard.backends.scoring import LocalScorer, Vocabulary, common_prefix, loaded
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -40,6 +47,10 @@ class LlamaCppOptions(_Options):
     context_length: int = Field(1024, ge=16, description="n_ctx: the longest prompt + "
                                 "completion scored (memory: n_ctx x n_vocab x 4 bytes).")
     batch: int = Field(512, ge=1, description="n_batch: tokens per llama.cpp decode call.")
+    cache_prompt: bool = Field(True, description="keep the keys and values of the last "
+                               "sequence scored and evaluate only what follows its common "
+                               "prefix with the next (llama.cpp's server option of that name); "
+                               "false: every score evaluates its whole sequence.")
 
 
 class _LlamaVocabulary(Vocabulary):
@@ -75,19 +86,29 @@ def log_softmax(logits: np.ndarray) -> np.ndarray:
     return shifted - np.log(total).astype(np.float32)
 
 
-def completion_logits(llm: "Llama", ids: Sequence[int], prompt_length: int) -> np.ndarray:
+def completion_logits(llm: "Llama", ids: Sequence[int], prompt_length: int,
+                      cached: Sequence[int] = ()) -> np.ndarray:
     """float32 ``[len(ids) - prompt_length, n_vocab]``: the logits at the positions that predict
-    ``ids[prompt_length:]``, from one teacher-forced evaluation of ``ids`` from an empty cache,
-    ``n_batch`` tokens per decode call. Only those positions are marked for output in the
-    batches (llama.cpp runs the LM head on marked positions only), through llama-cpp-python's
-    own context and batch (``Llama.eval`` marks all or only the last)."""
+    ``ids[prompt_length:]``, from one teacher-forced evaluation of ``ids``, ``n_batch`` tokens
+    per decode call. Only those positions are marked for output in the batches (llama.cpp runs
+    the LM head on marked positions only), through llama-cpp-python's own context and batch
+    (``Llama.eval`` marks all or only the last).
+
+    ``cached``: the ids whose keys and values the context holds from the last evaluation (its
+    sequence 0, from position 0); their common prefix with ``ids``, up to the first position
+    whose logits are wanted, is kept and not evaluated again. Empty (the default), or where
+    llama.cpp cannot cut the cache there (a recurrent model's state), the evaluation starts
+    from an empty cache."""
     context, batch = llm._ctx, llm._batch
     first, last = prompt_length - 1, len(ids) - 2  # positions whose logits are kept
     n_vocab, step = int(llm.n_vocab()), int(llm.n_batch)
-    llm.reset()  # llama-cpp-python's own count of evaluated tokens: none now
-    context.kv_cache_clear()
+    llm.reset()  # llama-cpp-python's own count of evaluated tokens: none (it does not read it)
+    kept = min(common_prefix(cached, ids), max(first, 0))
+    if not (kept and context.kv_cache_seq_rm(0, kept, -1)):
+        kept = 0
+        context.kv_cache_clear()
     rows = []
-    for start in range(0, len(ids), step):
+    for start in range(kept, len(ids), step):
         chunk = [int(t) for t in ids[start:start + step]]
         batch.set_batch(chunk, n_past=start, logits_all=False)
         marked = 0
@@ -139,6 +160,8 @@ class LlamaCppScorer(LocalScorer):
         self.threads = self.options.threads or threads
         self.llm: Llama | None = None
         self._lock = threading.Lock()
+        # The ids whose keys and values the context holds (options.cache_prompt), under _lock.
+        self._in_cache: list[int] = []
 
     def _loaded(self) -> "Llama":
         """The llama.cpp model; BackendError before ``load()`` or after ``close()``."""
@@ -188,7 +211,11 @@ class LlamaCppScorer(LocalScorer):
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         llm = self._loaded()
         with self._lock:
-            logits = completion_logits(llm, ids, prompt_length)
+            cached, self._in_cache = self._in_cache, []  # unknown until the decode succeeds
+            logits = completion_logits(llm, ids, prompt_length,
+                                       cached if self.options.cache_prompt else ())
+            if self.options.cache_prompt:
+                self._in_cache = list(ids)
         return log_softmax(logits)
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -197,6 +224,7 @@ class LlamaCppScorer(LocalScorer):
         out: list[int] = []
         llm = self._loaded()
         with self._lock:
+            self._in_cache = []  # llama-cpp-python's generate reuses and overwrites the cache
             llm.reset()
             eos = int(llm.token_eos())
             for token in llm.generate(list(ids), temp=0.0, top_k=1, repeat_penalty=1.0):
@@ -214,6 +242,7 @@ class LlamaCppScorer(LocalScorer):
         if self.llm is not None:
             self.llm.close()
             self.llm = None
+        self._in_cache = []
 
 
 def _check(spec: "BackendConfig") -> None:

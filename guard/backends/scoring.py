@@ -388,6 +388,16 @@ def largest_k(values: np.ndarray, k: int) -> np.ndarray:
     return np.take_along_axis(candidates, picked, axis=-1)
 
 
+def common_prefix(left: Sequence[int], right: Sequence[int]) -> int:
+    """How many leading ids ``left`` and ``right`` share (a scorer's prompt cache keeps them)."""
+    count = 0
+    for a, b in zip(left, right):
+        if a != b:
+            break
+        count += 1
+    return count
+
+
 def top_of(logprobs: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` best ids and logprobs per row of ``[T, V]`` log-probabilities, best first."""
     k = min(k, logprobs.shape[-1])

@@ -7,18 +7,22 @@ default), run by torch's kernels instead of llama.cpp's. Files only: nothing is 
 hub (``local_files_only``).
 
 A scorer (guard/backends/scoring.py): one forward pass over prompt + completion gives the
-reference's log-softmax at every completion position. The reference role pins torch's
-determinism and thread count as the ``torch`` backend's reference does.
+reference's log-softmax at every completion position (the LM head runs on those positions
+only: ``logits_to_keep``). The reference role pins torch's determinism and thread count as the
+``torch`` backend's reference does. The prompt is cached as the llama_cpp scorer caches it
+(``options.cache_prompt``): the keys and values of the last sequence scored are kept, and the
+next forward pass runs only on what follows their common prefix.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
 import numpy as np
 from pydantic import Field
@@ -27,7 +31,7 @@ from guard.backends import gguf_cache
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import LocalScorer, Vocabulary, loaded
+from guard.backends.scoring import LocalScorer, Vocabulary, common_prefix, loaded
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -46,6 +50,11 @@ class TransformersOptions(_Options):
         "under $GUARD_CACHE_DIR/gguf-fp32 (4 bytes per parameter), keyed by the file's sha256, "
         "so that a later load skips transformers' GGUF parse (SmolLM2-135M: 21.5 s -> 0.2 s); "
         "false: parse the file on every load.")
+    cache_prompt: bool = Field(
+        True, description="keep the keys and values of the last sequence scored and run the "
+        "next forward pass only on what follows its common prefix with it (a shared system "
+        "prompt is evaluated once; memory: one sequence's KV cache); false: every score runs "
+        "its whole sequence.")
 
 
 class _HFVocabulary(Vocabulary):
@@ -179,6 +188,9 @@ class TransformersScorer(HFTokenized, LocalScorer):
         # unannotated and generate returns a union its keyword arguments decide.
         self._model: Any | None = None
         self._lock = threading.Lock()
+        # The last sequence scored and its KV cache (options.cache_prompt), under _lock.
+        self._in_cache: list[int] = []
+        self._cache: Any | None = None
 
     def _loaded_model(self) -> Any:
         """The torch model; BackendError before ``load()`` or after ``close()``."""
@@ -236,8 +248,27 @@ class TransformersScorer(HFTokenized, LocalScorer):
 
         model = self._loaded_model()
         with self._lock, torch.inference_mode():
-            tokens = torch.tensor([list(ids)], dtype=torch.long, device=self.spec.device)
-            logits = model(input_ids=tokens).logits[0, prompt_length - 1:len(ids) - 1]
+            kept = (min(common_prefix(self._in_cache, ids), prompt_length - 1)
+                    if self._cache is not None else 0)
+            cache, self._cache, self._in_cache = self._cache, None, []
+            if kept and cache is not None:
+                # The entries past the shared prefix go (a negative crop: that many removed,
+                # in every transformers release that has DynamicCache.crop).
+                cache.crop(kept - cache.get_seq_length())
+            else:
+                cache = None
+            tokens = torch.tensor([list(ids[kept:])], dtype=torch.long, device=self.spec.device)
+            wanted = len(ids) - prompt_length + 1  # the positions that predict the completion,
+            # and the last one (the LM head runs on these alone where the model can say so)
+            names = _forward_names(model)
+            extra = {names.cache: cache} if cache is not None else {}
+            if names.logits_to_keep:
+                extra["logits_to_keep"] = wanted
+            out = model(input_ids=tokens, use_cache=self.options.cache_prompt, **extra)
+            past = getattr(out, names.cache, None)
+            if self.options.cache_prompt and _croppable(past):
+                self._cache, self._in_cache = past, list(ids)
+            logits = out.logits[0, -wanted:-1]
             return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
@@ -262,6 +293,33 @@ class TransformersScorer(HFTokenized, LocalScorer):
 
     def close(self) -> None:
         self._model = None
+        self._cache, self._in_cache = None, []
+
+
+class _ForwardNames(NamedTuple):
+    cache: str  # the KV cache's keyword and output field: "cache" (transformers 5.x), else
+    # "past_key_values"
+    logits_to_keep: bool  # whether forward takes logits_to_keep (transformers >= 4.50)
+
+
+def _forward_names(model: Any) -> _ForwardNames:
+    """The keywords ``model.forward`` takes, across the transformers releases the ``llm``
+    extra allows (>= 4.40): the cache was renamed, and logits_to_keep came later."""
+    parameters = inspect.signature(model.forward).parameters
+    return _ForwardNames("cache" if "cache" in parameters else "past_key_values",
+                         "logits_to_keep" in parameters)
+
+
+def _croppable(cache: Any) -> bool:
+    """Whether ``cache`` holds every past position of every layer (full attention), so that
+    cutting it to a prefix leaves exactly that prefix's state; a sliding window's or a
+    recurrent layer's state cannot be cut back (the prompt is then evaluated whole)."""
+    try:
+        from transformers.cache_utils import DynamicCache, DynamicLayer
+    except ImportError:  # pragma: no cover - a transformers without per-layer caches
+        return False
+    return (type(cache) is DynamicCache
+            and all(type(layer) is DynamicLayer for layer in getattr(cache, "layers", ())))
 
 
 def _check(spec: "BackendConfig") -> None:

@@ -1,7 +1,8 @@
 """The llama_cpp reference asks llama.cpp for the completion positions' logits only
 (``completion_logits``): they must be the rows ``Llama.eval`` with ``logits_all`` leaves, over
 one decode call and over several (``n_batch`` smaller than the sequence), and the scorer's
-``forward`` their log-softmax."""
+``forward`` their log-softmax; with the prompt cached (``options.cache_prompt``), the rows of a
+whole evaluation."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
 from guard.backends.llama_cpp import completion_logits, log_softmax, open_llama  # noqa: E402
+from guard.backends.scoring import common_prefix  # noqa: E402
 from guard.zoo import llm  # noqa: E402
 
 try:
@@ -69,3 +71,77 @@ def test_the_scorer_forward_is_their_log_softmax(tmp_path):
         assert np.exp(expected).sum(axis=1) == pytest.approx(1.0, abs=1e-4)
     finally:
         scorer.close()
+
+
+@pytest.fixture(scope="module")
+def scorers():
+    from guard.backends import create_backend
+    from guard.config.backend import BackendConfig
+
+    made = {}
+    for cache in (True, False):
+        made[cache] = create_backend(BackendConfig(
+            backend="llama_cpp", path=str(SHIPPED),
+            options={"context_length": 256, "batch": 64, "cache_prompt": cache}), "reference")
+        made[cache].load()
+    yield made
+    for scorer in made.values():
+        scorer.close()
+
+
+def _decoded_tokens(scorer, monkeypatch) -> list[int]:
+    """The tokens each of llama.cpp's decode calls evaluates, counted as they go in."""
+    counts: list[int] = []
+    context = scorer.llm._ctx
+    decode = context.decode
+
+    def counted(batch):
+        counts.append(int(batch.batch.n_tokens))
+        return decode(batch)
+
+    monkeypatch.setattr(context, "decode", counted)
+    return counts
+
+
+def test_a_shared_prompt_prefix_is_evaluated_once_and_scores_as_a_whole_evaluation(
+        scorers, monkeypatch):
+    """A second sample whose prompt shares the first's preamble evaluates only what follows
+    it (llama.cpp's cache_prompt), and its rows are those of a whole evaluation from an empty
+    cache (a scorer with cache_prompt false), within summation-order noise."""
+    cached, whole = scorers[True], scorers[False]
+    preamble = cached.encode_prompt(" ".join(llm.PROMPTS) + " Answer briefly.")
+    first = preamble + cached.vocab.encode(" What is the capital of France?")
+    second = preamble + cached.vocab.encode(" Name a large river in Europe:")
+    completion = cached.vocab.encode(" The Danube, which flows through Vienna.")
+    cached.forward(first + completion, len(first))
+    counts = _decoded_tokens(cached, monkeypatch)
+    got = cached.forward(second + completion, len(second))
+    shared = common_prefix(first, second)  # the preamble (and any token after it alike)
+    assert len(preamble) <= shared < len(second)
+    assert sum(counts) == len(second) + len(completion) - shared
+    expected = whole.forward(second + completion, len(second))
+    assert got.shape == expected.shape == (len(completion), cached.vocab.size)
+    np.testing.assert_allclose(got, expected, atol=1e-3, rtol=0)
+    assert (got.argmax(axis=1) == expected.argmax(axis=1)).all()
+
+
+def test_the_same_sequence_again_evaluates_from_the_first_scored_position(scorers,
+                                                                          monkeypatch):
+    cached = scorers[True]
+    ids = cached.encode_prompt(llm.PROMPTS[3]) + cached.vocab.encode(" and so on")
+    once = cached.forward(ids, 5)
+    counts = _decoded_tokens(cached, monkeypatch)
+    np.testing.assert_array_equal(cached.forward(ids, 5), once)
+    assert sum(counts) == len(ids) - 4  # position 4 predicts ids[5]: it is evaluated again
+
+
+def test_after_a_greedy_continuation_the_next_score_starts_from_an_empty_cache(scorers,
+                                                                               monkeypatch):
+    cached, whole = scorers[True], scorers[False]
+    prompt = cached.encode_prompt(llm.PROMPTS[4])
+    continuation = cached.greedy(prompt, 6)
+    ids = prompt + continuation
+    counts = _decoded_tokens(cached, monkeypatch)
+    got = cached.forward(ids, len(prompt))
+    assert sum(counts) == len(ids)
+    np.testing.assert_allclose(got, whole.forward(ids, len(prompt)), atol=1e-3, rtol=0)
