@@ -226,12 +226,17 @@ class OpenAIBackend(Forwarding, Backend):
         if self.session is None:
             self._loop = asyncio.get_running_loop()
             options = self.options
+            # No cookie jar: the session carries every client's calls, so a cookie an upstream
+            # (or a balancer before it) sets is the calling client's, passed on to it in the
+            # answer's headers; a jar would send it with other clients' calls (and check
+            # every call against it).
             self.session = aiohttp.ClientSession(
                 connector=aiohttp.TCPConnector(limit=options.max_connections),
                 timeout=aiohttp.ClientTimeout(total=options.timeout_s,
                                               connect=options.connect_timeout_s,
                                               sock_read=options.read_timeout_s),
-                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"))
+                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
+                cookie_jar=aiohttp.DummyCookieJar())
         return True
 
     async def aclose(self) -> None:

@@ -93,6 +93,11 @@ class ScriptedUpstream:
         if scenario == "status":
             return web.json_response({"error": {"message": "no such thing", "type": "x"}},
                                      status=int(request.headers["x-test-status"]))
+        if scenario == "cookie":  # a server (or a balancer before it) that sets a cookie
+            response = web.json_response({"id": "cmpl-1", "object": "chat.completion",
+                                          "created": 1, "model": MODEL, "choices": []})
+            response.set_cookie("upstream_session", "for-this-client-only", path="/")
+            return response
         if scenario == "plain":
             answer = {"id": "cmpl-1", "object": "chat.completion", "created": 1,
                       "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",

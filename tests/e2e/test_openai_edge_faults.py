@@ -85,6 +85,29 @@ def test_a_plain_answer_is_the_upstreams_bytes_but_the_model_name(http, upstream
     assert seen["headers"].get("Accept-Encoding", "identity") == "identity"
 
 
+def test_a_cookie_the_upstream_sets_goes_to_its_client_and_never_to_another(upstreams,
+                                                                           tmp_path):
+    """guard's upstream session keeps no cookies: one an upstream (or a load balancer before
+    it) sets reaches the client that called, and is not sent on the calls of other clients.
+    The upstream is addressed by name (``localhost``): a cookie jar refuses IP addresses'
+    cookies, a Service's DNS name it would keep."""
+    primary = upstreams[0]
+    primary.reset()
+    block = {"backend": "openai", "target": f"http://localhost:{primary.port}", "model": MODEL}
+    with running(tmp_path, [{"name": "smol", "task": "generation", "primary": block}],
+                 http_port=0) as (server, _):
+        base = f"http://127.0.0.1:{server.http_port}"
+        with httpx.Client(base_url=base, timeout=30) as first:
+            answer = first.post("/v1/chat/completions", json=CHAT,
+                                headers={"x-test-scenario": "cookie"})
+            assert answer.status_code == 200
+            assert "upstream_session=for-this-client-only" in answer.headers["set-cookie"]
+        with httpx.Client(base_url=base, timeout=30) as other:
+            assert other.post("/v1/chat/completions", json=CHAT).status_code == 200
+    assert len(primary.requests) == 2
+    assert "Cookie" not in primary.requests[-1]["headers"], primary.requests[-1]["headers"]
+
+
 def test_a_stream_reaches_the_client_before_the_upstream_has_sent_its_last_event(http,
                                                                                upstreams):
     upstream = upstreams[0]
