@@ -386,6 +386,10 @@ def test_a_slow_observer_delays_no_client_and_its_losses_are_counted(stack):
     except AssertionError:
         raise AssertionError(f"{calls} calls; observer {seen()}, Envoy failed {failed()}") \
             from None
+    # The last few calls may still be on their way through the observer (it counts a call
+    # and hands it on in two steps): its count of complete calls and the calls it handed on
+    # agree once it has caught up (668 against 670 when read at once, under the suite's load).
+    wait_for(lambda: seen()["complete"] == observer.calls.qsize(), timeout=30)
     counts = seen()
     assert sum(counts.values()) <= calls, counts  # none counted twice
     assert counts["incomplete"] >= 1, counts  # the observer's losses, counted
