@@ -31,7 +31,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 from dataclasses import replace
@@ -40,10 +39,9 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llm_ladder import LLAMA, cpu_seconds, scorer  # noqa: E402
+from llm_ladder import LLAMA, cpu_seconds, machine, scorer  # noqa: E402
 
 from guard.backends.llama_cpp import open_llama  # noqa: E402
-from guard.machine import cpu_model  # noqa: E402
 from guard.matrix.columns import sample_from_distributions  # noqa: E402
 from guard.protocol.generation import SamplingParams  # noqa: E402
 from guard.verify.generation import check_generation  # noqa: E402
@@ -116,9 +114,7 @@ def main() -> None:
               + ", ".join(f"{k} {v[-1]:.2f}" for k, v in cpu.items()), file=sys.stderr)
     steady = {k: float(np.mean(v[1:] if len(v) > 1 else v)) for k, v in cpu.items()}
     record = {
-        "machine": {"cpu": cpu_model(platform.processor()), "cores": os.cpu_count(),
-                    "platform": platform.platform(), "python": platform.python_version(),
-                    "loadavg_start": load_start,
+        "machine": {**machine(), "loadavg_start": load_start,
                     "loadavg_end": [round(v, 2) for v in os.getloadavg()],
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())},
         "calls": args.calls, "tokens": args.tokens, "lengths": lengths,

@@ -211,9 +211,9 @@ class LlamaCppScorer(LocalScorer):
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         llm = self._loaded()
         with self._lock:
-            cached, self._in_cache = self._in_cache, []  # unknown until the decode succeeds
-            logits = completion_logits(llm, ids, prompt_length,
-                                       cached if self.options.cache_prompt else ())
+            # Empty while the cache is off, and until the decode succeeds.
+            cached, self._in_cache = self._in_cache, []
+            logits = completion_logits(llm, ids, prompt_length, cached)
             if self.options.cache_prompt:
                 self._in_cache = list(ids)
         return log_softmax(logits)

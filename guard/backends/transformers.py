@@ -189,8 +189,8 @@ class TransformersScorer(HFTokenized, LocalScorer):
         self._model: Any | None = None
         self._lock = threading.Lock()
         # The last sequence scored and its KV cache (options.cache_prompt), under _lock.
-        self._in_cache: list[int] = []
-        self._cache: Any | None = None
+        self._cached: tuple[list[int], Any] | None = None
+        self._names = _ForwardNames("past_key_values", False)  # (load() reads the model's)
 
     def _loaded_model(self) -> Any:
         """The torch model; BackendError before ``load()`` or after ``close()``."""
@@ -233,6 +233,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
             if cache is not None:
                 _keep_dequantized(cache, model, tokenizer)
         model = self._model = model.to(dtype=dtype, device=self.spec.device)
+        self._names = _forward_names(model)
         config = model.config
         self.attach_tokenizer(tokenizer, int(model.get_output_embeddings().weight.shape[0]))
         self.context_length = (self.options.context_length
@@ -248,26 +249,25 @@ class TransformersScorer(HFTokenized, LocalScorer):
 
         model = self._loaded_model()
         with self._lock, torch.inference_mode():
-            kept = (min(common_prefix(self._in_cache, ids), prompt_length - 1)
-                    if self._cache is not None else 0)
-            cache, self._cache, self._in_cache = self._cache, None, []
-            if kept and cache is not None:
+            (before, past), self._cached = self._cached or ((), None), None
+            kept = min(common_prefix(before, ids), prompt_length - 1)
+            extra: dict[str, Any] = {}
+            if kept and past is not None:
                 # The entries past the shared prefix go (a negative crop: that many removed,
                 # in every transformers release that has DynamicCache.crop).
-                cache.crop(kept - cache.get_seq_length())
+                past.crop(kept - past.get_seq_length())
+                extra[self._names.cache] = past
             else:
-                cache = None
+                kept = 0
             tokens = torch.tensor([list(ids[kept:])], dtype=torch.long, device=self.spec.device)
             wanted = len(ids) - prompt_length + 1  # the positions that predict the completion,
             # and the last one (the LM head runs on these alone where the model can say so)
-            names = _forward_names(model)
-            extra = {names.cache: cache} if cache is not None else {}
-            if names.logits_to_keep:
+            if self._names.logits_to_keep:
                 extra["logits_to_keep"] = wanted
             out = model(input_ids=tokens, use_cache=self.options.cache_prompt, **extra)
-            past = getattr(out, names.cache, None)
-            if self.options.cache_prompt and _croppable(past):
-                self._cache, self._in_cache = past, list(ids)
+            kept_cache = getattr(out, self._names.cache, None)
+            if self.options.cache_prompt and _croppable(kept_cache):
+                self._cached = (list(ids), kept_cache)
             logits = out.logits[0, -wanted:-1]
             return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
 
@@ -293,7 +293,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
 
     def close(self) -> None:
         self._model = None
-        self._cache, self._in_cache = None, []
+        self._cached = None
 
 
 class _ForwardNames(NamedTuple):
