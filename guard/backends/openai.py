@@ -14,11 +14,10 @@ The block::
         server_defaults: {top_k: 40, min_p: 0.05}   # what the server applies unless told
 
 It forwards; it has no tensor inference (``infer`` raises) and refuses Open Inference Protocol
-calls (FAILED_PRECONDITION: the model is served over HTTP). The HTTP client is aiohttp's (the
-edge's server is aiohttp too: one well-kept package gives a streaming server and a streaming
-client with connection pooling; it is imported only when a session opens, so that `guard
-config validate` never imports it): one ``ClientSession`` per backend, opened on the serving
-event loop by ``connect()`` and reused by every call.
+calls (FAILED_PRECONDITION: the model is served over HTTP). The forwarding client is guard's
+lean HTTP/1.1 one (guard/backends/http1.py: why not aiohttp's, measured, is said there): one
+``ConnectionPool`` per backend, opened on the serving event loop by ``connect()`` and reused by
+every call; it is imported only then, so that `guard config validate` never imports it.
 
 At start-up ``load()`` waits up to ``options.ready_timeout_s`` for ``GET {target}/v1/models``
 to answer (a sidecar may start before its model server), with the standard library, on the
@@ -50,7 +49,7 @@ from guard.observe.events import emit
 if TYPE_CHECKING:  # (imported by the serving loop that uses them)
     import asyncio
 
-    import aiohttp
+    from guard.backends.http1 import ConnectionPool
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself: never forwarded.
 # Accept-Encoding is dropped so that the upstream answers uncompressed: the edge reads every
@@ -199,13 +198,9 @@ class OpenAIBackend(Forwarding, Backend):
         self.model = spec.model
         self._authorization: str | None = None
         # Opened by connect() on the serving loop.
-        self.session: aiohttp.ClientSession | None = None
+        self.pool: ConnectionPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.listed: tuple[str, ...] = ()
-
-    def url(self, path: str) -> str:
-        """The upstream's URL for an API path (``/v1/chat/completions``)."""
-        return self.base + path
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -218,47 +213,42 @@ class OpenAIBackend(Forwarding, Backend):
                  note="forwarding anyway: the upstream may serve it under another listing")
 
     async def connect(self, timeout: float = 5.0) -> bool:
-        """Open the client session on the serving event loop (once)."""
-        import asyncio
+        """Open the connection pool on the serving event loop (once)."""
+        from guard.backends.http1 import ConnectionPool, Timeouts
 
-        import aiohttp
+        if self.pool is None:
+            import asyncio
 
-        if self.session is None:
             self._loop = asyncio.get_running_loop()
             options = self.options
-            # No cookie jar: the session carries every client's calls, so a cookie an upstream
-            # (or a balancer before it) sets is the calling client's, passed on to it in the
-            # answer's headers; a jar would send it with other clients' calls (and check
-            # every call against it).
-            self.session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=options.max_connections),
-                timeout=aiohttp.ClientTimeout(total=options.timeout_s,
-                                              connect=options.connect_timeout_s,
-                                              sock_read=options.read_timeout_s),
-                auto_decompress=False, skip_auto_headers=("User-Agent", "Accept-Encoding"),
-                cookie_jar=aiohttp.DummyCookieJar())
+            # No cookie jar, no redirects: the pool carries every client's calls, so what an
+            # upstream (or a balancer before it) sets or answers is the calling client's.
+            self.pool = ConnectionPool(
+                self.base, Timeouts(connect=options.connect_timeout_s,
+                                    read=options.read_timeout_s, total=options.timeout_s),
+                options.max_connections)
         return True
 
     async def aclose(self) -> None:
-        """Close the session on its own loop (the edge's stop, before the loop ends)."""
-        session, self.session = self.session, None
-        if session is not None:
-            await session.close()
+        """Close the pool on its own loop (the edge's stop, before the loop ends)."""
+        pool, self.pool = self.pool, None
+        if pool is not None:
+            await pool.close()
 
     def close(self) -> None:
         import asyncio
 
-        session, loop, self.session = self.session, self._loop, None
-        if session is None or loop is None or loop.is_closed():
+        pool, loop, self.pool = self.pool, self._loop, None
+        if pool is None or loop is None or loop.is_closed():
             return
         try:
             running = asyncio.get_running_loop()
         except RuntimeError:
             running = None
         if running is loop:
-            loop.create_task(session.close())
+            loop.create_task(pool.close())
         else:
-            asyncio.run_coroutine_threadsafe(session.close(), loop)
+            asyncio.run_coroutine_threadsafe(pool.close(), loop)
 
     def describe(self) -> BackendInfo:
         return BackendInfo(backend="openai", artifact=f"{self.model}@{self.base}",

@@ -37,9 +37,10 @@ vocabulary serves the OIP and the HTTP data planes; a client that went away is C
 upstream that died mid-stream UNAVAILABLE, an error event inside a 200 stream INTERNAL. Time to
 first token and the gaps between tokens are histograms per model and route.
 
-The HTTP server is aiohttp's (the ``llm`` extra): one well-kept package that gives
-an asyncio server with streamed responses and a streaming, pooling client (the backend's), on
-the serving process's own event loop beside grpc.aio. This module is imported only when
+The HTTP server is aiohttp's (the ``llm`` extra: an asyncio server with streamed responses, on
+the serving process's own event loop beside grpc.aio); the upstream exchange is guard's lean
+HTTP/1.1 client (guard/backends/http1.py, the backend's pool), the one part of guard on the
+path of time to first token. This module is imported only when
 ``server.http_port`` is set.
 """
 
@@ -52,9 +53,10 @@ import time
 import uuid
 from typing import Callable, Mapping, cast
 
-import aiohttp
 from aiohttp import web
+from multidict import CIMultiDict
 
+from guard.backends.http1 import Response, UpstreamError
 from guard.backends.openai import HOP_BY_HOP, OpenAIBackend
 from guard.errors import GuardError
 from guard.ipc import wire
@@ -254,8 +256,9 @@ class _Forward:
                                       self.guard_token_ids)
         self.first_token: float | None = None
 
-    def _headers(self, upstream: aiohttp.ClientResponse) -> dict[str, str]:
-        headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+    def _headers(self, upstream: Response) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict(
+            (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
         headers[ROUTE_HEADER] = self.route
         return headers
 
@@ -263,20 +266,19 @@ class _Forward:
         self.edge.metrics.error(self.model.name, code)
 
     async def run(self) -> web.StreamResponse:
-        session = self.backend.session
-        if session is None:  # connect() runs at start; a reload's new backend connects here
+        pool = self.backend.pool
+        if pool is None:  # connect() runs at start; a reload's new backend connects here
             await self.backend.connect()
-            session = self.backend.session
-            assert session is not None, "connect() opens the session"
+            pool = self.backend.pool
+            assert pool is not None, "connect() opens the pool"
         try:
-            upstream = await session.post(
-                self.backend.url(self.request.path), data=self.payload,
-                headers=self.backend.headers(self.request.headers, self.request_id))
-        except asyncio.TimeoutError:
+            upstream = await pool.post(
+                self.request.path, self.payload,
+                self.backend.headers(self.request.headers, self.request_id))
+        except TimeoutError:
             return self._upstream_failed(504, "the upstream did not answer in time")
-        except aiohttp.ClientError as exc:
-            return self._upstream_failed(502, f"the upstream is unreachable: "
-                                         f"{type(exc).__name__}: {exc}")
+        except UpstreamError as exc:
+            return self._upstream_failed(502, f"the upstream is unreachable: {exc}")
         try:
             streamed = (self.call.stream and upstream.status == 200 and upstream.headers.get(
                 "Content-Type", "").startswith("text/event-stream"))
@@ -284,7 +286,7 @@ class _Forward:
                 return await self._stream(upstream)
             return await self._whole(upstream)
         finally:
-            upstream.close()  # a finished answer's connection is already back in the pool
+            upstream.close()  # a whole answer's connection is already back in the pool
 
     def _upstream_failed(self, status: int, message: str) -> web.Response:
         self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
@@ -296,14 +298,13 @@ class _Forward:
         return response
 
     # -- a whole answer ----------------------------------------------------------------------
-    async def _whole(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _whole(self, upstream: Response) -> web.StreamResponse:
         try:
             body = await upstream.read()
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return self._upstream_failed(504, "the upstream did not finish its answer in time")
-        except aiohttp.ClientError as exc:
-            return self._upstream_failed(502, f"the upstream broke off its answer: "
-                                         f"{type(exc).__name__}: {exc}")
+        except UpstreamError as exc:
+            return self._upstream_failed(502, f"the upstream broke off its answer: {exc}")
         ok = 200 <= upstream.status < 300
         client_body = body
         if ok and self.edits:
@@ -330,7 +331,7 @@ class _Forward:
         return response
 
     # -- a streamed answer -------------------------------------------------------------------
-    async def _stream(self, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
+    async def _stream(self, upstream: Response) -> web.StreamResponse:
         metrics, name, route = self.edge.metrics, self.model.name, self.route
         ttft, gaps = metrics.ttft.labels(name, route), metrics.gaps.labels(name, route)
         response = web.StreamResponse(status=200, headers=self._headers(upstream))
@@ -342,7 +343,7 @@ class _Forward:
         tokens, last = 0, None
         done = False  # the client has every event: "[DONE]" went out
         try:
-            async for chunk in upstream.content.iter_any():
+            async for chunk in upstream.iter_any():
                 arrived = time.perf_counter()
                 events = splitter.feed(chunk)
                 if not events:
@@ -388,7 +389,7 @@ class _Forward:
             metrics.not_comparable.labels(name, "incomplete").inc()
             emit("openai_client_disconnected", model=name, route=route, tokens=tokens)
             raise
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        except (UpstreamError, TimeoutError) as exc:
             if done:  # the upstream broke off after [DONE]: the client has its answer
                 self._streamed(completion, tokens, sampled)
                 return response
@@ -400,7 +401,7 @@ class _Forward:
                     await response.write(rest)
             except ConnectionResetError:
                 pass
-            self._error("UNAVAILABLE" if not isinstance(exc, asyncio.TimeoutError)
+            self._error("UNAVAILABLE" if not isinstance(exc, TimeoutError)
                         else "DEADLINE_EXCEEDED")
             metrics.not_comparable.labels(name, "incomplete").inc()
             emit("openai_upstream_broke_off", model=name, route=route,

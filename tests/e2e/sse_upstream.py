@@ -98,6 +98,12 @@ class ScriptedUpstream:
                                           "created": 1, "model": MODEL, "choices": []})
             response.set_cookie("upstream_session", "for-this-client-only", path="/")
             return response
+        if scenario == "stall":  # no answer at all for longer than any read timeout a test sets
+            try:
+                await asyncio.sleep(30)
+            except asyncio.CancelledError:
+                self.disconnected.set()
+                raise
         if scenario == "plain":
             answer = {"id": "cmpl-1", "object": "chat.completion", "created": 1,
                       "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",

@@ -33,6 +33,8 @@ def guard(upstreams, tmp_path_factory):
         {"name": "smol", "task": "generation", "primary": block,
          "fallback": dict(block, options={"api_key_env": "GUARD_TEST_UPSTREAM_KEY"}),
          "policy": {"action": "fallback_model"}},
+        {"name": "impatient", "task": "generation",  # the same upstream, a short read timeout
+         "primary": dict(block, options={"read_timeout_s": 0.5})},
         {"name": "doomed", "task": "generation",
          "primary": {"backend": "openai", "target": doomed.url, "model": MODEL}},
     ]
@@ -178,7 +180,8 @@ def test_an_unknown_model_is_404_in_openais_error_shape(guard, http):
                                                               "invalid_request_error")
     assert "gpt-nope" in error["message"]
     assert errors(guard, "NOT_FOUND", "_unknown") == before + 1
-    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["doomed", "smol"]
+    assert [m["id"] for m in http.get("/v1/models").json()["data"]] == ["doomed", "impatient",
+                                                                       "smol"]
 
 
 @pytest.mark.parametrize("extra, reason", [
@@ -228,6 +231,30 @@ def test_an_upstream_that_dies_mid_stream_cuts_the_client_after_what_had_arrived
     text = b"".join(received)
     assert text.count(b'"model": "smol"') == 2 and text.endswith(b'data: {"id')
     assert errors(guard, "UNAVAILABLE") == before + 1
+    still_serves(http)
+
+
+def test_an_upstream_silent_past_read_timeout_is_504_before_its_answer_and_cut_after(
+        guard, http, upstreams):
+    upstream = upstreams[0]
+    before = errors(guard, "DEADLINE_EXCEEDED", "impatient")
+    answer = http.post("/v1/chat/completions", json=dict(CHAT, model="impatient"),
+                       headers={"x-test-scenario": "stall"})
+    assert answer.status_code == 504 and answer.headers["guard-route"] == "primary"
+    assert answer.json()["error"]["type"] == "server_error"
+    assert wait_until(upstream.disconnected.is_set)  # guard closed the silent connection
+    # Silent after the first event: what had arrived, then a cut connection.
+    upstream.reset()
+    received = []
+    with pytest.raises(httpx.RemoteProtocolError):
+        with http.stream("POST", "/v1/chat/completions",
+                         json=dict(CHAT, model="impatient", stream=True),
+                         headers={"x-test-scenario": "hold"}) as answer:
+            for data in answer.iter_raw():
+                received.append(data)
+    assert b'"content": "first"' in b"".join(received)
+    assert wait_until(upstream.disconnected.is_set)
+    assert errors(guard, "DEADLINE_EXCEEDED", "impatient") == before + 2
     still_serves(http)
 
 
