@@ -10,8 +10,8 @@ trace hooks, a timer re-armed on every read). A forwarder needs none of it: the 
 out as they came and the answer's bytes come back as they came. Measured side by side
 (benchmarks/llm_edge.py --upstream paced, results/llm_edge_http1.md: a 2-core EPYC), the time
 to first token guard adds went from +1.06 / +1.28 ms to +0.81 / +0.88 ms (two runs), and the
-edge's CPU per streamed 32-token call to 0.86x. ``multidict`` (the answer's headers, duplicates kept) comes with
-aiohttp.
+edge's CPU per streamed 32-token call to 0.86x. ``multidict`` (the answer's headers, duplicates
+kept) comes with aiohttp.
 
 What it speaks: HTTP/1.1 over TCP, or TLS for an ``https://`` target (the system's trust store,
 as aiohttp's default context); bodies framed by ``Content-Length``, chunked (extensions and
