@@ -97,6 +97,7 @@ class ScriptedUpstream:
             response = web.json_response({"id": "cmpl-1", "object": "chat.completion",
                                           "created": 1, "model": MODEL, "choices": []})
             response.set_cookie("upstream_session", "for-this-client-only", path="/")
+            response.set_cookie("upstream_shard", "b", path="/")  # two Set-Cookie headers
             return response
         if scenario == "stall":  # no answer at all for longer than any read timeout a test sets
             try:

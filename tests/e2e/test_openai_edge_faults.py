@@ -103,7 +103,9 @@ def test_a_cookie_the_upstream_sets_goes_to_its_client_and_never_to_another(upst
             answer = first.post("/v1/chat/completions", json=CHAT,
                                 headers={"x-test-scenario": "cookie"})
             assert answer.status_code == 200
-            assert "upstream_session=for-this-client-only" in answer.headers["set-cookie"]
+            cookies = answer.headers.get_list("set-cookie")  # both, not the last one only
+            assert len(cookies) == 2 and "upstream_shard=b" in cookies[1]
+            assert "upstream_session=for-this-client-only" in cookies[0]
         with httpx.Client(base_url=base, timeout=30) as other:
             assert other.post("/v1/chat/completions", json=CHAT).status_code == 200
     assert len(primary.requests) == 2
