@@ -350,6 +350,7 @@ class ConnectionPool:
         self._host_line = f"Host: {host if default else f'{host}:{self.port}'}\r\n"
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self._idle: list[_Connection] = []
+        self._closed = False  # closed: answers still in flight close their connections
         self._slots = asyncio.Semaphore(max_connections) if max_connections else None
 
     async def post(self, path: str, body: bytes, headers: Mapping[str, str]) -> Response:
@@ -380,6 +381,7 @@ class ConnectionPool:
 
     async def close(self) -> None:
         """Close the idle connections (those in use close when their answers do)."""
+        self._closed = True
         idle, self._idle = self._idle, []
         for conn in idle:
             conn.close()
@@ -431,7 +433,7 @@ class ConnectionPool:
             return Response(self, conn, watchdog, http11, status, headers, received)
 
     def _release(self, conn: _Connection, reusable: bool) -> None:
-        if reusable and conn.usable:
+        if reusable and conn.usable and not self._closed:
             self._idle.append(conn)
         else:
             conn.close()

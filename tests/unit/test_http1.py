@@ -133,6 +133,21 @@ def test_requests_are_sent_as_given_and_answers_framed_by_length_reuse_the_conne
     run(main())
 
 
+def test_a_pool_closed_while_an_answer_is_in_flight_closes_that_connection_after_it():
+    async def answer(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nlast")
+
+    async def main():
+        async with Script(answer) as server:
+            pool = ConnectionPool(server.base, FAST)
+            response = await post(pool)
+            await pool.close()  # a reload replaced the backend while this call was in flight
+            assert await response.read() == b"last"
+            await asyncio.wait_for(server.closed.wait(), 5)  # not kept by the closed pool
+
+    run(main())
+
+
 def test_a_chunked_stream_arrives_piece_by_piece_before_its_end():
     async def answer(reader, writer, n):
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n"
