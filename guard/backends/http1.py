@@ -128,9 +128,11 @@ class _Connection(asyncio.Protocol):
                 and not transport.is_closing())
 
     def close(self) -> None:
+        """Close the connection; a reader waiting on it wakes and finds it ended."""
         if self.transport is not None:
             self.transport.close()
         self.ended = True
+        self._wake()
 
 
 class _Watchdog:
@@ -160,7 +162,6 @@ class _Watchdog:
         if conn.loop.time() >= due:
             conn.timed_out = True
             conn.close()
-            conn._wake()
         else:
             self._handle = conn.loop.call_at(due, self._fire)
 
@@ -306,10 +307,7 @@ class Response:
     def close(self) -> None:
         """Done with the answer: a connection whose answer is not whole is closed."""
         if not self._done:
-            self._done = True
-            self._watchdog.cancel()
-            self._conn.close()
-            self._pool._release(self._conn, reusable=False)
+            self._finish(reusable=False)
 
     # -- inside --------------------------------------------------------------------------------
     def _decode(self, data: bytes) -> bytes:

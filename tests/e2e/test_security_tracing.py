@@ -19,7 +19,8 @@ from guard.plan.complete import load_config
 from guard.errors import BackendError
 from guard.observe import tracing
 from guard.serve.app import GuardServer
-from support import make_pki, model_block, running, wait_for, write_config, x_input
+from pki import make_pki
+from support import model_block, running, wait_for, write_config, x_input
 
 
 @pytest.fixture(scope="module")

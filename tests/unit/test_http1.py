@@ -343,50 +343,14 @@ def test_a_slow_reader_pauses_the_upstream_instead_of_buffering_it_whole():
     run(main())
 
 
-def _tls_files(folder) -> tuple[str, str, str]:
-    """A CA and a certificate for 127.0.0.1 it signed: (ca, cert, key) PEM paths."""
-    import datetime
-    import ipaddress
-
-    from cryptography import x509
-    from cryptography.hazmat.primitives import hashes, serialization
-    from cryptography.hazmat.primitives.asymmetric import ec
-    from cryptography.x509.oid import NameOID
-
-    now = datetime.datetime.now(datetime.timezone.utc)
-
-    def certificate(name, key, issuer, issuer_key, ca):
-        builder = (x509.CertificateBuilder()
-                   .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))
-                   .issuer_name(issuer).public_key(key.public_key())
-                   .serial_number(x509.random_serial_number())
-                   .not_valid_before(now - datetime.timedelta(minutes=5))
-                   .not_valid_after(now + datetime.timedelta(days=1))
-                   .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
-        if not ca:
-            builder = builder.add_extension(x509.SubjectAlternativeName(
-                [x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]), critical=False)
-        return builder.sign(issuer_key, hashes.SHA256())
-
-    ca_key, key = ec.generate_private_key(ec.SECP256R1()), ec.generate_private_key(ec.SECP256R1())
-    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "http1-test-ca")])
-    ca = certificate("http1-test-ca", ca_key, ca_name, ca_key, True)
-    cert = certificate("127.0.0.1", key, ca_name, ca_key, False)
-    paths = [folder / "ca.pem", folder / "cert.pem", folder / "key.pem"]
-    paths[0].write_bytes(ca.public_bytes(serialization.Encoding.PEM))
-    paths[1].write_bytes(cert.public_bytes(serialization.Encoding.PEM))
-    paths[2].write_bytes(key.private_bytes(serialization.Encoding.PEM,
-                                           serialization.PrivateFormat.PKCS8,
-                                           serialization.NoEncryption()))
-    return tuple(str(p) for p in paths)
-
-
 def test_an_https_upstream_is_verified_against_the_system_trust_store(tmp_path, monkeypatch):
     import ssl
 
-    ca, cert, key = _tls_files(tmp_path)
+    from pki import make_pki
+
+    pki = make_pki(tmp_path)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    context.load_cert_chain(cert, key)
+    context.load_cert_chain(pki["server_cert"], pki["server_key"])
 
     async def answer(reader, writer):
         await reader.readuntil(b"\r\n\r\n")
@@ -400,7 +364,7 @@ def test_an_https_upstream_is_verified_against_the_system_trust_store(tmp_path, 
         try:
             with pytest.raises(UpstreamError, match="CERTIFICATE_VERIFY_FAILED"):
                 await post(ConnectionPool(base, FAST))  # a CA the system does not trust
-            monkeypatch.setenv("SSL_CERT_FILE", ca)  # OpenSSL's own way to add one
+            monkeypatch.setenv("SSL_CERT_FILE", str(pki["ca"]))  # OpenSSL's own way to add one
             assert await (await post(ConnectionPool(base, FAST))).read() == b"secret"
         finally:
             server.close()
