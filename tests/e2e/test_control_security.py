@@ -17,7 +17,8 @@ from fixture_models import DRIFT_TRIGGER
 from guard.cli import main as guard_main
 from guard.protocol.codec import decode_request, encode_request, encode_response
 from guard.v1 import admin_pb2, admin_pb2_grpc, tap_pb2, tap_pb2_grpc
-from support import (affine_backend, events, make_pki, metric, model_block, running, scrape,
+from pki import make_pki
+from support import (affine_backend, events, metric, model_block, running, scrape,
                      wait_for, x_input)
 
 TAP = {"host": "127.0.0.1", "port": 0}

@@ -326,7 +326,7 @@ def test_sampling_is_stable_per_request_id_and_unsampled_calls_never_reach_guard
     speaks mutual TLS (server.tls)."""
     from tritonclient.utils import InferenceServerException
 
-    from support import make_pki
+    from pki import make_pki
 
     pki = make_pki(tmp_path / "pki")
     tls = {"cert_file": str(pki["server_cert"]), "key_file": str(pki["server_key"]),
@@ -404,7 +404,7 @@ def test_without_envoy_the_python_data_plane_serves(tmp_path, upstreams, zoo_cla
 @pytest.mark.parametrize("shape", ["one model", "two models", "mutual TLS"])
 def test_deploy_envoy_prints_a_bootstrap_envoy_validates(tmp_path, upstreams, zoo_classifier,
                                                          shape):
-    from support import make_pki
+    from pki import make_pki
 
     blocks = [model_block(upstreams, zoo_classifier),
               model_block(upstreams, zoo_classifier, name="cnn2")]
