@@ -2,17 +2,22 @@
 API (``/stats?format=prometheus``, only guard's clusters) and given guard's names and labels,
 so that dashboards and alerts built on the Python data plane keep working:
 
-- ``guard_requests_total{model, route}``: the cluster's gRPC calls with status OK (the Python
-  data plane counts answered requests the same way); a generation model's cluster (HTTP): its
-  answers with a 2xx status;
-- ``guard_request_errors_total{model, code}``: the cluster's calls by any other gRPC status,
-  named as gRPC names them (an Envoy local reply, e.g. an upstream that refuses connections,
-  carries a gRPC status too: UNAVAILABLE); a generation model's: its answers by any other HTTP
-  status, named as the Python HTTP edge names them (its gRPC name, google.rpc.Code's mapping);
+- ``guard_requests_total{model, route}``: the cluster's ModelInfer calls with gRPC status OK (the
+  Python data plane counts answered requests the same way); a generation model's cluster
+  (HTTP): its answers with a 2xx status;
+- ``guard_request_errors_total{model, code}``: the cluster's ModelInfer calls by any other gRPC
+  status, named as gRPC names them (an Envoy local reply, e.g. an upstream that refuses
+  connections, carries a gRPC status too: UNAVAILABLE; a call that ended with none, UNKNOWN); a
+  generation model's: its answers by any other HTTP status, named as the Python HTTP edge names
+  them (its gRPC name, google.rpc.Code's mapping);
 - ``guard_request_duration_seconds{model, route}``: the cluster's ``upstream_rq_time``, whose
   buckets the bootstrap sets to guard's (milliseconds there, seconds here). It is the time
   Envoy waited for the upstream, every status included; the Python data plane's histogram
   counts answered requests only, from request received to answer ready.
+
+The gRPC calls are counted by the access log of guard's bootstrap (``guard_calls.grpc`` tagged
+``cluster`` and ``code``, guard/envoy/bootstrap.py) or, in istio-proxy, by the grpc_stats filter
+(``cluster.<c>.grpc.ModelInfer.<code>``); both are read.
 
 Envoy merges its histograms from the worker threads at each stats flush (the bootstrap sets
 ``stats_flush_interval`` to 1 s), so the duration histogram lags the counters by up to that.
@@ -32,8 +37,10 @@ from guard.envoy.process import admin_get
 from guard.protocol.openai import status_code_name
 
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
+_UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]  # a call the access log saw end with no status ("-")
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
-_FILTER = r"^cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\."
+_CALLS = re.compile(r"^envoy_guard_calls_grpc(_total)?$")  # the access log's, tags as labels
+_FILTER = r"^(cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\.|guard_calls\.)"
 # An HTTP cluster's answers by response code (cluster.X.upstream_rq_<code>, tagged); the parser
 # gives counters the _total suffix, which the cluster's upstream_rq_total shares, so the
 # envoy_response_code label tells them apart.
@@ -62,14 +69,24 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
     def add(key: tuple, value: float) -> None:
         figures[key] = figures.get(key, 0.0) + value
 
+    def add_call(model: str, route: str, status: int, value: float) -> None:
+        add(("requests", model, route) if status == 0 else
+            ("errors", model, _STATUS.get(status, str(status))), value)
+
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
+            name = sample.name
+            if _CALLS.match(name):
+                where = clusters.get(sample.labels.get("cluster", ""))
+                if where is not None:
+                    number = sample.labels.get("code", "")
+                    add_call(*where, int(number) if number.isdigit() else _UNKNOWN, sample.value)
+                continue
             cluster = sample.labels.get("envoy_cluster_name", "")
             where = clusters.get(cluster)
             if where is None:
                 continue
             model, route = where
-            name = sample.name
             if cluster in http:
                 if name == _HTTP_CODE and "envoy_response_code" in sample.labels:
                     status = int(sample.labels["envoy_response_code"])
@@ -78,11 +95,7 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
                     continue
             code = _GRPC_CODE.match(name)
             if code is not None:
-                status = int(code.group(1))
-                if status == 0:
-                    add(("requests", model, route), sample.value)
-                else:
-                    add(("errors", model, _STATUS.get(status, str(status))), sample.value)
+                add_call(model, route, int(code.group(1)), sample.value)
             elif name == "envoy_cluster_upstream_rq_time_bucket":
                 bound = float(sample.labels["le"])
                 add(("bucket", model, route, bound / 1000.0 if bound != float("inf") else bound),

@@ -154,8 +154,11 @@ def test_the_patches_are_the_bootstraps_own_pieces(tmp_path):
     patches = resource["spec"]["configPatches"]
     values = lambda kind: [p["patch"]["value"] for p in patches if p["applyTo"] == kind]  # noqa
     inserted = values("HTTP_FILTER")
+    # The bootstrap's filters, then grpc_stats: istio-proxy counts the gRPC statuses with the
+    # filter where guard's own Envoy uses its access log (guard/envoy/bootstrap.py).
     assert inserted == [f for f in manager["http_filters"]
-                        if f["name"] != "envoy.filters.http.router"]
+                        if f["name"] != "envoy.filters.http.router"] + [
+        bootstrap._grpc_stats_filter()]
     ext_proc = inserted[0]["typed_config"]
     assert ext_proc["observability_mode"] is True and ext_proc["failure_mode_allow"] is True
     assert ext_proc["processing_mode"]["request_body_mode"] == "STREAMED"

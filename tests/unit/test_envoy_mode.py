@@ -153,8 +153,7 @@ def test_without_sampling_the_chain_has_no_observing_filter(tmp_path):
                                     "reference": upstream("ref"),
                                     "mirror": {"sample_rate": 0.0}}], observer=observer)
         built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
-        assert filters_of(built) == ["envoy.filters.http.grpc_stats",
-                                     "envoy.filters.http.router"]
+        assert filters_of(built) == ["envoy.filters.http.router"]
         assert bootstrap.OBSERVER_CLUSTER not in clusters_of(built)
         assert "typed_per_filter_config" not in json.dumps(built)
 
@@ -215,6 +214,24 @@ def test_tls_on_the_listener(tmp_path):
         "filename"] == str(tmp_path / "cert.pem")
 
 
+def test_calls_are_counted_by_an_access_log_on_modelinfer_only(tmp_path):
+    """The gRPC status count of guard's request metrics: Envoy's stats logger at each call's
+    end (not the grpc_stats filter: guard/envoy/bootstrap.py says why), tagged by cluster and
+    status number, for ModelInfer calls only (metadata and readiness share the clusters)."""
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}])
+    built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+    manager = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]
+    assert "envoy.filters.http.grpc_stats" not in filters_of(built)
+    (counter,) = manager["access_log"]
+    assert counter["name"] == "envoy.access_loggers.stats"
+    assert counter["filter"]["header_filter"]["header"] == {
+        "name": ":path", "string_match": {"exact": bootstrap.MODEL_INFER}}
+    (stat,) = counter["typed_config"]["counters"]
+    assert {t["name"]: t["value_format"] for t in stat["stat"]["tags"]} == {
+        "cluster": "%UPSTREAM_CLUSTER%", "code": "%GRPC_STATUS_NUMBER%"}
+
+
 # -- stats ----------------------------------------------------------------------------------------
 ENVOY_TEXT = """\
 # TYPE envoy_cluster_grpc_ModelInfer_0 counter
@@ -233,14 +250,20 @@ envoy_cluster_upstream_rq_time_count{envoy_cluster_name="someone_elses"} 9
 """
 
 
-def test_envoy_stats_become_guards_request_metrics():
+def translated(envoy_text: str) -> dict:
+    """guard's metrics from ``envoy_text`` for model cnn's three clusters: (name, sorted label
+    pairs) -> value."""
     from prometheus_client.parser import text_string_to_metric_families
 
-    text = translate(ENVOY_TEXT, {"guard_cnn_primary": ("cnn", "primary"),
+    text = translate(envoy_text, {"guard_cnn_primary": ("cnn", "primary"),
                                   "guard_cnn_primary_sampled": ("cnn", "primary"),
                                   "guard_cnn_fallback": ("cnn", "fallback")})
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def test_envoy_stats_become_guards_request_metrics():
+    samples = translated(ENVOY_TEXT)
     assert samples[("guard_requests_total", (("model", "cnn"), ("route", "primary")))] == 4
     assert samples[("guard_request_errors_total", (("code", "NOT_FOUND"), ("model", "cnn")))] \
         == 2
@@ -252,6 +275,29 @@ def test_envoy_stats_become_guards_request_metrics():
                     (("model", "cnn"), ("route", "primary")))] == 4 + 2
     assert samples[("guard_request_duration_seconds_sum",
                     (("model", "cnn"), ("route", "primary")))] == pytest.approx(0.0085)
+    assert not any("someone" in str(key) for key in samples)
+
+
+# guard's own Envoy counts calls with its access log (tags as labels); istio-proxy with grpc_stats
+# (ENVOY_TEXT above). A call that ended with no status is "-".
+ACCESS_LOG_TEXT = """\
+# TYPE envoy_guard_calls_grpc counter
+envoy_guard_calls_grpc{cluster="guard_cnn_primary",code="0"} 4
+envoy_guard_calls_grpc{cluster="guard_cnn_primary_sampled",code="0"} 1
+envoy_guard_calls_grpc{cluster="guard_cnn_primary",code="14"} 2
+envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="3"} 1
+envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="-"} 1
+envoy_guard_calls_grpc{cluster="someone_elses",code="0"} 9
+"""
+
+
+def test_the_access_logs_call_counts_become_guards_request_metrics():
+    samples = translated(ACCESS_LOG_TEXT)
+    assert samples[("guard_requests_total", (("model", "cnn"), ("route", "primary")))] == 4 + 1
+    assert ("guard_requests_total", (("model", "cnn"), ("route", "fallback"))) not in samples
+    errors = {dict(labels)["code"]: value for (name, labels), value in samples.items()
+              if name == "guard_request_errors_total"}
+    assert errors == {"UNAVAILABLE": 2, "INVALID_ARGUMENT": 1, "UNKNOWN": 1}
     assert not any("someone" in str(key) for key in samples)
 
 
