@@ -168,11 +168,16 @@ class CountedEnvoy:
         raise RuntimeError("callgrind wrote no dump")
 
     def stop(self) -> None:
-        try:
-            os.killpg(self.process.pid, 15)
-            self.process.wait(60)
-        except (ProcessLookupError, subprocess.TimeoutExpired):
-            os.killpg(self.process.pid, 9)
+        for sig, wait in ((15, 60), (9, 10)):
+            if self.process.poll() is not None:
+                break
+            try:
+                os.killpg(self.process.pid, sig)
+                self.process.wait(wait)
+            except ProcessLookupError:
+                break
+            except subprocess.TimeoutExpired:
+                continue
         self.log.close()
 
 
