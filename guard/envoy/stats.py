@@ -7,7 +7,8 @@ so that dashboards and alerts built on the Python data plane keep working:
   (HTTP): its answers with a 2xx status;
 - ``guard_request_errors_total{model, code}``: the cluster's ModelInfer calls by any other gRPC
   status, named as gRPC names them (an Envoy local reply, e.g. an upstream that refuses
-  connections, carries a gRPC status too: UNAVAILABLE; a call that ended with none, UNKNOWN); a
+  connections, carries a gRPC status too: UNAVAILABLE; a call the client cancelled ends with
+  none and is not counted, as in the Python data plane); a
   generation model's: its answers by any other HTTP status, named as the Python HTTP edge names
   them (its gRPC name, google.rpc.Code's mapping);
 - ``guard_request_duration_seconds{model, route}``: the cluster's ``upstream_rq_time``, whose
@@ -37,7 +38,6 @@ from guard.envoy.process import admin_get
 from guard.protocol.openai import status_code_name
 
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
-_UNKNOWN = grpc.StatusCode.UNKNOWN.value[0]  # a call the access log saw end with no status ("-")
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
 _CALLS = re.compile(r"^envoy_guard_calls_grpc(_total)?$")  # the access log's, tags as labels
 _FILTER = r"^(cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\.|guard_calls\.)"
@@ -78,9 +78,9 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
             name = sample.name
             if _CALLS.match(name):
                 where = clusters.get(sample.labels.get("cluster", ""))
-                if where is not None:
-                    number = sample.labels.get("code", "")
-                    add_call(*where, int(number) if number.isdigit() else _UNKNOWN, sample.value)
+                number = sample.labels.get("code", "")
+                if where is not None and number.isdigit():  # "": cancelled by its client
+                    add_call(*where, int(number), sample.value)
                 continue
             cluster = sample.labels.get("envoy_cluster_name", "")
             where = clusters.get(cluster)

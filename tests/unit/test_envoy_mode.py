@@ -279,14 +279,16 @@ def test_envoy_stats_become_guards_request_metrics():
 
 
 # guard's own Envoy counts calls with its access log (tags as labels); istio-proxy with grpc_stats
-# (ENVOY_TEXT above). A call that ended with no status is "-".
+# (ENVOY_TEXT above). A call its client cancelled ends with no status: code "", not counted (the
+# Python data plane counts no error for it either); one past its deadline is Envoy's 4.
 ACCESS_LOG_TEXT = """\
 # TYPE envoy_guard_calls_grpc counter
 envoy_guard_calls_grpc{cluster="guard_cnn_primary",code="0"} 4
 envoy_guard_calls_grpc{cluster="guard_cnn_primary_sampled",code="0"} 1
 envoy_guard_calls_grpc{cluster="guard_cnn_primary",code="14"} 2
 envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="3"} 1
-envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="-"} 1
+envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code=""} 1
+envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="4"} 1
 envoy_guard_calls_grpc{cluster="someone_elses",code="0"} 9
 """
 
@@ -297,7 +299,7 @@ def test_the_access_logs_call_counts_become_guards_request_metrics():
     assert ("guard_requests_total", (("model", "cnn"), ("route", "fallback"))) not in samples
     errors = {dict(labels)["code"]: value for (name, labels), value in samples.items()
               if name == "guard_request_errors_total"}
-    assert errors == {"UNAVAILABLE": 2, "INVALID_ARGUMENT": 1, "UNKNOWN": 1}
+    assert errors == {"UNAVAILABLE": 2, "INVALID_ARGUMENT": 1, "DEADLINE_EXCEEDED": 1}
     assert not any("someone" in str(key) for key in samples)
 
 
