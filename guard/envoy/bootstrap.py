@@ -35,11 +35,13 @@ is the largest part of what guard's bootstrap costs Envoy per call. Counted by c
 (benchmarks/envoy_instructions.py, a one-model config with mirroring off, 400 calls): a plain
 pass-through 210k instructions per call, guard's bootstrap with grpc_stats 236k (1.12x), of which
 grpc_stats 21k (a stream filter on every call, every gRPC message framed both ways, five
-counters charged through names joined per call); the stats logger 5k, run once at the call's
-end. Its extension (``envoy.access_loggers.stats``) is marked work-in-progress by Envoy: its
-tags here take values only from guard's own cluster names and the gRPC status number, which
-is the bounded use it warns about. istio-proxy's build is not known to carry it, so guard's
-EnvoyFilter (guard/envoy/istio.py) keeps grpc_stats; guard/envoy/stats.py reads either.
+counters charged through names joined per call); the stats logger 4.5k, run once at the
+call's end. Its extension (``envoy.access_loggers.stats``) is marked work-in-progress by Envoy,
+whose warning is about stats without bound when tags come from request data; here they take
+values only from guard's own cluster names and the gRPC status number (empty for a call its
+client cancelled, which is not counted: guard/envoy/stats.py). It needs Envoy 1.39 or later
+(``stats_scope``). istio-proxy's build is not known to carry it, so guard's EnvoyFilter
+(guard/envoy/istio.py) keeps grpc_stats; guard/envoy/stats.py reads either.
 
 Why the model name is read with grpc_field_extraction when several models share the listener:
 it is Envoy's own extension for exactly that (a field of the first request message into dynamic
