@@ -144,9 +144,12 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
         assert float(alert["value"]) >= fleet.threshold
         # The pooled counts are the replicas' counts summed: the recorded series is, at its
         # evaluation time, the sum over the three targets of their increase. Compared at each
-        # evaluation of the last minute: one whose scrapes were all in by then equals the sum
-        # evaluated at that time now (a scrape still in flight at an evaluation, common on a
-        # loaded machine, lands later with an earlier timestamp, so that evaluation saw less).
+        # evaluation of the last minute with the sum evaluated at that time now. A scrape still
+        # in flight at an evaluation lands later with an earlier timestamp, so that evaluation
+        # saw one sample less per such target, which moves increase()'s extrapolation by a few
+        # per cent; Prometheus keeps the phase of scrapes and evaluations fixed, so on a loaded
+        # machine every evaluation may see one in flight (no exact match in 30 s once). Hence
+        # 5%: summing tells 18 from pooling one replica (6) or the largest (6) by 3x.
         # The alert may fire at the series' first evaluation, so later ones are waited for.
         name = f"model_tier:guard_fleet_failures:increase{WINDOW}"
         (series,) = prometheus.api("query", query=name)["result"]
@@ -160,7 +163,7 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
                     query='sum by (model, tier) (increase(guard_checks_total{job="guard",'
                           f'tier!="activation",result="fail"}}[{WINDOW}]))')["result"]
                 assert len(summed) == 1 and len({s["metric"].get("instance") for s in summed}) == 1
-                if float(value) == pytest.approx(float(summed[0]["value"][1])):
+                if float(value) == pytest.approx(float(summed[0]["value"][1]), rel=0.05):
                     return stamp
             return None
         wait_for(an_evaluation_equal_to_the_sum, timeout=30, interval=1.0)
