@@ -1,0 +1,232 @@
+"""Where the test suite's CPU goes, by process: the pytest workers themselves (the tests and the
+in-process guards they start), the verifier processes, ``guard`` commands, conversions in child
+processes, and what no Python process accounts for (vLLM's venv, Envoy, Prometheus, Triton).
+
+Why: issue 27 asks for the suite in under 6 minutes of tests on 2 cores. Durations (``pytest
+--durations``) say which tests are long in wall time, but on 2 busy cores a test's wall time is
+mostly its neighbour's CPU; what bounds the suite is its total CPU (at best wall = CPU / cores).
+This splits that total by the process that spent it, so that a lever (a verifier started from a
+pre-imported zygote, a fixture that imports no torch) can be priced before it is built.
+
+How: the suite runs once (``python -m pytest`` with this repository's settings, extra arguments
+passed on), with a ``sitecustomize`` on PYTHONPATH that appends one JSON line per Python process
+at its exit (``atexit``, and ``os._exit``, which guard's verifier and serving processes end
+with): its argv, its own CPU (user + system, from ``os.times``), its wall time, whether it had
+imported torch / TensorFlow / ONNX Runtime. Processes that clear PYTHONPATH (vLLM's server) or are
+not Python (Envoy, Prometheus, Triton), and any killed by a signal, write nothing: their CPU is
+the total less the records (the total is this process's children's, from ``getrusage``, which
+counts every descendant that was waited for).
+
+    .venv/bin/python benchmarks/suite_cpu.py [--out DIR] [-- PYTEST ARGS]
+
+Writes suite_cpu.json/.md under --out (default benchmarks/results). Takes the suite's time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import bench  # noqa: E402
+
+VERIFIER = "guard.verifier_process.process"  # what every verifier imports before its models
+TORCH_VERIFIER = f"torch, {VERIFIER}"  # and one whose models are torch's
+
+# One JSON line per process at its exit; GUARD_SUITE_CPU_LOG names the file. Nothing here may
+# raise into the process it is loaded in.
+SITECUSTOMIZE = '''
+import atexit, json, os, sys, time
+_start = time.time()
+_logged = []
+
+
+def _guard_suite_cpu_record():
+    if _logged:
+        return
+    _logged.append(1)
+    try:
+        times = os.times()
+        modules = sys.modules
+        record = {"pid": os.getpid(), "argv": sys.argv[:4], "exe": sys.executable,
+                  "cpu_s": round(times.user + times.system, 3),
+                  "wall_s": round(time.time() - _start, 2),
+                  "torch": "torch" in modules, "tensorflow": "tensorflow" in modules,
+                  "onnxruntime": "onnxruntime" in modules,
+                  "test": os.environ.get("PYTEST_CURRENT_TEST", "")}
+        with open(os.environ["GUARD_SUITE_CPU_LOG"], "a") as log:
+            log.write(json.dumps(record) + "\\n")
+    except Exception:
+        pass
+
+
+atexit.register(_guard_suite_cpu_record)
+_exit = os._exit
+
+
+def _exit_recorded(code):
+    _guard_suite_cpu_record()
+    _exit(code)
+
+
+os._exit = _exit_recorded
+'''
+
+
+def kind(record: dict) -> str:
+    """The row a process is counted in."""
+    argv = record["argv"] or [""]
+    program = Path(argv[0]).name
+    if "verifier_process" in " ".join(argv):
+        return "verifier processes"
+    if (argv[0] == "-c" and not record["test"]) or "pytest" in argv[0]:
+        return "pytest workers (tests, in-process guards)"
+    if program == "__main__.py" and "guard" in argv[0] and len(argv) > 1:
+        return f"`guard {argv[1]}`"
+    if program == "worker.py":
+        return "extra serving processes"
+    if argv[0] == "-c":
+        return "`python -c` children of tests"
+    return program or "?"
+
+
+def summarize(records: list[dict], total_cpu_s: float) -> list[dict]:
+    rows: dict[str, dict] = collections.defaultdict(
+        lambda: {"processes": 0, "cpu_s": 0.0, "with_torch": 0, "cpu": []})
+    for record in records:
+        row = rows[kind(record)]
+        row["processes"] += 1
+        row["cpu_s"] += record["cpu_s"]
+        row["with_torch"] += record["torch"]
+        row["cpu"].append(record["cpu_s"])
+    accounted = sum(r["cpu_s"] for r in rows.values())
+    table = []
+    for name, row in sorted(rows.items(), key=lambda item: -item[1]["cpu_s"]):
+        cpu = sorted(row.pop("cpu"))
+        table.append({"kind": name, **row, "cpu_s": round(row["cpu_s"], 1),
+                      "median_cpu_s": cpu[len(cpu) // 2],
+                      "share": round(row["cpu_s"] / total_cpu_s, 3)})
+    rest = total_cpu_s - accounted
+    table.append({"kind": "not recorded (vLLM, Envoy, Prometheus, Triton, killed processes)",
+                  "processes": None, "cpu_s": round(rest, 1), "with_torch": None,
+                  "median_cpu_s": None, "share": round(rest / total_cpu_s, 3)})
+    return table
+
+
+def verifier_detail(records: list[dict]) -> dict:
+    verifiers = [r for r in records if kind(r) == "verifier processes"]
+    torch = sorted(r["cpu_s"] for r in verifiers if r["torch"])
+    other = sorted(r["cpu_s"] for r in verifiers if not r["torch"])
+    return {"with_torch": len(torch), "median_cpu_s_with_torch": torch[len(torch) // 2] if torch
+            else None, "without_torch": len(other),
+            "median_cpu_s_without_torch": other[len(other) // 2] if other else None}
+
+
+def import_cpu_s(modules: str) -> float:
+    """CPU seconds of a fresh interpreter that imports ``modules`` (comma-separated) and exits,
+    less an empty one's; the least of three."""
+    def run(code: str) -> float:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([sys.executable, "-c", code], check=True)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+
+    return round(min(run(f"import {modules}") for _ in range(3))
+                 - min(run("pass") for _ in range(3)), 2)
+
+
+def zygote_bound_s(records: list[dict], imports: dict[str, float]) -> float:
+    """What verifiers started from a process that had imported their modules already would have
+    saved: each verifier's imports (torch's too where it had torch), at most its own CPU."""
+    saved = 0.0
+    for record in records:
+        if kind(record) == "verifier processes":
+            cost = imports[TORCH_VERIFIER if record["torch"] else VERIFIER]
+            saved += min(cost, record["cpu_s"])
+    return saved
+
+
+def markdown(report: dict) -> str:
+    lines = [
+        "# Where the test suite's CPU goes",
+        "",
+        f"`python -m pytest {' '.join(report['pytest_args'])}`: exit {report['pytest_exit']}, "
+        f"{report['wall_s']:.0f} s wall, {report['total_cpu_s']:.0f} s CPU (user + system of every "
+        f"descendant): {report['total_cpu_s'] / report['wall_s']:.2f} cores busy on average of "
+        f"{report['machine']['cpus_usable']}. At best the suite takes CPU / cores: "
+        f"{report['total_cpu_s'] / report['machine']['cpus_usable'] / 60:.1f} min here; 6 min on "
+        f"2 cores needs at most 720 s of CPU.",
+        "",
+        "| processes | count | CPU s | share | median CPU s | with torch |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for row in report["by_kind"]:
+        lines.append(f"| {row['kind']} | {row['processes'] if row['processes'] is not None else ''}"
+                     f" | {row['cpu_s']} | {row['share']:.0%} | "
+                     f"{row['median_cpu_s'] if row['median_cpu_s'] is not None else ''} | "
+                     f"{row['with_torch'] if row['with_torch'] is not None else ''} |")
+    v = report["verifiers"]
+    lines += [
+        "",
+        f"Verifier processes: {v['with_torch']} imported torch (median "
+        f"{v['median_cpu_s_with_torch']} s CPU each), {v['without_torch']} did not (median "
+        f"{v['median_cpu_s_without_torch']} s). A fresh interpreter's imports cost "
+        f"{report['import_cpu_s'][TORCH_VERIFIER]} s of CPU here for a verifier of torch models, "
+        f"{report['import_cpu_s'][VERIFIER]} s for one without: what a verifier started "
+        f"from a pre-imported zygote would save per start, at most "
+        f"{report['zygote_bound_s']:.0f} s of the suite's CPU "
+        f"({report['zygote_bound_s'] / report['total_cpu_s']:.0%}).",
+        "",
+        bench.machine_line(report["machine"], ("torch",)),
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory(prefix="suite-cpu-") as folder:
+        (Path(folder) / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        log_path = Path(folder) / "processes.jsonl"
+        env = dict(os.environ, GUARD_SUITE_CPU_LOG=str(log_path),
+                   PYTHONPATH=os.pathsep.join(filter(None, (folder,
+                                                            os.environ.get("PYTHONPATH")))))
+        bench.log(f"running the suite: pytest {' '.join(args.pytest_args)}")
+        started = time.monotonic()
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", *args.pytest_args],
+                              cwd=bench.REPO, env=env, check=False)
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        wall = time.monotonic() - started
+        records = [json.loads(line) for line in log_path.read_text().splitlines()
+                   if line.strip()] if log_path.exists() else []
+    total = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    imports = {m: import_cpu_s(m) for m in (VERIFIER, TORCH_VERIFIER)}
+    verifiers = verifier_detail(records)
+    zygote = zygote_bound_s(records, imports)
+    report = {"pytest_args": args.pytest_args, "pytest_exit": done.returncode,
+              "wall_s": round(wall, 1), "total_cpu_s": round(total, 1),
+              "by_kind": summarize(records, total), "verifiers": verifiers,
+              "import_cpu_s": imports, "zygote_bound_s": round(zygote, 1),
+              "machine": bench.machine_info(), "processes": records}
+    md = markdown(report)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "suite_cpu.json").write_text(json.dumps(report, indent=1) + "\n")
+    (args.out / "suite_cpu.md").write_text(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
