@@ -72,8 +72,11 @@ def test_mirroring_is_counted_and_clean_samples_pass(tmp_path, rng):
         assert metric(values, "guard_checks_total", model="m", tier="tensor", result="fail") == 0
         assert metric(values, "guard_mirror_total", model="m", outcome="dropped") == 0
         assert metric(values, "guard_reference_duration_seconds_count", model="m") == 12
-        # Exact agreement: every error lands in the lowest bucket.
-        assert metric(values, "guard_tensor_max_abs_error_bucket", model="m", le="1e-08") == 12
+        # Agreement within float32 summation-order noise (outputs of order 1): the verifier runs
+        # the reference on samples batched together, and a GEMM's kernel, so its summation
+        # order, may change with the rows in the call (identical on an AMD EPYC; 2.4e-7 apart
+        # for 2 rows against 64 on a Sapphire Rapids Xeon).
+        assert metric(values, "guard_tensor_max_abs_error_bucket", model="m", le="1e-06") == 12
         assert CONTRACT_METRICS <= {name for name, _ in values}
         assert metric(values, "guard_build_info", version=__import__("guard").__version__) == 1
 
