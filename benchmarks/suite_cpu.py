@@ -41,6 +41,7 @@ import bench  # noqa: E402
 
 VERIFIER = "guard.verifier_process.process"  # what every verifier imports before its models
 TORCH_VERIFIER = f"torch, {VERIFIER}"  # and one whose models are torch's
+FILES_SHOWN = 25  # test files in the report's table (all are in the JSON)
 
 # One JSON line per process at its exit; GUARD_SUITE_CPU_LOG names the file. Nothing here may
 # raise into the process it is loaded in.
@@ -79,6 +80,30 @@ def _exit_recorded(code):
 
 
 os._exit = _exit_recorded
+'''
+
+# A pytest plugin (-p) that charges each test file with what its tests cost the worker that ran
+# them: the worker's own CPU (the test, the in-process guards it started) and its waited-for
+# children's (servers, verifiers, conversions: everything started and stopped under that file,
+# module fixtures included, since their teardown runs inside the file's last test).
+PLUGIN = '''
+import json, os, time
+
+import pytest
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    before, started = os.times(), time.monotonic()
+    yield
+    after = os.times()
+    record = {"file": item.nodeid.split("::")[0],
+              "own_cpu_s": (after.user + after.system) - (before.user + before.system),
+              "children_cpu_s": (after.children_user + after.children_system)
+              - (before.children_user + before.children_system),
+              "wall_s": time.monotonic() - started}
+    with open(os.environ["GUARD_SUITE_CPU_TESTS"], "a") as log:
+        log.write(json.dumps(record) + "\\n")
 '''
 
 
@@ -155,6 +180,23 @@ def zygote_bound_s(records: list[dict], imports: dict[str, float]) -> float:
     return saved
 
 
+def by_file(tests: list[dict]) -> list[dict]:
+    """Each test file's CPU (its worker's own and its waited-for children's) and wall time,
+    costliest first."""
+    files: dict[str, dict] = collections.defaultdict(
+        lambda: {"tests": 0, "own_cpu_s": 0.0, "children_cpu_s": 0.0, "wall_s": 0.0})
+    for test in tests:
+        row = files[test["file"]]
+        row["tests"] += 1
+        for key in ("own_cpu_s", "children_cpu_s", "wall_s"):
+            row[key] += test[key]
+    rows = [{"file": name, "tests": row["tests"], "own_cpu_s": round(row["own_cpu_s"], 1),
+             "children_cpu_s": round(row["children_cpu_s"], 1),
+             "cpu_s": round(row["own_cpu_s"] + row["children_cpu_s"], 1),
+             "wall_s": round(row["wall_s"], 1)} for name, row in files.items()]
+    return sorted(rows, key=lambda row: -row["cpu_s"])
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# Where the test suite's CPU goes",
@@ -185,9 +227,23 @@ def markdown(report: dict) -> str:
         f"from a pre-imported zygote would save per start, at most "
         f"{report['zygote_bound_s']:.0f} s of the suite's CPU "
         f"({report['zygote_bound_s'] / report['total_cpu_s']:.0%}).",
-        "",
-        bench.machine_line(report["machine"], ("torch",)),
     ]
+    files = report["by_file"]
+    if files:
+        top = files[:FILES_SHOWN]
+        top_cpu, files_cpu = sum(f["cpu_s"] for f in top), sum(f["cpu_s"] for f in files)
+        lines += [
+            "",
+            f"The {len(top)} costliest of {len(files)} test files ({top_cpu:.0f} of "
+            f"{files_cpu:.0f} s charged to files; a file's children are "
+            "the processes its tests and module fixtures started and waited for):",
+            "",
+            "| file | tests | CPU s | in the worker | in children | wall s |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        lines += [f"| {f['file']} | {f['tests']} | {f['cpu_s']} | {f['own_cpu_s']} | "
+                  f"{f['children_cpu_s']} | {f['wall_s']} |" for f in top]
+    lines += ["", bench.machine_line(report["machine"], ("torch",))]
     return "\n".join(lines) + "\n"
 
 
@@ -199,19 +255,24 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as folder:
         (Path(folder) / "sitecustomize.py").write_text(SITECUSTOMIZE)
-        log_path = Path(folder) / "processes.jsonl"
+        (Path(folder) / "guard_suite_cpu_plugin.py").write_text(PLUGIN)
+        log_path, tests_path = Path(folder) / "processes.jsonl", Path(folder) / "tests.jsonl"
         env = dict(os.environ, GUARD_SUITE_CPU_LOG=str(log_path),
+                   GUARD_SUITE_CPU_TESTS=str(tests_path),
                    PYTHONPATH=os.pathsep.join(filter(None, (folder,
                                                             os.environ.get("PYTHONPATH")))))
         bench.log(f"running the suite: pytest {' '.join(args.pytest_args)}")
         started = time.monotonic()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", *args.pytest_args],
+        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
+                               "guard_suite_cpu_plugin", *args.pytest_args],
                               cwd=bench.REPO, env=env, check=False)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.monotonic() - started
         records = [json.loads(line) for line in log_path.read_text().splitlines()
                    if line.strip()] if log_path.exists() else []
+        tests = [json.loads(line) for line in tests_path.read_text().splitlines()
+                 if line.strip()] if tests_path.exists() else []
     total = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     imports = {m: import_cpu_s(m) for m in (VERIFIER, TORCH_VERIFIER)}
     verifiers = verifier_detail(records)
@@ -220,6 +281,7 @@ def main() -> None:
               "wall_s": round(wall, 1), "total_cpu_s": round(total, 1),
               "by_kind": summarize(records, total), "verifiers": verifiers,
               "import_cpu_s": imports, "zygote_bound_s": round(zygote, 1),
+              "by_file": by_file(tests),
               "machine": bench.machine_info(), "processes": records}
     md = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)
