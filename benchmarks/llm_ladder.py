@@ -220,6 +220,12 @@ def machine() -> dict:
             "loadavg": [round(v, 2) for v in os.getloadavg()]}
 
 
+def cost_machine(m: dict | None) -> str:
+    """Where the cost figures were taken (older records kept no machine of their own: the
+    ladder's)."""
+    return f" on {m['cpu']}, {m['cores']} cores, {m['platform']}" if m else ""
+
+
 def markdown(record: dict) -> list[str]:
     rows, cost, limits = record["ladder"], record["cost"], record["defaults"]
     m = record["machine"]
@@ -261,7 +267,8 @@ def markdown(record: dict) -> list[str]:
             f"{r['sampled_passed']}/{r['sampled_completions']} | {z} |")
     lines += [
         "", f"Scoring cost of one {cost['tokens']}-token sampled completion, CPU seconds of "
-        f"this process from {cost['cpu_source']} (mean of {cost['repeat']}, "
+        f"this process from {cost['cpu_source']}"
+        f"{cost_machine(cost.get('machine'))} (mean of {cost['repeat']}, "
         f"{cost['threads']} thread; load average {m['loadavg_cost']} when it was taken); the "
         "primary is the shipped Q4_1 in llama.cpp, generating as a server does without "
         "logprobs (the top-5 of the logprobs-mode sample taken afterwards, untimed). Scoring "
@@ -324,6 +331,7 @@ def main() -> None:
         path.write_text(json.dumps(record, indent=2) + "\n")  # kept if the cost part fails
     record["machine"]["loadavg_cost"] = [round(v, 2) for v in os.getloadavg()]
     record["cost"] = scoring_cost(ladder, args.cost_tokens, args.repeat, args.threads)
+    record["cost"]["machine"] = machine()  # --cost-only may run on another machine than the ladder
     record["machine"]["loadavg"] = [round(v, 2) for v in os.getloadavg()]
     path.write_text(json.dumps(record, indent=2) + "\n")
     text = "\n".join(markdown(record)) + "\n"
