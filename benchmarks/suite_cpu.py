@@ -101,7 +101,8 @@ def pytest_runtest_protocol(item, nextitem):
               "own_cpu_s": (after.user + after.system) - (before.user + before.system),
               "children_cpu_s": (after.children_user + after.children_system)
               - (before.children_user + before.children_system),
-              "wall_s": time.monotonic() - started}
+              "wall_s": time.monotonic() - started, "end": time.time(),
+              "worker": os.environ.get("PYTEST_XDIST_WORKER", "")}
     with open(os.environ["GUARD_SUITE_CPU_TESTS"], "a") as log:
         log.write(json.dumps(record) + "\\n")
 '''
@@ -197,6 +198,28 @@ def by_file(tests: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda row: -row["cpu_s"])
 
 
+def worker_spans(tests: list[dict]) -> list[dict]:
+    """Per xdist worker: when its first test began and its last ended (seconds from the first
+    test's start anywhere), its tests' wall time, and the file it ran last: a worker that ends
+    long before the others is the tail a longest-first order should shorten."""
+    workers: dict[str, dict] = {}
+    for test in tests:
+        if "end" not in test:
+            continue
+        begin = test["end"] - test["wall_s"]
+        w = workers.setdefault(test["worker"], {"begin": begin, "end": test["end"], "busy_s": 0.0,
+                                                "last_file": test["file"]})
+        w["begin"], w["busy_s"] = min(w["begin"], begin), w["busy_s"] + test["wall_s"]
+        if test["end"] >= w["end"]:
+            w["end"], w["last_file"] = test["end"], test["file"]
+    if not workers:
+        return []
+    zero = min(w["begin"] for w in workers.values())
+    return [{"worker": name or "main", "first_s": round(w["begin"] - zero, 1),
+             "last_s": round(w["end"] - zero, 1), "busy_s": round(w["busy_s"], 1),
+             "last_file": w["last_file"]} for name, w in sorted(workers.items())]
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# Where the test suite's CPU goes",
@@ -243,6 +266,13 @@ def markdown(report: dict) -> str:
         ]
         lines += [f"| {f['file']} | {f['tests']} | {f['cpu_s']} | {f['own_cpu_s']} | "
                   f"{f['children_cpu_s']} | {f['wall_s']} |" for f in top]
+    spans = report.get("workers") or []
+    if spans:
+        lines += ["", "Workers (seconds from the first test's start; busy: its tests' wall time):",
+                  "", "| worker | first test | last test ended | busy s | last file |",
+                  "| --- | --- | --- | --- | --- |"]
+        lines += [f"| {w['worker']} | {w['first_s']} | {w['last_s']} | {w['busy_s']} | "
+                  f"{w['last_file']} |" for w in spans]
     lines += ["", bench.machine_line(report["machine"], ("torch",))]
     return "\n".join(lines) + "\n"
 
@@ -281,7 +311,7 @@ def main() -> None:
               "wall_s": round(wall, 1), "total_cpu_s": round(total, 1),
               "by_kind": summarize(records, total), "verifiers": verifiers,
               "import_cpu_s": imports, "zygote_bound_s": round(zygote, 1),
-              "by_file": by_file(tests),
+              "by_file": by_file(tests), "workers": worker_spans(tests),
               "machine": bench.machine_info(), "processes": records}
     md = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)
