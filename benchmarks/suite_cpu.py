@@ -108,6 +108,18 @@ def pytest_runtest_protocol(item, nextitem):
 '''
 
 
+def median(values: list[float]) -> float | None:
+    """The middle value (the upper one of an even count), None for none."""
+    return sorted(values)[len(values) // 2] if values else None
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    """The records a log holds (none where nothing wrote one)."""
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 def kind(record: dict) -> str:
     """The row a process is counted in."""
     argv = record["argv"] or [""]
@@ -137,9 +149,9 @@ def summarize(records: list[dict], total_cpu_s: float) -> list[dict]:
     accounted = sum(r["cpu_s"] for r in rows.values())
     table = []
     for name, row in sorted(rows.items(), key=lambda item: -item[1]["cpu_s"]):
-        cpu = sorted(row.pop("cpu"))
+        cpu = row.pop("cpu")
         table.append({"kind": name, **row, "cpu_s": round(row["cpu_s"], 1),
-                      "median_cpu_s": cpu[len(cpu) // 2],
+                      "median_cpu_s": median(cpu),
                       "share": round(row["cpu_s"] / total_cpu_s, 3)})
     rest = total_cpu_s - accounted
     table.append({"kind": "not recorded (vLLM, Envoy, Prometheus, Triton, killed processes)",
@@ -150,11 +162,10 @@ def summarize(records: list[dict], total_cpu_s: float) -> list[dict]:
 
 def verifier_detail(records: list[dict]) -> dict:
     verifiers = [r for r in records if kind(r) == "verifier processes"]
-    torch = sorted(r["cpu_s"] for r in verifiers if r["torch"])
-    other = sorted(r["cpu_s"] for r in verifiers if not r["torch"])
-    return {"with_torch": len(torch), "median_cpu_s_with_torch": torch[len(torch) // 2] if torch
-            else None, "without_torch": len(other),
-            "median_cpu_s_without_torch": other[len(other) // 2] if other else None}
+    torch = [r["cpu_s"] for r in verifiers if r["torch"]]
+    other = [r["cpu_s"] for r in verifiers if not r["torch"]]
+    return {"with_torch": len(torch), "median_cpu_s_with_torch": median(torch),
+            "without_torch": len(other), "median_cpu_s_without_torch": median(other)}
 
 
 def import_cpu_s(modules: str) -> float:
@@ -220,6 +231,11 @@ def worker_spans(tests: list[dict]) -> list[dict]:
              "last_file": w["last_file"]} for name, w in sorted(workers.items())]
 
 
+def blank(value) -> str:
+    """A table cell: the value, or nothing where there is none."""
+    return "" if value is None else str(value)
+
+
 def markdown(report: dict) -> str:
     lines = [
         "# Where the test suite's CPU goes",
@@ -231,14 +247,11 @@ def markdown(report: dict) -> str:
         f"{report['total_cpu_s'] / report['machine']['cpus_usable'] / 60:.1f} min here; 6 min on "
         f"2 cores needs at most 720 s of CPU.",
         "",
-        "| processes | count | CPU s | share | median CPU s | with torch |",
-        "| --- | --- | --- | --- | --- | --- |",
+        bench.md_table(["processes", "count", "CPU s", "share", "median CPU s", "with torch"],
+                       [[row["kind"], blank(row["processes"]), row["cpu_s"], f"{row['share']:.0%}",
+                         blank(row["median_cpu_s"]), blank(row["with_torch"])]
+                        for row in report["by_kind"]]),
     ]
-    for row in report["by_kind"]:
-        lines.append(f"| {row['kind']} | {row['processes'] if row['processes'] is not None else ''}"
-                     f" | {row['cpu_s']} | {row['share']:.0%} | "
-                     f"{row['median_cpu_s'] if row['median_cpu_s'] is not None else ''} | "
-                     f"{row['with_torch'] if row['with_torch'] is not None else ''} |")
     v = report["verifiers"]
     lines += [
         "",
@@ -261,18 +274,17 @@ def markdown(report: dict) -> str:
             f"{files_cpu:.0f} s charged to files; a file's children are "
             "the processes its tests and module fixtures started and waited for):",
             "",
-            "| file | tests | CPU s | in the worker | in children | wall s |",
-            "| --- | --- | --- | --- | --- | --- |",
+            bench.md_table(["file", "tests", "CPU s", "in the worker", "in children", "wall s"],
+                           [[f["file"], f["tests"], f["cpu_s"], f["own_cpu_s"],
+                             f["children_cpu_s"], f["wall_s"]] for f in top]),
         ]
-        lines += [f"| {f['file']} | {f['tests']} | {f['cpu_s']} | {f['own_cpu_s']} | "
-                  f"{f['children_cpu_s']} | {f['wall_s']} |" for f in top]
     spans = report.get("workers") or []
     if spans:
         lines += ["", "Workers (seconds from the first test's start; busy: its tests' wall time):",
-                  "", "| worker | first test | last test ended | busy s | last file |",
-                  "| --- | --- | --- | --- | --- |"]
-        lines += [f"| {w['worker']} | {w['first_s']} | {w['last_s']} | {w['busy_s']} | "
-                  f"{w['last_file']} |" for w in spans]
+                  "", bench.md_table(["worker", "first test", "last test ended", "busy s",
+                                      "last file"],
+                                     [[w["worker"], w["first_s"], w["last_s"], w["busy_s"],
+                                       w["last_file"]] for w in spans])]
     lines += ["", bench.machine_line(report["machine"], ("torch",))]
     return "\n".join(lines) + "\n"
 
@@ -299,10 +311,7 @@ def main() -> None:
                               cwd=bench.REPO, env=env, check=False)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.monotonic() - started
-        records = [json.loads(line) for line in log_path.read_text().splitlines()
-                   if line.strip()] if log_path.exists() else []
-        tests = [json.loads(line) for line in tests_path.read_text().splitlines()
-                 if line.strip()] if tests_path.exists() else []
+        records, tests = read_jsonl(log_path), read_jsonl(tests_path)
     total = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     imports = {m: import_cpu_s(m) for m in (VERIFIER, TORCH_VERIFIER)}
     verifiers = verifier_detail(records)
