@@ -30,6 +30,7 @@ import logging
 import os
 import platform
 import statistics
+import sys
 import time
 import traceback
 from dataclasses import dataclass, field
@@ -84,7 +85,10 @@ def environment() -> dict:
             return None
 
     cpu = cpu_model(platform.processor() or "")
-    env = {"guard": version("guard"), "python": platform.python_version(),
+    import guard
+
+    # guard's own version from the code that ran (a checkout on PYTHONPATH has no metadata).
+    env = {"guard": guard.__version__, "python": platform.python_version(),
            "numpy": np.__version__, "torch": version("torch"),
            "onnxruntime": version("onnxruntime"), "platform": platform.platform(),
            "cpu": cpu, "cores": os.cpu_count(),
@@ -98,6 +102,14 @@ def environment() -> dict:
     except ImportError:
         pass
     return env
+
+
+def gpu_environment() -> dict:
+    """The GPU a CUDA column ran on; empty until one has (CUDA is never initialised to ask)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return {}
+    return {"gpu": torch.cuda.get_device_name(), "cuda": torch.version.cuda}
 
 
 def prepare(model: MatrixModel, workdir: Path) -> PreparedModel:
@@ -361,6 +373,8 @@ def run_matrix(config: MatrixConfig, base: Path, output_dir: Path,
     def emit(record: dict) -> None:
         if not env:  # taken after the reference loaded: its determinism flags are then set
             env.update(environment())
+        if "gpu" not in env:  # records share env: the summary's machine line names the GPU
+            env.update(gpu_environment())
         record["environment"] = env
         records.append(record)
         handle.write(json.dumps(record, default=float) + "\n")
