@@ -15,9 +15,10 @@ Each column is compared with the CPU fp32 reference (what guard's matrix compare
 an fp64 CPU run (the truth both approximate), so it also says which side is off.
 
     python benchmarks/gpu_conv_cause.py [--models resnet,segmenter,detector,vit] [--out DIR]
+    python benchmarks/gpu_conv_cause.py --device cpu --out /tmp/x   # a dry run, anywhere
 
 Needs a CUDA torch (benchmarks/gpu_check.sh runs it); prints a table, writes
-gpu_conv_cause.{md,json}."""
+gpu_conv_cause.{md,json}. Not yet run on a GPU."""
 
 from __future__ import annotations
 
@@ -44,14 +45,19 @@ def max_abs(a: list[np.ndarray], b: list[np.ndarray]) -> float:
 
 @contextmanager
 def cudnn(deterministic: bool):
+    """cuDNN's algorithm choice as guard's reference pin leaves it (deterministic, no
+    benchmarking, torch's deterministic algorithms in warn-only mode), or free."""
     import torch
 
-    before = torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark
+    before = (torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark,
+              torch.are_deterministic_algorithms_enabled())
     torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = deterministic, False
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
     try:
         yield
     finally:
-        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before
+        torch.backends.cudnn.deterministic, torch.backends.cudnn.benchmark = before[:2]
+        torch.use_deterministic_algorithms(before[2], warn_only=True)
 
 
 @contextmanager
@@ -68,10 +74,10 @@ def jit_fusers(enabled: bool):
         torch._C._jit_override_can_fuse_on_gpu(True)
 
 
-def run_cuda(module, image, channels_last: bool = False) -> list[np.ndarray]:
+def run_on(device: str, module, image, channels_last: bool = False) -> list[np.ndarray]:
     import torch
 
-    x = torch.from_numpy(image).cuda()
+    x = torch.from_numpy(image).to(device)
     if channels_last:
         module = module.to(memory_format=torch.channels_last)
         x = x.contiguous(memory_format=torch.channels_last)
@@ -81,7 +87,7 @@ def run_cuda(module, image, channels_last: bool = False) -> list[np.ndarray]:
         return outputs(module(x))
 
 
-def columns(name: str, workdir: Path) -> dict:
+def columns(name: str, workdir: Path, device: str) -> dict:
     import torch
 
     from guard.zoo import eager, zoo_entry
@@ -93,21 +99,24 @@ def columns(name: str, workdir: Path) -> dict:
     with torch.no_grad():
         cpu32 = outputs(module(torch.from_numpy(image)))
         cpu64 = outputs(eager(name).eval().double()(torch.from_numpy(image).double()))
-    traced = torch.jit.load(str(paths["torchscript"]), map_location="cuda").eval()
-    on_gpu = eager(name).eval().cuda()
+    def load_traced():
+        return torch.jit.load(str(paths["torchscript"]), map_location=device).eval()
+
+    traced = load_traced()
+    on_device = eager(name).eval().to(device)
     runs = {"cpu fp32 (the reference)": cpu32}
     with cudnn(True):
-        runs["TorchScript, cuDNN deterministic (the matrix's cuda_eager)"] = run_cuda(traced, image)
+        runs["TorchScript, cuDNN deterministic (the matrix's cuda_eager)"] = run_on(
+            device, traced, image)
         with jit_fusers(False):
-            fresh = torch.jit.load(str(paths["torchscript"]), map_location="cuda").eval()
-            runs["TorchScript, JIT fusers off, deterministic"] = run_cuda(fresh, image)
-        runs["eager module, deterministic"] = run_cuda(on_gpu, image)
+            runs["TorchScript, JIT fusers off, deterministic"] = run_on(device, load_traced(),
+                                                                        image)
+        runs["eager module, deterministic"] = run_on(device, on_device, image)
     with cudnn(False):
-        fresh = torch.jit.load(str(paths["torchscript"]), map_location="cuda").eval()
-        runs["TorchScript, cuDNN free to choose"] = run_cuda(fresh, image)
-        runs["eager module, cuDNN free to choose"] = run_cuda(on_gpu, image)
-        runs["eager module, channels-last"] = run_cuda(eager(name).eval().cuda(), image,
-                                                       channels_last=True)
+        runs["TorchScript, cuDNN free to choose"] = run_on(device, load_traced(), image)
+        runs["eager module, cuDNN free to choose"] = run_on(device, on_device, image)
+        runs["eager module, channels-last"] = run_on(device, eager(name).eval().to(device), image,
+                                                     channels_last=True)
     return {label: {"vs_cpu_fp32": max_abs(out, cpu32), "vs_fp64": max_abs(out, cpu64)}
             for label, out in runs.items()}
 
@@ -118,18 +127,22 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--out", type=Path, default=Path("benchmarks/results"))
+    parser.add_argument("--device", default="cuda",
+                        help="cpu: the same columns on the CPU, a dry run of the script "
+                        "(every column near 0 against the CPU fp32)")
     args = parser.parse_args()
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("no CUDA device: run this on a GPU machine (benchmarks/gpu_check.sh)")
     # TF32 off both ways, as guard's torch backend sets it for a TF32-off column.
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False
-    machine = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "cuda": torch.version.cuda, "cudnn": torch.backends.cudnn.version()}
+    machine = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device,
+               "torch": torch.__version__, "cuda": torch.version.cuda,
+               "cudnn": torch.backends.cudnn.version()}
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.models.split(","):
-            results[name] = columns(name, Path(tmp))
+            results[name] = columns(name, Path(tmp), args.device)
     lines = ["# CUDA eager at fp32 on the conv zoo: which column drifts", "",
              "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items()), "",
              "max |difference| of the outputs, 8 samples, TF32 off", "",
