@@ -80,8 +80,7 @@ def free_port() -> int:
 
 class VLLMServer:
     """vLLM's OpenAI-compatible server on ``model_dir`` (an HF folder) as a child process in
-    its own process group (the API server starts an engine core, which runs the model worker
-    in-process)."""
+    its own process group (the API server starts an engine core and a worker)."""
 
     def __init__(self, folder: Path, model_dir: Path, name: str, max_model_len: int = 512):
         self.folder, self.model_dir, self.name = folder, model_dir, name
@@ -96,17 +95,10 @@ class VLLMServer:
         command = [str(vllm_home() / "bin" / "python"), "-m", ENTRY,
                    "--model", str(self.model_dir), "--served-model-name", self.name,
                    "--dtype", "float32", "--max-model-len", str(self.max_model_len),
-                   "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
-                   # The model worker inside the engine-core process, not a third process
-                   # importing torch and vLLM again: the tests exercise vLLM's HTTP API and its
-                   # scores, which are the same to the bit; it starts in 13 s instead of 20 on
-                   # 2 idle cores, with 15 s of CPU instead of 25. On CPU vLLM allows it only
-                   # with VLLM_ENABLE_V1_MULTIPROCESSING=0 (the API server keeps its engine core
-                   # in a process of its own either way).
-                   "--distributed-executor-backend", "uni"]
+                   "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", VLLM_ENABLE_V1_MULTIPROCESSING="0")
+                   DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
         started = time.monotonic()
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
