@@ -216,7 +216,9 @@ def test_a_killed_child_is_counted_announced_and_started_again(caplog, restarts)
     try:
         first = supervisor.process
         first.kill()
-        _wait(lambda: len(child.launched) == 2 and supervisor.process is not first)
+        # The new process is in place a moment before its `restarted` event is emitted.
+        _wait(lambda: len(child.launched) == 2 and supervisor.process is not first
+              and len(_events(caplog, "test_child_")) == 2)
         assert supervisor.running and restarts._value.get() == 1
         assert child.lost_how == ["exited with signal SIGKILL"]
         lost, restarted = _events(caplog, "test_child_")
