@@ -102,12 +102,16 @@ def test_a_q2k_primary_is_caught_switched_to_the_fallback_and_probed(
         for prompt in PROMPTS:
             route, answer = complete(client, prompt, 32)
             assert answer.model == "smol" and answer.choices[0].logprobs is None  # guard's own
+            # The switch's event reaches this process's log a moment after the verdict's count
+            # reaches /metrics: a call may find the route switched before the test saw it.
+            if route == "fallback":
+                break
             routes.append(route)  # logprobs were stripped: the client did not ask for them
             # One call at a time, each scored before the next (the verdicts arrive in order).
             wait_for(lambda: compared(server) >= len(routes), timeout=180, interval=0.1)
             if events(caplog, "route_transition"):
                 break
-        (switch,) = events(caplog, "route_transition")
+        (switch,) = wait_for(lambda: events(caplog, "route_transition"), timeout=30)
         assert switch["to_route"] == "fallback" and switch["trigger"] == "policy"
         assert switch["evidence"]["detector"]["samples"] <= 10  # caught within 10 completions
         assert len(routes) <= 10 and set(routes) == {"primary"}

@@ -139,7 +139,7 @@ def test_a_serving_process_that_dies_is_restarted_and_counted(tmp_path, rng, cap
                                      lambda: _per_process(srv)[1] >= 1)
         (lost,) = events(caplog, "serving_process_lost")
         assert "SIGKILL" in lost["how"] and lost["index"] == 1
-        assert events(caplog, "serving_process_restarted")
+        wait_for(lambda: events(caplog, "serving_process_restarted"))
 
 
 def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_process(

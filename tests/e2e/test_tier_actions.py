@@ -60,7 +60,8 @@ def test_tensor_failures_alert_and_task_failures_switch(tmp_path, caplog):
         assert metric(values, "guard_fallback_transitions_total", model="m",
                       to="fallback_model") == 1
         assert route_of(client.infer("m", [x_input(rolled)])) == "fallback"
-        (switch,) = events(caplog, "route_transition")
+        # The verifier sets the gauge, then its event travels to this process's log.
+        (switch,) = wait_for(lambda: events(caplog, "route_transition"))
         assert (switch["to_route"], switch["trigger"]) == ("fallback", "policy")
         assert switch["evidence"]["tier"] == "task"
         assert switch["evidence"]["action"] == "fallback_model"
