@@ -129,9 +129,10 @@ class MatrixBackend(_Strict):
     precision: Precision = "fp32"
     device: str = Field("cpu", description="cpu, cuda or cuda:N.")
     options: dict[str, Any] = Field(default_factory=dict)
-    artifact: Literal["onnx", "torchscript", "keras", "tf_saved_model"] | None = Field(
+    artifact: Literal["onnx", "torchscript", "factory", "keras", "tf_saved_model"] | None = Field(
         None, description="Which of the model's artifacts this backend gets, when not the one "
-        "its kind's formats pick (e.g. onnxruntime on the Keras port: tf2onnx's conversion).")
+        "its kind's formats pick (e.g. onnxruntime on the Keras port: tf2onnx's conversion; "
+        "torch on a zoo model's eager module, 'factory', instead of its TorchScript).")
     process: Literal["same", "own"] = Field(
         "same", description="'own': run this column in a child process (guard/matrix/apart.py), "
         "for a backend whose settings are process-wide, e.g. Keras on a backend other than the "

@@ -74,3 +74,22 @@ def test_the_tensorflow_family_gets_the_keras_artifacts_and_others_skip(tmp_path
     assert backend_spec(other, "keras", "fp32", {}, base) == "no keras artifact for this model"
     assert backend_spec(other, "litert", "int8", {}, base) == (
         "no tf_saved_model or keras artifact for this model")
+
+
+def test_artifact_factory_gives_torch_the_eager_module_instead_of_the_torchscript(tmp_path):
+    """gpu.yaml's cuda_eager_module: the eager module on torch, beside the TorchScript column,
+    so that the sweep tells TorchScript's own execution from the device's kernels."""
+    from guard.matrix.runner import PreparedModel, backend_spec
+
+    config, base = load_matrix_config(write(tmp_path, [
+        {"name": "ts", "backend": "torch"},
+        {"name": "module", "backend": "torch", "artifact": "factory"}]))
+    zoo = PreparedModel(config.models[0], "classification", [], torchscript="r.pt",
+                        onnx="r.onnx", eager_factory="guard.zoo:eager",
+                        factory_kwargs={"name": "resnet", "seed": 0})
+    assert backend_spec(zoo, "torch", "fp32", {}, base).path == "r.pt"
+    eager = backend_spec(zoo, "torch", "fp32", {}, base, artifact="factory")
+    assert eager.path == "guard.zoo:eager"
+    assert eager.options["kwargs"] == {"name": "resnet", "seed": 0}
+    gpu, _ = load_matrix_config(CONFIGS / "gpu.yaml")
+    assert {b.name: b.artifact for b in gpu.backends}["cuda_eager_module"] == "factory"
