@@ -269,15 +269,18 @@ def _spells(text: str, sample: GenerationSample, whole: bool) -> bool:
     """Does the reference's ``text`` of the primary's ids (all of them: ``whole``; else a
     prefix) agree with the completion text? Agreement allows what detokenizers differ in
     without changing the text: a leading space of the first token (SentencePiece decoders drop
-    it), a character cut at the end (U+FFFD), and, in a stopped completion, the stop string or
-    stop token the server sampled and left out of the text."""
+    it), bytes that are no UTF-8 (U+FFFD in the reference's detokenization: a character cut at
+    the end, or a piece of one sampled and never completed, which a server writes as U+FFFD,
+    as vLLM does, or leaves out, as llama-cpp-python does: the ids say which tokens they were),
+    and, in a stopped completion, the stop string or stop token the server sampled and left out
+    of the text."""
     completion = sample.completion_text
     if text.startswith(" ") != completion.startswith(" "):
         text, completion = text.removeprefix(" "), completion.removeprefix(" ")
-    text = text.rstrip("\ufffd")
+    text, completion = text.replace("\ufffd", ""), completion.replace("\ufffd", "")
     if sample.finish_reason == "stop" and text.startswith(completion):
         return True
-    return text == completion.rstrip("\ufffd") if whole else completion.startswith(text)
+    return text == completion if whole else completion.startswith(text)
 
 
 def _replaced_bytes(sample: GenerationSample) -> TokenizationMismatch | None:

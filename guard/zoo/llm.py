@@ -273,11 +273,15 @@ def _logprobs_block(llm, prompt: str, tokens: list[int], top: int) -> dict:
 
 
 def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None" = None,
-             logprobs: int | None = None, seed: int = 0) -> "GenerationSample":
+             logprobs: int | None = None, seed: int = 0,
+             token_ids: bool = False) -> "GenerationSample":
     """One completion of ``prompt`` by an in-process ``llama_cpp.Llama`` (the primary side of
     the tests and benchmarks), as a GenerationSample. ``sampling`` fields left None get
     llama-cpp-python's defaults (what its server applies: top_k 40, top_p 0.95, min_p 0.05,
-    temperature 0.8); the sample records only what was asked, as the HTTP edge would."""
+    temperature 0.8); the sample records only what was asked, as the HTTP edge would.
+    ``token_ids``: the sampled tokens' ids ride along, as a server that returns them does
+    (llama.cpp's ``tokens``, vLLM's ``return_token_ids``): the reference then scores the very
+    tokens sampled, not its own tokenization of the text."""
     from guard.protocol.generation import SamplingParams
 
     sampling = sampling or SamplingParams(temperature=0.0)
@@ -305,8 +309,15 @@ def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None
                                                              logprobs)
     from dataclasses import replace
 
-    return sample_from_response(prompt, response, replace(sampling, logprobs=logprobs,
-                                                          max_tokens=max_tokens, seed=seed))
+    sample = sample_from_response(prompt, response, replace(sampling, logprobs=logprobs,
+                                                            max_tokens=max_tokens, seed=seed))
+    if token_ids:
+        from guard.protocol.generation import TokenLogprob
+
+        ids = sampled[:response["usage"]["completion_tokens"]]
+        tokens = sample.tokens or tuple(TokenLogprob("") for _ in ids)  # ids alone: no texts
+        sample = replace(sample, tokens=tuple(replace(t, token_id=i) for t, i in zip(tokens, ids)))
+    return sample
 
 
 def hf_folder(gguf: Path | None = None) -> Path:

@@ -345,6 +345,29 @@ def test_token_ids_align_a_character_sampled_in_pieces(fp32, f16_reference):
         assert check_generation(sample, scores, LLAMA).comparable
 
 
+def test_a_piece_of_a_character_never_completed_is_scored_by_its_id(f16_reference):
+    """llama.cpp's sampler may pick a byte token that no continuation completes (SmolLM2 F16,
+    seed 64 of benchmarks/llm_z_null.py: "T", 0xE2 0x80, "y"). llama-cpp-python leaves those
+    bytes out of its text, vLLM writes U+FFFD: either way the ids say what was sampled, and
+    they are scored (text alone, the reference scored its own "Ty": z 11 on a healthy pair)."""
+    vocab = f16_reference.vocab
+    lone = vocab.encode("Χ")[0]  # 0xCE: the first byte of a two-byte character
+    ids = (vocab.lookup(" T"), lone, vocab.lookup("y"))
+    assert None not in ids and "\ufffd" in vocab.token_text(lone)
+    for text in (" Ty", " T\ufffdy"):  # llama-cpp-python's text, vLLM's
+        sample = GenerationSample(model="smol", endpoint="completions", prompt=PROMPTS[0],
+                                  completion_text=text, sampling=SamplingParams(temperature=0.8),
+                                  tokens=tuple(TokenLogprob("", token_id=i) for i in ids))
+        scores = f16_reference.score(sample)
+        assert scores.scored and scores.token_ids == ids, scores.mismatch
+        assert check_generation(sample, scores, LLAMA).comparable
+    # Ids that spell other letters are still a mismatch.
+    other = GenerationSample(model="smol", endpoint="completions", prompt=PROMPTS[0],
+                             completion_text=" Tx", sampling=SamplingParams(temperature=0.8),
+                             tokens=tuple(TokenLogprob("", token_id=i) for i in ids))
+    assert "depart from the completion text" in f16_reference.score(other).mismatch.reason
+
+
 def test_ids_that_do_not_spell_the_completion_are_a_mismatch(f16_reference):
     ids = list(GREEK[1])
     ids[4] = f16_reference.vocab.encode("ν")[0]  # "Χρηνακος": another vocabulary's id
