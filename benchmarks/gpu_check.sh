@@ -6,8 +6,8 @@
 #
 # guard's light dependencies the machine lacks (pydantic, tritonclient, grpcio-health-checking,
 # opentelemetry-api, ...) come from PyPI, or, on a machine that reaches no package index, from
-# wheels carried in .whl/ (made by benchmarks/gpu_wheels.sh), installed into /tmp/site. guard itself runs from the checkout
-# (PYTHONPATH): an editable install needs setuptools from the index.
+# wheels carried in .whl/ (made by benchmarks/gpu_wheels.sh), installed into /tmp/site. guard
+# itself runs from the checkout (PYTHONPATH): an editable install needs setuptools from the index.
 #
 # Output under $OUT: gpu_check.log (the machine, the tests, the rest as printed),
 # gpu_conv_cause.{md,json} (benchmarks/gpu_conv_cause.py) and matrix-gpu/ (the matrix's

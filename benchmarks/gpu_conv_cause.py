@@ -99,15 +99,15 @@ def columns(name: str, workdir: Path, device: str) -> dict:
     with torch.no_grad():
         cpu32 = outputs(module(torch.from_numpy(image)))
         cpu64 = outputs(eager(name).eval().double()(torch.from_numpy(image).double()))
-    def load_traced():
+    on_device = module.to(device)  # after the CPU runs: .to moves the module itself
+
+    def load_traced():  # a fresh one per column: the profiling executor keeps what it optimised
         return torch.jit.load(str(paths["torchscript"]), map_location=device).eval()
 
-    traced = load_traced()
-    on_device = eager(name).eval().to(device)
     runs = {"cpu fp32 (the reference)": cpu32}
     with cudnn(True):
         runs["TorchScript, cuDNN deterministic (the matrix's cuda_eager)"] = run_on(
-            device, traced, image)
+            device, load_traced(), image)
         with jit_fusers(False):
             runs["TorchScript, JIT fusers off, deterministic"] = run_on(device, load_traced(),
                                                                         image)

@@ -39,6 +39,8 @@ from typing import Callable
 
 import numpy as np
 
+from guard import __version__
+
 from guard.machine import cpu_model
 
 from guard.backends.base import Role
@@ -85,10 +87,8 @@ def environment() -> dict:
             return None
 
     cpu = cpu_model(platform.processor() or "")
-    import guard
-
     # guard's own version from the code that ran (a checkout on PYTHONPATH has no metadata).
-    env = {"guard": guard.__version__, "python": platform.python_version(),
+    env = {"guard": __version__, "python": platform.python_version(),
            "numpy": np.__version__, "torch": version("torch"),
            "onnxruntime": version("onnxruntime"), "platform": platform.platform(),
            "cpu": cpu, "cores": os.cpu_count(),
