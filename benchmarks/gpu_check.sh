@@ -10,11 +10,11 @@
 # itself runs from the checkout (PYTHONPATH): an editable install needs setuptools from the index.
 #
 # Output under $OUT: gpu_check.log (the machine, the tests, the rest as printed),
-# gpu_conv_cause.{md,json} (benchmarks/gpu_conv_cause.py) and matrix-gpu/ (the matrix's
+# gpu_trace_calls.{md,json} (benchmarks/gpu_trace_calls.py) and matrix-gpu/ (the matrix's
 # records.jsonl, summary.md, summary.json, heatmap.png): 7 files, under the device tool's 8.
 # Time: GPU_TEST_TIMEOUT_S (default 240) for tests/gpu, GPU_MATRIX_TIMEOUT_S (default 420) for
 # the matrix, whose records.jsonl is written as it goes (a cut-short run keeps what it did).
-# On an H200 the whole check took 85 s (2026-12-04).
+# On an H200 the whole check took 85 s (2026-12-04, before gpu_trace_calls.py: 40 s alone).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -44,8 +44,8 @@ $PY -c 'import guard.backends, tritonclient.grpc, pydantic; print("guard imports
   | tee -a "$OUT/gpu_check.log"
 timeout "${GPU_TEST_TIMEOUT_S:-240}" $PY -m pytest tests/gpu -v -p no:cacheprovider \
   -o addopts=-ra 2>&1 | tee -a "$OUT/gpu_check.log"
-# Which column of the CUDA eager path drifts on the conv models (the first matrix's question).
-timeout 180 $PY benchmarks/gpu_conv_cause.py --out "$OUT" 2>&1 | tee -a "$OUT/gpu_check.log"
+# A trace's baked cuDNN flags on CUDA, call by call (what the first matrix's cuda_eager found).
+timeout 180 $PY benchmarks/gpu_trace_calls.py --out "$OUT" 2>&1 | tee -a "$OUT/gpu_check.log"
 # The GPU matrix (the seed paper's study with causes named): summary under $OUT/matrix-gpu.
 timeout "${GPU_MATRIX_TIMEOUT_S:-420}" $PY -m guard matrix configs/matrix/gpu.yaml \
   --output-dir "$OUT/matrix-gpu" 2>&1 | tee -a "$OUT/gpu_check.log"

@@ -76,6 +76,16 @@ class TorchOptions(_Options):
         "legitimate production choice, and the usual cause of GPU-vs-CPU drift). torch's switch "
         "is process-wide: it cannot be combined with a torch reference on cuda in one guard.",
     )
+    traced_conv_flags: Literal["as_traced", "process"] = Field(
+        "as_traced",
+        description="cuda only, TorchScript only: torch.jit.trace records each convolution "
+        "with the tracing process's cuDNN flags (benchmark, deterministic, enabled, allow_tf32; "
+        "torch's default has TF32 on) and they outrank this process's switches at run time. "
+        "'as_traced' runs them as recorded, as Triton's libtorch backend and any torch.jit.load "
+        "do (guard logs a warning when that means TF32 beside allow_tf32 off); 'process' "
+        "rewrites them at load to this process's flags, so allow_tf32 means what it says. A "
+        "torch reference is always 'process': its determinism pin holds.",
+    )
 
 
 class TorchCompileOptions(TorchOptions):

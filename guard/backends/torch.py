@@ -23,6 +23,7 @@ import contextlib
 import inspect
 import io
 import json
+import logging
 import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,6 +36,8 @@ from guard.backends.determinism import pin_compiler, pin_torch_reference
 from guard.backends.options import TorchCompileOptions, TorchOptions
 from guard.backends.kind import BackendKind, Unsupported
 from guard.errors import BackendError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -87,6 +90,7 @@ def _flatten(value: Any, prefix: str, names: list[str] | None, out: dict[str, An
 class TorchBackend(Backend):
     name = "torch"
     options_model = TorchOptions
+    follows_process_flags = False  # a truth (the fp64 twin) runs as this process says
 
     def __init__(self, spec: BackendConfig, role: Role, threads: int = 1):
         self.spec = spec
@@ -97,6 +101,7 @@ class TorchBackend(Backend):
         # infer calls (it, or torch.compile's wrapper) and the dtype inputs are cast to.
         self.module: Any = None
         self._callable: Any = None
+        self._details: dict[str, str] = {}  # describe()'s: what load found worth reporting
         self._dtype: torch.dtype | None = None
 
     # -- loading -----------------------------------------------------------------------------
@@ -152,6 +157,8 @@ class TorchBackend(Backend):
                 torch.backends.cuda.matmul.allow_tf32 = self.options.allow_tf32
                 torch.backends.cudnn.allow_tf32 = self.options.allow_tf32
         module, signature = self._load_module()
+        if self.spec.device.startswith("cuda") and isinstance(module, torch.jit.ScriptModule):
+            module = self._settle_conv_flags(module)
         self._dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(self.spec.precision)
         device = torch.device(self.spec.device)
         module = self._keep_back(module, device)  # before the cast: fp32 copies of the originals
@@ -172,6 +179,36 @@ class TorchBackend(Backend):
         self._output_names = self.options.output_names or [s.name for s in outputs] or None
         self._outputs = outputs or tuple(TensorSpec(n) for n in (self._output_names or []))
         self._callable = self._wrap(module)
+
+    def _settle_conv_flags(self, module):
+        """A trace's convolutions carry the tracing process's cuDNN flags, TF32 on by torch's
+        default (guard/backends/traced_flags.py). A reference, and a primary or fallback with
+        ``traced_conv_flags: process``, gets them rewritten to this process's; otherwise they
+        run as traced, said once in the log and in describe()."""
+        from guard.backends.traced_flags import ConvFlags, traced_conv_flags, with_conv_flags
+
+        baked = traced_conv_flags(module)
+        if not baked:
+            return module
+        process = ConvFlags.of_process()
+        if (self.role == "reference" or self.follows_process_flags
+                or self.options.traced_conv_flags == "process"):
+            module, changed = with_conv_flags(module, process)
+            self._details["traced_conv_flags"] = (
+                f"process: {changed} of {len(baked)} traced convolutions rewritten to "
+                f"{process.describe()}")
+            return module
+        tf32 = sum(flags.allow_tf32 for flags in baked)
+        self._details["traced_conv_flags"] = (
+            f"as traced: allow_tf32=True on {tf32} of {len(baked)} convolutions")
+        if tf32 and not process.allow_tf32:
+            log.warning(
+                "%s (%s): %d of %d convolutions were traced with cuDNN allow_tf32=True and run "
+                "in TF32 on this GPU although allow_tf32 is off (torch.jit.trace records the "
+                "tracing process's cuDNN flags; Triton's libtorch backend runs them so too); "
+                "options.traced_conv_flags: process runs them as allow_tf32 says",
+                self.role, self.spec.path, tf32, len(baked))
+        return module
 
     def _forward_names(self) -> list[str]:
         forward = getattr(self.module, "forward", self.module)
@@ -232,6 +269,7 @@ class TorchBackend(Backend):
             device=self.spec.device,
             inputs=self._inputs,
             outputs=self._outputs,
+            details=dict(self._details),
         )
 
     def close(self) -> None:
@@ -299,6 +337,8 @@ def _to_numpy(tensor) -> np.ndarray:
 class Fp64TorchBackend(TorchBackend):
     """The fp64 arbiter's truth: the block's module converted with ``.double()`` (inputs cast to
     float64 too); outputs stay float64."""
+
+    follows_process_flags = True
 
     def load(self) -> None:
         import torch

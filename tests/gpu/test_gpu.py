@@ -98,6 +98,38 @@ def test_tf32_is_the_gpu_drift(tmp_path):
 
 
 @needs_cuda
+def test_a_traces_baked_tf32_runs_as_traced_unless_the_backend_follows_the_process(tmp_path):
+    """torch.jit.trace bakes the tracing process's cuDNN allow_tf32 (on by default) into each
+    convolution: as traced, TF32 convs with allow_tf32 off; 'process' rewrites them (the H200
+    measured 6.8e-3 against 4.6e-5: benchmarks/results/gpu_trace_calls.md)."""
+    from guard.backends.traced_flags import traced_conv_flags
+    from guard.zoo import eager, zoo_entry
+
+    entry = zoo_entry("resnet")
+    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False,
+                                    allow_tf32=True):
+        path = entry.export(tmp_path, 0)["torchscript"]
+    assert all(flags.allow_tf32 for flags in traced_conv_flags(torch.jit.load(str(path))))
+    images = entry.sample_inputs(16, 0)["image"]
+    with torch.no_grad():
+        cpu = eager("resnet").eval()(torch.from_numpy(images)).numpy()
+
+    def run(option: str):
+        backend = load({"backend": "torch", "path": str(path), "device": "cuda",
+                        "options": {"traced_conv_flags": option}})
+        error = float(np.abs(backend.infer({"image": images})["logits"] - cpu).max())
+        return error, backend.describe().details["traced_conv_flags"]
+
+    as_traced, said_as_traced = run("as_traced")
+    process, said_process = run("process")
+    assert said_as_traced.startswith("as traced: allow_tf32=True on")
+    assert said_process.startswith("process:") and "allow_tf32=False" in said_process
+    assert process < 1e-3
+    if torch.cuda.get_device_capability() >= (8, 0):  # TF32 exists from Ampere on
+        assert as_traced > 10 * process
+
+
+@needs_cuda
 def test_onnxruntime_cuda_provider_when_installed(zoo_classifier):
     import onnxruntime as ort
 

@@ -93,3 +93,6 @@ def test_artifact_factory_gives_torch_the_eager_module_instead_of_the_torchscrip
     assert eager.options["kwargs"] == {"name": "resnet", "seed": 0}
     gpu, _ = load_matrix_config(CONFIGS / "gpu.yaml")
     assert {b.name: b.artifact for b in gpu.backends}["cuda_eager_module"] == "factory"
+    process = {b.name: b for b in gpu.backends}["cuda_eager_process"]
+    assert backend_spec(zoo, "torch", "fp32", process.options, base).options == {
+        "traced_conv_flags": "process"}
