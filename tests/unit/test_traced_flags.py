@@ -30,10 +30,18 @@ class TwoConvs(torch.nn.Module):
 
 
 def trace(flags: ConvFlags = TRACED_DEFAULTS):
-    with torch.backends.cudnn.flags(enabled=flags.cudnn_enabled, benchmark=flags.benchmark,
-                                    deterministic=flags.deterministic,
-                                    allow_tf32=flags.allow_tf32), torch.no_grad():
-        return torch.jit.trace(TwoConvs().eval(), torch.zeros(1, 3, 8, 8))
+    """Traced in a process whose flags are ``flags`` (torch's deterministic-algorithms switch
+    counts as cuDNN's deterministic, and a reference earlier in this worker may have set it)."""
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(flags.deterministic, warn_only=True)
+    try:
+        with torch.backends.cudnn.flags(enabled=flags.cudnn_enabled, benchmark=flags.benchmark,
+                                        deterministic=flags.deterministic,
+                                        allow_tf32=flags.allow_tf32), torch.no_grad():
+            return torch.jit.trace(TwoConvs().eval(), torch.zeros(1, 3, 8, 8))
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def test_a_trace_records_the_tracing_process_flags_on_every_convolution_submodules_included():
