@@ -20,6 +20,7 @@ a fresh load from the rewritten bytes has nothing cached.
 
 from __future__ import annotations
 
+import contextlib
 import io
 from typing import NamedTuple
 
@@ -47,6 +48,30 @@ class ConvFlags(NamedTuple):
 
     def describe(self) -> str:
         return ", ".join(f"{k}={v}" for k, v in self._asdict().items())
+
+
+# What torch.jit.trace bakes in a process that never touched the switches.
+TORCH_DEFAULTS = ConvFlags(benchmark=False, deterministic=False, cudnn_enabled=True,
+                           allow_tf32=True)
+
+
+@contextlib.contextmanager
+def tracing_flags(flags: ConvFlags):
+    """The process's cuDNN switches (and torch's deterministic-algorithms switch, which counts as
+    cuDNN's deterministic) set to ``flags`` for a trace, then put back: a trace made inside
+    bakes ``flags`` whatever the process had set before (a reference's pin, say)."""
+    import torch
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled())
+    torch.use_deterministic_algorithms(flags.deterministic, warn_only=True)
+    try:
+        with torch.backends.cudnn.flags(enabled=flags.cudnn_enabled, benchmark=flags.benchmark,
+                                        deterministic=flags.deterministic,
+                                        allow_tf32=flags.allow_tf32):
+            yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
 def _graphs(module):

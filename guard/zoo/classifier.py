@@ -90,17 +90,18 @@ def export(folder: str | Path, seed: int = 0) -> dict[str, Path]:
     import torch
 
     from guard.backends.torch import SIGNATURE_FILE, signature_json
+    from guard.zoo.export import stamp_text, trace
 
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"torchscript": folder / "classifier.pt", "onnx": folder / "classifier.onnx"}
     stamp = folder / "classifier.seed"
-    if (stamp.exists() and stamp.read_text() == str(seed)
+    if (stamp.exists() and stamp.read_text() == stamp_text(seed)
             and all(p.exists() for p in paths.values())):
         return paths
     model = build(seed)
     example = torch.from_numpy(sample_inputs(2, seed))
-    scripted = torch.jit.trace(model, example)
+    scripted = trace(model, (example,))
     torch.jit.save(scripted, str(paths["torchscript"]),
                    _extra_files={SIGNATURE_FILE: signature_json(INPUTS, OUTPUTS)})
     with _quiet_exporter():
@@ -110,6 +111,6 @@ def export(folder: str | Path, seed: int = 0) -> dict[str, Path]:
             dynamic_shapes={"image": {0: torch.export.Dim("batch", max=4096)}},
             opset_version=20, verbose=False,
         )
-    stamp.write_text(str(seed))
+    stamp.write_text(stamp_text(seed))
     (folder / "classifier.json").write_text(json.dumps({"seed": seed}))
     return paths

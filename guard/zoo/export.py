@@ -2,8 +2,14 @@
 
 Every zoo model is exported the same way: ``NAME.pt`` (``torch.jit.trace``, the signature saved
 inside as ``guard.json``) and ``NAME.onnx`` (the dynamo exporter, opset 20, one file, a dynamic
-batch axis on every input). A stamp file records the seed; an export already there for the same
-seed is reused.
+batch axis on every input). A stamp file records the seed and the export's format; an export
+already there for the same seed and format is reused.
+
+The trace is made under torch's default cuDNN flags whatever this process has set (a reference
+may have pinned TF32 off before a model is first exported): ``torch.jit.trace`` bakes them into
+each convolution (guard/backends/traced_flags.py), so without this the file's behaviour on a
+GPU would depend on what ran before the export. The defaults make it the file a user who traced
+with torch's defaults would have: convolutions with TF32 allowed.
 """
 
 from __future__ import annotations
@@ -12,6 +18,23 @@ import json
 from pathlib import Path
 
 from guard.backends.base import TensorSpec
+
+# In the stamp beside the seed: an export from before the trace's flags were fixed is redone.
+FORMAT = "trace-cudnn-defaults"
+
+
+def stamp_text(seed: int) -> str:
+    return f"{seed} {FORMAT}"
+
+
+def trace(model, example: tuple, **kwargs):
+    """``torch.jit.trace`` under torch's default cuDNN flags (see the module's docstring)."""
+    import torch
+
+    from guard.backends.traced_flags import TORCH_DEFAULTS, tracing_flags
+
+    with tracing_flags(TORCH_DEFAULTS):
+        return torch.jit.trace(model, example, **kwargs)
 
 
 def export_pair(
@@ -32,11 +55,11 @@ def export_pair(
     folder.mkdir(parents=True, exist_ok=True)
     paths = {"torchscript": folder / f"{name}.pt", "onnx": folder / f"{name}.onnx"}
     stamp = folder / f"{name}.seed"
-    if (stamp.exists() and stamp.read_text() == str(seed)
+    if (stamp.exists() and stamp.read_text() == stamp_text(seed)
             and all(p.exists() for p in paths.values())):
         return paths
     with _quiet_exporter(), torch.no_grad():
-        scripted = torch.jit.trace(model, example, check_trace=False)
+        scripted = trace(model, example, check_trace=False)
         torch.jit.save(scripted, str(paths["torchscript"]),
                        _extra_files={SIGNATURE_FILE: signature_json(inputs, outputs)})
         batch = torch.export.Dim("batch", min=1, max=4096)
@@ -46,7 +69,7 @@ def export_pair(
             dynamic_shapes=tuple({0: batch} for _ in inputs),
             opset_version=20, verbose=False,
         )
-    stamp.write_text(str(seed))
+    stamp.write_text(stamp_text(seed))
     (folder / f"{name}.json").write_text(json.dumps({"seed": seed}))
     return paths
 

@@ -9,12 +9,12 @@ import pytest
 import torch
 
 from guard.backends import create_backend
-from guard.backends.traced_flags import ConvFlags, traced_conv_flags, with_conv_flags
+from guard.backends.traced_flags import (TORCH_DEFAULTS, ConvFlags, traced_conv_flags,
+                                         tracing_flags, with_conv_flags)
 from guard.config import BackendConfig
 from guard.errors import ConfigError
 
-TRACED_DEFAULTS = ConvFlags(benchmark=False, deterministic=False, cudnn_enabled=True,
-                            allow_tf32=True)
+TRACED_DEFAULTS = TORCH_DEFAULTS
 PINNED = ConvFlags(benchmark=False, deterministic=True, cudnn_enabled=True, allow_tf32=False)
 
 
@@ -30,18 +30,8 @@ class TwoConvs(torch.nn.Module):
 
 
 def trace(flags: ConvFlags = TRACED_DEFAULTS):
-    """Traced in a process whose flags are ``flags`` (torch's deterministic-algorithms switch
-    counts as cuDNN's deterministic, and a reference earlier in this worker may have set it)."""
-    before = (torch.are_deterministic_algorithms_enabled(),
-              torch.is_deterministic_algorithms_warn_only_enabled())
-    torch.use_deterministic_algorithms(flags.deterministic, warn_only=True)
-    try:
-        with torch.backends.cudnn.flags(enabled=flags.cudnn_enabled, benchmark=flags.benchmark,
-                                        deterministic=flags.deterministic,
-                                        allow_tf32=flags.allow_tf32), torch.no_grad():
-            return torch.jit.trace(TwoConvs().eval(), torch.zeros(1, 3, 8, 8))
-    finally:
-        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+    with tracing_flags(flags), torch.no_grad():
+        return torch.jit.trace(TwoConvs().eval(), torch.zeros(1, 3, 8, 8))
 
 
 def test_a_trace_records_the_tracing_process_flags_on_every_convolution_submodules_included():
@@ -111,3 +101,16 @@ def test_the_option_is_checked_by_name(tmp_path):
     with pytest.raises(ConfigError) as err:
         parse_config(doc, tmp_path)
     assert "traced_conv_flags" in str(err.value) and "as_traced" in str(err.value)
+
+
+def test_the_zoos_traces_carry_torchs_defaults_whatever_the_process_has_pinned(tmp_path):
+    """A zoo export made after a reference pinned TF32 off is the same file as one made before
+    (on a GPU the first GPU matrix ran traces of both kinds, by export order)."""
+    from guard.backends.determinism import pin_torch_reference
+    from guard.zoo import zoo_entry
+
+    pin_torch_reference(1)
+    pinned = ConvFlags.of_process()
+    path = zoo_entry("resnet").export(tmp_path, 0)["torchscript"]
+    assert set(traced_conv_flags(torch.jit.load(str(path)))) == {TORCH_DEFAULTS}
+    assert ConvFlags.of_process() == pinned  # the process's own flags are back
