@@ -44,6 +44,7 @@ def run_apart(spec: BackendConfig, role: str, threads: int, samples: list[dict])
         result = json.loads((folder / "run.json").read_text())
         run.error, run.load_s, run.latency_ms = (result["error"], result["load_s"],
                                                  result["latency_ms"])
+        run.details = result.get("details", {})
         with np.load(folder / "outputs.npz") as data:
             run.outputs = _unflatten({k: data[k] for k in data.files}, result["count"])
         return run
@@ -78,7 +79,7 @@ def main(folder: str) -> int:
     np.savez(folder_path / "outputs.npz", **_flatten(run.outputs))  # type: ignore[arg-type]
     (folder_path / "run.json").write_text(json.dumps({
         "error": run.error, "load_s": run.load_s, "latency_ms": run.latency_ms,
-        "count": len(run.outputs)}))
+        "details": run.details, "count": len(run.outputs)}))
     return 0
 
 

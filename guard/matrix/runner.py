@@ -272,6 +272,9 @@ class BackendRun:
     error: str = ""
     load_s: float = 0.0
     latency_ms: float = 0.0
+    # describe().details after load: what the backend found worth saying (a trace's baked
+    # cuDNN flags, ONNX Runtime's int8 kernels, OpenVINO's precision as run), in the records.
+    details: dict[str, str] = field(default_factory=dict)
 
 
 def output_match(model: str, reference: BackendRun, column: BackendRun):
@@ -305,6 +308,7 @@ def run_backend(spec: BackendConfig, role: Role, threads: int, samples,
         return run
     run.load_s = time.perf_counter() - started
     try:
+        run.details = dict(backend.describe().details)
         if not samples and generate is not None:
             samples[:] = generate(backend)
         if samples:
@@ -456,6 +460,8 @@ def _check_backend(config, base, prepared: PreparedModel, backend: MatrixBackend
         run = run_backend(spec, "primary", config.threads, prepared.samples)
     latency = {"reference_ms": reference.latency_ms, "backend_ms": run.latency_ms,
                "backend_load_s": round(run.load_s, 3)}
+    if run.details:
+        common["backend_details"] = run.details
     if run.error:
         for atol, rtol in grid:
             for tier in tiers:

@@ -74,6 +74,9 @@ def test_zoo_sweep_writes_records_summary_and_heat_map(tmp_path):
     int8 = by[("ort_int8", 1e-3, "tensor")]
     assert int8["status"] == "fail" and int8["failure_type"] == "numeric"
     assert int8["stats"]["max_abs"] > 1e-2
+    # What the backend said at load rides in the record: how the int8 kernels run here.
+    assert int8["backend_details"]["providers"] == "CPUExecutionProvider"
+    assert int8["backend_details"]["int8_kernels"].startswith(("exact", "saturating"))
     summary = json.loads((folder / "summary.json").read_text())
     assert summary["checks"] == 8 and 0 < summary["passed"] < 8
     assert summary["cells"]["resnet|ort_int8"]["checks"] == 4
@@ -110,6 +113,7 @@ def test_a_column_in_a_process_of_its_own_answers_as_in_the_sweep(tmp_path):
     here = run_backend(spec, "primary", 1, samples)
     apart = run_apart(spec, "primary", 1, samples)
     assert apart.error == "" and len(apart.outputs) == 3
+    assert apart.details == here.details  # what the backend said at load comes back too
     for a, b in zip(here.outputs, apart.outputs):
         assert set(a) == set(b) and all(np.array_equal(a[k], b[k]) for k in a)
     broken = BackendConfig.model_validate({"backend": "torch", "path": "fixture_models:nope"})
