@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
@@ -30,6 +30,9 @@ from guard.protocol.tensors import (  # noqa: F401
     widen_bf16,
     wire_contents,
 )
+
+if TYPE_CHECKING:
+    from collections.abc import Mapping
 
 Role = Literal["primary", "reference", "fallback"]
 
@@ -48,6 +51,13 @@ class BackendInfo:
 
     def summary(self) -> str:
         return f"{self.backend}/{self.precision}/{self.device} {self.artifact}"
+
+
+def backend_details(backends: Mapping[str, Backend]) -> dict[str, dict[str, str]]:
+    """``{role: describe().details}`` of the backends that said something at load (for the
+    ``model_verifier_loaded`` event)."""
+    return {role: dict(info.details) for role, backend in backends.items()
+            if (info := backend.describe()).details}
 
 
 class Backend(abc.ABC):

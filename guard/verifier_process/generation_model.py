@@ -54,6 +54,7 @@ from guard.errors import BackendError
 from guard.ipc import routes
 from guard.ipc.wire import CAPTURE, MIRROR, Generation, Sample
 from guard.observe import tracing
+from guard.backends.base import backend_details
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.detector import ScoreSpec
@@ -324,6 +325,7 @@ class VerifiedGenerationModel(VerifiedModel):
         self.publish()
         emit("model_verifier_loaded", model=self.name, task=TIER,
              backends={role: b.describe().summary() for role, b in self.backends.items()},
+             details=backend_details(self.backends),
              mirror_rate=config.mirror.sample_rate if self.mirror else 0.0,
              action=config.policy.action, resumed=resume_word is not None)
 

@@ -19,6 +19,7 @@ from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes
 from guard.ipc.wire import CAPTURE, MIRROR, Sample
+from guard.backends.base import backend_details
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
@@ -157,6 +158,7 @@ class VerifiedModel:
         self.publish()
         emit("model_verifier_loaded", model=self.name,
              backends={role: b.describe().summary() for role, b in self.backends.items()},
+             details=backend_details(self.backends),
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action, resumed=resume_word is not None)
 

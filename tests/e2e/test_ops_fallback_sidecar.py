@@ -31,6 +31,10 @@ def test_int8_drift_repaired_by_keeping_fc1_at_fp32(tmp_path, zoo_classifier, ca
     with running(tmp_path, [model]) as (srv, _):
         values, traffic, served_before = traffic_through_repair(srv, "cnn", image_input, images)
         evidence = assert_repaired_once(values, traffic, caplog, "cnn")
+        # The verifier's load event says how the int8 primary's kernels run on this CPU.
+        loaded = events(caplog, "model_verifier_loaded")[0]
+        assert loaded["details"]["primary"]["int8_kernels"].startswith(("exact", "saturating"))
+        assert loaded["details"]["reference"]["providers"] == "CPUExecutionProvider"
         kept = evidence["ops_kept_fp32"]
         assert ZOO_CNN_FAULT in kept, evidence
 
