@@ -47,6 +47,7 @@ from typing import TYPE_CHECKING, Callable, cast
 import numpy as np
 
 from guard.backends import create_backend
+from guard.backends.base import backend_details
 from guard.capture.records import GENERATION_INPUT, PROBED_OUTPUT, generation_tensor
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
@@ -54,7 +55,6 @@ from guard.errors import BackendError
 from guard.ipc import routes
 from guard.ipc.wire import CAPTURE, MIRROR, Generation, Sample
 from guard.observe import tracing
-from guard.backends.base import backend_details
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.detector import ScoreSpec

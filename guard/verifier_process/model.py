@@ -14,12 +14,12 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING
 
+from guard.backends.base import backend_details
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
 from guard.errors import BackendError
 from guard.ipc import routes
 from guard.ipc.wire import CAPTURE, MIRROR, Sample
-from guard.backends.base import backend_details
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, RoutePolicy, Transition
