@@ -57,23 +57,20 @@ def rows_for(name: str, workdir: Path, device: str) -> tuple[dict, dict]:
     from guard.config import BackendConfig
     from guard.zoo import eager, zoo_entry
     from guard.backends.torch import SIGNATURE_FILE, signature_json
+    from guard.backends.traced_flags import TORCH_DEFAULTS, tracing_flags
 
     entry = zoo_entry(name)
     n = BATCH[name]
     images = next(iter(entry.sample_inputs(CALLS * n, 0).values()))
     batches = [images[i * n:(i + 1) * n] for i in range(CALLS)]
-    # The zoo's export as a process with torch's default cuDNN flags makes it (the matrix
-    # exports before its reference pins determinism and TF32 off).
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=False,
-                                    allow_tf32=True):
-        paths = entry.export(workdir / "default", 0)
+    # The zoo's export: traced under torch's default cuDNN flags (guard/zoo/export.py).
+    paths = entry.export(workdir / "default", 0)
     module = eager(name).eval()
     with torch.no_grad():
         expected = [as_arrays(module(torch.from_numpy(b))) for b in batches]
     # The same model traced with cuDNN's TF32 off: the constant the trace bakes in is False.
     off = workdir / "tf32_off.pt"
-    with torch.backends.cudnn.flags(enabled=True, benchmark=False, deterministic=True,
-                                    allow_tf32=False), torch.no_grad():
+    with tracing_flags(TORCH_DEFAULTS._replace(allow_tf32=False)), torch.no_grad():
         traced = torch.jit.trace(eager(name).eval(), (torch.from_numpy(batches[0]),),
                                  check_trace=False)
     torch.jit.save(traced, str(off), _extra_files={SIGNATURE_FILE: signature_json(
