@@ -56,6 +56,9 @@ def _configure_logging(debug: bool) -> None:
         format="%(asctime)s %(levelname)s %(name)s %(message)s",
         stream=sys.stderr,
     )
+    from guard.observe.logformat import silence_library_progress
+
+    silence_library_progress()  # transformers' and tqdm's bars: not log lines
     # Library chatter that says nothing to an operator.
     for noisy in ("torch", "onnxscript", "onnx_ir", "asyncio", "httpx", "httpx2", "openai"):
         logging.getLogger(noisy).setLevel(logging.WARNING if debug else logging.ERROR)

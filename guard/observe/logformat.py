@@ -11,7 +11,9 @@
 The serving process reads the setting from the config and hands it to its children in the
 environment (``GUARD_LOG_FORMAT``, read by ``configure`` at their start). What a library writes
 to stderr itself, not through Python's logging (a C++ runtime's warnings, Envoy's own log), is
-not covered.
+not covered; progress bars that Python libraries draw on stderr (transformers' "Loading
+weights", the GGUF parser's tqdm) are turned off (``silence_library_progress``): a bar is a
+carriage-return animation, not a log line, and in ``json`` it broke one-object-per-line.
 """
 
 from __future__ import annotations
@@ -53,6 +55,21 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+# The switches of those bars: huggingface_hub's (transformers reads it at import) and tqdm's own
+# (TQDM_<ARG> overrides any tqdm argument's default since tqdm 4.66). Set in the environment, so
+# that the children guard starts inherit them; a value the user set is kept.
+PROGRESS_OFF = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TQDM_DISABLE": "1"}
+
+
+def silence_library_progress() -> None:
+    """Libraries' progress bars off in this process and its children (see the docstring)."""
+    for name, value in PROGRESS_OFF.items():
+        os.environ.setdefault(name, value)
+    loaded = sys.modules.get("transformers.utils.logging")  # imported already: tell it too
+    if loaded is not None and os.environ["HF_HUB_DISABLE_PROGRESS_BARS"] == "1":
+        loaded.disable_progress_bar()
+
+
 def text_formatter(process: str) -> logging.Formatter:
     where = f" [{process}]" if process != "guard" else ""
     return logging.Formatter(f"%(asctime)s %(levelname)s %(name)s{where}: %(message)s"
@@ -64,6 +81,7 @@ def configure(log_format: str | None = None, process: str = "guard",
     """Format the root logger's stderr handler as ``log_format`` (default: ``GUARD_LOG_FORMAT``,
     else text), adding the handler where there is none; sets it for this process's children
     too. Returns the format in force."""
+    silence_library_progress()
     log_format = log_format or os.environ.get(ENV) or "text"
     if log_format not in FORMATS:
         log_format = "text"

@@ -72,3 +72,28 @@ def test_log_format_is_text_or_json(tmp_path):
         assert any(p.startswith("server.log_format: ") for p in exc.problems), exc.problems
     else:
         raise AssertionError("log_format: yaml was accepted")
+
+
+def test_a_transformers_reference_draws_no_progress_bar_into_the_json_log():
+    """transformers draws a "Loading weights" bar on stderr (the GGUF parser a tqdm one): in a
+    json log every line must still be one object, so guard's processes turn the bars off."""
+    import os
+    import sys
+
+    import pytest
+
+    pytest.importorskip("transformers")
+    from guard.observe.logformat import PROGRESS_OFF
+
+    code = ("from guard.observe.logformat import configure; configure('json', 'verifier'); "
+            "from guard.backends import create_backend; from guard.config import BackendConfig; "
+            "from guard.zoo.llm import smollm2_gguf; "
+            "create_backend(BackendConfig(backend='transformers', path=str(smollm2_gguf())), "
+            "'reference').load()")
+    env = {k: v for k, v in os.environ.items() if k not in PROGRESS_OFF}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    assert "\r" not in done.stderr and "Loading weights" not in done.stderr
+    for line in done.stderr.splitlines():
+        assert isinstance(json.loads(line), dict), line
