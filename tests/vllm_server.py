@@ -82,9 +82,12 @@ class VLLMServer:
     """vLLM's OpenAI-compatible server on ``model_dir`` (an HF folder) as a child process in
     its own process group (the API server starts an engine core and a worker)."""
 
-    def __init__(self, folder: Path, model_dir: Path, name: str, max_model_len: int = 512):
+    def __init__(self, folder: Path, model_dir: Path, name: str, max_model_len: int = 512,
+                 extra_args: tuple[str, ...] = ()):
+        """``extra_args``: more of vLLM's flags (``--kv-cache-dtype fp8_e4m3``)."""
         self.folder, self.model_dir, self.name = folder, model_dir, name
         self.max_model_len = max_model_len
+        self.extra_args = tuple(extra_args)
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = folder / "vllm.log"
@@ -95,7 +98,8 @@ class VLLMServer:
         command = [str(vllm_home() / "bin" / "python"), "-m", ENTRY,
                    "--model", str(self.model_dir), "--served-model-name", self.name,
                    "--dtype", "float32", "--max-model-len", str(self.max_model_len),
-                   "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port)]
+                   "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
+                   *self.extra_args]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
                    DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
