@@ -91,7 +91,12 @@ class ReferenceScores:
     primary_top_logprobs: tuple[np.ndarray, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     approximate: bool = False  # the prompt was rendered by the reference, not told by the server
-    findings: tuple[str, ...] = ()  # prompt findings: "double_bos", "missing_bos"
+    # prompt findings: "double_bos", "missing_bos", PROMPT_RENDERED_OTHERWISE
+    findings: tuple[str, ...] = ()
+    # Where the server's prompt ids depart from the reference's own rendering of the same
+    # messages or text (a sentence naming the first differing token); "" where they agree or
+    # the server told no ids.
+    prompt_difference: str = ""
     mismatch: TokenizationMismatch | None = None
     noncanonical: bool = False  # the primary's split is not the reference's canonical one
     scorer: str = ""
@@ -443,6 +448,12 @@ def unscored(mismatch: TokenizationMismatch, **fields) -> ReferenceScores:
                            mismatch=mismatch, **fields)
 
 
+# The finding of a prompt whose ids, as the server rendered them, are not the reference's own
+# rendering of the same messages or text: chat template or tokenizer drift (a server started
+# with another --chat-template, an engine upgrade that renders otherwise, a client's template).
+PROMPT_RENDERED_OTHERWISE = "prompt_rendered_otherwise"
+
+
 @dataclass(frozen=True)
 class RenderedPrompt:
     """A prompt as token ids, and how they were obtained."""
@@ -450,6 +461,23 @@ class RenderedPrompt:
     ids: list[int]
     approximate: bool
     findings: tuple[str, ...] = field(default=())
+    difference: str = ""  # ReferenceScores.prompt_difference
+
+
+def rendering_difference(server: Sequence[int], own: Sequence[int], vocab: Vocabulary) -> str:
+    """A sentence naming the first token where the server's prompt ids leave the reference's
+    rendering, or "" where they are the same."""
+    if list(server) == list(own):
+        return ""
+    at = next((i for i, (a, b) in enumerate(zip(server, own)) if a != b),
+              min(len(server), len(own)))
+
+    def text(ids: Sequence[int]) -> str:
+        return repr(vocab.token_text(ids[at])) if at < len(ids) else "(the end)"
+
+    return (f"the server rendered the prompt otherwise than the reference renders it "
+            f"({len(server)} tokens vs {len(own)}), from token {at}: server {text(server)}, "
+            f"reference {text(own)}")
 
 
 _Handle = TypeVar("_Handle")
@@ -496,23 +524,39 @@ class Scorer(Backend):
         aligned and checked; ``ids`` may be empty); ``fields`` go into the result."""
 
     def render(self, sample: GenerationSample) -> RenderedPrompt:
-        """The prompt's ids: the server's where it told them, else rendered here."""
+        """The prompt's ids: the server's where it told them (compared with this scorer's own
+        rendering of the same messages or text: a difference is a finding), else rendered
+        here."""
         if sample.prompt_token_ids is not None:
-            ids, approximate = list(sample.prompt_token_ids), False
-        elif sample.endpoint == "chat":
+            ids = list(sample.prompt_token_ids)
+            try:
+                own = self._own_rendering(sample)
+            except BackendError:  # nothing to render from, or no template: nothing to compare
+                own = ids
+            difference = rendering_difference(ids, own, self.vocab)
+            findings = bos_findings(ids, self.bos_id, self.adds_bos)
+            if difference:
+                findings += (PROMPT_RENDERED_OTHERWISE,)
+            return RenderedPrompt(ids, False, findings, difference)
+        ids = self._own_rendering(sample)
+        return RenderedPrompt(ids, True, bos_findings(ids, self.bos_id, self.adds_bos))
+
+    def _own_rendering(self, sample: GenerationSample) -> list[int]:
+        """The prompt as this scorer renders it: chat messages through the model's template,
+        a completions prompt through its tokenizer."""
+        if sample.endpoint == "chat":
             if not sample.messages:
                 raise BackendError("a chat sample without messages cannot be scored")
-            ids, approximate = self.render_chat(sample.messages), True
-        else:
-            if sample.prompt is None:
-                raise BackendError("a completions sample without a prompt cannot be scored")
-            ids, approximate = self.encode_prompt(sample.prompt), True
-        return RenderedPrompt(ids, approximate, bos_findings(ids, self.bos_id, self.adds_bos))
+            return self.render_chat(sample.messages)
+        if sample.prompt is None:
+            raise BackendError("a completions sample without a prompt cannot be scored")
+        return self.encode_prompt(sample.prompt)
 
     def prompt_fields(self, prompt: RenderedPrompt) -> dict:
         """The fields of a :class:`ReferenceScores` that the prompt decides."""
         return dict(prompt_token_ids=tuple(prompt.ids), approximate=prompt.approximate,
-                    findings=prompt.findings, scorer=self.name)
+                    findings=prompt.findings, prompt_difference=prompt.difference,
+                    scorer=self.name)
 
     def score(self, sample: GenerationSample) -> ReferenceScores:
         """The reference's distributions over ``sample``'s completion positions; raises

@@ -10,7 +10,7 @@ KLD per token over 10 prompts x 32 tokens from top-20 logprobs, benchmarks/llm_l
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -66,6 +66,14 @@ class GenerationCheckConfig(Strict):
     min_tokens: PositiveInt = Field(
         1, description="Completions with fewer compared positions are not comparable "
         "(counted, never scored).")
+    prompt_rendering: Literal["must_match", "server"] = Field(
+        "must_match", description="Where the primary's server returns the prompt's token ids "
+        "(vLLM, sample_token_ids), they are compared with the reference's own rendering of the "
+        "same messages or text (the model's chat template and tokenizer). 'must_match': a "
+        "difference is chat template or tokenizer drift (another --chat-template, an engine "
+        "upgrade, a client's template): finding prompt_rendered_otherwise, the completion "
+        "fails. 'server': the server's rendering is the intended one; the difference is "
+        "reported, not failed. The completion is scored on the server's ids either way.")
     in_control_ratio: Fraction = Field(
         0.4, description="The detector's null: the mean score of a primary that agrees is at "
         "most this share of the failing level (a mean KLD of 0.02 nats at max_mean_kld 0.05); "

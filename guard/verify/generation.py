@@ -37,7 +37,8 @@ detectors. Which comparison applies depends on what the primary returned:
   positions that disagree <= ``max_greedy_disagreement``; statistic: that share.
 
 A tokenization mismatch (guard/backends/scoring.py) is a failure of its own: nothing is scored,
-``findings`` names it. Prompt findings (``double_bos``, ``missing_bos``) fail the completion
+``findings`` names it. Prompt findings (``double_bos``, ``missing_bos``, and
+``prompt_rendered_otherwise`` unless ``prompt_rendering`` is "server") fail the completion
 too: they change every token after them. Every mode reports the first divergent token: the
 first confident position where the primary's choice is not the reference's argmax (greedy,
 logprobs), or the first token outside the reference's transformed support (sampled).
@@ -56,6 +57,7 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from guard.backends.scoring import (
+    PROMPT_RENDERED_OTHERWISE,
     ReferenceScores,
     comparable_text,
     largest_k,
@@ -142,6 +144,11 @@ class GenerationThresholds:
     support_epsilon: float = 0.05
     # Fewer compared positions than this: not comparable (counted, not scored).
     min_tokens: int = 1
+    # The server's prompt ids against the reference's own rendering of the same messages or
+    # text: "must_match" fails a completion whose prompt the server rendered otherwise (chat
+    # template or tokenizer drift); "server" takes the server's rendering as intended (a
+    # deliberate --chat-template) and only reports the difference.
+    prompt_rendering: str = "must_match"
 
 
 @dataclass(frozen=True)
@@ -625,10 +632,13 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
         else:
             check = _sampled(sample, scores, transform, limits)
     check = replace(check, **common, **_per_token(sample, scores))
-    if scores.findings and check.comparable:
+    failing = [f for f in scores.findings
+               if f != PROMPT_RENDERED_OTHERWISE or limits.prompt_rendering == "must_match"]
+    if scores.prompt_difference:
+        check.reason = "; ".join(filter(None, [check.reason, scores.prompt_difference]))
+    if failing and check.comparable:
         check.passed = False
-        check.reason = "; ".join(filter(None, [check.reason, "prompt: " +
-                                               ", ".join(scores.findings)]))
+        check.reason = "; ".join(filter(None, [check.reason, "prompt: " + ", ".join(failing)]))
     return check
 
 

@@ -57,7 +57,10 @@ FP32_NOISE = 1e-3
 def vllm(tmp_path_factory):
     require_vllm()
     folder = tmp_path_factory.mktemp("vllm")
-    server = VLLMServer(folder, hf_folder(), SERVED)
+    # --trust-request-chat-template: a client may send its own chat template (the template
+    # drift test below does).
+    server = VLLMServer(folder, hf_folder(), SERVED,
+                        extra_args=("--trust-request-chat-template",))
     server.start()
     try:
         yield server
@@ -188,6 +191,41 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert b'"completion_text"' in sample.raw and b'"route": "primary"' in sample.raw
         call, _ = generation_calls(record)
         assert call.prompt_token_ids and all(t.token_id is not None for t in call.tokens)
+
+
+# A chat template without the model's default system prompt, as another --chat-template, an
+# engine upgrade or a client's own template would render the same messages.
+OTHER_TEMPLATE = ("{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+                  "{{ message['content'] }}<|im_end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm, tmp_path,
+                                                                          caplog):
+    """vLLM returns the prompt's ids (sample_token_ids); the reference renders the same
+    messages with the model's own template and finds them otherwise: the completion fails as
+    prompt_rendered_otherwise, though both sides compute the same numbers on those ids."""
+    caplog.set_level("INFO", logger="guard.events")
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
+                         "options": {"engine": "vllm", "sample_logprobs": 5,
+                                     "sample_token_ids": True}},
+             "reference": {"backend": "transformers", "path": str(smollm2_gguf())},
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
+    with running(tmp_path, [model], http_port=0) as (server, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                               api_key="client-key", max_retries=0, timeout=120)
+        asked = dict(model="smol", messages=MESSAGES, max_tokens=8, temperature=0)
+        client.chat.completions.create(**asked)  # the model's own template
+        wait_for(lambda: compared(server, "smol") >= 1, timeout=300, interval=0.2)
+        client.chat.completions.create(**asked, extra_body={"chat_template": OTHER_TEMPLATE})
+        wait_for(lambda: compared(server, "smol") >= 2, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 1 and checks(server, "smol", "fail") == 1
+        (event,) = wait_for(lambda: events(caplog, "generation_divergence"), timeout=30)
+        assert event["findings"] == ["prompt_rendered_otherwise"]
+        assert "from token 1: server 'user', reference 'system'" in event["reason"]
+        # The numbers on the server's own ids agree: the drift is the template, not the model.
+        assert event["mean_kld"] < FP32_NOISE
 
 
 # -- vLLM as the remote reference ----------------------------------------------------------------

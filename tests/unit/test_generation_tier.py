@@ -397,9 +397,41 @@ def test_double_bos_is_a_finding(f16_reference, greedy_samples):
     bos = f16_reference.bos_id
     doubled = replace(sample, prompt_token_ids=(bos, bos) + rendered)
     scores = f16_reference.score(doubled)
-    assert not scores.approximate and scores.findings == ("double_bos",)
+    # (and not the rendering the reference gives the same prompt: that too)
+    assert not scores.approximate and scores.findings == ("double_bos",
+                                                          "prompt_rendered_otherwise")
     check = check_generation(doubled, scores, LLAMA)
     assert not check.passed and "double_bos" in check.reason
+
+
+@pytest.mark.parametrize("reference", ["fp32", "f16_reference"])
+def test_a_prompt_the_server_rendered_with_another_template_is_a_finding(reference, request):
+    """The server's prompt ids are compared with the reference's own rendering: a chat
+    template without the model's default system prompt (another --chat-template, say) is
+    template drift, failed by default and only reported where prompt_rendering is 'server'."""
+    scorer = request.getfixturevalue(reference)
+    messages = ({"role": "user", "content": "What is the capital of France?"},)
+    base = GenerationSample(model="smol", endpoint="chat", messages=messages,
+                            completion_text="The capital of France is Paris.", tokens=(),
+                            sampling=GREEDY)
+    same = replace(base, prompt_token_ids=tuple(scorer.render_chat(messages)))
+    agreeing = scorer.score(same)
+    assert agreeing.findings == () and agreeing.prompt_difference == ""
+    assert check_generation(same, agreeing, LLAMA).passed
+    other = scorer.encode_prompt("<|im_start|>user\nWhat is the capital of France?"
+                                 "<|im_end|>\n<|im_start|>assistant\n")
+    drifted = replace(base, prompt_token_ids=tuple(other))
+    scores = scorer.score(drifted)
+    assert scores.findings == ("prompt_rendered_otherwise",) and not scores.approximate
+    assert scores.prompt_token_ids == tuple(other)  # scored on the server's ids all the same
+    assert "from token 1: server 'user', reference 'system'" in scores.prompt_difference
+    check = check_generation(drifted, scores, LLAMA)
+    assert not check.passed and "prompt: prompt_rendered_otherwise" in check.reason
+    assert "rendered the prompt otherwise" in check.reason
+    told = check_generation(drifted, scores, LLAMA,
+                            replace(GenerationThresholds(), prompt_rendering="server"))
+    assert "prompt:" not in told.reason and "rendered the prompt otherwise" in told.reason
+    assert told.findings == ("prompt_rendered_otherwise",)
 
 
 def test_chat_prompts_render_alike_in_both_references(fp32, f16_reference):
