@@ -56,6 +56,8 @@ def summary_rows(g: dict) -> list[tuple[str, str]]:
         ("completions with a verdict", f"{g['checks']} ({g['passed']} pass)"),
         ("not comparable / tokenization mismatches",
          f"{g.get('not_comparable', 0)} / {g.get('tokenization_mismatches', 0)}"),
+        ("prompt findings", ", ".join(f"{name} {count}" for name, count in
+                                      (g.get("findings") or {}).items()) or "none"),
         ("tokens compared", str(g.get("tokens", 0))),
         ("Mean PPL(Q) (primary, its own tokens)", _nats(g.get("ppl_primary"))),
         ("Mean PPL(base) (reference, the same tokens)", _nats(g.get("ppl_reference"))),

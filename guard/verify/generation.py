@@ -701,6 +701,9 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
         "checks": len(counted), "passed": sum(c.passed for c in counted),
         "not_comparable": sum(c.mode == "not_comparable" for c in checks),
         "tokenization_mismatches": sum(c.mode == "tokenization_mismatch" for c in checks),
+        # completions with each finding (the prompt's, and tokenization_mismatch)
+        "findings": {name: sum(name in c.findings for c in checks)
+                     for name in sorted({f for c in checks for f in c.findings})},
         "modes": {mode: sum(c.mode == mode for c in checks)
                   for mode in sorted({c.mode for c in checks})},
         "tokens": sum(c.tokens for c in scored),

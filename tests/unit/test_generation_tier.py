@@ -30,6 +30,7 @@ from guard.verify.generation import (  # noqa: E402
     SERVER_DEFAULTS,
     GenerationThresholds,
     check_generation,
+    summarize,
 )
 from guard.zoo import llm as smol  # noqa: E402
 
@@ -432,6 +433,9 @@ def test_a_prompt_the_server_rendered_with_another_template_is_a_finding(referen
                             replace(GenerationThresholds(), prompt_rendering="server"))
     assert "prompt:" not in told.reason and "rendered the prompt otherwise" in told.reason
     assert told.findings == ("prompt_rendered_otherwise",)
+    # A run's summary (the replay report's generation block) counts the finding.
+    assert summarize([check_generation(same, agreeing, LLAMA), check])["findings"] == {
+        "prompt_rendered_otherwise": 1}
 
 
 def test_chat_prompts_render_alike_in_both_references(fp32, f16_reference):
