@@ -163,44 +163,29 @@ def test_tensorrt_fp16_engine_with_an_fp32_layer(zoo_classifier):
 def test_tensorrt_fp16_repair_pins_the_overflowing_layer_norm_to_fp32(tmp_path):
     """fallback_ops on a TensorRT fp16 primary (guard/policy/keep_back.py TensorRTLayers): the
     pressure model's input LayerNorm overflows fp16; tier 2 finds it on ONNX Runtime's fp16
-    variant, and the engine is rebuilt with that ONNX node name in fp32_layers."""
+    variant, and the engine is rebuilt with that ONNX node name in fp32_layers. Which other
+    layers a TensorRT build runs too coarsely depends on the GPU and the TensorRT version, so
+    the test holds what holds on any: the LayerNorm is kept, the repaired engine passes, and
+    the kept set is minimal (tests/repair_cases.py, as the CPU repair tests do)."""
     import fp16_models
-    from guard.config import RepairConfig
-    from guard.policy.keep_back import keep_back_for
-    from guard.policy.repair import BufferedSample, OpRepair
-    from guard.verify.activation import ActivationChecker
-    from guard.verify.pipeline import Comparator
+    from repair_cases import assert_minimal, failing, make_repair, repair_case
 
     onnx_path = str(fp16_models.export(tmp_path)["onnx"])
     profile = {"x": [[1, 16], [1, 16], [8, 16]]}
-    doc = {"version": 1, "models": [{
-        "name": "pressure",
-        "primary": {"backend": "tensorrt", "path": onnx_path, "precision": "fp16",
-                    "options": {"profile": profile}},
-        "reference": {"backend": "onnxruntime", "path": onnx_path},
-        "fallback": {"backend": "onnxruntime", "path": onnx_path},
-        "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
-        "policy": {"action": "fallback_ops"}}]}
-    config = parse_config(doc, tmp_path).models[0]
-    reference = create_backend(config.reference, "reference")
-    reference.load()
-    verifier = Comparator(config.checks)
-    xs = fp16_models.sample_inputs(8, seed=21)
-    samples = [BufferedSample({"x": xs[i:i + 1]}, True) for i in range(8)]
-
-    def failing(backend) -> int:
-        return sum(not verifier.check(reference.infer(s.inputs), backend.infer(s.inputs)).passed
-                   for s in samples)
-
-    fp16 = create_backend(config.primary, "primary")
+    model = {"name": "pressure",
+             "primary": {"backend": "tensorrt", "path": onnx_path, "precision": "fp16",
+                         "options": {"profile": profile}},
+             "reference": {"backend": "onnxruntime", "path": onnx_path},
+             "fallback": {"backend": "onnxruntime", "path": onnx_path},
+             "checks": {"tensor": {"atol": 0.0, "rtol": 0.05}},
+             "policy": {"action": "fallback_ops"}}
+    case = repair_case(model, tmp_path, "x", fp16_models.sample_inputs(8, seed=21))
+    fp16 = create_backend(case["config"].primary, "primary")
     fp16.load()
-    if failing(fp16) == 0:
+    if failing(case, fp16) == 0:
         pytest.skip("this TensorRT runs the LayerNorm at fp32 by itself: nothing to repair")
-    capture = keep_back_for(config.primary).capture_spec()
-    outcome = OpRepair(config.primary, reference,
-                       lambda ref, out, inputs: verifier.check(ref, out, inputs).passed,
-                       RepairConfig(), activation=ActivationChecker.for_model(
-                           config, primary_spec=capture)).run(samples)
+    outcome = make_repair(case).run(case["samples"])
     assert outcome.ok, outcome.reason
-    assert outcome.kept == ["node_layer_norm"], outcome.evidence()
-    assert failing(outcome.backend) == 0
+    assert "node_layer_norm" in outcome.kept, outcome.evidence()
+    assert failing(case, outcome.backend) == 0
+    assert_minimal(case, outcome.kept)
