@@ -115,7 +115,7 @@ def markdown(rows: list[dict], machine: dict, tokens: int) -> str:
 
 
 def main() -> None:
-    from guard.machine import cpu_model
+    from guard.machine import cpu_flags, cpu_model
     from guard.zoo.llm import PROMPTS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -123,9 +123,7 @@ def main() -> None:
     parser.add_argument("--dtypes", default="auto,fp8_e4m3,fp8_e5m2")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
-    flags = set(next((line.split(":", 1)[1].split() for line in
-                      Path("/proc/cpuinfo").read_text().splitlines()
-                      if line.startswith("flags")), []))
+    flags = cpu_flags() or frozenset()
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(),
                "avx512f": "avx512f" in flags, "amx_tile": "amx_tile" in flags,
                "python": platform.python_version(),

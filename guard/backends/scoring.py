@@ -530,10 +530,9 @@ class Scorer(Backend):
         if sample.prompt_token_ids is not None:
             ids = list(sample.prompt_token_ids)
             try:
-                own = self._own_rendering(sample)
+                difference = rendering_difference(ids, self._own_rendering(sample), self.vocab)
             except BackendError:  # nothing to render from, or no template: nothing to compare
-                own = ids
-            difference = rendering_difference(ids, own, self.vocab)
+                difference = ""
             findings = bos_findings(ids, self.bos_id, self.adds_bos)
             if difference:
                 findings += (PROMPT_RENDERED_OTHERWISE,)

@@ -82,11 +82,16 @@ def _graphs(module):
             yield graph
 
 
+def _node_flags(node) -> ConvFlags:
+    inputs = list(node.inputs())
+    return ConvFlags(*(bool(inputs[i].toIValue()) for i in _FLAG_INPUTS))
+
+
 def traced_conv_flags(module) -> list[ConvFlags]:
     """The flags of each traced convolution, in graph order; [] for a model without any (or a
     scripted one whose convolutions call ``conv2d``, which reads the process's flags)."""
-    return [ConvFlags(*(bool(list(node.inputs())[i].toIValue()) for i in _FLAG_INPUTS))
-            for graph in _graphs(module) for node in graph.findAllNodes(CONVOLUTION)]
+    return [_node_flags(node) for graph in _graphs(module)
+            for node in graph.findAllNodes(CONVOLUTION)]
 
 
 def with_conv_flags(module, flags: ConvFlags):
@@ -98,8 +103,7 @@ def with_conv_flags(module, flags: ConvFlags):
     changed = 0
     for graph in _graphs(module):
         for node in graph.findAllNodes(CONVOLUTION):
-            inputs = list(node.inputs())
-            if ConvFlags(*(bool(inputs[i].toIValue()) for i in _FLAG_INPUTS)) == flags:
+            if _node_flags(node) == flags:
                 continue
             for position, value in zip(_FLAG_INPUTS, flags):
                 constant = graph.insertConstant(value)

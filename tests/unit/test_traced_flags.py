@@ -14,7 +14,6 @@ from guard.backends.traced_flags import (TORCH_DEFAULTS, ConvFlags, traced_conv_
 from guard.config import BackendConfig
 from guard.errors import ConfigError
 
-TRACED_DEFAULTS = TORCH_DEFAULTS
 PINNED = ConvFlags(benchmark=False, deterministic=True, cudnn_enabled=True, allow_tf32=False)
 
 
@@ -29,13 +28,13 @@ class TwoConvs(torch.nn.Module):
         return torch.nn.functional.conv2d(self.body(self.stem(image)), torch.ones(2, 4, 1, 1))
 
 
-def trace(flags: ConvFlags = TRACED_DEFAULTS):
+def trace(flags: ConvFlags = TORCH_DEFAULTS):
     with tracing_flags(flags), torch.no_grad():
         return torch.jit.trace(TwoConvs().eval(), torch.zeros(1, 3, 8, 8))
 
 
 def test_a_trace_records_the_tracing_process_flags_on_every_convolution_submodules_included():
-    assert traced_conv_flags(trace()) == [TRACED_DEFAULTS] * 3
+    assert traced_conv_flags(trace()) == [TORCH_DEFAULTS] * 3
     assert traced_conv_flags(trace(PINNED)) == [PINNED] * 3
 
 
