@@ -40,9 +40,10 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def _scorer(kind: str, path: Path, role: Role, threads: int, precision: str = "fp32",
-            options: dict | None = None) -> Scorer:
-    """A loaded scorer backend (guard/backends/scoring.py) of ``kind`` on ``path``."""
-    spec = BackendConfig(backend=kind, path=str(path), precision=precision,
+            options: dict | None = None, device: str = "cpu") -> Scorer:
+    """A loaded scorer backend (guard/backends/scoring.py) of ``kind`` on ``path``, on
+    ``device`` (a kind that runs on the CPU alone refuses cuda in BackendConfig's check)."""
+    spec = BackendConfig(backend=kind, path=str(path), precision=precision, device=device,
                          options=dict(options or {}))
     if kind == "onnxruntime_genai":
         # Not a config backend (CONTRACT.md): built directly.
@@ -187,7 +188,7 @@ def open_column(model: MatrixModel, backend: MatrixBackend, threads: int):
     if backend.backend == "openai":
         return ServerColumn(path, threads)
     scorer = _scorer(backend.backend, path, "primary", threads, backend.precision,
-                     backend.options)
+                     backend.options, backend.device)
     return LlamaColumn(scorer) if backend.backend == "llama_cpp" else ScorerColumn(scorer)
 
 
