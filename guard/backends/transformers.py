@@ -210,6 +210,11 @@ class TransformersScorer(HFTokenized, LocalScorer):
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise BackendError(f"backend transformers needs transformers: {install_hint('llm')} "
                                f"({exc})") from None
+        if self.spec.device.startswith("cuda") and not torch.cuda.is_available():
+            # Said before the weights load (a GGUF's dequantization takes seconds), as the
+            # torch backend says it.
+            raise BackendError(f"device {self.spec.device}: this torch build or machine has no "
+                               "CUDA")
         path = self.spec.artifact_path
         _verify_pin(path, self.spec.sha256)
         folder, extra = _source(path)

@@ -38,7 +38,7 @@ def summarise(records: list[dict]) -> dict:
         if r["tier"] == "generation":
             generation[f"{r['model']}|{r['backend']}"] = {
                 k: r.get(k) for k in ("status", "reason", "reference", "backend_kind",
-                                      "precision", "quant", "serve", "samples",
+                                      "precision", "device", "quant", "serve", "samples",
                                       "samples_passed", "stats", "cause")}
             continue
         for tier in (r["tier"], "all"):
@@ -145,6 +145,15 @@ def _tensor_sections(s: dict) -> list[str]:
     return lines
 
 
+def _ratio(stats: dict) -> float | None:
+    """guard's KLD over the full-vocabulary figure, where the latter is above fp32's rounding
+    (records written before that floor carry a ratio of two rounding errors)."""
+    from guard.matrix.generation import RATIO_FLOOR
+
+    full = stats.get("full_kld")
+    return stats.get("guard_over_full") if full is not None and full >= RATIO_FLOOR else None
+
+
 def _num(value, spec: str = ".5f") -> str:
     return "n/a" if value is None else format(value, spec)
 
@@ -178,7 +187,9 @@ def _generation_sections(generation: dict) -> list[str]:
             engine = " ".join(filter(None, [row["backend_kind"], served, row.get("quant") or (
                                                 "GGUF as is" if as_is else None),
                                             None if row["precision"] == "fp32" else
-                                            row["precision"]]))
+                                            row["precision"],
+                                            None if (row.get("device") or "cpu") == "cpu" else
+                                            f"on {row['device']}"]))
             if not st:
                 lines.append(f"| {name} | {engine} | {row['status']}: {row['reason'][:80]} |"
                              + " |" * 8)
@@ -186,7 +197,7 @@ def _generation_sections(generation: dict) -> list[str]:
             lines.append(
                 f"| {name} | {engine} | {row['status']} | {row['samples_passed']}/"
                 f"{row['samples']} | {_num(st['mean_kld'])} | {_num(st.get('full_kld'))} | "
-                f"{_num(st.get('guard_over_full'), '.3f')} | "
+                f"{_num(_ratio(st), '.3f')} | "
                 f"{_num(st['mean_kld_lower_bound'])} | {_num(st['kld_p99'], '.4f')} | "
                 f"{_num(st['top1_agreement'], '.1%')} | {_num(st['delta_p_rms'], '.2%')} |")
         lines += [

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import yaml
 
-from guard.errors import ConfigError
+from guard.errors import BackendError, ConfigError
 from guard.matrix.config import load_matrix_config
 from guard.matrix.generation import perplexity_statistics, summarize_perplexity
 
@@ -39,6 +39,30 @@ def test_the_shipped_llm_config_validates():
     assert config.models[0].task == "generation" and config.tiers == ["generation"]
     kinds = {b.backend for b in config.backends}
     assert kinds == {"llama_cpp", "openai", "transformers", "onnxruntime_genai"}
+    gpu, _ = load_matrix_config(CONFIGS / "llm-gpu.yaml")
+    assert {b.device for b in gpu.backends} == {"cpu", "cuda"}
+    assert all(b.cause for b in gpu.backends)
+
+
+def test_a_columns_device_reaches_its_scorer(tmp_path):
+    """A generative column on cuda loads there (here: the backend's refusal before any weight
+    loads), not on the CPU while its record says cuda."""
+    from guard.matrix.columns import open_column
+    from guard.matrix.config import MatrixBackend, MatrixModel
+
+    pytest.importorskip("transformers", reason="transformers (the llm extra) is not installed")
+    if torch_cuda_available():
+        pytest.skip("this machine has CUDA: tests/gpu/test_gpu_llm.py runs the column there")
+    model = MatrixModel.model_validate({"name": "smol", "zoo": "smollm2", "task": "generation"})
+    column = MatrixBackend(name="c", backend="transformers", device="cuda")
+    with pytest.raises(BackendError, match="device cuda: this torch build or machine has no CUDA"):
+        open_column(model, column, 1)
+
+
+def torch_cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 @pytest.mark.parametrize("model, backends, message", [
