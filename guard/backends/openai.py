@@ -295,6 +295,9 @@ def _check(spec) -> None:
     if spec.precision != "fp32":
         raise ValueError("backend 'openai' cannot derive a precision: the remote server runs "
                          "what it serves")
+    if spec.device != "cpu":
+        raise ValueError("backend 'openai' takes no device: the remote server runs where it "
+                         "runs (guard sends it requests)")
     if not re.fullmatch(r"https?://(\[[0-9a-fA-F:.]+\]|[\w.\-]+)(:\d{1,5})?(/[\w.\-/]*)?",
                         spec.target):
         raise ValueError(f"target '{spec.target}' must be a base URL: http://host:port")

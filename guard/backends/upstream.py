@@ -227,6 +227,9 @@ def _check(spec) -> None:
     if spec.precision != "fp32":
         raise ValueError("backend 'upstream' cannot derive a precision: the remote "
                          "server runs what it serves")
+    if spec.device != "cpu":
+        raise ValueError("backend 'upstream' takes no device: the remote server runs where it "
+                         "runs (guard sends it requests)")
     if not re.fullmatch(r"(\[[0-9a-fA-F:.]+\]|[\w.\-]+):\d{1,5}", spec.target):
         raise ValueError(f"target '{spec.target}' must be host:port")
 

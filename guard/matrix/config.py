@@ -258,8 +258,7 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
     keras_backends: dict[str, str] = {}
     for i, b in enumerate(config.backends):
         if b.backend in _GENERATIVE:
-            if b.backend == "transformers" and b.precision not in ("fp32", "fp16", "bf16"):
-                problems.append(f"backends[{i}].precision: transformers runs fp32, fp16 or bf16")
+            problems += _generative_column_problems(b, f"backends[{i}]")
             continue
         if b.backend == "keras" and b.process == "same":
             keras_backends.setdefault(b.options.get("keras_backend", "tensorflow"),
@@ -300,6 +299,27 @@ def load_matrix_config(path: str | Path) -> tuple[MatrixConfig, Path]:
 
 # Columns that run on a generation model (guard/matrix/columns.py), never on a tensor one.
 _GENERATIVE = ("llama_cpp", "openai", "transformers", "onnxruntime_genai")
+
+
+def _generative_column_problems(b: MatrixBackend, where: str) -> list[str]:
+    """The keys a generative column would otherwise ignore in silence (guard/matrix/columns.py
+    reads backend, precision, device, options, quant and serve, and runs every column in the
+    sweep's process)."""
+    problems = []
+    if b.backend == "transformers" and b.precision not in ("fp32", "fp16", "bf16"):
+        problems.append(f"{where}.precision: transformers runs fp32, fp16 or bf16")
+    if b.device != "cpu" and b.backend != "transformers":
+        problems.append(f"{where}.device: a {b.backend} column runs on the CPU (only transformers "
+                        "runs on cuda)")
+    if b.quant is not None and b.backend == "transformers":
+        problems.append(f"{where}.quant: transformers runs the GGUF dequantized at 'precision'; "
+                        "'quant' is for llama_cpp, openai and onnxruntime_genai columns")
+    if b.process != "same":
+        problems.append(f"{where}.process: generative columns run in the sweep's process")
+    if b.artifact is not None:
+        problems.append(f"{where}.artifact: a generative column's artifact is derived from the "
+                        "model's GGUF ('quant' says how)")
+    return problems
 
 
 def generation_reference(model: MatrixModel, config: MatrixConfig) -> ReferenceBackend:

@@ -521,6 +521,8 @@ def test_upstream_takes_target_and_model_not_path(base):
     lines = problems(doc(fallback={**UPSTREAM, "path": "m.onnx"}),
                      base)
     assert len(lines) == 1 and "path" in lines[0]
+    lines = problems(doc(fallback={**UPSTREAM, "device": "cuda"}), base)
+    assert len(lines) == 1 and "takes no device" in lines[0]
 
 
 def test_target_and_model_only_for_upstream(base):

@@ -78,6 +78,14 @@ def torch_cuda_available() -> bool:
      r"backend openai needs 'serve: llama_cpp'"),
     ({"zoo": "smollm2"}, [{"name": "a", "backend": "transformers", "precision": "int8"}],
      r"backends\[0\]\.precision: transformers runs fp32, fp16 or bf16"),
+    ({"zoo": "smollm2"}, [{"name": "a", "backend": "llama_cpp", "device": "cuda"}],
+     r"backends\[0\]\.device: a llama_cpp column runs on the CPU"),
+    ({"zoo": "smollm2"}, [{"name": "a", "backend": "transformers", "quant": "Q8_0"}],
+     r"backends\[0\]\.quant: transformers runs the GGUF dequantized"),
+    ({"zoo": "smollm2"}, [{"name": "a", "backend": "llama_cpp", "process": "own"}],
+     r"backends\[0\]\.process: generative columns run in the sweep's process"),
+    ({"zoo": "smollm2"}, [{"name": "a", "backend": "llama_cpp", "artifact": "onnx"}],
+     r"backends\[0\]\.artifact: a generative column's artifact is derived"),
 ])
 def test_bad_generation_configs_are_refused_with_the_key(tmp_path, model, backends, message):
     with pytest.raises(ConfigError, match=message):

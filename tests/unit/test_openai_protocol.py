@@ -352,6 +352,8 @@ def test_an_openai_block_validates_with_its_options(tmp_path):
     (dict(UPSTREAM, options={"api_key_env": "sk-abc123"}), {}, 8080, "never the key itself"),
     (dict(UPSTREAM, options={"server_defaults": {"top_q": 1}}), {}, 8080, "top_q"),
     (dict(UPSTREAM, path="x.gguf"), {}, 8080, "not 'path'"),
+    (dict(UPSTREAM, device="cuda"), {}, 8080, "takes no device: the remote server runs where"),
+    (dict(UPSTREAM, precision="fp16"), {}, 8080, "cannot derive a precision"),
     ({"backend": "openai", "target": "http://h:1"}, {}, 8080, "'model'"),
     (UPSTREAM, {}, None, "server.http_port"),
     (UPSTREAM, {"task": "generic"}, 8080, "task"),
