@@ -13,6 +13,9 @@ fp32 from an HF folder written from the GGUF (guard/zoo/llm.py ``hf_folder``), o
 - The remote scorer's figures are the in-process fp32 reference's on the same tokens (within
   the noise of two fp32 kernels), by prompt_logprobs and by echo alike.
 - Servers that cannot score are refused at load, saying why.
+- An install with the ``llm-remote`` extra alone (no torch, transformers or llama-cpp-python:
+  the image deploy/kubernetes/llm runs) serves and checks the same way, `guard serve` and its
+  verifier running with those packages unimportable.
 
 Where vLLM's venv is absent the vLLM tests skip saying how to make it (GUARD_REQUIRE_VLLM=1
 fails them instead, as CI sets); the refusal of llama-cpp-python's server needs no vLLM.
@@ -21,13 +24,18 @@ fails them instead, as CI sets); the refusal of llama-cpp-python's server needs 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from llm_support import start_llama_server, stop_llama_server
-from support import events, metric, running, scrape, wait_for
+from support import events, metric, running, scrape, wait_for, write_config
 from vllm_server import VLLMServer, require_vllm
 
 openai = pytest.importorskip("openai")
@@ -229,74 +237,6 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
 
 
 # -- vLLM as the remote reference ----------------------------------------------------------------
-def test_vllm_scores_llama_cpp_primaries_q8_passes_and_q2k_is_caught(vllm, primaries, tmp_path,
-                                                                     caplog):
-    caplog.set_level("INFO", logger="guard.events")
-    reference = remote_block(vllm)
-    models = [
-        {"name": "smol-q8", "task": "generation", "primary": llama_block(primaries["Q8_0"]),
-         "reference": reference, "mirror": {"sample_rate": 1.0, "timeout_s": 120},
-         "policy": {"action": "alert"}},
-        {"name": "smol-q2", "task": "generation", "primary": llama_block(primaries["Q2_K"]),
-         "reference": reference, "fallback": llama_block(primaries["Q8_0"]),
-         "mirror": {"sample_rate": 1.0, "timeout_s": 120},
-         "policy": {"action": "fallback_model", "dwell_s": 1.0}},
-    ]
-    with running(tmp_path, models, http_port=0) as (server, _):
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
-                               api_key="client-key", max_retries=0, timeout=120)
-
-        def call(model: str, prompt: str, max_tokens: int) -> str | None:
-            raw = client.completions.with_raw_response.create(
-                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
-            assert raw.parse().model == model
-            return raw.headers.get("guard-route")
-
-        def transitions() -> list[dict]:
-            return [e for e in events(caplog, "route_transition") if e["model"] == "smol-q2"]
-
-        calls = {"smol-q8": 0, "smol-q2": 0}
-        switched = False
-        for prompt in PROMPTS[:10]:
-            assert call("smol-q8", prompt, 16) == "primary"
-            calls["smol-q8"] += 1
-            if switched:
-                continue
-            # The switch's event reaches this process's log a moment after the verdict's
-            # count reaches /metrics: a call may find the route switched before the test
-            # has seen the event. Until the switch, every call is the primary's.
-            route = call("smol-q2", prompt, 32)
-            if route == "fallback":
-                switched = True
-                continue
-            assert route == "primary"
-            calls["smol-q2"] += 1
-            # One at a time, each scored before the next (the verdicts arrive in order).
-            wait_for(lambda: compared(server, "smol-q2") >= calls["smol-q2"],
-                     timeout=180, interval=0.1)
-            switched = bool(transitions())
-        wait_for(lambda: compared(server, "smol-q8") >= calls["smol-q8"], timeout=300,
-                 interval=0.2)
-
-        (switch,) = wait_for(transitions, timeout=30)
-        assert switch["to_route"] == "fallback" and switch["trigger"] == "policy"
-        assert switch["evidence"]["detector"]["samples"] <= 10  # caught within 10 completions
-        failure = switch["evidence"]["last_failure"]
-        assert failure["mode"] == "logprobs" and failure["mean_kld"] > 0.05
-        assert failure["first_divergence"]["primary_token"]
-        assert len(failure["first_divergence"]["reference_top"]) == 5
-        assert call("smol-q2", PROMPTS[0], 8) == "fallback"
-
-        assert not [e for e in events(caplog, "drift_alert") if e["model"] == "smol-q8"]
-        values = scrape(server.metrics_port)
-        assert metric(values, "guard_detector_statistic", model="smol-q8", tier="generation") \
-            < metric(values, "guard_detector_threshold", model="smol-q8", tier="generation")
-        kld = metric(values, "guard_generation_kld_sum", model="smol-q8") / calls["smol-q8"]
-        assert kld < 0.05  # the completions' mean KLD: an agreeing primary
-        for name in calls:
-            assert metric(values, "guard_mirror_total", model=name, outcome="error") == 0
-
-
 def test_the_remote_scores_are_the_in_process_fp32_references_on_the_same_tokens(vllm,
                                                                                   primaries):
     by_prompt_logprobs = create_backend(
@@ -382,3 +322,120 @@ def test_llama_cpp_pythons_server_as_the_reference_is_refused_at_start(tmp_path)
         assert "cannot tokenize" in message and "llama-cpp-python" in message, message
     finally:
         stop_llama_server(server)
+
+
+# -- an install without torch: the llm-remote extra ---------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _guard_events(log: Path, name: str) -> list[dict]:
+    """The ``guard.events`` records of a `guard serve` log (one JSON object after the logger's
+    name per line)."""
+    marker = "guard.events "
+    return [event for event in (json.loads(line.split(marker, 1)[1])
+                                for line in log.read_text().splitlines() if marker in line)
+            if event["event"] == name]
+
+
+def test_vllm_scores_llama_cpp_primaries_in_an_install_without_torch(vllm, primaries, tmp_path):
+    """vLLM as the remote reference of two llama.cpp primaries: the Q8_0 one raises no alarm,
+    the Q2_K one is caught within 10 completions and switched to its fallback. guard runs as
+    `guard serve` with torch, transformers, llama-cpp-python, ONNX Runtime, TensorFlow and
+    OpenVINO unimportable in it and in its verifier (tests/e2e/without_torch/sitecustomize.py,
+    first on the inherited PYTHONPATH): an install with the llm-remote extra alone, as the
+    image deploy/kubernetes/llm names."""
+    http_port, metrics_port = _free_port(), _free_port()
+    reference = remote_block(vllm)
+    config = write_config(tmp_path, [
+        {"name": "smol-q8", "task": "generation", "primary": llama_block(primaries["Q8_0"]),
+         "reference": reference, "mirror": {"sample_rate": 1.0, "timeout_s": 120},
+         "policy": {"action": "alert"}},
+        {"name": "smol-q2", "task": "generation", "primary": llama_block(primaries["Q2_K"]),
+         "reference": reference, "fallback": llama_block(primaries["Q8_0"]),
+         "mirror": {"sample_rate": 1.0, "timeout_s": 120},
+         "policy": {"action": "fallback_model", "dwell_s": 1.0}}],
+        http_port=http_port, metrics_port=metrics_port)
+    blocked, log_path = tmp_path / "blocked_imports.log", tmp_path / "guard.log"
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "GUARD_BLOCKED_IMPORTS_LOG": str(blocked),
+           "PYTHONPATH": os.pathsep.join([str(here / "without_torch"), str(here.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    log = log_path.open("w")
+    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
+                               stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        base = f"http://127.0.0.1:{http_port}"
+
+        def ready() -> bool:
+            assert process.poll() is None, log_path.read_text()[-3000:]
+            try:
+                with urllib.request.urlopen(f"{base}/health/ready", timeout=2) as answer:
+                    return answer.status == 200
+            except OSError:
+                return False
+
+        wait_for(ready, timeout=180, interval=0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="client-key", max_retries=0,
+                               timeout=120)
+
+        def call(model: str, prompt: str, max_tokens: int) -> str:
+            raw = client.completions.with_raw_response.create(
+                model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
+            assert raw.parse().model == model and raw.parse().choices[0].text
+            return raw.headers["guard-route"]
+
+        def compared(model: str) -> float:
+            return metric(scrape(metrics_port), "guard_mirror_total", model=model,
+                          outcome="compared")
+
+        def switched() -> list[dict]:
+            return [e for e in _guard_events(log_path, "route_transition")
+                    if e["model"] == "smol-q2"]
+
+        calls = {"smol-q8": 0, "smol-q2": 0}
+        for prompt in PROMPTS[:10]:
+            assert call("smol-q8", prompt, 16) == "primary"
+            calls["smol-q8"] += 1
+            if switched():
+                continue
+            # The switch reaches the log a moment after the verdict's count reaches /metrics:
+            # a call may find the route switched first. Until the switch, every call is the
+            # primary's, and each is scored before the next (the verdicts arrive in order).
+            if call("smol-q2", prompt, 32) == "fallback":
+                continue
+            calls["smol-q2"] += 1
+            wait_for(lambda: compared("smol-q2") >= calls["smol-q2"], timeout=180,
+                     interval=0.1)
+        wait_for(lambda: compared("smol-q8") >= calls["smol-q8"], timeout=300, interval=0.2)
+
+        (switch,) = wait_for(switched, timeout=30)
+        assert switch["to_route"] == "fallback" and switch["trigger"] == "policy"
+        assert switch["evidence"]["detector"]["samples"] <= 10  # caught within 10 completions
+        failure = switch["evidence"]["last_failure"]
+        assert failure["mode"] == "logprobs" and failure["mean_kld"] > 0.05
+        assert failure["first_divergence"]["primary_token"]
+        assert len(failure["first_divergence"]["reference_top"]) == 5
+        assert call("smol-q2", PROMPTS[0], 8) == "fallback"
+
+        assert not [e for e in _guard_events(log_path, "drift_alert") if e["model"] == "smol-q8"]
+        values = scrape(metrics_port)
+        assert metric(values, "guard_detector_statistic", model="smol-q8", tier="generation") \
+            < metric(values, "guard_detector_threshold", model="smol-q8", tier="generation")
+        kld = metric(values, "guard_generation_kld_sum", model="smol-q8") / calls["smol-q8"]
+        assert kld < 0.05  # the completions' mean KLD: an agreeing primary
+        for name in calls:
+            assert metric(values, "guard_mirror_total", model=name, outcome="error") == 0
+        assert metric(values, "guard_fallback_active", model="smol-q2", scope="model") == 1
+    finally:
+        process.terminate()
+        process.wait(timeout=60)
+        log.close()
+    text = log_path.read_text()
+    assert process.returncode == 0, text[-3000:]
+    assert "Traceback" not in text, text[-3000:]
+    # The block was in force in the serving process and in its verifier.
+    active = [line for line in blocked.read_text().splitlines() if " active " in line]
+    assert len(active) >= 2, blocked.read_text()
