@@ -19,6 +19,16 @@ the evidence of one replica at 20%. Prometheus already holds every replica's cou
 - the alert ``GuardFleetDrift`` when, on any window, ``llr >= h`` with at least
   ``policy.min_samples`` pooled checks.
 
+A ``task: generation`` model's detector weighs a score per completion, not a bit (its step is
+``ln(1 + bet (score / in_control_ratio - 1))``, an e-value's log: guard/policy/detector.py
+``ScoreCusum``), and each replica exports the sum of those steps, split by sign
+(``guard_detector_evidence_nats_total{direction="for"|"against"}``). Its pooled ratio is that
+sum over the fleet and the window, ``for`` minus ``against``: the log of the product of every
+pooled completion's e-value, which is a likelihood ratio's kind of evidence and takes the same
+threshold by the same argument below (each factor has expectation at most 1 while the mean
+score is at most ``in_control_ratio``). Every replica must run one config (one
+``in_control_ratio`` and ``bet``), as a fleet of one image does.
+
 The threshold. A ratio over a window is not a CUSUM, and the CUSUM's ARL0 does not carry over:
 the window is evaluated again every ``evaluation_interval`` over overlapping data. What holds is
 this: for a fixed window, while the rate is p0, the likelihood ratio ``exp(llr)`` has expectation
@@ -123,18 +133,20 @@ def fleet_threshold(false_alarms_per_day: float, evaluation_s: float, windows: i
 
 
 def applies(model: ModelThresholds) -> bool:
-    """Models whose replicas check samples with pass/fail tiers (a generation model's detector
-    weighs a score per completion, not a bit: its evidence does not pool this way)."""
-    return model.mirrors and model.generation is None
+    """Models whose replicas check samples: pass/fail tiers pool their counts, a generation
+    model its completions' evidence."""
+    return model.mirrors
 
 
 def _name(kind: str, window: str) -> str:
     return f"model_tier:guard_fleet_{kind}:increase{window}"
 
 
-def recording_rules(settings: RuleSettings, fleet: FleetSettings) -> list[dict]:
-    """Per window, the checks and failures of each (pooling labels, tier), fleet-wide; and the
-    rates to test between."""
+def recording_rules(settings: RuleSettings, fleet: FleetSettings,
+                    scored: bool = False) -> list[dict]:
+    """Per window, the checks and failures of each (pooling labels, tier), fleet-wide; the
+    rates to test between; and with ``scored`` (a generation model is pooled), the scored
+    tiers' evidence."""
     by = ", ".join((*fleet.by, "tier"))
     job = f'job="{settings.job}"'
     base = f'{job},tier!="activation"'
@@ -151,12 +163,23 @@ def recording_rules(settings: RuleSettings, fleet: FleetSettings) -> list[dict]:
     for rate in ("p0", "p1"):
         rules.append({"record": f"model_tier:guard_fleet_{rate}:max",
                       "expr": f"max by ({by}) (guard_detector_{rate}{{{job}}})"})
+    if scored:
+        evidence = "guard_detector_evidence_nats_total"
+        for window in fleet.windows:
+            rules.append({
+                "record": _name("evidence_nats", window),
+                "expr": f'sum by ({by}) (increase({evidence}{{{job},direction="for"}}'
+                        f'[{window}])) - sum by ({by}) (increase({evidence}{{{job},'
+                        f'direction="against"}}[{window}]))'})
     return rules
 
 
 def llr_expr(model: ModelThresholds, window: str) -> str:
-    """The pooled log-likelihood ratio of p1 against p0 over ``window``, as PromQL."""
+    """The pooled log-likelihood ratio of p1 against p0 over ``window``, as PromQL (a
+    generation model: its completions' pooled log e-value)."""
     sel = model_selector(model.name)
+    if model.generation is not None:
+        return f"{_name('evidence_nats', window)}{{{sel}}}"
     fails, checks = f"{_name('failures', window)}{{{sel}}}", f"{_name('checks', window)}{{{sel}}}"
     p0, p1 = f"model_tier:guard_fleet_p0:max{{{sel}}}", f"model_tier:guard_fleet_p1:max{{{sel}}}"
     return (f"{fails} * ln({p1} / {p0}) + ({checks} - {fails}) * ln((1 - {p1}) / (1 - {p0}))")
@@ -175,14 +198,21 @@ def model_rules(model: ModelThresholds, settings: RuleSettings,
         f"{_name('checks', window)}{{{sel}}} >= {model.policy.min_samples})"
         for window in fleet.windows) + ")"
     windows = ", ".join(fleet.windows)
+    if model.generation is None:
+        what = (f"The replicas of model {model.name} together fail the {{{{ $labels.tier }}}} "
+                "checks more often than the highest in-control rate any of them assumes "
+                f"(guard_detector_p0) allows: over one of the windows {windows}, their pooled "
+                "counts favour the alarm rate (guard_detector_p1) by a log-likelihood ratio of")
+    else:
+        what = (f"The replicas of model {model.name} together score their completions above "
+                "the in-control level (checks.generation.in_control_ratio of the level where one "
+                f"fails): over one of the windows {windows}, their completions' pooled "
+                "evidence (guard_detector_evidence_nats_total, for minus against) is")
     rules.append(alert_rule(
         ALERT, condition, None, "critical",
         f"guard {model.name}: {{{{ $labels.tier }}}} drift across the fleet (pooled "
         f"log-likelihood ratio {{{{ printf \"%.1f\" $value }}}})",
-        f"The replicas of model {model.name} together fail the {{{{ $labels.tier }}}} checks "
-        "more often than the highest in-control rate any of them assumes (guard_detector_p0) "
-        f"allows: over one of the windows {windows}, their pooled counts favour the alarm "
-        "rate (guard_detector_p1) by a log-likelihood ratio of "
+        f"{what} "
         f"{{{{ printf \"%.1f\" $value }}}} (threshold {h:.2f}: at most "
         f"{fleet.false_alarms_per_day:g} false alarms per day with rules evaluated every "
         f"{fleet.evaluation_interval}; model_tier:guard_fleet_llr:<window> has each window's). "
@@ -202,7 +232,8 @@ def fleet_groups(models: list[ModelThresholds], settings: RuleSettings,
     pooled = [m for m in models if applies(m)]
     if not pooled:
         return []
-    rules = recording_rules(settings, fleet)
+    rules = recording_rules(settings, fleet,
+                            scored=any(m.generation is not None for m in pooled))
     for model in pooled:
         rules += model_rules(model, settings, fleet)
     return [{"name": "guard.fleet", "interval": fleet.evaluation_interval, "rules": rules}]

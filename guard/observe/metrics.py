@@ -104,6 +104,15 @@ class GuardMetrics:
             "Failure rate a tier's detector alarms on (policy.p1, else p0 + policy.shift).",
             ["model", "tier"], registry=r,
         )
+        # A scored tier's evidence, each sample's step of its trip detector split by sign (a
+        # counter never falls): summed over replicas and a window, "for" minus "against" is the
+        # fleet's log e-value, what `guard deploy rules --fleet` tests (guard/deploy/fleet.py).
+        self.detector_evidence = Counter(
+            "guard_detector_evidence_nats",
+            "Log e-value of a scored tier's samples of the primary (each its trip detector's "
+            "step, ln(1 + bet (score / null_mean - 1))), by sign: 'for' drift, 'against'.",
+            ["model", "tier", "direction"], registry=r,
+        )
         self.detector_samples = Gauge(
             "guard_detector_samples",
             "Samples a tier's trip detector has taken since it (re)started; it decides only "
@@ -256,6 +265,8 @@ class GuardMetrics:
         self.generation_kld.labels(model)
         self.generation_top1_agreement.labels(model)
         self.generation_first_divergence.labels(model)
+        for direction in ("for", "against"):  # both, so that "for" minus "against" always exists
+            self.detector_evidence.labels(model, "generation", direction)
 
     def declare_served_model(self, model: str) -> None:
         """The serving process's series of a model at zero (requests; samples the ring

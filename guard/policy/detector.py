@@ -150,6 +150,17 @@ class ScoreSpec:
             raise ValueError("bet must be in (0, 1)")
 
 
+def score_step(score: float, null_mean: float, bet: float, direction: str = "up") -> float:
+    """The log e-value a score adds to a ``ScoreCusum`` (its docstring says why each is one);
+    also what each replica exports as ``guard_detector_evidence_nats_total``, the evidence
+    the fleet rules pool (guard/deploy/fleet.py)."""
+    if not score >= 0.0:  # NaN included
+        raise ValueError(f"score must be a number >= 0, got {score}")
+    if direction == "up":
+        return math.log1p(bet * (score / null_mean - 1.0))
+    return math.log1p(bet * (1.0 - min(score, 2.0 * null_mean) / null_mean))
+
+
 class ScoreCusum(_ClampedSum):
     """CUSUM of betting e-values on a non-negative score ``x`` per sample.
 
@@ -177,11 +188,7 @@ class ScoreCusum(_ClampedSum):
         self.last_score: float | None = None
 
     def increment(self, score: float) -> float:
-        if not score >= 0.0:  # NaN included
-            raise ValueError(f"score must be a number >= 0, got {score}")
-        if self.direction == "up":
-            return math.log1p(self.bet * (score / self.null_mean - 1.0))
-        return math.log1p(self.bet * (1.0 - min(score, 2.0 * self.null_mean) / self.null_mean))
+        return score_step(score, self.null_mean, self.bet, self.direction)
 
     def update(self, score: float) -> bool:
         step = self.increment(score)

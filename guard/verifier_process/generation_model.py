@@ -57,7 +57,7 @@ from guard.ipc.wire import CAPTURE, MIRROR, Generation, Sample
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.policy.detector import ScoreSpec
+from guard.policy.detector import ScoreSpec, score_step
 from guard.policy.route import RoutePolicy
 from guard.protocol.generation import GenerationSample
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
@@ -269,6 +269,8 @@ class VerifiedGenerationModel(VerifiedModel):
         self._top1 = metrics.generation_top1_agreement.labels(self.name)
         self._divergence = metrics.generation_first_divergence.labels(self.name)
         self._not_comparable = metrics.mirror.labels(self.name, "not_comparable")
+        self._fleet_evidence = {d: metrics.detector_evidence.labels(self.name, TIER, d)
+                                for d in ("for", "against")}
         for gauge, figure in ((metrics.drift_ratio, "ratio"),
                               (metrics.detector_statistic, "statistic"),
                               (metrics.detector_threshold, "threshold"),
@@ -396,8 +398,14 @@ class VerifiedGenerationModel(VerifiedModel):
                 self._divergence.observe(check.first_divergence.position + 1)
             self._last_failure = (sample.epoch, self._evidence(result))
             self._announce(result)
-        transition = self.policy.observe(TIER, not check.passed, sample.epoch,
-                                         score=detector_score(check, self._limits))
+        score = detector_score(check, self._limits)
+        if score is not None:
+            # Every scored completion of the primary (a probe's too, and whatever the route's
+            # epoch): the fleet rules pool these steps over replicas (guard/deploy/fleet.py).
+            gen = self.config.checks.generation
+            step = score_step(score, gen.in_control_ratio, gen.bet)
+            self._fleet_evidence["for" if step > 0 else "against"].inc(abs(step))
+        transition = self.policy.observe(TIER, not check.passed, sample.epoch, score=score)
         if transition is not None:
             evidence = dict(transition.evidence)
             if self._last_failure is not None and self._last_failure[0] == sample.epoch:

@@ -42,10 +42,14 @@ SHIPPED = [
     ("deploy/prometheus/llm-guard.yaml", "prometheus", "deploy/prometheus/guard-rules-llm.yaml",
      ()),
     (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules-fleet.yaml", ("--fleet",)),
+    ("deploy/prometheus/llm-guard.yaml", "prometheus",
+     "deploy/prometheus/guard-rules-fleet-llm.yaml", ("--fleet",)),
+    ("deploy/kubernetes/llm/guard.yaml", "prometheusrule",
+     "deploy/kubernetes/llm/prometheusrule.yaml", ()),
 ]
 # The promtool unit tests of each shipped rule file: tensor models, an LLM, the fleet rules.
 RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml",
-              "deploy/prometheus/tests-fleet.yaml"]
+              "deploy/prometheus/tests-fleet.yaml", "deploy/prometheus/tests-fleet-llm.yaml"]
 GENERATION_ALERTS = {"GuardGenerationKldHigh"}  # only task: generation models have these
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
@@ -91,7 +95,9 @@ def test_shipped_rules_equal_a_fresh_generation(config, fmt, shipped, flags):
     ("deploy/prometheus/guard-rules.yaml", len(ALERTS) - len(GENERATION_ALERTS)),
     ("deploy/prometheus/guard-rules-llm.yaml", len(ALERTS)),
     # + per window 2 counts and a model's ratio, 2 rates, the fleet alert: 19 with 3 windows
-    ("deploy/prometheus/guard-rules-fleet.yaml", len(ALERTS) - len(GENERATION_ALERTS) + 12)])
+    ("deploy/prometheus/guard-rules-fleet.yaml", len(ALERTS) - len(GENERATION_ALERTS) + 12),
+    # an LLM's fleet: the same, and per window its pooled evidence: 22 with 3 windows
+    ("deploy/prometheus/guard-rules-fleet-llm.yaml", len(ALERTS) + 15)])
 def test_promtool_checks_the_rule_file(rule_file, alerts):
     result = subprocess.run([PROMTOOL, "check", "rules", rule_file],
                             cwd=ROOT, capture_output=True, text=True, timeout=60)
@@ -357,7 +363,7 @@ def test_fleet_threshold_bounds_the_false_alarms_per_day():
     assert fleet_threshold(0.01, 60, 3) > fleet_threshold(0.1, 60, 3) > fleet_threshold(0.1, 60, 1)
 
 
-def test_fleet_rules_pool_by_the_labels_asked_and_leave_generation_models_out():
+def test_fleet_rules_pool_by_the_labels_asked_and_a_generation_models_evidence():
     from guard.deploy.fleet import FleetSettings
 
     data = {"version": 1, "models": [
@@ -376,10 +382,21 @@ def test_fleet_rules_pool_by_the_labels_asked_and_leave_generation_models_out():
         'tier!="activation",result=~"pass|fail"}[10m]))')
     assert rules["model_tier:guard_fleet_p0:max"]["expr"] == (
         'max by (namespace, model, tier) (guard_detector_p0{job="ml"})')
-    (alert,) = [r for r in group["rules"] if r.get("alert")]
-    assert 'model="a"' in alert["expr"] and ">= 7)" in alert["expr"]
-    assert "smol" not in json.dumps(group) and "quiet" not in json.dumps(group)
-    assert alert["labels"] == {"severity": "critical", "scope": "fleet"}
+    # The generation model's ratio is its completions' pooled evidence, "for" minus "against".
+    assert rules["model_tier:guard_fleet_evidence_nats:increase10m"]["expr"] == (
+        'sum by (namespace, model, tier) (increase(guard_detector_evidence_nats_total{job="ml",'
+        'direction="for"}[10m])) - sum by (namespace, model, tier) (increase('
+        'guard_detector_evidence_nats_total{job="ml",direction="against"}[10m]))')
+    ratios = [r for r in group["rules"] if r.get("record") == "model_tier:guard_fleet_llr:10m"]
+    assert [r["expr"] for r in ratios if 'model="smol"' in r["expr"]] == [
+        'model_tier:guard_fleet_evidence_nats:increase10m{model="smol"}']
+    alerts = {("smol" if 'model="smol"' in r["expr"] else "a"): r
+              for r in group["rules"] if r.get("alert")}
+    assert set(alerts) == {"a", "smol"}
+    assert ">= 7)" in alerts["a"]["expr"] and "guard_detector_evidence_nats_total" in \
+        alerts["smol"]["annotations"]["description"]
+    assert "quiet" not in json.dumps(group)
+    assert alerts["a"]["labels"] == {"severity": "critical", "scope": "fleet"}
 
 
 @pytest.mark.parametrize("flags,message", [

@@ -138,6 +138,10 @@ def test_a_q2k_primary_is_caught_switched_to_the_fallback_and_probed(
         assert metric(values, "guard_fallback_transitions_total", model="smol",
                       to="fallback_model") == 1
         assert complete(client, PROMPTS[0], 8)[0] == "fallback"
+        # The evidence the fleet rules pool: every scored completion of the primary (probes
+        # too) adds its detector step; a Q2_K's steps are all for drift, past the threshold.
+        assert evidence(values) >= metric(values, "guard_detector_threshold", model="smol",
+                                          tier="generation")
         _assert_contract_series(server)
 
 
@@ -163,6 +167,15 @@ def test_a_q8_primary_raises_no_alarm(upstreams, ladder, tmp_path, caplog):
         assert 0 <= statistic < threshold
         kld_sum = metric(values, "guard_generation_kld_sum", model="smol")
         assert kld_sum / calls < 0.05  # the completions' mean KLD: an agreeing primary
+        assert evidence(values) < 0  # its completions' pooled evidence speaks against drift
+
+
+def evidence(values) -> float:
+    """guard_detector_evidence_nats_total, "for" minus "against" (what --fleet pools)."""
+    return (metric(values, "guard_detector_evidence_nats_total", model="smol",
+                   tier="generation", direction="for")
+            - metric(values, "guard_detector_evidence_nats_total", model="smol",
+                     tier="generation", direction="against"))
 
 
 def _assert_contract_series(server) -> None:
