@@ -45,7 +45,7 @@ SHIPPED = [
     ("deploy/prometheus/llm-guard.yaml", "prometheus",
      "deploy/prometheus/guard-rules-fleet-llm.yaml", ("--fleet",)),
     ("deploy/kubernetes/llm/guard.yaml", "prometheusrule",
-     "deploy/kubernetes/llm/prometheusrule.yaml", ()),
+     "deploy/kubernetes/llm/prometheusrule.yaml", ("--fleet",)),
 ]
 # The promtool unit tests of each shipped rule file: tensor models, an LLM, the fleet rules.
 RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml",
@@ -107,8 +107,9 @@ def test_promtool_checks_the_rule_file(rule_file, alerts):
 
 @needs_promtool
 def test_promtool_checks_the_prometheusrule_groups(tmp_path):
-    """The PrometheusRule's spec.groups is a rule file too: check both shipped resources."""
-    for shipped in (f"{BASE}/prometheusrule.yaml", f"{OVERLAY}/prometheusrule.yaml"):
+    """The PrometheusRule's spec.groups is a rule file too: check every shipped resource."""
+    for shipped in (f"{BASE}/prometheusrule.yaml", f"{OVERLAY}/prometheusrule.yaml",
+                    "deploy/kubernetes/llm/prometheusrule.yaml"):
         resource = yaml.safe_load((ROOT / shipped).read_text())
         assert resource["kind"] == "PrometheusRule"
         path = tmp_path / "groups.yaml"

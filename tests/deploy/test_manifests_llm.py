@@ -18,6 +18,7 @@ import yaml
 from kustomize_builds import KUBECTL, KUBERNETES_VALIDATE, ROOT, SCHEMA_VERSIONS, build, one, \
     validate
 
+from guard.deploy.fleet import FleetSettings
 from guard.deploy.rules import RuleSettings, render, thresholds_from_data
 from guard.plan.complete import parse_config
 
@@ -181,12 +182,14 @@ def test_the_config_is_valid_and_the_rules_are_its_own(docs, config):
     planned, raw = config
     (model,) = planned.models
     assert model.task == "generation"
+    # With the fleet rules: the replicas' completions pooled (guard/deploy/fleet.py).
     expected = yaml.safe_load(render(thresholds_from_data(raw), RuleSettings(),
-                                     "prometheusrule"))
+                                     "prometheusrule", fleet=FleetSettings()))
     rule = one(docs, "PrometheusRule")
     assert rule["spec"] == expected["spec"], "regenerate deploy/kubernetes/llm/prometheusrule.yaml"
-    alerts = {r["alert"] for group in rule["spec"]["groups"] for r in group["rules"]}
-    assert "GuardGenerationKldHigh" in alerts
+    alerts = {r["alert"] for group in rule["spec"]["groups"] for r in group["rules"]
+              if "alert" in r}
+    assert {"GuardGenerationKldHigh", "GuardFleetDrift"} <= alerts
 
 
 def test_the_guard_image_for_it_installs_no_torch():
