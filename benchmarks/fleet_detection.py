@@ -67,14 +67,7 @@ def fleet_delays(rng, lam_min: float, p0: float, p_drift: float, p1: float, h: f
     rate[:, history] = p0 + (p_drift - p0) * (1 - start)
     f = rng.binomial(n, rate)
     up, down = llr_steps(p0, p1)
-    alarm = np.zeros((trials, columns), dtype=bool)
-    cn = np.concatenate([np.zeros((trials, 1)), np.cumsum(n, axis=1)], axis=1)
-    cf = np.concatenate([np.zeros((trials, 1)), np.cumsum(f, axis=1)], axis=1)
-    for w in windows_min:
-        nw = cn[:, w:] - cn[:, :-w]
-        fw = cf[:, w:] - cf[:, :-w]
-        llr = up * fw + down * (nw - fw)
-        alarm[:, w - 1:] |= (llr >= h) & (nw >= MIN_SAMPLES)
+    alarm = pooled_alarms(n, up * f + down * (n - f), windows_min, h, MIN_SAMPLES)
     # Evaluations at the end of each minute from the drift's minute on.
     after = alarm[:, history:]
     first = np.where(after.any(axis=1), after.argmax(axis=1), np.inf)
@@ -116,13 +109,27 @@ def fleet_false_alarms(rng, lam_min: float, p0: float, p1: float, h: float,
     n = rng.poisson(lam_min, size=minutes)
     f = rng.binomial(n, p0)
     up, down = llr_steps(p0, p1)
-    cn, cf = np.concatenate([[0], np.cumsum(n)]), np.concatenate([[0], np.cumsum(f)])
-    alarm = np.zeros(minutes, dtype=bool)
+    return episodes(pooled_alarms(n, up * f + down * (n - f), windows_min, h, MIN_SAMPLES)) / days
+
+
+def pooled_alarms(counts: np.ndarray, llr: np.ndarray, windows_min: list[int], h: float,
+                  min_samples: int) -> np.ndarray:
+    """The pooled rule at each minute's evaluation (the last axis is minutes): per window, the
+    summed per-minute log-likelihood ratio (or log e-value) at or over ``h`` with at least
+    ``min_samples`` samples in it; a window counts once it is full."""
+    shape = counts.shape[:-1] + (1,)
+    cn = np.concatenate([np.zeros(shape), np.cumsum(counts, axis=-1)], axis=-1)
+    cl = np.concatenate([np.zeros(shape), np.cumsum(llr, axis=-1)], axis=-1)
+    alarm = np.zeros(counts.shape, dtype=bool)
     for w in windows_min:
-        nw, fw = cn[w:] - cn[:-w], cf[w:] - cf[:-w]
-        alarm[w - 1:] |= (up * fw + down * (nw - fw) >= h) & (nw >= MIN_SAMPLES)
-    episodes = int(np.count_nonzero(alarm[1:] & ~alarm[:-1]) + alarm[0])
-    return episodes / days
+        nw, lw = cn[..., w:] - cn[..., :-w], cl[..., w:] - cl[..., :-w]
+        alarm[..., w - 1:] |= (lw >= h) & (nw >= min_samples)
+    return alarm
+
+
+def episodes(alarm: np.ndarray) -> int:
+    """Alarm episodes in a minute series: not-alarmed -> alarmed, and an alarm at the start."""
+    return int(np.count_nonzero(alarm[1:] & ~alarm[:-1]) + alarm[0])
 
 
 def summary(minutes: np.ndarray) -> dict:

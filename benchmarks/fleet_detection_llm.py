@@ -10,7 +10,7 @@ Two halves.
    sampled with llama.cpp's server defaults, scored by the transformers fp32 reference through
    the sidecar's own parts (benchmarks/llm_detection.py's ``Run``: the config as ``guard serve``
    parses it, the registry's tier, ``detector_score``), each completion's step
-   ``ln(1 + bet (score / in_control_ratio - 1))`` (guard/policy/detector.py ``score_step``):
+   ``ln(1 + bet (score / in_control_ratio - 1))`` (guard/policy/detector.py ``ScoreSpec.step``):
    what ``guard_detector_evidence_nats_total`` sums.
 2. Simulated with those steps (bootstrap): Poisson sampled completions, ``--replicas`` replicas
    at ``--per-replica`` completions a minute each, the drift on every replica at once (the
@@ -57,13 +57,12 @@ def measure_steps(completions: int, threads: int) -> dict:
     from llm_detection import Run, model_config
 
     from guard.backends import create_backend
-    from guard.policy.detector import score_step
-    from guard.verifier_process.generation_model import detector_score
+    from guard.verifier_process.generation_model import detector_score, generation_score_spec
     from guard.verify.pipeline import Comparator
     from guard.zoo.llm import quant_ladder, smollm2_gguf
 
     config = model_config(smollm2_gguf())
-    gen = config.checks.generation
+    gen, spec = config.checks.generation, generation_score_spec(config)
     reference = create_backend(config.reference, "reference", threads)
     reference.load()
     comparator = Comparator.for_model(config)
@@ -80,7 +79,7 @@ def measure_steps(completions: int, threads: int) -> dict:
                     score = detector_score(check, run.limits)
                     if score is None:
                         continue  # not scored: no step, as in the verifier
-                    steps.append(score_step(score, gen.in_control_ratio, gen.bet))
+                    steps.append(spec.step(score))
                     klds.append(check.mean_kld)
                     if (i + 1) % 25 == 0:
                         print(f"  {rung}: {i + 1}/{completions}, {time.time() - started:.0f}s",
@@ -103,21 +102,6 @@ def pooled_sums(rng, steps: np.ndarray, rate_per_min: float, minutes: int) -> tu
     return counts, sums
 
 
-def windowed(values: np.ndarray, width: int) -> np.ndarray:
-    """Each minute's sum over the last ``width`` minutes."""
-    cumulative = np.r_[0.0, np.cumsum(values)]
-    ends = np.arange(1, values.size + 1)
-    return cumulative[ends] - cumulative[np.maximum(ends - width, 0)]
-
-
-def fleet_alarms(counts, sums, windows: list[int], h: float, min_samples: int) -> np.ndarray:
-    """The minutes at whose evaluation the pooled rule holds on some window."""
-    hit = np.zeros(sums.size, bool)
-    for width in windows:
-        hit |= (windowed(sums, width) >= h) & (windowed(counts, width) >= min_samples)
-    return hit
-
-
 def cusum_first(steps: np.ndarray, threshold: float) -> int | None:
     """The index of the step at which a clamped sum first reaches ``threshold``."""
     s = 0.0
@@ -128,62 +112,56 @@ def cusum_first(steps: np.ndarray, threshold: float) -> int | None:
     return None
 
 
-def alert_after(decided: float, start: float) -> float:
-    """A replica's drift alert: the first rule evaluation after its detector decided (the
-    evaluations at k - start, k = 1, 2, ...), plus the rule's ``for``."""
-    if not math.isfinite(decided):
-        return math.inf
-    return math.ceil(decided + start) - start + DRIFT_FOR_MIN
-
-
 def delays(rng, measured: dict, args, h: float, windows: list[int]) -> dict:
     """Minutes from the drift's start to each way's decision and alert, per trial."""
+    from fleet_detection import alerted, pooled_alarms
+
     healthy, drifting = (np.asarray(measured[k]["steps"]) for k in ("healthy", "drifting"))
     fleet_rate = args.replicas * args.per_replica
-    per_day_fleet = fleet_rate * 1440
-    one_threshold = math.log(per_day_fleet / args.false_alarms_per_day)
-    own_threshold = math.log(per_day_fleet / args.false_alarms_per_day)  # shared by replicas
+    # ln ARL0 for the fleet's false alarms per day: one replica at the fleet's rate, or the
+    # replicas alone sharing them (each ARL0 = the fleet's completions a day / its share).
+    threshold = math.log(fleet_rate * 1440 / args.false_alarms_per_day)
     history, horizon = max(windows), args.horizon
-    out: dict[str, list[float]] = {k: [] for k in ("fleet", "one_decides", "one_alerts",
-                                                   "own_decides", "own_alerts")}
+    fleet, one, own = [], [], []
     for _ in range(args.trials):
         # The drift starts at t = 0, within the minute before evaluation 1 (at 1 - start).
         start = rng.uniform(0, 1)
         c0, s0 = pooled_sums(rng, healthy, fleet_rate, history)
         c1, s1 = pooled_sums(rng, drifting, fleet_rate, horizon)
-        hit = fleet_alarms(np.r_[c0, c1], np.r_[s0, s1], windows, h, args.min_samples)[history:]
-        first = np.flatnonzero(hit)
-        out["fleet"].append(first[0] + 1 - start if first.size else math.inf)
-        # One replica at the fleet's rate: its completions' times and steps after the drift.
-        n = rng.poisson(fleet_rate * horizon)
-        times = np.sort(rng.uniform(0, horizon, n))
-        index = cusum_first(rng.choice(drifting, n), one_threshold)
-        decided = times[index] if index is not None else math.inf
-        out["one_decides"].append(decided)
-        out["one_alerts"].append(alert_after(decided, start))
-        # Each replica alone: the first of them to trip.
-        firsts = []
-        for _ in range(args.replicas):
-            n = rng.poisson(args.per_replica * horizon)
-            times = np.sort(rng.uniform(0, horizon, n))
-            index = cusum_first(rng.choice(drifting, n), own_threshold)
-            firsts.append(times[index] if index is not None else math.inf)
-        own = min(firsts)
-        out["own_decides"].append(own)
-        out["own_alerts"].append(alert_after(own, start))
-    return {k: [float(v) for v in vals] for k, vals in out.items()} | {
-        "one_threshold": one_threshold, "own_threshold": own_threshold}
+        hit = pooled_alarms(np.r_[c0, c1], np.r_[s0, s1], windows, h, args.min_samples)
+        first = np.flatnonzero(hit[history:])
+        fleet.append(first[0] + 1 - start if first.size else math.inf)
+        # One replica at the fleet's rate, and each replica alone (the first to trip).
+        one.append(cusum_decides(rng, drifting, fleet_rate, horizon, threshold))
+        own.append(min(cusum_decides(rng, drifting, args.per_replica, horizon, threshold)
+                       for _ in range(args.replicas)))
+    one_decides, own_decides = np.array(one), np.array(own)
+    ways = {"fleet": np.array(fleet), "one_decides": one_decides,
+            "one_alerts": alerted(rng, one_decides, DRIFT_FOR_MIN), "own_decides": own_decides,
+            "own_alerts": alerted(rng, own_decides, DRIFT_FOR_MIN)}
+    return {k: [float(v) for v in vals] for k, vals in ways.items()} | {
+        "one_threshold": threshold, "own_threshold": threshold}
+
+
+def cusum_decides(rng, steps: np.ndarray, rate_per_min: float, horizon: int,
+                  threshold: float) -> float:
+    """Minutes from the drift's start to a replica's detector deciding, its completions a
+    Poisson stream at ``rate_per_min`` with steps drawn from ``steps``; inf past the horizon."""
+    n = rng.poisson(rate_per_min * horizon)
+    times = np.sort(rng.uniform(0, horizon, n))
+    index = cusum_first(rng.choice(steps, n), threshold)
+    return float(times[index]) if index is not None else math.inf
 
 
 def false_alarms_per_day(rng, measured: dict, args, h: float, windows: list[int]) -> float:
     """The pooled rule's alarm episodes per day over ``args.days`` of healthy completions (an
     episode: a run of evaluations where the rule holds)."""
+    from fleet_detection import episodes, pooled_alarms
+
     healthy = np.asarray(measured["healthy"]["steps"])
-    minutes = int(args.days * 1440)
-    counts, sums = pooled_sums(rng, healthy, args.replicas * args.per_replica, minutes)
-    hit = fleet_alarms(counts, sums, windows, h, args.min_samples)
-    episodes = int(np.count_nonzero(hit[1:] & ~hit[:-1]) + int(hit[0]))
-    return episodes / args.days
+    counts, sums = pooled_sums(rng, healthy, args.replicas * args.per_replica,
+                               int(args.days * 1440))
+    return episodes(pooled_alarms(counts, sums, windows, h, args.min_samples)) / args.days
 
 
 def summary(values: list[float]) -> str:
@@ -213,7 +191,7 @@ def main() -> int:
     parser.add_argument("--out", type=Path, default=HERE / "results")
     args = parser.parse_args()
 
-    from guard.deploy.fleet import FleetSettings, fleet_threshold, seconds
+    from guard.deploy.fleet import FleetSettings, seconds
     from guard.machine import cpu_model
     from guard.observe.logformat import silence_library_progress
 
@@ -226,8 +204,7 @@ def main() -> int:
     args.min_samples = measured["min_samples"]
     fleet = FleetSettings(false_alarms_per_day=args.false_alarms_per_day)
     windows = [int(seconds(w) // 60) for w in fleet.windows]
-    h = fleet_threshold(args.false_alarms_per_day, seconds(fleet.evaluation_interval),
-                        len(windows))
+    h = fleet.threshold
     rng = np.random.default_rng(args.seed)
     result = delays(rng, measured, args, h, windows)
     observed = false_alarms_per_day(rng, measured, args, h, windows)

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Literal
 
 import numpy as np
 
+from guard.errors import BackendError
+
 # Re-exported: these moved to the protocol's ground floor (guard/protocol/tensors.py).
 from guard.protocol.tensors import (  # noqa: F401
     MAX_ELEMENTS,
@@ -51,6 +53,16 @@ class BackendInfo:
 
     def summary(self) -> str:
         return f"{self.backend}/{self.precision}/{self.device} {self.artifact}"
+
+
+def require_cuda(device: str) -> None:
+    """A torch-based backend asked for ``device``: a BackendError where it names cuda and this
+    torch build or machine has none, said before anything loads (torch imported only then)."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise BackendError(f"device {device}: this torch build or machine has no CUDA")
 
 
 def backend_details(backends: Mapping[str, Backend]) -> dict[str, dict[str, str]]:

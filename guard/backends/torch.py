@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from guard.backends.artifact import import_factory, read_artifact, require_pin
-from guard.backends.base import Backend, BackendInfo, Role, TensorSpec
+from guard.backends.base import Backend, BackendInfo, Role, TensorSpec, require_cuda
 from guard.backends.determinism import pin_compiler, pin_torch_reference
 from guard.backends.options import TorchCompileOptions, TorchOptions
 from guard.backends.kind import BackendKind, Unsupported
@@ -147,10 +147,8 @@ class TorchBackend(Backend):
             pin_torch_reference(self.options.threads or self.reference_threads)
         elif self.options.threads:
             torch.set_num_threads(self.options.threads)
+        require_cuda(self.spec.device)
         if self.spec.device.startswith("cuda"):
-            if not torch.cuda.is_available():
-                raise BackendError(f"device {self.spec.device}: this torch build or machine "
-                                   "has no CUDA")
             if self.role != "reference":
                 # Set both ways: the switch is process-wide and an earlier backend may have
                 # turned it on (the matrix loads TF32-on and TF32-off backends in turn).

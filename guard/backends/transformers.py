@@ -28,7 +28,7 @@ import numpy as np
 from pydantic import Field
 
 from guard.backends import gguf_cache
-from guard.backends.base import BackendInfo, Role
+from guard.backends.base import BackendInfo, Role, require_cuda
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import LocalScorer, Vocabulary, common_prefix, loaded
@@ -210,11 +210,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
         except ImportError as exc:  # pragma: no cover - depends on the install
             raise BackendError(f"backend transformers needs transformers: {install_hint('llm')} "
                                f"({exc})") from None
-        if self.spec.device.startswith("cuda") and not torch.cuda.is_available():
-            # Said before the weights load (a GGUF's dequantization takes seconds), as the
-            # torch backend says it.
-            raise BackendError(f"device {self.spec.device}: this torch build or machine has no "
-                               "CUDA")
+        require_cuda(self.spec.device)  # before the weights: a GGUF takes seconds to load
         path = self.spec.artifact_path
         _verify_pin(path, self.spec.sha256)
         folder, extra = _source(path)

@@ -149,6 +149,10 @@ class ScoreSpec:
         if not 0 < self.bet < 1:
             raise ValueError("bet must be in (0, 1)")
 
+    def step(self, score: float) -> float:
+        """What ``score`` adds to this tier's trip detector (``score_step``, direction up)."""
+        return score_step(score, self.null_mean, self.bet)
+
 
 def score_step(score: float, null_mean: float, bet: float, direction: str = "up") -> float:
     """The log e-value a score adds to a ``ScoreCusum`` (its docstring says why each is one);

@@ -57,7 +57,7 @@ from guard.ipc.wire import CAPTURE, MIRROR, Generation, Sample
 from guard.observe import tracing
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
-from guard.policy.detector import ScoreSpec, score_step
+from guard.policy.detector import ScoreSpec
 from guard.policy.route import RoutePolicy
 from guard.protocol.generation import GenerationSample
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
@@ -89,14 +89,20 @@ def detector_score(check, limits) -> float | None:
     return None
 
 
+def generation_score_spec(config: ModelConfig) -> ScoreSpec:
+    """The generation tier's score detector: ``checks.generation``'s in-control ratio and bet,
+    failing at a score of 1."""
+    gen = config.checks.generation
+    return ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)
+
+
 def generation_policy(config: ModelConfig) -> RoutePolicy:
     """A generative model's route policy: its detector accumulates the tier's per-completion
     score (``detector_score``) against ``checks.generation``'s in-control ratio."""
-    gen = config.checks.generation
     return RoutePolicy(config.name, config.policy, (TIER,),
                        has_fallback=config.fallback is not None,
                        sample_rate=config.mirror.sample_rate,
-                       scores={TIER: ScoreSpec(gen.in_control_ratio, 1.0, gen.bet)})
+                       scores={TIER: generation_score_spec(config)})
 
 
 @dataclass
@@ -271,6 +277,7 @@ class VerifiedGenerationModel(VerifiedModel):
         self._not_comparable = metrics.mirror.labels(self.name, "not_comparable")
         self._fleet_evidence = {d: metrics.detector_evidence.labels(self.name, TIER, d)
                                 for d in ("for", "against")}
+        self._score_spec = generation_score_spec(config)
         for gauge, figure in ((metrics.drift_ratio, "ratio"),
                               (metrics.detector_statistic, "statistic"),
                               (metrics.detector_threshold, "threshold"),
@@ -402,8 +409,7 @@ class VerifiedGenerationModel(VerifiedModel):
         if score is not None:
             # Every scored completion of the primary (a probe's too, and whatever the route's
             # epoch): the fleet rules pool these steps over replicas (guard/deploy/fleet.py).
-            gen = self.config.checks.generation
-            step = score_step(score, gen.in_control_ratio, gen.bet)
+            step = self._score_spec.step(score)
             self._fleet_evidence["for" if step > 0 else "against"].inc(abs(step))
         transition = self.policy.observe(TIER, not check.passed, sample.epoch, score=score)
         if transition is not None:

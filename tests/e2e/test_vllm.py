@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -34,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from llm_support import start_llama_server, stop_llama_server
+from llm_support import free_port, start_llama_server, stop_llama_server
 from support import events, metric, running, scrape, wait_for, write_config
 from vllm_server import VLLMServer, require_vllm
 
@@ -325,12 +324,6 @@ def test_llama_cpp_pythons_server_as_the_reference_is_refused_at_start(tmp_path)
 
 
 # -- an install without torch: the llm-remote extra ---------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _guard_events(log: Path, name: str) -> list[dict]:
     """The ``guard.events`` records of a `guard serve` log (one JSON object after the logger's
     name per line)."""
@@ -347,7 +340,7 @@ def test_vllm_scores_llama_cpp_primaries_in_an_install_without_torch(vllm, prima
     OpenVINO unimportable in it and in its verifier (tests/e2e/without_torch/sitecustomize.py,
     first on the inherited PYTHONPATH): an install with the llm-remote extra alone, as the
     image deploy/kubernetes/llm names."""
-    http_port, metrics_port = _free_port(), _free_port()
+    http_port, metrics_port = free_port(), free_port()
     reference = remote_block(vllm)
     config = write_config(tmp_path, [
         {"name": "smol-q8", "task": "generation", "primary": llama_block(primaries["Q8_0"]),
