@@ -39,11 +39,12 @@ import urllib.error
 import urllib.request
 from typing import TYPE_CHECKING, Any, Literal, Mapping
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from guard.backends.base import Backend, BackendInfo, Forwarding, ForwardingError, Role
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
+from guard.protocol.generation import generation_config_defaults
 from guard.observe.events import emit
 
 if TYPE_CHECKING:  # (imported by the serving loop that uses them)
@@ -92,9 +93,20 @@ class OpenAIOptions(_Strict):
         "unknown", description="The server's engine, for the sampling transform it applies "
         "where a request does not say: its sampler order (llama.cpp applies the temperature "
         "after top_k/top_p/min_p, vLLM before), its penalty window and its default values "
-        "(llama.cpp: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; vllm and openai: "
-        "temperature 1). server_defaults is laid over the preset. unknown: no preset, only "
-        "greedy requests and requests that set the temperature are compared.")
+        "(llama.cpp: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; openai: "
+        "temperature 1; vllm: those of generation_config, below). server_defaults is laid "
+        "over the preset. unknown: no preset, only greedy requests and requests that set the "
+        "temperature are compared.")
+    generation_config: str | None = Field(
+        None, description="engine vllm: where vLLM takes its sampling defaults from, as its "
+        "--generation-config names it: the model's generation_config.json (the file, or the "
+        "model folder holding it), whose temperature, top_p, top_k, min_p and penalties vLLM "
+        "applies to a request that does not set them (its default, 'auto'); 'vllm': vLLM's "
+        "neutral defaults (temperature 1, no truncation: a server started with "
+        "--generation-config vllm). Unset: not known, so a sampled call that leaves them to "
+        "the server is not comparable (unless sample_logprobs makes it a logprobs "
+        "comparison, which no transform enters). server_defaults is laid over it "
+        "(vLLM's --override-generation-config).")
     server_defaults: ServerDefaults = Field(
         default_factory=ServerDefaults,
         description="The sampling defaults the server applies unless a request says "
@@ -141,6 +153,12 @@ class OpenAIOptions(_Strict):
         20, ge=1, le=1000, description="Reference only: the reference's best tokens the server "
         "returns per position (vLLM refuses more than its --max-logprobs, 20 unless set). The "
         "primary's alternatives outside them count in the tail bucket of the per-token KLD.")
+
+    @model_validator(mode="after")
+    def _generation_config_is_readable(self) -> "OpenAIOptions":
+        if self.generation_config is not None:
+            generation_config_defaults(self.generation_config)  # a JSON object, with numbers
+        return self
 
 
 def base_url(target: str) -> str:
@@ -310,8 +328,8 @@ def _check(spec) -> None:
 
 # Options that only mean something in one role: forwarding (primary, fallback) or scoring
 # (reference).
-FORWARDING_ONLY = ("engine", "server_defaults", "sample_logprobs", "sample_token_ids",
-                   "max_connections")
+FORWARDING_ONLY = ("engine", "generation_config", "server_defaults", "sample_logprobs",
+                   "sample_token_ids", "max_connections")
 REFERENCE_ONLY = ("scoring", "top_logprobs")
 
 
@@ -328,6 +346,11 @@ def _check_roles(model) -> None:
             raise ValueError(f"{role}.options.{wrong[0]}: is for an openai "
                              f"{'primary or fallback' if role == 'reference' else 'reference'}"
                              f"; the {role} {does}")
+        engine = spec.options.get("engine", "unknown")
+        if spec.options.get("generation_config") is not None and engine != "vllm":
+            raise ValueError(f"{role}.options.generation_config: engine {engine} does not apply "
+                             "a model's generation_config.json (vLLM does): declare the "
+                             "server's defaults in server_defaults")
 
 
 def _check_model(model) -> None:

@@ -16,8 +16,10 @@ tensor samples' binary layout buys nothing here). ``from_dict`` rejects what it 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 Endpoint = Literal["completions", "chat"]
@@ -65,6 +67,46 @@ class SamplingParams:
     def greedy(self) -> bool:
         """Temperature 0 (OpenAI's convention for argmax decoding)."""
         return self.temperature is not None and self.temperature <= 0.0
+
+
+# The sampling transform's fields: what a request may set and a server defaults. They are also
+# the fields of a generation_config.json that vLLM applies to a request that does not set them
+# (ModelConfig.get_diff_sampling_param; it does not read do_sample, and max_new_tokens is a
+# length, not part of the transform).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "presence_penalty", "frequency_penalty")
+
+
+def generation_config_defaults(source: str) -> dict[str, float]:
+    """The sampling defaults vLLM takes from ``source``: a generation_config.json, or a
+    folder holding one (an HF model folder), as vLLM's ``--generation-config`` names it;
+    "vllm" (vLLM's neutral defaults): none. ValueError naming the file and the problem."""
+    if source == "vllm":
+        return {}
+    path = Path(source)
+    if path.is_dir():
+        path = path / "generation_config.json"
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ValueError(f"generation_config: cannot read {path}: {exc.strerror or exc}") \
+            from None
+    except ValueError as exc:
+        raise ValueError(f"generation_config: {path} is not JSON: {exc}") from None
+    if not isinstance(document, dict):
+        raise ValueError(f"generation_config: {path} is not a JSON object")
+    found: dict[str, float] = {}
+    for name in SAMPLING_FIELDS:
+        value = document.get(name)
+        if value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"generation_config: {path}: {name} {value!r} is not a number")
+        found[name] = value
+    if found.get("top_k", 0) < 0:
+        found["top_k"] = 0  # vLLM's -1: off, as guard's 0
+    return found
+
 
 
 @dataclass(frozen=True)

@@ -63,7 +63,12 @@ from guard.backends.scoring import (
     largest_k,
     names_its_alternatives,
 )
-from guard.protocol.generation import GenerationSample, SamplingParams
+from guard.protocol.generation import (
+    SAMPLING_FIELDS,
+    GenerationSample,
+    SamplingParams,
+    generation_config_defaults,
+)
 
 # Probabilities are floored here before a log: a bucket the other side gives no mass to.
 _TINY = 1e-12
@@ -78,52 +83,73 @@ class ServerDefaults:
     """The sampling transform a server applies where the request does not say (the backend
     block declares it: it depends on the server and its launch flags).
 
-    ``temperature=None`` means the server's default temperature is not known: a sampled
-    request that does not set it is not comparable. ``temperature_last``: the server applies
-    the truncations (top_k, top_p, min_p) at temperature 1 and the temperature after them
-    (llama.cpp's sampler chain); otherwise temperature first (vLLM, transformers). Penalties
-    follow vLLM's meaning: the repetition penalty over prompt and completion tokens, presence
-    and frequency over completion tokens, within the last ``penalty_last_n`` tokens (-1: all).
+    A field that is None is not known: a sampled request that does not set it is not
+    comparable (``temperature=None`` alone: only greedy requests and requests that set the
+    temperature compare). ``temperature_last``: the server applies the truncations (top_k,
+    top_p, min_p) at temperature 1 and the temperature after them (llama.cpp's sampler chain);
+    otherwise temperature first (vLLM, transformers). Penalties follow vLLM's meaning: the
+    repetition penalty over prompt and completion tokens, presence and frequency over
+    completion tokens, within the last ``penalty_last_n`` tokens (-1: all).
     """
 
     temperature: float | None = None
-    top_p: float = 1.0
-    top_k: int = 0  # 0: off
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    top_p: float | None = 1.0
+    top_k: int | None = 0  # 0: off
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
     penalty_last_n: int = -1
     temperature_last: bool = False
 
 
-# Starting points for the backend block; the server's launch flags can change them (vLLM
-# applies a model's generation_config.json defaults unless told not to).
+# vLLM without a model's generation_config.json (``--generation-config vllm``): temperature 1,
+# no truncation, no penalty. OpenAI's API means the same.
+NEUTRAL = ServerDefaults(temperature=1.0)
+
+# Starting points for the backend block; the server's launch flags can change them.
 SERVER_DEFAULTS: dict[str, ServerDefaults] = {
     # llama.cpp's server and llama-cpp-python's: top_k 40, top_p 0.95, min_p 0.05,
     # temperature 0.8, repeat_penalty 1.0 over the last 64 tokens; temperature last.
     "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                 penalty_last_n=64, temperature_last=True),
-    # vLLM's SamplingParams defaults (without a model's generation_config).
-    "vllm": ServerDefaults(temperature=1.0),
-    # OpenAI's API semantics: temperature 1, nothing else.
-    "openai": ServerDefaults(temperature=1.0),
+    # vLLM applies the sampling fields of the model's generation_config.json over its neutral
+    # defaults (``--generation-config auto``, its default since 0.8): which they are is not
+    # known until the block declares the file (options.generation_config) or the values
+    # (options.server_defaults). Qwen2.5-Instruct's, for one, sample at temperature 0.7,
+    # top_p 0.8, top_k 20 and repetition_penalty 1.05, not at vLLM's temperature 1.
+    "vllm": ServerDefaults(temperature=None, top_p=None, top_k=None, min_p=None,
+                           repetition_penalty=None, presence_penalty=None,
+                           frequency_penalty=None),
+    "openai": NEUTRAL,
     # Nothing known: only greedy requests and requests that set the temperature compare.
     "unknown": ServerDefaults(),
 }
 
 
-def server_defaults(declared: Mapping[str, Any] | None = None,
-                    engine: str = "unknown") -> ServerDefaults:
+def server_defaults(declared: Mapping[str, Any] | None = None, engine: str = "unknown",
+                    generation_config: Mapping[str, Any] | None = None) -> ServerDefaults:
     """The defaults of ``engine`` (a key of SERVER_DEFAULTS: its sampler order and penalty
-    window) with what the backend block declares laid over them (None: not declared)."""
+    window), with ``generation_config`` (the sampling fields vLLM takes from a model's
+    generation_config.json, over its neutral defaults; engine vllm only) and then what the
+    backend block declares (None: not declared) laid over them."""
     if engine not in SERVER_DEFAULTS:
         raise ValueError(f"engine: {engine!r} is not one of {', '.join(SERVER_DEFAULTS)}")
-    told = {k: v for k, v in (declared or {}).items() if v is not None}
+    base = SERVER_DEFAULTS[engine]
+    if generation_config is not None:
+        if engine != "vllm":
+            raise ValueError(f"generation_config: engine {engine} does not apply a model's "
+                             "generation_config.json (vLLM does): declare server_defaults")
+        base = replace(NEUTRAL, **_known_fields(generation_config, "generation_config"))
+    return replace(base, **_known_fields(declared or {}, "server_defaults"))
+
+
+def _known_fields(values: Mapping[str, Any], key: str) -> dict[str, Any]:
+    told = {k: v for k, v in values.items() if v is not None}
     unknown = sorted(set(told) - set(ServerDefaults.__dataclass_fields__))
     if unknown:
-        raise ValueError(f"server_defaults.{unknown[0]}: unknown field")
-    return replace(SERVER_DEFAULTS[engine], **told)
+        raise ValueError(f"{key}.{unknown[0]}: unknown field")
+    return told
 
 
 @dataclass(frozen=True)
@@ -301,24 +327,38 @@ class Transform:
                 or self.frequency_penalty != 0.0)
 
 
-def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Transform | None:
-    """The transform the server applied, or None where its temperature is not known."""
+def unknown_sampling(sampling: SamplingParams, defaults: ServerDefaults) -> str | None:
+    """The first sampling field that the request does not set and the server's defaults do
+    not know (None: the transform is known). A greedy request needs only its temperature."""
     temperature = sampling.temperature if sampling.temperature is not None else \
         defaults.temperature
     if temperature is None:
+        return "temperature"
+    if temperature <= 0.0:
+        return None
+    return next((name for name in SAMPLING_FIELDS[1:]
+                 if getattr(sampling, name) is None and getattr(defaults, name) is None), None)
+
+
+def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Transform | None:
+    """The transform the server applied, or None where a field of it is not known
+    (:func:`unknown_sampling`). A greedy request's unknown fields are taken as neutral: the
+    greedy check reads only its temperature."""
+    if unknown_sampling(sampling, defaults) is not None:
         return None
 
-    def pick(value, default):
-        return default if value is None else value
+    def pick(name: str):
+        for value in (getattr(sampling, name), getattr(defaults, name),
+                      getattr(NEUTRAL, name)):
+            if value is not None:
+                return value
 
     return Transform(
-        temperature=float(temperature), top_p=float(pick(sampling.top_p, defaults.top_p)),
-        top_k=int(pick(sampling.top_k, defaults.top_k)),
-        min_p=float(pick(sampling.min_p, defaults.min_p)),
-        repetition_penalty=float(pick(sampling.repetition_penalty,
-                                      defaults.repetition_penalty)),
-        presence_penalty=float(pick(sampling.presence_penalty, defaults.presence_penalty)),
-        frequency_penalty=float(pick(sampling.frequency_penalty, defaults.frequency_penalty)),
+        temperature=float(pick("temperature")), top_p=float(pick("top_p")),
+        top_k=int(pick("top_k")), min_p=float(pick("min_p")),
+        repetition_penalty=float(pick("repetition_penalty")),
+        presence_penalty=float(pick("presence_penalty")),
+        frequency_penalty=float(pick("frequency_penalty")),
         penalty_last_n=defaults.penalty_last_n, temperature_last=defaults.temperature_last)
 
 
@@ -624,9 +664,12 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
     else:
         transform = resolve_transform(sample.sampling, defaults)
         if transform is None:
-            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
-                                   reason="the sampling transform is unknown (no temperature "
-                                   "in the request, none declared for the server)", **common)
+            unsaid = unknown_sampling(sample.sampling, defaults)
+            return GenerationCheck(
+                passed=True, mode="not_comparable", tokens=n,
+                reason=f"the sampling transform is unknown: {unsaid} is neither in the request "
+                "nor declared for the server (options.engine, generation_config, "
+                "server_defaults)", **common)
         if transform.temperature <= 0.0:
             check = _greedy(sample, scores, limits)
         else:
@@ -802,9 +845,16 @@ def thresholds_of(checks) -> GenerationThresholds:
 
 def declared_defaults(primary_options: Mapping[str, Any] | None) -> ServerDefaults:
     """The sampling defaults the primary's server applies: its block's ``options.engine``
-    preset (sampler order, penalty window) with ``options.server_defaults`` laid over it."""
+    preset (sampler order, penalty window), the sampling fields of the generation_config.json
+    that ``options.generation_config`` names (vLLM), and ``options.server_defaults`` over
+    them."""
     options = dict(primary_options or {})
-    return server_defaults(options.get("server_defaults"), options.get("engine") or "unknown")
+    source = options.get("generation_config")
+    from_file = None
+    if source is not None:
+        from_file = generation_config_defaults(str(source))
+    return server_defaults(options.get("server_defaults"), options.get("engine") or "unknown",
+                           from_file)
 
 
 class GenerationTier:

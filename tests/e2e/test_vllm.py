@@ -60,14 +60,32 @@ MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 FP32_NOISE = 1e-3
 
 
+# The sampling defaults vLLM serves the model with, as an instruct model's generation_config.json
+# sets them (Qwen2.5-Instruct's: temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05):
+# a call that leaves sampling to the server is sampled so, not at vLLM's temperature 1. The
+# other tests' calls are greedy (temperature 0), which these leave alone.
+GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
+                     "bos_token_id": 1, "eos_token_id": 2}
+
+
 @pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
+def generation_config(tmp_path_factory) -> Path:
+    """The folder of the generation_config.json vLLM takes its defaults from."""
+    folder = tmp_path_factory.mktemp("generation-config")
+    (folder / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
+    return folder
+
+
+@pytest.fixture(scope="module")
+def vllm(tmp_path_factory, generation_config):
     require_vllm()
     folder = tmp_path_factory.mktemp("vllm")
     # --trust-request-chat-template: a client may send its own chat template (the template
-    # drift test below does).
+    # drift test below does). --generation-config: the defaults above (vLLM's default, auto,
+    # reads the model folder's own file, which SmolLM2's leaves without sampling fields).
     server = VLLMServer(folder, hf_folder(), SERVED,
-                        extra_args=("--trust-request-chat-template",))
+                        extra_args=("--trust-request-chat-template",
+                                    "--generation-config", str(generation_config)))
     server.start()
     try:
         yield server
@@ -198,6 +216,76 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert b'"completion_text"' in sample.raw and b'"route": "primary"' in sample.raw
         call, _ = generation_calls(record)
         assert call.prompt_token_ids and all(t.token_id is not None for t in call.tokens)
+
+
+def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_config(
+        vllm, generation_config, tmp_path):
+    """Clients that set no sampling field get vLLM's defaults, here the generation_config.json
+    the server was started with (temperature 0.7, top_p 0.8, top_k 20). Sampled calls without
+    logprobs are scored by the z-score under the transform guard believes the server applied:
+    - generation_config declared (the same file): every call compared, every one passes;
+    - engine vllm alone: the transform is not known, every call is counted not comparable,
+      none scored (before, the preset guessed vLLM's neutral temperature 1);
+    - generation_config: vllm (the neutral defaults, wrong for this server): the healthy
+      server's calls score far off agreement, the false drift that guessing raised."""
+    def model(name: str, **options) -> dict:
+        return {"name": name, "task": "generation",
+                "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
+                            "options": {"engine": "vllm", "sample_token_ids": True, **options}},
+                "reference": {"backend": "transformers", "path": str(smollm2_gguf())},
+                "mirror": {"sample_rate": 1.0, "timeout_s": 120},
+                "policy": {"action": "alert"}, "capture": {"dir": str(tmp_path / name)}}
+
+    models = [model("declared", generation_config=str(generation_config)),
+              model("undeclared"), model("neutral", generation_config="vllm")]
+    calls = 4
+    with running(tmp_path, models, http_port=0) as (server, _):
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                               api_key="client-key", max_retries=0, timeout=120)
+        for name in ("declared", "undeclared", "neutral"):
+            for seed in range(calls):
+                client.completions.create(model=name, prompt=PROMPTS[seed], max_tokens=48,
+                                          seed=seed)
+        values = wait_for(lambda: (lambda v: v if all(
+            sum(metric(v, "guard_mirror_total", model=name, outcome=outcome)
+                for outcome in ("compared", "not_comparable")) >= calls
+            for name in ("declared", "undeclared", "neutral")) else None)(
+                scrape(server.metrics_port)), timeout=300, interval=0.2)
+
+        def counted(name: str, outcome: str) -> float:
+            return metric(values, "guard_mirror_total", model=name, outcome=outcome)
+
+        assert counted("declared", "compared") == calls
+        assert checks(server, "declared", "pass") == calls
+        assert counted("undeclared", "not_comparable") == calls
+        assert counted("undeclared", "compared") == 0
+        assert counted("neutral", "compared") == calls
+        # The detector's evidence (a completion's score against the in-control level): the
+        # declared model's against drift, the neutral one's for it.
+        def evidence(name: str) -> float:
+            values = scrape(server.metrics_port)
+            return sum(sign * metric(values, "guard_detector_evidence_nats_total", model=name,
+                                     tier="generation", direction=direction)
+                       for sign, direction in ((1, "for"), (-1, "against")))
+
+        assert wait_for(lambda: evidence("declared") < 0 < evidence("neutral"), timeout=30)
+
+    from guard.capture.reader import FileStats, expand_paths, read_records
+
+    def zs(name: str) -> list[float]:
+        records = [r for path in expand_paths([tmp_path / name])
+                   for r in read_records(path, FileStats())]
+        found = [json.loads(v.details_json) for r in records for v in r.verdicts]
+        assert all(d["mode"] == "sampled" for d in found)
+        return [d["statistic"] for d in found]
+
+    # Declared: z as under agreement. Neutral: every completion sharper than a temperature-1
+    # draw (the sign of a server sampling colder than guard believes), pooled far beyond any
+    # threshold: the detector, which accumulates z over completions, would raise drift on a
+    # healthy server. (Here 48 tokens each: -3.0 to -4.5, one past max_abs_z 4 per completion.)
+    declared, neutral = np.array(zs("declared")), np.array(zs("neutral"))
+    assert abs(declared.mean()) < 2.0, declared
+    assert np.median(neutral) < -2.0 and neutral.sum() / np.sqrt(calls) < -4.0, neutral
 
 
 # A chat template without the model's default system prompt, as another --chat-template, an

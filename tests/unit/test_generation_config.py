@@ -149,6 +149,12 @@ def test_an_openai_reference_validates_and_builds_a_remote_scorer_importing_noth
      "reference"),
     ("reference", {"scoring": "logits"}, "scoring"),
     ("reference", {"top_logprobs": 0}, "top_logprobs"),
+    ("reference", {"generation_config": "vllm"}, "reference.options.generation_config: is for "
+     "an openai primary or fallback"),
+    ("primary", {"engine": "llama.cpp", "generation_config": "vllm"},
+     "generation_config: engine llama.cpp does not apply a model's generation_config.json"),
+    ("primary", {"engine": "vllm", "generation_config": "/absent/folder"},
+     "generation_config: cannot read /absent/folder"),
 ])
 def test_openai_options_of_the_other_role_are_refused(base, role, options, message):
     block = {"backend": "openai", "target": "http://127.0.0.1:8000", "model": "smol-ref",

@@ -12,6 +12,7 @@ import pytest
 from guard.backends.scoring import ReferenceScores, largest_k, top_of
 from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
 from guard.verify.generation import (
+    NEUTRAL,
     SERVER_DEFAULTS,
     GenerationThresholds,
     ServerDefaults,
@@ -20,7 +21,9 @@ from guard.verify.generation import (
     check_generation,
     resolve_transform,
     sampled_terms,
+    server_defaults,
     transformed,
+    unknown_sampling,
 )
 
 
@@ -162,7 +165,9 @@ def test_z_is_standard_normal_when_the_primary_samples_the_reference(server):
     """Property: tokens drawn from the reference's own transformed distribution give z with
     mean ~0 and variance ~1 (loose bounds over 200 completions of 32 tokens)."""
     rng = np.random.default_rng(2)
-    defaults = SERVER_DEFAULTS[server]
+    # vLLM's sampler order at its neutral defaults (--generation-config vllm)
+    defaults = SERVER_DEFAULTS[server] if server == "llama.cpp" else \
+        server_defaults(engine="vllm", generation_config={})
     sampling = SamplingParams(temperature=0.9)
     transform = resolve_transform(sampling, defaults)
     zs = []
@@ -191,7 +196,7 @@ def test_z_is_large_when_the_primary_samples_another_distribution(actual):
                            for row in logprobs])
         zs.append(check_generation(_sample(tokens, sampling),
                                    _synthetic_scores(logprobs, tokens),
-                                   SERVER_DEFAULTS["vllm"]).statistic)
+                                   NEUTRAL).statistic)
     zs = np.array(zs)
     assert np.mean(np.abs(zs) > GenerationThresholds().max_abs_z) >= 0.8
     assert np.sign(np.median(zs)) == (1 if actual > 1 else -1)
@@ -239,8 +244,6 @@ def test_a_sampled_completion_with_an_unknown_transform_is_not_comparable():
 
 
 def test_declared_server_defaults_lie_over_the_engines():
-    from guard.verify.generation import server_defaults
-
     declared = server_defaults({"top_k": 20, "min_p": None}, engine="llama.cpp")
     assert (declared.top_k, declared.min_p, declared.temperature_last) == (20, 0.05, True)
     assert server_defaults().temperature is None
@@ -248,6 +251,86 @@ def test_declared_server_defaults_lie_over_the_engines():
         server_defaults({"top_q": 1})
     with pytest.raises(ValueError, match="engine"):
         server_defaults(engine="tgi")
+
+
+# Qwen2.5-7B-Instruct's generation_config.json: what vLLM samples a request with that sets
+# nothing (its --generation-config auto).
+QWEN = {"bos_token_id": 151643, "do_sample": True, "eos_token_id": [151645, 151643],
+        "repetition_penalty": 1.05, "temperature": 0.7, "top_k": 20, "top_p": 0.8}
+
+
+def test_vllms_defaults_are_unknown_until_its_generation_config_is_declared():
+    """vLLM samples a request that leaves them unsaid with the model's generation_config.json:
+    without it every sampled field is unknown (only greedy and fully said requests compare);
+    with it, the file's values over vLLM's neutral ones, the block's server_defaults over
+    both (vLLM's --override-generation-config)."""
+    vllm = SERVER_DEFAULTS["vllm"]
+    assert unknown_sampling(SamplingParams(), vllm) == "temperature"
+    assert unknown_sampling(SamplingParams(temperature=0.7), vllm) == "top_p"
+    assert unknown_sampling(SamplingParams(temperature=0.0), vllm) is None  # greedy
+    told = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0,
+                          repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
+    assert resolve_transform(told, vllm) is not None
+
+    qwen = server_defaults(engine="vllm", generation_config={
+        k: v for k, v in QWEN.items() if k in ("temperature", "top_p", "top_k",
+                                                "repetition_penalty")})
+    transform = resolve_transform(SamplingParams(), qwen)
+    assert (transform.temperature, transform.top_p, transform.top_k, transform.min_p,
+            transform.repetition_penalty, transform.temperature_last) == \
+        (0.7, 0.8, 20, 0.0, 1.05, False)
+    assert resolve_transform(SamplingParams(temperature=1.0), qwen).top_k == 20
+    over = server_defaults({"temperature": 0.5}, engine="vllm",
+                           generation_config={"temperature": 0.7, "top_k": 20})
+    assert (over.temperature, over.top_k, over.top_p) == (0.5, 20, 1.0)
+    assert server_defaults(engine="vllm", generation_config={}) == NEUTRAL
+    with pytest.raises(ValueError, match="generation_config: engine llama.cpp"):
+        server_defaults(engine="llama.cpp", generation_config={})
+
+
+def test_a_transform_declared_wider_than_vllms_raises_false_drift_and_the_file_clears_it(
+        tmp_path):
+    """Why the vllm preset no longer guesses: completions drawn from the reference's own
+    distribution as vLLM draws them for a model whose generation_config.json says temperature
+    0.7, top_p 0.8, top_k 20 fail on most 64-token completions when scored as if vLLM sampled
+    at its neutral temperature 1 (false drift on a healthy server), and pass once the file is
+    declared (options.generation_config, read as vLLM reads it)."""
+    from guard.protocol.generation import generation_config_defaults
+
+    (tmp_path / "generation_config.json").write_text(
+        '{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 20, "eos_token_id": 2}')
+    declared = server_defaults(engine="vllm",
+                               generation_config=generation_config_defaults(str(tmp_path)))
+    sampling = SamplingParams()  # the client leaves sampling to the server
+    actual = resolve_transform(sampling, declared)
+    rng = np.random.default_rng(4)
+    failed = {"declared": 0, "neutral": 0}
+    for _ in range(20):
+        logprobs = _log_softmax(rng.normal(0, 2.5, (64, 400)))
+        tokens = np.array([rng.choice(400, p=transformed(row, actual)) for row in logprobs])
+        for name, defaults in (("declared", declared), ("neutral", NEUTRAL)):
+            check = check_generation(_sample(tokens, sampling),
+                                     _synthetic_scores(logprobs, tokens), defaults)
+            assert check.mode == "sampled"
+            failed[name] += not check.passed
+    assert failed["declared"] <= 1 and failed["neutral"] >= 16, failed
+
+
+@pytest.mark.parametrize("text, message", [
+    ("{", "is not JSON"),
+    ("[1]", "is not a JSON object"),
+    ('{"temperature": "hot"}', "temperature 'hot' is not a number"),
+])
+def test_a_generation_config_that_cannot_be_read_is_refused_naming_it(tmp_path, text, message):
+    from guard.protocol.generation import generation_config_defaults
+
+    path = tmp_path / "generation_config.json"
+    path.write_text(text)
+    with pytest.raises(ValueError, match=f"generation_config: {path}.*{message}"):
+        generation_config_defaults(str(path))
+    with pytest.raises(ValueError, match="cannot read"):
+        generation_config_defaults(str(tmp_path / "absent.json"))
+    assert generation_config_defaults("vllm") == {}
 
 
 def test_summary_weighs_every_token_and_names_the_first_divergent_record():
