@@ -76,16 +76,6 @@ class _LlamaVocabulary(Vocabulary):
         return int(self._llm.n_vocab())
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax of float32 logits, as float32: the shift and the exponentials in
-    float32, the sum in float64 (within one float32 ulp of computing it all in float64, at a
-    tenth of the CPU: this pass was a third of a teacher-forced score of 128 tokens)."""
-    logits = np.asarray(logits, dtype=np.float32)
-    shifted = logits - logits.max(axis=-1, keepdims=True)
-    total = np.exp(shifted).sum(axis=-1, keepdims=True, dtype=np.float64)
-    return shifted - np.log(total).astype(np.float32)
-
-
 def completion_logits(llm: "Llama", ids: Sequence[int], prompt_length: int,
                       cached: Sequence[int] = ()) -> np.ndarray:
     """float32 ``[len(ids) - prompt_length, n_vocab]``: the logits at the positions that predict
@@ -208,7 +198,7 @@ class LlamaCppScorer(LocalScorer):
         return list(llm.tokenize(rendered.prompt.encode("utf-8"),
                                  add_bos=not rendered.added_special, special=True))
 
-    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+    def logits(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         llm = self._loaded()
         with self._lock:
             # Empty while the cache is off, and until the decode succeeds.
@@ -216,7 +206,7 @@ class LlamaCppScorer(LocalScorer):
             logits = completion_logits(llm, ids, prompt_length, cached)
             if self.options.cache_prompt:
                 self._in_cache = list(ids)
-        return log_softmax(logits)
+        return logits
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
         """llama.cpp's greedy continuation of ``ids`` (at most ``max_tokens``, stopping at

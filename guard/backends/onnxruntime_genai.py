@@ -27,7 +27,6 @@ import numpy as np
 from pydantic import Field
 
 from guard.backends.base import BackendInfo, Role
-from guard.backends.llama_cpp import log_softmax
 from guard.backends.options import _Options
 from guard.backends.scoring import LocalScorer, loaded
 from guard.backends.transformers import HFTokenized
@@ -86,7 +85,7 @@ class OrtGenAIScorer(HFTokenized, LocalScorer):
         params.set_search_options(do_sample=False, max_length=length)
         return og.Generator(model, params)
 
-    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+    def logits(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         ids = [int(i) for i in ids]
         with self._lock:
             generator = self._generator(len(ids))
@@ -95,7 +94,7 @@ class OrtGenAIScorer(HFTokenized, LocalScorer):
             for token in ids[prompt_length:-1]:
                 generator.append_tokens([token])
                 rows.append(np.array(generator.get_logits()[0, -1], dtype=np.float32))
-        return log_softmax(np.stack(rows))
+        return np.stack(rows)
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
         """ONNX Runtime GenAI's own greedy search from ``ids`` (at most ``max_tokens``,

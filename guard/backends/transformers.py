@@ -245,7 +245,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
         """The loaded torch model (tier 2 hooks a copy of its own: activations/transformers.py)."""
         return self._model
 
-    def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+    def logits(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         import torch
 
         model = self._loaded_model()
@@ -269,8 +269,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
             kept_cache = getattr(out, self._names.cache, None)
             if self.options.cache_prompt and _croppable(kept_cache):
                 self._cached = (list(ids), kept_cache)
-            logits = out.logits[0, -wanted:-1]
-            return torch.log_softmax(logits.float(), dim=-1).cpu().numpy()
+            return out.logits[0, -wanted:-1].float().cpu().numpy()
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
         """The model's greedy continuation of ``ids`` (at most ``max_tokens``, stopping at

@@ -329,21 +329,22 @@ class Transform:
 
 def unknown_sampling(sampling: SamplingParams, defaults: ServerDefaults) -> str | None:
     """The first sampling field that the request does not set and the server's defaults do
-    not know (None: the transform is known). A greedy request needs only its temperature."""
+    not know (None: the transform is known). A greedy request needs its temperature and the
+    penalties, not the truncations."""
     temperature = sampling.temperature if sampling.temperature is not None else \
         defaults.temperature
     if temperature is None:
         return "temperature"
-    if temperature <= 0.0:
-        return None
-    return next((name for name in SAMPLING_FIELDS[1:]
+    # Greedy decoding reads no truncation, but the penalties move its argmax too.
+    needed = SAMPLING_FIELDS[4:] if temperature <= 0.0 else SAMPLING_FIELDS[1:]
+    return next((name for name in needed
                  if getattr(sampling, name) is None and getattr(defaults, name) is None), None)
 
 
 def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Transform | None:
     """The transform the server applied, or None where a field of it is not known
-    (:func:`unknown_sampling`). A greedy request's unknown fields are taken as neutral: the
-    greedy check reads only its temperature."""
+    (:func:`unknown_sampling`). A greedy request's unknown truncations are taken as neutral:
+    the greedy check does not read them."""
     if unknown_sampling(sampling, defaults) is not None:
         return None
 
@@ -384,6 +385,21 @@ def _penalize(logits: np.ndarray, transform: Transform, prompt: Sequence[int],
         ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
         out[ids] -= transform.presence_penalty + transform.frequency_penalty * counts
     return out
+
+
+def penalized_logprobs(scores: ReferenceScores, transform: Transform, t: int) -> np.ndarray:
+    """The reference's log-probabilities at position ``t`` after the transform's penalties
+    (float64 ``[V]``). The repetition penalty divides a positive raw logit and multiplies a
+    negative one (vLLM, llama.cpp), so it is applied to the raw logits (the log-softmax plus
+    the scorer's ``logit_offsets``); presence and frequency penalties shift, which a
+    log-softmax does not mind."""
+    assert scores.logprobs is not None
+    row = scores.logprobs[t].astype(np.float64)
+    if transform.repetition_penalty != 1.0:
+        assert scores.logit_offsets is not None
+        row = row + float(scores.logit_offsets[t])
+    row = _penalize(row, transform, scores.prompt_token_ids, scores.token_ids, t)
+    return row - np.logaddexp.reduce(row)
 
 
 def _softmax(logits: np.ndarray) -> np.ndarray:
@@ -560,12 +576,25 @@ def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
         per_token_delta_p=delta_p)
 
 
-def _greedy(sample: GenerationSample, scores: ReferenceScores,
+def _greedy(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
             limits: GenerationThresholds) -> GenerationCheck:
     n = len(scores.token_ids)
     ids = np.asarray(scores.token_ids, dtype=np.int64)
-    agree = scores.top_ids[:, 0] == ids
-    confident = _margins(scores) > limits.margin_floor
+    if transform.penalized:  # the argmax and margin of the penalized distribution
+        best = np.zeros(n, np.int64)
+        margins = np.full(n, np.inf)
+        for t in range(n):
+            row = penalized_logprobs(scores, transform, t)
+            two = np.argpartition(-row, 1)[:2] if row.size > 1 else np.zeros(1, np.int64)
+            two = two[np.argsort(-row[two])]
+            best[t] = two[0]
+            if two.size > 1:
+                margins[t] = row[two[0]] - row[two[1]]
+        agree = best == ids
+    else:
+        agree = scores.top_ids[:, 0] == ids
+        margins = _margins(scores)
+    confident = margins > limits.margin_floor
     disagreements = int(np.sum(confident & ~agree))
     positions = int(confident.sum())
     share = disagreements / positions if positions else 0.0
@@ -587,12 +616,9 @@ def sampled_terms(scores: ReferenceScores, transform: Transform, epsilon: float
     assert scores.logprobs is not None
     n = len(scores.token_ids)
     terms, variances, outside = np.zeros(n), np.zeros(n), np.zeros(n, bool)
-    prompt = scores.prompt_token_ids
     for t, token_id in enumerate(scores.token_ids):
-        row = scores.logprobs[t]
-        if transform.penalized:
-            row = _penalize(row.astype(np.float64), transform, prompt, scores.token_ids, t)
-            row = row - np.logaddexp.reduce(row)
+        row = penalized_logprobs(scores, transform, t) if transform.penalized else \
+            scores.logprobs[t]
         # Only the kept set and the primary's token enter: pi is zero elsewhere.
         kept, pi = transformed_support(row, transform)
         mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
@@ -625,6 +651,21 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
         top1_agreement=float(np.mean(scores.top_ids[:, 0] == ids)), top1_compared=len(ids),
         out_of_support=int(outside.sum()),
         first_divergence=_divergence(sample, scores, int(firsts[0]) if firsts.size else None))
+
+
+def _unscorable_penalties(scores: ReferenceScores, transform: Transform) -> str:
+    """Why penalties that moved the server's choices cannot be applied to these scores ("":
+    they can): they need the reference's whole distribution, and a repetition penalty its raw
+    logits, which a local scorer gives and a remote one does not."""
+    if not transform.penalized:
+        return ""
+    if scores.logprobs is None:
+        return ("the server's penalties move every token's score: they need the reference's "
+                "full distribution (a local scorer)")
+    if transform.repetition_penalty != 1.0 and scores.logit_offsets is None:
+        return ("a repetition penalty acts on raw logits, which this reference's scores do not "
+                "carry")
+    return ""
 
 
 def _per_token(sample: GenerationSample, scores: ReferenceScores) -> dict[str, Any]:
@@ -670,8 +711,12 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
                 reason=f"the sampling transform is unknown: {unsaid} is neither in the request "
                 "nor declared for the server (options.engine, generation_config, "
                 "server_defaults)", **common)
+        unscorable = _unscorable_penalties(scores, transform)
+        if unscorable:
+            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                                   reason=unscorable, **common)
         if transform.temperature <= 0.0:
-            check = _greedy(sample, scores, limits)
+            check = _greedy(sample, scores, transform, limits)
         else:
             check = _sampled(sample, scores, transform, limits)
     check = replace(check, **common, **_per_token(sample, scores))

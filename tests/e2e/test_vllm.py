@@ -61,11 +61,11 @@ FP32_NOISE = 1e-3
 
 
 # The sampling defaults vLLM serves the model with, as an instruct model's generation_config.json
-# sets them (Qwen2.5-Instruct's: temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05):
-# a call that leaves sampling to the server is sampled so, not at vLLM's temperature 1. The
-# other tests' calls are greedy (temperature 0), which these leave alone.
+# sets them (these are Qwen2.5-Instruct's): a call that leaves sampling to the server is sampled
+# so, not at vLLM's temperature 1. The other tests' calls are greedy with logprobs, which vLLM
+# reports raw (before the repetition penalty).
 GENERATION_CONFIG = {"do_sample": True, "temperature": 0.7, "top_p": 0.8, "top_k": 20,
-                     "bos_token_id": 1, "eos_token_id": 2}
+                     "repetition_penalty": 1.05, "bos_token_id": 1, "eos_token_id": 2}
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,8 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
 def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_config(
         vllm, generation_config, tmp_path):
     """Clients that set no sampling field get vLLM's defaults, here the generation_config.json
-    the server was started with (temperature 0.7, top_p 0.8, top_k 20). Sampled calls without
+    the server was started with (temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05,
+    which acts on raw logits: the reference's). Sampled calls without
     logprobs are scored by the z-score under the transform guard believes the server applied:
     - generation_config declared (the same file): every call compared, every one passes;
     - engine vllm alone: the transform is not known, every call is counted not comparable,
@@ -282,7 +283,7 @@ def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_co
     # Declared: z as under agreement. Neutral: every completion sharper than a temperature-1
     # draw (the sign of a server sampling colder than guard believes), pooled far beyond any
     # threshold: the detector, which accumulates z over completions, would raise drift on a
-    # healthy server. (Here 48 tokens each: -3.0 to -4.5, one past max_abs_z 4 per completion.)
+    # healthy server. (Here 48 tokens each: -3.1 to -4.2, one past max_abs_z 4 per completion.)
     declared, neutral = np.array(zs("declared")), np.array(zs("neutral"))
     assert abs(declared.mean()) < 2.0, declared
     assert np.median(neutral) < -2.0 and neutral.sum() / np.sqrt(calls) < -4.0, neutral

@@ -143,9 +143,13 @@ def test_topk_kld_tail_correction_recovers_the_mass_lumping_loses():
         assert abs(np.mean(reverse) / np.mean(rev_exact) - 1) <= 0.10
 
 
-def _synthetic_scores(logprobs: np.ndarray, tokens: np.ndarray) -> ReferenceScores:
+def _synthetic_scores(logprobs: np.ndarray, tokens: np.ndarray,
+                      offsets: np.ndarray | None = None) -> ReferenceScores:
+    """A local scorer's scores of ``tokens``: ``offsets`` the rows' log-normalizers (raw
+    logits = logprobs + offsets; 3 nats everywhere unless given: mixed-sign raw logits)."""
     top_ids, top_lp = top_of(logprobs.astype(np.float32))
     return ReferenceScores(
+        logit_offsets=np.full(len(tokens), 3.0) if offsets is None else offsets,
         token_ids=tuple(int(t) for t in tokens), token_texts=tuple(f"t{t}" for t in tokens),
         top_ids=top_ids, top_logprobs=top_lp,
         top_texts=tuple(tuple(f"t{i}" for i in row[:5]) for row in top_ids),
@@ -220,10 +224,11 @@ def test_sampled_terms_match_the_dense_formula(kw):
     terms, variances, outside = sampled_terms(scores, transform, 0.05)
     for t, token in enumerate(tokens):
         row = scores.logprobs[t].astype(np.float64)
-        if transform.penalized:
+        if transform.penalized:  # on the raw logits (the repetition penalty's sign test)
             from guard.verify.generation import _penalize
 
-            row = _penalize(row, transform, (0, 5, 7), tuple(int(i) for i in tokens), t)
+            row = _penalize(row + scores.logit_offsets[t], transform, (0, 5, 7),
+                            tuple(int(i) for i in tokens), t)
             row = row - np.logaddexp.reduce(row)
         pi = transformed(row, transform)
         mixed = np.log(0.95 * pi + 0.05 * np.exp(row) + 1e-12)
@@ -267,7 +272,12 @@ def test_vllms_defaults_are_unknown_until_its_generation_config_is_declared():
     vllm = SERVER_DEFAULTS["vllm"]
     assert unknown_sampling(SamplingParams(), vllm) == "temperature"
     assert unknown_sampling(SamplingParams(temperature=0.7), vllm) == "top_p"
-    assert unknown_sampling(SamplingParams(temperature=0.0), vllm) is None  # greedy
+    # Greedy: no truncation enters, the penalties do (they move the argmax).
+    assert unknown_sampling(SamplingParams(temperature=0.0), vllm) == "repetition_penalty"
+    assert unknown_sampling(SamplingParams(temperature=0.0, repetition_penalty=1.0,
+                                           presence_penalty=0.0, frequency_penalty=0.0),
+                            vllm) is None
+    assert unknown_sampling(SamplingParams(temperature=0.0), SERVER_DEFAULTS["unknown"]) is None
     told = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, min_p=0.0,
                           repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0)
     assert resolve_transform(told, vllm) is not None
@@ -314,6 +324,61 @@ def test_a_transform_declared_wider_than_vllms_raises_false_drift_and_the_file_c
             assert check.mode == "sampled"
             failed[name] += not check.passed
     assert failed["declared"] <= 1 and failed["neutral"] >= 16, failed
+
+
+def _draw(raw: np.ndarray, transform, prompt: tuple[int, ...], rng, greedy=False) -> np.ndarray:
+    """Tokens as vLLM draws them: penalties on the raw logits (a positive one divided by the
+    repetition penalty, a negative one multiplied), then the transform."""
+    from guard.verify.generation import _penalize
+
+    tokens: list[int] = []
+    for t, row in enumerate(raw):
+        penalized = _penalize(row.astype(np.float64), transform, prompt, tuple(tokens) + (0,), t)
+        lp = penalized - np.logaddexp.reduce(penalized)
+        tokens.append(int(np.argmax(lp)) if greedy else
+                      int(rng.choice(len(row), p=transformed(lp, transform))))
+    return np.array(tokens)
+
+
+def test_a_repetition_penalty_is_applied_to_the_raw_logits():
+    """vLLM and llama.cpp divide a positive raw logit by the repetition penalty and multiply a
+    negative one: a log-softmax (all negative) alone would be multiplied everywhere, a
+    penalty of a few hundredths of a nat where the server takes off one or more. Scored on
+    the raw logits (the local scorer's offsets), completions drawn so give z about N(0, 1)
+    and greedy ones agree with the penalized argmax; scores without the offsets are not
+    comparable, never scored on the wrong penalty."""
+    rng = np.random.default_rng(6)
+    penalty = SamplingParams(temperature=0.8, repetition_penalty=1.3)
+    transform = resolve_transform(penalty, NEUTRAL)
+    prompt = tuple(range(0, 400, 7))
+    zs, flips = [], 0
+    for _ in range(100):
+        raw = rng.normal(4.0, 2.5, (48, 400))  # mostly positive, as an LLM's logits are
+        logprobs = _log_softmax(raw)
+        offsets = (raw - logprobs)[:, 0]
+        tokens = _draw(raw, transform, prompt, rng)
+        scores = replace(_synthetic_scores(logprobs, tokens, offsets), prompt_token_ids=prompt)
+        check = check_generation(_sample(tokens, penalty), scores, NEUTRAL)
+        assert check.mode == "sampled"
+        zs.append(check.statistic)
+    zs = np.array(zs)
+    assert abs(zs.mean()) < 0.3 and 0.6 < zs.std() < 1.4, (zs.mean(), zs.std())
+
+    greedy = SamplingParams(temperature=0.0, repetition_penalty=1.3)
+    for _ in range(5):
+        raw = rng.normal(4.0, 2.5, (48, 400))
+        logprobs = _log_softmax(raw)
+        tokens = _draw(raw, resolve_transform(greedy, NEUTRAL), prompt, rng, greedy=True)
+        scores = replace(_synthetic_scores(logprobs, tokens, (raw - logprobs)[:, 0]),
+                         prompt_token_ids=prompt)
+        check = check_generation(_sample(tokens, greedy), scores, NEUTRAL)
+        assert (check.mode, check.passed, check.statistic) == ("greedy", True, 0.0)
+        flips += int(np.sum(logprobs.argmax(axis=1) != tokens))
+    assert flips > 0  # the penalty moved argmaxes an unpenalized check would call flips
+
+    remote = replace(scores, logit_offsets=None)
+    check = check_generation(_sample(tokens, greedy), remote, NEUTRAL)
+    assert check.mode == "not_comparable" and "raw logits" in check.reason
 
 
 @pytest.mark.parametrize("text, message", [

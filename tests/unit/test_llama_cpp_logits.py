@@ -11,7 +11,8 @@ import pytest
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
-from guard.backends.llama_cpp import completion_logits, log_softmax, open_llama  # noqa: E402
+from guard.backends.llama_cpp import completion_logits, open_llama  # noqa: E402
+from guard.backends.scoring import log_softmax  # noqa: E402
 from guard.backends.scoring import common_prefix  # noqa: E402
 from guard.zoo import llm  # noqa: E402
 
