@@ -132,4 +132,8 @@ def model_problems(model: "ModelConfig") -> list[str]:
                         "generation model switches with 'fallback_model' (or 'alert')")
     if model.tap:
         problems.append("tap: a generation model is observed on guard's HTTP edge, not Tap")
+    if "max_batch" in model.mirror.model_fields_set:
+        problems.append("mirror.max_batch: a generation model scores one completion at a time "
+                        "(one reference pass already covers its tokens: nothing to stack); "
+                        "max_batch applies to tensor models")
     return problems

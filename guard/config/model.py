@@ -46,7 +46,8 @@ class MirrorConfig(Strict):
         64, description="Most samples the verifier checks in one go, out of those waiting: one "
         "reference forward over the stacked inputs of same-shaped samples where every input "
         "the reference declares has a dynamic first dimension (else one call per sample), "
-        "tiers 1 and 3 over the batch at once, detectors fed in arrival order. 1: one by one."
+        "tiers 1 and 3 over the batch at once, detectors fed in arrival order. 1: one by one. "
+        "Tensor models only: a generation model scores one completion at a time."
     )
     # 10: under contention a nice-10 thread gets ~1/10 of a nice-0 one's CPU share (Linux CFS
     # weights 110 vs 1024), so the request path keeps its cores; idle CPU still goes to it.

@@ -60,6 +60,15 @@ def test_tensor_checks_are_refused_for_generation(base):
     assert "policy.action: 'fallback_ops'" in line
 
 
+def test_max_batch_on_a_generation_model_is_refused_not_ignored(base):
+    """A generation model scores one completion at a time: a max_batch set on it would be
+    ignored in silence."""
+    lines = problems(generation_doc(mirror={"sample_rate": 0.1, "max_batch": 8}), base)
+    assert any("mirror.max_batch: a generation model scores one completion at a time" in line
+               for line in lines), lines
+    parse_config(generation_doc(mirror={"sample_rate": 0.1}), base, "guard.yaml")
+
+
 def test_checks_generation_on_a_tensor_model_is_refused(base):
     doc = {"version": 1, "models": [{"name": "m", "task": "classification",
                                       "primary": {"backend": "onnxruntime", "path": "m.onnx"},
