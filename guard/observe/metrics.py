@@ -181,6 +181,19 @@ class GuardMetrics:
             "messages, or tap output that is not a trace).",
             ["outcome"], registry=r,
         )
+        # Both processes count here (the edge's reasons, the verifier's): merged by summing.
+        self.generation_not_comparable = Counter(
+            "guard_generation_not_comparable", "Calls never compared, by reason. At the HTTP "
+            "edge (forwarded, never handed over): n (n > 1), tools (tool calls), prompt_list "
+            "(a batch of prompts), upstream_error (an error answer or event, an upstream "
+            "down), incomplete (cut short by the client or the upstream). In the verifier "
+            "(sampled, then not scored; also in guard_mirror_total{outcome=\"not_comparable\"}): "
+            "sampling_unknown (a sampling field neither the request nor the server's declared "
+            "defaults say), penalties (the server's penalties cannot be applied to the "
+            "reference's scores), no_distribution (a sampled completion without logprobs and "
+            "a remote reference), unaligned (the primary's tokens cannot be aligned), "
+            "too_short (under checks.generation.min_tokens).",
+            ["model", "reason"], registry=r)
         if not serving:
             return
         self.verifier_up = Gauge(
@@ -229,12 +242,6 @@ class GuardMetrics:
         self.generation_tokens = Counter(
             "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "
             "else one per streamed token event).", ["model", "route"], registry=r)
-        self.generation_not_comparable = Counter(
-            "guard_generation_not_comparable", "Calls the HTTP edge forwarded but never "
-            "handed over for comparison, by reason: n (n > 1), tools (tool calls), "
-            "prompt_list (a batch of prompts), upstream_error (an error answer or event, an "
-            "upstream down), incomplete (cut short by the client or the upstream).",
-            ["model", "reason"], registry=r)
         self.build_info = Gauge(
             "guard_build_info", "Always 1; the version label says which guard runs.",
             ["version"], registry=r,

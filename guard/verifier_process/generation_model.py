@@ -300,6 +300,7 @@ class VerifiedGenerationModel(VerifiedModel):
             self.comparator = Comparator.for_model(config)
             tier = cast("GenerationTier", self.comparator.tier(TIER))  # (the registry's)
             self._limits = tier.limits
+            self._say_what_is_unknown(tier)
             comparator = self.comparator
             self.activation_tier = cast("ActivationTier | None", comparator.tier("activation"))
             if self.activation_tier is not None:
@@ -337,6 +338,27 @@ class VerifiedGenerationModel(VerifiedModel):
              details=backend_details(self.backends),
              mirror_rate=config.mirror.sample_rate if self.mirror else 0.0,
              action=config.policy.action, resumed=resume_word is not None)
+
+    def _say_what_is_unknown(self, tier: "GenerationTier") -> None:
+        """Once at load: a server whose sampling defaults are not known leaves its sampled
+        calls without logprobs uncompared (counted by reason), which an operator should hear
+        before wondering why the tier sees nothing."""
+        from guard.protocol.generation import SamplingParams
+        from guard.verify.generation import unknown_sampling
+
+        unknown = unknown_sampling(SamplingParams(temperature=1.0), tier.defaults)
+        if tier.defaults.temperature is not None and unknown is None:
+            return
+        options = self.config.primary.options if isinstance(self.config.primary.options,
+                                                            dict) else {}
+        if options.get("sample_logprobs"):
+            return  # sampled calls carry logprobs: no transform enters their comparison
+        emit("generation_defaults_unknown", model=self.name,
+             engine=options.get("engine", "unknown"), unknown=unknown or "temperature",
+             reason="sampled calls that leave these to the server are not compared "
+             "(guard_generation_not_comparable_total{reason=\"sampling_unknown\"}): declare "
+             "the primary's options.generation_config (vLLM) or options.server_defaults, or "
+             "set options.sample_logprobs")
 
     def close(self) -> None:  # (no pair or repair to close)
         if self.mirror is not None:
@@ -382,6 +404,8 @@ class VerifiedGenerationModel(VerifiedModel):
             self.metrics.mirror.labels(self.name, "compared").inc()
         else:
             self._not_comparable.inc()
+            self.metrics.generation_not_comparable.labels(self.name,
+                                                          check.cause or "other").inc()
             self.window.not_comparable += 1
         try:
             if result.activation is not None:

@@ -177,6 +177,17 @@ class GenerationThresholds:
     prompt_rendering: str = "must_match"
 
 
+# The verifier's reasons a completion is not compared (the HTTP edge counts its own: n, tools,
+# prompt_list, upstream_error, incomplete).
+NOT_COMPARABLE_CAUSES = (
+    "unaligned",         # the primary's tokens cannot be aligned with the reference's
+    "too_short",         # fewer completion tokens than checks.generation.min_tokens
+    "sampling_unknown",  # a sampling field neither the request nor the declared defaults say
+    "penalties",         # the server's penalties cannot be applied to these scores
+    "no_distribution",   # a sampled completion without logprobs, a remote reference
+)
+
+
 @dataclass(frozen=True)
 class FirstDivergence:
     position: int
@@ -199,6 +210,9 @@ class GenerationCheck:
     passed: bool
     mode: str  # logprobs | sampled | greedy | not_comparable | tokenization_mismatch
     reason: str = ""
+    # Why a not_comparable completion was not scored, as a metric label
+    # (guard_generation_not_comparable_total{reason}): one of NOT_COMPARABLE_CAUSES.
+    cause: str = ""
     tokens: int = 0
     statistic: float | None = None
     mean_kld: float = math.nan
@@ -637,6 +651,7 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
              limits: GenerationThresholds) -> GenerationCheck:
     if scores.logprobs is None:
         return GenerationCheck(passed=True, mode="not_comparable", tokens=len(scores.token_ids),
+                               cause="no_distribution",
                                reason="a sampled completion without logprobs needs the "
                                "reference's full distribution (a local scorer)")
     terms, variances, outside = sampled_terms(scores, transform, limits.support_epsilon)
@@ -686,6 +701,7 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
     if scores.mismatch is not None and not scores.mismatch.drift:
         m = scores.mismatch
         return GenerationCheck(passed=True, mode="not_comparable", tokens=len(sample.tokens),
+                               cause="unaligned",
                                reason=f"the primary's tokens cannot be aligned at token "
                                       f"{m.position}: {m.reason}", **common)
     if scores.mismatch is not None:
@@ -698,7 +714,7 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
             findings=scores.findings + ("tokenization_mismatch",))
     n = len(scores.token_ids)
     if n < max(limits.min_tokens, 1):
-        return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=n, cause="too_short",
                                reason=f"{n} completion tokens (< min_tokens)", **common)
     if sample.has_logprobs and len(sample.tokens) == n:
         check = _with_logprobs(sample, scores, limits)
@@ -707,14 +723,14 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
         if transform is None:
             unsaid = unknown_sampling(sample.sampling, defaults)
             return GenerationCheck(
-                passed=True, mode="not_comparable", tokens=n,
+                passed=True, mode="not_comparable", tokens=n, cause="sampling_unknown",
                 reason=f"the sampling transform is unknown: {unsaid} is neither in the request "
                 "nor declared for the server (options.engine, generation_config, "
                 "server_defaults)", **common)
         unscorable = _unscorable_penalties(scores, transform)
         if unscorable:
             return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
-                                   reason=unscorable, **common)
+                                   cause="penalties", reason=unscorable, **common)
         if transform.temperature <= 0.0:
             check = _greedy(sample, scores, transform, limits)
         else:

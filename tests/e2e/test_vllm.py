@@ -219,7 +219,7 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
 
 
 def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_config(
-        vllm, generation_config, tmp_path):
+        vllm, generation_config, tmp_path, caplog):
     """Clients that set no sampling field get vLLM's defaults, here the generation_config.json
     the server was started with (temperature 0.7, top_p 0.8, top_k 20, repetition_penalty 1.05,
     which acts on raw logits: the reference's). Sampled calls without
@@ -240,6 +240,7 @@ def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_co
     models = [model("declared", generation_config=str(generation_config)),
               model("undeclared"), model("neutral", generation_config="vllm")]
     calls = 4
+    caplog.set_level("INFO", logger="guard.events")
     with running(tmp_path, models, http_port=0) as (server, _):
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
                                api_key="client-key", max_retries=0, timeout=120)
@@ -260,6 +261,11 @@ def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_co
         assert checks(server, "declared", "pass") == calls
         assert counted("undeclared", "not_comparable") == calls
         assert counted("undeclared", "compared") == 0
+        assert metric(values, "guard_generation_not_comparable_total", model="undeclared",
+                      reason="sampling_unknown") == calls
+        # said once at start-up, for that model alone
+        assert [e["model"] for e in events(caplog, "generation_defaults_unknown")] == \
+            ["undeclared"]
         assert counted("neutral", "compared") == calls
         # The detector's evidence (a completion's score against the in-control level): the
         # declared model's against drift, the neutral one's for it.
