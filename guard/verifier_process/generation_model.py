@@ -346,15 +346,15 @@ class VerifiedGenerationModel(VerifiedModel):
         from guard.protocol.generation import SamplingParams
         from guard.verify.generation import unknown_sampling
 
-        unknown = unknown_sampling(SamplingParams(temperature=1.0), tier.defaults)
-        if tier.defaults.temperature is not None and unknown is None:
+        unknown = unknown_sampling(SamplingParams(), tier.defaults)  # a request saying nothing
+        if unknown is None:
             return
         options = self.config.primary.options if isinstance(self.config.primary.options,
                                                             dict) else {}
         if options.get("sample_logprobs"):
             return  # sampled calls carry logprobs: no transform enters their comparison
         emit("generation_defaults_unknown", model=self.name,
-             engine=options.get("engine", "unknown"), unknown=unknown or "temperature",
+             engine=options.get("engine", "unknown"), unknown=unknown,
              reason="sampled calls that leave these to the server are not compared "
              "(guard_generation_not_comparable_total{reason=\"sampling_unknown\"}): declare "
              "the primary's options.generation_config (vLLM) or options.server_defaults, or "

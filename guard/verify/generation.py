@@ -341,6 +341,11 @@ class Transform:
                 or self.frequency_penalty != 0.0)
 
 
+_TRUNCATIONS = ("top_p", "top_k", "min_p")
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+assert ("temperature",) + _TRUNCATIONS + _PENALTIES == SAMPLING_FIELDS
+
+
 def unknown_sampling(sampling: SamplingParams, defaults: ServerDefaults) -> str | None:
     """The first sampling field that the request does not set and the server's defaults do
     not know (None: the transform is known). A greedy request needs its temperature and the
@@ -350,7 +355,7 @@ def unknown_sampling(sampling: SamplingParams, defaults: ServerDefaults) -> str 
     if temperature is None:
         return "temperature"
     # Greedy decoding reads no truncation, but the penalties move its argmax too.
-    needed = SAMPLING_FIELDS[4:] if temperature <= 0.0 else SAMPLING_FIELDS[1:]
+    needed = _PENALTIES if temperature <= 0.0 else _TRUNCATIONS + _PENALTIES
     return next((name for name in needed
                  if getattr(sampling, name) is None and getattr(defaults, name) is None), None)
 

@@ -13,6 +13,7 @@ from guard.backends.scoring import ReferenceScores, largest_k, top_of
 from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
 from guard.verify.generation import (
     NEUTRAL,
+    NOT_COMPARABLE_CAUSES,
     SERVER_DEFAULTS,
     GenerationThresholds,
     ServerDefaults,
@@ -271,6 +272,13 @@ def test_vllms_defaults_are_unknown_until_its_generation_config_is_declared():
     both (vLLM's --override-generation-config)."""
     vllm = SERVER_DEFAULTS["vllm"]
     assert unknown_sampling(SamplingParams(), vllm) == "temperature"
+    rng = np.random.default_rng(7)
+    logprobs = _log_softmax(rng.normal(0, 2, (8, 50)))
+    tokens = logprobs.argmax(axis=1)
+    check = check_generation(_sample(tokens, SamplingParams(temperature=0.7)),
+                             _synthetic_scores(logprobs, tokens), vllm)
+    assert (check.mode, check.cause) == ("not_comparable", "sampling_unknown")
+    assert check.reason.startswith("the sampling transform is unknown: top_p is neither")
     assert unknown_sampling(SamplingParams(temperature=0.7), vllm) == "top_p"
     # Greedy: no truncation enters, the penalties do (they move the argmax).
     assert unknown_sampling(SamplingParams(temperature=0.0), vllm) == "repetition_penalty"
@@ -378,7 +386,8 @@ def test_a_repetition_penalty_is_applied_to_the_raw_logits():
 
     remote = replace(scores, logit_offsets=None)
     check = check_generation(_sample(tokens, greedy), remote, NEUTRAL)
-    assert check.mode == "not_comparable" and "raw logits" in check.reason
+    assert (check.mode, check.cause) == ("not_comparable", "penalties")
+    assert "raw logits" in check.reason and check.cause in NOT_COMPARABLE_CAUSES
 
 
 @pytest.mark.parametrize("text, message", [
