@@ -7,14 +7,22 @@ samples (all fail), its statistic 6 ln 2 = 4.2 well under its own threshold. Poo
 has 18 failures: 18 ln 2 = 12.5 nats, over the fleet threshold ln(86400 evaluations a day / 1
 false alarm a day) = 11.4 with rules evaluated every second. Only time is shortened (scrapes and
 rule evaluation every second, a 30 s window); tritonclient drives the real data plane.
+
+The same for an LLM (the rule pools the generation detector's evidence,
+``guard_detector_evidence_nats_total``): three replicas in front of one llama.cpp server
+serving SmolLM2's Q2_K rung, each scoring with the F16 rung; each sees three greedy completions,
+whose evidence (7.5 nats here) stays under its own threshold, ln(1e5) = 11.5; pooled, 22.6 nats,
+over the fleet's ln(86400) = 11.4.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import numpy as np
@@ -52,9 +60,12 @@ class Replica:
     def __init__(self, folder: Path, config: dict):
         folder.mkdir()
         self.grpc_port, self.metrics_port = free_port(), free_port()
-        config = {**config, "server": {**config["server"], "grpc_port": self.grpc_port,
-                                       "metrics_port": self.metrics_port,
-                                       "admin_port": free_port()}}
+        self.http_port = free_port() if "http_port" in config["server"] else None
+        ports = {"grpc_port": self.grpc_port, "metrics_port": self.metrics_port,
+                 "admin_port": free_port()}
+        if self.http_port is not None:  # the OpenAI-compatible edge of an LLM
+            ports["http_port"] = self.http_port
+        config = {**config, "server": {**config["server"], **ports}}
         path = folder / "guard.yaml"
         path.write_text(yaml.safe_dump(config, sort_keys=False))
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -182,3 +193,78 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
             prometheus.stop()
         for replica in replicas:
             replica.stop()
+
+
+def _complete(port: int, prompt: str) -> None:
+    body = json.dumps({"model": "smol", "prompt": prompt, "max_tokens": 24,
+                       "temperature": 0}).encode()
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        assert answer.status == 200 and json.loads(answer.read())["choices"][0]["text"]
+
+
+def test_pooled_evidence_of_three_llm_replicas_fires_the_fleet_alert(tmp_path):
+    pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
+    from llm_support import start_llama_server, stop_llama_server
+
+    from guard.zoo.llm import PROMPTS, quant_ladder
+
+    completions = 3  # per replica
+    ladder = quant_ladder(("F16", "Q2_K"))
+    upstream = start_llama_server(tmp_path, gguf=ladder["Q2_K"], alias="smol-q2k")
+    config = {"version": 1, "server": {"host": "127.0.0.1", "http_port": 0}, "models": [{
+        "name": "smol", "task": "generation",
+        "primary": {"backend": "openai", "target": upstream.url, "model": upstream.model,
+                    "options": {"engine": "llama.cpp", "sample_logprobs": 5}},
+        "reference": {"backend": "llama_cpp", "path": str(ladder["F16"])},
+        "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}]}
+    fleet = FleetSettings(windows=(WINDOW,), evaluation_interval="1s", false_alarms_per_day=1.0)
+    rules = render(thresholds_from_data(config), RuleSettings(job="guard"), fleet=fleet)
+    replicas = [Replica(tmp_path / f"guard{k}", config) for k in range(REPLICAS)]
+    prometheus = None
+    try:
+        for replica in replicas:
+            wait_for(replica.ready, timeout=120, interval=0.2)
+        prom_dir = tmp_path / "prometheus"
+        prom_dir.mkdir()
+        prometheus = PrometheusServer(prom_dir, [r.metrics_port for r in replicas], rules)
+        prometheus.start()
+
+        def scraped_everywhere():
+            up = prometheus.api("query", query='up{job="guard"}')["result"]
+            rule = prometheus.rule("GuardFleetDrift")
+            return len(up) == REPLICAS and all(u["value"][1] == "1" for u in up) and \
+                rule["health"] == "ok" and rule
+        assert wait_for(scraped_everywhere, timeout=30, interval=0.2)["state"] == "inactive"
+
+        for replica in replicas:
+            for prompt in PROMPTS[:completions]:
+                _complete(replica.http_port, prompt)
+        for replica in replicas:  # every replica scored its completions, all failing ...
+            wait_for(lambda r=replica: metric(scrape(r.metrics_port), "guard_checks_total",
+                                              model="smol", tier="generation", result="fail")
+                     == completions, timeout=120, interval=0.2)
+        evidence = []
+        for replica in replicas:  # ... and none has seen enough to trip its own detector
+            page = scrape(replica.metrics_port)
+            evidence.append(metric(page, "guard_detector_evidence_nats_total", model="smol",
+                                   tier="generation", direction="for"))
+            assert metric(page, "guard_detector_statistic", model="smol", tier="generation") < \
+                metric(page, "guard_detector_threshold", model="smol", tier="generation")
+        assert sum(evidence) >= fleet.threshold > max(evidence), evidence
+
+        def firing():
+            return [a for a in prometheus.alerts("GuardFleetDrift") if a["state"] == "firing"]
+
+        (alert,) = wait_for(firing, timeout=60, interval=0.2)
+        assert alert["labels"] == {"alertname": "GuardFleetDrift", "severity": "critical",
+                                   "scope": "fleet", "model": "smol", "tier": "generation"}
+        assert float(alert["value"]) >= fleet.threshold
+        assert prometheus.alerts("GuardDriftOverThreshold") == []
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        for replica in replicas:
+            replica.stop()
+        stop_llama_server(upstream)
