@@ -17,6 +17,7 @@ over the fleet's ln(86400) = 11.4.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -96,6 +97,44 @@ class Replica:
         self.log.close()
 
 
+@contextlib.contextmanager
+def fleet_of(folder: Path, config: dict, fleet: FleetSettings):
+    """REPLICAS `guard serve` processes on ``config`` and a Prometheus scraping them with
+    ``config``'s rules and ``fleet``'s, every target up and GuardFleetDrift evaluated and
+    inactive; all stopped on the way out."""
+    rules = render(thresholds_from_data(config), RuleSettings(job="guard"), fleet=fleet)
+    replicas = [Replica(folder / f"guard{k}", config) for k in range(REPLICAS)]
+    prometheus = None
+    try:
+        for replica in replicas:
+            wait_for(replica.ready, timeout=120, interval=0.2)
+        prom_dir = folder / "prometheus"
+        prom_dir.mkdir()
+        prometheus = PrometheusServer(prom_dir, [r.metrics_port for r in replicas], rules)
+        prometheus.start()
+
+        def scraped_everywhere():
+            up = prometheus.api("query", query='up{job="guard"}')["result"]
+            rule = prometheus.rule("GuardFleetDrift")
+            return len(up) == REPLICAS and all(u["value"][1] == "1" for u in up) and \
+                rule["health"] == "ok" and rule
+        assert wait_for(scraped_everywhere, timeout=30, interval=0.2)["state"] == "inactive"
+        yield replicas, prometheus
+    finally:
+        if prometheus is not None:
+            prometheus.stop()
+        for replica in replicas:
+            replica.stop()
+
+
+def fleet_alert(prometheus, timeout: float) -> dict:
+    """The one firing GuardFleetDrift alert, waited for."""
+    def firing():
+        return [a for a in prometheus.alerts("GuardFleetDrift") if a["state"] == "firing"]
+    (alert,) = wait_for(firing, timeout=timeout, interval=0.2)
+    return alert
+
+
 def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
     policy = {"action": "alert", "detector": "cusum", "p0": 0.01, "shift": 0.01, "arl0": 1e5,
               "window": 20, "min_samples": 5}
@@ -107,28 +146,11 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
     # that came in over more than the window were pooled in part (17.6 of 18 once).
     fleet = FleetSettings(windows=(WINDOW,), evaluation_interval="1s", false_alarms_per_day=1.0)
     assert fleet.threshold == pytest.approx(np.log(86400))
-    rules = render(thresholds_from_data(config), RuleSettings(job="guard"), fleet=fleet)
-    replicas = [Replica(tmp_path / f"guard{k}", config) for k in range(REPLICAS)]
-    prometheus = None
-    try:
-        for replica in replicas:
-            wait_for(replica.ready, timeout=120, interval=0.2)
-        prom_dir = tmp_path / "prometheus"
-        prom_dir.mkdir()
-        prometheus = PrometheusServer(prom_dir, [r.metrics_port for r in replicas], rules)
-        prometheus.start()
+    with fleet_of(tmp_path, config, fleet) as (replicas, prometheus):
         rng = np.random.default_rng(0)
         for replica in replicas:  # healthy traffic first: a few passes on each replica
             for _ in range(3):
                 replica.client.infer("m", [x_input(rng.normal(size=(1, 4)).astype(np.float32))])
-
-        def scraped_everywhere():
-            up = prometheus.api("query", query='up{job="guard"}')["result"]
-            rule = prometheus.rule("GuardFleetDrift")
-            return len(up) == REPLICAS and all(u["value"][1] == "1" for u in up) and \
-                rule["health"] == "ok" and rule
-        rule = wait_for(scraped_everywhere, timeout=30, interval=0.2)
-        assert rule["state"] == "inactive"
 
         drifting = np.full((1, 4), DRIFT_TRIGGER, np.float32)
         for replica in replicas:
@@ -146,10 +168,7 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
             assert metric(page, "guard_detector_p1", model="m", tier="tensor") == \
                 pytest.approx(0.02)
 
-        def firing():
-            return [a for a in prometheus.alerts("GuardFleetDrift") if a["state"] == "firing"]
-
-        (alert,) = wait_for(firing, timeout=30, interval=0.2)
+        alert = fleet_alert(prometheus, timeout=30)
         assert alert["labels"] == {"alertname": "GuardFleetDrift", "severity": "critical",
                                    "scope": "fleet", "model": "m", "tier": "tensor"}
         assert float(alert["value"]) >= fleet.threshold
@@ -188,11 +207,6 @@ def test_pooled_evidence_of_three_replicas_fires_the_fleet_alert(tmp_path):
         wait_for(lambda: most_pooled() >= REPLICAS * DRIFTING - 1e-9, timeout=30, interval=0.5)
         # Nothing per replica fires: the evidence exists only pooled.
         assert prometheus.alerts("GuardDriftOverThreshold") == []
-    finally:
-        if prometheus is not None:
-            prometheus.stop()
-        for replica in replicas:
-            replica.stop()
 
 
 def _complete(port: int, prompt: str) -> None:
@@ -208,7 +222,7 @@ def test_pooled_evidence_of_three_llm_replicas_fires_the_fleet_alert(tmp_path):
     pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
     from llm_support import start_llama_server, stop_llama_server
 
-    from guard.zoo.llm import PROMPTS, quant_ladder
+    from guard.zoo.llm import quant_ladder
 
     completions = 3  # per replica
     ladder = quant_ladder(("F16", "Q2_K"))
@@ -220,51 +234,36 @@ def test_pooled_evidence_of_three_llm_replicas_fires_the_fleet_alert(tmp_path):
         "reference": {"backend": "llama_cpp", "path": str(ladder["F16"])},
         "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}]}
     fleet = FleetSettings(windows=(WINDOW,), evaluation_interval="1s", false_alarms_per_day=1.0)
-    rules = render(thresholds_from_data(config), RuleSettings(job="guard"), fleet=fleet)
-    replicas = [Replica(tmp_path / f"guard{k}", config) for k in range(REPLICAS)]
-    prometheus = None
     try:
-        for replica in replicas:
-            wait_for(replica.ready, timeout=120, interval=0.2)
-        prom_dir = tmp_path / "prometheus"
-        prom_dir.mkdir()
-        prometheus = PrometheusServer(prom_dir, [r.metrics_port for r in replicas], rules)
-        prometheus.start()
-
-        def scraped_everywhere():
-            up = prometheus.api("query", query='up{job="guard"}')["result"]
-            rule = prometheus.rule("GuardFleetDrift")
-            return len(up) == REPLICAS and all(u["value"][1] == "1" for u in up) and \
-                rule["health"] == "ok" and rule
-        assert wait_for(scraped_everywhere, timeout=30, interval=0.2)["state"] == "inactive"
-
-        for replica in replicas:
-            for prompt in PROMPTS[:completions]:
-                _complete(replica.http_port, prompt)
-        for replica in replicas:  # every replica scored its completions, all failing ...
-            wait_for(lambda r=replica: metric(scrape(r.metrics_port), "guard_checks_total",
-                                              model="smol", tier="generation", result="fail")
-                     == completions, timeout=120, interval=0.2)
-        evidence = []
-        for replica in replicas:  # ... and none has seen enough to trip its own detector
-            page = scrape(replica.metrics_port)
-            evidence.append(metric(page, "guard_detector_evidence_nats_total", model="smol",
-                                   tier="generation", direction="for"))
-            assert metric(page, "guard_detector_statistic", model="smol", tier="generation") < \
-                metric(page, "guard_detector_threshold", model="smol", tier="generation")
-        assert sum(evidence) >= fleet.threshold > max(evidence), evidence
-
-        def firing():
-            return [a for a in prometheus.alerts("GuardFleetDrift") if a["state"] == "firing"]
-
-        (alert,) = wait_for(firing, timeout=60, interval=0.2)
-        assert alert["labels"] == {"alertname": "GuardFleetDrift", "severity": "critical",
-                                   "scope": "fleet", "model": "smol", "tier": "generation"}
-        assert float(alert["value"]) >= fleet.threshold
-        assert prometheus.alerts("GuardDriftOverThreshold") == []
+        with fleet_of(tmp_path, config, fleet) as (replicas, prometheus):
+            _pool_llm_evidence(replicas, prometheus, fleet, completions)
     finally:
-        if prometheus is not None:
-            prometheus.stop()
-        for replica in replicas:
-            replica.stop()
         stop_llama_server(upstream)
+
+
+def _pool_llm_evidence(replicas, prometheus, fleet: FleetSettings, completions: int) -> None:
+    """``completions`` drifting completions through each replica: each one's evidence under
+    its own threshold, the pooled over the fleet's, and GuardFleetDrift alone fires."""
+    from guard.zoo.llm import PROMPTS
+
+    for replica in replicas:
+        for prompt in PROMPTS[:completions]:
+            _complete(replica.http_port, prompt)
+    for replica in replicas:  # every replica scored its completions, all failing ...
+        wait_for(lambda r=replica: metric(scrape(r.metrics_port), "guard_checks_total",
+                                          model="smol", tier="generation", result="fail")
+                 == completions, timeout=120, interval=0.2)
+    evidence = []
+    for replica in replicas:  # ... and none has seen enough to trip its own detector
+        page = scrape(replica.metrics_port)
+        evidence.append(metric(page, "guard_detector_evidence_nats_total", model="smol",
+                               tier="generation", direction="for"))
+        assert metric(page, "guard_detector_statistic", model="smol", tier="generation") < \
+            metric(page, "guard_detector_threshold", model="smol", tier="generation")
+    assert sum(evidence) >= fleet.threshold > max(evidence), evidence
+
+    alert = fleet_alert(prometheus, timeout=60)
+    assert alert["labels"] == {"alertname": "GuardFleetDrift", "severity": "critical",
+                               "scope": "fleet", "model": "smol", "tier": "generation"}
+    assert float(alert["value"]) >= fleet.threshold
+    assert prometheus.alerts("GuardDriftOverThreshold") == []
