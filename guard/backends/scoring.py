@@ -611,9 +611,15 @@ class LocalScorer(Scorer):
         """One teacher-forced pass over ``ids``: the raw logits (float32 ``[T, V]``) at the
         ``T = len(ids) - prompt_length`` positions that predict ``ids[prompt_length:]``."""
 
+    def normalized(self, ids: Sequence[int], prompt_length: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`logits` as :func:`log_normalize` gives them (log-softmax, normalizers); a
+        scorer on an accelerator overrides it to normalize there."""
+        return log_normalize(self.logits(ids, prompt_length))
+
     def forward(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
         """:meth:`logits`, log-softmaxed (float32 ``[T, V]``)."""
-        return log_softmax(self.logits(ids, prompt_length))
+        return self.normalized(ids, prompt_length)[0]
 
     def teacher_force(self, sample: GenerationSample, prompt_ids: list[int], ids: list[int],
                       **fields) -> ReferenceScores:
@@ -621,6 +627,6 @@ class LocalScorer(Scorer):
             return scores_from_full(sample, self.vocab,
                                     np.zeros((0, self.vocab.size), np.float32), ids,
                                     logit_offsets=np.zeros(0), **fields)
-        logprobs, offsets = log_normalize(self.logits(prompt_ids + ids, len(prompt_ids)))
+        logprobs, offsets = self.normalized(prompt_ids + ids, len(prompt_ids))
         return scores_from_full(sample, self.vocab, logprobs, ids, logit_offsets=offsets,
                                 **fields)

@@ -246,6 +246,20 @@ class TransformersScorer(HFTokenized, LocalScorer):
         return self._model
 
     def logits(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:
+        return self._logits(ids, prompt_length).cpu().numpy()
+
+    def normalized(self, ids: Sequence[int], prompt_length: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        import torch
+
+        # On the model's device: a GPU reference's [T, V] is normalized there, not on the CPU.
+        logits = self._logits(ids, prompt_length)
+        offsets = torch.logsumexp(logits, dim=-1)  # float32: ~1e-6 nats, what a penalty needs
+        logprobs = torch.log_softmax(logits, dim=-1)
+        return logprobs.cpu().numpy(), offsets.cpu().numpy().astype(np.float64)
+
+    def _logits(self, ids: Sequence[int], prompt_length: int):
+        """The raw logits as a float32 tensor on the model's device."""
         import torch
 
         model = self._loaded_model()
@@ -269,7 +283,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
             kept_cache = getattr(out, self._names.cache, None)
             if self.options.cache_prompt and _croppable(kept_cache):
                 self._cached = (list(ids), kept_cache)
-            return out.logits[0, -wanted:-1].float().cpu().numpy()
+            return out.logits[0, -wanted:-1].float()
 
     def greedy(self, ids: Sequence[int], max_tokens: int) -> list[int]:
         """The model's greedy continuation of ``ids`` (at most ``max_tokens``, stopping at
