@@ -114,7 +114,7 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
     "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                 penalty_last_n=64, temperature_last=True),
     # vLLM applies the sampling fields of the model's generation_config.json over its neutral
-    # defaults (``--generation-config auto``, its default since 0.8): which they are is not
+    # defaults (``--generation-config auto``, its default: 0.32 here): which they are is not
     # known until the block declares the file (options.generation_config) or the values
     # (options.server_defaults). Qwen2.5-Instruct's, for one, sample at temperature 0.7,
     # top_p 0.8, top_k 20 and repetition_penalty 1.05, not at vLLM's temperature 1.
