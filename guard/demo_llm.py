@@ -83,9 +83,10 @@ def llm_demo_config(upstreams: dict[str, str], reference: dict, ports: dict[str,
     def upstream(url: str, alias: str) -> dict:
         # sample_logprobs: guard asks llama.cpp for 5 alternatives per token on sampled calls
         # (the per-token KL needs them) and strips them from the client's answer; engine:
-        # llama.cpp's sampler defaults and order, which the tier needs for sampled calls.
+        # llama-cpp-python's server's sampler defaults and order (repeat_penalty 1.1 among
+        # them), which the tier needs for sampled calls.
         return {"backend": "openai", "target": url, "model": alias,
-                "options": {"sample_logprobs": 5, "engine": "llama.cpp"}}
+                "options": {"sample_logprobs": 5, "engine": "llama-cpp-python"}}
 
     return {
         "version": 1,

@@ -89,11 +89,13 @@ class OpenAIOptions(_Strict):
         "key, sent as 'Authorization: Bearer <key>' in place of the client's Authorization. "
         "Never the key itself: a config is not a secret store. Unset: the client's "
         "Authorization header is forwarded as it came.")
-    engine: Literal["llama.cpp", "vllm", "openai", "unknown"] = Field(
+    engine: Literal["llama.cpp", "llama-cpp-python", "vllm", "openai", "unknown"] = Field(
         "unknown", description="The server's engine, for the sampling transform it applies "
         "where a request does not say: its sampler order (llama.cpp applies the temperature "
         "after top_k/top_p/min_p, vLLM before), its penalty window and its default values "
-        "(llama.cpp: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; openai: "
+        "(llama.cpp, llama-server: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; "
+        "llama-cpp-python, its server: the same and repeat_penalty 1.1 over the sampled "
+        "tokens; openai: "
         "temperature 1; vllm: those of generation_config, below). server_defaults is laid "
         "over the preset. unknown: no preset, only greedy requests and requests that set the "
         "temperature are compared.")

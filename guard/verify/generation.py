@@ -89,7 +89,9 @@ class ServerDefaults:
     top_p, min_p) at temperature 1 and the temperature after them (llama.cpp's sampler chain);
     otherwise temperature first (vLLM, transformers). Penalties follow vLLM's meaning: the
     repetition penalty over prompt and completion tokens, presence and frequency over
-    completion tokens, within the last ``penalty_last_n`` tokens (-1: all).
+    completion tokens, within the last ``penalty_last_n`` tokens (-1: all);
+    ``penalize_prompt`` false: the repetition penalty too sees only the completion's tokens
+    (llama-cpp-python's sampler is handed the sampled tokens alone).
     """
 
     temperature: float | None = None
@@ -101,6 +103,7 @@ class ServerDefaults:
     frequency_penalty: float | None = 0.0
     penalty_last_n: int = -1
     temperature_last: bool = False
+    penalize_prompt: bool = True
 
 
 # vLLM without a model's generation_config.json (``--generation-config vllm``): temperature 1,
@@ -109,10 +112,16 @@ NEUTRAL = ServerDefaults(temperature=1.0)
 
 # Starting points for the backend block; the server's launch flags can change them.
 SERVER_DEFAULTS: dict[str, ServerDefaults] = {
-    # llama.cpp's server and llama-cpp-python's: top_k 40, top_p 0.95, min_p 0.05,
-    # temperature 0.8, repeat_penalty 1.0 over the last 64 tokens; temperature last.
+    # llama.cpp's server (llama-server): top_k 40, top_p 0.95, min_p 0.05, temperature 0.8,
+    # repeat_penalty 1.0 over the last 64 tokens; temperature last.
     "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                 penalty_last_n=64, temperature_last=True),
+    # llama-cpp-python's server (llama_cpp.server): the same chain, but repeat_penalty 1.1
+    # unless told (its server's default; its Llama API's is 1.0), over the last 64 sampled
+    # tokens only (its sampler never sees the prompt's).
+    "llama-cpp-python": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
+                                       repetition_penalty=1.1, penalty_last_n=64,
+                                       temperature_last=True, penalize_prompt=False),
     # vLLM applies the sampling fields of the model's generation_config.json over its neutral
     # defaults (``--generation-config auto``, its default: 0.32 here): which they are is not
     # known until the block declares the file (options.generation_config) or the values
@@ -334,6 +343,7 @@ class Transform:
     frequency_penalty: float
     penalty_last_n: int
     temperature_last: bool
+    penalize_prompt: bool = True
 
     @property
     def penalized(self) -> bool:
@@ -379,14 +389,15 @@ def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Tra
         repetition_penalty=float(pick("repetition_penalty")),
         presence_penalty=float(pick("presence_penalty")),
         frequency_penalty=float(pick("frequency_penalty")),
-        penalty_last_n=defaults.penalty_last_n, temperature_last=defaults.temperature_last)
+        penalty_last_n=defaults.penalty_last_n, temperature_last=defaults.temperature_last,
+        penalize_prompt=defaults.penalize_prompt)
 
 
 def _penalize(logits: np.ndarray, transform: Transform, prompt: Sequence[int],
               completion: Sequence[int], t: int) -> np.ndarray:
     """vLLM's penalties on one position's logits (completion tokens before ``t`` and, for the
     repetition penalty, the prompt), within the last ``penalty_last_n`` tokens."""
-    history = list(prompt) + list(completion[:t])
+    history = (list(prompt) if transform.penalize_prompt else []) + list(completion[:t])
     if transform.penalty_last_n >= 0:
         history = history[len(history) - transform.penalty_last_n:] if \
             transform.penalty_last_n else []

@@ -58,7 +58,7 @@ def scripted():
 
 def llm(url: str, name: str = "smol") -> dict:
     return {"backend": "openai", "target": url, "model": name,
-            "options": {"engine": "llama.cpp", "ready_timeout_s": 30}}
+            "options": {"engine": "llama-cpp-python", "ready_timeout_s": 30}}
 
 
 @pytest.fixture(scope="module")

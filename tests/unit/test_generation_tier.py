@@ -195,6 +195,27 @@ def test_z_is_about_standard_normal_when_the_primary_samples_the_reference(f16_r
     assert np.median(zs["Q2_K"]) > 2.0, zs["Q2_K"]
 
 
+def test_llama_cpps_repeat_penalty_is_scored_as_its_sampler_applies_it(f16_reference,
+                                                                       primaries):
+    """llama.cpp's own sampler chain with a strong repeat penalty (1.3, what
+    llama-cpp-python's server applies as 1.1 unless told): the penalty divides a positive raw
+    logit and multiplies a negative one, over the last 64 sampled tokens (llama-cpp-python's
+    sampler never sees the prompt's). Scored with the llama-cpp-python preset, on the
+    reference's raw logits, z stays about N(0, 1)."""
+    defaults = SERVER_DEFAULTS["llama-cpp-python"]
+    assert (defaults.repetition_penalty, defaults.penalize_prompt) == (1.1, False)
+    sampling = SamplingParams(repetition_penalty=1.3)
+    zs = []
+    for seed in range(12):
+        sample = smol.complete(primaries["F16"], smol.PROMPTS[seed % len(smol.PROMPTS)], 32,
+                               sampling, seed=100 + seed, token_ids=True)
+        check = check_generation(sample, f16_reference.score(sample), defaults)
+        assert check.mode == "sampled"
+        zs.append(check.statistic)
+    zs = np.array(zs)
+    assert abs(zs.mean()) < 1.0 and np.all(np.abs(zs) <= GenerationThresholds().max_abs_z), zs
+
+
 def test_a_sampled_completion_on_an_unknown_server_is_not_comparable(f16_reference, primaries):
     sample = smol.complete(primaries["F16"], PROMPTS[0], 8, SamplingParams(), seed=1)
     check = check_generation(sample, f16_reference.score(sample), SERVER_DEFAULTS["unknown"])
