@@ -424,11 +424,6 @@ def log_normalize(logits: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return shifted - log_total.astype(np.float32), (peak + log_total)[..., 0]
 
 
-def log_softmax(logits: np.ndarray) -> np.ndarray:
-    """Row-wise log-softmax of float32 logits, as float32 (:func:`log_normalize`)."""
-    return log_normalize(logits)[0]
-
-
 def top_of(logprobs: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
     """The ``k`` best ids and logprobs per row of ``[T, V]`` log-probabilities, best first."""
     k = min(k, logprobs.shape[-1])

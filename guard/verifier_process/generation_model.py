@@ -349,8 +349,7 @@ class VerifiedGenerationModel(VerifiedModel):
         unknown = unknown_sampling(SamplingParams(), tier.defaults)  # a request saying nothing
         if unknown is None:
             return
-        options = self.config.primary.options if isinstance(self.config.primary.options,
-                                                            dict) else {}
+        options = self.config.primary.options
         if options.get("sample_logprobs"):
             return  # sampled calls carry logprobs: no transform enters their comparison
         emit("generation_defaults_unknown", model=self.name,

@@ -12,7 +12,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
 from guard.backends.llama_cpp import completion_logits, open_llama  # noqa: E402
-from guard.backends.scoring import log_softmax  # noqa: E402
+from guard.backends.scoring import log_normalize  # noqa: E402
 from guard.backends.scoring import common_prefix  # noqa: E402
 from guard.zoo import llm  # noqa: E402
 
@@ -67,7 +67,7 @@ def test_the_scorer_forward_is_their_log_softmax(tmp_path):
     scorer.load()
     try:
         ids = scorer.encode_prompt(llm.PROMPTS[2])
-        expected = log_softmax(completion_logits(scorer.llm, ids, 4))
+        expected = log_normalize(completion_logits(scorer.llm, ids, 4))[0]
         np.testing.assert_array_equal(scorer.forward(ids, 4), expected)
         assert np.exp(expected).sum(axis=1) == pytest.approx(1.0, abs=1e-4)
     finally:
