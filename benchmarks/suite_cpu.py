@@ -15,7 +15,10 @@ with): its argv, its own CPU (user + system, from ``os.times``), its wall time, 
 imported torch / TensorFlow / ONNX Runtime. Processes that clear PYTHONPATH (vLLM's server) or are
 not Python (Envoy, Prometheus, Triton), and any killed by a signal, write nothing: their CPU is
 the total less the records (the total is this process's children's, from ``getrusage``, which
-counts every descendant that was waited for).
+counts every descendant that was waited for). A grandchild left to init when its parent died
+is counted nowhere: vLLM's model worker, as vLLM starts by default, was (126 s of vLLM's CPU in
+tests/e2e/test_vllm.py by /proc, 112 s for the whole file by getrusage); the lean start the
+tests use now keeps it in a process that is waited for (benchmarks/vllm_test_server.py).
 
     .venv/bin/python benchmarks/suite_cpu.py [--out DIR] [-- PYTEST ARGS]
 

@@ -11,6 +11,14 @@ import pytest
 TESTS_DIR = Path(__file__).resolve().parent
 MAX_WORKERS = 4  # each worker may load torch, TensorFlow and ONNX Runtime (1-2 GB)
 
+# One OpenMP thread per process (torch's intra-op pool; the guards, verifiers and servers the
+# tests start inherit it), unless the caller set another. The workers outnumber the cores
+# (below), and an OpenMP team of one per core in each of them spins while its peers wait for a
+# core. benchmarks/suite_cpu.py on a 2-core Xeon, the whole suite back to back: 519 s wall
+# with torch's default of one thread per core, 471 s with this, the same CPU in all (867 s and
+# 869 s). Tests that compare thread counts set their own (torch.set_num_threads goes past it).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 
 def pytest_xdist_auto_num_workers(config) -> int:
     """``-n auto`` (pyproject.toml's addopts): one worker per usable core and one more, at most

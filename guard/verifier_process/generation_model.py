@@ -407,15 +407,20 @@ class VerifiedGenerationModel(VerifiedModel):
                                                           check.cause or "other").inc()
             self.window.not_comparable += 1
         try:
+            # The verdict that ran tier 2 is counted before tier 2's own count and event, so
+            # that whoever reads an activation_divergence finds the failure behind it on
+            # /metrics; the policy steps last, with tier 2's finding in its evidence.
+            if compared:
+                self._count(result)
             if result.activation is not None:
                 self._on_activation(result.activation, result.sample.epoch)
             if compared:
-                self._observe(result)
+                self._step(result)
         finally:
             self._capture_completion(result)
 
-    def _observe(self, result: GenerationResult) -> None:
-        """A compared completion's figures, verdict and the policy's step."""
+    def _count(self, result: GenerationResult) -> None:
+        """A compared completion's figures and verdict: metrics, window, event."""
         check, sample = result.check, result.sample
         if not math.isnan(check.mean_kld):
             self._kld.observe(check.mean_kld)
@@ -428,6 +433,10 @@ class VerifiedGenerationModel(VerifiedModel):
                 self._divergence.observe(check.first_divergence.position + 1)
             self._last_failure = (sample.epoch, self._evidence(result))
             self._announce(result)
+
+    def _step(self, result: GenerationResult) -> None:
+        """The detectors' and the policy's step on a compared completion."""
+        check, sample = result.check, result.sample
         score = detector_score(check, self._limits)
         if score is not None:
             # Every scored completion of the primary (a probe's too, and whatever the route's
