@@ -111,6 +111,9 @@ def format_model_status(status: pb.ModelStatus) -> str:
         lines.append(f"  KLD window: {g.completions} of the last {g.window} completions, mean "
                      f"KLD {g.mean_kld:.4f} nats/token (p99 {g.kld_p99:.4f}), same top-1 "
                      f"{g.top1_agreement:.1%}; not comparable {g.not_comparable}")
+        if g.not_comparable_by_reason:
+            lines.append("  never compared, by reason (all processes, since start): " + ", ".join(
+                f"{k}={v}" for k, v in sorted(g.not_comparable_by_reason.items())))
         if g.last_divergence_json:
             first = json.loads(g.last_divergence_json)
             top = ", ".join(f"{t!r} {p:.2f}" for t, p in first.get("reference_top", [])[:3])

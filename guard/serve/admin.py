@@ -17,6 +17,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import grpc
 
@@ -35,10 +37,20 @@ from guard.v1 import admin_pb2_grpc as pb_grpc
 _OVERRIDES = {pb.AUTO: "auto", pb.PRIMARY: "primary", pb.FALLBACK: "fallback"}
 
 
+@dataclass(frozen=True)
+class Seen:
+    """Counts as the merged /metrics holds them (every serving process and the verifier, or
+    Envoy in Envoy mode, where the serving process counts no request), per model."""
+
+    requests: dict[str, dict[str, int]]  # {model: {route: count}}
+    not_comparable: dict[str, dict[str, int]]  # {model: {reason: count}}
+
+
 def served_status(model: ServedModel, verified: bytes | None,
-                  requests: dict[str, int] | None = None) -> pb.ModelStatus:
+                  seen: Seen | None = None) -> pb.ModelStatus:
     """The verifier's half (``verified``, serialized) merged with this process's half;
-    ``requests``: per route, as the merged /metrics counts them (default: this process's)."""
+    ``seen``: the counts the merged /metrics holds (default: requests per route as this
+    process counts them, no reasons)."""
     status = pb.ModelStatus()
     if verified is not None:
         status.ParseFromString(verified)
@@ -56,7 +68,10 @@ def served_status(model: ServedModel, verified: bytes | None,
                             device=info.device, artifact=info.artifact)
     status.backends.extend(reference)
     status.requests.update(counts(model.metrics.requests, model.name, "route")
-                           if requests is None else requests)
+                           if seen is None else seen.requests.get(model.name, {}))
+    if status.has_generation and seen is not None:
+        status.generation.not_comparable_by_reason.update(
+            seen.not_comparable.get(model.name, {}))
     status.mirror["dropped"] = status.mirror.get("dropped", 0) + int(
         model.metrics.mirror.labels(model.name, "dropped")._value.get())
     return status
@@ -64,14 +79,13 @@ def served_status(model: ServedModel, verified: bytes | None,
 
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, models: dict[str, ServedModel], verifier: VerifierLink,
-                 callers: CallerCheck | None = None, requests=None):
-        """``requests()``: ``{model: {route: count}}`` as /metrics counts them (every serving
-        process, or Envoy in Envoy mode, where this process counts none); default: this
-        process's counters."""
+                 callers: CallerCheck | None = None, seen: Callable[[], Seen] | None = None):
+        """``seen()``: the counts of the merged /metrics (a Seen); default: this process's
+        request counters."""
         self.models = models
         self.verifier = verifier
         self.callers = callers or CallerCheck("admin API")  # server.admin_tls's allow-list
-        self.requests = requests
+        self.seen = seen
 
     async def GetStatus(self, request, context):
         await self.callers.check(context, "GetStatus")
@@ -84,12 +98,10 @@ class AdminServicer(pb_grpc.AdminServicer):
             verified = await loop.run_in_executor(None, self.verifier.status, request.model)
         except VerifierUnavailable:
             verified = {}
-        requests = (await loop.run_in_executor(None, self.requests)
-                    if self.requests is not None else {})
+        seen = (await loop.run_in_executor(None, self.seen)
+                if self.seen is not None else None)
         return pb.GetStatusResponse(guard_version=__version__, models=[
-            served_status(m, verified.get(m.name),
-                          None if self.requests is None else requests.get(m.name, {}))
-            for m in models])
+            served_status(m, verified.get(m.name), seen) for m in models])
 
     async def SetRoute(self, request, context):
         caller = await self.callers.check(context, "SetRoute")

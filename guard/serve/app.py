@@ -42,7 +42,7 @@ from guard.observe.events import emit
 from guard.observe.exposition import counter_by_label
 from guard.observe.metrics import GuardMetrics
 from guard.runtime import sampling
-from guard.serve.admin import AdminServicer
+from guard.serve.admin import AdminServicer, Seen
 from guard.serve.decoding import guarded
 from guard.serve.edges import Edge, health_only, http_health_only
 from guard.serve.listen import bind, server_options
@@ -200,7 +200,7 @@ class GuardServer:
         guarded(admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(self.models, self.verifier,
                               CallerCheck("admin API", server_config.admin_tls),
-                              requests=self._requests_seen), self._admin)
+                              seen=self._seen), self._admin)
         self.admin_port = bind(self._admin, server_config.admin_host,
                                server_config.admin_port, "server.admin_port",
                                server_credentials(server_config.admin_tls))
@@ -228,9 +228,13 @@ class GuardServer:
                 applied=self._reloaded, table=self.table, serving=self.serving,
                 verifier=self.verifier, reloads=self.metrics.config_reloads)
 
-    def _requests_seen(self) -> dict[str, dict[str, int]]:
-        """Requests per model and route as /metrics counts them (admin status)."""
-        return counter_by_label(self.exposition.collect(), "guard_requests", "route")
+    def _seen(self) -> Seen:
+        """What the admin status shows as /metrics counts it: requests per model and route,
+        generation calls never compared per model and reason."""
+        families = list(self.exposition.collect())
+        return Seen(requests=counter_by_label(families, "guard_requests", "route"),
+                    not_comparable=counter_by_label(
+                        families, "guard_generation_not_comparable", "reason"))
 
     def _reloaded(self, config: GuardConfig):
         """A reload put ``config`` in force (a restarted child is told this one). In Envoy

@@ -93,7 +93,14 @@ class BackendStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., artifact: _Optional[str] = ...) -> None: ...
 
 class GenerationWindow(_message.Message):
-    __slots__ = ("completions", "window", "mean_kld", "kld_p99", "top1_agreement", "not_comparable", "last_divergence_json")
+    __slots__ = ("completions", "window", "mean_kld", "kld_p99", "top1_agreement", "not_comparable", "last_divergence_json", "not_comparable_by_reason")
+    class NotComparableByReasonEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     MEAN_KLD_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +108,7 @@ class GenerationWindow(_message.Message):
     TOP1_AGREEMENT_FIELD_NUMBER: _ClassVar[int]
     NOT_COMPARABLE_FIELD_NUMBER: _ClassVar[int]
     LAST_DIVERGENCE_JSON_FIELD_NUMBER: _ClassVar[int]
+    NOT_COMPARABLE_BY_REASON_FIELD_NUMBER: _ClassVar[int]
     completions: int
     window: int
     mean_kld: float
@@ -108,7 +116,8 @@ class GenerationWindow(_message.Message):
     top1_agreement: float
     not_comparable: int
     last_divergence_json: str
-    def __init__(self, completions: _Optional[int] = ..., window: _Optional[int] = ..., mean_kld: _Optional[float] = ..., kld_p99: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., not_comparable: _Optional[int] = ..., last_divergence_json: _Optional[str] = ...) -> None: ...
+    not_comparable_by_reason: _containers.ScalarMap[str, int]
+    def __init__(self, completions: _Optional[int] = ..., window: _Optional[int] = ..., mean_kld: _Optional[float] = ..., kld_p99: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., not_comparable: _Optional[int] = ..., last_divergence_json: _Optional[str] = ..., not_comparable_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing", "outputs_matched", "generation", "has_generation", "tier_actions")

@@ -138,6 +138,31 @@ def test_every_sampled_call_reaches_the_verifier(guard, through):
     assert metric(values, "guard_mirror_total", model="smol", outcome="dropped") == 0
 
 
+def test_admin_status_says_why_calls_were_never_compared(guard, through):
+    """A call with n=2 (the edge forwards it, never hands it over) and a sampled call that
+    leaves the temperature to a server no engine declares (the verifier takes it, then cannot
+    score it): admin status names both reasons, as the merged /metrics counts them."""
+    from guard.admin_client import format_model_status, get_status
+
+    def reasons() -> dict[str, float]:
+        values = scrape(guard.metrics_port)
+        return {r: metric(values, "guard_generation_not_comparable_total", model="smol",
+                          reason=r) for r in ("n", "sampling_unknown")}
+
+    before = reasons()
+    with httpx.Client(timeout=60) as http:
+        http.post(f"http://127.0.0.1:{guard.http_port}/v1/completions", json={
+            "model": "smol", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 2})
+    through.completions.create(model="smol", prompt=PROMPT, max_tokens=2)  # no temperature
+    wait_for(lambda: all(reasons()[r] == before[r] + 1 for r in before))
+    (status,) = get_status(f"127.0.0.1:{guard.admin_port}", "smol").models
+    assert status.has_generation
+    counted = reasons()
+    assert {r: status.generation.not_comparable_by_reason[r] for r in counted} == counted
+    text = format_model_status(status)
+    assert f"n={before['n'] + 1:.0f}" in text and "sampling_unknown=" in text, text
+
+
 def test_plain_http_gets_openai_errors_and_the_model_list(guard):
     with httpx.Client(base_url=f"http://127.0.0.1:{guard.http_port}", timeout=30) as http:
         assert http.get("/v1/models").json()["data"][0]["id"] == "smol"
