@@ -104,6 +104,10 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     names = ", ".join(m.name for m in config.models)
     print(f"{args.file}: valid ({len(config.models)} model(s): {names})")
+    from guard.plan.complete import notes
+
+    for line in notes(config):
+        print(f"{args.file}: note: {line}")
     if not args.load:
         return EXIT_OK
     from guard.preflight import check_config

@@ -140,3 +140,22 @@ def require_checks(config: GuardConfig, source: str | None = None) -> GuardConfi
     """``config`` (already planned for serving, e.g. come over the wire) once the checks'
     registries hold it too; ``ConfigError`` otherwise (the verifier process at load)."""
     return serving.planned(config, [], source, (check_checks,))
+
+
+def notes(config: GuardConfig) -> list[str]:
+    """What a valid config will do that its author may not expect, one line each (`guard
+    config validate` prints them; the verifier says the same at start-up, as events): a
+    generation model whose server's sampling defaults are not declared leaves some sampled
+    calls uncompared."""
+    from guard.verify.generation import UNDECLARED_ADVICE, undeclared_sampling
+
+    out = []
+    for i, model in enumerate(config.models):
+        if model.task != "generation" or model.reference is None:
+            continue  # (unsampled: nothing goes uncompared)
+        unknown = undeclared_sampling(model.primary.options)
+        if unknown is not None:
+            engine = model.primary.options.get("engine", "unknown")
+            out.append(f"models[{i}] ({model.name}): engine {engine}'s {unknown} is not "
+                       f"declared: {UNDECLARED_ADVICE}")
+    return out

@@ -300,7 +300,7 @@ class VerifiedGenerationModel(VerifiedModel):
             self.comparator = Comparator.for_model(config)
             tier = cast("GenerationTier", self.comparator.tier(TIER))  # (the registry's)
             self._limits = tier.limits
-            self._say_what_is_unknown(tier)
+            self._say_what_is_unknown()
             comparator = self.comparator
             self.activation_tier = cast("ActivationTier | None", comparator.tier("activation"))
             if self.activation_tier is not None:
@@ -339,25 +339,18 @@ class VerifiedGenerationModel(VerifiedModel):
              mirror_rate=config.mirror.sample_rate if self.mirror else 0.0,
              action=config.policy.action, resumed=resume_word is not None)
 
-    def _say_what_is_unknown(self, tier: "GenerationTier") -> None:
+    def _say_what_is_unknown(self) -> None:
         """Once at load: a server whose sampling defaults are not known leaves its sampled
         calls without logprobs uncompared (counted by reason), which an operator should hear
         before wondering why the tier sees nothing."""
-        from guard.protocol.generation import SamplingParams
-        from guard.verify.generation import unknown_sampling
+        from guard.verify.generation import UNDECLARED_ADVICE, undeclared_sampling
 
-        unknown = unknown_sampling(SamplingParams(), tier.defaults)  # a request saying nothing
-        if unknown is None:
-            return
         options = self.config.primary.options
-        if options.get("sample_logprobs"):
-            return  # sampled calls carry logprobs: no transform enters their comparison
-        emit("generation_defaults_unknown", model=self.name,
-             engine=options.get("engine", "unknown"), unknown=unknown,
-             reason="sampled calls that leave these to the server are not compared "
-             "(guard_generation_not_comparable_total{reason=\"sampling_unknown\"}): declare "
-             "the primary's options.generation_config (vLLM) or options.server_defaults, or "
-             "set options.sample_logprobs")
+        unknown = undeclared_sampling(options)
+        if unknown is not None:
+            emit("generation_defaults_unknown", model=self.name,
+                 engine=options.get("engine", "unknown"), unknown=unknown,
+                 reason=UNDECLARED_ADVICE)
 
     def close(self) -> None:  # (no pair or repair to close)
         if self.mirror is not None:

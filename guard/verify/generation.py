@@ -936,6 +936,24 @@ def declared_defaults(primary_options: Mapping[str, Any] | None) -> ServerDefaul
                            from_file)
 
 
+UNDECLARED_ADVICE = (
+    "sampled calls that leave these to the server are not compared "
+    "(guard_generation_not_comparable_total{reason=\"sampling_unknown\"}): declare the "
+    "primary's options.generation_config (vLLM) or options.server_defaults, or set "
+    "options.sample_logprobs")
+
+
+def undeclared_sampling(primary_options: Mapping[str, Any] | None) -> str | None:
+    """The first sampling field a call that says nothing leaves unknown on this primary, where
+    that matters: its sampled calls carry no logprobs (``options.sample_logprobs`` unset: no
+    transform enters a logprobs comparison). None: every such call is comparable. What the
+    verifier says at start-up and `guard config validate` notes (UNDECLARED_ADVICE)."""
+    options = dict(primary_options or {})
+    if options.get("sample_logprobs"):
+        return None
+    return unknown_sampling(SamplingParams(), declared_defaults(options))
+
+
 class GenerationTier:
     """One generative model's instance of the tier: ``Compared.primary`` is the completion (a
     ``GenerationSample``), ``Compared.reference`` the reference's scores over it."""

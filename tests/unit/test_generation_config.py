@@ -213,3 +213,31 @@ def test_tier2_of_a_generation_model_says_what_it_needs(base):
     (line,) = problems(doc, base)
     assert "checks.activation.primary_gguf: names what a generation model's upstream serves" \
         in line
+
+
+@pytest.mark.parametrize("options, note", [
+    ({"engine": "vllm"}, "engine vllm's temperature is not declared"),
+    ({}, "engine unknown's temperature is not declared"),
+    ({"engine": "vllm", "generation_config": "vllm"}, None),
+    ({"engine": "vllm", "sample_logprobs": 5}, None),  # no transform enters logprobs
+    ({"engine": "llama.cpp"}, None),
+])
+def test_validate_notes_a_server_whose_sampling_defaults_are_not_declared(base, capsys,
+                                                                          options, note):
+    """A valid config (exit 0) whose sampled calls would go uncompared: `guard config
+    validate` says so before the verifier's start-up event does."""
+    import yaml
+
+    from guard.cli import main
+
+    path = base / "guard.yaml"
+    path.write_text(yaml.safe_dump(generation_doc(primary=dict(OPENAI, options=options))))
+    assert main(["config", "validate", str(path)]) == 0
+    out = capsys.readouterr().out
+    notes = [line for line in out.splitlines() if ": note: " in line]
+    if note is None:
+        assert notes == [], out
+    else:
+        (line,) = notes
+        assert line.startswith(f"{path}: note: models[0] (smol): {note}: ") and \
+            "options.generation_config" in line, line
