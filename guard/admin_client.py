@@ -145,9 +145,15 @@ def status_json(response: pb.GetStatusResponse) -> dict:
     data = MessageToDict(response, preserving_proto_field_name=True)
     for status in data.get("models", []):
         for field in _COUNTS:
-            if field in status:
-                status[field] = {k: int(v) for k, v in status[field].items()}
+            _numbers(status, field)
+        _numbers(status.get("generation", {}), "not_comparable_by_reason")
     return data
+
+
+def _numbers(block: dict, field: str) -> None:
+    """``block[field]``, a map of counts, with numbers for protobuf's JSON strings."""
+    if field in block:
+        block[field] = {k: int(v) for k, v in block[field].items()}
 
 
 def print_status(address: str, model: str, as_json: bool, tls: ClientTls | None = None) -> int:

@@ -142,7 +142,8 @@ def test_admin_status_says_why_calls_were_never_compared(guard, through):
     """A call with n=2 (the edge forwards it, never hands it over) and a sampled call that
     leaves the temperature to a server no engine declares (the verifier takes it, then cannot
     score it): admin status names both reasons, as the merged /metrics counts them."""
-    from guard.admin_client import format_model_status, get_status
+    from guard.admin_client import format_model_status, get_status, status_json
+    from guard.v1.admin_pb2 import GetStatusResponse
 
     def reasons() -> dict[str, float]:
         values = scrape(guard.metrics_port)
@@ -160,6 +161,8 @@ def test_admin_status_says_why_calls_were_never_compared(guard, through):
     counted = reasons()
     assert {r: status.generation.not_comparable_by_reason[r] for r in counted} == counted
     text = format_model_status(status)
+    as_json = status_json(GetStatusResponse(models=[status]))["models"][0]
+    assert as_json["generation"]["not_comparable_by_reason"]["n"] == before["n"] + 1  # a number
     assert f"n={before['n'] + 1:.0f}" in text and "sampling_unknown=" in text, text
 
 
