@@ -20,7 +20,7 @@ import inspect
 import logging
 import threading
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
 
@@ -224,11 +224,12 @@ class TransformersScorer(HFTokenized, LocalScorer):
                 # A GGUF about to be cached loads at fp32 (the folder keeps fp32), cast after:
                 # the same weights as loading it at ``dtype`` (transformers dequantizes to fp32
                 # first).
-                model = AutoModelForCausalLM.from_pretrained(
-                    folder, dtype=torch.float32 if cache else dtype, local_files_only=True,
-                    **extra).eval()
-                tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
-                                                          **extra)
+                with gguf_cache.parsed_once() if extra else nullcontext():
+                    model = AutoModelForCausalLM.from_pretrained(
+                        folder, dtype=torch.float32 if cache else dtype, local_files_only=True,
+                        **extra).eval()
+                    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True,
+                                                              **extra)
             except (OSError, ValueError, ImportError) as exc:
                 raise BackendError(f"transformers cannot load {self.spec.path}: {exc}") from None
             if cache is not None:

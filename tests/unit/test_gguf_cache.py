@@ -82,3 +82,42 @@ def test_a_second_converter_waits_for_the_first(tmp_path):
         order.append("first")
     waiter.join(timeout=10)
     assert order == ["first", "second"]
+
+
+def _tiny_gguf(path: Path) -> Path:
+    import gguf
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(2)
+    writer.add_token_list(["<s>", "a", "b"])
+    writer.add_tensor("token_embd.weight", np.arange(12, dtype=np.float32).reshape(3, 4))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def test_a_gguf_opened_again_within_parsed_once_is_the_same_parse(tmp_path):
+    """transformers opens a GGUF three times per load and builds gguf's tensor-name map once per
+    module (gguf_cache.parsed_once): within the block each is built once per argument, equal
+    to what gguf builds, and gguf's own functions are back after the block, an error or not."""
+    import gguf
+
+    path = _tiny_gguf(tmp_path / "tiny.gguf")
+    plain = gguf.GGUFReader(path)
+    reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
+    with pytest.raises(RuntimeError), gguf_cache.parsed_once():
+        first = gguf.GGUFReader(path)
+        assert gguf.GGUFReader(str(path)) is first  # however the path is spelt
+        assert gguf.GGUFReader(path, "c") is not first  # a copy-on-write map is never shared
+        assert list(first.fields) == list(plain.fields)
+        np.testing.assert_array_equal(first.tensors[0].data, plain.tensors[0].data)
+        arch = gguf.MODEL_ARCH.LLAMA
+        names = gguf.get_tensor_name_map(arch, 2)
+        assert gguf.get_tensor_name_map(arch, 2) is names
+        assert gguf.get_tensor_name_map(arch, 3) is not names
+        assert (names.get_name("model.layers.1.self_attn.q_proj")
+                == name_map(arch, 2).get_name("model.layers.1.self_attn.q_proj"))
+        raise RuntimeError("the load failed")
+    assert (gguf.GGUFReader, gguf.get_tensor_name_map) == (reader, name_map)
