@@ -76,8 +76,8 @@ class ParsedCall:
         return self.body.get("return_token_ids") not in (None, False)
 
 
-def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
-    """The client's body as a call; BadRequest for what is not an OpenAI request body."""
+def _body_and_model(data: bytes) -> tuple[dict[str, Any], str]:
+    """A request body as a JSON object and the model it names; BadRequest otherwise."""
     try:
         body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -87,6 +87,18 @@ def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
     model = body.get("model")
     if not isinstance(model, str) or not model:
         raise BadRequest("'model' is required (a string)")
+    return body, model
+
+
+def model_of(data: bytes) -> str:
+    """The model a call to an endpoint guard forwards unchecked (the Responses API, embeddings,
+    vLLM's ``/tokenize`` ...) names: what routes it. BadRequest for a body that names none."""
+    return _body_and_model(data)[1]
+
+
+def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
+    """The client's body as a call; BadRequest for what is not an OpenAI request body."""
+    body, model = _body_and_model(data)
     if endpoint == "chat":
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise BadRequest("'messages' is required (a non-empty list)")
@@ -327,20 +339,33 @@ def event_data(event: bytes) -> bytes | None:
     return b"\n".join(lines) if lines else None
 
 
+_DATA_LINE = re.compile(rb"(?:^|\r\n|\n|\r)data:")
+
+
 def edit_event(event: bytes, edits: dict[tuple[str, ...], bytes]) -> bytes:
     """One event with ``edits`` applied to its JSON data (a single ``data:`` line, as every
-    OpenAI-compatible server sends); any other event as it came."""
-    if not edits or not event.startswith(b"data:"):
+    OpenAI-compatible server sends, after an ``event:`` line in the Responses API's stream);
+    any other event as it came."""
+    if not edits:
         return event
-    head = 6 if event[5:6] == b" " else 5
-    payload = event[head:].rstrip(b"\r\n")
-    if not payload.startswith(b"{") or b"\n" in payload or b"\r" in payload:
+    if event.startswith(b"data:"):  # the usual event: its data line first
+        start = 5
+    else:
+        found = _DATA_LINE.search(event)
+        if found is None:
+            return event
+        start = found.end()
+    head = start + 1 if event[start:start + 1] == b" " else start
+    line = _LINE_END.search(event, head)
+    end = line.start() if line is not None else len(event)
+    payload = event[head:end]
+    if not payload.startswith(b"{") or _DATA_LINE.search(event, end) is not None:
         return event  # [DONE], or several data lines: not ours to edit
     try:
         edited = replace_values(payload, edits)
     except ValueError:  # not JSON after all: forwarded as it came
         return event
-    return event[:head] + edited + event[head + len(payload):]
+    return event[:head] + edited + event[end:]
 
 
 # -- answers -> the sample -------------------------------------------------------------------------

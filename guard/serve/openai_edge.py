@@ -4,6 +4,9 @@ served by OpenAI-compatible servers (backend ``openai``).
 Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (Server-Sent Events when
 the body says ``"stream": true``), ``GET /v1/models`` (the generative models guard serves, under
 the names clients send), ``GET /health`` (live) and ``GET /health/ready`` (models loaded).
+Any other ``POST`` whose JSON body names a served model (the Responses API, embeddings, vLLM's
+``/tokenize`` ...) is forwarded unchecked to the model's route (``_PassThrough``): never
+sampled, counted as a request and as not comparable (``endpoint``).
 
 A call: the body is read and parsed (guard/protocol/openai.py: 400 for what is not an OpenAI
 body, 404 in OpenAI's error shape for a model guard does not serve), the route word picks the
@@ -51,7 +54,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Callable, Mapping, cast
+from typing import Callable, Mapping, Union, cast
 
 from guard.errors import GuardError, install_hint
 
@@ -72,6 +75,8 @@ from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
+RESPONSE_MODEL_PATH = ("response", "model")
+_Call = Union[api.ParsedCall, str]  # a completion or chat parsed, or the model a call names
 
 
 class EdgeMetrics:
@@ -129,6 +134,8 @@ class OpenAIEdge:
         app.router.add_get("/health", self._health)
         app.router.add_get("/health/live", self._health)
         app.router.add_get("/health/ready", self._health_ready)
+        if self.forwarding:  # last: aiohttp tries the routes in the order they were added
+            app.router.add_post("/{path:.*}", self._pass_through)
         # handler_cancellation: a client that disconnects cancels its handler, which closes
         # the upstream connection (the upstream stops generating).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -192,20 +199,22 @@ class OpenAIEdge:
         return web.Response(status=status, body=api.error_body(message, kind, code, param),
                             content_type="application/json")
 
-    async def _generate(self, request: web.Request) -> web.StreamResponse:
-        started = time.perf_counter()
-        endpoint = api.PATHS[request.path]
+    async def _admit(self, request: web.Request, parse: Callable[[bytes], _Call]
+                     ) -> tuple[bytes, _Call, ServedModel] | web.Response:
+        """A call's body, what ``parse`` made of it and the model it names, or the refusal
+        (413, 400, 404, 503 before ready, 429 past server.max_concurrent_requests)."""
         try:
             data = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             return self._refuse(413, exc.text or "request too large", UNKNOWN_MODEL)
         try:
-            call = api.parse_request(endpoint, data)
+            call = parse(data)
         except api.BadRequest as exc:
             return self._refuse(400, str(exc), UNKNOWN_MODEL)
-        model = self._generative().get(call.model)
+        name = call if isinstance(call, str) else call.model
+        model = self._generative().get(name)
         if model is None:
-            return self._refuse(404, f"The model '{call.model}' does not exist",
+            return self._refuse(404, f"The model '{name}' does not exist",
                                 UNKNOWN_MODEL, code="model_not_found", param="model")
         if not (self.live and model.ready):
             return self._refuse(503, "guard is not ready", model.name, kind="server_error")
@@ -213,6 +222,16 @@ class OpenAIEdge:
             return self._refuse(429, "too many requests in guard at once "
                                 "(server.max_concurrent_requests)", model.name,
                                 kind="rate_limit_error")
+        return data, call, model
+
+    async def _generate(self, request: web.Request) -> web.StreamResponse:
+        started = time.perf_counter()
+        endpoint = api.PATHS[request.path]
+        admitted = await self._admit(request, lambda data: api.parse_request(endpoint, data))
+        if isinstance(admitted, web.Response):
+            return admitted
+        data, call, model = admitted
+        assert isinstance(call, api.ParsedCall)
         route, epoch, probing, backend = model.route()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         flags = model.sample_flags(request_id, route, probing) if model.samples else 0
@@ -230,16 +249,106 @@ class OpenAIEdge:
             self.in_flight -= 1
             model.requests_in_flight -= 1
 
+    async def _pass_through(self, request: web.Request) -> web.StreamResponse:
+        """Any other POST whose JSON body names a served model: the Responses API,
+        embeddings, vLLM's ``/tokenize``, llama.cpp's ``/infill`` ... A client in front of
+        which guard stands keeps every endpoint its server has. Forwarded to the model's route
+        as it came (``model`` re-addressed), never sampled: guard checks completions and chats
+        only, and counts these calls as not comparable (``endpoint``)."""
+        started = time.perf_counter()
+        admitted = await self._admit(request, api.model_of)
+        if isinstance(admitted, web.Response):
+            return admitted
+        data, name, model = admitted
+        assert isinstance(name, str)
+        route, _, _, backend = model.route()
+        self.metrics.not_comparable.labels(model.name, "endpoint").inc()
+        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        self.in_flight += 1
+        model.requests_in_flight += 1
+        try:
+            return await _PassThrough(self, request, name, model, route,
+                                      cast(OpenAIBackend, backend), request_id, started,
+                                      data).run()
+        finally:
+            self.in_flight -= 1
+            model.requests_in_flight -= 1
 
-class _Forward:
+
+class _Upstream:
+    """What every call guard forwards does with its upstream: the exchange, the answer's
+    headers, the refusals when the upstream fails, the error counts."""
+
+    def __init__(self, edge: OpenAIEdge, request: web.Request, model: ServedModel,
+                 route: str, backend: OpenAIBackend, request_id: str, started: float):
+        self.edge, self.request, self.model, self.route = edge, request, model, route
+        self.backend, self.request_id, self.started = backend, request_id, started
+
+    def _headers(self, upstream: Response) -> CIMultiDict[str]:
+        headers: CIMultiDict[str] = CIMultiDict(
+            (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
+        headers[ROUTE_HEADER] = self.route
+        return headers
+
+    def _error(self, code: str) -> None:
+        self.edge.metrics.error(self.model.name, code)
+
+    def _upstream_failed(self, status: int, message: str) -> web.Response:
+        emit("openai_upstream_failed", model=self.model.name, route=self.route,
+             status=status, error=message, path=self.request.path)
+        response = self.edge._refuse(status, f"guard: {message}", self.model.name,
+                                     kind="server_error")
+        response.headers[ROUTE_HEADER] = self.route
+        return response
+
+    async def _exchange(self, path: str, payload: bytes) -> Response | web.Response:
+        """The upstream's answer (its head read), or the 502/504 the client gets instead."""
+        pool = self.backend.pool
+        if pool is None:  # connect() runs at start; a reload's new backend connects here
+            await self.backend.connect()
+            pool = self.backend.pool
+            assert pool is not None, "connect() opens the pool"
+        try:
+            return await pool.post(path, payload,
+                                   self.backend.headers(self.request.headers, self.request_id))
+        except TimeoutError:
+            return self._upstream_failed(504, "the upstream did not answer in time")
+        except UpstreamError as exc:
+            return self._upstream_failed(502, f"the upstream is unreachable: {exc}")
+
+    async def _write_whole(self, upstream: Response, body: bytes,
+                           edits: dict[tuple[str, ...], bytes]) -> web.Response:
+        """A whole answer to the client: a 2xx one with ``edits`` applied (where it is JSON),
+        any other as the upstream wrote it."""
+        if edits and 200 <= upstream.status < 300:
+            try:
+                body = api.replace_values(body, edits)
+            except ValueError:  # not JSON: forwarded as it came
+                pass
+        response = web.Response(status=upstream.status, body=body,
+                                headers=self._headers(upstream))
+        await response.prepare(self.request)
+        await response.write_eof()
+        return response
+
+    async def _body(self, upstream: Response) -> bytes | web.Response:
+        """A whole answer's body, or the 502/504 the client gets instead."""
+        try:
+            return await upstream.read()
+        except TimeoutError:
+            return self._upstream_failed(504, "the upstream did not finish its answer in time")
+        except UpstreamError as exc:
+            return self._upstream_failed(502, f"the upstream broke off its answer: {exc}")
+
+
+class _Forward(_Upstream):
     """One forwarded call, from the upstream request to the hand-off."""
 
     def __init__(self, edge: OpenAIEdge, request: web.Request, call: api.ParsedCall,
                  model: ServedModel, route: str, backend: OpenAIBackend, request_id: str,
                  flags: int, epoch: int, started: float, data: bytes):
-        self.edge, self.request, self.call, self.model = edge, request, call, model
-        self.route, self.backend, self.request_id = route, backend, request_id
-        self.flags, self.epoch, self.started = flags, epoch, started
+        super().__init__(edge, request, model, route, backend, request_id, started)
+        self.call, self.flags, self.epoch = call, flags, epoch
         # Ask for logprobs and token ids on a sampled call whose client did not
         # (options.sample_logprobs, options.sample_token_ids).
         sampled = bool(flags & wire.MIRROR)
@@ -261,29 +370,10 @@ class _Forward:
                                       self.guard_token_ids)
         self.first_token: float | None = None
 
-    def _headers(self, upstream: Response) -> CIMultiDict[str]:
-        headers: CIMultiDict[str] = CIMultiDict(
-            (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
-        headers[ROUTE_HEADER] = self.route
-        return headers
-
-    def _error(self, code: str) -> None:
-        self.edge.metrics.error(self.model.name, code)
-
     async def run(self) -> web.StreamResponse:
-        pool = self.backend.pool
-        if pool is None:  # connect() runs at start; a reload's new backend connects here
-            await self.backend.connect()
-            pool = self.backend.pool
-            assert pool is not None, "connect() opens the pool"
-        try:
-            upstream = await pool.post(
-                self.request.path, self.payload,
-                self.backend.headers(self.request.headers, self.request_id))
-        except TimeoutError:
-            return self._upstream_failed(504, "the upstream did not answer in time")
-        except UpstreamError as exc:
-            return self._upstream_failed(502, f"the upstream is unreachable: {exc}")
+        upstream = await self._exchange(self.request.path, self.payload)
+        if isinstance(upstream, web.Response):
+            return upstream
         try:
             streamed = (self.call.stream and upstream.status == 200 and upstream.headers.get(
                 "Content-Type", "").startswith("text/event-stream"))
@@ -295,32 +385,15 @@ class _Forward:
 
     def _upstream_failed(self, status: int, message: str) -> web.Response:
         self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
-        emit("openai_upstream_failed", model=self.model.name, route=self.route,
-             status=status, error=message)
-        response = self.edge._refuse(status, f"guard: {message}", self.model.name,
-                                     kind="server_error")
-        response.headers[ROUTE_HEADER] = self.route
-        return response
+        return super()._upstream_failed(status, message)
 
     # -- a whole answer ----------------------------------------------------------------------
     async def _whole(self, upstream: Response) -> web.StreamResponse:
-        try:
-            body = await upstream.read()
-        except TimeoutError:
-            return self._upstream_failed(504, "the upstream did not finish its answer in time")
-        except UpstreamError as exc:
-            return self._upstream_failed(502, f"the upstream broke off its answer: {exc}")
+        body = await self._body(upstream)
+        if isinstance(body, web.Response):
+            return body
         ok = 200 <= upstream.status < 300
-        client_body = body
-        if ok and self.edits:
-            try:
-                client_body = api.replace_values(body, self.edits)
-            except ValueError:  # not JSON: forwarded as it came
-                pass
-        response = web.Response(status=upstream.status, body=client_body,
-                                headers=self._headers(upstream))
-        await response.prepare(self.request)
-        await response.write_eof()
+        response = await self._write_whole(upstream, body, self.edits)
         # The client has its answer: the accounting and the hand-off come after.
         seconds = time.perf_counter() - self.started
         if not ok:
@@ -447,3 +520,92 @@ class _Forward:
         self.model.hand_off(self.flags, self.request_id, self.route, self.epoch, seconds,
                             wire.Generation(sample))
 
+
+
+class _PassThrough(_Upstream):
+    """One call to an endpoint guard does not check, forwarded: the answer goes back as the
+    upstream writes it, chunk by chunk (a stream stays a stream), with the client's model name
+    set back where the upstream serves another. Counted as every call is
+    (``guard_requests_total`` for a 2xx answer the client got whole, else
+    ``guard_request_errors_total{code}``)."""
+
+    def __init__(self, edge: OpenAIEdge, request: web.Request, client_model: str,
+                 model: ServedModel, route: str, backend: OpenAIBackend, request_id: str,
+                 started: float, data: bytes):
+        super().__init__(edge, request, model, route, backend, request_id, started)
+        # The upstream's name in the body, the client's in the answer: at its top level, and
+        # in the response object the Responses API's events carry.
+        self.edits = api.answer_edits(client_model, backend.model, False)
+        if self.edits:
+            self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
+        self.payload = data if not self.edits else api.replace_values(
+            data, {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
+
+    async def run(self) -> web.StreamResponse:
+        upstream = await self._exchange(self.request.path_qs, self.payload)
+        if isinstance(upstream, web.Response):
+            return upstream
+        try:
+            if upstream.headers.get("Content-Type", "").startswith("text/event-stream"):
+                return await self._relay(upstream)
+            return await self._whole(upstream)
+        finally:
+            upstream.close()
+
+    async def _whole(self, upstream: Response) -> web.StreamResponse:
+        """One document (JSON, or whatever the upstream sent), edited whole."""
+        body = await self._body(upstream)
+        if isinstance(body, web.Response):
+            return body
+        response = await self._write_whole(upstream, body, self.edits)
+        self._answered(upstream.status)
+        return response
+
+    async def _relay(self, upstream: Response) -> web.StreamResponse:
+        """Events, written as they arrive (edited one by one where the names differ)."""
+        stream = web.StreamResponse(status=upstream.status, headers=self._headers(upstream))
+        await stream.prepare(self.request)
+        splitter = api.EventSplitter()
+        done = False  # the client has every byte
+        try:
+            async for chunk in upstream.iter_any():
+                if self.edits:
+                    chunk = b"".join(api.edit_event(e, self.edits) for e in splitter.feed(chunk))
+                if chunk:
+                    await stream.write(chunk)
+            rest = splitter.rest()
+            if rest:
+                await stream.write(rest)
+            done = True
+            await stream.write_eof()
+        except (asyncio.CancelledError, ConnectionResetError) as exc:
+            if done:  # the client left after the last byte (only the body's end found it gone)
+                self._answered(upstream.status)
+                if isinstance(exc, ConnectionResetError):
+                    return stream
+                raise
+            self._error("CANCELLED")  # the client went away: the upstream's connection closes
+            raise
+        except (UpstreamError, TimeoutError) as exc:
+            # The client gets what had arrived, then a cut connection, as from the upstream.
+            rest = splitter.rest()
+            try:
+                if rest:
+                    await stream.write(rest)
+            except ConnectionResetError:
+                pass
+            self._error("UNAVAILABLE" if not isinstance(exc, TimeoutError)
+                        else "DEADLINE_EXCEEDED")
+            emit("openai_upstream_broke_off", model=self.model.name, route=self.route,
+                 error=f"{type(exc).__name__}: {exc}", path=self.request.path)
+            if self.request.transport is not None:
+                self.request.transport.close()
+            return stream
+        self._answered(upstream.status)
+        return stream
+
+    def _answered(self, status: int) -> None:
+        if 200 <= status < 300:
+            self.model.answered(self.route, time.perf_counter() - self.started)
+        else:
+            self._error(api.status_code_name(status))

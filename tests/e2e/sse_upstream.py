@@ -59,6 +59,8 @@ class ScriptedUpstream:
         app.router.add_post("/v1/chat/completions", self._answer)
         app.router.add_post("/v1/completions", self._answer)
         app.router.add_get("/v1/models", self._models)
+        # Any other path (the endpoints guard forwards unchecked) answers by the same scripts.
+        app.router.add_post("/{path:.*}", self._answer)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", 0)
@@ -86,8 +88,8 @@ class ScriptedUpstream:
 
     async def _answer(self, request: web.Request) -> web.StreamResponse:
         body = await request.read()
-        self.requests.append({"path": request.path, "headers": dict(request.headers),
-                              "body": body})
+        self.requests.append({"path": request.path, "query": request.query_string,
+                              "headers": dict(request.headers), "body": body})
         scenario = request.headers.get("x-test-scenario", "plain")
         chat = request.path.endswith("chat/completions")
         if scenario == "status":

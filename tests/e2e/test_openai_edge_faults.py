@@ -209,6 +209,27 @@ def test_an_upstream_error_status_reaches_the_client_as_it_came(guard, http):
     assert wait_until(lambda: errors(guard, "RESOURCE_EXHAUSTED") == before + 1)
 
 
+def test_another_endpoint_is_forwarded_unchecked_with_its_query_and_its_errors(guard, http,
+                                                                              upstreams):
+    """A POST to an endpoint guard does not check (here the Responses API's path) goes to the
+    route with its path and query, the model re-addressed, the answer's name set back; an
+    error status comes back as it came. Each is a request and not comparable (endpoint)."""
+    before, errors_before = not_comparable(guard, "endpoint"), errors(guard, "RESOURCE_EXHAUSTED")
+    answer = http.post("/v1/responses?api-version=2", json={"model": "smol", "input": "Hi"})
+    assert answer.status_code == 200 and answer.headers["guard-route"] == "primary"
+    assert answer.json()["model"] == "smol"
+    (sent,) = upstreams[0].requests
+    assert (sent["path"], sent["query"]) == ("/v1/responses", "api-version=2")
+    assert json.loads(sent["body"]) == {"model": "scripted-upstream", "input": "Hi"}
+    refused = http.post("/v1/responses", json={"model": "smol", "input": "Hi"},
+                        headers={"x-test-scenario": "status", "x-test-status": "429"})
+    assert refused.status_code == 429 and refused.json()["error"]["message"] == "no such thing"
+    assert wait_until(lambda: errors(guard, "RESOURCE_EXHAUSTED") == errors_before + 1)
+    assert not_comparable(guard, "endpoint") == before + 2
+    # A GET names no model to route it by: refused as a method guard does not forward.
+    assert http.get("/v1/responses/resp-1").status_code == 405
+
+
 # -- faults mid-stream ---------------------------------------------------------------------------
 def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, upstreams):
     upstream = upstreams[0]
@@ -223,11 +244,14 @@ def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, up
     still_serves(http)
 
 
-def test_an_upstream_that_dies_mid_stream_cuts_the_client_after_what_had_arrived(guard, http):
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+def test_an_upstream_that_dies_mid_stream_cuts_the_client_after_what_had_arrived(guard, http,
+                                                                                  path):
+    """On a checked endpoint and on one guard forwards unchecked alike."""
     before = errors(guard, "UNAVAILABLE")
     received = []
     with pytest.raises(httpx.RemoteProtocolError):  # the body never ends properly
-        with http.stream("POST", "/v1/chat/completions", json=dict(CHAT, stream=True),
+        with http.stream("POST", path, json=dict(CHAT, stream=True),
                          headers={"x-test-scenario": "die"}) as answer:
             for data in answer.iter_raw():
                 received.append(data)

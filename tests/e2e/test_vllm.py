@@ -27,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -528,3 +529,60 @@ def test_vllm_scores_llama_cpp_primaries_in_an_install_without_torch(vllm, prima
     # The block was in force in the serving process and in its verifier.
     active = [line for line in blocked.read_text().splitlines() if " active " in line]
     assert len(active) >= 2, blocked.read_text()
+
+
+# -- the endpoints guard does not check ----------------------------------------------------------
+def test_vllms_other_endpoints_pass_through_guard_unchecked(vllm, tmp_path):
+    """A client in front of which guard stands keeps the server's other endpoints: the
+    Responses API (whole and streamed) and vLLM's /tokenize (outside /v1) answer through guard
+    as directly, the model re-addressed both ways, with the route header; each is counted as
+    a request and as not comparable (endpoint), never sampled, even at sample_rate 1. A body
+    that names no model guard serves is refused as on the checked endpoints."""
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
+                         "options": {"engine": "vllm"}},
+             "reference": {"backend": "transformers", "path": str(smollm2_gguf())},
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
+    direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    asked = dict(input=PROMPT, max_output_tokens=8, temperature=0)
+    theirs = direct.responses.create(model=vllm.name, **asked)
+    assert theirs.output_text and theirs.model == vllm.name
+    with running(tmp_path, [model], http_port=0) as (server, _):
+        base = f"http://127.0.0.1:{server.http_port}"
+        through = openai.OpenAI(base_url=f"{base}/v1", api_key="client-key", max_retries=0,
+                                timeout=120)
+        raw = through.responses.with_raw_response.create(model="smol", **asked)
+        ours = raw.parse()
+        assert raw.headers["guard-route"] == "primary"
+        assert (ours.output_text, ours.model) == (theirs.output_text, "smol")
+
+        events = list(through.responses.create(model="smol", stream=True, **asked))
+        deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+        assert len(deltas) > 1 and "".join(deltas) == theirs.output_text  # token by token
+        assert {e.response.model for e in events if hasattr(e, "response")} == {"smol"}
+
+        def post(url: str, body: dict) -> tuple[int, dict]:
+            request = urllib.request.Request(url, json.dumps(body).encode(),
+                                             {"Content-Type": "application/json"})
+            try:
+                with urllib.request.urlopen(request, timeout=60) as answer:
+                    return answer.status, json.loads(answer.read())
+            except urllib.error.HTTPError as exc:
+                return exc.code, json.loads(exc.read())
+
+        status, tokens = post(f"{base}/tokenize", {"model": "smol", "prompt": PROMPT})
+        assert status == 200
+        assert tokens["tokens"] == post(f"{vllm.url}/tokenize",
+                                        {"model": vllm.name, "prompt": PROMPT})[1]["tokens"]
+        status, refused = post(f"{base}/v1/responses", {"model": "gpt-4o", "input": PROMPT})
+        assert (status, refused["error"]["code"]) == (404, "model_not_found")
+        status, refused = post(f"{base}/tokenize", {"prompt": PROMPT})
+        assert status == 400 and "'model' is required" in refused["error"]["message"]
+
+        values = scrape(server.metrics_port)
+        assert metric(values, "guard_generation_not_comparable_total", model="smol",
+                      reason="endpoint") == 3
+        assert metric(values, "guard_requests_total", model="smol", route="primary") == 3
+        assert sum(metric(values, "guard_mirror_total", model="smol", outcome=outcome)
+                   for outcome in ("compared", "not_comparable", "dropped")) == 0

@@ -137,8 +137,12 @@ def test_an_event_is_edited_only_where_it_is_one_line_of_json():
     assert api.edit_event(b'data: {"model": "up"}\n\n', edits) == b'data: {"model": "client"}\n\n'
     assert api.edit_event(b'data:{"model":"up"}\r\n\r\n', edits) == (
         b'data:{"model":"client"}\r\n\r\n')
+    # The Responses API's events name themselves on a line before their data.
+    assert api.edit_event(b'event: response.created\r\ndata: {"model": "up"}\r\n\r\n',
+                          edits) == b'event: response.created\r\ndata: {"model": "client"}\r\n\r\n'
     for untouched in (b"data: [DONE]\n\n", b": ping\n\n", b'data: {"model":\ndata: "up"}\n\n',
-                      b'data: {"id": broken, "model": "up"}\n\n'):
+                      b'data: {"id": broken, "model": "up"}\n\n', b"event: ping\n\n",
+                      b'event: x\ndata: {"a": 1}\ndata: {"model": "up"}\n\n'):
         assert api.edit_event(untouched, edits) == untouched
 
 
