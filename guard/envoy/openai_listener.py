@@ -11,6 +11,8 @@ What it holds (docs/envoy.md, "Generation models"):
   ``guard-route: primary|fallback``; ``/health``, ``/health/live``, ``/health/ready`` and
   ``/v1/models`` to guard's own HTTP server on loopback (``server.envoy.http_health_port``),
   so readiness on ``http_port`` means Envoy and guard (and the upstreams guard waited for);
+- every other ``POST`` (the Responses API, embeddings, vLLM's ``/tokenize`` ...) to the same
+  clusters by the same weights, never observed (the Python edge forwards them alike);
 - per model and route a cluster over HTTP/1.1 to the ``openai`` target (TLS for https), and
   for a model that samples a twin of each, the sampled calls' (by the hash of
   ``x-request-id``, as on the gRPC listener): the tap is on for the twins only, its bodies
@@ -99,14 +101,17 @@ def _upstream(name: str, spec) -> dict:
                     max_connections=options.max_connections or None)
 
 
-def _weighted(model: ModelConfig, chain: Chain) -> dict:
+def _weighted(model: ModelConfig, chain: Chain, checked: bool = True) -> dict:
     """A generation model's calls: its clusters weighted by the runtime keys (the sampled twins
     by the hash of x-request-id, their answers marked for the tap: bootstrap.Chain), each
-    answer named by its route, the Host the upstream's."""
+    answer named by its route, the Host the upstream's. ``checked=False``: the calls to the
+    model's other endpoints, by the same weights (the route word decides, twins included: at
+    sample_rate 1 they carry every call) but never observed: no answer marked, the observer
+    off on every cluster."""
     clusters = []
-    for entry, role, sampled in cluster_entries(model, chain.marked):
+    for entry, role, sampled in cluster_entries(model, chain.marked and checked):
         entry["host_rewrite_literal"] = _authority(getattr(model, role))
-        if sampled:  # the traced answer must be the events as written, not gzip
+        if sampled and checked:  # the traced answer must be the events as written, not gzip
             entry["request_headers_to_remove"] = ["accept-encoding"]
         elif chain.observer:
             entry["typed_per_filter_config"] = chain.off()
@@ -121,7 +126,7 @@ def _weighted(model: ModelConfig, chain: Chain) -> dict:
     }
     base = _target(model.primary)[3]
     if base:  # the same for both routes (guard/config/envoy.py)
-        action["regex_rewrite"] = {"pattern": {"regex": "^/v1/"}, "substitution": f"{base}/v1/"}
+        action["regex_rewrite"] = {"pattern": {"regex": "^/"}, "substitution": f"{base}/"}
     return action
 
 
@@ -141,7 +146,7 @@ def _metadata(key: str, value: str) -> dict:
 
 
 def _routes(models: list[ModelConfig], chain: Chain) -> list[dict]:
-    off, by_body = chain.off(), chain.by_body
+    off = chain.off()
     routes = []
     for path in GUARD_PATHS:
         route = {"name": f"guard{path.replace('/', '_')}", "match": {"path": path},
@@ -149,21 +154,38 @@ def _routes(models: list[ModelConfig], chain: Chain) -> list[dict]:
         if off:
             route["typed_per_filter_config"] = off
         routes.append(route)
-    calls = {"safe_regex": {"regex": CALLS}}
+    # The checked calls, then any other POST (the Responses API, embeddings, vLLM's
+    # /tokenize ...): forwarded to the model's route unchecked, as the Python edge does. A
+    # GET on another path names no model: Envoy's 404.
+    posts = {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
+    for kind, match, checked in (("", {"safe_regex": {"regex": CALLS}}, True),
+                                 ("other_", posts, False)):
+        routes += _model_routes(models, chain, kind, match, checked)
+    return routes
+
+
+def _model_routes(models: list[ModelConfig], chain: Chain, kind: str, paths: dict,
+                  checked: bool) -> list[dict]:
+    """The routes of the calls ``paths`` matches: with several models, bad bodies first (400),
+    then each model by the name in its body, then an unknown name (404); with one, its route.
+    ``kind`` prefixes the refusals' names, ``checked`` is ``_weighted``'s."""
+    by_body = chain.by_body
+    routes = []
     if by_body:
         for problem, message in (("not_json", "the body is not a JSON object"),
                                  ("no_model", "'model' is required (a string)")):
-            routes.append({"name": f"body_{problem}",
-                           "match": {**calls, "dynamic_metadata": [_metadata("body", problem)]},
+            routes.append({"name": f"{kind}body_{problem}",
+                           "match": {**paths, "dynamic_metadata": [_metadata("body", problem)]},
                            **_reply(400, message, None, None)})
     for model in models:
-        match: dict[str, Any] = dict(calls)
+        match: dict[str, Any] = dict(paths)
         if by_body:
             match["dynamic_metadata"] = [_metadata("model", model.name)]
-        routes.append({"name": f"{token(model.name)}_generate", "match": match,
-                       "route": _weighted(model, chain)})
+        name = f"{token(model.name)}_{'generate' if checked else 'other'}"
+        routes.append({"name": name, "match": match,
+                       "route": _weighted(model, chain, checked)})
     if by_body:
-        routes.append({"name": "unknown_model", "match": calls, **_reply(
+        routes.append({"name": f"{kind}unknown_model", "match": paths, **_reply(
             404, "The model named in the request is not served here", "model_not_found",
             "model")})
     return routes

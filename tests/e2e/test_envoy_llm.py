@@ -210,6 +210,45 @@ def test_calls_are_routed_by_the_model_named_in_the_json_body(guard, scripted):
         assert http.get("/health/ready").status_code == 200
 
 
+def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
+    """Any other POST (here the Responses API's path) goes to the model the body names, by
+    its route (at sample_rate 1 the sampled twin's cluster carries it), the answer with the
+    route header; never observed, so never compared; refused alike where the body names no
+    model served here."""
+    def seen() -> float:
+        values = guard.metrics()
+        return sum(metric(values, "guard_mirror_total", model=SCRIPTED, outcome=outcome)
+                   for outcome in ("compared", "not_comparable", "dropped"))
+
+    def answered() -> float:
+        return metric(guard.metrics(), "guard_requests_total", model=SCRIPTED, route="primary")
+
+    scripted.reset()
+    before, answered_before = seen(), answered()
+    url = f"http://127.0.0.1:{guard.srv.http_port}"
+    with httpx.Client(base_url=url, timeout=60) as http:
+        answer = http.post("/v1/responses?x=1", json={"model": SCRIPTED, "input": "Hi"})
+        assert answer.status_code == 200 and answer.headers["guard-route"] == "primary"
+        assert "guard-sampled" not in answer.headers
+        assert [(r["path"], r["query"]) for r in scripted.requests] == [("/v1/responses",
+                                                                         "x=1")]
+        unknown = http.post("/v1/responses", json={"model": "gpt-9", "input": "Hi"})
+        assert (unknown.status_code, unknown.json()["error"]["code"]) == (404,
+                                                                           "model_not_found")
+        bad = http.post("/v1/embeddings", content=b"not json",
+                        headers={"content-type": "application/json"})
+        assert bad.status_code == 400
+        assert len(scripted.requests) == 1
+        assert http.get("/v1/responses/resp-1").status_code == 404
+        # A checked call after them is sampled and reaches the verifier; those before it
+        # never did.
+        assert http.post("/v1/chat/completions",
+                         json={"model": SCRIPTED, "messages": MESSAGES}).status_code == 200
+    wait_for(lambda: seen() >= before + 1, timeout=60)
+    assert seen() == before + 1
+    assert answered() == answered_before + 2  # Envoy's counts of the two answered calls
+
+
 def test_a_stream_cut_short_is_counted_never_compared(guard):
     def incomplete() -> float:
         return metric(guard.metrics(), "guard_generation_not_comparable_total", model=SCRIPTED,

@@ -195,7 +195,22 @@ def test_several_models_are_routed_by_the_model_name_in_the_json_body(tmp_path):
     big = routes["big_done_generate"]["route"]
     (entry,) = big["weighted_clusters"]["clusters"]
     assert entry["host_rewrite_literal"] == "llm.example.com"
-    assert big["regex_rewrite"] == {"pattern": {"regex": "^/v1/"}, "substitution": "/api/v1/"}
+    assert big["regex_rewrite"] == {"pattern": {"regex": "^/"}, "substitution": "/api/"}
+    # Any other POST: the same clusters by the same weights, refused alike, never observed.
+    assert names.index("unknown_model") < names.index("other_body_not_json") < \
+        names.index("smol_other") < names.index("other_unknown_model")
+    other = routes["smol_other"]
+    assert other["match"]["headers"] == [{"name": ":method",
+                                          "string_match": {"exact": "POST"}}]
+    assert other["match"]["dynamic_metadata"] == routes["smol_generate"]["match"][
+        "dynamic_metadata"]
+    checked = routes["smol_generate"]["route"]["weighted_clusters"]["clusters"]
+    unchecked = other["route"]["weighted_clusters"]["clusters"]
+    assert [(c["name"], c["weight"]) for c in unchecked] == [(c["name"], c["weight"])
+                                                             for c in checked]
+    assert all("guard-sampled" not in json.dumps(c) and c.get("typed_per_filter_config")
+               for c in unchecked)
+    assert routes["big_done_other"]["route"]["regex_rewrite"] == big["regex_rewrite"]
     tls = clusters(built)["guard_big_done_primary"]
     assert tls["transport_socket"]["typed_config"]["sni"] == "llm.example.com"
     assert tls["type"] == "STRICT_DNS"
