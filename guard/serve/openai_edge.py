@@ -542,7 +542,7 @@ class _PassThrough(_Upstream):
             data, {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
 
     async def run(self) -> web.StreamResponse:
-        upstream = await self._exchange(self.request.path_qs, self.payload)
+        upstream = await self._exchange(self.request.raw_path, self.payload)  # as sent
         if isinstance(upstream, web.Response):
             return upstream
         try:
