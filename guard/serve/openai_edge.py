@@ -54,7 +54,7 @@ import json
 import logging
 import time
 import uuid
-from typing import Callable, Mapping, Union, cast
+from typing import Callable, Mapping, TypeVar, cast
 
 from guard.errors import GuardError, install_hint
 
@@ -76,7 +76,7 @@ from guard.serve.model import ServedModel
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
 RESPONSE_MODEL_PATH = ("response", "model")
-_Call = Union[api.ParsedCall, str]  # a completion or chat parsed, or the model a call names
+_Call = TypeVar("_Call")  # what the edge makes of a call's body: a ParsedCall, or its model
 
 
 class EdgeMetrics:
@@ -199,10 +199,12 @@ class OpenAIEdge:
         return web.Response(status=status, body=api.error_body(message, kind, code, param),
                             content_type="application/json")
 
-    async def _admit(self, request: web.Request, parse: Callable[[bytes], _Call]
+    async def _admit(self, request: web.Request, parse: Callable[[bytes], _Call],
+                     model_name: Callable[[_Call], str]
                      ) -> tuple[bytes, _Call, ServedModel] | web.Response:
-        """A call's body, what ``parse`` made of it and the model it names, or the refusal
-        (413, 400, 404, 503 before ready, 429 past server.max_concurrent_requests)."""
+        """A call's body, what ``parse`` made of it and the model it names (``model_name``),
+        or the refusal (413, 400, 404, 503 before ready, 429 past
+        server.max_concurrent_requests)."""
         try:
             data = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
@@ -211,7 +213,7 @@ class OpenAIEdge:
             call = parse(data)
         except api.BadRequest as exc:
             return self._refuse(400, str(exc), UNKNOWN_MODEL)
-        name = call if isinstance(call, str) else call.model
+        name = model_name(call)
         model = self._generative().get(name)
         if model is None:
             return self._refuse(404, f"The model '{name}' does not exist",
@@ -227,11 +229,11 @@ class OpenAIEdge:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         started = time.perf_counter()
         endpoint = api.PATHS[request.path]
-        admitted = await self._admit(request, lambda data: api.parse_request(endpoint, data))
+        admitted = await self._admit(request, lambda data: api.parse_request(endpoint, data),
+                                     lambda call: call.model)
         if isinstance(admitted, web.Response):
             return admitted
         data, call, model = admitted
-        assert isinstance(call, api.ParsedCall)
         route, epoch, probing, backend = model.route()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         flags = model.sample_flags(request_id, route, probing) if model.samples else 0
@@ -256,11 +258,10 @@ class OpenAIEdge:
         as it came (``model`` re-addressed), never sampled: guard checks completions and chats
         only, and counts these calls as not comparable (``endpoint``)."""
         started = time.perf_counter()
-        admitted = await self._admit(request, api.model_of)
+        admitted = await self._admit(request, api.model_of, str)
         if isinstance(admitted, web.Response):
             return admitted
         data, name, model = admitted
-        assert isinstance(name, str)
         route, _, _, backend = model.route()
         self.metrics.not_comparable.labels(model.name, "endpoint").inc()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
