@@ -138,11 +138,13 @@ class Ports:
 class Layout:
     """What the rest of guard needs to know of a bootstrap: its clusters (cluster -> (model,
     route), to read Envoy's stats back; ``http_clusters``: those of generation models, whose
-    calls are HTTP) and its observing filter ("tap", "ext_proc", or None when no model
-    samples)."""
+    calls are HTTP; ``unchecked_routes``: the stat prefix of each generation model's route for
+    the calls guard forwards unchecked -> the model) and its observing filter ("tap",
+    "ext_proc", or None when no model samples)."""
 
     clusters: dict[str, tuple[str, str]] = field(default_factory=dict)
     http_clusters: set[str] = field(default_factory=set)
+    unchecked_routes: dict[str, str] = field(default_factory=dict)
     observer: str | None = None
 
 

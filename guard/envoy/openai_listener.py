@@ -53,6 +53,7 @@ from guard.envoy.process import HTTP_LISTENER
 from guard.protocol import openai as api
 
 LISTENER = HTTP_LISTENER
+UNCHECKED_STAT = "guard_other_"  # (guard/envoy/stats.py's filter names it too)
 HEALTH_CLUSTER = "guard_http_health"
 JSON_FILTER = "envoy.filters.http.json_to_metadata"
 # The calls Envoy forwards (what the Python edge forwards), and what guard answers itself.
@@ -164,6 +165,13 @@ def _routes(models: list[ModelConfig], chain: Chain) -> list[dict]:
     return routes
 
 
+def unchecked_stat(model: str) -> str:
+    """The stat prefix of ``model``'s route for the calls guard forwards unchecked (Envoy
+    counts them as ``vhost.<listener>.route.<prefix>.upstream_rq_total``, guard/envoy/stats.py
+    reads them back as ``guard_generation_not_comparable_total{reason="endpoint"}``)."""
+    return f"{UNCHECKED_STAT}{token(model)}"
+
+
 def _model_routes(models: list[ModelConfig], chain: Chain, kind: str, paths: dict,
                   checked: bool) -> list[dict]:
     """The routes of the calls ``paths`` matches: with several models, bad bodies first (400),
@@ -182,8 +190,10 @@ def _model_routes(models: list[ModelConfig], chain: Chain, kind: str, paths: dic
         if by_body:
             match["dynamic_metadata"] = [_metadata("model", model.name)]
         name = f"{token(model.name)}_{'generate' if checked else 'other'}"
-        routes.append({"name": name, "match": match,
-                       "route": _weighted(model, chain, checked)})
+        route = {"name": name, "match": match, "route": _weighted(model, chain, checked)}
+        if not checked:  # per-route stats: the calls guard never checks, counted by model
+            route["stat_prefix"] = unchecked_stat(model.name)
+        routes.append(route)
     if by_body:
         routes.append({"name": f"{kind}unknown_model", "match": paths, **_reply(
             404, "The model named in the request is not served here", "model_not_found",
@@ -222,6 +232,7 @@ def listener(config: GuardConfig, ports: Ports, chain: Chain,
             clusters.append(_upstream(name, getattr(model, role)))
             layout.clusters[name] = (model.name, role)
             layout.http_clusters.add(name)
+        layout.unchecked_routes[unchecked_stat(model.name)] = model.name
     filters = chain.filters(_json_to_metadata()) + [router_filter()]
     manager = {
         "@type": _TYPE + "envoy.extensions.filters.network.http_connection_manager.v3."

@@ -249,7 +249,8 @@ class EnvoyPlane:
         if process is None:
             return ""
         return self._stats.exposition(process.admin_port, self.layout.clusters,
-                                      process.generation, self.layout.http_clusters)
+                                      process.generation, self.layout.http_clusters,
+                                      self.layout.unchecked_routes)
 
 
 def _without_routes(built: dict) -> dict:

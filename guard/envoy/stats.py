@@ -11,6 +11,10 @@ so that dashboards and alerts built on the Python data plane keep working:
   none and is not counted, as in the Python data plane); a
   generation model's: its answers by any other HTTP status, named as the Python HTTP edge names
   them (its gRPC name, google.rpc.Code's mapping);
+- ``guard_generation_not_comparable_total{model, reason="endpoint"}``: a generation model's
+  calls to the endpoints guard forwards unchecked (the Responses API, embeddings ...), from the
+  stats of the route that forwards them (its requests sent upstream; the Python edge counts
+  them as it admits them, a call refused for want of an upstream included);
 - ``guard_request_duration_seconds{model, route}``: the cluster's ``upstream_rq_time``, whose
   buckets the bootstrap sets to guard's (milliseconds there, seconds here). It is the time
   Envoy waited for the upstream, every status included; the Python data plane's histogram
@@ -29,6 +33,7 @@ figures over.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from urllib.parse import quote
 
 import grpc
@@ -40,7 +45,11 @@ from guard.protocol.openai import status_code_name
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
 _CALLS = re.compile(r"^envoy_guard_calls_grpc(_total)?$")  # the access log's, tags as labels
-_FILTER = r"^(cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\.|guard_calls\.)"
+_FILTER = (r"^(cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\.|guard_calls\.|"
+           r"vhost\.[^.]*\.route\.guard_other_)")
+# A generation model's calls to the endpoints guard forwards unchecked: its route's requests
+# sent upstream (vhost.<listener>.route.<prefix>.upstream_rq_total, the route tagged).
+_ROUTE_REQUESTS = "envoy_vhost_route_upstream_rq_total"
 # An HTTP cluster's answers by response code (cluster.X.upstream_rq_<code>, tagged); the parser
 # gives counters the _total suffix, which the cluster's upstream_rq_total shares, so the
 # envoy_response_code label tells them apart.
@@ -59,11 +68,14 @@ Figures = dict[tuple, float]  # ("requests", model, route), ("errors", model, co
 
 
 def collect(text: str, clusters: dict[str, tuple[str, str]],
-            http: set[str] | frozenset[str] = frozenset()) -> Figures:
+            http: set[str] | frozenset[str] = frozenset(),
+            unchecked: Mapping[str, str] | None = None) -> Figures:
     """Envoy's exposition of guard's clusters as guard's figures; ``clusters``: cluster name ->
     (model, route), from the bootstrap's layout; ``http``: those of them whose calls are HTTP
-    (generation models: counted by response code). A route's two clusters (the sampled twin
-    and the other) add up."""
+    (generation models: counted by response code); ``unchecked``: the stat prefix of each
+    generation model's route for the calls guard forwards unchecked -> the model. A route's two
+    clusters (the sampled twin and the other) add up."""
+    unchecked = unchecked or {}
     figures: Figures = {}
 
     def add(key: tuple, value: float) -> None:
@@ -81,6 +93,11 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
                 number = sample.labels.get("code", "")
                 if where is not None and number.isdigit():  # "": cancelled by its client
                     add_call(*where, int(number), sample.value)
+                continue
+            if name == _ROUTE_REQUESTS:  # (the by-code counter parses to this name too)
+                model = unchecked.get(sample.labels.get("envoy_route", ""))
+                if model is not None and "envoy_response_code" not in sample.labels:
+                    add(("endpoint", model), sample.value)
                 continue
             cluster = sample.labels.get("envoy_cluster_name", "")
             where = clusters.get(cluster)
@@ -115,6 +132,11 @@ def render(figures: Figures) -> str:
     lines.append("# TYPE guard_request_errors_total counter")
     lines += [f"guard_request_errors_total{_labels({'model': k[1], 'code': k[2]})} {v}"
               for k, v in sorted(figures.items()) if k[0] == "errors"]
+    unchecked = [f"guard_generation_not_comparable_total"
+                 f"{_labels({'model': k[1], 'reason': 'endpoint'})} {v}"
+                 for k, v in sorted(figures.items()) if k[0] == "endpoint"]
+    if unchecked:  # (generation models only)
+        lines += ["# TYPE guard_generation_not_comparable_total counter", *unchecked]
     lines.append("# TYPE guard_request_duration_seconds histogram")
     routes = sorted({k[1:3] for k in figures if k[0] == "bucket"})
     for model, route in routes:
@@ -132,9 +154,10 @@ def render(figures: Figures) -> str:
 
 
 def translate(text: str, clusters: dict[str, tuple[str, str]],
-              http: set[str] | frozenset[str] = frozenset()) -> str:
+              http: set[str] | frozenset[str] = frozenset(),
+              unchecked: Mapping[str, str] | None = None) -> str:
     """Envoy's exposition of guard's clusters as guard's metrics (the text format)."""
-    return render(collect(text, clusters, http))
+    return render(collect(text, clusters, http, unchecked))
 
 
 class StatsReader:
@@ -150,9 +173,11 @@ class StatsReader:
         self._generation = 0
 
     def exposition(self, admin_port: int, clusters: dict[str, tuple[str, str]],
-                   generation: int, http: set[str] | frozenset[str] = frozenset()) -> str:
+                   generation: int, http: set[str] | frozenset[str] = frozenset(),
+                   unchecked: Mapping[str, str] | None = None) -> str:
         """``generation``: how many times Envoy was started afresh (not hot restarts); ""
-        while it does not answer. ``http``: the clusters whose calls are HTTP."""
+        while it does not answer. ``http``: the clusters whose calls are HTTP; ``unchecked``:
+        ``collect``'s."""
         if not admin_port:
             return ""
         try:
@@ -160,7 +185,7 @@ class StatsReader:
                              f"/stats?format=prometheus&usedonly&filter={quote(_FILTER)}")
         except OSError:
             return ""
-        figures = collect(text, clusters, http)
+        figures = collect(text, clusters, http, unchecked)
         if generation != self._generation:
             for key, value in self._last.items():
                 self._carried[key] = self._carried.get(key, 0.0) + value

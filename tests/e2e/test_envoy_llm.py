@@ -223,8 +223,12 @@ def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
     def answered() -> float:
         return metric(guard.metrics(), "guard_requests_total", model=SCRIPTED, route="primary")
 
+    def unchecked() -> float:
+        return metric(guard.metrics(), "guard_generation_not_comparable_total", model=SCRIPTED,
+                      reason="endpoint")
+
     scripted.reset()
-    before, answered_before = seen(), answered()
+    before, answered_before, unchecked_before = seen(), answered(), unchecked()
     url = f"http://127.0.0.1:{guard.srv.http_port}"
     with httpx.Client(base_url=url, timeout=60) as http:
         answer = http.post("/v1/responses?x=1", json={"model": SCRIPTED, "input": "Hi"})
@@ -247,6 +251,7 @@ def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
     wait_for(lambda: seen() >= before + 1, timeout=60)
     assert seen() == before + 1
     assert answered() == answered_before + 2  # Envoy's counts of the two answered calls
+    assert unchecked() == unchecked_before + 1  # the one forwarded unchecked, as Python's edge
 
 
 def test_a_stream_cut_short_is_counted_never_compared(guard):

@@ -211,6 +211,7 @@ def test_several_models_are_routed_by_the_model_name_in_the_json_body(tmp_path):
     assert all("guard-sampled" not in json.dumps(c) and c.get("typed_per_filter_config")
                for c in unchecked)
     assert routes["big_done_other"]["route"]["regex_rewrite"] == big["regex_rewrite"]
+    assert other["stat_prefix"] == "guard_other_smol"  # its calls counted (stats.py)
     tls = clusters(built)["guard_big_done_primary"]
     assert tls["transport_socket"]["typed_config"]["sni"] == "llm.example.com"
     assert tls["type"] == "STRICT_DNS"
@@ -231,6 +232,11 @@ envoy_cluster_upstream_rq{envoy_response_code="404",envoy_cluster_name="guard_sm
 envoy_cluster_upstream_rq{envoy_response_code="503",envoy_cluster_name="guard_smol_fallback"} 3
 # TYPE envoy_cluster_upstream_rq_total counter
 envoy_cluster_upstream_rq_total{envoy_cluster_name="guard_smol_primary"} 6
+# TYPE envoy_vhost_route_upstream_rq counter
+envoy_vhost_route_upstream_rq{envoy_response_code="200",envoy_virtual_host="guard_http",envoy_route="guard_other_smol"} 3
+# TYPE envoy_vhost_route_upstream_rq_total counter
+envoy_vhost_route_upstream_rq_total{envoy_virtual_host="guard_http",envoy_route="guard_other_smol"} 4
+envoy_vhost_route_upstream_rq_total{envoy_virtual_host="guard_http",envoy_route="elsewhere"} 9
 """
 
 
@@ -240,13 +246,18 @@ def test_envoy_http_stats_become_guards_request_metrics_by_status():
     layout = {"guard_smol_primary": ("smol", "primary"),
               "guard_smol_primary_sampled": ("smol", "primary"),
               "guard_smol_fallback": ("smol", "fallback")}
-    text = translate(ENVOY_HTTP, layout, set(layout))
+    text = translate(ENVOY_HTTP, layout, set(layout), {"guard_other_smol": "smol"})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
     assert samples[("guard_requests_total", (("model", "smol"), ("route", "primary")))] == 7
     errors = {dict(k[1])["code"]: v for k, v in samples.items()
               if k[0] == "guard_request_errors_total"}
     assert errors == {"NOT_FOUND": 1, "UNAVAILABLE": 3}  # the Python edge's names for them
+    # The calls its route for other endpoints sent upstream: forwarded, never checked.
+    unchecked = {dict(k[1])["model"]: v for k, v in samples.items()
+                 if k[0] == "guard_generation_not_comparable_total"
+                 and dict(k[1])["reason"] == "endpoint"}
+    assert unchecked == {"smol": 4}
 
 
 # -- a traced call into the ring --------------------------------------------------------------
