@@ -50,10 +50,10 @@ from guard.envoy.bootstrap import (
     Chain, Layout, Ports, _address, _cluster, cluster_entries, model_clusters, roles_of,
     router_filter, token)
 from guard.envoy.process import HTTP_LISTENER
+from guard.envoy.stats import UNCHECKED_STAT
 from guard.protocol import openai as api
 
 LISTENER = HTTP_LISTENER
-UNCHECKED_STAT = "guard_other_"  # (guard/envoy/stats.py's filter names it too)
 HEALTH_CLUSTER = "guard_http_health"
 JSON_FILTER = "envoy.filters.http.json_to_metadata"
 # The calls Envoy forwards (what the Python edge forwards), and what guard answers itself.

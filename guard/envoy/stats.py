@@ -45,8 +45,9 @@ from guard.protocol.openai import status_code_name
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
 _CALLS = re.compile(r"^envoy_guard_calls_grpc(_total)?$")  # the access log's, tags as labels
+UNCHECKED_STAT = "guard_other_"  # the stat prefix of the routes of calls guard never checks
 _FILTER = (r"^(cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\.|guard_calls\.|"
-           r"vhost\.[^.]*\.route\.guard_other_)")
+           rf"vhost\.[^.]*\.route\.{UNCHECKED_STAT})")
 # A generation model's calls to the endpoints guard forwards unchecked: its route's requests
 # sent upstream (vhost.<listener>.route.<prefix>.upstream_rq_total, the route tagged).
 _ROUTE_REQUESTS = "envoy_vhost_route_upstream_rq_total"
