@@ -215,10 +215,10 @@ def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
     its route (at sample_rate 1 the sampled twin's cluster carries it), the answer with the
     route header; never observed, so never compared; refused alike where the body names no
     model served here."""
-    def seen() -> float:
+    def seen() -> float:  # the model's sampled calls the verifier has had, whatever came of them
         values = guard.metrics()
         return sum(metric(values, "guard_mirror_total", model=SCRIPTED, outcome=outcome)
-                   for outcome in ("compared", "not_comparable", "dropped"))
+                   for outcome in ("compared", "not_comparable", "dropped", "error"))
 
     def answered() -> float:
         return metric(guard.metrics(), "guard_requests_total", model=SCRIPTED, route="primary")
@@ -227,6 +227,9 @@ def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
         return metric(guard.metrics(), "guard_generation_not_comparable_total", model=SCRIPTED,
                       reason="endpoint")
 
+    # Every checked call this module made of the model so far was answered and sampled (rate 1):
+    # the verifier has them all before this test counts (the last one may still be in flight).
+    wait_for(lambda: seen() >= answered() - unchecked(), timeout=60)
     scripted.reset()
     before, answered_before, unchecked_before = seen(), answered(), unchecked()
     url = f"http://127.0.0.1:{guard.srv.http_port}"
