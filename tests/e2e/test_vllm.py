@@ -580,9 +580,11 @@ def test_vllms_other_endpoints_pass_through_guard_unchecked(vllm, tmp_path):
         status, refused = post(f"{base}/tokenize", {"prompt": PROMPT})
         assert status == 400 and "'model' is required" in refused["error"]["message"]
 
-        values = scrape(server.metrics_port)
+        # (a request is counted once its client has the answer: waited for)
+        values = wait_for(lambda: (lambda v: v if metric(
+            v, "guard_requests_total", model="smol", route="primary") == 3 else None)(
+                scrape(server.metrics_port)), timeout=30)
         assert metric(values, "guard_generation_not_comparable_total", model="smol",
                       reason="endpoint") == 3
-        assert metric(values, "guard_requests_total", model="smol", route="primary") == 3
         assert sum(metric(values, "guard_mirror_total", model="smol", outcome=outcome)
                    for outcome in ("compared", "not_comparable", "dropped")) == 0
