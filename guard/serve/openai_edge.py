@@ -135,7 +135,7 @@ class OpenAIEdge:
         app.router.add_get("/health/live", self._health)
         app.router.add_get("/health/ready", self._health_ready)
         if self.forwarding:  # last: aiohttp tries the routes in the order they were added
-            app.router.add_post("/{path:.*}", self._pass_through)
+            app.router.add_route("*", "/{path:.*}", self._pass_through)
         # handler_cancellation: a client that disconnects cancels its handler, which closes
         # the upstream connection (the upstream stops generating).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
@@ -258,6 +258,10 @@ class OpenAIEdge:
         as it came (``model`` re-addressed), never sampled: guard checks completions and chats
         only, and counts these calls as not comparable (``endpoint``)."""
         started = time.perf_counter()
+        if request.method != "POST":  # (GET /v1/responses/{id} ...: no body names a model)
+            return self._refuse(404, f"guard forwards calls whose body names a model: "
+                                f"{request.method} {request.path} is not one", UNKNOWN_MODEL,
+                                code="not_found")
         admitted = await self._admit(request, api.model_of, str)
         if isinstance(admitted, web.Response):
             return admitted

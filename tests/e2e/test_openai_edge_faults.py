@@ -226,8 +226,9 @@ def test_another_endpoint_is_forwarded_unchecked_with_its_query_and_its_errors(g
     assert refused.status_code == 429 and refused.json()["error"]["message"] == "no such thing"
     assert wait_until(lambda: errors(guard, "RESOURCE_EXHAUSTED") == errors_before + 1)
     assert not_comparable(guard, "endpoint") == before + 2
-    # A GET names no model to route it by: refused as a method guard does not forward.
-    assert http.get("/v1/responses/resp-1").status_code == 405
+    # A GET names no model to route it by: 404, as Envoy mode answers it.
+    got = http.get("/v1/responses/resp-1")
+    assert got.status_code == 404 and "GET /v1/responses/resp-1" in got.json()["error"]["message"]
 
 
 # -- faults mid-stream ---------------------------------------------------------------------------
