@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING, Sequence, cast
+from typing import TYPE_CHECKING, Any, Mapping, Sequence, cast
 
 import numpy as np
 from pydantic import Field
@@ -31,7 +31,14 @@ from pydantic import Field
 from guard.backends.base import BackendInfo, Role
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import LocalScorer, Vocabulary, common_prefix, loaded
+from guard.backends.scoring import (
+    LocalScorer,
+    Vocabulary,
+    chat_rendering,
+    common_prefix,
+    continue_final_message,
+    loaded,
+)
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -180,7 +187,8 @@ class LlamaCppScorer(LocalScorer):
         """Token ids as text, as llama.cpp's servers detokenize a completion."""
         return self._loaded().detokenize(list(ids)).decode("utf-8", "replace")
 
-    def render_chat(self, messages: Sequence[dict]) -> list[int]:
+    def render_chat(self, messages: Sequence[dict],
+                    template_args: Mapping[str, Any] | None = None) -> list[int]:
         from llama_cpp.llama_chat_format import Jinja2ChatFormatter
 
         llm = self._loaded()
@@ -188,14 +196,21 @@ class LlamaCppScorer(LocalScorer):
         if not template:
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
+        generation_prompt, continued, keywords = chat_rendering(template_args)
         vocab = self.vocab
         formatter = Jinja2ChatFormatter(
             template=template, eos_token=vocab.token_text(int(llm.token_eos())),
-            bos_token=vocab.token_text(int(llm.token_bos())), add_generation_prompt=True)
-        # OpenAI chat messages, as llama-cpp-python's TypedDicts describe them.
-        rendered = formatter(messages=cast("list[ChatCompletionRequestMessage]", list(messages)))
+            bos_token=vocab.token_text(int(llm.token_bos())),
+            add_generation_prompt=generation_prompt)
+        # OpenAI chat messages, as llama-cpp-python's TypedDicts describe them; the template's
+        # own arguments (chat_template_kwargs) go to the template as the formatter's keywords.
+        rendered = formatter(messages=cast("list[ChatCompletionRequestMessage]", list(messages)),
+                             **keywords)
+        prompt = rendered.prompt
+        if continued:
+            prompt = continue_final_message(prompt, messages)
         # llama-cpp-python's chat handler: BOS added unless the template wrote it.
-        return list(llm.tokenize(rendered.prompt.encode("utf-8"),
+        return list(llm.tokenize(prompt.encode("utf-8"),
                                  add_bos=not rendered.added_special, special=True))
 
     def logits(self, ids: Sequence[int], prompt_length: int) -> np.ndarray:

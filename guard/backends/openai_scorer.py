@@ -56,7 +56,7 @@ import urllib.error
 import urllib.request
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 import numpy as np
 
@@ -67,6 +67,7 @@ from guard.backends.scoring import (
     Scorer,
     TokenizationMismatch,
     Vocabulary,
+    chat_rendering,
     comparable_text,
     loaded,
     names_its_alternatives,
@@ -139,9 +140,14 @@ class ScoringClient:
         return self._tokens(self.post("/tokenize", {"model": self.model, "prompt": text,
                                                     "add_special_tokens": special}))
 
-    def tokenize_chat(self, messages: Sequence[dict]) -> list[int]:
+    def tokenize_chat(self, messages: Sequence[dict],
+                      template_args: Mapping[str, Any] | None = None) -> list[int]:
+        # vLLM's /tokenize takes the chat template's arguments by the request's names.
+        generation_prompt, continued, keywords = chat_rendering(template_args)
         return self._tokens(self.post("/tokenize", {
-            "model": self.model, "messages": list(messages), "add_generation_prompt": True,
+            "model": self.model, "messages": list(messages),
+            "add_generation_prompt": generation_prompt, "continue_final_message": continued,
+            **({"chat_template_kwargs": keywords} if keywords else {}),
             "add_special_tokens": False}))
 
     @staticmethod
@@ -393,8 +399,9 @@ class OpenAIScorer(Scorer):
     def encode_prompt(self, text: str) -> list[int]:
         return self._loaded()[0].tokenize(text, special=True)
 
-    def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        return self._loaded()[0].tokenize_chat(messages)
+    def render_chat(self, messages: Sequence[dict],
+                    template_args: Mapping[str, Any] | None = None) -> list[int]:
+        return self._loaded()[0].tokenize_chat(messages, template_args)
 
     def score(self, sample: GenerationSample) -> ReferenceScores:
         # The texts of the primary's tokens (or of the completion's canonical tokenization)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass, field, replace
-from typing import Sequence, TypeVar
+from typing import Any, Mapping, Sequence, TypeVar
 
 import numpy as np
 
@@ -480,6 +480,37 @@ class RenderedPrompt:
     difference: str = ""  # ReferenceScores.prompt_difference
 
 
+def chat_rendering(template_args: Mapping[str, Any] | None
+                   ) -> tuple[bool, bool, dict[str, Any]]:
+    """A chat request's (add_generation_prompt, continue_final_message, the template's own
+    keyword arguments), with the servers' defaults for the first two: the generation prompt
+    added and the final message closed, or the final message continued and no generation
+    prompt (the two exclude each other: vLLM refuses a call that sets both)."""
+    args = template_args or {}
+    continued = bool(args.get("continue_final_message", False))
+    return (bool(args.get("add_generation_prompt", True)) and not continued, continued,
+            dict(args.get("chat_template_kwargs") or {}))
+
+
+def continue_final_message(text: str, messages: Sequence[dict]) -> str:
+    """``text`` (the messages rendered without a generation prompt) cut after the final
+    message's content, so that the model continues that message: transformers'
+    ``continue_final_message`` (what vLLM applies), for a renderer without it. BackendError
+    where the template did not write the content."""
+    content = messages[-1].get("content") if messages else None
+    if isinstance(content, list):  # content parts: the last text part is continued
+        content = next((part.get("text") for part in reversed(content)
+                        if isinstance(part, dict) and isinstance(part.get("text"), str)), None)
+    if not isinstance(content, str) or not content.strip() or content.strip() not in text:
+        raise BackendError("continue_final_message: the final message's text is not in the "
+                           "rendered chat")
+    at = text.rindex(content.strip())
+    # Its trailing whitespace stays where the template kept it, as transformers keeps it.
+    kept = content.lstrip() if text[at:at + len(content.lstrip())] == content.lstrip() \
+        else content.strip()
+    return text[:at + len(kept)]
+
+
 def rendering_difference(server: Sequence[int], own: Sequence[int], vocab: Vocabulary) -> str:
     """A sentence naming the first token where the server's prompt ids leave the reference's
     rendering, or "" where they are the same."""
@@ -530,8 +561,11 @@ class Scorer(Backend):
         special-token text parsed)."""
 
     @abc.abstractmethod
-    def render_chat(self, messages: Sequence[dict]) -> list[int]:
-        """Chat messages through the model's chat template, generation prompt added."""
+    def render_chat(self, messages: Sequence[dict],
+                    template_args: Mapping[str, Any] | None = None) -> list[int]:
+        """Chat messages through the model's chat template with the request's arguments to
+        it (``GenerationSample.chat_template_args``; none: the generation prompt added, as
+        servers default)."""
 
     @abc.abstractmethod
     def teacher_force(self, sample: GenerationSample, prompt_ids: list[int], ids: list[int],
@@ -562,7 +596,7 @@ class Scorer(Backend):
         if sample.endpoint == "chat":
             if not sample.messages:
                 raise BackendError("a chat sample without messages cannot be scored")
-            return self.render_chat(sample.messages)
+            return self.render_chat(sample.messages, sample.chat_template_args)
         if sample.prompt is None:
             raise BackendError("a completions sample without a prompt cannot be scored")
         return self.encode_prompt(sample.prompt)

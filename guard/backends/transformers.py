@@ -22,7 +22,7 @@ import threading
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager, nullcontext
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple, Sequence
+from typing import TYPE_CHECKING, Any, Mapping, NamedTuple, Sequence
 
 import numpy as np
 from pydantic import Field
@@ -31,7 +31,13 @@ from guard.backends import gguf_cache
 from guard.backends.base import BackendInfo, Role, require_cuda
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
-from guard.backends.scoring import LocalScorer, Vocabulary, common_prefix, loaded
+from guard.backends.scoring import (
+    LocalScorer,
+    Vocabulary,
+    chat_rendering,
+    common_prefix,
+    loaded,
+)
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:
@@ -116,13 +122,20 @@ class HFTokenized:
         return self._loaded_tokenizer().decode(list(ids), skip_special_tokens=False,
                                                clean_up_tokenization_spaces=False)
 
-    def render_chat(self, messages: Sequence[dict]) -> list[int]:
+    def render_chat(self, messages: Sequence[dict],
+                    template_args: Mapping[str, Any] | None = None) -> list[int]:
         tokenizer = self._loaded_tokenizer()
         if not getattr(tokenizer, "chat_template", None):
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
-        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True,
-                                             tokenize=False)
+        generation_prompt, continued, keywords = chat_rendering(template_args)
+        try:
+            text = tokenizer.apply_chat_template(
+                list(messages), add_generation_prompt=generation_prompt,
+                continue_final_message=continued, tokenize=False, **keywords)
+        except ValueError as exc:  # e.g. a final message the template does not write
+            raise BackendError(f"the chat template cannot render these messages: {exc}") \
+                from None
         # The template writes the special tokens itself (BOS too, where it has one).
         return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -184,7 +184,8 @@ class GuardMetrics:
         # Both processes count here (the edge's reasons, the verifier's): merged by summing.
         self.generation_not_comparable = Counter(
             "guard_generation_not_comparable", "Calls never compared, by reason. At the HTTP "
-            "edge (forwarded, never handed over): n (n > 1), tools (tool calls), prompt_list "
+            "edge (forwarded, never handed over): n (n > 1 or best_of > 1), echo (the prompt "
+            "echoed in the answer), tools (tool calls), prompt_list "
             "(a batch of prompts), upstream_error (an error answer or event, an upstream "
             "down), incomplete (cut short by the client or the upstream), endpoint (a call "
             "to an endpoint guard forwards unchecked: the Responses API, embeddings ...). In "
@@ -194,7 +195,10 @@ class GuardMetrics:
             "defaults say), penalties (the server's penalties cannot be applied to the "
             "reference's scores), no_distribution (a sampled completion without logprobs and "
             "a remote reference), unaligned (the primary's tokens cannot be aligned), "
-            "too_short (under checks.generation.min_tokens).",
+            "too_short (under checks.generation.min_tokens), constrained (no logprobs, and a "
+            "grammar, JSON schema, logit bias or token mask chose the tokens), sampler (no "
+            "logprobs, and a sampler guard does not model: mirostat, typical_p, XTC, DRY, "
+            "beam search ...).",
             ["model", "reason"], registry=r)
         if not serving:
             return

@@ -62,11 +62,33 @@ class SamplingParams:
     logprobs: int | None = None  # top-k the client asked for (None: no logprobs asked)
     n: int = 1
     stop: tuple[str, ...] = ()
+    # Request fields outside the transform guard models (guard/protocol/openai.py names them):
+    # constraints on which tokens may come (a grammar, a JSON schema, a logit bias ...) and
+    # samplers of other kinds (mirostat, typical_p, beam search ...). Either makes a completion
+    # without logprobs not comparable: its server chose from a distribution the reference
+    # cannot rebuild.
+    constraints: tuple[str, ...] = ()
+    other_samplers: tuple[str, ...] = ()
 
     @property
     def greedy(self) -> bool:
         """Temperature 0 (OpenAI's convention for argmax decoding)."""
         return self.temperature is not None and self.temperature <= 0.0
+
+
+# The chat request fields that are arguments of the model's own template (vLLM's and
+# transformers' apply_chat_template names), with the type each must have.
+CHAT_TEMPLATE_ARGS: dict[str, type] = {"add_generation_prompt": bool,
+                                       "continue_final_message": bool,
+                                       "chat_template_kwargs": dict}
+
+
+def chat_template_args(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The template arguments a chat request sets (values of another type left out: the
+    server refuses those calls), None for none."""
+    found = {name: body[name] for name, kind in CHAT_TEMPLATE_ARGS.items()
+             if isinstance(body.get(name), kind)}
+    return found or None
 
 
 # The sampling transform's fields: what a request may set and a server defaults. They are also
@@ -137,6 +159,12 @@ class GenerationSample:
     request_seconds: float = 0.0  # the whole call as the edge measured it
     first_token_seconds: float | None = None  # time to first token (streamed calls)
     upstream_model: str = ""  # the name the upstream served it under
+    # A chat request's arguments to the model's own template, as the client sent them
+    # (CHAT_TEMPLATE_ARGS: add_generation_prompt, continue_final_message,
+    # chat_template_kwargs); None for none. The reference renders the messages with them, as
+    # the server did. A template of the request's own (``chat_template``) is not among them:
+    # the reference renders with the model's template, so another one is drift it reports.
+    chat_template_args: dict[str, Any] | None = None
 
     @property
     def has_logprobs(self) -> bool:
@@ -171,6 +199,9 @@ def _token(item: Any, index: int) -> TokenLogprob:
     return TokenLogprob(item["text"], None if logprob is None else float(logprob), top, token_id)
 
 
+_NAME_LISTS = ("stop", "constraints", "other_samplers")  # SamplingParams' tuples of strings
+
+
 def from_dict(data: Any) -> GenerationSample:
     """The sample ``to_dict`` wrote; ValueError naming the field for anything else."""
     if not isinstance(data, dict):
@@ -193,10 +224,20 @@ def from_dict(data: Any) -> GenerationSample:
     if unknown:
         raise ValueError(f"sampling.{unknown[0]}: unknown field")
     sampling_data = dict(sampling_data)
-    sampling_data["stop"] = tuple(sampling_data.get("stop") or ())
+    for name in _NAME_LISTS:
+        names = _tuple(sampling_data.get(name) or (), f"sampling.{name}")
+        if not all(isinstance(item, str) for item in names):
+            raise ValueError(f"sampling.{name}: expected a list of strings")
+        sampling_data[name] = names
     sampling = SamplingParams(**sampling_data)
     messages = data.get("messages")
     ids = data.get("prompt_token_ids")
+    template_args = data.get("chat_template_args")
+    if template_args is not None and (not isinstance(template_args, dict) or any(
+            k not in CHAT_TEMPLATE_ARGS or not isinstance(v, CHAT_TEMPLATE_ARGS[k])
+            for k, v in template_args.items())):
+        raise ValueError("chat_template_args: expected an object of "
+                         + ", ".join(CHAT_TEMPLATE_ARGS))
     rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
                                   "unix_nanos", "request_seconds", "first_token_seconds",
                                   "upstream_model") if k in data}
@@ -206,4 +247,4 @@ def from_dict(data: Any) -> GenerationSample:
         messages=None if messages is None else tuple(_tuple(messages, "messages")),
         prompt_token_ids=(None if ids is None
                           else tuple(int(i) for i in _tuple(ids, "prompt_token_ids"))),
-        **rest)
+        chat_template_args=template_args, **rest)

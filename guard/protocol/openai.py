@@ -23,9 +23,15 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
-from guard.protocol.generation import Endpoint, GenerationSample, SamplingParams, TokenLogprob
+from guard.protocol.generation import (
+    Endpoint,
+    GenerationSample,
+    SamplingParams,
+    TokenLogprob,
+    chat_template_args,
+)
 
 PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
 DONE = b"[DONE]"
@@ -60,8 +66,10 @@ class ParsedCall:
     body: dict[str, Any]
     model: str
     stream: bool
-    # Why this call cannot be compared with a reference ("" when it can): n > 1 (several
-    # completions in one answer), tool calls (the completion is a structured call, not text).
+    # Why this call cannot be compared with a reference ("" when it can): n > 1 or best_of >
+    # 1 (several completions in one answer, or the best of several), echo (the prompt comes
+    # back as part of the text), tool calls (the completion is a structured call, not text), a
+    # batch of prompts.
     not_comparable: str = ""
 
     @property
@@ -107,10 +115,12 @@ def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
-    n = body.get("n", 1)
+    n, best_of = body.get("n", 1), body.get("best_of", 1)
     reason = ""
-    if not isinstance(n, int) or n != 1:
-        reason = "n"
+    if not isinstance(n, int) or n != 1 or (best_of is not None and best_of != 1):
+        reason = "n"  # several completions, or the best of several: not one sampled path
+    elif body.get("echo") not in (None, False):
+        reason = "echo"  # the answer's text begins with the prompt (or the last message)
     elif body.get("tools") or body.get("functions") or body.get("tool_choice") not in (
             None, "none"):
         reason = "tools"
@@ -123,6 +133,54 @@ def _number(value: Any, kind=float):
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         return None
     return kind(value) if kind is float or float(value).is_integer() else None
+
+
+def _positive(value: Any) -> bool:
+    return _number(value) is not None and value > 0
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value is not False and value != "" and value != {} \
+        and value != []
+
+
+# Request fields that restrict or bias which tokens the server may choose, and whether a value
+# does: a grammar, a JSON schema or object, a regex, a choice list, a logit bias, an allow- or
+# deny-list of tokens, a minimum length (which masks the end of text until it is reached). The
+# server picks from a masked or shifted distribution the reference cannot rebuild, so the
+# checks that read the sampling transform (sampled, greedy) cannot judge such a call; a
+# server's logprobs are of the model's own distribution (vLLM's default raw_logprobs,
+# llama.cpp's), so the per-token comparison still holds. Spellings: OpenAI's, vLLM's
+# (guided_*, structured_outputs, structural_tag, allowed_token_ids, bad_words, min_tokens),
+# llama.cpp's server and llama-cpp-python's (grammar, json_schema).
+CONSTRAINT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
+    "logit_bias": _given, "grammar": _given, "json_schema": _given,
+    "guided_json": _given, "guided_regex": _given, "guided_choice": _given,
+    "guided_grammar": _given, "structural_tag": _given,
+    "structured_outputs": lambda v: isinstance(v, dict) and any(
+        _given(x) for k, x in v.items() if k not in ("backend", "disable_any_whitespace",
+                                                     "disable_fallback",
+                                                     "disable_additional_properties",
+                                                     "whitespace_pattern")),
+    "allowed_token_ids": _given, "bad_words": _given, "min_tokens": _positive,
+}
+# Samplers guard's transform does not model (guard/verify/generation.py applies temperature,
+# top_k, top_p, min_p and the penalties), each with the test for a value that turns it on:
+# llama.cpp's locally typical sampling, mirostat, tail-free sampling (llama-cpp-python), XTC,
+# DRY, top-n-sigma, dynamic temperature; vLLM's beam search.
+SAMPLER_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "typical_p": lambda v: _number(v) is not None and v < 1,
+    "mirostat": _positive, "mirostat_mode": _positive,
+    "tfs_z": lambda v: _number(v) is not None and v < 1,
+    "xtc_probability": _positive, "dry_multiplier": _positive, "top_n_sigma": _positive,
+    "dynatemp_range": _positive, "use_beam_search": lambda v: v is True,
+}
+
+
+def _fields_on(body: dict[str, Any], tests: dict[str, Callable[[Any], bool]]
+               ) -> tuple[str, ...]:
+    return tuple(name for name, on in tests.items() if name in body and on(body[name]))
 
 
 def sampling_params(body: dict[str, Any]) -> SamplingParams:
@@ -143,7 +201,9 @@ def sampling_params(body: dict[str, Any]) -> SamplingParams:
         presence_penalty=_number(body.get("presence_penalty")),
         frequency_penalty=_number(body.get("frequency_penalty")),
         seed=_number(body.get("seed"), int), max_tokens=_number(max_tokens, int),
-        logprobs=_number(logprobs, int), n=_number(body.get("n", 1), int) or 1, stop=stops)
+        logprobs=_number(logprobs, int), n=_number(body.get("n", 1), int) or 1, stop=stops,
+        constraints=_fields_on(body, CONSTRAINT_FIELDS),
+        other_samplers=_fields_on(body, SAMPLER_FIELDS))
 
 
 def sampled_body(call: ParsedCall, top: int, token_ids: bool) -> dict[str, Any]:
@@ -572,7 +632,9 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         prompt=body.get("prompt") if call.endpoint == "completions" else None,
         messages=tuple(body["messages"]) if call.endpoint == "chat" else None,
         prompt_token_ids=completion.prompt_token_ids, finish_reason=completion.finish_reason,
-        upstream_model=completion.upstream_model, **envelope)
+        upstream_model=completion.upstream_model,
+        chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
+        **envelope)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,

@@ -188,14 +188,16 @@ class GenerationThresholds:
     prompt_rendering: str = "must_match"
 
 
-# The verifier's reasons a completion is not compared (the HTTP edge counts its own: n, tools,
-# prompt_list, upstream_error, incomplete).
+# The verifier's reasons a completion is not compared (the HTTP edge counts its own: n, echo,
+# tools, prompt_list, upstream_error, incomplete, endpoint).
 NOT_COMPARABLE_CAUSES = (
     "unaligned",         # the primary's tokens cannot be aligned with the reference's
     "too_short",         # fewer completion tokens than checks.generation.min_tokens
     "sampling_unknown",  # a sampling field neither the request nor the declared defaults say
     "penalties",         # the server's penalties cannot be applied to these scores
     "no_distribution",   # a sampled completion without logprobs, a remote reference
+    "constrained",       # no logprobs, and a grammar, schema, logit bias ... chose the tokens
+    "sampler",           # no logprobs, and a sampler guard does not model (mirostat ...)
 )
 
 
@@ -701,6 +703,23 @@ def _unscorable_penalties(scores: ReferenceScores, transform: Transform) -> str:
     return ""
 
 
+def _outside_transform(sampling: SamplingParams) -> tuple[str, str] | None:
+    """(cause, reason) where the request asked for decoding the sampled and greedy checks
+    cannot rebuild: a constraint (a grammar, a schema, a logit bias ...) or a sampler guard
+    does not model. The logprobs comparison needs no transform: the server's logprobs are the
+    model's own distribution, before any constraint."""
+    advice = ("; the per-token comparison still applies where the answer carries logprobs "
+              "(options.sample_logprobs)")
+    if sampling.constraints:
+        return "constrained", (f"decoding was constrained ({', '.join(sampling.constraints)}):"
+                               f" the server chose from a masked or biased distribution"
+                               + advice)
+    if sampling.other_samplers:
+        return "sampler", (f"a sampler guard does not model "
+                           f"({', '.join(sampling.other_samplers)}) chose the tokens" + advice)
+    return None
+
+
 def _per_token(sample: GenerationSample, scores: ReferenceScores) -> dict[str, Any]:
     """The per-token fields every scored mode shares: texts, the reference's surprise at each
     token, the primary's logprob of it where it said."""
@@ -737,6 +756,10 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
     if sample.has_logprobs and len(sample.tokens) == n:
         check = _with_logprobs(sample, scores, limits)
     else:
+        outside = _outside_transform(sample.sampling)
+        if outside is not None:
+            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                                   cause=outside[0], reason=outside[1], **common)
         transform = resolve_transform(sample.sampling, defaults)
         if transform is None:
             unsaid = unknown_sampling(sample.sampling, defaults)

@@ -166,6 +166,41 @@ def test_admin_status_says_why_calls_were_never_compared(guard, through):
     assert f"n={before['n'] + 1:.0f}" in text and "sampling_unknown=" in text, text
 
 
+def test_constrained_calls_are_never_scored_as_drift_and_compared_with_logprobs(guard, through):
+    """JSON mode (llama-cpp-python decodes response_format with a grammar), sampled: the
+    grammar forces '{' and quotes the model itself gives a few percent or less, which the
+    sampled check would read as drift on this healthy pair (the reference runs the server's
+    own GGUF; z 5.8-15.5 over 12 such calls in benchmarks/results/llm_constrained.md, where
+    free calls give |z| < 2). Without logprobs the verifier counts it not comparable
+    (``constrained``), and a mirostat call (``sampler``) likewise; with the client's
+    logprobs (the model's distribution before the grammar) the call is compared token by
+    token and passes."""
+    def counts() -> dict[str, float]:
+        values = scrape(guard.metrics_port)
+        found = {r: metric(values, "guard_generation_not_comparable_total", model="smol",
+                           reason=r) for r in ("constrained", "sampler")}
+        for result in ("pass", "fail"):
+            found[result] = metric(values, "guard_checks_total", model="smol",
+                                   tier="generation", result=result)
+        return found
+
+    before = counts()
+    # The whole transform in the request: this module's server declares no engine.
+    sampled = dict(model="smol", messages=MESSAGES, temperature=0.8, seed=1,
+                   presence_penalty=0, frequency_penalty=0, top_p=0.95,
+                   extra_body={"repeat_penalty": 1.0, "top_k": 40, "min_p": 0.05})
+    json_mode = dict(sampled, max_tokens=10, response_format={"type": "json_object"})
+    answer = through.chat.completions.create(**json_mode)
+    assert answer.choices[0].message.content.lstrip().startswith("{"), answer
+    through.chat.completions.create(**dict(sampled, max_tokens=6, extra_body={
+        **sampled["extra_body"], "mirostat_mode": 2}))
+    wait_for(lambda: counts()["constrained"] == before["constrained"] + 1
+             and counts()["sampler"] == before["sampler"] + 1)
+    through.chat.completions.create(**json_mode, logprobs=True, top_logprobs=5)
+    wait_for(lambda: counts()["pass"] == before["pass"] + 1)
+    assert counts()["fail"] == before["fail"]
+
+
 def test_plain_http_gets_openai_errors_and_the_model_list(guard):
     with httpx.Client(base_url=f"http://127.0.0.1:{guard.http_port}", timeout=30) as http:
         assert http.get("/v1/models").json()["data"][0]["id"] == "smol"

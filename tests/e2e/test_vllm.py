@@ -308,7 +308,8 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
                                                                           caplog):
     """vLLM returns the prompt's ids (sample_token_ids); the reference renders the same
     messages with the model's own template and finds them otherwise: the completion fails as
-    prompt_rendered_otherwise, though both sides compute the same numbers on those ids."""
+    prompt_rendered_otherwise, though both sides compute the same numbers on those ids. The
+    request's arguments to the model's own template (continue_final_message) are no drift."""
     caplog.set_level("INFO", logger="guard.events")
     model = {"name": "smol", "task": "generation",
              "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
@@ -330,6 +331,14 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
         assert "from token 1: server 'user', reference 'system'" in event["reason"]
         # The numbers on the server's own ids agree: the drift is the template, not the model.
         assert event["mean_kld"] < FP32_NOISE
+        # A prefilled answer, continued (continue_final_message): the model's own template
+        # with the request's arguments, rendered by the reference as vLLM rendered it.
+        prefilled = [*MESSAGES, {"role": "assistant", "content": "The capital of France is"}]
+        client.chat.completions.create(
+            model="smol", messages=prefilled, max_tokens=8, temperature=0,
+            extra_body={"continue_final_message": True, "add_generation_prompt": False})
+        wait_for(lambda: compared(server, "smol") >= 3, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 2 and checks(server, "smol", "fail") == 1
 
 
 # -- vLLM as the remote reference ----------------------------------------------------------------
@@ -373,6 +382,13 @@ def test_the_remote_scores_are_the_in_process_fp32_references_on_the_same_tokens
                 assert verdict.mean_kld <= local_verdict.mean_kld + FP32_NOISE
                 if rung == "Q8_0":
                     assert abs(verdict.mean_kld - local_verdict.mean_kld) < FP32_NOISE
+        # A chat prompt with the request's template arguments: vLLM's /tokenize renders it as
+        # the local reference does (a prefilled answer continued, and the default).
+        prefilled = ({"role": "user", "content": "What is the capital of France?"},
+                     {"role": "assistant", "content": "The capital of France is"})
+        for args in (None, {"continue_final_message": True}):
+            assert by_prompt_logprobs.render_chat(prefilled, args) == local.render_chat(
+                prefilled, args), args
     finally:
         for scorer in (by_prompt_logprobs, by_echo, local):
             scorer.close()

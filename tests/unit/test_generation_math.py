@@ -390,6 +390,46 @@ def test_a_repetition_penalty_is_applied_to_the_raw_logits():
     assert "raw logits" in check.reason and check.cause in NOT_COMPARABLE_CAUSES
 
 
+@pytest.mark.parametrize("mark", [{"constraints": ("response_format",)},
+                                  {"other_samplers": ("mirostat_mode",)}])
+def test_constrained_decoding_is_not_comparable_without_logprobs_and_compared_with_them(mark):
+    """A server that decodes greedily under a grammar picks the best token the grammar allows:
+    where the grammar forbids the model's argmax, a greedy check reads a flip (and a sampled
+    one a surprise) on a healthy pair. Marked, such a completion is not comparable; with the
+    primary's logprobs (the model's own distribution, before the mask) it is compared and
+    passes."""
+    rng = np.random.default_rng(5)
+    raw = rng.normal(0.0, 3.0, (32, 300))
+    logprobs = _log_softmax(raw)
+    allowed = rng.random((32, 300)) < 0.3  # the grammar's tokens at each position
+    tokens = np.where(allowed, logprobs, -np.inf).argmax(axis=1)
+    scores = _synthetic_scores(logprobs, tokens, (raw - logprobs)[:, 0])
+    greedy = SamplingParams(temperature=0.0)
+
+    unmarked = check_generation(_sample(tokens, greedy), scores, NEUTRAL)
+    assert (unmarked.mode, unmarked.passed) == ("greedy", False)  # the false drift
+
+    marked = _sample(tokens, replace(greedy, **mark))
+    check = check_generation(marked, scores, NEUTRAL)
+    cause = "constrained" if "constraints" in mark else "sampler"
+    assert (check.mode, check.passed, check.cause, check.statistic) == (
+        "not_comparable", True, cause, None)
+    assert cause in NOT_COMPARABLE_CAUSES and next(iter(mark.values()))[0] in check.reason
+    sampled = check_generation(replace(marked, sampling=replace(marked.sampling,
+                                                                temperature=0.7)),
+                               scores, NEUTRAL)
+    assert (sampled.mode, sampled.cause) == ("not_comparable", cause)
+
+    order = np.argsort(-logprobs, axis=1)[:, :5]
+    told = replace(marked, tokens=tuple(
+        TokenLogprob(f"t{t}", float(logprobs[i, t]),
+                     tuple((f"t{j}", float(logprobs[i, j])) for j in order[i]))
+        for i, t in enumerate(tokens)))
+    check = check_generation(told, scores, NEUTRAL)
+    assert (check.mode, check.passed) == ("logprobs", True)
+    assert check.mean_kld < 1e-6
+
+
 @pytest.mark.parametrize("text, message", [
     ("{", "is not JSON"),
     ("[1]", "is not a JSON object"),

@@ -472,6 +472,53 @@ def test_chat_prompts_render_alike_in_both_references(fp32, f16_reference):
     assert check_generation(sample, a, LLAMA).passed
 
 
+def test_the_requests_template_arguments_render_the_prompt_as_the_server_did(fp32,
+                                                                             f16_reference):
+    """continue_final_message (a prefilled assistant answer, continued: vLLM renders it with
+    transformers): both references end the prompt inside the final message, and a server's
+    ids rendered so are no finding; without the arguments the same ids read as template
+    drift (what guard reported before it read them)."""
+    messages = ({"role": "user", "content": "What is the capital of France?"},
+                {"role": "assistant", "content": "The capital of France is"})
+    args = {"continue_final_message": True, "add_generation_prompt": False}
+    ids = fp32.render_chat(messages, args)
+    assert f16_reference.render_chat(messages, args) == ids
+    assert fp32.decode(ids).endswith("<|im_start|>assistant\nThe capital of France is")
+    assert fp32.decode(fp32.render_chat(messages)).endswith("<|im_end|>\n<|im_start|>assistant\n")
+    assert fp32.render_chat(messages, {"continue_final_message": True}) == ids
+    sample = GenerationSample(model="smol", endpoint="chat", messages=messages,
+                              completion_text=" Paris.", tokens=(), sampling=GREEDY,
+                              prompt_token_ids=tuple(ids), chat_template_args=args)
+    for scorer in (fp32, f16_reference):
+        scores = scorer.score(sample)
+        assert scores.findings == () and scores.prompt_difference == "", scorer.name
+        assert "prompt:" not in check_generation(sample, scores, LLAMA).reason
+    unread = fp32.score(replace(sample, chat_template_args=None))
+    assert unread.findings == ("prompt_rendered_otherwise",)
+
+
+def test_chat_template_kwargs_reach_the_models_template(fp32, f16_reference):
+    """A template that reads a keyword of its own (as Qwen3's reads enable_thinking), set on
+    both references' real tokenizers for the test: the request's chat_template_kwargs reach
+    it in both."""
+    template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+                "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+                "{% if enable_thinking is defined and not enable_thinking %}<think></think>"
+                "{% endif %}{% endif %}")
+    tokenizer, metadata = fp32._loaded_tokenizer(), f16_reference._loaded().metadata
+    saved = tokenizer.chat_template, metadata["tokenizer.chat_template"]
+    tokenizer.chat_template = metadata["tokenizer.chat_template"] = template
+    try:
+        messages = ({"role": "user", "content": "Hi"},)
+        off = {"chat_template_kwargs": {"enable_thinking": False}}
+        for scorer in (fp32, f16_reference):
+            assert scorer.decode(scorer.render_chat(messages, off)).endswith(
+                "assistant\n<think></think>"), scorer.name
+            assert scorer.decode(scorer.render_chat(messages)).endswith("assistant\n")
+    finally:
+        tokenizer.chat_template, metadata["tokenizer.chat_template"] = saved
+
+
 def test_a_completion_longer_than_the_context_is_refused(f16_reference):
     sample = GenerationSample(model="smol", endpoint="completions", prompt="word " * 600,
                               completion_text=" end", tokens=(), sampling=GREEDY)

@@ -44,6 +44,54 @@ def test_completions_need_a_prompt_and_calls_that_cannot_be_compared_say_why():
                              ).not_comparable == ""
     batch = api.parse_request("completions", b'{"model": "m", "prompt": ["a", "b"]}')
     assert batch.not_comparable == "prompt_list"
+    completion = '{"model": "m", "prompt": "x"%s}'
+    for extra, reason in ((', "best_of": 3', "n"), (', "best_of": 1', ""),
+                          (', "best_of": null', ""), (', "echo": true', "echo"),
+                          (', "echo": false', "")):
+        assert api.parse_request("completions", (completion % extra).encode()
+                                 ).not_comparable == reason, extra
+    assert api.parse_request("chat", (chat % ', "echo": true').encode()).not_comparable == "echo"
+
+
+@pytest.mark.parametrize("extra, constraints, samplers", [
+    ({}, (), ()),
+    ({"response_format": {"type": "text"}, "logit_bias": {}, "grammar": "", "min_tokens": 0,
+      "typical_p": 1.0, "mirostat_mode": 0, "tfs_z": 1.0, "xtc_probability": 0,
+      "dry_multiplier": 0.0, "top_n_sigma": -1, "use_beam_search": False,
+      "structured_outputs": {"backend": "xgrammar"}, "guided_json": None}, (), ()),
+    ({"response_format": {"type": "json_object"}}, ("response_format",), ()),
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": {}}}},
+     ("response_format",), ()),
+    ({"logit_bias": {"50256": -100}, "min_tokens": 4}, ("logit_bias", "min_tokens"), ()),
+    ({"grammar": 'root ::= "yes" | "no"'}, ("grammar",), ()),
+    ({"json_schema": {"type": "object"}}, ("json_schema",), ()),
+    ({"guided_choice": ["yes", "no"], "allowed_token_ids": [1, 2]},
+     ("guided_choice", "allowed_token_ids"), ()),
+    ({"structured_outputs": {"regex": "[0-9]+"}}, ("structured_outputs",), ()),
+    ({"bad_words": ["Paris"]}, ("bad_words",), ()),
+    ({"typical_p": 0.9, "mirostat_mode": 2}, (), ("typical_p", "mirostat_mode")),
+    ({"mirostat": 1, "xtc_probability": 0.5, "dry_multiplier": 0.8},
+     (), ("mirostat", "xtc_probability", "dry_multiplier")),
+    ({"top_n_sigma": 1.5, "dynatemp_range": 0.5, "tfs_z": 0.95},
+     (), ("tfs_z", "top_n_sigma", "dynatemp_range")),
+    ({"use_beam_search": True, "grammar": "root ::= [a-z]+"}, ("grammar",),
+     ("use_beam_search",)),
+])
+def test_decoding_outside_guards_transform_is_named_in_the_sampling(extra, constraints,
+                                                                    samplers):
+    """Fields that constrain decoding (OpenAI's, vLLM's, llama.cpp's spellings) or turn on a
+    sampler guard does not model are named, in the table's order; their neutral values are
+    not."""
+    params = api.sampling_params({"model": "m", "prompt": "x", **extra})
+    assert (params.constraints, params.other_samplers) == (constraints, samplers)
+    record = generation.to_dict(generation.GenerationSample(
+        model="m", endpoint="completions", completion_text="", tokens=(), sampling=params))
+    assert generation.from_dict(record).sampling == params
+    record["sampling"]["constraints"] = [1]
+    with pytest.raises(ValueError, match="sampling.constraints: expected a list of strings"):
+        generation.from_dict(record)
+    del record["sampling"]["constraints"], record["sampling"]["other_samplers"]
+    assert generation.from_dict(record).sampling.constraints == ()  # a record from before
 
 
 def test_sampling_params_are_what_the_request_says_and_none_where_it_is_silent():
