@@ -5,13 +5,14 @@ Python HTTP edge (guard/serve/openai_edge.py) does, with guard beside the path.
 What it holds (docs/envoy.md, "Generation models"):
 
 - a listener on ``server.host:http_port`` (HTTP/1.1 and h2c) whose routes send
-  ``POST /v1/completions`` and ``/v1/chat/completions`` to the model's primary or fallback
+  ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (the checked
+  calls, guard/protocol/openai.py ``PATHS``) to the model's primary or fallback
   cluster by the runtime weights guard sets (the same keys as the gRPC routes:
   ``guard.<model>.route.<cluster>``), every answer with the response header
   ``guard-route: primary|fallback``; ``/health``, ``/health/live``, ``/health/ready`` and
   ``/v1/models`` to guard's own HTTP server on loopback (``server.envoy.http_health_port``),
   so readiness on ``http_port`` means Envoy and guard (and the upstreams guard waited for);
-- every other ``POST`` (the Responses API, embeddings, vLLM's ``/tokenize`` ...) to the same
+- every other ``POST`` (embeddings, vLLM's ``/tokenize``, ``/v1/messages`` ...) to the same
   clusters by the same weights, never observed (the Python edge forwards them alike);
 - per model and route a cluster over HTTP/1.1 to the ``openai`` target (TLS for https), and
   for a model that samples a twin of each, the sampled calls' (by the hash of
@@ -155,8 +156,8 @@ def _routes(models: list[ModelConfig], chain: Chain) -> list[dict]:
         if off:
             route["typed_per_filter_config"] = off
         routes.append(route)
-    # The checked calls, then any other POST (the Responses API, embeddings, vLLM's
-    # /tokenize ...): forwarded to the model's route unchecked, as the Python edge does. A
+    # The checked calls, then any other POST (embeddings, vLLM's /tokenize, /v1/messages
+    # ...): forwarded to the model's route unchecked, as the Python edge does. A
     # GET on another path names no model: Envoy's 404.
     posts = {"prefix": "/", "headers": [{"name": ":method", "string_match": {"exact": "POST"}}]}
     for kind, match, checked in (("", {"safe_regex": {"regex": CALLS}}, True),

@@ -12,7 +12,7 @@ so that dashboards and alerts built on the Python data plane keep working:
   generation model's: its answers by any other HTTP status, named as the Python HTTP edge names
   them (its gRPC name, google.rpc.Code's mapping);
 - ``guard_generation_not_comparable_total{model, reason="endpoint"}``: a generation model's
-  calls to the endpoints guard forwards unchecked (the Responses API, embeddings ...), from the
+  calls to the endpoints guard forwards unchecked (embeddings, /tokenize ...), from the
   stats of the route that forwards them (its requests sent upstream; the Python edge counts
   them as it admits them, a call refused for want of an upstream included);
 - ``guard_request_duration_seconds{model, route}``: the cluster's ``upstream_rq_time``, whose

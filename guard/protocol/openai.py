@@ -23,18 +23,26 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Literal
 
 from guard.protocol.generation import (
-    Endpoint,
     GenerationSample,
     SamplingParams,
     TokenLogprob,
     chat_template_args,
 )
 
-PATHS: dict[str, Endpoint] = {"/v1/completions": "completions", "/v1/chat/completions": "chat"}
+# The checked endpoints: a call's kind by its path. A Responses API call (``/v1/responses``) is
+# checked as the chat it renders: its instructions and input items are chat messages to the
+# model's template (vLLM builds them so), its output text the completion.
+Call = Literal["completions", "chat", "responses"]
+PATHS: dict[str, Call] = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                          "/v1/responses": "responses"}
 DONE = b"[DONE]"
+# The Responses API's stream has no [DONE]: it ends with one of these events, whose
+# ``response`` is the whole answer.
+RESPONSE_ENDS = ("response.completed", "response.incomplete")
+RESPONSE_FAILS = ("response.failed", "error")
 
 
 # HTTP status -> gRPC status name (google.rpc.Code's HTTP mapping), for the ``code`` label of
@@ -62,7 +70,7 @@ class BadRequest(ValueError):
 class ParsedCall:
     """What the edge needs from a client's request body (the body itself is forwarded)."""
 
-    endpoint: Endpoint
+    endpoint: Call
     body: dict[str, Any]
     model: str
     stream: bool
@@ -75,6 +83,8 @@ class ParsedCall:
     @property
     def asked_logprobs(self) -> bool:
         """The client asked for the primary's logprobs itself."""
+        if self.endpoint == "responses":
+            return _responses_logprobs(self.body)
         value = self.body.get("logprobs")
         return value not in (None, False, 0)
 
@@ -99,17 +109,20 @@ def _body_and_model(data: bytes) -> tuple[dict[str, Any], str]:
 
 
 def model_of(data: bytes) -> str:
-    """The model a call to an endpoint guard forwards unchecked (the Responses API, embeddings,
+    """The model a call to an endpoint guard forwards unchecked (embeddings, /v1/messages,
     vLLM's ``/tokenize`` ...) names: what routes it. BadRequest for a body that names none."""
     return _body_and_model(data)[1]
 
 
-def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
+def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
     """The client's body as a call; BadRequest for what is not an OpenAI request body."""
     body, model = _body_and_model(data)
     if endpoint == "chat":
         if not isinstance(body.get("messages"), list) or not body["messages"]:
             raise BadRequest("'messages' is required (a non-empty list)")
+    elif endpoint == "responses":
+        if not isinstance(body.get("input"), (str, list)) or not body["input"]:
+            raise BadRequest("'input' is required (a string or a non-empty list)")
     elif "prompt" not in body:
         raise BadRequest("'prompt' is required")
     stream = body.get("stream", False)
@@ -126,7 +139,68 @@ def parse_request(endpoint: Endpoint, data: bytes) -> ParsedCall:
         reason = "tools"
     elif endpoint == "completions" and not isinstance(body["prompt"], str):
         reason = "prompt_list"  # a batch of prompts, or token ids: several completions
+    elif endpoint == "responses":
+        reason = _responses_not_comparable(body)
     return ParsedCall(endpoint, body, model, stream, reason)
+
+
+def _responses_not_comparable(body: dict[str, Any]) -> str:
+    """Why a Responses API call cannot be compared ("" when it can): a conversation the server
+    keeps (``previous_response_id``, ``conversation``: the prompt is not all in the request),
+    a background call (answered later, elsewhere), input guard cannot render as chat messages
+    (images, files, earlier tool calls)."""
+    if body.get("previous_response_id") or body.get("conversation") or \
+            body.get("background") is True:
+        return "stateful"
+    try:
+        responses_messages(body)
+    except ValueError:
+        return "input"
+    return ""
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as its text: a string, or its text parts joined by newlines (as
+    vLLM joins them for a template that reads strings); ValueError for another part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("content: expected a string or a list of parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text",
+                                                                   "text") \
+                or not isinstance(part.get("text"), str):
+            raise ValueError("content: a part that is not text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def responses_messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The chat messages a Responses API call renders: ``instructions`` as a system message
+    first, then ``input`` (a string: one user message; a list: its message items, content
+    parts as text), as vLLM builds them (its ``input_tokens`` count agrees: checked against a
+    real vLLM). ValueError for input that is not text messages."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        return (*messages, {"role": "user", "content": given})
+    for item in given if isinstance(given, list) else ():
+        if not isinstance(item, dict) or item.get("type", "message") != "message" or \
+                item.get("role") not in ("user", "assistant", "system", "developer"):
+            raise ValueError("input: an item that is not a message")
+        messages.append({"role": item["role"], "content": _text_of(item.get("content"))})
+    if not messages or messages[-1]["role"] == "system":
+        raise ValueError("input: no message to answer")
+    return tuple(messages)
+
+
+def _responses_logprobs(body: dict[str, Any]) -> bool:
+    include = body.get("include")
+    return isinstance(include, list) and "message.output_text.logprobs" in include
 
 
 def _number(value: Any, kind=float):
@@ -164,6 +238,9 @@ CONSTRAINT_FIELDS: dict[str, Callable[[Any], bool]] = {
                                                      "disable_additional_properties",
                                                      "whitespace_pattern")),
     "allowed_token_ids": _given, "bad_words": _given, "min_tokens": _positive,
+    # The Responses API's structured output: text.format json_schema or json_object.
+    "text": lambda v: isinstance(v, dict) and isinstance(v.get("format"), dict)
+    and v["format"].get("type") not in (None, "text"),
 }
 # Samplers guard's transform does not model (guard/verify/generation.py applies temperature,
 # top_k, top_p, min_p and the penalties), each with the test for a value that turns it on:
@@ -183,17 +260,20 @@ def _fields_on(body: dict[str, Any], tests: dict[str, Callable[[Any], bool]]
     return tuple(name for name, on in tests.items() if name in body and on(body[name]))
 
 
-def sampling_params(body: dict[str, Any]) -> SamplingParams:
+def sampling_params(body: dict[str, Any], endpoint: Call = "chat") -> SamplingParams:
     """The sampling transform the request names (None where it says nothing: the server's
     declared default applies)."""
     logprobs = body.get("logprobs")
-    if body.get("top_logprobs") is not None:  # chat: logprobs: true, top_logprobs: k
+    if endpoint == "responses":  # include: [message.output_text.logprobs], top_logprobs: k
+        logprobs = (body.get("top_logprobs") or 0) if _responses_logprobs(body) else None
+    elif body.get("top_logprobs") is not None:  # chat: logprobs: true, top_logprobs: k
         logprobs = body.get("top_logprobs") if logprobs not in (None, False) else None
     elif logprobs is True:
         logprobs = 0
     stop = body.get("stop")
     stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
-    max_tokens = body.get("max_tokens", body.get("max_completion_tokens"))
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens",
+                                                 body.get("max_output_tokens")))
     return SamplingParams(
         temperature=_number(body.get("temperature")), top_p=_number(body.get("top_p")),
         top_k=_number(body.get("top_k"), int), min_p=_number(body.get("min_p")),
@@ -441,6 +521,10 @@ class Completion:
     completion_tokens: int | None = None  # usage.completion_tokens, where the server said
     error: str = ""  # an error object in the answer or a chunk
     tool_calls: bool = False
+    # The answer holds reasoning its text leaves out (vLLM's reasoning_content, a Responses
+    # reasoning item): the tokens between the prompt and the text are not in the sample.
+    reasoning: bool = False
+    ended: bool = False  # a Responses API stream's terminal event came (it has no [DONE])
 
 
 def _token_id(text: str) -> int | None:
@@ -485,11 +569,49 @@ def _logprob_tokens(endpoint: str, logprobs: Any) -> list[TokenLogprob]:
     return out
 
 
+def _gather_response(completion: Completion, response: Any) -> None:
+    """A whole Responses API answer (a ``response`` object): its message items' output text
+    and logprobs; a reasoning item or a tool call marked."""
+    if not isinstance(response, dict):
+        return
+    error = response.get("error")
+    if error is not None or response.get("status") == "failed":
+        completion.error = str(error.get("message") if isinstance(error, dict) else
+                               error or "the response failed")
+        return
+    if isinstance(response.get("model"), str):
+        completion.upstream_model = response["model"]
+    usage = response.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
+        completion.completion_tokens = usage["output_tokens"]
+    for item in response.get("output") or ():
+        kind = item.get("type") if isinstance(item, dict) else None
+        if kind == "reasoning":
+            completion.reasoning = True
+        elif kind != "message":  # a function call, a web search ...
+            completion.tool_calls = kind is not None or completion.tool_calls
+            continue
+        for part in item.get("content") or () if kind == "message" else ():
+            if isinstance(part, dict) and part.get("type") == "output_text" and \
+                    isinstance(part.get("text"), str):
+                completion.text.append(part["text"])
+                completion.tokens.extend(
+                    _logprob_tokens("chat", {"content": part.get("logprobs") or []}))
+    status = response.get("status")
+    details = response.get("incomplete_details")
+    completion.finish_reason = "stop" if status == "completed" else "length" if (
+        isinstance(details, dict) and details.get("reason") == "max_output_tokens") else None
+
+
 def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -> None:
-    """Add one answer (non-streamed) or one chunk (streamed) to ``completion``."""
+    """Add one answer (non-streamed) or one chunk (streamed) to ``completion``; a Responses
+    API answer is its ``response`` object, whole."""
     if not isinstance(answer, dict):
         return
-    if "error" in answer:
+    if endpoint == "responses":
+        _gather_response(completion, answer)
+        return
+    if answer.get("error") is not None:
         error = answer["error"]
         completion.error = str(error.get("message") if isinstance(error, dict) else error)
         return
@@ -509,6 +631,8 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
         content = part.get("content") if isinstance(part, dict) else None
         if isinstance(part, dict) and part.get("tool_calls"):
             completion.tool_calls = True
+        if isinstance(part, dict) and (part.get("reasoning_content") or part.get("reasoning")):
+            completion.reasoning = True
     else:
         content = choice.get("text")
     if isinstance(content, str):
@@ -535,7 +659,13 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
 # a chat chunk's logprobs ("content": [...]) is a list, the role announcement's is "" or null,
 # and a finish- or usage-only chunk has neither: none of them match.
 _TEXT_VALUE = {"completions": re.compile(rb'"text"\s*:\s*"[^"]'),
-               "chat": re.compile(rb'"content"\s*:\s*"[^"]')}
+               "chat": re.compile(rb'"content"\s*:\s*"[^"]'),
+               # An output_text.delta event with a non-empty delta (not a reasoning or a tool
+               # call's arguments delta, whose types differ).
+               "responses": re.compile(rb'"delta"\s*:\s*"[^"].*"type"\s*:\s*'
+                                       rb'"response\.output_text\.delta"|"type"\s*:\s*'
+                                       rb'"response\.output_text\.delta".*"delta"\s*:\s*"[^"]',
+                                       re.DOTALL)}
 
 
 def data_has_content(data: bytes, endpoint: str) -> bool:
@@ -549,11 +679,23 @@ def data_has_content(data: bytes, endpoint: str) -> bool:
 _OUTCOME_KEY = re.compile(rb'"(?:error|usage)"\s*:\s*[{"]')
 
 
-def data_needs_parse(data: bytes) -> bool:
+_RESPONSE_END = re.compile(rb'"type"\s*:\s*"(?:response\.(?:completed|incomplete|failed)|error)"')
+
+
+def data_needs_parse(data: bytes, endpoint: str = "chat") -> bool:
     """Whether an unsampled call's chunk may hold what the edge reads from every call: an error
     (the call's outcome) or ``usage`` (its token count), as an object or a string; a
-    ``"usage": null`` that some servers put in every chunk does not count."""
-    return _OUTCOME_KEY.search(data) is not None
+    ``"usage": null`` that some servers put in every chunk does not count. A Responses API
+    stream's terminal event is read too (its stream has no [DONE])."""
+    return _OUTCOME_KEY.search(data) is not None or (
+        endpoint == "responses" and _RESPONSE_END.search(data) is not None)
+
+
+def unusable(completion: Completion) -> str:
+    """Why a completion that was answered cannot be compared, as the not-comparable reason
+    ("" when it can): an error, a tool call, reasoning the text leaves out."""
+    return ("upstream_error" if completion.error else "tools" if completion.tool_calls
+            else "reasoning" if completion.reasoning else "")
 
 
 def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool = True) -> None:
@@ -566,10 +708,34 @@ def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool
         return
     if not isinstance(answer, dict):
         return
-    if whole or "error" in answer:
+    if endpoint == "responses":
+        _gather_response_event(completion, answer, whole)
+    elif whole or answer.get("error") is not None:
         gather(completion, endpoint, answer, streamed=True)
     elif isinstance(answer.get("usage"), dict):
         gather(completion, endpoint, {"usage": answer["usage"]}, streamed=True)
+
+
+def _gather_response_event(completion: Completion, event: dict[str, Any], whole: bool) -> None:
+    """One Responses API event: the terminal one carries the whole answer (the deltas before
+    it say nothing it does not); a failure event is the call's error."""
+    kind = event.get("type")
+    if kind in RESPONSE_ENDS:
+        completion.ended = True
+        response = event.get("response")
+        if whole:
+            _gather_response(completion, response)
+        elif isinstance(response, dict) and isinstance(response.get("usage"), dict):
+            _gather_response(completion, {"usage": response["usage"]})
+    elif kind in RESPONSE_FAILS:
+        completion.ended = True
+        response = event.get("response")
+        error = event if kind == "error" else (response.get("error") if isinstance(
+            response, dict) else None)
+        if isinstance(error, dict):
+            completion.error = str(error.get("message") or kind)
+        else:
+            completion.error = str(kind)
 
 
 CUT_SHORT = "the stream ended before [DONE]"  # gather_answer's error for a stream cut short
@@ -596,7 +762,7 @@ def gather_answer(endpoint: str, body: bytes, streamed: bool) -> Completion:
             done = True
             continue
         gather_event(completion, endpoint, data)
-    if not done and not completion.error:
+    if not (done or completion.ended) and not completion.error:
         completion.error = CUT_SHORT
     return completion
 
@@ -606,6 +772,8 @@ def chunk_has_content(answer: Any, endpoint: str) -> bool:
     chat role announcement, not a usage-only or finish-only chunk."""
     if not isinstance(answer, dict):
         return False
+    if endpoint == "responses":
+        return answer.get("type") == "response.output_text.delta" and bool(answer.get("delta"))
     choices = answer.get("choices") or ()
     if not choices or not isinstance(choices[0], dict):
         return False
@@ -620,19 +788,20 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
     completion. ``envelope``: route, request_id, streamed, unix_nanos, request_seconds,
     first_token_seconds, ``guard_logprobs`` (guard asked for them: the client did not)."""
     guard_logprobs = envelope.pop("guard_logprobs", False)
-    sampling = sampling_params(call.body)
+    sampling = sampling_params(call.body, call.endpoint)
     if guard_logprobs:  # the transform the client asked for: without guard's logprobs
         from dataclasses import replace
 
         sampling = replace(sampling, logprobs=None)
     body = call.body
+    messages = (tuple(body["messages"]) if call.endpoint == "chat" else
+                responses_messages(body) if call.endpoint == "responses" else None)
     return GenerationSample(
-        model=call.model, endpoint=call.endpoint, completion_text="".join(completion.text),
-        tokens=tuple(completion.tokens), sampling=sampling,
-        prompt=body.get("prompt") if call.endpoint == "completions" else None,
-        messages=tuple(body["messages"]) if call.endpoint == "chat" else None,
-        prompt_token_ids=completion.prompt_token_ids, finish_reason=completion.finish_reason,
-        upstream_model=completion.upstream_model,
+        model=call.model, endpoint="completions" if call.endpoint == "completions" else "chat",
+        completion_text="".join(completion.text), tokens=tuple(completion.tokens),
+        sampling=sampling, prompt=body.get("prompt") if call.endpoint == "completions" else None,
+        messages=messages, prompt_token_ids=completion.prompt_token_ids,
+        finish_reason=completion.finish_reason, upstream_model=completion.upstream_model,
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
         **envelope)
 

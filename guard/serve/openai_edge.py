@@ -1,11 +1,12 @@
 """The OpenAI-compatible HTTP edge (``server.http_port``): guard in the path of generative models
 served by OpenAI-compatible servers (backend ``openai``).
 
-Endpoints: ``POST /v1/completions`` and ``POST /v1/chat/completions`` (Server-Sent Events when
-the body says ``"stream": true``), ``GET /v1/models`` (the generative models guard serves, under
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` and ``POST /v1/responses``
+(the Responses API, checked as the chat it renders; Server-Sent Events when the body says
+``"stream": true``), ``GET /v1/models`` (the generative models guard serves, under
 the names clients send), ``GET /health`` (live) and ``GET /health/ready`` (models loaded).
-Any other ``POST`` whose JSON body names a served model (the Responses API, embeddings, vLLM's
-``/tokenize`` ...) is forwarded unchecked to the model's route (``_PassThrough``): never
+Any other ``POST`` whose JSON body names a served model (embeddings, vLLM's ``/tokenize``,
+``/v1/messages`` ...) is forwarded unchecked to the model's route (``_PassThrough``): never
 sampled, counted as a request and as not comparable (``endpoint``).
 
 A call: the body is read and parsed (guard/protocol/openai.py: 400 for what is not an OpenAI
@@ -130,6 +131,7 @@ class OpenAIEdge:
         if self.forwarding:
             app.router.add_post("/v1/completions", self._generate)
             app.router.add_post("/v1/chat/completions", self._generate)
+            app.router.add_post("/v1/responses", self._generate)
         app.router.add_get("/v1/models", self._list_models)
         app.router.add_get("/health", self._health)
         app.router.add_get("/health/live", self._health)
@@ -252,11 +254,11 @@ class OpenAIEdge:
             model.requests_in_flight -= 1
 
     async def _pass_through(self, request: web.Request) -> web.StreamResponse:
-        """Any other POST whose JSON body names a served model: the Responses API,
-        embeddings, vLLM's ``/tokenize``, llama.cpp's ``/infill`` ... A client in front of
+        """Any other POST whose JSON body names a served model: embeddings, vLLM's
+        ``/tokenize``, llama.cpp's ``/infill``, ``/v1/messages`` ... A client in front of
         which guard stands keeps every endpoint its server has. Forwarded to the model's route
-        as it came (``model`` re-addressed), never sampled: guard checks completions and chats
-        only, and counts these calls as not comparable (``endpoint``)."""
+        as it came (``model`` re-addressed), never sampled: guard checks completions, chats and
+        Responses calls only, and counts these calls as not comparable (``endpoint``)."""
         started = time.perf_counter()
         if request.method != "POST":  # (GET /v1/responses/{id} ...: no body names a model)
             return self._refuse(404, f"guard forwards calls whose body names a model: "
@@ -356,7 +358,10 @@ class _Forward(_Upstream):
         self.call, self.flags, self.epoch = call, flags, epoch
         # Ask for logprobs and token ids on a sampled call whose client did not
         # (options.sample_logprobs, options.sample_token_ids).
-        sampled = bool(flags & wire.MIRROR)
+        # (Not on a Responses API call: its answers and events carry logprobs in several
+        # places whose unasked spelling differs from server to server; it is compared with
+        # the logprobs its client asked for, else by the sampled or greedy check.)
+        sampled = bool(flags & wire.MIRROR) and call.endpoint != "responses"
         top = backend.options.sample_logprobs
         self.guard_logprobs = bool(sampled and top and not call.asked_logprobs)
         self.guard_token_ids = (sampled and backend.options.sample_token_ids
@@ -373,6 +378,8 @@ class _Forward(_Upstream):
             self.payload = data  # the client's bytes, as they came
         self.edits = api.answer_edits(call.model, backend.model, self.guard_logprobs,
                                       self.guard_token_ids)
+        if self.edits and call.endpoint == "responses":  # also in its events' response
+            self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
         self.first_token: float | None = None
 
     async def run(self) -> web.StreamResponse:
@@ -451,8 +458,9 @@ class _Forward(_Upstream):
                         else:
                             gaps.observe(arrived - last)
                         last = arrived
-                    if sampled or api.data_needs_parse(data):
+                    if sampled or api.data_needs_parse(data, endpoint):
                         api.gather_event(completion, endpoint, data, whole=sampled)
+                        done = done or completion.ended  # the Responses API's last event
             rest = splitter.rest()
             if rest:
                 await response.write(rest)
@@ -514,9 +522,9 @@ class _Forward(_Upstream):
     def _hand_off(self, completion: api.Completion, seconds: float, streamed: bool) -> None:
         if not self.flags:
             return
-        if completion.error or completion.tool_calls:
-            self.edge.metrics.not_comparable.labels(
-                self.model.name, "upstream_error" if completion.error else "tools").inc()
+        unusable = api.unusable(completion)
+        if unusable:
+            self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
             return
         sample = api.build_sample(
             self.call, completion, route=self.route, request_id=self.request_id,

@@ -189,7 +189,7 @@ class GenerationThresholds:
 
 
 # The verifier's reasons a completion is not compared (the HTTP edge counts its own: n, echo,
-# tools, prompt_list, upstream_error, incomplete, endpoint).
+# tools, reasoning, stateful, input, prompt_list, upstream_error, incomplete, endpoint).
 NOT_COMPARABLE_CAUSES = (
     "unaligned",         # the primary's tokens cannot be aligned with the reference's
     "too_short",         # fewer completion tokens than checks.generation.min_tokens

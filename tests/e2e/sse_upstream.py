@@ -27,6 +27,32 @@ def chunk(text: str, model: str = MODEL, chat: bool = True, finish=None) -> byte
     return b"data: " + json.dumps(body).encode() + b"\n\n"
 
 
+RESPONSE_TEXT = ("Paris", " is", " the", " capital", ".")
+
+
+def responses_answer(model: str = MODEL) -> dict:
+    """A whole Responses API answer (vLLM's shape) of RESPONSE_TEXT."""
+    return {"id": "resp_1", "object": "response", "model": model, "status": "completed",
+            "output": [{"id": "msg_1", "type": "message", "role": "assistant",
+                        "status": "completed",
+                        "content": [{"type": "output_text", "annotations": [],
+                                     "text": "".join(RESPONSE_TEXT), "logprobs": None}]}],
+            "usage": {"input_tokens": 3, "output_tokens": len(RESPONSE_TEXT)}}
+
+
+def responses_events(model: str = MODEL) -> list[bytes]:
+    """The Responses API's stream of RESPONSE_TEXT: typed events, the last one whole, no
+    [DONE]."""
+    events = [{"type": "response.created",
+               "response": dict(responses_answer(model), status="in_progress", output=[],
+                                usage=None)}]
+    events += [{"type": "response.output_text.delta", "item_id": "msg_1", "output_index": 0,
+                "content_index": 0, "delta": piece} for piece in RESPONSE_TEXT]
+    events.append({"type": "response.completed", "response": responses_answer(model)})
+    return [b"event: %s\ndata: %s\n\n" % (e["type"].encode(), json.dumps(e).encode())
+            for e in events]
+
+
 class ScriptedUpstream:
     def __init__(self):
         self.requests: list[dict] = []
@@ -107,6 +133,15 @@ class ScriptedUpstream:
             except asyncio.CancelledError:
                 self.disconnected.set()
                 raise
+        if scenario == "plain" and request.path == "/v1/responses":
+            if not json.loads(body).get("stream"):
+                return web.json_response(responses_answer())
+            response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+            await response.prepare(request)
+            for event in responses_events():
+                await response.write(event)
+            await response.write_eof()
+            return response
         if scenario == "plain":
             answer = {"id": "cmpl-1", "object": "chat.completion", "created": 1,
                       "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",

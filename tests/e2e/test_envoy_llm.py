@@ -211,7 +211,7 @@ def test_calls_are_routed_by_the_model_named_in_the_json_body(guard, scripted):
 
 
 def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
-    """Any other POST (here the Responses API's path) goes to the model the body names, by
+    """Any other POST (here the Messages API's path) goes to the model the body names, by
     its route (at sample_rate 1 the sampled twin's cluster carries it), the answer with the
     route header; never observed, so never compared; refused alike where the body names no
     model served here."""
@@ -234,12 +234,12 @@ def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
     before, answered_before, unchecked_before = seen(), answered(), unchecked()
     url = f"http://127.0.0.1:{guard.srv.http_port}"
     with httpx.Client(base_url=url, timeout=60) as http:
-        answer = http.post("/v1/responses?x=1", json={"model": SCRIPTED, "input": "Hi"})
+        answer = http.post("/v1/messages?x=1", json={"model": SCRIPTED, "messages": []})
         assert answer.status_code == 200 and answer.headers["guard-route"] == "primary"
         assert "guard-sampled" not in answer.headers
-        assert [(r["path"], r["query"]) for r in scripted.requests] == [("/v1/responses",
+        assert [(r["path"], r["query"]) for r in scripted.requests] == [("/v1/messages",
                                                                          "x=1")]
-        unknown = http.post("/v1/responses", json={"model": "gpt-9", "input": "Hi"})
+        unknown = http.post("/v1/messages", json={"model": "gpt-9", "messages": []})
         assert (unknown.status_code, unknown.json()["error"]["code"]) == (404,
                                                                            "model_not_found")
         bad = http.post("/v1/embeddings", content=b"not json",
@@ -255,6 +255,36 @@ def test_other_endpoints_go_to_the_models_route_unchecked(guard, scripted):
     assert seen() == before + 1
     assert answered() == answered_before + 2  # Envoy's counts of the two answered calls
     assert unchecked() == unchecked_before + 1  # the one forwarded unchecked, as Python's edge
+
+
+def test_a_responses_call_is_observed_and_compared_as_the_chat_it_renders(guard, scripted):
+    """The Responses API is a checked endpoint in Envoy mode too: its calls take the sampled
+    route, the tap hands each to guard whole, and a stream (typed events ending with
+    response.completed, no [DONE]) is reassembled into the sample: both reach the
+    generation tier with their text."""
+    def checked() -> float:
+        values = guard.metrics()
+        return sum(metric(values, "guard_checks_total", model=SCRIPTED, tier="generation",
+                          result=result) for result in ("pass", "fail"))
+
+    def never_compared() -> float:
+        values = guard.metrics()
+        return sum(metric(values, "guard_generation_not_comparable_total", model=SCRIPTED,
+                          reason=reason) for reason in ("incomplete", "upstream_error",
+                                                        "too_short", "input"))
+
+    before, unusable = checked(), never_compared()
+    body = {"model": SCRIPTED, "input": "What is the capital of France?", "temperature": 0}
+    with httpx.Client(base_url=f"http://127.0.0.1:{guard.srv.http_port}", timeout=60) as http:
+        whole = http.post("/v1/responses", json=body)
+        assert whole.status_code == 200 and whole.headers["guard-route"] == "primary"
+        assert whole.json()["output"][0]["content"][0]["text"] == "Paris is the capital."
+        with http.stream("POST", "/v1/responses", json=dict(body, stream=True)) as answer:
+            events = b"".join(answer.iter_raw())
+        assert events.count(b"event: response.output_text.delta\n") == 5
+        assert events.rstrip().endswith(b"}") and b"[DONE]" not in events
+    wait_for(lambda: checked() >= before + 2, timeout=120)
+    assert never_compared() == unusable
 
 
 def test_a_stream_cut_short_is_counted_never_compared(guard):

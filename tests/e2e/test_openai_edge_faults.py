@@ -12,7 +12,7 @@ import re
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 
-from sse_upstream import MODEL, ScriptedUpstream, wait_until
+from sse_upstream import MODEL, ScriptedUpstream, responses_answer, responses_events, wait_until
 from support import metric, running, scrape
 
 CHAT = {"model": "smol", "messages": [{"role": "user", "content": "Capital of France?"}]}
@@ -211,17 +211,19 @@ def test_an_upstream_error_status_reaches_the_client_as_it_came(guard, http):
 
 def test_another_endpoint_is_forwarded_unchecked_with_its_query_and_its_errors(guard, http,
                                                                               upstreams):
-    """A POST to an endpoint guard does not check (here the Responses API's path) goes to the
-    route with its path and query, the model re-addressed, the answer's name set back; an
-    error status comes back as it came. Each is a request and not comparable (endpoint)."""
+    """A POST to an endpoint guard does not check (here the path of Anthropic's Messages API,
+    which vLLM and llama.cpp serve too) goes to the route with its path and query, the model
+    re-addressed, the answer's name set back; an error status comes back as it came. Each is
+    a request and not comparable (endpoint)."""
     before, errors_before = not_comparable(guard, "endpoint"), errors(guard, "RESOURCE_EXHAUSTED")
-    answer = http.post("/v1/responses?api-version=2", json={"model": "smol", "input": "Hi"})
+    message = {"model": "smol", "max_tokens": 4, "messages": []}
+    answer = http.post("/v1/messages?api-version=2", json=message)
     assert answer.status_code == 200 and answer.headers["guard-route"] == "primary"
     assert answer.json()["model"] == "smol"
     (sent,) = upstreams[0].requests
-    assert (sent["path"], sent["query"]) == ("/v1/responses", "api-version=2")
-    assert json.loads(sent["body"]) == {"model": "scripted-upstream", "input": "Hi"}
-    refused = http.post("/v1/responses", json={"model": "smol", "input": "Hi"},
+    assert (sent["path"], sent["query"]) == ("/v1/messages", "api-version=2")
+    assert json.loads(sent["body"]) == dict(message, model="scripted-upstream")
+    refused = http.post("/v1/messages", json=message,
                         headers={"x-test-scenario": "status", "x-test-status": "429"})
     assert refused.status_code == 429 and refused.json()["error"]["message"] == "no such thing"
     assert wait_until(lambda: errors(guard, "RESOURCE_EXHAUSTED") == errors_before + 1)
@@ -229,6 +231,34 @@ def test_another_endpoint_is_forwarded_unchecked_with_its_query_and_its_errors(g
     # A GET names no model to route it by: 404, as Envoy mode answers it.
     got = http.get("/v1/responses/resp-1")
     assert got.status_code == 404 and "GET /v1/responses/resp-1" in got.json()["error"]["message"]
+
+
+def test_a_responses_call_is_the_upstreams_answer_with_the_clients_model_and_is_timed(
+        guard, http, upstreams):
+    """A Responses API call, whole and streamed: every byte the upstream's but the model's
+    name, at the top of the whole answer and in each event's response object; the stream
+    relayed event by event, its first token timed and its tokens counted from the last
+    event's usage (the stream has no [DONE])."""
+    def seen() -> tuple[float, float, float]:
+        values = scrape(guard.metrics_port)
+        return (metric(values, "guard_requests_total", model="smol", route="primary"),
+                metric(values, "guard_generation_ttft_seconds_count", model="smol",
+                       route="primary"),
+                metric(values, "guard_generation_tokens_total", model="smol", route="primary"))
+
+    before = seen()
+    body = {"model": "smol", "input": "Capital of France?"}
+    whole = http.post("/v1/responses", json=body)
+    assert whole.status_code == 200 and whole.headers["guard-route"] == "primary"
+    assert whole.json() == dict(responses_answer(), model="smol")
+    assert json.loads(upstreams[0].requests[-1]["body"]) == dict(body, model=MODEL)
+    with http.stream("POST", "/v1/responses", json=dict(body, stream=True)) as answer:
+        assert answer.headers["content-type"].startswith("text/event-stream")
+        streamed = b"".join(answer.iter_raw())
+    expected = b"".join(responses_events()).replace(f'"model": "{MODEL}"'.encode(),
+                                                    b'"model": "smol"')
+    assert streamed == expected and expected.count(b'"model": "smol"') == 2
+    assert wait_until(lambda: seen() == (before[0] + 2, before[1] + 1, before[2] + 10))
 
 
 # -- faults mid-stream ---------------------------------------------------------------------------
@@ -245,7 +275,7 @@ def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, up
     still_serves(http)
 
 
-@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/responses"])
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_an_upstream_that_dies_mid_stream_cuts_the_client_after_what_had_arrived(guard, http,
                                                                                   path):
     """On a checked endpoint and on one guard forwards unchecked alike."""

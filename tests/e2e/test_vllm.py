@@ -547,18 +547,23 @@ def test_vllm_scores_llama_cpp_primaries_in_an_install_without_torch(vllm, prima
     assert len(active) >= 2, blocked.read_text()
 
 
-# -- the endpoints guard does not check ----------------------------------------------------------
-def test_vllms_other_endpoints_pass_through_guard_unchecked(vllm, tmp_path):
-    """A client in front of which guard stands keeps the server's other endpoints: the
-    Responses API (whole and streamed) and vLLM's /tokenize (outside /v1) answer through guard
-    as directly, the model re-addressed both ways, with the route header; each is counted as
-    a request and as not comparable (endpoint), never sampled, even at sample_rate 1. A body
-    that names no model guard serves is refused as on the checked endpoints."""
+# -- the Responses API, and the endpoints guard does not check ----------------------------------
+def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
+        vllm, generation_config, tmp_path):
+    """The Responses API through guard answers as directly (whole and streamed, the model
+    re-addressed both ways, the route header) and is checked as the chat it renders: the whole
+    call by its client's logprobs, the streamed one by the greedy check under vLLM's declared
+    defaults; both pass against the fp32 reference. vLLM's /tokenize (outside /v1) passes
+    through unchecked: counted as a request and as not comparable (endpoint), never sampled,
+    even at sample_rate 1. A body that names no model guard serves is refused as on the
+    checked endpoints."""
     model = {"name": "smol", "task": "generation",
              "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
-                         "options": {"engine": "vllm"}},
+                         "options": {"engine": "vllm",
+                                     "generation_config": str(generation_config)}},
              "reference": {"backend": "transformers", "path": str(smollm2_gguf())},
-             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
+             "capture": {"dir": str(tmp_path / "capture")}}
     direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0,
                            timeout=120)
     asked = dict(input=PROMPT, max_output_tokens=8, temperature=0)
@@ -568,10 +573,12 @@ def test_vllms_other_endpoints_pass_through_guard_unchecked(vllm, tmp_path):
         base = f"http://127.0.0.1:{server.http_port}"
         through = openai.OpenAI(base_url=f"{base}/v1", api_key="client-key", max_retries=0,
                                 timeout=120)
-        raw = through.responses.with_raw_response.create(model="smol", **asked)
+        raw = through.responses.with_raw_response.create(
+            model="smol", include=["message.output_text.logprobs"], top_logprobs=5, **asked)
         ours = raw.parse()
         assert raw.headers["guard-route"] == "primary"
         assert (ours.output_text, ours.model) == (theirs.output_text, "smol")
+        assert len(ours.output[0].content[0].logprobs) > 1  # the client's own, kept
 
         events = list(through.responses.create(model="smol", stream=True, **asked))
         deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
@@ -601,6 +608,14 @@ def test_vllms_other_endpoints_pass_through_guard_unchecked(vllm, tmp_path):
             v, "guard_requests_total", model="smol", route="primary") == 3 else None)(
                 scrape(server.metrics_port)), timeout=30)
         assert metric(values, "guard_generation_not_comparable_total", model="smol",
-                      reason="endpoint") == 3
-        assert sum(metric(values, "guard_mirror_total", model="smol", outcome=outcome)
-                   for outcome in ("compared", "not_comparable", "dropped")) == 0
+                      reason="endpoint") == 1
+        wait_for(lambda: compared(server, "smol") >= 2, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 2 and checks(server, "smol", "fail") == 0
+
+    from guard.capture.reader import FileStats, expand_paths, read_records
+
+    stats = FileStats()
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, stats)]
+    modes = sorted(json.loads(r.verdicts[0].details_json)["mode"] for r in records)
+    assert modes == ["greedy", "logprobs"] and stats.undecodable == 0

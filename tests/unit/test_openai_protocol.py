@@ -327,6 +327,137 @@ def test_a_completion_answer_with_token_ids_and_usage():
     assert errored.error == "boom"
 
 
+# -- the Responses API ----------------------------------------------------------------------------
+# An answer as vLLM 0.32 wrote it (a real server's bytes, trimmed of fields guard does not read).
+RESPONSE = {"id": "resp_1", "object": "response", "model": "smol-up", "status": "incomplete",
+            "incomplete_details": {"reason": "max_output_tokens"}, "instructions": None,
+            "output": [{"id": "msg_1", "type": "message", "role": "assistant",
+                        "status": "completed",
+                        "content": [{"annotations": [], "type": "output_text",
+                                     "text": "The capital",
+                                     "logprobs": [{"token": "The", "bytes": [84, 104, 101],
+                                                   "logprob": -1.88,
+                                                   "top_logprobs": [{"token": "The",
+                                                                     "logprob": -1.88},
+                                                                    {"token": "L",
+                                                                     "logprob": -1.96}]},
+                                                  {"token": " capital", "logprob": -0.02,
+                                                   "top_logprobs": [{"token": " capital",
+                                                                     "logprob": -0.02}]}]}]}],
+            "top_logprobs": 2, "usage": {"input_tokens": 37, "output_tokens": 2}}
+
+
+def test_a_responses_call_is_the_chat_it_renders():
+    body = {"model": "smol", "instructions": "Be brief.", "max_output_tokens": 16,
+            "temperature": 0.0, "top_logprobs": 3, "include": ["message.output_text.logprobs"],
+            "input": [{"role": "user", "content": "Hi"},
+                      {"role": "assistant", "content": [{"type": "output_text",
+                                                          "text": "Hello!"}]},
+                      {"type": "message", "role": "user",
+                       "content": [{"type": "input_text", "text": "Bye"},
+                                   {"type": "input_text", "text": "now"}]}]}
+    call = api.parse_request("responses", json.dumps(body).encode())
+    assert call.not_comparable == "" and call.asked_logprobs and not call.stream
+    assert api.responses_messages(body) == (
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"}, {"role": "user", "content": "Bye\nnow"})
+    completion = api.Completion()
+    api.gather(completion, "responses", RESPONSE, streamed=False)
+    sample = api.build_sample(call, completion)
+    assert (sample.endpoint, sample.messages) == ("chat", api.responses_messages(body))
+    assert sample.completion_text == "The capital" and sample.has_logprobs
+    assert [(t.text, t.top) for t in sample.tokens] == [
+        ("The", (("The", -1.88), ("L", -1.96))), (" capital", ((" capital", -0.02),))]
+    assert (sample.finish_reason, sample.upstream_model) == ("length", "smol-up")
+    assert completion.completion_tokens == 2
+    assert (sample.sampling.max_tokens, sample.sampling.logprobs, sample.sampling.greedy) == (
+        16, 3, True)
+    plain = api.parse_request("responses", b'{"model": "m", "input": "Hi"}')
+    assert not plain.asked_logprobs
+    assert api.build_sample(plain, completion).messages == ({"role": "user", "content": "Hi"},)
+    assert api.sampling_params({"input": "x", "top_logprobs": 3}, "responses").logprobs is None
+    json_mode = {"input": "x", "text": {"format": {"type": "json_object"}}}
+    assert api.sampling_params(json_mode, "responses").constraints == ("text",)
+    assert api.sampling_params({"input": "x", "text": {"format": {"type": "text"}}},
+                               "responses").constraints == ()
+
+
+@pytest.mark.parametrize("extra, reason", [
+    ({"previous_response_id": "resp_0"}, "stateful"), ({"conversation": "conv_1"}, "stateful"),
+    ({"background": True}, "stateful"),
+    ({"tools": [{"type": "function", "name": "f"}]}, "tools"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]},
+     "input"),
+    ({"input": [{"type": "function_call_output", "call_id": "c", "output": "1"}]}, "input"),
+    ({"input": [{"role": "system", "content": "only a system message"}]}, "input"),
+])
+def test_a_responses_call_guard_cannot_render_says_why(extra, reason):
+    body = {"model": "m", "input": "Hi", **extra}
+    assert api.parse_request("responses", json.dumps(body).encode()).not_comparable == reason
+
+
+@pytest.mark.parametrize("data, why", [(b'{"model": "m"}', "'input'"),
+                                       (b'{"model": "m", "input": []}', "'input'"),
+                                       (b'{"model": "m", "input": 3}', "'input'")])
+def test_a_body_that_is_not_a_responses_call_is_refused(data, why):
+    with pytest.raises(api.BadRequest, match=why):
+        api.parse_request("responses", data)
+
+
+def _events(*events: dict) -> bytes:
+    return b"".join(b"event: %s\ndata: %s\n\n" % (e["type"].encode(), json.dumps(e).encode())
+                    for e in events)
+
+
+def test_a_streamed_responses_answer_is_its_terminal_event():
+    created = {"type": "response.created", "sequence_number": 0,
+               "response": dict(RESPONSE, status="in_progress", output=[], usage=None)}
+    deltas = [{"type": "response.output_text.delta", "delta": text, "item_id": "msg_1",
+               "output_index": 0, "content_index": 0, "sequence_number": i + 1}
+              for i, text in enumerate(["The", " capital"])]
+    done = {"type": "response.completed", "sequence_number": 3, "response": RESPONSE}
+    whole = api.gather_answer("responses", _events(created, *deltas, done), streamed=True)
+    assert "".join(whole.text) == "The capital" and len(whole.tokens) == 2
+    assert whole.ended and not whole.error and whole.completion_tokens == 2
+    cut = api.gather_answer("responses", _events(created, *deltas), streamed=True)
+    assert cut.error == api.CUT_SHORT
+    failed = api.gather_answer("responses", _events(created, {
+        "type": "response.failed", "response": dict(RESPONSE, status="failed",
+                                                    error={"message": "engine died"})}),
+        streamed=True)
+    assert failed.error == "engine died"
+    errored = api.gather_answer("responses", _events({"type": "error", "message": "boom"}),
+                                streamed=True)
+    assert errored.error == "boom"
+    # Tokens are told from the bytes as from the parsed events; only the ends need a parse.
+    for event in (created, *deltas, done, dict(deltas[0], delta="")):
+        data = json.dumps(event).encode()
+        assert api.data_has_content(data, "responses") == api.chunk_has_content(
+            event, "responses") == (event in deltas), event
+        assert api.data_needs_parse(data, "responses") == (event is done)
+    reasoning_delta = {"type": "response.reasoning_text.delta", "delta": "hm"}
+    assert not api.data_has_content(json.dumps(reasoning_delta).encode(), "responses")
+
+
+def test_reasoning_and_tool_calls_in_an_answer_make_it_unusable():
+    reasoned = api.Completion()
+    api.gather(reasoned, "responses", dict(RESPONSE, output=[
+        {"type": "reasoning", "summary": []}, *RESPONSE["output"]]), streamed=False)
+    assert api.unusable(reasoned) == "reasoning"
+    called = api.Completion()
+    api.gather(called, "responses", dict(RESPONSE, output=[
+        {"type": "function_call", "name": "f", "arguments": "{}"}]), streamed=False)
+    assert api.unusable(called) == "tools"
+    chat = api.Completion()
+    api.gather(chat, "chat", {"choices": [{"message": {"content": "Paris",
+                                                       "reasoning_content": "think"}}]},
+               streamed=False)
+    assert api.unusable(chat) == "reasoning" and api.unusable(api.Completion()) == ""
+    nothing = api.Completion()
+    api.gather(nothing, "chat", {"error": None, "choices": [{"text": "x"}]}, streamed=False)
+    assert nothing.error == ""  # an error key that is null is no error
+
+
 # -- the ring record -------------------------------------------------------------------------------
 def _sample() -> generation.GenerationSample:
     return generation.GenerationSample(
