@@ -586,17 +586,17 @@ def _gather_response(completion: Completion, response: Any) -> None:
         completion.completion_tokens = usage["output_tokens"]
     for item in response.get("output") or ():
         kind = item.get("type") if isinstance(item, dict) else None
-        if kind == "reasoning":
+        if kind == "message":
+            for part in item.get("content") or ():
+                if isinstance(part, dict) and part.get("type") == "output_text" and \
+                        isinstance(part.get("text"), str):
+                    completion.text.append(part["text"])
+                    completion.tokens.extend(
+                        _logprob_tokens("chat", {"content": part.get("logprobs") or []}))
+        elif kind == "reasoning":
             completion.reasoning = True
-        elif kind != "message":  # a function call, a web search ...
-            completion.tool_calls = kind is not None or completion.tool_calls
-            continue
-        for part in item.get("content") or () if kind == "message" else ():
-            if isinstance(part, dict) and part.get("type") == "output_text" and \
-                    isinstance(part.get("text"), str):
-                completion.text.append(part["text"])
-                completion.tokens.extend(
-                    _logprob_tokens("chat", {"content": part.get("logprobs") or []}))
+        elif kind is not None:  # a function call, a web search ...
+            completion.tool_calls = True
     status = response.get("status")
     details = response.get("incomplete_details")
     completion.finish_reason = "stop" if status == "completed" else "length" if (

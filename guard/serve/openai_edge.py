@@ -358,13 +358,13 @@ class _Forward(_Upstream):
         self.call, self.flags, self.epoch = call, flags, epoch
         # Ask for logprobs and token ids on a sampled call whose client did not
         # (options.sample_logprobs, options.sample_token_ids).
-        # (Not on a Responses API call: its answers and events carry logprobs in several
+        # Not on a Responses API call: its answers and events carry logprobs in several
         # places whose unasked spelling differs from server to server; it is compared with
-        # the logprobs its client asked for, else by the sampled or greedy check.)
-        sampled = bool(flags & wire.MIRROR) and call.endpoint != "responses"
+        # the logprobs its client asked for, else by the sampled or greedy check.
+        adds = bool(flags & wire.MIRROR) and call.endpoint != "responses"
         top = backend.options.sample_logprobs
-        self.guard_logprobs = bool(sampled and top and not call.asked_logprobs)
-        self.guard_token_ids = (sampled and backend.options.sample_token_ids
+        self.guard_logprobs = bool(adds and top and not call.asked_logprobs)
+        self.guard_token_ids = (adds and backend.options.sample_token_ids
                                 and not call.asked_token_ids)
         if self.guard_logprobs or self.guard_token_ids:
             body = api.sampled_body(call, top if self.guard_logprobs else 0,
