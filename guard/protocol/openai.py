@@ -141,7 +141,26 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         reason = "prompt_list"  # a batch of prompts, or token ids: several completions
     elif endpoint == "responses":
         reason = _responses_not_comparable(body)
+    elif endpoint == "chat":
+        try:
+            chat_messages(body["messages"])
+        except ValueError:
+            reason = "input"  # an image, audio or file part: the reference reads text
     return ParsedCall(endpoint, body, model, stream, reason)
+
+
+def chat_messages(messages: list[Any]) -> tuple[dict[str, Any], ...]:
+    """A chat's messages as the reference renders them: a content given as text parts is one
+    string, the parts joined by newlines (as vLLM joins them for a template that reads
+    strings, which text models' templates do); ValueError for a part that is not text."""
+    rendered = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise ValueError("messages: an item that is not an object")
+        if isinstance(message.get("content"), list):
+            message = {**message, "content": _text_of(message["content"])}
+        rendered.append(message)
+    return tuple(rendered)
 
 
 def _responses_not_comparable(body: dict[str, Any]) -> str:
@@ -794,7 +813,7 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
 
         sampling = replace(sampling, logprobs=None)
     body = call.body
-    messages = (tuple(body["messages"]) if call.endpoint == "chat" else
+    messages = (chat_messages(body["messages"]) if call.endpoint == "chat" else
                 responses_messages(body) if call.endpoint == "responses" else None)
     return GenerationSample(
         model=call.model, endpoint="completions" if call.endpoint == "completions" else "chat",

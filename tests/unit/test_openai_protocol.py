@@ -382,6 +382,24 @@ def test_a_responses_call_is_the_chat_it_renders():
                                "responses").constraints == ()
 
 
+def test_a_chats_text_parts_are_one_string_and_other_parts_are_not_comparable():
+    """Content given as parts (the OpenAI SDK's typed messages): text parts are the text the
+    template reads, joined as vLLM joins them; an image makes the call not comparable."""
+    parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "this?"}]
+    body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
+                                       {"role": "user", "content": parts}]}
+    call = api.parse_request("chat", json.dumps(body).encode())
+    assert call.not_comparable == ""
+    sample = api.build_sample(call, api.Completion(text=["A cat."]))
+    assert sample.messages == ({"role": "system", "content": "Be brief."},
+                               {"role": "user", "content": "What is\nthis?"})
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
+    body["messages"][1]["content"] = [parts[0], image]
+    assert api.parse_request("chat", json.dumps(body).encode()).not_comparable == "input"
+    body["messages"] = ["not a message"]
+    assert api.parse_request("chat", json.dumps(body).encode()).not_comparable == "input"
+
+
 @pytest.mark.parametrize("extra, reason", [
     ({"previous_response_id": "resp_0"}, "stateful"), ({"conversation": "conv_1"}, "stateful"),
     ({"background": True}, "stateful"),
