@@ -52,14 +52,23 @@ class GenerationCheckConfig(Strict):
         "(nats, KL(primary || reference) estimated from the primary's top-k logprobs) exceeds "
         "this (SmolLM2 Q8_0: 0.005, Q2_K: 0.5).")
     max_abs_z: PositiveFloat = Field(
-        4.0, description="sampled mode (no logprobs, temperature > 0): a completion fails "
+        4.0, description="sampled mode (no logprobs, temperature above "
+        "near_greedy_temperature): a completion fails "
         "when |z| of its surprise under the reference exceeds this (N(0, 1) when they agree).")
     margin_floor: NonNegativeFloat = Field(
         1.0, description="Reference margin (nats, top-1 minus top-2 logprob) above which an "
         "argmax flip is not kernel noise (greedy mode, and the first divergent token).")
     max_greedy_disagreement: Fraction = Field(
-        0.05, description="greedy mode (no logprobs, temperature 0): a completion fails when "
+        0.05, description="greedy mode (no logprobs, temperature up to near_greedy_temperature): "
+        "a completion fails when "
         "more of its confident positions than this left the reference's argmax.")
+    near_greedy_temperature: NonNegativeFloat = Field(
+        0.1, description="A call sampled at this temperature or below (or with top_k 1) is "
+        "checked as greedy decoding: wherever the reference's margin exceeds margin_floor the "
+        "server takes its argmax but for a chance of e^(-margin_floor / temperature) (5e-5 "
+        "at 0.1), while the z of the sampled mode would read kernel noise, amplified by "
+        "1 / temperature, as drift (a healthy Q8_0 primary at temperature 0.05: |z| beyond "
+        "max_abs_z in about 1 completion of 16).")
     support_epsilon: Fraction = Field(
         0.05, description="sampled mode: weight of the untransformed distribution in the "
         "surprise (keeps a token the transform excludes finite).")

@@ -18,22 +18,25 @@ detectors. Which comparison applies depends on what the primary returned:
   the same way (``mean_kld_reverse``: for close models the two agree to second order). Also
   Δ logprob and Δp of the chosen token, same top-1. Verdict: the completion's mean KLD per
   token <= ``max_mean_kld``; statistic: that mean.
-- **sampled** (no logprobs; temperature > 0): at each position the reference's surprise at the
-  primary's token minus its expectation under the sampling transform the server applied
-  (temperature, top_k, top_p, min_p, penalties: the request's values over the server's declared
-  defaults, :class:`ServerDefaults`). When the primary samples from the reference's transformed
-  distribution, each term has mean 0 given the past and a variance the reference knows (the
-  varentropy), so the sum over the completion divided by the square root of the summed
-  variances is a z-score, approximately N(0, 1) under agreement (a martingale CLT). A token
-  the transform excludes would give an infinite surprise: the surprise is taken under
+- **sampled** (no logprobs; temperature above ``near_greedy_temperature``, 0.1): at each position
+  the reference's surprise at the primary's token minus its expectation under the sampling
+  transform the server applied (temperature, top_k, top_p, min_p, penalties: the request's values
+  over the server's declared defaults, :class:`ServerDefaults`). When the primary samples from the
+  reference's transformed distribution, each term has mean 0 given the past and a variance the
+  reference knows (the varentropy), so the sum over the completion divided by the square root of
+  the summed variances is a z-score, approximately N(0, 1) under agreement (a martingale CLT). A
+  token the transform excludes would give an infinite surprise: the surprise is taken under
   ``(1 - eps) * transformed + eps * untransformed`` (mean and variance taken under the
   transformed distribution, so the zero mean holds exactly). Verdict: ``|z| <= max_abs_z``;
   statistic: z. A completion whose transform is unknown (a server whose defaults the block does
   not declare, and a request that does not set them) is ``not_comparable``: counted, never
   scored.
-- **greedy** (no logprobs; temperature 0): the primary's token must be the reference's argmax
-  wherever the reference's margin (top-1 minus top-2 logprob) exceeds ``margin_floor`` nats:
-  below it, kernel noise flips the argmax of agreeing models. Verdict: the share of confident
+- **greedy** (no logprobs; temperature 0, or up to ``near_greedy_temperature``, or top_k 1:
+  at such a temperature the server leaves a confident argmax with a chance of
+  e^(-margin_floor / T) at most, where z would read kernel noise amplified by 1 / T as
+  drift): the primary's token must be the reference's argmax wherever the reference's margin
+  (top-1 minus top-2 logprob) exceeds ``margin_floor`` nats: below it, kernel noise flips the
+  argmax of agreeing models. Verdict: the share of confident
   positions that disagree <= ``max_greedy_disagreement``; statistic: that share.
 
 A tokenization mismatch (guard/backends/scoring.py) is a failure of its own: nothing is scored,
@@ -176,6 +179,10 @@ class GenerationThresholds:
     margin_floor: float = 1.0
     # Greedy: the share of confident positions where the primary left the reference's argmax.
     max_greedy_disagreement: float = 0.05
+    # Sampling at or below this temperature (or top_k 1) is checked as greedy: the server
+    # leaves a confident argmax with a chance of e^(-margin_floor / T) at most, and the
+    # sampled z would amplify kernel noise by 1 / T (guard/config/generation.py says more).
+    near_greedy_temperature: float = 0.1
     # Weight of the untransformed distribution in the sampled surprise (finite for a token the
     # transform excludes).
     support_epsilon: float = 0.05
@@ -772,7 +779,7 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
         if unscorable:
             return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
                                    cause="penalties", reason=unscorable, **common)
-        if transform.temperature <= 0.0:
+        if transform.temperature <= limits.near_greedy_temperature or transform.top_k == 1:
             check = _greedy(sample, scores, transform, limits)
         else:
             check = _sampled(sample, scores, transform, limits)

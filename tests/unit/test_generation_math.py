@@ -390,6 +390,44 @@ def test_a_repetition_penalty_is_applied_to_the_raw_logits():
     assert "raw logits" in check.reason and check.cause in NOT_COMPARABLE_CAUSES
 
 
+def test_a_low_temperature_is_checked_as_greedy_where_z_would_amplify_kernel_noise():
+    """A primary whose logits differ from the reference's by kernel noise (0.1 nat, about a
+    Q8_0's against its F16) samples at temperature 0.05: the sampled z reads the noise,
+    amplified twenty-fold, as drift on some completions; checked as greedy (the default below
+    near_greedy_temperature) none fails. A primary that drifted (logits off by 1.5 nats)
+    still fails every time."""
+    rng = np.random.default_rng(7)
+    sampling = SamplingParams(temperature=0.05)
+    transform = resolve_transform(sampling, NEUTRAL)
+    as_sampled = replace(GenerationThresholds(), near_greedy_temperature=0.0)
+    failed = {"sampled": 0, "greedy": 0, "drifted": 0}
+    for _ in range(40):
+        raw = rng.normal(0.0, 2.0, (32, 200))
+        logprobs = _log_softmax(raw)
+        scores = _synthetic_scores(logprobs, np.zeros(32, np.int64), (raw - logprobs)[:, 0])
+        for way, noise in (("healthy", 0.1), ("drifted", 1.5)):
+            primary = raw + rng.normal(0.0, noise, raw.shape)
+            tokens = np.array([rng.choice(200, p=transformed(_log_softmax(row), transform))
+                               for row in primary])
+            told = replace(scores, token_ids=tuple(int(t) for t in tokens),
+                           token_texts=tuple(f"t{t}" for t in tokens),
+                           chosen_logprob=logprobs[np.arange(32), tokens].astype(np.float32))
+            sample = _sample(tokens, sampling)
+            check = check_generation(sample, told, NEUTRAL)
+            assert check.mode == "greedy"
+            if way == "drifted":
+                failed["drifted"] += not check.passed
+                continue
+            failed["greedy"] += not check.passed
+            old = check_generation(sample, told, NEUTRAL, as_sampled)
+            assert old.mode == "sampled"
+            failed["sampled"] += not old.passed
+    assert failed["sampled"] > 0 and failed["greedy"] == 0 and failed["drifted"] == 40, failed
+    top_k_one = check_generation(_sample(tokens, SamplingParams(temperature=0.9, top_k=1)),
+                                 told, NEUTRAL)
+    assert top_k_one.mode == "greedy"
+
+
 @pytest.mark.parametrize("mark", [{"constraints": ("response_format",)},
                                   {"other_samplers": ("mirostat_mode",)}])
 def test_constrained_decoding_is_not_comparable_without_logprobs_and_compared_with_them(mark):
