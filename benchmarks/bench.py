@@ -407,3 +407,12 @@ def render_markdown(title: str, script: str, context: list[str], cells: dict[str
         f"{context_lines}\n\nCells:\n\n{cell_lines}\n\n"
         f"{sections}\n"
     )
+
+
+def write_one_table(out_dir: Path, name: str, report: dict, title: str, context: list[str],
+                    head: list[str], rows: list[list[str]], notes: list[str]) -> None:
+    """A report of one table: ``<name>.md`` (title, context paragraphs, the table, notes) and
+    ``<name>.json`` under ``out_dir``, the plain table to stdout."""
+    md = "\n\n".join([f"# {title}", *context, md_table(head, rows), *notes]) + "\n"
+    write_results(out_dir, name, report, md, "\n".join(context) + "\n\n" + plain_table(head, rows))
+

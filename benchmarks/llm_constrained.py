@@ -143,18 +143,17 @@ def main() -> None:
         "top_k 40, top_p 0.95, min_p 0.05 (all in the request).",
         bench.machine_line(report["machine"], ("numpy",)),
     ]
-    md = "\n\n".join([
-        "# Constrained decoding against the generation tier (JSON mode on a healthy pair)",
-        *context, bench.md_table(head, rows),
-        "Before: the sampled check on every call, as guard ran it before it read constraints. "
-        "Now: a call without logprobs whose decoding was constrained is counted "
-        "(`guard_generation_not_comparable_total{reason=\"constrained\"}`), never scored; the "
-        "same calls with the primary's top-5 logprobs are compared token by token (the "
-        "model's own distribution, before the grammar) and pass.",
-        f"Reproduce: `PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_constrained.py "
-        f"--calls {args.calls} --tokens {args.tokens}`"]) + "\n"
-    text = "\n".join(context) + "\n\n" + bench.plain_table(head, rows)
-    bench.write_results(args.out, "llm_constrained", report, md, text)
+    bench.write_one_table(
+        args.out, "llm_constrained", report,
+        "Constrained decoding against the generation tier (JSON mode on a healthy pair)",
+        context, head, rows,
+        ["Before: the sampled check on every call, as guard ran it before it read constraints. "
+         "Now: a call without logprobs whose decoding was constrained is counted "
+         "(`guard_generation_not_comparable_total{reason=\"constrained\"}`), never scored; the "
+         "same calls with the primary's top-5 logprobs are compared token by token (the "
+         "model's own distribution, before the grammar) and pass.",
+         f"Reproduce: `PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_constrained.py "
+         f"--calls {args.calls} --tokens {args.tokens}`"])
 
 
 if __name__ == "__main__":

@@ -105,13 +105,12 @@ def main() -> None:
         "(share of confident argmax flips <= 0.05).",
         bench.machine_line(report["machine"], ("numpy",)),
     ]
-    md = "\n\n".join([
-        "# Low temperatures against the generation tier", *context, bench.md_table(head, rows),
-        "F16 and Q8_0 must pass (the issue's agreeing rungs), Q2_K must fail.",
-        f"Reproduce: `PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_low_temperature.py "
-        f"--completions {args.completions} --temperatures {args.temperatures}`"]) + "\n"
-    text = "\n".join(context) + "\n\n" + bench.plain_table(head, rows)
-    bench.write_results(args.out, "llm_low_temperature", report, md, text)
+    bench.write_one_table(
+        args.out, "llm_low_temperature", report, "Low temperatures against the generation tier",
+        context, head, rows,
+        ["F16 and Q8_0 must pass (the issue's agreeing rungs), Q2_K must fail.",
+         f"Reproduce: `PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_low_temperature.py "
+         f"--completions {args.completions} --temperatures {args.temperatures}`"])
 
 
 if __name__ == "__main__":
