@@ -523,6 +523,9 @@ class _Forward(_Upstream):
         if not self.flags:
             return
         unusable = api.unusable(completion)
+        if not unusable and streamed and self.call.endpoint == "responses" and \
+                not completion.ended:
+            unusable = "incomplete"  # closed before its last event, which holds the answer
         if unusable:
             self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
             return

@@ -133,12 +133,14 @@ class ScriptedUpstream:
             except asyncio.CancelledError:
                 self.disconnected.set()
                 raise
-        if scenario == "plain" and request.path == "/v1/responses":
+        if scenario in ("plain", "responses_cut") and request.path == "/v1/responses":
             if not json.loads(body).get("stream"):
                 return web.json_response(responses_answer())
             response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
             await response.prepare(request)
-            for event in responses_events():
+            events = responses_events()
+            # responses_cut: a clean close before the last event (which holds the answer)
+            for event in events[:-1] if scenario == "responses_cut" else events:
                 await response.write(event)
             await response.write_eof()
             return response

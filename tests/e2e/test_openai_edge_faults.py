@@ -261,6 +261,38 @@ def test_a_responses_call_is_the_upstreams_answer_with_the_clients_model_and_is_
     assert wait_until(lambda: seen() == (before[0] + 2, before[1] + 1, before[2] + 10))
 
 
+def test_a_sampled_responses_stream_closed_before_its_last_event_is_incomplete(upstreams,
+                                                                              tmp_path):
+    """A sampled Responses stream the upstream closes cleanly before ``response.completed``
+    (the event that holds the answer): the client gets what came, the call is answered, and
+    the edge counts it not comparable (incomplete) instead of handing the verifier an empty
+    completion; a whole stream of the same call is handed over and compared."""
+    from llm_support import smollm2_gguf
+
+    block = {"backend": "openai", "target": upstreams[0].url, "model": MODEL,
+             "options": {"engine": "llama-cpp-python"}}
+    model = {"name": "smol", "task": "generation", "primary": block,
+             "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
+             "mirror": {"sample_rate": 1.0}, "policy": {"action": "alert"}}
+    with running(tmp_path, [model], http_port=0) as (server, _):
+        def counted() -> tuple[float, float]:
+            values = scrape(server.metrics_port)
+            return (metric(values, "guard_generation_not_comparable_total", model="smol",
+                           reason="incomplete"),
+                    metric(values, "guard_mirror_total", model="smol", outcome="compared"))
+
+        body = {"model": "smol", "input": "Capital of France?", "temperature": 0,
+                "stream": True}
+        with httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http:
+            cut = http.post("/v1/responses", json=body,
+                            headers={"x-test-scenario": "responses_cut"})
+            assert cut.status_code == 200 and b"response.completed" not in cut.content
+            assert wait_until(lambda: counted()[0] == 1)
+            whole = http.post("/v1/responses", json=body)
+            assert b"event: response.completed" in whole.content
+        assert wait_until(lambda: counted() == (1, 1), timeout=120)
+
+
 # -- faults mid-stream ---------------------------------------------------------------------------
 def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, upstreams):
     upstream = upstreams[0]
