@@ -25,6 +25,7 @@ beside its place and renamed in: a reader never sees half a folder, and two proc
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -86,7 +87,6 @@ def parsed_once() -> Iterator[None]:
 
     reader, name_map = gguf.GGUFReader, gguf.get_tensor_name_map
     readers: dict[str, Any] = {}
-    maps: dict[tuple[Any, int], Any] = {}
 
     def read_once(path: Any, mode: Any = "r") -> Any:
         if mode != "r":  # a writable or copy-on-write map is never shared
@@ -96,16 +96,11 @@ def parsed_once() -> Iterator[None]:
             readers[key] = reader(path, mode)
         return readers[key]
 
-    def map_once(arch: Any, n_blocks: int) -> Any:
-        if (arch, n_blocks) not in maps:
-            maps[arch, n_blocks] = name_map(arch, n_blocks)
-        return maps[arch, n_blocks]
-
     def install(read: Any, names: Any) -> None:
         setattr(gguf, "GGUFReader", read)  # noqa: B010 - a class swapped for a function
         setattr(gguf, "get_tensor_name_map", names)  # noqa: B010
 
-    install(read_once, map_once)
+    install(read_once, functools.cache(name_map))  # one map per (arch, n_blocks)
     try:
         yield
     finally:

@@ -588,21 +588,30 @@ def _logprob_tokens(endpoint: str, logprobs: Any) -> list[TokenLogprob]:
     return out
 
 
+def _gather_head(completion: Completion, answer: dict[str, Any], tokens_key: str,
+                 failed: bool = False) -> bool:
+    """What every answer shape says at its top: an error (False: the answer is one; ``failed``
+    a status that says so without an error object), the model the upstream served, and the
+    completion's token count (``usage[tokens_key]``)."""
+    error = answer.get("error")
+    if error is not None or failed:
+        completion.error = (str(error.get("message") if isinstance(error, dict) else error)
+                            if error is not None else "the response failed")
+        return False
+    if isinstance(answer.get("model"), str):
+        completion.upstream_model = answer["model"]
+    usage = answer.get("usage")
+    if isinstance(usage, dict) and isinstance(usage.get(tokens_key), int):
+        completion.completion_tokens = usage[tokens_key]
+    return True
+
+
 def _gather_response(completion: Completion, response: Any) -> None:
     """A whole Responses API answer (a ``response`` object): its message items' output text
     and logprobs; a reasoning item or a tool call marked."""
-    if not isinstance(response, dict):
+    if not isinstance(response, dict) or not _gather_head(
+            completion, response, "output_tokens", failed=response.get("status") == "failed"):
         return
-    error = response.get("error")
-    if error is not None or response.get("status") == "failed":
-        completion.error = str(error.get("message") if isinstance(error, dict) else
-                               error or "the response failed")
-        return
-    if isinstance(response.get("model"), str):
-        completion.upstream_model = response["model"]
-    usage = response.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("output_tokens"), int):
-        completion.completion_tokens = usage["output_tokens"]
     for item in response.get("output") or ():
         kind = item.get("type") if isinstance(item, dict) else None
         if kind == "message":
@@ -630,15 +639,8 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
     if endpoint == "responses":
         _gather_response(completion, answer)
         return
-    if answer.get("error") is not None:
-        error = answer["error"]
-        completion.error = str(error.get("message") if isinstance(error, dict) else error)
+    if not _gather_head(completion, answer, "completion_tokens"):
         return
-    if isinstance(answer.get("model"), str):
-        completion.upstream_model = answer["model"]
-    usage = answer.get("usage")
-    if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
-        completion.completion_tokens = usage["completion_tokens"]
     ids = answer.get("prompt_token_ids")
     choices = answer.get("choices") or ()
     choice = choices[0] if choices and isinstance(choices[0], dict) else {}
@@ -678,13 +680,11 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
 # a chat chunk's logprobs ("content": [...]) is a list, the role announcement's is "" or null,
 # and a finish- or usage-only chunk has neither: none of them match.
 _TEXT_VALUE = {"completions": re.compile(rb'"text"\s*:\s*"[^"]'),
-               "chat": re.compile(rb'"content"\s*:\s*"[^"]'),
-               # An output_text.delta event with a non-empty delta (not a reasoning or a tool
-               # call's arguments delta, whose types differ).
-               "responses": re.compile(rb'"delta"\s*:\s*"[^"].*"type"\s*:\s*'
-                                       rb'"response\.output_text\.delta"|"type"\s*:\s*'
-                                       rb'"response\.output_text\.delta".*"delta"\s*:\s*"[^"]',
-                                       re.DOTALL)}
+               "chat": re.compile(rb'"content"\s*:\s*"[^"]')}
+# A Responses API event that carries text: an output_text.delta (not a reasoning or a tool
+# call's arguments delta, whose types differ) whose delta is not empty.
+_OUTPUT_TEXT_DELTA = re.compile(rb'"type"\s*:\s*"response\.output_text\.delta"')
+_DELTA_VALUE = re.compile(rb'"delta"\s*:\s*"[^"]')
 
 
 def data_has_content(data: bytes, endpoint: str) -> bool:
@@ -692,6 +692,9 @@ def data_has_content(data: bytes, endpoint: str) -> bool:
     the gaps), read from its bytes: what :func:`chunk_has_content` says of the parsed chunk
     for every chunk an OpenAI-compatible server sends, at a regex search's cost instead of a
     parse's (the edge's unsampled calls parse no event)."""
+    if endpoint == "responses":
+        return _OUTPUT_TEXT_DELTA.search(data) is not None and \
+            _DELTA_VALUE.search(data) is not None
     return _TEXT_VALUE[endpoint].search(data) is not None
 
 

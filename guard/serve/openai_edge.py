@@ -338,6 +338,25 @@ class _Upstream:
         await response.write_eof()
         return response
 
+    async def _broke_off(self, response: web.StreamResponse, splitter: api.EventSplitter,
+                         exc: Exception, **event) -> web.StreamResponse:
+        """The upstream died or fell silent mid-stream: the client gets what had arrived, then
+        a cut connection (no end of the chunked body), as it would have from the upstream;
+        counted (UNAVAILABLE, or DEADLINE_EXCEEDED) and said (``event``: the event's fields
+        beside the model, the route and the error)."""
+        rest = splitter.rest()
+        try:
+            if rest:
+                await response.write(rest)
+        except ConnectionResetError:
+            pass
+        self._error("DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else "UNAVAILABLE")
+        emit("openai_upstream_broke_off", model=self.model.name, route=self.route,
+             error=f"{type(exc).__name__}: {exc}", **event)
+        if self.request.transport is not None:
+            self.request.transport.close()
+        return response
+
     async def _body(self, upstream: Response) -> bytes | web.Response:
         """A whole answer's body, or the 502/504 the client gets instead."""
         try:
@@ -484,22 +503,8 @@ class _Forward(_Upstream):
             if done:  # the upstream broke off after [DONE]: the client has its answer
                 self._streamed(completion, tokens, sampled)
                 return response
-            # The upstream died mid-stream: the client gets what had arrived, then a cut
-            # connection (no end of the chunked body), as it would have from the upstream.
-            rest = splitter.rest()
-            try:
-                if rest:
-                    await response.write(rest)
-            except ConnectionResetError:
-                pass
-            self._error("UNAVAILABLE" if not isinstance(exc, TimeoutError)
-                        else "DEADLINE_EXCEEDED")
             metrics.not_comparable.labels(name, "incomplete").inc()
-            emit("openai_upstream_broke_off", model=name, route=route,
-                 error=f"{type(exc).__name__}: {exc}", tokens=tokens)
-            if self.request.transport is not None:
-                self.request.transport.close()
-            return response
+            return await self._broke_off(response, splitter, exc, tokens=tokens)
         self._streamed(completion, tokens, sampled)
         return response
 
@@ -603,20 +608,7 @@ class _PassThrough(_Upstream):
             self._error("CANCELLED")  # the client went away: the upstream's connection closes
             raise
         except (UpstreamError, TimeoutError) as exc:
-            # The client gets what had arrived, then a cut connection, as from the upstream.
-            rest = splitter.rest()
-            try:
-                if rest:
-                    await stream.write(rest)
-            except ConnectionResetError:
-                pass
-            self._error("UNAVAILABLE" if not isinstance(exc, TimeoutError)
-                        else "DEADLINE_EXCEEDED")
-            emit("openai_upstream_broke_off", model=self.model.name, route=self.route,
-                 error=f"{type(exc).__name__}: {exc}", path=self.request.path)
-            if self.request.transport is not None:
-                self.request.transport.close()
-            return stream
+            return await self._broke_off(stream, splitter, exc, path=self.request.path)
         self._answered(upstream.status)
         return stream
 
