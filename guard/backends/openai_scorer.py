@@ -415,8 +415,12 @@ class OpenAIScorer(Scorer):
                     position, sample.tokens[position].text, "", f"token id {outside} is "
                     "outside the reference server's vocabulary"),
                     **self.prompt_fields(self.render(sample)))
-        elif sample.completion_text:
-            self.vocab.fetch(self.vocab.encode(sample.completion_text))
+        else:
+            # A reasoned completion's tokens spell the whole output, the reasoning first.
+            text = ("".join(t.text for t in sample.tokens)
+                    if sample.reasoning_text is not None else sample.completion_text)
+            if text:
+                self.vocab.fetch(self.vocab.encode(text))
         return super().score(sample)
 
     def teacher_force(self, sample: GenerationSample, prompt_ids: list[int], ids: list[int],

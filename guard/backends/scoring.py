@@ -187,7 +187,12 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
     of a call that ``finish_reason: stop``): each such token is one token of the vocabulary,
     aligned by its text, and scored like the others (the reference's probability of
     stopping there).
+
+    A completion whose reasoning the server gave apart (``reasoning_text``) is aligned as the
+    whole output its tokens are (:func:`_align_reasoned`).
     """
+    if sample.reasoning_text is not None:
+        return _align_reasoned(sample, vocab)
     tokens = sample.tokens
     stopped = _stop_tokens(sample)
     if stopped:
@@ -207,16 +212,9 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         return head + tail, noncanonical, None
     if tokens and all(t.token_id is not None for t in tokens):
         ids = [int(t.token_id) for t in tokens]  # type: ignore[arg-type]
-        for position, (token, token_id) in enumerate(zip(tokens, ids)):
-            if not 0 <= token_id < vocab.size:
-                return [], False, TokenizationMismatch(
-                    position, token.text, "", f"token id {token_id} is outside the reference's "
-                    f"vocabulary of {vocab.size}")
-            reference = vocab.token_text(token_id)
-            if not _texts_equal(token.text, reference):
-                return [], False, TokenizationMismatch(
-                    position, token.text, reference,
-                    f"token id {token_id} is {reference!r} in the reference's vocabulary")
+        wrong = _ids_named_otherwise(tokens, ids, vocab)
+        if wrong is not None:
+            return [], False, wrong
         if any(not comparable_text(t.text) for t in tokens):
             # Texts that could not be checked one by one (ids without texts, pieces of a
             # character): the ids together must spell the completion the client received.
@@ -272,6 +270,87 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         position, texts[position] if position < len(texts) else "",
         canonical_texts[position] if position < len(canonical_texts) else "",
         "the reference's tokenization of the completion differs from the primary's tokens")
+
+
+def _ids_named_otherwise(tokens: Sequence[Any], ids: Sequence[int], vocab: Vocabulary
+                         ) -> TokenizationMismatch | None:
+    """The first of the primary's ids outside the reference's vocabulary, or whose text there
+    is not the primary's text of it; None where each is what the primary said."""
+    for position, (token, token_id) in enumerate(zip(tokens, ids)):
+        if not 0 <= token_id < vocab.size:
+            return TokenizationMismatch(
+                position, token.text, "", f"token id {token_id} is outside the reference's "
+                f"vocabulary of {vocab.size}")
+        reference = vocab.token_text(token_id)
+        if not _texts_equal(token.text, reference):
+            return TokenizationMismatch(
+                position, token.text, reference,
+                f"token id {token_id} is {reference!r} in the reference's vocabulary")
+    return None
+
+
+def _align_reasoned(sample: GenerationSample, vocab: Vocabulary
+                    ) -> tuple[list[int], bool, TokenizationMismatch | None]:
+    """Align a completion whose reasoning the server gave apart from its answer.
+
+    A reasoning parser (vLLM's ``--reasoning-parser``) splits the output the model generated
+    into the reasoning and the answer, taking out its tags (``<think>``, ``</think>``) and
+    sometimes the whitespace around them; the answer's tokens (logprobs, token ids) are those
+    of the whole output. So the tokens are the completion: where their texts say it, the
+    output they spell must hold the reasoning and then the answer, and is aligned as any
+    completion (up to the answer's end; what a stopped one sampled after it, the stop token,
+    as its stop tokens); where they are ids alone (or pieces of characters), the reference's
+    detokenization of the ids must hold them so. Anything else (tokens that cover the answer
+    alone, as a server might report them) is not comparable: never drift, the sample cannot
+    say which tokens the reasoning was."""
+    tokens = sample.tokens
+    texts = [t.text for t in tokens]
+    if texts and all(comparable_text(t) for t in texts):
+        output = "".join(texts)
+        end = _answer_end(output, sample)
+        if end is not None:
+            if sample.finish_reason == "stop":  # the tokens past the answer: stop tokens
+                output = "".join(texts[:_tokens_in(texts, end)])
+            return align_completion(replace(sample, completion_text=output,
+                                            reasoning_text=None), vocab)
+    elif tokens and all(t.token_id is not None for t in tokens):
+        ids = [int(t.token_id) for t in tokens]  # type: ignore[arg-type]
+        wrong = _ids_named_otherwise(tokens, ids, vocab)
+        if wrong is not None:
+            return [], False, wrong
+        text = vocab.detokenize(ids)
+        if text is None or _answer_end(text.replace("\ufffd", ""), sample, clean=True) \
+                is not None:
+            return ids, False, None
+    return [], False, TokenizationMismatch(
+        0, texts[0] if texts else "", "", "the completion's tokens do not spell its reasoning "
+        "and then its answer: the server's tokens may cover the answer alone, so the "
+        "reasoning's tokens are not in the sample", drift=False)
+
+
+def _tokens_in(texts: Sequence[str], length: int) -> int:
+    """How many of ``texts``, joined, cover the first ``length`` characters."""
+    count = total = 0
+    while total < length:
+        total += len(texts[count])
+        count += 1
+    return count
+
+
+def _answer_end(output: str, sample: GenerationSample, clean: bool = False) -> int | None:
+    """Where the answer ends in the whole ``output``: after the reasoning, found in it, and
+    then the answer (each without the whitespace a parser may strip); None where ``output``
+    does not hold them in that order. ``clean``: U+FFFD left out of both (a detokenization's
+    cut character)."""
+    reasoning, answer = (sample.reasoning_text or "").strip(), sample.completion_text.strip()
+    if clean:
+        reasoning, answer = reasoning.replace("\ufffd", ""), answer.replace("\ufffd", "")
+    start = output.find(reasoning)
+    if start < 0:
+        return None
+    after = start + len(reasoning)
+    found = output.find(answer, after)
+    return None if found < 0 else found + len(answer)
 
 
 def _spells(text: str, sample: GenerationSample, whole: bool) -> bool:

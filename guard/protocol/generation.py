@@ -24,7 +24,11 @@ from typing import Any, Literal
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("completions", "chat")
-FORMAT_VERSION = 1  # bump when a field's meaning changes; readers refuse newer versions
+FORMAT_VERSION = 2  # bump when a field's meaning changes; readers refuse newer versions
+# Version 2 added ``reasoning_text``: the tokens of such a sample are more than its
+# completion_text, which a version-1 reader would take for a tokenizer mismatch. A sample
+# without it is written as version 1, which every reader reads as before.
+_VERSION_OF_REASONING = 2
 
 
 @dataclass(frozen=True)
@@ -165,6 +169,12 @@ class GenerationSample:
     # the server did. A template of the request's own (``chat_template``) is not among them:
     # the reference renders with the model's template, so another one is drift it reports.
     chat_template_args: dict[str, Any] | None = None
+    # The reasoning a server's reasoning parser gave apart from the answer (a chat's
+    # ``reasoning`` or ``reasoning_content``), as the client received it; None: none. The
+    # tokens are then the whole output the model generated (the reasoning, the tags the parser
+    # took out, the answer) and ``completion_text`` the answer alone: the reference checks that
+    # they spell the reasoning and then the answer, and scores them all.
+    reasoning_text: str | None = None
 
     @property
     def has_logprobs(self) -> bool:
@@ -175,7 +185,7 @@ class GenerationSample:
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
-    data["format_version"] = FORMAT_VERSION
+    data["format_version"] = _VERSION_OF_REASONING if sample.reasoning_text is not None else 1
     return data
 
 
@@ -238,9 +248,12 @@ def from_dict(data: Any) -> GenerationSample:
             for k, v in template_args.items())):
         raise ValueError("chat_template_args: expected an object of "
                          + ", ".join(CHAT_TEMPLATE_ARGS))
+    reasoning = data.get("reasoning_text")
+    if reasoning is not None and not isinstance(reasoning, str):
+        raise ValueError("reasoning_text: expected a string or null")
     rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
                                   "unix_nanos", "request_seconds", "first_token_seconds",
-                                  "upstream_model") if k in data}
+                                  "upstream_model", "reasoning_text") if k in data}
     return GenerationSample(
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],
         tokens=tokens, sampling=sampling,

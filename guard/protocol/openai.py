@@ -540,9 +540,13 @@ class Completion:
     completion_tokens: int | None = None  # usage.completion_tokens, where the server said
     error: str = ""  # an error object in the answer or a chunk
     tool_calls: bool = False
-    # The answer holds reasoning its text leaves out (vLLM's reasoning_content, a Responses
-    # reasoning item): the tokens between the prompt and the text are not in the sample.
+    # The answer holds reasoning its text leaves out (a chat's reasoning field, from a server's
+    # reasoning parser; a Responses reasoning item).
     reasoning: bool = False
+    # A chat's reasoning as the client received it (vLLM's ``reasoning``, earlier
+    # ``reasoning_content``). The answer's tokens are the whole output, reasoning first: where
+    # they are in the answer (logprobs, token ids), the completion is scored whole.
+    reasoning_text: list[str] = field(default_factory=list)
     ended: bool = False  # a Responses API stream's terminal event came (it has no [DONE])
 
 
@@ -652,8 +656,11 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
         content = part.get("content") if isinstance(part, dict) else None
         if isinstance(part, dict) and part.get("tool_calls"):
             completion.tool_calls = True
-        if isinstance(part, dict) and (part.get("reasoning_content") or part.get("reasoning")):
+        reasoning = part.get("reasoning") or part.get("reasoning_content") \
+            if isinstance(part, dict) else None
+        if isinstance(reasoning, str) and reasoning:
             completion.reasoning = True
+            completion.reasoning_text.append(reasoning)
     else:
         content = choice.get("text")
     if isinstance(content, str):
@@ -676,14 +683,17 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
 
 
 # A streamed chunk's completion text, found in its bytes without parsing it: a non-empty string
-# value of the choice's "text" (completions) or "content" (chat's delta) key. The key's value in
-# a chat chunk's logprobs ("content": [...]) is a list, the role announcement's is "" or null,
-# and a finish- or usage-only chunk has neither: none of them match.
+# value of the choice's "text" (completions) or "content" (chat's delta) key, or of the chat
+# delta's reasoning (a reasoning parser's split: its tokens are generated tokens too, and time
+# to first token is the first of them, as the server's own metric counts it). The key's value
+# in a chat chunk's logprobs ("content": [...]) is a list, the role announcement's is "" or
+# null, and a finish- or usage-only chunk has neither: none of them match.
 _TEXT_VALUE = {"completions": re.compile(rb'"text"\s*:\s*"[^"]'),
-               "chat": re.compile(rb'"content"\s*:\s*"[^"]')}
-# A Responses API event that carries text: an output_text.delta (not a reasoning or a tool
-# call's arguments delta, whose types differ) whose delta is not empty.
-_OUTPUT_TEXT_DELTA = re.compile(rb'"type"\s*:\s*"response\.output_text\.delta"')
+               "chat": re.compile(rb'"(?:content|reasoning|reasoning_content)"\s*:\s*"[^"]')}
+# A Responses API event that carries text: an output_text.delta or a reasoning_text.delta (not
+# a tool call's arguments delta, whose type differs) whose delta is not empty.
+_OUTPUT_TEXT_DELTA = re.compile(
+    rb'"type"\s*:\s*"response\.(?:output_text|reasoning_text)\.delta"')
 _DELTA_VALUE = re.compile(rb'"delta"\s*:\s*"[^"]')
 
 
@@ -715,9 +725,17 @@ def data_needs_parse(data: bytes, endpoint: str = "chat") -> bool:
 
 def unusable(completion: Completion) -> str:
     """Why a completion that was answered cannot be compared, as the not-comparable reason
-    ("" when it can): an error, a tool call, reasoning the text leaves out."""
+    ("" when it can): an error, a tool call, reasoning the sample cannot hold.
+
+    Reasoning a chat's answer gives apart from its text (a reasoning parser's split) is
+    compared where the answer has the output's tokens (logprobs or token ids: servers report
+    every generated token, the reasoning's too), which the reference scores whole; the
+    reference checks that they spell the reasoning and then the answer
+    (guard/backends/scoring.py). Without tokens, or as a Responses reasoning item (whose
+    logprobs cover the message text alone), it is not comparable."""
     return ("upstream_error" if completion.error else "tools" if completion.tool_calls
-            else "reasoning" if completion.reasoning else "")
+            else "reasoning" if completion.reasoning and not (
+                completion.reasoning_text and completion.tokens) else "")
 
 
 def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool = True) -> None:
@@ -790,18 +808,22 @@ def gather_answer(endpoint: str, body: bytes, streamed: bool) -> Completion:
 
 
 def chunk_has_content(answer: Any, endpoint: str) -> bool:
-    """A streamed chunk that carries completion text (a token, for TTFT and the gaps): not the
-    chat role announcement, not a usage-only or finish-only chunk."""
+    """A streamed chunk that carries completion text, or reasoning (a token, for TTFT and the
+    gaps): not the chat role announcement, not a usage-only or finish-only chunk."""
     if not isinstance(answer, dict):
         return False
     if endpoint == "responses":
-        return answer.get("type") == "response.output_text.delta" and bool(answer.get("delta"))
+        return answer.get("type") in ("response.output_text.delta",
+                                      "response.reasoning_text.delta") and \
+            bool(answer.get("delta"))
     choices = answer.get("choices") or ()
     if not choices or not isinstance(choices[0], dict):
         return False
     if endpoint == "chat":
         delta = choices[0].get("delta")
-        return isinstance(delta, dict) and bool(delta.get("content"))
+        return isinstance(delta, dict) and any(
+            isinstance(delta.get(key), str) and delta[key]
+            for key in ("content", "reasoning", "reasoning_content"))
     return bool(choices[0].get("text"))
 
 
@@ -825,7 +847,8 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         messages=messages, prompt_token_ids=completion.prompt_token_ids,
         finish_reason=completion.finish_reason, upstream_model=completion.upstream_model,
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
-        **envelope)
+        reasoning_text="".join(completion.reasoning_text) if completion.reasoning_text
+        else None, **envelope)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,

@@ -55,6 +55,19 @@ from guard.zoo.llm import smollm2_gguf  # noqa: E402
 SERVED = "smol-fp32"
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+# A chat that asks the model to think first, in the form IBM's Granite models answer (two
+# answers of that form before): SmolLM2 answers "Here is my thought process: France's capital
+# city is Paris. Here is my response: Paris is the capital of France." (greedy), which vLLM's
+# granite reasoning parser splits into the reasoning and the answer.
+THOUGHT, RESPONSE = "Here is my thought process:", "Here is my response:"
+THINKING = [{"role": "system",
+             "content": f"Think first, then answer, in the form '{THOUGHT} ... {RESPONSE} ...'."},
+            {"role": "user", "content": "What is 1+1?"},
+            {"role": "assistant", "content": f"{THOUGHT} One plus one makes two. {RESPONSE} 2"},
+            {"role": "user", "content": "What is the capital of Italy?"},
+            {"role": "assistant",
+             "content": f"{THOUGHT} Italy's capital city is Rome. {RESPONSE} Rome"},
+            {"role": "user", "content": "What is the capital of France?"}]
 # Two fp32 kernels on the same weights (vLLM's CPU kernels, torch eager) agree to ~5e-5 nats
 # per logprob here; 1e-3 is far above that and far below what a quantized primary moves
 # (Q8_0 moves " Paris" by 0.06 nats).
@@ -84,9 +97,13 @@ def vllm(tmp_path_factory, generation_config):
     # --trust-request-chat-template: a client may send its own chat template (the template
     # drift test below does). --generation-config: the defaults above (vLLM's default, auto,
     # reads the model folder's own file, which SmolLM2's leaves without sampling fields).
+    # --reasoning-parser granite: a chat answer in THINKING's form comes back as its reasoning
+    # and its content apart, as a reasoning model's does (the granite parser finds its phrases
+    # by their text; an answer without them is content, streamed or not, as before).
     server = VLLMServer(folder, hf_folder(), SERVED,
                         extra_args=("--trust-request-chat-template",
-                                    "--generation-config", str(generation_config)))
+                                    "--generation-config", str(generation_config),
+                                    "--reasoning-parser", "granite"))
     server.start()
     try:
         yield server
@@ -190,9 +207,26 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
             model=vllm.name, messages=[{"role": "user", "content": "Write ιώτα in Greek"}],
             max_tokens=8, temperature=0).choices[0].message.content
 
-        # Five calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 5, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 5 and checks(server, "smol", "fail") == 0
+        # A reasoning answer, whole and streamed (vLLM's parser split it): the client gets
+        # vLLM's split, and the whole output (reasoning, the parser's phrases, answer, by
+        # vLLM's ids) is scored.
+        asked_more = dict(asked, max_tokens=40)
+        reasoned = through.chat.completions.create(model="smol", messages=THINKING, **asked_more)
+        message = reasoned.choices[0].message
+        theirs = direct.chat.completions.create(model=vllm.name, messages=THINKING,
+                                                **asked_more).choices[0].message
+        assert (message.content, message.reasoning) == (theirs.content, theirs.reasoning)
+        assert "Paris" in message.reasoning and "Paris" in message.content
+        assert reasoned.choices[0].logprobs is None
+        chunks = list(through.chat.completions.create(model="smol", messages=THINKING,
+                                                      stream=True, **asked_more))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
+        assert "".join(d.content or "" for d in deltas) == message.content
+
+        # Seven calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 7, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 7 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -206,7 +240,8 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 5 and stats.undecodable == 0
+    assert len(records) == 7 and stats.undecodable == 0
+    reasoned_calls = []
     for record in records:
         (verdict,) = record.verdicts
         assert verdict.tier == "generation" and verdict.passed
@@ -217,6 +252,13 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert b'"completion_text"' in sample.raw and b'"route": "primary"' in sample.raw
         call, _ = generation_calls(record)
         assert call.prompt_token_ids and all(t.token_id is not None for t in call.tokens)
+        if call.reasoning_text is not None:
+            reasoned_calls.append(call)
+    assert len(reasoned_calls) == 2  # whole and streamed
+    for call in reasoned_calls:  # its tokens: the reasoning's, the phrases', the answer's, EOS
+        output = "".join(t.text for t in call.tokens)
+        assert output == f"{THOUGHT}{call.reasoning_text}{RESPONSE}{call.completion_text}" \
+            "<|im_end|>"
 
 
 def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_config(

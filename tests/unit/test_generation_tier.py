@@ -551,6 +551,62 @@ def test_the_stop_token_a_server_reports_past_the_text_is_scored(fp32, f16_refer
     assert f16_reference.score(empty).token_texts == ("<|im_end|>",)
 
 
+# A chat that asks the model to think first, with two answers of that form before: SmolLM2
+# answers "<think>...</think>Paris" greedily (F16 and Q2_K alike, in other words), which a
+# reasoning parser splits (vLLM's olmo3 parser: what lies between the tags, what follows).
+THINKING_PROMPT = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in (
+    ("system", "Think first inside <think></think>, then answer."),
+    ("user", "What is 1+1?"), ("assistant", "<think>One plus one makes two.</think>2"),
+    ("user", "What is the capital of Italy?"),
+    ("assistant", "<think>Italy's capital city is Rome.</think>Rome"),
+    ("user", "What is the capital of France?"))) + "<|im_start|>assistant\n"
+
+
+def _parsed(sample: GenerationSample) -> GenerationSample:
+    """``sample`` as a server with a reasoning parser answers it: the reasoning apart, the
+    answer as the text, the tokens those of the whole output."""
+    import re
+
+    found = re.match(r"^(?:<think>)?(?P<reasoning>.*?)</think>(?P<answer>.*)$",
+                     sample.completion_text, re.DOTALL)
+    assert found is not None, sample.completion_text
+    return replace(sample, completion_text=found["answer"], reasoning_text=found["reasoning"])
+
+
+def test_a_reasoned_answer_is_scored_whole_by_its_tokens(fp32, primaries):
+    """The tokens of an answer whose reasoning the server gave apart are the whole output:
+    they are scored whole (the reasoning is where a quantized model departs first), by their
+    texts or by their ids alone; tokens that spell the answer alone cannot say which tokens
+    the reasoning was, and are not comparable, never drift."""
+    outputs = {rung: smol.complete(primaries[rung], THINKING_PROMPT, TOKENS, GREEDY,
+                                   logprobs=20) for rung in ("F16", "Q2_K")}
+    sample = _parsed(outputs["F16"])
+    assert sample.reasoning_text and sample.completion_text == "Paris"
+    scores = fp32.score(sample)
+    assert scores.scored and not scores.noncanonical
+    assert list(scores.token_ids) == fp32.vocab.encode(outputs["F16"].completion_text)
+    for mode, checked in (("logprobs", sample), ("greedy", _without_logprobs(sample))):
+        check = check_generation(checked, scores, LLAMA)
+        assert (check.mode, check.passed) == (mode, True), check.reason
+    by_ids = replace(sample, tokens=tuple(TokenLogprob("", token_id=i)
+                                          for i in scores.token_ids))
+    assert fp32.score(by_ids).token_ids == scores.token_ids
+    # Ids that spell another reasoning: the vocabulary or the split is not what it says.
+    other = replace(by_ids, reasoning_text="Paris is in Italy.")
+    assert not fp32.score(other).scored
+    answer_alone = replace(sample, tokens=sample.tokens[-1:])
+    assert answer_alone.tokens[0].text == "Paris"
+    unscored = fp32.score(answer_alone)
+    assert unscored.mismatch is not None and not unscored.mismatch.drift
+    assert check_generation(answer_alone, unscored, LLAMA).mode == "not_comparable"
+    # Q2_K's reasoning departs from the reference's (its answer is the same word): caught.
+    drifted = _parsed(outputs["Q2_K"])
+    assert drifted.completion_text == sample.completion_text
+    assert drifted.reasoning_text != sample.reasoning_text
+    check = check_generation(drifted, fp32.score(drifted), LLAMA)
+    assert (check.mode, check.passed) == ("logprobs", False), check.reason
+
+
 def test_the_load_check_catches_llama_cpp_pythons_shifted_echo(primaries):
     """What an ``openai`` reference checks at load (guard/backends/openai_scorer.py), on
     llama-cpp-python's own answers (0.3.36, in-process): its echo gives token ``i`` the

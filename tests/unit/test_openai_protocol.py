@@ -453,8 +453,10 @@ def test_a_streamed_responses_answer_is_its_terminal_event():
         assert api.data_has_content(data, "responses") == api.chunk_has_content(
             event, "responses") == (event in deltas), event
         assert api.data_needs_parse(data, "responses") == (event is done)
+    # A reasoning delta is a generated token too: time to first token is the first of them.
     reasoning_delta = {"type": "response.reasoning_text.delta", "delta": "hm"}
-    assert not api.data_has_content(json.dumps(reasoning_delta).encode(), "responses")
+    assert api.data_has_content(json.dumps(reasoning_delta).encode(), "responses")
+    assert api.chunk_has_content(reasoning_delta, "responses")
 
 
 def test_reasoning_and_tool_calls_in_an_answer_make_it_unusable():
@@ -466,14 +468,63 @@ def test_reasoning_and_tool_calls_in_an_answer_make_it_unusable():
     api.gather(called, "responses", dict(RESPONSE, output=[
         {"type": "function_call", "name": "f", "arguments": "{}"}]), streamed=False)
     assert api.unusable(called) == "tools"
+    # A chat's reasoning without the output's tokens: the sample could not say them.
     chat = api.Completion()
     api.gather(chat, "chat", {"choices": [{"message": {"content": "Paris",
                                                        "reasoning_content": "think"}}]},
                streamed=False)
     assert api.unusable(chat) == "reasoning" and api.unusable(api.Completion()) == ""
+    # A Responses reasoning item with the client's logprobs: they cover the message text alone.
+    logged = api.Completion()
+    api.gather(logged, "responses", dict(RESPONSE, output=[
+        {"type": "reasoning", "summary": []}, {"type": "message", "content": [
+            {"type": "output_text", "text": "Paris", "logprobs": [
+                {"token": "Paris", "logprob": -0.1, "top_logprobs": []}]}]}]), streamed=False)
+    assert logged.tokens and api.unusable(logged) == "reasoning"
     nothing = api.Completion()
     api.gather(nothing, "chat", {"error": None, "choices": [{"text": "x"}]}, streamed=False)
     assert nothing.error == ""  # an error key that is null is no error
+
+
+def test_a_chat_answer_with_reasoning_apart_is_sampled_with_the_whole_outputs_tokens():
+    """vLLM 0.32 with a reasoning parser (as measured on SmolLM2 with --reasoning-parser
+    olmo3): the message's ``reasoning`` and ``content`` are split, and its logprobs and token
+    ids are those of every generated token, the tags and the stop token included. The sample
+    keeps both texts and all the tokens; the reference aligns them."""
+    call = api.parse_request("chat", json.dumps({
+        "model": "smol", "messages": [{"role": "user", "content": "Capital of France?"}],
+        "temperature": 0}).encode())
+    texts = ["<", "think", ">", "Paris", ".", "</", "think", ">", "Paris", "<|im_end|>"]
+    ids = [44, 17400, 46, 7042, 30, 9617, 17400, 46, 38634, 2]
+    answer = {"model": "up", "choices": [{
+        "message": {"role": "assistant", "content": "Paris", "reasoning": "Paris."},
+        "logprobs": {"content": [{"token": t, "logprob": -0.1, "top_logprobs": []}
+                                 for t in texts]},
+        "token_ids": ids, "finish_reason": "stop"}]}
+    completion = api.Completion()
+    api.gather(completion, "chat", answer, streamed=False)
+    assert api.unusable(completion) == ""
+    sample = api.build_sample(call, completion, route="primary")
+    assert (sample.completion_text, sample.reasoning_text) == ("Paris", "Paris.")
+    assert [t.token_id for t in sample.tokens] == ids
+    assert generation.from_dict(json.loads(json.dumps(generation.to_dict(sample)))) == sample
+    assert generation.to_dict(sample)["format_version"] == 2
+    # Streamed: the reasoning's deltas are tokens (TTFT, gaps) and gathered alike.
+    streamed = api.Completion()
+    chunks = [{"choices": [{"delta": {"reasoning": t} if i < 5 else {"content": t},
+                            "logprobs": {"content": [{"token": t, "logprob": -0.1,
+                                                      "top_logprobs": []}]}}]}
+              for i, t in enumerate(texts[:-1])]
+    for chunk in chunks:
+        assert api.chunk_has_content(chunk, "chat")
+        assert api.data_has_content(json.dumps(chunk).encode(), "chat")
+        api.gather(streamed, "chat", chunk, streamed=True)
+    assert "".join(streamed.reasoning_text) == "<think>Paris." and api.unusable(streamed) == ""
+    # Without tokens (no logprobs, no ids asked): not comparable, as before.
+    bare = api.Completion()
+    api.gather(bare, "chat", {"choices": [{"message": answer["choices"][0]["message"]}]},
+               streamed=False)
+    assert api.unusable(bare) == "reasoning"
 
 
 # -- the ring record -------------------------------------------------------------------------------

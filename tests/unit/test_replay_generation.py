@@ -210,7 +210,7 @@ def test_capture_records_come_back_as_calls_and_bad_ones_are_skipped_and_counted
     assert stats.unreadable_records == 2
     assert stats.filtered == {"no_primary_completion": 1}
     problems = " ".join(stats.files[0]["problems"])
-    assert "not JSON" in problems and "format_version: 2 is newer" in problems
+    assert "not JSON" in problems and f"format_version: {FORMAT_VERSION + 1} is newer" in problems
 
 
 # -- JSONL prompt sets ------------------------------------------------------------------------
