@@ -139,6 +139,11 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         reason = "tools"
     elif endpoint == "completions" and not isinstance(body["prompt"], str):
         reason = "prompt_list"  # a batch of prompts, or token ids: several completions
+    elif endpoint == "completions" and body.get("suffix") is not None:
+        # Fill-in-the-middle: llama-cpp-python wraps the prompt and the suffix in the model's
+        # FIM tokens (for any suffix, "" too) and the completion is the middle; the reference
+        # would score it after the prompt alone (vLLM refuses a suffix: an error answer).
+        reason = "input"
     elif endpoint == "responses":
         reason = _responses_not_comparable(body)
     elif endpoint == "chat":

@@ -139,21 +139,27 @@ def test_every_sampled_call_reaches_the_verifier(guard, through):
 
 
 def test_admin_status_says_why_calls_were_never_compared(guard, through):
-    """A call with n=2 (the edge forwards it, never hands it over) and a sampled call that
-    leaves the temperature to a server no engine declares (the verifier takes it, then cannot
-    score it): admin status names both reasons, as the merged /metrics counts them."""
+    """A call with n=2 and a fill-in-the-middle call (a suffix: llama-cpp-python wraps prompt
+    and suffix in the model's FIM tokens, a prompt the reference would not score) are
+    forwarded, never handed over; a sampled call that leaves the temperature to a server no
+    engine declares is taken by the verifier, which cannot score it: admin status names the
+    reasons, as the merged /metrics counts them."""
     from guard.admin_client import format_model_status, get_status, status_json
     from guard.v1.admin_pb2 import GetStatusResponse
 
     def reasons() -> dict[str, float]:
         values = scrape(guard.metrics_port)
         return {r: metric(values, "guard_generation_not_comparable_total", model="smol",
-                          reason=r) for r in ("n", "sampling_unknown")}
+                          reason=r) for r in ("n", "input", "sampling_unknown")}
 
     before = reasons()
     with httpx.Client(timeout=60) as http:
         http.post(f"http://127.0.0.1:{guard.http_port}/v1/completions", json={
             "model": "smol", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 2})
+    middle = through.completions.create(model="smol", prompt="def add(a, b):\n",
+                                        suffix="\n    return result\n", max_tokens=4,
+                                        temperature=0)
+    assert middle.choices[0].text  # the server's answer, as it came
     through.completions.create(model="smol", prompt=PROMPT, max_tokens=2)  # no temperature
     wait_for(lambda: all(reasons()[r] == before[r] + 1 for r in before))
     (status,) = get_status(f"127.0.0.1:{guard.admin_port}", "smol").models

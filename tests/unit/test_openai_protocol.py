@@ -47,7 +47,8 @@ def test_completions_need_a_prompt_and_calls_that_cannot_be_compared_say_why():
     completion = '{"model": "m", "prompt": "x"%s}'
     for extra, reason in ((', "best_of": 3', "n"), (', "best_of": 1', ""),
                           (', "best_of": null', ""), (', "echo": true', "echo"),
-                          (', "echo": false', "")):
+                          (', "echo": false', ""), (', "suffix": "}"', "input"),
+                          (', "suffix": ""', "input"), (', "suffix": null', "")):
         assert api.parse_request("completions", (completion % extra).encode()
                                  ).not_comparable == reason, extra
     assert api.parse_request("chat", (chat % ', "echo": true').encode()).not_comparable == "echo"
