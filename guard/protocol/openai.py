@@ -146,6 +146,10 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         reason = "input"
     elif endpoint == "responses":
         reason = _responses_not_comparable(body)
+    elif endpoint == "chat" and body.get("include_reasoning") is False:
+        # vLLM leaves the reasoning out of the answer, and its logprobs and token ids with it:
+        # the answer alone would be scored as if the model had begun with it.
+        reason = "reasoning"
     elif endpoint == "chat":
         try:
             chat_messages(body["messages"])
@@ -552,6 +556,10 @@ class Completion:
     # ``reasoning_content``). The answer's tokens are the whole output, reasoning first: where
     # they are in the answer (logprobs, token ids), the completion is scored whole.
     reasoning_text: list[str] = field(default_factory=list)
+    # usage's completion_tokens_details.reasoning_tokens (output_tokens_details in the
+    # Responses API), where the server counted them: reasoning the model generated even where
+    # the answer leaves it out (vLLM's include_reasoning false).
+    reasoning_tokens: int = 0
     ended: bool = False  # a Responses API stream's terminal event came (it has no [DONE])
 
 
@@ -612,6 +620,9 @@ def _gather_head(completion: Completion, answer: dict[str, Any], tokens_key: str
     usage = answer.get("usage")
     if isinstance(usage, dict) and isinstance(usage.get(tokens_key), int):
         completion.completion_tokens = usage[tokens_key]
+    details = usage.get(tokens_key + "_details") if isinstance(usage, dict) else None
+    if isinstance(details, dict) and isinstance(details.get("reasoning_tokens"), int):
+        completion.reasoning_tokens = details["reasoning_tokens"]
     return True
 
 
@@ -737,9 +748,12 @@ def unusable(completion: Completion) -> str:
     every generated token, the reasoning's too), which the reference scores whole; the
     reference checks that they spell the reasoning and then the answer
     (guard/backends/scoring.py). Without tokens, or as a Responses reasoning item (whose
-    logprobs cover the message text alone), it is not comparable."""
+    logprobs cover the message text alone), it is not comparable; so is an answer whose
+    usage counts reasoning tokens it does not give (hidden: the completion would be scored
+    as if the answer had come first)."""
+    reasoned = completion.reasoning or completion.reasoning_tokens > 0
     return ("upstream_error" if completion.error else "tools" if completion.tool_calls
-            else "reasoning" if completion.reasoning and not (
+            else "reasoning" if reasoned and not (
                 completion.reasoning_text and completion.tokens) else "")
 
 

@@ -223,6 +223,14 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         deltas = [c.choices[0].delta for c in chunks if c.choices]
         assert "".join(getattr(d, "reasoning", None) or "" for d in deltas) == message.reasoning
         assert "".join(d.content or "" for d in deltas) == message.content
+        # Reasoning left out of the answer (include_reasoning false: vLLM then sends no
+        # logprobs or ids either): the answer did not come first, so it is not compared.
+        hidden = through.chat.completions.create(
+            model="smol", messages=THINKING, extra_body={"include_reasoning": False},
+            **asked_more).choices[0].message
+        assert hidden.content == message.content and getattr(hidden, "reasoning", None) is None
+        assert metric(scrape(server.metrics_port), "guard_generation_not_comparable_total",
+                      model="smol", reason="reasoning") == 1
 
         # Seven calls sampled; each scored by the reference in guard's verifier.
         wait_for(lambda: compared(server, "smol") >= 7, timeout=300, interval=0.2)

@@ -526,6 +526,22 @@ def test_a_chat_answer_with_reasoning_apart_is_sampled_with_the_whole_outputs_to
     api.gather(bare, "chat", {"choices": [{"message": answer["choices"][0]["message"]}]},
                streamed=False)
     assert api.unusable(bare) == "reasoning"
+    # Reasoning the answer leaves out (vLLM's include_reasoning false: no reasoning, and no
+    # logprobs or ids either), which usage still counts: the answer did not come first.
+    hidden = api.Completion()
+    api.gather(hidden, "chat", {"choices": [{"message": {"content": "Paris"}}], "usage": {
+        "completion_tokens": 10, "completion_tokens_details": {"reasoning_tokens": 7}}},
+        streamed=False)
+    assert hidden.reasoning_tokens == 7 and api.unusable(hidden) == "reasoning"
+    plain = api.Completion()
+    api.gather(plain, "chat", {"choices": [{"message": {"content": "Paris"}}], "usage": {
+        "completion_tokens": 2, "completion_tokens_details": {"reasoning_tokens": 0}}},
+        streamed=False)
+    assert api.unusable(plain) == ""
+    asked_without = api.parse_request("chat", json.dumps({
+        "model": "smol", "messages": [{"role": "user", "content": "Hi"}],
+        "include_reasoning": False}).encode())
+    assert asked_without.not_comparable == "reasoning"
 
 
 # -- the ring record -------------------------------------------------------------------------------
