@@ -521,6 +521,13 @@ def test_a_chat_answer_with_reasoning_apart_is_sampled_with_the_whole_outputs_to
         assert api.data_has_content(json.dumps(chunk).encode(), "chat")
         api.gather(streamed, "chat", chunk, streamed=True)
     assert "".join(streamed.reasoning_text) == "<think>Paris." and api.unusable(streamed) == ""
+    # The same stream as Envoy's tap gives it, whole (the Envoy observer's path).
+    body = b"".join(b"data: %s\n\n" % json.dumps(c).encode() for c in chunks) + \
+        b"data: [DONE]\n\n"
+    tapped = api.gather_answer("chat", body, streamed=True)
+    assert (tapped.reasoning_text, tapped.text, tapped.tokens) == (
+        streamed.reasoning_text, streamed.text, streamed.tokens)
+    assert api.unusable(tapped) == ""
     # Without tokens (no logprobs, no ids asked): not comparable, as before.
     bare = api.Completion()
     api.gather(bare, "chat", {"choices": [{"message": answer["choices"][0]["message"]}]},
