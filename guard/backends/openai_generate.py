@@ -35,7 +35,9 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int) -> dict:
         body["messages"] = list(sample.messages or ())
         body["logprobs"], body["top_logprobs"] = True, top
     else:
-        body["prompt"] = sample.prompt or ""
+        # A prompt the client gave as token ids has no text: its ids, as the server took them.
+        body["prompt"] = sample.prompt if sample.prompt is not None else list(
+            sample.prompt_token_ids or ())
         body["logprobs"] = top
     for key in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                 "frequency_penalty", "seed"):

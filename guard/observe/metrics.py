@@ -191,7 +191,7 @@ class GuardMetrics:
             "(a message part that is not text: an image, audio, a file; Responses input "
             "items that are not messages; a completion's fill-in-the-middle suffix), "
             "prompt_list "
-            "(a batch of prompts), upstream_error (an error answer or event, an upstream "
+            "(a batch of several prompts), upstream_error (an error answer or event, an upstream "
             "down), incomplete (cut short by the client or the upstream), endpoint (a call "
             "to an endpoint guard forwards unchecked: embeddings, /tokenize ...). In "
             "the verifier "

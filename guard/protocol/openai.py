@@ -137,8 +137,8 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
     elif body.get("tools") or body.get("functions") or body.get("tool_choice") not in (
             None, "none"):
         reason = "tools"
-    elif endpoint == "completions" and not isinstance(body["prompt"], str):
-        reason = "prompt_list"  # a batch of prompts, or token ids: several completions
+    elif endpoint == "completions" and single_prompt(body["prompt"]) is None:
+        reason = "prompt_list"  # a batch of prompts: several completions
     elif endpoint == "completions" and body.get("suffix") is not None:
         # Fill-in-the-middle: llama-cpp-python wraps the prompt and the suffix in the model's
         # FIM tokens (for any suffix, "" too) and the completion is the middle; the reference
@@ -156,6 +156,24 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         except ValueError:
             reason = "input"  # an image, audio or file part: the reference reads text
     return ParsedCall(endpoint, body, model, stream, reason)
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+
+
+def single_prompt(prompt: Any) -> str | tuple[int, ...] | None:
+    """A completions ``prompt`` that asks for one completion: its text, or its token ids (the
+    prompt exactly as the server evaluates it: no BOS added, no template); a batch of one
+    (``["text"]``, ``[[ids]]``: LangChain's completions client sends every prompt so) is its
+    one prompt. None for a batch of several, or what is not a prompt."""
+    if isinstance(prompt, list) and len(prompt) == 1 and (
+            isinstance(prompt[0], str) or _token_ids(prompt[0])):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return tuple(prompt) if _token_ids(prompt) else None
 
 
 def chat_messages(messages: list[Any]) -> tuple[dict[str, Any], ...]:
@@ -859,11 +877,15 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
     body = call.body
     messages = (chat_messages(body["messages"]) if call.endpoint == "chat" else
                 responses_messages(body) if call.endpoint == "responses" else None)
+    prompt = single_prompt(body["prompt"]) if call.endpoint == "completions" else None
+    prompt_ids = completion.prompt_token_ids
+    if isinstance(prompt, tuple):  # the client's token ids: the prompt as the server read it
+        prompt, prompt_ids = None, prompt_ids or prompt
     return GenerationSample(
         model=call.model, endpoint="completions" if call.endpoint == "completions" else "chat",
         completion_text="".join(completion.text), tokens=tuple(completion.tokens),
-        sampling=sampling, prompt=body.get("prompt") if call.endpoint == "completions" else None,
-        messages=messages, prompt_token_ids=completion.prompt_token_ids,
+        sampling=sampling, prompt=prompt,
+        messages=messages, prompt_token_ids=prompt_ids,
         finish_reason=completion.finish_reason, upstream_model=completion.upstream_model,
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
         reasoning_text="".join(completion.reasoning_text) if completion.reasoning_text

@@ -76,6 +76,8 @@ def prompt_text(call: GenerationSample) -> str:
     if call.endpoint == "chat" and call.messages:
         last = call.messages[-1]
         text = f"{last.get('role', '?')}: {last.get('content', '')}"
+    elif call.prompt is None and call.prompt_token_ids:  # the client sent token ids
+        text = f"({len(call.prompt_token_ids)} token ids)"
     else:
         text = call.prompt or ""
     return text if len(text) <= _PROMPT_CHARS else "…" + text[-_PROMPT_CHARS:]

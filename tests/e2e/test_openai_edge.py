@@ -25,6 +25,7 @@ from guard.ipc.routes import RouteTable
 from guard.observe.metrics import GuardMetrics
 from guard.serve.model import ServedModel
 from llm_support import call_both_ways, llama_server, smollm2_gguf  # noqa: F401  (the module's server)
+from llm_support import SERVED_NAME
 from support import metric, running, scrape, wait_for, write_config
 
 PROMPT = "The capital of France is"
@@ -136,6 +137,26 @@ def test_every_sampled_call_reaches_the_verifier(guard, through):
     wait_for(lambda: handed(guard) >= before + 2)
     values = scrape(guard.metrics_port)
     assert metric(values, "guard_mirror_total", model="smol", outcome="dropped") == 0
+
+
+def test_a_prompt_sent_as_a_batch_of_one_is_compared(guard, through, direct):
+    """LangChain's completions client sends every prompt as a list (``["text"]``): one
+    prompt, one completion, compared as the prompt it holds (it was never compared)."""
+    def passed() -> float:
+        return metric(scrape(guard.metrics_port), "guard_checks_total", model="smol",
+                      tier="generation", result="pass")
+
+    before, listed = passed(), metric(scrape(guard.metrics_port),
+                                      "guard_generation_not_comparable_total", model="smol",
+                                      reason="prompt_list")
+    ours = through.completions.create(model="smol", prompt=[PROMPT], max_tokens=6,
+                                      temperature=0)
+    theirs = direct.completions.create(model=SERVED_NAME, prompt=[PROMPT], max_tokens=6,
+                                       temperature=0)
+    assert ours.choices[0].text == theirs.choices[0].text
+    wait_for(lambda: passed() == before + 1)
+    assert metric(scrape(guard.metrics_port), "guard_generation_not_comparable_total",
+                  model="smol", reason="prompt_list") == listed
 
 
 def test_admin_status_says_why_calls_were_never_compared(guard, through):

@@ -232,9 +232,19 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert metric(scrape(server.metrics_port), "guard_generation_not_comparable_total",
                       model="smol", reason="reasoning") == 1
 
-        # Seven calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 7, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 7 and checks(server, "smol", "fail") == 0
+        # A prompt given as token ids (token in, token out): the prompt as vLLM read it.
+        request = urllib.request.Request(
+            f"{vllm.url}/tokenize", json.dumps({"model": vllm.name, "prompt": PROMPT}).encode(),
+            {"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            prompt_ids = json.loads(answer.read())["tokens"]
+        by_ids = through.completions.create(model="smol", prompt=prompt_ids, **asked)
+        assert by_ids.choices[0].text == direct.completions.create(
+            model=vllm.name, prompt=PROMPT, **asked).choices[0].text
+
+        # Eight calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 8, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 8 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -248,7 +258,7 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 7 and stats.undecodable == 0
+    assert len(records) == 8 and stats.undecodable == 0
     reasoned_calls = []
     for record in records:
         (verdict,) = record.verdicts
@@ -262,6 +272,8 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert call.prompt_token_ids and all(t.token_id is not None for t in call.tokens)
         if call.reasoning_text is not None:
             reasoned_calls.append(call)
+        if call.endpoint == "completions" and call.prompt is None:
+            assert list(call.prompt_token_ids) == prompt_ids  # the client's ids, no text
     assert len(reasoned_calls) == 2  # whole and streamed
     for call in reasoned_calls:  # its tokens: the reasoning's, the phrases', the answer's, EOS
         output = "".join(t.text for t in call.tokens)

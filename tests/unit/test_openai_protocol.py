@@ -44,6 +44,13 @@ def test_completions_need_a_prompt_and_calls_that_cannot_be_compared_say_why():
                              ).not_comparable == ""
     batch = api.parse_request("completions", b'{"model": "m", "prompt": ["a", "b"]}')
     assert batch.not_comparable == "prompt_list"
+    # One prompt however it is written (text, token ids, a batch of one); several are a batch.
+    for prompt, reason in (('["a"]', ""), ("[1, 2, 3]", ""), ("[[1, 2]]", ""),
+                           ("[[1], [2]]", "prompt_list"), ("[]", "prompt_list"),
+                           ('[true]', "prompt_list"), ("[-1]", "prompt_list"),
+                           ('[["a"]]', "prompt_list"), ("null", "prompt_list")):
+        call = api.parse_request("completions", b'{"model": "m", "prompt": %s}' % prompt.encode())
+        assert call.not_comparable == reason, prompt
     completion = '{"model": "m", "prompt": "x"%s}'
     for extra, reason in ((', "best_of": 3', "n"), (', "best_of": 1', ""),
                           (', "best_of": null', ""), (', "echo": true', "echo"),
@@ -485,6 +492,22 @@ def test_reasoning_and_tool_calls_in_an_answer_make_it_unusable():
     nothing = api.Completion()
     api.gather(nothing, "chat", {"error": None, "choices": [{"text": "x"}]}, streamed=False)
     assert nothing.error == ""  # an error key that is null is no error
+
+
+def test_a_prompt_of_token_ids_is_the_samples_prompt_as_the_server_read_it():
+    answer = {"choices": [{"text": " Paris", "finish_reason": "length"}]}
+    for prompt, text, ids in (([504, 3575], None, (504, 3575)), ([[7, 8]], None, (7, 8)),
+                              (["The capital"], "The capital", None)):
+        call = api.parse_request("completions", json.dumps({
+            "model": "m", "prompt": prompt, "temperature": 0}).encode())
+        completion = api.Completion()
+        api.gather(completion, "completions", answer, streamed=False)
+        sample = api.build_sample(call, completion, route="primary")
+        assert (sample.prompt, sample.prompt_token_ids) == (text, ids)
+        # The probe (a fallback's primary asked again) sends the prompt as the client did.
+        from guard.backends.openai_generate import probe_body
+
+        assert probe_body(sample, "up", 5)["prompt"] == (text if text else list(ids))
 
 
 def test_a_chat_answer_with_reasoning_apart_is_sampled_with_the_whole_outputs_tokens():
