@@ -451,6 +451,7 @@ class _Forward(_Upstream):
         completion = api.Completion()
         tokens, last = 0, None
         done = False  # the client has every event: "[DONE]" went out
+        finished = False  # the stream's own end came: [DONE], the Responses API's last event
         try:
             async for chunk in upstream.iter_any():
                 arrived = time.perf_counter()
@@ -467,7 +468,7 @@ class _Forward(_Upstream):
                     if data is None:
                         continue
                     if data == api.DONE:
-                        done = True
+                        done = finished = True
                         continue
                     if api.data_has_content(data, endpoint):
                         tokens += 1
@@ -479,7 +480,8 @@ class _Forward(_Upstream):
                         last = arrived
                     if sampled or api.data_needs_parse(data, endpoint):
                         api.gather_event(completion, endpoint, data, whole=sampled)
-                        done = done or completion.ended  # the Responses API's last event
+                        if completion.ended:  # the Responses API's last event
+                            done = finished = True
             rest = splitter.rest()
             if rest:
                 await response.write(rest)
@@ -487,7 +489,7 @@ class _Forward(_Upstream):
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionResetError) as exc:
             if done:  # the client left after the last event (clients close at [DONE])
-                self._streamed(completion, tokens, sampled)
+                self._streamed(completion, tokens, sampled, finished)
                 if isinstance(exc, ConnectionResetError):
                     # Only the chunked body's end found the socket closed: the client has
                     # every event, nothing failed (aiohttp would log it as an error).
@@ -501,15 +503,19 @@ class _Forward(_Upstream):
             raise
         except (UpstreamError, TimeoutError) as exc:
             if done:  # the upstream broke off after [DONE]: the client has its answer
-                self._streamed(completion, tokens, sampled)
+                self._streamed(completion, tokens, sampled, finished)
                 return response
             metrics.not_comparable.labels(name, "incomplete").inc()
             return await self._broke_off(response, splitter, exc, tokens=tokens)
-        self._streamed(completion, tokens, sampled)
+        self._streamed(completion, tokens, sampled, finished)
         return response
 
-    def _streamed(self, completion: api.Completion, tokens: int, sampled: bool) -> None:
-        """The accounting of a stream the client received whole, and its hand-off."""
+    def _streamed(self, completion: api.Completion, tokens: int, sampled: bool,
+                  finished: bool) -> None:
+        """The accounting of a stream the upstream closed, and its hand-off. ``finished``:
+        its own end came ([DONE], or a Responses stream's last event); a stream closed
+        cleanly before it is answered as it came but its completion is not comparable
+        (incomplete), as the Envoy observer counts it: its end is missing."""
         metrics, name, route = self.edge.metrics, self.model.name, self.route
         seconds = time.perf_counter() - self.started
         tokens = completion.completion_tokens or tokens
@@ -521,16 +527,14 @@ class _Forward(_Upstream):
             return
         self.model.answered(route, seconds)
         if sampled:
-            self._hand_off(completion, seconds, streamed=True)
+            self._hand_off(completion, seconds, streamed=True, finished=finished)
 
     # -- the hand-off ------------------------------------------------------------------------
-    def _hand_off(self, completion: api.Completion, seconds: float, streamed: bool) -> None:
+    def _hand_off(self, completion: api.Completion, seconds: float, streamed: bool,
+                  finished: bool = True) -> None:
         if not self.flags:
             return
-        unusable = api.unusable(completion)
-        if not unusable and streamed and self.call.endpoint == "responses" and \
-                not completion.ended:
-            unusable = "incomplete"  # closed before its last event, which holds the answer
+        unusable = api.unusable(completion) or ("" if finished else "incomplete")
         if unusable:
             self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
             return

@@ -183,6 +183,11 @@ class ScriptedUpstream:
             await asyncio.sleep(0.001)
         await response.write_eof()
 
+    async def _unfinished(self, response, chat) -> None:
+        # A clean close before the stream's end: no finish_reason, no [DONE].
+        await response.write(chunk("Par", chat=chat) + chunk("is", chat=chat))
+        await response.write_eof()
+
     async def _die(self, response, chat) -> None:
         await response.write(chunk("one", chat=chat) + chunk(" two", chat=chat) + b"data: {\"id")
         await asyncio.sleep(0.05)

@@ -261,12 +261,12 @@ def test_a_responses_call_is_the_upstreams_answer_with_the_clients_model_and_is_
     assert wait_until(lambda: seen() == (before[0] + 2, before[1] + 1, before[2] + 10))
 
 
-def test_a_sampled_responses_stream_closed_before_its_last_event_is_incomplete(upstreams,
-                                                                              tmp_path):
+def test_a_sampled_stream_closed_before_its_end_is_incomplete(upstreams, tmp_path):
     """A sampled Responses stream the upstream closes cleanly before ``response.completed``
-    (the event that holds the answer): the client gets what came, the call is answered, and
-    the edge counts it not comparable (incomplete) instead of handing the verifier an empty
-    completion; a whole stream of the same call is handed over and compared."""
+    (the event that holds the answer), and a chat stream closed before ``[DONE]``: the client
+    gets what came, the call is answered, and the edge counts it not comparable (incomplete),
+    as the Envoy observer does, instead of handing the verifier an empty or cut completion; a
+    whole stream of the same call is handed over and compared."""
     from llm_support import smollm2_gguf
 
     block = {"backend": "openai", "target": upstreams[0].url, "model": MODEL,
@@ -288,9 +288,16 @@ def test_a_sampled_responses_stream_closed_before_its_last_event_is_incomplete(u
                             headers={"x-test-scenario": "responses_cut"})
             assert cut.status_code == 200 and b"response.completed" not in cut.content
             assert wait_until(lambda: counted()[0] == 1)
+            chat = {"model": "smol", "messages": [{"role": "user", "content": "Capital?"}],
+                    "temperature": 0, "stream": True}
+            unfinished = http.post("/v1/chat/completions", json=chat,
+                                   headers={"x-test-scenario": "unfinished"})
+            assert unfinished.status_code == 200 and b"[DONE]" not in unfinished.content
+            assert unfinished.content.count(b'"model": "smol"') == 2  # what came, renamed
+            assert wait_until(lambda: counted()[0] == 2)
             whole = http.post("/v1/responses", json=body)
             assert b"event: response.completed" in whole.content
-        assert wait_until(lambda: counted() == (1, 1), timeout=120)
+        assert wait_until(lambda: counted() == (2, 1), timeout=120)
 
 
 # -- faults mid-stream ---------------------------------------------------------------------------
