@@ -188,11 +188,11 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
     aligned by its text, and scored like the others (the reference's probability of
     stopping there).
 
-    A completion whose reasoning the server gave apart (``reasoning_text``) is aligned as the
-    whole output its tokens are (:func:`_align_reasoned`).
+    A completion whose reasoning or tool calls the server gave apart (``reasoning_text``,
+    ``tool_calls``) is aligned as the whole output its tokens are (:func:`_align_parsed`).
     """
-    if sample.reasoning_text is not None:
-        return _align_reasoned(sample, vocab)
+    if sample.reasoning_text is not None or sample.tool_calls:
+        return _align_parsed(sample, vocab)
     tokens = sample.tokens
     stopped = _stop_tokens(sample)
     if stopped:
@@ -289,9 +289,9 @@ def _ids_named_otherwise(tokens: Sequence[Any], ids: Sequence[int], vocab: Vocab
     return None
 
 
-def _align_reasoned(sample: GenerationSample, vocab: Vocabulary
-                    ) -> tuple[list[int], bool, TokenizationMismatch | None]:
-    """Align a completion whose reasoning the server gave apart from its answer.
+def _align_parsed(sample: GenerationSample, vocab: Vocabulary
+                  ) -> tuple[list[int], bool, TokenizationMismatch | None]:
+    """Align a completion whose reasoning or tool calls the server gave apart from its answer.
 
     A reasoning parser (vLLM's ``--reasoning-parser``) splits the output the model generated
     into the reasoning and the answer, taking out its tags (``<think>``, ``</think>``) and
@@ -302,10 +302,17 @@ def _align_reasoned(sample: GenerationSample, vocab: Vocabulary
     as its stop tokens); where they are ids alone (or pieces of characters), the reference's
     detokenization of the ids must hold them so. Anything else (tokens that cover the answer
     alone, as a server might report them) is not comparable: never drift, the sample cannot
-    say which tokens the reasoning was."""
+    say which tokens the reasoning was.
+
+    A tool call (a tool parser's ``tool_calls``: the function's name and its arguments, which
+    the parser re-serialises) is aligned by its ids alone (a chat with tools is compared where
+    the server said them): their detokenization must name each function called, in order,
+    and hold the reasoning and the answer as above."""
     tokens = sample.tokens
     texts = [t.text for t in tokens]
-    if texts and all(comparable_text(t) for t in texts):
+    if sample.tool_calls:
+        pass  # by the ids, below
+    elif texts and all(comparable_text(t) for t in texts):
         output = "".join(texts)
         end = _answer_end(output, sample)
         if end is not None:
@@ -313,19 +320,31 @@ def _align_reasoned(sample: GenerationSample, vocab: Vocabulary
                 output = "".join(texts[:_tokens_in(texts, end)])
             return align_completion(replace(sample, completion_text=output,
                                             reasoning_text=None), vocab)
-    elif tokens and all(t.token_id is not None for t in tokens):
+    if tokens and all(t.token_id is not None for t in tokens):
         ids = [int(t.token_id) for t in tokens]  # type: ignore[arg-type]
         wrong = _ids_named_otherwise(tokens, ids, vocab)
         if wrong is not None:
             return [], False, wrong
         text = vocab.detokenize(ids)
-        if text is None or _answer_end(text.replace("\ufffd", ""), sample, clean=True) \
-                is not None:
+        if text is None or (_answer_end(text.replace("\ufffd", ""), sample, clean=True)
+                            is not None and _names_in_order(text, sample.tool_calls)):
             return ids, False, None
     return [], False, TokenizationMismatch(
-        0, texts[0] if texts else "", "", "the completion's tokens do not spell its reasoning "
-        "and then its answer: the server's tokens may cover the answer alone, so the "
-        "reasoning's tokens are not in the sample", drift=False)
+        0, texts[0] if texts else "", "", "the completion's tokens do not spell its reasoning, "
+        "its tool calls and its answer: the server's tokens may cover the answer alone, or "
+        "ids are missing, so the sample cannot say which tokens the model generated",
+        drift=False)
+
+
+def _names_in_order(output: str, names: Sequence[str]) -> bool:
+    """Does ``output`` name each of ``names`` (the functions called), in order?"""
+    at = 0
+    for name in names:
+        found = output.find(name, at)
+        if found < 0:
+            return False
+        at = found + len(name)
+    return True
 
 
 def _tokens_in(texts: Sequence[str], length: int) -> int:
@@ -656,10 +675,17 @@ class Scorer(Backend):
         """The prompt's ids: the server's where it told them (compared with this scorer's own
         rendering of the same messages or text: a difference is a finding), else rendered
         here."""
+        if sample.tools and sample.prompt_token_ids is None:
+            raise BackendError("a chat that offered tools is scored on the server's prompt "
+                               "token ids, which this sample does not have")
         if sample.prompt_token_ids is not None:
             ids = list(sample.prompt_token_ids)
             try:
-                difference = rendering_difference(ids, self._own_rendering(sample), self.vocab)
+                # Tools: each engine renders their definitions and earlier calls its own way
+                # (vLLM parses a call's arguments, llama.cpp's server rewrites templates): the
+                # server's ids are the prompt, no rendering of the reference's to compare.
+                difference = "" if sample.tools else rendering_difference(
+                    ids, self._own_rendering(sample), self.vocab)
             except BackendError:  # nothing to render from, or no template: nothing to compare
                 difference = ""
             findings = bos_findings(ids, self.bos_id, self.adds_bos)

@@ -71,8 +71,9 @@ def sample(call: ObservedHttpCall, parsed: api.ParsedCall, route: str) -> Genera
     if completion.error:
         raise NotComparable(parsed.model, "incomplete" if completion.error == api.CUT_SHORT
                             else "upstream_error")
-    if api.unusable(completion):
-        raise NotComparable(parsed.model, api.unusable(completion))
+    unusable = api.unusable(completion, parsed.offers_tools)
+    if unusable:
+        raise NotComparable(parsed.model, unusable)
     return api.build_sample(parsed, completion, route=route, request_id=call.request_id,
                             streamed=streamed, unix_nanos=time.time_ns(),
                             request_seconds=call.seconds, first_token_seconds=None)

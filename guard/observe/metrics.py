@@ -185,7 +185,9 @@ class GuardMetrics:
         self.generation_not_comparable = Counter(
             "guard_generation_not_comparable", "Calls never compared, by reason. At the HTTP "
             "edge (forwarded, never handed over): n (n > 1 or best_of > 1), echo (the prompt "
-            "echoed in the answer), tools (tool calls), reasoning (a reasoning answer "
+            "echoed in the answer), tools (a sampled chat that offers tools, without the "
+            "prompt's and the output's token ids; tools on another endpoint), reasoning (a "
+            "reasoning answer "
             "without the output's tokens: no logprobs or token ids), stateful (a Responses "
             "call continuing a conversation the server keeps, or a background one), input "
             "(a message part that is not text: an image, audio, a file; Responses input "

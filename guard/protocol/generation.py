@@ -25,9 +25,9 @@ from typing import Any, Literal
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("completions", "chat")
 FORMAT_VERSION = 2  # bump when a field's meaning changes; readers refuse newer versions
-# Version 2 added ``reasoning_text``: the tokens of such a sample are more than its
-# completion_text, which a version-1 reader would take for a tokenizer mismatch. A sample
-# without it is written as version 1, which every reader reads as before.
+# Version 2 added ``reasoning_text``, ``tools`` and ``tool_calls``: the tokens of such a sample
+# are more than its completion_text, which a version-1 reader would take for a tokenizer
+# mismatch. A sample without them is written as version 1, which every reader reads as before.
 _VERSION_OF_REASONING = 2
 
 
@@ -175,6 +175,12 @@ class GenerationSample:
     # took out, the answer) and ``completion_text`` the answer alone: the reference checks that
     # they spell the reasoning and then the answer, and scores them all.
     reasoning_text: str | None = None
+    # The chat offered the model tools: the prompt is the server's rendering (its token ids;
+    # each engine renders tool definitions and earlier calls its own way), not compared with
+    # the reference's own. ``tool_calls``: the functions the answer called, in order (a tool
+    # parser took them out of the text): the output's token ids must spell them.
+    tools: bool = False
+    tool_calls: tuple[str, ...] = ()
 
     @property
     def has_logprobs(self) -> bool:
@@ -185,7 +191,8 @@ class GenerationSample:
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
-    data["format_version"] = _VERSION_OF_REASONING if sample.reasoning_text is not None else 1
+    newer = sample.reasoning_text is not None or sample.tools or sample.tool_calls
+    data["format_version"] = _VERSION_OF_REASONING if newer else 1
     return data
 
 
@@ -251,12 +258,17 @@ def from_dict(data: Any) -> GenerationSample:
     reasoning = data.get("reasoning_text")
     if reasoning is not None and not isinstance(reasoning, str):
         raise ValueError("reasoning_text: expected a string or null")
+    if not isinstance(data.get("tools", False), bool):
+        raise ValueError("tools: expected a boolean")
+    called = _tuple(data.get("tool_calls", ()), "tool_calls")
+    if not all(isinstance(name, str) for name in called):
+        raise ValueError("tool_calls: expected a list of strings")
     rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
                                   "unix_nanos", "request_seconds", "first_token_seconds",
-                                  "upstream_model", "reasoning_text") if k in data}
+                                  "upstream_model", "reasoning_text", "tools") if k in data}
     return GenerationSample(
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],
-        tokens=tokens, sampling=sampling,
+        tokens=tokens, sampling=sampling, tool_calls=called,
         messages=None if messages is None else tuple(_tuple(messages, "messages")),
         prompt_token_ids=(None if ids is None
                           else tuple(int(i) for i in _tuple(ids, "prompt_token_ids"))),

@@ -76,9 +76,16 @@ class ParsedCall:
     stream: bool
     # Why this call cannot be compared with a reference ("" when it can): n > 1 or best_of >
     # 1 (several completions in one answer, or the best of several), echo (the prompt comes
-    # back as part of the text), tool calls (the completion is a structured call, not text), a
-    # batch of prompts.
+    # back as part of the text), tools on an endpoint that cannot say its tokens, a batch of
+    # prompts.
     not_comparable: str = ""
+
+    @property
+    def offers_tools(self) -> bool:
+        """A chat that offers the model tools: comparable only where the answer says the
+        prompt's token ids (the server's rendering of the tools) and the output's tokens
+        (:func:`unusable`)."""
+        return self.endpoint == "chat" and _offers_tools(self.body)
 
     @property
     def asked_logprobs(self) -> bool:
@@ -134,9 +141,8 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         reason = "n"  # several completions, or the best of several: not one sampled path
     elif body.get("echo") not in (None, False):
         reason = "echo"  # the answer's text begins with the prompt (or the last message)
-    elif body.get("tools") or body.get("functions") or body.get("tool_choice") not in (
-            None, "none"):
-        reason = "tools"
+    elif endpoint != "chat" and _offers_tools(body):
+        reason = "tools"  # (a chat's tools are decided by its answer: ParsedCall.offers_tools)
     elif endpoint == "completions" and single_prompt(body["prompt"]) is None:
         reason = "prompt_list"  # a batch of prompts: several completions
     elif endpoint == "completions" and body.get("suffix") is not None:
@@ -156,6 +162,11 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         except ValueError:
             reason = "input"  # an image, audio or file part: the reference reads text
     return ParsedCall(endpoint, body, model, stream, reason)
+
+
+def _offers_tools(body: dict[str, Any]) -> bool:
+    return bool(body.get("tools") or body.get("functions")) or body.get("tool_choice") not in (
+        None, "none")
 
 
 def _token_ids(value: Any) -> bool:
@@ -567,6 +578,9 @@ class Completion:
     completion_tokens: int | None = None  # usage.completion_tokens, where the server said
     error: str = ""  # an error object in the answer or a chunk
     tool_calls: bool = False
+    # The functions the answer calls (a server's tool parser took them out of the text), in
+    # order: the output's tokens spell them.
+    tool_names: list[str] = field(default_factory=list)
     # The answer holds reasoning its text leaves out (a chat's reasoning field, from a server's
     # reasoning parser; a Responses reasoning item).
     reasoning: bool = False
@@ -690,6 +704,11 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
         content = part.get("content") if isinstance(part, dict) else None
         if isinstance(part, dict) and part.get("tool_calls"):
             completion.tool_calls = True
+            for call in part["tool_calls"] if isinstance(part["tool_calls"], list) else ():
+                function = call.get("function") if isinstance(call, dict) else None
+                name = function.get("name") if isinstance(function, dict) else None
+                if isinstance(name, str) and name:  # a stream names a call in its first delta
+                    completion.tool_names.append(name)
         reasoning = part.get("reasoning") or part.get("reasoning_content") \
             if isinstance(part, dict) else None
         if isinstance(reasoning, str) and reasoning:
@@ -757,9 +776,17 @@ def data_needs_parse(data: bytes, endpoint: str = "chat") -> bool:
         endpoint == "responses" and _RESPONSE_END.search(data) is not None)
 
 
-def unusable(completion: Completion) -> str:
+def unusable(completion: Completion, offers_tools: bool = False) -> str:
     """Why a completion that was answered cannot be compared, as the not-comparable reason
-    ("" when it can): an error, a tool call, reasoning the sample cannot hold.
+    ("" when it can): an error, tools it cannot hold, reasoning the sample cannot hold.
+
+    A chat that offers tools (``offers_tools``) is compared where the answer says the prompt's
+    token ids (the server renders the tool definitions and a conversation's earlier calls into
+    the prompt, each engine in its own way: the server's ids are the prompt, not the
+    reference's rendering) and the output's token ids (a tool parser takes the call out of the
+    text; the ids are the call as the model generated it, which the reference checks names each
+    function called): vLLM with ``sample_token_ids``. Anything else with tools, or a tool call
+    without them, is not comparable (``tools``).
 
     Reasoning a chat's answer gives apart from its text (a reasoning parser's split) is
     compared where the answer has the output's tokens (logprobs or token ids: servers report
@@ -770,7 +797,11 @@ def unusable(completion: Completion) -> str:
     usage counts reasoning tokens it does not give (hidden: the completion would be scored
     as if the answer had come first)."""
     reasoned = completion.reasoning or completion.reasoning_tokens > 0
-    return ("upstream_error" if completion.error else "tools" if completion.tool_calls
+    tools = offers_tools or completion.tool_calls
+    by_ids = completion.prompt_token_ids is not None and bool(completion.tokens) and all(
+        t.token_id is not None for t in completion.tokens)
+    return ("upstream_error" if completion.error else "tools" if tools and not (
+        by_ids and (completion.tool_names or not completion.tool_calls))
             else "reasoning" if reasoned and not (
                 completion.reasoning_text and completion.tokens) else "")
 
@@ -889,7 +920,7 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         finish_reason=completion.finish_reason, upstream_model=completion.upstream_model,
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
         reasoning_text="".join(completion.reasoning_text) if completion.reasoning_text
-        else None, **envelope)
+        else None, tools=call.offers_tools, tool_calls=tuple(completion.tool_names), **envelope)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,

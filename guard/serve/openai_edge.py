@@ -534,7 +534,8 @@ class _Forward(_Upstream):
                   finished: bool = True) -> None:
         if not self.flags:
             return
-        unusable = api.unusable(completion) or ("" if finished else "incomplete")
+        unusable = api.unusable(completion, self.call.offers_tools) or (
+            "" if finished else "incomplete")
         if unusable:
             self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
             return

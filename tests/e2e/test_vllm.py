@@ -68,6 +68,25 @@ THINKING = [{"role": "system",
             {"role": "assistant",
              "content": f"{THOUGHT} Italy's capital city is Rome. {RESPONSE} Rome"},
             {"role": "user", "content": "What is the capital of France?"}]
+
+
+def _tool_call(city: str) -> str:
+    return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+
+
+# A chat that offers a tool, with two calls in Hermes' form (Qwen's) before: SmolLM2 answers
+# the third as '<tool_call>\n{"name": "get_weather", ...}\n</tool_call>' (greedy), which
+# vLLM's hermes parser takes out of the text.
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+TOOL_CHAT = [{"role": "system", "content": "You call the tool get_weather(city) in <tool_call> "
+              "tags."},
+             {"role": "user", "content": "Weather in Rome?"},
+             {"role": "assistant", "content": _tool_call("Rome")},
+             {"role": "user", "content": "Weather in Oslo?"},
+             {"role": "assistant", "content": _tool_call("Oslo")},
+             {"role": "user", "content": "Weather in Paris?"}]
 # Two fp32 kernels on the same weights (vLLM's CPU kernels, torch eager) agree to ~5e-5 nats
 # per logprob here; 1e-3 is far above that and far below what a quantized primary moves
 # (Q8_0 moves " Paris" by 0.06 nats).
@@ -100,10 +119,13 @@ def vllm(tmp_path_factory, generation_config):
     # --reasoning-parser granite: a chat answer in THINKING's form comes back as its reasoning
     # and its content apart, as a reasoning model's does (the granite parser finds its phrases
     # by their text; an answer without them is content, streamed or not, as before).
+    # --enable-auto-tool-choice --tool-call-parser hermes: a chat that offers tools and is
+    # answered in Hermes' <tool_call> form (TOOL_CHAT) comes back as tool_calls.
     server = VLLMServer(folder, hf_folder(), SERVED,
                         extra_args=("--trust-request-chat-template",
                                     "--generation-config", str(generation_config),
-                                    "--reasoning-parser", "granite"))
+                                    "--reasoning-parser", "granite",
+                                    "--enable-auto-tool-choice", "--tool-call-parser", "hermes"))
     server.start()
     try:
         yield server
@@ -242,9 +264,22 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert by_ids.choices[0].text == direct.completions.create(
             model=vllm.name, prompt=PROMPT, **asked).choices[0].text
 
-        # Eight calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 8, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 8 and checks(server, "smol", "fail") == 0
+        # A tool call (vLLM's parser took it out of the text): the client gets vLLM's call,
+        # and the call's tokens are scored on the prompt vLLM rendered (tools included).
+        called = through.chat.completions.create(model="smol", messages=TOOL_CHAT,
+                                                 tools=TOOLS, **asked_more)
+        theirs = direct.chat.completions.create(model=vllm.name, messages=TOOL_CHAT,
+                                                tools=TOOLS, **asked_more)
+        (tool_call,) = called.choices[0].message.tool_calls
+        assert tool_call.function.name == "get_weather"
+        assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
+        assert tool_call.function.arguments == \
+            theirs.choices[0].message.tool_calls[0].function.arguments
+        assert called.choices[0].logprobs is None
+
+        # Nine calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 9, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 9 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -258,7 +293,7 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 8 and stats.undecodable == 0
+    assert len(records) == 9 and stats.undecodable == 0
     reasoned_calls = []
     for record in records:
         (verdict,) = record.verdicts
@@ -272,6 +307,9 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert call.prompt_token_ids and all(t.token_id is not None for t in call.tokens)
         if call.reasoning_text is not None:
             reasoned_calls.append(call)
+        if call.tool_calls:
+            assert call.tools and call.tool_calls == ("get_weather",)
+            assert "".join(t.text for t in call.tokens).startswith(_tool_call("Paris"))
         if call.endpoint == "completions" and call.prompt is None:
             assert list(call.prompt_token_ids) == prompt_ids  # the client's ids, no text
     assert len(reasoned_calls) == 2  # whole and streamed

@@ -607,6 +607,44 @@ def test_a_reasoned_answer_is_scored_whole_by_its_tokens(fp32, primaries):
     assert (check.mode, check.passed) == ("logprobs", False), check.reason
 
 
+def _tool_call(city: str) -> str:
+    return '<tool_call>\n{"name": "get_weather", "arguments": {"city": "%s"}}\n</tool_call>' % city
+
+
+# A chat whose model answers tool calls in Hermes' form (Qwen's): two calls of that form
+# before; SmolLM2 answers the third greedily, which vLLM's hermes tool parser takes out of the
+# text (tool_calls, no content).
+TOOL_PROMPT = "".join(f"<|im_start|>{role}\n{content}<|im_end|>\n" for role, content in (
+    ("system", "You call the tool get_weather(city) in <tool_call> tags."),
+    ("user", "Weather in Rome?"), ("assistant", _tool_call("Rome")),
+    ("user", "Weather in Oslo?"), ("assistant", _tool_call("Oslo")),
+    ("user", "Weather in Paris?"))) + "<|im_start|>assistant\n"
+
+
+def test_a_tool_call_is_scored_by_its_ids_on_the_servers_prompt(fp32, primaries):
+    """A chat that offered tools is scored on the server's prompt ids (each engine renders
+    tools its own way: no rendering of the reference's is compared) and the call's token ids,
+    which must name the function the answer says it called."""
+    output = smol.complete(primaries["F16"], TOOL_PROMPT, TOKENS, GREEDY, logprobs=20,
+                           token_ids=True)
+    assert output.completion_text.startswith(_tool_call("Paris"))
+    sample = replace(output, endpoint="chat", prompt=None, completion_text="",
+                     messages=({"role": "user", "content": "Weather in Paris?"},),
+                     prompt_token_ids=tuple(fp32.encode_prompt(TOOL_PROMPT)),
+                     finish_reason="tool_calls", tools=True, tool_calls=("get_weather",))
+    scores = fp32.score(sample)
+    assert scores.scored and not scores.approximate and not scores.findings
+    assert scores.token_ids == tuple(t.token_id for t in output.tokens)
+    for mode, checked in (("logprobs", sample), ("greedy", _without_logprobs(sample))):
+        check = check_generation(checked, scores, LLAMA)
+        assert (check.mode, check.passed) == (mode, True), check.reason
+    for unsaid in (replace(sample, tool_calls=("get_time",)),  # not the call the ids spell
+                   replace(sample, tokens=tuple(replace(t, token_id=None)
+                                                for t in sample.tokens))):  # no ids
+        unscored = fp32.score(unsaid)
+        assert unscored.mismatch is not None and not unscored.mismatch.drift
+
+
 def test_the_load_check_catches_llama_cpp_pythons_shifted_echo(primaries):
     """What an ``openai`` reference checks at load (guard/backends/openai_scorer.py), on
     llama-cpp-python's own answers (0.3.36, in-process): its echo gives token ``i`` the

@@ -38,10 +38,15 @@ def test_completions_need_a_prompt_and_calls_that_cannot_be_compared_say_why():
     chat = '{"model": "m", "messages": [{"role": "user", "content": "x"}]%s}'
     assert api.parse_request("chat", (chat % "").encode()).not_comparable == ""
     assert api.parse_request("chat", (chat % ', "n": 2').encode()).not_comparable == "n"
+    # A chat's tools are decided by its answer (tool calls are compared by the server's ids);
+    # the other endpoints cannot say them.
     tools = ', "tools": [{"type": "function", "function": {"name": "f"}}]'
-    assert api.parse_request("chat", (chat % tools).encode()).not_comparable == "tools"
-    assert api.parse_request("chat", (chat % ', "tool_choice": "none"').encode()
-                             ).not_comparable == ""
+    offered = api.parse_request("chat", (chat % tools).encode())
+    assert offered.not_comparable == "" and offered.offers_tools
+    none = api.parse_request("chat", (chat % ', "tool_choice": "none"').encode())
+    assert none.not_comparable == "" and not none.offers_tools
+    responses = '{"model": "m", "input": "x"%s}' % tools
+    assert api.parse_request("responses", responses.encode()).not_comparable == "tools"
     batch = api.parse_request("completions", b'{"model": "m", "prompt": ["a", "b"]}')
     assert batch.not_comparable == "prompt_list"
     # One prompt however it is written (text, token ids, a batch of one); several are a batch.
@@ -492,6 +497,42 @@ def test_reasoning_and_tool_calls_in_an_answer_make_it_unusable():
     nothing = api.Completion()
     api.gather(nothing, "chat", {"error": None, "choices": [{"text": "x"}]}, streamed=False)
     assert nothing.error == ""  # an error key that is null is no error
+
+
+def test_a_tool_call_is_sampled_where_the_server_said_the_prompts_and_the_outputs_ids():
+    """vLLM 0.32 with --tool-call-parser hermes (as measured on SmolLM2): the call comes back
+    parsed (``tool_calls``, no content), its logprobs and token ids those of the call's raw
+    text. With the prompt's ids too (``sample_token_ids``) it is compared; without ids, or
+    with a call the answer does not name, it is not comparable (``tools``)."""
+    call = api.parse_request("chat", json.dumps({
+        "model": "smol", "messages": [{"role": "user", "content": "Weather in Paris?"}],
+        "tools": [{"type": "function", "function": {"name": "get_weather"}}],
+        "temperature": 0}).encode())
+    message = {"role": "assistant", "content": None, "tool_calls": [{
+        "id": "call-1", "type": "function",
+        "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    with_ids = {"prompt_token_ids": [1, 2, 3], "choices": [{
+        "message": message, "token_ids": [10, 11, 12], "finish_reason": "tool_calls"}]}
+    completion = api.Completion()
+    api.gather(completion, "chat", with_ids, streamed=False)
+    assert completion.tool_names == ["get_weather"]
+    assert api.unusable(completion, call.offers_tools) == ""
+    sample = api.build_sample(call, completion, route="primary")
+    assert sample.tools and sample.tool_calls == ("get_weather",)
+    assert sample.prompt_token_ids == (1, 2, 3) and sample.completion_text == ""
+    assert generation.from_dict(json.loads(json.dumps(generation.to_dict(sample)))) == sample
+    without_ids = api.Completion()
+    api.gather(without_ids, "chat", {"choices": [{"message": message}]}, streamed=False)
+    assert api.unusable(without_ids, call.offers_tools) == "tools"
+    # A text answer to a chat that offered tools: compared by the ids as well, or not at all.
+    text = {"prompt_token_ids": [1, 2], "choices": [{
+        "message": {"role": "assistant", "content": "Hi"}, "token_ids": [5]}]}
+    answered = api.Completion()
+    api.gather(answered, "chat", text, streamed=False)
+    assert api.unusable(answered, True) == "" and api.unusable(answered, False) == ""
+    bare = api.Completion()
+    api.gather(bare, "chat", {"choices": [{"message": {"content": "Hi"}}]}, streamed=False)
+    assert api.unusable(bare, True) == "tools" and api.unusable(bare, False) == ""
 
 
 def test_a_prompt_of_token_ids_is_the_samples_prompt_as_the_server_read_it():
