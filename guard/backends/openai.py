@@ -139,8 +139,10 @@ class OpenAIOptions(_Strict):
         "The reference then scores the prompt as the server rendered it (chat template "
         "included, not an approximation) and takes the completion's tokens by id: a character "
         "sampled as several byte tokens, or a split the reference's tokenizer would not make, "
-        "is compared instead of counted not comparable. Only for servers that take the "
-        "field (vLLM): false: never add it.")
+        "is compared instead of counted not comparable, and so are a reasoning model's "
+        "answers (reasoning included) and a chat that offers tools (the prompt as the server "
+        "rendered the tools, the call as the model generated it), which without ids are "
+        "not comparable. Only for servers that take the field (vLLM): false: never add it.")
     max_connections: int = Field(
         0, ge=0, description="Connections to the upstream at once; 0: no limit.")
     # The reference role (guard/backends/openai_scorer.py): a remote server scores given text.
