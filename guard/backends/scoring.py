@@ -310,9 +310,7 @@ def _align_parsed(sample: GenerationSample, vocab: Vocabulary
     and hold the reasoning and the answer as above."""
     tokens = sample.tokens
     texts = [t.text for t in tokens]
-    if sample.tool_calls:
-        pass  # by the ids, below
-    elif texts and all(comparable_text(t) for t in texts):
+    if not sample.tool_calls and texts and all(comparable_text(t) for t in texts):
         output = "".join(texts)
         end = _answer_end(output, sample)
         if end is not None:

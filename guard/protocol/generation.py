@@ -28,7 +28,6 @@ FORMAT_VERSION = 2  # bump when a field's meaning changes; readers refuse newer 
 # Version 2 added ``reasoning_text``, ``tools`` and ``tool_calls``: the tokens of such a sample
 # are more than its completion_text, which a version-1 reader would take for a tokenizer
 # mismatch. A sample without them is written as version 1, which every reader reads as before.
-_VERSION_OF_REASONING = 2
 
 
 @dataclass(frozen=True)
@@ -192,7 +191,7 @@ def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
     newer = sample.reasoning_text is not None or sample.tools or sample.tool_calls
-    data["format_version"] = _VERSION_OF_REASONING if newer else 1
+    data["format_version"] = FORMAT_VERSION if newer else 1
     return data
 
 

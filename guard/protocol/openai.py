@@ -79,6 +79,8 @@ class ParsedCall:
     # back as part of the text), tools on an endpoint that cannot say its tokens, a batch of
     # prompts.
     not_comparable: str = ""
+    # A completions call's one prompt (single_prompt: its text, or its token ids), read once.
+    prompt: str | tuple[int, ...] | None = None
 
     @property
     def offers_tools(self) -> bool:
@@ -135,6 +137,7 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
+    prompt = single_prompt(body["prompt"]) if endpoint == "completions" else None
     n, best_of = body.get("n", 1), body.get("best_of", 1)
     reason = ""
     if not isinstance(n, int) or n != 1 or (best_of is not None and best_of != 1):
@@ -143,7 +146,7 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         reason = "echo"  # the answer's text begins with the prompt (or the last message)
     elif endpoint != "chat" and _offers_tools(body):
         reason = "tools"  # (a chat's tools are decided by its answer: ParsedCall.offers_tools)
-    elif endpoint == "completions" and single_prompt(body["prompt"]) is None:
+    elif endpoint == "completions" and prompt is None:
         reason = "prompt_list"  # a batch of prompts: several completions
     elif endpoint == "completions" and body.get("suffix") is not None:
         # Fill-in-the-middle: llama-cpp-python wraps the prompt and the suffix in the model's
@@ -161,7 +164,7 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
             chat_messages(body["messages"])
         except ValueError:
             reason = "input"  # an image, audio or file part: the reference reads text
-    return ParsedCall(endpoint, body, model, stream, reason)
+    return ParsedCall(endpoint, body, model, stream, reason, prompt)
 
 
 def _offers_tools(body: dict[str, Any]) -> bool:
@@ -658,6 +661,15 @@ def _gather_head(completion: Completion, answer: dict[str, Any], tokens_key: str
     return True
 
 
+def _function_names(calls: Any) -> list[str]:
+    """The functions a chat answer's ``tool_calls`` name, in order (a stream names each call
+    in its first delta only)."""
+    functions = (c.get("function") for c in calls if isinstance(c, dict)) \
+        if isinstance(calls, list) else ()
+    return [f["name"] for f in functions
+            if isinstance(f, dict) and isinstance(f.get("name"), str) and f["name"]]
+
+
 def _gather_response(completion: Completion, response: Any) -> None:
     """A whole Responses API answer (a ``response`` object): its message items' output text
     and logprobs; a reasoning item or a tool call marked."""
@@ -704,11 +716,7 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
         content = part.get("content") if isinstance(part, dict) else None
         if isinstance(part, dict) and part.get("tool_calls"):
             completion.tool_calls = True
-            for call in part["tool_calls"] if isinstance(part["tool_calls"], list) else ():
-                function = call.get("function") if isinstance(call, dict) else None
-                name = function.get("name") if isinstance(function, dict) else None
-                if isinstance(name, str) and name:  # a stream names a call in its first delta
-                    completion.tool_names.append(name)
+            completion.tool_names.extend(_function_names(part["tool_calls"]))
         reasoning = part.get("reasoning") or part.get("reasoning_content") \
             if isinstance(part, dict) else None
         if isinstance(reasoning, str) and reasoning:
@@ -796,14 +804,18 @@ def unusable(completion: Completion, offers_tools: bool = False) -> str:
     logprobs cover the message text alone), it is not comparable; so is an answer whose
     usage counts reasoning tokens it does not give (hidden: the completion would be scored
     as if the answer had come first)."""
-    reasoned = completion.reasoning or completion.reasoning_tokens > 0
-    tools = offers_tools or completion.tool_calls
-    by_ids = completion.prompt_token_ids is not None and bool(completion.tokens) and all(
-        t.token_id is not None for t in completion.tokens)
-    return ("upstream_error" if completion.error else "tools" if tools and not (
-        by_ids and (completion.tool_names or not completion.tool_calls))
-            else "reasoning" if reasoned and not (
-                completion.reasoning_text and completion.tokens) else "")
+    if completion.error:
+        return "upstream_error"
+    if offers_tools or completion.tool_calls:
+        by_ids = completion.prompt_token_ids is not None and bool(completion.tokens) and all(
+            t.token_id is not None for t in completion.tokens)
+        named = completion.tool_names or not completion.tool_calls
+        if not (by_ids and named):
+            return "tools"
+    if completion.reasoning or completion.reasoning_tokens > 0:
+        if not (completion.reasoning_text and completion.tokens):
+            return "reasoning"
+    return ""
 
 
 def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool = True) -> None:
@@ -908,8 +920,7 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
     body = call.body
     messages = (chat_messages(body["messages"]) if call.endpoint == "chat" else
                 responses_messages(body) if call.endpoint == "responses" else None)
-    prompt = single_prompt(body["prompt"]) if call.endpoint == "completions" else None
-    prompt_ids = completion.prompt_token_ids
+    prompt, prompt_ids = call.prompt, completion.prompt_token_ids
     if isinstance(prompt, tuple):  # the client's token ids: the prompt as the server read it
         prompt, prompt_ids = None, prompt_ids or prompt
     return GenerationSample(
