@@ -23,7 +23,7 @@ these are not llama.cpp's F16-based tables.
    logprobs), and to score it (the reference's
    teacher-forced pass, then the tier's check in sampled mode, the costliest, and in logprobs
    mode) with the transformers fp32 and the llama_cpp F16 references, side by side, all on
-   one thread.
+   one thread; the F16 reference twice: as stored, and held as F32 (``options.upcast``).
 
 Usage: .venv/bin/python benchmarks/llm_ladder.py [--prompts 10] [--tokens 32] [--samples 10]
 Writes benchmarks/results/llm_ladder.json and .md with the machine and its load average
@@ -56,6 +56,12 @@ from guard.zoo.llm import PROMPTS, SHIPPED, complete, quant_ladder, sample_from_
     smollm2_gguf
 
 RESULTS = Path(__file__).resolve().parent / "results"
+# The references whose scoring cost is measured, as the tables name them.
+COST_REFERENCES = (
+    ("transformers fp32 reference (Q4_1 dequantized)", "transformers_fp32"),
+    ("llama_cpp F16 reference (Q4_1 in 16 bits)", "llama_cpp_f16"),
+    ("llama_cpp F16 reference held as F32 (options.upcast)", "llama_cpp_f16_upcast"),
+)
 RUNGS = ("F16", "Q8_0", SHIPPED, "Q4_K_M", "Q3_K_M", "Q2_K")
 REFERENCE_NOTE = ("fp32 reference = transformers on the shipped Q4_1 GGUF, dequantized (every "
                   "rung holds those weights: not llama.cpp's F16-based tables)")
@@ -165,8 +171,11 @@ def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
     # references' prompt caches are off, so that the second score costs what the first does
     # (benchmarks/llm_prompt_cache.py measures the cache on a shared prompt).
     f16 = scorer("llama_cpp", ladder["F16"], threads, context_length=512, cache_prompt=False)
+    f16_upcast = scorer("llama_cpp", ladder["F16"], threads, context_length=512,
+                        cache_prompt=False, upcast=True)
     fp32 = scorer("transformers", smollm2_gguf(), threads, cache_prompt=False)
-    references = {"transformers_fp32": fp32, "llama_cpp_f16": f16}
+    references = {"transformers_fp32": fp32, "llama_cpp_f16": f16,
+                  "llama_cpp_f16_upcast": f16_upcast}
     modes = ("sampled", "logprobs")
     totals = {"generate": 0.0, **{f"{name}_{part}_{mode}": 0.0 for name in references
                                   for part in ("score", "check") for mode in modes}}
@@ -199,8 +208,8 @@ def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
                 totals[f"{name}_check_{mode}"] += cpu_seconds() - middle
     primary.close()
     primary_scorer.close()
-    f16.close()
-    fp32.close()
+    for reference in references.values():
+        reference.close()
     per = {key: value / repeat for key, value in totals.items()}
     out = {"tokens": tokens, "tokens_generated_mean": produced / repeat, "repeat": repeat,
            "threads": threads, "cpu_source": "/proc/self/stat utime+stime",
@@ -278,8 +287,9 @@ def markdown(record: dict) -> list[str]:
         "CPU).", "",
         "| | pass, CPU s | check, CPU s | x generating |", "| --- | --- | --- | --- |",
         f"| generate (Q4_1 primary, llama.cpp) | {cost['generate_cpu_s']:.3f} | | 1 |"]
-    for label, key in (("transformers fp32 reference (Q4_1 dequantized)", "transformers_fp32"),
-                       ("llama_cpp F16 reference (Q4_1 in 16 bits)", "llama_cpp_f16")):
+    for label, key in COST_REFERENCES:
+        if key not in cost:  # records from before the upcast option
+            continue
         for mode in ("sampled", "logprobs"):
             c = cost[key][mode]
             lines.append(f"| score with the {label}, {mode} mode | {c['score_cpu_s']:.3f} | "

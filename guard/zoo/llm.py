@@ -13,14 +13,12 @@ dequantized, not the original bf16 checkpoint.
 from __future__ import annotations
 
 import importlib.util
-import logging
 import os
-import re
-import sys
 import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from guard.backends.gguf_quantize import partial_file, quantize, quantize_into
 
 if TYPE_CHECKING:
     from guard.protocol.generation import GenerationSample, SamplingParams
@@ -67,95 +65,6 @@ def cache_dir() -> Path:
     return cache_root() / "llm"
 
 
-@contextmanager
-def _stderr_to_log(what: str):
-    """llama.cpp's quantizer writes a line per tensor it cannot give the asked type straight to
-    file descriptor 2 (past any log callback): kept in a temporary file, summed up in one log
-    line (SmolLM2's 576-wide rows are not a multiple of the k-quants' 256: most of a "Q2_K"
-    is q4_0, which the ladder's figures include)."""
-    with tempfile.TemporaryFile() as kept:
-        sys.stderr.flush()
-        saved = os.dup(2)
-        os.dup2(kept.fileno(), 2)
-        try:
-            yield
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            kept.seek(0)
-            lines = kept.read().decode(errors="replace").splitlines()
-    fallbacks = sum("falling back" in line for line in lines)
-    if fallbacks:
-        logging.getLogger("guard.zoo.llm").info(
-            "quantize %s: %d tensors fell back to another type (%s)", what, fallbacks,
-            next((line.strip() for line in lines if "falling back" in line), ""))
-
-
-def quantize(source: Path, target: Path, ftype_name: str, threads: int = 1,
-             overrides: dict[str, str] | None = None) -> Path:
-    """``source`` requantized to ``ftype_name`` (e.g. "Q8_0") at ``target``; ``overrides``:
-    tensor name -> the ggml type it gets instead (``{"blk.3.ffn_down.weight": "Q2_K"}``, the
-    quantizer's tensor-type overrides: a tensor already of the file's type is copied as it is).
-    A file already there is kept (the name says what it holds). Written beside the target and
-    renamed in, so a reader never sees half a file and two processes may race."""
-    if target.is_file():
-        return target
-    with _partial(target) as partial:
-        _quantize_to(source, partial, ftype_name, threads, overrides)
-    return target
-
-
-@contextmanager
-def _partial(target: Path):
-    """A temporary file beside ``target``, renamed to it when the block succeeds."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    handle, partial = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
-    os.close(handle)
-    try:
-        yield Path(partial)
-        os.replace(partial, target)
-    finally:
-        if os.path.exists(partial):
-            os.unlink(partial)
-
-
-def _quantize_to(source: Path, target: Path, ftype_name: str, threads: int,
-                 overrides: dict[str, str] | None) -> None:
-    import ctypes
-
-    import llama_cpp
-
-    from guard.backends.llama_cpp import quiet_llama_logs
-
-    quiet_llama_logs()  # llama.cpp logs every tensor it converts
-    # F32 is LLAMA_FTYPE_ALL_F32; the rest LLAMA_FTYPE_MOSTLY_*.
-    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}",
-                    getattr(llama_cpp, f"LLAMA_FTYPE_ALL_{ftype_name}", None))
-    if ftype is None:
-        raise ValueError(f"llama.cpp knows no file type {ftype_name!r}")
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.allow_requantize = True
-    params.nthread = threads
-    if overrides:
-        # llama.cpp reads {pattern (a regex), ggml type} pairs up to one with no pattern.
-        table = (llama_cpp.llama_model_tensor_override * (len(overrides) + 1))()
-        for entry, (tensor, type_name) in zip(table, overrides.items()):
-            ggml_type = getattr(llama_cpp, f"GGML_TYPE_{type_name}", None)
-            if ggml_type is None:
-                raise ValueError(f"ggml knows no tensor type {type_name!r}")
-            entry.pattern = f"^{re.escape(tensor)}$".encode()
-            entry.type = ggml_type
-        params.tt_overrides = ctypes.cast(
-            table, ctypes.POINTER(llama_cpp.llama_model_tensor_override))
-    with _stderr_to_log(f"{source.name} -> {ftype_name}"):
-        status = llama_cpp.llama_model_quantize(str(source).encode(), str(target).encode(),
-                                                params)
-    if status != 0:
-        raise RuntimeError(f"llama_model_quantize {source.name} -> {ftype_name}: "
-                           f"status {status}")
-
-
 def one_tensor_requantized(tensor: str, ggml_type: str, folder: Path | None = None,
                            threads: int = 1) -> Path:
     """The shipped GGUF with one tensor (``blk.3.ffn_down.weight``) requantized to
@@ -181,8 +90,8 @@ def one_tensor_perturbed(tensor: str, share: float, seed: int = 0,
     target = (folder or cache_dir()) / f"{stem}+{tensor}~{share:g}-{seed}.gguf"
     if target.is_file():
         return target
-    with _partial(target) as partial:
-        _quantize_to(source, partial, SHIPPED, threads, {tensor: "F32"})
+    with partial_file(target) as partial:
+        quantize_into(source, partial, SHIPPED, threads, {tensor: "F32"})
         reader = GGUFReader(partial, "r+")
         found = [t for t in reader.tensors if t.name == tensor]
         if not found:
