@@ -50,6 +50,8 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int) -> dict:
     body["max_tokens"] = s.max_tokens if s.max_tokens is not None else max(len(sample.tokens), 1)
     if s.stop:
         body["stop"] = list(s.stop)
+    if sample.prompt_truncation is not None:  # the prompt the server read was cut so
+        body["truncate_prompt_tokens"] = sample.prompt_truncation
     return body
 
 

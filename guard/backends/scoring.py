@@ -682,10 +682,15 @@ class Scorer(Backend):
                 # Tools: each engine renders their definitions and earlier calls its own way
                 # (vLLM parses a call's arguments, llama.cpp's server rewrites templates): the
                 # server's ids are the prompt, no rendering of the reference's to compare.
-                difference = "" if sample.tools else rendering_difference(
-                    ids, self._own_rendering(sample), self.vocab)
+                own = None if sample.tools else self._own_rendering(sample)
             except BackendError:  # nothing to render from, or no template: nothing to compare
-                difference = ""
+                own = None
+            if sample.prompt_truncation is not None and (own is None or len(ids) < len(own)):
+                # The server kept part of the prompt, as the client asked (vLLM's
+                # truncate_prompt_tokens): what it kept is the prompt, and the cut is neither
+                # another template nor a lost BOS. A prompt it did not cut is checked as any.
+                return RenderedPrompt(ids, False, ())
+            difference = "" if own is None else rendering_difference(ids, own, self.vocab)
             findings = bos_findings(ids, self.bos_id, self.adds_bos)
             if difference:
                 findings += (PROMPT_RENDERED_OTHERWISE,)

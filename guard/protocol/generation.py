@@ -25,9 +25,11 @@ from typing import Any, Literal
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("completions", "chat")
 FORMAT_VERSION = 2  # bump when a field's meaning changes; readers refuse newer versions
-# Version 2 added ``reasoning_text``, ``tools`` and ``tool_calls``: the tokens of such a sample
+# Version 2 added ``reasoning_text``, ``tools`` and ``tool_calls`` (the tokens of such a sample
 # are more than its completion_text, which a version-1 reader would take for a tokenizer
-# mismatch. A sample without them is written as version 1, which every reader reads as before.
+# mismatch) and ``prompt_truncation`` (its prompt ids may be a cut rendering, which a version-1
+# reader would report as template drift). A sample without them is written as version 1,
+# which every reader reads as before.
 
 
 @dataclass(frozen=True)
@@ -180,6 +182,11 @@ class GenerationSample:
     # parser took them out of the text): the output's token ids must spell them.
     tools: bool = False
     tool_calls: tuple[str, ...] = ()
+    # The client's ``truncate_prompt_tokens`` (vLLM: keep that many of the prompt's tokens, -1
+    # the model's context; None: not asked). Such a sample is compared on the server's prompt
+    # token ids, the prompt the model read; where the server cut the prompt, the cut is no
+    # template drift and no missing BOS.
+    prompt_truncation: int | None = None
 
     @property
     def has_logprobs(self) -> bool:
@@ -190,7 +197,8 @@ class GenerationSample:
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
-    newer = sample.reasoning_text is not None or sample.tools or sample.tool_calls
+    newer = sample.reasoning_text is not None or sample.tools or sample.tool_calls or \
+        sample.prompt_truncation is not None
     data["format_version"] = FORMAT_VERSION if newer else 1
     return data
 
@@ -259,12 +267,17 @@ def from_dict(data: Any) -> GenerationSample:
         raise ValueError("reasoning_text: expected a string or null")
     if not isinstance(data.get("tools", False), bool):
         raise ValueError("tools: expected a boolean")
+    truncation = data.get("prompt_truncation")
+    if truncation is not None and (not isinstance(truncation, int) or isinstance(truncation, bool)
+                                   or truncation < -1):
+        raise ValueError("prompt_truncation: expected an integer >= -1 or null")
     called = _tuple(data.get("tool_calls", ()), "tool_calls")
     if not all(isinstance(name, str) for name in called):
         raise ValueError("tool_calls: expected a list of strings")
     rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
                                   "unix_nanos", "request_seconds", "first_token_seconds",
-                                  "upstream_model", "reasoning_text", "tools") if k in data}
+                                  "upstream_model", "reasoning_text", "tools",
+                                  "prompt_truncation") if k in data}
     return GenerationSample(
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],
         tokens=tokens, sampling=sampling, tool_calls=called,

@@ -90,6 +90,14 @@ class ParsedCall:
         return self.endpoint == "chat" and _offers_tools(self.body)
 
     @property
+    def prompt_truncation(self) -> int | None:
+        """vLLM's ``truncate_prompt_tokens`` where the client gave it: the server may keep only
+        that many of the prompt's tokens, so the call is compared only where the answer says
+        the prompt's token ids (:func:`unusable`)."""
+        value = self.body.get("truncate_prompt_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
     def asked_logprobs(self) -> bool:
         """The client asked for the primary's logprobs itself."""
         if self.endpoint == "responses":
@@ -784,9 +792,12 @@ def data_needs_parse(data: bytes, endpoint: str = "chat") -> bool:
         endpoint == "responses" and _RESPONSE_END.search(data) is not None)
 
 
-def unusable(completion: Completion, offers_tools: bool = False) -> str:
+def unusable(completion: Completion, offers_tools: bool = False,
+             prompt_truncation: int | None = None) -> str:
     """Why a completion that was answered cannot be compared, as the not-comparable reason
-    ("" when it can): an error, tools it cannot hold, reasoning the sample cannot hold.
+    ("" when it can): an error, tools it cannot hold, reasoning the sample cannot hold, a
+    prompt the server may have cut (``prompt_truncation``, :attr:`ParsedCall.prompt_truncation`)
+    without saying what it kept (its prompt token ids): ``input``.
 
     A chat that offers tools (``offers_tools``) is compared where the answer says the prompt's
     token ids (the server renders the tool definitions and a conversation's earlier calls into
@@ -806,6 +817,8 @@ def unusable(completion: Completion, offers_tools: bool = False) -> str:
     as if the answer had come first)."""
     if completion.error:
         return "upstream_error"
+    if prompt_truncation is not None and completion.prompt_token_ids is None:
+        return "input"
     if offers_tools or completion.tool_calls:
         by_ids = completion.prompt_token_ids is not None and bool(completion.tokens) and all(
             t.token_id is not None for t in completion.tokens)
@@ -922,7 +935,9 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
                 responses_messages(body) if call.endpoint == "responses" else None)
     prompt, prompt_ids = call.prompt, completion.prompt_token_ids
     if isinstance(prompt, tuple):  # the client's token ids: the prompt as the server read it
-        prompt, prompt_ids = None, prompt_ids or prompt
+        if call.prompt_truncation is None:  # (else the server's, which it may have cut)
+            prompt_ids = prompt_ids or prompt
+        prompt = None
     return GenerationSample(
         model=call.model, endpoint="completions" if call.endpoint == "completions" else "chat",
         completion_text="".join(completion.text), tokens=tuple(completion.tokens),
@@ -931,7 +946,8 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         finish_reason=completion.finish_reason, upstream_model=completion.upstream_model,
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
         reasoning_text="".join(completion.reasoning_text) if completion.reasoning_text
-        else None, tools=call.offers_tools, tool_calls=tuple(completion.tool_names), **envelope)
+        else None, tools=call.offers_tools, tool_calls=tuple(completion.tool_names),
+        prompt_truncation=call.prompt_truncation, **envelope)
 
 
 def error_body(message: str, kind: str = "invalid_request_error", code: str | None = None,

@@ -277,9 +277,17 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
             theirs.choices[0].message.tool_calls[0].function.arguments
         assert called.choices[0].logprobs is None
 
-        # Nine calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 9, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 9 and checks(server, "smol", "fail") == 0
+        # A prompt vLLM cut as the client asked (truncate_prompt_tokens: the last 6 tokens of
+        # the rendered chat): scored on what vLLM kept, which is neither another template nor
+        # a lost BOS.
+        cut = dict(asked, extra_body={"truncate_prompt_tokens": 6})
+        truncated = through.chat.completions.create(model="smol", messages=MESSAGES, **cut)
+        assert truncated.choices[0].message.content == direct.chat.completions.create(
+            model=vllm.name, messages=MESSAGES, **cut).choices[0].message.content
+
+        # Ten calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 10, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 10 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -293,8 +301,8 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 9 and stats.undecodable == 0
-    reasoned_calls = []
+    assert len(records) == 10 and stats.undecodable == 0
+    reasoned_calls, cut_calls = [], []
     for record in records:
         (verdict,) = record.verdicts
         assert verdict.tier == "generation" and verdict.passed
@@ -310,9 +318,13 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         if call.tool_calls:
             assert call.tools and call.tool_calls == ("get_weather",)
             assert "".join(t.text for t in call.tokens).startswith(_tool_call("Paris"))
+        if call.prompt_truncation is not None:
+            cut_calls.append(call)
+            assert call.prompt_truncation == 6 and len(call.prompt_token_ids) == 6
+            assert details["findings"] == []
         if call.endpoint == "completions" and call.prompt is None:
             assert list(call.prompt_token_ids) == prompt_ids  # the client's ids, no text
-    assert len(reasoned_calls) == 2  # whole and streamed
+    assert len(reasoned_calls) == 2 and len(cut_calls) == 1  # (reasoned: whole and streamed)
     for call in reasoned_calls:  # its tokens: the reasoning's, the phrases', the answer's, EOS
         output = "".join(t.text for t in call.tokens)
         assert output == f"{THOUGHT}{call.reasoning_text}{RESPONSE}{call.completion_text}" \

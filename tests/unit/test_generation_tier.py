@@ -645,6 +645,35 @@ def test_a_tool_call_is_scored_by_its_ids_on_the_servers_prompt(fp32, primaries)
         assert unscored.mismatch is not None and not unscored.mismatch.drift
 
 
+def test_a_prompt_the_server_cut_as_asked_is_scored_as_it_kept_it(fp32):
+    """vLLM's ``truncate_prompt_tokens``: the server keeps the rendered prompt's last N tokens
+    and says them (its prompt ids). They are the prompt; the cut is not another template (a
+    finding that fails the call) unless the client did not ask for it."""
+    from guard.backends.scoring import PROMPT_RENDERED_OTHERWISE
+
+    messages = ({"role": "user", "content": "What is the capital of France?"},)
+    rendered = fp32.render_chat(messages)
+    kept = tuple(rendered[-6:])
+    output = fp32.greedy(list(kept), 8)
+    tokens = tuple(TokenLogprob(fp32.vocab.token_text(i), None, (), i) for i in output)
+    sample = GenerationSample(model="smol", endpoint="chat", tokens=tokens, sampling=GREEDY,
+                              completion_text="".join(t.text for t in tokens),
+                              messages=messages, prompt_token_ids=kept, prompt_truncation=6)
+    scores = fp32.score(sample)
+    assert scores.scored and not scores.approximate
+    assert (scores.findings, scores.prompt_difference) == ((), "")
+    check = check_generation(sample, scores, LLAMA)
+    assert (check.mode, check.passed) == ("greedy", True), check.reason
+    unasked = fp32.score(replace(sample, prompt_truncation=None))
+    assert PROMPT_RENDERED_OTHERWISE in unasked.findings
+    assert not check_generation(replace(sample, prompt_truncation=None), unasked, LLAMA).passed
+    # Asked, but the prompt was short enough to keep whole: its rendering is checked as any.
+    uncut = replace(sample, prompt_token_ids=tuple(rendered), prompt_truncation=4096)
+    assert fp32.score(uncut).findings == ()
+    assert PROMPT_RENDERED_OTHERWISE in fp32.score(
+        replace(uncut, prompt_token_ids=tuple(rendered[:-1]) + (rendered[0],))).findings
+
+
 def test_the_load_check_catches_llama_cpp_pythons_shifted_echo(primaries):
     """What an ``openai`` reference checks at load (guard/backends/openai_scorer.py), on
     llama-cpp-python's own answers (0.3.36, in-process): its echo gives token ``i`` the

@@ -535,6 +535,40 @@ def test_a_tool_call_is_sampled_where_the_server_said_the_prompts_and_the_output
     assert api.unusable(bare, True) == "tools" and api.unusable(bare, False) == ""
 
 
+def test_a_prompt_the_server_may_cut_is_sampled_only_with_the_ids_it_kept():
+    """vLLM's ``truncate_prompt_tokens``: compared on the prompt ids the answer says (the
+    sample keeps the client's value: the scorer does not take the cut for another template),
+    not comparable (``input``) without them; the probe asks for the same cut."""
+    from guard.backends.openai_generate import probe_body
+
+    for endpoint, request in (("chat", {"messages": [{"role": "user", "content": "Hi"}]}),
+                              ("completions", {"prompt": "The capital"}),
+                              ("completions", {"prompt": [1, 2, 3, 4]})):
+        call = api.parse_request(endpoint, json.dumps({
+            "model": "m", "truncate_prompt_tokens": 2, **request}).encode())
+        assert call.prompt_truncation == 2 and call.not_comparable == ""
+        choice = {"text": " Paris"} if endpoint == "completions" else {
+            "message": {"role": "assistant", "content": " Paris"}}
+        bare = api.Completion()
+        api.gather(bare, endpoint, {"choices": [choice]}, streamed=False)
+        assert api.unusable(bare, call.offers_tools, call.prompt_truncation) == "input"
+        said = api.Completion()
+        api.gather(said, endpoint, {"prompt_token_ids": [3, 4], "choices": [choice]},
+                   streamed=False)
+        assert api.unusable(said, call.offers_tools, call.prompt_truncation) == ""
+        sample = api.build_sample(call, said, route="primary")
+        assert (sample.prompt_token_ids, sample.prompt_truncation) == ((3, 4), 2)
+        data = generation.to_dict(sample)
+        assert data["format_version"] == 2
+        assert generation.from_dict(json.loads(json.dumps(data))) == sample
+        assert probe_body(sample, "up", 5)["truncate_prompt_tokens"] == 2
+    assert api.parse_request("chat", json.dumps({
+        "model": "m", "messages": [{"role": "user", "content": "Hi"}],
+        "truncate_prompt_tokens": None}).encode()).prompt_truncation is None
+    with pytest.raises(ValueError, match="prompt_truncation"):
+        generation.from_dict({**data, "prompt_truncation": "2"})
+
+
 def test_a_prompt_of_token_ids_is_the_samples_prompt_as_the_server_read_it():
     answer = {"choices": [{"text": " Paris", "finish_reason": "length"}]}
     for prompt, text, ids in (([504, 3575], None, (504, 3575)), ([[7, 8]], None, (7, 8)),
