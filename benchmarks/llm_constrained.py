@@ -8,7 +8,7 @@ model itself gives a few percent or less. This benchmark measures it on a pair k
 the primary is llama-cpp-python's chat completion on SmolLM2's shipped Q4_1 GGUF (in-process:
 the same code its server runs, JSON mode through its grammar), the reference guard's `llama_cpp`
 scorer on the same file. Each call is built into a sample exactly as the HTTP edge builds it
-(the request body through guard/protocol/openai.py, the answer through `gather`), then checked:
+(the request body through guard/protocol/openai/, the answer through `gather`), then checked:
 
 - as guard checked it before it read constraints (the sample's `constraints` emptied): z;
 - as guard checks it now: not comparable (`constrained`) without logprobs;

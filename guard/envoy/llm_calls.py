@@ -4,7 +4,7 @@
 The tap sends a call once it has ended, whole: the request's JSON body and the answer's body
 as the upstream wrote it, a JSON object or, for ``"stream": true``, every Server-Sent Event in
 one buffer. The events are reassembled from that buffer exactly as the Python edge reassembles
-them from a connection's chunks (guard/protocol/openai.py ``gather_answer``: an event cut
+them from a connection's chunks (guard/protocol/openai/answers.py ``gather_answer``: an event cut
 anywhere by the upstream's writes is whole once the buffer is), so a streamed call makes the
 same sample through Envoy as through the Python edge, but for what only the edge sees as the
 events pass: the time to first token (a trace carries no timing; the call's time is Envoy's

@@ -6,7 +6,7 @@ What it holds (docs/envoy.md, "Generation models"):
 
 - a listener on ``server.host:http_port`` (HTTP/1.1 and h2c) whose routes send
   ``POST /v1/completions``, ``/v1/chat/completions`` and ``/v1/responses`` (the checked
-  calls, guard/protocol/openai.py ``PATHS``) to the model's primary or fallback
+  calls, guard/protocol/openai/requests.py ``PATHS``) to the model's primary or fallback
   cluster by the runtime weights guard sets (the same keys as the gRPC routes:
   ``guard.<model>.route.<cluster>``), every answer with the response header
   ``guard-route: primary|fallback``; ``/health``, ``/health/live``, ``/health/ready`` and

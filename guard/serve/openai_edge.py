@@ -9,7 +9,7 @@ Any other ``POST`` whose JSON body names a served model (embeddings, vLLM's ``/t
 ``/v1/messages`` ...) is forwarded unchecked to the model's route (``_PassThrough``): never
 sampled, counted as a request and as not comparable (``endpoint``).
 
-A call: the body is read and parsed (guard/protocol/openai.py: 400 for what is not an OpenAI
+A call: the body is read and parsed (guard/protocol/openai/: 400 for what is not an OpenAI
 body, 404 in OpenAI's error shape for a model guard does not serve), the route word picks the
 primary or the fallback (guard/ipc/routes.py, as on the OIP path), and the client's body and
 headers go to that upstream: hop-by-hop headers left out, the upstream's Authorization from

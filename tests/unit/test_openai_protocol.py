@@ -1,4 +1,4 @@
-"""The OpenAI-compatible API as data (guard/protocol/openai.py), the GENERATION ring record
+"""The OpenAI-compatible API as data (guard/protocol/openai/), the GENERATION ring record
 (guard/ipc/wire.py) and the ``openai`` backend block's validation."""
 
 from __future__ import annotations

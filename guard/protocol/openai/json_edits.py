@@ -1,0 +1,142 @@
+"""Byte-exact edits of an answer's JSON.
+
+The client's answer is the upstream's answer. The edge changes only the value of the top-level
+``"model"`` key (the upstream's name back to the client's), and, where guard itself asked for
+logprobs or token ids on a sampled call, those values back to ``null`` (what the server answers
+when nobody asked). Each edit splices the value's bytes in place (:func:`replace_values`): every
+other byte (spacing, key order, number spelling, escapes) stays as the server wrote it, which a
+``json.loads``/``json.dumps`` round trip would not keep."""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Iterable
+
+
+MODEL_PATH = ("model",)
+LOGPROBS_PATH = ("choices", "*", "logprobs")
+# Where vLLM puts the ids ``return_token_ids`` asks for: the prompt's at the top of a chat
+# answer (its first chunk, streamed) and in each choice of a completions answer, the
+# completion's in each choice. vLLM writes every one of them as null when they are not asked
+# for, so null is the client's answer byte for byte (vLLM 0.32, checked by the e2e test).
+TOKEN_ID_PATHS = (("prompt_token_ids",), ("choices", "*", "prompt_token_ids"),
+                  ("choices", "*", "token_ids"))
+# The scan walks the keys on the way to the wanted values and skips every other value with the
+# json module's C scanner (``raw_decode``), so an edit costs a few microseconds per event.
+_DECODER = json.JSONDecoder()
+_SPACE = re.compile(r"[ \t\n\r]*")
+# (CPython's C scanner; typeshed does not declare json.decoder.scanstring)
+_scanstring = json.decoder.scanstring  # type: ignore[attr-defined]
+
+
+def _skip_space(text: str, at: int) -> int:
+    match = _SPACE.match(text, at)  # (always a match: the pattern takes an empty run too)
+    return match.end() if match is not None else at
+
+
+def _value_end(text: str, at: int) -> int:
+    try:
+        return _DECODER.raw_decode(text, at)[1]
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"not JSON at {exc.pos}: {exc.msg}") from None
+
+
+def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:
+    """Scan the value at ``at`` (no leading space); append (start, end, path) of wanted values;
+    return where the value ends."""
+    if prefix in paths:
+        end = _value_end(text, at)
+        found.append((at, end, prefix))
+        return end
+    depth = len(prefix)
+    wanted = [p for p in paths if len(p) > depth and p[:depth] == prefix]
+    opener = text[at:at + 1]
+    if not wanted or opener not in ("{", "["):
+        return _value_end(text, at)
+    closer = "}" if opener == "{" else "]"
+    at = _skip_space(text, at + 1)
+    if text[at:at + 1] == closer:
+        return at + 1
+    while True:
+        if opener == "{":
+            if text[at:at + 1] != '"':
+                raise ValueError(f"not JSON at {at}: expected a key")
+            key, at = _scanstring(text, at + 1)
+            at = _skip_space(text, at)
+            if text[at:at + 1] != ":":
+                raise ValueError(f"not JSON at {at}: expected ':'")
+            at = _skip_space(text, at + 1)
+            step = key
+        else:
+            step = "*"
+        if any(p[depth] == step for p in wanted):
+            at = _spans(text, at, paths, (*prefix, step), found)
+        else:
+            at = _value_end(text, at)
+        if depth == 0 and all("*" not in p for p in paths) and len(found) == len(paths):
+            return len(text)  # every exact path found: the rest stays as it is
+        at = _skip_space(text, at)
+        sep = text[at:at + 1]
+        if sep == closer:
+            return at + 1
+        if sep != ",":
+            raise ValueError(f"not JSON at {at}: expected ',' or '{closer}'")
+        at = _skip_space(text, at + 1)
+
+
+def value_spans(data: bytes | str,
+                paths: Iterable[tuple[str, ...]]) -> list[tuple[int, int, tuple]]:
+    """(start, end, path) of every value at ``paths`` in the JSON ``data`` (character offsets
+    of its UTF-8 text), in document order. Paths are tuples of keys, ``"*"`` standing for
+    every element of an array. ValueError for data that is not JSON."""
+    text = data.decode() if isinstance(data, (bytes, bytearray)) else data
+    found: list = []
+    _spans(text, _skip_space(text, 0), tuple(paths), (), found)
+    return found
+
+
+# The fast path of the one edit every answer needs: a top-level "model" key reached over
+# top-level keys whose values are strings or scalars (how servers write their chunks: "id",
+# "object", "created", "model", then "choices"), in one C-level regex match.
+_STRING = rb'"[^"\\]*+(?:\\.[^"\\]*+)*+"'
+_SCALAR = rb"(?:" + _STRING + rb"|true|false|null|-?\d[\d.eE+-]*)"
+_LEADING_MODEL = re.compile(rb"\{(?:\s*" + _STRING + rb"\s*:\s*" + _SCALAR + rb"\s*,)*?"
+                            rb'\s*"model"\s*:\s*(' + _STRING + rb")\s*[,}]")
+
+
+def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> bytes:
+    """``data`` with the values at these paths replaced by the given JSON bytes; every other
+    byte as it was. Paths that are not there are left out (nothing added). Once every exact
+    path is found the rest of the document is not read: a document that breaks off after them
+    is edited there and forwarded as it is."""
+    if len(replacements) == 1 and MODEL_PATH in replacements:
+        match = _LEADING_MODEL.match(data)
+        if match is not None:
+            return data[:match.start(1)] + replacements[MODEL_PATH] + data[match.end(1):]
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8: {exc}") from None
+    spans = value_spans(text, replacements)
+    if not spans:
+        return data
+    out, at = [], 0
+    for start, end, path in spans:
+        out += [text[at:start], replacements[path].decode()]
+        at = end
+    out.append(text[at:])
+    return "".join(out).encode()
+
+
+def answer_edits(client_model: str, upstream_model: str, strip_logprobs: bool,
+                 strip_token_ids: bool = False) -> dict[tuple[str, ...], bytes]:
+    """The edits an answer (or each streamed chunk) of this call needs; {} for none."""
+    edits: dict[tuple[str, ...], bytes] = {}
+    if client_model != upstream_model:
+        edits[MODEL_PATH] = json.dumps(client_model, ensure_ascii=False).encode()
+    if strip_logprobs:
+        edits[LOGPROBS_PATH] = b"null"
+    if strip_token_ids:
+        edits.update(dict.fromkeys(TOKEN_ID_PATHS, b"null"))
+    return edits

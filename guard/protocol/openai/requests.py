@@ -1,0 +1,329 @@
+"""OpenAI-compatible requests as data: which calls guard checks (:data:`PATHS`), a client's
+body parsed into a :class:`ParsedCall` (the model, whether it streams, why it cannot be
+compared), the sampling transform it names, and the body of a sampled call with what the
+comparison needs added (:func:`sampled_body`)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any, Callable, Literal
+
+from guard.protocol.generation import (
+    SamplingParams,
+)
+
+# The checked endpoints: a call's kind by its path. A Responses API call (``/v1/responses``) is
+# checked as the chat it renders: its instructions and input items are chat messages to the
+# model's template (vLLM builds them so), its output text the completion.
+Call = Literal["completions", "chat", "responses"]
+PATHS: dict[str, Call] = {"/v1/completions": "completions", "/v1/chat/completions": "chat",
+                          "/v1/responses": "responses"}
+
+
+class BadRequest(ValueError):
+    """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why."""
+
+
+@dataclass
+class ParsedCall:
+    """What the edge needs from a client's request body (the body itself is forwarded)."""
+
+    endpoint: Call
+    body: dict[str, Any]
+    model: str
+    stream: bool
+    # Why this call cannot be compared with a reference ("" when it can): n > 1 or best_of >
+    # 1 (several completions in one answer, or the best of several), echo (the prompt comes
+    # back as part of the text), tools on an endpoint that cannot say its tokens, a batch of
+    # prompts.
+    not_comparable: str = ""
+    # A completions call's one prompt (single_prompt: its text, or its token ids), read once.
+    prompt: str | tuple[int, ...] | None = None
+
+    @property
+    def offers_tools(self) -> bool:
+        """A chat that offers the model tools: comparable only where the answer says the
+        prompt's token ids (the server's rendering of the tools) and the output's tokens
+        (:func:`unusable`)."""
+        return self.endpoint == "chat" and _offers_tools(self.body)
+
+    @property
+    def prompt_truncation(self) -> int | None:
+        """vLLM's ``truncate_prompt_tokens`` where the client gave it: the server may keep only
+        that many of the prompt's tokens, so the call is compared only where the answer says
+        the prompt's token ids (:func:`unusable`)."""
+        value = self.body.get("truncate_prompt_tokens")
+        return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+    @property
+    def asked_logprobs(self) -> bool:
+        """The client asked for the primary's logprobs itself."""
+        if self.endpoint == "responses":
+            return _responses_logprobs(self.body)
+        value = self.body.get("logprobs")
+        return value not in (None, False, 0)
+
+    @property
+    def asked_token_ids(self) -> bool:
+        """The client asked for the token ids itself (vLLM's ``return_token_ids``)."""
+        return self.body.get("return_token_ids") not in (None, False)
+
+
+def _body_and_model(data: bytes) -> tuple[dict[str, Any], str]:
+    """A request body as a JSON object and the model it names; BadRequest otherwise."""
+    try:
+        body = json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadRequest(f"the body is not JSON: {exc}") from None
+    if not isinstance(body, dict):
+        raise BadRequest("the body must be a JSON object")
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise BadRequest("'model' is required (a string)")
+    return body, model
+
+
+def model_of(data: bytes) -> str:
+    """The model a call to an endpoint guard forwards unchecked (embeddings, /v1/messages,
+    vLLM's ``/tokenize`` ...) names: what routes it. BadRequest for a body that names none."""
+    return _body_and_model(data)[1]
+
+
+def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
+    """The client's body as a call; BadRequest for what is not an OpenAI request body."""
+    body, model = _body_and_model(data)
+    if endpoint == "chat":
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            raise BadRequest("'messages' is required (a non-empty list)")
+    elif endpoint == "responses":
+        if not isinstance(body.get("input"), (str, list)) or not body["input"]:
+            raise BadRequest("'input' is required (a string or a non-empty list)")
+    elif "prompt" not in body:
+        raise BadRequest("'prompt' is required")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool):
+        raise BadRequest("'stream' must be a boolean")
+    prompt = single_prompt(body["prompt"]) if endpoint == "completions" else None
+    n, best_of = body.get("n", 1), body.get("best_of", 1)
+    reason = ""
+    if not isinstance(n, int) or n != 1 or (best_of is not None and best_of != 1):
+        reason = "n"  # several completions, or the best of several: not one sampled path
+    elif body.get("echo") not in (None, False):
+        reason = "echo"  # the answer's text begins with the prompt (or the last message)
+    elif endpoint != "chat" and _offers_tools(body):
+        reason = "tools"  # (a chat's tools are decided by its answer: ParsedCall.offers_tools)
+    elif endpoint == "completions" and prompt is None:
+        reason = "prompt_list"  # a batch of prompts: several completions
+    elif endpoint == "completions" and body.get("suffix") is not None:
+        # Fill-in-the-middle: llama-cpp-python wraps the prompt and the suffix in the model's
+        # FIM tokens (for any suffix, "" too) and the completion is the middle; the reference
+        # would score it after the prompt alone (vLLM refuses a suffix: an error answer).
+        reason = "input"
+    elif endpoint == "responses":
+        reason = _responses_not_comparable(body)
+    elif endpoint == "chat" and body.get("include_reasoning") is False:
+        # vLLM leaves the reasoning out of the answer, and its logprobs and token ids with it:
+        # the answer alone would be scored as if the model had begun with it.
+        reason = "reasoning"
+    elif endpoint == "chat":
+        try:
+            chat_messages(body["messages"])
+        except ValueError:
+            reason = "input"  # an image, audio or file part: the reference reads text
+    return ParsedCall(endpoint, body, model, stream, reason, prompt)
+
+
+def _offers_tools(body: dict[str, Any]) -> bool:
+    return bool(body.get("tools") or body.get("functions")) or body.get("tool_choice") not in (
+        None, "none")
+
+
+def _token_ids(value: Any) -> bool:
+    return isinstance(value, list) and bool(value) and all(
+        isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
+
+
+def single_prompt(prompt: Any) -> str | tuple[int, ...] | None:
+    """A completions ``prompt`` that asks for one completion: its text, or its token ids (the
+    prompt exactly as the server evaluates it: no BOS added, no template); a batch of one
+    (``["text"]``, ``[[ids]]``: LangChain's completions client sends every prompt so) is its
+    one prompt. None for a batch of several, or what is not a prompt."""
+    if isinstance(prompt, list) and len(prompt) == 1 and (
+            isinstance(prompt[0], str) or _token_ids(prompt[0])):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return tuple(prompt) if _token_ids(prompt) else None
+
+
+def chat_messages(messages: list[Any]) -> tuple[dict[str, Any], ...]:
+    """A chat's messages as the reference renders them: a content given as text parts is one
+    string, the parts joined by newlines (as vLLM joins them for a template that reads
+    strings, which text models' templates do); ValueError for a part that is not text."""
+    rendered = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise ValueError("messages: an item that is not an object")
+        if isinstance(message.get("content"), list):
+            message = {**message, "content": _text_of(message["content"])}
+        rendered.append(message)
+    return tuple(rendered)
+
+
+def _responses_not_comparable(body: dict[str, Any]) -> str:
+    """Why a Responses API call cannot be compared ("" when it can): a conversation the server
+    keeps (``previous_response_id``, ``conversation``: the prompt is not all in the request),
+    a background call (answered later, elsewhere), input guard cannot render as chat messages
+    (images, files, earlier tool calls)."""
+    if body.get("previous_response_id") or body.get("conversation") or \
+            body.get("background") is True:
+        return "stateful"
+    try:
+        responses_messages(body)
+    except ValueError:
+        return "input"
+    return ""
+
+
+def _text_of(content: Any) -> str:
+    """A message's content as its text: a string, or its text parts joined by newlines (as
+    vLLM joins them for a template that reads strings); ValueError for another part."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise ValueError("content: expected a string or a list of parts")
+    texts = []
+    for part in content:
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text",
+                                                                   "text") \
+                or not isinstance(part.get("text"), str):
+            raise ValueError("content: a part that is not text")
+        texts.append(part["text"])
+    return "\n".join(texts)
+
+
+def responses_messages(body: dict[str, Any]) -> tuple[dict[str, Any], ...]:
+    """The chat messages a Responses API call renders: ``instructions`` as a system message
+    first, then ``input`` (a string: one user message; a list: its message items, content
+    parts as text), as vLLM builds them (its ``input_tokens`` count agrees: checked against a
+    real vLLM). ValueError for input that is not text messages."""
+    messages: list[dict[str, Any]] = []
+    instructions = body.get("instructions")
+    if isinstance(instructions, str) and instructions:
+        messages.append({"role": "system", "content": instructions})
+    given = body.get("input")
+    if isinstance(given, str):
+        return (*messages, {"role": "user", "content": given})
+    for item in given if isinstance(given, list) else ():
+        if not isinstance(item, dict) or item.get("type", "message") != "message" or \
+                item.get("role") not in ("user", "assistant", "system", "developer"):
+            raise ValueError("input: an item that is not a message")
+        messages.append({"role": item["role"], "content": _text_of(item.get("content"))})
+    if not messages or messages[-1]["role"] == "system":
+        raise ValueError("input: no message to answer")
+    return tuple(messages)
+
+
+def _responses_logprobs(body: dict[str, Any]) -> bool:
+    include = body.get("include")
+    return isinstance(include, list) and "message.output_text.logprobs" in include
+
+
+def _number(value: Any, kind=float):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return kind(value) if kind is float or float(value).is_integer() else None
+
+
+def _positive(value: Any) -> bool:
+    return _number(value) is not None and value > 0
+
+
+def _given(value: Any) -> bool:
+    return value is not None and value is not False and value != "" and value != {} \
+        and value != []
+
+
+# Request fields that restrict or bias which tokens the server may choose, and whether a value
+# does: a grammar, a JSON schema or object, a regex, a choice list, a logit bias, an allow- or
+# deny-list of tokens, a minimum length (which masks the end of text until it is reached). The
+# server picks from a masked or shifted distribution the reference cannot rebuild, so the
+# checks that read the sampling transform (sampled, greedy) cannot judge such a call; a
+# server's logprobs are of the model's own distribution (vLLM's default raw_logprobs,
+# llama.cpp's), so the per-token comparison still holds. Spellings: OpenAI's, vLLM's
+# (guided_*, structured_outputs, structural_tag, allowed_token_ids, bad_words, min_tokens),
+# llama.cpp's server and llama-cpp-python's (grammar, json_schema).
+CONSTRAINT_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
+    "logit_bias": _given, "grammar": _given, "json_schema": _given,
+    "guided_json": _given, "guided_regex": _given, "guided_choice": _given,
+    "guided_grammar": _given, "structural_tag": _given,
+    "structured_outputs": lambda v: isinstance(v, dict) and any(
+        _given(x) for k, x in v.items() if k not in ("backend", "disable_any_whitespace",
+                                                     "disable_fallback",
+                                                     "disable_additional_properties",
+                                                     "whitespace_pattern")),
+    "allowed_token_ids": _given, "bad_words": _given, "min_tokens": _positive,
+    # The Responses API's structured output: text.format json_schema or json_object.
+    "text": lambda v: isinstance(v, dict) and isinstance(v.get("format"), dict)
+    and v["format"].get("type") not in (None, "text"),
+}
+# Samplers guard's transform does not model (guard/verify/generation.py applies temperature,
+# top_k, top_p, min_p and the penalties), each with the test for a value that turns it on:
+# llama.cpp's locally typical sampling, mirostat, tail-free sampling (llama-cpp-python), XTC,
+# DRY, top-n-sigma, dynamic temperature; vLLM's beam search.
+SAMPLER_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "typical_p": lambda v: _number(v) is not None and v < 1,
+    "mirostat": _positive, "mirostat_mode": _positive,
+    "tfs_z": lambda v: _number(v) is not None and v < 1,
+    "xtc_probability": _positive, "dry_multiplier": _positive, "top_n_sigma": _positive,
+    "dynatemp_range": _positive, "use_beam_search": lambda v: v is True,
+}
+
+
+def _fields_on(body: dict[str, Any], tests: dict[str, Callable[[Any], bool]]
+               ) -> tuple[str, ...]:
+    return tuple(name for name, on in tests.items() if name in body and on(body[name]))
+
+
+def sampling_params(body: dict[str, Any], endpoint: Call = "chat") -> SamplingParams:
+    """The sampling transform the request names (None where it says nothing: the server's
+    declared default applies)."""
+    logprobs = body.get("logprobs")
+    if endpoint == "responses":  # include: [message.output_text.logprobs], top_logprobs: k
+        logprobs = (body.get("top_logprobs") or 0) if _responses_logprobs(body) else None
+    elif body.get("top_logprobs") is not None:  # chat: logprobs: true, top_logprobs: k
+        logprobs = body.get("top_logprobs") if logprobs not in (None, False) else None
+    elif logprobs is True:
+        logprobs = 0
+    stop = body.get("stop")
+    stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
+    max_tokens = body.get("max_tokens", body.get("max_completion_tokens",
+                                                 body.get("max_output_tokens")))
+    return SamplingParams(
+        temperature=_number(body.get("temperature")), top_p=_number(body.get("top_p")),
+        top_k=_number(body.get("top_k"), int), min_p=_number(body.get("min_p")),
+        repetition_penalty=_number(body.get("repetition_penalty", body.get("repeat_penalty"))),
+        presence_penalty=_number(body.get("presence_penalty")),
+        frequency_penalty=_number(body.get("frequency_penalty")),
+        seed=_number(body.get("seed"), int), max_tokens=_number(max_tokens, int),
+        logprobs=_number(logprobs, int), n=_number(body.get("n", 1), int) or 1, stop=stops,
+        constraints=_fields_on(body, CONSTRAINT_FIELDS),
+        other_samplers=_fields_on(body, SAMPLER_FIELDS))
+
+
+def sampled_body(call: ParsedCall, top: int, token_ids: bool) -> dict[str, Any]:
+    """The body of a sampled call with what the comparison needs and its client did not ask:
+    the primary's logprobs (``top`` alternatives per token; 0: none added) and the token ids
+    of the prompt and the completion (vLLM's ``return_token_ids``). ``answer_edits`` takes
+    them out of the answer again."""
+    body = dict(call.body)
+    if top:
+        if call.endpoint == "chat":
+            body["logprobs"], body["top_logprobs"] = True, top
+        else:
+            body["logprobs"] = top
+    if token_ids:
+        body["return_token_ids"] = True
+    return body

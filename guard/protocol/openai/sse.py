@@ -1,0 +1,86 @@
+"""Server-Sent Events (https://html.spec.whatwg.org/multipage/server-sent-events.html): an event
+ends at a blank line; lines end with CRLF, LF or CR. :class:`EventSplitter` reassembles events
+across the chunks a connection delivers them in (an event can arrive in pieces, several can
+arrive in one chunk) and hands back each complete event's bytes as they came;
+:func:`edit_event` applies json_edits to one event's data."""
+
+from __future__ import annotations
+
+import re
+
+from guard.protocol.openai.json_edits import replace_values
+
+_BLANK_LINE = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
+_LINE_END = re.compile(rb"\r\n|\n|\r")
+
+
+class EventSplitter:
+    """Complete SSE events out of a byte stream cut anywhere."""
+
+    __slots__ = ("_pending",)
+
+    def __init__(self):
+        self._pending = b""
+
+    def feed(self, chunk: bytes) -> list[bytes]:
+        """The events completed by ``chunk``, each with its terminating blank line, as sent."""
+        data = self._pending + chunk if self._pending else chunk
+        events, at = [], 0
+        while True:
+            match = _BLANK_LINE.search(data, at)
+            # A CR at the very end may be the first half of a CRLF still in flight.
+            if match is None or (match.end() == len(data) and data.endswith(b"\r")):
+                break
+            events.append(data[at:match.end()])
+            at = match.end()
+        self._pending = data[at:]
+        return events
+
+    def rest(self) -> bytes:
+        """What came after the last complete event (at the end of the stream)."""
+        rest, self._pending = self._pending, b""
+        return rest
+
+
+def event_data(event: bytes) -> bytes | None:
+    """The ``data`` of one event (its data lines joined by LF), None for an event without
+    data (a comment, a retry)."""
+    if event.startswith(b"data:"):  # the usual event: one data line
+        payload = event[6 if event[5:6] == b" " else 5:].rstrip(b"\r\n")
+        if b"\n" not in payload and b"\r" not in payload:
+            return payload
+    lines = []
+    for line in _LINE_END.split(event):
+        if line.startswith(b"data:"):
+            value = line[5:]
+            lines.append(value[1:] if value.startswith(b" ") else value)
+    return b"\n".join(lines) if lines else None
+
+
+_DATA_LINE = re.compile(rb"(?:^|\r\n|\n|\r)data:")
+
+
+def edit_event(event: bytes, edits: dict[tuple[str, ...], bytes]) -> bytes:
+    """One event with ``edits`` applied to its JSON data (a single ``data:`` line, as every
+    OpenAI-compatible server sends, after an ``event:`` line in the Responses API's stream);
+    any other event as it came."""
+    if not edits:
+        return event
+    if event.startswith(b"data:"):  # the usual event: its data line first
+        start = 5
+    else:
+        found = _DATA_LINE.search(event)
+        if found is None:
+            return event
+        start = found.end()
+    head = start + 1 if event[start:start + 1] == b" " else start
+    line = _LINE_END.search(event, head)
+    end = line.start() if line is not None else len(event)
+    payload = event[head:end]
+    if not payload.startswith(b"{") or _DATA_LINE.search(event, end) is not None:
+        return event  # [DONE], or several data lines: not ours to edit
+    try:
+        edited = replace_values(payload, edits)
+    except ValueError:  # not JSON after all: forwarded as it came
+        return event
+    return event[:head] + edited + event[end:]
