@@ -11,7 +11,7 @@ events pass: the time to first token (a trace carries no timing; the call's time
 ``x-envoy-upstream-service-time``, the upstream's time to its answer's headers).
 
 What cannot be compared is counted in ``guard_generation_not_comparable_total{model,reason}``
-(for the sampled calls, the only ones guard sees in Envoy mode): ``n``, ``tools``,
+(for the sampled calls, the only ones guard sees in Envoy mode): ``n`` (best_of), ``tools``,
 ``prompt_list`` as on the edge; ``incomplete`` for a stream that ended before ``[DONE]`` (the
 client went away, or the upstream broke off); ``upstream_error`` for an answer that is an error.
 """

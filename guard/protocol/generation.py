@@ -67,11 +67,11 @@ class SamplingParams:
     logprobs: int | None = None  # top-k the client asked for (None: no logprobs asked)
     n: int = 1
     stop: tuple[str, ...] = ()
-    # Request fields outside the transform guard models (guard/protocol/openai/requests.py names them):
-    # constraints on which tokens may come (a grammar, a JSON schema, a logit bias ...) and
-    # samplers of other kinds (mirostat, typical_p, beam search ...). Either makes a completion
-    # without logprobs not comparable: its server chose from a distribution the reference
-    # cannot rebuild.
+    # Request fields outside the transform guard models (guard/protocol/openai/requests.py
+    # names them): constraints on which tokens may come (a grammar, a JSON schema, a logit
+    # bias ...) and samplers of other kinds (mirostat, typical_p, beam search ...). Either
+    # makes a completion without logprobs not comparable: its server chose from a
+    # distribution the reference cannot rebuild.
     constraints: tuple[str, ...] = ()
     other_samplers: tuple[str, ...] = ()
 

@@ -29,8 +29,8 @@ asks the upstream for logprobs on sampled calls whose clients did not, and sets 
 ``options.sample_token_ids`` it asks vLLM for the token ids of the prompt and the completion
 (``return_token_ids``: the reference then scores the prompt as the server rendered it) and
 sets them back to ``null`` likewise. Calls that cannot be
-compared (n > 1, tool calls, a batch of prompts, an answer that is an error or was cut short)
-are forwarded and counted (``guard_generation_not_comparable_total{model,reason}``), never
+compared (best_of > 1, tool calls without the ids, an answer that is an error or was cut
+short) are forwarded and counted (``guard_generation_not_comparable_total{model,reason}``), never
 sampled. A prompt longer than the reference's context is the verifier's to count.
 
 Outcomes: every call ends in ``guard_requests_total`` / ``guard_request_duration_seconds`` (a

@@ -285,9 +285,18 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert truncated.choices[0].message.content == direct.chat.completions.create(
             model=vllm.name, messages=MESSAGES, **cut).choices[0].message.content
 
-        # Ten calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 10, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 10 and checks(server, "smol", "fail") == 0
+        # Several completions in one answer (a batch of two prompts, two each): the client
+        # gets all four; the first (the first prompt's) is scored.
+        several = dict(asked, n=2)
+        batch = through.completions.create(model="smol", prompt=[PROMPT, "Water boils at"],
+                                           **several)
+        assert [c.text for c in batch.choices] == [c.text for c in direct.completions.create(
+            model=vllm.name, prompt=[PROMPT, "Water boils at"], **several).choices]
+        assert len(batch.choices) == 4 and batch.choices[0].text.startswith(" Paris")
+
+        # Eleven calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 11, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 11 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -301,7 +310,7 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 10 and stats.undecodable == 0
+    assert len(records) == 11 and stats.undecodable == 0
     reasoned_calls, cut_calls = [], []
     for record in records:
         (verdict,) = record.verdicts
@@ -318,6 +327,8 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         if call.tool_calls:
             assert call.tools and call.tool_calls == ("get_weather",)
             assert "".join(t.text for t in call.tokens).startswith(_tool_call("Paris"))
+        if call.sampling.n == 2:  # the batch: its first prompt and completion
+            assert (call.prompt, call.completion_text) == (PROMPT, batch.choices[0].text)
         if call.prompt_truncation is not None:
             cut_calls.append(call)
             assert call.prompt_truncation == 6 and len(call.prompt_token_ids) == 6

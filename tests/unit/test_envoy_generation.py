@@ -356,7 +356,7 @@ def test_a_whole_answer_is_sampled_and_what_cannot_be_compared_is_counted():
     traces = [
         trace(completion, json.dumps(whole).encode(), content_type="application/json",
               path="/v1/completions?x=1"),
-        trace(dict(CHAT, n=2), sse([chunk("a")])),  # two completions in one answer
+        trace(dict(CHAT, best_of=2), sse([chunk("a")])),  # the best of two: no sample
         trace(CHAT, sse([chunk("cut")], done=False)),  # the client went away mid-stream
         trace(CHAT, b'{"error": {"message": "busy"}}', status="503",
               content_type="application/json"),

@@ -37,7 +37,10 @@ def test_completions_need_a_prompt_and_calls_that_cannot_be_compared_say_why():
         api.parse_request("completions", b'{"model": "m"}')
     chat = '{"model": "m", "messages": [{"role": "user", "content": "x"}]%s}'
     assert api.parse_request("chat", (chat % "").encode()).not_comparable == ""
-    assert api.parse_request("chat", (chat % ', "n": 2').encode()).not_comparable == "n"
+    # Several completions: the first is compared; the best of several is no sample.
+    for extra, reason in ((', "n": 2', ""), (', "n": 0', "n"), (', "n": true', "n"),
+                          (', "n": "2"', "n"), (', "best_of": 2', "n")):
+        assert api.parse_request("chat", (chat % extra).encode()).not_comparable == reason
     # A chat's tools are decided by its answer (tool calls are compared by the server's ids);
     # the other endpoints cannot say them.
     tools = ', "tools": [{"type": "function", "function": {"name": "f"}}]'
@@ -47,15 +50,15 @@ def test_completions_need_a_prompt_and_calls_that_cannot_be_compared_say_why():
     assert none.not_comparable == "" and not none.offers_tools
     responses = '{"model": "m", "input": "x"%s}' % tools
     assert api.parse_request("responses", responses.encode()).not_comparable == "tools"
-    batch = api.parse_request("completions", b'{"model": "m", "prompt": ["a", "b"]}')
-    assert batch.not_comparable == "prompt_list"
-    # One prompt however it is written (text, token ids, a batch of one); several are a batch.
-    for prompt, reason in (('["a"]', ""), ("[1, 2, 3]", ""), ("[[1, 2]]", ""),
-                           ("[[1], [2]]", "prompt_list"), ("[]", "prompt_list"),
-                           ('[true]', "prompt_list"), ("[-1]", "prompt_list"),
-                           ('[["a"]]', "prompt_list"), ("null", "prompt_list")):
+    # A prompt however it is written (text, token ids, a batch): a batch's first is choice 0's.
+    for prompt, first in (('"a"', "a"), ('["a"]', "a"), ('["a", "b"]', "a"),
+                          ("[1, 2, 3]", (1, 2, 3)), ("[[1, 2]]", (1, 2)),
+                          ("[[1], [2, 3]]", (1,)), ("[]", None), ('[true]', None),
+                          ("[-1]", None), ('[["a"]]', None), ('["a", [1]]', None),
+                          ("null", None)):
         call = api.parse_request("completions", b'{"model": "m", "prompt": %s}' % prompt.encode())
-        assert call.not_comparable == reason, prompt
+        assert (call.prompt, call.not_comparable) == (first, "" if first else "prompt_list"), \
+            prompt
     completion = '{"model": "m", "prompt": "x"%s}'
     for extra, reason in ((', "best_of": 3', "n"), (', "best_of": 1', ""),
                           (', "best_of": null', ""), (', "echo": true', "echo"),
@@ -533,6 +536,35 @@ def test_a_tool_call_is_sampled_where_the_server_said_the_prompts_and_the_output
     bare = api.Completion()
     api.gather(bare, "chat", {"choices": [{"message": {"content": "Hi"}}]}, streamed=False)
     assert api.unusable(bare, True) == "tools" and api.unusable(bare, False) == ""
+
+
+def test_of_several_completions_in_one_answer_the_first_is_sampled():
+    """n > 1 or a batch of prompts: the answer holds a choice per completion (vLLM streams
+    them interleaved, a chunk per choice), each sampled on its own path; choice 0, the first
+    prompt's, is the sample."""
+    def chunk(index: int, text: str, **more) -> bytes:
+        return json.dumps({"choices": [{"index": index, "text": text, **more}]}).encode()
+
+    call = api.parse_request("completions", json.dumps({
+        "model": "m", "prompt": ["The capital of France is", "Water boils at"], "n": 2,
+        "temperature": 0.8, "stream": True}).encode())
+    assert call.not_comparable == "" and call.prompt == "The capital of France is"
+    completion = api.Completion()
+    for data in (chunk(0, " Paris"), chunk(2, " 100"), chunk(1, " Lyon"), chunk(0, ","),
+                 chunk(3, " degrees"), chunk(1, ".", finish_reason="stop"),
+                 chunk(0, " France", finish_reason="length")):
+        api.gather_event(completion, "completions", data)
+    sample = api.build_sample(call, completion, route="primary")
+    assert (sample.completion_text, sample.finish_reason) == (" Paris, France", "length")
+    assert sample.sampling.n == 2 and sample.prompt == "The capital of France is"
+    whole = {"choices": [
+        {"index": 1, "message": {"role": "assistant", "content": "Lyon"}, "token_ids": [9]},
+        {"index": 0, "message": {"role": "assistant", "content": "Paris"}, "token_ids": [7],
+         "finish_reason": "stop"}], "prompt_token_ids": [1, 2]}
+    chat = api.Completion()
+    api.gather(chat, "chat", whole, streamed=False)
+    assert "".join(chat.text) == "Paris" and [t.token_id for t in chat.tokens] == [7]
+    assert chat.prompt_token_ids == (1, 2) and chat.finish_reason == "stop"
 
 
 def test_a_prompt_the_server_may_cut_is_sampled_only_with_the_ids_it_kept():

@@ -157,6 +157,16 @@ def _gather_response(completion: Completion, response: Any) -> None:
         isinstance(details, dict) and details.get("reason") == "max_output_tokens") else None
 
 
+def _first_choice(choices: Any) -> dict[str, Any]:
+    """The choice a sample is made of: index 0. A call with n > 1 or a batch of prompts is
+    answered with several choices (streamed interleaved, a chunk per choice); each is a
+    completion of its own, and the first is compared. {} for a chunk of another choice."""
+    for choice in choices if isinstance(choices, list) else ():
+        if isinstance(choice, dict) and choice.get("index", 0) == 0:
+            return choice
+    return {}
+
+
 def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -> None:
     """Add one answer (non-streamed) or one chunk (streamed) to ``completion``; a Responses
     API answer is its ``response`` object, whole."""
@@ -167,10 +177,8 @@ def gather(completion: Completion, endpoint: str, answer: Any, streamed: bool) -
         return
     if not _gather_head(completion, answer, "completion_tokens"):
         return
-    ids = answer.get("prompt_token_ids")
-    choices = answer.get("choices") or ()
-    choice = choices[0] if choices and isinstance(choices[0], dict) else {}
-    ids = choice.get("prompt_token_ids", ids)
+    choice = _first_choice(answer.get("choices"))
+    ids = choice.get("prompt_token_ids", answer.get("prompt_token_ids"))
     if isinstance(ids, list) and all(isinstance(i, int) for i in ids):
         completion.prompt_token_ids = tuple(ids)
     if endpoint == "chat":

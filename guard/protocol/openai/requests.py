@@ -31,12 +31,12 @@ class ParsedCall:
     body: dict[str, Any]
     model: str
     stream: bool
-    # Why this call cannot be compared with a reference ("" when it can): n > 1 or best_of >
-    # 1 (several completions in one answer, or the best of several), echo (the prompt comes
-    # back as part of the text), tools on an endpoint that cannot say its tokens, a batch of
-    # prompts.
+    # Why this call cannot be compared with a reference ("" when it can): best_of > 1 (the
+    # best of several), echo (the prompt comes back as part of the text), tools on an endpoint
+    # that cannot say its tokens, a batch of prompts with no first prompt (parse_request).
     not_comparable: str = ""
-    # A completions call's one prompt (single_prompt: its text, or its token ids), read once.
+    # A completions call's prompt (first_prompt: its text, or its token ids; a batch's first,
+    # that of choice 0), read once.
     prompt: str | tuple[int, ...] | None = None
 
     @property
@@ -102,17 +102,21 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise BadRequest("'stream' must be a boolean")
-    prompt = single_prompt(body["prompt"]) if endpoint == "completions" else None
+    prompt = first_prompt(body["prompt"]) if endpoint == "completions" else None
     n, best_of = body.get("n", 1), body.get("best_of", 1)
     reason = ""
-    if not isinstance(n, int) or n != 1 or (best_of is not None and best_of != 1):
-        reason = "n"  # several completions, or the best of several: not one sampled path
+    # Several completions (n > 1, a batch of prompts) are each sampled on their own path: the
+    # first (choice 0) is compared. The best of several (best_of) is chosen by its score, no
+    # sample of the model's distribution.
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (
+            best_of is not None and best_of != 1):
+        reason = "n"
     elif body.get("echo") not in (None, False):
         reason = "echo"  # the answer's text begins with the prompt (or the last message)
     elif endpoint != "chat" and _offers_tools(body):
         reason = "tools"  # (a chat's tools are decided by its answer: ParsedCall.offers_tools)
     elif endpoint == "completions" and prompt is None:
-        reason = "prompt_list"  # a batch of prompts: several completions
+        reason = "prompt_list"  # an empty or malformed batch: no first prompt
     elif endpoint == "completions" and body.get("suffix") is not None:
         # Fill-in-the-middle: llama-cpp-python wraps the prompt and the suffix in the model's
         # FIM tokens (for any suffix, "" too) and the completion is the middle; the reference
@@ -142,13 +146,15 @@ def _token_ids(value: Any) -> bool:
         isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in value)
 
 
-def single_prompt(prompt: Any) -> str | tuple[int, ...] | None:
-    """A completions ``prompt`` that asks for one completion: its text, or its token ids (the
-    prompt exactly as the server evaluates it: no BOS added, no template); a batch of one
-    (``["text"]``, ``[[ids]]``: LangChain's completions client sends every prompt so) is its
-    one prompt. None for a batch of several, or what is not a prompt."""
-    if isinstance(prompt, list) and len(prompt) == 1 and (
-            isinstance(prompt[0], str) or _token_ids(prompt[0])):
+def first_prompt(prompt: Any) -> str | tuple[int, ...] | None:
+    """The prompt of a completions call's first completion (choice 0): its text, or its token
+    ids (the prompt exactly as the server evaluates it: no BOS added, no template). A batch
+    (``["text", ...]``, ``[[ids], ...]``: LangChain's completions client sends even one prompt
+    so, lm-eval's several) is answered one choice per prompt, in order: its first. None for
+    what is not a prompt (an empty batch, a batch of mixed or malformed items)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompt = prompt[0]
+    elif isinstance(prompt, list) and prompt and all(_token_ids(p) for p in prompt):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
