@@ -4,7 +4,7 @@ A scorer takes one :class:`~guard.protocol.generation.GenerationSample` (the pro
 primary's completion) and runs ONE forward pass of its own model over ``prompt + completion``;
 it returns the reference's next-token distribution at every completion position
 (:class:`ReferenceScores`). It knows no checks: the ``generation`` tier
-(guard/verify/generation.py) compares those distributions with what the primary did.
+(guard/verify/generation/) compares those distributions with what the primary did.
 
 What every scorer does the same way lives here:
 

@@ -30,7 +30,7 @@ POLICY_DEFAULTS: dict[str, Any] = {"min_samples": 5}
 
 
 class GenerationCheckConfig(Strict):
-    """The generation tier (guard/verify/generation.py): the token-level checks of a compared
+    """The generation tier (guard/verify/generation/): the token-level checks of a compared
     completion, and what the detector accumulates.
 
     The tier compares per token where the primary returned logprobs (mean KLD estimated from

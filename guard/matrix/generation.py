@@ -12,7 +12,7 @@ tokens:
 - **guard's** (what the ``generation`` tier sees online): the column's own greedy completions
   with the top-k logprobs a server returns, scored by the reference and checked by the tier at
   the config's thresholds (``checks.generation``): mean KLD per token (guard's estimate from
-  the top-k, guard/verify/generation.py ``_topk_kld``), its lumped lower bound, p99, same
+  the top-k, guard/verify/generation/checks.py ``_topk_kld``), its lumped lower bound, p99, same
   top-1, RMS Δp of the chosen token, completions passed. The column passes when every
   completion passes. Where the column also gives its full distributions (every in-process
   engine), the full-vocabulary KL(primary || reference) over the same tokens beside guard's

@@ -179,7 +179,7 @@ def _generation_sections(generation: dict) -> list[str]:
             f"Guard's figures, as the generation tier sees them online: each column's own greedy "
             f"completions with their top-{stats0.get('top_logprobs', '?')} logprobs, as an "
             "OpenAI-compatible server returns them; guard's KLD is KL(column || reference) "
-            "estimated from those (guard/verify/generation.py), beside the full-vocabulary "
+            "estimated from those (guard/verify/generation/), beside the full-vocabulary "
             "figure on the same tokens where the column gives its distributions.", "",
             "| column | engine | verdict | completions passed | mean KLD (guard) | full "
             "vocabulary | guard / full | lumped bound | KLD p99 | same top-1 | RMS Δp |",

@@ -1,5 +1,5 @@
 """A generative model's part of the replay report (its ``tiers.generation`` section, built by the
-tier's figures, guard/verify/generation.py ``GenerationFigures``), laid out as blocks
+tier's figures, guard/verify/generation/summary.py ``GenerationFigures``), laid out as blocks
 (guard/replay/layout.py):
 
 - llama-perplexity's summary table for the run (``--kl-divergence``'s statistics: PPL(Q),

@@ -7,7 +7,7 @@ never waits); the mirror worker (``GenerationMirror``, the shared queue, byte bu
 and timeouts of guard/verifier_process/mirror.py) asks the primary again when the fallback
 serves (a probe, guard/backends/openai_generate.py), scores the completion with the
 reference (ONE teacher-forced pass, ``Scorer.score``) and runs the tier
-(guard/verify/generation.py). The result then feeds, as for every tier:
+(guard/verify/generation/). The result then feeds, as for every tier:
 
 - ``guard_checks_total{tier="generation"}`` and the window (guard_drift_ratio) with the
   completion's verdict;

@@ -18,7 +18,6 @@ from guard.verify.generation import (
     GenerationThresholds,
     ServerDefaults,
     Transform,
-    _topk_kld,
     check_generation,
     resolve_transform,
     sampled_terms,
@@ -26,6 +25,7 @@ from guard.verify.generation import (
     transformed,
     unknown_sampling,
 )
+from guard.verify.generation.checks import _topk_kld
 
 
 def _log_softmax(x: np.ndarray) -> np.ndarray:
@@ -226,7 +226,7 @@ def test_sampled_terms_match_the_dense_formula(kw):
     for t, token in enumerate(tokens):
         row = scores.logprobs[t].astype(np.float64)
         if transform.penalized:  # on the raw logits (the repetition penalty's sign test)
-            from guard.verify.generation import _penalize
+            from guard.verify.generation.transform import _penalize
 
             row = _penalize(row + scores.logit_offsets[t], transform, (0, 5, 7),
                             tuple(int(i) for i in tokens), t)
@@ -337,7 +337,7 @@ def test_a_transform_declared_wider_than_vllms_raises_false_drift_and_the_file_c
 def _draw(raw: np.ndarray, transform, prompt: tuple[int, ...], rng, greedy=False) -> np.ndarray:
     """Tokens as vLLM draws them: penalties on the raw logits (a positive one divided by the
     repetition penalty, a negative one multiplied), then the transform."""
-    from guard.verify.generation import _penalize
+    from guard.verify.generation.transform import _penalize
 
     tokens: list[int] = []
     for t, row in enumerate(raw):

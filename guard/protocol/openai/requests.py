@@ -273,7 +273,7 @@ CONSTRAINT_FIELDS: dict[str, Callable[[Any], bool]] = {
     "text": lambda v: isinstance(v, dict) and isinstance(v.get("format"), dict)
     and v["format"].get("type") not in (None, "text"),
 }
-# Samplers guard's transform does not model (guard/verify/generation.py applies temperature,
+# Samplers guard's transform does not model (guard/verify/generation/ applies temperature,
 # top_k, top_p, min_p and the penalties), each with the test for a value that turns it on:
 # llama.cpp's locally typical sampling, mirostat, tail-free sampling (llama-cpp-python), XTC,
 # DRY, top-n-sigma, dynamic temperature; vLLM's beam search.

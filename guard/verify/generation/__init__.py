@@ -1,0 +1,165 @@
+"""The ``generation`` tier: one LLM completion against a teacher-forced reference (numpy only).
+
+Input: the primary's completion (:class:`~guard.protocol.generation.GenerationSample`) and the
+reference's distributions at each of its positions (:class:`~guard.backends.scoring.
+ReferenceScores`, one forward pass of the reference over prompt + completion). Output: one
+:class:`GenerationCheck` per completion, with a verdict and a continuous ``statistic`` for the
+detectors. Which comparison applies depends on what the primary returned:
+
+- **logprobs** (the primary's answer carries each token's logprob, best with ``top_logprobs``):
+  per token, ``KL(primary || reference)`` estimated from the primary's returned top-k and the
+  reference's logprobs of the same tokens (:func:`_topk_kld`): the exact KL over the top-k
+  plus one bucket for the rest of the mass (a lower bound, ``mean_kld_lower_bound``) plus a
+  correction for the divergence within that bucket, taken from the spread of the top-k's
+  log-ratios. On SmolLM2's quant ladder from top-20 the estimate is 0.95-1.02 of the
+  full-vocabulary KLD over the same tokens, the bound 0.70-0.84 (docs/generation.md);
+  ``kld_exact`` says the top-k held at least 99.9% of the mass everywhere (the figure is then
+  exact to that). llama-perplexity's direction, ``KL(reference || primary)``, is estimated
+  the same way (``mean_kld_reverse``: for close models the two agree to second order). Also
+  Δ logprob and Δp of the chosen token, same top-1. Verdict: the completion's mean KLD per
+  token <= ``max_mean_kld``; statistic: that mean.
+- **sampled** (no logprobs; temperature above ``near_greedy_temperature``, 0.1): at each position
+  the reference's surprise at the primary's token minus its expectation under the sampling
+  transform the server applied (temperature, top_k, top_p, min_p, penalties: the request's values
+  over the server's declared defaults, :class:`ServerDefaults`). When the primary samples from the
+  reference's transformed distribution, each term has mean 0 given the past and a variance the
+  reference knows (the varentropy), so the sum over the completion divided by the square root of
+  the summed variances is a z-score, approximately N(0, 1) under agreement (a martingale CLT). A
+  token the transform excludes would give an infinite surprise: the surprise is taken under
+  ``(1 - eps) * transformed + eps * untransformed`` (mean and variance taken under the
+  transformed distribution, so the zero mean holds exactly). Verdict: ``|z| <= max_abs_z``;
+  statistic: z. A completion whose transform is unknown (a server whose defaults the block does
+  not declare, and a request that does not set them) is ``not_comparable``: counted, never
+  scored.
+- **greedy** (no logprobs; temperature 0, or up to ``near_greedy_temperature``, or top_k 1:
+  at such a temperature the server leaves a confident argmax with a chance of
+  e^(-margin_floor / T) at most, where z would read kernel noise amplified by 1 / T as
+  drift): the primary's token must be the reference's argmax wherever the reference's margin
+  (top-1 minus top-2 logprob) exceeds ``margin_floor`` nats: below it, kernel noise flips the
+  argmax of agreeing models. Verdict: the share of confident
+  positions that disagree <= ``max_greedy_disagreement``; statistic: that share.
+
+A tokenization mismatch (guard/backends/scoring.py) is a failure of its own: nothing is scored,
+``findings`` names it. Prompt findings (``double_bos``, ``missing_bos``, and
+``prompt_rendered_otherwise`` unless ``prompt_rendering`` is "server") fail the completion
+too: they change every token after them. Every mode reports the first divergent token: the
+first confident position where the primary's choice is not the reference's argmax (greedy,
+logprobs), or the first token outside the reference's transformed support (sampled).
+
+Defaults (:class:`GenerationThresholds`) were calibrated on SmolLM2-135M-Instruct against its
+fp32 reference (benchmarks/llm_ladder.py; numbers in docs/generation.md): F16, Q4_1 and Q8_0
+primaries pass them and Q2_K fails them.
+
+One module per part: ``defaults`` (the servers' sampling defaults, the thresholds),
+``transform`` (the sampling transform and the reference under it), ``checks`` (the modes and
+``check_generation``), ``verdict`` (what a check returns), ``summary`` (many checks summed
+up); this module registers the tier and gathers their public names.
+"""
+
+from __future__ import annotations
+
+from guard.verify.generation.defaults import (
+    GenerationThresholds,
+    NEUTRAL,
+    SERVER_DEFAULTS,
+    ServerDefaults,
+    declared_defaults,
+    server_defaults,
+)
+from guard.verify.generation.transform import (
+    Transform,
+    UNDECLARED_ADVICE,
+    penalized_logprobs,
+    resolve_transform,
+    transformed,
+    transformed_support,
+    undeclared_sampling,
+    unknown_sampling,
+)
+from guard.verify.generation.verdict import (
+    FirstDivergence,
+    GenerationCheck,
+    NOT_COMPARABLE_CAUSES,
+)
+from guard.verify.generation.checks import (
+    TopKKld,
+    check_generation,
+    sampled_terms,
+)
+from guard.verify.generation.summary import (
+    GenerationFigures,
+    MAX_FLAGGED,
+    by_position,
+    perplexities,
+    summarize,
+)
+
+
+def thresholds_of(checks) -> GenerationThresholds:
+    """The tier's thresholds from a model's ``checks.generation`` block."""
+    block = checks.generation
+    return GenerationThresholds(**{name: getattr(block, name)
+                                   for name in GenerationThresholds.__dataclass_fields__
+                                   if hasattr(block, name)})
+
+
+class GenerationTier:
+    """One generative model's instance of the tier: ``Compared.primary`` is the completion (a
+    ``GenerationSample``), ``Compared.reference`` the reference's scores over it."""
+
+    name = "generation"
+
+    def __init__(self, defaults: ServerDefaults, limits: GenerationThresholds):
+        self.defaults, self.limits = defaults, limits
+
+    def check(self, sample) -> GenerationCheck:
+        return check_generation(sample.primary, sample.reference, self.defaults, self.limits)
+
+
+def _build(setup) -> GenerationTier | None:
+    if setup.task != "generation":
+        return None
+    primary = setup.model.primary.options if setup.model is not None else None
+    return GenerationTier(declared_defaults(primary), thresholds_of(setup.checks))
+
+
+def _declare():
+    from guard.verify.tiers import TierKind
+
+    return TierKind("generation", build=_build, takes="generation",
+                    details=lambda check: check.details(), figures=GenerationFigures)
+
+
+TIER = _declare()
+
+
+__all__ = [
+    "FirstDivergence",
+    "GenerationCheck",
+    "GenerationFigures",
+    "GenerationThresholds",
+    "GenerationTier",
+    "MAX_FLAGGED",
+    "NEUTRAL",
+    "NOT_COMPARABLE_CAUSES",
+    "SERVER_DEFAULTS",
+    "ServerDefaults",
+    "TIER",
+    "TopKKld",
+    "Transform",
+    "UNDECLARED_ADVICE",
+    "by_position",
+    "check_generation",
+    "declared_defaults",
+    "penalized_logprobs",
+    "perplexities",
+    "resolve_transform",
+    "sampled_terms",
+    "server_defaults",
+    "summarize",
+    "thresholds_of",
+    "transformed",
+    "transformed_support",
+    "undeclared_sampling",
+    "unknown_sampling",
+]

@@ -1,0 +1,348 @@
+"""The tier's comparison of one completion with the reference's scores over it, in the mode
+what the primary returned allows (logprobs, greedy, sampled): :func:`check_generation`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Any
+
+import numpy as np
+
+from guard.backends.scoring import (
+    PROMPT_RENDERED_OTHERWISE,
+    ReferenceScores,
+    comparable_text,
+    names_its_alternatives,
+)
+from guard.protocol.generation import (
+    GenerationSample,
+    SamplingParams,
+)
+from guard.verify.generation.defaults import (
+    SERVER_DEFAULTS,
+    GenerationThresholds,
+    ServerDefaults,
+)
+from guard.verify.generation.verdict import (
+    FirstDivergence,
+    GenerationCheck,
+)
+from guard.verify.generation.transform import (
+    Transform,
+    penalized_logprobs,
+    resolve_transform,
+    transformed_support,
+    unknown_sampling,
+)
+
+# Probabilities are floored here before a log: a bucket the other side gives no mass to.
+_TINY = 1e-12
+# The primary's top-k held at least this share of its mass at every position: the top-k KL is
+# the full-vocabulary KLD to within about this much.
+_EXACT_COVERAGE = 0.999
+_TEXT_BEFORE = 200  # characters of completion text kept before the first divergent token
+
+
+
+def _reference_top(scores: ReferenceScores, t: int) -> tuple[tuple[str, float], ...]:
+    return tuple((text, float(math.exp(lp))) for text, lp in
+                 zip(scores.top_texts[t], scores.top_logprobs[t][:len(scores.top_texts[t])]))
+
+
+def _divergence(sample: GenerationSample, scores: ReferenceScores,
+                position: int | None) -> FirstDivergence | None:
+    if position is None:
+        return None
+    texts = scores.token_texts  # the primary's tokens, aligned (also where it sent only text)
+    before = "".join(texts[:position])
+    return FirstDivergence(position, before[-_TEXT_BEFORE:], texts[position],
+                           _reference_top(scores, position))
+
+
+def _margins(scores: ReferenceScores) -> np.ndarray:
+    if scores.top_logprobs.shape[1] < 2:
+        return np.full(scores.top_logprobs.shape[0], np.inf)
+    return (scores.top_logprobs[:, 0] - scores.top_logprobs[:, 1]).astype(np.float64)
+
+
+@dataclass(frozen=True)
+class TopKKld:
+    """One position's KLD figures from the primary's top-k (nats)."""
+
+    estimate: float  # KL(primary || reference): the lumped bound plus the tail correction
+    lower_bound: float  # KL(primary || reference) over the top-k plus one tail bucket
+    reverse: float  # KL(reference || primary), llama-perplexity's direction, estimated alike
+    coverage: float  # the share of the primary's mass its top-k held
+
+
+def _bucket_kld(a: np.ndarray, b: np.ndarray, a_tail: float, b_tail: float) -> float:
+    """KL(a || b) between two distributions given on the same tokens plus one tail bucket."""
+    kld = float(np.sum(a * (np.log(np.maximum(a, _TINY)) - np.log(np.maximum(b, _TINY)))))
+    if a_tail > 0.0:
+        kld += a_tail * (math.log(max(a_tail, _TINY)) - math.log(max(b_tail, _TINY)))
+    return kld
+
+
+def _topk_kld(primary_lp: np.ndarray, reference_lp: np.ndarray) -> TopKKld:
+    """KL(primary || reference) at one position from the primary's top-k logprobs and the
+    reference's logprobs of the same tokens, and the other direction alike.
+
+    The top-k tokens plus one bucket for the rest (the tail) give an exact KL between the
+    coarse-grained distributions: a lower bound (lumping can only lower a KL), which loses
+    ``P_tail * KL(p_tail || q_tail)``, the tail's own divergence (p_tail, q_tail: the two
+    distributions within the tail, P_tail the primary's tail mass). Measured on SmolLM2's
+    quant ladder from top-20, the bound is 0.70-0.84 of the full-vocabulary KLD: the tail
+    holds about a tenth of the mass and its log-ratios spread as much as the top-k's.
+
+    The correction: a quantized, reordered or otherwise perturbed model's logits are the
+    reference's plus noise that does not depend on the token, so every log-ratio
+    ``d = log p - log q`` is one constant plus that noise, in the tail as in the top-k. With
+    noise of variance s² (Gaussian, over a tail of many tokens), ``p_tail`` is ``q_tail``
+    tilted by ``exp(noise)`` and ``KL(p_tail || q_tail) = s²/2`` exactly (and the same for
+    ``KL(q_tail || p_tail)``). s² is estimated by the sample variance of ``d`` over the
+    top-k, where both sides are known; the estimate adds ``P_tail * s²/2`` (the reverse
+    direction ``Q_tail * s²/2``). On the ladder it came out at 0.95-1.02 of the full figure
+    (docs/generation.md); with the whole vocabulary the tail is empty and it is exact.
+    """
+    p = np.exp(primary_lp)
+    q = np.exp(reference_lp)
+    p_tail = max(1.0 - float(p.sum()), 0.0)
+    q_tail = max(1.0 - float(q.sum()), 0.0)
+    lower = max(_bucket_kld(p, q, p_tail, q_tail), 0.0)
+    reverse = max(_bucket_kld(q, p, q_tail, p_tail), 0.0)
+    noise = float(np.var(primary_lp - reference_lp, ddof=1)) if p.size >= 2 else 0.0
+    return TopKKld(estimate=lower + p_tail * noise / 2, lower_bound=lower,
+                   reverse=reverse + q_tail * noise / 2, coverage=float(p.sum()))
+
+
+def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
+                   limits: GenerationThresholds) -> GenerationCheck:
+    n = len(scores.token_ids)
+    klds, bounds, reverse = np.zeros(n), np.zeros(n), np.zeros(n)
+    coverage = np.ones(n)
+    delta_lp = np.zeros(n)
+    delta_p = np.zeros(n)
+    same_top: list[bool] = []
+    margins = _margins(scores)
+    first = None
+    for t in range(n):
+        token = sample.tokens[t]
+        ref_chosen = float(scores.chosen_logprob[t])
+        primary_chosen = float(token.logprob)  # type: ignore[arg-type]
+        delta_lp[t] = primary_chosen - ref_chosen
+        delta_p[t] = math.exp(primary_chosen) - math.exp(ref_chosen)
+        alternatives = scores.primary_top_logprobs[t] if t < len(scores.primary_top_logprobs) \
+            else np.zeros(0)
+        prim, ref = [primary_chosen], [ref_chosen]
+        for (text, lp), ref_lp in zip(token.top, alternatives):
+            if text != token.text and not math.isnan(ref_lp):
+                prim.append(lp)
+                ref.append(float(ref_lp))
+        kld = _topk_kld(np.array(prim), np.array(ref))
+        klds[t], bounds[t], reverse[t], coverage[t] = (kld.estimate, kld.lower_bound,
+                                                       kld.reverse, kld.coverage)
+        primary_top = token.top[0][0] if token.top else (
+            token.text if sample.sampling.greedy else None)
+        # Where the chosen token is a piece of a character, the server's texts there are the
+        # characters they complete (names_its_alternatives): its top-1 is not compared.
+        if primary_top is not None and comparable_text(primary_top) and \
+                names_its_alternatives(token.text, scores.token_texts[t]):
+            agree = primary_top == scores.top_texts[t][0]
+            same_top.append(agree)
+            if not agree and first is None and margins[t] > limits.margin_floor:
+                first = t
+    mean_kld = float(klds.mean())
+    passed = mean_kld <= limits.max_mean_kld
+    return GenerationCheck(
+        passed=passed, mode="logprobs", tokens=n, statistic=mean_kld,
+        reason="" if passed else f"mean KLD {mean_kld:.4g} > max_mean_kld {limits.max_mean_kld:g}",
+        mean_kld=mean_kld, kld_p99=float(np.percentile(klds, 99)),
+        mean_kld_lower_bound=float(bounds.mean()), mean_kld_reverse=float(reverse.mean()),
+        kld_exact=bool(coverage.min() >= _EXACT_COVERAGE),
+        top1_agreement=float(np.mean(same_top)) if same_top else math.nan,
+        delta_p_rms=float(np.sqrt(np.mean(delta_p ** 2))),
+        mean_delta_logprob=float(delta_lp.mean()),
+        top1_compared=len(same_top), first_divergence=_divergence(sample, scores, first),
+        per_token_kld=klds, per_token_kld_lower_bound=bounds, per_token_kld_reverse=reverse,
+        per_token_delta_p=delta_p)
+
+
+def _greedy(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
+            limits: GenerationThresholds) -> GenerationCheck:
+    n = len(scores.token_ids)
+    ids = np.asarray(scores.token_ids, dtype=np.int64)
+    if transform.penalized:  # the argmax and margin of the penalized distribution
+        best = np.zeros(n, np.int64)
+        margins = np.full(n, np.inf)
+        for t in range(n):
+            row = penalized_logprobs(scores, transform, t)
+            two = np.argpartition(-row, 1)[:2] if row.size > 1 else np.zeros(1, np.int64)
+            two = two[np.argsort(-row[two])]
+            best[t] = two[0]
+            if two.size > 1:
+                margins[t] = row[two[0]] - row[two[1]]
+        agree = best == ids
+    else:
+        agree = scores.top_ids[:, 0] == ids
+        margins = _margins(scores)
+    confident = margins > limits.margin_floor
+    disagreements = int(np.sum(confident & ~agree))
+    positions = int(confident.sum())
+    share = disagreements / positions if positions else 0.0
+    passed = share <= limits.max_greedy_disagreement
+    flips = np.flatnonzero(confident & ~agree)
+    return GenerationCheck(
+        passed=passed, mode="greedy", tokens=n, statistic=share,
+        reason="" if passed else (f"{disagreements} of {positions} confident positions left the "
+                                  f"reference's argmax (> {limits.max_greedy_disagreement:g})"),
+        top1_agreement=float(agree.mean()), top1_compared=n, confident_positions=positions,
+        confident_disagreements=disagreements,
+        first_divergence=_divergence(sample, scores, int(flips[0]) if flips.size else None))
+
+
+def sampled_terms(scores: ReferenceScores, transform: Transform, epsilon: float
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per position: the centred surprise at the primary's token, its variance under
+    agreement, and whether the token is outside the transformed support."""
+    assert scores.logprobs is not None
+    n = len(scores.token_ids)
+    terms, variances, outside = np.zeros(n), np.zeros(n), np.zeros(n, bool)
+    for t, token_id in enumerate(scores.token_ids):
+        row = penalized_logprobs(scores, transform, t) if transform.penalized else \
+            scores.logprobs[t]
+        # Only the kept set and the primary's token enter: pi is zero elsewhere.
+        kept, pi = transformed_support(row, transform)
+        mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
+                       + _TINY)
+        expected = float(np.dot(pi, mixed))  # -(cross entropy of pi against the mixture)
+        chosen = float(pi[kept == token_id].sum())
+        mixed_chosen = math.log((1.0 - epsilon) * chosen + epsilon * math.exp(
+            float(row[token_id])) + _TINY)
+        terms[t] = -mixed_chosen + expected
+        variances[t] = max(float(np.dot(pi, mixed ** 2)) - expected ** 2, 0.0)
+        outside[t] = chosen == 0.0
+    return terms, variances, outside
+
+
+def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
+             limits: GenerationThresholds) -> GenerationCheck:
+    if scores.logprobs is None:
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=len(scores.token_ids),
+                               cause="no_distribution",
+                               reason="a sampled completion without logprobs needs the "
+                               "reference's full distribution (a local scorer)")
+    terms, variances, outside = sampled_terms(scores, transform, limits.support_epsilon)
+    total_var = float(variances.sum())
+    z = float(terms.sum() / math.sqrt(total_var)) if total_var > 0 else 0.0
+    passed = abs(z) <= limits.max_abs_z
+    ids = np.asarray(scores.token_ids, dtype=np.int64)
+    firsts = np.flatnonzero(outside)
+    return GenerationCheck(
+        passed=passed, mode="sampled", tokens=len(ids), statistic=z, z=z,
+        reason="" if passed else f"|z| {abs(z):.3g} > max_abs_z {limits.max_abs_z:g}",
+        top1_agreement=float(np.mean(scores.top_ids[:, 0] == ids)), top1_compared=len(ids),
+        out_of_support=int(outside.sum()),
+        first_divergence=_divergence(sample, scores, int(firsts[0]) if firsts.size else None))
+
+
+def _unscorable_penalties(scores: ReferenceScores, transform: Transform) -> str:
+    """Why penalties that moved the server's choices cannot be applied to these scores ("":
+    they can): they need the reference's whole distribution, and a repetition penalty its raw
+    logits, which a local scorer gives and a remote one does not."""
+    if not transform.penalized:
+        return ""
+    if scores.logprobs is None:
+        return ("the server's penalties move every token's score: they need the reference's "
+                "full distribution (a local scorer)")
+    if transform.repetition_penalty != 1.0 and scores.logit_offsets is None:
+        return ("a repetition penalty acts on raw logits, which this reference's scores do not "
+                "carry")
+    return ""
+
+
+def _outside_transform(sampling: SamplingParams) -> tuple[str, str] | None:
+    """(cause, reason) where the request asked for decoding the sampled and greedy checks
+    cannot rebuild: a constraint (a grammar, a schema, a logit bias ...) or a sampler guard
+    does not model. The logprobs comparison needs no transform: the server's logprobs are the
+    model's own distribution, before any constraint."""
+    advice = ("; the per-token comparison still applies where the answer carries logprobs "
+              "(options.sample_logprobs)")
+    if sampling.constraints:
+        return "constrained", (f"decoding was constrained ({', '.join(sampling.constraints)}):"
+                               f" the server chose from a masked or biased distribution"
+                               + advice)
+    if sampling.other_samplers:
+        return "sampler", (f"a sampler guard does not model "
+                           f"({', '.join(sampling.other_samplers)}) chose the tokens" + advice)
+    return None
+
+
+def _per_token(sample: GenerationSample, scores: ReferenceScores) -> dict[str, Any]:
+    """The per-token fields every scored mode shares: texts, the reference's surprise at each
+    token, the primary's logprob of it where it said."""
+    told = sample.has_logprobs and len(sample.tokens) == len(scores.token_ids)
+    return {"per_token_text": tuple(scores.token_texts),
+            "per_token_surprise": -np.asarray(scores.chosen_logprob, dtype=np.float64),
+            "per_token_primary_logprob": np.array([t.logprob for t in sample.tokens],
+                                                  dtype=np.float64) if told else None}
+
+
+_DEFAULT_LIMITS = GenerationThresholds()  # (frozen: one instance serves every call)
+
+
+def check_generation(sample: GenerationSample, scores: ReferenceScores,
+                     defaults: ServerDefaults = SERVER_DEFAULTS["unknown"],
+                     limits: GenerationThresholds = _DEFAULT_LIMITS) -> GenerationCheck:
+    """Compare one completion with the reference's teacher-forced distributions."""
+    common: dict[str, Any] = {"approximate": scores.approximate, "findings": scores.findings}
+    if scores.mismatch is not None and not scores.mismatch.drift:
+        m = scores.mismatch
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=len(sample.tokens),
+                               cause="unaligned",
+                               reason=f"the primary's tokens cannot be aligned at token "
+                                      f"{m.position}: {m.reason}", **common)
+    if scores.mismatch is not None:
+        m = scores.mismatch
+        return GenerationCheck(
+            passed=False, mode="tokenization_mismatch", tokens=len(sample.tokens),
+            reason=f"tokenization mismatch at token {m.position}: primary {m.primary!r}, "
+                   f"reference {m.reference!r} ({m.reason})",
+            approximate=scores.approximate,
+            findings=scores.findings + ("tokenization_mismatch",))
+    n = len(scores.token_ids)
+    if n < max(limits.min_tokens, 1):
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=n, cause="too_short",
+                               reason=f"{n} completion tokens (< min_tokens)", **common)
+    if sample.has_logprobs and len(sample.tokens) == n:
+        check = _with_logprobs(sample, scores, limits)
+    else:
+        outside = _outside_transform(sample.sampling)
+        if outside is not None:
+            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                                   cause=outside[0], reason=outside[1], **common)
+        transform = resolve_transform(sample.sampling, defaults)
+        if transform is None:
+            unsaid = unknown_sampling(sample.sampling, defaults)
+            return GenerationCheck(
+                passed=True, mode="not_comparable", tokens=n, cause="sampling_unknown",
+                reason=f"the sampling transform is unknown: {unsaid} is neither in the request "
+                "nor declared for the server (options.engine, generation_config, "
+                "server_defaults)", **common)
+        unscorable = _unscorable_penalties(scores, transform)
+        if unscorable:
+            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                                   cause="penalties", reason=unscorable, **common)
+        if transform.temperature <= limits.near_greedy_temperature or transform.top_k == 1:
+            check = _greedy(sample, scores, transform, limits)
+        else:
+            check = _sampled(sample, scores, transform, limits)
+    check = replace(check, **common, **_per_token(sample, scores))
+    failing = [f for f in scores.findings
+               if f != PROMPT_RENDERED_OTHERWISE or limits.prompt_rendering == "must_match"]
+    if scores.prompt_difference:
+        check.reason = "; ".join(filter(None, [check.reason, scores.prompt_difference]))
+    if failing and check.comparable:
+        check.passed = False
+        check.reason = "; ".join(filter(None, [check.reason, "prompt: " + ", ".join(failing)]))
+    return check

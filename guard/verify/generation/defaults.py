@@ -1,0 +1,141 @@
+"""What the tier compares against: the sampling defaults a primary's server applies where a
+request says nothing (:class:`ServerDefaults`, a preset per engine, ``declared_defaults`` from
+the primary block's options) and the tier's thresholds (:class:`GenerationThresholds`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from typing import Any, Mapping
+
+
+from guard.protocol.generation import (
+    generation_config_defaults,
+)
+
+@dataclass(frozen=True)
+class ServerDefaults:
+    """The sampling transform a server applies where the request does not say (the backend
+    block declares it: it depends on the server and its launch flags).
+
+    A field that is None is not known: a sampled request that does not set it is not
+    comparable (``temperature=None`` alone: only greedy requests and requests that set the
+    temperature compare). ``temperature_last``: the server applies the truncations (top_k,
+    top_p, min_p) at temperature 1 and the temperature after them (llama.cpp's sampler chain);
+    otherwise temperature first (vLLM, transformers). Penalties follow vLLM's meaning: the
+    repetition penalty over prompt and completion tokens, presence and frequency over
+    completion tokens, within the last ``penalty_last_n`` tokens (-1: all);
+    ``penalize_prompt`` false: the repetition penalty too sees only the completion's tokens
+    (llama-cpp-python's sampler is handed the sampled tokens alone).
+    """
+
+    temperature: float | None = None
+    top_p: float | None = 1.0
+    top_k: int | None = 0  # 0: off
+    min_p: float | None = 0.0
+    repetition_penalty: float | None = 1.0
+    presence_penalty: float | None = 0.0
+    frequency_penalty: float | None = 0.0
+    penalty_last_n: int = -1
+    temperature_last: bool = False
+    penalize_prompt: bool = True
+
+
+# vLLM without a model's generation_config.json (``--generation-config vllm``): temperature 1,
+# no truncation, no penalty. OpenAI's API means the same.
+NEUTRAL = ServerDefaults(temperature=1.0)
+
+# Starting points for the backend block; the server's launch flags can change them.
+SERVER_DEFAULTS: dict[str, ServerDefaults] = {
+    # llama.cpp's server (llama-server): top_k 40, top_p 0.95, min_p 0.05, temperature 0.8,
+    # repeat_penalty 1.0 over the last 64 tokens, the prompt's among them (once the prompt is
+    # evaluated its server hands every prompt token to the sampler: common_sampler_accept in
+    # its slot loop, read in its source, not run here); temperature last.
+    "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
+                                penalty_last_n=64, temperature_last=True),
+    # llama-cpp-python's server (llama_cpp.server): the same chain, but repeat_penalty 1.1
+    # unless told (its server's default; its Llama API's is 1.0), over the last 64 sampled
+    # tokens only (its sampler never sees the prompt's).
+    "llama-cpp-python": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
+                                       repetition_penalty=1.1, penalty_last_n=64,
+                                       temperature_last=True, penalize_prompt=False),
+    # vLLM applies the sampling fields of the model's generation_config.json over its neutral
+    # defaults (``--generation-config auto``, its default: 0.32 here): which they are is not
+    # known until the block declares the file (options.generation_config) or the values
+    # (options.server_defaults). Qwen2.5-Instruct's, for one, sample at temperature 0.7,
+    # top_p 0.8, top_k 20 and repetition_penalty 1.05, not at vLLM's temperature 1.
+    "vllm": ServerDefaults(temperature=None, top_p=None, top_k=None, min_p=None,
+                           repetition_penalty=None, presence_penalty=None,
+                           frequency_penalty=None),
+    "openai": NEUTRAL,
+    # Nothing known: only greedy requests and requests that set the temperature compare.
+    "unknown": ServerDefaults(),
+}
+
+
+def server_defaults(declared: Mapping[str, Any] | None = None, engine: str = "unknown",
+                    generation_config: Mapping[str, Any] | None = None) -> ServerDefaults:
+    """The defaults of ``engine`` (a key of SERVER_DEFAULTS: its sampler order and penalty
+    window), with ``generation_config`` (the sampling fields vLLM takes from a model's
+    generation_config.json, over its neutral defaults; engine vllm only) and then what the
+    backend block declares (None: not declared) laid over them."""
+    if engine not in SERVER_DEFAULTS:
+        raise ValueError(f"engine: {engine!r} is not one of {', '.join(SERVER_DEFAULTS)}")
+    base = SERVER_DEFAULTS[engine]
+    if generation_config is not None:
+        if engine != "vllm":
+            raise ValueError(f"generation_config: engine {engine} does not apply a model's "
+                             "generation_config.json (vLLM does): declare server_defaults")
+        base = replace(NEUTRAL, **_known_fields(generation_config, "generation_config"))
+    return replace(base, **_known_fields(declared or {}, "server_defaults"))
+
+
+def _known_fields(values: Mapping[str, Any], key: str) -> dict[str, Any]:
+    told = {k: v for k, v in values.items() if v is not None}
+    unknown = sorted(set(told) - set(ServerDefaults.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f"{key}.{unknown[0]}: unknown field")
+    return told
+
+
+@dataclass(frozen=True)
+class GenerationThresholds:
+    """The tier's defaults. Why these values: docs/generation.md (measured ladder)."""
+
+    # Mean KLD per token (nats) over one completion, logprobs mode. Q8_0's ladder mean is
+    # 0.0046 and Q2_K's 0.52: 0.05 sits near their geometric mean.
+    max_mean_kld: float = 0.05
+    # |z| of one sampled completion (N(0, 1) under agreement: 4 is 6e-5 two-sided).
+    max_abs_z: float = 4.0
+    # Reference margin (nats) above which an argmax flip is not kernel noise.
+    margin_floor: float = 1.0
+    # Greedy: the share of confident positions where the primary left the reference's argmax.
+    max_greedy_disagreement: float = 0.05
+    # Sampling at or below this temperature (or top_k 1) is checked as greedy: the server
+    # leaves a confident argmax with a chance of e^(-margin_floor / T) at most, and the
+    # sampled z would amplify kernel noise by 1 / T (guard/config/generation.py says more).
+    near_greedy_temperature: float = 0.1
+    # Weight of the untransformed distribution in the sampled surprise (finite for a token the
+    # transform excludes).
+    support_epsilon: float = 0.05
+    # Fewer compared positions than this: not comparable (counted, not scored).
+    min_tokens: int = 1
+    # The server's prompt ids against the reference's own rendering of the same messages or
+    # text: "must_match" fails a completion whose prompt the server rendered otherwise (chat
+    # template or tokenizer drift); "server" takes the server's rendering as intended (a
+    # deliberate --chat-template) and only reports the difference.
+    prompt_rendering: str = "must_match"
+
+
+
+def declared_defaults(primary_options: Mapping[str, Any] | None) -> ServerDefaults:
+    """The sampling defaults the primary's server applies: its block's ``options.engine``
+    preset (sampler order, penalty window), the sampling fields of the generation_config.json
+    that ``options.generation_config`` names (vLLM), and ``options.server_defaults`` over
+    them."""
+    options = dict(primary_options or {})
+    source = options.get("generation_config")
+    from_file = None
+    if source is not None:
+        from_file = generation_config_defaults(str(source))
+    return server_defaults(options.get("server_defaults"), options.get("engine") or "unknown",
+                           from_file)

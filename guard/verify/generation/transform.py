@@ -1,0 +1,195 @@
+"""The sampling transform a server applied to a completion (temperature, top_k, top_p, min_p,
+penalties: the request's values over the server's declared defaults), and the reference's
+distributions under it; which sampling fields a primary leaves unknown."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from guard.backends.scoring import (
+    ReferenceScores,
+    largest_k,
+)
+from guard.protocol.generation import (
+    SAMPLING_FIELDS,
+    SamplingParams,
+)
+from guard.verify.generation.defaults import (
+    NEUTRAL,
+    ServerDefaults,
+    declared_defaults,
+)
+
+@dataclass(frozen=True)
+class Transform:
+    """The sampling transform one completion was drawn with (request over server defaults)."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    repetition_penalty: float
+    presence_penalty: float
+    frequency_penalty: float
+    penalty_last_n: int
+    temperature_last: bool
+    penalize_prompt: bool = True
+
+    @property
+    def penalized(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
+                or self.frequency_penalty != 0.0)
+
+
+_TRUNCATIONS = ("top_p", "top_k", "min_p")
+_PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
+assert ("temperature",) + _TRUNCATIONS + _PENALTIES == SAMPLING_FIELDS
+
+
+def unknown_sampling(sampling: SamplingParams, defaults: ServerDefaults) -> str | None:
+    """The first sampling field that the request does not set and the server's defaults do
+    not know (None: the transform is known). A greedy request needs its temperature and the
+    penalties, not the truncations."""
+    temperature = sampling.temperature if sampling.temperature is not None else \
+        defaults.temperature
+    if temperature is None:
+        return "temperature"
+    # Greedy decoding reads no truncation, but the penalties move its argmax too.
+    needed = _PENALTIES if temperature <= 0.0 else _TRUNCATIONS + _PENALTIES
+    return next((name for name in needed
+                 if getattr(sampling, name) is None and getattr(defaults, name) is None), None)
+
+
+def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Transform | None:
+    """The transform the server applied, or None where a field of it is not known
+    (:func:`unknown_sampling`). A greedy request's unknown truncations are taken as neutral:
+    the greedy check does not read them."""
+    if unknown_sampling(sampling, defaults) is not None:
+        return None
+
+    def pick(name: str):
+        for value in (getattr(sampling, name), getattr(defaults, name),
+                      getattr(NEUTRAL, name)):
+            if value is not None:
+                return value
+
+    return Transform(
+        temperature=float(pick("temperature")), top_p=float(pick("top_p")),
+        top_k=int(pick("top_k")), min_p=float(pick("min_p")),
+        repetition_penalty=float(pick("repetition_penalty")),
+        presence_penalty=float(pick("presence_penalty")),
+        frequency_penalty=float(pick("frequency_penalty")),
+        penalty_last_n=defaults.penalty_last_n, temperature_last=defaults.temperature_last,
+        penalize_prompt=defaults.penalize_prompt)
+
+
+def _penalize(logits: np.ndarray, transform: Transform, prompt: Sequence[int],
+              completion: Sequence[int], t: int) -> np.ndarray:
+    """vLLM's penalties on one position's logits (completion tokens before ``t`` and, for the
+    repetition penalty, the prompt), within the last ``penalty_last_n`` tokens."""
+    history = (list(prompt) if transform.penalize_prompt else []) + list(completion[:t])
+    if transform.penalty_last_n >= 0:
+        history = history[len(history) - transform.penalty_last_n:] if \
+            transform.penalty_last_n else []
+    out = logits.copy()
+    if transform.repetition_penalty != 1.0 and history:
+        seen = np.unique(np.asarray(history, dtype=np.int64))
+        values = out[seen]
+        out[seen] = np.where(values > 0, values / transform.repetition_penalty,
+                             values * transform.repetition_penalty)
+    generated = list(completion[:t])
+    if transform.penalty_last_n >= 0:
+        generated = generated[max(0, len(generated) - transform.penalty_last_n):] if \
+            transform.penalty_last_n else []
+    if generated and (transform.presence_penalty or transform.frequency_penalty):
+        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+        out[ids] -= transform.presence_penalty + transform.frequency_penalty * counts
+    return out
+
+
+def penalized_logprobs(scores: ReferenceScores, transform: Transform, t: int) -> np.ndarray:
+    """The reference's log-probabilities at position ``t`` after the transform's penalties
+    (float64 ``[V]``). The repetition penalty divides a positive raw logit and multiplies a
+    negative one (vLLM, llama.cpp), so it is applied to the raw logits (the log-softmax plus
+    the scorer's ``logit_offsets``); presence and frequency penalties shift, which a
+    log-softmax does not mind."""
+    assert scores.logprobs is not None
+    row = scores.logprobs[t].astype(np.float64)
+    if transform.repetition_penalty != 1.0:
+        assert scores.logit_offsets is not None
+        row = row + float(scores.logit_offsets[t])
+    row = _penalize(row, transform, scores.prompt_token_ids, scores.token_ids, t)
+    return row - np.logaddexp.reduce(row)
+
+
+def _softmax(logits: np.ndarray) -> np.ndarray:
+    finite = np.isfinite(logits)
+    out = np.zeros_like(logits)
+    if not finite.any():
+        return out
+    shifted = np.where(finite, logits - logits[finite].max(), -np.inf)
+    out = np.exp(shifted)
+    return out / out.sum()
+
+
+def transformed_support(logprobs: np.ndarray, transform: Transform
+                        ) -> tuple[np.ndarray, np.ndarray]:
+    """The tokens the server may sample at one position and their probabilities (float64),
+    given the model's log-probabilities there (penalties already applied).
+
+    The truncations work on the candidates top_k left (all tokens without it), so that a
+    top_k server costs one partition of the vocabulary, not a sort; only the kept tokens are
+    converted and normalized (the vocabulary is tens of thousands, the kept set tens)."""
+    if 0 < transform.top_k < logprobs.shape[-1]:
+        # Temperature is monotonic: the top_k set is the same before or after it.
+        candidates = largest_k(logprobs, transform.top_k)
+        candidates = candidates[np.isfinite(logprobs[candidates])]
+    else:
+        candidates = np.flatnonzero(np.isfinite(logprobs))
+    values = logprobs[candidates].astype(np.float64)
+    if not transform.temperature_last:
+        values = values / transform.temperature
+    if transform.top_p < 1.0:
+        order = np.argsort(-values, kind="stable")
+        cumulative = np.cumsum(_softmax(values[order]))
+        # The smallest prefix whose mass reaches top_p (the token that crosses included).
+        count = int(np.searchsorted(cumulative, transform.top_p, side="left")) + 1
+        candidates, values = candidates[order[:count]], values[order[:count]]
+    if transform.min_p > 0.0:
+        kept = values >= values.max() + math.log(transform.min_p)  # p >= min_p * p_max
+        candidates, values = candidates[kept], values[kept]
+    if transform.temperature_last:
+        values = values / transform.temperature
+    return candidates, _softmax(values)
+
+
+def transformed(logprobs: np.ndarray, transform: Transform) -> np.ndarray:
+    """The distribution the server samples from at one position: float64 ``[V]``, zero
+    outside the kept set (:func:`transformed_support`, dense)."""
+    candidates, probabilities = transformed_support(logprobs, transform)
+    out = np.zeros(logprobs.shape, dtype=np.float64)
+    out[candidates] = probabilities
+    return out
+
+
+
+UNDECLARED_ADVICE = (
+    "sampled calls that leave these to the server are not compared "
+    "(guard_generation_not_comparable_total{reason=\"sampling_unknown\"}): declare the "
+    "primary's options.generation_config (vLLM) or options.server_defaults, or set "
+    "options.sample_logprobs")
+
+
+def undeclared_sampling(primary_options: Mapping[str, Any] | None) -> str | None:
+    """The first sampling field a call that says nothing leaves unknown on this primary, where
+    that matters: its sampled calls carry no logprobs (``options.sample_logprobs`` unset: no
+    transform enters a logprobs comparison). None: every such call is comparable. What the
+    verifier says at start-up and `guard config validate` notes (UNDECLARED_ADVICE)."""
+    options = dict(primary_options or {})
+    if options.get("sample_logprobs"):
+        return None
+    return unknown_sampling(SamplingParams(), declared_defaults(options))
