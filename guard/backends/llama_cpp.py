@@ -182,13 +182,23 @@ class LlamaCppScorer(LocalScorer):
         llm = self._open(path)
         if self.options.upcast and llm.metadata.get("general.file_type") != str(ALL_F32):
             llm.close()
-            llm = self._open(upcast_f32(Path(path), self.spec.sha256, self.threads))
+            llm = self._open(self._upcast(Path(path)))
         self.llm = llm
         self.vocab = _LlamaVocabulary(llm)
         bos_id = self.bos_id = int(llm.token_bos())
         probe = llm.tokenize(b"a", add_bos=True, special=False)
         self.adds_bos = bool(probe) and probe[0] == bos_id
         self.context_length = int(llm.n_ctx())
+
+    def _upcast(self, path: Path) -> Path:
+        """The F32 copy of ``path`` (options.upcast), written into the cache once; BackendError
+        naming the option where it cannot be (a read-only cache: a Pod's root filesystem)."""
+        try:
+            return upcast_f32(path, self.spec.sha256, self.threads)
+        except (OSError, RuntimeError) as exc:
+            raise BackendError(f"options.upcast: cannot write {path.name}'s F32 copy into "
+                               f"the cache (set GUARD_CACHE_DIR to a writable folder): {exc}",
+                               key="options.upcast") from None
 
     def _open(self, path: str | Path) -> "Llama":
         return open_llama(path, self.options.context_length, self.threads, self.options.batch,

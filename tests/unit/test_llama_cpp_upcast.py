@@ -106,3 +106,16 @@ def test_it_scores_as_the_transformers_fp32_reference_does(upcast):
     assert _kld(reference, held).max() < 1e-3
     assert (reference.argmax(axis=1) == held.argmax(axis=1)).all()
     assert _kld(reference, held).mean() < _kld(reference, as_stored).mean() / 10
+
+
+def test_a_cache_it_cannot_write_is_a_clear_error_naming_the_option(tmp_path, monkeypatch):
+    from guard.errors import BackendError
+
+    if os.geteuid() == 0:  # root writes into a read-only folder: a file stands in the way
+        (tmp_path / "gguf-f32").write_text("not a folder")
+    else:
+        tmp_path.chmod(0o500)
+    monkeypatch.setenv("GUARD_CACHE_DIR", str(tmp_path))
+    with pytest.raises(BackendError, match="options.upcast: .*GUARD_CACHE_DIR") as raised:
+        _scorer(SHIPPED, upcast=True)
+    assert raised.value.key == "options.upcast"
