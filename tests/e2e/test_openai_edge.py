@@ -160,8 +160,9 @@ def test_a_prompt_sent_as_a_batch_of_one_is_compared(guard, through, direct):
 
 
 def test_admin_status_says_why_calls_were_never_compared(guard, through):
-    """A call with n=2 and a fill-in-the-middle call (a suffix: llama-cpp-python wraps prompt
-    and suffix in the model's FIM tokens, a prompt the reference would not score) are
+    """A call with best_of=2 (the best of two: no sample) and a fill-in-the-middle call (a
+    suffix: llama-cpp-python wraps prompt and suffix in the model's FIM tokens, a prompt the
+    reference would not score) are
     forwarded, never handed over; a sampled call that leaves the temperature to a server no
     engine declares is taken by the verifier, which cannot score it: admin status names the
     reasons, as the merged /metrics counts them."""
@@ -176,7 +177,8 @@ def test_admin_status_says_why_calls_were_never_compared(guard, through):
     before = reasons()
     with httpx.Client(timeout=60) as http:
         http.post(f"http://127.0.0.1:{guard.http_port}/v1/completions", json={
-            "model": "smol", "prompt": PROMPT, "max_tokens": 2, "temperature": 0, "n": 2})
+            "model": "smol", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+            "best_of": 2})
     middle = through.completions.create(model="smol", prompt="def add(a, b):\n",
                                         suffix="\n    return result\n", max_tokens=4,
                                         temperature=0)
@@ -346,16 +348,18 @@ def test_a_sampled_stream_hands_over_its_tokens_and_timing(own_ring):
     assert 0 < sample.first_token_seconds <= sample.request_seconds
 
 
-def test_calls_the_client_asked_logprobs_for_keep_them_and_n_2_is_not_sampled(own_ring):
+def test_calls_the_client_asked_logprobs_for_keep_them_and_best_of_2_is_not_sampled(
+        own_ring):
     with httpx.Client(timeout=60) as http:
         asked = http.post(f"http://127.0.0.1:{own_ring.port}/v1/completions", json={
             "model": "smol", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
             "logprobs": 2})
         several = http.post(f"http://127.0.0.1:{own_ring.port}/v1/completions", json={
-            "model": "smol", "prompt": PROMPT, "max_tokens": 3, "temperature": 0, "n": 2})
+            "model": "smol", "prompt": PROMPT, "max_tokens": 3, "temperature": 0,
+            "best_of": 2})
     logprobs = asked.json()["choices"][0]["logprobs"]
     assert len(logprobs["tokens"]) == 3 and len(logprobs["top_logprobs"][0]) == 2
-    assert several.status_code in (200, 400)  # the server's own answer to n=2, forwarded
+    assert several.status_code in (200, 400)  # the server's own answer, forwarded
     (sample,) = [s.payload.call for s in own_ring.samples()]  # the first only
     assert sample.sampling.logprobs == 2 and len(sample.tokens[0].top) == 2
     values = own_ring.metrics.registry.get_sample_value(

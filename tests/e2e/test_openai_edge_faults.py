@@ -186,7 +186,7 @@ def test_an_unknown_model_is_404_in_openais_error_shape(guard, http):
                                                                        "smol"]
 
 
-@pytest.mark.parametrize("extra, reason", [({"n": 2}, "n")])
+@pytest.mark.parametrize("extra, reason", [({"best_of": 2}, "n")])
 def test_calls_that_cannot_be_compared_are_forwarded_unchanged_and_counted(
         guard, http, upstreams, extra, reason):
     before = not_comparable(guard, reason)
