@@ -36,12 +36,12 @@ from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import (
     LocalScorer,
-    Vocabulary,
     chat_rendering,
     common_prefix,
     continue_final_message,
     loaded,
 )
+from guard.backends.token_alignment import Vocabulary
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:

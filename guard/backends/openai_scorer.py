@@ -65,13 +65,15 @@ from guard.backends.openai import OpenAIOptions, authorization, base_url, wait_r
 from guard.backends.scoring import (
     ReferenceScores,
     Scorer,
+    chat_rendering,
+    loaded,
+    unscored,
+)
+from guard.backends.token_alignment import (
     TokenizationMismatch,
     Vocabulary,
-    chat_rendering,
     comparable_text,
-    loaded,
     names_its_alternatives,
-    unscored,
 )
 from guard.errors import BackendError
 from guard.protocol.generation import GenerationSample

@@ -33,11 +33,11 @@ from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import (
     LocalScorer,
-    Vocabulary,
     chat_rendering,
     common_prefix,
     loaded,
 )
+from guard.backends.token_alignment import Vocabulary
 from guard.errors import BackendError, install_hint
 
 if TYPE_CHECKING:

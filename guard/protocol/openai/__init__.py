@@ -39,11 +39,7 @@ from guard.protocol.openai.json_edits import (
     replace_values,
     value_spans,
 )
-from guard.protocol.openai.sse import (
-    EventSplitter,
-    edit_event,
-    event_data,
-)
+from guard.protocol.openai.sse import EventSplitter, edit_event, event_data
 from guard.protocol.openai.answers import (
     CUT_SHORT,
     Completion,
@@ -59,10 +55,7 @@ from guard.protocol.openai.answers import (
     gather_event,
     unusable,
 )
-from guard.protocol.openai.errors import (
-    error_body,
-    status_code_name,
-)
+from guard.protocol.openai.errors import error_body, status_code_name
 
 __all__ = [
     "BadRequest",

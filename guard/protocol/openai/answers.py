@@ -10,11 +10,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from guard.protocol.generation import (
-    GenerationSample,
-    TokenLogprob,
-    chat_template_args,
-)
+from guard.protocol.generation import GenerationSample, TokenLogprob, chat_template_args
 from guard.protocol.openai.requests import (
     ParsedCall,
     chat_messages,
@@ -22,6 +18,7 @@ from guard.protocol.openai.requests import (
     sampling_params,
 )
 from guard.protocol.openai.sse import EventSplitter, event_data
+
 
 DONE = b"[DONE]"
 # The Responses API's stream has no [DONE]: it ends with one of these events, whose

@@ -11,6 +11,7 @@ from typing import Any, Callable, Literal
 
 from guard.protocol.generation import SamplingParams
 
+
 # The checked endpoints: a call's kind by its path. A Responses API call (``/v1/responses``) is
 # checked as the chat it renders: its instructions and input items are chat messages to the
 # model's template (vLLM builds them so), its output text the completion.

@@ -10,6 +10,7 @@ import re
 
 from guard.protocol.openai.json_edits import replace_values
 
+
 _BLANK_LINE = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 

@@ -39,8 +39,8 @@ detectors. Which comparison applies depends on what the primary returned:
   argmax of agreeing models. Verdict: the share of confident
   positions that disagree <= ``max_greedy_disagreement``; statistic: that share.
 
-A tokenization mismatch (guard/backends/scoring.py) is a failure of its own: nothing is scored,
-``findings`` names it. Prompt findings (``double_bos``, ``missing_bos``, and
+A tokenization mismatch (guard/backends/token_alignment.py) is a failure of its own: nothing
+is scored, ``findings`` names it. Prompt findings (``double_bos``, ``missing_bos``, and
 ``prompt_rendered_otherwise`` unless ``prompt_rendering`` is "server") fail the completion
 too: they change every token after them. Every mode reports the first divergent token: the
 first confident position where the primary's choice is not the reference's argmax (greedy,
@@ -76,16 +76,8 @@ from guard.verify.generation.transform import (
     undeclared_sampling,
     unknown_sampling,
 )
-from guard.verify.generation.verdict import (
-    FirstDivergence,
-    GenerationCheck,
-    NOT_COMPARABLE_CAUSES,
-)
-from guard.verify.generation.checks import (
-    TopKKld,
-    check_generation,
-    sampled_terms,
-)
+from guard.verify.generation.verdict import FirstDivergence, GenerationCheck, NOT_COMPARABLE_CAUSES
+from guard.verify.generation.checks import TopKKld, check_generation, sampled_terms
 from guard.verify.generation.summary import (
     GenerationFigures,
     MAX_FLAGGED,

@@ -9,25 +9,11 @@ from typing import Any
 
 import numpy as np
 
-from guard.backends.scoring import (
-    PROMPT_RENDERED_OTHERWISE,
-    ReferenceScores,
-    comparable_text,
-    names_its_alternatives,
-)
-from guard.protocol.generation import (
-    GenerationSample,
-    SamplingParams,
-)
-from guard.verify.generation.defaults import (
-    SERVER_DEFAULTS,
-    GenerationThresholds,
-    ServerDefaults,
-)
-from guard.verify.generation.verdict import (
-    FirstDivergence,
-    GenerationCheck,
-)
+from guard.backends.scoring import PROMPT_RENDERED_OTHERWISE, ReferenceScores
+from guard.backends.token_alignment import comparable_text, names_its_alternatives
+from guard.protocol.generation import GenerationSample, SamplingParams
+from guard.verify.generation.defaults import SERVER_DEFAULTS, GenerationThresholds, ServerDefaults
+from guard.verify.generation.verdict import FirstDivergence, GenerationCheck
 from guard.verify.generation.transform import (
     Transform,
     penalized_logprobs,
@@ -35,6 +21,7 @@ from guard.verify.generation.transform import (
     transformed_support,
     unknown_sampling,
 )
+
 
 # Probabilities are floored here before a log: a bucket the other side gives no mass to.
 _TINY = 1e-12

@@ -7,10 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+from guard.protocol.generation import generation_config_defaults
 
-from guard.protocol.generation import (
-    generation_config_defaults,
-)
 
 @dataclass(frozen=True)
 class ServerDefaults:

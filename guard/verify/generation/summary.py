@@ -10,9 +10,8 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from guard.verify.generation.verdict import (
-    GenerationCheck,
-)
+from guard.verify.generation.verdict import GenerationCheck
+
 
 def _percentile(values: np.ndarray, q: float) -> float | None:
     return float(np.percentile(values, q)) if values.size else None

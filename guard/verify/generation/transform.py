@@ -10,19 +10,10 @@ from typing import Any, Mapping, Sequence
 
 import numpy as np
 
-from guard.backends.scoring import (
-    ReferenceScores,
-    largest_k,
-)
-from guard.protocol.generation import (
-    SAMPLING_FIELDS,
-    SamplingParams,
-)
-from guard.verify.generation.defaults import (
-    NEUTRAL,
-    ServerDefaults,
-    declared_defaults,
-)
+from guard.backends.scoring import ReferenceScores, largest_k
+from guard.protocol.generation import SAMPLING_FIELDS, SamplingParams
+from guard.verify.generation.defaults import NEUTRAL, ServerDefaults, declared_defaults
+
 
 @dataclass(frozen=True)
 class Transform:
