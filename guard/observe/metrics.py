@@ -250,7 +250,8 @@ class GuardMetrics:
             buckets=TTFT_BUCKETS, registry=r)
         self.generation_inter_token = Histogram(
             "guard_generation_inter_token_seconds", "Gaps between consecutive streamed tokens "
-            "as they reached guard from the upstream (HTTP edge).", ["model", "route"],
+            "as they reached guard from the upstream (HTTP edge); streams of one completion "
+            "only (n > 1 and batches of prompts interleave theirs).", ["model", "route"],
             buckets=GAP_BUCKETS, registry=r)
         self.generation_tokens = Counter(
             "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "

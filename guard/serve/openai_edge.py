@@ -450,6 +450,9 @@ class _Forward(_Upstream):
         sampled = bool(self.flags)  # a sampled call's chunks are gathered into its sample
         completion = api.Completion()
         tokens, last = 0, None
+        # The gaps are one completion's: a stream of several interleaves theirs (its time to
+        # first token is still the first of any).
+        timed_gaps = not self.call.several_completions
         done = False  # the client has every event: "[DONE]" went out
         finished = False  # the stream's own end came: [DONE], the Responses API's last event
         try:
@@ -475,7 +478,7 @@ class _Forward(_Upstream):
                         if last is None:
                             self.first_token = arrived - self.started
                             ttft.observe(self.first_token)
-                        else:
+                        elif timed_gaps:
                             gaps.observe(arrived - last)
                         last = arrived
                     if sampled or api.data_needs_parse(data, endpoint):

@@ -19,9 +19,10 @@ from aiohttp import web
 MODEL = "scripted-upstream"
 
 
-def chunk(text: str, model: str = MODEL, chat: bool = True, finish=None) -> bytes:
-    choice = ({"index": 0, "delta": {"content": text}, "finish_reason": finish} if chat
-              else {"index": 0, "text": text, "finish_reason": finish, "logprobs": None})
+def chunk(text: str, model: str = MODEL, chat: bool = True, finish=None, index: int = 0
+          ) -> bytes:
+    choice = ({"index": index, "delta": {"content": text}, "finish_reason": finish} if chat
+              else {"index": index, "text": text, "finish_reason": finish, "logprobs": None})
     body = {"id": "cmpl-1", "object": "chat.completion.chunk" if chat else "text_completion",
             "created": 1, "model": model, "choices": [choice]}
     return b"data: " + json.dumps(body).encode() + b"\n\n"
@@ -181,6 +182,17 @@ class ScriptedUpstream:
         for i in range(0, len(data), 7):  # cut anywhere, inside events and line ends
             await response.write(data[i:i + 7])
             await asyncio.sleep(0.001)
+        await response.write_eof()
+
+    async def _interleaved(self, response, chat) -> None:
+        # Two completions (n = 2), their tokens a step apart and interleaved, as vLLM sends.
+        for step, (first, second) in enumerate((("Par", "Ly"), ("is", "on"))):
+            if step:
+                await asyncio.sleep(0.05)
+            await response.write(chunk(first, chat=chat))
+            await response.write(chunk(second, chat=chat, index=1))
+        await response.write(chunk("", chat=chat, finish="stop")
+                             + chunk("", chat=chat, finish="stop", index=1) + b"data: [DONE]\n\n")
         await response.write_eof()
 
     async def _unfinished(self, response, chat) -> None:

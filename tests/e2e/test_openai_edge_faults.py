@@ -196,6 +196,27 @@ def test_calls_that_cannot_be_compared_are_forwarded_unchanged_and_counted(
     assert wait_until(lambda: not_comparable(guard, reason) == before + 1)
 
 
+def test_the_gaps_are_one_completions_and_a_stream_of_several_times_its_first_token(
+        guard, http):
+    """A stream of two completions (n = 2) interleaves their tokens: the gaps between its
+    events are no one completion's, so only its time to first token is observed; a stream of
+    one completion observes both."""
+    def counts() -> tuple[float, float]:
+        values = scrape(guard.metrics_port)
+        return tuple(metric(values, f"guard_generation_{name}_seconds_count", model="smol",
+                            route="primary") for name in ("ttft", "inter_token"))
+
+    before = counts()
+    several = http.post("/v1/chat/completions", json=dict(CHAT, stream=True, n=2),
+                        headers={"x-test-scenario": "interleaved"})
+    assert several.status_code == 200 and several.content.count(b'"index": 1') == 3
+    assert counts() == (before[0] + 1, before[1])
+    one = http.post("/v1/chat/completions", json=dict(CHAT, stream=True),
+                    headers={"x-test-scenario": "split"})
+    assert one.status_code == 200
+    assert counts() == (before[0] + 2, before[1] + 1)  # "Par" then "is": one gap
+
+
 def test_an_upstream_error_status_reaches_the_client_as_it_came(guard, http):
     before = errors(guard, "RESOURCE_EXHAUSTED")
     answer = http.post("/v1/chat/completions", json=CHAT,

@@ -48,6 +48,15 @@ class ParsedCall:
         return self.endpoint == "chat" and _offers_tools(self.body)
 
     @property
+    def several_completions(self) -> bool:
+        """The answer holds several completions (n > 1, a batch of prompts): a stream
+        interleaves their tokens, so the gaps between its events are no one completion's."""
+        n, prompt = self.body.get("n", 1), self.body.get("prompt")
+        return (isinstance(n, int) and not isinstance(n, bool) and n > 1) or (
+            self.endpoint == "completions" and isinstance(prompt, list) and len(prompt) > 1
+            and not _token_ids(prompt))
+
+    @property
     def prompt_truncation(self) -> int | None:
         """vLLM's ``truncate_prompt_tokens`` where the client gave it: the server may keep only
         that many of the prompt's tokens, so the call is compared only where the answer says
