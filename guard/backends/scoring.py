@@ -330,9 +330,14 @@ class Scorer(Backend):
                 own = None
             if sample.prompt_truncation is not None and (own is None or len(ids) < len(own)):
                 # The server kept part of the prompt, as the client asked (vLLM's
-                # truncate_prompt_tokens): what it kept is the prompt, and the cut is neither
-                # another template nor a lost BOS. A prompt it did not cut is checked as any.
-                return RenderedPrompt(ids, False, ())
+                # truncate_prompt_tokens): what it kept is the prompt, and the cut is no lost
+                # BOS. It kept a slice of its own rendering (the last tokens, or the first
+                # where truncation_side is right): any other tokens are another template.
+                kept = len(ids)
+                if own is None or ids in (own[len(own) - kept:], own[:kept]):
+                    return RenderedPrompt(ids, False, ())
+                difference = rendering_difference(ids, own[len(own) - kept:], self.vocab)
+                return RenderedPrompt(ids, False, (PROMPT_RENDERED_OTHERWISE,), difference)
             difference = "" if own is None else rendering_difference(ids, own, self.vocab)
             findings = bos_findings(ids, self.bos_id, self.adds_bos)
             if difference:

@@ -648,7 +648,8 @@ def test_a_tool_call_is_scored_by_its_ids_on_the_servers_prompt(fp32, primaries)
 def test_a_prompt_the_server_cut_as_asked_is_scored_as_it_kept_it(fp32):
     """vLLM's ``truncate_prompt_tokens``: the server keeps the rendered prompt's last N tokens
     and says them (its prompt ids). They are the prompt; the cut is not another template (a
-    finding that fails the call) unless the client did not ask for it."""
+    finding that fails the call) unless the client did not ask for it, or what was kept is no
+    slice of the reference's rendering."""
     from guard.backends.scoring import PROMPT_RENDERED_OTHERWISE
 
     messages = ({"role": "user", "content": "What is the capital of France?"},)
@@ -667,6 +668,14 @@ def test_a_prompt_the_server_cut_as_asked_is_scored_as_it_kept_it(fp32):
     unasked = fp32.score(replace(sample, prompt_truncation=None))
     assert PROMPT_RENDERED_OTHERWISE in unasked.findings
     assert not check_generation(replace(sample, prompt_truncation=None), unasked, LLAMA).passed
+    # The first tokens kept (truncation_side right) are a cut too; tokens that are no slice of
+    # the reference's rendering are another template, cut or not.
+    assert fp32.score(replace(sample, prompt_token_ids=tuple(rendered[:6]))).findings == ()
+    other = replace(sample, prompt_token_ids=(rendered[-7],) + kept[1:])
+    assert other.prompt_token_ids not in (tuple(rendered[:6]), kept)
+    drifted = fp32.score(other)
+    assert drifted.findings == (PROMPT_RENDERED_OTHERWISE,) and drifted.prompt_difference
+    assert not check_generation(other, drifted, LLAMA).passed
     # Asked, but the prompt was short enough to keep whole: its rendering is checked as any.
     uncut = replace(sample, prompt_token_ids=tuple(rendered), prompt_truncation=4096)
     assert fp32.score(uncut).findings == ()
