@@ -153,6 +153,18 @@ def rung_figures(rung: str, path: Path, reference, prompts, tokens: int, samples
     }
 
 
+def cost_references(f16: Path, fp32_source: Path, threads: int) -> dict:
+    """The references whose scoring cost is measured (COST_REFERENCES' keys), loaded: the
+    transformers fp32 one on ``fp32_source`` (a GGUF, dequantized), the llama_cpp one on the
+    F16 file as stored and held as F32. Prompt caches off: every score costs its whole
+    sequence."""
+    llama = dict(context_length=512, cache_prompt=False)
+    return {"transformers_fp32": scorer("transformers", fp32_source, threads,
+                                        cache_prompt=False),
+            "llama_cpp_f16": scorer("llama_cpp", f16, threads, **llama),
+            "llama_cpp_f16_upcast": scorer("llama_cpp", f16, threads, upcast=True, **llama)}
+
+
 def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
     """CPU seconds (/proc) to generate a ``tokens``-token sampled completion with the Q4_1
     primary, and to score it with each reference: the teacher-forced pass, then the check in
@@ -170,12 +182,7 @@ def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
     # Each completion is scored twice below (once per mode), which no sampled call is: the
     # references' prompt caches are off, so that the second score costs what the first does
     # (benchmarks/llm_prompt_cache.py measures the cache on a shared prompt).
-    f16 = scorer("llama_cpp", ladder["F16"], threads, context_length=512, cache_prompt=False)
-    f16_upcast = scorer("llama_cpp", ladder["F16"], threads, context_length=512,
-                        cache_prompt=False, upcast=True)
-    fp32 = scorer("transformers", smollm2_gguf(), threads, cache_prompt=False)
-    references = {"transformers_fp32": fp32, "llama_cpp_f16": f16,
-                  "llama_cpp_f16_upcast": f16_upcast}
+    references = cost_references(ladder["F16"], smollm2_gguf(), threads)
     modes = ("sampled", "logprobs")
     totals = {"generate": 0.0, **{f"{name}_{part}_{mode}": 0.0 for name in references
                                   for part in ("score", "check") for mode in modes}}

@@ -96,19 +96,13 @@ def measure(shape_name: str, cache: Path, tokens: int, repeat: int, threads: int
     from guard.protocol.generation import SamplingParams
     from guard.verify.generation import SERVER_DEFAULTS, check_generation
     from guard.zoo import llm as smol
-    from llm_ladder import cpu_seconds, scorer
+    from llm_ladder import cost_references, cpu_seconds
 
     f16 = random_llama(smol.smollm2_gguf(), cache / f"random-{shape_name}.F16.gguf",
                        SHAPES[shape_name])
     q4 = quantize(f16, cache / f"random-{shape_name}.Q4_1.gguf", "Q4_1", threads)
     primary = open_llama(q4, context_length=512, threads=threads, logits_all=False)
-    references = {
-        "llama_cpp_f16": scorer("llama_cpp", f16, threads, context_length=512,
-                                cache_prompt=False),
-        "llama_cpp_f16_upcast": scorer("llama_cpp", f16, threads, context_length=512,
-                                       cache_prompt=False, upcast=True),
-        "transformers_fp32": scorer("transformers", f16, threads, cache_prompt=False),
-    }
+    references = cost_references(f16, f16, threads)
     sampling = SamplingParams(temperature=0.8)
     totals = dict.fromkeys(["generate", *references], 0.0)
     produced = used = seed = 0
@@ -138,6 +132,7 @@ def measure(shape_name: str, cache: Path, tokens: int, repeat: int, threads: int
             produced += len(sample.tokens)
             for name, value in costs.items():
                 totals[name] += value
+    vocab = int(primary.n_vocab())
     primary.close()
     for reference in references.values():
         reference.close()
@@ -145,7 +140,7 @@ def measure(shape_name: str, cache: Path, tokens: int, repeat: int, threads: int
     per = {name: value / repeat for name, value in totals.items()}
     return {"shape": shape_name, "hidden": hidden, "layers": layers, "ffn": ffn,
             "heads": heads, "kv_heads": kv_heads, "completions_drawn": seed,
-            "parameters": _parameters(SHAPES[shape_name], 49152),
+            "parameters": _parameters(SHAPES[shape_name], vocab),
             "tokens_generated_mean": produced / repeat,
             "generate_cpu_s": per["generate"],
             **{f"{name}_cpu_s": per[name] for name in references},

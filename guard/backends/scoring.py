@@ -328,18 +328,16 @@ class Scorer(Backend):
                 own = None if sample.tools else self._own_rendering(sample)
             except BackendError:  # nothing to render from, or no template: nothing to compare
                 own = None
-            if sample.prompt_truncation is not None and (own is None or len(ids) < len(own)):
-                # The server kept part of the prompt, as the client asked (vLLM's
-                # truncate_prompt_tokens): what it kept is the prompt, and the cut is no lost
-                # BOS. It kept a slice of its own rendering (the last tokens, or the first
-                # where truncation_side is right): any other tokens are another template.
+            # The server kept part of the prompt, as the client asked (vLLM's
+            # truncate_prompt_tokens): what it kept is the prompt, and the cut is no lost BOS.
+            # It is a slice of the server's rendering (the last tokens, or the first where
+            # truncation_side is right), compared with the same slice of the reference's.
+            cut = sample.prompt_truncation is not None and (own is None or len(ids) < len(own))
+            if cut and own is not None:
                 kept = len(ids)
-                if own is None or ids in (own[len(own) - kept:], own[:kept]):
-                    return RenderedPrompt(ids, False, ())
-                difference = rendering_difference(ids, own[len(own) - kept:], self.vocab)
-                return RenderedPrompt(ids, False, (PROMPT_RENDERED_OTHERWISE,), difference)
+                own = own[:kept] if ids == own[:kept] else own[len(own) - kept:]
             difference = "" if own is None else rendering_difference(ids, own, self.vocab)
-            findings = bos_findings(ids, self.bos_id, self.adds_bos)
+            findings = () if cut else bos_findings(ids, self.bos_id, self.adds_bos)
             if difference:
                 findings += (PROMPT_RENDERED_OTHERWISE,)
             return RenderedPrompt(ids, False, findings, difference)

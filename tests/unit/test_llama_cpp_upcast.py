@@ -19,6 +19,7 @@ pytest.importorskip("gguf", reason="gguf is not installed")
 from guard.backends import create_backend  # noqa: E402
 from guard.backends.derive import cache_root  # noqa: E402
 from guard.config.backend import BackendConfig  # noqa: E402
+from guard.matrix.generation import kld_rows  # noqa: E402
 from guard.zoo import llm  # noqa: E402
 
 try:
@@ -45,11 +46,6 @@ def upcast():
     scorer = _scorer(SHIPPED, upcast=True)
     yield scorer
     scorer.close()
-
-
-def _kld(reference: np.ndarray, other: np.ndarray) -> np.ndarray:
-    """KL(reference || other) per row of two log-softmax arrays."""
-    return (np.exp(reference) * (reference - other)).sum(axis=1)
 
 
 def test_the_copy_holds_every_weight_of_the_file_exactly(upcast):
@@ -103,9 +99,9 @@ def test_it_scores_as_the_transformers_fp32_reference_does(upcast):
         stored.close()
     # Measured: 1.7e-5 nats per token upcast (F16 KV cache), 4.2e-3 as stored (8-bit
     # activations: the kernel drift the quant ladder measures for Q4_1 in llama.cpp).
-    assert _kld(reference, held).max() < 1e-3
+    assert kld_rows(reference, held).max() < 1e-3
     assert (reference.argmax(axis=1) == held.argmax(axis=1)).all()
-    assert _kld(reference, held).mean() < _kld(reference, as_stored).mean() / 10
+    assert kld_rows(reference, held).mean() < kld_rows(reference, as_stored).mean() / 10
 
 
 def test_a_cache_it_cannot_write_is_a_clear_error_naming_the_option(tmp_path, monkeypatch):

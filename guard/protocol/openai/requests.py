@@ -162,9 +162,8 @@ def first_prompt(prompt: Any) -> str | tuple[int, ...] | None:
     (``["text", ...]``, ``[[ids], ...]``: LangChain's completions client sends even one prompt
     so, lm-eval's several) is answered one choice per prompt, in order: its first. None for
     what is not a prompt (an empty batch, a batch of mixed or malformed items)."""
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        prompt = prompt[0]
-    elif isinstance(prompt, list) and prompt and all(_token_ids(p) for p in prompt):
+    if isinstance(prompt, list) and prompt and (all(isinstance(p, str) for p in prompt)
+                                                or all(_token_ids(p) for p in prompt)):
         prompt = prompt[0]
     if isinstance(prompt, str):
         return prompt
