@@ -52,6 +52,8 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int) -> dict:
         body["stop"] = list(s.stop)
     if sample.prompt_truncation is not None:  # the prompt the server read was cut so
         body["truncate_prompt_tokens"] = sample.prompt_truncation
+    if sample.add_special_tokens is not None:  # the prompt tokenized as the client asked
+        body["add_special_tokens"] = sample.add_special_tokens
     return body
 
 

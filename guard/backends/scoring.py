@@ -12,7 +12,9 @@ What every scorer does the same way lives here:
   are; otherwise the scorer renders the prompt with its own tokenizer (the chat template with
   the generation prompt for chat) and marks the result ``approximate``. Either way BOS is
   checked explicitly (:func:`bos_findings`): a doubled BOS (a template that writes it plus a
-  tokenizer that adds it) or a missing one is a finding, the classic silent chat-path bug.
+  tokenizer that adds it) or a missing one is a finding, the classic silent chat-path bug;
+  a completions prompt the client asked without special tokens (vLLM's
+  ``add_special_tokens: false``) is rendered, and expected, without BOS.
 - **The primary's tokens, reproduced** (guard/backends/token_alignment.py
   :func:`align_completion`): the completion as the reference's token ids, or a
   :class:`TokenizationMismatch` (tokenizer or template drift) reported and never scored as
@@ -325,7 +327,7 @@ class Scorer(Backend):
                 # Tools: each engine renders their definitions and earlier calls its own way
                 # (vLLM parses a call's arguments, llama.cpp's server rewrites templates): the
                 # server's ids are the prompt, no rendering of the reference's to compare.
-                own = None if sample.tools else self._own_rendering(sample)
+                own = None if sample.tools else self._own_rendering(sample, ids)
             except BackendError:  # nothing to render from, or no template: nothing to compare
                 own = None
             # The server kept part of the prompt, as the client asked (vLLM's
@@ -337,23 +339,42 @@ class Scorer(Backend):
                 kept = len(ids)
                 own = own[:kept] if ids == own[:kept] else own[len(own) - kept:]
             difference = "" if own is None else rendering_difference(ids, own, self.vocab)
-            findings = () if cut else bos_findings(ids, self.bos_id, self.adds_bos)
+            findings = () if cut else bos_findings(ids, self.bos_id, self._expects_bos(sample))
             if difference:
                 findings += (PROMPT_RENDERED_OTHERWISE,)
             return RenderedPrompt(ids, False, findings, difference)
         ids = self._own_rendering(sample)
-        return RenderedPrompt(ids, True, bos_findings(ids, self.bos_id, self.adds_bos))
+        return RenderedPrompt(ids, True, bos_findings(ids, self.bos_id,
+                                                      self._expects_bos(sample)))
 
-    def _own_rendering(self, sample: GenerationSample) -> list[int]:
+    def _without_special_tokens(self, sample: GenerationSample) -> bool:
+        """A completions prompt the client asked tokenized without special tokens (vLLM's
+        ``add_special_tokens: false``): the server adds no BOS to it."""
+        return sample.endpoint == "completions" and sample.add_special_tokens is False
+
+    def _expects_bos(self, sample: GenerationSample) -> bool:
+        """Whether the prompt should start with BOS: where the model adds one, unless the
+        client asked for none (its choice of input, no drift)."""
+        return self.adds_bos and not self._without_special_tokens(sample)
+
+    def _own_rendering(self, sample: GenerationSample,
+                       server_ids: Sequence[int] | None = None) -> list[int]:
         """The prompt as this scorer renders it: chat messages through the model's template,
-        a completions prompt through its tokenizer."""
+        a completions prompt through its tokenizer (without the BOS it adds where the client
+        asked for no special tokens, unless the server's ids, ``server_ids``, say it added one
+        all the same: llama.cpp's servers do not read the field)."""
         if sample.endpoint == "chat":
             if not sample.messages:
                 raise BackendError("a chat sample without messages cannot be scored")
             return self.render_chat(sample.messages, sample.chat_template_args)
         if sample.prompt is None:
             raise BackendError("a completions sample without a prompt cannot be scored")
-        return self.encode_prompt(sample.prompt)
+        ids = self.encode_prompt(sample.prompt)
+        server_added = server_ids is not None and list(server_ids[:1]) == [self.bos_id]
+        if self._without_special_tokens(sample) and self.adds_bos and not server_added \
+                and ids[:1] == [self.bos_id]:
+            return ids[1:]
+        return ids
 
     def prompt_fields(self, prompt: RenderedPrompt) -> dict:
         """The fields of a :class:`ReferenceScores` that the prompt decides."""

@@ -24,12 +24,14 @@ from typing import Any, Literal
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("completions", "chat")
-FORMAT_VERSION = 2  # bump when a field's meaning changes; readers refuse newer versions
+FORMAT_VERSION = 3  # bump when a field's meaning changes; readers refuse newer versions
 # Version 2 added ``reasoning_text``, ``tools`` and ``tool_calls`` (the tokens of such a sample
 # are more than its completion_text, which a version-1 reader would take for a tokenizer
 # mismatch) and ``prompt_truncation`` (its prompt ids may be a cut rendering, which a version-1
-# reader would report as template drift). A sample without them is written as version 1,
-# which every reader reads as before.
+# reader would report as template drift). Version 3 added ``add_special_tokens`` (a prompt
+# without BOS as asked, which a version-2 reader would score with one and report as a missing
+# BOS). A sample is written with the lowest version that holds it, so that records without
+# the newer fields stay readable by the guards that wrote them before.
 
 
 @dataclass(frozen=True)
@@ -187,6 +189,10 @@ class GenerationSample:
     # token ids, the prompt the model read; where the server cut the prompt, the cut is no
     # template drift and no missing BOS.
     prompt_truncation: int | None = None
+    # The client's ``add_special_tokens`` (vLLM: tokenize the prompt with the model's special
+    # tokens, its BOS; None: not asked, the endpoint's default). A completions prompt asked
+    # without them is compared as the server read it, without BOS, and no missing BOS.
+    add_special_tokens: bool | None = None
 
     @property
     def has_logprobs(self) -> bool:
@@ -197,9 +203,13 @@ class GenerationSample:
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
-    newer = sample.reasoning_text is not None or sample.tools or sample.tool_calls or \
-        sample.prompt_truncation is not None
-    data["format_version"] = FORMAT_VERSION if newer else 1
+    if sample.add_special_tokens is not None:
+        data["format_version"] = 3
+    elif sample.reasoning_text is not None or sample.tools or sample.tool_calls or \
+            sample.prompt_truncation is not None:
+        data["format_version"] = 2
+    else:
+        data["format_version"] = 1
     return data
 
 
@@ -271,13 +281,15 @@ def from_dict(data: Any) -> GenerationSample:
     if truncation is not None and (not isinstance(truncation, int) or isinstance(truncation, bool)
                                    or truncation < -1):
         raise ValueError("prompt_truncation: expected an integer >= -1 or null")
+    if not isinstance(data.get("add_special_tokens"), (bool, type(None))):
+        raise ValueError("add_special_tokens: expected a boolean or null")
     called = _tuple(data.get("tool_calls", ()), "tool_calls")
     if not all(isinstance(name, str) for name in called):
         raise ValueError("tool_calls: expected a list of strings")
     rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
                                   "unix_nanos", "request_seconds", "first_token_seconds",
                                   "upstream_model", "reasoning_text", "tools",
-                                  "prompt_truncation") if k in data}
+                                  "prompt_truncation", "add_special_tokens") if k in data}
     return GenerationSample(
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],
         tokens=tokens, sampling=sampling, tool_calls=called,

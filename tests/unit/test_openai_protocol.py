@@ -601,6 +601,32 @@ def test_a_prompt_the_server_may_cut_is_sampled_only_with_the_ids_it_kept():
         generation.from_dict({**data, "prompt_truncation": "2"})
 
 
+def test_the_clients_add_special_tokens_travels_with_the_sample_and_the_probe():
+    """vLLM's ``add_special_tokens``: the sample keeps the client's value (None where it left
+    the endpoint's default), written as capture format_version 3 (a version-2 reader would
+    score such a prompt with a BOS), and a fallback's probe asks the same."""
+    from guard.backends.openai_generate import probe_body
+
+    answer = {"choices": [{"text": " Paris", "finish_reason": "length"}]}
+    for given, kept in ((False, False), (True, True), ("no", None), (None, None)):
+        body = {"model": "m", "prompt": "The capital", "temperature": 0}
+        if given is not None:
+            body["add_special_tokens"] = given
+        call = api.parse_request("completions", json.dumps(body).encode())
+        assert call.add_special_tokens is kept and call.not_comparable == ""
+        completion = api.Completion()
+        api.gather(completion, "completions", answer, streamed=False)
+        sample = api.build_sample(call, completion, route="primary")
+        assert sample.add_special_tokens is kept
+        data = generation.to_dict(sample)
+        assert data["format_version"] == (1 if kept is None else 3)
+        assert generation.from_dict(json.loads(json.dumps(data))) == sample
+        sent = probe_body(sample, "up", 5)
+        assert sent.get("add_special_tokens", "unset") == ("unset" if kept is None else kept)
+    with pytest.raises(ValueError, match="add_special_tokens"):
+        generation.from_dict({**data, "add_special_tokens": "false"})
+
+
 def test_a_prompt_of_token_ids_is_the_samples_prompt_as_the_server_read_it():
     answer = {"choices": [{"text": " Paris", "finish_reason": "length"}]}
     for prompt, text, ids in (([504, 3575], None, (504, 3575)), ([[7, 8]], None, (7, 8)),

@@ -406,4 +406,5 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
         reasoning_text="".join(completion.reasoning_text) if completion.reasoning_text
         else None, tools=call.offers_tools, tool_calls=tuple(completion.tool_names),
-        prompt_truncation=call.prompt_truncation, **envelope)
+        prompt_truncation=call.prompt_truncation, add_special_tokens=call.add_special_tokens,
+        **envelope)

@@ -65,6 +65,14 @@ class ParsedCall:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property
+    def add_special_tokens(self) -> bool | None:
+        """vLLM's ``add_special_tokens`` where the client gave it (None: the endpoint's
+        default, True for completions and False for chat). A completions prompt asked without
+        them has no BOS: the reference renders it so (guard/backends/scoring.py)."""
+        value = self.body.get("add_special_tokens")
+        return value if isinstance(value, bool) else None
+
+    @property
     def asked_logprobs(self) -> bool:
         """The client asked for the primary's logprobs itself."""
         if self.endpoint == "responses":
