@@ -354,8 +354,11 @@ class Scorer(Backend):
 
     def _expects_bos(self, sample: GenerationSample) -> bool:
         """Whether the prompt should start with BOS: where the model adds one, unless the
-        client asked for none (its choice of input, no drift)."""
-        return self.adds_bos and not self._without_special_tokens(sample)
+        client asked for none or gave the prompt as token ids (lm-eval's tokenized requests,
+        BOS as the client chose: the server reads them as given). Either is the client's
+        choice of input, no drift; a doubled BOS is still found."""
+        client_ids = sample.endpoint == "completions" and sample.prompt is None
+        return self.adds_bos and not (self._without_special_tokens(sample) or client_ids)
 
     def _own_rendering(self, sample: GenerationSample,
                        server_ids: Sequence[int] | None = None) -> list[int]:

@@ -91,6 +91,11 @@ def test_a_prompt_asked_without_special_tokens_is_compared_without_bos(reference
     # ... and with it where the client left the default.
     default = reference.score(replace(sample, prompt_token_ids=None, add_special_tokens=None))
     assert default.prompt_token_ids == tuple(with_bos) and default.findings == ()
+    # A prompt the client gave as token ids (lm-eval's tokenized requests) is read as given,
+    # BOS or not: the client's choice too.
+    given = replace(sample, prompt=None, add_special_tokens=None)
+    assert reference.score(given).findings == ()
+    assert check_generation(given, reference.score(given), LLAMA).passed
 
 
 def test_a_server_that_adds_bos_all_the_same_is_compared_as_it_read_the_prompt(reference):
