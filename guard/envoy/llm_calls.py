@@ -71,7 +71,7 @@ def sample(call: ObservedHttpCall, parsed: api.ParsedCall, route: str) -> Genera
     if completion.error:
         raise NotComparable(parsed.model, "incomplete" if completion.error == api.CUT_SHORT
                             else "upstream_error")
-    unusable = api.unusable(completion, parsed.offers_tools, parsed.prompt_truncation)
+    unusable = api.unusable(completion, parsed)
     if unusable:
         raise NotComparable(parsed.model, unusable)
     return api.build_sample(parsed, completion, route=route, request_id=call.request_id,

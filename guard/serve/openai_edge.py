@@ -537,9 +537,7 @@ class _Forward(_Upstream):
                   finished: bool = True) -> None:
         if not self.flags:
             return
-        unusable = api.unusable(completion, self.call.offers_tools,
-                                 self.call.prompt_truncation) or (
-            "" if finished else "incomplete")
+        unusable = api.unusable(completion, self.call) or ("" if finished else "incomplete")
         if unusable:
             self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
             return

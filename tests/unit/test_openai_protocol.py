@@ -519,23 +519,25 @@ def test_a_tool_call_is_sampled_where_the_server_said_the_prompts_and_the_output
     completion = api.Completion()
     api.gather(completion, "chat", with_ids, streamed=False)
     assert completion.tool_names == ["get_weather"]
-    assert api.unusable(completion, call.offers_tools) == ""
+    assert api.unusable(completion, call) == ""
     sample = api.build_sample(call, completion, route="primary")
     assert sample.tools and sample.tool_calls == ("get_weather",)
     assert sample.prompt_token_ids == (1, 2, 3) and sample.completion_text == ""
     assert generation.from_dict(json.loads(json.dumps(generation.to_dict(sample)))) == sample
     without_ids = api.Completion()
     api.gather(without_ids, "chat", {"choices": [{"message": message}]}, streamed=False)
-    assert api.unusable(without_ids, call.offers_tools) == "tools"
+    assert api.unusable(without_ids, call) == "tools"
     # A text answer to a chat that offered tools: compared by the ids as well, or not at all.
     text = {"prompt_token_ids": [1, 2], "choices": [{
         "message": {"role": "assistant", "content": "Hi"}, "token_ids": [5]}]}
     answered = api.Completion()
     api.gather(answered, "chat", text, streamed=False)
-    assert api.unusable(answered, True) == "" and api.unusable(answered, False) == ""
+    plain = api.parse_request("chat", json.dumps({
+        "model": "smol", "messages": [{"role": "user", "content": "Hi"}]}).encode())
+    assert api.unusable(answered, call) == "" and api.unusable(answered, plain) == ""
     bare = api.Completion()
     api.gather(bare, "chat", {"choices": [{"message": {"content": "Hi"}}]}, streamed=False)
-    assert api.unusable(bare, True) == "tools" and api.unusable(bare, False) == ""
+    assert api.unusable(bare, call) == "tools" and api.unusable(bare, plain) == ""
 
 
 def test_of_several_completions_in_one_answer_the_first_is_sampled():
@@ -583,11 +585,11 @@ def test_a_prompt_the_server_may_cut_is_sampled_only_with_the_ids_it_kept():
             "message": {"role": "assistant", "content": " Paris"}}
         bare = api.Completion()
         api.gather(bare, endpoint, {"choices": [choice]}, streamed=False)
-        assert api.unusable(bare, call.offers_tools, call.prompt_truncation) == "input"
+        assert api.unusable(bare, call) == "input"
         said = api.Completion()
         api.gather(said, endpoint, {"prompt_token_ids": [3, 4], "choices": [choice]},
                    streamed=False)
-        assert api.unusable(said, call.offers_tools, call.prompt_truncation) == ""
+        assert api.unusable(said, call) == ""
         sample = api.build_sample(call, said, route="primary")
         assert (sample.prompt_token_ids, sample.prompt_truncation) == ((3, 4), 2)
         data = generation.to_dict(sample)

@@ -251,20 +251,20 @@ def data_needs_parse(data: bytes, endpoint: str = "chat") -> bool:
         endpoint == "responses" and _RESPONSE_END.search(data) is not None)
 
 
-def unusable(completion: Completion, offers_tools: bool = False,
-             prompt_truncation: int | None = None) -> str:
-    """Why a completion that was answered cannot be compared, as the not-comparable reason
-    ("" when it can): an error, tools it cannot hold, reasoning the sample cannot hold, a
-    prompt the server may have cut (``prompt_truncation``, :attr:`ParsedCall.prompt_truncation`)
-    without saying what it kept (its prompt token ids): ``input``.
+def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
+    """Why a completion that was answered to ``call`` (None: a call that asked nothing
+    special) cannot be compared, as the not-comparable reason ("" when it can): an error,
+    tools it cannot hold, reasoning the sample cannot hold, a prompt the server may have cut
+    (:attr:`ParsedCall.prompt_truncation`) without saying what it kept (its prompt token ids):
+    ``input``.
 
-    A chat that offers tools (``offers_tools``) is compared where the answer says the prompt's
-    token ids (the server renders the tool definitions and a conversation's earlier calls into
-    the prompt, each engine in its own way: the server's ids are the prompt, not the
-    reference's rendering) and the output's token ids (a tool parser takes the call out of the
-    text; the ids are the call as the model generated it, which the reference checks names each
-    function called): vLLM with ``sample_token_ids``. Anything else with tools, or a tool call
-    without them, is not comparable (``tools``).
+    A chat that offers tools (:attr:`ParsedCall.offers_tools`) is compared where the answer
+    says the prompt's token ids (the server renders the tool definitions and a conversation's
+    earlier calls into the prompt, each engine in its own way: the server's ids are the prompt,
+    not the reference's rendering) and the output's token ids (a tool parser takes the call out
+    of the text; the ids are the call as the model generated it, which the reference checks
+    names each function called): vLLM with ``sample_token_ids``. Anything else with tools, or
+    a tool call without them, is not comparable (``tools``).
 
     Reasoning a chat's answer gives apart from its text (a reasoning parser's split) is
     compared where the answer has the output's tokens (logprobs or token ids: servers report
@@ -276,9 +276,10 @@ def unusable(completion: Completion, offers_tools: bool = False,
     as if the answer had come first)."""
     if completion.error:
         return "upstream_error"
-    if prompt_truncation is not None and completion.prompt_token_ids is None:
+    if call is not None and call.prompt_truncation is not None and \
+            completion.prompt_token_ids is None:
         return "input"
-    if offers_tools or completion.tool_calls:
+    if (call is not None and call.offers_tools) or completion.tool_calls:
         by_ids = completion.prompt_token_ids is not None and bool(completion.tokens) and all(
             t.token_id is not None for t in completion.tokens)
         named = completion.tool_names or not completion.tool_calls
