@@ -307,8 +307,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="guard",
         description="Runtime guard for deep-learning inference: serves the Open Inference "
-        "Protocol, mirrors a sample of requests onto a trusted reference backend, checks the "
-        "answers, exports drift to Prometheus and falls back when drift crosses the thresholds.",
+        "Protocol (gRPC, tensor models) and OpenAI-compatible HTTP (LLMs), mirrors a sample of "
+        "requests onto a trusted reference backend, checks the answers (tensors, activations, "
+        "task outputs; an LLM's completions token by token), exports drift to Prometheus and "
+        "falls back when drift crosses the thresholds.",
         epilog="Exit codes: 0 ok, 1 drift/failure found (replay, matrix), 2 bad config or usage.",
     )
     parser.add_argument("--version", action="version", version=f"guard {__version__}")
@@ -318,9 +320,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser(
         "serve", help="run the sidecar until SIGTERM/SIGINT",
         description="Serve the models of a config: OIP gRPC + grpc.health.v1 on server.grpc_port, "
-        "Prometheus /metrics on server.metrics_port, the guard.v1 admin API on "
-        "server.admin_port (loopback). SIGTERM stops gracefully: health turns NOT_SERVING, "
-        "in-flight requests finish (server.shutdown_grace_s), exit 0.",
+        "OpenAI-compatible HTTP (/v1/completions, /v1/chat/completions, /v1/responses, "
+        "/v1/models; /health/ready) on server.http_port where set, Prometheus /metrics on "
+        "server.metrics_port, the guard.v1 admin API on server.admin_port (loopback). SIGTERM "
+        "stops gracefully: health turns NOT_SERVING, in-flight requests finish "
+        "(server.shutdown_grace_s), exit 0.",
     )
     _add_config(serve)
     serve.set_defaults(func=cmd_serve)
