@@ -4,11 +4,16 @@ replay``'s generation of a JSONL prompt set.
 
 The request is rebuilt from a :class:`GenerationSample` (prompt or messages, the sampling
 transform the client asked for, ``max_tokens``) and asks for ``top_logprobs`` so that the tier
-compares per token. It is not streamed (nobody waits for it token by token), it goes out with
-the upstream's key (``options.api_key_env``) and never with anything a client sent: the sample
-carries no headers. The standard library's HTTP client does it: one call at a time, on a thread
-the caller watches (the mirror's ``mirror.timeout_s``), so a pooled asynchronous client would
-buy nothing here.
+compares per token, and for the token ids where the block asks them of sampled calls
+(``options.sample_token_ids``: the prompt as the server rendered it). An answer the edge would
+not have compared (a prompt the server may have cut without saying what it kept, tools
+without ids: :func:`guard.protocol.openai.unusable`) is an error of the probe, never scored.
+
+It is not streamed (nobody waits for it token by token), it goes out with the upstream's key
+(``options.api_key_env``) and never with anything a client sent: the sample carries no
+headers. The standard library's HTTP client does it: one call at a time, on a thread the
+caller watches (the mirror's ``mirror.timeout_s``), so a pooled asynchronous client would buy
+nothing here.
 """
 
 from __future__ import annotations
@@ -21,14 +26,25 @@ from dataclasses import replace
 
 from guard.errors import BackendError
 from guard.protocol.generation import GenerationSample
-from guard.protocol.openai import Completion, build_sample, gather, parse_request
+from guard.protocol.openai import Completion, build_sample, gather, parse_request, unusable
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PROBE_TOP_LOGPROBS = 5  # alternatives per token the probe asks for (the KL's top-k)
+# What an operator does about a probe answer that cannot be compared, by unusable()'s reason.
+UNUSABLE_ADVICE = {
+    "input": "the call cuts its prompt (truncate_prompt_tokens): set the primary block's "
+             "options.sample_token_ids so that the server says what it kept",
+    "tools": "a chat with tools is compared on the server's token ids: set the primary "
+             "block's options.sample_token_ids (vLLM)",
+    "reasoning": "the answer's reasoning comes without its tokens",
+}
 
 
-def probe_body(sample: GenerationSample, upstream_model: str, top: int) -> dict:
-    """The request the probe sends: the client's call as the sample recorded it."""
+def probe_body(sample: GenerationSample, upstream_model: str, top: int,
+               token_ids: bool = False) -> dict:
+    """The request the probe sends: the client's call as the sample recorded it, with ``top``
+    logprobs per token and, with ``token_ids``, the prompt's and the completion's token ids
+    (vLLM's ``return_token_ids``)."""
     s = sample.sampling
     body: dict = {"model": upstream_model, "stream": False}
     if sample.endpoint == "chat":
@@ -54,6 +70,8 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int) -> dict:
         body["truncate_prompt_tokens"] = sample.prompt_truncation
     if sample.add_special_tokens is not None:  # the prompt tokenized as the client asked
         body["add_special_tokens"] = sample.add_special_tokens
+    if token_ids:
+        body["return_token_ids"] = True
     return body
 
 
@@ -66,6 +84,7 @@ class PrimaryProbe:
         self.model = spec.model
         self.timeout_s = timeout_s
         self.top = top
+        self.token_ids = bool(options.get("sample_token_ids"))  # as the edge asks them
         self._authorization = None
         name = options.get("api_key_env")
         if name:
@@ -78,7 +97,7 @@ class PrimaryProbe:
     def __call__(self, sample: GenerationSample) -> GenerationSample:
         """The primary's completion of ``sample``'s call, as a sample of its own (route
         ``primary``); BackendError when the upstream fails or answers an error."""
-        body = probe_body(sample, self.model, self.top)
+        body = probe_body(sample, self.model, self.top, self.token_ids)
         data = json.dumps(body).encode()
         request = urllib.request.Request(self.base + PATHS[sample.endpoint], data=data,
                                          headers={"Content-Type": "application/json"})
@@ -98,6 +117,10 @@ class PrimaryProbe:
             raise BackendError(f"primary {self.model}@{self.base} answered an error: "
                                f"{completion.error[:200]}")
         call = parse_request(sample.endpoint, data)
+        why = unusable(completion, call)
+        if why:
+            raise BackendError(f"primary {self.model}@{self.base}: its answer to the probe "
+                               f"cannot be compared ({why}: {UNUSABLE_ADVICE.get(why, '')})")
         probed = build_sample(call, completion, route="primary", request_id=sample.request_id,
                               guard_logprobs=True)
         # The sample is the client's call: its name and transform, not the probe's.

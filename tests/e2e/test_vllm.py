@@ -47,7 +47,7 @@ pytestmark = pytest.mark.timeout(1500)
 from guard.backends import create_backend  # noqa: E402
 from guard.config.backend import BackendConfig  # noqa: E402
 from guard.errors import BackendError, GuardError  # noqa: E402
-from guard.protocol.generation import SamplingParams  # noqa: E402
+from guard.protocol.generation import GenerationSample, SamplingParams  # noqa: E402
 from guard.verify.generation import check_generation  # noqa: E402
 from guard.zoo.llm import PROMPTS, hf_folder, quant_ladder, sample_from_response  # noqa: E402
 from guard.zoo.llm import smollm2_gguf  # noqa: E402
@@ -527,6 +527,37 @@ def _completion(server, prompt: str):
     with urllib.request.urlopen(request, timeout=120) as answer:
         response = json.loads(answer.read())
     return sample_from_response(prompt, response, SamplingParams(temperature=0.0, logprobs=5))
+
+
+# -- a fallback's probe of a vLLM primary -------------------------------------------------------
+def test_the_probe_asks_vllm_for_the_ids_it_kept_of_a_cut_prompt(vllm):
+    """While a fallback serves, the verifier asks the primary the sampled call again (the
+    probe). A call whose prompt vLLM cuts (truncate_prompt_tokens) is compared on the ids vLLM
+    kept: the probe asks for them as the edge does where the block says sample_token_ids, and
+    without them its answer is an error of the probe, never scored on the whole prompt."""
+    from guard.backends.openai_generate import PrimaryProbe
+
+    direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    kept = direct.chat.completions.create(
+        model=vllm.name, messages=MESSAGES, max_tokens=8, temperature=0,
+        extra_body={"truncate_prompt_tokens": 6, "return_token_ids": True})
+    server_ids = tuple(kept.prompt_token_ids)
+    assert len(server_ids) == 6
+    # The fallback's sampled call: the client's request, which the probe asks again.
+    fallback_call = GenerationSample(
+        model="smol", endpoint="chat", messages=tuple(MESSAGES), completion_text="",
+        tokens=(), sampling=SamplingParams(temperature=0.0, max_tokens=8), route="fallback",
+        prompt_truncation=6)
+    block = {"backend": "openai", "target": f"{vllm.url}/v1", "model": vllm.name,
+             "options": {"engine": "vllm", "sample_token_ids": True}}
+    probed = PrimaryProbe(BackendConfig(**block), 120)(fallback_call)
+    assert probed.prompt_token_ids == server_ids and probed.prompt_truncation == 6
+    assert probed.completion_text == kept.choices[0].message.content
+    assert all(t.token_id is not None and t.logprob is not None for t in probed.tokens)
+    unsaid = PrimaryProbe(BackendConfig(**{**block, "options": {"engine": "vllm"}}), 120)
+    with pytest.raises(BackendError, match=r"cannot be compared \(input: .*sample_token_ids"):
+        unsaid(fallback_call)
 
 
 # -- servers that cannot score ------------------------------------------------------------------
