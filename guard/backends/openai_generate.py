@@ -49,6 +49,7 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int,
     body: dict = {"model": upstream_model, "stream": False}
     if sample.endpoint == "chat":
         body["messages"] = list(sample.messages or ())
+        body.update(sample.tool_request or {})  # the tools offered: the same rendering
         body["logprobs"], body["top_logprobs"] = True, top
     else:
         # A prompt the client gave as token ids has no text: its ids, as the server took them.

@@ -184,6 +184,11 @@ class GenerationSample:
     # parser took them out of the text): the output's token ids must spell them.
     tools: bool = False
     tool_calls: tuple[str, ...] = ()
+    # The request's tool fields as the client sent them (tools, tool_choice ...; None: none
+    # offered, or a record written before they were kept): a fallback's probe asks them again,
+    # so that the primary renders the prompt it rendered for the client. Information a reader
+    # may ignore (the scores come from the server's ids): no new format version.
+    tool_request: dict[str, Any] | None = None
     # The client's ``truncate_prompt_tokens`` (vLLM: keep that many of the prompt's tokens, -1
     # the model's context; None: not asked). Such a sample is compared on the server's prompt
     # token ids, the prompt the model read; where the server cut the prompt, the cut is no
@@ -281,6 +286,9 @@ def from_dict(data: Any) -> GenerationSample:
     if truncation is not None and (not isinstance(truncation, int) or isinstance(truncation, bool)
                                    or truncation < -1):
         raise ValueError("prompt_truncation: expected an integer >= -1 or null")
+    offered = data.get("tool_request")
+    if offered is not None and not isinstance(offered, dict):
+        raise ValueError("tool_request: expected an object or null")
     if not isinstance(data.get("add_special_tokens"), (bool, type(None))):
         raise ValueError("add_special_tokens: expected a boolean or null")
     called = _tuple(data.get("tool_calls", ()), "tool_calls")
@@ -289,7 +297,8 @@ def from_dict(data: Any) -> GenerationSample:
     rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
                                   "unix_nanos", "request_seconds", "first_token_seconds",
                                   "upstream_model", "reasoning_text", "tools",
-                                  "prompt_truncation", "add_special_tokens") if k in data}
+                                  "prompt_truncation", "add_special_tokens", "tool_request")
+            if k in data}
     return GenerationSample(
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],
         tokens=tokens, sampling=sampling, tool_calls=called,

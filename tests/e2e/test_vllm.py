@@ -29,6 +29,7 @@ import subprocess
 import sys
 import urllib.error
 import urllib.request
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -558,6 +559,17 @@ def test_the_probe_asks_vllm_for_the_ids_it_kept_of_a_cut_prompt(vllm):
     unsaid = PrimaryProbe(BackendConfig(**{**block, "options": {"engine": "vllm"}}), 120)
     with pytest.raises(BackendError, match=r"cannot be compared \(input: .*sample_token_ids"):
         unsaid(fallback_call)
+    # A chat that offered tools is asked again with them: vLLM renders the same prompt and
+    # the model calls the tool, as it did for the client.
+    called = direct.chat.completions.create(
+        model=vllm.name, messages=TOOL_CHAT, tools=TOOLS, max_tokens=32, temperature=0,
+        extra_body={"return_token_ids": True})
+    tool_call = replace(fallback_call, messages=tuple(TOOL_CHAT), prompt_truncation=None,
+                        tools=True, tool_request={"tools": TOOLS},
+                        sampling=SamplingParams(temperature=0.0, max_tokens=32))
+    probed = PrimaryProbe(BackendConfig(**block), 120)(tool_call)
+    assert probed.prompt_token_ids == tuple(called.prompt_token_ids)
+    assert probed.tools and probed.tool_calls == ("get_weather",)
 
 
 # -- servers that cannot score ------------------------------------------------------------------

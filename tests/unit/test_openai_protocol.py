@@ -524,6 +524,15 @@ def test_a_tool_call_is_sampled_where_the_server_said_the_prompts_and_the_output
     assert sample.tools and sample.tool_calls == ("get_weather",)
     assert sample.prompt_token_ids == (1, 2, 3) and sample.completion_text == ""
     assert generation.from_dict(json.loads(json.dumps(generation.to_dict(sample)))) == sample
+    # The tools offered travel with the sample: a fallback's probe offers them again.
+    from guard.backends.openai_generate import probe_body
+
+    offered = {"tools": [{"type": "function", "function": {"name": "get_weather"}}]}
+    assert sample.tool_request == offered
+    assert probe_body(sample, "up", 5, token_ids=True).items() >= {
+        **offered, "return_token_ids": True}.items()
+    with pytest.raises(ValueError, match="tool_request"):
+        generation.from_dict({**generation.to_dict(sample), "tool_request": ["tools"]})
     without_ids = api.Completion()
     api.gather(without_ids, "chat", {"choices": [{"message": message}]}, streamed=False)
     assert api.unusable(without_ids, call) == "tools"

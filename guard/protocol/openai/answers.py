@@ -16,6 +16,7 @@ from guard.protocol.openai.requests import (
     chat_messages,
     responses_messages,
     sampling_params,
+    tool_request,
 )
 from guard.protocol.openai.sse import EventSplitter, event_data
 
@@ -407,5 +408,6 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
         reasoning_text="".join(completion.reasoning_text) if completion.reasoning_text
         else None, tools=call.offers_tools, tool_calls=tuple(completion.tool_names),
+        tool_request=tool_request(body) if call.endpoint == "chat" else None,
         prompt_truncation=call.prompt_truncation, add_special_tokens=call.add_special_tokens,
         **envelope)

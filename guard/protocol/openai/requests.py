@@ -154,6 +154,19 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
     return ParsedCall(endpoint, body, model, stream, reason, prompt)
 
 
+# A chat request's fields that offer the model tools, as OpenAI's API and vLLM name them.
+TOOL_FIELDS = ("tools", "functions", "tool_choice", "parallel_tool_calls")
+
+
+def tool_request(body: dict[str, Any]) -> dict[str, Any] | None:
+    """A chat request's tool fields as the client sent them (None where it offers no tools):
+    what a fallback's probe asks the primary again, so that the server renders the same
+    prompt."""
+    if not _offers_tools(body):
+        return None
+    return {name: body[name] for name in TOOL_FIELDS if name in body}
+
+
 def _offers_tools(body: dict[str, Any]) -> bool:
     return bool(body.get("tools") or body.get("functions")) or body.get("tool_choice") not in (
         None, "none")
