@@ -365,3 +365,21 @@ def test_calls_the_client_asked_logprobs_for_keep_them_and_best_of_2_is_not_samp
     values = own_ring.metrics.registry.get_sample_value(
         "guard_generation_not_comparable_total", {"model": "smol", "reason": "n"})
     assert values == 1
+
+
+def test_a_completions_call_asking_zero_logprobs_gets_the_servers_answer(own_ring,
+                                                                          llama_server):  # noqa: F811
+    """``logprobs: 0`` asks a completions server for the chosen tokens' logprobs without
+    alternatives. It is the client's own ask: guard adds none and strips none (before, it
+    took 0 for unasked, asked its own 3 and set the answer's logprobs to null)."""
+    body = {"model": "smol", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
+            "logprobs": 0}
+    with httpx.Client(timeout=60) as http:
+        ours = http.post(f"http://127.0.0.1:{own_ring.port}/v1/completions", json=body)
+        theirs = http.post(f"{llama_server.url}/v1/completions",
+                           json=dict(body, model=llama_server.model))
+    assert ours.status_code == 200
+    assert _masked(ours.content) == _masked(theirs.content).replace(
+        f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
+    (sample,) = [s.payload.call for s in own_ring.samples()]
+    assert sample.sampling.logprobs == 0

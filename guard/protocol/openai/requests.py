@@ -74,10 +74,14 @@ class ParsedCall:
 
     @property
     def asked_logprobs(self) -> bool:
-        """The client asked for the primary's logprobs itself."""
+        """The client asked for the primary's logprobs itself. A completions call's
+        ``logprobs: 0`` asks for the chosen tokens' logprobs without alternatives (servers
+        answer them): asked, so guard neither adds its own nor strips the answer's."""
         if self.endpoint == "responses":
             return _responses_logprobs(self.body)
         value = self.body.get("logprobs")
+        if self.endpoint == "completions":
+            return value is not None and value is not False
         return value not in (None, False, 0)
 
     @property
