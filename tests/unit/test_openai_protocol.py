@@ -612,6 +612,20 @@ def test_a_prompt_the_server_may_cut_is_sampled_only_with_the_ids_it_kept():
         generation.from_dict({**data, "prompt_truncation": "2"})
 
 
+@pytest.mark.parametrize("endpoint, fields, asked", [
+    ("completions", {}, False), ("completions", {"logprobs": None}, False),
+    ("completions", {"logprobs": 0}, True), ("completions", {"logprobs": 3}, True),
+    ("chat", {}, False), ("chat", {"logprobs": False}, False), ("chat", {"logprobs": True}, True),
+    ("chat", {"top_logprobs": 2}, True), ("chat", {"logprobs": False, "top_logprobs": 0}, True)])
+def test_what_counts_as_the_client_asking_for_logprobs(endpoint, fields, asked):
+    """Where the client asked (in any form a server reads), guard adds no logprobs of its own
+    and strips none from the answer: the client gets the server's answer to its own call."""
+    prompt = {"prompt": "Hi"} if endpoint == "completions" else {
+        "messages": [{"role": "user", "content": "Hi"}]}
+    call = api.parse_request(endpoint, json.dumps({"model": "m", **prompt, **fields}).encode())
+    assert call.asked_logprobs is asked
+
+
 def test_the_clients_add_special_tokens_travels_with_the_sample_and_the_probe():
     """vLLM's ``add_special_tokens``: the sample keeps the client's value (None where it left
     the endpoint's default), written as capture format_version 3 (a version-2 reader would

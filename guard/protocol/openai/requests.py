@@ -82,7 +82,9 @@ class ParsedCall:
         value = self.body.get("logprobs")
         if self.endpoint == "completions":
             return value is not None and value is not False
-        return value not in (None, False, 0)
+        # A chat's top_logprobs without logprobs true is the client's too (a server refuses
+        # it: guard's own ask would turn the refusal into an answer).
+        return value not in (None, False, 0) or self.body.get("top_logprobs") is not None
 
     @property
     def asked_token_ids(self) -> bool:
