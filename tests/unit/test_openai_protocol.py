@@ -612,6 +612,18 @@ def test_a_prompt_the_server_may_cut_is_sampled_only_with_the_ids_it_kept():
         generation.from_dict({**data, "prompt_truncation": "2"})
 
 
+def test_a_tokens_alternatives_are_best_first_whatever_order_the_server_lists_them():
+    """vLLM's completions answer lists the chosen token first (here a sampled " France" that
+    " the" outranks): the sample's top-1 is the best alternative, not the chosen one."""
+    answer = {"choices": [{"text": " France", "logprobs": {
+        "tokens": [" France"], "token_logprobs": [-2.4386],
+        "top_logprobs": [{" France": -2.4386, " the": -2.1845}]}}]}
+    completion = api.Completion()
+    api.gather(completion, "completions", answer, streamed=False)
+    (token,) = completion.tokens
+    assert token.top == ((" the", -2.1845), (" France", -2.4386))
+
+
 @pytest.mark.parametrize("endpoint, fields, asked", [
     ("completions", {}, False), ("completions", {"logprobs": None}, False),
     ("completions", {"logprobs": 0}, True), ("completions", {"logprobs": 3}, True),

@@ -66,13 +66,18 @@ def _token_id(text: str) -> int | None:
 
 
 def _top(items) -> tuple[tuple[str, float], ...]:
+    """A token's alternatives, best first. Servers do not all list them so: vLLM's completions
+    answer puts the chosen token first whatever its rank (a sampled " France" at -2.44 before
+    " the" at -2.18), which read as the primary's top-1 would count a disagreement the model
+    never had. Sorted by logprob (stable: ties keep the server's order)."""
     pairs: Iterable[tuple[Any, Any]]
     if isinstance(items, dict):  # completions: {token: logprob}
         pairs = items.items()
     else:  # chat: [{token, logprob}]
         pairs = ((t.get("token"), t.get("logprob")) for t in items or () if isinstance(t, dict))
-    return tuple((str(t), float(lp)) for t, lp in pairs
-                 if isinstance(lp, (int, float)) and not isinstance(lp, bool))
+    found = [(str(t), float(lp)) for t, lp in pairs
+             if isinstance(lp, (int, float)) and not isinstance(lp, bool)]
+    return tuple(sorted(found, key=lambda pair: -pair[1]))
 
 
 def _logprob_tokens(endpoint: str, logprobs: Any) -> list[TokenLogprob]:
