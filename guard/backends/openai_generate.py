@@ -63,8 +63,12 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int,
             body[key] = value
     if s.repetition_penalty is not None:
         body["repeat_penalty"] = s.repetition_penalty
-    # At most as many tokens as the primary's answer had: a probe costs what the call did.
-    body["max_tokens"] = s.max_tokens if s.max_tokens is not None else max(len(sample.tokens), 1)
+    # At most as many tokens as the primary's answer had: a probe costs what the call did (an
+    # echo call's tokens are mostly its prompt's: the API's default of 16 where it said none).
+    body["max_tokens"] = s.max_tokens if s.max_tokens is not None else (
+        16 if sample.echo else max(len(sample.tokens), 1))
+    if sample.echo:  # the prompt back with its tokens' logprobs, as the client asked
+        body["echo"] = True
     if s.stop:
         body["stop"] = list(s.stop)
     if sample.prompt_truncation is not None:  # the prompt the server read was cut so

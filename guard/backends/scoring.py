@@ -317,7 +317,15 @@ class Scorer(Backend):
     def render(self, sample: GenerationSample) -> RenderedPrompt:
         """The prompt's ids: the server's where it told them (compared with this scorer's own
         rendering of the same messages or text: a difference is a finding), else rendered
-        here."""
+        here. An echo call's tokens begin after the prompt's first token: its prompt is
+        checked whole (BOS, rendering) and scored from that first token on."""
+        prompt = self._whole_prompt(sample)
+        if sample.echo:
+            return RenderedPrompt(prompt.ids[:1], prompt.approximate, prompt.findings,
+                                  prompt.difference)
+        return prompt
+
+    def _whole_prompt(self, sample: GenerationSample) -> RenderedPrompt:
         if sample.tools and sample.prompt_token_ids is None:
             raise BackendError("a chat that offered tools is scored on the server's prompt "
                                "token ids, which this sample does not have")

@@ -185,7 +185,8 @@ class GuardMetrics:
         self.generation_not_comparable = Counter(
             "guard_generation_not_comparable", "Calls never compared, by reason. At the HTTP "
             "edge (forwarded, never handed over): n (best_of > 1: n > 1 is compared by its "
-            "first completion), echo (the prompt echoed in the answer), tools (a sampled chat "
+            "first completion), echo (a streamed echo, one without logprobs, or an echo answer "
+            "whose tokens do not spell its text), tools (a sampled chat "
             "that offers tools, without the prompt's and the output's token ids; tools on "
             "another endpoint), reasoning (a reasoning answer without the output's tokens: no "
             "logprobs or token ids), stateful (a Responses call continuing a conversation the "

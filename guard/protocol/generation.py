@@ -30,8 +30,9 @@ FORMAT_VERSION = 3  # bump when a field's meaning changes; readers refuse newer 
 # mismatch) and ``prompt_truncation`` (its prompt ids may be a cut rendering, which a version-1
 # reader would report as template drift). Version 3 added ``add_special_tokens`` (a prompt
 # without BOS as asked, which a version-2 reader would score with one and report as a missing
-# BOS). A sample is written with the lowest version that holds it, so that records without
-# the newer fields stay readable by the guards that wrote them before.
+# BOS) and ``echo`` (tokens that begin inside the prompt, which a version-2 reader would score
+# after the whole prompt). A sample is written with the lowest version that holds it, so that
+# records without the newer fields stay readable by the guards that wrote them before.
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,11 @@ class GenerationSample:
     # tokens, its BOS; None: not asked, the endpoint's default). A completions prompt asked
     # without them is compared as the server read it, without BOS, and no missing BOS.
     add_special_tokens: bool | None = None
+    # A completions call that asked its prompt back with logprobs (``echo``: lm-eval's
+    # loglikelihood calls): ``tokens`` are the prompt's tokens after the first and then the
+    # generated ones, each with the primary's logprob, and ``completion_text`` their text;
+    # the reference scores them after the prompt's first token.
+    echo: bool = False
 
     @property
     def has_logprobs(self) -> bool:
@@ -208,7 +214,7 @@ class GenerationSample:
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
-    if sample.add_special_tokens is not None:
+    if sample.add_special_tokens is not None or sample.echo:
         data["format_version"] = 3
     elif sample.reasoning_text is not None or sample.tools or sample.tool_calls or \
             sample.prompt_truncation is not None:
@@ -289,6 +295,8 @@ def from_dict(data: Any) -> GenerationSample:
     offered = data.get("tool_request")
     if offered is not None and not isinstance(offered, dict):
         raise ValueError("tool_request: expected an object or null")
+    if not isinstance(data.get("echo", False), bool):
+        raise ValueError("echo: expected a boolean")
     if not isinstance(data.get("add_special_tokens"), (bool, type(None))):
         raise ValueError("add_special_tokens: expected a boolean or null")
     called = _tuple(data.get("tool_calls", ()), "tool_calls")
@@ -297,7 +305,8 @@ def from_dict(data: Any) -> GenerationSample:
     rest = {k: data[k] for k in ("prompt", "finish_reason", "route", "request_id", "streamed",
                                   "unix_nanos", "request_seconds", "first_token_seconds",
                                   "upstream_model", "reasoning_text", "tools",
-                                  "prompt_truncation", "add_special_tokens", "tool_request")
+                                  "prompt_truncation", "add_special_tokens", "tool_request",
+                                  "echo")
             if k in data}
     return GenerationSample(
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],

@@ -383,8 +383,9 @@ class _Forward(_Upstream):
         adds = bool(flags & wire.MIRROR) and call.endpoint != "responses"
         top = backend.options.sample_logprobs
         self.guard_logprobs = bool(adds and top and not call.asked_logprobs)
+        # (Not on an echo call: vLLM then leaves the echoed prompt out of the answer's text.)
         self.guard_token_ids = (adds and backend.options.sample_token_ids
-                                and not call.asked_token_ids)
+                                and not call.asked_token_ids and not call.echo)
         if self.guard_logprobs or self.guard_token_ids:
             body = api.sampled_body(call, top if self.guard_logprobs else 0,
                                     self.guard_token_ids)

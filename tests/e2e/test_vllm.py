@@ -296,9 +296,18 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
             model=vllm.name, prompt=[PROMPT, "Water boils at"], **several).choices]
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]
 
-        # Eleven calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 11, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 11 and checks(server, "smol", "fail") == 0
+        # lm-eval's loglikelihood call: the prompt echoed with its tokens' logprobs, one token
+        # generated. The client's answer is vLLM's; the prompt's tokens are compared.
+        loglikelihood = dict(prompt=PROMPT + " Paris", max_tokens=1, temperature=0,
+                             logprobs=1, echo=True)
+        echoed = through.completions.create(model="smol", **loglikelihood)
+        assert echoed.choices[0].logprobs == direct.completions.create(
+            model=vllm.name, **loglikelihood).choices[0].logprobs
+        assert echoed.choices[0].text.startswith(PROMPT + " Paris")
+
+        # Twelve calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 12, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 12 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -312,12 +321,16 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 11 and stats.undecodable == 0
-    reasoned_calls, cut_calls = [], []
+    assert len(records) == 12 and stats.undecodable == 0
+    reasoned_calls, cut_calls, echo_calls = [], [], []
     for record in records:
         (verdict,) = record.verdicts
         assert verdict.tier == "generation" and verdict.passed
         details = json.loads(verdict.details_json)
+        if generation_calls(record)[0].echo:  # (guard asks no token ids of an echo call)
+            echo_calls.append(generation_calls(record)[0])
+            assert details["mode"] == "logprobs" and details["findings"] == []
+            continue
         # the prompt as vLLM rendered it (sample_token_ids), not the reference's rendering
         assert details["mode"] == "logprobs" and details["approximate"] is False
         (sample,) = [t for t in record.inputs if t.name == "generation_sample_json"]
@@ -338,6 +351,10 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         if call.endpoint == "completions" and call.prompt is None:
             assert list(call.prompt_token_ids) == prompt_ids  # the client's ids, no text
     assert len(reasoned_calls) == 2 and len(cut_calls) == 1  # (reasoned: whole and streamed)
+    (echoed_call,) = echo_calls  # the prompt's tokens after its first, and the generated one
+    assert [t.text for t in echoed_call.tokens][:5] == [" capital", " of", " France", " is",
+                                                        " Paris"]
+    assert echoed_call.completion_text == echoed.choices[0].text[len("The"):]
     for call in reasoned_calls:  # its tokens: the reasoning's, the phrases', the answer's, EOS
         output = "".join(t.text for t in call.tokens)
         assert output == f"{THOUGHT}{call.reasoning_text}{RESPONSE}{call.completion_text}" \

@@ -612,6 +612,61 @@ def test_a_prompt_the_server_may_cut_is_sampled_only_with_the_ids_it_kept():
         generation.from_dict({**data, "prompt_truncation": "2"})
 
 
+# Answers to {"prompt": "The capital of France is Paris", "max_tokens": 1, "logprobs": 1,
+# "echo": true, "temperature": 0} on SmolLM2, as the servers gave them (trimmed): vLLM 0.32's
+# tokens are the prompt's and the generated one; llama-cpp-python 0.3.36's stop at the prompt
+# and sit a position off (" capital" scored by the distribution that predicts " of").
+VLLM_ECHO = {"choices": [{"index": 0, "text": "The capital of France is Paris.", "logprobs": {
+    "tokens": ["The", " capital", " of", " France", " is", " Paris", "."],
+    "token_logprobs": [None, -11.5393, -0.3376, -2.4386, -0.4509, -0.2581, -0.3801],
+    "top_logprobs": [None, {" capital": -11.5393, "-": -0.8655}, {" of": -0.3376},
+                     {" France": -2.4386, " the": -2.1845}, {" is": -0.4509},
+                     {" Paris": -0.2581}, {".": -0.3801}]}, "finish_reason": "length"}]}
+LLAMA_CPP_PYTHON_ECHO = {"choices": [{"index": 0, "text": "The capital of France is Paris.",
+                                      "logprobs": {
+    "tokens": ["The", " capital", " of", " France", " is", " Paris"],
+    "token_logprobs": [None, -9.6000, -10.4625, -11.2256, -11.7948, -8.4526],
+    "top_logprobs": [None, {" of": -0.4121, " capital": -9.6000}, {" the": -1.9880},
+                     {" is": -0.4320}, {" Paris": -0.2644}, {".": -0.3762}]},
+    "finish_reason": "length"}]}
+
+
+def test_an_echo_call_with_logprobs_is_compared_on_the_prompts_tokens_and_what_follows():
+    """lm-eval's loglikelihood calls (echo, logprobs, max_tokens 1, not streamed) come back
+    with the logprobs of the prompt's tokens: the sample is every token after the first, each
+    with the primary's logprob, for the reference to score after that first token. An echo
+    the sample cannot hold (streamed, without logprobs, a chat's) stays not comparable, and
+    so does an answer whose tokens do not spell its text (llama-cpp-python's)."""
+    from guard.backends.openai_generate import probe_body
+
+    body = {"model": "smol", "prompt": "The capital of France is Paris", "max_tokens": 1,
+            "logprobs": 1, "echo": True, "temperature": 0}
+    call = api.parse_request("completions", json.dumps(body).encode())
+    assert call.echo and call.not_comparable == "" and call.asked_logprobs
+    completion = api.Completion()
+    api.gather(completion, "completions", VLLM_ECHO, streamed=False)
+    assert api.unusable(completion, call) == ""
+    sample = api.build_sample(call, completion, route="primary")
+    assert sample.echo and sample.prompt == "The capital of France is Paris"
+    assert sample.completion_text == " capital of France is Paris."
+    assert [t.text for t in sample.tokens] == [" capital", " of", " France", " is", " Paris", "."]
+    assert sample.has_logprobs and sample.tokens[2].top[0] == (" the", -2.1845)
+    data = generation.to_dict(sample)
+    assert data["format_version"] == 3
+    assert generation.from_dict(json.loads(json.dumps(data))) == sample
+    probe = probe_body(sample, "up", 5)
+    assert probe["echo"] is True and probe["prompt"] == body["prompt"]
+    assert probe["max_tokens"] == 1
+    shifted = api.Completion()
+    api.gather(shifted, "completions", LLAMA_CPP_PYTHON_ECHO, streamed=False)
+    assert api.unusable(shifted, call) == "echo"
+    for other in ({"stream": True}, {"logprobs": None}, {"logprobs": False}):
+        assert api.parse_request("completions", json.dumps(
+            {**body, **other}).encode()).not_comparable == "echo"
+    with pytest.raises(ValueError, match="echo"):
+        generation.from_dict({**data, "echo": "yes"})
+
+
 def test_a_tokens_alternatives_are_best_first_whatever_order_the_server_lists_them():
     """vLLM's completions answer lists the chosen token first (here a sampled " France" that
     " the" outranks): the sample's top-1 is the best alternative, not the chosen one."""

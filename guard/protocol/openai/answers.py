@@ -282,6 +282,8 @@ def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
     as if the answer had come first)."""
     if completion.error:
         return "upstream_error"
+    if call is not None and call.echo and not _echoed(completion):
+        return "echo"
     if call is not None and call.prompt_truncation is not None and \
             completion.prompt_token_ids is None:
         return "input"
@@ -295,6 +297,17 @@ def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
         if not (completion.reasoning_text and completion.tokens):
             return "reasoning"
     return ""
+
+
+def _echoed(completion: Completion) -> bool:
+    """An echo answer whose tokens are the prompt's and the generated ones, as vLLM gives
+    them: the first without a logprob (nothing predicts it), every other with one, and their
+    texts spelling the answer's text. llama-cpp-python's (0.3.36) is not: its tokens stop at
+    the prompt and their logprobs sit a position off (upstream issue 1983)."""
+    tokens = completion.tokens
+    return (len(tokens) >= 2 and tokens[0].logprob is None
+            and all(t.logprob is not None for t in tokens[1:])
+            and "".join(t.text for t in tokens) == "".join(completion.text))
 
 
 def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool = True) -> None:
@@ -404,9 +417,14 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         if call.prompt_truncation is None:  # (else the server's, which it may have cut)
             prompt_ids = prompt_ids or prompt
         prompt = None
+    tokens = tuple(completion.tokens)
+    text = "".join(completion.text)
+    if call.echo:  # scored from the prompt's first token on (unusable: _echoed)
+        tokens = tokens[1:]
+        text = "".join(t.text for t in tokens)
     return GenerationSample(
         model=call.model, endpoint="completions" if call.endpoint == "completions" else "chat",
-        completion_text="".join(completion.text), tokens=tuple(completion.tokens),
+        completion_text=text, tokens=tokens, echo=call.echo,
         sampling=sampling, prompt=prompt,
         messages=messages, prompt_token_ids=prompt_ids,
         finish_reason=completion.finish_reason, upstream_model=completion.upstream_model,

@@ -65,6 +65,13 @@ class ParsedCall:
         return value if isinstance(value, int) and not isinstance(value, bool) else None
 
     @property
+    def echo(self) -> bool:
+        """A completions call that asks for its prompt back with the logprobs of its tokens
+        (lm-eval's loglikelihood shape): compared on the prompt's tokens after the first and
+        the generated ones (:func:`unusable`, :func:`build_sample`)."""
+        return self.endpoint == "completions" and self.body.get("echo") not in (None, False)
+
+    @property
     def add_special_tokens(self) -> bool | None:
         """vLLM's ``add_special_tokens`` where the client gave it (None: the endpoint's
         default, True for completions and False for chat). A completions prompt asked without
@@ -135,8 +142,14 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
     if isinstance(n, bool) or not isinstance(n, int) or n < 1 or (
             best_of is not None and best_of != 1):
         reason = "n"
-    elif body.get("echo") not in (None, False):
-        reason = "echo"  # the answer's text begins with the prompt (or the last message)
+    elif body.get("echo") not in (None, False) and not (
+            endpoint == "completions" and not stream and body.get("logprobs") is not None
+            and body.get("logprobs") is not False):
+        # The answer's text begins with the prompt (or a chat's last message). A whole
+        # completions answer with logprobs (lm-eval's loglikelihood calls) is compared on the
+        # prompt's tokens and what follows them (ParsedCall.echo); a stream, or an echo
+        # without logprobs, is not.
+        reason = "echo"
     elif endpoint != "chat" and _offers_tools(body):
         reason = "tools"  # (a chat's tools are decided by its answer: ParsedCall.offers_tools)
     elif endpoint == "completions" and prompt is None:

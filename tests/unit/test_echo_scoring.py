@@ -1,0 +1,67 @@
+"""An echo call (lm-eval's loglikelihood shape) scored by a real reference: the prompt's tokens
+after the first, with the primary's logprobs, against the reference's teacher-forced pass from
+that first token. A primary that reports the reference's own logprobs passes at KLD ~0; one
+whose echo logprobs sit a position off (llama-cpp-python 0.3.36's, upstream issue 1983) fails.
+
+The reference is llama_cpp on the shipped SmolLM2 GGUF; the "primary" answers are built from
+the same reference's numbers, so the property tested is the positions' bookkeeping.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
+
+from guard.backends import create_backend  # noqa: E402
+from guard.config.backend import BackendConfig  # noqa: E402
+from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob  # noqa: E402
+from guard.verify.generation import SERVER_DEFAULTS, check_generation  # noqa: E402
+from guard.zoo.llm import smollm2_gguf  # noqa: E402
+
+try:
+    SHIPPED = smollm2_gguf()
+except FileNotFoundError as exc:  # pragma: no cover - depends on the install
+    pytest.skip(str(exc), allow_module_level=True)
+
+CONTEXT = "Question: What is the capital of France?\nAnswer:"
+CONTINUATION = " The capital of France is Paris."
+
+
+@pytest.fixture(scope="module")
+def reference():
+    scorer = create_backend(BackendConfig(backend="llama_cpp", path=str(SHIPPED),
+                                          options={"context_length": 256}), "reference", 1)
+    scorer.load()
+    yield scorer
+    scorer.close()
+
+
+def test_an_echo_is_scored_from_the_prompts_first_token(reference):
+    ids = reference.encode_prompt(CONTEXT + CONTINUATION)
+    texts = [reference.vocab.token_text(i) for i in ids]
+    # What the echo answer holds after its first token, logprobs to be filled in.
+    unscored = GenerationSample(
+        model="smol", endpoint="completions", prompt=CONTEXT + CONTINUATION, echo=True,
+        completion_text="".join(texts[1:]), sampling=SamplingParams(temperature=0.0,
+                                                                    max_tokens=0, logprobs=1),
+        tokens=tuple(TokenLogprob(text, 0.0) for text in texts[1:]))
+    own = reference.score(unscored)
+    assert own.scored and own.prompt_token_ids == tuple(ids[:1])
+    assert own.token_ids == tuple(ids[1:]) and own.findings == ()
+    # The reference's own numbers, as a server that computes them right would report them.
+    top = [((own.top_texts[t][0], float(own.top_logprobs[t][0])),) for t in range(len(ids) - 1)]
+    right = replace(unscored, tokens=tuple(
+        TokenLogprob(text, float(own.chosen_logprob[t]), top[t])
+        for t, text in enumerate(texts[1:])))
+    check = check_generation(right, reference.score(right), SERVER_DEFAULTS["vllm"])
+    assert (check.mode, check.passed) == ("logprobs", True), check.reason
+    assert check.mean_kld < 1e-6 and check.tokens == len(ids) - 1
+    # Each token given the next one's figures: one position off.
+    shifted = replace(right, tokens=tuple(
+        TokenLogprob(text, float(own.chosen_logprob[t + 1]), top[t + 1])
+        for t, text in enumerate(texts[1:-1])) + (right.tokens[-1],))
+    off = check_generation(shifted, reference.score(shifted), SERVER_DEFAULTS["vllm"])
+    assert off.mode == "logprobs" and not off.passed, off
