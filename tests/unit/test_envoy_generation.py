@@ -376,6 +376,25 @@ def test_a_whole_answer_is_sampled_and_what_cannot_be_compared_is_counted():
         "n": 1, "incomplete": 1, "upstream_error": 1}
 
 
+def test_an_echo_call_traced_through_envoy_is_sampled_as_the_edge_samples_it():
+    """lm-eval's loglikelihood call seen through Envoy's tap: vLLM's echo answer makes the
+    sample the Python edge makes; llama-cpp-python's (its tokens stop at the prompt, a
+    position off) is counted not comparable ``echo``."""
+    from test_openai_protocol import LLAMA_CPP_PYTHON_ECHO, VLLM_ECHO
+
+    body = {"model": "smol", "prompt": "The capital of France is Paris", "max_tokens": 1,
+            "logprobs": 1, "echo": True, "temperature": 0}
+    traces = [trace(body, json.dumps(answer).encode(), content_type="application/json",
+                    path="/v1/completions")
+              for answer in (VLLM_ECHO, LLAMA_CPP_PYTHON_ECHO)]
+    (record,), metrics, outcomes = handed(traces, {"smol": Model(slot=0)})
+    sample = record.payload.call
+    assert sample.echo and sample.completion_text == " capital of France is Paris."
+    assert outcomes == ["complete", "complete"]
+    assert metrics.registry.get_sample_value("guard_generation_not_comparable_total",
+                                             {"model": "smol", "reason": "echo"}) == 1
+
+
 def test_deploy_envoy_prints_the_http_listener_and_needs_a_fixed_http_health_port(tmp_path,
                                                                                    capsys):
     from guard.cli import main
