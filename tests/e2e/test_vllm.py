@@ -304,10 +304,14 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         assert echoed.choices[0].logprobs == direct.completions.create(
             model=vllm.name, **loglikelihood).choices[0].logprobs
         assert echoed.choices[0].text.startswith(PROMPT + " Paris")
+        # As lm-eval sends it by default (tokenized_requests): the prompt as token ids.
+        tokenized = dict(loglikelihood, prompt=prompt_ids)
+        assert through.completions.create(model="smol", **tokenized).choices[0].logprobs == \
+            direct.completions.create(model=vllm.name, **tokenized).choices[0].logprobs
 
-        # Twelve calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 12, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 12 and checks(server, "smol", "fail") == 0
+        # Thirteen calls sampled; each scored by the reference in guard's verifier.
+        wait_for(lambda: compared(server, "smol") >= 13, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 13 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
             metric(values, "guard_generation_kld_count", model="smol")
@@ -321,7 +325,7 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
-    assert len(records) == 12 and stats.undecodable == 0
+    assert len(records) == 13 and stats.undecodable == 0
     reasoned_calls, cut_calls, echo_calls = [], [], []
     for record in records:
         (verdict,) = record.verdicts
@@ -351,10 +355,12 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
         if call.endpoint == "completions" and call.prompt is None:
             assert list(call.prompt_token_ids) == prompt_ids  # the client's ids, no text
     assert len(reasoned_calls) == 2 and len(cut_calls) == 1  # (reasoned: whole and streamed)
-    (echoed_call,) = echo_calls  # the prompt's tokens after its first, and the generated one
+    echoed_call, tokenized_call = sorted(echo_calls, key=lambda call: call.prompt is None)
+    # the prompt's tokens after its first, and the generated one
     assert [t.text for t in echoed_call.tokens][:5] == [" capital", " of", " France", " is",
                                                         " Paris"]
     assert echoed_call.completion_text == echoed.choices[0].text[len("The"):]
+    assert list(tokenized_call.prompt_token_ids) == prompt_ids  # the client's ids, no text
     for call in reasoned_calls:  # its tokens: the reasoning's, the phrases', the answer's, EOS
         output = "".join(t.text for t in call.tokens)
         assert output == f"{THOUGHT}{call.reasoning_text}{RESPONSE}{call.completion_text}" \
