@@ -72,8 +72,11 @@ class ScoredBatch:
 
 
 def prompt_text(call: GenerationSample) -> str:
-    """The end of a call's prompt (a chat's last message), for the report."""
-    if call.endpoint == "chat" and call.messages:
+    """The end of a call's prompt (a chat's last message), for the report. An echo call's
+    scored tokens are its prompt's (from the second on): the completion shows them."""
+    if call.echo:
+        text = "(echo: the prompt's own tokens scored, shown as the completion)"
+    elif call.endpoint == "chat" and call.messages:
         last = call.messages[-1]
         text = f"{last.get('role', '?')}: {last.get('content', '')}"
     elif call.prompt is None and call.prompt_token_ids:  # the client sent token ids

@@ -654,6 +654,9 @@ def test_an_echo_call_with_logprobs_is_compared_on_the_prompts_tokens_and_what_f
     data = generation.to_dict(sample)
     assert data["format_version"] == 3
     assert generation.from_dict(json.loads(json.dumps(data))) == sample
+    from guard.replay.generation import prompt_text
+
+    assert prompt_text(sample).startswith("(echo")  # the report shows the tokens once
     probe = probe_body(sample, "up", 5)
     assert probe["echo"] is True and probe["prompt"] == body["prompt"]
     assert probe["max_tokens"] == 1
