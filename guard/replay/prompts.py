@@ -4,6 +4,7 @@ One JSON object per line, either a completion prompt or a chat::
 
     {"prompt": "The capital of France is"}
     {"messages": [{"role": "user", "content": "Name three primary colours."}], "max_tokens": 24}
+    {"prompt": "Water boils at 100 degrees Celsius at sea level.", "echo": true}
 
 Replay then asks the model's primary (its ``openai`` upstream) for each completion, with the
 top-5 logprobs per token, and scores it with the reference, as llama-perplexity scores a
@@ -13,6 +14,13 @@ the OpenAI request's sampling fields (``max_tokens``, ``temperature``, ``top_p``
 ``presence_penalty``, ``frequency_penalty``). Defaults (where a line does not say): greedy
 (``temperature`` 0: the same completion every run, so two replays of a set compare) and
 ``max_tokens`` 32 (SmolLM2's calibration ladder, docs/generation.md).
+
+``"echo": true`` (a completions prompt) scores the text itself, as ``llama-perplexity
+--kl-divergence`` scores a corpus: the primary is asked for the prompt back with its tokens'
+logprobs (``echo``, as lm-eval's loglikelihood calls ask; ``max_tokens`` 0 unless the line
+says) and every token after the first is compared with the reference's distribution there.
+The server must echo as vLLM does (docs/generation.md, "Echo calls"): llama-cpp-python's echo
+is refused as not comparable.
 
 A line that is not such an object (not JSON, neither or both of ``prompt`` and ``messages``,
 an unknown key: a misspelt ``max_token`` must not silently do nothing) is skipped and counted,
@@ -35,7 +43,8 @@ DEFAULT_TEMPERATURE = 0.0
 SAMPLING_KEYS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty",
     "repetition_penalty", "presence_penalty", "frequency_penalty"})
-_KEYS = SAMPLING_KEYS | {"prompt", "messages", "id"}
+_KEYS = SAMPLING_KEYS | {"prompt", "messages", "id", "echo"}
+ECHO_MAX_TOKENS = 0  # an echo line scores its text: nothing generated unless it says
 _PROBLEMS_KEPT = 5
 
 
@@ -85,7 +94,12 @@ def parse_line(text: str, model: str, request_id: str) -> GenerationSample:
         raise ValueError(problem)
     if "id" in body and not isinstance(body["id"], (str, int)):
         raise ValueError("'id' must be a string or an integer")
-    asked = {"temperature": DEFAULT_TEMPERATURE, "max_tokens": DEFAULT_MAX_TOKENS,
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool) or (echo and "prompt" not in body):
+        raise ValueError("'echo' must be true or false, and only with 'prompt' (a text to "
+                         "score)")
+    asked = {"temperature": DEFAULT_TEMPERATURE,
+             "max_tokens": ECHO_MAX_TOKENS if echo else DEFAULT_MAX_TOKENS,
              **{k: v for k, v in body.items() if k in SAMPLING_KEYS}}
     sampling = sampling_params(asked)
     for key in ("temperature", "max_tokens"):
@@ -96,7 +110,7 @@ def parse_line(text: str, model: str, request_id: str) -> GenerationSample:
         model=model, endpoint="chat" if chat else "completions", completion_text="", tokens=(),
         sampling=sampling, prompt=None if chat else body["prompt"],
         messages=tuple(body["messages"]) if chat else None,
-        request_id=str(body.get("id", request_id)))
+        request_id=str(body.get("id", request_id)), echo=echo)
 
 
 def read_prompts(path: Path, model: str, stats: PromptStats) -> Iterator[GenerationSample]:

@@ -595,6 +595,38 @@ def test_the_probe_asks_vllm_for_the_ids_it_kept_of_a_cut_prompt(vllm):
     assert probed.tools and probed.tool_calls == ("get_weather",)
 
 
+# -- texts scored by echo, offline -------------------------------------------------------------
+TEXTS = ("Water boils at 100 degrees Celsius at sea level.",
+         "The Eiffel Tower is in Paris, the capital of France.",
+         "Photosynthesis turns light, water and carbon dioxide into sugar.")
+
+
+def test_a_prompt_set_of_texts_is_scored_through_vllms_echo(vllm, tmp_path):
+    """``guard replay`` on a prompt set of texts (``"echo": true``): vLLM is asked each text
+    back with its tokens' logprobs, and each token after the first is compared with the fp32
+    reference, as llama-perplexity --kl-divergence scores a corpus: the same weights agree to
+    the kernels' noise on every token."""
+    import yaml
+
+    from guard.cli import main
+
+    prompts = tmp_path / "texts.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": text, "echo": True}) + "\n"
+                               for text in TEXTS))
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "server": {"http_port": 0}, "models": [{
+        "name": "smol", "task": "generation",
+        "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
+                    "options": {"engine": "vllm"}},
+        "reference": {"backend": "transformers", "path": str(smollm2_gguf())}}]}))
+    out = tmp_path / "report"
+    assert main(["replay", "--config", str(config), str(prompts), "--report-dir", str(out),
+                 "--quiet"]) == 0
+    g = json.loads((out / "report.json").read_text())["models"]["smol"]["tiers"]["generation"]
+    assert g["checks"] == g["passed"] == len(TEXTS)
+    assert g["mean_kld"] < FP32_NOISE and g["top1_agreement"] == 1.0
+
+
 # -- servers that cannot score ------------------------------------------------------------------
 def test_a_reference_asking_more_than_vllms_max_logprobs_is_refused_saying_so(vllm):
     scorer = create_backend(BackendConfig(**remote_block(vllm, top_logprobs=50)), "reference")

@@ -224,12 +224,18 @@ def test_prompt_lines_become_greedy_calls_and_bad_lines_are_counted(tmp_path):
     assert chat.endpoint == "chat" and chat.messages[0]["content"] == "Hi"
     assert (chat.request_id, chat.sampling.temperature, chat.sampling.max_tokens,
             chat.sampling.stop) == ("7", 0.7, 5, ("\n",))
+    # A text to score (llama-perplexity's way): echoed, nothing generated unless it says.
+    text = parse_line('{"prompt": "Water boils at 100 degrees.", "echo": true}', "smol", "x")
+    assert text.echo and text.sampling.max_tokens == 0 and not call.echo
     for line, why in (("[1]", "JSON object"), ("{", "not JSON"),
                       ('{"prompt": "a", "messages": []}', "either"), ("{}", "either"),
                       ('{"prompt": 3}', "string"), ('{"messages": [{"role": "user"}]}',
                                                     r"messages\[0\]"),
                       ('{"prompt": "a", "max_token": 3}', "unknown key 'max_token'"),
-                      ('{"prompt": "a", "max_tokens": "many"}', "max_tokens")):
+                      ('{"prompt": "a", "max_tokens": "many"}', "max_tokens"),
+                      ('{"prompt": "a", "echo": "yes"}', "'echo' must be"),
+                      ('{"messages": [{"role": "user", "content": "b"}], "echo": true}',
+                       "only with 'prompt'")):
         with pytest.raises(ValueError, match=why):
             parse_line(line, "smol", "x")
     path = tmp_path / "p.jsonl"
