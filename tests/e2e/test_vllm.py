@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import urllib.error
@@ -32,6 +33,7 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
+import httpx2 as httpx  # the HTTP client the openai package itself uses
 import numpy as np
 import pytest
 
@@ -551,6 +553,60 @@ def _completion(server, prompt: str):
     with urllib.request.urlopen(request, timeout=120) as answer:
         response = json.loads(answer.read())
     return sample_from_response(prompt, response, SamplingParams(temperature=0.0, logprobs=5))
+
+
+# -- what guard adds to a sampled call never reaches the client -----------------------------------
+# Request shapes clients send, each answered through guard (every call sampled, guard asking
+# its own logprobs and token ids where the client did not) and directly: the bytes must be
+# vLLM's but for the call's id, time and model name.
+SHAPES = [
+    ("completions", {}), ("completions", {"logprobs": 0}), ("completions", {"logprobs": 2}),
+    ("completions", {"echo": True, "logprobs": 1}), ("completions", {"echo": True}),
+    ("completions", {"temperature": 0.8, "seed": 3, "n": 2}),
+    ("completions", {"prompt": [PROMPT, "Water boils at"]}),
+    ("completions", {"stream": True}),
+    ("completions", {"stream": True, "stream_options": {"include_usage": True}}),
+    ("completions", {"stream": True, "logprobs": 1}),
+    ("completions", {"return_token_ids": True}), ("completions", {"prompt_logprobs": 1}),
+    ("completions", {"return_tokens_as_token_ids": True, "logprobs": 1}),
+    ("completions", {"add_special_tokens": False}),
+    ("completions", {"truncate_prompt_tokens": 3}),
+    ("chat", {}), ("chat", {"logprobs": True}), ("chat", {"logprobs": True, "top_logprobs": 0}),
+    ("chat", {"top_logprobs": 2}),  # (vLLM refuses it: so must guard's answer)
+    ("chat", {"stream": True}),
+    ("chat", {"stream": True, "stream_options": {"include_usage": True,
+                                                  "continuous_usage_stats": True}}),
+    ("chat", {"echo": True}), ("chat", {"response_format": {"type": "json_object"}}),
+    ("chat", {"add_special_tokens": True}),
+]
+
+
+def _bytes_of(answer) -> bytes:
+    """An answer with what differs between two calls blanked: ids, creation times."""
+    body = re.sub(rb'"id": ?"[^"]*"', b'"id":""', answer.content)
+    return re.sub(rb'"created": ?\d+', b'"created":0', body)
+
+
+def test_every_request_shape_gets_vllms_own_answer_through_guard(vllm, tmp_path):
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
+                         "options": {"engine": "vllm", "sample_logprobs": 3,
+                                     "sample_token_ids": True}},
+             "reference": remote_block(vllm),  # (the client's bytes are what is tested)
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
+    with running(tmp_path, [model], http_port=0) as (server, _), \
+            httpx.Client(timeout=120) as http:
+        for endpoint, fields in SHAPES:
+            path = f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+            body = {"max_tokens": 5, "temperature": 0, **fields}
+            body.update({"messages": MESSAGES} if endpoint == "chat" else
+                        {"prompt": fields.get("prompt", PROMPT)})
+            ours = http.post(f"http://127.0.0.1:{server.http_port}{path}",
+                             json={**body, "model": "smol"})
+            theirs = http.post(f"{vllm.url}{path}", json={**body, "model": vllm.name})
+            assert ours.status_code == theirs.status_code, (endpoint, fields)
+            assert _bytes_of(ours) == _bytes_of(theirs).replace(
+                json.dumps(vllm.name).encode(), b'"smol"'), (endpoint, fields)
 
 
 # -- a fallback's probe of a vLLM primary -------------------------------------------------------
