@@ -383,3 +383,43 @@ def test_a_completions_call_asking_zero_logprobs_gets_the_servers_answer(own_rin
         f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
     (sample,) = [s.payload.call for s in own_ring.samples()]
     assert sample.sampling.logprobs == 0
+
+
+# Request shapes clients send to llama-cpp-python's server (its own extensions too: grammar,
+# a fill-in-the-middle suffix), each answered through guard with every call sampled and guard
+# asking its own logprobs where the client did not, and directly (tests/e2e/test_vllm.py
+# holds vLLM's). (Last in the file: the ring keeps what these calls handed over.)
+SHAPES = [
+    ("completions", {}), ("completions", {"logprobs": 0}), ("completions", {"logprobs": 2}),
+    ("completions", {"echo": True, "logprobs": 1}), ("completions", {"echo": True}),
+    ("completions", {"temperature": 0.8, "seed": 3, "n": 2}),
+    ("completions", {"prompt": [PROMPT]}), ("completions", {"stream": True}),
+    ("completions", {"stream": True, "logprobs": 1}),
+    ("completions", {"stream": True, "stream_options": {"include_usage": True}}),
+    ("completions", {"stop": [" is"]}), ("completions", {"suffix": " end"}),
+    ("completions", {"logit_bias": {"7042": -100}}),
+    ("completions", {"grammar": 'root ::= "yes"'}),
+    ("chat", {}), ("chat", {"logprobs": True}), ("chat", {"logprobs": True, "top_logprobs": 0}),
+    ("chat", {"top_logprobs": 2}), ("chat", {"stream": True}),
+    ("chat", {"stream": True, "logprobs": True, "top_logprobs": 2}),
+    ("chat", {"response_format": {"type": "json_object"}}),
+    ("chat", {"temperature": 0.7, "seed": 5}),
+]
+
+
+def test_every_request_shape_gets_the_servers_own_answer_through_guard(
+        own_ring, llama_server):  # noqa: F811
+    with httpx.Client(timeout=60) as http:
+        for endpoint, fields in SHAPES:
+            path = f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+            body = {"max_tokens": 5, "temperature": 0, **fields}
+            body.update({"messages": MESSAGES} if endpoint == "chat" else
+                        {"prompt": fields.get("prompt", PROMPT)})
+            ours = http.post(f"http://127.0.0.1:{own_ring.port}{path}",
+                             json={**body, "model": "smol"})
+            theirs = http.post(f"{llama_server.url}{path}",
+                               json={**body, "model": llama_server.model})
+            assert ours.status_code == theirs.status_code, (endpoint, fields)
+            # (the model's name, in whole answers and in stream events, spaced or not)
+            assert _masked(ours.content) == _masked(theirs.content).replace(
+                f'"{llama_server.model}"'.encode(), b'"smol"'), (endpoint, fields)
