@@ -3,8 +3,10 @@ after the first, with the primary's logprobs, against the reference's teacher-fo
 that first token. A primary that reports the reference's own logprobs passes at KLD ~0; one
 whose echo logprobs sit a position off (llama-cpp-python 0.3.36's, upstream issue 1983) fails.
 
-The reference is llama_cpp on the shipped SmolLM2 GGUF; the "primary" answers are built from
-the same reference's numbers, so the property tested is the positions' bookkeeping.
+The reference is llama_cpp on the shipped SmolLM2 GGUF (no BOS: the first token is the text's)
+and on a copy whose tokenizer adds BOS (tests/unit/test_special_tokens.py: the first token is
+BOS, and every token of the text is scored); the "primary" answers are built from the same
+reference's numbers, so the property tested is the positions' bookkeeping.
 """
 
 from __future__ import annotations
@@ -30,9 +32,13 @@ CONTEXT = "Question: What is the capital of France?\nAnswer:"
 CONTINUATION = " The capital of France is Paris."
 
 
-@pytest.fixture(scope="module")
-def reference():
-    scorer = create_backend(BackendConfig(backend="llama_cpp", path=str(SHIPPED),
+@pytest.fixture(scope="module", params=["shipped", "adds_bos"])
+def reference(request, tmp_path_factory):
+    from test_special_tokens import _adding_bos
+
+    path = str(SHIPPED) if request.param == "shipped" else _adding_bos(
+        tmp_path_factory.mktemp("bos"))
+    scorer = create_backend(BackendConfig(backend="llama_cpp", path=path,
                                           options={"context_length": 256}), "reference", 1)
     scorer.load()
     yield scorer
@@ -50,6 +56,7 @@ def test_an_echo_is_scored_from_the_prompts_first_token(reference):
         tokens=tuple(TokenLogprob(text, 0.0) for text in texts[1:]))
     own = reference.score(unscored)
     assert own.scored and own.prompt_token_ids == tuple(ids[:1])
+    assert (ids[0] == reference.bos_id) == reference.adds_bos
     assert own.token_ids == tuple(ids[1:]) and own.findings == ()
     # The reference's own numbers, as a server that computes them right would report them.
     top = [((own.top_texts[t][0], float(own.top_logprobs[t][0])),) for t in range(len(ids) - 1)]

@@ -663,6 +663,20 @@ def test_an_echo_call_with_logprobs_is_compared_on_the_prompts_tokens_and_what_f
     shifted = api.Completion()
     api.gather(shifted, "completions", LLAMA_CPP_PYTHON_ECHO, streamed=False)
     assert api.unusable(shifted, call) == "echo"
+    # A model whose tokenizer adds BOS: vLLM echoes it as the first token, outside the text.
+    with_bos = json.loads(json.dumps(VLLM_ECHO))
+    logprobs = with_bos["choices"][0]["logprobs"]
+    logprobs["tokens"].insert(0, "<s>")
+    logprobs["token_logprobs"][0] = -1.2  # ("The" is predicted now, from BOS)
+    logprobs["token_logprobs"].insert(0, None)
+    logprobs["top_logprobs"][0] = {"The": -1.2}
+    logprobs["top_logprobs"].insert(0, None)
+    bos_first = api.Completion()
+    api.gather(bos_first, "completions", with_bos, streamed=False)
+    assert api.unusable(bos_first, call) == ""
+    scored = api.build_sample(call, bos_first, route="primary")
+    assert scored.completion_text == "The capital of France is Paris."
+    assert [t.text for t in scored.tokens][:2] == ["The", " capital"]
     for other in ({"stream": True}, {"logprobs": None}, {"logprobs": False}):
         assert api.parse_request("completions", json.dumps(
             {**body, **other}).encode()).not_comparable == "echo"

@@ -302,12 +302,16 @@ def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
 def _echoed(completion: Completion) -> bool:
     """An echo answer whose tokens are the prompt's and the generated ones, as vLLM gives
     them: the first without a logprob (nothing predicts it), every other with one, and their
-    texts spelling the answer's text. llama-cpp-python's (0.3.36) is not: its tokens stop at
-    the prompt and their logprobs sit a position off (upstream issue 1983)."""
+    texts spelling the answer's text (the first's included, or not where it is a special token
+    the tokenizer added, a BOS: the answer's text is the prompt as sent). llama-cpp-python's
+    (0.3.36) is not: its tokens stop at the prompt and their logprobs sit a position off
+    (upstream issue 1983)."""
     tokens = completion.tokens
-    return (len(tokens) >= 2 and tokens[0].logprob is None
-            and all(t.logprob is not None for t in tokens[1:])
-            and "".join(t.text for t in tokens) == "".join(completion.text))
+    if len(tokens) < 2 or tokens[0].logprob is not None or \
+            any(t.logprob is None for t in tokens[1:]):
+        return False
+    text, rest = "".join(completion.text), "".join(t.text for t in tokens[1:])
+    return text in (rest, tokens[0].text + rest)
 
 
 def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool = True) -> None:
