@@ -663,13 +663,15 @@ def test_an_echo_call_with_logprobs_is_compared_on_the_prompts_tokens_and_what_f
     shifted = api.Completion()
     api.gather(shifted, "completions", LLAMA_CPP_PYTHON_ECHO, streamed=False)
     assert api.unusable(shifted, call) == "echo"
-    # A model whose tokenizer adds BOS: vLLM echoes it as the first token, outside the text.
+    # A model whose tokenizer adds BOS: vLLM echoes it as the first token, outside the text
+    # (measured on vLLM 0.32 with SmolLM2's tokenizer made to add <|im_start|>: tokens
+    # ['<|im_start|>', 'The', ' capital', ...], logprobs [None, -8.2157, ...]).
     with_bos = json.loads(json.dumps(VLLM_ECHO))
     logprobs = with_bos["choices"][0]["logprobs"]
-    logprobs["tokens"].insert(0, "<s>")
-    logprobs["token_logprobs"][0] = -1.2  # ("The" is predicted now, from BOS)
+    logprobs["tokens"].insert(0, "<|im_start|>")
+    logprobs["token_logprobs"][0] = -8.2157  # ("The" is predicted now, from BOS)
     logprobs["token_logprobs"].insert(0, None)
-    logprobs["top_logprobs"][0] = {"The": -1.2}
+    logprobs["top_logprobs"][0] = {"The": -8.2157}
     logprobs["top_logprobs"].insert(0, None)
     bos_first = api.Completion()
     api.gather(bos_first, "completions", with_bos, streamed=False)
