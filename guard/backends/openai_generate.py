@@ -75,7 +75,7 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int,
         body["truncate_prompt_tokens"] = sample.prompt_truncation
     if sample.add_special_tokens is not None:  # the prompt tokenized as the client asked
         body["add_special_tokens"] = sample.add_special_tokens
-    if token_ids:
+    if token_ids and not sample.echo:  # (vLLM then leaves the echoed prompt out of the text)
         body["return_token_ids"] = True
     return body
 

@@ -657,9 +657,9 @@ def test_an_echo_call_with_logprobs_is_compared_on_the_prompts_tokens_and_what_f
     from guard.replay.generation import prompt_text
 
     assert prompt_text(sample).startswith("(echo")  # the report shows the tokens once
-    probe = probe_body(sample, "up", 5)
+    probe = probe_body(sample, "up", 5, token_ids=True)
     assert probe["echo"] is True and probe["prompt"] == body["prompt"]
-    assert probe["max_tokens"] == 1
+    assert probe["max_tokens"] == 1 and "return_token_ids" not in probe
     shifted = api.Completion()
     api.gather(shifted, "completions", LLAMA_CPP_PYTHON_ECHO, streamed=False)
     assert api.unusable(shifted, call) == "echo"
