@@ -37,6 +37,8 @@ UNUSABLE_ADVICE = {
     "tools": "a chat with tools is compared on the server's token ids: set the primary "
              "block's options.sample_token_ids (vLLM)",
     "reasoning": "the answer's reasoning comes without its tokens",
+    "echo": "the server's echo tokens do not spell its text (llama-cpp-python's are a "
+            "position off)",
 }
 
 
@@ -124,8 +126,9 @@ class PrimaryProbe:
         call = parse_request(sample.endpoint, data)
         why = unusable(completion, call)
         if why:
+            advice = UNUSABLE_ADVICE.get(why)
             raise BackendError(f"primary {self.model}@{self.base}: its answer to the probe "
-                               f"cannot be compared ({why}: {UNUSABLE_ADVICE.get(why, '')})")
+                               f"cannot be compared ({why}{': ' + advice if advice else ''})")
         probed = build_sample(call, completion, route="primary", request_id=sample.request_id,
                               guard_logprobs=True)
         # The sample is the client's call: its name and transform, not the probe's.

@@ -215,7 +215,7 @@ def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
     if sample.add_special_tokens is not None or sample.echo:
-        data["format_version"] = 3
+        data["format_version"] = FORMAT_VERSION
     elif sample.reasoning_text is not None or sample.tools or sample.tool_calls or \
             sample.prompt_truncation is not None:
         data["format_version"] = 2

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -111,6 +112,30 @@ def call_both_ways(client, model: str, max_tokens: int) -> None:
             model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=max_tokens, temperature=0, stream=True):
         pass
+
+
+def masked(body: bytes) -> bytes:
+    """An answer with its per-call fields (id, created) blanked: two calls differ only there."""
+    body = re.sub(rb'"id": ?"[^"]*"', b'"id":""', body)
+    return re.sub(rb'"created": ?\d+', b'"created":0', body)
+
+
+def assert_answered_alike(http, guard_url: str, upstream_url: str, upstream_model: str,
+                          shapes, prompt: str, messages: list[dict]) -> None:
+    """Each request shape ``(endpoint, fields)`` (5 greedy tokens, ``prompt`` or ``messages``)
+    sent through guard (as model "smol") and straight to the upstream: the same status, and
+    the same bytes but for the call's id, time and the model's name (in whole answers and in
+    stream events, spaced or not)."""
+    for endpoint, fields in shapes:
+        path = f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
+        body = {"max_tokens": 5, "temperature": 0, **fields}
+        body.update({"messages": messages} if endpoint == "chat" else
+                    {"prompt": fields.get("prompt", prompt)})
+        ours = http.post(f"{guard_url}{path}", json={**body, "model": "smol"})
+        theirs = http.post(f"{upstream_url}{path}", json={**body, "model": upstream_model})
+        assert ours.status_code == theirs.status_code, (endpoint, fields)
+        assert masked(ours.content) == masked(theirs.content).replace(
+            json.dumps(upstream_model).encode(), b'"smol"'), (endpoint, fields)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
@@ -25,7 +24,7 @@ from guard.ipc.routes import RouteTable
 from guard.observe.metrics import GuardMetrics
 from guard.serve.model import ServedModel
 from llm_support import call_both_ways, llama_server, smollm2_gguf  # noqa: F401  (the module's server)
-from llm_support import SERVED_NAME
+from llm_support import SERVED_NAME, assert_answered_alike, masked
 from support import metric, running, scrape, wait_for, write_config
 
 PROMPT = "The capital of France is"
@@ -300,12 +299,6 @@ def own_ring(llama_server, tmp_path_factory):  # noqa: F811
         edge.close()
 
 
-def _masked(body: bytes) -> bytes:
-    """An answer with its per-call fields (id, created) blanked: two calls differ only there."""
-    body = re.sub(rb'"id": ?"[^"]*"', b'"id":""', body)
-    return re.sub(rb'"created": ?\d+', b'"created":0', body)
-
-
 def test_a_sampled_chat_hands_over_the_primarys_tokens_with_logprobs_the_client_never_sees(
         own_ring, llama_server):  # noqa: F811
     body = {"model": "smol", "messages": MESSAGES, "max_tokens": 6, "temperature": 0}
@@ -317,7 +310,7 @@ def test_a_sampled_chat_hands_over_the_primarys_tokens_with_logprobs_the_client_
     # guard asked for logprobs (sample_logprobs: 3) and set them back to null: the client's
     # bytes are the server's answer to the call it sent, but for the model's name.
     assert json.loads(ours.content)["choices"][0]["logprobs"] is None
-    assert _masked(ours.content) == _masked(theirs.content).replace(
+    assert masked(ours.content) == masked(theirs.content).replace(
         f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
     (sample,) = [s.payload.call for s in own_ring.samples()]
     assert sample.model == "smol" and sample.endpoint == "chat" and sample.route == "primary"
@@ -379,7 +372,7 @@ def test_a_completions_call_asking_zero_logprobs_gets_the_servers_answer(own_rin
         theirs = http.post(f"{llama_server.url}/v1/completions",
                            json=dict(body, model=llama_server.model))
     assert ours.status_code == 200
-    assert _masked(ours.content) == _masked(theirs.content).replace(
+    assert masked(ours.content) == masked(theirs.content).replace(
         f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
     (sample,) = [s.payload.call for s in own_ring.samples()]
     assert sample.sampling.logprobs == 0
@@ -410,16 +403,5 @@ SHAPES = [
 def test_every_request_shape_gets_the_servers_own_answer_through_guard(
         own_ring, llama_server):  # noqa: F811
     with httpx.Client(timeout=60) as http:
-        for endpoint, fields in SHAPES:
-            path = f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
-            body = {"max_tokens": 5, "temperature": 0, **fields}
-            body.update({"messages": MESSAGES} if endpoint == "chat" else
-                        {"prompt": fields.get("prompt", PROMPT)})
-            ours = http.post(f"http://127.0.0.1:{own_ring.port}{path}",
-                             json={**body, "model": "smol"})
-            theirs = http.post(f"{llama_server.url}{path}",
-                               json={**body, "model": llama_server.model})
-            assert ours.status_code == theirs.status_code, (endpoint, fields)
-            # (the model's name, in whole answers and in stream events, spaced or not)
-            assert _masked(ours.content) == _masked(theirs.content).replace(
-                f'"{llama_server.model}"'.encode(), b'"smol"'), (endpoint, fields)
+        assert_answered_alike(http, f"http://127.0.0.1:{own_ring.port}", llama_server.url,
+                              llama_server.model, SHAPES, PROMPT, MESSAGES)

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import urllib.error
@@ -37,7 +36,8 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import numpy as np
 import pytest
 
-from llm_support import free_port, start_llama_server, stop_llama_server
+from llm_support import assert_answered_alike, free_port, start_llama_server
+from llm_support import stop_llama_server
 from support import events, metric, running, scrape, wait_for, write_config
 from vllm_server import VLLMServer, require_vllm
 
@@ -581,12 +581,6 @@ SHAPES = [
 ]
 
 
-def _bytes_of(answer) -> bytes:
-    """An answer with what differs between two calls blanked: ids, creation times."""
-    body = re.sub(rb'"id": ?"[^"]*"', b'"id":""', answer.content)
-    return re.sub(rb'"created": ?\d+', b'"created":0', body)
-
-
 def test_every_request_shape_gets_vllms_own_answer_through_guard(vllm, tmp_path):
     model = {"name": "smol", "task": "generation",
              "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
@@ -596,17 +590,8 @@ def test_every_request_shape_gets_vllms_own_answer_through_guard(vllm, tmp_path)
              "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
     with running(tmp_path, [model], http_port=0) as (server, _), \
             httpx.Client(timeout=120) as http:
-        for endpoint, fields in SHAPES:
-            path = f"/v1/{'chat/completions' if endpoint == 'chat' else 'completions'}"
-            body = {"max_tokens": 5, "temperature": 0, **fields}
-            body.update({"messages": MESSAGES} if endpoint == "chat" else
-                        {"prompt": fields.get("prompt", PROMPT)})
-            ours = http.post(f"http://127.0.0.1:{server.http_port}{path}",
-                             json={**body, "model": "smol"})
-            theirs = http.post(f"{vllm.url}{path}", json={**body, "model": vllm.name})
-            assert ours.status_code == theirs.status_code, (endpoint, fields)
-            assert _bytes_of(ours) == _bytes_of(theirs).replace(
-                json.dumps(vllm.name).encode(), b'"smol"'), (endpoint, fields)
+        assert_answered_alike(http, f"http://127.0.0.1:{server.http_port}", vllm.url,
+                              vllm.name, SHAPES, PROMPT, MESSAGES)
 
 
 # -- a fallback's probe of a vLLM primary -------------------------------------------------------

@@ -16,7 +16,6 @@ from guard.protocol.openai.requests import (
     chat_messages,
     responses_messages,
     sampling_params,
-    tool_request,
 )
 from guard.protocol.openai.sse import EventSplitter, event_data
 
@@ -282,11 +281,11 @@ def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
     as if the answer had come first)."""
     if completion.error:
         return "upstream_error"
-    if call is not None and call.echo and not _echoed(completion):
-        return "echo"
-    if call is not None and call.prompt_truncation is not None and \
-            completion.prompt_token_ids is None:
-        return "input"
+    if call is not None:
+        if call.echo and not _echoed(completion):
+            return "echo"
+        if call.prompt_truncation is not None and completion.prompt_token_ids is None:
+            return "input"
     if (call is not None and call.offers_tools) or completion.tool_calls:
         by_ids = completion.prompt_token_ids is not None and bool(completion.tokens) and all(
             t.token_id is not None for t in completion.tokens)
@@ -435,6 +434,6 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
         chat_template_args=chat_template_args(body) if call.endpoint == "chat" else None,
         reasoning_text="".join(completion.reasoning_text) if completion.reasoning_text
         else None, tools=call.offers_tools, tool_calls=tuple(completion.tool_names),
-        tool_request=tool_request(body) if call.endpoint == "chat" else None,
+        tool_request=call.tool_request,
         prompt_truncation=call.prompt_truncation, add_special_tokens=call.add_special_tokens,
         **envelope)

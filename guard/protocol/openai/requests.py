@@ -80,18 +80,18 @@ class ParsedCall:
         return value if isinstance(value, bool) else None
 
     @property
+    def tool_request(self) -> dict[str, Any] | None:
+        """A chat's tool fields as the client sent them (None where it offers no tools): what
+        a fallback's probe asks the primary again, so that the server renders the same
+        prompt."""
+        if not self.offers_tools:
+            return None
+        return {name: self.body[name] for name in TOOL_FIELDS if name in self.body}
+
+    @property
     def asked_logprobs(self) -> bool:
-        """The client asked for the primary's logprobs itself. A completions call's
-        ``logprobs: 0`` asks for the chosen tokens' logprobs without alternatives (servers
-        answer them): asked, so guard neither adds its own nor strips the answer's."""
-        if self.endpoint == "responses":
-            return _responses_logprobs(self.body)
-        value = self.body.get("logprobs")
-        if self.endpoint == "completions":
-            return value is not None and value is not False
-        # A chat's top_logprobs without logprobs true is the client's too (a server refuses
-        # it: guard's own ask would turn the refusal into an answer).
-        return value not in (None, False, 0) or self.body.get("top_logprobs") is not None
+        """The client asked for the primary's logprobs itself (:func:`_asks_logprobs`)."""
+        return _asks_logprobs(self.endpoint, self.body)
 
     @property
     def asked_token_ids(self) -> bool:
@@ -143,8 +143,7 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
             best_of is not None and best_of != 1):
         reason = "n"
     elif body.get("echo") not in (None, False) and not (
-            endpoint == "completions" and not stream and body.get("logprobs") is not None
-            and body.get("logprobs") is not False):
+            endpoint == "completions" and not stream and _asks_logprobs(endpoint, body)):
         # The answer's text begins with the prompt (or a chat's last message). A whole
         # completions answer with logprobs (lm-eval's loglikelihood calls) is compared on the
         # prompt's tokens and what follows them (ParsedCall.echo); a stream, or an echo
@@ -177,13 +176,18 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
 TOOL_FIELDS = ("tools", "functions", "tool_choice", "parallel_tool_calls")
 
 
-def tool_request(body: dict[str, Any]) -> dict[str, Any] | None:
-    """A chat request's tool fields as the client sent them (None where it offers no tools):
-    what a fallback's probe asks the primary again, so that the server renders the same
-    prompt."""
-    if not _offers_tools(body):
-        return None
-    return {name: body[name] for name in TOOL_FIELDS if name in body}
+def _asks_logprobs(endpoint: Call, body: dict[str, Any]) -> bool:
+    """Whether the client asked for the primary's logprobs itself, in any form a server reads:
+    then guard neither adds its own nor strips the answer's. A completions call's
+    ``logprobs: 0`` asks for the chosen tokens' logprobs without alternatives (servers answer
+    them); a chat's ``top_logprobs`` without ``logprobs: true`` is the client's too (a server
+    refuses it: guard's own ask would turn the refusal into an answer)."""
+    if endpoint == "responses":
+        return _responses_logprobs(body)
+    value = body.get("logprobs")
+    if endpoint == "completions":
+        return value is not None and value is not False
+    return value not in (None, False, 0) or body.get("top_logprobs") is not None
 
 
 def _offers_tools(body: dict[str, Any]) -> bool:
