@@ -143,6 +143,19 @@ class OpenAIOptions(_Strict):
         "answers (reasoning included) and a chat that offers tools (the prompt as the server "
         "rendered the tools, the call as the model generated it), which without ids are "
         "not comparable. Only for servers that take the field (vLLM): false: never add it.")
+    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits",
+                           "processed_logits"] = Field(
+        "raw_logprobs", description="What the server's logprobs are, as vLLM's "
+        "--logprobs-mode names it. raw_logprobs (vLLM's default, and what every other "
+        "engine returns): the model's own distribution before sampling; compared with the "
+        "reference's. processed_logprobs: after the request's sampling transform "
+        "(temperature, top_k/top_p/min_p, penalties; tokens it masks at -9999): compared with "
+        "the reference's distribution under the same transform, so the transform must be "
+        "known (as for a sampled completion without logprobs) and the reference local. "
+        "raw_logits, processed_logits: logits, not a distribution: not read (the reference "
+        "alone judges the completion). A server whose logprobs show they are not raw "
+        "(a value above 0, or masked tokens) while this says raw_logprobs has its calls "
+        "counted not comparable (reason logprobs_mode), never scored as drift.")
     max_connections: int = Field(
         0, ge=0, description="Connections to the upstream at once; 0: no limit.")
     # The reference role (guard/backends/openai_scorer.py): a remote server scores given text.
@@ -333,7 +346,7 @@ def _check(spec) -> None:
 # Options that only mean something in one role: forwarding (primary, fallback) or scoring
 # (reference).
 FORWARDING_ONLY = ("engine", "generation_config", "server_defaults", "sample_logprobs",
-                   "sample_token_ids", "max_connections")
+                   "sample_token_ids", "logprobs_mode", "max_connections")
 REFERENCE_ONLY = ("scoring", "top_logprobs")
 
 

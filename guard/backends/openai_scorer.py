@@ -367,6 +367,13 @@ class OpenAIScorer(Scorer):
         except BackendError as exc:
             raise BackendError(f"openai reference {self.model}@{self.base}: the server did not "
                                f"complete a prompt of token ids: {exc}. {SERVERS}") from None
+        logits = returns_logits(generated)
+        if logits is not None:
+            raise BackendError(f"openai reference {self.model}@{self.base} returns logits, not "
+                               f"log-probabilities ({logits}): a vLLM started with "
+                               "--logprobs-mode raw_logits or processed_logits. A reference "
+                               "scores with log-probabilities: start it with raw_logprobs "
+                               "(vLLM's default)")
         why = []
         for mode in modes:
             try:
@@ -434,6 +441,20 @@ class OpenAIScorer(Scorer):
         self.vocab.learn(sent, positions)
         scored = positions[len(prompt_ids) - 1:] if ids else []
         return scores_from_top(sample, ids, scored, self.options.top_logprobs, **fields)
+
+
+def returns_logits(generated: dict) -> str | None:
+    """What shows that a generated token's logprobs are logits (a value above 0, or a top-k
+    holding more than all the mass), or None. ``generated``: a completions choice."""
+    logprobs = generated.get("logprobs") or {}
+    top = (logprobs.get("top_logprobs") or [None])[0]
+    values = [float(v) for v in top.values()] if isinstance(top, dict) else []
+    if not values:
+        return None
+    mass = math.fsum(math.exp(min(v, 50.0)) for v in values)
+    if max(values) > 1e-3 or mass > 1.01:
+        return f"best {max(values):.4g}, a top-{len(values)} mass of {mass:.4g}"
+    return None
 
 
 def misalignment(generated: dict, scored: Position) -> str | None:

@@ -72,6 +72,9 @@ class ReferenceScores:
     # negative one multiplied), which a log-softmax alone cannot give back.
     logit_offsets: np.ndarray | None = None
     primary_top_logprobs: tuple[np.ndarray, ...] = ()
+    # A local scorer's: the reference's id of each of those alternatives (-1 where it has
+    # none), for comparisons that need the alternatives' place in the full distribution.
+    primary_top_ids: tuple[np.ndarray, ...] = ()
     prompt_token_ids: tuple[int, ...] = ()
     approximate: bool = False  # the prompt was rendered by the reference, not told by the server
     # prompt findings: "double_bos", "missing_bos", PROMPT_RENDERED_OTHERWISE
@@ -183,19 +186,22 @@ def scores_from_full(sample: GenerationSample, vocab: Vocabulary, logprobs: np.n
     positions = np.arange(len(ids))
     chosen = logprobs[positions, np.asarray(ids, dtype=np.int64)] if len(ids) else \
         np.zeros(0, np.float32)
-    alternatives = []
+    alternatives, alternative_ids = [], []
     for t, token in enumerate(sample.tokens[:len(ids)]):
         named = names_its_alternatives(token.text, vocab.token_text(int(ids[t])))
         found = [vocab.lookup(text) if named else None for text, _ in token.top]
         alternatives.append(np.array([logprobs[t, i] if i is not None else np.nan
                                       for i in found], dtype=np.float64))
+        alternative_ids.append(np.array([i if i is not None else -1 for i in found],
+                                        dtype=np.int64))
     return ReferenceScores(
         token_ids=tuple(int(i) for i in ids),
         token_texts=tuple(vocab.token_text(int(i)) for i in ids),
         top_ids=top_ids, top_logprobs=top_lp,
         top_texts=tuple(tuple(vocab.token_text(int(i)) for i in row[:5]) for row in top_ids),
         chosen_logprob=chosen.astype(np.float32), logprobs=logprobs,
-        primary_top_logprobs=tuple(alternatives), **fields)
+        primary_top_logprobs=tuple(alternatives), primary_top_ids=tuple(alternative_ids),
+        **fields)
 
 
 def unscored(mismatch: TokenizationMismatch, **fields) -> ReferenceScores:

@@ -206,7 +206,8 @@ class GuardMetrics:
             "too_short (under checks.generation.min_tokens), constrained (no logprobs, and a "
             "grammar, JSON schema, logit bias or token mask chose the tokens), sampler (no "
             "logprobs, and a sampler guard does not model: mirostat, typical_p, XTC, DRY, "
-            "beam search ...).",
+            "beam search ...), logprobs_mode (the primary's logprobs are logits, or after the "
+            "sampling transform, where its options.logprobs_mode says raw_logprobs).",
             ["model", "reason"], registry=r)
         if not serving:
             return

@@ -158,4 +158,12 @@ def notes(config: GuardConfig) -> list[str]:
             engine = model.primary.options.get("engine", "unknown")
             out.append(f"models[{i}] ({model.name}): engine {engine}'s {unknown} is not "
                        f"declared: {UNDECLARED_ADVICE}")
+        if model.primary.options.get("logprobs_mode") == "processed_logprobs" and \
+                model.reference.backend == "openai":
+            out.append(f"models[{i}] ({model.name}): primary.options.logprobs_mode "
+                       "processed_logprobs with an openai reference: a sampled call's logprobs "
+                       "after the transform are compared with the reference's distribution "
+                       "under it, which needs a local reference's whole vocabulary "
+                       "(transformers, llama_cpp); with a remote one they are not comparable "
+                       "(guard_generation_not_comparable_total{reason=\"no_distribution\"})")
     return out

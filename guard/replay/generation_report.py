@@ -55,7 +55,9 @@ def summary_rows(g: dict) -> list[tuple[str, str]]:
     return [
         ("completions with a verdict", f"{g['checks']} ({g['passed']} pass)"),
         ("not comparable / tokenization mismatches",
-         f"{g.get('not_comparable', 0)} / {g.get('tokenization_mismatches', 0)}"),
+         f"{g.get('not_comparable', 0)} / {g.get('tokenization_mismatches', 0)}"
+         + "".join(f" ({', '.join(f'{cause} {count}' for cause, count in reasons.items())})"
+                   for reasons in [g.get("not_comparable_reasons") or {}] if reasons)),
         ("prompt findings", ", ".join(f"{name} {count}" for name, count in
                                       (g.get("findings") or {}).items()) or "none"),
         ("tokens compared", str(g.get("tokens", 0))),

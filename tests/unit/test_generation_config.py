@@ -156,6 +156,9 @@ def test_an_openai_reference_validates_and_builds_a_remote_scorer_importing_noth
     ("primary", {"scoring": "echo"}, "primary.options.scoring: is for an openai reference"),
     ("fallback", {"top_logprobs": 5}, "fallback.options.top_logprobs: is for an openai "
      "reference"),
+    ("reference", {"logprobs_mode": "processed_logprobs"}, "reference.options.logprobs_mode: "
+     "is for an openai primary or fallback"),
+    ("primary", {"logprobs_mode": "processed"}, "logprobs_mode"),
     ("reference", {"scoring": "logits"}, "scoring"),
     ("reference", {"top_logprobs": 0}, "top_logprobs"),
     ("reference", {"generation_config": "vllm"}, "reference.options.generation_config: is for "
@@ -219,7 +222,10 @@ def test_tier2_of_a_generation_model_says_what_it_needs(base):
     ({"engine": "vllm"}, "engine vllm's temperature is not declared"),
     ({}, "engine unknown's temperature is not declared"),
     ({"engine": "vllm", "generation_config": "vllm"}, None),
-    ({"engine": "vllm", "sample_logprobs": 5}, None),  # no transform enters logprobs
+    ({"engine": "vllm", "sample_logprobs": 5}, None),  # no transform enters raw logprobs
+    # ... but it enters processed ones
+    ({"engine": "vllm", "sample_logprobs": 5, "logprobs_mode": "processed_logprobs"},
+     "engine vllm's temperature is not declared"),
     ({"engine": "llama.cpp"}, None),
 ])
 def test_validate_notes_a_server_whose_sampling_defaults_are_not_declared(base, capsys,
@@ -241,3 +247,19 @@ def test_validate_notes_a_server_whose_sampling_defaults_are_not_declared(base, 
         (line,) = notes
         assert line.startswith(f"{path}: note: models[0] (smol): {note}: ") and \
             "options.generation_config" in line, line
+
+
+def test_validate_notes_processed_logprobs_against_a_remote_reference(base, capsys):
+    import yaml
+
+    from guard.cli import main
+
+    remote = {"backend": "openai", "target": "http://127.0.0.1:8000", "model": "smol-ref"}
+    primary = dict(OPENAI, options={"engine": "vllm", "generation_config": "vllm",
+                                    "logprobs_mode": "processed_logprobs"})
+    path = base / "guard.yaml"
+    path.write_text(yaml.safe_dump(generation_doc(primary=primary, reference=remote)))
+    assert main(["config", "validate", str(path)]) == 0
+    (line,) = [line for line in capsys.readouterr().out.splitlines() if ": note: " in line]
+    assert "logprobs_mode processed_logprobs with an openai reference" in line and \
+        'reason="no_distribution"' in line, line

@@ -29,6 +29,21 @@ _TINY = 1e-12
 # the full-vocabulary KLD to within about this much.
 _EXACT_COVERAGE = 0.999
 _TEXT_BEFORE = 200  # characters of completion text kept before the first divergent token
+# A token the server's sampling transform masked (log 0), as vLLM writes it in a JSON answer
+# (processed_logprobs): no probability mass, never compared.
+MASKED_LOGPROB = -9999.0
+# Float slack on "a logprob is at most 0" and "a top-k holds at most all the mass".
+_LOGPROB_SLACK = 1e-3
+# vLLM decodes greedily below this temperature (its _SAMPLING_EPS); its processed logprobs of
+# a greedy call are then the model's own, after penalties and before any temperature.
+_GREEDY_TEMPERATURE = 1e-5
+# The weight of the reference's untransformed distribution mixed into its transformed one
+# where processed logprobs are compared: a token the primary's transform kept and the
+# reference's masked (a near tie at the top_p boundary) gets a finite log-ratio. It biases a
+# healthy pair's KLD by at most -log(1 - this) per token (1e-3 nats), a fiftieth of
+# max_mean_kld.
+_PROCESSED_EPSILON = 1e-3
+_LOGITS_MODES = ("raw_logits", "processed_logits")
 
 
 
@@ -103,8 +118,53 @@ def _topk_kld(primary_lp: np.ndarray, reference_lp: np.ndarray) -> TopKKld:
                    reverse=reverse + q_tail * noise / 2, coverage=float(p.sum()))
 
 
+@dataclass(frozen=True)
+class _Against:
+    """The reference's side of a logprobs comparison where it is not its raw distribution:
+    its logprob of the primary's token and of each of its alternatives at every position,
+    and its best token's text (None where not among the reference's named best)."""
+
+    chosen: np.ndarray
+    alternatives: tuple[np.ndarray, ...]
+    top_texts: tuple[str | None, ...]
+
+
+def _processed(sample: GenerationSample, scores: ReferenceScores,
+               transform: Transform) -> _Against:
+    """The reference's distribution under the transform the server applied, where the
+    primary's logprobs are after it (vLLM's processed_logprobs): penalties, then the
+    temperature and truncations (:func:`transformed_support`), mixed with a little of the
+    untransformed distribution (``_PROCESSED_EPSILON``); a greedy call's is the penalized
+    distribution alone, as vLLM returns it."""
+    assert scores.logprobs is not None
+    chosen = np.zeros(len(scores.token_ids))
+    alternatives, tops = [], []
+    for t, token_id in enumerate(scores.token_ids):
+        row = penalized_logprobs(scores, transform, t) if transform.penalized else \
+            scores.logprobs[t].astype(np.float64)
+        named = scores.primary_top_ids[t] if t < len(scores.primary_top_ids) else \
+            np.zeros(0, np.int64)
+        wanted = np.concatenate(([token_id], np.maximum(named, 0))).astype(np.int64)
+        if transform.temperature < _GREEDY_TEMPERATURE:
+            values, best = row[wanted], int(np.argmax(row))
+        else:  # only the tokens asked about: the kept set is tens, the vocabulary tens of k
+            kept, pi = transformed_support(row, transform)
+            kept_p = dict(zip(kept.tolist(), pi.tolist()))
+            values = np.log([(1.0 - _PROCESSED_EPSILON) * kept_p.get(int(i), 0.0)
+                             + _PROCESSED_EPSILON * math.exp(row[i]) + _TINY for i in wanted])
+            best = int(kept[np.argmax(pi)]) if kept.size else int(np.argmax(row))
+        chosen[t] = values[0]
+        alternatives.append(np.where(named >= 0, values[1:], np.nan))
+        texts = [text for i, text in zip(scores.top_ids[t], scores.top_texts[t]) if i == best]
+        tops.append(texts[0] if texts else None)
+    return _Against(chosen, tuple(alternatives), tuple(tops))
+
+
 def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
-                   limits: GenerationThresholds) -> GenerationCheck:
+                   limits: GenerationThresholds, against: _Against | None = None
+                   ) -> GenerationCheck:
+    """The per-token comparison of the primary's logprobs with the reference's distribution
+    over the same tokens: its raw one, or ``against`` (:func:`_processed`)."""
     n = len(scores.token_ids)
     klds, bounds, reverse = np.zeros(n), np.zeros(n), np.zeros(n)
     coverage = np.ones(n)
@@ -115,15 +175,16 @@ def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
     first = None
     for t in range(n):
         token = sample.tokens[t]
-        ref_chosen = float(scores.chosen_logprob[t])
+        ref_chosen = float(against.chosen[t] if against else scores.chosen_logprob[t])
         primary_chosen = float(token.logprob)  # type: ignore[arg-type]
         delta_lp[t] = primary_chosen - ref_chosen
         delta_p[t] = math.exp(primary_chosen) - math.exp(ref_chosen)
-        alternatives = scores.primary_top_logprobs[t] if t < len(scores.primary_top_logprobs) \
-            else np.zeros(0)
+        named = against.alternatives if against else scores.primary_top_logprobs
+        alternatives = named[t] if t < len(named) else np.zeros(0)
         prim, ref = [primary_chosen], [ref_chosen]
         for (text, lp), ref_lp in zip(token.top, alternatives):
-            if text != token.text and not math.isnan(ref_lp):
+            # A masked alternative holds no mass: it adds nothing to KL(primary || reference).
+            if text != token.text and not math.isnan(ref_lp) and lp > MASKED_LOGPROB:
                 prim.append(lp)
                 ref.append(float(ref_lp))
         kld = _topk_kld(np.array(prim), np.array(ref))
@@ -133,9 +194,11 @@ def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
             token.text if sample.sampling.greedy else None)
         # Where the chosen token is a piece of a character, the server's texts there are the
         # characters they complete (names_its_alternatives): its top-1 is not compared.
-        if primary_top is not None and comparable_text(primary_top) and \
+        reference_top = against.top_texts[t] if against else scores.top_texts[t][0]
+        if primary_top is not None and reference_top is not None and \
+                comparable_text(primary_top) and \
                 names_its_alternatives(token.text, scores.token_texts[t]):
-            agree = primary_top == scores.top_texts[t][0]
+            agree = primary_top == reference_top
             same_top.append(agree)
             if not agree and first is None and margins[t] > limits.margin_floor:
                 first = t
@@ -212,13 +275,16 @@ def sampled_terms(scores: ReferenceScores, transform: Transform, epsilon: float
     return terms, variances, outside
 
 
+def _no_distribution(scores: ReferenceScores, what: str) -> GenerationCheck:
+    return GenerationCheck(passed=True, mode="not_comparable", tokens=len(scores.token_ids),
+                           cause="no_distribution", reason=f"{what} needs the reference's "
+                           "full distribution (a local scorer)")
+
+
 def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
              limits: GenerationThresholds) -> GenerationCheck:
     if scores.logprobs is None:
-        return GenerationCheck(passed=True, mode="not_comparable", tokens=len(scores.token_ids),
-                               cause="no_distribution",
-                               reason="a sampled completion without logprobs needs the "
-                               "reference's full distribution (a local scorer)")
+        return _no_distribution(scores, "a sampled completion without logprobs")
     terms, variances, outside = sampled_terms(scores, transform, limits.support_epsilon)
     total_var = float(variances.sum())
     z = float(terms.sum() / math.sqrt(total_var)) if total_var > 0 else 0.0
@@ -231,6 +297,14 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
         top1_agreement=float(np.mean(scores.top_ids[:, 0] == ids)), top1_compared=len(ids),
         out_of_support=int(outside.sum()),
         first_divergence=_divergence(sample, scores, int(firsts[0]) if firsts.size else None))
+
+
+def _with_processed(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
+                    limits: GenerationThresholds) -> GenerationCheck:
+    if scores.logprobs is None:
+        return _no_distribution(scores, "comparing logprobs after the sampling transform "
+                                "(processed_logprobs)")
+    return _with_logprobs(sample, scores, limits, _processed(sample, scores, transform))
 
 
 def _unscorable_penalties(scores: ReferenceScores, transform: Transform) -> str:
@@ -248,13 +322,62 @@ def _unscorable_penalties(scores: ReferenceScores, transform: Transform) -> str:
     return ""
 
 
-def _outside_transform(sampling: SamplingParams) -> tuple[str, str] | None:
+def _logprobs_tell(sample: GenerationSample, mode: str) -> str:
+    """Why the primary's logprobs cannot be what ``mode`` (the primary block's
+    ``options.logprobs_mode``) says ("": they can): a value above 0 or a top-k holding more
+    than all the mass is a logit; a masked token (``MASKED_LOGPROB``) in a raw distribution
+    is a transform's mark. Scored as they are, either would read as drift on a healthy pair."""
+    for token in sample.tokens:
+        values = [v for _, v in token.top] or [float(token.logprob)]  # type: ignore[arg-type]
+        mass = math.fsum(math.exp(min(v, 50.0)) for v in values)
+        if max(values) > _LOGPROB_SLACK or mass > 1.0 + 10 * _LOGPROB_SLACK:
+            return (f"the primary's logprobs are not log-probabilities (at {token.text!r}: "
+                    f"{max(values):.4g}, a top-k mass of {mass:.4g}): logits, as vLLM "
+                    "returns them when started with --logprobs-mode raw_logits or "
+                    "processed_logits; declare it in the primary's options.logprobs_mode")
+        if mode == "raw_logprobs" and min(values) <= MASKED_LOGPROB:
+            return (f"the primary's logprobs mask tokens (at {token.text!r}: "
+                    f"{MASKED_LOGPROB:g}, vLLM's log 0): they are after the sampling "
+                    "transform, as vLLM returns them when started with --logprobs-mode "
+                    "processed_logprobs; declare it in the primary's options.logprobs_mode")
+    return ""
+
+
+def _fits_processed(sample: GenerationSample, scores: ReferenceScores, defaults: ServerDefaults,
+                    limits: GenerationThresholds, raw: GenerationCheck) -> str:
+    """Why a failed raw comparison is rather a server answering processed logprobs that mask
+    nothing ("": it is not): where the request's transform is not the identity (a temperature
+    alone, say), logprobs after it look raw, and read as drift. They are taken for processed
+    where they pass against the reference under that transform with a tenth of the raw KLD: a
+    drifted model's raw distribution matching the reference sharpened at the request's own
+    temperature would be a coincidence. Needs the reference's full distribution."""
+    if scores.logprobs is None or _outside_transform(sample.sampling, "raw_logprobs"):
+        return ""
+    transform = resolve_transform(sample.sampling, defaults)
+    if transform is None or transform.temperature <= limits.near_greedy_temperature or \
+            transform.top_k == 1 or _unscorable_penalties(scores, transform) or (
+                transform.temperature == 1.0 and not transform.penalized
+                and transform.top_k == 0 and transform.top_p >= 1.0 and transform.min_p <= 0.0):
+        return ""
+    processed = _with_logprobs(sample, scores, limits, _processed(sample, scores, transform))
+    if not processed.passed or processed.mean_kld > raw.mean_kld / 10:
+        return ""
+    return (f"the primary's logprobs fit the reference's distribution after the request's "
+            f"sampling transform (mean KLD {processed.mean_kld:.3g}) far better than its raw one "
+            f"({raw.mean_kld:.3g}): they are after the transform, as vLLM returns them when "
+            "started with --logprobs-mode processed_logprobs; declare it in the primary's "
+            "options.logprobs_mode")
+
+
+def _outside_transform(sampling: SamplingParams, logprobs_mode: str) -> tuple[str, str] | None:
     """(cause, reason) where the request asked for decoding the sampled and greedy checks
     cannot rebuild: a constraint (a grammar, a schema, a logit bias ...) or a sampler guard
-    does not model. The logprobs comparison needs no transform: the server's logprobs are the
-    model's own distribution, before any constraint."""
+    does not model. The logprobs comparison needs no transform where the server's logprobs
+    are raw (the model's own distribution, before any constraint); processed ones carry the
+    constraint's mask, so they are not comparable either."""
     advice = ("; the per-token comparison still applies where the answer carries logprobs "
-              "(options.sample_logprobs)")
+              "(options.sample_logprobs)") if logprobs_mode == "raw_logprobs" else \
+        f" (the server's logprobs are {logprobs_mode}, not the model's raw distribution)"
     if sampling.constraints:
         return "constrained", (f"decoding was constrained ({', '.join(sampling.constraints)}):"
                                f" the server chose from a masked or biased distribution"
@@ -301,10 +424,22 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
     if n < max(limits.min_tokens, 1):
         return GenerationCheck(passed=True, mode="not_comparable", tokens=n, cause="too_short",
                                reason=f"{n} completion tokens (< min_tokens)", **common)
-    if sample.has_logprobs and len(sample.tokens) == n:
+    # The primary's logprobs are read unless they are logits (the reference alone judges).
+    told = sample.has_logprobs and len(sample.tokens) == n and \
+        defaults.logprobs_mode not in _LOGITS_MODES
+    if told:
+        tell = _logprobs_tell(sample, defaults.logprobs_mode)
+        if tell:
+            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                                   cause="logprobs_mode", reason=tell, **common)
+    if told and defaults.logprobs_mode == "raw_logprobs":
         check = _with_logprobs(sample, scores, limits)
+        tell = "" if check.passed else _fits_processed(sample, scores, defaults, limits, check)
+        if tell:
+            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
+                                   cause="logprobs_mode", reason=tell, **common)
     else:
-        outside = _outside_transform(sample.sampling)
+        outside = _outside_transform(sample.sampling, defaults.logprobs_mode)
         if outside is not None:
             return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
                                    cause=outside[0], reason=outside[1], **common)
@@ -320,8 +455,13 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
         if unscorable:
             return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
                                    cause="penalties", reason=unscorable, **common)
-        if transform.temperature <= limits.near_greedy_temperature or transform.top_k == 1:
+        if told and transform.temperature < _GREEDY_TEMPERATURE and not transform.penalized:
+            check = _with_logprobs(sample, scores, limits)  # processed = raw for greedy
+        elif transform.temperature <= limits.near_greedy_temperature or transform.top_k == 1:
+            # (processed logprobs too: sharpened by 1/T, a near tie's flip would be nats)
             check = _greedy(sample, scores, transform, limits)
+        elif told:
+            check = _with_processed(sample, scores, transform, limits)
         else:
             check = _sampled(sample, scores, transform, limits)
     check = replace(check, **common, **_per_token(sample, scores))

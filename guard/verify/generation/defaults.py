@@ -24,6 +24,14 @@ class ServerDefaults:
     completion tokens, within the last ``penalty_last_n`` tokens (-1: all);
     ``penalize_prompt`` false: the repetition penalty too sees only the completion's tokens
     (llama-cpp-python's sampler is handed the sampled tokens alone).
+
+    ``logprobs_mode``: what the server's logprobs are (vLLM's ``--logprobs-mode``, whose names
+    it takes; one of LOGPROBS_MODES). raw_logprobs, vLLM's default and every other engine's:
+    the model's own distribution, before any sampling transform or constraint.
+    processed_logprobs: after the transform (penalties, temperature, top_k/top_p/min_p; masked
+    tokens at -9999), so the tier compares them with the reference's distribution under the
+    same transform. raw_logits and processed_logits: logits, not a distribution; the tier
+    does not read them (the reference alone judges, as for a completion without logprobs).
     """
 
     temperature: float | None = None
@@ -36,8 +44,11 @@ class ServerDefaults:
     penalty_last_n: int = -1
     temperature_last: bool = False
     penalize_prompt: bool = True
+    logprobs_mode: str = "raw_logprobs"
 
 
+# What a server's logprobs can be (vLLM's --logprobs-mode choices; see ServerDefaults).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 # vLLM without a model's generation_config.json (``--generation-config vllm``): temperature 1,
 # no truncation, no penalty. OpenAI's API means the same.
 NEUTRAL = ServerDefaults(temperature=1.0)
@@ -129,11 +140,15 @@ def declared_defaults(primary_options: Mapping[str, Any] | None) -> ServerDefaul
     """The sampling defaults the primary's server applies: its block's ``options.engine``
     preset (sampler order, penalty window), the sampling fields of the generation_config.json
     that ``options.generation_config`` names (vLLM), and ``options.server_defaults`` over
-    them."""
+    them; ``options.logprobs_mode`` says what its logprobs are."""
     options = dict(primary_options or {})
     source = options.get("generation_config")
     from_file = None
     if source is not None:
         from_file = generation_config_defaults(str(source))
-    return server_defaults(options.get("server_defaults"), options.get("engine") or "unknown",
-                           from_file)
+    defaults = server_defaults(options.get("server_defaults"),
+                               options.get("engine") or "unknown", from_file)
+    mode = options.get("logprobs_mode") or "raw_logprobs"
+    if mode not in LOGPROBS_MODES:
+        raise ValueError(f"logprobs_mode: {mode!r} is not one of {', '.join(LOGPROBS_MODES)}")
+    return replace(defaults, logprobs_mode=mode)

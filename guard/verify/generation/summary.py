@@ -71,6 +71,11 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
     return {
         "checks": len(counted), "passed": sum(c.passed for c in counted),
         "not_comparable": sum(c.mode == "not_comparable" for c in checks),
+        # why, by cause (the metric's reason label): what a user fixes first
+        "not_comparable_reasons": {cause: sum(c.cause == cause for c in checks
+                                              if c.mode == "not_comparable")
+                                   for cause in sorted({c.cause for c in checks
+                                                        if c.mode == "not_comparable"})},
         "tokenization_mismatches": sum(c.mode == "tokenization_mismatch" for c in checks),
         # completions with each finding (the prompt's, and tokenization_mismatch)
         "findings": {name: sum(name in c.findings for c in checks)

@@ -178,9 +178,11 @@ UNDECLARED_ADVICE = (
 def undeclared_sampling(primary_options: Mapping[str, Any] | None) -> str | None:
     """The first sampling field a call that says nothing leaves unknown on this primary, where
     that matters: its sampled calls carry no logprobs (``options.sample_logprobs`` unset: no
-    transform enters a logprobs comparison). None: every such call is comparable. What the
-    verifier says at start-up and `guard config validate` notes (UNDECLARED_ADVICE)."""
+    transform enters a comparison of raw logprobs), or its logprobs are processed or logits
+    (``options.logprobs_mode``: the transform enters). None: every such call is comparable.
+    What the verifier says at start-up and `guard config validate` notes (UNDECLARED_ADVICE)."""
     options = dict(primary_options or {})
-    if options.get("sample_logprobs"):
+    if options.get("sample_logprobs") and \
+            options.get("logprobs_mode", "raw_logprobs") == "raw_logprobs":
         return None
     return unknown_sampling(SamplingParams(), declared_defaults(options))

@@ -20,6 +20,7 @@ NOT_COMPARABLE_CAUSES = (
     "no_distribution",   # a sampled completion without logprobs, a remote reference
     "constrained",       # no logprobs, and a grammar, schema, logit bias ... chose the tokens
     "sampler",           # no logprobs, and a sampler guard does not model (mirostat ...)
+    "logprobs_mode",     # the primary's logprobs are not what options.logprobs_mode says
 )
 
 
