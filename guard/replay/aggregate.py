@@ -232,7 +232,12 @@ class ModelAggregate:
         if reasons:
             return "drift", "; ".join(reasons)
         if not any(f["checks"] for f in tiers.values()):
-            return "pass", "no sample could be checked"
+            why = "; ".join(
+                f"{tier}: {f['not_comparable']} not comparable (" + ", ".join(
+                    f"{cause} {count}" for cause, count in
+                    (f.get("not_comparable_reasons") or {}).items()) + ")"
+                for tier, f in tiers.items() if f.get("not_comparable"))
+            return "pass", "no sample could be checked" + (f": {why}" if why else "")
         return "pass", f"every tier's failing share is within policy.trip_ratio {trip:.1%}"
 
     def _timeline_buckets(self) -> dict:

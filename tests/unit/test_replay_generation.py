@@ -143,6 +143,25 @@ def _aggregate(rng, texts=None) -> dict:
     return aggregate.result()
 
 
+def test_a_run_with_nothing_compared_says_why(tmp_path):
+    """Every completion not comparable (here: logprobs after the transform, undeclared): the
+    verdict's reason and the report's summary name the causes, by the metric's label."""
+    aggregate = ModelAggregate(MODEL, {"reference": "llama_cpp smol.gguf", "primary": "openai",
+                                       "tiers": ["generation"]})
+    for k in range(3):
+        check = GenerationCheck(passed=True, mode="not_comparable", tokens=8,
+                                cause="logprobs_mode", reason="masked tokens")
+        aggregate.add(RecordOutcome(k, "smol", CHECKED, request_id=f"r{k}", tiers={
+            "generation": TierReport(True, check.summary(), [], check.details())},
+            live_passed=True))
+    model = aggregate.result()
+    assert model["verdict"] == "pass"
+    assert model["verdict_reason"] == ("no sample could be checked: generation: 3 not "
+                                       "comparable (logprobs_mode 3)")
+    assert model["tiers"]["generation"]["not_comparable_reasons"] == {"logprobs_mode": 3}
+    assert "3 / 0 (logprobs_mode 3)" in markdown(_report(model))
+
+
 def _report(model: dict) -> dict:
     return {"guard_version": "t", "verdict": model["verdict"], "exit_code": 1, "problems": [],
             "config": {"path": "guard.yaml", "hash": "h"}, "engine": {"name": "local"},
