@@ -56,6 +56,14 @@ VLLM_PROCESSED = {"choices": [{"index": 0, "text": " Paris.", "logprobs": {
                       "<reponame>": -9999.0, "<|endoftext|>": -9999.0},
                      {".": 0.0, "<|im_start|>": -9999.0, "<repo_name>": -9999.0,
                       "<reponame>": -9999.0, "<|endoftext|>": -9999.0}]}}]}
+# The same server's chat answer, "Hi", temperature 0.5, top_p 0.5, top_logprobs 3.
+VLLM_PROCESSED_CHAT = {"choices": [{"index": 0, "finish_reason": "length", "message": {
+    "role": "assistant", "content": "Hello! How"}, "logprobs": {"content": [
+        {"token": text, "logprob": 0.0, "bytes": list(text.encode()), "top_logprobs": [
+            {"token": text, "logprob": 0.0, "bytes": list(text.encode())},
+            {"token": "<|im_start|>", "logprob": -9999.0, "bytes": list(b"<|im_start|>")},
+            {"token": "<|endoftext|>", "logprob": -9999.0, "bytes": list(b"<|endoftext|>")}]}
+        for text in ("Hello", "!", " How")]}}]}
 # The same server with `--logprobs-mode processed_logits`, temperature 1: logits.
 VLLM_LOGITS = {"choices": [{"index": 0, "text": " Paris,", "logprobs": {
     "tokens": [" Paris", ","], "token_logprobs": [17.37127113342285, 23.86431312561035],
@@ -232,16 +240,35 @@ def test_logits_are_never_read_as_logprobs(hf, reference, values):
     assert declared.mode == "sampled" and declared.passed, declared.reason
 
 
-def test_vllms_own_answers_in_these_modes_say_what_they_are(reference):
-    """The answers vLLM 0.32 wrote (recorded above): the masked nucleus and the logits are
-    told apart from raw logprobs, by the tier and by the remote scorer's load check."""
-    from guard.zoo.llm import sample_from_response
+def _through_the_edge(endpoint: str, body: dict, answer: dict) -> GenerationSample:
+    """The sample guard's HTTP edge builds from a client's call and the server's answer."""
+    import json
 
-    for answer, says in ((VLLM_PROCESSED, "processed_logprobs"), (VLLM_LOGITS, "logits")):
-        sample = sample_from_response("The capital of France is", answer,
-                                      SamplingParams(temperature=0.7, top_p=0.8, logprobs=5))
+    from guard.protocol import openai as api
+
+    call = api.parse_request(endpoint, json.dumps(body).encode())
+    completion = api.Completion()
+    api.gather(completion, endpoint, answer, streamed=False)
+    assert api.unusable(completion, call) == ""
+    return api.build_sample(call, completion, route="primary")
+
+
+def test_vllms_own_answers_in_these_modes_say_what_they_are(reference):
+    """The answers vLLM 0.32 wrote (recorded above), as the edge reads them: the masked
+    nucleus and the logits are told apart from raw logprobs, by the tier and by the remote
+    scorer's load check."""
+    prompt = {"model": "smol", "prompt": "The capital of France is", "max_tokens": 2,
+              "logprobs": 5, "temperature": 0.7, "top_p": 0.8}
+    chat = {"model": "smol", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 3,
+            "logprobs": True, "top_logprobs": 3, "temperature": 0.5, "top_p": 0.5}
+    for endpoint, body, answer, says in (
+            ("completions", prompt, VLLM_PROCESSED, "processed_logprobs"),
+            ("chat", chat, VLLM_PROCESSED_CHAT, "processed_logprobs"),
+            ("completions", dict(prompt, temperature=1.0, top_p=None), VLLM_LOGITS, "logits")):
+        sample = _through_the_edge(endpoint, body, answer)
+        assert sample.has_logprobs
         check = check_generation(sample, reference.score(sample), NEUTRAL, LIMITS)
-        assert (check.mode, check.cause) == ("not_comparable", "logprobs_mode")
+        assert (check.mode, check.cause) == ("not_comparable", "logprobs_mode"), check.reason
         assert says in check.reason
     assert returns_logits(VLLM_LOGITS["choices"][0]) is not None
     assert returns_logits(VLLM_PROCESSED["choices"][0]) is None
