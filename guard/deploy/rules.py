@@ -27,6 +27,12 @@ Per model, where it applies:
   ``checks.generation.max_mean_kld`` (the level at which one completion fails). The detector
   (GuardDriftOverThreshold, tier ``generation``) acts on the same figure per completion; this
   one says how far the model is, also under ``action: alert`` and while the fallback serves.
+- ``GuardGenerationNotCompared`` (warning), the same models: more than ``not_compared_ratio``
+  of the sampled completions that reached the reference were not compared, for
+  ``not_compared_for``. The tier then sees little of the traffic and its silence means
+  nothing: a server relaunched with other flags (``--logprobs-mode``), sampling defaults left
+  undeclared, a primary the reference cannot align with. The reasons are in
+  ``guard_generation_not_comparable_total{reason}``.
 
 Once: ``GuardDown`` (critical): ``up{job=...} == 0`` for ``down_for``. The data plane goes through
 the guard, so a guard that cannot be scraped is usually a model that cannot be reached. And
@@ -80,6 +86,7 @@ ALERTS = (
     "GuardMirrorDropping",
     "GuardReferenceFailing",
     "GuardGenerationKldHigh",
+    "GuardGenerationNotCompared",
     "GuardDown",
     "GuardConfigReloadFailed",
     "GuardVerifierDown",
@@ -102,10 +109,15 @@ class RuleSettings:
     down_for: str = "2m"
     reload_window: str = "15m"  # a rejected reload alerts this long (the guard does not retry)
     verifier_for: str = "5m"  # restarts take seconds; minutes down is a crash loop or a hang
+    # Over half of an LLM's sampled completions not compared: the tier sees too little for its
+    # silence to mean anything. Long: a traffic mix can swing (a batch of tool calls); a flag
+    # or an undeclared default that blinds it does not go away by itself.
+    not_compared_ratio: float = 0.5
+    not_compared_for: str = "30m"
 
     def __post_init__(self) -> None:
         for field in ("drift_for", "fallback_for", "rate_window", "mirror_for", "reference_for",
-                      "down_for", "reload_window", "verifier_for"):
+                      "down_for", "reload_window", "verifier_for", "not_compared_for"):
             if not DURATION.match(getattr(self, field)):
                 raise ValueError(f"{field}: '{getattr(self, field)}' is not a Prometheus "
                                  "duration (e.g. 30s, 5m, 1h)")
@@ -280,7 +292,31 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
         ))
     if model.mirrors and model.generation is not None:
         rules.append(_generation_alert(model, model.generation, settings))
+        rules.append(_not_compared_alert(model, settings))
     return rules
+
+
+def _not_compared_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
+    """GuardGenerationNotCompared: the share of sampled completions the verifier could not
+    compare (``guard_mirror_total{outcome="not_comparable"}``) among those that reached it."""
+    sel, w = model_selector(model.name), settings.rate_window
+    return alert_rule(
+        "GuardGenerationNotCompared",
+        f'sum without (outcome) (rate(guard_mirror_total{{{sel},outcome="not_comparable"}}'
+        f"[{w}])) / sum without (outcome) (rate(guard_mirror_total"
+        f'{{{sel},outcome!="dropped"}}[{w}])) > {settings.not_compared_ratio!r}',
+        settings.not_compared_for, "warning",
+        f"guard {model.name}: {{{{ $value | humanizePercentage }}}} of sampled completions not "
+        "compared",
+        f"On {{{{ $labels.instance }}}}, {{{{ $value | humanizePercentage }}}} of the sampled "
+        f"completions of model {model.name} that reached the verifier over {w} could not be "
+        f"compared with the reference (alert above {_pct(settings.not_compared_ratio)}): the "
+        "generation tier sees too little of the traffic for its silence to mean the model is "
+        "fine. guard_generation_not_comparable_total{reason} says why (sampling_unknown: "
+        "declare the server's defaults; logprobs_mode: the server's logprobs are not raw, "
+        "declare options.logprobs_mode; unaligned, constrained, ...). Clients are not affected.",
+        settings,
+    )
 
 
 def _generation_alert(model: ModelThresholds, generation: GenerationCheckConfig,

@@ -50,7 +50,8 @@ SHIPPED = [
 # The promtool unit tests of each shipped rule file: tensor models, an LLM, the fleet rules.
 RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml",
               "deploy/prometheus/tests-fleet.yaml", "deploy/prometheus/tests-fleet-llm.yaml"]
-GENERATION_ALERTS = {"GuardGenerationKldHigh"}  # only task: generation models have these
+# only task: generation models have these
+GENERATION_ALERTS = {"GuardGenerationKldHigh", "GuardGenerationNotCompared"}
 PROMTOOL = shutil.which("promtool")
 needs_promtool = pytest.mark.skipif(
     PROMTOOL is None,
@@ -221,6 +222,11 @@ def test_generation_models_get_the_kld_alert_and_the_tasks_min_samples():
     (kld,) = alerts["GuardGenerationKldHigh"]
     assert kld["expr"] == ('rate(guard_generation_kld_sum{model="smol"}[10m]) / '
                            'rate(guard_generation_kld_count{model="smol"}[10m]) > 0.08')
+    (blind,) = alerts["GuardGenerationNotCompared"]
+    assert blind["expr"] == (
+        'sum without (outcome) (rate(guard_mirror_total{model="smol",outcome="not_comparable"}'
+        '[10m])) / sum without (outcome) (rate(guard_mirror_total{model="smol",'
+        'outcome!="dropped"}[10m])) > 0.5') and blind["for"] == "30m"
     drift = {r["expr"].split("{")[1].split("}")[0]: r["expr"]
              for r in alerts["GuardDriftOverThreshold"]}
     assert drift['model="smol"'].endswith('guard_detector_samples{model="smol"} >= 5')
