@@ -85,6 +85,28 @@ def test_transform_keeps_what_each_truncation_allows(temperature_last):
         assert pi.argmax() == logprobs.argmax()
 
 
+@pytest.mark.parametrize("size", [3, 64, 65, 300, 49152])
+def test_the_nucleus_is_the_prefix_a_sort_of_the_whole_vocabulary_gives(size):
+    """top_p's nucleus from a partial sort against a stable argsort of every candidate: the
+    same tokens in the same order, on flat and peaked rows, with ties (across the partial
+    sort's edge too) and with top_p the whole mass."""
+    from guard.verify.generation.transform import _NUCLEUS_FIRST, _nucleus, _softmax
+
+    rng = np.random.default_rng(size)
+    for trial in range(40):
+        values = rng.normal(0, float(rng.choice([0.1, 1.0, 4.0])), size)
+        if trial % 4 == 1:  # ties at the top, and one straddling the partial sort's edge
+            values[::5] = values.max()
+        if trial % 4 == 2 and size > _NUCLEUS_FIRST:
+            edge = np.sort(values)[::-1][_NUCLEUS_FIRST - 1]
+            values[rng.choice(size, 8, replace=False)] = edge
+        top_p = float(rng.choice([0.1, 0.5, 0.9, 0.99, 1.0 - 1e-12]))
+        probabilities = _softmax(values)
+        order = np.argsort(-probabilities, kind="stable")
+        count = int(np.searchsorted(np.cumsum(probabilities[order]), top_p, side="left")) + 1
+        assert np.array_equal(_nucleus(values, top_p), order[:count]), (trial, top_p)
+
+
 def test_temperature_last_applies_truncation_at_temperature_one():
     # One dominant token with p > top_p at temperature 1: llama.cpp (temperature last) keeps
     # it alone; temperature first flattens the distribution before top_p and keeps more.
