@@ -66,6 +66,15 @@ def test_an_echo_is_scored_from_the_prompts_first_token(reference):
     check = check_generation(right, reference.score(right), SERVER_DEFAULTS["vllm"])
     assert (check.mode, check.passed) == ("logprobs", True), check.reason
     assert check.mean_kld < 1e-6 and check.tokens == len(ids) - 1
+    # A vLLM answering processed logprobs echoes the prompt's raw ones all the same (its
+    # prompt_logprobs are computed before sampling): compared as they are, whatever the
+    # call's temperature.
+    processed = replace(SERVER_DEFAULTS["vllm"], logprobs_mode="processed_logprobs",
+                        temperature=1.0, top_p=1.0, top_k=0, min_p=0.0, repetition_penalty=1.0,
+                        presence_penalty=0.0, frequency_penalty=0.0)
+    warm = replace(right, sampling=replace(right.sampling, temperature=0.6, top_p=0.8))
+    check = check_generation(warm, reference.score(warm), processed)
+    assert (check.mode, check.passed) == ("logprobs", True) and check.mean_kld < 1e-6
     # Each token given the next one's figures: one position off.
     shifted = replace(right, tokens=tuple(
         TokenLogprob(text, float(own.chosen_logprob[t + 1]), top[t + 1])

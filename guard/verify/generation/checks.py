@@ -424,22 +424,27 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
     if n < max(limits.min_tokens, 1):
         return GenerationCheck(passed=True, mode="not_comparable", tokens=n, cause="too_short",
                                reason=f"{n} completion tokens (< min_tokens)", **common)
+    meaning = defaults.logprobs_mode
+    if sample.echo and meaning == "processed_logprobs":
+        # An echo's logprobs are the prompt's, which vLLM computes before any sampling
+        # (its prompt_logprobs are raw in every processed mode); the one token an echo call
+        # may generate after them is the exception, and a temperature moves one position.
+        meaning = "raw_logprobs"
     # The primary's logprobs are read unless they are logits (the reference alone judges).
-    told = sample.has_logprobs and len(sample.tokens) == n and \
-        defaults.logprobs_mode not in _LOGITS_MODES
+    told = sample.has_logprobs and len(sample.tokens) == n and meaning not in _LOGITS_MODES
     if told:
-        tell = _logprobs_tell(sample, defaults.logprobs_mode)
+        tell = _logprobs_tell(sample, meaning)
         if tell:
             return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
                                    cause="logprobs_mode", reason=tell, **common)
-    if told and defaults.logprobs_mode == "raw_logprobs":
+    if told and meaning == "raw_logprobs":
         check = _with_logprobs(sample, scores, limits)
         tell = "" if check.passed else _fits_processed(sample, scores, defaults, limits, check)
         if tell:
             return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
                                    cause="logprobs_mode", reason=tell, **common)
     else:
-        outside = _outside_transform(sample.sampling, defaults.logprobs_mode)
+        outside = _outside_transform(sample.sampling, meaning)
         if outside is not None:
             return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
                                    cause=outside[0], reason=outside[1], **common)
