@@ -129,9 +129,10 @@ class OpenAIOptions(_Strict):
         description="On a sampled call whose client did not ask for logprobs, ask the upstream "
         "for this many top_logprobs per token (the per-token comparison needs them) and strip "
         "them from the client's answer (each choices[i].logprobs back to null, byte for byte "
-        "as the server answers unasked). Only for servers that answer logprobs for any "
-        "request (llama-cpp-python needs --logits_all true; vLLM max_logprobs): a server that "
-        "refuses them would turn a sampled call into an error. 0: never add them.")
+        "as the server answers unasked). For servers that answer logprobs for any request "
+        "(vLLM up to its --max-logprobs): a server that refuses a call so amended (400, 422) "
+        "gets the client's own call instead, and is not asked again until a reload (event "
+        "openai_additions_refused). 0: never add them.")
     sample_token_ids: bool = Field(
         False, description="On a sampled call whose client did not ask, ask the upstream for "
         "the token ids of the prompt and of the completion (vLLM's return_token_ids, vLLM >= "
@@ -236,6 +237,10 @@ class OpenAIBackend(Forwarding, Backend):
         self.pool: ConnectionPool | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self.listed: tuple[str, ...] = ()
+        # Why the upstream refused the logprobs or token ids guard adds to sampled calls
+        # (options.sample_logprobs, sample_token_ids), once a call without them was answered:
+        # the edge then adds none to this backend's calls (guard/serve/openai_edge.py).
+        self.refused_additions: str | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:

@@ -28,7 +28,9 @@ asks the upstream for logprobs on sampled calls whose clients did not, and sets 
 ``choices[i].logprobs`` back to ``null`` in what the client gets; with
 ``options.sample_token_ids`` it asks vLLM for the token ids of the prompt and the completion
 (``return_token_ids``: the reference then scores the prompt as the server rendered it) and
-sets them back to ``null`` likewise. Calls that cannot be
+sets them back to ``null`` likewise. An upstream that refuses a call so amended (400, 422:
+a vLLM whose --max-logprobs is lower) gets the client's own call instead, whose answer the
+client receives, and is not asked again. Calls that cannot be
 compared (best_of > 1, tool calls without the ids, an answer that is an error or was cut
 short) are forwarded and counted (``guard_generation_not_comparable_total{model,reason}``), never
 sampled. A prompt longer than the reference's context is the verifier's to count.
@@ -77,6 +79,9 @@ from guard.serve.model import ServedModel
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
 RESPONSE_MODEL_PATH = ("response", "model")
+# The statuses a server refuses a request's fields with (vLLM 400, FastAPI/pydantic servers 422):
+# where guard had added some, the client's own call is sent instead (_as_the_client_asked).
+REFUSALS = frozenset({400, 422})
 _Call = TypeVar("_Call")  # what the edge makes of a call's body: a ParsedCall, or its model
 
 
@@ -380,32 +385,46 @@ class _Forward(_Upstream):
         # Not on a Responses API call: its answers and events carry logprobs in several
         # places whose unasked spelling differs from server to server; it is compared with
         # the logprobs its client asked for, else by the sampled or greedy check.
-        adds = bool(flags & wire.MIRROR) and call.endpoint != "responses"
+        # (Nor where this upstream refused them before: see _as_the_client_asked.)
+        adds = bool(flags & wire.MIRROR) and call.endpoint != "responses" and \
+            backend.refused_additions is None
         top = backend.options.sample_logprobs
         self.guard_logprobs = bool(adds and top and not call.asked_logprobs)
         # (Not on an echo call: vLLM then leaves the echoed prompt out of the answer's text.)
         self.guard_token_ids = (adds and backend.options.sample_token_ids
                                 and not call.asked_token_ids and not call.echo)
+        self.data = data
+        self._set_payload()
+        self.first_token: float | None = None
+
+    def _set_payload(self) -> None:
+        """The body that goes upstream (guard's additions, the upstream's model name) and the
+        edits its answer gets back on the way to the client."""
+        call, backend = self.call, self.backend
         if self.guard_logprobs or self.guard_token_ids:
-            body = api.sampled_body(call, top if self.guard_logprobs else 0,
-                                    self.guard_token_ids)
+            body = api.sampled_body(call, backend.options.sample_logprobs
+                                    if self.guard_logprobs else 0, self.guard_token_ids)
             body["model"] = backend.model
             self.payload = json.dumps(body, ensure_ascii=False).encode()
         elif backend.model != call.model:
             self.payload = api.replace_values(
-                data, {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
+                self.data,
+                {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
         else:
-            self.payload = data  # the client's bytes, as they came
+            self.payload = self.data  # the client's bytes, as they came
         self.edits = api.answer_edits(call.model, backend.model, self.guard_logprobs,
                                       self.guard_token_ids)
         if self.edits and call.endpoint == "responses":  # also in its events' response
             self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
-        self.first_token: float | None = None
 
     async def run(self) -> web.StreamResponse:
         upstream = await self._exchange(self.request.path, self.payload)
         if isinstance(upstream, web.Response):
             return upstream
+        if (self.guard_logprobs or self.guard_token_ids) and upstream.status in REFUSALS:
+            upstream = await self._as_the_client_asked(upstream)
+            if isinstance(upstream, web.Response):
+                return upstream
         try:
             streamed = (self.call.stream and upstream.status == 200 and upstream.headers.get(
                 "Content-Type", "").startswith("text/event-stream"))
@@ -414,6 +433,36 @@ class _Forward(_Upstream):
             return await self._whole(upstream)
         finally:
             upstream.close()  # a whole answer's connection is already back in the pool
+
+    async def _as_the_client_asked(self, refused: Response) -> Response | web.Response:
+        """The upstream refused the call as guard sent it, with logprobs or token ids the
+        client had not asked for (a vLLM whose --max-logprobs is below
+        options.sample_logprobs, a server that takes no return_token_ids): the client's own
+        call goes out instead, and its answer is the client's. Where that one is answered,
+        guard's additions were what the server refused: this upstream is not asked them again
+        (until a reload builds it anew), said once by the event ``openai_additions_refused``;
+        the call is still sampled and compared, without them."""
+        try:
+            why = (await refused.read())[:500].decode("utf-8", "replace")
+        except (TimeoutError, UpstreamError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        finally:
+            refused.close()
+        added = [name for name, on in (("sample_logprobs", self.guard_logprobs),
+                                       ("sample_token_ids", self.guard_token_ids)) if on]
+        self.guard_logprobs = self.guard_token_ids = False
+        self._set_payload()
+        upstream = await self._exchange(self.request.path, self.payload)
+        if not isinstance(upstream, web.Response) and 200 <= upstream.status < 300 and \
+                self.backend.refused_additions is None:
+            self.backend.refused_additions = f"HTTP {refused.status}: {why}"
+            emit("openai_additions_refused", model=self.model.name, route=self.route,
+                 target=self.backend.base, status=refused.status, error=why,
+                 options=[f"options.{name}" for name in added],
+                 note="the client's own call was forwarded instead and answered; guard no "
+                 "longer adds them to this upstream's calls (until a reload). Lower or unset "
+                 "the options (vLLM: --max-logprobs must be at least sample_logprobs)")
+        return upstream
 
     def _upstream_failed(self, status: int, message: str) -> web.Response:
         self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()

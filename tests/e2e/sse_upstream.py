@@ -122,6 +122,12 @@ class ScriptedUpstream:
         if scenario == "status":
             return web.json_response({"error": {"message": "no such thing", "type": "x"}},
                                      status=int(request.headers["x-test-status"]))
+        if scenario == "max_logprobs" and _asks_more_logprobs_than(json.loads(body), 2):
+            # vLLM 0.32 started with --max-logprobs 2, asked for 5 (its answer as it came)
+            return web.json_response({"error": {
+                "message": "Requested sample logprobs of 5, which is greater than max allowed: "
+                           "2 (parameter=logprobs, value=5)",
+                "type": "BadRequestError", "param": "logprobs", "code": 400}}, status=400)
         if scenario == "cookie":  # a server (or a balancer before it) that sets a cookie
             response = web.json_response({"id": "cmpl-1", "object": "chat.completion",
                                           "created": 1, "model": MODEL, "choices": []})
@@ -145,7 +151,7 @@ class ScriptedUpstream:
                 await response.write(event)
             await response.write_eof()
             return response
-        if scenario == "plain":
+        if scenario in ("plain", "max_logprobs"):
             answer = {"id": "cmpl-1", "object": "chat.completion", "created": 1,
                       "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",
                                                    "message": {"role": "assistant",
@@ -210,6 +216,11 @@ class ScriptedUpstream:
         await response.write(b'data: {"error": {"message": "out of memory", "type": '
                              b'"server_error"}}\n\n')
         await response.write_eof()
+
+
+def _asks_more_logprobs_than(body: dict, limit: int) -> bool:
+    asked = body.get("top_logprobs") if "messages" in body else body.get("logprobs")
+    return isinstance(asked, int) and not isinstance(asked, bool) and asked > limit
 
 
 def wait_until(predicate, timeout: float = 30.0, step: float = 0.02) -> bool:

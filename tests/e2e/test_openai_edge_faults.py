@@ -327,6 +327,55 @@ def test_a_sampled_stream_closed_before_its_end_is_incomplete(upstreams, tmp_pat
         assert wait_until(lambda: counted() == (2, 1), timeout=120)
 
 
+def test_a_call_refused_for_guards_additions_is_answered_as_the_client_asked(upstreams,
+                                                                            tmp_path, caplog):
+    """A server that refuses the logprobs guard adds to a sampled call (vLLM with
+    --max-logprobs 2 against options.sample_logprobs 5: a 400 a client that asked nothing
+    would never get; shown on the real vLLM in the stop's note) gets the client's own call
+    instead, and the client its answer; from then on guard adds nothing to that upstream's
+    calls, said once. A call the server refuses as the client sent it gets the server's own
+    refusal, and proves nothing about the additions."""
+    import logging
+
+    from llm_support import smollm2_gguf
+
+    from support import events
+
+    caplog.set_level(logging.INFO, logger="guard.events")
+    primary = upstreams[0]
+    block = {"backend": "openai", "target": primary.url, "model": MODEL,
+             "options": {"engine": "llama-cpp-python", "sample_logprobs": 5}}
+    model = {"name": "smol", "task": "generation", "primary": block,
+             "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
+             "mirror": {"sample_rate": 1.0}, "policy": {"action": "alert"}}
+    primary.reset()
+    with running(tmp_path, [model], http_port=0) as (server, _), \
+            httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http:
+        chat = dict(CHAT, temperature=0)
+        bad = http.post("/v1/chat/completions", json=chat,
+                        headers={"x-test-scenario": "status", "x-test-status": "400"})
+        assert bad.status_code == 400 and bad.json()["error"]["message"] == "no such thing"
+        sent = [json.loads(r["body"]) for r in primary.requests]
+        assert [b.get("top_logprobs") for b in sent] == [5, None]  # then as the client sent it
+        assert not events(caplog, "openai_additions_refused")
+        primary.reset()
+        for _ in range(2):
+            answer = http.post("/v1/chat/completions", json=chat,
+                               headers={"x-test-scenario": "max_logprobs"})
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["message"]["content"] == "Paris"
+            assert answer.json()["model"] == "smol"
+        sent = [json.loads(r["body"]) for r in primary.requests]
+        # The first call twice (amended, refused; then the client's), the second once.
+        assert [b.get("top_logprobs") for b in sent] == [5, None, None]
+        assert sent[1] == dict(chat, model=MODEL) == sent[2]
+        (said,) = events(caplog, "openai_additions_refused")
+        assert said["status"] == 400 and "max allowed: 2" in said["error"]
+        assert said["options"] == ["options.sample_logprobs"]
+        assert wait_until(lambda: metric(scrape(server.metrics_port), "guard_mirror_total",
+                                         model="smol", outcome="compared") == 2, timeout=120)
+
+
 # -- faults mid-stream ---------------------------------------------------------------------------
 def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, upstreams):
     upstream = upstreams[0]
