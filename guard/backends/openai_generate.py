@@ -25,6 +25,7 @@ import urllib.request
 from dataclasses import replace
 
 from guard.errors import BackendError
+from guard.observe.events import emit
 from guard.protocol.generation import GenerationSample
 from guard.protocol.openai import Completion, build_sample, gather, parse_request, unusable
 
@@ -45,19 +46,22 @@ UNUSABLE_ADVICE = {
 def probe_body(sample: GenerationSample, upstream_model: str, top: int,
                token_ids: bool = False) -> dict:
     """The request the probe sends: the client's call as the sample recorded it, with ``top``
-    logprobs per token and, with ``token_ids``, the prompt's and the completion's token ids
-    (vLLM's ``return_token_ids``)."""
+    logprobs per token (0: those the client asked, if any) and, with ``token_ids``, the
+    prompt's and the completion's token ids (vLLM's ``return_token_ids``)."""
     s = sample.sampling
     body: dict = {"model": upstream_model, "stream": False}
+    top_logprobs = top or s.logprobs
     if sample.endpoint == "chat":
         body["messages"] = list(sample.messages or ())
         body.update(sample.tool_request or {})  # the tools offered: the same rendering
-        body["logprobs"], body["top_logprobs"] = True, top
+        if top_logprobs is not None:
+            body["logprobs"], body["top_logprobs"] = True, top_logprobs
     else:
         # A prompt the client gave as token ids has no text: its ids, as the server took them.
         body["prompt"] = sample.prompt if sample.prompt is not None else list(
             sample.prompt_token_ids or ())
-        body["logprobs"] = top
+        if top_logprobs is not None:
+            body["logprobs"] = top_logprobs
     for key in ("temperature", "top_p", "top_k", "min_p", "presence_penalty",
                 "frequency_penalty", "seed"):
         value = getattr(s, key)
@@ -92,6 +96,9 @@ class PrimaryProbe:
         self.timeout_s = timeout_s
         self.top = top
         self.token_ids = bool(options.get("sample_token_ids"))  # as the edge asks them
+        # False once the upstream refused a probe for them and took the call without: the
+        # logprobs and token ids the client did not ask are then never asked again.
+        self.additions = True
         self._authorization = None
         name = options.get("api_key_env")
         if name:
@@ -103,21 +110,26 @@ class PrimaryProbe:
 
     def __call__(self, sample: GenerationSample) -> GenerationSample:
         """The primary's completion of ``sample``'s call, as a sample of its own (route
-        ``primary``); BackendError when the upstream fails or answers an error."""
-        body = probe_body(sample, self.model, self.top, self.token_ids)
-        data = json.dumps(body).encode()
-        request = urllib.request.Request(self.base + PATHS[sample.endpoint], data=data,
-                                         headers={"Content-Type": "application/json"})
-        if self._authorization:
-            request.add_header("Authorization", self._authorization)
+        ``primary``); BackendError when the upstream fails or answers an error.
+
+        A server that refuses the call with guard's logprobs or token ids (400, 422: a vLLM
+        whose --max-logprobs is below the probe's) is asked the client's call as it was;
+        where that is answered, the probe asks them no more (said once, as the edge says it:
+        ``openai_additions_refused``) and the answer is compared without them. Otherwise no
+        probe ever succeeded, and a fallback would never route back."""
+        additions = self.additions
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            raise BackendError(f"primary {self.model}@{self.base}: HTTP {exc.code}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise BackendError(f"primary {self.model}@{self.base}: {type(exc).__name__}: "
-                               f"{exc}") from None
+            data, answer = self._ask(sample, additions)
+        except _Refused as refused:
+            if not additions:
+                raise BackendError(str(refused)) from None
+            data, answer = self._ask(sample, False)
+            additions = self.additions = False
+            emit("openai_additions_refused", model=sample.model, route="probe",
+                 target=self.base, status=refused.status, error=refused.text,
+                 options=["the probe's logprobs and token ids"],
+                 note="the call as the client sent it was answered; the probe asks them no "
+                 "more (vLLM: --max-logprobs must be at least 5)")
         completion = Completion()
         gather(completion, sample.endpoint, answer, streamed=False)
         if completion.error:
@@ -130,6 +142,37 @@ class PrimaryProbe:
             raise BackendError(f"primary {self.model}@{self.base}: its answer to the probe "
                                f"cannot be compared ({why}{': ' + advice if advice else ''})")
         probed = build_sample(call, completion, route="primary", request_id=sample.request_id,
-                              guard_logprobs=True)
+                              guard_logprobs=additions)
         # The sample is the client's call: its name and transform, not the probe's.
         return replace(probed, model=sample.model, sampling=sample.sampling)
+
+    def _ask(self, sample: GenerationSample, additions: bool) -> tuple[bytes, dict]:
+        """POST the probe of ``sample`` (with guard's logprobs and token ids, or as the client
+        asked): the body sent and the JSON answer. _Refused for a 400 or 422, BackendError
+        for any other failure."""
+        body = probe_body(sample, self.model, self.top if additions else 0,
+                          self.token_ids and additions)
+        data = json.dumps(body).encode()
+        request = urllib.request.Request(self.base + PATHS[sample.endpoint], data=data,
+                                         headers={"Content-Type": "application/json"})
+        if self._authorization:
+            request.add_header("Authorization", self._authorization)
+        where = f"primary {self.model}@{self.base}"
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                return data, json.loads(response.read())
+        except urllib.error.HTTPError as exc:
+            text = exc.read()[:300].decode("utf-8", "replace")
+            if exc.code in (400, 422):
+                raise _Refused(f"{where}: HTTP {exc.code}: {text}", exc.code, text) from None
+            raise BackendError(f"{where}: HTTP {exc.code}: {text}") from None
+        except (urllib.error.URLError, OSError, ValueError) as exc:
+            raise BackendError(f"{where}: {type(exc).__name__}: {exc}") from None
+
+
+class _Refused(BackendError):
+    """The upstream refused the probe's request (400, 422): ``status`` and its answer."""
+
+    def __init__(self, message: str, status: int, text: str):
+        super().__init__(message)
+        self.status, self.text = status, text

@@ -60,6 +60,8 @@ class ScriptedUpstream:
         self.disconnected = threading.Event()
         self.release = None  # asyncio.Event on the server loop ("hold")
         self.sent_last = threading.Event()
+        # The script for requests without the header (guard's own probes send none).
+        self.default_scenario = "plain"
         self.port = 0
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
@@ -101,6 +103,7 @@ class ScriptedUpstream:
 
     def reset(self) -> None:
         self.requests.clear()
+        self.default_scenario = "plain"
         self.disconnected.clear()
         self.sent_last.clear()
         self._loop.call_soon_threadsafe(self.release.clear)
@@ -117,7 +120,7 @@ class ScriptedUpstream:
         body = await request.read()
         self.requests.append({"path": request.path, "query": request.query_string,
                               "headers": dict(request.headers), "body": body})
-        scenario = request.headers.get("x-test-scenario", "plain")
+        scenario = request.headers.get("x-test-scenario", self.default_scenario)
         chat = request.path.endswith("chat/completions")
         if scenario == "status":
             return web.json_response({"error": {"message": "no such thing", "type": "x"}},

@@ -376,6 +376,42 @@ def test_a_call_refused_for_guards_additions_is_answered_as_the_client_asked(ups
                                          model="smol", outcome="compared") == 2, timeout=120)
 
 
+def test_the_probe_refused_for_its_logprobs_asks_the_clients_call_and_no_more(upstreams,
+                                                                              caplog):
+    """The verifier's probe (and replay's generation) asks 5 top logprobs: a vLLM with
+    --max-logprobs 2 refuses it, and a fallback would never route back. The call as the
+    client sent it is asked instead and compared without them; later probes ask it so."""
+    import logging
+
+    from guard.backends.openai_generate import PrimaryProbe
+    from guard.config.backend import BackendConfig
+    from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+
+    from support import events
+
+    caplog.set_level(logging.INFO, logger="guard.events")
+    primary = upstreams[0]
+    primary.reset()
+    primary.default_scenario = "max_logprobs"
+    try:
+        probe = PrimaryProbe(BackendConfig(backend="openai", target=primary.url, model=MODEL),
+                             timeout_s=30)
+        sample = GenerationSample(
+            model="smol", endpoint="chat", messages=tuple(CHAT["messages"]),
+            completion_text="Paris", tokens=(TokenLogprob("Paris"),),
+            sampling=SamplingParams(temperature=0.0, max_tokens=1))
+        for _ in range(2):
+            probed = probe(sample)
+            assert probed.completion_text == "Paris" and probed.sampling == sample.sampling
+        sent = [json.loads(r["body"]) for r in primary.requests]
+        assert [b.get("top_logprobs") for b in sent] == [5, None, None]
+        assert "logprobs" not in sent[1] and sent[1]["messages"] == CHAT["messages"]
+        (said,) = events(caplog, "openai_additions_refused")
+        assert said["route"] == "probe" and "max allowed: 2" in said["error"]
+    finally:
+        primary.reset()
+
+
 # -- faults mid-stream ---------------------------------------------------------------------------
 def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, upstreams):
     upstream = upstreams[0]
