@@ -68,7 +68,10 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int,
         if value is not None:
             body[key] = value
     if s.repetition_penalty is not None:
-        body["repeat_penalty"] = s.repetition_penalty
+        # Under both names: vLLM reads repetition_penalty and ignores repeat_penalty (with a
+        # warning), llama.cpp's servers the other way round; a probe with the name one server
+        # ignores is drawn without the penalty the sample says it had.
+        body["repetition_penalty"] = body["repeat_penalty"] = s.repetition_penalty
     # At most as many tokens as the primary's answer had: a probe costs what the call did (an
     # echo call's tokens are mostly its prompt's: the API's default of 16 where it said none).
     body["max_tokens"] = s.max_tokens if s.max_tokens is not None else (

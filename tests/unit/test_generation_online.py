@@ -54,7 +54,8 @@ def test_the_probe_asks_the_call_again_with_logprobs():
                               repetition_penalty=1.1, stop=("\n",)), "smol-q2", 5)
     assert body == {"model": "smol-q2", "stream": False, "prompt": "The capital of France is",
                     "logprobs": 5, "temperature": 0.0, "top_k": 40, "seed": 7,
-                    "repeat_penalty": 1.1, "max_tokens": 32, "stop": ["\n"]}
+                    "repetition_penalty": 1.1, "repeat_penalty": 1.1,  # vLLM's, llama.cpp's
+                    "max_tokens": 32, "stop": ["\n"]}
     chat = probe_body(_sample("chat"), "smol-q2", 5)
     assert chat["messages"] == [{"role": "user", "content": "Capital?"}]
     assert (chat["logprobs"], chat["top_logprobs"]) == (True, 5)
