@@ -37,14 +37,14 @@ import re
 import time
 import urllib.error
 import urllib.request
-from typing import TYPE_CHECKING, Any, Literal, Mapping
+from typing import TYPE_CHECKING, Any, Literal, Mapping, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from guard.backends.base import Backend, BackendInfo, Forwarding, ForwardingError, Role
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
-from guard.protocol.generation import generation_config_defaults
+from guard.protocol.generation import LOGPROBS_MODES, generation_config_defaults
 from guard.observe.events import emit
 
 if TYPE_CHECKING:  # (imported by the serving loop that uses them)
@@ -60,7 +60,16 @@ HOP_BY_HOP = frozenset({
     "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length",
     "accept-encoding", "content-encoding",
 })
+# The statuses a server refuses a request's fields with (vLLM 400, FastAPI/pydantic servers
+# 422): where guard had added logprobs or token ids, the call goes again as the client sent it
+# (the HTTP edge's _Forward._as_the_client_asked, the probe's PrimaryProbe).
+REFUSALS = frozenset({400, 422})
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+# (pydantic's schema needs the names spelled out; the protocol's tuple is their one list)
+LogprobsMode = Literal["raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits"]
+assert get_args(LogprobsMode) == LOGPROBS_MODES
 
 
 class _Strict(BaseModel):
@@ -144,8 +153,7 @@ class OpenAIOptions(_Strict):
         "answers (reasoning included) and a chat that offers tools (the prompt as the server "
         "rendered the tools, the call as the model generated it), which without ids are "
         "not comparable. Only for servers that take the field (vLLM): false: never add it.")
-    logprobs_mode: Literal["raw_logprobs", "processed_logprobs", "raw_logits",
-                           "processed_logits"] = Field(
+    logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="What the server's logprobs are, as vLLM's "
         "--logprobs-mode names it. raw_logprobs (vLLM's default, and what every other "
         "engine returns): the model's own distribution before sampling; compared with the "

@@ -24,6 +24,7 @@ import urllib.error
 import urllib.request
 from dataclasses import replace
 
+from guard.backends.openai import REFUSALS
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.protocol.generation import GenerationSample
@@ -166,7 +167,7 @@ class PrimaryProbe:
                 return data, json.loads(response.read())
         except urllib.error.HTTPError as exc:
             text = exc.read()[:300].decode("utf-8", "replace")
-            if exc.code in (400, 422):
+            if exc.code in REFUSALS:
                 raise _Refused(f"{where}: HTTP {exc.code}: {text}", exc.code, text) from None
             raise BackendError(f"{where}: HTTP {exc.code}: {text}") from None
         except (urllib.error.URLError, OSError, ValueError) as exc:

@@ -76,7 +76,7 @@ from guard.backends.token_alignment import (
     names_its_alternatives,
 )
 from guard.errors import BackendError
-from guard.protocol.generation import GenerationSample
+from guard.protocol.generation import GenerationSample, shown_as_logits
 
 # The probe of the load-time check: a prompt whose next token every instruction-tuned LLM is
 # sure of, so that a one-position shift moves the best token (and its logprob by nats).
@@ -444,17 +444,11 @@ class OpenAIScorer(Scorer):
 
 
 def returns_logits(generated: dict) -> str | None:
-    """What shows that a generated token's logprobs are logits (a value above 0, or a top-k
-    holding more than all the mass), or None. ``generated``: a completions choice."""
+    """What shows that a generated token's logprobs are logits (:func:`shown_as_logits`), or
+    None. ``generated``: a completions choice."""
     logprobs = generated.get("logprobs") or {}
     top = (logprobs.get("top_logprobs") or [None])[0]
-    values = [float(v) for v in top.values()] if isinstance(top, dict) else []
-    if not values:
-        return None
-    mass = math.fsum(math.exp(min(v, 50.0)) for v in values)
-    if max(values) > 1e-3 or mass > 1.01:
-        return f"best {max(values):.4g}, a top-{len(values)} mass of {mass:.4g}"
-    return None
+    return shown_as_logits([float(v) for v in top.values()] if isinstance(top, dict) else [])
 
 
 def misalignment(generated: dict, scored: Position) -> str | None:

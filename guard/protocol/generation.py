@@ -99,6 +99,27 @@ def chat_template_args(body: dict[str, Any]) -> dict[str, Any] | None:
     return found or None
 
 
+# What a server's logprobs can be: vLLM's --logprobs-mode choices, the names a primary block's
+# options.logprobs_mode takes. raw_logprobs: the model's own distribution (every other engine's
+# too); processed_logprobs: after the request's sampling transform; the others: logits.
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
+# A token the sampling transform masked (log 0), as vLLM writes it in a JSON answer.
+MASKED_LOGPROB = -9999.0
+
+
+def shown_as_logits(values: list[float]) -> str | None:
+    """What shows that one position's logprobs (the chosen token's, or its top-k) are logits,
+    not log-probabilities: a value above 0, or a top-k holding more than all the mass (float
+    slack allowed); None where nothing does. What a vLLM started with --logprobs-mode
+    raw_logits or processed_logits answers."""
+    if not values:
+        return None
+    mass = math.fsum(math.exp(min(v, 50.0)) for v in values)
+    if max(values) > 1e-3 or mass > 1.01:
+        return f"best {max(values):.4g}, a top-{len(values)} mass of {mass:.4g}"
+    return None
+
+
 # The sampling transform's fields: what a request may set and a server defaults. They are also
 # the fields of a generation_config.json that vLLM applies to a request that does not set them
 # (ModelConfig.get_diff_sampling_param; it does not read do_sample, and max_new_tokens is a

@@ -22,6 +22,7 @@ from typing import Any
 
 from guard.config import ModelConfig
 from guard.replay.items import CHECKED, INPUT_ERROR, PRIMARY_ERROR, REFERENCE_ERROR, RecordOutcome
+from guard.verify.generation.summary import by_cause
 from guard.verify.tiers import TierFigures, sample_kind, tier_kind, tier_names
 
 # Error histogram: a bin for exact zero, half-decade bins from 1e-12 to 1e3, one for beyond.
@@ -232,11 +233,9 @@ class ModelAggregate:
         if reasons:
             return "drift", "; ".join(reasons)
         if not any(f["checks"] for f in tiers.values()):
-            why = "; ".join(
-                f"{tier}: {f['not_comparable']} not comparable (" + ", ".join(
-                    f"{cause} {count}" for cause, count in
-                    (f.get("not_comparable_reasons") or {}).items()) + ")"
-                for tier, f in tiers.items() if f.get("not_comparable"))
+            why = "; ".join(f"{tier}: {f['not_comparable']} not comparable "
+                            f"({by_cause(f.get('not_comparable_reasons'))})"
+                            for tier, f in tiers.items() if f.get("not_comparable"))
             return "pass", "no sample could be checked" + (f": {why}" if why else "")
         return "pass", f"every tier's failing share is within policy.trip_ratio {trip:.1%}"
 

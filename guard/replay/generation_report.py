@@ -20,6 +20,7 @@ from html import escape
 
 from guard.replay import svg
 from guard.replay.layout import Code, Figure, Heading, Link, Para, Rendered, Table, anchor
+from guard.verify.generation.summary import by_cause
 
 # Surprise (nats) at which a token's shade is full: p = e^-8, 0.03%; a token the reference
 # expected (p near 1) stays white. Linear in between: surprise is already a log scale.
@@ -56,8 +57,7 @@ def summary_rows(g: dict) -> list[tuple[str, str]]:
         ("completions with a verdict", f"{g['checks']} ({g['passed']} pass)"),
         ("not comparable / tokenization mismatches",
          f"{g.get('not_comparable', 0)} / {g.get('tokenization_mismatches', 0)}"
-         + "".join(f" ({', '.join(f'{cause} {count}' for cause, count in reasons.items())})"
-                   for reasons in [g.get("not_comparable_reasons") or {}] if reasons)),
+         + (f" ({why})" if (why := by_cause(g.get("not_comparable_reasons"))) else "")),
         ("prompt findings", ", ".join(f"{name} {count}" for name, count in
                                       (g.get("findings") or {}).items()) or "none"),
         ("tokens compared", str(g.get("tokens", 0))),

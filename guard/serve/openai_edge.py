@@ -69,7 +69,7 @@ except ImportError as exc:  # said as a config error where the edge is built: a 
                      f"{install_hint('llm-remote', 'aiohttp')} ({exc})") from None
 
 from guard.backends.http1 import Response, UpstreamError
-from guard.backends.openai import HOP_BY_HOP, OpenAIBackend
+from guard.backends.openai import HOP_BY_HOP, REFUSALS, OpenAIBackend
 from guard.ipc import wire
 from guard.observe.events import emit
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
@@ -79,9 +79,6 @@ from guard.serve.model import ServedModel
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
 RESPONSE_MODEL_PATH = ("response", "model")
-# The statuses a server refuses a request's fields with (vLLM 400, FastAPI/pydantic servers 422):
-# where guard had added some, the client's own call is sent instead (_as_the_client_asked).
-REFUSALS = frozenset({400, 422})
 _Call = TypeVar("_Call")  # what the edge makes of a call's body: a ParsedCall, or its model
 
 

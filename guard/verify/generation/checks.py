@@ -11,7 +11,12 @@ import numpy as np
 
 from guard.backends.scoring import PROMPT_RENDERED_OTHERWISE, ReferenceScores
 from guard.backends.token_alignment import comparable_text, names_its_alternatives
-from guard.protocol.generation import GenerationSample, SamplingParams
+from guard.protocol.generation import (
+    MASKED_LOGPROB,
+    GenerationSample,
+    SamplingParams,
+    shown_as_logits,
+)
 from guard.verify.generation.defaults import SERVER_DEFAULTS, GenerationThresholds, ServerDefaults
 from guard.verify.generation.verdict import FirstDivergence, GenerationCheck
 from guard.verify.generation.transform import (
@@ -29,11 +34,6 @@ _TINY = 1e-12
 # the full-vocabulary KLD to within about this much.
 _EXACT_COVERAGE = 0.999
 _TEXT_BEFORE = 200  # characters of completion text kept before the first divergent token
-# A token the server's sampling transform masked (log 0), as vLLM writes it in a JSON answer
-# (processed_logprobs): no probability mass, never compared.
-MASKED_LOGPROB = -9999.0
-# Float slack on "a logprob is at most 0" and "a top-k holds at most all the mass".
-_LOGPROB_SLACK = 1e-3
 # vLLM decodes greedily below this temperature (its _SAMPLING_EPS); its processed logprobs of
 # a greedy call are then the model's own, after penalties and before any temperature.
 _GREEDY_TEMPERATURE = 1e-5
@@ -134,8 +134,9 @@ def _processed(sample: GenerationSample, scores: ReferenceScores,
     """The reference's distribution under the transform the server applied, where the
     primary's logprobs are after it (vLLM's processed_logprobs): penalties, then the
     temperature and truncations (:func:`transformed_support`), mixed with a little of the
-    untransformed distribution (``_PROCESSED_EPSILON``); a greedy call's is the penalized
-    distribution alone, as vLLM returns it."""
+    untransformed distribution (``_PROCESSED_EPSILON``). Only the tokens asked about are
+    looked up: the kept set is tens of tokens, the vocabulary tens of thousands. (Greedy and
+    near-greedy calls never come here: check_generation compares them otherwise.)"""
     assert scores.logprobs is not None
     chosen = np.zeros(len(scores.token_ids))
     alternatives, tops = [], []
@@ -145,14 +146,11 @@ def _processed(sample: GenerationSample, scores: ReferenceScores,
         named = scores.primary_top_ids[t] if t < len(scores.primary_top_ids) else \
             np.zeros(0, np.int64)
         wanted = np.concatenate(([token_id], np.maximum(named, 0))).astype(np.int64)
-        if transform.temperature < _GREEDY_TEMPERATURE:
-            values, best = row[wanted], int(np.argmax(row))
-        else:  # only the tokens asked about: the kept set is tens, the vocabulary tens of k
-            kept, pi = transformed_support(row, transform)
-            kept_p = dict(zip(kept.tolist(), pi.tolist()))
-            values = np.log([(1.0 - _PROCESSED_EPSILON) * kept_p.get(int(i), 0.0)
-                             + _PROCESSED_EPSILON * math.exp(row[i]) + _TINY for i in wanted])
-            best = int(kept[np.argmax(pi)]) if kept.size else int(np.argmax(row))
+        kept, pi = transformed_support(row, transform)
+        kept_p = dict(zip(kept.tolist(), pi.tolist()))
+        values = np.log([(1.0 - _PROCESSED_EPSILON) * kept_p.get(int(i), 0.0)
+                         + _PROCESSED_EPSILON * math.exp(row[i]) + _TINY for i in wanted])
+        best = int(kept[np.argmax(pi)]) if kept.size else int(np.argmax(row))
         chosen[t] = values[0]
         alternatives.append(np.where(named >= 0, values[1:], np.nan))
         texts = [text for i, text in zip(scores.top_ids[t], scores.top_texts[t]) if i == best]
@@ -329,12 +327,12 @@ def _logprobs_tell(sample: GenerationSample, mode: str) -> str:
     is a transform's mark. Scored as they are, either would read as drift on a healthy pair."""
     for token in sample.tokens:
         values = [v for _, v in token.top] or [float(token.logprob)]  # type: ignore[arg-type]
-        mass = math.fsum(math.exp(min(v, 50.0)) for v in values)
-        if max(values) > _LOGPROB_SLACK or mass > 1.0 + 10 * _LOGPROB_SLACK:
+        logits = shown_as_logits(values)
+        if logits:
             return (f"the primary's logprobs are not log-probabilities (at {token.text!r}: "
-                    f"{max(values):.4g}, a top-k mass of {mass:.4g}): logits, as vLLM "
-                    "returns them when started with --logprobs-mode raw_logits or "
-                    "processed_logits; declare it in the primary's options.logprobs_mode")
+                    f"{logits}): logits, as vLLM returns them when started with "
+                    "--logprobs-mode raw_logits or processed_logits; declare it in the "
+                    "primary's options.logprobs_mode")
         if mode == "raw_logprobs" and min(values) <= MASKED_LOGPROB:
             return (f"the primary's logprobs mask tokens (at {token.text!r}: "
                     f"{MASKED_LOGPROB:g}, vLLM's log 0): they are after the sampling "
@@ -354,10 +352,9 @@ def _fits_processed(sample: GenerationSample, scores: ReferenceScores, defaults:
     if scores.logprobs is None or _outside_transform(sample.sampling, "raw_logprobs"):
         return ""
     transform = resolve_transform(sample.sampling, defaults)
-    if transform is None or transform.temperature <= limits.near_greedy_temperature or \
-            transform.top_k == 1 or _unscorable_penalties(scores, transform) or (
-                transform.temperature == 1.0 and not transform.penalized
-                and transform.top_k == 0 and transform.top_p >= 1.0 and transform.min_p <= 0.0):
+    if transform is None or transform.identity or transform.top_k == 1 or \
+            transform.temperature <= limits.near_greedy_temperature or \
+            _unscorable_penalties(scores, transform):
         return ""
     processed = _with_logprobs(sample, scores, limits, _processed(sample, scores, transform))
     if not processed.passed or processed.mean_kld > raw.mean_kld / 10:
@@ -421,9 +418,13 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
             approximate=scores.approximate,
             findings=scores.findings + ("tokenization_mismatch",))
     n = len(scores.token_ids)
+
+    def uncompared(cause: str, reason: str) -> GenerationCheck:  # one of NOT_COMPARABLE_CAUSES
+        return GenerationCheck(passed=True, mode="not_comparable", tokens=n, cause=cause,
+                               reason=reason, **common)
+
     if n < max(limits.min_tokens, 1):
-        return GenerationCheck(passed=True, mode="not_comparable", tokens=n, cause="too_short",
-                               reason=f"{n} completion tokens (< min_tokens)", **common)
+        return uncompared("too_short", f"{n} completion tokens (< min_tokens)")
     meaning = defaults.logprobs_mode
     if sample.echo and meaning == "processed_logprobs":
         # An echo's logprobs are the prompt's, which vLLM computes before any sampling
@@ -432,34 +433,28 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
         meaning = "raw_logprobs"
     # The primary's logprobs are read unless they are logits (the reference alone judges).
     told = sample.has_logprobs and len(sample.tokens) == n and meaning not in _LOGITS_MODES
-    if told:
-        tell = _logprobs_tell(sample, meaning)
-        if tell:
-            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
-                                   cause="logprobs_mode", reason=tell, **common)
+    tell = _logprobs_tell(sample, meaning) if told else ""
+    if tell:
+        return uncompared("logprobs_mode", tell)
     if told and meaning == "raw_logprobs":
         check = _with_logprobs(sample, scores, limits)
         tell = "" if check.passed else _fits_processed(sample, scores, defaults, limits, check)
         if tell:
-            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
-                                   cause="logprobs_mode", reason=tell, **common)
+            return uncompared("logprobs_mode", tell)
     else:
         outside = _outside_transform(sample.sampling, meaning)
         if outside is not None:
-            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
-                                   cause=outside[0], reason=outside[1], **common)
+            return uncompared(*outside)
         transform = resolve_transform(sample.sampling, defaults)
         if transform is None:
             unsaid = unknown_sampling(sample.sampling, defaults)
-            return GenerationCheck(
-                passed=True, mode="not_comparable", tokens=n, cause="sampling_unknown",
-                reason=f"the sampling transform is unknown: {unsaid} is neither in the request "
-                "nor declared for the server (options.engine, generation_config, "
-                "server_defaults)", **common)
+            return uncompared(
+                "sampling_unknown", f"the sampling transform is unknown: {unsaid} is neither "
+                "in the request nor declared for the server (options.engine, "
+                "generation_config, server_defaults)")
         unscorable = _unscorable_penalties(scores, transform)
         if unscorable:
-            return GenerationCheck(passed=True, mode="not_comparable", tokens=n,
-                                   cause="penalties", reason=unscorable, **common)
+            return uncompared("penalties", unscorable)
         if told and transform.temperature < _GREEDY_TEMPERATURE and not transform.penalized:
             check = _with_logprobs(sample, scores, limits)  # processed = raw for greedy
         elif transform.temperature <= limits.near_greedy_temperature or transform.top_k == 1:

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from guard.protocol.generation import generation_config_defaults
+from guard.protocol.generation import LOGPROBS_MODES, generation_config_defaults
 
 
 @dataclass(frozen=True)
@@ -26,8 +26,8 @@ class ServerDefaults:
     (llama-cpp-python's sampler is handed the sampled tokens alone).
 
     ``logprobs_mode``: what the server's logprobs are (vLLM's ``--logprobs-mode``, whose names
-    it takes; one of LOGPROBS_MODES). raw_logprobs, vLLM's default and every other engine's:
-    the model's own distribution, before any sampling transform or constraint.
+    it takes: guard.protocol.generation.LOGPROBS_MODES). raw_logprobs, vLLM's default and
+    every other engine's: the model's own distribution, before any sampling transform or constraint.
     processed_logprobs: after the transform (penalties, temperature, top_k/top_p/min_p; masked
     tokens at -9999), so the tier compares them with the reference's distribution under the
     same transform. raw_logits and processed_logits: logits, not a distribution; the tier
@@ -46,9 +46,6 @@ class ServerDefaults:
     penalize_prompt: bool = True
     logprobs_mode: str = "raw_logprobs"
 
-
-# What a server's logprobs can be (vLLM's --logprobs-mode choices; see ServerDefaults).
-LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs", "raw_logits", "processed_logits")
 # vLLM without a model's generation_config.json (``--generation-config vllm``): temperature 1,
 # no truncation, no penalty. OpenAI's API means the same.
 NEUTRAL = ServerDefaults(temperature=1.0)

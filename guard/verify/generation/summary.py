@@ -5,6 +5,7 @@ pass counts, perplexities), by position, and the flagged completions of a replay
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import replace
 from typing import Any, Mapping, Sequence
 
@@ -72,10 +73,8 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
         "checks": len(counted), "passed": sum(c.passed for c in counted),
         "not_comparable": sum(c.mode == "not_comparable" for c in checks),
         # why, by cause (the metric's reason label): what a user fixes first
-        "not_comparable_reasons": {cause: sum(c.cause == cause for c in checks
-                                              if c.mode == "not_comparable")
-                                   for cause in sorted({c.cause for c in checks
-                                                        if c.mode == "not_comparable"})},
+        "not_comparable_reasons": dict(sorted(Counter(
+            c.cause for c in checks if c.mode == "not_comparable").items())),
         "tokenization_mismatches": sum(c.mode == "tokenization_mismatch" for c in checks),
         # completions with each finding (the prompt's, and tokenization_mismatch)
         "findings": {name: sum(name in c.findings for c in checks)
@@ -165,3 +164,9 @@ def _flagged(record: int, check: GenerationCheck, details: Mapping[str, Any],
             "per_token": check.per_token_dict() if check.per_token_text else None,
             "first_divergence": None if first is None else replace(first, record=record)
             .as_dict()}
+
+
+def by_cause(counts: Mapping[str, int] | None) -> str:
+    """Not-comparable counts as the report and a replay's verdict say them:
+    "logprobs_mode 3, tools 1" ("" for none)."""
+    return ", ".join(f"{cause} {count}" for cause, count in (counts or {}).items())

@@ -35,6 +35,13 @@ class Transform:
         return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0
                 or self.frequency_penalty != 0.0)
 
+    @property
+    def identity(self) -> bool:
+        """The model's own distribution comes out unchanged: temperature 1, nothing cut,
+        nothing penalized."""
+        return (self.temperature == 1.0 and not self.penalized and self.top_k == 0
+                and self.top_p >= 1.0 and self.min_p <= 0.0)
+
 
 _TRUNCATIONS = ("top_p", "top_k", "min_p")
 _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
