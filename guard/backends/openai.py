@@ -90,6 +90,11 @@ class ServerDefaults(_Strict):
     repetition_penalty: float | None = Field(None, gt=0)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    penalty_last_n: int | None = Field(
+        None, ge=-1, description="The penalties' window: the last that many tokens (-1: "
+        "all; 0: no penalty). The engine's preset otherwise: llama.cpp and llama-cpp-python "
+        "64 (llama-server's --repeat-last-n changes it, and a request's repeat_last_n), vLLM "
+        "all.")
 
 
 class OpenAIOptions(_Strict):
@@ -101,7 +106,10 @@ class OpenAIOptions(_Strict):
     engine: Literal["llama.cpp", "llama-cpp-python", "vllm", "openai", "unknown"] = Field(
         "unknown", description="The server's engine, for the sampling transform it applies "
         "where a request does not say: its sampler order (llama.cpp applies the temperature "
-        "after top_k/top_p/min_p, vLLM before), its penalty window and its default values "
+        "after top_k/top_p/min_p, vLLM before, and vLLM cuts by min_p before top_p's nucleus, "
+        "the others after), the name it reads the repetition penalty under (vllm: "
+        "repetition_penalty; llama.cpp, llama-cpp-python: repeat_penalty; each ignores the "
+        "other; openai, unknown: either), its penalty window and its default values "
         "(llama.cpp, llama-server: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; "
         "llama-cpp-python, its server: the same and repeat_penalty 1.1 over the sampled "
         "tokens; openai: "

@@ -68,11 +68,13 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int,
         value = getattr(s, key)
         if value is not None:
             body[key] = value
-    if s.repetition_penalty is not None:
-        # Under both names: vLLM reads repetition_penalty and ignores repeat_penalty (with a
-        # warning), llama.cpp's servers the other way round; a probe with the name one server
-        # ignores is drawn without the penalty the sample says it had.
-        body["repetition_penalty"] = body["repeat_penalty"] = s.repetition_penalty
+    # The repetition penalty under the name(s) the client used: vLLM reads repetition_penalty
+    # and ignores repeat_penalty (with a warning), llama.cpp's servers the other way round, so
+    # the probe is drawn with the penalty the client's call was (a record from before the two
+    # were kept apart holds both: either server then applies it).
+    for key in ("repetition_penalty", "repeat_penalty", "repeat_last_n"):
+        if getattr(s, key) is not None:
+            body[key] = getattr(s, key)
     # At most as many tokens as the primary's answer had: a probe costs what the call did (an
     # echo call's tokens are mostly its prompt's: the API's default of 16 where it said none).
     body["max_tokens"] = s.max_tokens if s.max_tokens is not None else (

@@ -24,15 +24,19 @@ from typing import Any, Literal
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("completions", "chat")
-FORMAT_VERSION = 3  # bump when a field's meaning changes; readers refuse newer versions
+FORMAT_VERSION = 4  # bump when a field's meaning changes; readers refuse newer versions
 # Version 2 added ``reasoning_text``, ``tools`` and ``tool_calls`` (the tokens of such a sample
 # are more than its completion_text, which a version-1 reader would take for a tokenizer
 # mismatch) and ``prompt_truncation`` (its prompt ids may be a cut rendering, which a version-1
 # reader would report as template drift). Version 3 added ``add_special_tokens`` (a prompt
 # without BOS as asked, which a version-2 reader would score with one and report as a missing
 # BOS) and ``echo`` (tokens that begin inside the prompt, which a version-2 reader would score
-# after the whole prompt). A sample is written with the lowest version that holds it, so that
-# records without the newer fields stay readable by the guards that wrote them before.
+# after the whole prompt). Version 4 keeps a request's ``repeat_penalty`` (llama.cpp's name)
+# apart from its ``repetition_penalty`` (vLLM's): each server reads one of them and ignores the
+# other, and a version-3 ``repetition_penalty`` is either (a version-3 reader would take a
+# llama.cpp penalty for vLLM's); and it added ``repeat_last_n`` (llama.cpp's penalty window).
+# A sample is written with the lowest version that holds it, so that records without the newer
+# fields stay readable by the guards that wrote them before.
 
 
 @dataclass(frozen=True)
@@ -62,7 +66,15 @@ class SamplingParams:
     top_p: float | None = None
     top_k: int | None = None
     min_p: float | None = None
+    # The repetition penalty under each of its two request names, as the client sent them:
+    # vLLM (and SGLang, transformers) read ``repetition_penalty`` and ignore
+    # ``repeat_penalty``; llama.cpp's servers read ``repeat_penalty`` and ignore the other.
+    # Which one the server applied is the engine's to say (ServerDefaults.penalty_fields).
     repetition_penalty: float | None = None
+    repeat_penalty: float | None = None
+    # llama.cpp's server's penalty window (its request field: the last that many tokens, -1
+    # the context, 0 no penalty); other engines take theirs from a launch flag or not at all.
+    repeat_last_n: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     seed: int | None = None
@@ -232,11 +244,22 @@ class GenerationSample:
         return bool(self.tokens) and all(t.logprob is not None for t in self.tokens)
 
 
+# The request fields of the repetition penalty, kept apart from version 4 on, and the sampling
+# fields version 4 added.
+_PENALTY_NAMES = ("repetition_penalty", "repeat_penalty", "repeat_last_n")
+_VERSION_4_FIELDS = ("repeat_penalty", "repeat_last_n")
+
+
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
     data = asdict(sample)
+    if any(getattr(sample.sampling, name) is not None for name in _PENALTY_NAMES):
+        data["format_version"] = FORMAT_VERSION  # (an older reader takes either for both)
+        return data
+    for name in _VERSION_4_FIELDS:  # (fields an older reader refuses)
+        del data["sampling"][name]
     if sample.add_special_tokens is not None or sample.echo:
-        data["format_version"] = FORMAT_VERSION
+        data["format_version"] = 3
     elif sample.reasoning_text is not None or sample.tools or sample.tool_calls or \
             sample.prompt_truncation is not None:
         data["format_version"] = 2
@@ -295,6 +318,10 @@ def from_dict(data: Any) -> GenerationSample:
         if not all(isinstance(item, str) for item in names):
             raise ValueError(f"sampling.{name}: expected a list of strings")
         sampling_data[name] = names
+    if version < 4 and sampling_data.get("repeat_penalty") is None:
+        # Before version 4 one field held the penalty under either request name: say both, so
+        # that every engine applies it, as the guard that wrote it did.
+        sampling_data["repeat_penalty"] = sampling_data.get("repetition_penalty")
     sampling = SamplingParams(**sampling_data)
     messages = data.get("messages")
     ids = data.get("prompt_token_ids")

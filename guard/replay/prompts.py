@@ -10,7 +10,7 @@ Replay then asks the model's primary (its ``openai`` upstream) for each completi
 top-5 logprobs per token, and scores it with the reference, as llama-perplexity scores a
 quantized model on a text. A line may also set ``id`` (the request id the report shows) and
 the OpenAI request's sampling fields (``max_tokens``, ``temperature``, ``top_p``, ``top_k``,
-``min_p``, ``seed``, ``stop``, ``repeat_penalty``/``repetition_penalty``,
+``min_p``, ``seed``, ``stop``, ``repeat_penalty``/``repetition_penalty``, ``repeat_last_n``,
 ``presence_penalty``, ``frequency_penalty``). Defaults (where a line does not say): greedy
 (``temperature`` 0: the same completion every run, so two replays of a set compare) and
 ``max_tokens`` 32 (SmolLM2's calibration ladder, docs/generation.md).
@@ -42,7 +42,7 @@ DEFAULT_MAX_TOKENS = 32
 DEFAULT_TEMPERATURE = 0.0
 SAMPLING_KEYS = frozenset({
     "max_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "stop", "repeat_penalty",
-    "repetition_penalty", "presence_penalty", "frequency_penalty"})
+    "repetition_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty"})
 _KEYS = SAMPLING_KEYS | {"prompt", "messages", "id", "echo"}
 ECHO_MAX_TOKENS = 0  # an echo line scores its text: nothing generated unless it says
 _PROBLEMS_KEPT = 5

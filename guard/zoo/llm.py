@@ -196,8 +196,8 @@ def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None
     sampling = sampling or SamplingParams(temperature=0.0)
     asked = {name: getattr(sampling, name) for name in ("temperature", "top_p", "top_k", "min_p")
              if getattr(sampling, name) is not None}
-    if sampling.repetition_penalty is not None:
-        asked["repeat_penalty"] = sampling.repetition_penalty
+    if sampling.repeat_penalty is not None:  # (its name: llama.cpp ignores repetition_penalty)
+        asked["repeat_penalty"] = sampling.repeat_penalty
     llm.reset()
     sampled: list[int] = []
     generate = llm.generate

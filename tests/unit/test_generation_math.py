@@ -3,6 +3,7 @@ z-score's null distribution. The real model's side is tests/unit/test_generation
 
 from __future__ import annotations
 
+import collections
 import math
 from dataclasses import replace
 
@@ -115,6 +116,42 @@ def test_temperature_last_applies_truncation_at_temperature_one():
     last = transformed(logprobs, _transform(temperature=3.0, top_p=0.7, temperature_last=True))
     assert np.count_nonzero(last) == 1
     assert np.count_nonzero(first) > 1
+
+
+def _vllms_chain(logprobs: np.ndarray, temperature: float, top_k: int, top_p: float,
+                 min_p: float) -> np.ndarray:
+    """vLLM's sampler written out densely, step by step as vllm/v1/sample/sampler.py orders
+    it: temperature, min_p over the probabilities, top_k, then top_p over what is left."""
+    logits = logprobs / temperature
+    probabilities = np.exp(logits - logits.max())
+    probabilities /= probabilities.sum()
+    logits = np.where(probabilities >= min_p * probabilities.max(), logits, -np.inf)
+    if top_k:
+        logits = np.where(logits >= np.sort(logits)[::-1][top_k - 1], logits, -np.inf)
+    probabilities = np.exp(logits - logits.max())
+    probabilities /= probabilities.sum()
+    order = np.argsort(-probabilities, kind="stable")
+    count = int(np.searchsorted(np.cumsum(probabilities[order]), top_p, side="left")) + 1
+    out = np.zeros_like(probabilities)
+    out[order[:count]] = probabilities[order[:count]] / probabilities[order[:count]].sum()
+    return out
+
+
+def test_min_p_first_is_vllms_chain_and_keeps_no_more_than_min_p_last():
+    """With min_p before top_p (vLLM) the distribution is vLLM's chain written out densely;
+    top_p's nucleus over what min_p left is never wider than over the whole distribution."""
+    rng = np.random.default_rng(3)
+    narrower = 0
+    for _ in range(60):
+        logprobs = _log_softmax(rng.normal(0, 2.5, 400))
+        kw = dict(temperature=float(rng.uniform(0.4, 1.5)), top_k=int(rng.choice([0, 50])),
+                  top_p=float(rng.uniform(0.3, 0.99)), min_p=float(rng.uniform(0.01, 0.2)))
+        first = transformed(logprobs, _transform(**kw, min_p_first=True))
+        np.testing.assert_allclose(first, _vllms_chain(logprobs, **kw), atol=1e-12)
+        last = transformed(logprobs, _transform(**kw))
+        assert np.count_nonzero(first) <= np.count_nonzero(last)
+        narrower += np.count_nonzero(first) < np.count_nonzero(last)
+    assert narrower > 10  # the order matters, often
 
 
 def test_unknown_server_without_temperature_is_not_resolvable():
@@ -323,7 +360,10 @@ def test_vllms_defaults_are_unknown_until_its_generation_config_is_declared():
     over = server_defaults({"temperature": 0.5}, engine="vllm",
                            generation_config={"temperature": 0.7, "top_k": 20})
     assert (over.temperature, over.top_k, over.top_p) == (0.5, 20, 1.0)
-    assert server_defaults(engine="vllm", generation_config={}) == NEUTRAL
+    # An empty file: vLLM's neutral values, its own sampler order and penalty name.
+    empty = server_defaults(engine="vllm", generation_config={})
+    assert empty == replace(NEUTRAL, min_p_first=True, penalty_fields=("repetition_penalty",),
+                            reads_repeat_last_n=False)
     with pytest.raises(ValueError, match="generation_config: engine llama.cpp"):
         server_defaults(engine="llama.cpp", generation_config={})
 
@@ -410,6 +450,121 @@ def test_a_repetition_penalty_is_applied_to_the_raw_logits():
     check = check_generation(_sample(tokens, greedy), remote, NEUTRAL)
     assert (check.mode, check.cause) == ("not_comparable", "penalties")
     assert "raw logits" in check.reason and check.cause in NOT_COMPARABLE_CAUSES
+
+
+class _LlamaCppPenalties:
+    """llama.cpp's penalties sampler (src/llama-sampler.cpp, llama_sampler_penalties), written
+    out: a ring of the last ``last_n`` accepted tokens and their counts; every token with a
+    count has its logit divided (positive) or multiplied (not) by the repeat penalty, less
+    ``count * frequency + presence``. llama-server accepts the prompt's tokens into it before
+    the first sampled one (server-context.cpp, init_sampler)."""
+
+    def __init__(self, last_n: int, repeat: float, frequency: float, presence: float):
+        self.last_n, self.repeat = last_n, repeat
+        self.frequency, self.presence = frequency, presence
+        self.ring: list[int] = []
+
+    def accept(self, token: int) -> None:
+        self.ring = (self.ring + [token])[-self.last_n:] if self.last_n else []
+
+    def apply(self, logits: np.ndarray) -> np.ndarray:
+        out = logits.copy()
+        for token, count in collections.Counter(self.ring).items():
+            out[token] = out[token] * self.repeat if out[token] <= 0 else \
+                out[token] / self.repeat
+            out[token] -= count * self.frequency + self.presence
+        return out
+
+
+def _llama_cpp_completion(raw: np.ndarray, prompt: tuple[int, ...], transform, rng,
+                          greedy: bool = False) -> list[int]:
+    """One completion as llama-server draws it: the prompt's tokens accepted into its penalty
+    sampler, then per position the penalties and its chain (or the penalized argmax)."""
+    sampler = _LlamaCppPenalties(transform.penalty_last_n, transform.repetition_penalty,
+                                 transform.frequency_penalty, transform.presence_penalty)
+    for token in prompt:
+        sampler.accept(token)
+    tokens = []
+    for row in raw:
+        penalized = _log_softmax(sampler.apply(row))
+        token = int(np.argmax(penalized)) if greedy else \
+            int(rng.choice(row.size, p=transformed(penalized, transform)))
+        tokens.append(token)
+        sampler.accept(token)
+    return tokens
+
+
+@pytest.mark.parametrize("window", [None, 16])
+def test_llama_cpps_penalties_count_the_prompt_in_one_window(window):
+    """Completions drawn by llama.cpp's own penalty sampler (above, the prompt's tokens
+    accepted first) with presence and frequency penalties: scored with the llama.cpp preset,
+    sampled ones give z about N(0, 1) and greedy ones agree with the penalized argmax; with
+    vLLM's meaning of those two penalties (the completion's tokens only) the same healthy
+    greedy completions leave the argmax guard expects. A request's ``repeat_last_n`` is the
+    window llama-server uses."""
+    rng = np.random.default_rng(11)
+    llama = SERVER_DEFAULTS["llama.cpp"]
+    sampling = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0,
+                              repeat_penalty=1.2, presence_penalty=1.0, frequency_penalty=0.5,
+                              repeat_last_n=window)
+    transform = resolve_transform(sampling, llama)
+    assert transform.penalty_last_n == (window or 64) and transform.penalties_share_window
+    prompt = tuple(int(t) for t in rng.choice(60, 40))  # its tokens among the likely ones
+
+    def scored(raw, tokens):
+        logprobs = _log_softmax(raw)
+        return replace(_synthetic_scores(logprobs, np.array(tokens), (raw - logprobs)[:, 0]),
+                       prompt_token_ids=prompt)
+
+    def logits():
+        raw = rng.normal(3.0, 1.0, (32, 300))
+        raw[:, :60] += 3.0  # the prompt's tokens the likely ones: penalties move the argmax
+        return raw
+
+    zs = []
+    for _ in range(80):
+        raw = logits()
+        tokens = _llama_cpp_completion(raw, prompt, transform, rng)
+        check = check_generation(_sample(np.array(tokens), sampling), scored(raw, tokens), llama)
+        zs.append(check.statistic)
+    zs = np.array(zs)
+    assert abs(zs.mean()) < 0.35 and 0.6 < zs.std() < 1.4, (zs.mean(), zs.std())
+
+    # Greedy, on a prompt that says one word 8 times: the penalties (0.5 a count) take the
+    # word off the top, as llama.cpp counts the prompt; with vLLM's meaning guard expects
+    # the word, confidently, and reads the healthy greedy answer as drift.
+    word, other = 7, 200
+    repeated = tuple(range(100, 132)) + (word,) * 8
+    greedy = replace(sampling, temperature=0.0)
+    vllms_meaning = replace(llama, penalties_share_window=False)
+    for _ in range(3):
+        raw = rng.normal(3.0, 1.0, (16, 300))
+        raw[:, word] += 8.0
+        raw[:, other] += 4.0
+        tokens = _llama_cpp_completion(raw, repeated, resolve_transform(greedy, llama), rng,
+                                       greedy=True)
+        assert tokens[0] == other
+        logprobs = _log_softmax(raw)
+        scores = replace(_synthetic_scores(logprobs, np.array(tokens), (raw - logprobs)[:, 0]),
+                         prompt_token_ids=repeated)
+        sample = _sample(np.array(tokens), greedy)
+        check = check_generation(sample, scores, llama)
+        assert (check.mode, check.passed, check.statistic) == ("greedy", True, 0.0)
+        misread = check_generation(sample, scores, vllms_meaning)
+        assert (misread.mode, misread.passed) == ("greedy", False), misread.statistic
+
+
+def test_the_penalty_window_is_the_requests_where_the_server_reads_it():
+    asked = SamplingParams(temperature=0.0, repeat_last_n=256)
+    assert resolve_transform(asked, SERVER_DEFAULTS["llama.cpp"]).penalty_last_n == 256
+    assert resolve_transform(replace(asked, repeat_last_n=-1),
+                             SERVER_DEFAULTS["llama.cpp"]).penalty_last_n == -1
+    # llama-cpp-python's server and vLLM have no such request field: their own window.
+    assert resolve_transform(asked, SERVER_DEFAULTS["llama-cpp-python"]).penalty_last_n == 64
+    vllm = server_defaults(engine="vllm", generation_config={})
+    assert resolve_transform(asked, vllm).penalty_last_n == -1
+    # llama-server's --repeat-last-n, declared.
+    assert server_defaults({"penalty_last_n": 256}, engine="llama.cpp").penalty_last_n == 256
 
 
 def test_a_low_temperature_is_checked_as_greedy_where_z_would_amplify_kernel_noise():

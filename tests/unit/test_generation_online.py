@@ -51,11 +51,14 @@ def _sample(endpoint="completions", **sampling) -> GenerationSample:
 
 def test_the_probe_asks_the_call_again_with_logprobs():
     body = probe_body(_sample(temperature=0.0, max_tokens=32, top_k=40, seed=7,
-                              repetition_penalty=1.1, stop=("\n",)), "smol-q2", 5)
+                              repeat_penalty=1.1, stop=("\n",)), "smol-q2", 5)
     assert body == {"model": "smol-q2", "stream": False, "prompt": "The capital of France is",
                     "logprobs": 5, "temperature": 0.0, "top_k": 40, "seed": 7,
-                    "repetition_penalty": 1.1, "repeat_penalty": 1.1,  # vLLM's, llama.cpp's
+                    "repeat_penalty": 1.1,  # as the client named it (llama.cpp's name)
                     "max_tokens": 32, "stop": ["\n"]}
+    # A record from before the names were kept apart holds both: either server applies it.
+    both = probe_body(_sample(repetition_penalty=1.1, repeat_penalty=1.1), "smol-q2", 5)
+    assert both["repetition_penalty"] == both["repeat_penalty"] == 1.1
     chat = probe_body(_sample("chat"), "smol-q2", 5)
     assert chat["messages"] == [{"role": "user", "content": "Capital?"}]
     assert (chat["logprobs"], chat["top_logprobs"]) == (True, 5)

@@ -204,7 +204,7 @@ def test_llama_cpps_repeat_penalty_is_scored_as_its_sampler_applies_it(f16_refer
     reference's raw logits, z stays about N(0, 1)."""
     defaults = SERVER_DEFAULTS["llama-cpp-python"]
     assert (defaults.repetition_penalty, defaults.penalize_prompt) == (1.1, False)
-    sampling = SamplingParams(repetition_penalty=1.3)
+    sampling = SamplingParams(repeat_penalty=1.3)  # (llama.cpp's name: the one it reads)
     zs = []
     for seed in range(12):
         sample = smol.complete(primaries["F16"], smol.PROMPTS[seed % len(smol.PROMPTS)], 32,

@@ -7,7 +7,8 @@ F16 file of the same weights. vLLM's own answers in these modes were recorded fr
 on the same model (benchmarks/llm_logprobs_mode.py runs them through guard end to end).
 
 Every assertion is a property: a healthy pair agrees to kernel noise, a 3-bit primary is
-nats away, and logits are never read as log-probabilities.
+nats away, and logits are never read as log-probabilities. vLLM's sampler order and the
+repetition penalty's names are checked on its recorded answers (tests/recorded/).
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ from guard.protocol.generation import GenerationSample, SamplingParams, TokenLog
 from guard.verify.generation import (  # noqa: E402
     NEUTRAL,
     NOT_COMPARABLE_CAUSES,
+    SERVER_DEFAULTS,
     GenerationThresholds,
     check_generation,
     declared_defaults,
+)
+from guard.verify.generation.transform import (  # noqa: E402
+    resolve_transform,
+    transformed_support,
 )
 from guard.zoo import llm as smol  # noqa: E402
 
@@ -46,6 +52,7 @@ PROCESSED = replace(NEUTRAL, logprobs_mode="processed_logprobs")
 LIMITS = GenerationThresholds()
 NUCLEUS = SamplingParams(temperature=0.7, top_p=0.9, logprobs=TOP)
 TEMPERATURE_ONLY = SamplingParams(temperature=0.5, logprobs=TOP)
+TOP_RECORDED = 40  # the top logprobs tests/recorded/vllm_sampler.json's nucleus calls asked
 
 # vLLM 0.32, SmolLM2 fp32, `--logprobs-mode processed_logprobs`, "The capital of France is",
 # temperature 0.7, top_p 0.8, logprobs 5 (the first two tokens of the answer): the nucleus
@@ -272,6 +279,65 @@ def test_vllms_own_answers_in_these_modes_say_what_they_are(reference):
         assert says in check.reason
     assert returns_logits(VLLM_LOGITS["choices"][0]) is not None
     assert returns_logits(VLLM_PROCESSED["choices"][0]) is None
+
+
+def _recorded(group: str) -> list[GenerationSample]:
+    """vLLM's recorded answers of one group (tests/recorded/vllm_sampler.json: vLLM 0.32 on
+    SmolLM2 fp32, --logprobs-mode processed_logprobs --generation-config vllm), as the edge
+    reads them."""
+    import json
+    from pathlib import Path
+
+    recorded = json.loads((Path(__file__).parent.parent / "recorded" / "vllm_sampler.json")
+                          .read_text())
+    return [_through_the_edge("completions", call["request"], call["answer"])
+            for call in recorded[group]]
+
+
+VLLM = declared_defaults({"engine": "vllm", "generation_config": "vllm",
+                          "logprobs_mode": "processed_logprobs"})
+
+
+def test_vllms_min_p_cuts_before_top_ps_nucleus(reference):
+    """vLLM applies the temperature, then min_p, then top_k/top_p (its processed logprobs
+    show what it kept): guard's vllm preset keeps as many tokens as vLLM at every position,
+    and its healthy completions agree; taken in the other order (top_p's nucleus first, as
+    llama.cpp and transformers do), the nucleus is wider than vLLM's and the same healthy
+    server reads as drift."""
+    other_order = replace(VLLM, min_p_first=False)
+    assert VLLM.min_p_first and not SERVER_DEFAULTS["llama.cpp"].min_p_first
+    differed = failed = 0
+    for sample in _recorded("top_p_and_min_p"):
+        scores = reference.score(sample)
+        ours, other = (resolve_transform(sample.sampling, d) for d in (VLLM, other_order))
+        for t, token in enumerate(sample.tokens):
+            kept_by_vllm = sum(value > VLLM_MASK for _, value in token.top)
+            assert kept_by_vllm < TOP_RECORDED  # (the whole kept set is in the answer)
+            assert len(transformed_support(scores.logprobs[t], ours)[0]) == kept_by_vllm
+            differed += len(transformed_support(scores.logprobs[t], other)[0]) != kept_by_vllm
+        check = check_generation(sample, scores, VLLM, LIMITS)
+        assert (check.mode, check.passed) == ("logprobs", True), check.reason
+        assert check.mean_kld < LIMITS.max_mean_kld / 10
+        failed += not check_generation(sample, scores, other_order, LIMITS).passed
+    assert differed >= 4 and failed >= 1, (differed, failed)
+
+
+def test_each_engine_reads_its_own_name_for_the_repetition_penalty(reference):
+    """vLLM applied ``repetition_penalty: 3.0`` and ignored ``repeat_penalty: 3.0`` (its
+    processed logprobs: the penalized and the model's own distribution): with the engine
+    declared both calls agree; an engine that takes either name scores the ignored one
+    against a penalized distribution, a healthy server as drift."""
+    ignored, applied = _recorded("penalty_names")
+    assert (ignored.sampling.repeat_penalty, ignored.sampling.repetition_penalty) == (3.0, None)
+    assert (applied.sampling.repeat_penalty, applied.sampling.repetition_penalty) == (None, 3.0)
+    assert resolve_transform(ignored.sampling, VLLM).repetition_penalty == 1.0
+    assert resolve_transform(ignored.sampling, SERVER_DEFAULTS["llama.cpp"]
+                             ).repetition_penalty == 3.0
+    for sample in (ignored, applied):
+        check = check_generation(sample, reference.score(sample), VLLM, LIMITS)
+        assert (check.mode, check.passed) == ("logprobs", True), check.reason
+    either_name = check_generation(ignored, reference.score(ignored), PROCESSED, LIMITS)
+    assert (either_name.mode, either_name.passed) == ("logprobs", False)
 
 
 def test_the_declared_mode_reaches_the_tier():

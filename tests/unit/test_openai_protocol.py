@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import replace
 
 import pytest
 
@@ -121,6 +122,27 @@ def test_sampling_params_are_what_the_request_says_and_none_where_it_is_silent()
     chat = api.sampling_params({"logprobs": True, "top_logprobs": 3, "top_p": 0.9})
     assert (chat.logprobs, chat.top_p, chat.temperature) == (3, 0.9, None)
     assert api.sampling_params({"temperature": "hot", "top_k": 1.5}).temperature is None
+
+
+def test_the_repetition_penalty_is_kept_under_the_name_the_client_used():
+    """vLLM reads repetition_penalty, llama.cpp's servers repeat_penalty, each ignores the
+    other: the sample keeps them apart (capture format_version 4), and a record from before,
+    whose one field held either, reads as both."""
+    vllms = api.sampling_params({"repetition_penalty": 1.2})
+    llamas = api.sampling_params({"repeat_penalty": 1.3})
+    assert (vllms.repetition_penalty, vllms.repeat_penalty) == (1.2, None)
+    assert (llamas.repetition_penalty, llamas.repeat_penalty) == (None, 1.3)
+    sample = generation.GenerationSample(model="m", endpoint="completions",
+                                         completion_text="", tokens=(), prompt="x",
+                                         sampling=llamas)
+    data = generation.to_dict(sample)
+    assert data["format_version"] == 4 == generation.FORMAT_VERSION
+    assert generation.from_dict(json.loads(json.dumps(data))).sampling == llamas
+    plain = generation.to_dict(replace(sample, sampling=api.sampling_params({})))
+    assert plain["format_version"] == 1 and "repeat_penalty" not in plain["sampling"]
+    older = dict(plain, sampling=dict(plain["sampling"], repetition_penalty=1.1))
+    read = generation.from_dict(older).sampling
+    assert (read.repetition_penalty, read.repeat_penalty) == (1.1, 1.1)
 
 
 # -- byte-exact edits ----------------------------------------------------------------------------

@@ -361,7 +361,9 @@ def sampling_params(body: dict[str, Any], endpoint: Call = "chat") -> SamplingPa
     return SamplingParams(
         temperature=_number(body.get("temperature")), top_p=_number(body.get("top_p")),
         top_k=_number(body.get("top_k"), int), min_p=_number(body.get("min_p")),
-        repetition_penalty=_number(body.get("repetition_penalty", body.get("repeat_penalty"))),
+        repetition_penalty=_number(body.get("repetition_penalty")),
+        repeat_penalty=_number(body.get("repeat_penalty")),
+        repeat_last_n=_number(body.get("repeat_last_n"), int),
         presence_penalty=_number(body.get("presence_penalty")),
         frequency_penalty=_number(body.get("frequency_penalty")),
         seed=_number(body.get("seed"), int), max_tokens=_number(max_tokens, int),

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
-from guard.protocol.generation import LOGPROBS_MODES, generation_config_defaults
+from guard.protocol.generation import LOGPROBS_MODES, SAMPLING_FIELDS, generation_config_defaults
 
 
 @dataclass(frozen=True)
@@ -24,6 +24,19 @@ class ServerDefaults:
     completion tokens, within the last ``penalty_last_n`` tokens (-1: all);
     ``penalize_prompt`` false: the repetition penalty too sees only the completion's tokens
     (llama-cpp-python's sampler is handed the sampled tokens alone).
+
+    ``penalty_fields``: the request fields the server reads the repetition penalty from
+    (vLLM ``repetition_penalty``, llama.cpp ``repeat_penalty``; each ignores the other name,
+    so a penalty sent under it was not applied); both, first found, where the engine is
+    not known. ``reads_repeat_last_n``: a request's ``repeat_last_n`` sets the window
+    (llama.cpp's server; where the engine is not known, taken as said).
+    ``penalties_share_window``: llama.cpp's one penalty sampler, where presence and frequency
+    penalties count the same window of tokens as the repetition penalty, the prompt's among
+    them where ``penalize_prompt`` (vLLM counts the completion's alone for those two).
+    ``min_p_first``: min_p cuts before top_p's nucleus is taken (vLLM: temperature,
+    min_p, then top_k/top_p); otherwise after it (llama.cpp, transformers, SGLang). top_k and
+    min_p both keep a prefix of the ranking and the best token, so only min_p and top_p
+    depend on their order: top_p's nucleus over what min_p kept, renormalized, is smaller.
 
     ``logprobs_mode``: what the server's logprobs are (vLLM's ``--logprobs-mode``, whose names
     it takes: guard.protocol.generation.LOGPROBS_MODES). raw_logprobs, vLLM's default and
@@ -44,6 +57,10 @@ class ServerDefaults:
     penalty_last_n: int = -1
     temperature_last: bool = False
     penalize_prompt: bool = True
+    penalty_fields: tuple[str, ...] = ("repetition_penalty", "repeat_penalty")
+    reads_repeat_last_n: bool = True
+    penalties_share_window: bool = False
+    min_p_first: bool = False
     logprobs_mode: str = "raw_logprobs"
 
 # vLLM without a model's generation_config.json (``--generation-config vllm``): temperature 1,
@@ -57,21 +74,28 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
     # evaluated its server hands every prompt token to the sampler: common_sampler_accept in
     # its slot loop, read in its source, not run here); temperature last.
     "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
-                                penalty_last_n=64, temperature_last=True),
+                                penalty_last_n=64, temperature_last=True,
+                                penalty_fields=("repeat_penalty",),
+                                penalties_share_window=True),
     # llama-cpp-python's server (llama_cpp.server): the same chain, but repeat_penalty 1.1
     # unless told (its server's default; its Llama API's is 1.0), over the last 64 sampled
     # tokens only (its sampler never sees the prompt's).
     "llama-cpp-python": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                        repetition_penalty=1.1, penalty_last_n=64,
-                                       temperature_last=True, penalize_prompt=False),
+                                       temperature_last=True, penalize_prompt=False,
+                                       penalty_fields=("repeat_penalty",),
+                                       reads_repeat_last_n=False,
+                                       penalties_share_window=True),
     # vLLM applies the sampling fields of the model's generation_config.json over its neutral
     # defaults (``--generation-config auto``, its default: 0.32 here): which they are is not
     # known until the block declares the file (options.generation_config) or the values
     # (options.server_defaults). Qwen2.5-Instruct's, for one, sample at temperature 0.7,
-    # top_p 0.8, top_k 20 and repetition_penalty 1.05, not at vLLM's temperature 1.
+    # top_p 0.8, top_k 20 and repetition_penalty 1.05, not at vLLM's temperature 1. Its
+    # sampler (vllm/v1/sample/sampler.py, 0.32): penalties, temperature, min_p, top_k/top_p.
     "vllm": ServerDefaults(temperature=None, top_p=None, top_k=None, min_p=None,
                            repetition_penalty=None, presence_penalty=None,
-                           frequency_penalty=None),
+                           frequency_penalty=None, penalty_fields=("repetition_penalty",),
+                           reads_repeat_last_n=False, min_p_first=True),
     "openai": NEUTRAL,
     # Nothing known: only greedy requests and requests that set the temperature compare.
     "unknown": ServerDefaults(),
@@ -91,7 +115,10 @@ def server_defaults(declared: Mapping[str, Any] | None = None, engine: str = "un
         if engine != "vllm":
             raise ValueError(f"generation_config: engine {engine} does not apply a model's "
                              "generation_config.json (vLLM does): declare server_defaults")
-        base = replace(NEUTRAL, **_known_fields(generation_config, "generation_config"))
+        # vLLM's neutral values under the file's, its sampler as it is
+        neutral = {name: getattr(NEUTRAL, name) for name in SAMPLING_FIELDS}
+        base = replace(base, **{**neutral,
+                                **_known_fields(generation_config, "generation_config")})
     return replace(base, **_known_fields(declared or {}, "server_defaults"))
 
 

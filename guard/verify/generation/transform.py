@@ -29,6 +29,8 @@ class Transform:
     penalty_last_n: int
     temperature_last: bool
     penalize_prompt: bool = True
+    penalties_share_window: bool = False
+    min_p_first: bool = False
 
     @property
     def penalized(self) -> bool:
@@ -48,18 +50,32 @@ _PENALTIES = ("repetition_penalty", "presence_penalty", "frequency_penalty")
 assert ("temperature",) + _TRUNCATIONS + _PENALTIES == SAMPLING_FIELDS
 
 
+def asked(sampling: SamplingParams, defaults: ServerDefaults, name: str) -> Any:
+    """The value the request set for the transform field ``name`` as this server reads it
+    (None: not set): the repetition penalty from the first of the engine's names for it
+    (ServerDefaults.penalty_fields) the request set; a penalty under a name the server
+    ignores was not applied."""
+    if name != "repetition_penalty":
+        return getattr(sampling, name)
+    return next((value for value in (getattr(sampling, field)
+                                     for field in defaults.penalty_fields)
+                 if value is not None), None)
+
+
 def unknown_sampling(sampling: SamplingParams, defaults: ServerDefaults) -> str | None:
     """The first sampling field that the request does not set and the server's defaults do
     not know (None: the transform is known). A greedy request needs its temperature and the
     penalties, not the truncations."""
-    temperature = sampling.temperature if sampling.temperature is not None else \
-        defaults.temperature
+    temperature = asked(sampling, defaults, "temperature")
+    if temperature is None:
+        temperature = defaults.temperature
     if temperature is None:
         return "temperature"
     # Greedy decoding reads no truncation, but the penalties move its argmax too.
     needed = _PENALTIES if temperature <= 0.0 else _TRUNCATIONS + _PENALTIES
     return next((name for name in needed
-                 if getattr(sampling, name) is None and getattr(defaults, name) is None), None)
+                 if asked(sampling, defaults, name) is None and getattr(defaults, name) is None),
+                None)
 
 
 def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Transform | None:
@@ -70,7 +86,7 @@ def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Tra
         return None
 
     def pick(name: str):
-        for value in (getattr(sampling, name), getattr(defaults, name),
+        for value in (asked(sampling, defaults, name), getattr(defaults, name),
                       getattr(NEUTRAL, name)):
             if value is not None:
                 return value
@@ -81,30 +97,47 @@ def resolve_transform(sampling: SamplingParams, defaults: ServerDefaults) -> Tra
         repetition_penalty=float(pick("repetition_penalty")),
         presence_penalty=float(pick("presence_penalty")),
         frequency_penalty=float(pick("frequency_penalty")),
-        penalty_last_n=defaults.penalty_last_n, temperature_last=defaults.temperature_last,
-        penalize_prompt=defaults.penalize_prompt)
+        penalty_last_n=_penalty_window(sampling, defaults),
+        temperature_last=defaults.temperature_last, penalize_prompt=defaults.penalize_prompt,
+        penalties_share_window=defaults.penalties_share_window,
+        min_p_first=defaults.min_p_first)
+
+
+def _penalty_window(sampling: SamplingParams, defaults: ServerDefaults) -> int:
+    """The penalties' window: the request's ``repeat_last_n`` where the server reads it (-1
+    and anything negative: all the tokens, as llama.cpp's -1 is the whole context), else the
+    server's."""
+    if defaults.reads_repeat_last_n and sampling.repeat_last_n is not None:
+        return max(sampling.repeat_last_n, -1)
+    return defaults.penalty_last_n
+
+
+def _window(tokens: list[int], last_n: int) -> list[int]:
+    """The last ``last_n`` of ``tokens`` (-1: all, 0: none)."""
+    if last_n < 0:
+        return tokens
+    return tokens[max(0, len(tokens) - last_n):] if last_n else []
 
 
 def _penalize(logits: np.ndarray, transform: Transform, prompt: Sequence[int],
               completion: Sequence[int], t: int) -> np.ndarray:
-    """vLLM's penalties on one position's logits (completion tokens before ``t`` and, for the
-    repetition penalty, the prompt), within the last ``penalty_last_n`` tokens."""
-    history = (list(prompt) if transform.penalize_prompt else []) + list(completion[:t])
-    if transform.penalty_last_n >= 0:
-        history = history[len(history) - transform.penalty_last_n:] if \
-            transform.penalty_last_n else []
+    """The server's penalties on one position's logits, over the last ``penalty_last_n``
+    tokens before ``t``. vLLM's: the repetition penalty over the prompt's and the
+    completion's tokens, presence and frequency over the completion's. llama.cpp's
+    (``penalties_share_window``): all three over one window of the tokens its sampler was
+    handed, the prompt's among them where ``penalize_prompt``."""
+    history = _window((list(prompt) if transform.penalize_prompt else []) + list(completion[:t]),
+                      transform.penalty_last_n)
     out = logits.copy()
     if transform.repetition_penalty != 1.0 and history:
         seen = np.unique(np.asarray(history, dtype=np.int64))
         values = out[seen]
         out[seen] = np.where(values > 0, values / transform.repetition_penalty,
                              values * transform.repetition_penalty)
-    generated = list(completion[:t])
-    if transform.penalty_last_n >= 0:
-        generated = generated[max(0, len(generated) - transform.penalty_last_n):] if \
-            transform.penalty_last_n else []
-    if generated and (transform.presence_penalty or transform.frequency_penalty):
-        ids, counts = np.unique(np.asarray(generated, dtype=np.int64), return_counts=True)
+    counted = history if transform.penalties_share_window else \
+        _window(list(completion[:t]), transform.penalty_last_n)
+    if counted and (transform.presence_penalty or transform.frequency_penalty):
+        ids, counts = np.unique(np.asarray(counted, dtype=np.int64), return_counts=True)
         out[ids] -= transform.presence_penalty + transform.frequency_penalty * counts
     return out
 
@@ -180,12 +213,20 @@ def transformed_support(logprobs: np.ndarray, transform: Transform
     values = logprobs[candidates].astype(np.float64)
     if not transform.temperature_last:
         values = values / transform.temperature
+
+    def min_p(candidates, values):
+        if transform.min_p <= 0.0:
+            return candidates, values
+        kept = values >= values.max() + math.log(transform.min_p)  # p >= min_p * p_max
+        return candidates[kept], values[kept]
+
+    if transform.min_p_first:
+        candidates, values = min_p(candidates, values)
     if transform.top_p < 1.0:
         order = _nucleus(values, transform.top_p)
         candidates, values = candidates[order], values[order]
-    if transform.min_p > 0.0:
-        kept = values >= values.max() + math.log(transform.min_p)  # p >= min_p * p_max
-        candidates, values = candidates[kept], values[kept]
+    if not transform.min_p_first:
+        candidates, values = min_p(candidates, values)
     if transform.temperature_last:
         values = values / transform.temperature
     return candidates, _softmax(values)
