@@ -363,7 +363,8 @@ def test_vllms_defaults_are_unknown_until_its_generation_config_is_declared():
     # An empty file: vLLM's neutral values, its own sampler order and penalty name.
     empty = server_defaults(engine="vllm", generation_config={})
     assert empty == replace(NEUTRAL, min_p_first=True, penalty_fields=("repetition_penalty",),
-                            reads_repeat_last_n=False)
+                            reads_repeat_last_n=False,
+                            distribution_fields=SERVER_DEFAULTS["vllm"].distribution_fields)
     with pytest.raises(ValueError, match="generation_config: engine llama.cpp"):
         server_defaults(engine="llama.cpp", generation_config={})
 
@@ -643,6 +644,41 @@ def test_constrained_decoding_is_not_comparable_without_logprobs_and_compared_wi
     check = check_generation(told, scores, NEUTRAL)
     assert (check.mode, check.passed) == ("logprobs", True)
     assert check.mean_kld < 1e-6
+
+
+def test_a_field_the_servers_engine_ignores_constrains_nothing():
+    """A constraint or sampler field is judged by the engine that got it: vLLM ignores
+    llama.cpp's typical_p and grammar (and samples on past EOS under ignore_eos), llama.cpp
+    ignores vLLM's min_tokens and bad_words; an unknown engine counts them all. Every field
+    an engine is said to act on is one the request parser knows."""
+    from guard.protocol.openai.requests import CONSTRAINT_FIELDS, SAMPLER_FIELDS
+    from guard.verify.generation.defaults import (
+        LLAMA_CPP_PYTHON_ACTS_ON,
+        LLAMA_SERVER_ACTS_ON,
+        VLLM_ACTS_ON,
+    )
+
+    known = set(CONSTRAINT_FIELDS) | set(SAMPLER_FIELDS)
+    assert VLLM_ACTS_ON | LLAMA_SERVER_ACTS_ON | LLAMA_CPP_PYTHON_ACTS_ON <= known
+    rng = np.random.default_rng(9)
+    logprobs = _log_softmax(rng.normal(0.0, 2.0, (24, 300)))
+    tokens = np.array([rng.choice(300, p=np.exp(row)) for row in logprobs])
+    scores = _synthetic_scores(logprobs, tokens)
+    vllm = server_defaults(engine="vllm", generation_config={})
+    llama = SERVER_DEFAULTS["llama.cpp"]
+    neutral_llama = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    for fields, acts in ((dict(other_samplers=("typical_p",)), {"llama": True, "vllm": False}),
+                         (dict(constraints=("grammar",)), {"llama": True, "vllm": False}),
+                         (dict(constraints=("ignore_eos",)), {"llama": True, "vllm": False}),
+                         (dict(constraints=("min_tokens", "bad_words")),
+                          {"llama": False, "vllm": True})):
+        sample = _sample(tokens, replace(neutral_llama, **fields))
+        for name, defaults in (("llama", llama), ("vllm", vllm)):
+            check = check_generation(sample, scores, defaults)
+            assert (check.mode == "not_comparable") == acts[name], (fields, name, check.reason)
+            if not acts[name]:
+                assert check.mode == "sampled" and check.passed
+        assert check_generation(sample, scores, NEUTRAL).mode == "not_comparable"
 
 
 @pytest.mark.parametrize("text, message", [

@@ -322,6 +322,9 @@ CONSTRAINT_FIELDS: dict[str, Callable[[Any], bool]] = {
                                                      "disable_additional_properties",
                                                      "whitespace_pattern")),
     "allowed_token_ids": _given, "bad_words": _given, "min_tokens": _positive,
+    # llama.cpp's server masks the end-of-generation tokens with a logit bias (vLLM samples
+    # on past EOS, masking nothing: ServerDefaults.distribution_fields tells them apart).
+    "ignore_eos": lambda v: v is True,
     # The Responses API's structured output: text.format json_schema or json_object.
     "text": lambda v: isinstance(v, dict) and isinstance(v.get("format"), dict)
     and v["format"].get("type") not in (None, "text"),
@@ -329,13 +332,15 @@ CONSTRAINT_FIELDS: dict[str, Callable[[Any], bool]] = {
 # Samplers guard's transform does not model (guard/verify/generation/ applies temperature,
 # top_k, top_p, min_p and the penalties), each with the test for a value that turns it on:
 # llama.cpp's locally typical sampling, mirostat, tail-free sampling (llama-cpp-python), XTC,
-# DRY, top-n-sigma, dynamic temperature; vLLM's beam search.
+# DRY, top-n-sigma, dynamic temperature, adaptive-p (negative: off), a sampler chain in another
+# order (llama-server's ``samplers``); vLLM's beam search.
 SAMPLER_FIELDS: dict[str, Callable[[Any], bool]] = {
     "typical_p": lambda v: _number(v) is not None and v < 1,
     "mirostat": _positive, "mirostat_mode": _positive,
     "tfs_z": lambda v: _number(v) is not None and v < 1,
     "xtc_probability": _positive, "dry_multiplier": _positive, "top_n_sigma": _positive,
     "dynatemp_range": _positive, "use_beam_search": lambda v: v is True,
+    "adaptive_target": lambda v: _number(v) is not None and v >= 0, "samplers": _given,
 }
 
 

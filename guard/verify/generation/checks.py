@@ -349,7 +349,8 @@ def _fits_processed(sample: GenerationSample, scores: ReferenceScores, defaults:
     where they pass against the reference under that transform with a tenth of the raw KLD: a
     drifted model's raw distribution matching the reference sharpened at the request's own
     temperature would be a coincidence. Needs the reference's full distribution."""
-    if scores.logprobs is None or _outside_transform(sample.sampling, "raw_logprobs"):
+    if scores.logprobs is None or \
+            _outside_transform(sample.sampling, "raw_logprobs", defaults):
         return ""
     transform = resolve_transform(sample.sampling, defaults)
     if transform is None or transform.identity or transform.top_k == 1 or \
@@ -366,22 +367,27 @@ def _fits_processed(sample: GenerationSample, scores: ReferenceScores, defaults:
             "options.logprobs_mode")
 
 
-def _outside_transform(sampling: SamplingParams, logprobs_mode: str) -> tuple[str, str] | None:
+def _outside_transform(sampling: SamplingParams, logprobs_mode: str,
+                       defaults: ServerDefaults) -> tuple[str, str] | None:
     """(cause, reason) where the request asked for decoding the sampled and greedy checks
     cannot rebuild: a constraint (a grammar, a schema, a logit bias ...) or a sampler guard
-    does not model. The logprobs comparison needs no transform where the server's logprobs
-    are raw (the model's own distribution, before any constraint); processed ones carry the
-    constraint's mask, so they are not comparable either."""
+    does not model, among those the server's engine acts on (ServerDefaults.acts_on: a
+    field another engine reads, this one ignores). The logprobs comparison needs no transform
+    where the server's logprobs are raw (the model's own distribution, before any
+    constraint); processed ones carry the constraint's mask, so they are not comparable
+    either."""
+    constraints = tuple(name for name in sampling.constraints if defaults.acts_on(name))
+    samplers = tuple(name for name in sampling.other_samplers if defaults.acts_on(name))
     advice = ("; the per-token comparison still applies where the answer carries logprobs "
               "(options.sample_logprobs)") if logprobs_mode == "raw_logprobs" else \
         f" (the server's logprobs are {logprobs_mode}, not the model's raw distribution)"
-    if sampling.constraints:
-        return "constrained", (f"decoding was constrained ({', '.join(sampling.constraints)}):"
+    if constraints:
+        return "constrained", (f"decoding was constrained ({', '.join(constraints)}):"
                                f" the server chose from a masked or biased distribution"
                                + advice)
-    if sampling.other_samplers:
+    if samplers:
         return "sampler", (f"a sampler guard does not model "
-                           f"({', '.join(sampling.other_samplers)}) chose the tokens" + advice)
+                           f"({', '.join(samplers)}) chose the tokens" + advice)
     return None
 
 
@@ -442,7 +448,7 @@ def check_generation(sample: GenerationSample, scores: ReferenceScores,
         if tell:
             return uncompared("logprobs_mode", tell)
     else:
-        outside = _outside_transform(sample.sampling, meaning)
+        outside = _outside_transform(sample.sampling, meaning, defaults)
         if outside is not None:
             return uncompared(*outside)
         transform = resolve_transform(sample.sampling, defaults)

@@ -25,6 +25,14 @@ class ServerDefaults:
     ``penalize_prompt`` false: the repetition penalty too sees only the completion's tokens
     (llama-cpp-python's sampler is handed the sampled tokens alone).
 
+    ``distribution_fields``: the request fields outside the transform (constraints,
+    samplers guard does not model: guard.protocol.openai.requests names them) that change
+    this server's sampling distribution; the others it ignores (another engine's: vLLM 0.32
+    reads no typical_p, mirostat or grammar and has dropped guided_json; llama.cpp reads no
+    min_tokens, bad_words or structured_outputs) or reads without masking (vLLM's
+    ignore_eos samples on past EOS; llama.cpp's masks EOS with a logit bias). None: every
+    such field counts (the engine is not known).
+
     ``penalty_fields``: the request fields the server reads the repetition penalty from
     (vLLM ``repetition_penalty``, llama.cpp ``repeat_penalty``; each ignores the other name,
     so a penalty sent under it was not applied); both, first found, where the engine is
@@ -57,11 +65,33 @@ class ServerDefaults:
     penalty_last_n: int = -1
     temperature_last: bool = False
     penalize_prompt: bool = True
+    distribution_fields: frozenset[str] | None = None
     penalty_fields: tuple[str, ...] = ("repetition_penalty", "repeat_penalty")
     reads_repeat_last_n: bool = True
     penalties_share_window: bool = False
     min_p_first: bool = False
     logprobs_mode: str = "raw_logprobs"
+
+    def acts_on(self, field: str) -> bool:
+        """Whether the request field ``field`` (a constraint or another sampler) changes what
+        this server samples from."""
+        return self.distribution_fields is None or field in self.distribution_fields
+
+
+# The constraint and sampler fields each engine's OpenAI-compatible server acts on, read in its
+# source: vLLM 0.32's request models (vllm/entrypoints/openai/*/protocol.py; it ignores other
+# fields with a warning), llama-server's request schema (tools/server/server-schema.cpp, the
+# llama.cpp vendored by llama-cpp-python 0.3.36), llama-cpp-python 0.3.36's
+# (llama_cpp/server/types.py).
+VLLM_ACTS_ON = frozenset({"use_beam_search", "min_tokens", "structured_outputs",
+                          "allowed_token_ids", "bad_words", "logit_bias", "response_format",
+                          "text"})
+LLAMA_SERVER_ACTS_ON = frozenset({"typical_p", "mirostat", "xtc_probability", "dry_multiplier",
+                                  "top_n_sigma", "dynatemp_range", "samplers",
+                                  "adaptive_target", "grammar", "json_schema",
+                                  "response_format", "logit_bias", "ignore_eos"})
+LLAMA_CPP_PYTHON_ACTS_ON = frozenset({"mirostat_mode", "min_tokens", "grammar", "logit_bias",
+                                      "response_format"})
 
 # vLLM without a model's generation_config.json (``--generation-config vllm``): temperature 1,
 # no truncation, no penalty. OpenAI's API means the same.
@@ -76,7 +106,8 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
     "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                 penalty_last_n=64, temperature_last=True,
                                 penalty_fields=("repeat_penalty",),
-                                penalties_share_window=True),
+                                penalties_share_window=True,
+                                distribution_fields=LLAMA_SERVER_ACTS_ON),
     # llama-cpp-python's server (llama_cpp.server): the same chain, but repeat_penalty 1.1
     # unless told (its server's default; its Llama API's is 1.0), over the last 64 sampled
     # tokens only (its sampler never sees the prompt's).
@@ -85,7 +116,8 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
                                        temperature_last=True, penalize_prompt=False,
                                        penalty_fields=("repeat_penalty",),
                                        reads_repeat_last_n=False,
-                                       penalties_share_window=True),
+                                       penalties_share_window=True,
+                                       distribution_fields=LLAMA_CPP_PYTHON_ACTS_ON),
     # vLLM applies the sampling fields of the model's generation_config.json over its neutral
     # defaults (``--generation-config auto``, its default: 0.32 here): which they are is not
     # known until the block declares the file (options.generation_config) or the values
@@ -95,7 +127,8 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
     "vllm": ServerDefaults(temperature=None, top_p=None, top_k=None, min_p=None,
                            repetition_penalty=None, presence_penalty=None,
                            frequency_penalty=None, penalty_fields=("repetition_penalty",),
-                           reads_repeat_last_n=False, min_p_first=True),
+                           reads_repeat_last_n=False, min_p_first=True,
+                           distribution_fields=VLLM_ACTS_ON),
     "openai": NEUTRAL,
     # Nothing known: only greedy requests and requests that set the temperature compare.
     "unknown": ServerDefaults(),
