@@ -25,7 +25,7 @@ sys.path.insert(0, str(HERE.parent))  # tests/vllm_server.py
 sys.path.insert(0, str(HERE.parent.parent))  # guard
 
 # top_p and min_p together (their order decides what is kept), top_p alone (the same draw
-# without min_p), and the repetition penalty under each of its two names.
+# without min_p), the repetition penalty under each of its two names, and ignore_eos.
 NUCLEUS = {"max_tokens": 6, "logprobs": 40, "return_token_ids": True}
 CALLS = {
     "top_p_and_min_p": [
@@ -42,6 +42,12 @@ CALLS = {
         {"prompt": "one two one two one two one", "max_tokens": 6, "logprobs": 5,
          "temperature": 1.0, name: 3.0, "seed": 3, "return_token_ids": True}
         for name in ("repeat_penalty", "repetition_penalty")],
+    # vLLM's ignore_eos: it samples on past the end of the answer (EOS among the ids), masking
+    # nothing (llama.cpp's masks EOS).
+    "ignore_eos": [
+        {"messages": [{"role": "user", "content": "Yes or no?"}], "max_tokens": 40,
+         "temperature": 0.7, "ignore_eos": True, "seed": 3, "return_token_ids": True,
+         "logprobs": True, "top_logprobs": 5}],
 }
 
 
@@ -66,8 +72,9 @@ def main() -> None:
             recorded[group] = []
             for body in bodies:
                 body = dict(body, model="smol")
+                endpoint = "chat/completions" if "messages" in body else "completions"
                 request = urllib.request.Request(
-                    f"{server.url}/v1/completions", data=json.dumps(body).encode(),
+                    f"{server.url}/v1/{endpoint}", data=json.dumps(body).encode(),
                     headers={"Content-Type": "application/json"})
                 with urllib.request.urlopen(request, timeout=300) as answer:
                     recorded[group].append({"request": body, "answer": json.loads(answer.read())})

@@ -290,7 +290,8 @@ def _recorded(group: str) -> list[GenerationSample]:
 
     recorded = json.loads((Path(__file__).parent.parent / "recorded" / "vllm_sampler.json")
                           .read_text())
-    return [_through_the_edge("completions", call["request"], call["answer"])
+    return [_through_the_edge("chat" if "messages" in call["request"] else "completions",
+                              call["request"], call["answer"])
             for call in recorded[group]]
 
 
@@ -338,6 +339,25 @@ def test_each_engine_reads_its_own_name_for_the_repetition_penalty(reference):
         assert (check.mode, check.passed) == ("logprobs", True), check.reason
     either_name = check_generation(ignored, reference.score(ignored), PROCESSED, LIMITS)
     assert (either_name.mode, either_name.passed) == ("logprobs", False)
+
+
+def test_vllms_ignore_eos_masks_nothing_and_its_answer_past_eos_agrees(reference):
+    """vLLM's ignore_eos samples on past the end of the answer (its EOS among the token ids,
+    the text after it the model's next turn): with the engine declared the call is compared,
+    per token and from the reference alone, and agrees; where the engine is not known
+    (llama.cpp's ignore_eos masks EOS) it is counted not comparable, never scored."""
+    (sample,) = _recorded("ignore_eos")
+    assert sample.sampling.constraints == ("ignore_eos",)
+    assert 2 in [token.token_id for token in sample.tokens]  # <|im_end|>, mid-answer
+    scores = reference.score(sample)
+    told = check_generation(sample, scores, VLLM, LIMITS)
+    assert (told.mode, told.passed) == ("logprobs", True), told.reason
+    bare = replace(sample, tokens=tuple(replace(t, logprob=None, top=()) for t in sample.tokens))
+    alone = check_generation(bare, reference.score(bare), VLLM, LIMITS)
+    assert (alone.mode, alone.passed) == ("sampled", True), alone.reason
+    unknown = check_generation(bare, reference.score(bare),
+                               replace(PROCESSED, temperature=None), LIMITS)
+    assert (unknown.mode, unknown.cause) == ("not_comparable", "constrained")
 
 
 def test_the_declared_mode_reaches_the_tier():
