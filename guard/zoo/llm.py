@@ -194,7 +194,8 @@ def complete(llm, prompt: str, max_tokens: int, sampling: "SamplingParams | None
     from guard.protocol.generation import SamplingParams
 
     sampling = sampling or SamplingParams(temperature=0.0)
-    asked = {name: getattr(sampling, name) for name in ("temperature", "top_p", "top_k", "min_p")
+    asked = {name: getattr(sampling, name) for name in ("temperature", "top_p", "top_k", "min_p",
+                                                        "presence_penalty", "frequency_penalty")
              if getattr(sampling, name) is not None}
     if sampling.repeat_penalty is not None:  # (its name: llama.cpp ignores repetition_penalty)
         asked["repeat_penalty"] = sampling.repeat_penalty

@@ -205,15 +205,38 @@ def test_llama_cpps_repeat_penalty_is_scored_as_its_sampler_applies_it(f16_refer
     defaults = SERVER_DEFAULTS["llama-cpp-python"]
     assert (defaults.repetition_penalty, defaults.penalize_prompt) == (1.1, False)
     sampling = SamplingParams(repeat_penalty=1.3)  # (llama.cpp's name: the one it reads)
-    zs = []
+    _z_about_standard_normal(f16_reference, primaries, sampling, defaults)
+
+
+def test_llama_cpps_presence_and_frequency_penalties_are_scored_as_its_sampler_applies_them(
+        f16_reference, primaries):
+    """Presence and frequency penalties (OpenAI's, which clients send to any server) with
+    a repeat penalty, drawn by llama.cpp's own penalty sampler (one window of the last 64
+    sampled tokens in llama-cpp-python): scored with its preset, z stays about N(0, 1); the
+    same completions scored as if the two were not asked lean to drift."""
+    sampling = SamplingParams(repeat_penalty=1.1, presence_penalty=1.5, frequency_penalty=1.0)
+    defaults = SERVER_DEFAULTS["llama-cpp-python"]
+    samples = _z_about_standard_normal(f16_reference, primaries, sampling, defaults)
+    unasked = np.array([check_generation(
+        replace(sample, sampling=replace(sample.sampling, presence_penalty=None,
+                                         frequency_penalty=None)),
+        f16_reference.score(sample), defaults).statistic for sample in samples])
+    assert unasked.mean() > 1.0, unasked
+
+
+def _z_about_standard_normal(f16_reference, primaries, sampling, defaults) -> list:
+    """12 completions of 32 tokens sampled so by the F16 primary: their z about N(0, 1)."""
+    zs, samples = [], []
     for seed in range(12):
         sample = smol.complete(primaries["F16"], smol.PROMPTS[seed % len(smol.PROMPTS)], 32,
                                sampling, seed=100 + seed, token_ids=True)
         check = check_generation(sample, f16_reference.score(sample), defaults)
         assert check.mode == "sampled"
         zs.append(check.statistic)
+        samples.append(sample)
     zs = np.array(zs)
     assert abs(zs.mean()) < 1.0 and np.all(np.abs(zs) <= GenerationThresholds().max_abs_z), zs
+    return samples
 
 
 def test_a_sampled_completion_on_an_unknown_server_is_not_comparable(f16_reference, primaries):
