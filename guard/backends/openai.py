@@ -114,8 +114,9 @@ class OpenAIOptions(_Strict):
         "llama-cpp-python, its server: the same and repeat_penalty 1.1 over the sampled "
         "tokens; openai: "
         "temperature 1; vllm: those of generation_config, below). server_defaults is laid "
-        "over the preset. unknown: no preset, only greedy requests and requests that set the "
-        "temperature are compared.")
+        "over the preset. unknown: no preset; the sampling defaults are not known, so only "
+        "greedy requests, requests that set the temperature and every truncation, and "
+        "requests compared on their logprobs (sample_logprobs) are compared.")
     generation_config: str | None = Field(
         None, description="engine vllm: where vLLM takes its sampling defaults from, as its "
         "--generation-config names it: the model's generation_config.json (the file, or the "

@@ -130,8 +130,14 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
                            reads_repeat_last_n=False, min_p_first=True,
                            distribution_fields=VLLM_ACTS_ON),
     "openai": NEUTRAL,
-    # Nothing known: only greedy requests and requests that set the temperature compare.
-    "unknown": ServerDefaults(),
+    # Nothing known of the sampler: only greedy requests, and sampled requests that set the
+    # temperature and every truncation, compare. Assuming "no truncation" where the server
+    # has its own (llama.cpp's top_k 40, top_p 0.95, min_p 0.05; an instruct model's
+    # generation_config.json under vLLM or SGLang) scores a healthy server's completions as
+    # sharper than they should be: a llama.cpp primary at temperature 0.8, 12 completions of
+    # 64 tokens, z -1.0 to -2.4 each, -5.9 pooled (benchmarks/llm_unknown_engine.py). The
+    # penalties are taken as off (a greedy request is compared on that assumption).
+    "unknown": ServerDefaults(top_p=None, top_k=None, min_p=None),
 }
 
 
