@@ -113,10 +113,13 @@ class OpenAIOptions(_Strict):
         "(llama.cpp, llama-server: temperature 0.8, top_k 40, top_p 0.95, min_p 0.05; "
         "llama-cpp-python, its server: the same and repeat_penalty 1.1 over the sampled "
         "tokens; openai: "
-        "temperature 1; vllm: those of generation_config, below). server_defaults is laid "
-        "over the preset. unknown: no preset; the sampling defaults are not known, so only "
-        "greedy requests, requests that set the temperature and every truncation, and "
-        "requests compared on their logprobs (sample_logprobs) are compared.")
+        "temperature 1; vllm: those of generation_config, below). llama.cpp: the verifier "
+        "asks the server at load what it samples with (GET /props: its defaults after the "
+        "GGUF's general.sampling metadata and its flags) and takes that over the preset. "
+        "server_defaults is laid over the preset. unknown: no preset; the sampling "
+        "defaults are not known, so only greedy requests, requests that set the "
+        "temperature and every truncation, and requests compared on their logprobs "
+        "(sample_logprobs) are compared.")
     generation_config: str | None = Field(
         None, description="engine vllm: where vLLM takes its sampling defaults from, as its "
         "--generation-config names it: the model's generation_config.json (the file, or the "
@@ -240,6 +243,30 @@ def wait_ready(base: str, model: str, authorization_header: str | None,
         if time.monotonic() >= deadline:
             raise BackendError(f"openai {model}@{base} not ready after {timeout_s:g}s ({last})")
         time.sleep(0.2)
+
+
+def llama_server_settings(base: str, authorization_header: str | None,
+                          timeout_s: float = 5.0) -> tuple[dict[str, Any] | None, str]:
+    """The sampling settings a llama.cpp server (llama-server) applies where a request does not
+    say: ``GET {base}/props``'s ``default_generation_settings.params`` (its built-in defaults,
+    the GGUF's ``general.sampling.*`` metadata, then its launch flags, as it resolved them).
+    (None, why) where the server does not answer them (another engine, an older llama-server,
+    a proxy that does not pass /props)."""
+    request = urllib.request.Request(base + "/props")
+    if authorization_header:
+        request.add_header("Authorization", authorization_header)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+            data = json.loads(answer.read() or b"{}")
+    except urllib.error.HTTPError as exc:
+        return None, f"GET /props: HTTP {exc.code}"
+    except (OSError, ValueError) as exc:
+        return None, f"GET /props: {type(exc).__name__}: {exc}"
+    settings = data.get("default_generation_settings") if isinstance(data, dict) else None
+    params = settings.get("params") if isinstance(settings, dict) else None
+    if not isinstance(params, dict):
+        return None, "GET /props: no default_generation_settings.params in the answer"
+    return params, ""
 
 
 class OpenAIBackend(Forwarding, Backend):

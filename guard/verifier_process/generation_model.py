@@ -300,7 +300,8 @@ class VerifiedGenerationModel(VerifiedModel):
             self.comparator = Comparator.for_model(config)
             tier = cast("GenerationTier", self.comparator.tier(TIER))  # (the registry's)
             self._limits = tier.limits
-            self._say_what_is_unknown()
+            self._ask_the_server_its_defaults(tier)
+            self._say_what_is_unknown(tier)
             comparator = self.comparator
             self.activation_tier = cast("ActivationTier | None", comparator.tier("activation"))
             if self.activation_tier is not None:
@@ -339,14 +340,52 @@ class VerifiedGenerationModel(VerifiedModel):
              mirror_rate=config.mirror.sample_rate if self.mirror else 0.0,
              action=config.policy.action, resumed=resume_word is not None)
 
-    def _say_what_is_unknown(self) -> None:
+    def _ask_the_server_its_defaults(self, tier: "GenerationTier") -> None:
+        """A llama.cpp primary (``options.engine: llama.cpp``) says what it samples with where
+        a request does not (llama-server's GET /props: its defaults after the GGUF's
+        ``general.sampling.*`` metadata and its launch flags), which the engine's preset
+        cannot know: the tier takes it, under the block's own server_defaults. Asked once,
+        at load (a reload asks again); a server that does not answer leaves the preset, and
+        says why."""
+        options = self.config.primary.options
+        if options.get("engine") != "llama.cpp":
+            return
+        from guard.backends.openai import (
+            OpenAIOptions,
+            authorization,
+            base_url,
+            llama_server_settings,
+        )
+        from guard.verify.generation import declared_defaults
+
+        base = base_url(self.config.primary.target or "")
+        try:
+            auth = authorization(OpenAIOptions.model_validate(options))
+        except BackendError as exc:
+            params, why = None, str(exc)
+        else:
+            params, why = llama_server_settings(base, auth)
+        if params is None:
+            emit("llama_server_defaults_unavailable", model=self.name, target=base,
+                 reason=why, note="the llama.cpp preset's built-in defaults apply")
+            return
+        tier.defaults = declared_defaults(options, reported=params)
+        defaults = tier.defaults
+        emit("llama_server_defaults", model=self.name, target=base,
+             temperature=defaults.temperature, top_k=defaults.top_k, top_p=defaults.top_p,
+             min_p=defaults.min_p, repeat_penalty=defaults.repetition_penalty,
+             repeat_last_n=defaults.penalty_last_n,
+             temperature_last=defaults.temperature_last,
+             not_modelled=list(defaults.default_samplers))
+
+    def _say_what_is_unknown(self, tier: "GenerationTier") -> None:
         """Once at load: a server whose sampling defaults are not known leaves its sampled
         calls without logprobs uncompared (counted by reason), which an operator should hear
         before wondering why the tier sees nothing."""
         from guard.verify.generation import UNDECLARED_ADVICE, undeclared_sampling
 
         options = self.config.primary.options
-        unknown = undeclared_sampling(options)
+        unknown = undeclared_sampling(options, tier.defaults)
         if unknown is not None:
             emit("generation_defaults_unknown", model=self.name,
                  engine=options.get("engine", "unknown"), unknown=unknown,

@@ -4,8 +4,10 @@ z-score's null distribution. The real model's side is tests/unit/test_generation
 from __future__ import annotations
 
 import collections
+import json
 import math
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -679,6 +681,54 @@ def test_a_field_the_servers_engine_ignores_constrains_nothing():
             if not acts[name]:
                 assert check.mode == "sampled" and check.passed
         assert check_generation(sample, scores, NEUTRAL).mode == "not_comparable"
+
+
+def _props_params(**changes) -> dict:
+    """llama-server's GET /props default_generation_settings.params (the sampling part), as it
+    answers them with its built-in defaults (tests/recorded/llama_server_props.json), with
+    ``changes`` laid over."""
+    recorded = json.loads((Path(__file__).parent.parent / "recorded" /
+                           "llama_server_props.json").read_text())
+    return {**recorded["props"]["default_generation_settings"]["params"], **changes}
+
+
+def test_what_llama_server_reports_it_samples_with_is_what_the_tier_scores_with():
+    """llama-server's own report (its defaults after the GGUF's general.sampling.* metadata and
+    its flags) over the llama.cpp preset: its built-in defaults are the preset; a model's
+    sampling defaults (here Qwen3's: temperature 0.6, top_k 20, min_p 0) and its chain's
+    order replace the preset's; samplers guard does not model, on by default, make sampled
+    calls not comparable; the block's server_defaults still win."""
+    from guard.verify.generation.defaults import declared_defaults, llama_server_defaults
+
+    preset = SERVER_DEFAULTS["llama.cpp"]
+    assert llama_server_defaults(_props_params(), preset) == preset
+    qwen = llama_server_defaults(_props_params(temperature=0.6, top_k=20, min_p=0.0), preset)
+    assert (qwen.temperature, qwen.top_k, qwen.top_p, qwen.min_p) == (0.6, 20, 0.95, 0.0)
+    assert declared_defaults({"engine": "llama.cpp", "server_defaults": {"top_k": 40}},
+                             reported=_props_params(top_k=20)).top_k == 40
+    chain = ["penalties", "temperature", "top_k", "min_p", "top_p"]
+    reordered = llama_server_defaults(_props_params(samplers=chain), preset)
+    assert (reordered.temperature_last, reordered.min_p_first) == (False, True)
+    assert reordered.default_samplers == ()
+    for odd in (["top_k", "temperature"], ["top_k", "penalties", "top_p", "min_p",
+                                           "temperature"]):
+        assert llama_server_defaults(_props_params(samplers=odd), preset
+                                     ).default_samplers == ("samplers",)
+
+    rng = np.random.default_rng(4)
+    logprobs = _log_softmax(rng.normal(0.0, 2.0, (16, 300)))
+    tokens = logprobs.argmax(axis=1)
+    scores = _synthetic_scores(logprobs, tokens)
+    sampled = _sample(tokens, SamplingParams(temperature=0.7, repeat_penalty=1.0))
+    greedy = _sample(tokens, SamplingParams(temperature=0.0, repeat_penalty=1.0))
+    for on, greedy_compared in (({"mirostat": 2}, False), ({"dry_multiplier": 0.8}, False),
+                                ({"top_n_sigma": 1.5}, True)):
+        defaults = llama_server_defaults(_props_params(**on), preset)
+        check = check_generation(sampled, scores, defaults)
+        assert (check.mode, check.cause) == ("not_comparable", "sampler"), on
+        assert next(iter(on)) in check.reason and "/props" in check.reason
+        assert (check_generation(greedy, scores, defaults).mode == "greedy") == greedy_compared
+    assert check_generation(sampled, scores, preset).mode == "sampled"
 
 
 @pytest.mark.parametrize("text, message", [

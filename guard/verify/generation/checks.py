@@ -17,7 +17,12 @@ from guard.protocol.generation import (
     SamplingParams,
     shown_as_logits,
 )
-from guard.verify.generation.defaults import SERVER_DEFAULTS, GenerationThresholds, ServerDefaults
+from guard.verify.generation.defaults import (
+    ARGMAX_KEEPING,
+    SERVER_DEFAULTS,
+    GenerationThresholds,
+    ServerDefaults,
+)
 from guard.verify.generation.verdict import FirstDivergence, GenerationCheck
 from guard.verify.generation.transform import (
     Transform,
@@ -372,7 +377,8 @@ def _outside_transform(sampling: SamplingParams, logprobs_mode: str,
     """(cause, reason) where the request asked for decoding the sampled and greedy checks
     cannot rebuild: a constraint (a grammar, a schema, a logit bias ...) or a sampler guard
     does not model, among those the server's engine acts on (ServerDefaults.acts_on: a
-    field another engine reads, this one ignores). The logprobs comparison needs no transform
+    field another engine reads, this one ignores), or one the server turns on itself
+    (ServerDefaults.default_samplers). The logprobs comparison needs no transform
     where the server's logprobs are raw (the model's own distribution, before any
     constraint); processed ones carry the constraint's mask, so they are not comparable
     either."""
@@ -381,6 +387,11 @@ def _outside_transform(sampling: SamplingParams, logprobs_mode: str,
     advice = ("; the per-token comparison still applies where the answer carries logprobs "
               "(options.sample_logprobs)") if logprobs_mode == "raw_logprobs" else \
         f" (the server's logprobs are {logprobs_mode}, not the model's raw distribution)"
+    if defaults.default_samplers and not (
+            sampling.greedy and ARGMAX_KEEPING.issuperset(defaults.default_samplers)):
+        return "sampler", (f"the server samples with {', '.join(defaults.default_samplers)} "
+                           "where a request does not say (what it reported: llama-server's "
+                           "/props), which guard does not model" + advice)
     if constraints:
         return "constrained", (f"decoding was constrained ({', '.join(constraints)}):"
                                f" the server chose from a masked or biased distribution"

@@ -7,6 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
+import numpy as np
+
 from guard.protocol.generation import LOGPROBS_MODES, SAMPLING_FIELDS, generation_config_defaults
 
 
@@ -41,6 +43,11 @@ class ServerDefaults:
     ``penalties_share_window``: llama.cpp's one penalty sampler, where presence and frequency
     penalties count the same window of tokens as the repetition penalty, the prompt's among
     them where ``penalize_prompt`` (vLLM counts the completion's alone for those two).
+    ``default_samplers``: samplers guard does not model that the server turns on where a
+    request does not say (what llama-server's /props reports: a GGUF's or a launch flag's
+    mirostat, XTC, DRY ...; a chain in an order guard does not model): its sampled calls are
+    not comparable unless their logprobs are.
+
     ``min_p_first``: min_p cuts before top_p's nucleus is taken (vLLM: temperature,
     min_p, then top_k/top_p); otherwise after it (llama.cpp, transformers, SGLang). top_k and
     min_p both keep a prefix of the ranking and the best token, so only min_p and top_p
@@ -70,6 +77,7 @@ class ServerDefaults:
     reads_repeat_last_n: bool = True
     penalties_share_window: bool = False
     min_p_first: bool = False
+    default_samplers: tuple[str, ...] = ()
     logprobs_mode: str = "raw_logprobs"
 
     def acts_on(self, field: str) -> bool:
@@ -161,6 +169,66 @@ def server_defaults(declared: Mapping[str, Any] | None = None, engine: str = "un
     return replace(base, **_known_fields(declared or {}, "server_defaults"))
 
 
+# llama-server's samplers whose relative order guard models (its default chain: penalties, dry,
+# top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature); the others act only when on.
+_LLAMA_MODELLED = ("penalties", "top_k", "top_p", "min_p", "temperature")
+# The settings of its samplers guard does not model, each with the test for "on" (llama.cpp's
+# common/sampling.cpp: mirostat 1 or 2, which replaces the whole chain, penalties included; XTC
+# with a probability; typical_p below 1; DRY with a multiplier; top-n-sigma above 0; a dynamic
+# temperature range). adaptive-p acts only where the chain names it ("adaptive_p").
+_LLAMA_SAMPLERS_ON: dict[str, Any] = {
+    "mirostat": lambda v: v > 0, "xtc_probability": lambda v: v > 0,
+    "typical_p": lambda v: v < 1, "dry_multiplier": lambda v: v > 0,
+    "top_n_sigma": lambda v: v > 0, "dynatemp_range": lambda v: v > 0,
+}
+# Of those, the ones that keep the argmax where the temperature is 0 (a greedy call is then
+# still compared): top-n-sigma keeps the best token, a dynamic temperature is a temperature.
+ARGMAX_KEEPING = frozenset({"top_n_sigma", "dynatemp_range"})
+
+
+def llama_server_defaults(params: Mapping[str, Any], base: ServerDefaults) -> ServerDefaults:
+    """``base`` (the llama.cpp preset) with what a llama-server reports it applies where a
+    request does not say (``GET /props``'s ``default_generation_settings.params``: its
+    defaults after the GGUF's ``general.sampling.*`` metadata and its launch flags): the
+    values, the penalty window, the sampler chain's order, and the samplers guard does not
+    model that are on. A setting missing from the answer keeps the preset's."""
+    def number(key: str) -> float | None:
+        # llama-server holds its settings as float32 and writes them as doubles (0.8 comes
+        # as 0.800000011920929): the shortest decimal that is the same float32 is what it meant.
+        value = params.get(key)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            return None
+        return float(value) if isinstance(value, int) else float(str(np.float32(value)))
+
+    told: dict[str, Any] = {}
+    for field, key in (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
+                       ("repetition_penalty", "repeat_penalty"),
+                       ("presence_penalty", "presence_penalty"),
+                       ("frequency_penalty", "frequency_penalty")):
+        if number(key) is not None:
+            told[field] = number(key)
+    if number("top_k") is not None:
+        told["top_k"] = max(int(number("top_k") or 0), 0)  # (0 or less: off)
+    if number("repeat_last_n") is not None:
+        told["penalty_last_n"] = max(int(number("repeat_last_n") or 0), -1)
+    on = tuple(name for name, test in _LLAMA_SAMPLERS_ON.items()
+               if number(name) is not None and test(number(name)))
+    chain = params.get("samplers")
+    if isinstance(chain, list):
+        if "adaptive_p" in chain:
+            on += ("adaptive_p",)
+        order = [name for name in chain if name in _LLAMA_MODELLED]
+        kept = [name for name in order if name != "penalties"]
+        if len(order) != len(_LLAMA_MODELLED) or set(order) != set(_LLAMA_MODELLED) or \
+                order[0] != "penalties" or "infill" in chain or \
+                kept[0] != "temperature" and kept[-1] != "temperature":
+            on += ("samplers",)  # a chain guard does not rebuild
+        else:
+            told["temperature_last"] = kept[-1] == "temperature"
+            told["min_p_first"] = kept.index("min_p") < kept.index("top_p")
+    return replace(base, **told, default_samplers=base.default_samplers + on)
+
+
 def _known_fields(values: Mapping[str, Any], key: str) -> dict[str, Any]:
     told = {k: v for k, v in values.items() if v is not None}
     unknown = sorted(set(told) - set(ServerDefaults.__dataclass_fields__))
@@ -199,18 +267,26 @@ class GenerationThresholds:
 
 
 
-def declared_defaults(primary_options: Mapping[str, Any] | None) -> ServerDefaults:
+def declared_defaults(primary_options: Mapping[str, Any] | None,
+                      reported: Mapping[str, Any] | None = None) -> ServerDefaults:
     """The sampling defaults the primary's server applies: its block's ``options.engine``
     preset (sampler order, penalty window), the sampling fields of the generation_config.json
-    that ``options.generation_config`` names (vLLM), and ``options.server_defaults`` over
-    them; ``options.logprobs_mode`` says what its logprobs are."""
+    that ``options.generation_config`` names (vLLM), what the server ``reported`` it applies
+    (llama-server's /props: :func:`llama_server_defaults`), and ``options.server_defaults``
+    over them; ``options.logprobs_mode`` says what its logprobs are."""
     options = dict(primary_options or {})
     source = options.get("generation_config")
     from_file = None
     if source is not None:
         from_file = generation_config_defaults(str(source))
-    defaults = server_defaults(options.get("server_defaults"),
-                               options.get("engine") or "unknown", from_file)
+    engine = options.get("engine") or "unknown"
+    if reported is None:
+        defaults = server_defaults(options.get("server_defaults"), engine, from_file)
+    else:
+        defaults = replace(llama_server_defaults(reported, server_defaults(None, engine,
+                                                                           from_file)),
+                           **_known_fields(options.get("server_defaults") or {},
+                                           "server_defaults"))
     mode = options.get("logprobs_mode") or "raw_logprobs"
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode: {mode!r} is not one of {', '.join(LOGPROBS_MODES)}")

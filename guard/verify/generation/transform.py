@@ -249,14 +249,17 @@ UNDECLARED_ADVICE = (
     "options.sample_logprobs")
 
 
-def undeclared_sampling(primary_options: Mapping[str, Any] | None) -> str | None:
+def undeclared_sampling(primary_options: Mapping[str, Any] | None,
+                        defaults: ServerDefaults | None = None) -> str | None:
     """The first sampling field a call that says nothing leaves unknown on this primary, where
     that matters: its sampled calls carry no logprobs (``options.sample_logprobs`` unset: no
     transform enters a comparison of raw logprobs), or its logprobs are processed or logits
     (``options.logprobs_mode``: the transform enters). None: every such call is comparable.
-    What the verifier says at start-up and `guard config validate` notes (UNDECLARED_ADVICE)."""
+    What the verifier says at start-up and `guard config validate` notes (UNDECLARED_ADVICE).
+    ``defaults``: the tier's, where the server told more than the block declares."""
     options = dict(primary_options or {})
     if options.get("sample_logprobs") and \
             options.get("logprobs_mode", "raw_logprobs") == "raw_logprobs":
         return None
-    return unknown_sampling(SamplingParams(), declared_defaults(options))
+    return unknown_sampling(SamplingParams(),
+                            defaults if defaults is not None else declared_defaults(options))
