@@ -42,6 +42,39 @@ def _post(url: str, body: dict) -> dict:
         return json.loads(answer.read())
 
 
+def start_llama_server(binary: str, gguf: Path, flags: tuple[str, ...] = ()):
+    """llama-server on ``gguf`` (one thread, a 512-token context) with ``flags``, once it
+    answers /props: (the process, its base URL, its /props params)."""
+    from guard.backends.openai import llama_server_settings
+
+    port = bench.free_port()
+    base = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp()) / "llama-server.log"
+    with log.open("w") as out:
+        server = subprocess.Popen([binary, "-m", str(gguf), "--host", "127.0.0.1", "--port",
+                                   str(port), "-c", "512", "-t", "1", *flags],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 120
+    while (params := llama_server_settings(base, None, 2.0)[0]) is None:
+        if server.poll() is not None or time.monotonic() > deadline:
+            server.terminate()
+            raise SystemExit(log.read_text()[-3000:])
+        time.sleep(0.3)
+    return server, base, params
+
+
+def completion_sample(base: str, body: dict):
+    """``body`` asked of the server at /v1/completions, as guard's edge reads call and
+    answer: a GenerationSample."""
+    from guard.protocol import openai as api
+
+    answer = _post(base + "/v1/completions", body)
+    call = api.parse_request("completions", json.dumps(body).encode())
+    completion = api.Completion()
+    api.gather(completion, "completions", answer, streamed=False)
+    return api.build_sample(call, completion, route="primary")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("llama_server")
@@ -51,9 +84,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from guard.backends import create_backend
-    from guard.backends.openai import llama_server_settings
     from guard.config.backend import BackendConfig
-    from guard.protocol import openai as api
     from guard.verify.generation import (
         SERVER_DEFAULTS,
         GenerationThresholds,
@@ -63,33 +94,18 @@ def main() -> None:
     from guard.zoo import llm as smol
 
     f16 = smol.quant_ladder(("F16",))["F16"]
-    port = bench.free_port()
-    base = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp()) / "llama-server.log"
-    with log.open("w") as out:
-        server = subprocess.Popen([args.llama_server, "-m", str(f16), "--host", "127.0.0.1",
-                                   "--port", str(port), "-c", "512", "-t", "1", *FLAGS],
-                                  stdout=out, stderr=subprocess.STDOUT)
+    server, base, params = start_llama_server(args.llama_server, f16, FLAGS)
     reference = create_backend(BackendConfig(backend="llama_cpp", path=str(f16),
                                              options={"context_length": 512}), "reference", 1)
     reference.load()
     found: dict[str, list[float]] = {"preset (built-in defaults)": [], "GET /props": []}
     try:
-        deadline = time.monotonic() + 120
-        while (params := llama_server_settings(base, None, 2.0)[0]) is None:
-            if server.poll() is not None or time.monotonic() > deadline:
-                raise SystemExit(log.read_text()[-3000:])
-            time.sleep(0.3)
         ways = {"preset (built-in defaults)": SERVER_DEFAULTS["llama.cpp"],
                 "GET /props": declared_defaults({"engine": "llama.cpp"}, reported=params)}
         for seed in range(args.completions):
-            body = {"model": "smol", "prompt": smol.PROMPTS[seed % len(smol.PROMPTS)],
-                    "max_tokens": args.tokens, "seed": 300 + seed, "return_tokens": True}
-            answer = _post(base + "/v1/completions", body)
-            call = api.parse_request("completions", json.dumps(body).encode())
-            completion = api.Completion()
-            api.gather(completion, "completions", answer, streamed=False)
-            sample = api.build_sample(call, completion, route="primary")
+            sample = completion_sample(base, {
+                "model": "smol", "prompt": smol.PROMPTS[seed % len(smol.PROMPTS)],
+                "max_tokens": args.tokens, "seed": 300 + seed, "return_tokens": True})
             scores = reference.score(sample)
             for name, defaults in ways.items():
                 found[name].append(float(check_generation(sample, scores, defaults).statistic))

@@ -108,9 +108,10 @@ NEUTRAL = ServerDefaults(temperature=1.0)
 # Starting points for the backend block; the server's launch flags can change them.
 SERVER_DEFAULTS: dict[str, ServerDefaults] = {
     # llama.cpp's server (llama-server): top_k 40, top_p 0.95, min_p 0.05, temperature 0.8,
-    # repeat_penalty 1.0 over the last 64 tokens, the prompt's among them (once the prompt is
-    # evaluated its server hands every prompt token to the sampler: common_sampler_accept in
-    # its slot loop, read in its source, not run here); temperature last.
+    # repeat_penalty 1.0 over the last 64 tokens, the prompt's among them (its server hands
+    # every prompt token to the sampler, init_sampler in server-context.cpp; measured on it:
+    # benchmarks/llm_llama_server_penalties.py); temperature last. A server says its own at
+    # GET /props, which the verifier reads (llama_server_defaults).
     "llama.cpp": ServerDefaults(temperature=0.8, top_p=0.95, top_k=40, min_p=0.05,
                                 penalty_last_n=64, temperature_last=True,
                                 penalty_fields=("repeat_penalty",),
