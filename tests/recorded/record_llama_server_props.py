@@ -1,8 +1,10 @@
 """Record what llama.cpp's own server (llama-server) answers at GET /props, which guard reads
 for an ``engine: llama.cpp`` primary's sampling defaults (tests/unit/test_generation_math.py
-and tests/unit/test_llama_server_props.py read them): started on SmolLM2's F16 GGUF with its
+and tests/unit/test_llama_server.py read them): started on SmolLM2's F16 GGUF with its
 built-in defaults, with sampling flags (as a model card's recommended settings are passed:
-``--temp 0.6 --top-k 20 --min-p 0``) and with another sampler chain (``--samplers``).
+``--temp 0.6 --top-k 20 --min-p 0``) and with another sampler chain (``--samplers``); and its
+answers to calls with logprobs that end at the end-of-generation token (its last logprobs
+entry has an empty text and an id), plain and streamed.
 
 llama-server is not part of guard's install (llama-cpp-python builds the library, not the
 server): build it from the llama.cpp that llama-cpp-python vendors, e.g.
@@ -29,6 +31,15 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent.parent))  # guard
 
+# Calls with the logprobs guard adds to sampled calls, short enough to end on their own.
+CALLS = (
+    ("completions", {"prompt": "The capital of France is", "max_tokens": 40, "seed": 3,
+                     "logprobs": 5, "temperature": 0.6}),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "seed": 4,
+              "logprobs": True, "top_logprobs": 5, "temperature": 0}),
+    ("chat", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "seed": 4,
+              "logprobs": True, "top_logprobs": 5, "temperature": 0, "stream": True}),
+)
 STARTS = {
     "props": (),
     "props_with_flags": ("--temp", "0.6", "--top-k", "20", "--min-p", "0"),
@@ -42,7 +53,27 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _props(binary: str, gguf: Path, flags: tuple[str, ...]) -> dict:
+def _answers(base: str) -> list[dict]:
+    """CALLS asked of the server: each request and its answer (a streamed one's events)."""
+    recorded = []
+    for endpoint, body in CALLS:
+        body = dict(body, model="smol")
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=300) as answer:
+            text = answer.read().decode()
+        if body.get("stream"):
+            events = [json.loads(line[6:]) for line in text.splitlines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+            recorded.append({"endpoint": endpoint, "request": body, "events": events})
+        else:
+            recorded.append({"endpoint": endpoint, "request": body, "answer": json.loads(text)})
+    return recorded
+
+
+def _props(binary: str, gguf: Path, flags: tuple[str, ...],
+           calls: list | None = None) -> dict:
     port = _free_port()
     log = Path(tempfile.mkdtemp()) / "llama-server.log"
     with log.open("w") as out:
@@ -57,6 +88,8 @@ def _props(binary: str, gguf: Path, flags: tuple[str, ...]) -> dict:
                                             timeout=2) as answer:
                     props = json.loads(answer.read())
                 props["model_path"] = Path(props.get("model_path", "")).name  # (this machine's)
+                if calls is not None:
+                    calls.extend(_answers(f"http://127.0.0.1:{port}"))
                 return props
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
@@ -77,9 +110,15 @@ def main() -> None:
     recorded: dict = {"llama_server": version[0] if version else "",
                       "recorded": datetime.date.today().isoformat(),
                       "model": "SmolLM2-135M-Instruct F16 (guard.zoo.llm.quant_ladder)"}
+    answers: list = []
     for name, flags in STARTS.items():
-        recorded[name] = _props(binary, gguf, flags)
+        recorded[name] = _props(binary, gguf, flags, answers if name == "props" else None)
         recorded[name + "_flags"] = list(flags)
+    for call in answers:  # (this machine's path, as the server names its model)
+        for part in [call.get("answer")] + call.get("events", []):
+            if isinstance(part, dict) and "model" in part:
+                part["model"] = Path(part["model"]).name
+    recorded["answers"] = answers
     out = HERE / "llama_server_props.json"
     out.write_text(json.dumps(recorded, indent=1) + "\n")
     print(f"wrote {out} ({recorded['llama_server']})")

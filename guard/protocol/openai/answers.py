@@ -57,11 +57,14 @@ class Completion:
     ended: bool = False  # a Responses API stream's terminal event came (it has no [DONE])
 
 
-def _token_id(text: str) -> int | None:
-    # vLLM's return_tokens_as_token_ids spells a token "token_id:123".
+def _token_id(text: str, item: dict[str, Any] | None = None) -> int | None:
+    """A token's id where the answer says it: vLLM's return_tokens_as_token_ids spells a token
+    "token_id:123"; llama-server gives each logprobs entry an ``id`` (its last token at a
+    natural end is the end-of-generation token, whose text is empty: only its id names it)."""
     if text.startswith("token_id:") and text[9:].isdigit():
         return int(text[9:])
-    return None
+    told = item.get("id") if item is not None else None
+    return told if isinstance(told, int) and not isinstance(told, bool) and told >= 0 else None
 
 
 def _top(items) -> tuple[tuple[str, float], ...]:
@@ -89,7 +92,7 @@ def _logprob_tokens(endpoint: str, logprobs: Any) -> list[TokenLogprob]:
                 lp = item.get("logprob")
                 out.append(TokenLogprob(item["token"], float(lp) if isinstance(
                     lp, (int, float)) else None, _top(item.get("top_logprobs")),
-                    _token_id(item["token"])))
+                    _token_id(item["token"], item)))
         return out
     tokens = logprobs.get("tokens") or ()
     values = logprobs.get("token_logprobs") or ()

@@ -1,8 +1,11 @@
-"""guard reads an ``engine: llama.cpp`` primary's sampling defaults from llama-server's own
-report (GET /props): the answers llama-server gave (tests/recorded/llama_server_props.json,
-recorded from a real llama-server: tests/recorded/record_llama_server_props.py) served over
-HTTP, read by guard's client, turned into the tier's defaults; a server without /props (404,
-not JSON) leaves the preset with the reason."""
+"""llama.cpp's own server (llama-server), from its recorded answers
+(tests/recorded/llama_server_props.json, recorded from a real llama-server:
+tests/recorded/record_llama_server_props.py). guard reads an ``engine: llama.cpp`` primary's
+sampling defaults from its report (GET /props), served over HTTP here, read by guard's client,
+turned into the tier's defaults; a server without /props (404, not JSON) leaves the preset with
+the reason. Its answers with logprobs are read by guard's edge parser: the token ids in its
+logprobs entries name the end-of-generation token it lists last, with an empty text, at a
+natural end, so that such a call is compared instead of counted unaligned."""
 
 from __future__ import annotations
 
@@ -85,3 +88,45 @@ def test_a_server_that_does_not_say_leaves_the_preset_with_the_reason(server, st
     server.status, server.body = status, body
     params, why = llama_server_settings(_base(server), None)
     assert params is None and says in why
+
+
+def _sample(call: dict):
+    """A recorded call and llama-server's answer (or streamed events), as the edge reads them."""
+    from guard.protocol import openai as api
+
+    endpoint = call["endpoint"]
+    parsed = api.parse_request(endpoint, json.dumps(call["request"]).encode())
+    completion = api.Completion()
+    for part in call.get("events") or [call["answer"]]:
+        api.gather(completion, endpoint, part, streamed="events" in call)
+    assert api.unusable(completion, parsed) == ""
+    return api.build_sample(parsed, completion, route="primary")
+
+
+def test_llama_servers_answers_ending_at_eos_are_compared_by_their_ids():
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
+    from guard.backends import create_backend
+    from guard.config.backend import BackendConfig
+    from guard.verify.generation import check_generation
+    from guard.zoo import llm as smol
+
+    reference = create_backend(BackendConfig(
+        backend="llama_cpp", path=str(smol.quant_ladder(("F16",))["F16"]),
+        options={"context_length": 512}), "reference", 1)
+    reference.load()
+    defaults = declared_defaults({"engine": "llama.cpp"},
+                                 reported=RECORDED["props"]["default_generation_settings"]
+                                 ["params"])
+    try:
+        ended = 0
+        for call in RECORDED["answers"]:
+            sample = _sample(call)
+            assert sample.has_logprobs and all(t.token_id is not None for t in sample.tokens)
+            last = sample.tokens[-1]
+            ended += last.text == "" and last.token_id == 2  # <|im_end|>, at a natural end
+            check = check_generation(sample, reference.score(sample), defaults)
+            assert (check.mode, check.passed) == ("logprobs", True), check.reason
+            assert check.mean_kld < 1e-3
+        assert ended == 2  # the plain completion and chat; the stream leaves it out
+    finally:
+        reference.close()
