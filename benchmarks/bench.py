@@ -67,7 +67,8 @@ def summarize(latencies_ns: np.ndarray, elapsed_s: float, errors: int) -> dict:
 def machine_info() -> dict:
     cpu = cpu_model()
     versions = {"python": platform.python_version()}
-    for name in ("onnxruntime", "torch", "grpcio", "numpy", "tritonclient", "protobuf"):
+    for name in ("onnxruntime", "torch", "grpcio", "numpy", "tritonclient", "protobuf",
+                 "llama-cpp-python"):
         try:
             from importlib.metadata import version
 

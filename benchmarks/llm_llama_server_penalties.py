@@ -102,7 +102,7 @@ def main() -> None:
         "of request, each prompt said twice. The statistic: z for sampled calls (about N(0, 1) "
         "under agreement), the share of confident positions off the penalized argmax for "
         "greedy ones (0 under agreement).", "", bench.md_table(head, rows), "",
-        bench.machine_line(report["machine"], ("llama_cpp_python",)), ""])
+        bench.machine_line(report["machine"], ("llama-cpp-python",)), ""])
     bench.write_results(args.out, "llm_llama_server_penalties", report, md,
                         bench.plain_table(head, rows))
 

@@ -130,7 +130,7 @@ def main() -> None:
         f"`{' '.join(FLAGS)}`, {args.completions} calls of {args.tokens} tokens that leave "
         "sampling to the server, scored by the llama_cpp reference on the same file. Under "
         "agreement z is about N(0, 1).", "", bench.md_table(head, rows), "",
-        bench.machine_line(report["machine"], ("llama_cpp_python",)), ""])
+        bench.machine_line(report["machine"], ("llama-cpp-python",)), ""])
     bench.write_results(args.out, "llm_llama_server_props", report, md,
                         bench.plain_table(head, rows))
 

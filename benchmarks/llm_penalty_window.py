@@ -91,7 +91,7 @@ def main() -> None:
                          f"{np.abs(z).max():.2f}", f"{int(np.sum(np.abs(z) > limit))} of {z.size}"])
     head = ["repeat_penalty", "window", "mean z", "sd of z", "largest |z|",
             f"beyond ±max_abs_z ({limit:g})"]
-    machine = bench.machine_line(report["machine"], ("llama_cpp_python",))
+    machine = bench.machine_line(report["machine"], ("llama-cpp-python",))
     md = "\n".join([
         "# The repetition penalty's window on completions longer than half of it", "",
         f"`benchmarks/llm_penalty_window.py`: {args.completions} healthy completions of "

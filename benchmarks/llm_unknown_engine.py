@@ -89,7 +89,7 @@ def main() -> None:
         "llama-cpp-python samples with its own top_k 40, top_p 0.95, min_p 0.05. Under "
         "agreement z is about N(0, 1); the detector accumulates it over completions.", "",
         bench.md_table(head, rows), "",
-        bench.machine_line(report["machine"], ("llama_cpp_python",)), ""])
+        bench.machine_line(report["machine"], ("llama-cpp-python",)), ""])
     bench.write_results(args.out, "llm_unknown_engine", report, md,
                         bench.plain_table(head, rows))
 
