@@ -19,12 +19,11 @@ nothing here.
 from __future__ import annotations
 
 import json
-import os
 import urllib.error
 import urllib.request
 from dataclasses import replace
 
-from guard.backends.openai import REFUSALS
+from guard.backends.openai import REFUSALS, OpenAIOptions, authorization, base_url
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.protocol.generation import GenerationSample
@@ -97,7 +96,7 @@ class PrimaryProbe:
 
     def __init__(self, spec, timeout_s: float, top: int = PROBE_TOP_LOGPROBS):
         options = spec.options or {}
-        self.base = spec.target.rstrip("/").removesuffix("/v1")
+        self.base = base_url(spec.target)
         self.model = spec.model
         self.timeout_s = timeout_s
         self.top = top
@@ -105,14 +104,7 @@ class PrimaryProbe:
         # False once the upstream refused a probe for them and took the call without: the
         # logprobs and token ids the client did not ask are then never asked again.
         self.additions = True
-        self._authorization = None
-        name = options.get("api_key_env")
-        if name:
-            key = os.environ.get(name, "")
-            if not key:
-                raise BackendError(f"environment variable {name} (options.api_key_env) is "
-                                   "not set or empty", key="options.api_key_env")
-            self._authorization = f"Bearer {key}"
+        self._authorization = authorization(OpenAIOptions.model_validate(options))
 
     def __call__(self, sample: GenerationSample) -> GenerationSample:
         """The primary's completion of ``sample``'s call, as a sample of its own (route

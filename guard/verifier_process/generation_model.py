@@ -359,18 +359,16 @@ class VerifiedGenerationModel(VerifiedModel):
         from guard.verify.generation import declared_defaults
 
         base = base_url(self.config.primary.target or "")
-        try:
-            auth = authorization(OpenAIOptions.model_validate(options))
+        try:  # (a key that is not set: said by the edge's own load; here, the reason)
+            params, why = llama_server_settings(
+                base, authorization(OpenAIOptions.model_validate(options)))
         except BackendError as exc:
             params, why = None, str(exc)
-        else:
-            params, why = llama_server_settings(base, auth)
         if params is None:
             emit("llama_server_defaults_unavailable", model=self.name, target=base,
                  reason=why, note="the llama.cpp preset's built-in defaults apply")
             return
-        tier.defaults = declared_defaults(options, reported=params)
-        defaults = tier.defaults
+        tier.defaults = defaults = declared_defaults(options, reported=params)
         emit("llama_server_defaults", model=self.name, target=base,
              temperature=defaults.temperature, top_k=defaults.top_k, top_p=defaults.top_p,
              min_p=defaults.min_p, repeat_penalty=defaults.repetition_penalty,

@@ -151,11 +151,13 @@ SERVER_DEFAULTS: dict[str, ServerDefaults] = {
 
 
 def server_defaults(declared: Mapping[str, Any] | None = None, engine: str = "unknown",
-                    generation_config: Mapping[str, Any] | None = None) -> ServerDefaults:
+                    generation_config: Mapping[str, Any] | None = None,
+                    reported: Mapping[str, Any] | None = None) -> ServerDefaults:
     """The defaults of ``engine`` (a key of SERVER_DEFAULTS: its sampler order and penalty
     window), with ``generation_config`` (the sampling fields vLLM takes from a model's
-    generation_config.json, over its neutral defaults; engine vllm only) and then what the
-    backend block declares (None: not declared) laid over them."""
+    generation_config.json, over its neutral defaults; engine vllm only), what the server
+    ``reported`` it applies (llama-server's /props: :func:`llama_server_defaults`) and then
+    what the backend block declares (None: not declared) laid over them, in that order."""
     if engine not in SERVER_DEFAULTS:
         raise ValueError(f"engine: {engine!r} is not one of {', '.join(SERVER_DEFAULTS)}")
     base = SERVER_DEFAULTS[engine]
@@ -167,12 +169,19 @@ def server_defaults(declared: Mapping[str, Any] | None = None, engine: str = "un
         neutral = {name: getattr(NEUTRAL, name) for name in SAMPLING_FIELDS}
         base = replace(base, **{**neutral,
                                 **_known_fields(generation_config, "generation_config")})
+    if reported is not None:
+        base = llama_server_defaults(reported, base)
     return replace(base, **_known_fields(declared or {}, "server_defaults"))
 
 
 # llama-server's samplers whose relative order guard models (its default chain: penalties, dry,
 # top_n_sigma, top_k, typ_p, top_p, min_p, xtc, temperature); the others act only when on.
 _LLAMA_MODELLED = ("penalties", "top_k", "top_p", "min_p", "temperature")
+# Its settings of guard's transform, by the field each sets (top_k and repeat_last_n apart).
+_LLAMA_SETTINGS = (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
+                   ("repetition_penalty", "repeat_penalty"),
+                   ("presence_penalty", "presence_penalty"),
+                   ("frequency_penalty", "frequency_penalty"))
 # The settings of its samplers guard does not model, each with the test for "on" (llama.cpp's
 # common/sampling.cpp: mirostat 1 or 2, which replaces the whole chain, penalties included; XTC
 # with a probability; typical_p below 1; DRY with a multiplier; top-n-sigma above 0; a dynamic
@@ -193,36 +202,27 @@ def llama_server_defaults(params: Mapping[str, Any], base: ServerDefaults) -> Se
     defaults after the GGUF's ``general.sampling.*`` metadata and its launch flags): the
     values, the penalty window, the sampler chain's order, and the samplers guard does not
     model that are on. A setting missing from the answer keeps the preset's."""
-    def number(key: str) -> float | None:
-        # llama-server holds its settings as float32 and writes them as doubles (0.8 comes
-        # as 0.800000011920929): the shortest decimal that is the same float32 is what it meant.
-        value = params.get(key)
-        if not isinstance(value, (int, float)) or isinstance(value, bool):
-            return None
-        return float(value) if isinstance(value, int) else float(str(np.float32(value)))
-
-    told: dict[str, Any] = {}
-    for field, key in (("temperature", "temperature"), ("top_p", "top_p"), ("min_p", "min_p"),
-                       ("repetition_penalty", "repeat_penalty"),
-                       ("presence_penalty", "presence_penalty"),
-                       ("frequency_penalty", "frequency_penalty")):
-        if number(key) is not None:
-            told[field] = number(key)
-    if number("top_k") is not None:
-        told["top_k"] = max(int(number("top_k") or 0), 0)  # (0 or less: off)
-    if number("repeat_last_n") is not None:
-        told["penalty_last_n"] = max(int(number("repeat_last_n") or 0), -1)
+    # llama-server holds its settings as float32 and writes them as doubles (0.8 comes as
+    # 0.800000011920929): the shortest decimal that is the same float32 is what it meant.
+    number = {key: float(value) if isinstance(value, int) else float(str(np.float32(value)))
+              for key, value in params.items()
+              if isinstance(value, (int, float)) and not isinstance(value, bool)}
+    told: dict[str, Any] = {field: number[key] for field, key in _LLAMA_SETTINGS
+                            if key in number}
+    if "top_k" in number:
+        told["top_k"] = max(int(number["top_k"]), 0)  # (0 or less: off)
+    if "repeat_last_n" in number:
+        told["penalty_last_n"] = max(int(number["repeat_last_n"]), -1)
     on = tuple(name for name, test in _LLAMA_SAMPLERS_ON.items()
-               if number(name) is not None and test(number(name)))
+               if name in number and test(number[name]))
     chain = params.get("samplers")
     if isinstance(chain, list):
         if "adaptive_p" in chain:
             on += ("adaptive_p",)
         order = [name for name in chain if name in _LLAMA_MODELLED]
         kept = [name for name in order if name != "penalties"]
-        if len(order) != len(_LLAMA_MODELLED) or set(order) != set(_LLAMA_MODELLED) or \
-                order[0] != "penalties" or "infill" in chain or \
-                kept[0] != "temperature" and kept[-1] != "temperature":
+        if sorted(order) != sorted(_LLAMA_MODELLED) or order[0] != "penalties" or \
+                "infill" in chain or kept[0] != "temperature" and kept[-1] != "temperature":
             on += ("samplers",)  # a chain guard does not rebuild
         else:
             told["temperature_last"] = kept[-1] == "temperature"
@@ -280,14 +280,8 @@ def declared_defaults(primary_options: Mapping[str, Any] | None,
     from_file = None
     if source is not None:
         from_file = generation_config_defaults(str(source))
-    engine = options.get("engine") or "unknown"
-    if reported is None:
-        defaults = server_defaults(options.get("server_defaults"), engine, from_file)
-    else:
-        defaults = replace(llama_server_defaults(reported, server_defaults(None, engine,
-                                                                           from_file)),
-                           **_known_fields(options.get("server_defaults") or {},
-                                           "server_defaults"))
+    defaults = server_defaults(options.get("server_defaults"),
+                               options.get("engine") or "unknown", from_file, reported)
     mode = options.get("logprobs_mode") or "raw_logprobs"
     if mode not in LOGPROBS_MODES:
         raise ValueError(f"logprobs_mode: {mode!r} is not one of {', '.join(LOGPROBS_MODES)}")

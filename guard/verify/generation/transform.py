@@ -66,9 +66,8 @@ def unknown_sampling(sampling: SamplingParams, defaults: ServerDefaults) -> str 
     """The first sampling field that the request does not set and the server's defaults do
     not know (None: the transform is known). A greedy request needs its temperature and the
     penalties, not the truncations."""
-    temperature = asked(sampling, defaults, "temperature")
-    if temperature is None:
-        temperature = defaults.temperature
+    temperature = sampling.temperature if sampling.temperature is not None else \
+        defaults.temperature
     if temperature is None:
         return "temperature"
     # Greedy decoding reads no truncation, but the penalties move its argmax too.
