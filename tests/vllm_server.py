@@ -94,10 +94,14 @@ class VLLMServer:
     its own process group (the API server starts an engine core and a worker)."""
 
     def __init__(self, folder: Path, model_dir: Path, name: str, max_model_len: int = 512,
-                 extra_args: tuple[str, ...] = (), lean: bool = True):
+                 extra_args: tuple[str, ...] = (), lean: bool = True,
+                 aliases: tuple[str, ...] = ()):
         """``extra_args``: more of vLLM's flags (``--kv-cache-dtype fp8_e4m3``). ``lean``:
-        one process and one thread for the model (above); False: as vLLM starts by default."""
+        one process and one thread for the model (above); False: as vLLM starts by default.
+        ``aliases``: more names it serves the model under (``--served-model-name NAME
+        ALIAS...``; vLLM answers every call with the first, ``name``)."""
         self.folder, self.model_dir, self.name = folder, model_dir, name
+        self.aliases = tuple(aliases)
         self.lean = lean
         self.max_model_len = max_model_len
         self.extra_args = tuple(extra_args)
@@ -109,7 +113,7 @@ class VLLMServer:
 
     def start(self, timeout: float = 900.0) -> None:
         command = [str(vllm_home() / "bin" / "python"), "-m", ENTRY,
-                   "--model", str(self.model_dir), "--served-model-name", self.name,
+                   "--model", str(self.model_dir), "--served-model-name", self.name, *self.aliases,
                    "--dtype", "float32", "--max-model-len", str(self.max_model_len),
                    "--enforce-eager", "--host", "127.0.0.1", "--port", str(self.port),
                    *(LEAN_ARGS if self.lean else ()), *self.extra_args]

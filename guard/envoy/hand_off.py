@@ -14,6 +14,7 @@ full ring drops the sample and counts it, as on the request path.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Callable, Mapping, Protocol
 
 from guard.config import ModelConfig
@@ -23,6 +24,7 @@ from guard.ipc import wire
 from guard.ipc.ring import SampleRing
 from guard.observe.metrics import GuardMetrics
 from guard.protocol import raw
+from guard.protocol.openai import served_model
 
 MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 
@@ -75,7 +77,13 @@ class HandOff:
         parsed = parse(call)
         if parsed is None:
             return
-        model = self.models().get(parsed.model)
+        models = self.models()
+        if not parsed.model:  # it named none: Envoy routed it to the one generation model
+            name = served_model("", [n for n, m in models.items() if generative(m.config)])
+            if name is None:  # (Envoy answered it 400 itself: several models)
+                return
+            parsed = dataclasses.replace(parsed, model=name)
+        model = models.get(parsed.model)
         if model is None or not generative(model.config):  # a name the upstream answered
             return
         route, epoch, flags = self._routed(model, call.route)

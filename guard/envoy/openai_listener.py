@@ -181,11 +181,15 @@ def _model_routes(models: list[ModelConfig], chain: Chain, kind: str, paths: dic
     by_body = chain.by_body
     routes = []
     if by_body:
-        for problem, message in (("not_json", "the body is not a JSON object"),
-                                 ("no_model", "'model' is required (a string)")):
+        # (A body naming no model is the one model's where there is one: no filter then.)
+        several = ", ".join(sorted(m.name for m in models))
+        for problem, message, param in (
+                ("not_json", "the body is not a JSON object", None),
+                ("no_model", f"'model' is required: guard serves several models ({several})",
+                 "model")):
             routes.append({"name": f"{kind}body_{problem}",
                            "match": {**paths, "dynamic_metadata": [_metadata("body", problem)]},
-                           **_reply(400, message, None, None)})
+                           **_reply(400, message, None, param)})
     for model in models:
         match: dict[str, Any] = dict(paths)
         if by_body:

@@ -53,6 +53,7 @@ part of guard on the path of time to first token. This module is imported only w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -217,8 +218,12 @@ class OpenAIEdge:
             call = parse(data)
         except api.BadRequest as exc:
             return self._refuse(400, str(exc), UNKNOWN_MODEL)
-        name = model_name(call)
-        model = self._generative().get(name)
+        served = self._generative()
+        name = api.served_model(model_name(call), served)
+        if name is None:
+            return self._refuse(400, "'model' is required: guard serves several models ("
+                                f"{', '.join(sorted(served))})", UNKNOWN_MODEL, param="model")
+        model = served.get(name)
         if model is None:
             return self._refuse(404, f"The model '{name}' does not exist",
                                 UNKNOWN_MODEL, code="model_not_found", param="model")
@@ -238,6 +243,8 @@ class OpenAIEdge:
         if isinstance(admitted, web.Response):
             return admitted
         data, call, model = admitted
+        if call.model != model.name:  # it named none: the model guard serves is its name
+            call = dataclasses.replace(call, model=model.name)
         route, epoch, probing, backend = model.route()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         flags = model.sample_flags(request_id, route, probing) if model.samples else 0
@@ -269,14 +276,14 @@ class OpenAIEdge:
         admitted = await self._admit(request, api.model_of, str)
         if isinstance(admitted, web.Response):
             return admitted
-        data, name, model = admitted
+        data, _, model = admitted
         route, _, _, backend = model.route()
         self.metrics.not_comparable.labels(model.name, "endpoint").inc()
         request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
         self.in_flight += 1
         model.requests_in_flight += 1
         try:
-            return await _PassThrough(self, request, name, model, route,
+            return await _PassThrough(self, request, model, route,
                                       cast(OpenAIBackend, backend), request_id, started,
                                       data).run()
         finally:
@@ -403,13 +410,11 @@ class _Forward(_Upstream):
                                     if self.guard_logprobs else 0, self.guard_token_ids)
             body["model"] = backend.model
             self.payload = json.dumps(body, ensure_ascii=False).encode()
-        elif backend.model != call.model:
-            self.payload = api.replace_values(
-                self.data,
-                {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
+        elif call.body.get("model") != backend.model:  # another name, or none
+            self.payload = api.set_model(self.data, backend.model)
         else:
             self.payload = self.data  # the client's bytes, as they came
-        self.edits = api.answer_edits(call.model, backend.model, self.guard_logprobs,
+        self.edits = api.answer_edits(call.model, self.guard_logprobs,
                                       self.guard_token_ids)
         if self.edits and call.endpoint == "responses":  # also in its events' response
             self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
@@ -604,17 +609,16 @@ class _PassThrough(_Upstream):
     (``guard_requests_total`` for a 2xx answer the client got whole, else
     ``guard_request_errors_total{code}``)."""
 
-    def __init__(self, edge: OpenAIEdge, request: web.Request, client_model: str,
-                 model: ServedModel, route: str, backend: OpenAIBackend, request_id: str,
-                 started: float, data: bytes):
+    def __init__(self, edge: OpenAIEdge, request: web.Request, model: ServedModel,
+                 route: str, backend: OpenAIBackend, request_id: str, started: float,
+                 data: bytes):
         super().__init__(edge, request, model, route, backend, request_id, started)
-        # The upstream's name in the body, the client's in the answer: at its top level, and
-        # in the response object the Responses API's events carry.
-        self.edits = api.answer_edits(client_model, backend.model, False)
-        if self.edits:
-            self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
-        self.payload = data if not self.edits else api.replace_values(
-            data, {api.MODEL_PATH: json.dumps(backend.model, ensure_ascii=False).encode()})
+        # The upstream's name in the body (put in where the client named none), guard's in
+        # the answer: at its top level, and in the response object the Responses API's
+        # events carry.
+        self.edits = api.answer_edits(model.name, False)
+        self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
+        self.payload = api.set_model(data, backend.model)
 
     async def run(self) -> web.StreamResponse:
         upstream = await self._exchange(self.request.raw_path, self.payload)  # as sent

@@ -204,6 +204,7 @@ def test_calls_are_routed_by_the_model_named_in_the_json_body(guard, scripted):
                             headers={"content-type": "application/json"})
             assert bad.status_code == 400 and bad.json()["error"]["type"] == \
                 "invalid_request_error"
+        assert f"several models ({SCRIPTED}, smol)" in bad.json()["error"]["message"]
         assert len(scripted.requests) == 1  # none of those reached an upstream
         listed = http.get("/v1/models").json()
         assert sorted(m["id"] for m in listed["data"]) == sorted(["smol", SCRIPTED])

@@ -341,6 +341,47 @@ def test_a_sampled_stream_hands_over_its_tokens_and_timing(own_ring):
     assert 0 < sample.first_token_seconds <= sample.request_seconds
 
 
+def test_a_call_naming_no_model_is_the_one_models_and_named_so(own_ring, llama_server):  # noqa: F811
+    """vLLM and llama.cpp's servers answer a body without ``model`` (their one model), so a
+    client written against one may send none: guard routes it to the one generation model it
+    serves, tells the upstream the block's name (llama-cpp-python's server echoes it: the
+    sample's ``upstream_model``; asked with none it answers its file's path) and names its own
+    in the answer. With several models such a call is a 400 that lists them."""
+    base = f"http://127.0.0.1:{own_ring.port}"
+    whole = {"messages": MESSAGES, "max_tokens": 4, "temperature": 0}
+    streamed = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    with httpx.Client(timeout=60) as http:
+        ours = http.post(f"{base}/v1/chat/completions", json=whole)
+        theirs = http.post(f"{llama_server.url}/v1/chat/completions", json=whole)
+        events = http.post(f"{base}/v1/completions", json=streamed).text.split("\n\n")
+        named_null = http.post(f"{base}/v1/chat/completions", json=dict(whole, model=None))
+        not_a_name = http.post(f"{base}/v1/chat/completions", json=dict(whole, model=7))
+    assert ours.status_code == 200 and ours.json()["model"] == "smol"
+    assert theirs.json()["model"] != llama_server.model  # (its path: asked with no name)
+    assert ours.json()["choices"][0]["message"] == theirs.json()["choices"][0]["message"]
+    chunks = [json.loads(e[6:]) for e in events if e.startswith("data: {")]
+    assert chunks and {c["model"] for c in chunks} == {"smol"}
+    assert named_null.status_code == 200 and named_null.json()["model"] == "smol"
+    assert not_a_name.status_code == 400
+    assert "'model' must be a string" in not_a_name.json()["error"]["message"]
+    samples = [s.payload.call for s in own_ring.samples(3)]
+    assert [(s.model, s.upstream_model) for s in samples] == [
+        ("smol", llama_server.model)] * 3
+
+    served = own_ring.edge.models
+    own_ring.edge.models = lambda: {**served(), "other": served()["smol"]}
+    try:
+        with httpx.Client(timeout=60) as http:
+            refused = http.post(f"{base}/v1/chat/completions", json=whole)
+            named = http.post(f"{base}/v1/chat/completions", json=dict(whole, model="smol"))
+    finally:
+        own_ring.edge.models = served
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "model"
+    assert "several models (other, smol)" in refused.json()["error"]["message"]
+    assert named.status_code == 200
+    own_ring.samples(1)  # (the named call's sample, taken off the ring)
+
+
 def test_calls_the_client_asked_logprobs_for_keep_them_and_best_of_2_is_not_sampled(
         own_ring):
     with httpx.Client(timeout=60) as http:

@@ -56,6 +56,7 @@ from guard.zoo.llm import PROMPTS, hf_folder, quant_ladder, sample_from_response
 from guard.zoo.llm import smollm2_gguf  # noqa: E402
 
 SERVED = "smol-fp32"
+ALIAS = "smol-alias"  # a second name vLLM serves the model under (it answers with SERVED)
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 # A chat that asks the model to think first, in the form IBM's Granite models answer (two
@@ -124,7 +125,7 @@ def vllm(tmp_path_factory, generation_config):
     # by their text; an answer without them is content, streamed or not, as before).
     # --enable-auto-tool-choice --tool-call-parser hermes: a chat that offers tools and is
     # answered in Hermes' <tool_call> form (TOOL_CHAT) comes back as tool_calls.
-    server = VLLMServer(folder, hf_folder(), SERVED,
+    server = VLLMServer(folder, hf_folder(), SERVED, aliases=(ALIAS,),
                         extra_args=("--trust-request-chat-template",
                                     "--generation-config", str(generation_config),
                                     "--reasoning-parser", "granite",
@@ -810,6 +811,39 @@ def test_vllm_scores_llama_cpp_primaries_in_an_install_without_torch(vllm, prima
     assert len(active) >= 2, blocked.read_text()
 
 
+def test_every_answer_names_the_model_the_client_asked_guard_for(vllm, tmp_path):
+    """vLLM answers every call with the first name it serves, whichever alias the call named
+    (llama.cpp's llama-server its file's path or --alias): through guard the client reads the
+    name it asked for, even where guard's block names the upstream's model as the client
+    does. A call naming no model, with two generation models served, is a 400 naming them."""
+    def block(name: str) -> dict:
+        return {"name": name, "task": "generation",
+                "primary": {"backend": "openai", "target": vllm.url, "model": name,
+                            "options": {"engine": "vllm"}}}
+
+    asked = dict(messages=MESSAGES, max_tokens=4, temperature=0)
+    direct = openai.OpenAI(base_url=f"{vllm.url}/v1", api_key="none", max_retries=0,
+                           timeout=120)
+    assert direct.chat.completions.create(model=ALIAS, **asked).model == SERVED
+    with running(tmp_path, [block(ALIAS), block(SERVED)], http_port=0) as (server, _):
+        base = f"http://127.0.0.1:{server.http_port}"
+        through = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                timeout=120)
+        assert through.chat.completions.create(model=ALIAS, **asked).model == ALIAS
+        chunks = list(through.completions.create(model=ALIAS, prompt=PROMPT, max_tokens=4,
+                                                 temperature=0, stream=True))
+        assert chunks and {c.model for c in chunks} == {ALIAS}
+        assert through.chat.completions.create(model=SERVED, **asked).model == SERVED
+        request = urllib.request.Request(f"{base}/v1/chat/completions",
+                                         json.dumps(asked).encode(),
+                                         {"Content-Type": "application/json"})
+        with pytest.raises(urllib.error.HTTPError) as refused:
+            urllib.request.urlopen(request, timeout=60)
+        assert refused.value.code == 400
+        assert f"several models ({ALIAS}, {SERVED})" in json.loads(
+            refused.value.read())["error"]["message"]
+
+
 # -- the Responses API, and the endpoints guard does not check ----------------------------------
 def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
         vllm, generation_config, tmp_path):
@@ -818,8 +852,9 @@ def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
     call by its client's logprobs, the streamed one by the greedy check under vLLM's declared
     defaults; both pass against the fp32 reference. vLLM's /tokenize (outside /v1) passes
     through unchecked: counted as a request and as not comparable (endpoint), never sampled,
-    even at sample_rate 1. A body that names no model guard serves is refused as on the
-    checked endpoints."""
+    even at sample_rate 1. A body naming a model guard does not serve is a 404; one naming
+    none is guard's one model's (vLLM serves it with its one model), checked or passed
+    through as the endpoint says."""
     model = {"name": "smol", "task": "generation",
              "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
                          "options": {"engine": "vllm",
@@ -863,17 +898,26 @@ def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
                                         {"model": vllm.name, "prompt": PROMPT})[1]["tokens"]
         status, refused = post(f"{base}/v1/responses", {"model": "gpt-4o", "input": PROMPT})
         assert (status, refused["error"]["code"]) == (404, "model_not_found")
-        status, refused = post(f"{base}/tokenize", {"prompt": PROMPT})
-        assert status == 400 and "'model' is required" in refused["error"]["message"]
+        # A body without a model is vLLM's one model's (its first name): guard's one
+        # generation model's, on a pass-through endpoint and on a checked one (compared).
+        status, tokens = post(f"{base}/tokenize", {"prompt": PROMPT})
+        assert status == 200 and tokens["tokens"] == post(
+            f"{vllm.url}/tokenize", {"prompt": PROMPT})[1]["tokens"]
+        unnamed = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+                   "temperature": 0}
+        status, chat = post(f"{base}/v1/chat/completions", unnamed)
+        assert (status, chat["model"]) == (200, "smol")
+        assert chat["choices"][0]["message"] == post(f"{vllm.url}/v1/chat/completions",
+                                                     unnamed)[1]["choices"][0]["message"]
 
         # (a request is counted once its client has the answer: waited for)
         values = wait_for(lambda: (lambda v: v if metric(
-            v, "guard_requests_total", model="smol", route="primary") == 3 else None)(
+            v, "guard_requests_total", model="smol", route="primary") == 5 else None)(
                 scrape(server.metrics_port)), timeout=30)
         assert metric(values, "guard_generation_not_comparable_total", model="smol",
-                      reason="endpoint") == 1
-        wait_for(lambda: compared(server, "smol") >= 2, timeout=300, interval=0.2)
-        assert checks(server, "smol", "pass") == 2 and checks(server, "smol", "fail") == 0
+                      reason="endpoint") == 2
+        wait_for(lambda: compared(server, "smol") >= 3, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 3 and checks(server, "smol", "fail") == 0
 
     from guard.capture.reader import FileStats, expand_paths, read_records
 
@@ -881,4 +925,4 @@ def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
     records = [r for path in expand_paths([tmp_path / "capture"])
                for r in read_records(path, stats)]
     modes = sorted(json.loads(r.verdicts[0].details_json)["mode"] for r in records)
-    assert modes == ["greedy", "logprobs"] and stats.undecodable == 0
+    assert modes == ["greedy", "greedy", "logprobs"] and stats.undecodable == 0

@@ -376,6 +376,23 @@ def test_a_whole_answer_is_sampled_and_what_cannot_be_compared_is_counted():
         "n": 1, "incomplete": 1, "upstream_error": 1}
 
 
+def test_a_traced_call_naming_no_model_is_the_one_generation_models_sample():
+    """A client of a one-model server may leave ``model`` out (vLLM and llama.cpp's servers
+    answer it): Envoy routes it to the one generation model without reading the body, and the
+    hand-off samples it as that model's, as the Python edge does. With several generation
+    models Envoy answers it 400 itself, and nothing is handed on."""
+    unnamed = {k: v for k, v in CHAT.items() if k != "model"}
+    answer = sse([chunk(" Paris"), chunk("", finish="stop")])
+    one = {"smol": Model(slot=2), "cnn": Model(slot=1, config=_Config("classification"))}
+    records, _, _ = handed([trace(unnamed, answer), trace(dict(unnamed, model=None), answer)],
+                           one)
+    assert [(r.model, r.slot, r.payload.call.model) for r in records] == [("smol", 2, "smol")] * 2
+    assert records[0].payload.call.completion_text == " Paris"
+    records, _, outcomes = handed([trace(unnamed, answer)],
+                                  {"smol": Model(slot=0), "big": Model(slot=1)})
+    assert records == [] and outcomes == ["complete"]
+
+
 def test_an_echo_call_traced_through_envoy_is_sampled_as_the_edge_samples_it():
     """lm-eval's loglikelihood call seen through Envoy's tap: vLLM's echo answer makes the
     sample the Python edge makes; llama-cpp-python's (its tokens stop at the prompt, a

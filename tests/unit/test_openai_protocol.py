@@ -23,7 +23,8 @@ UPSTREAM = {"backend": "openai", "target": "http://127.0.0.1:8081", "model": "sm
 # -- requests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("data, why", [
     (b"not json", "not JSON"), (b"\xff\xfe", "not JSON"), (b"[1, 2]", "JSON object"),
-    (b'{"messages": [{"role": "user", "content": "x"}]}', "'model'"),
+    (b'{"model": ["m"], "messages": [{"role": "user", "content": "x"}]}', "'model'"),
+    (b'\xef\xbb\xbf{"model": "m", "messages": [{}]}', "byte order mark"),
     (b'{"model": "m"}', "'messages'"), (b'{"model": "m", "messages": [], "stream": 1}',
                                          "'messages'"),
     (b'{"model": "m", "messages": [{}], "stream": "yes"}', "'stream'"),
@@ -150,13 +151,17 @@ def test_replacing_a_value_keeps_every_other_byte_as_the_server_wrote_it():
     data = (b'{ "id" : "c", "model":"up",\n "choices": [ {"text": "a \\"model\\": \\"x\\"",'
             b' "logprobs": {"tokens": ["a"], "n": [1, {"k": [2]}]}}, {"logprobs" :null} ],'
             b' "usage": {"model": "inner"} }')
-    edited = api.replace_values(data, api.answer_edits("client", "up", strip_logprobs=True))
+    edited = api.replace_values(data, api.answer_edits("client", strip_logprobs=True))
     assert edited == (b'{ "id" : "c", "model":"client",\n "choices": [ {"text": "a \\"model\\": '
                       b'\\"x\\"", "logprobs": null}, {"logprobs" :null} ], "usage": {"model": '
                       b'"inner"} }')
     assert json.loads(edited)["usage"]["model"] == "inner"  # only the top-level key
     assert api.replace_values(data, {}) is data
-    assert api.answer_edits("same", "same", strip_logprobs=False) == {}
+    # The client's name is set whatever the upstream answered; an answer that says it already
+    # is the server's bytes, not a copy.
+    assert api.answer_edits("same", strip_logprobs=False) == {api.MODEL_PATH: b'"same"'}
+    named = b'{"id": "c", "model": "same", "choices": []}'
+    assert api.replace_values(named, api.answer_edits("same", False)) is named
     with pytest.raises(ValueError):  # broken on the way to the model key
         api.replace_values(b'{"choices": [, "model": "up"}', {api.MODEL_PATH: b'"x"'})
     with pytest.raises(ValueError):
@@ -164,6 +169,30 @@ def test_replacing_a_value_keeps_every_other_byte_as_the_server_wrote_it():
     # Past the last edited value the document is not read: what breaks there stays as it is.
     assert api.replace_values(b'{"model": "up", "choices": [', {api.MODEL_PATH: b'"x"'}) == (
         b'{"model": "x", "choices": [')
+
+
+def test_a_request_body_is_given_the_upstreams_name_where_it_names_none():
+    assert api.set_model(b'{"model": "smol", "prompt": "a"}', "smol-q4") == (
+        b'{"model": "smol-q4", "prompt": "a"}')
+    for body in (b'{"prompt": "a"}', b' {\n "prompt": "a"}', b'{"model": null, "prompt": "a"}',
+                 b'{"prompt": "a", "n": 1, "model": ""}', b'{}'):
+        edited = api.set_model(body, "smol-q4")
+        assert json.loads(edited) == dict(json.loads(body), model="smol-q4")
+    assert api.set_model(b'{"prompt": "a"}', "sm\u00f6l") == (
+        '{"model":"sm\u00f6l","prompt": "a"}'.encode())  # UTF-8, as the body is
+    with pytest.raises(ValueError):
+        api.set_model(b'["prompt"]', "smol-q4")
+
+
+def test_only_the_generation_model_serves_a_call_naming_none():
+    assert api.served_model("smol", ["smol", "big"]) == "smol"
+    assert api.served_model("", ["smol"]) == "smol"
+    assert api.served_model("", ["smol", "big"]) is None and api.served_model("", []) is None
+    body = b'{"messages": [{"role": "user", "content": "hi"}]}'
+    assert api.parse_request("chat", body).model == ""
+    assert api.model_of(b'{"model": null, "prompt": "a"}') == ""
+    with pytest.raises(api.BadRequest, match="'model' must be a string"):
+        api.parse_request("chat", b'{"model": 7, "messages": [{"role": "user"}]}')
 
 
 def test_replacement_agrees_with_a_parse_on_random_documents():
@@ -188,11 +217,11 @@ def test_replacement_agrees_with_a_parse_on_random_documents():
         doc = dict(items)
         data = json.dumps(doc, ensure_ascii=rng.random() < 0.5,
                           indent=rng.choice([None, 1])).encode()
-        edited = json.loads(api.replace_values(data, api.answer_edits("cl", "up", True)))
+        edited = json.loads(api.replace_values(data, api.answer_edits("cl", True)))
         expected = dict(doc, model="cl",
                         choices=[dict(c, logprobs=None) for c in doc["choices"]])
         assert edited == expected
-        renamed = api.replace_values(data, api.answer_edits("cl", "up", False))
+        renamed = api.replace_values(data, api.answer_edits("cl", False))
         assert json.loads(renamed) == dict(doc, model="cl")
 
 
@@ -219,7 +248,7 @@ def test_events_are_reassembled_from_chunks_cut_anywhere():
 
 
 def test_an_event_is_edited_only_where_it_is_one_line_of_json():
-    edits = api.answer_edits("client", "up", False)
+    edits = api.answer_edits("client", False)
     assert api.edit_event(b'data: {"model": "up"}\n\n', edits) == b'data: {"model": "client"}\n\n'
     assert api.edit_event(b'data:{"model":"up"}\r\n\r\n', edits) == (
         b'data:{"model":"client"}\r\n\r\n')
@@ -292,7 +321,7 @@ def test_the_token_ids_guard_asks_vllm_for_become_the_sample_and_leave_the_answe
     body = api.sampled_body(call, 0, token_ids=True)
     assert body["return_token_ids"] is True and "logprobs" not in body
     assert api.sampled_body(call, 5, token_ids=False)["top_logprobs"] == 5
-    edits = api.answer_edits("smol", "smol", strip_logprobs=False, strip_token_ids=True)
+    edits = api.answer_edits("smol", strip_logprobs=False, strip_token_ids=True)
     completion = api.Completion()
     for asked, unasked in _VLLM_CHUNKS:
         event = b"data: " + asked + b"\n\n"

@@ -26,6 +26,7 @@ from guard.protocol.openai.requests import (
     chat_messages,
     first_prompt,
     model_of,
+    served_model,
     parse_request,
     responses_messages,
     sampled_body,
@@ -37,6 +38,7 @@ from guard.protocol.openai.json_edits import (
     TOKEN_ID_PATHS,
     answer_edits,
     replace_values,
+    set_model,
     value_spans,
 )
 from guard.protocol.openai.sse import EventSplitter, edit_event, event_data
@@ -87,8 +89,10 @@ __all__ = [
     "gather_answer",
     "gather_event",
     "model_of",
+    "served_model",
     "parse_request",
     "replace_values",
+    "set_model",
     "responses_messages",
     "sampled_body",
     "sampling_params",

@@ -113,7 +113,10 @@ def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> b
     if len(replacements) == 1 and MODEL_PATH in replacements:
         match = _LEADING_MODEL.match(data)
         if match is not None:
-            return data[:match.start(1)] + replacements[MODEL_PATH] + data[match.end(1):]
+            value = replacements[MODEL_PATH]
+            if data[match.start(1):match.end(1)] == value:
+                return data  # the name it already has: the bytes as they came, not a copy
+            return data[:match.start(1)] + value + data[match.end(1):]
     try:
         text = data.decode()
     except UnicodeDecodeError as exc:
@@ -129,12 +132,35 @@ def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> b
     return "".join(out).encode()
 
 
-def answer_edits(client_model: str, upstream_model: str, strip_logprobs: bool,
+def set_model(data: bytes, name: str) -> bytes:
+    """A request body (a JSON object) naming the model ``name``: its ``model`` value replaced,
+    or the key put first where the body has none (a client of a one-model server may send
+    none; guard's upstream is told the name the block says it serves). ValueError for data
+    that is not a JSON object."""
+    value = json.dumps(name, ensure_ascii=False).encode()
+    edited = replace_values(data, {MODEL_PATH: value})
+    if edited is not data or value_spans(edited, [MODEL_PATH]):
+        return edited
+    opening = data.find(b"{")
+    if opening < 0 or data[:opening].strip():
+        raise ValueError("not a JSON object")
+    rest = data[opening + 1:]
+    comma = b"" if rest.lstrip().startswith(b"}") else b","
+    return data[:opening + 1] + b'"model":' + value + comma + rest
+
+
+def answer_edits(client_model: str, strip_logprobs: bool,
                  strip_token_ids: bool = False) -> dict[tuple[str, ...], bytes]:
-    """The edits an answer (or each streamed chunk) of this call needs; {} for none."""
-    edits: dict[tuple[str, ...], bytes] = {}
-    if client_model != upstream_model:
-        edits[MODEL_PATH] = json.dumps(client_model, ensure_ascii=False).encode()
+    """The edits an answer (or each streamed chunk) of this call needs.
+
+    The answer's ``model`` is always set to the client's name (``client_model``: the name the
+    call named, or the model guard routed a call naming none to), not only where the block's
+    upstream name differs: a server may answer another name than it was asked (llama.cpp's
+    llama-server its file's path or ``--alias``, llama-cpp-python's server its path for a call
+    naming none), and the client of guard is told the name guard serves. Where the answer
+    already says it, the edit is a regex match that returns the bytes as they came."""
+    edits: dict[tuple[str, ...], bytes] = {
+        MODEL_PATH: json.dumps(client_model, ensure_ascii=False).encode()}
     if strip_logprobs:
         edits[LOGPROBS_PATH] = b"null"
     if strip_token_ids:

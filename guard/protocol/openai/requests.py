@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Any, Callable, Literal
+from typing import Any, Callable, Collection, Literal
 
 from guard.protocol.generation import SamplingParams
 
@@ -100,7 +100,11 @@ class ParsedCall:
 
 
 def _body_and_model(data: bytes) -> tuple[dict[str, Any], str]:
-    """A request body as a JSON object and the model it names; BadRequest otherwise."""
+    """A request body as a JSON object and the model it names ("" for none: no ``model``, a
+    null or an empty one); BadRequest otherwise."""
+    if data.startswith(b"\xef\xbb\xbf"):  # (json.loads would take it; the edits would not)
+        raise BadRequest("the body starts with a byte order mark, which JSON sent over a "
+                         "network must not (RFC 8259, section 8.1)")
     try:
         body = json.loads(data)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
@@ -108,15 +112,29 @@ def _body_and_model(data: bytes) -> tuple[dict[str, Any], str]:
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise BadRequest("'model' is required (a string)")
+    if model is None:
+        return body, ""
+    if not isinstance(model, str):
+        raise BadRequest("'model' must be a string")
     return body, model
 
 
 def model_of(data: bytes) -> str:
     """The model a call to an endpoint guard forwards unchecked (embeddings, /v1/messages,
-    vLLM's ``/tokenize`` ...) names: what routes it. BadRequest for a body that names none."""
+    vLLM's ``/tokenize`` ...) names: what routes it ("" for none, see :func:`served_model`).
+    BadRequest for a body that is not a JSON object."""
     return _body_and_model(data)[1]
+
+
+def served_model(named: str, served: Collection[str]) -> str | None:
+    """The model a call is for: the one it names; where it names none, the one generation
+    model guard serves, as vLLM (its first served name) and llama.cpp's servers (their one
+    model) answer a body without ``model``: a client written against them sends none, and a
+    guard put in front must not turn its calls into 400s. None where it names none and guard
+    serves several (the edge's 400 lists them)."""
+    if named:
+        return named
+    return next(iter(served)) if len(served) == 1 else None
 
 
 def parse_request(endpoint: Call, data: bytes) -> ParsedCall:

@@ -61,6 +61,15 @@ def event_data(event: bytes) -> bytes | None:
 _DATA_LINE = re.compile(rb"(?:^|\r\n|\n|\r)data:")
 
 
+def _line_end(event: bytes, at: int) -> int:
+    """Where the line from ``at`` ends (its CR or LF; the event's end if neither). Two
+    ``bytes.find`` calls: a tenth of the alternation regex's time, once per streamed event."""
+    lf, cr = event.find(b"\n", at), event.find(b"\r", at)
+    if lf < 0:
+        return cr if cr >= 0 else len(event)
+    return lf if cr < 0 else min(lf, cr)
+
+
 def edit_event(event: bytes, edits: dict[tuple[str, ...], bytes]) -> bytes:
     """One event with ``edits`` applied to its JSON data (a single ``data:`` line, as every
     OpenAI-compatible server sends, after an ``event:`` line in the Responses API's stream);
@@ -75,8 +84,7 @@ def edit_event(event: bytes, edits: dict[tuple[str, ...], bytes]) -> bytes:
             return event
         start = found.end()
     head = start + 1 if event[start:start + 1] == b" " else start
-    line = _LINE_END.search(event, head)
-    end = line.start() if line is not None else len(event)
+    end = _line_end(event, head)
     payload = event[head:end]
     if not payload.startswith(b"{") or _DATA_LINE.search(event, end) is not None:
         return event  # [DONE], or several data lines: not ours to edit
