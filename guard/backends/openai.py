@@ -269,6 +269,16 @@ def llama_server_settings(base: str, authorization_header: str | None,
     return params, ""
 
 
+def reported_settings(spec) -> tuple[dict[str, Any] | None, str]:
+    """What a primary block's llama-server says it samples with (:func:`llama_server_settings`
+    at its target, with its key): (params, "") or (None, why not)."""
+    try:  # (a key that is not set: said by the edge's own load; here, the reason)
+        header = authorization(OpenAIOptions.model_validate(spec.options))
+    except BackendError as exc:
+        return None, str(exc)
+    return llama_server_settings(base_url(spec.target or ""), header)
+
+
 class OpenAIBackend(Forwarding, Backend):
     def __init__(self, spec, role: Role, threads: int = 1):
         self.spec = spec

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 Endpoint = Literal["completions", "chat"]
 ENDPOINTS: tuple[str, ...] = ("completions", "chat")
-FORMAT_VERSION = 4  # bump when a field's meaning changes; readers refuse newer versions
+FORMAT_VERSION = 5  # bump when a field's meaning changes; readers refuse newer versions
 # Version 2 added ``reasoning_text``, ``tools`` and ``tool_calls`` (the tokens of such a sample
 # are more than its completion_text, which a version-1 reader would take for a tokenizer
 # mismatch) and ``prompt_truncation`` (its prompt ids may be a cut rendering, which a version-1
@@ -237,6 +237,14 @@ class GenerationSample:
     # generated ones, each with the primary's logprob, and ``completion_text`` their text;
     # the reference scores them after the prompt's first token.
     echo: bool = False
+    # What the primary's server reported it samples with where a request does not say
+    # (llama-server's GET /props, the keys guard reads: guard.verify.generation
+    # llama_server_sampling), as the live verifier read it at load; None: not read (another
+    # engine, or a call on its way from the edge). The verifier puts it into the call's capture
+    # record, so that a replay scores the call with the defaults it was compared under live,
+    # not the engine's preset (format version 5: an older reader, which would score it with
+    # the preset, refuses it instead).
+    server_settings: dict[str, Any] | None = None
 
     @property
     def has_logprobs(self) -> bool:
@@ -251,10 +259,16 @@ _VERSION_4_FIELDS = ("repeat_penalty", "repeat_last_n")
 
 
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
-    """A JSON-able dict of ``sample`` (tuples as lists), with the format version."""
+    """A JSON-able dict of ``sample`` (tuples as lists), with the oldest format version that
+    holds it (a record an older guard can read, where it needs nothing newer)."""
     data = asdict(sample)
+    if sample.server_settings is None:
+        del data["server_settings"]
+    else:
+        data["format_version"] = 5
+        return data
     if any(getattr(sample.sampling, name) is not None for name in _PENALTY_NAMES):
-        data["format_version"] = FORMAT_VERSION  # (an older reader takes either for both)
+        data["format_version"] = 4  # (an older reader takes either for both)
         return data
     for name in _VERSION_4_FIELDS:  # (fields an older reader refuses)
         del data["sampling"][name]
@@ -347,6 +361,9 @@ def from_dict(data: Any) -> GenerationSample:
         raise ValueError("echo: expected a boolean")
     if not isinstance(data.get("add_special_tokens"), (bool, type(None))):
         raise ValueError("add_special_tokens: expected a boolean or null")
+    reported = data.get("server_settings")
+    if reported is not None and not isinstance(reported, dict):
+        raise ValueError("server_settings: expected an object or null")
     called = _tuple(data.get("tool_calls", ()), "tool_calls")
     if not all(isinstance(name, str) for name in called):
         raise ValueError("tool_calls: expected a list of strings")
@@ -354,7 +371,7 @@ def from_dict(data: Any) -> GenerationSample:
                                   "unix_nanos", "request_seconds", "first_token_seconds",
                                   "upstream_model", "reasoning_text", "tools",
                                   "prompt_truncation", "add_special_tokens", "tool_request",
-                                  "echo")
+                                  "echo", "server_settings")
             if k in data}
     return GenerationSample(
         model=data["model"], endpoint=data["endpoint"], completion_text=data["completion_text"],

@@ -40,7 +40,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import TYPE_CHECKING, Callable, cast
 
@@ -254,6 +254,8 @@ class VerifiedGenerationModel(VerifiedModel):
         self.backends: dict = {}
         self.mirror: GenerationMirror | None = None
         self.capture: CaptureWriter | None = None
+        # What the primary's llama-server reported at load (the keys guard reads), else None.
+        self._server_settings: dict | None = None
         self.window = KldWindow(config.policy.window)
         self._limits: GenerationThresholds | None = None
         self._in_hand = 0
@@ -348,33 +350,27 @@ class VerifiedGenerationModel(VerifiedModel):
         at load (a reload asks again); a server that does not answer leaves the preset, and
         says why."""
         options = self.config.primary.options
+        self._server_settings = None
         if options.get("engine") != "llama.cpp":
             return
-        from guard.backends.openai import (
-            OpenAIOptions,
-            authorization,
-            base_url,
-            llama_server_settings,
+        from guard.backends.openai import base_url, reported_settings
+        from guard.verify.generation import (
+            declared_defaults,
+            llama_server_sampling,
+            reported_fields,
         )
-        from guard.verify.generation import declared_defaults
 
         base = base_url(self.config.primary.target or "")
-        try:  # (a key that is not set: said by the edge's own load; here, the reason)
-            params, why = llama_server_settings(
-                base, authorization(OpenAIOptions.model_validate(options)))
-        except BackendError as exc:
-            params, why = None, str(exc)
+        params, why = reported_settings(self.config.primary)
         if params is None:
             emit("llama_server_defaults_unavailable", model=self.name, target=base,
                  reason=why, note="the llama.cpp preset's built-in defaults apply")
             return
-        tier.defaults = defaults = declared_defaults(options, reported=params)
-        emit("llama_server_defaults", model=self.name, target=base,
-             temperature=defaults.temperature, top_k=defaults.top_k, top_p=defaults.top_p,
-             min_p=defaults.min_p, repeat_penalty=defaults.repetition_penalty,
-             repeat_last_n=defaults.penalty_last_n,
-             temperature_last=defaults.temperature_last,
-             not_modelled=list(defaults.default_samplers))
+        # What decides the defaults, kept with each capture record: a replay scores the call
+        # with the defaults it was scored with here.
+        self._server_settings = llama_server_sampling(params)
+        tier.defaults = defaults = declared_defaults(options, reported=self._server_settings)
+        emit("llama_server_defaults", model=self.name, target=base, **reported_fields(defaults))
 
     def _say_what_is_unknown(self, tier: "GenerationTier") -> None:
         """Once at load: a server whose sampling defaults are not known leaves its sampled
@@ -511,6 +507,8 @@ class VerifiedGenerationModel(VerifiedModel):
         client's Authorization can be stored), the compared completion and the verdict."""
         reports = {}
         outputs = {}
+        if self._server_settings is not None:  # (the sample, and the probe's completion)
+            sample = replace(sample, server_settings=self._server_settings)
         if result is not None:
             check = result.check
             reports[TIER] = GenerationReport(check.passed, check.reason or check.mode,
@@ -522,7 +520,9 @@ class VerifiedGenerationModel(VerifiedModel):
                 reports["activation"] = GenerationReport(report.passed, report.summary,
                                                          report.details)
             if result.probed:
-                outputs[PROBED_OUTPUT] = generation_tensor(result.completion)
+                probed = result.completion if self._server_settings is None else replace(
+                    result.completion, server_settings=self._server_settings)
+                outputs[PROBED_OUTPUT] = generation_tensor(probed)
         return PendingRecord(tag, route, epoch, {GENERATION_INPUT: generation_tensor(sample)},
                              outputs, tier_reports=reports,
                              reference_seconds=result.reference_seconds if result else 0.0,

@@ -232,6 +232,67 @@ def test_capture_records_come_back_as_calls_and_bad_ones_are_skipped_and_counted
     assert "not JSON" in problems and f"format_version: {FORMAT_VERSION + 1} is newer" in problems
 
 
+def test_a_record_keeps_what_its_server_reported_and_the_replay_scores_with_it(tmp_path):
+    """The verifier puts a llama-server's report (GET /props, the keys guard reads) into each
+    capture record; read back, the call carries it, and the tier scores it with those defaults
+    (a llama-server started with --temp 0.6 --top-k 20 --min-p 0, recorded), not with the
+    llama.cpp preset the block's engine names: the replay scores it as the live verifier did."""
+    from pathlib import Path
+
+    from guard.verify.generation import (
+        GenerationThresholds,
+        GenerationTier,
+        declared_defaults,
+        llama_server_sampling,
+    )
+    from guard.verify.tiers import Compared
+
+    recorded = json.loads((Path(__file__).parent.parent / "recorded" /
+                           "llama_server_props.json").read_text())
+    params = recorded["props_with_flags"]["default_generation_settings"]["params"]
+    settings = llama_server_sampling(params)
+    assert len(json.dumps(settings)) < len(json.dumps(params)) / 2  # (what a record carries)
+    options = {"engine": "llama.cpp"}
+    reported = declared_defaults(options, reported=params)
+    assert declared_defaults(options, reported=settings) == reported
+    assert (reported.temperature, reported.top_k, reported.min_p) == (0.6, 20, 0.0)
+
+    # A sampled completion (no logprobs: the reference alone judges it, under the transform).
+    rng = np.random.default_rng(4)
+    reference = _log_softmax(rng.normal(0, 2.0, (24, 40)))
+    tokens = [int(rng.choice(40, p=np.exp(row))) for row in reference]
+    texts = [f"t{t}" for t in tokens]
+    call = GenerationSample(model="smol", endpoint="completions", prompt="Once",
+                            completion_text="".join(texts), sampling=SamplingParams(),
+                            tokens=tuple(TokenLogprob(text) for text in texts))
+    top_ids, top_lp = top_of(reference.astype(np.float32))
+    scores = ReferenceScores(
+        token_ids=tuple(tokens), token_texts=tuple(texts), top_ids=top_ids, top_logprobs=top_lp,
+        top_texts=tuple(tuple(f"t{i}" for i in row[:5]) for row in top_ids),
+        chosen_logprob=reference[np.arange(24), tokens].astype(np.float32),
+        logprobs=reference.astype(np.float32), prompt_token_ids=(0,))
+
+    writer = CaptureWriter("smol", CaptureConfig(dir=str(tmp_path)), GuardMetrics("test"), {})
+    writer.start()
+    writer.submit(PendingRecord(CaptureTag("r0", 10**18, 0.01, True), "primary", 0,
+                                {GENERATION_INPUT: generation_tensor(
+                                    replace(call, server_settings=settings))}, {}))
+    writer.close()
+    (item,) = Source([str(tmp_path)], {"smol"}, Filters(), lambda m: (), None,
+                     frozenset({"smol"})).items()
+    assert item.generation.server_settings == settings
+    assert to_dict(item.generation)["format_version"] == 5 == FORMAT_VERSION
+    assert "server_settings" not in to_dict(call)  # (nothing reported: an older version)
+
+    tier = GenerationTier(declared_defaults(options), GenerationThresholds(), options)
+    as_replayed = tier.check(Compared(scores, item.generation))
+    as_live = check_generation(call, scores, reported)
+    as_preset = check_generation(call, scores, declared_defaults(options))
+    assert as_replayed.mode == as_live.mode == "sampled"
+    assert as_replayed.statistic == as_live.statistic != as_preset.statistic
+    assert tier.check(Compared(scores, call)).statistic == as_preset.statistic
+
+
 # -- JSONL prompt sets ------------------------------------------------------------------------
 def test_prompt_lines_become_greedy_calls_and_bad_lines_are_counted(tmp_path):
     call = parse_line('{"prompt": "The capital of France is"}', "smol", "p.jsonl:1")

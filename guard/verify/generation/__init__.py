@@ -58,12 +58,17 @@ up); this module registers the tier and gathers their public names.
 
 from __future__ import annotations
 
+import json
+from typing import Any, Mapping
+
 from guard.verify.generation.defaults import (
     GenerationThresholds,
     NEUTRAL,
     SERVER_DEFAULTS,
     ServerDefaults,
     declared_defaults,
+    llama_server_sampling,
+    reported_fields,
     server_defaults,
 )
 from guard.verify.generation.transform import (
@@ -97,22 +102,42 @@ def thresholds_of(checks) -> GenerationThresholds:
 
 class GenerationTier:
     """One generative model's instance of the tier: ``Compared.primary`` is the completion (a
-    ``GenerationSample``), ``Compared.reference`` the reference's scores over it."""
+    ``GenerationSample``), ``Compared.reference`` the reference's scores over it.
+
+    ``defaults``: the primary's server's sampling defaults (the block's, or what the server
+    reported at load: the verifier sets them). A call that carries its server's report
+    (``server_settings``: a capture record of a llama-server's call) is scored with that
+    report under the block's options instead, as the live verifier scored it."""
 
     name = "generation"
 
-    def __init__(self, defaults: ServerDefaults, limits: GenerationThresholds):
+    def __init__(self, defaults: ServerDefaults, limits: GenerationThresholds,
+                 primary_options: Mapping[str, Any] | None = None):
         self.defaults, self.limits = defaults, limits
+        self._options = dict(primary_options or {})
+        self._reported: dict[str, ServerDefaults] = {}  # by the report's JSON: a handful
 
     def check(self, sample) -> GenerationCheck:
-        return check_generation(sample.primary, sample.reference, self.defaults, self.limits)
+        return check_generation(sample.primary, sample.reference,
+                                self.defaults_for(sample.primary), self.limits)
+
+    def defaults_for(self, call) -> ServerDefaults:
+        """The sampling defaults ``call`` is scored with."""
+        settings = call.server_settings
+        if settings is None:
+            return self.defaults
+        key = json.dumps(settings, sort_keys=True)
+        found = self._reported.get(key)
+        if found is None:
+            found = self._reported[key] = declared_defaults(self._options, reported=settings)
+        return found
 
 
 def _build(setup) -> GenerationTier | None:
     if setup.task != "generation":
         return None
     primary = setup.model.primary.options if setup.model is not None else None
-    return GenerationTier(declared_defaults(primary), thresholds_of(setup.checks))
+    return GenerationTier(declared_defaults(primary), thresholds_of(setup.checks), primary)
 
 
 def _declare():
@@ -143,6 +168,8 @@ __all__ = [
     "by_position",
     "check_generation",
     "declared_defaults",
+    "llama_server_sampling",
+    "reported_fields",
     "penalized_logprobs",
     "perplexities",
     "resolve_transform",

@@ -230,6 +230,29 @@ def llama_server_defaults(params: Mapping[str, Any], base: ServerDefaults) -> Se
     return replace(base, **told, default_samplers=base.default_samplers + on)
 
 
+# Every key of /props' params that llama_server_defaults reads: what a capture record keeps of
+# a server's report (GenerationSample.server_settings), so that a replay scores the call with
+# the defaults the live verifier used, at a few hundred bytes instead of /props' whole answer.
+LLAMA_SERVER_KEYS = tuple(key for _, key in _LLAMA_SETTINGS) + (
+    "top_k", "repeat_last_n", "samplers", *_LLAMA_SAMPLERS_ON)
+
+
+def llama_server_sampling(params: Mapping[str, Any]) -> dict[str, Any]:
+    """What of a llama-server's /props params decides its sampling defaults (the keys
+    :func:`llama_server_defaults` reads), as it reported them."""
+    return {key: params[key] for key in LLAMA_SERVER_KEYS if key in params}
+
+
+def reported_fields(defaults: ServerDefaults) -> dict[str, Any]:
+    """What the event ``llama_server_defaults`` says of the defaults a server reported."""
+    return {"temperature": defaults.temperature, "top_k": defaults.top_k,
+            "top_p": defaults.top_p, "min_p": defaults.min_p,
+            "repeat_penalty": defaults.repetition_penalty,
+            "repeat_last_n": defaults.penalty_last_n,
+            "temperature_last": defaults.temperature_last,
+            "not_modelled": list(defaults.default_samplers)}
+
+
 def _known_fields(values: Mapping[str, Any], key: str) -> dict[str, Any]:
     told = {k: v for k, v in values.items() if v is not None}
     unknown = sorted(set(told) - set(ServerDefaults.__dataclass_fields__))
