@@ -41,13 +41,15 @@ LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-$(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA
 # llama.cpp's own OpenAI-compatible server (llama-server) for the e2e tests in front of it
 # (tests/llama_cpp_server.py): llama-cpp-python ships no server binary, so it is built from the
 # llama.cpp its sdist vendors (the version above, the same x86-64-v3 flags), static, only the
-# llama-server target: about 6 minutes on 2 cores, once per version and flags, into
+# llama-server target, without its web UI (llama.cpp's cmake would otherwise try to download
+# one from Hugging Face; the API is all the tests use): about 6 minutes on 2 cores, once per version and flags, into
 # ~/.cache/guard (a second clone reuses it), then copied into the venv's bin/. Where it does not
 # build (no C++ compiler, no cmake), make says so and goes on: its tests skip with the reason
 # (CI sets GUARD_REQUIRE_LLAMA_SERVER=1, which fails them instead). `make demo` never builds it.
 LLAMA_SERVER_CMAKE_ARGS := $(LLAMA_CPP_CMAKE_ARGS) -DCMAKE_BUILD_TYPE=Release \
 	-DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF \
-	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON
+	-DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
+	-DLLAMA_USE_PREBUILT_UI=OFF
 LLAMA_SERVER_CACHE := $(HOME)/.cache/guard/llama-server-$(shell echo \
 	'$(LLAMA_CPP_VERSION) $(LLAMA_SERVER_CMAKE_ARGS)' | sha256sum | cut -c1-12)
 LLAMA_SERVER := $(BIN)/llama-server

@@ -31,6 +31,8 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 HOST = "127.0.0.1"
 NOISY_NEIGHBOUR_CORES = 0.15  # other processes' CPU during a cell above which we warn
+# llama.cpp's own server as `make test` builds it (the Makefile's LLAMA_SERVER)
+LLAMA_SERVER = REPO / ".venv" / "bin" / "llama-server"
 
 
 # -- small helpers ---------------------------------------------------------------------------------

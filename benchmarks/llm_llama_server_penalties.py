@@ -14,7 +14,7 @@ request kinds: sampled with ``repeat_penalty`` 1.3, ``presence_penalty`` 1.0,
 ``frequency_penalty`` 0.5; the same greedy (temperature 0); sampled with
 ``repetition_penalty`` 1.5 alone.
 
-Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_llama_server_penalties.py LLAMA_SERVER
+Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_llama_server_penalties.py [LLAMA_SERVER]
        [--completions 12] [--tokens 48]
 Writes benchmarks/results/llm_llama_server_penalties.{json,md} (machine noted).
 """
@@ -45,7 +45,9 @@ REQUESTS = {
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("llama_server")
+    parser.add_argument("llama_server", nargs="?", default=str(bench.LLAMA_SERVER),
+                        help="llama.cpp's llama-server binary (default: the one `make test` "
+                        "builds, %(default)s)")
     parser.add_argument("--completions", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS)

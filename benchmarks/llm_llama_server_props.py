@@ -9,7 +9,7 @@ started with ``--temp 0.6 --top-k 20 --min-p 0``; each call is a plain ``/v1/com
 with a prompt, ``max_tokens`` and a seed (and ``return_tokens``, llama-server's token ids),
 read by guard's edge parser; the reference is the ``llama_cpp`` scorer on the same file.
 
-Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_llama_server_props.py LLAMA_SERVER
+Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_llama_server_props.py [LLAMA_SERVER]
        [--completions 12] [--tokens 64]
 Writes benchmarks/results/llm_llama_server_props.{json,md} (machine noted).
 """
@@ -77,7 +77,9 @@ def completion_sample(base: str, body: dict):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("llama_server")
+    parser.add_argument("llama_server", nargs="?", default=str(bench.LLAMA_SERVER),
+                        help="llama.cpp's llama-server binary (default: the one `make test` "
+                        "builds, %(default)s)")
     parser.add_argument("--completions", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--out", type=Path, default=RESULTS)

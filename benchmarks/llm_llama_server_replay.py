@@ -11,7 +11,7 @@ server's report in the record), once with the report taken out (a record as guar
 before). Under agreement z is about N(0, 1); the live verifier's z (in each record's verdict)
 is the yardstick. ``guard replay`` itself is run on the capture too (its pass count).
 
-Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_llama_server_replay.py LLAMA_SERVER
+Usage: PYTHONPATH=$PWD .venv/bin/python benchmarks/llm_llama_server_replay.py [LLAMA_SERVER]
        [--completions 12] [--tokens 48]
 Writes benchmarks/results/llm_llama_server_replay.{json,md} (machine noted).
 """
@@ -98,7 +98,9 @@ def serve_and_capture(base: str, gguf: Path, work: Path, completions: int, token
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("llama_server")
+    parser.add_argument("llama_server", nargs="?", default=str(bench.LLAMA_SERVER),
+                        help="llama.cpp's llama-server binary (default: the one `make test` "
+                        "builds, %(default)s)")
     parser.add_argument("--completions", type=int, default=12)
     parser.add_argument("--tokens", type=int, default=48)
     parser.add_argument("--out", type=Path, default=RESULTS)
