@@ -39,7 +39,7 @@ LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FM
 LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-$(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' \
 	| sha256sum | cut -c1-12)
 # llama.cpp's own OpenAI-compatible server (llama-server) for the e2e tests in front of it
-# (tests/llama_cpp_server.py): llama-cpp-python ships no server binary, so it is built from the
+# (tests/e2e/llm_support.py): llama-cpp-python ships no server binary, so it is built from the
 # llama.cpp its sdist vendors (the version above, the same x86-64-v3 flags), static, only the
 # llama-server target, without its web UI (llama.cpp's cmake would otherwise try to download
 # one from Hugging Face; the API is all the tests use): about 6 minutes on 2 cores, once per version and flags, into

@@ -302,7 +302,12 @@ class VerifiedGenerationModel(VerifiedModel):
             self.comparator = Comparator.for_model(config)
             tier = cast("GenerationTier", self.comparator.tier(TIER))  # (the registry's)
             self._limits = tier.limits
-            self._ask_the_server_its_defaults(tier)
+            if tier.reads_the_server:  # (kept with each capture record: see _pending)
+                from guard.backends.openai import base_url, reported_settings
+
+                self._server_settings = tier.take_report(
+                    self.name, base_url(config.primary.target or ""),
+                    reported_settings(config.primary))
             self._say_what_is_unknown(tier)
             comparator = self.comparator
             self.activation_tier = cast("ActivationTier | None", comparator.tier("activation"))
@@ -341,36 +346,6 @@ class VerifiedGenerationModel(VerifiedModel):
              details=backend_details(self.backends),
              mirror_rate=config.mirror.sample_rate if self.mirror else 0.0,
              action=config.policy.action, resumed=resume_word is not None)
-
-    def _ask_the_server_its_defaults(self, tier: "GenerationTier") -> None:
-        """A llama.cpp primary (``options.engine: llama.cpp``) says what it samples with where
-        a request does not (llama-server's GET /props: its defaults after the GGUF's
-        ``general.sampling.*`` metadata and its launch flags), which the engine's preset
-        cannot know: the tier takes it, under the block's own server_defaults. Asked once,
-        at load (a reload asks again); a server that does not answer leaves the preset, and
-        says why."""
-        options = self.config.primary.options
-        self._server_settings = None
-        if options.get("engine") != "llama.cpp":
-            return
-        from guard.backends.openai import base_url, reported_settings
-        from guard.verify.generation import (
-            declared_defaults,
-            llama_server_sampling,
-            reported_fields,
-        )
-
-        base = base_url(self.config.primary.target or "")
-        params, why = reported_settings(self.config.primary)
-        if params is None:
-            emit("llama_server_defaults_unavailable", model=self.name, target=base,
-                 reason=why, note="the llama.cpp preset's built-in defaults apply")
-            return
-        # What decides the defaults, kept with each capture record: a replay scores the call
-        # with the defaults it was scored with here.
-        self._server_settings = llama_server_sampling(params)
-        tier.defaults = defaults = declared_defaults(options, reported=self._server_settings)
-        emit("llama_server_defaults", model=self.name, target=base, **reported_fields(defaults))
 
     def _say_what_is_unknown(self, tier: "GenerationTier") -> None:
         """Once at load: a server whose sampling defaults are not known leaves its sampled

@@ -17,10 +17,12 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,22 +77,30 @@ def start_llama_server(log_dir: Path, gguf: Path | None = None, alias: str = SER
     process = subprocess.Popen(command, stdout=handle, stderr=subprocess.STDOUT,
                                env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
+    _wait_up(process, log, "llama_cpp.server", f"{url}/v1/models", timeout,
+             lambda answer: alias in [m["id"] for m in answer["data"]])
+    return LlamaServer(url, alias, process, log)
+
+
+def _wait_up(process: subprocess.Popen, log: Path, what: str, url: str, timeout: float,
+             ready=lambda answer: True) -> dict:
+    """``url``'s JSON answer once ``ready`` says so of it; RuntimeError with the log's tail
+    where the server exits or is not up in ``timeout`` s (then killed)."""
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
-            raise RuntimeError(f"llama_cpp.server exited ({process.returncode}): "
+            raise RuntimeError(f"{what} exited ({process.returncode}): "
                                f"{log.read_text()[-2000:]}")
         try:
-            with urllib.request.urlopen(f"{url}/v1/models", timeout=2) as answer:
-                listed = [m["id"] for m in json.loads(answer.read())["data"]]
-            if alias in listed:
-                return LlamaServer(url, alias, process, log)
+            with urllib.request.urlopen(url, timeout=2) as answer:
+                found = json.loads(answer.read())
+            if ready(found):
+                return found
         except OSError:
             pass
         if time.monotonic() > deadline:
             process.kill()
-            raise RuntimeError(f"llama_cpp.server not up in {timeout:g}s: "
-                               f"{log.read_text()[-2000:]}")
+            raise RuntimeError(f"{what} not up in {timeout:g}s: {log.read_text()[-2000:]}")
         time.sleep(0.25)
 
 
@@ -112,6 +122,17 @@ def call_both_ways(client, model: str, max_tokens: int) -> None:
             model=model, messages=[{"role": "user", "content": "What is the capital of France?"}],
             max_tokens=max_tokens, temperature=0, stream=True):
         pass
+
+
+def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
+    """POST ``body`` as JSON: (the status, the JSON answer), an error status's too."""
+    request = urllib.request.Request(url, json.dumps(body).encode(),
+                                     {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout) as answer:
+            return answer.status, json.loads(answer.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def masked(body: bytes) -> bytes:
@@ -145,3 +166,68 @@ def llama_server(tmp_path_factory):
         yield server
     finally:
         stop_llama_server(server)
+
+
+# -- llama.cpp's own server ----------------------------------------------------------------------
+# llama-cpp-python ships no server binary, so the Makefile builds llama-server (`make test` does,
+# once per version and flags, into ~/.cache/guard, about 6 minutes on 2 cores; the binary is
+# copied to <guard's venv>/bin/llama-server) from the llama.cpp that llama-cpp-python's sdist
+# vendors: the same llama.cpp as guard's in-process engine, with the same x86-64-v3 flags. The
+# tests start it on SmolLM2's GGUF, one thread, a 512-token context, on a free 127.0.0.1 port,
+# and wait for its GET /props (it answers once the model is loaded). Where the binary is absent
+# the fixtures skip saying how to build it; with GUARD_REQUIRE_LLAMA_SERVER=1 (CI, .ci/run)
+# they fail instead, so that CI never passes by skipping.
+def llama_server_binary() -> Path | None:
+    """$GUARD_LLAMA_SERVER, else <guard's venv>/bin/llama-server, else one on PATH."""
+    told = os.environ.get("GUARD_LLAMA_SERVER")
+    if told:
+        return Path(told)
+    built = Path(sys.prefix) / "bin" / "llama-server"
+    if built.exists():
+        return built
+    found = shutil.which("llama-server")
+    return Path(found) if found else None
+
+
+def require_llama_server() -> Path:
+    """The binary; skip the calling fixture (with the reason) where there is none, fail under
+    GUARD_REQUIRE_LLAMA_SERVER=1."""
+    binary = llama_server_binary()
+    if binary is not None and os.access(binary, os.X_OK):
+        return binary
+    reason = (f"llama.cpp's llama-server not found ({binary or 'not on PATH'}): `make test` "
+              "builds it into the venv, or set GUARD_LLAMA_SERVER to one")
+    if os.environ.get("GUARD_REQUIRE_LLAMA_SERVER") == "1":
+        pytest.fail(f"GUARD_REQUIRE_LLAMA_SERVER=1 but {reason}")
+    pytest.skip(reason)
+
+
+@dataclass
+class LlamaCppServer:
+    url: str
+    process: subprocess.Popen
+    log: Path
+    props: dict
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(10)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait(10)
+
+
+def start_llama_cpp_server(binary: Path, gguf: Path, log_dir: Path,
+                           flags: tuple[str, ...] = (), timeout: float = 120.0
+                           ) -> LlamaCppServer:
+    """llama-server on ``gguf`` with ``flags`` (its sampling flags ...), once it answers
+    ``GET /props``."""
+    port = free_port()
+    log = log_dir / f"llama-server-{port}.log"
+    process = subprocess.Popen([str(binary), "-m", str(gguf), "--host", "127.0.0.1",
+                                "--port", str(port), "-c", "512", "-t", "1", *flags],
+                               stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    return LlamaCppServer(url, process, log,
+                          _wait_up(process, log, "llama-server", f"{url}/props", timeout))

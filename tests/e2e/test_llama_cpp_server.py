@@ -1,5 +1,5 @@
 """guard in front of llama.cpp's own server, end to end with real parts: ``llama-server``
-(tests/llama_cpp_server.py; the Makefile builds it from the llama.cpp llama-cpp-python vendors)
+(tests/e2e/llm_support.py; the Makefile builds it from the llama.cpp llama-cpp-python vendors)
 on SmolLM2's F16 GGUF, started with a model card's sampling flags (``--temp 0.6 --top-k 20
 --min-p 0``), ``guard serve`` in front of it (``engine: llama.cpp``, the llama_cpp reference on
 the same file, every call sampled and captured), the ``openai`` client and plain HTTP as
@@ -17,12 +17,11 @@ scores the captured calls as the live verifier did.
 from __future__ import annotations
 
 import json
-import urllib.request
 from dataclasses import replace
 
 import pytest
 
-from llama_cpp_server import require_llama_server, start_llama_cpp_server
+from llm_support import post_json, require_llama_server, start_llama_cpp_server
 from support import events, metric, running, scrape, wait_for
 
 openai = pytest.importorskip("openai")
@@ -51,16 +50,6 @@ def llama(tmp_path_factory):
         yield server, gguf
     finally:
         server.stop()
-
-
-def _post(url: str, body: dict) -> tuple[int, dict]:
-    request = urllib.request.Request(url, json.dumps(body).encode(),
-                                     {"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as answer:
-            return answer.status, json.loads(answer.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read() or b"{}")
 
 
 def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_live(
@@ -97,11 +86,11 @@ def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_liv
         chunks = list(through.chat.completions.create(model="smol", messages=MESSAGES,
                                                       max_tokens=24, seed=5, stream=True))
         assert chunks and {c.model for c in chunks} == {"smol"}
-        status, unnamed = _post(f"{base}/v1/chat/completions",
+        status, unnamed = post_json(f"{base}/v1/chat/completions",
                                 {"messages": MESSAGES, "max_tokens": 24, "seed": 6})
         assert (status, unnamed["model"]) == (200, "smol")
         # llama.cpp's native completion endpoint (no model in its body): forwarded unchecked.
-        status, native = _post(f"{base}/completion", {"prompt": PROMPTS[0], "n_predict": 4,
+        status, native = post_json(f"{base}/completion", {"prompt": PROMPTS[0], "n_predict": 4,
                                                       "temperature": 0})
         assert status == 200 and isinstance(native["content"], str) and native["content"]
 

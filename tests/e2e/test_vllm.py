@@ -37,7 +37,7 @@ import numpy as np
 import pytest
 
 from llm_support import assert_answered_alike, free_port, start_llama_server
-from llm_support import stop_llama_server
+from llm_support import post_json, stop_llama_server
 from support import events, metric, running, scrape, wait_for, write_config
 from vllm_server import VLLMServer, require_vllm
 
@@ -883,31 +883,22 @@ def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
         assert len(deltas) > 1 and "".join(deltas) == theirs.output_text  # token by token
         assert {e.response.model for e in events if hasattr(e, "response")} == {"smol"}
 
-        def post(url: str, body: dict) -> tuple[int, dict]:
-            request = urllib.request.Request(url, json.dumps(body).encode(),
-                                             {"Content-Type": "application/json"})
-            try:
-                with urllib.request.urlopen(request, timeout=60) as answer:
-                    return answer.status, json.loads(answer.read())
-            except urllib.error.HTTPError as exc:
-                return exc.code, json.loads(exc.read())
-
-        status, tokens = post(f"{base}/tokenize", {"model": "smol", "prompt": PROMPT})
+        status, tokens = post_json(f"{base}/tokenize", {"model": "smol", "prompt": PROMPT})
         assert status == 200
-        assert tokens["tokens"] == post(f"{vllm.url}/tokenize",
+        assert tokens["tokens"] == post_json(f"{vllm.url}/tokenize",
                                         {"model": vllm.name, "prompt": PROMPT})[1]["tokens"]
-        status, refused = post(f"{base}/v1/responses", {"model": "gpt-4o", "input": PROMPT})
+        status, refused = post_json(f"{base}/v1/responses", {"model": "gpt-4o", "input": PROMPT})
         assert (status, refused["error"]["code"]) == (404, "model_not_found")
         # A body without a model is vLLM's one model's (its first name): guard's one
         # generation model's, on a pass-through endpoint and on a checked one (compared).
-        status, tokens = post(f"{base}/tokenize", {"prompt": PROMPT})
-        assert status == 200 and tokens["tokens"] == post(
+        status, tokens = post_json(f"{base}/tokenize", {"prompt": PROMPT})
+        assert status == 200 and tokens["tokens"] == post_json(
             f"{vllm.url}/tokenize", {"prompt": PROMPT})[1]["tokens"]
         unnamed = {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
                    "temperature": 0}
-        status, chat = post(f"{base}/v1/chat/completions", unnamed)
+        status, chat = post_json(f"{base}/v1/chat/completions", unnamed)
         assert (status, chat["model"]) == (200, "smol")
-        assert chat["choices"][0]["message"] == post(f"{vllm.url}/v1/chat/completions",
+        assert chat["choices"][0]["message"] == post_json(f"{vllm.url}/v1/chat/completions",
                                                      unnamed)[1]["choices"][0]["message"]
 
         # (a request is counted once its client has the answer: waited for)

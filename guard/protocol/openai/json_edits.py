@@ -105,18 +105,26 @@ _LEADING_MODEL = re.compile(rb"\{(?:\s*" + _STRING + rb"\s*:\s*" + _SCALAR + rb"
                             rb'\s*"model"\s*:\s*(' + _STRING + rb")\s*[,}]")
 
 
+def _leading_model(data: bytes, value: bytes) -> bytes | None:
+    """``data`` with its leading top-level ``model`` set to ``value`` (the fast path's match);
+    the bytes as they came where it already is; None where the match does not apply."""
+    match = _LEADING_MODEL.match(data)
+    if match is None:
+        return None
+    if data[match.start(1):match.end(1)] == value:
+        return data  # the name it already has: not a copy
+    return data[:match.start(1)] + value + data[match.end(1):]
+
+
 def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> bytes:
     """``data`` with the values at these paths replaced by the given JSON bytes; every other
     byte as it was. Paths that are not there are left out (nothing added). Once every exact
     path is found the rest of the document is not read: a document that breaks off after them
     is edited there and forwarded as it is."""
     if len(replacements) == 1 and MODEL_PATH in replacements:
-        match = _LEADING_MODEL.match(data)
-        if match is not None:
-            value = replacements[MODEL_PATH]
-            if data[match.start(1):match.end(1)] == value:
-                return data  # the name it already has: the bytes as they came, not a copy
-            return data[:match.start(1)] + value + data[match.end(1):]
+        edited = _leading_model(data, replacements[MODEL_PATH])
+        if edited is not None:
+            return edited
     try:
         text = data.decode()
     except UnicodeDecodeError as exc:
@@ -138,9 +146,17 @@ def set_model(data: bytes, name: str) -> bytes:
     none; guard's upstream is told the name the block says it serves). ValueError for data
     that is not a JSON object."""
     value = json.dumps(name, ensure_ascii=False).encode()
-    edited = replace_values(data, {MODEL_PATH: value})
-    if edited is not data or value_spans(edited, [MODEL_PATH]):
+    edited = _leading_model(data, value)
+    if edited is not None:
         return edited
+    try:
+        text = data.decode()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"not UTF-8: {exc}") from None
+    spans = value_spans(text, [MODEL_PATH])  # (one scan: found, or where it goes)
+    if spans:
+        start, end, _ = spans[0]
+        return (text[:start] + value.decode() + text[end:]).encode()
     opening = data.find(b"{")
     if opening < 0 or data[:opening].strip():
         raise ValueError("not a JSON object")

@@ -121,6 +121,36 @@ class GenerationTier:
         return check_generation(sample.primary, sample.reference,
                                 self.defaults_for(sample.primary), self.limits)
 
+    @property
+    def reads_the_server(self) -> bool:
+        """A llama.cpp primary (``options.engine: llama.cpp``) says what it samples with where
+        a request does not (llama-server's GET /props, which the engine's preset cannot
+        know: its defaults after the GGUF's ``general.sampling.*`` metadata and its launch
+        flags); its caller fetches that (guard.backends.openai ``reported_settings``) for
+        :meth:`take_report`. The verifier asks at load, a replay before the primary generates
+        a prompt set."""
+        return self._options.get("engine") == "llama.cpp"
+
+    def take_report(self, model: str, target: str,
+                    report: tuple[dict[str, Any] | None, str]) -> dict[str, Any] | None:
+        """Score with what the server reported (``report``: its /props params, or None and
+        why not), under the block's own server_defaults, and say so (event
+        ``llama_server_defaults``); the settings that decided it (what a capture record
+        keeps). None where it did not say: the preset stays (event
+        ``llama_server_defaults_unavailable`` with the reason)."""
+        from guard.observe.events import emit
+
+        params, why = report
+        if params is None:
+            emit("llama_server_defaults_unavailable", model=model, target=target, reason=why,
+                 note="the llama.cpp preset's built-in defaults apply")
+            return None
+        settings = llama_server_sampling(params)
+        self.defaults = declared_defaults(self._options, reported=settings)
+        emit("llama_server_defaults", model=model, target=target,
+             **reported_fields(self.defaults))
+        return settings
+
     def defaults_for(self, call) -> ServerDefaults:
         """The sampling defaults ``call`` is scored with."""
         settings = call.server_settings
@@ -169,7 +199,6 @@ __all__ = [
     "check_generation",
     "declared_defaults",
     "llama_server_sampling",
-    "reported_fields",
     "penalized_logprobs",
     "perplexities",
     "resolve_transform",
