@@ -54,7 +54,9 @@ class GenerationCheckConfig(Strict):
     max_abs_z: PositiveFloat = Field(
         4.0, description="sampled mode (no logprobs, temperature above "
         "near_greedy_temperature): a completion fails "
-        "when |z| of its surprise under the reference exceeds this (N(0, 1) when they agree).")
+        "when |z| of its surprise under the reference exceeds this (N(0, 1) over many tokens "
+        "when they agree) and Chernoff's bound on the chance of such a sum under agreement is "
+        "at most exp(-max_abs_z^2 / 2) (over a few tokens z is far from normal).")
     margin_floor: NonNegativeFloat = Field(
         1.0, description="Reference margin (nats, top-1 minus top-2 logprob) above which an "
         "argmax flip is not kernel noise (greedy mode, and the first divergent token).")

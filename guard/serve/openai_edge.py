@@ -306,8 +306,34 @@ class _Upstream:
         headers[ROUTE_HEADER] = self.route
         return headers
 
+    accounted = False  # the call is counted: answered, or an error code
+
+    async def run(self) -> web.StreamResponse:
+        try:
+            return await self._run()
+        except asyncio.CancelledError:
+            # The client went away before the call was counted: while guard waited for the
+            # upstream's answer (a call closed right after it was sent, a whole answer still
+            # generating). Cancelling closes the upstream's connection, which stops its
+            # generation; the call is counted as a stream cut short is.
+            if not self.accounted:
+                self._left_early()
+            raise
+
+    async def _run(self) -> web.StreamResponse:
+        raise NotImplementedError
+
+    def _left_early(self) -> None:
+        self._error("CANCELLED")
+        emit("openai_client_disconnected", model=self.model.name, route=self.route, tokens=0)
+
     def _error(self, code: str) -> None:
+        self.accounted = True
         self.edge.metrics.error(self.model.name, code)
+
+    def _served(self, seconds: float) -> None:
+        self.accounted = True
+        self.model.answered(self.route, seconds)
 
     def _upstream_failed(self, status: int, message: str) -> web.Response:
         emit("openai_upstream_failed", model=self.model.name, route=self.route,
@@ -419,7 +445,7 @@ class _Forward(_Upstream):
         if self.edits and call.endpoint == "responses":  # also in its events' response
             self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
 
-    async def run(self) -> web.StreamResponse:
+    async def _run(self) -> web.StreamResponse:
         upstream = await self._exchange(self.request.path, self.payload)
         if isinstance(upstream, web.Response):
             return upstream
@@ -428,8 +454,10 @@ class _Forward(_Upstream):
             if isinstance(upstream, web.Response):
                 return upstream
         try:
-            streamed = (self.call.stream and upstream.status == 200 and upstream.headers.get(
-                "Content-Type", "").startswith("text/event-stream"))
+            # The server's answer says whether it streams: a ``stream`` guard does not read
+            # (not a boolean) is the server's to take as it does (parse_request).
+            streamed = upstream.status == 200 and upstream.headers.get(
+                "Content-Type", "").startswith("text/event-stream")
             if streamed:
                 return await self._stream(upstream)
             return await self._whole(upstream)
@@ -470,6 +498,10 @@ class _Forward(_Upstream):
         self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
         return super()._upstream_failed(status, message)
 
+    def _left_early(self) -> None:
+        self.edge.metrics.not_comparable.labels(self.model.name, "incomplete").inc()
+        super()._left_early()
+
     # -- a whole answer ----------------------------------------------------------------------
     async def _whole(self, upstream: Response) -> web.StreamResponse:
         body = await self._body(upstream)
@@ -483,7 +515,7 @@ class _Forward(_Upstream):
             self._error(api.status_code_name(upstream.status))
             self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
             return response
-        self.model.answered(self.route, seconds)
+        self._served(seconds)
         completion = api.gather_answer(self.call.endpoint, body, streamed=False)
         if completion.completion_tokens:
             self.edge.metrics.tokens.labels(self.model.name, self.route).inc(
@@ -580,7 +612,7 @@ class _Forward(_Upstream):
             self._error("INTERNAL")
             metrics.not_comparable.labels(name, "upstream_error").inc()
             return
-        self.model.answered(route, seconds)
+        self._served(seconds)
         if sampled:
             self._hand_off(completion, seconds, streamed=True, finished=finished)
 
@@ -620,7 +652,7 @@ class _PassThrough(_Upstream):
         self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
         self.payload = api.set_model(data, backend.model)
 
-    async def run(self) -> web.StreamResponse:
+    async def _run(self) -> web.StreamResponse:
         upstream = await self._exchange(self.request.raw_path, self.payload)  # as sent
         if isinstance(upstream, web.Response):
             return upstream
@@ -672,6 +704,6 @@ class _PassThrough(_Upstream):
 
     def _answered(self, status: int) -> None:
         if 200 <= status < 300:
-            self.model.answered(self.route, time.perf_counter() - self.started)
+            self._served(time.perf_counter() - self.started)
         else:
             self._error(api.status_code_name(status))

@@ -427,6 +427,24 @@ def test_a_client_that_disconnects_mid_stream_stops_the_upstream(guard, http, up
 
 
 @pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
+def test_a_client_that_leaves_before_its_answer_is_counted_and_stops_the_upstream(
+        guard, upstreams, path):
+    """A whole answer still generating (or a stream's head not yet sent) when the client goes:
+    counted CANCELLED (it was counted nowhere before: only a stream cut mid-way was), and
+    guard closes the upstream's connection."""
+    upstream = upstreams[0]
+    upstream.reset()
+    before = errors(guard, "CANCELLED")
+    with httpx.Client(base_url=f"http://127.0.0.1:{guard.http_port}", timeout=0.5) as impatient:
+        with pytest.raises(httpx.ReadTimeout):
+            impatient.post(path, json=CHAT, headers={"x-test-scenario": "stall"})
+    assert wait_until(upstream.disconnected.is_set)
+    assert wait_until(lambda: errors(guard, "CANCELLED") == before + 1)
+    if path == "/v1/chat/completions":
+        assert not_comparable(guard, "incomplete") >= 1
+
+
+@pytest.mark.parametrize("path", ["/v1/chat/completions", "/v1/messages"])
 def test_an_upstream_that_dies_mid_stream_cuts_the_client_after_what_had_arrived(guard, http,
                                                                                   path):
     """On a checked endpoint and on one guard forwards unchecked alike."""

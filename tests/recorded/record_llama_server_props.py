@@ -4,7 +4,8 @@ and tests/unit/test_llama_server.py read them): started on SmolLM2's F16 GGUF wi
 built-in defaults, with sampling flags (as a model card's recommended settings are passed:
 ``--temp 0.6 --top-k 20 --min-p 0``) and with another sampler chain (``--samplers``); and its
 answers to calls with logprobs that end at the end-of-generation token (its last logprobs
-entry has an empty text and an id), plain and streamed.
+entry has an empty text and an id), plain and streamed; and answers in Japanese and Russian
+whose characters the model sampled as several byte tokens (one logprobs entry per character).
 
 llama-server is not part of guard's install (llama-cpp-python builds the library, not the
 server): build it from the llama.cpp that llama-cpp-python vendors, e.g.
@@ -40,6 +41,14 @@ CALLS = (
     ("chat", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 24, "seed": 4,
               "logprobs": True, "top_logprobs": 5, "temperature": 0, "stream": True}),
 )
+# Calls whose answer holds characters the model sampled as several byte tokens: llama-server
+# writes each such character as one logprobs entry (the last piece's id), the others left out.
+CALLS_IN_PIECES = (
+    ("chat", {"messages": [{"role": "user", "content": "日本の首都はどこですか？"}],
+              "max_tokens": 12, "seed": 0, "logprobs": True, "top_logprobs": 5}),
+    ("chat", {"messages": [{"role": "user", "content": "Напиши короткую историю."}],
+              "max_tokens": 12, "seed": 3, "logprobs": True, "top_logprobs": 5}),
+)
 STARTS = {
     "props": (),
     "props_with_flags": ("--temp", "0.6", "--top-k", "20", "--min-p", "0"),
@@ -53,10 +62,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _answers(base: str) -> list[dict]:
-    """CALLS asked of the server: each request and its answer (a streamed one's events)."""
+def _answers(base: str, calls=CALLS) -> list[dict]:
+    """``calls`` asked of the server: each request and its answer (a streamed one's
+    events)."""
     recorded = []
-    for endpoint, body in CALLS:
+    for endpoint, body in calls:
         body = dict(body, model="smol")
         path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
         request = urllib.request.Request(base + path, data=json.dumps(body).encode(),
@@ -73,7 +83,7 @@ def _answers(base: str) -> list[dict]:
 
 
 def _props(binary: str, gguf: Path, flags: tuple[str, ...],
-           calls: list | None = None) -> dict:
+           calls: list | None = None, pieces: list | None = None) -> dict:
     port = _free_port()
     log = Path(tempfile.mkdtemp()) / "llama-server.log"
     with log.open("w") as out:
@@ -90,6 +100,7 @@ def _props(binary: str, gguf: Path, flags: tuple[str, ...],
                 props["model_path"] = Path(props.get("model_path", "")).name  # (this machine's)
                 if calls is not None:
                     calls.extend(_answers(f"http://127.0.0.1:{port}"))
+                    pieces.extend(_answers(f"http://127.0.0.1:{port}", CALLS_IN_PIECES))
                 return props
             except OSError:
                 if server.poll() is not None or time.monotonic() > deadline:
@@ -111,14 +122,17 @@ def main() -> None:
                       "recorded": datetime.date.today().isoformat(),
                       "model": "SmolLM2-135M-Instruct F16 (guard.zoo.llm.quant_ladder)"}
     answers: list = []
+    pieces: list = []
     for name, flags in STARTS.items():
-        recorded[name] = _props(binary, gguf, flags, answers if name == "props" else None)
+        recorded[name] = _props(binary, gguf, flags, answers if name == "props" else None,
+                                pieces)
         recorded[name + "_flags"] = list(flags)
-    for call in answers:  # (this machine's path, as the server names its model)
+    for call in answers + pieces:  # (this machine's path, as the server names its model)
         for part in [call.get("answer")] + call.get("events", []):
             if isinstance(part, dict) and "model" in part:
                 part["model"] = Path(part["model"]).name
     recorded["answers"] = answers
+    recorded["answers_in_pieces"] = pieces
     out = HERE / "llama_server_props.json"
     out.write_text(json.dumps(recorded, indent=1) + "\n")
     print(f"wrote {out} ({recorded['llama_server']})")

@@ -23,6 +23,7 @@ from guard.verify.generation import (
     Transform,
     check_generation,
     resolve_transform,
+    sampled_tail_bound,
     sampled_terms,
     server_defaults,
     transformed,
@@ -247,6 +248,107 @@ def test_z_is_standard_normal_when_the_primary_samples_the_reference(server):
     zs = np.array(zs)
     assert abs(zs.mean()) < 0.3 and 0.6 < zs.std() < 1.4
     assert np.mean(np.abs(zs) > GenerationThresholds().max_abs_z) < 0.02
+
+
+def _two_candidate_rows(rng, n: int, vocab: int = 300) -> np.ndarray:
+    """Rows where the transform keeps two candidates, the second at 2-5% (a capital after "The
+    capital of France is", and an article): a short completion's z is far from normal."""
+    logits = np.full((n, vocab), -30.0)
+    minority = rng.uniform(0.02, 0.05, n)
+    logits[:, 0], logits[:, 1] = 0.0, np.log(minority / (1.0 - minority))
+    return _log_softmax(logits)
+
+
+@pytest.mark.parametrize("length", [1, 2])
+def test_a_short_sampled_completion_fails_no_more_often_than_max_abs_z_promises(length):
+    """A healthy server's 1-2 token answers from such positions: |z| beyond max_abs_z up to one
+    time in twenty (the minority token's surprise over a small variance), but the verdict
+    fails them at most as often as exp(-max_abs_z^2 / 2) per side allows (3.4e-4 at 4): over
+    1,500 completions, at most a few, where z alone failed tens."""
+    rng = np.random.default_rng(11 + length)
+    defaults = SERVER_DEFAULTS["llama.cpp"]
+    sampling = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.01)
+    transform = resolve_transform(sampling, defaults)
+    beyond = failed = 0
+    for _ in range(1500):
+        logprobs = _two_candidate_rows(rng, length)
+        tokens = np.array([rng.choice(300, p=transformed(row, transform)) for row in logprobs])
+        check = check_generation(_sample(tokens, sampling), _synthetic_scores(logprobs, tokens),
+                                 defaults)
+        beyond += abs(check.statistic) > GenerationThresholds().max_abs_z
+        failed += not check.passed
+    assert beyond >= 10  # z alone would have failed these
+    assert failed <= 3
+
+
+def test_the_tail_bound_bounds_the_exact_tail_and_is_tight_over_many_tokens():
+    """Chernoff's bound against the exact chance (every outcome of 3 positions enumerated):
+    never below it; over 200 tokens it is exp(-z^2 / 2) within a small factor; 0 beyond every
+    sum the candidates can give. (The surprise's right tail is heavier than the Gaussian's:
+    there the bound exceeds exp(-z^2 / 2), by 2x at z 4 over 200 tokens.)"""
+    rng = np.random.default_rng(4)
+    transform = _transform(temperature=1.0, top_k=4)
+    logprobs = _log_softmax(rng.normal(0, 2.0, (3, 50)))
+    supports = []
+    for row in logprobs.astype(np.float32).astype(np.float64):  # (as the scores hold them)
+        pi = transformed(row, transform)
+        mixed = np.log(0.95 * pi + 0.05 * np.exp(row) + 1e-12)
+        held = np.flatnonzero(pi)
+        supports.append([(pi[j], -mixed[j] + pi @ mixed, j) for j in held])
+    outcomes = [(a[0] * b[0] * c[0], a[1] + b[1] + c[1], (a[2], b[2], c[2]))
+                for a in supports[0] for b in supports[1] for c in supports[2]]
+    for _, total, tokens in outcomes:
+        scores = _synthetic_scores(logprobs, np.array(tokens))
+        total = float(sampled_terms(scores, transform, 0.05)[0].sum())
+        side = 1 if total >= 0 else -1
+        exact = sum(p for p, s, _ in outcomes if side * s >= side * total - 1e-6)
+        bound = sampled_tail_bound(scores, transform, 0.05, total)
+        assert bound >= exact * (1 - 1e-6), (tokens, bound, exact)
+    # Many tokens: the bound approaches the Gaussian's exponent.
+    logprobs = _log_softmax(rng.normal(0, 2.5, (200, 400)))
+    transform = _transform(temperature=1.0)
+    tokens = np.array([rng.choice(400, p=transformed(row, transform)) for row in logprobs])
+    scores = _synthetic_scores(logprobs, tokens)
+    terms, variances, _ = sampled_terms(scores, transform, 0.05)
+    for z in (-4.0, 3.0, 4.5):
+        total = z * math.sqrt(variances.sum())
+        ratio = sampled_tail_bound(scores, transform, 0.05, total) / math.exp(-z * z / 2)
+        assert 0.05 < ratio < 5.0, (z, ratio)
+    assert sampled_tail_bound(scores, transform, 0.05, 1e6) == 0.0
+
+
+def test_a_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts():
+    """A completion known by its text alone, whose canonical first token ("--", id 7) the
+    transform excludes while a kept top candidate ("-", id 3) begins it: the server sampled
+    "-" and "-" (min_p keeps "-", drops "--"); scored on the canonical split it failed, with
+    every later token read in a context the server never had. Scored up to that position with
+    the candidate there, it passes; the same text with ids (the split known) is scored whole.
+    A token outside the transform that no kept candidate begins still fails."""
+    rng = np.random.default_rng(9)
+    logits = rng.normal(0, 1.0, (6, 50))
+    logits[:, 3] += 6.0  # "-": kept everywhere
+    logits[:, 7] -= 8.0  # "--": outside min_p 0.05
+    logprobs = _log_softmax(logits)
+    tokens = np.array([7, 3, 3, 3, 3, 3])
+    texts = {3: "-", 7: "--"}
+    scores = replace(_synthetic_scores(logprobs, tokens),
+                     token_texts=tuple(texts.get(int(t), f"t{t}") for t in tokens))
+    scores = replace(scores, top_texts=tuple(tuple(texts.get(int(i), f"t{i}") for i in row[:5])
+                                             for row in scores.top_ids))
+    sampling = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.05)
+    text_only = GenerationSample(model="m", endpoint="completions", prompt="p",
+                                 completion_text="-------", sampling=sampling, tokens=())
+    check = check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"])
+    assert (check.mode, check.passed, check.tokens, check.out_of_support) == (
+        "sampled", True, 1, 0)
+    with_ids = replace(text_only, tokens=tuple(TokenLogprob(texts.get(int(t), f"t{t}"),
+                                                            token_id=int(t)) for t in tokens))
+    whole = check_generation(with_ids, scores, SERVER_DEFAULTS["llama.cpp"])
+    assert (whole.mode, whole.passed, whole.tokens, whole.out_of_support) == (
+        "sampled", False, 6, 1)
+    no_prefix = replace(scores, top_texts=tuple(tuple(f"t{i}" for i in row[:5])
+                                                for row in scores.top_ids))
+    assert not check_generation(text_only, no_prefix, SERVER_DEFAULTS["llama.cpp"]).passed
 
 
 @pytest.mark.parametrize("actual", [0.5, 1.6])
@@ -573,7 +675,8 @@ def test_the_penalty_window_is_the_requests_where_the_server_reads_it():
 def test_a_low_temperature_is_checked_as_greedy_where_z_would_amplify_kernel_noise():
     """A primary whose logits differ from the reference's by kernel noise (0.1 nat, about a
     Q8_0's against its F16) samples at temperature 0.05: the sampled z reads the noise,
-    amplified twenty-fold, as drift on some completions; checked as greedy (the default below
+    amplified twenty-fold, as drift on some completions (beyond max_abs_z: the detector
+    accumulates z^2); checked as greedy (the default below
     near_greedy_temperature) none fails. A primary that drifted (logits off by 1.5 nats)
     still fails every time."""
     rng = np.random.default_rng(7)
@@ -601,7 +704,8 @@ def test_a_low_temperature_is_checked_as_greedy_where_z_would_amplify_kernel_noi
             failed["greedy"] += not check.passed
             old = check_generation(sample, told, NEUTRAL, as_sampled)
             assert old.mode == "sampled"
-            failed["sampled"] += not old.passed
+            # (its z beyond max_abs_z: read as drift by the detector, which takes z^2)
+            failed["sampled"] += abs(old.statistic) > as_sampled.max_abs_z
     assert failed["sampled"] > 0 and failed["greedy"] == 0 and failed["drifted"] == 40, failed
     top_k_one = check_generation(_sample(tokens, SamplingParams(temperature=0.9, top_k=1)),
                                  told, NEUTRAL)

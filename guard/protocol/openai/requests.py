@@ -138,22 +138,24 @@ def served_model(named: str, served: Collection[str]) -> str | None:
 
 
 def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
-    """The client's body as a call; BadRequest for what is not an OpenAI request body."""
+    """The client's body as a call; BadRequest for what guard cannot route (a body that is
+    not a JSON object, a ``model`` that is not a string).
+
+    Anything else is the upstream's to answer: a body without the field the endpoint reads
+    (``messages``, ``prompt``, ``input``), or with it in a shape guard does not read (an empty
+    ``messages``, which llama-server answers), or a ``stream`` that is not a boolean (vLLM's
+    lax parsing reads ``"true"`` and 1 as true, llama-server reads them as false) is
+    forwarded and its answer comes back as the server gave it, counted not comparable
+    (``input``): guard refusing a call its server answers loses the call. ``stream`` null is
+    false (OpenAI's API allows it)."""
     body, model = _body_and_model(data)
-    if endpoint == "chat":
-        if not isinstance(body.get("messages"), list) or not body["messages"]:
-            raise BadRequest("'messages' is required (a non-empty list)")
-    elif endpoint == "responses":
-        if not isinstance(body.get("input"), (str, list)) or not body["input"]:
-            raise BadRequest("'input' is required (a string or a non-empty list)")
-    elif "prompt" not in body:
-        raise BadRequest("'prompt' is required")
-    stream = body.get("stream", False)
-    if not isinstance(stream, bool):
-        raise BadRequest("'stream' must be a boolean")
-    prompt = first_prompt(body["prompt"]) if endpoint == "completions" else None
+    stream = body.get("stream")
+    prompt = first_prompt(body.get("prompt")) if endpoint == "completions" else None
     n, best_of = body.get("n", 1), body.get("best_of", 1)
-    reason = ""
+    reason = _unreadable(endpoint, body)
+    if reason:
+        return ParsedCall(endpoint, body, model, stream is True, reason, prompt)
+    stream = bool(stream)
     # Several completions (n > 1, a batch of prompts) are each sampled on their own path: the
     # first (choice 0) is compared. The best of several (best_of) is chosen by its score, no
     # sample of the model's distribution.
@@ -188,6 +190,18 @@ def parse_request(endpoint: Call, data: bytes) -> ParsedCall:
         except ValueError:
             reason = "input"  # an image, audio or file part: the reference reads text
     return ParsedCall(endpoint, body, model, stream, reason, prompt)
+
+
+def _unreadable(endpoint: Call, body: dict[str, Any]) -> str:
+    """"input" where the body lacks what guard reads of a call to ``endpoint`` or has it in a
+    shape guard does not read; "" otherwise."""
+    if endpoint == "chat":
+        readable = isinstance(body.get("messages"), list) and bool(body["messages"])
+    elif endpoint == "responses":
+        readable = isinstance(body.get("input"), (str, list)) and bool(body["input"])
+    else:
+        readable = "prompt" in body
+    return "" if readable and isinstance(body.get("stream"), (bool, type(None))) else "input"
 
 
 # A chat request's fields that offer the model tools, as OpenAI's API and vLLM name them.

@@ -27,7 +27,9 @@ detectors. Which comparison applies depends on what the primary returned:
   the summed variances is a z-score, approximately N(0, 1) under agreement (a martingale CLT). A
   token the transform excludes would give an infinite surprise: the surprise is taken under
   ``(1 - eps) * transformed + eps * untransformed`` (mean and variance taken under the
-  transformed distribution, so the zero mean holds exactly). Verdict: ``|z| <= max_abs_z``;
+  transformed distribution, so the zero mean holds exactly). Verdict: ``|z| <= max_abs_z``,
+  or, beyond it, Chernoff's bound on the chance of such a sum under agreement above
+  ``exp(-max_abs_z^2 / 2)`` (z is far from normal over a few tokens: :func:`sampled_tail_bound`);
   statistic: z. A completion whose transform is unknown (a server whose defaults the block does
   not declare, and a request that does not set them) is ``not_comparable``: counted, never
   scored.
@@ -82,7 +84,12 @@ from guard.verify.generation.transform import (
     unknown_sampling,
 )
 from guard.verify.generation.verdict import FirstDivergence, GenerationCheck, NOT_COMPARABLE_CAUSES
-from guard.verify.generation.checks import TopKKld, check_generation, sampled_terms
+from guard.verify.generation.checks import (
+    TopKKld,
+    check_generation,
+    sampled_tail_bound,
+    sampled_terms,
+)
 from guard.verify.generation.summary import (
     GenerationFigures,
     MAX_FLAGGED,
@@ -202,6 +209,7 @@ __all__ = [
     "penalized_logprobs",
     "perplexities",
     "resolve_transform",
+    "sampled_tail_bound",
     "sampled_terms",
     "server_defaults",
     "summarize",

@@ -268,7 +268,8 @@ class GenerationThresholds:
     # Mean KLD per token (nats) over one completion, logprobs mode. Q8_0's ladder mean is
     # 0.0046 and Q2_K's 0.52: 0.05 sits near their geometric mean.
     max_mean_kld: float = 0.05
-    # |z| of one sampled completion (N(0, 1) under agreement: 4 is 6e-5 two-sided).
+    # |z| of one sampled completion (N(0, 1) under agreement over many tokens: 4 is 6e-5
+    # two-sided); a short one fails only where Chernoff's bound is at most exp(-max_abs_z^2/2).
     max_abs_z: float = 4.0
     # Reference margin (nats) above which an argmax flip is not kernel noise.
     margin_floor: float = 1.0

@@ -1,0 +1,427 @@
+"""Reliability of the OpenAI-compatible edge: a differential fuzzer and a flood of clients that
+walk away mid-stream, against a real `guard serve` process in front of llama.cpp's llama-server.
+
+1. Fuzz (tests/fuzz_openai.py, hypothesis): N cases (default 2,000) over /v1/completions,
+   /v1/chat/completions, the endpoints guard forwards unchecked (/tokenize, /completion,
+   /v1/embeddings ...) and raw bytes; each case's bytes go to llama-server directly and through
+   guard. Counted: cases whose answer through guard breaks its contract (must be 0: a call the
+   server answers and guard refuses, a 5xx of guard's own, a stream made whole, an answer naming
+   another model), statuses by path, tracebacks in guard's log (must be 0), the verifier's
+   outcomes (every call is sampled: none may fail on its content), and the resident memory,
+   threads and descriptors of the serving process and the verifier, after a warm-up and at the
+   end.
+2. Walk-aways (``disconnects``): M chats, every other client closing its connection after
+   0-3 events of a call that would run 400 tokens, or right after sending a call for a whole
+   answer (the rest read 48 tokens to the end). Counted: the disconnects guard saw
+   (``openai_client_disconnected`` events, CANCELLED, not_comparable{incomplete}), whether
+   llama-server stopped generating for each (its /slots idle within 2 s of the walk-away),
+   guard's answer afterwards, memory and descriptors before and after.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/reliability_llm.py [--cases 2000]
+        [--disconnects 300] [--parts fuzz,disconnects] [LLAMA_SERVER]
+
+Writes benchmarks/results/reliability_llm.json and .md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
+
+import httpx2 as httpx  # noqa: E402
+import yaml  # noqa: E402
+from hypothesis import HealthCheck, given, seed, settings  # noqa: E402
+
+import bench  # noqa: E402
+from fuzz_openai import MAX_TOKENS, SERVED, Answer, Case, Tally, cases  # noqa: E402
+from reliability import proc_status, read_events, scrape_all, value, verifier_pid  # noqa: E402
+
+OUT = ROOT / "benchmarks" / "results"
+CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+
+
+def start_llama_server(binary: Path, gguf: Path, folder: Path, cap: int
+                       ) -> tuple[subprocess.Popen, str]:
+    """llama-server with ``-n cap``: no call generates more tokens than that."""
+    port = bench.free_port()
+    process = subprocess.Popen(
+        [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
+         "-t", "1", "-n", str(cap), "--seed", "1"],
+        stdout=open(folder / "llama-server.log", "wb"), stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    raise SystemExit(f"llama-server not up: {(folder / 'llama-server.log').read_text()[-2000:]}")
+
+
+def start_guard(folder: Path, url: str, gguf: Path) -> tuple[subprocess.Popen, dict, Path]:
+    ports = {"grpc_port": bench.free_port(), "metrics_port": bench.free_port(),
+             "admin_port": bench.free_port(), "http_port": bench.free_port()}
+    config = {"version": 1,
+              "server": {"host": "127.0.0.1", **ports, "reload_interval_s": 0},
+              "models": [{
+                  "name": SERVED, "task": "generation",
+                  "primary": {"backend": "openai", "target": url, "model": SERVED,
+                              "options": {"engine": "llama.cpp"}},
+                  "reference": {"backend": "llama_cpp", "path": str(gguf),
+                                "options": {"context_length": 512}},
+                  "mirror": {"sample_rate": 1.0, "queue_size": 256, "timeout_s": 120},
+                  "policy": {"action": "alert"},
+                  "capture": {"dir": str(folder / "capture"), "mode": "all"}}]}
+    path = folder / "guard.yaml"
+    path.write_text(yaml.safe_dump(config, sort_keys=False))
+    log = folder / "guard.log"
+    process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(path)],
+                               stdout=open(log, "wb"), stderr=subprocess.STDOUT, cwd=folder,
+                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"http://127.0.0.1:{ports['http_port']}/health/ready",
+                         timeout=2).status_code == 200:
+                return process, ports, log
+        except httpx.HTTPError:
+            pass
+        if process.poll() is not None:
+            raise SystemExit(f"guard serve exited: {log.read_text()[-2000:]}")
+        time.sleep(0.25)
+    raise SystemExit(f"guard serve not ready: {log.read_text()[-2000:]}")
+
+
+def processes(pid: int) -> dict:
+    return {"serving": proc_status(pid), "verifier": proc_status(verifier_pid(pid))}
+
+
+def send(client: httpx.Client, url: str, case: Case, request_id: str = "") -> Answer:
+    headers = {"Content-Type": "application/json"}
+    if request_id:
+        headers["x-request-id"] = request_id
+    answer = client.post(url + case.path, content=case.data, headers=headers)
+    return Answer(answer.status_code, answer.headers.get("content-type", ""), answer.content)
+
+
+def settled(metrics_port: int, timeout: float = 600) -> dict:
+    """The metrics once the verifier's queue is empty."""
+    deadline = time.monotonic() + timeout
+    while True:
+        values = scrape_all(metrics_port)
+        if value(values, "guard_mirror_queue_depth", model=SERVED) == 0 or \
+                time.monotonic() > deadline:
+            return values
+        time.sleep(0.5)
+
+
+def sample_counts(values: dict) -> dict:
+    outcomes = {o: value(values, "guard_mirror_total", model=SERVED, outcome=o)
+                for o in ("compared", "dropped", "error", "timeout")}
+    reasons = {dict(labels)["reason"]: v for (name, labels), v in values.items()
+               if name == "guard_generation_not_comparable_total" and v}
+    checks = {r: value(values, "guard_checks_total", model=SERVED, tier="generation", result=r)
+              for r in ("pass", "fail")}
+    return {"mirror": outcomes, "not_comparable": reasons, "checks": checks,
+            "verifier_restarts": value(values, "guard_verifier_restarts_total")}
+
+
+def fuzz(guard_url: str, upstream: str, pid: int, metrics_port: int, n: int, seed_value: int,
+         log: Path) -> dict:
+    tally = Tally()
+    sent: dict[str, Case] = {}  # by the x-request-id guard's capture records keep
+    client = httpx.Client(timeout=120)
+    warm_after, status = 100, {}
+    started = time.monotonic()
+
+    @seed(seed_value)
+    @settings(max_examples=n, database=None, deadline=None,
+              suppress_health_check=list(HealthCheck))
+    @given(case=cases)
+    def one(case):
+        done = sum(tally.statuses.values())
+        sent[f"fuzz-{done}"] = case
+        tally.add(case, send(client, upstream, case),
+                  send(client, guard_url, case, f"fuzz-{done}"))
+        done += 1
+        if done == warm_after:
+            status["after_warm_up"] = processes(pid)
+        if done % 200 == 0:
+            bench.log(f"fuzz: {done} cases, {len(tally.broken)} broken")
+
+    one()
+    seconds = time.monotonic() - started
+    values = settled(metrics_port)
+    status["end"] = processes(pid)
+    final = Case("/v1/completions", json.dumps({
+        "model": SERVED, "prompt": "The capital of France is", "max_tokens": 4,
+        "temperature": 0}).encode())
+    direct, through = send(client, upstream, final), send(client, guard_url, final)
+    client.close()
+    by_path: dict[str, dict[str, int]] = {}
+    for (path, direct_status, through_status), count in sorted(tally.statuses.items()):
+        key = f"{direct_status} -> {through_status}"
+        by_path.setdefault(path, {})[key] = by_path.setdefault(path, {}).get(key, 0) + count
+    text = log.read_text(errors="replace")
+    return {"cases": sum(tally.statuses.values()), "seconds": round(seconds, 1),
+            "broken": len(tally.broken), "broken_examples": tally.broken[:20],
+            "statuses": by_path, "tracebacks": text.count("Traceback"),
+            "samples": sample_counts(values), "processes": status,
+            "failed_checks": failed_checks(log.parent / "capture", sent),
+            "cases_file": _dump(log.parent / "cases.jsonl", sent),
+            "answers_afterwards": through.status == 200 and json.loads(through.body)[
+                "choices"][0]["text"] == json.loads(direct.body)["choices"][0]["text"]}
+
+
+def _dump(path: Path, sent: dict[str, Case]) -> str:
+    """Every case as sent, one JSON line each (request id, path, body as latin-1 text), for
+    replaying a failed one by hand (the work folder is kept with KEEP_DIR)."""
+    with path.open("w") as out:
+        for request_id, case in sent.items():
+            out.write(json.dumps({"id": request_id, "path": case.path,
+                                  "data": case.data.decode("latin-1")}) + "\n")
+    return path.name
+
+
+def failed_checks(capture: Path, sent: dict[str, Case]) -> list[dict]:
+    """The calls whose check failed (the pair is healthy: each is a false drift to explain),
+    from guard's capture records, with the case that made them."""
+    from guard.capture.reader import FileStats, expand_paths, read_records
+
+    out = []
+    for path in expand_paths([capture]):
+        for record in read_records(path, FileStats()):
+            for verdict in record.verdicts:
+                details = json.loads(verdict.details_json or "{}")
+                if details.get("passed") is False:
+                    case = sent.get(record.request_id)
+                    out.append({"request": case.describe() if case else record.request_id,
+                                "mode": details.get("mode"), "reason": details.get("reason"),
+                                "tokens": details.get("tokens")})
+    return out
+
+
+def _walk_away(port: int, body: bytes, events: int) -> None:
+    """A call whose client closes its socket after ``events`` SSE events (0: right after
+    sending it)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+        sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        seen, buffer = 0, b""
+        while seen < events:
+            chunk = sock.recv(65536)
+            if not chunk:
+                return
+            buffer += chunk
+            seen = buffer.count(b"data:")
+
+
+def slots_idle(upstream: str, timeout: float = 2.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        slots = httpx.get(f"{upstream}/slots", timeout=5).json()
+        if not any(s.get("is_processing") for s in slots):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: int,
+                seed_value: int, log: Path) -> dict:
+    rng = random.Random(seed_value)
+    before_values = settled(metrics_port)
+    before = processes(pid)
+    events_before = len([e for e in read_events(log) if e.get("event") ==
+                         "openai_client_disconnected"])
+    walked, busy_after, whole = 0, 0, 0
+    client = httpx.Client(timeout=120)
+    for i in range(n):
+        walks = i % 2 == 0  # (a walk-away's call would run 400 tokens; a read one's 48)
+        streamed = i % 6 != 0  # every third walk-away asks for a whole answer
+        body = json.dumps({"model": SERVED, "messages": CHAT, "max_tokens": 400 if walks
+                           else 48, "stream": streamed, "seed": i}).encode()
+        if walks:
+            _walk_away(guard_port, body, rng.randint(0, 3) if streamed else 0)
+            whole += not streamed
+            walked += 1
+            if not slots_idle(upstream):
+                busy_after += 1
+        else:
+            with client.stream("POST", f"http://127.0.0.1:{guard_port}/v1/chat/completions",
+                               content=body,
+                               headers={"Content-Type": "application/json"}) as answer:
+                for _ in answer.iter_bytes():
+                    pass
+        if (i + 1) % 50 == 0:
+            bench.log(f"disconnects: {i + 1} calls")
+    values = settled(metrics_port)
+    after = processes(pid)
+    answer = client.post(f"http://127.0.0.1:{guard_port}/v1/chat/completions",
+                         json={"model": SERVED, "messages": CHAT, "max_tokens": 4})
+    client.close()
+    seen = len([e for e in read_events(log) if e.get("event") ==
+                "openai_client_disconnected"]) - events_before
+    incomplete = (value(values, "guard_generation_not_comparable_total", reason="incomplete")
+                  - value(before_values, "guard_generation_not_comparable_total",
+                          reason="incomplete"))
+    return {"calls": n, "walked_away": walked, "whole_answers_left": whole,
+            "disconnect_events": seen,
+            "cancelled": value(values, "guard_request_errors_total", code="CANCELLED")
+            - value(before_values, "guard_request_errors_total", code="CANCELLED"),
+            "not_comparable_incomplete": incomplete,
+            "upstream_still_generating_2s_after": busy_after,
+            "processes": {"before": before, "after": after},
+            "samples": sample_counts(values), "answers_afterwards": answer.status_code == 200,
+            "tracebacks": log.read_text(errors="replace").count("Traceback")}
+
+
+def markdown(report: dict) -> str:
+    lines = ["# Reliability of the OpenAI edge: a differential fuzzer, clients that walk away", "",
+             f"`{report['command']}`", "",
+             bench.machine_line(report["machine"], ("httpx2", "hypothesis")) + ".", "",
+             "`guard serve` (a subprocess) in front of llama.cpp's llama-server (built by "
+             "`make test`) on SmolLM2-135M-Instruct F16, one thread, `-c 512`, `-n 12` for the "
+             "fuzzer (a cap on every call's tokens), `-n 480` for the walk-aways; every call "
+             "sampled (`mirror.sample_rate: 1`) and scored by the llama_cpp reference on the "
+             "same GGUF in the verifier, every call captured. Raw figures: "
+             "`reliability_llm.json`.", ""]
+    f = report.get("fuzz")
+    if f:
+        s = f["samples"]
+        lines += [
+            "## Differential fuzzer (tests/fuzz_openai.py)", "",
+            f"{f['cases']} cases in {f['seconds']} s, each sent to llama-server directly and "
+            "through guard. The property (tests/fuzz_openai.py `verdict`): a call guard "
+            "refuses itself is a documented refusal (a body that is not a JSON object, a "
+            "`model` that is not a string or not served) in OpenAI's error shape; every other "
+            "call is answered with the server's status, streamed where the server streamed, "
+            "naming the client's model.", "",
+            "| | result |", "| --- | --- |",
+            f"| cases breaking the property | **{f['broken']}** |",
+            f"| tracebacks in guard's log (serving process and verifier) | "
+            f"**{f['tracebacks']}** |",
+            f"| verifier: compared / dropped / timeout / error | {s['mirror']['compared']:g} / "
+            f"{s['mirror']['dropped']:g} / {s['mirror']['timeout']:g} / "
+            f"**{s['mirror']['error']:g}** |",
+            f"| checks pass / fail (a healthy pair: the same GGUF) | {s['checks']['pass']:g} / "
+            f"{s['checks']['fail']:g} |",
+            f"| not comparable, by reason | {_reasons(s['not_comparable'])} |",
+            f"| verifier restarts | {s['verifier_restarts']:g} |",
+            f"| answers as the server afterwards (greedy) | "
+            f"{'yes' if f['answers_afterwards'] else 'NO'} |", "",
+            _process_table({"after 100 cases": f["processes"].get("after_warm_up", {}),
+                            f"after {f['cases']}": f["processes"]["end"]}), "",
+            "Statuses, direct -> through guard, by path:", "",
+            "| path | statuses (count) |", "| --- | --- |"]
+        for path, counts in f["statuses"].items():
+            lines.append(f"| `{path}` | " + ", ".join(f"{k} ({v})" for k, v in counts.items())
+                         + " |")
+        if f["failed_checks"]:
+            lines += ["", "Checks that failed (a healthy pair: each one a false drift):", ""]
+            lines += [f"- `{c['request'][:300]}`: {c['mode']}, {c['tokens']} tokens, "
+                      f"{c['reason']}" for c in f["failed_checks"]]
+        if f["broken_examples"]:
+            lines += ["", "Cases that broke it:", ""]
+            lines += [f"- `{case[:160]}`: {why[:300]}" for case, why in f["broken_examples"]]
+        lines.append("")
+    d = report.get("disconnects")
+    if d:
+        lines += [
+            "## Clients that walk away mid-stream", "",
+            f"{d['calls']} streamed chats through guard, one after another; every other client "
+            f"({d['walked_away']}) closed its socket after 0-3 events of a call that would "
+            f"run 400 tokens (about 4 s; {d['whole_answers_left']} of them asked for a whole "
+            "answer and left right after sending), the rest read 48 tokens to the end.", "",
+            "| | result |", "| --- | --- |",
+            f"| disconnects guard saw (`openai_client_disconnected`) | "
+            f"{d['disconnect_events']} |",
+            f"| counted `guard_request_errors_total{{code=\"CANCELLED\"}}` | "
+            f"{d['cancelled']:g} |",
+            f"| not comparable (incomplete) | {d['not_comparable_incomplete']:g} |",
+            f"| llama-server still generating 2 s after a walk-away (its /slots) | "
+            f"**{d['upstream_still_generating_2s_after']}** |",
+            f"| guard answers afterwards | {'yes' if d['answers_afterwards'] else 'NO'} |",
+            f"| tracebacks in guard's log | **{d['tracebacks']}** |", "",
+            _process_table({"before": d["processes"]["before"],
+                            "after": d["processes"]["after"]}), ""]
+    return "\n".join(lines)
+
+
+def _reasons(reasons: dict) -> str:
+    return ", ".join(f"{k} {v:g}" for k, v in sorted(reasons.items())) or "none"
+
+
+def _process_table(columns: dict) -> str:
+    head = "| process | " + " | ".join(f"{c}: RSS MiB / threads / fds" for c in columns) + " |"
+    rows = [head, "| --- |" + " --- |" * len(columns)]
+    for who in ("serving", "verifier"):
+        cells = [f"{s.get(who, {}).get('rss_mib', '-')} / {s.get(who, {}).get('threads', '-')}"
+                 f" / {s.get(who, {}).get('fds', '-')}" for s in columns.values()]
+        rows.append(f"| {who} | " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("llama_server", nargs="?", default=str(bench.LLAMA_SERVER),
+                        help="llama.cpp's llama-server binary (default: the one make test "
+                        "builds)")
+    parser.add_argument("--cases", type=int, default=2000)
+    parser.add_argument("--disconnects", type=int, default=300)
+    parser.add_argument("--parts", default="fuzz,disconnects")
+    parser.add_argument("--seed", type=int, default=3)
+    args = parser.parse_args(argv)
+    from guard.zoo.llm import quant_ladder
+
+    gguf = quant_ladder(("F16",))["F16"]
+    parts = args.parts.split(",")
+    report: dict = {"command": "benchmarks/reliability_llm.py " + " ".join(
+        argv if argv is not None else sys.argv[1:]), "machine": bench.machine_info()}
+    for part in parts:
+        with tempfile.TemporaryDirectory(prefix="guard-rel-llm-") as tmp:
+            folder = Path(os.environ.get("KEEP_DIR") or tmp) / part
+            folder.mkdir(parents=True, exist_ok=True)
+            # The fuzzer's calls ask a few tokens (a call whose max_tokens the server reads as
+            # absent stops at the cap); a walk-away's call would run to the context's end.
+            server, upstream = start_llama_server(Path(args.llama_server), gguf, folder,
+                                                  2 * MAX_TOKENS if part == "fuzz" else 480)
+            guard, ports, log = start_guard(folder, upstream, gguf)
+            try:
+                if part == "fuzz":
+                    report["fuzz"] = fuzz(f"http://127.0.0.1:{ports['http_port']}", upstream,
+                                          guard.pid, ports["metrics_port"], args.cases,
+                                          args.seed, log)
+                else:
+                    report["disconnects"] = disconnects(
+                        ports["http_port"], upstream, guard.pid, ports["metrics_port"],
+                        args.disconnects, args.seed, log)
+            finally:
+                guard.terminate()
+                guard.wait(30)
+                server.terminate()
+                server.wait(30)
+    report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
+    OUT.mkdir(parents=True, exist_ok=True)
+    (OUT / "reliability_llm.json").write_text(json.dumps(report, indent=1) + "\n")
+    text = markdown(report)
+    (OUT / "reliability_llm.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
