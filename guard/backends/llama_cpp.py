@@ -39,6 +39,7 @@ from guard.backends.scoring import (
     chat_rendering,
     common_prefix,
     continue_final_message,
+    continued_after_generation_prompt,
     loaded,
 )
 from guard.backends.token_alignment import Vocabulary
@@ -223,6 +224,9 @@ class LlamaCppScorer(LocalScorer):
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
         generation_prompt, continued, keywords = chat_rendering(template_args)
+        after = continued_after_generation_prompt(template_args, messages)
+        if after is not None:  # (as llama.cpp's server continues a final message)
+            messages, generation_prompt, continued = after[0], True, False
         vocab = self.vocab
         formatter = Jinja2ChatFormatter(
             template=template, eos_token=vocab.token_text(int(llm.token_eos())),
@@ -232,7 +236,7 @@ class LlamaCppScorer(LocalScorer):
         # own arguments (chat_template_kwargs) go to the template as the formatter's keywords.
         rendered = formatter(messages=cast("list[ChatCompletionRequestMessage]", list(messages)),
                              **keywords)
-        prompt = rendered.prompt
+        prompt = rendered.prompt + (after[1] if after is not None else "")
         if continued:
             prompt = continue_final_message(prompt, messages)
         # llama-cpp-python's chat handler: BOS added unless the template wrote it.

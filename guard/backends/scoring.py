@@ -41,7 +41,7 @@ from guard.backends.token_alignment import (
     names_its_alternatives,
 )
 from guard.errors import BackendError
-from guard.protocol.generation import GenerationSample
+from guard.protocol.generation import LLAMA_CPP_CONTINUATION, GenerationSample
 
 # How many of the reference's best tokens are kept per position (for reports and for a
 # top-k-only comparison); vLLM's max_logprobs default is 20 too.
@@ -237,6 +237,22 @@ def chat_rendering(template_args: Mapping[str, Any] | None
     continued = bool(args.get("continue_final_message", False))
     return (bool(args.get("add_generation_prompt", True)) and not continued, continued,
             dict(args.get("chat_template_kwargs") or {}))
+
+
+def continued_after_generation_prompt(template_args: Mapping[str, Any] | None,
+                                      messages: Sequence[dict]) -> tuple[list, str] | None:
+    """Where the final message is continued as llama.cpp's server continues it
+    (:data:`~guard.protocol.generation.LLAMA_CPP_CONTINUATION`): the messages to render with
+    the generation prompt, and the text that follows it (the final message's content, text
+    parts joined by a blank line). None otherwise."""
+    if not (template_args or {}).get(LLAMA_CPP_CONTINUATION) or not messages:
+        return None
+    content = messages[-1].get("content")
+    if isinstance(content, list):
+        content = "\n\n".join(part["text"] for part in content if isinstance(part, dict)
+                              and part.get("type", "text") == "text"
+                              and isinstance(part.get("text"), str))
+    return list(messages[:-1]), content if isinstance(content, str) else ""
 
 
 def continue_final_message(text: str, messages: Sequence[dict]) -> str:

@@ -35,6 +35,7 @@ from guard.backends.scoring import (
     LocalScorer,
     chat_rendering,
     common_prefix,
+    continued_after_generation_prompt,
     loaded,
 )
 from guard.backends.token_alignment import Vocabulary
@@ -129,6 +130,9 @@ class HFTokenized:
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
         generation_prompt, continued, keywords = chat_rendering(template_args)
+        after = continued_after_generation_prompt(template_args, messages)
+        if after is not None:  # (as llama.cpp's server continues a final message)
+            messages, generation_prompt, continued = after[0], True, False
         try:
             text = tokenizer.apply_chat_template(
                 list(messages), add_generation_prompt=generation_prompt,
@@ -136,6 +140,8 @@ class HFTokenized:
         except ValueError as exc:  # e.g. a final message the template does not write
             raise BackendError(f"the chat template cannot render these messages: {exc}") \
                 from None
+        if after is not None:
+            text += after[1]
         # The template writes the special tokens itself (BOS too, where it has one).
         return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -101,6 +101,48 @@ class SamplingParams:
 CHAT_TEMPLATE_ARGS: dict[str, type] = {"add_generation_prompt": bool,
                                        "continue_final_message": bool,
                                        "chat_template_kwargs": dict}
+
+
+# guard's own template argument (never read from a request): the final message is continued
+# as llama.cpp's server continues it, its content after the template's generation prompt for
+# the messages before it (llama.cpp common/chat.cpp: messages[:-1] rendered, then the
+# generation prompt, then the content, text parts joined by a blank line), where
+# transformers and vLLM render every message and cut after the last one's content. The two
+# differ where the template writes something for the first message only (SmolLM2's adds a
+# system prompt before a first message that is not one).
+LLAMA_CPP_CONTINUATION = "continue_after_generation_prompt"
+
+
+def rendered_as_served(sample: "GenerationSample", engine: str) -> "GenerationSample":
+    """``sample`` with the template arguments its server rendered it under, where the engine
+    decides them: llama.cpp's llama-server continues a chat whose last message is the
+    assistant's (``--prefill-assistant``, its default), where vLLM and OpenAI's API open a new
+    assistant turn unless asked (``continue_final_message``), and it continues a final message
+    its own way (:data:`LLAMA_CPP_CONTINUATION`), answering the continued content again before
+    what the model generated (taken off the completion here: it is the prompt's). Rendered
+    with a new turn and scored with the content, a healthy llama-server's prefilled chats read
+    as drift (z 5 to 10, benchmarks/results/reliability_llm.md).
+    A server started with ``--no-prefill-assistant`` is not told apart (its /props does not
+    say)."""
+    if engine != "llama.cpp" or sample.endpoint != "chat" or not sample.messages or \
+            sample.prompt_token_ids is not None:
+        return sample
+    args = dict(sample.chat_template_args or {})
+    last = sample.messages[-1]
+    prefilled = "continue_final_message" not in args and isinstance(last, dict) and \
+        last.get("role") == "assistant"
+    if not (prefilled or args.get("continue_final_message") is True) or \
+            args.get(LLAMA_CPP_CONTINUATION):
+        return sample
+    args.update({"add_generation_prompt": False, "continue_final_message": True,
+                 LLAMA_CPP_CONTINUATION: True})
+    # Its answer repeats the continued content before what the model generated ("Hello" then
+    # ", and welcome ..."): the content is the prompt's, the rest the completion.
+    content = last.get("content") if isinstance(last, dict) else None
+    text = sample.completion_text
+    if isinstance(content, str) and content and text.startswith(content):
+        text = text[len(content):]
+    return replace(sample, chat_template_args=args, completion_text=text)
 
 
 def chat_template_args(body: dict[str, Any]) -> dict[str, Any] | None:
@@ -340,8 +382,9 @@ def from_dict(data: Any) -> GenerationSample:
     messages = data.get("messages")
     ids = data.get("prompt_token_ids")
     template_args = data.get("chat_template_args")
+    recorded = {**CHAT_TEMPLATE_ARGS, LLAMA_CPP_CONTINUATION: bool}
     if template_args is not None and (not isinstance(template_args, dict) or any(
-            k not in CHAT_TEMPLATE_ARGS or not isinstance(v, CHAT_TEMPLATE_ARGS[k])
+            k not in recorded or not isinstance(v, recorded[k])
             for k, v in template_args.items())):
         raise ValueError("chat_template_args: expected an object of "
                          + ", ".join(CHAT_TEMPLATE_ARGS))

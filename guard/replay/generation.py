@@ -32,7 +32,7 @@ from guard.backends.openai import OpenAIBackend, reported_settings
 from guard.backends.openai_generate import PrimaryProbe
 from guard.config import ModelConfig
 from guard.errors import BackendError, GuardError
-from guard.protocol.generation import GenerationSample
+from guard.protocol.generation import GenerationSample, rendered_as_served
 from guard.replay.items import (
     CHECKED,
     INPUT_ERROR,
@@ -97,6 +97,7 @@ class GenerationRunner:
         self.scorer = cast("Scorer", create_backend(reference, "reference",
                                                     config.mirror.threads))
         self.comparator = Comparator.for_model(config)
+        self.engine = config.primary.options.get("engine", "unknown")  # (how it renders chats)
         self._primary: PrimaryProbe | None = None  # built for the first prompt to generate
         self._reference = ThreadPoolExecutor(max_workers=1,
                                              thread_name_prefix=f"replay-{self.name}-reference")
@@ -163,6 +164,7 @@ class GenerationRunner:
                 if self._primary is None:  # never reached: nothing will be generated
                     raise
                 return Scored(item, outcome=outcome_of(item, PRIMARY_ERROR, str(exc)))
+        completion = rendered_as_served(completion, self.engine)
         try:
             scores = self.scorer.score(completion)
         except Exception as exc:  # noqa: BLE001 - reported per record

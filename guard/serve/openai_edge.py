@@ -625,10 +625,17 @@ class _Forward(_Upstream):
         if unusable:
             self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
             return
-        sample = api.build_sample(
-            self.call, completion, route=self.route, request_id=self.request_id,
-            streamed=streamed, unix_nanos=time.time_ns(), request_seconds=seconds,
-            first_token_seconds=self.first_token, guard_logprobs=self.guard_logprobs)
+        try:
+            sample = api.build_sample(
+                self.call, completion, route=self.route, request_id=self.request_id,
+                streamed=streamed, unix_nanos=time.time_ns(), request_seconds=seconds,
+                first_token_seconds=self.first_token, guard_logprobs=self.guard_logprobs)
+        except (TypeError, ValueError, KeyError, AttributeError):
+            # A request field of a shape the sample's reading missed (the client has its
+            # answer): counted and logged, never a lost sample nor a failed handler.
+            log.exception("a sampled call of %s made no sample", self.model.name)
+            self.edge.metrics.not_comparable.labels(self.model.name, "input").inc()
+            return
         self.model.hand_off(self.flags, self.request_id, self.route, self.epoch, seconds,
                             wire.Generation(sample))
 

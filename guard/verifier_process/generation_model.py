@@ -59,7 +59,7 @@ from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.detector import ScoreSpec
 from guard.policy.route import RoutePolicy
-from guard.protocol.generation import GenerationSample
+from guard.protocol.generation import GenerationSample, rendered_as_served
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
 from guard.verifier_process.model import VerifiedModel
 from guard.verify.pipeline import Comparator
@@ -141,10 +141,12 @@ class GenerationMirror(Mirror):
                                  tuple[GenerationCheck, ActivationReport | None]], metrics,
                  on_result: Callable[[GenerationResult], None],
                  on_unchecked: Callable[[GenerationMirrorSample, str], None], on_span,
-                 on_finished: Callable[[GenerationMirrorSample], None]):
+                 on_finished: Callable[[GenerationMirrorSample], None],
+                 engine: str = "unknown"):
         super().__init__(model, config, scorer, None, None, metrics, on_result, on_unchecked,
                          on_span, on_finished)
         self.scorer, self.probe, self.check = scorer, probe, check
+        self.engine = engine  # the primary's (options.engine): how its server renders chats
 
     def _limit(self) -> int:
         return 1
@@ -174,6 +176,7 @@ class GenerationMirror(Mirror):
                     raise BackendError("no primary to probe")
                 completion = self._call(lambda _: probe(sample.generation), sample, stage, span)
                 stage = "reference"
+            completion = rendered_as_served(completion, self.engine)
             started = time.perf_counter()
             scores = self._call(lambda _: self.scorer.score(completion), sample, stage, span)
             seconds = time.perf_counter() - started
@@ -326,7 +329,7 @@ class VerifiedGenerationModel(VerifiedModel):
                 self.mirror = GenerationMirror(
                     self.name, config.mirror, scorer, probe, check, self.metrics,
                     self._on_completion, self._completion_unchecked, self.serving.span,
-                    self._finished)
+                    self._finished, config.primary.options.get("engine", "unknown"))
                 if self.activation_tier is not None:  # on_failure waits for room in the queue
                     self.activation_tier.queue_fill = self.mirror.queue_fill
         if resume_word is not None:

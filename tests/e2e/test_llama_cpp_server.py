@@ -143,3 +143,52 @@ def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_liv
             assert abs(preset.statistic - live.statistic) > 0.05
     finally:
         reference.close()
+
+
+PREFILLED = [
+    [{"role": "user", "content": "Give me a JSON object with a name."},
+     {"role": "assistant", "content": "{\"name\": \""}],
+    [{"role": "assistant", "content": "Hello"}],  # (the template's system prompt: none here)
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Well then"}],
+]
+
+
+@pytest.mark.parametrize("messages", PREFILLED)
+def test_a_chat_llama_server_continues_is_rendered_as_it_renders_it(llama, messages):
+    """llama-server continues a chat whose last message is the assistant's (its default
+    --prefill-assistant): the reference renders the sample as the server's own
+    /apply-template does, token for token, where it opened a new turn before (a healthy
+    server's prefilled chats read as drift: z 5 to 10 in benchmarks/reliability_llm.py)."""
+    from guard.protocol.generation import GenerationSample, SamplingParams, rendered_as_served
+
+    server, gguf = llama
+    status, template = post_json(f"{server.url}/apply-template", {"messages": messages})
+    assert status == 200
+    status, tokens = post_json(f"{server.url}/tokenize", {"content": template["prompt"],
+                                                          "add_special": True,
+                                                          "parse_special": True})
+    reference = create_backend(load_config_block(gguf), "reference", 1)
+    reference.load()
+    try:
+        sample = GenerationSample(model="smol", endpoint="chat", completion_text="",
+                                  tokens=(), messages=tuple(messages),
+                                  sampling=SamplingParams())
+        served = rendered_as_served(sample, "llama.cpp")
+        assert reference.render(served).ids == tokens["tokens"]
+        assert reference.render(sample).ids != tokens["tokens"]  # (a new turn)
+        # Its answer repeats the continued content first: the completion is what follows.
+        status, answer = post_json(f"{server.url}/v1/chat/completions",
+                                   {"messages": messages, "max_tokens": 4, "seed": 1})
+        said = answer["choices"][0]["message"]["content"]
+        assert status == 200 and said.startswith(messages[-1]["content"])
+        answered = rendered_as_served(replace(sample, completion_text=said), "llama.cpp")
+        assert answered.completion_text == said[len(messages[-1]["content"]):]
+    finally:
+        reference.close()
+
+
+def load_config_block(gguf):
+    from guard.config.backend import BackendConfig
+
+    return BackendConfig(backend="llama_cpp", path=str(gguf), options={"context_length": 512})

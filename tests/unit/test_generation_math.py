@@ -317,6 +317,34 @@ def test_the_tail_bound_bounds_the_exact_tail_and_is_tight_over_many_tokens():
     assert sampled_tail_bound(scores, transform, 0.05, 1e6) == 0.0
 
 
+@pytest.mark.parametrize("truncation", ["min_p", "top_k", "top_p"])
+def test_a_token_the_server_kept_at_a_truncations_edge_is_inside_within_the_slack(truncation):
+    """Token 7 lies a hundredth of a nat past the cut in the reference's numbers (the server's
+    own put it inside, as a healthy llama-server's did): kept; half a nat past it, outside,
+    as it is without the slack."""
+    from guard.verify.generation import transformed_support
+    from guard.verify.generation.checks import BOUNDARY_SLACK
+
+    for past, inside in ((0.01, True), (0.5, False)):
+        probabilities = np.full(50, 1e-6)
+        if truncation == "top_p":  # top_p 0.5: token 0 alone holds 0.5 e^past, 7 comes next
+            transform = _transform(top_p=0.5)
+            probabilities[0], probabilities[7] = 0.5 * math.exp(past), 0.05
+            probabilities[8:] = (1.0 - probabilities[0] - 0.05) / 42  # (below token 7)
+        else:
+            probabilities[:6] = [0.3, 0.2, 0.15, 0.1, 0.08, 0.06]
+            if truncation == "min_p":  # the cut: 0.05 x 0.3
+                transform = _transform(min_p=0.05)
+                probabilities[7] = 0.015 * math.exp(-past)
+            else:  # top_k 6: token 7 just below the sixth
+                transform = _transform(top_k=6)
+                probabilities[7] = 0.06 * math.exp(-past)
+        row = np.log(probabilities / probabilities.sum())
+        kept, _ = transformed_support(row, transform, 7, BOUNDARY_SLACK)
+        assert (7 in kept) == inside, (truncation, past, kept)
+        assert 7 not in transformed_support(row, transform)[0]  # (no slack: outside)
+
+
 def test_a_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts():
     """A completion known by its text alone, whose canonical first token ("--", id 7) the
     transform excludes while a kept top candidate ("-", id 3) begins it: the server sampled

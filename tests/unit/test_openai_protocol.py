@@ -9,7 +9,9 @@ import random
 from dataclasses import replace
 
 import pytest
+import hypothesis
 
+import fuzz_openai
 from guard.plan.serving import parse_config
 from guard.errors import ConfigError
 from guard.ipc import wire
@@ -1001,3 +1003,52 @@ def test_an_edge_without_aiohttp_names_the_extra_to_install():
                          timeout=60)
     assert out.returncode == 0, out.stderr
     assert "server.http_port" in out.stdout and "pip install '.[llm-remote]'" in out.stdout
+
+
+@hypothesis.settings(max_examples=300, derandomize=True, database=None, deadline=None,
+                     suppress_health_check=list(hypothesis.HealthCheck))
+@hypothesis.given(case=fuzz_openai.cases)
+@hypothesis.example(case=fuzz_openai.Case(
+    "/v1/completions", b'{"model": "smol", "prompt": "x", "max_tokens": 1, "stop": 5}'))
+def test_any_body_is_a_call_a_refusal_or_not_comparable_and_its_sample_builds(case):
+    """Whatever JSON a client sends (tests/fuzz_openai.py's bodies: any value in any field),
+    reading it never raises but BadRequest, and a comparable call's sample builds: a
+    ``"stop": 5`` that llama-server answers raised TypeError in the hand-off, after the
+    client had its answer (found by benchmarks/reliability_llm.py)."""
+    endpoint = api.PATHS.get(case.path)
+    if endpoint is None:
+        return
+    try:
+        call = api.parse_request(endpoint, case.data)
+    except api.BadRequest:
+        return
+    api.sampling_params(call.body, endpoint)
+    if not call.not_comparable:
+        completion = api.Completion()
+        api.gather(completion, endpoint, {"choices": [{"index": 0, "text": "x",
+                                                       "message": {"content": "x"}}]},
+                   streamed=False)
+        api.build_sample(call, completion, route="primary")
+
+
+def test_a_chat_llama_server_continues_is_scored_as_it_renders_and_answers_it():
+    """engine llama.cpp: a chat ending with the assistant's message is continued (prefill),
+    rendered llama.cpp's way, and the content its answer repeats is taken off the completion;
+    once only; other engines and chats that open a new turn are left as they are."""
+    chat = generation.GenerationSample(
+        model="m", endpoint="chat", completion_text="{\"name\": \"Ann\"}", tokens=(),
+        messages=({"role": "user", "content": "JSON?"}, {"role": "assistant", "content": "{"}))
+    served = generation.rendered_as_served(chat, "llama.cpp")
+    assert served.completion_text == '"name": "Ann"}'
+    assert served.chat_template_args == {"add_generation_prompt": False,
+                                         "continue_final_message": True,
+                                         generation.LLAMA_CPP_CONTINUATION: True}
+    assert generation.rendered_as_served(served, "llama.cpp") == served
+    assert generation.rendered_as_served(chat, "vllm") == chat
+    new_turn = replace(chat, messages=chat.messages[:1])
+    assert generation.rendered_as_served(new_turn, "llama.cpp") == new_turn
+    asked = replace(chat, chat_template_args={"continue_final_message": False,
+                                              "add_generation_prompt": True})
+    assert generation.rendered_as_served(asked, "llama.cpp") == asked  # (--no-prefill asked)
+    # A record that says it (guard's own argument) reads back.
+    assert generation.from_dict(generation.to_dict(served)) == served

@@ -392,7 +392,9 @@ def sampling_params(body: dict[str, Any], endpoint: Call = "chat") -> SamplingPa
     elif logprobs is True:
         logprobs = 0
     stop = body.get("stop")
-    stops = (stop,) if isinstance(stop, str) else tuple(s for s in stop or () if isinstance(s, str))
+    # (a stop of another type, e.g. a number, is the server's to refuse or ignore: none here)
+    stops = (stop,) if isinstance(stop, str) else tuple(
+        s for s in stop if isinstance(s, str)) if isinstance(stop, list) else ()
     max_tokens = body.get("max_tokens", body.get("max_completion_tokens",
                                                  body.get("max_output_tokens")))
     return SamplingParams(

@@ -49,6 +49,11 @@ _GREEDY_TEMPERATURE = 1e-5
 # max_mean_kld.
 _PROCESSED_EPSILON = 1e-3
 _LOGITS_MODES = ("raw_logits", "processed_logits")
+# Nats by which a truncation (top_k, min_p, top_p) may drop the primary's sampled token in the
+# reference's numbers and it still counts as kept (transformed_support): the two sides'
+# kernels differ by thousandths of a nat (F16 against fp32) to tenths (a healthy Q8_0's), and a
+# token the server found just inside the cut is no evidence of drift. A token further out is.
+BOUNDARY_SLACK = 0.1
 
 
 
@@ -265,7 +270,7 @@ def sampled_terms(scores: ReferenceScores, transform: Transform, epsilon: float
         row = penalized_logprobs(scores, transform, t) if transform.penalized else \
             scores.logprobs[t]
         # Only the kept set and the primary's token enter: pi is zero elsewhere.
-        kept, pi = transformed_support(row, transform)
+        kept, pi = transformed_support(row, transform, token_id, BOUNDARY_SLACK)
         mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
                        + _TINY)
         expected = float(np.dot(pi, mixed))  # -(cross entropy of pi against the mixture)
@@ -296,10 +301,10 @@ def sampled_tail_bound(scores: ReferenceScores, transform: Transform, epsilon: f
     side = 1.0 if total >= 0.0 else -1.0
     positions: list[tuple[np.ndarray, np.ndarray]] = []
     reach = 0.0  # the largest sum on this side the candidates can give
-    for t in range(len(scores.token_ids)):
+    for t, token_id in enumerate(scores.token_ids):
         row = penalized_logprobs(scores, transform, t) if transform.penalized else \
             scores.logprobs[t]
-        kept, pi = transformed_support(row, transform)
+        kept, pi = transformed_support(row, transform, token_id, BOUNDARY_SLACK)
         mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
                        + _TINY)
         held = pi > 0.0
@@ -374,7 +379,8 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
     t = int(np.flatnonzero(outside)[0])
     text = scores.token_texts[t]
     row = penalized_logprobs(scores, transform, t) if transform.penalized else scores.logprobs[t]
-    kept = set(int(i) for i in transformed_support(row, transform)[0])
+    kept = set(int(i) for i in transformed_support(row, transform, scores.token_ids[t],
+                                                    BOUNDARY_SLACK)[0])
     for candidate, candidate_text in zip(scores.top_ids[t], scores.top_texts[t]):
         if int(candidate) not in kept or candidate_text == text:
             continue

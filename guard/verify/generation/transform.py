@@ -172,6 +172,9 @@ def _softmax(logits: np.ndarray) -> np.ndarray:
 _NUCLEUS_FIRST = 64
 
 
+_TINY_MASS = 1e-300  # (a log of no mass at all)
+
+
 def _nucleus(values: np.ndarray, top_p: float) -> np.ndarray:
     """Indices into ``values`` (logits over the candidates) of the smallest prefix, best first,
     whose softmax mass reaches ``top_p`` (the token that crosses included): what a stable
@@ -195,34 +198,61 @@ def _nucleus(values: np.ndarray, top_p: float) -> np.ndarray:
         k = min(4 * k, size)
 
 
-def transformed_support(logprobs: np.ndarray, transform: Transform
-                        ) -> tuple[np.ndarray, np.ndarray]:
+def transformed_support(logprobs: np.ndarray, transform: Transform, keep: int | None = None,
+                        slack: float = 0.0) -> tuple[np.ndarray, np.ndarray]:
     """The tokens the server may sample at one position and their probabilities (float64),
     given the model's log-probabilities there (penalties already applied).
+
+    ``keep`` (the token the primary sampled there) stays in the set where a truncation drops
+    it by at most ``slack`` nats in the reference's numbers (top_k, min_p: its logprob that
+    far below the cut; top_p: the mass before it that far below top_p, in log terms): at the
+    edge of a truncation the server's numbers put it inside, and the reference's, a few
+    thousandths of a nat apart, outside (a healthy llama-server sampled " \n" at -4.52 where
+    min_p 0.05 cut at -4.52, and the reference read it as a token no agreeing server
+    samples: z 5.2).
 
     The truncations work on the candidates top_k left (all tokens without it), so that a
     top_k server costs one partition of the vocabulary, not a sort; only the kept tokens are
     converted and normalized (the vocabulary is tens of thousands, the kept set tens)."""
+    mine = -1 if keep is None or slack <= 0.0 or not np.isfinite(logprobs[keep]) else keep
     if 0 < transform.top_k < logprobs.shape[-1]:
         # Temperature is monotonic: the top_k set is the same before or after it.
         candidates = largest_k(logprobs, transform.top_k)
         candidates = candidates[np.isfinite(logprobs[candidates])]
+        if mine >= 0 and mine not in candidates and candidates.size and \
+                logprobs[mine] >= logprobs[candidates].min() - slack:
+            candidates = np.append(candidates, mine)
     else:
         candidates = np.flatnonzero(np.isfinite(logprobs))
     values = logprobs[candidates].astype(np.float64)
     if not transform.temperature_last:
         values = values / transform.temperature
 
+    def kept_value() -> float | None:
+        at = np.flatnonzero(candidates == mine)
+        return float(values[at[0]]) if mine >= 0 and at.size else None
+
     def min_p(candidates, values):
         if transform.min_p <= 0.0:
             return candidates, values
-        kept = values >= values.max() + math.log(transform.min_p)  # p >= min_p * p_max
+        cut = values.max() + math.log(transform.min_p)  # p >= min_p * p_max
+        value = kept_value()
+        if value is not None and cut - slack <= value < cut:
+            cut = value
+        kept = values >= cut
         return candidates[kept], values[kept]
 
     if transform.min_p_first:
         candidates, values = min_p(candidates, values)
     if transform.top_p < 1.0:
         order = _nucleus(values, transform.top_p)
+        value = kept_value()
+        if value is not None and mine not in candidates[order]:
+            probabilities = _softmax(values)
+            before = float(probabilities[values > value].sum())
+            if math.log(max(before, _TINY_MASS)) <= math.log(transform.top_p) + slack:
+                order = np.flatnonzero(values >= value)
+                order = order[np.argsort(-values[order], kind="stable")]
         candidates, values = candidates[order], values[order]
     if not transform.min_p_first:
         candidates, values = min_p(candidates, values)
