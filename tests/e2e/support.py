@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 import urllib.request
@@ -217,3 +218,27 @@ def reset_repaired_primary(srv, model: str, kept: list[str], reason: str):
     return status
 
 
+
+
+class Tracebacks(logging.Handler):
+    """Log records that carry a traceback, from every logger while attached (``with``): a
+    fuzzed input must be answered, never crash a handler."""
+
+    def __init__(self):
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record):
+        if record.exc_info or "Traceback" in record.getMessage():
+            self.records.append(record)
+
+    def __enter__(self) -> "Tracebacks":
+        logging.getLogger().addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        logging.getLogger().removeHandler(self)
+
+    @property
+    def messages(self) -> list[str]:
+        return [r.getMessage() for r in self.records]

@@ -4,14 +4,12 @@ benchmark (benchmarks/reliability.py) runs 10,000+ cases against `guard serve`."
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from fixture_models import Affine
 from fuzz_messages import Target, cases, reset_routes, target_models
-from support import affine_backend, running
+from support import Tracebacks, affine_backend, running
 
 TAP = {"host": "127.0.0.1", "port": 0}
 
@@ -25,20 +23,8 @@ def target(tmp_path_factory):
         target.close()
 
 
-class _Tracebacks(logging.Handler):
-    def __init__(self):
-        super().__init__(logging.DEBUG)
-        self.records: list[logging.LogRecord] = []
-
-    def emit(self, record):
-        if record.exc_info or "Traceback" in record.getMessage():
-            self.records.append(record)
-
-
 def test_fuzzed_messages_get_deliberate_answers(target):
-    tracebacks = _Tracebacks()
-    logging.getLogger().addHandler(tracebacks)
-    try:
+    with Tracebacks() as tracebacks:
         @settings(max_examples=200, derandomize=True, database=None, deadline=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=cases)
@@ -46,11 +32,9 @@ def test_fuzzed_messages_get_deliberate_answers(target):
             target.send(case)
 
         one()
-    finally:
-        logging.getLogger().removeHandler(tracebacks)
     reset_routes(target)
     assert sum(target.codes.values()) >= 200
     assert any(k.endswith(" OK") for k in target.codes)  # some calls were valid ones
     assert any(not k.endswith(" OK") for k in target.codes)  # and some were refused
-    assert [r.getMessage() for r in tracebacks.records] == []
+    assert tracebacks.messages == []
     assert target.answers_correctly(Affine())

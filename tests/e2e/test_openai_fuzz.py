@@ -9,7 +9,6 @@ verifier failed on, and guard answers correctly afterwards. The benchmark
 from __future__ import annotations
 
 import json
-import logging
 
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
@@ -17,8 +16,7 @@ from hypothesis import HealthCheck, given, settings
 
 from fuzz_openai import MAX_TOKENS, SERVED, Answer, Case, Tally, cases
 from llm_support import require_llama_server, start_llama_cpp_server
-from support import metric, running, scrape, wait_for
-from test_fuzz import _Tracebacks
+from support import Tracebacks, metric, running, scrape, wait_for
 
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
 
@@ -60,21 +58,17 @@ def send(client: httpx.Client, url: str, case: Case) -> Answer:
 def test_fuzzed_calls_are_answered_as_the_upstream_answers_them(upstream, tmp_path):
     server, gguf = upstream
     tally = Tally()
-    tracebacks = _Tracebacks()
     with running(tmp_path, [model_block(server.url, gguf)], http_port=0) as (srv, _), \
-            httpx.Client(timeout=120) as client:
+            httpx.Client(timeout=120) as client, Tracebacks() as tracebacks:
         guard = f"http://127.0.0.1:{srv.http_port}"
-        logging.getLogger().addHandler(tracebacks)
-        try:
-            @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
-                      suppress_health_check=list(HealthCheck))
-            @given(case=cases)
-            def one(case):
-                tally.add(case, send(client, server.url, case), send(client, guard, case))
 
-            one()
-        finally:
-            logging.getLogger().removeHandler(tracebacks)
+        @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+                  suppress_health_check=list(HealthCheck))
+        @given(case=cases)
+        def one(case):
+            tally.add(case, send(client, server.url, case), send(client, guard, case))
+
+        one()
         assert tally.broken == []
         statuses = {through for (_, _, through) in tally.statuses}
         assert 200 in statuses and statuses & {400, 404}  # answered calls and refused ones
@@ -91,4 +85,4 @@ def test_fuzzed_calls_are_answered_as_the_upstream_answers_them(upstream, tmp_pa
         assert (direct.status, through.status) == (200, 200)
         assert json.loads(through.body)["choices"][0]["text"] == json.loads(
             direct.body)["choices"][0]["text"]
-    assert [r.getMessage() for r in tracebacks.records] == []
+    assert tracebacks.messages == []
