@@ -13,9 +13,10 @@ walk away mid-stream, against a real `guard serve` process in front of llama.cpp
 2. Walk-aways (``disconnects``): M chats, every other client closing its connection after
    0-3 events of a call that would run 400 tokens, or right after sending a call for a whole
    answer (the rest read 48 tokens to the end). Counted: the disconnects guard saw
-   (``openai_client_disconnected`` events, CANCELLED, not_comparable{incomplete}), whether
-   llama-server stopped generating for each (its /slots idle within 2 s of the walk-away),
-   guard's answer afterwards, memory and descriptors before and after.
+   (``openai_client_disconnected`` events, CANCELLED, not_comparable{incomplete}), how long
+   llama-server went on generating after each (its /slots), through guard and, for 20 of the
+   same walk-aways, straight to the server; guard's answer afterwards, memory and descriptors
+   before and after.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/reliability_llm.py [--cases 2000]
         [--disconnects 300] [--parts fuzz,disconnects] [LLAMA_SERVER]
@@ -30,6 +31,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -214,30 +216,58 @@ def failed_checks(capture: Path, sent: dict[str, Case]) -> list[dict]:
     return out
 
 
-def _walk_away(port: int, body: bytes, events: int) -> None:
+def _walk_away(port: int, body: bytes, events: int, wait_s: float = 0.0) -> bytes:
     """A call whose client closes its socket after ``events`` SSE events (0: right after
-    sending it)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=60) as sock:
+    sending it, or ``wait_s`` later: a client's timeout while a whole answer generates).
+    What it read: the answer's head, where it was no stream of that many events in 20 s."""
+    with socket.create_connection(("127.0.0.1", port), timeout=20) as sock:
         sock.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
                      b"Content-Type: application/json\r\nContent-Length: "
                      + str(len(body)).encode() + b"\r\n\r\n" + body)
+        time.sleep(wait_s)
         seen, buffer = 0, b""
-        while seen < events:
-            chunk = sock.recv(65536)
-            if not chunk:
-                return
-            buffer += chunk
-            seen = buffer.count(b"data:")
+        try:
+            while seen < events:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    break
+                buffer += chunk
+                seen = buffer.count(b"data:")
+        except TimeoutError:
+            pass
+        return b"" if seen >= events else buffer[:300] or b"(nothing in 20 s)"
 
 
-def slots_idle(upstream: str, timeout: float = 2.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def until_idle(upstream: str, limit: float = 8.0) -> float:
+    """Seconds until llama-server's /slots say no slot is processing (``limit`` at most)."""
+    started = time.monotonic()
+    while time.monotonic() - started < limit:
         slots = httpx.get(f"{upstream}/slots", timeout=5).json()
         if not any(s.get("is_processing") for s in slots):
-            return True
+            break
         time.sleep(0.05)
-    return False
+    return time.monotonic() - started
+
+
+def _walk_away_timed(port: int, upstream: str, body: bytes, events: int) -> float:
+    """A walk-away, then the seconds the server went on generating for it after the client
+    left. A whole answer's client leaves 0.5 s after sending (the server is generating by
+    then: one that leaves at once may be gone before guard has forwarded the call, and then
+    nothing is generated at all)."""
+    unread = _walk_away(port, body, events,
+                        0.5 if events == 0 and b'"stream": false' in body else 0.0)
+    if unread:
+        bench.log(f"walk-away: no stream of {events} events: {unread!r}")
+        UNREAD.append(unread.decode("latin-1"))
+    return until_idle(upstream)
+
+
+UNREAD: list[str] = []  # walk-aways whose answer was no stream of the events awaited
+
+
+def _spread(seconds: list[float]) -> dict:
+    return {"calls": len(seconds), "median_s": round(statistics.median(seconds), 2),
+            "max_s": round(max(seconds), 2)} if seconds else {"calls": 0}
 
 
 def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: int,
@@ -247,7 +277,8 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
     before = processes(pid)
     events_before = len([e for e in read_events(log) if e.get("event") ==
                          "openai_client_disconnected"])
-    walked, busy_after, whole = 0, 0, 0
+    walked, whole = 0, 0
+    generating: dict[str, list[float]] = {"stream": [], "whole": []}
     client = httpx.Client(timeout=120)
     for i in range(n):
         walks = i % 2 == 0  # (a walk-away's call would run 400 tokens; a read one's 48)
@@ -255,11 +286,10 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
         body = json.dumps({"model": SERVED, "messages": CHAT, "max_tokens": 400 if walks
                            else 48, "stream": streamed, "seed": i}).encode()
         if walks:
-            _walk_away(guard_port, body, rng.randint(0, 3) if streamed else 0)
+            generating["stream" if streamed else "whole"].append(_walk_away_timed(
+                guard_port, upstream, body, rng.randint(0, 3) if streamed else 0))
             whole += not streamed
             walked += 1
-            if not slots_idle(upstream):
-                busy_after += 1
         else:
             with client.stream("POST", f"http://127.0.0.1:{guard_port}/v1/chat/completions",
                                content=body,
@@ -270,6 +300,15 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
             bench.log(f"disconnects: {i + 1} calls")
     values = settled(metrics_port)
     after = processes(pid)
+    # The same walk-aways straight to the server: what it does without guard.
+    port = int(upstream.rsplit(":", 1)[1])
+    direct: dict[str, list[float]] = {"stream": [], "whole": []}
+    for i in range(20):
+        streamed = i % 2 == 0
+        body = json.dumps({"model": SERVED, "messages": CHAT, "max_tokens": 400,
+                           "stream": streamed, "seed": i}).encode()
+        direct["stream" if streamed else "whole"].append(_walk_away_timed(
+            port, upstream, body, rng.randint(0, 3) if streamed else 0))
     answer = client.post(f"http://127.0.0.1:{guard_port}/v1/chat/completions",
                          json={"model": SERVED, "messages": CHAT, "max_tokens": 4})
     client.close()
@@ -283,7 +322,10 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
             "cancelled": value(values, "guard_request_errors_total", code="CANCELLED")
             - value(before_values, "guard_request_errors_total", code="CANCELLED"),
             "not_comparable_incomplete": incomplete,
-            "upstream_still_generating_2s_after": busy_after,
+            "answers_not_streamed": list(UNREAD),
+            "generating_after_walk_away": {
+                "through_guard": {k: _spread(v) for k, v in generating.items()},
+                "direct": {k: _spread(v) for k, v in direct.items()}},
             "processes": {"before": before, "after": after},
             "samples": sample_counts(values), "answers_afterwards": answer.status_code == 200,
             "tracebacks": log.read_text(errors="replace").count("Traceback")}
@@ -345,20 +387,31 @@ def markdown(report: dict) -> str:
             f"{d['calls']} streamed chats through guard, one after another; every other client "
             f"({d['walked_away']}) closed its socket after 0-3 events of a call that would "
             f"run 400 tokens (about 4 s; {d['whole_answers_left']} of them asked for a whole "
-            "answer and left right after sending), the rest read 48 tokens to the end.", "",
+            "answer and left 0.5 s after sending, as a client's timeout), the rest read 48 "
+            "tokens to the end; then 20 of the same walk-aways straight to llama-server.", "",
             "| | result |", "| --- | --- |",
             f"| disconnects guard saw (`openai_client_disconnected`) | "
             f"{d['disconnect_events']} |",
             f"| counted `guard_request_errors_total{{code=\"CANCELLED\"}}` | "
             f"{d['cancelled']:g} |",
             f"| not comparable (incomplete) | {d['not_comparable_incomplete']:g} |",
-            f"| llama-server still generating 2 s after a walk-away (its /slots) | "
-            f"**{d['upstream_still_generating_2s_after']}** |",
+            f"| seconds llama-server went on generating after a streamed call's walk-away "
+            f"(its /slots; median, max): through guard / direct | {_gen(d, 'stream')} |",
+            f"| the same after a whole answer's walk-away: through guard / direct | "
+            f"{_gen(d, 'whole')} |",
+            f"| walk-aways whose answer was no stream of the events awaited (20 s) | "
+            f"**{len(d['answers_not_streamed'])}** |",
             f"| guard answers afterwards | {'yes' if d['answers_afterwards'] else 'NO'} |",
             f"| tracebacks in guard's log | **{d['tracebacks']}** |", "",
             _process_table({"before": d["processes"]["before"],
                             "after": d["processes"]["after"]}), ""]
     return "\n".join(lines)
+
+
+def _gen(d: dict, kind: str) -> str:
+    g = d["generating_after_walk_away"]
+    return " / ".join(f"{g[way][kind]['median_s']}, {g[way][kind]['max_s']} "
+                      f"({g[way][kind]['calls']} calls)" for way in ("through_guard", "direct"))
 
 
 def _reasons(reasons: dict) -> str:
