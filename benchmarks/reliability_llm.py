@@ -51,6 +51,7 @@ from reliability import proc_status, read_events, scrape_all, value, verifier_pi
 
 OUT = ROOT / "benchmarks" / "results"
 CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
+WHOLE_WAIT_S = 0.5  # a whole answer's walk-away: its client's timeout
 
 
 def start_llama_server(binary: Path, gguf: Path, folder: Path, cap: int
@@ -249,20 +250,18 @@ def until_idle(upstream: str, limit: float = 8.0) -> float:
     return time.monotonic() - started
 
 
-def _walk_away_timed(port: int, upstream: str, body: bytes, events: int) -> float:
+def _walk_away_timed(port: int, upstream: str, body: bytes, events: int, wait_s: float,
+                     unread: list[str]) -> float:
     """A walk-away, then the seconds the server went on generating for it after the client
-    left. A whole answer's client leaves 0.5 s after sending (the server is generating by
-    then: one that leaves at once may be gone before guard has forwarded the call, and then
-    nothing is generated at all)."""
-    unread = _walk_away(port, body, events,
-                        0.5 if events == 0 and b'"stream": false' in body else 0.0)
-    if unread:
-        bench.log(f"walk-away: no stream of {events} events: {unread!r}")
-        UNREAD.append(unread.decode("latin-1"))
+    left. A whole answer's client leaves ``wait_s`` (0.5 s) after sending (the server is
+    generating by then: one that leaves at once may be gone before guard has forwarded the
+    call, and then nothing is generated at all). An answer that was no stream of ``events``
+    events goes into ``unread``."""
+    said = _walk_away(port, body, events, wait_s)
+    if said:
+        bench.log(f"walk-away: no stream of {events} events: {said!r}")
+        unread.append(said.decode("latin-1"))
     return until_idle(upstream)
-
-
-UNREAD: list[str] = []  # walk-aways whose answer was no stream of the events awaited
 
 
 def _spread(seconds: list[float]) -> dict:
@@ -278,6 +277,7 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
     events_before = len([e for e in read_events(log) if e.get("event") ==
                          "openai_client_disconnected"])
     walked, whole = 0, 0
+    unread: list[str] = []  # walk-aways whose answer was no stream of the events awaited
     generating: dict[str, list[float]] = {"stream": [], "whole": []}
     client = httpx.Client(timeout=120)
     for i in range(n):
@@ -287,7 +287,8 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
                            else 48, "stream": streamed, "seed": i}).encode()
         if walks:
             generating["stream" if streamed else "whole"].append(_walk_away_timed(
-                guard_port, upstream, body, rng.randint(0, 3) if streamed else 0))
+                guard_port, upstream, body, rng.randint(0, 3) if streamed else 0,
+                0.0 if streamed else WHOLE_WAIT_S, unread))
             whole += not streamed
             walked += 1
         else:
@@ -308,7 +309,8 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
         body = json.dumps({"model": SERVED, "messages": CHAT, "max_tokens": 400,
                            "stream": streamed, "seed": i}).encode()
         direct["stream" if streamed else "whole"].append(_walk_away_timed(
-            port, upstream, body, rng.randint(0, 3) if streamed else 0))
+            port, upstream, body, rng.randint(0, 3) if streamed else 0,
+            0.0 if streamed else WHOLE_WAIT_S, unread))
     answer = client.post(f"http://127.0.0.1:{guard_port}/v1/chat/completions",
                          json={"model": SERVED, "messages": CHAT, "max_tokens": 4})
     client.close()
@@ -322,7 +324,7 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
             "cancelled": value(values, "guard_request_errors_total", code="CANCELLED")
             - value(before_values, "guard_request_errors_total", code="CANCELLED"),
             "not_comparable_incomplete": incomplete,
-            "answers_not_streamed": list(UNREAD),
+            "answers_not_streamed": unread,
             "generating_after_walk_away": {
                 "through_guard": {k: _spread(v) for k, v in generating.items()},
                 "direct": {k: _spread(v) for k, v in direct.items()}},

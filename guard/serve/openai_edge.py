@@ -52,6 +52,7 @@ part of guard on the path of time to first token. This module is imported only w
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import dataclasses
 import json
@@ -291,7 +292,7 @@ class OpenAIEdge:
             model.requests_in_flight -= 1
 
 
-class _Upstream:
+class _Upstream(abc.ABC):
     """What every call guard forwards does with its upstream: the exchange, the answer's
     headers, the refusals when the upstream fails, the error counts."""
 
@@ -299,14 +300,13 @@ class _Upstream:
                  route: str, backend: OpenAIBackend, request_id: str, started: float):
         self.edge, self.request, self.model, self.route = edge, request, model, route
         self.backend, self.request_id, self.started = backend, request_id, started
+        self.accounted = False  # the call is counted: answered, or an error code
 
     def _headers(self, upstream: Response) -> CIMultiDict[str]:
         headers: CIMultiDict[str] = CIMultiDict(
             (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
         headers[ROUTE_HEADER] = self.route
         return headers
-
-    accounted = False  # the call is counted: answered, or an error code
 
     async def run(self) -> web.StreamResponse:
         try:
@@ -320,8 +320,9 @@ class _Upstream:
                 self._left_early()
             raise
 
+    @abc.abstractmethod
     async def _run(self) -> web.StreamResponse:
-        raise NotImplementedError
+        """The call's exchange with the upstream and its answer to the client."""
 
     def _left_early(self) -> None:
         self._error("CANCELLED")

@@ -259,20 +259,29 @@ def _greedy(sample: GenerationSample, scores: ReferenceScores, transform: Transf
         first_divergence=_divergence(sample, scores, int(flips[0]) if flips.size else None))
 
 
+def _position(scores: ReferenceScores, transform: Transform, t: int, epsilon: float
+              ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """One position of a sampled completion: the reference's row there (penalties applied),
+    the tokens the transform keeps (the primary's own within BOUNDARY_SLACK of a cut), their
+    probabilities pi, and the log of the mixture ``(1 - eps) pi + eps q`` at each of them."""
+    assert scores.logprobs is not None
+    row = penalized_logprobs(scores, transform, t) if transform.penalized else \
+        scores.logprobs[t]
+    kept, pi = transformed_support(row, transform, scores.token_ids[t], BOUNDARY_SLACK)
+    mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
+                   + _TINY)
+    return row, kept, pi, mixed
+
+
 def sampled_terms(scores: ReferenceScores, transform: Transform, epsilon: float
                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Per position: the centred surprise at the primary's token, its variance under
     agreement, and whether the token is outside the transformed support."""
-    assert scores.logprobs is not None
     n = len(scores.token_ids)
     terms, variances, outside = np.zeros(n), np.zeros(n), np.zeros(n, bool)
     for t, token_id in enumerate(scores.token_ids):
-        row = penalized_logprobs(scores, transform, t) if transform.penalized else \
-            scores.logprobs[t]
         # Only the kept set and the primary's token enter: pi is zero elsewhere.
-        kept, pi = transformed_support(row, transform, token_id, BOUNDARY_SLACK)
-        mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
-                       + _TINY)
+        row, kept, pi, mixed = _position(scores, transform, t, epsilon)
         expected = float(np.dot(pi, mixed))  # -(cross entropy of pi against the mixture)
         chosen = float(pi[kept == token_id].sum())
         mixed_chosen = math.log((1.0 - epsilon) * chosen + epsilon * math.exp(
@@ -297,16 +306,11 @@ def sampled_tail_bound(scores: ReferenceScores, transform: Transform, epsilon: f
     length and any distribution; over a long completion it is exp(-z^2 / 2). 0 where
     ``total`` lies beyond every sum the candidates can give (a token outside the transformed
     support)."""
-    assert scores.logprobs is not None
     side = 1.0 if total >= 0.0 else -1.0
     positions: list[tuple[np.ndarray, np.ndarray]] = []
     reach = 0.0  # the largest sum on this side the candidates can give
-    for t, token_id in enumerate(scores.token_ids):
-        row = penalized_logprobs(scores, transform, t) if transform.penalized else \
-            scores.logprobs[t]
-        kept, pi = transformed_support(row, transform, token_id, BOUNDARY_SLACK)
-        mixed = np.log((1.0 - epsilon) * pi + epsilon * np.exp(row[kept].astype(np.float64))
-                       + _TINY)
+    for t in range(len(scores.token_ids)):
+        _, _, pi, mixed = _position(scores, transform, t, epsilon)
         held = pi > 0.0
         centred = side * (float(np.dot(pi, mixed)) - mixed[held])
         positions.append((np.log(pi[held]), centred))
@@ -378,9 +382,7 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
         return None
     t = int(np.flatnonzero(outside)[0])
     text = scores.token_texts[t]
-    row = penalized_logprobs(scores, transform, t) if transform.penalized else scores.logprobs[t]
-    kept = set(int(i) for i in transformed_support(row, transform, scores.token_ids[t],
-                                                    BOUNDARY_SLACK)[0])
+    kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
     for candidate, candidate_text in zip(scores.top_ids[t], scores.top_texts[t]):
         if int(candidate) not in kept or candidate_text == text:
             continue
