@@ -135,14 +135,22 @@ def post_json(url: str, body: dict, timeout: float = 120.0) -> tuple[int, dict]:
         return exc.code, json.loads(exc.read() or b"{}")
 
 
+_FRACTION = re.compile(rb"-?\d+\.\d+(?:[eE][-+]?\d+)?")
+
+
 def masked(body: bytes) -> bytes:
-    """An answer with its per-call fields (id, created) blanked and its fractions cut to 3
-    decimals: two calls differ only there (vLLM's second call of a prompt reads it from its
-    prefix cache, and its logprobs move in the fifth decimal: -0.380123 against -0.380126)."""
+    """An answer with its per-call fields (id, created) blanked and its fractions replaced by
+    a mark (:func:`fractions` compares them apart): two calls differ only there (vLLM's
+    second call of a prompt reads it from its prefix cache, and its logprobs move in the fifth
+    decimal: -0.380123 against -0.380126)."""
     body = re.sub(rb'"id": ?"[^"]*"', b'"id":""', body)
-    body = re.sub(rb"-?\d+\.\d{4,}(?:[eE]-?\d+)?",
-                  lambda m: b"%.3f" % float(m.group()), body)
+    body = _FRACTION.sub(b"0.0", body)
     return re.sub(rb'"created": ?\d+', b'"created":0', body)
+
+
+def fractions(body: bytes) -> list[float]:
+    """An answer's fractional numbers, in order."""
+    return [float(m.group()) for m in _FRACTION.finditer(body)]
 
 
 def assert_answered_alike(http, guard_url: str, upstream_url: str, upstream_model: str,
@@ -161,6 +169,8 @@ def assert_answered_alike(http, guard_url: str, upstream_url: str, upstream_mode
         assert ours.status_code == theirs.status_code, (endpoint, fields)
         assert masked(ours.content) == masked(theirs.content).replace(
             json.dumps(upstream_model).encode(), b'"smol"'), (endpoint, fields)
+        assert fractions(ours.content) == pytest.approx(fractions(theirs.content), abs=1e-3), \
+            (endpoint, fields)
 
 
 @pytest.fixture(scope="module")

@@ -24,7 +24,7 @@ from guard.ipc.routes import RouteTable
 from guard.observe.metrics import GuardMetrics
 from guard.serve.model import ServedModel
 from llm_support import call_both_ways, llama_server, smollm2_gguf  # noqa: F401  (the module's server)
-from llm_support import SERVED_NAME, assert_answered_alike, masked
+from llm_support import SERVED_NAME, assert_answered_alike, fractions, masked
 from support import metric, running, scrape, wait_for, write_config
 
 PROMPT = "The capital of France is"
@@ -312,6 +312,7 @@ def test_a_sampled_chat_hands_over_the_primarys_tokens_with_logprobs_the_client_
     assert json.loads(ours.content)["choices"][0]["logprobs"] is None
     assert masked(ours.content) == masked(theirs.content).replace(
         f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
+    assert fractions(ours.content) == pytest.approx(fractions(theirs.content), abs=1e-3)
     (sample,) = [s.payload.call for s in own_ring.samples()]
     assert sample.model == "smol" and sample.endpoint == "chat" and sample.route == "primary"
     assert sample.messages == tuple(MESSAGES) and sample.upstream_model == llama_server.model
@@ -415,6 +416,7 @@ def test_a_completions_call_asking_zero_logprobs_gets_the_servers_answer(own_rin
     assert ours.status_code == 200
     assert masked(ours.content) == masked(theirs.content).replace(
         f'"model":"{llama_server.model}"'.encode(), b'"model":"smol"')
+    assert fractions(ours.content) == pytest.approx(fractions(theirs.content), abs=1e-3)
     (sample,) = [s.payload.call for s in own_ring.samples()]
     assert sample.sampling.logprobs == 0
 
