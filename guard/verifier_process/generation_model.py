@@ -113,7 +113,9 @@ class GenerationMirrorSample(MirrorSample):
 @dataclass
 class GenerationResult:
     sample: GenerationMirrorSample
-    completion: GenerationSample  # what was compared (the probe's, when the primary was probed)
+    # What was compared (the probe's, when the primary was probed), as the server answered it
+    # (the server's prompt ids where they were asked; before the engine's rendering arguments).
+    completion: GenerationSample
     check: GenerationCheck
     reference_seconds: float
     probed: bool
@@ -142,11 +144,15 @@ class GenerationMirror(Mirror):
                  on_result: Callable[[GenerationResult], None],
                  on_unchecked: Callable[[GenerationMirrorSample, str], None], on_span,
                  on_finished: Callable[[GenerationMirrorSample], None],
-                 engine: str = "unknown"):
+                 engine: str = "unknown",
+                 prompts: Callable[[GenerationSample], GenerationSample] | None = None):
         super().__init__(model, config, scorer, None, None, metrics, on_result, on_unchecked,
                          on_span, on_finished)
         self.scorer, self.probe, self.check = scorer, probe, check
         self.engine = engine  # the primary's (options.engine): how its server renders chats
+        # The primary server's own rendering of a sample's prompt, where it is asked
+        # (guard/backends/llama_server_prompts.py); None: the answer's ids or the reference's.
+        self.prompts = prompts
 
     def _limit(self) -> int:
         return 1
@@ -175,7 +181,15 @@ class GenerationMirror(Mirror):
                 if probe is None:
                     raise BackendError("no primary to probe")
                 completion = self._call(lambda _: probe(sample.generation), sample, stage, span)
-                stage = "reference"
+            prompts = self.prompts
+            if prompts is not None:
+                stage = "primary prompt"
+                asked = completion
+                completion = self._call(lambda _: prompts(asked), sample, stage, span)
+                if not probed:  # its capture record holds the prompt the server read
+                    sample.generation = completion
+            stage = "reference"
+            compared = completion
             completion = rendered_as_served(completion, self.engine)
             started = time.perf_counter()
             scores = self._call(lambda _: self.scorer.score(completion), sample, stage, span)
@@ -196,7 +210,7 @@ class GenerationMirror(Mirror):
                 "guard.tier.generation.mode": check.mode, "guard.probed": probed,
                 "guard.reference_seconds": seconds})
         try:
-            self.on_result(GenerationResult(sample, completion, check, seconds, probed,
+            self.on_result(GenerationResult(sample, compared, check, seconds, probed,
                                             activation))
         except Exception:
             log.exception("handling a generation result for %s failed", self.model)
@@ -322,6 +336,7 @@ class VerifiedGenerationModel(VerifiedModel):
                 return tiers[TIER], tiers.get("activation")
 
             if config.mirror.sample_rate > 0:
+                from guard.backends import llama_server_prompts
                 from guard.backends.openai_generate import PrimaryProbe
 
                 probe = (PrimaryProbe(config.primary, config.mirror.timeout_s)
@@ -329,7 +344,8 @@ class VerifiedGenerationModel(VerifiedModel):
                 self.mirror = GenerationMirror(
                     self.name, config.mirror, scorer, probe, check, self.metrics,
                     self._on_completion, self._completion_unchecked, self.serving.span,
-                    self._finished, config.primary.options.get("engine", "unknown"))
+                    self._finished, config.primary.options.get("engine", "unknown"),
+                    llama_server_prompts.for_primary(config.primary, config.mirror.timeout_s))
                 if self.activation_tier is not None:  # on_failure waits for room in the queue
                     self.activation_tier.queue_fill = self.mirror.queue_fill
         if resume_word is not None:

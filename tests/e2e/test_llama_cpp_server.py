@@ -11,7 +11,9 @@ lean to drift: benchmarks/llm_llama_server_props.py); llama-server names its mod
 file's path in every answer, and through guard the client reads the name it asked for; calls
 that name no model (llama-server answers them, and llama.cpp's native ``/completion``) are
 served through guard too; each capture record keeps the server's report, and the replay
-scores the captured calls as the live verifier did.
+scores the captured calls as the live verifier did. guard asks the server how it rendered each
+sampled call's prompt, so that the reference scores what the server read, and a server that
+renders otherwise than the model's template is a finding.
 """
 
 from __future__ import annotations
@@ -105,6 +107,7 @@ def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_liv
                       reason="endpoint") == 1
     (read,) = events(caplog, "llama_server_defaults")
     assert (read["temperature"], read["top_k"], read["min_p"]) == (0.6, 20, 0.0)
+    assert not events(caplog, "llama_server_rendering_unavailable")
 
     stats = FileStats()
     records = [r for path in expand_paths([tmp_path / "capture"])
@@ -115,6 +118,10 @@ def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_liv
                for c in calls)
     modes = sorted(json.loads(r.verdicts[0].details_json)["mode"] for r in records)
     assert modes == ["greedy", "sampled", "sampled", "sampled", "sampled"]
+    # The prompt as the server read it (it was asked: options.tokenize_prompts), so no score
+    # is an approximation, and the record keeps the ids for the replay.
+    assert all(c.prompt_token_ids for c in calls)
+    assert not any(json.loads(r.verdicts[0].details_json)["approximate"] for r in records)
 
     # Offline, with the server gone or not: scored with what each record says the server
     # sampled with, as live.
@@ -186,6 +193,107 @@ def test_a_chat_llama_server_continues_is_rendered_as_it_renders_it(llama, messa
         assert answered.completion_text == said[len(messages[-1]["content"]):]
     finally:
         reference.close()
+
+
+# Chats and prompts whose rendering differs from engine to engine: a plain chat (SmolLM2's
+# template adds its system prompt), a system prompt of the chat's own, content parts (the
+# template concatenates strings: llama-server joins the parts first, guard's own rendering
+# cannot), a prefilled answer and one of parts (continued, its parts joined by a blank line),
+# special-token text in a completions prompt (read as the special token) and non-Latin text.
+RENDERED = [
+    ("chat", MESSAGES),
+    ("chat", [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}]),
+    ("chat", [{"role": "user", "content": [{"type": "text", "text": "Name a colour."},
+                                           {"type": "text", "text": "One word."}]}]),
+    ("chat", [{"role": "user", "content": [{"type": "text", "text": t}
+                                           for t in ("", "Hi", "", "there")]},
+              {"role": "assistant", "content": "Hello!"},
+              {"role": "user", "content": [{"type": "text", "text": ""},
+                                           {"type": "text", "text": "1 + 1 ="}]}]),
+    ("chat", PREFILLED[0]),
+    ("chat", [{"role": "user", "content": "Say hello."},
+              {"role": "assistant", "content": [{"type": "text", "text": "Hello"},
+                                                {"type": "text", "text": "and"}]}]),
+    ("chat", [{"role": "assistant", "content": [{"type": "text", "text": t}
+                                                for t in ("", "Hello", "", "there")]}]),
+    ("completions", "<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"),
+    ("completions", "Der Käse kostet 3 € in München; 日本の首都は"),
+]
+
+
+@pytest.mark.parametrize("endpoint,prompt", RENDERED)
+def test_the_prompt_llama_server_says_it_read_is_the_one_its_call_read(llama, endpoint, prompt):
+    """guard asks llama-server how it rendered a sampled call's prompt (/apply-template,
+    /tokenize: guard/backends/llama_server_prompts.py). Those ids are as many as the call's
+    own usage counts, the reference's own rendering of the call agrees with them token for
+    token where it can render it (no finding: a healthy server is no template drift), and
+    the completion is what follows the prompt (a continued answer's repeated content off)."""
+    from guard.backends.llama_server_prompts import LlamaServerPrompts
+    from guard.config.backend import BackendConfig
+    from guard.protocol.generation import GenerationSample, rendered_as_served
+
+    server, gguf = llama
+    body = {"max_tokens": 3, "seed": 1, **({"messages": prompt} if endpoint == "chat"
+                                           else {"prompt": prompt})}
+    status, answer = post_json(f"{server.url}/v1/{'chat/' if endpoint == 'chat' else ''}"
+                               "completions", body)
+    assert status == 200
+    choice = answer["choices"][0]
+    said = choice["message"]["content"] if endpoint == "chat" else choice["text"]
+    sample = GenerationSample(model="smol", endpoint=endpoint, completion_text=said, tokens=(),
+                              **({"messages": tuple(prompt)} if endpoint == "chat"
+                                 else {"prompt": prompt}))
+    spec = BackendConfig(backend="openai", target=server.url, model="smol",
+                         options={"engine": "llama.cpp"})
+    asked = LlamaServerPrompts(spec, timeout_s=30)(sample)
+    assert asked.prompt_token_ids is not None
+    assert len(asked.prompt_token_ids) == answer["usage"]["prompt_tokens"]
+    reference = create_backend(load_config_block(gguf), "reference", 1)
+    reference.load()
+    try:
+        served = rendered_as_served(asked, "llama.cpp")
+        rendered = reference.render(served)
+        assert (rendered.ids, rendered.approximate, rendered.findings) == (
+            list(asked.prompt_token_ids), False, ())
+        if endpoint == "chat" and prompt[-1]["role"] == "assistant":
+            assert not served.completion_text.startswith("Hello")  # (the prompt's)
+    finally:
+        reference.close()
+
+
+def test_a_server_that_renders_otherwise_is_template_drift(llama, tmp_path, caplog):
+    """llama-server started with --no-jinja renders chats with its built-in ChatML, not the
+    model's template (SmolLM2's adds a system prompt): behind guard every sampled chat fails
+    with the finding prompt_rendered_otherwise, naming the first token that differs, though
+    the model itself is the reference's (before guard asked the server, it scored its own
+    rendering and could not tell)."""
+    caplog.set_level("INFO", logger="guard.events")
+    _, gguf = llama
+    server = start_llama_cpp_server(require_llama_server(), gguf, tmp_path, ("--no-jinja",))
+    try:
+        model = {"name": "smol", "task": "generation",
+                 "primary": {"backend": "openai", "target": server.url, "model": "smol",
+                             "options": {"engine": "llama.cpp"}},
+                 "reference": {"backend": "llama_cpp", "path": str(gguf),
+                               "options": {"context_length": 512}},
+                 "mirror": {"sample_rate": 1.0, "timeout_s": 120},
+                 "policy": {"action": "alert"}}
+        with running(tmp_path, [model], http_port=0) as (srv, _):
+            base = f"http://127.0.0.1:{srv.http_port}"
+            for seed in (1, 2):
+                status, _answer = post_json(f"{base}/v1/chat/completions",
+                                            {"model": "smol", "messages": MESSAGES,
+                                             "max_tokens": 8, "seed": seed})
+                assert status == 200
+            values = wait_for(lambda: (lambda v: v if metric(
+                v, "guard_mirror_total", model="smol", outcome="compared") >= 2 else None)(
+                    scrape(srv.metrics_port)), timeout=120, interval=0.2)
+            assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                          result="fail") == 2
+            (found, *_) = wait_for(lambda: events(caplog, "generation_divergence"), timeout=30)
+    finally:
+        server.stop()
+    assert found["findings"] == ["prompt_rendered_otherwise"]
 
 
 def load_config_block(gguf):

@@ -138,6 +138,10 @@ def test_a_q2k_primary_is_caught_switched_to_the_fallback_and_probed(
         assert metric(values, "guard_fallback_transitions_total", model="smol",
                       to="fallback_model") == 1
         assert complete(client, PROMPTS[0], 8)[0] == "fallback"
+        # llama-cpp-python's server answers no /apply-template or /tokenize (llama-server's):
+        # said once, and the reference renders the prompts itself.
+        (unavailable,) = events(caplog, "llama_server_rendering_unavailable")
+        assert "HTTP 404" in unavailable["error"]
         # The evidence the fleet rules pool: every scored completion of the primary (probes
         # too) adds its detector step; a Q2_K's steps are all for drift, past the threshold.
         assert evidence(values) >= metric(values, "guard_detector_threshold", model="smol",

@@ -379,6 +379,38 @@ def test_a_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts
     assert not check_generation(text_only, no_prefix, SERVER_DEFAULTS["llama.cpp"]).passed
 
 
+def test_a_greedy_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts():
+    """A greedy completion known by its text alone: the server took the argmax "\n" (id 3)
+    twice, whose text the reference tokenizes as one "\n\n" (id 7), then went on. On the
+    canonical split "\n\n" is a confident flip and every later token is read in a context the
+    server never had; scored up to that position with the argmax there, it passes (a healthy
+    llama-server's " Paris.\n\n"). With ids the split is known and the completion scored as
+    the server said it. A confident flip that the argmax does not begin still fails."""
+    rng = np.random.default_rng(5)
+    logits = rng.normal(0, 1.0, (4, 50))
+    logits[:, 3] += 8.0  # "\n": the argmax everywhere, by a wide margin
+    logprobs = _log_softmax(logits)
+    tokens = np.array([3, 7, 11, 12])  # the canonical tokenization: "\n" "\n\n" ...
+    texts = {3: "\n", 7: "\n\n"}
+    text_of = lambda i: texts.get(int(i), f"t{i}")  # noqa: E731
+    scores = replace(_synthetic_scores(logprobs, tokens),
+                     token_texts=tuple(text_of(t) for t in tokens))
+    scores = replace(scores, top_texts=tuple(tuple(text_of(i) for i in row[:5])
+                                             for row in scores.top_ids))
+    greedy = SamplingParams(temperature=0.0)
+    text_only = GenerationSample(model="m", endpoint="completions", prompt="p", tokens=(),
+                                 completion_text="\n\n\nt11t12", sampling=greedy)
+    check = check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"])
+    assert (check.mode, check.passed, check.tokens, check.confident_disagreements) == (
+        "greedy", True, 2, 0)
+    with_ids = replace(text_only, tokens=tuple(TokenLogprob(text_of(t), token_id=int(t))
+                                               for t in tokens))
+    whole = check_generation(with_ids, scores, SERVER_DEFAULTS["llama.cpp"])
+    assert (whole.mode, whole.passed, whole.tokens) == ("greedy", False, 4)
+    unrelated = replace(scores, token_texts=("\n", "x\n", "t11", "t12"))
+    assert not check_generation(text_only, unrelated, SERVER_DEFAULTS["llama.cpp"]).passed
+
+
 @pytest.mark.parametrize("actual", [0.5, 1.6])
 def test_z_is_large_when_the_primary_samples_another_distribution(actual):
     """A server that samples at another temperature than the request says (sharper or

@@ -462,17 +462,31 @@ def test_a_responses_call_is_the_chat_it_renders():
                                "responses").constraints == ()
 
 
-def test_a_chats_text_parts_are_one_string_and_other_parts_are_not_comparable():
-    """Content given as parts (the OpenAI SDK's typed messages): text parts are the text the
-    template reads, joined as vLLM joins them; an image makes the call not comparable."""
+def test_a_chats_text_parts_are_kept_and_read_as_one_string_and_other_parts_are_not_comparable():
+    """Content given as parts (the OpenAI SDK's typed messages): the sample keeps them as sent
+    (a probe and llama-server's /apply-template get the client's messages; llama-server joins
+    a continued answer's parts otherwise than a user's), and the reference's template reads
+    them as one string, joined as vLLM and llama-server join them; an image makes the call
+    not comparable."""
+    from guard.backends.scoring import template_messages
+    from guard.protocol.generation import rendered_as_served
+
     parts = [{"type": "text", "text": "What is"}, {"type": "text", "text": "this?"}]
     body = {"model": "m", "messages": [{"role": "system", "content": "Be brief."},
                                        {"role": "user", "content": parts}]}
     call = api.parse_request("chat", json.dumps(body).encode())
     assert call.not_comparable == ""
     sample = api.build_sample(call, api.Completion(text=["A cat."]))
-    assert sample.messages == ({"role": "system", "content": "Be brief."},
-                               {"role": "user", "content": "What is\nthis?"})
+    assert sample.messages == tuple(body["messages"])
+    assert template_messages(sample.messages, None) == (
+        {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is\nthis?"})
+    # llama-server writes no newline before the first text (its /apply-template, tested in
+    # tests/e2e/test_llama_cpp_server.py), vLLM one between every two parts.
+    parts.insert(0, {"type": "text", "text": ""})
+    sample = api.build_sample(api.parse_request("chat", json.dumps(body).encode()),
+                              api.Completion(text=["A cat."]))
+    assert template_messages(sample.messages, None)[-1]["content"] == "\nWhat is\nthis?"
+    assert rendered_as_served(sample, "llama.cpp").messages[-1]["content"] == "What is\nthis?"
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
     body["messages"][1]["content"] = [parts[0], image]
     assert api.parse_request("chat", json.dumps(body).encode()).not_comparable == "input"

@@ -228,22 +228,12 @@ def _with_logprobs(sample: GenerationSample, scores: ReferenceScores,
 
 def _greedy(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
             limits: GenerationThresholds) -> GenerationCheck:
+    best, agree, margins = _argmax_agreement(scores, transform)
+    resplit = _greedy_split_otherwise(sample, scores, best, agree)
+    if resplit is not None:
+        scores = resplit
+        best, agree, margins = _argmax_agreement(scores, transform)
     n = len(scores.token_ids)
-    ids = np.asarray(scores.token_ids, dtype=np.int64)
-    if transform.penalized:  # the argmax and margin of the penalized distribution
-        best = np.zeros(n, np.int64)
-        margins = np.full(n, np.inf)
-        for t in range(n):
-            row = penalized_logprobs(scores, transform, t)
-            two = np.argpartition(-row, 1)[:2] if row.size > 1 else np.zeros(1, np.int64)
-            two = two[np.argsort(-row[two])]
-            best[t] = two[0]
-            if two.size > 1:
-                margins[t] = row[two[0]] - row[two[1]]
-        agree = best == ids
-    else:
-        agree = scores.top_ids[:, 0] == ids
-        margins = _margins(scores)
     confident = margins > limits.margin_floor
     disagreements = int(np.sum(confident & ~agree))
     positions = int(confident.sum())
@@ -257,6 +247,29 @@ def _greedy(sample: GenerationSample, scores: ReferenceScores, transform: Transf
         top1_agreement=float(agree.mean()), top1_compared=n, confident_positions=positions,
         confident_disagreements=disagreements,
         first_divergence=_divergence(sample, scores, int(flips[0]) if flips.size else None))
+
+
+def _argmax_agreement(scores: ReferenceScores, transform: Transform
+                      ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Per position: the reference's argmax (of the penalized distribution where the
+    transform has penalties), whether the completion's token is it, and the margin to the
+    second best."""
+    n = len(scores.token_ids)
+    ids = np.asarray(scores.token_ids, dtype=np.int64)
+    if transform.penalized:  # the argmax and margin of the penalized distribution
+        best = np.zeros(n, np.int64)
+        margins = np.full(n, np.inf)
+        for t in range(n):
+            row = penalized_logprobs(scores, transform, t)
+            two = np.argpartition(-row, 1)[:2] if row.size > 1 else np.zeros(1, np.int64)
+            two = two[np.argsort(-row[two])]
+            best[t] = two[0]
+            if two.size > 1:
+                margins[t] = row[two[0]] - row[two[1]]
+    else:
+        best = np.asarray(scores.top_ids[:, 0], dtype=np.int64)
+        margins = _margins(scores)
+    return best, best == ids, margins
 
 
 def _position(scores: ReferenceScores, transform: Transform, t: int, epsilon: float
@@ -384,13 +397,55 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
     text = scores.token_texts[t]
     kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
     for candidate, candidate_text in zip(scores.top_ids[t], scores.top_texts[t]):
-        if int(candidate) not in kept or candidate_text == text:
-            continue
-        piece = not comparable_text(candidate_text) and text[:1] > "\x7f"
-        if piece or (comparable_text(candidate_text) and len(candidate_text) < len(text)
-                     and text.startswith(candidate_text)):
+        if int(candidate) in kept and _begins(candidate_text, text):
             return t, int(candidate)
     return None
+
+
+def _begins(candidate_text: str, text: str) -> bool:
+    """Whether a token whose text is ``candidate_text`` may begin a text the reference
+    tokenized as one token of text ``text``: a shorter piece of it, or a byte of its first
+    character (a byte token's text is no UTF-8 alone)."""
+    if candidate_text == text:
+        return False
+    piece = not comparable_text(candidate_text) and text[:1] > "\x7f"
+    return piece or (comparable_text(candidate_text) and len(candidate_text) < len(text)
+                     and text.startswith(candidate_text))
+
+
+def _cut_at(scores: ReferenceScores, t: int, candidate: int) -> ReferenceScores:
+    """``scores`` up to position ``t``, with ``candidate`` the token there: what follows was
+    generated after a split the text does not say, so it is not scored."""
+    if scores.logprobs is not None:
+        chosen = float(scores.logprobs[t, candidate])
+    else:
+        chosen = float(scores.top_logprobs[t][list(scores.top_ids[t]).index(candidate)])
+    return replace(
+        scores, token_ids=scores.token_ids[:t] + (candidate,),
+        token_texts=scores.token_texts[:t + 1], top_ids=scores.top_ids[:t + 1],
+        top_logprobs=scores.top_logprobs[:t + 1], top_texts=scores.top_texts[:t + 1],
+        chosen_logprob=np.append(scores.chosen_logprob[:t], chosen),
+        logprobs=None if scores.logprobs is None else scores.logprobs[:t + 1],
+        logit_offsets=None if scores.logit_offsets is None else scores.logit_offsets[:t + 1])
+
+
+def _greedy_split_otherwise(sample: GenerationSample, scores: ReferenceScores,
+                            best: np.ndarray, agree: np.ndarray) -> ReferenceScores | None:
+    """A greedy completion known by its text alone, that the server plausibly split
+    otherwise: at the first position where the text's canonical token is not the reference's
+    argmax, the argmax begins that token's text (:func:`_begins`). A greedy server takes the
+    argmax there: the scores up to that position with it (:func:`_cut_at`). A healthy
+    llama-server answered " Paris" "." "\n" "\n" (each the argmax), whose text the reference
+    tokenizes " Paris" "." "\n\n": "\n\n" read as a confident flip (a failed greedy check).
+    None where there is no such position, or the server said its tokens."""
+    if sample.tokens or agree.all():
+        return None
+    t = int(np.flatnonzero(~agree)[0])
+    candidate = int(best[t])
+    texts = dict(zip((int(i) for i in scores.top_ids[t]), scores.top_texts[t]))
+    if candidate not in texts or not _begins(texts[candidate], scores.token_texts[t]):
+        return None
+    return _cut_at(scores, t, candidate)
 
 
 def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Transform,
@@ -400,17 +455,7 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
     terms, variances, outside = sampled_terms(scores, transform, limits.support_epsilon)
     resplit = _split_otherwise(sample, scores, transform, outside)
     if resplit is not None:
-        # Scored up to that position, with the candidate there: what follows was generated
-        # after a split the text does not say.
-        t, candidate = resplit
-        scores = replace(scores, token_ids=scores.token_ids[:t] + (candidate,),
-                         token_texts=scores.token_texts[:t + 1],
-                         top_ids=scores.top_ids[:t + 1], top_logprobs=scores.top_logprobs[:t + 1],
-                         top_texts=scores.top_texts[:t + 1],
-                         chosen_logprob=np.append(scores.chosen_logprob[:t], scores.logprobs[
-                             t, candidate]), logprobs=scores.logprobs[:t + 1],
-                         logit_offsets=None if scores.logit_offsets is None else
-                         scores.logit_offsets[:t + 1])
+        scores = _cut_at(scores, *resplit)
         terms, variances, outside = sampled_terms(scores, transform, limits.support_epsilon)
     total_var = float(variances.sum())
     total = float(terms.sum())
