@@ -460,7 +460,8 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
     """vLLM returns the prompt's ids (sample_token_ids); the reference renders the same
     messages with the model's own template and finds them otherwise: the completion fails as
     prompt_rendered_otherwise, though both sides compute the same numbers on those ids. The
-    request's arguments to the model's own template (continue_final_message) are no drift."""
+    request's arguments to the model's own template (continue_final_message) and its content
+    given in parts are no drift."""
     caplog.set_level("INFO", logger="guard.events")
     model = {"name": "smol", "task": "generation",
              "primary": {"backend": "openai", "target": vllm.url, "model": vllm.name,
@@ -490,6 +491,14 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
             extra_body={"continue_final_message": True, "add_generation_prompt": False})
         wait_for(lambda: compared(server, "smol") >= 3, timeout=300, interval=0.2)
         assert checks(server, "smol", "pass") == 2 and checks(server, "smol", "fail") == 1
+        # Content parts, empty ones among them: vLLM joins the texts by newlines and leaves
+        # the empty ones out, and so does the reference (a newline for each read as template
+        # drift: benchmarks/reliability_llm.py --server vllm).
+        parts = [{"type": "text", "text": t} for t in ("", "What is the capital", "", "of France?")]
+        client.chat.completions.create(model="smol", max_tokens=8, temperature=0,
+                                       messages=[{"role": "user", "content": parts}])
+        wait_for(lambda: compared(server, "smol") >= 4, timeout=300, interval=0.2)
+        assert checks(server, "smol", "pass") == 3 and checks(server, "smol", "fail") == 1
 
 
 # -- vLLM as the remote reference ----------------------------------------------------------------

@@ -480,13 +480,15 @@ def test_a_chats_text_parts_are_kept_and_read_as_one_string_and_other_parts_are_
     assert sample.messages == tuple(body["messages"])
     assert template_messages(sample.messages, None) == (
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is\nthis?"})
-    # llama-server writes no newline before the first text (its /apply-template, tested in
-    # tests/e2e/test_llama_cpp_server.py), vLLM one between every two parts.
+    # Empty parts: vLLM leaves them out, llama-server writes a newline after each part but
+    # before the first text (both read off the servers: tests/e2e/test_llama_cpp_server.py,
+    # benchmarks/reliability_llm.py --server vllm).
+    parts[1:1] = [{"type": "text", "text": ""}]
     parts.insert(0, {"type": "text", "text": ""})
     sample = api.build_sample(api.parse_request("chat", json.dumps(body).encode()),
                               api.Completion(text=["A cat."]))
-    assert template_messages(sample.messages, None)[-1]["content"] == "\nWhat is\nthis?"
-    assert rendered_as_served(sample, "llama.cpp").messages[-1]["content"] == "What is\nthis?"
+    assert template_messages(sample.messages, None)[-1]["content"] == "What is\nthis?"
+    assert rendered_as_served(sample, "llama.cpp").messages[-1]["content"] == "What is\n\nthis?"
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
     body["messages"][1]["content"] = [parts[0], image]
     assert api.parse_request("chat", json.dumps(body).encode()).not_comparable == "input"

@@ -248,8 +248,9 @@ def first_prompt(prompt: Any) -> str | tuple[int, ...] | None:
 
 def chat_messages(messages: list[Any]) -> tuple[dict[str, Any], ...]:
     """A chat's messages as the reference renders them: a content given as text parts is one
-    string, the parts joined by newlines (as vLLM joins them for a template that reads
-    strings, which text models' templates do); ValueError for a part that is not text."""
+    string, the parts joined by newlines, empty ones left out (as vLLM joins them for a
+    template that reads strings, which text models' templates do); ValueError for a part that
+    is not text."""
     rendered = []
     for message in messages:
         if not isinstance(message, dict):
@@ -276,8 +277,10 @@ def _responses_not_comparable(body: dict[str, Any]) -> str:
 
 
 def _text_of(content: Any) -> str:
-    """A message's content as its text: a string, or its text parts joined by newlines (as
-    vLLM joins them for a template that reads strings); ValueError for another part."""
+    """A message's content as its text: a string, or its text parts joined by newlines, an
+    empty part left out (as vLLM joins them for a template that reads strings: ``["", "x"]``
+    is ``"x"``, found by benchmarks/reliability_llm.py --server vllm, where a newline before
+    "x" read as template drift); ValueError for another part."""
     if isinstance(content, str):
         return content
     if not isinstance(content, list):
@@ -288,7 +291,8 @@ def _text_of(content: Any) -> str:
                                                                    "text") \
                 or not isinstance(part.get("text"), str):
             raise ValueError("content: a part that is not text")
-        texts.append(part["text"])
+        if part["text"]:
+            texts.append(part["text"])
     return "\n".join(texts)
 
 
