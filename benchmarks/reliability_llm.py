@@ -66,13 +66,14 @@ CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keepe
 WHOLE_WAIT_S = 0.5  # a whole answer's walk-away: its client's timeout
 
 
-def start_llama_server(binary: Path, gguf: Path, folder: Path, cap: int
-                       ) -> tuple[subprocess.Popen, str]:
-    """llama-server with ``-n cap``: no call generates more tokens than that."""
+def start_llama_server(binary: Path, gguf: Path, folder: Path, cap: int,
+                       alias: bool = False) -> tuple[subprocess.Popen, str]:
+    """llama-server with ``-n cap``: no call generates more tokens than that. ``alias``: it
+    names its model guard's name (``--alias``; Envoy cannot rewrite the name it answers)."""
     port = bench.free_port()
     process = subprocess.Popen(
         [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-         "-t", "1", "-n", str(cap), "--seed", "1"],
+         "-t", "1", "-n", str(cap), "--seed", "1", *(("--alias", SERVED) if alias else ())],
         stdout=open(folder / "llama-server.log", "wb"), stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
@@ -124,11 +125,19 @@ def model_blocks(server: str, url: str, gguf: Path) -> dict:
                           "options": {"context_length": 512}}}
 
 
-def start_guard(folder: Path, blocks: dict) -> tuple[subprocess.Popen, dict, Path]:
+def start_guard(folder: Path, blocks: dict, envoy: bool = False
+                ) -> tuple[subprocess.Popen, dict, Path]:
+    """``guard serve`` with one generation model (``blocks``), every call sampled and captured;
+    ``envoy``: in Envoy mode (Envoy forwards, guard observes through the tap)."""
     ports = {"grpc_port": bench.free_port(), "metrics_port": bench.free_port(),
              "admin_port": bench.free_port(), "http_port": bench.free_port()}
+    server: dict = {"host": "127.0.0.1", **ports, "reload_interval_s": 0}
+    if envoy:
+        server.update(data_plane="envoy", envoy={
+            "admin_port": bench.free_port(), "observer_port": bench.free_port(),
+            "health_port": bench.free_port(), "http_health_port": bench.free_port()})
     config = {"version": 1,
-              "server": {"host": "127.0.0.1", **ports, "reload_interval_s": 0},
+              "server": server,
               "models": [{
                   "name": SERVED, "task": "generation", **blocks,
                   "mirror": {"sample_rate": 1.0, "queue_size": 256, "timeout_s": 120},
@@ -189,7 +198,7 @@ def sample_counts(values: dict) -> dict:
 
 
 def fuzz(guard_url: str, upstream: str, pid: int, metrics_port: int, n: int, seed_value: int,
-         log: Path) -> dict:
+         log: Path, envoy: bool = False) -> dict:
     tally = Tally()
     sent: dict[str, Case] = {}  # by the x-request-id guard's capture records keep
     client = httpx.Client(timeout=120)
@@ -204,7 +213,7 @@ def fuzz(guard_url: str, upstream: str, pid: int, metrics_port: int, n: int, see
         done = sum(tally.statuses.values())
         sent[f"fuzz-{done}"] = case
         tally.add(case, send(client, upstream, case),
-                  send(client, guard_url, case, f"fuzz-{done}"))
+                  send(client, guard_url, case, f"fuzz-{done}"), envoy)
         done += 1
         if done == warm_after:
             status["after_warm_up"] = processes(pid)
@@ -405,6 +414,13 @@ def markdown(report: dict) -> str:
             "sampled (`mirror.sample_rate: 1`) and scored by the llama_cpp reference on the "
             "same GGUF in the verifier, every call captured. Raw figures: "
             "`reliability_llm.json`.", ""]
+    if report.get("data_plane") == "envoy":
+        lines += [
+            "**Envoy mode** (`server.data_plane: envoy`): guard's Envoy forwards every call "
+            "(llama-server started with `--alias smol`: Envoy cannot rewrite the model name an "
+            "answer says), guard observes the sampled ones through the tap and refuses "
+            "nothing itself but for its routing (a body naming no served model). Raw figures: "
+            "`reliability_llm_envoy.json`.", ""]
     f = report.get("fuzz")
     if f:
         s = f["samples"]
@@ -505,16 +521,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--server", choices=("llama-server", "vllm"), default="llama-server",
                         help="the upstream: llama.cpp's llama-server (default) or vLLM's CPU "
                         "server (the fuzzer only)")
+    parser.add_argument("--data-plane", choices=("python", "envoy"), default="python",
+                        help="guard's data plane: its Python HTTP edge (default) or Envoy "
+                        "mode (Envoy forwards, guard observes; the fuzzer only)")
     args = parser.parse_args(argv)
     from guard.zoo.llm import quant_ladder
 
     gguf = quant_ladder(("F16",))["F16"]
     parts = args.parts.split(",")
-    if args.server == "vllm":
+    envoy = args.data_plane == "envoy"
+    if args.server == "vllm" or envoy:
         parts = [p for p in parts if p == "fuzz"]
     report: dict = {"command": "benchmarks/reliability_llm.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "machine": bench.machine_info(),
-        "server": args.server}
+        "server": args.server, "data_plane": args.data_plane}
     for part in parts:
         with tempfile.TemporaryDirectory(prefix="guard-rel-llm-") as tmp:
             folder = Path(os.environ.get("KEEP_DIR") or tmp) / part
@@ -526,13 +546,14 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 server, upstream = start_llama_server(
                     Path(args.llama_server), gguf, folder,
-                    2 * MAX_TOKENS if part == "fuzz" else 480)
-            guard, ports, log = start_guard(folder, model_blocks(args.server, upstream, gguf))
+                    2 * MAX_TOKENS if part == "fuzz" else 480, alias=envoy)
+            guard, ports, log = start_guard(folder, model_blocks(args.server, upstream, gguf),
+                                            envoy)
             try:
                 if part == "fuzz":
                     report["fuzz"] = fuzz(f"http://127.0.0.1:{ports['http_port']}", upstream,
                                           guard.pid, ports["metrics_port"], args.cases,
-                                          args.seed, log)
+                                          args.seed, log, envoy)
                 else:
                     report["disconnects"] = disconnects(
                         ports["http_port"], upstream, guard.pid, ports["metrics_port"],
@@ -547,7 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                     server.stop()
     report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     OUT.mkdir(parents=True, exist_ok=True)
-    name = "reliability_llm" + ("_vllm" if args.server == "vllm" else "")
+    name = "reliability_llm" + ("_vllm" if args.server == "vllm" else "") + (
+        "_envoy" if envoy else "")
     (OUT / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     (OUT / f"{name}.md").write_text(text)

@@ -223,13 +223,16 @@ def _names_served(answer: Answer) -> bool:
     return not isinstance(whole, dict) or whole.get("model", SERVED) == SERVED
 
 
-def verdict(case: Case, direct: Answer, through: Answer) -> str:
-    """"" where guard's answer keeps its contract, else what broke it."""
+def verdict(case: Case, direct: Answer, through: Answer, envoy: bool = False) -> str:
+    """"" where guard's answer keeps its contract, else what broke it. ``envoy``: guard in
+    Envoy mode, where Envoy forwards whatever it can route: a call the Python edge refuses
+    (not JSON, a model that is not a string) may be the upstream's to answer there."""
     refusal = guard_refuses(case)
     if refusal:
         if through.status in (400, 404, 413) and _error_shape(through):
             return ""
-        return f"{refusal}: guard answered {through.status} {through.body[:200]!r}"
+        if not (envoy and through.status == direct.status):
+            return f"{refusal}: guard answered {through.status} {through.body[:200]!r}"
     if through.status != direct.status:
         return (f"guard answered {through.status} {through.body[:200]!r} where its upstream "
                 f"answers {direct.status} {direct.body[:200]!r}")
@@ -249,8 +252,8 @@ class Tally:
     statuses: Counter = field(default_factory=Counter)
     broken: list[tuple[str, str]] = field(default_factory=list)
 
-    def add(self, case: Case, direct: Answer, through: Answer) -> None:
+    def add(self, case: Case, direct: Answer, through: Answer, envoy: bool = False) -> None:
         self.statuses[(case.path, direct.status, through.status)] += 1
-        why = verdict(case, direct, through)
+        why = verdict(case, direct, through, envoy)
         if why:
             self.broken.append((case.describe(), why))

@@ -379,6 +379,37 @@ def test_a_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts
     assert not check_generation(text_only, no_prefix, SERVER_DEFAULTS["llama.cpp"]).passed
 
 
+@pytest.mark.parametrize("candidate_text", ["one", "\ufffd"])
+def test_a_text_split_across_canonical_tokens_or_a_dropped_byte_is_scored_up_to_there(
+        candidate_text):
+    """The server's token at a position may be longer than the canonical one there ("one"
+    where the text "onethree" was tokenized "on" "et" "hree") or a byte piece it left out of
+    its text (no later token completed its character): where the canonical token lies
+    outside the transform and such a kept candidate leads, the completion is scored up to
+    there with it, as for a shorter piece."""
+    rng = np.random.default_rng(11)
+    logits = rng.normal(0, 1.0, (4, 50))
+    logits[:, 5] += 6.0  # the candidate: kept everywhere
+    logits[:, 7] -= 8.0  # "on": outside min_p 0.05
+    logprobs = _log_softmax(logits)
+    tokens = np.array([7, 8, 9, 5])
+    texts = {5: candidate_text, 7: "on", 8: "et", 9: "hree"}
+    text_of = lambda i: texts.get(int(i), f"t{i}")  # noqa: E731
+    scores = replace(_synthetic_scores(logprobs, tokens),
+                     token_texts=tuple(text_of(t) for t in tokens))
+    scores = replace(scores, top_texts=tuple(tuple(text_of(i) for i in row[:5])
+                                             for row in scores.top_ids))
+    sampling = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.05)
+    text_only = GenerationSample(model="m", endpoint="completions", prompt="p", tokens=(),
+                                 completion_text="onethree", sampling=sampling)
+    check = check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"])
+    assert (check.mode, check.passed, check.tokens, check.out_of_support) == (
+        "sampled", True, 1, 0)
+    other = replace(scores, top_texts=tuple(tuple("two" if t == candidate_text else t
+                                                  for t in row) for row in scores.top_texts))
+    assert not check_generation(text_only, other, SERVER_DEFAULTS["llama.cpp"]).passed
+
+
 def test_a_greedy_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts():
     """A greedy completion known by its text alone: the server took the argmax "\n" (id 3)
     twice, whose text the reference tokenizes as one "\n\n" (id 7), then went on. On the

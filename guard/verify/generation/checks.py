@@ -385,32 +385,37 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
     """Where a completion known by its text alone was plausibly split otherwise by the server:
     ``(position, candidate)``, the first position whose token (the reference's canonical
     tokenization of the text) the server's transform excludes while one of the reference's
-    top candidates there, which it keeps, begins that token's text (a shorter piece, or a byte
-    of its first character). A server samples such a split as readily as any token: a healthy
-    llama-server after ``[0, 0]`` sampled "-" eight times and the text's canonical
+    top candidates there, which it keeps, may have stood there (:func:`_may_stand`: its text
+    begins the text from there on, or it is a byte piece). A server samples such a split as readily
+    as any token: a healthy llama-server after ``[0, 0]`` sampled "-" eight times and the
+    text's canonical
     "--------" lay outside the transform, and every token after it was scored in a context
     the server never had (z 34 over 41 tokens). None where there is no such position, or the
     server said its tokens (texts or ids)."""
     if sample.tokens or not outside.any() or scores.logprobs is None:
         return None
     t = int(np.flatnonzero(outside)[0])
-    text = scores.token_texts[t]
     kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
     for candidate, candidate_text in zip(scores.top_ids[t], scores.top_texts[t]):
-        if int(candidate) in kept and _begins(candidate_text, text):
+        if int(candidate) in kept and _may_stand(candidate_text, scores, t):
             return t, int(candidate)
     return None
 
 
-def _begins(candidate_text: str, text: str) -> bool:
-    """Whether a token whose text is ``candidate_text`` may begin a text the reference
-    tokenized as one token of text ``text``: a shorter piece of it, or a byte of its first
-    character (a byte token's text is no UTF-8 alone)."""
-    if candidate_text == text:
+def _may_stand(candidate_text: str, scores: ReferenceScores, t: int) -> bool:
+    """Whether a token whose text is ``candidate_text`` may have stood at position ``t``, where
+    the reference tokenized the completion's text otherwise: its text begins the text from
+    there on (a shorter piece of the canonical token, "one" where the text's "onethree" was
+    tokenized "on" "eth" "reen"), or it is a byte piece (no UTF-8 alone): the first byte of a
+    character, or a character's byte that no later token completed, which servers leave out
+    of their text (llama-server, llama-cpp-python; a healthy llama-server after a prompt
+    ending in "Ã" answered "‚Ð's personal ...", the reference's best there a byte piece, and
+    "'s" read as a token no agreeing server samples: z 6.8)."""
+    if candidate_text == scores.token_texts[t]:
         return False
-    piece = not comparable_text(candidate_text) and text[:1] > "\x7f"
-    return piece or (comparable_text(candidate_text) and len(candidate_text) < len(text)
-                     and text.startswith(candidate_text))
+    if not comparable_text(candidate_text):
+        return True
+    return bool(candidate_text) and "".join(scores.token_texts[t:]).startswith(candidate_text)
 
 
 def _cut_at(scores: ReferenceScores, t: int, candidate: int) -> ReferenceScores:
@@ -433,7 +438,7 @@ def _greedy_split_otherwise(sample: GenerationSample, scores: ReferenceScores,
                             best: np.ndarray, agree: np.ndarray) -> ReferenceScores | None:
     """A greedy completion known by its text alone, that the server plausibly split
     otherwise: at the first position where the text's canonical token is not the reference's
-    argmax, the argmax begins that token's text (:func:`_begins`). A greedy server takes the
+    argmax, the argmax may have stood there (:func:`_may_stand`). A greedy server takes the
     argmax there: the scores up to that position with it (:func:`_cut_at`). A healthy
     llama-server answered " Paris" "." "\n" "\n" (each the argmax), whose text the reference
     tokenizes " Paris" "." "\n\n": "\n\n" read as a confident flip (a failed greedy check).
@@ -443,7 +448,7 @@ def _greedy_split_otherwise(sample: GenerationSample, scores: ReferenceScores,
     t = int(np.flatnonzero(~agree)[0])
     candidate = int(best[t])
     texts = dict(zip((int(i) for i in scores.top_ids[t]), scores.top_texts[t]))
-    if candidate not in texts or not _begins(texts[candidate], scores.token_texts[t]):
+    if candidate not in texts or not _may_stand(texts[candidate], scores, t):
         return None
     return _cut_at(scores, t, candidate)
 
