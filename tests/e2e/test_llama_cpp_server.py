@@ -54,6 +54,17 @@ def llama(tmp_path_factory):
         server.stop()
 
 
+@pytest.fixture(scope="module")
+def reference(llama):
+    """The llama_cpp reference on the server's GGUF, in this process (one for the module)."""
+    scorer = create_backend(load_config_block(llama[1]), "reference", 1)
+    scorer.load()
+    try:
+        yield scorer
+    finally:
+        scorer.close()
+
+
 def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_live(
         llama, tmp_path, caplog):
     caplog.set_level("INFO", logger="guard.events")
@@ -162,7 +173,8 @@ PREFILLED = [
 
 
 @pytest.mark.parametrize("messages", PREFILLED)
-def test_a_chat_llama_server_continues_is_rendered_as_it_renders_it(llama, messages):
+def test_a_chat_llama_server_continues_is_rendered_as_it_renders_it(llama, reference,
+                                                                    messages):
     """llama-server continues a chat whose last message is the assistant's (its default
     --prefill-assistant): the reference renders the sample as the server's own
     /apply-template does, token for token, where it opened a new turn before (a healthy
@@ -175,24 +187,18 @@ def test_a_chat_llama_server_continues_is_rendered_as_it_renders_it(llama, messa
     status, tokens = post_json(f"{server.url}/tokenize", {"content": template["prompt"],
                                                           "add_special": True,
                                                           "parse_special": True})
-    reference = create_backend(load_config_block(gguf), "reference", 1)
-    reference.load()
-    try:
-        sample = GenerationSample(model="smol", endpoint="chat", completion_text="",
-                                  tokens=(), messages=tuple(messages),
-                                  sampling=SamplingParams())
-        served = rendered_as_served(sample, "llama.cpp")
-        assert reference.render(served).ids == tokens["tokens"]
-        assert reference.render(sample).ids != tokens["tokens"]  # (a new turn)
-        # Its answer repeats the continued content first: the completion is what follows.
-        status, answer = post_json(f"{server.url}/v1/chat/completions",
-                                   {"messages": messages, "max_tokens": 4, "seed": 1})
-        said = answer["choices"][0]["message"]["content"]
-        assert status == 200 and said.startswith(messages[-1]["content"])
-        answered = rendered_as_served(replace(sample, completion_text=said), "llama.cpp")
-        assert answered.completion_text == said[len(messages[-1]["content"]):]
-    finally:
-        reference.close()
+    sample = GenerationSample(model="smol", endpoint="chat", completion_text="",
+                              tokens=(), messages=tuple(messages), sampling=SamplingParams())
+    served = rendered_as_served(sample, "llama.cpp")
+    assert reference.render(served).ids == tokens["tokens"]
+    assert reference.render(sample).ids != tokens["tokens"]  # (a new turn)
+    # Its answer repeats the continued content first: the completion is what follows.
+    status, answer = post_json(f"{server.url}/v1/chat/completions",
+                               {"messages": messages, "max_tokens": 4, "seed": 1})
+    said = answer["choices"][0]["message"]["content"]
+    assert status == 200 and said.startswith(messages[-1]["content"])
+    answered = rendered_as_served(replace(sample, completion_text=said), "llama.cpp")
+    assert answered.completion_text == said[len(messages[-1]["content"]):]
 
 
 # Chats and prompts whose rendering differs from engine to engine: a plain chat (SmolLM2's
@@ -222,7 +228,8 @@ RENDERED = [
 
 
 @pytest.mark.parametrize("endpoint,prompt", RENDERED)
-def test_the_prompt_llama_server_says_it_read_is_the_one_its_call_read(llama, endpoint, prompt):
+def test_the_prompt_llama_server_says_it_read_is_the_one_its_call_read(llama, reference,
+                                                                       endpoint, prompt):
     """guard asks llama-server how it rendered a sampled call's prompt (/apply-template,
     /tokenize: guard/backends/llama_server_prompts.py). Those ids are as many as the call's
     own usage counts, the reference's own rendering of the call agrees with them token for
@@ -248,17 +255,12 @@ def test_the_prompt_llama_server_says_it_read_is_the_one_its_call_read(llama, en
     asked = LlamaServerPrompts(spec, timeout_s=30)(sample)
     assert asked.prompt_token_ids is not None
     assert len(asked.prompt_token_ids) == answer["usage"]["prompt_tokens"]
-    reference = create_backend(load_config_block(gguf), "reference", 1)
-    reference.load()
-    try:
-        served = rendered_as_served(asked, "llama.cpp")
-        rendered = reference.render(served)
-        assert (rendered.ids, rendered.approximate, rendered.findings) == (
-            list(asked.prompt_token_ids), False, ())
-        if endpoint == "chat" and prompt[-1]["role"] == "assistant":
-            assert not served.completion_text.startswith("Hello")  # (the prompt's)
-    finally:
-        reference.close()
+    served = rendered_as_served(asked, "llama.cpp")
+    rendered = reference.render(served)
+    assert (rendered.ids, rendered.approximate, rendered.findings) == (
+        list(asked.prompt_token_ids), False, ())
+    if endpoint == "chat" and prompt[-1]["role"] == "assistant":
+        assert not served.completion_text.startswith("Hello")  # (the prompt's)
 
 
 def test_a_server_that_renders_otherwise_is_template_drift(llama, tmp_path, caplog):

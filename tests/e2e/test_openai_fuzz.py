@@ -3,7 +3,7 @@ parts: llama.cpp's llama-server on SmolLM2's F16 GGUF, ``guard serve`` in front 
 call sampled and scored by the llama_cpp reference in its verifier. Each case goes to the server
 directly and through guard: guard's answer is the server's (status, stream or not, the client's
 model name) except for the refusals it documents; no traceback in guard's log, no sample the
-verifier failed on, and guard answers correctly afterwards. The benchmark
+verifier failed on, and guard answers correctly afterwards; the same in Envoy mode. The benchmark
 (benchmarks/reliability_llm.py) runs thousands of cases with memory and descriptors watched."""
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from envoy_support import Guard, needs_envoy, write
 from fuzz_openai import MAX_TOKENS, SERVED, Answer, Case, Tally, cases
 from llm_support import require_llama_server, start_llama_cpp_server
 from support import Tracebacks, metric, running, scrape, wait_for
@@ -23,16 +24,19 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not
 from guard.zoo.llm import quant_ladder  # noqa: E402
 
 EXAMPLES = 120
+EXAMPLES_ENVOY = 60  # (Envoy mode's own path: the tap, the observer)
 
 
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
     gguf = quant_ladder(("F16",))["F16"]
     # -n caps every call's tokens (a call whose max_tokens the server reads as absent would
-    # otherwise generate to the context's end); --embeddings answers /v1/embeddings.
+    # otherwise generate to the context's end); --alias: it answers with guard's model name,
+    # as Envoy mode needs (Envoy cannot rewrite it).
     server = start_llama_cpp_server(require_llama_server(), gguf,
                                     tmp_path_factory.mktemp("llama-server"),
-                                    ("-n", str(2 * MAX_TOKENS), "--seed", "1"))
+                                    ("-n", str(2 * MAX_TOKENS), "--seed", "1",
+                                     "--alias", SERVED))
     try:
         yield server, gguf
     finally:
@@ -57,16 +61,42 @@ def send(client: httpx.Client, url: str, case: Case) -> Answer:
 
 def test_fuzzed_calls_are_answered_as_the_upstream_answers_them(upstream, tmp_path):
     server, gguf = upstream
-    tally = Tally()
     with running(tmp_path, [model_block(server.url, gguf)], http_port=0) as (srv, _), \
-            httpx.Client(timeout=120) as client, Tracebacks() as tracebacks:
+            Tracebacks() as tracebacks:
+        fuzz_through(srv, server, EXAMPLES)
+    assert tracebacks.messages == []
+
+
+@needs_envoy
+def test_fuzzed_calls_through_envoy_mode_are_answered_as_the_upstream_answers_them(
+        upstream, tmp_path):
+    """Envoy mode: Envoy forwards, guard observes the sampled calls through the tap (its
+    reassembly and sample building on whatever a client sends). Envoy forwards what it can
+    route, so a call the Python edge refuses before routing may be the upstream's to answer."""
+    server, gguf = upstream
+    config = write(tmp_path, [model_block(server.url, gguf)], server={"http_port": 0},
+                   http_health_port=0)
+    with Tracebacks() as tracebacks:
+        guard = Guard(config)
+        try:
+            fuzz_through(guard.srv, server, EXAMPLES_ENVOY, envoy=True)
+        finally:
+            guard.close()
+    assert tracebacks.messages == []
+
+
+def fuzz_through(srv, server, examples: int, envoy: bool = False) -> None:
+    """``examples`` seeded cases, each to the server directly and through guard (``srv``),
+    then the verifier's outcomes and one more call, as the module's docs say."""
+    tally = Tally()
+    with httpx.Client(timeout=120) as client:
         guard = f"http://127.0.0.1:{srv.http_port}"
 
-        @settings(max_examples=EXAMPLES, derandomize=True, database=None, deadline=None,
+        @settings(max_examples=examples, derandomize=True, database=None, deadline=None,
                   suppress_health_check=list(HealthCheck))
         @given(case=cases)
         def one(case):
-            tally.add(case, send(client, server.url, case), send(client, guard, case))
+            tally.add(case, send(client, server.url, case), send(client, guard, case), envoy)
 
         one()
         assert tally.broken == []
@@ -85,4 +115,3 @@ def test_fuzzed_calls_are_answered_as_the_upstream_answers_them(upstream, tmp_pa
         assert (direct.status, through.status) == (200, 200)
         assert json.loads(through.body)["choices"][0]["text"] == json.loads(
             direct.body)["choices"][0]["text"]
-    assert tracebacks.messages == []
