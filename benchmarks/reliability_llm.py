@@ -64,17 +64,19 @@ from reliability import proc_status, read_events, scrape_all, value, verifier_pi
 OUT = ROOT / "benchmarks" / "results"
 CHAT = [{"role": "user", "content": "Write a long story about a lighthouse keeper."}]
 WHOLE_WAIT_S = 0.5  # a whole answer's walk-away: its client's timeout
+OTHER = "other"  # the second model's name (--models 2)
 
 
 def start_llama_server(binary: Path, gguf: Path, folder: Path, cap: int,
-                       alias: bool = False) -> tuple[subprocess.Popen, str]:
-    """llama-server with ``-n cap``: no call generates more tokens than that. ``alias``: it
-    names its model guard's name (``--alias``; Envoy cannot rewrite the name it answers)."""
+                       alias: str = "") -> tuple[subprocess.Popen, str]:
+    """llama-server with ``-n cap``: no call generates more tokens than that. ``alias``: the
+    name it answers (``--alias``; Envoy cannot rewrite the name an answer says)."""
     port = bench.free_port()
     process = subprocess.Popen(
         [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-         "-t", "1", "-n", str(cap), "--seed", "1", *(("--alias", SERVED) if alias else ())],
-        stdout=open(folder / "llama-server.log", "wb"), stderr=subprocess.STDOUT)
+         "-t", "1", "-n", str(cap), "--seed", "1", *(("--alias", alias) if alias else ())],
+        stdout=open(folder / f"llama-server{'-' + alias if alias else ''}.log", "wb"),
+        stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -125,10 +127,11 @@ def model_blocks(server: str, url: str, gguf: Path) -> dict:
                           "options": {"context_length": 512}}}
 
 
-def start_guard(folder: Path, blocks: dict, envoy: bool = False
-                ) -> tuple[subprocess.Popen, dict, Path]:
+def start_guard(folder: Path, blocks: dict, envoy: bool = False,
+                others: tuple[dict, ...] = ()) -> tuple[subprocess.Popen, dict, Path]:
     """``guard serve`` with one generation model (``blocks``), every call sampled and captured;
-    ``envoy``: in Envoy mode (Envoy forwards, guard observes through the tap)."""
+    ``envoy``: in Envoy mode (Envoy forwards, guard observes through the tap); ``others``:
+    more models beside it (whole model blocks: guard then routes by the body's model)."""
     ports = {"grpc_port": bench.free_port(), "metrics_port": bench.free_port(),
              "admin_port": bench.free_port(), "http_port": bench.free_port()}
     server: dict = {"host": "127.0.0.1", **ports, "reload_interval_s": 0}
@@ -142,7 +145,7 @@ def start_guard(folder: Path, blocks: dict, envoy: bool = False
                   "name": SERVED, "task": "generation", **blocks,
                   "mirror": {"sample_rate": 1.0, "queue_size": 256, "timeout_s": 120},
                   "policy": {"action": "alert"},
-                  "capture": {"dir": str(folder / "capture"), "mode": "all"}}]}
+                  "capture": {"dir": str(folder / "capture"), "mode": "all"}}, *others]}
     path = folder / "guard.yaml"
     path.write_text(yaml.safe_dump(config, sort_keys=False))
     log = folder / "guard.log"
@@ -198,7 +201,7 @@ def sample_counts(values: dict) -> dict:
 
 
 def fuzz(guard_url: str, upstream: str, pid: int, metrics_port: int, n: int, seed_value: int,
-         log: Path, envoy: bool = False) -> dict:
+         log: Path, envoy: bool = False, several: bool = False) -> dict:
     tally = Tally()
     sent: dict[str, Case] = {}  # by the x-request-id guard's capture records keep
     client = httpx.Client(timeout=120)
@@ -213,7 +216,7 @@ def fuzz(guard_url: str, upstream: str, pid: int, metrics_port: int, n: int, see
         done = sum(tally.statuses.values())
         sent[f"fuzz-{done}"] = case
         tally.add(case, send(client, upstream, case),
-                  send(client, guard_url, case, f"fuzz-{done}"), envoy)
+                  send(client, guard_url, case, f"fuzz-{done}"), envoy, several)
         done += 1
         if done == warm_after:
             status["after_warm_up"] = processes(pid)
@@ -414,13 +417,20 @@ def markdown(report: dict) -> str:
             "sampled (`mirror.sample_rate: 1`) and scored by the llama_cpp reference on the "
             "same GGUF in the verifier, every call captured. Raw figures: "
             "`reliability_llm.json`.", ""]
+    if report.get("models", 1) > 1:
+        lines += [
+            f"**Two models**: a second llama-server on the same GGUF serves guard's model "
+            f"`{OTHER}` (sampled never), so that guard routes every call by the model its body "
+            "names (in Envoy mode: Envoy's `json_to_metadata`), and refuses a body that names "
+            "none, or one it does not serve, or is no JSON object.", ""]
     if report.get("data_plane") == "envoy":
         lines += [
             "**Envoy mode** (`server.data_plane: envoy`): guard's Envoy forwards every call "
             "(llama-server started with `--alias smol`: Envoy cannot rewrite the model name an "
-            "answer says), guard observes the sampled ones through the tap and refuses "
-            "nothing itself but for its routing (a body naming no served model). Raw figures: "
-            "`reliability_llm_envoy.json`.", ""]
+            "answer says), guard observes the sampled ones through the tap. With one model "
+            "Envoy reads no body and forwards every call (the upstream answers what the Python "
+            "edge refuses before routing); with several it routes by the body's model and "
+            "refuses as the Python edge does.", ""]
     f = report.get("fuzz")
     if f:
         s = f["samples"]
@@ -524,17 +534,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data-plane", choices=("python", "envoy"), default="python",
                         help="guard's data plane: its Python HTTP edge (default) or Envoy "
                         "mode (Envoy forwards, guard observes; the fuzzer only)")
+    parser.add_argument("--models", type=int, choices=(1, 2), default=1,
+                        help="generation models guard serves: 2 adds a second llama-server "
+                        f"as model '{OTHER}', so that guard routes by the body's model (in "
+                        "Envoy mode: Envoy's json_to_metadata; the fuzzer only)")
     args = parser.parse_args(argv)
     from guard.zoo.llm import quant_ladder
 
     gguf = quant_ladder(("F16",))["F16"]
     parts = args.parts.split(",")
     envoy = args.data_plane == "envoy"
-    if args.server == "vllm" or envoy:
+    several = args.models > 1
+    if args.server == "vllm" or envoy or several:
         parts = [p for p in parts if p == "fuzz"]
     report: dict = {"command": "benchmarks/reliability_llm.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "machine": bench.machine_info(),
-        "server": args.server, "data_plane": args.data_plane}
+        "server": args.server, "data_plane": args.data_plane, "models": args.models}
     for part in parts:
         with tempfile.TemporaryDirectory(prefix="guard-rel-llm-") as tmp:
             folder = Path(os.environ.get("KEEP_DIR") or tmp) / part
@@ -546,14 +561,23 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 server, upstream = start_llama_server(
                     Path(args.llama_server), gguf, folder,
-                    2 * MAX_TOKENS if part == "fuzz" else 480, alias=envoy)
+                    2 * MAX_TOKENS if part == "fuzz" else 480, alias=SERVED if envoy else "")
+            other = None
+            others: tuple[dict, ...] = ()
+            if several:
+                other, other_url = start_llama_server(Path(args.llama_server), gguf, folder,
+                                                      2 * MAX_TOKENS, alias=OTHER)
+                others = ({"name": OTHER, "task": "generation",
+                           **model_blocks("llama-server", other_url, gguf),
+                           "mirror": {"sample_rate": 0.0}},)
+                others[0]["primary"]["model"] = OTHER
             guard, ports, log = start_guard(folder, model_blocks(args.server, upstream, gguf),
-                                            envoy)
+                                            envoy, others)
             try:
                 if part == "fuzz":
                     report["fuzz"] = fuzz(f"http://127.0.0.1:{ports['http_port']}", upstream,
                                           guard.pid, ports["metrics_port"], args.cases,
-                                          args.seed, log, envoy)
+                                          args.seed, log, envoy, several)
                 else:
                     report["disconnects"] = disconnects(
                         ports["http_port"], upstream, guard.pid, ports["metrics_port"],
@@ -561,15 +585,16 @@ def main(argv: list[str] | None = None) -> int:
             finally:
                 guard.terminate()
                 guard.wait(30)
-                if isinstance(server, subprocess.Popen):
-                    server.terminate()
-                    server.wait(30)
-                else:
-                    server.stop()
+                for process in (server, other):
+                    if isinstance(process, subprocess.Popen):
+                        process.terminate()
+                        process.wait(30)
+                    elif process is not None:
+                        process.stop()
     report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     OUT.mkdir(parents=True, exist_ok=True)
     name = "reliability_llm" + ("_vllm" if args.server == "vllm" else "") + (
-        "_envoy" if envoy else "")
+        "_envoy" if envoy else "") + ("_2_models" if several else "")
     (OUT / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     (OUT / f"{name}.md").write_text(text)

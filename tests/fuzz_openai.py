@@ -5,9 +5,10 @@ guard's contract (CONTRACT.md, "Generative models": the body is the upstream's a
 The property, per case (:func:`verdict`):
 
 - A call guard refuses on its own is one of the refusals it documents: a body that is not a
-  JSON object (not JSON, not UTF-8, a byte order mark, an array), a ``model`` that is not a
-  string, a model guard does not serve (404), a body over ``server.max_message_bytes`` (413);
-  each a 4xx in OpenAI's error shape (``{"error": {"message": ...}}``).
+  JSON object (not JSON, not UTF-8, an array; a leading byte order mark is read past), a
+  ``model`` that is not a string, a model guard does not serve (404), a body over
+  ``server.max_message_bytes`` (413); each a 4xx in OpenAI's error shape
+  (``{"error": {"message": ...}}``).
 - Any other call is answered as the upstream answers it: the same status, a stream where the
   upstream streamed (its Content-Type), an answer that names the model the client asked for.
   A call its server answers and guard refuses is a call lost by putting guard in front; a 5xx
@@ -21,6 +22,7 @@ watched).
 from __future__ import annotations
 
 import json
+import math
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -178,10 +180,10 @@ class Answer:
         return self.content_type.startswith("text/event-stream")
 
 
-def guard_refuses(case: Case) -> str:
-    """Why guard answers this call itself (a documented refusal), "" where it forwards it."""
-    if case.data.startswith(b"\xef\xbb\xbf"):
-        return "byte order mark"
+def guard_refuses(case: Case, several: bool = False) -> str:
+    """Why guard answers this call itself (a documented refusal), "" where it forwards it.
+    ``several``: guard serves several generation models, so a body naming none is refused
+    (with one, it is that model's)."""
     try:
         body = json.loads(case.data)
     except (UnicodeDecodeError, ValueError):
@@ -193,7 +195,20 @@ def guard_refuses(case: Case) -> str:
         return "model not a string"
     if model and model != SERVED:
         return "model not served"
+    if several and not model:
+        return "no model named, several served"
     return ""
+
+
+def _beyond_double(data: bytes) -> bool:
+    """The body holds a number beyond a double's range (Python reads it as an infinity)."""
+    found = []
+    try:
+        json.loads(data, parse_float=lambda text: found.append(math.isinf(float(text))),
+                   parse_int=lambda text: found.append(math.isinf(float(text))))
+    except (UnicodeDecodeError, ValueError, OverflowError):
+        return False
+    return any(found)
 
 
 def _error_shape(answer: Answer) -> bool:
@@ -223,15 +238,19 @@ def _names_served(answer: Answer) -> bool:
     return not isinstance(whole, dict) or whole.get("model", SERVED) == SERVED
 
 
-def verdict(case: Case, direct: Answer, through: Answer, envoy: bool = False) -> str:
+def verdict(case: Case, direct: Answer, through: Answer, envoy: bool = False,
+            several: bool = False) -> str:
     """"" where guard's answer keeps its contract, else what broke it. ``envoy``: guard in
-    Envoy mode, where Envoy forwards whatever it can route: a call the Python edge refuses
-    (not JSON, a model that is not a string) may be the upstream's to answer there."""
-    refusal = guard_refuses(case)
+    Envoy mode, where Envoy forwards whatever it can route: with one model every call (a call
+    the Python edge refuses, not JSON or a model that is not a string, is the upstream's to
+    answer there). ``several``: guard serves several generation models (:func:`guard_refuses`)."""
+    refusal = guard_refuses(case, several)
+    if not refusal and envoy and several and _beyond_double(case.data):
+        refusal = "a number Envoy's JSON parser cannot read"  # (guard/envoy/openai_listener.py)
     if refusal:
         if through.status in (400, 404, 413) and _error_shape(through):
             return ""
-        if not (envoy and through.status == direct.status):
+        if not (envoy and not several and through.status == direct.status):
             return f"{refusal}: guard answered {through.status} {through.body[:200]!r}"
     if through.status != direct.status:
         return (f"guard answered {through.status} {through.body[:200]!r} where its upstream "
@@ -252,8 +271,9 @@ class Tally:
     statuses: Counter = field(default_factory=Counter)
     broken: list[tuple[str, str]] = field(default_factory=list)
 
-    def add(self, case: Case, direct: Answer, through: Answer, envoy: bool = False) -> None:
+    def add(self, case: Case, direct: Answer, through: Answer, envoy: bool = False,
+            several: bool = False) -> None:
         self.statuses[(case.path, direct.status, through.status)] += 1
-        why = verdict(case, direct, through, envoy)
+        why = verdict(case, direct, through, envoy, several)
         if why:
             self.broken.append((case.describe(), why))

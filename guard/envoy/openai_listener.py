@@ -184,7 +184,10 @@ def _model_routes(models: list[ModelConfig], chain: Chain, kind: str, paths: dic
         # (A body naming no model is the one model's where there is one: no filter then.)
         several = ", ".join(sorted(m.name for m in models))
         for problem, message, param in (
-                ("not_json", "the body is not a JSON object", None),
+                # (Envoy's JSON parser also refuses numbers beyond a double's range, which
+                # the Python edge reads as infinities and forwards for the server to refuse)
+                ("not_json", "the body is not a JSON object Envoy can read (not JSON, not an "
+                 "object, or a number beyond a double's range)", None),
                 ("no_model", f"'model' is required: guard serves several models ({several})",
                  "model")):
             routes.append({"name": f"{kind}body_{problem}",

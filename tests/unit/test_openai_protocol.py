@@ -26,11 +26,22 @@ UPSTREAM = {"backend": "openai", "target": "http://127.0.0.1:8081", "model": "sm
 @pytest.mark.parametrize("data, why", [
     (b"not json", "not JSON"), (b"\xff\xfe", "not JSON"), (b"[1, 2]", "JSON object"),
     (b'{"model": ["m"], "messages": [{"role": "user", "content": "x"}]}', "'model'"),
-    (b'\xef\xbb\xbf{"model": "m", "messages": [{}]}', "byte order mark"),
 ])
 def test_a_body_guard_cannot_route_is_refused_saying_why(data, why):
     with pytest.raises(api.BadRequest, match=why):
         api.parse_request("chat", data)
+
+
+def test_a_body_behind_a_byte_order_mark_is_read_past_it_and_forwarded_with_it():
+    """RFC 8259 lets a parser ignore a leading BOM; llama-server and Envoy's json_to_metadata
+    do, so guard does too: the call is read and routed, and its bytes go on with the BOM (the
+    upstream's to answer), the model's name spliced after it."""
+    data = b'\xef\xbb\xbf{"model": "m", "messages": [{"role": "user", "content": "x"}]}'
+    call = api.parse_request("chat", data)
+    assert (call.model, call.not_comparable) == ("m", "")
+    assert api.set_model(data, "smol-q4") == data.replace(b'"m"', b'"smol-q4"')
+    assert api.set_model(b'\xef\xbb\xbf{"messages": []}', "s") == \
+        b'\xef\xbb\xbf{"model":"s","messages": []}'
 
 
 @pytest.mark.parametrize("endpoint, data", [

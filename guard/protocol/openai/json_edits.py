@@ -96,6 +96,8 @@ def value_spans(data: bytes | str,
     return found
 
 
+BOM = b"\xef\xbb\xbf"  # UTF-8's byte order mark, which a client may put before its JSON
+
 # The fast path of the one edit every answer needs: a top-level "model" key reached over
 # top-level keys whose values are strings or scalars (how servers write their chunks: "id",
 # "object", "created", "model", then "choices"), in one C-level regex match.
@@ -144,7 +146,9 @@ def set_model(data: bytes, name: str) -> bytes:
     """A request body (a JSON object) naming the model ``name``: its ``model`` value replaced,
     or the key put first where the body has none (a client of a one-model server may send
     none; guard's upstream is told the name the block says it serves). ValueError for data
-    that is not a JSON object."""
+    that is not a JSON object. A leading byte order mark stays where it is."""
+    if data.startswith(BOM):
+        return BOM + set_model(data[len(BOM):], name)
     value = json.dumps(name, ensure_ascii=False).encode()
     edited = _leading_model(data, value)
     if edited is not None:

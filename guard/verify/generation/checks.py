@@ -386,12 +386,11 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
     ``(position, candidate)``, the first position whose token (the reference's canonical
     tokenization of the text) the server's transform excludes while one of the reference's
     top candidates there, which it keeps, may have stood there (:func:`_may_stand`: its text
-    begins the text from there on, or it is a byte piece). A server samples such a split as readily
-    as any token: a healthy llama-server after ``[0, 0]`` sampled "-" eight times and the
-    text's canonical
-    "--------" lay outside the transform, and every token after it was scored in a context
-    the server never had (z 34 over 41 tokens). None where there is no such position, or the
-    server said its tokens (texts or ids)."""
+    begins the text from there on, or it is a byte piece). A server samples such a split as
+    readily as any token: a healthy llama-server after ``[0, 0]`` sampled "-" eight times and
+    the text's canonical "--------" lay outside the transform, and every token after it was
+    scored in a context the server never had (z 34 over 41 tokens). None where there is no
+    such position, or the server said its tokens (texts or ids)."""
     if sample.tokens or not outside.any() or scores.logprobs is None:
         return None
     t = int(np.flatnonzero(outside)[0])
@@ -440,8 +439,9 @@ def _greedy_split_otherwise(sample: GenerationSample, scores: ReferenceScores,
     otherwise: at the first position where the text's canonical token is not the reference's
     argmax, the argmax may have stood there (:func:`_may_stand`). A greedy server takes the
     argmax there: the scores up to that position with it (:func:`_cut_at`). A healthy
-    llama-server answered " Paris" "." "\n" "\n" (each the argmax), whose text the reference
-    tokenizes " Paris" "." "\n\n": "\n\n" read as a confident flip (a failed greedy check).
+    llama-server answered " Paris" "." "\\n" "\\n" (each the argmax), whose text the
+    reference tokenizes " Paris" "." "\\n\\n": that read as a confident flip (a failed greedy
+    check).
     None where there is no such position, or the server said its tokens."""
     if sample.tokens or agree.all():
         return None
