@@ -111,17 +111,17 @@ def start_vllm(folder: Path) -> tuple[object, str]:
     return server, server.url
 
 
-def model_blocks(server: str, url: str, gguf: Path) -> dict:
+def model_blocks(server: str, url: str, gguf: Path, name: str = SERVED) -> dict:
     """The primary and reference blocks of guard's model in front of ``server``: a healthy
     pair (the reference on the weights the server runs)."""
     if server == "vllm":
         from guard.zoo.llm import smollm2_gguf
 
-        return {"primary": {"backend": "openai", "target": url, "model": SERVED,
+        return {"primary": {"backend": "openai", "target": url, "model": name,
                             "options": {"engine": "vllm", "generation_config": "vllm",
                                         "sample_logprobs": 5, "sample_token_ids": True}},
                 "reference": {"backend": "transformers", "path": str(smollm2_gguf())}}
-    return {"primary": {"backend": "openai", "target": url, "model": SERVED,
+    return {"primary": {"backend": "openai", "target": url, "model": name,
                         "options": {"engine": "llama.cpp"}},
             "reference": {"backend": "llama_cpp", "path": str(gguf),
                           "options": {"context_length": 512}}}
@@ -568,9 +568,8 @@ def main(argv: list[str] | None = None) -> int:
                 other, other_url = start_llama_server(Path(args.llama_server), gguf, folder,
                                                       2 * MAX_TOKENS, alias=OTHER)
                 others = ({"name": OTHER, "task": "generation",
-                           **model_blocks("llama-server", other_url, gguf),
+                           **model_blocks("llama-server", other_url, gguf, OTHER),
                            "mirror": {"sample_rate": 0.0}},)
-                others[0]["primary"]["model"] = OTHER
             guard, ports, log = start_guard(folder, model_blocks(args.server, upstream, gguf),
                                             envoy, others)
             try:

@@ -36,11 +36,11 @@ from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import (
     LocalScorer,
-    chat_rendering,
+    chat_plan,
     common_prefix,
     continue_final_message,
-    continued_after_generation_prompt,
     loaded,
+    template_failed,
 )
 from guard.backends.token_alignment import Vocabulary
 from guard.errors import BackendError, install_hint
@@ -223,10 +223,8 @@ class LlamaCppScorer(LocalScorer):
         if not template:
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
-        generation_prompt, continued, keywords = chat_rendering(template_args)
-        after = continued_after_generation_prompt(template_args, messages)
-        if after is not None:  # (as llama.cpp's server continues a final message)
-            messages, generation_prompt, continued = after[0], True, False
+        messages, generation_prompt, continued, keywords, after = chat_plan(template_args,
+                                                                            messages)
         vocab = self.vocab
         formatter = Jinja2ChatFormatter(
             template=template, eos_token=vocab.token_text(int(llm.token_eos())),
@@ -238,11 +236,8 @@ class LlamaCppScorer(LocalScorer):
             rendered = formatter(
                 messages=cast("list[ChatCompletionRequestMessage]", list(messages)), **keywords)
         except Exception as exc:  # noqa: BLE001 - the template's code: any failure says so
-            # (content parts where it concatenates strings: jinja's TypeError; the template's
-            # raise_exception: TemplateError)
-            raise BackendError(f"the chat template cannot render these messages: "
-                               f"{type(exc).__name__}: {exc}") from None
-        prompt = rendered.prompt + (after[1] if after is not None else "")
+            raise template_failed(exc) from None
+        prompt = rendered.prompt + after
         if continued:
             prompt = continue_final_message(prompt, messages)
         # llama-cpp-python's chat handler: BOS added unless the template wrote it.

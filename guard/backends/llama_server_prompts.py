@@ -36,12 +36,11 @@ echo call.
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from dataclasses import replace
 from typing import Any
 
-from guard.backends.openai import OpenAIOptions, authorization, base_url
+from guard.backends.openai import (OpenAIOptions, UpstreamStatus, authorization, base_url,
+                                  post_json)
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.protocol.generation import GenerationSample
@@ -99,37 +98,29 @@ class LlamaServerPrompts:
         body.update(sample.chat_template_args or {})  # (the fields as the client sent them)
         prompt = self._post("/apply-template", body).get("prompt")
         if not isinstance(prompt, str):
-            raise BackendError(f"{self._where('/apply-template')}: no prompt in the answer")
+            raise BackendError(f"primary {self.model}@{self.base}: POST /apply-template: no "
+                               "prompt in the answer")
         return prompt
 
     def _tokens(self, text: str) -> tuple[int, ...]:
         tokens = self._post("/tokenize", {"content": text, "add_special": True,
                                           "parse_special": True}).get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise BackendError(f"{self._where('/tokenize')}: no list of token ids in the "
-                               "answer")
+            raise BackendError(f"primary {self.model}@{self.base}: POST /tokenize: no list "
+                               "of token ids in the answer")
         return tuple(tokens)
 
-    def _where(self, path: str) -> str:
-        return f"primary {self.model}@{self.base}: POST {path}"
-
     def _post(self, path: str, body: dict) -> dict:
-        request = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
-                                         headers={"Content-Type": "application/json"})
-        if self._authorization:
-            request.add_header("Authorization", self._authorization)
+        where = f"primary {self.model}@{self.base}: POST {path}"
         try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                answer = json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            text = exc.read()[:200].decode("utf-8", "replace")
-            if exc.code in ABSENT:
-                raise _Absent(f"{self._where(path)}: HTTP {exc.code}: {text}") from None
-            raise BackendError(f"{self._where(path)}: HTTP {exc.code}: {text}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise BackendError(f"{self._where(path)}: {type(exc).__name__}: {exc}") from None
+            answer = post_json(self.base + path, json.dumps(body).encode(),
+                               self._authorization, self.timeout_s, where)
+        except UpstreamStatus as exc:
+            if exc.status in ABSENT:
+                raise _Absent(str(exc), exc.status, exc.text) from None
+            raise
         if not isinstance(answer, dict):
-            raise BackendError(f"{self._where(path)}: the answer is no JSON object")
+            raise BackendError(f"{where}: the answer is no JSON object")
         return answer
 
 
@@ -144,5 +135,5 @@ def for_primary(spec, timeout_s: float) -> LlamaServerPrompts | None:
     return LlamaServerPrompts(spec, timeout_s)
 
 
-class _Absent(BackendError):
+class _Absent(UpstreamStatus):
     """The server has no such endpoint."""

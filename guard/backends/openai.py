@@ -257,6 +257,34 @@ def wait_ready(base: str, model: str, authorization_header: str | None,
         time.sleep(0.2)
 
 
+class UpstreamStatus(BackendError):
+    """An upstream answered an HTTP error status: ``status`` and the start of its answer."""
+
+    def __init__(self, message: str, status: int, text: str):
+        super().__init__(message)
+        self.status, self.text = status, text
+
+
+def post_json(url: str, data: bytes, authorization_header: str | None, timeout_s: float,
+              where: str) -> Any:
+    """POST the JSON ``data`` to ``url`` with the standard library, outside the request path
+    (the verifier's probe and prompt asks, ``guard replay``'s generation), one call at a time
+    on a thread its caller watches: the JSON answer. :class:`UpstreamStatus` for an HTTP
+    error status, BackendError for any other failure, each message starting with ``where``."""
+    request = urllib.request.Request(url, data=data,
+                                     headers={"Content-Type": "application/json"})
+    if authorization_header:
+        request.add_header("Authorization", authorization_header)
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as exc:
+        text = exc.read()[:300].decode("utf-8", "replace")
+        raise UpstreamStatus(f"{where}: HTTP {exc.code}: {text}", exc.code, text) from None
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise BackendError(f"{where}: {type(exc).__name__}: {exc}") from None
+
+
 def llama_server_settings(base: str, authorization_header: str | None,
                           timeout_s: float = 5.0) -> tuple[dict[str, Any] | None, str]:
     """The sampling settings a llama.cpp server (llama-server) applies where a request does not

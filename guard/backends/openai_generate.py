@@ -11,19 +11,18 @@ without ids: :func:`guard.protocol.openai.unusable`) is an error of the probe, n
 
 It is not streamed (nobody waits for it token by token), it goes out with the upstream's key
 (``options.api_key_env``) and never with anything a client sent: the sample carries no
-headers. The standard library's HTTP client does it: one call at a time, on a thread the
-caller watches (the mirror's ``mirror.timeout_s``), so a pooled asynchronous client would buy
-nothing here.
+headers. The standard library's HTTP client does it (guard/backends/openai.py ``post_json``):
+one call at a time, on a thread the caller watches (the mirror's ``mirror.timeout_s``), so a
+pooled asynchronous client would buy nothing here.
 """
 
 from __future__ import annotations
 
 import json
-import urllib.error
-import urllib.request
 from dataclasses import replace
 
-from guard.backends.openai import REFUSALS, OpenAIOptions, authorization, base_url
+from guard.backends.openai import (REFUSALS, OpenAIOptions, UpstreamStatus, authorization,
+                                  base_url, post_json)
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.protocol.generation import GenerationSample
@@ -120,9 +119,9 @@ class PrimaryProbe:
         additions = self.additions
         try:
             data, answer = self._ask(sample, additions)
-        except _Refused as refused:
-            if not additions:
-                raise BackendError(str(refused)) from None
+        except UpstreamStatus as refused:
+            if refused.status not in REFUSALS or not additions:
+                raise
             data, answer = self._ask(sample, False)
             additions = self.additions = False
             emit("openai_additions_refused", model=sample.model, route="probe",
@@ -148,31 +147,10 @@ class PrimaryProbe:
 
     def _ask(self, sample: GenerationSample, additions: bool) -> tuple[bytes, dict]:
         """POST the probe of ``sample`` (with guard's logprobs and token ids, or as the client
-        asked): the body sent and the JSON answer. _Refused for a 400 or 422, BackendError
-        for any other failure."""
+        asked): the body sent and the JSON answer. UpstreamStatus for an error status (400,
+        422: a refusal), BackendError for any other failure."""
         body = probe_body(sample, self.model, self.top if additions else 0,
                           self.token_ids and additions)
         data = json.dumps(body).encode()
-        request = urllib.request.Request(self.base + PATHS[sample.endpoint], data=data,
-                                         headers={"Content-Type": "application/json"})
-        if self._authorization:
-            request.add_header("Authorization", self._authorization)
-        where = f"primary {self.model}@{self.base}"
-        try:
-            with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                return data, json.loads(response.read())
-        except urllib.error.HTTPError as exc:
-            text = exc.read()[:300].decode("utf-8", "replace")
-            if exc.code in REFUSALS:
-                raise _Refused(f"{where}: HTTP {exc.code}: {text}", exc.code, text) from None
-            raise BackendError(f"{where}: HTTP {exc.code}: {text}") from None
-        except (urllib.error.URLError, OSError, ValueError) as exc:
-            raise BackendError(f"{where}: {type(exc).__name__}: {exc}") from None
-
-
-class _Refused(BackendError):
-    """The upstream refused the probe's request (400, 422): ``status`` and its answer."""
-
-    def __init__(self, message: str, status: int, text: str):
-        super().__init__(message)
-        self.status, self.text = status, text
+        return data, post_json(self.base + PATHS[sample.endpoint], data, self._authorization,
+                               self.timeout_s, f"primary {self.model}@{self.base}")

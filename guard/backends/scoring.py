@@ -41,8 +41,7 @@ from guard.backends.token_alignment import (
     names_its_alternatives,
 )
 from guard.errors import BackendError
-from guard.protocol.generation import (LLAMA_CPP_CONTINUATION, GenerationSample,
-                                      llama_cpp_text)
+from guard.protocol.generation import LLAMA_CPP_CONTINUATION, GenerationSample
 
 # How many of the reference's best tokens are kept per position (for reports and for a
 # top-k-only comparison); vLLM's max_logprobs default is 20 too.
@@ -240,8 +239,7 @@ def chat_rendering(template_args: Mapping[str, Any] | None
             dict(args.get("chat_template_kwargs") or {}))
 
 
-def template_messages(messages: Sequence[dict], template_args: Mapping[str, Any] | None
-                      ) -> tuple[dict, ...]:
+def template_messages(messages: Sequence[dict]) -> tuple[dict, ...]:
     """A sample's messages (content parts as the client sent them) as a text model's template
     reads them: each content of text parts one string, the parts joined by newlines, as vLLM
     joins them for a template that concatenates strings (SmolLM2's raises on a list).
@@ -255,15 +253,38 @@ def template_messages(messages: Sequence[dict], template_args: Mapping[str, Any]
         raise BackendError(f"the chat's messages cannot be rendered: {exc}") from None
 
 
+def chat_plan(template_args: Mapping[str, Any] | None, messages: Sequence[dict]
+              ) -> tuple[list, bool, bool, dict[str, Any], str]:
+    """How a local scorer renders ``messages`` with a request's ``template_args``: the
+    messages its template renders, add_generation_prompt, continue_final_message, the
+    template's keyword arguments (:func:`chat_rendering`), and the text written after what
+    the template renders (a final message continued as llama.cpp's server continues it:
+    :func:`continued_after_generation_prompt`; "" otherwise)."""
+    generation_prompt, continued, keywords = chat_rendering(template_args)
+    after = continued_after_generation_prompt(template_args, messages)
+    if after is None:
+        return list(messages), generation_prompt, continued, keywords, ""
+    return after[0], True, False, keywords, after[1]
+
+
+def template_failed(exc: Exception) -> BackendError:
+    """A chat template's failure on a sample's messages, as the scorer's error: any exception
+    of the template's code (a final message it does not write: ValueError; content it cannot
+    concatenate: jinja's TypeError; its raise_exception: TemplateError)."""
+    return BackendError(f"the chat template cannot render these messages: "
+                        f"{type(exc).__name__}: {exc}")
+
+
 def continued_after_generation_prompt(template_args: Mapping[str, Any] | None,
                                       messages: Sequence[dict]) -> tuple[list, str] | None:
     """Where the final message is continued as llama.cpp's server continues it
     (:data:`~guard.protocol.generation.LLAMA_CPP_CONTINUATION`): the messages to render with
-    the generation prompt, and the text that follows it (the final message's content, text
-    parts joined by a blank line). None otherwise."""
+    the generation prompt, and the text that follows it (the final message's content, its
+    text parts joined by blank lines where ``rendered_as_served`` set the argument). None
+    otherwise."""
     if not (template_args or {}).get(LLAMA_CPP_CONTINUATION) or not messages:
         return None
-    content = llama_cpp_text(messages[-1].get("content"), "\n\n")
+    content = messages[-1].get("content")
     return list(messages[:-1]), content if isinstance(content, str) else ""
 
 
@@ -411,8 +432,7 @@ class Scorer(Backend):
         if sample.endpoint == "chat":
             if not sample.messages:
                 raise BackendError("a chat sample without messages cannot be scored")
-            return self.render_chat(template_messages(sample.messages,
-                                                      sample.chat_template_args),
+            return self.render_chat(template_messages(sample.messages),
                                     sample.chat_template_args)
         if sample.prompt is None:
             raise BackendError("a completions sample without a prompt cannot be scored")

@@ -33,10 +33,10 @@ from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import (
     LocalScorer,
-    chat_rendering,
+    chat_plan,
     common_prefix,
-    continued_after_generation_prompt,
     loaded,
+    template_failed,
 )
 from guard.backends.token_alignment import Vocabulary
 from guard.errors import BackendError, install_hint
@@ -129,21 +129,15 @@ class HFTokenized:
         if not getattr(tokenizer, "chat_template", None):
             raise BackendError(f"{self.spec.path} has no chat template to render chat "
                                "messages with")
-        generation_prompt, continued, keywords = chat_rendering(template_args)
-        after = continued_after_generation_prompt(template_args, messages)
-        if after is not None:  # (as llama.cpp's server continues a final message)
-            messages, generation_prompt, continued = after[0], True, False
+        messages, generation_prompt, continued, keywords, after = chat_plan(template_args,
+                                                                            messages)
         try:
             text = tokenizer.apply_chat_template(
                 list(messages), add_generation_prompt=generation_prompt,
                 continue_final_message=continued, tokenize=False, **keywords)
         except Exception as exc:  # noqa: BLE001 - the template's code: any failure says so
-            # (a final message the template does not write: ValueError; content parts where
-            # it concatenates strings: jinja's TypeError; its raise_exception: TemplateError)
-            raise BackendError(f"the chat template cannot render these messages: "
-                               f"{type(exc).__name__}: {exc}") from None
-        if after is not None:
-            text += after[1]
+            raise template_failed(exc) from None
+        text += after
         # The template writes the special tokens itself (BOS too, where it has one).
         return list(tokenizer.encode(text, add_special_tokens=False))
 

@@ -489,7 +489,7 @@ def test_a_chats_text_parts_are_kept_and_read_as_one_string_and_other_parts_are_
     assert call.not_comparable == ""
     sample = api.build_sample(call, api.Completion(text=["A cat."]))
     assert sample.messages == tuple(body["messages"])
-    assert template_messages(sample.messages, None) == (
+    assert template_messages(sample.messages) == (
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is\nthis?"})
     # Empty parts: vLLM leaves them out, llama-server writes a newline after each part but
     # before the first text (both read off the servers: tests/e2e/test_llama_cpp_server.py,
@@ -498,7 +498,7 @@ def test_a_chats_text_parts_are_kept_and_read_as_one_string_and_other_parts_are_
     parts.insert(0, {"type": "text", "text": ""})
     sample = api.build_sample(api.parse_request("chat", json.dumps(body).encode()),
                               api.Completion(text=["A cat."]))
-    assert template_messages(sample.messages, None)[-1]["content"] == "What is\nthis?"
+    assert template_messages(sample.messages)[-1]["content"] == "What is\nthis?"
     assert rendered_as_served(sample, "llama.cpp").messages[-1]["content"] == "What is\n\nthis?"
     image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA=="}}
     body["messages"][1]["content"] = [parts[0], image]

@@ -13,7 +13,6 @@ from typing import Any, Iterable
 from guard.protocol.generation import GenerationSample, TokenLogprob, chat_template_args
 from guard.protocol.openai.requests import (
     ParsedCall,
-    chat_messages,
     responses_messages,
     sampling_params,
 )
@@ -405,16 +404,6 @@ def chunk_has_content(answer: Any, endpoint: str) -> bool:
     return bool(choices[0].get("text"))
 
 
-def _as_sent(messages: list[Any]) -> tuple[dict[str, Any], ...]:
-    """A chat's messages as the client sent them, content parts kept (each engine joins them
-    its own way: a probe and llama-server's /apply-template are sent them as the client sent
-    them, and the reference joins them as a text template reads them, guard/backends/
-    scoring.py ``template_messages``); ValueError for a part that is not text (the call is
-    not comparable, ``parse_request``)."""
-    chat_messages(messages)
-    return tuple(dict(message) for message in messages)
-
-
 def build_sample(call: ParsedCall, completion: Completion, **envelope) -> GenerationSample:
     """The sample of one call: the request as the client sent it and the primary's
     completion. ``envelope``: route, request_id, streamed, unix_nanos, request_seconds,
@@ -426,7 +415,11 @@ def build_sample(call: ParsedCall, completion: Completion, **envelope) -> Genera
 
         sampling = replace(sampling, logprobs=None)
     body = call.body
-    messages = (_as_sent(body["messages"]) if call.endpoint == "chat" else
+    # A chat's messages as the client sent them, content parts kept: each engine joins them
+    # its own way (a probe and llama-server's /apply-template are sent them as they came; the
+    # reference joins them as the engine does, guard/backends/scoring.py template_messages,
+    # guard.protocol.generation rendered_as_served). parse_request checked them already.
+    messages = (tuple(body["messages"]) if call.endpoint == "chat" else
                 responses_messages(body) if call.endpoint == "responses" else None)
     prompt, prompt_ids = call.prompt, completion.prompt_token_ids
     if isinstance(prompt, tuple):  # the client's token ids: the prompt as the server read it
