@@ -26,8 +26,14 @@ proxy that passes only ``/v1``) is not asked again (event ``llama_server_renderi
 once) and the reference renders alone, as before; a call that fails otherwise (a timeout, a
 restart) leaves that one sample to the reference's rendering.
 
-Not asked: a sample whose ids the answer told already, a chat that offered tools (compared on
-ids the answer tells, which llama-server's does not), a prompt the client asked cut
+A chat that offers tools is asked with its tool fields as the client sent them
+(``GenerationSample.tool_request``: llama-server renders the definitions into the prompt with
+its template, under ``--jinja``); it is compared only on the ids asked here and the output's ids
+from the answer's logprobs (each entry's ``id``), so one whose ask fails is not comparable
+(``tools``), never scored on the reference's own rendering.
+
+Not asked: a sample whose ids the answer told already, a tool chat whose tool fields the sample
+does not hold (a record written before they were kept), a prompt the client asked cut
 (``truncate_prompt_tokens``) or tokenized without special tokens (``add_special_tokens``:
 llama-server reads neither; the reference's rendering follows the request, as before), and an
 echo call.
@@ -86,8 +92,10 @@ class LlamaServerPrompts:
     @staticmethod
     def asks(sample: GenerationSample) -> bool:
         """Whether the server is asked for ``sample``'s prompt (see the module's docs)."""
-        if sample.prompt_token_ids is not None or sample.tools or sample.echo or \
+        if sample.prompt_token_ids is not None or sample.echo or \
                 sample.prompt_truncation is not None or sample.add_special_tokens is not None:
+            return False
+        if sample.tools and sample.tool_request is None:
             return False
         if sample.endpoint == "chat":
             return bool(sample.messages)
@@ -96,6 +104,7 @@ class LlamaServerPrompts:
     def _rendered_chat(self, sample: GenerationSample) -> str:
         body: dict[str, Any] = {"model": self.model, "messages": list(sample.messages or ())}
         body.update(sample.chat_template_args or {})  # (the fields as the client sent them)
+        body.update(sample.tool_request or {})
         prompt = self._post("/apply-template", body).get("prompt")
         if not isinstance(prompt, str):
             raise BackendError(f"primary {self.model}@{self.base}: POST /apply-template: no "
@@ -130,7 +139,7 @@ def for_primary(spec, timeout_s: float) -> LlamaServerPrompts | None:
     if spec is None or spec.backend != "openai":
         return None
     options = OpenAIOptions.model_validate(spec.options or {})
-    if options.engine != "llama.cpp" or not options.tokenize_prompts:
+    if not options.asks_prompt_ids:
         return None
     return LlamaServerPrompts(spec, timeout_s)
 

@@ -153,7 +153,8 @@ class OpenAIOptions(_Strict):
         "as the server answers unasked). For servers that answer logprobs for any request "
         "(vLLM up to its --max-logprobs): a server that refuses a call so amended (400, 422) "
         "gets the client's own call instead, and is not asked again until a reload (event "
-        "openai_additions_refused). 0: never add them.")
+        "openai_additions_refused). Not added to a streamed chat that offers tools on "
+        "engine llama.cpp (llama-server refuses logprobs there). 0: never add them.")
     sample_token_ids: bool = Field(
         False, description="On a sampled call whose client did not ask, ask the upstream for "
         "the token ids of the prompt and of the completion (vLLM's return_token_ids, vLLM >= "
@@ -203,6 +204,21 @@ class OpenAIOptions(_Strict):
         20, ge=1, le=1000, description="Reference only: the reference's best tokens the server "
         "returns per position (vLLM refuses more than its --max-logprobs, 20 unless set). The "
         "primary's alternatives outside them count in the tail bucket of the per-token KLD.")
+
+    @property
+    def asks_prompt_ids(self) -> bool:
+        """The verifier asks this primary's server for each sampled prompt's token ids after
+        the answer (llama-server: guard/backends/llama_server_prompts.py), so a call whose
+        answer does not tell them (a chat that offers tools) still has them when it is
+        scored."""
+        return self.engine == "llama.cpp" and self.tokenize_prompts
+
+    def refuses_logprobs(self, streamed: bool, offers_tools: bool) -> bool:
+        """The server answers 400 to logprobs on such a call: llama-server refuses them on a
+        streamed chat that offers tools ("logprobs is not supported with tools + stream").
+        guard adds none there (options.sample_logprobs), so that such a call does not turn
+        the additions off for every other call to the server."""
+        return self.engine == "llama.cpp" and streamed and offers_tools
 
     @model_validator(mode="after")
     def _generation_config_is_readable(self) -> "OpenAIOptions":
@@ -413,6 +429,13 @@ class OpenAIBackend(Forwarding, Backend):
 
     async def forward_raw(self, data: bytes, timeout, metadata=()) -> bytes:
         return await self.forward(None, timeout, metadata)
+
+
+def asks_prompt_ids(spec) -> bool:
+    """Whether the verifier asks a primary block's server for its prompts' token ids
+    (:attr:`OpenAIOptions.asks_prompt_ids`)."""
+    return spec.backend == "openai" and \
+        OpenAIOptions.model_validate(spec.options or {}).asks_prompt_ids
 
 
 def server_defaults(spec) -> ServerDefaults:

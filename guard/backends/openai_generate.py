@@ -105,7 +105,11 @@ class PrimaryProbe:
         # False once the upstream refused a probe for them and took the call without: the
         # logprobs and token ids the client did not ask are then never asked again.
         self.additions = True
-        self._authorization = authorization(OpenAIOptions.model_validate(options))
+        parsed = OpenAIOptions.model_validate(options)
+        self._authorization = authorization(parsed)
+        # A tool chat's prompt ids are asked of the server after the probe's answer
+        # (llama-server: guard/backends/llama_server_prompts.py).
+        self.prompt_ids_asked = parsed.asks_prompt_ids
 
     def __call__(self, sample: GenerationSample) -> GenerationSample:
         """The primary's completion of ``sample``'s call, as a sample of its own (route
@@ -135,7 +139,7 @@ class PrimaryProbe:
             raise BackendError(f"primary {self.model}@{self.base} answered an error: "
                                f"{completion.error[:200]}")
         call = parse_request(sample.endpoint, data)
-        why = unusable(completion, call)
+        why = unusable(completion, call, self.prompt_ids_asked)
         if why:
             advice = UNUSABLE_ADVICE.get(why)
             raise BackendError(f"primary {self.model}@{self.base}: its answer to the probe "

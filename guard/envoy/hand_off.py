@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Protocol
 
+from guard.backends.openai import asks_prompt_ids
 from guard.config import ModelConfig
 from guard.envoy.llm_calls import NotComparable, ObservedHttpCall, parse, sample
 from guard.envoy.openai_listener import generative
@@ -90,7 +91,9 @@ class HandOff:
         if not flags:
             return
         try:
-            generated = sample(call, parsed, route)
+            # (A tool chat's prompt ids may be the verifier's to ask of the primary's server.)
+            asked = parsed.offers_tools and asks_prompt_ids(model.config.primary)
+            generated = sample(call, parsed, route, asked)
         except NotComparable as why:
             self.metrics.generation_not_comparable.labels(why.model, why.reason).inc()
             return

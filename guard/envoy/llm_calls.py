@@ -59,9 +59,11 @@ def parse(call: ObservedHttpCall) -> api.ParsedCall | None:
         return None
 
 
-def sample(call: ObservedHttpCall, parsed: api.ParsedCall, route: str) -> GenerationSample:
+def sample(call: ObservedHttpCall, parsed: api.ParsedCall, route: str,
+           prompt_ids_asked: bool = False) -> GenerationSample:
     """The sample of a traced call whose request is ``parsed``, answered on ``route``;
-    ``NotComparable`` when the call makes none."""
+    ``NotComparable`` when the call makes none. ``prompt_ids_asked``: the verifier asks the
+    primary's server for the prompt's ids (``api.unusable``)."""
     if parsed.not_comparable:
         raise NotComparable(parsed.model, parsed.not_comparable)
     if not 200 <= call.status < 300:
@@ -71,7 +73,7 @@ def sample(call: ObservedHttpCall, parsed: api.ParsedCall, route: str) -> Genera
     if completion.error:
         raise NotComparable(parsed.model, "incomplete" if completion.error == api.CUT_SHORT
                             else "upstream_error")
-    unusable = api.unusable(completion, parsed)
+    unusable = api.unusable(completion, parsed, prompt_ids_asked)
     if unusable:
         raise NotComparable(parsed.model, unusable)
     return api.build_sample(parsed, completion, route=route, request_id=call.request_id,

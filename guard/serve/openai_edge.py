@@ -420,7 +420,8 @@ class _Forward(_Upstream):
         adds = bool(flags & wire.MIRROR) and call.endpoint != "responses" and \
             backend.refused_additions is None
         top = backend.options.sample_logprobs
-        self.guard_logprobs = bool(adds and top and not call.asked_logprobs)
+        self.guard_logprobs = bool(adds and top and not call.asked_logprobs) and \
+            not backend.options.refuses_logprobs(call.stream, call.offers_tools)
         # (Not on an echo call: vLLM then leaves the echoed prompt out of the answer's text.)
         self.guard_token_ids = (adds and backend.options.sample_token_ids
                                 and not call.asked_token_ids and not call.echo)
@@ -622,7 +623,10 @@ class _Forward(_Upstream):
                   finished: bool = True) -> None:
         if not self.flags:
             return
-        unusable = api.unusable(completion, self.call) or ("" if finished else "incomplete")
+        # (A tool chat's prompt ids may be the verifier's to ask of the primary's server.)
+        primary = cast(OpenAIBackend, self.model.backends["primary"])
+        unusable = api.unusable(completion, self.call, primary.options.asks_prompt_ids) or (
+            "" if finished else "incomplete")
         if unusable:
             self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
             return

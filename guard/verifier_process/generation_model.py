@@ -188,6 +188,9 @@ class GenerationMirror(Mirror):
                 completion = self._call(lambda _: prompts(asked), sample, stage, span)
                 if not probed:  # its capture record holds the prompt the server read
                     sample.generation = completion
+            if completion.tools and completion.prompt_token_ids is None:
+                self._untold_tool_prompt(sample, completion, probed)
+                return
             stage = "reference"
             compared = completion
             completion = rendered_as_served(completion, self.engine)
@@ -212,6 +215,24 @@ class GenerationMirror(Mirror):
         try:
             self.on_result(GenerationResult(sample, compared, check, seconds, probed,
                                             activation))
+        except Exception:
+            log.exception("handling a generation result for %s failed", self.model)
+
+
+    def _untold_tool_prompt(self, sample: GenerationMirrorSample, completion: GenerationSample,
+                            probed: bool) -> None:
+        """A chat that offered tools, whose prompt the server did not tell (the ask of its
+        rendering failed: guard/backends/llama_server_prompts.py): compared only on the
+        server's rendering of the tools, so not comparable (``tools``), never scored on the
+        reference's own."""
+        from guard.verify.generation import GenerationCheck
+
+        check = GenerationCheck(
+            passed=True, mode="not_comparable", tokens=len(completion.tokens), cause="tools",
+            reason="a chat that offered tools is compared on the prompt's token ids as the "
+                   "server rendered it, which the server did not tell")
+        try:
+            self.on_result(GenerationResult(sample, completion, check, 0.0, probed))
         except Exception:
             log.exception("handling a generation result for %s failed", self.model)
 

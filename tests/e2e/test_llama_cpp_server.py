@@ -302,3 +302,119 @@ def load_config_block(gguf):
     from guard.config.backend import BackendConfig
 
     return BackendConfig(backend="llama_cpp", path=str(gguf), options={"context_length": 512})
+
+
+# A Hermes-style chat template (Qwen 2.5's form, on SmolLM2's ChatML tokens): it renders the
+# tools into the system turn, and llama-server, reading "<tool_call>" in it, parses the calls
+# out of the answer and applies its lazy tool-call grammar.
+HERMES_TEMPLATE = (
+    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
+    "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}{{- '# Tools\\n\\nYou are provided "
+    "with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
+    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
+    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    "{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
+    "messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{%- for message in messages %}{%- if message.role == 'system' and loop.first %}"
+    "{%- elif message.role == 'assistant' and message.tool_calls %}"
+    "{{- '<|im_start|>assistant' }}{%- for call in message.tool_calls %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}{%- elif message.role == 'tool' %}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + "
+    "'\\n</tool_response><|im_end|>\\n' }}"
+    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
+    "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+TOOLS = [{"type": "function", "function": {
+    "name": "get_weather", "description": "The weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                   "required": ["city"]}}}]
+TOOL_CHAT = [
+    {"role": "system", "content": "You call the tool get_weather(city) in <tool_call> tags."},
+    {"role": "user", "content": "Weather in Rome?"},
+    {"role": "assistant", "content": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                                     "{\"city\": \"Rome\"}}\n</tool_call>"},
+    {"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
+        tmp_path, caplog):
+    """llama-server tells no prompt ids in its answers, but guard asks it how it rendered a
+    sampled chat, tools included (/apply-template with the call's tool fields); the output's
+    ids come from its logprobs (options.sample_logprobs): so a chat that offers tools is
+    compared, where before it was counted not comparable (``tools``). A streamed one cannot
+    be (llama-server refuses logprobs on a streamed chat with tools): guard adds none to it,
+    counts it not comparable, and one such call does not turn the logprobs off for every
+    later call to the server (``openai_additions_refused``)."""
+    caplog.set_level("INFO", logger="guard.events")
+    gguf = quant_ladder(("F16",))["F16"]
+    template = tmp_path / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    server = start_llama_cpp_server(require_llama_server(), gguf, tmp_path,
+                                    ("--jinja", "--chat-template-file", str(template)))
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": server.url, "model": "smol",
+                         "options": {"engine": "llama.cpp", "sample_logprobs": 5}},
+             "reference": load_config_block(gguf).model_dump(exclude_defaults=True),
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
+             "capture": {"dir": str(tmp_path / "capture"), "mode": "all"}}
+    call = {"model": "smol", "messages": TOOL_CHAT, "tools": TOOLS, "max_tokens": 40}
+    try:
+        with running(tmp_path, [model], http_port=0) as (srv, _):
+            base = f"http://127.0.0.1:{srv.http_port}"
+            through = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                    timeout=120)
+            direct = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none",
+                                   max_retries=0, timeout=120)
+            # Greedy: the server's own tool call, parsed out of the text, through guard.
+            ours = through.chat.completions.create(**call, temperature=0)
+            theirs = direct.chat.completions.create(**call, temperature=0)
+            (called,) = ours.choices[0].message.tool_calls
+            assert (called.function.name, json.loads(called.function.arguments)) == (
+                "get_weather", {"city": "Paris"})
+            assert called.function.arguments == \
+                theirs.choices[0].message.tool_calls[0].function.arguments
+            assert ours.choices[0].logprobs is None  # (guard's logprobs, stripped)
+            # Streamed: answered as the server answers it, not compared.
+            chunks = list(through.chat.completions.create(**call, temperature=0, stream=True))
+            assert "".join(c.choices[0].delta.tool_calls[0].function.arguments or ""
+                           for c in chunks if c.choices and c.choices[0].delta.tool_calls)
+            # Sampled, and an ordinary streamed chat after them: compared on logprobs still.
+            through.chat.completions.create(**call, temperature=0.8, seed=3)
+            # (With a system message: without one, this template adds no default one where
+            # the model's own does, which guard would rightly report as template drift.)
+            plain = [{"role": "system", "content": "Be brief."}, *MESSAGES]
+            list(through.chat.completions.create(model="smol", messages=plain,
+                                                 max_tokens=16, seed=4, stream=True))
+            values = wait_for(lambda: (lambda v: v if metric(
+                v, "guard_mirror_total", model="smol", outcome="compared") >= 3 else None)(
+                    scrape(srv.metrics_port)), timeout=300, interval=0.2)
+            assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                          result="pass") == 3
+            assert metric(values, "guard_generation_not_comparable_total", model="smol",
+                          reason="tools") == 1
+            status, rendered = post_json(f"{server.url}/apply-template", call)
+            assert status == 200 and "get_weather" in rendered["prompt"].split("<tools>\n")[1]
+            status, tokens = post_json(f"{server.url}/tokenize", {
+                "content": rendered["prompt"], "add_special": True, "parse_special": True})
+            served = tokens["tokens"]
+    finally:
+        server.stop()
+    assert not events(caplog, "openai_additions_refused")
+    assert not events(caplog, "llama_server_rendering_unavailable")
+
+    stats = FileStats()
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, stats)]
+    compared = [(generation_calls(r)[0], json.loads(r.verdicts[0].details_json))
+                for r in records if r.verdicts]
+    assert len(compared) == 3 and stats.undecodable == 0
+    assert all(details["mode"] == "logprobs" and not details["approximate"]
+               for _, details in compared)
+    tool_calls = [c for c, _ in compared if c.tools]
+    assert len(tool_calls) == 2 and {c.tool_calls for c in tool_calls} == {("get_weather",)}
+    # The prompt the reference scored is the server's, the tools rendered into it.
+    assert all(c.prompt_token_ids == tuple(served) for c in tool_calls)

@@ -39,7 +39,10 @@ def test_only_a_llama_server_primary_is_asked_and_only_while_the_option_is_on():
     (GenerationSample(model="m", endpoint="chat", completion_text="", tokens=(),
                       messages=CHAT.messages, prompt_token_ids=(1, 2)), False),  # told
     (GenerationSample(model="m", endpoint="chat", completion_text="", tokens=(),
-                      messages=CHAT.messages, tools=True), False),  # compared on answer ids
+                      messages=CHAT.messages, tools=True,
+                      tool_request={"tools": [{"type": "function"}]}), True),  # rendered so
+    (GenerationSample(model="m", endpoint="chat", completion_text="", tokens=(),
+                      messages=CHAT.messages, tools=True), False),  # its tool fields unkept
     (GenerationSample(model="m", endpoint="completions", completion_text="", tokens=(),
                       prompt="x", echo=True), False),
     (GenerationSample(model="m", endpoint="completions", completion_text="", tokens=(),

@@ -636,6 +636,30 @@ def test_a_tool_call_is_sampled_where_the_server_said_the_prompts_and_the_output
     bare = api.Completion()
     api.gather(bare, "chat", {"choices": [{"message": {"content": "Hi"}}]}, streamed=False)
     assert api.unusable(bare, call) == "tools" and api.unusable(bare, plain) == ""
+    # llama-server: the output's ids in its logprobs, the prompt's asked of it afterwards
+    # (guard/backends/llama_server_prompts.py): the output's alone suffice here.
+    logged = api.Completion()
+    api.gather(logged, "chat", {"choices": [{"message": message, "logprobs": {"content": [
+        {"id": 10, "token": "<tool_call>", "logprob": -0.1, "top_logprobs": []}]}}]},
+        streamed=False)
+    assert api.unusable(logged, call) == "tools"
+    assert api.unusable(logged, call, prompt_ids_asked=True) == ""
+    assert api.unusable(without_ids, call, prompt_ids_asked=True) == "tools"
+
+
+def test_llama_server_is_asked_no_logprobs_on_a_streamed_tool_chat_and_its_prompts_after():
+    """llama-server answers 400 to logprobs on a streamed chat that offers tools; its
+    prompts' ids are asked of it after the answer (``options.tokenize_prompts``)."""
+    from guard.backends.openai import OpenAIOptions
+
+    llama = OpenAIOptions(engine="llama.cpp")
+    assert llama.refuses_logprobs(streamed=True, offers_tools=True)
+    assert not llama.refuses_logprobs(streamed=False, offers_tools=True)
+    assert not llama.refuses_logprobs(streamed=True, offers_tools=False)
+    assert not OpenAIOptions(engine="vllm").refuses_logprobs(streamed=True, offers_tools=True)
+    assert llama.asks_prompt_ids
+    assert not OpenAIOptions(engine="llama.cpp", tokenize_prompts=False).asks_prompt_ids
+    assert not OpenAIOptions(engine="vllm").asks_prompt_ids
 
 
 def test_of_several_completions_in_one_answer_the_first_is_sampled():
@@ -1079,3 +1103,27 @@ def test_a_chat_llama_server_continues_is_scored_as_it_renders_and_answers_it():
     assert generation.rendered_as_served(asked, "llama.cpp") == asked  # (--no-prefill asked)
     # A record that says it (guard's own argument) reads back.
     assert generation.from_dict(generation.to_dict(served)) == served
+
+
+def test_envoy_modes_tool_chat_of_llama_server_makes_a_sample_where_its_prompt_is_asked():
+    """In Envoy mode a traced tool chat with the output's ids (the client asked logprobs of
+    llama-server) is a sample where the verifier asks the server for its prompt, and not
+    comparable (``tools``) where it does not."""
+    from guard.envoy.llm_calls import NotComparable, ObservedHttpCall, parse, sample
+
+    request = json.dumps({"model": "smol", "logprobs": True,
+                          "messages": [{"role": "user", "content": "Weather in Paris?"}],
+                          "tools": [{"type": "function", "function": {"name": "get_weather"}}]})
+    answer = json.dumps({"model": "smol", "choices": [{"index": 0, "finish_reason": "tool_calls",
+        "message": {"role": "assistant", "content": "", "tool_calls": [{"type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        "logprobs": {"content": [{"id": 10, "token": "<tool_call>", "logprob": -0.1,
+                                  "top_logprobs": []}]}}]})
+    call = ObservedHttpCall("/v1/chat/completions", "r1", "", "primary", 200,
+                            "application/json", request.encode(), answer.encode(), 0.1)
+    parsed = parse(call)
+    assert parsed is not None and parsed.offers_tools
+    made = sample(call, parsed, "primary", prompt_ids_asked=True)
+    assert made.tools and made.tool_calls == ("get_weather",) and made.prompt_token_ids is None
+    with pytest.raises(NotComparable, match="tools"):
+        sample(call, parsed, "primary")

@@ -258,7 +258,8 @@ def data_needs_parse(data: bytes, endpoint: str = "chat") -> bool:
         endpoint == "responses" and _RESPONSE_END.search(data) is not None)
 
 
-def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
+def unusable(completion: Completion, call: ParsedCall | None = None,
+             prompt_ids_asked: bool = False) -> str:
     """Why a completion that was answered to ``call`` (None: a call that asked nothing
     special) cannot be compared, as the not-comparable reason ("" when it can): an error,
     tools it cannot hold, reasoning the sample cannot hold, a prompt the server may have cut
@@ -270,8 +271,11 @@ def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
     earlier calls into the prompt, each engine in its own way: the server's ids are the prompt,
     not the reference's rendering) and the output's token ids (a tool parser takes the call out
     of the text; the ids are the call as the model generated it, which the reference checks
-    names each function called): vLLM with ``sample_token_ids``. Anything else with tools, or
-    a tool call without them, is not comparable (``tools``).
+    names each function called): vLLM with ``sample_token_ids``. ``prompt_ids_asked``: the
+    prompt's ids are asked of the server after the answer (llama-server,
+    ``OpenAIOptions.asks_prompt_ids``), so the output's ids suffice here (llama-server's
+    logprobs entries carry them). Anything else with tools, or a tool call without them, is
+    not comparable (``tools``).
 
     Reasoning a chat's answer gives apart from its text (a reasoning parser's split) is
     compared where the answer has the output's tokens (logprobs or token ids: servers report
@@ -289,8 +293,8 @@ def unusable(completion: Completion, call: ParsedCall | None = None) -> str:
         if call.prompt_truncation is not None and completion.prompt_token_ids is None:
             return "input"
     if (call is not None and call.offers_tools) or completion.tool_calls:
-        by_ids = completion.prompt_token_ids is not None and bool(completion.tokens) and all(
-            t.token_id is not None for t in completion.tokens)
+        by_ids = (prompt_ids_asked or completion.prompt_token_ids is not None) and \
+            bool(completion.tokens) and all(t.token_id is not None for t in completion.tokens)
         named = completion.tool_names or not completion.tool_calls
         if not (by_ids and named):
             return "tools"

@@ -21,6 +21,7 @@ NOT_COMPARABLE_CAUSES = (
     "constrained",       # no logprobs, and a grammar, schema, logit bias ... chose the tokens
     "sampler",           # no logprobs, and a sampler guard does not model (mirostat ...)
     "logprobs_mode",     # the primary's logprobs are not what options.logprobs_mode says
+    "tools",             # a chat that offered tools, whose prompt the server did not tell
 )
 
 
