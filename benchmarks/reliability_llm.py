@@ -68,13 +68,16 @@ OTHER = "other"  # the second model's name (--models 2)
 
 
 def start_llama_server(binary: Path, gguf: Path, folder: Path, cap: int,
-                       alias: str = "") -> tuple[subprocess.Popen, str]:
+                       alias: str = "", context: int = 512,
+                       flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
     """llama-server with ``-n cap``: no call generates more tokens than that. ``alias``: the
-    name it answers (``--alias``; Envoy cannot rewrite the name an answer says)."""
+    name it answers (``--alias``; Envoy cannot rewrite the name an answer says); ``flags``:
+    more of its flags."""
     port = bench.free_port()
     process = subprocess.Popen(
-        [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-c", "512",
-         "-t", "1", "-n", str(cap), "--seed", "1", *(("--alias", alias) if alias else ())],
+        [str(binary), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+         "-c", str(context), "-t", "1", "-n", str(cap), "--seed", "1",
+         *(("--alias", alias) if alias else ()), *flags],
         stdout=open(folder / f"llama-server{'-' + alias if alias else ''}.log", "wb"),
         stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"

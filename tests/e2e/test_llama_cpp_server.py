@@ -37,6 +37,7 @@ from guard.plan.serving import load_config  # noqa: E402
 from guard.verify.generation import GenerationCheck  # noqa: E402
 from guard.verify.pipeline import Comparator  # noqa: E402
 from guard.zoo.llm import PROMPTS, quant_ladder  # noqa: E402
+from guard.zoo.tool_chat import HERMES_TEMPLATE, WEATHER_TOOL, weather_chat  # noqa: E402
 
 FLAGS = ("--temp", "0.6", "--top-k", "20", "--min-p", "0")
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -304,42 +305,6 @@ def load_config_block(gguf):
     return BackendConfig(backend="llama_cpp", path=str(gguf), options={"context_length": 512})
 
 
-# A Hermes-style chat template (Qwen 2.5's form, on SmolLM2's ChatML tokens): it renders the
-# tools into the system turn, and llama-server, reading "<tool_call>" in it, parses the calls
-# out of the answer and applies its lazy tool-call grammar.
-HERMES_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
-    "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}{{- '# Tools\\n\\nYou are provided "
-    "with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
-    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
-    "messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
-    "{%- for message in messages %}{%- if message.role == 'system' and loop.first %}"
-    "{%- elif message.role == 'assistant' and message.tool_calls %}"
-    "{{- '<|im_start|>assistant' }}{%- for call in message.tool_calls %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
-    "{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
-    "{{- '<|im_end|>\\n' }}{%- elif message.role == 'tool' %}"
-    "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + "
-    "'\\n</tool_response><|im_end|>\\n' }}"
-    "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
-    "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
-    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
-TOOLS = [{"type": "function", "function": {
-    "name": "get_weather", "description": "The weather in a city",
-    "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                   "required": ["city"]}}}]
-TOOL_CHAT = [
-    {"role": "system", "content": "You call the tool get_weather(city) in <tool_call> tags."},
-    {"role": "user", "content": "Weather in Rome?"},
-    {"role": "assistant", "content": "<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
-                                     "{\"city\": \"Rome\"}}\n</tool_call>"},
-    {"role": "user", "content": "Weather in Paris?"}]
-
-
 def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
         tmp_path, caplog):
     """llama-server tells no prompt ids in its answers, but guard asks it how it rendered a
@@ -352,7 +317,7 @@ def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
     caplog.set_level("INFO", logger="guard.events")
     gguf = quant_ladder(("F16",))["F16"]
     template = tmp_path / "hermes.jinja"
-    template.write_text(HERMES_TEMPLATE)
+    template.write_text(HERMES_TEMPLATE)  # (SmolLM2's own template renders no tools)
     server = start_llama_cpp_server(require_llama_server(), gguf, tmp_path,
                                     ("--jinja", "--chat-template-file", str(template)))
     model = {"name": "smol", "task": "generation",
@@ -361,7 +326,8 @@ def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
              "reference": load_config_block(gguf).model_dump(exclude_defaults=True),
              "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
              "capture": {"dir": str(tmp_path / "capture"), "mode": "all"}}
-    call = {"model": "smol", "messages": TOOL_CHAT, "tools": TOOLS, "max_tokens": 40}
+    call = {"model": "smol", "messages": weather_chat("Paris"), "tools": [WEATHER_TOOL],
+            "max_tokens": 40}
     try:
         with running(tmp_path, [model], http_port=0) as (srv, _):
             base = f"http://127.0.0.1:{srv.http_port}"
