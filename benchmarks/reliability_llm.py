@@ -114,9 +114,11 @@ def start_vllm(folder: Path) -> tuple[object, str]:
     return server, server.url
 
 
-def model_blocks(server: str, url: str, gguf: Path, name: str = SERVED) -> dict:
+def model_blocks(server: str, url: str, gguf: Path, name: str = SERVED,
+                 sample_logprobs: int = 0) -> dict:
     """The primary and reference blocks of guard's model in front of ``server``: a healthy
-    pair (the reference on the weights the server runs)."""
+    pair (the reference on the weights the server runs); ``sample_logprobs``: llama-server's
+    option (guard adds logprobs to sampled calls)."""
     if server == "vllm":
         from guard.zoo.llm import smollm2_gguf
 
@@ -124,8 +126,10 @@ def model_blocks(server: str, url: str, gguf: Path, name: str = SERVED) -> dict:
                             "options": {"engine": "vllm", "generation_config": "vllm",
                                         "sample_logprobs": 5, "sample_token_ids": True}},
                 "reference": {"backend": "transformers", "path": str(smollm2_gguf())}}
+    options = {"engine": "llama.cpp", **({"sample_logprobs": sample_logprobs}
+                                         if sample_logprobs else {})}
     return {"primary": {"backend": "openai", "target": url, "model": name,
-                        "options": {"engine": "llama.cpp"}},
+                        "options": options},
             "reference": {"backend": "llama_cpp", "path": str(gguf),
                           "options": {"context_length": 512}}}
 
@@ -240,7 +244,9 @@ def fuzz(guard_url: str, upstream: str, pid: int, metrics_port: int, n: int, see
         key = f"{direct_status} -> {through_status}"
         by_path.setdefault(path, {})[key] = by_path.setdefault(path, {}).get(key, 0) + count
     text = log.read_text(errors="replace")
+    refused = [e for e in read_events(log) if e.get("event") == "openai_additions_refused"]
     return {"cases": sum(tally.statuses.values()), "seconds": round(seconds, 1),
+            "additions_refused": refused,
             "broken": len(tally.broken), "broken_examples": tally.broken[:20],
             "statuses": by_path, "tracebacks": text.count("Traceback"),
             "samples": sample_counts(values), "processes": status,
@@ -416,10 +422,17 @@ def markdown(report: dict) -> str:
         lines += [
             "`guard serve` (a subprocess) in front of llama.cpp's llama-server (built by "
             "`make test`) on SmolLM2-135M-Instruct F16, one thread, `-c 512`, `-n 12` for the "
-            "fuzzer (a cap on every call's tokens), `-n 480` for the walk-aways; every call "
+            "fuzzer (a cap on every call's tokens), `-n 480` for the walk-aways, `--jinja` "
+            "with a Hermes-style template (guard/zoo/tool_chat.py: it renders the tools the "
+            "fuzzer offers, and the server parses calls out of answers); every call "
             "sampled (`mirror.sample_rate: 1`) and scored by the llama_cpp reference on the "
             "same GGUF in the verifier, every call captured. Raw figures: "
             "`reliability_llm.json`.", ""]
+        if "logprobs" in report["command"] and report.get("data_plane") != "envoy":
+            lines += ["**With logprobs** (`--sample-logprobs`): guard adds top_logprobs to "
+                      "every sampled call (`options.sample_logprobs`) and strips them from the "
+                      "client's answer, so calls are compared in logprobs mode and chats that "
+                      "offer tools are compared on the server's rendering of the tools.", ""]
     if report.get("models", 1) > 1:
         lines += [
             f"**Two models**: a second llama-server on the same GGUF serves guard's model "
@@ -457,6 +470,8 @@ def markdown(report: dict) -> str:
             f"{s['checks']['fail']:g} |",
             f"| not comparable, by reason | {_reasons(s['not_comparable'])} |",
             f"| verifier restarts | {s['verifier_restarts']:g} |",
+            f"| `openai_additions_refused` events (guard stopped adding logprobs) | "
+            f"{len(f.get('additions_refused', []))} |",
             f"| answers as the server afterwards (greedy) | "
             f"{'yes' if f['answers_afterwards'] else 'NO'} |", "",
             _process_table({"after 100 cases": f["processes"].get("after_warm_up", {}),
@@ -541,8 +556,13 @@ def main(argv: list[str] | None = None) -> int:
                         help="generation models guard serves: 2 adds a second llama-server "
                         f"as model '{OTHER}', so that guard routes by the body's model (in "
                         "Envoy mode: Envoy's json_to_metadata; the fuzzer only)")
+    parser.add_argument("--sample-logprobs", type=int, default=0,
+                        help="llama-server on the Python edge: guard adds this many "
+                        "top_logprobs to every sampled call (options.sample_logprobs), so "
+                        "calls are compared in logprobs mode and tool chats are compared")
     args = parser.parse_args(argv)
     from guard.zoo.llm import quant_ladder
+    from guard.zoo.tool_chat import HERMES_TEMPLATE
 
     gguf = quant_ladder(("F16",))["F16"]
     parts = args.parts.split(",")
@@ -562,9 +582,14 @@ def main(argv: list[str] | None = None) -> int:
             if args.server == "vllm":
                 server, upstream = start_vllm(folder)
             else:
+                # A template that renders the tools the fuzzer offers and has the server parse
+                # calls out of answers (SmolLM2's own ignores tools).
+                template = folder / "hermes.jinja"
+                template.write_text(HERMES_TEMPLATE)
                 server, upstream = start_llama_server(
                     Path(args.llama_server), gguf, folder,
-                    2 * MAX_TOKENS if part == "fuzz" else 480, alias=SERVED if envoy else "")
+                    2 * MAX_TOKENS if part == "fuzz" else 480, alias=SERVED if envoy else "",
+                    flags=("--jinja", "--chat-template-file", str(template)))
             other = None
             others: tuple[dict, ...] = ()
             if several:
@@ -573,8 +598,9 @@ def main(argv: list[str] | None = None) -> int:
                 others = ({"name": OTHER, "task": "generation",
                            **model_blocks("llama-server", other_url, gguf, OTHER),
                            "mirror": {"sample_rate": 0.0}},)
-            guard, ports, log = start_guard(folder, model_blocks(args.server, upstream, gguf),
-                                            envoy, others)
+            blocks = model_blocks(args.server, upstream, gguf,
+                                  sample_logprobs=0 if envoy else args.sample_logprobs)
+            guard, ports, log = start_guard(folder, blocks, envoy, others)
             try:
                 if part == "fuzz":
                     report["fuzz"] = fuzz(f"http://127.0.0.1:{ports['http_port']}", upstream,
@@ -596,7 +622,8 @@ def main(argv: list[str] | None = None) -> int:
     report["machine"]["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     OUT.mkdir(parents=True, exist_ok=True)
     name = "reliability_llm" + ("_vllm" if args.server == "vllm" else "") + (
-        "_envoy" if envoy else "") + ("_2_models" if several else "")
+        "_envoy" if envoy else "") + ("_2_models" if several else "") + (
+        "_logprobs" if args.sample_logprobs and not envoy else "")
     (OUT / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     (OUT / f"{name}.md").write_text(text)

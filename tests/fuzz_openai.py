@@ -29,6 +29,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from guard.zoo.tool_chat import WEATHER_TOOL
+
 SERVED = "smol"  # the model guard serves in front of the upstream
 CHECKED_PATHS = ("/v1/completions", "/v1/chat/completions")
 # Endpoints guard forwards unchecked (their body names the model, or none: the one served).
@@ -57,11 +59,27 @@ def _sometimes(plausible: st.SearchStrategy, weird: st.SearchStrategy = json_val
     return st.one_of(plausible, plausible, plausible, weird)
 
 
-messages_item = st.fixed_dictionaries(
+# Tools (guard/zoo/tool_chat.py's weather tool, and any JSON now and then), and the messages of
+# a conversation that called one: the assistant's call, the tool's answer.
+tool_definitions = st.lists(st.one_of(st.just(WEATHER_TOOL), st.just(WEATHER_TOOL), json_values),
+                            max_size=2)
+tool_calls = st.lists(st.fixed_dictionaries({
+    "id": st.sampled_from(["call-1", "c2"]), "type": st.just("function"),
+    "function": st.fixed_dictionaries({
+        "name": _sometimes(st.just("get_weather")),
+        "arguments": _sometimes(st.sampled_from(['{"city": "Rome"}', "{}", "not json"]))})}),
+    min_size=1, max_size=2)
+plain_message = st.fixed_dictionaries(
     {"role": _sometimes(st.sampled_from(["user", "system", "assistant"])),
      "content": _sometimes(st.one_of(
          texts, st.lists(st.fixed_dictionaries({"type": st.just("text"), "text": texts}),
                          min_size=1, max_size=2)))})
+messages_item = st.one_of(
+    plain_message, plain_message, plain_message,
+    st.fixed_dictionaries({"role": st.just("assistant"), "content": st.sampled_from([None, ""]),
+                           "tool_calls": _sometimes(tool_calls)}),
+    st.fixed_dictionaries({"role": st.just("tool"), "content": texts,
+                           "tool_call_id": _sometimes(st.just("call-1"))}))
 messages = _sometimes(st.lists(messages_item, min_size=1, max_size=3),
                       st.one_of(st.just([]), st.text(max_size=6), json_values))
 prompts = _sometimes(st.one_of(texts, st.lists(texts, min_size=1, max_size=2),
@@ -95,6 +113,10 @@ OPTIONAL_FIELDS: dict[str, st.SearchStrategy] = {
     "post_sampling_probs": _sometimes(st.booleans()),
     "return_tokens": _sometimes(st.booleans()),
     "cache_prompt": _sometimes(st.booleans()),
+    "tools": _sometimes(tool_definitions),
+    "tool_choice": _sometimes(st.sampled_from(
+        ["auto", "none", "required", {"type": "function", "function": {"name": "get_weather"}}])),
+    "parallel_tool_calls": _sometimes(st.booleans()),
     "user": _sometimes(texts),
     "suffix": _sometimes(texts),
 }

@@ -213,12 +213,13 @@ class OpenAIOptions(_Strict):
         scored."""
         return self.engine == "llama.cpp" and self.tokenize_prompts
 
-    def refuses_logprobs(self, streamed: bool, offers_tools: bool) -> bool:
+    def refuses_logprobs(self, streamed: bool, defines_tools: bool) -> bool:
         """The server answers 400 to logprobs on such a call: llama-server refuses them on a
-        streamed chat that offers tools ("logprobs is not supported with tools + stream").
-        guard adds none there (options.sample_logprobs), so that such a call does not turn
-        the additions off for every other call to the server."""
-        return self.engine == "llama.cpp" and streamed and offers_tools
+        streamed chat whose body lists tools ("logprobs is not supported with tools +
+        stream"; earlier tool turns alone it takes). guard adds none there
+        (options.sample_logprobs), so that such a call does not turn the additions off for
+        every other call to the server."""
+        return self.engine == "llama.cpp" and streamed and defines_tools
 
     @model_validator(mode="after")
     def _generation_config_is_readable(self) -> "OpenAIOptions":

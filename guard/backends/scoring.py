@@ -402,7 +402,8 @@ class Scorer(Backend):
                 kept = len(ids)
                 own = own[:kept] if ids == own[:kept] else own[len(own) - kept:]
             difference = "" if own is None else rendering_difference(ids, own, self.vocab)
-            findings = () if cut else bos_findings(ids, self.bos_id, self._expects_bos(sample))
+            findings = () if cut or self._client_ids(sample) else bos_findings(
+                ids, self.bos_id, self._expects_bos(sample))
             if difference:
                 findings += (PROMPT_RENDERED_OTHERWISE,)
             return RenderedPrompt(ids, False, findings, difference)
@@ -417,11 +418,16 @@ class Scorer(Backend):
 
     def _expects_bos(self, sample: GenerationSample) -> bool:
         """Whether the prompt should start with BOS: where the model adds one, unless the
-        client asked for none or gave the prompt as token ids (lm-eval's tokenized requests,
-        BOS as the client chose: the server reads them as given). Either is the client's
-        choice of input, no drift; a doubled BOS is still found."""
-        client_ids = sample.endpoint == "completions" and sample.prompt is None
-        return self.adds_bos and not (self._without_special_tokens(sample) or client_ids)
+        client asked for none (the client's choice of input, no drift; a doubled BOS is
+        still found)."""
+        return self.adds_bos and not self._without_special_tokens(sample)
+
+    @staticmethod
+    def _client_ids(sample: GenerationSample) -> bool:
+        """A completions prompt the client gave as token ids (lm-eval's tokenized requests):
+        the servers read them as given (vLLM, llama.cpp's), so their BOS, one, none or two,
+        is the client's choice of input, never a finding."""
+        return sample.endpoint == "completions" and sample.prompt is None
 
     def _own_rendering(self, sample: GenerationSample,
                        server_ids: Sequence[int] | None = None) -> list[int]:
@@ -454,7 +460,7 @@ class Scorer(Backend):
         BackendError for a sample it cannot score at all (longer than its context)."""
         prompt = self.render(sample)
         common = self.prompt_fields(prompt)
-        ids, noncanonical, mismatch = align_completion(sample, self.vocab)
+        ids, noncanonical, mismatch = align_completion(sample, self.vocab, prompt.ids)
         if mismatch is not None:
             return unscored(mismatch, **common)
         if ids:

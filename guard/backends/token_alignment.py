@@ -105,7 +105,8 @@ class Vocabulary(abc.ABC):
         return self._by_text.get(text)
 
 
-def align_completion(sample: GenerationSample, vocab: Vocabulary
+def align_completion(sample: GenerationSample, vocab: Vocabulary,
+                     prompt_ids: Sequence[int] = ()
                      ) -> tuple[list[int], bool, TokenizationMismatch | None]:
     """The primary's completion as reference token ids: ``(ids, noncanonical, mismatch)``.
 
@@ -123,6 +124,10 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
 
     A completion whose reasoning or tool calls the server gave apart (``reasoning_text``,
     ``tool_calls``) is aligned as the whole output its tokens are (:func:`_align_parsed`).
+
+    ``prompt_ids``: the prompt as the reference scores it; where it ends inside a character (a
+    client's token ids cut between a character's bytes), a server's text of the completion
+    begins with that whole character (:func:`_misspelt`).
     """
     if sample.reasoning_text is not None or sample.tool_calls:
         return _align_parsed(sample, vocab)
@@ -130,7 +135,7 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
     stopped = _stop_tokens(sample)
     if stopped:
         head, noncanonical, mismatch = align_completion(
-            replace(sample, tokens=tokens[:len(tokens) - stopped]), vocab)
+            replace(sample, tokens=tokens[:len(tokens) - stopped]), vocab, prompt_ids)
         if mismatch is not None:
             return [], False, mismatch
         tail = []
@@ -148,13 +153,13 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         wrong = _ids_named_otherwise(tokens, ids, vocab)
         if wrong is not None:
             return [], False, wrong
-        merged = _merged_pieces(sample, ids, vocab)
+        merged = _merged_pieces(sample, ids, vocab, prompt_ids)
         if merged is not None:
             return [], False, merged
         if any(not comparable_text(t.text) for t in tokens):
             # Texts that could not be checked one by one (ids without texts, pieces of a
             # character): the ids together must spell the completion the client received.
-            return ids, False, _misspelt(sample, ids, vocab)
+            return ids, False, _misspelt(sample, ids, vocab, prompt_ids)
         return ids, False, None
     texts = [t.text for t in tokens]
     joined = "".join(texts)
@@ -208,8 +213,8 @@ def align_completion(sample: GenerationSample, vocab: Vocabulary
         "the reference's tokenization of the completion differs from the primary's tokens")
 
 
-def _merged_pieces(sample: GenerationSample, ids: Sequence[int], vocab: Vocabulary
-                   ) -> TokenizationMismatch | None:
+def _merged_pieces(sample: GenerationSample, ids: Sequence[int], vocab: Vocabulary,
+                   prompt_ids: Sequence[int] = ()) -> TokenizationMismatch | None:
     """llama-server writes a character the model sampled as several byte tokens as one
     logprobs entry once its bytes are whole: the character's text, the *last* piece's id and
     logprob, the earlier pieces left out (a Japanese chat of 6 tokens answered 3 entries, each
@@ -222,7 +227,7 @@ def _merged_pieces(sample: GenerationSample, ids: Sequence[int], vocab: Vocabula
     position = next((i for i, (token, token_id) in enumerate(zip(tokens, ids))
                      if comparable_text(token.text)
                      and not comparable_text(vocab.token_text(token_id))), None)
-    if position is None or _misspelt(sample, ids, vocab) is None:
+    if position is None or _misspelt(sample, ids, vocab, prompt_ids) is None:
         return None
     return TokenizationMismatch(
         position, tokens[position].text, vocab.token_text(ids[position]),
@@ -367,12 +372,13 @@ def _replaced_bytes(sample: GenerationSample) -> TokenizationMismatch | None:
         "reports token ids would)", drift=False)
 
 
-def _misspelt(sample: GenerationSample, ids: Sequence[int], vocab: Vocabulary
-              ) -> TokenizationMismatch | None:
+def _misspelt(sample: GenerationSample, ids: Sequence[int], vocab: Vocabulary,
+              prompt_ids: Sequence[int] = ()) -> TokenizationMismatch | None:
     """None where the reference's detokenization of ``ids`` is the completion text (or the
     vocabulary cannot detokenize); else a mismatch at the first token where it departs."""
     text = vocab.detokenize(ids)
-    if text is None or _spells(text, sample, whole=True):
+    if text is None or _spells(text, sample, whole=True) or \
+            _ends_a_prompts_character(sample, ids, vocab, prompt_ids):
         return None
     # A completion cut inside a character: a server writes a character once its bytes are
     # whole (vLLM's detokenizer), so the text ends before the tokens of the last, unfinished
@@ -391,6 +397,31 @@ def _misspelt(sample: GenerationSample, ids: Sequence[int], vocab: Vocabulary
         vocab.token_text(int(ids[position])),
         "the primary's token ids, detokenized by the reference, depart from the completion "
         "text here: the reference's vocabulary is not the primary's")
+
+
+def _ends_a_prompts_character(sample: GenerationSample, ids: Sequence[int],
+                              vocab: Vocabulary, prompt_ids: Sequence[int]) -> bool:
+    """The completion text as vLLM writes it after a prompt that ends inside a character (a
+    client's token ids cut between a character's bytes: found by the fuzzer). Its incremental
+    detokenizer holds back the prompt's last tokens while their text is unfinished and writes
+    them out with the completion: the text begins with the character the prompt began, and
+    may carry the prompt's text before it (measured on vLLM 0.32: ``"prompt": [1064, 230,
+    180, 227]``, "ality" and three bytes, answered "ality\ufffd鉛化只"). Whether ``ids``,
+    after the prompt's last tokens (up to five, the window vLLM's detokenizer looks back),
+    spell it so: from those tokens' first whole character, or with them whole."""
+    if not prompt_ids:
+        return False
+    last = vocab.detokenize([int(prompt_ids[-1])])
+    if last is None or not last.endswith("\ufffd"):  # the prompt ends on a whole character
+        return False
+    for count in range(1, min(5, len(prompt_ids)) + 1):
+        tail = [int(i) for i in prompt_ids[-count:]]
+        head = vocab.detokenize(tail) or ""
+        text = vocab.detokenize(tail + [int(i) for i in ids])
+        if text is not None and any(_spells(written, sample, whole=True) for written in (
+                text, text[len(head.rstrip("\ufffd")):])):
+            return True
+    return False
 
 
 def _stop_tokens(sample: GenerationSample) -> int:

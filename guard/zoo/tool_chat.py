@@ -10,29 +10,35 @@ does for the Hermes-form models people serve. :func:`weather_chat` is the few-sh
 (a system prompt and one answer in the form) after which the model calls
 ``get_weather`` for the city asked.
 
-Mind: without a system message this template adds no default one where SmolLM2's own adds
-"You are a helpful AI assistant named SmolLM": guard rightly reports such chats as the server
-rendering otherwise (``prompt_rendered_otherwise``).
+A chat without tools renders as SmolLM2's own template renders it (its default system prompt
+before a chat that opens without one included), token for token: only the tools are new, so a
+healthy server behind guard is not template drift (tests/unit/test_tool_chat.py holds the two
+equal).
 """
 
 from __future__ import annotations
 
 import json
 
+# SmolLM2's own system prompt, which its template writes before a chat that opens without one.
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
 HERMES_TEMPLATE = (
-    "{%- if tools %}{{- '<|im_start|>system\\n' }}{%- if messages[0]['role'] == 'system' %}"
-    "{{- messages[0]['content'] + '\\n\\n' }}{%- endif %}{{- '# Tools\\n\\nYou are provided "
-    "with function signatures within <tools></tools> XML tags:\\n<tools>' }}"
+    "{%- if messages[0]['role'] == 'system' %}{%- set system = messages[0]['content'] %}"
+    "{%- else %}{%- set system = '" + DEFAULT_SYSTEM + "' %}{%- endif %}"
+    "{{- '<|im_start|>system\\n' + system }}"
+    "{%- if tools %}{{- '\\n\\n# Tools\\n\\nYou are provided with function signatures "
+    "within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
-    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name "
-    "and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
-    "{%- elif messages[0]['role'] == 'system' %}{{- '<|im_start|>system\\n' + "
-    "messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
+    "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function "
+    "name and arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\\n'
+    "</tool_call>' }}{%- endif %}{{- '<|im_end|>\\n' }}"
     "{%- for message in messages %}{%- if message.role == 'system' and loop.first %}"
     "{%- elif message.role == 'assistant' and message.tool_calls %}"
     "{{- '<|im_start|>assistant' }}{%- for call in message.tool_calls %}"
-    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + '\", \"arguments\": ' }}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call.function.name + "
+    "'\", \"arguments\": ' }}"
     "{{- call.function.arguments | tojson }}{{- '}\\n</tool_call>' }}{%- endfor %}"
     "{{- '<|im_end|>\\n' }}{%- elif message.role == 'tool' %}"
     "{{- '<|im_start|>user\\n<tool_response>\\n' + message.content + "

@@ -22,6 +22,7 @@ from support import Tracebacks, metric, running, scrape, wait_for
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
 
 from guard.zoo.llm import quant_ladder  # noqa: E402
+from guard.zoo.tool_chat import HERMES_TEMPLATE  # noqa: E402
 
 EXAMPLES = 120
 EXAMPLES_ENVOY = 60  # (Envoy mode's own path: the tap, the observer)
@@ -30,23 +31,28 @@ EXAMPLES_ENVOY = 60  # (Envoy mode's own path: the tap, the observer)
 @pytest.fixture(scope="module")
 def upstream(tmp_path_factory):
     gguf = quant_ladder(("F16",))["F16"]
+    folder = tmp_path_factory.mktemp("llama-server")
+    template = folder / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
     # -n caps every call's tokens (a call whose max_tokens the server reads as absent would
     # otherwise generate to the context's end); --alias: it answers with guard's model name,
-    # as Envoy mode needs (Envoy cannot rewrite it).
-    server = start_llama_cpp_server(require_llama_server(), gguf,
-                                    tmp_path_factory.mktemp("llama-server"),
+    # as Envoy mode needs (Envoy cannot rewrite it); a template that renders tools and has
+    # the server parse the calls out (SmolLM2's own ignores them), as the Hermes-form models
+    # people serve do.
+    server = start_llama_cpp_server(require_llama_server(), gguf, folder,
                                     ("-n", str(2 * MAX_TOKENS), "--seed", "1",
-                                     "--alias", SERVED))
+                                     "--alias", SERVED, "--jinja",
+                                     "--chat-template-file", str(template)))
     try:
         yield server, gguf
     finally:
         server.stop()
 
 
-def model_block(url: str, gguf) -> dict:
+def model_block(url: str, gguf, **options) -> dict:
     return {"name": SERVED, "task": "generation",
             "primary": {"backend": "openai", "target": url, "model": SERVED,
-                        "options": {"engine": "llama.cpp"}},
+                        "options": {"engine": "llama.cpp", **options}},
             "reference": {"backend": "llama_cpp", "path": str(gguf),
                           "options": {"context_length": 512}},
             "mirror": {"sample_rate": 1.0, "queue_size": 256, "timeout_s": 120},
@@ -60,8 +66,11 @@ def send(client: httpx.Client, url: str, case: Case) -> Answer:
 
 
 def test_fuzzed_calls_are_answered_as_the_upstream_answers_them(upstream, tmp_path):
+    """The Python edge, which adds logprobs to every sampled call (options.sample_logprobs)
+    but a streamed chat with tools, which llama-server refuses them."""
     server, gguf = upstream
-    with running(tmp_path, [model_block(server.url, gguf)], http_port=0) as (srv, _), \
+    with running(tmp_path, [model_block(server.url, gguf, sample_logprobs=5)],
+                 http_port=0) as (srv, _), \
             Tracebacks() as tracebacks:
         fuzz_through(srv, server, EXAMPLES)
     assert tracebacks.messages == []

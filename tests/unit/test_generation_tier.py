@@ -336,6 +336,41 @@ GREEK = ("Χρημακος", (153, 117, 13583, 25723, 16674, 8998, 21118, 39346)
          ("", "Χ", "ρ", "η", "μ", "α", "κ", "ος"))
 
 
+def test_a_completion_that_ends_a_character_the_prompt_began_is_spelt_whole(f16_reference):
+    """A client's token ids cut between a character's bytes (found by the fuzzer on vLLM:
+    ``"prompt": [227, 230, 180, 227]``): vLLM's text of the completion begins with the whole
+    character, its first byte the prompt's. Its ids are the completion's, so they spell the
+    text only after that byte: aligned so, never a tokenization mismatch (which fails)."""
+    vocab = f16_reference.vocab
+    first, second = GREEK[1][:2]  # "Χ" as its two byte tokens
+    prompt = tuple(vocab.encode("Write in Greek: ")) + (first,)
+    ids = GREEK[1][1:]
+    sample = GenerationSample(model="smol", endpoint="completions", prompt=None,
+                              prompt_token_ids=prompt, completion_text=GREEK[0],
+                              sampling=GREEDY, tokens=tuple(
+                                  TokenLogprob("", token_id=i) for i in ids))
+    scores = f16_reference.score(sample)
+    assert scores.scored and scores.token_ids == ids
+    assert check_generation(sample, scores, LLAMA).mode != "tokenization_mismatch"
+    # A text the ids do not spell, even so, is still a mismatch.
+    other = replace(sample, completion_text="Ψρημακος")
+    assert f16_reference.score(other).mismatch is not None
+    # vLLM 0.32, greedy: the prompt's held-back tokens written out with the completion, its
+    # text before the character included ("ality", then 0x8C, then 0xE9 0x89 begun).
+    held = GenerationSample(model="smol", endpoint="completions", prompt=None,
+                            prompt_token_ids=(1064, 230, 180, 227),
+                            completion_text="ality\ufffd鉛化只", sampling=GREEDY,
+                            tokens=tuple(TokenLogprob(t, token_id=i) for t, i in zip(
+                                ("", "化", "", "只"), (245, 45662, 12034, 120))))
+    scores = f16_reference.score(held)
+    assert scores.scored and scores.token_ids == (245, 45662, 12034, 120)
+    # (and one whose whole character was the prompt's: "錉" = 0xE9 0x8C 0x89, then 0xE9)
+    whole = replace(held, prompt_token_ids=(180, 230, 227, 180), completion_text="錉銑**\n",
+                    tokens=tuple(TokenLogprob(t, token_id=i) for t, i in zip(
+                        ("", "", "**", "\n"), (228, 235, 828, 198))))
+    assert f16_reference.score(whole).scored
+
+
 def _greek(with_texts: bool, ids=GREEK[1], text=GREEK[0], **fields) -> GenerationSample:
     texts = GREEK[2] if with_texts else ("",) * len(ids)
     return GenerationSample(model="smol", endpoint="chat",

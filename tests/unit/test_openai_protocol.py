@@ -653,10 +653,10 @@ def test_llama_server_is_asked_no_logprobs_on_a_streamed_tool_chat_and_its_promp
     from guard.backends.openai import OpenAIOptions
 
     llama = OpenAIOptions(engine="llama.cpp")
-    assert llama.refuses_logprobs(streamed=True, offers_tools=True)
-    assert not llama.refuses_logprobs(streamed=False, offers_tools=True)
-    assert not llama.refuses_logprobs(streamed=True, offers_tools=False)
-    assert not OpenAIOptions(engine="vllm").refuses_logprobs(streamed=True, offers_tools=True)
+    assert llama.refuses_logprobs(streamed=True, defines_tools=True)
+    assert not llama.refuses_logprobs(streamed=False, defines_tools=True)
+    assert not llama.refuses_logprobs(streamed=True, defines_tools=False)
+    assert not OpenAIOptions(engine="vllm").refuses_logprobs(streamed=True, defines_tools=True)
     assert llama.asks_prompt_ids
     assert not OpenAIOptions(engine="llama.cpp", tokenize_prompts=False).asks_prompt_ids
     assert not OpenAIOptions(engine="vllm").asks_prompt_ids
@@ -1127,3 +1127,24 @@ def test_envoy_modes_tool_chat_of_llama_server_makes_a_sample_where_its_prompt_i
     assert made.tools and made.tool_calls == ("get_weather",) and made.prompt_token_ids is None
     with pytest.raises(NotComparable, match="tools"):
         sample(call, parsed, "primary")
+
+
+@pytest.mark.parametrize("message,tool_turn", [
+    ({"role": "tool", "content": "18 C", "tool_call_id": "call-1"}, True),
+    ({"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call-1", "type": "function",
+         "function": {"name": "get_weather", "arguments": "{}"}}]}, True),
+    ({"role": "assistant", "content": "", "tool_calls": []}, True),
+    ({"role": "function", "name": "get_weather", "content": "18 C"}, True),
+    ({"role": "assistant", "content": "Hi", "tool_calls": None}, False),
+    ({"role": "user", "content": "Hi"}, False),
+])
+def test_a_chat_with_earlier_tool_turns_is_compared_as_a_tool_chat(message, tool_turn):
+    """Each engine renders a conversation's earlier calls and results its own way (found by
+    the fuzzer: a llama-server with a Hermes template writes a tool's result as a user turn,
+    where SmolLM2's own template writes a ``tool`` turn): such a chat is compared, like one
+    that offers tools, on the server's prompt ids, never on the reference's rendering."""
+    call = api.parse_request("chat", json.dumps({
+        "model": "smol", "messages": [{"role": "user", "content": "Weather?"}, message]}).encode())
+    assert call.offers_tools is tool_turn and not call.defines_tools
+    assert (call.tool_request == {}) is tool_turn  # (no tool fields: none to send again)

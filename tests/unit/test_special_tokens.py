@@ -96,6 +96,11 @@ def test_a_prompt_asked_without_special_tokens_is_compared_without_bos(reference
     given = replace(sample, prompt=None, add_special_tokens=None)
     assert reference.score(given).findings == ()
     assert check_generation(given, reference.score(given), LLAMA).passed
+    # Two BOS the client wrote itself are its input too (found by the fuzzer: a healthy
+    # llama-server's answer to ``"prompt": [1, 1]`` failed as double_bos).
+    twice = _sample(reference, (bos, bos) + tuple(plain), endpoint="completions", prompt=None)
+    assert reference.score(twice).findings == ()
+    assert check_generation(twice, reference.score(twice), LLAMA).passed
 
 
 def test_a_server_that_adds_bos_all_the_same_is_compared_as_it_read_the_prompt(reference):

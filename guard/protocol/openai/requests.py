@@ -42,10 +42,20 @@ class ParsedCall:
 
     @property
     def offers_tools(self) -> bool:
-        """A chat that offers the model tools: comparable only where the answer says the
-        prompt's token ids (the server's rendering of the tools) and the output's tokens
-        (:func:`unusable`)."""
+        """A chat that offers the model tools, or carries earlier tool turns (an assistant
+        message's ``tool_calls``, a ``tool`` or ``function`` message): comparable only where
+        the answer says the prompt's token ids (the server's rendering of the tools and of
+        those turns, each engine's own: a llama-server with a Hermes template writes a tool's
+        result as a user turn, vLLM parses a call's arguments into an object for the template)
+        and the output's tokens (:func:`unusable`)."""
         return self.endpoint == "chat" and _offers_tools(self.body)
+
+    @property
+    def defines_tools(self) -> bool:
+        """A chat whose body lists tool definitions (``tools``, the older ``functions``), not
+        only earlier tool turns: what llama-server refuses logprobs on when streamed."""
+        return self.endpoint == "chat" and bool(self.body.get("tools") or
+                                                self.body.get("functions"))
 
     @property
     def several_completions(self) -> bool:
@@ -224,8 +234,14 @@ def _asks_logprobs(endpoint: Call, body: dict[str, Any]) -> bool:
 
 
 def _offers_tools(body: dict[str, Any]) -> bool:
-    return bool(body.get("tools") or body.get("functions")) or body.get("tool_choice") not in (
-        None, "none")
+    if bool(body.get("tools") or body.get("functions")) or body.get("tool_choice") not in (
+            None, "none"):
+        return True
+    messages = body.get("messages")
+    return isinstance(messages, list) and any(
+        isinstance(m, dict) and (m.get("tool_calls") is not None or m.get("function_call")
+                                 is not None or m.get("role") in ("tool", "function"))
+        for m in messages)
 
 
 def _token_ids(value: Any) -> bool:
