@@ -382,3 +382,11 @@ def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
     assert len(tool_calls) == 2 and {c.tool_calls for c in tool_calls} == {("get_weather",)}
     # The prompt the reference scored is the server's, the tools rendered into it.
     assert all(c.prompt_token_ids == tuple(served) for c in tool_calls)
+    # Offline, the server gone: the capture replays to the same verdicts (the records keep
+    # the server's prompt ids and the output's).
+    out = tmp_path / "report"
+    assert main(["replay", "--config", str(tmp_path / "guard.yaml"), str(tmp_path / "capture"),
+                 "--report-dir", str(out), "--quiet"]) == 0
+    generation = json.loads((out / "report.json").read_text())["models"]["smol"]["tiers"][
+        "generation"]
+    assert (generation["checks"], generation["passed"]) == (3, 3)
