@@ -167,10 +167,39 @@ def assert_answered_alike(http, guard_url: str, upstream_url: str, upstream_mode
         ours = http.post(f"{guard_url}{path}", json={**body, "model": "smol"})
         theirs = http.post(f"{upstream_url}{path}", json={**body, "model": upstream_model})
         assert ours.status_code == theirs.status_code, (endpoint, fields)
-        assert masked(ours.content) == masked(theirs.content).replace(
-            json.dumps(upstream_model).encode(), b'"smol"'), (endpoint, fields)
+        mine, upstream = masked(ours.content), masked(theirs.content).replace(
+            json.dumps(upstream_model).encode(), b'"smol"')
+        if mine != upstream and ours.headers.get("content-type", "").startswith(
+                "text/event-stream"):
+            # vLLM merges the deltas its consumer has not read yet into one event (a loaded
+            # machine: found in a full run of the suite): the same answer, grouped otherwise.
+            # Then the events' contents, joined per choice, must be the same.
+            assert merged_events(mine) == merged_events(upstream), (endpoint, fields)
+            continue
+        assert mine == upstream, (endpoint, fields)
         assert fractions(ours.content) == pytest.approx(fractions(theirs.content), abs=1e-3), \
             (endpoint, fields)
+
+
+def merged_events(body: bytes) -> dict:
+    """An event stream's answer, whatever its grouping into events: per choice, its texts and
+    logprobs' tokens joined and its finish reason; the models named, the last usage."""
+    merged: dict = {"models": set(), "usage": None}
+    for line in body.split(b"\n"):
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        event = json.loads(line[6:])
+        merged["models"].add(event.get("model"))
+        merged["usage"] = event.get("usage") or merged["usage"]
+        for choice in event.get("choices") or ():
+            mine = merged.setdefault(choice["index"], {"text": "", "tokens": [], "finish": None})
+            delta = choice.get("delta") or {}
+            mine["text"] += choice.get("text") or delta.get("content") or ""
+            logprobs = choice.get("logprobs") or {}
+            mine["tokens"] += [t.get("token") for t in logprobs.get("content") or ()]
+            mine["tokens"] += logprobs.get("tokens") or []
+            mine["finish"] = choice.get("finish_reason") or mine["finish"]
+    return merged
 
 
 @pytest.fixture(scope="module")
