@@ -178,6 +178,14 @@ class OpenAIOptions(_Strict):
         "not asked again until a reload (event llama_server_rendering_unavailable) and its "
         "calls are rendered by the reference. Other engines: no effect (vLLM tells the ids "
         "in its answer: sample_token_ids). false: never ask.")
+    probe_streamed_tool_chats: bool = Field(
+        False, description="engine llama.cpp: a sampled streamed chat that lists tools cannot "
+        "be compared (llama-server gives no logprobs there, so no token ids of the call the "
+        "model generated). true: the verifier asks the primary the same call again, not "
+        "streamed, with logprobs, and compares that answer, as it probes the primary on a "
+        "fallback's calls (off the request path; one more generation per such sampled call, "
+        "on the primary). Needs tokenize_prompts (the prompt's ids). false: such calls are "
+        "counted not comparable (tools).")
     logprobs_mode: LogprobsMode = Field(
         "raw_logprobs", description="What the server's logprobs are, as vLLM's "
         "--logprobs-mode names it. raw_logprobs (vLLM's default, and what every other "
@@ -212,6 +220,12 @@ class OpenAIOptions(_Strict):
         answer does not tell them (a chat that offers tools) still has them when it is
         scored."""
         return self.engine == "llama.cpp" and self.tokenize_prompts
+
+    @property
+    def probes_streamed_tool_chats(self) -> bool:
+        """The verifier probes the primary for a sampled streamed chat that lists tools
+        (``probe_streamed_tool_chats``, where the prompt's ids are asked too)."""
+        return self.probe_streamed_tool_chats and self.asks_prompt_ids
 
     def refuses_logprobs(self, streamed: bool, defines_tools: bool) -> bool:
         """The server answers 400 to logprobs on such a call: llama-server refuses them on a
@@ -432,11 +446,10 @@ class OpenAIBackend(Forwarding, Backend):
         return await self.forward(None, timeout, metadata)
 
 
-def asks_prompt_ids(spec) -> bool:
-    """Whether the verifier asks a primary block's server for its prompts' token ids
-    (:attr:`OpenAIOptions.asks_prompt_ids`)."""
-    return spec.backend == "openai" and \
-        OpenAIOptions.model_validate(spec.options or {}).asks_prompt_ids
+def primary_options(spec) -> OpenAIOptions | None:
+    """An ``openai`` primary block's options (None for another backend)."""
+    return OpenAIOptions.model_validate(spec.options or {}) if spec.backend == "openai" \
+        else None
 
 
 def server_defaults(spec) -> ServerDefaults:
@@ -469,7 +482,8 @@ def _check(spec) -> None:
 # Options that only mean something in one role: forwarding (primary, fallback) or scoring
 # (reference).
 FORWARDING_ONLY = ("engine", "generation_config", "server_defaults", "sample_logprobs",
-                   "sample_token_ids", "tokenize_prompts", "logprobs_mode", "max_connections")
+                   "sample_token_ids", "tokenize_prompts", "probe_streamed_tool_chats",
+                   "logprobs_mode", "max_connections")
 REFERENCE_ONLY = ("scoring", "top_logprobs")
 
 

@@ -17,7 +17,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable, Mapping, Protocol
 
-from guard.backends.openai import asks_prompt_ids
+from guard.backends.openai import primary_options
 from guard.config import ModelConfig
 from guard.envoy.llm_calls import NotComparable, ObservedHttpCall, parse, sample
 from guard.envoy.openai_listener import generative
@@ -91,9 +91,11 @@ class HandOff:
         if not flags:
             return
         try:
-            # (A tool chat's prompt ids may be the verifier's to ask of the primary's server.)
-            asked = parsed.offers_tools and asks_prompt_ids(model.config.primary)
-            generated = sample(call, parsed, route, asked)
+            # (A tool chat's prompt ids may be the verifier's to ask of the primary's server,
+            # a streamed one the verifier's to probe.)
+            options = parsed.offers_tools and primary_options(model.config.primary)
+            generated = sample(call, parsed, route, bool(options and options.asks_prompt_ids),
+                               bool(options and options.probes_streamed_tool_chats))
         except NotComparable as why:
             self.metrics.generation_not_comparable.labels(why.model, why.reason).inc()
             return

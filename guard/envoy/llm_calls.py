@@ -60,10 +60,12 @@ def parse(call: ObservedHttpCall) -> api.ParsedCall | None:
 
 
 def sample(call: ObservedHttpCall, parsed: api.ParsedCall, route: str,
-           prompt_ids_asked: bool = False) -> GenerationSample:
+           prompt_ids_asked: bool = False, probed_if_streamed: bool = False
+           ) -> GenerationSample:
     """The sample of a traced call whose request is ``parsed``, answered on ``route``;
     ``NotComparable`` when the call makes none. ``prompt_ids_asked``: the verifier asks the
-    primary's server for the prompt's ids (``api.unusable``)."""
+    primary's server for the prompt's ids; ``probed_if_streamed``: it probes the primary for a
+    streamed chat that lists tools (``api.unusable``)."""
     if parsed.not_comparable:
         raise NotComparable(parsed.model, parsed.not_comparable)
     if not 200 <= call.status < 300:
@@ -73,7 +75,7 @@ def sample(call: ObservedHttpCall, parsed: api.ParsedCall, route: str,
     if completion.error:
         raise NotComparable(parsed.model, "incomplete" if completion.error == api.CUT_SHORT
                             else "upstream_error")
-    unusable = api.unusable(completion, parsed, prompt_ids_asked)
+    unusable = api.unusable(completion, parsed, prompt_ids_asked, probed_if_streamed)
     if unusable:
         raise NotComparable(parsed.model, unusable)
     return api.build_sample(parsed, completion, route=route, request_id=call.request_id,

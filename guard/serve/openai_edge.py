@@ -623,9 +623,11 @@ class _Forward(_Upstream):
                   finished: bool = True) -> None:
         if not self.flags:
             return
-        # (A tool chat's prompt ids may be the verifier's to ask of the primary's server.)
-        primary = cast(OpenAIBackend, self.model.backends["primary"])
-        unusable = api.unusable(completion, self.call, primary.options.asks_prompt_ids) or (
+        # (A tool chat's prompt ids may be the verifier's to ask of the primary's server, a
+        # streamed one the verifier's to probe.)
+        options = cast(OpenAIBackend, self.model.backends["primary"]).options
+        unusable = api.unusable(completion, self.call, options.asks_prompt_ids,
+                                options.probes_streamed_tool_chats) or (
             "" if finished else "incomplete")
         if unusable:
             self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()

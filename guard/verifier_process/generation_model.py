@@ -145,7 +145,8 @@ class GenerationMirror(Mirror):
                  on_unchecked: Callable[[GenerationMirrorSample, str], None], on_span,
                  on_finished: Callable[[GenerationMirrorSample], None],
                  engine: str = "unknown",
-                 prompts: Callable[[GenerationSample], GenerationSample] | None = None):
+                 prompts: Callable[[GenerationSample], GenerationSample] | None = None,
+                 probe_streamed_tool_chats: bool = False):
         super().__init__(model, config, scorer, None, None, metrics, on_result, on_unchecked,
                          on_span, on_finished)
         self.scorer, self.probe, self.check = scorer, probe, check
@@ -153,6 +154,9 @@ class GenerationMirror(Mirror):
         # The primary server's own rendering of a sample's prompt, where it is asked
         # (guard/backends/llama_server_prompts.py); None: the answer's ids or the reference's.
         self.prompts = prompts
+        # The primary asked again for a streamed chat that lists tools, whose answer has no
+        # output ids (options.probe_streamed_tool_chats: the edge hands such calls on).
+        self.probe_streamed_tool_chats = probe_streamed_tool_chats and probe is not None
 
     def _limit(self) -> int:
         return 1
@@ -173,7 +177,7 @@ class GenerationMirror(Mirror):
     def _process(self, sample: GenerationMirrorSample, span) -> None:
         stage = "reference"
         completion = sample.generation
-        probed = sample.route != "primary"
+        probed = sample.route != "primary" or self._probes(completion)
         try:
             if probed:
                 stage = "primary probe"
@@ -218,6 +222,13 @@ class GenerationMirror(Mirror):
         except Exception:
             log.exception("handling a generation result for %s failed", self.model)
 
+
+    def _probes(self, completion: GenerationSample) -> bool:
+        """A streamed tool chat the primary answered without the output's ids, to be compared
+        on the primary's answer to the same call asked again (not streamed, with logprobs)."""
+        return self.probe_streamed_tool_chats and completion.tools and completion.streamed \
+            and not (completion.tokens and all(t.token_id is not None
+                                               for t in completion.tokens))
 
     def _untold_tool_prompt(self, sample: GenerationMirrorSample, completion: GenerationSample,
                             probed: bool) -> None:
@@ -360,13 +371,18 @@ class VerifiedGenerationModel(VerifiedModel):
                 from guard.backends import llama_server_prompts
                 from guard.backends.openai_generate import PrimaryProbe
 
+                from guard.backends.openai import primary_options
+
+                options = primary_options(config.primary)
+                streamed_tools = bool(options and options.probes_streamed_tool_chats)
                 probe = (PrimaryProbe(config.primary, config.mirror.timeout_s)
-                         if config.fallback is not None else None)
+                         if config.fallback is not None or streamed_tools else None)
                 self.mirror = GenerationMirror(
                     self.name, config.mirror, scorer, probe, check, self.metrics,
                     self._on_completion, self._completion_unchecked, self.serving.span,
                     self._finished, config.primary.options.get("engine", "unknown"),
-                    llama_server_prompts.for_primary(config.primary, config.mirror.timeout_s))
+                    llama_server_prompts.for_primary(config.primary, config.mirror.timeout_s),
+                    streamed_tools)
                 if self.activation_tier is not None:  # on_failure waits for room in the queue
                     self.activation_tier.queue_fill = self.mirror.queue_fill
         if resume_word is not None:

@@ -108,9 +108,7 @@ def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_liv
                                                       "temperature": 0})
         assert status == 200 and isinstance(native["content"], str) and native["content"]
 
-        values = wait_for(lambda: (lambda v: v if metric(
-            v, "guard_mirror_total", model="smol", outcome="compared") >= 5 else None)(
-                scrape(srv.metrics_port)), timeout=300, interval=0.2)
+        values = compared_at_least(srv, 5, 300)
         assert metric(values, "guard_checks_total", model="smol", tier="generation",
                       result="pass") == 5
         assert metric(values, "guard_checks_total", model="smol", tier="generation",
@@ -137,11 +135,7 @@ def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_liv
 
     # Offline, with the server gone or not: scored with what each record says the server
     # sampled with, as live.
-    out = tmp_path / "report"
-    assert main(["replay", "--config", str(tmp_path / "guard.yaml"), str(tmp_path / "capture"),
-                 "--report-dir", str(out), "--quiet"]) == 0
-    generation = json.loads((out / "report.json").read_text())["models"]["smol"]["tiers"][
-        "generation"]
+    generation = replay_report(tmp_path)
     assert (generation["checks"], generation["passed"]) == (5, 5)
     # The replay's own check of each sampled call gives the live verdict's z; the same call
     # without the record's report (as records were before) is scored with the preset.
@@ -288,9 +282,7 @@ def test_a_server_that_renders_otherwise_is_template_drift(llama, tmp_path, capl
                                             {"model": "smol", "messages": MESSAGES,
                                              "max_tokens": 8, "seed": seed})
                 assert status == 200
-            values = wait_for(lambda: (lambda v: v if metric(
-                v, "guard_mirror_total", model="smol", outcome="compared") >= 2 else None)(
-                    scrape(srv.metrics_port)), timeout=120, interval=0.2)
+            values = compared_at_least(srv, 2, 120)
             assert metric(values, "guard_checks_total", model="smol", tier="generation",
                           result="fail") == 2
             (found, *_) = wait_for(lambda: events(caplog, "generation_divergence"), timeout=30)
@@ -299,14 +291,60 @@ def test_a_server_that_renders_otherwise_is_template_drift(llama, tmp_path, capl
     assert found["findings"] == ["prompt_rendered_otherwise"]
 
 
+def compared_at_least(srv, count: int, timeout: float = 300) -> dict:
+    """guard's metrics once its verifier compared ``count`` completions of "smol"."""
+    return wait_for(lambda: (lambda v: v if metric(
+        v, "guard_mirror_total", model="smol", outcome="compared") >= count else None)(
+            scrape(srv.metrics_port)), timeout=timeout, interval=0.2)
+
+
+def replay_report(folder) -> dict:
+    """``guard replay`` of ``folder``'s capture with its config: the generation tier's figures
+    in the report."""
+    out = folder / "report"
+    assert main(["replay", "--config", str(folder / "guard.yaml"), str(folder / "capture"),
+                 "--report-dir", str(out), "--quiet"]) == 0
+    return json.loads((out / "report.json").read_text())["models"]["smol"]["tiers"][
+        "generation"]
+
+
 def load_config_block(gguf):
     from guard.config.backend import BackendConfig
 
     return BackendConfig(backend="llama_cpp", path=str(gguf), options={"context_length": 512})
 
 
+@pytest.fixture(scope="module")
+def hermes(tmp_path_factory):
+    """llama-server on the F16 GGUF with a template that renders tools and has it parse the
+    calls out (SmolLM2's own template renders no tools)."""
+    gguf = quant_ladder(("F16",))["F16"]
+    folder = tmp_path_factory.mktemp("llama-server-tools")
+    template = folder / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    server = start_llama_cpp_server(require_llama_server(), gguf, folder,
+                                    ("--jinja", "--chat-template-file", str(template)))
+    try:
+        yield server, gguf
+    finally:
+        server.stop()
+
+
+def tool_chat_model(server, gguf, capture, **options) -> dict:
+    return {"name": "smol", "task": "generation",
+            "primary": {"backend": "openai", "target": server.url, "model": "smol",
+                        "options": {"engine": "llama.cpp", "sample_logprobs": 5, **options}},
+            "reference": load_config_block(gguf).model_dump(exclude_defaults=True),
+            "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
+            "capture": {"dir": str(capture), "mode": "all"}}
+
+
+TOOL_CALL = {"model": "smol", "messages": weather_chat("Paris"), "tools": [WEATHER_TOOL],
+             "max_tokens": 40}
+
+
 def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
-        tmp_path, caplog):
+        hermes, tmp_path, caplog):
     """llama-server tells no prompt ids in its answers, but guard asks it how it rendered a
     sampled chat, tools included (/apply-template with the call's tool fields); the output's
     ids come from its logprobs (options.sample_logprobs): so a chat that offers tools is
@@ -315,58 +353,43 @@ def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
     counts it not comparable, and one such call does not turn the logprobs off for every
     later call to the server (``openai_additions_refused``)."""
     caplog.set_level("INFO", logger="guard.events")
-    gguf = quant_ladder(("F16",))["F16"]
-    template = tmp_path / "hermes.jinja"
-    template.write_text(HERMES_TEMPLATE)  # (SmolLM2's own template renders no tools)
-    server = start_llama_cpp_server(require_llama_server(), gguf, tmp_path,
-                                    ("--jinja", "--chat-template-file", str(template)))
-    model = {"name": "smol", "task": "generation",
-             "primary": {"backend": "openai", "target": server.url, "model": "smol",
-                         "options": {"engine": "llama.cpp", "sample_logprobs": 5}},
-             "reference": load_config_block(gguf).model_dump(exclude_defaults=True),
-             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
-             "capture": {"dir": str(tmp_path / "capture"), "mode": "all"}}
-    call = {"model": "smol", "messages": weather_chat("Paris"), "tools": [WEATHER_TOOL],
-            "max_tokens": 40}
-    try:
-        with running(tmp_path, [model], http_port=0) as (srv, _):
-            base = f"http://127.0.0.1:{srv.http_port}"
-            through = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
-                                    timeout=120)
-            direct = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none",
-                                   max_retries=0, timeout=120)
-            # Greedy: the server's own tool call, parsed out of the text, through guard.
-            ours = through.chat.completions.create(**call, temperature=0)
-            theirs = direct.chat.completions.create(**call, temperature=0)
-            (called,) = ours.choices[0].message.tool_calls
-            assert (called.function.name, json.loads(called.function.arguments)) == (
-                "get_weather", {"city": "Paris"})
-            assert called.function.arguments == \
-                theirs.choices[0].message.tool_calls[0].function.arguments
-            assert ours.choices[0].logprobs is None  # (guard's logprobs, stripped)
-            # Streamed: answered as the server answers it, not compared.
-            chunks = list(through.chat.completions.create(**call, temperature=0, stream=True))
-            assert "".join(c.choices[0].delta.tool_calls[0].function.arguments or ""
-                           for c in chunks if c.choices and c.choices[0].delta.tool_calls)
-            # Sampled, and an ordinary streamed chat after them: compared on logprobs still.
-            through.chat.completions.create(**call, temperature=0.8, seed=3)
-            # (Without tools the template renders as the model's own: no template drift.)
-            list(through.chat.completions.create(model="smol", messages=MESSAGES,
-                                                 max_tokens=16, seed=4, stream=True))
-            values = wait_for(lambda: (lambda v: v if metric(
-                v, "guard_mirror_total", model="smol", outcome="compared") >= 3 else None)(
-                    scrape(srv.metrics_port)), timeout=300, interval=0.2)
-            assert metric(values, "guard_checks_total", model="smol", tier="generation",
-                          result="pass") == 3
-            assert metric(values, "guard_generation_not_comparable_total", model="smol",
-                          reason="tools") == 1
-            status, rendered = post_json(f"{server.url}/apply-template", call)
-            assert status == 200 and "get_weather" in rendered["prompt"].split("<tools>\n")[1]
-            status, tokens = post_json(f"{server.url}/tokenize", {
-                "content": rendered["prompt"], "add_special": True, "parse_special": True})
-            served = tokens["tokens"]
-    finally:
-        server.stop()
+    server, gguf = hermes
+    model = tool_chat_model(server, gguf, tmp_path / "capture")
+    call = TOOL_CALL
+    with running(tmp_path, [model], http_port=0) as (srv, _):
+        base = f"http://127.0.0.1:{srv.http_port}"
+        through = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0,
+                                timeout=120)
+        direct = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none",
+                               max_retries=0, timeout=120)
+        # Greedy: the server's own tool call, parsed out of the text, through guard.
+        ours = through.chat.completions.create(**call, temperature=0)
+        theirs = direct.chat.completions.create(**call, temperature=0)
+        (called,) = ours.choices[0].message.tool_calls
+        assert (called.function.name, json.loads(called.function.arguments)) == (
+            "get_weather", {"city": "Paris"})
+        assert called.function.arguments == \
+            theirs.choices[0].message.tool_calls[0].function.arguments
+        assert ours.choices[0].logprobs is None  # (guard's logprobs, stripped)
+        # Streamed: answered as the server answers it, not compared.
+        chunks = list(through.chat.completions.create(**call, temperature=0, stream=True))
+        assert "".join(c.choices[0].delta.tool_calls[0].function.arguments or ""
+                       for c in chunks if c.choices and c.choices[0].delta.tool_calls)
+        # Sampled, and an ordinary streamed chat after them: compared on logprobs still.
+        through.chat.completions.create(**call, temperature=0.8, seed=3)
+        # (Without tools the template renders as the model's own: no template drift.)
+        list(through.chat.completions.create(model="smol", messages=MESSAGES,
+                                             max_tokens=16, seed=4, stream=True))
+        values = compared_at_least(srv, 3, 300)
+        assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                      result="pass") == 3
+        assert metric(values, "guard_generation_not_comparable_total", model="smol",
+                      reason="tools") == 1
+        status, rendered = post_json(f"{server.url}/apply-template", call)
+        assert status == 200 and "get_weather" in rendered["prompt"].split("<tools>\n")[1]
+        status, tokens = post_json(f"{server.url}/tokenize", {
+            "content": rendered["prompt"], "add_special": True, "parse_special": True})
+        served = tokens["tokens"]
     assert not events(caplog, "openai_additions_refused")
     assert not events(caplog, "llama_server_rendering_unavailable")
 
@@ -382,11 +405,36 @@ def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
     assert len(tool_calls) == 2 and {c.tool_calls for c in tool_calls} == {("get_weather",)}
     # The prompt the reference scored is the server's, the tools rendered into it.
     assert all(c.prompt_token_ids == tuple(served) for c in tool_calls)
-    # Offline, the server gone: the capture replays to the same verdicts (the records keep
-    # the server's prompt ids and the output's).
-    out = tmp_path / "report"
-    assert main(["replay", "--config", str(tmp_path / "guard.yaml"), str(tmp_path / "capture"),
-                 "--report-dir", str(out), "--quiet"]) == 0
-    generation = json.loads((out / "report.json").read_text())["models"]["smol"]["tiers"][
-        "generation"]
+    # Offline (a replay of captured calls asks the server nothing): the capture replays to
+    # the same verdicts (the records keep the server's prompt ids and the output's).
+    generation = replay_report(tmp_path)
     assert (generation["checks"], generation["passed"]) == (3, 3)
+
+
+def test_a_streamed_tool_chat_is_compared_on_the_primary_probed_where_asked(hermes, tmp_path):
+    """``probe_streamed_tool_chats``: the streamed tool chat llama-server gives no logprobs
+    for is handed on, and the verifier compares the primary's answer to the same call asked
+    again, not streamed, with logprobs (as it probes the primary on a fallback's calls); the
+    capture record keeps the client's call and the probe's answer, which a replay compares."""
+    server, gguf = hermes
+    model = tool_chat_model(server, gguf, tmp_path / "capture", probe_streamed_tool_chats=True)
+    with running(tmp_path, [model], http_port=0) as (srv, _):
+        through = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1",
+                                api_key="none", max_retries=0, timeout=120)
+        chunks = list(through.chat.completions.create(**TOOL_CALL, temperature=0, stream=True))
+        assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        values = compared_at_least(srv, 1, 300)
+        assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                      result="pass") == 1
+        assert metric(values, "guard_generation_not_comparable_total", model="smol",
+                      reason="tools") == 0
+    stats = FileStats()
+    (record,) = [r for path in expand_paths([tmp_path / "capture"])
+                 for r in read_records(path, stats)]
+    call, probed = generation_calls(record)
+    assert call.streamed and call.tools and probed is not None and not probed.streamed
+    assert probed.tool_calls == ("get_weather",) and probed.prompt_token_ids
+    assert all(t.token_id is not None for t in probed.tokens)
+    assert json.loads(record.verdicts[0].details_json)["mode"] == "logprobs"
+    generation = replay_report(tmp_path)
+    assert (generation["checks"], generation["passed"]) == (1, 1)

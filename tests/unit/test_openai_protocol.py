@@ -645,6 +645,12 @@ def test_a_tool_call_is_sampled_where_the_server_said_the_prompts_and_the_output
     assert api.unusable(logged, call) == "tools"
     assert api.unusable(logged, call, prompt_ids_asked=True) == ""
     assert api.unusable(without_ids, call, prompt_ids_asked=True) == "tools"
+    # A streamed chat that lists tools (llama-server gives no logprobs there): the verifier's
+    # to probe where it is asked to (options.probe_streamed_tool_chats), a whole one not.
+    streamed = api.parse_request("chat", json.dumps({**call.body, "stream": True}).encode())
+    assert api.unusable(without_ids, streamed, True, probed_if_streamed=True) == ""
+    assert api.unusable(without_ids, streamed, True) == "tools"
+    assert api.unusable(without_ids, call, True, probed_if_streamed=True) == "tools"
 
 
 def test_llama_server_is_asked_no_logprobs_on_a_streamed_tool_chat_and_its_prompts_after():

@@ -259,7 +259,7 @@ def data_needs_parse(data: bytes, endpoint: str = "chat") -> bool:
 
 
 def unusable(completion: Completion, call: ParsedCall | None = None,
-             prompt_ids_asked: bool = False) -> str:
+             prompt_ids_asked: bool = False, probed_if_streamed: bool = False) -> str:
     """Why a completion that was answered to ``call`` (None: a call that asked nothing
     special) cannot be compared, as the not-comparable reason ("" when it can): an error,
     tools it cannot hold, reasoning the sample cannot hold, a prompt the server may have cut
@@ -274,8 +274,10 @@ def unusable(completion: Completion, call: ParsedCall | None = None,
     names each function called): vLLM with ``sample_token_ids``. ``prompt_ids_asked``: the
     prompt's ids are asked of the server after the answer (llama-server,
     ``OpenAIOptions.asks_prompt_ids``), so the output's ids suffice here (llama-server's
-    logprobs entries carry them). Anything else with tools, or a tool call without them, is
-    not comparable (``tools``).
+    logprobs entries carry them). ``probed_if_streamed``: a streamed chat that lists tools,
+    whose answer cannot say them (llama-server gives no logprobs there), is probed by the
+    verifier instead (``OpenAIOptions.probes_streamed_tool_chats``). Anything else with tools,
+    or a tool call without them, is not comparable (``tools``).
 
     Reasoning a chat's answer gives apart from its text (a reasoning parser's split) is
     compared where the answer has the output's tokens (logprobs or token ids: servers report
@@ -296,7 +298,8 @@ def unusable(completion: Completion, call: ParsedCall | None = None,
         by_ids = (prompt_ids_asked or completion.prompt_token_ids is not None) and \
             bool(completion.tokens) and all(t.token_id is not None for t in completion.tokens)
         named = completion.tool_names or not completion.tool_calls
-        if not (by_ids and named):
+        probed = probed_if_streamed and call is not None and call.stream and call.defines_tools
+        if not (by_ids and named) and not probed:
             return "tools"
     if completion.reasoning or completion.reasoning_tokens > 0:
         if not (completion.reasoning_text and completion.tokens):
