@@ -23,6 +23,7 @@ from dataclasses import replace
 
 import pytest
 
+from envoy_support import Guard, needs_envoy, write
 from llm_support import post_json, require_llama_server, start_llama_cpp_server
 from support import events, metric, running, scrape, wait_for
 
@@ -322,8 +323,10 @@ def hermes(tmp_path_factory):
     folder = tmp_path_factory.mktemp("llama-server-tools")
     template = folder / "hermes.jinja"
     template.write_text(HERMES_TEMPLATE)
+    # (--alias: the name guard serves, which Envoy mode needs: Envoy rewrites no answer.)
     server = start_llama_cpp_server(require_llama_server(), gguf, folder,
-                                    ("--jinja", "--chat-template-file", str(template)))
+                                    ("--jinja", "--chat-template-file", str(template),
+                                     "--alias", "smol"))
     try:
         yield server, gguf
     finally:
@@ -333,7 +336,7 @@ def hermes(tmp_path_factory):
 def tool_chat_model(server, gguf, capture, **options) -> dict:
     return {"name": "smol", "task": "generation",
             "primary": {"backend": "openai", "target": server.url, "model": "smol",
-                        "options": {"engine": "llama.cpp", "sample_logprobs": 5, **options}},
+                        "options": {"engine": "llama.cpp", **options}},
             "reference": load_config_block(gguf).model_dump(exclude_defaults=True),
             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"},
             "capture": {"dir": str(capture), "mode": "all"}}
@@ -354,7 +357,7 @@ def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
     later call to the server (``openai_additions_refused``)."""
     caplog.set_level("INFO", logger="guard.events")
     server, gguf = hermes
-    model = tool_chat_model(server, gguf, tmp_path / "capture")
+    model = tool_chat_model(server, gguf, tmp_path / "capture", sample_logprobs=5)
     call = TOOL_CALL
     with running(tmp_path, [model], http_port=0) as (srv, _):
         base = f"http://127.0.0.1:{srv.http_port}"
@@ -417,7 +420,8 @@ def test_a_streamed_tool_chat_is_compared_on_the_primary_probed_where_asked(herm
     again, not streamed, with logprobs (as it probes the primary on a fallback's calls); the
     capture record keeps the client's call and the probe's answer, which a replay compares."""
     server, gguf = hermes
-    model = tool_chat_model(server, gguf, tmp_path / "capture", probe_streamed_tool_chats=True)
+    model = tool_chat_model(server, gguf, tmp_path / "capture", sample_logprobs=5,
+                            probe_streamed_tool_chats=True)
     with running(tmp_path, [model], http_port=0) as (srv, _):
         through = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1",
                                 api_key="none", max_retries=0, timeout=120)
@@ -438,3 +442,33 @@ def test_a_streamed_tool_chat_is_compared_on_the_primary_probed_where_asked(herm
     assert json.loads(record.verdicts[0].details_json)["mode"] == "logprobs"
     generation = replay_report(tmp_path)
     assert (generation["checks"], generation["passed"]) == (1, 1)
+
+
+@needs_envoy
+def test_envoy_mode_compares_tool_chats_and_probes_a_streamed_one(hermes, tmp_path):
+    """Envoy mode: Envoy forwards, guard observes the sampled calls through the tap and adds
+    nothing, so a tool chat is compared where its client asked logprobs, on the prompt the
+    verifier asks llama-server for; a streamed one (no logprobs on llama-server's stream) on
+    the primary probed (``probe_streamed_tool_chats``)."""
+    server, gguf = hermes
+    model = tool_chat_model(server, gguf, tmp_path / "capture", probe_streamed_tool_chats=True)
+    guard = Guard(write(tmp_path, [model], server={"http_port": 0}, http_health_port=0))
+    try:
+        through = openai.OpenAI(base_url=f"http://127.0.0.1:{guard.srv.http_port}/v1",
+                                api_key="none", max_retries=0, timeout=120)
+        answer = through.chat.completions.create(**TOOL_CALL, temperature=0, logprobs=True)
+        assert answer.choices[0].message.tool_calls[0].function.name == "get_weather"
+        assert answer.choices[0].logprobs is not None  # (the client's own: kept)
+        chunks = list(through.chat.completions.create(**TOOL_CALL, temperature=0, stream=True))
+        assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        values = compared_at_least(guard.srv, 2)
+        assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                      result="pass") == 2
+        assert metric(values, "guard_generation_not_comparable_total", model="smol",
+                      reason="tools") == 0
+    finally:
+        guard.close()
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, FileStats())]
+    probed = [generation_calls(r)[1] for r in records]
+    assert sorted(p is not None for p in probed) == [False, True]
