@@ -222,7 +222,6 @@ class GenerationMirror(Mirror):
         except Exception:
             log.exception("handling a generation result for %s failed", self.model)
 
-
     def _probes(self, completion: GenerationSample) -> bool:
         """A streamed tool chat the primary answered without the output's ids, to be compared
         on the primary's answer to the same call asked again (not streamed, with logprobs)."""
@@ -369,9 +368,8 @@ class VerifiedGenerationModel(VerifiedModel):
 
             if config.mirror.sample_rate > 0:
                 from guard.backends import llama_server_prompts
-                from guard.backends.openai_generate import PrimaryProbe
-
                 from guard.backends.openai import primary_options
+                from guard.backends.openai_generate import PrimaryProbe
 
                 options = primary_options(config.primary)
                 streamed_tools = bool(options and options.probes_streamed_tool_chats)
