@@ -90,7 +90,7 @@ def accounted(metrics_port: int, calls: int, timeout: float = 600) -> dict:
         time.sleep(0.5)
 
 
-def run_rung(binary: Path, rung: str, gguf: Path, template: Path, calls: int,
+def run_rung(binary: Path, rung: str, gguf: Path, flags: tuple[str, ...], calls: int,
              folder: Path) -> dict:
     from guard.zoo.llm import smollm2_gguf
     from guard.zoo.tool_chat import CITIES, WEATHER_TOOL, weather_chat
@@ -98,7 +98,7 @@ def run_rung(binary: Path, rung: str, gguf: Path, template: Path, calls: int,
     rung_folder = folder / rung
     rung_folder.mkdir()
     server, url = start_llama_server(binary, gguf, rung_folder, 2 * MAX_TOKENS, context=1024,
-                                     flags=("--jinja", "--chat-template-file", str(template)))
+                                     flags=flags)
     guard = None
     try:
         blocks = {"primary": {"backend": "openai", "target": url, "model": SERVED,
@@ -174,29 +174,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=OUT)
     args = parser.parse_args(argv)
     from guard.zoo.llm import quant_ladder
-    from guard.zoo.tool_chat import HERMES_TEMPLATE
+    from guard.zoo.tool_chat import llama_server_flags
 
     started = time.monotonic()
     ladder = quant_ladder(RUNGS)
     rungs = []
     with tempfile.TemporaryDirectory(prefix="guard-tools-") as tmp:
         folder = Path(tmp)
-        template = folder / "hermes.jinja"
-        template.write_text(HERMES_TEMPLATE)
+        flags = llama_server_flags(folder)
         for rung in RUNGS:
             bench.log(f"{rung}: llama-server, guard, {2 * args.calls} calls")
-            rungs.append(run_rung(Path(args.llama_server), rung, ladder[rung], template,
+            rungs.append(run_rung(Path(args.llama_server), rung, ladder[rung], flags,
                                   args.calls, folder))
             bench.log(json.dumps(rungs[-1]["decoding"]))
     machine = bench.machine_info()
     report = {"calls": args.calls, "rungs": rungs, "machine": machine,
               "machine_line": bench.machine_line(machine, ("numpy", "torch")),
               "seconds": round(time.monotonic() - started, 1)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "llm_tools_llama_server.json").write_text(json.dumps(report, indent=2))
     text = markdown(report)
-    (args.out / "llm_tools_llama_server.md").write_text(text)
-    print(text)
+    bench.write_results(args.out, "llm_tools_llama_server", report, text, text)
     return 0
 
 

@@ -562,7 +562,7 @@ def main(argv: list[str] | None = None) -> int:
                         "calls are compared in logprobs mode and tool chats are compared")
     args = parser.parse_args(argv)
     from guard.zoo.llm import quant_ladder
-    from guard.zoo.tool_chat import HERMES_TEMPLATE
+    from guard.zoo.tool_chat import llama_server_flags
 
     gguf = quant_ladder(("F16",))["F16"]
     parts = args.parts.split(",")
@@ -584,12 +584,10 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 # A template that renders the tools the fuzzer offers and has the server parse
                 # calls out of answers (SmolLM2's own ignores tools).
-                template = folder / "hermes.jinja"
-                template.write_text(HERMES_TEMPLATE)
                 server, upstream = start_llama_server(
                     Path(args.llama_server), gguf, folder,
                     2 * MAX_TOKENS if part == "fuzz" else 480, alias=SERVED if envoy else "",
-                    flags=("--jinja", "--chat-template-file", str(template)))
+                    flags=llama_server_flags(folder))
             other = None
             others: tuple[dict, ...] = ()
             if several:

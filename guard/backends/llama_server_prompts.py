@@ -107,20 +107,22 @@ class LlamaServerPrompts:
         body.update(sample.tool_request or {})
         prompt = self._post("/apply-template", body).get("prompt")
         if not isinstance(prompt, str):
-            raise BackendError(f"primary {self.model}@{self.base}: POST /apply-template: no "
-                               "prompt in the answer")
+            raise BackendError(f"{self._where('/apply-template')}: no prompt in the answer")
         return prompt
 
     def _tokens(self, text: str) -> tuple[int, ...]:
         tokens = self._post("/tokenize", {"content": text, "add_special": True,
                                           "parse_special": True}).get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
-            raise BackendError(f"primary {self.model}@{self.base}: POST /tokenize: no list "
-                               "of token ids in the answer")
+            raise BackendError(f"{self._where('/tokenize')}: no list of token ids in the "
+                               "answer")
         return tuple(tokens)
 
+    def _where(self, path: str) -> str:
+        return f"primary {self.model}@{self.base}: POST {path}"
+
     def _post(self, path: str, body: dict) -> dict:
-        where = f"primary {self.model}@{self.base}: POST {path}"
+        where = self._where(path)
         try:
             answer = post_json(self.base + path, json.dumps(body).encode(),
                                self._authorization, self.timeout_s, where)

@@ -93,9 +93,10 @@ class HandOff:
         try:
             # (A tool chat's prompt ids may be the verifier's to ask of the primary's server,
             # a streamed one the verifier's to probe.)
-            options = parsed.offers_tools and primary_options(model.config.primary)
-            generated = sample(call, parsed, route, bool(options and options.asks_prompt_ids),
-                               bool(options and options.probes_streamed_tool_chats))
+            options = primary_options(model.config.primary) if parsed.offers_tools else None
+            asked = options is not None and options.asks_prompt_ids
+            probed = options is not None and options.probes_streamed_tool_chats
+            generated = sample(call, parsed, route, asked, probed)
         except NotComparable as why:
             self.metrics.generation_not_comparable.labels(why.model, why.reason).inc()
             return

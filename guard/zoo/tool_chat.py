@@ -19,6 +19,7 @@ equal).
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 # SmolLM2's own system prompt, which its template writes before a chat that opens without one.
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
@@ -46,6 +47,13 @@ HERMES_TEMPLATE = (
     "{%- else %}{{- '<|im_start|>' + message.role + '\\n' + message.content + "
     "'<|im_end|>\\n' }}{%- endif %}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+def llama_server_flags(folder: Path) -> tuple[str, ...]:
+    """llama-server's flags to serve :data:`HERMES_TEMPLATE` (written into ``folder``)."""
+    template = folder / "hermes.jinja"
+    template.write_text(HERMES_TEMPLATE)
+    return ("--jinja", "--chat-template-file", str(template))
+
 
 WEATHER_TOOL = {"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city",

@@ -38,7 +38,7 @@ from guard.plan.serving import load_config  # noqa: E402
 from guard.verify.generation import GenerationCheck  # noqa: E402
 from guard.verify.pipeline import Comparator  # noqa: E402
 from guard.zoo.llm import PROMPTS, quant_ladder  # noqa: E402
-from guard.zoo.tool_chat import HERMES_TEMPLATE, WEATHER_TOOL, weather_chat  # noqa: E402
+from guard.zoo.tool_chat import WEATHER_TOOL, llama_server_flags, weather_chat  # noqa: E402
 
 FLAGS = ("--temp", "0.6", "--top-k", "20", "--min-p", "0")
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -321,12 +321,9 @@ def hermes(tmp_path_factory):
     calls out (SmolLM2's own template renders no tools)."""
     gguf = quant_ladder(("F16",))["F16"]
     folder = tmp_path_factory.mktemp("llama-server-tools")
-    template = folder / "hermes.jinja"
-    template.write_text(HERMES_TEMPLATE)
     # (--alias: the name guard serves, which Envoy mode needs: Envoy rewrites no answer.)
     server = start_llama_cpp_server(require_llama_server(), gguf, folder,
-                                    ("--jinja", "--chat-template-file", str(template),
-                                     "--alias", "smol"))
+                                    (*llama_server_flags(folder), "--alias", "smol"))
     try:
         yield server, gguf
     finally:

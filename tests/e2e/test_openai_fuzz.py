@@ -22,7 +22,7 @@ from support import Tracebacks, metric, running, scrape, wait_for
 pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
 
 from guard.zoo.llm import quant_ladder  # noqa: E402
-from guard.zoo.tool_chat import HERMES_TEMPLATE  # noqa: E402
+from guard.zoo.tool_chat import llama_server_flags  # noqa: E402
 
 EXAMPLES = 120
 EXAMPLES_ENVOY = 60  # (Envoy mode's own path: the tap, the observer)
@@ -32,8 +32,6 @@ EXAMPLES_ENVOY = 60  # (Envoy mode's own path: the tap, the observer)
 def upstream(tmp_path_factory):
     gguf = quant_ladder(("F16",))["F16"]
     folder = tmp_path_factory.mktemp("llama-server")
-    template = folder / "hermes.jinja"
-    template.write_text(HERMES_TEMPLATE)
     # -n caps every call's tokens (a call whose max_tokens the server reads as absent would
     # otherwise generate to the context's end); --alias: it answers with guard's model name,
     # as Envoy mode needs (Envoy cannot rewrite it); a template that renders tools and has
@@ -41,8 +39,7 @@ def upstream(tmp_path_factory):
     # people serve do.
     server = start_llama_cpp_server(require_llama_server(), gguf, folder,
                                     ("-n", str(2 * MAX_TOKENS), "--seed", "1",
-                                     "--alias", SERVED, "--jinja",
-                                     "--chat-template-file", str(template)))
+                                     "--alias", SERVED, *llama_server_flags(folder)))
     try:
         yield server, gguf
     finally:
