@@ -23,7 +23,9 @@ these are not llama.cpp's F16-based tables.
    logprobs), and to score it (the reference's
    teacher-forced pass, then the tier's check in sampled mode, the costliest, and in logprobs
    mode) with the transformers fp32 and the llama_cpp F16 references, side by side, all on
-   one thread; the F16 reference twice: as stored, and held as F32 (``options.upcast``).
+   one thread; the fp32 reference twice: its linear layers by oneDNN (its default,
+   ``options.onednn_linear``) and by torch's own kernels; the F16 reference twice: as stored,
+   and held as F32 (``options.upcast``).
 
 Usage: .venv/bin/python benchmarks/llm_ladder.py [--prompts 10] [--tokens 32] [--samples 10]
 Writes benchmarks/results/llm_ladder.json and .md with the machine and its load average
@@ -59,6 +61,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 # The references whose scoring cost is measured, as the tables name them.
 COST_REFERENCES = (
     ("transformers fp32 reference (Q4_1 dequantized)", "transformers_fp32"),
+    ("transformers fp32 reference, torch's linear kernels (options.onednn_linear: false)",
+     "transformers_fp32_torch_kernels"),
     ("llama_cpp F16 reference (Q4_1 in 16 bits)", "llama_cpp_f16"),
     ("llama_cpp F16 reference held as F32 (options.upcast)", "llama_cpp_f16_upcast"),
 )
@@ -161,6 +165,8 @@ def cost_references(f16: Path, fp32_source: Path, threads: int) -> dict:
     llama = dict(context_length=512, cache_prompt=False)
     return {"transformers_fp32": scorer("transformers", fp32_source, threads,
                                         cache_prompt=False),
+            "transformers_fp32_torch_kernels": scorer("transformers", fp32_source, threads,
+                                                      cache_prompt=False, onednn_linear=False),
             "llama_cpp_f16": scorer("llama_cpp", f16, threads, **llama),
             "llama_cpp_f16_upcast": scorer("llama_cpp", f16, threads, upcast=True, **llama)}
 

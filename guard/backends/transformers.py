@@ -62,6 +62,13 @@ class TransformersOptions(_Options):
         "next forward pass only on what follows its common prefix with it (a shared system "
         "prompt is evaluated once; memory: one sequence's KV cache); false: every score runs "
         "its whole sequence.")
+    onednn_linear: bool = Field(
+        True, description="A CPU model in fp32: run its linear layers by oneDNN, which picks "
+        "its kernels by the CPU's features, instead of torch's default (MKL, whose fp32 "
+        "products take their AVX2 path on AMD CPUs): the same fp32 arithmetic in another "
+        "summation order, 1.8x faster a pass on an AVX-512 EPYC "
+        "(guard/backends/onednn_linear.py). A tied LM head's weight is then held twice. "
+        "false: torch's own modules and kernels. No effect on a GPU or at fp16/bf16.")
 
 
 class _HFVocabulary(Vocabulary):
@@ -206,6 +213,7 @@ class TransformersScorer(HFTokenized, LocalScorer):
         # The last sequence scored and its KV cache (options.cache_prompt), under _lock.
         self._cached: tuple[list[int], Any] | None = None
         self._names = _ForwardNames("past_key_values", False)  # (load() reads the model's)
+        self.linear_kernels = "torch"  # or "onednn" (options.onednn_linear), set by load()
 
     def _loaded_model(self) -> Any:
         """The torch model; BackendError before ``load()`` or after ``close()``."""
@@ -249,10 +257,20 @@ class TransformersScorer(HFTokenized, LocalScorer):
                 raise BackendError(f"transformers cannot load {self.spec.path}: {exc}") from None
             if cache is not None:
                 _keep_dequantized(cache, model, tokenizer)
-        model = self._model = model.to(dtype=dtype, device=self.spec.device)
+        model = model.to(dtype=dtype, device=self.spec.device)
         self._names = _forward_names(model)
         config = model.config
         self.attach_tokenizer(tokenizer, int(model.get_output_embeddings().weight.shape[0]))
+        if self.options.onednn_linear:
+            from guard.backends import onednn_linear
+
+            why_not = onednn_linear.unusable(self.spec.device, dtype)
+            if why_not is None:
+                onednn_linear.use_onednn_linears(model)
+                self.linear_kernels = "onednn"
+            else:
+                _log.debug("transformers %s: torch's linear kernels: %s", path, why_not)
+        self._model = model
         self.context_length = (self.options.context_length
                                or int(getattr(config, "max_position_embeddings", 0) or 0))
 
@@ -271,7 +289,8 @@ class TransformersScorer(HFTokenized, LocalScorer):
         # On the model's device: a GPU reference's [T, V] is normalized there, not on the CPU.
         logits = self._logits(ids, prompt_length)
         offsets = torch.logsumexp(logits, dim=-1)  # float32: ~1e-6 nats, what a penalty needs
-        logprobs = torch.log_softmax(logits, dim=-1)
+        # log_softmax's own arithmetic, without a second pass over the vocabulary for its sum
+        logprobs = logits - offsets.unsqueeze(-1)
         return logprobs.cpu().numpy(), offsets.cpu().numpy().astype(np.float64)
 
     def _logits(self, ids: Sequence[int], prompt_length: int):
@@ -319,7 +338,8 @@ class TransformersScorer(HFTokenized, LocalScorer):
         return BackendInfo(self.name, str(self.spec.path), self.spec.precision,
                            self.spec.device, (), (),
                            {"vocabulary": str(self.vocab.size),
-                            "context_length": str(self.context_length)})
+                            "context_length": str(self.context_length),
+                            "linear_kernels": self.linear_kernels})
 
     def close(self) -> None:
         self._model = None

@@ -725,7 +725,9 @@ def _transformers_module(path: str):
     from guard.backends.transformers import TransformersScorer
     from guard.config import BackendConfig
 
-    scorer = TransformersScorer(BackendConfig(backend="transformers", path=path), "reference")
+    # torch's own linear modules: tier 2 hooks and re-runs them
+    scorer = TransformersScorer(BackendConfig(backend="transformers", path=path,
+                                              options={"onednn_linear": False}), "reference")
     scorer.load()
     return scorer.model
 

@@ -110,9 +110,11 @@ def transformers_side(spec, role: Role, config, threads: int = 1, run_path=None,
                       label: str = "transformers") -> TransformersSide:
     """Tier 2's side for a ``transformers`` block (declared as its ``activations`` in
     guard/backends/transformers.py): the model loaded as the scorer loads it, a copy of its
-    own."""
+    own, with torch's own linear modules (which it hooks and re-runs: not
+    ``options.onednn_linear``'s)."""
     from guard.backends.transformers import TransformersScorer
 
-    scorer = TransformersScorer(spec.model_copy(), role, threads)
+    plain = spec.model_copy(update={"options": {**spec.options, "onednn_linear": False}})
+    scorer = TransformersScorer(plain, role, threads)
     scorer.load()
     return TransformersSide(scorer.model, label=label)
