@@ -23,6 +23,11 @@ At start-up ``load()`` waits up to ``options.ready_timeout_s`` for ``GET {target
 to answer (a sidecar may start before its model server), with the standard library, on the
 loading thread. An upstream that does not list ``model`` is reported (event
 ``openai_model_not_listed``), not refused: some servers list a file path or one fixed name.
+A block that leaves ``options.engine`` unknown in front of a server whose listing names its
+engine (``owned_by``: llama-server's ``llamacpp``, vLLM's ``vllm``) is told which engine to
+declare and what that turns on (event ``openai_engine_undeclared``): guard does not adopt it
+unasked, since the engine decides how calls are sampled, amended and compared, in every
+process, and a proxy may relay another server's listing.
 
 In the ``reference`` role the same block is a remote scorer instead (``build``;
 guard/backends/openai_scorer.py): the server scores the primary's completions. The options
@@ -261,10 +266,27 @@ def authorization(options: OpenAIOptions) -> str | None:
     return f"Bearer {key}"
 
 
+# The engines a server's model listing names (``owned_by`` of GET /v1/models): llama-server
+# writes "llamacpp", vLLM's model cards "vllm". llama-cpp-python's "me" is left out (too
+# generic a word to tell a server by).
+ENGINE_OWNERS = {"llamacpp": "llama.cpp", "vllm": "vllm"}
+# What declaring each engine turns on, as the event openai_engine_undeclared says it.
+_ENGINE_BENEFITS = {
+    "llama.cpp": "its sampled calls are compared under the sampling defaults GET /props tells, "
+                 "its prompts are asked as it rendered them (/apply-template, /tokenize), and "
+                 "no logprobs are added to a streamed chat that lists tools (which it refuses "
+                 "with 400, which would turn guard's additions off for the whole upstream)",
+    "vllm": "its sampler's order and penalty names are known; with options.generation_config "
+            "its defaulted sampled calls are compared, and options.sample_token_ids gives the "
+            "prompt as it rendered it",
+}
+
+
 def wait_ready(base: str, model: str, authorization_header: str | None,
-               timeout_s: float) -> tuple[str, ...]:
+               timeout_s: float) -> tuple[tuple[str, str], ...]:
     """Wait up to ``timeout_s`` for ``GET {base}/v1/models`` to answer (a sidecar may start
-    before its model server), with the standard library; the model names it lists."""
+    before its model server), with the standard library; the models it lists, as (id,
+    owned_by) pairs."""
     deadline = time.monotonic() + timeout_s
     request = urllib.request.Request(base + "/v1/models")
     if authorization_header:
@@ -274,8 +296,8 @@ def wait_ready(base: str, model: str, authorization_header: str | None,
         try:
             with urllib.request.urlopen(request, timeout=2.0) as answer:
                 data = json.loads(answer.read() or b"{}")
-            return tuple(str(m.get("id")) for m in data.get("data") or ()
-                         if isinstance(m, dict))
+            return tuple((str(m.get("id")), str(m.get("owned_by") or ""))
+                         for m in data.get("data") or () if isinstance(m, dict))
         except urllib.error.HTTPError as exc:
             last = f"HTTP {exc.code}"
             if exc.code in (401, 403):  # a wrong key does not get better by waiting
@@ -286,6 +308,15 @@ def wait_ready(base: str, model: str, authorization_header: str | None,
         if time.monotonic() >= deadline:
             raise BackendError(f"openai {model}@{base} not ready after {timeout_s:g}s ({last})")
         time.sleep(0.2)
+
+
+def listed_engine(listing: tuple[tuple[str, str], ...], model: str) -> str | None:
+    """The engine (an ``options.engine`` value) a server's model listing names for ``model``
+    (its own entry, else the listing's one owner), or None."""
+    owners = {owner for name, owner in listing if name == model} or \
+        {owner for _, owner in listing}
+    engines = {ENGINE_OWNERS.get(owner) for owner in owners}
+    return engines.pop() if len(engines) == 1 else None
 
 
 class UpstreamStatus(BackendError):
@@ -370,12 +401,20 @@ class OpenAIBackend(Forwarding, Backend):
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
         self._authorization = authorization(self.options)
-        self.listed = wait_ready(self.base, self.model, self._authorization,
-                                 self.options.ready_timeout_s)
+        listing = wait_ready(self.base, self.model, self._authorization,
+                             self.options.ready_timeout_s)
+        self.listed = tuple(name for name, _ in listing)
         if self.listed and self.model not in self.listed:
             emit("openai_model_not_listed", model=self.model, target=self.base,
                  listed=list(self.listed)[:10],
                  note="forwarding anyway: the upstream may serve it under another listing")
+        engine = listed_engine(listing, self.model)
+        if self.options.engine == "unknown" and engine is not None:
+            emit("openai_engine_undeclared", model=self.model, target=self.base,
+                 role=self.role, engine=engine,
+                 reason=f"options.engine is unknown, and the server's model listing names "
+                        f"it {engine}: declare options.engine: {engine}, then "
+                        f"{_ENGINE_BENEFITS[engine]}")
 
     async def connect(self, timeout: float = 5.0) -> bool:
         """Open the connection pool on the serving event loop (once)."""

@@ -473,7 +473,12 @@ class _Forward(_Upstream):
         call goes out instead, and its answer is the client's. Where that one is answered,
         guard's additions were what the server refused: this upstream is not asked them again
         (until a reload builds it anew), said once by the event ``openai_additions_refused``;
-        the call is still sampled and compared, without them."""
+        the call is still sampled and compared, without them. Not where the refused call is
+        a streamed chat that lists tools, with logprobs added: llama-server refuses logprobs
+        on that shape of call alone ("logprobs is not supported with tools + stream"), and
+        an upstream whose engine is not declared (options.engine, which would have added
+        none: OpenAIOptions.refuses_logprobs) must not lose them on every other call for it;
+        such calls each cost one refused round trip instead."""
         try:
             why = (await refused.read())[:500].decode("utf-8", "replace")
         except (TimeoutError, UpstreamError) as exc:
@@ -484,9 +489,10 @@ class _Forward(_Upstream):
                                        ("sample_token_ids", self.guard_token_ids)) if on]
         self.guard_logprobs = self.guard_token_ids = False
         self._set_payload()
+        shaped = "sample_logprobs" in added and self.call.stream and self.call.defines_tools
         upstream = await self._exchange(self.request.path, self.payload)
         if not isinstance(upstream, web.Response) and 200 <= upstream.status < 300 and \
-                self.backend.refused_additions is None:
+                self.backend.refused_additions is None and not shaped:
             self.backend.refused_additions = f"HTTP {refused.status}: {why}"
             emit("openai_additions_refused", model=self.model.name, route=self.route,
                  target=self.backend.base, status=refused.status, error=why,

@@ -67,6 +67,26 @@ def reference(llama):
         scorer.close()
 
 
+def test_an_undeclared_engine_is_named_from_llama_servers_listing(llama, caplog):
+    """A primary block without options.engine in front of llama-server: guard says, once at
+    load, that its model listing (owned_by "llamacpp") names the engine, and what declaring
+    it turns on (without it the sampled calls that leave sampling to the server are not
+    compared, and a streamed tool chat's refused logprobs would turn guard's additions off
+    for the whole upstream); it adopts nothing unasked. A declared engine is told nothing."""
+    from guard.config.backend import BackendConfig
+
+    caplog.set_level("INFO", logger="guard.events")
+    server, _ = llama
+    for options in ({}, {"engine": "llama.cpp"}):
+        backend = create_backend(BackendConfig(backend="openai", target=server.url,
+                                               model="smol", options=options), "fallback")
+        backend.load()
+        backend.close()
+    (said,) = events(caplog, "openai_engine_undeclared")
+    assert (said["engine"], said["role"]) == ("llama.cpp", "fallback")
+    assert "declare options.engine: llama.cpp" in said["reason"] and "/props" in said["reason"]
+
+
 def test_guard_in_front_of_llama_server_scores_with_its_flags_and_replays_as_live(
         llama, tmp_path, caplog):
     caplog.set_level("INFO", logger="guard.events")
@@ -409,6 +429,37 @@ def test_tool_chats_on_llama_server_are_compared_on_its_rendering_of_the_tools(
     # the same verdicts (the records keep the server's prompt ids and the output's).
     generation = replay_report(tmp_path)
     assert (generation["checks"], generation["passed"]) == (3, 3)
+
+
+def test_an_undeclared_engines_refused_streamed_tool_chat_keeps_the_logprobs_on(
+        hermes, tmp_path, caplog):
+    """A block that does not declare engine llama.cpp adds logprobs to a sampled streamed chat
+    that lists tools, which llama-server refuses (400) on that shape of call alone: the client's
+    own call goes instead and is answered, and guard keeps adding logprobs to the server's
+    other calls (no ``openai_additions_refused``), so a later chat is still compared on them.
+    The engine's absence is named at load (``openai_engine_undeclared``)."""
+    caplog.set_level("INFO", logger="guard.events")
+    server, gguf = hermes
+    model = tool_chat_model(server, gguf, tmp_path / "capture", engine="unknown",
+                            sample_logprobs=5)
+    with running(tmp_path, [model], http_port=0) as (srv, _):
+        through = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1",
+                                api_key="none", max_retries=0, timeout=120)
+        for _ in range(2):  # each refused as guard amended it, then answered as asked
+            chunks = list(through.chat.completions.create(**TOOL_CALL, temperature=0,
+                                                          stream=True))
+            assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
+        answer = through.chat.completions.create(model="smol", messages=MESSAGES,
+                                                 max_tokens=16, temperature=0)
+        assert answer.choices[0].logprobs is None  # (guard's, stripped)
+        compared_at_least(srv, 1, 300)
+    assert not events(caplog, "openai_additions_refused")
+    (said,) = events(caplog, "openai_engine_undeclared")
+    assert said["engine"] == "llama.cpp"
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, FileStats())]
+    modes = [json.loads(r.verdicts[0].details_json)["mode"] for r in records if r.verdicts]
+    assert "logprobs" in modes  # the chat after the tool chats, on the logprobs guard added
 
 
 def test_a_streamed_tool_chat_is_compared_on_the_primary_probed_where_asked(hermes, tmp_path):

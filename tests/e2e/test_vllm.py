@@ -926,3 +926,18 @@ def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
                for r in read_records(path, stats)]
     modes = sorted(json.loads(r.verdicts[0].details_json)["mode"] for r in records)
     assert modes == ["greedy", "greedy", "logprobs"] and stats.undecodable == 0
+
+
+def test_an_undeclared_engine_is_named_from_vllms_listing(vllm, caplog):
+    """A primary block without options.engine in front of vLLM: guard says, once at load, that
+    vLLM's model listing names its engine and what declaring it turns on; it adopts nothing
+    unasked. A block that declares one is told nothing."""
+    caplog.set_level("INFO", logger="guard.events")
+    for options in ({}, {"engine": "vllm"}):
+        backend = create_backend(BackendConfig(backend="openai", target=vllm.url,
+                                               model=vllm.name, options=options), "primary")
+        backend.load()
+        backend.close()
+    (said,) = events(caplog, "openai_engine_undeclared")
+    assert (said["engine"], said["role"], said["model"]) == ("vllm", "primary", vllm.name)
+    assert "declare options.engine: vllm" in said["reason"]

@@ -154,3 +154,18 @@ def test_a_character_sampled_in_pieces_that_llama_server_wrote_as_one_entry_is_n
         check = check_generation(_sample(call), reference.score(_sample(call)), defaults)
         assert (check.mode, check.cause, check.passed) == ("not_comparable", "unaligned", True)
         assert "one logprobs entry" in check.reason
+
+
+def test_the_engine_a_model_listing_names():
+    """GET /v1/models' owned_by, as llama-server ("llamacpp") and vLLM ("vllm") write it: the
+    model's own entry decides, else the listing's one owner; several, or an owner guard has
+    no preset for (llama-cpp-python's "me"), name none."""
+    from guard.backends.openai import listed_engine
+
+    assert listed_engine((("smol", "llamacpp"),), "smol") == "llama.cpp"
+    assert listed_engine((("/models/smol.gguf", "llamacpp"),), "smol") == "llama.cpp"
+    assert listed_engine((("a", "vllm"), ("lora-1", "vllm")), "a") == "vllm"
+    assert listed_engine((("a", "vllm"), ("b", "llamacpp")), "b") == "llama.cpp"
+    assert listed_engine((("a", "vllm"), ("b", "llamacpp")), "c") is None
+    assert listed_engine((("smol", "me"),), "smol") is None
+    assert listed_engine((), "smol") is None
