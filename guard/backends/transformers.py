@@ -66,7 +66,7 @@ class TransformersOptions(_Options):
         True, description="A CPU model in fp32: run its linear layers by oneDNN, which picks "
         "its kernels by the CPU's features, instead of torch's default (MKL, whose fp32 "
         "products take their AVX2 path on AMD CPUs): the same fp32 arithmetic in another "
-        "summation order, 1.8x faster a pass on an AVX-512 EPYC "
+        "summation order, a pass 1.9x cheaper on an AVX-512 EPYC "
         "(guard/backends/onednn_linear.py). A tied LM head's weight is then held twice. "
         "false: torch's own modules and kernels. No effect on a GPU or at fp16/bf16.")
 

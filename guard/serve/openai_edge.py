@@ -489,10 +489,11 @@ class _Forward(_Upstream):
                                        ("sample_token_ids", self.guard_token_ids)) if on]
         self.guard_logprobs = self.guard_token_ids = False
         self._set_payload()
-        shaped = "sample_logprobs" in added and self.call.stream and self.call.defines_tools
+        call = self.call
+        this_shape_only = "sample_logprobs" in added and call.stream and call.defines_tools
         upstream = await self._exchange(self.request.path, self.payload)
         if not isinstance(upstream, web.Response) and 200 <= upstream.status < 300 and \
-                self.backend.refused_additions is None and not shaped:
+                self.backend.refused_additions is None and not this_shape_only:
             self.backend.refused_additions = f"HTTP {refused.status}: {why}"
             emit("openai_additions_refused", model=self.model.name, route=self.route,
                  target=self.backend.base, status=refused.status, error=why,
