@@ -18,8 +18,14 @@ renders otherwise than the model's template is a finding.
 
 from __future__ import annotations
 
+import http.client
+import http.server
 import json
+import threading
+import urllib.parse
+from contextlib import contextmanager
 from dataclasses import replace
+from types import SimpleNamespace
 
 import pytest
 
@@ -460,6 +466,87 @@ def test_an_undeclared_engines_refused_streamed_tool_chat_keeps_the_logprobs_on(
                for r in read_records(path, FileStats())]
     modes = [json.loads(r.verdicts[0].details_json)["mode"] for r in records if r.verdicts]
     assert "logprobs" in modes  # the chat after the tool chats, on the logprobs guard added
+
+
+@contextmanager
+def v1_only(upstream: str):
+    """A reverse proxy that passes ``/v1/...`` to ``upstream`` and answers 404 to every other
+    path, as a gateway that exposes only the OpenAI API does: its base URL."""
+    target = urllib.parse.urlsplit(upstream)
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        protocol_version = "HTTP/1.1"
+
+        def _forward(self):
+            body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
+            if not self.path.startswith("/v1/"):
+                data, status, kind = b'{"error": "not found"}', 404, "application/json"
+            else:
+                connection = http.client.HTTPConnection(target.hostname, target.port,
+                                                        timeout=120)
+                try:
+                    connection.request(self.command, self.path, body=body or None,
+                                       headers={"Content-Type": "application/json"})
+                    answer = connection.getresponse()
+                    data, status = answer.read(), answer.status
+                    kind = answer.getheader("Content-Type", "application/json")
+                finally:
+                    connection.close()
+            self.send_response(status)
+            self.send_header("Content-Type", kind)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _forward
+
+        def log_message(self, *args):
+            pass
+
+    proxy = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{proxy.server_address[1]}"
+    finally:
+        proxy.shutdown()
+        proxy.server_close()
+
+
+def test_a_tool_chat_whose_rendering_the_server_does_not_tell_is_not_comparable(
+        hermes, tmp_path, caplog):
+    """Behind a gateway that passes only /v1, llama-server's /apply-template and /tokenize are
+    out of reach: guard says so once (``llama_server_rendering_unavailable``), a chat that
+    offers tools, whose prompt only the server's rendering of the tools tells, is counted not
+    comparable (``tools``) by the verifier and never scored on the reference's own rendering,
+    and a plain chat is still compared, on the reference's rendering (approximate)."""
+    caplog.set_level("INFO", logger="guard.events")
+    server, gguf = hermes
+    with v1_only(server.url) as gateway:
+        model = tool_chat_model(SimpleNamespace(url=gateway), gguf, tmp_path / "capture",
+                                sample_logprobs=5)
+        with running(tmp_path, [model], http_port=0) as (srv, _):
+            through = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1",
+                                    api_key="none", max_retries=0, timeout=120)
+            called = through.chat.completions.create(**TOOL_CALL, temperature=0)
+            assert called.choices[0].message.tool_calls  # answered through both proxies
+            through.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=16,
+                                            temperature=0)
+            values = compared_at_least(srv, 1, 300)
+            values = wait_for(lambda: (lambda v: v if metric(
+                v, "guard_generation_not_comparable_total", model="smol",
+                reason="tools") == 1 else None)(scrape(srv.metrics_port)), timeout=120)
+            assert metric(values, "guard_checks_total", model="smol", tier="generation",
+                          result="pass") == 1
+    (unavailable,) = events(caplog, "llama_server_rendering_unavailable")
+    assert "404" in json.dumps(unavailable)
+    records = [r for path in expand_paths([tmp_path / "capture"])
+               for r in read_records(path, FileStats())]
+    details = [json.loads(r.verdicts[0].details_json) for r in records if r.verdicts]
+    (told,) = [d for d in details if d["mode"] == "not_comparable"]
+    assert told.get("cause") == "tools", told
+    assert [(d["mode"], d["approximate"]) for d in details if d is not told] == \
+        [("logprobs", True)]
 
 
 def test_a_streamed_tool_chat_is_compared_on_the_primary_probed_where_asked(hermes, tmp_path):
