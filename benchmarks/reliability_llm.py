@@ -115,10 +115,11 @@ def start_vllm(folder: Path) -> tuple[object, str]:
 
 
 def model_blocks(server: str, url: str, gguf: Path, name: str = SERVED,
-                 sample_logprobs: int = 0) -> dict:
+                 sample_logprobs: int = 0, engine: str = "llama.cpp") -> dict:
     """The primary and reference blocks of guard's model in front of ``server``: a healthy
     pair (the reference on the weights the server runs); ``sample_logprobs``: llama-server's
-    option (guard adds logprobs to sampled calls)."""
+    option (guard adds logprobs to sampled calls); ``engine``: what its block declares
+    (``unknown``: nothing, as a block that leaves it out)."""
     if server == "vllm":
         from guard.zoo.llm import smollm2_gguf
 
@@ -126,8 +127,8 @@ def model_blocks(server: str, url: str, gguf: Path, name: str = SERVED,
                             "options": {"engine": "vllm", "generation_config": "vllm",
                                         "sample_logprobs": 5, "sample_token_ids": True}},
                 "reference": {"backend": "transformers", "path": str(smollm2_gguf())}}
-    options = {"engine": "llama.cpp", **({"sample_logprobs": sample_logprobs}
-                                         if sample_logprobs else {})}
+    options = {"engine": engine, **({"sample_logprobs": sample_logprobs}
+                                    if sample_logprobs else {})}
     return {"primary": {"backend": "openai", "target": url, "model": name,
                         "options": options},
             "reference": {"backend": "llama_cpp", "path": str(gguf),
@@ -433,6 +434,13 @@ def markdown(report: dict) -> str:
                       "every sampled call (`options.sample_logprobs`) and strips them from the "
                       "client's answer, so calls are compared in logprobs mode and chats that "
                       "offer tools are compared on the server's rendering of the tools.", ""]
+    if report.get("engine") == "unknown":
+        lines += ["**Engine undeclared** (`--engine unknown`): guard's block leaves "
+                  "`options.engine` out, as a first-hours config does: guard says so at load "
+                  "(`openai_engine_undeclared`), asks the server no prompt and adds logprobs "
+                  "to streamed tool chats too (which llama-server refuses: the client's call "
+                  "goes instead); sampled calls without logprobs that leave sampling to the "
+                  "server are not compared (`sampling_unknown`).", ""]
     if report.get("models", 1) > 1:
         lines += [
             f"**Two models**: a second llama-server on the same GGUF serves guard's model "
@@ -560,6 +568,10 @@ def main(argv: list[str] | None = None) -> int:
                         help="llama-server on the Python edge: guard adds this many "
                         "top_logprobs to every sampled call (options.sample_logprobs), so "
                         "calls are compared in logprobs mode and tool chats are compared")
+    parser.add_argument("--engine", choices=("llama.cpp", "unknown"), default="llama.cpp",
+                        help="llama-server's options.engine in guard's block: unknown, as a "
+                        "block that leaves it out (its sampled calls that leave sampling to "
+                        "the server are then not compared, nor its prompts asked)")
     args = parser.parse_args(argv)
     from guard.zoo.llm import quant_ladder
     from guard.zoo.tool_chat import llama_server_flags
@@ -572,7 +584,8 @@ def main(argv: list[str] | None = None) -> int:
         parts = [p for p in parts if p == "fuzz"]
     report: dict = {"command": "benchmarks/reliability_llm.py " + " ".join(
         argv if argv is not None else sys.argv[1:]), "machine": bench.machine_info(),
-        "server": args.server, "data_plane": args.data_plane, "models": args.models}
+        "server": args.server, "data_plane": args.data_plane, "models": args.models,
+        "engine": args.engine}
     for part in parts:
         with tempfile.TemporaryDirectory(prefix="guard-rel-llm-") as tmp:
             folder = Path(os.environ.get("KEEP_DIR") or tmp) / part
@@ -597,7 +610,8 @@ def main(argv: list[str] | None = None) -> int:
                            **model_blocks("llama-server", other_url, gguf, OTHER),
                            "mirror": {"sample_rate": 0.0}},)
             blocks = model_blocks(args.server, upstream, gguf,
-                                  sample_logprobs=0 if envoy else args.sample_logprobs)
+                                  sample_logprobs=0 if envoy else args.sample_logprobs,
+                                  engine=args.engine)
             guard, ports, log = start_guard(folder, blocks, envoy, others)
             try:
                 if part == "fuzz":
@@ -621,7 +635,8 @@ def main(argv: list[str] | None = None) -> int:
     OUT.mkdir(parents=True, exist_ok=True)
     name = "reliability_llm" + ("_vllm" if args.server == "vllm" else "") + (
         "_envoy" if envoy else "") + ("_2_models" if several else "") + (
-        "_logprobs" if args.sample_logprobs and not envoy else "")
+        "_logprobs" if args.sample_logprobs and not envoy else "") + (
+        "_engine_unknown" if args.engine == "unknown" else "")
     (OUT / f"{name}.json").write_text(json.dumps(report, indent=1) + "\n")
     text = markdown(report)
     (OUT / f"{name}.md").write_text(text)

@@ -220,7 +220,11 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
 
         for chat in (False, True):
             pieces = streamed(through, "smol", chat)
-            assert pieces == streamed(direct, vllm.name, chat)  # the same events, in order
+            # The same text. Not always the same events: vLLM writes several tokens in one
+            # event where its engine got ahead of its API server (on a busy CPU: seen once in
+            # CI, ' United States has a population of approximately' as one event of the
+            # direct call, five of guard's), so two calls' groupings may differ.
+            assert "".join(pieces) == "".join(streamed(direct, vllm.name, chat))
             assert sum(1 for p in pieces if p) > 3  # token by token, not one buffered answer
 
         # vLLM writes "Χ" here as its two byte tokens, texts "" and "Χ": aligned by the ids
