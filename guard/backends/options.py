@@ -88,6 +88,19 @@ class TorchOptions(_Options):
     )
 
 
+    onednn_linear: bool = Field(
+        True,
+        description="backend torch, reference role, CPU, fp32: run the model's linear "
+        "products by oneDNN (guard/backends/onednn_linear.py) instead of torch's default, MKL, "
+        "whose fp32 products take their AVX2 path on AMD CPUs: the same fp32 arithmetic in "
+        "another summation order, a MiniLM reference's forward 1.8-2.1x cheaper on an AVX-512 "
+        "EPYC (benchmarks/reference_kernels.py). Layers of fewer than 65,536 weights keep "
+        "torch's kernels (too small for oneDNN's per-call cost); a TorchScript module is "
+        "frozen to do it. false: torch's kernels. No effect in other roles, on a GPU, at "
+        "fp16/bf16, or for torch_compile (inductor picks its own).",
+    )
+
+
 class TorchCompileOptions(TorchOptions):
     mode: Literal["default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs"] = (
         "default"

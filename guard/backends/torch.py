@@ -167,6 +167,11 @@ class TorchBackend(Backend):
             if self._dtype is not None:
                 module = module.to(self._dtype)
             module = module.to(device)
+        if self._runs_onednn():
+            from guard.backends.onednn_linear import use_onednn
+
+            module, replaced = use_onednn(module)
+            self._details["linear_kernels"] = f"onednn, linear layers: {replaced}"
         self.device = device
         self.module = module
         inputs, outputs = _parse_signature(signature)
@@ -177,6 +182,21 @@ class TorchBackend(Backend):
         self._output_names = self.options.output_names or [s.name for s in outputs] or None
         self._outputs = outputs or tuple(TensorSpec(n) for n in (self._output_names or []))
         self._callable = self._wrap(module)
+
+    def _runs_onednn(self) -> bool:
+        """Whether this reference's linear products go to oneDNN (options.onednn_linear): the
+        eager backend's CPU fp32 reference only (not its fp64 twin, not torch_compile)."""
+        if type(self) is not TorchBackend or self.role != "reference" or \
+                not self.options.onednn_linear:
+            return False
+        import torch
+
+        from guard.backends.onednn_linear import unusable
+
+        why_not = unusable(self.spec.device, self._dtype or torch.float32)
+        if why_not is not None:
+            log.debug("torch reference %s: torch's linear kernels: %s", self.spec.path, why_not)
+        return why_not is None
 
     def _settle_conv_flags(self, module):
         """A trace's convolutions carry the tracing process's cuDNN flags, TF32 on by torch's

@@ -47,21 +47,23 @@ def test_the_pinned_torch_has_the_faster_path():
     assert onednn_linear._pointwise_works()
 
 
-def test_only_plain_linears_are_replaced_and_hooks_still_see_them():
+def test_only_plain_linears_large_enough_are_replaced_and_hooks_still_see_them():
     class Scaled(torch.nn.Linear):  # a subclass may do more than a product: left alone
         pass
 
-    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU(),
-                                torch.nn.Sequential(torch.nn.Linear(8, 4)), Scaled(4, 2))
+    assert 256 * 256 >= onednn_linear.MIN_WEIGHTS > 256 * 4  # (a product too small to win)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(),
+                                torch.nn.Sequential(torch.nn.Linear(256, 256)),
+                                torch.nn.Linear(256, 4), Scaled(4, 2))
     assert use_onednn_linears(model) == 2
     kinds = {name: type(m).__name__ for name, m in model.named_modules() if name}
     assert kinds == {"0": "OneDnnLinear", "1": "ReLU", "2": "Sequential",
-                     "2.0": "OneDnnLinear", "3": "Scaled"}
+                     "2.0": "OneDnnLinear", "3": "Linear", "4": "Scaled"}
     seen = []
     model[2][0].register_forward_hook(lambda module, args, out: seen.append(out.shape))
     with torch.inference_mode():
-        model(torch.randn(3, 8))
-    assert seen == [torch.Size([3, 4])]
+        model(torch.randn(3, 256))
+    assert seen == [torch.Size([3, 256])]
 
 
 def test_it_says_where_it_cannot_run():
@@ -116,5 +118,65 @@ def test_tier_twos_copy_keeps_torchs_modules(scorers):
     try:
         linears = [m for m in side.module.modules() if isinstance(m, torch.nn.Linear)]
         assert linears and not any(isinstance(m, OneDnnLinear) for m in side.module.modules())
+    finally:
+        side.close()
+
+
+# -- the torch backend's references: a factory's module, TorchScript, a torch.export program ----
+@pytest.mark.parametrize("kind", ["factory", "torchscript", "exported"])
+def test_a_torch_reference_runs_its_linear_layers_by_onednn(kind, tmp_path):
+    """The zoo's CNN (two linear layers after its convolutions) in each of the torch backend's
+    artifact kinds: as the reference (onednn_linear, on by default) it runs the large product
+    (2048 x 128) by oneDNN, the small one (128 x 10) by torch's kernels, and answers what
+    torch's kernels answer within fp32's summation-order noise; with the option off, and as a
+    primary, it runs as loaded."""
+    import hashlib
+
+    from guard.zoo import classifier
+
+    images = classifier.sample_inputs(4)
+    sha256 = None
+    if kind == "factory":
+        path = "guard.zoo.classifier:build"
+    else:
+        model, example = classifier.build(), (torch.from_numpy(images),)
+        if kind == "torchscript":
+            path = str(tmp_path / "cnn.pt")
+            torch.jit.save(torch.jit.trace(model, example), path)
+        else:
+            path = str(tmp_path / "cnn.pt2")
+            torch.export.save(torch.export.export(model, example), path)
+            sha256 = hashlib.sha256((tmp_path / "cnn.pt2").read_bytes()).hexdigest()
+
+    def loaded(role: str, **options):
+        backend = create_backend(BackendConfig(backend="torch", path=path, sha256=sha256,
+                                               options=options), role, 1)
+        backend.load()
+        return backend
+
+    fast, plain, primary = loaded("reference"), loaded("reference", onednn_linear=False), \
+        loaded("primary")
+    assert fast.describe().details["linear_kernels"] == "onednn, linear layers: 1"
+    assert "linear_kernels" not in plain.describe().details
+    assert "linear_kernels" not in primary.describe().details
+    name = fast.describe().inputs[0].name
+    got, expected = (b.infer({name: images}) for b in (fast, plain))
+    (output,) = expected
+    np.testing.assert_allclose(got[output], expected[output], rtol=1e-5, atol=1e-5)
+    assert (got[output].argmax(1) == expected[output].argmax(1)).all()
+    np.testing.assert_array_equal(primary.infer({name: images})[output], expected[output])
+    for backend in (fast, plain, primary):
+        backend.close()
+
+
+def test_tier_twos_torch_side_keeps_torchs_modules():
+    from guard.backends.activations.torch import torch_side
+    from guard.config import ActivationCheckConfig
+
+    side = torch_side(BackendConfig(backend="torch", path="guard.zoo.classifier:build"),
+                      "reference", ActivationCheckConfig())
+    try:
+        assert sum(isinstance(m, torch.nn.Linear) for m in side.module.modules()) == 2
+        assert not any(isinstance(m, OneDnnLinear) for m in side.module.modules())
     finally:
         side.close()

@@ -323,7 +323,10 @@ def torch_side(spec, role: Role, config, threads: int = 1, run_path=None,
 
     from guard.backends.torch import TorchBackend
 
-    backend = TorchBackend(spec.model_copy(), role, threads)  # the copy keeps spec.context
+    # The copy keeps spec.context; torch's own modules (options.onednn_linear's would rewrite
+    # a reference's linear layers, which tier 2 hooks and re-runs).
+    plain = spec.model_copy(update={"options": {**spec.options, "onednn_linear": False}})
+    backend = TorchBackend(plain, role, threads)
     backend.load()
     module = eager_module(backend.module, config.torch_factory, spec.context.base_dir, label)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.precision)
