@@ -354,9 +354,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="stop the server after the traffic instead of serving on")
     demo.add_argument("--workdir", metavar="DIR",
                       help="where models, config and log go (default $GUARD_CACHE_DIR/demo, "
-                      "i.e. ~/.cache/guard/demo)")
-    demo.add_argument("--sample-rate", type=float, default=0.5,
-                      help="share of requests mirrored onto the reference (default 0.5)")
+                      "i.e. ~/.cache/guard/demo; --llm: .../demo-llm)")
+    demo.add_argument("--sample-rate", type=float, default=None,
+                      help="share of requests mirrored onto the reference (default 0.5; "
+                      "--llm: 1.0, every completion scored)")
     demo.add_argument("--grpc-port", type=int, default=0, help="default: a free port")
     demo.add_argument("--metrics-port", type=int, default=0, help="default: a free port")
     demo.add_argument("--admin-port", type=int, default=0, help="default: a free port")

@@ -34,6 +34,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+SAMPLE_RATE = 0.5  # the share of the demo's requests mirrored, unless --sample-rate says
+
+
 def default_workdir() -> Path:
     from guard.backends.derive import cache_root
 
@@ -222,6 +225,7 @@ def run_demo(args: Namespace) -> int:
 
     workdir = Path(args.workdir) if args.workdir else default_workdir()
     workdir.mkdir(parents=True, exist_ok=True)
+    sample_rate = SAMPLE_RATE if args.sample_rate is None else args.sample_rate
     print(f"guard demo: building the seeded demo models in {workdir} ...", flush=True)
     models = classifier.export(workdir)
     ports = {
@@ -230,7 +234,7 @@ def run_demo(args: Namespace) -> int:
         "admin_port": args.admin_port or _free_port(),
     }
     config_path = workdir / "demo.yaml"
-    config_path.write_text(yaml.safe_dump(demo_config(models, ports, args.sample_rate),
+    config_path.write_text(yaml.safe_dump(demo_config(models, ports, sample_rate),
                                           sort_keys=False))
     print(f"guard demo: starting `guard serve --config {config_path}`", flush=True)
     env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -244,7 +248,7 @@ def run_demo(args: Namespace) -> int:
     try:
         _wait_ready(client, process)
         print(f"guard demo: sending {args.requests or 300} requests with tritonclient.grpc "
-              f"(mirroring {args.sample_rate:.0%} onto the torch reference)", flush=True)
+              f"(mirroring {sample_rate:.0%} onto the torch reference)", flush=True)
         routes = _drive(client, args.requests or 300, log)
         time.sleep(1.0)  # let the mirror finish the samples in its queue
         values = _scrape(ports["metrics_port"])

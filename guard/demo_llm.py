@@ -35,6 +35,8 @@ from guard.errors import GuardError, install_hint
 
 MODEL = "smol"
 MAX_TOKENS = 32
+# Every completion scored: the demo's few calls are all the evidence its detector gets.
+SAMPLE_RATE = 1.0
 
 
 class _LlmServerLog(_ServerLog):
@@ -79,7 +81,8 @@ class _LlmServerLog(_ServerLog):
         super()._show(line)
 
 
-def llm_demo_config(upstreams: dict[str, str], reference: dict, ports: dict[str, int]) -> dict:
+def llm_demo_config(upstreams: dict[str, str], reference: dict, ports: dict[str, int],
+                    sample_rate: float = SAMPLE_RATE) -> dict:
     def upstream(url: str, alias: str) -> dict:
         # sample_logprobs: guard asks llama.cpp for 5 alternatives per token on sampled calls
         # (the per-token KL needs them) and strips them from the client's answer; engine:
@@ -97,7 +100,7 @@ def llm_demo_config(upstreams: dict[str, str], reference: dict, ports: dict[str,
             "primary": upstream(upstreams["primary"], "smol-q2_k"),
             "reference": reference,
             "fallback": upstream(upstreams["fallback"], "smol-q8_0"),
-            "mirror": {"sample_rate": 1.0, "timeout_s": 120.0},
+            "mirror": {"sample_rate": sample_rate, "timeout_s": 120.0},
             # task generation's defaults (min_samples 5, ARL0 1e5); a short dwell so that the
             # demo shows the probes of the primary.
             "policy": {"action": "fallback_model", "dwell_s": 2.0},
@@ -192,7 +195,8 @@ def run_llm_demo(args: Namespace) -> int:
         ports = {"grpc_port": _free_port(), "metrics_port": _free_port(),
                  "admin_port": _free_port(), "http_port": args.http_port or _free_port()}
         config_path = workdir / "demo-llm.yaml"
-        config_path.write_text(yaml.safe_dump(llm_demo_config(upstreams, reference, ports),
+        rate = SAMPLE_RATE if args.sample_rate is None else args.sample_rate
+        config_path.write_text(yaml.safe_dump(llm_demo_config(upstreams, reference, ports, rate),
                                               sort_keys=False))
         print(f"guard demo --llm: starting `guard serve --config {config_path}`", flush=True)
         process = subprocess.Popen(

@@ -48,6 +48,7 @@ LONGEST_FIRST = (
     "e2e/test_prometheus_alerts.py",
     "e2e/test_fleet_alerts.py",
     "e2e/test_tensorflow_sidecar.py",
+    "e2e/test_cli.py",  # both demos, the LLM one ~35 s
     "unit/test_matrix_generation.py",
     "e2e/test_replay_ray.py",
     "e2e/test_verifier_process.py",

