@@ -64,6 +64,9 @@ class ReferenceScores:
     token_texts: tuple[str, ...]
     top_ids: np.ndarray
     top_logprobs: np.ndarray
+    # The texts of top_ids' tokens: all k of a local scorer's (a text-only completion the
+    # server split otherwise is matched against every kept candidate there, not the best five
+    # alone: checks.py _split_otherwise), a remote scorer's five best.
     top_texts: tuple[tuple[str, ...], ...]
     chosen_logprob: np.ndarray
     logprobs: np.ndarray | None = None
@@ -198,7 +201,7 @@ def scores_from_full(sample: GenerationSample, vocab: Vocabulary, logprobs: np.n
         token_ids=tuple(int(i) for i in ids),
         token_texts=tuple(vocab.token_text(int(i)) for i in ids),
         top_ids=top_ids, top_logprobs=top_lp,
-        top_texts=tuple(tuple(vocab.token_text(int(i)) for i in row[:5]) for row in top_ids),
+        top_texts=tuple(tuple(vocab.token_text(int(i)) for i in row) for row in top_ids),
         chosen_logprob=chosen.astype(np.float32), logprobs=logprobs,
         primary_top_logprobs=tuple(alternatives), primary_top_ids=tuple(alternative_ids),
         **fields)

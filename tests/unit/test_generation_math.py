@@ -215,7 +215,7 @@ def _synthetic_scores(logprobs: np.ndarray, tokens: np.ndarray,
         logit_offsets=np.full(len(tokens), 3.0) if offsets is None else offsets,
         token_ids=tuple(int(t) for t in tokens), token_texts=tuple(f"t{t}" for t in tokens),
         top_ids=top_ids, top_logprobs=top_lp,
-        top_texts=tuple(tuple(f"t{i}" for i in row[:5]) for row in top_ids),
+        top_texts=tuple(tuple(f"t{i}" for i in row) for row in top_ids),  # all k, as local
         chosen_logprob=logprobs[np.arange(len(tokens)), tokens].astype(np.float32),
         logprobs=logprobs.astype(np.float32), prompt_token_ids=(0,))
 
@@ -379,6 +379,43 @@ def test_a_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts
     assert not check_generation(text_only, no_prefix, SERVER_DEFAULTS["llama.cpp"]).passed
 
 
+def _onethree(logprobs: np.ndarray, candidate_text: str
+              ) -> tuple[ReferenceScores, GenerationSample]:
+    """The scores of the text "onethree" tokenized "on" "et" "hree" (ids 7, 8, 9) and then id
+    5 (``candidate_text``), and the sample that says the text alone, sampled at min_p 0.05."""
+    tokens = np.array([7, 8, 9, 5])
+    texts = {5: candidate_text, 7: "on", 8: "et", 9: "hree"}
+    text_of = lambda i: texts.get(int(i), f"t{i}")  # noqa: E731
+    base = _synthetic_scores(logprobs, tokens)
+    scores = replace(base, token_texts=tuple(text_of(t) for t in tokens),
+                     top_texts=tuple(tuple(text_of(i) for i in row) for row in base.top_ids))
+    sampling = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.05)
+    return scores, GenerationSample(model="m", endpoint="completions", prompt="p", tokens=(),
+                                    completion_text="onethree", sampling=sampling)
+
+
+def test_a_split_candidate_below_the_best_five_is_seen():
+    """The server's token where the text parts from the reference's tokenization may be any
+    the transform keeps, not only one of the reference's best five: a healthy llama-server
+    after a token-id prompt ([1, 27867, 27867, 270, 27867]) spelled "onethree" "one" "three"
+    where "one" ranked below five other kept tokens (3 of 9 false drifts in 199 such calls
+    came from there). Kept at rank 9 of 20 here: scored up to there; the best five alone would
+    not see it and the completion fails."""
+    rng = np.random.default_rng(13)
+    logits = rng.normal(0, 1.0, (4, 50))
+    logits[:, 10:18] = 8.0  # eight tokens ahead of the candidate, all kept
+    logits[:, 5] = 7.0  # "one": kept (e^-1 of the best), ninth
+    logits[:, 7] = -8.0  # "on", the text's canonical first token: outside min_p 0.05
+    logprobs = _log_softmax(logits)
+    scores, text_only = _onethree(logprobs, "one")
+    assert list(scores.top_ids[0]).index(5) == 8
+    check = check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"])
+    assert (check.mode, check.passed, check.tokens, check.out_of_support) == (
+        "sampled", True, 1, 0)
+    best_five = replace(scores, top_texts=tuple(row[:5] for row in scores.top_texts))
+    assert not check_generation(text_only, best_five, SERVER_DEFAULTS["llama.cpp"]).passed
+
+
 @pytest.mark.parametrize("candidate_text", ["one", "\ufffd"])
 def test_a_text_split_across_canonical_tokens_or_a_dropped_byte_is_scored_up_to_there(
         candidate_text):
@@ -392,16 +429,7 @@ def test_a_text_split_across_canonical_tokens_or_a_dropped_byte_is_scored_up_to_
     logits[:, 5] += 6.0  # the candidate: kept everywhere
     logits[:, 7] -= 8.0  # "on": outside min_p 0.05
     logprobs = _log_softmax(logits)
-    tokens = np.array([7, 8, 9, 5])
-    texts = {5: candidate_text, 7: "on", 8: "et", 9: "hree"}
-    text_of = lambda i: texts.get(int(i), f"t{i}")  # noqa: E731
-    scores = replace(_synthetic_scores(logprobs, tokens),
-                     token_texts=tuple(text_of(t) for t in tokens))
-    scores = replace(scores, top_texts=tuple(tuple(text_of(i) for i in row[:5])
-                                             for row in scores.top_ids))
-    sampling = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.05)
-    text_only = GenerationSample(model="m", endpoint="completions", prompt="p", tokens=(),
-                                 completion_text="onethree", sampling=sampling)
+    scores, text_only = _onethree(logprobs, candidate_text)
     check = check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"])
     assert (check.mode, check.passed, check.tokens, check.out_of_support) == (
         "sampled", True, 1, 0)

@@ -55,11 +55,15 @@ _LOGITS_MODES = ("raw_logits", "processed_logits")
 # token the server found just inside the cut is no evidence of drift. A token further out is.
 BOUNDARY_SLACK = 0.1
 
+# The reference's best tokens a first divergence names (the report's reference_top).
+REPORTED_TOP = 5
+
 
 
 def _reference_top(scores: ReferenceScores, t: int) -> tuple[tuple[str, float], ...]:
+    """The reference's REPORTED_TOP best tokens at ``t`` with their probabilities."""
     return tuple((text, float(math.exp(lp))) for text, lp in
-                 zip(scores.top_texts[t], scores.top_logprobs[t][:len(scores.top_texts[t])]))
+                 zip(scores.top_texts[t][:REPORTED_TOP], scores.top_logprobs[t]))
 
 
 def _divergence(sample: GenerationSample, scores: ReferenceScores,
