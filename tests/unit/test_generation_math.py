@@ -416,6 +416,39 @@ def test_a_split_candidate_below_the_best_five_is_seen():
     assert not check_generation(text_only, best_five, SERVER_DEFAULTS["llama.cpp"]).passed
 
 
+def test_a_text_that_parted_before_its_first_token_outside_is_scored_up_to_where_it_parted():
+    """A healthy llama-server ran number words together, "three" "three", which the reference
+    tokenizes "th" "re" "eth" ...: "th" is inside the transform, "re" (after "th", a context
+    the server never had) is not. Where a kept candidate longer than the canonical token
+    begins the text at an earlier position ("three" at 0), the completion is scored up to
+    there with it; with no such candidate (one that does not begin the text, or a shorter
+    piece alone) it still fails."""
+    rng = np.random.default_rng(17)
+    logits = rng.normal(0, 1.0, (4, 50))
+    logits[:, 10:14] = 8.0  # the best tokens, kept
+    logits[0, 7] = 7.0  # "th": inside the transform at 0
+    logits[0, 5] = 7.5  # the candidate: kept at 0
+    logits[1:, 8:10] = -8.0  # "re", "eth": outside min_p 0.05
+    logprobs = _log_softmax(logits)
+    tokens = np.array([7, 8, 9, 9])
+    base = _synthetic_scores(logprobs, tokens)
+    sampling = SamplingParams(temperature=1.0, top_k=40, top_p=1.0, min_p=0.05)
+    text_only = GenerationSample(model="m", endpoint="completions", prompt="p", tokens=(),
+                                 completion_text="threetheth", sampling=sampling)
+
+    def checked(candidate_text: str):
+        texts = {5: candidate_text, 7: "th", 8: "re", 9: "eth"}
+        scores = replace(base, token_texts=tuple(texts[int(t)] for t in tokens),
+                         top_texts=tuple(tuple(texts.get(int(i), f"t{i}") for i in row)
+                                         for row in base.top_ids))
+        check = check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"])
+        return check.mode, check.passed, check.tokens, check.out_of_support
+
+    assert checked("three") == ("sampled", True, 1, 0)
+    assert checked("thro") == ("sampled", False, 4, 3)  # does not begin the text
+    assert checked("t") == ("sampled", False, 4, 3)  # a shorter piece before the first outside
+
+
 @pytest.mark.parametrize("candidate_text", ["one", "\ufffd"])
 def test_a_text_split_across_canonical_tokens_or_a_dropped_byte_is_scored_up_to_there(
         candidate_text):

@@ -398,10 +398,31 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
     if sample.tokens or not outside.any() or scores.logprobs is None:
         return None
     t = int(np.flatnonzero(outside)[0])
+    found = _kept_candidate(scores, transform, t, longer_only=False)
+    if found is not None:
+        return t, found
+    # The text may have parted from the server's split before t, the canonical tokens staying
+    # inside the transform for a while: a healthy llama-server ran number words together,
+    # "three" "three" "nine", which the reference tokenizes "th" "re" "eth" "reen" "inen",
+    # outside only from "re" on. Nearest first, a kept candidate longer than the canonical
+    # token there (one that swallows it and more: a shorter piece at t is asked above).
+    for u in range(t - 1, -1, -1):
+        found = _kept_candidate(scores, transform, u, longer_only=True)
+        if found is not None:
+            return u, found
+    return None
+
+
+def _kept_candidate(scores: ReferenceScores, transform: Transform, t: int,
+                    longer_only: bool) -> int | None:
+    """The best of the reference's top candidates at ``t`` that the transform keeps and that
+    may have stood there (:func:`_may_stand`); ``longer_only``: only one whose text is longer
+    than the canonical token's."""
     kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
     for candidate, candidate_text in zip(scores.top_ids[t], scores.top_texts[t]):
-        if int(candidate) in kept and _may_stand(candidate_text, scores, t):
-            return t, int(candidate)
+        if int(candidate) in kept and _may_stand(candidate_text, scores, t) and \
+                (not longer_only or len(candidate_text) > len(scores.token_texts[t])):
+            return int(candidate)
     return None
 
 
