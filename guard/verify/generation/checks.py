@@ -398,7 +398,9 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
     if sample.tokens or not outside.any() or scores.logprobs is None:
         return None
     t = int(np.flatnonzero(outside)[0])
-    found = _kept_candidate(scores, transform, t, longer_only=False)
+    starts = np.cumsum([0, *(len(text) for text in scores.token_texts)])
+    text = "".join(scores.token_texts)
+    found = _kept_candidate(scores, transform, t, text[starts[t]:], longer_only=False)
     if found is not None:
         return t, found
     # The text may have parted from the server's split before t, the canonical tokens staying
@@ -407,26 +409,32 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
     # outside only from "re" on. Nearest first, a kept candidate longer than the canonical
     # token there (one that swallows it and more: a shorter piece at t is asked above).
     for u in range(t - 1, -1, -1):
-        found = _kept_candidate(scores, transform, u, longer_only=True)
+        found = _kept_candidate(scores, transform, u, text[starts[u]:], longer_only=True)
         if found is not None:
             return u, found
     return None
 
 
-def _kept_candidate(scores: ReferenceScores, transform: Transform, t: int,
+def _kept_candidate(scores: ReferenceScores, transform: Transform, t: int, rest: str,
                     longer_only: bool) -> int | None:
-    """The best of the reference's top candidates at ``t`` that the transform keeps and that
-    may have stood there (:func:`_may_stand`); ``longer_only``: only one whose text is longer
-    than the canonical token's."""
-    kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
+    """The best of the reference's top candidates at ``t`` that may have stood there
+    (:func:`_may_stand`; ``rest``: the text from ``t`` on) and that the transform keeps;
+    ``longer_only``: only one whose text is longer than the canonical token's. The kept set
+    (a pass over the vocabulary) is computed only for a candidate the text allows."""
+    kept: set[int] | None = None
     for candidate, candidate_text in zip(scores.top_ids[t], scores.top_texts[t]):
-        if int(candidate) in kept and _may_stand(candidate_text, scores, t) and \
-                (not longer_only or len(candidate_text) > len(scores.token_texts[t])):
+        if longer_only and len(candidate_text) <= len(scores.token_texts[t]) or \
+                not _may_stand(candidate_text, scores, t, rest):
+            continue
+        if kept is None:
+            kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
+        if int(candidate) in kept:
             return int(candidate)
     return None
 
 
-def _may_stand(candidate_text: str, scores: ReferenceScores, t: int) -> bool:
+def _may_stand(candidate_text: str, scores: ReferenceScores, t: int,
+               rest: str | None = None) -> bool:
     """Whether a token whose text is ``candidate_text`` may have stood at position ``t``, where
     the reference tokenized the completion's text otherwise: its text begins the text from
     there on (a shorter piece of the canonical token, "one" where the text's "onethree" was
@@ -434,12 +442,15 @@ def _may_stand(candidate_text: str, scores: ReferenceScores, t: int) -> bool:
     character, or a character's byte that no later token completed, which servers leave out
     of their text (llama-server, llama-cpp-python; a healthy llama-server after a prompt
     ending in "Ã" answered "‚Ð's personal ...", the reference's best there a byte piece, and
-    "'s" read as a token no agreeing server samples: z 6.8)."""
+    "'s" read as a token no agreeing server samples: z 6.8). ``rest``: the text from ``t``
+    on, where the caller has it."""
     if candidate_text == scores.token_texts[t]:
         return False
     if not comparable_text(candidate_text):
         return True
-    return bool(candidate_text) and "".join(scores.token_texts[t:]).startswith(candidate_text)
+    if rest is None:
+        rest = "".join(scores.token_texts[t:])
+    return bool(candidate_text) and rest.startswith(candidate_text)
 
 
 def _cut_at(scores: ReferenceScores, t: int, candidate: int) -> ReferenceScores:
