@@ -38,10 +38,13 @@ not otherwise). Tier 2's copy of the model keeps torch's modules: it hooks and r
 from __future__ import annotations
 
 import functools
+import logging
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+_log = logging.getLogger(__name__)
 
 
 # Linear layers with fewer weights than this keep torch's kernels: oneDNN's call costs about
@@ -110,6 +113,23 @@ def unusable(device: str, dtype: torch.dtype) -> str | None:
     if dtype != torch.float32:
         return f"precision {dtype} (only fp32 is run by oneDNN here)"
     return None
+
+
+def for_reference(module, device: str, dtype: torch.dtype, what: str):
+    """``module`` as a reference runs it where ``options.onednn_linear`` is on: (the module to
+    run, how many linear layers oneDNN runs), or (``module``, None) where it cannot (said at
+    debug level, naming ``what``)."""
+    why_not = unusable(device, dtype)
+    if why_not is not None:
+        _log.debug("%s: torch's linear kernels: %s", what, why_not)
+        return module, None
+    return use_onednn(module)
+
+
+def with_torch_kernels(spec):
+    """A copy of a backend block with ``options.onednn_linear`` off: tier 2's copy of a model
+    hooks and re-runs torch's own modules (the copy keeps ``spec.context``)."""
+    return spec.model_copy(update={"options": {**spec.options, "onednn_linear": False}})
 
 
 def use_onednn_linears(model: nn.Module) -> int:

@@ -86,8 +86,6 @@ class TorchOptions(_Options):
         "rewrites them at load to this process's flags, so allow_tf32 means what it says. A "
         "torch reference is always 'process': its determinism pin holds.",
     )
-
-
     onednn_linear: bool = Field(
         True,
         description="backend torch, reference role, CPU, fp32: run the model's linear "

@@ -91,6 +91,9 @@ class TorchBackend(Backend):
     name = "torch"
     options_model = TorchOptions
     follows_process_flags = False  # a truth (the fp64 twin) runs as this process says
+    # A reference's linear layers may run by oneDNN (options.onednn_linear): not where
+    # inductor picks the kernels (torch_compile) or the model runs in fp64 (the twin).
+    ONEDNN_REFERENCE = True
 
     def __init__(self, spec: BackendConfig, role: Role, threads: int = 1):
         self.spec = spec
@@ -167,11 +170,14 @@ class TorchBackend(Backend):
             if self._dtype is not None:
                 module = module.to(self._dtype)
             module = module.to(device)
-        if self._runs_onednn():
-            from guard.backends.onednn_linear import use_onednn
+        if self.ONEDNN_REFERENCE and self.role == "reference" and self.options.onednn_linear:
+            from guard.backends.onednn_linear import for_reference
 
-            module, replaced = use_onednn(module)
-            self._details["linear_kernels"] = f"onednn, linear layers: {replaced}"
+            module, replaced = for_reference(module, self.spec.device,
+                                             self._dtype or torch.float32,
+                                             f"torch reference {self.spec.path}")
+            if replaced is not None:
+                self._details["linear_kernels"] = f"onednn, linear layers: {replaced}"
         self.device = device
         self.module = module
         inputs, outputs = _parse_signature(signature)
@@ -182,21 +188,6 @@ class TorchBackend(Backend):
         self._output_names = self.options.output_names or [s.name for s in outputs] or None
         self._outputs = outputs or tuple(TensorSpec(n) for n in (self._output_names or []))
         self._callable = self._wrap(module)
-
-    def _runs_onednn(self) -> bool:
-        """Whether this reference's linear products go to oneDNN (options.onednn_linear): the
-        eager backend's CPU fp32 reference only (not its fp64 twin, not torch_compile)."""
-        if type(self) is not TorchBackend or self.role != "reference" or \
-                not self.options.onednn_linear:
-            return False
-        import torch
-
-        from guard.backends.onednn_linear import unusable
-
-        why_not = unusable(self.spec.device, self._dtype or torch.float32)
-        if why_not is not None:
-            log.debug("torch reference %s: torch's linear kernels: %s", self.spec.path, why_not)
-        return why_not is None
 
     def _settle_conv_flags(self, module):
         """A trace's convolutions carry the tracing process's cuDNN flags, TF32 on by torch's
@@ -302,6 +293,7 @@ class TorchCompileBackend(TorchBackend):
 
     name = "torch_compile"
     options_model = TorchCompileOptions
+    ONEDNN_REFERENCE = False
     options: TorchCompileOptions  # (what options_model validates)
 
     def _keep_back(self, module, device):
@@ -357,6 +349,7 @@ class Fp64TorchBackend(TorchBackend):
     float64 too); outputs stay float64."""
 
     follows_process_flags = True
+    ONEDNN_REFERENCE = False
 
     def load(self) -> None:
         import torch

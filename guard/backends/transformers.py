@@ -262,14 +262,12 @@ class TransformersScorer(HFTokenized, LocalScorer):
         config = model.config
         self.attach_tokenizer(tokenizer, int(model.get_output_embeddings().weight.shape[0]))
         if self.options.onednn_linear:
-            from guard.backends import onednn_linear
+            from guard.backends.onednn_linear import for_reference
 
-            why_not = onednn_linear.unusable(self.spec.device, dtype)
-            if why_not is None:
-                onednn_linear.use_onednn_linears(model)
+            model, replaced = for_reference(model, self.spec.device, dtype,
+                                            f"transformers {path}")
+            if replaced is not None:
                 self.linear_kernels = "onednn"
-            else:
-                _log.debug("transformers %s: torch's linear kernels: %s", path, why_not)
         self._model = model
         self.context_length = (self.options.context_length
                                or int(getattr(config, "max_position_embeddings", 0) or 0))

@@ -722,12 +722,12 @@ def gguf_cases(faults=GGUF_FAULTS, clean=GGUF_CLEAN) -> list[FaultCase]:
 @functools.lru_cache(maxsize=2)
 def _transformers_module(path: str):
     """The reference model of a GGUF, loaded once per process (each case's side wraps it)."""
+    from guard.backends.onednn_linear import with_torch_kernels
     from guard.backends.transformers import TransformersScorer
     from guard.config import BackendConfig
 
-    # torch's own linear modules: tier 2 hooks and re-runs them
-    scorer = TransformersScorer(BackendConfig(backend="transformers", path=path,
-                                              options={"onednn_linear": False}), "reference")
+    scorer = TransformersScorer(with_torch_kernels(BackendConfig(backend="transformers",
+                                                                 path=path)), "reference")
     scorer.load()
     return scorer.model
 

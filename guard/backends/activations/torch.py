@@ -321,12 +321,10 @@ def torch_side(spec, role: Role, config, threads: int = 1, run_path=None,
     guard/backends/torch.py): the module loaded as the backend loads it, hooked on a copy."""
     import torch
 
+    from guard.backends.onednn_linear import with_torch_kernels
     from guard.backends.torch import TorchBackend
 
-    # The copy keeps spec.context; torch's own modules (options.onednn_linear's would rewrite
-    # a reference's linear layers, which tier 2 hooks and re-runs).
-    plain = spec.model_copy(update={"options": {**spec.options, "onednn_linear": False}})
-    backend = TorchBackend(plain, role, threads)
+    backend = TorchBackend(with_torch_kernels(spec), role, threads)
     backend.load()
     module = eager_module(backend.module, config.torch_factory, spec.context.base_dir, label)
     dtype = {"fp16": torch.float16, "bf16": torch.bfloat16}.get(spec.precision)

@@ -112,9 +112,9 @@ def transformers_side(spec, role: Role, config, threads: int = 1, run_path=None,
     guard/backends/transformers.py): the model loaded as the scorer loads it, a copy of its
     own, with torch's own linear modules (which it hooks and re-runs: not
     ``options.onednn_linear``'s)."""
+    from guard.backends.onednn_linear import with_torch_kernels
     from guard.backends.transformers import TransformersScorer
 
-    plain = spec.model_copy(update={"options": {**spec.options, "onednn_linear": False}})
-    scorer = TransformersScorer(plain, role, threads)
+    scorer = TransformersScorer(with_torch_kernels(spec), role, threads)
     scorer.load()
     return TransformersSide(scorer.model, label=label)
