@@ -56,6 +56,7 @@ if TYPE_CHECKING:  # (imported by the serving loop that uses them)
     import asyncio
 
     from guard.backends.http1 import ConnectionPool
+    from guard.protocol.openai import CallShape
 
 # Hop-by-hop headers (RFC 9110 7.6.1) and those the forwarder sets itself: never forwarded.
 # Accept-Encoding is dropped so that the upstream answers uncompressed: the edge reads every
@@ -157,7 +158,8 @@ class OpenAIOptions(_Strict):
         "them from the client's answer (each choices[i].logprobs back to null, byte for byte "
         "as the server answers unasked). For servers that answer logprobs for any request "
         "(vLLM up to its --max-logprobs): a server that refuses a call so amended (400, 422) "
-        "gets the client's own call instead, and is not asked again until a reload (event "
+        "gets the client's own call instead, and calls of that shape (endpoint, streamed or not, "
+        "with tools or not) are not amended again until a reload (event "
         "openai_additions_refused). Not added to a streamed chat that offers tools on "
         "engine llama.cpp (llama-server refuses logprobs there). 0: never add them.")
     sample_token_ids: bool = Field(
@@ -236,8 +238,8 @@ class OpenAIOptions(_Strict):
         """The server answers 400 to logprobs on such a call: llama-server refuses them on a
         streamed chat whose body lists tools ("logprobs is not supported with tools +
         stream"; earlier tool turns alone it takes). guard adds none there
-        (options.sample_logprobs), so that such a call does not turn the additions off for
-        every other call to the server."""
+        (options.sample_logprobs): such a call costs no refused round trip, not even the
+        first one an undeclared engine's calls of that shape cost."""
         return self.engine == "llama.cpp" and streamed and defines_tools
 
     @model_validator(mode="after")
@@ -394,9 +396,10 @@ class OpenAIBackend(Forwarding, Backend):
         self._loop: asyncio.AbstractEventLoop | None = None
         self.listed: tuple[str, ...] = ()
         # Why the upstream refused the logprobs or token ids guard adds to sampled calls
-        # (options.sample_logprobs, sample_token_ids), once a call without them was answered:
-        # the edge then adds none to this backend's calls (guard/serve/openai_edge.py).
-        self.refused_additions: str | None = None
+        # (options.sample_logprobs, sample_token_ids), by the shape of call it refused them on,
+        # once the same call without them was answered: the edge then adds none to this
+        # backend's calls of that shape (guard/serve/openai_edge.py).
+        self.refused_additions: dict[CallShape, str] = {}
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:

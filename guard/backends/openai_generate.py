@@ -26,7 +26,8 @@ from guard.backends.openai import (REFUSALS, OpenAIOptions, UpstreamStatus, auth
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.protocol.generation import GenerationSample
-from guard.protocol.openai import Completion, build_sample, gather, parse_request, unusable
+from guard.protocol.openai import (CallShape, Completion, build_sample, gather, parse_request,
+                                   unusable)
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PROBE_TOP_LOGPROBS = 5  # alternatives per token the probe asks for (the KL's top-k)
@@ -102,9 +103,9 @@ class PrimaryProbe:
         self.timeout_s = timeout_s
         self.top = top
         self.token_ids = bool(options.get("sample_token_ids"))  # as the edge asks them
-        # False once the upstream refused a probe for them and took the call without: the
-        # logprobs and token ids the client did not ask are then never asked again.
-        self.additions = True
+        # The shapes of call (guard/protocol/openai/requests.py CallShape) the upstream refused
+        # a probe's logprobs and token ids on, then took without them: never asked them again.
+        self.refused: set[CallShape] = set()
         parsed = OpenAIOptions.model_validate(options)
         self._authorization = authorization(parsed)
         # A tool chat's prompt ids are asked of the server after the probe's answer
@@ -118,21 +119,27 @@ class PrimaryProbe:
         A server that refuses the call with guard's logprobs or token ids (400, 422: a vLLM
         whose --max-logprobs is below the probe's) is asked the client's call as it was;
         where that is answered, the probe asks them no more (said once, as the edge says it:
-        ``openai_additions_refused``) and the answer is compared without them. Otherwise no
-        probe ever succeeded, and a fallback would never route back."""
-        additions = self.additions
+        ``openai_additions_refused``) and the answer is compared without them, per shape of
+        call as the edge remembers it. Otherwise no probe ever succeeded, and a fallback would
+        never route back."""
+        # (A probe is never streamed; the tools it lists are the client's.)
+        tool_request = sample.tool_request or {}
+        shape = CallShape(sample.endpoint, False, sample.endpoint == "chat" and bool(
+            tool_request.get("tools") or tool_request.get("functions")))
+        additions = shape not in self.refused
         try:
             data, answer = self._ask(sample, additions)
         except UpstreamStatus as refused:
             if refused.status not in REFUSALS or not additions:
                 raise
             data, answer = self._ask(sample, False)
-            additions = self.additions = False
+            additions = False
+            self.refused.add(shape)
             emit("openai_additions_refused", model=sample.model, route="probe",
                  target=self.base, status=refused.status, error=refused.text,
-                 options=["the probe's logprobs and token ids"],
+                 options=["the probe's logprobs and token ids"], shape=shape.describe(),
                  note="the call as the client sent it was answered; the probe asks them no "
-                 "more (vLLM: --max-logprobs must be at least 5)")
+                 "more on calls of this shape (vLLM: --max-logprobs must be at least 5)")
         completion = Completion()
         gather(completion, sample.endpoint, answer, streamed=False)
         if completion.error:

@@ -30,7 +30,7 @@ asks the upstream for logprobs on sampled calls whose clients did not, and sets 
 (``return_token_ids``: the reference then scores the prompt as the server rendered it) and
 sets them back to ``null`` likewise. An upstream that refuses a call so amended (400, 422:
 a vLLM whose --max-logprobs is lower) gets the client's own call instead, whose answer the
-client receives, and is not asked again. Calls that cannot be
+client receives, and calls of that shape are not amended again. Calls that cannot be
 compared (best_of > 1, tool calls without the ids, an answer that is an error or was cut
 short) are forwarded and counted (``guard_generation_not_comparable_total{model,reason}``), never
 sampled. A prompt longer than the reference's context is the verifier's to count.
@@ -418,7 +418,7 @@ class _Forward(_Upstream):
         # the logprobs its client asked for, else by the sampled or greedy check.
         # (Nor where this upstream refused them before: see _as_the_client_asked.)
         adds = bool(flags & wire.MIRROR) and call.endpoint != "responses" and \
-            backend.refused_additions is None
+            call.shape not in backend.refused_additions
         top = backend.options.sample_logprobs
         self.guard_logprobs = bool(adds and top and not call.asked_logprobs) and \
             not backend.options.refuses_logprobs(call.stream, call.defines_tools)
@@ -471,14 +471,15 @@ class _Forward(_Upstream):
         client had not asked for (a vLLM whose --max-logprobs is below
         options.sample_logprobs, a server that takes no return_token_ids): the client's own
         call goes out instead, and its answer is the client's. Where that one is answered,
-        guard's additions were what the server refused: this upstream is not asked them again
-        (until a reload builds it anew), said once by the event ``openai_additions_refused``;
-        the call is still sampled and compared, without them. Not where the refused call is
-        a streamed chat that lists tools, with logprobs added: llama-server refuses logprobs
-        on that shape of call alone ("logprobs is not supported with tools + stream"), and
-        an upstream whose engine is not declared (options.engine, which would have added
-        none: OpenAIOptions.refuses_logprobs) must not lose them on every other call for it;
-        such calls each cost one refused round trip instead."""
+        guard's additions were what the server refused: calls of this shape (ParsedCall.shape:
+        the endpoint, streamed or not, tools or not) to this upstream are not amended again
+        (until a reload builds it anew), said once per shape by the event
+        ``openai_additions_refused``; they are still sampled and compared, without them. Per
+        shape, because servers refuse per shape: llama-server refuses logprobs on a streamed
+        chat that lists tools alone ("logprobs is not supported with tools + stream"), and an
+        upstream whose engine is not declared (options.engine, which would have added none
+        there: OpenAIOptions.refuses_logprobs) must not lose them on its other calls. A server
+        that refuses them everywhere costs one refused round trip per shape it is sent."""
         try:
             why = (await refused.read())[:500].decode("utf-8", "replace")
         except (TimeoutError, UpstreamError) as exc:
@@ -489,18 +490,18 @@ class _Forward(_Upstream):
                                        ("sample_token_ids", self.guard_token_ids)) if on]
         self.guard_logprobs = self.guard_token_ids = False
         self._set_payload()
-        call = self.call
-        this_shape_only = "sample_logprobs" in added and call.stream and call.defines_tools
         upstream = await self._exchange(self.request.path, self.payload)
+        shape, refusals = self.call.shape, self.backend.refused_additions
         if not isinstance(upstream, web.Response) and 200 <= upstream.status < 300 and \
-                self.backend.refused_additions is None and not this_shape_only:
-            self.backend.refused_additions = f"HTTP {refused.status}: {why}"
+                shape not in refusals:
+            refusals[shape] = f"HTTP {refused.status}: {why}"
             emit("openai_additions_refused", model=self.model.name, route=self.route,
                  target=self.backend.base, status=refused.status, error=why,
-                 options=[f"options.{name}" for name in added],
+                 options=[f"options.{name}" for name in added], shape=shape.describe(),
                  note="the client's own call was forwarded instead and answered; guard no "
-                 "longer adds them to this upstream's calls (until a reload). Lower or unset "
-                 "the options (vLLM: --max-logprobs must be at least sample_logprobs)")
+                 "longer adds them to this upstream's calls of this shape (until a reload). "
+                 "Lower or unset the options (vLLM: --max-logprobs must be at least "
+                 "sample_logprobs)")
         return upstream
 
     def _upstream_failed(self, status: int, message: str) -> web.Response:

@@ -441,9 +441,10 @@ def test_an_undeclared_engines_refused_streamed_tool_chat_keeps_the_logprobs_on(
         hermes, tmp_path, caplog):
     """A block that does not declare engine llama.cpp adds logprobs to a sampled streamed chat
     that lists tools, which llama-server refuses (400) on that shape of call alone: the client's
-    own call goes instead and is answered, and guard keeps adding logprobs to the server's
-    other calls (no ``openai_additions_refused``), so a later chat is still compared on them.
-    The engine's absence is named at load (``openai_engine_undeclared``)."""
+    own call goes instead and is answered, guard adds none to the next call of that shape
+    (``openai_additions_refused`` says so once, naming the shape), and keeps adding logprobs to
+    the server's other calls, so a later chat is still compared on them. The engine's absence
+    is named at load (``openai_engine_undeclared``)."""
     caplog.set_level("INFO", logger="guard.events")
     server, gguf = hermes
     model = tool_chat_model(server, gguf, tmp_path / "capture", engine="unknown",
@@ -451,7 +452,7 @@ def test_an_undeclared_engines_refused_streamed_tool_chat_keeps_the_logprobs_on(
     with running(tmp_path, [model], http_port=0) as (srv, _):
         through = openai.OpenAI(base_url=f"http://127.0.0.1:{srv.http_port}/v1",
                                 api_key="none", max_retries=0, timeout=120)
-        for _ in range(2):  # each refused as guard amended it, then answered as asked
+        for _ in range(2):  # the first refused as guard amended it, then answered as asked
             chunks = list(through.chat.completions.create(**TOOL_CALL, temperature=0,
                                                           stream=True))
             assert any(c.choices and c.choices[0].delta.tool_calls for c in chunks)
@@ -459,7 +460,9 @@ def test_an_undeclared_engines_refused_streamed_tool_chat_keeps_the_logprobs_on(
                                                  max_tokens=16, temperature=0)
         assert answer.choices[0].logprobs is None  # (guard's, stripped)
         compared_at_least(srv, 1, 300)
-    assert not events(caplog, "openai_additions_refused")
+    (refused,) = events(caplog, "openai_additions_refused")
+    assert refused["shape"] == "chat, streamed, with tools" and refused["status"] == 400
+    assert "tools + stream" in refused["error"]
     (said,) = events(caplog, "openai_engine_undeclared")
     assert said["engine"] == "llama.cpp"
     records = [r for path in expand_paths([tmp_path / "capture"])

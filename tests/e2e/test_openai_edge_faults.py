@@ -333,7 +333,8 @@ def test_a_call_refused_for_guards_additions_is_answered_as_the_client_asked(ups
     --max-logprobs 2 against options.sample_logprobs 5: a 400 a client that asked nothing
     would never get; shown on the real vLLM in the stop's note) gets the client's own call
     instead, and the client its answer; from then on guard adds nothing to that upstream's
-    calls, said once. A call the server refuses as the client sent it gets the server's own
+    calls of that shape (endpoint, streamed or not, tools or not: servers refuse per shape),
+    said once per shape. A call the server refuses as the client sent it gets the server's own
     refusal, and proves nothing about the additions."""
     import logging
 
@@ -372,8 +373,23 @@ def test_a_call_refused_for_guards_additions_is_answered_as_the_client_asked(ups
         (said,) = events(caplog, "openai_additions_refused")
         assert said["status"] == 400 and "max allowed: 2" in said["error"]
         assert said["options"] == ["options.sample_logprobs"]
+        assert said["shape"] == "chat, whole, no tools"
         assert wait_until(lambda: metric(scrape(server.metrics_port), "guard_mirror_total",
                                          model="smol", outcome="compared") == 2, timeout=120)
+        # Another shape (a streamed chat that lists tools) is amended until it is refused
+        # itself, then not; the whole chat's refusal stands, and neither is said again.
+        primary.reset()
+        tool_chat = dict(chat, stream=True, tools=[{"type": "function", "function": {
+            "name": "get_weather", "parameters": {"type": "object", "properties": {}}}}])
+        for body in (tool_chat, tool_chat, chat):
+            answer = http.post("/v1/chat/completions", json=body,
+                               headers={"x-test-scenario": "max_logprobs"})
+            assert answer.status_code == 200, answer.text
+        sent = [json.loads(r["body"]) for r in primary.requests]
+        assert [(b.get("top_logprobs"), b.get("stream")) for b in sent] == [
+            (5, True), (None, True), (None, True), (None, None)]
+        shapes = [e["shape"] for e in events(caplog, "openai_additions_refused")]
+        assert shapes == ["chat, whole, no tools", "chat, streamed, with tools"]
 
 
 def test_the_probe_refused_for_its_logprobs_asks_the_clients_call_and_no_more(upstreams,
@@ -408,6 +424,7 @@ def test_the_probe_refused_for_its_logprobs_asks_the_clients_call_and_no_more(up
         assert "logprobs" not in sent[1] and sent[1]["messages"] == CHAT["messages"]
         (said,) = events(caplog, "openai_additions_refused")
         assert said["route"] == "probe" and "max allowed: 2" in said["error"]
+        assert said["shape"] == "chat, whole, no tools"  # (a probe is never streamed)
     finally:
         primary.reset()
 

@@ -24,6 +24,24 @@ class BadRequest(ValueError):
     """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why."""
 
 
+@dataclass(frozen=True)
+class CallShape:
+    """The shape of a call, as servers tell their refusals apart: a server may take guard's
+    logprobs or token ids on one shape and refuse them on another (llama-server refuses
+    logprobs on a streamed chat that lists tools alone), so what an upstream refused is
+    remembered per shape (guard/serve/openai_edge.py)."""
+
+    endpoint: Call
+    streamed: bool
+    tools: bool  # a chat that lists tool definitions (ParsedCall.defines_tools)
+
+    def describe(self) -> str:
+        """``chat, streamed, with tools``: the shape as the event ``openai_additions_refused``
+        names it."""
+        return ", ".join((self.endpoint, "streamed" if self.streamed else "whole",
+                          "with tools" if self.tools else "no tools"))
+
+
 @dataclass
 class ParsedCall:
     """What the edge needs from a client's request body (the body itself is forwarded)."""
@@ -56,6 +74,10 @@ class ParsedCall:
         only earlier tool turns: what llama-server refuses logprobs on when streamed."""
         return self.endpoint == "chat" and bool(self.body.get("tools") or
                                                 self.body.get("functions"))
+
+    @property
+    def shape(self) -> CallShape:
+        return CallShape(self.endpoint, self.stream, self.defines_tools)
 
     @property
     def several_completions(self) -> bool:
