@@ -478,7 +478,8 @@ def markdown(report: dict) -> str:
             f"{s['checks']['fail']:g} |",
             f"| not comparable, by reason | {_reasons(s['not_comparable'])} |",
             f"| verifier restarts | {s['verifier_restarts']:g} |",
-            f"| `openai_additions_refused` events (guard stopped adding logprobs to a shape of call) | "
+            "| `openai_additions_refused` events (guard stopped adding logprobs to a shape of "
+            f"call) | "
             f"{len(f.get('additions_refused', []))} |",
             f"| answers as the server afterwards (greedy) | "
             f"{'yes' if f['answers_afterwards'] else 'NO'} |", "",
