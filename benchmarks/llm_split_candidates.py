@@ -1,7 +1,8 @@
 """Text-only answers a server split otherwise than the reference tokenizes them: how many a
-healthy pair fails when the split rule looks at the reference's best five candidates where the
-text parts from its tokenization, and when it looks at its best 20 (guard's rule now:
-guard/verify/generation/checks.py ``_split_otherwise``); and what the wider look costs the
+healthy pair fails as the split rule's candidates (where the text parts from the reference's
+tokenization) widen: the reference's best five, its best 20, and its best 20 with the
+vocabulary's tokens that begin the text there (guard's rule now: guard/verify/generation/
+checks.py ``_kept_candidate``, ``ReferenceScores.text_pieces``); and what each costs the
 detection of a drifting primary.
 
 Why: a completion known by its text alone (llama-server without ``options.sample_logprobs``
@@ -10,17 +11,17 @@ the server sampled another split ("one" "three" for the canonical "on" "eth" "re
 canonical token may lie outside the server's sampling transform, and every token after it is
 scored in a context the server never had: a false drift. The rule scores such a completion up
 to the parting position with a kept candidate that may have stood there. Which candidates it
-may see is the question here.
+may see is the question here (a kept set holds up to top_k 40 tokens: more than the best 20).
 
 1. Healthy pair: llama-server (the Makefile's build) on the shipped Q4_1, ``guard serve`` in
    front of it (engine llama.cpp, every call sampled and captured, the llama_cpp reference on
    the same file), ``--calls`` text-only calls at the server's sampling defaults on the
    fuzzer's hardest prompts (a token-id prompt after which the model runs number words
    together, ``[0, 0]``, "onethree", a prompt ending in "Ã"). Each captured call is scored
-   again here by the same reference and checked both ways.
+   again here by the same reference and checked each way.
 2. Detection: each rung of SmolLM2's ladder as the primary in llama.cpp (in-process),
    ``--completions`` text-only completions of 64 tokens at llama.cpp's defaults, against the
-   transformers fp32 reference, checked both ways: passes, and the completions' z pooled.
+   transformers fp32 reference, checked each way: passes, and the completions' z pooled.
 
     .venv/bin/python benchmarks/llm_split_candidates.py [--calls 200] [--completions 40]
 
@@ -50,16 +51,22 @@ RUNGS = ("F16", "Q8_0", "Q2_K")
 BEST_FIVE = 5
 
 
-def best_five(scores):
-    """``scores`` as the rule saw them before: the texts of the best five candidates only."""
-    return replace(scores, top_texts=tuple(row[:BEST_FIVE] for row in scores.top_texts))
+# The rule's candidate sets, narrowest first: each a view of the scores the rule then sees.
+WAYS = {
+    "best_five": lambda scores: replace(scores, text_pieces=(), top_texts=tuple(
+        row[:BEST_FIVE] for row in scores.top_texts)),
+    "best_20": lambda scores: replace(scores, text_pieces=()),
+    "best_20_and_pieces": lambda scores: scores,
+}
+LABELS = {"best_five": "best five", "best_20": "best 20",
+          "best_20_and_pieces": "best 20 and the text's pieces"}
 
 
 def both_ways(sample, scores, defaults) -> dict:
     from guard.verify.generation import check_generation
 
     return {name: check_generation(sample, s, defaults)
-            for name, s in (("best_five", best_five(scores)), ("best_20", scores))}
+            for name, s in ((name, view(scores)) for name, view in WAYS.items())}
 
 
 def healthy_pair(folder: Path, calls: int) -> dict:
@@ -92,7 +99,7 @@ def healthy_pair(folder: Path, calls: int) -> dict:
     reference = create_backend(BackendConfig(**blocks["reference"]), "reference", 1)
     reference.load()
     defaults = SERVER_DEFAULTS["llama.cpp"]
-    failed: dict[str, list[str]] = {"best_five": [], "best_20": []}
+    failed: dict[str, list[str]] = {name: [] for name in WAYS}
     checked = 0
     for path in expand_paths([folder / "capture"]):
         for record in read_records(path, FileStats()):
@@ -127,7 +134,7 @@ def detection(completions: int, tokens: int = 64) -> dict:
     out = {}
     for rung in RUNGS:
         primary = open_llama(ladder[rung], context_length=512)
-        checks: dict[str, list] = {"best_five": [], "best_20": []}
+        checks: dict[str, list] = {name: [] for name in WAYS}
         for i in range(completions):
             sample = replace(smol.complete(primary, smol.PROMPTS[i % len(smol.PROMPTS)], tokens,
                                           SamplingParams(), seed=1000 + i), tokens=())
@@ -149,20 +156,20 @@ def detection(completions: int, tokens: int = 64) -> dict:
 
 def markdown(report: dict) -> str:
     pair, ladder = report["healthy_pair"], report["detection"]
-    lines = ["# Text-only answers split otherwise: the rule's candidates, best five or best 20",
+    rule = list(WAYS)[-1]  # guard's own
+    lines = ["# Text-only answers split otherwise: the split rule's candidates",
              "", f"`benchmarks/llm_split_candidates.py --calls {pair['calls']} --completions "
              f"{report['completions']}`. {bench.machine_line(report['machine'], ('torch',))}",
              "", "## A healthy llama-server, text-only calls on the fuzzer's hardest prompts", "",
              f"{pair['checked']} captured calls scored again by the llama_cpp reference on the "
              f"server's own file (live, through guard serve: {pair['live']['checks']}).", "",
              bench.md_table(["candidates", "failed (false drifts)"],
-                            [[name.replace("_", " "), str(n)]
-                             for name, n in pair["failed"].items()]), "",
-             "Completions still failing with the best 20: "
-             + ", ".join(f"`{t!r}`" for t in pair["failed_texts"]["best_20"]), "",
+                            [[LABELS[name], str(n)] for name, n in pair["failed"].items()]),
+             "", f"Completions still failing with the {LABELS[rule]}: "
+             + ", ".join(f"`{t!r}`" for t in pair["failed_texts"][rule]), "",
              "## Detection: SmolLM2's ladder, text-only sampled completions of 64 tokens", "",
              bench.md_table(["primary", "candidates", "passed", "tokens scored", "pooled z"],
-                            [[rung, name.replace("_", " "),
+                            [[rung, LABELS[name],
                               f"{v['passed']}/{v['completions']}", str(v["tokens_scored"]),
                               f"{v['pooled_z']:.1f}"]
                              for rung, ways in ladder.items() for name, v in ways.items()]),

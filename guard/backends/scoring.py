@@ -70,6 +70,11 @@ class ReferenceScores:
     top_texts: tuple[tuple[str, ...], ...]
     chosen_logprob: np.ndarray
     logprobs: np.ndarray | None = None
+    # A text-only completion's, from a local scorer: at each position the ids of the
+    # vocabulary's tokens whose text begins the completion's text there (the canonical token
+    # among them): the splits a server may have sampled where the text alone does not say its
+    # tokens (checks.py _split_otherwise looks among them, not only among the top_texts).
+    text_pieces: tuple[tuple[int, ...], ...] = ()
     # [T] float64, a local scorer's: the raw logits are ``logprobs + logit_offsets[:, None]``.
     # A repetition penalty acts on raw logits (vLLM, llama.cpp: a positive logit divided, a
     # negative one multiplied), which a log-softmax alone cannot give back.
@@ -197,14 +202,23 @@ def scores_from_full(sample: GenerationSample, vocab: Vocabulary, logprobs: np.n
                                       for i in found], dtype=np.float64))
         alternative_ids.append(np.array([i if i is not None else -1 for i in found],
                                         dtype=np.int64))
+    texts = tuple(vocab.token_text(int(i)) for i in ids)
     return ReferenceScores(
-        token_ids=tuple(int(i) for i in ids),
-        token_texts=tuple(vocab.token_text(int(i)) for i in ids),
+        token_ids=tuple(int(i) for i in ids), token_texts=texts,
+        text_pieces=() if sample.tokens else _text_pieces(vocab, texts),
         top_ids=top_ids, top_logprobs=top_lp,
         top_texts=tuple(tuple(vocab.token_text(int(i)) for i in row) for row in top_ids),
         chosen_logprob=chosen.astype(np.float32), logprobs=logprobs,
         primary_top_logprobs=tuple(alternatives), primary_top_ids=tuple(alternative_ids),
         **fields)
+
+
+def _text_pieces(vocab: Vocabulary, texts: Sequence[str]) -> tuple[tuple[int, ...], ...]:
+    """For each position of a completion tokenized as ``texts``: the tokens whose text begins
+    the completion's text from there (:meth:`Vocabulary.pieces_beginning`)."""
+    text = "".join(texts)
+    starts = np.cumsum([0, *(len(piece) for piece in texts)])
+    return tuple(tuple(vocab.pieces_beginning(text[int(start):])) for start in starts[:-1])
 
 
 def unscored(mismatch: TokenizationMismatch, **fields) -> ReferenceScores:

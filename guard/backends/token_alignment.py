@@ -88,6 +88,7 @@ class Vocabulary(abc.ABC):
         return None
 
     _by_text: dict[str, int] | None = None
+    _longest: int = 0  # the longest text in _by_text, in characters
 
     def lookup(self, text: str) -> int | None:
         """The id whose text is ``text`` (built on first use: one decode per id); None for a
@@ -95,14 +96,26 @@ class Vocabulary(abc.ABC):
         of partial characters alike)."""
         if not comparable_text(text):
             return None
+        return self._table().get(text)
+
+    def pieces_beginning(self, text: str) -> list[int]:
+        """The ids of the tokens whose text begins ``text`` (its prefixes that are one token
+        each), shortest first: the tokens a server may have sampled where ``text`` is what it
+        wrote from there on."""
+        table = self._table()
+        found = (table.get(text[:n]) for n in range(1, min(len(text), self._longest) + 1))
+        return [token_id for token_id in found if token_id is not None]
+
+    def _table(self) -> dict[str, int]:
         if self._by_text is None:
             table: dict[str, int] = {}
             for token_id in range(self.size):
                 token_text = self.token_text(token_id)
                 if comparable_text(token_text):
                     table.setdefault(token_text, token_id)
+            self._longest = max(map(len, table), default=0)
             self._by_text = table
-        return self._by_text.get(text)
+        return self._by_text
 
 
 def align_completion(sample: GenerationSample, vocab: Vocabulary,

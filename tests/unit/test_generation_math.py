@@ -416,6 +416,28 @@ def test_a_split_candidate_below_the_best_five_is_seen():
     assert not check_generation(text_only, best_five, SERVER_DEFAULTS["llama.cpp"]).passed
 
 
+def test_a_split_candidate_below_the_best_20_is_found_among_the_texts_pieces():
+    """The transform keeps up to top_k 40 tokens, more than the reference's best 20 name: a
+    healthy llama-server after a token-id prompt wrote "teennine...", which the reference
+    tokenizes "te" "enn" ..., "te" outside the transform, and the server's "teen" kept but
+    below the best 20 (z 24 scored on the canonical split: a false drift). A local scorer
+    names, for a text-only completion, the vocabulary's tokens that begin the text at each
+    position (``text_pieces``): the rule finds the candidate there; without them it fails."""
+    rng = np.random.default_rng(19)
+    logits = rng.normal(0, 1.0, (4, 60))
+    logits[:, 20:45] = 8.0  # 25 tokens ahead of the candidate, all kept
+    logits[:, 5] = 7.0  # "one": kept (e^-1 of the best), 26th
+    logits[:, 7] = -8.0  # "on", the text's canonical first token: outside min_p 0.05
+    logprobs = _log_softmax(logits)
+    scores, text_only = _onethree(logprobs, "one")
+    assert 5 not in scores.top_ids[0]
+    assert not check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"]).passed
+    pieces = replace(scores, text_pieces=((7, 5), (8,), (9,), (5,)))  # "on", "one" at 0
+    check = check_generation(text_only, pieces, SERVER_DEFAULTS["llama.cpp"])
+    assert (check.mode, check.passed, check.tokens, check.out_of_support) == (
+        "sampled", True, 1, 0)
+
+
 def test_a_text_that_parted_before_its_first_token_outside_is_scored_up_to_where_it_parted():
     """A healthy llama-server ran number words together, "three" "three", which the reference
     tokenizes "th" "re" "eth" ...: "th" is inside the transform, "re" (after "th", a context

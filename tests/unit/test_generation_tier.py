@@ -280,6 +280,32 @@ def test_a_noncanonical_split_is_scored_as_the_primary_sampled_it(f16_reference)
     assert scores.token_ids == (vocab.lookup(" Par"), vocab.lookup("is"))
 
 
+def test_a_text_only_completion_names_the_tokens_that_begin_its_text_at_each_position(
+        f16_reference):
+    """For a completion known by its text alone, a local scorer names at each position the
+    vocabulary's tokens whose text begins the text there, shortest first, the canonical token
+    among them (the split rule's candidates beyond the best 20); a completion whose tokens
+    the server said needs none."""
+    vocab = f16_reference.vocab
+    text = "onethree teenninenine"
+    sample = GenerationSample(model="smol", endpoint="completions", prompt=PROMPTS[0],
+                              completion_text=text, tokens=(),
+                              sampling=SamplingParams(temperature=0.7))
+    scores = f16_reference.score(sample)
+    assert scores.scored and len(scores.text_pieces) == len(scores.token_ids)
+    at = 0
+    for token_id, token_text, pieces in zip(scores.token_ids, scores.token_texts,
+                                            scores.text_pieces):
+        assert token_id in pieces
+        texts = [vocab.token_text(i) for i in pieces]
+        assert all(text.startswith(piece, at) for piece in texts)
+        assert [len(piece) for piece in texts] == sorted({len(piece) for piece in texts})
+        at += len(token_text)
+    assert any(vocab.token_text(i) == "one" for i in scores.text_pieces[0])
+    said = replace(sample, tokens=tuple(TokenLogprob(t) for t in scores.token_texts))
+    assert f16_reference.score(said).text_pieces == ()
+
+
 def test_a_character_sampled_in_pieces_is_named_where_it_cannot_be_aligned(f16_reference):
     # "ι" is one token of the vocabulary; a primary that sampled its two bytes as two tokens
     # reports each piece's text as "" (not UTF-8 alone), which names no token. (Seen once in

@@ -417,20 +417,27 @@ def _split_otherwise(sample: GenerationSample, scores: ReferenceScores, transfor
 
 def _kept_candidate(scores: ReferenceScores, transform: Transform, t: int, rest: str,
                     longer_only: bool) -> int | None:
-    """The best of the reference's top candidates at ``t`` that may have stood there
-    (:func:`_may_stand`; ``rest``: the text from ``t`` on) and that the transform keeps;
-    ``longer_only``: only one whose text is longer than the canonical token's. The kept set
-    (a pass over the vocabulary) is computed only for a candidate the text allows."""
-    kept: set[int] | None = None
-    for candidate, candidate_text in zip(scores.top_ids[t], scores.top_texts[t]):
-        if longer_only and len(candidate_text) <= len(scores.token_texts[t]) or \
-                not _may_stand(candidate_text, scores, t, rest):
-            continue
-        if kept is None:
-            kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
-        if int(candidate) in kept:
-            return int(candidate)
-    return None
+    """The most probable token at ``t`` that may have stood there and that the transform
+    keeps, or None: among the reference's top candidates, those :func:`_may_stand` allows, and
+    the vocabulary's tokens whose text begins the text from ``t`` on (``text_pieces``: a kept
+    set holds up to top_k 40 tokens, more than the top 20 say). ``rest``: the text from
+    ``t`` on; ``longer_only``: only tokens whose text is longer than the canonical token's.
+    The kept set (a pass over the vocabulary) is computed only where there is a candidate."""
+    canonical = scores.token_ids[t]
+    shortest = len(scores.token_texts[t]) + 1 if longer_only else 0
+    candidates = {int(c) for c, text in zip(scores.top_ids[t], scores.top_texts[t])
+                  if len(text) >= shortest and _may_stand(text, scores, t, rest)}
+    if scores.text_pieces:
+        pieces = scores.text_pieces[t]  # shortest first: the canonical token among them
+        longer = pieces[pieces.index(canonical) + 1:] if canonical in pieces else ()
+        candidates.update(longer if longer_only else
+                          (piece for piece in pieces if piece != canonical))
+    if not candidates:
+        return None
+    kept = set(int(i) for i in _position(scores, transform, t, 0.0)[1])
+    assert scores.logprobs is not None  # (_split_otherwise: a local scorer's)
+    row = scores.logprobs[t]
+    return max((c for c in candidates if c in kept), key=lambda c: float(row[c]), default=None)
 
 
 def _may_stand(candidate_text: str, scores: ReferenceScores, t: int,
@@ -464,6 +471,7 @@ def _cut_at(scores: ReferenceScores, t: int, candidate: int) -> ReferenceScores:
         scores, token_ids=scores.token_ids[:t] + (candidate,),
         token_texts=scores.token_texts[:t + 1], top_ids=scores.top_ids[:t + 1],
         top_logprobs=scores.top_logprobs[:t + 1], top_texts=scores.top_texts[:t + 1],
+        text_pieces=scores.text_pieces[:t + 1],
         chosen_logprob=np.append(scores.chosen_logprob[:t], chosen),
         logprobs=None if scores.logprobs is None else scores.logprobs[:t + 1],
         logit_offsets=None if scores.logit_offsets is None else scores.logit_offsets[:t + 1])
