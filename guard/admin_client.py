@@ -10,6 +10,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from guard.errors import GuardError
+from guard.protocol.generation import divergent_token_phrase
 from guard.v1 import admin_pb2 as pb
 from guard.v1 import admin_pb2_grpc as pb_grpc
 
@@ -118,8 +119,8 @@ def format_model_status(status: pb.ModelStatus) -> str:
             first = json.loads(g.last_divergence_json)
             top = ", ".join(f"{t!r} {p:.2f}" for t, p in first.get("reference_top", [])[:3])
             lines.append(f"  last divergence: at token {first.get('position')}, after "
-                         f"{first.get('text_before', '')[-40:]!r} the primary wrote "
-                         f"{first.get('primary_token')!r} (reference: {top})")
+                         f"{first.get('text_before', '')[-40:]!r} "
+                         f"{divergent_token_phrase(first)} (reference: {top})")
     lines.append("  requests: " + ", ".join(f"{k}={v}" for k, v in sorted(status.requests.items())))
     lines.append("  mirror:   " + ", ".join(f"{k}={v}" for k, v in sorted(status.mirror.items())))
     if status.outputs_matched:

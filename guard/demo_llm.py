@@ -32,6 +32,7 @@ import yaml
 
 from guard.demo import _free_port, _metric, _scrape, _ServerLog, _stop, default_workdir
 from guard.errors import GuardError, install_hint
+from guard.protocol.generation import divergent_token_phrase
 
 MODEL = "smol"
 MAX_TOKENS = 32
@@ -68,8 +69,8 @@ class _LlmServerLog(_ServerLog):
             if first:
                 top = ", ".join(f"{t!r} {p:.2f}" for t, p in first["reference_top"][:3])
                 print(f"          first divergent token at {first['position']}: after "
-                      f"{first['text_before'][-40:]!r} the primary wrote "
-                      f"{first['primary_token']!r}; the reference expected {top}", flush=True)
+                      f"{first['text_before'][-40:]!r} {divergent_token_phrase(first)}; "
+                      f"the reference expected {top}", flush=True)
             if event.get("suppressed_since_last"):
                 print(f"          ({event['suppressed_since_last']} more failing completions "
                       "since the last report, counted in the metrics)", flush=True)

@@ -333,6 +333,24 @@ _PENALTY_NAMES = ("repetition_penalty", "repeat_penalty", "repeat_last_n")
 _VERSION_4_FIELDS = ("repeat_penalty", "repeat_last_n")
 
 
+def divergent_token_phrase(first: dict[str, Any]) -> str:
+    """How a report names the primary's token at a completion's first divergent token (a
+    ``first_divergence`` object: the verdict's, an event's, a report's): "the primary wrote
+    ' Paris'", or, where the server said its text alone (``split_known`` false), that the
+    text reads so there as the reference splits it, which the server may not have."""
+    before, after = divergent_token_words(first)
+    return f"{before}{first.get('primary_token')!r}{after}"
+
+
+def divergent_token_words(first: dict[str, Any]) -> tuple[str, str]:
+    """:func:`divergent_token_phrase`'s words before and after the token, for a layout that
+    sets the token apart."""
+    if first.get("split_known", True):
+        return "the primary wrote ", ""
+    return "the primary's text reads ", " there (as the reference splits it: the server said " \
+        "no tokens)"
+
+
 def to_dict(sample: GenerationSample) -> dict[str, Any]:
     """A JSON-able dict of ``sample`` (tuples as lists), with the oldest format version that
     holds it (a record an older guard can read, where it needs nothing newer)."""

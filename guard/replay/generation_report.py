@@ -18,6 +18,7 @@ from __future__ import annotations
 import math
 from html import escape
 
+from guard.protocol.generation import divergent_token_phrase, divergent_token_words
 from guard.replay import svg
 from guard.replay.layout import Code, Figure, Heading, Link, Para, Rendered, Table, anchor
 from guard.verify.generation.summary import by_cause
@@ -98,8 +99,9 @@ def generation_layout(g: dict, limits: dict, model_anchor: str) -> list:
         shown = any(f["record"] == first["record"] for f in g.get("flagged", ()))
         record = Link(f"record {first['record']}", target) if shown else \
             f"record {first['record']}"
+        before, after = divergent_token_words(first)
         blocks.append(Para(["First divergent token: ", record, f", position {first['position']}"
-                            ": the primary wrote ", Code(repr(first["primary_token"])),
+                            f": {before}", Code(repr(first["primary_token"])), after,
                             " where the reference's top-5 was ", Code(_top5(first)), "."]))
     blocks.append(Figure(anchor(model_anchor, "kld-position"),
                          _position_svg(g, limits.get("max_mean_kld"))))
@@ -165,7 +167,8 @@ def shaded_html(f: dict) -> str:
     out = f"<div class='completion'>{prompt}{''.join(spans)}</div>"
     if first:
         at = surprise[first["position"]]
-        rows = [("the primary wrote", first["primary_token"],
+        rows = [("the primary wrote" if first.get("split_known", True) else
+                 "the primary's text (as the reference splits it)", first["primary_token"],
                  None if at is None else math.exp(-at))]
         rows += [(f"reference #{k + 1}", t, p) for k, (t, p) in
                  enumerate(first["reference_top"])]
@@ -187,8 +190,8 @@ def plain_text(f: dict) -> str:
     lines.append("completion: " + "".join(f["per_token"]["text"]))
     first = f.get("first_divergence")
     if first:
-        lines.append(f"first divergent token at position {first['position']}: the primary "
-                     f"wrote {first['primary_token']!r}; reference top-5: {_top5(first)}")
+        lines.append(f"first divergent token at position {first['position']}: "
+                     f"{divergent_token_phrase(first)}; reference top-5: {_top5(first)}")
     lines.append("```")
     return "\n".join(lines)
 

@@ -13,11 +13,13 @@ import numpy as np
 import pytest
 
 from guard.backends.scoring import ReferenceScores, largest_k, top_of
-from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+from guard.protocol.generation import (GenerationSample, SamplingParams, TokenLogprob,
+                                      divergent_token_phrase)
 from guard.verify.generation import (
     NEUTRAL,
     NOT_COMPARABLE_CAUSES,
     SERVER_DEFAULTS,
+    GenerationCheck,
     GenerationThresholds,
     ServerDefaults,
     Transform,
@@ -376,7 +378,18 @@ def test_a_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts
         "sampled", False, 6, 1)
     no_prefix = replace(scores, top_texts=tuple(tuple(f"t{i}" for i in row[:5])
                                                 for row in scores.top_ids))
-    assert not check_generation(text_only, no_prefix, SERVER_DEFAULTS["llama.cpp"]).passed
+    failed = check_generation(text_only, no_prefix, SERVER_DEFAULTS["llama.cpp"])
+    assert not failed.passed
+    # The reports say which token the server said, and which is only the reference's split
+    # of a text the server said alone.
+    said, split = whole.first_divergence, failed.first_divergence
+    assert said is not None and split is not None
+    assert said.split_known and not split.split_known
+    assert divergent_token_phrase(said.as_dict()) == "the primary wrote '--'"
+    assert divergent_token_phrase(split.as_dict()).startswith("the primary's text reads '--' "
+                                                              "there (as the reference splits")
+    again = GenerationCheck.from_dict(failed.as_dict()).first_divergence
+    assert again is not None and not again.split_known
 
 
 def _onethree(logprobs: np.ndarray, candidate_text: str

@@ -73,7 +73,7 @@ def _divergence(sample: GenerationSample, scores: ReferenceScores,
     texts = scores.token_texts  # the primary's tokens, aligned (also where it sent only text)
     before = "".join(texts[:position])
     return FirstDivergence(position, before[-_TEXT_BEFORE:], texts[position],
-                           _reference_top(scores, position))
+                           _reference_top(scores, position), split_known=bool(sample.tokens))
 
 
 def _margins(scores: ReferenceScores) -> np.ndarray:

@@ -32,11 +32,16 @@ class FirstDivergence:
     primary_token: str
     reference_top: tuple[tuple[str, float], ...]  # (token text, probability), best first
     record: int | None = None  # set by whoever numbers the samples (replay)
+    # False where the server said its completion's text alone: ``primary_token`` is then the
+    # reference's tokenization of that text there, not a token the server said it sampled
+    # (guard/protocol/generation.py divergent_token_phrase words it so).
+    split_known: bool = True
 
     def as_dict(self) -> dict[str, Any]:
         return {"record": self.record, "position": self.position,
                 "text_before": self.text_before, "primary_token": self.primary_token,
-                "reference_top": [[t, p] for t, p in self.reference_top]}
+                "reference_top": [[t, p] for t, p in self.reference_top],
+                "split_known": self.split_known}
 
 
 @dataclass
@@ -143,7 +148,7 @@ class GenerationCheck:
         values["first_divergence"] = None if not first else FirstDivergence(
             int(first["position"]), str(first["text_before"]), str(first["primary_token"]),
             tuple((str(t), float(p)) for t, p in first.get("reference_top") or ()),
-            first.get("record"))
+            first.get("record"), bool(first.get("split_known", True)))
         values["findings"] = tuple(data.get("findings") or ())
         per_token = data.get("per_token") or {}
 
