@@ -516,8 +516,9 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
         # from normal: a healthy server's 1-token answers failed 1 in 20 on z alone).
         bound = sampled_tail_bound(scores, transform, limits.support_epsilon, total)
         if bound <= math.exp(-0.5 * limits.max_abs_z ** 2):
-            reason = (f"|z| {abs(z):.3g} > max_abs_z {limits.max_abs_z:g} (chance under "
-                      f"agreement <= {bound:.2g})")
+            chance = f"chance under agreement <= {bound:.2g}" if bound > 0.0 else \
+                "out of reach under agreement: a token the transform excludes"
+            reason = f"|z| {abs(z):.3g} > max_abs_z {limits.max_abs_z:g} ({chance})"
     passed = not reason
     ids = np.asarray(scores.token_ids, dtype=np.int64)
     firsts = np.flatnonzero(outside)
