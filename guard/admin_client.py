@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import dataclass
 
@@ -109,9 +110,13 @@ def format_model_status(status: pb.ModelStatus) -> str:
                      f"decides from {w.min_samples})")
     if status.has_generation:
         g = status.generation
-        lines.append(f"  KLD window: {g.completions} of the last {g.window} completions, mean "
-                     f"KLD {g.mean_kld:.4f} nats/token (p99 {g.kld_p99:.4f}), same top-1 "
-                     f"{g.top1_agreement:.1%}; not comparable {g.not_comparable}")
+        kld = (f"{g.completions} of the last {g.window} completions, mean KLD "
+               f"{g.mean_kld:.4f} nats/token (p99 {g.kld_p99:.4f})" if g.completions else
+               "no completion with the primary's logprobs yet (sampled and greedy ones are "
+               "checked without a KLD)")
+        top1 = "n/a" if math.isnan(g.top1_agreement) else f"{g.top1_agreement:.1%}"
+        lines.append(f"  KLD window: {kld}; same top-1 {top1}; not comparable "
+                     f"{g.not_comparable}")
         if g.not_comparable_by_reason:
             lines.append("  never compared, by reason (all processes, since start): " + ", ".join(
                 f"{k}={v}" for k, v in sorted(g.not_comparable_by_reason.items())))

@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -38,6 +39,14 @@ MODEL = "smol"
 MAX_TOKENS = 32
 # Every completion scored: the demo's few calls are all the evidence its detector gets.
 SAMPLE_RATE = 1.0
+
+
+def _figure(name: str, value, spec: str) -> str:
+    """``name value`` for a figure an event carries, "" where it has none (NaN, or absent: a
+    sampled completion has no KLD and no same-top-1)."""
+    if not isinstance(value, (int, float)) or math.isnan(value):
+        return ""
+    return f"{name} {spec.format(value)}"
 
 
 class _LlmServerLog(_ServerLog):
@@ -60,11 +69,13 @@ class _LlmServerLog(_ServerLog):
         name = event.get("event") if event else None
         if name == "generation_divergence":
             self.divergences.append(event)
+            kld, top1 = event.get("mean_kld"), event.get("top1_agreement")
+            figures = ", ".join(shown for shown in (
+                _figure("mean KLD", kld, "{:.3f} nats/token"),
+                _figure("same top-1", top1, "{:.0%}")) if shown)
             print(f"  [guard] completion {event['request_id'][:8]}"
-                  f"{' (probe of the primary)' if event.get('probed') else ''}: mean KLD "
-                  f"{event.get('mean_kld', float('nan')):.3f} nats/token, same top-1 "
-                  f"{event.get('top1_agreement', float('nan')):.0%}: {event['reason']}",
-                  flush=True)
+                  f"{' (probe of the primary)' if event.get('probed') else ''}: "
+                  f"{figures + ': ' if figures else ''}{event['reason']}", flush=True)
             first = event.get("first_divergence")
             if first:
                 top = ", ".join(f"{t!r} {p:.2f}" for t, p in first["reference_top"][:3])

@@ -271,10 +271,12 @@ class KldWindow:
         with self._lock:
             kld = np.asarray(self._kld, dtype=np.float64)
             top1 = np.asarray(self._top1, dtype=np.float64)
+        # NaN where nothing was measured (admin status then says so): a 0 would read as
+        # perfect agreement on a model whose completions are all sampled without logprobs.
         return {"completions": int(kld.size), "window": self.size,
-                "mean_kld": float(kld.mean()) if kld.size else 0.0,
-                "kld_p99": float(np.percentile(kld, 99)) if kld.size else 0.0,
-                "top1_agreement": float(top1.mean()) if top1.size else 0.0,
+                "mean_kld": float(kld.mean()) if kld.size else math.nan,
+                "kld_p99": float(np.percentile(kld, 99)) if kld.size else math.nan,
+                "top1_agreement": float(top1.mean()) if top1.size else math.nan,
                 "not_comparable": self.not_comparable}
 
 

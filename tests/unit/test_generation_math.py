@@ -371,6 +371,8 @@ def test_a_text_the_server_split_otherwise_is_scored_up_to_where_the_split_parts
     check = check_generation(text_only, scores, SERVER_DEFAULTS["llama.cpp"])
     assert (check.mode, check.passed, check.tokens, check.out_of_support) == (
         "sampled", True, 1, 0)
+    # (No same-top-1 for a draw: it compares argmaxes, and the primary's is not known.)
+    assert math.isnan(check.top1_agreement) and check.top1_compared == 0
     with_ids = replace(text_only, tokens=tuple(TokenLogprob(texts.get(int(t), f"t{t}"),
                                                             token_id=int(t)) for t in tokens))
     whole = check_generation(with_ids, scores, SERVER_DEFAULTS["llama.cpp"])

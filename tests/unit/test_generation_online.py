@@ -81,3 +81,29 @@ def test_the_kld_window_keeps_the_last_completions():
     greedy = GenerationCheck(passed=True, mode="greedy", statistic=0.0, top1_agreement=1.0)
     window.add(greedy)  # no KLD without the primary's logprobs: the KLD window keeps its own
     assert window.figures()["completions"] == 3 and not math.isnan(window.figures()["kld_p99"])
+
+
+def test_admin_status_says_when_the_kld_window_has_nothing_yet():
+    """A model whose completions are all sampled without logprobs (or greedy) has no KLD and
+    no same-top-1 from them: the window's figures are NaN, not 0 (which would read as
+    perfect agreement), and admin status says so in words."""
+    from guard.admin_client import format_model_status
+    from guard.v1 import admin_pb2 as pb
+
+    window = KldWindow(100)
+    window.add(GenerationCheck(passed=True, mode="sampled", statistic=0.3, z=0.3, tokens=12))
+    figures = window.figures()
+    assert figures["completions"] == 0
+    assert all(math.isnan(figures[k]) for k in ("mean_kld", "kld_p99", "top1_agreement"))
+    status = pb.ModelStatus(name="smol", route="primary", has_generation=True,
+                            generation=pb.GenerationWindow(**figures))
+    text = format_model_status(status)
+    assert "no completion with the primary's logprobs yet" in text and "nan" not in text
+    assert "same top-1 n/a" in text
+    window.add(GenerationCheck(passed=True, mode="logprobs", statistic=0.01, mean_kld=0.01,
+                               top1_agreement=0.9))
+    text = format_model_status(pb.ModelStatus(name="smol", route="primary",
+                                              has_generation=True,
+                                              generation=pb.GenerationWindow(**window.figures())))
+    assert "1 of the last 100 completions, mean KLD 0.0100" in text
+    assert "same top-1 90.0%" in text

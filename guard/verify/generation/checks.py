@@ -520,12 +520,14 @@ def _sampled(sample: GenerationSample, scores: ReferenceScores, transform: Trans
                 "out of reach under agreement: a token the transform excludes"
             reason = f"|z| {abs(z):.3g} > max_abs_z {limits.max_abs_z:g} ({chance})"
     passed = not reason
-    ids = np.asarray(scores.token_ids, dtype=np.int64)
     firsts = np.flatnonzero(outside)
+    # No same-top-1 here: it compares the two sides' argmaxes, and a sampled token is a draw,
+    # not the primary's argmax (a healthy server at temperature 0.8 draws the reference's
+    # argmax about half the time, which a dashboard beside the logprobs mode's 96% would read
+    # as drift). The draw's evidence is z.
     return GenerationCheck(
-        passed=passed, mode="sampled", tokens=len(ids), statistic=z, z=z, reason=reason,
-        top1_agreement=float(np.mean(scores.top_ids[:, 0] == ids)), top1_compared=len(ids),
-        out_of_support=int(outside.sum()),
+        passed=passed, mode="sampled", tokens=len(scores.token_ids), statistic=z, z=z,
+        reason=reason, out_of_support=int(outside.sum()),
         first_divergence=_divergence(sample, scores, int(firsts[0]) if firsts.size else None))
 
 
