@@ -73,7 +73,17 @@ def summary_rows(g: dict) -> list[tuple[str, str]]:
         ("Mean Δp", _share(g.get("delta_p_mean"))),
         ("RMS Δp", _share(g.get("delta_p_rms"))),
         ("Same top p", _share(g.get("top1_agreement"))),
+        *_sampled_rows(g),
     ]
+
+
+def _sampled_rows(g: dict) -> list[tuple[str, str]]:
+    """The sampled completions' z (no KLD, no same top-1 there), where the run had any."""
+    if not g.get("z_completions"):
+        return []
+    return [("sampled completions (z: about N(0, 1) when they agree)", str(g["z_completions"])),
+            ("Mean z", _nats(g.get("z_mean"))), ("SD of z", _nats(g.get("z_sd"))),
+            ("Pooled z (sum / sqrt(n))", _nats(g.get("z_pooled")))]
 
 
 def _top5(first: dict) -> str:

@@ -179,8 +179,10 @@ def _figures_line(m: dict) -> str:
     if g is not None and "mean_kld" in g:
         kld = "-" if g["mean_kld"] is None else f"{g['mean_kld']:.3g}"
         top1 = "-" if g["top1_agreement"] is None else f"{g['top1_agreement']:.1%}"
+        pooled = "" if g.get("z_pooled") is None else \
+            f", pooled z {g['z_pooled']:.3g} over {g['z_completions']} sampled"
         return (f"generation {g['passed']}/{g['checks']} pass, mean KLD {kld} nats, "
-                f"same top-1 {top1}")
+                f"same top-1 {top1}{pooled}")
     t = m["tiers"]["tensor"]
     return f"tensor {t['passed']}/{t['checks']} pass, max abs error {t['max_abs_error']:.3g}"
 

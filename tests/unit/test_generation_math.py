@@ -1064,3 +1064,27 @@ def test_summary_weighs_every_token_and_names_the_first_divergent_record():
     assert summary["top1_agreement"] == 0.0
     assert (summary["first_divergence"]["record"], summary["first_divergence"]["position"]) \
         == (7, 0)
+
+
+def test_the_summary_gives_the_sampled_completions_z():
+    """Sampled completions have no KLD and no same top-1: the summary (the report's
+    tiers.generation block) gives their z instead, mean, standard deviation and pooled
+    (sum / sqrt(n): about N(0, 1) over healthy completions), and the report shows them."""
+    from guard.replay.generation_report import summary_rows
+    from guard.verify.generation import summarize
+
+    zs = (0.5, -1.0, 2.0, 0.1)
+    checks = [GenerationCheck(passed=True, mode="sampled", statistic=z, z=z, tokens=8)
+              for z in zs]
+    checks.append(GenerationCheck(passed=True, mode="greedy", statistic=0.0, tokens=8,
+                                  top1_agreement=1.0, top1_compared=8))
+    summary = summarize(checks)
+    assert summary["z_completions"] == 4 and summary["top1_agreement"] == 1.0
+    assert math.isclose(summary["z_mean"], np.mean(zs))
+    assert math.isclose(summary["z_sd"], np.std(zs))
+    assert math.isclose(summary["z_pooled"], sum(zs) / 2.0)
+    rows = dict(summary_rows(summary))
+    assert rows["Pooled z (sum / sqrt(n))"] == "0.8"
+    none = summarize(checks[-1:])
+    assert none["z_completions"] == 0 and none["z_pooled"] is None
+    assert "Mean z" not in dict(summary_rows(none))

@@ -54,7 +54,9 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
     token (not a mean of means), and the first divergence of the first completion that had
     one (``records`` numbers the completions; their positions in ``checks`` otherwise).
     Beside the contract's fields, llama-perplexity's summary: KLD p99.9, median and maximum,
-    mean Δp, and the perplexities (:func:`perplexities`)."""
+    mean Δp, and the perplexities (:func:`perplexities`); and the sampled completions' z
+    (mean, standard deviation, pooled: the sum over the square root of their number; 0, 1
+    and about N(0, 1) when the primary samples the reference's distribution)."""
     scored = [c for c in checks if c.comparable]
     counted = [c for c in checks if c.comparable or c.mode == "tokenization_mismatch"]
     kld = _joined(c.per_token_kld for c in scored)
@@ -63,6 +65,9 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
     reverse = _joined(c.per_token_kld_reverse for c in scored)
     compared = sum(c.top1_compared for c in scored)
     agreeing = sum(c.top1_agreement * c.top1_compared for c in scored if c.top1_compared)
+    # The sampled mode's figure (no KLD there, and no same top-1): each completion's z is
+    # about N(0, 1) when the primary samples the reference's distribution.
+    zs = np.array([c.z for c in scored if c.mode == "sampled" and not math.isnan(c.z)])
     first = None
     for index, check in enumerate(checks):
         if check.first_divergence is not None:
@@ -93,6 +98,10 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
         "top1_agreement": agreeing / compared if compared else None,
         "delta_p_rms": float(np.sqrt(np.mean(delta ** 2))) if delta.size else None,
         "delta_p_mean": float(delta.mean()) if delta.size else None,
+        "z_completions": int(zs.size),
+        "z_mean": float(zs.mean()) if zs.size else None,
+        "z_sd": float(zs.std()) if zs.size > 1 else None,
+        "z_pooled": float(zs.sum() / math.sqrt(zs.size)) if zs.size else None,
         **perplexities(scored),
         "first_divergence": first,
     }
