@@ -117,6 +117,10 @@ def format_model_status(status: pb.ModelStatus) -> str:
         top1 = "n/a" if math.isnan(g.top1_agreement) else f"{g.top1_agreement:.1%}"
         lines.append(f"  KLD window: {kld}; same top-1 {top1}; not comparable "
                      f"{g.not_comparable}")
+        if g.sampled_completions:
+            lines.append(f"  sampled without logprobs: {g.sampled_completions} of the last "
+                         f"{g.window}, pooled z {g.z_pooled:.2f} (about N(0, 1) while they "
+                         "agree)")
         if g.not_comparable_by_reason:
             lines.append("  never compared, by reason (all processes, since start): " + ", ".join(
                 f"{k}={v}" for k, v in sorted(g.not_comparable_by_reason.items())))

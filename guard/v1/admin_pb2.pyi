@@ -93,7 +93,7 @@ class BackendStatus(_message.Message):
     def __init__(self, role: _Optional[str] = ..., backend: _Optional[str] = ..., precision: _Optional[str] = ..., device: _Optional[str] = ..., artifact: _Optional[str] = ...) -> None: ...
 
 class GenerationWindow(_message.Message):
-    __slots__ = ("completions", "window", "mean_kld", "kld_p99", "top1_agreement", "not_comparable", "last_divergence_json", "not_comparable_by_reason")
+    __slots__ = ("completions", "window", "mean_kld", "kld_p99", "top1_agreement", "not_comparable", "last_divergence_json", "not_comparable_by_reason", "sampled_completions", "z_pooled")
     class NotComparableByReasonEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -109,6 +109,8 @@ class GenerationWindow(_message.Message):
     NOT_COMPARABLE_FIELD_NUMBER: _ClassVar[int]
     LAST_DIVERGENCE_JSON_FIELD_NUMBER: _ClassVar[int]
     NOT_COMPARABLE_BY_REASON_FIELD_NUMBER: _ClassVar[int]
+    SAMPLED_COMPLETIONS_FIELD_NUMBER: _ClassVar[int]
+    Z_POOLED_FIELD_NUMBER: _ClassVar[int]
     completions: int
     window: int
     mean_kld: float
@@ -117,7 +119,9 @@ class GenerationWindow(_message.Message):
     not_comparable: int
     last_divergence_json: str
     not_comparable_by_reason: _containers.ScalarMap[str, int]
-    def __init__(self, completions: _Optional[int] = ..., window: _Optional[int] = ..., mean_kld: _Optional[float] = ..., kld_p99: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., not_comparable: _Optional[int] = ..., last_divergence_json: _Optional[str] = ..., not_comparable_by_reason: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    sampled_completions: int
+    z_pooled: float
+    def __init__(self, completions: _Optional[int] = ..., window: _Optional[int] = ..., mean_kld: _Optional[float] = ..., kld_p99: _Optional[float] = ..., top1_agreement: _Optional[float] = ..., not_comparable: _Optional[int] = ..., last_divergence_json: _Optional[str] = ..., not_comparable_by_reason: _Optional[_Mapping[str, int]] = ..., sampled_completions: _Optional[int] = ..., z_pooled: _Optional[float] = ...) -> None: ...
 
 class ModelStatus(_message.Message):
     __slots__ = ("name", "route", "override", "action", "windows", "last_transition", "has_last_transition", "backends", "mirror", "requests", "probing", "ops_kept_back", "repairing", "outputs_matched", "generation", "has_generation", "tier_actions")

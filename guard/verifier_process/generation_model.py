@@ -253,6 +253,7 @@ class KldWindow:
     def __init__(self, size: int):
         self._kld: deque[float] = deque(maxlen=size)
         self._top1: deque[float] = deque(maxlen=size)
+        self._z: deque[float] = deque(maxlen=size)  # the sampled completions' (no KLD there)
         self.size = size
         self.not_comparable = 0
         self.last_divergence: dict | None = None
@@ -264,6 +265,8 @@ class KldWindow:
                 self._kld.append(check.mean_kld)
             if not math.isnan(check.top1_agreement):
                 self._top1.append(check.top1_agreement)
+            if check.mode == "sampled" and not math.isnan(check.z):
+                self._z.append(check.z)
             if check.first_divergence is not None and not check.passed:
                 self.last_divergence = check.first_divergence.as_dict()
 
@@ -271,12 +274,15 @@ class KldWindow:
         with self._lock:
             kld = np.asarray(self._kld, dtype=np.float64)
             top1 = np.asarray(self._top1, dtype=np.float64)
+            z = np.asarray(self._z, dtype=np.float64)
         # NaN where nothing was measured (admin status then says so): a 0 would read as
         # perfect agreement on a model whose completions are all sampled without logprobs.
         return {"completions": int(kld.size), "window": self.size,
                 "mean_kld": float(kld.mean()) if kld.size else math.nan,
                 "kld_p99": float(np.percentile(kld, 99)) if kld.size else math.nan,
                 "top1_agreement": float(top1.mean()) if top1.size else math.nan,
+                "sampled_completions": int(z.size),
+                "z_pooled": float(z.sum() / math.sqrt(z.size)) if z.size else math.nan,
                 "not_comparable": self.not_comparable}
 
 

@@ -49,6 +49,7 @@ def model_status(model) -> pb.ModelStatus:
             completions=figures["completions"], window=figures["window"],
             mean_kld=figures["mean_kld"], kld_p99=figures["kld_p99"],
             top1_agreement=figures["top1_agreement"], not_comparable=figures["not_comparable"],
+            sampled_completions=figures["sampled_completions"], z_pooled=figures["z_pooled"],
             last_divergence_json=json.dumps(window.last_divergence, ensure_ascii=False)
             if window.last_divergence else ""))
     return status

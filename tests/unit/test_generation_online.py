@@ -86,7 +86,8 @@ def test_the_kld_window_keeps_the_last_completions():
 def test_admin_status_says_when_the_kld_window_has_nothing_yet():
     """A model whose completions are all sampled without logprobs (or greedy) has no KLD and
     no same-top-1 from them: the window's figures are NaN, not 0 (which would read as
-    perfect agreement), and admin status says so in words."""
+    perfect agreement), and admin status says so in words, with the sampled completions' z
+    pooled instead."""
     from guard.admin_client import format_model_status
     from guard.v1 import admin_pb2 as pb
 
@@ -100,6 +101,8 @@ def test_admin_status_says_when_the_kld_window_has_nothing_yet():
     text = format_model_status(status)
     assert "no completion with the primary's logprobs yet" in text and "nan" not in text
     assert "same top-1 n/a" in text
+    # The sampled completion's own figure: its z, pooled over the window.
+    assert "sampled without logprobs: 1 of the last 100, pooled z 0.30" in text
     window.add(GenerationCheck(passed=True, mode="logprobs", statistic=0.01, mean_kld=0.01,
                                top1_agreement=0.9))
     text = format_model_status(pb.ModelStatus(name="smol", route="primary",
