@@ -24,6 +24,10 @@ ERROR_BUCKETS = tuple(10 ** (e / 2) for e in range(-16, 5))  # 1e-8 ... 1e2
 KLD_BUCKETS = tuple(10 ** (e / 2) for e in range(-10, 3))  # 1e-5 ... 10
 SHARE_BUCKETS = (0.0, 0.25, 0.5, 0.6, 0.7, 0.8, 0.85, 0.9, 0.95, 0.98, 0.99, 1.0)
 POSITION_BUCKETS = tuple(2 ** e for e in range(11))  # 1 ... 1024 (0-based position + 1)
+# A sampled completion's z: about N(0, 1) while it agrees; the check fails beyond |4|. (With
+# negative buckets prometheus_client exposes no _sum, as OpenMetrics has it: dashboards read
+# quantiles.)
+Z_BUCKETS = (-8.0, -6.0, -4.0, -3.0, -2.0, -1.0, 0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0)
 # LLM calls: a first token from 5 ms (a small model, warm) to a minute (a long prompt queued);
 # the gaps between tokens from 0.5 ms (a fast GPU server) to 10 s (a stall).
 TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -137,6 +141,12 @@ class GuardMetrics:
             "guard_generation_top1_agreement", "Share of a compared completion's positions "
             "whose top-1 token agrees with the reference's.", ["model"],
             buckets=SHARE_BUCKETS, registry=r,
+        )
+        self.generation_sampled_z = Histogram(
+            "guard_generation_sampled_z", "z of a compared completion sampled without logprobs "
+            "(no KLD and no same top-1 there): about N(0, 1) while the primary samples the "
+            "reference's distribution; positive: more surprising to the reference than "
+            "agreement allows.", ["model"], buckets=Z_BUCKETS, registry=r,
         )
         self.generation_first_divergence = Histogram(
             "guard_generation_first_divergence_position", "Position (1-based) of a failing "
@@ -287,6 +297,7 @@ class GuardMetrics:
         """A generation model's own series at zero (besides ``declare_model``'s)."""
         self.generation_kld.labels(model)
         self.generation_top1_agreement.labels(model)
+        self.generation_sampled_z.labels(model)
         self.generation_first_divergence.labels(model)
         for direction in ("for", "against"):  # both, so that "for" minus "against" always exists
             self.detector_evidence.labels(model, "generation", direction)

@@ -331,6 +331,7 @@ class VerifiedGenerationModel(VerifiedModel):
                         for tier in tiers for r in ("pass", "fail")}
         self._kld = metrics.generation_kld.labels(self.name)
         self._top1 = metrics.generation_top1_agreement.labels(self.name)
+        self._sampled_z = metrics.generation_sampled_z.labels(self.name)
         self._divergence = metrics.generation_first_divergence.labels(self.name)
         self._not_comparable = metrics.mirror.labels(self.name, "not_comparable")
         self._fleet_evidence = {d: metrics.detector_evidence.labels(self.name, TIER, d)
@@ -489,6 +490,8 @@ class VerifiedGenerationModel(VerifiedModel):
             self._kld.observe(check.mean_kld)
         if not math.isnan(check.top1_agreement):
             self._top1.observe(check.top1_agreement)
+        if check.mode == "sampled" and not math.isnan(check.z):
+            self._sampled_z.observe(check.z)
         self.window.add(check)
         self._checks[TIER, "pass" if check.passed else "fail"].inc()
         if not check.passed:

@@ -416,6 +416,9 @@ def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_co
 
         assert counted("declared", "compared") == calls
         assert checks(server, "declared", "pass") == calls
+        # Sampled without logprobs: each completion's z in its histogram, no same top-1.
+        assert metric(values, "guard_generation_sampled_z_count", model="declared") == calls
+        assert metric(values, "guard_generation_top1_agreement_count", model="declared") == 0
         assert counted("undeclared", "not_comparable") == calls
         assert counted("undeclared", "compared") == 0
         assert metric(values, "guard_generation_not_comparable_total", model="undeclared",
