@@ -59,18 +59,23 @@ class KServeServer(ServerProcess):
     def __init__(self, folder: Path, models: dict[str, Path]):
         self.folder = folder
         self.models = models
-        self.port = free_port()
-        self.http_port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
+        self.pick_ports()
         self.log_path = folder / "kserve.log"
         self.process: subprocess.Popen | None = None
 
+    def pick_ports(self) -> None:
+        self.port = free_port()
+        self.http_port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
+
     def start(self, timeout: float = 180.0) -> None:
-        command = [str(kserve_home() / "bin" / "python"), str(SCRIPT),
-                   f"--grpc_port={self.port}", f"--http_port={self.http_port}"]
-        command += [f"--model={name}={path}" for name, path in self.models.items()]
+        def command() -> list[str]:
+            return [str(kserve_home() / "bin" / "python"), str(SCRIPT),
+                    f"--grpc_port={self.port}", f"--http_port={self.http_port}",
+                    *(f"--model={name}={path}" for name, path in self.models.items())]
+
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "PYTHONHOME")}
-        self.launch(command, env, timeout)
+        self.launch_on_free_ports(command, env, timeout)
 
     def stop(self) -> None:
         if self.process is None:

@@ -1,6 +1,11 @@
 """What the tests' model-server fixtures (tests/triton_server.py, tests/kserve_server.py) share:
 a server as a child process in its own process group, its log in a file, and a start that
-returns once every model is ready on the gRPC port (or raises with the log's tail)."""
+returns once every model is ready on the gRPC port (or raises with the log's tail).
+
+A port from :func:`free_port` is free when picked, not when the server binds it: another test
+beside it (xdist workers, the servers they start) may take it in between, and the server then
+exits at start ("Address already in use"; seen once in CI for tritonserver). ``start`` picks
+new ports and launches again then (:meth:`ServerProcess.launch_on_free_ports`)."""
 
 from __future__ import annotations
 
@@ -21,9 +26,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# What a server's log says where its port was taken between free_port() and its bind.
+PORT_TAKEN = "already in use"
+PORT_ATTEMPTS = 3
+
+
+class PortTaken(RuntimeError):
+    """The server exited at start because another process had taken its port."""
+
+
 class ServerProcess:
     """Subclasses set ``label`` (for messages), ``models`` (names to wait for), ``target``
-    (host:port of the gRPC endpoint), ``log_path`` and ``folder``, and call ``launch``."""
+    (host:port of the gRPC endpoint), ``log_path`` and ``folder``, define ``pick_ports`` (new
+    free ports, ``target`` with them) and call ``launch_on_free_ports``."""
 
     label = "the model server"
     models: dict
@@ -31,6 +46,20 @@ class ServerProcess:
     log_path: Path
     folder: Path
     process: subprocess.Popen | None = None
+
+    def pick_ports(self) -> None:
+        raise NotImplementedError
+
+    def launch_on_free_ports(self, command, env: dict[str, str], timeout: float) -> None:
+        """``launch(command(), ...)``, on new ports (``pick_ports``) where the server lost the
+        ones it was given to another process before it bound them."""
+        for attempt in range(PORT_ATTEMPTS):
+            try:
+                return self.launch(command(), env, timeout)
+            except PortTaken:
+                if attempt == PORT_ATTEMPTS - 1:
+                    raise
+                self.pick_ports()
 
     def launch(self, command: list[str], env: dict[str, str], timeout: float) -> None:
         self._log = self.log_path.open("w")
@@ -42,8 +71,11 @@ class ServerProcess:
         try:
             while True:
                 if self.process.poll() is not None:
-                    raise RuntimeError(f"{self.label} exited with {self.process.returncode} "
-                                       f"at start:\n{self.log_tail()}")
+                    self._log.close()
+                    tail = self.log_tail()
+                    error = PortTaken if PORT_TAKEN in tail else RuntimeError
+                    raise error(f"{self.label} exited with {self.process.returncode} at "
+                                f"start:\n{tail}")
                 try:
                     if all(client.is_model_ready(name) for name in self.models):
                         return

@@ -107,8 +107,7 @@ class TritonServer(ServerProcess):
     def __init__(self, folder: Path, models: dict[str, tuple[Path, list, list]]):
         self.folder = folder
         self.models = models
-        self.port = free_port()
-        self.target = f"127.0.0.1:{self.port}"
+        self.pick_ports()
         self.log_path = folder / "tritonserver.log"
         self.process: subprocess.Popen | None = None
         # The Python backend's shared-memory regions (/dev/shm/<prefix>...): named per server,
@@ -116,6 +115,10 @@ class TritonServer(ServerProcess):
         self.shm_prefix = f"guard_tests_triton_{uuid.uuid4().hex[:12]}_"
         self._write_repository()
         self._backends = self._write_backends()
+
+    def pick_ports(self) -> None:
+        self.port = free_port()
+        self.target = f"127.0.0.1:{self.port}"
 
     def _write_repository(self) -> None:
         self.repository = self.folder / "models"
@@ -147,12 +150,12 @@ class TritonServer(ServerProcess):
 
     def start(self, timeout: float = 180.0) -> None:
         binary = triton_home() / "pytriton" / "tritonserver" / "bin" / "tritonserver"
-        self.launch(
-            [str(binary), f"--model-repository={self.repository}",
-             f"--backend-directory={self._backends}", "--model-control-mode=explicit",
-             "--load-model=*", "--allow-http=false", "--allow-metrics=false",
-             "--grpc-address=127.0.0.1", f"--grpc-port={self.port}", "--exit-timeout-secs=5",
-             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"],
+        self.launch_on_free_ports(lambda: [
+            str(binary), f"--model-repository={self.repository}",
+            f"--backend-directory={self._backends}", "--model-control-mode=explicit",
+            "--load-model=*", "--allow-http=false", "--allow-metrics=false",
+            "--grpc-address=127.0.0.1", f"--grpc-port={self.port}", "--exit-timeout-secs=5",
+            f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}"],
             self.environment(), timeout)
 
     def stop(self) -> None:
