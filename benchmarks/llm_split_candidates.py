@@ -37,7 +37,6 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
@@ -62,15 +61,16 @@ LABELS = {"best_five": "best five", "best_20": "best 20",
           "best_20_and_pieces": "best 20 and the text's pieces"}
 
 
-def both_ways(sample, scores, defaults) -> dict:
+def each_way(sample, scores, defaults) -> dict:
+    """The check of ``sample`` as the rule sees ``scores`` each way (WAYS)."""
     from guard.verify.generation import check_generation
 
-    return {name: check_generation(sample, s, defaults)
-            for name, s in ((name, view(scores)) for name, view in WAYS.items())}
+    return {name: check_generation(sample, view(scores), defaults)
+            for name, view in WAYS.items()}
 
 
 def healthy_pair(folder: Path, calls: int) -> dict:
-    """Part 1: captured calls to a healthy llama-server, checked both ways."""
+    """Part 1: captured calls to a healthy llama-server, checked each way."""
     from guard.backends import create_backend
     from guard.capture.reader import FileStats, expand_paths, read_records
     from guard.capture.records import generation_calls
@@ -108,7 +108,7 @@ def healthy_pair(folder: Path, calls: int) -> dict:
             if not scores.scored:
                 continue
             checked += 1
-            for name, check in both_ways(call, scores, defaults).items():
+            for name, check in each_way(call, scores, defaults).items():
                 if not check.passed:
                     failed[name].append(call.completion_text[:40])
     reference.close()
@@ -118,12 +118,12 @@ def healthy_pair(folder: Path, calls: int) -> dict:
 
 
 def detection(completions: int, tokens: int = 64) -> dict:
-    """Part 2: text-only sampled completions of each rung, checked both ways."""
+    """Part 2: text-only sampled completions of each rung, checked each way."""
     from guard.backends import create_backend
     from guard.backends.llama_cpp import open_llama
     from guard.config.backend import BackendConfig
     from guard.protocol.generation import SamplingParams
-    from guard.verify.generation import SERVER_DEFAULTS
+    from guard.verify.generation import SERVER_DEFAULTS, pooled_z
     from guard.zoo import llm as smol
 
     ladder = smol.quant_ladder(RUNGS)
@@ -140,14 +140,13 @@ def detection(completions: int, tokens: int = 64) -> dict:
                                           SamplingParams(), seed=1000 + i), tokens=())
             scores = reference.score(sample)
             if scores.scored:
-                for name, check in both_ways(sample, scores, defaults).items():
+                for name, check in each_way(sample, scores, defaults).items():
                     checks[name].append(check)
         primary.close()
         out[rung] = {name: {"completions": len(found),
                             "passed": sum(c.passed for c in found),
                             "tokens_scored": sum(c.tokens for c in found),
-                            "pooled_z": float(np.sum([c.statistic for c in found])
-                                              / np.sqrt(max(len(found), 1)))}
+                            "pooled_z": pooled_z([c.statistic for c in found])}
                      for name, found in checks.items()}
         bench.log(f"{rung}: {out[rung]}")
     reference.close()

@@ -9,6 +9,7 @@ new ports and launches again then (:meth:`ServerProcess.launch_on_free_ports`)."
 
 from __future__ import annotations
 
+import abc
 import os
 import signal
 import socket
@@ -35,7 +36,7 @@ class PortTaken(RuntimeError):
     """The server exited at start because another process had taken its port."""
 
 
-class ServerProcess:
+class ServerProcess(abc.ABC):
     """Subclasses set ``label`` (for messages), ``models`` (names to wait for), ``target``
     (host:port of the gRPC endpoint), ``log_path`` and ``folder``, define ``pick_ports`` (new
     free ports, ``target`` with them) and call ``launch_on_free_ports``."""
@@ -47,8 +48,9 @@ class ServerProcess:
     folder: Path
     process: subprocess.Popen | None = None
 
+    @abc.abstractmethod
     def pick_ports(self) -> None:
-        raise NotImplementedError
+        """New free ports for the server, and ``target`` with them."""
 
     def launch_on_free_ports(self, command, env: dict[str, str], timeout: float) -> None:
         """``launch(command(), ...)``, on new ports (``pick_ports``) where the server lost the

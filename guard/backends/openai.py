@@ -234,13 +234,13 @@ class OpenAIOptions(_Strict):
         (``probe_streamed_tool_chats``, where the prompt's ids are asked too)."""
         return self.probe_streamed_tool_chats and self.asks_prompt_ids
 
-    def refuses_logprobs(self, streamed: bool, defines_tools: bool) -> bool:
+    def refuses_logprobs(self, shape: CallShape) -> bool:
         """The server answers 400 to logprobs on such a call: llama-server refuses them on a
         streamed chat whose body lists tools ("logprobs is not supported with tools +
         stream"; earlier tool turns alone it takes). guard adds none there
         (options.sample_logprobs): such a call costs no refused round trip, not even the
         first one an undeclared engine's calls of that shape cost."""
-        return self.engine == "llama.cpp" and streamed and defines_tools
+        return self.engine == "llama.cpp" and shape.streamed and shape.tools
 
     @model_validator(mode="after")
     def _generation_config_is_readable(self) -> "OpenAIOptions":

@@ -26,8 +26,8 @@ from guard.backends.openai import (REFUSALS, OpenAIOptions, UpstreamStatus, auth
 from guard.errors import BackendError
 from guard.observe.events import emit
 from guard.protocol.generation import GenerationSample
-from guard.protocol.openai import (CallShape, Completion, build_sample, gather, parse_request,
-                                   unusable)
+from guard.protocol.openai import (CallShape, Completion, build_sample, gather, lists_tools,
+                                   parse_request, unusable)
 
 PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 PROBE_TOP_LOGPROBS = 5  # alternatives per token the probe asks for (the KL's top-k)
@@ -123,9 +123,8 @@ class PrimaryProbe:
         call as the edge remembers it. Otherwise no probe ever succeeded, and a fallback would
         never route back."""
         # (A probe is never streamed; the tools it lists are the client's.)
-        tool_request = sample.tool_request or {}
-        shape = CallShape(sample.endpoint, False, sample.endpoint == "chat" and bool(
-            tool_request.get("tools") or tool_request.get("functions")))
+        shape = CallShape(sample.endpoint, False,
+                          lists_tools(sample.endpoint, sample.tool_request or {}))
         additions = shape not in self.refused
         try:
             data, answer = self._ask(sample, additions)

@@ -177,8 +177,7 @@ def shaded_html(f: dict) -> str:
     out = f"<div class='completion'>{prompt}{''.join(spans)}</div>"
     if first:
         at = surprise[first["position"]]
-        rows = [("the primary wrote" if first.get("split_known", True) else
-                 "the primary's text (as the reference splits it)", first["primary_token"],
+        rows = [(divergent_token_words(first)[0].strip(), first["primary_token"],
                  None if at is None else math.exp(-at))]
         rows += [(f"reference #{k + 1}", t, p) for k, (t, p) in
                  enumerate(first["reference_top"])]

@@ -421,7 +421,7 @@ class _Forward(_Upstream):
             call.shape not in backend.refused_additions
         top = backend.options.sample_logprobs
         self.guard_logprobs = bool(adds and top and not call.asked_logprobs) and \
-            not backend.options.refuses_logprobs(call.stream, call.defines_tools)
+            not backend.options.refuses_logprobs(call.shape)
         # (Not on an echo call: vLLM then leaves the echoed prompt out of the answer's text.)
         self.guard_token_ids = (adds and backend.options.sample_token_ids
                                 and not call.asked_token_ids and not call.echo)

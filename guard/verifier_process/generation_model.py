@@ -62,6 +62,7 @@ from guard.policy.route import RoutePolicy
 from guard.protocol.generation import GenerationSample, rendered_as_served
 from guard.verifier_process.mirror import Mirror, MirrorSample, _Abandoned
 from guard.verifier_process.model import VerifiedModel
+from guard.verify.generation.summary import pooled_z
 from guard.verify.pipeline import Comparator
 
 if TYPE_CHECKING:
@@ -265,8 +266,8 @@ class KldWindow:
                 self._kld.append(check.mean_kld)
             if not math.isnan(check.top1_agreement):
                 self._top1.append(check.top1_agreement)
-            if check.mode == "sampled" and not math.isnan(check.z):
-                self._z.append(check.z)
+            if check.sampled_z is not None:
+                self._z.append(check.sampled_z)
             if check.first_divergence is not None and not check.passed:
                 self.last_divergence = check.first_divergence.as_dict()
 
@@ -274,15 +275,14 @@ class KldWindow:
         with self._lock:
             kld = np.asarray(self._kld, dtype=np.float64)
             top1 = np.asarray(self._top1, dtype=np.float64)
-            z = np.asarray(self._z, dtype=np.float64)
+            z = tuple(self._z)
         # NaN where nothing was measured (admin status then says so): a 0 would read as
         # perfect agreement on a model whose completions are all sampled without logprobs.
         return {"completions": int(kld.size), "window": self.size,
                 "mean_kld": float(kld.mean()) if kld.size else math.nan,
                 "kld_p99": float(np.percentile(kld, 99)) if kld.size else math.nan,
                 "top1_agreement": float(top1.mean()) if top1.size else math.nan,
-                "sampled_completions": int(z.size),
-                "z_pooled": float(z.sum() / math.sqrt(z.size)) if z.size else math.nan,
+                "sampled_completions": len(z), "z_pooled": pooled_z(z),
                 "not_comparable": self.not_comparable}
 
 
@@ -490,8 +490,8 @@ class VerifiedGenerationModel(VerifiedModel):
             self._kld.observe(check.mean_kld)
         if not math.isnan(check.top1_agreement):
             self._top1.observe(check.top1_agreement)
-        if check.mode == "sampled" and not math.isnan(check.z):
-            self._sampled_z.observe(check.z)
+        if check.sampled_z is not None:
+            self._sampled_z.observe(check.sampled_z)
         self.window.add(check)
         self._checks[TIER, "pass" if check.passed else "fail"].inc()
         if not check.passed:

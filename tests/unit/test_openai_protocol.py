@@ -659,10 +659,11 @@ def test_llama_server_is_asked_no_logprobs_on_a_streamed_tool_chat_and_its_promp
     from guard.backends.openai import OpenAIOptions
 
     llama = OpenAIOptions(engine="llama.cpp")
-    assert llama.refuses_logprobs(streamed=True, defines_tools=True)
-    assert not llama.refuses_logprobs(streamed=False, defines_tools=True)
-    assert not llama.refuses_logprobs(streamed=True, defines_tools=False)
-    assert not OpenAIOptions(engine="vllm").refuses_logprobs(streamed=True, defines_tools=True)
+    assert llama.refuses_logprobs(api.CallShape("chat", streamed=True, tools=True))
+    assert not llama.refuses_logprobs(api.CallShape("chat", streamed=False, tools=True))
+    assert not llama.refuses_logprobs(api.CallShape("chat", streamed=True, tools=False))
+    assert not OpenAIOptions(engine="vllm").refuses_logprobs(
+        api.CallShape("chat", streamed=True, tools=True))
     assert llama.asks_prompt_ids
     assert not OpenAIOptions(engine="llama.cpp", tokenize_prompts=False).asks_prompt_ids
     assert not OpenAIOptions(engine="vllm").asks_prompt_ids

@@ -24,6 +24,12 @@ class BadRequest(ValueError):
     """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why."""
 
 
+def lists_tools(endpoint: Call, body: dict[str, Any]) -> bool:
+    """A chat whose body lists tool definitions (``tools``, the older ``functions``), not only
+    earlier tool turns: what llama-server refuses logprobs on when streamed."""
+    return endpoint == "chat" and bool(body.get("tools") or body.get("functions"))
+
+
 @dataclass(frozen=True)
 class CallShape:
     """The shape of a call, as servers tell their refusals apart: a server may take guard's
@@ -33,7 +39,7 @@ class CallShape:
 
     endpoint: Call
     streamed: bool
-    tools: bool  # a chat that lists tool definitions (ParsedCall.defines_tools)
+    tools: bool  # a chat that lists tool definitions (lists_tools)
 
     def describe(self) -> str:
         """``chat, streamed, with tools``: the shape as the event ``openai_additions_refused``
@@ -70,10 +76,8 @@ class ParsedCall:
 
     @property
     def defines_tools(self) -> bool:
-        """A chat whose body lists tool definitions (``tools``, the older ``functions``), not
-        only earlier tool turns: what llama-server refuses logprobs on when streamed."""
-        return self.endpoint == "chat" and bool(self.body.get("tools") or
-                                                self.body.get("functions"))
+        """A chat whose body lists tool definitions (:func:`lists_tools`)."""
+        return lists_tools(self.endpoint, self.body)
 
     @property
     def shape(self) -> CallShape:

@@ -95,6 +95,7 @@ from guard.verify.generation.summary import (
     MAX_FLAGGED,
     by_position,
     perplexities,
+    pooled_z,
     summarize,
 )
 
@@ -212,6 +213,7 @@ __all__ = [
     "sampled_tail_bound",
     "sampled_terms",
     "server_defaults",
+    "pooled_z",
     "summarize",
     "thresholds_of",
     "transformed",

@@ -59,7 +59,6 @@ BOUNDARY_SLACK = 0.1
 REPORTED_TOP = 5
 
 
-
 def _reference_top(scores: ReferenceScores, t: int) -> tuple[tuple[str, float], ...]:
     """The reference's REPORTED_TOP best tokens at ``t`` with their probabilities."""
     return tuple((text, float(math.exp(lp))) for text, lp in

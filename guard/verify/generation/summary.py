@@ -46,6 +46,12 @@ def perplexities(checks: Sequence[GenerationCheck]) -> dict[str, float | None]:
             "ppl_tokens": int(nll_primary.size)}
 
 
+def pooled_z(zs: Sequence[float]) -> float:
+    """Completions' z pooled: their sum over the square root of their number, about N(0, 1)
+    while the primary samples the reference's distribution (NaN for none)."""
+    return float(np.sum(zs) / math.sqrt(len(zs))) if len(zs) else math.nan
+
+
 def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None = None
               ) -> dict[str, Any]:
     """The report's ``tiers.generation`` block over many completions (CONTRACT.md): checks
@@ -67,7 +73,7 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
     agreeing = sum(c.top1_agreement * c.top1_compared for c in scored if c.top1_compared)
     # The sampled mode's figure (no KLD there, and no same top-1): each completion's z is
     # about N(0, 1) when the primary samples the reference's distribution.
-    zs = np.array([c.z for c in scored if c.mode == "sampled" and not math.isnan(c.z)])
+    zs = [z for z in (c.sampled_z for c in scored) if z is not None]
     first = None
     for index, check in enumerate(checks):
         if check.first_divergence is not None:
@@ -98,10 +104,10 @@ def summarize(checks: Sequence[GenerationCheck], records: Sequence[int] | None =
         "top1_agreement": agreeing / compared if compared else None,
         "delta_p_rms": float(np.sqrt(np.mean(delta ** 2))) if delta.size else None,
         "delta_p_mean": float(delta.mean()) if delta.size else None,
-        "z_completions": int(zs.size),
-        "z_mean": float(zs.mean()) if zs.size else None,
-        "z_sd": float(zs.std()) if zs.size > 1 else None,
-        "z_pooled": float(zs.sum() / math.sqrt(zs.size)) if zs.size else None,
+        "z_completions": len(zs),
+        "z_mean": float(np.mean(zs)) if zs else None,
+        "z_sd": float(np.std(zs)) if len(zs) > 1 else None,
+        "z_pooled": pooled_z(zs) if zs else None,
         **perplexities(scored),
         "first_divergence": first,
     }

@@ -90,6 +90,12 @@ class GenerationCheck:
     def comparable(self) -> bool:
         return self.statistic is not None
 
+    @property
+    def sampled_z(self) -> float | None:
+        """The z of a completion checked in the sampled mode (its one figure: no KLD, no same
+        top-1 there); None for any other."""
+        return self.z if self.mode == "sampled" and not math.isnan(self.z) else None
+
     def summary(self) -> str:
         """One line: why it failed, or its mode's figure."""
         if not self.passed or self.mode == "tokenization_mismatch":
