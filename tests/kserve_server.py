@@ -16,7 +16,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-from model_server_process import ServerProcess, free_port
+from free_ports import free_port
+from model_server_process import ServerProcess
 
 KSERVE_PACKAGES = "'kserve==0.21.*' onnxruntime numpy"
 SCRIPT = Path(__file__).resolve().parent / "upstream_runtime" / "kserve_onnx.py"

@@ -2,29 +2,23 @@
 a server as a child process in its own process group, its log in a file, and a start that
 returns once every model is ready on the gRPC port (or raises with the log's tail).
 
-A port from :func:`free_port` is free when picked, not when the server binds it: another test
-beside it (xdist workers, the servers they start) may take it in between, and the server then
-exits at start ("Address already in use"; seen once in CI for tritonserver). ``start`` picks
-new ports and launches again then (:meth:`ServerProcess.launch_on_free_ports`)."""
+A port from tests/free_ports.py is free when picked, not when the server binds it: that module
+keeps the tests' own picks and client connections off each other's ports, but another process
+may still take one in between, and the server then exits at start ("Address already in use";
+seen once in CI for tritonserver, before free_ports). ``start`` picks new ports and launches
+again then (:meth:`ServerProcess.launch_on_free_ports`)."""
 
 from __future__ import annotations
 
 import abc
 import os
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # What a server's log says where its port was taken between free_port() and its bind.

@@ -40,7 +40,8 @@ import sysconfig
 import uuid
 from pathlib import Path
 
-from model_server_process import ServerProcess, free_port
+from free_ports import free_port
+from model_server_process import ServerProcess
 
 TRITON_PACKAGE = "nvidia-pytriton==0.7.0"
 MODEL_PY = Path(__file__).resolve().parent / "upstream_runtime" / "triton_onnx" / "model.py"

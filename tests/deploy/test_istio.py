@@ -19,7 +19,6 @@ import copy
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,7 @@ from guard.config.envoy import EnvoyConfig
 from guard.envoy import bootstrap
 from guard.envoy.istio import ISTIO_ADMIN_PORT
 from guard.envoy.process import find_envoy
+from free_ports import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 RUNTIME_DIR = ROOT / "tests" / "upstream_runtime"
@@ -57,12 +57,6 @@ ROUTE_CONFIG_FIELDS = {"portNumber", "portName", "gateway", "vhost", "name"}
 VHOST_FIELDS = {"name", "domainName", "route"}
 ROUTE_FIELDS = {"name", "action"}
 PATCH_FIELDS = {"operation", "value", "filterClass"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def write_config(folder: Path, primary: str, fallback: str, names=("cnn",)) -> Path:

@@ -18,7 +18,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,6 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from free_ports import free_port
 
 SERVED_NAME = "smollm2-q4_1"  # the --model_alias: the name the upstream serves
 
@@ -42,12 +42,6 @@ def smollm2_gguf() -> Path:
     if not files:
         pytest.skip(f"no .gguf in {folder}")
     return files[0]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 @dataclass

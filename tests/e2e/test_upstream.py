@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -28,17 +27,12 @@ from guard.backends.derive import derive_onnx
 from guard.zoo.classifier import sample_inputs
 from support import metric, running, scrape, wait_for
 import upstream_scenarios
+from free_ports import free_port
 
 RUNTIME_DIR = Path(__file__).resolve().parents[1] / "upstream_runtime"
 MLSERVER = Path(sys.executable).with_name("mlserver")
 pytestmark = pytest.mark.skipif(not MLSERVER.exists(),
                                 reason="mlserver is not installed: pip install -e '.[dev]'")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def image_input(images: np.ndarray) -> grpcclient.InferInput:
