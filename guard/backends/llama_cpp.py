@@ -65,9 +65,10 @@ class LlamaCppOptions(_Options):
     upcast: bool = Field(False, description="score with the file's weights held as F32 (a "
                          "copy written once into the cache, exact: F16, BF16 and quantized "
                          "weights are F32 values once dequantized): on a CPU without native "
-                         "16-bit products llama.cpp multiplies F32 faster than F16 (0.64x the "
-                         "CPU per pass on an AVX2 EPYC), and the activations are not rounded "
-                         "to F16; twice an F16 file's memory. Off: the file runs as stored.")
+                         "16-bit products llama.cpp may multiply F32 faster than F16 (0.64x "
+                         "the CPU per pass on one AVX2-bound EPYC host, no faster on a Zen 5 "
+                         "EPYC: measure on yours), and the activations are not rounded to "
+                         "F16; twice an F16 file's memory. Off: the file runs as stored.")
 
 
 class _LlamaVocabulary(Vocabulary):

@@ -209,7 +209,7 @@ def llama_server(tmp_path_factory):
 # llama-cpp-python ships no server binary, so the Makefile builds llama-server (`make test` does,
 # once per version and flags, into ~/.cache/guard, about 6 minutes on 2 cores; the binary is
 # copied to <guard's venv>/bin/llama-server) from the llama.cpp that llama-cpp-python's sdist
-# vendors: the same llama.cpp as guard's in-process engine, with the same x86-64-v3 flags. The
+# vendors: the same llama.cpp as guard's in-process engine, with the same flags. The
 # tests start it on SmolLM2's GGUF, one thread, a 512-token context, on a free 127.0.0.1 port,
 # and wait for its GET /props (it answers once the model is loaded). Where the binary is absent
 # the fixtures skip saying how to build it; with GUARD_REQUIRE_LLAMA_SERVER=1 (CI, .ci/run)
