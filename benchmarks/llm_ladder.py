@@ -66,8 +66,10 @@ COST_REFERENCES = (
      "transformers_fp32_torch_kernels"),
     ("llama_cpp F16 reference (Q4_1 in 16 bits)", "llama_cpp_f16"),
     ("llama_cpp F16 reference held as F32 (options.upcast)", "llama_cpp_f16_upcast"),
+    ("llama_cpp BF16 reference (Q4_1 rounded to bfloat16: its drift is the BF16 rung's)",
+     "llama_cpp_bf16"),
 )
-RUNGS = ("F16", "Q8_0", SHIPPED, "Q4_K_M", "Q3_K_M", "Q2_K")
+RUNGS = ("F16", "BF16", "Q8_0", SHIPPED, "Q4_K_M", "Q3_K_M", "Q2_K")
 REFERENCE_NOTE = ("fp32 reference = transformers on the shipped Q4_1 GGUF, dequantized (every "
                   "rung holds those weights: not llama.cpp's F16-based tables)")
 TOP_LOGPROBS = 20  # what OpenAI and vLLM return at most
@@ -158,10 +160,12 @@ def rung_figures(rung: str, path: Path, reference, prompts, tokens: int, samples
     }
 
 
-def cost_references(f16: Path, fp32_source: Path, threads: int) -> dict:
+def cost_references(f16: Path, bf16: Path, fp32_source: Path, threads: int) -> dict:
     """The references whose scoring cost is measured (COST_REFERENCES' keys), loaded: the
     transformers fp32 one on ``fp32_source`` (a GGUF, dequantized), the llama_cpp one on the
-    F16 file as stored and held as F32. Prompt caches off: every score costs its whole
+    F16 file as stored and held as F32, and on the BF16 file (llama.cpp's BF16 products use
+    AVX512_BF16's dot product where the build has it: a reference whose own drift from fp32
+    is measured on the ladder's BF16 rung). Prompt caches off: every score costs its whole
     sequence."""
     llama = dict(context_length=512, cache_prompt=False)
     return {"transformers_fp32": scorer("transformers", fp32_source, threads,
@@ -169,7 +173,8 @@ def cost_references(f16: Path, fp32_source: Path, threads: int) -> dict:
             "transformers_fp32_torch_kernels": scorer("transformers", fp32_source, threads,
                                                       cache_prompt=False, onednn_linear=False),
             "llama_cpp_f16": scorer("llama_cpp", f16, threads, **llama),
-            "llama_cpp_f16_upcast": scorer("llama_cpp", f16, threads, upcast=True, **llama)}
+            "llama_cpp_f16_upcast": scorer("llama_cpp", f16, threads, upcast=True, **llama),
+            "llama_cpp_bf16": scorer("llama_cpp", bf16, threads, **llama)}
 
 
 def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
@@ -189,7 +194,7 @@ def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
     # Each completion is scored twice below (once per mode), which no sampled call is: the
     # references' prompt caches are off, so that the second score costs what the first does
     # (benchmarks/llm_prompt_cache.py measures the cache on a shared prompt).
-    references = cost_references(ladder["F16"], smollm2_gguf(), threads)
+    references = cost_references(ladder["F16"], ladder["BF16"], smollm2_gguf(), threads)
     modes = ("sampled", "logprobs")
     totals = {"generate": 0.0, **{f"{name}_{part}_{mode}": 0.0 for name in references
                                   for part in ("score", "check") for mode in modes}}
@@ -319,7 +324,7 @@ def markdown(record: dict) -> list[str]:
         "| | pass, CPU s | check, CPU s | x generating |", "| --- | --- | --- | --- |",
         f"| generate (Q4_1 primary, llama.cpp) | {cost['generate_cpu_s']:.3f} | | 1 |"]
     for label, key in COST_REFERENCES:
-        if key not in cost:  # records from before the upcast option
+        if key not in cost:  # records from before that reference was measured
             continue
         for mode in ("sampled", "logprobs"):
             c = cost[key][mode]
@@ -350,7 +355,7 @@ def main() -> None:
     path = args.out / "llm_ladder.json"
     rungs = tuple(args.rungs.split(","))
     started, load_start = time.time(), [round(v, 2) for v in os.getloadavg()]
-    ladder = quant_ladder(tuple(dict.fromkeys(rungs + (SHIPPED, "F16"))))
+    ladder = quant_ladder(tuple(dict.fromkeys(rungs + (SHIPPED, "F16", "BF16"))))
     if args.cost_only:
         record = json.loads(path.read_text())
     else:
