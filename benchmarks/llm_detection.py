@@ -21,7 +21,10 @@ new seed per completion, the prompts of guard/zoo/llm.py in turn.
   first alarm's index if any (the detector keeps running on the primary: an alarm is counted,
   the route is put back).
 - Q2_K: ``--trials`` independent runs (other seeds and prompt offsets), each until the alarm
-  (at most 64 completions): completions to alarm, median and worst.
+  (at most ``--max-to-alarm`` completions, default 64): completions to alarm, median and worst.
+- A rung ``RUNG+kv:TYPE`` (``F16+kv:q4_0``) is that rung with llama.cpp's KV cache in ``TYPE``
+  (``type_k`` and ``type_v``, flash attention on, which a quantized V cache needs), run as Q2_K
+  is: until the alarm. What a team turning ``-ctk q4_0 -ctv q4_0`` on would be told, and when.
 
 Figures are accuracy, not speed: the machine's load does not change them (it is noted anyway).
 Usage: .venv/bin/python benchmarks/llm_detection.py [--completions 1000] [--trials 20]
@@ -73,12 +76,17 @@ def model_config(reference: Path):
 class Run:
     """One primary rung against the reference, with a fresh detector."""
 
-    def __init__(self, config, reference, comparator, gguf: Path, threads: int):
+    def __init__(self, config, reference, comparator, gguf: Path, threads: int,
+                 kv_cache: str | None = None):
         import llama_cpp
 
         self.config, self.reference, self.comparator = config, reference, comparator
+        cache = {}
+        if kv_cache is not None:  # llama.cpp quantizes V only with flash attention
+            ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_cache.upper()}")
+            cache = {"type_k": ggml_type, "type_v": ggml_type, "flash_attn": True}
         self.llm = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=threads, logits_all=True,
-                                   verbose=False)
+                                   verbose=False, **cache)
         self.policy = generation_policy(config)
         self.limits = comparator.tier(TIER).limits
         self.epoch = 0
@@ -130,12 +138,13 @@ def agreeing(run: Run, n: int, label: str) -> dict:
     return {**figures(checks), "alarms": alarms}
 
 
-def drifting(config, reference, comparator, gguf: Path, trials: int, threads: int) -> dict:
+def drifting(config, reference, comparator, gguf: Path, trials: int, threads: int,
+             label: str, kv_cache: str | None = None, limit: int = 64) -> dict:
     to_alarm, checks = [], []
     for trial in range(trials):
-        run = Run(config, reference, comparator, gguf, threads)
+        run = Run(config, reference, comparator, gguf, threads, kv_cache)
         try:
-            for i in range(64):
+            for i in range(limit):
                 check, alarm = run.completion(trial * 7 + i, seed=50_000 + trial * 1000 + i)
                 checks.append(check)
                 if alarm:
@@ -145,10 +154,10 @@ def drifting(config, reference, comparator, gguf: Path, trials: int, threads: in
                 to_alarm.append(None)
         finally:
             run.close()
-        print(f"  Q2_K trial {trial + 1}/{trials}: alarm after {to_alarm[-1]} completions",
+        print(f"  {label} trial {trial + 1}/{trials}: alarm after {to_alarm[-1]} completions",
               flush=True)
     caught = [n for n in to_alarm if n is not None]
-    return {**figures(checks), "trials": trials, "completions_to_alarm": to_alarm,
+    return {**figures(checks), "trials": trials, "limit": limit, "completions_to_alarm": to_alarm,
             "median_to_alarm": statistics.median(caught) if caught else None,
             "worst_to_alarm": max(caught) if len(caught) == trials else None}
 
@@ -166,8 +175,7 @@ def write(report: dict) -> None:
              "| primary | completions | passed | mean KLD | KLD p99 | same top-1 | alarms |",
              "| --- | --- | --- | --- | --- | --- | --- |"]
     for rung, row in report["rungs"].items():
-        alarms = (f"after {row['median_to_alarm']} completions (median of {row['trials']} "
-                  f"trials; worst {row['worst_to_alarm']})" if "trials" in row
+        alarms = (_to_alarm(row) if "trials" in row
                   else (", ".join(map(str, row["alarms"])) or "none"))
         lines.append(f"| {rung} | {row['completions']} | {row['passed']}/{row['scored']} | "
                      f"{_f(row['mean_kld'])} | {_f(row['kld_p99'])} | "
@@ -177,6 +185,17 @@ def write(report: dict) -> None:
             lines.append(f"\n{rung}: {len(which)} completion(s) not comparable ({why}): "
                          f"number(s) {', '.join(str(i + 1) for i in which[:10])}.")
     (RESULTS / "llm_detection.md").write_text("\n".join(lines) + "\n")
+
+
+def _to_alarm(row: dict) -> str:
+    caught = sum(n is not None for n in row["completions_to_alarm"])
+    if not caught:
+        return f"none within {row.get('limit', 64)} completions in {row['trials']} trials"
+    missed = ("" if caught == row["trials"] else
+              f"; {row['trials'] - caught} trial(s) not within {row.get('limit', 64)}")
+    return (f"after {row['median_to_alarm']} completions (median of the {caught} of "
+            f"{row['trials']} trials that alarmed; worst {row['worst_to_alarm'] or 'n/a'}"
+            f"{missed})")
 
 
 def _f(value, spec: str = ".4f") -> str:
@@ -191,13 +210,15 @@ def main() -> int:
                         help="independent Q2_K runs until the alarm (default 20)")
     parser.add_argument("--rungs", default=f"Q2_K,F16,Q8_0,{SHIPPED}",
                         help="rungs, in order (default Q2_K,F16,Q8_0,Q4_1)")
+    parser.add_argument("--max-to-alarm", type=int, default=64,
+                        help="completions per drifting trial before it counts as not caught")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--add", action="store_true",
                         help="add these rungs to the saved results, keeping the other rungs "
                              "(a long ladder in several sittings)")
     args = parser.parse_args()
     rungs = args.rungs.split(",")
-    ladder = quant_ladder(tuple(r for r in rungs))
+    ladder = quant_ladder(tuple(dict.fromkeys(r.partition("+kv:")[0] for r in rungs)))
     config = model_config(smollm2_gguf())
     reference = create_backend(config.reference, "reference", args.threads)
     reference.load()
@@ -214,8 +235,10 @@ def main() -> int:
                            if rung not in rungs}
     for rung in rungs:
         print(f"{rung} ...", flush=True)
-        if rung == "Q2_K":
-            row = drifting(config, reference, comparator, ladder[rung], args.trials, args.threads)
+        weights, _, kv_cache = rung.partition("+kv:")
+        if rung == "Q2_K" or kv_cache:
+            row = drifting(config, reference, comparator, ladder[weights], args.trials,
+                           args.threads, rung, kv_cache or None, args.max_to_alarm)
         else:
             run = Run(config, reference, comparator, ladder[rung], args.threads)
             try:
