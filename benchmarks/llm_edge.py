@@ -89,7 +89,7 @@ import numpy as np
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "e2e")]
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
 
 from bench import free_port  # noqa: E402  (this folder: the machinery the benchmarks share)
 from guard.machine import cpu_model  # noqa: E402
