@@ -180,6 +180,12 @@ def write(report: dict) -> None:
         lines.append(f"| {rung} | {row['completions']} | {row['passed']}/{row['scored']} | "
                      f"{_f(row['mean_kld'])} | {_f(row['kld_p99'])} | "
                      f"{_f(row['top1_agreement'], '.1%')} | {alarms} |")
+    dates = {rung: row.get("measured") for rung, row in report["rungs"].items()}
+    if len(set(dates.values())) > 1:  # rows from several sittings (--add)
+        lines.append("\nMeasured in several sittings (`--add`; the machine and load above are "
+                     "the last one's): " + "; ".join(
+                         f"{rung} {date or 'before dates were kept'}"
+                         for rung, date in dates.items()) + ".")
     for rung, row in report["rungs"].items():
         for why, which in row.get("not_comparable", {}).items():
             lines.append(f"\n{rung}: {len(which)} completion(s) not comparable ({why}): "
@@ -245,7 +251,7 @@ def main() -> int:
                 row = agreeing(run, args.completions, rung)
             finally:
                 run.close()
-        report["rungs"][rung] = row
+        report["rungs"][rung] = {**row, "measured": time.strftime("%Y-%m-%d")}
         write(report)
         shown = {k: v for k, v in row.items() if k != "completions_to_alarm"}
         print(f"{rung}: {json.dumps(shown)}", flush=True)
