@@ -34,7 +34,7 @@ KSERVE_PACKAGES := 'kserve==0.21.*' onnxruntime numpy
 # which then find it installed: x86-64-v3 (AVX2, FMA, F16C, BMI2: every x86-64 server CPU of the
 # last decade), plus the AVX-512 and AVX-VNNI extensions this machine's CPU lists in
 # /proc/cpuinfo (LLAMA_CPP_ISA=host, the default): on a 2-core Zen 5 EPYC they make the
-# llama_cpp reference's teacher-forced F16 pass 0.67x the CPU of the x86-64-v3 build's
+# llama_cpp reference's teacher-forced F16 pass 0.72x the CPU of the x86-64-v3 build's
 # (benchmarks/results/llm_scoring_cost_isa.md). `make test LLAMA_CPP_ISA=x86-64-v3` builds the
 # portable set only: a venv or image that will run on other CPUs. The stamp's name carries the
 # version and the flags, so a venv moved to a CPU without them is rebuilt by the next make.
