@@ -30,22 +30,27 @@ import platform
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 sys.path.insert(0, str(ROOT / "tests"))  # tests/vllm_server.py: vLLM's venv and its server
 sys.path.insert(0, str(ROOT / "tests" / "e2e"))  # tests/e2e/llm_support.py: llama-server
-# Per engine: the KV cache types compared by default, the results' file name, what a row is.
-ENGINES = {
-    "vllm": ("auto,fp8_e4m3,fp8_e5m2", "llm_kv_cache",
-             "SmolLM2-135M-Instruct in fp32 on vLLM's CPU backend, its KV cache as each row says "
-             "(`--kv-cache-dtype`; fp8 with its default scales, 1.0, none calibrated)"),
-    "llama.cpp": ("f16,q8_0,q4_0", "llm_kv_cache_llama_cpp",
-                  "SmolLM2-135M-Instruct as an F16 GGUF (the shipped Q4_1 in 16 bits) on "
-                  "llama.cpp's llama-server, its KV cache as each row says (`--cache-type-k` "
-                  "and `-v`, flash attention on in every row, one thread)"),
-}
+
+
+@dataclass(frozen=True)
+class Engine:
+    """What the benchmark runs and writes for one engine."""
+
+    dtypes: str  # the KV cache types compared by default, comma-separated
+    results: str  # the results' file name, without suffix
+    title: str
+    description: str  # what a row is
+    # Starts the server with its KV cache in ``dtype`` and replays: (the report's model, None)
+    # or (None, why the server did not start).
+    run: Callable[[str, Path, Path], tuple[dict | None, str | None]]
 
 
 def replay(url: str, served: str, options: dict, prompts: Path, folder: Path) -> dict:
@@ -111,11 +116,25 @@ def llama_cpp_row(dtype: str, prompts: Path, folder: Path) -> tuple[dict | None,
         server.stop()
 
 
+ENGINES = {
+    "vllm": Engine(
+        "auto,fp8_e4m3,fp8_e5m2", "llm_kv_cache", "An fp8 KV cache on vLLM",
+        "SmolLM2-135M-Instruct in fp32 on vLLM's CPU backend, its KV cache as each row says "
+        "(`--kv-cache-dtype`; fp8 with its default scales, 1.0, none calibrated)", vllm_row),
+    "llama.cpp": Engine(
+        "f16,q8_0,q4_0", "llm_kv_cache_llama_cpp",
+        "A quantized KV cache on llama.cpp's llama-server",
+        "SmolLM2-135M-Instruct as an F16 GGUF (the shipped Q4_1 in 16 bits) on llama.cpp's "
+        "llama-server, its KV cache as each row says (`--cache-type-k` and `-v`, flash "
+        "attention on in every row, one thread)", llama_cpp_row),
+}
+
+
 def row(engine: str, dtype: str, tokens: int, prompts: Path, work: Path) -> dict:
     folder = work / dtype
     folder.mkdir()
     started = time.monotonic()
-    model, error = (vllm_row if engine == "vllm" else llama_cpp_row)(dtype, prompts, folder)
+    model, error = ENGINES[engine].run(dtype, prompts, folder)
     seconds = time.monotonic() - started
     if model is None:
         return {"dtype": dtype, "error": error}
@@ -133,10 +152,8 @@ def row(engine: str, dtype: str, tokens: int, prompts: Path, work: Path) -> dict
 def markdown(engine: str, rows: list[dict], machine: dict, tokens: int) -> str:
     from guard.zoo.llm import PROMPTS
 
-    title = ("An fp8 KV cache on vLLM" if engine == "vllm"
-             else "A quantized KV cache on llama.cpp's llama-server")
-    lines = [f"# {title}, judged by guard replay", "",
-             f"{ENGINES[engine][2]}, against the transformers fp32 reference on the same "
+    lines = [f"# {ENGINES[engine].title}, judged by guard replay", "",
+             f"{ENGINES[engine].description}, against the transformers fp32 reference on the same "
              f"weights; guard's generation tier at its defaults over the zoo's {len(PROMPTS)} "
              f"prompts, greedy, {tokens} tokens each.", "",
              "| KV cache | verdict | passed | mean KLD | p99 KLD | max KLD | same top-1 | "
@@ -168,11 +185,11 @@ def main() -> None:
     parser.add_argument("--engine", choices=sorted(ENGINES), default="vllm")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--dtypes", help="the KV cache types, comma-separated (default: "
-                        + "; ".join(f"{e}: {d[0]}" for e, d in ENGINES.items()) + ")")
+                        + "; ".join(f"{name}: {e.dtypes}" for name, e in ENGINES.items()) + ")")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     flags = cpu_flags() or frozenset()
-    dtypes = args.dtypes or ENGINES[args.engine][0]
+    dtypes = args.dtypes or ENGINES[args.engine].dtypes
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(),
                "avx512f": "avx512f" in flags, "amx_tile": "amx_tile" in flags,
                "python": platform.python_version(),
@@ -189,7 +206,7 @@ def main() -> None:
     text = markdown(args.engine, rows, machine, args.tokens)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
-    name = ENGINES[args.engine][1]
+    name = ENGINES[args.engine].results
     (args.out / f"{name}.md").write_text(text)
     (args.out / f"{name}.json").write_text(json.dumps(
         {"engine": args.engine, "machine": machine, "rows": rows}, indent=1))

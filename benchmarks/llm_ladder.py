@@ -40,7 +40,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import sys
 import time
 from dataclasses import replace
@@ -244,13 +243,16 @@ def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
 
 def llama_cpp_build() -> str:
     """The vector extensions the installed llama.cpp was built for (the Makefile's
-    LLAMA_CPP_ISA), from its system info: both the primaries and the llama_cpp references run
-    on them."""
-    import llama_cpp
+    LLAMA_CPP_ISA): both the primaries and the llama_cpp references run on them."""
+    from guard.backends.llama_cpp import build_features
 
-    info = llama_cpp.llama_print_system_info().decode()
-    return " ".join(name for name, on in re.findall(r"(\w+) = (\d)", info)
-                    if on == "1" and name.startswith(("AVX", "AMX")))
+    return " ".join(sorted(name for name in build_features()
+                           if name.startswith(("AVX", "AMX"))))
+
+
+def built_for(m: dict) -> str:
+    """", llama.cpp built for ..." where the record kept the build (older ones did not)."""
+    return f", llama.cpp built for {m['llama_cpp_build']}" if "llama_cpp_build" in m else ""
 
 
 def machine() -> dict:
@@ -263,10 +265,7 @@ def machine() -> dict:
 def cost_machine(m: dict | None) -> str:
     """Where the cost figures were taken (older records kept no machine of their own: the
     ladder's, nor the llama.cpp build's extensions)."""
-    if not m:
-        return ""
-    build = f", llama.cpp built for {m['llama_cpp_build']}" if "llama_cpp_build" in m else ""
-    return f" on {m['cpu']}, {m['cores']} cores, {m['platform']}{build}"
+    return f" on {m['cpu']}, {m['cores']} cores, {m['platform']}{built_for(m)}" if m else ""
 
 
 def markdown(record: dict) -> list[str]:
@@ -274,9 +273,7 @@ def markdown(record: dict) -> list[str]:
     m = record["machine"]
     lines = [
         "# The generation tier on SmolLM2-135M-Instruct's quant ladder", "",
-        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}"
-        + (f", llama.cpp built for {m['llama_cpp_build']}" if "llama_cpp_build" in m else "")
-        + "; load average "
+        f"Machine: {m['cpu']}, {m['cores']} cores, {m['platform']}{built_for(m)}; load average "
         f"{m['loadavg_start']} at the start, {m['loadavg']} at the end (shared with other "
         f"work: the CPU figures below are to be rerun on a quiet machine; the KLD figures do "
         f"not depend on load). {record['prompts']} prompts x {record['tokens_per_completion']} "

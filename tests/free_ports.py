@@ -33,13 +33,10 @@ def _worker_index() -> int:
     return int(name[2:]) if name.startswith("gw") and name[2:].isdigit() else 0
 
 
-def _block_ports():
-    start = FIRST_PORT + BLOCK * (_worker_index() % BLOCKS)
-    offset = random.randrange(BLOCK)
-    return (start + (offset + i) % BLOCK for i in itertools.count())
-
-
-_ports = _block_ports()
+_BLOCK_START = FIRST_PORT + BLOCK * (_worker_index() % BLOCKS)
+_OFFSET = random.randrange(BLOCK)
+# This worker's block, round and round, from a random place in it.
+_ports = (_BLOCK_START + (_OFFSET + i) % BLOCK for i in itertools.count())
 
 
 def is_free(port: int) -> bool:
@@ -58,5 +55,4 @@ def free_port() -> int:
         port = next(_ports)
         if is_free(port):
             return port
-    raise RuntimeError(f"no free port in this worker's block of {BLOCK} from "
-                       f"{FIRST_PORT + BLOCK * (_worker_index() % BLOCKS)}")
+    raise RuntimeError(f"no free port in this worker's block of {BLOCK} from {_BLOCK_START}")

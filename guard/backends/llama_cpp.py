@@ -133,6 +133,17 @@ def completion_logits(llm: "Llama", ids: Sequence[int], prompt_length: int,
     return rows[0] if len(rows) == 1 else np.concatenate(rows)
 
 
+def build_features() -> frozenset[str]:
+    """The CPU features the installed llama.cpp was built for and turned on (``AVX2``,
+    ``AVX512_BF16`` ...; the Makefile's LLAMA_CPP_ISA), from llama.cpp's system info."""
+    import re
+
+    import llama_cpp
+
+    info = llama_cpp.llama_print_system_info().decode()
+    return frozenset(name for name, on in re.findall(r"(\w+) = (\d)", info) if on == "1")
+
+
 def quiet_llama_logs() -> None:
     """llama.cpp logs every graph reserve and tensor it converts through the
     "llama-cpp-python" logger (its log callback prints what that logger's level lets
