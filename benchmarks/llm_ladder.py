@@ -176,6 +176,17 @@ def cost_references(f16: Path, bf16: Path, fp32_source: Path, threads: int) -> d
             "llama_cpp_bf16": scorer("llama_cpp", bf16, threads, **llama)}
 
 
+def timed_completion(primary, prompt: str, tokens: int, seed: int) -> tuple[dict, float]:
+    """A completion of ``prompt`` sampled by ``primary`` (a llama_cpp ``Llama``, temperature
+    0.8) and the CPU seconds it took. EOS banned: every completion is the full ``tokens``
+    long, the length the cost is quoted for."""
+    primary.reset()
+    start = cpu_seconds()
+    response = primary.create_completion(prompt, max_tokens=tokens, seed=seed, temperature=0.8,
+                                         logit_bias={primary.token_eos(): -1e9})
+    return response, cpu_seconds() - start
+
+
 def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
     """CPU seconds (/proc) to generate a ``tokens``-token sampled completion with the Q4_1
     primary, and to score it with each reference: the teacher-forced pass, then the check in
@@ -200,13 +211,8 @@ def scoring_cost(ladder: dict, tokens: int, repeat: int, threads: int) -> dict:
     produced = 0
     for seed in range(repeat):
         prompt = PROMPTS[seed % len(PROMPTS)]
-        primary.reset()
-        start = cpu_seconds()
-        # EOS banned: every completion is the full length measured.
-        response = primary.create_completion(prompt, max_tokens=tokens, seed=seed,
-                                             temperature=0.8,
-                                             logit_bias={primary.token_eos(): -1e9})
-        totals["generate"] += cpu_seconds() - start
+        response, spent = timed_completion(primary, prompt, tokens, seed)
+        totals["generate"] += spent
         sampled = sample_from_response(prompt, response, SamplingParams())
         prompt_ids = primary_scorer.encode_prompt(prompt)
         ids = primary_scorer.vocab.encode(sampled.completion_text)
