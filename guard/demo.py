@@ -101,7 +101,7 @@ class _ServerLog(threading.Thread):
                   f"({event['trigger']}): {event['reason']}", flush=True)
             failure = event.get("evidence", {}).get("last_failure")
             if failure:
-                print(f"          last failing check: {failure}", flush=True)
+                print(f"          last failing check: {_failure_line(failure)}", flush=True)
         elif name == "model_loaded":
             for role, summary in event["backends"].items():
                 print(f"  [guard] {event['model']} {role:<9} {summary}", flush=True)
@@ -111,6 +111,19 @@ class _ServerLog(threading.Thread):
         else:
             fields = {k: v for k, v in event.items() if k not in ("ts", "event")}
             print(f"  [guard] {name}: {fields}", flush=True)
+
+
+def _failure_line(failure: str | dict) -> str:
+    """A route transition's last failing check, on one line: a tensor model's is a line already
+    ("tensor: fail: ..."); a generative model's is the completion's verdict (a dict: its figures
+    and first divergent token, which the demo printed in full when the completion failed)."""
+    if not isinstance(failure, dict):
+        return str(failure)
+    request = failure.get("request_id")
+    first = failure.get("first_divergence")
+    return "".join((f"completion {request[:8]}: " if request else "",
+                    str(failure.get("reason", "failed")),
+                    f", first divergent token at {first['position']}" if first else ""))
 
 
 def _wait_ready(client, process: subprocess.Popen, timeout: float = 180.0) -> None:

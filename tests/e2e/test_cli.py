@@ -256,6 +256,9 @@ def test_the_llm_demo_catches_the_q2k_primary_and_switches_to_the_q8_fallback(tm
     assert routes == sorted(routes, key=lambda r: r == "fallback")  # switched once, stayed
     assert "(errors 0)" in out and "active now: yes" in out
     assert "first divergent token at" in out  # what the Q2_K wrote where the reference did not
+    # The switch's last failing check on one line, the completion's verdict (not its record)
+    (last,) = [line for line in out.splitlines() if "last failing check:" in line]
+    assert "completion " in last and "{" not in last, last
     assert f"http://127.0.0.1:{metrics_port}/metrics" in out  # the port asked for
     assert "stopped gracefully with exit code 0" in out
 
