@@ -18,7 +18,7 @@ say so. llama-server is the one `make test` builds (tests/e2e/llm_support.py).
     .venv/bin/python benchmarks/llm_kv_cache.py [--engine vllm] [--tokens 96] [--dtypes ...]
 
 Writes benchmarks/results/llm_kv_cache.{json,md} (vLLM) or llm_kv_cache_llama_cpp.{json,md}, the
-machine noted.
+machine noted; ``--from-record`` writes an engine's page again from its JSON, running nothing.
 """
 
 from __future__ import annotations
@@ -187,7 +187,18 @@ def main() -> None:
     parser.add_argument("--dtypes", help="the KV cache types, comma-separated (default: "
                         + "; ".join(f"{name}: {e.dtypes}" for name, e in ENGINES.items()) + ")")
     parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--from-record", action="store_true",
+                        help="write the engine's page again from its JSON record in --out, "
+                        "running nothing")
     args = parser.parse_args()
+    if args.from_record:
+        name = ENGINES[args.engine].results
+        record = json.loads((args.out / f"{name}.json").read_text())
+        tokens = {r["tokens"] for r in record["rows"] if "tokens" in r}
+        (args.out / f"{name}.md").write_text(markdown(
+            record.get("engine", args.engine), record["rows"], record["machine"],
+            tokens.pop() if len(tokens) == 1 else args.tokens))
+        return
     flags = cpu_flags() or frozenset()
     dtypes = args.dtypes or ENGINES[args.engine].dtypes
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(),
