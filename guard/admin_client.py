@@ -105,7 +105,9 @@ def format_model_status(status: pb.ModelStatus) -> str:
     for b in status.backends:
         lines.append(f"  {b.role:<9} {b.backend} {b.precision} {b.device} {b.artifact}")
     for w in status.windows:
-        lines.append(f"  window {w.tier}: {w.failures}/{w.samples} failing "
+        since = (f" since {time.strftime('%H:%M:%S', time.localtime(w.since_unix_time))}"
+                 if w.since_unix_time else "")  # (0: a guard that does not say)
+        lines.append(f"  window {w.tier}: {w.failures}/{w.samples} failing{since} "
                      f"(drift ratio {w.drift_ratio:.2f}; window {w.window}, "
                      f"decides from {w.min_samples})")
     if status.has_generation:

@@ -269,6 +269,9 @@ class RoutePolicy:
         self._sent_by: str | None = None  # the tier whose trip put the model on the fallback
         self.epoch = 0
         self.last_transition: Transition | None = None
+        # Wall-clock time the count windows last started empty (this process's start, a route
+        # change, an override): admin status says since when its "n/m failing" counts.
+        self.windows_since = time.time()
 
     # -- read on the request path: plain attribute reads, no lock ---------------------------
     @property
@@ -466,6 +469,7 @@ class RoutePolicy:
     def _start_epoch(self) -> None:
         self.epoch += 1
         self._since = self._clock()
+        self.windows_since = time.time()
         for state in self._tiers.values():
             state.reset()
 

@@ -49,20 +49,22 @@ class SetRouteResponse(_message.Message):
     def __init__(self, status: _Optional[_Union[ModelStatus, _Mapping]] = ...) -> None: ...
 
 class WindowStatus(_message.Message):
-    __slots__ = ("tier", "samples", "failures", "drift_ratio", "window", "min_samples")
+    __slots__ = ("tier", "samples", "failures", "drift_ratio", "window", "min_samples", "since_unix_time")
     TIER_FIELD_NUMBER: _ClassVar[int]
     SAMPLES_FIELD_NUMBER: _ClassVar[int]
     FAILURES_FIELD_NUMBER: _ClassVar[int]
     DRIFT_RATIO_FIELD_NUMBER: _ClassVar[int]
     WINDOW_FIELD_NUMBER: _ClassVar[int]
     MIN_SAMPLES_FIELD_NUMBER: _ClassVar[int]
+    SINCE_UNIX_TIME_FIELD_NUMBER: _ClassVar[int]
     tier: str
     samples: int
     failures: int
     drift_ratio: float
     window: int
     min_samples: int
-    def __init__(self, tier: _Optional[str] = ..., samples: _Optional[int] = ..., failures: _Optional[int] = ..., drift_ratio: _Optional[float] = ..., window: _Optional[int] = ..., min_samples: _Optional[int] = ...) -> None: ...
+    since_unix_time: float
+    def __init__(self, tier: _Optional[str] = ..., samples: _Optional[int] = ..., failures: _Optional[int] = ..., drift_ratio: _Optional[float] = ..., window: _Optional[int] = ..., min_samples: _Optional[int] = ..., since_unix_time: _Optional[float] = ...) -> None: ...
 
 class Transition(_message.Message):
     __slots__ = ("from_route", "to_route", "trigger", "reason", "unix_time")

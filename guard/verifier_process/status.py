@@ -23,7 +23,8 @@ def model_status(model) -> pb.ModelStatus:
     for w in policy.windows():
         status.windows.add(tier=w.tier, samples=w.samples, failures=w.failures,
                            drift_ratio=w.ratio, window=model.config.policy.window,
-                           min_samples=model.config.policy.min_samples)
+                           min_samples=model.config.policy.min_samples,
+                           since_unix_time=policy.windows_since)
     last = policy.last_transition
     if last is not None:
         status.has_last_transition = True

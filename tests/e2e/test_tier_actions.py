@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 
 import numpy as np
 
@@ -69,4 +70,12 @@ def test_tensor_failures_alert_and_task_failures_switch(tmp_path, caplog):
 
         (status,) = get_status(f"127.0.0.1:{srv.admin_port}").models
         assert dict(status.tier_actions) == {"tensor": "alert"}
-        assert "action=fallback_model (tensor: alert)" in format_model_status(status)
+        text = format_model_status(status)
+        assert "action=fallback_model (tensor: alert)" in text
+        # The windows started empty at the switch (the counts since are the probes'), and the
+        # status says since when.
+        switched = status.last_transition.unix_time
+        assert {w.tier for w in status.windows} == {"tensor", "task"}
+        assert all(abs(w.since_unix_time - switched) < 1.0 for w in status.windows)
+        since = time.strftime("%H:%M:%S", time.localtime(status.windows[0].since_unix_time))
+        assert f"failing since {since} (" in text, text

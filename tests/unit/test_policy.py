@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
@@ -533,3 +534,21 @@ def test_recovery_waits_while_another_switching_tier_is_in_alarm():
         policy.observe("task", True, policy.epoch)  # the task tier drifts on the probes
         assert policy.observe("tensor", False, policy.epoch) is None
     assert policy.route == "fallback"
+
+
+def test_the_windows_say_since_when_they_count():
+    """windows_since (admin status' "n/m failing since ..."): the wall-clock time the count
+    windows last started empty: at start, then at each route change and override, never at a
+    plain verdict."""
+    policy, _ = make()
+    started = policy.windows_since
+    assert abs(started - time.time()) < 60
+    feed(policy, [False] * 3)
+    assert policy.windows_since == started
+    (tripped,) = feed(policy, [True] * 5)  # (the verdicts after the trip count afresh)
+    assert started <= policy.windows_since and abs(policy.windows_since - tripped.unix_time) < 1
+    switched = policy.windows_since
+    feed(policy, [True] * 2)
+    assert policy.windows_since == switched
+    policy.set_override("fallback", "pin")
+    assert policy.windows_since >= switched and policy.windows()[0].samples == 0
