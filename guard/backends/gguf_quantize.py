@@ -82,6 +82,26 @@ def partial_file(target: Path) -> Iterator[Path]:
             os.unlink(partial)
 
 
+def file_types() -> dict[str, int]:
+    """llama.cpp's file types by name ("F16", "Q4_1", "Q2_K", ...: what ``general.file_type``
+    records), from llama-cpp-python's constants: F32 is LLAMA_FTYPE_ALL_F32, the rest
+    LLAMA_FTYPE_MOSTLY_*."""
+    import llama_cpp
+
+    return {name.removeprefix(prefix): getattr(llama_cpp, name) for name in dir(llama_cpp)
+            for prefix in ("LLAMA_FTYPE_MOSTLY_", "LLAMA_FTYPE_ALL_") if name.startswith(prefix)}
+
+
+def file_type_name(code: int | str | None) -> str | None:
+    """The name of the file type ``general.file_type`` records (a GGUF's metadata value), or
+    None where llama.cpp has no name for it."""
+    try:
+        wanted = int(code)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        return None
+    return next((name for name, value in file_types().items() if value == wanted), None)
+
+
 def quantize_into(source: Path, target: Path, ftype_name: str, threads: int,
                  overrides: dict[str, str] | None) -> None:
     import ctypes
@@ -91,9 +111,7 @@ def quantize_into(source: Path, target: Path, ftype_name: str, threads: int,
     from guard.backends.llama_cpp import quiet_llama_logs
 
     quiet_llama_logs()  # llama.cpp logs every tensor it converts
-    # F32 is LLAMA_FTYPE_ALL_F32; the rest LLAMA_FTYPE_MOSTLY_*.
-    ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype_name}",
-                    getattr(llama_cpp, f"LLAMA_FTYPE_ALL_{ftype_name}", None))
+    ftype = file_types().get(ftype_name)
     if ftype is None:
         raise ValueError(f"llama.cpp knows no file type {ftype_name!r}")
     params = llama_cpp.llama_model_quantize_default_params()

@@ -282,7 +282,12 @@ class LlamaCppScorer(LocalScorer):
         return out
 
     def describe(self) -> BackendInfo:
-        precision = "F32 (upcast)" if self.options.upcast else "as quantized"
+        """The precision is the GGUF's file type as llama.cpp names it (F16, BF16, Q4_1 ...),
+        "as quantized" where the file says none."""
+        from guard.backends.gguf_quantize import file_type_name
+
+        stored = file_type_name(self.llm.metadata.get("general.file_type")) if self.llm else None
+        precision = "F32 (upcast)" if self.options.upcast else stored or "as quantized"
         return BackendInfo(self.name, str(self.spec.path), precision, "cpu", (), (),
                            {"vocabulary": str(self.vocab.size),
                             "context_length": str(self.context_length)})

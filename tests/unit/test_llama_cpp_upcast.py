@@ -88,6 +88,7 @@ def test_it_scores_as_the_transformers_fp32_reference_does(upcast):
     fp32 = create_backend(BackendConfig(backend="transformers", path=str(SHIPPED)), "reference")
     fp32.load()
     stored = _scorer(SHIPPED)
+    assert stored.describe().precision == "Q4_1"  # the file's type, as llama.cpp names it
     try:
         ids = upcast.encode_prompt(" ".join(llm.PROMPTS))
         assert ids == stored.encode_prompt(" ".join(llm.PROMPTS))
@@ -115,3 +116,12 @@ def test_a_cache_it_cannot_write_is_a_clear_error_naming_the_option(tmp_path, mo
     with pytest.raises(BackendError, match="options.upcast: .*GUARD_CACHE_DIR") as raised:
         _scorer(SHIPPED, upcast=True)
     assert raised.value.key == "options.upcast"
+
+
+def test_a_files_type_is_named_as_llama_cpp_names_it():
+    from guard.backends.gguf_quantize import file_type_name, file_types
+
+    assert [file_type_name(code) for code in ("0", 1, "32", "10")] == ["F32", "F16", "BF16",
+                                                                      "Q2_K"]
+    assert file_type_name(None) is None and file_type_name("x") is None
+    assert file_type_name(max(file_types().values()) + 1) is None
