@@ -237,8 +237,9 @@ def main() -> int:
               "in_control_ratio": config.checks.generation.in_control_ratio, "rungs": {}}
     saved = RESULTS / "llm_detection.json"
     if args.add and saved.is_file():
-        report["rungs"] = {rung: row for rung, row in json.loads(saved.read_text())["rungs"].items()
-                           if rung not in rungs}
+        # Every saved rung in its place: a rung measured again replaces its row where it stood
+        # (until then, or if the run stops first, its earlier row stands, dated).
+        report["rungs"] = json.loads(saved.read_text())["rungs"]
     for rung in rungs:
         print(f"{rung} ...", flush=True)
         weights, _, kv_cache = rung.partition("+kv:")
