@@ -96,6 +96,11 @@ def get_status(address: str, model: str = "", tls: ClientTls | None = None
     return _call(address, "GetStatus", pb.GetStatusRequest(model=model), tls=tls)
 
 
+def _clock(unix_time: float) -> str:
+    """A time of day in the status text (the machine's local time)."""
+    return time.strftime("%H:%M:%S", time.localtime(unix_time))
+
+
 def format_model_status(status: pb.ModelStatus) -> str:
     per_tier = "".join(f", {tier}: {action}" for tier, action in
                        sorted(status.tier_actions.items()))
@@ -105,8 +110,8 @@ def format_model_status(status: pb.ModelStatus) -> str:
     for b in status.backends:
         lines.append(f"  {b.role:<9} {b.backend} {b.precision} {b.device} {b.artifact}")
     for w in status.windows:
-        since = (f" since {time.strftime('%H:%M:%S', time.localtime(w.since_unix_time))}"
-                 if w.since_unix_time else "")  # (0: a guard that does not say)
+        # (0: a guard that does not say)
+        since = f" since {_clock(w.since_unix_time)}" if w.since_unix_time else ""
         lines.append(f"  window {w.tier}: {w.failures}/{w.samples} failing{since} "
                      f"(drift ratio {w.drift_ratio:.2f}; window {w.window}, "
                      f"decides from {w.min_samples})")
@@ -142,7 +147,7 @@ def format_model_status(status: pb.ModelStatus) -> str:
                      f"{' (repair running)' if status.repairing else ''}")
     if status.has_last_transition:
         t = status.last_transition
-        when = time.strftime("%H:%M:%S", time.localtime(t.unix_time))
+        when = _clock(t.unix_time)
         lines.append(f"  last transition {when}: {t.from_route} -> {t.to_route} ({t.trigger}): "
                      f"{t.reason}")
     return "\n".join(lines)

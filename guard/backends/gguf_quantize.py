@@ -25,10 +25,6 @@ from guard.backends.derive import cache_root, file_sha256
 
 log = logging.getLogger(__name__)
 
-# llama.cpp's file type of a GGUF whose every tensor is F32 (LLAMA_FTYPE_ALL_F32), as
-# general.file_type records it.
-ALL_F32 = 0
-
 
 @contextmanager
 def _stderr_to_log(what: str):

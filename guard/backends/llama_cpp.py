@@ -31,7 +31,7 @@ import numpy as np
 from pydantic import Field
 
 from guard.backends.base import BackendInfo, Role
-from guard.backends.gguf_quantize import ALL_F32, upcast_f32
+from guard.backends.gguf_quantize import file_type_name, upcast_f32
 from guard.backends.kind import BackendKind
 from guard.backends.options import _Options
 from guard.backends.scoring import (
@@ -144,6 +144,11 @@ def build_features() -> frozenset[str]:
     return frozenset(name for name, on in re.findall(r"(\w+) = (\d)", info) if on == "1")
 
 
+def _stored_type(llm: "Llama") -> str | None:
+    """The loaded GGUF's file type as llama.cpp names it (``F16``, ``Q4_1``, ``F32`` ...)."""
+    return file_type_name(llm.metadata.get("general.file_type"))
+
+
 def quiet_llama_logs() -> None:
     """llama.cpp logs every graph reserve and tensor it converts through the
     "llama-cpp-python" logger (its log callback prints what that logger's level lets
@@ -193,7 +198,7 @@ class LlamaCppScorer(LocalScorer):
 
             read_artifact(path, self.spec.sha256)
         llm = self._open(path)
-        if self.options.upcast and llm.metadata.get("general.file_type") != str(ALL_F32):
+        if self.options.upcast and _stored_type(llm) != "F32":
             llm.close()
             llm = self._open(self._upcast(Path(path)))
         self.llm = llm
@@ -284,9 +289,7 @@ class LlamaCppScorer(LocalScorer):
     def describe(self) -> BackendInfo:
         """The precision is the GGUF's file type as llama.cpp names it (F16, BF16, Q4_1 ...),
         "as quantized" where the file says none."""
-        from guard.backends.gguf_quantize import file_type_name
-
-        stored = file_type_name(self.llm.metadata.get("general.file_type")) if self.llm else None
+        stored = _stored_type(self.llm) if self.llm else None
         precision = "F32 (upcast)" if self.options.upcast else stored or "as quantized"
         return BackendInfo(self.name, str(self.spec.path), precision, "cpu", (), (),
                            {"vocabulary": str(self.vocab.size),

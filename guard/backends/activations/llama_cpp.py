@@ -34,6 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from guard.backends.activations import CaptureUnsupported
+from guard.backends.gguf_quantize import file_type_name
 from guard.backends.llama_cpp import quiet_llama_logs
 
 # A node worth keeping is named like ``attn_norm-3`` or ``result_norm``: no view/permute suffix.
@@ -64,16 +65,6 @@ def _ggml():
                                             ctypes.c_size_t]
     lib.ggml_backend_tensor_get.restype = None
     return lib
-
-
-def file_type_name(value: int | None) -> str:
-    """``general.file_type`` as llama.cpp names it (``Q4_1``, ``F16``, ``ALL_F32``)."""
-    import llama_cpp
-
-    for name in dir(llama_cpp):
-        if name.startswith("LLAMA_FTYPE_") and getattr(llama_cpp, name) == value:
-            return name.removeprefix("LLAMA_FTYPE_").removeprefix("MOSTLY_")
-    return "unknown"
 
 
 class LlamaCppSide:
@@ -118,10 +109,9 @@ class LlamaCppSide:
         metadata = self._model.metadata()
         self.architecture = metadata.get("general.architecture", "")
         self.metadata = metadata
-        file_type = metadata.get("general.file_type")
-        name = file_type_name(int(file_type)) if file_type is not None else "unknown"
+        name = file_type_name(metadata.get("general.file_type")) or "unknown"
         # What the pair computes in, for tier 2's rules: a quantized file is reduced precision.
-        self.precision = "fp32" if name == "ALL_F32" else f"gguf {name}"
+        self.precision = "fp32" if name == "F32" else f"gguf {name}"
 
     def hyper(self, key: str) -> int | None:
         """An integer hyperparameter of the architecture (``attention.head_count``...)."""
