@@ -45,6 +45,7 @@ import bench  # noqa: E402
 VERIFIER = "guard.verifier_process.process"  # what every verifier imports before its models
 TORCH_VERIFIER = f"torch, {VERIFIER}"  # and one whose models are torch's
 FILES_SHOWN = 25  # test files in the report's table (all are in the JSON)
+TESTS_SHOWN = 30  # tests in the report's table (all are in the JSON)
 
 # One JSON line per process at its exit; GUARD_SUITE_CPU_LOG names the file. Nothing here may
 # raise into the process it is loaded in.
@@ -100,7 +101,7 @@ def pytest_runtest_protocol(item, nextitem):
     before, started = os.times(), time.monotonic()
     yield
     after = os.times()
-    record = {"file": item.nodeid.split("::")[0],
+    record = {"file": item.nodeid.split("::")[0], "test": item.nodeid,
               "own_cpu_s": (after.user + after.system) - (before.user + before.system),
               "children_cpu_s": (after.children_user + after.children_system)
               - (before.children_user + before.children_system),
@@ -212,6 +213,16 @@ def by_file(tests: list[dict]) -> list[dict]:
     return sorted(rows, key=lambda row: -row["cpu_s"])
 
 
+def by_test(tests: list[dict]) -> list[dict]:
+    """Each test's CPU (its setup's too: a module fixture is charged to the file's first test),
+    costliest first."""
+    rows = [{"test": test.get("test", test["file"]), "own_cpu_s": round(test["own_cpu_s"], 2),
+             "children_cpu_s": round(test["children_cpu_s"], 2),
+             "cpu_s": round(test["own_cpu_s"] + test["children_cpu_s"], 2),
+             "wall_s": round(test["wall_s"], 2)} for test in tests]
+    return sorted(rows, key=lambda row: -row["cpu_s"])
+
+
 def worker_spans(tests: list[dict]) -> list[dict]:
     """Per xdist worker: when its first test began and its last ended (seconds from the first
     test's start anywhere), its tests' wall time, and the file it ran last: a worker that ends
@@ -281,6 +292,13 @@ def markdown(report: dict) -> str:
                            [[f["file"], f["tests"], f["cpu_s"], f["own_cpu_s"],
                              f["children_cpu_s"], f["wall_s"]] for f in top]),
         ]
+    costliest = (report.get("by_test") or [])[:TESTS_SHOWN]
+    if costliest:
+        lines += ["", f"The {len(costliest)} costliest tests (a test's setup included: a module "
+                  "fixture is charged to the first test that asks for it):", "",
+                  bench.md_table(["test", "CPU s", "in the worker", "in children", "wall s"],
+                                 [[t["test"], t["cpu_s"], t["own_cpu_s"], t["children_cpu_s"],
+                                   t["wall_s"]] for t in costliest])]
     spans = report.get("workers") or []
     if spans:
         lines += ["", "Workers (seconds from the first test's start; busy: its tests' wall time):",
@@ -323,7 +341,8 @@ def main() -> None:
               "wall_s": round(wall, 1), "total_cpu_s": round(total, 1),
               "by_kind": summarize(records, total), "verifiers": verifiers,
               "import_cpu_s": imports, "zygote_bound_s": round(zygote, 1),
-              "by_file": by_file(tests), "workers": worker_spans(tests),
+              "by_file": by_file(tests), "by_test": by_test(tests),
+              "workers": worker_spans(tests),
               "machine": bench.machine_info(), "processes": records}
     md = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)

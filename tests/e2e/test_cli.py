@@ -243,7 +243,7 @@ def test_the_llm_demo_catches_the_q2k_primary_and_switches_to_the_q8_fallback(tm
     env["PYTHONPATH"] = os.pathsep.join([str(tmp_path / "demo-llm-only"), env["PYTHONPATH"]])
     metrics_port = free_port()
     result = subprocess.run(
-        [sys.executable, "-m", "guard", "demo", "--llm", "--requests", "10", "--exit",
+        [sys.executable, "-m", "guard", "demo", "--llm", "--requests", "8", "--exit",
          "--metrics-port", str(metrics_port), "--workdir", str(tmp_path / "demo")],
         capture_output=True, text=True, timeout=600, env=env,
     )
@@ -252,7 +252,7 @@ def test_the_llm_demo_catches_the_q2k_primary_and_switches_to_the_q8_fallback(tm
     assert "ROUTE primary -> fallback (policy): generation" in out, out
     routes = [line.split("guard-route:")[1].split()[0] for line in out.splitlines()
               if "guard-route:" in line]
-    assert len(routes) == 10 and routes[0] == "primary" and routes[-1] == "fallback", routes
+    assert len(routes) == 8 and routes[0] == "primary" and routes[-1] == "fallback", routes
     assert routes == sorted(routes, key=lambda r: r == "fallback")  # switched once, stayed
     assert "(errors 0)" in out and "active now: yes" in out
     assert "first divergent token at" in out  # what the Q2_K wrote where the reference did not
