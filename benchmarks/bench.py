@@ -177,6 +177,23 @@ def proc_ticks(pid) -> int:
     return int(fields[11]) + int(fields[12])  # utime + stime, all threads
 
 
+def group_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) of the live process ``pid`` and of every live
+    process in the process group it leads: a server started in a session of its own with the
+    engine processes it started (vLLM), or one process (llama-server)."""
+    ticks = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(entry) == pid or int(fields[2]) == pid:
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
 def cpu_snapshot(server_pid: int) -> dict | None:
     """Machine-wide busy/total/steal ticks, and the CPU ticks of the server (the serving
     process), of its children (guard's verifier process; none for the baseline) and of this

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -43,22 +42,6 @@ sys.path.insert(0, str(HERE.parent / "tests" / "e2e"))  # tests/e2e/llm_support.
 import bench  # noqa: E402
 
 NAME = "llm_sample_logprobs_cost"
-
-
-def group_cpu_s(pgid: int) -> float:
-    """CPU seconds of every live process in the process group ``pgid`` (a server and the
-    engine processes it started)."""
-    ticks = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid or int(entry) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def _post(url: str, body: dict) -> dict:
@@ -82,10 +65,10 @@ def measure(url: str, model: str, pid: int, prompts, tokens: int, top: int | Non
                 body = {"model": model, "prompt": prompt, "max_tokens": tokens, "temperature": 0}
                 if k:
                     body["logprobs"] = k
-                before, started = group_cpu_s(pid), time.monotonic()
+                before, started = bench.group_cpu_s(pid), time.monotonic()
                 answer = _post(f"{url}/v1/completions", body)
                 spent[mode]["wall_s"] += time.monotonic() - started
-                spent[mode]["cpu_s"] += group_cpu_s(pid) - before
+                spent[mode]["cpu_s"] += bench.group_cpu_s(pid) - before
                 spent[mode]["calls"] += 1
                 spent[mode]["tokens"] += answer["usage"]["completion_tokens"]
                 if k:

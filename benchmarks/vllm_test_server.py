@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import tempfile
 import time
@@ -42,21 +41,6 @@ WORKLOADS = {  # what a call adds to the body; the prompt repeated
 }
 
 
-def group_cpu(pgid: int) -> float:
-    """CPU seconds of every live process in the process group ``pgid``."""
-    ticks = 0
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid:
-            ticks += int(fields[11]) + int(fields[12])
-    return ticks / os.sysconf("SC_CLK_TCK")
-
-
 def measure(lean: bool, work: Path) -> dict:
     from vllm_server import VLLMServer
 
@@ -70,10 +54,10 @@ def measure(lean: bool, work: Path) -> dict:
     started = time.monotonic()
     server.start()
     row = {"lean": lean, "start_wall_s": round(time.monotonic() - started, 2),
-           "start_cpu_s": round(group_cpu(server.process.pid), 2)}
+           "start_cpu_s": round(bench.group_cpu_s(server.process.pid), 2)}
     try:
         for name, (extra, repeat) in WORKLOADS.items():
-            before, started = group_cpu(server.process.pid), time.monotonic()
+            before, started = bench.group_cpu_s(server.process.pid), time.monotonic()
             for seed, prompt in enumerate(PROMPTS):
                 body = {"model": "smol", "prompt": prompt * repeat, "seed": seed, **extra}
                 request = urllib.request.Request(f"{server.url}/v1/completions",
@@ -84,10 +68,10 @@ def measure(lean: bool, work: Path) -> dict:
             wall = time.monotonic() - started
             time.sleep(0.5)  # the last ticks of the engine's loop
             row[name] = {"wall_s": round(wall, 2),
-                         "cpu_s": round(group_cpu(server.process.pid) - before, 2)}
-        before = group_cpu(server.process.pid)
+                         "cpu_s": round(bench.group_cpu_s(server.process.pid) - before, 2)}
+        before = bench.group_cpu_s(server.process.pid)
         time.sleep(10)
-        row["idle_cpu_s_per_10s"] = round(group_cpu(server.process.pid) - before, 2)
+        row["idle_cpu_s_per_10s"] = round(bench.group_cpu_s(server.process.pid) - before, 2)
     finally:
         server.stop()
     return row
