@@ -304,6 +304,13 @@ class Response:
     async def read(self) -> bytes:
         return b"".join([piece async for piece in self.iter_any()])
 
+    def discard(self) -> None:
+        """Close the connection, even after a whole answer (back in the pool by then): one the
+        upstream is about to close too. llama-cpp-python's server ends a stream it failed and
+        then closes the connection; taken again at once, before the event loop saw it close,
+        it would answer nothing."""
+        self._conn.close()
+
     def close(self) -> None:
         """Done with the answer: a connection whose answer is not whole is closed."""
         if not self._done:

@@ -67,9 +67,13 @@ HOP_BY_HOP = frozenset({
     "accept-encoding", "content-encoding",
 })
 # The statuses a server refuses a request's fields with (vLLM 400, FastAPI/pydantic servers
-# 422): where guard had added logprobs or token ids, the call goes again as the client sent it
-# (the HTTP edge's _Forward._as_the_client_asked, the probe's PrimaryProbe).
-REFUSALS = frozenset({400, 422})
+# 422, llama-cpp-python 500: started without --logits_all, its server fails any call that asks
+# logprobs with "logprobs is not supported for models created with logits_all=False", and a
+# streamed one with an empty stream, _Forward._stream): where guard had added logprobs or token
+# ids, the call goes again as the client sent it (the HTTP edge's _Forward._as_the_client_asked,
+# the probe's PrimaryProbe). A 500 that had nothing to do with guard's additions costs one more
+# round trip, and the client gets the second answer, as it would have without guard.
+REFUSALS = frozenset({400, 422, 500})
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
@@ -157,9 +161,10 @@ class OpenAIOptions(_Strict):
         "for this many top_logprobs per token (the per-token comparison needs them) and strip "
         "them from the client's answer (each choices[i].logprobs back to null, byte for byte "
         "as the server answers unasked). For servers that answer logprobs for any request "
-        "(vLLM up to its --max-logprobs): a server that refuses a call so amended (400, 422) "
-        "gets the client's own call instead, and calls of that shape (endpoint, streamed or not, "
-        "with tools or not) are not amended again until a reload (event "
+        "(vLLM up to its --max-logprobs; llama-cpp-python's server with --logits_all): a "
+        "server that refuses a call so amended (400, 422, 500, or a stream ended without a "
+        "byte) gets the client's own call instead, and calls of that shape (endpoint, streamed "
+        "or not, with tools or not) are not amended again until a reload (event "
         "openai_additions_refused). Not added to a streamed chat that offers tools on "
         "engine llama.cpp (llama-server refuses logprobs there). 0: never add them.")
     sample_token_ids: bool = Field(

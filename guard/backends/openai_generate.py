@@ -117,7 +117,8 @@ class PrimaryProbe:
         ``primary``); BackendError when the upstream fails or answers an error.
 
         A server that refuses the call with guard's logprobs or token ids (400, 422: a vLLM
-        whose --max-logprobs is below the probe's) is asked the client's call as it was;
+        whose --max-logprobs is below the probe's; 500: llama-cpp-python's server started
+        without --logits_all) is asked the client's call as it was;
         where that is answered, the probe asks them no more (said once, as the edge says it:
         ``openai_additions_refused``) and the answer is compared without them, per shape of
         call as the edge remembers it. Otherwise no probe ever succeeded, and a fallback would

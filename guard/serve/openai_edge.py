@@ -29,9 +29,10 @@ asks the upstream for logprobs on sampled calls whose clients did not, and sets 
 ``options.sample_token_ids`` it asks vLLM for the token ids of the prompt and the completion
 (``return_token_ids``: the reference then scores the prompt as the server rendered it) and
 sets them back to ``null`` likewise. An upstream that refuses a call so amended (400, 422:
-a vLLM whose --max-logprobs is lower) gets the client's own call instead, whose answer the
-client receives, and calls of that shape are not amended again. Calls that cannot be
-compared (best_of > 1, tool calls without the ids, an answer that is an error or was cut
+a vLLM whose --max-logprobs is lower; 500, or a stream that ends without a byte:
+llama-cpp-python's server started without --logits_all) gets the client's own call instead,
+whose answer the client receives, and calls of that shape are not amended again. Calls that
+cannot be compared (best_of > 1, tool calls without the ids, an answer that is an error or was cut
 short) are forwarded and counted (``guard_generation_not_comparable_total{model,reason}``), never
 sampled. A prompt longer than the reference's context is the verifier's to count.
 
@@ -466,7 +467,8 @@ class _Forward(_Upstream):
         finally:
             upstream.close()  # a whole answer's connection is already back in the pool
 
-    async def _as_the_client_asked(self, refused: Response) -> Response | web.Response:
+    async def _as_the_client_asked(self, refused: Response,
+                                   why: str | None = None) -> Response | web.Response:
         """The upstream refused the call as guard sent it, with logprobs or token ids the
         client had not asked for (a vLLM whose --max-logprobs is below
         options.sample_logprobs, a server that takes no return_token_ids): the client's own
@@ -479,13 +481,15 @@ class _Forward(_Upstream):
         chat that lists tools alone ("logprobs is not supported with tools + stream"), and an
         upstream whose engine is not declared (options.engine, which would have added none
         there: OpenAIOptions.refuses_logprobs) must not lose them on its other calls. A server
-        that refuses them everywhere costs one refused round trip per shape it is sent."""
+        that refuses them everywhere costs one refused round trip per shape it is sent.
+        ``why``: the refusal in words where its body does not say it (an empty stream)."""
         try:
-            why = (await refused.read())[:500].decode("utf-8", "replace")
+            said = (await refused.read())[:500].decode("utf-8", "replace")
         except (TimeoutError, UpstreamError) as exc:
-            why = f"{type(exc).__name__}: {exc}"
+            said = f"{type(exc).__name__}: {exc}"
         finally:
             refused.close()
+        why = why or said
         added = [name for name, on in (("sample_logprobs", self.guard_logprobs),
                                        ("sample_token_ids", self.guard_token_ids)) if on]
         self.guard_logprobs = self.guard_token_ids = False
@@ -534,12 +538,17 @@ class _Forward(_Upstream):
         return response
 
     # -- a streamed answer -------------------------------------------------------------------
-    async def _stream(self, upstream: Response) -> web.StreamResponse:
+    async def _stream(self, upstream: Response,
+                      response: web.StreamResponse | None = None) -> web.StreamResponse:
+        """Relay a streamed answer event by event, as it comes. ``response``: the client's,
+        already opened, where this is the client's own call going again (_amended_stream_empty)."""
         metrics, name, route = self.edge.metrics, self.model.name, self.route
         ttft, gaps = metrics.ttft.labels(name, route), metrics.gaps.labels(name, route)
-        response = web.StreamResponse(status=200, headers=self._headers(upstream))
-        await response.prepare(self.request)
+        if response is None:
+            response = web.StreamResponse(status=200, headers=self._headers(upstream))
+            await response.prepare(self.request)
         splitter = api.EventSplitter()
+        received = False  # a byte of the stream came
         edits, endpoint = self.edits, self.call.endpoint
         sampled = bool(self.flags)  # a sampled call's chunks are gathered into its sample
         completion = api.Completion()
@@ -552,6 +561,7 @@ class _Forward(_Upstream):
         try:
             async for chunk in upstream.iter_any():
                 arrived = time.perf_counter()
+                received = received or bool(chunk)
                 events = splitter.feed(chunk)
                 if not events:
                     continue
@@ -579,6 +589,8 @@ class _Forward(_Upstream):
                         api.gather_event(completion, endpoint, data, whole=sampled)
                         if completion.ended:  # the Responses API's last event
                             done = finished = True
+            if not received and (self.guard_logprobs or self.guard_token_ids):
+                return await self._amended_stream_empty(upstream, response)
             rest = splitter.rest()
             if rest:
                 await response.write(rest)
@@ -606,6 +618,34 @@ class _Forward(_Upstream):
             return await self._broke_off(response, splitter, exc, tokens=tokens)
         self._streamed(completion, tokens, sampled, finished)
         return response
+
+    async def _amended_stream_empty(self, upstream: Response,
+                                    response: web.StreamResponse) -> web.StreamResponse:
+        """The upstream ended a stream guard had amended without a byte: llama-cpp-python's
+        server, started without --logits_all, opens the stream and then fails any call that
+        asks logprobs (its log says so; the client would get an empty answer). Nothing has
+        reached the client but the headers, so the client's own call goes again
+        (_as_the_client_asked, the refusal remembered per shape) and its stream is relayed
+        into the response already open. A retry that is not a stream cannot be told through
+        a 200 already sent: the connection is cut, as for an upstream that broke off."""
+        upstream.discard()
+        retry = await self._as_the_client_asked(
+            upstream, why="the stream ended without a byte (llama-cpp-python's server does so "
+            "to a call asking logprobs when started without --logits_all)")
+        if isinstance(retry, web.Response):  # the upstream failed outright: said and counted
+            if self.request.transport is not None:
+                self.request.transport.close()
+            return response
+        try:
+            if retry.status == 200 and retry.headers.get(
+                    "Content-Type", "").startswith("text/event-stream"):
+                return await self._stream(retry, response)
+            metrics = self.edge.metrics
+            metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
+            return await self._broke_off(response, api.EventSplitter(), UpstreamError(
+                f"the client's own call was answered HTTP {retry.status}, not a stream"))
+        finally:
+            retry.close()
 
     def _streamed(self, completion: api.Completion, tokens: int, sampled: bool,
                   finished: bool) -> None:

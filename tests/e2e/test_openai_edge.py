@@ -448,3 +448,48 @@ def test_every_request_shape_gets_the_servers_own_answer_through_guard(
     with httpx.Client(timeout=60) as http:
         assert_answered_alike(http, f"http://127.0.0.1:{own_ring.port}", llama_server.url,
                               llama_server.model, SHAPES, PROMPT, MESSAGES)
+
+
+def test_a_server_that_fails_guards_logprobs_answers_the_client_as_it_asked(tmp_path, caplog):
+    """llama-cpp-python's server started without --logits_all (as it starts by default) fails
+    any call that asks logprobs: HTTP 500 to a whole one, an empty stream to a streamed one.
+    guard asks them of every sampled call here (sample_logprobs 5), so each first call of a
+    shape is refused: the client's own call goes instead and its answer is the client's (the
+    server's text, as a direct call gets it), the refusal is said once per shape, and later
+    calls of that shape go as the client sent them. Every call is still compared."""
+    from llm_support import start_llama_server, stop_llama_server
+
+    from support import events
+
+    caplog.set_level("INFO", logger="guard.events")
+    upstream = start_llama_server(tmp_path, logits_all=False)
+    try:
+        block = model_block(upstream, sample_logprobs=5, engine="llama-cpp-python")
+        with running(tmp_path, [block], http_port=0) as (server, _), \
+                openai.OpenAI(base_url=f"http://127.0.0.1:{server.http_port}/v1",
+                              api_key="none", max_retries=0, timeout=120) as through, \
+                openai.OpenAI(base_url=f"{upstream.url}/v1", api_key="none",
+                              max_retries=0) as direct:
+            asked = dict(prompt=PROMPT, max_tokens=6, temperature=0)
+            expected = direct.completions.create(model=upstream.model, **asked).choices[0].text
+            chat = dict(messages=MESSAGES, max_tokens=6, temperature=0)
+            said = direct.chat.completions.create(model=upstream.model, **chat)
+            for _ in range(2):  # the first call of each shape refused, the second not amended
+                assert through.completions.create(model="smol", **asked).choices[0].text == \
+                    expected
+                streamed = "".join(c.choices[0].text for c in through.completions.create(
+                    model="smol", stream=True, **asked) if c.choices)
+                assert streamed == expected
+                answer = through.chat.completions.create(model="smol", **chat)
+                assert answer.choices[0].message.content == said.choices[0].message.content
+            refused = events(caplog, "openai_additions_refused")
+            assert sorted(e["shape"] for e in refused) == \
+                sorted(["chat, whole, no tools", "completions, whole, no tools",
+                        "completions, streamed, no tools"])
+            assert {e["status"] for e in refused} == {500, 200}  # the stream opened, then ended
+            assert all(e["error"] for e in refused)
+            wait_for(lambda: handed(server) >= 6, timeout=120, interval=0.2)
+            values = scrape(server.metrics_port)
+            assert metric(values, "guard_mirror_total", model="smol", outcome="compared") == 6
+    finally:
+        stop_llama_server(upstream)
