@@ -491,5 +491,20 @@ def test_a_server_that_fails_guards_logprobs_answers_the_client_as_it_asked(tmp_
             wait_for(lambda: handed(server) >= 6, timeout=120, interval=0.2)
             values = scrape(server.metrics_port)
             assert metric(values, "guard_mirror_total", model="smol", outcome="compared") == 6
+        # The probe of a primary behind a fallback asks its logprobs likewise: refused, it asks
+        # the call as the client sent it, and is answered.
+        from guard.backends.openai_generate import PrimaryProbe
+        from guard.config.backend import BackendConfig
+        from guard.protocol.generation import GenerationSample, SamplingParams, TokenLogprob
+
+        probe = PrimaryProbe(BackendConfig(backend="openai", target=upstream.url,
+                                           model=upstream.model), timeout_s=60)
+        sample = GenerationSample(model="smol", endpoint="completions", prompt=PROMPT,
+                                  completion_text=expected, tokens=(TokenLogprob(expected),),
+                                  sampling=SamplingParams(temperature=0.0, max_tokens=6))
+        assert probe(sample).completion_text == expected
+        (probed,) = [e for e in events(caplog, "openai_additions_refused")
+                     if e["route"] == "probe"]
+        assert probed["status"] == 500 and "logits_all" in probed["error"]
     finally:
         stop_llama_server(upstream)
