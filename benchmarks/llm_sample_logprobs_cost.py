@@ -28,11 +28,9 @@ Writes benchmarks/results/llm_sample_logprobs_cost.{json,md} with the machine no
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,10 +43,13 @@ NAME = "llm_sample_logprobs_cost"
 
 
 def _post(url: str, body: dict) -> dict:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(request, timeout=300) as answer:
-        return json.loads(answer.read())
+    """The server's JSON answer to ``body`` (tests/e2e/llm_support.py's post_json), 200 or
+    AssertionError."""
+    from llm_support import post_json
+
+    status, answer = post_json(url, body, timeout=300)
+    assert status == 200, (status, answer)
+    return answer
 
 
 def measure(url: str, model: str, pid: int, prompts, tokens: int, top: int | None,

@@ -216,7 +216,7 @@ def by_file(tests: list[dict]) -> list[dict]:
 def by_test(tests: list[dict]) -> list[dict]:
     """Each test's CPU (its setup's too: a module fixture is charged to the file's first test),
     costliest first."""
-    rows = [{"test": test.get("test", test["file"]), "own_cpu_s": round(test["own_cpu_s"], 2),
+    rows = [{"test": test["test"], "own_cpu_s": round(test["own_cpu_s"], 2),
              "children_cpu_s": round(test["children_cpu_s"], 2),
              "cpu_s": round(test["own_cpu_s"] + test["children_cpu_s"], 2),
              "wall_s": round(test["wall_s"], 2)} for test in tests]

@@ -404,6 +404,13 @@ class _Upstream(abc.ABC):
             return self._upstream_failed(502, f"the upstream broke off its answer: {exc}")
 
 
+def _streams(upstream: Response) -> bool:
+    """The server's answer says whether it streams: a ``stream`` guard does not read (not a
+    boolean) is the server's to take as it does (parse_request)."""
+    return upstream.status == 200 and upstream.headers.get(
+        "Content-Type", "").startswith("text/event-stream")
+
+
 class _Forward(_Upstream):
     """One forwarded call, from the upstream request to the hand-off."""
 
@@ -430,11 +437,16 @@ class _Forward(_Upstream):
         self._set_payload()
         self.first_token: float | None = None
 
+    @property
+    def amended(self) -> bool:
+        """guard added logprobs or token ids the client had not asked for."""
+        return self.guard_logprobs or self.guard_token_ids
+
     def _set_payload(self) -> None:
         """The body that goes upstream (guard's additions, the upstream's model name) and the
         edits its answer gets back on the way to the client."""
         call, backend = self.call, self.backend
-        if self.guard_logprobs or self.guard_token_ids:
+        if self.amended:
             body = api.sampled_body(call, backend.options.sample_logprobs
                                     if self.guard_logprobs else 0, self.guard_token_ids)
             body["model"] = backend.model
@@ -452,16 +464,12 @@ class _Forward(_Upstream):
         upstream = await self._exchange(self.request.path, self.payload)
         if isinstance(upstream, web.Response):
             return upstream
-        if (self.guard_logprobs or self.guard_token_ids) and upstream.status in REFUSALS:
+        if self.amended and upstream.status in REFUSALS:
             upstream = await self._as_the_client_asked(upstream)
             if isinstance(upstream, web.Response):
                 return upstream
         try:
-            # The server's answer says whether it streams: a ``stream`` guard does not read
-            # (not a boolean) is the server's to take as it does (parse_request).
-            streamed = upstream.status == 200 and upstream.headers.get(
-                "Content-Type", "").startswith("text/event-stream")
-            if streamed:
+            if _streams(upstream):
                 return await self._stream(upstream)
             return await self._whole(upstream)
         finally:
@@ -561,7 +569,7 @@ class _Forward(_Upstream):
         try:
             async for chunk in upstream.iter_any():
                 arrived = time.perf_counter()
-                received = received or bool(chunk)
+                received = True  # (iter_any yields no empty piece)
                 events = splitter.feed(chunk)
                 if not events:
                     continue
@@ -589,7 +597,7 @@ class _Forward(_Upstream):
                         api.gather_event(completion, endpoint, data, whole=sampled)
                         if completion.ended:  # the Responses API's last event
                             done = finished = True
-            if not received and (self.guard_logprobs or self.guard_token_ids):
+            if not received and self.amended:
                 return await self._amended_stream_empty(upstream, response)
             rest = splitter.rest()
             if rest:
@@ -637,8 +645,7 @@ class _Forward(_Upstream):
                 self.request.transport.close()
             return response
         try:
-            if retry.status == 200 and retry.headers.get(
-                    "Content-Type", "").startswith("text/event-stream"):
+            if _streams(retry):
                 return await self._stream(retry, response)
             metrics = self.edge.metrics
             metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
