@@ -15,7 +15,11 @@ with): its argv, its own CPU (user + system, from ``os.times``), its wall time, 
 imported torch / TensorFlow / ONNX Runtime. Processes that clear PYTHONPATH (vLLM's server) or are
 not Python (Envoy, Prometheus, Triton), and any killed by a signal, write nothing: their CPU is
 the total less the records (the total is this process's children's, from ``getrusage``, which
-counts every descendant that was waited for). A grandchild left to init when its parent died
+counts every descendant that was waited for). To name that rest, a thread reads /proc every
+``--poll`` seconds (default 0.5) and keeps each new process's last CPU reading; the processes no
+record names are summed by program (the ``-m`` module of a Python one): a process's last
+``--poll`` seconds before its exit are missed, so these figures are lower bounds, close for the
+long-lived servers they are for. A grandchild left to init when its parent died
 is counted nowhere: vLLM's model worker, as vLLM starts by default, was (126 s of vLLM's CPU in
 tests/e2e/test_vllm.py by /proc, 112 s for the whole file by getrusage); the lean start the
 tests use now keeps it in a process that is waited for (benchmarks/vllm_test_server.py).
@@ -35,6 +39,7 @@ import resource
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -46,6 +51,7 @@ VERIFIER = "guard.verifier_process.process"  # what every verifier imports befor
 TORCH_VERIFIER = f"torch, {VERIFIER}"  # and one whose models are torch's
 FILES_SHOWN = 25  # test files in the report's table (all are in the JSON)
 TESTS_SHOWN = 30  # tests in the report's table (all are in the JSON)
+UNRECORDED_SHOWN = 15  # programs in the table of what no record names
 
 # One JSON line per process at its exit; GUARD_SUITE_CPU_LOG names the file. Nothing here may
 # raise into the process it is loaded in.
@@ -110,6 +116,84 @@ def pytest_runtest_protocol(item, nextitem):
     with open(os.environ["GUARD_SUITE_CPU_TESTS"], "a") as log:
         log.write(json.dumps(record) + "\\n")
 '''
+
+
+class ProcPoller:
+    """The last CPU reading (user + system, /proc/PID/stat) of every process started after it,
+    by (pid, start time): a killed server's CPU, or one that records nothing, is read here."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self.seen: dict[tuple[int, int], dict] = {}
+        self._since = _boot_ticks_now()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="proc-poller", daemon=True)
+
+    def __enter__(self) -> "ProcPoller":
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval):
+            self.poll()
+
+    def poll(self) -> None:
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                stat = Path(entry.path, "stat").read_text()
+                # comm is in parentheses and may hold spaces: the fields follow the last ")"
+                fields = stat[stat.rindex(")") + 2:].split()
+                started = int(fields[19])
+                if started < self._since:
+                    continue
+                key = (int(entry.name), started)
+                seen = self.seen.get(key)
+                if seen is None:
+                    argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+                    seen = self.seen[key] = {"pid": key[0], "name": program_name(
+                        [a.decode(errors="replace") for a in argv if a])}
+                seen["cpu_s"] = (int(fields[11]) + int(fields[12])) / bench.CLK_TCK
+            except (OSError, ValueError, IndexError):
+                continue  # gone between the listing and the read, or a kernel thread
+
+    def unrecorded(self, records: list[dict]) -> list[dict]:
+        """CPU by program of the processes seen here that no record names, costliest first."""
+        recorded = {r["pid"] for r in records}
+        rows: dict[str, dict] = collections.defaultdict(lambda: {"processes": 0, "cpu_s": 0.0})
+        for process in self.seen.values():
+            if process["pid"] in recorded or process["pid"] == os.getpid():
+                continue
+            row = rows[process["name"]]
+            row["processes"] += 1
+            row["cpu_s"] += process["cpu_s"]
+        return sorted(({"program": name, "processes": row["processes"],
+                        "cpu_s": round(row["cpu_s"], 1)} for name, row in rows.items()),
+                      key=lambda row: -row["cpu_s"])
+
+
+def _boot_ticks_now() -> int:
+    """Now, in the clock ticks since boot that /proc/PID/stat's start time counts."""
+    return int(float(Path("/proc/uptime").read_text().split()[0]) * bench.CLK_TCK)
+
+
+def program_name(argv: list[str]) -> str:
+    """A process's program as the report names it: the executable's name, a Python process's
+    ``-m`` module (vLLM's ``vllm.entrypoints.openai.api_server``) or script."""
+    if not argv:
+        return "?"
+    name = Path(argv[0]).name
+    if name.startswith("python"):
+        if "-m" in argv[1:-1]:
+            return argv[argv.index("-m") + 1]
+        scripts = [a for a in argv[1:] if not a.startswith("-")]
+        return Path(scripts[0]).name if scripts else name
+    return name
 
 
 def median(values: list[float]) -> float | None:
@@ -306,6 +390,13 @@ def markdown(report: dict) -> str:
                                       "last file"],
                                      [[w["worker"], w["first_s"], w["last_s"], w["busy_s"],
                                        w["last_file"]] for w in spans])]
+    rest = report.get("unrecorded") or []
+    if rest:
+        lines += ["", f"What no record names, by program (read from /proc every "
+                  f"{report['poll_s']} s: lower bounds; {UNRECORDED_SHOWN} shown):", "",
+                  bench.md_table(["program", "processes", "CPU s"],
+                                 [[r["program"], r["processes"], r["cpu_s"]]
+                                  for r in rest[:UNRECORDED_SHOWN]])]
     lines += ["", bench.machine_line(report["machine"], ("torch",))]
     return "\n".join(lines) + "\n"
 
@@ -314,6 +405,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=HERE / "results")
+    parser.add_argument("--poll", type=float, default=0.5,
+                        help="seconds between the /proc readings of unrecorded processes")
     parser.add_argument("pytest_args", nargs="*", help="passed to pytest (after --)")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="suite-cpu-") as folder:
@@ -327,9 +420,10 @@ def main() -> None:
         bench.log(f"running the suite: pytest {' '.join(args.pytest_args)}")
         started = time.monotonic()
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
-                               "guard_suite_cpu_plugin", *args.pytest_args],
-                              cwd=bench.REPO, env=env, check=False)
+        with ProcPoller(args.poll) as poller:
+            done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p",
+                                   "guard_suite_cpu_plugin", *args.pytest_args],
+                                  cwd=bench.REPO, env=env, check=False)
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         wall = time.monotonic() - started
         records, tests = read_jsonl(log_path), read_jsonl(tests_path)
@@ -343,6 +437,7 @@ def main() -> None:
               "import_cpu_s": imports, "zygote_bound_s": round(zygote, 1),
               "by_file": by_file(tests), "by_test": by_test(tests),
               "workers": worker_spans(tests),
+              "poll_s": args.poll, "unrecorded": poller.unrecorded(records),
               "machine": bench.machine_info(), "processes": records}
     md = markdown(report)
     args.out.mkdir(parents=True, exist_ok=True)

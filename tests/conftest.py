@@ -67,18 +67,26 @@ def pytest_collection_modifyitems(config, items) -> None:
     items.sort(key=key)  # stable: the order within a file, and of the rest, is kept
 
 
+# The parts of the cache every xdist worker of a run shares (each written atomically: a file
+# is made beside its name and renamed in, so two workers may race for it and one wins): the
+# dequantized GGUF folders (guard/backends/gguf_cache.py, ~20 s to convert) and the LLM zoo's
+# requantized ladder and one-tensor variants (guard/zoo/llm.py, 1-3 s of CPU per file, which
+# each worker made again before).
+SHARED_CACHE_PARTS = ("gguf-fp32", "llm")
+
+
 @pytest.fixture(autouse=True, scope="session")
 def _guard_cache(tmp_path_factory):
     """Derived models and compiler caches go to a per-session temp folder, not ~/.cache. Its
-    GGUF part (dequantized folders, guard/backends/gguf_cache.py: ~20 s to convert, written
-    under a lock and renamed in) is one folder for all xdist workers of the run, linked in, so
-    that a model one worker converted the other loads; the zoo's exports stay per worker (they
-    are written in place)."""
+    parts named in SHARED_CACHE_PARTS are one folder for all xdist workers of the run, linked
+    in, so that a model one worker converted the others load; the zoo's exports stay per
+    worker (they are written in place)."""
     cache = tmp_path_factory.mktemp("guard-cache")
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        shared = tmp_path_factory.getbasetemp().parent / "gguf-fp32"
-        shared.mkdir(exist_ok=True)
-        (cache / "gguf-fp32").symlink_to(shared, target_is_directory=True)
+        for part in SHARED_CACHE_PARTS:
+            shared = tmp_path_factory.getbasetemp().parent / part
+            shared.mkdir(exist_ok=True)
+            (cache / part).symlink_to(shared, target_is_directory=True)
     os.environ["GUARD_CACHE_DIR"] = str(cache)
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache / "inductor"))
     yield cache

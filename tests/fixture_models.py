@@ -1,4 +1,5 @@
-"""Small real torch models for tests, loaded through guard's ``module:factory`` path.
+"""Small real torch models for tests, loaded through guard's ``module:factory`` path (``affine``
+has an ONNX form too: tests/affine_onnx.py).
 
 They are genuine ``nn.Module``s run by the real torch backend; their only test-specific trait
 is a data-dependent behaviour, so that a test can make a primary drift, a reference hang or a

@@ -267,7 +267,11 @@ def ort_genai_model(gguf: Path, precision: str = "int4", folder: Path | None = N
             raise RuntimeError(f"onnxruntime_genai's model builder ({precision}) failed: "
                                f"{done.stderr[-2000:]}")
         shutil.rmtree(partial / "cache", ignore_errors=True)
-        os.replace(partial, folder)
+        try:
+            os.replace(partial, folder)
+        except OSError:  # another process built it meanwhile (a folder is not replaced)
+            if not (folder / "genai_config.json").is_file():
+                raise
     finally:
         shutil.rmtree(partial, ignore_errors=True)
     return folder

@@ -255,6 +255,18 @@ class LlamaCppServer:
             self.process.wait(10)
 
 
+def start_llama_cpp_upstream(log_dir: Path, gguf: Path, alias: str) -> LlamaServer:
+    """llama-server serving ``gguf`` under ``alias``, as the upstream LLM of a test that is not
+    about which server answers (its Q2_K primary, its Q8_0 fallback). llama-server, not
+    llama-cpp-python's server: it answers the logprobs guard asks for on sampled calls at
+    ~1.05x the CPU of a call without them, where llama-cpp-python sorts the whole vocabulary
+    in Python per token (~4-5x: benchmarks/results/llm_sample_logprobs_cost.md), the largest
+    share of the suite's CPU that no test was about. llama-cpp-python's server keeps the tests
+    of its own behaviour (its refusals, its missing /tokenize, the LLM demo's upstreams)."""
+    server = start_llama_cpp_server(require_llama_server(), gguf, log_dir, ("--alias", alias))
+    return LlamaServer(server.url, alias, server.process, server.log)
+
+
 def start_llama_cpp_server(binary: Path, gguf: Path, log_dir: Path,
                            flags: tuple[str, ...] = (), timeout: float = 120.0
                            ) -> LlamaCppServer:

@@ -17,10 +17,41 @@ from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
 
 AFFINE = "fixture_models:affine"
+ONNX_FORMS = {"drift_on_trigger", "roll_on_trigger"}  # the triggers tests/affine_onnx.py builds
 
 
-def affine_backend(**kwargs) -> dict:
-    return {"backend": "torch", "path": AFFINE, "options": {"kwargs": kwargs}}
+def affine_backend(torch: bool = False, **kwargs) -> dict:
+    """The fixture's affine model (tests/fixture_models.py) as a backend block: its ONNX file
+    where its triggers have an ONNX form (none, drift, roll), so that the verifier that loads
+    it imports no torch (most of a verifier's start: tests/affine_onnx.py); the torch module
+    where they do not (sleep, fail, repeat) or ``torch`` asks for it (a test of the torch
+    backend itself). One intra-op thread, as the torch module has (tests/conftest.py)."""
+    if torch or not set(kwargs) <= ONNX_FORMS:
+        return {"backend": "torch", "path": AFFINE, "options": {"kwargs": kwargs}}
+    from affine_onnx import affine_onnx
+
+    return {"backend": "onnxruntime", "path": str(affine_onnx(**kwargs)),
+            "options": {"intra_op_threads": 1}}
+
+
+def affine_answers(rows, torch: bool = False, **kwargs) -> np.ndarray:
+    """What the model of ``affine_backend(torch, **kwargs)`` answers to ``rows`` called
+    directly, on the same runtime (ONNX Runtime's Gemm and torch's Linear differ in the last
+    bits)."""
+    rows = np.asarray(rows, np.float32)
+    block = affine_backend(torch, **kwargs)
+    if block["backend"] == "torch":
+        import torch as torch_module
+
+        from fixture_models import Affine
+
+        with torch_module.inference_mode():
+            return Affine(**kwargs)(torch_module.from_numpy(rows)).numpy()
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.intra_op_num_threads = 1
+    return ort.InferenceSession(block["path"], options).run(None, {"x": rows})[0]
 
 
 def model_block(name="m", **overrides) -> dict:

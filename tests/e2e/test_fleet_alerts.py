@@ -213,14 +213,14 @@ def _complete(port: int, prompt: str) -> None:
 
 
 def test_pooled_evidence_of_three_llm_replicas_fires_the_fleet_alert(tmp_path):
-    pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
-    from llm_support import start_llama_server, stop_llama_server
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+    from llm_support import start_llama_cpp_upstream, stop_llama_server
 
     from guard.zoo.llm import quant_ladder
 
     completions = 3  # per replica
     ladder = quant_ladder(("F16", "Q2_K"))
-    upstream = start_llama_server(tmp_path, gguf=ladder["Q2_K"], alias="smol-q2k")
+    upstream = start_llama_cpp_upstream(tmp_path, ladder["Q2_K"], "smol-q2k")
     config = {"version": 1, "server": {"host": "127.0.0.1", "http_port": 0}, "models": [{
         "name": "smol", "task": "generation",
         "primary": {"backend": "openai", "target": upstream.url, "model": upstream.model,

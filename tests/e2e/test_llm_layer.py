@@ -1,12 +1,11 @@
-"""Which layer broke, online and in replay (issue 30): a real llama-cpp-python server serves
+"""Which layer broke, online and in replay (issue 30): a real llama.cpp server (llama-server) serves
 SmolLM2's GGUF with one tensor requantized to Q2_K, the transformers reference (the shipped file,
-dequantized) scores it. Online: guard's OpenAI-compatible edge in front of the server, the
-`openai` client as users call it; a completion fails the generation tier and tier 2
-(``checks.activation``, ``on_failure``) runs in the mirror worker on that completion's tokens,
-llama.cpp running the file the upstream serves (``primary_gguf``) with its eval callback: an
-``activation_divergence`` event and ``guard_checks_total{tier="activation"}`` name the layer.
-In replay: ``guard replay`` of a prompt set (the primary generates over HTTP) names it in
-report.json."""
+dequantized) scores it. Online: guard's OpenAI-compatible edge in front of the server, the `openai`
+client as users call it; a completion fails the generation tier and tier 2 (``checks.activation``,
+``on_failure``) runs in the mirror worker on that completion's tokens, llama.cpp running the file
+the upstream serves (``primary_gguf``) with its eval callback: an ``activation_divergence`` event
+and ``guard_checks_total{tier="activation"}`` name the layer. In replay: ``guard replay`` of a
+prompt set (the primary generates over HTTP) names it in report.json."""
 
 from __future__ import annotations
 
@@ -14,11 +13,11 @@ import json
 
 import pytest
 
-from llm_support import start_llama_server, stop_llama_server
+from llm_support import start_llama_cpp_upstream, stop_llama_server
 from support import events, metric, scrape, wait_for, write_config
 from test_llm_online import guard_in_front, openai_block
 
-pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 pytest.importorskip("transformers", reason="transformers (the llm extra) is not installed")
 openai = pytest.importorskip("openai")
 # A real server, a transformers reference and tier 2's own sides on a shared CPU: minutes.
@@ -38,8 +37,7 @@ def broken():
 
 @pytest.fixture(scope="module")
 def upstream(broken, tmp_path_factory):
-    server = start_llama_server(tmp_path_factory.mktemp("llama"), gguf=broken,
-                                alias="smol-broken")
+    server = start_llama_cpp_upstream(tmp_path_factory.mktemp("llama"), broken, "smol-broken")
     try:
         yield server
     finally:

@@ -1,5 +1,5 @@
-"""Generative capture and replay, end to end (issue 30): a real llama-cpp-python server on the
-real SmolLM2 Q2_K GGUF behind guard's OpenAI-compatible edge, called with the `openai` client;
+"""Generative capture and replay, end to end (issue 30): a real llama.cpp server (llama-server) on
+the real SmolLM2 Q2_K GGUF behind guard's OpenAI-compatible edge, called with the `openai` client;
 the verifier scores every call (sample_rate 1) and capture records it; `guard replay` scores the
 capture again, offline, and must reach the verdicts the sidecar reached live. Two models share
 the upstream: one scored by llama.cpp's F16 of the same weights (Q2_K drifts from it), one by
@@ -20,10 +20,10 @@ import subprocess
 
 import pytest
 
-from llm_support import free_port, start_llama_server, stop_llama_server
+from llm_support import free_port, start_llama_cpp_upstream, stop_llama_server
 from support import metric, scrape, wait_for, write_config
 
-pytest.importorskip("llama_cpp.server", reason="llama-cpp-python[server] is not installed")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 openai = pytest.importorskip("openai")
 pytestmark = pytest.mark.timeout(900)
 
@@ -51,8 +51,7 @@ def ladder():
 
 @pytest.fixture(scope="module")
 def upstream(ladder, tmp_path_factory):
-    server = start_llama_server(tmp_path_factory.mktemp("llama"), gguf=ladder["Q2_K"],
-                                alias="smol-q2")
+    server = start_llama_cpp_upstream(tmp_path_factory.mktemp("llama"), ladder["Q2_K"], "smol-q2")
     try:
         yield server
     finally:

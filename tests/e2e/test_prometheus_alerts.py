@@ -1,10 +1,11 @@
 """A real Prometheus server scrapes a running guard, evaluates the rules `guard deploy rules`
 generates for its config, and fires the drift alert once drift is injected through the guard.
 
-Everything is real: the guard (gRPC + /metrics on free ports), tritonclient, the torch fixture
-model that drifts on trigger inputs, Debian's Prometheus binary (installed by .ci/run) with its
-own TSDB in a temp folder, and its HTTP API. The only thing the test shortens is time: scrape
-and rule evaluation every second, and the drift alert's `for` set to 2 s.
+Everything is real: the guard (gRPC + /metrics on free ports), tritonclient, the fixture model
+that drifts on trigger inputs (its ONNX form: tests/affine_onnx.py), Debian's Prometheus binary
+(installed by .ci/run) with its own TSDB in a temp folder, and its HTTP API. The only thing the
+test shortens is time: scrape and rule evaluation every second, and the drift alert's `for` set
+to 2 s.
 """
 
 from __future__ import annotations

@@ -112,7 +112,8 @@ def test_a_model_that_fails_to_load_keeps_its_old_version(tmp_path):
     path.write_text(yaml.safe_dump(data))
     with BackgroundServer(load_config(path)) as srv:
         old = srv.models["a"]
-        data["models"][0]["primary"]["path"] = "fixture_models:does_not_exist"
+        # a factory the module does not have: the block parses, the load fails
+        data["models"][0]["primary"] = {"backend": "torch", "path": "fixture_models:does_not_exist"}
         path.write_text(yaml.safe_dump(data))
         wait_for(lambda: metric(scrape(srv.metrics_port), "guard_config_reloads_total",
                                 result="failed") == 1)

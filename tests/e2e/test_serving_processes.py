@@ -1,5 +1,6 @@
 """server.processes: several serving processes on one port (SO_REUSEPORT), sharing the verifier
-and the route words (real child processes, real gRPC, real tritonclient, real torch backends).
+and the route words (real child processes, real gRPC, real tritonclient, real ONNX Runtime and
+torch backends).
 
 Which process answered a connection is the kernel's choice; the tests open fresh connections
 until every process has answered, and tell the processes apart by their own counters (the
@@ -154,8 +155,9 @@ def test_a_repaired_primary_is_built_from_the_block_the_verifier_sends_in_every_
 
     caplog.set_level(logging.INFO, logger="guard.events")
     trigger = np.array([[fixture_models.DRIFT_TRIGGER, 0.0, 0.0, 0.0]])
-    with running(tmp_path, [model_block(mirror={"sample_rate": 0.0})],
-                 processes=2) as (srv, client):
+    # the torch module: its variant is a kwarg of the same factory
+    model = model_block(primary=affine_backend(torch=True), mirror={"sample_rate": 0.0})
+    with running(tmp_path, [model], processes=2) as (srv, client):
         before = client.infer("m", [x_input(trigger)]).as_numpy("y")
         configured = srv.models["m"].config.primary
         variant = BackendConfig.model_validate(

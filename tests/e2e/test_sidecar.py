@@ -13,10 +13,11 @@ import tritonclient.grpc as grpcclient
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from tritonclient.utils import InferenceServerException
 
-from fixture_models import DRIFT_TRIGGER, FAIL_TRIGGER, SLEEP_TRIGGER, Affine
+from fixture_models import DRIFT_TRIGGER, FAIL_TRIGGER, SLEEP_TRIGGER
 from guard.v1 import admin_pb2, admin_pb2_grpc
 
-from support import affine_backend, metric, model_block, running, scrape, wait_for, x_input
+from support import (affine_answers, affine_backend, metric, model_block, running, scrape,
+                     wait_for, x_input)
 
 CONTRACT_METRICS = {
     "guard_requests_total", "guard_request_duration_seconds_bucket", "guard_mirror_total",
@@ -24,13 +25,6 @@ CONTRACT_METRICS = {
     "guard_tensor_max_abs_error_bucket", "guard_drift_ratio", "guard_fallback_active",
     "guard_fallback_transitions_total", "guard_build_info",
 }
-
-
-def direct_affine(rows: np.ndarray, **kwargs) -> np.ndarray:
-    import torch
-
-    with torch.inference_mode():
-        return Affine(**kwargs)(torch.from_numpy(np.asarray(rows, np.float32))).numpy()
 
 
 def route_of(result) -> str:
@@ -96,7 +90,7 @@ def test_drift_trips_fallback_then_routes_back_after_recovery(tmp_path, rng):
             result = client.infer("m", [x_input(drifting)])
             assert route_of(result) == "primary"
             np.testing.assert_allclose(result.as_numpy("y"),
-                                       direct_affine(drifting, drift_on_trigger=True))
+                                       affine_answers(drifting, drift_on_trigger=True))
         values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
             v, "guard_fallback_active", model="m", scope="model") == 1 and v)
         assert metric(values, "guard_checks_total", model="m", tier="tensor", result="fail") == 5
@@ -107,7 +101,7 @@ def test_drift_trips_fallback_then_routes_back_after_recovery(tmp_path, rng):
         # Phase 2: answers come from the fallback, equal to the clean model.
         result = client.infer("m", [x_input(drifting)])
         assert route_of(result) == "fallback"
-        np.testing.assert_allclose(result.as_numpy("y"), direct_affine(drifting), rtol=1e-6)
+        np.testing.assert_allclose(result.as_numpy("y"), affine_answers(drifting), rtol=1e-6)
 
         # Phase 3: past the dwell, the primary is probed in the background on clean traffic;
         # a clean window routes back.
@@ -156,7 +150,7 @@ def test_slow_reference_never_slows_or_fails_the_primary(tmp_path):
     with running(tmp_path, [model]) as (srv, client):
         for _ in range(20):
             result = client.infer("m", [x_input(slow)])
-            np.testing.assert_allclose(result.as_numpy("y"), direct_affine(slow), rtol=1e-6)
+            np.testing.assert_allclose(result.as_numpy("y"), affine_answers(slow), rtol=1e-6)
         values = wait_for(lambda: (v := scrape(srv.metrics_port)) and outcomes(v) == 20 and v)
         assert metric(values, "guard_mirror_total", model="m", outcome="timeout") >= 2
         assert metric(values, "guard_mirror_total", model="m", outcome="compared") == 0
@@ -169,7 +163,7 @@ def test_failing_reference_counts_errors_and_serving_goes_on(tmp_path):
     with running(tmp_path, [model]) as (srv, client):
         for _ in range(3):
             np.testing.assert_allclose(client.infer("m", [x_input(bad)]).as_numpy("y"),
-                                       direct_affine(bad), rtol=1e-6)
+                                       affine_answers(bad), rtol=1e-6)
         wait_for(lambda: metric(scrape(srv.metrics_port), "guard_mirror_total", model="m",
                                 outcome="error") == 3)
 
@@ -183,7 +177,7 @@ def test_backend_exception_is_internal_and_the_server_keeps_serving(tmp_path, rn
         assert "'m'" in err.value.message() and "fixture model failure" in err.value.message()
         ok = rng.normal(size=(1, 4)).astype(np.float32)
         np.testing.assert_allclose(client.infer("m", [x_input(ok)]).as_numpy("y"),
-                                   direct_affine(ok), rtol=1e-6)
+                                   affine_answers(ok, torch=True), rtol=1e-6)
         values = scrape(srv.metrics_port)
         assert metric(values, "guard_request_errors_total", model="m", code="INTERNAL") == 1
 
@@ -233,7 +227,7 @@ def test_manual_route_without_fallback_is_refused(tmp_path):
 @pytest.mark.parametrize("workers", [4, 0], ids=["thread-pool", "inline"])
 def test_concurrent_clients_each_get_their_own_answer(tmp_path, rng, workers):
     rows = rng.normal(size=(64, 1, 4)).astype(np.float32)
-    expected = [direct_affine(r) for r in rows]
+    expected = [affine_answers(r) for r in rows]
     with running(tmp_path, [model_block(mirror={"sample_rate": 0.5})],
                  workers=workers) as (srv, _):
         failures = []

@@ -1,9 +1,10 @@
 """An action per tier (``policy.actions``) through the real sidecar: tensor failures alert and
 leave clients on the primary, task failures switch the model to its fallback (issue 28, 11).
 
-The primary is the fixture's torch model (tests/fixture_models.py): on one input it moves every
-logit by 1.0 (tier 1 fails, the top-1 class stays: tier 3 passes), on another it rolls the
-logits by one class (the top-1 changes: tier 3 fails too)."""
+The primary is the fixture's affine model (tests/fixture_models.py, in its ONNX form:
+tests/affine_onnx.py): on one input it moves every logit by 1.0 (tier 1 fails, the top-1 class
+stays: tier 3 passes), on another it rolls the logits by one class (the top-1 changes: tier 3
+fails too)."""
 
 from __future__ import annotations
 

@@ -36,7 +36,8 @@ import httpx2 as httpx  # the HTTP client the openai package itself uses
 import numpy as np
 import pytest
 
-from llm_support import assert_answered_alike, free_port, start_llama_server
+from llm_support import (assert_answered_alike, free_port, start_llama_cpp_upstream,
+                         start_llama_server)
 from llm_support import post_json, stop_llama_server
 from support import events, metric, running, scrape, wait_for, write_config
 from vllm_server import VLLMServer, require_vllm
@@ -139,15 +140,15 @@ def vllm(tmp_path_factory, generation_config):
 
 @pytest.fixture(scope="module")
 def primaries(tmp_path_factory):
-    """llama-cpp-python's server on the Q8_0 and Q2_K rungs (logits_all: they answer the
-    logprobs guard asks for)."""
+    """llama-server on the Q8_0 and Q2_K rungs (tests/e2e/llm_support.py
+    ``start_llama_cpp_upstream``)."""
     ladder = quant_ladder(("Q8_0", "Q2_K"))
     logs = tmp_path_factory.mktemp("llama")
     servers = {}
     try:
         for rung in ("Q8_0", "Q2_K"):
-            servers[rung] = start_llama_server(logs, gguf=ladder[rung],
-                                               alias=f"smol-{rung.lower()}")
+            servers[rung] = start_llama_cpp_upstream(logs, ladder[rung],
+                                                     f"smol-{rung.lower()}")
         yield servers
     finally:
         for server in servers.values():
