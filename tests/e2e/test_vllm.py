@@ -53,7 +53,7 @@ from guard.config.backend import BackendConfig  # noqa: E402
 from guard.errors import BackendError, GuardError  # noqa: E402
 from guard.protocol.generation import GenerationSample, SamplingParams  # noqa: E402
 from guard.verify.generation import check_generation  # noqa: E402
-from guard.zoo.llm import PROMPTS, hf_folder, quant_ladder, sample_from_response  # noqa: E402
+from guard.zoo.llm import PROMPTS, hf_folder, quant_ladder  # noqa: E402
 from guard.zoo.llm import smollm2_gguf  # noqa: E402
 
 SERVED = "smol-fp32"
@@ -563,14 +563,19 @@ def test_the_remote_scores_are_the_in_process_fp32_references_on_the_same_tokens
 
 
 def _completion(server, prompt: str):
-    """A greedy completion with top-5 logprobs from a llama-cpp-python server, as a sample."""
+    """A greedy completion with top-5 logprobs from a primary (llama-server), as a sample:
+    read as guard's edge reads the call and its answer."""
+    from guard.protocol import openai as api
+
     body = json.dumps({"model": server.model, "prompt": prompt, "max_tokens": 24,
                        "temperature": 0, "logprobs": 5}).encode()
     request = urllib.request.Request(f"{server.url}/v1/completions", data=body,
                                      headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=120) as answer:
-        response = json.loads(answer.read())
-    return sample_from_response(prompt, response, SamplingParams(temperature=0.0, logprobs=5))
+        completion = api.gather_answer("completions", answer.read(), streamed=False)
+    call = api.parse_request("completions", body)
+    assert api.unusable(completion, call) == ""
+    return api.build_sample(call, completion, route="primary")
 
 
 # -- what guard adds to a sampled call never reaches the client -----------------------------------
