@@ -156,8 +156,9 @@ class ProcPoller:
                 seen = self.seen.get(key)
                 if seen is None:
                     argv = Path(entry.path, "cmdline").read_bytes().split(b"\0")
+                    comm = stat[stat.index("(") + 1:stat.rindex(")")]
                     seen = self.seen[key] = {"pid": key[0], "name": program_name(
-                        [a.decode(errors="replace") for a in argv if a])}
+                        [a.decode(errors="replace") for a in argv if a], comm)}
                 seen["cpu_s"] = (int(fields[11]) + int(fields[12])) / bench.CLK_TCK
             except (OSError, ValueError, IndexError):
                 continue  # gone between the listing and the read, or a kernel thread
@@ -182,15 +183,20 @@ def _boot_ticks_now() -> int:
     return int(float(Path("/proc/uptime").read_text().split()[0]) * bench.CLK_TCK)
 
 
-def program_name(argv: list[str]) -> str:
+def program_name(argv: list[str], comm: str = "") -> str:
     """A process's program as the report names it: the executable's name, a Python process's
-    ``-m`` module (vLLM's ``vllm.entrypoints.openai.api_server``) or script."""
+    ``-m`` module (vLLM's ``vllm.entrypoints.openai.api_server``) or script, or for ``python
+    -c`` the name the process gave itself (``comm``: vLLM's engine core, started so by
+    multiprocessing, calls itself ``VLLM::EngineCore``)."""
     if not argv:
-        return "?"
+        return comm or "?"
     name = Path(argv[0]).name
     if name.startswith("python"):
         if "-m" in argv[1:-1]:
             return argv[argv.index("-m") + 1]
+        if "-c" in argv[1:]:
+            return f"python -c ({comm})" if comm and not comm.startswith("python") \
+                else "python -c"
         scripts = [a for a in argv[1:] if not a.startswith("-")]
         return Path(scripts[0]).name if scripts else name
     return name
