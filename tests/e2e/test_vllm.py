@@ -7,9 +7,8 @@ fp32 from an HF folder written from the GGUF (guard/zoo/llm.py ``hf_folder``), o
   reference (transformers on the same GGUF) and finds them agreeing, on the prompts and
   tokens vLLM's own ids say (``sample_token_ids``), a character sampled in bytes included.
 - vLLM as the remote reference (``backend: openai`` in the reference role,
-  guard/backends/openai_scorer.py): it scores llama.cpp primaries served by
-  llama-cpp-python; the Q8_0 one raises no alarm, the Q2_K one is caught and switched to
-  its fallback.
+  guard/backends/openai_scorer.py): it scores llama.cpp primaries served by llama-server;
+  the Q8_0 one raises no alarm, the Q2_K one is caught and switched to its fallback.
 - The remote scorer's figures are the in-process fp32 reference's on the same tokens (within
   the noise of two fp32 kernels), by prompt_logprobs and by echo alike.
 - Servers that cannot score are refused at load, saying why.
