@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -47,11 +48,17 @@ def affine_answers(rows, torch: bool = False, **kwargs) -> np.ndarray:
 
         with torch_module.inference_mode():
             return Affine(**kwargs)(torch_module.from_numpy(rows)).numpy()
+    return _onnx_session(block["path"]).run(None, {"x": rows})[0]
+
+
+@functools.lru_cache(maxsize=None)
+def _onnx_session(path: str):
+    """One ONNX Runtime session per file (a test asks for 64 rows' answers one by one)."""
     import onnxruntime as ort
 
     options = ort.SessionOptions()
     options.intra_op_num_threads = 1
-    return ort.InferenceSession(block["path"], options).run(None, {"x": rows})[0]
+    return ort.InferenceSession(path, options)
 
 
 def model_block(name="m", **overrides) -> dict:
