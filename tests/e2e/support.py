@@ -119,14 +119,23 @@ def metric(values: dict, name: str, **labels) -> float:
     return values.get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def wait_for(predicate, timeout: float = 30.0, interval: float = 0.05):
-    """Poll until predicate() is truthy (work that happens off the request path)."""
+def wait_for(predicate, timeout: float = 30.0, interval: float | None = None):
+    """Poll until predicate() is truthy (work that happens off the request path).
+
+    ``interval``: a fixed pause between polls, for a predicate that paces traffic of its own
+    (each poll sends a request). Left out, the pause starts at 0.05 s and grows by half each
+    poll up to 0.5 s: a quick condition is seen at once, and a long wait (a verifier's backlog
+    under the whole suite, minutes) does not scrape /metrics 20 times a second, taking the CPU
+    from the very processes it waits for."""
     deadline = time.monotonic() + timeout
+    pause = 0.05 if interval is None else interval
     while time.monotonic() < deadline:
         value = predicate()
         if value:
             return value
-        time.sleep(interval)
+        time.sleep(pause)
+        if interval is None:
+            pause = min(pause * 1.5, 0.5)
     raise AssertionError(f"condition not met within {timeout}s")
 
 
