@@ -109,7 +109,7 @@ def test_a_q2k_primary_is_caught_switched_to_the_fallback_and_probed(
                 break
             routes.append(route)  # logprobs were stripped: the client did not ask for them
             # One call at a time, each scored before the next (the verdicts arrive in order).
-            wait_for(lambda: compared(server) >= len(routes), timeout=180, interval=0.1)
+            wait_for(lambda: compared(server) >= len(routes), timeout=180)
             if events(caplog, "route_transition"):
                 break
         (switch,) = wait_for(lambda: events(caplog, "route_transition"), timeout=30)
@@ -131,7 +131,7 @@ def test_a_q2k_primary_is_caught_switched_to_the_fallback_and_probed(
             route, answer = complete(client, prompt, 32)
             assert route == "fallback" and answer.model == "smol"
         # A call the fallback answered is compared only by probing the primary with it.
-        wait_for(lambda: compared(server) >= before + 3, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server) >= before + 3, timeout=300)
         values = scrape(server.metrics_port)
         assert metric(values, "guard_checks_total", model="smol", tier="generation",
                       result="fail") > failed_before  # the probed Q2_K still drifts
@@ -163,7 +163,7 @@ def test_a_q8_primary_raises_no_alarm(upstreams, ladder, tmp_path, caplog):
             route, _ = complete(client, prompt, 16)
             assert route == "primary"
             calls += 1
-        wait_for(lambda: compared(server) >= calls, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server) >= calls, timeout=300)
         assert events(caplog, "drift_alert") == []
         values = scrape(server.metrics_port)
         statistic = metric(values, "guard_detector_statistic", model="smol", tier="generation")

@@ -488,7 +488,7 @@ def test_a_server_that_fails_guards_logprobs_answers_the_client_as_it_asked(tmp_
                         "completions, streamed, no tools"])
             assert {e["status"] for e in refused} == {500, 200}  # the stream opened, then ended
             assert all(e["error"] for e in refused)
-            wait_for(lambda: handed(server) >= 6, timeout=120, interval=0.2)
+            wait_for(lambda: handed(server) >= 6, timeout=120)
             values = scrape(server.metrics_port)
             assert metric(values, "guard_mirror_total", model="smol", outcome="compared") == 6
         # The probe of a primary behind a fallback asks its logprobs likewise: refused, it asks

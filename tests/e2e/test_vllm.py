@@ -317,7 +317,7 @@ def test_guard_in_front_of_vllm_forwards_every_call_and_the_tier_finds_it_agreei
             direct.completions.create(model=vllm.name, **tokenized).choices[0].logprobs
 
         # Thirteen calls sampled; each scored by the reference in guard's verifier.
-        wait_for(lambda: compared(server, "smol") >= 13, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server, "smol") >= 13, timeout=300)
         assert checks(server, "smol", "pass") == 13 and checks(server, "smol", "fail") == 0
         values = scrape(server.metrics_port)
         kld = metric(values, "guard_generation_kld_sum", model="smol") / \
@@ -409,7 +409,7 @@ def test_calls_left_to_vllms_sampling_defaults_are_scored_with_its_generation_co
             sum(metric(v, "guard_mirror_total", model=name, outcome=outcome)
                 for outcome in ("compared", "not_comparable")) >= calls
             for name in ("declared", "undeclared", "neutral")) else None)(
-                scrape(server.metrics_port)), timeout=300, interval=0.2)
+                scrape(server.metrics_port)), timeout=300)
 
         def counted(name: str, outcome: str) -> float:
             return metric(values, "guard_mirror_total", model=name, outcome=outcome)
@@ -481,9 +481,9 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
                                api_key="client-key", max_retries=0, timeout=120)
         asked = dict(model="smol", messages=MESSAGES, max_tokens=8, temperature=0)
         client.chat.completions.create(**asked)  # the model's own template
-        wait_for(lambda: compared(server, "smol") >= 1, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server, "smol") >= 1, timeout=300)
         client.chat.completions.create(**asked, extra_body={"chat_template": OTHER_TEMPLATE})
-        wait_for(lambda: compared(server, "smol") >= 2, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server, "smol") >= 2, timeout=300)
         assert checks(server, "smol", "pass") == 1 and checks(server, "smol", "fail") == 1
         (event,) = wait_for(lambda: events(caplog, "generation_divergence"), timeout=30)
         assert event["findings"] == ["prompt_rendered_otherwise"]
@@ -496,7 +496,7 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
         client.chat.completions.create(
             model="smol", messages=prefilled, max_tokens=8, temperature=0,
             extra_body={"continue_final_message": True, "add_generation_prompt": False})
-        wait_for(lambda: compared(server, "smol") >= 3, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server, "smol") >= 3, timeout=300)
         assert checks(server, "smol", "pass") == 2 and checks(server, "smol", "fail") == 1
         # Content parts, empty ones among them: vLLM joins the texts by newlines and leaves
         # the empty ones out, and so does the reference (a newline for each read as template
@@ -504,7 +504,7 @@ def test_a_chat_rendered_with_another_template_is_caught_as_template_drift(vllm,
         parts = [{"type": "text", "text": t} for t in ("", "What is the capital", "", "of France?")]
         client.chat.completions.create(model="smol", max_tokens=8, temperature=0,
                                        messages=[{"role": "user", "content": parts}])
-        wait_for(lambda: compared(server, "smol") >= 4, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server, "smol") >= 4, timeout=300)
         assert checks(server, "smol", "pass") == 3 and checks(server, "smol", "fail") == 1
 
 
@@ -800,7 +800,7 @@ def test_vllm_scores_llama_cpp_primaries_in_an_install_without_torch(vllm, prima
             calls["smol-q2"] += 1
             wait_for(lambda: compared("smol-q2") >= calls["smol-q2"], timeout=180,
                      interval=0.1)
-        wait_for(lambda: compared("smol-q8") >= calls["smol-q8"], timeout=300, interval=0.2)
+        wait_for(lambda: compared("smol-q8") >= calls["smol-q8"], timeout=300)
 
         (switch,) = wait_for(switched, timeout=30)
         assert switch["to_route"] == "fallback" and switch["trigger"] == "policy"
@@ -928,7 +928,7 @@ def test_vllms_responses_api_is_checked_and_its_other_endpoints_pass_through(
                 scrape(server.metrics_port)), timeout=30)
         assert metric(values, "guard_generation_not_comparable_total", model="smol",
                       reason="endpoint") == 2
-        wait_for(lambda: compared(server, "smol") >= 3, timeout=300, interval=0.2)
+        wait_for(lambda: compared(server, "smol") >= 3, timeout=300)
         assert checks(server, "smol", "pass") == 3 and checks(server, "smol", "fail") == 0
 
     from guard.capture.reader import FileStats, expand_paths, read_records
