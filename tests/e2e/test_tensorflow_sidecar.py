@@ -65,9 +65,15 @@ def test_a_drifting_litert_int8_primary_is_caught_and_falls_back(tmp_path):
         for i in range(6):
             for name in ("int8", "fp32"):
                 result = client.infer(name, [image_tensor(rows[i:i + 1])])
-                assert result.get_response().parameters["guard_route"].string_param == "primary"
-                expected = litert(int8 if name == "int8" else fp32, rows[i:i + 1])
-                np.testing.assert_array_equal(result.as_numpy("output_0"), expected)
+                route = result.get_response().parameters["guard_route"].string_param
+                # The detector trips on 5 compared samples (min_samples), each compared after
+                # its call was answered: the first five int8 calls are the primary's; a quick
+                # verifier may have switched before the sixth.
+                if name == "fp32" or i < 5:
+                    assert route == "primary"
+                served = int8 if name == "int8" and route == "primary" else fp32
+                np.testing.assert_array_equal(result.as_numpy("output_0"),
+                                              litert(served, rows[i:i + 1]))
         values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
             v, "guard_fallback_active", model="int8", scope="model") == 1 and metric(
             v, "guard_mirror_total", model="fp32", outcome="compared") == 6 and v, timeout=120)
