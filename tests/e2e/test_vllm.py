@@ -798,8 +798,7 @@ def test_vllm_scores_llama_cpp_primaries_in_an_install_without_torch(vllm, prima
             if call("smol-q2", prompt, 32) == "fallback":
                 continue
             calls["smol-q2"] += 1
-            wait_for(lambda: compared("smol-q2") >= calls["smol-q2"], timeout=180,
-                     interval=0.1)
+            wait_for(lambda: compared("smol-q2") >= calls["smol-q2"], timeout=180)
         wait_for(lambda: compared("smol-q8") >= calls["smol-q8"], timeout=300)
 
         (switch,) = wait_for(switched, timeout=30)
