@@ -216,27 +216,31 @@ def test_llama_cpps_presence_and_frequency_penalties_are_scored_as_its_sampler_a
     same completions scored as if the two were not asked lean to drift."""
     sampling = SamplingParams(repeat_penalty=1.1, presence_penalty=1.5, frequency_penalty=1.0)
     defaults = SERVER_DEFAULTS["llama-cpp-python"]
-    samples = _z_about_standard_normal(f16_reference, primaries, sampling, defaults)
+    scored = _z_about_standard_normal(f16_reference, primaries, sampling, defaults)
     unasked = np.array([check_generation(
         replace(sample, sampling=replace(sample.sampling, presence_penalty=None,
                                          frequency_penalty=None)),
-        f16_reference.score(sample), defaults).statistic for sample in samples])
+        scores, defaults).statistic for sample, scores in scored])
     assert unasked.mean() > 1.0, unasked
 
 
 def _z_about_standard_normal(f16_reference, primaries, sampling, defaults) -> list:
-    """12 completions of 32 tokens sampled so by the F16 primary: their z about N(0, 1)."""
-    zs, samples = [], []
+    """12 completions of 32 tokens sampled so by the F16 primary: their z about N(0, 1).
+    Returns each sample with the reference's scores of it (a scoring pass depends on the
+    prompt and the tokens, not on the sampling the check reads), for a caller to check again
+    under other parameters without scoring again."""
+    zs, scored = [], []
     for seed in range(12):
         sample = smol.complete(primaries["F16"], smol.PROMPTS[seed % len(smol.PROMPTS)], 32,
                                sampling, seed=100 + seed, token_ids=True)
-        check = check_generation(sample, f16_reference.score(sample), defaults)
+        scores = f16_reference.score(sample)
+        check = check_generation(sample, scores, defaults)
         assert check.mode == "sampled"
         zs.append(check.statistic)
-        samples.append(sample)
+        scored.append((sample, scores))
     zs = np.array(zs)
     assert abs(zs.mean()) < 1.0 and np.all(np.abs(zs) <= GenerationThresholds().max_abs_z), zs
-    return samples
+    return scored
 
 
 def test_a_sampled_completion_on_an_unknown_server_is_not_comparable(f16_reference, primaries):
