@@ -85,8 +85,9 @@ class Run:
         if kv_cache is not None:  # llama.cpp quantizes V only with flash attention
             ggml_type = getattr(llama_cpp, f"GGML_TYPE_{kv_cache.upper()}")
             cache = {"type_k": ggml_type, "type_v": ggml_type, "flash_attn": True}
-        self.llm = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=threads, logits_all=True,
-                                   verbose=False, **cache)
+        self.llm = llama_cpp.Llama(str(gguf), n_ctx=512, n_threads=threads,
+                                   n_threads_batch=threads, logits_all=True, verbose=False,
+                                   **cache)
         self.policy = generation_policy(config)
         self.limits = comparator.tier(TIER).limits
         self.epoch = 0
