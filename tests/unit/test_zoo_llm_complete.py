@@ -19,9 +19,9 @@ except FileNotFoundError as exc:  # pragma: no cover - depends on the install
 @pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=40)])
 def test_the_logprobs_block_is_llama_cpp_pythons_own(sampling):
     # One thread for the prompt's batch too, as guard opens a model (guard/backends/llama_cpp.py
-    # open_llama). llama-cpp-python's default is the CPU count; after a torch test in the same
-    # worker, a thread torch had started then took CPU during this one (per-thread CPU from
-    # /proc), and the suite charged it 14 s of CPU where alone it costs 1 s.
+    # open_llama). llama-cpp-python's default is the CPU count; on a busy machine, after a torch
+    # test in the same worker, a thread torch had started then spun during this one (per-thread
+    # CPU from /proc): the suite charged it 14 s of CPU where alone it costs 1 s.
     model = llama_cpp.Llama(str(SHIPPED), n_ctx=256, n_threads=1, n_threads_batch=1,
                             logits_all=True, verbose=False)
     try:
