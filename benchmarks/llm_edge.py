@@ -117,27 +117,23 @@ def cpu_seconds(pid: int) -> float:
 
 
 def process_cpu_seconds(pid: int) -> float:
-    """CPU time of ``pid`` so far, threads that ended included (/proc/PID/stat utime + stime, in
-    clock ticks): for totals over a whole run, where a thread that ended must still count."""
-    try:
-        raw = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = raw[raw.rindex(")") + 2:].split()
-    return (int(fields[11]) + int(fields[12])) / bench.CLK_TCK
+    """CPU time of ``pid`` so far, threads that ended included (bench.proc_ticks: /proc/PID/stat,
+    in clock ticks): for totals over a whole run, where a thread that ended must still count."""
+    return bench.proc_ticks(pid) / bench.CLK_TCK
 
 
-# A process is quiet when it takes less than this share of a core over a second: its heartbeats
-# and stats flushes, not a backlog. wait_quiet gives up after QUIET_LIMIT_S.
+# A process is drained when it takes less than this share of a core over a second: its
+# heartbeats and stats flushes, not a backlog. wait_drained gives up after DRAIN_LIMIT_S.
 QUIET_SHARE = 0.05
-QUIET_LIMIT_S = 120.0
+DRAIN_LIMIT_S = 120.0
 
 
-def wait_quiet(cells: dict) -> float:
-    """Wait until every process of every cell is quiet (a verifier still scoring the calls
-    before, say); returns the seconds waited."""
+def wait_drained(cells: dict) -> float:
+    """Wait until every process of every cell is quiet itself (a verifier still scoring the
+    calls before, say; bench.wait_quiet waits for the machine's other processes instead);
+    returns the seconds waited."""
     started = time.monotonic()
-    while time.monotonic() - started < QUIET_LIMIT_S:
+    while time.monotonic() - started < DRAIN_LIMIT_S:
         before = {pid: cpu_seconds(pid) for c in cells.values() for pid in c.pids.values()}
         time.sleep(1.0)
         if all(cpu_seconds(pid) - spent < QUIET_SHARE for pid, spent in before.items()):
@@ -528,7 +524,7 @@ def measure(args, cells: dict[str, Cell]) -> tuple[dict, dict]:
         # Each process's idle CPU (heartbeats, stats flushes): measured apart once the
         # warm-up's work is done (a verifier scores the sampled calls after they are answered),
         # subtracted.
-        wait_quiet(cells)
+        wait_drained(cells)
         before = {name: {r: cpu_seconds(p) for r, p in c.pids.items()} for name, c in cells.items()}
         time.sleep(2.0)
         idle = {name: {r: (cpu_seconds(p) - before[name][r]) / 2.0 for r, p in c.pids.items()}
@@ -558,7 +554,7 @@ def measure(args, cells: dict[str, Cell]) -> tuple[dict, dict]:
                     spent[name][role] += cpu_seconds(pid) - start[role]
                 ttft[name].append(first)
                 gaps[name].extend(between)
-        drained_s = wait_quiet(cells)
+        drained_s = wait_drained(cells)
         run_s = time.monotonic() - run_start
         run_spent = {name: {r: process_cpu_seconds(p) - run_before[name][r]
                             for r, p in c.pids.items()} for name, c in cells.items()}

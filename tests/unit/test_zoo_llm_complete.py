@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed")
 
+from guard.backends.llama_cpp import open_llama  # noqa: E402
 from guard.protocol.generation import SamplingParams  # noqa: E402
 from guard.zoo import llm  # noqa: E402
 
@@ -18,12 +19,11 @@ except FileNotFoundError as exc:  # pragma: no cover - depends on the install
 
 @pytest.mark.parametrize("sampling", [None, SamplingParams(temperature=0.8, top_k=40)])
 def test_the_logprobs_block_is_llama_cpp_pythons_own(sampling):
-    # One thread for the prompt's batch too, as guard opens a model (guard/backends/llama_cpp.py
-    # open_llama). llama-cpp-python's default is the CPU count; on a busy machine, after a torch
-    # test in the same worker, a thread torch had started then spun during this one (per-thread
-    # CPU from /proc): the suite charged it 14 s of CPU where alone it costs 1 s.
-    model = llama_cpp.Llama(str(SHIPPED), n_ctx=256, n_threads=1, n_threads_batch=1,
-                            logits_all=True, verbose=False)
+    # Opened as guard opens a model: one thread for the prompt's batch too. llama-cpp-python's
+    # default there is the CPU count; on a busy machine, after a torch test in the same worker,
+    # a thread torch had started then spun during this one (per-thread CPU from /proc): the
+    # suite charged it 14 s of CPU where alone it costs 1 s.
+    model = open_llama(SHIPPED, context_length=256)
     try:
         ours = llm.complete(model, llm.PROMPTS[1], 12, sampling, logprobs=5, seed=7)
         model.reset()
