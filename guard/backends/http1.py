@@ -32,6 +32,7 @@ and never reused.
 from __future__ import annotations
 
 import asyncio
+import re
 import ssl
 import string
 from typing import AsyncIterator, Mapping, NamedTuple
@@ -45,12 +46,24 @@ MAX_HEAD_BYTES = 64 * 1024
 # upstream writes): back-pressure instead of memory.
 HIGH_WATER_BYTES = 1 << 20
 _HEX = frozenset(string.hexdigits.encode())
+# Bytes no header line holds (RFC 9110 5.5: a bare CR or LF, NUL, other controls but HTAB),
+# which aiohttp would also refuse to write to the client.
+_CONTROL = re.compile(rb"[\x00-\x08\x0a-\x1f\x7f]")
 _NO_BODY = frozenset({204, 304})
+# Longest a pooled connection is reused after its last answer, in seconds: under the 5 s
+# keep-alive of uvicorn (vLLM, FastAPI servers) and cpp-httplib (llama-server), so that
+# a call never goes out on a connection the upstream is closing at that moment (the client
+# would get 502 for a call the upstream never read). Older idle connections are closed.
+MAX_IDLE_S = 4.0
 
 
 class UpstreamError(Exception):
     """The upstream could not be reached, answered what is not HTTP/1.x, or broke its answer
     off."""
+
+
+class AnswerTooLarge(UpstreamError):
+    """A whole answer longer than the reader takes (``Response.read``'s ``limit``)."""
 
 
 class Timeouts(NamedTuple):
@@ -71,6 +84,7 @@ class _Connection(asyncio.Protocol):
         self.ended = False  # the upstream closed (or the connection was lost)
         self.timed_out = False  # ended by the watchdog
         self.last_read = loop.time()
+        self.idle_since = 0.0  # when it went back to the pool
         self.paused = False
         self._waiter: asyncio.Future | None = None
 
@@ -186,11 +200,25 @@ class _Chunked:
         self.pending = b""  # an incomplete size or trailer line, or a data chunk's CR alone
         self.done = False
         self.extra = b""  # bytes after the body's end (none from a well-behaved upstream)
+        # A framing error, raised by the feed after the one that found it: the body bytes
+        # decoded before it are the client's first (they came as the upstream sent them).
+        self.broken: UpstreamError | None = None
 
     def feed(self, data: bytes) -> bytes:
+        if self.broken is not None:
+            raise self.broken
+        out: list[bytes] = []
+        try:
+            self._feed(data, out)
+        except UpstreamError as exc:
+            if not out:
+                raise
+            self.broken = exc
+        return out[0] if len(out) == 1 else b"".join(out)
+
+    def _feed(self, data: bytes, out: list[bytes]) -> None:
         buf = self.pending + data if self.pending else data
         self.pending = b""
-        out: list[bytes] = []
         i, n = 0, len(buf)
         while i < n and not self.done:
             if self.state == self.DATA:
@@ -226,7 +254,6 @@ class _Chunked:
             self.extra = buf[i:]
         else:
             self.pending = buf[i:]
-        return out[0] if len(out) == 1 else b"".join(out)
 
 
 def _parse_head(head: bytes) -> tuple[bool, int, CIMultiDict[str]]:
@@ -238,7 +265,7 @@ def _parse_head(head: bytes) -> tuple[bool, int, CIMultiDict[str]]:
     headers: CIMultiDict[str] = CIMultiDict()
     for line in lines[1:]:
         name, colon, value = line.partition(b":")
-        if not colon or not name or name != name.strip():
+        if not colon or not name or name != name.strip() or _CONTROL.search(line):
             raise UpstreamError(f"a malformed header line in the upstream's answer: {line[:60]!r}")
         headers.add(name.decode("latin-1"), value.strip(b" \t").decode("utf-8", "surrogateescape"))
     return parts[0] == b"HTTP/1.1", int(parts[1]), headers
@@ -289,6 +316,9 @@ class Response:
                 body = self._decode(data)
                 if body:
                     yield body
+                if self._chunked is not None and self._chunked.broken is not None:
+                    self.close()
+                    raise self._chunked.broken
                 continue
             if conn.ended:
                 if conn.timed_out:
@@ -301,8 +331,18 @@ class Response:
                 raise UpstreamError("the upstream closed the connection before its answer's end")
             await conn.wait()
 
-    async def read(self) -> bytes:
-        return b"".join([piece async for piece in self.iter_any()])
+    async def read(self, limit: int = 0) -> bytes:
+        """The whole body; AnswerTooLarge past ``limit`` bytes (0: no limit), its connection
+        closed."""
+        pieces, size = [], 0
+        async for piece in self.iter_any():
+            size += len(piece)
+            if limit and size > limit:
+                self.close()
+                raise AnswerTooLarge(f"the upstream's answer is longer than {limit} bytes "
+                                     "(server.max_message_bytes)")
+            pieces.append(piece)
+        return b"".join(pieces)
 
     def discard(self) -> None:
         """Close the connection, even after a whole answer (back in the pool by then): one the
@@ -393,9 +433,10 @@ class ConnectionPool:
 
     # -- inside --------------------------------------------------------------------------------
     def _idle_connection(self) -> _Connection | None:
+        oldest = self.loop.time() - MAX_IDLE_S
         while self._idle:
             conn = self._idle.pop()
-            if conn.usable:
+            if conn.usable and conn.idle_since > oldest:
                 return conn
             conn.close()
         return None
@@ -427,6 +468,8 @@ class ConnectionPool:
                 if conn.ended:
                     raise UpstreamError("the upstream closed the connection without answering")
                 continue
+            if end > MAX_HEAD_BYTES:
+                raise UpstreamError("the upstream's answer head is too long")
             http11, status, headers = _parse_head(received[:end])
             received = received[end + 4:]
             if 100 <= status < 200 and status != 101:  # informational: the answer follows
@@ -439,6 +482,7 @@ class ConnectionPool:
 
     def _release(self, conn: _Connection, reusable: bool) -> None:
         if reusable and conn.usable and not self._closed:
+            conn.idle_since = self.loop.time()
             self._idle.append(conn)
         else:
             conn.close()

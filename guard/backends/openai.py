@@ -66,6 +66,17 @@ HOP_BY_HOP = frozenset({
     "te", "trailer", "transfer-encoding", "upgrade", "host", "content-length",
     "accept-encoding", "content-encoding",
 })
+
+
+def end_to_end(headers: Mapping[str, str]) -> list[tuple[str, str]]:
+    """``headers`` less the hop-by-hop ones: HOP_BY_HOP and those the message's own
+    ``Connection`` header names (RFC 9110 7.6.1), which are for the next hop alone."""
+    named = headers.get("Connection")
+    dropped = HOP_BY_HOP if not named else HOP_BY_HOP | {
+        token.strip().lower() for token in named.split(",")}
+    return [(k, v) for k, v in headers.items() if k.lower() not in dropped]
+
+
 # The statuses a server refuses a request's fields with (vLLM 400, FastAPI/pydantic servers
 # 422, llama-cpp-python 500: started without --logits_all, its server fails any call that asks
 # logprobs with "logprobs is not supported for models created with logits_all=False", and a
@@ -470,7 +481,7 @@ class OpenAIBackend(Forwarding, Backend):
     def headers(self, client: Mapping[str, str], request_id: str) -> dict[str, str]:
         """The client's headers for the upstream: hop-by-hop ones left out, the upstream's
         Authorization in place of the client's where ``api_key_env`` is set."""
-        out = {k: v for k, v in client.items() if k.lower() not in HOP_BY_HOP}
+        out = dict(end_to_end(client))
         if self._authorization is not None:
             for key in [k for k in out if k.lower() == "authorization"]:
                 del out[key]

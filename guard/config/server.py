@@ -114,6 +114,12 @@ class ServerConfig(Strict):
         "unset (0 picks a free one). Every serving process (server.processes) listens on it "
         "(SO_REUSEPORT), as on grpc_port; in Envoy mode (data_plane: envoy) Envoy listens "
         "here and forwards the calls (docs/envoy.md).")
+    # 60 s: nginx's client_header_timeout and client_body_timeout, Node's headersTimeout.
+    http_client_timeout_s: PositiveFloat = Field(
+        60.0, description="On http_port: how long a client may take to send a request's head "
+        "(from its connection, or from its last answer on a kept-alive connection: also how "
+        "long an idle connection is kept) and, apart, its body (past it: 408). A client "
+        "trickling its request holds a connection no longer.")
     admin_port: Port = Field(8003, description="guard.v1 admin API port.")
     admin_host: str = Field(
         "127.0.0.1", description="The admin API changes routes: loopback only unless set."
@@ -138,7 +144,10 @@ class ServerConfig(Strict):
     )
     max_message_bytes: PositiveInt = Field(
         64 * 1024 * 1024,
-        description="Largest gRPC message accepted or sent; larger gets RESOURCE_EXHAUSTED.",
+        description="Largest gRPC message accepted or sent; larger gets RESOURCE_EXHAUSTED. "
+        "On http_port the same bound holds for a request's body (larger: 413), an upstream's "
+        "whole answer and one streamed event of it (larger: the call fails as an upstream "
+        "fault, 502 or a cut stream, instead of guard holding it in memory).",
     )
     tls: TlsConfig | None = Field(None, description="TLS / mutual TLS on the data plane.")
     reload_interval_s: NonNegativeFloat = Field(

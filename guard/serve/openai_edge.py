@@ -58,6 +58,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import sys
 import time
 import uuid
 from typing import Callable, Mapping, TypeVar, cast
@@ -66,13 +67,20 @@ from guard.errors import GuardError, install_hint
 
 try:
     from aiohttp import web
+    from aiohttp.http_exceptions import HttpProcessingError
+    from aiohttp.web_protocol import RequestPayloadError
     from multidict import CIMultiDict
 except ImportError as exc:  # said as a config error where the edge is built: a missing extra
     raise GuardError(f"server.http_port: the OpenAI-compatible edge needs aiohttp: "
                      f"{install_hint('llm-remote', 'aiohttp')} ({exc})") from None
 
-from guard.backends.http1 import Response, UpstreamError
-from guard.backends.openai import HOP_BY_HOP, REFUSALS, OpenAIBackend
+if sys.version_info >= (3, 11):
+    from asyncio import timeout
+else:  # aiohttp's own dependency there
+    from async_timeout import timeout
+
+from guard.backends.http1 import AnswerTooLarge, Response, UpstreamError
+from guard.backends.openai import REFUSALS, OpenAIBackend, end_to_end
 from guard.ipc import wire
 from guard.observe.events import emit
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
@@ -83,6 +91,41 @@ log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
 RESPONSE_MODEL_PATH = ("response", "model")
 _Call = TypeVar("_Call")  # what the edge makes of a call's body: a ParsedCall, or its model
+
+
+def request_id(headers: Mapping[str, str]) -> str:
+    """The call's ``x-request-id``, a random one where it sends none. Header bytes that are
+    not UTF-8 reach aiohttp's headers as surrogates; they become U+FFFD here, so that the id
+    can be hashed, handed to the verifier and captured (the upstream gets the header as the
+    client sent it)."""
+    given = headers.get("x-request-id")
+    if not given:
+        return uuid.uuid4().hex
+    if given.isascii():
+        return given
+    return given.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+
+
+class _ServerLog:
+    """aiohttp's server log, as the edge keeps it: a request aiohttp could not parse (bad
+    HTTP, a body it cannot decode) is one WARNING line without a traceback and counted as an
+    error (model unknown, INVALID_ARGUMENT: aiohttp answered it 400); anything else goes to
+    aiohttp's own logger as it would have. A client sending malformed HTTP in a loop fills no
+    disk with tracebacks."""
+
+    def __init__(self, metrics: "EdgeMetrics"):
+        self.metrics = metrics
+        self.log = logging.getLogger("aiohttp.server")
+
+    def exception(self, message: str, *args, exc_info=None, **kwargs) -> None:
+        if isinstance(exc_info, HttpProcessingError):
+            self.metrics.error(UNKNOWN_MODEL, "INVALID_ARGUMENT")
+            self.log.warning("%s: %s", message % args, " ".join(str(exc_info).split()))
+            return
+        self.log.exception(message, *args, exc_info=exc_info, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.log, name)
 
 
 class EdgeMetrics:
@@ -145,8 +188,13 @@ class OpenAIEdge:
             app.router.add_route("*", "/{path:.*}", self._pass_through)
         # handler_cancellation: a client that disconnects cancels its handler, which closes
         # the upstream connection (the upstream stops generating).
+        # keepalive_timeout: an idle connection's life, and how long a new connection may take
+        # to send a whole request head (aiohttp's timer runs from the connection's start or
+        # its last answer until a head is read): a client trickling its head is cut then.
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.shutdown_grace_s)
+                                     shutdown_timeout=self.config.shutdown_grace_s,
+                                     keepalive_timeout=self.config.http_client_timeout_s,
+                                     logger=_ServerLog(self.metrics))
         await self._runner.setup()
         # Several serving processes share the port (server.processes): the kernel spreads
         # connections over them, as on the gRPC port.
@@ -213,13 +261,24 @@ class OpenAIEdge:
         or the refusal (413, 400, 404, 503 before ready, 429 past
         server.max_concurrent_requests)."""
         try:
-            data = await request.read()
+            async with timeout(self.config.http_client_timeout_s):
+                data = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             return self._refuse(413, exc.text or "request too large", UNKNOWN_MODEL)
+        except TimeoutError:
+            return self._refuse(408, "the request's body did not arrive in "
+                                f"{self.config.http_client_timeout_s:g}s "
+                                "(server.http_client_timeout_s)", UNKNOWN_MODEL)
+        except (RequestPayloadError, HttpProcessingError) as exc:  # a Content-Encoding that
+            return self._refuse(400, f"the body cannot be read: {exc}",  # is not, bad chunks
+                                UNKNOWN_MODEL)
         try:
             call = parse(data)
         except api.BadRequest as exc:
-            return self._refuse(400, str(exc), UNKNOWN_MODEL)
+            return self._refuse(400, str(exc), UNKNOWN_MODEL, param=exc.param)
+        if not (self.live and self.ready):  # (loading: the model it names may be one)
+            return self._refuse(503, "guard is not ready" if self.live else "guard is stopping",
+                                UNKNOWN_MODEL, kind="server_error")
         served = self._generative()
         name = api.served_model(model_name(call), served)
         if name is None:
@@ -248,8 +307,8 @@ class OpenAIEdge:
         if call.model != model.name:  # it named none: the model guard serves is its name
             call = dataclasses.replace(call, model=model.name)
         route, epoch, probing, backend = model.route()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
-        flags = model.sample_flags(request_id, route, probing) if model.samples else 0
+        call_id = request_id(request.headers)
+        flags = model.sample_flags(call_id, route, probing) if model.samples else 0
         if call.not_comparable:
             self.metrics.not_comparable.labels(model.name, call.not_comparable).inc()
             flags = 0
@@ -258,7 +317,7 @@ class OpenAIEdge:
         try:
             # (a generation model is served by openai backends: the plan's llm roles)
             return await _Forward(self, request, call, model, route,
-                                  cast(OpenAIBackend, backend), request_id, flags, epoch,
+                                  cast(OpenAIBackend, backend), call_id, flags, epoch,
                                   started, data).run()
         finally:
             self.in_flight -= 1
@@ -281,12 +340,12 @@ class OpenAIEdge:
         data, _, model = admitted
         route, _, _, backend = model.route()
         self.metrics.not_comparable.labels(model.name, "endpoint").inc()
-        request_id = request.headers.get("x-request-id") or uuid.uuid4().hex
+        call_id = request_id(request.headers)
         self.in_flight += 1
         model.requests_in_flight += 1
         try:
             return await _PassThrough(self, request, model, route,
-                                      cast(OpenAIBackend, backend), request_id, started,
+                                      cast(OpenAIBackend, backend), call_id, started,
                                       data).run()
         finally:
             self.in_flight -= 1
@@ -302,10 +361,10 @@ class _Upstream(abc.ABC):
         self.edge, self.request, self.model, self.route = edge, request, model, route
         self.backend, self.request_id, self.started = backend, request_id, started
         self.accounted = False  # the call is counted: answered, or an error code
+        self.edits: dict[tuple[str, ...], bytes] = {}  # what the answer's JSON gets (below)
 
     def _headers(self, upstream: Response) -> CIMultiDict[str]:
-        headers: CIMultiDict[str] = CIMultiDict(
-            (k, v) for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP)
+        headers: CIMultiDict[str] = CIMultiDict(end_to_end(upstream.headers))
         headers[ROUTE_HEADER] = self.route
         return headers
 
@@ -320,6 +379,18 @@ class _Upstream(abc.ABC):
             if not self.accounted:
                 self._left_early()
             raise
+        except Exception:
+            # A fault of guard's own (a bug): the call is counted all the same (INTERNAL), and
+            # answered 500 in OpenAI's shape where nothing was written yet; else aiohttp logs
+            # it and cuts the connection.
+            if not self.accounted:
+                self._error("INTERNAL")
+            if self.request.writer is not None and self.request.writer.output_size:
+                raise
+            log.exception("guard failed a call to %s", self.model.name)
+            return web.Response(status=500, body=api.error_body(
+                "guard failed this call (its log says why)", "server_error", None, None),
+                content_type="application/json", headers={ROUTE_HEADER: self.route})
 
     @abc.abstractmethod
     async def _run(self) -> web.StreamResponse:
@@ -382,9 +453,11 @@ class _Upstream(abc.ABC):
         counted (UNAVAILABLE, or DEADLINE_EXCEEDED) and said (``event``: the event's fields
         beside the model, the route and the error)."""
         rest = splitter.rest()
+        if isinstance(exc, api.EventTooLarge):  # not sent on: the client could not use it
+            rest = b""
         try:
             if rest:
-                await response.write(rest)
+                await response.write(api.edit_event(rest, self.edits) if self.edits else rest)
         except ConnectionResetError:
             pass
         self._error("DEADLINE_EXCEEDED" if isinstance(exc, TimeoutError) else "UNAVAILABLE")
@@ -397,7 +470,9 @@ class _Upstream(abc.ABC):
     async def _body(self, upstream: Response) -> bytes | web.Response:
         """A whole answer's body, or the 502/504 the client gets instead."""
         try:
-            return await upstream.read()
+            return await upstream.read(self.edge.config.max_message_bytes)
+        except AnswerTooLarge as exc:
+            return self._upstream_failed(502, str(exc))
         except TimeoutError:
             return self._upstream_failed(504, "the upstream did not finish its answer in time")
         except UpstreamError as exc:
@@ -436,6 +511,14 @@ class _Forward(_Upstream):
         self.data = data
         self._set_payload()
         self.first_token: float | None = None
+        # One reason per call: one the request already gave (counted at admission) stands.
+        self._unusable_counted = bool(call.not_comparable)
+
+    def _unusable(self, reason: str) -> None:
+        """Count the call not comparable for ``reason``, unless it already was."""
+        if not self._unusable_counted:
+            self._unusable_counted = True
+            self.edge.metrics.not_comparable.labels(self.model.name, reason).inc()
 
     @property
     def amended(self) -> bool:
@@ -517,11 +600,11 @@ class _Forward(_Upstream):
         return upstream
 
     def _upstream_failed(self, status: int, message: str) -> web.Response:
-        self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
+        self._unusable("upstream_error")
         return super()._upstream_failed(status, message)
 
     def _left_early(self) -> None:
-        self.edge.metrics.not_comparable.labels(self.model.name, "incomplete").inc()
+        self._unusable("incomplete")
         super()._left_early()
 
     # -- a whole answer ----------------------------------------------------------------------
@@ -535,7 +618,7 @@ class _Forward(_Upstream):
         seconds = time.perf_counter() - self.started
         if not ok:
             self._error(api.status_code_name(upstream.status))
-            self.edge.metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
+            self._unusable("upstream_error")
             return response
         self._served(seconds)
         completion = api.gather_answer(self.call.endpoint, body, streamed=False)
@@ -555,7 +638,7 @@ class _Forward(_Upstream):
         if response is None:
             response = web.StreamResponse(status=200, headers=self._headers(upstream))
             await response.prepare(self.request)
-        splitter = api.EventSplitter()
+        splitter = api.EventSplitter(self.edge.config.max_message_bytes)
         received = False  # a byte of the stream came
         edits, endpoint = self.edits, self.call.endpoint
         sampled = bool(self.flags)  # a sampled call's chunks are gathered into its sample
@@ -566,6 +649,32 @@ class _Forward(_Upstream):
         timed_gaps = not self.call.several_completions
         done = False  # the client has every event: "[DONE]" went out
         finished = False  # the stream's own end came: [DONE], the Responses API's last event
+
+        def account(events: list[bytes], arrived: float) -> None:
+            """Bookkeeping of events the client has, for the metrics and the sample. Tokens
+            are told from the event's bytes; only a sampled call's events are parsed (and an
+            unsampled one's that may carry an error or the usage)."""
+            nonlocal tokens, last, done, finished
+            for event in events:
+                data = api.event_data(event)
+                if data is None:
+                    continue
+                if data == api.DONE:
+                    done = finished = True
+                    continue
+                if api.data_has_content(data, endpoint):
+                    tokens += 1
+                    if last is None:
+                        self.first_token = arrived - self.started
+                        ttft.observe(self.first_token)
+                    elif timed_gaps:
+                        gaps.observe(arrived - last)
+                    last = arrived
+                if sampled or api.data_needs_parse(data, endpoint):
+                    api.gather_event(completion, endpoint, data, whole=sampled)
+                    if completion.ended:  # the Responses API's last event
+                        done = finished = True
+
         try:
             async for chunk in upstream.iter_any():
                 arrived = time.perf_counter()
@@ -575,33 +684,15 @@ class _Forward(_Upstream):
                     continue
                 await response.write(b"".join([api.edit_event(e, edits) for e in events])
                                      if edits else b"".join(events))
-                # Written: what follows is bookkeeping for the metrics and the sample. Tokens
-                # are told from the event's bytes; only a sampled call's events are parsed (and
-                # an unsampled one's that may carry an error or the usage).
-                for event in events:
-                    data = api.event_data(event)
-                    if data is None:
-                        continue
-                    if data == api.DONE:
-                        done = finished = True
-                        continue
-                    if api.data_has_content(data, endpoint):
-                        tokens += 1
-                        if last is None:
-                            self.first_token = arrived - self.started
-                            ttft.observe(self.first_token)
-                        elif timed_gaps:
-                            gaps.observe(arrived - last)
-                        last = arrived
-                    if sampled or api.data_needs_parse(data, endpoint):
-                        api.gather_event(completion, endpoint, data, whole=sampled)
-                        if completion.ended:  # the Responses API's last event
-                            done = finished = True
+                account(events, arrived)
             if not received and self.amended:
                 return await self._amended_stream_empty(upstream, response)
+            # A last event without its blank line (the stream's end ends it for a client
+            # that reads it): edited and counted as the others.
             rest = splitter.rest()
             if rest:
-                await response.write(rest)
+                await response.write(api.edit_event(rest, edits) if edits else rest)
+                account([rest], time.perf_counter())
             done = True
             await response.write_eof()
         except (asyncio.CancelledError, ConnectionResetError) as exc:
@@ -615,14 +706,14 @@ class _Forward(_Upstream):
             # The client went away: closing the upstream connection (``run``'s finally) stops
             # the upstream's generation.
             self._error("CANCELLED")
-            metrics.not_comparable.labels(name, "incomplete").inc()
+            self._unusable("incomplete")
             emit("openai_client_disconnected", model=name, route=route, tokens=tokens)
             raise
-        except (UpstreamError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError, api.EventTooLarge) as exc:
             if done:  # the upstream broke off after [DONE]: the client has its answer
                 self._streamed(completion, tokens, sampled, finished)
                 return response
-            metrics.not_comparable.labels(name, "incomplete").inc()
+            self._unusable("incomplete")
             return await self._broke_off(response, splitter, exc, tokens=tokens)
         self._streamed(completion, tokens, sampled, finished)
         return response
@@ -647,8 +738,7 @@ class _Forward(_Upstream):
         try:
             if _streams(retry):
                 return await self._stream(retry, response)
-            metrics = self.edge.metrics
-            metrics.not_comparable.labels(self.model.name, "upstream_error").inc()
+            self._unusable("upstream_error")
             return await self._broke_off(response, api.EventSplitter(), UpstreamError(
                 f"the client's own call was answered HTTP {retry.status}, not a stream"))
         finally:
@@ -667,7 +757,7 @@ class _Forward(_Upstream):
             metrics.tokens.labels(name, route).inc(tokens)
         if completion.error:
             self._error("INTERNAL")
-            metrics.not_comparable.labels(name, "upstream_error").inc()
+            self._unusable("upstream_error")
             return
         self._served(seconds)
         if sampled:
@@ -685,7 +775,7 @@ class _Forward(_Upstream):
                                 options.probes_streamed_tool_chats) or (
             "" if finished else "incomplete")
         if unusable:
-            self.edge.metrics.not_comparable.labels(self.model.name, unusable).inc()
+            self._unusable(unusable)
             return
         try:
             sample = api.build_sample(
@@ -696,7 +786,7 @@ class _Forward(_Upstream):
             # A request field of a shape the sample's reading missed (the client has its
             # answer): counted and logged, never a lost sample nor a failed handler.
             log.exception("a sampled call of %s made no sample", self.model.name)
-            self.edge.metrics.not_comparable.labels(self.model.name, "input").inc()
+            self._unusable("input")
             return
         self.model.hand_off(self.flags, self.request_id, self.route, self.epoch, seconds,
                             wire.Generation(sample))
@@ -745,7 +835,7 @@ class _PassThrough(_Upstream):
         """Events, written as they arrive (edited one by one where the names differ)."""
         stream = web.StreamResponse(status=upstream.status, headers=self._headers(upstream))
         await stream.prepare(self.request)
-        splitter = api.EventSplitter()
+        splitter = api.EventSplitter(self.edge.config.max_message_bytes)
         done = False  # the client has every byte
         try:
             async for chunk in upstream.iter_any():
@@ -755,7 +845,7 @@ class _PassThrough(_Upstream):
                     await stream.write(chunk)
             rest = splitter.rest()
             if rest:
-                await stream.write(rest)
+                await stream.write(api.edit_event(rest, self.edits) if self.edits else rest)
             done = True
             await stream.write_eof()
         except (asyncio.CancelledError, ConnectionResetError) as exc:
@@ -766,7 +856,7 @@ class _PassThrough(_Upstream):
                 raise
             self._error("CANCELLED")  # the client went away: the upstream's connection closes
             raise
-        except (UpstreamError, TimeoutError) as exc:
+        except (UpstreamError, TimeoutError, api.EventTooLarge) as exc:
             return await self._broke_off(stream, splitter, exc, path=self.request.path)
         self._answered(upstream.status)
         return stream

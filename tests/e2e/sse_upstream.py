@@ -154,6 +154,9 @@ class ScriptedUpstream:
                 await response.write(event)
             await response.write_eof()
             return response
+        if scenario == "nested":  # a whole answer nested deeper than Python's json reads
+            return web.Response(body=b'{"model": "%s", "x": ' % MODEL.encode() + b"[" * 100_000
+                                + b"]" * 100_000 + b"}", content_type="application/json")
         if scenario in ("plain", "max_logprobs"):
             answer = {"id": "cmpl-1", "object": "chat.completion", "created": 1,
                       "model": MODEL, "choices": [{"index": 0, "finish_reason": "stop",
@@ -213,6 +216,20 @@ class ScriptedUpstream:
         await response.write(chunk("one", chat=chat) + chunk(" two", chat=chat) + b"data: {\"id")
         await asyncio.sleep(0.05)
         response._req.transport.abort()  # the server process died: no end of the body
+
+    async def _unterminated(self, response, chat) -> None:
+        # The last event without its blank line: the body ends right after its data line.
+        await response.write(chunk("Par", chat=chat)
+                             + chunk("is", chat=chat, finish="stop").rstrip(b"\n") + b"\n")
+        await response.write_eof()
+
+    async def _endless_line(self, response, chat) -> None:
+        # One data line that never ends (more than the test's server.max_message_bytes).
+        await response.write(chunk("one", chat=chat) + b"data: {\"x\": \"")
+        for _ in range(64):
+            await response.write(b"y" * 65536)
+            await asyncio.sleep(0)
+        await response.write_eof()
 
     async def _error_event(self, response, chat) -> None:
         await response.write(chunk("one", chat=chat))

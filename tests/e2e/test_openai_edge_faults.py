@@ -42,7 +42,9 @@ def guard(upstreams, tmp_path_factory):
 
     os.environ["GUARD_TEST_UPSTREAM_KEY"] = "upstream-secret"
     try:
-        with running(tmp_path_factory.mktemp("edge"), models, http_port=0) as (server, _):
+        # 1 MiB: the longest event (endless_line below); every other message here is smaller.
+        with running(tmp_path_factory.mktemp("edge"), models, http_port=0,
+                     max_message_bytes=1 << 20) as (server, _):
             yield server
     finally:
         os.environ.pop("GUARD_TEST_UPSTREAM_KEY", None)
@@ -162,7 +164,16 @@ def test_every_answer_names_its_route_and_the_fallback_answers_when_pinned(guard
 
 
 # -- bad input -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("content", [b"not json", b"\xff\xfe\x00", b"[]", b'{"model": 3}'])
+DEEP = b"[" * 100_000 + b"]" * 100_000  # nested far past the interpreter's stack
+
+
+@pytest.mark.parametrize("content", [
+    b"not json", b"\xff\xfe\x00", b"[]", b'{"model": 3}',
+    b'{"model": "smol", "messages": ' + DEEP + b"}",
+    b'{"model": "smol", "max_tokens": ' + b"9" * 5000 + b"}",  # past int()'s 4300 digits
+    json.dumps(CHAT).encode("utf-16"),  # JSON, but not in UTF-8
+    b'{"model": "smol", "messages": [], "model": "doomed"}',  # routed by which one?
+], ids=["text", "bytes", "array", "model-number", "nested", "digits", "utf-16", "model-twice"])
 def test_a_body_that_is_not_an_openai_call_is_400_and_counted(guard, http, content):
     before = errors(guard, "INVALID_ARGUMENT", "_unknown")
     answer = http.post("/v1/chat/completions", content=content,
@@ -171,6 +182,86 @@ def test_a_body_that_is_not_an_openai_call_is_400_and_counted(guard, http, conte
     assert answer.json()["error"]["type"] == "invalid_request_error"
     assert errors(guard, "INVALID_ARGUMENT", "_unknown") == before + 1
     still_serves(http)
+
+
+def test_a_body_that_cannot_be_decoded_is_400_and_counted(guard, http):
+    before = errors(guard, "INVALID_ARGUMENT", "_unknown")
+    answer = http.post("/v1/chat/completions", content=b"not gzip at all",
+                       headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
+    assert answer.status_code == 400 and "cannot be read" in answer.json()["error"]["message"]
+    assert errors(guard, "INVALID_ARGUMENT", "_unknown") == before + 1
+    still_serves(http)
+
+
+def test_malformed_http_is_400_counted_and_logged_in_one_line(guard, http, caplog):
+    """aiohttp answers what is not HTTP 400 itself; guard counts it and logs one line, no
+    traceback (a client looping on it fills no disk)."""
+    import socket
+
+    before = errors(guard, "INVALID_ARGUMENT", "_unknown")
+    caplog.set_level("WARNING", logger="aiohttp.server")
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", guard.http_port), timeout=10) as raw:
+            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 5\r\nContent-Length: 6\r\n\r\nhello")
+            assert raw.recv(4096).split(b"\r\n", 1)[0].endswith(b" 400 Bad Request")
+    assert wait_until(lambda: errors(guard, "INVALID_ARGUMENT", "_unknown") == before + 3)
+    logged = [r for r in caplog.records if r.name == "aiohttp.server"]
+    assert len(logged) == 3 and all(r.exc_info is None and "\n" not in r.getMessage()
+                                    for r in logged), logged
+    still_serves(http)
+
+
+def test_headers_the_client_names_in_connection_are_not_forwarded(http, upstreams):
+    """RFC 9110 7.6.1: a header the Connection header names is for the next hop alone."""
+    answer = http.post("/v1/chat/completions", json=CHAT,
+                       headers={"Connection": "keep-alive, X-Hop", "X-Hop": "for guard",
+                                "X-Kept": "yes"})
+    assert answer.status_code == 200
+    seen = upstreams[0].requests[-1]["headers"]
+    assert seen["X-Kept"] == "yes" and "X-Hop" not in seen, seen
+
+
+def test_a_call_is_counted_not_comparable_for_one_reason(guard, http):
+    """A body without messages (not comparable: input) that the upstream refuses is not also
+    counted upstream_error: one call, one reason."""
+    before = not_comparable(guard, "input"), not_comparable(guard, "upstream_error")
+    answer = http.post("/v1/chat/completions", json={"model": "smol"},
+                       headers={"x-test-scenario": "status", "x-test-status": "400"})
+    assert answer.status_code == 400
+    assert wait_until(lambda: not_comparable(guard, "input") == before[0] + 1)
+    assert not_comparable(guard, "upstream_error") == before[1]
+
+
+def test_a_call_while_guard_loads_its_models_is_503_not_404(tmp_path):
+    """The edge listens before the models are loaded (an upstream not ready yet, a reference
+    loading): a call then is 503, which a client retries, not 404 model_not_found."""
+    import asyncio
+
+    import aiohttp
+
+    from guard.observe.metrics import GuardMetrics
+    from guard.plan.serving import load_config
+    from guard.serve.openai_edge import OpenAIEdge
+    from support import write_config
+
+    block = {"backend": "openai", "target": "http://127.0.0.1:9", "model": MODEL}
+    config = load_config(write_config(tmp_path, [{"name": "smol", "task": "generation",
+                                                  "primary": block}], http_port=0))
+    edge = OpenAIEdge(lambda: {}, GuardMetrics("test"), config.server)  # nothing loaded yet
+
+    async def call() -> tuple[int, dict]:
+        await edge.start()
+        try:
+            async with aiohttp.ClientSession() as session:
+                async with session.post(f"http://127.0.0.1:{edge.port}/v1/chat/completions",
+                                        json=CHAT) as answer:
+                    return answer.status, await answer.json()
+        finally:
+            await edge.stop(0)
+
+    status, body = asyncio.run(call())
+    assert status == 503 and body["error"]["type"] == "server_error", body
 
 
 def test_an_unknown_model_is_404_in_openais_error_shape(guard, http):
@@ -510,6 +601,51 @@ def test_an_error_event_is_forwarded_and_counted(guard, http):
     assert b'data: {"error": {"message": "out of memory"' in answer.content
     assert wait_until(lambda: errors(guard, "INTERNAL") == before + 1)
     assert wait_until(lambda: not_comparable(guard, "upstream_error") == unusable + 1)
+
+
+def served(guard, model: str = "smol") -> float:
+    return metric(scrape(guard.metrics_port), "guard_requests_total", model=model,
+                  route="primary")
+
+
+def test_an_answer_nested_deeper_than_guard_reads_reaches_the_client_renamed(guard, http):
+    """Python's json cannot read it (RecursionError); the edit of its leading ``model`` needs
+    no reading of the rest, and the call is counted once, as answered."""
+    before = served(guard)
+    answer = http.post("/v1/chat/completions", json=CHAT,
+                       headers={"x-test-scenario": "nested"})
+    assert answer.status_code == 200
+    assert answer.content == b'{"model": "smol", "x": ' + DEEP + b"}"
+    assert wait_until(lambda: served(guard) == before + 1)
+    still_serves(http)
+
+
+def test_a_last_event_without_its_blank_line_is_renamed_and_counted(guard, http):
+    before = served(guard)
+    answer = http.post("/v1/chat/completions", json=dict(CHAT, stream=True),
+                       headers={"x-test-scenario": "unterminated"})
+    events = [json.loads(line[5:]) for line in answer.text.splitlines()
+              if line.startswith("data:")]
+    assert [e["model"] for e in events] == ["smol", "smol"]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    assert wait_until(lambda: served(guard) == before + 1)
+
+
+def test_an_event_past_max_message_bytes_cuts_the_stream_and_is_counted(guard, http):
+    """An upstream line that never ends is not held in memory without bound: past
+    server.max_message_bytes the client has what came before it, then a cut connection."""
+    before = errors(guard, "UNAVAILABLE")
+    lines = []
+    with pytest.raises(httpx.RemoteProtocolError):  # the chunked body never ends
+        with http.stream("POST", "/v1/chat/completions", json=dict(CHAT, stream=True),
+                         headers={"x-test-scenario": "endless_line"}) as answer:
+            assert answer.status_code == 200
+            for line in answer.iter_lines():
+                lines.append(line)
+    assert [json.loads(line[5:])["model"] for line in lines if line.startswith("data:")] == \
+        ["smol"]
+    assert wait_until(lambda: errors(guard, "UNAVAILABLE") == before + 1)
+    still_serves(http)
 
 
 def test_an_upstream_that_is_down_is_502_and_counted(guard, http, upstreams):

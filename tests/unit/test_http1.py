@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from guard.backends.http1 import (HIGH_WATER_BYTES, ConnectionPool, Timeouts, UpstreamError,
+from guard.backends.http1 import (HIGH_WATER_BYTES, AnswerTooLarge, ConnectionPool, Timeouts,
+                                  UpstreamError,
                                   _Chunked)
 
 FAST = Timeouts(connect=2, read=5, total=10)
@@ -50,8 +51,17 @@ def test_the_chunked_coding_is_undone_wherever_the_reads_cut_it(body, sizes, cut
 @pytest.mark.parametrize("wire", [b"zz\r\nab\r\n0\r\n\r\n", b"2\r\nabXY0\r\n\r\n",
                                   b"0x2\r\nab\r\n0\r\n\r\n", b"\r\n"])
 def test_a_malformed_chunk_is_an_upstream_error(wire):
+    decoder = _Chunked()
     with pytest.raises(UpstreamError):
-        _Chunked().feed(wire)
+        decoder.feed(wire)
+        decoder.feed(b"")  # (the body decoded before the fault came out first: below)
+
+
+def test_the_body_before_a_framing_error_comes_out_before_the_error():
+    decoder = _Chunked()
+    assert decoder.feed(b"2\r\nabXY0\r\n\r\n") == b"ab"
+    with pytest.raises(UpstreamError, match="CRLF"):
+        decoder.feed(b"more")
 
 
 class Script:
@@ -223,6 +233,9 @@ def test_informational_answers_are_skipped():
 
 @pytest.mark.parametrize("wire", [b"SSH-2.0-OpenSSH\r\n\r\n", b"HTTP/1.1 2xx OK\r\n\r\n",
                                   b"HTTP/1.1 200 OK\r\nno colon here\r\n\r\n",
+                                  b"HTTP/1.1 200 OK\r\nX-Bare: a\rb\r\n\r\n",
+                                  b"HTTP/1.1 200 OK\r\nX-Nul: a\x00b\r\n\r\n",
+                                  b"HTTP/1.1 200 OK\r\nX-Big: " + b"h" * 70_000 + b"\r\n\r\n",
                                   b"HTTP/1.1 200 OK\r\nContent-Length: 2, 3\r\n\r\nok"])
 def test_an_answer_that_is_not_http_is_an_upstream_error(wire):
     async def answer(reader, writer, n):
@@ -232,6 +245,44 @@ def test_an_answer_that_is_not_http_is_an_upstream_error(wire):
         async with Script(answer) as server:
             with pytest.raises(UpstreamError):
                 await post(ConnectionPool(server.base, FAST))
+
+    run(main())
+
+
+def test_a_whole_answer_past_the_readers_limit_is_refused():
+    async def answer(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 3000\r\n\r\n" + b"x" * 3000)
+
+    async def main():
+        async with Script(answer) as server:
+            pool = ConnectionPool(server.base, FAST)
+            with pytest.raises(AnswerTooLarge, match="longer than 1000 bytes"):
+                await (await post(pool)).read(1000)
+            assert await (await post(pool)).read(3000) == b"x" * 3000  # the pool still serves
+            await pool.close()
+
+    run(main())
+
+
+def test_a_connection_idle_past_max_idle_is_not_reused(monkeypatch):
+    """Under the upstream's own keep-alive: a call never goes out on a connection the upstream
+    may be closing at that moment."""
+    import guard.backends.http1 as http1
+
+    async def answer(reader, writer, n):
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+
+    async def main():
+        async with Script(answer) as server:
+            pool = ConnectionPool(server.base, FAST)
+            assert await (await post(pool)).read() == b"ok"
+            assert await (await post(pool)).read() == b"ok"
+            assert server.connections == 1  # reused at once
+            monkeypatch.setattr(http1, "MAX_IDLE_S", 0.05)
+            await asyncio.sleep(0.1)
+            assert await (await post(pool)).read() == b"ok"
+            assert server.connections == 2
+            await pool.close()
 
     run(main())
 

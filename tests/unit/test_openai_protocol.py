@@ -25,6 +25,10 @@ UPSTREAM = {"backend": "openai", "target": "http://127.0.0.1:8081", "model": "sm
 # -- requests -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("data, why", [
     (b"not json", "not JSON"), (b"\xff\xfe", "not JSON"), (b"[1, 2]", "JSON object"),
+    ('{"model": "m", "prompt": "x"}'.encode("utf-16"), "not JSON in UTF-8"),
+    (b'{"model": "m", "prompt": ' + b"[" * 100_000 + b"]" * 100_000 + b"}", "nested too deep"),
+    (b'{"model": "m", "max_tokens": ' + b"9" * 5000 + b"}", "cannot read"),
+    (b'{"model": "a", "prompt": "x", "model": "b"}', "'model' more than once"),
     (b'{"model": ["m"], "messages": [{"role": "user", "content": "x"}]}', "'model'"),
 ])
 def test_a_body_guard_cannot_route_is_refused_saying_why(data, why):
@@ -269,6 +273,29 @@ def test_events_are_reassembled_from_chunks_cut_anywhere():
     assert api.event_data(expected[2]) == b'{"b":\n2}'
     assert api.event_data(expected[1]) is None
     assert api.event_data(expected[3]) == api.DONE
+
+
+def test_an_event_that_never_ends_is_refused_past_the_limit():
+    splitter = api.EventSplitter(limit=100)
+    assert splitter.feed(b"data: 1\n\ndata: ") == [b"data: 1\n\n"]
+    for _ in range(9):
+        assert splitter.feed(b"x" * 10) == []
+    with pytest.raises(api.EventTooLarge):
+        splitter.feed(b"x" * 10)
+    with pytest.raises(api.EventTooLarge):  # one chunk longer than the limit
+        api.EventSplitter(limit=100).feed(b"data: " + b"x" * 200)
+    # An event of many pieces, its end arriving CR by LF: found once whole.
+    splitter = api.EventSplitter(limit=1 << 20)
+    pieces = [b"data: ", *[b"y" * 100] * 1000, b"\r", b"\n", b"\r", b"\n"]
+    events = [e for piece in pieces for e in splitter.feed(piece)]
+    assert events == [b"data: " + b"y" * 100_000 + b"\r\n\r\n"] and splitter.rest() == b""
+
+
+def test_an_answer_nested_past_the_stack_is_not_json_guard_reads():
+    nested = b'{"x": ' + b"[" * 100_000 + b"]" * 100_000 + b', "model": "up"}'
+    with pytest.raises(ValueError, match="nested too deep"):
+        api.replace_values(nested, api.answer_edits("client", False))
+    assert api.gather_answer("chat", nested, streamed=False).error == "the answer is not JSON"
 
 
 def test_an_event_is_edited_only_where_it_is_one_line_of_json():
@@ -1155,3 +1182,15 @@ def test_a_chat_with_earlier_tool_turns_is_compared_as_a_tool_chat(message, tool
         "model": "smol", "messages": [{"role": "user", "content": "Weather?"}, message]}).encode())
     assert call.offers_tools is tool_turn and not call.defines_tools
     assert (call.tool_request == {}) is tool_turn  # (no tool fields: none to send again)
+
+
+def test_a_request_id_that_is_not_utf8_can_still_be_sampled_and_handed_over():
+    """aiohttp reads header bytes that are not UTF-8 as surrogates, which no UTF-8 encoder
+    takes: the sample's id (hashed, handed to the verifier, captured) holds U+FFFD there."""
+    from guard.serve.openai_edge import request_id
+
+    assert request_id({"x-request-id": "req-1"}) == "req-1"
+    sent = b"req-\xff\xfe".decode("utf-8", "surrogateescape")
+    assert request_id({"x-request-id": sent}) == "req-\ufffd\ufffd"
+    assert request_id({"x-request-id": sent}).encode("utf-8")
+    assert len(request_id({})) == 32

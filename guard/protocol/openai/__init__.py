@@ -43,7 +43,7 @@ from guard.protocol.openai.json_edits import (
     set_model,
     value_spans,
 )
-from guard.protocol.openai.sse import EventSplitter, edit_event, event_data
+from guard.protocol.openai.sse import EventSplitter, EventTooLarge, edit_event, event_data
 from guard.protocol.openai.answers import (
     CUT_SHORT,
     Completion,
@@ -70,6 +70,7 @@ __all__ = [
     "Completion",
     "DONE",
     "EventSplitter",
+    "EventTooLarge",
     "LOGPROBS_PATH",
     "MODEL_PATH",
     "PATHS",

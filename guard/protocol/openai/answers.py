@@ -328,7 +328,7 @@ def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool
     left out (a server's keep-alive or a proprietary event)."""
     try:
         answer = json.loads(data)
-    except ValueError:
+    except (ValueError, RecursionError):  # (RecursionError: nested too deep to read)
         return
     if not isinstance(answer, dict):
         return
@@ -374,7 +374,7 @@ def gather_answer(endpoint: str, body: bytes, streamed: bool) -> Completion:
     if not streamed:
         try:
             gather(completion, endpoint, json.loads(body), streamed=False)
-        except ValueError:
+        except (ValueError, RecursionError):  # (RecursionError: nested too deep to read)
             completion.error = "the answer is not JSON"
         return completion
     splitter, done = EventSplitter(), False

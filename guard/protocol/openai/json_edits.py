@@ -40,6 +40,10 @@ def _value_end(text: str, at: int) -> int:
         return _DECODER.raw_decode(text, at)[1]
     except json.JSONDecodeError as exc:
         raise ValueError(f"not JSON at {exc.pos}: {exc.msg}") from None
+    except RecursionError:  # nested deeper than the interpreter's stack: not ours to read
+        raise ValueError(f"not JSON guard reads at {at}: nested too deep") from None
+    except ValueError as exc:  # an integer of more digits than int() converts
+        raise ValueError(f"not JSON guard reads at {at}: {exc}") from None
 
 
 def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:

@@ -21,7 +21,12 @@ PATHS: dict[str, Call] = {"/v1/completions": "completions", "/v1/chat/completion
 
 
 class BadRequest(ValueError):
-    """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why."""
+    """A request the edge cannot forward as an OpenAI call (HTTP 400); the message says why,
+    ``param`` names the field at fault where one is (OpenAI's error ``param``)."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
 
 
 def lists_tools(endpoint: Call, body: dict[str, Any]) -> bool:
@@ -142,18 +147,45 @@ def _body_and_model(data: bytes) -> tuple[dict[str, Any], str]:
     # llama-server and Envoy's json_to_metadata read past it: the call goes on as the client
     # sent it, the upstream's to answer (refused here before, a call lost that llama-server
     # answers; found by benchmarks/reliability_llm.py in Envoy mode, which forwarded it).
+    # UTF-8 only (RFC 8259 8.1), as the servers behind guard read it: json.loads would also
+    # take UTF-16 and UTF-32, which guard cannot re-address byte for byte (json_edits).
     try:
-        body = json.loads(data)  # (bytes: json detects the encoding, a BOM included)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        text = data.decode("utf-8-sig")
+    except UnicodeDecodeError as exc:
+        raise BadRequest(f"the body is not JSON in UTF-8: {exc}") from None
+    try:
+        body = json.loads(text)
+    except json.JSONDecodeError as exc:
         raise BadRequest(f"the body is not JSON: {exc}") from None
+    except (ValueError, RecursionError) as exc:  # an integer past int()'s digits, or nesting
+        raise BadRequest(f"the body is JSON guard cannot read: "  # deeper than the stack
+                         f"{'nested too deep' if isinstance(exc, RecursionError) else exc}"
+                         ) from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
+    if text.count('"model"') > 1 and _names_model_twice(text):
+        # guard routes by one and re-addresses one; a server may read the other.
+        raise BadRequest("the body names 'model' more than once", param="model")
     model = body.get("model")
     if model is None:
         return body, ""
     if not isinstance(model, str):
-        raise BadRequest("'model' must be a string")
+        raise BadRequest("'model' must be a string", param="model")
     return body, model
+
+
+def _names_model_twice(text: str) -> bool:
+    """The top-level object has two ``model`` members (RFC 8259: names SHOULD be unique;
+    which one a reader takes is its own choice). Read again with every object's members
+    kept in order: the outermost object is the last one decoded."""
+    objects: list[list] = []
+
+    def keep(members: list) -> dict:
+        objects.append(members)
+        return {}
+
+    json.loads(text, object_pairs_hook=keep)
+    return bool(objects) and [name for name, _ in objects[-1]].count("model") > 1
 
 
 def model_of(data: bytes) -> str:

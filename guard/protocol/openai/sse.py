@@ -15,32 +15,73 @@ _BLANK_LINE = re.compile(rb"(?:\r\n|\n|\r(?!\n))(?:\r\n|\n|\r(?!\n))")
 _LINE_END = re.compile(rb"\r\n|\n|\r")
 
 
+class EventTooLarge(ValueError):
+    """An event grew past the splitter's limit without ending (a ``data:`` line that never
+    ends): the upstream's fault, not a stream to hold in memory."""
+
+
 class EventSplitter:
-    """Complete SSE events out of a byte stream cut anywhere."""
+    """Complete SSE events out of a byte stream cut anywhere.
 
-    __slots__ = ("_pending",)
+    ``limit``: the longest event held while it arrives, in bytes (0: no limit); an event
+    still unfinished past it raises :class:`EventTooLarge`. What is held grows by appending
+    and is searched only where new bytes can end an event, so an event that arrives in many
+    pieces costs time in proportion to its length, not its length times its pieces."""
 
-    def __init__(self):
-        self._pending = b""
+    __slots__ = ("_pending", "_searched", "limit")
+
+    def __init__(self, limit: int = 0):
+        self._pending = bytearray()
+        self._searched = 0  # bytes of _pending that hold no event's end
+        self.limit = limit
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events completed by ``chunk``, each with its terminating blank line, as sent."""
-        data = self._pending + chunk if self._pending else chunk
-        events, at = [], 0
-        while True:
-            match = _BLANK_LINE.search(data, at)
-            # A CR at the very end may be the first half of a CRLF still in flight.
-            if match is None or (match.end() == len(data) and data.endswith(b"\r")):
-                break
-            events.append(data[at:match.end()])
-            at = match.end()
-        self._pending = data[at:]
+        if not self._pending:  # the usual case: the chunk begins an event (no copy)
+            events, at = _split(chunk, 0)
+            if at < len(chunk):
+                self._hold(chunk[at:])
+            return events
+        pending = self._pending
+        pending += chunk
+        # A blank line ends in at most 4 bytes (CRLF CRLF): one that ends in the new bytes
+        # begins at most 3 bytes before them.
+        events, at = _split(pending, max(self._searched - 3, 0))
+        if events:
+            events = [bytes(event) for event in events]
+            del pending[:at]
+            self._searched = 0
+        else:
+            self._searched = len(pending)
+        if self.limit and len(pending) > self.limit:
+            raise EventTooLarge(f"an event longer than {self.limit} bytes")
         return events
+
+    def _hold(self, rest: bytes) -> None:
+        if self.limit and len(rest) > self.limit:
+            raise EventTooLarge(f"an event longer than {self.limit} bytes")
+        self._pending += rest
+        self._searched = len(rest)
 
     def rest(self) -> bytes:
         """What came after the last complete event (at the end of the stream)."""
-        rest, self._pending = self._pending, b""
+        rest = bytes(self._pending)
+        self._pending.clear()
+        self._searched = 0
         return rest
+
+
+def _split(data: bytes | bytearray, start: int) -> tuple[list, int]:
+    """The events that end in ``data`` (searched from ``start``), and where the rest begins."""
+    events: list = []
+    at = 0
+    while True:
+        match = _BLANK_LINE.search(data, max(at, start))
+        # A CR at the very end may be the first half of a CRLF still in flight.
+        if match is None or (match.end() == len(data) and data.endswith(b"\r")):
+            return events, at
+        events.append(data[at:match.end()])
+        at = match.end()
 
 
 def event_data(event: bytes) -> bytes | None:
