@@ -261,8 +261,11 @@ class OpenAIEdge:
         or the refusal (413, 400, 404, 503 before ready, 429 past
         server.max_concurrent_requests)."""
         try:
-            async with timeout(self.config.http_client_timeout_s):
+            if request.content.is_eof():  # it came whole with the head: no timer to arm
                 data = await request.read()
+            else:
+                async with timeout(self.config.http_client_timeout_s):
+                    data = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             return self._refuse(413, exc.text or "request too large", UNKNOWN_MODEL)
         except TimeoutError:
