@@ -156,14 +156,26 @@ def format_model_status(status: pb.ModelStatus) -> str:
 _COUNTS = ("requests", "mirror")  # ModelStatus's map<string, uint64> fields
 
 
+# GenerationWindow's figures that are NaN where nothing was measured yet (no completion with
+# the primary's logprobs, none sampled without): protobuf's JSON mapping writes "NaN".
+_FIGURES = ("mean_kld", "kld_p99", "top1_agreement", "z_pooled")
+
+
 def status_json(response: pb.GetStatusResponse) -> dict:
-    """The status as JSON, counts as numbers: protobuf's JSON mapping writes 64-bit integers as
-    strings (for JavaScript's doubles); a count of requests is well within 2**53."""
-    data = MessageToDict(response, preserving_proto_field_name=True)
+    """The status as JSON: every field, zeros and empty maps included (a script reads one
+    shape), counts as numbers (protobuf's JSON mapping writes 64-bit integers as strings, for
+    JavaScript's doubles; a count of requests is well within 2**53), and a figure not measured
+    yet as null (JSON has no NaN; protobuf writes the string "NaN")."""
+    data = MessageToDict(response, preserving_proto_field_name=True,
+                         always_print_fields_with_no_presence=True)
     for status in data.get("models", []):
         for field in _COUNTS:
             _numbers(status, field)
-        _numbers(status.get("generation", {}), "not_comparable_by_reason")
+        generation = status.get("generation", {})
+        _numbers(generation, "not_comparable_by_reason")
+        for figure in _FIGURES:
+            if isinstance(generation.get(figure), str):  # "NaN", "Infinity"
+                generation[figure] = None
     return data
 
 

@@ -110,6 +110,8 @@ def cmd_config_validate(args: argparse.Namespace) -> int:
         print(f"{args.file}: note: {line}")
     if not args.load:
         return EXIT_OK
+    print(f"{args.file}: loading every backend to check it (an upstream that does not answer "
+          "is waited for up to its options.ready_timeout_s) ...", flush=True)
     from guard.preflight import check_config
 
     reports = check_config(config)

@@ -170,9 +170,10 @@ class OpenAIOptions(_Strict):
         0, ge=0, le=20,
         description="On a sampled call whose client did not ask for logprobs, ask the upstream "
         "for this many top_logprobs per token (the per-token comparison needs them) and strip "
-        "them from the client's answer (each choices[i].logprobs back to null, byte for byte "
-        "as the server answers unasked). For servers that answer logprobs for any request "
-        "(vLLM up to its --max-logprobs; llama-cpp-python's server with --logits_all): a "
+        "them from the client's answer (each choices[i].logprobs back to what the server "
+        "answers unasked: null, or no key in llama-server's chat answers). For servers "
+        "that answer logprobs for any request (vLLM up to its --max-logprobs; "
+        "llama-cpp-python's server with --logits_all): a "
         "server that refuses a call so amended (400, 422, 500, or a stream ended without a "
         "byte) gets the client's own call instead, and calls of that shape (endpoint, streamed "
         "or not, with tools or not) are not amended again until a reload (event "
@@ -257,6 +258,15 @@ class OpenAIOptions(_Strict):
         (options.sample_logprobs): such a call costs no refused round trip, not even the
         first one an undeclared engine's calls of that shape cost."""
         return self.engine == "llama.cpp" and shape.streamed and shape.tools
+
+    def unasked_logprobs(self, endpoint: str) -> bytes:
+        """What the server's answer holds for ``choices[i].logprobs`` where nobody asked:
+        what guard sets back where it asked them itself (sample_logprobs). llama-server writes
+        no key in a chat answer (streamed or whole; ``"logprobs": null`` in a completions
+        one), the others null (vLLM, llama-cpp-python's server)."""
+        from guard.protocol.openai.json_edits import REMOVE
+
+        return REMOVE if self.engine == "llama.cpp" and endpoint == "chat" else b"null"
 
     @model_validator(mode="after")
     def _generation_config_is_readable(self) -> "OpenAIOptions":

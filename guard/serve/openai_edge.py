@@ -541,8 +541,8 @@ class _Forward(_Upstream):
             self.payload = api.set_model(self.data, backend.model)
         else:
             self.payload = self.data  # the client's bytes, as they came
-        self.edits = api.answer_edits(call.model, self.guard_logprobs,
-                                      self.guard_token_ids)
+        self.edits = api.answer_edits(call.model, self.guard_logprobs, self.guard_token_ids,
+                                      backend.options.unasked_logprobs(call.endpoint))
         if self.edits and call.endpoint == "responses":  # also in its events' response
             self.edits[RESPONSE_MODEL_PATH] = self.edits[api.MODEL_PATH]
 

@@ -48,6 +48,7 @@ import numpy as np
 
 from guard.backends import create_backend
 from guard.backends.base import backend_details
+from guard.backends.loading import load_all
 from guard.capture.records import GENERATION_INPUT, PROBED_OUTPUT, generation_tensor
 from guard.capture.writer import CaptureTag, CaptureWriter, PendingRecord
 from guard.config import ModelConfig
@@ -352,7 +353,7 @@ class VerifiedGenerationModel(VerifiedModel):
             # guard/plan/serving.py llm_role_problems)
             scorer = cast("Scorer", create_backend(config.reference, "reference",
                                                    config.mirror.threads))
-            scorer.load()
+            load_all(self.name, config, {"reference": scorer})  # (errors name the key)
             self.backends["reference"] = scorer
             # The registered tiers that take a sampled call (guard/verify/tiers.py): the
             # generation tier, with the primary server's declared sampling defaults.

@@ -77,6 +77,8 @@ _GATHER_FILL = 0.25
 # Longest the reader leaves samples in the ring while a mirror queue is full (see _read_ring).
 _HOLD_S = 1.0
 _HEARTBEAT_S = 0.1
+# Longest a stop waits for the ring reader's round in hand before taking the rings' rest.
+_READER_STOP_S = 5.0
 _ERROR_LOG_INTERVAL_S = 10.0
 _OVERRIDES = {"auto", "primary", "fallback"}
 
@@ -260,12 +262,7 @@ class VerifierProcess:
             records = self._take(limit)
             if records:
                 idle = _IDLE_S
-                try:
-                    self._deliver_all(records)
-                except Exception as exc:  # a bug: these samples lost, never the reader
-                    log.exception("handing samples over failed")
-                    self._log_error(f"samples could not be delivered: "
-                                    f"{type(exc).__name__}: {exc}")
+                self._hand_over(records)
                 if len(records) < limit:  # the rings are empty: let the next batch gather
                     self._gather()
             else:
@@ -379,11 +376,34 @@ class VerifierProcess:
                  note=f"further errors within {_ERROR_LOG_INTERVAL_S:.0f}s are only counted")
 
     def close(self) -> None:
+        """Stop. The samples still in the rings (calls answered while the serving processes
+        finished theirs, in the shutdown's grace) go to their models first, so that each reaches
+        capture: checked where its mirror gets to it, else recorded and counted dropped, as a
+        queue's last samples are when a mirror stops. Then the models close, flushing capture."""
         self.stopping.set()
+        if self._reader.is_alive() and self._reader is not threading.current_thread():
+            self._reader.join(_READER_STOP_S)  # (its round ends at the next look)
+        if not self._reader.is_alive():  # (else it still holds a round: left to it)
+            self._drain_rings()
         with self._lock:
             models = list(self.models.values())
         for model in models:
             model.close()
+
+    def _drain_rings(self) -> None:
+        while (records := self._take(_DRAIN)) and self._hand_over(records):
+            pass
+
+    def _hand_over(self, records: list[bytes]) -> bool:
+        """``_deliver_all``; False where it failed (a bug: these samples are lost, never the
+        reader or the stop; logged and said)."""
+        try:
+            self._deliver_all(records)
+        except Exception as exc:
+            log.exception("handing samples over failed")
+            self._log_error(f"samples could not be delivered: {type(exc).__name__}: {exc}")
+            return False
+        return True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,15 +112,20 @@ def test_serve_refuses_a_port_in_use(tmp_path):
                               "server.metrics_port")
 
 
-def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
+def serve_slow_model(tmp_path, **model):
+    """`guard serve` on a model whose primary sleeps 1.5 s on SLEEP_TRIGGER inputs (a 10 s
+    shutdown grace), with its tritonclient."""
     port = free_port()
-    model = model_block(primary=affine_backend(sleep_on_trigger=1.5),
-                        mirror={"sample_rate": 0.0})
-    config = write_config(tmp_path, [model])
+    config = write_config(tmp_path, [model_block(primary=affine_backend(sleep_on_trigger=1.5),
+                                                 **model)])
     data = yaml.safe_load(config.read_text())
     data["server"].update(grpc_port=port, shutdown_grace_s=10, inline_below_ms=0)
     config.write_text(yaml.safe_dump(data))
-    process, client = start_serve(config, port)
+    return start_serve(config, port)
+
+
+def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
+    process, client = serve_slow_model(tmp_path, mirror={"sample_rate": 0.0})
     try:
         outcome: dict[str, object] = {}
 
@@ -145,6 +150,33 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
         client.close()
         if process.poll() is None:
             process.kill()
+
+
+def test_a_call_answered_in_the_shutdown_grace_is_captured(tmp_path):
+    """SIGTERM while a call is in the primary: it is answered in the grace, and its sample is
+    handed to the verifier after the answer, moments before the verifier is told to stop. The
+    verifier takes what the rings still hold before it stops, so the call's record is in the
+    capture (checked, or recorded as dropped): none was, when the stop came first."""
+    from guard.capture.reader import FileStats, expand_paths, read_records
+
+    capture = tmp_path / "capture"
+    process, client = serve_slow_model(tmp_path, capture={"dir": str(capture), "mode": "all"})
+    try:
+        answered = []
+        slow = np.full((1, 4), SLEEP_TRIGGER, np.float32)
+        thread = threading.Thread(
+            target=lambda: answered.append(client.infer("m", [x_input(slow)]).as_numpy("y")))
+        thread.start()
+        time.sleep(0.5)  # the call is now inside the primary
+        process.send_signal(signal.SIGTERM)
+        thread.join(30)
+        assert process.wait(30) == 0 and len(answered) == 1
+    finally:
+        client.close()
+        if process.poll() is None:
+            process.kill()
+    records = [r for path in expand_paths([capture]) for r in read_records(path, FileStats())]
+    assert len(records) == 1, process.stderr.read()
 
 
 def _children(pid: int) -> dict[int, str]:

@@ -335,6 +335,40 @@ def replay_report(folder) -> dict:
         "generation"]
 
 
+def test_calls_guard_asked_logprobs_of_answer_as_llama_server_answers_unasked(llama, tmp_path):
+    """options.sample_logprobs: guard asks llama-server for logprobs on every sampled call and
+    takes them out of the client's answer as the server answers when nobody asked: no key in a
+    chat answer (streamed or whole), ``"logprobs": null`` in a completion. Each shape's answer
+    through guard is the server's own but for the id, the time, the model's name and the
+    server's prompt-cache counts (the second call of a prompt reads it from the cache)."""
+    import re
+
+    import httpx2 as httpx
+
+    from llm_support import masked
+
+    def alike(body: bytes) -> bytes:
+        body = re.sub(rb'"(cache_n|prompt_n|cached_tokens)": ?\d+', rb'"\1":0', masked(body))
+        return body.replace(json.dumps(str(gguf)).encode(), b'"smol"')
+
+    server, gguf = llama
+    model = tool_chat_model(server, gguf, tmp_path / "capture", sample_logprobs=5)
+    shapes = [("chat/completions", {"messages": MESSAGES}),
+              ("chat/completions", {"messages": MESSAGES, "stream": True}),
+              ("completions", {"prompt": PROMPTS[0]}),
+              ("completions", {"prompt": PROMPTS[0], "stream": True})]
+    with running(tmp_path, [model], http_port=0) as (srv, _), \
+            httpx.Client(timeout=120) as http:
+        for path, fields in shapes:
+            body = {"model": "smol", "max_tokens": 5, "temperature": 0, **fields}
+            ours = http.post(f"http://127.0.0.1:{srv.http_port}/v1/{path}", json=body)
+            theirs = http.post(f"{server.url}/v1/{path}", json=body)
+            assert ours.status_code == theirs.status_code == 200
+            assert alike(ours.content) == alike(theirs.content), (path, fields)
+            assert b"logprobs" not in ours.content or path == "completions"
+        compared_at_least(srv, len(shapes), 300)  # (sampled, and compared on logprobs)
+
+
 def load_config_block(gguf):
     from guard.config.backend import BackendConfig
 

@@ -265,6 +265,21 @@ def test_a_call_while_guard_loads_its_models_is_503_not_404(tmp_path):
     assert status == 503 and body["error"]["type"] == "server_error", body
 
 
+def test_a_reference_that_cannot_load_is_named_by_its_key_at_start(upstreams, tmp_path):
+    """`guard serve` says which block failed, as `guard config validate --load` does."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python (the llm extra) is not installed")
+    from guard.errors import GuardError
+
+    broken = tmp_path / "broken.gguf"
+    broken.write_bytes(b"GGUF" + bytes(996))
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": upstreams[0].url, "model": MODEL},
+             "reference": {"backend": "llama_cpp", "path": str(broken)}}
+    with pytest.raises(GuardError, match=r"^models\[smol\]\.reference: llama\.cpp cannot load"):
+        with running(tmp_path, [model], http_port=0):
+            pass
+
+
 def test_an_unknown_model_is_404_in_openais_error_shape(guard, http):
     before = errors(guard, "NOT_FOUND", "_unknown")
     answer = http.post("/v1/completions", json={"model": "gpt-nope", "prompt": "x"})

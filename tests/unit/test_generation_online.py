@@ -110,3 +110,23 @@ def test_admin_status_says_when_the_kld_window_has_nothing_yet():
                                               generation=pb.GenerationWindow(**window.figures())))
     assert "1 of the last 100 completions, mean KLD 0.0100" in text
     assert "same top-1 90.0%" in text
+
+
+def test_admin_status_json_has_every_field_and_null_for_what_was_not_measured():
+    """--json: one shape whatever was counted (empty maps and zeros kept), and no "NaN"
+    string where JSON has no NaN (protobuf's JSON mapping writes one)."""
+    import json
+
+    from guard.admin_client import status_json
+    from guard.v1 import admin_pb2 as pb
+
+    window = KldWindow(100)
+    window.add(GenerationCheck(passed=True, mode="greedy", statistic=0.0, tokens=4))
+    status = pb.ModelStatus(name="smol", route="primary", has_generation=True,
+                            generation=pb.GenerationWindow(**window.figures()))
+    generation = json.loads(json.dumps(status_json(pb.GetStatusResponse(
+        models=[status]))))["models"][0]["generation"]
+    assert generation["not_comparable_by_reason"] == {}
+    assert generation["completions"] == 0 and generation["sampled_completions"] == 0
+    assert all(generation[k] is None
+               for k in ("mean_kld", "kld_p99", "top1_agreement", "z_pooled")), generation

@@ -1194,3 +1194,21 @@ def test_a_request_id_that_is_not_utf8_can_still_be_sampled_and_handed_over():
     assert request_id({"x-request-id": sent}) == "req-\ufffd\ufffd"
     assert request_id({"x-request-id": sent}).encode("utf-8")
     assert len(request_id({})) == 32
+
+
+@pytest.mark.parametrize("answer, unasked", [
+    (b'{"choices":[{"index":0,"delta":{"content":"Hi"},"logprobs":{"content":[]}}],"id":"c"}',
+     b'{"choices":[{"index":0,"delta":{"content":"Hi"}}],"id":"c"}'),
+    (b'{"choices": [{"logprobs": {"content": [{"t": 1}]} , "index": 0}]}',
+     b'{"choices": [{"index": 0}]}'),
+    (b'{"choices":[{"logprobs":null}]}', b'{"choices":[{}]}'),
+    (b'{"choices":[{"index":0,"logprobs":{}},{"index":1,"logprobs":{}}]}',
+     b'{"choices":[{"index":0},{"index":1}]}'),
+], ids=["last", "first-spaced", "only", "two-choices"])
+def test_logprobs_a_server_writes_no_key_for_are_taken_out_whole(answer, unasked):
+    """llama-server writes no ``logprobs`` key in a chat answer nobody asked logprobs of: what
+    guard asked for itself goes with its key and one comma, every other byte as it was."""
+    from guard.protocol.openai.json_edits import REMOVE
+
+    edits = api.answer_edits("c", True, unasked_logprobs=REMOVE)
+    assert api.replace_values(answer, edits) == unasked

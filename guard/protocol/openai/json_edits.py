@@ -2,10 +2,11 @@
 
 The client's answer is the upstream's answer. The edge changes only the value of the top-level
 ``"model"`` key (the upstream's name back to the client's), and, where guard itself asked for
-logprobs or token ids on a sampled call, those values back to ``null`` (what the server answers
-when nobody asked). Each edit splices the value's bytes in place (:func:`replace_values`): every
-other byte (spacing, key order, number spelling, escapes) stays as the server wrote it, which a
-``json.loads``/``json.dumps`` round trip would not keep."""
+logprobs or token ids on a sampled call, those values back to what the server answers when
+nobody asked (``null``, or no key at all: ``REMOVE``). Each edit splices the value's bytes in
+place (:func:`replace_values`): every other byte (spacing, key order, number spelling, escapes)
+stays as the server wrote it, which a ``json.loads``/``json.dumps`` round trip would not
+keep."""
 
 from __future__ import annotations
 
@@ -46,12 +47,14 @@ def _value_end(text: str, at: int) -> int:
         raise ValueError(f"not JSON guard reads at {at}: {exc}") from None
 
 
-def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:
-    """Scan the value at ``at`` (no leading space); append (start, end, path) of wanted values;
-    return where the value ends."""
+def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list,
+           member: int = -1) -> int:
+    """Scan the value at ``at`` (no leading space); append (start, end, path, member) of wanted
+    values (``member``: where the object member holding it begins, its key's quote; -1 for an
+    array's element or the document); return where the value ends."""
     if prefix in paths:
         end = _value_end(text, at)
-        found.append((at, end, prefix))
+        found.append((at, end, prefix, member))
         return end
     depth = len(prefix)
     wanted = [p for p in paths if len(p) > depth and p[:depth] == prefix]
@@ -63,6 +66,7 @@ def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:
     if text[at:at + 1] == closer:
         return at + 1
     while True:
+        begins = at
         if opener == "{":
             if text[at:at + 1] != '"':
                 raise ValueError(f"not JSON at {at}: expected a key")
@@ -75,7 +79,8 @@ def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:
         else:
             step = "*"
         if any(p[depth] == step for p in wanted):
-            at = _spans(text, at, paths, (*prefix, step), found)
+            at = _spans(text, at, paths, (*prefix, step), found,
+                        begins if opener == "{" else -1)
         else:
             at = _value_end(text, at)
         if depth == 0 and all("*" not in p for p in paths) and len(found) == len(paths):
@@ -90,10 +95,11 @@ def _spans(text: str, at: int, paths: tuple, prefix: tuple, found: list) -> int:
 
 
 def value_spans(data: bytes | str,
-                paths: Iterable[tuple[str, ...]]) -> list[tuple[int, int, tuple]]:
-    """(start, end, path) of every value at ``paths`` in the JSON ``data`` (character offsets
-    of its UTF-8 text), in document order. Paths are tuples of keys, ``"*"`` standing for
-    every element of an array. ValueError for data that is not JSON."""
+                paths: Iterable[tuple[str, ...]]) -> list[tuple[int, int, tuple, int]]:
+    """(start, end, path, member) of every value at ``paths`` in the JSON ``data`` (character
+    offsets of its UTF-8 text; ``member``: where the object member holding it begins, -1 for an
+    array's element), in document order. Paths are tuples of keys, ``"*"`` standing for every
+    element of an array. ValueError for data that is not JSON."""
     text = data.decode() if isinstance(data, (bytes, bytearray)) else data
     found: list = []
     _spans(text, _skip_space(text, 0), tuple(paths), (), found)
@@ -122,11 +128,17 @@ def _leading_model(data: bytes, value: bytes) -> bytes | None:
     return data[:match.start(1)] + value + data[match.end(1):]
 
 
+# A replacement that removes the member holding the value (its key, the value and one comma),
+# as a server that writes no key where nobody asked (llama-server's chat logprobs).
+REMOVE = b""
+
+
 def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> bytes:
-    """``data`` with the values at these paths replaced by the given JSON bytes; every other
-    byte as it was. Paths that are not there are left out (nothing added). Once every exact
-    path is found the rest of the document is not read: a document that breaks off after them
-    is edited there and forwarded as it is."""
+    """``data`` with the values at these paths replaced by the given JSON bytes (``REMOVE``:
+    the object member holding the value taken out); every other byte as it was. Paths that
+    are not there are left out (nothing added). Once every exact path is found the rest of the
+    document is not read: a document that breaks off after them is edited there and forwarded
+    as it is."""
     if len(replacements) == 1 and MODEL_PATH in replacements:
         edited = _leading_model(data, replacements[MODEL_PATH])
         if edited is not None:
@@ -139,11 +151,26 @@ def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> b
     if not spans:
         return data
     out, at = [], 0
-    for start, end, path in spans:
-        out += [text[at:start], replacements[path].decode()]
+    for start, end, path, member in spans:
+        value = replacements[path]
+        if value == REMOVE and member >= 0:
+            start, end = _member_span(text, member, end)
+        out += [text[at:start], value.decode()]
         at = end
     out.append(text[at:])
     return "".join(out).encode()
+
+
+def _member_span(text: str, member: int, end: int) -> tuple[int, int]:
+    """The span that removes the object member from ``member`` to ``end`` with one of its
+    commas: the one before it, else (the object's first member) the one after it."""
+    before = len(text[:member].rstrip())
+    if text[before - 1:before] == ",":
+        return before - 1, end
+    after = _skip_space(text, end)
+    if text[after:after + 1] == ",":
+        return member, _skip_space(text, after + 1)
+    return member, end  # the object's only member
 
 
 def set_model(data: bytes, name: str) -> bytes:
@@ -163,7 +190,7 @@ def set_model(data: bytes, name: str) -> bytes:
         raise ValueError(f"not UTF-8: {exc}") from None
     spans = value_spans(text, [MODEL_PATH])  # (one scan: found, or where it goes)
     if spans:
-        start, end, _ = spans[0]
+        start, end, _, _ = spans[0]
         return (text[:start] + value.decode() + text[end:]).encode()
     opening = data.find(b"{")
     if opening < 0 or data[:opening].strip():
@@ -173,8 +200,8 @@ def set_model(data: bytes, name: str) -> bytes:
     return data[:opening + 1] + b'"model":' + value + comma + rest
 
 
-def answer_edits(client_model: str, strip_logprobs: bool,
-                 strip_token_ids: bool = False) -> dict[tuple[str, ...], bytes]:
+def answer_edits(client_model: str, strip_logprobs: bool, strip_token_ids: bool = False,
+                 unasked_logprobs: bytes = b"null") -> dict[tuple[str, ...], bytes]:
     """The edits an answer (or each streamed chunk) of this call needs.
 
     The answer's ``model`` is always set to the client's name (``client_model``: the name the
@@ -185,8 +212,8 @@ def answer_edits(client_model: str, strip_logprobs: bool,
     already says it, the edit is a regex match that returns the bytes as they came."""
     edits: dict[tuple[str, ...], bytes] = {
         MODEL_PATH: json.dumps(client_model, ensure_ascii=False).encode()}
-    if strip_logprobs:
-        edits[LOGPROBS_PATH] = b"null"
+    if strip_logprobs:  # as the server answers unasked: null, or no key (REMOVE)
+        edits[LOGPROBS_PATH] = unasked_logprobs
     if strip_token_ids:
         edits.update(dict.fromkeys(TOKEN_ID_PATHS, b"null"))
     return edits
