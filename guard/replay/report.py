@@ -241,6 +241,9 @@ def _inputs_layout(r: dict) -> list:
             line.append(f", skipped {f['skipped_bytes']} byte(s) in {f['skipped_regions']} "
                         "region(s)" + (", ends inside a record" if f.get("truncated_tail")
                                        else ""))
+        if f.get("problems"):  # (the first few: a prompt set's line numbers and why)
+            line.append(f", {f.get('unreadable', len(f['problems']))} unreadable: "
+                        + "; ".join(f["problems"]))
         files.append(line)
     return [Heading(2, ["Inputs"]), Para([text])] + ([Bullets(files)] if files else [])
 

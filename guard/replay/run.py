@@ -135,9 +135,13 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
     if not outcomes:
         problems.append("no record was replayed (empty input, or everything filtered out)")
     if stats.skipped_bytes or stats.unreadable_records:
+        # Which ones, where a file says (a prompt set's line numbers, a record's error).
+        which = "; ".join(f"{Path(f['path']).name}: {problem}" for f in stats.files
+                          for problem in f.get("problems", ()))
         strict_problems.append(
             f"{stats.skipped_bytes} damaged byte(s) skipped in {stats.skipped_regions} "
-            f"region(s), {stats.unreadable_records} unreadable record(s)")
+            f"region(s), {stats.unreadable_records} unreadable record(s)"
+            + (f" ({which})" if which else ""))
     if stats.unknown_models:
         strict_problems.append("records of models the config lacks: " + ", ".join(
             f"{k} ({v})" for k, v in sorted(stats.unknown_models.items())))

@@ -244,6 +244,10 @@ def test_a_prompt_set_is_generated_by_the_primary_and_scored(upstream, ladder, t
     (entry,) = inputs["files"]
     assert entry["kind"] == "prompts" and "line 4: unknown key 'max_token'" in \
         entry["problems"][0]
+    # The problem line and report.md say which line too, not only report.json.
+    assert any("prompts.jsonl: line 4: unknown key 'max_token'" in p
+               for p in report["problems"]), report["problems"]
+    assert "line 4: unknown key 'max_token'" in (out / "report.md").read_text()
     assert {f["request_id"] for f in g["flagged"]} <= {"prompts.jsonl:1", "second",
                                                        "prompts.jsonl:3"}
 
