@@ -280,6 +280,46 @@ def test_a_reference_that_cannot_load_is_named_by_its_key_at_start(upstreams, tm
             pass
 
 
+def test_a_client_trickling_its_request_is_cut_at_http_client_timeout_s(upstreams, tmp_path):
+    """Slow-loris: a head that never ends holds its connection until
+    server.http_client_timeout_s (here 1 s), then it is closed; a body that never ends is
+    answered 408 then, counted."""
+    import socket
+    import time
+
+    model = {"name": "smol", "task": "generation",
+             "primary": {"backend": "openai", "target": upstreams[0].url, "model": MODEL}}
+    with running(tmp_path, [model], http_port=0, http_client_timeout_s=1.0) as (srv, _):
+        def trickle(first: bytes) -> tuple[bytes, float]:
+            """Send ``first``, then a byte every 0.2 s; what came back and when."""
+            started = time.monotonic()
+            with socket.create_connection(("127.0.0.1", srv.http_port), timeout=30) as raw:
+                raw.sendall(first)
+                raw.settimeout(0.2)
+                while time.monotonic() - started < 20:
+                    try:
+                        raw.sendall(b"x")
+                        answer = raw.recv(4096)
+                    except socket.timeout:
+                        continue
+                    except OSError:  # reset: the connection was closed under the trickle
+                        answer = b""
+                    return answer, time.monotonic() - started
+            raise AssertionError("still open after 20 s")
+
+        _, after = trickle(b"POST /v1/chat/completions HTTP/1.1\r\nX-Slow: ")
+        assert after < 10, after  # cut at ~1 s (the timer's resolution is coarse)
+        before = metric(scrape(srv.metrics_port), "guard_request_errors_total",
+                        model="_unknown", code="DEADLINE_EXCEEDED")
+        answer, after = trickle(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                                b"Content-Type: application/json\r\n"
+                                b"Content-Length: 100000\r\n\r\n{")
+        assert answer.split(b"\r\n", 1)[0].endswith(b" 408 Request Timeout"), answer[:200]
+        assert after < 10, after
+        assert metric(scrape(srv.metrics_port), "guard_request_errors_total",
+                      model="_unknown", code="DEADLINE_EXCEEDED") == before + 1
+
+
 def test_an_unknown_model_is_404_in_openais_error_shape(guard, http):
     before = errors(guard, "NOT_FOUND", "_unknown")
     answer = http.post("/v1/completions", json={"model": "gpt-nope", "prompt": "x"})
