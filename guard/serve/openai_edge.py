@@ -108,21 +108,24 @@ def request_id(headers: Mapping[str, str]) -> str:
 
 class _ServerLog:
     """aiohttp's server log, as the edge keeps it: a request aiohttp could not parse (bad
-    HTTP, a body it cannot decode) is one WARNING line without a traceback and counted as an
-    error (model unknown, INVALID_ARGUMENT: aiohttp answered it 400); anything else goes to
-    aiohttp's own logger as it would have. A client sending malformed HTTP in a loop fills no
-    disk with tracebacks."""
+    HTTP) is one WARNING line without a traceback and counted as an error (model unknown,
+    INVALID_ARGUMENT: aiohttp answered it 400), a body it could not decode one line too (the
+    edge answered and counted it); anything else goes to aiohttp's own logger as it would
+    have. A client sending malformed HTTP in a loop fills no disk with tracebacks."""
 
     def __init__(self, metrics: "EdgeMetrics"):
         self.metrics = metrics
         self.log = logging.getLogger("aiohttp.server")
 
     def exception(self, message: str, *args, exc_info=None, **kwargs) -> None:
-        if isinstance(exc_info, HttpProcessingError):
+        if isinstance(exc_info, HttpProcessingError):  # aiohttp answered it 400 itself
             self.metrics.error(UNKNOWN_MODEL, "INVALID_ARGUMENT")
-            self.log.warning("%s: %s", message % args, " ".join(str(exc_info).split()))
+        elif not isinstance(exc_info, RequestPayloadError):
+            self.log.exception(message, *args, exc_info=exc_info, **kwargs)
             return
-        self.log.exception(message, *args, exc_info=exc_info, **kwargs)
+        # (RequestPayloadError: a body the edge could not read, answered and counted there;
+        # aiohttp meets it again reading the rest of the body after the answer.)
+        self.log.warning("%s: %s", message % args, " ".join(str(exc_info).split()))
 
     def __getattr__(self, name: str):
         return getattr(self.log, name)

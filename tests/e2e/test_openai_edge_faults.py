@@ -184,12 +184,15 @@ def test_a_body_that_is_not_an_openai_call_is_400_and_counted(guard, http, conte
     still_serves(http)
 
 
-def test_a_body_that_cannot_be_decoded_is_400_and_counted(guard, http):
+def test_a_body_that_cannot_be_decoded_is_400_counted_once_and_logged_in_one_line(
+        guard, http, caplog):
+    caplog.set_level("WARNING", logger="aiohttp.server")
     before = errors(guard, "INVALID_ARGUMENT", "_unknown")
     answer = http.post("/v1/chat/completions", content=b"not gzip at all",
                        headers={"Content-Type": "application/json", "Content-Encoding": "gzip"})
     assert answer.status_code == 400 and "cannot be read" in answer.json()["error"]["message"]
     assert errors(guard, "INVALID_ARGUMENT", "_unknown") == before + 1
+    assert all(r.exc_info is None for r in caplog.records if r.name == "aiohttp.server")
     still_serves(http)
 
 
