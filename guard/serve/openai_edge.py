@@ -278,6 +278,9 @@ class OpenAIEdge:
         except (RequestPayloadError, HttpProcessingError) as exc:  # a Content-Encoding that
             return self._refuse(400, f"the body cannot be read: {exc}",  # is not, bad chunks
                                 UNKNOWN_MODEL)
+        except asyncio.CancelledError:  # the client went away before its body's end
+            self.metrics.error(UNKNOWN_MODEL, "CANCELLED")
+            raise
         try:
             call = parse(data)
         except api.BadRequest as exc:

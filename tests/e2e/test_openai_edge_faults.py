@@ -321,6 +321,15 @@ def test_a_client_trickling_its_request_is_cut_at_http_client_timeout_s(upstream
         assert after < 10, after
         assert metric(scrape(srv.metrics_port), "guard_request_errors_total",
                       model="_unknown", code="DEADLINE_EXCEEDED") == before + 1
+        # A client that leaves before its body's end is counted as one that left.
+        left = metric(scrape(srv.metrics_port), "guard_request_errors_total",
+                      model="_unknown", code="CANCELLED")
+        with socket.create_connection(("127.0.0.1", srv.http_port), timeout=30) as raw:
+            raw.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 1000\r\n\r\n{\"model\"")
+            time.sleep(0.2)
+        assert wait_until(lambda: metric(scrape(srv.metrics_port), "guard_request_errors_total",
+                                         model="_unknown", code="CANCELLED") == left + 1)
 
 
 def test_an_unknown_model_is_404_in_openais_error_shape(guard, http):
