@@ -19,14 +19,16 @@ trailers read and dropped) or by the connection's end; informational 1xx answers
 does not: HTTP/2, proxies from the environment (aiohttp's ``trust_env`` was off too), redirects (a
 3xx goes to the client as it came), compression (the edge does not forward Accept-Encoding).
 
-Faults: an upstream that cannot be reached, or answers what is not HTTP/1.x, or closes the
-connection before its answer's end raises ``UpstreamError``; silence longer than ``read`` (before
+Faults: an upstream that cannot be reached, or answers what is not HTTP/1.x (a head over
+MAX_HEAD_BYTES, a header line holding a control character), or closes the connection before
+its answer's end raises ``UpstreamError`` (a chunk-framing error after the body bytes decoded
+before it; ``AnswerTooLarge`` past ``read``'s limit); silence longer than ``read`` (before
 the answer's head, or between two reads of its body) or a call longer than ``total`` raises
 ``TimeoutError``. A connection goes back to the pool only after a whole answer that allows it
-(HTTP/1.1, no ``Connection: close``, framed by length or chunks, nothing after it); an answer left
-before its end (the client went away) closes its connection, which stops the upstream's
-generation. A pooled connection that the upstream closed while idle is noticed by the event loop
-and never reused.
+(HTTP/1.1, no ``Connection: close``, framed by length or chunks, nothing after it), and is
+reused for at most MAX_IDLE_S after it; an answer left before its end (the client went away)
+closes its connection, which stops the upstream's generation. A pooled connection that the
+upstream closed while idle is noticed by the event loop and never reused.
 """
 
 from __future__ import annotations

@@ -261,7 +261,7 @@ class OpenAIEdge:
                      model_name: Callable[[_Call], str]
                      ) -> tuple[bytes, _Call, ServedModel] | web.Response:
         """A call's body, what ``parse`` made of it and the model it names (``model_name``),
-        or the refusal (413, 400, 404, 503 before ready, 429 past
+        or the refusal (413, 408, 400, 503 while loading or stopping, 404, 429 past
         server.max_concurrent_requests)."""
         try:
             if request.content.is_eof():  # it came whole with the head: no timer to arm
