@@ -271,7 +271,7 @@ class OpenAIEdge:
                     data = await request.read()
         except web.HTTPRequestEntityTooLarge as exc:
             return self._refuse(413, exc.text or "request too large", UNKNOWN_MODEL)
-        except TimeoutError:
+        except (TimeoutError, asyncio.TimeoutError):  # (one class from Python 3.11)
             return self._refuse(408, "the request's body did not arrive in "
                                 f"{self.config.http_client_timeout_s:g}s "
                                 "(server.http_client_timeout_s)", UNKNOWN_MODEL)
