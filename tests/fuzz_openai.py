@@ -5,7 +5,8 @@ guard's contract (CONTRACT.md, "Generative models": the body is the upstream's a
 The property, per case (:func:`verdict`):
 
 - A call guard refuses on its own is one of the refusals it documents: a body that is not a
-  JSON object (not JSON, not UTF-8, an array; a leading byte order mark is read past), a
+  JSON object (not JSON, not UTF-8, an array; a leading byte order mark is read past; nested
+  or a number longer than Python's json reads), one naming ``model`` twice, a
   ``model`` that is not a string, a model guard does not serve (404), a body over
   ``server.max_message_bytes`` (413); each a 4xx in OpenAI's error shape
   (``{"error": {"message": ...}}``).
@@ -206,12 +207,17 @@ def guard_refuses(case: Case, several: bool = False) -> str:
     """Why guard answers this call itself (a documented refusal), "" where it forwards it.
     ``several``: guard serves several generation models, so a body naming none is refused
     (with one, it is that model's)."""
-    try:
-        body = json.loads(case.data)
-    except (UnicodeDecodeError, ValueError):
-        return "not JSON"
+    try:  # (UTF-8 only; json.loads alone would also read UTF-16 and UTF-32)
+        body = json.loads(case.data.decode("utf-8-sig"))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return "not JSON guard reads"  # (nesting, or a number, past what Python reads)
     if not isinstance(body, dict):
         return "not an object"
+    members: list[list] = []
+    json.loads(case.data.decode("utf-8-sig"),
+               object_pairs_hook=lambda pairs: members.append(pairs) or {})
+    if [name for name, _ in members[-1]].count("model") > 1:
+        return "model named twice"
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         return "model not a string"
