@@ -1212,3 +1212,10 @@ def test_logprobs_a_server_writes_no_key_for_are_taken_out_whole(answer, unasked
 
     edits = api.answer_edits("c", True, unasked_logprobs=REMOVE)
     assert api.replace_values(answer, edits) == unasked
+
+
+def test_removing_what_has_no_key_leaves_null_and_the_json_whole():
+    from guard.protocol.openai.json_edits import REMOVE
+
+    assert api.replace_values(b'{"choices": [1, 2]}', {("choices", "*"): REMOVE}) == \
+        b'{"choices": [null, null]}'

@@ -153,8 +153,11 @@ def replace_values(data: bytes, replacements: dict[tuple[str, ...], bytes]) -> b
     out, at = [], 0
     for start, end, path, member in spans:
         value = replacements[path]
-        if value == REMOVE and member >= 0:
-            start, end = _member_span(text, member, end)
+        if value == REMOVE:  # (an array's element has no key to go with it: null there)
+            if member >= 0:
+                start, end = _member_span(text, member, end)
+            else:
+                value = b"null"
         out += [text[at:start], value.decode()]
         at = end
     out.append(text[at:])
