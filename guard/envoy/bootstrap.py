@@ -154,10 +154,12 @@ def _address(host: str, port: int) -> dict:
 
 def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict | None = None,
              dns: bool | None = None, connect_timeout_s: float = 1.0,
-             max_connections: int | None = None) -> dict:
+             max_connections: int | None = None, idle_timeout_s: float | None = None) -> dict:
     """A cluster of one endpoint, over HTTP/2 (gRPC) or HTTP/1.1 (``http2=False``: the
     OpenAI-compatible servers, most of which speak no h2c); ``dns``: resolve ``host`` (default:
-    when it is not an IP address)."""
+    when it is not an IP address); ``idle_timeout_s``: how long Envoy keeps an idle upstream
+    connection (its default: an hour), below the endpoint's own keep-alive, so that Envoy
+    never sends a call on a connection the endpoint is closing."""
     if dns is None:
         dns = not _is_ip(host)
     protocol: dict = ({"http2_protocol_options": {}} if http2
@@ -171,7 +173,9 @@ def _cluster(name: str, host: str, port: int, *, http2: bool = True, tls: dict |
         "typed_extension_protocol_options": {
             "envoy.extensions.upstreams.http.v3.HttpProtocolOptions": {
                 "@type": _TYPE + "envoy.extensions.upstreams.http.v3.HttpProtocolOptions",
-                "explicit_http_config": protocol}},
+                "explicit_http_config": protocol,
+                **({"common_http_protocol_options": {"idle_timeout": f"{idle_timeout_s:g}s"}}
+                   if idle_timeout_s is not None else {})}},
         # Envoy's defaults (1024 pending / in flight) would refuse a burst that guard's own
         # max_concurrent_requests admits; the model server is the limit, not the proxy.
         "circuit_breakers": {"thresholds": [{"max_connections": max_connections or 100000,

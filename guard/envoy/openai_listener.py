@@ -234,7 +234,9 @@ def listener(config: GuardConfig, ports: Ports, chain: Chain,
     models = [m for m in config.models if generative(m)]
     by_body = chain.by_body
     size = config.server.max_message_bytes
-    clusters = [_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.http_health, http2=False)]
+    # (guard's HTTP server closes a connection idle for server.http_client_timeout_s)
+    clusters = [_cluster(HEALTH_CLUSTER, "127.0.0.1", ports.http_health, http2=False,
+                         idle_timeout_s=config.server.http_client_timeout_s / 2)]
     for model in models:
         for name, role, _ in model_clusters(model):
             clusters.append(_upstream(name, getattr(model, role)))
