@@ -84,9 +84,13 @@ class Channel:
         try:
             self._send({**to_wire(message), "id": ident})
         except ChannelClosed as exc:
+            # The reader, seeing the other side go, may have taken the pending futures and
+            # failed this one already: then it is not failed twice (a scrape of /metrics
+            # while the verifier was killed answered 500 on that InvalidStateError).
             with self._pending_lock:
-                self._pending.pop(ident, None)
-            future.set_exception(exc)
+                ours = self._pending.pop(ident, None) is not None
+            if ours:
+                future.set_exception(exc)
         return future
 
     # -- receiving -----------------------------------------------------------------------------

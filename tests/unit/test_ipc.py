@@ -237,6 +237,27 @@ def test_channel_calls_replies_one_way_messages_and_close():
     client.close()
 
 
+def test_a_call_whose_send_fails_as_the_reader_sees_the_close_fails_once():
+    """The interleaving a scrape of /metrics met while the verifier was SIGKILLed: the call is
+    registered, the reader sees the other side go and fails every pending call, then the
+    call's own send fails too. The caller gets ChannelClosed (it got InvalidStateError from
+    failing the same future twice, and /metrics answered 500)."""
+    a, b = socket.socketpair()
+
+    class ReaderFirst(Channel):
+        def _send(self, wire: dict) -> None:
+            self._closed()  # the reader's turn comes between the registration and the send
+            raise ChannelClosed("client: [Errno 32] Broken pipe")
+
+    client = ReaderFirst(a, Handlers("client", {}), "client")
+    try:
+        with pytest.raises(ChannelClosed):
+            client.call(Metrics(), timeout=5)
+    finally:
+        a.close()
+        b.close()
+
+
 def test_a_message_without_a_handler_or_of_an_unknown_type_gets_an_error_naming_it():
     import json
     import struct
