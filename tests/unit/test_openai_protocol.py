@@ -284,6 +284,10 @@ def test_an_event_that_never_ends_is_refused_past_the_limit():
         splitter.feed(b"x" * 10)
     with pytest.raises(api.EventTooLarge):  # one chunk longer than the limit
         api.EventSplitter(limit=100).feed(b"data: " + b"x" * 200)
+    splitter = api.EventSplitter(limit=100)  # events first, then the refusal
+    assert splitter.feed(b"data: 1\n\ndata: " + b"x" * 200) == [b"data: 1\n\n"]
+    with pytest.raises(api.EventTooLarge):
+        splitter.feed(b"x")
     # An event of many pieces, its end arriving CR by LF: found once whole.
     splitter = api.EventSplitter(limit=1 << 20)
     pieces = [b"data: ", *[b"y" * 100] * 1000, b"\r", b"\n", b"\r", b"\n"]

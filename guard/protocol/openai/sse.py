@@ -37,31 +37,24 @@ class EventSplitter:
 
     def feed(self, chunk: bytes) -> list[bytes]:
         """The events completed by ``chunk``, each with its terminating blank line, as sent."""
-        if not self._pending:  # the usual case: the chunk begins an event (no copy)
-            events, at = _split(chunk, 0)
-            if at < len(chunk):
-                self._hold(chunk[at:])
-            return events
         pending = self._pending
-        pending += chunk
-        # A blank line ends in at most 4 bytes (CRLF CRLF): one that ends in the new bytes
-        # begins at most 3 bytes before them.
-        events, at = _split(pending, max(self._searched - 3, 0))
-        if events:
-            events = [bytes(event) for event in events]
-            del pending[:at]
-            self._searched = 0
-        else:
+        if not pending:  # the usual case: the chunk begins an event (no copy)
+            events, at = _split(chunk, 0)
+            pending += chunk[at:]
             self._searched = len(pending)
-        if self.limit and len(pending) > self.limit:
+        else:
+            pending += chunk
+            # A blank line ends in at most 4 bytes (CRLF CRLF): one that ends in the new
+            # bytes begins at most 3 bytes before them.
+            events, at = _split(pending, max(self._searched - 3, 0))
+            if events:
+                events = [bytes(event) for event in events]
+                del pending[:at]
+            self._searched = len(pending)
+        # (Past the limit with events to hand over: they go first, the next feed raises.)
+        if not events and self.limit and len(pending) > self.limit:
             raise EventTooLarge(f"an event longer than {self.limit} bytes")
         return events
-
-    def _hold(self, rest: bytes) -> None:
-        if self.limit and len(rest) > self.limit:
-            raise EventTooLarge(f"an event longer than {self.limit} bytes")
-        self._pending += rest
-        self._searched = len(rest)
 
     def rest(self) -> bytes:
         """What came after the last complete event (at the end of the stream)."""
