@@ -50,6 +50,7 @@ from guard.backends.base import Backend, BackendInfo, Forwarding, ForwardingErro
 from guard.backends.kind import BackendKind
 from guard.errors import BackendError
 from guard.protocol.generation import LOGPROBS_MODES, generation_config_defaults
+from guard.protocol.openai.json_edits import REMOVE
 from guard.observe.events import emit
 
 if TYPE_CHECKING:  # (imported by the serving loop that uses them)
@@ -264,8 +265,6 @@ class OpenAIOptions(_Strict):
         what guard sets back where it asked them itself (sample_logprobs). llama-server writes
         no key in a chat answer (streamed or whole; ``"logprobs": null`` in a completions
         one), the others null (vLLM, llama-cpp-python's server)."""
-        from guard.protocol.openai.json_edits import REMOVE
-
         return REMOVE if self.engine == "llama.cpp" and endpoint == "chat" else b"null"
 
     @model_validator(mode="after")

@@ -462,8 +462,6 @@ class _Upstream(abc.ABC):
         counted (UNAVAILABLE, or DEADLINE_EXCEEDED) and said (``event``: the event's fields
         beside the model, the route and the error)."""
         rest = splitter.rest()
-        if isinstance(exc, api.EventTooLarge):  # not sent on: the client could not use it
-            rest = b""
         try:
             if rest:
                 await response.write(api.edit_event(rest, self.edits) if self.edits else rest)

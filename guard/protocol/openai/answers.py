@@ -5,7 +5,6 @@ call and its answer add up to (:func:`build_sample`)."""
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable
@@ -16,6 +15,7 @@ from guard.protocol.openai.requests import (
     responses_messages,
     sampling_params,
 )
+from guard.protocol.openai.json_edits import read_json
 from guard.protocol.openai.sse import EventSplitter, event_data
 
 
@@ -327,8 +327,8 @@ def gather_event(completion: Completion, endpoint: str, data: bytes, whole: bool
     what every call is counted by (an error, the usage). Data that is not a JSON object is
     left out (a server's keep-alive or a proprietary event)."""
     try:
-        answer = json.loads(data)
-    except (ValueError, RecursionError):  # (RecursionError: nested too deep to read)
+        answer = read_json(data)
+    except ValueError:
         return
     if not isinstance(answer, dict):
         return
@@ -373,8 +373,8 @@ def gather_answer(endpoint: str, body: bytes, streamed: bool) -> Completion:
     completion = Completion()
     if not streamed:
         try:
-            gather(completion, endpoint, json.loads(body), streamed=False)
-        except (ValueError, RecursionError):  # (RecursionError: nested too deep to read)
+            gather(completion, endpoint, read_json(body), streamed=False)
+        except ValueError:
             completion.error = "the answer is not JSON"
         return completion
     splitter, done = EventSplitter(), False

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Iterable
+from typing import Any, Iterable
 
 
 MODEL_PATH = ("model",)
@@ -34,6 +34,16 @@ _scanstring = json.decoder.scanstring  # type: ignore[attr-defined]
 def _skip_space(text: str, at: int) -> int:
     match = _SPACE.match(text, at)  # (always a match: the pattern takes an empty run too)
     return match.end() if match is not None else at
+
+
+def read_json(data: bytes | str) -> Any:
+    """``json.loads``, with what Python's json cannot read a ValueError too: nesting deeper
+    than the interpreter's stack (RecursionError), as well as text that is not JSON
+    (JSONDecodeError) and an integer past int()'s digits (ValueError)."""
+    try:
+        return json.loads(data)
+    except RecursionError:
+        raise ValueError("nested too deep") from None
 
 
 def _value_end(text: str, at: int) -> int:

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Collection, Literal
 
 from guard.protocol.generation import SamplingParams
+from guard.protocol.openai.json_edits import read_json
 
 
 # The checked endpoints: a call's kind by its path. A Responses API call (``/v1/responses``) is
@@ -154,13 +155,11 @@ def _body_and_model(data: bytes) -> tuple[dict[str, Any], str]:
     except UnicodeDecodeError as exc:
         raise BadRequest(f"the body is not JSON in UTF-8: {exc}") from None
     try:
-        body = json.loads(text)
+        body = read_json(text)
     except json.JSONDecodeError as exc:
         raise BadRequest(f"the body is not JSON: {exc}") from None
-    except (ValueError, RecursionError) as exc:  # an integer past int()'s digits, or nesting
-        raise BadRequest(f"the body is JSON guard cannot read: "  # deeper than the stack
-                         f"{'nested too deep' if isinstance(exc, RecursionError) else exc}"
-                         ) from None
+    except ValueError as exc:  # nesting deeper than the stack, an integer past int()'s digits
+        raise BadRequest(f"the body is JSON guard cannot read: {exc}") from None
     if not isinstance(body, dict):
         raise BadRequest("the body must be a JSON object")
     if text.count('"model"') > 1 and _names_model_twice(text):

@@ -53,6 +53,7 @@ class EventSplitter:
             self._searched = len(pending)
         # (Past the limit with events to hand over: they go first, the next feed raises.)
         if not events and self.limit and len(pending) > self.limit:
+            pending.clear()  # (refused: not held, nor handed on by ``rest``)
             raise EventTooLarge(f"an event longer than {self.limit} bytes")
         return events
 
