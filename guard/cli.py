@@ -626,6 +626,15 @@ def main(argv: list[str] | None = None) -> int:
     except BrokenPipeError:
         _drop_stdout()
         return EXIT_PIPE_CLOSED
+    except OSError as exc:
+        # A file or folder the command reads or writes that this user cannot (permissions,
+        # a full disk ...): one line and the usage code, never a traceback and exit 1, which
+        # a CI gate on `guard replay` would read as drift.
+        if args.debug:
+            traceback.print_exc()
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"guard: {where}{exc.strerror or exc}", file=sys.stderr)
+        return EXIT_USAGE
 
 
 def _drop_stdout() -> None:

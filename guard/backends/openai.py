@@ -538,6 +538,9 @@ def _check(spec) -> None:
                          "runs (guard sends it requests)")
     if not re.fullmatch(r"https?://(\[[0-9a-fA-F:.]+\]|[\w.\-]+)(:\d{1,5})?(/[\w.\-/]*)?",
                         spec.target):
+        if "@" in spec.target.split("//", 1)[-1].split("/", 1)[0]:  # never echo a secret
+            raise ValueError("target: credentials in the URL (user:password@) are not read; "
+                             "give the server's key by options.api_key_env")
         raise ValueError(f"target '{spec.target}' must be a base URL: http://host:port")
     name = spec.options.get("api_key_env") if isinstance(spec.options, dict) else None
     if isinstance(name, str) and not _ENV_NAME.fullmatch(name):

@@ -68,6 +68,7 @@ def summarise(paths: list[str]) -> dict:
               for key in ("records", "size", "skipped_bytes", "skipped_regions", "undecodable")}
     totals["files"] = len(files)
     totals["truncated_files"] = sum(f["truncated_tail"] for f in files)
+    totals["vanished_files"] = sum(f["vanished"] for f in files)
     return {"files": files, "models": {n: m.as_dict() for n, m in sorted(models.items())},
             "totals": totals}
 
@@ -78,7 +79,9 @@ def print_summary(summary: dict, out=None) -> None:
     print(f"{t['files']} file(s), {t['size']} bytes: {t['records']} record(s); skipped "
           f"{t['skipped_bytes']} bytes in {t['skipped_regions']} region(s)"
           + (f", {t['truncated_files']} file(s) end inside a record" if t["truncated_files"]
-             else ""), file=out)
+             else "")
+          + (f", {t['vanished_files']} file(s) deleted before they were read"
+             if t["vanished_files"] else ""), file=out)
     for f in summary["files"]:
         models = ", ".join(f"{m}: {n}" for m, n in f["models"].items()) or "-"
         line = f"  {f['path']}: {f['records']} record(s) ({models})"

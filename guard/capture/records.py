@@ -15,6 +15,7 @@ from guard.backends.base import (
     wire_contents,
 )
 from guard.protocol.generation import GenerationSample, from_dict, to_dict
+from guard.protocol.openai.json_edits import read_json
 from guard.v1 import capture_pb2 as pb
 
 # A generative model's record: the sampled call (guard/protocol/generation.py, as UTF-8 JSON
@@ -133,7 +134,7 @@ def _call(tensor: pb.Tensor) -> GenerationSample:
     if array.size != 1 or not isinstance(array.flat[0], bytes):
         raise RecordError(f"tensor '{tensor.name}': expected one BYTES element")
     try:
-        return from_dict(json.loads(array.flat[0]))
+        return from_dict(read_json(array.flat[0]))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise RecordError(f"tensor '{tensor.name}': not JSON: {exc}") from None
     except (ValueError, TypeError, KeyError) as exc:  # a field from_dict refuses

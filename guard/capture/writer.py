@@ -116,6 +116,17 @@ def _tensor_bytes(*groups) -> int:
                for a in g.values())
 
 
+def _whole_frames(frames: list[bytes], nbytes: int) -> int:
+    """How many of ``frames``, written one after another, lie whole in the first ``nbytes``."""
+    count = 0
+    for frame in frames:
+        nbytes -= len(frame)
+        if nbytes < 0:
+            break
+        count += 1
+    return count
+
+
 @dataclass
 class _Segment:
     path: Path
@@ -361,9 +372,17 @@ class CaptureWriter:
                 self._close_segment()
                 continue
             view = memoryview(b"".join(frames[done:end]))
-            while view:  # a raw file may write less than asked
-                written = file.write(view) or 0
-                view = view[written:]
+            try:
+                while view:  # a raw file may write less than asked
+                    written = file.write(view) or 0
+                    view = view[written:]
+            except OSError:
+                # A full disk part way: the whole frames a short write put there before the
+                # error are on disk (the reader reads them) and count as written.
+                on_disk = size - len(view)
+                current.size += on_disk
+                self._written_before_error = done + _whole_frames(frames[done:end], on_disk)
+                raise
             current.size += size
             done = self._written_before_error = end
             self._enforce_cap()

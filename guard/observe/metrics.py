@@ -39,10 +39,11 @@ UNKNOWN_MODEL = "_unknown"
 class GuardMetrics:
     def __init__(self, version: str, registry: CollectorRegistry | None = None,
                  serving: bool = True):
-        """``serving``: the serving process's registry (the one /metrics exposes). The verifier
-        process's registry (``serving=False``) leaves out the series only the serving process
-        keeps (build info, reloads, the verifier's own health), since the two are merged
-        into one exposition by summing same-named series (guard/serve/supervisor.py)."""
+        """``serving``: the first serving process's registry (the one /metrics exposes). The
+        verifier's and the extra serving processes' registries (``serving=False``) leave out
+        the series only the first keeps (build info, reloads, the verifier's own health),
+        since all are merged into one exposition by summing same-named series
+        (guard/serve/merged_metrics.py)."""
         self.registry = registry or CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -219,6 +220,21 @@ class GuardMetrics:
             "beam search ...), logprobs_mode (the primary's logprobs are logits, or after the "
             "sampling transform, where its options.logprobs_mode says raw_logprobs).",
             ["model", "reason"], registry=r)
+        # The OpenAI-compatible HTTP edge (guard/serve/openai_edge.py; every serving process
+        # runs one, so the extra processes' registries, ``serving=False``, have these too; the
+        # verifier's stay empty): tokens as they pass, per model and route.
+        self.generation_ttft = Histogram(
+            "guard_generation_ttft_seconds", "Time from a streamed call received to its first "
+            "token written to the client (HTTP edge).", ["model", "route"],
+            buckets=TTFT_BUCKETS, registry=r)
+        self.generation_inter_token = Histogram(
+            "guard_generation_inter_token_seconds", "Gaps between consecutive streamed tokens "
+            "as they reached guard from the upstream (HTTP edge); streams of one completion "
+            "only (n > 1 and batches of prompts interleave theirs).", ["model", "route"],
+            buckets=GAP_BUCKETS, registry=r)
+        self.generation_tokens = Counter(
+            "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "
+            "else one per streamed token event).", ["model", "route"], registry=r)
         if not serving:
             return
         self.verifier_up = Gauge(
@@ -254,20 +270,6 @@ class GuardMetrics:
         )
         for result in ("applied", "rejected", "failed"):
             self.config_reloads.labels(result)
-        # The OpenAI-compatible HTTP edge (guard/serve/openai_edge.py; the first serving
-        # process only): tokens as they pass, per model and route.
-        self.generation_ttft = Histogram(
-            "guard_generation_ttft_seconds", "Time from a streamed call received to its first "
-            "token written to the client (HTTP edge).", ["model", "route"],
-            buckets=TTFT_BUCKETS, registry=r)
-        self.generation_inter_token = Histogram(
-            "guard_generation_inter_token_seconds", "Gaps between consecutive streamed tokens "
-            "as they reached guard from the upstream (HTTP edge); streams of one completion "
-            "only (n > 1 and batches of prompts interleave theirs).", ["model", "route"],
-            buckets=GAP_BUCKETS, registry=r)
-        self.generation_tokens = Counter(
-            "guard_generation_tokens", "Completion tokens answered (usage.completion_tokens, "
-            "else one per streamed token event).", ["model", "route"], registry=r)
         self.build_info = Gauge(
             "guard_build_info", "Always 1; the version label says which guard runs.",
             ["version"], registry=r,

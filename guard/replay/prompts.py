@@ -29,13 +29,13 @@ its line number kept for the report; blank lines are ignored.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
 from guard.protocol.generation import GenerationSample
 from guard.protocol.openai import sampling_params
+from guard.protocol.openai.json_edits import read_json
 
 SUFFIX = ".jsonl"
 DEFAULT_MAX_TOKENS = 32
@@ -76,8 +76,8 @@ def _message_problem(messages: Any) -> str:
 def parse_line(text: str, model: str, request_id: str) -> GenerationSample:
     """One line as a call without a completion; ValueError saying why it is not one."""
     try:
-        body = json.loads(text)
-    except json.JSONDecodeError as exc:
+        body = read_json(text, strict=True)  # (guard writes the request from it)
+    except ValueError as exc:
         raise ValueError(f"not JSON: {exc}") from None
     if not isinstance(body, dict):
         raise ValueError("expected a JSON object")

@@ -137,11 +137,16 @@ def replay(options: ReplayOptions) -> tuple[int, dict]:
     if stats.skipped_bytes or stats.unreadable_records:
         # Which ones, where a file says (a prompt set's line numbers, a record's error).
         which = "; ".join(f"{Path(f['path']).name}: {problem}" for f in stats.files
-                          for problem in f.get("problems", ()))
+                          if not f.get("vanished") for problem in f.get("problems", ()))
         strict_problems.append(
             f"{stats.skipped_bytes} damaged byte(s) skipped in {stats.skipped_regions} "
             f"region(s), {stats.unreadable_records} unreadable record(s)"
             + (f" ({which})" if which else ""))
+    if stats.vanished_files:
+        strict_problems.append(
+            f"{len(stats.vanished_files)} capture file(s) deleted before they were read (a live "
+            "guard's retention; replay a copy of the folder to read it whole): "
+            + ", ".join(Path(path).name for path in stats.vanished_files))
     if stats.unknown_models:
         strict_problems.append("records of models the config lacks: " + ", ".join(
             f"{k} ({v})" for k, v in sorted(stats.unknown_models.items())))

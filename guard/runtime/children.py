@@ -70,6 +70,22 @@ def end_process(process: subprocess.Popen | None, timeout: float) -> None:
         process.wait(5)
 
 
+# The signals that stop or reload guard. They are the first serving process's alone: it drains
+# its calls, hands the verifier what they sampled, then stops its children over their control
+# channels (a child sees its parent die as that channel closing). A signal sent to guard's whole
+# process group (a terminal's Ctrl-C, systemd's default KillMode=control-group) must not stop a
+# child first: a verifier gone before the drain loses the sampled calls it holds, which the
+# shutdown promises to capture, and an extra serving process would go down the wrong path.
+PARENTS_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+def leave_signals_to_the_parent() -> None:
+    """In a Python child of ``guard serve`` (the verifier, an extra serving process): ignore
+    :data:`PARENTS_SIGNALS` (Envoy, which cannot, runs in a process group of its own)."""
+    for sig in PARENTS_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+
+
 @dataclass(frozen=True)
 class RestartPolicy:
     """When a lost child starts again: after ``first_backoff_s`` (a kind's config may set it),

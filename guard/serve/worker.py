@@ -24,8 +24,10 @@ worker directly and sends them to the others over their control channels.
 - ``Stop``: graceful (readiness NOT_SERVING, in-flight requests get the grace, then exit).
 
 An extra process's ``guard.events`` go to the first, which logs them. When the first goes away
-(the control socket closes, whatever killed it) the extra stops gracefully too; SIGTERM/SIGINT
-do the same.
+(the control socket closes, whatever killed it) the extra stops gracefully too. SIGTERM, SIGINT
+and SIGHUP are the first process's to act on (guard/runtime/children.py
+``leave_signals_to_the_parent``): a signal to the whole process group stops the extras only
+through the first, once it has drained.
 """
 
 from __future__ import annotations
@@ -34,7 +36,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import socket
 import sys
 from typing import Mapping
@@ -51,6 +52,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe import logformat, tracing
 from guard.observe.metrics import GuardMetrics
+from guard.runtime.children import leave_signals_to_the_parent
 from guard.serve import event_loop
 from guard.serve.dataplane import DataPlane
 from guard.serve.edges import Edge, build_edges
@@ -202,8 +204,6 @@ async def _serve(args) -> int:
     channel = Channel(socket.socket(fileno=args.control_fd), worker.handlers(),
                       f"serving-{args.index}", on_close=first_gone)
     ForwardEvents.install(channel)
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, worker.stopping.set)
     channel.start()
     await worker.stopping.wait()
     await worker.stop()
@@ -225,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ring-fd", type=int, required=True)
     parser.add_argument("--ring-bytes", type=int, required=True)
     args = parser.parse_args(argv)
+    leave_signals_to_the_parent()  # stopped over its channel (guard/runtime/children.py)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logformat.configure(process=f"serving {args.index}")  # server.log_format, from the parent
     tracing.configure_from_env()

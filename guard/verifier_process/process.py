@@ -51,6 +51,7 @@ from guard.observe import logformat
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, Transition
+from guard.runtime.children import leave_signals_to_the_parent
 from guard.verifier_process.generation_model import VerifiedGenerationModel
 from guard.verifier_process.model import VerifiedModel
 from guard.verifier_process.status import model_status
@@ -420,6 +421,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="one per serving process")
     parser.add_argument("--ring-bytes", type=int, required=True)
     args = parser.parse_args(argv)
+    leave_signals_to_the_parent()  # stopped over its channel (guard/runtime/children.py)
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logformat.configure(process="verifier")  # server.log_format, from the serving process
     sock = socket.socket(fileno=args.control_fd)

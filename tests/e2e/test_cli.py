@@ -38,7 +38,8 @@ def start_serve(config: Path, port: int, stdout=subprocess.PIPE, timeout: float 
     """`guard serve --config CONFIG` as a child, returned with a tritonclient once it is ready
     on ``port`` (stderr is piped and shown if the child exits first)."""
     process = subprocess.Popen([sys.executable, "-m", "guard", "serve", "--config", str(config)],
-                               stdout=stdout, stderr=subprocess.PIPE, text=True, env=guard_env())
+                               stdout=stdout, stderr=subprocess.PIPE, text=True, env=guard_env(),
+                               start_new_session=True)  # a group of guard's own, to signal
     client = grpcclient.InferenceServerClient(f"127.0.0.1:{port}")
     deadline = time.monotonic() + timeout
     while True:
@@ -128,7 +129,10 @@ def test_sigterm_finishes_in_flight_requests_captures_them_then_exits_0(tmp_path
     """SIGTERM while a call is in the primary: it is answered in the grace, and guard exits 0.
     Its sample is handed to the verifier after the answer, moments before the verifier is told
     to stop; the verifier takes what the rings still hold before it stops, so the call's record
-    is in the capture (checked, or recorded as dropped): none was, when the stop came first."""
+    is in the capture (checked, or recorded as dropped): none was, when the stop came first.
+    The signal goes to guard's whole process group, as systemd's default KillMode and a
+    terminal's Ctrl-C send it: the verifier leaves it to the first process (it died at once,
+    and the call's record with it, when it did not)."""
     from guard.capture.reader import FileStats, expand_paths, read_records
 
     capture = tmp_path / "capture"
@@ -146,7 +150,7 @@ def test_sigterm_finishes_in_flight_requests_captures_them_then_exits_0(tmp_path
         thread = threading.Thread(target=slow_request)
         thread.start()
         time.sleep(0.5)  # the request is now inside the backend
-        process.send_signal(signal.SIGTERM)
+        os.killpg(process.pid, signal.SIGTERM)
         thread.join(30)
         assert "error" not in outcome, outcome.get("error")
         assert outcome["y"].shape == (1, 3)

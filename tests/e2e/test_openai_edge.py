@@ -130,6 +130,47 @@ def test_a_streamed_call_comes_token_by_token_and_is_counted(guard, through, dir
                   route="primary") >= tokens - 1
 
 
+def test_every_serving_process_answers_on_the_http_port_and_counts_there(
+        tmp_path, direct, llama_server):  # noqa: F811
+    """server.processes 2: the extra serving process runs the HTTP edge too (it failed to
+    start once, missing the edge's metrics). Calls on fresh connections until each process
+    has answered some: each answer the server's own, and /metrics sums both processes'
+    counts, tokens included; every call reaches the verifier from either ring."""
+    from prometheus_client import generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    expected = direct.completions.create(model=llama_server.model, prompt=PROMPT,
+                                         max_tokens=4, temperature=0).choices[0].text
+
+    def answered(text: str) -> float:
+        return sum(s.value for family in text_string_to_metric_families(text)
+                   for s in family.samples if s.name == "guard_requests_total"
+                   and s.labels.get("model") == "smol")
+
+    with running(tmp_path, [model_block(llama_server)], http_port=0, processes=2) as (srv, _):
+        def per_process() -> list[float]:
+            own = generate_latest(srv.metrics.registry).decode()
+            return [answered(text) for text in (own, *srv.serving.expositions())]
+
+        tokens = 0
+        for _ in range(64):  # a new connection each: the kernel picks the process
+            answer = httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/completions",
+                                json={"model": "smol", "prompt": PROMPT, "max_tokens": 4,
+                                      "temperature": 0}, timeout=60).json()
+            assert answer["model"] == "smol" and answer["choices"][0]["text"] == expected
+            tokens += answer["usage"]["completion_tokens"]
+            if min(per_process()) >= 2:
+                break
+        counts = per_process()
+        assert min(counts) >= 2, counts
+        sent = sum(counts)
+        values = scrape(srv.metrics_port)
+        assert metric(values, "guard_requests_total", model="smol", route="primary") == sent
+        assert metric(values, "guard_generation_tokens_total", model="smol",
+                      route="primary") == tokens
+        wait_for(lambda: handed(srv) == sent, timeout=120)
+
+
 def test_every_sampled_call_reaches_the_verifier(guard, through):
     before = handed(guard)
     call_both_ways(through, "smol", max_tokens=4)

@@ -116,3 +116,46 @@ def test_expand_paths_lists_folders_in_name_order_and_rejects_missing(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(GuardError, match="no capture files"):
         expand_paths([tmp_path / "empty"])
+
+
+def test_a_file_named_twice_is_read_once(tmp_path):
+    """A folder and a file in it (or the same file by two spellings): one file, not twice its
+    records in a replay or an inspect."""
+    (tmp_path / "m").mkdir()
+    (tmp_path / "m" / "a.gcap").write_bytes(b"")
+    twice = expand_paths([tmp_path, tmp_path / "m" / "a.gcap", tmp_path / "m" / ".." / "m"])
+    assert [p.name for p in twice] == ["a.gcap"]
+
+
+def test_a_folder_that_cannot_be_read_is_an_error_never_left_out(tmp_path, monkeypatch):
+    """A model's subfolder another user's guard made (0700): the whole capture cannot be read,
+    and saying so beats summing up the part that can (os.walk's default skips it silently).
+    The kernel's refusal is what scandir raises (the tests may run as root, whom permissions
+    do not stop)."""
+    import os
+
+    for model in ("readable", "secret"):
+        (tmp_path / model).mkdir()
+        (tmp_path / model / "a.gcap").write_bytes(b"")
+    scandir = os.scandir
+
+    def refusing(path="."):
+        if os.fspath(path).endswith("secret"):
+            raise PermissionError(13, "Permission denied", os.fspath(path))
+        return scandir(path)
+
+    monkeypatch.setattr(os, "scandir", refusing)
+    with pytest.raises(GuardError, match="secret: cannot read this folder: Permission denied"):
+        expand_paths([tmp_path])
+
+
+def test_a_segment_deleted_after_listing_is_counted_not_fatal(tmp_path):
+    """A live guard's retention deletes its oldest segment while a replay reads the folder:
+    that file yields nothing and says so; the others are read."""
+    (tmp_path / "a.gcap").write_bytes(encode_frame(payloads(1)[0]))
+    (tmp_path / "b.gcap").write_bytes(encode_frame(payloads(1)[0]))
+    first, second = expand_paths([tmp_path])
+    first.unlink()
+    gone, kept = FileStats(), FileStats()
+    assert list(read_records(first, gone)) == [] and gone.vanished and gone.problems
+    assert len(list(read_records(second, kept))) == 1 and not kept.vanished

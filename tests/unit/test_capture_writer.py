@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import os
@@ -13,6 +14,7 @@ import pytest
 from guard.backends.base import BackendInfo, TensorSpec
 from guard.capture.reader import FileStats, expand_paths, read_records
 from guard.capture.records import tensors
+from guard.capture.segment import encode_frame
 from guard.capture.writer import CaptureWriter, PendingRecord
 from guard.config import CaptureConfig
 from guard.observe.metrics import GuardMetrics
@@ -184,6 +186,51 @@ def test_io_error_while_running_disables_capture(tmp_path, caplog):
     assert value(metrics, "guard_capture_enabled") == 0
     assert value(metrics, "guard_capture_records_total", outcome="disabled") == 4
     assert any('"capture_disabled"' in r.getMessage() for r in caplog.records)
+
+
+class _FillingDisk:
+    """A segment file on a disk with ``room`` bytes left: short writes, then ENOSPC, as a
+    filesystem that fills up answers (the file itself is real)."""
+
+    def __init__(self, file, room: int):
+        self.file, self.room = file, room
+
+    def write(self, data) -> int:
+        if self.room <= 0:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        n = min(len(data), self.room)
+        self.room -= n
+        return self.file.write(bytes(data[:n]))
+
+    def fileno(self) -> int:
+        return self.file.fileno()
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def test_a_disk_that_fills_mid_burst_counts_as_written_what_is_on_disk(tmp_path, monkeypatch):
+    """Ten records in one burst (one write of their frames) on a disk with room for about
+    five and a half: the short write puts five whole frames there before ENOSPC. Those are
+    written (the reader reads them back; the torn sixth is its truncated tail), the rest
+    disabled; before, the whole burst counted as disabled."""
+    w, metrics = writer(tmp_path)
+    one = len(encode_frame(w._static + w._encode(pending(w, 0)).SerializeToString()))
+    opened = CaptureWriter._open_segment
+
+    def on_a_filling_disk(self):
+        opened(self)
+        self._file = _FillingDisk(self._file, int(one * 5.5))
+
+    monkeypatch.setattr(CaptureWriter, "_open_segment", on_a_filling_disk)
+    for i in range(10):
+        w.submit(pending(w, i))
+    w.start()  # one burst: the ten were waiting
+    w.close()
+    written = value(metrics, "guard_capture_records_total", outcome="written")
+    assert 0 < written < 10
+    assert len(read_all(w.folder)) == written
+    assert written + value(metrics, "guard_capture_records_total", outcome="disabled") == 10
 
 
 def test_config_rejects_segment_larger_than_cap_and_failures_without_reference():

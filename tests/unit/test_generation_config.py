@@ -177,6 +177,13 @@ def test_openai_options_of_the_other_role_are_refused(base, role, options, messa
     assert any(message in line for line in lines), lines
 
 
+def test_a_target_holding_credentials_is_refused_without_echoing_them(base):
+    block = dict(OPENAI, target="http://user:s3cret-key@127.0.0.1:8000")
+    lines = problems(generation_doc(primary=block), base)
+    assert any("credentials in the URL" in line and "api_key_env" in line for line in lines)
+    assert not any("s3cret" in line for line in lines), lines
+
+
 def _complete_problems(data, base_dir: Path) -> list[str]:
     """The checks' registries too (tier 2's capturable pairs): what validate and the verifier
     load with."""

@@ -222,6 +222,21 @@ def test_missing_capture_and_bad_flags_are_usage_errors(tmp_path, config, capsys
     assert "--since: cannot read 'yesterday'" in capsys.readouterr().err
 
 
+def test_a_report_folder_that_cannot_be_made_is_one_line_and_the_usage_code(tmp_path, config,
+                                                                           capsys):
+    """An OSError guard did not foresee (here a report folder under a file; a permission, a
+    full disk) is the usage code and one line, never a traceback and exit 1, which a CI gate
+    reads as drift."""
+    capture = write_capture(tmp_path / "cap", [rows_for(i) for i in range(2)])
+    (tmp_path / "a-file").write_text("")
+    code = main(["replay", "--config", str(config), str(capture), "--report-dir",
+                 str(tmp_path / "a-file" / "out"), "--quiet"])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert [line for line in err.splitlines() if line.startswith("guard:")] == [
+        f"guard: {tmp_path / 'a-file' / 'out'}: Not a directory"]
+
+
 # -- filters ---------------------------------------------------------------------------------
 def test_time_model_and_count_filters(tmp_path):
     models = [{"name": n, "primary": backend(), "reference": backend(), "checks": TIGHT}
@@ -242,6 +257,9 @@ def test_time_model_and_count_filters(tmp_path):
     _, report = run(config, cap, report=tmp_path / "r3", extra=("--max-records", "12"))
     assert report["models"]["a"]["samples"] == 10 and report["models"]["b"]["samples"] == 2
     assert report["inputs"]["stopped_at_max_records"]
+    # Every record read is replayed or said why not (the 13th, taken to see the limit, is not
+    # one read).
+    assert report["inputs"]["records_read"] == report["inputs"]["replayed"] == 12
 
     code, report = run(config, cap, report=tmp_path / "r4", extra=("--since", "1h"))
     assert code == 2 and "no record was replayed" in report["problems"][0]

@@ -212,6 +212,8 @@ def test_capture_records_come_back_as_calls_and_bad_ones_are_skipped_and_counted
     write(1, "primary", {GENERATION_INPUT: np.array([b"{not json"], dtype=object)})
     write(2, "primary", {GENERATION_INPUT: np.array([json.dumps(newer).encode()],
                                                     dtype=object)})
+    write(5, "primary", {GENERATION_INPUT: np.array([b"[" * 100_000 + b"]" * 100_000],
+                                                    dtype=object)})
     write(3, "fallback", {GENERATION_INPUT: generation_tensor(_call("two", "fallback"))})
     probe = replace(_call("three"), completion_text=" Lyon", tokens=(TokenLogprob(" Lyon"),))
     write(4, "fallback", {GENERATION_INPUT: generation_tensor(_call("three", "fallback"))},
@@ -225,11 +227,12 @@ def test_capture_records_come_back_as_calls_and_bad_ones_are_skipped_and_counted
         ("r0", " Paris"), ("r4", " Lyon")]  # the probe's completion was the one compared
     assert all(i.inputs == {} and not i.generate for i in items)
     stats = source.stats
-    assert stats.records_read == 5 and stats.replayed == 2
-    assert stats.unreadable_records == 2
+    assert stats.records_read == 6 and stats.replayed == 2
+    assert stats.unreadable_records == 3
     assert stats.filtered == {"no_primary_completion": 1}
     problems = " ".join(stats.files[0]["problems"])
     assert "not JSON" in problems and f"format_version: {FORMAT_VERSION + 1} is newer" in problems
+    assert "nested too deep" in problems
 
 
 def test_a_record_keeps_what_its_server_reported_and_the_replay_scores_with_it(tmp_path):
@@ -315,7 +318,12 @@ def test_prompt_lines_become_greedy_calls_and_bad_lines_are_counted(tmp_path):
                       ('{"prompt": "a", "max_tokens": "many"}', "max_tokens"),
                       ('{"prompt": "a", "echo": "yes"}', "'echo' must be"),
                       ('{"messages": [{"role": "user", "content": "b"}], "echo": true}',
-                       "only with 'prompt'")):
+                       "only with 'prompt'"),
+                      # Guard writes the request from the line: RFC 8259's JSON only.
+                      ('{"prompt": "a", "temperature": NaN}', "NaN is not a JSON number"),
+                      # Deeper than the interpreter's stack: one bad line, not a crash.
+                      ('{"prompt": "a", "stop": ' + "[" * 100_000 + "]" * 100_000 + "}",
+                       "nested too deep")):
         with pytest.raises(ValueError, match=why):
             parse_line(line, "smol", "x")
     path = tmp_path / "p.jsonl"

@@ -36,14 +36,20 @@ def _skip_space(text: str, at: int) -> int:
     return match.end() if match is not None else at
 
 
-def read_json(data: bytes | str) -> Any:
+def read_json(data: bytes | str, strict: bool = False) -> Any:
     """``json.loads``, with what Python's json cannot read a ValueError too: nesting deeper
     than the interpreter's stack (RecursionError), as well as text that is not JSON
-    (JSONDecodeError) and an integer past int()'s digits (ValueError)."""
+    (JSONDecodeError) and an integer past int()'s digits (ValueError). ``strict``: NaN and
+    Infinity, which Python reads and RFC 8259 does not have, are refused too (for JSON guard
+    will write into a request of its own)."""
     try:
-        return json.loads(data)
+        return json.loads(data, parse_constant=_not_json if strict else None)
     except RecursionError:
         raise ValueError("nested too deep") from None
+
+
+def _not_json(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _value_end(text: str, at: int) -> int:
