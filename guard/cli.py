@@ -81,10 +81,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     from guard.observe.logformat import configure
 
+    from guard.runtime.children import exit_at_once
+
     config = load_config(args.config)
     configure(config.server.log_format)  # this process's log, and its children's
-    event_loop.run(serve_until_signalled(config, signalled))  # uvloop where installed
-    return EXIT_OK
+    # uvloop where installed; stopped, the process ends at once (event_loop.run says why).
+    event_loop.run(serve_until_signalled(config, signalled), wait_for_threads=False)
+    exit_at_once(EXIT_OK)
+    return EXIT_OK  # (not reached)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -21,7 +21,9 @@ every call; it is imported only then, so that `guard config validate` never impo
 
 At start-up ``load()`` waits up to ``options.ready_timeout_s`` for ``GET {target}/v1/models``
 to answer (a sidecar may start before its model server), with the standard library, on the
-loading thread. An upstream that does not list ``model`` is reported (event
+loading thread; a reload's load of an upstream that has answered before looks once, and one
+that is down then is loaded all the same (event ``openai_upstream_not_ready``: ``ready_timeout``).
+An upstream that does not list ``model`` is reported (event
 ``openai_model_not_listed``), not refused: some servers list a file path or one fixed name.
 A block that leaves ``options.engine`` unknown in front of a server whose listing names its
 engine (``owned_by``: llama-server's ``llamacpp``, vLLM's ``vllm``) is told which engine to
@@ -323,6 +325,7 @@ def wait_ready(base: str, model: str, authorization_header: str | None,
         try:
             with urllib.request.urlopen(request, timeout=2.0) as answer:
                 data = json.loads(answer.read() or b"{}")
+            _ANSWERED.add(base)
             return tuple((str(m.get("id")), str(m.get("owned_by") or ""))
                          for m in data.get("data") or () if isinstance(m, dict))
         except urllib.error.HTTPError as exc:
@@ -333,8 +336,27 @@ def wait_ready(base: str, model: str, authorization_header: str | None,
         except (OSError, ValueError) as exc:
             last = f"{type(exc).__name__}: {exc}"
         if time.monotonic() >= deadline:
-            raise BackendError(f"openai {model}@{base} not ready after {timeout_s:g}s ({last})")
+            raise UpstreamNotReady(f"openai {model}@{base} not ready after {timeout_s:g}s "
+                                   f"({last})")
         time.sleep(0.2)
+
+
+class UpstreamNotReady(BackendError):
+    """``wait_ready`` ran out of time (an upstream that refused the key is a plain
+    BackendError: waiting does not mend it)."""
+
+
+# The upstreams (base URLs) that have answered ``wait_ready`` in this process.
+_ANSWERED: set[str] = set()
+
+
+def ready_timeout(base: str, configured: float) -> float:
+    """How long a load waits for ``base`` to answer: ``configured`` (``ready_timeout_s``: a
+    sidecar may start before its model server) until it has answered once in this process;
+    then one look. A later load is a reload, and an upstream down then is in an outage, which
+    waiting does not mend: a reload that changed a model's sampling, in an incident where its
+    fallback was down, waited a minute holding every other reload back, then failed."""
+    return 0.0 if base in _ANSWERED else configured
 
 
 def listed_engine(listing: tuple[tuple[str, str], ...], model: str) -> str | None:
@@ -429,8 +451,19 @@ class OpenAIBackend(Forwarding, Backend):
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
         self._authorization = authorization(self.options)
-        listing = wait_ready(self.base, self.model, self._authorization,
-                             self.options.ready_timeout_s)
+        answered = self.base in _ANSWERED
+        try:
+            listing = wait_ready(self.base, self.model, self._authorization,
+                                 ready_timeout(self.base, self.options.ready_timeout_s))
+        except UpstreamNotReady as exc:
+            if not answered:
+                raise
+            # Forwarding needs nothing from it now: an outage after the start is answered 502
+            # and counted, as it would be a second later.
+            emit("openai_upstream_not_ready", model=self.model, target=self.base,
+                 role=self.role, error=str(exc), note="loaded all the same: it answered "
+                 "before; its calls get 502 (counted) until it is back")
+            listing = ()
         self.listed = tuple(name for name, _ in listing)
         if self.listed and self.model not in self.listed:
             emit("openai_model_not_listed", model=self.model, target=self.base,

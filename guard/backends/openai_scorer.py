@@ -61,7 +61,8 @@ from typing import Any, Mapping, Sequence
 import numpy as np
 
 from guard.backends.base import BackendInfo, Role
-from guard.backends.openai import OpenAIOptions, authorization, base_url, wait_ready
+from guard.backends.openai import (OpenAIOptions, authorization, base_url, ready_timeout,
+                                   wait_ready)
 from guard.backends.scoring import (
     ReferenceScores,
     Scorer,
@@ -335,7 +336,8 @@ class OpenAIScorer(Scorer):
     # -- lifecycle -------------------------------------------------------------------------------
     def load(self) -> None:
         header = authorization(self.options)
-        wait_ready(self.base, self.model, header, self.options.ready_timeout_s)
+        wait_ready(self.base, self.model, header,
+                   ready_timeout(self.base, self.options.ready_timeout_s))
         client = self.client = ScoringClient(self.base, self.model, self.options, header)
         try:
             probe = client.tokenize(PROBE_TEXT, special=True)

@@ -79,6 +79,20 @@ def end_process(process: subprocess.Popen | None, timeout: float) -> None:
 PARENTS_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def exit_at_once(code: int) -> None:
+    """End a serving or verifier process once it has stopped: logs and output flushed, then
+    ``os._exit``. A thread still inside work the stop no longer needs (a control request or a
+    reload waiting on an upstream's ``ready_timeout_s``) must not keep the process alive past
+    its grace, and Python's own exit joins every such thread."""
+    import logging
+    import sys
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def leave_signals_to_the_parent() -> None:
     """In a Python child of ``guard serve`` (the verifier, an extra serving process): ignore
     :data:`PARENTS_SIGNALS` (Envoy, which cannot, runs in a process group of its own)."""

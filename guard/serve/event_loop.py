@@ -41,10 +41,29 @@ def uvloop_module() -> Any | None:
     return uvloop
 
 
-def run(main: Coroutine[Any, Any, T]) -> T:
-    """``asyncio.run(main)`` on the loop :func:`uvloop_module` picks."""
+def run(main: Coroutine[Any, Any, T], wait_for_threads: bool = True) -> T:
+    """``asyncio.run(main)`` on the loop :func:`uvloop_module` picks.
+
+    ``wait_for_threads=False``: a serving process's main, which exits at once after it
+    (guard/runtime/children.py ``exit_at_once``). ``asyncio.run`` ends by joining the loop's
+    executor threads, and one may still be blocked in work the stop no longer needs (a
+    reload's model load waiting out an upstream's ``ready_timeout_s``): the process then
+    outlived its shutdown grace by as long. Here what is left on the loop is cancelled and the
+    executor is shut down without a wait."""
     uvloop = uvloop_module()
-    if uvloop is None:
-        return asyncio.run(main)
-    log.debug("serving on uvloop")
-    return cast(T, uvloop.run(main))
+    if uvloop is not None:
+        log.debug("serving on uvloop")
+    if wait_for_threads:
+        return asyncio.run(main) if uvloop is None else cast(T, uvloop.run(main))
+    loop = asyncio.new_event_loop() if uvloop is None else uvloop.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        return loop.run_until_complete(main)
+    finally:
+        left = asyncio.all_tasks(loop)
+        for task in left:
+            task.cancel()
+        loop.run_until_complete(asyncio.gather(*left, return_exceptions=True))
+        loop.run_until_complete(loop.shutdown_asyncgens())
+        asyncio.set_event_loop(None)
+        loop.close()  # (its default executor: shut down without waiting)

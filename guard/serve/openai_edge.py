@@ -90,6 +90,8 @@ from guard.serve.model import ServedModel
 log = logging.getLogger("guard.serve.openai")
 ROUTE_HEADER = "guard-route"
 RESPONSE_MODEL_PATH = ("response", "model")
+# After the shutdown's grace, how long aiohttp waits for the handlers it then cancels to end.
+_CUT_S = 1.0
 _Call = TypeVar("_Call")  # what the edge makes of a call's body: a ParsedCall, or its model
 
 
@@ -168,6 +170,7 @@ class OpenAIEdge:
         self.config = server_config
         self.ready = False
         self.live = True
+        self.cutting = False  # the shutdown's grace is over: calls still running are cut
         self.port = 0
         self._bind_port = server_config.http_port if port is None else port
         self.in_flight = 0
@@ -194,8 +197,12 @@ class OpenAIEdge:
         # keepalive_timeout: an idle connection's life, and how long a new connection may take
         # to send a whole request head (aiohttp's timer runs from the connection's start or
         # its last answer until a head is read): a client trickling its head is cut then.
+        # shutdown_timeout: the cut's, not the grace's. ``stop`` waits the grace itself; aiohttp
+        # waits its timeout for the handlers, then cancels them and waits it again, so the
+        # grace there stopped guard only after three graces (90 s at the default 30 s, past
+        # Kubernetes' 30 s before SIGKILL).
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None,
-                                     shutdown_timeout=self.config.shutdown_grace_s,
+                                     shutdown_timeout=_CUT_S,
                                      keepalive_timeout=self.config.http_client_timeout_s,
                                      logger=_ServerLog(self.metrics))
         await self._runner.setup()
@@ -224,6 +231,7 @@ class OpenAIEdge:
         deadline = time.monotonic() + grace
         while self.in_flight and time.monotonic() < deadline:
             await asyncio.sleep(0.05)
+        self.cutting = True  # what is still in flight now is cut (counted UNAVAILABLE)
         await self._runner.cleanup()
         self._runner = None
         for model in self._generative().values():
@@ -405,9 +413,17 @@ class _Upstream(abc.ABC):
     async def _run(self) -> web.StreamResponse:
         """The call's exchange with the upstream and its answer to the client."""
 
-    def _left_early(self) -> None:
-        self._error("CANCELLED")
-        emit("openai_client_disconnected", model=self.model.name, route=self.route, tokens=0)
+    def _left_early(self, tokens: int = 0) -> None:
+        """The handler was cancelled before the call's end: the client went away (CANCELLED),
+        or the shutdown's grace ran out and guard cut the call (UNAVAILABLE, as a gRPC server
+        that stops answers the calls it drops: the client did not leave)."""
+        name = self.model.name
+        if self.edge.cutting:
+            self._error("UNAVAILABLE")
+            emit("openai_cut_at_shutdown", model=name, route=self.route, tokens=tokens)
+        else:
+            self._error("CANCELLED")
+            emit("openai_client_disconnected", model=name, route=self.route, tokens=tokens)
 
     def _error(self, code: str) -> None:
         self.accounted = True
@@ -610,9 +626,9 @@ class _Forward(_Upstream):
         self._unusable("upstream_error")
         return super()._upstream_failed(status, message)
 
-    def _left_early(self) -> None:
+    def _left_early(self, tokens: int = 0) -> None:
         self._unusable("incomplete")
-        super()._left_early()
+        super()._left_early(tokens)
 
     # -- a whole answer ----------------------------------------------------------------------
     async def _whole(self, upstream: Response) -> web.StreamResponse:
@@ -710,11 +726,9 @@ class _Forward(_Upstream):
                     # every event, nothing failed (aiohttp would log it as an error).
                     return response
                 raise
-            # The client went away: closing the upstream connection (``run``'s finally) stops
-            # the upstream's generation.
-            self._error("CANCELLED")
-            self._unusable("incomplete")
-            emit("openai_client_disconnected", model=name, route=route, tokens=tokens)
+            # The client went away (or the shutdown cut the call): closing the upstream
+            # connection (``run``'s finally) stops the upstream's generation.
+            self._left_early(tokens)
             raise
         except (UpstreamError, TimeoutError, api.EventTooLarge) as exc:
             if done:  # the upstream broke off after [DONE]: the client has its answer
@@ -861,7 +875,7 @@ class _PassThrough(_Upstream):
                 if isinstance(exc, ConnectionResetError):
                     return stream
                 raise
-            self._error("CANCELLED")  # the client went away: the upstream's connection closes
+            self._left_early()  # (the upstream's connection closes)
             raise
         except (UpstreamError, TimeoutError, api.EventTooLarge) as exc:
             return await self._broke_off(stream, splitter, exc, path=self.request.path)

@@ -52,7 +52,7 @@ from guard.ipc.ring import SampleRing
 from guard.ipc.routes import RouteTable
 from guard.observe import logformat, tracing
 from guard.observe.metrics import GuardMetrics
-from guard.runtime.children import leave_signals_to_the_parent
+from guard.runtime.children import exit_at_once, leave_signals_to_the_parent
 from guard.serve import event_loop
 from guard.serve.dataplane import DataPlane
 from guard.serve.edges import Edge, build_edges
@@ -229,15 +229,12 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
     logformat.configure(process=f"serving {args.index}")  # server.log_format, from the parent
     tracing.configure_from_env()
-    return event_loop.run(_serve(args))  # the first process's loop (uvloop where installed)
+    # The first process's loop (uvloop where installed); its threads are not waited for.
+    return event_loop.run(_serve(args), wait_for_threads=False)
 
 
 if __name__ == "__main__":
     # Exit at once once stopped: a control request still running on the channel's threads
     # (an Init waiting on an upstream when the first process stops or dies) must not keep this
     # process alive past it; the server and the models are closed by then.
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_at_once(main())

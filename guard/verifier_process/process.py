@@ -51,7 +51,7 @@ from guard.observe import logformat
 from guard.observe.events import emit
 from guard.observe.metrics import GuardMetrics
 from guard.policy.route import Override, Transition
-from guard.runtime.children import leave_signals_to_the_parent
+from guard.runtime.children import exit_at_once, leave_signals_to_the_parent
 from guard.verifier_process.generation_model import VerifiedGenerationModel
 from guard.verifier_process.model import VerifiedModel
 from guard.verifier_process.status import model_status
@@ -181,16 +181,23 @@ class VerifierProcess:
     def _reload(self, message: Reload) -> LoadFailures:
         """Build the changed models beside the old ones, swap the ones that loaded, close the
         old ones and the removed ones; a model that fails keeps its old version. A new
-        version's capture writer starts only after the old one's has closed."""
+        version's capture writer starts only after the old one's has closed.
+
+        A reload changes what a model is, not where its traffic goes: its route (on the
+        fallback after a trip, probing), the route's epoch and an operator's pin carry over,
+        as a restarted verifier's do (its windows and detectors start afresh, as there). A
+        model whose new config has no fallback starts on the primary."""
         config = require_checks(config_from_wire(message.config), "the verifier's config")
         slots = message.slots
         self.table.adopt(slots)
         failed: dict[str, str] = {}
         for name in message.changed:
             model_config = config.model(name)
+            carried = (self.table.get(slots[name], routes.ROUTE)
+                       if name in self.models and model_config.fallback is not None else None)
             try:
-                model = self._build(model_config, slots[name], config.context.source_hash, None, [],
-                                    start_capture=False)
+                model = self._build(model_config, slots[name], config.context.source_hash,
+                                    carried, [], start_capture=False)
             except Exception as exc:
                 failed[name] = str(exc)
                 continue
@@ -446,8 +453,4 @@ def run() -> None:
     running on the channel's threads (an ``Init`` waiting on an upstream's ``ready_timeout_s``
     when the serving process stops or dies) must not keep this process alive past its parent;
     the models and capture are closed by then."""
-    code = main()
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_at_once(main())

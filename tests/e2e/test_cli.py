@@ -225,6 +225,37 @@ def test_sigterm_while_still_starting_stops_everything_and_exits_0(tmp_path):
         process.wait(10)
 
 
+def test_sigterm_during_a_reload_still_loading_exits_without_waiting_for_it(tmp_path):
+    """A reload adds an LLM whose server is not up yet (its load waits up to its
+    ready_timeout_s, 600 s, on an executor thread); SIGTERM then: guard stops, exits 0, and
+    does not wait out that load (Python's exit joined the thread; guard ran ten minutes
+    past its grace)."""
+    port = free_port()
+    config = write_config(tmp_path, [model_block(mirror={"sample_rate": 0.0})])
+    data = yaml.safe_load(config.read_text())
+    # (an HTTP port from the start: server settings take effect on restart)
+    data["server"].update(grpc_port=port, http_port=free_port(), shutdown_grace_s=1,
+                          reload_interval_s=0.1)
+    config.write_text(yaml.safe_dump(data))
+    process, client = start_serve(config, port)
+    client.close()
+    try:
+        data["models"].append({
+            "name": "g", "task": "generation", "mirror": {"sample_rate": 0.0},
+            "primary": {"backend": "openai", "target": f"http://127.0.0.1:{free_port()}",
+                        "model": "x", "options": {"ready_timeout_s": 600}}})
+        config.write_text(yaml.safe_dump(data))
+        time.sleep(2)  # the reload has seen the file and waits for the server
+        os.kill(process.pid, signal.SIGTERM)
+        assert process.wait(120) == 0  # (far below the 600 s load)
+        stderr = process.stderr.read()
+        assert '"event": "server_stopped"' in stderr
+        assert '"event": "config_rejected"' not in stderr  # (it was a reload that loads)
+    finally:
+        if process.poll() is None:
+            process.kill()
+
+
 def test_demo_runs_end_to_end_and_shows_the_fallback(tmp_path):
     """With only what `pip install '.[demo]'` installs (`make demo`): every other installed
     distribution hidden from the demo and the processes it starts (tests/extra_closure.py)."""

@@ -16,6 +16,7 @@ import threading
 import httpx2 as httpx  # the HTTP client the openai package itself uses
 import openai
 import pytest
+import yaml
 
 from guard.plan.serving import load_config
 from guard.ipc import wire
@@ -24,8 +25,8 @@ from guard.ipc.routes import RouteTable
 from guard.observe.metrics import GuardMetrics
 from guard.serve.model import ServedModel
 from llm_support import call_both_ways, llama_server, smollm2_gguf  # noqa: F401  (the module's server)
-from llm_support import SERVED_NAME, assert_answered_alike, fractions, masked
-from support import metric, running, scrape, wait_for, write_config
+from llm_support import SERVED_NAME, assert_answered_alike, fractions, masked, stop_llama_server
+from support import events, metric, running, scrape, wait_for, write_config
 
 PROMPT = "The capital of France is"
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
@@ -171,6 +172,86 @@ def test_every_serving_process_answers_on_the_http_port_and_counts_there(
         wait_for(lambda: handed(srv) == sent, timeout=120)
 
 
+def test_a_stream_cut_when_the_shutdown_grace_runs_out_is_unavailable_not_the_client_leaving(
+        tmp_path, llama_server, caplog):  # noqa: F811
+    """guard stops (grace 1 s) while a long stream runs: the client gets what had arrived,
+    then a cut, and the call is counted UNAVAILABLE with an event saying guard cut it; it was
+    counted as a client that went away (CANCELLED), which it never did."""
+    import asyncio
+    import logging
+
+    from guard.serve.app import BackgroundServer
+
+    caplog.set_level(logging.INFO, logger="guard.events")
+    background = BackgroundServer(load_config(write_config(
+        tmp_path, [model_block(llama_server)], http_port=0, shutdown_grace_s=1)))
+    with background as srv:
+        received, ended = [], threading.Event()
+
+        def stream() -> None:
+            try:
+                body = {"model": "smol", "prompt": "a a a a a a a a", "max_tokens": 300,
+                        "temperature": 0, "stream": True,
+                        # no end-of-text: seconds of tokens (5 s here)
+                        "logit_bias": {"0": -100, "1": -100, "2": -100}}
+                with httpx.stream("POST", f"http://127.0.0.1:{srv.http_port}/v1/completions",
+                                  json=body, timeout=120) as answer:
+                    for line in answer.iter_lines():
+                        received.append(line)
+            except httpx.HTTPError:
+                pass  # the cut: asserted below by what arrived
+            finally:
+                ended.set()
+
+        threading.Thread(target=stream, daemon=True).start()
+        wait_for(lambda: any(line.startswith("data: {") for line in received), timeout=60)
+        asyncio.run_coroutine_threadsafe(srv.stop(grace=1), background._loop).result(60)
+        assert ended.wait(30)
+        errors = {sample.labels["code"]: sample.value  # (the stopped server's own series)
+                  for family in srv.metrics.request_errors.collect()
+                  for sample in family.samples if sample.name.endswith("_total")}
+    assert "data: [DONE]" not in received  # 300 tokens take longer than the grace
+    assert errors == {"UNAVAILABLE": 1.0}
+    assert events(caplog, "openai_cut_at_shutdown") and not events(
+        caplog, "openai_client_disconnected")
+
+
+def test_a_reload_with_the_fallback_down_applies_at_once(tmp_path, llama_server, caplog):  # noqa: F811
+    """In an incident the fallback's server is down; a reload that changes the model's
+    sampling applies (one look at the fallback, an event saying it is down), where it waited
+    out ready_timeout_s, held every other reload back, then failed."""
+    import logging
+
+    from guard.serve.app import BackgroundServer
+    from llm_support import start_llama_cpp_upstream
+
+    caplog.set_level(logging.INFO, logger="guard.events")
+    fallback = start_llama_cpp_upstream(tmp_path, smollm2_gguf(), "smol-fallback")
+    model = model_block(llama_server) | {
+        "fallback": {"backend": "openai", "target": fallback.url, "model": fallback.model,
+                     "options": {"ready_timeout_s": 30}},
+        "policy": {"action": "fallback_model"}}
+    path = write_config(tmp_path, [model], http_port=0, reload_interval_s=0.1)
+    try:
+        with BackgroundServer(load_config(path)) as srv:
+            stop_llama_server(fallback)
+            data = yaml.safe_load(path.read_text())
+            data["models"][0]["mirror"]["sample_rate"] = 0.5
+            path.write_text(yaml.safe_dump(data))
+            wait_for(lambda: metric(scrape(srv.metrics_port), "guard_config_reloads_total",
+                                    result="applied") == 1, timeout=25)
+            assert metric(scrape(srv.metrics_port), "guard_config_reloads_total",
+                          result="failed") == 0
+            (down,) = events(caplog, "openai_upstream_not_ready")
+            assert down["target"] == fallback.url and down["role"] == "fallback"
+            answer = httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/completions",
+                                json={"model": "smol", "prompt": PROMPT, "max_tokens": 2,
+                                      "temperature": 0}, timeout=60)
+            assert answer.status_code == 200 and answer.headers["guard-route"] == "primary"
+    finally:
+        stop_llama_server(fallback)
+
+
 def test_every_sampled_call_reaches_the_verifier(guard, through):
     before = handed(guard)
     call_both_ways(through, "smol", max_tokens=4)
@@ -181,7 +262,11 @@ def test_every_sampled_call_reaches_the_verifier(guard, through):
 
 def test_a_prompt_sent_as_a_batch_of_one_is_compared(guard, through, direct):
     """LangChain's completions client sends every prompt as a list (``["text"]``): one
-    prompt, one completion, compared as the prompt it holds (it was never compared)."""
+    prompt, one completion, compared as the prompt it holds (it was never compared).
+    Without its repeat penalty (llama-cpp-python's server applies 1.1 unless told, even at
+    temperature 0, and this block declares no engine): penalized, the server's greedy
+    " Paris.\n" went on with "-" when the test ran alone, "\n" after the module's other
+    calls."""
     def passed() -> float:
         return metric(scrape(guard.metrics_port), "guard_checks_total", model="smol",
                       tier="generation", result="pass")
@@ -189,10 +274,11 @@ def test_a_prompt_sent_as_a_batch_of_one_is_compared(guard, through, direct):
     before, listed = passed(), metric(scrape(guard.metrics_port),
                                       "guard_generation_not_comparable_total", model="smol",
                                       reason="prompt_list")
+    unpenalized = {"repeat_penalty": 1.0}
     ours = through.completions.create(model="smol", prompt=[PROMPT], max_tokens=6,
-                                      temperature=0)
+                                      temperature=0, extra_body=unpenalized)
     theirs = direct.completions.create(model=SERVED_NAME, prompt=[PROMPT], max_tokens=6,
-                                       temperature=0)
+                                       temperature=0, extra_body=unpenalized)
     assert ours.choices[0].text == theirs.choices[0].text
     wait_for(lambda: passed() == before + 1)
     assert metric(scrape(guard.metrics_port), "guard_generation_not_comparable_total",
@@ -498,7 +584,7 @@ def test_a_server_that_fails_guards_logprobs_answers_the_client_as_it_asked(tmp_
     shape is refused: the client's own call goes instead and its answer is the client's (the
     server's text, as a direct call gets it), the refusal is said once per shape, and later
     calls of that shape go as the client sent them. Every call is still compared."""
-    from llm_support import start_llama_server, stop_llama_server
+    from llm_support import start_llama_server
 
     from support import events
 

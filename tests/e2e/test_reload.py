@@ -19,7 +19,8 @@ from tritonclient.utils import InferenceServerException
 
 from guard.plan.complete import load_config
 from guard.serve.app import BackgroundServer
-from support import metric, model_block, scrape, wait_for, write_config, x_input
+from support import (affine_backend, metric, model_block, scrape, wait_for, write_config,
+                     x_input)
 from free_ports import free_port
 
 TESTS_DIR = Path(__file__).resolve().parents[1]
@@ -118,6 +119,50 @@ def test_a_model_that_fails_to_load_keeps_its_old_version(tmp_path):
         wait_for(lambda: metric(scrape(srv.metrics_port), "guard_config_reloads_total",
                                 result="failed") == 1)
         assert srv.models["a"] is old and old.ready
+
+
+def test_a_reloaded_model_keeps_its_route_and_the_operators_pin(tmp_path, rng):
+    """Pinned to the fallback (an incident), then a reload that changes the model's sampling:
+    its calls stay on the fallback and the pin stays (a reload once built the model afresh,
+    on the primary, and dropped the pin in silence). A reload that takes the fallback away
+    puts it on the primary."""
+    import grpc
+
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    model = model_block("a", fallback=affine_backend(), mirror={"sample_rate": 0.0},
+                        policy={"action": "fallback_model", "window": 10, "min_samples": 5})
+    path = write_config(tmp_path, [model])
+    data = yaml.safe_load(path.read_text())
+    data["server"]["reload_interval_s"] = 0.1
+    path.write_text(yaml.safe_dump(data))
+
+    def reload(reloads: int) -> None:
+        path.write_text(yaml.safe_dump(data))
+        wait_for(lambda: metric(scrape(srv.metrics_port), "guard_config_reloads_total",
+                                result="applied") == reloads, timeout=60)
+
+    def route() -> str:
+        result = client.infer("a", [x_input(rng.normal(size=(1, 4)))])
+        return result.get_response().parameters["guard_route"].string_param
+
+    with BackgroundServer(load_config(path)) as srv, \
+            grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        admin = admin_pb2_grpc.AdminStub(channel)
+        admin.SetRoute(admin_pb2.SetRouteRequest(model="a", route=admin_pb2.FALLBACK,
+                                                 reason="incident"))
+        assert route() == "fallback"
+        data["models"][0]["mirror"] = {"sample_rate": 0.5}
+        reload(1)
+        assert route() == "fallback"
+        status = admin.GetStatus(admin_pb2.GetStatusRequest(model="a")).models[0]
+        assert (status.route, status.override) == ("fallback", "fallback")
+        del data["models"][0]["fallback"]
+        data["models"][0]["policy"] = {"action": "alert"}
+        reload(2)
+        assert route() == "primary"
+        client.close()
 
 
 def test_sighup_reloads_a_running_guard_serve(tmp_path):
