@@ -394,8 +394,7 @@ class VerifiedGenerationModel(VerifiedModel):
                 if self.activation_tier is not None:  # on_failure waits for room in the queue
                     self.activation_tier.queue_fill = self.mirror.queue_fill
         if resume_word is not None:
-            route, _, epoch = routes.unpack(resume_word)
-            self.policy.resume(route, epoch, routes.override_of(resume_word))
+            self.resume(resume_word)
         if config.capture is not None:
             self.capture = CaptureWriter(
                 self.name, config.capture, self.metrics,

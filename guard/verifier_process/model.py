@@ -133,8 +133,7 @@ class VerifiedModel:
                 emit("noise_floor", model=self.name, **floor.as_dict(),
                      multiplier=self.config.checks.tensor.noise_floor.multiplier)
         if resume_word is not None:
-            route, _, epoch = routes.unpack(resume_word)
-            self.policy.resume(route, epoch, routes.override_of(resume_word))
+            self.resume(resume_word)
         if kept and self.ops is not None:
             self.ops.resume(kept)
         if self.pair is not None and self.config.mirror.sample_rate > 0:
@@ -161,6 +160,14 @@ class VerifiedModel:
              details=backend_details(self.backends),
              mirror_rate=self.config.mirror.sample_rate if self.mirror else 0.0,
              action=self.config.policy.action, resumed=resume_word is not None)
+
+    def resume(self, word: int) -> None:
+        """Go on from the route word a previous verifier (a restart) or the model's previous
+        version (a reload) left: the route, its epoch, the operator's pin, and the gauge that
+        says the model is on its fallback (it read 0 after a reload on the fallback)."""
+        route, _, epoch = routes.unpack(word)
+        self.policy.resume(route, epoch, routes.override_of(word))
+        self.metrics.fallback_active.labels(self.name, "model").set(route == "fallback")
 
     def start_capture(self) -> None:
         """Start a capture writer that ``load(start_capture=False)`` left waiting."""
@@ -376,6 +383,8 @@ class VerifiedModel:
             emit("drift_dry_run", model=self.name, reason=transition.reason,
                  would_route=transition.to_route, evidence=evidence)
             return
+        if transition.from_route == transition.to_route and transition.trigger == "manual":
+            return  # a pin to the route in force (admin_route_set says it): no transition
         if transition.from_route != transition.to_route:
             if transition.to_route == "fallback":
                 to = "fallback_model"

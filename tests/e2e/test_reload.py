@@ -158,10 +158,14 @@ def test_a_reloaded_model_keeps_its_route_and_the_operators_pin(tmp_path, rng):
         assert route() == "fallback"
         status = admin.GetStatus(admin_pb2.GetStatusRequest(model="a")).models[0]
         assert (status.route, status.override) == ("fallback", "fallback")
+        assert metric(scrape(srv.metrics_port), "guard_fallback_active", model="a",
+                      scope="model") == 1
         del data["models"][0]["fallback"]
         data["models"][0]["policy"] = {"action": "alert"}
         reload(2)
         assert route() == "primary"
+        assert metric(scrape(srv.metrics_port), "guard_fallback_active", model="a",
+                      scope="model") == 0
         client.close()
 
 

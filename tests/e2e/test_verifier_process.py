@@ -97,6 +97,9 @@ def test_pinned_fallback_survives_a_verifier_restart(tmp_path, rng):
                      timeout=20)
             status = admin.GetStatus(admin_pb2.GetStatusRequest(model="m")).models[0]
             assert (status.route, status.override) == ("fallback", "fallback")  # still pinned
+            # (the new verifier's gauge says so too: it read 0 after a restart)
+            assert metric(scrape(srv.metrics_port), "guard_fallback_active", model="m",
+                          scope="model") == 1
 
 
 def test_a_hung_verifier_is_killed_and_restarted_while_serving_goes_on(tmp_path, rng, caplog):
