@@ -41,6 +41,7 @@ timeout), and the open segment is flushed and fsynced.
 
 from __future__ import annotations
 
+import fcntl
 import io
 import logging
 import os
@@ -116,6 +117,9 @@ def _tensor_bytes(*groups) -> int:
                for a in g.values())
 
 
+_LOCK_FILE = ".lock"  # in the model's folder: held by the one writer (_claim_folder)
+
+
 def _whole_frames(frames: list[bytes], nbytes: int) -> int:
     """How many of ``frames``, written one after another, lie whole in the first ``nbytes``."""
     count = 0
@@ -155,6 +159,7 @@ class CaptureWriter:
         self._accepting = True
         self._thread = threading.Thread(target=self._run, name=f"guard-capture-{model}",
                                         daemon=True)
+        self._claim: int | None = None  # the folder's lock file, held while writing
         self._closed: list[_Segment] = []  # oldest first
         self._current: _Segment | None = None
         self._file: io.FileIO | None = None  # the current segment's, open with it
@@ -211,6 +216,7 @@ class CaptureWriter:
         try:
             self.folder.parent.mkdir(mode=_FOLDER_MODE, parents=True, exist_ok=True)
             self.folder.mkdir(mode=_FOLDER_MODE, exist_ok=True)
+            self._claim_folder()
             self._closed = sorted(
                 (_Segment(p, p.stat().st_size) for p in self.folder.glob(f"*{SUFFIX}")),
                 key=lambda s: s.path.name,
@@ -226,6 +232,26 @@ class CaptureWriter:
                  mode=self.config.mode, sample_rate=self.config.sample_rate,
                  existing_segments=len(self._closed))
         self._thread.start()
+
+    def _claim_folder(self) -> None:
+        """One writer per folder: its segments are what it counts against max_total_bytes
+        and deletes when over it, so a second writer (another replica's guard on a shared
+        volume) would push the folder past the cap and delete the other's open segment. An
+        exclusive lock on ``<folder>/.lock`` (flock: the kernel drops it when a process dies,
+        a killed verifier's included); a folder another guard holds disables this capture."""
+        fd = os.open(self.folder / _LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OSError(f"another guard writes to {self.folder}: one folder per replica "
+                          "(Kubernetes: a volume mount's subPathExpr: $(POD_NAME))") from None
+        self._claim = fd
+
+    def _release_folder(self) -> None:
+        if self._claim is not None:
+            os.close(self._claim)  # (closing drops the lock)
+            self._claim = None
 
     @property
     def started(self) -> bool:
@@ -249,6 +275,7 @@ class CaptureWriter:
         if self._thread.is_alive():
             log.warning("capture writer for %s did not finish within %.0fs", self.model, timeout)
             return
+        self._release_folder()
         self._count_left()
 
     def _count_left(self) -> None:

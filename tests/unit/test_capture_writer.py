@@ -6,6 +6,7 @@ import errno
 import json
 import logging
 import os
+import shutil
 import time
 
 import numpy as np
@@ -175,9 +176,7 @@ def test_io_error_while_running_disables_capture(tmp_path, caplog):
     w.submit(pending(w, 0))
     wait_for(lambda: value(metrics, "guard_capture_records_total", outcome="written") >= 1)
     # The folder vanishes and a file takes its place: the next segment cannot be opened.
-    for path in w.segments:
-        os.unlink(path)
-    os.rmdir(w.folder)
+    shutil.rmtree(w.folder)  # (its segments and the writer's lock file)
     w.folder.write_text("")
     with caplog.at_level(logging.INFO, logger="guard.events"):
         for i in range(1, 5):
@@ -231,6 +230,32 @@ def test_a_disk_that_fills_mid_burst_counts_as_written_what_is_on_disk(tmp_path,
     assert 0 < written < 10
     assert len(read_all(w.folder)) == written
     assert written + value(metrics, "guard_capture_records_total", outcome="disabled") == 10
+
+
+def test_a_folder_another_writer_holds_is_refused_not_shared(tmp_path, caplog):
+    """Two replicas' guards on one volume with the same capture.dir: each would keep the cap
+    over its own segments only (past max_total_bytes together) and delete the other's. The
+    second is refused (capture off, said, its records counted disabled); once the first has
+    closed, the folder is free again (a reload's next version takes it)."""
+    first, _ = writer(tmp_path)
+    second, metrics = writer(tmp_path)
+    first.start()
+    with caplog.at_level(logging.INFO, logger="guard.events"):
+        second.start()
+    second.submit(pending(second, 0))
+    second.close()
+    assert value(metrics, "guard_capture_enabled") == 0
+    assert value(metrics, "guard_capture_records_total", outcome="disabled") == 1
+    assert any('"capture_disabled"' in r.getMessage() and "another guard writes" in
+               r.getMessage() for r in caplog.records)
+    first.submit(pending(first, 1))
+    first.close()
+    third, metrics = writer(tmp_path)
+    third.start()
+    third.submit(pending(third, 2))
+    third.close()
+    assert value(metrics, "guard_capture_records_total", outcome="written") == 1
+    assert [r.request_id for r in read_all(first.folder)] == ["id-1", "id-2"]
 
 
 def test_config_rejects_segment_larger_than_cap_and_failures_without_reference():
