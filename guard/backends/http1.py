@@ -64,6 +64,11 @@ class UpstreamError(Exception):
     off."""
 
 
+class Unreachable(UpstreamError):
+    """No connection could be made (refused, unreachable, no answer to connect in time): the
+    call never went out, so another upstream may answer it (the edge's fallback spill)."""
+
+
 class AnswerTooLarge(UpstreamError):
     """A whole answer longer than the reader takes (``Response.read``'s ``limit``)."""
 
@@ -449,10 +454,12 @@ class ConnectionPool:
                 lambda: _Connection(self.loop), self.host, self.port, ssl=self._ssl),
                 self.timeouts.connect)
         except asyncio.TimeoutError:
-            raise UpstreamError(f"no connection to {self.host}:{self.port} in "
-                                f"{self.timeouts.connect:g}s") from None
-        except OSError as exc:  # refused, unreachable, unknown host, TLS
+            raise Unreachable(f"no connection to {self.host}:{self.port} in "
+                              f"{self.timeouts.connect:g}s") from None
+        except ssl.SSLError as exc:  # connected: a TLS mismatch is the config's, not an outage
             raise UpstreamError(f"{type(exc).__name__}: {exc}") from None
+        except OSError as exc:  # refused, unreachable, unknown host
+            raise Unreachable(f"{type(exc).__name__}: {exc}") from None
         return conn
 
     async def _answer(self, conn: _Connection, watchdog: _Watchdog) -> Response:

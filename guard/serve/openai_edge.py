@@ -79,7 +79,7 @@ if sys.version_info >= (3, 11):
 else:  # aiohttp's own dependency there
     from async_timeout import timeout
 
-from guard.backends.http1 import AnswerTooLarge, Response, UpstreamError
+from guard.backends.http1 import AnswerTooLarge, Response, Unreachable, UpstreamError
 from guard.backends.openai import REFUSALS, OpenAIBackend, end_to_end
 from guard.ipc import wire
 from guard.observe.events import emit
@@ -92,6 +92,9 @@ ROUTE_HEADER = "guard-route"
 RESPONSE_MODEL_PATH = ("response", "model")
 # After the shutdown's grace, how long aiohttp waits for the handlers it then cancels to end.
 _CUT_S = 1.0
+# How long a fallback no connection could be made to is skipped (its calls go to the primary)
+# before a call tries it again: short, so that a fallback that is back serves within seconds.
+_SKIP_S = 5.0
 _Call = TypeVar("_Call")  # what the edge makes of a call's body: a ParsedCall, or its model
 
 
@@ -333,9 +336,11 @@ class OpenAIEdge:
         model.requests_in_flight += 1
         try:
             # (a generation model is served by openai backends: the plan's llm roles)
-            return await _Forward(self, request, call, model, route,
-                                  cast(OpenAIBackend, backend), call_id, flags, epoch,
-                                  started, data).run()
+            return await self._on_route(model, route, cast(OpenAIBackend, backend), lambda
+                                        on, upstream, spills: _Forward(
+                                            self, request, call, model, on, upstream, call_id,
+                                            flags if on == route else 0, epoch, started, data,
+                                            spills))
         finally:
             self.in_flight -= 1
             model.requests_in_flight -= 1
@@ -361,12 +366,44 @@ class OpenAIEdge:
         self.in_flight += 1
         model.requests_in_flight += 1
         try:
-            return await _PassThrough(self, request, model, route,
-                                      cast(OpenAIBackend, backend), call_id, started,
-                                      data).run()
+            return await self._on_route(model, route, cast(OpenAIBackend, backend), lambda
+                                        on, upstream, spills: _PassThrough(
+                                            self, request, model, on, upstream, call_id,
+                                            started, data, spills))
         finally:
             self.in_flight -= 1
             model.requests_in_flight -= 1
+
+
+    async def _on_route(self, model: ServedModel, route: str, backend: OpenAIBackend,
+                        call: Callable[[str, OpenAIBackend, bool], "_Upstream"]
+                        ) -> web.StreamResponse:
+        """``call(route, backend, spills)``, run on the model's route. A fallback that no
+        connection can be made to (refused, unreachable: the call never reached it) is
+        skipped for ``_SKIP_S``, and its calls are answered by the primary meanwhile
+        (``guard-route: primary``, counted there, not sampled; event
+        ``openai_fallback_unreachable``), then the next call tries it again. A drifting
+        answer beats none: after a trip to a fallback that is down, every call was a 502
+        and no probe could ever run (probes ride on the fallback's answers). Envoy spills a
+        priority whose hosts are all down to the next the same way."""
+        if route != "fallback":
+            return await call(route, backend, False).run()
+        primary = cast(OpenAIBackend, model.backends["primary"])
+        if backend.skipped:
+            return await call("primary", primary, False).run()
+        try:
+            return await call(route, backend, True).run()
+        except _Spill as exc:
+            backend.skip(_SKIP_S)
+            emit("openai_fallback_unreachable", model=model.name, target=backend.base,
+                 error=str(exc), skipped_s=_SKIP_S,
+                 note="its calls are answered by the primary until it is tried again")
+            return await call("primary", primary, False).run()
+
+
+class _Spill(Exception):
+    """A fallback no connection could be made to: the call goes to the primary
+    (``OpenAIEdge._on_route``)."""
 
 
 class _Upstream(abc.ABC):
@@ -374,9 +411,13 @@ class _Upstream(abc.ABC):
     headers, the refusals when the upstream fails, the error counts."""
 
     def __init__(self, edge: OpenAIEdge, request: web.Request, model: ServedModel,
-                 route: str, backend: OpenAIBackend, request_id: str, started: float):
+                 route: str, backend: OpenAIBackend, request_id: str, started: float,
+                 spills: bool = False):
+        """``spills``: where no connection can be made to ``backend``, raise ``_Spill``
+        (another upstream answers) instead of answering 502."""
         self.edge, self.request, self.model, self.route = edge, request, model, route
         self.backend, self.request_id, self.started = backend, request_id, started
+        self.spills = spills
         self.accounted = False  # the call is counted: answered, or an error code
         self.edits: dict[tuple[str, ...], bytes] = {}  # what the answer's JSON gets (below)
 
@@ -388,6 +429,8 @@ class _Upstream(abc.ABC):
     async def run(self) -> web.StreamResponse:
         try:
             return await self._run()
+        except _Spill:
+            raise  # (nothing was sent or counted: another upstream answers the call)
         except asyncio.CancelledError:
             # The client went away before the call was counted: while guard waited for the
             # upstream's answer (a call closed right after it was sent, a whole answer still
@@ -451,6 +494,10 @@ class _Upstream(abc.ABC):
         try:
             return await pool.post(path, payload,
                                    self.backend.headers(self.request.headers, self.request_id))
+        except Unreachable as exc:
+            if self.spills:
+                raise _Spill(str(exc)) from None
+            return self._upstream_failed(502, f"the upstream is unreachable: {exc}")
         except TimeoutError:
             return self._upstream_failed(504, "the upstream did not answer in time")
         except UpstreamError as exc:
@@ -514,8 +561,8 @@ class _Forward(_Upstream):
 
     def __init__(self, edge: OpenAIEdge, request: web.Request, call: api.ParsedCall,
                  model: ServedModel, route: str, backend: OpenAIBackend, request_id: str,
-                 flags: int, epoch: int, started: float, data: bytes):
-        super().__init__(edge, request, model, route, backend, request_id, started)
+                 flags: int, epoch: int, started: float, data: bytes, spills: bool = False):
+        super().__init__(edge, request, model, route, backend, request_id, started, spills)
         self.call, self.flags, self.epoch = call, flags, epoch
         # Ask for logprobs and token ids on a sampled call whose client did not
         # (options.sample_logprobs, options.sample_token_ids).
@@ -823,8 +870,8 @@ class _PassThrough(_Upstream):
 
     def __init__(self, edge: OpenAIEdge, request: web.Request, model: ServedModel,
                  route: str, backend: OpenAIBackend, request_id: str, started: float,
-                 data: bytes):
-        super().__init__(edge, request, model, route, backend, request_id, started)
+                 data: bytes, spills: bool = False):
+        super().__init__(edge, request, model, route, backend, request_id, started, spills)
         # The upstream's name in the body (put in where the client named none), guard's in
         # the answer: at its top level, and in the response object the Responses API's
         # events carry.

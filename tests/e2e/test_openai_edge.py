@@ -216,13 +216,19 @@ def test_a_stream_cut_when_the_shutdown_grace_runs_out_is_unavailable_not_the_cl
         caplog, "openai_client_disconnected")
 
 
-def test_a_reload_with_the_fallback_down_applies_at_once(tmp_path, llama_server, caplog):  # noqa: F811
-    """In an incident the fallback's server is down; a reload that changes the model's
+def test_with_the_fallback_down_a_reload_applies_and_its_calls_go_to_the_primary(
+        tmp_path, llama_server, caplog):  # noqa: F811
+    """In an incident the fallback's server is down. A reload that changes the model's
     sampling applies (one look at the fallback, an event saying it is down), where it waited
-    out ready_timeout_s, held every other reload back, then failed."""
+    out ready_timeout_s, held every other reload back, then failed. Calls routed to the
+    fallback (pinned here, as a trip would) are answered by the primary, said once, where
+    every one was a 502."""
     import logging
 
+    import grpc
+
     from guard.serve.app import BackgroundServer
+    from guard.v1 import admin_pb2, admin_pb2_grpc
     from llm_support import start_llama_cpp_upstream
 
     caplog.set_level(logging.INFO, logger="guard.events")
@@ -232,6 +238,12 @@ def test_a_reload_with_the_fallback_down_applies_at_once(tmp_path, llama_server,
                      "options": {"ready_timeout_s": 30}},
         "policy": {"action": "fallback_model"}}
     path = write_config(tmp_path, [model], http_port=0, reload_interval_s=0.1)
+
+    def complete(srv) -> httpx.Response:
+        return httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/completions",
+                          json={"model": "smol", "prompt": PROMPT, "max_tokens": 2,
+                                "temperature": 0}, timeout=60)
+
     try:
         with BackgroundServer(load_config(path)) as srv:
             stop_llama_server(fallback)
@@ -244,10 +256,19 @@ def test_a_reload_with_the_fallback_down_applies_at_once(tmp_path, llama_server,
                           result="failed") == 0
             (down,) = events(caplog, "openai_upstream_not_ready")
             assert down["target"] == fallback.url and down["role"] == "fallback"
-            answer = httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/completions",
-                                json={"model": "smol", "prompt": PROMPT, "max_tokens": 2,
-                                      "temperature": 0}, timeout=60)
-            assert answer.status_code == 200 and answer.headers["guard-route"] == "primary"
+
+            with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+                admin_pb2_grpc.AdminStub(channel).SetRoute(admin_pb2.SetRouteRequest(
+                    model="smol", route=admin_pb2.FALLBACK, reason="test"))
+            answers = [complete(srv) for _ in range(2)]
+            assert [(a.status_code, a.headers["guard-route"]) for a in answers] == [
+                (200, "primary")] * 2
+            (spilled,) = events(caplog, "openai_fallback_unreachable")  # (then skipped)
+            assert spilled["target"] == fallback.url
+            values = scrape(srv.metrics_port)
+            assert metric(values, "guard_requests_total", model="smol", route="primary") == 2
+            assert metric(values, "guard_request_errors_total", model="smol",
+                          code="UNAVAILABLE") == 0
     finally:
         stop_llama_server(fallback)
 
