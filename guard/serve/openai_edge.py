@@ -332,15 +332,16 @@ class OpenAIEdge:
         if call.not_comparable:
             self.metrics.not_comparable.labels(model.name, call.not_comparable).inc()
             flags = 0
+
+        def forward(on: str, upstream: OpenAIBackend, spills: bool) -> _Forward:
+            return _Forward(self, request, call, model, on, upstream, call_id,
+                            flags if on == route else 0, epoch, started, data, spills)
+
         self.in_flight += 1
         model.requests_in_flight += 1
         try:
             # (a generation model is served by openai backends: the plan's llm roles)
-            return await self._on_route(model, route, cast(OpenAIBackend, backend), lambda
-                                        on, upstream, spills: _Forward(
-                                            self, request, call, model, on, upstream, call_id,
-                                            flags if on == route else 0, epoch, started, data,
-                                            spills))
+            return await self._on_route(model, route, cast(OpenAIBackend, backend), forward)
         finally:
             self.in_flight -= 1
             model.requests_in_flight -= 1
@@ -363,17 +364,18 @@ class OpenAIEdge:
         route, _, _, backend = model.route()
         self.metrics.not_comparable.labels(model.name, "endpoint").inc()
         call_id = request_id(request.headers)
+
+        def forward(on: str, upstream: OpenAIBackend, spills: bool) -> _PassThrough:
+            return _PassThrough(self, request, model, on, upstream, call_id, started, data,
+                                spills)
+
         self.in_flight += 1
         model.requests_in_flight += 1
         try:
-            return await self._on_route(model, route, cast(OpenAIBackend, backend), lambda
-                                        on, upstream, spills: _PassThrough(
-                                            self, request, model, on, upstream, call_id,
-                                            started, data, spills))
+            return await self._on_route(model, route, cast(OpenAIBackend, backend), forward)
         finally:
             self.in_flight -= 1
             model.requests_in_flight -= 1
-
 
     async def _on_route(self, model: ServedModel, route: str, backend: OpenAIBackend,
                         call: Callable[[str, OpenAIBackend, bool], "_Upstream"]
