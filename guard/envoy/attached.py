@@ -136,7 +136,9 @@ class AttachedEnvoy:
         raise GuardError("server.envoy.attach_admin_port: the attached Envoy's config is not "
                          "guard's to replace; apply the new `guard deploy istio` output")
 
-    def stop(self) -> None:
+    def stop(self, grace: float = 0.0) -> None:
+        """Stop watching (``grace``: the attached Envoy's requests are not guard's to wait
+        for: its own Pod's shutdown drains it)."""
         self._stopping.set()
         if self._watcher is not None:
             self._watcher.join(_WATCH_S + 2)

@@ -212,11 +212,12 @@ class EnvoyPlane:
             self.health_port, listeners.get(HTTP_LISTENER, server.http_port or 0),
             self.http_health_port)
 
-    async def stop(self) -> None:
-        """Envoy first (it drains, then exits), then the route watcher and the observer."""
+    async def stop(self, grace: float) -> None:
+        """Envoy first (it drains, its requests in flight get ``grace`` seconds, then it
+        exits), then the route watcher and the observer."""
         loop = asyncio.get_running_loop()
         if self.process is not None:
-            await loop.run_in_executor(None, self.process.stop)
+            await loop.run_in_executor(None, self.process.stop, grace)
         if self.routes is not None:
             self.routes.stop()
         if self._tap is not None:

@@ -21,8 +21,9 @@ restart, stop.
   refused and requests in flight finish. Chosen over xDS because the whole config is static
   and guard's own: a management server (ADS with LDS/CDS/RDS and their versions and nonces)
   would be a second control plane to keep right, for changes that happen at a reload.
-- **stop**: SIGTERM (Envoy closes its listeners and exits), then SIGKILL after
-  ``drain_time_s`` + 5 s.
+- **stop**: a graceful drain of every listener, a wait of up to ``server.shutdown_grace_s``
+  for the requests in flight, then SIGTERM (Envoy closes its listeners and exits), then
+  SIGKILL 5 s later.
 
 Why not Envoy's own restarter script or a process manager: guard already supervises its
 verifier and serving processes, with the same policy, metrics and events.
@@ -121,6 +122,7 @@ class EnvoyProcess:
         self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
         self.epoch = 0
         self.generation = 0  # Envoys started afresh (epoch 0) so far, the first one included
+        self._grace = settings.drain_time_s  # how long ``end`` waits for requests (``stop``)
         self.restarts, self.up = envoy_series(metrics_registry)
         self.hot_restarts = Counter("guard_envoy_hot_restarts", "Hot restarts of Envoy (a "
                                     "reload that changed its bootstrap).",
@@ -299,15 +301,18 @@ class EnvoyProcess:
         return process is not None and process.poll() is None
 
     # -- stop -------------------------------------------------------------------------------------
-    def drain(self) -> None:
+    def drain(self, wait_s: float) -> None:
         """Stop taking new connections gracefully (clients are told to go elsewhere: HTTP/2
-        GOAWAY) and wait, at most ``drain_time_s``, for the requests in flight to end."""
+        GOAWAY, HTTP/1.1 ``Connection: close``; the listeners close after ``drain_time_s``)
+        and wait, at most ``wait_s``, for the requests in flight to end. Every listener:
+        ``inboundonly`` matched none of guard's (they set no ``traffic_direction``), so the
+        drain did nothing and new calls were taken until the SIGTERM cut them."""
         port = self.admin_port
         if not port or not self.serving:
             return
-        deadline = time.monotonic() + self.settings.drain_time_s
+        deadline = time.monotonic() + wait_s
         try:
-            admin_post(port, "/drain_listeners?graceful&inboundonly", timeout=1.0)
+            admin_post(port, "/drain_listeners?graceful", timeout=1.0)
             while time.monotonic() < deadline:
                 text = admin_get(port, "/stats?filter=%5Ehttp%5C.guard(_http)%3F%5C."
                                  "downstream_rq_active%24", timeout=1.0)
@@ -318,14 +323,17 @@ class EnvoyProcess:
         except (OSError, urllib.error.URLError):
             return
 
-    def stop(self) -> None:
-        """Drain, then SIGTERM every Envoy of ours (the current one and draining ones), SIGKILL
-        the ones that take longer than drain_time_s + 5 s."""
-        self.supervisor.stop(self.settings.drain_time_s + 5)
+    def stop(self, grace: float) -> None:
+        """Drain, giving the requests in flight ``grace`` seconds (server.shutdown_grace_s, as
+        the Python data plane gives them; at least drain_time_s), then SIGTERM every Envoy of
+        ours (the current one and draining ones), SIGKILL the ones that take 5 s more. The
+        wait was drain_time_s (2 s): every LLM stream longer was cut at a rolling restart."""
+        self._grace = max(grace, self.settings.drain_time_s)
+        self.supervisor.stop(self._grace + 5)
 
     def end(self, current: subprocess.Popen | None, grace: float) -> None:
-        """``Child``: how ``stop`` ends the Envoys (``grace``: drain_time_s + 5 s)."""
-        self.drain()
+        """``Child``: how ``stop`` ends the Envoys (``grace``: its grace + 5 s)."""
+        self.drain(self._grace)
         with self._lock:
             processes = [p for p in (self.process, *self.retiring) if p is not None]
         for process in processes:

@@ -252,7 +252,7 @@ class GuardServer:
         loop = asyncio.get_running_loop()
         await self.worker.end_serving()
         if self.envoy is not None:  # drains, then exits: the request path ends first
-            await self.envoy.stop()
+            await self.envoy.stop(grace)
         others = loop.run_in_executor(None, self.serving.stop, grace)
         await self.worker.stop(grace, close_models=False)  # as every serving process stops
         await others

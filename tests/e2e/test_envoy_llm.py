@@ -314,3 +314,38 @@ def test_deploy_envoy_prints_an_llm_bootstrap_envoy_validates(tmp_path):
     path = write(tmp_path, models, server={"http_port": 8080}, health_port=8006,
                  http_health_port=8008)
     assert "guard_http" in validated_bootstrap(path, tmp_path).read_text()
+
+
+def test_a_stream_in_flight_at_shutdown_gets_the_grace_not_the_drain_time(scripted, tmp_path):
+    """guard stops (a rolling restart) while a stream is held open: Envoy drains its
+    listeners (new connections refused once drain_time_s is over: 1 s here) and the stream
+    gets server.shutdown_grace_s (BackgroundServer stops with 5 s) to end. It ended well after
+    the drain time: the client has the last event and [DONE]. Before, guard's drain matched no
+    listener (``inboundonly``) and Envoy was stopped after drain_time_s, cutting every LLM
+    stream longer than that."""
+    import threading
+    import time
+
+    scripted.reset()
+    model = {"name": SCRIPTED, "task": "generation", "primary": llm(scripted.url, SCRIPTED),
+             "mirror": {"sample_rate": 0.0}}
+    running = Guard(write(tmp_path, [model], server={"http_port": 0}, http_health_port=0))
+    lines: list[str] = []
+    try:
+        url = f"http://127.0.0.1:{running.srv.http_port}/v1/chat/completions"
+        body = {"model": SCRIPTED, "stream": True,
+                "messages": [{"role": "user", "content": "hi"}]}
+        with httpx.stream("POST", url, json=body, headers={"x-test-scenario": "hold"},
+                          timeout=60) as answer:
+            events = answer.iter_lines()
+            lines.append(next(line for line in events if line.startswith("data: ")))
+            stopping = threading.Thread(target=running.close)
+            stopping.start()
+            time.sleep(2.5)  # past the drain time (1 s), inside the grace (5 s)
+            scripted.let_go()
+            lines += list(events)
+        stopping.join(60)
+    finally:
+        if running.background._thread.is_alive():
+            running.close()
+    assert "data: [DONE]" in lines and any('" last"' in line for line in lines)
