@@ -237,8 +237,19 @@ class EnvoyPlane:
         built, _ = bootstrap.build(config, ports, self.routes.current())
         if _without_routes(built) == self._running:
             return
+        process = self.process
+
+        def hot_restart() -> None:
+            # What the current Envoy counted so far, first: the new one shuts the old one's
+            # admin API down as it starts (stats.StatsReader).
+            if isinstance(process, EnvoyProcess):
+                for pid, port in process.envoys().items():
+                    if port:
+                        self._stats.note(pid, port)
+            process.hot_restart()
+
         try:
-            await asyncio.get_running_loop().run_in_executor(None, self.process.hot_restart)
+            await asyncio.get_running_loop().run_in_executor(None, hot_restart)
         except GuardError as exc:
             emit("envoy_hot_restart_failed", error=str(exc),
                  note="the running Envoy keeps serving the previous bootstrap")
@@ -249,8 +260,11 @@ class EnvoyPlane:
         process = self.process
         if process is None:
             return ""
-        return self._stats.exposition(process.admin_port, self.layout.clusters,
-                                      process.generation, self.layout.http_clusters,
+        if isinstance(process, AttachedEnvoy):  # one Envoy; a restart of it, a new key
+            envoys = {-process.generation: process.admin_port}
+        else:
+            envoys = process.envoys()
+        return self._stats.exposition(envoys, self.layout.clusters, self.layout.http_clusters,
                                       self.layout.unchecked_routes)
 
 

@@ -178,7 +178,9 @@ class EnvoyProcess:
             base_file.unlink(missing_ok=True)
             command += ["--use-dynamic-base-id", "--base-id-path", str(base_file)]
         else:
-            command += ["--base-id", str(self.base_id)]
+            # Each Envoy counts only its own calls (guard sums them: guard/envoy/stats.py
+            # StatsReader); Envoy's copy of the old one's counters lasts only the restart.
+            command += ["--base-id", str(self.base_id), "--skip-hot-restart-parent-stats"]
         if self._log is None:
             self._log = (self.folder / "envoy.log").open("ab")
         # A process group of its own: a terminal's Ctrl-C reaches guard only, which drains
@@ -286,6 +288,15 @@ class EnvoyProcess:
         self.hot_restarts.inc()
         emit("envoy_hot_restarted", epoch=epoch, pid=process.pid,
              drain_s=self.settings.drain_time_s)
+
+    def envoys(self) -> dict[int, int]:
+        """The live Envoys of ours, pid -> admin port: the current one, and those a hot
+        restart retired that still drain with 0 (the new one shut their admin API down as it
+        started; a configured admin_port is the new one's now)."""
+        with self._lock:
+            current = self.process
+            live = [p for p in (current, *self.retiring) if p is not None and p.poll() is None]
+            return {p.pid: self.admin_port if p is current else 0 for p in live}
 
     # -- watching (ChildSupervisor) -------------------------------------------------------------
     def hung(self, process: subprocess.Popen) -> str | None:

@@ -26,13 +26,14 @@ The gRPC calls are counted by the access log of guard's bootstrap (``guard_calls
 
 Envoy merges its histograms from the worker threads at each stats flush (the bootstrap sets
 ``stats_flush_interval`` to 1 s), so the duration histogram lags the counters by up to that.
-An Envoy started again after a death counts from 0; ``StatsReader`` carries the dead one's
-figures over.
+Each Envoy counts from 0 (one started again after a death, a hot restart's new one):
+``StatsReader`` sums them, the gone ones with what they had counted when last read.
 """
 
 from __future__ import annotations
 
 import re
+import threading
 from collections.abc import Mapping
 from urllib.parse import quote
 
@@ -162,37 +163,49 @@ def translate(text: str, clusters: dict[str, tuple[str, str]],
 
 
 class StatsReader:
-    """guard's request metrics from the Envoy of the moment, read at each scrape. An Envoy
-    started again after a death begins its counters at 0: what the dead one had counted at
-    the last scrape is carried over, so guard's counters do not go backwards (the calls it
-    answered after that scrape are lost to them). A hot restart needs none of this: the new
-    Envoy takes the old one's stats over itself."""
+    """guard's request metrics from the Envoys of the moment, read at each scrape, summed over
+    every Envoy process guard has run: each counts only the calls it forwarded itself. An
+    Envoy that is gone (it died and was started again, or a hot restart retired it) is carried
+    over with what it had counted when last read (``note``), so guard's counters never go
+    backwards. A hot restart's new Envoy starts with ``--skip-hot-restart-parent-stats``:
+    Envoy's own copy of the old one's counters into the new one lasts only the restart (the
+    new one drops those it did not count itself once the old one exits), and a hot restart
+    reset ``guard_requests_total`` to 0. The plane reads the old one just before a hot
+    restart (the new one shuts its admin API down at once): the calls it forwards in the
+    second the new one takes to start, and while it drains, are not counted."""
 
     def __init__(self):
         self._carried: Figures = {}
-        self._last: Figures = {}
-        self._generation = 0
+        self._texts: dict[int, str] = {}  # a live Envoy's pid -> its stats when last read
+        self._lock = threading.Lock()
 
-    def exposition(self, admin_port: int, clusters: dict[str, tuple[str, str]],
-                   generation: int, http: set[str] | frozenset[str] = frozenset(),
-                   unchecked: Mapping[str, str] | None = None) -> str:
-        """``generation``: how many times Envoy was started afresh (not hot restarts); ""
-        while it does not answer. ``http``: the clusters whose calls are HTTP; ``unchecked``:
-        ``collect``'s."""
-        if not admin_port:
-            return ""
+    def note(self, pid: int, admin_port: int) -> bool:
+        """Read Envoy ``pid``'s stats now; False where it does not answer."""
         try:
             text = admin_get(admin_port,
                              f"/stats?format=prometheus&usedonly&filter={quote(_FILTER)}")
         except OSError:
-            return ""
-        figures = collect(text, clusters, http, unchecked)
-        if generation != self._generation:
-            for key, value in self._last.items():
-                self._carried[key] = self._carried.get(key, 0.0) + value
-            self._generation = generation
-        self._last = figures
-        total = dict(self._carried)
-        for key, value in figures.items():
-            total[key] = total.get(key, 0.0) + value
+            return False
+        with self._lock:
+            self._texts[pid] = text
+        return True
+
+    def exposition(self, envoys: Mapping[int, int], clusters: dict[str, tuple[str, str]],
+                   http: set[str] | frozenset[str] = frozenset(),
+                   unchecked: Mapping[str, str] | None = None) -> str:
+        """``envoys``: the live Envoys, pid -> admin port (the current one and those a hot
+        restart retired that still drain); ""  while none answers. ``http``: the clusters
+        whose calls are HTTP; ``unchecked``: ``collect``'s."""
+        answered = [pid for pid, port in envoys.items() if port and self.note(pid, port)]
+        with self._lock:
+            for pid in [pid for pid in self._texts if pid not in envoys]:  # gone: carried
+                gone = collect(self._texts.pop(pid), clusters, http, unchecked)
+                for key, value in gone.items():
+                    self._carried[key] = self._carried.get(key, 0.0) + value
+            if not answered:
+                return ""
+            total = dict(self._carried)
+            for text in self._texts.values():
+                for key, value in collect(text, clusters, http, unchecked).items():
+                    total[key] = total.get(key, 0.0) + value
         return render(total)

@@ -349,3 +349,50 @@ def test_a_stream_in_flight_at_shutdown_gets_the_grace_not_the_drain_time(script
         if running.background._thread.is_alive():
             running.close()
     assert "data: [DONE]" in lines and any('" last"' in line for line in lines)
+
+
+def test_a_hot_restart_carries_the_request_counts_over(scripted, tmp_path):
+    """Ten calls, a reload that changes the bootstrap (a fallback added: a hot restart), five
+    more: guard_requests_total says 15, and never less on the way. Envoy's own copy of the
+    old Envoy's counters lasts only the restart: it said 10, then 0 for seconds, then 5."""
+    import time
+
+    import yaml
+
+    from guard.envoy.process import EnvoyProcess
+
+    scripted.reset()
+    block = {"name": SCRIPTED, "task": "generation", "primary": llm(scripted.url, SCRIPTED),
+             "mirror": {"sample_rate": 0.0}}
+    running = Guard(write(tmp_path, [block], server={"http_port": 0}, http_health_port=0))
+    url = f"http://127.0.0.1:{running.srv.http_port}/v1/chat/completions"
+
+    def calls(n: int) -> None:
+        for _ in range(n):
+            assert httpx.post(url, json={"model": SCRIPTED, "messages": []},
+                              timeout=30).status_code == 200
+
+    def counted() -> float:
+        return metric(running.metrics(), "guard_requests_total", model=SCRIPTED,
+                      route="primary")
+
+    try:
+        envoy = running.srv.envoy.process
+        assert isinstance(envoy, EnvoyProcess)
+        calls(10)
+        assert counted() == 10
+        data = yaml.safe_load(running.path.read_text())
+        data["models"][0]["fallback"] = llm(scripted.url, SCRIPTED)
+        running.path.write_text(yaml.safe_dump(data))
+        assert running.reload()
+        assert envoy.epoch == 1
+        seen = []
+        while any(old.poll() is None for old in envoy.retiring):  # it drains, then exits
+            seen.append(counted())
+            time.sleep(0.2)
+        seen.append(counted())
+        calls(5)
+        seen.append(counted())
+    finally:
+        running.close()
+    assert min(seen) == 10 and seen[-1] == 15, seen
