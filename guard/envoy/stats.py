@@ -194,7 +194,7 @@ class StatsReader:
                    http: set[str] | frozenset[str] = frozenset(),
                    unchecked: Mapping[str, str] | None = None) -> str:
         """``envoys``: the live Envoys, pid -> admin port (the current one and those a hot
-        restart retired that still drain); ""  while none answers. ``http``: the clusters
+        restart retired that still drain); "" while none answers. ``http``: the clusters
         whose calls are HTTP; ``unchecked``: ``collect``'s."""
         answered = [pid for pid, port in envoys.items() if port and self.note(pid, port)]
         with self._lock:
