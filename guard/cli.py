@@ -88,7 +88,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     # uvloop where installed; stopped, the process ends at once (event_loop.run says why).
     event_loop.run(serve_until_signalled(config, signalled), wait_for_threads=False)
     exit_at_once(EXIT_OK)
-    return EXIT_OK  # (not reached)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

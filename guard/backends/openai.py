@@ -458,7 +458,7 @@ class OpenAIBackend(Forwarding, Backend):
             listing = wait_ready(self.base, self.model, self._authorization,
                                  ready_timeout(self.base, self.options.ready_timeout_s))
         except UpstreamNotReady as exc:
-            if not answered:
+            if not answered:  # (ready_timeout_s may be 0: the flag, not the wait, says)
                 raise
             # Forwarding needs nothing from it now: an outage after the start is answered 502
             # and counted, as it would be a second later.

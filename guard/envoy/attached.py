@@ -4,7 +4,7 @@
 an Envoy whose config already holds guard's pieces (``guard deploy istio`` prints them as an
 EnvoyFilter). ``guard serve`` then starts no Envoy of its own; this class stands where
 guard/envoy/process.py's ``EnvoyProcess`` stands for the rest of guard/envoy/ (the same
-``admin_port``, ``generation``, ``serving``, ``on_started``), so the route watcher pushes the
+``admin_port``, ``envoys()``, ``serving``, ``on_started``), so the route watcher pushes the
 routes, the stats reader merges the stats, and the tap reader (or ext_proc, by Envoy's own
 connection) receives the copies, exactly as with guard's own Envoy.
 
@@ -18,8 +18,9 @@ What differs, and why:
   ``/runtime`` every second: an Envoy that answers without the mark is a new one, whatever its
   uptime or however fast it came back (an uptime compare missed restarts quicker than the
   poll). Then the mark, the routes and the tap go again (``on_started``), and ``generation``
-  moves on so that the stats reader carries the old counts over, as after a restart of guard's
-  own Envoy. Counted in ``guard_envoy_restarts_total`` (a restart seen, not made).
+  moves on: ``envoys()`` names the new one apart, so that the stats reader carries the old
+  counts over, as after a restart of guard's own Envoy. Counted in
+  ``guard_envoy_restarts_total`` (a restart seen, not made).
 - **Reload**: a config change that would change Envoy's pieces cannot be applied here (the
   EnvoyFilter is the cluster's, applied with kubectl): ``hot_restart`` raises, and the plane says
   so (event ``envoy_hot_restart_failed``): apply the new ``guard deploy istio`` output.
@@ -135,6 +136,11 @@ class AttachedEnvoy:
     def hot_restart(self) -> None:
         raise GuardError("server.envoy.attach_admin_port: the attached Envoy's config is not "
                          "guard's to replace; apply the new `guard deploy istio` output")
+
+    def envoys(self) -> dict[int, int]:
+        """The one Envoy, key -> admin port, as ``EnvoyProcess.envoys`` (its pid unknown: a
+        key of its own per incarnation, below any pid)."""
+        return {-1 - self.generation: self.admin_port}
 
     def stop(self, grace: float = 0.0) -> None:
         """Stop watching (``grace``: the attached Envoy's requests are not guard's to wait

@@ -242,10 +242,9 @@ class EnvoyPlane:
         def hot_restart() -> None:
             # What the current Envoy counted so far, first: the new one shuts the old one's
             # admin API down as it starts (stats.StatsReader).
-            if isinstance(process, EnvoyProcess):
-                for pid, port in process.envoys().items():
-                    if port:
-                        self._stats.note(pid, port)
+            for pid, port in process.envoys().items():
+                if port:
+                    self._stats.note(pid, port)
             process.hot_restart()
 
         try:
@@ -260,12 +259,8 @@ class EnvoyPlane:
         process = self.process
         if process is None:
             return ""
-        if isinstance(process, AttachedEnvoy):  # one Envoy; a restart of it, a new key
-            envoys = {-process.generation: process.admin_port}
-        else:
-            envoys = process.envoys()
-        return self._stats.exposition(envoys, self.layout.clusters, self.layout.http_clusters,
-                                      self.layout.unchecked_routes)
+        return self._stats.exposition(process.envoys(), self.layout.clusters,
+                                      self.layout.http_clusters, self.layout.unchecked_routes)
 
 
 def _without_routes(built: dict) -> dict:

@@ -121,7 +121,6 @@ class EnvoyProcess:
         self.base_id: int | None = None
         self._base_ids: set[int] = set()  # every one used (a killed Envoy leaves its memory)
         self.epoch = 0
-        self.generation = 0  # Envoys started afresh (epoch 0) so far, the first one included
         self._grace = settings.drain_time_s  # how long ``end`` waits for requests (``stop``)
         self.restarts, self.up = envoy_series(metrics_registry)
         self.hot_restarts = Counter("guard_envoy_hot_restarts", "Hot restarts of Envoy (a "
@@ -213,7 +212,6 @@ class EnvoyProcess:
             if epoch == 0:
                 self.base_id = int((self.folder / "base-id.txt").read_text().strip())
                 self._base_ids.add(self.base_id)
-                self.generation += 1
         self.up.set(1)
         if self.on_started is not None:
             self.on_started(self)

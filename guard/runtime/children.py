@@ -16,14 +16,16 @@ Envoy (guard/envoy/process.py).
 
 from __future__ import annotations
 
+import logging
 import os
 import select
 import signal
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NoReturn, Protocol
 
 from guard.errors import GuardError
 from guard.observe.events import emit
@@ -79,14 +81,11 @@ def end_process(process: subprocess.Popen | None, timeout: float) -> None:
 PARENTS_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
-def exit_at_once(code: int) -> None:
+def exit_at_once(code: int) -> NoReturn:
     """End a serving or verifier process once it has stopped: logs and output flushed, then
     ``os._exit``. A thread still inside work the stop no longer needs (a control request or a
     reload waiting on an upstream's ``ready_timeout_s``) must not keep the process alive past
     its grace, and Python's own exit joins every such thread."""
-    import logging
-    import sys
-
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
