@@ -69,10 +69,11 @@ def pytest_collection_modifyitems(config, items) -> None:
 
 # The parts of the cache every xdist worker of a run shares (each written atomically: a file
 # is made beside its name and renamed in, so two workers may race for it and one wins): the
-# dequantized GGUF folders (guard/backends/gguf_cache.py, ~20 s to convert) and the LLM zoo's
-# requantized ladder and one-tensor variants (guard/zoo/llm.py, 1-3 s of CPU per file, which
-# each worker made again before).
-SHARED_CACHE_PARTS = ("gguf-fp32", "llm")
+# dequantized GGUF folders (guard/backends/gguf_cache.py, ~20 s to convert), the F32 upcasts
+# of GGUFs (guard/backends/gguf_quantize.py, 500 MB each, which each worker wrote again) and
+# the LLM zoo's requantized ladder and one-tensor variants (guard/zoo/llm.py, 1-3 s of CPU per
+# file, which each worker made again before).
+SHARED_CACHE_PARTS = ("gguf-fp32", "gguf-f32", "llm")
 
 
 @pytest.fixture(autouse=True, scope="session")
