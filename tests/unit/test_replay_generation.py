@@ -28,7 +28,7 @@ from guard.protocol.generation import (
     to_dict,
 )
 from guard.replay.aggregate import ModelAggregate
-from guard.replay.items import CHECKED, RecordOutcome
+from guard.replay.items import CHECKED, PRIMARY_ERROR, RecordOutcome
 from guard.replay.prompts import DEFAULT_MAX_TOKENS, PromptStats, parse_line, read_prompts
 from guard.replay.report import html, markdown
 from guard.replay.source import Filters, Source
@@ -160,6 +160,20 @@ def test_a_run_with_nothing_compared_says_why(tmp_path):
                                        "comparable (logprobs_mode 3)")
     assert model["tiers"]["generation"]["not_comparable_reasons"] == {"logprobs_mode": 3}
     assert "3 / 0 (logprobs_mode 3)" in markdown(_report(model))
+
+
+def test_a_generative_primary_error_is_not_filed_under_the_tensor_tier():
+    """An upstream that failed a replayed call: counted in ``status``, named in
+    ``error_examples``; the tensor tier, which never runs for a generative model, shows none."""
+    aggregate = ModelAggregate(MODEL, {"reference": "llama_cpp smol.gguf", "primary": "openai",
+                                       "tiers": ["generation"]})
+    aggregate.add(RecordOutcome(0, "smol", PRIMARY_ERROR, request_id="r0",
+                                error="upstream answered 503"))
+    model = aggregate.result()
+    assert model["status"]["primary_error"] == 1
+    assert [e["error"] for e in model["error_examples"]] == ["upstream answered 503"]
+    assert model["tiers"]["tensor"]["primary_errors"] == 0
+    assert model["tiers"]["tensor"]["checks"] == 0
 
 
 def _report(model: dict) -> dict:
