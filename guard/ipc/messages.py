@@ -180,12 +180,15 @@ class Init(Message):
 @message
 @dataclass
 class Reload(Message):
-    """The verifier builds the ``changed`` models of ``config`` and drops the ``removed``."""
+    """The verifier builds the ``changed`` models of ``config`` and drops the ``removed``;
+    those of ``carried`` (changed in their mirroring or capture alone) take over their old
+    version's detector evidence."""
 
     config: dict
     slots: dict[str, int]
     changed: list[str] = field(default_factory=list)
     removed: list[str] = field(default_factory=list)
+    carried: list[str] = field(default_factory=list)
 
 
 @message

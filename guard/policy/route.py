@@ -272,6 +272,7 @@ class RoutePolicy:
         # Wall-clock time the count windows last started empty (this process's start, a route
         # change, an override): admin status says since when its "n/m failing" counts.
         self.windows_since = time.time()
+        self._handed_on = False  # carry_on gave this policy's state to its successor
 
     # -- read on the request path: plain attribute reads, no lock ---------------------------
     @property
@@ -299,8 +300,8 @@ class RoutePolicy:
         ``score``: a scored tier's figure for the sample (its detectors take it; a scored
         sample without one counts in the window only)."""
         with self._lock:
-            if epoch != self.epoch:
-                return None  # taken on a route that is no longer current
+            if epoch != self.epoch or self._handed_on:
+                return None  # taken on a route that is no longer current, or counted on
             state = self._tiers[tier]
             state.window.add(failed)
             if state.scored:
@@ -451,6 +452,28 @@ class RoutePolicy:
             self._sent_by = None  # who sent it there died with the previous process
             if route == "fallback":
                 self._dwell = self.config.dwell_s
+
+    def carry_on(self, previous: "RoutePolicy") -> bool:
+        """Go on from ``previous``, evidence included: the same model reloaded with a config
+        that changes nothing its detectors judge by (guard/serve/reload.py
+        ``evidence_fingerprint``: only how many calls are mirrored, or what capture keeps).
+        The route, its epoch, the dwell under way, the trip count, the pin, the count windows,
+        the burn-in and the detectors' statistics go on where they were. ``previous`` counts
+        nothing from now on: the two would else update the same windows and detectors under
+        two locks (its mirror's last results, a few at most, are checked and captured but not
+        counted). False, and nothing carried, where the two watch different tiers."""
+        with previous._lock, self._lock:
+            if set(previous._tiers) != set(self._tiers) or previous._handed_on:
+                return False
+            self._tiers = previous._tiers
+            self._state, self._override = previous._state, previous._override
+            self._since, self._sent_by = previous._since, previous._sent_by
+            self._trips, self._dwell = previous._trips, previous._dwell
+            self._healthy_since = previous._healthy_since
+            self.epoch, self.last_transition = previous.epoch, previous.last_transition
+            self.windows_since = previous.windows_since
+            previous._handed_on = True
+            return True
 
     def windows(self) -> list[WindowFigures]:
         with self._lock:

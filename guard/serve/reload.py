@@ -17,7 +17,9 @@ model finish on it, and it is closed once they are done (however long that takes
 ``model_retire_waiting`` after 30 s, ``model_retired`` when it then closes:
 guard/serve/registry.py ``retire``). A model that fails to load anywhere keeps its old version
 everywhere. Models that did not change are not touched,
-so their traffic never notices. ``server`` settings (ports, workers) take effect on restart.
+so their traffic never notices. A model reloaded for its ``mirror`` or ``capture`` keys alone
+keeps its detectors' evidence (``evidence_fingerprint``); any other change starts them afresh,
+as a restarted verifier does. ``server`` settings (ports, workers) take effect on restart.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import json
 import logging
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Awaitable, Callable
+from typing import TYPE_CHECKING, Awaitable, Callable, NamedTuple
 
 from guard.config import GuardConfig, ModelConfig
 from guard.plan.serving import load_config
@@ -77,16 +79,41 @@ def content_digest(path: Path) -> str:
     return digest
 
 
-def model_fingerprint(model: ModelConfig) -> str:
+def model_fingerprint(model: ModelConfig, leave_out: tuple[str, ...] = ()) -> str:
     """A model's config plus the content of its artifact files: equal means nothing to reload.
     Paths are compared as written in the config, resolved against the config file's folder
-    without following symlinks (guard/config/base.py ``_absolute``)."""
-    state = model.model_dump(mode="json")
+    without following symlinks (guard/config/base.py ``_absolute``). ``leave_out``: top-level
+    keys not compared."""
+    state = model.model_dump(mode="json", exclude=set(leave_out))
     for role in ("primary", "reference", "fallback"):
         spec = getattr(model, role)
         if spec is not None and spec.path and os.path.isfile(spec.path):
             state[f"{role}_artifact"] = content_digest(Path(spec.path))
     return json.dumps(state, sort_keys=True, default=str)
+
+
+# What a model's detectors accumulate does not depend on these keys: how many calls are
+# mirrored and how (rate, queue, threads, batching), and what capture keeps.
+_NOT_EVIDENCE = ("mirror", "capture")
+
+
+def evidence_fingerprint(model: ModelConfig) -> str:
+    """What a model's detectors judge by: its fingerprint without ``mirror`` and ``capture``,
+    and its ARL0 in samples (``policy.false_alarms_per_day`` converts with the sample rate).
+    Equal across a reload, the verifier carries the detectors' evidence over
+    (guard/policy/route.py ``RoutePolicy.carry_on``): an SRE who raises ``mirror.sample_rate``
+    in an incident keeps what the detectors have seen so far."""
+    arl0 = model.policy.arl0_for(model.mirror.sample_rate)
+    return f"{model_fingerprint(model, _NOT_EVIDENCE)} arl0={arl0!r}"
+
+
+class _Prints(NamedTuple):
+    whole: str  # model_fingerprint: unequal, the model reloads
+    evidence: str  # evidence_fingerprint: equal, its detectors' evidence carries over
+
+
+def _prints(model: ModelConfig) -> _Prints:
+    return _Prints(model_fingerprint(model), evidence_fingerprint(model))
 
 
 class ConfigReloader:
@@ -110,9 +137,10 @@ class ConfigReloader:
         self.reloads = reloads
         self._state = file_state(path)
         self._lock = asyncio.Lock()
-        # What each model was loaded from (config and artifact content), taken when it was
-        # loaded: computing the old side at reload time would read the new artifact twice.
-        self._prints = {m.name: model_fingerprint(m) for m in config().models}
+        # What each model was loaded from (config and artifact content; and what its detectors
+        # judge by), taken when it was loaded: computing the old side at reload time would
+        # read the new artifact twice.
+        self._prints = {m.name: _prints(m) for m in config().models}
 
     async def watch(self, interval: float) -> None:
         """Poll the file; started by the server once the first load has finished (a change
@@ -145,17 +173,22 @@ class ConfigReloader:
         if new.server != old.server:
             emit("config_server_changed", note="server settings take effect on restart")
         old_prints = self._prints
-        new_prints = {m.name: model_fingerprint(m) for m in new.models}
+        new_prints = {m.name: _prints(m) for m in new.models}
         loop = asyncio.get_running_loop()
         names = {m.name for m in new.models}
         models = self.serving.local.models
         slots = self.table.assign(m.name for m in new.models)
-        wanted = sorted(name for name in names if old_prints.get(name) != new_prints[name])
+        wanted = sorted(name for name in names if name not in old_prints
+                        or old_prints[name].whole != new_prints[name].whole)
         removed = [name for name in list(models) if name not in names]
         failed = await loop.run_in_executor(None, self.serving.prepare, new, slots, wanted)
         built = [name for name in wanted if name not in failed]
+        # Evidence carries over where only the mirroring or capture changed (and both sides
+        # loaded from the same artifacts: the whole fingerprint's artifact digests are in it).
+        carried = [name for name in built if name in old_prints
+                   and old_prints[name].evidence == new_prints[name].evidence]
         refused = await loop.run_in_executor(
-            None, self.verifier.reload, new, slots, built, removed)
+            None, self.verifier.reload, new, slots, built, removed, carried)
         failed.update(refused)
         built = [name for name in built if name not in refused]
         changed = [name for name in built if name in models]
@@ -179,5 +212,6 @@ class ConfigReloader:
         result = "failed" if failed else "applied"
         self.reloads.labels(result).inc()
         emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,
-             failed=sorted(failed), config_hash=new.context.source_hash)
+             failed=sorted(failed), evidence_carried=[n for n in carried if n in changed],
+             config_hash=new.context.source_hash)
         return not failed

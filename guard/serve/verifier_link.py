@@ -233,14 +233,15 @@ class VerifierLink:
         return {name: base64.b64decode(data) for name, data in reply.models.items()}
 
     def reload(self, config: GuardConfig, slots: dict[str, int], changed: list[str],
-               removed: list[str]) -> dict:
+               removed: list[str], carried: list[str]) -> dict:
         """Tell the verifier about a new config (``slots``: every model's route slot, new ones
-        included); {model: error} for models it could not load. A verifier that is down picks
-        the new config up when it restarts."""
+        included; ``carried``: changed models whose detector evidence carries over); {model:
+        error} for models it could not load. A verifier that is down picks the new config up
+        when it restarts."""
         if not self.ready.is_set():
             return {}
         try:
-            reply = self.call(Reload(config_to_wire(config), slots, changed, removed),
+            reply = self.call(Reload(config_to_wire(config), slots, changed, removed, carried),
                               timeout=self.settings.start_timeout_s)
         except VerifierUnavailable:
             return {}

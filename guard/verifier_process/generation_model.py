@@ -345,6 +345,12 @@ class VerifiedGenerationModel(VerifiedModel):
             gauge.labels(self.name, TIER).set_function(partial(self._figure, TIER, figure))
 
     # -- lifecycle -------------------------------------------------------------------------------
+    def carry_on(self, previous: VerifiedModel) -> None:
+        """As a tensor model's, and admin status's window of the last completions' KLD too."""
+        if isinstance(previous, VerifiedGenerationModel):
+            self.window = previous.window
+        super().carry_on(previous)
+
     def load(self, resume_word: int | None = None, kept: list[str] | None = None,
              start_capture: bool = True) -> None:
         config = self.config

@@ -169,6 +169,13 @@ class VerifiedModel:
         self.policy.resume(route, epoch, routes.override_of(word))
         self.metrics.fallback_active.labels(self.name, "model").set(route == "fallback")
 
+    def carry_on(self, previous: VerifiedModel) -> None:
+        """Take over ``previous``'s route and detector evidence (a reload that changed only
+        the mirroring or capture: guard/serve/reload.py ``evidence_fingerprint``)."""
+        if self.policy.carry_on(previous.policy):
+            windows = {w.tier: w.samples for w in self.policy.windows()}
+            emit("detector_evidence_carried", model=self.name, window_samples=windows)
+
     def start_capture(self) -> None:
         """Start a capture writer that ``load(start_capture=False)`` left waiting."""
         if self.capture is not None and not self.capture.started:

@@ -186,7 +186,10 @@ class VerifierProcess:
         A reload changes what a model is, not where its traffic goes: its route (on the
         fallback after a trip, probing), the route's epoch and an operator's pin carry over,
         as a restarted verifier's do (its windows and detectors start afresh, as there). A
-        model whose new config has no fallback starts on the primary."""
+        model whose new config has no fallback starts on the primary. A model in ``carried``
+        (its mirroring or capture changed, nothing its detectors judge by) goes on with its
+        old version's windows and detectors too, taken over at the swap, so that no result is
+        counted twice or lost between the two."""
         config = require_checks(config_from_wire(message.config), "the verifier's config")
         slots = message.slots
         self.table.adopt(slots)
@@ -205,6 +208,8 @@ class VerifierProcess:
                 old = self.models.get(name)
                 self.models[name] = model
                 self.by_slot[model.slot] = model
+                if old is not None and name in message.carried:
+                    model.carry_on(old)
             if old is not None:
                 old.close()
             model.start_capture()

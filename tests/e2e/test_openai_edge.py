@@ -220,9 +220,9 @@ def test_with_the_fallback_down_a_reload_applies_and_its_calls_go_to_the_primary
         tmp_path, llama_server, caplog):  # noqa: F811
     """In an incident the fallback's server is down. A reload that changes the model's
     sampling applies (one look at the fallback, an event saying it is down), where it waited
-    out ready_timeout_s, held every other reload back, then failed. Calls routed to the
-    fallback (pinned here, as a trip would) are answered by the primary, said once, where
-    every one was a 502."""
+    out ready_timeout_s, held every other reload back, then failed; the completion compared
+    before it stays in the model's evidence. Calls routed to the fallback (pinned here, as a
+    trip would) are answered by the primary, said once, where every one was a 502."""
     import logging
 
     import grpc
@@ -246,6 +246,11 @@ def test_with_the_fallback_down_a_reload_applies_and_its_calls_go_to_the_primary
 
     try:
         with BackgroundServer(load_config(path)) as srv:
+            assert httpx.post(f"http://127.0.0.1:{srv.http_port}/v1/completions", json={
+                "model": "smol", "prompt": PROMPT, "max_tokens": 2, "temperature": 0,
+                "logprobs": 2}, timeout=60).status_code == 200  # (its KLD is measured)
+            wait_for(lambda: metric(scrape(srv.metrics_port), "guard_checks_total",
+                                    model="smol", tier="generation", result="pass") == 1)
             stop_llama_server(fallback)
             data = yaml.safe_load(path.read_text())
             data["models"][0]["mirror"]["sample_rate"] = 0.5
@@ -256,6 +261,12 @@ def test_with_the_fallback_down_a_reload_applies_and_its_calls_go_to_the_primary
                           result="failed") == 0
             (down,) = events(caplog, "openai_upstream_not_ready")
             assert down["target"] == fallback.url and down["role"] == "fallback"
+            (reloaded,) = events(caplog, "config_reloaded")
+            assert reloaded["evidence_carried"] == ["smol"]
+            with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+                status = admin_pb2_grpc.AdminStub(channel).GetStatus(
+                    admin_pb2.GetStatusRequest(model="smol")).models[0]
+            assert (status.windows[0].samples, status.generation.completions) == (1, 1)
 
             with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
                 admin_pb2_grpc.AdminStub(channel).SetRoute(admin_pb2.SetRouteRequest(
@@ -266,7 +277,7 @@ def test_with_the_fallback_down_a_reload_applies_and_its_calls_go_to_the_primary
             (spilled,) = events(caplog, "openai_fallback_unreachable")  # (then skipped)
             assert spilled["target"] == fallback.url
             values = scrape(srv.metrics_port)
-            assert metric(values, "guard_requests_total", model="smol", route="primary") == 2
+            assert metric(values, "guard_requests_total", model="smol", route="primary") == 3
             assert metric(values, "guard_request_errors_total", model="smol",
                           code="UNAVAILABLE") == 0
     finally:

@@ -121,6 +121,22 @@ def test_a_model_that_fails_to_load_keeps_its_old_version(tmp_path):
         assert srv.models["a"] is old and old.ready
 
 
+def watched_config(tmp_path: Path, model: dict) -> tuple[Path, dict]:
+    """A one-model config file that guard polls every 0.1 s, and its data to change."""
+    path = write_config(tmp_path, [model])
+    data = yaml.safe_load(path.read_text())
+    data["server"]["reload_interval_s"] = 0.1
+    path.write_text(yaml.safe_dump(data))
+    return path, data
+
+
+def apply(path: Path, data: dict, metrics_port: int, reloads: int) -> None:
+    """Write ``data`` and wait until guard has applied its ``reloads``-th reload."""
+    path.write_text(yaml.safe_dump(data))
+    wait_for(lambda: metric(scrape(metrics_port), "guard_config_reloads_total",
+                            result="applied") == reloads, timeout=60)
+
+
 def test_a_reloaded_model_keeps_its_route_and_the_operators_pin(tmp_path, rng):
     """Pinned to the fallback (an incident), then a reload that changes the model's sampling:
     its calls stay on the fallback and the pin stays (a reload once built the model afresh,
@@ -132,15 +148,10 @@ def test_a_reloaded_model_keeps_its_route_and_the_operators_pin(tmp_path, rng):
 
     model = model_block("a", fallback=affine_backend(), mirror={"sample_rate": 0.0},
                         policy={"action": "fallback_model", "window": 10, "min_samples": 5})
-    path = write_config(tmp_path, [model])
-    data = yaml.safe_load(path.read_text())
-    data["server"]["reload_interval_s"] = 0.1
-    path.write_text(yaml.safe_dump(data))
+    path, data = watched_config(tmp_path, model)
 
     def reload(reloads: int) -> None:
-        path.write_text(yaml.safe_dump(data))
-        wait_for(lambda: metric(scrape(srv.metrics_port), "guard_config_reloads_total",
-                                result="applied") == reloads, timeout=60)
+        apply(path, data, srv.metrics_port, reloads)
 
     def route() -> str:
         result = client.infer("a", [x_input(rng.normal(size=(1, 4)))])
@@ -166,6 +177,48 @@ def test_a_reloaded_model_keeps_its_route_and_the_operators_pin(tmp_path, rng):
         assert route() == "primary"
         assert metric(scrape(srv.metrics_port), "guard_fallback_active", model="a",
                       scope="model") == 0
+        client.close()
+
+
+def test_a_reload_of_the_sampling_alone_keeps_the_detectors_evidence(tmp_path, rng):
+    """An SRE raises (or lowers) ``mirror.sample_rate`` in an incident: the model reloads, and
+    its window and detector go on from what they had seen (they once started from zero, so
+    evidence gathered before the change was lost). A change to what the checks judge by (a
+    tolerance) starts them afresh."""
+    import grpc
+
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    # A sequential detector that needs more samples than are sent: the statistic and the
+    # samples it counted are its evidence so far.
+    model = model_block("a", policy={"action": "alert", "detector": "cusum", "window": 100,
+                                     "min_samples": 50, "p0": 0.01})
+    path, data = watched_config(tmp_path, model)
+
+    def reload(reloads: int) -> None:
+        apply(path, data, srv.metrics_port, reloads)
+
+    def evidence() -> tuple[int, float]:
+        status = admin.GetStatus(admin_pb2.GetStatusRequest(model="a")).models[0]
+        values = scrape(srv.metrics_port)
+        return (status.windows[0].samples,
+                metric(values, "guard_detector_samples", model="a", tier="tensor"))
+
+    with BackgroundServer(load_config(path)) as srv, \
+            grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+        client = grpcclient.InferenceServerClient(f"127.0.0.1:{srv.grpc_port}")
+        admin = admin_pb2_grpc.AdminStub(channel)
+        for _ in range(12):
+            client.infer("a", [x_input(rng.normal(size=(1, 4)))])
+        wait_for(lambda: evidence() == (12, 12))
+        old = srv.models["a"]
+        data["models"][0]["mirror"] = {**data["models"][0]["mirror"], "sample_rate": 0.5}
+        reload(1)
+        assert srv.models["a"] is not old  # rebuilt, with the new rate
+        assert evidence() == (12, 12)
+        data["models"][0]["checks"] = {"tensor": {"atol": 1e-4, "rtol": 1e-4}}
+        reload(2)
+        assert evidence() == (0, 0)
         client.close()
 
 

@@ -552,3 +552,32 @@ def test_the_windows_say_since_when_they_count():
     assert policy.windows_since == switched
     policy.set_override("fallback", "pin")
     assert policy.windows_since >= switched and policy.windows()[0].samples == 0
+
+
+# -- carry_on (a reload of the mirroring alone) ------------------------------------------------
+def test_carry_on_goes_on_from_the_previous_policys_state_and_freezes_it():
+    """The route, its epoch, the dwell under way and the window go on in the successor; what
+    the previous one is told afterwards counts nowhere, and carrying twice is refused."""
+    previous, clock = make(dwell=30.0)
+    trip(previous)
+    feed(previous, [False, True])
+    clock.advance(10.0)
+    successor = RoutePolicy("m", previous.config, clock=clock)
+    assert successor.carry_on(previous)
+    assert (successor.route, successor.epoch) == ("fallback", previous.epoch)
+    assert not successor.probing  # 10 s of the 30 s dwell spent: the dwell did not restart
+    clock.advance(20.0)
+    assert successor.probing
+    assert [(w.samples, w.failures) for w in successor.windows()] == [(2, 1)]
+    assert feed(previous, [True] * 10) == []
+    assert [(w.samples, w.failures) for w in successor.windows()] == [(2, 1)]
+    assert not RoutePolicy("m", previous.config, clock=clock).carry_on(previous)
+
+
+def test_carry_on_refuses_a_policy_of_other_tiers():
+    previous, clock = make(tiers=("tensor", "task"))
+    feed(previous, [True, False])
+    successor = RoutePolicy("m", previous.config, tiers=("tensor",), clock=clock)
+    assert not successor.carry_on(previous)
+    assert [(w.samples, w.failures) for w in successor.windows()] == [(0, 0)]
+    assert len(feed(previous, [True] * 5)) == 1  # the previous one still counts
