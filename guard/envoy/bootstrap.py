@@ -462,16 +462,22 @@ def _call_counter() -> dict:
     ``code`` (the status number; Envoy's local replies carry one too, e.g. 14 UNAVAILABLE for an
     upstream that refuses connections). Only ModelInfer: metadata and readiness calls share the
     clusters and are not inference requests."""
-    return {"name": "envoy.access_loggers.stats",
-            "filter": {"header_filter": {"header": {
-                "name": ":path", "string_match": {"exact": MODEL_INFER}}}},
-            "typed_config": {
-                "@type": _TYPE + "envoy.extensions.access_loggers.stats.v3.Config",
-                "stats_scope": {"prefix": CALLS_SCOPE},
-                "counters": [{"stat": {"name": "grpc", "tags": [
-                    {"name": "cluster", "value_format": "%UPSTREAM_CLUSTER%"},
-                    {"name": "code", "value_format": "%GRPC_STATUS_NUMBER%"}]},
-                    "value_fixed": 1}]}}
+    return counting_log({"header_filter": {"header": {
+        "name": ":path", "string_match": {"exact": MODEL_INFER}}}},
+        f"{CALLS_SCOPE}.grpc", cluster="%UPSTREAM_CLUSTER%", code="%GRPC_STATUS_NUMBER%")
+
+
+def counting_log(when: dict, stat: str, **tags: str) -> dict:
+    """Envoy's stats access logger: the counter ``stat`` (``scope.name``) + 1 at the end of each
+    call that the access-log filter ``when`` passes, tagged with ``tags`` (name -> an access-log
+    format string such as ``%RESPONSE_CODE%``; Envoy's Prometheus output makes them labels)."""
+    scope, name = stat.split(".")
+    return {"name": "envoy.access_loggers.stats", "filter": when, "typed_config": {
+        "@type": _TYPE + "envoy.extensions.access_loggers.stats.v3.Config",
+        "stats_scope": {"prefix": scope},
+        "counters": [{"stat": {"name": name, "tags": [
+            {"name": tag, "value_format": value} for tag, value in tags.items()]},
+            "value_fixed": 1}]}}
 
 
 def _grpc_stats_filter() -> dict:

@@ -48,10 +48,10 @@ from urllib.parse import urlsplit
 from guard.backends.openai import OpenAIOptions, base_url
 from guard.config import GuardConfig, ModelConfig, generation
 from guard.envoy.bootstrap import (
-    Chain, Layout, Ports, _address, _cluster, cluster_entries, model_clusters, roles_of,
-    router_filter, token)
+    Chain, Layout, Ports, _address, _cluster, cluster_entries, counting_log, model_clusters,
+    roles_of, router_filter, token)
 from guard.envoy.process import HTTP_LISTENER
-from guard.envoy.stats import UNCHECKED_STAT
+from guard.envoy.stats import REFUSALS_SCOPE, UNCHECKED_STAT
 from guard.protocol import openai as api
 
 LISTENER = HTTP_LISTENER
@@ -226,6 +226,19 @@ def _json_to_metadata() -> dict:
             "allow_content_types": _JSON_TYPES, "allow_empty_content_type": True}}}
 
 
+def _refusal_counter() -> dict:
+    """The access log that counts the calls Envoy refuses itself, as the Python edge counts its
+    refusals (``guard_request_errors_total{model="_unknown"}`` by the status's gRPC name:
+    guard/envoy/stats.py reads ``guard_refusals.http`` back): a route's direct response (a body
+    that is not JSON or names no model 400, an unknown model 404) and a body past the buffer
+    (413). Tagged by ``%RESPONSE_CODE_DETAILS%`` (``direct_response``,
+    ``request_payload_too_large``; an upstream's answer is ``via_upstream``, counted by its
+    cluster instead) and the status; it runs only for answers of 400 and up."""
+    return counting_log({"status_code_filter": {"comparison": {"op": "GE", "value": {
+        "default_value": 400, "runtime_key": "guard.refusals.min_status"}}}},
+        f"{REFUSALS_SCOPE}.http", details="%RESPONSE_CODE_DETAILS%", code="%RESPONSE_CODE%")
+
+
 def listener(config: GuardConfig, ports: Ports, chain: Chain,
              layout: Layout) -> tuple[dict, list[dict]]:
     """The HTTP listener of ``config``'s generation models (at least one) and its clusters
@@ -255,6 +268,7 @@ def listener(config: GuardConfig, ports: Ports, chain: Chain,
             {"name": LISTENER, "domains": ["*"],
              "routes": _routes(models, chain)}]},
         "http_filters": filters,
+        "access_log": [_refusal_counter()],
     }
     built: dict = {"name": LISTENER, "address": _address(config.server.host, ports.http_listener),
                    "filter_chains": [{"filters": [{

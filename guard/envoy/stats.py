@@ -41,14 +41,21 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from guard.envoy.process import admin_get
+from guard.observe.metrics import UNKNOWN_MODEL
 from guard.protocol.openai import status_code_name
 
 _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
 _CALLS = re.compile(r"^envoy_guard_calls_grpc(_total)?$")  # the access log's, tags as labels
 UNCHECKED_STAT = "guard_other_"  # the stat prefix of the routes of calls guard never checks
+# The HTTP listener's refusals by Envoy itself (guard/envoy/openai_listener.py
+# ``_refusal_counter``), tagged ``details`` and ``code``; those whose details say Envoy
+# answered count as the Python edge's refusals do, under UNKNOWN_MODEL.
+REFUSALS_SCOPE = "guard_refusals"
+_REFUSALS = re.compile(r"^envoy_guard_refusals_http(_total)?$")
+_REFUSED = frozenset({"direct_response", "request_payload_too_large"})
 _FILTER = (r"^(cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\.|guard_calls\.|"
-           rf"vhost\.[^.]*\.route\.{UNCHECKED_STAT})")
+           rf"{REFUSALS_SCOPE}\.|vhost\.[^.]*\.route\.{UNCHECKED_STAT})")
 # A generation model's calls to the endpoints guard forwards unchecked: its route's requests
 # sent upstream (vhost.<listener>.route.<prefix>.upstream_rq_total, the route tagged).
 _ROUTE_REQUESTS = "envoy_vhost_route_upstream_rq_total"
@@ -95,6 +102,12 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
                 number = sample.labels.get("code", "")
                 if where is not None and number.isdigit():  # "": cancelled by its client
                     add_call(*where, int(number), sample.value)
+                continue
+            if _REFUSALS.match(name):
+                answered = sample.labels.get("code", "")
+                if sample.labels.get("details") in _REFUSED and answered.isdigit():
+                    add(("errors", UNKNOWN_MODEL, status_code_name(int(answered))),
+                        sample.value)
                 continue
             if name == _ROUTE_REQUESTS:  # (the by-code counter parses to this name too)
                 model = unchecked.get(sample.labels.get("envoy_route", ""))
