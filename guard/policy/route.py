@@ -453,7 +453,7 @@ class RoutePolicy:
             if route == "fallback":
                 self._dwell = self.config.dwell_s
 
-    def carry_on(self, previous: "RoutePolicy") -> bool:
+    def carry_on(self, previous: RoutePolicy) -> bool:
         """Go on from ``previous``, evidence included: the same model reloaded with a config
         that changes nothing its detectors judge by (guard/serve/reload.py
         ``evidence_fingerprint``: only how many calls are mirrored, or what capture keeps).

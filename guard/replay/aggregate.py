@@ -193,7 +193,7 @@ class ModelAggregate:
                 "checks": self.tier_checks["tensor"], "passed": self.tier_passed["tensor"],
                 "max_abs_error": self.tensor_max_abs,
                 # A tensor primary's errors fail this tier; a generative one's are in
-                # ``status`` and ``errors`` only (this tier never ran for it).
+                # ``status`` and ``error_examples`` only (this tier never ran for it).
                 "primary_errors": 0 if self.generative else self.status[PRIMARY_ERROR],
                 "outputs": {n: f.as_dict() for n, f in sorted(self.outputs.items())},
             },
