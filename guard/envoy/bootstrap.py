@@ -137,13 +137,11 @@ class Ports:
 @dataclass
 class Layout:
     """What the rest of guard needs to know of a bootstrap: its clusters (cluster -> (model,
-    route), to read Envoy's stats back; ``http_clusters``: those of generation models, whose
-    calls are HTTP; ``unchecked_routes``: the stat prefix of each generation model's route for
-    the calls guard forwards unchecked -> the model) and its observing filter ("tap",
-    "ext_proc", or None when no model samples)."""
+    route), to read Envoy's stats back; ``unchecked_routes``: the stat prefix of each
+    generation model's route for the calls guard forwards unchecked -> the model) and its
+    observing filter ("tap", "ext_proc", or None when no model samples)."""
 
     clusters: dict[str, tuple[str, str]] = field(default_factory=dict)
-    http_clusters: set[str] = field(default_factory=set)
     unchecked_routes: dict[str, str] = field(default_factory=dict)
     observer: str | None = None
 
@@ -467,17 +465,21 @@ def _call_counter() -> dict:
         f"{CALLS_SCOPE}.grpc", cluster="%UPSTREAM_CLUSTER%", code="%GRPC_STATUS_NUMBER%")
 
 
-def counting_log(when: dict, stat: str, **tags: str) -> dict:
+def counting_log(when: dict | None, stat: str, **tags: str) -> dict:
     """Envoy's stats access logger: the counter ``stat`` (``scope.name``) + 1 at the end of each
-    call that the access-log filter ``when`` passes, tagged with ``tags`` (name -> an access-log
-    format string such as ``%RESPONSE_CODE%``; Envoy's Prometheus output makes them labels)."""
+    call that the access-log filter ``when`` passes (every call: None), tagged with ``tags``
+    (name -> an access-log format string such as ``%RESPONSE_CODE%``; Envoy's Prometheus output
+    makes them labels)."""
     scope, name = stat.split(".")
-    return {"name": "envoy.access_loggers.stats", "filter": when, "typed_config": {
+    log: dict[str, Any] = {"name": "envoy.access_loggers.stats", "typed_config": {
         "@type": _TYPE + "envoy.extensions.access_loggers.stats.v3.Config",
         "stats_scope": {"prefix": scope},
         "counters": [{"stat": {"name": name, "tags": [
             {"name": tag, "value_format": value} for tag, value in tags.items()]},
             "value_fixed": 1}]}}
+    if when is not None:
+        log["filter"] = when
+    return log
 
 
 def _grpc_stats_filter() -> dict:

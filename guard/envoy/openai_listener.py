@@ -51,7 +51,7 @@ from guard.envoy.bootstrap import (
     Chain, Layout, Ports, _address, _cluster, cluster_entries, counting_log, model_clusters,
     roles_of, router_filter, token)
 from guard.envoy.process import HTTP_LISTENER
-from guard.envoy.stats import REFUSALS_SCOPE, UNCHECKED_STAT
+from guard.envoy.stats import HTTP_SCOPE, UNCHECKED_STAT
 from guard.protocol import openai as api
 
 LISTENER = HTTP_LISTENER
@@ -226,17 +226,17 @@ def _json_to_metadata() -> dict:
             "allow_content_types": _JSON_TYPES, "allow_empty_content_type": True}}}
 
 
-def _refusal_counter() -> dict:
-    """The access log that counts the calls Envoy refuses itself, as the Python edge counts its
-    refusals (``guard_request_errors_total{model="_unknown"}`` by the status's gRPC name:
-    guard/envoy/stats.py reads ``guard_refusals.http`` back): a route's direct response (a body
-    that is not JSON or names no model 400, an unknown model 404) and a body past the buffer
-    (413). Tagged by ``%RESPONSE_CODE_DETAILS%`` (``direct_response``,
-    ``request_payload_too_large``; an upstream's answer is ``via_upstream``, counted by its
-    cluster instead) and the status; it runs only for answers of 400 and up."""
-    return counting_log({"status_code_filter": {"comparison": {"op": "GE", "value": {
-        "default_value": 400, "runtime_key": "guard.refusals.min_status"}}}},
-        f"{REFUSALS_SCOPE}.http", details="%RESPONSE_CODE_DETAILS%", code="%RESPONSE_CODE%")
+def _call_counter() -> dict:
+    """The access log that counts every call on the listener, at its end, by its cluster,
+    status and Envoy's response flags: guard/envoy/stats.py reads ``guard_http.calls`` back as
+    the Python edge counts its calls (a stream the upstream cut short after its 200 headers
+    UNAVAILABLE, a stream past its timeout DEADLINE_EXCEEDED: ``http_outcome``), where the
+    cluster's ``upstream_rq_200``, counted at the answer's headers, said answered. A call with
+    no cluster is one Envoy answered itself (a body that is not JSON or names no model 400, an
+    unknown model 404, a body past the buffer 413), counted as the Python edge counts its
+    refusals, under ``model="_unknown"``, but for a path no route takes (flag ``NR``)."""
+    return counting_log(None, f"{HTTP_SCOPE}.calls", cluster="%UPSTREAM_CLUSTER%",
+                        code="%RESPONSE_CODE%", flags="%RESPONSE_FLAGS%")
 
 
 def listener(config: GuardConfig, ports: Ports, chain: Chain,
@@ -254,7 +254,6 @@ def listener(config: GuardConfig, ports: Ports, chain: Chain,
         for name, role, _ in model_clusters(model):
             clusters.append(_upstream(name, getattr(model, role)))
             layout.clusters[name] = (model.name, role)
-            layout.http_clusters.add(name)
         layout.unchecked_routes[unchecked_stat(model.name)] = model.name
     filters = chain.filters(_json_to_metadata()) + [router_filter()]
     manager = {
@@ -268,7 +267,7 @@ def listener(config: GuardConfig, ports: Ports, chain: Chain,
             {"name": LISTENER, "domains": ["*"],
              "routes": _routes(models, chain)}]},
         "http_filters": filters,
-        "access_log": [_refusal_counter()],
+        "access_log": [_call_counter()],
     }
     built: dict = {"name": LISTENER, "address": _address(config.server.host, ports.http_listener),
                    "filter_chains": [{"filters": [{

@@ -260,7 +260,7 @@ class EnvoyPlane:
         if process is None:
             return ""
         return self._stats.exposition(process.envoys(), self.layout.clusters,
-                                      self.layout.http_clusters, self.layout.unchecked_routes)
+                                      self.layout.unchecked_routes)
 
 
 def _without_routes(built: dict) -> dict:

@@ -48,21 +48,41 @@ _STATUS = {code.value[0]: code.name for code in grpc.StatusCode}
 _GRPC_CODE = re.compile(r"^envoy_cluster_grpc_ModelInfer_(\d+)(_total)?$")  # the parser adds _total
 _CALLS = re.compile(r"^envoy_guard_calls_grpc(_total)?$")  # the access log's, tags as labels
 UNCHECKED_STAT = "guard_other_"  # the stat prefix of the routes of calls guard never checks
-# The HTTP listener's refusals by Envoy itself (guard/envoy/openai_listener.py
-# ``_refusal_counter``), tagged ``details`` and ``code``; those whose details say Envoy
-# answered count as the Python edge's refusals do, under UNKNOWN_MODEL.
-REFUSALS_SCOPE = "guard_refusals"
-_REFUSALS = re.compile(r"^envoy_guard_refusals_http(_total)?$")
-_REFUSED = frozenset({"direct_response", "request_payload_too_large"})
+# The HTTP listener's calls, counted at their end (guard/envoy/openai_listener.py
+# ``_call_counter``: tags ``cluster``, ``code``, ``flags``).
+HTTP_SCOPE = "guard_http"
+_HTTP_CALLS = re.compile(r"^envoy_guard_http_calls(_total)?$")
+# Envoy's response flags (the short names) that say a 2xx call's answer did not end as its
+# upstream meant it to, in the order they decide, with the code the Python edge counts such a
+# call under: a timeout (the route's, its idle one, the stream's duration) DEADLINE_EXCEEDED;
+# the upstream's connection or stream ended (upstream connection termination, remote reset,
+# protocol error) UNAVAILABLE. A client that left (``DC``) decides nothing: the openai package
+# closes its connection as soon as it has read ``[DONE]``, which can be before Envoy has the
+# upstream's end of the body, and that call was answered whole (the Python edge's rule too).
+# Which of those a client that left mid-stream was, Envoy's flags cannot say: it counts as
+# answered here, where the Python edge counts it CANCELLED.
+_CUT_SHORT = (("UT", "DEADLINE_EXCEEDED"), ("SI", "DEADLINE_EXCEEDED"),
+              ("DT", "DEADLINE_EXCEEDED"), ("UMSDR", "DEADLINE_EXCEEDED"),
+              ("UC", "UNAVAILABLE"), ("UR", "UNAVAILABLE"), ("UPE", "UNAVAILABLE"))
+
+
+def http_outcome(status: int, flags: str) -> str | None:
+    """How the Python edge counts an HTTP call that ended with ``status`` and Envoy's response
+    ``flags`` (``-`` for none, else comma-separated short names): None for answered, else its
+    code. A 2xx call cut short after its headers is the flags' code, not answered."""
+    if not 200 <= status < 300:
+        return status_code_name(status)
+    raised = set(flags.split(","))
+    if "DC" in raised:
+        return None
+    return next((code for flag, code in _CUT_SHORT if flag in raised), None)
+
+
 _FILTER = (r"^(cluster\.guard_[^.]*_(primary|fallback)(_sampled)?\.|guard_calls\.|"
-           rf"{REFUSALS_SCOPE}\.|vhost\.[^.]*\.route\.{UNCHECKED_STAT})")
+           rf"{HTTP_SCOPE}\.|vhost\.[^.]*\.route\.{UNCHECKED_STAT})")
 # A generation model's calls to the endpoints guard forwards unchecked: its route's requests
 # sent upstream (vhost.<listener>.route.<prefix>.upstream_rq_total, the route tagged).
 _ROUTE_REQUESTS = "envoy_vhost_route_upstream_rq_total"
-# An HTTP cluster's answers by response code (cluster.X.upstream_rq_<code>, tagged); the parser
-# gives counters the _total suffix, which the cluster's upstream_rq_total shares, so the
-# envoy_response_code label tells them apart.
-_HTTP_CODE = "envoy_cluster_upstream_rq_total"
 
 
 def _labels(pairs: dict[str, str]) -> str:
@@ -77,13 +97,13 @@ Figures = dict[tuple, float]  # ("requests", model, route), ("errors", model, co
 
 
 def collect(text: str, clusters: dict[str, tuple[str, str]],
-            http: set[str] | frozenset[str] = frozenset(),
             unchecked: Mapping[str, str] | None = None) -> Figures:
     """Envoy's exposition of guard's clusters as guard's figures; ``clusters``: cluster name ->
-    (model, route), from the bootstrap's layout; ``http``: those of them whose calls are HTTP
-    (generation models: counted by response code); ``unchecked``: the stat prefix of each
+    (model, route), from the bootstrap's layout; ``unchecked``: the stat prefix of each
     generation model's route for the calls guard forwards unchecked -> the model. A route's two
-    clusters (the sampled twin and the other) add up."""
+    clusters (the sampled twin and the other) add up. gRPC calls are counted by the call
+    counter's status (``guard_calls``), HTTP calls by ``http_outcome`` (``guard_http``); both
+    at the call's end."""
     unchecked = unchecked or {}
     figures: Figures = {}
 
@@ -94,6 +114,20 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
         add(("requests", model, route) if status == 0 else
             ("errors", model, _STATUS.get(status, str(status))), value)
 
+    def add_http_call(tags: Mapping[str, str], value: float) -> None:
+        cluster, status, flags = tags.get("cluster", ""), tags.get("code", ""), tags.get(
+            "flags", "-")
+        if not status.isdigit():
+            return
+        where = clusters.get(cluster)
+        if where is not None:
+            outcome = http_outcome(int(status), flags)
+            add(("requests", *where) if outcome is None else ("errors", where[0], outcome),
+                value)
+        elif cluster in ("", "-") and int(status) >= 400 and "NR" not in flags.split(","):
+            # Envoy's own refusal (a path no route takes, NR, is not a call of a model's)
+            add(("errors", UNKNOWN_MODEL, status_code_name(int(status))), value)
+
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             name = sample.name
@@ -103,11 +137,8 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
                 if where is not None and number.isdigit():  # "": cancelled by its client
                     add_call(*where, int(number), sample.value)
                 continue
-            if _REFUSALS.match(name):
-                answered = sample.labels.get("code", "")
-                if sample.labels.get("details") in _REFUSED and answered.isdigit():
-                    add(("errors", UNKNOWN_MODEL, status_code_name(int(answered))),
-                        sample.value)
+            if _HTTP_CALLS.match(name):
+                add_http_call(sample.labels, sample.value)
                 continue
             if name == _ROUTE_REQUESTS:  # (the by-code counter parses to this name too)
                 model = unchecked.get(sample.labels.get("envoy_route", ""))
@@ -119,12 +150,6 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
             if where is None:
                 continue
             model, route = where
-            if cluster in http:
-                if name == _HTTP_CODE and "envoy_response_code" in sample.labels:
-                    status = int(sample.labels["envoy_response_code"])
-                    add(("requests", model, route) if 200 <= status < 300 else
-                        ("errors", model, status_code_name(status)), sample.value)
-                    continue
             code = _GRPC_CODE.match(name)
             if code is not None:
                 add_call(model, route, int(code.group(1)), sample.value)
@@ -169,10 +194,9 @@ def render(figures: Figures) -> str:
 
 
 def translate(text: str, clusters: dict[str, tuple[str, str]],
-              http: set[str] | frozenset[str] = frozenset(),
               unchecked: Mapping[str, str] | None = None) -> str:
     """Envoy's exposition of guard's clusters as guard's metrics (the text format)."""
-    return render(collect(text, clusters, http, unchecked))
+    return render(collect(text, clusters, unchecked))
 
 
 class StatsReader:
@@ -204,21 +228,20 @@ class StatsReader:
         return True
 
     def exposition(self, envoys: Mapping[int, int], clusters: dict[str, tuple[str, str]],
-                   http: set[str] | frozenset[str] = frozenset(),
                    unchecked: Mapping[str, str] | None = None) -> str:
         """``envoys``: the live Envoys, pid -> admin port (the current one and those a hot
-        restart retired that still drain); "" while none answers. ``http``: the clusters
-        whose calls are HTTP; ``unchecked``: ``collect``'s."""
+        restart retired that still drain); "" while none answers. ``clusters``,
+        ``unchecked``: ``collect``'s."""
         answered = [pid for pid, port in envoys.items() if port and self.note(pid, port)]
         with self._lock:
             for pid in [pid for pid in self._texts if pid not in envoys]:  # gone: carried
-                gone = collect(self._texts.pop(pid), clusters, http, unchecked)
+                gone = collect(self._texts.pop(pid), clusters, unchecked)
                 for key, value in gone.items():
                     self._carried[key] = self._carried.get(key, 0.0) + value
             if not answered:
                 return ""
             total = dict(self._carried)
             for text in self._texts.values():
-                for key, value in collect(text, clusters, http, unchecked).items():
+                for key, value in collect(text, clusters, unchecked).items():
                     total[key] = total.get(key, 0.0) + value
         return render(total)

@@ -124,8 +124,18 @@ def test_envoy_forwards_the_calls_and_answers_are_the_servers_with_the_route(gua
 
 
 def test_a_streamed_call_comes_event_by_event_as_the_server_sent_it(guard, through, direct):
+    def counted() -> tuple[float, float]:
+        values = guard.metrics()
+        return (metric(values, "guard_requests_total", model="smol", route="primary"),
+                sum(metric(values, "guard_request_errors_total", model="smol", code=code)
+                    for code in ("CANCELLED", "UNAVAILABLE", "DEADLINE_EXCEEDED")))
+
+    before = counted()
     ours = list(through.chat.completions.create(model="smol", messages=MESSAGES, max_tokens=12,
                                                 temperature=0, stream=True))
+    # Counted at its end, answered: the openai package closes the connection once it has read
+    # [DONE] (guard/envoy/stats.py http_outcome).
+    wait_for(lambda: counted() == (before[0] + 1, before[1]), timeout=10)
     theirs = list(direct["primary"].chat.completions.create(
         model="smol", messages=MESSAGES, max_tokens=12, temperature=0, stream=True))
     assert streamed_text(ours) == streamed_text(theirs)
@@ -309,11 +319,19 @@ def test_a_responses_call_is_observed_and_compared_as_the_chat_it_renders(guard,
 
 
 def test_a_stream_cut_short_is_counted_never_compared(guard):
+    """The upstream dies mid-stream after its 200: never compared, and counted as the Python
+    edge counts it, UNAVAILABLE, not answered (Envoy's cluster counts it a 200 at its
+    headers; guard counts each call at its end, by Envoy's response flags)."""
     def incomplete() -> float:
         return metric(guard.metrics(), "guard_generation_not_comparable_total", model=SCRIPTED,
                       reason="incomplete")
 
-    before = incomplete()
+    def outcomes() -> tuple[float, float]:
+        values = guard.metrics()
+        return (metric(values, "guard_requests_total", model=SCRIPTED, route="primary"),
+                metric(values, "guard_request_errors_total", model=SCRIPTED, code="UNAVAILABLE"))
+
+    before, (answered, unavailable) = incomplete(), outcomes()
     # The upstream dies mid-stream: the client's body is cut.
     with httpx.Client(timeout=30) as http, pytest.raises(httpx.HTTPError), http.stream(
             "POST", f"http://127.0.0.1:{guard.srv.http_port}/v1/chat/completions",
@@ -322,6 +340,7 @@ def test_a_stream_cut_short_is_counted_never_compared(guard):
         for _ in answer.iter_lines():
             pass
     wait_for(lambda: incomplete() >= before + 1, timeout=30)
+    wait_for(lambda: outcomes() == (answered, unavailable + 1), timeout=10)
 
 
 def test_deploy_envoy_prints_an_llm_bootstrap_envoy_validates(tmp_path):

@@ -15,7 +15,7 @@ from test_envoy_mode import problems as envoy_problems
 
 from guard.envoy import bootstrap, openai_listener
 from guard.envoy.hand_off import HandOff
-from guard.envoy.stats import translate
+from guard.envoy.stats import http_outcome, translate
 from guard.envoy.tap_filter import observe_trace
 from guard.ipc import wire
 from guard.ipc.ring import SampleRing
@@ -154,7 +154,7 @@ def test_one_generation_model_is_forwarded_without_a_body_parse_and_sampled_by_r
         "http_protocol_options": {}}  # HTTP/1.1: what every OpenAI-compatible server speaks
     assert primary["connect_timeout"] == "2s"
     assert primary["circuit_breakers"]["thresholds"][0]["max_connections"] == 4
-    assert layout.http_clusters == set(entries) and layout.observer == "tap"
+    assert set(entries) <= set(layout.clusters) and layout.observer == "tap"
     assert layout.clusters["guard_smol_fallback_sampled"] == ("smol", "fallback")
 
 
@@ -220,18 +220,25 @@ def test_several_models_are_routed_by_the_model_name_in_the_json_body(tmp_path):
     # The OIP model keeps its gRPC listener, with no observing filter (it does not sample).
     grpc = manager(listeners(built)["guard_grpc"])
     assert [f["name"] for f in grpc["http_filters"]] == ["envoy.filters.http.router"]
-    assert "guard_cnn_primary" in layout.clusters and "guard_cnn_primary" not in \
-        layout.http_clusters
+    assert layout.clusters["guard_cnn_primary"] == ("cnn", "primary")
 
 
 ENVOY_HTTP = """\
+# TYPE envoy_guard_http_calls counter
+envoy_guard_http_calls{cluster="guard_smol_primary",code="200",flags="-"} 5
+envoy_guard_http_calls{cluster="guard_smol_primary_sampled",code="200",flags="-"} 2
+envoy_guard_http_calls{cluster="guard_smol_primary",code="404",flags="-"} 1
+envoy_guard_http_calls{cluster="guard_smol_fallback",code="503",flags="UF,URX"} 3
+envoy_guard_http_calls{cluster="guard_smol_primary",code="200",flags="UC"} 2
+envoy_guard_http_calls{cluster="guard_smol_primary_sampled",code="200",flags="DC"} 1
+envoy_guard_http_calls{cluster="guard_smol_primary",code="200",flags="UC,DC"} 1
+envoy_guard_http_calls{cluster="guard_smol_primary",code="200",flags="SI"} 1
+envoy_guard_http_calls{cluster="guard_http_health",code="200",flags="-"} 7
+envoy_guard_http_calls{cluster="",code="404",flags="NR"} 4
+envoy_guard_http_calls{cluster="",code="404",flags="-"} 2
+envoy_guard_http_calls{cluster="",code="413",flags="-"} 1
 # TYPE envoy_cluster_upstream_rq counter
-envoy_cluster_upstream_rq{envoy_response_code="200",envoy_cluster_name="guard_smol_primary"} 5
-envoy_cluster_upstream_rq{envoy_response_code="200",envoy_cluster_name="guard_smol_primary_sampled"} 2
-envoy_cluster_upstream_rq{envoy_response_code="404",envoy_cluster_name="guard_smol_primary"} 1
-envoy_cluster_upstream_rq{envoy_response_code="503",envoy_cluster_name="guard_smol_fallback"} 3
-# TYPE envoy_cluster_upstream_rq_total counter
-envoy_cluster_upstream_rq_total{envoy_cluster_name="guard_smol_primary"} 6
+envoy_cluster_upstream_rq{envoy_response_code="200",envoy_cluster_name="guard_smol_primary"} 9
 # TYPE envoy_vhost_route_upstream_rq counter
 envoy_vhost_route_upstream_rq{envoy_response_code="200",envoy_virtual_host="guard_http",envoy_route="guard_other_smol"} 3
 # TYPE envoy_vhost_route_upstream_rq_total counter
@@ -240,24 +247,43 @@ envoy_vhost_route_upstream_rq_total{envoy_virtual_host="guard_http",envoy_route=
 """
 
 
-def test_envoy_http_stats_become_guards_request_metrics_by_status():
+def test_envoy_http_stats_become_guards_request_metrics_by_how_each_call_ended():
+    """Each call counted once, at its end, as the Python edge counts it: a 200 whose stream
+    the upstream cut short UNAVAILABLE (Envoy's cluster counts it answered, at its headers), a
+    stream idle past its timeout DEADLINE_EXCEEDED; Envoy's own refusals (no cluster) under
+    ``_unknown``; calls of guard's health routes and of no route (NR) not at all."""
     from prometheus_client.parser import text_string_to_metric_families
 
     layout = {"guard_smol_primary": ("smol", "primary"),
               "guard_smol_primary_sampled": ("smol", "primary"),
               "guard_smol_fallback": ("smol", "fallback")}
-    text = translate(ENVOY_HTTP, layout, set(layout), {"guard_other_smol": "smol"})
+    text = translate(ENVOY_HTTP, layout, {"guard_other_smol": "smol"})
     samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
                for family in text_string_to_metric_families(text) for s in family.samples}
-    assert samples[("guard_requests_total", (("model", "smol"), ("route", "primary")))] == 7
-    errors = {dict(k[1])["code"]: v for k, v in samples.items()
+    requests = {dict(k[1])["route"]: v for k, v in samples.items()
+                if k[0] == "guard_requests_total"}
+    assert requests == {"primary": 9}  # a client that left counts answered (stats.py)
+    errors = {(dict(k[1])["model"], dict(k[1])["code"]): v for k, v in samples.items()
               if k[0] == "guard_request_errors_total"}
-    assert errors == {"NOT_FOUND": 1, "UNAVAILABLE": 3}  # the Python edge's names for them
+    assert errors == {("smol", "NOT_FOUND"): 1, ("smol", "UNAVAILABLE"): 5,
+                      ("smol", "DEADLINE_EXCEEDED"): 1,
+                      ("_unknown", "NOT_FOUND"): 2, ("_unknown", "RESOURCE_EXHAUSTED"): 1}
     # The calls its route for other endpoints sent upstream: forwarded, never checked.
     unchecked = {dict(k[1])["model"]: v for k, v in samples.items()
                  if k[0] == "guard_generation_not_comparable_total"
                  and dict(k[1])["reason"] == "endpoint"}
     assert unchecked == {"smol": 4}
+
+
+def test_an_http_call_is_answered_with_a_2xx_and_no_flag_of_an_answer_cut_short():
+    assert http_outcome(200, "-") is None
+    assert http_outcome(206, "-") is None
+    assert http_outcome(200, "UC") == "UNAVAILABLE"
+    assert http_outcome(200, "DC") is None  # maybe right after [DONE]: stats.py
+    assert http_outcome(200, "UC,DC") is None
+    assert http_outcome(200, "UT") == "DEADLINE_EXCEEDED"
+    assert http_outcome(503, "UF") == "UNAVAILABLE"
+    assert http_outcome(429, "-") == "RESOURCE_EXHAUSTED"
 
 
 # -- a traced call into the ring --------------------------------------------------------------
