@@ -72,7 +72,7 @@ def guard(llamas, scripted, tmp_path_factory):
         {"name": SCRIPTED, "task": "generation", "primary": llm(scripted.url, SCRIPTED),
          # (the scripted upstream scores nothing: the in-process reference scores its calls)
          "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
-         "mirror": {"sample_rate": 1.0}},
+         "mirror": {"sample_rate": 1.0, "timeout_s": 120}},
     ]
     running = Guard(write(folder, models, server={"http_port": 0}, http_health_port=0))
     yield running

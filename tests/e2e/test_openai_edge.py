@@ -40,7 +40,7 @@ def model_block(server, **options) -> dict:
     # scores no given token ids, guard/backends/openai_scorer.py).
     reference = {"backend": "llama_cpp", "path": str(smollm2_gguf())}
     return {"name": "smol", "task": "generation", "primary": upstream, "reference": reference,
-            "mirror": {"sample_rate": 1.0}}
+            "mirror": {"sample_rate": 1.0, "timeout_s": 120}}
 
 
 @pytest.fixture(scope="module")

@@ -451,7 +451,7 @@ def test_a_sampled_stream_closed_before_its_end_is_incomplete(upstreams, tmp_pat
              "options": {"engine": "llama-cpp-python"}}
     model = {"name": "smol", "task": "generation", "primary": block,
              "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
-             "mirror": {"sample_rate": 1.0}, "policy": {"action": "alert"}}
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
     with running(tmp_path, [model], http_port=0) as (server, _):
         def counted() -> tuple[float, float]:
             values = scrape(server.metrics_port)
@@ -507,7 +507,7 @@ def test_a_call_refused_for_guards_additions_is_answered_as_the_client_asked(ups
              "options": {"engine": "llama-cpp-python", "sample_logprobs": 5}}
     model = {"name": "smol", "task": "generation", "primary": block,
              "reference": {"backend": "llama_cpp", "path": str(smollm2_gguf())},
-             "mirror": {"sample_rate": 1.0}, "policy": {"action": "alert"}}
+             "mirror": {"sample_rate": 1.0, "timeout_s": 120}, "policy": {"action": "alert"}}
     primary.reset()
     with running(tmp_path, [model], http_port=0) as (server, _), \
             httpx.Client(base_url=f"http://127.0.0.1:{server.http_port}", timeout=60) as http:
