@@ -51,7 +51,7 @@ UNCHECKED_STAT = "guard_other_"  # the stat prefix of the routes of calls guard 
 # The HTTP listener's calls, counted at their end (guard/envoy/openai_listener.py
 # ``_call_counter``: tags ``cluster``, ``code``, ``flags``).
 HTTP_SCOPE = "guard_http"
-_HTTP_CALLS = re.compile(r"^envoy_guard_http_calls(_total)?$")
+_HTTP_CALLS = re.compile(rf"^envoy_{HTTP_SCOPE}_calls(_total)?$")
 # Envoy's response flags (the short names) that say a 2xx call's answer did not end as its
 # upstream meant it to, in the order they decide, with the code the Python edge counts such a
 # call under: a timeout (the route's, its idle one, the stream's duration) DEADLINE_EXCEEDED;
@@ -115,18 +115,17 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
             ("errors", model, _STATUS.get(status, str(status))), value)
 
     def add_http_call(tags: Mapping[str, str], value: float) -> None:
-        cluster, status, flags = tags.get("cluster", ""), tags.get("code", ""), tags.get(
-            "flags", "-")
-        if not status.isdigit():
+        if not tags.get("code", "").isdigit():
             return
+        cluster, status, flags = tags.get("cluster", ""), int(tags["code"]), tags.get("flags", "-")
         where = clusters.get(cluster)
         if where is not None:
-            outcome = http_outcome(int(status), flags)
+            outcome = http_outcome(status, flags)
             add(("requests", *where) if outcome is None else ("errors", where[0], outcome),
                 value)
-        elif cluster in ("", "-") and int(status) >= 400 and "NR" not in flags.split(","):
+        elif cluster in ("", "-") and status >= 400 and "NR" not in flags.split(","):
             # Envoy's own refusal (a path no route takes, NR, is not a call of a model's)
-            add(("errors", UNKNOWN_MODEL, status_code_name(int(status))), value)
+            add(("errors", UNKNOWN_MODEL, status_code_name(status)), value)
 
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -235,13 +234,15 @@ class StatsReader:
         answered = [pid for pid, port in envoys.items() if port and self.note(pid, port)]
         with self._lock:
             for pid in [pid for pid in self._texts if pid not in envoys]:  # gone: carried
-                gone = collect(self._texts.pop(pid), clusters, unchecked)
-                for key, value in gone.items():
-                    self._carried[key] = self._carried.get(key, 0.0) + value
+                _add_into(self._carried, collect(self._texts.pop(pid), clusters, unchecked))
             if not answered:
                 return ""
             total = dict(self._carried)
             for text in self._texts.values():
-                for key, value in collect(text, clusters, unchecked).items():
-                    total[key] = total.get(key, 0.0) + value
+                _add_into(total, collect(text, clusters, unchecked))
         return render(total)
+
+
+def _add_into(total: Figures, figures: Figures) -> None:
+    for key, value in figures.items():
+        total[key] = total.get(key, 0.0) + value

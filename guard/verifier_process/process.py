@@ -189,7 +189,7 @@ class VerifierProcess:
         model whose new config has no fallback starts on the primary. A model in ``carried``
         (its mirroring or capture changed, nothing its detectors judge by) goes on with its
         old version's windows and detectors too, taken over at the swap, so that no result is
-        counted twice or lost between the two."""
+        counted twice (the old version's last results in flight are not counted)."""
         config = require_checks(config_from_wire(message.config), "the verifier's config")
         slots = message.slots
         self.table.adopt(slots)
