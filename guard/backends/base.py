@@ -12,6 +12,7 @@ others are judged by. Primary and fallback run as configured.
 from __future__ import annotations
 
 import abc
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -100,11 +101,38 @@ class ForwardingError(Exception):
         self.status = status
 
 
+class ForwardingUnreachable(ForwardingError):
+    """No connection could be made to the server: the call was not sent (it may go to another
+    upstream: the data planes' fallback spill)."""
+
+    def __init__(self, message: str):
+        super().__init__("UNAVAILABLE", message)
+
+
+# How long a fallback no connection could be made to is skipped (its calls answered by the
+# primary) before a call tries it again: short, so that a fallback that is back serves within
+# seconds.
+SKIP_S = 5.0
+
+
 class Forwarding(abc.ABC):
     """A declared capability (``BackendKind.forwards``): the backend forwards the client's
-    Open Inference Protocol messages to a server itself instead of inferring on arrays."""
+    Open Inference Protocol messages to a server itself instead of inferring on arrays.
+
+    ``skip``/``skipped``: a server no connection could be made to is skipped for a while by
+    the data plane that routes to it (a fallback's calls then go to the primary)."""
 
     forwards = True
+    _skipped_until = 0.0  # (time.monotonic) until when calls routed here skip it
+
+    def skip(self, seconds: float = SKIP_S) -> None:
+        """No connection could be made to this server: calls routed to it go elsewhere for
+        ``seconds``, then the next one tries it again."""
+        self._skipped_until = time.monotonic() + seconds
+
+    @property
+    def skipped(self) -> bool:
+        return time.monotonic() < self._skipped_until
 
     @abc.abstractmethod
     async def connect(self, timeout: float = 5.0) -> bool:
@@ -118,4 +146,5 @@ class Forwarding(abc.ABC):
     async def forward_raw(self, data: bytes, timeout: float | None, metadata=()) -> bytes:
         """Forward a serialized ModelInferRequest; returns the serialized response."""
 
-    # Both forward methods raise ForwardingError for the server's gRPC errors.
+    # Both forward methods raise ForwardingError for the server's gRPC errors, and
+    # ForwardingUnreachable where no connection could be made (the call was not sent).

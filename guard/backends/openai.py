@@ -447,8 +447,6 @@ class OpenAIBackend(Forwarding, Backend):
         # once the same call without them was answered: the edge then adds none to this
         # backend's calls of that shape (guard/serve/openai_edge.py).
         self.refused_additions: dict[CallShape, str] = {}
-        # Until when (time.monotonic) calls routed here skip it as unreachable (``skip``).
-        self._skipped_until = 0.0
 
     # -- lifecycle ---------------------------------------------------------------------------
     def load(self) -> None:
@@ -478,15 +476,6 @@ class OpenAIBackend(Forwarding, Backend):
                  reason=f"options.engine is unknown, and the server's model listing names "
                         f"it {engine}: declare options.engine: {engine}, then "
                         f"{_ENGINE_BENEFITS[engine]}")
-
-    def skip(self, seconds: float) -> None:
-        """No connection could be made to this upstream: calls routed to it go elsewhere for
-        ``seconds`` (the HTTP edge's fallback spill), then the next one tries it again."""
-        self._skipped_until = time.monotonic() + seconds
-
-    @property
-    def skipped(self) -> bool:
-        return time.monotonic() < self._skipped_until
 
     async def connect(self, timeout: float = 5.0) -> bool:
         """Open the connection pool on the serving event loop (once)."""

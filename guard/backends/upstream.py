@@ -31,6 +31,7 @@ from guard.backends.base import (
     BackendInfo,
     Forwarding,
     ForwardingError,
+    ForwardingUnreachable,
     Role,
     TensorSpec,
 )
@@ -65,6 +66,9 @@ class UpstreamBackend(Forwarding, Backend):
         self._channel_options = [
             ("grpc.max_receive_message_length", self.options.max_message_bytes),
             ("grpc.max_send_message_length", self.options.max_message_bytes),
+            # A server that went away is tried again at least every 5 s (gRPC's default backoff
+            # grows to 120 s): a fallback that is back serves within seconds (SKIP_S).
+            ("grpc.max_reconnect_backoff_ms", 5000),
         ]
         self._channel: grpc.Channel | None = None
         self._stub: pb_grpc.GRPCInferenceServiceStub | None = None
@@ -180,8 +184,7 @@ class UpstreamBackend(Forwarding, Backend):
                 request, timeout=timeout if timeout is not None else self.options.timeout_s,
                 metadata=tracing.inject(metadata))
         except grpc.aio.AioRpcError as exc:
-            raise UpstreamError(exc.code().name, f"upstream {self.model}@{self.target}: "
-                                f"{exc.details()}") from None
+            raise self._failed(exc) from None
         finally:
             request.model_name, request.model_version = asked_for, asked_version
         response.model_name = asked_for
@@ -201,8 +204,18 @@ class UpstreamBackend(Forwarding, Backend):
                 timeout=timeout if timeout is not None else self.options.timeout_s,
                 metadata=tracing.inject(metadata))
         except grpc.aio.AioRpcError as exc:
-            raise UpstreamError(exc.code().name, f"upstream {self.model}@{self.target}: "
-                                f"{exc.details()}") from None
+            raise self._failed(exc) from None
+
+    def _failed(self, exc: grpc.aio.AioRpcError) -> ForwardingError:
+        """The request path's error for a failed call: ``ForwardingUnreachable`` where gRPC
+        could not connect (UNAVAILABLE on a channel that is not READY: a refused or failed
+        connection, where the call was not sent; a connection lost mid-call too, which is
+        harmless to send again: an inference changes nothing on the server), else the
+        server's own status (``UpstreamError``)."""
+        message = f"upstream {self.model}@{self.target}: {exc.details()}"
+        if exc.code() == grpc.StatusCode.UNAVAILABLE and not self.connected:
+            return ForwardingUnreachable(message)
+        return UpstreamError(exc.code().name, message)
 
     # -- mirror worker ---------------------------------------------------------------------------
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

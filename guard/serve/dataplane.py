@@ -21,8 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 from tritonclient.grpc import service_pb2 as pb
 
-from guard.backends.base import Backend, Forwarding, ForwardingError
+from guard.backends.base import SKIP_S, Backend, Forwarding, ForwardingError, \
+    ForwardingUnreachable
 from guard.ipc import wire
+from guard.observe.events import emit
 from guard.observe.metrics import UNKNOWN_MODEL, GuardMetrics
 from guard.protocol.codec import InferenceError, InferenceRequest, invalid
 from guard.protocol.inputs import check_inputs
@@ -87,7 +89,7 @@ class DataPlane:
             if model.inline.get(call.routed, False):  # no coroutine for what runs inline
                 result = InferenceResult(call.routed, outputs=backend.infer(request.inputs))
             else:
-                result = await self._run(backend, call.routed, request, timeout)
+                result = await self._run(call, backend, request, timeout)
             call.answered()
             outputs = result.outputs
             if outputs is not None:
@@ -109,7 +111,11 @@ class DataPlane:
         with Call(self, model.name, timeout) as call:
             # (forward() serves the models whose every backend forwards: ``forwards``)
             backend = cast(Forwarding, call.route())
-            answer = await backend.forward_raw(data, timeout, metadata)
+            try:
+                answer = await backend.forward_raw(data, timeout, metadata)
+            except ForwardingUnreachable as exc:  # a fallback that is down: the primary's
+                answer = await cast(Forwarding, call.spill(exc)).forward_raw(
+                    data, timeout, metadata)
             call.answered()
             call.hand_off(request_id, wire.Messages, data, answer)
             return answer + model.route_suffix[call.routed]
@@ -128,18 +134,22 @@ class DataPlane:
             raise InferenceError("UNAVAILABLE", f"model '{model.name}' is not ready")
         return model
 
-    async def _run(self, backend: Backend, route: str, request: InferenceRequest,
+    async def _run(self, call: "Call", backend: Backend, request: InferenceRequest,
                    timeout: float | None) -> InferenceResult:
         """A backend that does not run inline (``ServedModel.inline``, measured at load
-        against server.inline_below_ms): an upstream, or a hop to the inference threads."""
+        against server.inline_below_ms): an upstream, or a hop to the inference threads. A
+        fallback upstream that is down: the primary answers (``Call.spill``)."""
         if isinstance(backend, Forwarding) and request.message is not None:
-            return InferenceResult(route, message=await backend.forward(
-                request.message, timeout, request.metadata))
+            try:
+                message = await backend.forward(request.message, timeout, request.metadata)
+            except ForwardingUnreachable as exc:
+                return await self._run(call, call.spill(exc), request, timeout)
+            return InferenceResult(call.routed, message=message)
         if self.executor is None:  # server.workers 0: everything inline
-            return InferenceResult(route, outputs=backend.infer(request.inputs))
+            return InferenceResult(call.routed, outputs=backend.infer(request.inputs))
         loop = asyncio.get_running_loop()
         outputs = await loop.run_in_executor(self.executor, backend.infer, request.inputs)
-        return InferenceResult(route, outputs=outputs)
+        return InferenceResult(call.routed, outputs=outputs)
 
     def count_error(self, model_name: str, status: str) -> None:
         """One failed request (``guard_request_errors_total``): by the data plane for what it
@@ -162,11 +172,16 @@ class Call:
     reaches the client as the route that failed and why: an upstream's own status, or INTERNAL
     (the log also gets the backend; artifact paths stay out of what clients see).
 
+    A model on its fallback whose fallback server no connection can be made to is answered
+    by its primary (``spill``): a drifting answer beats none, and probes ride on answered
+    calls, so a fallback that is down and answered UNAVAILABLE would have stayed the route
+    for good. The OpenAI edge does the same (``OpenAIEdge._on_route``).
+
     One small object per request, no label lookups: the metric children are the model's,
     resolved when it was loaded."""
 
     __slots__ = ("plane", "name", "timeout", "model", "started", "seconds", "routed", "epoch",
-                 "probing", "backend")
+                 "probing", "backend", "spilled")
 
     def __init__(self, plane: DataPlane, name: str, timeout: float | None):
         self.plane = plane
@@ -187,10 +202,33 @@ class Call:
         """The backend the route word names; the request is in flight from here."""
         model = self.model
         self.routed, self.epoch, self.probing, backend = model.route()
+        self.spilled = False
+        if self.routed == "fallback" and isinstance(backend, Forwarding) and backend.skipped:
+            backend = self._to_primary()
         self.backend = backend
         self.plane.in_flight += 1
         model.requests_in_flight += 1
         return backend
+
+    def spill(self, unreachable: ForwardingUnreachable) -> Backend:
+        """The fallback server could not be reached (the call was not sent): it is skipped
+        for ``SKIP_S`` and the call goes to the primary, counted there (``guard-route``
+        primary) and not sampled (event ``fallback_unreachable``). Raises ``unreachable``
+        where the call was not on the fallback: the primary has no other."""
+        if self.routed != "fallback" or self.spilled:
+            raise unreachable
+        fallback = cast(Forwarding, self.backend)
+        fallback.skip(SKIP_S)
+        emit("fallback_unreachable", model=self.model.name, error=str(unreachable),
+             skipped_s=SKIP_S, note="its calls are answered by the primary until it is "
+             "tried again")
+        backend = self._to_primary()
+        self.backend = backend
+        return backend
+
+    def _to_primary(self) -> Backend:
+        self.routed, self.spilled = "primary", True
+        return self.model.backends["primary"]
 
     def answered(self) -> None:
         """The backend answered: out of flight, timed and counted."""
@@ -203,7 +241,7 @@ class Call:
         with inputs and outputs, ``wire.Messages`` with the request and the answer), built only
         when the request is sampled; nothing at all when the model samples nothing."""
         model = self.model
-        if not model.samples:
+        if not model.samples or self.spilled:  # (the primary standing in: not a sample)
             return
         flags = model.sample_flags(request_id, self.routed, self.probing)
         if flags:

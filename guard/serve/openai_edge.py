@@ -79,6 +79,7 @@ if sys.version_info >= (3, 11):
 else:  # aiohttp's own dependency there
     from async_timeout import timeout
 
+from guard.backends.base import SKIP_S
 from guard.backends.http1 import AnswerTooLarge, Response, Unreachable, UpstreamError
 from guard.backends.openai import REFUSALS, OpenAIBackend, end_to_end
 from guard.ipc import wire
@@ -92,9 +93,6 @@ ROUTE_HEADER = "guard-route"
 RESPONSE_MODEL_PATH = ("response", "model")
 # After the shutdown's grace, how long aiohttp waits for the handlers it then cancels to end.
 _CUT_S = 1.0
-# How long a fallback no connection could be made to is skipped (its calls go to the primary)
-# before a call tries it again: short, so that a fallback that is back serves within seconds.
-_SKIP_S = 5.0
 _Call = TypeVar("_Call")  # what the edge makes of a call's body: a ParsedCall, or its model
 
 
@@ -382,7 +380,7 @@ class OpenAIEdge:
                         ) -> web.StreamResponse:
         """``call(route, backend, spills)``, run on the model's route. A fallback that no
         connection can be made to (refused, unreachable: the call never reached it) is
-        skipped for ``_SKIP_S``, and its calls are answered by the primary meanwhile
+        skipped for ``SKIP_S``, and its calls are answered by the primary meanwhile
         (``guard-route: primary``, counted there, not sampled; event
         ``openai_fallback_unreachable``), then the next call tries it again. A drifting
         answer beats none: after a trip to a fallback that is down, every call was a 502
@@ -396,9 +394,9 @@ class OpenAIEdge:
         try:
             return await call(route, backend, True).run()
         except _Spill as exc:
-            backend.skip(_SKIP_S)
+            backend.skip(SKIP_S)
             emit("openai_fallback_unreachable", model=model.name, target=backend.base,
-                 error=str(exc), skipped_s=_SKIP_S,
+                 error=str(exc), skipped_s=SKIP_S,
                  note="its calls are answered by the primary until it is tried again")
             return await call("primary", primary, False).run()
 
