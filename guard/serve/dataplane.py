@@ -31,6 +31,9 @@ from guard.protocol.inputs import check_inputs
 from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.dataplane")
+# gRPC cancels a call at its deadline; ``Call.started`` is taken a few microseconds after the
+# remaining time was read, so a cancellation this close to the deadline is the deadline's.
+_DEADLINE_SLACK_S = 0.002
 
 
 @dataclass
@@ -231,9 +234,14 @@ class Call:
         return self.model.backends["primary"]
 
     def answered(self) -> None:
-        """The backend answered: out of flight, timed and counted."""
+        """The backend answered: out of flight, timed and counted; an answer that came after
+        the client's deadline (a backend run inline holds the event loop, so gRPC could not
+        cancel the call) reached no one: DEADLINE_EXCEEDED, as the client saw it."""
         self._leave()
         self.seconds = time.perf_counter() - self.started
+        if self.timeout is not None and self.seconds >= self.timeout:
+            self.plane.count_error(self.name, "DEADLINE_EXCEEDED")
+            return
         self.model.answered(self.routed, self.seconds)
 
     def hand_off(self, request_id: str, payload: type, first, second) -> None:
@@ -259,7 +267,11 @@ class Call:
             return
         backend, model = self.backend, self.model
         self._leave()
-        if not isinstance(exc, Exception):  # a cancelled call (the client went away): no error
+        if not isinstance(exc, Exception):  # a cancelled call: the client's deadline, or the
+            # client went away (no error: nothing failed that guard could tell)
+            if self.timeout is not None and time.perf_counter() - self.started >= \
+                    self.timeout - _DEADLINE_SLACK_S:
+                self.plane.count_error(self.name, "DEADLINE_EXCEEDED")
             return
         if isinstance(exc, InferenceError):
             self.plane.count_error(self.name, exc.status)

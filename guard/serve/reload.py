@@ -155,6 +155,9 @@ class ConfigReloader:
     async def reload(self, trigger: str) -> bool:
         """Validate and apply the config file; False when it was rejected or a model failed."""
         async with self._lock:
+            # What this reload reads is seen: the watcher does not reload it again (a SIGHUP
+            # after an edit was one reload, counted twice, before).
+            self._state = file_state(self.path)
             loop = asyncio.get_running_loop()
             try:
                 new = await loop.run_in_executor(None, load_config, self.path)
@@ -201,7 +204,9 @@ class ConfigReloader:
             emit("model_reload_failed", model=name, error=error,
                  note="the previous version of this model stays in force")
         kept_models = [m for m in old.models if m.name in failed]
-        applied = new.model_copy(update={"models": [
+        # The server block in force stays (its ports, grace, limits: read at start, said to
+        # take effect on restart by config_server_changed); the new one is the file's.
+        applied = new.model_copy(update={"server": old.server, "models": [
             *(m for m in new.models if m.name not in failed), *kept_models]})
         applied.context = new.context
         self._prints = {name: (old_prints[name] if name in failed else new_prints[name])

@@ -253,3 +253,31 @@ def _ready(client) -> bool:
         return client.is_server_ready()
     except Exception:
         return False
+
+
+def test_one_edit_and_a_sighup_are_one_reload_and_the_server_block_waits(tmp_path):
+    """SIGHUP after an edit reloads once (the watcher, which polls the same file, does not
+    reload it again), and a changed ``server`` block is said and left for the restart: the
+    grace, ports and limits in force stay those guard started with."""
+    import asyncio
+
+    path, data = watched_config(tmp_path, model_block("a", mirror={"sample_rate": 0.0}))
+    data["server"].update(reload_interval_s=0.3, shutdown_grace_s=30)
+    path.write_text(yaml.safe_dump(data))
+    background = BackgroundServer(load_config(path))
+    with background as srv:
+        data["models"].append(model_block("b", mirror={"sample_rate": 0.0}))
+        data["server"]["shutdown_grace_s"] = 0.2
+
+        async def edit_then_hang_up() -> bool:
+            # On the server's loop, so that the watcher cannot look between the two.
+            path.write_text(yaml.safe_dump(data))
+            return await srv.reloader.reload("SIGHUP")
+
+        assert asyncio.run_coroutine_threadsafe(edit_then_hang_up(), background._loop).result(60)
+        time.sleep(1.5)  # five of the watcher's looks at the file
+        values = scrape(srv.metrics_port)
+        assert metric(values, "guard_config_reloads_total", result="applied") == 1
+        assert srv.models["b"].ready
+        assert srv.config.server.shutdown_grace_s == 30
+        assert [m.name for m in srv.config.models] == ["a", "b"]

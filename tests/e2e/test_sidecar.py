@@ -263,3 +263,23 @@ def test_asking_for_some_outputs_still_compares_them_all(tmp_path):
         values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
             v, "guard_mirror_total", model="m", outcome="compared") == 1 and v)
         assert metric(values, "guard_checks_total", model="m", tier="tensor", result="pass") == 1
+
+
+@pytest.mark.parametrize("inline_below_ms", [None, 0.0], ids=["inline", "on_threads"])
+def test_a_call_past_its_clients_deadline_is_counted(tmp_path, inline_below_ms):
+    """A primary slower than the client's deadline: the client gets DEADLINE_EXCEEDED and
+    guard_request_errors_total says so (a slow primary's first symptom is its clients'
+    timeouts), whether the backend runs inline (the answer comes after the deadline) or on
+    the inference threads (gRPC cancels the call); a call whose client waits is answered."""
+    block = model_block(primary=affine_backend(sleep_on_trigger=1.0),
+                        mirror={"sample_rate": 0.0})
+    slow = np.full((1, 4), SLEEP_TRIGGER, np.float32)
+    server = {} if inline_below_ms is None else {"inline_below_ms": inline_below_ms}
+    with running(tmp_path, [block], **server) as (srv, client):
+        with pytest.raises(InferenceServerException) as error:
+            client.infer("m", [x_input(slow)], client_timeout=0.3)
+        assert error.value.status() == "StatusCode.DEADLINE_EXCEEDED"
+        client.infer("m", [x_input(slow)], client_timeout=30)
+        values = wait_for(lambda: (v := scrape(srv.metrics_port)) and metric(
+            v, "guard_request_errors_total", model="m", code="DEADLINE_EXCEEDED") == 1 and v)
+        assert metric(values, "guard_requests_total", model="m", route="primary") == 1
