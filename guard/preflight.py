@@ -2,7 +2,8 @@
 
 Per model: every side (primary, reference, fallback) is built and loaded as the serving process
 and the verifier load them (derivations included), the reference's outputs are matched to the
-primary's (guard/backends/signature_match.py), and a fallback must take the primary's inputs.
+primary's (guard/backends/signature_match.py), and a fallback must take the primary's inputs
+and give its outputs (guard/backends/signatures.py).
 What would fail at serve fails here, one line per model: a ``tensorrt`` side on a machine
 without CUDA, a ``torch`` side pointed at an ``.onnx`` file, outputs that cannot be matched.
 Every side is closed after; nothing listens.
@@ -59,6 +60,7 @@ def check_model(model: ModelConfig) -> ModelReport:
     """Load one model's sides as serve would; the report says what loaded or why not."""
     from guard.backends import create_backend
     from guard.backends.loading import load_all
+    from guard.backends.signatures import check_fallback
     from guard.verify.pair import CheckedPair
 
     report = ModelReport(model.name)
@@ -74,11 +76,7 @@ def check_model(model: ModelConfig) -> ModelReport:
             report.renamed = dict(pair.output_match.renamed)
         fallback = backends.get("fallback")
         if fallback is not None:
-            ours = {s.name for s in backends["primary"].describe().inputs}
-            theirs = {s.name for s in fallback.describe().inputs}
-            if ours and theirs and ours != theirs:
-                raise BackendError(f"models[{model.name}].fallback: inputs {sorted(theirs)} "
-                                   f"differ from the primary's {sorted(ours)}")
+            check_fallback(model.name, backends["primary"].describe(), fallback.describe())
         report.sides = {role: b.describe().summary() for role, b in backends.items()}
     except BackendError as exc:
         report.error = _hint(model, exc)

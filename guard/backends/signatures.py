@@ -47,3 +47,20 @@ def check_pair(model: str, reference, primary) -> None:
                     f"({primary.backend}) and {_shape(ref[name])} in the reference "
                     f"({reference.backend}): a layout difference (NHWC vs NCHW?) is the "
                     "models' own business; export both sides with one layout")
+
+
+def check_fallback(model: str, primary, fallback) -> None:
+    """``primary`` and ``fallback`` are ``BackendInfo``s; raises ``BackendError`` located at
+    ``models[model].fallback`` where the fallback does not take the primary's inputs or give
+    its outputs, by name: clients keep the names the model's metadata says (the primary's),
+    and a fallback that answers under other names would break them at the moment guard
+    switches (an output asked for by name would come back missing). A side whose signature is
+    unknown (no names) is not checked."""
+    for kind in ("inputs", "outputs"):
+        ours = {s.name for s in getattr(primary, kind)}
+        theirs = {s.name for s in getattr(fallback, kind)}
+        if ours and theirs and ours != theirs:
+            raise BackendError(
+                f"models[{model}].fallback: {kind} {sorted(theirs)} differ from the primary's "
+                f"{sorted(ours)}: clients keep the primary's names when guard switches; "
+                "export the fallback with the same names")

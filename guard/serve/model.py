@@ -16,8 +16,8 @@ import time
 
 from guard.backends import Backend, BackendInfo, Forwarding, TensorSpec, create_backend
 from guard.backends.loading import load_all
+from guard.backends.signatures import check_fallback
 from guard.config import ModelConfig
-from guard.errors import BackendError
 from guard.ipc import routes, wire
 from guard.ipc.ring import SampleRing
 from guard.observe import tracing
@@ -107,16 +107,10 @@ class ServedModel:
                      note="the channel keeps connecting; requests wait for it")
 
     def _check_signatures(self) -> None:
-        """A fallback must accept what the primary accepts."""
-        names = {s.name for s in self.backends["primary"].describe().inputs}
+        """A fallback must take the primary's inputs and give its outputs."""
         fallback = self.backends.get("fallback")
         if fallback is not None:
-            other = {s.name for s in fallback.describe().inputs}
-            if other and names and other != names:
-                raise BackendError(
-                    f"models[{self.name}].fallback: inputs {sorted(other)} differ from the "
-                    f"primary's {sorted(names)}"
-                )
+            check_fallback(self.name, self.backends["primary"].describe(), fallback.describe())
 
     def close(self) -> None:
         self.ready = False

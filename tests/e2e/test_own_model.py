@@ -130,6 +130,9 @@ def test_validate_load_says_what_would_fail_at_serve(tmp_path, exports):
          "reference": {"backend": "torch", "path": str(paths["onnx"])}},
         {"name": "unmatched", "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
          "reference": {"backend": "torch", "path": str(exports[2]["torchscript"])}},
+        {"name": "renamed", "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
+         "fallback": {"backend": "onnxruntime",
+                      "path": str(renamed_output(paths["onnx"], tmp_path / "logits.onnx"))}},
     ]}))
     assert run_guard("config", "validate", str(config)).returncode == 0  # the schema holds
     result = run_guard("config", "validate", "--load", str(config))
@@ -143,12 +146,27 @@ def test_validate_load_says_what_would_fail_at_serve(tmp_path, exports):
                in line for line in errors), errors
     assert any(line.startswith("models[unmatched]: the reference's outputs [output0, output1]")
                for line in errors), errors
-    failing = 3
+    # A fallback exported under other output names would break clients when guard switches.
+    assert any(line.startswith("models[renamed].fallback: outputs ['logits'] differ from the "
+                               "primary's ['scores']") for line in errors), errors
+    failing = 4
     if not _tensorrt_runs():
         assert any(line.startswith("models[trt].primary: ") for line in errors), errors
     else:
-        failing = 2
-    assert errors[-1] == f"{config}: {failing} of 4 model(s) would fail at serve"
+        failing = 3
+    assert errors[-1] == f"{config}: {failing} of 5 model(s) would fail at serve"
+
+
+def renamed_output(source, target):
+    """``source``'s ONNX model with its one output named ``logits`` (an Identity after it)."""
+    import onnx
+
+    model = onnx.load(str(source))
+    (output,) = model.graph.output
+    model.graph.node.append(onnx.helper.make_node("Identity", [output.name], ["logits"]))
+    output.name = "logits"
+    onnx.save(model, str(target))
+    return target
 
 
 def test_noise_floor_of_a_torchscript_reference_uses_the_primarys_signature(exports):
