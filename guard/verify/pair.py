@@ -78,7 +78,21 @@ class CheckedPair:
         self.output_match = pair_outputs(self.name, self.reference, self.primary)
         check_pair(self.name, self.output_match.rename_info(self.reference.describe()),
                    self.primary.describe())
+        self._check_tolerance_names()
         self.comparator.match_reference(self.output_match)
+
+    def _check_tolerance_names(self) -> None:
+        """A per-output tolerance must name one of the primary's outputs (the names tier 1
+        compares by): one that names none (a typo, the reference's name, an output the model
+        lost) was silently never applied, and its output judged by the default tolerance."""
+        outputs = sorted(s.name for s in self.primary.describe().outputs)
+        if not outputs:  # a primary that cannot tell its outputs' names
+            return
+        for name in self.config.checks.tensor.outputs:
+            if name not in outputs:
+                raise BackendError(
+                    f"models[{self.name}].checks.tensor.outputs.{name}: the model has no "
+                    f"output '{name}' (its outputs, the primary's names: {', '.join(outputs)})")
 
     def measure_noise_floor(self) -> NoiseFloor:
         """The reference against itself; tier 1 then allows the floor. A floor that cannot be

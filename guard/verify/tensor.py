@@ -231,6 +231,14 @@ def _all_finite(x: np.ndarray) -> bool:
         return bool(np.isfinite(np.add.reduce(x, axis=None, dtype=np.float64)))
 
 
+def _sum_of_squares(x: np.ndarray) -> float:
+    """Σx², accumulated in float64; a float16 array is squared in float32, where its squares
+    past 65504 (values past 256) would be inf and the cosine distance NaN, read as 0."""
+    if x.dtype.itemsize < 4:
+        x = x.astype(np.float32)
+    return float(np.add.reduce(np.square(x), dtype=np.float64))
+
+
 def _float_stats(a: np.ndarray, b: np.ndarray):
     """The common case (same float dtype, all finite) in few passes and two temporaries.
 
@@ -242,7 +250,7 @@ def _float_stats(a: np.ndarray, b: np.ndarray):
     np.abs(diff, out=diff)
     max_abs = float(diff.max())
     mean_abs = float(np.add.reduce(diff, dtype=np.float64)) / diff.size
-    d2 = float(np.add.reduce(np.square(diff), dtype=np.float64))
+    d2 = _sum_of_squares(diff)
     ref_abs = np.abs(b)
     ref_max = float(ref_abs.max())
     if ref_max > _REL_FLOOR:
@@ -252,8 +260,7 @@ def _float_stats(a: np.ndarray, b: np.ndarray):
         del rel
     else:
         max_rel = 0.0
-    a2 = float(np.add.reduce(np.square(a), dtype=np.float64))
-    b2 = float(np.add.reduce(np.square(b), dtype=np.float64))
+    a2, b2 = _sum_of_squares(a), _sum_of_squares(b)
     norm = math.sqrt(a2 * b2)
     cosine = 0.0 if norm == 0.0 else max(0.0, (d2 - (math.sqrt(a2) - math.sqrt(b2)) ** 2)
                                           / (2.0 * norm))

@@ -133,6 +133,9 @@ def test_validate_load_says_what_would_fail_at_serve(tmp_path, exports):
         {"name": "renamed", "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
          "fallback": {"backend": "onnxruntime",
                       "path": str(renamed_output(paths["onnx"], tmp_path / "logits.onnx"))}},
+        {"name": "typo", "primary": {"backend": "onnxruntime", "path": str(paths["onnx"])},
+         "reference": {"backend": "torch", "path": str(paths["torchscript"])},
+         "checks": {"tensor": {"outputs": {"score": {"atol": 1.0e-3}}}}},
     ]}))
     assert run_guard("config", "validate", str(config)).returncode == 0  # the schema holds
     result = run_guard("config", "validate", "--load", str(config))
@@ -149,12 +152,15 @@ def test_validate_load_says_what_would_fail_at_serve(tmp_path, exports):
     # A fallback exported under other output names would break clients when guard switches.
     assert any(line.startswith("models[renamed].fallback: outputs ['logits'] differ from the "
                                "primary's ['scores']") for line in errors), errors
-    failing = 4
+    # A tolerance for an output the model does not have was never applied, silently.
+    assert any(line.startswith("models[typo].checks.tensor.outputs.score: the model has no "
+                               "output 'score'") for line in errors), errors
+    failing = 5
     if not _tensorrt_runs():
         assert any(line.startswith("models[trt].primary: ") for line in errors), errors
     else:
-        failing = 3
-    assert errors[-1] == f"{config}: {failing} of 5 model(s) would fail at serve"
+        failing = 4
+    assert errors[-1] == f"{config}: {failing} of 6 model(s) would fail at serve"
 
 
 def renamed_output(source, target):

@@ -260,6 +260,16 @@ def test_statistics_hand_computed():
     assert not compare_output("y", ref, out, Tolerance(0.0, check.min_rtol * 0.999)).passed
 
 
+def test_float16_statistics_past_256_match_float32s():
+    """Squares of float16 values past 256 overflow float16 (65504): the cosine distance read
+    0.0 (inf, then NaN, then max(0, nan)) for two nearly opposite vectors."""
+    ref, out = [-280.0, 300.0, 10.0, 5.0], [300.0, -280.0, 10.0, 5.0]
+    half = compare_output("y", np.array(ref, np.float16), np.array(out, np.float16), ZERO)
+    single = compare_output("y", np.array(ref, np.float32), np.array(out, np.float32), ZERO)
+    assert half.cosine_distance == pytest.approx(single.cosine_distance, rel=1e-6)
+    assert half.cosine_distance > 1.9
+
+
 def test_statistics_as_dict():
     check = compare_output("y", f64(1.0, 2.0), f64(1.0, 2.5), ZERO)
     d = check.as_dict()
