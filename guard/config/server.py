@@ -211,6 +211,24 @@ class ServerConfig(Strict):
                                description="How guard runs Envoy in Envoy mode.")
 
 
+def _shared_ports(server: ServerConfig) -> list[str]:
+    """Two of guard's listeners on one port (0 picks a free one, so never clashes): said here,
+    where `serve` would fail at start blaming 'another process' for guard's own listener."""
+    ports = [("server.grpc_port", server.grpc_port), ("server.metrics_port", server.metrics_port),
+             ("server.admin_port", server.admin_port), ("server.http_port", server.http_port),
+             ("server.tap.port", server.tap.port if server.tap else None)]
+    problems, seen = [], {}
+    for key, port in ports:
+        if not port:
+            continue
+        if port in seen:
+            problems.append(f"{key}: {port} is {seen[port]} too; each listener needs a port "
+                            "of its own")
+        else:
+            seen[port] = key
+    return problems
+
+
 def _check_server(server: ServerConfig, base_dir: Path) -> list[str]:
     """Server problems beyond the schema: files that must exist (made absolute here) and control
     listeners off loopback without client authentication."""
@@ -238,6 +256,7 @@ def _check_server(server: ServerConfig, base_dir: Path) -> list[str]:
             if size < 16:
                 problems.append(f"server.sampling_key_file: holds {size} bytes; a sampling "
                                 "key needs at least 16 (e.g. `head -c 32 /dev/urandom > FILE`)")
+    problems += _shared_ports(server)
     why = _off_loopback_needs_mtls(server.admin_host, server.admin_tls, "admin API")
     if why:
         problems.append(f"server.admin_host: {why}")

@@ -160,6 +160,9 @@ def decode_request(request: pb.ModelInferRequest) -> InferenceRequest:
         if name in inputs:
             raise invalid(f"input '{name}' appears twice")
         if raw:
+            if tensor.HasField("contents"):  # which would be the input? (Triton refuses too)
+                raise invalid(f"input '{name}': typed contents given with "
+                              "raw_input_contents: send each input one way")
             inputs[name] = _decode_tensor(name, tensor.datatype, tensor.shape, raw[index],
                                           None, False)
         else:

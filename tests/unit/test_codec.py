@@ -139,6 +139,14 @@ def test_more_raw_than_inputs():
     assert "2 raw_input_contents" in message and "1 inputs" in message
 
 
+def test_typed_contents_beside_raw_contents_are_refused():
+    """Which would be the input? Triton refuses it; guard answered from the raw bytes."""
+    msg = request(("a", "FP32", (2,)), raw=[np.zeros(2, np.float32).tobytes()])
+    msg.inputs[0].contents.fp32_contents.extend([9.0, 9.0])
+    message = rejected(msg)
+    assert "'a'" in message and "raw_input_contents" in message
+
+
 # -- typed contents ------------------------------------------------------------------------------
 TYPED_CASES = {k: v for k, v in RAW_CASES.items() if k != "FP16"}
 

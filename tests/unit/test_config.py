@@ -798,3 +798,15 @@ def test_config_json_schema():
 def test_torch_compile_refuses_torchscript(base):
     lines = problems(doc(fallback={"backend": "torch_compile", "path": "ref.pt"}), base)
     assert len(lines) == 1 and "cannot compile a TorchScript" in lines[0]
+
+
+def test_two_listeners_on_one_port_are_refused(base):
+    """serve would fail at start blaming another process for guard's own listener."""
+    data = doc()
+    data["server"] = {"grpc_port": 18001, "metrics_port": 18001, "admin_port": 0,
+                      "http_port": 0}
+    assert problems(data, base) == [
+        "server.metrics_port: 18001 is server.grpc_port too; each listener needs a port of "
+        "its own"]
+    data["server"]["metrics_port"] = 0  # 0 picks a free port: never a clash
+    assert parse_config(data, base, "guard.yaml").server.metrics_port == 0
