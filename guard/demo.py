@@ -187,7 +187,9 @@ def _drive(client, n: int, log: _ServerLog) -> dict[str, int]:
     return routes
 
 
-def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status) -> None:
+def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status,
+             serving_on: bool) -> None:
+    """What guard saw and did; where to look at it (``serving_on``: the server stays up)."""
     m = "classifier"
     print("\nWhat the guard saw and did")
     answered = {r: int(_metric(values, "guard_requests_total", model=m, route=r))
@@ -198,7 +200,8 @@ def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status
           f"errors {routes['errors']})")
     outcomes = {o: int(_metric(values, "guard_mirror_total", model=m, outcome=o))
                 for o in ("compared", "dropped", "error", "timeout")}
-    print("  mirrored samples    " + ", ".join(f"{k} {v}" for k, v in outcomes.items()))
+    print("  mirrored samples    " + ", ".join(f"{k} {v}" for k, v in outcomes.items())
+          + " (none while the fallback serves its dwell)")
     passed = int(_metric(values, "guard_checks_total", model=m, tier="tensor", result="pass"))
     failed = int(_metric(values, "guard_checks_total", model=m, tier="tensor", result="fail"))
     print(f"  tier-1 checks       pass {passed}, fail {failed}")
@@ -211,6 +214,8 @@ def _summary(values: dict, routes: dict[str, int], ports: dict[str, int], status
     if status is not None and status.has_last_transition:
         t = status.last_transition
         print(f"  last transition     {t.from_route} -> {t.to_route}: {t.reason}")
+    if not serving_on:
+        return
     if status is not None and status.probing:
         print("  the guard keeps probing the int8 primary in the background and routes back "
               "when its recovery detector finds the probes clean")
@@ -266,7 +271,7 @@ def run_demo(args: Namespace) -> int:
         time.sleep(1.0)  # let the mirror finish the samples in its queue
         values = _scrape(ports["metrics_port"])
         status = get_status(f"127.0.0.1:{ports['admin_port']}", "classifier").models[0]
-        _summary(values, routes, ports, status)
+        _summary(values, routes, ports, status, serving_on=not args.exit)
         print(f"  log:      {workdir / 'guard.log'}")
         if args.exit:
             return _stop(process, log)

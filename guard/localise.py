@@ -46,11 +46,31 @@ def _inputs(model, checker, prompt: str | None, npz: str | None) -> dict[str, np
         return {"input_ids": np.asarray([checker.primary.tokenize(prompt)], dtype=np.int64)}
     if npz is None or prompt is not None:
         raise GuardError(f"model '{model.name}' takes tensors: give --inputs FILE.npz")
+    return _tensor_inputs(model, Path(npz))
+
+
+def _tensor_inputs(model, path: Path) -> dict[str, np.ndarray]:
+    """The ``.npz``'s arrays, checked against the primary's inputs as replay checks them
+    (names, datatypes, shapes: a file that does not fit is one line naming the array, never a
+    capture side's own error after a report that says nothing diverged). A model whose inputs
+    take a batch axis gets the arrays whole (one batch); one that takes single samples gets
+    the file's one sample."""
+    from guard.backends import create_backend
+    from guard.backends.loading import load_all
+    from guard.replay.source import NpzInput
+
+    primary = create_backend(model.primary, "primary")
     try:
-        with np.load(npz) as data:
-            return {key: data[key] for key in data.files}
-    except (OSError, ValueError) as exc:
-        raise GuardError(f"--inputs: cannot read {npz}: {exc}") from None
+        load_all(model.name, model, {"primary": primary})
+        npz = NpzInput(path, model.name, primary.describe().inputs)
+    finally:
+        primary.close()
+    if npz.batched:
+        return npz.arrays
+    if npz.count != 1:
+        raise GuardError(f"{path}: model '{model.name}' takes one sample per input (no batch "
+                         f"axis); the file holds {npz.count}: give it one")
+    return npz.sample(0)
 
 
 def localise(config_path: str | Path, model_name: str | None = None, prompt: str | None = None,
@@ -77,7 +97,7 @@ def localise(config_path: str | Path, model_name: str | None = None, prompt: str
     if as_json:
         json.dump({"model": model.name, **report.as_dict()}, out, indent=1, default=str)
         out.write("\n")
-    else:
+    elif not report.error:  # (a capture that failed has no layers to describe)
         out.write(describe(model.name, report))
     if report.error:
         raise GuardError(f"model '{model.name}': {report.error}")

@@ -167,6 +167,12 @@ class NpzInput:
                                      f"({datatype}), input '{name}' takes {spec.datatype}")
             self._keep_axis[name] = keep
 
+    @property
+    def batched(self) -> bool:
+        """Every array keeps its first axis as the input's batch axis (the arrays whole are
+        one batch of the model's inputs)."""
+        return all(self._keep_axis.values())
+
     def sample(self, i: int) -> dict[str, np.ndarray]:
         return {
             name: (a[i:i + 1] if self._keep_axis[name] else a[i])

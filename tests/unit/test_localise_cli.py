@@ -58,4 +58,20 @@ def test_usage_errors_say_what_to_give(pair, capsys):
     assert main(["localise", config, "--model", "other", "--inputs", "x.npz"]) == 2
     assert "no model 'other'" in capsys.readouterr().err
     assert main(["localise", config, "--inputs", str(pair / "missing.npz")]) == 2
-    assert "--inputs: cannot read" in capsys.readouterr().err
+    assert "missing.npz: not a readable .npz file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("arrays, says", [
+    ({"input": np.zeros((2, 16), np.float32)}, "array 'input' is not an input of model 'mlp'"),
+    ({"x": np.zeros((2, 16), np.float64)}, "array 'x' holds float64 (FP64), input 'x' takes FP32"),
+    ({"x": np.zeros((2, 8), np.float32)}, "array 'x': samples of shape [1, 8] do not fit"),
+])
+def test_inputs_that_do_not_fit_the_model_are_named_before_any_capture(pair, capsys, tmp_path,
+                                                                        arrays, says):
+    """Checked as replay checks an .npz (it was the capture side's own error, after a report
+    that said no layer diverged)."""
+    path = tmp_path / "inputs.npz"
+    np.savez(path, **arrays)
+    assert main(["localise", _config(pair, "broken.onnx"), "--inputs", str(path)]) == 2
+    captured = capsys.readouterr()
+    assert says in captured.err and captured.out == ""
