@@ -217,7 +217,8 @@ def _shared_ports(server: ServerConfig) -> list[str]:
     ports = [("server.grpc_port", server.grpc_port), ("server.metrics_port", server.metrics_port),
              ("server.admin_port", server.admin_port), ("server.http_port", server.http_port),
              ("server.tap.port", server.tap.port if server.tap else None)]
-    problems, seen = [], {}
+    problems: list[str] = []
+    seen: dict[int, str] = {}
     for key, port in ports:
         if not port:
             continue
