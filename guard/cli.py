@@ -174,7 +174,7 @@ def _write_output(text: str, output: str | None) -> None:
 
 def cmd_deploy_rules(args: argparse.Namespace) -> int:
     from guard.deploy import parse_labels
-    from guard.deploy.fleet import FleetSettings
+    from guard.deploy.fleet import FleetSettings, left_out
     from guard.deploy.rules import RuleSettings, read_thresholds, render
 
     try:
@@ -186,11 +186,14 @@ def cmd_deploy_rules(args: argparse.Namespace) -> int:
             false_alarms_per_day=args.fleet_false_alarms_per_day,
             by=tuple(b.strip() for b in args.fleet_by.split(",") if b.strip()),
         ) if args.fleet else None
-        text = render(read_thresholds(args.config), settings, args.format, source=args.config,
-                      labels=labels, fleet=fleet)
+        models = read_thresholds(args.config)
+        text = render(models, settings, args.format, source=args.config,
+                      labels=labels, fleet=fleet, name=args.name)
     except ValueError as exc:
         raise GuardError(str(exc)) from None
     _write_output(text, args.output)
+    for line in left_out(models) if fleet is not None else ():  # as the file's header says
+        print(f"guard deploy rules: not in the fleet rule: {line}", file=sys.stderr)
     return EXIT_OK
 
 
@@ -214,7 +217,7 @@ def cmd_deploy_envoy(args: argparse.Namespace) -> int:
     from guard.envoy.servable import require_servable
     from guard.plan.serving import load_config
 
-    config = load_config(args.config)
+    config = load_config(args.config, files=False)  # the Pod's files: named, never read here
     require_servable(config)  # local backends have no place in a bootstrap (as deploy istio)
     where = "" if config.server.data_plane == "envoy" else \
         " (the config's server.data_plane is python: this is what envoy would run)"
@@ -245,7 +248,8 @@ def cmd_deploy_istio(args: argparse.Namespace) -> int:
         selector = parse_labels(args.selector, "--selector")
     except ValueError as exc:
         raise GuardError(str(exc)) from None
-    resource = envoy_filter(load_config(args.config), selector, name=args.name,
+    # As deploy envoy: the files the config names are the Pod's, and the filter reads none.
+    resource = envoy_filter(load_config(args.config, files=False), selector, name=args.name,
                             namespace=args.namespace, port=args.port)
     _write_output(dump(resource, as_json=args.format == "json"), args.output)
     return EXIT_OK
@@ -502,6 +506,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "(repeatable), e.g. release=kube-prometheus-stack, the label a "
                        "kube-prometheus-stack Prometheus selects rules by (its "
                        "ruleSelector)")
+    rules.add_argument("--name", metavar="NAME",
+                       help="prometheusrule: the PrometheusRule's name (default guard-alerts); "
+                       "each config's rules in one namespace need their own, or the last "
+                       "applied replaces the others")
     rules.add_argument("--fleet", action="store_true",
                        help="also the rules that pool each model's replicas: their checks "
                        "summed by model, a likelihood-ratio test on the pooled counts and the "

@@ -49,6 +49,12 @@ mixture pays ln(K)). The counts come from ``increase()``, which extrapolates to 
 edges: up to an interval of scrape more than counted, on failures and checks alike (the ratio
 moves by that share; the bound's slack covers it at the default windows).
 
+Left out: models with ``policy.detector: window``. That detector has no burn-in, so its
+replicas export ``guard_detector_p0`` = ``policy.p0_max`` (a ceiling, not the model's in-control
+rate) and p1 = p0 + ``policy.shift``, neither of which it decides on (``policy.trip_ratio``):
+pooled, a fleet failing half its own trip ratio would raise the critical alert. The generated
+file's header names them (``left_out``).
+
 Not done: acting on the fleet's verdict. The alert says the fleet drifts; each replica still
 routes on its own detector (it trips later, on its own evidence). Pinning a fleet to its
 fallback is an operator's or a rollout controller's decision (``guard admin route``, or the
@@ -133,9 +139,22 @@ def fleet_threshold(false_alarms_per_day: float, evaluation_s: float, windows: i
 
 
 def applies(model: ModelThresholds) -> bool:
-    """Models whose replicas check samples: pass/fail tiers pool their counts, a generation
-    model its completions' evidence."""
-    return model.mirrors
+    """Models whose replicas check samples with a sequential detector: pass/fail tiers pool
+    their counts, a generation model its completions' evidence. Not ``detector: window``
+    (``left_out``)."""
+    return model.mirrors and model.policy.detector != "window"
+
+
+def left_out(models: list[ModelThresholds]) -> list[str]:
+    """Why each sampled model the fleet rule does not pool is left out, one line each (the
+    generated file's header says so). A ``window`` detector never burns in: its replicas
+    export ``guard_detector_p0`` = ``policy.p0_max``, the burn-in's ceiling, not the model's
+    in-control rate, and decide on ``policy.trip_ratio``, which the pooled test does not read:
+    a fleet well inside its own trip ratio would raise the critical alert. Nor does it export
+    a generation model's evidence."""
+    return [f"{model.name}: policy.detector is window (its replicas export no in-control rate "
+            "to pool against; its own GuardDriftOverThreshold alerts on policy.trip_ratio)"
+            for model in models if model.mirrors and not applies(model)]
 
 
 def _name(kind: str, window: str) -> str:

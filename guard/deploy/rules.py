@@ -28,11 +28,12 @@ Per model, where it applies:
   (GuardDriftOverThreshold, tier ``generation``) acts on the same figure per completion; this
   one says how far the model is, also under ``action: alert`` and while the fallback serves.
 - ``GuardGenerationNotCompared`` (warning), the same models: more than ``not_compared_ratio``
-  of the sampled completions that reached the reference were not compared, for
-  ``not_compared_for``. The tier then sees little of the traffic and its silence means
-  nothing: a server relaunched with other flags (``--logprobs-mode``), sampling defaults left
-  undeclared, a primary the reference cannot align with. The reasons are in
-  ``guard_generation_not_comparable_total{reason}``.
+  of the model's calls were not compared, for ``not_compared_for``: those the HTTP edge cannot
+  compare (tool calls, echo, ...: never sampled) and, of the sampled ones, those the verifier
+  could not (``not_compared_share``). The tier then sees little of the traffic and its silence
+  means nothing: a server relaunched with other flags (``--logprobs-mode``), sampling defaults
+  left undeclared, a primary the reference cannot align with, traffic of tool calls. The
+  reasons are in ``guard_generation_not_comparable_total{reason}``.
 
 Once: ``GuardDown`` (critical): ``up{job=...} == 0`` for ``down_for``. The data plane goes through
 the guard, so a guard that cannot be scraped is usually a model that cannot be reached. And
@@ -77,7 +78,11 @@ from guard.deploy import DEFAULT_RUNBOOK_BASE, RULE_FORMATS
 from guard.errors import ConfigError
 
 FORMATS = RULE_FORMATS
+# The PrometheusRule's default name. Two configs' rules in one namespace need two names (the
+# second would replace the first): --name.
 PROMETHEUS_RULE_NAME = "guard-alerts"
+# A Kubernetes object name (a DNS-1123 subdomain), as the API server checks it.
+RESOURCE_NAME = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 DURATION = re.compile(r"^([0-9]+(ms|s|m|h|d|w|y))+$")
 
 ALERTS = (
@@ -109,7 +114,7 @@ class RuleSettings:
     down_for: str = "2m"
     reload_window: str = "15m"  # a rejected reload alerts this long (the guard does not retry)
     verifier_for: str = "5m"  # restarts take seconds; minutes down is a crash loop or a hang
-    # Over half of an LLM's sampled completions not compared: the tier sees too little for its
+    # Over half of an LLM's calls not compared: the tier sees too little for its
     # silence to mean anything. Long: a traffic mix can swing (a batch of tool calls); a flag
     # or an undeclared default that blinds it does not go away by itself.
     not_compared_ratio: float = 0.5
@@ -297,26 +302,50 @@ def model_rules(model: ModelThresholds, settings: RuleSettings) -> list[dict]:
 
 
 def _not_compared_alert(model: ModelThresholds, settings: RuleSettings) -> dict:
-    """GuardGenerationNotCompared: the share of sampled completions the verifier could not
-    compare (``guard_mirror_total{outcome="not_comparable"}``) among those that reached it."""
-    sel, w = model_selector(model.name), settings.rate_window
+    """GuardGenerationNotCompared: the share of the model's calls the generation tier did not
+    compare (``not_compared_share``)."""
+    w = settings.rate_window
     return alert_rule(
         "GuardGenerationNotCompared",
-        f'sum without (outcome) (rate(guard_mirror_total{{{sel},outcome="not_comparable"}}'
-        f"[{w}])) / sum without (outcome) (rate(guard_mirror_total"
-        f'{{{sel},outcome!="dropped"}}[{w}])) > {settings.not_compared_ratio!r}',
+        f"{not_compared_share(model_selector(model.name), w)} > {settings.not_compared_ratio!r}",
         settings.not_compared_for, "warning",
-        f"guard {model.name}: {{{{ $value | humanizePercentage }}}} of sampled completions not "
-        "compared",
-        f"On {{{{ $labels.instance }}}}, {{{{ $value | humanizePercentage }}}} of the sampled "
-        f"completions of model {model.name} that reached the verifier over {w} could not be "
-        f"compared with the reference (alert above {_pct(settings.not_compared_ratio)}): the "
-        "generation tier sees too little of the traffic for its silence to mean the model is "
-        "fine. guard_generation_not_comparable_total{reason} says why (sampling_unknown: "
-        "declare the server's defaults; logprobs_mode: the server's logprobs are not raw, "
-        "declare options.logprobs_mode; unaligned, constrained, ...). Clients are not affected.",
+        f"guard {model.name}: {{{{ $value | humanizePercentage }}}} of calls not compared",
+        f"On {{{{ $labels.instance }}}}, {{{{ $value | humanizePercentage }}}} of the calls of "
+        f"model {model.name} over {w} could not be compared with the reference (alert above "
+        f"{_pct(settings.not_compared_ratio)}): the ones the HTTP edge cannot compare (tool "
+        "calls without token ids, echo, n > 1, other endpoints ..., never sampled) and the "
+        "share of the sampled completions the verifier could not score. The generation tier "
+        "sees too little of the traffic for its silence to mean the model is fine. "
+        "guard_generation_not_comparable_total{reason} says why (sampling_unknown: declare the "
+        "server's defaults; logprobs_mode: the server's logprobs are not raw, declare "
+        "options.logprobs_mode; tools: options.sample_token_ids; unaligned, constrained, "
+        "...). Clients are not affected.",
         settings,
     )
+
+
+def not_compared_share(sel: str, w: str) -> str:
+    """The share of a generation model's calls its tier does not see, as PromQL:
+    ``1 - (1 - edge) * (1 - verifier)``. ``edge``: of the calls (answered or failed), those the
+    HTTP edge cannot compare (``guard_generation_not_comparable_total``, counted on every call;
+    never sampled, so never in ``guard_mirror_total``). ``verifier``: of the sampled completions
+    that reached the verifier, those it could not compare
+    (``guard_mirror_total{outcome="not_comparable"}``). The sample is drawn from the calls the
+    edge can compare, so the product is the share the tier sees. A share with nothing to count
+    is 0 (the edge's counter has no series before its first call; with every call uncomparable
+    none is sampled, and 0/0 would silence the whole expression). guard declares the requests
+    and mirror counters at zero, so both sides always have a series to match."""
+    def rate(series: str, without: str) -> str:
+        return f"sum without ({without}) (rate({series}[{w}]))"
+
+    answered = rate(f"guard_requests_total{{{sel}}}", "route")
+    calls = f"({answered} + {rate(f'guard_request_errors_total{{{sel}}}', 'code')} or {answered})"
+    uncomparable = rate(f"guard_generation_not_comparable_total{{{sel}}}", "reason")
+    reached = rate(f'guard_mirror_total{{{sel},outcome!="dropped"}}', "outcome")
+    unscored = rate(f'guard_mirror_total{{{sel},outcome="not_comparable"}}', "outcome")
+    edge = f"({uncomparable} / {calls} or {calls} * 0)"
+    verifier = f"({unscored} / ({reached} > 0) or {reached} * 0)"
+    return f"1 - (1 - {edge}) * (1 - {verifier})"
 
 
 def _generation_alert(model: ModelThresholds, generation: GenerationCheckConfig,
@@ -482,11 +511,13 @@ def rule_groups(models: list[ModelThresholds], settings: RuleSettings) -> list[d
 
 
 def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "prometheus",
-           source: str = "", labels: dict[str, str] | None = None, fleet=None) -> str:
+           source: str = "", labels: dict[str, str] | None = None, fleet=None,
+           name: str | None = None) -> str:
     """The rule file (``prometheus``) or a PrometheusRule custom resource, as YAML text.
     ``labels``: more labels on the PrometheusRule's metadata (the Prometheus Operator picks
     the rules of a Prometheus by them: kube-prometheus-stack's ``release``); a rule file has no
-    metadata, so labels with ``prometheus`` are an error rather than dropped. ``fleet`` (a
+    metadata, so labels with ``prometheus`` are an error rather than dropped, and so is
+    ``name``, the PrometheusRule's (default ``PROMETHEUS_RULE_NAME``). ``fleet`` (a
     ``FleetSettings``): with the rules that pool each model's replicas (guard/deploy/fleet.py)."""
     if fmt not in FORMATS:
         raise ValueError(f"format must be one of {', '.join(FORMATS)}")
@@ -494,11 +525,14 @@ def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "pr
     if labels and fmt != "prometheusrule":
         raise ValueError("--label: labels go on a PrometheusRule's metadata; a Prometheus rule "
                          "file has none: add --format prometheusrule")
+    _check_name(name, fmt)
     groups = rule_groups(models, settings)
+    notes = ""
     if fleet is not None:
-        from guard.deploy.fleet import fleet_groups
+        from guard.deploy.fleet import fleet_groups, left_out
 
         groups += fleet_groups(models, settings, fleet)
+        notes = "".join(f"# Not in the fleet rule: {line}\n" for line in left_out(models))
     if fmt == "prometheus":
         document: dict = {"groups": groups}
     else:
@@ -506,16 +540,30 @@ def render(models: list[ModelThresholds], settings: RuleSettings, fmt: str = "pr
             "apiVersion": "monitoring.coreos.com/v1",
             "kind": "PrometheusRule",
             "metadata": {
-                "name": PROMETHEUS_RULE_NAME,
+                "name": name or PROMETHEUS_RULE_NAME,
                 "labels": {"app.kubernetes.io/name": "guard",
                            "app.kubernetes.io/component": "alerting", **labels},
             },
             "spec": {"groups": groups},
         }
     flags = ((f" --config {source}" if source else "") + f" --format {fmt}"
+             + (f" --name {name}" if name else "")
              + "".join(f" --label {key}={value}" for key, value in labels.items())
              + (fleet.flags() if fleet is not None else ""))
     header = (f"# Generated by `guard deploy rules{flags}`. Do not edit: change the guard config "
-              "and regenerate.\n")
+              "and regenerate.\n") + notes
     # width: one line per expression and annotation, never folded mid-expression.
     return header + yaml.safe_dump(document, sort_keys=False, width=1000, allow_unicode=True)
+
+
+def _check_name(name: str | None, fmt: str) -> None:
+    """``--name``: a PrometheusRule's, so a Kubernetes object name; ValueError otherwise."""
+    if name is None:
+        return
+    if fmt != "prometheusrule":
+        raise ValueError("--name: names the PrometheusRule; a Prometheus rule file has no "
+                         "name: add --format prometheusrule")
+    if not RESOURCE_NAME.match(name):
+        raise ValueError(f"--name: '{name}' is not a Kubernetes object name (lower-case "
+                         "letters, digits, '-' and '.', starting and ending with a letter or "
+                         "digit, at most 253 characters)")

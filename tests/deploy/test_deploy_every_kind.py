@@ -85,3 +85,35 @@ def test_deploy_envoy_on_local_backends_says_why_as_deploy_istio_does(tmp_path, 
     assert errors[0] == errors[1]
     assert errors[0].startswith("guard: not servable through Envoy:\n  models[0].primary.backend: "
                                 "Envoy mode forwards to upstream servers only; 'onnxruntime'")
+
+
+# The reference's file is the Pod's: where manifests are built it does not exist.
+POD_ONLY = {"version": 1, "server": {"grpc_port": 8001, "data_plane": "envoy", "envoy": {
+    "attach_admin_port": 15000, "observer": "tap", "health_port": 8006}}, "models": [{
+        "name": "cnn",
+        "primary": {"backend": "upstream", "target": "127.0.0.1:9001", "model": "cnn"},
+        "fallback": {"backend": "upstream", "target": "cnn-fallback:9001", "model": "cnn"},
+        "reference": {"backend": "onnxruntime", "path": "/models/not-on-this-machine.onnx"},
+        "mirror": {"sample_rate": 0.05}}]}
+
+
+@pytest.mark.parametrize("kind", ["envoy", "istio"])
+def test_envoy_and_istio_print_a_config_whose_files_live_in_the_pod(kind, tmp_path, capsys):
+    """The bootstrap and the EnvoyFilter read none of the files the config names (the model
+    artifacts are the Pod's): their absence here is no error, as for `deploy rules`."""
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump(POD_ONLY))
+    assert main([*KINDS[kind], "--config", str(config), "-o", str(tmp_path / "out")]) == 0, \
+        capsys.readouterr().err
+    assert "cnn" in (tmp_path / "out").read_text()
+
+
+@pytest.mark.parametrize("kind", ["envoy", "istio"])
+def test_envoy_and_istio_still_validate_everything_but_the_files(kind, tmp_path, capsys):
+    data = yaml.safe_load(yaml.safe_dump(POD_ONLY))
+    data["models"][0]["reference"]["options"] = {"bogus": 1}
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump(data))
+    assert main([*KINDS[kind], "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert "models[0].reference.options" in err and "file not found" not in err, err

@@ -44,8 +44,9 @@ SHIPPED = [
     (f"{BASE}/guard.yaml", "prometheus", "deploy/prometheus/guard-rules-fleet.yaml", ("--fleet",)),
     ("deploy/prometheus/llm-guard.yaml", "prometheus",
      "deploy/prometheus/guard-rules-fleet-llm.yaml", ("--fleet",)),
+    # its own name: applied in the base's namespace, it must not replace the base's rules
     ("deploy/kubernetes/llm/guard.yaml", "prometheusrule",
-     "deploy/kubernetes/llm/prometheusrule.yaml", ("--fleet",)),
+     "deploy/kubernetes/llm/prometheusrule.yaml", ("--name", "guard-llm-alerts", "--fleet")),
 ]
 # The promtool unit tests of each shipped rule file: tensor models, an LLM, the fleet rules.
 RULE_TESTS = ["deploy/prometheus/tests.yaml", "deploy/prometheus/tests-llm.yaml",
@@ -222,11 +223,21 @@ def test_generation_models_get_the_kld_alert_and_the_tasks_min_samples():
     (kld,) = alerts["GuardGenerationKldHigh"]
     assert kld["expr"] == ('rate(guard_generation_kld_sum{model="smol"}[10m]) / '
                            'rate(guard_generation_kld_count{model="smol"}[10m]) > 0.08')
+    # The calls the edge cannot compare (never sampled: only in
+    # guard_generation_not_comparable_total) over every call, with the verifier's share of the
+    # sampled ones: what the tier does not see is 1 - (1 - edge) x (1 - verifier).
     (blind,) = alerts["GuardGenerationNotCompared"]
+    calls = ('(sum without (route) (rate(guard_requests_total{model="smol"}[10m])) + sum '
+             'without (code) (rate(guard_request_errors_total{model="smol"}[10m])) or sum '
+             'without (route) (rate(guard_requests_total{model="smol"}[10m])))')
+    reached = ('sum without (outcome) (rate(guard_mirror_total{model="smol",outcome!="dropped"}'
+               '[10m]))')
     assert blind["expr"] == (
-        'sum without (outcome) (rate(guard_mirror_total{model="smol",outcome="not_comparable"}'
-        '[10m])) / sum without (outcome) (rate(guard_mirror_total{model="smol",'
-        'outcome!="dropped"}[10m])) > 0.5') and blind["for"] == "30m"
+        '1 - (1 - (sum without (reason) (rate(guard_generation_not_comparable_total'
+        f'{{model="smol"}}[10m])) / {calls} or {calls} * 0)) * (1 - (sum without (outcome) '
+        '(rate(guard_mirror_total{model="smol",outcome="not_comparable"}[10m])) / '
+        f'({reached} > 0) or {reached} * 0)) > 0.5') and blind["for"] == "30m"
+    assert blind["labels"] == {"severity": "warning"}
     drift = {r["expr"].split("{")[1].split("}")[0]: r["expr"]
              for r in alerts["GuardDriftOverThreshold"]}
     assert drift['model="smol"'].endswith('guard_detector_samples{model="smol"} >= 5')
@@ -338,20 +349,47 @@ def test_labels_reach_the_prometheusrule_that_kube_prometheus_stack_selects(tmp_
         text.splitlines()[0]
 
 
+def test_name_gives_each_configs_prometheusrule_its_own(tmp_path, capsys):
+    """Two PrometheusRules of one name in one namespace are one: the last applied replaces
+    the other's alerts. --name names it (default guard-alerts), in the header's command too."""
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
+    assert main(["deploy", "rules", "--config", str(config), "--format", "prometheusrule"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["metadata"]["name"] == "guard-alerts"
+    assert main(["deploy", "rules", "--config", str(config), "--format", "prometheusrule",
+                 "--name", "vision.guard-alerts"]) == 0
+    text = capsys.readouterr().out
+    assert yaml.safe_load(text)["metadata"]["name"] == "vision.guard-alerts"
+    assert "--format prometheusrule --name vision.guard-alerts`" in text.splitlines()[0]
+
+
+def test_the_shipped_kustomizations_rules_have_distinct_names():
+    """deploy/kubernetes/base and llm applied to one namespace keep both sets of alerts."""
+    names = [yaml.safe_load((ROOT / path).read_text())["metadata"]["name"]
+             for path in (f"{BASE}/prometheusrule.yaml", f"{OVERLAY}/prometheusrule.yaml",
+                          "deploy/kubernetes/llm/prometheusrule.yaml")]
+    # (the overlay's patches the base's: one name)
+    assert names == ["guard-alerts", "guard-alerts", "guard-llm-alerts"]
+
+
 @pytest.mark.parametrize("argv,message", [
-    (["--label", "release=prom"], "add --format prometheusrule"),  # a rule file has no metadata
-    (["--format", "prometheusrule", "--label", "release"], "'release' is not LABEL=VALUE"),
+    (["--label", "release=prom"], "--label: labels go on a PrometheusRule's metadata; a "
+     "Prometheus rule file has none: add --format prometheusrule"),  # no metadata there
+    (["--format", "prometheusrule", "--label", "release"], "--label: 'release' is not LABEL=VALUE"),
     (["--format", "prometheusrule", "--label", "rel ease=x"], "is not LABEL=VALUE"),
     (["--format", "prometheusrule", "--label", "release=-prom"], "the value must be"),
+    (["--name", "mine"], "--name: names the PrometheusRule; a Prometheus rule file has no name"),
+    (["--format", "prometheusrule", "--name", "Guard_Alerts"],
+     "--name: 'Guard_Alerts' is not a Kubernetes object name"),
 ])
-def test_bad_labels_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
+def test_bad_labels_and_names_are_one_line_and_exit_2(tmp_path, capsys, argv, message):
     config = tmp_path / "guard.yaml"
     config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
     assert main(["deploy", "rules", "--config", str(config), *argv]) == 2
     out, err = capsys.readouterr()
     assert out == ""
     (line,) = err.strip().splitlines()
-    assert line.startswith("guard: --label: ") and message in line, line
+    assert line.startswith(f"guard: {argv[-2]}: ") and message in line, line
 
 
 # -- fleet rules (--fleet) -------------------------------------------------------------------------
@@ -424,3 +462,27 @@ def test_without_fleet_no_fleet_rules(tmp_path, capsys):
     config.write_text(yaml.safe_dump({"version": 1, "models": [model()]}))
     assert main(["deploy", "rules", "--config", str(config)]) == 0
     assert "guard_fleet" not in capsys.readouterr().out
+
+
+def test_fleet_leaves_window_detectors_out_and_says_so(tmp_path, capsys):
+    """A window detector never burns in: its replicas export guard_detector_p0 = p0_max, not
+    the model's in-control rate, so pooled against it a fleet inside its own trip_ratio (10%
+    failing, trip_ratio 0.2) would raise the critical GuardFleetDrift."""
+    config = tmp_path / "guard.yaml"
+    config.write_text(yaml.safe_dump({"version": 1, "models": [
+        model("seq", policy={"action": "alert"}),
+        model("win", policy={"action": "alert", "detector": "window"})]}))
+    assert main(["deploy", "rules", "--config", str(config), "--fleet"]) == 0
+    out, err = capsys.readouterr()
+    (group,) = fleet_groups_of(out)
+    pooled = {r["expr"].split('model="')[1].split('"')[0] for r in group["rules"]
+              if r.get("alert")}
+    assert pooled == {"seq"}
+    assert 'model="win"' not in json.dumps(group)
+    # ... while its own drift alert stays, and the file and the command name what was left out
+    assert 'guard_drift_ratio{model="win"} > 0.2' in out
+    assert out.splitlines()[1] == ("# Not in the fleet rule: win: policy.detector is window "
+                                   "(its replicas export no in-control rate to pool against; "
+                                   "its own GuardDriftOverThreshold alerts on policy.trip_ratio)")
+    assert err.strip() == "guard deploy rules: not in the fleet rule: " + \
+        out.splitlines()[1].removeprefix("# Not in the fleet rule: ")

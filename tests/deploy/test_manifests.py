@@ -188,9 +188,11 @@ def test_service_points_at_the_guard(built):
     pod_labels = one(docs, "Deployment")["spec"]["template"]["metadata"]["labels"]
     assert service["spec"]["selector"].items() <= pod_labels.items()
     (port,) = service["spec"]["ports"]
+    # By number: a name resolves on a native sidecar only from Kubernetes 1.32
+    # (tests/deploy/test_service_ports.py).
     guard_ports = {p["name"]: p["containerPort"] for p in guard_container(docs)["ports"]}
-    assert port["targetPort"] in guard_ports
-    assert guard_ports[port["targetPort"]] == guard_config_data(docs)["server"]["grpc_port"]
+    assert port["targetPort"] == guard_ports["grpc"]
+    assert port["targetPort"] == guard_config_data(docs)["server"]["grpc_port"]
 
 
 def test_podmonitor_scrapes_the_guard_metrics_port_as_job_guard(built):

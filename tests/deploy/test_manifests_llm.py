@@ -145,7 +145,7 @@ def test_service_podmonitor_and_networkpolicies(docs, config):
     service = one(docs, "Service", "llm")
     assert service["spec"]["selector"].items() <= labels.items()
     (port,) = service["spec"]["ports"]
-    assert port["targetPort"] == "http"
+    assert port["targetPort"] == raw["server"]["http_port"]  # by number: a sidecar's port
     monitor = one(docs, "PodMonitor")
     assert monitor["spec"]["selector"]["matchLabels"].items() <= labels.items()
     (endpoint,) = monitor["spec"]["podMetricsEndpoints"]
