@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from dataclasses import dataclass
 
@@ -203,3 +204,24 @@ def set_route(address: str, model: str, route: str, reason: str,
                      tls=tls)
     print(format_model_status(response.status))
     return 0
+
+
+def reload_config(address: str, reason: str, tls: ClientTls | None = None) -> int:
+    """Reload: what the reload did, one line each; exit 0 applied, 1 where a model kept its
+    old version (failed), 2 where the file was rejected (a bad config: the config in force
+    stays)."""
+    # A reload loads the changed models (seconds to minutes for a large one): wait for it.
+    response = _call(address, "Reload", pb.ReloadRequest(reason=reason), timeout=600.0, tls=tls)
+    if response.result == "rejected":
+        for problem in response.problems:
+            print(f"guard: {problem}", file=sys.stderr)
+        print("guard: the config was rejected; the one in force stays", file=sys.stderr)
+        return 2
+    parts = [f"{what} {', '.join(names)}" for what, names in (
+        ("changed", response.changed), ("added", response.added),
+        ("removed", response.removed)) if names]
+    print(f"reload {response.result} (config {response.config_hash}): "
+          + ("; ".join(parts) if parts else "no model changed"))
+    for name, why in sorted(response.failed.items()):
+        print(f"  {name}: kept its old version: {why}")
+    return 0 if response.result == "applied" else 1

@@ -304,6 +304,12 @@ def cmd_admin_status(args: argparse.Namespace) -> int:
     return print_status(_admin_address(args), args.model, args.json, _admin_tls(args))
 
 
+def cmd_admin_reload(args: argparse.Namespace) -> int:
+    from guard.admin_client import reload_config
+
+    return reload_config(_admin_address(args), args.reason, _admin_tls(args))
+
+
 def cmd_admin_route(args: argparse.Namespace) -> int:
     from guard.admin_client import set_route
 
@@ -608,6 +614,14 @@ def build_parser() -> argparse.ArgumentParser:
     route.add_argument("route", choices=["primary", "fallback", "auto"])
     route.add_argument("--reason", default="", help="recorded in the transition event")
     route.set_defaults(func=cmd_admin_route)
+    reload = admin_sub.add_parser(
+        "reload", help="read the config file again and apply it, as SIGHUP does",
+        description="Read the running guard's config file again and apply it (as SIGHUP and "
+        "the file watcher do) and print what the reload did. Exit 0 applied, 1 where a model "
+        "kept its old version (it failed to load), 2 where the file was rejected (the config "
+        "in force stays).")
+    reload.add_argument("--reason", default="", help="recorded in the reload's events")
+    reload.set_defaults(func=cmd_admin_reload)
     return parser
 
 

@@ -1,4 +1,4 @@
-"""The guard.v1 admin API: model status and manual route override.
+"""The guard.v1 admin API: model status, manual route override, and a reload of the config.
 
 Served by the serving process (its port outlives verifier restarts); the route policy lives in
 the verifier, so each call is forwarded there over the control channel and merged with what
@@ -28,6 +28,7 @@ from guard.ipc.messages import Failed, RouteSet, SetRoute
 from guard.observe.events import emit
 from guard.serve.lookup import abort, model_or_abort
 from guard.serve.model import ServedModel
+from guard.serve.reload import ConfigReloader
 from guard.serve.verifier_link import VerifierLink, VerifierUnavailable
 from guard.serve.tls import CallerCheck
 from guard.observe.metrics import counts
@@ -79,13 +80,16 @@ def served_status(model: ServedModel, verified: bytes | None,
 
 class AdminServicer(pb_grpc.AdminServicer):
     def __init__(self, models: dict[str, ServedModel], verifier: VerifierLink,
-                 callers: CallerCheck | None = None, seen: Callable[[], Seen] | None = None):
+                 callers: CallerCheck | None = None, seen: Callable[[], Seen] | None = None,
+                 reloader: Callable[[], ConfigReloader | None] = lambda: None):
         """``seen()``: the counts of the merged /metrics (a Seen); default: this process's
-        request counters."""
+        request counters. ``reloader()``: what Reload runs, None where guard has no config
+        file or is still starting."""
         self.models = models
         self.verifier = verifier
         self.callers = callers or CallerCheck("admin API")  # server.admin_tls's allow-list
         self.seen = seen
+        self.reloader = reloader
 
     async def GetStatus(self, request, context):
         await self.callers.check(context, "GetStatus")
@@ -127,3 +131,19 @@ class AdminServicer(pb_grpc.AdminServicer):
              caller=caller)
         return pb.SetRouteResponse(
             status=served_status(model, base64.b64decode(reply.status)))
+
+    async def Reload(self, request, context):
+        """The config file read again and applied, as SIGHUP does; the answer says what the
+        reload did (its events say it too, with ``trigger`` naming the caller)."""
+        caller = await self.callers.check(context, "Reload")
+        reloader = self.reloader()
+        if reloader is None:
+            await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                        "no config file to read again (guard was started from a config "
+                        "object), or guard is still starting: retry once it is ready")
+        trigger = f"admin API ({caller})" + (f": {request.reason}" if request.reason else "")
+        outcome = await reloader.reload(trigger)
+        return pb.ReloadResponse(
+            result=outcome.result, problems=outcome.problems, changed=outcome.changed,
+            added=outcome.added, removed=outcome.removed, failed=dict(outcome.failed),
+            config_hash=outcome.config_hash)

@@ -105,6 +105,7 @@ class GuardServer:
         self.tap_port = 0
         self._metrics_httpd: WSGIServer | None = None
         self.reloader: ConfigReloader | None = None
+        self._started_reloader: ConfigReloader | None = None  # once the first load is done
         self._watch_task: asyncio.Task | None = None
         self._loaded = False
 
@@ -164,7 +165,9 @@ class GuardServer:
                 if not self.envoy.attached:  # an attached Envoy's listeners are the mesh's
                     self.health_port, self.grpc_port = self.grpc_port, self.envoy.listener_port
             await self.worker.set_ready()
-            # The config watcher starts after the first load, never during it.
+            # The config watcher (and the admin API's Reload) start after the first load,
+            # never during it.
+            self._started_reloader = self.reloader
             if self.reloader is not None and self.config.server.reload_interval_s > 0:
                 self._watch_task = asyncio.create_task(
                     self.reloader.watch(self.config.server.reload_interval_s))
@@ -200,7 +203,8 @@ class GuardServer:
         guarded(admin_pb2_grpc.add_AdminServicer_to_server,
                 AdminServicer(self.models, self.verifier,
                               CallerCheck("admin API", server_config.admin_tls),
-                              seen=self._seen), self._admin)
+                              seen=self._seen, reloader=lambda: self._started_reloader),
+                self._admin)
         self.admin_port = bind(self._admin, server_config.admin_host,
                                server_config.admin_port, "server.admin_port",
                                server_credentials(server_config.admin_tls))

@@ -58,6 +58,25 @@ def file_state(path: Path) -> tuple:
         return ("missing",)
 
 
+class ReloadOutcome(NamedTuple):
+    """What a reload did, as the admin API's Reload answers it: ``result`` as
+    guard_config_reloads_total counts it (``applied``; ``failed``: some models kept their old
+    version, ``failed`` names them with why; ``rejected``: the file is not a valid config,
+    ``problems`` says why, and the config in force stays)."""
+
+    result: str
+    problems: tuple[str, ...] = ()
+    changed: tuple[str, ...] = ()
+    added: tuple[str, ...] = ()
+    removed: tuple[str, ...] = ()
+    failed: tuple[tuple[str, str], ...] = ()  # (model, why)
+    config_hash: str = ""
+
+    @property
+    def applied(self) -> bool:
+        return self.result == "applied"
+
+
 _digests: dict[tuple, str] = {}  # file_state -> sha256 of the content
 
 
@@ -152,8 +171,8 @@ class ConfigReloader:
                 self._state = state
                 await self.reload("file changed")
 
-    async def reload(self, trigger: str) -> bool:
-        """Validate and apply the config file; False when it was rejected or a model failed."""
+    async def reload(self, trigger: str) -> ReloadOutcome:
+        """Validate and apply the config file (``trigger``: why, for the events)."""
         async with self._lock:
             # What this reload reads is seen: the watcher does not reload it again (a SIGHUP
             # after an edit was one reload, counted twice, before).
@@ -165,10 +184,10 @@ class ConfigReloader:
                 self.reloads.labels("rejected").inc()
                 emit("config_rejected", trigger=trigger, path=str(self.path),
                      problems=exc.problems, note="the previous config stays in force")
-                return False
+                return ReloadOutcome("rejected", problems=tuple(exc.problems))
             return await self._apply(new, trigger)
 
-    async def _apply(self, new: GuardConfig, trigger: str) -> bool:
+    async def _apply(self, new: GuardConfig, trigger: str) -> ReloadOutcome:
         """Changed and added models load in every serving process (the backends that answer)
         and in the verifier (reference, checks, capture); only those that loaded everywhere
         are swapped in."""
@@ -219,4 +238,6 @@ class ConfigReloader:
         emit("config_reloaded", trigger=trigger, changed=changed, added=added, removed=removed,
              failed=sorted(failed), evidence_carried=[n for n in carried if n in changed],
              config_hash=new.context.source_hash)
-        return not failed
+        return ReloadOutcome(result, changed=tuple(changed), added=tuple(added),
+                             removed=tuple(removed), failed=tuple(sorted(failed.items())),
+                             config_hash=new.context.source_hash or "")

@@ -24,13 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14guard/v1/admin.proto\x12\x08guard.v1\"!\n\x10GetStatusRequest\x12\r\n\x05model\x18\x01 \x01(\t\"Q\n\x11GetStatusResponse\x12\x15\n\rguard_version\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.guard.v1.ModelStatus\"X\n\x0fSetRouteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x05route\x18\x02 \x01(\x0e\x32\x17.guard.v1.RouteOverride\x12\x0e\n\x06reason\x18\x03 \x01(\t\"9\n\x10SetRouteResponse\x12%\n\x06status\x18\x01 \x01(\x0b\x32\x15.guard.v1.ModelStatus\"\x92\x01\n\x0cWindowStatus\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\r\x12\x13\n\x0b\x64rift_ratio\x18\x04 \x01(\x01\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x13\n\x0bmin_samples\x18\x06 \x01(\r\x12\x17\n\x0fsince_unix_time\x18\x07 \x01(\x01\"f\n\nTransition\x12\x12\n\nfrom_route\x18\x01 \x01(\t\x12\x10\n\x08to_route\x18\x02 \x01(\t\x12\x0f\n\x07trigger\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tunix_time\x18\x05 \x01(\x01\"c\n\rBackendStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08\x61rtifact\x18\x05 \x01(\t\"\xee\x02\n\x10GenerationWindow\x12\x13\n\x0b\x63ompletions\x18\x01 \x01(\r\x12\x0e\n\x06window\x18\x02 \x01(\r\x12\x10\n\x08mean_kld\x18\x03 \x01(\x01\x12\x0f\n\x07kld_p99\x18\x04 \x01(\x01\x12\x16\n\x0etop1_agreement\x18\x05 \x01(\x01\x12\x16\n\x0enot_comparable\x18\x06 \x01(\r\x12\x1c\n\x14last_divergence_json\x18\x07 \x01(\t\x12W\n\x18not_comparable_by_reason\x18\x08 \x03(\x0b\x32\x35.guard.v1.GenerationWindow.NotComparableByReasonEntry\x12\x1b\n\x13sampled_completions\x18\t \x01(\r\x12\x10\n\x08z_pooled\x18\n \x01(\x01\x1a<\n\x1aNotComparableByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xa6\x06\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05route\x18\x02 \x01(\t\x12\x10\n\x08override\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\'\n\x07windows\x18\x05 \x03(\x0b\x32\x16.guard.v1.WindowStatus\x12-\n\x0flast_transition\x18\x06 \x01(\x0b\x32\x14.guard.v1.Transition\x12\x1b\n\x13has_last_transition\x18\x07 \x01(\x08\x12)\n\x08\x62\x61\x63kends\x18\x08 \x03(\x0b\x32\x17.guard.v1.BackendStatus\x12\x31\n\x06mirror\x18\t \x03(\x0b\x32!.guard.v1.ModelStatus.MirrorEntry\x12\x35\n\x08requests\x18\n \x03(\x0b\x32#.guard.v1.ModelStatus.RequestsEntry\x12\x0f\n\x07probing\x18\x0b \x01(\x08\x12\x15\n\rops_kept_back\x18\x0c \x03(\t\x12\x11\n\trepairing\x18\r \x01(\x08\x12\x42\n\x0foutputs_matched\x18\x0e \x03(\x0b\x32).guard.v1.ModelStatus.OutputsMatchedEntry\x12.\n\ngeneration\x18\x0f \x01(\x0b\x32\x1a.guard.v1.GenerationWindow\x12\x16\n\x0ehas_generation\x18\x10 \x01(\x08\x12<\n\x0ctier_actions\x18\x11 \x03(\x0b\x32&.guard.v1.ModelStatus.TierActionsEntry\x1a-\n\x0bMirrorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13OutputsMatchedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10TierActionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*T\n\rRouteOverride\x12\x1e\n\x1aROUTE_OVERRIDE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x41UTO\x10\x01\x12\x0b\n\x07PRIMARY\x10\x02\x12\x0c\n\x08\x46\x41LLBACK\x10\x03\x32\x90\x01\n\x05\x41\x64min\x12\x44\n\tGetStatus\x12\x1a.guard.v1.GetStatusRequest\x1a\x1b.guard.v1.GetStatusResponse\x12\x41\n\x08SetRoute\x12\x19.guard.v1.SetRouteRequest\x1a\x1a.guard.v1.SetRouteResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14guard/v1/admin.proto\x12\x08guard.v1\"!\n\x10GetStatusRequest\x12\r\n\x05model\x18\x01 \x01(\t\"Q\n\x11GetStatusResponse\x12\x15\n\rguard_version\x18\x01 \x01(\t\x12%\n\x06models\x18\x02 \x03(\x0b\x32\x15.guard.v1.ModelStatus\"X\n\x0fSetRouteRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12&\n\x05route\x18\x02 \x01(\x0e\x32\x17.guard.v1.RouteOverride\x12\x0e\n\x06reason\x18\x03 \x01(\t\"9\n\x10SetRouteResponse\x12%\n\x06status\x18\x01 \x01(\x0b\x32\x15.guard.v1.ModelStatus\"\x1f\n\rReloadRequest\x12\x0e\n\x06reason\x18\x01 \x01(\t\"\xdd\x01\n\x0eReloadResponse\x12\x0e\n\x06result\x18\x01 \x01(\t\x12\x10\n\x08problems\x18\x02 \x03(\t\x12\x0f\n\x07\x63hanged\x18\x03 \x03(\t\x12\r\n\x05\x61\x64\x64\x65\x64\x18\x04 \x03(\t\x12\x0f\n\x07removed\x18\x05 \x03(\t\x12\x34\n\x06\x66\x61iled\x18\x06 \x03(\x0b\x32$.guard.v1.ReloadResponse.FailedEntry\x12\x13\n\x0b\x63onfig_hash\x18\x07 \x01(\t\x1a-\n\x0b\x46\x61iledEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\"\x92\x01\n\x0cWindowStatus\x12\x0c\n\x04tier\x18\x01 \x01(\t\x12\x0f\n\x07samples\x18\x02 \x01(\r\x12\x10\n\x08\x66\x61ilures\x18\x03 \x01(\r\x12\x13\n\x0b\x64rift_ratio\x18\x04 \x01(\x01\x12\x0e\n\x06window\x18\x05 \x01(\r\x12\x13\n\x0bmin_samples\x18\x06 \x01(\r\x12\x17\n\x0fsince_unix_time\x18\x07 \x01(\x01\"f\n\nTransition\x12\x12\n\nfrom_route\x18\x01 \x01(\t\x12\x10\n\x08to_route\x18\x02 \x01(\t\x12\x0f\n\x07trigger\x18\x03 \x01(\t\x12\x0e\n\x06reason\x18\x04 \x01(\t\x12\x11\n\tunix_time\x18\x05 \x01(\x01\"c\n\rBackendStatus\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x62\x61\x63kend\x18\x02 \x01(\t\x12\x11\n\tprecision\x18\x03 \x01(\t\x12\x0e\n\x06\x64\x65vice\x18\x04 \x01(\t\x12\x10\n\x08\x61rtifact\x18\x05 \x01(\t\"\xee\x02\n\x10GenerationWindow\x12\x13\n\x0b\x63ompletions\x18\x01 \x01(\r\x12\x0e\n\x06window\x18\x02 \x01(\r\x12\x10\n\x08mean_kld\x18\x03 \x01(\x01\x12\x0f\n\x07kld_p99\x18\x04 \x01(\x01\x12\x16\n\x0etop1_agreement\x18\x05 \x01(\x01\x12\x16\n\x0enot_comparable\x18\x06 \x01(\r\x12\x1c\n\x14last_divergence_json\x18\x07 \x01(\t\x12W\n\x18not_comparable_by_reason\x18\x08 \x03(\x0b\x32\x35.guard.v1.GenerationWindow.NotComparableByReasonEntry\x12\x1b\n\x13sampled_completions\x18\t \x01(\r\x12\x10\n\x08z_pooled\x18\n \x01(\x01\x1a<\n\x1aNotComparableByReasonEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\xa6\x06\n\x0bModelStatus\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05route\x18\x02 \x01(\t\x12\x10\n\x08override\x18\x03 \x01(\t\x12\x0e\n\x06\x61\x63tion\x18\x04 \x01(\t\x12\'\n\x07windows\x18\x05 \x03(\x0b\x32\x16.guard.v1.WindowStatus\x12-\n\x0flast_transition\x18\x06 \x01(\x0b\x32\x14.guard.v1.Transition\x12\x1b\n\x13has_last_transition\x18\x07 \x01(\x08\x12)\n\x08\x62\x61\x63kends\x18\x08 \x03(\x0b\x32\x17.guard.v1.BackendStatus\x12\x31\n\x06mirror\x18\t \x03(\x0b\x32!.guard.v1.ModelStatus.MirrorEntry\x12\x35\n\x08requests\x18\n \x03(\x0b\x32#.guard.v1.ModelStatus.RequestsEntry\x12\x0f\n\x07probing\x18\x0b \x01(\x08\x12\x15\n\rops_kept_back\x18\x0c \x03(\t\x12\x11\n\trepairing\x18\r \x01(\x08\x12\x42\n\x0foutputs_matched\x18\x0e \x03(\x0b\x32).guard.v1.ModelStatus.OutputsMatchedEntry\x12.\n\ngeneration\x18\x0f \x01(\x0b\x32\x1a.guard.v1.GenerationWindow\x12\x16\n\x0ehas_generation\x18\x10 \x01(\x08\x12<\n\x0ctier_actions\x18\x11 \x03(\x0b\x32&.guard.v1.ModelStatus.TierActionsEntry\x1a-\n\x0bMirrorEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a/\n\rRequestsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x35\n\x13OutputsMatchedEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01\x1a\x32\n\x10TierActionsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\t:\x02\x38\x01*T\n\rRouteOverride\x12\x1e\n\x1aROUTE_OVERRIDE_UNSPECIFIED\x10\x00\x12\x08\n\x04\x41UTO\x10\x01\x12\x0b\n\x07PRIMARY\x10\x02\x12\x0c\n\x08\x46\x41LLBACK\x10\x03\x32\xcd\x01\n\x05\x41\x64min\x12\x44\n\tGetStatus\x12\x1a.guard.v1.GetStatusRequest\x1a\x1b.guard.v1.GetStatusResponse\x12\x41\n\x08SetRoute\x12\x19.guard.v1.SetRouteRequest\x1a\x1a.guard.v1.SetRouteResponse\x12;\n\x06Reload\x12\x17.guard.v1.ReloadRequest\x1a\x18.guard.v1.ReloadResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'guard.v1.admin_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_RELOADRESPONSE_FAILEDENTRY']._loaded_options = None
+  _globals['_RELOADRESPONSE_FAILEDENTRY']._serialized_options = b'8\001'
   _globals['_GENERATIONWINDOW_NOTCOMPARABLEBYREASONENTRY']._loaded_options = None
   _globals['_GENERATIONWINDOW_NOTCOMPARABLEBYREASONENTRY']._serialized_options = b'8\001'
   _globals['_MODELSTATUS_MIRRORENTRY']._loaded_options = None
@@ -41,8 +43,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_MODELSTATUS_OUTPUTSMATCHEDENTRY']._serialized_options = b'8\001'
   _globals['_MODELSTATUS_TIERACTIONSENTRY']._loaded_options = None
   _globals['_MODELSTATUS_TIERACTIONSENTRY']._serialized_options = b'8\001'
-  _globals['_ROUTEOVERRIDE']._serialized_start=1833
-  _globals['_ROUTEOVERRIDE']._serialized_end=1917
+  _globals['_ROUTEOVERRIDE']._serialized_start=2090
+  _globals['_ROUTEOVERRIDE']._serialized_end=2174
   _globals['_GETSTATUSREQUEST']._serialized_start=34
   _globals['_GETSTATUSREQUEST']._serialized_end=67
   _globals['_GETSTATUSRESPONSE']._serialized_start=69
@@ -51,26 +53,32 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETROUTEREQUEST']._serialized_end=240
   _globals['_SETROUTERESPONSE']._serialized_start=242
   _globals['_SETROUTERESPONSE']._serialized_end=299
-  _globals['_WINDOWSTATUS']._serialized_start=302
-  _globals['_WINDOWSTATUS']._serialized_end=448
-  _globals['_TRANSITION']._serialized_start=450
-  _globals['_TRANSITION']._serialized_end=552
-  _globals['_BACKENDSTATUS']._serialized_start=554
-  _globals['_BACKENDSTATUS']._serialized_end=653
-  _globals['_GENERATIONWINDOW']._serialized_start=656
-  _globals['_GENERATIONWINDOW']._serialized_end=1022
-  _globals['_GENERATIONWINDOW_NOTCOMPARABLEBYREASONENTRY']._serialized_start=962
-  _globals['_GENERATIONWINDOW_NOTCOMPARABLEBYREASONENTRY']._serialized_end=1022
-  _globals['_MODELSTATUS']._serialized_start=1025
-  _globals['_MODELSTATUS']._serialized_end=1831
-  _globals['_MODELSTATUS_MIRRORENTRY']._serialized_start=1630
-  _globals['_MODELSTATUS_MIRRORENTRY']._serialized_end=1675
-  _globals['_MODELSTATUS_REQUESTSENTRY']._serialized_start=1677
-  _globals['_MODELSTATUS_REQUESTSENTRY']._serialized_end=1724
-  _globals['_MODELSTATUS_OUTPUTSMATCHEDENTRY']._serialized_start=1726
-  _globals['_MODELSTATUS_OUTPUTSMATCHEDENTRY']._serialized_end=1779
-  _globals['_MODELSTATUS_TIERACTIONSENTRY']._serialized_start=1781
-  _globals['_MODELSTATUS_TIERACTIONSENTRY']._serialized_end=1831
-  _globals['_ADMIN']._serialized_start=1920
-  _globals['_ADMIN']._serialized_end=2064
+  _globals['_RELOADREQUEST']._serialized_start=301
+  _globals['_RELOADREQUEST']._serialized_end=332
+  _globals['_RELOADRESPONSE']._serialized_start=335
+  _globals['_RELOADRESPONSE']._serialized_end=556
+  _globals['_RELOADRESPONSE_FAILEDENTRY']._serialized_start=511
+  _globals['_RELOADRESPONSE_FAILEDENTRY']._serialized_end=556
+  _globals['_WINDOWSTATUS']._serialized_start=559
+  _globals['_WINDOWSTATUS']._serialized_end=705
+  _globals['_TRANSITION']._serialized_start=707
+  _globals['_TRANSITION']._serialized_end=809
+  _globals['_BACKENDSTATUS']._serialized_start=811
+  _globals['_BACKENDSTATUS']._serialized_end=910
+  _globals['_GENERATIONWINDOW']._serialized_start=913
+  _globals['_GENERATIONWINDOW']._serialized_end=1279
+  _globals['_GENERATIONWINDOW_NOTCOMPARABLEBYREASONENTRY']._serialized_start=1219
+  _globals['_GENERATIONWINDOW_NOTCOMPARABLEBYREASONENTRY']._serialized_end=1279
+  _globals['_MODELSTATUS']._serialized_start=1282
+  _globals['_MODELSTATUS']._serialized_end=2088
+  _globals['_MODELSTATUS_MIRRORENTRY']._serialized_start=1887
+  _globals['_MODELSTATUS_MIRRORENTRY']._serialized_end=1932
+  _globals['_MODELSTATUS_REQUESTSENTRY']._serialized_start=1934
+  _globals['_MODELSTATUS_REQUESTSENTRY']._serialized_end=1981
+  _globals['_MODELSTATUS_OUTPUTSMATCHEDENTRY']._serialized_start=1983
+  _globals['_MODELSTATUS_OUTPUTSMATCHEDENTRY']._serialized_end=2036
+  _globals['_MODELSTATUS_TIERACTIONSENTRY']._serialized_start=2038
+  _globals['_MODELSTATUS_TIERACTIONSENTRY']._serialized_end=2088
+  _globals['_ADMIN']._serialized_start=2177
+  _globals['_ADMIN']._serialized_end=2382
 # @@protoc_insertion_point(module_scope)

@@ -48,6 +48,37 @@ class SetRouteResponse(_message.Message):
     status: ModelStatus
     def __init__(self, status: _Optional[_Union[ModelStatus, _Mapping]] = ...) -> None: ...
 
+class ReloadRequest(_message.Message):
+    __slots__ = ("reason",)
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    reason: str
+    def __init__(self, reason: _Optional[str] = ...) -> None: ...
+
+class ReloadResponse(_message.Message):
+    __slots__ = ("result", "problems", "changed", "added", "removed", "failed", "config_hash")
+    class FailedEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: str
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+    RESULT_FIELD_NUMBER: _ClassVar[int]
+    PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    CHANGED_FIELD_NUMBER: _ClassVar[int]
+    ADDED_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    FAILED_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    result: str
+    problems: _containers.RepeatedScalarFieldContainer[str]
+    changed: _containers.RepeatedScalarFieldContainer[str]
+    added: _containers.RepeatedScalarFieldContainer[str]
+    removed: _containers.RepeatedScalarFieldContainer[str]
+    failed: _containers.ScalarMap[str, str]
+    config_hash: str
+    def __init__(self, result: _Optional[str] = ..., problems: _Optional[_Iterable[str]] = ..., changed: _Optional[_Iterable[str]] = ..., added: _Optional[_Iterable[str]] = ..., removed: _Optional[_Iterable[str]] = ..., failed: _Optional[_Mapping[str, str]] = ..., config_hash: _Optional[str] = ...) -> None: ...
+
 class WindowStatus(_message.Message):
     __slots__ = ("tier", "samples", "failures", "drift_ratio", "window", "min_samples", "since_unix_time")
     TIER_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class AdminStub:
                 request_serializer=guard_dot_v1_dot_admin__pb2.SetRouteRequest.SerializeToString,
                 response_deserializer=guard_dot_v1_dot_admin__pb2.SetRouteResponse.FromString,
                 _registered_method=True)
+        self.Reload = channel.unary_unary(
+                '/guard.v1.Admin/Reload',
+                request_serializer=guard_dot_v1_dot_admin__pb2.ReloadRequest.SerializeToString,
+                response_deserializer=guard_dot_v1_dot_admin__pb2.ReloadResponse.FromString,
+                _registered_method=True)
 
 
 class AdminServicer:
@@ -63,6 +68,15 @@ class AdminServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reload(self, request, context):
+        """Read the config file again and apply it, as SIGHUP does (docs/operating.md, Hot reload),
+        and say what it did. FAILED_PRECONDITION where guard has no file to read (embedded) or is
+        still starting.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_AdminServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -75,6 +89,11 @@ def add_AdminServicer_to_server(servicer, server):
                     servicer.SetRoute,
                     request_deserializer=guard_dot_v1_dot_admin__pb2.SetRouteRequest.FromString,
                     response_serializer=guard_dot_v1_dot_admin__pb2.SetRouteResponse.SerializeToString,
+            ),
+            'Reload': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reload,
+                    request_deserializer=guard_dot_v1_dot_admin__pb2.ReloadRequest.FromString,
+                    response_serializer=guard_dot_v1_dot_admin__pb2.ReloadResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -131,6 +150,33 @@ class Admin:
             '/guard.v1.Admin/SetRoute',
             guard_dot_v1_dot_admin__pb2.SetRouteRequest.SerializeToString,
             guard_dot_v1_dot_admin__pb2.SetRouteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reload(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/guard.v1.Admin/Reload',
+            guard_dot_v1_dot_admin__pb2.ReloadRequest.SerializeToString,
+            guard_dot_v1_dot_admin__pb2.ReloadResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,7 +51,7 @@ class Guard:
 
     def reload(self) -> bool:
         return asyncio.run_coroutine_threadsafe(
-            self.srv.reloader.reload("test"), self.background._loop).result(120)
+            self.srv.reloader.reload("test"), self.background._loop).result(120).applied
 
     def metrics(self) -> dict:
         return scrape(self.srv.metrics_port)

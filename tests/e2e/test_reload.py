@@ -272,7 +272,7 @@ def test_one_edit_and_a_sighup_are_one_reload_and_the_server_block_waits(tmp_pat
         async def edit_then_hang_up() -> bool:
             # On the server's loop, so that the watcher cannot look between the two.
             path.write_text(yaml.safe_dump(data))
-            return await srv.reloader.reload("SIGHUP")
+            return (await srv.reloader.reload("SIGHUP")).applied
 
         assert asyncio.run_coroutine_threadsafe(edit_then_hang_up(), background._loop).result(60)
         time.sleep(1.5)  # five of the watcher's looks at the file
@@ -281,3 +281,65 @@ def test_one_edit_and_a_sighup_are_one_reload_and_the_server_block_waits(tmp_pat
         assert srv.models["b"].ready
         assert srv.config.server.shutdown_grace_s == 30
         assert [m.name for m in srv.config.models] == ["a", "b"]
+
+
+def test_the_admin_apis_reload_applies_the_file_and_says_what_it_did(tmp_path, capsys):
+    """guard.v1.Admin/Reload, as SIGHUP (CONTRACT.md: the admin service reloads): what was
+    added, a rejected file's problems naming the key (the config in force stays), a model
+    that failed to load naming it (its old version stays)."""
+    import grpc
+
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    path = write_config(tmp_path, [model_block("a", mirror={"sample_rate": 0.0})])
+    data = yaml.safe_load(path.read_text())
+    with BackgroundServer(load_config(path)) as srv, \
+            grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+        admin = admin_pb2_grpc.AdminStub(channel)
+
+        def reload(reason: str = "") -> admin_pb2.ReloadResponse:
+            return admin.Reload(admin_pb2.ReloadRequest(reason=reason), timeout=120)
+
+        same = reload()
+        assert (same.result, list(same.changed), list(same.added)) == ("applied", [], [])
+        data["models"].append(model_block("b", mirror={"sample_rate": 0.0}))
+        path.write_text(yaml.safe_dump(data))
+        added = reload("INC-1")
+        assert (added.result, list(added.added)) == ("applied", ["b"])
+        assert len(added.config_hash) == 16 and srv.models["b"].ready
+
+        data["models"][1]["mirror"]["sample_ratee"] = 0.5
+        path.write_text(yaml.safe_dump(data))
+        rejected = reload()
+        assert rejected.result == "rejected"
+        assert list(rejected.problems) == ["models[1].mirror.sample_ratee: unknown key"]
+        del data["models"][1]["mirror"]["sample_ratee"]
+
+        kept = srv.models["b"]
+        data["models"][1]["primary"] = {"backend": "torch",
+                                        "path": "fixture_models:does_not_exist"}
+        path.write_text(yaml.safe_dump(data))
+        failed = reload()
+        assert failed.result == "failed" and list(failed.failed) == ["b"]
+        assert "does_not_exist" in failed.failed["b"] and srv.models["b"] is kept
+        values = scrape(srv.metrics_port)
+        assert metric(values, "guard_config_reloads_total", result="applied") == 2
+        assert metric(values, "guard_config_reloads_total", result="rejected") == 1
+        assert metric(values, "guard_config_reloads_total", result="failed") == 1
+
+        # The command line: what the reload did, and its exit code.
+        from guard.cli import main
+
+        address = ["admin", "--admin", f"127.0.0.1:{srv.admin_port}", "reload"]
+        assert main(address + ["--reason", "INC-2"]) == 1  # b still fails to load
+        data["models"][1]["mirror"]["sample_ratee"] = 0.5
+        path.write_text(yaml.safe_dump(data))
+        assert main(address) == 2
+        data["models"].pop(1)
+        path.write_text(yaml.safe_dump(data))
+        assert main(address) == 0
+        assert "b" not in srv.models
+        out, err = capsys.readouterr()
+        assert "reload failed" in out and "b: kept its old version: " in out
+        assert "guard: models[1].mirror.sample_ratee: unknown key" in err
+        assert "reload applied" in out and "removed b" in out
