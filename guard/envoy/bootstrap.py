@@ -56,6 +56,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from guard.backends.base import SKIP_S
 from guard.config import GuardConfig, ModelConfig
 from guard.envoy.process import GRPC_LISTENER
 from guard.observe.metrics import LATENCY_BUCKETS
@@ -76,6 +77,9 @@ CALLS_SCOPE = "guard_calls"  # the stats logger's counter: guard_calls.grpc.clus
 ROLES = ("primary", "fallback")
 SAMPLED = "_sampled"
 WEIGHTS = 1_000_000  # the weights of a model's clusters add up to this (a sample rate in ppm)
+# Each upstream endpoint's route, in its host metadata (``guard: {route: ...}``): what the
+# ``guard-route`` header and the call counter say of the endpoint that answered.
+ROUTE_METADATA = "%UPSTREAM_METADATA(guard:route)%"
 _TYPE = "type.googleapis.com/"
 # Methods whose first field names the model (ModelInfer's model_name, the others' name).
 _NAMED_METHODS = {"ModelInfer": "model_name", "ModelMetadata": "name", "ModelReady": "name"}
@@ -218,6 +222,69 @@ def _upstream_cluster(name: str, spec) -> dict:
     return _cluster(name, host, port, tls=tls)
 
 
+def serving_cluster(model: ModelConfig, name: str, role: str) -> dict:
+    """One of a model's clusters in guard's bootstrap: the role's upstream, its endpoint named
+    by its route in the host metadata (``ROUTE_METADATA``). A fallback's cluster also holds the
+    primary's endpoint, one priority lower (``_stands_in``): where no connection can be made to
+    the fallback, the call goes to the primary (the route's retry policy, ``SPILL_RETRY``), and
+    Envoy's outlier detection then leaves the fallback out for ``SKIP_S`` and tries it again,
+    as the Python data planes skip a fallback that is down. A drifting answer beats none, and
+    probes ride on answered calls: without it a trip to a fallback that is down was an outage
+    for as long as the route stayed there."""
+    cluster = _upstream_cluster(name, getattr(model, role))
+    if role == "fallback" and _stands_in(model):
+        host, port = _split_target(model.primary.target)
+        return with_stand_in(cluster, {"address": _address(host, port)})
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["metadata"] = \
+        route_metadata(role)
+    return cluster
+
+
+def with_stand_in(fallback: dict, primary: dict) -> dict:
+    """A fallback's cluster with the primary's endpoint (``primary``, an ``Endpoint``) one
+    priority lower, each endpoint's route in its host metadata, and the outlier detection that
+    leaves a fallback no connection can be made to out for ``SKIP_S``."""
+    endpoints = fallback["load_assignment"]["endpoints"]
+    endpoints[0]["lb_endpoints"][0]["metadata"] = route_metadata("fallback")
+    endpoints.append({"priority": 1, "lb_endpoints": [{
+        "endpoint": primary, "metadata": route_metadata("primary")}]})
+    fallback["outlier_detection"] = {
+        # a connection refused or timed out (guard's own side of the call) ejects the host at
+        # once; the upstream's own errors never do
+        "split_external_local_origin_errors": True,
+        "consecutive_local_origin_failure": 1,
+        "base_ejection_time": f"{SKIP_S:g}s", "max_ejection_time": f"{SKIP_S:g}s",
+        "max_ejection_percent": 100, "interval": "1s"}
+    return fallback
+
+
+def _stands_in(model: ModelConfig) -> bool:
+    """Can the primary's endpoint stand in inside the fallback's cluster? Where both are plain
+    (TLS settings, SNI among them, are a cluster's, not an endpoint's) and resolve alike (an
+    address, not a name: a STATIC cluster; a STRICT_DNS one resolves each endpoint itself)."""
+    if model.primary is None or model.fallback is None:
+        return False
+    sides = (model.primary, model.fallback)
+    if any(side.options.get("tls") for side in sides):
+        return False
+    return len({_is_ip(_split_target(side.target)[0]) for side in sides}) == 1
+
+
+def route_metadata(route: str) -> dict:
+    return {"filter_metadata": {"guard": {"route": route}}}
+
+
+# Where no connection can be made to the endpoint chosen (the fallback that is down), one retry
+# on the next priority (the primary standing in: ``serving_cluster``). A cluster with one
+# priority retries its one endpoint once: a dead primary costs one more connection attempt.
+SPILL_RETRY = {
+    "retry_on": "connect-failure,reset-before-request", "num_retries": 1,
+    "retry_priority": {"name": "envoy.retry_priorities.previous_priorities", "typed_config": {
+        "@type": _TYPE + "envoy.extensions.retry.priority.previous_priorities.v3."
+                         "PreviousPrioritiesConfig",
+        "update_frequency": 1}}}
+
+
 def roles_of(model: ModelConfig) -> tuple[str, ...]:
     return tuple(r for r in ROLES if getattr(model, r) is not None)
 
@@ -230,15 +297,20 @@ def model_clusters(model: ModelConfig) -> list[tuple[str, str, bool]]:
             for role in roles_of(model) for sampled in twins]
 
 
-def cluster_entries(model: ModelConfig, marked: bool = False) -> list[tuple[dict, str, bool]]:
+def cluster_entries(model: ModelConfig, marked: bool = False,
+                    stand_in: bool = False) -> list[tuple[dict, str, bool]]:
     """The ``weighted_clusters`` entries of a model's route (with the weights it starts on,
     its primary's, until the runtime says otherwise), each answer named by its route in the
-    ``guard-route`` header, and (``marked``) a sampled twin's answers marked for the tap
-    (``Chain``); beside each, its role and whether it is a sampled twin."""
+    ``guard-route`` header (``stand_in``: the fallback's clusters hold the primary standing
+    in, ``serving_cluster``: the answering endpoint says it), and (``marked``) a sampled
+    twin's answers marked for the tap (``Chain``); beside each, its role and whether it is a
+    sampled twin."""
     defaults = route_values(model.name, "primary", roles_of(model), sample_rate(model))
     entries = []
     for name, role, sampled in model_clusters(model):
-        headers = [{"header": {"key": ROUTE_HEADER, "value": role},
+        # (a fallback's cluster may answer from the primary standing in: the endpoint says)
+        route = ROUTE_METADATA if stand_in and role == "fallback" else role
+        headers = [{"header": {"key": ROUTE_HEADER, "value": route},
                     "append_action": "OVERWRITE_IF_EXISTS_OR_ADD"}]
         if sampled and marked:
             headers.append({"header": {"key": SAMPLED_HEADER, "value": "1"},
@@ -302,14 +374,18 @@ class Chain:
         return out
 
 
-def _weighted(model: ModelConfig, chain: Chain, compared: bool = True) -> dict:
+def _weighted(model: ModelConfig, chain: Chain, compared: bool = True,
+              spill: bool = False) -> dict:
     """The route action of a model's calls: its clusters weighted by runtime keys (defaults:
     the primary), chosen by the hash of the call's x-request-id (Envoy makes one for a call
     without), so that a given id is sampled, or not, on every replica. The unsampled clusters
     turn the chain's observing filter off; the sampled twins mark the answers of the calls
-    that are ``compared`` (ModelInfer's, not the metadata calls that share the clusters)."""
+    that are ``compared`` (ModelInfer's, not the metadata calls that share the clusters).
+    ``spill``: the clusters are ``serving_cluster``'s (guard's bootstrap, not Istio's), whose
+    fallback's may answer from the primary standing in (``SPILL_RETRY``)."""
     clusters, hashed = [], False
-    for entry, _, sampled in cluster_entries(model, chain.marked and compared):
+    stand_in = spill and _stands_in(model)
+    for entry, _, sampled in cluster_entries(model, chain.marked and compared, stand_in):
         if not sampled and chain.observer:
             entry["typed_per_filter_config"] = chain.off()
         hashed = hashed or sampled
@@ -324,6 +400,8 @@ def _weighted(model: ModelConfig, chain: Chain, compared: bool = True) -> dict:
         "timeout": f"{timeout}s",
         "max_stream_duration": {"grpc_timeout_header_max": "0s"},
     }
+    if stand_in:
+        action["retry_policy"] = SPILL_RETRY
     if hashed:  # only a model with a sampled twin needs the id's hash (mirroring off: no cost)
         weighted["use_hash_policy"] = True
         action["hash_policy"] = [{"header": {"header_name": "x-request-id"}}]
@@ -344,9 +422,9 @@ def _off(observer: str | None) -> dict:
         "disabled": True}}
 
 
-def _model_routes(model: ModelConfig, chain: Chain) -> list[dict]:
+def _model_routes(model: ModelConfig, chain: Chain, spill: bool = False) -> list[dict]:
     """A model's routes: its ModelInfer calls, and its other per-model methods (metadata,
-    readiness)."""
+    readiness); ``spill``: as ``_weighted``'s."""
     def match(path: str | None = None, prefix: str | None = None) -> dict:
         out: dict = {"path": path} if path else {"prefix": prefix}
         if chain.by_body:
@@ -362,10 +440,10 @@ def _model_routes(model: ModelConfig, chain: Chain) -> list[dict]:
     # not turn it off); every other call has it off on the route itself, and its answers are
     # not marked.
     routes = [{"name": f"{token(model.name)}_infer", "match": match(path=MODEL_INFER),
-               "route": _weighted(model, chain)}]
+               "route": _weighted(model, chain, spill=spill)}]
     if chain.by_body:
         other = {"name": f"{token(model.name)}_other", "match": match(prefix=f"/{SERVICE}/"),
-                 "route": _weighted(model, chain, compared=False)}
+                 "route": _weighted(model, chain, compared=False, spill=spill)}
         if chain.observer:
             other["typed_per_filter_config"] = chain.off()
         routes.append(other)
@@ -462,7 +540,8 @@ def _call_counter() -> dict:
     clusters and are not inference requests."""
     return counting_log({"header_filter": {"header": {
         "name": ":path", "string_match": {"exact": MODEL_INFER}}}},
-        f"{CALLS_SCOPE}.grpc", cluster="%UPSTREAM_CLUSTER%", code="%GRPC_STATUS_NUMBER%")
+        f"{CALLS_SCOPE}.grpc", cluster="%UPSTREAM_CLUSTER%", code="%GRPC_STATUS_NUMBER%",
+        route=ROUTE_METADATA)
 
 
 def counting_log(when: dict | None, stat: str, **tags: str) -> dict:
@@ -510,11 +589,13 @@ def _downstream_tls(config: GuardConfig) -> dict | None:
         **context}}
 
 
-def build(config: GuardConfig, ports: Ports,
-          routes: dict[str, str] | None = None) -> tuple[dict, Layout]:
+def build(config: GuardConfig, ports: Ports, routes: dict[str, str] | None = None,
+          spill: bool = True) -> tuple[dict, Layout]:
     """The bootstrap for ``config`` (a dict, dumped as YAML or JSON) and its layout.
     ``routes``: model -> "primary"/"fallback" to start on (the runtime's static layer), so
-    that an Envoy started again begins where the last one was."""
+    that an Envoy started again begins where the last one was. ``spill=False``: no primary
+    standing in for a fallback that is down (``serving_cluster``), as guard's Istio
+    EnvoyFilter builds its pieces (istio-proxy's build may not carry the retry priority)."""
     from guard.envoy import openai_listener  # it builds on this module's pieces
 
     routes = routes or {}
@@ -543,15 +624,16 @@ def build(config: GuardConfig, ports: Ports,
                                    roles_of(model), sample_rate(model)))
     for model in served:
         for name, role, _ in model_clusters(model):
-            clusters.append(_upstream_cluster(name, getattr(model, role)))
+            clusters.append(serving_cluster(model, name, role) if spill
+                            else _upstream_cluster(name, getattr(model, role)))
             layout.clusters[name] = (model.name, role)
-        virtual_routes += _model_routes(model, chain)
+        virtual_routes += _model_routes(model, chain, spill=spill)
     if served:
         # Server-wide calls (ServerLive, ServerReady, ModelConfig...) go to the first model's
         # server, on its current route. With several models, every ModelInfer's route too
         # until its body is read.
         server = {"name": "server", "match": {"prefix": f"/{SERVICE}/"},
-                  "route": _weighted(served[0], chain, compared=False)}
+                  "route": _weighted(served[0], chain, compared=False, spill=spill)}
         if chain.off_before_body():
             server["typed_per_filter_config"] = chain.off_before_body()
         virtual_routes.append(server)

@@ -110,6 +110,11 @@ class HandOff:
         be handed on (on the fallback, mirrored only while probing, as in the Python data
         plane)."""
         route, epoch, probing = model.route_word()
+        if answered_on == "primary" and route == "fallback":
+            # The primary stood in for a fallback that is down (bootstrap.serving_cluster), or
+            # Envoy routed the call before the switch: not a sample, as in the Python data
+            # plane's spill.
+            return answered_on, epoch, 0
         if answered_on in ("primary", "fallback"):
             route = answered_on
         flags = 0

@@ -22,6 +22,11 @@ Istio's bootstrap has an admin runtime layer (named ``admin``) and its admin API
 The weights a route starts with are the primary's, the route's own defaults: the runtime keys
 need no static layer.
 
+Unlike guard's own bootstrap, no primary stands in for a fallback that is down
+(``bootstrap.serving_cluster``: Envoy's retry priority, which istio-proxy's build is not known to
+carry): there a fallback that is down answers UNAVAILABLE until it is back or the route is
+handed back.
+
 Why patches to the inbound listener of the model server's port: that is where a call from any
 client in the mesh arrives (after mTLS, authorisation and Istio's telemetry), so guard sees and
 steers exactly what the model server would have answered, whichever client called.

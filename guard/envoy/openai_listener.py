@@ -48,8 +48,9 @@ from urllib.parse import urlsplit
 from guard.backends.openai import OpenAIOptions, base_url
 from guard.config import GuardConfig, ModelConfig, generation
 from guard.envoy.bootstrap import (
-    Chain, Layout, Ports, _address, _cluster, cluster_entries, counting_log, model_clusters,
-    roles_of, router_filter, token)
+    ROUTE_METADATA, SPILL_RETRY, Chain, Layout, Ports, _address, _cluster, _is_ip,
+    cluster_entries, counting_log, model_clusters, roles_of, route_metadata, router_filter,
+    token, with_stand_in)
 from guard.envoy.process import HTTP_LISTENER
 from guard.envoy.stats import HTTP_SCOPE, UNCHECKED_STAT
 from guard.protocol import openai as api
@@ -89,6 +90,32 @@ def _authority(spec) -> str:
     return host if port == (443 if tls else 80) else f"{host}:{port}"
 
 
+def _stands_in(model: ModelConfig) -> bool:
+    """Can the primary's endpoint stand in inside the fallback's cluster
+    (bootstrap.serving_cluster)? Where both are plain HTTP (TLS settings are a cluster's) and
+    resolve alike (addresses, or names: the cluster's type)."""
+    if model.fallback is None:
+        return False
+    targets = [_target(model.primary), _target(model.fallback)]
+    return not any(tls for _, _, tls, _ in targets) and \
+        len({_is_ip(host) for host, _, _, _ in targets}) == 1
+
+
+def _serving(model: ModelConfig, name: str, role: str) -> dict:
+    """One of a model's clusters: the role's upstream, and in a fallback's the primary standing
+    in where it can (``_stands_in``). Each endpoint carries its authority as its hostname: the
+    route rewrites Host to the answering endpoint's (``auto_host_rewrite``)."""
+    spec = getattr(model, role)
+    cluster = _upstream(name, spec)
+    if role == "fallback" and _stands_in(model):
+        host, port, _, _ = _target(model.primary)
+        return with_stand_in(cluster, {"address": _address(host, port),
+                                       "hostname": _authority(model.primary)})
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["metadata"] = \
+        route_metadata(role)
+    return cluster
+
+
 def _upstream(name: str, spec) -> dict:
     host, port, tls, _ = _target(spec)
     options = OpenAIOptions.model_validate(spec.options)
@@ -98,9 +125,12 @@ def _upstream(name: str, spec) -> dict:
             "alpn_protocols": ["http/1.1"],
             "validation_context": {"trusted_ca": {
                 "filename": "/etc/ssl/certs/ca-certificates.crt"}}}}
-    return _cluster(name, host, port, http2=False, tls=context,
-                    connect_timeout_s=options.connect_timeout_s,
-                    max_connections=options.max_connections or None)
+    cluster = _cluster(name, host, port, http2=False, tls=context,
+                       connect_timeout_s=options.connect_timeout_s,
+                       max_connections=options.max_connections or None)
+    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["endpoint"]["hostname"] = \
+        _authority(spec)
+    return cluster
 
 
 def _weighted(model: ModelConfig, chain: Chain, checked: bool = True) -> dict:
@@ -111,8 +141,8 @@ def _weighted(model: ModelConfig, chain: Chain, checked: bool = True) -> dict:
     sample_rate 1 they carry every call) but never observed: no answer marked, the observer
     off on every cluster."""
     clusters = []
-    for entry, role, sampled in cluster_entries(model, chain.marked and checked):
-        entry["host_rewrite_literal"] = _authority(getattr(model, role))
+    stand_in = _stands_in(model)
+    for entry, _, sampled in cluster_entries(model, chain.marked and checked, stand_in):
         if sampled and checked:  # the traced answer must be the events as written, not gzip
             entry["request_headers_to_remove"] = ["accept-encoding"]
         elif chain.observer:
@@ -125,7 +155,12 @@ def _weighted(model: ModelConfig, chain: Chain, checked: bool = True) -> dict:
         "hash_policy": [{"header": {"header_name": "x-request-id"}}],
         "timeout": f"{max(o.timeout_s for o in options)}s",
         "idle_timeout": f"{max(o.read_timeout_s for o in options)}s",
+        # Host: the answering endpoint's authority (its hostname, ``_upstream``), the primary's
+        # where it stands in for the fallback
+        "auto_host_rewrite": True,
     }
+    if stand_in:
+        action["retry_policy"] = SPILL_RETRY
     base = _target(model.primary)[3]
     if base:  # the same for both routes (guard/config/envoy.py)
         action["regex_rewrite"] = {"pattern": {"regex": "^/"}, "substitution": f"{base}/"}
@@ -236,7 +271,7 @@ def _call_counter() -> dict:
     unknown model 404, a body past the buffer 413), counted as the Python edge counts its
     refusals, under ``model="_unknown"``, but for a path no route takes (flag ``NR``)."""
     return counting_log(None, f"{HTTP_SCOPE}.calls", cluster="%UPSTREAM_CLUSTER%",
-                        code="%RESPONSE_CODE%", flags="%RESPONSE_FLAGS%")
+                        code="%RESPONSE_CODE%", flags="%RESPONSE_FLAGS%", route=ROUTE_METADATA)
 
 
 def listener(config: GuardConfig, ports: Ports, chain: Chain,
@@ -252,7 +287,7 @@ def listener(config: GuardConfig, ports: Ports, chain: Chain,
                          idle_timeout_s=config.server.http_client_timeout_s / 2)]
     for model in models:
         for name, role, _ in model_clusters(model):
-            clusters.append(_upstream(name, getattr(model, role)))
+            clusters.append(_serving(model, name, role))
             layout.clusters[name] = (model.name, role)
         layout.unchecked_routes[unchecked_stat(model.name)] = model.name
     filters = chain.filters(_json_to_metadata()) + [router_filter()]

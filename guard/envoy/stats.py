@@ -21,8 +21,11 @@ so that dashboards and alerts built on the Python data plane keep working:
   counts answered requests only, from request received to answer ready.
 
 The gRPC calls are counted by the access log of guard's bootstrap (``guard_calls.grpc`` tagged
-``cluster`` and ``code``, guard/envoy/bootstrap.py) or, in istio-proxy, by the grpc_stats filter
-(``cluster.<c>.grpc.ModelInfer.<code>``); both are read.
+``cluster``, ``code`` and ``route``, the answering endpoint's: a fallback's cluster answers from
+the primary standing in while the fallback is down, guard/envoy/bootstrap.py) or, in
+istio-proxy, by the grpc_stats filter (``cluster.<c>.grpc.ModelInfer.<code>``); both are read.
+The duration histogram is the cluster's: a call the primary answered standing in is timed
+under ``route="fallback"``.
 
 Envoy merges its histograms from the worker threads at each stats flush (the bootstrap sets
 ``stats_flush_interval`` to 1 s), so the duration histogram lags the counters by up to that.
@@ -96,6 +99,17 @@ Figures = dict[tuple, float]  # ("requests", model, route), ("errors", model, co
 # ("bucket", model, route, le_seconds), ("sum", model, route), ("count", model, route)
 
 
+def _answered_by(where: tuple[str, str] | None,
+                 tags: Mapping[str, str]) -> tuple[str, str] | None:
+    """(model, route) of a counted call: its cluster's, but the route of the endpoint that
+    answered where the counter says one (tag ``route``: a fallback's cluster answers from the
+    primary standing in while the fallback is down, bootstrap.serving_cluster)."""
+    route = tags.get("route", "")
+    if where is not None and route in ("primary", "fallback"):
+        return where[0], route
+    return where
+
+
 def collect(text: str, clusters: dict[str, tuple[str, str]],
             unchecked: Mapping[str, str] | None = None) -> Figures:
     """Envoy's exposition of guard's clusters as guard's figures; ``clusters``: cluster name ->
@@ -118,7 +132,7 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
         if not tags.get("code", "").isdigit():
             return
         cluster, status, flags = tags.get("cluster", ""), int(tags["code"]), tags.get("flags", "-")
-        where = clusters.get(cluster)
+        where = _answered_by(clusters.get(cluster), tags)
         if where is not None:
             outcome = http_outcome(status, flags)
             add(("requests", *where) if outcome is None else ("errors", where[0], outcome),
@@ -131,7 +145,8 @@ def collect(text: str, clusters: dict[str, tuple[str, str]],
         for sample in family.samples:
             name = sample.name
             if _CALLS.match(name):
-                where = clusters.get(sample.labels.get("cluster", ""))
+                where = _answered_by(clusters.get(sample.labels.get("cluster", "")),
+                                     sample.labels)
                 number = sample.labels.get("code", "")
                 if where is not None and number.isdigit():  # "": cancelled by its client
                     add_call(*where, int(number), sample.value)

@@ -55,14 +55,15 @@ def responses_events(model: str = MODEL) -> list[bytes]:
 
 
 class ScriptedUpstream:
-    def __init__(self):
+    def __init__(self, port: int = 0):
+        """``port``: where to listen (0: a free one; a port again: the server back)."""
         self.requests: list[dict] = []
         self.disconnected = threading.Event()
         self.release = None  # asyncio.Event on the server loop ("hold")
         self.sent_last = threading.Event()
         # The script for requests without the header (guard's own probes send none).
         self.default_scenario = "plain"
-        self.port = 0
+        self.port = port
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True)
 
@@ -92,7 +93,7 @@ class ScriptedUpstream:
         app.router.add_post("/{path:.*}", self._answer)
         self._runner = web.AppRunner(app, handler_cancellation=True)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        site = web.TCPSite(self._runner, "127.0.0.1", self.port)
         await site.start()
         self.port = site._server.sockets[0].getsockname()[1]
         self.release = asyncio.Event()

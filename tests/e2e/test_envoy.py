@@ -35,10 +35,10 @@ pytestmark = needs_envoy
 
 # -- the upstreams --------------------------------------------------------------------------------
 class OipServer:
-    def __init__(self, folder: Path, onnx: str, tag: str, names=("cnn",)):
+    def __init__(self, folder: Path, onnx: str, tag: str, names=("cnn",), port: int = 0):
         self.log = folder / f"oip-{tag}.log"
         command = [sys.executable, str(RUNTIME_DIR / "oip_server.py"), "--onnx", str(onnx),
-                   "--tag", tag]
+                   "--tag", tag, "--port", str(port)]
         for name in names:
             command += ["--name", name]
         self.process = subprocess.Popen(command, stdout=subprocess.PIPE,
@@ -213,6 +213,46 @@ def test_an_admin_pin_moves_envoys_route(watching):
         wait_for(lambda: answered_by(watching.client.infer("cnn", [image_input(images)]))
                  == "primary")
     assert metric(watching.metrics(), "guard_requests_total", model="cnn", route="fallback") >= 1
+
+
+def test_a_fallback_that_is_down_is_answered_by_the_primary_then_tried_again(
+        tmp_path, upstreams, zoo_classifier):
+    """A model pinned to its fallback, the fallback's server stopped: Envoy retries each call
+    on the primary standing in (the fallback cluster's second priority), ejects the fallback
+    for 5 s and tries it again; the answers say `guard-route: primary` and are counted there.
+    Before, every call was Envoy's 503 for as long as the route stayed on the fallback."""
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    fallback = OipServer(tmp_path, zoo_classifier["onnx"], "spill-fallback")
+    port = int(fallback.target.rsplit(":", 1)[1])
+    block = model_block(upstreams, zoo_classifier, mirror={"sample_rate": 0.0},
+                        fallback={"backend": "upstream", "target": fallback.target,
+                                  "model": "cnn"})
+    block.pop("reference")
+    guard = Guard(write(tmp_path, [block]))
+    images = sample_inputs(1, seed=6)
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{guard.srv.admin_port}") as channel:
+            admin_pb2_grpc.AdminStub(channel).SetRoute(admin_pb2.SetRouteRequest(
+                model="cnn", route=admin_pb2.FALLBACK), timeout=10)
+        wait_for(lambda: answered_by(guard.client.infer("cnn", [image_input(images)]))
+                 == "spill-fallback")
+        before = metric(guard.metrics(), "guard_requests_total", model="cnn", route="primary")
+        fallback.stop()
+        answers = [raw_call(guard.srv.grpc_port, "cnn", images) for _ in range(3)]
+        assert [(a.parameters["server"].string_param, headers["guard-route"])
+                for a, headers in answers] == [("primary", "primary")] * 3
+        values = wait_for(lambda: (v := guard.metrics()) and metric(
+            v, "guard_requests_total", model="cnn", route="primary") == before + 3 and v)
+        assert sum(value for (name, _), value in values.items()
+                   if name == "guard_request_errors_total") == 0
+        fallback = OipServer(tmp_path, zoo_classifier["onnx"], "spill-fallback", port=port)
+        wait_for(lambda: answered_by(guard.client.infer("cnn", [image_input(images)]))
+                 == "spill-fallback", timeout=30, interval=0.5)
+    finally:
+        guard.close()
+        fallback.client.close()
+        fallback.stop()
 
 
 def test_verifier_killed_under_load_fails_no_client(watching):

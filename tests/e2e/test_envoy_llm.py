@@ -389,6 +389,49 @@ def test_a_stream_in_flight_at_shutdown_gets_the_grace_not_the_drain_time(script
     assert "data: [DONE]" in lines and any('" last"' in line for line in lines)
 
 
+def test_a_fallback_that_is_down_is_answered_by_the_primary_then_tried_again(tmp_path):
+    """An LLM pinned to its fallback, the fallback's server stopped: Envoy retries each call on
+    the primary standing in (its Host the primary's), leaves the fallback out for 5 s and tries
+    it again; the answers say `guard-route: primary` and are counted there, as on the Python
+    edge. Before, every call was Envoy's 503 while the route stayed on the fallback."""
+    from guard.v1 import admin_pb2, admin_pb2_grpc
+
+    with ScriptedUpstream() as primary:
+        fallback = ScriptedUpstream().__enter__()
+        port = fallback.port
+        block = {"name": SCRIPTED, "task": "generation", "primary": llm(primary.url, SCRIPTED),
+                 "fallback": llm(fallback.url, SCRIPTED), "mirror": {"sample_rate": 0.0}}
+        running = Guard(write(tmp_path, [block], server={"http_port": 0}, http_health_port=0))
+        url = f"http://127.0.0.1:{running.srv.http_port}/v1/chat/completions"
+
+        def route() -> str:
+            answer = httpx.post(url, json={"model": SCRIPTED, "messages": []}, timeout=30)
+            assert answer.status_code == 200, answer.text
+            return answer.headers["guard-route"]
+
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{running.srv.admin_port}") as channel:
+                admin_pb2_grpc.AdminStub(channel).SetRoute(admin_pb2.SetRouteRequest(
+                    model=SCRIPTED, route=admin_pb2.FALLBACK), timeout=10)
+            wait_for(lambda: route() == "fallback")
+            before = metric(running.metrics(), "guard_requests_total", model=SCRIPTED,
+                            route="primary")
+            fallback.stop()
+            assert [route() for _ in range(3)] == ["primary"] * 3
+            assert {r["headers"]["Host"] for r in primary.requests[-3:]} == {
+                f"127.0.0.1:{primary.port}"}
+            values = wait_for(lambda: (v := running.metrics()) and metric(
+                v, "guard_requests_total", model=SCRIPTED, route="primary") == before + 3 and v)
+            assert sum(value for (name, _), value in values.items()
+                       if name == "guard_request_errors_total") == 0
+            fallback = ScriptedUpstream(port).__enter__()  # back on its port
+            wait_for(lambda: route() == "fallback", timeout=30, interval=0.5)
+            assert fallback.requests[-1]["headers"]["Host"] == f"127.0.0.1:{port}"
+        finally:
+            running.close()
+            fallback.stop()
+
+
 def test_a_hot_restart_carries_the_request_counts_over(scripted, tmp_path):
     """Ten calls, a reload that changes the bootstrap (a fallback added: a hot restart), five
     more: guard_requests_total says 15, and never less on the way. Envoy's own copy of the

@@ -125,12 +125,21 @@ def test_one_generation_model_is_forwarded_without_a_body_parse_and_sampled_by_r
     assert action["timeout"] == "30.0s" and action["idle_timeout"] == "9.0s"
     assert action["hash_policy"] == [{"header": {"header_name": "x-request-id"}}]
     entries = {c["name"]: c for c in action["weighted_clusters"]["clusters"]}
-    assert {name: (c["response_headers_to_add"][0]["header"]["value"],
-                   c["host_rewrite_literal"]) for name, c in entries.items()} == {
-        "guard_smol_primary": ("primary", "127.0.0.1:8081"),
-        "guard_smol_primary_sampled": ("primary", "127.0.0.1:8081"),
-        "guard_smol_fallback": ("fallback", "127.0.0.1:8082"),
-        "guard_smol_fallback_sampled": ("fallback", "127.0.0.1:8082")}
+    # Each answer names the endpoint that answered: in the fallback's cluster the primary
+    # stands in (one priority lower, the route's one retry) while the fallback is down.
+    assert {name: c["response_headers_to_add"][0]["header"]["value"]
+            for name, c in entries.items()} == {
+        "guard_smol_primary": "primary", "guard_smol_primary_sampled": "primary",
+        "guard_smol_fallback": bootstrap.ROUTE_METADATA,
+        "guard_smol_fallback_sampled": bootstrap.ROUTE_METADATA}
+    assert action["retry_policy"] == bootstrap.SPILL_RETRY
+    # The Host the answering endpoint's authority (its hostname), the primary's standing in.
+    assert action["auto_host_rewrite"] is True
+    endpoints = [(e.get("priority", 0), lb["endpoint"]["hostname"],
+                  lb["metadata"]["filter_metadata"]["guard"]["route"])
+                 for e in clusters(built)["guard_smol_fallback"]["load_assignment"]["endpoints"]
+                 for lb in e["lb_endpoints"]]
+    assert endpoints == [(0, "127.0.0.1:8082", "fallback"), (1, "127.0.0.1:8081", "primary")]
     # The tap (and the mark's Lua) only on the sampled twins, whose answers come uncompressed
     # and marked for the tap.
     for name, entry in entries.items():
@@ -193,8 +202,9 @@ def test_several_models_are_routed_by_the_model_name_in_the_json_body(tmp_path):
     assert routes["body_no_model"]["direct_response"]["status"] == 400
     # An https upstream under a path: TLS with its name, the Host it expects, the path kept.
     big = routes["big_done_generate"]["route"]
-    (entry,) = big["weighted_clusters"]["clusters"]
-    assert entry["host_rewrite_literal"] == "llm.example.com"
+    assert big["auto_host_rewrite"] is True
+    assert clusters(built)["guard_big_done_primary"]["load_assignment"]["endpoints"][0][
+        "lb_endpoints"][0]["endpoint"]["hostname"] == "llm.example.com"
     assert big["regex_rewrite"] == {"pattern": {"regex": "^/"}, "substitution": "/api/"}
     # Any other POST: the same clusters by the same weights, refused alike, never observed.
     assert names.index("unknown_model") < names.index("other_body_not_json") < \

@@ -103,10 +103,23 @@ def test_one_model_is_routed_by_path_and_sampled_in_envoy_by_request_id(tmp_path
     assert weighted["use_hash_policy"] is True
     assert infer["route"]["hash_policy"] == [{"header": {"header_name": "x-request-id"}}]
     entries = {c["name"]: c for c in weighted["clusters"]}
+    # A fallback's answer names the endpoint that answered: the primary stands in there
+    # while the fallback is down (its cluster's second priority, the route's one retry).
     assert {name: c["response_headers_to_add"][0]["header"]["value"]
             for name, c in entries.items()} == {
         "guard_cnn_primary": "primary", "guard_cnn_primary_sampled": "primary",
-        "guard_cnn_fallback": "fallback", "guard_cnn_fallback_sampled": "fallback"}
+        "guard_cnn_fallback": bootstrap.ROUTE_METADATA,
+        "guard_cnn_fallback_sampled": bootstrap.ROUTE_METADATA}
+    assert infer["route"]["retry_policy"]["retry_on"] == "connect-failure,reset-before-request"
+    clusters = {c["name"]: c for c in built["static_resources"]["clusters"]}
+    for name in ("guard_cnn_fallback", "guard_cnn_fallback_sampled"):
+        priorities = clusters[name]["load_assignment"]["endpoints"]
+        assert [(e.get("priority", 0), e["lb_endpoints"][0]["endpoint"]["address"]
+                 ["socket_address"]["port_value"],
+                 e["lb_endpoints"][0]["metadata"]["filter_metadata"]["guard"]["route"])
+                for e in priorities] == [(0, 9002, "fallback"), (1, 9001, "primary")]
+        assert clusters[name]["outlier_detection"]["consecutive_local_origin_failure"] == 1
+    assert len(clusters["guard_cnn_primary"]["load_assignment"]["endpoints"]) == 1
     # The tap (the default observer) is off on every cluster but the sampled twins.
     assert bootstrap.TAP_FILTER in filters_of(built)
     assert bootstrap.EXT_PROC_FILTER not in filters_of(built)
@@ -128,6 +141,21 @@ def test_one_model_is_routed_by_path_and_sampled_in_envoy_by_request_id(tmp_path
                                "guard_cnn_primary_sampled": ("cnn", "primary"),
                                "guard_cnn_fallback": ("cnn", "fallback"),
                                "guard_cnn_fallback_sampled": ("cnn", "fallback")}
+
+
+def test_a_fallback_over_tls_gets_no_stand_in(tmp_path):
+    """TLS settings (SNI among them) are a cluster's: the primary cannot stand in inside a
+    TLS fallback's cluster. Its answers keep a fixed route header and no retry is added."""
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
+                                "fallback": upstream("cnn", "127.0.0.1:9002", tls=True)}])
+    built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+    infer = {r["name"]: r for r in routes_of(built)}["cnn_infer"]
+    entries = {c["name"]: c for c in infer["route"]["weighted_clusters"]["clusters"]}
+    assert entries["guard_cnn_fallback"]["response_headers_to_add"][0]["header"][
+        "value"] == "fallback"
+    assert "retry_policy" not in infer["route"]
+    clusters = {c["name"]: c for c in built["static_resources"]["clusters"]}
+    assert len(clusters["guard_cnn_fallback"]["load_assignment"]["endpoints"]) == 1
 
 
 def test_ext_proc_observer_is_off_on_unsampled_clusters_and_has_its_cluster(tmp_path):
@@ -229,7 +257,8 @@ def test_calls_are_counted_by_an_access_log_on_modelinfer_only(tmp_path):
         "name": ":path", "string_match": {"exact": bootstrap.MODEL_INFER}}
     (stat,) = counter["typed_config"]["counters"]
     assert {t["name"]: t["value_format"] for t in stat["stat"]["tags"]} == {
-        "cluster": "%UPSTREAM_CLUSTER%", "code": "%GRPC_STATUS_NUMBER%"}
+        "cluster": "%UPSTREAM_CLUSTER%", "code": "%GRPC_STATUS_NUMBER%",
+        "route": bootstrap.ROUTE_METADATA}
 
 
 # -- stats ----------------------------------------------------------------------------------------
@@ -289,14 +318,19 @@ envoy_guard_calls_grpc{cluster="guard_cnn_primary",code="14"} 2
 envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="3"} 1
 envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code=""} 1
 envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="4"} 1
+envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="0",route="fallback"} 3
+envoy_guard_calls_grpc{cluster="guard_cnn_fallback",code="0",route="primary"} 7
 envoy_guard_calls_grpc{cluster="someone_elses",code="0"} 9
 """
 
 
 def test_the_access_logs_call_counts_become_guards_request_metrics():
+    """By the endpoint that answered where the counter says it: the fallback's cluster answers
+    from the primary standing in while the fallback is down (bootstrap.serving_cluster)."""
     samples = translated(ACCESS_LOG_TEXT)
-    assert samples[("guard_requests_total", (("model", "cnn"), ("route", "primary")))] == 4 + 1
-    assert ("guard_requests_total", (("model", "cnn"), ("route", "fallback"))) not in samples
+    assert samples[("guard_requests_total", (("model", "cnn"), ("route", "primary")))] == \
+        4 + 1 + 7
+    assert samples[("guard_requests_total", (("model", "cnn"), ("route", "fallback")))] == 3
     errors = {dict(labels)["code"]: value for (name, labels), value in samples.items()
               if name == "guard_request_errors_total"}
     assert errors == {"UNAVAILABLE": 2, "INVALID_ARGUMENT": 1, "DEADLINE_EXCEEDED": 1}
@@ -354,6 +388,19 @@ def test_on_the_fallback_only_probing_calls_are_mirrored():
     hand_off.on_call(observed("cnn", route="fallback"))
     assert ring.take() is None
     model.probing = True
+    hand_off.on_call(observed("cnn", route="fallback"))
+    assert wire.decode(bytes(ring.take())).route == "fallback"
+    ring.close()
+
+
+def test_the_primary_standing_in_for_a_fallback_that_is_down_is_not_a_sample():
+    """As in the Python data planes' spill: an answer the primary gave while the route is the
+    fallback (its endpoint said ``guard-route: primary``) is neither mirrored nor captured."""
+    ring = SampleRing(1 << 20)
+    model = Model(slot=0, mirror_rate=1.0, capture_rate=1.0, route="fallback", probing=True)
+    hand_off = HandOff(lambda: {"cnn": model}, ring, GuardMetrics("test"))
+    hand_off.on_call(observed("cnn", route="primary"))
+    assert ring.take() is None
     hand_off.on_call(observed("cnn", route="fallback"))
     assert wire.decode(bytes(ring.take())).route == "fallback"
     ring.close()
