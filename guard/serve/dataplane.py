@@ -87,7 +87,8 @@ class DataPlane:
             if request.requested_outputs and model.output_names:
                 unknown = [n for n in request.requested_outputs if n not in model.output_names]
                 if unknown:
-                    raise invalid(f"unknown output '{unknown[0]}' requested")
+                    raise invalid(f"unknown output '{unknown[0]}' requested (the model "
+                                  f"gives: {', '.join(sorted(model.output_names))})")
             backend = call.route()
             if model.inline.get(call.routed, False):  # no coroutine for what runs inline
                 result = InferenceResult(call.routed, outputs=backend.infer(request.inputs))

@@ -205,4 +205,4 @@ def test_requested_outputs_are_honoured(identity_server):
     assert [o.name for o in result.get_response().outputs] == ["out_INT8"]
     _expect(lambda: client.infer("identity", tensors,
                                  outputs=[grpcclient.InferRequestedOutput("nope")]),
-            "INVALID_ARGUMENT", "unknown output 'nope'")
+            "INVALID_ARGUMENT", "unknown output 'nope' requested (the model gives: out_BOOL,")
