@@ -26,7 +26,9 @@ one-model config with mirroring off, as ``guard serve`` writes it; (eg+grpc_stat
 counted by the grpc_stats filter instead of guard's access log (the bootstrap before, and
 istio-proxy's count); then (eg) with one part taken out: the call count altogether, the route's
 weighted clusters (a plain cluster route), the ``guard-route`` response header, the histogram
-bucket settings.
+bucket settings; (egf) a model with a fallback, on it, the primary standing in for it (the
+cluster's second priority, the route's retry policy, the route header from host metadata), and
+(egf-spill) the same without the stand-in: what it costs a call while the fallback is up.
 
     .venv/bin/python benchmarks/envoy_instructions.py [--requests 400] [--out DIR]
 
@@ -103,6 +105,39 @@ def no_call_count(built: dict) -> dict:
     return built
 
 
+def on_fallback(spill: bool):
+    """A bootstrap of the model with a fallback (the same server: a cluster of its own) and
+    on it, built by guard's code with or without the primary standing in for a fallback that
+    is down (``bootstrap.serving_cluster``: the cluster's second priority, the route's retry
+    policy, outlier detection, the route header from host metadata). Both forward every call
+    to the fallback, which is up: what the stand-in costs a call that never needs it."""
+    def build(workdir: Path, upstream: str, prep: dict, port: int) -> dict:
+        import yaml
+
+        from guard.envoy import bootstrap
+        from guard.plan.complete import load_config
+
+        ports = {"grpc_port": port, **{name: bench.free_port() for name in (
+            "metrics_port", "admin_port", "envoy_admin", "observer", "health")}}
+        data = hop.guard_config("g0", upstream, prep, ports)
+        model = data["models"][0]
+        model["fallback"] = dict(model["primary"])
+        path = workdir / f"guard_fallback_{spill}.yaml"
+        path.write_text(yaml.safe_dump(data, sort_keys=False))
+        built, _ = bootstrap.build(load_config(path), bootstrap.Ports(
+            port, ports["envoy_admin"], ports["observer"], ports["health"]),
+            {model["name"]: "fallback"}, spill=spill)
+        return built
+    return build
+
+
+# (about, change): ``change`` edits guard's one-model bootstrap (None: the plain pass-through;
+# a ``Builds`` builds one of its own)
+class Builds:
+    def __init__(self, build):
+        self.build = build
+
+
 VARIANTS = {
     "e": ("Envoy, a plain pass-through bootstrap (the router alone)", None),
     "eg": ("Envoy, guard's bootstrap (one model, mirroring off)", lambda b: b),
@@ -114,6 +149,10 @@ VARIANTS = {
     "eg-route_header": ("guard's bootstrap less the guard-route answer header",
                         no_route_header),
     "eg-buckets": ("guard's bootstrap less its histogram bucket settings", no_bucket_settings),
+    "egf": ("guard's bootstrap, the model on its fallback, the primary standing in",
+            Builds(on_fallback(spill=True))),
+    "egf-spill": ("the same without the primary standing in (no retry policy, one priority)",
+                  Builds(on_fallback(spill=False))),
 }
 
 
@@ -235,6 +274,8 @@ def run(args: argparse.Namespace) -> int:
             port = bench.free_port()
             if change is None:
                 built = hop.plain_envoy_bootstrap(port, bench.free_port(), upstream)
+            elif isinstance(change, Builds):
+                built = change.build(workdir, upstream, prep, port)
             else:
                 built = change(copy.deepcopy(hop.guard_bootstrap(workdir, upstream, prep, port)))
             results[name] = {"about": about, **measure(name, built, workdir, requests,

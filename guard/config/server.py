@@ -217,6 +217,10 @@ def _shared_ports(server: ServerConfig) -> list[str]:
     ports = [("server.grpc_port", server.grpc_port), ("server.metrics_port", server.metrics_port),
              ("server.admin_port", server.admin_port), ("server.http_port", server.http_port),
              ("server.tap.port", server.tap.port if server.tap else None)]
+    if server.data_plane == "envoy":  # Envoy's admin API and guard's loopback servers beside it
+        envoy = server.envoy
+        ports += [(f"server.envoy.{key}", getattr(envoy, key)) for key in (
+            "admin_port", "observer_port", "health_port", "http_health_port")]
     problems: list[str] = []
     seen: dict[int, str] = {}
     for key, port in ports:

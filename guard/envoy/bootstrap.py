@@ -250,9 +250,15 @@ def with_stand_in(fallback: dict, primary: dict) -> dict:
         "endpoint": primary, "metadata": route_metadata("primary")}]})
     fallback["outlier_detection"] = {
         # a connection refused or timed out (guard's own side of the call) ejects the host at
-        # once; the upstream's own errors never do
+        # once; the upstream's own errors never do (Envoy's defaults would eject on five 5xx
+        # in a row, gRPC statuses among them: an erring fallback's calls would go to the
+        # primary, their errors hidden)
         "split_external_local_origin_errors": True,
         "consecutive_local_origin_failure": 1,
+        "enforcing_consecutive_5xx": 0, "enforcing_consecutive_gateway_failure": 0,
+        "enforcing_success_rate": 0, "enforcing_failure_percentage": 0,
+        "enforcing_local_origin_success_rate": 0,
+        "enforcing_failure_percentage_local_origin": 0,
         "base_ejection_time": f"{SKIP_S:g}s", "max_ejection_time": f"{SKIP_S:g}s",
         "max_ejection_percent": 100, "interval": "1s"}
     return fallback

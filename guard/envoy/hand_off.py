@@ -110,15 +110,14 @@ class HandOff:
         be handed on (on the fallback, mirrored only while probing, as in the Python data
         plane)."""
         route, epoch, probing = model.route_word()
-        if answered_on == "primary" and route == "fallback":
-            # The primary stood in for a fallback that is down (bootstrap.serving_cluster), or
-            # Envoy routed the call before the switch: not a sample, as in the Python data
-            # plane's spill.
-            return answered_on, epoch, 0
+        on_fallback = route == "fallback"
         if answered_on in ("primary", "fallback"):
             route = answered_on
         flags = 0
-        if model.mirror_rate and (route != "fallback" or probing):
+        # While the model is on its fallback, mirrored only while probing, whichever endpoint
+        # answered: the primary standing in for a fallback that is down
+        # (bootstrap.serving_cluster) gives a probe of the primary as it answered.
+        if model.mirror_rate and (not on_fallback or probing):
             flags |= wire.MIRROR
         if model.capture_rate:
             flags |= wire.CAPTURE

@@ -140,7 +140,7 @@ class AdminServicer(pb_grpc.AdminServicer):
         if reloader is None:
             await abort(context, grpc.StatusCode.FAILED_PRECONDITION,
                         "no config file to read again (guard was started from a config "
-                        "object), or guard is still starting: retry once it is ready")
+                        "object), or guard is starting or stopping: retry once it is ready")
         trigger = f"admin API ({caller})" + (f": {request.reason}" if request.reason else "")
         outcome = await reloader.reload(trigger)
         return pb.ReloadResponse(

@@ -251,6 +251,7 @@ class GuardServer:
     async def stop(self, grace: float | None = None) -> None:
         grace = self.config.server.shutdown_grace_s if grace is None else grace
         emit("server_stopping", grace_s=grace)
+        self._started_reloader = None  # the admin API's Reload is refused from here on
         if self._watch_task is not None:
             self._watch_task.cancel()
         loop = asyncio.get_running_loop()

@@ -217,8 +217,9 @@ class Call:
     def spill(self, unreachable: ForwardingUnreachable) -> Backend:
         """The fallback server could not be reached (the call was not sent): it is skipped
         for ``SKIP_S`` and the call goes to the primary, counted there (``guard-route``
-        primary) and not sampled (event ``fallback_unreachable``). Raises ``unreachable``
-        where the call was not on the fallback: the primary has no other."""
+        primary), sampled as a probe while the route probes (``hand_off``; event
+        ``fallback_unreachable``). Raises ``unreachable`` where the call was not on the
+        fallback: the primary has no other."""
         if self.routed != "fallback" or self.spilled:
             raise unreachable
         fallback = cast(Forwarding, self.backend)
@@ -250,9 +251,13 @@ class Call:
         with inputs and outputs, ``wire.Messages`` with the request and the answer), built only
         when the request is sampled; nothing at all when the model samples nothing."""
         model = self.model
-        if not model.samples or self.spilled:  # (the primary standing in: not a sample)
+        if not model.samples:
             return
-        flags = model.sample_flags(request_id, self.routed, self.probing)
+        # The primary standing in for the fallback (``spill``) is sampled as the fallback's
+        # calls are, mirrored only while probing: its answer is then a probe of the primary
+        # as it came, the only probes there are while the fallback is down.
+        flags = model.sample_flags(request_id, "fallback" if self.spilled else self.routed,
+                                   self.probing)
         if flags:
             model.hand_off(flags, request_id, self.routed, self.epoch, self.seconds,
                            payload(first, second))

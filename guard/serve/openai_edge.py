@@ -331,9 +331,11 @@ class OpenAIEdge:
             self.metrics.not_comparable.labels(model.name, call.not_comparable).inc()
             flags = 0
 
+        # (flags are the route's: on the fallback, mirrored only while probing; a call the
+        # primary answers standing in for a fallback that is down is then a probe as it came)
         def forward(on: str, upstream: OpenAIBackend, spills: bool) -> _Forward:
-            return _Forward(self, request, call, model, on, upstream, call_id,
-                            flags if on == route else 0, epoch, started, data, spills)
+            return _Forward(self, request, call, model, on, upstream, call_id, flags, epoch,
+                            started, data, spills)
 
         self.in_flight += 1
         model.requests_in_flight += 1
@@ -381,11 +383,12 @@ class OpenAIEdge:
         """``call(route, backend, spills)``, run on the model's route. A fallback that no
         connection can be made to (refused, unreachable: the call never reached it) is
         skipped for ``SKIP_S``, and its calls are answered by the primary meanwhile
-        (``guard-route: primary``, counted there, not sampled; event
-        ``openai_fallback_unreachable``), then the next call tries it again. A drifting
-        answer beats none: after a trip to a fallback that is down, every call was a 502
-        and no probe could ever run (probes ride on the fallback's answers). Envoy spills a
-        priority whose hosts are all down to the next the same way."""
+        (``guard-route: primary``, counted there; while the route probes, sampled as probes of
+        the primary as it answered; event ``openai_fallback_unreachable``), then the next call
+        tries it again. A drifting answer beats none: after a trip to a fallback that is down,
+        every call was a 502 and no probe could ever run (probes ride on the fallback's
+        answers). Envoy mode does the same with the fallback cluster's second priority
+        (guard/envoy/bootstrap.py ``serving_cluster``)."""
         if route != "fallback":
             return await call(route, backend, False).run()
         primary = cast(OpenAIBackend, model.backends["primary"])

@@ -237,6 +237,15 @@ def test_a_fallback_that_is_down_is_answered_by_the_primary_then_tried_again(
                 model="cnn", route=admin_pb2.FALLBACK), timeout=10)
         wait_for(lambda: answered_by(guard.client.infer("cnn", [image_input(images)]))
                  == "spill-fallback")
+        # The fallback's own errors (INTERNAL, a 5xx to Envoy's outlier detection) come back
+        # as they are and never send its calls to the primary.
+        failing = np.full_like(images, -998.0)
+        for _ in range(6):
+            with pytest.raises(grpc.RpcError) as error:
+                raw_call(guard.srv.grpc_port, "cnn", failing)
+            assert error.value.code() == grpc.StatusCode.INTERNAL
+            assert "spill-fallback fails" in error.value.details()
+        assert answered_by(guard.client.infer("cnn", [image_input(images)])) == "spill-fallback"
         before = metric(guard.metrics(), "guard_requests_total", model="cnn", route="primary")
         fallback.stop()
         answers = [raw_call(guard.srv.grpc_port, "cnn", images) for _ in range(3)]
@@ -244,8 +253,8 @@ def test_a_fallback_that_is_down_is_answered_by_the_primary_then_tried_again(
                 for a, headers in answers] == [("primary", "primary")] * 3
         values = wait_for(lambda: (v := guard.metrics()) and metric(
             v, "guard_requests_total", model="cnn", route="primary") == before + 3 and v)
-        assert sum(value for (name, _), value in values.items()
-                   if name == "guard_request_errors_total") == 0
+        assert {dict(labels)["code"]: value for (name, labels), value in values.items()
+                if name == "guard_request_errors_total" and value} == {"INTERNAL": 6}
         fallback = OipServer(tmp_path, zoo_classifier["onnx"], "spill-fallback", port=port)
         wait_for(lambda: answered_by(guard.client.infer("cnn", [image_input(images)]))
                  == "spill-fallback", timeout=30, interval=0.5)

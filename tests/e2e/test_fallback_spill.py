@@ -123,3 +123,40 @@ def test_a_primary_that_is_down_stays_unavailable(tmp_path, caplog):
             assert not events(caplog, "fallback_unreachable")
     finally:
         server.__exit__(None, None, None)
+
+
+def test_the_route_comes_back_while_the_fallback_is_down(tmp_path):
+    """The primary standing in for a fallback that is down is sampled as the fallback's calls
+    are (mirrored while the route probes): its answers are the probes, and a primary that is
+    clean again routes back. Without them the route stayed on a fallback that was down, no
+    probe ever ran, and the primary served every call unchecked."""
+    port = free_port()
+    fallback_server = oip_server(tmp_path / "fallback", port)
+    fallback_server.__enter__()
+    block = model_block(fallback={"backend": "upstream", "target": f"127.0.0.1:{port}",
+                                  "model": "m"},
+                        policy={"action": "fallback_model", "detector": "window", "window": 10,
+                                "min_samples": 5, "trip_ratio": 0.2, "recover_ratio": 0.0,
+                                "dwell_s": 0.3})
+    rows = np.arange(4, dtype=np.float32).reshape(1, 4)
+    try:
+        with running(tmp_path, [block]) as (srv, client), \
+                grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+            admin = admin_pb2_grpc.AdminStub(channel)
+            admin.SetRoute(admin_pb2.SetRouteRequest(model="m", route=admin_pb2.FALLBACK))
+            assert route_of(client.infer("m", [x_input(rows)])) == "fallback"
+            fallback_server.__exit__(None, None, None)
+            admin.SetRoute(admin_pb2.SetRouteRequest(model="m", route=admin_pb2.AUTO))
+
+            def routed_back() -> bool:
+                client.infer("m", [x_input(rows)])
+                status = admin.GetStatus(admin_pb2.GetStatusRequest(model="m")).models[0]
+                return status.route == "primary"
+
+            wait_for(routed_back, timeout=60, interval=0.05)
+            values = scrape(srv.metrics_port)
+            assert metric(values, "guard_mirror_total", model="m", outcome="compared") >= 5
+            assert metric(values, "guard_checks_total", model="m", tier="tensor",
+                          result="fail") == 0
+    finally:
+        fallback_server.__exit__(None, None, None)

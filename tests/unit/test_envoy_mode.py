@@ -393,16 +393,20 @@ def test_on_the_fallback_only_probing_calls_are_mirrored():
     ring.close()
 
 
-def test_the_primary_standing_in_for_a_fallback_that_is_down_is_not_a_sample():
-    """As in the Python data planes' spill: an answer the primary gave while the route is the
-    fallback (its endpoint said ``guard-route: primary``) is neither mirrored nor captured."""
+def test_the_primary_standing_in_for_a_fallback_that_is_down_is_a_probe_while_probing():
+    """The primary's answers while the route is the fallback (its endpoint said
+    ``guard-route: primary``: a fallback that is down) are sampled as the fallback's calls are:
+    mirrored only while the route probes, then as the primary's (probes as it answered, the
+    only ones there are while the fallback is down); captured at the capture rate."""
     ring = SampleRing(1 << 20)
-    model = Model(slot=0, mirror_rate=1.0, capture_rate=1.0, route="fallback", probing=True)
+    model = Model(slot=0, mirror_rate=1.0, capture_rate=0.0, route="fallback")
     hand_off = HandOff(lambda: {"cnn": model}, ring, GuardMetrics("test"))
-    hand_off.on_call(observed("cnn", route="primary"))
+    hand_off.on_call(observed("cnn", route="primary"))  # the dwell: nothing mirrored
     assert ring.take() is None
-    hand_off.on_call(observed("cnn", route="fallback"))
-    assert wire.decode(bytes(ring.take())).route == "fallback"
+    model.probing = True
+    hand_off.on_call(observed("cnn", route="primary"))
+    record = wire.decode(bytes(ring.take()))
+    assert (record.route, record.flags) == ("primary", wire.MIRROR)
     ring.close()
 
 
@@ -447,3 +451,13 @@ def test_deploy_envoy_prints_the_bootstrap_and_refuses_ports_chosen_at_start(tmp
     config(tmp_path, [sampled], envoy={"observer_port": 0})
     assert main(["deploy", "envoy", path]) == 0
     assert bootstrap.TAP_FILTER in capsys.readouterr().out
+
+
+def test_envoy_modes_listeners_share_no_port_with_guards(tmp_path):
+    """Envoy's admin API and guard's loopback servers beside it are listeners too: the same
+    port as another is refused at validation (serve failed at start, blaming another
+    process)."""
+    lines = problems(tmp_path, [{"name": "cnn", "primary": upstream("cnn")}],
+                     admin_port=18003, envoy={"health_port": 18003})
+    assert lines == ["server.envoy.health_port: 18003 is server.admin_port too; each "
+                     "listener needs a port of its own"]

@@ -6,7 +6,7 @@ parameters ``server`` (``--tag``, so that a test can tell which server answered)
     python oip_server.py --name cnn [--name other] --onnx model.onnx --tag primary [--port 0]
 
 Prints ``PORT <n>`` once it listens; stops on SIGTERM. An input whose first value is -999
-is refused with INVALID_ARGUMENT (an upstream error path).
+is refused with INVALID_ARGUMENT (an upstream error path), -998 with INTERNAL (a server error).
 """
 
 from __future__ import annotations
@@ -69,6 +69,8 @@ def make_servicer(names: list[str], onnx: str, tag: str):
             if any(x.size and float(x.flat[0]) == -999.0 for x in feeds.values()):
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                     "runtime refuses the trigger input")
+            if any(x.size and float(x.flat[0]) == -998.0 for x in feeds.values()):
+                await context.abort(grpc.StatusCode.INTERNAL, f"{tag} fails the trigger input")
             outputs = session.run(output_names, feeds)
             response = pb.ModelInferResponse(model_name=request.model_name, id=request.id)
             response.parameters["server"].string_param = tag
