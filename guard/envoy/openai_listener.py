@@ -261,7 +261,7 @@ def _json_to_metadata() -> dict:
             "allow_content_types": _JSON_TYPES, "allow_empty_content_type": True}}}
 
 
-def _call_counter() -> dict:
+def _call_counter(stand_in: bool) -> dict:
     """The access log that counts every call on the listener, at its end, by its cluster,
     status and Envoy's response flags: guard/envoy/stats.py reads ``guard_http.calls`` back as
     the Python edge counts its calls (a stream the upstream cut short after its 200 headers
@@ -269,9 +269,11 @@ def _call_counter() -> dict:
     cluster's ``upstream_rq_200``, counted at the answer's headers, said answered. A call with
     no cluster is one Envoy answered itself (a body that is not JSON or names no model 400, an
     unknown model 404, a body past the buffer 413), counted as the Python edge counts its
-    refusals, under ``model="_unknown"``, but for a path no route takes (flag ``NR``)."""
+    refusals, under ``model="_unknown"``, but for a path no route takes (flag ``NR``).
+    ``stand_in``: tagged ``route`` too, as bootstrap's ``_call_counter``."""
     return counting_log(None, f"{HTTP_SCOPE}.calls", cluster="%UPSTREAM_CLUSTER%",
-                        code="%RESPONSE_CODE%", flags="%RESPONSE_FLAGS%", route=ROUTE_METADATA)
+                        code="%RESPONSE_CODE%", flags="%RESPONSE_FLAGS%",
+                        **({"route": ROUTE_METADATA} if stand_in else {}))
 
 
 def listener(config: GuardConfig, ports: Ports, chain: Chain,
@@ -302,7 +304,7 @@ def listener(config: GuardConfig, ports: Ports, chain: Chain,
             {"name": LISTENER, "domains": ["*"],
              "routes": _routes(models, chain)}]},
         "http_filters": filters,
-        "access_log": [_call_counter()],
+        "access_log": [_call_counter(any(_stands_in(m) for m in models))],
     }
     built: dict = {"name": LISTENER, "address": _address(config.server.host, ports.http_listener),
                    "filter_chains": [{"filters": [{

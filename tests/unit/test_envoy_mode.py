@@ -257,8 +257,16 @@ def test_calls_are_counted_by_an_access_log_on_modelinfer_only(tmp_path):
         "name": ":path", "string_match": {"exact": bootstrap.MODEL_INFER}}
     (stat,) = counter["typed_config"]["counters"]
     assert {t["name"]: t["value_format"] for t in stat["stat"]["tags"]} == {
-        "cluster": "%UPSTREAM_CLUSTER%", "code": "%GRPC_STATUS_NUMBER%",
-        "route": bootstrap.ROUTE_METADATA}
+        "cluster": "%UPSTREAM_CLUSTER%", "code": "%GRPC_STATUS_NUMBER%"}
+    # With a fallback the primary can stand in for: the answering endpoint's route too.
+    loaded = config(tmp_path, [{"name": "cnn", "primary": upstream("cnn"),
+                                "fallback": upstream("cnn", "127.0.0.1:9002")}])
+    built, _ = bootstrap.build(loaded, bootstrap.Ports(8001, 0, 8005, 8006))
+    (counter,) = built["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0][
+        "typed_config"]["access_log"]
+    (stat,) = counter["typed_config"]["counters"]
+    assert {t["name"]: t["value_format"] for t in stat["stat"]["tags"]}["route"] == \
+        bootstrap.ROUTE_METADATA
 
 
 # -- stats ----------------------------------------------------------------------------------------
