@@ -268,7 +268,7 @@ def _stands_in(model: ModelConfig) -> bool:
     """Can the primary's endpoint stand in inside the fallback's cluster? Where both are plain
     (TLS settings, SNI among them, are a cluster's, not an endpoint's) and resolve alike (an
     address, not a name: a STATIC cluster; a STRICT_DNS one resolves each endpoint itself)."""
-    if model.primary is None or model.fallback is None:
+    if model.fallback is None:
         return False
     sides = (model.primary, model.fallback)
     if any(side.options.get("tls") for side in sides):
