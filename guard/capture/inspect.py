@@ -10,6 +10,7 @@ from datetime import datetime, timezone
 
 from guard.capture.reader import FileStats, expand_paths, read_records
 from guard.capture.records import live_passed
+from guard.errors import GuardError
 
 
 def iso(unix_nanos: int) -> str:
@@ -103,6 +104,13 @@ def print_summary(summary: dict, out=None) -> None:
 
 def inspect_command(paths: list[str], as_json: bool) -> int:
     summary = summarise(paths)
+    t = summary["totals"]
+    if not t["records"] and t["skipped_bytes"]:
+        # Not one record in all those bytes: not capture files (a model file given by
+        # mistake), rather than an empty capture; a usage error, said in one line.
+        raise GuardError(f"no capture record in {t['files']} file(s) ({t['skipped_bytes']} "
+                         "bytes, none of them a record's frame): are these capture segments "
+                         "(.gcap)?")
     if as_json:
         print(json.dumps(summary, indent=2))
     else:

@@ -90,6 +90,10 @@ def _typed_values(name: str, datatype: str, contents, count: int, what: str):
                       "protocol; send it in raw contents")
     values = getattr(contents, field_name)
     if len(values) != count:
+        sent = [field.name for field, _ in contents.ListFields() if field.name != field_name]
+        if not values and sent:  # the values are there, in another datatype's field
+            raise invalid(f"{what} '{name}': datatype {datatype} takes {field_name}; the "
+                          f"values came in {', '.join(sent)}")
         raise invalid(f"{what} '{name}': {len(values)} values in {field_name}, shape needs "
                       f"{count}")
     return values

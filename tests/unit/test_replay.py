@@ -176,6 +176,19 @@ def test_corrupted_capture_is_replayed_around_the_damage(tmp_path, config, capsy
     assert "7 record(s)" in out and "skipped" in out and "payload CRC mismatch" in out
 
 
+def test_inspect_of_files_that_are_not_captures_is_a_usage_error(tmp_path, capsys):
+    """A model file given to `capture inspect` by mistake: one line and exit 2, not a
+    summary of 0 records that exits 0."""
+    model = tmp_path / "net.onnx"
+    model.write_bytes(bytes(range(256)) * 40)
+    assert main(["capture", "inspect", str(model)]) == 2
+    err = capsys.readouterr().err
+    assert "no capture record in 1 file(s) (10240 bytes" in err and "Traceback" not in err
+    empty = tmp_path / "empty.gcap"
+    empty.write_bytes(b"")  # an empty capture (nothing written yet) is not an error
+    assert main(["capture", "inspect", str(empty)]) == 0
+
+
 def crafted_record(request_id: str, shape: list[int], datatype: str = "FP32",
                    raw: bytes = b"") -> bytes:
     """A frame with good CRCs around a record whose tensor cannot be rebuilt."""
