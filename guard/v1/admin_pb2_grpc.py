@@ -70,8 +70,8 @@ class AdminServicer:
 
     def Reload(self, request, context):
         """Read the config file again and apply it, as SIGHUP does (docs/operating.md, Hot reload),
-        and say what it did. FAILED_PRECONDITION where guard has no file to read (embedded) or is
-        still starting.
+        and say what it did. FAILED_PRECONDITION where guard has no file to read (embedded), is
+        still starting or is stopping.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
