@@ -31,9 +31,20 @@ from guard.protocol.inputs import check_inputs
 from guard.serve.model import ServedModel
 
 log = logging.getLogger("guard.dataplane")
+# The one version guard serves of each model: its metadata lists "1", and "" asks for the
+# latest (KServe v2). Another is NOT_FOUND, as Triton answers a version it does not have; the
+# upstream's own version is the backend's ``options.model_version``, never the client's.
+SERVED_VERSIONS = ("", "1")
 # gRPC cancels a call at its deadline; ``Call.started`` is taken a few microseconds after the
 # remaining time was read, so a cancellation this close to the deadline is the deadline's.
 _DEADLINE_SLACK_S = 0.002
+
+
+def served_version(model: str, version: str) -> None:
+    """NOT_FOUND for a version of ``model`` guard does not serve (``SERVED_VERSIONS``)."""
+    if version not in SERVED_VERSIONS:
+        raise InferenceError("NOT_FOUND", f"model '{model}' has no version '{version}' (guard "
+                             "serves version 1 of each model)")
 
 
 @dataclass
@@ -83,6 +94,7 @@ class DataPlane:
         """The request path. ``timeout``: the client's remaining deadline, if it sent one."""
         with Call(self, request.model_name, timeout) as call:
             model = call.model
+            served_version(model.name, request.model_version)
             check_inputs(request.inputs, model.input_specs)
             if request.requested_outputs and model.output_names:
                 unknown = [n for n in request.requested_outputs if n not in model.output_names]
@@ -107,12 +119,13 @@ class DataPlane:
             return result
 
     async def forward(self, model: ServedModel, data: bytes, request_id: str,
-                      timeout: float | None, metadata) -> bytes:
+                      timeout: float | None, metadata, version: str = "") -> bytes:
         """The request path of a model whose every backend is an upstream: the client's bytes
         go on as they are and the upstream's answer comes back unparsed, with the route added
         (guard/protocol/raw.py). The upstream validates the request and its gRPC status comes
         back unchanged."""
         with Call(self, model.name, timeout) as call:
+            served_version(model.name, version)
             # (forward() serves the models whose every backend forwards: ``forwards``)
             backend = cast(Forwarding, call.route())
             try:

@@ -20,7 +20,7 @@ from guard import __version__
 from guard.observe import tracing
 from guard.protocol import raw
 from guard.protocol.codec import InferenceError, decode_request, encode_response, stamp_route
-from guard.serve.dataplane import DataPlane
+from guard.serve.dataplane import SERVED_VERSIONS, DataPlane, served_version
 from guard.serve.lookup import abort
 from guard.serve.model import ServedModel
 
@@ -39,7 +39,8 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
 
     async def ModelReady(self, request, context):
         model = self.dataplane.models.get(request.name)
-        return pb.ModelReadyResponse(ready=bool(model and model.ready))
+        return pb.ModelReadyResponse(ready=bool(model and model.ready
+                                                and request.version in SERVED_VERSIONS))
 
     async def ServerMetadata(self, request, context):
         return pb.ServerMetadataResponse(name="guard", version=__version__, extensions=[])
@@ -47,6 +48,7 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
     async def ModelMetadata(self, request, context):
         try:
             model = self.dataplane.model(request.name)
+            served_version(model.name, request.version)
         except InferenceError as exc:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(exc))
         info = model.describe()
@@ -62,10 +64,10 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
         """ModelInfer as registered: peek at the model name and id; forward the bytes, or parse
         and answer."""
         model: ServedModel | None = None
-        name = request_id = ""
+        name = request_id = version = ""
         if self.dataplane.forwards:  # only then can a request skip the parse
             try:
-                name, _, request_id = raw.peek(data)
+                name, version, request_id = raw.peek(data)
             except raw.MalformedMessage as exc:
                 self.dataplane.count_error("", "INVALID_ARGUMENT")
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT,
@@ -82,16 +84,17 @@ class InferenceServicer(pb_grpc.GRPCInferenceServiceServicer):
                 return (await self._infer(request, context, None)).SerializeToString()
             return (await self.ModelInfer(request, context)).SerializeToString()
         if not tracing.enabled():
-            return await self._forward(model, data, request_id, context, None)
+            return await self._forward(model, data, request_id, version, context, None)
         with tracing.server_span("ModelInfer", context.invocation_metadata(),
                                  {"guard.model": name}) as span:
-            return await self._forward(model, data, request_id, context, span)
+            return await self._forward(model, data, request_id, version, context, span)
 
-    async def _forward(self, model, data: bytes, request_id: str, context, span) -> bytes:
+    async def _forward(self, model, data: bytes, request_id: str, version: str, context,
+                       span) -> bytes:
         try:
             answer = await self.dataplane.forward(model, data, request_id,
                                                   context.time_remaining(),
-                                                  _client_metadata(context))
+                                                  _client_metadata(context), version)
         except Exception as exc:  # counted by the data plane, where it was raised
             await _abort(context, model.name, exc)
         if span is not None:

@@ -182,15 +182,24 @@ def test_bad_requests_get_the_right_status_and_the_server_keeps_serving(tmp_path
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "not a ModelInferRequest" in err.value.details()
 
+        # A version guard does not serve: NOT_FOUND, as Triton answers one it does not have
+        # (guard serves version 1; "" is the latest). It was served and echoed back.
+        _expect(lambda: client.infer("m", [x_input(good)], model_version="99"), "NOT_FOUND",
+                "model 'm' has no version '99'")
+        assert client.infer("m", [x_input(good)], model_version="1").as_numpy("y").shape == (1, 3)
+        assert not client.is_model_ready("m", "99") and client.is_model_ready("m", "1")
+        _expect(lambda: client.get_model_metadata("m", "99"), "NOT_FOUND", "no version '99'")
+
         # After all that, the server still answers correctly.
         result = client.infer("m", [x_input(good)])
         assert result.as_numpy("y").shape == (1, 3)
         values = scrape(srv.metrics_port)
+        assert metric(values, "guard_request_errors_total", model="m", code="NOT_FOUND") == 1
         assert metric(values, "guard_request_errors_total", model="_unknown",
                       code="NOT_FOUND") == 1
         assert metric(values, "guard_request_errors_total", model="m",
                       code="INVALID_ARGUMENT") == 5
-        assert metric(values, "guard_requests_total", model="m", route="primary") == 1
+        assert metric(values, "guard_requests_total", model="m", route="primary") == 2
 
 
 def test_requested_outputs_are_honoured(identity_server):
@@ -206,3 +215,21 @@ def test_requested_outputs_are_honoured(identity_server):
     _expect(lambda: client.infer("identity", tensors,
                                  outputs=[grpcclient.InferRequestedOutput("nope")]),
             "INVALID_ARGUMENT", "unknown output 'nope' requested (the model gives: out_BOOL,")
+
+
+def test_a_version_guard_does_not_serve_is_not_found_on_the_forwarding_path_too(tmp_path):
+    """A model whose every backend forwards is answered from the request's bytes (no parse):
+    the version is read from them as the name is, and refused alike."""
+    from free_ports import free_port
+    from test_fallback_spill import oip_server
+
+    port = free_port()
+    with oip_server(tmp_path / "upstream", port), running(tmp_path, [model_block(
+            primary={"backend": "upstream", "target": f"127.0.0.1:{port}", "model": "m"},
+            mirror={"sample_rate": 0.0})]) as (srv, client):
+        good = np.zeros((1, 4), np.float32)
+        _expect(lambda: client.infer("m", [x_input(good)], model_version="2"), "NOT_FOUND",
+                "model 'm' has no version '2'")
+        assert client.infer("m", [x_input(good)]).as_numpy("y").shape == (1, 3)
+        assert metric(scrape(srv.metrics_port), "guard_request_errors_total", model="m",
+                      code="NOT_FOUND") == 1
