@@ -236,7 +236,7 @@ def test_with_the_fallback_down_a_reload_applies_and_its_calls_go_to_the_primary
     model = model_block(llama_server) | {
         "fallback": {"backend": "openai", "target": fallback.url, "model": fallback.model,
                      "options": {"ready_timeout_s": 30}},
-        "policy": {"action": "fallback_model"}}
+        "policy": {"action": "fallback_model", "dwell_s": 0.3}}
     path = write_config(tmp_path, [model], http_port=0, reload_interval_s=0.1)
 
     def complete(srv) -> httpx.Response:
@@ -280,6 +280,16 @@ def test_with_the_fallback_down_a_reload_applies_and_its_calls_go_to_the_primary
             assert metric(values, "guard_requests_total", model="smol", route="primary") == 3
             assert metric(values, "guard_request_errors_total", model="smol",
                           code="UNAVAILABLE") == 0
+            # Handed back to the policy, still on the fallback: once the dwell is over the
+            # route probes, and the primary's answers standing in are its probes (compared),
+            # so the route can come back while the fallback is down. They were never sampled.
+            compared = metric(values, "guard_mirror_total", model="smol", outcome="compared")
+            with grpc.insecure_channel(f"127.0.0.1:{srv.admin_port}") as channel:
+                admin_pb2_grpc.AdminStub(channel).SetRoute(admin_pb2.SetRouteRequest(
+                    model="smol", route=admin_pb2.AUTO))
+            wait_for(lambda: complete(srv).headers["guard-route"] == "primary" and metric(
+                scrape(srv.metrics_port), "guard_mirror_total", model="smol",
+                outcome="compared") > compared, timeout=120, interval=0.3)
     finally:
         stop_llama_server(fallback)
 
