@@ -89,10 +89,12 @@ def parse_document(data: Any, base_dir: Path | ConfigContext,
     return config
 
 
-def resolve_document(data: Any, base_dir: Path | ConfigContext,
-                     source: str | None = None) -> tuple[GuardConfig, list[str]]:
+def resolve_document(data: Any, base_dir: Path | ConfigContext, source: str | None = None,
+                     files: bool = True) -> tuple[GuardConfig, list[str]]:
     """``parse_document``'s work, its path problems returned beside the config (for the plan
-    step to name with its own); ``ConfigError`` when the document breaks the schema."""
+    step to name with its own); ``ConfigError`` when the document breaks the schema.
+    ``files=False``: paths are made absolute, but the files are not looked for (a manifest
+    built where they are not: they are the Pod's)."""
     context = base_dir if isinstance(base_dir, ConfigContext) else ConfigContext(base_dir)
     folder = context.base_dir
     if folder is None:
@@ -104,7 +106,7 @@ def resolve_document(data: Any, base_dir: Path | ConfigContext,
         config = GuardConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(format_validation_error(exc), source) from None
-    problems = _check_server(config.server, folder) + check_envoy_mode(config)
+    problems = _check_server(config.server, folder, files) + check_envoy_mode(config)
     for i, model in enumerate(config.models):
         if model.tap and config.server.tap is None:
             problems.append(f"models[{i}].tap: needs server.tap (the Tap listener that the "
@@ -123,7 +125,7 @@ def resolve_document(data: Any, base_dir: Path | ConfigContext,
                         "model to .pt/.pt2/.onnx and pin that)")
                 continue
             resolved = _absolute(folder, spec.path)
-            if not resolved.exists():
+            if files and not resolved.exists():
                 problems.append(f"models[{i}].{role}.path: file not found: {resolved}")
             spec.path = str(resolved)
         if model.capture is not None:
@@ -131,14 +133,14 @@ def resolve_document(data: Any, base_dir: Path | ConfigContext,
         activation = model.checks.activation
         if activation.primary_gguf is not None:
             resolved = _absolute(folder, activation.primary_gguf)
-            if not resolved.is_file():
+            if files and not resolved.is_file():
                 problems.append(f"models[{i}].checks.activation.primary_gguf: file not found: "
                                 f"{resolved}")
             activation.primary_gguf = str(resolved)
         floor = model.checks.tensor.noise_floor
         if floor.inputs is not None:
             resolved = _absolute(folder, floor.inputs)
-            if not resolved.exists():
+            if files and not resolved.exists():
                 problems.append(
                     f"models[{i}].checks.tensor.noise_floor.inputs: file not found: {resolved}")
             floor.inputs = str(resolved)

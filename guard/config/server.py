@@ -234,9 +234,21 @@ def _shared_ports(server: ServerConfig) -> list[str]:
     return problems
 
 
-def _check_server(server: ServerConfig, base_dir: Path) -> list[str]:
-    """Server problems beyond the schema: files that must exist (made absolute here) and control
-    listeners off loopback without client authentication."""
+def _sampling_key_problems(path: Path) -> list[str]:
+    try:
+        size = len(path.read_bytes().strip())
+    except OSError as exc:
+        return [f"server.sampling_key_file: cannot read {path}: {exc.strerror or exc}"]
+    if size < 16:
+        return [f"server.sampling_key_file: holds {size} bytes; a sampling key needs at least "
+                "16 (e.g. `head -c 32 /dev/urandom > FILE`)"]
+    return []
+
+
+def _check_server(server: ServerConfig, base_dir: Path, files: bool = True) -> list[str]:
+    """Server problems beyond the schema: files that must exist (made absolute here; looked
+    for unless ``files`` is False) and control listeners off loopback without client
+    authentication."""
     problems = []
     blocks = (("server.tls", server.tls), ("server.admin_tls", server.admin_tls),
               ("server.tap.tls", server.tap.tls if server.tap else None))
@@ -246,21 +258,14 @@ def _check_server(server: ServerConfig, base_dir: Path) -> list[str]:
             if value is None:
                 continue
             resolved = _absolute(base_dir, value)
-            if not resolved.is_file():
+            if files and not resolved.is_file():
                 problems.append(f"{where}.{key}: file not found: {resolved}")
             setattr(tls, key, str(resolved))
     if server.sampling_key_file is not None:
         resolved = _absolute(base_dir, server.sampling_key_file)
         server.sampling_key_file = str(resolved)
-        try:
-            size = len(resolved.read_bytes().strip())
-        except OSError as exc:
-            problems.append(f"server.sampling_key_file: cannot read {resolved}: "
-                            f"{exc.strerror or exc}")
-        else:
-            if size < 16:
-                problems.append(f"server.sampling_key_file: holds {size} bytes; a sampling "
-                                "key needs at least 16 (e.g. `head -c 32 /dev/urandom > FILE`)")
+        if files:
+            problems += _sampling_key_problems(resolved)
     problems += _shared_ports(server)
     why = _off_loopback_needs_mtls(server.admin_host, server.admin_tls, "admin API")
     if why:

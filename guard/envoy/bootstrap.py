@@ -231,24 +231,24 @@ def serving_cluster(model: ModelConfig, name: str, role: str) -> dict:
     as the Python data planes skip a fallback that is down. A drifting answer beats none, and
     probes ride on answered calls: without it a trip to a fallback that is down was an outage
     for as long as the route stayed there."""
-    cluster = _upstream_cluster(name, getattr(model, role))
-    if role == "fallback" and _stands_in(model):
-        host, port = _split_target(model.primary.target)
-        return with_stand_in(cluster, {"address": _address(host, port)})
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["metadata"] = \
-        route_metadata(role)
-    return cluster
+    host, port = _split_target(model.primary.target)
+    return routed(_upstream_cluster(name, getattr(model, role)), role,
+                  {"address": _address(host, port)} if _stands_in(model) else None)
 
 
-def with_stand_in(fallback: dict, primary: dict) -> dict:
-    """A fallback's cluster with the primary's endpoint (``primary``, an ``Endpoint``) one
-    priority lower, each endpoint's route in its host metadata, and the outlier detection that
-    leaves a fallback no connection can be made to out for ``SKIP_S``."""
-    endpoints = fallback["load_assignment"]["endpoints"]
-    endpoints[0]["lb_endpoints"][0]["metadata"] = route_metadata("fallback")
+def routed(cluster: dict, role: str, stand_in: dict | None) -> dict:
+    """``cluster``, its endpoint's route (``role``) in its host metadata; and, for a fallback
+    whose primary can stand in (``stand_in``: the primary's ``Endpoint``), that endpoint one
+    priority lower and the outlier detection that leaves a fallback no connection can be made
+    to out for ``SKIP_S``. Guard's two listeners' clusters alike (``serving_cluster``,
+    openai_listener)."""
+    endpoints = cluster["load_assignment"]["endpoints"]
+    endpoints[0]["lb_endpoints"][0]["metadata"] = _route_metadata(role)
+    if role != "fallback" or stand_in is None:
+        return cluster
     endpoints.append({"priority": 1, "lb_endpoints": [{
-        "endpoint": primary, "metadata": route_metadata("primary")}]})
-    fallback["outlier_detection"] = {
+        "endpoint": stand_in, "metadata": _route_metadata("primary")}]})
+    cluster["outlier_detection"] = {
         # a connection refused or timed out (guard's own side of the call) ejects the host at
         # once; the upstream's own errors never do (Envoy's defaults would eject on five 5xx
         # in a row, gRPC statuses among them: an erring fallback's calls would go to the
@@ -261,22 +261,26 @@ def with_stand_in(fallback: dict, primary: dict) -> dict:
         "enforcing_failure_percentage_local_origin": 0,
         "base_ejection_time": f"{SKIP_S:g}s", "max_ejection_time": f"{SKIP_S:g}s",
         "max_ejection_percent": 100, "interval": "1s"}
-    return fallback
+    return cluster
 
 
 def _stands_in(model: ModelConfig) -> bool:
-    """Can the primary's endpoint stand in inside the fallback's cluster? Where both are plain
-    (TLS settings, SNI among them, are a cluster's, not an endpoint's) and resolve alike (an
-    address, not a name: a STATIC cluster; a STRICT_DNS one resolves each endpoint itself)."""
+    """Can the primary's endpoint stand in inside the fallback's cluster (``can_stand_in``)?"""
     if model.fallback is None:
         return False
-    sides = (model.primary, model.fallback)
-    if any(side.options.get("tls") for side in sides):
-        return False
-    return len({_is_ip(_split_target(side.target)[0]) for side in sides}) == 1
+    return can_stand_in([(_split_target(side.target)[0], bool(side.options.get("tls")))
+                         for side in (model.primary, model.fallback)])
 
 
-def route_metadata(route: str) -> dict:
+def can_stand_in(sides: list[tuple[str, bool]]) -> bool:
+    """Can one side's endpoint stand in inside the other's cluster, ``sides`` (host, TLS)?
+    Where both are plain (TLS settings, SNI among them, are a cluster's, not an endpoint's)
+    and resolve alike (addresses, or names: a STATIC cluster, or a STRICT_DNS one that
+    resolves each endpoint itself)."""
+    return not any(tls for _, tls in sides) and len({_is_ip(host) for host, _ in sides}) == 1
+
+
+def _route_metadata(route: str) -> dict:
     return {"filter_metadata": {"guard": {"route": route}}}
 
 

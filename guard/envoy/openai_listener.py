@@ -48,9 +48,8 @@ from urllib.parse import urlsplit
 from guard.backends.openai import OpenAIOptions, base_url
 from guard.config import GuardConfig, ModelConfig, generation
 from guard.envoy.bootstrap import (
-    ROUTE_METADATA, SPILL_RETRY, Chain, Layout, Ports, _address, _cluster, _is_ip,
-    cluster_entries, counting_log, model_clusters, roles_of, route_metadata, router_filter,
-    token, with_stand_in)
+    ROUTE_METADATA, SPILL_RETRY, Chain, Layout, Ports, _address, _cluster, can_stand_in,
+    cluster_entries, counting_log, model_clusters, roles_of, routed, router_filter, token)
 from guard.envoy.process import HTTP_LISTENER
 from guard.envoy.stats import HTTP_SCOPE, UNCHECKED_STAT
 from guard.protocol import openai as api
@@ -96,24 +95,18 @@ def _stands_in(model: ModelConfig) -> bool:
     resolve alike (addresses, or names: the cluster's type)."""
     if model.fallback is None:
         return False
-    targets = [_target(model.primary), _target(model.fallback)]
-    return not any(tls for _, _, tls, _ in targets) and \
-        len({_is_ip(host) for host, _, _, _ in targets}) == 1
+    return can_stand_in([(host, tls) for host, _, tls, _ in (
+        _target(model.primary), _target(model.fallback))])
 
 
 def _serving(model: ModelConfig, name: str, role: str) -> dict:
     """One of a model's clusters: the role's upstream, and in a fallback's the primary standing
-    in where it can (``_stands_in``). Each endpoint carries its authority as its hostname: the
-    route rewrites Host to the answering endpoint's (``auto_host_rewrite``)."""
-    spec = getattr(model, role)
-    cluster = _upstream(name, spec)
-    if role == "fallback" and _stands_in(model):
-        host, port, _, _ = _target(model.primary)
-        return with_stand_in(cluster, {"address": _address(host, port),
-                                       "hostname": _authority(model.primary)})
-    cluster["load_assignment"]["endpoints"][0]["lb_endpoints"][0]["metadata"] = \
-        route_metadata(role)
-    return cluster
+    in where it can (``bootstrap.routed``). Each endpoint carries its authority as its
+    hostname: the route rewrites Host to the answering endpoint's (``auto_host_rewrite``)."""
+    host, port, _, _ = _target(model.primary)
+    return routed(_upstream(name, getattr(model, role)), role, {
+        "address": _address(host, port), "hostname": _authority(model.primary)}
+        if _stands_in(model) else None)
 
 
 def _upstream(name: str, spec) -> dict:

@@ -9,7 +9,6 @@ config (``check_config``). Declarations are read, never built: no heavy library 
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any, Callable
 
@@ -150,24 +149,18 @@ def planned(config: GuardConfig, problems: list[str], source: str | None,
     return config
 
 
-# The schema step's lines about a file the config names that is not here (an artifact, a TLS
-# file, the sampling key): config/document.py and config/server.py word them so.
-_FILE_MISSING = re.compile(r"^[^:]+: (file not found:|cannot read) ")
-
-
 def parse_config(data: Any, base_dir: Path | ConfigContext, source: str | None = None,
                  checks: tuple[Check, ...] = (check_backends,),
                  files: bool = True) -> GuardConfig:
     """A parsed YAML document validated (config/'s schema) and planned against ``checks``.
     ``files=False``: the files it names are not looked for (see ``load_config``)."""
-    config, problems = resolve_document(data, base_dir, source)
+    config, problems = resolve_document(data, base_dir, source, files)
     # A block naming no registered backend means nothing yet: its name is the one problem to
     # fix (its path is not reported missing beside it).
     unknown = [f"models[{i}].{role}." for i, model in enumerate(config.models) for role in ROLES
                if getattr(model, role) is not None
                and getattr(model, role).backend not in BACKEND_NAMES]
-    problems = [line for line in problems if not line.startswith(tuple(unknown))
-                and (files or not _FILE_MISSING.match(line))]
+    problems = [line for line in problems if not line.startswith(tuple(unknown))]
     return planned(config, problems, source, checks)
 
 

@@ -240,13 +240,12 @@ class Call:
         emit("fallback_unreachable", model=self.model.name, error=str(unreachable),
              skipped_s=SKIP_S, note="its calls are answered by the primary until it is "
              "tried again")
-        backend = self._to_primary()
-        self.backend = backend
-        return backend
+        return self._to_primary()
 
     def _to_primary(self) -> Backend:
         self.routed, self.spilled = "primary", True
-        return self.model.backends["primary"]
+        self.backend = self.model.backends["primary"]
+        return self.backend
 
     def answered(self) -> None:
         """The backend answered: out of flight, timed and counted; an answer that came after
